@@ -1,0 +1,15 @@
+"""Pure algorithms of the paper: GBP-CR, GCA, JFFC, Theorem 3.7 bounds, c tuning, and baselines."""
+
+from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
+from petals_chain.algorithms.bounds import exact_k2_response_time, response_time_bounds
+from petals_chain.algorithms.gbp_cr import blocks_per_server, gbp_cr, gbp_cr_chain_count
+from petals_chain.algorithms.gca import gca
+from petals_chain.algorithms.jffc import FIFOQueue, JFFCDispatcher
+from petals_chain.algorithms.tuning import max_capacity, tune_capacity
+
+__all__ = [
+    "Chain", "ModelSpec", "Placement", "ServerSpec",
+    "gbp_cr", "gbp_cr_chain_count", "blocks_per_server", "gca",
+    "response_time_bounds", "exact_k2_response_time", "tune_capacity", "max_capacity",
+    "JFFCDispatcher", "FIFOQueue",
+]
