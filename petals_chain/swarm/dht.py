@@ -1,0 +1,300 @@
+"""SwarmDHT: hivemind's DHT with signed, schema-checked records whose owner key is bound to the peer id.
+
+How ownership is bound (the reason forged records are rejected):
+
+* The libp2p identity of every SwarmDHT is an RSA key (hivemind's identity file format). The same key
+  signs our DHT records through :class:`~hivemind.dht.crypto.RSASignatureValidator`; the record's subkey
+  carries its public key ``[owner:ssh-rsa ...]``.
+* A libp2p peer id *is* the sha256 multihash of that RSA public key, so a reader recomputes the peer id
+  from the owner key in the subkey (:func:`peer_id_of_owner`) and keeps a record only if it equals the
+  ``peer_id`` the record claims. No RPC challenge is needed: a forged record would need the victim's private
+  key, and overwriting another owner's subkey fails the signature check at every honest DHT node.
+* Assignment and summary records count only when the owner key hashes to a peer id the reader trusts.
+
+Every entry under our keys must be signed (the schema demands an owner key in every subkey) and match the
+pydantic.v1 schema exactly (:class:`~petals_chain.swarm.records.SwarmSchemaV1`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from typing import Any, Iterable, Optional, Sequence
+
+import multihash
+from cryptography.hazmat.primitives import serialization
+from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import SchemaValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from petals_chain.swarm.keys import assignment_key, check_prefix, servers_key, summary_key
+from petals_chain.swarm.records import AssignmentRecord, ServerRecord, SummaryRecord, SwarmSchemaV1
+
+logger = logging.getLogger(__name__)
+
+_OWNER_RE = re.compile(rb"^\[owner:(.+)\]$", re.DOTALL)
+
+
+def peer_id_of_owner(owner: bytes) -> Optional[str]:
+    """The libp2p peer id (base58) derived from an ``[owner:ssh-rsa ...]`` subkey, or None if malformed."""
+    if not isinstance(owner, bytes):
+        return None
+    match = _OWNER_RE.match(owner)
+    if match is None:
+        return None
+    try:
+        public = RSAPublicKey.from_bytes(match.group(1))._public_key
+    except Exception:  # noqa: BLE001 - any malformed key is simply not an owner
+        return None
+    der = public.public_bytes(
+        encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
+
+
+def peer_ids_from_maddrs(maddrs: Iterable[str]) -> list[str]:
+    """Peer ids named by ``/p2p/<id>`` components of multiaddrs (order kept, duplicates dropped)."""
+    out: list[str] = []
+    for maddr in maddrs:
+        parts = str(maddr).strip().split("/")
+        for i, part in enumerate(parts[:-1]):
+            if part in ("p2p", "ipfs") and parts[i + 1] and parts[i + 1] not in out:
+                out.append(parts[i + 1])
+    return out
+
+
+def load_identity(identity_path: str) -> RSAPrivateKey:
+    """Read a hivemind/libp2p identity file (protobuf PrivateKey with an RSA DER key) as an RSAPrivateKey."""
+    with open(identity_path, "rb") as f:
+        proto = crypto_pb2.PrivateKey.FromString(f.read())
+    if proto.key_type != crypto_pb2.RSA:
+        raise ValueError(f"identity {identity_path} is not an RSA key; petals-chain needs RSA identities")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": proto.data})  # loads the DER key (public hivemind pickling path)
+    return key
+
+
+class _SwarmSchemaValidator(SchemaValidator):
+    """SchemaValidator for the keys ``{prefix}.servers|assignment|summary`` (hivemind's own prefix uses '_')."""
+
+    def __init__(self, prefix: str):
+        super().__init__(SwarmSchemaV1, allow_extra_keys=True)
+        self._key_id_to_field_name = {
+            DHTID.generate(source=f"{check_prefix(prefix)}.{name}").to_bytes(): name
+            for name in SwarmSchemaV1.__fields__
+        }
+
+
+class SwarmDHT:
+    """A hivemind DHT node with the swarm's validators; see the module docstring for the trust model."""
+
+    def __init__(self, dht: DHT, private_key: RSAPrivateKey, temp_identity: Optional[str], prefixes: Sequence[str]):
+        self.dht = dht
+        self.private_key = private_key
+        self._temp_identity = temp_identity
+        self._rsa = RSASignatureValidator(private_key)
+        self.owner_key: bytes = self._rsa.local_public_key
+        self.peer_id: str = dht.peer_id.to_base58()
+        derived = peer_id_of_owner(self.owner_key)
+        if derived != self.peer_id:  # would mean hivemind changed its identity format
+            raise RuntimeError(f"libp2p peer id {self.peer_id} is not derived from the RSA owner key ({derived})")
+        self._prefixes = set(prefixes)
+
+    @classmethod
+    def create(
+        cls,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        identity_path: Optional[str] = None,
+        client_mode: bool = False,
+        *,
+        prefix: Optional[str] = None,
+        **dht_kwargs: Any,
+    ) -> "SwarmDHT":
+        """Start a DHT node. ``identity_path``: RSA identity file (created if missing; a temporary one if None).
+
+        ``prefix``: register the schema validator for that model prefix now (others are added on first use).
+        """
+        temp_identity = None
+        if identity_path is None:
+            fd, temp_identity = tempfile.mkstemp(prefix="petals-chain-identity-")
+            os.close(fd)
+            os.unlink(temp_identity)
+            identity_path = temp_identity
+        if not os.path.isfile(identity_path):
+            P2P.generate_identity(identity_path)
+        private_key = load_identity(identity_path)
+        prefixes = [check_prefix(prefix)] if prefix is not None else []
+        validators = [RSASignatureValidator(private_key)] + [_SwarmSchemaValidator(p) for p in prefixes]
+        try:
+            dht = DHT(
+                initial_peers=list(initial_peers or []),
+                start=True,
+                host_maddrs=list(host_maddrs),
+                identity_path=identity_path,
+                client_mode=client_mode,
+                record_validators=validators,
+                **dht_kwargs,
+            )
+        except BaseException:
+            if temp_identity is not None and os.path.exists(temp_identity):
+                os.unlink(temp_identity)
+            raise
+        if temp_identity is not None:  # p2pd has read it; the key lives on in memory only
+            os.unlink(temp_identity)
+            temp_identity = None
+        return cls(dht, private_key, temp_identity, prefixes)
+
+    # ---- plumbing ----
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    async def replicate_p2p(self) -> P2P:
+        return await self.dht.replicate_p2p()
+
+    def _ensure_prefix(self, prefix: str) -> None:
+        check_prefix(prefix)
+        if prefix not in self._prefixes:
+            self.dht.add_validators([_SwarmSchemaValidator(prefix)])
+            self._prefixes.add(prefix)
+
+    def _store(self, key: str, value: dict, expiration_s: float, return_future: bool):
+        if not (expiration_s > 0):
+            raise ValueError(f"expiration_s must be positive, got {expiration_s}")
+        return self.dht.store(
+            key, value, get_dht_time() + expiration_s, subkey=self.owner_key, return_future=return_future
+        )
+
+    def _owned_entries(self, result) -> list[tuple[str, Any]]:
+        """(peer id derived from the owner key, raw value) for each subkey entry of a DHT get result."""
+        if result is None or not isinstance(result.value, dict):
+            return []
+        out = []
+        for subkey, item in result.value.items():
+            owner_peer = peer_id_of_owner(subkey)
+            if owner_peer is None:
+                continue
+            out.append((owner_peer, item.value))
+        return out
+
+    # ---- servers ----
+
+    def publish_server(self, prefix: str, record: ServerRecord, expiration_s: float, *, return_future: bool = False):
+        """Store our server record (signed; subkey = our owner key). Returns True if stored (or a future)."""
+        self._ensure_prefix(prefix)
+        if record.peer_id != self.peer_id:
+            raise ValueError(f"record.peer_id {record.peer_id} is not this node's peer id {self.peer_id}")
+        return self._store(servers_key(prefix), record.to_value(), expiration_s, return_future)
+
+    def _parse_servers(self, result) -> dict[str, ServerRecord]:
+        servers: dict[str, ServerRecord] = {}
+        for owner_peer, value in self._owned_entries(result):
+            try:
+                record = ServerRecord.model_validate(value)
+            except Exception as e:  # noqa: BLE001
+                logger.debug(f"dropping malformed server record of {owner_peer}: {e}")
+                continue
+            if record.peer_id != owner_peer:
+                logger.warning(f"dropping forged server record: owner key is {owner_peer}, claims {record.peer_id}")
+                continue
+            servers[owner_peer] = record
+        return servers
+
+    def fetch_servers(self, prefix: str) -> dict[str, ServerRecord]:
+        """Valid, owner-bound server records: peer_id -> ServerRecord."""
+        self._ensure_prefix(prefix)
+        return self._parse_servers(self.dht.get(servers_key(prefix), latest=True))
+
+    async def afetch_servers(self, prefix: str) -> dict[str, ServerRecord]:
+        self._ensure_prefix(prefix)
+        return self._parse_servers(await self.dht.get(servers_key(prefix), latest=True, return_future=True))
+
+    async def apublish_server(self, prefix: str, record: ServerRecord, expiration_s: float) -> bool:
+        return await self.publish_server(prefix, record, expiration_s, return_future=True)
+
+    # ---- assignment ----
+
+    def publish_assignment(self, prefix: str, record: AssignmentRecord, expiration_s: float, *, return_future=False):
+        """Store the orchestrator's assignment (this node must be the orchestrator named in the record)."""
+        self._ensure_prefix(prefix)
+        if record.orchestrator_peer_id != self.peer_id:
+            raise ValueError("record.orchestrator_peer_id must be this node's peer id")
+        return self._store(assignment_key(prefix), record.to_value(), expiration_s, return_future)
+
+    def _parse_assignment(self, result, trusted: Iterable[str]) -> Optional[AssignmentRecord]:
+        trusted = set(trusted)
+        best: Optional[AssignmentRecord] = None
+        for owner_peer, value in self._owned_entries(result):
+            if owner_peer not in trusted:
+                continue
+            try:
+                record = AssignmentRecord.model_validate(value)
+            except Exception as e:  # noqa: BLE001
+                logger.debug(f"dropping malformed assignment of {owner_peer}: {e}")
+                continue
+            if record.orchestrator_peer_id != owner_peer:
+                continue
+            if best is None or (record.epoch, record.timestamp) > (best.epoch, best.timestamp):
+                best = record
+        return best
+
+    def fetch_assignment(self, prefix: str, trusted: Sequence[str]) -> Optional[AssignmentRecord]:
+        """The newest-epoch assignment signed by a trusted orchestrator, or None."""
+        self._ensure_prefix(prefix)
+        return self._parse_assignment(self.dht.get(assignment_key(prefix), latest=True), trusted)
+
+    async def afetch_assignment(self, prefix: str, trusted: Sequence[str]) -> Optional[AssignmentRecord]:
+        self._ensure_prefix(prefix)
+        result = await self.dht.get(assignment_key(prefix), latest=True, return_future=True)
+        return self._parse_assignment(result, trusted)
+
+    # ---- summary ----
+
+    def publish_summary(self, prefix: str, summary: dict, expiration_s: float, *, return_future: bool = False):
+        """Store the orchestrator's swarm summary (the ``GET /api/v1/swarm`` JSON object)."""
+        self._ensure_prefix(prefix)
+        record = SummaryRecord.wrap(self.peer_id, summary)
+        return self._store(summary_key(prefix), record.to_value(), expiration_s, return_future)
+
+    def _parse_summary(self, result, trusted: Iterable[str]) -> Optional[dict]:
+        trusted = set(trusted)
+        best: Optional[SummaryRecord] = None
+        for owner_peer, value in self._owned_entries(result):
+            if owner_peer not in trusted:
+                continue
+            try:
+                record = SummaryRecord.model_validate(value)
+                record.summary()
+            except Exception:  # noqa: BLE001
+                continue
+            if record.orchestrator_peer_id == owner_peer and (best is None or record.timestamp > best.timestamp):
+                best = record
+        return best.summary() if best is not None else None
+
+    def fetch_summary(self, prefix: str, trusted: Sequence[str]) -> Optional[dict]:
+        """The newest summary signed by a trusted orchestrator, or None."""
+        self._ensure_prefix(prefix)
+        return self._parse_summary(self.dht.get(summary_key(prefix), latest=True), trusted)
+
+    async def afetch_summary(self, prefix: str, trusted: Sequence[str]) -> Optional[dict]:
+        self._ensure_prefix(prefix)
+        return self._parse_summary(await self.dht.get(summary_key(prefix), latest=True, return_future=True), trusted)
+
+    def shutdown(self) -> None:
+        """Stop the DHT process (and its p2pd)."""
+        if self.dht.is_alive():
+            self.dht.shutdown()
+        self.dht.join(timeout=10)
+        if self._temp_identity is not None and os.path.exists(self._temp_identity):
+            os.unlink(self._temp_identity)

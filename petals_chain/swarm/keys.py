@@ -1,0 +1,50 @@
+"""DHT key names of a petals-chain swarm (one prefix per model).
+
+Keys (DESIGN.md "DHT records"):
+
+* ``{prefix}.servers``    — subkey: the server's owner key ``[owner:ssh-rsa ...]``; value: a :class:`ServerRecord`.
+* ``{prefix}.assignment`` — subkey: the orchestrator's owner key; value: an :class:`AssignmentRecord`.
+* ``{prefix}.summary``    — subkey: the orchestrator's owner key; value: the ``GET /api/v1/swarm`` JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,127}$")
+
+
+def default_dht_prefix(model: str) -> str:
+    """DHT prefix derived from a model name or path: the last path component, sanitised.
+
+    ``/models/Llama-2-7b-hf/`` -> ``Llama-2-7b-hf``; ``meta-llama/Llama-2-7b-hf`` -> ``Llama-2-7b-hf``.
+    Characters other than letters, digits, ``-`` and ``_`` become ``-``.
+    """
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError("model name must be a non-empty string")
+    name = os.path.basename(os.path.normpath(model.strip())) or "model"
+    name = re.sub(r"[^A-Za-z0-9_\-]", "-", name).strip("-_") or "model"
+    return name[:128]
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is a valid DHT prefix (letters, digits, ``-``, ``_``; <= 128 chars), else raise."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+        raise ValueError(f"invalid DHT prefix {prefix!r}: use letters, digits, '-' and '_' (at most 128 characters)")
+    return prefix
+
+
+def servers_key(prefix: str) -> str:
+    """Key holding one record per server (subkey = the server's owner key)."""
+    return f"{check_prefix(prefix)}.servers"
+
+
+def assignment_key(prefix: str) -> str:
+    """Key holding the orchestrator's signed block assignment."""
+    return f"{check_prefix(prefix)}.assignment"
+
+
+def summary_key(prefix: str) -> str:
+    """Key holding the orchestrator's signed swarm summary (what the dashboard shows)."""
+    return f"{check_prefix(prefix)}.summary"

@@ -1,0 +1,167 @@
+"""Record schemas of the swarm DHT (pydantic v2 for code, pydantic.v1 twins for hivemind's SchemaValidator).
+
+A value is stored as a plain msgpack dict (``record.to_value()``); every field is always present, numbers
+have exact types (int vs float), so hivemind's :class:`~hivemind.dht.schema.SchemaValidator` (which
+forbids type conversions) accepts exactly what :meth:`to_value` writes and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, Literal, Optional
+
+import pydantic
+import pydantic.v1 as pv1
+from hivemind.dht.schema import BytesWithPublicKey
+
+RECORD_VERSION = "petals-chain/0.1"
+STATES = ("joining", "online", "draining", "offline")
+_PEER_ID_MAX = 128
+
+
+class ServerRecord(pydantic.BaseModel):
+    """What a server announces under ``{prefix}.servers`` (memory in bytes, tau_p in s/block/job)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
+    version: str = RECORD_VERSION
+    state: Literal["joining", "online", "draining", "offline"]
+    memory_bytes: int = pydantic.Field(ge=0)  # M_j
+    tau_p: float = pydantic.Field(ge=0)  # s/block/job, footnote-11 workload, emulation scale included
+    device: str = "cpu"
+    dtype: str = "float32"
+    quant: str = "none"
+    start_block: int = pydantic.Field(default=0, ge=0)  # a_j (0-based)
+    num_blocks: int = pydantic.Field(default=0, ge=0)  # m_j; 0 while nothing is loaded
+    slots_total: int = pydantic.Field(default=0, ge=0)
+    slots_free: int = pydantic.Field(default=0, ge=0)
+    public_name: str = pydantic.Field(default="", max_length=128)
+    max_length: int = pydantic.Field(default=0, ge=0)  # the max_length the slots are sized for
+    s_m_bytes: int = pydantic.Field(default=0, ge=0)
+    s_c_bytes: int = pydantic.Field(default=0, ge=0)
+    emulate_rtt_ms: float = pydantic.Field(default=0.0, ge=0)
+    emulate_compute_scale: float = pydantic.Field(default=1.0, gt=0)
+    epoch: int = pydantic.Field(default=-1, ge=-1)  # assignment epoch the server follows (-1: none yet)
+    timestamp: float = pydantic.Field(default_factory=time.time)
+
+    @pydantic.model_validator(mode="after")
+    def _check_slots(self) -> "ServerRecord":
+        if self.slots_free > self.slots_total:
+            raise ValueError(f"slots_free {self.slots_free} > slots_total {self.slots_total}")
+        return self
+
+    def to_value(self) -> dict:
+        """The msgpack-able DHT value (all fields, exact numeric types)."""
+        return self.model_dump()
+
+
+class AssignmentRecord(pydantic.BaseModel):
+    """The orchestrator's block assignment: ``assignments[peer_id] = [start_block, num_blocks]`` (0-based)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    epoch: int = pydantic.Field(ge=0)
+    max_length: int = pydantic.Field(ge=1)
+    orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
+    assignments: Dict[str, list[int]] = pydantic.Field(default_factory=dict)
+    timestamp: float = pydantic.Field(default_factory=time.time)
+
+    @pydantic.field_validator("assignments")
+    @classmethod
+    def _check_spans(cls, value: Dict[str, list[int]]) -> Dict[str, list[int]]:
+        for peer_id, span in value.items():
+            if len(span) != 2 or span[0] < 0 or span[1] < 1:
+                raise ValueError(f"assignment of {peer_id} must be [start_block >= 0, num_blocks >= 1], got {span}")
+        return value
+
+    def span_of(self, peer_id: str) -> Optional[tuple[int, int]]:
+        """``(start_block, num_blocks)`` assigned to ``peer_id``, or None."""
+        span = self.assignments.get(peer_id)
+        return (int(span[0]), int(span[1])) if span is not None else None
+
+    def to_value(self) -> dict:
+        value = self.model_dump()
+        value["assignments"] = {k: [int(v[0]), int(v[1])] for k, v in self.assignments.items()}
+        return value
+
+
+class SummaryRecord(pydantic.BaseModel):
+    """Envelope of the orchestrator's swarm summary: the ``GET /api/v1/swarm`` JSON as text."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
+    timestamp: float = pydantic.Field(default_factory=time.time)
+    json_text: str = pydantic.Field(max_length=4 * 1024 * 1024)
+
+    @classmethod
+    def wrap(cls, orchestrator_peer_id: str, summary: dict[str, Any]) -> "SummaryRecord":
+        return cls(orchestrator_peer_id=orchestrator_peer_id, json_text=json.dumps(summary, separators=(",", ":")))
+
+    def summary(self) -> dict[str, Any]:
+        return json.loads(self.json_text)
+
+    def to_value(self) -> dict:
+        return self.model_dump()
+
+
+# ---- pydantic.v1 schemas for hivemind's SchemaValidator (strict types: no conversions allowed) ----
+
+
+class _ServerValueV1(pv1.BaseModel):
+    peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
+    version: pv1.StrictStr
+    state: pv1.constr(strict=True, regex=r"^(joining|online|draining|offline)$")
+    memory_bytes: pv1.conint(strict=True, ge=0)
+    tau_p: pv1.confloat(strict=True, ge=0)
+    device: pv1.StrictStr
+    dtype: pv1.StrictStr
+    quant: pv1.StrictStr
+    start_block: pv1.conint(strict=True, ge=0)
+    num_blocks: pv1.conint(strict=True, ge=0)
+    slots_total: pv1.conint(strict=True, ge=0)
+    slots_free: pv1.conint(strict=True, ge=0)
+    public_name: pv1.constr(strict=True, max_length=128)
+    max_length: pv1.conint(strict=True, ge=0)
+    s_m_bytes: pv1.conint(strict=True, ge=0)
+    s_c_bytes: pv1.conint(strict=True, ge=0)
+    emulate_rtt_ms: pv1.confloat(strict=True, ge=0)
+    emulate_compute_scale: pv1.confloat(strict=True, gt=0)
+    epoch: pv1.conint(strict=True, ge=-1)
+    timestamp: pv1.StrictFloat
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
+class _AssignmentValueV1(pv1.BaseModel):
+    epoch: pv1.conint(strict=True, ge=0)
+    max_length: pv1.conint(strict=True, ge=1)
+    orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
+    assignments: Dict[pv1.StrictStr, pv1.conlist(pv1.StrictInt, min_items=2, max_items=2)]
+    timestamp: pv1.StrictFloat
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
+class _SummaryValueV1(pv1.BaseModel):
+    orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
+    timestamp: pv1.StrictFloat
+    json_text: pv1.constr(strict=True, max_length=4 * 1024 * 1024)
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
+class SwarmSchemaV1(pv1.BaseModel):
+    """One field per key suffix; every subkey must carry an owner key (``[owner:...]``), so every entry is signed."""
+
+    servers: Dict[BytesWithPublicKey, _ServerValueV1]
+    assignment: Dict[BytesWithPublicKey, _AssignmentValueV1]
+    summary: Dict[BytesWithPublicKey, _SummaryValueV1]
+
+
+__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "SwarmSchemaV1", "RECORD_VERSION", "STATES"]
