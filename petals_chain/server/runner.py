@@ -1,0 +1,304 @@
+"""BlockRunner: a server's span of decoder layers, its pre-allocated KV slot pool and its sessions.
+
+The runner loads blocks ``[start_block, start_block + num_blocks)`` one by one from an HF-format checkpoint,
+owns the rotary module, and allocates ``num_slots`` cache slots once (``s_c`` bytes each, the attention's
+native layout). A session processing blocks ``[a, b)`` holds ``b - a`` slots from :meth:`allocate` to
+:meth:`release`; a full runner refuses with :class:`NoCapacityError` and never over-commits.
+
+Per-session state (span, slots, cached length) is kept apart from the compute call (:meth:`_run_blocks`,
+which only takes tensors, a position and a slot map) so that steps of several sessions can later be
+batched into one forward without changing the session bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from petals_chain.server.kv_cache import NoCapacityError, SlotCache, SlotPool
+from petals_chain.swarm.checkpoint import build_rotary, load_block, load_config, parse_dtype, weight_map
+from petals_chain.swarm.memory import head_dim, num_kv_heads
+
+__all__ = ["BlockRunner", "NoCapacityError"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Session:
+    session_id: str
+    start_block: int
+    end_block: int
+    slot_of: dict[int, int]  # global layer index -> slot index in the pool
+    length: int = 0  # tokens whose K/V are valid in every slot of the session
+    busy: bool = False  # a step is computing; a second concurrent step is refused
+    closing: bool = False  # released while busy: slots go back when the step ends
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class BlockRunner:
+    """Decoder layers ``[start_block, start_block + num_blocks)`` with ``num_slots`` KV slots of ``max_length``.
+
+    ``dtype`` None/"auto" keeps the checkpoint's dtype; ``quant`` is none|int8|nf4 (CUDA only).
+    ``compute_scale >= 1`` emulates a slower device: after each step's compute the runner sleeps
+    ``(compute_scale - 1) * elapsed`` while still holding the compute lock. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        start_block: int,
+        num_blocks: int,
+        num_slots: int,
+        max_length: int,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        quant: str = "none",
+        *,
+        compute_scale: float = 1.0,
+        attn_implementation: str = "sdpa",
+        config: Any = None,
+        progress: bool | None = None,
+    ):
+        self.model_path = Path(model_path)
+        self.config = config if config is not None else load_config(self.model_path)
+        self.config._attn_implementation = attn_implementation
+        n_layers = int(self.config.num_hidden_layers)
+        for name, v in (("start_block", start_block), ("num_blocks", num_blocks), ("num_slots", num_slots),
+                        ("max_length", max_length)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+        if not (0 <= start_block and num_blocks >= 1 and start_block + num_blocks <= n_layers):
+            raise ValueError(f"blocks [{start_block}, {start_block + num_blocks}) outside the model's "
+                             f"[0, {n_layers})")
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        max_pos = getattr(self.config, "max_position_embeddings", None)
+        if max_pos is not None and max_length > max_pos:
+            raise ValueError(f"max_length {max_length} exceeds the model's max_position_embeddings {max_pos}")
+        self._check_sliding_window(max_length)
+        if not (isinstance(compute_scale, (int, float)) and math.isfinite(compute_scale) and compute_scale >= 1.0):
+            raise ValueError(f"compute_scale must be a finite number >= 1, got {compute_scale!r}")
+
+        self.start_block, self.num_blocks = start_block, num_blocks
+        self.end_block = start_block + num_blocks
+        self.max_length = max_length
+        self.dtype = parse_dtype(dtype, self.config)
+        self.device = torch.device(device)
+        self.quant = quant
+        self.compute_scale = float(compute_scale)
+        self.hidden_size = int(self.config.hidden_size)
+
+        wmap = weight_map(self.model_path)
+        self.blocks = torch.nn.ModuleList()
+        for i in tqdm(range(self.start_block, self.end_block), desc=f"loading blocks {self.start_block}-"
+                      f"{self.end_block - 1}", unit="block", disable=None if progress is None else not progress):
+            self.blocks.append(load_block(self.model_path, i, self.dtype, self.device, quant,
+                                          config=self.config, attn_implementation=attn_implementation, wmap=wmap))
+        self.rotary = build_rotary(self.config, self.device)
+        self.pool = SlotPool(num_slots, num_kv_heads(self.config), max_length, head_dim(self.config),
+                             self.dtype, self.device)
+
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()  # session table and pool
+        self._compute_lock = threading.Lock()  # one forward at a time on the device
+
+    # ---------------------------------------------------------------- capacity and sessions
+    @property
+    def slots_total(self) -> int:
+        return self.pool.num_slots
+
+    @property
+    def slots_free(self) -> int:
+        with self._lock:
+            return self.pool.slots_free
+
+    @property
+    def s_c(self) -> int:
+        """Bytes of one cache slot as allocated."""
+        return self.pool.slot_bytes
+
+    @property
+    def blocks_bytes(self) -> int:
+        """Bytes of the loaded blocks' parameters and buffers (all ``num_blocks`` of them)."""
+        return sum(t.numel() * t.element_size() for t in list(self.blocks.parameters()) + list(self.blocks.buffers()))
+
+    def sessions(self) -> dict[str, dict[str, Any]]:
+        """Snapshot of open sessions: span, cached length, slots held, idle seconds."""
+        now = time.monotonic()
+        with self._lock:
+            return {sid: {"start_block": s.start_block, "end_block": s.end_block, "length": s.length,
+                          "slots": len(s.slot_of), "idle_s": now - s.last_used, "busy": s.busy}
+                    for sid, s in self._sessions.items()}
+
+    def session_length(self, session_id: str) -> int:
+        """Tokens cached so far for ``session_id`` (the position its next step must start at, or earlier)."""
+        with self._lock:
+            return self._get(session_id).length
+
+    def allocate(self, session_id: str, start_block: int, end_block: int) -> None:
+        """Open ``session_id`` over blocks ``[start_block, end_block)``, holding one slot per block.
+
+        Raises :class:`NoCapacityError` if too few slots are free, ``ValueError`` for a bad span or a
+        session id already open. Nothing changes on error.
+        """
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        for name, v in (("start_block", start_block), ("end_block", end_block)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+        if not self.start_block <= start_block < end_block <= self.end_block:
+            raise ValueError(f"span [{start_block}, {end_block}) is not a non-empty part of this server's "
+                             f"blocks [{self.start_block}, {self.end_block})")
+        with self._lock:
+            if session_id in self._sessions:
+                raise ValueError(f"session {session_id!r} is already open")
+            slots = self.pool.allocate(end_block - start_block)
+            self._sessions[session_id] = _Session(session_id, start_block, end_block,
+                                                  dict(zip(range(start_block, end_block), slots)))
+
+    def release(self, session_id: str) -> bool:
+        """Close ``session_id`` and return its slots (after its running step, if any). False if unknown."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.closing:
+                return False
+            if s.busy:
+                s.closing = True
+            else:
+                self._drop(s)
+            return True
+
+    def release_idle(self, max_idle_s: float) -> list[str]:
+        """Release every session idle for more than ``max_idle_s`` seconds; return their ids."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [s for s in self._sessions.values()
+                     if not s.busy and not s.closing and now - s.last_used > max_idle_s]
+            for s in stale:
+                self._drop(s)
+        return [s.session_id for s in stale]
+
+    def close(self) -> None:
+        """Release every session (running steps finish first, then their slots return)."""
+        with self._lock:
+            for s in list(self._sessions.values()):
+                if s.busy:
+                    s.closing = True
+                else:
+                    self._drop(s)
+
+    def _drop(self, s: _Session) -> None:
+        del self._sessions[s.session_id]
+        self.pool.release(list(s.slot_of.values()))
+
+    def _get(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None or s.closing:
+            raise KeyError(f"unknown session {session_id!r}")
+        return s
+
+    # ---------------------------------------------------------------- compute
+    def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Run the session's blocks on ``hidden`` ``[1, n, hidden_size]`` at positions ``position..position+n-1``.
+
+        ``position`` must be <= the session's cached length (== continues; < rolls back and overwrites,
+        as PETALS' ``start_from_position``) and ``position + n <= max_length``. Returns the output hidden
+        states in the input's dtype and device. Invalid input raises ``ValueError`` (``KeyError`` for an
+        unknown session) and changes nothing.
+        """
+        n = self._validate_hidden(hidden)
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise ValueError(f"position must be an int, got {position!r}")
+        with self._lock:
+            s = self._get(session_id)
+            if s.busy:
+                raise ValueError(f"session {session_id!r} already has a step in progress")
+            if not 0 <= position <= s.length:
+                raise ValueError(f"position {position} is not in [0, {s.length}] (the session's cached length): "
+                                 f"steps must continue the prefix or roll back, not skip ahead")
+            if position + n > self.max_length:
+                raise ValueError(f"positions {position}..{position + n - 1} exceed max_length {self.max_length}")
+            s.busy = True
+            slot_of, start, end = dict(s.slot_of), s.start_block, s.end_block
+        ok = False
+        try:
+            x = hidden.to(device=self.device, dtype=self.dtype)
+            with self._compute_lock:
+                t0 = time.perf_counter()
+                out = self._run_blocks(x, position, slot_of, start, end)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - t0
+                if self.compute_scale > 1.0:
+                    time.sleep((self.compute_scale - 1.0) * elapsed)
+            ok = True
+            return out.to(device=hidden.device, dtype=hidden.dtype)
+        finally:
+            with self._lock:
+                s.busy = False
+                s.last_used = time.monotonic()
+                # A failed step may have overwritten cache entries from `position` on.
+                s.length = position + n if ok else min(s.length, position)
+                if s.closing:
+                    self._drop(s)
+
+    def _validate_hidden(self, hidden: Any) -> int:
+        if not isinstance(hidden, torch.Tensor):
+            raise ValueError(f"hidden states must be a torch.Tensor, got {type(hidden).__name__}")
+        if hidden.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"hidden states must be float32/float16/bfloat16, got {hidden.dtype}")
+        if hidden.ndim != 3 or hidden.shape[0] != 1 or hidden.shape[2] != self.hidden_size or hidden.shape[1] < 1:
+            raise ValueError(f"hidden states must have shape [1, n>=1, {self.hidden_size}], got {list(hidden.shape)}")
+        if not bool(torch.isfinite(hidden).all()):
+            raise ValueError("hidden states contain NaN or infinite values")
+        return int(hidden.shape[1])
+
+    def _check_sliding_window(self, max_length: int) -> None:
+        # The slot cache keeps the full prefix; a sliding-window layer would need to mask beyond the window.
+        window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None)
+        uses_window = window is not None and (layer_types is None or "sliding_attention" in layer_types)
+        if uses_window and max_length > window:
+            raise ValueError(f"max_length {max_length} exceeds the model's sliding_window {window}; "
+                             f"sliding-window attention beyond the window is not supported")
+
+    def _causal_mask(self, position: int, n: int) -> torch.Tensor | None:
+        """Mask for ``n`` queries at ``position..`` over keys ``0..position+n-1`` (None where not needed)."""
+        impl = self.config._attn_implementation
+        if n == 1:
+            return None  # one query sees the whole valid prefix
+        if impl == "sdpa" and position == 0:
+            return None  # sdpa's is_causal path is exact when there is no prefix
+        q = torch.arange(position, position + n, device=self.device)[:, None]
+        k = torch.arange(position + n, device=self.device)[None, :]
+        allowed = (k <= q)[None, None]
+        if impl == "sdpa":
+            return allowed
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
+    @torch.no_grad()
+    def _run_blocks(self, hidden: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+                    end: int) -> torch.Tensor:
+        """One session's step through blocks ``[start, end)``: pure compute over the given slots."""
+        n = hidden.shape[1]
+        cache = SlotCache(self.pool, slot_of, position, n)
+        position_ids = torch.arange(position, position + n, device=self.device).unsqueeze(0)
+        position_embeddings = self.rotary(hidden, position_ids)
+        mask = self._causal_mask(position, n)
+        for layer in self.blocks[start - self.start_block:end - self.start_block]:
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                        use_cache=True, position_embeddings=position_embeddings)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden

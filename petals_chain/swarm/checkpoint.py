@@ -1,0 +1,306 @@
+"""Per-block loading of HF-format causal-LM checkpoints (safetensors; Llama / Mistral / Qwen2 layout).
+
+A server hosting blocks ``[a, a+m)`` never materialises the whole model: :func:`load_block` builds one
+decoder layer on the meta device (``accelerate.init_empty_weights``) and reads only that layer's tensors
+from the shard(s) that hold them. :func:`load_head` does the same for the embeddings, final norm and LM
+head (what the orchestrator needs), together with the rotary module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+QUANT_MODES = ("none", "int8", "nf4")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+def resolve_model_path(name_or_path: str | os.PathLike, *, revision: str | None = None,
+                       cache_dir: str | None = None) -> Path:
+    """A local directory as is; otherwise download (safetensors + configs) from the HF hub and return the snapshot."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} is a directory but has no config.json (not an HF-format checkpoint)")
+        return p
+    if p.exists():
+        raise NotADirectoryError(f"{p} exists but is not a directory")
+    name = str(name_or_path)
+    if name.count("/") > 1 or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model directory {name!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - huggingface_hub ships with transformers
+        raise FileNotFoundError(f"{name!r} is not a local directory and huggingface_hub is unavailable") from e
+    return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS))
+
+
+def load_config(path: str | os.PathLike):
+    """The transformers config of the checkpoint at ``path`` (a resolved directory)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def parse_dtype(dtype: str | torch.dtype | None, config: Any = None) -> torch.dtype:
+    """``torch.dtype`` from a name; ``None``/``"auto"`` means the checkpoint's own dtype (float32 if unknown)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None or dtype == "auto":
+        cfg_dtype = getattr(config, "dtype", None) if config is not None else None
+        if cfg_dtype is None:
+            return torch.float32
+        return parse_dtype(cfg_dtype if isinstance(cfg_dtype, torch.dtype) else str(cfg_dtype).replace("torch.", ""))
+    if not isinstance(dtype, str) or dtype.lower() not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype.lower()]
+
+
+def weight_map(path: str | os.PathLike) -> dict[str, str]:
+    """Tensor name -> safetensors file name (from ``model.safetensors.index.json`` or the single file)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as f:
+            return {k: single.name for k in f.keys()}
+    raise FileNotFoundError(f"no safetensors weights in {path} (expected model.safetensors or an index)")
+
+
+def _read_tensors(path: Path, names: list[str], wmap: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Read exactly ``names``, opening each needed shard once."""
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        by_file[wmap[n]].append(n)
+    out: dict[str, torch.Tensor] = {}
+    for fname, keys in by_file.items():
+        with safe_open(str(path / fname), "pt", device="cpu") as f:
+            for k in keys:
+                out[k] = f.get_tensor(k)
+    return out
+
+
+def _prepare_config(config: Any, attn_implementation: str | None) -> Any:
+    config = copy.deepcopy(config)
+    # A layer built outside PreTrainedModel never gets its attention implementation resolved.
+    config._attn_implementation = attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    return config
+
+
+def _causal_lm_class(config: Any):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError as e:
+        raise ValueError(f"model type {config.model_type!r} is not a causal LM known to transformers") from e
+
+
+def decoder_layer_class(config: Any) -> type[nn.Module]:
+    """The family's decoder layer class (e.g. ``LlamaDecoderLayer``), found next to its ``*ForCausalLM``."""
+    cls = _causal_lm_class(config)
+    module = sys.modules[cls.__module__]
+    name = cls.__name__.replace("ForCausalLM", "DecoderLayer")
+    layer_cls = getattr(module, name, None)
+    if layer_cls is None:
+        raise ValueError(f"cannot find {name} in {module.__name__}; unsupported model family {config.model_type!r}")
+    return layer_cls
+
+
+def _quantize_linears(module: nn.Module, quant: str, compute_dtype: torch.dtype) -> None:
+    """Swap every ``nn.Linear`` for a bitsandbytes int8 / nf4 linear; weights quantize on ``.to("cuda")``."""
+    import bitsandbytes as bnb
+
+    for parent in list(module.modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            has_bias = child.bias is not None
+            if quant == "int8":
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=has_bias,
+                                          has_fp16_weights=False, threshold=6.0)
+                new.weight = bnb.nn.Int8Params(child.weight.data.to(torch.float16), requires_grad=False,
+                                               has_fp16_weights=False)
+            else:
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=has_bias,
+                                        compute_dtype=compute_dtype, quant_type="nf4")
+                new.weight = bnb.nn.Params4bit(child.weight.data.to(compute_dtype), requires_grad=False,
+                                               quant_type="nf4")
+            if has_bias:
+                new.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
+            setattr(parent, child_name, new)
+
+
+def _check_quant(quant: str, device: torch.device) -> None:
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unsupported quant {quant!r}; use one of {QUANT_MODES}")
+    if quant != "none":
+        if device.type != "cuda":
+            raise ValueError(f"quant={quant!r} needs a CUDA device (bitsandbytes); got device {device}")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"quant={quant!r} needs bitsandbytes: pip install 'petals_chain[cuda]'") from e
+
+
+def load_block(
+    path: str | os.PathLike,
+    index: int,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    quant: str = "none",
+    *,
+    config: Any = None,
+    attn_implementation: str | None = None,
+    wmap: dict[str, str] | None = None,
+) -> nn.Module:
+    """Decoder layer ``index`` of the checkpoint at ``path``, loaded alone, cast to ``dtype``, on ``device``.
+
+    ``self_attn.layer_idx`` keeps the global index ``index`` (KV caches address layers by it). ``quant`` is
+    ``"none"``, or ``"int8"``/``"nf4"`` (bitsandbytes, CUDA only). The layer is in eval mode without grads.
+    """
+    from accelerate import init_empty_weights
+
+    path = Path(path)
+    config = _prepare_config(config if config is not None else load_config(path), attn_implementation)
+    n_layers = int(config.num_hidden_layers)
+    if not isinstance(index, int) or not 0 <= index < n_layers:
+        raise ValueError(f"block index {index!r} out of range [0, {n_layers})")
+    device = torch.device(device)
+    _check_quant(quant, device)
+    torch_dtype = parse_dtype(dtype, config)
+
+    with init_empty_weights():
+        layer = decoder_layer_class(config)(config, index)
+    prefix = f"model.layers.{index}."
+    wmap = wmap if wmap is not None else weight_map(path)
+    names = [k for k in wmap if k.startswith(prefix)]
+    if not names:
+        raise KeyError(f"no tensors with prefix {prefix!r} in {path}")
+    tensors = _read_tensors(path, names, wmap)
+    state = {k[len(prefix):]: v.to(torch_dtype) for k, v in tensors.items()}
+    expected = set(dict(layer.named_parameters()).keys()) | {
+        n for n, _ in layer.named_buffers() if not n.endswith("inv_freq")}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise KeyError(f"block {index} of {path}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+    layer.load_state_dict(state, strict=False, assign=True)
+    meta_left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+    if meta_left:
+        raise RuntimeError(f"block {index}: tensors left uninitialised: {meta_left}")
+    if quant != "none":
+        _quantize_linears(layer, quant, torch_dtype)
+    layer = layer.to(device)
+    layer.eval().requires_grad_(False)
+    return layer
+
+
+class ModelHead(nn.Module):
+    """Embeddings, final norm and LM head of a causal LM, plus its rotary module (what is not a block)."""
+
+    def __init__(self, config: Any, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module,
+                 rotary_emb: nn.Module):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary_emb = rotary_emb
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[batch, n]`` -> hidden states ``[batch, n, hidden]``."""
+        input_ids = torch.as_tensor(input_ids, device=self.device)
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        vocab = self.embed_tokens.num_embeddings
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        return self.embed_tokens(input_ids)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[..., hidden]`` (output of the last block) -> fp32 logits ``[..., vocab]``."""
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        return self.lm_head(self.norm(hidden)).float()
+
+
+def build_rotary(config: Any, device: str | torch.device = "cpu") -> nn.Module:
+    """The family's rotary embedding module for ``config`` (e.g. ``LlamaRotaryEmbedding``)."""
+    cls = _causal_lm_class(config)
+    module = sys.modules[cls.__module__]
+    rot_cls = getattr(module, cls.__name__.replace("ForCausalLM", "RotaryEmbedding"), None)
+    if rot_cls is None:
+        raise ValueError(f"no rotary embedding class for model type {config.model_type!r}")
+    return rot_cls(config=config).to(device)
+
+
+def load_head(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
+              device: str | torch.device = "cpu", *, config: Any = None) -> ModelHead:
+    """Load ``model.embed_tokens``, ``model.norm`` and ``lm_head`` (tied to the embeddings if the config says so)."""
+    from accelerate import init_empty_weights
+
+    path = Path(path)
+    config = _prepare_config(config if config is not None else load_config(path), None)
+    torch_dtype = parse_dtype(dtype, config)
+    device = torch.device(device)
+    skeleton_cfg = copy.deepcopy(config)
+    skeleton_cfg.num_hidden_layers = 0
+    if getattr(skeleton_cfg, "layer_types", None) is not None:
+        skeleton_cfg.layer_types = []
+    with init_empty_weights():
+        skeleton = _causal_lm_class(config)(skeleton_cfg)
+    embed, norm, lm_head = skeleton.model.embed_tokens, skeleton.model.norm, skeleton.lm_head
+
+    wmap = weight_map(path)
+    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in wmap
+    names = [k for k in wmap if k.startswith(("model.embed_tokens.", "model.norm."))]
+    if not tied:
+        names += [k for k in wmap if k.startswith("lm_head.")]
+    tensors = {k: v.to(torch_dtype) for k, v in _read_tensors(path, names, wmap).items()}
+    embed.load_state_dict({k[len("model.embed_tokens."):]: v for k, v in tensors.items()
+                           if k.startswith("model.embed_tokens.")}, assign=True)
+    norm.load_state_dict({k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")},
+                         assign=True)
+    if tied:
+        lm_head.weight = embed.weight
+        if lm_head.bias is not None:
+            raise ValueError("tied embeddings with an lm_head bias are not supported")
+    else:
+        lm_head.load_state_dict({k[len("lm_head."):]: v for k, v in tensors.items() if k.startswith("lm_head.")},
+                                assign=True)
+    head = ModelHead(config, embed, norm, lm_head, build_rotary(config, device))
+    head = head.to(device)
+    head.eval().requires_grad_(False)
+    return head

@@ -1,0 +1,82 @@
+"""Memory model of one block (``s_m``) and one cache slot (``s_c``) in bytes, from a transformers config.
+
+``s_m`` counts the parameters of one decoder layer, built on the meta device (so the count is exact for
+any family transformers knows) and sized by dtype / quantization. ``s_c`` is the K and V of one layer for
+one job at the swarm's ``max_length``: ``2 * num_key_value_heads * head_dim * max_length * dtype_bytes``.
+A server with budget ``M_j`` hosting ``m_j`` blocks has ``floor((M_j - s_m m_j) / s_c)`` slots (Eq. 3).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from petals_chain.swarm.checkpoint import QUANT_MODES, decoder_layer_class, parse_dtype
+
+# bitsandbytes defaults: nf4 uses blocks of 64 weights with one fp32 absmax each (no double quantisation);
+# int8 (LLM.int8) keeps one fp32 scale per output row.
+NF4_BLOCKSIZE = 64
+
+
+def head_dim(config: Any) -> int:
+    """Per-head dimension (explicit ``head_dim`` if the config has one)."""
+    hd = getattr(config, "head_dim", None)
+    return int(hd) if hd else int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def num_kv_heads(config: Any) -> int:
+    """Number of key/value heads (GQA); equals the attention heads when the config has none."""
+    kv = getattr(config, "num_key_value_heads", None)
+    return int(kv) if kv else int(config.num_attention_heads)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _layer_param_shapes(config: Any) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, is_linear_weight) for every parameter of one decoder layer, built on meta."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        layer = decoder_layer_class(config)(config, 0)
+    linear_weights = {id(m.weight) for m in layer.modules() if isinstance(m, nn.Linear)}
+    return [(n, tuple(p.shape), id(p) in linear_weights) for n, p in layer.named_parameters()]
+
+
+def block_bytes(config: Any, dtype: str | torch.dtype | None = None, quant: str = "none") -> int:
+    """``s_m``: bytes of one decoder layer's parameters in ``dtype`` under ``quant`` (none|int8|nf4).
+
+    Quantised sizes follow bitsandbytes: int8 = 1 byte per linear weight + 4 bytes per output row;
+    nf4 = 0.5 byte per linear weight + 4 bytes per block of 64. Norms and biases stay in ``dtype``.
+    """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unsupported quant {quant!r}; use one of {QUANT_MODES}")
+    nbytes = _dtype_bytes(parse_dtype(dtype, config))
+    total = 0
+    for _, shape, is_linear in _layer_param_shapes(config):
+        numel = math.prod(shape)
+        if not is_linear or quant == "none":
+            total += numel * nbytes
+        elif quant == "int8":
+            total += numel + 4 * shape[0]
+        else:
+            total += (numel + 1) // 2 + 4 * math.ceil(numel / NF4_BLOCKSIZE)
+    return total
+
+
+def cache_slot_bytes(config: Any, dtype: str | torch.dtype | None = None, max_length: int = 2048) -> int:
+    """``s_c``: bytes of one layer's K and V for one job at ``max_length`` tokens in ``dtype``."""
+    if int(max_length) != max_length or max_length < 1:
+        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+    return 2 * num_kv_heads(config) * head_dim(config) * int(max_length) * _dtype_bytes(parse_dtype(dtype, config))
+
+
+def slots_for_budget(memory_bytes: float, num_blocks: int, s_m: float, s_c: float) -> int:
+    """``floor((M_j - s_m m_j) / s_c)``, at least 0 (Eq. 3)."""
+    if s_c <= 0:
+        raise ValueError("s_c must be positive")
+    return max(0, int((memory_bytes - s_m * num_blocks) // s_c))
