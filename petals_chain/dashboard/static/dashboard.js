@@ -1,0 +1,583 @@
+/* petals-chain swarm dashboard.
+ * Polls the relative URL api/v1/swarm (so the page works under the orchestrator at "/" and under the
+ * standalone dashboard) and re-renders in place. Every string from the API is untrusted (public swarm
+ * names): it only ever reaches the DOM through textContent / setAttribute, never innerHTML. */
+(function () {
+  "use strict";
+
+  var API_URL = "api/v1/swarm";
+  var SVGNS = "http://www.w3.org/2000/svg";
+  var GONE_KEEP_MS = 10 * 60 * 1000; // how long a departed server stays listed as "gone"
+  var QUEUE_SAMPLES = 120;
+
+  var state = {
+    periodS: 2,
+    timer: null,
+    inFlight: null,
+    present: new Map(), // peer_id -> server object from the latest response
+    gone: new Map(), // peer_id -> {server, since (ms)}
+    queueSamples: [], // [{t (ms), q, running}]
+    last: null,
+    lastOkAt: null,
+  };
+
+  // ---------- small helpers ----------
+  function $(id) { return document.getElementById(id); }
+
+  function el(tag, attrs) {
+    var node = document.createElement(tag);
+    setAttrs(node, attrs);
+    for (var i = 2; i < arguments.length; i++) append(node, arguments[i]);
+    return node;
+  }
+
+  function svg(tag, attrs) {
+    var node = document.createElementNS(SVGNS, tag);
+    setAttrs(node, attrs);
+    for (var i = 2; i < arguments.length; i++) append(node, arguments[i]);
+    return node;
+  }
+
+  function setAttrs(node, attrs) {
+    if (!attrs) return;
+    Object.keys(attrs).forEach(function (k) {
+      var v = attrs[k];
+      if (v === null || v === undefined || v === false) return;
+      if (k === "text") node.textContent = str(v);
+      else if (k === "class") node.setAttribute("class", str(v));
+      else if (k === "style") Object.keys(v).forEach(function (p) { node.style.setProperty(p, str(v[p])); });
+      else node.setAttribute(k, str(v));
+    });
+  }
+
+  function append(node, child) {
+    if (child === null || child === undefined || child === false) return;
+    if (Array.isArray(child)) { child.forEach(function (c) { append(node, c); }); return; }
+    if (typeof child === "string" || typeof child === "number") node.appendChild(document.createTextNode(String(child)));
+    else node.appendChild(child);
+  }
+
+  function str(x) {
+    if (x === null || x === undefined) return "";
+    if (typeof x === "string") return x;
+    if (typeof x === "number" || typeof x === "boolean") return String(x);
+    try { return JSON.stringify(x); } catch (e) { return "?"; }
+  }
+
+  /** A finite number or null: API fields may be missing, null or (from a hostile peer) of the wrong type. */
+  function num(x) {
+    var n = typeof x === "number" ? x : (typeof x === "string" && x.trim() !== "" ? Number(x) : NaN);
+    return isFinite(n) ? n : null;
+  }
+
+  function int(x) { var n = num(x); return n === null ? null : Math.round(n); }
+  function clamp(x, lo, hi) { return Math.max(lo, Math.min(hi, x)); }
+  function arr(x) { return Array.isArray(x) ? x : []; }
+  function obj(x) { return x && typeof x === "object" && !Array.isArray(x) ? x : {}; }
+
+  function fmtSeconds(s) {
+    var v = num(s);
+    if (v === null) return "\u2014";
+    if (v === 0) return "0";
+    if (v < 0.001) return (v * 1e6).toFixed(0) + " \u00b5s";
+    if (v < 1) return (v * 1000).toFixed(v < 0.01 ? 2 : 1) + " ms";
+    if (v < 100) return v.toFixed(2) + " s";
+    return v.toFixed(0) + " s";
+  }
+
+  /** Axis labels: three significant digits at most. */
+  function fmtAxis(s) {
+    var v = num(s);
+    if (v === null) return "";
+    if (v === 0) return "0";
+    if (v < 1) return Number((v * 1000).toPrecision(3)) + " ms";
+    return Number(v.toPrecision(3)) + " s";
+  }
+
+  function fmtBytes(b) {
+    var v = num(b);
+    if (v === null) return "\u2014";
+    var units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    var i = 0;
+    while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+    return (v >= 100 || i === 0 ? v.toFixed(0) : v.toFixed(1)) + " " + units[i];
+  }
+
+  function fmtAgo(t, nowS) {
+    var v = num(t);
+    if (v === null) return "\u2014";
+    var d = Math.max(0, nowS - v);
+    if (d < 1) return "just now";
+    if (d < 90) return d.toFixed(0) + " s ago";
+    if (d < 5400) return (d / 60).toFixed(0) + " min ago";
+    return (d / 3600).toFixed(1) + " h ago";
+  }
+
+  function fmtClock(tS) {
+    var d = new Date(tS * 1000);
+    function p(n) { return (n < 10 ? "0" : "") + n; }
+    return p(d.getHours()) + ":" + p(d.getMinutes()) + ":" + p(d.getSeconds());
+  }
+
+  function shortId(id) {
+    var s = str(id);
+    return s.length > 14 ? s.slice(0, 6) + "\u2026" + s.slice(-6) : s;
+  }
+
+  function serverName(s) {
+    var name = str(s.public_name).trim();
+    return name || shortId(s.peer_id);
+  }
+
+  function isLive(s) { return s && s.state !== "offline"; }
+
+  // ---------- refresh loop ----------
+  function readInitialPeriod() {
+    var fromQuery = null;
+    try { fromQuery = new URLSearchParams(window.location.search).get("refresh"); } catch (e) { /* old browser */ }
+    var v = num(fromQuery);
+    if (v === null) {
+      try { v = num(window.localStorage.getItem("petals-chain.refresh")); } catch (e) { v = null; }
+    }
+    return v === null ? 2 : clamp(v, 0, 3600);
+  }
+
+  function setPeriod(seconds, persist) {
+    state.periodS = seconds;
+    var select = $("refresh-select");
+    var value = String(seconds);
+    if (!Array.prototype.some.call(select.options, function (o) { return o.value === value; })) {
+      select.appendChild(el("option", { value: value, text: value + " s" }));
+    }
+    select.value = value;
+    if (persist) {
+      try { window.localStorage.setItem("petals-chain.refresh", value); } catch (e) { /* private mode */ }
+    }
+    schedule(0);
+  }
+
+  function schedule(delayMs) {
+    if (state.timer !== null) { clearTimeout(state.timer); state.timer = null; }
+    if (delayMs === 0 || state.periodS > 0) state.timer = setTimeout(poll, delayMs);
+  }
+
+  function poll() {
+    state.timer = null;
+    if (state.inFlight) return; // the in-flight request reschedules when it ends
+    var ctrl = typeof AbortController === "function" ? new AbortController() : null;
+    var timeoutMs = Math.max(5000, state.periodS * 2000);
+    var killer = ctrl ? setTimeout(function () { ctrl.abort(); }, timeoutMs) : null;
+    state.inFlight = fetch(API_URL, { cache: "no-store", headers: { Accept: "application/json" }, signal: ctrl ? ctrl.signal : undefined })
+      .then(function (resp) {
+        if (!resp.ok) throw new Error("HTTP " + resp.status);
+        return resp.json();
+      })
+      .then(function (data) {
+        state.lastOkAt = Date.now();
+        showError(null);
+        render(obj(data));
+      })
+      .catch(function (err) {
+        showError("Cannot reach the swarm API (" + (err && err.name === "AbortError" ? "timed out" : str(err && err.message)) +
+          "); retrying every " + Math.max(state.periodS, 1) + " s. Showing the last data received.");
+      })
+      .then(function () {
+        if (killer) clearTimeout(killer);
+        state.inFlight = null;
+        if (state.periodS > 0) schedule(state.periodS * 1000);
+      });
+  }
+
+  function showError(msg) {
+    var banner = $("conn-error");
+    if (msg) { banner.textContent = msg; banner.hidden = false; }
+    else { banner.textContent = ""; banner.hidden = true; }
+  }
+
+  // ---------- rendering ----------
+  function render(data) {
+    var nowMs = Date.now();
+    var servers = arr(data.servers).filter(function (s) { return s && typeof s === "object" && s.peer_id !== undefined; });
+    trackDepartures(servers, nowMs);
+    state.last = data;
+    var running = arr(data.chains).reduce(function (a, c) { return a + (int(obj(c).active) || 0); }, 0);
+    var q = int(data.queue_length);
+    state.queueSamples.push({ t: nowMs, q: q === null ? 0 : q, running: running });
+    if (state.queueSamples.length > QUEUE_SAMPLES) state.queueSamples.shift();
+
+    renderHeader(data);
+    renderCards(data, running);
+    renderBounds(data);
+    renderLatencyChart(data);
+    renderChains(data);
+    renderCoverage(data, servers);
+    renderServers(data, servers, nowMs);
+  }
+
+  function trackDepartures(servers, nowMs) {
+    var seen = new Map();
+    servers.forEach(function (s) { seen.set(str(s.peer_id), s); });
+    state.present.forEach(function (s, id) {
+      if (!seen.has(id) && !state.gone.has(id)) state.gone.set(id, { server: s, since: nowMs });
+    });
+    seen.forEach(function (s, id) { state.gone.delete(id); });
+    state.gone.forEach(function (g, id) { if (nowMs - g.since > GONE_KEEP_MS) state.gone.delete(id); });
+    state.present = seen;
+  }
+
+  function renderHeader(data) {
+    $("model-name").textContent = str(data.model) || "(model unknown)";
+    $("prefix").textContent = data.dht_prefix ? "\u00b7 DHT prefix " + str(data.dht_prefix) : "";
+    var badge = $("ready-badge");
+    var ready = data.ready === true;
+    badge.textContent = ready ? "ready" : "not ready";
+    badge.className = "badge " + (ready ? "badge-ok" : "badge-warn");
+    badge.setAttribute("data-ready", ready ? "true" : "false");
+    var updated = num(data.updated_at);
+    $("updated").textContent = updated === null ? "" : "updated " + fmtClock(updated);
+    var src = str(data.source);
+    $("footer-source").textContent = src === "dht"
+      ? "standalone dashboard: server records and the orchestrator's signed summary from the DHT"
+      : (src ? "source: " + src : "served by the orchestrator");
+  }
+
+  function renderCards(data, running) {
+    var ready = data.ready === true;
+    var sr = $("status-ready");
+    sr.textContent = ready ? "ready" : "not ready";
+    sr.className = "card-value " + (ready ? "ok-text" : "warn-text");
+    var epoch = int(data.epoch);
+    $("status-epoch").textContent = epoch === null ? "" : "plan epoch " + epoch;
+    var ml = int(data.max_length);
+    $("max-length").textContent = ml === null ? "\u2014" : String(ml);
+    var c = int(data.c);
+    $("c-star").textContent = c === null ? "\u2014" : String(c);
+    var pol = [str(data.placement_policy), str(data.dispatch_policy)].filter(Boolean).join(" + ");
+    $("policies").textContent = pol ? "policy " + pol : "";
+    var lam = num(data.arrival_rate);
+    $("arrival-rate").textContent = lam === null ? "\u2014" : lam.toFixed(lam < 10 ? 3 : 1) + " /s";
+    var rho = num(data.rho_bar);
+    $("rho-bar").textContent = rho === null ? "" : "target load \u03c1\u0304 = " + rho.toFixed(2);
+    var q = int(data.queue_length);
+    $("queue-length").textContent = q === null ? "\u2014" : String(q);
+    var cap = arr(data.chains).reduce(function (a, ch) { return a + (int(obj(ch).capacity) || 0); }, 0);
+    $("jobs-running").textContent = "waiting \u00b7 " + running + " / " + cap + " running";
+    renderSpark($("queue-spark"));
+    var m = obj(data.measured);
+    var done = int(m.completed), failed = int(m.failed);
+    $("completed").textContent = done === null ? "\u2014" : String(done);
+    $("failed").textContent = "completed \u00b7 " + (failed === null ? 0 : failed) + " failed";
+  }
+
+  function renderSpark(container) {
+    var samples = state.queueSamples;
+    var w = 200, h = 28;
+    var root = svg("svg", { viewBox: "0 0 " + w + " " + h, preserveAspectRatio: "none", role: "img", "aria-label": "queue length over recent refreshes" });
+    var maxQ = samples.reduce(function (a, s) { return Math.max(a, s.q); }, 1);
+    if (samples.length > 1) {
+      var pts = samples.map(function (s, i) {
+        return (i * w / (QUEUE_SAMPLES - 1)).toFixed(1) + "," + (h - 2 - (s.q / maxQ) * (h - 4)).toFixed(1);
+      });
+      root.appendChild(svg("polyline", { class: "spark-line", points: pts.join(" "), "vector-effect": "non-scaling-stroke" }));
+    }
+    container.replaceChildren(root);
+  }
+
+  function bounds(data) {
+    var p = obj(data.predicted_response_s);
+    var lo = num(p.lower), hi = num(p.upper);
+    return { lower: lo, upper: hi };
+  }
+
+  function renderBounds(data) {
+    var b = bounds(data);
+    var m = obj(data.measured);
+    var meas = num(m.mean_response_s);
+    $("predicted").textContent = b.lower === null ? "\u2014"
+      : fmtSeconds(b.lower) + " \u2013 " + (b.upper === null ? "\u221e" : fmtSeconds(b.upper));
+    $("measured-response").textContent = fmtSeconds(meas);
+    $("measured-wait").textContent = fmtSeconds(m.mean_wait_s);
+    $("measured-service").textContent = fmtSeconds(m.mean_service_s);
+
+    var container = $("bounds-gauge");
+    var w = Math.max(300, Math.min(1400, container.clientWidth || 600)), h = 46, pad = 10;
+    var top = Math.max(b.upper || 0, b.lower || 0, meas || 0) * 1.15;
+    var root = svg("svg", { viewBox: "0 0 " + w + " " + h, role: "img", "aria-label": "predicted response-time band and measured mean" });
+    root.appendChild(svg("rect", { class: "cov-empty", x: pad, y: 10, width: w - 2 * pad, height: 12, rx: 6 }));
+    if (top > 0) {
+      var x = function (v) { return pad + (w - 2 * pad) * clamp(v / top, 0, 1); };
+      if (b.lower !== null) {
+        var x0 = x(b.lower), x1 = b.upper === null ? w - pad : x(b.upper);
+        root.appendChild(svg("rect", { class: "band", x: x0, y: 6, width: Math.max(2, x1 - x0), height: 20 },
+          svg("title", { text: "Theorem 3.7 bounds " + fmtSeconds(b.lower) + " \u2013 " + fmtSeconds(b.upper) })));
+        root.appendChild(svg("line", { class: "bound", x1: x0, x2: x0, y1: 4, y2: 28 }));
+        if (b.upper !== null) root.appendChild(svg("line", { class: "bound", x1: x1, x2: x1, y1: 4, y2: 28 }));
+      }
+      if (meas !== null) {
+        var xm = x(meas);
+        root.appendChild(svg("path", { class: "marker", d: "M" + (xm - 6) + ",2 L" + (xm + 6) + ",2 L" + xm + ",12 Z" },
+          svg("title", { text: "measured mean " + fmtSeconds(meas) })));
+        root.appendChild(svg("rect", { class: "marker", x: xm - 1.5, y: 8, width: 3, height: 16 }));
+      }
+      (w < 500 ? [0, 0.5, 1] : [0, 0.25, 0.5, 0.75, 1]).forEach(function (f) {
+        root.appendChild(svg("text", { x: pad + (w - 2 * pad) * f, y: 42, "text-anchor": f === 0 ? "start" : (f === 1 ? "end" : "middle"),
+          text: fmtAxis(top * f) }));
+      });
+    } else {
+      root.appendChild(svg("text", { x: w / 2, y: 42, "text-anchor": "middle", text: "no prediction or measurement yet" }));
+    }
+    container.replaceChildren(root);
+  }
+
+  function renderLatencyChart(data) {
+    var container = $("latency-chart");
+    var hist = arr(data.history).map(obj).filter(function (p) { return num(p.t) !== null; });
+    hist.sort(function (a, b) { return num(a.t) - num(b.t); });
+    if (hist.length === 0) {
+      container.replaceChildren(el("div", { class: "empty", text: "No completed requests yet: the chart fills in as jobs finish." }));
+      return;
+    }
+    var width = Math.max(320, Math.min(1400, container.clientWidth || 800));
+    var height = width < 500 ? 180 : 240;
+    var left = 62, right = 10, top = 10, bottom = 24;
+    var t0 = num(hist[0].t), t1 = num(hist[hist.length - 1].t);
+    if (t1 - t0 < 1) { t0 -= 0.5; t1 += 0.5; }
+    var b = bounds(data);
+    var ymax = 0;
+    hist.forEach(function (p) { ymax = Math.max(ymax, num(p.response_s) || 0, num(p.wait_s) || 0, num(p.service_s) || 0); });
+    if (b.upper !== null && b.upper < ymax * 3) ymax = Math.max(ymax, b.upper);
+    if (b.lower !== null) ymax = Math.max(ymax, b.lower);
+    ymax = ymax > 0 ? ymax * 1.1 : 1;
+    var X = function (t) { return left + (width - left - right) * (t - t0) / (t1 - t0); };
+    var Y = function (v) { return top + (height - top - bottom) * (1 - clamp(v / ymax, 0, 1)); };
+    var root = svg("svg", { viewBox: "0 0 " + width + " " + height, role: "img", "aria-label": "response, waiting and service time per completed request" });
+    for (var i = 0; i <= 4; i++) {
+      var v = ymax * i / 4;
+      root.appendChild(svg("line", { class: i === 0 ? "axis" : "grid-line", x1: left, x2: width - right, y1: Y(v), y2: Y(v) }));
+      root.appendChild(svg("text", { x: left - 6, y: Y(v) + 4, "text-anchor": "end", text: fmtAxis(v) }));
+    }
+    var ticks = width < 500 ? 3 : 5;
+    for (var j = 0; j <= ticks; j++) {
+      var t = t0 + (t1 - t0) * j / ticks;
+      root.appendChild(svg("text", { x: X(t), y: height - 6, "text-anchor": j === 0 ? "start" : (j === ticks ? "end" : "middle"), text: fmtClock(t) }));
+    }
+    [["lower", b.lower], ["upper", b.upper]].forEach(function (pair) {
+      if (pair[1] !== null && pair[1] <= ymax) {
+        root.appendChild(svg("line", { class: "bound", x1: left, x2: width - right, y1: Y(pair[1]), y2: Y(pair[1]) },
+          svg("title", { text: "predicted " + pair[0] + " bound " + fmtSeconds(pair[1]) })));
+      }
+    });
+    [["wait_s", "line-wait"], ["service_s", "line-service"], ["response_s", "line-response"]].forEach(function (series) {
+      var pts = [];
+      hist.forEach(function (p) {
+        var y = num(p[series[0]]);
+        if (y !== null) pts.push(X(num(p.t)).toFixed(1) + "," + Y(y).toFixed(1));
+      });
+      if (pts.length) root.appendChild(svg("polyline", { class: series[1], points: pts.join(" ") }));
+    });
+    if (hist.length <= 200) {
+      hist.forEach(function (p) {
+        var y = num(p.response_s);
+        if (y === null) return;
+        root.appendChild(svg("circle", { class: "dot-response", cx: X(num(p.t)), cy: Y(y), r: 2.5 },
+          svg("title", { text: fmtClock(num(p.t)) + "  response " + fmtSeconds(y) + " = wait " + fmtSeconds(p.wait_s) + " + service " + fmtSeconds(p.service_s) })));
+      });
+    }
+    container.replaceChildren(root);
+  }
+
+  function renderChains(data) {
+    var container = $("chains");
+    var chains = arr(data.chains).map(obj);
+    var totalCap = 0, totalActive = 0, totalRate = 0;
+    var cards = chains.map(function (ch, idx) {
+      var ids = arr(ch.servers), names = arr(ch.names), blocks = arr(ch.blocks), spans = arr(ch.spans);
+      var cap = int(ch.capacity) || 0, active = int(ch.active) || 0, T = num(ch.service_time);
+      totalCap += cap; totalActive += active;
+      if (T !== null && T > 0) totalRate += cap / T;
+      var broken = false;
+      var hops = [];
+      ids.forEach(function (pid, i) {
+        var id = str(pid);
+        var srv = state.present.get(id);
+        var gone = !srv || !isLive(srv);
+        if (gone) broken = true;
+        var name = str(names[i]).trim() || (srv ? serverName(srv) : shortId(id));
+        var span = arr(spans[i]);
+        var s0 = int(span[0]), s1 = int(span[1]);
+        var m = int(blocks[i]);
+        var label = (s0 !== null && s1 !== null ? "blocks " + s0 + "\u2013" + (s1 - 1) : "blocks ?") + (m !== null ? " (" + m + ")" : "");
+        if (i > 0) hops.push(el("span", { class: "arrow", "aria-hidden": "true", text: "\u2192" }));
+        var L = numBlocks(data);
+        var bar = null;
+        if (L && s0 !== null && s1 !== null) {
+          bar = el("div", { class: "hop-bar" }, el("span", { style: {
+            left: (100 * clamp(s0 / L, 0, 1)).toFixed(2) + "%", width: (100 * clamp((s1 - s0) / L, 0, 1)).toFixed(2) + "%" } }));
+        }
+        hops.push(el("div", { class: "hop" + (gone ? " gone" : ""), "data-peer-id": id, title: id },
+          el("div", { class: "hop-name", text: name }),
+          el("div", { class: "hop-blocks", text: label + (gone ? " \u00b7 gone" : "") }),
+          bar));
+      });
+      var frac = cap > 0 ? clamp(active / cap, 0, 1) : 0;
+      var cid = int(ch.id);
+      return el("div", { class: "chain" + (broken ? " broken" : ""), "data-chain-id": cid === null ? idx : cid },
+        el("div", { class: "chain-head" },
+          el("span", { class: "chain-title", text: "chain " + (cid === null ? idx : cid) }),
+          el("span", { class: "muted", text: ids.length + (ids.length === 1 ? " hop" : " hops") }),
+          el("span", {}, "service time ", el("strong", { text: fmtSeconds(T) })),
+          el("span", {}, "capacity ", el("strong", { class: "chain-capacity", text: String(cap) })),
+          T !== null && T > 0 ? el("span", { class: "muted", text: "\u03bc = " + (1 / T).toFixed(2) + " jobs/s" }) : null,
+          broken ? el("span", { class: "badge badge-bad", text: "server gone" }) : null),
+        el("div", { class: "route" }, hops),
+        el("div", { class: "occupancy" },
+          el("span", { class: "muted", text: "running" }),
+          el("div", { class: "bar" + (frac >= 1 ? " full" : ""), role: "meter", "aria-valuemin": 0, "aria-valuemax": cap, "aria-valuenow": active },
+            el("span", { style: { width: (100 * frac).toFixed(1) + "%" } })),
+          el("span", { class: "chain-active", text: active + " / " + cap })));
+    });
+    $("chains-summary").textContent = chains.length
+      ? chains.length + " chains \u00b7 " + totalActive + " / " + totalCap + " jobs running \u00b7 max throughput " + totalRate.toFixed(2) + " jobs/s"
+      : "";
+    if (!cards.length) cards = [el("div", { class: "empty", text: data.ready === true ? "No chains." : "No chains yet: the orchestrator has not composed any (swarm not ready)." })];
+    container.replaceChildren.apply(container, cards);
+  }
+
+  function numBlocks(data) {
+    var L = int(data.num_blocks);
+    if (L !== null && L > 0) return Math.min(L, 4096);
+    var end = 0;
+    arr(data.servers).map(obj).forEach(function (s) {
+      var a = int(s.start_block), m = int(s.num_blocks);
+      if (a !== null && m !== null) end = Math.max(end, a + m);
+    });
+    arr(data.chains).map(obj).forEach(function (c) {
+      arr(c.spans).forEach(function (sp) { var e = int(arr(sp)[1]); if (e !== null) end = Math.max(end, e); });
+    });
+    return Math.min(end, 4096);
+  }
+
+  function renderCoverage(data, servers) {
+    var container = $("coverage");
+    var L = numBlocks(data);
+    var rows = servers.filter(function (s) { return int(s.num_blocks) > 0 && int(s.start_block) !== null; });
+    rows.sort(function (a, b) { return (int(a.start_block) - int(b.start_block)) || (int(b.num_blocks) - int(a.num_blocks)); });
+    if (!L || !rows.length) {
+      $("coverage-summary").textContent = "";
+      container.replaceChildren(el("div", { class: "empty", text: "No server hosts blocks yet." }));
+      return;
+    }
+    var counts = new Array(L).fill(0);
+    rows.forEach(function (s) {
+      if (!isLive(s)) return;
+      var a = int(s.start_block), m = int(s.num_blocks);
+      for (var b = Math.max(0, a); b < Math.min(L, a + m); b++) counts[b]++;
+    });
+    var avail = Math.max(300, (container.clientWidth || 800) - 4);
+    var labelW = avail < 500 ? 86 : 130;
+    var cell = Math.max(7, Math.min(28, Math.floor((avail - labelW) / L)));
+    var rowH = 16, gap = 3, headH = 16;
+    var width = labelW + cell * L + 2;
+    var height = headH + (rows.length + 1) * (rowH + gap) + 4;
+    var root = svg("svg", { width: width, height: height, viewBox: "0 0 " + width + " " + height, role: "img",
+      "aria-label": "which servers host which blocks, and how many servers cover each block" });
+    var step = L <= 20 ? 1 : (L <= 50 ? 5 : 10);
+    if (cell * step < 18) step = Math.ceil(18 / cell / 5) * 5;
+    for (var b = 0; b < L; b += step) {
+      root.appendChild(svg("text", { x: labelW + b * cell + cell / 2, y: 11, "text-anchor": "middle", text: String(b) }));
+    }
+    rows.forEach(function (s, r) {
+      var y = headH + r * (rowH + gap);
+      var name = serverName(s);
+      var maxChars = Math.floor(labelW / 7);
+      var label = name.length > maxChars ? name.slice(0, maxChars - 1) + "\u2026" : name;
+      root.appendChild(svg("text", { x: 0, y: y + 12, text: label }, svg("title", { text: name + " (" + str(s.peer_id) + ")" })));
+      root.appendChild(svg("rect", { class: "cov-empty", x: labelW, y: y, width: cell * L, height: rowH, rx: 2 }));
+      var a = clamp(int(s.start_block), 0, L), e = clamp(int(s.start_block) + int(s.num_blocks), 0, L);
+      if (e > a) {
+        root.appendChild(svg("rect", { class: "cov-cell" + (isLive(s) ? "" : " gone"), x: labelW + a * cell, y: y,
+          width: (e - a) * cell - 1, height: rowH, rx: 2, "data-peer-id": str(s.peer_id) },
+          svg("title", { text: name + ": blocks " + a + "\u2013" + (e - 1) + (isLive(s) ? "" : " (offline)") })));
+      }
+    });
+    var yc = headH + rows.length * (rowH + gap);
+    root.appendChild(svg("text", { x: 0, y: yc + 12, text: "coverage" }));
+    var holes = 0, minCov = Infinity;
+    counts.forEach(function (n, b) {
+      if (n === 0) holes++;
+      minCov = Math.min(minCov, n);
+      var cls = n === 0 ? "cov-count-0" : (n === 1 ? "cov-count-1" : "cov-count-n");
+      root.appendChild(svg("rect", { class: cls, x: labelW + b * cell, y: yc, width: cell - 1, height: rowH, "data-block": b, "data-count": n },
+        svg("title", { text: "block " + b + ": " + n + (n === 1 ? " server" : " servers") })));
+      if (cell >= 10) root.appendChild(svg("text", { class: "cov-count-text", x: labelW + b * cell + (cell - 1) / 2, y: yc + 12, "text-anchor": "middle", text: String(n) }));
+    });
+    $("coverage-summary").textContent = L + " blocks \u00b7 " + (holes ? holes + " uncovered" : "all covered, min " + minCov + "\u00d7");
+    container.replaceChildren(root);
+  }
+
+  function stateBadge(s, gone) {
+    if (gone) return el("span", { class: "badge badge-gone", text: "gone" });
+    var st = str(s.state) || "unknown";
+    var cls = st === "online" ? "badge-ok" : (st === "joining" || st === "draining" ? "badge-warn" : (st === "offline" ? "badge-gone" : "badge-bad"));
+    return el("span", { class: "badge " + cls, text: st });
+  }
+
+  function serverRow(s, nowS, goneSince) {
+    var gone = goneSince !== null || !isLive(s);
+    var a = int(s.start_block), m = int(s.num_blocks);
+    var span = a !== null && m !== null && m > 0 ? a + "\u2013" + (a + m - 1) + " (" + m + ")" : "none";
+    var total = int(s.slots_total), free = int(s.slots_free);
+    var used = total !== null && free !== null ? Math.max(0, total - free) : null;
+    var frac = total ? clamp(used / total, 0, 1) : 0;
+    var flags = [];
+    var rtt = num(s.emulate_rtt_ms), scale = num(s.emulate_compute_scale);
+    if (rtt !== null && rtt > 0) flags.push(el("span", { class: "flag", title: "emulated WAN round-trip time", text: "RTT " + rtt + " ms" }));
+    if (scale !== null && scale !== 1) flags.push(el("span", { class: "flag", title: "emulated compute slowdown", text: "compute \u00d7" + scale }));
+    var lastSeen = goneSince !== null ? "left " + fmtAgo(goneSince, nowS) : fmtAgo(s.last_seen, nowS);
+    var hw = [str(s.device), str(s.dtype)].filter(Boolean).join(" \u00b7 ");
+    return el("tr", { "data-peer-id": str(s.peer_id), "data-state": gone ? "gone" : str(s.state), class: gone ? "gone" : null },
+      el("td", { "data-label": "name" },
+        el("div", {}, el("div", { class: "server-name", text: serverName(s) }), el("div", { class: "peer-id", title: str(s.peer_id), text: shortId(s.peer_id) }))),
+      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null)),
+      el("td", { "data-label": "blocks", class: "num" }, el("span", { text: span })),
+      el("td", { "data-label": "memory", class: "num" }, el("span", { title: hw, text: fmtBytes(s.memory_bytes) + (hw ? " \u00b7 " + hw : "") })),
+      el("td", { "data-label": "slots" },
+        el("div", { class: "slots" },
+          el("div", { class: "bar slots" + (frac >= 1 ? " full" : "") }, el("span", { style: { width: (100 * frac).toFixed(1) + "%" } })),
+          el("span", { class: "num", text: (used === null ? "?" : used) + " / " + (total === null ? "?" : total) }))),
+      el("td", { "data-label": "\u03c4p /block", class: "num" }, el("span", { text: fmtSeconds(s.tau_p) })),
+      el("td", { "data-label": "\u03c4c", class: "num" }, el("span", { text: fmtSeconds(s.tau_c) })),
+      el("td", { "data-label": "emulation" }, el("span", {}, flags.length ? flags : "off")),
+      el("td", { "data-label": "last seen", class: "num" }, el("span", { text: lastSeen })));
+  }
+
+  function renderServers(data, servers, nowMs) {
+    var nowS = nowMs / 1000;
+    var sorted = servers.slice().sort(function (a, b) {
+      return ((int(a.start_block) || 0) - (int(b.start_block) || 0)) || serverName(a).localeCompare(serverName(b));
+    });
+    var rows = sorted.map(function (s) { return serverRow(s, nowS, null); });
+    state.gone.forEach(function (g) { rows.push(serverRow(g.server, nowS, g.since / 1000)); });
+    var online = servers.filter(function (s) { return s.state === "online"; }).length;
+    var goneCount = state.gone.size + servers.filter(function (s) { return !isLive(s); }).length;
+    $("servers-summary").textContent = servers.length + " known \u00b7 " + online + " online" + (goneCount ? " \u00b7 " + goneCount + " gone" : "");
+    if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 9, class: "muted", text: "No servers have announced themselves yet." }))];
+    var tbody = $("servers-table").tBodies[0];
+    tbody.replaceChildren.apply(tbody, rows);
+  }
+
+  // Redraw the size-dependent SVGs on resize (phone rotation) without refetching.
+  var resizeTimer = null;
+  window.addEventListener("resize", function () {
+    if (resizeTimer) clearTimeout(resizeTimer);
+    resizeTimer = setTimeout(function () {
+      if (!state.last) return;
+      renderBounds(state.last);
+      renderLatencyChart(state.last);
+      renderCoverage(state.last, arr(state.last.servers).filter(function (s) { return s && typeof s === "object" && s.peer_id !== undefined; }));
+    }, 150);
+  });
+
+  $("refresh-select").addEventListener("change", function (ev) { setPeriod(num(ev.target.value) || 0, true); });
+  setPeriod(readInitialPeriod(), false);
+})();

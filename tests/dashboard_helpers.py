@@ -1,0 +1,130 @@
+"""Shared helpers of the dashboard tests: a contracts-E fixture, a threaded uvicorn server, headless Chromium."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import shutil
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import uvicorn
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+def browser_skip_reason() -> Optional[str]:
+    """Why browser tests cannot run here, or None."""
+    if CHROMIUM is None:
+        return "Debian chromium is not installed (bash scripts/setup.sh dev installs it)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright Python package is not installed (pip install -e .[dev])"
+    return None
+
+
+def sample_swarm(now: Optional[float] = None, hostile_name: str = "<img src=x onerror=window.__pwned=1>evil") -> dict:
+    """A contracts-E view of a 5-server, 24-block swarm with 3 chains, a queue and a response history."""
+    now = time.time() if now is None else now
+
+    def server(pid, name, start, n, total, free, tau_p, tau_c, mem_gb, rtt=0.0, scale=1.0):
+        return {"peer_id": pid, "public_name": name, "state": "online", "start_block": start, "num_blocks": n,
+                "slots_total": total, "slots_free": free, "tau_p": tau_p, "tau_c": tau_c,
+                "memory_bytes": int(mem_gb * 2**30), "device": "cpu", "dtype": "float32",
+                "emulate_rtt_ms": rtt, "emulate_compute_scale": scale, "last_seen": now - 1.5}
+
+    servers = [
+        server("QmAlpha1111111111111111111111111111111111111", "alpha-a100", 0, 12, 48, 18, 0.004, 0.030, 40),
+        server("QmBravo2222222222222222222222222222222222222", "bravo-3090", 12, 12, 36, 24, 0.006, 0.045, 24, rtt=40),
+        server("QmCharl3333333333333333333333333333333333333", "charlie-t4", 0, 8, 16, 16, 0.011, 0.060, 16, scale=2.0),
+        server("QmDelta4444444444444444444444444444444444444", "delta-v100", 8, 16, 32, 16, 0.007, 0.050, 32, rtt=80),
+        server("QmEvilX5555555555555555555555555555555555555", hostile_name, 4, 10, 20, 10, 0.009, 0.070, 20),
+    ]
+    chains = [
+        {"id": 0, "servers": [servers[0]["peer_id"], servers[1]["peer_id"]], "names": ["alpha-a100", "bravo-3090"],
+         "blocks": [12, 12], "spans": [[0, 12], [12, 24]], "service_time": 0.20, "capacity": 3, "active": 3},
+        {"id": 1, "servers": [servers[2]["peer_id"], servers[3]["peer_id"]], "names": ["charlie-t4", "delta-v100"],
+         "blocks": [8, 16], "spans": [[0, 8], [8, 24]], "service_time": 0.31, "capacity": 2, "active": 1},
+        {"id": 2, "servers": [servers[0]["peer_id"], servers[3]["peer_id"]], "names": ["alpha-a100", "delta-v100"],
+         "blocks": [12, 12], "spans": [[0, 12], [12, 24]], "service_time": 0.26, "capacity": 1, "active": 0},
+    ]
+    history = []
+    for i in range(60):
+        wait = max(0.0, 0.05 * ((i * 7) % 11) - 0.2)
+        service = 0.2 + 0.02 * ((i * 5) % 7)
+        history.append({"t": now - 120 + 2 * i, "response_s": wait + service, "wait_s": wait, "service_s": service})
+    return {
+        "model": "tiny-llama-24", "dht_prefix": "tiny-llama-24", "max_length": 512, "ready": True,
+        "initial_peers": ["/ip4/127.0.0.1/tcp/40000/p2p/QmOrch"], "http_url": "http://127.0.0.1:8000",
+        "epoch": 3, "placement_policy": "gbp-cr", "dispatch_policy": "jffc", "c": 3,
+        "arrival_rate": 9.5, "rho_bar": 0.7, "predicted_response_s": {"lower": 0.24, "upper": 0.41},
+        "measured": {"mean_response_s": 0.31, "mean_wait_s": 0.07, "mean_service_s": 0.24,
+                     "completed": 1234, "failed": 2},
+        "queue_length": 4, "updated_at": now, "servers": servers, "chains": chains, "history": history,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """Run ``app`` with uvicorn in a thread on a free loopback port; yields the base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("test HTTP server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+class MutableView:
+    """A view the test can change while the page polls it."""
+
+    def __init__(self, data: dict):
+        self._data = copy.deepcopy(data)
+        self._lock = threading.Lock()
+
+    def get(self) -> dict:
+        with self._lock:
+            return copy.deepcopy(self._data)
+
+    def update(self, fn: Callable[[dict], None]) -> None:
+        with self._lock:
+            fn(self._data)
+
+
+@contextlib.contextmanager
+def chromium_page(viewport: Optional[dict] = None) -> Iterator[tuple[Any, list[str]]]:
+    """A headless-Chromium page and the list that collects its console errors and page errors."""
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport=viewport or {"width": 1280, "height": 900})
+            page = context.new_page()
+            page.on("console", lambda msg: errors.append(f"console.{msg.type}: {msg.text}") if msg.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+            yield page, errors
+        finally:
+            browser.close()
