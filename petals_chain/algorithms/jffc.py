@@ -95,6 +95,12 @@ class JFFCDispatcher:
         self.queue = queue if queue is not None else FIFOQueue()
         self._free = [(-mu, k) for k, (mu, cap) in enumerate(params) if cap > 0]
         heapq.heapify(self._free)
+        self.last_started = False  # whether the last arrival started at once (same attribute as the baselines)
+
+    @property
+    def running(self) -> list[int]:
+        """Jobs in service per chain (equal to ``occupancy`` under JFFC)."""
+        return self.occupancy
 
     @property
     def queue_length(self) -> int:
@@ -107,8 +113,10 @@ class JFFCDispatcher:
             self.occupancy[k] += 1
             if self.occupancy[k] >= self.capacities[k]:
                 heapq.heappop(self._free)
+            self.last_started = True
             return k
         self.queue.push(job)
+        self.last_started = False
         return None
 
     def complete(self, k: int) -> Any | None:
