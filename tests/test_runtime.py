@@ -1,0 +1,339 @@
+"""Block runtime: per-block loading, the slot pool, and a chain of BlockRunners vs the full HF model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import petals_chain.swarm.checkpoint as checkpoint
+from petals_chain.server.runner import BlockRunner, NoCapacityError
+from petals_chain.swarm.checkpoint import load_block, load_config, load_head, resolve_model_path, weight_map
+from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, slots_for_budget
+from petals_chain.swarm.tiny_model import build_tiny_model
+
+SPANS = [(0, 3), (3, 6), (6, 8)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: build_tiny_model(root / fam, family=fam, num_layers=8, seed=0) for fam in ("llama", "mistral", "qwen2")}
+
+
+def _chain(path, max_length=64, num_slots=3, **kw):
+    runners = [BlockRunner(path, a, b - a, num_slots=num_slots, max_length=max_length, progress=False, **kw)
+               for a, b in SPANS]
+    for r, (a, b) in zip(runners, SPANS):
+        r.allocate("s", a, b)
+    return runners
+
+
+def _through(runners, hidden, position, sid="s"):
+    for r in runners:
+        hidden = r.forward(sid, hidden, position)
+    return hidden
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_chain_matches_full_model_logits(models, family, attn):
+    path = models[family]
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
+    head = load_head(path, "float32")
+    runners = _chain(path, attn_implementation=attn)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        # prefill of 9 tokens, then a 3-token chunk on top of a prefix (exercises the explicit mask), then decode
+        ref = model(ids[:, :9], past_key_values=cache, use_cache=True).logits
+        got = head.logits(_through(runners, head.embed(ids[:, :9]), 0))
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+        ref = model(ids[:, 9:], past_key_values=cache, use_cache=True).logits
+        got = head.logits(_through(runners, head.embed(ids[:, 9:]), 9))
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+        tok, pos = ref[:, -1:].argmax(-1), 12
+        for _ in range(6):
+            ref = model(tok, past_key_values=cache, use_cache=True).logits
+            got = head.logits(_through(runners, head.embed(tok), pos))
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+            tok, pos = ref[:, -1:].argmax(-1), pos + 1
+    assert [r.session_length("s") for r in runners] == [pos] * 3
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_greedy_generation_matches_generate(models, family):
+    from transformers import AutoTokenizer
+
+    path = models[family]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = tok("Once upon a time there was a", return_tensors="pt").input_ids
+    new_tokens = 20
+    ref = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+
+    head = load_head(path)
+    runners = _chain(path)
+    out: list[int] = []
+    inp, pos = ids, 0
+    for _ in range(new_tokens):
+        hidden = _through(runners, head.embed(inp), pos)
+        nxt = int(head.logits(hidden[:, -1]).argmax(-1))
+        out.append(nxt)
+        pos += inp.shape[1]
+        inp = torch.tensor([[nxt]])
+    assert out == ref
+    assert len(set(out)) > 3
+
+
+def test_load_block_reads_only_its_own_keys(models, monkeypatch):
+    path = models["llama"]
+    wmap = weight_map(path)
+    assert len(set(wmap.values())) >= 2
+    reads: list[tuple[str, str]] = []
+    real = checkpoint.safe_open
+
+    class Spy:
+        def __init__(self, fname, *a, **k):
+            self.fname, self.f = fname, real(fname, *a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, k):
+            reads.append((self.fname.rsplit("/", 1)[-1], k))
+            return self.f.get_tensor(k)
+
+    monkeypatch.setattr(checkpoint, "safe_open", Spy)
+    for index in (0, 4, 7):
+        reads.clear()
+        layer = load_block(path, index, "float32")
+        assert layer.self_attn.layer_idx == index
+        expected = {k for k in wmap if k.startswith(f"model.layers.{index}.")}
+        assert {k for _, k in reads} == expected and len(reads) == len(expected)
+        assert {f for f, _ in reads} == {wmap[k] for k in expected}
+    # some block lives in a different shard than block 0: per-block loading really spans files
+    assert len({wmap[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(8)}) >= 2
+
+
+def test_load_block_errors(models):
+    path = models["llama"]
+    with pytest.raises(ValueError, match="out of range"):
+        load_block(path, 8)
+    with pytest.raises(ValueError, match="CUDA"):
+        load_block(path, 0, quant="nf4")
+    with pytest.raises(ValueError, match="quant"):
+        load_block(path, 0, quant="int4")
+    with pytest.raises(ValueError, match="dtype"):
+        load_block(path, 0, dtype="int8")
+
+
+def test_resolve_model_path(models, tmp_path):
+    assert resolve_model_path(str(models["qwen2"])) == models["qwen2"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model_path(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError):
+        resolve_model_path(str(tmp_path / "nope" / "deeper"))
+
+
+def test_head_tied_and_untied(models):
+    for fam, tied in (("llama", False), ("qwen2", True)):
+        head = load_head(models[fam], "bfloat16")
+        assert head.dtype == torch.bfloat16
+        assert (head.lm_head.weight is head.embed_tokens.weight) == tied
+        logits = head.logits(head.embed(torch.tensor([[1, 2, 3]])))
+        assert logits.shape == (1, 3, head.config.vocab_size) and logits.dtype == torch.float32
+    with pytest.raises(ValueError, match="token ids"):
+        head.embed(torch.tensor([[head.config.vocab_size]]))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_memory_formulas_match_tensors(models, family, dtype):
+    path = models[family]
+    cfg = load_config(path)
+    r = BlockRunner(path, 2, 3, num_slots=5, max_length=48, dtype=dtype, progress=False)
+    s_m, s_c = block_bytes(cfg, dtype), cache_slot_bytes(cfg, dtype, 48)
+    assert r.blocks_bytes == 3 * s_m
+    assert r.pool.nbytes == 5 * s_c and r.s_c == s_c
+    kv, hd = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    assert s_c == 2 * kv * hd * 48 * (4 if dtype == "float32" else 2)
+    assert block_bytes(cfg, "float16", "int8") < block_bytes(cfg, "float16") / 1.5
+    assert block_bytes(cfg, "float16", "nf4") < block_bytes(cfg, "float16", "int8")
+    # Eq. 3: a budget of exactly 3 blocks + 5 slots gives 5 slots; one byte less gives 4
+    assert slots_for_budget(3 * s_m + 5 * s_c, 3, s_m, s_c) == 5
+    assert slots_for_budget(3 * s_m + 5 * s_c - 1, 3, s_m, s_c) == 4
+    assert slots_for_budget(s_m, 3, s_m, s_c) == 0
+
+
+def test_slot_accounting(models):
+    r = BlockRunner(models["llama"], 2, 4, num_slots=7, max_length=32, progress=False)
+    assert (r.slots_total, r.slots_free) == (7, 7)
+    r.allocate("a", 2, 6)  # 4 slots
+    r.allocate("b", 4, 6)  # 2 slots
+    assert r.slots_free == 1
+    with pytest.raises(NoCapacityError, match="no capacity"):
+        r.allocate("c", 3, 5)
+    assert r.slots_free == 1 and "c" not in r.sessions()
+    r.allocate("d", 5, 6)
+    assert r.slots_free == 0
+    with pytest.raises(NoCapacityError):
+        r.allocate("e", 5, 6)
+    # distinct sessions never share a slot
+    slots = [s for sess in r._sessions.values() for s in sess.slot_of.values()]
+    assert sorted(slots) == list(range(7))
+    assert r.release("a") and r.slots_free == 4
+    assert not r.release("a")  # unknown now
+    r.allocate("c", 3, 5)
+    assert r.slots_free == 2
+    for bad in [(1, 3), (2, 2), (5, 7), (4, 3)]:
+        with pytest.raises(ValueError, match="span"):
+            r.allocate("x", *bad)
+    with pytest.raises(ValueError, match="already open"):
+        r.allocate("b", 4, 5)
+    assert r.slots_free == 2
+    r.close()
+    assert r.slots_free == 7 and r.sessions() == {}
+
+
+def test_zero_slot_runner_refuses(models):
+    r = BlockRunner(models["llama"], 0, 1, num_slots=0, max_length=16, progress=False)
+    with pytest.raises(NoCapacityError):
+        r.allocate("a", 0, 1)
+
+
+def test_invalid_inputs_change_nothing(models):
+    r = BlockRunner(models["qwen2"], 0, 2, num_slots=2, max_length=16, progress=False)
+    H = r.hidden_size
+    r.allocate("s", 0, 2)
+    x = torch.randn(1, 4, H, generator=torch.Generator().manual_seed(0))
+    out1 = r.forward("s", x, 0)
+    keys_before = r.pool.keys.clone()
+    bad_calls = [
+        (torch.randn(2, 1, H), 4, "shape"),
+        (torch.randn(1, 1, H + 1), 4, "shape"),
+        (torch.randn(1, 0, H), 4, "shape"),
+        (torch.randn(1, H), 4, "shape"),
+        (torch.ones(1, 1, H, dtype=torch.int64), 4, "float"),
+        (torch.full((1, 1, H), float("nan")), 4, "NaN"),
+        ([[0.0] * H], 4, "Tensor"),
+        (torch.randn(1, 1, H), 5, "skip ahead"),
+        (torch.randn(1, 1, H), -1, "position"),
+        (torch.randn(1, 1, H), 4.0, "int"),
+        (torch.randn(1, 13, H), 4, "max_length"),
+    ]
+    for hidden, pos, msg in bad_calls:
+        with pytest.raises(ValueError, match=msg):
+            r.forward("s", hidden, pos)
+        assert r.session_length("s") == 4
+        assert torch.equal(r.pool.keys, keys_before)
+    with pytest.raises(KeyError):
+        r.forward("nope", torch.randn(1, 1, H), 0)
+    # the session still works and is consistent: recomputing the prefix gives the same result
+    torch.testing.assert_close(r.forward("s", x, 0), out1, atol=0, rtol=0)
+    r.forward("s", torch.randn(1, 12, H), 4)  # fills to max_length exactly
+    assert r.session_length("s") == 16
+    with pytest.raises(ValueError, match="max_length"):
+        r.forward("s", torch.randn(1, 1, H), 16)
+
+
+def test_rollback_recomputes_from_earlier_position(models):
+    path = models["mistral"]
+    r = BlockRunner(path, 0, 8, num_slots=16, max_length=32, progress=False)
+    H = r.hidden_size
+    g = torch.Generator().manual_seed(3)
+    prefix, a, b = torch.randn(1, 6, H, generator=g), torch.randn(1, 3, H, generator=g), torch.randn(1, 2, H, generator=g)
+    r.allocate("x", 0, 8)
+    r.allocate("y", 0, 8)
+    r.forward("x", prefix, 0)
+    r.forward("x", a, 6)  # a branch we later abandon
+    assert r.session_length("x") == 9
+    out_x = r.forward("x", b, 6)  # roll back to position 6 and continue differently
+    assert r.session_length("x") == 8
+    r.forward("y", prefix, 0)
+    out_y = r.forward("y", b, 6)  # the same sequence without the detour
+    torch.testing.assert_close(out_x, out_y, atol=1e-6, rtol=0)
+
+
+def test_dtype_round_trip_and_bf16(models):
+    r = BlockRunner(models["llama"], 0, 2, num_slots=2, max_length=16, dtype="bfloat16", progress=False)
+    r.allocate("s", 0, 2)
+    x = torch.randn(1, 3, r.hidden_size)
+    out = r.forward("s", x, 0)
+    assert out.dtype == torch.float32 and out.shape == x.shape and torch.isfinite(out).all()
+    assert r.pool.keys.dtype == torch.bfloat16
+
+
+def test_runner_constructor_validation(models):
+    path = models["llama"]
+    with pytest.raises(ValueError, match="outside"):
+        BlockRunner(path, 6, 3, num_slots=1, max_length=8, progress=False)
+    with pytest.raises(ValueError, match="compute_scale"):
+        BlockRunner(path, 0, 1, num_slots=1, max_length=8, compute_scale=0.5, progress=False)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        BlockRunner(path, 0, 1, num_slots=1, max_length=10**6, progress=False)
+
+
+def test_compute_scale_slows_steps(models):
+    import time
+
+    path = models["llama"]
+    fast = BlockRunner(path, 0, 8, num_slots=8, max_length=128, progress=False)
+    slow = BlockRunner(path, 0, 8, num_slots=8, max_length=128, compute_scale=3.0, progress=False)
+    x = torch.randn(1, 64, fast.hidden_size)
+
+    def timed(r):
+        r.allocate("t", 0, 8)
+        r.forward("t", x, 0)  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            r.forward("t", x, 0)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    assert timed(slow) > 2.0 * timed(fast)
+
+
+def test_concurrent_sessions_from_threads(models):
+    path = models["qwen2"]
+    r = BlockRunner(path, 0, 8, num_slots=32, max_length=32, progress=False)
+    H = r.hidden_size
+    xs = [torch.randn(1, 5, H, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    expected = []
+    for i, x in enumerate(xs):
+        r.allocate(f"ref{i}", 0, 8)
+        expected.append([r.forward(f"ref{i}", x, 0), r.forward(f"ref{i}", x[:, :1], 5)])
+        r.release(f"ref{i}")
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def work(i):
+        try:
+            r.allocate(f"t{i}", 0, 8)
+            results[i] = [r.forward(f"t{i}", xs[i], 0), r.forward(f"t{i}", xs[i][:, :1], 5)]
+            r.release(f"t{i}")
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(4):
+        for got, want in zip(results[i], expected[i]):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert r.slots_free == 32
