@@ -1,0 +1,366 @@
+"""``python -m petals_chain.sim``: reproduce the paper's §4.1 figures, the overall comparison and a trace replay.
+
+Sub-commands: fig3 fig4 fig5 fig6 fig7 fig8 overall trace planner-scale reproduce. Tables go to stdout
+(``--json``: one JSON object instead), PNG plots and JSON files to ``--out DIR``; progress bars on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from petals_chain.sim import experiments as ex
+from petals_chain.sim.scenarios import DEFAULT_ETA, DEFAULT_J, DEFAULT_LAMBDA, DISPATCHERS, POLICIES
+
+FIGS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8")
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe copy: inf/nan -> None, int dict keys -> str."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if hasattr(obj, "item"):  # numpy scalars
+        return _clean(obj.item())
+    return obj
+
+
+def _fmt(v: Any, nd: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "inf"
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], file=None) -> None:
+    """A table via rich when available, else plain text."""
+    file = file or sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title)
+        for h in headers:
+            t.add_column(str(h), justify="right")
+        for r in rows:
+            t.add_row(*[_fmt(v) for v in r])
+        Console(file=file, width=200).print(t)
+    except ImportError:  # pragma: no cover
+        print(title, file=file)
+        print("\t".join(headers), file=file)
+        for r in rows:
+            print("\t".join(_fmt(v) for v in r), file=file)
+
+
+# ------------------------------------------------------------------------------------ plotting
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path | None, name: str) -> None:
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=80)
+    _plt().close(fig)
+
+
+def plot_fig3(res: dict, out: Path | None) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, case in zip(axes, ("homogeneous", "heterogeneous")):
+        rows = [r for r in res["cases"][case] if r.get("feasible_runs")]
+        xs = list(range(len(rows)))
+        stats = [{"med": r["random_median"], "q1": r["random_q1"], "q3": r["random_q3"], "whislo": r["random_min"],
+                  "whishi": r["random_max"], "label": f"{r['lambda']:g}"} for r in rows]
+        if stats:
+            ax.bxp(stats, positions=xs, showfliers=False)
+            ax.plot(xs, [r["gbp_cr_mean"] for r in rows], "r*", ms=12, label="GBP-CR")
+        ax.set_title(f"{case} (c={res['c']})")
+        ax.set_xlabel("arrival rate λ (req/s)")
+        ax.set_ylabel("c·|K| (objective 10a × c)")
+        ax.legend()
+    _save(fig, out, "fig3_gbp_cr")
+
+
+def plot_fig4(res: dict, out: Path | None) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    x = [100 * r["load"] for r in res["rows"]]
+    for key, label, st in (("ck", "c·K(c)", "s--"), ("gca", "GCA", "o-"), ("ilp", "Optimal ILP", "x:"), ("lower", "Lower bound", "v-.")):
+        ax.plot(x, [r[key] if r[key] is not None else float("nan") for r in res["rows"]], st, label=label)
+    ax.set_xlabel("λ (% of total service rate of GCA chains)")
+    ax.set_ylabel("# job servers Σ c_k")
+    ax.legend()
+    _save(fig, out, "fig4_gca")
+
+
+def plot_fig5(res: dict, out: Path | None) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    x = [r["load"] for r in res["rows"]]
+    for kind in DISPATCHERS:
+        axes[0].errorbar(x, [r[kind] for r in res["rows"]], yerr=[r[f"{kind}_ci"] for r in res["rows"]], label=kind.upper(), capsize=2)
+    axes[0].set_title("(a) policies")
+    axes[1].plot(x, [r["jffc"] for r in res["rows"]], "o-", label="JFFC (sim)")
+    axes[1].plot(x, [r["lower"] for r in res["rows"]], "v--", label="lower bound")
+    axes[1].plot(x, [r["upper"] for r in res["rows"]], "^--", label="upper bound")
+    axes[1].set_title("(b) JFFC vs Thm 3.7 bounds")
+    for ax in axes:
+        ax.set_xlabel("load factor ρ = λ/ν")
+        ax.set_ylabel("mean response time (s)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    _save(fig, out, "fig5_jffc")
+
+
+def plot_fig6(res: dict, out: Path | None) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    sim = {int(c): v for c, v in res["simulated"].items()}
+    cur = {m: {int(c): v for c, v in d.items()} for m, d in res["curves"].items()}
+    for ax, zoom in zip(axes, (False, True)):
+        lim = 40 if zoom else 10**9
+        for m, st in (("surrogate", "-"), ("lower", "--"), ("upper", "-.")):
+            cs = sorted(c for c in cur[m] if c <= lim and cur[m][c] is not None and math.isfinite(cur[m][c]))
+            ax.plot(cs, [cur[m][c] for c in cs], st, label={"surrogate": "c·K(c)/λ"}.get(m, f"{m} bound"))
+        cs = sorted(c for c in sim if c <= lim and sim[c] is not None and math.isfinite(sim[c]))
+        ax.plot(cs, [sim[c] for c in cs], "ko-", ms=3, label="simulated")
+        for m, mk in (("simulated", "k*"), ("surrogate", "C0*"), ("lower", "C1*"), ("upper", "C2*")):
+            c = res["c_star"].get(m)
+            src = sim if m == "simulated" else cur[m]
+            if c is not None and c <= lim and src.get(int(c)) is not None:
+                ax.plot([c], [src[int(c)]], mk, ms=14)
+        ax.set_yscale("log")
+        ax.set_xlabel("c")
+        ax.set_ylabel("mean response time (s)")
+        ax.set_title("(b) zoomed" if zoom else "(a) overall")
+        ax.legend(fontsize=8)
+    _save(fig, out, "fig6_c_tuning")
+
+
+def plot_fig7(res: dict, out: Path | None) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    x = [r["lambda"] for r in res["rows"]]
+    for m, st in (("simulated", "ko-"), ("surrogate", "s--"), ("lower", "v-"), ("upper", "^-.")):
+        ax.plot(x, [r[m] if r[m] is not None else float("nan") for r in res["rows"]], st, label=m)
+    ax.set_xlabel("λ (req/s)")
+    ax.set_ylabel("c*")
+    ax.set_yscale("log")
+    ax.legend()
+    _save(fig, out, "fig7_c_star")
+
+
+def plot_fig8(res: dict, out: Path | None) -> None:
+    plt = _plt()
+    Js = sorted({c["servers"] for c in res["cells"]})
+    fig, axes = plt.subplots(1, len(Js), figsize=(3.2 * len(Js), 3.4), squeeze=False)
+    for ax, J in zip(axes[0], Js):
+        cells = [c for c in res["cells"] if c["servers"] == J]
+        x = [c["eta"] for c in cells]
+        for p, st in (("proposed", "o-"), ("petals", "s--"), ("bprr", "^-.")):
+            ax.plot(x, [c[p]["mean_response_s"] if c[p]["mean_response_s"] is not None else float("nan") for c in cells], st, label=p)
+        ax.set_title(f"J={J}")
+        ax.set_xlabel("η")
+        ax.set_yscale("log")
+    axes[0][0].set_ylabel("mean response time (s)")
+    axes[0][0].legend(fontsize=8)
+    _save(fig, out, "fig8_overall")
+
+
+# ---------------------------------------------------------------------------------- printing
+
+
+def show(cmd: str, res: dict) -> None:
+    if cmd == "fig3":
+        for case, rows in res["cases"].items():
+            print_table(f"Fig. 3 {case}: c|K| of GBP-CR vs {res['num_random']} random feasible placements (c={res['c']}, {res['runs']} runs)",
+                        ["lambda", "GBP-CR", "rand min", "rand median", "rand max", "runs GBP-CR<=best"],
+                        [[r["lambda"], r.get("gbp_cr_mean"), r.get("random_min"), r.get("random_median"), r.get("random_max"),
+                          f"{r.get('gbp_cr_le_best_random_runs', 0)}/{r['feasible_runs']}"] for r in rows])
+    elif cmd == "fig4":
+        print_table(f"Fig. 4: job servers to reach λ/ρ̄ on a GBP-CR(c={res['c']}) placement ({res['runs']} runs)",
+                    ["load %", "c·K(c)", "GCA", "ILP on GCA chains", "lower bound"],
+                    [[100 * r["load"], r["ck"], r["gca"], r["ilp"], r["lower"]] for r in res["rows"]])
+    elif cmd == "fig5":
+        print_table(f"Fig. 5: mean response (s), GBP-CR(c={res['c']})+GCA chains ({res['runs']} runs x {res['jobs']} jobs)",
+                    ["load", *[d.upper() for d in DISPATCHERS], "lower", "upper", "JFFC svc/resp"],
+                    [[r["load"], *[r[d] for d in DISPATCHERS], r["lower"], r["upper"], r["jffc_service_frac"]] for r in res["rows"]])
+    elif cmd == "fig6":
+        cs = res["c_values"]
+        sim = res["simulated"]
+        cur = res["curves"]
+        print_table(f"Fig. 6: mean response (s) vs c (λ={res['arrival_rate']}, {res['runs']} runs)",
+                    ["c", "simulated", "cK(c)/λ", "lower", "upper"],
+                    [[c, sim.get(c), cur["surrogate"].get(c), cur["lower"].get(c), cur["upper"].get(c)] for c in cs if c <= 40 or c % 40 == 0])
+        print_table("Fig. 6: c*", ["simulated", "surrogate", "lower", "upper"],
+                    [[res["c_star"]["simulated"], res["c_star"]["surrogate"], res["c_star"]["lower"], res["c_star"]["upper"]]])
+    elif cmd == "fig7":
+        print_table(f"Fig. 7: c* vs λ ({res['runs']} runs)", ["lambda", "simulated", "surrogate", "lower", "upper",
+                                                              "T@sim", "T@lower", "T@surrogate"],
+                    [[r["lambda"], r["simulated"], r["surrogate"], r["lower"], r["upper"], r["simulated_T"], r["T_at_lower"],
+                      r["T_at_surrogate"]] for r in res["rows"]])
+    elif cmd == "fig8":
+        print_table(f"Fig. 8: mean response (s), {res['runs']} runs x {res['jobs']} jobs", ["J", "eta", "proposed", "PETALS", "BPRR",
+                                                                                          "-% vs PETALS", "-% vs BPRR"],
+                    [[c["servers"], c["eta"], c["proposed"]["mean_response_s"], c["petals"]["mean_response_s"], c["bprr"]["mean_response_s"],
+                      c["reduction_vs_petals_pct"], c["reduction_vs_bprr_pct"]] for c in res["cells"]])
+        print(f"reduction range: {res['reduction_range_pct']} % (paper: {res['paper_reduction_range_pct']} %)")
+    elif cmd == "overall":
+        print_table("Overall comparison", ["policy", "mean resp", "±95%", "P95 resp", "mean wait", "mean service", "runs"],
+                    [[p, d.get("mean_response_s"), d.get("mean_response_ci_s"), d.get("p95_response_s"), d.get("mean_wait_s"),
+                      d.get("mean_service_s"), d.get("runs")] for p, d in res.items()])
+    elif cmd == "trace":
+        print(f"trace: {res['source']}, {res['requests']} requests, {res['rate_per_s']:.2f} req/s, "
+              f"inter-arrival std / exponential's = {res['interarrival_std_ratio']:.2f}, c* (lower bound) = {res['c_lower_bound']}")
+        print_table("Trace replay (ours | paper Table 1)", ["policy", "mean resp", "paper", "P95", "paper", "mean wait", "paper", "mean svc"],
+                    [[p, d.get("mean_response_s"), res["paper"].get(p, {}).get("mean_response_s"), d.get("p95_response_s"),
+                      res["paper"].get(p, {}).get("p95_response_s"), d.get("mean_wait_s"), res["paper"].get(p, {}).get("mean_wait_s"),
+                      d.get("mean_service_s")] for p, d in res["policies"].items()])
+    elif cmd == "planner-scale":
+        print_table("Planner scale (tune_capacity: c* by lower bound + GBP-CR + GCA)", ["J", "seconds", "c", "chains", "λ"],
+                    [[res["servers"], res["seconds"], res["c"], res["chains"], res["arrival_rate"]]])
+
+
+PLOTS = {"fig3": plot_fig3, "fig4": plot_fig4, "fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig8": plot_fig8}
+
+
+# ------------------------------------------------------------------------------------ commands
+
+
+def run_command(cmd: str, a: argparse.Namespace) -> dict:
+    q = a.quick
+    runs = a.runs if a.runs is not None else (3 if q else 20)
+    jobs = a.jobs if a.jobs is not None else (1000 if q else 5000)
+    prog = not a.no_progress
+    if cmd == "fig3":
+        return ex.fig3(runs=runs, seed=a.seed, num_random=30 if q else 100, progress=prog)
+    if cmd == "fig4":
+        return ex.fig4(runs=runs, seed=a.seed, progress=prog)
+    if cmd == "fig5":
+        return ex.fig5(runs=runs, seed=a.seed, jobs=jobs, progress=prog,
+                       loads=(0.1, 0.3, 0.5, 0.7, 0.9) if q else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
+    if cmd == "fig6":
+        return ex.fig6(runs=runs, seed=a.seed, jobs=jobs, progress=prog,
+                       c_values=list(range(1, 21)) + [30, 40, 80, 160, 320] if q else None)
+    if cmd == "fig7":
+        return ex.fig7(runs=runs, seed=a.seed, jobs=jobs, progress=prog,
+                       lambdas=(0.1, 0.2, 0.4) if q else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6),
+                       c_values=tuple(range(1, 21)) if q else tuple(range(1, 31)))
+    if cmd == "fig8":
+        out = a.out
+
+        def on_cell(cell):  # keep partial results of long runs
+            if out:
+                Path(out).mkdir(parents=True, exist_ok=True)
+                with open(Path(out) / "fig8_cells.jsonl", "a") as f:
+                    f.write(json.dumps(_clean(cell)) + "\n")
+
+        return ex.fig8(runs=runs, seed=a.seed, jobs=jobs, progress=prog, on_cell=on_cell,
+                       servers=(10, 20) if q else (10, 20, 30, 40), etas=(0.2, 0.4) if q else (0.1, 0.2, 0.3, 0.4))
+    if cmd == "overall":
+        return ex.overall(num_servers=a.servers, eta=a.eta, arrival_rate=a.arrival_rate, runs=runs, seed=a.seed, jobs=jobs,
+                          progress=prog)
+    if cmd == "trace":
+        return ex.trace_replay(trace_path=a.trace, requests=a.requests, seed=a.seed,
+                               runs=a.runs if a.runs is not None else (1 if q else 5), progress=prog)
+    if cmd == "planner-scale":
+        return ex.planner_scale(a.servers, seed=a.seed, arrival_rate=a.planner_rate)
+    raise ValueError(cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m petals_chain.sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=(*FIGS, "overall", "trace", "planner-scale", "reproduce"))
+    p.add_argument("--runs", type=int, default=None, help="Monte Carlo runs (default 20, 3 with --quick; trace: 5 / 1)")
+    p.add_argument("--jobs", type=int, default=None, help="jobs per simulation run (default 5000, 1000 with --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smaller grids and fewer runs")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--out", type=str, default=None, help="directory for PNG plots and JSON results")
+    p.add_argument("--servers", type=int, default=None, help="J (overall: default 20; planner-scale: default 1000)")
+    p.add_argument("--eta", type=float, default=DEFAULT_ETA, help="fraction of fast servers")
+    p.add_argument("--arrival-rate", type=float, default=DEFAULT_LAMBDA, help="lambda for overall (req/s)")
+    p.add_argument("--planner-rate", type=float, default=None, help="lambda for planner-scale (default 0.01*J)")
+    p.add_argument("--trace", type=str, default=None, help="Azure trace CSV (default ../shared/data/..., else synthetic)")
+    p.add_argument("--rtt-file", type=str, default=None, help="RIPE Atlas CSV (default ../shared/data/..., else synthetic)")
+    p.add_argument("--requests", type=int, default=1000, help="trace: replay the first N requests (0 = all)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    for name in ("runs", "jobs", "servers", "requests"):
+        v = getattr(a, name)
+        if v is not None and v < (0 if name == "requests" else 1):
+            print(f"error: --{name} must be positive", file=sys.stderr)
+            return 2
+    if not 0 <= a.eta <= 1:
+        print("error: --eta must be in [0, 1]", file=sys.stderr)
+        return 2
+    if not (a.arrival_rate > 0 and math.isfinite(a.arrival_rate)):
+        print("error: --arrival-rate must be positive", file=sys.stderr)
+        return 2
+    if a.servers is None:
+        a.servers = 1000 if a.command == "planner-scale" else DEFAULT_J
+    if a.rtt_file is not None:
+        from petals_chain.sim import data as simdata
+
+        try:
+            anchors = simdata.get_anchors(a.rtt_file)
+        except (OSError, simdata.DataError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        simdata.set_default_anchors(anchors)
+    out = Path(a.out) if a.out else None
+    cmds = list(FIGS) + ["overall", "trace"] if a.command == "reproduce" else [a.command]
+    results = {}
+    for cmd in cmds:
+        t0 = time.perf_counter()
+        try:
+            res = _clean(run_command(cmd, a))
+        except (OSError, ValueError) as e:
+            print(f"error in {cmd}: {e}", file=sys.stderr)
+            return 2
+        if cmd != "planner-scale":
+            res_meta = {"command": cmd, "seconds": time.perf_counter() - t0, "quick": a.quick, "seed": a.seed}
+        else:
+            res_meta = {}
+        results[cmd] = res
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{cmd}.json").write_text(json.dumps({**res_meta, "result": res}, indent=1))
+            if cmd in PLOTS:
+                PLOTS[cmd](res, out)
+        if not a.json:
+            show(cmd, res)
+            print(f"[{cmd}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
+    if a.json:
+        print(json.dumps(results if a.command == "reproduce" else results[a.command]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
