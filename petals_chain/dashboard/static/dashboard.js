@@ -1,7 +1,7 @@
 /* petals-chain swarm dashboard.
  * Polls the relative URL api/v1/swarm (so the page works under the orchestrator at "/" and under the
  * standalone dashboard) and re-renders in place. Every string from the API is untrusted (public swarm
- * names): it only ever reaches the DOM through textContent / setAttribute, never innerHTML. */
+ * names): it only ever reaches the DOM through textContent / setAttribute, never as HTML markup. */
 (function () {
   "use strict";
 

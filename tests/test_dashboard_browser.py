@@ -1,0 +1,156 @@
+"""The dashboard page in headless Chromium (Playwright) against a mutable contracts-E fixture."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from petals_chain.dashboard import mount_dashboard
+
+from dashboard_helpers import MutableView, browser_skip_reason, chromium_page, sample_swarm, serve_app
+
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))]
+
+HOSTILE = '<img src=x onerror="window.__pwned=1"><b>evil</b>'
+REFRESH_S = 1.0
+
+
+class FixtureSwarm:
+    """An orchestrator-like app: our own /api/v1/swarm plus the dashboard mounted at / (as the orchestrator does)."""
+
+    def __init__(self, data: dict):
+        self.view = MutableView(data)
+        self.status = 200
+        self.app = FastAPI()
+
+        @self.app.get("/api/v1/swarm")
+        def swarm():
+            if self.status != 200:
+                return JSONResponse({"detail": "boom"}, status_code=self.status)
+            return self.view.get()
+
+        mount_dashboard(self.app)
+
+
+@pytest.fixture(scope="module")
+def swarm_url():
+    fx = FixtureSwarm(sample_swarm(hostile_name=HOSTILE))
+    with serve_app(fx.app) as url:
+        yield fx, url
+
+
+def _open(page, url):
+    page.goto(f"{url}/?refresh={REFRESH_S:g}")
+    page.wait_for_selector("#servers-table tbody tr[data-peer-id]", timeout=10_000)
+
+
+def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url):
+    fx, url = swarm_url
+    data = fx.view.get()
+    with chromium_page() as (page, errors):
+        _open(page, url)
+        rows = page.locator("#servers-table tbody tr[data-peer-id]")
+        assert sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.peerId)")) == sorted(s["peer_id"] for s in data["servers"])
+        for s in data["servers"]:
+            row = page.locator(f'#servers-table tr[data-peer-id="{s["peer_id"]}"]')
+            assert row.locator(".server-name").inner_text() == s["public_name"]
+            assert row.get_attribute("data-state") == "online"
+        # chains: every chain, its hops in order, capacity and occupancy
+        chains = page.locator(".chain[data-chain-id]")
+        assert chains.count() == len(data["chains"])
+        for ch in data["chains"]:
+            card = page.locator(f'.chain[data-chain-id="{ch["id"]}"]')
+            hops = card.locator(".hop").evaluate_all("hs => hs.map(h => h.dataset.peerId)")
+            assert hops == ch["servers"]
+            assert card.locator(".chain-capacity").inner_text() == str(ch["capacity"])
+            assert card.locator(".chain-active").inner_text() == f'{ch["active"]} / {ch["capacity"]}'
+        assert page.locator("#queue-length").inner_text() == str(data["queue_length"])
+        assert page.locator("#ready-badge").get_attribute("data-ready") == "true"
+        assert page.locator("#c-star").inner_text() == str(data["c"])
+        # coverage map: one row per hosting server, one count per block (24 blocks, every one covered)
+        assert page.locator("#coverage rect.cov-cell").count() == len(data["servers"])
+        counts = page.locator("#coverage rect[data-block]").evaluate_all("rs => rs.map(r => +r.dataset.count)")
+        assert len(counts) == 24 and min(counts) >= 1
+        # live chart drawn from the history
+        assert page.locator("#latency-chart svg polyline.line-response").count() == 1
+        assert page.locator("#latency-chart circle.dot-response").count() == len(data["history"])
+
+        # the page refreshes in place: queue change and a server leaving show within one refresh period
+        gone = data["servers"][1]  # bravo, second hop of chain 0
+        page.evaluate("window.__sameDocument = true")
+        fx.view.update(lambda d: d.update(queue_length=9, servers=[s for s in d["servers"] if s["peer_id"] != gone["peer_id"]]))
+        t0 = time.monotonic()
+        page.wait_for_selector(f'#servers-table tr[data-peer-id="{gone["peer_id"]}"][data-state="gone"]',
+                               timeout=(REFRESH_S + 2.0) * 1000)
+        elapsed = time.monotonic() - t0
+        assert elapsed <= REFRESH_S + 2.0
+        assert page.locator("#queue-length").inner_text() == "9"
+        assert "broken" in page.locator('.chain[data-chain-id="0"]').get_attribute("class")
+        assert page.locator("#coverage rect.cov-cell").count() == len(data["servers"]) - 1
+        assert page.evaluate("window.__sameDocument") is True  # no page reload
+        # a server coming back is live again
+        fx.view.update(lambda d: d["servers"].append(gone))
+        page.wait_for_selector(f'#servers-table tr[data-peer-id="{gone["peer_id"]}"][data-state="online"]',
+                               timeout=(REFRESH_S + 2.0) * 1000)
+        # an offline record (graceful leave) is shown as gone too
+        fx.view.update(lambda d: d["servers"][0].update(state="offline"))
+        page.wait_for_selector(f'#servers-table tr[data-peer-id="{data["servers"][0]["peer_id"]}"].gone',
+                               timeout=(REFRESH_S + 2.0) * 1000)
+        assert errors == []
+    fx.view.update(lambda d: d.update(sample_swarm(hostile_name=HOSTILE)))
+
+
+def test_hostile_public_name_is_text(swarm_url):
+    fx, url = swarm_url
+    with chromium_page() as (page, errors):
+        _open(page, url)
+        page.wait_for_timeout(300)
+        evil = [s for s in fx.view.get()["servers"] if s["public_name"] == HOSTILE][0]
+        assert page.locator(f'#servers-table tr[data-peer-id="{evil["peer_id"]}"] .server-name').inner_text() == HOSTILE
+        assert page.evaluate("document.querySelectorAll('img, b').length") == 0
+        assert page.evaluate("window.__pwned") is None
+        assert errors == []
+
+
+def test_phone_width_has_no_horizontal_overflow(swarm_url):
+    fx, url = swarm_url
+    with chromium_page({"width": 390, "height": 844}) as (page, errors):
+        _open(page, url)
+        page.wait_for_timeout(300)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        # server rows become labelled cards on a phone
+        assert page.locator("#servers-table thead").is_hidden()
+        assert errors == []
+
+
+def test_api_outage_shows_banner_keeps_last_data_and_recovers(swarm_url):
+    fx, url = swarm_url
+    with chromium_page() as (page, errors):
+        _open(page, url)
+        n = page.locator("#servers-table tbody tr[data-peer-id]").count()
+        fx.status = 503
+        try:
+            page.wait_for_selector("#conn-error:not([hidden])", timeout=(REFRESH_S + 3) * 1000)
+            assert "HTTP 503" in page.locator("#conn-error").inner_text()
+            assert page.locator("#servers-table tbody tr[data-peer-id]").count() == n
+        finally:
+            fx.status = 200
+        page.wait_for_selector("#conn-error[hidden]", state="attached", timeout=(REFRESH_S + 3) * 1000)
+        # the only errors are the browser's own reports of the failed requests, no script errors
+        assert all("status of 503" in e for e in errors), errors
+
+
+def test_refresh_period_is_configurable(swarm_url):
+    fx, url = swarm_url
+    with chromium_page() as (page, errors):
+        page.goto(f"{url}/?refresh=5")
+        page.wait_for_selector("#servers-table tbody tr[data-peer-id]")
+        assert page.locator("#refresh-select").input_value() == "5"
+        page.select_option("#refresh-select", "1")
+        fx.view.update(lambda d: d.update(queue_length=17))
+        page.wait_for_function("document.getElementById('queue-length').textContent === '17'", timeout=3000)
+        fx.view.update(lambda d: d.update(queue_length=4))
+        assert errors == []
