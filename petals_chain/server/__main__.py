@@ -1,0 +1,93 @@
+"""``python -m petals_chain.server``: run a volunteer server (see ``server/README.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m petals_chain.server",
+        description="Join a petals-chain swarm: announce memory and speed, load the blocks the orchestrator "
+                    "assigns, serve inference sessions.")
+    p.add_argument("--model", required=True, help="HF-format model directory or hub name (same as the orchestrator's)")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
+    p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--memory-gb", type=float, default=None, help="memory budget M_j in GiB for blocks + KV cache")
+    mem.add_argument("--memory-bytes", type=int, default=None, help="memory budget M_j in bytes")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quant", default="none", choices=["none", "int8", "nf4"], help="weight quantization (CUDA only)")
+    p.add_argument("--public-name", default="", help="name shown on the dashboard")
+    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
+                   help="where to listen (default: all interfaces, a random TCP port)")
+    p.add_argument("--identity-path", default=None,
+                   help="RSA identity file: keeps the peer id across restarts (created if missing)")
+    p.add_argument("--client-mode", action="store_true", help="join the DHT without accepting DHT requests")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens per session the KV slots are sized for (default: the assignment's max_length)")
+    p.add_argument("--trust-orchestrator", nargs="*", default=[], metavar="PEER_ID",
+                   help="peer ids whose assignments are followed and whose sessions are served "
+                        "(default: the peer ids in --initial-peers)")
+    p.add_argument("--allow-any-client", action="store_true",
+                   help="serve sessions from any peer (open swarms); assignments still need a trusted orchestrator")
+    p.add_argument("--emulate-rtt-ms", type=float, default=0.0,
+                   help="emulated extra round-trip time per request/reply (half each way; testbeds only)")
+    p.add_argument("--emulate-compute-scale", type=float, default=1.0,
+                   help="emulate a slower device: compute takes this many times longer (>= 1; testbeds only)")
+    p.add_argument("--tau-p", type=float, default=None,
+                   help="skip profiling and announce this tau_p (seconds per block per job, before emulation)")
+    p.add_argument("--profile-l-in", type=int, default=128, help="prefill tokens of the tau_p reference workload")
+    p.add_argument("--profile-l-out", type=int, default=32, help="output tokens of the tau_p reference workload")
+    p.add_argument("--profile-cache", default=None, help="tau_p cache file (default ~/.cache/petals_chain/tau_p.json)")
+    p.add_argument("--refresh-s", type=float, default=30.0, help="server record refresh period (expires after 3x)")
+    p.add_argument("--assignment-poll-s", type=float, default=3.0, help="how often to read the assignment")
+    p.add_argument("--idle-timeout-s", type=float, default=120.0, help="close a session silent for this long")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0,
+                   help="on reassignment or shutdown, wait this long for open sessions before closing them")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from petals_chain.server.server import Server, ServerConfig
+
+    memory_bytes = args.memory_bytes
+    if args.memory_gb is not None:
+        if not args.memory_gb > 0:
+            print("error: --memory-gb must be positive", file=sys.stderr)
+            return 2
+        memory_bytes = int(args.memory_gb * (1 << 30))
+    if memory_bytes is not None and memory_bytes <= 0:
+        print("error: --memory-bytes must be positive", file=sys.stderr)
+        return 2
+    try:
+        cfg = ServerConfig(
+            model=args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, memory_bytes=memory_bytes,
+            device=args.device, dtype=args.dtype, quant=args.quant, public_name=args.public_name,
+            host_maddrs=args.host_maddrs, identity_path=args.identity_path, client_mode=args.client_mode,
+            emulate_rtt_ms=args.emulate_rtt_ms, emulate_compute_scale=args.emulate_compute_scale,
+            max_length=args.max_length, trust_orchestrator=args.trust_orchestrator,
+            allow_any_client=args.allow_any_client, tau_p=args.tau_p, profile_l_in=args.profile_l_in,
+            profile_l_out=args.profile_l_out, profile_cache=args.profile_cache, refresh_s=args.refresh_s,
+            assignment_poll_s=args.assignment_poll_s, idle_timeout_s=args.idle_timeout_s,
+            drain_timeout_s=args.drain_timeout_s, progress=False if args.no_progress else None)
+        server = Server(cfg)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(server.run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The volunteer server: join the DHT, announce ``M_j`` and ``tau_p``, follow the orchestrator's signed
+assignment, hold exactly the assigned blocks with ``floor((M_j - s_m m_j) / s_c)`` KV slots (Eq. 3) and
+serve sessions over :mod:`petals_chain.swarm.rpc`.
+
+States (published in the server record): ``joining`` (no blocks loaded: waiting for or loading an
+assignment) -> ``online`` (serving) -> ``draining`` (no new sessions; open ones finish) -> ``offline``.
+A new assignment epoch with a different span (or ``max_length``) drains and reloads; the same span never
+reloads. SIGINT/SIGTERM drain, announce ``offline`` and stop the DHT (and its p2pd) before exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from petals_chain.swarm.dht import SwarmDHT, peer_ids_from_maddrs
+from petals_chain.swarm.emulation import Emulation
+from petals_chain.swarm.keys import check_prefix, default_dht_prefix
+from petals_chain.swarm.records import AssignmentRecord, ServerRecord
+from petals_chain.swarm.rpc import PetalsChainBlocks, RefusedError
+
+logger = logging.getLogger("petals_chain.server")
+
+CPU_MEMORY_FRACTION = 0.5  # default M_j on CPU: half of the RAM available at start
+CUDA_HEADROOM_FRACTION = 0.05  # default M_j on CUDA: free memory minus max(1 GiB, 5 %) for activations
+CUDA_HEADROOM_MIN_BYTES = 1 << 30
+
+
+@dataclass
+class ServerConfig:
+    """Everything the command line sets (see ``python -m petals_chain.server --help``)."""
+
+    model: str
+    initial_peers: Sequence[str] = ()
+    dht_prefix: Optional[str] = None
+    memory_bytes: Optional[int] = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    quant: str = "none"
+    public_name: str = ""
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
+    identity_path: Optional[str] = None
+    client_mode: bool = False
+    emulate_rtt_ms: float = 0.0
+    emulate_compute_scale: float = 1.0
+    max_length: Optional[int] = None  # None: the assignment's max_length (DEFAULT_MAX_LENGTH until one arrives)
+    trust_orchestrator: Sequence[str] = ()  # empty: the peer ids named in initial_peers
+    allow_any_client: bool = False
+    tau_p: Optional[float] = None  # None: measure (cached); else use this value (s/block/job, unscaled)
+    profile_l_in: int = 128
+    profile_l_out: int = 32
+    profile_cache: Optional[str] = None
+    refresh_s: float = 30.0
+    assignment_poll_s: float = 3.0
+    idle_timeout_s: float = 120.0
+    drain_timeout_s: float = 60.0
+    progress: Optional[bool] = None
+    extra: dict = field(default_factory=dict)
+
+
+DEFAULT_MAX_LENGTH = 2048
+
+
+def default_memory_bytes(device: str) -> int:
+    """``M_j`` when the volunteer gives no limit: see CPU_MEMORY_FRACTION / CUDA_HEADROOM_* above."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return max(0, int(free - max(CUDA_HEADROOM_MIN_BYTES, CUDA_HEADROOM_FRACTION * free)))
+    import psutil
+
+    return int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
+
+
+class Server:
+    """One volunteer server process (``asyncio.run(Server(cfg).run())``); also the RPC session backend."""
+
+    def __init__(self, cfg: ServerConfig):
+        from petals_chain.swarm.checkpoint import QUANT_MODES, load_config, parse_dtype, resolve_model_path
+
+        self.cfg = cfg
+        if cfg.quant not in QUANT_MODES:
+            raise ValueError(f"--quant must be one of {QUANT_MODES}, got {cfg.quant!r}")
+        self.emulation = Emulation(cfg.emulate_rtt_ms, cfg.emulate_compute_scale)
+        self.model_path = resolve_model_path(cfg.model)
+        self.config = load_config(self.model_path)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.torch_dtype = parse_dtype(cfg.dtype, self.config)
+        self.dtype_name = str(self.torch_dtype).replace("torch.", "")
+        self.prefix = check_prefix(cfg.dht_prefix) if cfg.dht_prefix else default_dht_prefix(cfg.model)
+        if cfg.max_length is not None and cfg.max_length < 1:
+            raise ValueError("--max-length must be >= 1")
+        self.trusted: set[str] = set(cfg.trust_orchestrator) or set(peer_ids_from_maddrs(cfg.initial_peers))
+        if not self.trusted and not cfg.allow_any_client:
+            logger.warning("no trusted orchestrator (no --trust-orchestrator, no /p2p/ id in --initial-peers): "
+                           "this server will never receive an assignment")
+
+        self.state = "joining"
+        self.epoch = -1
+        self.span: Optional[tuple[int, int]] = None
+        self.max_length = cfg.max_length or DEFAULT_MAX_LENGTH
+        self.runner = None
+        self.memory_bytes = 0
+        self.tau_p = 0.0
+        self.s_m = 0
+        self.sessions: dict[str, dict[str, Any]] = {}  # session_id -> {runner, max_length, peer}
+        self.reloads = 0
+        self.sd: Optional[SwarmDHT] = None
+        self.p2p = None
+        self._stop = asyncio.Event()
+        self._sessions_changed = asyncio.Event()
+        self._record_dirty = asyncio.Event()
+
+    # ------------------------------------------------------------------ memory model
+
+    def s_c(self, max_length: int) -> int:
+        from petals_chain.swarm.memory import cache_slot_bytes
+
+        return cache_slot_bytes(self.config, self.torch_dtype, max_length)
+
+    def slots_for(self, num_blocks: int, max_length: int) -> int:
+        """Eq. 3: ``floor((M_j - s_m m_j) / s_c)``."""
+        from petals_chain.swarm.memory import slots_for_budget
+
+        return slots_for_budget(self.memory_bytes, num_blocks, self.s_m, self.s_c(max_length))
+
+    # ------------------------------------------------------------------ record
+
+    def record(self) -> ServerRecord:
+        runner = self.runner
+        start, num = self.span if (self.span and runner is not None) else (0, 0)
+        return ServerRecord(
+            peer_id=self.sd.peer_id, state=self.state, memory_bytes=int(self.memory_bytes),
+            tau_p=float(self.emulation.scaled_tau_p(self.tau_p)), device=self.cfg.device, dtype=self.dtype_name,
+            quant=self.cfg.quant, start_block=int(start), num_blocks=int(num),
+            slots_total=int(runner.slots_total) if runner is not None else 0,
+            slots_free=int(runner.slots_free) if runner is not None else 0,
+            public_name=self.cfg.public_name[:128], max_length=int(self.max_length), s_m_bytes=int(self.s_m),
+            s_c_bytes=int(self.s_c(self.max_length)), emulate_rtt_ms=float(self.cfg.emulate_rtt_ms),
+            emulate_compute_scale=float(self.cfg.emulate_compute_scale), epoch=int(self.epoch),
+            timestamp=time.time(),
+        )
+
+    async def publish(self, expiration_s: Optional[float] = None) -> bool:
+        expiration_s = expiration_s or max(3 * self.cfg.refresh_s, 10.0)
+        try:
+            ok = await self.sd.apublish_server(self.prefix, self.record(), expiration_s)
+        except Exception as e:  # noqa: BLE001 - a DHT hiccup must not kill the server
+            logger.warning(f"publishing the server record failed: {e}")
+            return False
+        if not ok:
+            logger.warning("the DHT did not store our server record (no reachable peers?)")
+        return bool(ok)
+
+    def set_state(self, state: str) -> None:
+        if state != self.state:
+            logger.info(f"state: {self.state} -> {state}")
+            self.state = state
+        self._record_dirty.set()
+
+    # ------------------------------------------------------------------ session backend (rpc.SessionBackend)
+
+    def authorize(self, peer_id: str) -> bool:
+        return self.cfg.allow_any_client or peer_id in self.trusted
+
+    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str) -> dict:
+        from petals_chain.server.runner import NoCapacityError
+
+        runner = self.runner
+        if self.state != "online" or runner is None:
+            raise RefusedError("unavailable", f"server is {self.state}, not accepting sessions")
+        if max_length > runner.max_length:
+            raise RefusedError("invalid", f"max_length {max_length} exceeds this server's {runner.max_length}")
+        if session_id in self.sessions:
+            raise RefusedError("invalid", f"session {session_id!r} is already open")
+        try:
+            runner.allocate(session_id, start_block, end_block)
+        except NoCapacityError as e:
+            raise RefusedError("no_capacity", f"no capacity: {e} (slots free {runner.slots_free} of "
+                                              f"{runner.slots_total}, need {end_block - start_block})") from None
+        except ValueError as e:
+            raise RefusedError("invalid", str(e)) from None
+        self.sessions[session_id] = {"runner": runner, "max_length": max_length, "peer": peer_id}
+        self._record_dirty.set()
+        return {"slots_free": runner.slots_free, "start_block": start_block, "end_block": end_block}
+
+    async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            raise RefusedError("invalid", f"unknown session {session_id!r}")
+        if position + hidden.shape[1] > sess["max_length"]:
+            raise RefusedError("invalid", f"positions {position}..{position + hidden.shape[1] - 1} exceed the "
+                                          f"session's max_length {sess['max_length']}")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, sess["runner"].forward, session_id, hidden, position)
+        except (ValueError, KeyError) as e:
+            raise RefusedError("invalid", str(e)) from None
+
+    def close_session(self, session_id: str) -> None:
+        sess = self.sessions.pop(session_id, None)
+        if sess is not None:
+            sess["runner"].release(session_id)
+            self._sessions_changed.set()
+            self._record_dirty.set()
+
+    def info(self) -> dict:
+        runner = self.runner
+        return {
+            "peer_id": self.sd.peer_id if self.sd else "", "public_name": self.cfg.public_name, "state": self.state,
+            "epoch": self.epoch, "span": list(self.span) if (self.span and runner) else None,
+            "slots_total": runner.slots_total if runner else 0, "slots_free": runner.slots_free if runner else 0,
+            "sessions": len(self.sessions), "max_length": self.max_length, "hidden_size": self.hidden_size,
+            "tau_p": self.emulation.scaled_tau_p(self.tau_p), "memory_bytes": self.memory_bytes, "s_m_bytes": self.s_m,
+            "s_c_bytes": self.s_c(self.max_length), "dtype": self.dtype_name, "device": self.cfg.device,
+            "quant": self.cfg.quant, "emulate_rtt_ms": self.cfg.emulate_rtt_ms,
+            "emulate_compute_scale": self.cfg.emulate_compute_scale, "reloads": self.reloads,
+        }
+
+    # ------------------------------------------------------------------ assignment
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new sessions, wait up to ``timeout_s`` for open ones to close, then release the rest."""
+        self.set_state("draining")
+        await self.publish()
+        deadline = time.monotonic() + timeout_s
+        while self.sessions and time.monotonic() < deadline:
+            self._sessions_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._sessions_changed.wait(), timeout=min(1.0, deadline - time.monotonic()))
+        if self.sessions:
+            logger.warning(f"drain timeout: releasing {len(self.sessions)} open session(s)")
+            for sid in list(self.sessions):
+                self.close_session(sid)
+
+    async def apply_assignment(self, asg: AssignmentRecord) -> None:
+        """Follow a (new-epoch) assignment: reload only if our span or max_length changes."""
+        if asg.epoch <= self.epoch:
+            return
+        span = asg.span_of(self.sd.peer_id)
+        max_length = self.cfg.max_length or asg.max_length
+        logger.info(f"assignment epoch {asg.epoch}: span {span}, max_length {max_length}")
+        self.epoch = asg.epoch
+        if span == self.span and max_length == self.max_length and (self.runner is not None or span is None):
+            logger.info("same span and max_length: keeping the loaded blocks (no reload)")
+            self._record_dirty.set()
+            return
+        if span is not None:
+            start, num = span
+            if start + num > self.num_layers:
+                logger.error(f"assignment {span} is outside the model's {self.num_layers} blocks; ignoring it")
+                return
+        if self.runner is not None:
+            await self.drain(self.cfg.drain_timeout_s)
+            self.runner.close()
+            self.runner = None
+            self.span = None
+            if self.torch_device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.max_length = max_length
+        self.set_state("joining")
+        if span is None:
+            await self.publish()
+            return
+        start, num = span
+        slots = self.slots_for(num, max_length)
+        if self.s_m * num > self.memory_bytes or slots < 1:
+            logger.error(f"assignment of {num} blocks leaves {slots} cache slots in M_j={self.memory_bytes} bytes "
+                         f"(s_m={self.s_m}, s_c={self.s_c(max_length)}); not loading it")
+            await self.publish()
+            return
+        await self.publish()
+        logger.info(f"loading blocks [{start}, {start + num}) with {slots} cache slots (max_length {max_length})")
+        from petals_chain.server.runner import BlockRunner
+
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            runner = await loop.run_in_executor(None, lambda: BlockRunner(
+                self.model_path, start, num, num_slots=slots, max_length=max_length, dtype=self.torch_dtype,
+                device=self.cfg.device, quant=self.cfg.quant, compute_scale=self.cfg.emulate_compute_scale,
+                config=self.config, progress=self.cfg.progress))
+        except Exception:
+            logger.exception("loading the assigned blocks failed")
+            await self.publish()
+            return
+        self.runner, self.span = runner, (start, num)
+        self.reloads += 1
+        logger.info(f"loaded blocks [{start}, {start + num}) in {time.perf_counter() - t0:.1f} s; "
+                    f"{runner.slots_total} slots")
+        self.set_state("online")
+        await self.publish()
+
+    # ------------------------------------------------------------------ main
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.cfg.device)
+
+    def measure_tau_p(self) -> float:
+        if self.cfg.tau_p is not None:
+            return float(self.cfg.tau_p)
+        from petals_chain.server.tau_p import cached_tau_p
+
+        return cached_tau_p(self.model_path, self.config, dtype=self.torch_dtype, device=self.cfg.device,
+                            quant=self.cfg.quant, l_in=self.cfg.profile_l_in, l_out=self.cfg.profile_l_out,
+                            cache_path=self.cfg.profile_cache, progress=self.cfg.progress)
+
+    async def run(self) -> int:
+        from petals_chain.swarm.memory import block_bytes
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        # The DHT forks its process: start it before touching CUDA.
+        self.sd = await loop.run_in_executor(None, lambda: SwarmDHT.create(
+            initial_peers=list(self.cfg.initial_peers), host_maddrs=list(self.cfg.host_maddrs),
+            identity_path=self.cfg.identity_path, client_mode=self.cfg.client_mode, prefix=self.prefix))
+        handler = None
+        try:
+            self.p2p = await self.sd.replicate_p2p()
+            handler = PetalsChainBlocks(self, emulation=self.emulation, idle_timeout_s=self.cfg.idle_timeout_s)
+            await handler.add_p2p_handlers(self.p2p)
+            maddrs = self.sd.visible_maddrs()
+            logger.info(f"peer id {self.sd.peer_id}; multiaddrs: {' '.join(maddrs)}")
+            print(f"PEER_ID {self.sd.peer_id}", flush=True)
+
+            self.memory_bytes = int(self.cfg.memory_bytes if self.cfg.memory_bytes is not None
+                                    else default_memory_bytes(self.cfg.device))
+            self.s_m = block_bytes(self.config, self.torch_dtype, self.cfg.quant)
+            logger.info(f"M_j = {self.memory_bytes} bytes, s_m = {self.s_m}, s_c = {self.s_c(self.max_length)} "
+                        f"(max_length {self.max_length})")
+            await self.publish()  # joining, tau_p not measured yet
+            self.tau_p = await loop.run_in_executor(None, self.measure_tau_p)
+            logger.info(f"tau_p = {self.tau_p * 1e3:.3f} ms/block/job (x{self.cfg.emulate_compute_scale} emulated)")
+            await self.publish()
+            await self._main_loop()
+        finally:
+            await self._shutdown(handler)
+        return 0
+
+    async def _main_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_refresh = loop.time() + self.cfg.refresh_s
+        next_poll = loop.time()
+        while not self._stop.is_set():
+            now = loop.time()
+            if now >= next_poll:
+                next_poll = now + self.cfg.assignment_poll_s
+                try:
+                    asg = await self.sd.afetch_assignment(self.prefix, sorted(self.trusted))
+                except Exception as e:  # noqa: BLE001
+                    logger.warning(f"fetching the assignment failed: {e}")
+                    asg = None
+                if asg is not None and asg.epoch > self.epoch:
+                    await self.apply_assignment(asg)
+            if now >= next_refresh or self._record_dirty.is_set():
+                self._record_dirty.clear()
+                next_refresh = now + self.cfg.refresh_s
+                await self.publish()
+            timeout = max(0.05, min(next_poll, next_refresh) - loop.time())
+            waiters = [asyncio.ensure_future(self._stop.wait()), asyncio.ensure_future(self._record_dirty.wait())]
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
+
+    async def _shutdown(self, handler) -> None:
+        logger.info("shutting down")
+        try:
+            if self.sd is not None and self.p2p is not None:
+                if self.runner is not None:
+                    await self.drain(self.cfg.drain_timeout_s)
+                    self.runner.close()
+                self.set_state("offline")
+                await self.publish(expiration_s=max(3 * self.cfg.refresh_s, 10.0))
+        except Exception:  # noqa: BLE001
+            logger.exception("announcing offline failed")
+        if handler is not None and self.p2p is not None:
+            with contextlib.suppress(Exception):
+                await handler.remove_p2p_handlers(self.p2p)
+        if self.p2p is not None:
+            with contextlib.suppress(Exception):
+                await self.p2p.shutdown()
+        if self.sd is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.sd.shutdown)
+        logger.info("stopped")

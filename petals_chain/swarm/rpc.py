@@ -1,0 +1,421 @@
+"""Server RPC over hivemind P2P: one bidirectional stream per (job, server) session, plus ping and info.
+
+Wire protocol (the handler class name ``PetalsChainBlocks`` is part of it; handles are
+``PetalsChainBlocks.rpc_session``, ``.rpc_ping``, ``.rpc_info``). Messages are hivemind
+``runtime_pb2.ExpertRequest`` / ``ExpertResponse``; control fields travel msgpack-encoded in ``metadata``;
+tensors travel uncompressed (``USE_LEGACY_BFLOAT16 = False``: bf16 stays 2 bytes) and are split into
+``CHUNK_BYTES`` chunks so that no message exceeds the P2P message limit.
+
+Session stream, client -> server:
+  1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"}``
+     -> ``{"ok": true, ...}`` or an error, after which the server ends the stream.
+  2. ``{"op": "step", "position"}`` + the first chunk of hidden ``[1, n, hidden]`` (further chunks follow
+     as messages with only ``tensors``) -> ``{"ok": true, "position"}`` + output chunks, or an error reply
+     (the session survives an error reply; nothing changed).
+  3. ``{"op": "close"}`` -> ``{"ok": true, "closed": true}``; the stream ends.
+The server frees the session's slots when the stream ends for any reason: close, client disconnect,
+or no message for ``idle_timeout_s``. Error replies are ``{"ok": false, "code", "error"}`` with code
+``no_capacity`` | ``untrusted`` | ``invalid`` | ``unavailable`` | ``idle_timeout`` | ``internal``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any, AsyncIterator, Optional, Protocol, Union
+
+import torch
+import hivemind.compression.base
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from petals_chain.swarm.emulation import Emulation
+
+hivemind.compression.base.USE_LEGACY_BFLOAT16 = False  # bf16 travels as bf16, not as fp32
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # 1 MiB per message, far below hivemind's 4 MiB limit
+MAX_METADATA_BYTES = 4096
+ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_MAX_SESSION_ID = 256
+
+
+class RemoteError(RuntimeError):
+    """The server refused a request or rejected a message; ``code`` says why (see module docstring)."""
+
+    def __init__(self, message: str, code: str = "invalid"):
+        super().__init__(message)
+        self.code = code
+
+
+class NoCapacityError(RemoteError):
+    """The server has fewer free cache slots than the session needs."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "no_capacity")
+
+
+class RefusedError(Exception):
+    """Raised by a :class:`SessionBackend` to refuse a request with an error ``code``."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class SessionBackend(Protocol):
+    """What the RPC handler needs from the server (implemented by ``petals_chain.server``)."""
+
+    hidden_size: int
+
+    def authorize(self, peer_id: str) -> bool: ...
+
+    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str) -> dict:
+        """Reserve slots or raise RefusedError; returns extra fields for the open reply."""
+
+    async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Run the session's blocks; raise RefusedError('invalid', ...) for bad input (state unchanged)."""
+
+    def close_session(self, session_id: str) -> None: ...
+
+    def info(self) -> dict: ...
+
+
+def _pack(meta: dict) -> bytes:
+    return MSGPackSerializer.dumps(meta)
+
+
+def _unpack(raw: bytes) -> dict:
+    if len(raw) > MAX_METADATA_BYTES:
+        raise RefusedError("invalid", f"metadata of {len(raw)} bytes exceeds {MAX_METADATA_BYTES}")
+    try:
+        meta = MSGPackSerializer.loads(raw) if raw else {}
+    except Exception as e:  # noqa: BLE001
+        raise RefusedError("invalid", f"metadata is not msgpack: {e}") from None
+    if not isinstance(meta, dict):
+        raise RefusedError("invalid", "metadata must be a msgpack map")
+    return meta
+
+
+def _error(code: str, message: str) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=_pack({"ok": False, "code": code, "error": str(message)[:2000]}))
+
+
+def _int_field(meta: dict, name: str, lo: int = 0, hi: int = 1 << 40) -> int:
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not (lo <= value <= hi):
+        raise RefusedError("invalid", f"field {name!r} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def serialize_chunks(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
+    """Serialize a tensor uncompressed and split it into message-sized chunks."""
+    serialized = serialize_torch_tensor(tensor.detach().cpu().contiguous(), runtime_pb2.CompressionType.NONE)
+    return list(split_for_streaming(serialized, CHUNK_BYTES))
+
+
+class PetalsChainBlocks(ServicerBase):
+    """The server's RPC handler (``await handler.add_p2p_handlers(p2p)``)."""
+
+    def __init__(self, backend: SessionBackend, *, emulation: Emulation = Emulation(), idle_timeout_s: float = 120.0):
+        self.backend = backend
+        self.emulation = emulation
+        self.idle_timeout_s = idle_timeout_s
+
+    async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        await self.emulation.half_rtt()
+        meta = request.metadata[:MAX_METADATA_BYTES]
+        await self.emulation.half_rtt()
+        return runtime_pb2.ExpertResponse(metadata=meta)
+
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        await self.emulation.half_rtt()
+        try:
+            info = self.backend.info()
+        except Exception as e:  # noqa: BLE001
+            logger.exception("info failed")
+            return _error("internal", f"info failed: {e}")
+        await self.emulation.half_rtt()
+        return runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **info}))
+
+    async def rpc_session(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        peer = context.remote_id.to_base58()
+        stream = requests.__aiter__()
+        session_id: Optional[str] = None
+
+        async def next_message() -> Optional[runtime_pb2.ExpertRequest]:
+            try:
+                msg = await asyncio.wait_for(stream.__anext__(), timeout=self.idle_timeout_s)
+            except StopAsyncIteration:
+                return None
+            await self.emulation.half_rtt()
+            return msg
+
+        try:
+            first = await next_message()
+            if first is None:
+                return
+            try:
+                meta = _unpack(first.metadata)
+                if meta.get("op") != "open":
+                    raise RefusedError("invalid", "the first message of a session must be op=open")
+                if not self.backend.authorize(peer):
+                    raise RefusedError("untrusted", f"peer {peer} is not trusted by this server")
+                sid = meta.get("session_id")
+                if not isinstance(sid, str) or not (0 < len(sid) <= _MAX_SESSION_ID):
+                    raise RefusedError("invalid", "session_id must be a non-empty string of at most 256 chars")
+                start = _int_field(meta, "start_block")
+                end = _int_field(meta, "end_block", lo=1)
+                max_length = _int_field(meta, "max_length", lo=1)
+                extra = self.backend.open_session(sid, start, end, max_length, peer)
+                session_id = sid
+            except RefusedError as e:
+                await self.emulation.half_rtt()
+                yield _error(e.code, str(e))
+                return
+            await self.emulation.half_rtt()
+            yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "session_id": session_id, **(extra or {})}))
+
+            while True:
+                msg = await next_message()
+                if msg is None:
+                    return
+                try:
+                    meta = _unpack(msg.metadata)
+                    op = meta.get("op")
+                    if op == "close":
+                        await self.emulation.half_rtt()
+                        yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "closed": True}))
+                        return
+                    if op != "step":
+                        raise RefusedError("invalid", f"unknown op {op!r} (expected step or close)")
+                    position = _int_field(meta, "position")
+                    hidden = await self._receive_tensor(msg, next_message)
+                    out = await self.backend.forward(session_id, hidden, position)
+                    chunks = serialize_chunks(out)
+                except RefusedError as e:
+                    await self.emulation.half_rtt()
+                    yield _error(e.code, str(e))
+                    continue
+                except Exception as e:  # noqa: BLE001 - a bug must not kill the session or the server
+                    logger.exception(f"step of session {session_id} failed")
+                    await self.emulation.half_rtt()
+                    yield _error("internal", f"{type(e).__name__}: {e}")
+                    continue
+                await self.emulation.half_rtt()
+                yield runtime_pb2.ExpertResponse(
+                    metadata=_pack({"ok": True, "position": position + int(out.shape[1])}), tensors=[chunks[0]]
+                )
+                for chunk in chunks[1:]:
+                    yield runtime_pb2.ExpertResponse(tensors=[chunk])
+        except asyncio.TimeoutError:
+            logger.info(f"session {session_id} of {peer}: idle for {self.idle_timeout_s} s, closing")
+            yield _error("idle_timeout", f"no message for {self.idle_timeout_s} s; session closed")
+        finally:
+            if session_id is not None:
+                self.backend.close_session(session_id)
+
+    async def _receive_tensor(self, first: runtime_pb2.ExpertRequest, next_message) -> torch.Tensor:
+        """Validate the declared tensor, collect its chunks, deserialize; raises RefusedError."""
+        if len(first.tensors) != 1:
+            raise RefusedError("invalid", f"a step carries exactly one tensor, got {len(first.tensors)}")
+        head = first.tensors[0]
+        if head.dtype not in ALLOWED_DTYPES:
+            raise RefusedError("invalid", f"dtype {head.dtype!r} not allowed (use one of {sorted(ALLOWED_DTYPES)})")
+        if head.compression != runtime_pb2.CompressionType.NONE:
+            raise RefusedError("invalid", "only uncompressed tensors are accepted")
+        shape = list(head.size)
+        hidden_size = self.backend.hidden_size
+        if len(shape) != 3 or shape[0] != 1 or shape[2] != hidden_size or shape[1] < 1:
+            raise RefusedError("invalid", f"hidden states must have shape [1, n >= 1, {hidden_size}], got {shape}")
+        nbytes = math.prod(shape) * _DTYPE_BYTES[head.dtype]
+        num_chunks = max(1, head.chunks)
+        if num_chunks != max(1, math.ceil(nbytes / CHUNK_BYTES)):
+            raise RefusedError("invalid", f"tensor of {nbytes} bytes cannot come in {num_chunks} chunks")
+        parts = [head]
+        received = len(head.buffer)
+        while len(parts) < num_chunks:
+            msg = await next_message()
+            if msg is None:
+                raise RefusedError("invalid", "stream ended in the middle of a tensor")
+            if msg.metadata or len(msg.tensors) != 1:
+                raise RefusedError("invalid", "expected a tensor continuation chunk")
+            parts.append(msg.tensors[0])
+            received += len(msg.tensors[0].buffer)
+            if received > nbytes:
+                raise RefusedError("invalid", "tensor chunks exceed the declared size")
+        if received != nbytes:
+            raise RefusedError("invalid", f"tensor has {received} bytes, shape/dtype declare {nbytes}")
+        try:
+            tensor = deserialize_torch_tensor(combine_from_streaming(parts))
+        except Exception as e:  # noqa: BLE001
+            raise RefusedError("invalid", f"cannot deserialize tensor: {e}") from None
+        if not torch.isfinite(tensor).all():
+            raise RefusedError("invalid", "hidden states contain NaN or inf")
+        return tensor
+
+
+def _as_peer(peer_id: Union[str, PeerID]) -> PeerID:
+    return peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(str(peer_id))
+
+
+async def _await_next(responses: AsyncIterator, timeout: Optional[float], what: str):
+    try:
+        return await asyncio.wait_for(responses.__anext__(), timeout=timeout)
+    except StopAsyncIteration:
+        raise ConnectionError(f"{what}: the server closed the stream") from None
+    except asyncio.TimeoutError:
+        raise ConnectionError(f"{what}: no reply within {timeout} s") from None
+    except (RemoteError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # noqa: BLE001 - P2P errors, resets, dead peers
+        raise ConnectionError(f"{what}: {type(e).__name__}: {e}") from e
+
+
+def _raise_if_error(meta: dict) -> None:
+    if not meta.get("ok", False):
+        code, message = str(meta.get("code", "invalid")), str(meta.get("error", "unknown error"))
+        if code == "no_capacity":
+            raise NoCapacityError(message)
+        raise RemoteError(message, code)
+
+
+class RemoteSession:
+    """A session with one server: ``await step(hidden, position)`` then ``await close()``."""
+
+    def __init__(self, peer_id: str, session_id: str, start_block: int, end_block: int, max_length: int,
+                 step_timeout_s: Optional[float]):
+        self.peer_id, self.session_id = peer_id, session_id
+        self.start_block, self.end_block, self.max_length = start_block, end_block, max_length
+        self.position = 0  # tokens the server holds for this session (as acknowledged by it)
+        self.step_timeout_s = step_timeout_s
+        self.closed = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._responses: Optional[AsyncIterator[runtime_pb2.ExpertResponse]] = None
+        self._lock = asyncio.Lock()
+
+    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Send hidden ``[1, n, hidden_size]`` for positions ``position..position+n-1``; returns the same shape."""
+        if self.closed:
+            raise RemoteError("session is closed", "invalid")
+        if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3:
+            raise ValueError("hidden must be a 3-D tensor [1, n_tokens, hidden_size]")
+        chunks = serialize_chunks(hidden)
+        async with self._lock:
+            self._queue.put_nowait(
+                runtime_pb2.ExpertRequest(metadata=_pack({"op": "step", "position": int(position)}), tensors=[chunks[0]])
+            )
+            for chunk in chunks[1:]:
+                self._queue.put_nowait(runtime_pb2.ExpertRequest(tensors=[chunk]))
+            reply = await _await_next(self._responses, self.step_timeout_s, f"step on {self.peer_id}")
+            meta = _unpack_reply(reply)
+            _raise_if_error(meta)
+            if len(reply.tensors) != 1:
+                raise ConnectionError("malformed step reply from the server")
+            parts = [reply.tensors[0]]
+            while len(parts) < max(1, parts[0].chunks):
+                more = await _await_next(self._responses, self.step_timeout_s, f"step on {self.peer_id}")
+                parts.append(more.tensors[0])
+            self.position = int(meta.get("position", position + hidden.shape[1]))
+            return deserialize_torch_tensor(combine_from_streaming(parts))
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Free the server's slots (idempotent; never raises for a dead server)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            async with self._lock:
+                self._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({"op": "close"})))
+                await _await_next(self._responses, timeout_s, "close")
+        except (ConnectionError, RemoteError):
+            pass
+        finally:
+            self._queue.put_nowait(None)
+
+    async def __aenter__(self) -> "RemoteSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _unpack_reply(reply: runtime_pb2.ExpertResponse) -> dict:
+    try:
+        return _unpack(reply.metadata)
+    except RefusedError as e:
+        raise ConnectionError(f"malformed reply: {e}") from None
+
+
+class ServerClient:
+    """Client of petals-chain servers over an existing hivemind P2P (e.g. ``await dht.replicate_p2p()``)."""
+
+    def __init__(self, p2p: P2P, *, open_timeout_s: float = 30.0, step_timeout_s: Optional[float] = 300.0):
+        self.p2p = p2p
+        self.open_timeout_s = open_timeout_s
+        self.step_timeout_s = step_timeout_s
+
+    def _stub(self, peer_id: Union[str, PeerID]):
+        return PetalsChainBlocks.get_stub(self.p2p, _as_peer(peer_id))
+
+    async def open_session(self, peer_id: Union[str, PeerID], session_id: str, start_block: int, end_block: int,
+                           max_length: int) -> RemoteSession:
+        """Reserve ``end_block - start_block`` slots on ``peer_id``.
+
+        Raises NoCapacityError (server full), RemoteError (refused/invalid), ConnectionError (unreachable)."""
+        sess = RemoteSession(str(peer_id), session_id, int(start_block), int(end_block), int(max_length),
+                             self.step_timeout_s)
+        sess._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({
+            "op": "open", "session_id": session_id, "start_block": int(start_block), "end_block": int(end_block),
+            "max_length": int(max_length)})))
+        try:
+            sess._responses = await asyncio.wait_for(self._stub(peer_id).rpc_session(sess._requests()),
+                                                     timeout=self.open_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"open on {peer_id}: no stream within {self.open_timeout_s} s") from None
+        except Exception as e:  # noqa: BLE001
+            raise ConnectionError(f"open on {peer_id}: {type(e).__name__}: {e}") from e
+        try:
+            reply = await _await_next(sess._responses, self.open_timeout_s, f"open on {peer_id}")
+            _raise_if_error(_unpack_reply(reply))
+        except BaseException:
+            sess.closed = True
+            sess._queue.put_nowait(None)
+            raise
+        return sess
+
+    async def ping(self, peer_id: Union[str, PeerID], timeout_s: float = 10.0) -> float:
+        """Round-trip time of a tiny RPC in seconds (raises ConnectionError if unreachable)."""
+        t0 = time.perf_counter()
+        try:
+            await self._stub(peer_id).rpc_ping(runtime_pb2.ExpertRequest(metadata=b"\x00"), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise ConnectionError(f"ping {peer_id}: {type(e).__name__}: {e}") from e
+        return time.perf_counter() - t0
+
+    async def info(self, peer_id: Union[str, PeerID], timeout_s: float = 10.0) -> dict[str, Any]:
+        """The server's current state: span, slots, tau_p, emulation, ... (see server docs)."""
+        try:
+            reply = await self._stub(peer_id).rpc_info(runtime_pb2.ExpertRequest(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise ConnectionError(f"info {peer_id}: {type(e).__name__}: {e}") from e
+        meta = _unpack_reply(reply)
+        _raise_if_error(meta)
+        meta.pop("ok", None)
+        return meta
