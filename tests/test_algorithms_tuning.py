@@ -1,0 +1,79 @@
+"""tune_capacity equals the brute-force argmin over c of GBP-CR + GCA + objective."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from petals_chain.algorithms import (ModelSpec, ServerSpec, gbp_cr, gbp_cr_chain_count, gca, max_capacity,
+                                     response_time_bounds, tune_capacity)
+
+
+def _brute(servers, model, lam, rho_bar, method):
+    best = None
+    for c in range(1, max_capacity(servers, model) + 1):
+        pl = gbp_cr(servers, model, c, lam, rho_bar)
+        chains = gca(servers, model, pl)
+        if method == "surrogate":
+            K = gbp_cr_chain_count(servers, model, c, lam, rho_bar)
+            obj = c * K if K is not None else math.inf
+        else:
+            lo, hi = response_time_bounds([(ch.rate, ch.capacity) for ch in chains], lam)
+            obj = lo if method == "lower" else hi
+        if math.isfinite(obj) and (best is None or obj < best[0]):
+            best = (obj, c, pl, chains)
+    return best
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), J=st.integers(1, 10), L=st.integers(2, 16),
+       method=st.sampled_from(["lower", "upper", "surrogate"]), lam=st.floats(0.01, 3.0))
+def test_tune_capacity_equals_brute_force(seed, J, L, method, lam):
+    rng = np.random.default_rng(seed)
+    model = ModelSpec(L, 1.0, 0.25)
+    servers = [ServerSpec(f"s{j}", float(rng.choice([4.0, 8.0, 11.5, 16.0])), float(rng.uniform(0.0, 0.3)),
+                          float(rng.uniform(0.02, 0.3))) for j in range(J)]
+    best = _brute(servers, model, lam, 0.7, method)
+    if best is None:
+        try:
+            c, pl, chains = tune_capacity(servers, model, lam, 0.7, method)
+        except ValueError:
+            return  # nothing can cover the model for any c
+        # fallback: the most capable c
+        return
+    c, pl, chains, table = tune_capacity(servers, model, lam, 0.7, method, return_table=True)
+    assert c == best[1]
+    assert dict(pl) == dict(best[2])
+    assert chains == best[3]
+    assert table[c] == best[0]
+
+
+def test_tune_capacity_paper_parameters_fast_and_consistent():
+    import time
+    rng = np.random.default_rng(0)
+    model = ModelSpec(70, 1.32, 0.11)
+    servers = [ServerSpec(f"s{j}", 40.0 if rng.random() < 0.2 else 20.0, float(rng.uniform(0.02, 0.1)) + 0.018,
+                          0.109 if j % 5 == 0 else 0.175) for j in range(1000)]
+    t0 = time.perf_counter()
+    c, pl, chains = tune_capacity(servers, model, 0.2, 0.7, "lower")
+    elapsed = time.perf_counter() - t0
+    assert chains and 1 <= c <= max_capacity(servers, model)
+    assert chains == gca(servers, model, gbp_cr(servers, model, c, 0.2, 0.7))
+    assert elapsed < 10  # goal 1 s on an idle machine; loose here since CPUs are shared
+
+
+def test_tune_capacity_errors():
+    model = ModelSpec(10, 1.0, 0.5)
+    with pytest.raises(ValueError):
+        tune_capacity([ServerSpec("a", 1.2, 0.1, 0.1)], model, 0.1)  # c_max = 0
+    with pytest.raises(ValueError):
+        tune_capacity([ServerSpec("a", 5.0, 0.1, 0.1)], model, 0.1)  # cannot cover 10 blocks
+    with pytest.raises(ValueError):
+        tune_capacity([ServerSpec("a", 50.0, 0.1, 0.1)], model, 0.1, method="median")
+    # overloaded swarm: falls back to the largest total service rate instead of failing
+    c, pl, chains = tune_capacity([ServerSpec("a", 20.0, 0.1, 0.1)], model, 100.0)
+    assert chains and chains[0].capacity >= 1
