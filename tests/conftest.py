@@ -58,7 +58,7 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        full_env.setdefault("PETALS_CHAIN_CACHE", str(log_path.parent / "cache"))
+        full_env.setdefault("PETALS_CHAIN_CACHE_DIR", str(log_path.parent / "cache"))
         self.proc = subprocess.Popen([sys.executable, "-m", "petals_chain.server", *args], cwd=str(REPO_ROOT),
                                      stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)

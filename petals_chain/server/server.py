@@ -57,7 +57,7 @@ class ServerConfig:
     allow_any_client: bool = False
     tau_p: Optional[float] = None  # None: measure (cached); else use this value (s/block/job, unscaled)
     profile_l_in: int = 128
-    profile_l_out: int = 32
+    profile_l_out: int = 16
     profile_cache: Optional[str] = None
     refresh_s: float = 30.0
     assignment_poll_s: float = 3.0
@@ -308,13 +308,15 @@ class Server:
         return torch.device(self.cfg.device)
 
     def measure_tau_p(self) -> float:
+        """Unscaled tau_p (s/block/job): --tau-p, else the runtime profiler's cached footnote-11 measurement."""
         if self.cfg.tau_p is not None:
             return float(self.cfg.tau_p)
-        from petals_chain.server.tau_p import cached_tau_p
+        from petals_chain.server.profiling import measure_tau_p
 
-        return cached_tau_p(self.model_path, self.config, dtype=self.torch_dtype, device=self.cfg.device,
-                            quant=self.cfg.quant, l_in=self.cfg.profile_l_in, l_out=self.cfg.profile_l_out,
-                            cache_path=self.cfg.profile_cache, progress=self.cfg.progress)
+        # Measured at compute_scale 1 (no emulation sleeps); the emulated scale multiplies it in record().
+        return measure_tau_p(self.model_path, self.cfg.profile_l_in, self.cfg.profile_l_out, dtype=self.torch_dtype,
+                             device=self.cfg.device, quant=self.cfg.quant, cache_path=self.cfg.profile_cache,
+                             progress=self.cfg.progress)
 
     async def run(self) -> int:
         from petals_chain.swarm.memory import block_bytes

@@ -1,0 +1,149 @@
+"""SwarmDHT records: signed, schema-checked, owner key bound to the peer id; forged/overwritten records rejected."""
+
+from __future__ import annotations
+
+import time
+
+import pydantic
+import pytest
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from petals_chain.swarm.dht import SwarmDHT, peer_id_of_owner, peer_ids_from_maddrs
+from petals_chain.swarm.keys import assignment_key, default_dht_prefix, servers_key, summary_key
+from petals_chain.swarm.records import AssignmentRecord, ServerRecord
+
+PREFIX = "tiny-model"
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """Three honest-looking nodes: an orchestrator, a server, and a rogue that runs our code."""
+    orch = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], prefix=PREFIX)
+    server = SwarmDHT.create(initial_peers=orch.visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    rogue = SwarmDHT.create(initial_peers=orch.visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield orch, server, rogue
+    for sd in (rogue, server, orch):
+        sd.shutdown()
+
+
+def _record(peer_id: str, **kw) -> ServerRecord:
+    base = dict(peer_id=peer_id, state="online", memory_bytes=10_000_000, tau_p=0.01, start_block=0, num_blocks=2,
+                slots_total=5, slots_free=5, public_name="honest", max_length=64)
+    base.update(kw)
+    return ServerRecord(**base)
+
+
+def test_keys_and_prefix():
+    assert default_dht_prefix("/models/Llama-2-7b-hf/") == "Llama-2-7b-hf"
+    assert default_dht_prefix("meta-llama/Llama 2") == "Llama-2"
+    assert servers_key("abc") == "abc.servers" and assignment_key("abc") == "abc.assignment"
+    assert summary_key("abc") == "abc.summary"
+    with pytest.raises(ValueError):
+        servers_key("bad prefix!")
+    with pytest.raises(ValueError):
+        default_dht_prefix("  ")
+    assert peer_ids_from_maddrs(["/ip4/1.2.3.4/tcp/5/p2p/QmA", "/ip4/1.2.3.5/tcp/5/p2p/QmA", "/ip4/1.1.1.1/tcp/1"]) == [
+        "QmA"]
+
+
+def test_record_models_validate():
+    with pytest.raises(pydantic.ValidationError):
+        _record("QmX", slots_free=6)  # more free than total
+    with pytest.raises(pydantic.ValidationError):
+        _record("QmX", state="hacked")
+    with pytest.raises(pydantic.ValidationError):
+        AssignmentRecord(epoch=1, max_length=64, orchestrator_peer_id="QmO", assignments={"QmA": [0, 0]})
+    asg = AssignmentRecord(epoch=3, max_length=64, orchestrator_peer_id="QmO", assignments={"QmA": [2, 3]})
+    assert asg.span_of("QmA") == (2, 3) and asg.span_of("QmB") is None
+
+
+def test_owner_key_derives_peer_id(swarm):
+    orch, server, _ = swarm
+    assert peer_id_of_owner(orch.owner_key) == orch.peer_id
+    assert peer_id_of_owner(server.owner_key) == server.peer_id != orch.peer_id
+    assert peer_id_of_owner(b"[owner:not a key]") is None
+    assert peer_id_of_owner(b"no marker") is None
+
+
+def test_publish_fetch_servers_assignment_summary(swarm):
+    orch, server, _ = swarm
+    assert server.publish_server(PREFIX, _record(server.peer_id), 30)
+    got = orch.fetch_servers(PREFIX)
+    assert got[server.peer_id].public_name == "honest" and got[server.peer_id].slots_total == 5
+
+    asg = AssignmentRecord(epoch=7, max_length=64, orchestrator_peer_id=orch.peer_id,
+                           assignments={server.peer_id: [0, 2]})
+    assert orch.publish_assignment(PREFIX, asg, 30)
+    assert server.fetch_assignment(PREFIX, trusted=[orch.peer_id]).epoch == 7
+    assert server.fetch_assignment(PREFIX, trusted=[server.peer_id]) is None  # nobody trusted published
+
+    summary = {"model": "tiny", "epoch": 7, "servers": [], "chains": [{"id": 0, "capacity": 3}]}
+    assert orch.publish_summary(PREFIX, summary, 30)
+    assert server.fetch_summary(PREFIX, trusted=[orch.peer_id]) == summary
+    assert server.fetch_summary(PREFIX, trusted=["QmSomeoneElse"]) is None
+
+
+def test_forged_record_claiming_another_peer_is_dropped(swarm):
+    orch, server, rogue = swarm
+    assert server.publish_server(PREFIX, _record(server.peer_id, public_name="honest"), 30)
+    with pytest.raises(ValueError):
+        rogue.publish_server(PREFIX, _record(server.peer_id, state="offline"), 30)
+    # Bypass the local check: the record is validly signed by the rogue but claims the server's peer id.
+    assert rogue._store(servers_key(PREFIX), _record(server.peer_id, public_name="forged").to_value(), 30, False)
+    got = orch.fetch_servers(PREFIX)
+    assert got[server.peer_id].public_name == "honest"
+    assert rogue.peer_id not in got  # its entry claims a peer id it does not own
+
+
+def test_overwriting_another_owners_record_is_rejected(swarm):
+    orch, server, rogue = swarm
+    assert server.publish_server(PREFIX, _record(server.peer_id, public_name="honest"), 30)
+    forged = _record(server.peer_id, state="offline", public_name="overwritten").to_value()
+    # The rogue signs with its own key under the server's subkey: every honest node rejects the store.
+    assert not rogue.dht.store(servers_key(PREFIX), forged, get_dht_time() + 60, subkey=server.owner_key)
+    # A malformed value under the rogue's own subkey fails the schema check.
+    bad = dict(_record(rogue.peer_id).to_value(), tau_p="fast")
+    assert not rogue.dht.store(servers_key(PREFIX), bad, get_dht_time() + 60, subkey=rogue.owner_key)
+    # An unsigned subkey (no owner key) is refused by the schema: every entry must be signed.
+    assert not rogue.dht.store(servers_key(PREFIX), forged, get_dht_time() + 60, subkey=b"QmVictim")
+    got = orch.fetch_servers(PREFIX)
+    assert got[server.peer_id].public_name == "honest" and got[server.peer_id].state == "online"
+
+
+def test_rogue_dht_without_validators_cannot_inject(swarm):
+    """A peer running plain hivemind (no validators) keeps forged data locally; honest readers reject it."""
+    orch, server, _ = swarm
+    assert server.publish_server(PREFIX, _record(server.peer_id, public_name="honest"), 30)
+    raw = DHT(initial_peers=orch.visible_maddrs(), start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        forged = _record(server.peer_id, state="offline", public_name="raw-forged").to_value()
+        raw.store(servers_key(PREFIX), forged, get_dht_time() + 60, subkey=server.owner_key)
+        fake_asg = AssignmentRecord(epoch=99, max_length=64, orchestrator_peer_id=orch.peer_id,
+                                    assignments={server.peer_id: [1, 1]}).to_value()
+        raw.store(assignment_key(PREFIX), fake_asg, get_dht_time() + 60, subkey=orch.owner_key)
+        time.sleep(0.2)
+        for reader in (orch, server):
+            got = reader.fetch_servers(PREFIX)
+            assert got[server.peer_id].public_name == "honest"
+            asg = reader.fetch_assignment(PREFIX, trusted=[orch.peer_id])
+            assert asg is None or asg.epoch != 99
+    finally:
+        raw.shutdown()
+
+
+def test_untrusted_assignment_is_ignored(swarm):
+    orch, server, rogue = swarm
+    assert orch.publish_assignment(PREFIX, AssignmentRecord(
+        epoch=8, max_length=64, orchestrator_peer_id=orch.peer_id, assignments={server.peer_id: [0, 2]}), 30)
+    # The rogue publishes a higher epoch under its own key, naming itself (the only way its signature verifies).
+    assert rogue.publish_assignment(PREFIX, AssignmentRecord(
+        epoch=1000, max_length=64, orchestrator_peer_id=rogue.peer_id, assignments={server.peer_id: [3, 1]}), 30)
+    assert server.fetch_assignment(PREFIX, trusted=[orch.peer_id]).epoch == 8
+    assert server.fetch_assignment(PREFIX, trusted=[rogue.peer_id]).epoch == 1000  # only if you trust the rogue
+    # ... or claiming to be the orchestrator (its own owner key, the orchestrator's peer id).
+    forged = AssignmentRecord(epoch=1001, max_length=64, orchestrator_peer_id=orch.peer_id,
+                              assignments={server.peer_id: [3, 1]})
+    assert rogue._store(assignment_key(PREFIX), forged.to_value(), 30, False)
+    asg = server.fetch_assignment(PREFIX, trusted=[orch.peer_id])
+    assert asg.epoch == 8 and asg.span_of(server.peer_id) == (0, 2)
