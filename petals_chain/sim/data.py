@@ -101,28 +101,37 @@ class Trace:
         return (len(self) - 1) / span if span > 0 else math.inf
 
 
-def parse_timestamp(text: str) -> float:
-    """Seconds since the epoch (UTC) of ``YYYY-MM-DD HH:MM:SS[.fffffff]``; any number of fractional digits."""
+def parse_timestamp_ns(text: str) -> int:
+    """Integer nanoseconds since the epoch (UTC) of ``YYYY-MM-DD HH:MM:SS[.fffffff]`` (up to 9 fractional digits).
+
+    Integers keep the trace's 100 ns ticks exact; a float of epoch seconds would round them to ~240 ns.
+    """
     text = text.strip()
     if not text:
         raise DataError("empty timestamp")
     main, _, frac = text.partition(".")
     try:
-        base = datetime.strptime(main, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+        base = datetime.strptime(main, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
     except ValueError as e:
         raise DataError(f"bad timestamp {text!r}: {e}") from None
+    ns = int(base.timestamp()) * 1_000_000_000
     if frac:
-        if not frac.isdigit():
+        # %f accepts at most 6 digits, the trace has 7: parse the fraction ourselves
+        if not frac.isdigit() or len(frac) > 9:
             raise DataError(f"bad fractional seconds in timestamp {text!r}")
-        # keep full precision: 7 digits are 100 ns ticks, which %f (6 digits) would reject
-        return base + int(frac) / 10 ** len(frac)
-    return base
+        ns += int(frac.ljust(9, "0"))
+    return ns
+
+
+def parse_timestamp(text: str) -> float:
+    """Seconds since the epoch (UTC) as a float (see :func:`parse_timestamp_ns` for exact values)."""
+    return parse_timestamp_ns(text) / 1e9
 
 
 def load_trace(path: str | os.PathLike[str]) -> Trace:
     """Parse an Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)."""
     path = Path(path)
-    times: list[float] = []
+    times: list[int] = []
     ctx: list[int] = []
     gen: list[int] = []
     with path.open(newline="") as f:
@@ -132,7 +141,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
             raise DataError(f"{path}: expected columns {sorted(need)}, got {reader.fieldnames}")
         for lineno, row in enumerate(reader, start=2):
             try:
-                t = parse_timestamp(row["TIMESTAMP"])
+                t = parse_timestamp_ns(row["TIMESTAMP"])
                 c = int(row["ContextTokens"])
                 g = int(row["GeneratedTokens"])
             except (DataError, ValueError, TypeError) as e:
@@ -144,10 +153,11 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
             gen.append(g)
     if not times:
         raise DataError(f"{path}: no requests")
-    order = np.argsort(np.asarray(times), kind="stable")
-    t = np.asarray(times, dtype=np.float64)[order]
+    ns = np.asarray(times, dtype=np.int64)
+    order = np.argsort(ns, kind="stable")
+    ns = ns[order]
     return Trace(
-        arrivals=t - t[0],
+        arrivals=(ns - ns[0]).astype(np.float64) / 1e9,
         context_tokens=np.asarray(ctx, dtype=np.int64)[order],
         # a request generates at least one token (its first token comes out of the prefill)
         generated_tokens=np.maximum(np.asarray(gen, dtype=np.int64)[order], 1),

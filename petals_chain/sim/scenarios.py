@@ -197,13 +197,14 @@ def plan_jffc_only(scen: Scenario) -> PlannedPolicy:
 
 def plan_petals(scen: Scenario, rng: np.random.Generator, window_rule: str = "sorted") -> PlannedPolicy:
     """PETALS: servers join in random order and cover the weakest window; min-latency routing per request."""
-    from petals_chain.algorithms.baselines import petals_placement, petals_route
+    from petals_chain.algorithms.baselines import petals_cache_slots, petals_placement, petals_route
 
     placement = petals_placement(scen.servers, scen.model, rng=rng, window_rule=window_rule)
     if not covers_all_blocks(placement, scen.model):
         return PlannedPolicy("petals", placement, feasible=False, note="PETALS placement leaves blocks uncovered")
     servers, model = scen.servers, scen.model
-    slots = slots_for(placement, scen)
+    # PETALS allocates a fixed cache of cache_tokens per block (2 slots at max_length 2048), not M~_j
+    slots = {name: petals_cache_slots(m) for name, (a, m) in placement.items()}
 
     def route(free, expected_wait):
         return petals_route(servers, model, placement, free)
