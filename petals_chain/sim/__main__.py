@@ -208,8 +208,8 @@ def show(cmd: str, res: dict) -> None:
                     [[r["load"], *[r[d] for d in DISPATCHERS], r["lower"], r["upper"], r["jffc_service_frac"]] for r in res["rows"]])
     elif cmd == "fig6":
         cs = res["c_values"]
-        sim = res["simulated"]
-        cur = res["curves"]
+        sim = {int(c): v for c, v in res["simulated"].items()}
+        cur = {m: {int(c): v for c, v in d.items()} for m, d in res["curves"].items()}
         print_table(f"Fig. 6: mean response (s) vs c (λ={res['arrival_rate']}, {res['runs']} runs)",
                     ["c", "simulated", "cK(c)/λ", "lower", "upper"],
                     [[c, sim.get(c), cur["surrogate"].get(c), cur["lower"].get(c), cur["upper"].get(c)] for c in cs if c <= 40 or c % 40 == 0])
@@ -231,7 +231,7 @@ def show(cmd: str, res: dict) -> None:
                     [[p, d.get("mean_response_s"), d.get("mean_response_ci_s"), d.get("p95_response_s"), d.get("mean_wait_s"),
                       d.get("mean_service_s"), d.get("runs")] for p, d in res.items()])
     elif cmd == "trace":
-        print(f"trace: {res['source']}, {res['requests']} requests, {res['rate_per_s']:.2f} req/s, "
+        print(f"trace: {res['source']}, {res['requests']} requests, {res['rate_per_s']:.2f} req/s, service scale {res['service_scale']}, "
               f"inter-arrival std / exponential's = {res['interarrival_std_ratio']:.2f}, c* (lower bound) = {res['c_lower_bound']}")
         print_table("Trace replay (ours | paper Table 1)", ["policy", "mean resp", "paper", "P95", "paper", "mean wait", "paper", "mean svc"],
                     [[p, d.get("mean_response_s"), res["paper"].get(p, {}).get("mean_response_s"), d.get("p95_response_s"),
@@ -265,8 +265,8 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
                        c_values=list(range(1, 21)) + [30, 40, 80, 160, 320] if q else None)
     if cmd == "fig7":
         return ex.fig7(runs=runs, seed=a.seed, jobs=jobs, progress=prog,
-                       lambdas=(0.1, 0.2, 0.4) if q else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6),
-                       c_values=tuple(range(1, 21)) if q else tuple(range(1, 31)))
+                       lambdas=(0.1, 0.4, 1.0) if q else (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2),
+                       c_values=tuple(range(1, 31)) if q else tuple(range(1, 61)))
     if cmd == "fig8":
         out = a.out
 
@@ -282,7 +282,7 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
         return ex.overall(num_servers=a.servers, eta=a.eta, arrival_rate=a.arrival_rate, runs=runs, seed=a.seed, jobs=jobs,
                           progress=prog)
     if cmd == "trace":
-        return ex.trace_replay(trace_path=a.trace, requests=a.requests, seed=a.seed,
+        return ex.trace_replay(trace_path=a.trace, requests=a.requests, seed=a.seed, service_scale=a.service_scale,
                                runs=a.runs if a.runs is not None else (1 if q else 5), progress=prog)
     if cmd == "planner-scale":
         return ex.planner_scale(a.servers, seed=a.seed, arrival_rate=a.planner_rate)
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=str, default=None, help="Azure trace CSV (default ../shared/data/..., else synthetic)")
     p.add_argument("--rtt-file", type=str, default=None, help="RIPE Atlas CSV (default ../shared/data/..., else synthetic)")
     p.add_argument("--requests", type=int, default=1000, help="trace: replay the first N requests (0 = all)")
+    p.add_argument("--service-scale", type=float, default=1.0,
+                   help="trace: multiply every modelled service time (e.g. to match a measured mean service time)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -322,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not (a.arrival_rate > 0 and math.isfinite(a.arrival_rate)):
         print("error: --arrival-rate must be positive", file=sys.stderr)
+        return 2
+    if not (a.service_scale > 0 and math.isfinite(a.service_scale)):
+        print("error: --service-scale must be positive", file=sys.stderr)
         return 2
     if a.servers is None:
         a.servers = 1000 if a.command == "planner-scale" else DEFAULT_J

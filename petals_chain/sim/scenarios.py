@@ -91,7 +91,8 @@ def bloom_scenario(num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arriv
 
 
 def llama_trace_scenario(trace: simdata.Trace, *, rng: np.random.Generator, anchors: simdata.Anchors | None = None,
-                         num_fast: int = 3, num_slow: int = 6, rho_bar: float = DEFAULT_RHO_BAR) -> Scenario:
+                         num_fast: int = 3, num_slow: int = 6, rho_bar: float = DEFAULT_RHO_BAR,
+                         scale: float = 1.0) -> Scenario:
     """§4.2 testbed for trace replay (module docstring); the planner's ``tau_c``/``tau_p`` use the trace means."""
     anchors = anchors if anchors is not None else simdata.get_anchors()
     J = num_fast + num_slow
@@ -104,12 +105,13 @@ def llama_trace_scenario(trace: simdata.Trace, *, rng: np.random.Generator, anch
     for j in range(J):
         gpu = GPU_FAST if j < num_fast else GPU_SLOW
         name = f"{'fast' if j < num_fast else 'slow'}{j}"
-        t_I = flop_per_token / gpu["tflops"] / 1000.0  # GFLOP / TFLOPS = ms -> s
-        t_O = model.block_size / gpu["gb_per_ms"] / 1000.0
-        hop = (float(rtt[j]) + simdata.OVERHEAD_MS) / 1000.0
-        costs[name] = ServerCost(c0=hop, p0=T_O_OVERHEAD, pI=t_I, pO=t_O, cO=hop)
+        t_I = scale * flop_per_token / gpu["tflops"] / 1000.0  # GFLOP / TFLOPS = ms -> s
+        t_O = scale * model.block_size / gpu["gb_per_ms"] / 1000.0
+        t_o = scale * T_O_OVERHEAD
+        hop = scale * (float(rtt[j]) + simdata.OVERHEAD_MS) / 1000.0
+        costs[name] = ServerCost(c0=hop, p0=t_o, pI=t_I, pO=t_O, cO=hop)
         servers.append(ServerSpec(name=name, memory=gpu["memory"], tau_c=hop * l_out,
-                                  tau_p=T_O_OVERHEAD + t_I * l_in + t_O * (l_out - 1)))
+                                  tau_p=t_o + t_I * l_in + t_O * (l_out - 1)))
         if j < num_fast:
             fast.add(name)
     return Scenario(servers=servers, model=model, arrival_rate=trace.rate, rho_bar=rho_bar, cost=CostModel(costs),
