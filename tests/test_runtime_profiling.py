@@ -42,7 +42,7 @@ def test_tau_p_from_path_and_compute_scale(model, tmp_path):
     cache = tmp_path / "tau.json"
     base = measure_tau_p(model, l_in=32, l_out=4, repeats=3, cache_path=cache)
     slow = measure_tau_p(model, l_in=32, l_out=4, repeats=3, compute_scale=4.0, cache_path=cache)
-    assert slow > 2.0 * base
+    assert slow > 1.5 * base  # 4x expected; margin for a shared, loaded CPU
     assert len(json.loads(cache.read_text())) == 2
 
 

@@ -12,6 +12,7 @@ batched into one forward without changing the session bookkeeping.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import threading
@@ -69,7 +70,8 @@ class BlockRunner:
         progress: bool | None = None,
     ):
         self.model_path = Path(model_path)
-        self.config = config if config is not None else load_config(self.model_path)
+        # A private copy: the attention implementation is set on it, not on the caller's config.
+        self.config = copy.deepcopy(config) if config is not None else load_config(self.model_path)
         self.config._attn_implementation = attn_implementation
         n_layers = int(self.config.num_hidden_layers)
         for name, v in (("start_block", start_block), ("num_blocks", num_blocks), ("num_slots", num_slots),

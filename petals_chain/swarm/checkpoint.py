@@ -145,10 +145,11 @@ def _quantize_linears(module: nn.Module, quant: str, compute_dtype: torch.dtype)
                 new.weight = bnb.nn.Int8Params(child.weight.data.to(torch.float16), requires_grad=False,
                                                has_fp16_weights=False)
             else:
+                # No double quantisation: memory.block_bytes counts one fp32 absmax per 64 weights.
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=has_bias,
-                                        compute_dtype=compute_dtype, quant_type="nf4")
+                                        compute_dtype=compute_dtype, compress_statistics=False, quant_type="nf4")
                 new.weight = bnb.nn.Params4bit(child.weight.data.to(compute_dtype), requires_grad=False,
-                                               quant_type="nf4")
+                                               compress_statistics=False, quant_type="nf4")
             if has_bias:
                 new.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
             setattr(parent, child_name, new)
