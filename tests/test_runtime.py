@@ -366,3 +366,35 @@ def test_runner_does_not_mutate_callers_config(models):
     cfg._attn_implementation = "eager"
     r = BlockRunner(models["llama"], 0, 1, num_slots=1, max_length=8, config=cfg, progress=False)
     assert cfg._attn_implementation == "eager" and r.config._attn_implementation == "sdpa"
+
+
+def test_bfloat16_chain_matches_bfloat16_model(models):
+    path = models["qwen2"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    head = load_head(path, "bfloat16")
+    runners = _chain(path, dtype="bfloat16")
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(5))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        ref = model(ids, past_key_values=cache, use_cache=True).logits.float()
+        torch.testing.assert_close(head.logits(_through(runners, head.embed(ids), 0)), ref, atol=2e-2, rtol=0)
+        tok = ref[:, -1:].argmax(-1)
+        ref = model(tok, past_key_values=cache, use_cache=True).logits.float()
+        torch.testing.assert_close(head.logits(_through(runners, head.embed(tok), 7)), ref, atol=2e-2, rtol=0)
+
+
+def test_mistral_sliding_window(tmp_path):
+    path = build_tiny_model(tmp_path / "m", family="mistral", num_layers=2, sliding_window=32)
+    with pytest.raises(ValueError, match="sliding_window"):
+        BlockRunner(path, 0, 2, num_slots=1, max_length=33, progress=False)
+    # within the window the full-prefix cache is exact
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    head = load_head(path)
+    r = BlockRunner(path, 0, 2, num_slots=2, max_length=32, progress=False)
+    r.allocate("s", 0, 2)
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids).logits
+    got = torch.cat([head.logits(r.forward("s", head.embed(ids[:, :20]), 0)),
+                     head.logits(r.forward("s", head.embed(ids[:, 20:]), 20))], dim=1)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)

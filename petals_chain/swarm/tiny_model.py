@@ -111,6 +111,7 @@ def make_config(
     eos_token_id: int,
     pad_token_id: int,
     dtype: str,
+    sliding_window: int | None = None,
 ):
     """The transformers config object of a tiny model of ``family``."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
@@ -134,8 +135,8 @@ def make_config(
     if family == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if family == "mistral":
-        # Mistral-7B-v0.1 ships sliding_window=4096; keep it >= every max_length used here.
-        return MistralConfig(**common, sliding_window=None)
+        # Mistral-7B-v0.1 ships sliding_window=4096; servers refuse a max_length beyond the window.
+        return MistralConfig(**common, sliding_window=sliding_window)
     if family == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -172,6 +173,7 @@ def build_tiny_model(
     tie_word_embeddings: bool | None = None,
     num_shards: int = 3,
     dtype: str = "float32",
+    sliding_window: int | None = None,
     overwrite: bool = True,
 ) -> Path:
     """Write a tiny random-weight ``family`` causal LM to ``dir`` and return the directory path.
@@ -179,7 +181,7 @@ def build_tiny_model(
     GQA by default for mistral and qwen2 (``num_key_value_heads = num_attention_heads // 2``); qwen2 also
     has attention biases (as in the real family) and tied embeddings by default. ``num_shards > 1`` writes
     ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json``; 1 writes
-    ``model.safetensors``. ``initializer_range`` is large compared with real models so that greedy decoding
+    ``model.safetensors``. ``sliding_window`` (mistral only) sets the attention window. ``initializer_range`` is large compared with real models so that greedy decoding
     of a random model is not degenerate.
     """
     from safetensors.torch import save_file
@@ -197,6 +199,8 @@ def build_tiny_model(
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if sliding_window is not None and family != "mistral":
+        raise ValueError("sliding_window is only supported for the mistral family")
     if tie_word_embeddings is None:
         tie_word_embeddings = family == "qwen2"
     out = Path(dir)
@@ -223,6 +227,7 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype=dtype,
+        sliding_window=sliding_window,
     )
 
     torch.manual_seed(seed)
