@@ -147,6 +147,24 @@ def test_resolve_model_path(models, tmp_path):
         resolve_model_path(str(tmp_path / "nope" / "deeper"))
 
 
+def test_resolve_model_path_hub(models, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, revision=None, cache_dir=None, allow_patterns=None):
+        calls.append((repo_id, revision, allow_patterns))
+        if repo_id == "org/missing":
+            raise OSError("offline")
+        return str(models["llama"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve_model_path("org/tiny", revision="main") == models["llama"]
+    assert calls[0][:2] == ("org/tiny", "main") and "*.safetensors" in calls[0][2]
+    with pytest.raises(FileNotFoundError, match="hub.*offline"):
+        resolve_model_path("org/missing")
+
+
 def test_head_tied_and_untied(models):
     for fam, tied in (("llama", False), ("qwen2", True)):
         head = load_head(models[fam], "bfloat16")

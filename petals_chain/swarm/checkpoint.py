@@ -51,7 +51,11 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, revision: str | None 
         from huggingface_hub import snapshot_download
     except ImportError as e:  # pragma: no cover - huggingface_hub ships with transformers
         raise FileNotFoundError(f"{name!r} is not a local directory and huggingface_hub is unavailable") from e
-    return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS))
+    try:
+        return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated model, ...: one clear error type for callers
+        raise FileNotFoundError(f"{name!r} is not a local directory and could not be fetched from the "
+                                f"Hugging Face hub: {type(e).__name__}: {e}") from e
 
 
 def load_config(path: str | os.PathLike):
