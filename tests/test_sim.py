@@ -264,3 +264,38 @@ def test_cli_rejects_bad_arguments():
     assert p.returncode == 2 and "not found" in p.stderr
     p = _cli("bogus")
     assert p.returncode == 2
+
+
+# ----------------------------------------------------------------------- figure experiments
+
+
+def test_fig3_gbp_cr_never_worse_than_random_placements_homogeneous():
+    from petals_chain.sim.experiments import fig3
+
+    res = fig3(runs=2, num_random=20, lambdas=(0.2, 0.4, 0.6), progress=False)
+    for row in res["cases"]["homogeneous"]:
+        if row["feasible_runs"]:
+            assert row["gbp_cr_le_best_random_runs"] == row["feasible_runs"]  # Thm 3.4
+            assert row["gbp_cr_mean"] <= row["random_min"]
+
+
+def test_fig4_orders_lower_bound_ilp_gca_and_ck():
+    from petals_chain.sim.experiments import fig4
+
+    res = fig4(runs=2, loads=(0.1, 0.3, 0.5, 0.7), progress=False)
+    for row in res["rows"]:
+        assert row["lower"] <= row["ilp"] + 1e-9  # one chain at most mu_1 per job server
+        assert row["ilp"] <= row["gca"] + 1e-9  # GCA's allocation is feasible for the ILP
+        if row["ck"] is not None:
+            assert row["gca"] <= row["ck"] + 1e-9  # c·K(c) is the paper's upper bound on what GCA needs
+
+
+def test_ilp_job_servers_respects_memory():
+    from petals_chain.sim.experiments import greedy_job_servers, ilp_job_servers
+
+    chains = [Chain(("a", "b"), (2, 1), 1.0, 3, ((0, 2), (2, 3))), Chain(("c",), (3,), 2.0, 2, ((0, 3),))]
+    slots = {"a": 6, "b": 3, "c": 6}
+    # rate 3.5 needs the 3 fast jobs (rate 3) plus one slow one (0.5): 4 job servers
+    assert greedy_job_servers(chains, 3.5) == 4
+    assert ilp_job_servers(chains, slots, 3.5) == 4
+    assert ilp_job_servers(chains, slots, 10.0) is None  # beyond what memory allows
