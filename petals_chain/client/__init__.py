@@ -1,0 +1,239 @@
+"""Python client of a petals-chain orchestrator.
+
+```python
+from petals_chain.client import Client
+client = Client("http://127.0.0.1:8000")
+print(client.generate("The quick brown fox", max_tokens=16))          # greedy by default
+for piece in client.stream("Once upon a time", max_tokens=32, temperature=0.8, seed=1):
+    print(piece, end="", flush=True)
+with client.session(max_length=512) as s:                              # keeps its chain and KV cache
+    s.generate("Hello! ", max_tokens=8)
+    s.generate(" What is your name?", max_tokens=8)
+```
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import httpx
+
+__all__ = ["Client", "ClientSession", "ClientError", "Completion"]
+
+
+class ClientError(RuntimeError):
+    """The orchestrator refused a request (4xx) or could not serve it (5xx)."""
+
+    def __init__(self, status: int, message: str, code: Optional[str] = None):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass
+class Completion:
+    """One generated sequence and how it was served."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict
+    wait_s: float = 0.0
+    service_s: float = 0.0
+    chain: list[str] = field(default_factory=list)
+    failovers: int = 0
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        err = resp.json().get("error", {})
+        raise ClientError(resp.status_code, err.get("message", resp.text), err.get("code"))
+    except (ValueError, AttributeError):
+        raise ClientError(resp.status_code, resp.text) from None
+
+
+def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:
+    body = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+            "repetition_penalty": repetition_penalty}
+    if seed is not None:
+        body["seed"] = seed
+    if stop:
+        body["stop"] = stop
+    body.update(extra)
+    return body
+
+
+def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
+    for line in resp.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        obj = json.loads(data)
+        if "error" in obj:
+            err = obj["error"]
+            raise ClientError(503 if err.get("type") == "server_error" else 400, err.get("message", ""), err.get("code"))
+        yield obj
+
+
+class Client:
+    """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``)."""
+
+    def __init__(self, url: str, *, timeout: float = 600.0, model: Optional[str] = None):
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        self._model = model
+
+    # ---- info ----
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            r = self._http.get("/v1/models")
+            _raise_for(r)
+            self._model = r.json()["data"][0]["id"]
+        return self._model
+
+    def swarm(self) -> dict:
+        """The orchestrator's ``GET /api/v1/swarm`` (servers, chains, queue, plan)."""
+        r = self._http.get("/api/v1/swarm")
+        _raise_for(r)
+        return r.json()
+
+    def healthz(self) -> dict:
+        r = self._http.get("/healthz")
+        _raise_for(r)
+        return r.json()
+
+    # ---- one-shot generation ----
+    def complete(self, prompt: str | list[int], *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
+                 stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
+        """Generate one completion (greedy unless ``temperature > 0``) and return it with its serving details."""
+        body = {"model": self.model, "prompt": prompt,
+                **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
+        r = self._http.post("/v1/completions", json=body)
+        _raise_for(r)
+        data = r.json()
+        ch = data["choices"][0]
+        info = (data.get("petals_chain") or [{}])[0]
+        return Completion(text=ch["text"], token_ids=info.get("token_ids", []), finish_reason=ch["finish_reason"],
+                          usage=data["usage"], wait_s=info.get("wait_s", 0.0), service_s=info.get("service_s", 0.0),
+                          chain=info.get("chain", []), failovers=info.get("failovers", 0))
+
+    def generate(self, prompt: str | list[int], **kwargs: Any) -> str:
+        """The generated text (see :meth:`complete` for the arguments)."""
+        return self.complete(prompt, **kwargs).text
+
+    def stream(self, prompt: str | list[int], *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
+               stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
+        """Yield text pieces as tokens are generated (server-sent events)."""
+        body = {"model": self.model, "prompt": prompt, "stream": True,
+                **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
+        with self._http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code >= 400:
+                r.read()
+                _raise_for(r)
+            for obj in _iter_sse(r):
+                for ch in obj.get("choices", []):
+                    if ch.get("text"):
+                        yield ch["text"]
+
+    def chat(self, messages: list[dict], *, max_tokens: int = 64, temperature: float = 0.0, **kwargs: Any) -> str:
+        """One chat completion (the tokenizer's chat template is applied by the orchestrator)."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                **kwargs}
+        r = self._http.post("/v1/chat/completions", json=body)
+        _raise_for(r)
+        return r.json()["choices"][0]["message"]["content"]
+
+    # ---- multi-turn ----
+    def session(self, max_length: Optional[int] = None) -> "ClientSession":
+        """A multi-turn session that keeps its chain and KV cache between calls (use as a context manager)."""
+        return ClientSession(self, max_length)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ClientSession:
+    """A session opened on the orchestrator; every call continues the same token sequence."""
+
+    def __init__(self, client: Client, max_length: Optional[int] = None):
+        self.client = client
+        body = {} if max_length is None else {"max_length": max_length}
+        r = client._http.post("/api/v1/sessions", json=body)
+        _raise_for(r)
+        data = r.json()
+        self.id: str = data["session_id"]
+        self.max_length: int = data["max_length"]
+        self.closed = False
+        self.last: Optional[Completion] = None
+
+    def _body(self, prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra):
+        body = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        if input_ids is not None:
+            body["input_ids"] = list(input_ids)
+        else:
+            body["prompt"] = prompt
+        return body
+
+    def complete(self, prompt: Optional[str] = None, *, input_ids: Optional[list[int]] = None, max_tokens: int = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+                 seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
+        """Append ``prompt`` (text) or ``input_ids`` to the session and generate."""
+        body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        r = self.client._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
+        _raise_for(r)
+        d = r.json()
+        self.last = Completion(text=d["text"], token_ids=d["token_ids"], finish_reason=d["finish_reason"],
+                               usage=d["usage"], wait_s=d["wait_s"], service_s=d["service_s"], chain=d["chain"],
+                               failovers=d["failovers"])
+        return self.last
+
+    def generate(self, prompt: Optional[str] = None, **kwargs: Any) -> str:
+        return self.complete(prompt, **kwargs).text
+
+    def stream(self, prompt: Optional[str] = None, *, input_ids: Optional[list[int]] = None, max_tokens: int = 16,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+               seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
+        body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        body["stream"] = True
+        with self.client._http.stream("POST", f"/api/v1/sessions/{self.id}/generate", json=body) as r:
+            if r.status_code >= 400:
+                r.read()
+                _raise_for(r)
+            for obj in _iter_sse(r):
+                if obj.get("text"):
+                    yield obj["text"]
+
+    def info(self) -> dict:
+        r = self.client._http.get(f"/api/v1/sessions/{self.id}")
+        _raise_for(r)
+        return r.json()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        r = self.client._http.delete(f"/api/v1/sessions/{self.id}")
+        if r.status_code != 404:
+            _raise_for(r)
+
+    def __enter__(self) -> "ClientSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

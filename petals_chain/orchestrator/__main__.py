@@ -1,0 +1,144 @@
+"""``python -m petals_chain.orchestrator``: the swarm's frontend (planner, JFFC dispatch, relay, HTTP API)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+
+from petals_chain.orchestrator.core import DISPATCHES, PLACEMENTS, Orchestrator, OrchestratorConfig
+
+logger = logging.getLogger("petals_chain.orchestrator")
+
+
+def _arrival_rate(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number, got {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"arrival rate must be positive and finite, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m petals_chain.orchestrator", description=__doc__)
+    p.add_argument("--model", required=True, help="HF-format model directory (or hub name)")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
+                   help="libp2p multiaddrs to listen on (the swarm's initial peers); e.g. /ip4/0.0.0.0/tcp/31337")
+    p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting one")
+    p.add_argument("--identity-path", default=None, help="RSA identity file (created if missing): a stable peer id")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--arrival-rate", type=_arrival_rate, default=None, metavar="auto|X",
+                   help="request arrival rate for planning (req/s); auto: estimated online")
+    p.add_argument("--rho-bar", type=float, default=0.7, help="target load factor of GBP-CR (0, 1]")
+    p.add_argument("--max-length", type=_positive_int, default=1024,
+                   help="tokens per job (prompt + output); one cache slot holds this many")
+    p.add_argument("--placement", default="gbp-cr", choices=list(PLACEMENTS))
+    p.add_argument("--dispatch", default="jffc", choices=list(DISPATCHES))
+    p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: from the model name)")
+    p.add_argument("--model-id", default=None, help="model id served at /v1 (default: the DHT prefix)")
+    p.add_argument("--settle-s", type=float, default=2.0, help="wait this long without joins before the first plan")
+    p.add_argument("--replan-interval-s", type=float, default=30.0)
+    p.add_argument("--move-margin", type=float, default=0.2,
+                   help="move blocks only if the predicted mean response time improves by this fraction")
+    p.add_argument("--ready-file", default=None, help="write {http_url, initial_peers, peer_id} as JSON here once up")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(cfg: OrchestratorConfig, ready_file: str | None = None) -> None:
+    import uvicorn
+
+    from petals_chain.orchestrator.api import create_app
+
+    orch = Orchestrator(cfg)
+    sock = _bind(cfg.host, cfg.port)
+    port = sock.getsockname()[1]
+    cfg.port = port
+    orch.http_url = f"http://{cfg.host if cfg.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{port}"
+    print(f"Loading {cfg.model} (embeddings, final norm, LM head)...", flush=True)
+    await asyncio.to_thread(orch.load_model)
+    await orch.start()
+    app = create_app(orch)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3))
+    server.install_signal_handlers = lambda: None  # we handle signals ourselves (below)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    peers = orch.initial_peers
+    print("Orchestrator peer id:", orch.dht.peer_id, flush=True)
+    print("Initial peers (give these to servers as --initial-peers):", flush=True)
+    for m in peers:
+        print("   ", m, flush=True)
+    print(f"HTTP API: {orch.http_url}/v1  dashboard: {orch.http_url}/  swarm: {orch.http_url}/api/v1/swarm", flush=True)
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"http_url": orch.http_url, "initial_peers": peers, "peer_id": orch.dht.peer_id,
+                       "pid": os.getpid()}, f)
+        os.replace(tmp, ready_file)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        print("Shutting down...", flush=True)
+        await orch.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("hivemind", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cfg = OrchestratorConfig(
+        model=args.model, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers,
+        identity_path=args.identity_path, host=args.host, port=args.port, dtype=args.dtype,
+        arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
+        dispatch=args.dispatch, dht_prefix=args.dht_prefix, model_id=args.model_id, settle_s=args.settle_s,
+        replan_interval_s=args.replan_interval_s, move_margin=args.move_margin)
+    try:
+        Orchestrator(cfg)  # validate the configuration before anything starts
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(cfg, args.ready_file))
+    except KeyboardInterrupt:
+        pass
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

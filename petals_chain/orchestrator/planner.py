@@ -1,0 +1,414 @@
+"""Planner: live server view, tau_c/tau_p estimates, c* + GBP-CR + GCA, signed assignment epochs.
+
+Units: memory in bytes (``M_j`` = ``memory_bytes``, ``s_m``/``s_c`` from the server records), times in
+seconds. A *job* for the planner is one request: one prefill step plus its decode steps; ``steps_per_job``
+(online mean, with a prior) turns per-message measurements into the paper's per-job ``tau_c_j`` and
+``tau_p_j``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
+
+logger = logging.getLogger(__name__)
+
+EWMA = 0.2
+
+
+@dataclass
+class ServerView:
+    """What the orchestrator knows about one server."""
+
+    peer_id: str
+    record: Any  # ServerRecord
+    first_seen: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)
+    rtt_s: float | None = None  # one request/response round trip (ping), EWMA
+    ping_failures: int = 0
+    step_s_per_block: float | None = None  # observed compute per block per relay step, EWMA
+    hop_obs: int = 0
+    failed_at: float | None = None  # set when a session on it failed; cleared by a newer record + ping
+
+    @property
+    def usable(self) -> bool:
+        return self.failed_at is None and self.record.state != "offline"
+
+
+class RateEstimator:
+    """Arrival rate (req/s) over a sliding window, shrunk toward a prior while few arrivals are seen."""
+
+    def __init__(self, prior: float = 0.5, prior_weight_s: float = 30.0, window_s: float = 300.0):
+        self.prior = prior
+        self.prior_weight_s = prior_weight_s
+        self.window_s = window_s
+        self.t0 = time.monotonic()
+        self.arrivals: deque[float] = deque()
+
+    def arrive(self, t: float | None = None) -> None:
+        self.arrivals.append(time.monotonic() if t is None else t)
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self.arrivals and self.arrivals[0] < now - self.window_s:
+            self.arrivals.popleft()
+        span = min(self.window_s, now - self.t0)
+        return (len(self.arrivals) + self.prior * self.prior_weight_s) / (span + self.prior_weight_s)
+
+
+@dataclass
+class Plan:
+    """A plan and its prediction."""
+
+    c: int | None
+    placement: Placement
+    chains: list[Chain]
+    lower: float
+    upper: float
+    reason: str = ""
+
+    @property
+    def predicted(self) -> float:
+        return self.lower
+
+
+class Planner:
+    """Keeps the server view fresh, decides placements and chains, and feeds the dispatcher.
+
+    ``on_chains(chains)`` is called whenever the usable chain set changes (GCA on the servers that are
+    online and serve their assigned span). Assignments are published as signed epochs through ``dht``.
+    """
+
+    def __init__(self, *, dht: Any, prefix: str, client: Any, max_length: int, on_chains: Callable[[list[Chain]], None],
+                 arrival_rate: float | None = None, rho_bar: float = 0.7, placement: str = "gbp-cr",
+                 move_margin: float = 0.2, settle_s: float = 2.0, refresh_s: float = 1.0,
+                 replan_interval_s: float = 30.0, prior_tokens_per_job: float = 16.0,
+                 serialization_s: float = 2e-4, assignment_expiration_s: float = 60.0,
+                 model_spec_fallback: Callable[[], ModelSpec | None] | None = None):
+        self.dht = dht
+        self.prefix = prefix
+        self.client = client
+        self.max_length = max_length
+        self.on_chains = on_chains
+        self.fixed_rate = arrival_rate
+        self.rates = RateEstimator()
+        self.rho_bar = rho_bar
+        self.placement_policy = placement
+        self.move_margin = move_margin
+        self.settle_s = settle_s
+        self.refresh_s = refresh_s
+        self.replan_interval_s = replan_interval_s
+        self.serialization_s = serialization_s
+        self.assignment_expiration_s = assignment_expiration_s
+        self.model_spec_fallback = model_spec_fallback
+        self.servers: dict[str, ServerView] = {}
+        self.steps_per_job = 1.0 + prior_tokens_per_job
+        self._steps_obs = 0
+        self.epoch = 0
+        self.assignment: dict[str, tuple[int, int]] = {}
+        self.plan: Plan | None = None  # the placement in force (its prediction at planning time)
+        self.current: Plan | None = None  # GCA on usable servers of that placement (what dispatch uses)
+        self.last_change = 0.0
+        self.last_full_replan = 0.0
+        self.last_publish = 0.0
+        self.plan_log: deque[dict] = deque(maxlen=100)
+        self._gca_key: tuple | None = None
+        self._lock = asyncio.Lock()
+        self.model_spec: ModelSpec | None = None
+
+    # ---- estimates -----------------------------------------------------------------------------
+    @property
+    def arrival_rate(self) -> float:
+        return self.fixed_rate if self.fixed_rate is not None else self.rates.rate()
+
+    def tau_c(self, v: ServerView) -> float:
+        """Communication time of one job with the server: one round trip per relay step + serialization."""
+        rtt = v.rtt_s if v.rtt_s is not None else (2e-3 + 2 * v.record.emulate_rtt_ms / 1000.0)
+        return (rtt + self.serialization_s) * self.steps_per_job
+
+    def tau_p(self, v: ServerView) -> float:
+        """Compute time per block per job: online (observed relay steps) once seen, else the record's."""
+        if v.step_s_per_block is not None and v.hop_obs >= 8:
+            return v.step_s_per_block * self.steps_per_job
+        return float(v.record.tau_p)
+
+    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float) -> None:
+        """One relay step of ``n_tokens`` through ``n_blocks`` of ``peer_id`` took ``seconds`` (incl. network)."""
+        v = self.servers.get(peer_id)
+        if v is None or n_blocks <= 0 or n_tokens != 1:  # decode steps only: prefill cost varies with length
+            return
+        rtt = v.rtt_s or 0.0
+        per_block = max(0.0, seconds - rtt) / n_blocks
+        v.step_s_per_block = per_block if v.step_s_per_block is None else (1 - EWMA) * v.step_s_per_block + EWMA * per_block
+        v.hop_obs += 1
+
+    def observe_job(self, steps: int) -> None:
+        """A finished job made ``steps`` relay steps (prefill + decodes)."""
+        self._steps_obs += 1
+        w = max(EWMA, 1.0 / self._steps_obs) if self._steps_obs < 20 else 0.05
+        self.steps_per_job = (1 - w) * self.steps_per_job + w * float(steps)
+
+    def report_failure(self, peer_id: str) -> None:
+        """A session on ``peer_id`` failed: drop it from the plan now."""
+        v = self.servers.get(peer_id)
+        if v is None or v.failed_at is not None:
+            return
+        v.failed_at = time.time()
+        logger.warning("server %s (%s) failed; dropping it from the chains", v.record.public_name, peer_id[:12])
+        self._recompute_chains(reason=f"failure of {v.record.public_name or peer_id[:12]}")
+
+    # ---- model spec ----------------------------------------------------------------------------
+    def _model_spec(self) -> ModelSpec | None:
+        """``L``, ``s_m``, ``s_c`` at the swarm's max_length (servers size their slots for it).
+
+        Computed from the model config rather than taken from records: a record announced before the first
+        assignment carries the server's default max_length, not the swarm's."""
+        if self.model_spec is None and self.model_spec_fallback is not None:
+            self.model_spec = self.model_spec_fallback()
+        return self.model_spec
+
+    def specs(self, views: Sequence[ServerView]) -> list[ServerSpec]:
+        return [ServerSpec(name=v.peer_id, memory=float(v.record.memory_bytes), tau_c=self.tau_c(v), tau_p=self.tau_p(v))
+                for v in views]
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _bounds(self, chains: list[Chain]) -> tuple[float, float]:
+        from petals_chain.algorithms import response_time_bounds
+
+        if not chains:
+            return math.inf, math.inf
+        return response_time_bounds([(1.0 / ch.service_time, ch.capacity) for ch in chains], self.arrival_rate)
+
+    def full_plan(self, views: Sequence[ServerView]) -> Plan | None:
+        """c* by the Theorem 3.7 lower bound over GBP-CR + GCA on ``views`` (or the configured placement)."""
+        from petals_chain.algorithms import tune_capacity
+
+        model = self._model_spec()
+        if model is None or not views:
+            return None
+        specs = self.specs(views)
+        lam = max(self.arrival_rate, 1e-6)
+        try:
+            if self.placement_policy == "gbp-cr":
+                c, placement, chains = tune_capacity(specs, model, lam, rho_bar=self.rho_bar, method="lower")
+            else:
+                c, placement, chains = self._baseline_placement(specs, model)
+        except ValueError as e:
+            logger.info("no feasible plan yet: %s", e)
+            return None
+        lower, upper = self._bounds(chains)
+        return Plan(c=c, placement=placement, chains=chains, lower=lower, upper=upper)
+
+    def _baseline_placement(self, specs: list[ServerSpec], model: ModelSpec):
+        from petals_chain.algorithms import gca
+
+        if self.placement_policy == "whole-model":
+            from petals_chain.algorithms.baselines import whole_model_placement
+
+            placement, _ = whole_model_placement(specs, model)
+        else:
+            raise ValueError(f"placement policy {self.placement_policy!r} is not available")
+        return None, placement, gca(specs, model, placement)
+
+    def evaluate(self, views: Sequence[ServerView], placement: Placement, c: int | None = None) -> Plan:
+        """GCA on ``placement`` restricted to ``views`` (with their live slot counts when loaded)."""
+        from petals_chain.algorithms import gca
+
+        model = self._model_spec()
+        names = {v.peer_id for v in views}
+        sub = Placement({k: placement[k] for k in placement if k in names}, num_blocks=model.num_blocks)
+        residual = {}
+        for v in views:
+            r = v.record
+            if v.peer_id in sub and r.num_blocks > 0 and (r.start_block, r.num_blocks) == sub[v.peer_id]:
+                residual[v.peer_id] = int(r.slots_total)
+        specs = self.specs([v for v in views if v.peer_id in sub])
+        chains = gca(specs, model, sub, residual_slots=residual) if specs else []
+        lower, upper = self._bounds(chains)
+        return Plan(c=c, placement=sub, chains=chains, lower=lower, upper=upper)
+
+    def incremental(self, views: Sequence[ServerView], base: Placement, newcomer: ServerView, c: int | None) -> Plan | None:
+        """Best span for ``newcomer`` alone (others keep their blocks): no server reloads."""
+        model = self._model_spec()
+        spec = self.specs([newcomer])[0]
+        m = spec.max_blocks(model, c or 1)
+        best: Plan | None = None
+        for mm in sorted({m, min(model.num_blocks, max(1, m))}):
+            if mm < 1:
+                continue
+            for start in range(0, model.num_blocks - mm + 1):
+                spans = dict(base.items())
+                spans[newcomer.peer_id] = (start, mm)
+                plan = self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c)
+                if best is None or plan.lower < best.lower - 1e-12:
+                    best = plan
+        return best
+
+    def usable_views(self) -> list[ServerView]:
+        return [v for v in self.servers.values() if v.usable]
+
+    def online_views(self) -> list[ServerView]:
+        """Usable servers that are online and serve exactly their assigned span."""
+        out = []
+        for v in self.usable_views():
+            span = self.assignment.get(v.peer_id)
+            r = v.record
+            if span is not None and r.state == "online" and (r.start_block, r.num_blocks) == tuple(span):
+                out.append(v)
+        return out
+
+    def _recompute_chains(self, reason: str) -> None:
+        """GCA at once on the servers actually online (join, leave, failure)."""
+        if self.plan is None or self._model_spec() is None:
+            return
+        views = self.online_views()
+        key = tuple(sorted((v.peer_id, v.record.slots_total) for v in views))
+        plan = self.evaluate(views, self.plan.placement, self.plan.c)
+        self.current = plan
+        self._gca_key = key
+        self.on_chains(plan.chains)
+        self._log_plan("chains", plan, reason)
+
+    def _log_plan(self, kind: str, plan: Plan, reason: str) -> None:
+        entry = {"t": time.time(), "kind": kind, "epoch": self.epoch, "c": plan.c, "reason": reason,
+                 "chains": len(plan.chains), "capacity": sum(ch.capacity for ch in plan.chains),
+                 "lower": plan.lower, "upper": plan.upper, "arrival_rate": self.arrival_rate,
+                 "placement": {k: list(v) for k, v in plan.placement.items()}}
+        self.plan_log.append(entry)
+        logger.info("plan[%s] epoch=%d c=%s chains=%d capacity=%d predicted response lower=%.4gs upper=%.4gs "
+                    "lambda=%.3g (%s)", kind, self.epoch, plan.c, entry["chains"], entry["capacity"], plan.lower,
+                    plan.upper, self.arrival_rate, reason)
+
+    async def _publish_assignment(self) -> None:
+        from petals_chain.swarm.records import AssignmentRecord
+
+        rec = AssignmentRecord(epoch=self.epoch, max_length=self.max_length, orchestrator_peer_id=self.dht.peer_id,
+                               assignments={k: [int(s), int(n)] for k, (s, n) in self.assignment.items()})
+        await asyncio.to_thread(self.dht.publish_assignment, self.prefix, rec, self.assignment_expiration_s)
+        self.last_publish = time.monotonic()
+
+    async def _adopt(self, plan: Plan, reason: str) -> None:
+        self.plan = plan
+        new_assignment = {k: tuple(v) for k, v in plan.placement.items()}
+        if new_assignment != self.assignment:
+            self.epoch += 1
+            self.assignment = new_assignment
+            self._log_plan("placement", plan, reason)
+            await self._publish_assignment()
+        self._recompute_chains(reason)
+
+    # ---- loop ----------------------------------------------------------------------------------
+    async def _ping(self, v: ServerView) -> None:
+        try:
+            rtt = await asyncio.wait_for(self.client.ping(v.peer_id), timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - an unreachable server is a fact to record, not to crash on
+            v.ping_failures += 1
+            if v.ping_failures >= 2 and v.failed_at is None:
+                logger.info("server %s does not answer pings (%s)", v.peer_id[:12], e)
+                self.report_failure(v.peer_id)
+            return
+        v.ping_failures = 0
+        v.rtt_s = rtt if v.rtt_s is None else (1 - EWMA) * v.rtt_s + EWMA * rtt
+
+    async def refresh(self) -> None:
+        """Fetch records, ping, and react to joins, leaves and state changes."""
+        async with self._lock:
+            records = await self.dht.afetch_servers(self.prefix)
+            now = time.time()
+            joined, left = [], []
+            for peer_id, rec in records.items():
+                v = self.servers.get(peer_id)
+                if v is None:
+                    v = self.servers[peer_id] = ServerView(peer_id=peer_id, record=rec)
+                    joined.append(v)
+                    self.last_change = time.monotonic()
+                else:
+                    if v.failed_at is not None and rec.timestamp > v.failed_at + 1.0 and rec.state != "offline":
+                        v.failed_at = None  # the server re-announced after the failure; pings will confirm
+                        v.ping_failures = 0
+                    v.record = rec
+                v.last_seen = now
+            for peer_id in list(self.servers):
+                if peer_id not in records or records[peer_id].state == "offline":
+                    left.append(self.servers.pop(peer_id))
+                    self.last_change = time.monotonic()
+            await asyncio.gather(*(self._ping(v) for v in self.servers.values()))
+            for v in joined:
+                logger.info("server joined: %s (%s) memory=%d tau_p=%.4g state=%s", v.record.public_name,
+                            v.peer_id[:12], v.record.memory_bytes, v.record.tau_p, v.record.state)
+            for v in left:
+                logger.info("server left: %s (%s)", v.record.public_name, v.peer_id[:12])
+            await self._decide(joined, left)
+
+    async def _decide(self, joined: list[ServerView], left: list[ServerView]) -> None:
+        views = self.usable_views()
+        settled = time.monotonic() - self.last_change >= self.settle_s
+        if self.plan is None:
+            if views and settled:
+                plan = self.full_plan(views)
+                if plan is not None and plan.chains:
+                    self.last_full_replan = time.monotonic()
+                    await self._adopt(plan, "initial plan")
+            return
+        # Chains follow the servers that are online now.
+        key = tuple(sorted((v.peer_id, v.record.slots_total) for v in self.online_views()))
+        if key != self._gca_key:
+            self._recompute_chains("servers online changed")
+        unassigned = [v for v in views if v.peer_id not in self.assignment]
+        assigned_gone = [p for p in self.assignment if p not in {v.peer_id for v in views}]
+        if not settled:
+            return
+        due = time.monotonic() - self.last_full_replan >= self.replan_interval_s
+        if not (unassigned or assigned_gone or due):
+            return
+        self.last_full_replan = time.monotonic()
+        base = self.evaluate(views, self.plan.placement, self.plan.c)  # everyone usable serves its span
+        best, reason = base, ""
+        alive_placement = base.placement
+        for v in unassigned:
+            inc = self.incremental(views, Placement(dict(best.placement.items()), num_blocks=self.model_spec.num_blocks),
+                                   v, self.plan.c)
+            if inc is not None and inc.lower < best.lower * (1 - 1e-9):
+                best, reason = inc, f"join of {v.record.public_name or v.peer_id[:12]} (incremental)"
+        full = self.full_plan(views)
+        if full is not None and full.chains and full.lower < (1 - self.move_margin) * best.lower:
+            best, reason = full, f"re-placement improves predicted response {best.lower:.4g}s -> {full.lower:.4g}s"
+        if best is base and set(alive_placement) == set(self.assignment):
+            return
+        await self._adopt(best, reason or "servers left")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.refresh()
+                if self.assignment and time.monotonic() - self.last_publish > self.assignment_expiration_s / 3:
+                    await self._publish_assignment()
+            except Exception:  # noqa: BLE001 - the planner must outlive any one bad refresh
+                logger.exception("planner refresh failed")
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.refresh_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def server_json(self, active_by_peer: dict[str, int] | None = None) -> list[dict]:
+        out = []
+        for v in sorted(self.servers.values(), key=lambda v: (v.record.start_block, v.record.public_name)):
+            r = v.record
+            state = "failed" if v.failed_at is not None else r.state
+            out.append({
+                "peer_id": v.peer_id, "public_name": r.public_name, "state": state,
+                "start_block": r.start_block, "num_blocks": r.num_blocks,
+                "slots_total": r.slots_total, "slots_free": r.slots_free,
+                "tau_p": self.tau_p(v), "tau_c": self.tau_c(v), "rtt_s": v.rtt_s,
+                "memory_bytes": r.memory_bytes, "device": r.device, "dtype": r.dtype,
+                "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
+                "last_seen": v.last_seen, "assigned": list(self.assignment[v.peer_id]) if v.peer_id in self.assignment else None,
+            })
+        return out

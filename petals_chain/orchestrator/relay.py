@@ -1,0 +1,147 @@
+"""Relay of activations through a chain (hop by hop, as in the paper's modified PETALS) and batched LM head."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class HopFailure(Exception):
+    """A server on the chain failed (dead, error reply, refused): the caller fails over."""
+
+    def __init__(self, peer_id: str, cause: BaseException, *, no_capacity: bool = False):
+        super().__init__(f"server {peer_id[:16]}…: {type(cause).__name__}: {cause}")
+        self.peer_id = peer_id
+        self.cause = cause
+        self.no_capacity = no_capacity
+
+
+def _rpc_errors():
+    from petals_chain.swarm import rpc
+
+    no_cap = getattr(rpc, "NoCapacityError", None)
+    if no_cap is None:
+        from petals_chain.server.runner import NoCapacityError as no_cap  # type: ignore[no-redef]
+    return no_cap
+
+
+HopObserver = Callable[[str, int, int, float], None]  # (peer_id, n_tokens, n_blocks, seconds)
+
+
+class ChainSession:
+    """Server sessions of one job along the hops ``[(peer_id, start, end), ...]`` of a chain."""
+
+    def __init__(self, client: Any, hops: list[tuple[str, int, int]], session_id: str, max_length: int,
+                 observe: HopObserver | None = None, step_timeout_s: float = 60.0):
+        self.client = client
+        self.hops = hops
+        self.session_id = session_id
+        self.max_length = max_length
+        self.observe = observe
+        self.step_timeout_s = step_timeout_s
+        self._sessions: list[Any] = []
+
+    async def open(self) -> None:
+        """Open a session on every hop (concurrently). On failure closes what was opened and raises HopFailure."""
+        no_cap = _rpc_errors()
+
+        async def one(peer, start, end):
+            return await asyncio.wait_for(
+                self.client.open_session(peer, session_id=self.session_id, start_block=start, end_block=end,
+                                         max_length=self.max_length),
+                timeout=self.step_timeout_s,
+            )
+
+        results = await asyncio.gather(*(one(*h) for h in self.hops), return_exceptions=True)
+        failure: HopFailure | None = None
+        opened = []
+        for (peer, _, _), res in zip(self.hops, results):
+            if isinstance(res, BaseException):
+                if failure is None or isinstance(failure.cause, no_cap):
+                    failure = HopFailure(peer, res, no_capacity=isinstance(res, no_cap))
+            else:
+                opened.append(res)
+        if failure is not None:
+            await asyncio.gather(*(s.close() for s in opened), return_exceptions=True)
+            raise failure
+        self._sessions = list(results)
+
+    async def forward(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Run ``hidden`` [1, n, H] (positions ``position..``) through every hop in order."""
+        n = int(hidden.shape[1])
+        for (peer, start, end), sess in zip(self.hops, self._sessions):
+            t0 = time.perf_counter()
+            try:
+                hidden = await asyncio.wait_for(sess.step(hidden, position), timeout=self.step_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # any RPC failure means this hop is unusable for this job
+                raise HopFailure(peer, e) from e
+            if self.observe is not None:
+                self.observe(peer, n, end - start, time.perf_counter() - t0)
+        return hidden
+
+    async def close(self) -> None:
+        sessions, self._sessions = self._sessions, []
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+
+
+class HeadBatcher:
+    """Batches LM-head work (final norm + lm_head) of concurrent sessions.
+
+    Requests that arrive while a batch is computing, or within ``window_s`` of the first one, share one
+    matrix multiply; the work runs in one worker thread so the event loop keeps relaying other hops.
+    """
+
+    def __init__(self, head: Any, window_s: float = 0.0005, max_batch: int = 256):
+        self.head = head
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self._queue: list[tuple[torch.Tensor, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lm-head")
+        self.batches = 0
+        self.rows = 0
+
+    async def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        """``hidden_last`` [H] -> logits [vocab] (float32)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((hidden_last.reshape(-1), fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            if self.window_s > 0:
+                await asyncio.sleep(self.window_s)
+            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
+            try:
+                stacked = torch.stack([h for h, _ in batch]).unsqueeze(1)  # [B, 1, H]
+                out = await loop.run_in_executor(self._pool, self._compute, stacked)
+                self.batches += 1
+                self.rows += len(batch)
+                for i, (_, fut) in enumerate(batch):
+                    if not fut.done():
+                        fut.set_result(out[i])
+            except BaseException as e:  # deliver the error to every waiter rather than hang them
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+
+    def _compute(self, stacked: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.head.logits(stacked)[:, -1, :].float()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,71 @@
+"""Measured statistics of the orchestrator: recent completions and Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Stats:
+    """Counters and a bounded history of completed jobs (``response = wait + service``)."""
+
+    def __init__(self, history: int = 500):
+        self.history: deque[dict] = deque(maxlen=history)
+        self.completed = 0
+        self.failed = 0
+        self.failovers = 0
+        self.tokens = 0
+        self.relay_steps = 0
+        self.hop_s = 0.0  # time spent waiting on servers (incl. network) summed over hops
+        self.service_s = 0.0  # sum of jobs' service times
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.m_requests = Counter("petals_chain_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.m_response = Histogram("petals_chain_response_seconds", "Response time (wait + service)", buckets=_BUCKETS, registry=r)
+        self.m_wait = Histogram("petals_chain_wait_seconds", "Time waiting for a chain", buckets=_BUCKETS, registry=r)
+        self.m_service = Histogram("petals_chain_service_seconds", "Time on a chain", buckets=_BUCKETS, registry=r)
+        self.m_tokens = Counter("petals_chain_generated_tokens", "Generated tokens", registry=r)
+        self.m_prompt_tokens = Counter("petals_chain_prompt_tokens", "Prompt tokens", registry=r)
+        self.m_failovers = Counter("petals_chain_failovers", "Jobs moved to another chain after a server failure", registry=r)
+        self.m_queue = Gauge("petals_chain_queue_length", "Jobs in the central queue", registry=r)
+        self.m_running = Gauge("petals_chain_running_jobs", "Jobs holding a chain", registry=r)
+        self.m_chains = Gauge("petals_chain_chains", "Chains in the current plan", registry=r)
+        self.m_capacity = Gauge("petals_chain_capacity", "Sum of chain capacities", registry=r)
+        self.m_servers = Gauge("petals_chain_servers", "Known servers by state", ["state"], registry=r)
+        self.m_ready = Gauge("petals_chain_ready", "1 if some chain covers all blocks", registry=r)
+        self.m_epoch = Gauge("petals_chain_assignment_epoch", "Assignment epoch", registry=r)
+        self.m_lower = Gauge("petals_chain_predicted_response_lower_seconds", "Thm 3.7 lower bound", registry=r)
+        self.m_upper = Gauge("petals_chain_predicted_response_upper_seconds", "Thm 3.7 upper bound", registry=r)
+        self.m_arrival = Gauge("petals_chain_arrival_rate", "Arrival rate used by the planner (req/s)", registry=r)
+        self.m_head_batch = Histogram("petals_chain_lm_head_batch_rows", "Rows per batched LM-head call",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+
+    def record(self, *, wait_s: float, service_s: float, tokens: int, prompt_tokens: int, ok: bool) -> None:
+        if ok:
+            self.completed += 1
+            self.m_requests.labels("completed").inc()
+            self.history.append({"t": time.time(), "response_s": wait_s + service_s, "wait_s": wait_s,
+                                 "service_s": service_s})
+            self.m_response.observe(wait_s + service_s)
+            self.m_wait.observe(wait_s)
+            self.m_service.observe(service_s)
+            self.service_s += service_s
+        else:
+            self.failed += 1
+            self.m_requests.labels("failed").inc()
+        self.tokens += tokens
+        self.m_tokens.inc(tokens)
+        self.m_prompt_tokens.inc(prompt_tokens)
+
+    def measured(self) -> dict:
+        h = list(self.history)
+
+        def mean(key):
+            return sum(x[key] for x in h) / len(h) if h else None
+
+        return {"mean_response_s": mean("response_s"), "mean_wait_s": mean("wait_s"),
+                "mean_service_s": mean("service_s"), "completed": self.completed, "failed": self.failed}

@@ -1,0 +1,301 @@
+"""LocalSwarm: an orchestrator and heterogeneous servers as real processes on loopback.
+
+Used by the demo, the end-to-end tests and the benchmarks. Every node runs in its own process group, so
+stopping (or SIGKILLing, to emulate a crashed machine) a node also ends its DHT process and its ``p2pd``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import httpx
+
+
+@dataclass
+class LocalServer:
+    """One server to start: memory budget ``M_j`` in bytes and emulation knobs."""
+
+    public_name: str
+    memory_bytes: int
+    emulate_rtt_ms: float = 0.0
+    emulate_compute_scale: float = 1.0
+    tau_p: Optional[float] = None  # skip profiling and announce this (seconds per block per job)
+    extra_args: Sequence[str] = ()
+
+
+def model_memory(model_path: str | os.PathLike, max_length: int, dtype: str | None = None) -> tuple[int, int, int]:
+    """``(L, s_m, s_c)`` in bytes of the model at ``model_path`` for slots of ``max_length`` tokens."""
+    from petals_chain.swarm.checkpoint import load_config
+    from petals_chain.swarm.memory import block_bytes, cache_slot_bytes
+
+    config = load_config(model_path)
+    return int(config.num_hidden_layers), block_bytes(config, dtype), cache_slot_bytes(config, dtype, max_length)
+
+
+def memory_for(model_path: str | os.PathLike, max_length: int, blocks: int, slots_per_block: int) -> int:
+    """Memory budget (bytes) for ``blocks`` blocks with ``slots_per_block`` concurrent jobs each."""
+    _, s_m, s_c = model_memory(model_path, max_length)
+    return int(blocks * (s_m + s_c * slots_per_block))
+
+
+def _descendants(pid: int) -> list[int]:
+    """All descendant pids of ``pid`` (empty if psutil is missing or the process is gone)."""
+    try:
+        import psutil
+
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 - best effort; killpg covers the usual case
+        return []
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    spec: Any = None
+    log_file: Any = None
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class LocalSwarm:
+    """Start, observe and stop a whole swarm on this machine.
+
+    ```python
+    with LocalSwarm(model_path, [LocalServer("a", mem), LocalServer("b", mem)], max_length=256) as swarm:
+        swarm.wait_ready()
+        client = swarm.client()
+    ```
+    """
+
+    def __init__(self, model_path: str | os.PathLike, servers: Sequence[LocalServer] = (), *, max_length: int = 256,
+                 arrival_rate: Optional[float] = None, orchestrator_args: Sequence[str] = (),
+                 server_args: Sequence[str] = (), log_dir: Optional[str | os.PathLike] = None,
+                 python: str = sys.executable, env: Optional[dict] = None, settle_s: float = 1.0):
+        self.model_path = str(model_path)
+        self.server_specs = list(servers)
+        self.max_length = max_length
+        self.arrival_rate = arrival_rate
+        self.orchestrator_args = list(orchestrator_args)
+        self.server_args = list(server_args)
+        self._tmp = None
+        if log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="petals-chain-swarm-")
+            log_dir = self._tmp.name
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.python = python
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Two cores are shared by many processes: keep every node to one intra-op thread.
+        self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.env.setdefault("MKL_NUM_THREADS", "1")
+        self.settle_s = settle_s
+        self.orchestrator: Optional[_Proc] = None
+        self.servers: dict[str, _Proc] = {}
+        self.url: Optional[str] = None
+        self.initial_peers: list[str] = []
+        self.orchestrator_peer_id: Optional[str] = None
+
+    # ---- processes -----------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str], spec: Any = None) -> _Proc:
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "ab")
+        popen = subprocess.Popen([self.python, *args], stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
+                                 start_new_session=True, cwd=os.getcwd())
+        return _Proc(name=name, popen=popen, log_path=log_path, spec=spec, log_file=log_file)
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        proc = self.orchestrator if name == "orchestrator" else self.servers.get(name)
+        if proc is None or not proc.log_path.exists():
+            return ""
+        return "\n".join(proc.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def start_orchestrator(self, timeout: float = 120.0) -> None:
+        ready_file = self.log_dir / "orchestrator.ready.json"
+        if ready_file.exists():
+            ready_file.unlink()
+        args = ["-m", "petals_chain.orchestrator", "--model", self.model_path, "--port", "0",
+                "--max-length", str(self.max_length), "--ready-file", str(ready_file),
+                "--settle-s", str(self.settle_s)]
+        if self.arrival_rate is not None:
+            args += ["--arrival-rate", str(self.arrival_rate)]
+        args += self.orchestrator_args
+        self.orchestrator = self._spawn("orchestrator", args)
+        deadline = time.monotonic() + timeout
+        while not ready_file.exists():
+            if not self.orchestrator.alive():
+                raise RuntimeError(f"the orchestrator exited:\n{self.log_tail('orchestrator')}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the orchestrator did not start in {timeout}s:\n{self.log_tail('orchestrator')}")
+            time.sleep(0.1)
+        info = json.loads(ready_file.read_text())
+        self.url = info["http_url"]
+        self.initial_peers = list(info["initial_peers"])
+        self.orchestrator_peer_id = info["peer_id"]
+
+    def add_server(self, spec: LocalServer) -> None:
+        """Start one more server (it joins the running swarm)."""
+        if self.orchestrator is None:
+            raise RuntimeError("start the orchestrator first")
+        if spec.public_name in self.servers:
+            raise ValueError(f"a server named {spec.public_name!r} already exists")
+        args = ["-m", "petals_chain.server", "--model", self.model_path, "--initial-peers", *self.initial_peers,
+                "--memory-bytes", str(int(spec.memory_bytes)), "--public-name", spec.public_name,
+                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--emulate-rtt-ms", str(spec.emulate_rtt_ms),
+                "--emulate-compute-scale", str(spec.emulate_compute_scale), "--no-progress"]
+        if spec.tau_p is not None:
+            args += ["--tau-p", str(spec.tau_p)]
+        args += self.server_args + list(spec.extra_args)
+        self.servers[spec.public_name] = self._spawn(f"server-{spec.public_name}", args, spec)
+
+    def start(self, timeout: float = 120.0) -> "LocalSwarm":
+        try:
+            self.start_orchestrator(timeout)
+            for spec in self.server_specs:
+                self.add_server(spec)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill_server(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the server's whole process group (SIGKILL: emulate a crashed machine)."""
+        proc = self.servers[name]
+        descendants = _descendants(proc.popen.pid) if sig == signal.SIGKILL else []
+        for pid in descendants:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.killpg(proc.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            proc.popen.wait(timeout=10)
+
+    # ---- observation ---------------------------------------------------------------------------
+    def swarm(self) -> dict:
+        r = httpx.get(f"{self.url}/api/v1/swarm", timeout=10.0)
+        r.raise_for_status()
+        return r.json()
+
+    def wait_until(self, predicate: Callable[[dict], bool], timeout: float = 120.0, what: str = "condition") -> dict:
+        """Poll ``/api/v1/swarm`` until ``predicate(state)``; fail fast if a process died."""
+        deadline = time.monotonic() + timeout
+        last: dict = {}
+        while True:
+            if self.orchestrator is None or not self.orchestrator.alive():
+                raise RuntimeError(f"the orchestrator exited:\n{self.log_tail('orchestrator')}")
+            try:
+                last = self.swarm()
+                if predicate(last):
+                    return last
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                dead = [n for n, p in self.servers.items() if not p.alive() and p.spec is not None]
+                logs = "\n".join(f"--- {n}\n{self.log_tail(n)}" for n in dead)
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what}; state: "
+                                   f"ready={last.get('ready')} chains={len(last.get('chains', []))} "
+                                   f"servers={[(s.get('public_name'), s.get('state')) for s in last.get('servers', [])]}"
+                                   f"\n--- orchestrator\n{self.log_tail('orchestrator')}\n{logs}")
+            time.sleep(0.25)
+
+    def wait_ready(self, timeout: float = 120.0, *, all_servers: bool = True) -> dict:
+        """Wait until a chain covers the model and (``all_servers``) every started server is known and settled."""
+        names = {n for n, p in self.servers.items() if p.alive()}
+
+        def ok(state: dict) -> bool:
+            if not state.get("ready"):
+                return False
+            if not all_servers:
+                return True
+            known = {s["public_name"]: s for s in state.get("servers", [])}
+            if not names <= set(known):
+                return False
+            # Assigned servers must be online with their span; unassigned ones may stay idle.
+            return all(s.get("assigned") is None or s["state"] == "online" for s in known.values() if s["public_name"] in names)
+
+        return self.wait_until(ok, timeout, "the swarm to be ready")
+
+    def client(self, **kwargs: Any):
+        from petals_chain.client import Client
+
+        return Client(self.url, **kwargs)
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    def _stop_proc(self, proc: _Proc, timeout: float = 15.0) -> None:
+        descendants = _descendants(proc.popen.pid)
+        if proc.alive():
+            try:
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left in the group (DHT child, p2pd) goes now.
+        try:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in descendants:  # a p2pd that left the group (new session) would survive killpg
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if proc.log_file is not None:
+            proc.log_file.close()
+            proc.log_file = None
+
+    def stop(self) -> None:
+        """Stop servers, then the orchestrator; no process of the swarm (p2pd included) survives."""
+        procs = list(self.servers.values())
+        for p in procs:  # signal all first so they shut down in parallel
+            if p.alive():
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            self._stop_proc(p)
+        if self.orchestrator is not None:
+            self._stop_proc(self.orchestrator)
+
+    def leftover_processes(self) -> list[int]:
+        """Process groups of this swarm that still have members (should be empty after stop())."""
+        out = []
+        for p in [*self.servers.values(), *([self.orchestrator] if self.orchestrator else [])]:
+            try:
+                os.killpg(p.popen.pid, 0)
+                out.append(p.popen.pid)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                out.append(p.popen.pid)
+        return out
+
+    def __enter__(self) -> "LocalSwarm":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
