@@ -416,3 +416,40 @@ def test_mistral_sliding_window(tmp_path):
     got = torch.cat([head.logits(r.forward("s", head.embed(ids[:, :20]), 0)),
                      head.logits(r.forward("s", head.embed(ids[:, 20:]), 20))], dim=1)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_release_during_step_and_idle_release(models, monkeypatch):
+    import time
+
+    r = BlockRunner(models["llama"], 0, 2, num_slots=4, max_length=16, progress=False)
+    H = r.hidden_size
+    r.allocate("s", 0, 2)
+    entered, go = threading.Event(), threading.Event()
+    real = r._run_blocks
+
+    def blocking(*a, **k):
+        entered.set()
+        assert go.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(r, "_run_blocks", blocking)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(r.forward("s", torch.randn(1, 2, H), 0)))
+    t.start()
+    assert entered.wait(10)
+    with pytest.raises(ValueError, match="in progress"):  # one step at a time per session
+        r.forward("s", torch.randn(1, 1, H), 0)
+    assert r.release("s") and r.slots_free == 2  # slots still in use by the running step
+    with pytest.raises(KeyError):
+        r.forward("s", torch.randn(1, 1, H), 0)
+    go.set()
+    t.join(10)
+    assert result and result[0].shape == (1, 2, H)
+    assert r.slots_free == 4 and r.sessions() == {}
+    monkeypatch.setattr(r, "_run_blocks", real)
+
+    r.allocate("old", 0, 1)
+    r.allocate("new", 0, 1)
+    r._sessions["old"].last_used -= 100
+    assert r.release_idle(50) == ["old"]
+    assert list(r.sessions()) == ["new"] and r.slots_free == 3
