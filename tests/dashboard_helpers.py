@@ -113,18 +113,30 @@ class MutableView:
 
 
 @contextlib.contextmanager
-def chromium_page(viewport: Optional[dict] = None) -> Iterator[tuple[Any, list[str]]]:
-    """A headless-Chromium page and the list that collects its console errors and page errors."""
+def chromium_browser() -> Iterator[Callable[..., tuple[Any, list[str]]]]:
+    """Headless Chromium; yields ``new_page(viewport=None) -> (page, errors)`` where ``errors`` collects the
+    page's console errors and uncaught exceptions. (Playwright's sync API cannot nest: one browser, many pages.)"""
     from playwright.sync_api import sync_playwright
 
-    errors: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
+
+        def new_page(viewport: Optional[dict] = None) -> tuple[Any, list[str]]:
+            errors: list[str] = []
             context = browser.new_context(viewport=viewport or {"width": 1280, "height": 900})
             page = context.new_page()
             page.on("console", lambda msg: errors.append(f"console.{msg.type}: {msg.text}") if msg.type == "error" else None)
             page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
-            yield page, errors
+            return page, errors
+
+        try:
+            yield new_page
         finally:
             browser.close()
+
+
+@contextlib.contextmanager
+def chromium_page(viewport: Optional[dict] = None) -> Iterator[tuple[Any, list[str]]]:
+    """One headless-Chromium page and the list that collects its console errors and page errors."""
+    with chromium_browser() as new_page:
+        yield new_page(viewport)

@@ -101,6 +101,9 @@ def test_merge_records_override_summary_liveness():
     assert view["chains"] == summary["chains"] and view["queue_length"] == 2 and view["ready"] is True
     assert view["num_blocks"] == 8 and view["source"] == "dht" and view["orchestrator_summary"] is True
     assert view["updated_at"] == now
+    # the orchestrator's "failed" (unreachable) wins over a record that still says online
+    summary["servers"][0]["state"] = "failed"
+    assert merge_view("tiny", records, summary)["servers"][0]["state"] == "failed"
 
 
 def test_merge_without_summary_and_with_garbage_summary():

@@ -105,8 +105,12 @@ def merge_view(
 
     servers: list[dict] = []
     for peer_id, record in sorted(records.items()):
-        tau_c = summary_servers.get(peer_id, {}).get("tau_c")
-        servers.append(server_entry(record, tau_c if isinstance(tau_c, (int, float)) else None))
+        seen_by_orch = summary_servers.get(peer_id, {})
+        tau_c = seen_by_orch.get("tau_c")
+        entry = server_entry(record, tau_c if isinstance(tau_c, (int, float)) else None)
+        if seen_by_orch.get("state") == "failed" and entry["state"] != "offline":
+            entry["state"] = "failed"  # the record still says online, but the orchestrator cannot reach it
+        servers.append(entry)
     for peer_id, s in summary_servers.items():
         if peer_id in records:
             continue

@@ -129,7 +129,8 @@
     return name || shortId(s.peer_id);
   }
 
-  function isLive(s) { return s && s.state !== "offline"; }
+  /** Offline (announced or record expired) and failed (the orchestrator lost it) servers count as gone. */
+  function isLive(s) { return !!s && s.state !== "offline" && s.state !== "failed"; }
 
   // ---------- refresh loop ----------
   function readInitialPeriod() {
