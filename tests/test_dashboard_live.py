@@ -1,12 +1,13 @@
-"""The dashboard against a LIVE swarm in headless Chromium: a real orchestrator, three real servers and the
-standalone dashboard (all separate processes on loopback hivemind), a real completion request.
+"""The dashboard against a LIVE swarm in headless Chromium: a real orchestrator and three real servers
+(:class:`~petals_chain.swarm.local.LocalSwarm`), the standalone dashboard as its own process (all on loopback
+hivemind), and a real completion request.
 
-Checks both pages: the orchestrator's own ``/`` and the standalone dashboard that reads only the DHT.
+Checks both pages: the orchestrator's own ``/`` and the standalone dashboard that reads only the DHT; then one
+server leaves gracefully (SIGTERM) and one crashes (SIGKILL), and both pages must show each as gone.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -29,30 +30,27 @@ REFRESH_S = 1.0
 SERVER_NAMES = ["live-alpha", "live-bravo", "live-charlie"]
 
 
-class Proc:
-    """A ``python -m ...`` subprocess in its own session; ``kill()`` takes its whole group (DHT child, p2pd)."""
+class DashboardProc:
+    """``python -m petals_chain.dashboard`` in its own session; ``kill()`` takes its whole group (DHT, p2pd)."""
 
-    def __init__(self, module: str, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path):
         self.log_path = log
         self._log = open(log, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PETALS_CHAIN_CACHE=str(log.parent / "cache"))
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=str(REPO_ROOT), stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "petals_chain.dashboard", *args], cwd=str(REPO_ROOT),
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def terminate(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
-    def kill(self) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
         descendants = _descendants(self.proc.pid)
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            with_suppress(lambda: self.proc.wait(timeout=timeout))
         with_suppress(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
         for pid in descendants:
             with_suppress(lambda: os.kill(pid, signal.SIGKILL))
@@ -61,13 +59,14 @@ class Proc:
             self._log.close()
 
 
-def wait_for(cond: Callable[[], Optional[object]], timeout: float, what: str, procs: list[Proc]) -> object:
+def wait_for(cond: Callable[[], Optional[object]], timeout: float, what: str, swarm, dash: DashboardProc) -> object:
     deadline = time.time() + timeout
     last_exc = None
     while time.time() < deadline:
-        for p in procs:
-            if p.proc.poll() is not None:
-                raise RuntimeError(f"{p.log_path.name} exited with {p.proc.returncode}:\n{p.log()[-3000:]}")
+        if not swarm.orchestrator.alive():
+            raise RuntimeError(f"the orchestrator exited:\n{swarm.log_tail('orchestrator')}")
+        if not dash.alive():
+            raise RuntimeError(f"the dashboard exited with {dash.proc.returncode}:\n{dash.log()[-3000:]}")
         try:
             value = cond()
             if value:
@@ -75,64 +74,63 @@ def wait_for(cond: Callable[[], Optional[object]], timeout: float, what: str, pr
         except (httpx.HTTPError, ValueError, KeyError) as e:
             last_exc = e
         time.sleep(0.3)
-    logs = "\n".join(f"--- {p.log_path.name}\n{p.log()[-2000:]}" for p in procs)
-    raise TimeoutError(f"timed out waiting for {what} (last error {last_exc!r})\n{logs}")
+    raise TimeoutError(f"timed out waiting for {what} (last error {last_exc!r})\n--- orchestrator\n"
+                       f"{swarm.log_tail('orchestrator')}\n--- dashboard\n{dash.log()[-2000:]}")
 
 
 @pytest.fixture
 def live_swarm(tiny_model_factory, tmp_path):
-    """Orchestrator + 3 servers + standalone dashboard; yields a dict of URLs, peer ids and processes."""
+    """LocalSwarm (orchestrator + 3 servers) + a standalone dashboard process; yields (swarm, dashboard, url)."""
+    from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+
     model = tiny_model_factory("llama", num_layers=8)
-    procs: list[Proc] = []
+    memory = memory_for(model, MAX_LENGTH, blocks=5, slots_per_block=3)
+    swarm = LocalSwarm(model, [LocalServer(n, memory, tau_p=0.001) for n in SERVER_NAMES], max_length=MAX_LENGTH,
+                       arrival_rate=1.0, log_dir=tmp_path / "swarm",
+                       server_args=["--max-length", str(MAX_LENGTH), "--refresh-s", "2", "--drain-timeout-s", "5"])
+    dash = None
     try:
-        ready_file = tmp_path / "orch.json"
-        orch = Proc("petals_chain.orchestrator", [
-            "--model", str(model), "--port", "0", "--ready-file", str(ready_file), "--max-length", str(MAX_LENGTH),
-            "--arrival-rate", "1", "--settle-s", "1", "--log-level", "WARNING"], tmp_path / "orch.log")
-        procs.append(orch)
-        info = wait_for(lambda: ready_file.exists() and json.loads(ready_file.read_text()), 90, "orchestrator", procs)
-        peers, orch_url = info["initial_peers"], info["http_url"]
-        servers = {}
-        for name in SERVER_NAMES:
-            p = Proc("petals_chain.server", [
-                "--model", str(model), "--initial-peers", *peers, "--memory-bytes", "1500000",
-                "--max-length", str(MAX_LENGTH), "--public-name", name, "--tau-p", "0.001", "--refresh-s", "2",
-                "--trust-orchestrator", info["peer_id"], "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                "--drain-timeout-s", "5", "--no-progress", "--log-level", "WARNING"], tmp_path / f"{name}.log")
-            procs.append(p)
-            servers[name] = p
-        prefix = httpx.get(f"{orch_url}/api/v1/swarm", timeout=10).json()["dht_prefix"]
-        dash_port = free_port()
-        dash = Proc("petals_chain.dashboard", [
-            "--initial-peers", *peers, "--dht-prefix", prefix, "--port", str(dash_port), "--poll-interval", "1",
-            "--log-level", "WARNING"], tmp_path / "dashboard.log")
-        procs.append(dash)
-        yield {"orch_url": orch_url, "dash_url": f"http://127.0.0.1:{dash_port}", "servers": servers,
-               "procs": procs, "prefix": prefix}
+        swarm.start()
+        prefix = swarm.swarm()["dht_prefix"]
+        port = free_port()
+        dash = DashboardProc(["--initial-peers", *swarm.initial_peers, "--dht-prefix", prefix, "--port", str(port),
+                              "--poll-interval", "1", "--log-level", "WARNING"], tmp_path / "dashboard.log")
+        yield swarm, dash, f"http://127.0.0.1:{port}"
     finally:
-        for p in reversed(procs):
-            p.terminate(timeout=15)
+        if dash is not None:
+            dash.stop()
+        swarm.stop()
+        assert swarm.leftover_processes() == []
 
 
 def _servers_by_name(view: dict) -> dict:
     return {s["public_name"]: s for s in view["servers"]}
 
 
+def _page_mismatch(page, view: dict) -> Optional[str]:
+    """How the page differs from ``view`` (servers, their names and states, chains, queue), or None."""
+    rows = page.locator("#servers-table tbody tr[data-peer-id]").evaluate_all(
+        "rs => rs.map(r => [r.dataset.peerId, r.dataset.state, r.querySelector('.server-name').textContent])")
+    shown = {pid: (state, name) for pid, state, name in rows}
+    for s in view["servers"]:
+        if s["public_name"] in SERVER_NAMES and shown.get(s["peer_id"]) != (s["state"], s["public_name"]):
+            return f"server {s['public_name']}: page shows {shown.get(s['peer_id'])}, API says {s['state']}"
+    ids = page.locator(".chain[data-chain-id]").evaluate_all("cs => cs.map(c => +c.dataset.chainId)")
+    if sorted(ids) != sorted(ch["id"] for ch in view["chains"]):
+        return f"chains: page {sorted(ids)}, API {sorted(ch['id'] for ch in view['chains'])}"
+    if page.locator("#queue-length").inner_text() != str(view["queue_length"]):
+        return f"queue: page {page.locator('#queue-length').inner_text()}, API {view['queue_length']}"
+    return None
+
+
 def test_live_swarm_dashboard(live_swarm):
-    orch_url, dash_url, procs = live_swarm["orch_url"], live_swarm["dash_url"], live_swarm["procs"]
-
-    def orch_ready():
-        v = httpx.get(f"{orch_url}/api/v1/swarm", timeout=10).json()
-        by_name = _servers_by_name(v)
-        online = all(by_name.get(n, {}).get("state") == "online" for n in SERVER_NAMES)
-        return v if v["ready"] and v["chains"] and online else None
-
-    wait_for(orch_ready, 180, "a ready swarm with all three servers online", procs)
-    r = httpx.post(f"{orch_url}/v1/completions", json={"model": live_swarm["prefix"], "prompt": "hello swarm",
+    swarm, dash, dash_url = live_swarm
+    orch_url = swarm.url
+    swarm.wait_ready(timeout=180)
+    r = httpx.post(f"{orch_url}/v1/completions", json={"model": swarm.swarm()["model"], "prompt": "hello swarm",
                                                        "max_tokens": 4, "temperature": 0}, timeout=120)
     assert r.status_code == 200, r.text
-    orch_view = wait_for(lambda: (lambda v: v if v["history"] else None)(
-        httpx.get(f"{orch_url}/api/v1/swarm", timeout=10).json()), 30, "a completion in the history", procs)
+    orch_view = swarm.wait_until(lambda v: bool(v["history"]) and v["ready"], 30, "a completion in the history")
 
     def dash_ready():  # the standalone dashboard has the signed summary (with the completion) and every server
         v = httpx.get(f"{dash_url}/api/v1/swarm", timeout=10).json()
@@ -141,40 +139,43 @@ def test_live_swarm_dashboard(live_swarm):
               and all(by_name.get(n, {}).get("state") == "online" for n in SERVER_NAMES))
         return v if ok else None
 
-    dash_view = wait_for(dash_ready, 60, "the standalone dashboard to see the swarm", procs)
+    dash_view = wait_for(dash_ready, 60, "the standalone dashboard to see the swarm", swarm, dash)
     assert httpx.get(f"{dash_url}/healthz", timeout=10).json()["ok"] is True
+    assert dash_view["source"] == "dht" and dash_view["dht_prefix"] == orch_view["dht_prefix"]
 
-    leaving = "live-bravo"
     with chromium_browser() as new_page:
-        (orch_page, orch_errors), (dash_page, dash_errors) = new_page(), new_page()
-        for page, view in ((orch_page, orch_view), (dash_page, dash_view)):
-            page.goto(f"{orch_url if page is orch_page else dash_url}/?refresh={REFRESH_S:g}")
+        pages = {orch_url: new_page(), dash_url: new_page()}
+        for url in (orch_url, dash_url):
+            page = pages[url][0]
+            page.goto(f"{url}/?refresh={REFRESH_S:g}")
             page.wait_for_selector(".chain[data-chain-id]", timeout=15_000)
-            for s in view["servers"]:
-                if s["public_name"] in SERVER_NAMES:
-                    row = page.locator(f'#servers-table tr[data-peer-id="{s["peer_id"]}"]')
-                    assert row.locator(".server-name").inner_text() == s["public_name"]
-                    assert row.get_attribute("data-state") == "online"
-            ids = page.locator(".chain[data-chain-id]").evaluate_all("cs => cs.map(c => +c.dataset.chainId)")
-            assert sorted(ids) == sorted(ch["id"] for ch in view["chains"])
-            assert page.locator("#queue-length").inner_text() == str(view["queue_length"])
+            # A live swarm keeps changing (re-plans, queue): the page must match the API within a refresh or two.
+            deadline, mismatch = time.time() + 4 * REFRESH_S + 4, None
+            while True:
+                view = httpx.get(f"{url}/api/v1/swarm", timeout=10).json()
+                mismatch = _page_mismatch(page, view)
+                if mismatch is None or time.time() > deadline:
+                    break
+                page.wait_for_timeout(300)
+            assert mismatch is None, f"{url}: {mismatch}"
             assert page.locator("#ready-badge").get_attribute("data-ready") == "true"
             assert page.locator("#latency-chart svg polyline.line-response").count() == 1
 
-        peer = _servers_by_name(dash_view)[leaving]["peer_id"]
-        t_stop = time.time()
-        live_swarm["servers"][leaving].terminate(timeout=30)  # graceful: drains, announces offline, leaves
-        for page, url in ((orch_page, orch_url), (dash_page, dash_url)):
-            def api_shows_gone():
-                s = _servers_by_name(httpx.get(f"{url}/api/v1/swarm", timeout=10).json()).get(leaving)
-                return s is None or s["state"] in ("offline", "failed")
-            wait_for(api_shows_gone, 60, f"{url} to report {leaving} gone", [p for p in procs if p.proc.poll() is None])
-            t_api = time.monotonic()
-            page.wait_for_selector(f'#servers-table tr[data-peer-id="{peer}"].gone', timeout=(REFRESH_S + 2) * 1000)
-            assert time.monotonic() - t_api <= REFRESH_S + 2
-        print(f"server leave -> both pages show it gone after {time.time() - t_stop:.1f} s")
-        for page in (orch_page, dash_page):
-            for name in SERVER_NAMES:
-                if name != leaving:  # the others stay listed and live
-                    assert page.locator("#servers-table tbody tr:not(.gone) .server-name", has_text=name).count() == 1
-        assert orch_errors == [] and dash_errors == []
+        peer_of = {n: s["peer_id"] for n, s in _servers_by_name(dash_view).items()}
+        for leaving, sig in (("live-bravo", signal.SIGTERM), ("live-charlie", signal.SIGKILL)):
+            t_leave = time.time()
+            swarm.kill_server(leaving, sig)  # SIGTERM: drain, announce offline; SIGKILL: a crashed machine
+            for url, (page, _errors) in pages.items():
+                def api_shows_gone():
+                    s = _servers_by_name(httpx.get(f"{url}/api/v1/swarm", timeout=10).json()).get(leaving)
+                    return s is None or s["state"] in ("offline", "failed")
+                wait_for(api_shows_gone, 60, f"{url} to report {leaving} gone", swarm, dash)
+                t_api = time.monotonic()
+                page.wait_for_selector(f'#servers-table tr[data-peer-id="{peer_of[leaving]}"].gone',
+                                       timeout=(REFRESH_S + 2) * 1000)
+                assert time.monotonic() - t_api <= REFRESH_S + 2
+            print(f"{leaving} ({signal.Signals(sig).name}) -> both pages show it gone after {time.time() - t_leave:.1f} s")
+        for page, errors in pages.values():
+            live = page.locator("#servers-table tbody tr:not(.gone) .server-name", has_text="live-alpha")
+            assert live.count() == 1  # the remaining server stays listed and live
+            assert errors == []
