@@ -11,9 +11,26 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 if [ "${1:-}" = "dev" ]; then
     "$PY" -m pip install -q -e ".[dev]"
+    # Browser tests (dashboard) drive Debian's chromium through Playwright's executable_path; never run
+    # `playwright install` (it downloads browsers). A font package keeps screenshots readable on minimal images.
     if ! command -v chromium >/dev/null 2>&1; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null) \
             || echo "warning: could not install chromium; browser tests will be skipped" >&2
+    fi
+    if command -v chromium >/dev/null 2>&1; then
+        "$PY" - <<'PYEOF' || echo "warning: Playwright cannot start chromium; browser tests will fail" >&2
+import shutil
+from playwright.sync_api import sync_playwright
+with sync_playwright() as pw:
+    browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=[
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+    page = browser.new_page()
+    page.set_content("<p id=ok>ok</p>")
+    assert page.inner_text("#ok") == "ok"
+    browser.close()
+print("headless chromium via Playwright: ok")
+PYEOF
     fi
 else
     "$PY" -m pip install -q -e .
