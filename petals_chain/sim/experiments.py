@@ -304,9 +304,15 @@ def c_curves(scen: Scenario) -> dict[str, dict[int, float]]:
     """Objective per c: surrogate c K(c)/lambda, Thm 3.7 lower and upper bounds (tune_capacity's tables)."""
     from petals_chain.algorithms import tune_capacity
 
+    import inspect
+
+    # evaluate every c (tune_capacity may otherwise skip values it proves cannot win)
+    extra = {"prune": False} if "prune" in inspect.signature(tune_capacity).parameters else {}
     out = {}
     for method in ("surrogate", "lower", "upper"):
-        _, _, _, table = tune_capacity(scen.servers, scen.model, scen.arrival_rate, scen.rho_bar, method=method, return_table=True)
+        _, _, _, table = tune_capacity(scen.servers, scen.model, scen.arrival_rate, scen.rho_bar, method=method,
+                                       return_table=True, **extra)
+        table = {c: (math.inf if v is None else float(v)) for c, v in table.items()}
         if method == "surrogate":
             table = {c: v / scen.arrival_rate for c, v in table.items()}
         out[method] = table
@@ -314,7 +320,7 @@ def c_curves(scen: Scenario) -> dict[str, dict[int, float]]:
 
 
 def _argmin(d: dict[int, float]) -> int | None:
-    finite = [(v, c) for c, v in d.items() if math.isfinite(v)]
+    finite = [(v, c) for c, v in d.items() if v is not None and math.isfinite(v)]
     return min(finite)[1] if finite else None
 
 
