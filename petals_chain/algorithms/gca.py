@@ -29,7 +29,9 @@ class _Group:
     a: np.ndarray
     tau_c: np.ndarray
     tau_p: np.ndarray
-    a_min: int
+    cols: np.ndarray  # candidate entry boundaries e < E (0 and span ends) with e >= min a_j
+    base: np.ndarray  # tau_c_j + tau_p_j (E - e) per (server, column); inf where e < a_j
+    e_rel: np.ndarray  # E - e per column
 
 
 class _RoutingDAG:
@@ -45,12 +47,18 @@ class _RoutingDAG:
         self.tau_c = np.asarray(tau_c, dtype=float)
         self.tau_p = np.asarray(tau_p, dtype=float)
         self.groups: list[_Group] = []
+        # dist is finite only at 0 and at span ends, so only those boundaries are candidate entries
+        boundaries = np.unique(np.concatenate(([0], self.end)))
         order = np.lexsort((np.arange(len(self.a)), self.end))  # by end, then input order
         ends = self.end[order]
         for E in np.unique(ends).tolist():
             sel = order[ends == E]
-            self.groups.append(_Group(E=int(E), idx=sel, a=self.a[sel], tau_c=self.tau_c[sel],
-                                      tau_p=self.tau_p[sel], a_min=int(self.a[sel].min())))
+            a_sel = self.a[sel]
+            e = boundaries[(boundaries >= a_sel.min()) & (boundaries < E)]
+            base = self.tau_c[sel][:, None] + self.tau_p[sel][:, None] * (E - e)[None, :]
+            base[e[None, :] < a_sel[:, None]] = np.inf
+            self.groups.append(_Group(E=int(E), idx=sel, a=a_sel, tau_c=self.tau_c[sel], tau_p=self.tau_p[sel],
+                                      cols=e, base=base, e_rel=(E - e)))
 
     def shortest_path(self) -> tuple[float, list[tuple[int, int, int]]] | None:
         """Cheapest chain ``[(server, start, end), ...]`` covering ``0..L-1`` with its cost, or None.
@@ -64,22 +72,24 @@ class _RoutingDAG:
         via_e = np.full(L + 1, -1, dtype=np.int64)
         for g in self.groups:
             E = g.E
-            lo = np.maximum(g.a, E - self.slots[g.idx])  # first usable entry boundary per server
-            if lo.min() >= E:
+            slots = self.slots[g.idx]
+            if slots.max() < 1:
                 continue
-            e = np.arange(g.a_min, E)
-            d = dist[g.a_min:E]
+            if len(g.cols) == 0:
+                continue
+            d = dist[g.cols]
             if not np.isfinite(d).any():
                 continue
-            cost = d[None, :] + g.tau_p[:, None] * (E - e)[None, :] + g.tau_c[:, None]
-            cost[e[None, :] < lo[:, None]] = np.inf
+            # a link into j from boundary e needs m_ij = E - e <= slots_j
+            cost = np.where(g.e_rel[None, :] <= slots[:, None], g.base, np.inf)
+            cost += d[None, :]
             flat = int(np.argmin(cost))
             best = cost.flat[flat]
-            if np.isfinite(best):
-                row, col = divmod(flat, len(e))
+            if best < np.inf:
+                row, col = divmod(flat, len(g.e_rel))
                 dist[E] = best
                 via_server[E] = g.idx[row]
-                via_e[E] = g.a_min + col
+                via_e[E] = g.cols[col]
         if not np.isfinite(dist[L]):
             return None
         hops = []

@@ -17,7 +17,7 @@ import numpy as np
 from petals_chain.algorithms.bounds import response_time_bounds
 from petals_chain.algorithms.gbp_cr import (_ChainSequence, _check_inputs, _check_rate, _server_arrays,
                                             blocks_per_server)
-from petals_chain.algorithms.gca import gca_indices
+from petals_chain.algorithms.gca import _RoutingDAG, gca_indices
 from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
 
 METHODS = ("lower", "upper", "surrogate")
@@ -32,7 +32,7 @@ def max_capacity(servers: Sequence[ServerSpec], model: ModelSpec) -> int:
 
 def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, rho_bar: float = 0.7,
                   method: str = "lower", *, c_range: tuple[int, int] | None = None,
-                  return_table: bool = False):
+                  return_table: bool = False, prune: bool = True):
     """Pick ``c`` for GBP-CR, then place (GBP-CR) and compose chains (GCA).
 
     * ``"lower"`` / ``"upper"``: minimize the Theorem 3.7 lower / upper bound on the mean response
@@ -43,7 +43,9 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
     If no ``c`` has a finite objective (the swarm cannot be stable), the ``c`` whose GCA chains give the
     largest total service rate ``sum c_k mu_k`` is returned. Raises ValueError if no server can hold
     even one block, or the blocks cannot be covered by any chain for any ``c``.
-    Returns ``(c, placement, chains)``, plus a dict ``{c: objective}`` if ``return_table``.
+    Returns ``(c, placement, chains)``, plus a dict ``{c: objective}`` if ``return_table`` (for the
+    bound methods, None where the exact search skipped ``c`` as provably not better; pass
+    ``prune=False`` to evaluate every ``c``, e.g. to plot the bounds against ``c``).
     """
     _check_inputs(servers, model)
     _check_rate(arrival_rate, rho_bar)
@@ -57,49 +59,93 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
     L = model.num_blocks
 
     walks: dict[bytes, _ChainSequence] = {}
-    placements: dict[tuple, tuple] = {}  # placement key -> (idx, a, m, gca result, lower, upper, nu)
-    table: dict[int, float] = {}
-    best = None  # (objective, c, key)
-    fallback = None  # (-total rate, c, key)
+    per_c: dict[int, tuple] = {}  # c -> (placement key, K, reached)
+    keys: dict[tuple, _ChainSequence] = {}
     for c in range(lo_c, hi_c + 1):
-        m_vec = blocks_per_server(memory, model, c)
-        wkey = m_vec.tobytes()
+        wkey = blocks_per_server(memory, model, c).tobytes()
         seq = walks.get(wkey)
         if seq is None:
             seq = walks[wkey] = _ChainSequence.build(memory, tau_c, tau_p, model, c)
         target = arrival_rate / (rho_bar * c)
         K, visited = seq.cut(target)
-        reached = K > 0 and seq.nu[K - 1] >= target
         pkey = (wkey, visited)
-        entry = placements.get(pkey)
-        if entry is None and (method != "surrogate" or reached):
-            idx, a, m = seq.placement_arrays(visited)
-            slots = np.maximum(0, np.floor((memory[idx] - model.block_size * m) / model.cache_size)).astype(np.int64)
+        keys[pkey] = seq
+        per_c[c] = (pkey, K, K > 0 and seq.nu[K - 1] >= target)
+
+    entries: dict[tuple, tuple] = {}  # placement key -> (idx, a, m, chains, lower, upper, total rate)
+
+    def arrays(pkey):
+        idx, a, m = keys[pkey].placement_arrays(pkey[1])
+        slots = np.maximum(0, np.floor((memory[idx] - model.block_size * m) / model.cache_size)).astype(np.int64)
+        return idx, a, m, slots
+
+    def evaluate(pkey):
+        if pkey not in entries:
+            idx, a, m, slots = arrays(pkey)
             chains = gca_indices(a, m, slots, tau_c[idx], tau_p[idx], L)
             pairs = [(1.0 / T, cap) for _, cap, T in chains]
             lower, upper = response_time_bounds(pairs, arrival_rate) if pairs else (math.inf, math.inf)
-            total = sum(mu * cap for mu, cap in pairs)
-            entry = placements[pkey] = (idx, a, m, chains, lower, upper, total)
-        if method == "surrogate":
-            obj = c * K if reached else math.inf
-        else:
+            entries[pkey] = (idx, a, m, chains, lower, upper, sum(mu * cap for mu, cap in pairs))
+        return entries[pkey]
+
+    table: dict[int, float | None] = {}
+    best = None  # (objective, c, key)
+    if method == "surrogate":
+        for c, (pkey, K, reached) in per_c.items():
+            table[c] = obj = c * K if reached else math.inf
+            if math.isfinite(obj) and (best is None or obj < best[0]):
+                best = (obj, c, pkey)
+    else:
+        # Exact pruning: both bounds are >= a cheap relaxation (below); visiting placements by
+        # ascending relaxation and skipping those whose relaxation exceeds the best objective so far
+        # skips only placements that cannot win.
+        first = {}
+        for pkey in dict.fromkeys(k for k, _, _ in per_c.values()):
+            if prune:
+                idx, a, m, slots = arrays(pkey)
+                found = _RoutingDAG(a, m, slots, tau_c[idx], tau_p[idx], L).shortest_path()
+                if found is None:
+                    first[pkey] = math.inf
+                    continue
+                # Every job holds one slot per block, and its first hop (entered at block 0) holds
+                # end_j slots, so sum_k c_k <= C_ub; with all chains as fast as the fastest one the
+                # death rates only grow, so M/M/C_ub at rate 1/T_1 lower-bounds both bounds.
+                head = a == 0
+                c_ub = int(min(slots.sum() // L, (slots[head] // (a[head] + m[head])).sum()))
+                first[pkey] = response_time_bounds([(1.0 / found[0], c_ub)], arrival_rate)[0] if c_ub > 0 \
+                    else math.inf
+            else:
+                first[pkey] = 0.0
+        by_key: dict[tuple, list[int]] = {}
+        for c, (pkey, _, _) in per_c.items():
+            by_key.setdefault(pkey, []).append(c)
+        best_obj = math.inf
+        for pkey in sorted(first, key=lambda k: (first[k], min(by_key[k]))):
+            if first[pkey] == math.inf or first[pkey] > best_obj:
+                continue
+            entry = evaluate(pkey)
             obj = entry[4] if method == "lower" else entry[5]
-        table[c] = obj
-        if math.isfinite(obj) and (best is None or obj < best[0]):
-            best = (obj, c, pkey)
-        if entry is not None and entry[6] > 0 and (fallback is None or -entry[6] < fallback[0]):
-            fallback = (-entry[6], c, pkey)
+            best_obj = min(best_obj, obj)
+        for c, (pkey, _, _) in per_c.items():
+            entry = entries.get(pkey)
+            obj = None if entry is None else (entry[4] if method == "lower" else entry[5])
+            table[c] = obj if entry is not None or first[pkey] < math.inf else math.inf
+            if obj is not None and math.isfinite(obj) and (best is None or obj < best[0]):
+                best = (obj, c, pkey)
     if best is None:
+        # nothing stable: all placements were evaluated (pruning never triggers without a finite best)
+        for pkey in dict.fromkeys(k for k, _, _ in per_c.values()):
+            evaluate(pkey)
+        fallback = None
+        for c, (pkey, _, _) in per_c.items():
+            total = entries[pkey][6]
+            if total > 0 and (fallback is None or total > fallback[0]):
+                fallback = (total, c, pkey)
         if fallback is None:
-            if method == "surrogate":
-                # no c reaches the target: fall back to the most capable placement anyway
-                return tune_capacity(servers, model, arrival_rate, rho_bar, "lower", c_range=c_range,
-                                     return_table=return_table)
             raise ValueError("the servers cannot form any chain covering all blocks for any c")
         best = fallback
     _, c_best, pkey = best
-    entry = placements.get(pkey)
-    idx, a, m, chains_idx = entry[0], entry[1], entry[2], entry[3]
+    idx, a, m, chains_idx = evaluate(pkey)[:4]
     placement = Placement({servers[i].name: (int(aj), int(mj)) for i, aj, mj in zip(idx.tolist(), a.tolist(), m.tolist())},
                           num_blocks=L)
     chains = [Chain(servers=tuple(servers[int(idx[j])].name for j, _, _ in hops),
