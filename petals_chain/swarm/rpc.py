@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # 1 MiB per message, far below hivemind's 4 MiB limit
 MAX_METADATA_BYTES = 4096
+MIN_CHUNK_BYTES = 1024  # a sender may use smaller chunks than ours, but not absurdly many
+MAX_CHUNKS = 4096
+MAX_TENSOR_BYTES = 1 << 31  # 2 GiB per step; the server's max_length bounds it further
 ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _MAX_SESSION_ID = 256
@@ -68,6 +71,10 @@ class RefusedError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+class _InconsistentChunks(RefusedError):
+    """The announced chunking contradicts the first chunk itself."""
 
 
 class SessionBackend(Protocol):
@@ -129,21 +136,29 @@ class PetalsChainBlocks(ServicerBase):
         self.emulation = emulation
         self.idle_timeout_s = idle_timeout_s
 
-    async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+    # ping and info answer on a fresh stream (like sessions), not on hivemind's persistent unary connection:
+    # with hivemind 1.1.12 that connection hangs for a P2P replica created after another replica of the same
+    # daemon was shut down (measured here), which is exactly how orchestrators and tests use replicas.
+    async def rpc_ping(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         await self.emulation.half_rtt()
         meta = request.metadata[:MAX_METADATA_BYTES]
         await self.emulation.half_rtt()
-        return runtime_pb2.ExpertResponse(metadata=meta)
+        yield runtime_pb2.ExpertResponse(metadata=meta)
 
-    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+    async def rpc_info(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         await self.emulation.half_rtt()
         try:
             info = self.backend.info()
         except Exception as e:  # noqa: BLE001
             logger.exception("info failed")
-            return _error("internal", f"info failed: {e}")
+            yield _error("internal", f"info failed: {e}")
+            return
         await self.emulation.half_rtt()
-        return runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **info}))
+        yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **info}))
 
     async def rpc_session(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -206,6 +221,8 @@ class PetalsChainBlocks(ServicerBase):
                     await self.emulation.half_rtt()
                     yield _error(e.code, str(e))
                     continue
+                except asyncio.TimeoutError:
+                    raise  # idle in the middle of a chunked tensor: handled below
                 except Exception as e:  # noqa: BLE001 - a bug must not kill the session or the server
                     logger.exception(f"step of session {session_id} failed")
                     await self.emulation.half_rtt()
@@ -225,22 +242,26 @@ class PetalsChainBlocks(ServicerBase):
                 self.backend.close_session(session_id)
 
     async def _receive_tensor(self, first: runtime_pb2.ExpertRequest, next_message) -> torch.Tensor:
-        """Validate the declared tensor, collect its chunks, deserialize; raises RefusedError."""
+        """Validate the declared tensor, collect its chunks, deserialize; raises RefusedError.
+
+        If the first chunk is rejected, the continuation chunks it announced are read and dropped, so that the
+        stream stays in step with the client (one reply per step)."""
         if len(first.tensors) != 1:
             raise RefusedError("invalid", f"a step carries exactly one tensor, got {len(first.tensors)}")
         head = first.tensors[0]
-        if head.dtype not in ALLOWED_DTYPES:
-            raise RefusedError("invalid", f"dtype {head.dtype!r} not allowed (use one of {sorted(ALLOWED_DTYPES)})")
-        if head.compression != runtime_pb2.CompressionType.NONE:
-            raise RefusedError("invalid", "only uncompressed tensors are accepted")
-        shape = list(head.size)
-        hidden_size = self.backend.hidden_size
-        if len(shape) != 3 or shape[0] != 1 or shape[2] != hidden_size or shape[1] < 1:
-            raise RefusedError("invalid", f"hidden states must have shape [1, n >= 1, {hidden_size}], got {shape}")
-        nbytes = math.prod(shape) * _DTYPE_BYTES[head.dtype]
-        num_chunks = max(1, head.chunks)
-        if num_chunks != max(1, math.ceil(nbytes / CHUNK_BYTES)):
-            raise RefusedError("invalid", f"tensor of {nbytes} bytes cannot come in {num_chunks} chunks")
+        num_chunks = max(1, int(head.chunks))
+        if num_chunks > MAX_CHUNKS:
+            raise RefusedError("invalid", f"{num_chunks} chunks announced, at most {MAX_CHUNKS} allowed")
+        try:
+            nbytes = self._check_head(head, num_chunks)
+        except _InconsistentChunks:
+            raise  # the announced chunk count is not credible: do not wait for chunks
+        except RefusedError:
+            for _ in range(num_chunks - 1):
+                msg = await next_message()
+                if msg is None or msg.metadata:
+                    break
+            raise
         parts = [head]
         received = len(head.buffer)
         while len(parts) < num_chunks:
@@ -262,6 +283,26 @@ class PetalsChainBlocks(ServicerBase):
         if not torch.isfinite(tensor).all():
             raise RefusedError("invalid", "hidden states contain NaN or inf")
         return tensor
+
+    def _check_head(self, head: runtime_pb2.Tensor, num_chunks: int) -> int:
+        """Bytes the declared tensor must have; RefusedError if dtype, shape or chunking is unacceptable."""
+        if head.dtype not in ALLOWED_DTYPES:
+            raise RefusedError("invalid", f"dtype {head.dtype!r} not allowed (use one of {sorted(ALLOWED_DTYPES)})")
+        if head.compression != runtime_pb2.CompressionType.NONE:
+            raise RefusedError("invalid", "only uncompressed tensors are accepted")
+        shape = list(head.size)
+        hidden_size = self.backend.hidden_size
+        if len(shape) != 3 or shape[0] != 1 or shape[2] != hidden_size or shape[1] < 1:
+            raise RefusedError("invalid", f"hidden states must have shape [1, n >= 1, {hidden_size}], got {shape}")
+        nbytes = math.prod(shape) * _DTYPE_BYTES[head.dtype]
+        if nbytes > MAX_TENSOR_BYTES:
+            raise RefusedError("invalid", f"tensor of {nbytes} bytes exceeds the {MAX_TENSOR_BYTES}-byte limit")
+        if num_chunks > min(MAX_CHUNKS, 1 + nbytes // MIN_CHUNK_BYTES):
+            raise _InconsistentChunks("invalid", f"{num_chunks} chunks for {nbytes} bytes (chunks must be >= "
+                                          f"{MIN_CHUNK_BYTES} bytes)")
+        if num_chunks > 1 and len(head.buffer) >= nbytes:
+            raise _InconsistentChunks("invalid", "the first chunk already holds the whole tensor but more are announced")
+        return nbytes
 
 
 def _as_peer(peer_id: Union[str, PeerID]) -> PeerID:
@@ -400,21 +441,26 @@ class ServerClient:
             raise
         return sess
 
+    async def _call(self, method: str, peer_id: Union[str, PeerID], request: runtime_pb2.ExpertRequest,
+                    timeout_s: float) -> runtime_pb2.ExpertResponse:
+        async def call():
+            stream = await getattr(self._stub(peer_id), method)(request)
+            return await stream.__anext__()
+
+        try:
+            return await asyncio.wait_for(call(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - timeouts, P2P errors, dead peers
+            raise ConnectionError(f"{method} {peer_id}: {type(e).__name__}: {e}") from e
+
     async def ping(self, peer_id: Union[str, PeerID], timeout_s: float = 10.0) -> float:
         """Round-trip time of a tiny RPC in seconds (raises ConnectionError if unreachable)."""
         t0 = time.perf_counter()
-        try:
-            await self._stub(peer_id).rpc_ping(runtime_pb2.ExpertRequest(metadata=b"\x00"), timeout=timeout_s)
-        except Exception as e:  # noqa: BLE001
-            raise ConnectionError(f"ping {peer_id}: {type(e).__name__}: {e}") from e
+        await self._call("rpc_ping", peer_id, runtime_pb2.ExpertRequest(metadata=b"\x00"), timeout_s)
         return time.perf_counter() - t0
 
     async def info(self, peer_id: Union[str, PeerID], timeout_s: float = 10.0) -> dict[str, Any]:
         """The server's current state: span, slots, tau_p, emulation, ... (see server docs)."""
-        try:
-            reply = await self._stub(peer_id).rpc_info(runtime_pb2.ExpertRequest(), timeout=timeout_s)
-        except Exception as e:  # noqa: BLE001
-            raise ConnectionError(f"info {peer_id}: {type(e).__name__}: {e}") from e
+        reply = await self._call("rpc_info", peer_id, runtime_pb2.ExpertRequest(), timeout_s)
         meta = _unpack_reply(reply)
         _raise_if_error(meta)
         meta.pop("ok", None)
