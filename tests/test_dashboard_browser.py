@@ -75,7 +75,7 @@ def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url):
         counts = page.locator("#coverage rect[data-block]").evaluate_all("rs => rs.map(r => +r.dataset.count)")
         assert len(counts) == 24 and min(counts) >= 1
         # live chart drawn from the history
-        assert page.locator("#latency-chart svg polyline.line-response").count() == 1
+        assert page.locator("#latency-chart svg path.line-response").count() == 1
         assert page.locator("#latency-chart circle.dot-response").count() == len(data["history"])
 
         # the page refreshes in place: queue change and a server leaving show within one refresh period
@@ -144,6 +144,8 @@ def test_api_outage_shows_banner_keeps_last_data_and_recovers(swarm_url):
 
 
 def test_refresh_period_is_configurable(swarm_url):
+    from playwright.sync_api import expect
+
     fx, url = swarm_url
     with chromium_page() as (page, errors):
         page.goto(f"{url}/?refresh=5")
@@ -151,6 +153,6 @@ def test_refresh_period_is_configurable(swarm_url):
         assert page.locator("#refresh-select").input_value() == "5"
         page.select_option("#refresh-select", "1")
         fx.view.update(lambda d: d.update(queue_length=17))
-        page.wait_for_function("document.getElementById('queue-length').textContent === '17'", timeout=3000)
+        expect(page.locator("#queue-length")).to_have_text("17", timeout=3000)
         fx.view.update(lambda d: d.update(queue_length=4))
         assert errors == []

@@ -159,7 +159,7 @@ def test_live_swarm_dashboard(live_swarm):
                 page.wait_for_timeout(300)
             assert mismatch is None, f"{url}: {mismatch}"
             assert page.locator("#ready-badge").get_attribute("data-ready") == "true"
-            assert page.locator("#latency-chart svg polyline.line-response").count() == 1
+            assert page.locator("#latency-chart svg path.line-response").count() == 1
 
         peer_of = {n: s["peer_id"] for n, s in _servers_by_name(dash_view).items()}
         for leaving, sig in (("live-bravo", signal.SIGTERM), ("live-charlie", signal.SIGKILL)):

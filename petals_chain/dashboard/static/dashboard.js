@@ -368,13 +368,20 @@
           svg("title", { text: "predicted " + pair[0] + " bound " + fmtSeconds(pair[1]) })));
       }
     });
+    // Idle periods between bursts are not interpolated: a gap much longer than the usual spacing breaks the line.
+    var gaps = [];
+    for (var g = 1; g < hist.length; g++) gaps.push(num(hist[g].t) - num(hist[g - 1].t));
+    var sortedGaps = gaps.slice().sort(function (a, b) { return a - b; });
+    var breakGap = Math.max(3, 5 * (sortedGaps.length ? sortedGaps[Math.floor(sortedGaps.length / 2)] : 0));
     [["wait_s", "line-wait"], ["service_s", "line-service"], ["response_s", "line-response"]].forEach(function (series) {
-      var pts = [];
+      var d = [], prevT = null;
       hist.forEach(function (p) {
-        var y = num(p[series[0]]);
-        if (y !== null) pts.push(X(num(p.t)).toFixed(1) + "," + Y(y).toFixed(1));
+        var y = num(p[series[0]]), t = num(p.t);
+        if (y === null) { prevT = null; return; }
+        d.push((prevT === null || t - prevT > breakGap ? "M" : "L") + X(t).toFixed(1) + "," + Y(y).toFixed(1));
+        prevT = t;
       });
-      if (pts.length) root.appendChild(svg("polyline", { class: series[1], points: pts.join(" ") }));
+      if (d.length) root.appendChild(svg("path", { class: series[1], d: d.join(" ") }));
     });
     if (hist.length <= 200) {
       hist.forEach(function (p) {
@@ -476,7 +483,7 @@
     });
     var avail = Math.max(300, (container.clientWidth || 800) - 4);
     var labelW = avail < 500 ? 86 : 130;
-    var cell = Math.max(7, Math.min(28, Math.floor((avail - labelW) / L)));
+    var cell = Math.max(7, Math.min(64, Math.floor((avail - labelW) / L)));
     var rowH = 16, gap = 3, headH = 16;
     var width = labelW + cell * L + 2;
     var height = headH + (rows.length + 1) * (rowH + gap) + 4;
