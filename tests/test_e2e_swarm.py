@@ -265,6 +265,21 @@ def test_burst_respects_chain_capacities(swarm):
     assert all(len(v) == 1 for v in by_prompt.values())
 
 
+def test_client_kit_examples(swarm):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for cmd, expect in [([sys.executable, "client/python_session.py", swarm.url], ["completion:", "session:", "turns"]),
+                        ([sys.executable, "client/openai_example.py", swarm.url], ["model:", "chat stream:"]),
+                        (["bash", "client/curl_examples.sh", swarm.url], ["session_id", "ready: True", "HTTP 400"])]:
+        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (cmd, r.stdout, r.stderr)
+        for e in expect:
+            assert e in r.stdout, (cmd, e, r.stdout)
+
+
 def test_server_join_is_used_after_replanning(swarm, llama_path):
     before = swarm.swarm()
     whole = memory_for(llama_path, MAX_LENGTH, 8, 3)

@@ -13,13 +13,14 @@ import logging
 import math
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import torch
 
 from petals_chain.model import Chain, ModelSpec
-from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, Lease
+from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, DispatchJob, DispatchManager, Lease
 from petals_chain.orchestrator.planner import Planner
 from petals_chain.orchestrator.relay import ChainSession, HeadBatcher, HopFailure
 from petals_chain.orchestrator.sampling import Sampler, SamplingParams, StopMatcher
@@ -28,7 +29,7 @@ from petals_chain.orchestrator.stats import Stats
 logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("gbp-cr", "whole-model")
-DISPATCHES = ("jffc",)
+DISPATCHES = DISPATCH_POLICIES
 
 
 class RequestError(ValueError):
@@ -140,7 +141,7 @@ class ChainHolder:
                         await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
                         continue
                     self.failovers += 1
-                    orch.stats.m_failovers.inc()
+                    orch.stats.add_failover()
                     orch.server_failed(e)
                     break
                 except BaseException:
@@ -149,6 +150,7 @@ class ChainHolder:
             self.wait_s += time.monotonic() - t0
             if opened:
                 self.lease, self.cs, self.kv_valid = lease, cs, 0
+                orch.chain_sessions.add(cs)
             else:
                 orch.dispatch.release(lease)
 
@@ -156,6 +158,7 @@ class ChainHolder:
         cs, lease = self.cs, self.lease
         self.cs, self.lease, self.kv_valid = None, None, 0
         if cs is not None:
+            self.orch.chain_sessions.discard(cs)
             await cs.close()
         if lease is not None:
             self.orch.dispatch.release(lease)
@@ -173,7 +176,7 @@ class ChainHolder:
                 out = await self.cs.forward(hidden, position)
             except HopFailure as e:
                 self.failovers += 1
-                self.orch.stats.m_failovers.inc()
+                self.orch.stats.add_failover()
                 logger.warning("job %s: %s; replaying %d tokens on another chain", self.job_id, e, len(ids))
                 self.orch.server_failed(e)
                 await self._drop()
@@ -241,6 +244,7 @@ class Orchestrator:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._eos: set[int] = set()
+        self.chain_sessions: "weakref.WeakSet[ChainSession]" = weakref.WeakSet()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -298,7 +302,7 @@ class Orchestrator:
             on_chains=self._on_chains, arrival_rate=self.cfg.arrival_rate, rho_bar=self.cfg.rho_bar,
             placement=self.cfg.placement, move_margin=self.cfg.move_margin, settle_s=self.cfg.settle_s,
             refresh_s=self.cfg.refresh_s, replan_interval_s=self.cfg.replan_interval_s,
-            model_spec_fallback=self.model_spec)
+            model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on)
         self._tasks = [asyncio.create_task(self.planner.run(self._stop), name="planner"),
                        asyncio.create_task(self._summary_loop(), name="summary"),
                        asyncio.create_task(self._reap_sessions(), name="session-reaper")]
@@ -326,6 +330,11 @@ class Orchestrator:
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
             self.dht = None
+
+    def _abort_sessions_on(self, peer_id: str) -> None:
+        """Jobs waiting on a server declared failed fail over now (not at their step timeout)."""
+        for cs in list(self.chain_sessions):
+            cs.abort(peer_id)
 
     def _on_chains(self, chains: list[Chain]) -> None:
         self.dispatch.set_chains(chains)
@@ -537,6 +546,10 @@ class Orchestrator:
             "sessions": len(self.sessions), "updated_at": time.time(), "servers": servers, "chains": chains,
             "history": list(self.stats.history)[-200:],
             "plans": list(p.plan_log)[-10:] if p is not None else [],
+            "relay": {"tokens": self.stats.tokens, "relay_steps": self.stats.relay_steps, "hop_s": self.stats.hop_s,
+                      "service_s": self.stats.service_s, "failovers": self.stats.failovers,
+                      "lm_head_batches": self.batcher.batches if self.batcher else 0,
+                      "lm_head_rows": self.batcher.rows if self.batcher else 0},
         }
 
     def update_gauges(self) -> None:

@@ -8,6 +8,7 @@ planner publishes a new one without losing a queued or running job.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import time
@@ -52,10 +53,27 @@ class Lease:
         return [(name, int(s), int(e)) for name, (s, e) in zip(self.chain.servers, self.chain.spans)]
 
 
+DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq")
+
+
 def jffc_factory() -> DispatcherFactory:
     from petals_chain.algorithms import JFFCDispatcher
 
     return lambda chains: JFFCDispatcher(chains)
+
+
+def dispatcher_factory(policy: str, seed: int = 0) -> DispatcherFactory:
+    """Factory for ``policy``: JFFC (central queue) or a per-chain-FIFO baseline (JSQ, JIQ, SED, SA-JSQ)."""
+    import random
+
+    if policy == "jffc":
+        return jffc_factory()
+    if policy not in DISPATCH_POLICIES:
+        raise ValueError(f"unknown dispatch policy {policy!r}; choose from {', '.join(DISPATCH_POLICIES)}")
+    from petals_chain.algorithms.baselines.dispatch import make_dispatcher
+
+    rng = random.Random(seed)
+    return lambda chains: make_dispatcher(policy, chains, rng=rng)
 
 
 class DispatchManager:
@@ -67,7 +85,7 @@ class DispatchManager:
     """
 
     def __init__(self, factory: DispatcherFactory | None = None, policy: str = "jffc"):
-        self.factory = factory or jffc_factory()
+        self.factory = factory or dispatcher_factory(policy)
         self.policy = policy
         self.generation = 0
         self.dispatcher: Any = None
@@ -122,16 +140,28 @@ class DispatchManager:
 
     def _adopt(self, k: int, job: DispatchJob) -> bool:
         """Count an already running ``job`` against chain ``k`` of the new dispatcher."""
+        # arrive() would pick a chain by its own rule; the job is already running on chain k, so the
+        # dispatcher's per-chain counters are set directly (JFFC: occupancy + free heap; baselines: running).
         d = self.dispatcher
         if hasattr(d, "adopt"):
             return bool(d.adopt(k, job))
-        occ = getattr(d, "occupancy", None)
         cap = self.chains[k].capacity
-        if occ is None or occ[k] >= cap:
-            return False
-        # Start the job on chain k: JFFC's state is occupancy per chain; arrive() would pick by speed.
-        occ[k] += 1
-        return True
+        if hasattr(d, "_free") and isinstance(getattr(d, "occupancy", None), list):
+            if d.occupancy[k] >= cap:
+                return False
+            d.occupancy[k] += 1
+            if d.occupancy[k] >= cap:
+                d._free = [e for e in d._free if e[1] != k]
+                heapq.heapify(d._free)
+            return True
+        running = getattr(d, "running", None)
+        if isinstance(running, list) and hasattr(d, "_changed"):
+            if running[k] >= cap:
+                return False
+            running[k] += 1
+            d._changed(k)
+            return True
+        return False
 
     def _drain_queue(self) -> list[DispatchJob]:
         queued: list[DispatchJob] = []
@@ -161,13 +191,8 @@ class DispatchManager:
 
     def _is_started(self, k: int, job: DispatchJob) -> bool:
         # JFFC returns None when it queues; per-chain-FIFO baselines return k also when the job waits there.
-        waiting = getattr(self.dispatcher, "waiting", None)
-        if waiting is not None:
-            try:
-                return job not in waiting[k]
-            except (KeyError, IndexError, TypeError):
-                pass
-        return True
+        started = getattr(self.dispatcher, "last_started", None)
+        return True if started is None else bool(started)
 
     def _start(self, job: DispatchJob, k: int) -> None:
         lease = Lease(job=job, chain=self.chains[k], index=k, generation=self.generation, chain_id=self.chain_ids[k])
@@ -216,10 +241,3 @@ class DispatchManager:
             for k, ch in enumerate(self.chains)
         ]
 
-
-def _has_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False

@@ -39,7 +39,8 @@ class ServerView:
 
     @property
     def usable(self) -> bool:
-        return self.failed_at is None and self.record.state != "offline"
+        # tau_p == 0: the server is still profiling; plan with it once its speed is known.
+        return self.failed_at is None and self.record.state != "offline" and self.record.tau_p > 0
 
 
 class RateEstimator:
@@ -91,7 +92,8 @@ class Planner:
                  move_margin: float = 0.2, settle_s: float = 2.0, refresh_s: float = 1.0,
                  replan_interval_s: float = 30.0, prior_tokens_per_job: float = 16.0,
                  serialization_s: float = 2e-4, assignment_expiration_s: float = 60.0,
-                 model_spec_fallback: Callable[[], ModelSpec | None] | None = None):
+                 model_spec_fallback: Callable[[], ModelSpec | None] | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         self.dht = dht
         self.prefix = prefix
         self.client = client
@@ -108,6 +110,7 @@ class Planner:
         self.serialization_s = serialization_s
         self.assignment_expiration_s = assignment_expiration_s
         self.model_spec_fallback = model_spec_fallback
+        self.on_failure = on_failure
         self.servers: dict[str, ServerView] = {}
         self.steps_per_job = 1.0 + prior_tokens_per_job
         self._steps_obs = 0
@@ -162,6 +165,8 @@ class Planner:
             return
         v.failed_at = time.time()
         logger.warning("server %s (%s) failed; dropping it from the chains", v.record.public_name, peer_id[:12])
+        if self.on_failure is not None:
+            self.on_failure(peer_id)
         self._recompute_chains(reason=f"failure of {v.record.public_name or peer_id[:12]}")
 
     # ---- model spec ----------------------------------------------------------------------------
@@ -333,6 +338,8 @@ class Planner:
                     if v.failed_at is not None and rec.timestamp > v.failed_at + 1.0 and rec.state != "offline":
                         v.failed_at = None  # the server re-announced after the failure; pings will confirm
                         v.ping_failures = 0
+                    if v.record.tau_p <= 0 < rec.tau_p:
+                        self.last_change = time.monotonic()  # its speed is known now: a join for the planner
                     v.record = rec
                 v.last_seen = now
             for peer_id in list(self.servers):

@@ -47,6 +47,17 @@ class ChainSession:
         self.observe = observe
         self.step_timeout_s = step_timeout_s
         self._sessions: list[Any] = []
+        self._current: asyncio.Future | None = None
+        self._aborted: str | None = None
+
+    def abort(self, peer_id: str) -> bool:
+        """``peer_id`` is known dead: fail the step waiting on it now instead of at the timeout."""
+        if peer_id not in (h[0] for h in self.hops):
+            return False
+        self._aborted = peer_id
+        if self._current is not None and not self._current.done():
+            self._current.cancel()
+        return True
 
     async def open(self) -> None:
         """Open a session on every hop (concurrently). On failure closes what was opened and raises HopFailure."""
@@ -77,13 +88,21 @@ class ChainSession:
         """Run ``hidden`` [1, n, H] (positions ``position..``) through every hop in order."""
         n = int(hidden.shape[1])
         for (peer, start, end), sess in zip(self.hops, self._sessions):
+            if self._aborted is not None:
+                raise HopFailure(self._aborted, ConnectionError("the server was declared failed"))
             t0 = time.perf_counter()
+            self._current = asyncio.ensure_future(asyncio.wait_for(sess.step(hidden, position), self.step_timeout_s))
             try:
-                hidden = await asyncio.wait_for(sess.step(hidden, position), timeout=self.step_timeout_s)
+                hidden = await self._current
             except asyncio.CancelledError:
+                if self._aborted is not None and not _current_task_cancelling():
+                    raise HopFailure(self._aborted, ConnectionError("the server was declared failed")) from None
+                self._current.cancel()
                 raise
             except BaseException as e:  # any RPC failure means this hop is unusable for this job
                 raise HopFailure(peer, e) from e
+            finally:
+                self._current = None
             if self.observe is not None:
                 self.observe(peer, n, end - start, time.perf_counter() - t0)
         return hidden
@@ -91,6 +110,12 @@ class ChainSession:
     async def close(self) -> None:
         sessions, self._sessions = self._sessions, []
         await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+
+
+def _current_task_cancelling() -> bool:
+    """True if the task running us is itself being cancelled (not just the step we awaited)."""
+    task = asyncio.current_task()
+    return bool(task is not None and task.cancelling())
 
 
 class HeadBatcher:

@@ -44,6 +44,10 @@ class Stats:
         self.m_head_batch = Histogram("petals_chain_lm_head_batch_rows", "Rows per batched LM-head call",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
 
+    def add_failover(self) -> None:
+        self.failovers += 1
+        self.m_failovers.inc()
+
     def record(self, *, wait_s: float, service_s: float, tokens: int, prompt_tokens: int, ok: bool) -> None:
         if ok:
             self.completed += 1

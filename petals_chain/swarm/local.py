@@ -236,7 +236,7 @@ class LocalSwarm:
         return Client(self.url, **kwargs)
 
     # ---- shutdown ------------------------------------------------------------------------------
-    def _stop_proc(self, proc: _Proc, timeout: float = 15.0) -> None:
+    def _stop_proc(self, proc: _Proc, timeout: float = 10.0) -> None:
         descendants = _descendants(proc.popen.pid)
         if proc.alive():
             try:
@@ -279,18 +279,25 @@ class LocalSwarm:
         if self.orchestrator is not None:
             self._stop_proc(self.orchestrator)
 
-    def leftover_processes(self) -> list[int]:
-        """Process groups of this swarm that still have members (should be empty after stop())."""
-        out = []
-        for p in [*self.servers.values(), *([self.orchestrator] if self.orchestrator else [])]:
-            try:
-                os.killpg(p.popen.pid, 0)
-                out.append(p.popen.pid)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                out.append(p.popen.pid)
-        return out
+    def leftover_processes(self, wait_s: float = 5.0) -> list[int]:
+        """Live (non-zombie) processes left from this swarm's process groups; should be empty after stop()."""
+        import psutil
+
+        groups = {p.popen.pid for p in [*self.servers.values(), *([self.orchestrator] if self.orchestrator else [])]}
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = []
+            for proc in psutil.process_iter(["pid", "status"]):
+                try:
+                    if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                        continue
+                    if os.getpgid(proc.info["pid"]) in groups:
+                        left.append(proc.info["pid"])
+                except (ProcessLookupError, psutil.Error, OSError):
+                    continue
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
 
     def __enter__(self) -> "LocalSwarm":
         return self.start()
