@@ -299,3 +299,31 @@ def test_ilp_job_servers_respects_memory():
     assert greedy_job_servers(chains, 3.5) == 4
     assert ilp_job_servers(chains, slots, 3.5) == 4
     assert ilp_job_servers(chains, slots, 10.0) is None  # beyond what memory allows
+
+
+def test_cli_trace_and_rtt_files(tmp_path):
+    rng = np.random.default_rng(0)
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    t = 0.0
+    for _ in range(60):
+        t += float(rng.exponential(0.5))
+        whole, frac = int(t), int(round((t - int(t)) * 1e7))
+        if frac == 10**7:
+            whole, frac = whole + 1, 0
+        lines.append(f"2023-11-16 18:{17 + whole // 60:02d}:{whole % 60:02d}.{frac:07d},{int(rng.integers(10, 4000))},"
+                     f"{int(rng.integers(1, 60))}")
+    trace = tmp_path / "trace.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    rtt = tmp_path / "rtt.csv"
+    rows = ["measure_id,anchor_id,dst_ip,init_time,latency_m1,latency_m2,latency_m3,latency_m4,latitude,longitude"]
+    for i in range(15):
+        rows.append(f"m,{i},ip,t,{10 + 3 * i},{11 + 3 * i},-1,{12 + 3 * i},{45 + i * 0.5},{5 + i}")
+    rtt.write_text("\n".join(rows) + "\n")
+    p = _cli("trace", "--trace", str(trace), "--rtt-file", str(rtt), "--runs", "1", "--json", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["source"] == str(trace) and out["requests"] == 60
+    for pol in ("proposed", "petals", "bprr", "jffc-only"):
+        assert out["policies"][pol]["mean_response_s"] > 0
+    p = _cli("overall", "--rtt-file", str(tmp_path / "nope.csv"), "--json")
+    assert p.returncode == 2 and "not found" in p.stderr
