@@ -236,6 +236,12 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
     push, pop = heapq.heappush, heapq.heappop
     feats = workload.features
 
+    def take(name: str, need: int) -> None:
+        free[name] -= need
+        if check_slots:
+            assert 0 <= free[name] <= total[name], (name, free[name], total[name])
+            max_used[name] = max(max_used[name], total[name] - free[name])
+
     def advance(job: int, now: float) -> None:
         """Acquire the job's remaining hops in order; start it when all are held."""
         route = routes[job]
@@ -249,11 +255,7 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
                 queued_demand[name] += need
                 next_hop[job] = h
                 return
-            free[name] -= need
-            if check_slots:
-                used = total[name] - free[name]
-                assert 0 <= free[name] <= total[name], (name, free[name], total[name])
-                max_used[name] = max(max_used[name], used)
+            take(name, need)
             h += 1
         next_hop[job] = h
         start[job] = now
@@ -272,7 +274,7 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
             while q and q[0][1] <= free[name]:
                 j2, need = q.popleft()
                 queued_demand[name] -= need
-                free[name] -= need  # j2 was waiting for exactly this hop
+                take(name, need)  # j2 was waiting for exactly this hop
                 next_hop[j2] += 1
                 advance(j2, now)
 
