@@ -11,7 +11,8 @@ import signal
 import socket
 import sys
 
-from petals_chain.orchestrator.core import DISPATCHES, PLACEMENTS, Orchestrator, OrchestratorConfig
+from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES as DISPATCHES
+from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
 
 logger = logging.getLogger("petals_chain.orchestrator")
 
@@ -38,6 +39,13 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _max_length(text: str) -> int:
+    v = _positive_int(text)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 tokens, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m petals_chain.orchestrator", description=__doc__)
     p.add_argument("--model", required=True, help="HF-format model directory (or hub name)")
@@ -51,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arrival-rate", type=_arrival_rate, default=None, metavar="auto|X",
                    help="request arrival rate for planning (req/s); auto: estimated online")
     p.add_argument("--rho-bar", type=float, default=0.7, help="target load factor of GBP-CR (0, 1]")
-    p.add_argument("--max-length", type=_positive_int, default=1024,
+    p.add_argument("--max-length", type=_max_length, default=1024,
                    help="tokens per job (prompt + output); one cache slot holds this many")
     p.add_argument("--placement", default="gbp-cr", choices=list(PLACEMENTS))
     p.add_argument("--dispatch", default="jffc", choices=list(DISPATCHES))
@@ -75,10 +83,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(cfg: OrchestratorConfig, ready_file: str | None = None) -> None:
+async def serve(cfg, ready_file: str | None = None) -> None:
     import uvicorn
 
     from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.core import Orchestrator
 
     orch = Orchestrator(cfg)
     sock = _bind(cfg.host, cfg.port)
@@ -114,7 +123,16 @@ async def serve(cfg: OrchestratorConfig, ready_file: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (0 < args.rho_bar <= 1):
+        parser.error(f"--rho-bar must be in (0, 1], got {args.rho_bar}")
+    if not (0 <= args.move_margin < 1):
+        parser.error(f"--move-margin must be in [0, 1), got {args.move_margin}")
+    if not (0 <= args.port < 65536):
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("hivemind", "httpx"):

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from petals_chain.model import Chain, ModelSpec
-from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, DispatchJob, DispatchManager, Lease
+from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES, DispatchJob, DispatchManager, Lease
 from petals_chain.orchestrator.planner import Planner
 from petals_chain.orchestrator.relay import ChainSession, HeadBatcher, HopFailure
 from petals_chain.orchestrator.sampling import Sampler, SamplingParams, StopMatcher
@@ -28,7 +28,7 @@ from petals_chain.orchestrator.stats import Stats
 
 logger = logging.getLogger(__name__)
 
-PLACEMENTS = ("gbp-cr", "whole-model")
+PLACEMENTS = PLACEMENT_POLICIES
 DISPATCHES = DISPATCH_POLICIES
 
 

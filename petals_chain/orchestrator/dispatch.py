@@ -54,6 +54,7 @@ class Lease:
 
 
 DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq")
+PLACEMENT_POLICIES = ("gbp-cr", "whole-model")
 
 
 def jffc_factory() -> DispatcherFactory:

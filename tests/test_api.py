@@ -1,0 +1,116 @@
+"""HTTP API of an in-process orchestrator (real DHT peer, no servers yet): validation, errors, not-ready paths."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from petals_chain.orchestrator import Orchestrator, OrchestratorConfig
+from petals_chain.orchestrator.api import create_app
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory):
+    return tiny_model_factory("llama", num_layers=4)
+
+
+def run_with_api(model_path, fn, **cfg_kwargs):
+    async def main():
+        cfg = OrchestratorConfig(model=str(model_path), max_length=64, port=0, **cfg_kwargs)
+        orch = Orchestrator(cfg)
+        orch.load_model()
+        await orch.start()
+        try:
+            app = create_app(orch)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://orch") as c:
+                return await fn(orch, c)
+        finally:
+            await orch.stop()
+
+    return asyncio.run(main())
+
+
+def test_api_without_servers(model_path):
+    async def fn(orch, c):
+        r = await c.get("/healthz")
+        assert r.status_code == 200 and r.json()["ready"] is False
+        models = (await c.get("/v1/models")).json()
+        model = models["data"][0]["id"]
+        assert model == orch.model_id and models["data"][0]["max_model_len"] == 64
+        assert (await c.get(f"/v1/models/{model}")).status_code == 200
+        r = await c.get("/v1/models/unknown")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        st = (await c.get("/api/v1/swarm")).json()
+        assert st["ready"] is False and st["initial_peers"] and st["servers"] == [] and st["chains"] == []
+        assert st["c"] is None and st["predicted_response_s"] is None and st["queue_length"] == 0
+        assert "petals_chain_ready 0.0" in (await c.get("/metrics")).text
+        page = await c.get("/")
+        assert page.status_code == 200
+
+        # validation: OpenAI error shape, never a 500
+        cases = [
+            {"model": model, "prompt": "x", "max_tokens": 0},
+            {"model": model, "prompt": "x", "top_k": -1},
+            {"model": model, "prompt": "x", "repetition_penalty": 0},
+            {"model": model, "prompt": "x", "stop": ["a"] * 50},
+            {"model": model, "prompt": "x", "presence_penalty": 1.0},
+            {"model": model, "prompt": "x", "seed": -5},
+            {"model": model, "prompt": "x", "suffix": "y"},
+            {"model": model, "prompt": [[1, 2], "mixed"]},
+            {"model": model, "prompt": "x " * 100},
+            {"model": model, "prompt": "x", "max_tokens": 64},
+            {"model": model, "prompt": ["a", "b", "c"], "n": 4},
+            {"model": model, "prompt": ["a", "b"], "stream": True},
+        ]
+        for body in cases:
+            r = await c.post("/v1/completions", json=body)
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["message"], body
+        r = await c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}],
+                                                       "tools": [{"type": "function"}]})
+        assert r.status_code == 400
+        r = await c.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404
+
+        # sessions: open, inspect, validate, close; unknown ids are 404
+        s = (await c.post("/api/v1/sessions", json={"max_length": 32})).json()
+        sid = s["session_id"]
+        assert s["max_length"] == 32
+        info = (await c.get(f"/api/v1/sessions/{sid}")).json()
+        assert info["tokens"] == 0 and info["chain"] == []
+        r = await c.post(f"/api/v1/sessions/{sid}/generate", json={"prompt": "a", "input_ids": [1]})
+        assert r.status_code == 400
+        r = await c.post(f"/api/v1/sessions/{sid}/generate", json={"prompt": "word " * 40, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert (await c.delete(f"/api/v1/sessions/{sid}")).json()["closed"] is True
+        assert (await c.delete(f"/api/v1/sessions/{sid}")).status_code == 404
+        assert (await c.get("/api/v1/sessions/nope")).status_code == 404
+
+        # a valid request with no chain waits in the queue, then gets a 503 (not a hang, not a 500)
+        orch.cfg.queue_timeout_s = 0.5
+        r = await c.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "swarm_unavailable"
+        st = (await c.get("/api/v1/swarm")).json()
+        assert st["queue_length"] == 0 and st["measured"]["failed"] == 1
+        # and streamed: the error arrives as an SSE event, then [DONE]
+        async with c.stream("POST", "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2,
+                                                             "stream": True}) as resp:
+            body = "".join([chunk async for chunk in resp.aiter_text()])
+        assert '"error"' in body and body.rstrip().endswith("data: [DONE]")
+
+    run_with_api(model_path, fn)
+
+
+def test_cli_rejects_bad_arguments(model_path):
+    import subprocess
+    import sys
+
+    for args, msg in [(["--arrival-rate", "-1"], "arrival rate"), (["--placement", "nope"], "invalid choice"),
+                      (["--dispatch", "nope"], "invalid choice"), (["--rho-bar", "2"], "rho-bar"),
+                      (["--max-length", "0"], "positive")]:
+        r = subprocess.run([sys.executable, "-m", "petals_chain.orchestrator", "--model", str(model_path), *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and msg in r.stderr, (args, r.stderr)
