@@ -92,6 +92,20 @@ def test_swarm_state_contract(swarm):
     assert "petals_chain_chains" in metrics and "petals_chain_queue_length" in metrics
     page = httpx.get(f"{swarm.url}/")
     assert page.status_code == 200 and "<html" in page.text.lower()
+    # the same summary is published to the DHT, signed by the orchestrator (what standalone dashboards read)
+    from petals_chain.swarm.dht import SwarmDHT
+
+    sd = SwarmDHT.create(initial_peers=st["initial_peers"], client_mode=True)
+    try:
+        deadline = time.monotonic() + 20
+        summary = None
+        while summary is None and time.monotonic() < deadline:
+            summary = sd.fetch_summary(st["dht_prefix"], trusted=[swarm.orchestrator_peer_id])
+            time.sleep(0.5)
+        assert summary is not None and summary["model"] == st["model"] and summary["ready"] is True
+        assert sd.fetch_summary(st["dht_prefix"], trusted=[sd.peer_id]) is None  # only the orchestrator's counts
+    finally:
+        sd.shutdown()
 
 
 def test_greedy_completions_equal_transformers(swarm, hf_model):
@@ -253,6 +267,8 @@ def test_burst_respects_chain_capacities(swarm):
     assert not errors, errors
     assert len(results) == n
     assert any(r.wait_s > 0.01 for r in results)  # some jobs queued centrally
+    relay = swarm.swarm()["relay"]
+    assert relay["lm_head_rows"] > relay["lm_head_batches"]  # concurrent sessions shared LM-head calls
     assert any(s["queue_length"] > 0 for s in observed)
     for s in observed:
         for ch in s["chains"]:

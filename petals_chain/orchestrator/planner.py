@@ -123,6 +123,7 @@ class Planner:
         self.last_publish = 0.0
         self.plan_log: deque[dict] = deque(maxlen=100)
         self._gca_key: tuple | None = None
+        self._considered: set[str] = set()
         self._lock = asyncio.Lock()
         self.model_spec: ModelSpec | None = None
 
@@ -368,13 +369,17 @@ class Planner:
         key = tuple(sorted((v.peer_id, v.record.slots_total) for v in self.online_views()))
         if key != self._gca_key:
             self._recompute_chains("servers online changed")
+        # Servers without blocks (new, or left over by GBP-CR) are considered once each, then again only
+        # at the periodic re-plan: a leftover server must not trigger planning every refresh.
         unassigned = [v for v in views if v.peer_id not in self.assignment]
+        fresh = [v for v in unassigned if v.peer_id not in self._considered]
         assigned_gone = [p for p in self.assignment if p not in {v.peer_id for v in views}]
         if not settled:
             return
         due = time.monotonic() - self.last_full_replan >= self.replan_interval_s
-        if not (unassigned or assigned_gone or due):
+        if not (fresh or assigned_gone or due):
             return
+        self._considered.update(v.peer_id for v in unassigned)
         self.last_full_replan = time.monotonic()
         base = self.evaluate(views, self.plan.placement, self.plan.c)  # everyone usable serves its span
         best, reason = base, ""
