@@ -327,3 +327,17 @@ def test_cli_trace_and_rtt_files(tmp_path):
         assert out["policies"][pol]["mean_response_s"] > 0
     p = _cli("overall", "--rtt-file", str(tmp_path / "nope.csv"), "--json")
     assert p.returncode == 2 and "not found" in p.stderr
+
+
+@pytest.mark.slow
+def test_cli_reproduce_quick_runs_every_experiment(tmp_path):
+    p = _cli("reproduce", "--quick", "--runs", "1", "--jobs", "200", "--json", "--no-progress", "--out", str(tmp_path), timeout=500)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert set(out) == {"fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "overall", "trace"}
+    assert out["fig5"]["rows"] and out["fig7"]["rows"] and out["fig8"]["cells"]
+    assert out["fig6"]["c_star"]["lower"] is not None
+    for name in ("fig3_gbp_cr", "fig4_gca", "fig5_jffc", "fig6_c_tuning", "fig7_c_star", "fig8_overall"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
+    for name in ("fig3", "overall", "trace"):
+        assert json.loads((tmp_path / f"{name}.json").read_text())["result"]

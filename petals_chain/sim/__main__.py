@@ -66,6 +66,11 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
 # ------------------------------------------------------------------------------------ plotting
 
 
+def _num(v: Any) -> float:
+    """None (JSON for inf/nan) -> nan, for plotting."""
+    return float("nan") if v is None else float(v)
+
+
 def _plt():
     import matplotlib
 
@@ -88,13 +93,13 @@ def plot_fig3(res: dict, out: Path | None) -> None:
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, case in zip(axes, ("homogeneous", "heterogeneous")):
-        rows = [r for r in res["cases"][case] if r.get("feasible_runs")]
+        rows = [r for r in res["cases"][case] if r.get("feasible_runs") and r.get("random_median") is not None]
         xs = list(range(len(rows)))
         stats = [{"med": r["random_median"], "q1": r["random_q1"], "q3": r["random_q3"], "whislo": r["random_min"],
                   "whishi": r["random_max"], "label": f"{r['lambda']:g}"} for r in rows]
         if stats:
             ax.bxp(stats, positions=xs, showfliers=False)
-            ax.plot(xs, [r["gbp_cr_mean"] for r in rows], "r*", ms=12, label="GBP-CR")
+            ax.plot(xs, [_num(r["gbp_cr_mean"]) for r in rows], "r*", ms=12, label="GBP-CR")
         ax.set_title(f"{case} (c={res['c']})")
         ax.set_xlabel("arrival rate λ (req/s)")
         ax.set_ylabel("c·|K| (objective 10a × c)")
@@ -119,11 +124,12 @@ def plot_fig5(res: dict, out: Path | None) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     x = [r["load"] for r in res["rows"]]
     for kind in DISPATCHERS:
-        axes[0].errorbar(x, [r[kind] for r in res["rows"]], yerr=[r[f"{kind}_ci"] for r in res["rows"]], label=kind.upper(), capsize=2)
+        axes[0].errorbar(x, [_num(r[kind]) for r in res["rows"]], yerr=[_num(r[f"{kind}_ci"]) for r in res["rows"]],
+                         label=kind.upper(), capsize=2)
     axes[0].set_title("(a) policies")
-    axes[1].plot(x, [r["jffc"] for r in res["rows"]], "o-", label="JFFC (sim)")
-    axes[1].plot(x, [r["lower"] for r in res["rows"]], "v--", label="lower bound")
-    axes[1].plot(x, [r["upper"] for r in res["rows"]], "^--", label="upper bound")
+    axes[1].plot(x, [_num(r["jffc"]) for r in res["rows"]], "o-", label="JFFC (sim)")
+    axes[1].plot(x, [_num(r["lower"]) for r in res["rows"]], "v--", label="lower bound")
+    axes[1].plot(x, [_num(r["upper"]) for r in res["rows"]], "^--", label="upper bound")
     axes[1].set_title("(b) JFFC vs Thm 3.7 bounds")
     for ax in axes:
         ax.set_xlabel("load factor ρ = λ/ν")
