@@ -156,3 +156,33 @@ def test_refresh_period_is_configurable(swarm_url):
         expect(page.locator("#queue-length")).to_have_text("17", timeout=3000)
         fx.view.update(lambda d: d.update(queue_length=4))
         assert errors == []
+
+
+def test_screenshot_tool_captures_desktop_and_phone(swarm_url, tmp_path):
+    from petals_chain.dashboard.screenshot import capture
+
+    fx, url = swarm_url
+    desk, phone = tmp_path / "d.png", tmp_path / "p.png"
+    assert capture(url, desk, phone, settle_s=0.5) == []
+    for path, width in ((desk, 1280), (phone, 390)):
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert int.from_bytes(data[16:20], "big") == width  # IHDR width: the viewport, no horizontal overflow
+        assert int.from_bytes(data[20:24], "big") > 900  # full page, taller than one screen
+
+
+def test_standalone_view_without_orchestrator_summary():
+    """What the standalone dashboard serves before any trusted summary: servers only, queue unknown, not ready."""
+    from petals_chain.dashboard import create_app
+    from petals_chain.dashboard.source import merge_view
+
+    records = {s["peer_id"]: dict(s, timestamp=s["last_seen"]) for s in sample_swarm()["servers"]}
+    app = create_app(lambda: merge_view("tiny-llama-24", records, None))
+    with serve_app(app) as url, chromium_page() as (page, errors):
+        _open(page, url)
+        assert page.locator("#servers-table tbody tr[data-peer-id]").count() == len(records)
+        assert page.locator("#ready-badge").get_attribute("data-ready") == "false"
+        assert page.locator("#queue-length").inner_text() == "\u2014"
+        assert page.locator(".chain[data-chain-id]").count() == 0
+        assert "no signed summary" in page.locator("#footer-source").inner_text()
+        assert errors == []

@@ -238,7 +238,9 @@
     $("updated").textContent = updated === null ? "" : "updated " + fmtClock(updated);
     var src = str(data.source);
     $("footer-source").textContent = src === "dht"
-      ? "standalone dashboard: server records and the orchestrator's signed summary from the DHT"
+      ? (data.orchestrator_summary === false
+        ? "standalone dashboard: signed server records from the DHT; no signed summary from a trusted orchestrator, so chains and queue are unknown"
+        : "standalone dashboard: signed server records and the trusted orchestrator's signed summary from the DHT")
       : (src ? "source: " + src : "served by the orchestrator");
   }
 
@@ -259,7 +261,7 @@
     $("arrival-rate").textContent = lam === null ? "\u2014" : lam.toFixed(lam < 10 ? 3 : 1) + " /s";
     var rho = num(data.rho_bar);
     $("rho-bar").textContent = rho === null ? "" : "target load \u03c1\u0304 = " + rho.toFixed(2);
-    var q = int(data.queue_length);
+    var q = data.orchestrator_summary === false ? null : int(data.queue_length);
     $("queue-length").textContent = q === null ? "\u2014" : String(q);
     var cap = arr(data.chains).reduce(function (a, ch) { return a + (int(obj(ch).capacity) || 0); }, 0);
     $("jobs-running").textContent = "waiting \u00b7 " + running + " / " + cap + " running";
