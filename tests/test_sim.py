@@ -262,6 +262,8 @@ def test_cli_rejects_bad_arguments():
     assert p.returncode == 2 and "--runs" in p.stderr
     p = _cli("trace", "--trace", "/nonexistent/trace.csv", "--json", "--no-progress")
     assert p.returncode == 2 and "not found" in p.stderr
+    p = _cli("overall", "--petals-cache-tokens", "100", "--json")
+    assert p.returncode == 2 and "--petals-cache-tokens" in p.stderr
     p = _cli("bogus")
     assert p.returncode == 2
 

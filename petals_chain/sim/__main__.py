@@ -286,9 +286,10 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
                        servers=(10, 20) if q else (10, 20, 30, 40), etas=(0.2, 0.4) if q else (0.1, 0.2, 0.3, 0.4))
     if cmd == "overall":
         return ex.overall(num_servers=a.servers, eta=a.eta, arrival_rate=a.arrival_rate, runs=runs, seed=a.seed, jobs=jobs,
-                          progress=prog)
+                          petals_cache_tokens=a.petals_cache_tokens, progress=prog)
     if cmd == "trace":
         return ex.trace_replay(trace_path=a.trace, requests=a.requests, seed=a.seed, service_scale=a.service_scale,
+                               petals_cache_tokens=a.petals_cache_tokens,
                                runs=a.runs if a.runs is not None else (1 if q else 5), progress=prog)
     if cmd == "planner-scale":
         return ex.planner_scale(a.servers, seed=a.seed, arrival_rate=a.planner_rate)
@@ -314,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=1000, help="trace: replay the first N requests (0 = all)")
     p.add_argument("--service-scale", type=float, default=1.0,
                    help="trace: multiply every modelled service time (e.g. to match a measured mean service time)")
+    p.add_argument("--petals-cache-tokens", type=int, default=4096,
+                   help="PETALS baseline: attention cache per block in tokens (PETALS' default 4096; slots hold 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -330,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not (a.arrival_rate > 0 and math.isfinite(a.arrival_rate)):
         print("error: --arrival-rate must be positive", file=sys.stderr)
+        return 2
+    if a.petals_cache_tokens < 2048:
+        print("error: --petals-cache-tokens must be >= 2048 (one full-length session)", file=sys.stderr)
         return 2
     if not (a.service_scale > 0 and math.isfinite(a.service_scale)):
         print("error: --service-scale must be positive", file=sys.stderr)

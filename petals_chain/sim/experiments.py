@@ -397,7 +397,7 @@ def fig7(*, runs: int = 20, seed: int = 0, jobs: int = 5000, lambdas: Sequence[f
 
 def overall(*, num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arrival_rate: float = DEFAULT_LAMBDA, runs: int = 20,
             seed: int = 0, jobs: int = 5000, policies: Sequence[str] = POLICIES, c: int = DEFAULT_C,
-            progress: bool = True) -> dict:
+            petals_cache_tokens: int = 4096, progress: bool = True) -> dict:
     """Mean/P95 response, wait and service per policy, averaged over ``runs`` (per-run means, then mean)."""
     anchors = simdata.get_anchors()
     acc: dict[str, dict[str, list]] = {p: {"mean_response_s": [], "p95_response_s": [], "mean_wait_s": [], "mean_service_s": []}
@@ -409,7 +409,7 @@ def overall(*, num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arrival_r
         scen = bloom_scenario(num_servers, eta, arrival_rate, rng=rng, anchors=anchors)
         wl = Workload.poisson(arrival_rate, jobs, run_rng(seed, r, 1))
         for p in policies:
-            plan = plan_policy(p, scen, run_rng(seed, r, 2), c=c)
+            plan = plan_policy(p, scen, run_rng(seed, r, 2), c=c, petals_cache_tokens=petals_cache_tokens)
             if not plan.feasible:
                 infeasible[p] += 1
                 notes[p] = plan.note
@@ -461,7 +461,8 @@ def fig8(*, runs: int = 20, seed: int = 0, jobs: int = 5000, servers: Sequence[i
 
 
 def trace_replay(*, trace_path: str | None = None, requests: int = 1000, seed: int = 0, runs: int = 1,
-                 policies: Sequence[str] = POLICIES, service_scale: float = 1.0, progress: bool = True) -> dict:
+                 policies: Sequence[str] = POLICIES, service_scale: float = 1.0, petals_cache_tokens: int = 4096,
+                 progress: bool = True) -> dict:
     """Replay the first ``requests`` of the Azure trace on the §4.2 LLaMA-2-7B testbed model; c by the lower bound.
 
     Each run draws new RTTs (RIPE Atlas) for the 9 servers; arrivals and token counts are the trace's.
@@ -479,7 +480,7 @@ def trace_replay(*, trace_path: str | None = None, requests: int = 1000, seed: i
         scen = llama_trace_scenario(trace, rng=run_rng(seed, r), anchors=anchors, scale=service_scale)
         wl = Workload.from_lengths(trace.arrivals, trace.context_tokens, trace.generated_tokens)
         for p in policies:
-            plan = plan_policy(p, scen, run_rng(seed, r, 2), c=None)
+            plan = plan_policy(p, scen, run_rng(seed, r, 2), c=None, petals_cache_tokens=petals_cache_tokens)
             if p == "proposed":
                 cs.append(plan.c)
             if not plan.feasible:
@@ -487,6 +488,7 @@ def trace_replay(*, trace_path: str | None = None, requests: int = 1000, seed: i
                 continue
             acc[p].append(plan.simulate(wl, scen, run_rng(seed, r, 3)).summary())
     out = {"source": trace.source, "requests": len(trace), "rate_per_s": trace.rate, "service_scale": service_scale,
+           "petals_cache_tokens": petals_cache_tokens,
            "interarrival_std_ratio": simdata.interarrival_cv_ratio(trace.arrivals), "runs": runs,
            "c_lower_bound": cs, "paper": PAPER["table1"], "policies": {}}
     for p in policies:

@@ -33,6 +33,7 @@ SLOW_MEMORY_GB, SLOW_TAU_P = 20.0, 0.175
 DEFAULT_J, DEFAULT_ETA, DEFAULT_LAMBDA, DEFAULT_RHO_BAR, DEFAULT_C = 20, 0.2, 0.2, 0.7, 7
 DEFAULT_RUNS = 20
 DEFAULT_BPRR_R = 7  # BPRR's target concurrency: the same reservation as GBP-CR's c = 7
+PETALS_CACHE_TOKENS = 4096  # PETALS' default attention cache per block (tokens)
 
 # LLaMA-2-7B testbed (§4.2); footnote-11 constants
 LLAMA2_7B_PARAMS_PER_BLOCK = 4 * 4096**2 + 3 * 4096 * 11008
@@ -197,16 +198,20 @@ def plan_jffc_only(scen: Scenario) -> PlannedPolicy:
     return PlannedPolicy("jffc-only", placement, chains=chains, make_dispatcher=lambda rng: make_dispatcher("jffc", chains, rng))
 
 
-def plan_petals(scen: Scenario, rng: np.random.Generator, window_rule: str = "sorted") -> PlannedPolicy:
-    """PETALS: servers join in random order and cover the weakest window; min-latency routing per request."""
+def plan_petals(scen: Scenario, rng: np.random.Generator, window_rule: str = "sorted",
+                cache_tokens: int = PETALS_CACHE_TOKENS) -> PlannedPolicy:
+    """PETALS: servers join in random order and cover the weakest window; min-latency routing per request.
+
+    Each server keeps PETALS' fixed attention cache of ``cache_tokens`` per block (slots of 2048 tokens).
+    """
     from petals_chain.algorithms.baselines import petals_cache_slots, petals_placement, petals_route
 
-    placement = petals_placement(scen.servers, scen.model, rng=rng, window_rule=window_rule)
+    placement = petals_placement(scen.servers, scen.model, rng=rng, window_rule=window_rule, cache_tokens=cache_tokens)
     if not covers_all_blocks(placement, scen.model):
         return PlannedPolicy("petals", placement, feasible=False, note="PETALS placement leaves blocks uncovered")
     servers, model = scen.servers, scen.model
     # PETALS allocates a fixed cache of cache_tokens per block (2 slots at max_length 2048), not M~_j
-    slots = {name: petals_cache_slots(m) for name, (a, m) in placement.items()}
+    slots = {name: petals_cache_slots(m, cache_tokens=cache_tokens) for name, (a, m) in placement.items()}
 
     def route(free, expected_wait):
         return petals_route(servers, model, placement, free)
@@ -230,11 +235,12 @@ def plan_bprr(scen: Scenario, R: int = DEFAULT_BPRR_R) -> PlannedPolicy:
     return PlannedPolicy("bprr", placement, route_fn=route, slots=slots)
 
 
-def plan_policy(name: str, scen: Scenario, rng: np.random.Generator, *, c: int | None = DEFAULT_C) -> PlannedPolicy:
+def plan_policy(name: str, scen: Scenario, rng: np.random.Generator, *, c: int | None = DEFAULT_C,
+                petals_cache_tokens: int = PETALS_CACHE_TOKENS) -> PlannedPolicy:
     if name == "proposed":
         return plan_proposed(scen, c=c)
     if name == "petals":
-        return plan_petals(scen, rng)
+        return plan_petals(scen, rng, cache_tokens=petals_cache_tokens)
     if name == "bprr":
         return plan_bprr(scen)
     if name == "jffc-only":
