@@ -74,6 +74,7 @@ class OrchestratorConfig:
     replan_interval_s: float = 30.0
     move_margin: float = 0.2
     head_window_s: float = 0.0005
+    step_timeout_s: float = 60.0  # a hop silent this long is treated as failed (the job fails over)
 
 
 @dataclass
@@ -296,7 +297,7 @@ class Orchestrator:
             SwarmDHT.create, initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
             identity_path=self.cfg.identity_path, prefix=self.prefix)
         self._p2p = await self.dht.replicate_p2p()
-        self.client = ServerClient(self._p2p)
+        self.client = ServerClient(self._p2p, step_timeout_s=self.cfg.step_timeout_s)
         self.planner = Planner(
             dht=self.dht, prefix=self.prefix, client=self.client, max_length=self.cfg.max_length,
             on_chains=self._on_chains, arrival_rate=self.cfg.arrival_rate, rho_bar=self.cfg.rho_bar,

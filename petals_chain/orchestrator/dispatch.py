@@ -57,18 +57,20 @@ DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq")
 PLACEMENT_POLICIES = ("gbp-cr", "whole-model")
 
 
-def jffc_factory() -> DispatcherFactory:
+def jffc_factory(queue_factory: Callable[[], Any] | None = None) -> DispatcherFactory:
+    """JFFC over the central queue ``queue_factory()`` (any object with push/pop/remove/__len__/__iter__;
+    default FIFO): the queue discipline is pluggable without touching dispatch or relay."""
     from petals_chain.algorithms import JFFCDispatcher
 
-    return lambda chains: JFFCDispatcher(chains)
+    return lambda chains: JFFCDispatcher(chains, queue=queue_factory() if queue_factory is not None else None)
 
 
-def dispatcher_factory(policy: str, seed: int = 0) -> DispatcherFactory:
+def dispatcher_factory(policy: str, seed: int = 0, queue_factory: Callable[[], Any] | None = None) -> DispatcherFactory:
     """Factory for ``policy``: JFFC (central queue) or a per-chain-FIFO baseline (JSQ, JIQ, SED, SA-JSQ)."""
     import random
 
     if policy == "jffc":
-        return jffc_factory()
+        return jffc_factory(queue_factory)
     if policy not in DISPATCH_POLICIES:
         raise ValueError(f"unknown dispatch policy {policy!r}; choose from {', '.join(DISPATCH_POLICIES)}")
     from petals_chain.algorithms.baselines.dispatch import make_dispatcher

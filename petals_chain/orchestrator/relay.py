@@ -91,7 +91,8 @@ class ChainSession:
             if self._aborted is not None:
                 raise HopFailure(self._aborted, ConnectionError("the server was declared failed"))
             t0 = time.perf_counter()
-            self._current = asyncio.ensure_future(asyncio.wait_for(sess.step(hidden, position), self.step_timeout_s))
+            # The step timeout is the ServerClient's (one task per hop here keeps the relay cheap).
+            self._current = asyncio.ensure_future(sess.step(hidden, position))
             try:
                 hidden = await self._current
             except asyncio.CancelledError:
@@ -151,7 +152,10 @@ class HeadBatcher:
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
             try:
                 stacked = torch.stack([h for h, _ in batch]).unsqueeze(1)  # [B, 1, H]
-                out = await loop.run_in_executor(self._pool, self._compute, stacked)
+                if self._small(len(batch)):
+                    out = self._compute(stacked)
+                else:
+                    out = await loop.run_in_executor(self._pool, self._compute, stacked)
                 self.batches += 1
                 self.rows += len(batch)
                 for i, (_, fut) in enumerate(batch):
@@ -163,6 +167,11 @@ class HeadBatcher:
                         fut.set_exception(e)
                 if isinstance(e, asyncio.CancelledError):
                     raise
+
+    def _small(self, rows: int) -> bool:
+        """LM heads this small cost less than a thread hand-off: compute them on the loop."""
+        w = getattr(getattr(self.head, "lm_head", None), "weight", None)
+        return w is not None and rows * w.numel() <= 2_000_000
 
     def _compute(self, stacked: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -266,7 +266,9 @@ class LocalSwarm:
             proc.log_file = None
 
     def stop(self) -> None:
-        """Stop servers, then the orchestrator; no process of the swarm (p2pd included) survives."""
+        """Stop the orchestrator (it closes its sessions), then the servers; no process (p2pd included) survives."""
+        if self.orchestrator is not None:
+            self._stop_proc(self.orchestrator)
         procs = list(self.servers.values())
         for p in procs:  # signal all first so they shut down in parallel
             if p.alive():
@@ -276,8 +278,6 @@ class LocalSwarm:
                     pass
         for p in procs:
             self._stop_proc(p)
-        if self.orchestrator is not None:
-            self._stop_proc(self.orchestrator)
 
     def leftover_processes(self, wait_s: float = 5.0) -> list[int]:
         """Live (non-zombie) processes left from this swarm's process groups; should be empty after stop()."""
