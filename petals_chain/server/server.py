@@ -68,6 +68,7 @@ class ServerConfig:
 
 
 DEFAULT_MAX_LENGTH = 2048
+INLINE_MAX_TOKENS = 8  # steps with at most this many tokens run inline (see Server.forward)
 
 
 def default_memory_bytes(device: str) -> int:
@@ -201,9 +202,15 @@ class Server:
         if position + hidden.shape[1] > sess["max_length"]:
             raise RefusedError("invalid", f"positions {position}..{position + hidden.shape[1] - 1} exceed the "
                                           f"session's max_length {sess['max_length']}")
-        loop = asyncio.get_running_loop()
+        runner = sess["runner"]
         try:
-            return await loop.run_in_executor(None, sess["runner"].forward, session_id, hidden, position)
+            if hidden.shape[1] <= INLINE_MAX_TOKENS and self.cfg.emulate_compute_scale == 1.0:
+                # Decode steps run on the event loop thread: handing them to a worker thread costs ~1.5 ms per
+                # step here (GIL hand-offs), more than the step itself; the runner serializes compute anyway.
+                return runner.forward(session_id, hidden, position)
+            # Prefills may take seconds and emulated slowness sleeps: keep pings and other streams alive.
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, runner.forward, session_id, hidden, position)
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
 
