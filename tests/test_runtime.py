@@ -356,7 +356,8 @@ def test_concurrent_sessions_from_threads(models):
     assert not errors
     for i in range(4):
         for got, want in zip(results[i], expected[i]):
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+            # concurrent steps are batched (packed matmuls round differently from one session's): fp32 close
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     assert r.slots_free == 32
 
 

@@ -5,9 +5,10 @@ owns the rotary module, and allocates ``num_slots`` cache slots once (``s_c`` by
 native layout). A session processing blocks ``[a, b)`` holds ``b - a`` slots from :meth:`allocate` to
 :meth:`release`; a full runner refuses with :class:`NoCapacityError` and never over-commits.
 
-Per-session state (span, slots, cached length) is kept apart from the compute call (:meth:`_run_blocks`,
-which only takes tensors, a position and a slot map) so that steps of several sessions can later be
-batched into one forward without changing the session bookkeeping.
+Per-session state (span, slots, cached length) is kept apart from the compute. With ``batching=True``
+(the default) concurrent :meth:`BlockRunner.forward` calls are gathered by a
+:class:`~petals_chain.server.batching.BatchScheduler` and run together, one forward per block; with
+``batching=False`` each call runs alone under the compute lock (:meth:`BlockRunner._run_blocks`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from petals_chain.server.batching import BatchScheduler, install_dispatch
 from petals_chain.server.kv_cache import NoCapacityError, SlotCache, SlotPool
 from petals_chain.swarm.checkpoint import build_rotary, load_block, load_config, parse_dtype, weight_map
 from petals_chain.swarm.memory import head_dim, num_kv_heads
@@ -42,6 +44,7 @@ class _Session:
     length: int = 0  # tokens whose K/V are valid in every slot of the session
     busy: bool = False  # a step is computing; a second concurrent step is refused
     closing: bool = False  # released while busy: slots go back when the step ends
+    dropped: bool = False  # slots already returned to the pool
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -50,7 +53,14 @@ class BlockRunner:
 
     ``dtype`` None/"auto" keeps the checkpoint's dtype; ``quant`` is none|int8|nf4 (CUDA only).
     ``compute_scale >= 1`` emulates a slower device: after each step's compute the runner sleeps
-    ``(compute_scale - 1) * elapsed`` while still holding the compute lock. Thread-safe.
+    ``(compute_scale - 1) * elapsed`` while still holding the compute lock (per batch when batching).
+    Thread-safe.
+
+    Batching (keyword-only): ``batching`` gathers concurrent steps of different sessions into one forward per
+    block; ``max_batch_tokens`` bounds the tokens of one batch; ``prefill_chunk_tokens`` is the most tokens one
+    step contributes to a batch (longer prefills run in chunks, so decode steps of other sessions keep going);
+    ``batch_wait_ms`` is how long the batcher waits for more steps after the first one arrives (it stops
+    waiting as soon as every open session has a step queued).
     """
 
     def __init__(
@@ -68,6 +78,10 @@ class BlockRunner:
         attn_implementation: str = "sdpa",
         config: Any = None,
         progress: bool | None = None,
+        batching: bool = True,
+        max_batch_tokens: int = 512,
+        prefill_chunk_tokens: int = 128,
+        batch_wait_ms: float = 2.0,
     ):
         self.model_path = Path(model_path)
         # A private copy: the attention implementation is set on it, not on the caller's config.
@@ -91,6 +105,12 @@ class BlockRunner:
         self._check_sliding_window(max_length)
         if not (isinstance(compute_scale, (int, float)) and math.isfinite(compute_scale) and compute_scale >= 1.0):
             raise ValueError(f"compute_scale must be a finite number >= 1, got {compute_scale!r}")
+        for name, v in (("max_batch_tokens", max_batch_tokens), ("prefill_chunk_tokens", prefill_chunk_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not (isinstance(batch_wait_ms, (int, float)) and not isinstance(batch_wait_ms, bool)
+                and math.isfinite(batch_wait_ms) and batch_wait_ms >= 0):
+            raise ValueError(f"batch_wait_ms must be a finite number >= 0, got {batch_wait_ms!r}")
 
         self.start_block, self.num_blocks = start_block, num_blocks
         self.end_block = start_block + num_blocks
@@ -111,9 +131,15 @@ class BlockRunner:
         self.pool = SlotPool(num_slots, num_kv_heads(self.config), max_length, head_dim(self.config),
                              self.dtype, self.device)
 
+        install_dispatch(self.blocks)
+
         self._sessions: dict[str, _Session] = {}
-        self._lock = threading.Lock()  # session table and pool
+        self._lock = threading.Lock()  # session table, pool and batch queue
         self._compute_lock = threading.Lock()  # one forward at a time on the device
+        self.batching = bool(batching)
+        self.scheduler = BatchScheduler(self, max_batch_tokens=max_batch_tokens,
+                                        prefill_chunk_tokens=min(prefill_chunk_tokens, max_batch_tokens),
+                                        gather_s=batch_wait_ms / 1000.0)
 
     # ---------------------------------------------------------------- capacity and sessions
     @property
@@ -175,10 +201,9 @@ class BlockRunner:
             s = self._sessions.get(session_id)
             if s is None or s.closing:
                 return False
-            if s.busy:
-                s.closing = True
-            else:
-                self._drop(s)
+            s.closing = True
+            if not s.busy or self.scheduler.cancel(s):
+                self._drop(s)  # idle, or its step was still queued (its caller gets a KeyError)
             return True
 
     def release_idle(self, max_idle_s: float) -> list[str]:
@@ -195,12 +220,12 @@ class BlockRunner:
         """Release every session (running steps finish first, then their slots return)."""
         with self._lock:
             for s in list(self._sessions.values()):
-                if s.busy:
-                    s.closing = True
-                else:
+                s.closing = True
+                if not s.busy or self.scheduler.cancel(s):
                     self._drop(s)
 
     def _drop(self, s: _Session) -> None:
+        s.dropped = True
         del self._sessions[s.session_id]
         self.pool.release(list(s.slot_of.values()))
 
@@ -236,6 +261,10 @@ class BlockRunner:
         ok = False
         try:
             x = hidden.to(device=self.device, dtype=self.dtype)
+            if self.batching:
+                out = self.scheduler.submit(s, x, position, slot_of, start, end)
+                ok = True
+                return out.to(device=hidden.device, dtype=hidden.dtype)
             with self._compute_lock:
                 t0 = time.perf_counter()
                 out = self._run_blocks(x, position, slot_of, start, end)
@@ -252,7 +281,7 @@ class BlockRunner:
                 s.last_used = time.monotonic()
                 # A failed step may have overwritten cache entries from `position` on.
                 s.length = position + n if ok else min(s.length, position)
-                if s.closing:
+                if s.closing and not s.dropped:
                     self._drop(s)
 
     def _validate_hidden(self, hidden: Any) -> int:

@@ -1,0 +1,403 @@
+"""Continuous batching for a :class:`~petals_chain.server.runner.BlockRunner`.
+
+Two parts:
+
+* :func:`run_batch` -- one forward per block for the pending steps of several sessions. Tokens of all rows are
+  *packed* into one ``[1, T, hidden]`` tensor (no padding through the projections and MLP); each token carries
+  its own position (rotary per token) and the K/V it produces is written in place into its session's slot at
+  its position. Attention is per row over that row's own slot only: single-token (decode) rows are gathered
+  into one padded ``[B, kv_heads, max_len, head_dim]`` tensor with a length mask (one SDPA call); multi-token
+  rows (prefill chunks) attend over a view of their own slot with a causal mask. Rows may process different
+  sub-spans of the runner's blocks: at each block only the rows whose span contains it take part.
+* :class:`BatchScheduler` -- callers block in :meth:`BatchScheduler.submit`; one worker thread gathers
+  pending requests for a short window (or until every open session has a step queued, or the token budget is
+  full), runs them with :func:`run_batch`, and hands each caller its output. Long prefills are cut into chunks
+  of at most ``prefill_chunk_tokens`` so that they never stall the decode steps of other sessions for more than
+  one chunk; short requests go first, and a request passed over twice goes to the front.
+
+The attention goes through a dispatcher registered with transformers' ``AttentionInterface``: it runs the
+batched kernel when the layer is called with a :class:`_Segment` as ``attention_mask`` and otherwise the
+layer's original implementation (``sdpa`` or ``eager``), so the one-session path is unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+if TYPE_CHECKING:  # pragma: no cover
+    from petals_chain.server.runner import BlockRunner, _Session
+
+__all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem"]
+
+ATTN_NAME = "petals_chain_slots"
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def _dispatch_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any):
+    if isinstance(attention_mask, _Segment):
+        return attention_mask.attend(module, query, key, value, scaling)
+    return module._pc_base_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                     **kwargs)
+
+
+AttentionInterface.register(ATTN_NAME, _dispatch_attention)
+
+
+def install_dispatch(layers: Sequence[torch.nn.Module]) -> None:
+    """Route the attention of ``layers`` through the dispatcher, keeping each layer's implementation as fallback.
+
+    Only the layers' own config copies change (a runner's ``config`` is untouched).
+    """
+    for layer in layers:
+        attn = layer.self_attn
+        base = attn.config._attn_implementation
+        if base == ATTN_NAME:
+            continue
+        if base == "eager" or base is None:
+            fn = getattr(sys.modules[type(attn).__module__], "eager_attention_forward")
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS[base]
+        attn._pc_base_attention = fn
+        attn.config._attn_implementation = ATTN_NAME
+
+
+@dataclass
+class BatchItem:
+    """One row of a batch: ``x`` ``[1, n, H]`` at positions ``position..position+n-1`` over blocks ``[start, end)``."""
+
+    x: torch.Tensor
+    position: int
+    slot_of: dict[int, int]
+    start: int
+    end: int
+
+
+class _Segment:
+    """Per-batch metadata of a set of rows that run the same blocks (passed to the layers as ``attention_mask``).
+
+    Token order inside the segment is the packed order of its rows. ``lo`` is the global index of the first
+    block of the batch; slot tensors are indexed by ``layer_idx - lo``.
+    """
+
+    def __init__(self, runner: BlockRunner, items: Sequence[BatchItem], rows: Sequence[int], lo: int, hi: int,
+                 tok_off: Sequence[int]):
+        dev = runner.device
+        self.pool = runner.pool
+        self.lo = lo
+        counts = [items[r].x.shape[1] for r in rows]
+        self.num_tokens = sum(counts)
+        slots = torch.tensor([[items[r].slot_of.get(layer, -1) for r in rows] for layer in range(lo, hi)],
+                             dtype=torch.long)
+        row_of_tok = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts))
+        pos = torch.cat([torch.arange(items[r].position, items[r].position + c) for r, c in zip(rows, counts)])
+        # token indices of these rows in the full packed batch (None when the segment is the whole batch)
+        full = torch.cat([torch.arange(tok_off[r], tok_off[r] + c) for r, c in zip(rows, counts)])
+        self.tok_idx = None if len(full) == tok_off[-1] else full.to(dev)
+        self.position_ids = pos.unsqueeze(0).to(dev)
+        self.write_pos = pos.to(dev)
+        self.write_slots = slots[:, row_of_tok].to(dev)  # [layers, T]: where each token's K/V goes
+
+        dec = [i for i, c in enumerate(counts) if c == 1]
+        self.all_decode = len(dec) == len(rows)
+        self.dec_slots = slots[:, dec].to(dev) if dec else None  # [layers, Bd]
+        if dec:
+            lengths = torch.tensor([items[rows[i]].position + 1 for i in dec])
+            self.dec_len = int(lengths.max())
+            self.dec_mask = (torch.arange(self.dec_len)[None, :] < lengths[:, None])[:, None, None, :].to(dev)
+            starts = [0]
+            for c in counts[:-1]:
+                starts.append(starts[-1] + c)
+            self.dec_tok = torch.tensor([starts[i] for i in dec], device=dev)
+        self.long: list[tuple[int, int, int, int, torch.Tensor | None]] = []  # (tok offset, n, position, row, mask)
+        off = 0
+        for i, (r, c) in enumerate(zip(rows, counts)):
+            if c > 1:
+                p = items[r].position
+                mask = None
+                if p > 0:
+                    q = torch.arange(p, p + c, device=dev)[:, None]
+                    mask = torch.arange(p + c, device=dev)[None, :] <= q
+                self.long.append((off, c, p, i, mask))
+            off += c
+        self.slots_cpu = slots  # for the long rows (python ints)
+        self.cache = _SegmentCache(self)
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               scaling: float | None) -> tuple[torch.Tensor, None]:
+        """Attention of every row over its own slot; ``keys``/``values`` are the whole pool. -> ``[1, T, h, d]``."""
+        li = module.layer_idx - self.lo
+        gqa = query.shape[1] != keys.shape[1]
+        h, d = query.shape[1], query.shape[3]
+        out = None
+        if self.dec_slots is not None:
+            idx = self.dec_slots[li]
+            k = keys[:, :, :self.dec_len].index_select(0, idx)
+            v = values[:, :, :self.dec_len].index_select(0, idx)
+            q = query[0].transpose(0, 1) if self.all_decode else query[0].index_select(1, self.dec_tok).transpose(0, 1)
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=self.dec_mask, scale=scaling,
+                                               enable_gqa=gqa)  # [Bd, h, 1, d]
+            if self.all_decode:
+                return o.squeeze(2).unsqueeze(0), None
+            out = query.new_empty(self.num_tokens, h, d)
+            out.index_copy_(0, self.dec_tok, o.squeeze(2))
+        if out is None:
+            out = query.new_empty(self.num_tokens, h, d)
+        for off, c, p, row, mask in self.long:
+            s = int(self.slots_cpu[li, row])
+            o = F.scaled_dot_product_attention(query[:, :, off:off + c], keys[s:s + 1, :, :p + c],
+                                               values[s:s + 1, :, :p + c], attn_mask=mask, is_causal=mask is None,
+                                               scale=scaling, enable_gqa=gqa)  # [1, h, c, d]
+            out[off:off + c] = o[0].transpose(0, 1)
+        return out.unsqueeze(0), None
+
+
+class _SegmentCache(Cache):
+    """Writes each token's K/V into its row's slot at its position; hands the whole pool to the attention."""
+
+    def __init__(self, seg: _Segment):
+        super().__init__(layers=[])
+        self.seg = seg
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        seg = self.seg
+        slots = seg.write_slots[layer_idx - seg.lo]
+        seg.pool.keys[slots, :, seg.write_pos] = key_states[0].transpose(0, 1)
+        seg.pool.values[slots, :, seg.write_pos] = value_states[0].transpose(0, 1)
+        return seg.pool.keys, seg.pool.values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+@torch.no_grad()
+def run_batch(runner: BlockRunner, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+    """One forward per block for all ``items`` (already validated, on the runner's device and dtype).
+
+    Returns each row's output ``[1, n_i, H]``. Each row's K/V is written only into its own slots and each row
+    attends only over its own slots: rows never see each other.
+    """
+    counts = [it.x.shape[1] for it in items]
+    tok_off = [0]
+    for c in counts:
+        tok_off.append(tok_off[-1] + c)
+    lo, hi = min(it.start for it in items), max(it.end for it in items)
+    hidden = torch.cat([it.x for it in items], dim=1)
+    segments: dict[tuple[int, ...], _Segment] = {}
+    for layer_idx in range(lo, hi):
+        rows = tuple(i for i, it in enumerate(items) if it.start <= layer_idx < it.end)
+        seg = segments.get(rows)
+        if seg is None:
+            seg = segments[rows] = _Segment(runner, items, rows, lo, hi, tok_off)
+            seg.position_embeddings = runner.rotary(hidden, seg.position_ids)
+        layer = runner.blocks[layer_idx - runner.start_block]
+        h = hidden if seg.tok_idx is None else hidden.index_select(1, seg.tok_idx)
+        h = layer(h, attention_mask=seg, position_ids=seg.position_ids, past_key_values=seg.cache, use_cache=True,
+                  position_embeddings=seg.position_embeddings)
+        h = h[0] if isinstance(h, tuple) else h
+        hidden = h if seg.tok_idx is None else hidden.index_copy(1, seg.tok_idx, h)
+    return [hidden[:, tok_off[i]:tok_off[i + 1]] for i in range(len(items))]
+
+
+# ---------------------------------------------------------------------------------------------- scheduler
+class _Cancelled(KeyError):
+    pass
+
+
+@dataclass(eq=False)
+class _Request:
+    session: _Session
+    x: torch.Tensor  # [1, n, H] on the runner's device and dtype
+    position: int
+    slot_of: dict[int, int]
+    start: int
+    end: int
+    seq: int
+    done: int = 0  # tokens already computed (chunked prefill)
+    skipped: int = 0  # batches this request waited through without getting tokens
+    started: bool = False
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    error: BaseException | None = None
+    event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def remaining(self) -> int:
+        return self.x.shape[1] - self.done
+
+
+class BatchScheduler:
+    """Gathers pending steps of a runner's sessions and runs them together (see the module docstring).
+
+    ``max_batch_tokens`` bounds the tokens of one batch, ``prefill_chunk_tokens`` the tokens one request gets
+    per batch, ``gather_s`` how long the worker waits for more requests after the first one arrives (it stops
+    early once every open session has a step queued). The worker thread starts on demand and exits after
+    ``idle_exit_s`` without work.
+    """
+
+    def __init__(self, runner: BlockRunner, *, max_batch_tokens: int, prefill_chunk_tokens: int, gather_s: float,
+                 idle_exit_s: float = 1.0):
+        self.runner = runner
+        self.max_batch_tokens, self.prefill_chunk_tokens = max_batch_tokens, prefill_chunk_tokens
+        self.gather_s, self.idle_exit_s = gather_s, idle_exit_s
+        self._cv = threading.Condition(runner._lock)  # shares the runner's lock: queue and sessions change together
+        self._queue: deque[_Request] = deque()
+        self._seq = 0
+        self._worker: threading.Thread | None = None
+        self.batches = 0  # statistics: batches run and rows in them
+        self.rows = 0
+
+    # -------------------------------------------------------------- caller side
+    def submit(self, session: _Session, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+               end: int) -> torch.Tensor:
+        """Queue one step and block until its output ``[1, n, H]`` is ready (raises the step's error)."""
+        with self._cv:
+            # alone on the runner: nothing to batch with, so skip the hand-off to the worker
+            inline = (not self._queue and x.shape[1] <= self.prefill_chunk_tokens
+                      and all(s is session or s.closing for s in self.runner._sessions.values()))
+            if not inline:
+                self._seq += 1
+                req = _Request(session, x, position, slot_of, start, end, self._seq)
+                self._queue.append(req)
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._loop, name="petals-chain-batcher", daemon=True)
+                    self._worker.start()
+                self._cv.notify_all()
+        if inline:
+            res = self._compute([BatchItem(x, position, slot_of, start, end)])[0]
+            if isinstance(res, BaseException):
+                raise res
+            return res
+        req.event.wait()
+        if req.error is not None:
+            raise req.error
+        return req.outputs[0] if len(req.outputs) == 1 else torch.cat(req.outputs, dim=1)
+
+    def cancel(self, session: _Session) -> bool:
+        """Drop ``session``'s queued step if it has not started; its caller gets a KeyError. Caller holds the lock."""
+        for req in self._queue:
+            if req.session is session and not req.started:
+                self._queue.remove(req)
+                req.error = _Cancelled(f"session {session.session_id!r} was released before its step ran")
+                req.event.set()
+                return True
+        return False
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    # -------------------------------------------------------------- worker side
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    self._cv.wait(self.idle_exit_s)
+                    if not self._queue:
+                        self._worker = None
+                        return
+                deadline = time.monotonic() + self.gather_s
+                while not self._batch_ready():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                batch = self._take()
+            try:
+                self._execute(batch)
+            except BaseException as e:  # never leave a caller waiting
+                with self._cv:
+                    for r, _, _ in batch:
+                        if r in self._queue:
+                            self._queue.remove(r)
+                        r.error = e
+                        r.event.set()
+
+    def _batch_ready(self) -> bool:
+        if any(r.done for r in self._queue):
+            return True  # a chunked prefill is under way: keep it moving, take whatever else is queued
+        # every open session already waits on a step: nothing more can arrive for this batch
+        open_sessions = sum(1 for s in self.runner._sessions.values() if not s.closing)
+        if len(self._queue) >= open_sessions:
+            return True
+        return sum(min(r.remaining, self.prefill_chunk_tokens) for r in self._queue) >= self.max_batch_tokens
+
+    def _take(self) -> list[tuple[_Request, int, int]]:
+        chunk = self.prefill_chunk_tokens
+        starved = [r for r in self._queue if r.skipped >= 2]
+        short = [r for r in self._queue if r.skipped < 2 and r.remaining <= chunk]
+        long = [r for r in self._queue if r.skipped < 2 and r.remaining > chunk]
+        budget, taken = self.max_batch_tokens, []
+        for r in starved + short + long:
+            n = min(r.remaining, chunk, budget)
+            if n <= 0:
+                break
+            taken.append((r, r.done, n))
+            r.started = True
+            budget -= n
+        chosen = {id(r) for r, _, _ in taken}
+        for r in self._queue:
+            if id(r) not in chosen:
+                r.skipped += 1
+        return taken
+
+    def _execute(self, batch: list[tuple[_Request, int, int]]) -> None:
+        items = [BatchItem(r.x[:, off:off + n], r.position + off, r.slot_of, r.start, r.end) for r, off, n in batch]
+        results = self._compute(items)
+        with self._cv:
+            for (r, _, n), res in zip(batch, results):
+                if isinstance(res, BaseException):
+                    r.error = res
+                else:
+                    r.outputs.append(res)
+                    r.done += n
+                    r.skipped = 0
+                    if r.remaining > 0:
+                        continue
+                self._queue.remove(r)
+                r.event.set()
+
+    def _compute(self, items: list[BatchItem]) -> list[torch.Tensor | BaseException]:
+        """Run ``items`` under the compute lock (with compute_scale emulation); a row's error is its result."""
+        runner = self.runner
+        results: list[torch.Tensor | BaseException] = []
+        with runner._compute_lock:
+            t0 = time.perf_counter()
+            if len(items) == 1:
+                results = [self._one(items[0])]
+            else:
+                try:
+                    results = list(run_batch(runner, items))
+                except Exception:
+                    # isolate the failure: every row again on its own, so only the row that fails gets the error
+                    results = [self._one(it) for it in items]
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            elapsed = time.perf_counter() - t0
+            if runner.compute_scale > 1.0:
+                time.sleep((runner.compute_scale - 1.0) * elapsed)
+            self.batches += 1
+            self.rows += len(items)
+        return results
+
+    def _one(self, it: BatchItem) -> torch.Tensor | BaseException:
+        try:
+            return self.runner._run_blocks(it.x, it.position, it.slot_of, it.start, it.end)
+        except Exception as e:  # handed to the request's caller
+            return e
+

@@ -1,0 +1,139 @@
+"""Decode throughput of one BlockRunner with continuous batching on vs off, measured side by side.
+
+    python scripts/bench_batching.py [--sessions 16] [--json] [--family llama] [--hidden-size 64]
+                                     [--num-layers 8] [--prefix 32] [--steps 40] [--rounds 3]
+
+Builds a tiny random-weight model (default: llama, 8 layers, hidden 64, 4 heads -- the size the tests use)
+in a temporary directory and two runners over all its blocks, one with ``batching=True`` and one with
+``batching=False``. Each round opens ``--sessions`` sessions on a runner, prefills ``--prefix`` tokens each,
+then starts one thread per session that does ``--steps`` single-token decode steps as fast as it can
+(``runner.forward(session_id, hidden, position)``, the server's call); steps/s = sessions * steps / wall time.
+Rounds alternate batched / unbatched (A/B/A/B...) because the machine is shared and noisy; the reported
+rates are medians over rounds and ``ratio`` is the median of the per-round ratios.
+With ``--json`` prints one JSON object; otherwise a short table too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from petals_chain.server.runner import BlockRunner
+from petals_chain.swarm.tiny_model import build_tiny_model
+
+
+def decode_rate(runner: BlockRunner, sessions: int, prefix: int, steps: int, seed: int = 0) -> tuple[float, float]:
+    """(steps/s, mean rows per batch) of ``sessions`` threads each doing ``steps`` decode steps after a
+    ``prefix``-token prefill. Rows per batch is 1 for an unbatched runner."""
+    H, L = runner.hidden_size, runner.end_block
+    g = torch.Generator().manual_seed(seed)
+    sids = [f"bench{seed}-{i}" for i in range(sessions)]
+    for sid in sids:
+        runner.allocate(sid, runner.start_block, L)
+        runner.forward(sid, torch.randn(1, prefix, H, generator=g), 0)
+    tokens = [torch.randn(1, 1, H, generator=g) for _ in sids]
+    b0, r0 = runner.scheduler.batches, runner.scheduler.rows  # count decode batches only
+    barrier = threading.Barrier(sessions + 1)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            x, sid = tokens[i], sids[i]
+            barrier.wait()
+            for k in range(steps):
+                x = runner.forward(sid, x, prefix + k)
+                x = x / (x.norm() + 1e-6)  # keep the random chain of states bounded
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for sid in sids:
+        runner.release(sid)
+    if errors:
+        raise errors[0]
+    batches = runner.scheduler.batches - b0
+    return sessions * steps / wall, (runner.scheduler.rows - r0) / batches if batches else 1.0
+
+
+def measure(sessions: int = 16, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 8,
+            heads: int = 4, prefix: int = 32, steps: int = 40, rounds: int = 3, batch_wait_ms: float = 2.0,
+            max_batch_tokens: int = 512) -> dict:
+    """Run the A/B comparison and return the result dict (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = build_tiny_model(d, family=family, num_layers=num_layers, hidden_size=hidden_size,
+                                num_attention_heads=heads)
+        common = dict(num_slots=sessions * num_layers, max_length=prefix + steps + 1, progress=False)
+        batched = BlockRunner(path, 0, num_layers, batching=True, batch_wait_ms=batch_wait_ms,
+                              max_batch_tokens=max_batch_tokens, **common)
+        unbatched = BlockRunner(path, 0, num_layers, batching=False, **common)
+        decode_rate(batched, sessions, prefix, 4)  # warm-up of both paths
+        decode_rate(unbatched, sessions, prefix, 4)
+        b_rates, u_rates, ratios = [], [], []
+        for k in range(rounds):
+            b, rows = decode_rate(batched, sessions, prefix, steps, seed=k)
+            u, _ = decode_rate(unbatched, sessions, prefix, steps, seed=k)
+            b_rates.append(b)
+            u_rates.append(u)
+            ratios.append(b / u)
+    return {
+        "sessions": sessions,
+        "batched_steps_per_s": round(statistics.median(b_rates), 1),
+        "unbatched_steps_per_s": round(statistics.median(u_rates), 1),
+        "ratio": round(statistics.median(ratios), 2),
+        "ratios": [round(r, 2) for r in ratios],
+        "mean_rows_per_batch_last_round": round(rows, 1),
+        "model": {"family": family, "num_layers": num_layers, "hidden_size": hidden_size, "heads": heads,
+                  "dtype": "float32", "prefix": prefix, "steps_per_session": steps},
+        "torch_threads": torch.get_num_threads(),
+        "batch_wait_ms": batch_wait_ms,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2"])
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--num-layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--prefix", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch-wait-ms", type=float, default=2.0)
+    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.sessions < 1 or args.steps < 1 or args.rounds < 1:
+        ap.error("--sessions, --steps and --rounds must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = measure(args.sessions, family=args.family, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                  heads=args.heads, prefix=args.prefix, steps=args.steps, rounds=args.rounds,
+                  batch_wait_ms=args.batch_wait_ms, max_batch_tokens=args.max_batch_tokens)
+    if args.json:
+        print(json.dumps(res))
+        return
+    print(f"{args.family} L={args.num_layers} H={args.hidden_size}, {args.sessions} sessions, "
+          f"{args.steps} decode steps each after a {args.prefix}-token prefill, {args.rounds} A/B rounds")
+    print(f"batched   {res['batched_steps_per_s']:9.1f} steps/s  ({res['mean_rows_per_batch_last_round']} rows/batch)")
+    print(f"unbatched {res['unbatched_steps_per_s']:9.1f} steps/s")
+    print(f"ratio     {res['ratio']:9.2f}  (per round: {res['ratios']})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
