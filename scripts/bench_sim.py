@@ -44,7 +44,7 @@ def bench_routed(jobs: int, policy: str) -> dict:
     plan = plan_petals(scen, np.random.default_rng(3)) if policy == "petals" else plan_bprr(scen)
     wl = Workload.poisson(0.2, jobs, np.random.default_rng(1))
     p0 = time.process_time()
-    res = simulate_routed(plan.route_fn, plan.slots, wl, scen.cost)
+    res = simulate_routed(plan.route_fn, plan.slots, wl, scen.cost, route_key=plan.route_key)
     cpu = time.process_time() - p0
     return {"sim": f"routed/{policy}", "jobs": jobs, "servers": len(plan.slots), "events": res.events, "seconds": res.wall_s,
             "cpu_seconds": cpu, "events_per_s": res.events / res.wall_s, "events_per_cpu_s": res.events / cpu}

@@ -343,3 +343,18 @@ def test_cli_reproduce_quick_runs_every_experiment(tmp_path):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
     for name in ("fig3", "overall", "trace"):
         assert json.loads((tmp_path / f"{name}.json").read_text())["result"]
+
+
+@pytest.mark.parametrize("policy", ["petals", "bprr"])
+def test_route_memoization_is_exact(policy):
+    from petals_chain.sim.scenarios import bloom_scenario, plan_bprr, plan_petals
+
+    for seed, lam in ((1, 0.2), (2, 0.6), (3, 1.5)):
+        scen = bloom_scenario(12, 0.25, lam, rng=np.random.default_rng(seed), anchors=simdata.synthetic_anchors())
+        plan = plan_petals(scen, np.random.default_rng(seed)) if policy == "petals" else plan_bprr(scen)
+        wl = Workload.poisson(lam, 600, np.random.default_rng(seed + 10))
+        a = simulate_routed(plan.route_fn, plan.slots, wl, scen.cost)
+        b = simulate_routed(plan.route_fn, plan.slots, wl, scen.cost, route_key=plan.route_key)
+        assert np.array_equal(a.response, b.response) and np.array_equal(a.wait, b.wait)
+        if lam > 1.0:
+            assert b.wait.max() > 0  # servers filled up, so the key took several values

@@ -208,7 +208,8 @@ RouteFn = Callable[[dict[str, int], dict[str, float]], list[Hop]]
 
 
 def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workload, cost: CostModel, *,
-                    warmup: int = 0, check_slots: bool = False) -> SimResult:
+                    warmup: int = 0, check_slots: bool = False,
+                    route_key: Callable[[dict[str, int], dict[str, float]], object] | None = None) -> SimResult:
     """Per-request routing with hold-and-wait slot acquisition (module docstring).
 
     ``route_fn(free_slots, expected_wait)`` picks a route at each arrival. ``expected_wait[name]`` is an
@@ -216,6 +217,8 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
     queue, else ``(queued demand + 1) / slots_total * mean holding time`` (slots turn over at rate
     ``slots_total / mean holding time``; the mean is the running mean of completed jobs' service times).
     With ``check_slots`` every acquisition asserts ``0 <= free <= total`` (for tests).
+    ``route_key(free_slots, expected_wait)``, when given, must map states on which ``route_fn`` returns
+    the same route to the same hashable key; routes are then memoized by key.
     """
     t0 = time.perf_counter()
     n = len(workload)
@@ -279,6 +282,7 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
                 advance(j2, now)
 
     mean_guess = float(np.mean(feats[:, 0])) if n else 0.0
+    route_cache: dict = {}
     for i in range(n):
         t = arr[i]
         while heap and heap[0][0] <= t:
@@ -293,7 +297,13 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
             else:
                 h = mean_hold if mean_hold is not None else mean_guess
                 expected_wait[name] = (queued_demand[name] + 1) / max(total[name], 1) * h
-        route = route_fn(dict(free), expected_wait)
+        if route_key is not None:
+            key = route_key(free, expected_wait)
+            route = route_cache.get(key)
+            if route is None:
+                route = route_cache[key] = route_fn(dict(free), expected_wait)
+        else:
+            route = route_fn(dict(free), expected_wait)
         if not route:
             raise RuntimeError(f"router returned no route for job {i}")
         for name, s, e in route:

@@ -141,6 +141,7 @@ class PlannedPolicy:
     chains: list[Chain] | None = None
     make_dispatcher: Callable[[np.random.Generator], object] | None = None
     route_fn: Callable | None = None
+    route_key: Callable | None = None  # memoization key for route_fn (see simulate_routed)
     slots: dict[str, int] | None = None
     c: int | None = None
     feasible: bool = True
@@ -151,7 +152,7 @@ class PlannedPolicy:
             raise RuntimeError(f"policy {self.name} is infeasible here: {self.note}")
         if self.chains is not None:
             return simulate_chains(self.chains, self.make_dispatcher(rng), workload, scen.cost, warmup=warmup)
-        return simulate_routed(self.route_fn, self.slots, workload, scen.cost, warmup=warmup)
+        return simulate_routed(self.route_fn, self.slots, workload, scen.cost, warmup=warmup, route_key=self.route_key)
 
 
 def make_dispatcher(kind: str, chains: Sequence[Chain], rng: np.random.Generator):
@@ -216,7 +217,14 @@ def plan_petals(scen: Scenario, rng: np.random.Generator, window_rule: str = "so
     def route(free, expected_wait):
         return petals_route(servers, model, placement, free)
 
-    return PlannedPolicy("petals", placement, route_fn=route, slots=slots)
+    # petals_route penalizes server j only when free_j < m_ij <= m_j: free counts >= m_j are equivalent
+    names = list(placement)
+    caps = [placement[n][1] for n in names]
+
+    def key(free, expected_wait):
+        return tuple(min(free[n], m) for n, m in zip(names, caps))
+
+    return PlannedPolicy("petals", placement, route_fn=route, slots=slots, route_key=key)
 
 
 def plan_bprr(scen: Scenario, R: int = DEFAULT_BPRR_R) -> PlannedPolicy:
@@ -232,7 +240,15 @@ def plan_bprr(scen: Scenario, R: int = DEFAULT_BPRR_R) -> PlannedPolicy:
     def route(free, expected_wait):
         return ws_rr_route(servers, model, placement, free, expected_wait)
 
-    return PlannedPolicy("bprr", placement, route_fn=route, slots=slots)
+    # WS-RR adds server j's expected wait only when free_j < m_ij <= m_j: key on clipped free slots and
+    # the waits of the servers that may lack slots
+    names = list(placement)
+    caps = [placement[n][1] for n in names]
+
+    def key(free, expected_wait):
+        return tuple((free[n], expected_wait[n]) if free[n] < m else m for n, m in zip(names, caps))
+
+    return PlannedPolicy("bprr", placement, route_fn=route, slots=slots, route_key=key)
 
 
 def plan_policy(name: str, scen: Scenario, rng: np.random.Generator, *, c: int | None = DEFAULT_C,
