@@ -113,7 +113,8 @@ def _page_mismatch(page, view: dict) -> Optional[str]:
         "rs => rs.map(r => [r.dataset.peerId, r.dataset.state, r.querySelector('.server-name').textContent])")
     shown = {pid: (state, name) for pid, state, name in rows}
     for s in view["servers"]:
-        if s["public_name"] in SERVER_NAMES and shown.get(s["peer_id"]) != (s["state"], s["public_name"]):
+        expected = "gone" if s["state"] in ("offline", "failed") else s["state"]
+        if s["public_name"] in SERVER_NAMES and shown.get(s["peer_id"]) != (expected, s["public_name"]):
             return f"server {s['public_name']}: page shows {shown.get(s['peer_id'])}, API says {s['state']}"
     ids = page.locator(".chain[data-chain-id]").evaluate_all("cs => cs.map(c => +c.dataset.chainId)")
     if sorted(ids) != sorted(ch["id"] for ch in view["chains"]):
@@ -126,7 +127,7 @@ def _page_mismatch(page, view: dict) -> Optional[str]:
 def test_live_swarm_dashboard(live_swarm):
     swarm, dash, dash_url = live_swarm
     orch_url = swarm.url
-    swarm.wait_ready(timeout=180)
+    swarm.wait_ready(timeout=240)  # every server known, assigned ones online, a chain covers the model
     r = httpx.post(f"{orch_url}/v1/completions", json={"model": swarm.swarm()["model"], "prompt": "hello swarm",
                                                        "max_tokens": 4, "temperature": 0}, timeout=120)
     assert r.status_code == 200, r.text
@@ -134,12 +135,14 @@ def test_live_swarm_dashboard(live_swarm):
 
     def dash_ready():  # the standalone dashboard has the signed summary (with the completion) and every server
         v = httpx.get(f"{dash_url}/api/v1/swarm", timeout=10).json()
+        orch_states = {n: s["state"] for n, s in _servers_by_name(swarm.swarm()).items()}
         by_name = _servers_by_name(v)
-        ok = (v["orchestrator_summary"] and v["chains"] and v["history"]
-              and all(by_name.get(n, {}).get("state") == "online" for n in SERVER_NAMES))
+        # GBP-CR may leave a server unassigned (still "joining"); assigned ones must be online on both sides.
+        ok = (v["orchestrator_summary"] and v["chains"] and v["history"] and set(SERVER_NAMES) <= set(by_name)
+              and all(by_name[n]["state"] == "online" for n in SERVER_NAMES if orch_states.get(n) == "online"))
         return v if ok else None
 
-    dash_view = wait_for(dash_ready, 60, "the standalone dashboard to see the swarm", swarm, dash)
+    dash_view = wait_for(dash_ready, 90, "the standalone dashboard to see the swarm", swarm, dash)
     assert httpx.get(f"{dash_url}/healthz", timeout=10).json()["ok"] is True
     assert dash_view["source"] == "dht" and dash_view["dht_prefix"] == orch_view["dht_prefix"]
 
