@@ -321,3 +321,78 @@ def test_batching_options_validated(models):
                {"batch_wait_ms": float("nan")}, {"max_batch_tokens": 2.5}):
         with pytest.raises(ValueError):
             BlockRunner(path, 0, 1, num_slots=1, max_length=8, progress=False, **kw)
+
+
+def test_forward_async_batches_on_one_event_loop(models):
+    import asyncio
+
+    path = models["qwen2"]
+    r = BlockRunner(path, 0, 8, num_slots=48, max_length=32, batch_wait_ms=20, progress=False)
+    ref = BlockRunner(path, 0, 8, num_slots=48, max_length=32, batching=False, progress=False)
+    H = r.hidden_size
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randn(1, n, H, generator=g) for n in (3, 7, 1, 5)]
+    steps = [[torch.randn(1, 1, H, generator=g) for _ in range(4)] for _ in prompts]
+    want = [_play(ref, f"r{i}", (0, 8), p, st) for i, (p, st) in enumerate(zip(prompts, steps))]
+
+    async def session(i):
+        sid = f"a{i}"
+        r.allocate(sid, 0, 8)
+        outs = [await r.forward_async(sid, prompts[i], 0)]
+        pos = prompts[i].shape[1]
+        for x in steps[i]:
+            outs.append(await r.forward_async(sid, x, pos))
+            pos += 1
+        return outs
+
+    async def main():
+        ticks = 0
+
+        async def ticker():  # the loop stays responsive while steps wait for their batch
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.create_task(ticker())
+        got = await asyncio.gather(*(session(i) for i in range(len(prompts))))
+        t.cancel()
+        # a blocking forward called on the loop thread runs alone at once (it must not wait for a batch)
+        b0 = r.scheduler.batches
+        r.forward("a0", torch.randn(1, 1, H), 7)
+        assert r.scheduler.batches == b0
+        return got, ticks
+
+    got, ticks = asyncio.run(main())
+    for g_outs, w_outs in zip(got, want):
+        for a, b in zip(g_outs, w_outs):
+            torch.testing.assert_close(a, b, **TOL)
+    assert r.scheduler.rows > r.scheduler.batches and ticks > 10
+
+
+def test_forward_async_cancelled_while_queued(models):
+    import asyncio
+
+    r = BlockRunner(models["llama"], 0, 2, num_slots=4, max_length=16, batch_wait_ms=0, progress=False)
+    H = r.hidden_size
+    r.allocate("a", 0, 2)
+    r.allocate("b", 0, 2)
+
+    async def main():
+        with r._compute_lock:
+            ta = asyncio.create_task(r.forward_async("a", torch.randn(1, 2, H), 0))
+            while not (r.scheduler._queue and r.scheduler._queue[0].started):
+                await asyncio.sleep(0.001)
+            tb = asyncio.create_task(r.forward_async("b", torch.randn(1, 2, H), 0))
+            while r.scheduler.pending < 2:
+                await asyncio.sleep(0.001)
+            tb.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await tb
+            assert r.scheduler.pending == 1 and r.session_length("b") == 0 and not r._sessions["b"].busy
+        out = await ta
+        assert out.shape == (1, 2, H) and r.session_length("a") == 2
+        # b is usable again
+        assert (await r.forward_async("b", torch.randn(1, 1, H), 0)).shape == (1, 1, H)
+
+    asyncio.run(main())

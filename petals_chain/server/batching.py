@@ -22,6 +22,7 @@ layer's original implementation (``sdpa`` or ``eager``), so the one-session path
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -234,6 +235,12 @@ class _Request:
     outputs: list[torch.Tensor] = field(default_factory=list)
     error: BaseException | None = None
     event: threading.Event = field(default_factory=threading.Event)
+    on_done: Any = None  # called (on the worker thread) after ``event`` is set: wakes an asyncio waiter
+
+    def complete(self) -> None:
+        self.event.set()
+        if self.on_done is not None:
+            self.on_done()
 
     @property
     def remaining(self) -> int:
@@ -264,25 +271,68 @@ class BatchScheduler:
     # -------------------------------------------------------------- caller side
     def submit(self, session: _Session, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
                end: int) -> torch.Tensor:
-        """Queue one step and block until its output ``[1, n, H]`` is ready (raises the step's error)."""
-        with self._cv:
-            # alone on the runner: nothing to batch with, so skip the hand-off to the worker
-            inline = (not self._queue and x.shape[1] <= self.prefill_chunk_tokens
-                      and all(s is session or s.closing for s in self.runner._sessions.values()))
-            if not inline:
-                self._seq += 1
-                req = _Request(session, x, position, slot_of, start, end, self._seq)
-                self._queue.append(req)
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._loop, name="petals-chain-batcher", daemon=True)
-                    self._worker.start()
-                self._cv.notify_all()
-        if inline:
-            res = self._compute([BatchItem(x, position, slot_of, start, end)])[0]
-            if isinstance(res, BaseException):
-                raise res
-            return res
+        """Queue one step and block until its output ``[1, n, H]`` is ready (raises the step's error).
+
+        A session alone on the runner runs its step (up to one chunk) at once in the calling thread.
+        """
+        req = self._enqueue(session, x, position, slot_of, start, end, inline_max_tokens=self.prefill_chunk_tokens)
+        if req is None:
+            return self._inline(x, position, slot_of, start, end)
         req.event.wait()
+        return self._result(req)
+
+    async def submit_async(self, session: _Session, x: torch.Tensor, position: int, slot_of: dict[int, int],
+                           start: int, end: int, *, inline_max_tokens: int = 0) -> torch.Tensor:
+        """:meth:`submit` for asyncio: awaits the batch without blocking the loop."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+        req = self._enqueue(session, x, position, slot_of, start, end, inline_max_tokens=inline_max_tokens,
+                            on_done=wake)
+        if req is None:
+            return self._inline(x, position, slot_of, start, end)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # the caller gave up: drop the step if it has not started; a started step still writes the session's
+            # slots, so wait for it (one batch at most) before the session may take another step
+            with self._cv:
+                dropped = not req.started and self.cancel(session)
+            while not dropped and not fut.done():
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    pass
+            raise
+        return self._result(req)
+
+    def _enqueue(self, session: _Session, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+                 end: int, *, inline_max_tokens: int, on_done: Any = None) -> _Request | None:
+        with self._cv:
+            # alone on the runner: nothing to batch with, so skip the hand-off to the worker (returns None)
+            if (not self._queue and x.shape[1] <= inline_max_tokens
+                    and all(s is session or s.closing for s in self.runner._sessions.values())):
+                return None
+            self._seq += 1
+            req = _Request(session, x, position, slot_of, start, end, self._seq, on_done=on_done)
+            self._queue.append(req)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._loop, name="petals-chain-batcher", daemon=True)
+                self._worker.start()
+            self._cv.notify_all()
+        return req
+
+    def _inline(self, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int, end: int) -> torch.Tensor:
+        res = self._compute([BatchItem(x, position, slot_of, start, end)])[0]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    @staticmethod
+    def _result(req: _Request) -> torch.Tensor:
         if req.error is not None:
             raise req.error
         return req.outputs[0] if len(req.outputs) == 1 else torch.cat(req.outputs, dim=1)
@@ -293,7 +343,7 @@ class BatchScheduler:
             if req.session is session and not req.started:
                 self._queue.remove(req)
                 req.error = _Cancelled(f"session {session.session_id!r} was released before its step ran")
-                req.event.set()
+                req.complete()
                 return True
         return False
 
@@ -326,7 +376,7 @@ class BatchScheduler:
                         if r in self._queue:
                             self._queue.remove(r)
                         r.error = e
-                        r.event.set()
+                        r.complete()
 
     def _batch_ready(self) -> bool:
         if any(r.done for r in self._queue):
@@ -370,7 +420,7 @@ class BatchScheduler:
                     if r.remaining > 0:
                         continue
                 self._queue.remove(r)
-                r.event.set()
+                r.complete()
 
     def _compute(self, items: list[BatchItem]) -> list[torch.Tensor | BaseException]:
         """Run ``items`` under the compute lock (with compute_scale emulation); a row's error is its result."""

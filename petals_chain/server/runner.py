@@ -13,6 +13,7 @@ Per-session state (span, slots, cached length) is kept apart from the compute. W
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 import os
@@ -33,6 +34,14 @@ from petals_chain.swarm.memory import head_dim, num_kv_heads
 __all__ = ["BlockRunner", "NoCapacityError"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass
@@ -242,8 +251,49 @@ class BlockRunner:
         ``position`` must be <= the session's cached length (== continues; < rolls back and overwrites,
         as PETALS' ``start_from_position``) and ``position + n <= max_length``. Returns the output hidden
         states in the input's dtype and device. Invalid input raises ``ValueError`` (``KeyError`` for an
-        unknown session) and changes nothing.
+        unknown session, or one released while its step was still queued) and changes nothing.
+
+        Blocking. With batching on, the step joins the next batch; called from a thread that runs an asyncio
+        event loop, it runs on its own at once instead (no other step could join while the loop is blocked):
+        async callers should use :meth:`forward_async`.
         """
+        s, x, n, slot_of, start, end = self._begin(session_id, hidden, position)
+        ok = False
+        try:
+            if self.batching and not _on_event_loop():
+                out = self.scheduler.submit(s, x, position, slot_of, start, end)
+            else:
+                out = self._compute_alone(x, position, slot_of, start, end)
+            ok = True
+            return out.to(device=hidden.device, dtype=hidden.dtype)
+        finally:
+            self._finish(s, position, n, ok)
+
+    async def forward_async(self, session_id: str, hidden: torch.Tensor, position: int,
+                            *, inline_max_tokens: int = 8) -> torch.Tensor:
+        """:meth:`forward` for asyncio callers: the step joins a batch without blocking the event loop.
+
+        A step of at most ``inline_max_tokens`` tokens of a session alone on the runner runs inline (no thread
+        hand-off; with ``compute_scale == 1`` only, so emulated slowness never blocks the loop). Without
+        batching, the step runs in the loop's default executor.
+        """
+        s, x, n, slot_of, start, end = self._begin(session_id, hidden, position)
+        ok = False
+        try:
+            if self.batching:
+                out = await self.scheduler.submit_async(
+                    s, x, position, slot_of, start, end,
+                    inline_max_tokens=inline_max_tokens if self.compute_scale == 1.0 else 0)
+            else:
+                out = await asyncio.get_running_loop().run_in_executor(
+                    None, self._compute_alone, x, position, slot_of, start, end)
+            ok = True
+            return out.to(device=hidden.device, dtype=hidden.dtype)
+        finally:
+            self._finish(s, position, n, ok)
+
+    def _begin(self, session_id: str, hidden: torch.Tensor, position: int):
+        """Validate a step and mark its session busy; nothing changes on error."""
         n = self._validate_hidden(hidden)
         if isinstance(position, bool) or not isinstance(position, int):
             raise ValueError(f"position must be an int, got {position!r}")
@@ -258,31 +308,34 @@ class BlockRunner:
                 raise ValueError(f"positions {position}..{position + n - 1} exceed max_length {self.max_length}")
             s.busy = True
             slot_of, start, end = dict(s.slot_of), s.start_block, s.end_block
-        ok = False
         try:
             x = hidden.to(device=self.device, dtype=self.dtype)
-            if self.batching:
-                out = self.scheduler.submit(s, x, position, slot_of, start, end)
-                ok = True
-                return out.to(device=hidden.device, dtype=hidden.dtype)
-            with self._compute_lock:
-                t0 = time.perf_counter()
-                out = self._run_blocks(x, position, slot_of, start, end)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                elapsed = time.perf_counter() - t0
-                if self.compute_scale > 1.0:
-                    time.sleep((self.compute_scale - 1.0) * elapsed)
-            ok = True
-            return out.to(device=hidden.device, dtype=hidden.dtype)
-        finally:
-            with self._lock:
-                s.busy = False
-                s.last_used = time.monotonic()
-                # A failed step may have overwritten cache entries from `position` on.
-                s.length = position + n if ok else min(s.length, position)
-                if s.closing and not s.dropped:
-                    self._drop(s)
+        except BaseException:
+            self._finish(s, position, n, False)
+            raise
+        return s, x, n, slot_of, start, end
+
+    def _finish(self, s: _Session, position: int, n: int, ok: bool) -> None:
+        with self._lock:
+            s.busy = False
+            s.last_used = time.monotonic()
+            # A failed step may have overwritten cache entries from `position` on.
+            s.length = position + n if ok else min(s.length, position)
+            if s.closing and not s.dropped:
+                self._drop(s)
+
+    def _compute_alone(self, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+                       end: int) -> torch.Tensor:
+        """One session's step under the compute lock, with compute_scale emulation (the unbatched path)."""
+        with self._compute_lock:
+            t0 = time.perf_counter()
+            out = self._run_blocks(x, position, slot_of, start, end)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - t0
+            if self.compute_scale > 1.0:
+                time.sleep((self.compute_scale - 1.0) * elapsed)
+        return out
 
     def _validate_hidden(self, hidden: Any) -> int:
         if not isinstance(hidden, torch.Tensor):
