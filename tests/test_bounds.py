@@ -145,3 +145,24 @@ def test_bounds_thousands_of_slots_and_edge_cases():
         response_time_bounds([(1.0, 1.5)], 0.1)
     with pytest.raises(ValueError):
         response_time_bounds([1.0], 0.1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(mu1=st.floats(0.05, 5.0), mu2=st.floats(0.05, 5.0), c1=st.integers(20, 120), c2=st.integers(1, 120),
+       load=st.floats(0.01, 0.995))
+def test_exact_k2_large_capacities_stable(mu1, mu2, c1, c2, load):
+    """Where the paper's recursion (52) cancels, the level-reduction solve stays between the bounds."""
+    lam = load * (c1 * mu1 + c2 * mu2)
+    exact = exact_k2_response_time(mu1, c1, mu2, c2, lam)
+    lower, upper = response_time_bounds([(mu1, c1), (mu2, c2)], lam)
+    assert lower * (1 - 1e-9) <= exact <= upper * (1 + 1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(mu1=st.floats(0.1, 3.0), mu2=st.floats(0.1, 3.0), c1=st.integers(1, 10), c2=st.integers(1, 10),
+       load=st.floats(0.02, 0.95))
+def test_exact_k2_recursion_and_level_reduction_agree(mu1, mu2, c1, c2, load):
+    lam = load * (c1 * mu1 + c2 * mu2)
+    a = exact_k2_response_time(mu1, c1, mu2, c2, lam, method="recursion")
+    b = exact_k2_response_time(mu1, c1, mu2, c2, lam, method="linear")
+    assert a == pytest.approx(b, rel=1e-8)

@@ -71,14 +71,7 @@ def response_time_bounds(chains: Iterable[tuple[float, int]], arrival_rate: floa
     return lower, upper
 
 
-def exact_k2_response_time(mu1: float, c1: int, mu2: float, c2: int, arrival_rate: float) -> float:
-    """Exact mean response time of JFFC with two chains (App. A.3, Eq. 46-53), in seconds.
-
-    Chain 1 is the faster one (swapped if given otherwise). Coefficients ``alpha`` relative to state
-    ``(0, 0, c2)`` follow the recursion (46)-(52) level by level in ``z2``; levels are rescaled as they
-    are produced so long recursions do not overflow. Returns inf if ``lambda >= c1 mu1 + c2 mu2``.
-    """
-    lam = float(arrival_rate)
+def _k2_check(mu1: float, c1: int, mu2: float, c2: int, lam: float) -> tuple[float, float, int, int, float]:
     for name, v in (("mu1", mu1), ("mu2", mu2)):
         if not (v > 0 and math.isfinite(v)):
             raise ValueError(f"{name} must be positive and finite, got {v!r}")
@@ -86,24 +79,24 @@ def exact_k2_response_time(mu1: float, c1: int, mu2: float, c2: int, arrival_rat
         if int(v) != v or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if not (lam > 0 and math.isfinite(lam)):
-        raise ValueError(f"arrival_rate must be positive and finite, got {arrival_rate!r}")
+        raise ValueError(f"arrival_rate must be positive and finite, got {lam!r}")
     mu1, mu2, c1, c2 = float(mu1), float(mu2), int(c1), int(c2)
     if mu2 > mu1:
         mu1, mu2, c1, c2 = mu2, mu1, c2, c1
-    nu = c1 * mu1 + c2 * mu2
-    if lam >= nu:
-        return math.inf
-    # alpha[z2] is the vector (alpha_{0,i,z2})_{i=0..c1}; log_scale[z2] its common log factor
-    alpha = [None] * (c2 + 1)
-    log_scale = [0.0] * (c2 + 1)
-    top = np.zeros(c1 + 1)
+    return mu1, c1, mu2, c2, float(lam)
+
+
+def _k2_recursion(mu1: float, c1: int, mu2: float, c2: int, lam: float) -> np.ndarray:
+    """``alpha[z2, z1] = pi_{0,z1,z2} / pi_{0,0,c2}`` by Eq. 46-52, each level scaled to max 1 (returned with
+    the per-level log scale folded in relative to the largest level)."""
+    alpha = np.zeros((c2 + 1, c1 + 1))
+    log_scale = np.zeros(c2 + 1)
+    top = alpha[c2]
     top[0] = 1.0  # alpha_{0,0,c2} = 1
     for n in range(1, c1 + 1):  # Eq. 46
         top[n] = (c2 * mu2 * top[:n].sum() + lam * top[n - 1]) / (n * mu1)
-    alpha[c2] = top
     for z2 in range(c2 - 1, -1, -1):
-        up = alpha[z2 + 1]
-        up_cum = np.cumsum(up)  # sum_{i<n} alpha_{0,i,z2+1} = up_cum[n-1]
+        up_cum = np.cumsum(alpha[z2 + 1])  # sum_{i<n} alpha_{0,i,z2+1} = up_cum[n-1]
         a_c1 = (z2 + 1) * mu2 / lam * up_cum[-1]  # Eq. 48
         beta = np.zeros(c1 + 1)
         gamma = np.zeros(c1 + 1)
@@ -114,28 +107,135 @@ def exact_k2_response_time(mu1: float, c1: int, mu2: float, c2: int, arrival_rat
             sg += gamma[n - 1]
             beta[n] = (z2 * mu2 * sb + lam * beta[n - 1]) / (n * mu1)
             gamma[n] = (z2 * mu2 * sg + lam * gamma[n - 1] - (z2 + 1) * mu2 * up_cum[n - 1]) / (n * mu1)
-        a00 = (a_c1 - gamma[c1]) / beta[c1]  # Eq. 52
-        level = beta * a00 + gamma
+        level = beta * ((a_c1 - gamma[c1]) / beta[c1]) + gamma  # Eq. 52, then alpha_{0,n,z2}
         level[c1] = a_c1
-        # keep magnitudes in range: the level is expressed relative to the level above it
+        # the recursion is linear in the level above, so levels can be rescaled as they are produced
         s = float(np.abs(level).max())
-        if s > 0 and (s > 1e100 or s < 1e-100):
-            level = level / s
-            log_scale[z2] = log_scale[z2 + 1] + math.log(s)
-            # later levels are computed from this one, so they inherit its scale
+        if not (s > 0 and math.isfinite(s)):
+            raise FloatingPointError("K=2 recursion broke down")
+        alpha[z2] = level / s
+        log_scale[z2] = log_scale[z2 + 1] + math.log(s)
+    return alpha * np.exp(log_scale - log_scale.max())[:, None]
+
+
+def _level_eliminate(row_c1: np.ndarray, slack: float, lam: float, mu1: float, source: float):
+    """Subtraction-free elimination (GTH style) of one level's states ``z1 = c1, ..., 1``.
+
+    Off-diagonal rates inside the level: ``z1 -> z1+1`` at ``lam`` (``z1 < c1``), ``z1 -> z1-1`` at
+    ``z1 mu1``, plus ``row_c1[l]`` from ``c1`` to ``l`` (returns via the level above); every state also
+    leaves the level for good at rate ``slack``. Solves ``x^T M = source e_{c1}^T`` for the M-matrix
+    ``M`` (diagonal = total outflow). Returns ``(diag, b)``: pivots ``M_kk`` and right-hand sides at
+    elimination time, from which ``x_k = (b_k + lam x_{k-1}) / M_kk``. Only row ``k-1`` fills in when
+    ``k`` is eliminated, so one level costs O(c1^2).
+    """
+    c1 = len(row_c1) - 1
+    R = row_c1[:c1].astype(float).copy()  # current row k, entries l < k
+    R[c1 - 1] += c1 * mu1
+    sl = np.full(c1 + 1, float(slack))
+    b = np.zeros(c1 + 1)
+    b[c1] = source
+    diag = np.zeros(c1 + 1)
+    for k in range(c1, 0, -1):
+        mkk = sl[k] + R.sum()
+        diag[k] = mkk
+        if k > 1:
+            b[:k] += R * (b[k] / mkk)
+            R_new = R[:k - 1] * (lam / mkk)
+            R_new[k - 2] += (k - 1) * mu1
         else:
-            log_scale[z2] = log_scale[z2 + 1]
-        alpha[z2] = level
-    ref = max(log_scale)
-    num = 0.0
-    den = 0.0
-    z1 = np.arange(c1 + 1)
-    for z2 in range(c2 + 1):
-        f = math.exp(log_scale[z2] - ref)
-        num += f * float((alpha[z2] * (z1 + z2)).sum())
-        den += f * float(alpha[z2].sum())
-    a_full = alpha[c2][c1] * math.exp(log_scale[c2] - ref)
+            b[0] += R[0] * (b[1] / mkk)
+            R_new = R[:0]
+        sl[k - 1] += lam * sl[k] / mkk
+        R = R_new
+    diag[0] = sl[0]
+    return diag, b
+
+
+def _k2_linear(mu1: float, c1: int, mu2: float, c2: int, lam: float) -> np.ndarray:
+    """Same ``alpha`` (up to a factor) by linear level reduction over ``z2`` (levels of ``c1+1`` states).
+
+    A level is left upwards only from ``z1 = c1`` (an arrival joining chain 2), so
+    ``pi_{z2} = pi_{z2-1}[c1] x_{z2}`` with ``x_{z2}^T M_{z2} = lambda e_{c1}^T`` (``M_{z2}`` the
+    level's M-matrix including returns from above); level 0 is a censored chain. Everything is solved by
+    subtraction-free elimination, so there is no cancellation. The queue tail above ``(0, c1, c2)``
+    balances its own arrivals (Eq. 47), so the arrival out of the full state is left out.
+    """
+    n = c1 + 1
+    x = [None] * (c2 + 1)
+    w = np.zeros(n)  # return rates from the level above into each state (none above the top level)
+    for z2 in range(c2, 0, -1):
+        # x_{z2}^T M_{z2} = lam e_{c1}^T: states leave the level for good at z2 mu2 (a chain-2 completion)
+        diag, b = _level_eliminate(w, z2 * mu2, lam, mu1, lam)
+        xz = np.zeros(n)
+        xz[0] = b[0] / diag[0]
+        for k in range(1, n):
+            xz[k] = (b[k] + lam * xz[k - 1]) / diag[k]
+        x[z2] = xz
+        w = z2 * mu2 * xz  # returns into level z2 - 1 (they sum to lam)
+    # level 0: censored chain (no slack); unnormalized pi_k = pi_{k-1} lam / out_k, in logs
+    diag, _ = _level_eliminate(w, 0.0, lam, mu1, 0.0)
+    log_level0 = np.concatenate(([0.0], np.cumsum(math.log(lam) - np.log(diag[1:]))))
+    levels = np.zeros((c2 + 1, n))
+    log_scale = np.zeros(c2 + 1)
+    top = log_level0.max()
+    levels[0] = np.exp(log_level0 - top)
+    log_scale[0] = top
+    for z2 in range(1, c2 + 1):
+        v = levels[z2 - 1][c1] * x[z2]
+        m = float(v.max())
+        levels[z2] = v / m if m > 0 else v
+        log_scale[z2] = log_scale[z2 - 1] + (math.log(m) if m > 0 else 0.0)
+    return levels * np.exp(log_scale - log_scale.max())[:, None]
+
+
+def _k2_residual(alpha: np.ndarray, mu1: float, mu2: float, lam: float) -> float:
+    """Relative L1 residual of the balance equations (tail-cut as in ``_k2_linear``) for ``alpha``."""
+    c2, c1 = alpha.shape[0] - 1, alpha.shape[1] - 1
+    z1 = np.arange(c1 + 1)[None, :]
+    z2 = np.arange(c2 + 1)[:, None]
+    arr = np.full(alpha.shape, lam)
+    arr[c2, c1] = 0.0
+    out = alpha * (arr + z1 * mu1 + z2 * mu2)
+    inflow = np.zeros_like(alpha)
+    inflow[:, 1:] += lam * alpha[:, :-1]  # arrivals to chain 1
+    inflow[1:, c1] += lam * alpha[:-1, c1]  # arrivals to chain 2
+    inflow[:, :-1] += (z1[:, 1:] * mu1) * alpha[:, 1:]
+    inflow[:-1, :] += (z2[1:, :] * mu2) * alpha[1:, :]
+    return float(np.abs(inflow - out).sum() / max(out.sum(), 1e-300))
+
+
+def exact_k2_response_time(mu1: float, c1: int, mu2: float, c2: int, arrival_rate: float,
+                           method: str = "auto") -> float:
+    """Exact mean response time of JFFC with two chains (App. A.3), in seconds.
+
+    Chain 1 is the faster one (swapped if given otherwise). ``method="recursion"`` evaluates Eq. 46-53
+    as in the paper (levels rescaled against overflow); its step (52) cancels catastrophically once
+    ``c1`` is in the tens, so ``"auto"`` checks the balance equations and, if the recursion is not
+    accurate, solves them by linear level reduction (``"linear"``, O(c2 c1^2), no cancellation).
+    Returns inf if ``lambda >= c1 mu1 + c2 mu2``.
+    """
+    if method not in ("auto", "recursion", "linear"):
+        raise ValueError(f"method must be 'auto', 'recursion' or 'linear', got {method!r}")
+    mu1, c1, mu2, c2, lam = _k2_check(mu1, c1, mu2, c2, arrival_rate)
+    nu = c1 * mu1 + c2 * mu2
+    if lam >= nu:
+        return math.inf
+    alpha = None
+    # the recursion loses about a digit per few units of c1; beyond small c1 go straight to "linear"
+    if method == "recursion" or (method == "auto" and c1 <= 20):
+        try:
+            with np.errstate(all="ignore"):
+                alpha = _k2_recursion(mu1, c1, mu2, c2, lam)
+            if method == "auto" and not (np.all(alpha >= 0) and _k2_residual(alpha, mu1, mu2, lam) < 1e-10):
+                alpha = None
+        except FloatingPointError:
+            if method == "recursion":
+                raise
+    if alpha is None:
+        alpha = _k2_linear(mu1, c1, mu2, c2, lam)
+    z = np.arange(c1 + 1)[None, :] + np.arange(c2 + 1)[:, None]
+    a_full = alpha[c2, c1]
     tail = lam * a_full / (nu - lam)  # sum_{n>=1} (lambda/nu)^n alpha_{0,c1,c2}, Eq. 47
-    num += tail * (nu / (nu - lam) + c1 + c2)  # Eq. 53
-    den += tail
+    num = float((alpha * z).sum()) + tail * (nu / (nu - lam) + c1 + c2)  # Eq. 53
+    den = float(alpha.sum()) + tail
     return (num / den) / lam
