@@ -114,7 +114,9 @@ def bench(args) -> dict:
     max_length = args.prefill + args.steps + 8
 
     orch = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], prefix="bench")
-    env = dict(os.environ, PETALS_CHAIN_CACHE_DIR=str(workdir / "cache"))
+    # Same intra-op thread count on both sides (OpenMP spinning on an oversubscribed box distorts both).
+    torch.set_num_threads(args.threads)
+    env = dict(os.environ, PETALS_CHAIN_CACHE_DIR=str(workdir / "cache"), OMP_NUM_THREADS=str(args.threads))
     echo = subprocess.Popen([sys.executable, __file__, "--echo-server", *orch.visible_maddrs()], stdout=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
     server = subprocess.Popen(
@@ -178,23 +180,28 @@ def bench(args) -> dict:
                         streamed.append(time.perf_counter() - t0)
                 queue.put_nowait(None)
 
+                # Remote and local phases are separate: OpenMP workers spin after each op and would steal
+                # the other process's cores if the two were interleaved step by step.
                 client = ServerClient(p2p)
                 hop, local_t = [], []
-                for rep in range(2):  # rep 0 warms up both paths
+                for rep in range(2):  # rep 0 warms up
                     sess = await client.open_session(peer, f"bench{rep}", 0, hop_blocks, max_length)
-                    local.allocate(f"bench{rep}", 0, hop_blocks)
                     await sess.step(prompt, 0)
-                    local.forward(f"bench{rep}", prompt, 0)
                     for i in range(args.steps):
                         t0 = time.perf_counter()
                         await sess.step(token, args.prefill + i)
-                        t1 = time.perf_counter()
-                        local.forward(f"bench{rep}", token, args.prefill + i)
-                        t2 = time.perf_counter()
                         if rep == 1:
-                            hop.append(t1 - t0)
-                            local_t.append(t2 - t1)
+                            hop.append(time.perf_counter() - t0)
                     await sess.close()
+                await asyncio.sleep(0.5)
+                for rep in range(2):
+                    local.allocate(f"bench{rep}", 0, hop_blocks)
+                    local.forward(f"bench{rep}", prompt, 0)
+                    for i in range(args.steps):
+                        t0 = time.perf_counter()
+                        local.forward(f"bench{rep}", token, args.prefill + i)
+                        if rep == 1:
+                            local_t.append(time.perf_counter() - t0)
                     local.release(f"bench{rep}")
                 return unary, streamed, hop, local_t
             finally:
@@ -233,6 +240,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--prefill", type=int, default=16)
     ap.add_argument("--memory-mb", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, here and in the server")
     args = ap.parse_args()
     if args.echo_server is not None:
         run_echo_server(args.echo_server)
