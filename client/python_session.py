@@ -28,7 +28,7 @@ print("chat:", repr(client.chat([{"role": "user", "content": "What is two plus t
 
 # A multi-turn session: the chain and its KV cache stay reserved between calls, so the second call
 # only sends the new tokens through the servers.
-with client.session(max_length=256) as session:
+with client.session(max_length=128) as session:
     first = session.generate("Hello! My name is Alice.", max_tokens=8)
     second = session.generate(" What is my name?", max_tokens=8)
     info = session.info()

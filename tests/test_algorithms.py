@@ -229,7 +229,7 @@ def test_gca_chains_are_successive_shortest_paths(seed, J, L):
 def test_gca_drops_links_off_the_path():
     """A link whose head ran out of slots must go even if it was not on the allocated path."""
     model = ModelSpec(4, 1.0, 1.0)
-    # a: [0,2) fast; b: [2,4) with 2 slots (m_ab = 2); c: [1,4) whose link a->c needs 2 slots at c... 
+    # a->b is cheapest; a->b2 next; x->b2 needs 3 slots at b2, which a->b2 leaves with 1
     servers = [ServerSpec("a", 2 + 100, 0.0, 0.1), ServerSpec("b", 2 + 2, 0.0, 0.1),
                ServerSpec("x", 1 + 100, 0.0, 0.1), ServerSpec("b2", 3 + 3, 0.0, 0.2)]
     pl = Placement({"a": (0, 2), "b": (2, 2), "x": (0, 1), "b2": (1, 3)}, num_blocks=4)
@@ -247,8 +247,9 @@ def test_gca_on_gbp_cr_placement_and_residual_override():
               [ServerSpec(f"s{j}", 20.0, 0.04 + 0.001 * j, 0.175) for j in range(12)]
     pl = gbp_cr(servers, model, 7, arrival_rate=2.0)
     chains = gca(servers, model, pl)
-    assert chains and all(ch.capacity >= 7 for ch in chains[:1])
-    assert [ch.service_time for ch in chains] == sorted(ch.service_time for ch in chains) or True
+    assert chains and chains[0].capacity >= 7  # GBP-CR reserved c = 7 slots per block on its chains
+    # the graph only shrinks, so successive shortest paths never get faster
+    assert [ch.service_time for ch in chains] == sorted(ch.service_time for ch in chains)
     few = gca(servers, model, pl, residual_slots={n: 0 for n in pl})
     assert few == []
     with pytest.raises(ValueError):

@@ -77,3 +77,27 @@ def test_tune_capacity_errors():
     # overloaded swarm: falls back to the largest total service rate instead of failing
     c, pl, chains = tune_capacity([ServerSpec("a", 20.0, 0.1, 0.1)], model, 100.0)
     assert chains and chains[0].capacity >= 1
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), J=st.integers(2, 8), method=st.sampled_from(["lower", "upper"]))
+def test_unpruned_table_matches_every_c(seed, J, method):
+    rng = np.random.default_rng(seed)
+    model = ModelSpec(8, 1.0, 0.25)
+    servers = [ServerSpec(f"s{j}", float(rng.choice([4.0, 8.0, 11.5])), float(rng.uniform(0.0, 0.3)),
+                          float(rng.uniform(0.02, 0.3))) for j in range(J)]
+    try:
+        _, _, _, table = tune_capacity(servers, model, 0.5, 0.7, method, return_table=True, prune=False)
+    except ValueError:
+        return
+    for c, obj in table.items():
+        chains = gca(servers, model, gbp_cr(servers, model, c, 0.5, 0.7))
+        lo, hi = response_time_bounds([(ch.rate, ch.capacity) for ch in chains], 0.5) if chains else (math.inf,) * 2
+        assert obj == (lo if method == "lower" else hi)
+
+
+def test_zero_arrival_rate_places_one_chain():
+    model = ModelSpec(4, 1.0, 0.25)
+    servers = [ServerSpec(f"s{j}", 6.0, 0.01 * j, 0.1) for j in range(4)]
+    c, pl, chains = tune_capacity(servers, model, 0.0)
+    assert len(pl) >= 1 and chains

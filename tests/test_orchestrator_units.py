@@ -203,3 +203,15 @@ def test_planner_incremental_join_and_margin():
     assert spec.tau_c == pytest.approx((0.001 + pl.serialization_s) * pl.steps_per_job)
     pl.observe_job(33)
     assert pl.steps_per_job > 17
+
+
+def test_planner_whole_model_placement_policy():
+    from petals_chain.orchestrator.planner import Planner, ServerView
+
+    model = ModelSpec(num_blocks=8, block_size=10.0, cache_size=1.0)
+    pl = Planner(dht=None, prefix="x", client=None, max_length=64, on_chains=lambda c: None, arrival_rate=1.0,
+                 placement="whole-model", model_spec_fallback=lambda: model)
+    views = [ServerView(peer_id=n, record=_FakeRecord(m, 0.01, name=n)) for n, m in [("a", 120.0), ("b", 60.0)]]
+    plan = pl.full_plan(views)
+    assert plan is not None and dict(plan.placement) == {"a": (0, 8)}  # b cannot hold the whole model
+    assert [ch.servers for ch in plan.chains] == [("a",)] and plan.chains[0].capacity == (120 - 80) // 8

@@ -285,6 +285,20 @@ class Orchestrator:
         return ModelSpec(num_blocks=int(self.config.num_hidden_layers), block_size=block_bytes(self.config, dtype),
                          cache_size=cache_slot_bytes(self.config, dtype, self.cfg.max_length))
 
+    def measure_serialization(self, repeats: int = 50) -> float:
+        """Seconds of (de)serialization per relay step and hop: a one-token hidden state is serialized and
+        deserialized twice (here and at the server), as every decode step does."""
+        from hivemind.compression import deserialize_torch_tensor
+        from hivemind.utils.streaming import combine_from_streaming
+
+        from petals_chain.swarm.rpc import serialize_chunks
+
+        hidden = torch.zeros(1, 1, int(self.config.hidden_size), dtype=self.head.dtype)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            deserialize_torch_tensor(combine_from_streaming(serialize_chunks(hidden)))
+        return 2 * (time.perf_counter() - t0) / repeats
+
     async def start(self) -> None:
         from petals_chain.swarm.dht import SwarmDHT
         from petals_chain.swarm.rpc import ServerClient
@@ -303,7 +317,8 @@ class Orchestrator:
             on_chains=self._on_chains, arrival_rate=self.cfg.arrival_rate, rho_bar=self.cfg.rho_bar,
             placement=self.cfg.placement, move_margin=self.cfg.move_margin, settle_s=self.cfg.settle_s,
             refresh_s=self.cfg.refresh_s, replan_interval_s=self.cfg.replan_interval_s,
-            model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on)
+            model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on,
+            serialization_s=self.measure_serialization())
         self._tasks = [asyncio.create_task(self.planner.run(self._stop), name="planner"),
                        asyncio.create_task(self._summary_loop(), name="summary"),
                        asyncio.create_task(self._reap_sessions(), name="session-reaper")]
