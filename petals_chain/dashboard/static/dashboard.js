@@ -165,6 +165,7 @@
   function poll() {
     state.timer = null;
     if (state.inFlight) return; // the in-flight request reschedules when it ends
+    var startedAt = Date.now();
     var ctrl = typeof AbortController === "function" ? new AbortController() : null;
     var timeoutMs = Math.max(5000, state.periodS * 2000);
     var killer = ctrl ? setTimeout(function () { ctrl.abort(); }, timeoutMs) : null;
@@ -185,7 +186,8 @@
       .then(function () {
         if (killer) clearTimeout(killer);
         state.inFlight = null;
-        if (state.periodS > 0) schedule(state.periodS * 1000);
+        // Keep a fixed cadence: the next poll is one period after this one started, not after it ended.
+        if (state.periodS > 0) schedule(Math.max(100, state.periodS * 1000 - (Date.now() - startedAt)));
       });
   }
 
