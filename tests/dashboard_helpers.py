@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import shutil
 import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
+from pathlib import Path
+
 import uvicorn
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_ARGS = [
@@ -140,3 +145,24 @@ def chromium_page(viewport: Optional[dict] = None) -> Iterator[tuple[Any, list[s
     """One headless-Chromium page and the list that collects its console errors and page errors."""
     with chromium_browser() as new_page:
         yield new_page(viewport)
+
+
+def descendants(pid: int) -> list[int]:
+    """All descendant pids of ``pid`` (psutil; empty if it is gone)."""
+    try:
+        import psutil
+
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 - best effort; killpg covers the usual case
+        return []
+
+
+def quietly(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` ignoring the errors of signalling/waiting for processes that are already gone."""
+    import subprocess
+
+    try:
+        fn()
+    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired, OSError):
+        pass
+

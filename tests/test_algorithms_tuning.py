@@ -101,3 +101,13 @@ def test_zero_arrival_rate_places_one_chain():
     servers = [ServerSpec(f"s{j}", 6.0, 0.01 * j, 0.1) for j in range(4)]
     c, pl, chains = tune_capacity(servers, model, 0.0)
     assert len(pl) >= 1 and chains
+
+
+def test_tune_capacity_chains_equal_gca_with_ties():
+    """Identical servers tie everywhere; tune_capacity must break ties exactly like gca()."""
+    model = ModelSpec(12, 1.0, 0.25)
+    servers = [ServerSpec(f"s{j}", 8.0, 0.05, 0.1) for j in range(9)]
+    for method in ("lower", "upper", "surrogate"):
+        c, pl, chains = tune_capacity(servers, model, 1.5, 0.7, method)
+        assert dict(pl) == dict(gbp_cr(servers, model, c, 1.5, 0.7))
+        assert chains == gca(servers, model, pl)

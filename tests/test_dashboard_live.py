@@ -19,8 +19,7 @@ from typing import Callable, Optional
 import httpx
 import pytest
 
-from conftest import REPO_ROOT, _descendants, with_suppress
-from dashboard_helpers import browser_skip_reason, chromium_browser, free_port
+from dashboard_helpers import REPO_ROOT, browser_skip_reason, chromium_browser, descendants, free_port, quietly
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
               pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))]
@@ -47,14 +46,14 @@ class DashboardProc:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 15.0) -> None:
-        descendants = _descendants(self.proc.pid)
+        descendants = descendants(self.proc.pid)
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-            with_suppress(lambda: self.proc.wait(timeout=timeout))
-        with_suppress(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
+            quietly(lambda: self.proc.wait(timeout=timeout))
+        quietly(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
         for pid in descendants:
-            with_suppress(lambda: os.kill(pid, signal.SIGKILL))
-        with_suppress(lambda: self.proc.wait(timeout=10))
+            quietly(lambda: os.kill(pid, signal.SIGKILL))
+        quietly(lambda: self.proc.wait(timeout=10))
         if not self._log.closed:
             self._log.close()
 

@@ -76,6 +76,8 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
 
     def arrays(pkey):
         idx, a, m = keys[pkey].placement_arrays(pkey[1])
+        order = np.argsort(idx, kind="stable")  # input order, as gca() breaks ties
+        idx, a, m = idx[order], a[order], m[order]
         slots = np.maximum(0, np.floor((memory[idx] - model.block_size * m) / model.cache_size)).astype(np.int64)
         return idx, a, m, slots
 
