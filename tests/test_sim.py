@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from petals_chain.algorithms import JFFCDispatcher, response_time_bounds
-from petals_chain.model import Chain, ModelSpec, ServerSpec
+from petals_chain.model import Chain, ServerSpec
 from petals_chain.sim import data as simdata
 from petals_chain.sim.engine import CostModel, ServerCost, Workload, mean_ci, simulate_chains, simulate_routed
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from petals_chain.sim import experiments as ex
-from petals_chain.sim.scenarios import DEFAULT_ETA, DEFAULT_J, DEFAULT_LAMBDA, DISPATCHERS, POLICIES
+from petals_chain.sim.scenarios import DEFAULT_ETA, DEFAULT_J, DEFAULT_LAMBDA, DISPATCHERS
 
 FIGS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8")
 

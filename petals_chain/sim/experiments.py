@@ -13,10 +13,10 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from petals_chain.model import Chain, Placement, ServerSpec
+from petals_chain.model import Chain
 from petals_chain.sim import data as simdata
 from petals_chain.sim.engine import Workload, mean_ci, simulate_chains
-from petals_chain.sim.scenarios import (DEFAULT_C, DEFAULT_ETA, DEFAULT_J, DEFAULT_LAMBDA, DEFAULT_RHO_BAR, DISPATCHERS,
+from petals_chain.sim.scenarios import (BLOOM_176B, DEFAULT_C, DEFAULT_ETA, DEFAULT_J, DEFAULT_LAMBDA, DEFAULT_RHO_BAR, DISPATCHERS,
                                         POLICIES, Scenario, bloom_scenario, covers_all_blocks, llama_trace_scenario,
                                         make_dispatcher, plan_policy, random_heterogeneous_swarm)
 
@@ -514,7 +514,7 @@ def planner_scale(num_servers: int, *, seed: int = 0, arrival_rate: float | None
     rng = np.random.default_rng(seed)
     servers = random_heterogeneous_swarm(num_servers, rng=rng)
     lam = 0.01 * num_servers if arrival_rate is None else arrival_rate
-    scen_model = bloom_scenario(1, 0.0, rng=np.random.default_rng(0)).model
+    scen_model = BLOOM_176B
     t0, p0 = time.perf_counter(), time.process_time()
     c, placement, chains = tune_capacity(servers, scen_model, lam, DEFAULT_RHO_BAR, method=method)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - p0

@@ -15,7 +15,6 @@ The planner sees the same model at the trace's mean lengths.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
