@@ -283,10 +283,11 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
                     f.write(json.dumps(_clean(cell)) + "\n")
 
         return ex.fig8(runs=runs, seed=a.seed, jobs=jobs, progress=prog, on_cell=on_cell,
+                       petals_cache_tokens=a.petals_cache_tokens, bprr_r=a.bprr_r,
                        servers=(10, 20) if q else (10, 20, 30, 40), etas=(0.2, 0.4) if q else (0.1, 0.2, 0.3, 0.4))
     if cmd == "overall":
         return ex.overall(num_servers=a.servers, eta=a.eta, arrival_rate=a.arrival_rate, runs=runs, seed=a.seed, jobs=jobs,
-                          petals_cache_tokens=a.petals_cache_tokens, progress=prog)
+                          petals_cache_tokens=a.petals_cache_tokens, bprr_r=a.bprr_r, progress=prog)
     if cmd == "trace":
         return ex.trace_replay(trace_path=a.trace, requests=a.requests, seed=a.seed, service_scale=a.service_scale,
                                petals_cache_tokens=a.petals_cache_tokens,
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace: multiply every modelled service time (e.g. to match a measured mean service time)")
     p.add_argument("--petals-cache-tokens", type=int, default=4096,
                    help="PETALS baseline: attention cache per block in tokens (PETALS' default 4096; slots hold 2048)")
+    p.add_argument("--bprr-r", type=int, default=7, help="BPRR baseline: CG-BP target concurrency R (default 7 = c)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -333,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not (a.arrival_rate > 0 and math.isfinite(a.arrival_rate)):
         print("error: --arrival-rate must be positive", file=sys.stderr)
+        return 2
+    if a.bprr_r < 1:
+        print("error: --bprr-r must be >= 1", file=sys.stderr)
         return 2
     if a.petals_cache_tokens < 2048:
         print("error: --petals-cache-tokens must be >= 2048 (one full-length session)", file=sys.stderr)

@@ -397,7 +397,7 @@ def fig7(*, runs: int = 20, seed: int = 0, jobs: int = 5000, lambdas: Sequence[f
 
 def overall(*, num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arrival_rate: float = DEFAULT_LAMBDA, runs: int = 20,
             seed: int = 0, jobs: int = 5000, policies: Sequence[str] = POLICIES, c: int = DEFAULT_C,
-            petals_cache_tokens: int = 4096, progress: bool = True) -> dict:
+            petals_cache_tokens: int = 4096, bprr_r: int = 7, progress: bool = True) -> dict:
     """Mean/P95 response, wait and service per policy, averaged over ``runs`` (per-run means, then mean)."""
     anchors = simdata.get_anchors()
     acc: dict[str, dict[str, list]] = {p: {"mean_response_s": [], "p95_response_s": [], "mean_wait_s": [], "mean_service_s": []}
@@ -409,7 +409,7 @@ def overall(*, num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arrival_r
         scen = bloom_scenario(num_servers, eta, arrival_rate, rng=rng, anchors=anchors)
         wl = Workload.poisson(arrival_rate, jobs, run_rng(seed, r, 1))
         for p in policies:
-            plan = plan_policy(p, scen, run_rng(seed, r, 2), c=c, petals_cache_tokens=petals_cache_tokens)
+            plan = plan_policy(p, scen, run_rng(seed, r, 2), c=c, petals_cache_tokens=petals_cache_tokens, bprr_r=bprr_r)
             if not plan.feasible:
                 infeasible[p] += 1
                 notes[p] = plan.note
@@ -435,14 +435,14 @@ def overall(*, num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arrival_r
 
 def fig8(*, runs: int = 20, seed: int = 0, jobs: int = 5000, servers: Sequence[int] = (10, 20, 30, 40),
          etas: Sequence[float] = (0.1, 0.2, 0.3, 0.4), progress: bool = True,
-         on_cell: Callable[[dict], None] | None = None) -> dict:
+         on_cell: Callable[[dict], None] | None = None, **overall_kw) -> dict:
     """The J x eta grid of §4.1.3: proposed (c=7) vs PETALS vs BPRR, with relative reductions."""
     cells = []
     for J in servers:
         for eta in etas:
             t0 = time.perf_counter()
             res = overall(num_servers=J, eta=eta, runs=runs, seed=seed, jobs=jobs, policies=("proposed", "petals", "bprr"),
-                          progress=progress)
+                          progress=progress, **overall_kw)
             cell = {"servers": J, "eta": eta, "seconds": time.perf_counter() - t0, **{p: res[p] for p in res}}
             prop = res["proposed"]["mean_response_s"]
             for b in ("petals", "bprr"):

@@ -251,13 +251,13 @@ def plan_bprr(scen: Scenario, R: int = DEFAULT_BPRR_R) -> PlannedPolicy:
 
 
 def plan_policy(name: str, scen: Scenario, rng: np.random.Generator, *, c: int | None = DEFAULT_C,
-                petals_cache_tokens: int = PETALS_CACHE_TOKENS) -> PlannedPolicy:
+                petals_cache_tokens: int = PETALS_CACHE_TOKENS, bprr_r: int = DEFAULT_BPRR_R) -> PlannedPolicy:
     if name == "proposed":
         return plan_proposed(scen, c=c)
     if name == "petals":
         return plan_petals(scen, rng, cache_tokens=petals_cache_tokens)
     if name == "bprr":
-        return plan_bprr(scen)
+        return plan_bprr(scen, R=bprr_r)
     if name == "jffc-only":
         return plan_jffc_only(scen)
     raise ValueError(f"unknown policy {name!r}; choose from {POLICIES}")
