@@ -8,7 +8,7 @@ Azure trace (code service, 2023-11-16): ``TIMESTAMP`` (``YYYY-MM-DD HH:MM:SS.fff
 fractional digits, which :mod:`datetime` cannot parse directly), ``ContextTokens``, ``GeneratedTokens``.
 Synthetic fallback (:func:`synthetic_trace`): 8818 requests at exactly 2.57 req/s on average, bursty
 arrivals (lognormal inter-arrival gaps whose distribution has coefficient of variation 13.15, as measured
-on the real file; the tail is heavy, so a sample of 8818 gaps typically shows 4-8),
+on the real file; the tail is heavy, so a sample of 8818 gaps typically shows 5-11),
 context tokens lognormal with mean 2048 / median 1469 clipped to [1, 7437], generated tokens lognormal
 with mean 27.9 / median 13 clipped to [1, 1899].
 
