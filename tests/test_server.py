@@ -386,12 +386,16 @@ def test_assignment_change_drain_reload_and_clean_shutdown(tiny_model_dir, orche
     from conftest import p2pd_pids_of
 
     orch = orchestrator_dht
-    proc = server_procs(server_args(tiny_model_dir, orch, "--drain-timeout-s", "30"))
+    proc = server_procs(server_args(tiny_model_dir, orch, "--drain-timeout-s", "30", "--emulate-rtt-ms", "60",
+                                    "--emulate-compute-scale", "3"))
     peer = proc.wait_peer_id()
     publish(orch, 1, {peer: (0, 2)})
-    wait_online(orch, [peer], 1)
+    rec = wait_online(orch, [peer], 1)[peer]
+    # Emulation is visible in the record; tau_p (--tau-p 0.01) is announced scaled.
+    assert rec.emulate_rtt_ms == 60.0 and rec.emulate_compute_scale == 3.0 and rec.tau_p == pytest.approx(0.03)
 
     async def scenario(client: ServerClient):
+        assert await client.ping(peer) >= 0.06  # half the emulated RTT each way
         info = await client.info(peer)
         assert info["reloads"] == 1 and info["span"] == [0, 2]
         publish(orch, 2, {peer: (0, 2), "QmOtherServer": (2, 2)})  # same span for us: no reload
