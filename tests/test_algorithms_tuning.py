@@ -111,3 +111,33 @@ def test_tune_capacity_chains_equal_gca_with_ties():
         c, pl, chains = tune_capacity(servers, model, 1.5, 0.7, method)
         assert dict(pl) == dict(gbp_cr(servers, model, c, 1.5, 0.7))
         assert chains == gca(servers, model, pl)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), J=st.integers(1, 12), method=st.sampled_from(["lower", "upper", "surrogate"]),
+       lam=st.floats(0.05, 20.0))
+def test_segment_search_equals_full_search(seed, J, method, lam):
+    """Large c_max (small cache slots): visiting one c per interval of equal placements is exact."""
+    rng = np.random.default_rng(seed)
+    model = ModelSpec(10, 1.0, 0.01)
+    servers = [ServerSpec(f"s{j}", float(rng.uniform(3.0, 14.0)), float(rng.uniform(0.0, 0.3)),
+                          float(rng.uniform(0.02, 0.3))) for j in range(J)]
+    try:
+        full = tune_capacity(servers, model, lam, 0.7, method, segments=False)
+    except ValueError:
+        with pytest.raises(ValueError):
+            tune_capacity(servers, model, lam, 0.7, method, segments=True)
+        return
+    seg = tune_capacity(servers, model, lam, 0.7, method, segments=True)
+    assert seg[0] == full[0] and dict(seg[1]) == dict(full[1]) and seg[2] == full[2]
+
+
+def test_huge_c_max_is_fast():
+    import time
+    model = ModelSpec(8, 1.0e6, 1.0)  # tiny KV slots: c_max in the millions
+    rng = np.random.default_rng(0)
+    servers = [ServerSpec(f"s{j}", float(rng.uniform(3e6, 9e6)), 0.02, 0.01) for j in range(20)]
+    t0 = time.perf_counter()
+    c, pl, chains = tune_capacity(servers, model, 5.0)
+    assert chains and c >= 1
+    assert time.perf_counter() - t0 < 20

@@ -166,3 +166,20 @@ def test_exact_k2_recursion_and_level_reduction_agree(mu1, mu2, c1, c2, load):
     a = exact_k2_response_time(mu1, c1, mu2, c2, lam, method="recursion")
     b = exact_k2_response_time(mu1, c1, mu2, c2, lam, method="linear")
     assert a == pytest.approx(b, rel=1e-8)
+
+
+def test_bounds_huge_capacity_truncation_matches_exact_sum():
+    """Beyond 2^16 slots the sum is truncated where terms are negligible; compare with a full sum."""
+    import petals_chain.algorithms.bounds as b
+
+    chains = [(10.0, 300_000), (3.0, 200_000), (0.5, 100)]
+    for lam in (1.0, 50.0, 4000.0):
+        got = response_time_bounds(chains, lam)
+        old = b._EXACT_C
+        b._EXACT_C = 10**7
+        try:
+            want = response_time_bounds(chains, lam)
+        finally:
+            b._EXACT_C = old
+        assert got == pytest.approx(want, rel=1e-12)
+        assert math.isfinite(got[0]) and got[0] <= got[1]

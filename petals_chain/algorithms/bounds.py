@@ -26,18 +26,46 @@ def _clean_chains(chains: Iterable[tuple[float, int]]) -> tuple[np.ndarray, np.n
     return np.asarray(mus, dtype=float), np.asarray(caps, dtype=np.int64)
 
 
-def _mean_occupancy(death: np.ndarray, arrival_rate: float, nu: float) -> float:
-    """Mean of a birth-death chain: rates ``death[n-1]`` for n <= C, ``nu`` beyond C (Eq. 30-32)."""
-    C = len(death)
+def _first_slot_rates(mu: np.ndarray, c: np.ndarray, N: int) -> np.ndarray:
+    """Rates of the first ``N`` slots when chains (in the given order) fill one after another."""
+    before = np.cumsum(c) - c
+    return np.repeat(mu, np.clip(N - before, 0, c))
+
+
+_EXACT_C = 1 << 16  # up to this many slots every term is summed
+_NEGLIGIBLE = 80.0  # log-weight drop below the maximum that ends the sum (e^-80 ~ 1.8e-35)
+
+
+def _mean_occupancy(mu: np.ndarray, c: np.ndarray, arrival_rate: float, nu: float) -> float:
+    """Mean of the birth-death chain of Eq. 30-32: death rate ``nu_n`` = sum of the first ``n`` slot
+    rates (chains filled in the given order) for n <= C, ``nu`` beyond C (geometric tail).
+
+    Log-weights ``log w_n = sum_{i<=n} log(lambda/nu_i)`` are shifted by their maximum. For huge ``C``
+    the sum stops once the death rate exceeds ``lambda`` and the weights have dropped ``e^-80`` below
+    the maximum: from there on they shrink geometrically, so the rest is negligible.
+    """
+    C = int(c.sum())
     rho = arrival_rate / nu
-    n = np.arange(C + 1, dtype=float)
-    # log w_n = sum_{i<=n} log(lambda / nu_i); shifted by the max before exponentiating
-    logw = np.concatenate(([0.0], np.cumsum(math.log(arrival_rate) - np.log(death))))
-    shift = logw.max()
+    log_lam = math.log(arrival_rate)
+    N = C if C <= _EXACT_C else _EXACT_C
+    while True:
+        death = np.cumsum(_first_slot_rates(mu, c, N))
+        logw = np.concatenate(([0.0], np.cumsum(log_lam - np.log(death))))
+        shift = logw.max()
+        if N == C:
+            break
+        if death[-1] > arrival_rate and logw[-1] < shift - _NEGLIGIBLE:
+            break  # truncated: terms n > N are below e^-80 of the largest and decay geometrically
+        N = min(C, 4 * N)
     w = np.exp(logw - shift)
-    tail = w[C] / (1.0 - rho)  # sum_{n>=C} w_C rho^(n-C)
-    norm = w[:C].sum() + tail
-    mean = (n[:C] * w[:C]).sum() + w[C] * (rho / (1.0 - rho) ** 2 + C / (1.0 - rho))
+    n = np.arange(N + 1, dtype=float)
+    if N == C:
+        tail = w[C] / (1.0 - rho)  # sum_{n>=C} w_C rho^(n-C)
+        norm = w[:C].sum() + tail
+        mean = (n[:C] * w[:C]).sum() + w[C] * (rho / (1.0 - rho) ** 2 + C / (1.0 - rho))
+    else:
+        norm = w.sum()
+        mean = (n * w).sum()
     return float(mean / norm)
 
 
@@ -63,11 +91,8 @@ def response_time_bounds(chains: Iterable[tuple[float, int]], arrival_rate: floa
         return 1.0 / float(mu[0]), 1.0 / float(mu[-1])
     if lam >= nu:
         return math.inf, math.inf
-    slot_rates = np.repeat(mu, c)  # one entry per concurrent slot, fastest first
-    fast_first = np.cumsum(slot_rates)  # nu_bar_n, Eq. 28
-    slow_first = np.cumsum(slot_rates[::-1])  # nu_underbar_n, Eq. 29
-    lower = _mean_occupancy(fast_first, lam, nu) / lam
-    upper = _mean_occupancy(slow_first, lam, nu) / lam
+    lower = _mean_occupancy(mu, c, lam, nu) / lam  # fastest chains first: nu_bar_n, Eq. 28
+    upper = _mean_occupancy(mu[::-1], c[::-1], lam, nu) / lam  # slowest first: nu_underbar_n, Eq. 29
     return lower, upper
 
 

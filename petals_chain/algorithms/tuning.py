@@ -32,7 +32,7 @@ def max_capacity(servers: Sequence[ServerSpec], model: ModelSpec) -> int:
 
 def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, rho_bar: float = 0.7,
                   method: str = "lower", *, c_range: tuple[int, int] | None = None,
-                  return_table: bool = False, prune: bool = True):
+                  return_table: bool = False, prune: bool = True, segments: bool | None = None):
     """Pick ``c`` for GBP-CR, then place (GBP-CR) and compose chains (GCA).
 
     * ``"lower"`` / ``"upper"``: minimize the Theorem 3.7 lower / upper bound on the mean response
@@ -46,6 +46,9 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
     Returns ``(c, placement, chains)``, plus a dict ``{c: objective}`` if ``return_table`` (for the
     bound methods, None where the exact search skipped ``c`` as provably not better; pass
     ``prune=False`` to evaluate every ``c``, e.g. to plot the bounds against ``c``).
+    With ``segments`` (default: when ``c_max`` is 1024 or more, e.g. a small model on a large GPU) only
+    the first ``c`` of each interval of identical placements is visited (exact, see below), and the
+    table has only those ``c``.
     """
     _check_inputs(servers, model)
     _check_rate(arrival_rate, rho_bar)
@@ -59,9 +62,9 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
     L = model.num_blocks
 
     walks: dict[bytes, _ChainSequence] = {}
-    per_c: dict[int, tuple] = {}  # c -> (placement key, K, reached)
     keys: dict[tuple, _ChainSequence] = {}
-    for c in range(lo_c, hi_c + 1):
+
+    def key_at(c: int) -> tuple:
         wkey = blocks_per_server(memory, model, c).tobytes()
         seq = walks.get(wkey)
         if seq is None:
@@ -70,7 +73,36 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
         K, visited = seq.cut(target)
         pkey = (wkey, visited)
         keys[pkey] = seq
-        per_c[c] = (pkey, K, K > 0 and seq.nu[K - 1] >= target)
+        return pkey, K, K > 0 and seq.nu[K - 1] >= target
+
+    def _same(x: tuple, y: tuple) -> bool:
+        # same placement and, for c K(c), same reachability (a walk can end exactly at its last server)
+        return x[0] == y[0] and x[2] == y[2]
+
+    per_c: dict[int, tuple] = {}  # c -> (placement key, K, reached)
+    if segments is None:
+        segments = hi_c - lo_c >= 1024
+    if not segments:
+        for c in range(lo_c, hi_c + 1):
+            per_c[c] = key_at(c)
+    else:
+        # m_j(c) is non-increasing in c and so is the number of servers GBP-CR visits for a given m(c),
+        # so the placement is constant on intervals of c; every objective is constant on such an
+        # interval except c K(c), which grows with c: only each interval's first c can be the argmin.
+        c = lo_c
+        while c <= hi_c:
+            here = per_c[c] = key_at(c)
+            same, step = c, 1
+            while same + step <= hi_c and _same(key_at(same + step), here):
+                same, step = same + step, step * 2
+            diff = min(same + step, hi_c + 1)
+            while diff - same > 1:  # key(same) == key(c) != key(diff)
+                mid = (same + diff) // 2
+                if _same(key_at(mid), here):
+                    same = mid
+                else:
+                    diff = mid
+            c = diff
 
     entries: dict[tuple, tuple] = {}  # placement key -> (idx, a, m, chains, lower, upper, total rate)
 
