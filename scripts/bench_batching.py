@@ -11,6 +11,10 @@ then starts one thread per session that does ``--steps`` single-token decode ste
 Rounds alternate batched / unbatched (A/B/A/B...) because the machine is shared and noisy; the reported
 rates are medians over rounds and ``ratio`` is the median of the per-round ratios.
 With ``--json`` prints one JSON object; otherwise a short table too.
+
+``--attention`` instead times the two ways decode rows attend over their own slots (padded gather of all
+rows' prefixes + one SDPA, vs one SDPA per row over views of the slots) for a few shapes; the batcher picks
+between them by the size of the gathered tensor (``GATHER_MAX_ELEMENTS`` in petals_chain/server/batching.py).
 """
 
 from __future__ import annotations
@@ -103,6 +107,52 @@ def measure(sessions: int = 16, *, family: str = "llama", hidden_size: int = 64,
     }
 
 
+def attention_choice(rows: int = 16) -> list[dict]:
+    """Microseconds of gathered vs per-row decode attention over a slot pool, for tiny and 7B-like heads."""
+    import torch.nn.functional as F
+
+    def timed(f, n: int = 30) -> float:
+        f()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for kv, h, hd in ((4, 4, 16), (8, 32, 128)):
+        for length in (32, 512, 2048):
+            pool_k = torch.randn(2 * rows, kv, length + 8, hd, generator=g)
+            pool_v = torch.randn(2 * rows, kv, length + 8, hd, generator=g)
+            slots = torch.arange(0, 2 * rows, 2)
+            lens = torch.randint(length // 2, length + 1, (rows,), generator=g)
+            lens[0] = length
+            q = torch.randn(rows, h, 1, hd, generator=g)
+            mask = (torch.arange(length)[None] < lens[:, None])[:, None, None, :]
+            sl, ll = slots.tolist(), lens.tolist()
+
+            def gather():
+                k = pool_k[:, :, :length].index_select(0, slots)
+                v = pool_v[:, :, :length].index_select(0, slots)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != kv)
+
+            def per_row():
+                o = torch.empty(rows, h, 1, hd)
+                for i in range(rows):
+                    s = sl[i]
+                    o[i] = F.scaled_dot_product_attention(q[i:i + 1], pool_k[s:s + 1, :, :ll[i]],
+                                                          pool_v[s:s + 1, :, :ll[i]], enable_gqa=h != kv)[0]
+                return o
+
+            torch.testing.assert_close(gather(), per_row(), atol=1e-4, rtol=1e-4)
+            out.append({"rows": rows, "kv_heads": kv, "heads": h, "head_dim": hd, "max_len": length,
+                        "gathered_elements": rows * kv * length * hd, "gather_us": round(timed(gather)),
+                        "per_row_us": round(timed(per_row))})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=16)
@@ -117,11 +167,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--attention", action="store_true", help="time gathered vs per-row decode attention instead")
     args = ap.parse_args(argv)
     if args.sessions < 1 or args.steps < 1 or args.rounds < 1:
         ap.error("--sessions, --steps and --rounds must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.attention:
+        for row in attention_choice(args.sessions):
+            print(json.dumps(row))
+        return
     res = measure(args.sessions, family=args.family, hidden_size=args.hidden_size, num_layers=args.num_layers,
                   heads=args.heads, prefix=args.prefix, steps=args.steps, rounds=args.rounds,
                   batch_wait_ms=args.batch_wait_ms, max_batch_tokens=args.max_batch_tokens)

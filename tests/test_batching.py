@@ -67,8 +67,12 @@ def _play(r, sid, span, prompt, steps, delay=0.0):
     return outs
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_batched_threads_equal_one_at_a_time(models, family):
+@pytest.mark.parametrize("family,gather", [("llama", True), ("qwen2", False)])
+def test_batched_threads_equal_one_at_a_time(models, family, gather, monkeypatch):
+    import petals_chain.server.batching as batching_mod
+
+    if not gather:  # decode rows attend one by one over views of their slots instead of a padded gather
+        monkeypatch.setattr(batching_mod, "GATHER_MAX_ELEMENTS", 0)
     path = models[family]
     ref_runner = BlockRunner(path, 0, 8, num_slots=40, max_length=40, batching=False, progress=False)
     r = BlockRunner(path, 0, 8, num_slots=40, max_length=40, batching=True, batch_wait_ms=20,

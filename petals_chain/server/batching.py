@@ -42,6 +42,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem"]
 
 ATTN_NAME = "petals_chain_slots"
+# Decode rows are gathered into one padded K/V tensor while it holds at most this many elements (per K and V);
+# above it they attend one by one over views of their slots. On this CPU (1 thread) gathering wins up to about
+# 16 rows x 512 tokens x 4 heads x 16 dims and loses 5x at 2048 tokens (scripts/bench_batching.py --attention).
+# On CUDA per-row kernel launches are the larger cost; that limit is a guess, not measured here.
+GATHER_MAX_ELEMENTS = 1 << 19
+GATHER_MAX_ELEMENTS_CUDA = 1 << 26
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -114,13 +120,21 @@ class _Segment:
         self.all_decode = len(dec) == len(rows)
         self.dec_slots = slots[:, dec].to(dev) if dec else None  # [layers, Bd]
         if dec:
-            lengths = torch.tensor([items[rows[i]].position + 1 for i in dec])
-            self.dec_len = int(lengths.max())
-            self.dec_mask = (torch.arange(self.dec_len)[None, :] < lengths[:, None])[:, None, None, :].to(dev)
+            lengths = [items[rows[i]].position + 1 for i in dec]
+            self.dec_len = max(lengths)
+            pool = runner.pool
+            # gather the rows' prefixes into one padded tensor only while that copy is small; else attend per
+            # row over views of the slots (no copy): see GATHER_MAX_ELEMENTS
+            limit = GATHER_MAX_ELEMENTS_CUDA if pool.keys.device.type == "cuda" else GATHER_MAX_ELEMENTS
+            self.dec_gather = len(dec) * self.dec_len * pool.keys.shape[1] * pool.keys.shape[3] <= limit
+            if self.dec_gather:
+                lt = torch.tensor(lengths)
+                self.dec_mask = (torch.arange(self.dec_len)[None, :] < lt[:, None])[:, None, None, :].to(dev)
             starts = [0]
             for c in counts[:-1]:
                 starts.append(starts[-1] + c)
             self.dec_tok = torch.tensor([starts[i] for i in dec], device=dev)
+            self.dec_rows = [(starts[i], lengths[k], i) for k, i in enumerate(dec)]  # (token, length, row)
         self.long: list[tuple[int, int, int, int, torch.Tensor | None]] = []  # (tok offset, n, position, row, mask)
         off = 0
         for i, (r, c) in enumerate(zip(rows, counts)):
@@ -142,7 +156,14 @@ class _Segment:
         gqa = query.shape[1] != keys.shape[1]
         h, d = query.shape[1], query.shape[3]
         out = None
-        if self.dec_slots is not None:
+        if self.dec_slots is not None and not self.dec_gather:
+            out = query.new_empty(self.num_tokens, h, d)
+            for tok, length, row in self.dec_rows:
+                sl = int(self.slots_cpu[li, row])
+                o = F.scaled_dot_product_attention(query[:, :, tok:tok + 1], keys[sl:sl + 1, :, :length],
+                                                   values[sl:sl + 1, :, :length], scale=scaling, enable_gqa=gqa)
+                out[tok] = o[0, :, 0]
+        elif self.dec_slots is not None:
             idx = self.dec_slots[li]
             k = keys[:, :, :self.dec_len].index_select(0, idx)
             v = values[:, :, :self.dec_len].index_select(0, idx)
