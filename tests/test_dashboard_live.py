@@ -46,12 +46,12 @@ class DashboardProc:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 15.0) -> None:
-        descendants = descendants(self.proc.pid)
+        children = descendants(self.proc.pid)
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             quietly(lambda: self.proc.wait(timeout=timeout))
         quietly(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
-        for pid in descendants:
+        for pid in children:
             quietly(lambda: os.kill(pid, signal.SIGKILL))
         quietly(lambda: self.proc.wait(timeout=10))
         if not self._log.closed:
@@ -96,10 +96,13 @@ def live_swarm(tiny_model_factory, tmp_path):
                               "--poll-interval", "1", "--log-level", "WARNING"], tmp_path / "dashboard.log")
         yield swarm, dash, f"http://127.0.0.1:{port}"
     finally:
-        if dash is not None:
-            dash.stop()
-        swarm.stop()
+        try:
+            if dash is not None:
+                dash.stop()
+        finally:
+            swarm.stop()
         assert swarm.leftover_processes() == []
+        assert dash is None or dash.proc.poll() is not None
 
 
 def _servers_by_name(view: dict) -> dict:
