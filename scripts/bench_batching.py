@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-wait-ms", type=float, default=2.0)
     ap.add_argument("--max-batch-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads, both modes (0: torch's default); 1 as in bench_server.py: on the "
+                         "shared 2-core machine intra-op threads only add contention to these small ops")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--attention", action="store_true", help="time gathered vs per-row decode attention instead")
     args = ap.parse_args(argv)

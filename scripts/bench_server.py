@@ -11,6 +11,7 @@ Measured in the same run, from this process to two helper processes on 127.0.0.1
 * per-token time of greedy-style decoding through the server vs the same layers run locally.
 
 Usage: python scripts/bench_server.py [--model DIR] [--hidden-size 256] [--num-layers 4] [--steps 200]
+       python scripts/bench_server.py --batching [--sessions 16] [--json]   (runs scripts/bench_batching.py)
 """
 
 from __future__ import annotations
@@ -230,6 +231,12 @@ def bench(args) -> dict:
 
 
 def main() -> int:
+    if "--batching" in sys.argv[1:]:  # issue 7: batched vs unbatched decode throughput (scripts/bench_batching.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_batching import main as batching_main
+
+        batching_main([a for a in sys.argv[1:] if a != "--batching"])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--echo-server", nargs="*", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help="HF-format model directory (default: a tiny Llama)")
