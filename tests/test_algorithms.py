@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import math
 
 import numpy as np
 import pytest

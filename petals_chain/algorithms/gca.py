@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
+from petals_chain.model import Chain, ModelSpec, ServerSpec
 
 
 @dataclass

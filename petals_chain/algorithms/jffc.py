@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 from petals_chain.model import Chain
 
