@@ -198,6 +198,17 @@ def test_release_on_idle_timeout(slot_server):
         assert time.time() - t0 > 2.5
         with pytest.raises((RemoteError, ConnectionError)):
             await idle.step(torch.zeros(1, 1, 64), 1)
+        # A step cancelled mid-flight (e.g. the orchestrator aborts a job) ends the stream: slots come back.
+        sess = await client.open_session(peer, "cancelled", 0, 2, MAX_LENGTH)
+        task = asyncio.ensure_future(sess.step(torch.randn(1, MAX_LENGTH, 64), 0))
+        await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sess.closed
+        await wait_info(client, peer, lambda i: i["slots_free"] == 5, timeout=10)
+        with pytest.raises(RemoteError):
+            await sess.step(torch.zeros(1, 1, 64), 0)
 
     run(with_client(orch, scenario))
 

@@ -359,22 +359,38 @@ class RemoteSession:
             raise ValueError("hidden must be a 3-D tensor [1, n_tokens, hidden_size]")
         chunks = serialize_chunks(hidden)
         async with self._lock:
-            self._queue.put_nowait(
-                runtime_pb2.ExpertRequest(metadata=_pack({"op": "step", "position": int(position)}), tensors=[chunks[0]])
-            )
-            for chunk in chunks[1:]:
-                self._queue.put_nowait(runtime_pb2.ExpertRequest(tensors=[chunk]))
-            reply = await _await_next(self._responses, self.step_timeout_s, f"step on {self.peer_id}")
-            meta = _unpack_reply(reply)
-            _raise_if_error(meta)
-            if len(reply.tensors) != 1:
+            if self.closed:
+                raise RemoteError("session is closed", "invalid")
+            try:
+                return await self._step_locked(chunks, hidden, int(position))
+            except RemoteError:
+                raise  # an error reply: the stream is still in step, the session lives on
+            except BaseException:
+                # Timeout, dead peer or cancellation mid-step: replies may be left unread, so the stream can no
+                # longer be trusted. End it; the server frees the slots when the stream closes.
+                self.closed = True
+                self._queue.put_nowait(None)
+                raise
+
+    async def _step_locked(self, chunks, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        self._queue.put_nowait(
+            runtime_pb2.ExpertRequest(metadata=_pack({"op": "step", "position": position}), tensors=[chunks[0]])
+        )
+        for chunk in chunks[1:]:
+            self._queue.put_nowait(runtime_pb2.ExpertRequest(tensors=[chunk]))
+        reply = await _await_next(self._responses, self.step_timeout_s, f"step on {self.peer_id}")
+        meta = _unpack_reply(reply)
+        _raise_if_error(meta)
+        if len(reply.tensors) != 1:
+            raise ConnectionError("malformed step reply from the server")
+        parts = [reply.tensors[0]]
+        while len(parts) < max(1, parts[0].chunks):
+            more = await _await_next(self._responses, self.step_timeout_s, f"step on {self.peer_id}")
+            if len(more.tensors) != 1:
                 raise ConnectionError("malformed step reply from the server")
-            parts = [reply.tensors[0]]
-            while len(parts) < max(1, parts[0].chunks):
-                more = await _await_next(self._responses, self.step_timeout_s, f"step on {self.peer_id}")
-                parts.append(more.tensors[0])
-            self.position = int(meta.get("position", position + hidden.shape[1]))
-            return deserialize_torch_tensor(combine_from_streaming(parts))
+            parts.append(more.tensors[0])
+        self.position = int(meta.get("position", position + hidden.shape[1]))
+        return deserialize_torch_tensor(combine_from_streaming(parts))
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Free the server's slots (idempotent; never raises for a dead server)."""
