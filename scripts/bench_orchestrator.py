@@ -127,6 +127,7 @@ def bench_concurrency(work: Path, levels: list[int], max_tokens: int) -> list[di
                     errors.append(str(e))
 
             threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+            relay0 = sw.swarm()["relay"]
             proc.cpu_percent(None)
             t0 = time.perf_counter()
             for t in threads:
@@ -135,13 +136,17 @@ def bench_concurrency(work: Path, levels: list[int], max_tokens: int) -> list[di
                 t.join()
             elapsed = time.perf_counter() - t0
             cpu = proc.cpu_percent(None)
+            relay1 = sw.swarm()["relay"]
+            batches = relay1["lm_head_batches"] - relay0["lm_head_batches"]
+            rows = relay1["lm_head_rows"] - relay0["lm_head_rows"]
             tokens = sum(len(c.token_ids) for _, c in results)
             service = [c.service_s / max(1, len(c.token_ids)) for _, c in results]
             out.append({"concurrent": n, "capacity": cap, "completed": len(results), "failed": len(errors),
                         "tokens_per_s": tokens / elapsed, "elapsed_s": elapsed,
                         "mean_wait_s": statistics.mean(c.wait_s for _, c in results) if results else None,
                         "per_token_ms_p50": 1e3 * statistics.median(service) if service else None,
-                        "orchestrator_cpu_percent": cpu})
+                        "orchestrator_cpu_percent": cpu,
+                        "lm_head_rows_per_batch": rows / batches if batches else None})
             print(f"  concurrency {n}: {out[-1]}", flush=True)
     return out
 

@@ -73,7 +73,7 @@ class OrchestratorConfig:
     refresh_s: float = 1.0
     replan_interval_s: float = 30.0
     move_margin: float = 0.2
-    head_window_s: float = 0.0005
+    head_window_s: float = 0.0  # extra wait to grow LM-head batches (0: batch what is ready now)
     step_timeout_s: float = 60.0  # a hop silent this long is treated as failed (the job fails over)
 
 

@@ -126,7 +126,7 @@ class HeadBatcher:
     matrix multiply; the work runs in one worker thread so the event loop keeps relaying other hops.
     """
 
-    def __init__(self, head: Any, window_s: float = 0.0005, max_batch: int = 256):
+    def __init__(self, head: Any, window_s: float = 0.0, max_batch: int = 256):
         self.head = head
         self.window_s = window_s
         self.max_batch = max_batch
@@ -147,8 +147,9 @@ class HeadBatcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self._queue:
-            if self.window_s > 0:
-                await asyncio.sleep(self.window_s)
+            # Let every session whose last hop already answered in this loop iteration join the batch;
+            # an optional window waits a little longer (trades latency for bigger batches).
+            await asyncio.sleep(self.window_s if self.window_s > 0 else 0)
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
             try:
                 stacked = torch.stack([h for h, _ in batch]).unsqueeze(1)  # [B, 1, H]
