@@ -10,6 +10,8 @@ then starts one thread per session that does ``--steps`` single-token decode ste
 (``runner.forward(session_id, hidden, position)``, the server's call); steps/s = sessions * steps / wall time.
 Rounds alternate batched / unbatched (A/B/A/B...) because the machine is shared and noisy; the reported
 rates are medians over rounds and ``ratio`` is the median of the per-round ratios.
+``batched_async_steps_per_s``: the same decode load as coroutines on one asyncio loop calling
+``BlockRunner.forward_async`` (how a server's event loop should call the runner), measured in each round too.
 With ``--json`` prints one JSON object; otherwise a short table too.
 
 ``--attention`` instead times the two ways decode rows attend over their own slots (padded gather of all
@@ -73,6 +75,36 @@ def decode_rate(runner: BlockRunner, sessions: int, prefix: int, steps: int, see
     return sessions * steps / wall, (runner.scheduler.rows - r0) / batches if batches else 1.0
 
 
+def async_decode_rate(runner: BlockRunner, sessions: int, prefix: int, steps: int, seed: int = 0) -> float:
+    """Steps/s of ``sessions`` coroutines on one event loop doing decode steps with ``forward_async`` (the
+    server's shape: one loop thread, no executor)."""
+    import asyncio
+
+    H, L = runner.hidden_size, runner.end_block
+    g = torch.Generator().manual_seed(seed)
+    sids = [f"async{seed}-{i}" for i in range(sessions)]
+    for sid in sids:
+        runner.allocate(sid, runner.start_block, L)
+        runner.forward(sid, torch.randn(1, prefix, H, generator=g), 0)
+    tokens = [torch.randn(1, 1, H, generator=g) for _ in sids]
+
+    async def one(i: int) -> None:
+        x = tokens[i]
+        for k in range(steps):
+            x = await runner.forward_async(sids[i], x, prefix + k)
+            x = x / (x.norm() + 1e-6)
+
+    async def run() -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(sessions)))
+        return time.perf_counter() - t0
+
+    wall = asyncio.run(run())
+    for sid in sids:
+        runner.release(sid)
+    return sessions * steps / wall
+
+
 def measure(sessions: int = 16, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 8,
             heads: int = 4, prefix: int = 32, steps: int = 40, rounds: int = 3, batch_wait_ms: float = 2.0,
             max_batch_tokens: int = 512) -> dict:
@@ -86,10 +118,12 @@ def measure(sessions: int = 16, *, family: str = "llama", hidden_size: int = 64,
         unbatched = BlockRunner(path, 0, num_layers, batching=False, **common)
         decode_rate(batched, sessions, prefix, 4)  # warm-up of both paths
         decode_rate(unbatched, sessions, prefix, 4)
-        b_rates, u_rates, ratios = [], [], []
+        async_decode_rate(batched, sessions, prefix, 4)
+        b_rates, u_rates, a_rates, ratios = [], [], [], []
         for k in range(rounds):
             b, rows = decode_rate(batched, sessions, prefix, steps, seed=k)
             u, _ = decode_rate(unbatched, sessions, prefix, steps, seed=k)
+            a_rates.append(async_decode_rate(batched, sessions, prefix, steps, seed=k))
             b_rates.append(b)
             u_rates.append(u)
             ratios.append(b / u)
@@ -99,6 +133,7 @@ def measure(sessions: int = 16, *, family: str = "llama", hidden_size: int = 64,
         "unbatched_steps_per_s": round(statistics.median(u_rates), 1),
         "ratio": round(statistics.median(ratios), 2),
         "ratios": [round(r, 2) for r in ratios],
+        "batched_async_steps_per_s": round(statistics.median(a_rates), 1),
         "mean_rows_per_batch_last_round": round(rows, 1),
         "model": {"family": family, "num_layers": num_layers, "hidden_size": hidden_size, "heads": heads,
                   "dtype": "float32", "prefix": prefix, "steps_per_session": steps},
@@ -189,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.steps} decode steps each after a {args.prefix}-token prefill, {args.rounds} A/B rounds")
     print(f"batched   {res['batched_steps_per_s']:9.1f} steps/s  ({res['mean_rows_per_batch_last_round']} rows/batch)")
     print(f"unbatched {res['unbatched_steps_per_s']:9.1f} steps/s")
+    print(f"async     {res['batched_async_steps_per_s']:9.1f} steps/s  (batched, forward_async on one event loop)")
     print(f"ratio     {res['ratio']:9.2f}  (per round: {res['ratios']})")
 
 
