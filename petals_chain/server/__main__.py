@@ -86,7 +86,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(server.run())
+    from petals_chain.server.server import JoinError
+
+    try:
+        return asyncio.run(server.run())
+    except JoinError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -82,6 +82,10 @@ def default_memory_bytes(device: str) -> int:
     return int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
 
 
+class JoinError(RuntimeError):
+    """The DHT could not be started or joined (nothing else was started)."""
+
+
 class Server:
     """One volunteer server process (``asyncio.run(Server(cfg).run())``); also the RPC session backend."""
 
@@ -332,9 +336,12 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
         # The DHT forks its process: start it before touching CUDA.
-        self.sd = await loop.run_in_executor(None, lambda: SwarmDHT.create(
-            initial_peers=list(self.cfg.initial_peers), host_maddrs=list(self.cfg.host_maddrs),
-            identity_path=self.cfg.identity_path, client_mode=self.cfg.client_mode, prefix=self.prefix))
+        try:
+            self.sd = await loop.run_in_executor(None, lambda: SwarmDHT.create(
+                initial_peers=list(self.cfg.initial_peers), host_maddrs=list(self.cfg.host_maddrs),
+                identity_path=self.cfg.identity_path, client_mode=self.cfg.client_mode, prefix=self.prefix))
+        except Exception as e:  # noqa: BLE001 - unreachable peers, bad multiaddrs, identity in use, ...
+            raise JoinError(f"cannot join the swarm via {list(self.cfg.initial_peers)}: {e}") from e
         handler = None
         try:
             self.p2p = await self.sd.replicate_p2p()

@@ -133,6 +133,8 @@ class SwarmDHT:
             identity_path = temp_identity
         if not os.path.isfile(identity_path):
             P2P.generate_identity(identity_path)
+            # A key generated this instant cannot be in use elsewhere: skip hivemind's network check.
+            dht_kwargs.setdefault("check_if_identity_free", False)
         private_key = load_identity(identity_path)
         prefixes = [check_prefix(prefix)] if prefix is not None else []
         validators = [RSASignatureValidator(private_key)] + [_SwarmSchemaValidator(p) for p in prefixes]
