@@ -15,7 +15,7 @@ from hivemind.proto import runtime_pb2
 
 from petals_chain.swarm.dht import SwarmDHT
 from petals_chain.swarm.records import AssignmentRecord
-from petals_chain.swarm.rpc import (CHUNK_BYTES, NoCapacityError, RemoteError, ServerClient, _await_next, _pack,
+from petals_chain.swarm.rpc import (NoCapacityError, RemoteError, ServerClient, _await_next, _pack,
                                     serialize_chunks)
 
 PREFIX = "tiny"

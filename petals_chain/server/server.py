@@ -13,11 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -64,7 +62,6 @@ class ServerConfig:
     idle_timeout_s: float = 120.0
     drain_timeout_s: float = 60.0
     progress: Optional[bool] = None
-    extra: dict = field(default_factory=dict)
 
 
 DEFAULT_MAX_LENGTH = 2048
@@ -123,6 +120,7 @@ class Server:
         self.sd: Optional[SwarmDHT] = None
         self.p2p = None
         self._stop = asyncio.Event()
+        self._force_stop = False
         self._sessions_changed = asyncio.Event()
         self._record_dirty = asyncio.Event()
 
@@ -240,12 +238,19 @@ class Server:
 
     # ------------------------------------------------------------------ assignment
 
+    def _on_signal(self) -> None:
+        if self._stop.is_set():
+            logger.warning("second signal: not waiting for open sessions")
+            self._force_stop = True
+            self._sessions_changed.set()
+        self._stop.set()
+
     async def drain(self, timeout_s: float) -> None:
         """Refuse new sessions, wait up to ``timeout_s`` for open ones to close, then release the rest."""
         self.set_state("draining")
         await self.publish()
         deadline = time.monotonic() + timeout_s
-        while self.sessions and time.monotonic() < deadline:
+        while self.sessions and time.monotonic() < deadline and not self._force_stop:
             self._sessions_changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._sessions_changed.wait(), timeout=min(1.0, deadline - time.monotonic()))
@@ -334,7 +339,7 @@ class Server:
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self._on_signal)
         # The DHT forks its process: start it before touching CUDA.
         try:
             self.sd = await loop.run_in_executor(None, lambda: SwarmDHT.create(

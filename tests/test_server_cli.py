@@ -1,0 +1,52 @@
+"""Command-line validation and memory defaults of the server (no processes, no DHT)."""
+
+from __future__ import annotations
+
+import pytest
+
+from petals_chain.server.__main__ import build_parser, main
+from petals_chain.server.server import CPU_MEMORY_FRACTION, Server, ServerConfig, default_memory_bytes
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--memory-gb", "-1"], "--memory-gb must be positive"),
+    (["--memory-bytes", "0"], "--memory-bytes must be positive"),
+    (["--emulate-compute-scale", "0.5"], "emulate_compute_scale"),
+    (["--emulate-rtt-ms", "-3"], "emulate_rtt_ms"),
+    (["--max-length", "0"], "--max-length"),
+    (["--dht-prefix", "bad prefix!"], "invalid DHT prefix"),
+])
+def test_bad_flags_exit_2_with_a_message(argv, message, tiny_model_dir, capsys):
+    assert main(["--model", str(tiny_model_dir), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_is_an_error(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_parser_rejects_both_memory_flags_and_bad_choices():
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--memory-gb", "1", "--memory-bytes", "5"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--quant", "int4"])
+
+
+def test_defaults_trust_and_memory(tiny_model_dir):
+    import psutil
+
+    orch = "/ip4/10.0.0.1/tcp/31337/p2p/QmOrchestratorPeerIdXXXXXXXXXXXXXXXXXXXXXXXXXX"
+    server = Server(ServerConfig(model=str(tiny_model_dir), initial_peers=[orch]))
+    assert server.trusted == {"QmOrchestratorPeerIdXXXXXXXXXXXXXXXXXXXXXXXXXX"}
+    assert server.authorize("QmOrchestratorPeerIdXXXXXXXXXXXXXXXXXXXXXXXXXX") and not server.authorize("QmOther")
+    assert Server(ServerConfig(model=str(tiny_model_dir), allow_any_client=True)).authorize("QmOther")
+    explicit = Server(ServerConfig(model=str(tiny_model_dir), initial_peers=[orch], trust_orchestrator=["QmA"]))
+    assert explicit.trusted == {"QmA"}
+    available = psutil.virtual_memory().available
+    assert abs(default_memory_bytes("cpu") - CPU_MEMORY_FRACTION * available) < 0.1 * available
+    # Eq. 3 with the model's own s_m and s_c.
+    server.memory_bytes, server.s_m = 10_000_000, 164_352
+    s_c = server.s_c(64)
+    assert server.slots_for(2, 64) == (10_000_000 - 2 * 164_352) // s_c
