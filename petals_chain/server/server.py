@@ -109,6 +109,7 @@ class Server:
 
         self.state = "joining"
         self.epoch = -1
+        self.assignment_timestamp = 0.0
         self.span: Optional[tuple[int, int]] = None
         self.max_length = cfg.max_length or DEFAULT_MAX_LENGTH
         self.runner = None
@@ -259,14 +260,19 @@ class Server:
             for sid in list(self.sessions):
                 self.close_session(sid)
 
+    def is_new_assignment(self, asg: AssignmentRecord) -> bool:
+        """A higher epoch, or a lower one published later (the orchestrator restarted and counts anew)."""
+        return asg.epoch > self.epoch or (asg.epoch < self.epoch and asg.timestamp > self.assignment_timestamp)
+
     async def apply_assignment(self, asg: AssignmentRecord) -> None:
         """Follow a (new-epoch) assignment: reload only if our span or max_length changes."""
-        if asg.epoch <= self.epoch:
+        if not self.is_new_assignment(asg):
             return
         span = asg.span_of(self.sd.peer_id)
         max_length = self.cfg.max_length or asg.max_length
         logger.info(f"assignment epoch {asg.epoch}: span {span}, max_length {max_length}")
         self.epoch = asg.epoch
+        self.assignment_timestamp = asg.timestamp
         if span == self.span and max_length == self.max_length and (self.runner is not None or span is None):
             logger.info("same span and max_length: keeping the loaded blocks (no reload)")
             self._record_dirty.set()
@@ -383,7 +389,7 @@ class Server:
                 except Exception as e:  # noqa: BLE001
                     logger.warning(f"fetching the assignment failed: {e}")
                     asg = None
-                if asg is not None and asg.epoch > self.epoch:
+                if asg is not None and self.is_new_assignment(asg):
                     await self.apply_assignment(asg)
             if now >= next_refresh or self._record_dirty.is_set():
                 self._record_dirty.clear()
