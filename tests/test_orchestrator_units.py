@@ -215,3 +215,31 @@ def test_planner_whole_model_placement_policy():
     plan = pl.full_plan(views)
     assert plan is not None and dict(plan.placement) == {"a": (0, 8)}  # b cannot hold the whole model
     assert [ch.servers for ch in plan.chains] == [("a",)] and plan.chains[0].capacity == (120 - 80) // 8
+
+
+def test_head_batcher_batches_ready_sessions_and_matches_unbatched():
+    from petals_chain.orchestrator.relay import HeadBatcher
+
+    class Head(torch.nn.Module):
+        def __init__(self, big: bool):
+            super().__init__()
+            torch.manual_seed(0)
+            self.norm = torch.nn.LayerNorm(16)
+            self.lm_head = torch.nn.Linear(16, 300_000 if big else 50, bias=False)
+
+        def logits(self, h):
+            return self.lm_head(self.norm(h)).float()
+
+    for big in (False, True):  # inline and thread-pool paths
+        head = Head(big)
+        hb = HeadBatcher(head)
+        xs = [torch.randn(16) for _ in range(12)]
+
+        async def main():
+            return await asyncio.gather(*(hb.logits(x) for x in xs))
+
+        outs = asyncio.run(main())
+        for x, out in zip(xs, outs):
+            assert torch.allclose(out, head.logits(x.reshape(1, 1, -1))[0, -1], atol=1e-5)
+        assert hb.rows == 12 and hb.batches < 12  # requests ready together shared a matmul
+        hb.close()

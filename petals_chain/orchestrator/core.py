@@ -597,7 +597,9 @@ class Orchestrator:
             except asyncio.TimeoutError:
                 pass
             try:
-                summary = self.swarm_json()
+                from petals_chain.dashboard.app import json_safe
+
+                summary = json_safe(self.swarm_json())  # no inf/nan: JSON readers (browsers) reject them
                 await asyncio.to_thread(self.dht.publish_summary, self.prefix, summary,
                                         max(30.0, 3 * self.cfg.summary_interval_s))
             except Exception:  # noqa: BLE001 - a failed publish is retried next period
