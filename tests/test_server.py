@@ -390,6 +390,41 @@ def test_large_prefill_is_chunked(slot_server):
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+def test_concurrent_sessions_are_independent(slot_server):
+    """Two jobs stepping at once (a long prefill and decode steps) each get their own, correct results."""
+    from petals_chain.server.runner import BlockRunner
+
+    orch, peer, model = slot_server["orch"], slot_server["peer"], slot_server["model"]
+    gen = torch.Generator().manual_seed(2)
+    long_prompt = torch.randn(1, 48, 64, generator=gen)
+    short_prompt = torch.randn(1, 2, 64, generator=gen)
+    tokens = [torch.randn(1, 1, 64, generator=gen) for _ in range(6)]
+    local = BlockRunner(model, 0, 2, num_slots=4, max_length=MAX_LENGTH, dtype="float32")
+    local.allocate("A", 0, 2)
+    local.allocate("B", 0, 2)
+    ref_a = local.forward("A", long_prompt, 0)
+    local.forward("B", short_prompt, 0)
+    ref_b = [local.forward("B", t, 2 + i) for i, t in enumerate(tokens)]
+
+    async def scenario(client: ServerClient):
+        a = await client.open_session(peer, "A", 0, 2, MAX_LENGTH)
+        b = await client.open_session(peer, "B", 0, 2, MAX_LENGTH)
+        await b.step(short_prompt, 0)
+
+        async def decode():
+            return [await b.step(t, 2 + i) for i, t in enumerate(tokens)]
+
+        out_a, out_b = await asyncio.gather(a.step(long_prompt, 0), decode())
+        await a.close()
+        await b.close()
+        return out_a, out_b
+
+    out_a, out_b = run(with_client(orch, scenario))
+    assert torch.allclose(out_a, ref_a, atol=1e-5)
+    for got, want in zip(out_b, ref_b):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
 # ---------------------------------------------------------------- assignment changes and shutdown
 
 @pytest.mark.slow
