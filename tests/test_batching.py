@@ -400,3 +400,32 @@ def test_forward_async_cancelled_while_queued(models):
         assert (await r.forward_async("b", torch.randn(1, 1, H), 0)).shape == (1, 1, H)
 
     asyncio.run(main())
+
+
+def _rel_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    a, b = torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b])
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype,attn", [("bfloat16", "sdpa"), ("float32", "eager")])
+def test_batched_dtype_and_eager_runner(models, dtype, attn):
+    path = models["qwen2"]
+    kw = dict(num_slots=24, max_length=24, attn_implementation=attn, progress=False)
+    r = BlockRunner(path, 0, 8, batch_wait_ms=50, dtype=dtype, **kw)
+    ref = BlockRunner(path, 0, 8, batching=False, dtype=dtype, **kw)
+    ref32 = BlockRunner(path, 0, 8, batching=False, dtype="float32", **kw)
+    H = r.hidden_size
+    plan = [((0, 8), 4, 3, 0.0), ((1, 7), 6, 3, 0.0), ((0, 8), 1, 3, 0.0)]
+    inputs = _session_inputs(H, plan, seed=5)
+    want = [_play(ref, f"r{i}", span, p, st) for i, ((span, *_), (p, st)) in enumerate(zip(plan, inputs))]
+    want32 = [_play(ref32, f"r{i}", span, p, st) for i, ((span, *_), (p, st)) in enumerate(zip(plan, inputs))]
+    got: dict[int, list[torch.Tensor]] = {}
+    _run_threads([lambda i=i: got.__setitem__(i, _play(r, f"s{i}", plan[i][0], *inputs[i])) for i in range(3)])
+    assert r.scheduler.rows > r.scheduler.batches
+    for i in range(3):
+        assert all(a.dtype == torch.float32 for a in got[i])
+        if dtype == "float32":
+            for a, b in zip(got[i], want[i]):
+                torch.testing.assert_close(a, b, **TOL)
+        else:  # bf16 rounds differently in a batch; it must stay as close to fp32 as the unbatched bf16 path
+            assert _rel_err(got[i], want32[i]) <= 2 * _rel_err(want[i], want32[i]) + 1e-3
