@@ -14,6 +14,8 @@ rates are medians over rounds and ``ratio`` is the median of the per-round ratio
 ``BlockRunner.forward_async`` (how a server's event loop should call the runner), measured in each round too.
 With ``--json`` prints one JSON object; otherwise a short table too.
 
+``--chunks`` times prefill chunk sizes: tokens/s of a chunk alone and the time of one batch holding the
+chunk plus the decode steps of ``--sessions`` sessions (how long one chunk holds up their steps).
 ``--attention`` instead times the two ways decode rows attend over their own slots (padded gather of all
 rows' prefixes + one SDPA, vs one SDPA per row over views of the slots) for a few shapes; the batcher picks
 between them by the size of the gathered tensor (``GATHER_MAX_ELEMENTS`` in petals_chain/server/batching.py).
@@ -107,7 +109,7 @@ def async_decode_rate(runner: BlockRunner, sessions: int, prefix: int, steps: in
 
 def measure(sessions: int = 16, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 8,
             heads: int = 4, prefix: int = 32, steps: int = 40, rounds: int = 3, batch_wait_ms: float = 2.0,
-            max_batch_tokens: int = 512) -> dict:
+            max_batch_tokens: int = 256) -> dict:
     """Run the A/B comparison and return the result dict (see the module docstring)."""
     with tempfile.TemporaryDirectory() as d:
         path = build_tiny_model(d, family=family, num_layers=num_layers, hidden_size=hidden_size,
@@ -188,6 +190,40 @@ def attention_choice(rows: int = 16) -> list[dict]:
     return out
 
 
+def chunk_choice(hidden_size: int = 64, num_layers: int = 8, heads: int = 4, sessions: int = 16,
+                 chunks: tuple[int, ...] = (16, 32, 64, 128, 256, 512)) -> list[dict]:
+    """For each prefill chunk size: prefill tokens/s of one session alone, and the time of one batch holding
+    that chunk plus ``sessions`` decode steps (how long those decode steps are held up by the chunk)."""
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        path = build_tiny_model(d, family="llama", num_layers=num_layers, hidden_size=hidden_size,
+                                num_attention_heads=heads)
+        r = BlockRunner(path, 0, num_layers, num_slots=(sessions + 1) * num_layers, max_length=2 * max(chunks) + 64,
+                        batching=False, progress=False)
+        H = r.hidden_size
+        from petals_chain.server.batching import BatchItem, run_batch
+
+        for i in range(sessions + 1):
+            r.allocate(f"c{i}", 0, num_layers)
+            r.forward(f"c{i}", torch.randn(1, 32, H), 0)
+        dec = [BatchItem(torch.randn(1, 1, H), 32, r._sessions[f"c{i}"].slot_of, 0, num_layers)
+               for i in range(sessions)]
+        pre = r._sessions[f"c{sessions}"].slot_of
+        for c in chunks:
+            x = torch.randn(1, c, H)
+            times_alone, times_mixed = [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                r._run_blocks(x, 32, pre, 0, num_layers)
+                times_alone.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                run_batch(r, dec + [BatchItem(x, 32, pre, 0, num_layers)])
+                times_mixed.append(time.perf_counter() - t0)
+            out.append({"chunk": c, "prefill_tokens_per_s": round(c / statistics.median(times_alone)),
+                        "batch_ms_with_decode": round(statistics.median(times_mixed) * 1e3, 2)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=16)
@@ -199,17 +235,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-wait-ms", type=float, default=2.0)
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads, both modes (0: torch's default); 1 as in bench_server.py: on the "
                          "shared 2-core machine intra-op threads only add contention to these small ops")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--attention", action="store_true", help="time gathered vs per-row decode attention instead")
+    ap.add_argument("--chunks", action="store_true", help="time prefill chunk sizes (alone and with decode rows)")
     args = ap.parse_args(argv)
     if args.sessions < 1 or args.steps < 1 or args.rounds < 1:
         ap.error("--sessions, --steps and --rounds must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.chunks:
+        for row in chunk_choice(args.hidden_size, args.num_layers, args.heads, args.sessions):
+            print(json.dumps(row))
+        return
     if args.attention:
         for row in attention_choice(args.sessions):
             print(json.dumps(row))
