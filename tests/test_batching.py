@@ -429,3 +429,29 @@ def test_batched_dtype_and_eager_runner(models, dtype, attn):
                 torch.testing.assert_close(a, b, **TOL)
         else:  # bf16 rounds differently in a batch; it must stay as close to fp32 as the unbatched bf16 path
             assert _rel_err(got[i], want32[i]) <= 2 * _rel_err(want[i], want32[i]) + 1e-3
+
+
+def test_no_gathering_wait_for_sessions_busy_elsewhere(models):
+    """The window only waits for sessions likely to send a step soon, not for ones idle at other servers."""
+    r = BlockRunner(models["llama"], 0, 2, num_slots=6, max_length=16, batch_wait_ms=1000, progress=False)
+    H = r.hidden_size
+    for sid in ("a", "b", "c"):
+        r.allocate(sid, 0, 2)
+    for sid in ("b", "c"):
+        r._sessions[sid].last_used -= 5.0  # their last steps ended long ago
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(r.forward("a", torch.randn(1, 1, H), 0)))
+    t0 = time.perf_counter()
+    t.start()
+    t.join(10)
+    assert out and time.perf_counter() - t0 < 0.5  # well under the 1 s window
+    # a session that just got a result is waited for: its step joins the same batch
+    b0, rows0 = r.scheduler.batches, r.scheduler.rows
+    r._sessions["b"].last_used = time.monotonic()
+
+    def late_b():
+        time.sleep(0.1)
+        r.forward("b", torch.randn(1, 1, H), 0)
+
+    _run_threads([lambda: r.forward("a", torch.randn(1, 1, H), 1), late_b])
+    assert (r.scheduler.batches - b0, r.scheduler.rows - rows0) == (1, 2)

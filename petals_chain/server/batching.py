@@ -9,9 +9,10 @@ Two parts:
   into one padded ``[B, kv_heads, max_len, head_dim]`` tensor with a length mask (one SDPA call); multi-token
   rows (prefill chunks) attend over a view of their own slot with a causal mask. Rows may process different
   sub-spans of the runner's blocks: at each block only the rows whose span contains it take part.
-* :class:`BatchScheduler` -- callers block in :meth:`BatchScheduler.submit`; one worker thread gathers
-  pending requests for a short window (or until every open session has a step queued, or the token budget is
-  full), runs them with :func:`run_batch`, and hands each caller its output. Long prefills are cut into chunks
+* :class:`BatchScheduler` -- callers block in :meth:`BatchScheduler.submit` (or await
+  :meth:`BatchScheduler.submit_async`); one worker thread gathers pending requests for at most a short window,
+  and only while some open session is likely to send a step soon (it got its last result within the window),
+  or until the token budget is full; runs them with :func:`run_batch`, and hands each caller its output. Long prefills are cut into chunks
   of at most ``prefill_chunk_tokens`` so that they never stall the decode steps of other sessions for more than
   one chunk; short requests go first, and a request passed over twice goes to the front.
 
@@ -400,13 +401,21 @@ class BatchScheduler:
                         r.complete()
 
     def _batch_ready(self) -> bool:
+        """True once waiting longer cannot grow the batch: no open session is about to send a step."""
         if any(r.done for r in self._queue):
             return True  # a chunked prefill is under way: keep it moving, take whatever else is queued
-        # every open session already waits on a step: nothing more can arrive for this batch
-        open_sessions = sum(1 for s in self.runner._sessions.values() if not s.closing)
-        if len(self._queue) >= open_sessions:
+        if sum(min(r.remaining, self.prefill_chunk_tokens) for r in self._queue) >= self.max_batch_tokens:
             return True
-        return sum(min(r.remaining, self.prefill_chunk_tokens) for r in self._queue) >= self.max_batch_tokens
+        queued = {id(r.session) for r in self._queue}
+        now = time.monotonic()
+        for s in self.runner._sessions.values():
+            if s.closing or id(s) in queued:
+                continue
+            # still handing its last result back, or got it within the window: its next step is likely close.
+            # A session whose last step ended long ago (its job is at other servers of the chain) is not waited for.
+            if s.busy or now - s.last_used < self.gather_s:
+                return False
+        return True
 
     def _take(self) -> list[tuple[_Request, int, int]]:
         chunk = self.prefill_chunk_tokens
