@@ -100,6 +100,12 @@ def bench_overhead(work: Path, requests: int, max_tokens: int) -> dict:
             "client_latency_per_token_ms": 1e3 * statistics.mean(lat), "relay_steps": steps}
 
 
+def _state(sw) -> dict:
+    import httpx
+
+    return httpx.get(f"{sw.url}/api/v1/swarm", timeout=120).json()
+
+
 def bench_concurrency(work: Path, levels: list[int], max_tokens: int) -> list[dict]:
     import psutil
 
@@ -127,7 +133,7 @@ def bench_concurrency(work: Path, levels: list[int], max_tokens: int) -> list[di
                     errors.append(str(e))
 
             threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-            relay0 = sw.swarm()["relay"]
+            relay0 = _state(sw)["relay"]
             proc.cpu_percent(None)
             t0 = time.perf_counter()
             for t in threads:
@@ -136,7 +142,9 @@ def bench_concurrency(work: Path, levels: list[int], max_tokens: int) -> list[di
                 t.join()
             elapsed = time.perf_counter() - t0
             cpu = proc.cpu_percent(None)
-            relay1 = sw.swarm()["relay"]
+            t_state = time.perf_counter()
+            relay1 = _state(sw)["relay"]
+            state_s = time.perf_counter() - t_state
             batches = relay1["lm_head_batches"] - relay0["lm_head_batches"]
             rows = relay1["lm_head_rows"] - relay0["lm_head_rows"]
             tokens = sum(len(c.token_ids) for _, c in results)
@@ -146,7 +154,8 @@ def bench_concurrency(work: Path, levels: list[int], max_tokens: int) -> list[di
                         "mean_wait_s": statistics.mean(c.wait_s for _, c in results) if results else None,
                         "per_token_ms_p50": 1e3 * statistics.median(service) if service else None,
                         "orchestrator_cpu_percent": cpu,
-                        "lm_head_rows_per_batch": rows / batches if batches else None})
+                        "lm_head_rows_per_batch": rows / batches if batches else None,
+                        "swarm_state_after_s": state_s})
             print(f"  concurrency {n}: {out[-1]}", flush=True)
     return out
 

@@ -246,6 +246,7 @@ class Orchestrator:
         self._tasks: list[asyncio.Task] = []
         self._eos: set[int] = set()
         self.chain_sessions: "weakref.WeakSet[ChainSession]" = weakref.WeakSet()
+        self._bg_tasks: set[asyncio.Task] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -329,6 +330,8 @@ class Orchestrator:
 
     async def stop(self) -> None:
         self._stop.set()
+        if self._bg_tasks:
+            await asyncio.wait(list(self._bg_tasks), timeout=10)
         for s in list(self.sessions.values()):
             await s.holder.close()
         self.sessions.clear()
@@ -346,6 +349,11 @@ class Orchestrator:
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
             self.dht = None
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg_tasks.add(task)
+        task.add_done_callback(self._bg_tasks.discard)
 
     def _abort_sessions_on(self, peer_id: str) -> None:
         """Jobs waiting on a server declared failed fail over now (not at their step timeout)."""
@@ -457,8 +465,10 @@ class Orchestrator:
             ok = True
         finally:
             chain = holder.chain_names
-            await holder.close()
             total = time.monotonic() - t0
+            # Closing the server sessions costs a round trip: the reply need not wait for it. The chain slot
+            # is released only after the servers freed their slots, so nobody is refused meanwhile.
+            self._background(holder.close())
             service = max(0.0, total - holder.wait_s)
             self.stats.record(wait_s=holder.wait_s, service_s=service, tokens=len(generated),
                               prompt_tokens=len(prompt_ids), ok=ok)
