@@ -438,7 +438,7 @@ def test_no_gathering_wait_for_sessions_busy_elsewhere(models):
     for sid in ("a", "b", "c"):
         r.allocate(sid, 0, 2)
     for sid in ("b", "c"):
-        r._sessions[sid].last_used -= 5.0  # their last steps ended long ago
+        r._sessions[sid].last_used -= 50.0  # their last steps ended long ago (> RECENT_WINDOWS windows)
     out: list = []
     t = threading.Thread(target=lambda: out.append(r.forward("a", torch.randn(1, 1, H), 0)))
     t0 = time.perf_counter()

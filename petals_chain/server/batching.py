@@ -11,7 +11,7 @@ Two parts:
   sub-spans of the runner's blocks: at each block only the rows whose span contains it take part.
 * :class:`BatchScheduler` -- callers block in :meth:`BatchScheduler.submit` (or await
   :meth:`BatchScheduler.submit_async`); one worker thread gathers pending requests for at most a short window,
-  and only while some open session is likely to send a step soon (it got its last result within the window),
+  and only while some open session is likely to send a step soon (it got its last result recently),
   or until the token budget is full; runs them with :func:`run_batch`, and hands each caller its output. Long prefills are cut into chunks
   of at most ``prefill_chunk_tokens`` so that they never stall the decode steps of other sessions for more than
   one chunk; short requests go first, and a request passed over twice goes to the front.
@@ -48,6 +48,10 @@ ATTN_NAME = "petals_chain_slots"
 # 16 rows x 512 tokens x 4 heads x 16 dims and loses 5x at 2048 tokens (scripts/bench_batching.py --attention).
 # On CUDA per-row kernel launches are the larger cost; that limit is a guess, not measured here.
 GATHER_MAX_ELEMENTS = 1 << 19
+# The gathering window waits for sessions served within this many windows: on a loaded CPU a session that just
+# got its result can take a few ms to send its next step (bench_batching.py, 16 sessions: counting sessions
+# served within 1 window gave about 12 rows per batch, within 10 windows about 15).
+RECENT_WINDOWS = 10
 GATHER_MAX_ELEMENTS_CUDA = 1 << 26
 
 
@@ -411,9 +415,10 @@ class BatchScheduler:
         for s in self.runner._sessions.values():
             if s.closing or id(s) in queued:
                 continue
-            # still handing its last result back, or got it within the window: its next step is likely close.
-            # A session whose last step ended long ago (its job is at other servers of the chain) is not waited for.
-            if s.busy or now - s.last_used < self.gather_s:
+            # still handing its last result back, or got it recently: its next step is likely close (the
+            # deadline still bounds the wait). A session whose last step ended long ago (its job is at other
+            # servers of the chain) is not waited for.
+            if s.busy or now - s.last_used < RECENT_WINDOWS * self.gather_s:
                 return False
         return True
 

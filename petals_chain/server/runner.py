@@ -69,7 +69,7 @@ class BlockRunner:
     block; ``max_batch_tokens`` bounds the tokens of one batch; ``prefill_chunk_tokens`` is the most tokens one
     step contributes to a batch (longer prefills run in chunks, so decode steps of other sessions keep going);
     ``batch_wait_ms`` is how long the batcher waits for more steps after the first one arrives (only while
-    some other open session got its last result within that window, i.e. is likely to send a step soon). Defaults from ``scripts/bench_batching.py``:
+    some other open session got its last result recently, i.e. is likely to send a step soon). Defaults from ``scripts/bench_batching.py``:
     prefill throughput saturates near 128-token chunks (``--chunks``) and a 256-token budget holds decode
     steps up by at most about two chunks; a 2 ms window fills 16-session decode batches (15.6 rows on
     average vs 11 with no window). A session alone on the runner skips the batcher. Async callers (a
