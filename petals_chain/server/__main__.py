@@ -41,6 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulated extra round-trip time per request/reply (half each way; testbeds only)")
     p.add_argument("--emulate-compute-scale", type=float, default=1.0,
                    help="emulate a slower device: compute takes this many times longer (>= 1; testbeds only)")
+    p.add_argument("--emulate-step-ms", type=float, default=0.0,
+                   help="emulated per-job overhead t_o (ms per block), added to a session's first step (testbeds only)")
+    p.add_argument("--emulate-prefill-ms-per-token", type=float, default=0.0,
+                   help="emulated prefill time t_I (ms per block per token) for multi-token steps (testbeds only)")
+    p.add_argument("--emulate-decode-ms", type=float, default=0.0,
+                   help="emulated decode time t_O (ms per block per token) for one-token steps (testbeds only)")
+    p.add_argument("--cache-tokens-per-block", type=int, default=0,
+                   help="cap the KV cache at this many tokens per hosted block, as PETALS' fixed attention cache "
+                        "(0: every byte left after the blocks, Eq. 3)")
+    p.add_argument("--max-waiters", type=int, default=256,
+                   help="opens that may wait for slots at once (opens with wait_s > 0; FIFO)")
+    p.add_argument("--max-wait-s", type=float, default=600.0, help="longest wait for slots an open may ask for")
     p.add_argument("--tau-p", type=float, default=None,
                    help="skip profiling and announce this tau_p (seconds per block per job, before emulation)")
     p.add_argument("--profile-l-in", type=int, default=128, help="prefill tokens of the tau_p reference workload")
@@ -81,7 +93,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             allow_any_client=args.allow_any_client, tau_p=args.tau_p, profile_l_in=args.profile_l_in,
             profile_l_out=args.profile_l_out, profile_cache=args.profile_cache, refresh_s=args.refresh_s,
             assignment_poll_s=args.assignment_poll_s, idle_timeout_s=args.idle_timeout_s,
-            drain_timeout_s=args.drain_timeout_s, progress=False if args.no_progress else None)
+            drain_timeout_s=args.drain_timeout_s, progress=False if args.no_progress else None,
+            emulate_step_ms=args.emulate_step_ms, emulate_prefill_ms_per_token=args.emulate_prefill_ms_per_token,
+            emulate_decode_ms=args.emulate_decode_ms, cache_tokens_per_block=args.cache_tokens_per_block,
+            max_waiters=args.max_waiters, max_wait_s=args.max_wait_s)
         server = Server(cfg)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -62,6 +62,13 @@ class ServerConfig:
     idle_timeout_s: float = 120.0
     drain_timeout_s: float = 60.0
     progress: Optional[bool] = None
+    # Testbed emulation of the footnote-11 compute model (sleeps after the real compute, per step):
+    emulate_step_ms: float = 0.0  # t_o, ms per block, once per session (its first step)
+    emulate_prefill_ms_per_token: float = 0.0  # t_I, ms per block per token of a multi-token step
+    emulate_decode_ms: float = 0.0  # t_O, ms per block per token of a one-token step
+    cache_tokens_per_block: int = 0  # > 0: PETALS-style fixed cache, at most this many tokens per block
+    max_waiters: int = 256  # opens waiting for slots (wait_s > 0), FIFO
+    max_wait_s: float = 600.0
 
 
 DEFAULT_MAX_LENGTH = 2048
@@ -125,6 +132,16 @@ class Server:
         self._offloaded = 0  # steps running in worker threads
         self._sessions_changed = asyncio.Event()
         self._record_dirty = asyncio.Event()
+        for knob in ("emulate_step_ms", "emulate_prefill_ms_per_token", "emulate_decode_ms"):
+            v = getattr(cfg, knob)
+            if not (v >= 0 and v < float("inf")):
+                raise ValueError(f"--{knob.replace('_', '-')} must be finite and >= 0, got {v}")
+        if cfg.cache_tokens_per_block < 0:
+            raise ValueError("--cache-tokens-per-block must be >= 0")
+        from petals_chain.server.admission import SlotWaitQueue
+        from petals_chain.server.runner import NoCapacityError
+
+        self.admission = SlotWaitQueue(NoCapacityError, max_waiters=cfg.max_waiters, max_wait_s=cfg.max_wait_s)
 
     # ------------------------------------------------------------------ memory model
 
@@ -137,7 +154,10 @@ class Server:
         """Eq. 3: ``floor((M_j - s_m m_j) / s_c)``."""
         from petals_chain.swarm.memory import slots_for_budget
 
-        return slots_for_budget(self.memory_bytes, num_blocks, self.s_m, self.s_c(max_length))
+        slots = slots_for_budget(self.memory_bytes, num_blocks, self.s_m, self.s_c(max_length))
+        if self.cfg.cache_tokens_per_block > 0:  # PETALS' fixed attention cache, in slots of max_length tokens
+            slots = min(slots, num_blocks * self.cfg.cache_tokens_per_block // max_length)
+        return slots
 
     # ------------------------------------------------------------------ record
 
@@ -178,9 +198,7 @@ class Server:
     def authorize(self, peer_id: str) -> bool:
         return self.cfg.allow_any_client or peer_id in self.trusted
 
-    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str) -> dict:
-        from petals_chain.server.runner import NoCapacityError
-
+    def _check_open(self, session_id: str, max_length: int):
         runner = self.runner
         if self.state != "online" or runner is None:
             raise RefusedError("unavailable", f"server is {self.state}, not accepting sessions")
@@ -188,18 +206,73 @@ class Server:
             raise RefusedError("invalid", f"max_length {max_length} exceeds this server's {runner.max_length}")
         if session_id in self.sessions:
             raise RefusedError("invalid", f"session {session_id!r} is already open")
+        return runner
+
+    def _allocate(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str) -> dict:
+        """Check and allocate; raises the runner's NoCapacityError when the slots are not free (yet)."""
+        runner = self._check_open(session_id, max_length)
         try:
             runner.allocate(session_id, start_block, end_block)
-        except NoCapacityError as e:
-            raise RefusedError("no_capacity", f"no capacity: {e} (slots free {runner.slots_free} of "
-                                              f"{runner.slots_total}, need {end_block - start_block})") from None
         except ValueError as e:
             raise RefusedError("invalid", str(e)) from None
-        self.sessions[session_id] = {"runner": runner, "max_length": max_length, "peer": peer_id}
+        self.sessions[session_id] = {"runner": runner, "max_length": max_length, "peer": peer_id, "steps": 0,
+                                     "span": (start_block, end_block)}
         self._record_dirty.set()
         return {"slots_free": runner.slots_free, "start_block": start_block, "end_block": end_block}
 
+    def _no_capacity(self, e: Exception, start_block: int, end_block: int) -> RefusedError:
+        runner = self.runner
+        free, total = (runner.slots_free, runner.slots_total) if runner is not None else (0, 0)
+        return RefusedError("no_capacity", f"no capacity: {e} (slots free {free} of {total}, "
+                                           f"need {end_block - start_block})")
+
+    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str) -> dict:
+        from petals_chain.server.runner import NoCapacityError
+
+        self._check_open(session_id, max_length)
+        if len(self.admission):  # opens waiting for slots are served first (FIFO)
+            raise RefusedError("no_capacity", f"no capacity: {len(self.admission)} opens wait for slots")
+        try:
+            return self._allocate(session_id, start_block, end_block, max_length, peer_id)
+        except NoCapacityError as e:
+            raise self._no_capacity(e, start_block, end_block) from None
+
+    async def open_session_wait(self, session_id: str, start_block: int, end_block: int, max_length: int,
+                                peer_id: str, wait_s: float) -> dict:
+        """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
+        from petals_chain.server.admission import WaitRefused
+        from petals_chain.server.runner import NoCapacityError
+
+        runner = self._check_open(session_id, max_length)
+        if end_block - start_block > runner.slots_total:
+            raise RefusedError("no_capacity", f"no capacity: {end_block - start_block} slots needed, the server has "
+                                              f"{runner.slots_total} in all")
+        try:
+            return await self.admission.acquire(
+                lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id), wait_s,
+                release=lambda _result: self.close_session(session_id))
+        except NoCapacityError as e:
+            raise self._no_capacity(e, start_block, end_block) from None
+        except WaitRefused as e:
+            raise RefusedError("no_capacity", f"no capacity: {e}") from None
+
+    async def _emulate_compute(self, sess: dict, n_blocks: int, n_tokens: int) -> None:
+        cfg = self.cfg
+        ms = cfg.emulate_step_ms if sess.get("steps", 0) == 0 else 0.0
+        ms += (cfg.emulate_prefill_ms_per_token if n_tokens > 1 else cfg.emulate_decode_ms) * n_tokens
+        sess["steps"] = sess.get("steps", 0) + 1
+        if ms > 0:
+            await asyncio.sleep(ms * n_blocks / 1000.0)
+
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        out = await self._forward(session_id, hidden, position)
+        sess = self.sessions.get(session_id)
+        if sess is not None:
+            start, end = sess["span"]
+            await self._emulate_compute(sess, end - start, int(hidden.shape[1]))
+        return out
+
+    async def _forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         sess = self.sessions.get(session_id)
         if sess is None:
             raise RefusedError("invalid", f"unknown session {session_id!r}")
@@ -230,6 +303,7 @@ class Server:
             sess["runner"].release(session_id)
             self._sessions_changed.set()
             self._record_dirty.set()
+            self.admission.notify()
 
     def info(self) -> dict:
         runner = self.runner
@@ -242,6 +316,10 @@ class Server:
             "s_c_bytes": self.s_c(self.max_length), "dtype": self.dtype_name, "device": self.cfg.device,
             "quant": self.cfg.quant, "emulate_rtt_ms": self.cfg.emulate_rtt_ms,
             "emulate_compute_scale": self.cfg.emulate_compute_scale, "reloads": self.reloads,
+            "emulate_step_ms": self.cfg.emulate_step_ms,
+            "emulate_prefill_ms_per_token": self.cfg.emulate_prefill_ms_per_token,
+            "emulate_decode_ms": self.cfg.emulate_decode_ms, "cache_tokens_per_block": self.cfg.cache_tokens_per_block,
+            "admission": self.admission.stats(),
         }
 
     # ------------------------------------------------------------------ assignment
@@ -256,6 +334,7 @@ class Server:
     async def drain(self, timeout_s: float) -> None:
         """Refuse new sessions, wait up to ``timeout_s`` for open ones to close, then release the rest."""
         self.set_state("draining")
+        self.admission.fail_all(lambda: RefusedError("unavailable", "server is draining, not accepting sessions"))
         await self.publish()
         deadline = time.monotonic() + timeout_s
         while self.sessions and time.monotonic() < deadline and not self._force_stop:

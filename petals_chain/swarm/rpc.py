@@ -7,8 +7,10 @@ tensors travel uncompressed (``USE_LEGACY_BFLOAT16 = False``: bf16 stays 2 bytes
 ``CHUNK_BYTES`` chunks so that no message exceeds the P2P message limit.
 
 Session stream, client -> server:
-  1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"}``
-     -> ``{"ok": true, ...}`` or an error, after which the server ends the stream.
+  1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"[, "wait_s"]}``
+     -> ``{"ok": true, ...}`` or an error, after which the server ends the stream. With ``wait_s > 0``
+     a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds instead of
+     refusing it; the client sends nothing until the reply, and ending the stream meanwhile withdraws it.
   2. ``{"op": "step", "position"}`` + the first chunk of hidden ``[1, n, hidden]`` (further chunks follow
      as messages with only ``tensors``) -> ``{"ok": true, "position"}`` + output chunks, or an error reply
      (the session survives an error reply; nothing changed).
@@ -167,9 +169,16 @@ class PetalsChainBlocks(ServicerBase):
         stream = requests.__aiter__()
         session_id: Optional[str] = None
 
+        pending: Optional[asyncio.Future] = None  # a read of the stream begun while the open waited
+
         async def next_message() -> Optional[runtime_pb2.ExpertRequest]:
+            nonlocal pending
             try:
-                msg = await asyncio.wait_for(stream.__anext__(), timeout=self.idle_timeout_s)
+                if pending is not None:
+                    fut, pending = pending, None
+                    msg = await asyncio.wait_for(fut, timeout=self.idle_timeout_s)
+                else:
+                    msg = await asyncio.wait_for(stream.__anext__(), timeout=self.idle_timeout_s)
             except StopAsyncIteration:
                 return None
             await self.emulation.half_rtt()
@@ -191,7 +200,15 @@ class PetalsChainBlocks(ServicerBase):
                 start = _int_field(meta, "start_block")
                 end = _int_field(meta, "end_block", lo=1)
                 max_length = _int_field(meta, "max_length", lo=1)
-                extra = self.backend.open_session(sid, start, end, max_length, peer)
+                wait_s = meta.get("wait_s", 0)
+                if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (0 <= wait_s < math.inf):
+                    raise RefusedError("invalid", f"field 'wait_s' must be a finite number >= 0, got {wait_s!r}")
+                if wait_s > 0 and hasattr(self.backend, "open_session_wait"):
+                    extra, pending = await self._open_waiting(stream, sid, start, end, max_length, peer, float(wait_s))
+                    if extra is None:
+                        return  # the client went away (or broke protocol) while waiting
+                else:
+                    extra = self.backend.open_session(sid, start, end, max_length, peer)
                 session_id = sid
             except RefusedError as e:
                 await self.emulation.half_rtt()
@@ -238,8 +255,37 @@ class PetalsChainBlocks(ServicerBase):
             logger.info(f"session {session_id} of {peer}: idle for {self.idle_timeout_s} s, closing")
             yield _error("idle_timeout", f"no message for {self.idle_timeout_s} s; session closed")
         finally:
+            if pending is not None:
+                pending.cancel()
             if session_id is not None:
                 self.backend.close_session(session_id)
+
+    async def _open_waiting(self, stream, sid: str, start: int, end: int, max_length: int, peer: str,
+                            wait_s: float) -> tuple[Optional[dict], Optional[asyncio.Future]]:
+        """Wait for slots while watching the stream: if the client ends it (or sends anything) first, the wait is
+        withdrawn and ``(None, None)`` returned. Else ``(extra, read)``: ``read`` is the stream read in flight."""
+        opening = asyncio.ensure_future(self.backend.open_session_wait(sid, start, end, max_length, peer, wait_s))
+        reading = asyncio.ensure_future(stream.__anext__())
+        try:
+            await asyncio.wait({opening, reading}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            opening.cancel()
+            reading.cancel()
+            raise
+        if opening.done():
+            try:
+                return opening.result(), reading  # the read continues as the session's next message
+            except BaseException:
+                reading.cancel()
+                raise
+        opening.cancel()
+        try:
+            await opening
+        except (asyncio.CancelledError, RefusedError):
+            pass
+        else:  # allocated at the very moment the client left
+            self.backend.close_session(sid)
+        return None, None
 
     async def _receive_tensor(self, first: runtime_pb2.ExpertRequest, next_message) -> torch.Tensor:
         """Validate the declared tensor, collect its chunks, deserialize; raises RefusedError.
@@ -432,15 +478,16 @@ class ServerClient:
         return PetalsChainBlocks.get_stub(self.p2p, _as_peer(peer_id))
 
     async def open_session(self, peer_id: Union[str, PeerID], session_id: str, start_block: int, end_block: int,
-                           max_length: int) -> RemoteSession:
-        """Reserve ``end_block - start_block`` slots on ``peer_id``.
+                           max_length: int, wait_s: float = 0.0) -> RemoteSession:
+        """Reserve ``end_block - start_block`` slots on ``peer_id``; with ``wait_s > 0`` wait at the server (FIFO)
+        up to ``wait_s`` seconds for them to free up.
 
         Raises NoCapacityError (server full), RemoteError (refused/invalid), ConnectionError (unreachable)."""
         sess = RemoteSession(str(peer_id), session_id, int(start_block), int(end_block), int(max_length),
                              self.step_timeout_s)
         sess._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({
             "op": "open", "session_id": session_id, "start_block": int(start_block), "end_block": int(end_block),
-            "max_length": int(max_length)})))
+            "max_length": int(max_length), **({"wait_s": float(wait_s)} if wait_s > 0 else {})})))
         try:
             sess._responses = await asyncio.wait_for(self._stub(peer_id).rpc_session(sess._requests()),
                                                      timeout=self.open_timeout_s)
@@ -449,7 +496,8 @@ class ServerClient:
         except Exception as e:  # noqa: BLE001
             raise ConnectionError(f"open on {peer_id}: {type(e).__name__}: {e}") from e
         try:
-            reply = await _await_next(sess._responses, self.open_timeout_s, f"open on {peer_id}")
+            reply = await _await_next(sess._responses, self.open_timeout_s + max(0.0, float(wait_s)),
+                                      f"open on {peer_id}")
             _raise_if_error(_unpack_reply(reply))
         except BaseException:
             sess.closed = True
