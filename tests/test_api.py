@@ -114,3 +114,40 @@ def test_cli_rejects_bad_arguments(model_path):
         r = subprocess.run([sys.executable, "-m", "petals_chain.orchestrator", "--model", str(model_path), *args],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and msg in r.stderr, (args, r.stderr)
+
+
+def test_client_disconnect_cancels_queued_request(model_path):
+    """A client that gives up is removed from the queue (real HTTP server, so the disconnect is real)."""
+    import socket
+
+    import uvicorn
+
+    async def main():
+        cfg = OrchestratorConfig(model=str(model_path), max_length=64, port=0, queue_timeout_s=60)
+        orch = Orchestrator(cfg)
+        orch.load_model()
+        await orch.start()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(orch), log_level="warning", lifespan="off"))
+        serve = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=0.5) as c:
+                while not server.started:
+                    await asyncio.sleep(0.05)
+                with pytest.raises(httpx.ReadTimeout):  # no servers: the request waits in the queue
+                    await c.post("/v1/completions", json={"model": orch.model_id, "prompt": "hi", "max_tokens": 2})
+            assert orch.dispatch.queue_length == 1
+            for _ in range(50):
+                if orch.dispatch.queue_length == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert orch.dispatch.queue_length == 0 and orch.stats.failed == 1
+        finally:
+            server.should_exit = True
+            await serve
+            await orch.stop()
+
+    asyncio.run(main())

@@ -268,7 +268,7 @@ def test_burst_respects_chain_capacities(swarm):
     assert len(results) == n
     assert any(r.wait_s > 0.01 for r in results)  # some jobs queued centrally
     relay = swarm.swarm()["relay"]
-    assert relay["lm_head_rows"] > relay["lm_head_batches"]  # concurrent sessions shared LM-head calls
+    assert relay["lm_head_rows"] >= relay["tokens"] > 0  # every generated token went through the batched head
     assert any(s["queue_length"] > 0 for s in observed)
     for s in observed:
         for ch in s["chains"]:

@@ -219,6 +219,22 @@ def create_app(orch: Orchestrator) -> FastAPI:
             jobs.append(orch.generate(list(prompt_ids), p, explicit_max_tokens=explicit))
         return list(await asyncio.gather(*jobs))
 
+    async def unless_disconnected(request: Request, coro):
+        """Await ``coro``; if the client goes away first, cancel it (its chain and server slots are freed)."""
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise RequestError("the client disconnected", status=499, code="client_disconnected")
+        finally:
+            if not task.done():
+                task.cancel()
+
     def stream_response(prompt_ids: list[int], params: SamplingParams, explicit: bool, n: int,
                         chunk: Any, include_usage: bool, gen_fn=None) -> StreamingResponse:
         """SSE: ``chunk(index, text, finish_reason)`` builds each event's object."""
@@ -296,7 +312,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     # ---- /v1/completions -----------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         if req.logprobs:
             raise RequestError("logprobs are not supported", param="logprobs")
@@ -330,7 +346,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
             include = bool(req.stream_options and req.stream_options.include_usage)
             return stream_response(prompts[0], params, explicit, req.n, chunk, include)
-        results = await asyncio.gather(*(run_n(ids, params, explicit, req.n) for ids in prompts))
+        results = await unless_disconnected(
+            request, asyncio.gather(*(run_n(ids, params, explicit, req.n) for ids in prompts)))
         choices, gens = [], []
         for p_idx, (ids, group) in enumerate(zip(prompts, results)):
             for g in group:
@@ -347,7 +364,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         check_model(req.model)
         if req.logprobs:
             raise RequestError("logprobs are not supported", param="logprobs")
@@ -370,7 +387,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
             include = bool(req.stream_options and req.stream_options.include_usage)
             return stream_response(ids, params, explicit, req.n, chunk, include)
-        gens = await run_n(ids, params, explicit, req.n)
+        gens = await unless_disconnected(request, run_n(ids, params, explicit, req.n))
         choices = [{"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": None,
                     "finish_reason": g.finish_reason} for i, g in enumerate(gens)]
         return {"id": cid, "object": "chat.completion", "created": created, "model": orch.model_id,

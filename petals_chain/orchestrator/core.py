@@ -119,6 +119,7 @@ class ChainHolder:
     async def _ensure_chain(self) -> None:
         orch = self.orch
         deadline = time.monotonic() + orch.cfg.queue_timeout_s
+        failed_opens = 0
         while self.cs is None:
             if time.monotonic() > deadline:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
@@ -148,12 +149,16 @@ class ChainHolder:
                 except BaseException:
                     orch.dispatch.release(lease)
                     raise
-            self.wait_s += time.monotonic() - t0
             if opened:
+                self.wait_s += time.monotonic() - t0
                 self.lease, self.cs, self.kv_valid = lease, cs, 0
                 orch.chain_sessions.add(cs)
             else:
                 orch.dispatch.release(lease)
+                # A refusal (or a failure the planner has not acted on yet) must not become a busy loop.
+                failed_opens += 1
+                await asyncio.sleep(min(2.0, 0.1 * failed_opens))
+                self.wait_s += time.monotonic() - t0
 
     async def _drop(self) -> None:
         cs, lease = self.cs, self.lease
