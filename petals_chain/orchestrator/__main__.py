@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per job (prompt + output); one cache slot holds this many")
     p.add_argument("--placement", default="gbp-cr", choices=list(PLACEMENTS))
     p.add_argument("--dispatch", default="jffc", choices=list(DISPATCHES))
+    p.add_argument("--petals-cache-tokens", type=int, default=4096,
+                   help="--placement petals: PETALS' fixed attention cache per block, in tokens")
+    p.add_argument("--bprr-r", type=int, default=None,
+                   help="--placement bprr: CG-BP target concurrency R (default: the c* GBP-CR picks)")
+    p.add_argument("--route-wait-s", type=float, default=600.0,
+                   help="--dispatch petals|bprr: how long a routed request may wait at its servers for slots")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: from the model name)")
     p.add_argument("--model-id", default=None, help="model id served at /v1 (default: the DHT prefix)")
     p.add_argument("--settle-s", type=float, default=2.0, help="wait this long without joins before the first plan")
@@ -143,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
         dispatch=args.dispatch, dht_prefix=args.dht_prefix, model_id=args.model_id, settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin)
+    # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
+    cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
     try:
         Orchestrator(cfg)  # validate the configuration before anything starts
     except ValueError as e:

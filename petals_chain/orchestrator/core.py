@@ -75,6 +75,9 @@ class OrchestratorConfig:
     move_margin: float = 0.2
     head_window_s: float = 0.0  # extra wait to grow LM-head batches (0: batch what is ready now)
     step_timeout_s: float = 60.0  # a hop silent this long is treated as failed (the job fails over)
+    petals_cache_tokens: int = 4096  # --placement petals: PETALS' fixed attention cache per block (tokens)
+    bprr_r: int | None = None  # --placement bprr: CG-BP target concurrency (None: GBP-CR's c*)
+    route_wait_s: float = 600.0  # --dispatch petals|bprr: max wait at the servers for slots (routed.py)
 
 
 @dataclass
@@ -130,7 +133,7 @@ class ChainHolder:
             except asyncio.TimeoutError:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
             cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", self.max_length,
-                              observe=orch.observe_hop)
+                              observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0))
             opened = False
             for attempt in range(60):
                 try:
@@ -236,7 +239,9 @@ class Orchestrator:
         self.prefix = check_prefix(cfg.dht_prefix or default_dht_prefix(cfg.model))
         self.model_id = cfg.model_id or self.prefix
         self.stats = Stats()
-        self.dispatch = DispatchManager(policy=cfg.dispatch)
+        from petals_chain.orchestrator.routed import make_dispatch
+
+        self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s)
         self.sessions: dict[str, UserSession] = {}
         self.started_at = time.time()
         self.http_url = f"http://{cfg.host}:{cfg.port}"
@@ -324,7 +329,10 @@ class Orchestrator:
             placement=self.cfg.placement, move_margin=self.cfg.move_margin, settle_s=self.cfg.settle_s,
             refresh_s=self.cfg.refresh_s, replan_interval_s=self.cfg.replan_interval_s,
             model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on,
-            serialization_s=self.measure_serialization())
+            serialization_s=self.measure_serialization(), petals_cache_tokens=self.cfg.petals_cache_tokens,
+            bprr_r=self.cfg.bprr_r)
+        if hasattr(self.dispatch, "attach"):  # routed dispatch (PETALS, BPRR) reads live server views
+            self.dispatch.attach(self.planner)
         self._tasks = [asyncio.create_task(self.planner.run(self._stop), name="planner"),
                        asyncio.create_task(self._summary_loop(), name="summary"),
                        asyncio.create_task(self._reap_sessions(), name="session-reaper")]

@@ -53,8 +53,8 @@ class Lease:
         return [(name, int(s), int(e)) for name, (s, e) in zip(self.chain.servers, self.chain.spans)]
 
 
-DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq")
-PLACEMENT_POLICIES = ("gbp-cr", "whole-model")
+DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq", "petals", "bprr")  # petals, bprr: routed.py
+PLACEMENT_POLICIES = ("gbp-cr", "whole-model", "petals", "bprr")
 
 
 def jffc_factory(queue_factory: Callable[[], Any] | None = None) -> DispatcherFactory:

@@ -93,7 +93,8 @@ class Planner:
                  replan_interval_s: float = 30.0, prior_tokens_per_job: float = 16.0,
                  serialization_s: float = 2e-4, assignment_expiration_s: float = 60.0,
                  model_spec_fallback: Callable[[], ModelSpec | None] | None = None,
-                 on_failure: Callable[[str], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None, petals_cache_tokens: int = 4096,
+                 bprr_r: int | None = None):
         self.dht = dht
         self.prefix = prefix
         self.client = client
@@ -111,6 +112,8 @@ class Planner:
         self.assignment_expiration_s = assignment_expiration_s
         self.model_spec_fallback = model_spec_fallback
         self.on_failure = on_failure
+        self.petals_cache_tokens = int(petals_cache_tokens)  # PETALS placement: its fixed cache per block
+        self.bprr_r = bprr_r  # BPRR placement: CG-BP target concurrency R (None: the c* GBP-CR would pick)
         self.servers: dict[str, ServerView] = {}
         self.steps_per_job = 1.0 + prior_tokens_per_job
         self._steps_obs = 0
@@ -219,6 +222,23 @@ class Planner:
             from petals_chain.algorithms.baselines import whole_model_placement
 
             placement, _ = whole_model_placement(specs, model)
+        elif self.placement_policy == "petals":
+            import random
+
+            from petals_chain.algorithms.baselines import petals_placement
+
+            # Fixed join order (seeded), so a periodic re-plan reproduces the same placement (no reloads).
+            placement = petals_placement(sorted(specs, key=lambda s: s.name), model, rng=random.Random(0),
+                                         cache_tokens=self.petals_cache_tokens, max_length=self.max_length)
+        elif self.placement_policy == "bprr":
+            from petals_chain.algorithms import tune_capacity
+            from petals_chain.algorithms.baselines import cg_bp_placement
+
+            R = self.bprr_r
+            if R is None:
+                R, _, _ = tune_capacity(specs, model, max(self.arrival_rate, 1e-6), rho_bar=self.rho_bar, method="lower")
+            placement = cg_bp_placement(specs, model, int(R))
+            return int(R), placement, gca(specs, model, placement)
         else:
             raise ValueError(f"placement policy {self.placement_policy!r} is not available")
         return None, placement, gca(specs, model, placement)

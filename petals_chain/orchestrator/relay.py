@@ -39,13 +39,14 @@ class ChainSession:
     """Server sessions of one job along the hops ``[(peer_id, start, end), ...]`` of a chain."""
 
     def __init__(self, client: Any, hops: list[tuple[str, int, int]], session_id: str, max_length: int,
-                 observe: HopObserver | None = None, step_timeout_s: float = 60.0):
+                 observe: HopObserver | None = None, step_timeout_s: float = 60.0, wait_s: float = 0.0):
         self.client = client
         self.hops = hops
         self.session_id = session_id
         self.max_length = max_length
         self.observe = observe
         self.step_timeout_s = step_timeout_s
+        self.wait_s = wait_s  # > 0: servers queue the opens (FIFO) up to this long instead of refusing
         self._sessions: list[Any] = []
         self._current: asyncio.Future | None = None
         self._aborted: str | None = None
@@ -64,10 +65,11 @@ class ChainSession:
         no_cap = _rpc_errors()
 
         async def one(peer, start, end):
+            extra = {"wait_s": self.wait_s} if self.wait_s > 0 else {}
             return await asyncio.wait_for(
                 self.client.open_session(peer, session_id=self.session_id, start_block=start, end_block=end,
-                                         max_length=self.max_length),
-                timeout=self.step_timeout_s,
+                                         max_length=self.max_length, **extra),
+                timeout=self.step_timeout_s + self.wait_s,
             )
 
         results = await asyncio.gather(*(one(*h) for h in self.hops), return_exceptions=True)
