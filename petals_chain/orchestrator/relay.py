@@ -72,10 +72,24 @@ class ChainSession:
                 timeout=self.step_timeout_s + self.wait_s,
             )
 
-        results = await asyncio.gather(*(one(*h) for h in self.hops), return_exceptions=True)
+        if self.wait_s > 0:
+            # Waiting opens go one by one in route order: every route visits servers in increasing order of
+            # their span's end, so holding earlier hops while waiting for later ones cannot deadlock.
+            results = []
+            for h in self.hops:
+                try:
+                    results.append(await one(*h))
+                except BaseException as e:  # noqa: BLE001 - reported below like gather's exceptions
+                    if isinstance(e, asyncio.CancelledError):
+                        await asyncio.gather(*(s.close() for s in results), return_exceptions=True)
+                        raise
+                    results.append(e)
+                    break
+        else:
+            results = await asyncio.gather(*(one(*h) for h in self.hops), return_exceptions=True)
         failure: HopFailure | None = None
         opened = []
-        for (peer, _, _), res in zip(self.hops, results):
+        for (peer, _, _), res in zip(self.hops, results):  # sequential opens stop at the first failure
             if isinstance(res, BaseException):
                 if failure is None or isinstance(failure.cause, no_cap):
                     failure = HopFailure(peer, res, no_capacity=isinstance(res, no_cap))
