@@ -188,10 +188,15 @@ def test_multi_turn_session_keeps_kv(swarm, hf_model):
         second = s.complete(" The people of the village", max_tokens=10)
         assert s.info()["chain"] == chain  # the same chain held between calls
         assert s.info()["turns"] == 2
+        third_text = "".join(s.stream(" and", max_tokens=6))  # streamed turn continues the same KV
+        assert s.info()["turns"] == 3 and s.info()["chain"] == chain
     ids1 = tok("Once upon a time")["input_ids"]
     assert first.token_ids == hf_greedy(hf_model, ids1, 10)
     ids2 = ids1 + first.token_ids + tok(" The people of the village", add_special_tokens=False)["input_ids"]
     assert second.token_ids == hf_greedy(hf_model, ids2, 10)
+    ids3 = ids2 + second.token_ids + tok(" and", add_special_tokens=False)["input_ids"]
+    expected3 = [t for t in hf_greedy(hf_model, ids3, 6) if t != tok.eos_token_id]
+    assert third_text == tok.decode(expected3, skip_special_tokens=True)
     # closed: further use is a 404
     r = post(swarm, f"/api/v1/sessions/{s.id}/generate", {"prompt": "x", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
