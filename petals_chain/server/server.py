@@ -129,7 +129,6 @@ class Server:
         self.p2p = None
         self._stop = asyncio.Event()
         self._force_stop = False
-        self._offloaded = 0  # steps running in worker threads
         self._sessions_changed = asyncio.Event()
         self._record_dirty = asyncio.Event()
         for knob in ("emulate_step_ms", "emulate_prefill_ms_per_token", "emulate_decode_ms"):
@@ -281,19 +280,10 @@ class Server:
                                           f"session's max_length {sess['max_length']}")
         runner = sess["runner"]
         try:
-            if (hidden.shape[1] <= INLINE_MAX_TOKENS and self.cfg.emulate_compute_scale == 1.0
-                    and self._offloaded == 0):
-                # Decode steps run on the event loop thread: handing them to a worker thread costs ~1.5 ms per
-                # step here (GIL hand-offs), more than the step itself. Only when no offloaded step holds the
-                # runner's compute lock, so the loop never waits behind a long prefill.
-                return runner.forward(session_id, hidden, position)
-            # Prefills may take seconds and emulated slowness sleeps: keep pings and other streams alive.
-            loop = asyncio.get_running_loop()
-            self._offloaded += 1
-            try:
-                return await loop.run_in_executor(None, runner.forward, session_id, hidden, position)
-            finally:
-                self._offloaded -= 1
+            # The runner's batch scheduler runs concurrent sessions' steps in one forward per block (issue 7);
+            # a lone short step runs inline (a thread hand-off costs ~1.5 ms here) and longer work runs off the
+            # event loop, so pings and other streams stay responsive.
+            return await runner.forward_async(session_id, hidden, position, inline_max_tokens=INLINE_MAX_TOKENS)
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
 
