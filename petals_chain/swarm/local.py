@@ -276,8 +276,8 @@ class LocalSwarm:
                     os.killpg(p.popen.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        for p in procs:
-            self._stop_proc(p)
+        for p in procs:  # servers had SIGTERM above; a server still draining after 5 s is killed
+            self._stop_proc(p, timeout=5.0)
 
     def leftover_processes(self, wait_s: float = 5.0) -> list[int]:
         """Live (non-zombie) processes left from this swarm's process groups; should be empty after stop()."""
