@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--placement bprr: CG-BP target concurrency R (default: the c* GBP-CR picks)")
     p.add_argument("--route-wait-s", type=float, default=600.0,
                    help="--dispatch petals|bprr: how long a routed request may wait at its servers for slots")
+    p.add_argument("--max-queue", type=_positive_int, default=1024,
+                   help="generation requests admitted beyond the chains' capacity; more get 429 + Retry-After")
+    p.add_argument("--client-max-inflight", type=_positive_int, default=256,
+                   help="running + queued requests per client (API key, else IP); more get 429")
+    p.add_argument("--client-max-sessions", type=_positive_int, default=64,
+                   help="open multi-turn sessions per client (API key, else IP)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024, help="request body limit (413)")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: from the model name)")
     p.add_argument("--model-id", default=None, help="model id served at /v1 (default: the DHT prefix)")
     p.add_argument("--settle-s", type=float, default=2.0, help="wait this long without joins before the first plan")
@@ -151,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
+    # Admission limits (limits.py), read with defaults by the API middleware.
+    cfg.max_queue, cfg.client_max_inflight = args.max_queue, args.client_max_inflight
+    cfg.client_max_sessions, cfg.max_body_bytes = args.client_max_sessions, args.max_body_bytes
     try:
         Orchestrator(cfg)  # validate the configuration before anything starts
     except ValueError as e:

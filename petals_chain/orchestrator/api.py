@@ -460,4 +460,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
             return (f"petals-chain orchestrator for {orch.model_id}\n"
                     "GET /api/v1/swarm  GET /v1/models  POST /v1/completions  POST /v1/chat/completions  GET /metrics\n")
 
+    # Bounded queue, per-client limits and body size (429/413 with Retry-After): limits.py.
+    from petals_chain.orchestrator.limits import install_limits
+
+    install_limits(app, orch)
     return app

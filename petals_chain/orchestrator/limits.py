@@ -1,0 +1,241 @@
+"""Admission limits of the HTTP API: a bounded central queue, per-client limits, bounded request bodies.
+
+A pure ASGI middleware, so a streamed response counts as in flight until its last byte is sent (or the
+client disconnects). Rejections are 429 (or 413 for bodies) in OpenAI's error format, with a
+``Retry-After`` header estimated from the measured service time and the queue ahead.
+
+The client is the API key (``X-API-Key`` or ``Authorization: Bearer``) if one is sent, else the peer IP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+_GENERATE = re.compile(r"^/(v1/completions|v1/chat/completions|api/v1/sessions/[^/]+/generate)/?$")
+_OPEN_SESSION = re.compile(r"^/api/v1/sessions/?$")
+
+
+@dataclass
+class LimitsConfig:
+    """``max_queue``: generation requests allowed beyond the chains' total capacity (central queue bound);
+    ``client_max_inflight``: one client's running + queued generation requests; ``client_max_sessions``:
+    one client's open multi-turn sessions; ``max_body_bytes``: request body size."""
+
+    max_queue: int = 1024
+    client_max_inflight: int = 256
+    client_max_sessions: int = 64
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "LimitsConfig":
+        d = cls()
+        return cls(**{k: int(getattr(cfg, k, None) or getattr(d, k)) for k in d.__dict__})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def client_key(scope: Scope) -> str:
+    """``key:<hash>`` for an API key header (never stored in clear), else ``ip:<address>``."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    key = headers.get("x-api-key")
+    auth = headers.get("authorization", "")
+    if not key and auth.lower().startswith("bearer "):
+        key = auth[7:].strip()
+    if key and key.lower() not in ("none", "empty", "-"):  # placeholder keys (openai package needs one) are not identities
+        return "key:" + hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()[:16]
+    client = scope.get("client") or ("unknown", 0)
+    return f"ip:{client[0]}"
+
+
+class AdmissionLimits:
+    """ASGI middleware enforcing :class:`LimitsConfig` in front of the API app of ``orch``."""
+
+    def __init__(self, app: Any, orch: Any, limits: Optional[LimitsConfig] = None):
+        self.app = app
+        self.orch = orch
+        self.limits = limits or LimitsConfig.from_config(getattr(orch, "cfg", None))
+        self.inflight = 0
+        self.by_client: dict[str, int] = {}
+        self.sessions_of: dict[str, set[str]] = {}
+        self.rejected: dict[str, int] = {}
+        self._metric = None
+        try:
+            from prometheus_client import Counter
+
+            self._metric = Counter("petals_chain_rejected_requests", "Requests refused by admission limits",
+                                   ["reason"], registry=orch.stats.registry)
+        except Exception:  # noqa: BLE001 - metrics are optional (e.g. a registry that already has it)
+            self._metric = None
+
+    # ---- state ---------------------------------------------------------------------------------
+    def capacity(self) -> int:
+        return int(sum(max(0, int(ch.capacity)) for ch in getattr(self.orch.dispatch, "chains", [])))
+
+    def open_sessions(self, client: str) -> int:
+        live = getattr(self.orch, "sessions", {})
+        owned = self.sessions_of.get(client)
+        if not owned:
+            return 0
+        owned.intersection_update(live.keys())  # closed or reaped sessions stop counting
+        if not owned:
+            self.sessions_of.pop(client, None)
+        return len(owned)
+
+    def retry_after_s(self) -> int:
+        """Seconds until a slot is likely free: the queue ahead served at the chains' measured rate."""
+        measured = {}
+        try:
+            measured = self.orch.stats.measured()
+        except Exception:  # noqa: BLE001
+            pass
+        service = measured.get("mean_service_s") or 1.0
+        queue = int(getattr(self.orch.dispatch, "queue_length", 0))
+        cap = max(1, self.capacity())
+        return int(min(120, max(1, math.ceil(service * (queue + 1) / cap))))
+
+    def snapshot(self) -> dict:
+        return {"inflight": self.inflight, "clients": len(self.by_client), "rejected": dict(self.rejected),
+                **self.limits.__dict__}
+
+    # ---- responses -----------------------------------------------------------------------------
+    async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool = True) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        if self._metric is not None:
+            self._metric.labels(reason).inc()
+        body = json.dumps({"error": {"message": message, "type": "rate_limit_error" if status == 429 else
+                                     "invalid_request_error", "param": None, "code": reason}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if retry:
+            headers.append((b"retry-after", str(self.retry_after_s()).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    # ---- ASGI ----------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") == "http" and path == "/api/v1/limits" and scope.get("method") == "GET":
+            body = json.dumps(self.snapshot()).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            return await send({"type": "http.response.body", "body": body})
+        if scope.get("type") != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = self.limits.max_body_bytes
+        for k, v in scope.get("headers", []):
+            if k.lower() == b"content-length":
+                try:
+                    if int(v) > limit:
+                        return await self._reject(send, 413, "body_too_large",
+                                                  f"the request body is larger than {limit} bytes", retry=False)
+                except ValueError:
+                    return await self._reject(send, 400, "bad_content_length", "invalid Content-Length",
+                                              retry=False)
+        receive = self._bounded(receive, limit)
+        client = client_key(scope)
+        if _OPEN_SESSION.match(path):
+            if self.open_sessions(client) >= self.limits.client_max_sessions:
+                return await self._reject(send, 429, "client_session_limit",
+                                          f"this client already has {self.limits.client_max_sessions} open sessions;"
+                                          " close one (DELETE /api/v1/sessions/{id}) or retry later")
+            return await self._guard(self._record_session(client, send), scope, receive, send)
+        if not _GENERATE.match(path):
+            return await self._guard(send, scope, receive, send)
+        mine = self.by_client.get(client, 0)
+        if mine >= self.limits.client_max_inflight:
+            return await self._reject(send, 429, "client_inflight_limit",
+                                      f"this client already has {mine} requests running or queued "
+                                      f"(limit {self.limits.client_max_inflight})")
+        queue = int(getattr(self.orch.dispatch, "queue_length", 0))
+        if self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue:
+            return await self._reject(send, 429, "queue_full",
+                                      f"the swarm is at capacity and its queue is full ({self.limits.max_queue} "
+                                      "waiting); retry later")
+        self.inflight += 1
+        self.by_client[client] = mine + 1
+        try:
+            await self._guard(send, scope, receive, send)
+        finally:
+            self.inflight -= 1
+            left = self.by_client.get(client, 1) - 1
+            if left > 0:
+                self.by_client[client] = left
+            else:
+                self.by_client.pop(client, None)
+
+    async def _guard(self, inner_send: Send, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await inner_send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._reject(send, 413, "body_too_large",
+                                   f"the request body is larger than {self.limits.max_body_bytes} bytes", retry=False)
+
+    @staticmethod
+    def _bounded(receive: Receive, limit: int) -> Receive:
+        """``receive`` that raises once a (chunked) body exceeds ``limit`` bytes."""
+        total = 0
+
+        async def wrapped() -> dict:
+            nonlocal total
+            message = await receive()
+            if message.get("type") == "http.request":
+                total += len(message.get("body", b""))
+                if total > limit:
+                    raise _BodyTooLarge()
+            return message
+
+        return wrapped
+
+    def _record_session(self, client: str, send: Send) -> Send:
+        """``send`` that notes the id of a session this client opened (from the small JSON reply)."""
+        chunks: list[bytes] = []
+        status = 0
+
+        async def wrapped(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message.get("status", 0))
+            elif message["type"] == "http.response.body" and status == 200:
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    try:
+                        sid = json.loads(b"".join(chunks)).get("session_id")
+                    except (ValueError, AttributeError):
+                        sid = None
+                    if isinstance(sid, str):
+                        self.sessions_of.setdefault(client, set()).add(sid)
+            await send(message)
+
+        return wrapped
+
+
+def install_limits(app: Any, orch: Any, limits: Optional[LimitsConfig] = None) -> None:
+    """Wrap ``app`` (FastAPI/Starlette) with :class:`AdmissionLimits`; the instance is ``app.state.limits``."""
+    holder: dict[str, AdmissionLimits] = {}
+
+    class _Bound(AdmissionLimits):
+        def __init__(self, inner: Any):
+            super().__init__(inner, orch, limits)
+            holder["limits"] = self
+            app.state.limits = self
+
+    app.add_middleware(_Bound)

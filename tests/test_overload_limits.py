@@ -1,0 +1,135 @@
+"""Admission limits (limits.py) on a real in-process orchestrator with no servers: every accepted request
+waits in the central queue, so the queue bound, per-client limits and 429/Retry-After are exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from petals_chain.orchestrator import Orchestrator, OrchestratorConfig
+from petals_chain.orchestrator.api import create_app
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory):
+    return tiny_model_factory("llama", num_layers=4)
+
+
+def run_with_api(model_path, fn, **limits):
+    async def main():
+        cfg = OrchestratorConfig(model=str(model_path), max_length=64, port=0, queue_timeout_s=60)
+        for k, v in limits.items():
+            setattr(cfg, k, v)
+        orch = Orchestrator(cfg)
+        orch.load_model()
+        await orch.start()
+        try:
+            app = create_app(orch)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://orch",
+                                         timeout=30) as c:
+                return await fn(orch, c)
+        finally:
+            await orch.stop()
+
+    return asyncio.run(main())
+
+
+def body(orch, **kw):
+    return {"model": orch.model_id, "prompt": "hello", "max_tokens": 2, **kw}
+
+
+async def wait_queue(orch, n, timeout=10.0):
+    for _ in range(int(timeout / 0.02)):
+        if orch.dispatch.queue_length == n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"queue length {orch.dispatch.queue_length} != {n}")
+
+
+def test_queue_bound_429_retry_after_and_recovery(model_path):
+    async def fn(orch, c):
+        # No chain: every accepted request queues. Three fit (max_queue=3), the rest get 429.
+        waiting = [asyncio.create_task(c.post("/v1/completions", json=body(orch), headers={"x-api-key": f"k{i}"}))
+                   for i in range(3)]
+        await wait_queue(orch, 3)
+        for path, payload in [("/v1/completions", body(orch)),
+                              ("/v1/chat/completions", {"model": orch.model_id, "max_tokens": 2,
+                                                        "messages": [{"role": "user", "content": "hi"}]})]:
+            r = await c.post(path, json=payload, headers={"x-api-key": "other"})
+            assert r.status_code == 429, r.text
+            err = r.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full" and err["message"]
+            assert int(r.headers["retry-after"]) >= 1
+        # Cheap endpoints are never limited.
+        assert (await c.get("/api/v1/swarm")).status_code == 200
+        assert (await c.get("/healthz")).status_code == 200
+        lim = (await c.get("/api/v1/limits")).json()
+        assert lim["inflight"] == 3 and lim["rejected"]["queue_full"] == 2
+        metrics = (await c.get("/metrics")).text
+        assert 'petals_chain_rejected_requests_total{reason="queue_full"} 2.0' in metrics
+        # Queued clients give up: the queue drains and new requests are admitted again.
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await wait_queue(orch, 0)
+        lim = (await c.get("/api/v1/limits")).json()
+        assert lim["inflight"] == 0 and lim["clients"] == 0
+        t = asyncio.create_task(c.post("/v1/completions", json=body(orch)))
+        await wait_queue(orch, 1)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+
+    run_with_api(model_path, fn, max_queue=3)
+
+
+def test_per_client_inflight_and_session_limits(model_path):
+    async def fn(orch, c):
+        a = {"authorization": "Bearer alice-key"}
+        waiting = [asyncio.create_task(c.post("/v1/completions", json=body(orch), headers=a)) for _ in range(2)]
+        await wait_queue(orch, 2)
+        r = await c.post("/v1/completions", json=body(orch), headers=a)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "client_inflight_limit"
+        assert "retry-after" in r.headers
+        # Another client (another key; or the same key in X-API-Key form is the same client) is unaffected.
+        r2 = asyncio.create_task(c.post("/v1/completions", json=body(orch), headers={"x-api-key": "bob-key"}))
+        await wait_queue(orch, 3)
+        r3 = await c.post("/v1/completions", json=body(orch), headers={"x-api-key": "alice-key"})
+        assert r3.status_code == 429
+        # Sessions: two per client.
+        ids = []
+        for _ in range(2):
+            s = await c.post("/api/v1/sessions", json={}, headers=a)
+            assert s.status_code == 200
+            ids.append(s.json()["session_id"])
+        s = await c.post("/api/v1/sessions", json={}, headers=a)
+        assert s.status_code == 429 and s.json()["error"]["code"] == "client_session_limit"
+        assert (await c.post("/api/v1/sessions", json={}, headers={"x-api-key": "bob-key"})).status_code == 200
+        assert (await c.delete(f"/api/v1/sessions/{ids[0]}")).status_code == 200
+        assert (await c.post("/api/v1/sessions", json={}, headers=a)).status_code == 200  # a slot came back
+        for t in [*waiting, r2]:
+            t.cancel()
+        await asyncio.gather(*waiting, r2, return_exceptions=True)
+        await wait_queue(orch, 0)
+
+    run_with_api(model_path, fn, client_max_inflight=2, client_max_sessions=2)
+
+
+def test_oversized_bodies_are_413_and_lose_nothing(model_path):
+    async def fn(orch, c):
+        big = "x" * 300_000
+        r = await c.post("/v1/completions", json=body(orch, prompt=big))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+        async def chunked():
+            for _ in range(40):
+                yield b" " * 10_000
+
+        r = await c.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert r.status_code in (400, 413), r.text
+        assert r.status_code < 500
+        assert (await c.get("/api/v1/limits")).json()["inflight"] == 0
+        assert orch.dispatch.queue_length == 0
+
+    run_with_api(model_path, fn, max_body_bytes=200_000)
