@@ -240,12 +240,38 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
         "late_start_s_max": max(r["late_s"] for r in rows),
         "hops_mean": float(np.mean([len(r["chain"]) for r in rows if r["ok"]])) if out["completed"] else None,
         "response_times_s": [r.get("response_s") for r in rows],
+        "requests": [{k: r.get(k) for k in ("i", "l_in", "l_out", "ok", "reason", "response_s", "wait_s", "service_s")}
+                     | {"chain": [by_name.get(x, x[:12]) for x in r.get("chain", [])]} for r in rows],
     })
     if out["predicted_response_s"]:
         out["predicted_response_s"] = {k: (v * args.time_scale if v is not None else None)
                                        for k, v in out["predicted_response_s"].items()}
     del by_name
     return out
+
+
+def plot_cdf(result: dict, path: str) -> None:
+    """CDF of the response times of every policy in ``result`` (the ``--out`` JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for pol in POLICIES:
+        times = sorted(t for t in (result.get(pol) or {}).get("response_times_s", []) if t is not None)
+        if times:
+            ax.step(times, np.arange(1, len(times) + 1) / len(times), where="post",
+                    label=f"{pol} (mean {np.mean(times):.1f} s)")
+    ax.set_xscale("log")
+    ax.set_xlabel("response time (s)")
+    ax.set_ylabel("CDF")
+    n = (result.get("setting") or {}).get("requests")
+    ax.set_title(f"Emulated testbed, first {n} Azure code requests")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
@@ -264,7 +290,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
     p.add_argument("--out", default=None, help="also write the JSON (with per-request response times) here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--plot", default=None, help="write a CDF plot of response times (PNG) here")
+    p.add_argument("--plot-from", default=None, help="only plot, from a previous --out JSON")
     args = p.parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            p.error("--plot-from needs --plot")
+        plot_cdf(json.loads(Path(args.plot_from).read_text()), args.plot)
+        return 0
     args.requests = args.requests or (40 if args.quick else 1000)
     args.time_scale = args.time_scale or (4.0 if args.quick else 1.0)
     args.progress = not args.no_progress
@@ -315,7 +348,9 @@ def main(argv=None) -> int:
     result["paper"] = PAPER
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    printable = {k: ({kk: vv for kk, vv in v.items() if kk != "response_times_s"} if isinstance(v, dict) and k in
+    if args.plot:
+        plot_cdf(result, args.plot)
+    printable = {k: ({kk: vv for kk, vv in v.items() if kk not in ("response_times_s", "requests")} if isinstance(v, dict) and k in
                      POLICIES else v) for k, v in result.items()}
     if args.json:
         print(json.dumps(printable))
