@@ -205,6 +205,29 @@ def test_planner_incremental_join_and_margin():
     assert pl.steps_per_job > 17
 
 
+def test_planner_splits_hops_into_compute_and_communication():
+    """With the server's reported compute time, tau_p and tau_c are refined from sessions, never from a ping
+    RTT that (under load) can exceed a fast step and drive the compute estimate to zero."""
+    from petals_chain.orchestrator.planner import Planner, ServerView
+
+    pl = Planner(dht=None, prefix="x", client=None, max_length=64, on_chains=lambda c: None, arrival_rate=1.0,
+                 model_spec_fallback=lambda: ModelSpec(num_blocks=8, block_size=10.0, cache_size=1.0))
+    v = ServerView(peer_id="a", record=_FakeRecord(120.0, 0.5, name="a"))
+    v.rtt_s = 0.050  # a stale, inflated ping
+    pl.servers["a"] = v
+    for _ in range(30):
+        pl.observe_hop("a", 1, 4, seconds=0.010, compute_s=0.004)  # 4 blocks: 1 ms/block, 6 ms on the wire
+    assert v.step_s_per_block == pytest.approx(0.001, rel=0.05)
+    assert v.comm_s_per_step == pytest.approx(0.006, rel=0.05)
+    assert pl.tau_p(v) == pytest.approx(0.001 * pl.steps_per_job, rel=0.05)
+    assert pl.tau_c(v) == pytest.approx(0.006 * pl.steps_per_job, rel=0.05)
+    # prefill steps and inconsistent reports are ignored
+    pl.observe_hop("a", 16, 4, seconds=5.0, compute_s=4.0)
+    pl.observe_hop("a", 1, 4, seconds=0.010, compute_s=0.5)
+    assert v.comm_s_per_step == pytest.approx(0.006, rel=0.05)
+    assert v.step_s_per_block == pytest.approx(0.001, rel=0.05)
+
+
 def test_planner_whole_model_placement_policy():
     from petals_chain.orchestrator.planner import Planner, ServerView
 

@@ -107,6 +107,7 @@ def test_chain_matches_local_layers_and_generate(family, tiny_model_factory, orc
                 h = x
                 for sess in sessions:
                     h = await sess.step(h, pos)
+                    assert sess.last_compute_s is not None and sess.last_compute_s > 0  # the server's own time
                 if prefill_out is None:
                     prefill_out = h
                 pos += x.shape[1]

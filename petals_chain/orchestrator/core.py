@@ -376,10 +376,11 @@ class Orchestrator:
     def _on_chains(self, chains: list[Chain]) -> None:
         self.dispatch.set_chains(chains)
 
-    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float) -> None:
+    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float,
+                    compute_s: float | None = None) -> None:
         self.stats.hop_s += seconds
         if self.planner is not None:
-            self.planner.observe_hop(peer_id, n_tokens, n_blocks, seconds)
+            self.planner.observe_hop(peer_id, n_tokens, n_blocks, seconds, compute_s)
 
     def server_failed(self, e: HopFailure) -> None:
         """A hop failed: unless it was a refusal the server sent, drop the server from the plan at once."""

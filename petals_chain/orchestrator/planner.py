@@ -34,6 +34,7 @@ class ServerView:
     rtt_s: float | None = None  # one request/response round trip (ping), EWMA
     ping_failures: int = 0
     step_s_per_block: float | None = None  # observed compute per block per relay step, EWMA
+    comm_s_per_step: float | None = None  # observed hop time minus server compute per relay step, EWMA
     hop_obs: int = 0
     failed_at: float | None = None  # set when a session on it failed; cleared by a newer record + ping
 
@@ -137,6 +138,8 @@ class Planner:
 
     def tau_c(self, v: ServerView) -> float:
         """Communication time of one job with the server: one round trip per relay step + serialization."""
+        if v.comm_s_per_step is not None and v.hop_obs >= 8:
+            return v.comm_s_per_step * self.steps_per_job
         rtt = v.rtt_s if v.rtt_s is not None else (2e-3 + 2 * v.record.emulate_rtt_ms / 1000.0)
         return (rtt + self.serialization_s) * self.steps_per_job
 
@@ -146,13 +149,25 @@ class Planner:
             return v.step_s_per_block * self.steps_per_job
         return float(v.record.tau_p)
 
-    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float) -> None:
-        """One relay step of ``n_tokens`` through ``n_blocks`` of ``peer_id`` took ``seconds`` (incl. network)."""
+    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float,
+                    compute_s: float | None = None) -> None:
+        """One relay step of ``n_tokens`` through ``n_blocks`` of ``peer_id`` took ``seconds`` (incl. network).
+
+        ``compute_s`` is the server's own time for the step when it reports one: the hop then splits exactly
+        into compute (refines ``tau_p``) and communication (refines ``tau_c``). Without it, the ping RTT is
+        subtracted, which under load can exceed a fast step — so such estimates never drive ``tau_c``.
+        """
         v = self.servers.get(peer_id)
         if v is None or n_blocks <= 0 or n_tokens != 1:  # decode steps only: prefill cost varies with length
             return
-        rtt = v.rtt_s or 0.0
-        per_block = max(0.0, seconds - rtt) / n_blocks
+        if compute_s is not None:
+            if not 0.0 <= compute_s <= seconds:
+                return  # a report that contradicts our own clock says nothing reliable
+            per_block = compute_s / n_blocks
+            comm = seconds - compute_s
+            v.comm_s_per_step = comm if v.comm_s_per_step is None else (1 - EWMA) * v.comm_s_per_step + EWMA * comm
+        else:
+            per_block = max(0.0, seconds - (v.rtt_s or 0.0)) / n_blocks
         v.step_s_per_block = per_block if v.step_s_per_block is None else (1 - EWMA) * v.step_s_per_block + EWMA * per_block
         v.hop_obs += 1
 

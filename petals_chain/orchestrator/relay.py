@@ -32,7 +32,8 @@ def _rpc_errors():
     return no_cap
 
 
-HopObserver = Callable[[str, int, int, float], None]  # (peer_id, n_tokens, n_blocks, seconds)
+# (peer_id, n_tokens, n_blocks, seconds of the whole hop, seconds the server reports computing or None)
+HopObserver = Callable[[str, int, int, float, "float | None"], None]
 
 
 class ChainSession:
@@ -121,7 +122,7 @@ class ChainSession:
             finally:
                 self._current = None
             if self.observe is not None:
-                self.observe(peer, n, end - start, time.perf_counter() - t0)
+                self.observe(peer, n, end - start, time.perf_counter() - t0, getattr(sess, "last_compute_s", None))
         return hidden
 
     async def close(self) -> None:

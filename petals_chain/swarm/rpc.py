@@ -232,7 +232,9 @@ class PetalsChainBlocks(ServicerBase):
                         raise RefusedError("invalid", f"unknown op {op!r} (expected step or close)")
                     position = _int_field(meta, "position")
                     hidden = await self._receive_tensor(msg, next_message)
+                    t_compute = time.perf_counter()
                     out = await self.backend.forward(session_id, hidden, position)
+                    compute_s = time.perf_counter() - t_compute
                     chunks = serialize_chunks(out)
                 except RefusedError as e:
                     await self.emulation.half_rtt()
@@ -247,7 +249,9 @@ class PetalsChainBlocks(ServicerBase):
                     continue
                 await self.emulation.half_rtt()
                 yield runtime_pb2.ExpertResponse(
-                    metadata=_pack({"ok": True, "position": position + int(out.shape[1])}), tensors=[chunks[0]]
+                    metadata=_pack({"ok": True, "position": position + int(out.shape[1]),
+                                    "compute_s": round(compute_s, 7)}),
+                    tensors=[chunks[0]]
                 )
                 for chunk in chunks[1:]:
                     yield runtime_pb2.ExpertResponse(tensors=[chunk])
@@ -384,6 +388,7 @@ class RemoteSession:
         self.peer_id, self.session_id = peer_id, session_id
         self.start_block, self.end_block, self.max_length = start_block, end_block, max_length
         self.position = 0  # tokens the server holds for this session (as acknowledged by it)
+        self.last_compute_s: float | None = None  # server-side compute time of the last step (seconds)
         self.step_timeout_s = step_timeout_s
         self.closed = False
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -436,6 +441,11 @@ class RemoteSession:
                 raise ConnectionError("malformed step reply from the server")
             parts.append(more.tensors[0])
         self.position = int(meta.get("position", position + hidden.shape[1]))
+        compute_s = meta.get("compute_s")
+        # the server's own time for this step (incl. emulated slowness); lets the orchestrator split a hop's
+        # time into compute (tau_p) and communication (tau_c) without trusting ping RTTs under load
+        self.last_compute_s = (float(compute_s) if isinstance(compute_s, (int, float)) and 0 <= compute_s < 1e6
+                               else None)
         return deserialize_torch_tensor(combine_from_streaming(parts))
 
     async def close(self, timeout_s: float = 10.0) -> None:
