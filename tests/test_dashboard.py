@@ -123,8 +123,9 @@ def test_merge_without_summary_and_with_garbage_summary():
 def test_cli_requires_a_prefix_and_validates_arguments(capsys):
     args = build_parser().parse_args(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--model", "/m/Tiny-Llama/"])
     assert resolve_prefix(args) == "Tiny-Llama"
+    # no prefix and no trusted orchestrator (no peer id in the multiaddr) to discover it from
     with pytest.raises(SystemExit) as exc:
-        main(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX"])
+        main(["--initial-peers", "/ip4/127.0.0.1/tcp/1"])
     assert exc.value.code == 2 and "--dht-prefix" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--initial-peers", "x", "--dht-prefix", "bad prefix!"])

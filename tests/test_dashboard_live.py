@@ -90,9 +90,9 @@ def live_swarm(tiny_model_factory, tmp_path):
     dash = None
     try:
         swarm.start()
-        prefix = swarm.swarm()["dht_prefix"]
         port = free_port()
-        dash = DashboardProc(["--initial-peers", *swarm.initial_peers, "--dht-prefix", prefix, "--port", str(port),
+        # no --dht-prefix: the dashboard finds the swarm in the directory the orchestrator signs (the user's path)
+        dash = DashboardProc(["--initial-peers", *swarm.initial_peers, "--port", str(port),
                               "--poll-interval", "1", "--log-level", "WARNING"], tmp_path / "dashboard.log")
         yield swarm, dash, f"http://127.0.0.1:{port}"
     finally:

@@ -147,3 +147,27 @@ def test_untrusted_assignment_is_ignored(swarm):
     assert rogue._store(assignment_key(PREFIX), forged.to_value(), 30, False)
     asg = server.fetch_assignment(PREFIX, trusted=[orch.peer_id])
     assert asg.epoch == 8 and asg.span_of(server.peer_id) == (0, 2)
+
+
+def test_swarm_directory_names_the_trusted_orchestrators_swarm(swarm):
+    """A dashboard given only --initial-peers finds the swarm here; forged or untrusted entries never count."""
+    from petals_chain.swarm.keys import DIRECTORY_KEY
+    from petals_chain.swarm.records import DirectoryRecord
+
+    orch, server, rogue = swarm
+    assert orch.publish_directory(PREFIX, "tiny model", "http://127.0.0.1:8000", 30)
+    assert rogue.publish_directory("rogue-swarm", "evil", "http://127.0.0.1:6666", 30)
+    # the rogue signs an entry claiming the orchestrator's peer id (its own key, so its signature verifies)
+    forged = DirectoryRecord(orchestrator_peer_id=orch.peer_id, dht_prefix="hijacked", model="x").to_value()
+    assert rogue._store(DIRECTORY_KEY, forged, 30, False)
+    # and cannot write under the orchestrator's subkey, nor store a malformed or unsigned entry
+    assert not rogue.dht.store(DIRECTORY_KEY, forged, get_dht_time() + 60, subkey=orch.owner_key)
+    assert not rogue.dht.store(DIRECTORY_KEY, dict(forged, dht_prefix=5), get_dht_time() + 60, subkey=rogue.owner_key)
+    assert not rogue.dht.store(DIRECTORY_KEY, forged, get_dht_time() + 60, subkey=b"QmVictim")
+    entries = server.fetch_directory(trusted=[orch.peer_id])
+    assert [(e.orchestrator_peer_id, e.dht_prefix, e.http_url) for e in entries] == [
+        (orch.peer_id, PREFIX, "http://127.0.0.1:8000")]
+    assert server.fetch_directory(trusted=[rogue.peer_id]) == []  # its (one) entry now claims someone else
+    assert rogue.publish_directory("rogue-swarm", "evil", "http://127.0.0.1:6666", 30)
+    assert [e.dht_prefix for e in server.fetch_directory(trusted=[rogue.peer_id])] == ["rogue-swarm"]
+    assert server.fetch_directory(trusted=[]) == []

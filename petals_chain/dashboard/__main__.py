@@ -1,8 +1,8 @@
 """``python -m petals_chain.dashboard --initial-peers MADDR [--port 8080]``: a public swarm dashboard anyone can host.
 
-Joins the swarm's DHT in client mode, reads the signed server records and the trusted orchestrator's signed
-summary every ``--poll-interval`` seconds, and serves the page at ``/``, the JSON at ``/api/v1/swarm`` and
-``/healthz``.
+Joins the swarm's DHT in client mode, finds the swarm in the directory the trusted orchestrator signs (unless
+``--dht-prefix`` or ``--model`` names it), reads the signed server records and the orchestrator's signed summary
+every ``--poll-interval`` seconds, and serves the page at ``/``, the JSON at ``/api/v1/swarm`` and ``/healthz``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from typing import Optional, Sequence
 
 logger = logging.getLogger("petals_chain.dashboard")
@@ -20,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
                    help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/.../tcp/.../p2p/Qm...")
     p.add_argument("--dht-prefix", default=None,
-                   help="the swarm's DHT prefix (default: derived from --model, as the orchestrator does)")
+                   help="the swarm's DHT prefix (default: from --model, else the swarm the trusted orchestrator "
+                        "announces in the DHT directory)")
     p.add_argument("--model", default=None, help="model name or path the swarm serves (used to derive the prefix)")
     p.add_argument("--trust-orchestrator", nargs="+", default=None, metavar="PEER_ID",
                    help="peer ids whose signed summary is believed (default: the peer ids in --initial-peers)")
@@ -30,19 +32,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
                    help="libp2p listen multiaddrs of this DHT client")
     p.add_argument("--identity-path", default=None, help="RSA identity file (default: a fresh temporary one)")
+    p.add_argument("--discover-timeout", type=float, default=30.0,
+                   help="seconds to wait for the orchestrator's directory entry when no prefix is given (default 30)")
     p.add_argument("--log-level", default="INFO")
     return p
 
 
-def resolve_prefix(args: argparse.Namespace) -> str:
-    """The DHT prefix from ``--dht-prefix`` or ``--model``; raises ValueError with a clear message otherwise."""
+def resolve_prefix(args: argparse.Namespace) -> Optional[str]:
+    """The DHT prefix from ``--dht-prefix`` or ``--model`` (ValueError if invalid); None: discover it."""
     from petals_chain.swarm.keys import check_prefix, default_dht_prefix
 
     if args.dht_prefix:
         return check_prefix(args.dht_prefix)
     if args.model:
         return default_dht_prefix(args.model)
-    raise ValueError("give --dht-prefix (printed by the orchestrator) or --model (the model the swarm serves)")
+    return None
+
+
+def discover_prefix(sd, trusted: Sequence[str], timeout_s: float, poll_s: float = 1.0) -> str:
+    """The DHT prefix of the swarm a trusted orchestrator announces (the newest entry); LookupError if none."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entries = sd.fetch_directory(trusted)
+        if entries:
+            others = sorted({e.dht_prefix for e in entries[1:]} - {entries[0].dht_prefix})
+            if others:
+                logger.warning("trusted orchestrators announce several swarms; showing %r (others: %s; "
+                               "choose with --dht-prefix)", entries[0].dht_prefix, ", ".join(others))
+            return entries[0].dht_prefix
+        if time.monotonic() >= deadline:
+            raise LookupError(f"no swarm announced by a trusted orchestrator within {timeout_s:g} s; "
+                              "give --dht-prefix (printed by the orchestrator) or --model")
+        time.sleep(poll_s)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -53,6 +74,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--poll-interval must be positive")
     if not (0 < args.port < 65536):
         parser.error("--port must be in 1..65535")
+    if not (args.discover_timeout >= 0):
+        parser.error("--discover-timeout must be >= 0")
     try:
         prefix = resolve_prefix(args)
     except ValueError as e:
@@ -65,6 +88,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from petals_chain.swarm.dht import SwarmDHT, peer_ids_from_maddrs
 
     trusted = args.trust_orchestrator or peer_ids_from_maddrs(args.initial_peers)
+    if not trusted and prefix is None:
+        parser.error("give --dht-prefix or --model: there is no trusted orchestrator (no peer id in --initial-peers, "
+                     "no --trust-orchestrator) whose swarm directory entry could name the swarm")
     if not trusted:
         logger.warning("no trusted orchestrator peer id (none in --initial-peers, no --trust-orchestrator): "
                        "only server records will be shown, no chains or queue")
@@ -74,6 +100,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # noqa: BLE001 - bad multiaddrs or unreachable peers: say so and exit
         print(f"error: could not join the DHT via {args.initial_peers}: {e}", file=sys.stderr)
         return 2
+    if prefix is None:
+        try:
+            prefix = discover_prefix(sd, trusted, args.discover_timeout)
+        except LookupError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sd.shutdown()
+            return 2
     source = DhtSwarmSource(sd, prefix, trusted, interval_s=args.poll_interval, initial_peers=args.initial_peers)
     try:
         source.start()

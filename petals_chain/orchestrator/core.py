@@ -624,7 +624,10 @@ class Orchestrator:
                 from petals_chain.dashboard.app import json_safe
 
                 summary = json_safe(self.swarm_json())  # no inf/nan: JSON readers (browsers) reject them
-                await asyncio.to_thread(self.dht.publish_summary, self.prefix, summary,
-                                        max(30.0, 3 * self.cfg.summary_interval_s))
+                expiration_s = max(30.0, 3 * self.cfg.summary_interval_s)
+                await asyncio.to_thread(self.dht.publish_summary, self.prefix, summary, expiration_s)
+                # the directory entry lets a dashboard find this swarm from --initial-peers alone
+                await asyncio.to_thread(self.dht.publish_directory, self.prefix, self.model_id, self.http_url,
+                                        expiration_s)
             except Exception:  # noqa: BLE001 - a failed publish is retried next period
                 logger.warning("publishing the swarm summary failed", exc_info=True)

@@ -35,8 +35,9 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from petals_chain.swarm.keys import assignment_key, check_prefix, servers_key, summary_key
-from petals_chain.swarm.records import AssignmentRecord, ServerRecord, SummaryRecord, SwarmSchemaV1
+from petals_chain.swarm.keys import DIRECTORY_KEY, assignment_key, check_prefix, servers_key, summary_key
+from petals_chain.swarm.records import (AssignmentRecord, DirectoryRecord, DirectorySchemaV1, ServerRecord,
+                                        SummaryRecord, SwarmSchemaV1)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,14 @@ class _SwarmSchemaValidator(SchemaValidator):
         }
 
 
+class _DirectorySchemaValidator(SchemaValidator):
+    """SchemaValidator for the swarm directory key ``petals-chain.swarms``."""
+
+    def __init__(self):
+        super().__init__(DirectorySchemaV1, allow_extra_keys=True)
+        self._key_id_to_field_name = {DHTID.generate(source=DIRECTORY_KEY).to_bytes(): "swarms"}
+
+
 class SwarmDHT:
     """A hivemind DHT node with the swarm's validators; see the module docstring for the trust model."""
 
@@ -137,7 +146,8 @@ class SwarmDHT:
             dht_kwargs.setdefault("check_if_identity_free", False)
         private_key = load_identity(identity_path)
         prefixes = [check_prefix(prefix)] if prefix is not None else []
-        validators = [RSASignatureValidator(private_key)] + [_SwarmSchemaValidator(p) for p in prefixes]
+        validators = ([RSASignatureValidator(private_key), _DirectorySchemaValidator()]
+                      + [_SwarmSchemaValidator(p) for p in prefixes])
         try:
             dht = DHT(
                 initial_peers=list(initial_peers or []),
@@ -292,6 +302,31 @@ class SwarmDHT:
     async def afetch_summary(self, prefix: str, trusted: Sequence[str]) -> Optional[dict]:
         self._ensure_prefix(prefix)
         return self._parse_summary(await self.dht.get(summary_key(prefix), latest=True, return_future=True), trusted)
+
+    # ---- swarm directory ----
+
+    def publish_directory(self, prefix: str, model: str, http_url: str, expiration_s: float, *,
+                          return_future: bool = False):
+        """Announce (signed) that this orchestrator runs the swarm ``prefix`` serving ``model`` at ``http_url``."""
+        record = DirectoryRecord(orchestrator_peer_id=self.peer_id, dht_prefix=check_prefix(prefix),
+                                 model=str(model)[:512], http_url=str(http_url)[:512])
+        return self._store(DIRECTORY_KEY, record.to_value(), expiration_s, return_future)
+
+    def fetch_directory(self, trusted: Sequence[str]) -> list[DirectoryRecord]:
+        """Directory entries signed by trusted orchestrators (newest first); forged or unsigned ones are dropped."""
+        trusted = set(trusted)
+        out = []
+        for owner_peer, value in self._owned_entries(self.dht.get(DIRECTORY_KEY, latest=True)):
+            if owner_peer not in trusted:
+                continue
+            try:
+                record = DirectoryRecord.model_validate(value)
+                check_prefix(record.dht_prefix)
+            except Exception:  # noqa: BLE001 - a malformed entry is simply not listed
+                continue
+            if record.orchestrator_peer_id == owner_peer:
+                out.append(record)
+        return sorted(out, key=lambda r: -r.timestamp)
 
     def shutdown(self) -> None:
         """Stop the DHT process (and its p2pd)."""

@@ -5,6 +5,8 @@ Keys (DESIGN.md "DHT records"):
 * ``{prefix}.servers``    — subkey: the server's owner key ``[owner:ssh-rsa ...]``; value: a :class:`ServerRecord`.
 * ``{prefix}.assignment`` — subkey: the orchestrator's owner key; value: an :class:`AssignmentRecord`.
 * ``{prefix}.summary``    — subkey: the orchestrator's owner key; value: the ``GET /api/v1/swarm`` JSON.
+* ``petals-chain.swarms``  — subkey: an orchestrator's owner key; value: a :class:`DirectoryRecord` naming
+  the swarm it runs (prefix, model, HTTP URL), so a dashboard needs only ``--initial-peers``.
 """
 
 from __future__ import annotations
@@ -48,3 +50,11 @@ def assignment_key(prefix: str) -> str:
 def summary_key(prefix: str) -> str:
     """Key holding the orchestrator's signed swarm summary (what the dashboard shows)."""
     return f"{check_prefix(prefix)}.summary"
+
+
+DIRECTORY_KEY = "petals-chain.swarms"  # swarm directory: one signed entry per orchestrator
+
+
+def directory_key() -> str:
+    """Key of the swarm directory (subkey = an orchestrator's owner key; value = its DirectoryRecord)."""
+    return DIRECTORY_KEY

@@ -107,6 +107,21 @@ class SummaryRecord(pydantic.BaseModel):
         return self.model_dump()
 
 
+class DirectoryRecord(pydantic.BaseModel):
+    """An orchestrator's entry in the swarm directory: which swarm (DHT prefix, model) it runs, and where."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
+    dht_prefix: str = pydantic.Field(min_length=1, max_length=128)
+    model: str = pydantic.Field(max_length=512)
+    http_url: str = pydantic.Field(default="", max_length=512)
+    timestamp: float = pydantic.Field(default_factory=time.time)
+
+    def to_value(self) -> dict:
+        return self.model_dump()
+
+
 # ---- pydantic.v1 schemas for hivemind's SchemaValidator (strict types: no conversions allowed) ----
 
 
@@ -156,6 +171,23 @@ class _SummaryValueV1(pv1.BaseModel):
         extra = pv1.Extra.forbid
 
 
+class _DirectoryValueV1(pv1.BaseModel):
+    orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
+    dht_prefix: pv1.constr(strict=True, min_length=1, max_length=128)
+    model: pv1.constr(strict=True, max_length=512)
+    http_url: pv1.constr(strict=True, max_length=512)
+    timestamp: pv1.StrictFloat
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
+class DirectorySchemaV1(pv1.BaseModel):
+    """The swarm directory key; every entry signed by the orchestrator that wrote it."""
+
+    swarms: Dict[BytesWithPublicKey, _DirectoryValueV1]
+
+
 class SwarmSchemaV1(pv1.BaseModel):
     """One field per key suffix; every subkey must carry an owner key (``[owner:...]``), so every entry is signed."""
 
@@ -164,4 +196,5 @@ class SwarmSchemaV1(pv1.BaseModel):
     summary: Dict[BytesWithPublicKey, _SummaryValueV1]
 
 
-__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "SwarmSchemaV1", "RECORD_VERSION", "STATES"]
+__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "DirectoryRecord", "SwarmSchemaV1", "DirectorySchemaV1",
+           "RECORD_VERSION", "STATES"]
