@@ -304,6 +304,12 @@ def main(argv=None) -> int:
     if args.requests < 1 or not (args.time_scale > 0) or args.fast < 0 or args.slow < 0 or args.fast + args.slow < 1:
         p.error("need --requests >= 1, --time-scale > 0 and at least one server")
 
+    import signal
+
+    def _terminate(signum, frame):  # SIGTERM: unwind, so every LocalSwarm stops its processes (p2pd included)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
     from petals_chain.sim import data as simdata
 
     trace, l_in, l_out, capped = load_requests(args.requests, args.trace, args.seed)
