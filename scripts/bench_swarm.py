@@ -286,7 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--rtt-file", default=None, help="RIPE Atlas CSV (default ../shared/data/..., else synthetic)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--request-timeout", type=float, default=1800.0)
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take before it counts as failed (default 1800; quick 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
     p.add_argument("--out", default=None, help="also write the JSON (with per-request response times) here")
     p.add_argument("--no-progress", action="store_true")
@@ -301,6 +302,7 @@ def main(argv=None) -> int:
     args.requests = args.requests or (40 if args.quick else 1000)
     args.time_scale = args.time_scale or (4.0 if args.quick else 1.0)
     args.progress = not args.no_progress
+    args.request_timeout = args.request_timeout or (300.0 if args.quick else 1800.0)
     if args.requests < 1 or not (args.time_scale > 0) or args.fast < 0 or args.slow < 0 or args.fast + args.slow < 1:
         p.error("need --requests >= 1, --time-scale > 0 and at least one server")
 

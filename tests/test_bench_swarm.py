@@ -15,7 +15,7 @@ KEYS = ("mean_response_s", "median_response_s", "p95_response_s", "p99_response_
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(960)
 def test_bench_swarm_quick_accounts_for_every_request(tmp_path):
     n = 6
     out = tmp_path / "bench.json"
