@@ -85,6 +85,17 @@ def load_identity(identity_path: str) -> RSAPrivateKey:
     return key
 
 
+async def _blocking_command_pipe(dht: DHT, node: Any) -> bool:
+    """Runs in the DHT process: make its command pipe blocking again.
+
+    uvloop's ``add_reader`` leaves the pipe non-blocking, so a command larger than one pipe write (>16 KiB
+    pickled, e.g. a swarm summary) can be read half-written: ``recv`` raises EAGAIN, hivemind 1.1.12 logs it
+    and reads on mid-message, and the DHT process dies (EOFError) -- every later DHT call hangs. Blocking reads
+    wait the microseconds until the writer finishes the message."""
+    os.set_blocking(dht._inner_pipe.fileno(), True)
+    return True
+
+
 class _SwarmSchemaValidator(SchemaValidator):
     """SchemaValidator for the keys ``{prefix}.servers|assignment|summary`` (hivemind's own prefix uses '_')."""
 
@@ -165,6 +176,7 @@ class SwarmDHT:
         if temp_identity is not None:  # p2pd has read it; the key lives on in memory only
             os.unlink(temp_identity)
             temp_identity = None
+        dht.run_coroutine(_blocking_command_pipe)
         return cls(dht, private_key, temp_identity, prefixes)
 
     # ---- plumbing ----

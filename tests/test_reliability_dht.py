@@ -1,0 +1,24 @@
+"""Regression: large DHT commands (a swarm summary of hundreds of KiB) must not kill the DHT process.
+
+hivemind 1.1.12 reads its command pipe non-blocking (uvloop add_reader); a command bigger than one pipe write
+was read half-written and the DHT process died, after which the orchestrator hung (found by scripts/chaos.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+from petals_chain.swarm.dht import SwarmDHT
+
+
+def test_large_summaries_keep_the_dht_alive():
+    sd = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], prefix="big")
+    try:
+        summary = {"model": "big", "history": [{"t": time.time() + i, "response_s": 0.123456789, "wait_s": 0.1,
+                                                "service_s": 0.2} for i in range(2000)]}
+        for i in range(30):
+            assert sd.publish_summary("big", {**summary, "n": i}, 30, return_future=True).result(timeout=30)
+        assert sd.dht.is_alive()
+        assert sd.fetch_summary("big", trusted=[sd.peer_id])["n"] == 29
+    finally:
+        sd.shutdown()
