@@ -108,6 +108,7 @@ def run_load_with_churn(swarm: LocalSwarm, prompts: list[list[int]], reference: 
     dead: dict[str, float] = {}  # name -> time of death
     t_start = time.monotonic()
     next_kill = t_start + kill_interval_s
+    restart_retries = 0
     while time.monotonic() - t_start < duration_s:
         now = time.monotonic()
         for name, t_dead in list(dead.items()):
@@ -115,6 +116,12 @@ def run_load_with_churn(swarm: LocalSwarm, prompts: list[list[int]], reference: 
                 restart_server(swarm, name)
                 del dead[name]
                 log(f"restarted {name}")
+        for name, proc in list(swarm.servers.items()):
+            # A restarted server that exits (e.g. could not join in time) is restarted again, as a supervisor would.
+            if name not in dead and not proc.alive():
+                restart_retries += 1
+                restart_server(swarm, name)
+                log(f"{name} exited after its restart; restarted again")
         if now >= next_kill:
             alive = [n for n, p in swarm.servers.items() if p.alive() and n not in dead]
             if len(alive) > min_alive:
@@ -143,7 +150,7 @@ def run_load_with_churn(swarm: LocalSwarm, prompts: list[list[int]], reference: 
     identical = sum(1 for r in ok if r["token_ids"] == reference[r["prompt"]])
     errors = [r["error"] for r in results if r.get("status") != 200][:5]
     return {"requests": len(results), "completed": len(ok), "identical_to_reference": identical,
-            "kills": len(kills), "restarts": len(kills), "failovers": sum(r.get("failovers", 0) for r in ok),
+            "kills": len(kills), "restarts": len(kills), "restart_retries": restart_retries, "failovers": sum(r.get("failovers", 0) for r in ok),
             "p50_response_s": percentile([r["response_s"] for r in ok], 0.5),
             "p95_response_s": percentile([r["response_s"] for r in ok], 0.95),
             "duration_s": duration_s, "concurrency": concurrency, "max_tokens": max_tokens,
