@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-tokens-per-block", type=int, default=0,
                    help="cap the KV cache at this many tokens per hosted block, as PETALS' fixed attention cache "
                         "(0: every byte left after the blocks, Eq. 3)")
+    p.add_argument("--no-batching", action="store_true",
+                   help="run each session's step alone instead of batching concurrent sessions (for comparisons)")
     p.add_argument("--max-waiters", type=int, default=256,
                    help="opens that may wait for slots at once (opens with wait_s > 0; FIFO)")
     p.add_argument("--max-wait-s", type=float, default=600.0, help="longest wait for slots an open may ask for")
@@ -96,6 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             drain_timeout_s=args.drain_timeout_s, progress=False if args.no_progress else None,
             emulate_step_ms=args.emulate_step_ms, emulate_prefill_ms_per_token=args.emulate_prefill_ms_per_token,
             emulate_decode_ms=args.emulate_decode_ms, cache_tokens_per_block=args.cache_tokens_per_block,
+            batching=not args.no_batching,
             max_waiters=args.max_waiters, max_wait_s=args.max_wait_s)
         server = Server(cfg)
     except (ValueError, OSError) as e:

@@ -67,6 +67,7 @@ class ServerConfig:
     emulate_prefill_ms_per_token: float = 0.0  # t_I, ms per block per token of a multi-token step
     emulate_decode_ms: float = 0.0  # t_O, ms per block per token of a one-token step
     cache_tokens_per_block: int = 0  # > 0: PETALS-style fixed cache, at most this many tokens per block
+    batching: bool = True  # run concurrent sessions' steps together (one forward per block); False: one at a time
     max_waiters: int = 256  # opens waiting for slots (wait_s > 0), FIFO
     max_wait_s: float = 600.0
 
@@ -309,6 +310,7 @@ class Server:
             "emulate_step_ms": self.cfg.emulate_step_ms,
             "emulate_prefill_ms_per_token": self.cfg.emulate_prefill_ms_per_token,
             "emulate_decode_ms": self.cfg.emulate_decode_ms, "cache_tokens_per_block": self.cfg.cache_tokens_per_block,
+            "batching": self.cfg.batching,
             "admission": self.admission.stats(),
         }
 
@@ -387,7 +389,7 @@ class Server:
             runner = await loop.run_in_executor(None, lambda: BlockRunner(
                 self.model_path, start, num, num_slots=slots, max_length=max_length, dtype=self.torch_dtype,
                 device=self.cfg.device, quant=self.cfg.quant, compute_scale=self.cfg.emulate_compute_scale,
-                config=self.config, progress=self.cfg.progress))
+                config=self.config, progress=self.cfg.progress, batching=self.cfg.batching))
         except Exception:
             logger.exception("loading the assigned blocks failed")
             await self.publish()
