@@ -175,12 +175,19 @@ def test_churn_every_request_completes_identically(swarm, prompts_ref):
     assert rep["kills"] >= 2
     assert rep["requests"] > 0 and rep["completed"] == rep["requests"], rep["errors"]
     assert rep["identical_to_reference"] == rep["requests"]
-    swarm.wait_ready(timeout=180)  # the restarted servers rejoin
+    all_online(swarm)  # the restarted servers rejoin
+
+
+def all_online(sw, timeout: float = 180.0) -> dict:
+    names = set(sw.servers)
+    return sw.wait_until(lambda st: st.get("ready") and names <= {s["public_name"] for s in st["servers"]
+                                                                  if s["state"] == "online"},
+                         timeout, "every server online")
 
 
 def test_orchestrator_restart_same_identity(swarm, prompts_ref):
     prompts, ref = prompts_ref
-    before = swarm.swarm()
+    before = all_online(swarm)
     peer_id, url = swarm.orchestrator_peer_id, swarm.url
     spans_before = {s["public_name"]: (s["start_block"], s["num_blocks"]) for s in before["servers"]
                     if s["state"] == "online"}
@@ -214,7 +221,7 @@ def test_orchestrator_restart_same_identity(swarm, prompts_ref):
     t0 = time.monotonic()
     swarm.start_orchestrator(timeout=180)
     assert swarm.orchestrator_peer_id == peer_id and swarm.url == url
-    swarm.wait_ready(timeout=180)
+    all_online(swarm)
     resumed_s = time.monotonic() - t0
     after = swarm.swarm()
     spans_after = {s["public_name"]: (s["start_block"], s["num_blocks"]) for s in after["servers"]
