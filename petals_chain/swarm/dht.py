@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 from typing import Any, Iterable, Optional, Sequence
 
 import multihash
@@ -83,6 +84,21 @@ def load_identity(identity_path: str) -> RSAPrivateKey:
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": proto.data})  # loads the DER key (public hivemind pickling path)
     return key
+
+
+class _LockedConnection:
+    """A multiprocessing connection whose ``send`` is atomic across threads."""
+
+    def __init__(self, conn: Any):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
 
 
 async def _blocking_command_pipe(dht: DHT, node: Any) -> bool:
@@ -176,6 +192,9 @@ class SwarmDHT:
         if temp_identity is not None:  # p2pd has read it; the key lives on in memory only
             os.unlink(temp_identity)
             temp_identity = None
+        # hivemind sends commands without a lock; commands from several threads (asyncio.to_thread) interleave
+        # their bytes when larger than one pipe write and the DHT process dies on the garbled stream.
+        dht._outer_pipe = _LockedConnection(dht._outer_pipe)
         dht.run_coroutine(_blocking_command_pipe)
         return cls(dht, private_key, temp_identity, prefixes)
 
