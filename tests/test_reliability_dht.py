@@ -35,7 +35,8 @@ def test_large_commands_from_several_threads_keep_the_dht_alive():
     def work() -> None:
         for _ in range(10):
             try:
-                assert sd.publish_summary("big", summary, 30, return_future=True).result(timeout=30)
+                # False is fine (a concurrent store with a later expiration won); an exception or a hang is not.
+                sd.publish_summary("big", summary, 30, return_future=True).result(timeout=30)
             except Exception as e:  # noqa: BLE001
                 errors.append(repr(e))
                 return
