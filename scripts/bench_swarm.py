@@ -103,7 +103,7 @@ def load_requests(n: int, trace_path: str | None, seed: int):
 
 
 def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale: float, l_in_mean: float,
-                 l_out_mean: float, petals: bool, n_fast: int, n_slow: int):
+                 l_out_mean: float, petals: bool, n_fast: int, n_slow: int, batching: bool = True):
     from petals_chain.swarm.local import LocalServer
 
     specs, described = [], []
@@ -120,6 +120,8 @@ def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale:
                  "--refresh-s", "2", "--assignment-poll-s", "0.5", "--drain-timeout-s", "5"]
         if petals:
             extra += ["--cache-tokens-per-block", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH)]
+        if not batching:
+            extra += ["--no-batching"]
         name = f"{'fast' if j < n_fast else 'slow'}{j}"
         specs.append(LocalServer(name, memory_bytes=int(gpu["memory_slots"] * s_c), emulate_rtt_ms=rtt,
                                  tau_p=tau_p_s / time_scale, extra_args=extra))
@@ -202,7 +204,8 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
     rate = float(trace.rate) * args.time_scale
     specs, described = server_specs(model_path, s_c, rtts, time_scale=args.time_scale,
                                     l_in_mean=float(np.mean(l_in)), l_out_mean=float(np.mean(l_out)),
-                                    petals=policy == "petals", n_fast=args.fast, n_slow=args.slow)
+                                    petals=policy == "petals", n_fast=args.fast, n_slow=args.slow,
+                                    batching=not args.no_batching)
     orch_args = ["--placement", placement, "--dispatch", dispatch, "--replan-interval-s", "1000000",
                  "--petals-cache-tokens", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH),
                  "--route-wait-s", str(3600), "--log-level", "WARNING"]
@@ -291,6 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
     p.add_argument("--out", default=None, help="also write the JSON (with per-request response times) here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-batching", action="store_true",
+                   help="servers run each session's step alone (issue 7's with/without-batching comparison)")
     p.add_argument("--plot", default=None, help="write a CDF plot of response times (PNG) here")
     p.add_argument("--plot-from", default=None, help="only plot, from a previous --out JSON")
     args = p.parse_args(argv)
@@ -329,7 +334,7 @@ def main(argv=None) -> int:
             "paper_max_length": PAPER_MAX_LENGTH, "token_scale": TOKEN_SCALE, "real_max_length": REAL_MAX_LENGTH,
             "mean_l_in": float(np.mean(l_in)), "mean_l_out": float(np.mean(l_out)),
             "s_m_bytes": s_m, "s_c_bytes": s_c, "s_m_over_s_c": s_m / s_c, "llama2_7b_s_m_over_s_c": S_M_OVER_S_C,
-            "petals_cache_slots_per_block": PETALS_CACHE_SLOTS, "rtt_source": anchors.source
+            "petals_cache_slots_per_block": PETALS_CACHE_SLOTS, "server_batching": not args.no_batching, "rtt_source": anchors.source
             if hasattr(anchors, "source") else str(args.rtt_file or "default"),
             "servers": described, "times_in": "seconds of the uncompressed trace (measured x time_scale)",
         }
