@@ -37,16 +37,22 @@ from petals_chain.server.runner import BlockRunner
 from petals_chain.swarm.tiny_model import build_tiny_model
 
 
-def decode_rate(runner: BlockRunner, sessions: int, prefix: int, steps: int, seed: int = 0) -> tuple[float, float]:
-    """(steps/s, mean rows per batch) of ``sessions`` threads each doing ``steps`` decode steps after a
-    ``prefix``-token prefill. Rows per batch is 1 for an unbatched runner."""
+def _open_prefilled(runner: BlockRunner, sessions: int, prefix: int, seed: int, tag: str):
+    """Open ``sessions`` sessions over the runner's whole span, prefill ``prefix`` random tokens in each;
+    returns (session ids, one random decode input per session)."""
     H, L = runner.hidden_size, runner.end_block
     g = torch.Generator().manual_seed(seed)
-    sids = [f"bench{seed}-{i}" for i in range(sessions)]
+    sids = [f"{tag}{seed}-{i}" for i in range(sessions)]
     for sid in sids:
         runner.allocate(sid, runner.start_block, L)
         runner.forward(sid, torch.randn(1, prefix, H, generator=g), 0)
-    tokens = [torch.randn(1, 1, H, generator=g) for _ in sids]
+    return sids, [torch.randn(1, 1, H, generator=g) for _ in sids]
+
+
+def decode_rate(runner: BlockRunner, sessions: int, prefix: int, steps: int, seed: int = 0) -> tuple[float, float]:
+    """(steps/s, mean rows per batch) of ``sessions`` threads each doing ``steps`` decode steps after a
+    ``prefix``-token prefill. Rows per batch is 1 for an unbatched runner."""
+    sids, tokens = _open_prefilled(runner, sessions, prefix, seed, "bench")
     b0, r0 = runner.scheduler.batches, runner.scheduler.rows  # count decode batches only
     barrier = threading.Barrier(sessions + 1)
     errors: list[BaseException] = []
@@ -82,13 +88,7 @@ def async_decode_rate(runner: BlockRunner, sessions: int, prefix: int, steps: in
     server's shape: one loop thread, no executor)."""
     import asyncio
 
-    H, L = runner.hidden_size, runner.end_block
-    g = torch.Generator().manual_seed(seed)
-    sids = [f"async{seed}-{i}" for i in range(sessions)]
-    for sid in sids:
-        runner.allocate(sid, runner.start_block, L)
-        runner.forward(sid, torch.randn(1, prefix, H, generator=g), 0)
-    tokens = [torch.randn(1, 1, H, generator=g) for _ in sids]
+    sids, tokens = _open_prefilled(runner, sessions, prefix, seed, "async")
 
     async def one(i: int) -> None:
         x = tokens[i]
