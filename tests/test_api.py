@@ -140,8 +140,10 @@ def test_client_disconnect_cancels_queued_request(model_path):
                 with pytest.raises(httpx.ReadTimeout):  # no servers: the request waits in the queue
                     await c.post("/v1/completions", json={"model": orch.model_id, "prompt": "hi", "max_tokens": 2})
             assert orch.dispatch.queue_length == 1
-            for _ in range(50):
-                if orch.dispatch.queue_length == 0:
+            # The queue entry goes first (inner wait_for task), the failure is counted when the outer
+            # generate() unwinds a loop iteration later: wait for both.
+            for _ in range(100):
+                if orch.dispatch.queue_length == 0 and orch.stats.failed == 1:
                     break
                 await asyncio.sleep(0.1)
             assert orch.dispatch.queue_length == 0 and orch.stats.failed == 1
