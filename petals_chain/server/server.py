@@ -110,7 +110,8 @@ class Server:
         self.prefix = check_prefix(cfg.dht_prefix) if cfg.dht_prefix else default_dht_prefix(cfg.model)
         if cfg.max_length is not None and cfg.max_length < 1:
             raise ValueError("--max-length must be >= 1")
-        self.trusted: set[str] = set(cfg.trust_orchestrator) or set(peer_ids_from_maddrs(cfg.initial_peers))
+        self._initial_peer_ids = peer_ids_from_maddrs(cfg.initial_peers)
+        self.trusted: set[str] = set(cfg.trust_orchestrator) or set(self._initial_peer_ids)
         if not self.trusted and not cfg.allow_any_client:
             logger.warning("no trusted orchestrator (no --trust-orchestrator, no /p2p/ id in --initial-peers): "
                            "this server will never receive an assignment")
@@ -118,6 +119,8 @@ class Server:
         self.state = "joining"
         self.epoch = -1
         self.assignment_timestamp = 0.0
+        self._applied_content: tuple = ()
+        self.rejoins = 0  # times a lost initial peer (the orchestrator) answered again and we re-announced
         self.span: Optional[tuple[int, int]] = None
         self.max_length = cfg.max_length or DEFAULT_MAX_LENGTH
         self.runner = None
@@ -310,7 +313,7 @@ class Server:
             "emulate_step_ms": self.cfg.emulate_step_ms,
             "emulate_prefill_ms_per_token": self.cfg.emulate_prefill_ms_per_token,
             "emulate_decode_ms": self.cfg.emulate_decode_ms, "cache_tokens_per_block": self.cfg.cache_tokens_per_block,
-            "batching": self.cfg.batching,
+            "batching": self.cfg.batching, "rejoins": self.rejoins,
             "admission": self.admission.stats(),
         }
 
@@ -338,9 +341,18 @@ class Server:
             for sid in list(self.sessions):
                 self.close_session(sid)
 
+    @staticmethod
+    def _assignment_content(asg: AssignmentRecord) -> tuple:
+        return asg.max_length, tuple(sorted((k, tuple(v)) for k, v in asg.assignments.items()))
+
     def is_new_assignment(self, asg: AssignmentRecord) -> bool:
-        """A higher epoch, or a lower one published later (the orchestrator restarted and counts anew)."""
-        return asg.epoch > self.epoch or (asg.epoch < self.epoch and asg.timestamp > self.assignment_timestamp)
+        """A higher epoch; or, published later than the one we follow, a lower epoch or the same epoch with other
+        spans (a restarted orchestrator counts its epochs anew from 1)."""
+        if asg.epoch > self.epoch:
+            return True
+        if asg.timestamp <= self.assignment_timestamp:
+            return False
+        return asg.epoch < self.epoch or self._assignment_content(asg) != self._applied_content
 
     async def apply_assignment(self, asg: AssignmentRecord) -> None:
         """Follow a (new-epoch) assignment: reload only if our span or max_length changes."""
@@ -351,6 +363,7 @@ class Server:
         logger.info(f"assignment epoch {asg.epoch}: span {span}, max_length {max_length}")
         self.epoch = asg.epoch
         self.assignment_timestamp = asg.timestamp
+        self._applied_content = self._assignment_content(asg)
         if span == self.span and max_length == self.max_length and (self.runner is not None or span is None):
             logger.info("same span and max_length: keeping the loaded blocks (no reload)")
             self._record_dirty.set()
@@ -462,6 +475,7 @@ class Server:
             now = loop.time()
             if now >= next_poll:
                 next_poll = now + self.cfg.assignment_poll_s
+                await self._rejoin()
                 try:
                     asg = await self.sd.afetch_assignment(self.prefix, sorted(self.trusted))
                 except Exception as e:  # noqa: BLE001
@@ -478,6 +492,24 @@ class Server:
             await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             for w in waiters:
                 w.cancel()
+
+    async def _rejoin(self) -> None:
+        """Re-bootstrap to the initial peers our DHT node has dropped, then re-announce at once.
+
+        hivemind drops a peer from the routing table after one failed RPC and never pings its initial peers
+        again; an orchestrator restarted with the same identity and address (an empty DHT of its own) would
+        never see our record otherwise (see :meth:`SwarmDHT.arejoin`)."""
+        try:
+            timeout_s = max(1.0, self.cfg.assignment_poll_s)
+            back = await asyncio.wait_for(self.sd.arejoin(self._initial_peer_ids, timeout_s=timeout_s),
+                                          2 * timeout_s + 5.0)
+        except Exception as e:  # noqa: BLE001 - a DHT hiccup must not kill the server
+            logger.warning(f"re-bootstrapping to the initial peers failed: {e}")
+            return
+        if back:
+            self.rejoins += 1
+            logger.info(f"initial peer(s) {', '.join(p[:12] for p in back)} answer again: re-announcing our record")
+            self._record_dirty.set()
 
     async def _shutdown(self, handler) -> None:
         logger.info("shutting down")

@@ -17,6 +17,9 @@ pydantic.v1 schema exactly (:class:`~petals_chain.swarm.records.SwarmSchemaV1`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -112,6 +115,39 @@ async def _blocking_command_pipe(dht: DHT, node: Any) -> bool:
     return True
 
 
+async def _rejoin_peers(dht: DHT, node: Any, peer_ids: tuple[str, ...], timeout_s: float) -> list[str]:
+    """Runs in the DHT process: ping each of ``peer_ids`` that is missing from the routing table.
+
+    Why this is needed: hivemind deletes a peer from the routing table when one RPC to it fails, and it pings
+    its initial peers only once, in ``DHTNode.create``. A node learns a peer again only from that peer's own
+    RPCs or from a neighbour's answer naming it. An orchestrator restarted at the same address with the same
+    identity has an empty routing table (it has no initial peers of its own), so it never calls anyone and
+    no neighbour knows it: the two sides never meet again. A ping from us puts the peer back into our table
+    (``call_ping``) and puts us into its table (its ``rpc_ping``), after which our stores reach it. Returns the
+    peers that answered."""
+    table = node.protocol.routing_table
+    missing = []
+    for raw in peer_ids:
+        try:
+            peer = PeerID.from_base58(raw)
+        except Exception:  # noqa: BLE001 - a malformed id in the initial peers is simply not pinged
+            continue
+        if peer != node.peer_id and table.get(peer_id=peer) is None:
+            missing.append(peer)
+    if not missing:
+        return []
+    answers = await asyncio.gather(*(asyncio.wait_for(node.protocol.call_ping(peer), timeout_s) for peer in missing),
+                                   return_exceptions=True)
+    back = [peer for peer, answer in zip(missing, answers) if isinstance(answer, DHTID)]
+    for peer in back:
+        node.blacklist.register_success(peer)  # failures while it was down banned it from lookups (backoff)
+    if back:
+        await asyncio.sleep(0)  # call_ping adds the peer to the routing table in a task of its own
+        with contextlib.suppress(Exception):  # refill the table around our own id through the peers we found
+            await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout_s)
+    return [peer.to_base58() for peer in back]
+
+
 class _SwarmSchemaValidator(SchemaValidator):
     """SchemaValidator for the keys ``{prefix}.servers|assignment|summary`` (hivemind's own prefix uses '_')."""
 
@@ -205,6 +241,18 @@ class SwarmDHT:
 
     async def replicate_p2p(self) -> P2P:
         return await self.dht.replicate_p2p()
+
+    async def arejoin(self, peer_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+        """Ping those of ``peer_ids`` (base58, e.g. the initial peers) that are not in our routing table.
+
+        Call it periodically: a peer that stopped answering was dropped from the table and is found again here
+        once it is back (same identity and address), even if it restarted with an empty DHT. Returns the peer
+        ids that answered (we are in their routing tables now; re-store records so they hold them)."""
+        peer_ids = tuple(p for p in peer_ids if p and p != self.peer_id)
+        if not peer_ids:
+            return []
+        return await self.dht.run_coroutine(functools.partial(_rejoin_peers, peer_ids=peer_ids, timeout_s=timeout_s),
+                                            return_future=True)
 
     def _ensure_prefix(self, prefix: str) -> None:
         check_prefix(prefix)
