@@ -42,12 +42,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-POLICIES = {  # name -> (placement, dispatch)
-    "petals": ("petals", "petals"),
-    "bprr": ("bprr", "bprr"),
-    "jffc-only": ("whole-model", "jffc"),
-    "proposed": ("gbp-cr", "jffc"),
+POLICIES = {  # name -> (placement, dispatch, extra orchestrator flags)
+    "petals": ("petals", "petals", []),
+    "bprr": ("bprr", "bprr", []),
+    "jffc-only": ("whole-model", "jffc", []),
+    "proposed": ("gbp-cr", "jffc", ["--spare-servers", "idle"]),  # the paper's Alg. 1: leftover servers idle
+    # ours: GBP-CR + every volunteer placed (the orchestrator's default) + GCA + JFFC
+    "proposed-all": ("gbp-cr", "jffc", ["--spare-servers", "use"]),
 }
+TABLE1 = ("petals", "bprr", "jffc-only", "proposed")  # the default set (the paper's Table 1)
 PAPER = {  # Table 1 (seconds)
     "petals": {"mean_response_s": 31.4, "p95_response_s": 68.5, "mean_wait_s": 24.2},
     "bprr": {"mean_response_s": 19.8, "p95_response_s": 44.2, "mean_wait_s": 12.6},
@@ -200,7 +203,7 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
                workdir: Path) -> dict:
     from petals_chain.swarm.local import LocalSwarm
 
-    placement, dispatch = POLICIES[policy]
+    placement, dispatch, policy_args = POLICIES[policy]
     rate = float(trace.rate) * args.time_scale
     specs, described = server_specs(model_path, s_c, rtts, time_scale=args.time_scale,
                                     l_in_mean=float(np.mean(l_in)), l_out_mean=float(np.mean(l_out)),
@@ -208,7 +211,7 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
                                     batching=not args.no_batching)
     orch_args = ["--placement", placement, "--dispatch", dispatch, "--replan-interval-s", "1000000",
                  "--petals-cache-tokens", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH),
-                 "--route-wait-s", str(3600), "--log-level", "WARNING"]
+                 "--route-wait-s", str(3600), "--log-level", "WARNING", *policy_args]
     log_dir = workdir / f"logs-{policy}"
     t_start = time.monotonic()
     swarm = LocalSwarm(model_path, specs, max_length=REAL_MAX_LENGTH, arrival_rate=rate,
@@ -282,7 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="CI-sized: 40 requests, time compressed 4x")
     p.add_argument("--requests", type=int, default=None, help="first N trace requests (default 1000; quick 40)")
     p.add_argument("--time-scale", type=float, default=None, help="compress time by this factor (default 1; quick 4)")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--policies", nargs="+", default=list(TABLE1), choices=list(POLICIES),
+                   help="default: the paper's four; 'proposed-all' adds ours (leftover servers get blocks)")
     p.add_argument("--fast", type=int, default=3, help="servers like MIG 3g.40gb")
     p.add_argument("--slow", type=int, default=6, help="servers like MIG 2g.20gb")
     p.add_argument("--trace", default=None, help="Azure code trace CSV (default ../shared/data/..., else synthetic)")

@@ -116,6 +116,8 @@ def test_gbp_cr_stops_when_rate_reached_and_rejects_bad_input():
     servers = [ServerSpec(f"s{j}", 4.4, 0.1, 0.1 * (1 + j)) for j in range(5)]  # each hosts all 4
     pl = gbp_cr(servers, model, 1, arrival_rate=0.01)
     assert list(pl) == ["s0"]
+    # our extension: the walk goes on over every server (the paper leaves s1..s4 idle)
+    assert dict(gbp_cr(servers, model, 1, 0.01, use_all_servers=True)) == {f"s{j}": (0, 4) for j in range(5)}
     assert gbp_cr_chain_count(servers, model, 1, 0.01) == 1
     assert gbp_cr_chain_count(servers, model, 1, 1e6) is None
     with pytest.raises(ValueError):

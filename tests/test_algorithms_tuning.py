@@ -13,10 +13,10 @@ from petals_chain.algorithms import (ModelSpec, ServerSpec, gbp_cr, gbp_cr_chain
                                      response_time_bounds, tune_capacity)
 
 
-def _brute(servers, model, lam, rho_bar, method):
+def _brute(servers, model, lam, rho_bar, method, use_all_servers=False):
     best = None
     for c in range(1, max_capacity(servers, model) + 1):
-        pl = gbp_cr(servers, model, c, lam, rho_bar)
+        pl = gbp_cr(servers, model, c, lam, rho_bar, use_all_servers=use_all_servers)
         chains = gca(servers, model, pl)
         if method == "surrogate":
             K = gbp_cr_chain_count(servers, model, c, lam, rho_bar)
@@ -50,6 +50,26 @@ def test_tune_capacity_equals_brute_force(seed, J, L, method, lam):
     assert dict(pl) == dict(best[2])
     assert chains == best[3]
     assert table[c] == best[0]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), J=st.integers(1, 10), L=st.integers(2, 16),
+       method=st.sampled_from(["lower", "upper"]), lam=st.floats(0.01, 3.0))
+def test_tune_capacity_use_all_servers_is_the_better_of_both_walks(seed, J, L, method, lam):
+    rng = np.random.default_rng(seed)
+    model = ModelSpec(L, 1.0, 0.25)
+    servers = [ServerSpec(f"s{j}", float(rng.choice([4.0, 8.0, 11.5, 16.0])), float(rng.uniform(0.0, 0.3)),
+                          float(rng.uniform(0.02, 0.3))) for j in range(J)]
+    every = _brute(servers, model, lam, 0.7, method, use_all_servers=True)
+    paper = _brute(servers, model, lam, 0.7, method)
+    if every is None or paper is None:
+        return
+    c, pl, chains, table = tune_capacity(servers, model, lam, 0.7, method, return_table=True, use_all_servers=True)
+    want = every if every[0] <= paper[0] * (1 + 1e-9) else paper
+    assert (c, dict(pl), chains, table[c]) == (want[1], dict(want[2]), want[3], want[0])
+    assert table[c] <= paper[0] * (1 + 1e-9)  # never predicts worse than the paper's GBP-CR
+    if want is every:  # every server that can hold a block at c* has one
+        assert set(pl) == {s.name for s in servers if s.memory >= model.block_size + model.cache_size * c}
 
 
 def test_tune_capacity_paper_parameters_fast_and_consistent():

@@ -266,3 +266,25 @@ def test_head_batcher_batches_ready_sessions_and_matches_unbatched():
             assert torch.allclose(out, head.logits(x.reshape(1, 1, -1))[0, -1], atol=1e-5)
         assert hb.rows == 12 and hb.batches < 12  # requests ready together shared a matmul
         hb.close()
+
+
+def test_planner_spare_servers_use_or_idle():
+    """At a light load the paper's GBP-CR needs one server; ``use_all_servers`` places the others too."""
+    from petals_chain.orchestrator.planner import Planner, ServerView
+
+    model = ModelSpec(num_blocks=8, block_size=10.0, cache_size=1.0)
+    views = [ServerView(peer_id=n, record=_FakeRecord(120.0, tp, name=n)) for n, tp in
+             [("a", 0.01), ("b", 0.02), ("c", 0.03)]]
+    for v in views:
+        v.rtt_s = 0.001
+    plans = {}
+    for use_all in (False, True):
+        pl = Planner(dht=None, prefix="x", client=None, max_length=64, on_chains=lambda c: None, arrival_rate=0.01,
+                     use_all_servers=use_all, model_spec_fallback=lambda: model)
+        plans[use_all] = pl.full_plan(views)
+    idle, every = plans[False], plans[True]
+    assert set(idle.placement) == {"a"}
+    assert set(every.placement) == {"a", "b", "c"}
+    assert sum(ch.capacity for ch in every.chains) > sum(ch.capacity for ch in idle.chains)
+    assert every.lower <= idle.lower * (1 + 1e-9)
+    assert every.chains[0].servers == ("a",)  # the fastest chain is still first for JFFC

@@ -123,7 +123,7 @@ def _server_arrays(servers: Sequence[ServerSpec]) -> tuple[np.ndarray, np.ndarra
 
 
 def gbp_cr(servers: Sequence[ServerSpec], model: ModelSpec, c: int, arrival_rate: float,
-           rho_bar: float = 0.7) -> Placement:
+           rho_bar: float = 0.7, *, use_all_servers: bool = False) -> Placement:
     """Block placement by GBP-CR (Alg. 1) for required capacity ``c``.
 
     Servers are visited by ascending amortized time ``t~_j(c) = t_j(c)/m_j(c)`` (ties: input order);
@@ -131,6 +131,10 @@ def gbp_cr(servers: Sequence[ServerSpec], model: ModelSpec, c: int, arrival_rate
     ``min(a, L - m_j(c))`` (0-based) so it is never truncated. The walk stops once the complete
     chains reach ``nu >= arrival_rate / (rho_bar c)`` (Eq. 10b); servers not visited, and servers
     that cannot hold one block (``m_j(c) = 0``), get no blocks.
+
+    ``use_all_servers`` (our extension, not in the paper) keeps walking past that point, so every
+    server that can hold a block gets one: the extra chains only add capacity behind the faster
+    ones (JFFC fills the fastest first), which absorbs bursts above the planned arrival rate.
     """
     _check_inputs(servers, model)
     _check_rate(arrival_rate, rho_bar)
@@ -138,7 +142,7 @@ def gbp_cr(servers: Sequence[ServerSpec], model: ModelSpec, c: int, arrival_rate
         raise ValueError(f"c must be a positive integer, got {c!r}")
     memory, tau_c, tau_p = _server_arrays(servers)
     seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c))
-    _, visited = seq.cut(arrival_rate / (rho_bar * c))
+    _, visited = seq.cut(math.inf if use_all_servers else arrival_rate / (rho_bar * c))
     idx, a, m = seq.placement_arrays(visited)
     return Placement({servers[i].name: (int(aj), int(mj)) for i, aj, mj in zip(idx.tolist(), a.tolist(), m.tolist())},
                      num_blocks=model.num_blocks)

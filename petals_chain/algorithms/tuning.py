@@ -32,8 +32,31 @@ def max_capacity(servers: Sequence[ServerSpec], model: ModelSpec) -> int:
 
 def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, rho_bar: float = 0.7,
                   method: str = "lower", *, c_range: tuple[int, int] | None = None,
-                  return_table: bool = False, prune: bool = True, segments: bool | None = None):
-    """Pick ``c`` for GBP-CR, then place (GBP-CR) and compose chains (GCA).
+                  return_table: bool = False, prune: bool = True, segments: bool | None = None,
+                  use_all_servers: bool = False):
+    """Pick ``c`` for GBP-CR, then place (GBP-CR) and compose chains (GCA); see ``_tune``.
+
+    ``use_all_servers`` (our extension; bound methods only) also tunes GBP-CR walking over every
+    server (``gbp_cr(use_all_servers=True)``) and returns that plan unless its objective is worse than
+    the paper's plan: GCA is greedy, so extra servers can (rarely) reshuffle the chains for the worse,
+    and the upper bound charges slow chains pessimistically. The table is the chosen variant's.
+    """
+    kw = dict(c_range=c_range, prune=prune, segments=segments)
+    if not use_all_servers or method == "surrogate":
+        out = _tune(servers, model, arrival_rate, rho_bar, method, return_table=True, walk_all=False, **kw)
+        return out if return_table else out[:3]
+    paper = _tune(servers, model, arrival_rate, rho_bar, method, return_table=True, walk_all=False, **kw)
+    every = _tune(servers, model, arrival_rate, rho_bar, method, return_table=True, walk_all=True, **kw)
+    obj_paper, obj_every = paper[3][paper[0]], every[3][every[0]]
+    better = every if not (obj_every > obj_paper * (1 + 1e-9)) else paper
+    return better if return_table else better[:3]
+
+
+def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, rho_bar: float = 0.7,
+          method: str = "lower", *, c_range: tuple[int, int] | None = None,
+          return_table: bool = False, prune: bool = True, segments: bool | None = None,
+          walk_all: bool = False):
+    """Pick ``c`` for GBP-CR (``walk_all``: the extended walk), then place and compose chains (GCA).
 
     * ``"lower"`` / ``"upper"``: minimize the Theorem 3.7 lower / upper bound on the mean response
       time of the GBP-CR + GCA chains (§3.2.3; the paper recommends ``"lower"``).
@@ -49,6 +72,7 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
     With ``segments`` (default: when ``c_max`` is 1024 or more, e.g. a small model on a large GPU) only
     the first ``c`` of each interval of identical placements is visited (exact, see below), and the
     table has only those ``c``.
+    ``walk_all`` places every server that can hold a block (``gbp_cr(use_all_servers=True)``).
     """
     _check_inputs(servers, model)
     _check_rate(arrival_rate, rho_bar)
@@ -71,6 +95,8 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
             seq = walks[wkey] = _ChainSequence.build(memory, tau_c, tau_p, model, c)
         target = arrival_rate / (rho_bar * c)
         K, visited = seq.cut(target)
+        if walk_all:
+            visited = seq.cut(math.inf)[1]
         pkey = (wkey, visited)
         keys[pkey] = seq
         return pkey, K, K > 0 and seq.nu[K - 1] >= target

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=_max_length, default=1024,
                    help="tokens per job (prompt + output); one cache slot holds this many")
     p.add_argument("--placement", default="gbp-cr", choices=list(PLACEMENTS))
+    p.add_argument("--spare-servers", default="use", choices=["use", "idle"],
+                   help="--placement gbp-cr: 'use' also gives blocks to the servers GBP-CR does not need for the "
+                        "arrival rate (more capacity behind the fastest chains, for bursts); 'idle' leaves them "
+                        "without blocks, exactly as the paper's Alg. 1")
     p.add_argument("--dispatch", default="jffc", choices=list(DISPATCHES))
     p.add_argument("--petals-cache-tokens", type=int, default=4096,
                    help="--placement petals: PETALS' fixed attention cache per block, in tokens")
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers,
         identity_path=args.identity_path, host=args.host, port=args.port, dtype=args.dtype,
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
-        dispatch=args.dispatch, dht_prefix=args.dht_prefix, model_id=args.model_id, settle_s=args.settle_s,
+        use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix, model_id=args.model_id, settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s

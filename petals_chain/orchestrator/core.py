@@ -59,6 +59,7 @@ class OrchestratorConfig:
     rho_bar: float = 0.7
     max_length: int = 1024
     placement: str = "gbp-cr"
+    use_all_servers: bool = True  # --spare-servers use: GBP-CR also places the servers the paper leaves idle
     dispatch: str = "jffc"
     dht_prefix: str | None = None
     model_id: str | None = None  # the id /v1/models lists; default: the DHT prefix
@@ -326,7 +327,8 @@ class Orchestrator:
         self.planner = Planner(
             dht=self.dht, prefix=self.prefix, client=self.client, max_length=self.cfg.max_length,
             on_chains=self._on_chains, arrival_rate=self.cfg.arrival_rate, rho_bar=self.cfg.rho_bar,
-            placement=self.cfg.placement, move_margin=self.cfg.move_margin, settle_s=self.cfg.settle_s,
+            placement=self.cfg.placement, use_all_servers=self.cfg.use_all_servers,
+            move_margin=self.cfg.move_margin, settle_s=self.cfg.settle_s,
             refresh_s=self.cfg.refresh_s, replan_interval_s=self.cfg.replan_interval_s,
             model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on,
             serialization_s=self.measure_serialization(), petals_cache_tokens=self.cfg.petals_cache_tokens,

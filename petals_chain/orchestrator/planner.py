@@ -81,6 +81,11 @@ class Plan:
         return self.lower
 
 
+def _total_rate(chains: Sequence[Chain]) -> float:
+    """``sum_k c_k mu_k`` (jobs/s): the service rate of ``chains`` when all are busy."""
+    return sum(ch.capacity / ch.service_time for ch in chains if ch.service_time > 0)
+
+
 class Planner:
     """Keeps the server view fresh, decides placements and chains, and feeds the dispatcher.
 
@@ -90,7 +95,7 @@ class Planner:
 
     def __init__(self, *, dht: Any, prefix: str, client: Any, max_length: int, on_chains: Callable[[list[Chain]], None],
                  arrival_rate: float | None = None, rho_bar: float = 0.7, placement: str = "gbp-cr",
-                 move_margin: float = 0.2, settle_s: float = 2.0, refresh_s: float = 1.0,
+                 use_all_servers: bool = False, move_margin: float = 0.2, settle_s: float = 2.0, refresh_s: float = 1.0,
                  replan_interval_s: float = 30.0, prior_tokens_per_job: float = 16.0,
                  serialization_s: float = 2e-4, assignment_expiration_s: float = 60.0,
                  model_spec_fallback: Callable[[], ModelSpec | None] | None = None,
@@ -105,6 +110,7 @@ class Planner:
         self.rates = RateEstimator()
         self.rho_bar = rho_bar
         self.placement_policy = placement
+        self.use_all_servers = use_all_servers  # gbp-cr: every server that can hold a block gets one
         self.move_margin = move_margin
         self.settle_s = settle_s
         self.refresh_s = refresh_s
@@ -221,7 +227,8 @@ class Planner:
         lam = max(self.arrival_rate, 1e-6)
         try:
             if self.placement_policy == "gbp-cr":
-                c, placement, chains = tune_capacity(specs, model, lam, rho_bar=self.rho_bar, method="lower")
+                c, placement, chains = tune_capacity(specs, model, lam, rho_bar=self.rho_bar, method="lower",
+                                                     use_all_servers=self.use_all_servers)
             else:
                 c, placement, chains = self._baseline_placement(specs, model)
         except ValueError as e:
@@ -422,7 +429,14 @@ class Planner:
         for v in unassigned:
             inc = self.incremental(views, Placement(dict(best.placement.items()), num_blocks=self.model_spec.num_blocks),
                                    v, self.plan.c)
-            if inc is not None and inc.lower < best.lower * (1 - 1e-9):
+            if inc is None:
+                continue
+            better = inc.lower < best.lower * (1 - 1e-9)
+            # Using every volunteer: a span that predicts no worse and adds capacity is taken too (the
+            # bound is flat when the swarm is lightly loaded, but capacity absorbs bursts).
+            adds = (self.use_all_servers and self.placement_policy == "gbp-cr" and inc.lower <= best.lower * (1 + 1e-9)
+                    and _total_rate(inc.chains) > _total_rate(best.chains) * (1 + 1e-9))
+            if better or adds:
                 best, reason = inc, f"join of {v.record.public_name or v.peer_id[:12]} (incremental)"
         full = self.full_plan(views)
         if full is not None and full.chains and full.lower < (1 - self.move_margin) * best.lower:

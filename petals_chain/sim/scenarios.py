@@ -42,6 +42,8 @@ GPU_FAST = {"memory": 40.0, "tflops": 120.0, "gb_per_ms": 1.02}
 GPU_SLOW = {"memory": 20.0, "tflops": 80.0, "gb_per_ms": 0.51}
 
 POLICIES = ("proposed", "petals", "bprr", "jffc-only")
+# Our extension: GBP-CR that also places the servers the paper leaves idle (``use_all_servers``).
+EXTRA_POLICIES = ("proposed-all",)
 DISPATCHERS = ("jffc", "jsq", "jiq", "sed", "sa-jsq")
 
 
@@ -173,18 +175,22 @@ def make_dispatcher(kind: str, chains: Sequence[Chain], rng: np.random.Generator
     raise ValueError(f"unknown dispatcher {kind!r}; choose from {DISPATCHERS}")
 
 
-def plan_proposed(scen: Scenario, c: int | None = DEFAULT_C, method: str = "lower") -> PlannedPolicy:
+def plan_proposed(scen: Scenario, c: int | None = DEFAULT_C, method: str = "lower", *,
+                  use_all_servers: bool = False) -> PlannedPolicy:
     """GBP-CR(c) + GCA + JFFC; ``c=None`` tunes ``c`` with ``tune_capacity(method)``."""
     from petals_chain.algorithms import gbp_cr, gca, tune_capacity
 
+    name = "proposed-all" if use_all_servers else "proposed"
     if c is None:
-        c, placement, chains = tune_capacity(scen.servers, scen.model, scen.arrival_rate, scen.rho_bar, method=method)
+        c, placement, chains = tune_capacity(scen.servers, scen.model, scen.arrival_rate, scen.rho_bar, method=method,
+                                             use_all_servers=use_all_servers)
     else:
-        placement = gbp_cr(scen.servers, scen.model, c=c, arrival_rate=scen.arrival_rate, rho_bar=scen.rho_bar)
+        placement = gbp_cr(scen.servers, scen.model, c=c, arrival_rate=scen.arrival_rate, rho_bar=scen.rho_bar,
+                           use_all_servers=use_all_servers)
         chains = gca(scen.servers, scen.model, placement) if covers_all_blocks(placement, scen.model) else []
     if not chains:
-        return PlannedPolicy("proposed", placement, feasible=False, c=c, note="GBP-CR cannot cover all blocks")
-    return PlannedPolicy("proposed", placement, chains=chains, c=c, make_dispatcher=lambda rng: make_dispatcher("jffc", chains, rng))
+        return PlannedPolicy(name, placement, feasible=False, c=c, note="GBP-CR cannot cover all blocks")
+    return PlannedPolicy(name, placement, chains=chains, c=c, make_dispatcher=lambda rng: make_dispatcher("jffc", chains, rng))
 
 
 def plan_jffc_only(scen: Scenario) -> PlannedPolicy:
@@ -254,13 +260,15 @@ def plan_policy(name: str, scen: Scenario, rng: np.random.Generator, *, c: int |
                 petals_cache_tokens: int = PETALS_CACHE_TOKENS, bprr_r: int = DEFAULT_BPRR_R) -> PlannedPolicy:
     if name == "proposed":
         return plan_proposed(scen, c=c)
+    if name == "proposed-all":
+        return plan_proposed(scen, c=c, use_all_servers=True)
     if name == "petals":
         return plan_petals(scen, rng, cache_tokens=petals_cache_tokens)
     if name == "bprr":
         return plan_bprr(scen, R=bprr_r)
     if name == "jffc-only":
         return plan_jffc_only(scen)
-    raise ValueError(f"unknown policy {name!r}; choose from {POLICIES}")
+    raise ValueError(f"unknown policy {name!r}; choose from {POLICIES + EXTRA_POLICIES}")
 
 
 def random_heterogeneous_swarm(num_servers: int, *, rng: np.random.Generator, eta: float = DEFAULT_ETA,
