@@ -239,6 +239,8 @@ def test_orchestrator_restart_same_identity(swarm, prompts_ref):
     rejoins = log_counts(swarm, REJOIN_LINE)
     rejoined = {name: rejoins[name] - rejoins_before[name] for name in rejoins}
     assert sum(rejoined.values()) >= 1, rejoined  # servers re-bootstrapped to the orchestrator (not a fluke)
+    after_settle = fuzz.settled(swarm.url)
+    assert after_settle["settled"], after_settle  # the killed orchestrator's in-flight session freed its slots
     report("orchestrator_restart", {"in_flight_error": got["result"], "resumed_s": round(resumed_s, 1),
                                     "served_s": round(served_s, 1), "spans_before": spans_before,
                                     "spans_after": spans_after, "block_loads": loads_after, "rejoins": rejoined})

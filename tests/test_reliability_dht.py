@@ -125,7 +125,7 @@ def test_rejoin_an_orchestrator_restarted_with_the_same_identity(tmp_path):
         server = SwarmDHT.create(initial_peers=orch.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], prefix="rj")
         assert server.publish_server("rj", _record(server, "s"), 30)
         assert orch.sees(["s"], 20)
-        assert asyncio.run(server.arejoin([orch_id])) == []  # in the table: nothing to do
+        assert server.rejoin([orch_id]) == []  # in the table: nothing to do (blocking form, as the dashboard uses)
         orch.kill()
         server.publish_server("rj", _record(server, "s"), 30)  # fails to reach it: hivemind drops the peer
         assert asyncio.run(server.arejoin([orch_id], timeout_s=2)) == []  # down: no answer

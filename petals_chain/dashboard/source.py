@@ -168,6 +168,13 @@ class DhtSwarmSource:
 
     def refresh(self) -> dict:
         """Fetch records and summary once and update the view (raises on DHT errors)."""
+        if self.initial_peers:  # find a restarted orchestrator again (SwarmDHT.arejoin says why this is needed)
+            from petals_chain.swarm.dht import peer_ids_from_maddrs
+
+            try:
+                self.sd.rejoin(peer_ids_from_maddrs(self.initial_peers))
+            except Exception as e:  # noqa: BLE001 - the records may still be readable through other peers
+                logger.debug(f"dashboard: re-bootstrap to the initial peers failed: {e!r}")
         records = self.sd.fetch_servers(self.prefix)
         summary = self.sd.fetch_summary(self.prefix, trusted=self.trusted) if self.trusted else None
         view = merge_view(self.prefix, records, summary, initial_peers=self.initial_peers)

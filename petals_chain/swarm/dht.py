@@ -254,6 +254,14 @@ class SwarmDHT:
         return await self.dht.run_coroutine(functools.partial(_rejoin_peers, peer_ids=peer_ids, timeout_s=timeout_s),
                                             return_future=True)
 
+    def rejoin(self, peer_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+        """Blocking :meth:`arejoin` (for threads that poll the DHT, e.g. the dashboard)."""
+        peer_ids = tuple(p for p in peer_ids if p and p != self.peer_id)
+        if not peer_ids:
+            return []
+        return self.dht.run_coroutine(functools.partial(_rejoin_peers, peer_ids=peer_ids, timeout_s=timeout_s),
+                                      return_future=True).result(timeout=2 * timeout_s + 5.0)
+
     def _ensure_prefix(self, prefix: str) -> None:
         check_prefix(prefix)
         if prefix not in self._prefixes:
