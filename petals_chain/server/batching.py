@@ -212,7 +212,7 @@ class _SegmentCache(Cache):
         return False
 
 
-@torch.no_grad()
+@torch.inference_mode()  # cheaper than no_grad per op; outputs are only serialized
 def run_batch(runner: BlockRunner, items: Sequence[BatchItem]) -> list[torch.Tensor]:
     """One forward per block for all ``items`` (already validated, on the runner's device and dtype).
 

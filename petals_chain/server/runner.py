@@ -376,7 +376,7 @@ class BlockRunner:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _run_blocks(self, hidden: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
                     end: int) -> torch.Tensor:
         """One session's step through blocks ``[start, end)``: pure compute over the given slots."""
