@@ -6,13 +6,21 @@ however often it failed over.
 
     python scripts/chaos.py --quick --json        # ~1 min: 3 servers, 2 kills
     python scripts/chaos.py --json                # ~5 min: 4 servers, a kill every 15 s
+    python scripts/chaos.py --quick --orchestrator-kills 1 --json   # also SIGKILL + restart the orchestrator
+
+With ``--orchestrator-kills K`` the orchestrator (fixed identity, libp2p and HTTP ports) is SIGKILLed K times,
+evenly spread, and restarted at once; clients retry a request that failed with a connection-level error or a 503
+(what a client of a restarting service does), so every request must still complete identically.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -58,6 +66,24 @@ def restart_server(swarm: LocalSwarm, name: str) -> None:
     swarm.add_server(proc.spec)
 
 
+def restart_orchestrator(swarm: LocalSwarm, timeout: float = 180.0) -> float:
+    """SIGKILL the orchestrator's process group and start it again (same args: identity and ports); seconds down."""
+    t0 = time.monotonic()
+    os.killpg(swarm.orchestrator.popen.pid, signal.SIGKILL)
+    swarm.orchestrator.popen.wait(10)
+    if swarm.orchestrator.log_file is not None:
+        swarm.orchestrator.log_file.close()
+        swarm.orchestrator.log_file = None
+    swarm.start_orchestrator(timeout=timeout)
+    return time.monotonic() - t0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def percentile(values: list[float], q: float) -> Optional[float]:
     if not values:
         return None
@@ -68,9 +94,13 @@ def percentile(values: list[float], q: float) -> Optional[float]:
 def run_load_with_churn(swarm: LocalSwarm, prompts: list[list[int]], reference: list[list[int]], *,
                         duration_s: float, concurrency: int, max_tokens: int, kill_interval_s: float,
                         restart_after_s: float, min_alive: int = 1, seed: int = 0,
-                        request_timeout_s: float = 300.0, log: Callable[[str], None] = lambda s: None) -> dict:
+                        request_timeout_s: float = 300.0, orchestrator_kills: int = 0,
+                        log: Callable[[str], None] = lambda s: None) -> dict:
     """Closed-loop load (``concurrency`` clients) for ``duration_s`` while a random server is SIGKILLed every
-    ``kill_interval_s`` and restarted ``restart_after_s`` later; returns the churn report."""
+    ``kill_interval_s`` and restarted ``restart_after_s`` later; returns the churn report.
+
+    ``orchestrator_kills``: also SIGKILL and restart the orchestrator that many times (the swarm must give it a fixed
+    identity and ports); clients then retry connection-level errors and 503s until ``request_timeout_s``."""
     rng = random.Random(seed)
     model = swarm.swarm()["model"]
     results: list[dict] = []
@@ -83,20 +113,27 @@ def run_load_with_churn(swarm: LocalSwarm, prompts: list[list[int]], reference: 
             while not stop.is_set():
                 k = crng.randrange(len(prompts))
                 t0 = time.monotonic()
-                rec: dict[str, Any] = {"prompt": k}
-                try:
-                    r = http.post("/v1/completions", json={"model": model, "prompt": prompts[k], "max_tokens": max_tokens,
-                                                           "temperature": 0, "ignore_eos": True})
-                    rec["status"] = r.status_code
-                    if r.status_code == 200:
-                        info = r.json()["petals_chain"][0]
-                        rec["token_ids"] = info["token_ids"]
-                        rec["failovers"] = info["failovers"]
-                    else:
-                        rec["error"] = r.text[:300]
-                except httpx.HTTPError as e:
-                    rec["status"] = None
-                    rec["error"] = repr(e)
+                rec: dict[str, Any] = {"prompt": k, "retries": 0}
+                while True:
+                    try:
+                        r = http.post("/v1/completions", json={"model": model, "prompt": prompts[k],
+                                                               "max_tokens": max_tokens, "temperature": 0,
+                                                               "ignore_eos": True})
+                        rec["status"] = r.status_code
+                        if r.status_code == 200:
+                            info = r.json()["petals_chain"][0]
+                            rec["token_ids"] = info["token_ids"]
+                            rec["failovers"] = info["failovers"]
+                        else:
+                            rec["error"] = r.text[:300]
+                    except httpx.HTTPError as e:
+                        rec["status"] = None
+                        rec["error"] = repr(e)
+                    retryable = rec["status"] is None or rec["status"] == 503
+                    if not (orchestrator_kills and retryable and time.monotonic() - t0 < request_timeout_s):
+                        break
+                    rec["retries"] += 1  # the orchestrator is restarting: retry as a client of it would
+                    time.sleep(0.5)
                 rec["response_s"] = time.monotonic() - t0
                 with lock:
                     results.append(rec)
@@ -109,8 +146,20 @@ def run_load_with_churn(swarm: LocalSwarm, prompts: list[list[int]], reference: 
     t_start = time.monotonic()
     next_kill = t_start + kill_interval_s
     restart_retries = 0
+    orch_at = [duration_s * (i + 1) / (orchestrator_kills + 1) for i in range(orchestrator_kills)]
+    orch_restarts: list[dict] = []
     while time.monotonic() - t_start < duration_s:
         now = time.monotonic()
+        if orch_at and now - t_start >= orch_at[0]:
+            orch_at.pop(0)
+            t_kill = round(now - t_start, 2)
+            down_s = restart_orchestrator(swarm)
+            t_up = time.monotonic()
+            swarm.wait_until(lambda st: bool(st.get("ready")), 180, "the restarted orchestrator to have a chain")
+            orch_restarts.append({"t": t_kill, "down_s": round(down_s, 1),
+                                  "chain_after_s": round(time.monotonic() - t_up + down_s, 1)})
+            log(f"orchestrator restarted: {orch_restarts[-1]}")
+            continue  # the restart took a while: check the duration and the dead servers first
         for name, t_dead in list(dead.items()):
             if now - t_dead >= restart_after_s:
                 restart_server(swarm, name)
@@ -149,11 +198,15 @@ def run_load_with_churn(swarm: LocalSwarm, prompts: list[list[int]], reference: 
     ok = [r for r in results if r.get("status") == 200]
     identical = sum(1 for r in ok if r["token_ids"] == reference[r["prompt"]])
     errors = [r["error"] for r in results if r.get("status") != 200][:5]
+    retried = [r for r in results if r.get("retries")]
     return {"requests": len(results), "completed": len(ok), "identical_to_reference": identical,
             "kills": len(kills), "restarts": len(kills), "restart_retries": restart_retries, "failovers": sum(r.get("failovers", 0) for r in ok),
             "p50_response_s": percentile([r["response_s"] for r in ok], 0.5),
             "p95_response_s": percentile([r["response_s"] for r in ok], 0.95),
             "duration_s": duration_s, "concurrency": concurrency, "max_tokens": max_tokens,
+            "orchestrator_restarts": orch_restarts, "requests_retried": len(retried),
+            "retried_completed_identical": sum(1 for r in retried if r.get("status") == 200
+                                               and r["token_ids"] == reference[r["prompt"]]),
             "kill_log": kills, "errors": errors}
 
 
@@ -169,6 +222,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--orchestrator-kills", type=int, default=0,
+                   help="also SIGKILL and restart the orchestrator this many times (clients retry)")
     args = p.parse_args(argv)
     q = args.quick
     n_servers = args.servers or (3 if q else 4)
@@ -191,15 +246,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Every server can hold the whole model with 2 slots: losing any one leaves spare capacity.
     mem = memory_for(model_path, max_length, args.layers, 2)
     servers = [LocalServer(f"s{i}", mem, tau_p=0.002) for i in range(n_servers)]
+    orch_args = ["--replan-interval-s", "10"]
+    if args.orchestrator_kills > 0:  # a restart keeps the peer id (servers trust it) and both addresses
+        orch_args += ["--identity-path", str(Path(work.name) / "orchestrator.id"),
+                      "--host-maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}", "--port", str(free_port())]
     sw = LocalSwarm(model_path, servers, max_length=max_length, arrival_rate=1.0, log_dir=Path(work.name) / "logs",
-                    orchestrator_args=["--replan-interval-s", "10"])
+                    orchestrator_args=orch_args)
     try:
         sw.start()
         sw.wait_ready(timeout=180)
         log(f"swarm ready at {sw.url}")
         report = run_load_with_churn(sw, prompts, reference, duration_s=duration, concurrency=concurrency,
                                      max_tokens=args.max_tokens, kill_interval_s=kill_interval,
-                                     restart_after_s=restart_after, seed=args.seed, log=log)
+                                     restart_after_s=restart_after, seed=args.seed,
+                                     orchestrator_kills=args.orchestrator_kills, log=log)
         report["servers"] = n_servers
         report["command"] = "python scripts/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:])
     finally:
