@@ -288,3 +288,24 @@ def test_planner_spare_servers_use_or_idle():
     assert sum(ch.capacity for ch in every.chains) > sum(ch.capacity for ch in idle.chains)
     assert every.lower <= idle.lower * (1 + 1e-9)
     assert every.chains[0].servers == ("a",)  # the fastest chain is still first for JFFC
+
+
+def test_stop_matcher_incremental_decoding_equals_full_decode():
+    """Streaming pieces concatenate to the full decode (multi-byte characters split over tokens included)."""
+    import random
+
+    from petals_chain.swarm.tiny_model import build_tokenizer
+
+    tok = build_tokenizer()
+    rng = random.Random(0)
+    texts = ["héllo wörld, 日本語 テキスト ✓ and some ascii", "  leading spaces\nnew line\ttab  "]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        m = StopMatcher(tok, [])
+        out = "".join(m.feed(i) for i in ids) + m.flush()
+        assert out == tok.decode(ids, skip_special_tokens=True) == m.text
+    for _ in range(20):  # random token soup, incomplete byte sequences included
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))]
+        m = StopMatcher(tok, [])
+        out = "".join(m.feed(i) for i in ids) + m.flush()
+        assert out == tok.decode(ids, skip_special_tokens=True)

@@ -82,20 +82,34 @@ class StopMatcher:
         self.emitted = 0  # characters of the decoded text already returned
         self.stopped = False
         self.text = ""
+        # Incremental detokenization: only ids[prefix:] are decoded per token (the tokens before ``prefix``
+        # are final text), so a long generation costs O(tokens), not O(tokens^2). The ids in
+        # [prefix, read) give the decoder its context (leading spaces, merged bytes).
+        self.prefix = 0
+        self.read = 0
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _advance(self, final: bool = False) -> bool:
+        """Append the newly decodable text to ``text``; False while the last bytes are incomplete."""
+        before = self._decode(self.ids[self.prefix:self.read])
+        now = self._decode(self.ids[self.prefix:])
+        # A trailing replacement char means an incomplete multi-byte sequence: wait for more tokens.
+        if not final and (now.endswith("\ufffd") or len(now) <= len(before)):
+            return False
+        self.text += now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        return True
 
     def feed(self, token_id: int) -> str:
         """Add one generated token; return newly emittable text (may be empty). Sets ``stopped``."""
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        text = self._decode()
-        # A trailing replacement char means an incomplete multi-byte sequence: wait for more tokens.
-        if text.endswith("\ufffd"):
+        if not self._advance():
             return ""
-        self.text = text
+        text = self.text
         for s in self.stop:
             pos = text.find(s, max(0, self.emitted - len(s) + 1))
             if pos != -1:
@@ -121,8 +135,7 @@ class StopMatcher:
         """Emit whatever is held back (generation ended without hitting a stop string)."""
         if self.stopped:
             return ""
-        text = self._decode()
-        self.text = text
-        out = text[self.emitted:]
-        self.emitted = len(text)
+        self._advance(final=True)
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
         return out
