@@ -201,3 +201,23 @@ def test_jffc_decision_time_at_10k_chains():
         n += 1
     per_op = (time.perf_counter() - t0) / n
     assert per_op < 1e-4  # well under a millisecond per decision
+
+
+
+@pytest.mark.parametrize("kind", ["jffc", "jsq", "jiq", "sed", "sa-jsq"])
+def test_adopt_counts_running_jobs_up_to_capacity(kind):
+    """A re-plan carries running jobs over with ``adopt``; a full chain refuses and the job is not counted."""
+    from petals_chain.algorithms import make_dispatcher
+    from petals_chain.model import Chain
+
+    chains = [Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=2),
+              Chain(servers=("b",), blocks=(4,), service_time=2.0, capacity=1)]
+    d = make_dispatcher(kind, chains, rng=random.Random(0))
+    assert d.adopt(0, "x") and d.adopt(0, "y") and not d.adopt(0, "z")
+    assert not d.adopt(5, "w")
+    assert d.running == [2, 0]
+    d.arrive("new")  # chain 0 is full: the job runs on chain 1 or (SED: 1.5 s expected there) queues on 0
+    assert d.running[0] == 2 and d.running[1] <= 1
+    if kind != "sed":
+        assert d.running == [2, 1]
+        assert d.complete(0) is None and d.running == [1, 1]

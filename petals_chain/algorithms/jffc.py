@@ -119,6 +119,16 @@ class JFFCDispatcher:
         self.last_started = False
         return None
 
+    def adopt(self, k: int, job: Any) -> bool:
+        """Count ``job``, already running on chain ``k`` (e.g. across a re-plan), if ``k`` has room."""
+        if not (0 <= k < len(self.chains)) or self.occupancy[k] >= self.capacities[k]:
+            return False
+        self.occupancy[k] += 1
+        if self.occupancy[k] >= self.capacities[k]:
+            self._free = [e for e in self._free if e[1] != k]
+            heapq.heapify(self._free)
+        return True
+
     def complete(self, k: int) -> Any | None:
         """A job left chain ``k``: start the queue head on ``k`` and return it, or None if the queue is empty."""
         if not (0 <= k < len(self.chains)) or self.occupancy[k] <= 0:

@@ -8,7 +8,6 @@ planner publishes a new one without losing a queued or running job.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import time
@@ -142,29 +141,9 @@ class DispatchManager:
                     len(self._running), self.queue_length)
 
     def _adopt(self, k: int, job: DispatchJob) -> bool:
-        """Count an already running ``job`` against chain ``k`` of the new dispatcher."""
-        # arrive() would pick a chain by its own rule; the job is already running on chain k, so the
-        # dispatcher's per-chain counters are set directly (JFFC: occupancy + free heap; baselines: running).
-        d = self.dispatcher
-        if hasattr(d, "adopt"):
-            return bool(d.adopt(k, job))
-        cap = self.chains[k].capacity
-        if hasattr(d, "_free") and isinstance(getattr(d, "occupancy", None), list):
-            if d.occupancy[k] >= cap:
-                return False
-            d.occupancy[k] += 1
-            if d.occupancy[k] >= cap:
-                d._free = [e for e in d._free if e[1] != k]
-                heapq.heapify(d._free)
-            return True
-        running = getattr(d, "running", None)
-        if isinstance(running, list) and hasattr(d, "_changed"):
-            if running[k] >= cap:
-                return False
-            running[k] += 1
-            d._changed(k)
-            return True
-        return False
+        """Count an already running ``job`` against chain ``k`` of the new dispatcher (arrive() would pick a
+        chain by its own rule; the job already runs on chain k)."""
+        return bool(self.dispatcher.adopt(k, job))
 
     def _drain_queue(self) -> list[DispatchJob]:
         queued: list[DispatchJob] = []

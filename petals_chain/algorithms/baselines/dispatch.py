@@ -111,6 +111,14 @@ class _PerChainDispatcher:
         self._changed(k)
         return k
 
+    def adopt(self, k: int, job: Any) -> bool:
+        """Count ``job``, already running on chain ``k`` (e.g. across a re-plan), if ``k`` has room."""
+        if not (0 <= k < len(self.chains)) or self.running[k] >= self.capacities[k]:
+            return False
+        self.running[k] += 1
+        self._changed(k)
+        return True
+
     def complete(self, k: int) -> Any | None:
         if not (0 <= k < len(self.chains)) or self.running[k] <= 0:
             raise ValueError(f"no job is running on chain {k!r}")
