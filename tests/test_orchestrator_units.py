@@ -309,3 +309,46 @@ def test_stop_matcher_incremental_decoding_equals_full_decode():
         m = StopMatcher(tok, [])
         out = "".join(m.feed(i) for i in ids) + m.flush()
         assert out == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_planner_after_restart_keeps_the_spans_servers_serve():
+    """A restarted orchestrator adopts the spans servers already hold (no reload) unless a new placement is
+    clearly better, continues above their epoch, and a returning server keeps its span."""
+    import asyncio
+
+    from petals_chain.orchestrator.planner import Planner, ServerView
+
+    class _DHT:
+        peer_id = "orch"
+        published: list = []
+
+        def publish_assignment(self, prefix, rec, expiration):
+            self.published.append(rec)
+
+    model = ModelSpec(num_blocks=8, block_size=10.0, cache_size=1.0)
+    # three equal servers, each serving 4 blocks as a previous orchestrator assigned (not what GBP-CR picks now)
+    spans = {"a": (4, 4), "b": (0, 4), "c": (2, 4)}
+    views = []
+    for n, (st, num) in spans.items():
+        rec = _FakeRecord(60.0, 0.01, start=st, num=num, slots=(60 - 40) // 4, state="online", name=n)
+        rec.max_length, rec.epoch = 64, 7
+        views.append(ServerView(peer_id=n, record=rec))
+        views[-1].rtt_s = 0.001
+    pl = Planner(dht=_DHT(), prefix="x", client=None, max_length=64, on_chains=lambda c: None, arrival_rate=0.5,
+                 model_spec_fallback=lambda: model, settle_s=0.0)
+    for v in views:
+        pl.servers[v.peer_id] = v
+    asyncio.run(pl._decide([], []))
+    assert dict(pl.assignment) == spans and pl.epoch == 8
+    assert pl.current is not None and pl.current.chains
+    # a returning server that holds blocks keeps its span (incremental placement)
+    rec = _FakeRecord(60.0, 0.01, start=3, num=4, slots=5, state="online", name="d")
+    rec.max_length, rec.epoch = 64, 7
+    d = ServerView(peer_id="d", record=rec)
+    d.rtt_s = 0.001
+    inc = pl.incremental(views + [d], pl.plan.placement, d, pl.plan.c)
+    assert inc.placement["d"] == (3, 4)
+    # spans sized for another max_length are not kept
+    for v in views:
+        v.record.max_length = 128
+    assert pl.served_plan(views, 1) is None

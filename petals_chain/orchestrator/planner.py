@@ -287,6 +287,12 @@ class Planner:
         model = self._model_spec()
         spec = self.specs([newcomer])[0]
         m = spec.max_blocks(model, c or 1)
+        r = newcomer.record
+        current: Plan | None = None
+        if r.num_blocks > 0 and r.max_length == self.max_length and r.start_block + r.num_blocks <= model.num_blocks:
+            spans = dict(base.items())
+            spans[newcomer.peer_id] = (r.start_block, r.num_blocks)
+            current = self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c)
         best: Plan | None = None
         for mm in sorted({m, min(model.num_blocks, max(1, m))}):
             if mm < 1:
@@ -297,7 +303,25 @@ class Planner:
                 plan = self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c)
                 if best is None or plan.lower < best.lower - 1e-12:
                     best = plan
+        # A server that already holds blocks (e.g. back after an orchestrator restart) keeps them unless another
+        # span predicts a clearly better response: a reload costs minutes on a real model.
+        if current is not None and (best is None or not best.lower < (1 - self.move_margin) * current.lower):
+            return current
         return best
+
+    def served_plan(self, views: Sequence[ServerView], c: int | None) -> Plan | None:
+        """The placement the servers in ``views`` already serve (loaded spans sized for our max_length), if it
+        covers every block; else None. Non-empty after an orchestrator restart."""
+        model = self._model_spec()
+        spans = {v.peer_id: (v.record.start_block, v.record.num_blocks) for v in views
+                 if v.record.num_blocks > 0 and v.record.max_length == self.max_length
+                 and v.record.start_block + v.record.num_blocks <= model.num_blocks}
+        if not spans:
+            return None
+        placement = Placement(spans, num_blocks=model.num_blocks)
+        if min(placement.coverage(model.num_blocks)) < 1:
+            return None
+        return self.evaluate(views, placement, c)
 
     def usable_views(self) -> list[ServerView]:
         return [v for v in self.servers.values() if v.usable]
@@ -402,10 +426,18 @@ class Planner:
         settled = time.monotonic() - self.last_change >= self.settle_s
         if self.plan is None:
             if views and settled:
-                plan = self.full_plan(views)
+                plan, reason = self.full_plan(views), "initial plan"
+                served = self.served_plan(views, plan.c if plan is not None else None)
+                # After an orchestrator restart the servers still hold their blocks: keep those spans unless a
+                # new placement predicts a clearly better response (the same rule as any re-placement).
+                if served is not None and served.chains and (
+                        plan is None or not plan.chains or not plan.lower < (1 - self.move_margin) * served.lower):
+                    plan, reason = served, "kept the spans the servers already serve"
                 if plan is not None and plan.chains:
                     self.last_full_replan = time.monotonic()
-                    await self._adopt(plan, "initial plan")
+                    # a restarted orchestrator continues above the epochs the servers followed
+                    self.epoch = max([self.epoch] + [v.record.epoch for v in views])
+                    await self._adopt(plan, reason)
             return
         # Chains follow the servers that are online now.
         key = tuple(sorted((v.peer_id, v.record.slots_total) for v in self.online_views()))
