@@ -19,6 +19,13 @@ emulated and stated in the output:
   to the paper's max length 2048 (``l_out <= 256``, ``l_in <= 2048 - l_out``); each real prompt token stands
   for ``TOKEN_SCALE`` = 8 trace tokens (the emulated prefill time uses the trace length), so a session fits
   the tiny model's 512-token slots. ``--time-scale F`` divides arrivals and every emulated time by F.
+* Output tokens (``--out-token-scale K``, default 4): one real decode step stands for K trace tokens; the
+  server's emulated decode time and link delay are those of K tokens (``--emulate-decode-ms`` and
+  ``--emulate-rtt-ms`` times K), so the modelled service time is kept while the host runs K times fewer
+  real steps. Why: every real step runs 32 Python-level HF layers (about 0.5 ms each on this CPU); at
+  K = 1 the trace's decode steps alone ask more than the host's 2 cores, and the host, not the policy,
+  sets the response times. Each request makes ``ceil(l_out / K)`` real steps (the rounding, and K link
+  delays on the prefill message and on pings, are the emulation's error: about +15 % link time).
 
 ``python scripts/bench_swarm.py --quick --json`` (CI-sized) or without ``--quick`` for the full run.
 """
@@ -69,6 +76,7 @@ S_M_GB = (4 * 4096**2 + 3 * 4096 * 11008) * 2 / 1e9
 PAPER_MAX_LENGTH = 2048
 MAX_OUT = 256
 TOKEN_SCALE = 8
+OUT_TOKEN_SCALE = 4  # default --out-token-scale: trace output tokens per real decode step
 REAL_MAX_LENGTH = 512  # tiny model's slot length: 2048 / 8 prompt tokens + up to 256 outputs
 PETALS_CACHE_SLOTS = 2  # PETALS' 4096 tokens per block = 2 slots of 2048
 OVERHEAD_MS = 18.0
@@ -106,7 +114,8 @@ def load_requests(n: int, trace_path: str | None, seed: int):
 
 
 def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale: float, l_in_mean: float,
-                 l_out_mean: float, petals: bool, n_fast: int, n_slow: int, batching: bool = True):
+                 l_out_mean: float, petals: bool, n_fast: int, n_slow: int, batching: bool = True,
+                 out_token_scale: int = 1):
     from petals_chain.swarm.local import LocalServer
 
     specs, described = [], []
@@ -115,10 +124,10 @@ def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale:
         t_I = F_GFLOP * 2 / 1e9 / gpu["tflops"]  # ms per token per block (GFLOP / TFLOPS = ms)
         t_O = S_M_GB / gpu["gb_per_ms"]  # ms per token per block
         tau_p_s = (T_O_MS + t_I * l_in_mean + t_O * (l_out_mean - 1)) / 1000.0
-        rtt = (float(rtts_ms[j]) + OVERHEAD_MS) / time_scale
+        rtt = (float(rtts_ms[j]) + OVERHEAD_MS) * out_token_scale / time_scale
         extra = ["--emulate-step-ms", f"{T_O_MS / time_scale:.6g}",
                  "--emulate-prefill-ms-per-token", f"{t_I * TOKEN_SCALE / time_scale:.6g}",
-                 "--emulate-decode-ms", f"{t_O / time_scale:.6g}",
+                 "--emulate-decode-ms", f"{t_O * out_token_scale / time_scale:.6g}",
                  "--max-waiters", "4096", "--max-wait-s", "3600", "--idle-timeout-s", "900",
                  "--refresh-s", "2", "--assignment-poll-s", "0.5", "--drain-timeout-s", "5"]
         if petals:
@@ -129,7 +138,7 @@ def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale:
         specs.append(LocalServer(name, memory_bytes=int(gpu["memory_slots"] * s_c), emulate_rtt_ms=rtt,
                                  tau_p=tau_p_s / time_scale, extra_args=extra))
         described.append({"name": name, "slice": gpu["name"], "memory_slots": gpu["memory_slots"],
-                          "rtt_ms": float(rtts_ms[j]), "emulated_rtt_ms": rtt * time_scale,
+                          "rtt_ms": float(rtts_ms[j]), "emulated_rtt_ms_per_message": rtt * time_scale,
                           "t_I_ms": t_I, "t_O_ms": t_O, "t_o_ms": T_O_MS, "tau_p_s": tau_p_s})
     return specs, described
 
@@ -155,7 +164,8 @@ def summarize(rows: list[dict]) -> dict:
 
 
 async def replay(url: str, model_id: str, arrivals: np.ndarray, l_in: np.ndarray, l_out: np.ndarray, *,
-                 time_scale: float, vocab: int, seed: int, timeout_s: float, progress: bool) -> list[dict]:
+                 time_scale: float, vocab: int, seed: int, timeout_s: float, progress: bool,
+                 out_token_scale: int = 1) -> list[dict]:
     import httpx
 
     rng = random.Random(seed)
@@ -169,11 +179,12 @@ async def replay(url: str, model_id: str, arrivals: np.ndarray, l_in: np.ndarray
             due = t0 + float(arrivals[i]) / time_scale
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             start = time.monotonic()
+            steps = max(1, math.ceil(int(l_out[i]) / out_token_scale))  # real tokens generated
             row = {"i": i, "arrival_s": float(arrivals[i]), "l_in": int(l_in[i]), "l_out": int(l_out[i]),
-                   "ok": False, "reason": "", "late_s": start - due}
+                   "real_tokens": steps, "ok": False, "reason": "", "late_s": start - due}
             try:
                 r = await client.post(f"{url}/v1/completions", json={
-                    "model": model_id, "prompt": prompts[i], "max_tokens": int(l_out[i]), "ignore_eos": True,
+                    "model": model_id, "prompt": prompts[i], "max_tokens": steps, "ignore_eos": True,
                     "temperature": 0.0})
                 elapsed = time.monotonic() - due  # response time from the scheduled arrival
                 if r.status_code != 200:
@@ -182,8 +193,8 @@ async def replay(url: str, model_id: str, arrivals: np.ndarray, l_in: np.ndarray
                     body = r.json()
                     extra = body["petals_chain"][0]
                     n_tok = body["usage"]["completion_tokens"]
-                    if n_tok != int(l_out[i]):
-                        row["reason"] = f"generated {n_tok} of {int(l_out[i])} tokens"
+                    if n_tok != steps:
+                        row["reason"] = f"generated {n_tok} of {steps} tokens"
                     else:
                         row.update(ok=True, response_s=elapsed * time_scale, wait_s=extra["wait_s"] * time_scale,
                                    service_s=extra["service_s"] * time_scale, chain=extra["chain"])
@@ -208,7 +219,7 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
     specs, described = server_specs(model_path, s_c, rtts, time_scale=args.time_scale,
                                     l_in_mean=float(np.mean(l_in)), l_out_mean=float(np.mean(l_out)),
                                     petals=policy == "petals", n_fast=args.fast, n_slow=args.slow,
-                                    batching=not args.no_batching)
+                                    batching=not args.no_batching, out_token_scale=args.out_token_scale)
     orch_args = ["--placement", placement, "--dispatch", dispatch, "--replan-interval-s", "1000000",
                  "--petals-cache-tokens", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH),
                  "--route-wait-s", str(3600), "--log-level", "WARNING", *policy_args]
@@ -229,7 +240,7 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
         t0 = time.monotonic()
         rows = asyncio.run(replay(swarm.url, state["model"], trace.arrivals, l_in, l_out, time_scale=args.time_scale,
                                   vocab=vocab, seed=args.seed, timeout_s=args.request_timeout,
-                                  progress=args.progress))
+                                  progress=args.progress, out_token_scale=args.out_token_scale))
         wall = time.monotonic() - t0
         final = swarm.swarm()
     finally:
@@ -287,6 +298,9 @@ def main(argv=None) -> int:
     p.add_argument("--time-scale", type=float, default=None, help="compress time by this factor (default 1; quick 4)")
     p.add_argument("--policies", nargs="+", default=list(TABLE1), choices=list(POLICIES),
                    help="default: the paper's four; 'proposed-all' adds ours (leftover servers get blocks)")
+    p.add_argument("--out-token-scale", type=int, default=OUT_TOKEN_SCALE,
+                   help="trace output tokens per real decode step (emulated decode time and link delay scale with "
+                        "it; 1 = one real step per trace token)")
     p.add_argument("--fast", type=int, default=3, help="servers like MIG 3g.40gb")
     p.add_argument("--slow", type=int, default=6, help="servers like MIG 2g.20gb")
     p.add_argument("--trace", default=None, help="Azure code trace CSV (default ../shared/data/..., else synthetic)")
@@ -312,6 +326,8 @@ def main(argv=None) -> int:
     args.time_scale = args.time_scale or (4.0 if args.quick else 1.0)
     args.progress = not args.no_progress
     args.request_timeout = args.request_timeout or (300.0 if args.quick else 1800.0)
+    if args.out_token_scale < 1:
+        p.error("--out-token-scale must be >= 1")
     if args.requests < 1 or not (args.time_scale > 0) or args.fast < 0 or args.slow < 0 or args.fast + args.slow < 1:
         p.error("need --requests >= 1, --time-scale > 0 and at least one server")
 
@@ -331,10 +347,11 @@ def main(argv=None) -> int:
         workdir = Path(tmp)
         model_path, s_m, s_c = build_model(workdir)
         _, described = server_specs(model_path, s_c, rtts, time_scale=args.time_scale, l_in_mean=float(np.mean(l_in)),
-                                    l_out_mean=float(np.mean(l_out)), petals=False, n_fast=args.fast, n_slow=args.slow)
+                                    l_out_mean=float(np.mean(l_out)), petals=False, n_fast=args.fast, n_slow=args.slow,
+                                    out_token_scale=args.out_token_scale)
         setting = {
             "requests": int(args.requests), "trace": trace.source, "trace_rate_per_s": float(trace.rate),
-            "time_scale": args.time_scale, "capped_requests": capped, "max_out": MAX_OUT,
+            "time_scale": args.time_scale, "out_token_scale": args.out_token_scale, "capped_requests": capped, "max_out": MAX_OUT,
             "paper_max_length": PAPER_MAX_LENGTH, "token_scale": TOKEN_SCALE, "real_max_length": REAL_MAX_LENGTH,
             "mean_l_in": float(np.mean(l_in)), "mean_l_out": float(np.mean(l_out)),
             "s_m_bytes": s_m, "s_c_bytes": s_c, "s_m_over_s_c": s_m / s_c, "llama2_7b_s_m_over_s_c": S_M_OVER_S_C,
