@@ -221,6 +221,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--restart-after-s", type=float, default=None)
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--blocks-per-server", type=int, default=None,
+                   help="size each server's memory for this many blocks (2 jobs) instead of the whole model, so "
+                        "chains span several servers (default: the whole model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--orchestrator-kills", type=int, default=0,
                    help="also SIGKILL and restart the orchestrator this many times (clients retry)")
@@ -244,7 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     reference = reference_greedy(model_path, prompts, args.max_tokens)
     max_length = 64
     # Every server can hold the whole model with 2 slots: losing any one leaves spare capacity.
-    mem = memory_for(model_path, max_length, args.layers, 2)
+    blocks = args.layers if args.blocks_per_server is None else max(1, min(args.layers, args.blocks_per_server))
+    mem = memory_for(model_path, max_length, blocks, 2)
     servers = [LocalServer(f"s{i}", mem, tau_p=0.002) for i in range(n_servers)]
     orch_args = ["--replan-interval-s", "10"]
     if args.orchestrator_kills > 0:  # a restart keeps the peer id (servers trust it) and both addresses
@@ -261,6 +265,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      restart_after_s=restart_after, seed=args.seed,
                                      orchestrator_kills=args.orchestrator_kills, log=log)
         report["servers"] = n_servers
+        report["blocks_per_server"] = blocks
+        # Every server start loads blocks once; any further load is a reload (a moved span).
+        starts = n_servers + report["restarts"] + report["restart_retries"]
+        loads = sum(proc.log_path.read_text(errors="replace").count("loading blocks [") for proc in sw.servers.values())
+        report["block_loads"], report["block_reloads"] = loads, max(0, loads - starts)
         report["command"] = "python scripts/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:])
     finally:
         sw.stop()
