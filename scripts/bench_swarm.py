@@ -257,7 +257,8 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
         "late_start_s_max": max(r["late_s"] for r in rows),
         "hops_mean": float(np.mean([len(r["chain"]) for r in rows if r["ok"]])) if out["completed"] else None,
         "response_times_s": [r.get("response_s") for r in rows],
-        "requests": [{k: r.get(k) for k in ("i", "l_in", "l_out", "ok", "reason", "response_s", "wait_s", "service_s")}
+        "requests": [{k: r.get(k) for k in ("i", "l_in", "l_out", "real_tokens", "ok", "reason", "response_s", "wait_s",
+                                             "service_s")}
                      | {"chain": [by_name.get(x, x[:12]) for x in r.get("chain", [])]} for r in rows],
     })
     if out["predicted_response_s"]:
@@ -265,6 +266,42 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
                                        for k, v in out["predicted_response_s"].items()}
     del by_name
     return out
+
+
+def modelled_service(result: dict, policy: str) -> dict | None:
+    """What the emulation alone accounts for in each completed request's service time, from the run's JSON.
+
+    Per hop of the request's route (hops cover blocks in order, up to the end of each server's span): the
+    footnote-11 compute of its blocks for the request's trace lengths, plus one emulated link delay per
+    message (session open, prefill, and each real decode step). The rest of the measured service time is
+    the host: real tensor work, serialization, p2pd and Python scheduling on the shared CPU cores.
+    """
+    r = result.get(policy) or {}
+    servers = {sv["name"]: sv for sv in (result.get("setting") or {}).get("servers", [])}
+    spans = {sv["name"]: sv["span"] for sv in r.get("servers", [])}
+    measured, modelled = [], []
+    for q in r.get("requests", []):
+        if not q.get("ok") or not q.get("chain"):
+            continue
+        block, total = 0, 0.0
+        for name in q["chain"]:
+            sv, span = servers.get(name), spans.get(name)
+            if sv is None or span is None:
+                break
+            end = min(L, span[0] + span[1])
+            blocks, block = max(0, end - block), end
+            compute_ms = blocks * (sv["t_o_ms"] + sv["t_I_ms"] * q["l_in"] + sv["t_O_ms"] * (q["l_out"] - 1))
+            messages = 2 + int(q.get("real_tokens") or q["l_out"])  # open + prefill + decode steps
+            rtt_ms = sv.get("emulated_rtt_ms_per_message", sv.get("emulated_rtt_ms"))  # older runs: one name
+            total += compute_ms / 1000.0 + messages * rtt_ms / 1000.0
+        else:
+            measured.append(q["service_s"])
+            modelled.append(total)
+    if not measured:
+        return None
+    m, e = float(np.mean(measured)), float(np.mean(modelled))
+    return {"measured_service_s": m, "modelled_service_s": e, "host_overhead_s": m - e,
+            "host_share_of_service": (m - e) / m if m > 0 else None, "requests": len(measured)}
 
 
 def plot_cdf(result: dict, path: str) -> None:
@@ -316,7 +353,13 @@ def main(argv=None) -> int:
                    help="servers run each session's step alone (issue 7's with/without-batching comparison)")
     p.add_argument("--plot", default=None, help="write a CDF plot of response times (PNG) here")
     p.add_argument("--plot-from", default=None, help="only plot, from a previous --out JSON")
+    p.add_argument("--analyze", default=None, metavar="JSON",
+                   help="only print measured vs modelled service time per policy, from a previous --out JSON")
     args = p.parse_args(argv)
+    if args.analyze:
+        res = json.loads(Path(args.analyze).read_text())
+        print(json.dumps({pol: modelled_service(res, pol) for pol in POLICIES if pol in res}, indent=1))
+        return 0
     if args.plot_from:
         if not args.plot:
             p.error("--plot-from needs --plot")
@@ -380,6 +423,9 @@ def main(argv=None) -> int:
             if pol in result and result[pol].get("mean_response_s"):
                 result[pol]["vs_petals"] = result[pol]["mean_response_s"] / result["petals"]["mean_response_s"]
     result["paper"] = PAPER
+    for pol in POLICIES:
+        if pol in result:
+            result[pol]["service_breakdown"] = modelled_service(result, pol)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.plot:
