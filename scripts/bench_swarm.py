@@ -129,7 +129,8 @@ def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale:
                  "--emulate-prefill-ms-per-token", f"{t_I * TOKEN_SCALE / time_scale:.6g}",
                  "--emulate-decode-ms", f"{t_O * out_token_scale / time_scale:.6g}",
                  "--max-waiters", "4096", "--max-wait-s", "3600", "--idle-timeout-s", "900",
-                 "--refresh-s", "2", "--assignment-poll-s", "0.5", "--drain-timeout-s", "5"]
+                 # DHT polling at the servers' default pace: faster polls cost the shared host ~0.5 core
+                 "--refresh-s", "10", "--assignment-poll-s", "2", "--drain-timeout-s", "5"]
         if petals:
             extra += ["--cache-tokens-per-block", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH)]
         if not batching:
@@ -222,7 +223,9 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
                                     batching=not args.no_batching, out_token_scale=args.out_token_scale)
     orch_args = ["--placement", placement, "--dispatch", dispatch, "--replan-interval-s", "1000000",
                  "--petals-cache-tokens", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH),
-                 "--route-wait-s", str(3600), "--log-level", "WARNING", *policy_args]
+                 "--route-wait-s", str(3600), "--log-level", "WARNING",
+                 # the replay is one HTTP client standing for the trace's many users: no per-client limits
+                 "--client-max-inflight", "1000000", "--max-queue", "1000000", *policy_args]
     log_dir = workdir / f"logs-{policy}"
     t_start = time.monotonic()
     swarm = LocalSwarm(model_path, specs, max_length=REAL_MAX_LENGTH, arrival_rate=rate,
