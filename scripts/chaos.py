@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -32,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for  # noqa: E402
+from petals_chain.swarm.local import LocalServer, LocalSwarm, free_port, memory_for  # noqa: E402
 
 
 def reference_greedy(model_path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -76,12 +75,6 @@ def restart_orchestrator(swarm: LocalSwarm, timeout: float = 180.0) -> float:
         swarm.orchestrator.log_file = None
     swarm.start_orchestrator(timeout=timeout)
     return time.monotonic() - t0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:

@@ -6,7 +6,6 @@ import contextlib
 import copy
 import os
 import shutil
-import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -14,6 +13,8 @@ from typing import Any, Callable, Iterator, Optional
 from pathlib import Path
 
 import uvicorn
+
+from petals_chain.swarm.local import free_port  # noqa: F401 - also imported from here by the live test
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,12 +75,6 @@ def sample_swarm(now: Optional[float] = None, hostile_name: str = "<img src=x on
                      "completed": 1234, "failed": 2},
         "queue_length": 4, "updated_at": now, "servers": servers, "chains": chains, "history": history,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+from petals_chain.swarm.local import LocalServer, LocalSwarm, free_port, memory_for
 
 pytestmark = pytest.mark.slow
 
@@ -39,12 +38,6 @@ def _script(name: str):
 
 chaos = _script("chaos")
 fuzz = _script("fuzz_api")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def report(name: str, data: dict) -> None:

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers,
         identity_path=args.identity_path, host=args.host, port=args.port, dtype=args.dtype,
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
-        use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix, model_id=args.model_id, settle_s=args.settle_s,
+        use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
+        model_id=args.model_id, settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s

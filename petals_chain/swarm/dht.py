@@ -242,25 +242,27 @@ class SwarmDHT:
     async def replicate_p2p(self) -> P2P:
         return await self.dht.replicate_p2p()
 
+    def _rejoin_future(self, peer_ids: Sequence[str], timeout_s: float):
+        """Start :func:`_rejoin_peers` in the DHT process; None when there is nobody (else) to ping."""
+        peer_ids = tuple(p for p in peer_ids if p and p != self.peer_id)
+        if not peer_ids:
+            return None
+        return self.dht.run_coroutine(functools.partial(_rejoin_peers, peer_ids=peer_ids, timeout_s=timeout_s),
+                                      return_future=True)
+
     async def arejoin(self, peer_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
         """Ping those of ``peer_ids`` (base58, e.g. the initial peers) that are not in our routing table.
 
         Call it periodically: a peer that stopped answering was dropped from the table and is found again here
         once it is back (same identity and address), even if it restarted with an empty DHT. Returns the peer
         ids that answered (we are in their routing tables now; re-store records so they hold them)."""
-        peer_ids = tuple(p for p in peer_ids if p and p != self.peer_id)
-        if not peer_ids:
-            return []
-        return await self.dht.run_coroutine(functools.partial(_rejoin_peers, peer_ids=peer_ids, timeout_s=timeout_s),
-                                            return_future=True)
+        future = self._rejoin_future(peer_ids, timeout_s)
+        return [] if future is None else await future
 
     def rejoin(self, peer_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
         """Blocking :meth:`arejoin` (for threads that poll the DHT, e.g. the dashboard)."""
-        peer_ids = tuple(p for p in peer_ids if p and p != self.peer_id)
-        if not peer_ids:
-            return []
-        return self.dht.run_coroutine(functools.partial(_rejoin_peers, peer_ids=peer_ids, timeout_s=timeout_s),
-                                      return_future=True).result(timeout=2 * timeout_s + 5.0)
+        future = self._rejoin_future(peer_ids, timeout_s)
+        return [] if future is None else future.result(timeout=2 * timeout_s + 5.0)
 
     def _ensure_prefix(self, prefix: str) -> None:
         check_prefix(prefix)

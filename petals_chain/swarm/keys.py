@@ -53,8 +53,3 @@ def summary_key(prefix: str) -> str:
 
 
 DIRECTORY_KEY = "petals-chain.swarms"  # swarm directory: one signed entry per orchestrator
-
-
-def directory_key() -> str:
-    """Key of the swarm directory (subkey = an orchestrator's owner key; value = its DirectoryRecord)."""
-    return DIRECTORY_KEY

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,13 @@ class LocalServer:
     emulate_compute_scale: float = 1.0
     tau_p: Optional[float] = None  # skip profiling and announce this (seconds per block per job)
     extra_args: Sequence[str] = ()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for fixed ports that survive a process restart)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def model_memory(model_path: str | os.PathLike, max_length: int, dtype: str | None = None) -> tuple[int, int, int]:
