@@ -45,12 +45,17 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """A server ``j``: memory budget ``M_j``, ``tau_c_j`` (s/job) and ``tau_p_j`` (s/block/job)."""
+    """A server ``j``: memory budget ``M_j``, ``tau_c_j`` (s/job) and ``tau_p_j`` (s/block/job).
+
+    ``block_limit`` (beyond the paper; 0 = none) is the volunteer's cap on hosted blocks (``--max-blocks``):
+    ``m_j`` never exceeds it, and the memory it leaves free holds more cache slots (Eq. 3).
+    """
 
     name: str
     memory: float  # M_j, same unit as ModelSpec.block_size
     tau_c: float  # seconds per job
     tau_p: float  # seconds per block per job
+    block_limit: int = 0  # blocks at most (0: no cap)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -59,10 +64,16 @@ class ServerSpec:
             value = getattr(self, attr)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{attr} of server {self.name!r} must be finite and >= 0, got {value!r}")
+        if int(self.block_limit) != self.block_limit or self.block_limit < 0:
+            raise ValueError(f"block_limit of server {self.name!r} must be an integer >= 0, got {self.block_limit!r}")
+
+    def block_cap(self, model: ModelSpec) -> int:
+        """Most blocks this server may host: ``L``, or its ``block_limit`` if smaller."""
+        return min(model.num_blocks, self.block_limit) if self.block_limit > 0 else model.num_blocks
 
     def max_blocks(self, model: ModelSpec, capacity: int) -> int:
-        """``m_j(c) = min(floor(M_j / (s_m + s_c c)), L)`` (Eq. 8)."""
-        return min(int(self.memory // (model.block_size + model.cache_size * capacity)), model.num_blocks)
+        """``m_j(c) = min(floor(M_j / (s_m + s_c c)), L)`` (Eq. 8), capped by ``block_limit``."""
+        return min(int(self.memory // (model.block_size + model.cache_size * capacity)), self.block_cap(model))
 
     def residual_slots(self, model: ModelSpec, num_blocks: int) -> int:
         """``M~_j = floor((M_j - s_m m_j) / s_c)`` cache slots left after hosting ``num_blocks`` (Eq. 3)."""

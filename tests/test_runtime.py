@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-import petals_chain.swarm.checkpoint as checkpoint
+import petals_chain.swarm.sources as sources
 from petals_chain.server.runner import BlockRunner, NoCapacityError
 from petals_chain.swarm.checkpoint import load_block, load_config, load_head, resolve_model_path, weight_map
 from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, slots_for_budget
@@ -94,7 +94,7 @@ def test_load_block_reads_only_its_own_keys(models, monkeypatch):
     wmap = weight_map(path)
     assert len(set(wmap.values())) >= 2
     reads: list[tuple[str, str]] = []
-    real = checkpoint.safe_open
+    real = sources.safe_open
 
     class Spy:
         def __init__(self, fname, *a, **k):
@@ -114,7 +114,7 @@ def test_load_block_reads_only_its_own_keys(models, monkeypatch):
             reads.append((self.fname.rsplit("/", 1)[-1], k))
             return self.f.get_tensor(k)
 
-    monkeypatch.setattr(checkpoint, "safe_open", Spy)
+    monkeypatch.setattr(sources, "safe_open", Spy)
     for index in (0, 4, 7):
         reads.clear()
         layer = load_block(path, index, "float32")

@@ -30,10 +30,11 @@ def _check_rate(arrival_rate: float, rho_bar: float) -> None:
         raise ValueError(f"rho_bar must be in (0, 1], got {rho_bar!r}")
 
 
-def blocks_per_server(memory: np.ndarray, model: ModelSpec, c: int) -> np.ndarray:
-    """``m_j(c) = min(floor(M_j / (s_m + s_c c)), L)`` for every server (Eq. 8), as int64."""
+def blocks_per_server(memory: np.ndarray, model: ModelSpec, c: int, cap: np.ndarray | None = None) -> np.ndarray:
+    """``m_j(c) = min(floor(M_j / (s_m + s_c c)), L)`` for every server (Eq. 8), as int64; ``cap``: per-server
+    block caps (``ServerSpec.block_cap``)."""
     m = np.floor(np.asarray(memory, dtype=float) / (model.block_size + model.cache_size * c))
-    return np.minimum(m, model.num_blocks).astype(np.int64)
+    return np.minimum(m, model.num_blocks if cap is None else cap).astype(np.int64)
 
 
 @dataclass
@@ -58,8 +59,8 @@ class _ChainSequence:
     exhausted: bool = False
 
     @classmethod
-    def build(cls, memory, tau_c, tau_p, model: ModelSpec, c: int) -> "_ChainSequence":
-        m_all = blocks_per_server(memory, model, c)
+    def build(cls, memory, tau_c, tau_p, model: ModelSpec, c: int, cap: np.ndarray | None = None) -> "_ChainSequence":
+        m_all = blocks_per_server(memory, model, c, cap)
         usable = np.nonzero(m_all >= 1)[0]
         m_u = m_all[usable]
         t_u = tau_c[usable] + tau_p[usable] * m_u  # t_j(c), Eq. 9
@@ -122,6 +123,13 @@ def _server_arrays(servers: Sequence[ServerSpec]) -> tuple[np.ndarray, np.ndarra
     return memory, tau_c, tau_p
 
 
+def block_caps(servers: Sequence[ServerSpec], model: ModelSpec) -> np.ndarray | None:
+    """Per-server block caps, or None when no server has a ``block_limit`` (the paper's setting)."""
+    if not any(s.block_limit for s in servers):
+        return None
+    return np.fromiter((s.block_cap(model) for s in servers), dtype=np.int64, count=len(servers))
+
+
 def gbp_cr(servers: Sequence[ServerSpec], model: ModelSpec, c: int, arrival_rate: float,
            rho_bar: float = 0.7, *, use_all_servers: bool = False) -> Placement:
     """Block placement by GBP-CR (Alg. 1) for required capacity ``c``.
@@ -141,7 +149,7 @@ def gbp_cr(servers: Sequence[ServerSpec], model: ModelSpec, c: int, arrival_rate
     if int(c) != c or c < 1:
         raise ValueError(f"c must be a positive integer, got {c!r}")
     memory, tau_c, tau_p = _server_arrays(servers)
-    seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c))
+    seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c), block_caps(servers, model))
     _, visited = seq.cut(math.inf if use_all_servers else arrival_rate / (rho_bar * c))
     idx, a, m = seq.placement_arrays(visited)
     return Placement({servers[i].name: (int(aj), int(mj)) for i, aj, mj in zip(idx.tolist(), a.tolist(), m.tolist())},
@@ -154,7 +162,7 @@ def gbp_cr_chain_count(servers: Sequence[ServerSpec], model: ModelSpec, c: int, 
     _check_inputs(servers, model)
     _check_rate(arrival_rate, rho_bar)
     memory, tau_c, tau_p = _server_arrays(servers)
-    seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c))
+    seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c), block_caps(servers, model))
     target = arrival_rate / (rho_bar * c)
     k, _ = seq.cut(target)
     return k if k > 0 and seq.nu[k - 1] >= target else None

@@ -16,7 +16,7 @@ import numpy as np
 
 from petals_chain.algorithms.bounds import response_time_bounds
 from petals_chain.algorithms.gbp_cr import (_ChainSequence, _check_inputs, _check_rate, _server_arrays,
-                                            blocks_per_server)
+                                            block_caps, blocks_per_server)
 from petals_chain.algorithms.gca import _RoutingDAG, gca_indices
 from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
 
@@ -83,16 +83,17 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
     if c_max < 1 or lo_c > hi_c:
         raise ValueError("no server can hold one block with one cache slot (c_max < 1)")
     memory, tau_c, tau_p = _server_arrays(servers)
+    cap = block_caps(servers, model)
     L = model.num_blocks
 
     walks: dict[bytes, _ChainSequence] = {}
     keys: dict[tuple, _ChainSequence] = {}
 
     def key_at(c: int) -> tuple:
-        wkey = blocks_per_server(memory, model, c).tobytes()
+        wkey = blocks_per_server(memory, model, c, cap).tobytes()
         seq = walks.get(wkey)
         if seq is None:
-            seq = walks[wkey] = _ChainSequence.build(memory, tau_c, tau_p, model, c)
+            seq = walks[wkey] = _ChainSequence.build(memory, tau_c, tau_p, model, c, cap)
         target = arrival_rate / (rho_bar * c)
         K, visited = seq.cut(target)
         if walk_all:

@@ -48,7 +48,9 @@ def _max_length(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m petals_chain.orchestrator", description=__doc__)
-    p.add_argument("--model", required=True, help="HF-format model directory (or hub name)")
+    p.add_argument("--model", required=True,
+                   help="a short name (smollm2-135m; fetched by scripts/setup.sh), a .gguf file, an HF-format "
+                        "directory or a hub name")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
                    help="libp2p multiaddrs to listen on (the swarm's initial peers); e.g. /ip4/0.0.0.0/tcp/31337")
     p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting one")
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="where the embeddings, LM head and sampling run: cpu, cuda, cuda:N")
     p.add_argument("--arrival-rate", type=_arrival_rate, default=None, metavar="auto|X",
                    help="request arrival rate for planning (req/s); auto: estimated online")
     p.add_argument("--rho-bar", type=float, default=0.7, help="target load factor of GBP-CR (0, 1]")
@@ -81,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open multi-turn sessions per client (API key, else IP)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024, help="request body limit (413)")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: from the model name)")
-    p.add_argument("--model-id", default=None, help="model id served at /v1 (default: the DHT prefix)")
+    p.add_argument("--model-id", default=None, help="model id served at /v1 (default: the model's name)")
     p.add_argument("--settle-s", type=float, default=2.0, help="wait this long without joins before the first plan")
     p.add_argument("--replan-interval-s", type=float, default=30.0)
     p.add_argument("--move-margin", type=float, default=0.2,
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cfg = OrchestratorConfig(
         model=args.model, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers,
-        identity_path=args.identity_path, host=args.host, port=args.port, dtype=args.dtype,
+        identity_path=args.identity_path, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
         model_id=args.model_id, settle_s=args.settle_s,
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.client_max_sessions, cfg.max_body_bytes = args.client_max_sessions, args.max_body_bytes
     try:
         Orchestrator(cfg)  # validate the configuration before anything starts
-    except ValueError as e:
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -100,7 +100,7 @@ class Planner:
                  serialization_s: float = 2e-4, assignment_expiration_s: float = 60.0,
                  model_spec_fallback: Callable[[], ModelSpec | None] | None = None,
                  on_failure: Callable[[str], None] | None = None, petals_cache_tokens: int = 4096,
-                 bprr_r: int | None = None):
+                 bprr_r: int | None = None, model_fingerprint: str = ""):
         self.dht = dht
         self.prefix = prefix
         self.client = client
@@ -122,6 +122,9 @@ class Planner:
         self.petals_cache_tokens = int(petals_cache_tokens)  # PETALS placement: its fixed cache per block
         self.bprr_r = bprr_r  # BPRR placement: CG-BP target concurrency R (None: the c* GBP-CR would pick)
         self.servers: dict[str, ServerView] = {}
+        # Servers announcing another model (sources.ModelSource.fingerprint): never planned, shown as refused.
+        self.model_fingerprint = model_fingerprint
+        self.refused: dict[str, Any] = {}
         self.steps_per_job = 1.0 + prior_tokens_per_job
         self._steps_obs = 0
         self.epoch = 0
@@ -205,8 +208,8 @@ class Planner:
         return self.model_spec
 
     def specs(self, views: Sequence[ServerView]) -> list[ServerSpec]:
-        return [ServerSpec(name=v.peer_id, memory=float(v.record.memory_bytes), tau_c=self.tau_c(v), tau_p=self.tau_p(v))
-                for v in views]
+        return [ServerSpec(name=v.peer_id, memory=float(v.record.memory_bytes), tau_c=self.tau_c(v), tau_p=self.tau_p(v),
+                           block_limit=int(v.record.max_blocks)) for v in views]
 
     # ---- planning ------------------------------------------------------------------------------
     def _bounds(self, chains: list[Chain]) -> tuple[float, float]:
@@ -362,7 +365,8 @@ class Planner:
         from petals_chain.swarm.records import AssignmentRecord
 
         rec = AssignmentRecord(epoch=self.epoch, max_length=self.max_length, orchestrator_peer_id=self.dht.peer_id,
-                               assignments={k: [int(s), int(n)] for k, (s, n) in self.assignment.items()})
+                               assignments={k: [int(s), int(n)] for k, (s, n) in self.assignment.items()},
+                               model_fingerprint=self.model_fingerprint)
         await asyncio.to_thread(self.dht.publish_assignment, self.prefix, rec, self.assignment_expiration_s)
         self.last_publish = time.monotonic()
 
@@ -393,6 +397,15 @@ class Planner:
         """Fetch records, ping, and react to joins, leaves and state changes."""
         async with self._lock:
             records = await self.dht.afetch_servers(self.prefix)
+            refused = {}
+            for peer_id, rec in list(records.items()):
+                if self.model_fingerprint and rec.model_fingerprint != self.model_fingerprint:
+                    if peer_id not in self.refused:
+                        logger.warning("server %s (%s) serves model %s, not this swarm's %s: refused",
+                                       rec.public_name, peer_id[:12], rec.model_fingerprint or "(unknown)",
+                                       self.model_fingerprint)
+                    refused[peer_id] = records.pop(peer_id)
+            self.refused = refused
             now = time.time()
             joined, left = [], []
             for peer_id, rec in records.items():
@@ -503,5 +516,14 @@ class Planner:
                 "memory_bytes": r.memory_bytes, "device": r.device, "dtype": r.dtype,
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
                 "last_seen": v.last_seen, "assigned": list(self.assignment[v.peer_id]) if v.peer_id in self.assignment else None,
+                "max_blocks": r.max_blocks, "model_mismatch": False,
+            })
+        for peer_id, r in sorted(self.refused.items()):
+            out.append({
+                "peer_id": peer_id, "public_name": r.public_name, "state": "refused", "start_block": 0, "num_blocks": 0,
+                "slots_total": 0, "slots_free": 0, "tau_p": r.tau_p, "tau_c": None, "rtt_s": None,
+                "memory_bytes": r.memory_bytes, "device": r.device, "dtype": r.dtype,
+                "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
+                "last_seen": None, "assigned": None, "max_blocks": r.max_blocks, "model_mismatch": True,
             })
         return out

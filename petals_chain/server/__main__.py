@@ -14,13 +14,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m petals_chain.server",
         description="Join a petals-chain swarm: announce memory and speed, load the blocks the orchestrator "
                     "assigns, serve inference sessions.")
-    p.add_argument("--model", required=True, help="HF-format model directory or hub name (same as the orchestrator's)")
+    p.add_argument("--model", required=True,
+                   help="the orchestrator's model: a short name (smollm2-135m), a .gguf file, an HF-format directory "
+                        "or a hub name")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)")
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--memory-gb", type=float, default=None, help="memory budget M_j in GiB for blocks + KV cache")
     mem.add_argument("--memory-bytes", type=int, default=None, help="memory budget M_j in bytes")
+    p.add_argument("--max-blocks", type=int, default=0, metavar="N",
+                   help="host at most N blocks (like PETALS' --num_blocks; 0: as many as --memory-gb allows)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quant", default="none", choices=["none", "int8", "nf4"], help="weight quantization (CUDA only)")
@@ -98,7 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             drain_timeout_s=args.drain_timeout_s, progress=False if args.no_progress else None,
             emulate_step_ms=args.emulate_step_ms, emulate_prefill_ms_per_token=args.emulate_prefill_ms_per_token,
             emulate_decode_ms=args.emulate_decode_ms, cache_tokens_per_block=args.cache_tokens_per_block,
-            batching=not args.no_batching,
+            batching=not args.no_batching, max_blocks=args.max_blocks,
             max_waiters=args.max_waiters, max_wait_s=args.max_wait_s)
         server = Server(cfg)
     except (ValueError, OSError) as e:

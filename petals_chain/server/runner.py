@@ -20,7 +20,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,8 +27,9 @@ from tqdm.auto import tqdm
 
 from petals_chain.server.batching import BatchScheduler, install_dispatch
 from petals_chain.server.kv_cache import NoCapacityError, SlotCache, SlotPool
-from petals_chain.swarm.checkpoint import build_rotary, load_block, load_config, parse_dtype, weight_map
+from petals_chain.swarm.checkpoint import build_rotary, load_block, parse_dtype
 from petals_chain.swarm.memory import head_dim, num_kv_heads
+from petals_chain.swarm.sources import ModelSource, resolve_source
 
 __all__ = ["BlockRunner", "NoCapacityError"]
 
@@ -78,7 +78,7 @@ class BlockRunner:
 
     def __init__(
         self,
-        model_path: str | os.PathLike,
+        model_path: "str | os.PathLike | ModelSource",
         start_block: int,
         num_blocks: int,
         num_slots: int,
@@ -96,9 +96,10 @@ class BlockRunner:
         prefill_chunk_tokens: int = 128,
         batch_wait_ms: float = 2.0,
     ):
-        self.model_path = Path(model_path)
+        self.source = resolve_source(model_path)
+        self.model_path = self.source.path
         # A private copy: the attention implementation is set on it, not on the caller's config.
-        self.config = copy.deepcopy(config) if config is not None else load_config(self.model_path)
+        self.config = copy.deepcopy(config if config is not None else self.source.config)
         self.config._attn_implementation = attn_implementation
         n_layers = int(self.config.num_hidden_layers)
         for name, v in (("start_block", start_block), ("num_blocks", num_blocks), ("num_slots", num_slots),
@@ -134,12 +135,11 @@ class BlockRunner:
         self.compute_scale = float(compute_scale)
         self.hidden_size = int(self.config.hidden_size)
 
-        wmap = weight_map(self.model_path)
         self.blocks = torch.nn.ModuleList()
         for i in tqdm(range(self.start_block, self.end_block), desc=f"loading blocks {self.start_block}-"
                       f"{self.end_block - 1}", unit="block", disable=None if progress is None else not progress):
-            self.blocks.append(load_block(self.model_path, i, self.dtype, self.device, quant,
-                                          config=self.config, attn_implementation=attn_implementation, wmap=wmap))
+            self.blocks.append(load_block(self.source, i, self.dtype, self.device, quant,
+                                          config=self.config, attn_implementation=attn_implementation))
         self.rotary = build_rotary(self.config, self.device)
         self.pool = SlotPool(num_slots, num_kv_heads(self.config), max_length, head_dim(self.config),
                              self.dtype, self.device)

@@ -51,6 +51,7 @@ class ServerConfig:
     emulate_rtt_ms: float = 0.0
     emulate_compute_scale: float = 1.0
     max_length: Optional[int] = None  # None: the assignment's max_length (DEFAULT_MAX_LENGTH until one arrives)
+    max_blocks: int = 0  # the volunteer's cap on hosted blocks (0: as many as the memory budget allows)
     trust_orchestrator: Sequence[str] = ()  # empty: the peer ids named in initial_peers
     allow_any_client: bool = False
     tau_p: Optional[float] = None  # None: measure (cached); else use this value (s/block/job, unscaled)
@@ -95,19 +96,25 @@ class Server:
     """One volunteer server process (``asyncio.run(Server(cfg).run())``); also the RPC session backend."""
 
     def __init__(self, cfg: ServerConfig):
-        from petals_chain.swarm.checkpoint import QUANT_MODES, load_config, parse_dtype, resolve_model_path
+        from petals_chain.swarm.checkpoint import QUANT_MODES, load_config, parse_dtype
+        from petals_chain.swarm.sources import check_family, resolve_source
 
         self.cfg = cfg
         if cfg.quant not in QUANT_MODES:
             raise ValueError(f"--quant must be one of {QUANT_MODES}, got {cfg.quant!r}")
+        if isinstance(cfg.max_blocks, bool) or not isinstance(cfg.max_blocks, int) or cfg.max_blocks < 0:
+            raise ValueError(f"--max-blocks must be a non-negative integer, got {cfg.max_blocks!r}")
         self.emulation = Emulation(cfg.emulate_rtt_ms, cfg.emulate_compute_scale)
-        self.model_path = resolve_model_path(cfg.model)
-        self.config = load_config(self.model_path)
+        self.source = resolve_source(cfg.model)
+        self.model_path = self.source.path
+        self.config = load_config(self.source)
+        check_family(self.config)
+        self.model_fingerprint = self.source.fingerprint
         self.num_layers = int(self.config.num_hidden_layers)
         self.hidden_size = int(self.config.hidden_size)
         self.torch_dtype = parse_dtype(cfg.dtype, self.config)
         self.dtype_name = str(self.torch_dtype).replace("torch.", "")
-        self.prefix = check_prefix(cfg.dht_prefix) if cfg.dht_prefix else default_dht_prefix(cfg.model)
+        self.prefix = check_prefix(cfg.dht_prefix) if cfg.dht_prefix else default_dht_prefix(self.source.name)
         if cfg.max_length is not None and cfg.max_length < 1:
             raise ValueError("--max-length must be >= 1")
         self._initial_peer_ids = peer_ids_from_maddrs(cfg.initial_peers)
@@ -176,7 +183,7 @@ class Server:
             public_name=self.cfg.public_name[:128], max_length=int(self.max_length), s_m_bytes=int(self.s_m),
             s_c_bytes=int(self.s_c(self.max_length)), emulate_rtt_ms=float(self.cfg.emulate_rtt_ms),
             emulate_compute_scale=float(self.cfg.emulate_compute_scale), epoch=int(self.epoch),
-            timestamp=time.time(),
+            model_fingerprint=self.model_fingerprint, max_blocks=int(self.cfg.max_blocks), timestamp=time.time(),
         )
 
     async def publish(self, expiration_s: Optional[float] = None) -> bool:
@@ -358,6 +365,12 @@ class Server:
         """Follow a (new-epoch) assignment: reload only if our span or max_length changes."""
         if not self.is_new_assignment(asg):
             return
+        if asg.model_fingerprint and asg.model_fingerprint != self.model_fingerprint:
+            if asg.timestamp > self.assignment_timestamp:
+                self.assignment_timestamp = asg.timestamp
+                logger.error(f"the orchestrator serves model {asg.model_fingerprint}, this server holds "
+                             f"{self.model_fingerprint} ({self.source.path}): not following its assignment")
+            return
         span = asg.span_of(self.sd.peer_id)
         max_length = self.cfg.max_length or asg.max_length
         logger.info(f"assignment epoch {asg.epoch}: span {span}, max_length {max_length}")
@@ -372,6 +385,9 @@ class Server:
             start, num = span
             if start + num > self.num_layers:
                 logger.error(f"assignment {span} is outside the model's {self.num_layers} blocks; ignoring it")
+                return
+            if self.cfg.max_blocks and num > self.cfg.max_blocks:
+                logger.error(f"assignment of {num} blocks exceeds --max-blocks {self.cfg.max_blocks}; ignoring it")
                 return
         if self.runner is not None:
             await self.drain(self.cfg.drain_timeout_s)
@@ -400,7 +416,7 @@ class Server:
         t0 = time.perf_counter()
         try:
             runner = await loop.run_in_executor(None, lambda: BlockRunner(
-                self.model_path, start, num, num_slots=slots, max_length=max_length, dtype=self.torch_dtype,
+                self.source, start, num, num_slots=slots, max_length=max_length, dtype=self.torch_dtype,
                 device=self.cfg.device, quant=self.cfg.quant, compute_scale=self.cfg.emulate_compute_scale,
                 config=self.config, progress=self.cfg.progress, batching=self.cfg.batching))
         except Exception:

@@ -1,24 +1,24 @@
-"""Per-block loading of HF-format causal-LM checkpoints (safetensors; Llama / Mistral / Qwen2 layout).
+"""Per-block loading of causal LMs (Llama / Mistral / Qwen2 layout) from any model source (safetensors, GGUF).
 
 A server hosting blocks ``[a, a+m)`` never materialises the whole model: :func:`load_block` builds one
 decoder layer on the meta device (``accelerate.init_empty_weights``) and reads only that layer's tensors
-from the shard(s) that hold them. :func:`load_head` does the same for the embeddings, final norm and LM
+from its source (:mod:`petals_chain.swarm.sources`: the shards that hold them, or the GGUF tensors it
+dequantizes). :func:`load_head` does the same for the embeddings, final norm and LM
 head (what the orchestrator needs), together with the rotary module.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
+
+from petals_chain.swarm.sources import HFSource, ModelSource, resolve_source
 
 QUANT_MODES = ("none", "int8", "nf4")
 _DTYPES = {
@@ -31,38 +31,17 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
-def resolve_model_path(name_or_path: str | os.PathLike, *, revision: str | None = None,
+def resolve_model_path(name_or_path: "str | os.PathLike | ModelSource", *, revision: str | None = None,
                        cache_dir: str | None = None) -> Path:
-    """A local directory as is; otherwise download (safetensors + configs) from the HF hub and return the snapshot."""
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{p} is a directory but has no config.json (not an HF-format checkpoint)")
-        return p
-    if p.exists():
-        raise NotADirectoryError(f"{p} exists but is not a directory")
-    name = str(name_or_path)
-    if name.count("/") > 1 or name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model directory {name!r} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:  # pragma: no cover - huggingface_hub ships with transformers
-        raise FileNotFoundError(f"{name!r} is not a local directory and huggingface_hub is unavailable") from e
-    try:
-        return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS))
-    except Exception as e:  # offline, unknown repo, gated model, ...: one clear error type for callers
-        raise FileNotFoundError(f"{name!r} is not a local directory and could not be fetched from the "
-                                f"Hugging Face hub: {type(e).__name__}: {e}") from e
+    """The local path of a model: an HF directory, a ``.gguf`` file, or a short name's / hub snapshot's path."""
+    return resolve_source(name_or_path, revision=revision, cache_dir=cache_dir).path
 
 
-def load_config(path: str | os.PathLike):
-    """The transformers config of the checkpoint at ``path`` (a resolved directory)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(path))
+def load_config(model: "str | os.PathLike | ModelSource"):
+    """The transformers config of ``model`` (any source :func:`resolve_source` takes); a private copy."""
+    return copy.deepcopy(resolve_source(model).config)
 
 
 def parse_dtype(dtype: str | torch.dtype | None, config: Any = None) -> torch.dtype:
@@ -81,30 +60,12 @@ def parse_dtype(dtype: str | torch.dtype | None, config: Any = None) -> torch.dt
     return _DTYPES[dtype.lower()]
 
 
-def weight_map(path: str | os.PathLike) -> dict[str, str]:
-    """Tensor name -> safetensors file name (from ``model.safetensors.index.json`` or the single file)."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = path / "model.safetensors"
-    if single.is_file():
-        with safe_open(str(single), "pt") as f:
-            return {k: single.name for k in f.keys()}
-    raise FileNotFoundError(f"no safetensors weights in {path} (expected model.safetensors or an index)")
-
-
-def _read_tensors(path: Path, names: list[str], wmap: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Read exactly ``names``, opening each needed shard once."""
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for n in names:
-        by_file[wmap[n]].append(n)
-    out: dict[str, torch.Tensor] = {}
-    for fname, keys in by_file.items():
-        with safe_open(str(path / fname), "pt", device="cpu") as f:
-            for k in keys:
-                out[k] = f.get_tensor(k)
-    return out
+def weight_map(path: "str | os.PathLike | ModelSource") -> dict[str, str]:
+    """Tensor name -> safetensors file name of an HF-format directory."""
+    src = resolve_source(path)
+    if not isinstance(src, HFSource):
+        raise ValueError(f"{src.path} is a {src.kind} model, not safetensors")
+    return src.weight_map
 
 
 def _prepare_config(config: Any, attn_implementation: str | None) -> Any:
@@ -172,7 +133,7 @@ def _check_quant(quant: str, device: torch.device) -> None:
 
 
 def load_block(
-    path: str | os.PathLike,
+    path: "str | os.PathLike | ModelSource",
     index: int,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
@@ -182,15 +143,16 @@ def load_block(
     attn_implementation: str | None = None,
     wmap: dict[str, str] | None = None,
 ) -> nn.Module:
-    """Decoder layer ``index`` of the checkpoint at ``path``, loaded alone, cast to ``dtype``, on ``device``.
+    """Decoder layer ``index`` of the model at ``path`` (any source), loaded alone, cast to ``dtype``, on ``device``.
 
     ``self_attn.layer_idx`` keeps the global index ``index`` (KV caches address layers by it). ``quant`` is
     ``"none"``, or ``"int8"``/``"nf4"`` (bitsandbytes, CUDA only). The layer is in eval mode without grads.
+    ``wmap`` is accepted for backward compatibility and ignored (the source caches its index).
     """
     from accelerate import init_empty_weights
 
-    path = Path(path)
-    config = _prepare_config(config if config is not None else load_config(path), attn_implementation)
+    src = resolve_source(path)
+    config = _prepare_config(config if config is not None else src.config, attn_implementation)
     n_layers = int(config.num_hidden_layers)
     if not isinstance(index, int) or not 0 <= index < n_layers:
         raise ValueError(f"block index {index!r} out of range [0, {n_layers})")
@@ -201,17 +163,17 @@ def load_block(
     with init_empty_weights():
         layer = decoder_layer_class(config)(config, index)
     prefix = f"model.layers.{index}."
-    wmap = wmap if wmap is not None else weight_map(path)
-    names = [k for k in wmap if k.startswith(prefix)]
+    names = [k for k in src.tensor_names() if k.startswith(prefix)]
     if not names:
-        raise KeyError(f"no tensors with prefix {prefix!r} in {path}")
-    tensors = _read_tensors(path, names, wmap)
+        raise KeyError(f"no tensors with prefix {prefix!r} in {src.path}")
+    tensors = src.read_tensors(names)
     state = {k[len(prefix):]: v.to(torch_dtype) for k, v in tensors.items()}
+    del tensors
     expected = set(dict(layer.named_parameters()).keys()) | {
         n for n, _ in layer.named_buffers() if not n.endswith("inv_freq")}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
-        raise KeyError(f"block {index} of {path}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+        raise KeyError(f"block {index} of {src.path}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
     layer.load_state_dict(state, strict=False, assign=True)
     meta_left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
     if meta_left:
@@ -271,13 +233,13 @@ def build_rotary(config: Any, device: str | torch.device = "cpu") -> nn.Module:
     return rot_cls(config=config).to(device)
 
 
-def load_head(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
+def load_head(path: "str | os.PathLike | ModelSource", dtype: str | torch.dtype | None = None,
               device: str | torch.device = "cpu", *, config: Any = None) -> ModelHead:
     """Load ``model.embed_tokens``, ``model.norm`` and ``lm_head`` (tied to the embeddings if the config says so)."""
     from accelerate import init_empty_weights
 
-    path = Path(path)
-    config = _prepare_config(config if config is not None else load_config(path), None)
+    src = resolve_source(path)
+    config = _prepare_config(config if config is not None else src.config, None)
     torch_dtype = parse_dtype(dtype, config)
     device = torch.device(device)
     skeleton_cfg = copy.deepcopy(config)
@@ -288,12 +250,12 @@ def load_head(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
         skeleton = _causal_lm_class(config)(skeleton_cfg)
     embed, norm, lm_head = skeleton.model.embed_tokens, skeleton.model.norm, skeleton.lm_head
 
-    wmap = weight_map(path)
-    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in wmap
-    names = [k for k in wmap if k.startswith(("model.embed_tokens.", "model.norm."))]
+    all_names = src.tensor_names()
+    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in all_names
+    names = [k for k in all_names if k.startswith(("model.embed_tokens.", "model.norm."))]
     if not tied:
-        names += [k for k in wmap if k.startswith("lm_head.")]
-    tensors = {k: v.to(torch_dtype) for k, v in _read_tensors(path, names, wmap).items()}
+        names += [k for k in all_names if k.startswith("lm_head.")]
+    tensors = {k: v.to(torch_dtype) for k, v in src.read_tensors(names).items()}
     embed.load_state_dict({k[len("model.embed_tokens."):]: v for k, v in tensors.items()
                            if k.startswith("model.embed_tokens.")}, assign=True)
     norm.load_state_dict({k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")},

@@ -44,6 +44,8 @@ class ServerRecord(pydantic.BaseModel):
     emulate_rtt_ms: float = pydantic.Field(default=0.0, ge=0)
     emulate_compute_scale: float = pydantic.Field(default=1.0, gt=0)
     epoch: int = pydantic.Field(default=-1, ge=-1)  # assignment epoch the server follows (-1: none yet)
+    model_fingerprint: str = pydantic.Field(default="", max_length=64)  # sources.ModelSource.fingerprint
+    max_blocks: int = pydantic.Field(default=0, ge=0)  # the volunteer's cap on blocks (0: no cap)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.model_validator(mode="after")
@@ -66,6 +68,7 @@ class AssignmentRecord(pydantic.BaseModel):
     max_length: int = pydantic.Field(ge=1)
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     assignments: Dict[str, list[int]] = pydantic.Field(default_factory=dict)
+    model_fingerprint: str = pydantic.Field(default="", max_length=64)  # the model the orchestrator serves
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.field_validator("assignments")
@@ -145,6 +148,8 @@ class _ServerValueV1(pv1.BaseModel):
     emulate_rtt_ms: pv1.confloat(strict=True, ge=0)
     emulate_compute_scale: pv1.confloat(strict=True, gt=0)
     epoch: pv1.conint(strict=True, ge=-1)
+    model_fingerprint: pv1.constr(strict=True, max_length=64)
+    max_blocks: pv1.conint(strict=True, ge=0)
     timestamp: pv1.StrictFloat
 
     class Config:
@@ -156,6 +161,7 @@ class _AssignmentValueV1(pv1.BaseModel):
     max_length: pv1.conint(strict=True, ge=1)
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     assignments: Dict[pv1.StrictStr, pv1.conlist(pv1.StrictInt, min_items=2, max_items=2)]
+    model_fingerprint: pv1.constr(strict=True, max_length=64)
     timestamp: pv1.StrictFloat
 
     class Config:

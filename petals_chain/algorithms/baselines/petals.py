@@ -30,7 +30,7 @@ def petals_num_blocks(server: ServerSpec, model: ModelSpec, *, cache_tokens: int
                       max_length: int = 2048, reserve: float = 0.0) -> int:
     """Blocks PETALS loads on ``server``: ``min(L, floor((M - reserve)/(s_m + s_c cache_tokens/max_length)))``."""
     per_block = model.block_size + model.cache_size * cache_tokens / max_length
-    return max(0, min(model.num_blocks, int(max(0.0, server.memory - reserve) // per_block)))
+    return max(0, min(server.block_cap(model), int(max(0.0, server.memory - reserve) // per_block)))
 
 
 def petals_cache_slots(num_blocks: int, *, cache_tokens: int = 4096, max_length: int = 2048) -> int:

@@ -13,7 +13,8 @@ def whole_model_placement(servers: Sequence[ServerSpec], model: ModelSpec) -> tu
     L = model.num_blocks
     spans, chains = {}, []
     for s in servers:
-        cap = s.residual_slots(model, L) // L if s.memory >= model.block_size * L else 0
+        fits = s.memory >= model.block_size * L and s.block_cap(model) == L
+        cap = s.residual_slots(model, L) // L if fits else 0
         if cap >= 1:
             spans[s.name] = (0, L)
             chains.append(Chain(servers=(s.name,), blocks=(L,), service_time=s.tau_c + s.tau_p * L,
