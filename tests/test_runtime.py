@@ -225,6 +225,38 @@ def test_slot_accounting(models):
     assert r.slots_free == 7 and r.sessions() == {}
 
 
+def test_fork_copies_the_prefix_kv(models):
+    """A forked session continues exactly like the session it copies, and like a fresh one fed the same tokens."""
+    r = BlockRunner(models["llama"], 0, 4, num_slots=16, max_length=32, progress=False)
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randn(1, 7, r.hidden_size, generator=g)
+    nxt = [torch.randn(1, 1, r.hidden_size, generator=g) for _ in range(3)]
+    r.allocate("a", 0, 4)
+    r.forward("a", prefix, 0)
+    r.fork("a", "b", 7)
+    assert r.session_length("b") == 7 and r.slots_free == 8
+    r.allocate("fresh", 0, 4)
+    r.forward("fresh", prefix, 0)
+    for i, x in enumerate(nxt):
+        ya, yb, yf = (r.forward(s, x, 7 + i) for s in ("a", "b", "fresh"))
+        torch.testing.assert_close(yb, ya, rtol=0, atol=0)
+        torch.testing.assert_close(yb, yf, rtol=0, atol=0)
+    # a shorter fork sees only the first 5 tokens: it matches a fresh session fed those 5 (up to float noise:
+    # the fresh prefill multiplies 5 rows, the source's 7)
+    r.release("fresh")
+    r.fork("a", "c", 5)
+    r.allocate("five", 0, 4)
+    r.forward("five", prefix[:, :5], 0)
+    torch.testing.assert_close(r.forward("c", nxt[0], 5), r.forward("five", nxt[0], 5), rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="cannot fork"):
+        r.fork("a", "d", 11)
+    with pytest.raises(KeyError):
+        r.fork("nope", "d", 1)
+    with pytest.raises(NoCapacityError):
+        r.fork("a", "d", 3)  # a, b, c and five hold all 16 slots
+    assert "d" not in r.sessions()
+
+
 def test_zero_slot_runner_refuses(models):
     r = BlockRunner(models["llama"], 0, 1, num_slots=0, max_length=16, progress=False)
     with pytest.raises(NoCapacityError):

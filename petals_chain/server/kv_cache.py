@@ -63,6 +63,11 @@ class SlotPool:
         taken = [self._free.pop() for _ in range(int(n))]
         return taken
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Copy the K/V of the first ``length`` positions of slot ``src`` into slot ``dst``."""
+        self.keys[dst, :, :length].copy_(self.keys[src, :, :length])
+        self.values[dst, :, :length].copy_(self.values[src, :, :length])
+
     def release(self, slots: list[int]) -> None:
         """Give slots back (each exactly once)."""
         free = set(self._free)

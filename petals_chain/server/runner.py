@@ -202,11 +202,37 @@ class BlockRunner:
             raise ValueError(f"span [{start_block}, {end_block}) is not a non-empty part of this server's "
                              f"blocks [{self.start_block}, {self.end_block})")
         with self._lock:
-            if session_id in self._sessions:
-                raise ValueError(f"session {session_id!r} is already open")
-            slots = self.pool.allocate(end_block - start_block)
-            self._sessions[session_id] = _Session(session_id, start_block, end_block,
-                                                  dict(zip(range(start_block, end_block), slots)))
+            self.allocate_locked(session_id, start_block, end_block)
+
+    def allocate_locked(self, session_id: str, start_block: int, end_block: int) -> None:
+        """:meth:`allocate` with ``_lock`` held and the span already validated."""
+        if session_id in self._sessions:
+            raise ValueError(f"session {session_id!r} is already open")
+        slots = self.pool.allocate(end_block - start_block)
+        self._sessions[session_id] = _Session(session_id, start_block, end_block,
+                                              dict(zip(range(start_block, end_block), slots)))
+
+    def fork(self, source_id: str, session_id: str, length: int) -> None:
+        """Open ``session_id`` over ``source_id``'s span with a copy of its first ``length`` cached tokens.
+
+        What ``n > 1`` samples of one prompt share: the prompt's KV is computed once and copied per sample
+        (copying ``length`` tokens of K/V per block is far cheaper than recomputing them). Raises
+        :class:`NoCapacityError` without slots, ``KeyError`` for an unknown source, ``ValueError`` if the
+        source holds fewer than ``length`` tokens. Positions ``< length`` are never written by the source's
+        later steps (they continue or fail over, never roll back into a forked prefix), so the copy is safe
+        while the source computes its next step.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"fork length must be a positive int, got {length!r}")
+        with self._lock:
+            src = self._get(source_id)
+            if length > src.length:
+                raise ValueError(f"session {source_id!r} holds {src.length} tokens, cannot fork {length}")
+            self.allocate_locked(session_id, src.start_block, src.end_block)
+            dst = self._sessions[session_id]
+            for layer, slot in dst.slot_of.items():
+                self.pool.copy(src.slot_of[layer], slot, length)
+            dst.length = length
 
     def release(self, session_id: str) -> bool:
         """Close ``session_id`` and return its slots (after its running step, if any). False if unknown."""

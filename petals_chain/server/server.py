@@ -218,12 +218,23 @@ class Server:
             raise RefusedError("invalid", f"session {session_id!r} is already open")
         return runner
 
-    def _allocate(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str) -> dict:
-        """Check and allocate; raises the runner's NoCapacityError when the slots are not free (yet)."""
+    def _allocate(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
+                  fork_from: Optional[str] = None, fork_length: int = 0) -> dict:
+        """Check and allocate; raises the runner's NoCapacityError when the slots are not free (yet).
+
+        ``fork_from``: an open session of the same peer and span whose first ``fork_length`` tokens of KV the
+        new session starts with (``n > 1`` samples of one prompt share its prefill)."""
         runner = self._check_open(session_id, max_length)
         try:
-            runner.allocate(session_id, start_block, end_block)
-        except ValueError as e:
+            if fork_from is None:
+                runner.allocate(session_id, start_block, end_block)
+            else:
+                src = self.sessions.get(fork_from)
+                if src is None or src["peer"] != peer_id or src["span"] != (start_block, end_block):
+                    raise ValueError(f"cannot fork {fork_from!r}: no open session of this peer over blocks "
+                                     f"[{start_block}, {end_block})")
+                runner.fork(fork_from, session_id, fork_length)
+        except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
         self.sessions[session_id] = {"runner": runner, "max_length": max_length, "peer": peer_id, "steps": 0,
                                      "span": (start_block, end_block)}
@@ -236,14 +247,15 @@ class Server:
         return RefusedError("no_capacity", f"no capacity: {e} (slots free {free} of {total}, "
                                            f"need {end_block - start_block})")
 
-    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str) -> dict:
+    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
+                     fork_from: Optional[str] = None, fork_length: int = 0) -> dict:
         from petals_chain.server.runner import NoCapacityError
 
         self._check_open(session_id, max_length)
         if len(self.admission):  # opens waiting for slots are served first (FIFO)
             raise RefusedError("no_capacity", f"no capacity: {len(self.admission)} opens wait for slots")
         try:
-            return self._allocate(session_id, start_block, end_block, max_length, peer_id)
+            return self._allocate(session_id, start_block, end_block, max_length, peer_id, fork_from, fork_length)
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
 

@@ -7,10 +7,12 @@ tensors travel uncompressed (``USE_LEGACY_BFLOAT16 = False``: bf16 stays 2 bytes
 ``CHUNK_BYTES`` chunks so that no message exceeds the P2P message limit.
 
 Session stream, client -> server:
-  1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"[, "wait_s"]}``
-     -> ``{"ok": true, ...}`` or an error, after which the server ends the stream. With ``wait_s > 0``
-     a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds instead of
-     refusing it; the client sends nothing until the reply, and ending the stream meanwhile withdraws it.
+  1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"[, "wait_s"][, "fork_from",
+     "fork_length"]}`` -> ``{"ok": true, ...}`` or an error, after which the server ends the stream. With
+     ``wait_s > 0`` a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds
+     instead of refusing it; the client sends nothing until the reply, and ending the stream meanwhile
+     withdraws it. ``fork_from`` names an open session of the same peer and span: the new session starts
+     with a copy of its first ``fork_length`` cached tokens (no wait; not with ``wait_s``).
   2. ``{"op": "step", "position"}`` + the first chunk of hidden ``[1, n, hidden]`` (further chunks follow
      as messages with only ``tensors``) -> ``{"ok": true, "position"}`` + output chunks, or an error reply
      (the session survives an error reply; nothing changed).
@@ -86,8 +88,10 @@ class SessionBackend(Protocol):
 
     def authorize(self, peer_id: str) -> bool: ...
 
-    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str) -> dict:
-        """Reserve slots or raise RefusedError; returns extra fields for the open reply."""
+    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
+                     fork_from: Optional[str] = None, fork_length: int = 0) -> dict:
+        """Reserve slots (copying ``fork_from``'s first ``fork_length`` tokens of KV) or raise RefusedError;
+        returns extra fields for the open reply."""
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Run the session's blocks; raise RefusedError('invalid', ...) for bad input (state unchanged)."""
@@ -203,12 +207,20 @@ class PetalsChainBlocks(ServicerBase):
                 wait_s = meta.get("wait_s", 0)
                 if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (0 <= wait_s < math.inf):
                     raise RefusedError("invalid", f"field 'wait_s' must be a finite number >= 0, got {wait_s!r}")
+                fork_from = meta.get("fork_from")
+                fork = {}
+                if fork_from is not None:
+                    if not isinstance(fork_from, str) or not (0 < len(fork_from) <= _MAX_SESSION_ID):
+                        raise RefusedError("invalid", "fork_from must be a session id")
+                    if wait_s:
+                        raise RefusedError("invalid", "fork_from cannot be combined with wait_s")
+                    fork = {"fork_from": fork_from, "fork_length": _int_field(meta, "fork_length", lo=1)}
                 if wait_s > 0 and hasattr(self.backend, "open_session_wait"):
                     extra, pending = await self._open_waiting(stream, sid, start, end, max_length, peer, float(wait_s))
                     if extra is None:
                         return  # the client went away (or broke protocol) while waiting
                 else:
-                    extra = self.backend.open_session(sid, start, end, max_length, peer)
+                    extra = self.backend.open_session(sid, start, end, max_length, peer, **fork)
                 session_id = sid
             except RefusedError as e:
                 await self.emulation.half_rtt()
@@ -488,16 +500,19 @@ class ServerClient:
         return PetalsChainBlocks.get_stub(self.p2p, _as_peer(peer_id))
 
     async def open_session(self, peer_id: Union[str, PeerID], session_id: str, start_block: int, end_block: int,
-                           max_length: int, wait_s: float = 0.0) -> RemoteSession:
+                           max_length: int, wait_s: float = 0.0, fork_from: Optional[str] = None,
+                           fork_length: int = 0) -> RemoteSession:
         """Reserve ``end_block - start_block`` slots on ``peer_id``; with ``wait_s > 0`` wait at the server (FIFO)
-        up to ``wait_s`` seconds for them to free up.
+        up to ``wait_s`` seconds for them to free up. ``fork_from``: start with a copy of that session's first
+        ``fork_length`` tokens of KV (same peer, same span).
 
         Raises NoCapacityError (server full), RemoteError (refused/invalid), ConnectionError (unreachable)."""
         sess = RemoteSession(str(peer_id), session_id, int(start_block), int(end_block), int(max_length),
                              self.step_timeout_s)
         sess._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({
             "op": "open", "session_id": session_id, "start_block": int(start_block), "end_block": int(end_block),
-            "max_length": int(max_length), **({"wait_s": float(wait_s)} if wait_s > 0 else {})})))
+            "max_length": int(max_length), **({"wait_s": float(wait_s)} if wait_s > 0 else {}),
+            **({"fork_from": fork_from, "fork_length": int(fork_length)} if fork_from is not None else {})})))
         try:
             sess._responses = await asyncio.wait_for(self._stub(peer_id).rpc_session(sess._requests()),
                                                      timeout=self.open_timeout_s)
@@ -513,6 +528,8 @@ class ServerClient:
             sess.closed = True
             sess._queue.put_nowait(None)
             raise
+        if fork_from is not None:
+            sess.position = int(fork_length)
         return sess
 
     async def _call(self, method: str, peer_id: Union[str, PeerID], request: runtime_pb2.ExpertRequest,
