@@ -1,13 +1,31 @@
-"""Token sampling at the orchestrator: transformers' logits processors, seeds, EOS and stop strings."""
+"""Token sampling at the orchestrator: parameters, a batched vectorized sampler, seeds, EOS and stop strings.
+
+Two implementations of the same semantics live here:
+
+* ``sample_batch`` + ``SequenceSampler``: the orchestrator runs the LM head for every active generation at once,
+  so it samples all rows of a step in one vectorized pass (rows may have different parameters).
+* ``PerRequestSampler`` (alias ``Sampler``): one request at a time through transformers' logits processors. It is
+  the reference the batched path is tested against, and what older callers use.
+
+Order of operations (vLLM's): logit_bias -> repetition penalty -> presence/frequency penalties -> [greedy: argmax]
+-> temperature -> top-k -> top-p -> min-p -> sample.
+"""
 
 from __future__ import annotations
 
+import math
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers.generation.logits_process import (
+    LogitsProcessor,
     LogitsProcessorList,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -16,7 +34,12 @@ from transformers.generation.logits_process import (
 
 @dataclass
 class SamplingParams:
-    """How to pick the next token. ``temperature == 0`` means greedy (argmax)."""
+    """How to pick the next token. ``temperature == 0`` means greedy (argmax).
+
+    ``presence_penalty``/``frequency_penalty`` apply to generated tokens only (OpenAI/vLLM);
+    ``repetition_penalty`` to prompt and generated tokens (transformers/vLLM). ``logprobs``: None for none, k >= 0 for
+    the chosen token's logprob plus the k most likely alternatives.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -27,45 +50,694 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def validate(self) -> None:
+        """Raise ValueError naming the first out-of-range field (construction itself stays lenient)."""
 
-class Sampler:
-    """Per-request sampler: holds the processors and the request's own RNG (so a seed reproduces output
-    regardless of what other requests run concurrently, and a failover replay does not resample)."""
+        def num(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            return float(v)
 
-    def __init__(self, params: SamplingParams):
+        if num("temperature") < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < num("top_p") <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if not 0.0 <= num("min_p") <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if num("repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = disabled), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= num(name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(  # noqa: TRY004 -- the API maps ValueError to a 400
+                f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        for tok, bias in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChoice:
+    """One sampled (or scored) token. ``logprob``/``top_logprobs`` are of the raw model distribution, or None when
+    not requested; ``top_logprobs`` is sorted by descending logprob."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reference: one request at a time, transformers' processors.
+
+
+class _PresenceFrequencyPenalty(LogitsProcessor):
+    """OpenAI/vLLM penalties on generated tokens: ``logit -= frequency * count + presence`` for count > 0."""
+
+    def __init__(self, presence: float, frequency: float, prompt_len: int):
+        self.presence, self.frequency, self.prompt_len = presence, frequency, prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        counts: dict[int, int] = {}
+        for t in input_ids[0, self.prompt_len:].tolist():
+            counts[t] = counts.get(t, 0) + 1
+        counts = {t: c for t, c in counts.items() if t < scores.shape[-1]}
+        if not counts:
+            return scores
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        sub = torch.tensor([self.frequency * c + self.presence for c in counts.values()], dtype=torch.float32)
+        scores = scores.clone()
+        scores[0, ids] -= sub
+        return scores
+
+
+class PerRequestSampler:
+    """Per-request sampler on transformers' processors, with the request's own RNG (so a seed reproduces output
+    regardless of concurrent requests, and a failover replay does not resample).
+
+    ``prompt_len`` is where generated tokens start in ``context_ids`` (for presence/frequency penalties); None takes
+    the length of the context at the first ``next_token`` call, i.e. everything before the first sampled token.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_len: int | None = None):
         self.params = params
-        procs = LogitsProcessorList()
-        if params.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
-        if not params.greedy:
-            if params.temperature != 1.0:
-                procs.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k > 0:
-                procs.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1.0:
-                procs.append(TopPLogitsWarper(params.top_p))
-        self.processors = procs
+        self.prompt_len = prompt_len
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(int(params.seed))
         else:
             self.generator.seed()
+        self.processors: LogitsProcessorList | None = None
 
-    def next_token(self, logits: torch.Tensor, context_ids: list[int]) -> int:
-        """Choose the next token from ``logits`` [vocab] given all tokens so far (for the penalty)."""
+    def _build(self, prompt_len: int) -> LogitsProcessorList:
+        p = self.params
+        procs = LogitsProcessorList()
+        if p.logit_bias:
+            procs.append(SequenceBiasLogitsProcessor({(int(t),): float(b) for t, b in p.logit_bias.items()}))
+        if p.repetition_penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(float(p.repetition_penalty)))
+        if p.presence_penalty or p.frequency_penalty:
+            procs.append(_PresenceFrequencyPenalty(float(p.presence_penalty), float(p.frequency_penalty), prompt_len))
+        if not p.greedy:
+            if p.temperature != 1.0:
+                procs.append(TemperatureLogitsWarper(float(p.temperature)))
+            if p.top_k > 0:
+                procs.append(TopKLogitsWarper(int(p.top_k)))
+            if p.top_p < 1.0:
+                procs.append(TopPLogitsWarper(float(p.top_p)))
+            if p.min_p > 0.0:
+                procs.append(MinPLogitsWarper(float(p.min_p)))
+        return procs
+
+    def processed_scores(self, logits: torch.Tensor, context_ids: Sequence[int]) -> torch.Tensor:
+        """Scores [1, vocab] after every processor (filtered tokens are -inf); softmax gives the sampled law."""
+        if self.processors is None:
+            self.prompt_len = len(context_ids) if self.prompt_len is None else self.prompt_len
+            self.processors = self._build(self.prompt_len)
         scores = logits.detach().float().reshape(1, -1)
         if len(self.processors):
-            ids = torch.tensor([context_ids], dtype=torch.long)
+            ids = torch.tensor([list(context_ids)], dtype=torch.long)
             scores = self.processors(ids, scores)
+        return scores
+
+    def next_token(self, logits: torch.Tensor, context_ids: Sequence[int]) -> int:
+        """Choose the next token from ``logits`` [vocab] given all tokens so far (prompt + generated)."""
+        scores = self.processed_scores(logits, context_ids)
         if self.params.greedy:
             return int(torch.argmax(scores, dim=-1).item())
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+Sampler = PerRequestSampler  # backward-compatible name
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Batched path.
+
+
+class SequenceSampler:
+    """Sampling state of one generated sequence: its RNG and the token statistics the penalties need.
+
+    The penalized/biased tokens are kept as flat numpy arrays (token id, bias, repetition factor, penalty to
+    subtract) indexed through a dict, so ``append`` is O(1) and a step never rebuilds anything O(context); the
+    batch concatenates the arrays of its rows. Call ``append`` with every token the sequence actually emits.
+    """
+
+    _CAP0 = 64
+
+    def __init__(self, params: SamplingParams, prompt_ids: Iterable[int] = ()):
+        params.validate()
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(int(params.seed))
+        else:
+            self.generator.seed()
+        self.greedy = params.greedy
+        self.temperature = 1.0 if self.greedy else float(params.temperature)
+        self.counts: dict[int, int] = {}  # generated token -> occurrences
+        self.num_generated = 0
+        self._rep = float(params.repetition_penalty)
+        self._rep_on = self._rep != 1.0
+        self._pres, self._freq = float(params.presence_penalty), float(params.frequency_penalty)
+        self._pf_on = self._pres != 0.0 or self._freq != 0.0
+        self._slot: dict[int, int] = {}
+        self._n = 0
+        self._ids = np.empty(self._CAP0, np.int64)
+        self._bias = np.zeros(self._CAP0, np.float32)
+        self._repf = np.ones(self._CAP0, np.float32)
+        self._sub = np.zeros(self._CAP0, np.float32)
+        self._max_id = -1
+        self._max_bias_id = max((int(t) for t in params.logit_bias), default=-1)
+        self._has_bias = bool(params.logit_bias)
+        for t, b in params.logit_bias.items():
+            s = self._slot_of(int(t))  # before indexing: the slot may reallocate the arrays
+            self._bias[s] = b
+        if self._rep_on:
+            toks = list(dict.fromkeys(int(t) for t in prompt_ids))
+            new = [t for t in toks if t not in self._slot]
+            if new:
+                self._reserve(self._n + len(new))
+                self._ids[self._n:self._n + len(new)] = new
+                self._slot.update(zip(new, range(self._n, self._n + len(new))))
+                self._n += len(new)
+                self._max_id = max(self._max_id, max(new))
+            if toks:
+                self._repf[[self._slot[t] for t in toks]] = self._rep
+
+    def _reserve(self, n: int) -> None:
+        cap = len(self._ids)
+        if n <= cap:
+            return
+        while cap < n:
+            cap *= 2
+        for name, fill in (("_ids", 0), ("_bias", 0.0), ("_repf", 1.0), ("_sub", 0.0)):
+            old = getattr(self, name)
+            arr = np.full(cap, fill, old.dtype)
+            arr[:self._n] = old[:self._n]
+            setattr(self, name, arr)
+
+    def _slot_of(self, t: int) -> int:
+        s = self._slot.get(t)
+        if s is None:
+            s = self._n
+            self._reserve(s + 1)
+            self._ids[s] = t
+            self._slot[t] = s
+            self._n = s + 1
+            self._max_id = max(self._max_id, t)
+        return s
+
+    def append(self, token_id: int) -> None:
+        """Record a generated token (updates the penalty state in O(1))."""
+        t = int(token_id)
+        self.num_generated += 1
+        c = self.counts.get(t, 0) + 1
+        self.counts[t] = c
+        if self._rep_on or self._pf_on:
+            s = self._slot_of(t)
+            if self._rep_on:
+                self._repf[s] = self._rep
+            if self._pf_on:
+                self._sub[s] = self._freq * c + self._pres
+
+    def _entries(self, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        n = self._n
+        ids, bias, repf, sub = self._ids[:n], self._bias[:n], self._repf[:n], self._sub[:n]
+        if self._max_id >= vocab:  # (logit_bias ids were checked against the vocabulary by ``_check``)
+            ok = ids < vocab  # context ids beyond the LM head's vocabulary cannot be sampled: no penalty (as HF)
+            ids, bias, repf, sub = ids[ok], bias[ok], repf[ok], sub[ok]
+        return ids, bias, repf, sub
+
+
+# Filtered rows first try this many topk candidates (top-k rows: k + 1 at least). A width is exact for a row when
+# its kept set provably lies inside (see ``_filter_sorted``); rows it cannot decide are sized by one histogram pass
+# (``_sizes``) and retried with a width that fits; only what still fails, or needs most of the vocabulary, sorts
+# the full row.
+_FIRST_WIDTH = 256
+_NEG_INF = float("-inf")
+_WORKSPACE_MAX = 8 << 20  # floats kept per thread between steps (32 MiB); bigger batches allocate per step
+_local = threading.local()
+
+
+def _workspace(name: str, rows: int, cols: int) -> torch.Tensor:
+    """A per-thread scratch [rows, cols] reused across steps: fresh multi-MiB tensors cost page faults each step."""
+    n = rows * cols
+    if n > _WORKSPACE_MAX:
+        return torch.empty(rows, cols)
+    cache = getattr(_local, "bufs", None)
+    if cache is None:
+        cache = _local.bufs = {}
+    buf = cache.get(name)
+    if buf is None or buf.numel() < n:
+        buf = cache[name] = torch.empty(max(n, 1 << 16))
+    return buf[:n].view(rows, cols)
+
+
+def _k_eff(top_k: int, vocab: int) -> int:
+    return top_k if 0 < top_k < vocab else 0
+
+
+def _first_width(k: int, vocab: int) -> int:
+    return min(vocab, max(_FIRST_WIDTH, k + 1))
+
+
+def _width_for(need: int, vocab: int) -> int:
+    """A candidate width of at least ``need``, rounded up to a multiple of 1024 (few distinct topk calls); the
+    full vocabulary past 80% of it, where topk costs about as much as a sort."""
+    w = -(-need // 1024) * 1024
+    return vocab if w > 0.8 * vocab else w
+
+
+_HALF_OCTAVE = 2.0 / math.log(2.0)
+
+
+def _sizes(w: torch.Tensor, cv: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+           s_full: torch.Tensor) -> torch.Tensor:
+    """Upper bounds on how many tokens each row keeps, from one pass over its logits ``w`` [r, V] (temperature
+    applied; ``cv`` its first candidates): top-k rows keep the tokens >= the k-th value, min-p rows the tokens with
+    weight >= min_p; top-p rows (without top-k) at most the tokens down to the half-octave weight bucket where the
+    cumulative mass first reaches top_p. Only the width of the retry depends on these bounds, never the result."""
+    r, vocab = w.shape
+    c0 = cv[:, :1]
+    bound = torch.full((r,), vocab, dtype=torch.long)
+    has_k = k > 0
+    if bool(has_k.any()):
+        thr = cv.gather(1, (k - 1).clamp(0, cv.shape[1] - 1).unsqueeze(1))
+        bound = torch.where(has_k, torch.minimum(bound, (w >= thr).sum(1)), bound)
+    use_m = min_p > 0
+    use_p = (top_p < 1.0) & ~has_k
+    if not bool(use_m.any() or use_p.any()):
+        return bound
+    e = torch.exp(w - c0)
+    if bool(use_m.any()):
+        cnt = (e >= (min_p.float() * (1 - 1e-6)).unsqueeze(1)).sum(1)  # a superset: margin for rounding
+        bound = torch.where(use_m, torch.minimum(bound, cnt), bound)
+    if bool(use_p.any()):
+        b = torch.sub(c0, w).mul_(_HALF_OCTAVE).floor_().clamp_(0, 63).long()
+        b += (torch.arange(r) * 64).unsqueeze(1)
+        mass = torch.bincount(b.view(-1), weights=e.view(-1), minlength=r * 64).view(r, 64).double().cumsum(1)
+        count = torch.bincount(b.view(-1), minlength=r * 64).view(r, 64).cumsum(1)
+        target = top_p * s_full.double() * (1 + 1e-5)  # a margin for rounding: the bound must not fall short
+        first = (mass < target.unsqueeze(1)).sum(1).clamp(max=63)
+        bound = torch.where(use_p, torch.minimum(bound, count.gather(1, first.unsqueeze(1)).squeeze(1)), bound)
+    return bound
+
+
+def _topk(w: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk (sorted) of each row's ``kk`` largest values, about 2.5x faster for kk << vocab.
+
+    The vocabulary is split into ``nb`` strided blocks {b, b + nb, b + 2 nb, ...} (a cheap vectorized max over
+    ``bs`` contiguous slices); the ``kk`` blocks with the largest maxima hold at least ``kk`` values >= the kk-th
+    largest block maximum, so they (plus the < bs tail tokens) hold every value above the row's kk-th largest:
+    a topk over those ``kk * bs`` values returns the same values as a topk over the row (which tokens among
+    values tied with the last one may differ, as it may between topk implementations).
+    """
+    g, vocab = w.shape
+    bs = 1 << max(0, round(math.log2(math.sqrt(vocab / kk))))  # balances the block topk and the final topk
+    if bs < 4:
+        return torch.topk(w, kk, dim=1, sorted=True)
+    nb = vocab // bs
+    blocks = w[:, :nb * bs].view(g, bs, nb)
+    bi = torch.topk(blocks.amax(dim=1), kk, dim=1, sorted=False).indices
+    vals = blocks.gather(2, bi.unsqueeze(1).expand(g, bs, kk)).reshape(g, bs * kk)
+    ids = (bi.unsqueeze(1) + nb * torch.arange(bs).unsqueeze(1)).reshape(g, bs * kk)
+    if nb * bs < vocab:
+        vals = torch.cat([vals, w[:, nb * bs:]], dim=1)
+        ids = torch.cat([ids, torch.arange(nb * bs, vocab).expand(g, -1)], dim=1)
+    cv, pos = torch.topk(vals, kk, dim=1, sorted=True)
+    return cv, ids.gather(1, pos)
+
+
+_KEYED_WIDTH = 4096  # from this width on, candidates come from a topk/sort of unique int64 keys
+
+
+def _canonical_keys(w: torch.Tensor) -> torch.Tensor:
+    """Unique int64 keys whose ascending order is (value descending, token id ascending): the float's bits mapped
+    to an order-preserving integer (-0.0 folded onto +0.0), shifted above a 31-bit token id."""
+    bits = (w + 0.0).view(torch.int32).long()
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotone in the float value
+    return ((0x7FFFFFFF - ordered) << 31) | torch.arange(w.shape[1])
+
+
+def _candidates(w: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``kk`` largest values per row in canonical order: value descending, then token id ascending."""
+    if kk >= _KEYED_WIDTH or kk >= w.shape[1]:
+        # wide: ties are likely (float32 logits over a large vocabulary), so order by unique keys directly,
+        # cheaper than a stable sort or a topk followed by a tie-fixing sort
+        keys = _canonical_keys(w)
+        if kk >= w.shape[1]:
+            ci = torch.sort(keys, dim=1).indices
+        else:
+            ci = torch.topk(keys, kk, dim=1, largest=False, sorted=True).indices
+        return w.gather(1, ci), ci
+    cv, ci = _topk(w, kk)
+    new_run = cv[:, 1:] != cv[:, :-1]
+    if not bool(new_run.all()):  # ties: topk's order among equals is unspecified; sort each run of equals by id
+        run = torch.cat([torch.zeros_like(ci[:, :1]), new_run.long().cumsum(1)], dim=1)
+        perm = torch.sort(run * w.shape[1] + ci, dim=1).indices
+        cv, ci = cv.gather(1, perm), ci.gather(1, perm)
+    return cv, ci
+
+
+def _row_sum(e: torch.Tensor) -> torch.Tensor:
+    """Row sums of ``e`` [g, V] (float32, >= 0) computed in an order fixed by V alone: a plain multi-threaded sum
+    splits a lone row across threads but not a batch of rows, which would make a row's top-p decision (at the
+    last bit) depend on its batch mates. Columns of 64 strided values are summed, then the columns in double."""
+    g, vocab = e.shape
+    n = vocab // 64
+    total = e[:, n * 64:].double().cumsum(1)[:, -1] if n * 64 < vocab else torch.zeros(g, dtype=torch.float64)
+    if n:
+        total = total + e[:, :n * 64].view(g, 64, n).sum(1).cumsum(1, dtype=torch.float64)[:, -1]
+    return total.float()
+
+
+def _argmax(w: torch.Tensor) -> torch.Tensor:
+    """First maximal index per row, as torch.argmax, but through block maxima (several times faster on CPU)."""
+    g, vocab = w.shape
+    n = vocab // 64
+    if n < 4:
+        return w.max(dim=1).indices
+    head = w[:, :n * 64].view(g, n, 64)
+    bmax, blk = head.amax(dim=2).max(dim=1)  # first block holding the maximum
+    inner = head.gather(1, blk.view(g, 1, 1).expand(g, 1, 64)).squeeze(1).max(dim=1).indices
+    idx = blk * 64 + inner
+    if n * 64 < vocab:
+        tmax, tidx = w[:, n * 64:].max(dim=1)
+        idx = torch.where(tmax > bmax, n * 64 + tidx, idx)
+    return idx
+
+
+def _filter_sorted(cv: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                   s_full: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top-k -> top-p -> min-p on canonically sorted candidate logits ``cv`` [g, K] (temperature applied).
+
+    Returns ``(wk, valid)``: ``wk`` the unnormalized kept weights exp(cv - max) (0 where filtered);
+    ``valid`` whether that is exact for the row, i.e. independent of the tokens outside the candidates: the kept
+    set's smallest value is strictly above the smallest candidate (so every token tied with a kept one is a
+    candidate; for a top-k row, every token tied with its k-th value too), or the smallest candidate's weight
+    underflows to 0 (the tokens outside cannot carry probability). ``s_full`` is the row's full normalizer
+    sum(exp(logit - max)), used by top-p rows without top-k.
+
+    Semantics (transformers' warpers): top-k keeps every token >= the k-th largest value; top-p keeps a token iff
+    the mass before it (canonical order) is < top_p, i.e. the smallest prefix with mass >= top_p, at least one
+    token (transformers: remove where the ascending cumulative mass <= 1 - top_p; the same set up to rounding of
+    the masses, ~1e-7); min-p keeps tokens with probability >= min_p * max probability. Ties at the top-p
+    boundary are broken by token id (lower id first); transformers breaks them in torch.sort's unspecified order.
+    """
+    g, kk = cv.shape
+    w = torch.exp(cv - cv[:, :1])
+    has_k = k > 0
+    keep = torch.ones_like(cv, dtype=torch.bool)
+    last = cv[:, -1]
+    thr_k = None
+    if bool(has_k.any()):
+        kth = cv.gather(1, (k - 1).clamp(0, kk - 1).unsqueeze(1)).squeeze(1)
+        thr_k = torch.where(has_k, kth, torch.full_like(kth, _NEG_INF))
+        keep &= cv >= thr_k.unsqueeze(1)
+    use_p = top_p < 1.0
+    if bool(use_p.any()):
+        wk = torch.where(keep, w, torch.zeros_like(w))
+        cum = wk.cumsum(1)  # double-accumulated on CPU: each entry is the rounded exact prefix sum
+        norm = torch.where(has_k, cum[:, -1], s_full).double()
+        limit = torch.where(use_p, top_p * norm, torch.full_like(norm, math.inf))
+        excl = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+        keep &= excl < limit.unsqueeze(1)
+    if bool((min_p > 0).any()):
+        keep &= w >= min_p.unsqueeze(1)
+    keep[:, 0] = True
+    wk = torch.where(keep, w, torch.zeros_like(w))
+    if kk >= vocab:
+        return wk, torch.ones(g, dtype=torch.bool)
+    m = keep.sum(1)
+    w_last = w[:, -1]
+    valid = (cv.gather(1, (m - 1).unsqueeze(1)).squeeze(1) > last) | (w_last == 0)
+    if thr_k is not None:
+        valid &= ~has_k | (last < thr_k) | (w_last == 0)
+    return wk, valid
+
+
+def _inverse_cdf(weights: torch.Tensor, us: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Positions drawn by inverse CDF: one uniform per row against the row's cumulative weights (float32,
+    accumulated in double). A token is chosen iff ``cum[j-1] <= u * total < cum[j]``, so zero-weight tokens never
+    are; weights below float32 resolution of the running sum (~6e-8 of the total) are effectively rounded."""
+    cum = weights.cumsum_(1) if inplace else weights.cumsum(1)
+    total = cum[:, -1]
+    target = (us * total.double()).float()
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if len(rows) == x.shape[0]:
+        return x
+    return x.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+
+def _check(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> None:
+    """Reject a malformed step before any generator advances."""
+    if logits.dim() != 2 or logits.shape[0] != len(seqs):
+        raise ValueError(f"logits must be [batch, vocab] with batch == len(seqs) ({len(seqs)}), got "
+                         f"{tuple(logits.shape)}")
+    vocab = logits.shape[1]
+    for s in seqs:
+        if s._max_bias_id >= vocab:
+            raise ValueError(f"logit_bias has token id {s._max_bias_id}, but the vocabulary has {vocab} tokens")
+
+
+def _filters(s: SequenceSampler, vocab: int) -> bool:
+    p = s.params
+    return not s.greedy and (_k_eff(p.top_k, vocab) > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+@torch.inference_mode()
+def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], us: dict[int, float] | None,
+         want_probs: bool) -> tuple[list[int], torch.Tensor | None]:
+    """The whole vectorized step. ``us``: row -> uniform draw (None: no draws, only ``want_probs``).
+
+    Rows are laid out by kind (greedy, unfiltered, then filtered by first candidate width, top-p-without-top-k
+    first) in one working copy, so every kind is a contiguous slice: no per-kind copies of [rows, vocab].
+    """
+    _check(logits, seqs)
+    bsz, vocab = logits.shape
+    raw = logits.detach().to("cpu", torch.float32).contiguous()
+    tokens = [0] * bsz
+    probs = torch.zeros(bsz, vocab) if want_probs else None
+    if bsz == 0:
+        return tokens, probs
+
+    filt = [_filters(s, vocab) for s in seqs]
+    greedy = [i for i, s in enumerate(seqs) if s.greedy]
+    plain = [i for i, s in enumerate(seqs) if not s.greedy and not filt[i]]
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        if filt[i]:
+            groups.setdefault(_first_width(_k_eff(s.params.top_k, vocab), vocab), []).append(i)
+    for members in groups.values():  # top-p rows without top-k first: they need the full normalizer
+        members.sort(key=lambda i: not (seqs[i].params.top_p < 1.0 and _k_eff(seqs[i].params.top_k, vocab) == 0))
+    order = greedy + plain + [i for kk in sorted(groups) for i in groups[kk]]
+    slot = [0] * bsz
+    for j, i in enumerate(order):
+        slot[i] = j
+    temps = [seqs[i].temperature for i in order]
+    any_temp = any(t != 1.0 for t in temps)
+
+    # 1. Penalties and bias, sparse: one gather, a few elementwise ops and one scatter over all rows' entries.
+    pen_rows = [i for i in order if seqs[i]._n]
+    src = dst = vals = None
+    if pen_rows:
+        parts = [seqs[i]._entries(vocab) for i in pen_rows]
+        lens = np.fromiter((len(p[0]) for p in parts), np.int64, len(parts))
+        if lens.sum():
+            ids = np.concatenate([p[0] for p in parts])
+            src = torch.from_numpy(ids + np.repeat(np.asarray(pen_rows, np.int64) * vocab, lens))
+            dst = torch.from_numpy(ids + np.repeat(np.asarray([slot[i] for i in pen_rows], np.int64) * vocab, lens))
+            vals = raw.view(-1).index_select(0, src)
+            if any(seqs[i]._has_bias for i in pen_rows):
+                vals = vals + torch.from_numpy(np.concatenate([p[1] for p in parts]))
+            if any(seqs[i]._rep_on for i in pen_rows):
+                repf = torch.from_numpy(np.concatenate([p[2] for p in parts]))
+                vals = torch.where(vals < 0, vals * repf, vals / repf)
+            if any(seqs[i]._pf_on for i in pen_rows):
+                vals = vals - torch.from_numpy(np.concatenate([p[3] for p in parts]))
+            if any_temp:
+                tidx = np.repeat(np.asarray([seqs[i].temperature for i in pen_rows], np.float32), lens)
+                vals = vals / torch.from_numpy(tidx)
+
+    # 2. The working copy in kind order; temperature (bitwise as transformers' ``scores / temperature``), then the
+    #    penalized entries on top.
+    identity = order == list(range(bsz))
+    if identity and not any_temp and dst is None:
+        work, owned = raw, False
+    else:
+        work, owned = _workspace("work", bsz, vocab), True
+        if any_temp:  # row by row: the row stays in cache between the read and the division
+            for j, i in enumerate(order):
+                if temps[j] != 1.0:
+                    torch.div(raw[i], temps[j], out=work[j])
+                else:
+                    work[j].copy_(raw[i])
+        elif identity:
+            work.copy_(raw)
+        else:
+            torch.index_select(raw, 0, torch.tensor(order, dtype=torch.long), out=work)
+        if dst is not None:
+            work.view(-1).index_copy_(0, dst, vals)
+
+    # 3. Greedy rows: the first maximal index.
+    at = 0
+    if greedy:
+        am = _argmax(work[:len(greedy)]).tolist()
+        for i, t in zip(greedy, am):
+            tokens[i] = t
+        if probs is not None:
+            probs[greedy, am] = 1.0
+        at = len(greedy)
+
+    # 4. Unfiltered sampled rows: the full softmax, one cumsum in vocabulary order.
+    if plain:
+        wp = work[at:at + len(plain)]
+        at += len(plain)
+        e = torch.sub(wp, wp.amax(dim=1, keepdim=True), out=wp if owned else None).exp_()
+        if probs is not None:
+            probs[plain] = e / e.sum(dim=1, keepdim=True)
+        if us is not None:
+            pos = _inverse_cdf(e, torch.tensor([us[i] for i in plain], dtype=torch.float64), inplace=True)
+            for i, t in zip(plain, pos.tolist()):
+                tokens[i] = t
+
+    # 5. Filtered rows: candidates by topk; rows the first width cannot decide exactly are sized and retried.
+    for kk0 in sorted(groups):
+        rows = groups[kk0]
+        wg = work[at:at + len(rows)]
+        at += len(rows)
+        ks = torch.tensor([_k_eff(seqs[i].params.top_k, vocab) for i in rows], dtype=torch.long)
+        tp = torch.tensor([seqs[i].params.top_p for i in rows], dtype=torch.float64)
+        mp = torch.tensor([seqs[i].params.min_p for i in rows], dtype=torch.float64)
+        n_need = int(((tp < 1.0) & (ks == 0)).sum())  # these rows come first in the group
+        s_full = torch.zeros(len(rows))
+        pending = [(kk0, torch.arange(len(rows)), 0)]  # (width, rows of the group, attempt)
+        while pending:
+            kk, idx, attempt = pending.pop(0)
+            sub = wg if len(idx) == len(rows) else wg.index_select(0, idx)
+            cv, ci = _candidates(sub, kk)
+            if attempt == 0 and n_need:  # the full normalizers, with the row max from topk
+                e = torch.sub(wg[:n_need], cv[:n_need, :1], out=_workspace("scratch", n_need, vocab)).exp_()
+                s_full[:n_need] = _row_sum(e)
+            wk, valid = _filter_sorted(cv, ks[idx], tp[idx], mp[idx], s_full[idx], vocab)
+            ok = valid.nonzero().squeeze(1)
+            if len(ok):
+                rws = [rows[j] for j in idx[ok].tolist()]
+                wok, cok = (wk, ci) if len(ok) == len(idx) else (wk[ok], ci[ok])
+                if probs is not None:
+                    dist = torch.zeros(len(rws), vocab)
+                    dist.scatter_(1, cok, wok / wok.sum(dim=1, keepdim=True))
+                    probs[rws] = dist
+                if us is not None:
+                    pos = _inverse_cdf(wok, torch.tensor([us[i] for i in rws], dtype=torch.float64))
+                    for i, t in zip(rws, cok.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()):
+                        tokens[i] = t
+            if len(ok) < len(idx):
+                bad = (~valid).nonzero().squeeze(1)
+                if attempt == 0:
+                    bi = idx[bad]
+                    sizes = _sizes(sub[bad], cv[bad], ks[bi], tp[bi], mp[bi], s_full[bi])
+                    nxt: dict[int, list[int]] = {}
+                    for b, n in zip(bad.tolist(), sizes.tolist()):
+                        nxt.setdefault(_width_for(max(n + 1, 2 * kk), vocab), []).append(b)
+                    pending += [(wd, idx[torch.tensor(b)], 1) for wd, b in sorted(nxt.items())]
+                else:  # the bound fell short (rounding, or ties at the boundary): the full sort decides
+                    pending.append((vocab, idx[bad], 2))
+    return tokens, probs
+
+
+def sample_batch(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> list[TokenChoice]:
+    """Sample one token for every row of ``logits`` [B, vocab] (row i belongs to ``seqs[i]``) in one vectorized pass.
+
+    Rows may mix greedy and sampled, filtered and unfiltered parameters. Every sampled row draws exactly one
+    uniform from its own generator and picks by inverse CDF over its filtered distribution, so a seeded sequence
+    yields the same tokens whatever shares its batch and at whatever position. Greedy rows draw nothing and take
+    the first maximal index. Filtering is exact (the kept set and its normalized probabilities equal
+    transformers' warpers, see ``_filter_sorted`` for tie rules) and sorts a full vocabulary row only when the
+    kept set covers most of it (topk candidates otherwise).
+
+    Logprobs (rows with ``params.logprobs is not None``) are of the RAW model distribution, log_softmax of the
+    unprocessed logits (vLLM v1's default "raw logprobs"): before bias, penalties, temperature and filtering.
+    The penalty state is not advanced: call ``seqs[i].append(choice.token)`` for each emitted token. Logits on
+    another device are sampled on the CPU.
+    """
+    _check(logits, seqs)
+    us = {}
+    for i, s in enumerate(seqs):
+        if not s.greedy:
+            us[i] = float(torch.rand((), dtype=torch.float64, generator=s.generator))
+    tokens, _ = _run(logits, seqs, us, want_probs=False)
+    lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not lp_rows:
+        return [TokenChoice(t) for t in tokens]
+    out = [TokenChoice(t) for t in tokens]
+    with torch.inference_mode():
+        lsm = torch.log_softmax(_rows(logits.detach().to("cpu", torch.float32), lp_rows), dim=1)
+        chosen = lsm.gather(1, torch.tensor([[tokens[i]] for i in lp_rows])).squeeze(1).tolist()
+        kmax = max(seqs[i].params.logprobs for i in lp_rows)
+        if kmax:
+            tv, ti = torch.topk(lsm, min(kmax, lsm.shape[1]), dim=1)
+            tv, ti = tv.tolist(), ti.tolist()
+        for j, i in enumerate(lp_rows):
+            k = seqs[i].params.logprobs
+            top = list(zip(ti[j][:k], tv[j][:k])) if k else []
+            out[i] = TokenChoice(tokens[i], chosen[j], top)
+    return out
+
+
+def _filtered_probs(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
+    """Per-row distribution ``sample_batch`` draws from [B, vocab] (greedy rows: one-hot); for tests. No draws."""
+    return _run(logits, seqs, None, want_probs=True)[1]
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenChoice | None]:
+    """Raw logprobs of a prompt (``echo`` + logprobs): row i of ``logits`` [n, vocab] scores ``token_ids[i + 1]``;
+    the first token has no context to be scored by, so it gets None. Needs n >= len(token_ids) - 1."""
+    n = len(token_ids)
+    if n == 0:
+        return []
+    if logits.dim() != 2 or logits.shape[0] < n - 1:
+        raise ValueError(f"need logits [>= {n - 1}, vocab] for {n} prompt tokens, got {tuple(logits.shape)}")
+    out: list[TokenChoice | None] = [None]
+    if n == 1:
+        return out
+    with torch.inference_mode():
+        lsm = torch.log_softmax(logits.detach()[: n - 1].to("cpu", torch.float32), dim=1)
+        nxt = torch.tensor(list(token_ids[1:]), dtype=torch.long)
+        chosen = lsm.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+        if k > 0:
+            tv, ti = torch.topk(lsm, min(k, lsm.shape[1]), dim=1)
+            tv, ti = tv.tolist(), ti.tolist()
+    for j in range(n - 1):
+        top = list(zip(ti[j], tv[j])) if k > 0 else []
+        out.append(TokenChoice(int(token_ids[j + 1]), chosen[j], top))
+    return out
 
 
 class StopMatcher:
