@@ -1,9 +1,11 @@
 """``python -m petals_chain.demo``: a whole swarm on this machine, in one command.
 
-Builds a tiny random-weight model and tokenizer, starts an orchestrator and heterogeneous servers (different
-memory budgets, emulated compute speeds and network delays) as separate processes on loopback, waits for
-the plan (c* by the Theorem 3.7 lower bound, GBP-CR, GCA), sends a burst of requests through the Python
-client, prints placement, chains, capacities and per-request waiting/service times, then shuts down.
+By default it serves the real model, SmolLM2-135M-Instruct (30 blocks, fetched by ``scripts/setup.sh``):
+an orchestrator and heterogeneous servers (different memory budgets, hence spans; emulated network delays)
+start as separate processes on loopback, the orchestrator plans (c* by the Theorem 3.7 lower bound,
+GBP-CR, GCA), and the demo asks real questions: a fact, a short instruction, a two-turn conversation in a
+session and a small burst, printing each answer with the chain that served it, its waiting and service time
+and tokens/s. ``--tiny`` runs the old random-weight demo instead (a burst of sampled requests).
 """
 
 from __future__ import annotations
@@ -15,8 +17,21 @@ import threading
 import time
 from pathlib import Path
 
-# name, memory budget M_j as (blocks of s_m + cache slots of s_c) for an 8-block model, tau_p (s/block/job
-# before emulation), emulated RTT (ms), emulated compute slowdown. The planner decides what each one hosts.
+# Real model: name, blocks of s_m the budget M_j holds, KV slots per hosted block, emulated RTT (ms).
+# No server can hold all 30 blocks: every chain has at least two hops.
+REAL_SERVERS = [
+    ("gpu-a100", 16, 8, 4.0),
+    ("gpu-3090", 12, 8, 8.0),
+    ("gpu-t4", 10, 6, 12.0),
+    ("laptop", 8, 6, 20.0),
+]
+BURST_QUESTIONS = [
+    "Name a planet in our solar system.", "What color is the sky on a clear day?", "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?", "Name a famous painter.", "What is 7 times 8?",
+]
+
+# Tiny model: name, memory budget M_j as (blocks of s_m + cache slots of s_c) for an 8-block model, tau_p
+# (s/block/job before emulation), emulated RTT (ms), emulated compute slowdown.
 DEMO_SERVERS = [
     ("a100", 8, 16, 0.0010, 1.0, 1.0),
     ("rtx3090", 4, 8, 0.0015, 4.0, 1.0),
@@ -49,7 +64,7 @@ def print_plan(state: dict) -> None:
         span = f"{s['start_block']}-{s['start_block'] + s['num_blocks'] - 1}" if s["num_blocks"] else "none"
         emu = f"rtt {s['emulate_rtt_ms']:g}ms x{s['emulate_compute_scale']:g}"
         print(f"  {s['public_name']:<10} {span:<9} {s['slots_free']:>4}/{s['slots_total']:<4} "
-              f"{s['memory_bytes'] / 2**20:>8.2f}MB {_fmt_s(s['tau_p']):>10} {_fmt_s(s['tau_c']):>10} {emu:<18}")
+              f"{s['memory_bytes'] / 2**20:>8.1f}MB {_fmt_s(s['tau_p']):>10} {_fmt_s(s['tau_c']):>10} {emu:<18}")
     print("\nChains (GCA order; JFFC sends each job to the fastest chain with a free slot):")
     for ch in state["chains"]:
         route = " -> ".join(f"{n}[{a}:{b})" for n, (a, b) in zip(ch["names"], ch["spans"]))
@@ -77,31 +92,139 @@ def run_burst(client, n: int, max_tokens: int) -> list[dict]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m petals_chain.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2"])
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks of the tiny model")
-    p.add_argument("--requests", type=int, default=16, help="requests in the burst")
-    p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--arrival-rate", default="8", help="arrival rate the planner assumes (req/s) or 'auto'")
-    p.add_argument("--keep-running", action="store_true", help="keep the swarm up after the burst (Ctrl+C to stop)")
-    p.add_argument("--work-dir", default=None, help="where to put the model and logs (default: a temp dir)")
-    args = p.parse_args(argv)
-    if args.layers < 2 or args.requests < 1 or args.max_tokens < 1:
-        p.error("--layers must be >= 2, --requests and --max-tokens >= 1")
+class _Printer:
+    """Prints answers with how they were served (chain names, wait, service, tokens/s)."""
 
+    def __init__(self, swarm):
+        self.names = {s["peer_id"]: s["public_name"] for s in swarm.swarm()["servers"]}
+
+    def chain(self, peers: list[str]) -> str:
+        return " -> ".join(self.names.get(p, p[:8]) for p in peers)
+
+    def answer(self, label: str, question: str, c) -> None:
+        print(f"\n  {label}: {question}")
+        text = c.text.strip().replace("\n", "\n      ")
+        print(f"    > {text}")
+        print(f"      chain {self.chain(c.chain)} | wait {_fmt_s(c.wait_s)} | service {_fmt_s(c.service_s)} | "
+              f"{len(c.token_ids)} tokens, {c.tokens_per_s:.1f} tokens/s"
+              + (f" | {c.failovers} failover(s)" if c.failovers else ""))
+
+
+def _work_dir(arg: str | None) -> tuple[Path, tempfile.TemporaryDirectory | None]:
+    if arg is None:
+        tmp = tempfile.TemporaryDirectory(prefix="petals-chain-demo-")
+        return Path(tmp.name), tmp
+    work = Path(arg)
+    work.mkdir(parents=True, exist_ok=True)
+    return work, None
+
+
+def _keep_running(args, swarm) -> None:
+    if args.keep_running:
+        print("      --keep-running: the swarm stays up; press Ctrl+C to stop")
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+
+
+def _shutdown(swarm, t_start: float, tmp) -> None:
+    print("Shutting down the swarm ...")
+    swarm.stop()
+    left = swarm.leftover_processes()
+    print("Stopped cleanly." if not left else f"warning: processes left: {left}")
+    print(f"Total time {time.monotonic() - t_start:.1f} s")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+def run_real(args) -> int:
+    from petals_chain.swarm.local import LocalServer, LocalSwarm, model_memory
+    from petals_chain.swarm.registry import ModelNotFetched
+
+    t_start = time.monotonic()
+    work, tmp = _work_dir(args.work_dir)
+    try:
+        num_blocks, s_m, s_c = model_memory(args.model, args.max_length)
+    except ModelNotFetched as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"[1/5] Model {args.model}: {num_blocks} blocks, s_m = {s_m / 2**20:.1f} MB per block, "
+          f"s_c = {s_c / 2**20:.2f} MB per KV slot at max_length {args.max_length}")
+    servers = [LocalServer(name, int(min(blocks, num_blocks - 1) * (s_m + slots * s_c)), emulate_rtt_ms=rtt)
+               for name, blocks, slots, rtt in REAL_SERVERS[:args.servers]]
+    swarm = LocalSwarm(args.model, servers, max_length=args.max_length, arrival_rate=float(args.arrival_rate),
+                       log_dir=work / "logs")
+    code = 0
+    try:
+        print(f"[2/5] Starting the orchestrator and {len(servers)} servers as processes (logs in {work / 'logs'})")
+        swarm.start()
+        print(f"      orchestrator: {swarm.url}  initial peers: {swarm.initial_peers[0]}")
+        print("[3/5] Waiting for the plan: servers measure tau_p and announce M_j, the orchestrator measures tau_c,")
+        print("      picks c*, places blocks with GBP-CR, servers load their spans, GCA composes chains ...")
+        state = swarm.wait_ready(timeout=300)
+        print(f"      ready after {time.monotonic() - t_start:.1f} s")
+        print_plan(state)
+        client = swarm.client()
+        show = _Printer(swarm)
+        print("\n[4/5] Questions (greedy unless stated; each answer shows the chain that served it)")
+        q = "What is the capital of France?"
+        c = client.chat_completion([{"role": "user", "content": q}], max_tokens=48)
+        show.answer("fact", q, c)
+        if "paris" not in c.text.lower():
+            print("      (unexpected: the answer does not name Paris)")
+            code = 1
+        q = "Write a one-sentence description of the sea."
+        show.answer("instruction, temperature 0.7, seed 1", q,
+                    client.chat_completion([{"role": "user", "content": q}], max_tokens=64, temperature=0.7, seed=1))
+        with client.session() as s:
+            for i, q in enumerate(["Hi! My name is Ada and I like painting.", "What is my name?"], 1):
+                show.answer(f"session turn {i}", q, s.chat(q, max_tokens=48))
+        print(f"\n  burst: {len(BURST_QUESTIONS)} questions at once (JFFC spreads them over the chains)")
+        results: list = [None] * len(BURST_QUESTIONS)
+
+        def ask(i: int) -> None:
+            try:
+                results[i] = client.chat_completion([{"role": "user", "content": BURST_QUESTIONS[i]}], max_tokens=32)
+            except Exception as e:  # noqa: BLE001 - reported below
+                results[i] = e
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(BURST_QUESTIONS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+        for i, r in enumerate(results):
+            if isinstance(r, Exception):
+                print(f"  {BURST_QUESTIONS[i]!r}: FAILED: {r}")
+                code = 1
+            else:
+                print(f"  {_fmt_s(r.wait_s):>9} wait {_fmt_s(r.service_s):>9} service  {show.chain(r.chain):<34} "
+                      f"{BURST_QUESTIONS[i][:34]!r:<36} -> {r.text.strip()[:40]!r}")
+        tokens = sum(len(r.token_ids) for r in results if not isinstance(r, Exception))
+        m = swarm.swarm()["measured"]
+        print(f"  burst done in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s over all); since start: mean wait "
+              f"{_fmt_s(m['mean_wait_s'])}, mean service {_fmt_s(m['mean_service_s'])}")
+        print(f"\n[5/5] Dashboard: {swarm.url}/   OpenAI API: {swarm.url}/v1   swarm JSON: {swarm.url}/api/v1/swarm")
+        _keep_running(args, swarm)
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as e:  # noqa: BLE001 - print a clear failure, then clean up
+        print(f"demo failed: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        _shutdown(swarm, t_start, tmp)
+    return code
+
+
+def run_tiny(args) -> int:
     from petals_chain.swarm.local import LocalServer, LocalSwarm, model_memory
     from petals_chain.swarm.tiny_model import build_tiny_model
 
-    tmp = None
-    if args.work_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="petals-chain-demo-")
-        work = Path(tmp.name)
-    else:
-        work = Path(args.work_dir)
-        work.mkdir(parents=True, exist_ok=True)
+    work, tmp = _work_dir(args.work_dir)
     t_start = time.monotonic()
     print(f"[1/5] Building a tiny random-weight {args.family} model ({args.layers} blocks) in {work / 'model'}")
     path = build_tiny_model(work / "model", family=args.family, num_layers=args.layers, seed=0)
@@ -147,27 +270,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {busy} requests waited over 100 ms in the central queue for a free chain (JFFC); no chain ever ran "
               f"more jobs than its GCA capacity")
         print(f"\n[5/5] Dashboard: {swarm.url}/   API: {swarm.url}/v1   swarm JSON: {swarm.url}/api/v1/swarm")
-        if args.keep_running:
-            print("      --keep-running: the swarm stays up; press Ctrl+C to stop")
-            try:
-                while True:
-                    time.sleep(1)
-            except KeyboardInterrupt:
-                pass
+        _keep_running(args, swarm)
     except KeyboardInterrupt:
         code = 130
     except Exception as e:  # noqa: BLE001 - print a clear failure, then clean up
         print(f"demo failed: {e}", file=sys.stderr)
         code = 1
     finally:
-        print("Shutting down the swarm ...")
-        swarm.stop()
-        left = swarm.leftover_processes()
-        print("Stopped cleanly." if not left else f"warning: processes left: {left}")
-        print(f"Total time {time.monotonic() - t_start:.1f} s")
-        if tmp is not None:
-            tmp.cleanup()
+        _shutdown(swarm, t_start, tmp)
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m petals_chain.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="random-weight tiny model and a burst of sampled requests")
+    p.add_argument("--model", default="smollm2-135m", help="the real model (default: smollm2-135m)")
+    p.add_argument("--servers", type=int, default=len(REAL_SERVERS), choices=range(3, len(REAL_SERVERS) + 1),
+                   help="real model: how many servers to start")
+    p.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2"], help="--tiny: model family")
+    p.add_argument("--layers", type=int, default=8, help="--tiny: transformer blocks of the tiny model")
+    p.add_argument("--requests", type=int, default=16, help="--tiny: requests in the burst")
+    p.add_argument("--max-tokens", type=int, default=24, help="--tiny: tokens per request")
+    p.add_argument("--max-length", type=int, default=None, help="tokens per job (default: 1024, --tiny: 256)")
+    p.add_argument("--arrival-rate", default=None,
+                   help="arrival rate the planner assumes (req/s; default 0.5, --tiny 8) or 'auto' (--tiny)")
+    p.add_argument("--keep-running", action="store_true", help="keep the swarm up at the end (Ctrl+C to stop)")
+    p.add_argument("--work-dir", default=None, help="where to put logs (and the tiny model); default: a temp dir")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.max_length = args.max_length or 256
+        args.arrival_rate = args.arrival_rate or "8"
+        if args.layers < 2 or args.requests < 1 or args.max_tokens < 1:
+            p.error("--layers must be >= 2, --requests and --max-tokens >= 1")
+        return run_tiny(args)
+    args.max_length = args.max_length or 1024
+    args.arrival_rate = args.arrival_rate or "0.5"
+    if args.arrival_rate == "auto":
+        p.error("--arrival-rate auto is for --tiny; give a number")
+    return run_real(args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ its p2pd, even after SIGKILL.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -17,6 +18,60 @@ from typing import Callable, Optional
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# CPU seconds of _reference_workload() on the project's 2-core host when quiet (measured there: 0.16-0.19 s).
+_REFERENCE_CPU_S = 0.18
+_MAX_SLOWDOWN = 8.0
+
+
+def _reference_workload() -> tuple[float, float]:
+    """``(wall, cpu)`` seconds of a fixed pure-Python loop (about 0.2 s of one core)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(12):
+        acc = 0
+        for i in range(300_000):
+            acc += (i * i) % 7
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+@functools.lru_cache(maxsize=None)
+def measure_slowdown() -> float:
+    """How much slower than the quiet reference host this machine runs now (1.0 to 8.0), measured once per
+    session: the share of a core the workload got (wall / cpu: other processes competing) times how much
+    slower the core is (cpu / reference). ``PETALS_CHAIN_TEST_SLOWDOWN`` overrides it."""
+    forced = os.environ.get("PETALS_CHAIN_TEST_SLOWDOWN")
+    if forced:
+        return min(_MAX_SLOWDOWN, max(1.0, float(forced)))
+    runs = [_reference_workload() for _ in range(3)]
+    wall, cpu = sorted(runs)[1]  # the median run: one lucky or unlucky time slice does not decide
+    contention = wall / max(cpu, 1e-6)
+    core = max(1.0, cpu / _REFERENCE_CPU_S)
+    return round(min(_MAX_SLOWDOWN, max(1.0, contention * core)), 2)
+
+
+def pytest_sessionstart(session):
+    measure_slowdown()  # at the start, before the suite's own swarms add load of their own (~0.6 s)
+
+
+def pytest_report_header(config):
+    return f"petals-chain timing: slowdown {measure_slowdown()} vs the quiet reference host (timeouts scale by it)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"petals-chain timing: timeouts scaled by slowdown {measure_slowdown()}")
+
+
+@pytest.fixture(scope="session")
+def slowdown() -> float:
+    """See :func:`measure_slowdown`."""
+    return measure_slowdown()
+
+
+@pytest.fixture(scope="session")
+def scaled(slowdown) -> Callable[[float], float]:
+    """``scaled(seconds)``: a timeout (or a time bound) tuned on the quiet reference host, stretched by the
+    measured slowdown; use it instead of a bare constant wherever the machine's load changes the time."""
+    return lambda seconds: seconds * slowdown
 
 
 @pytest.fixture(scope="session")
@@ -158,3 +213,25 @@ def p2pd_pids_of(pids: list[int]) -> list[int]:
         if parents & set(pids):
             out.append(p.info["pid"])
     return out
+
+
+# ---- the real model (SmolLM2-135M-Instruct, fetched by scripts/setup.sh) -------------------------------------
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The SmolLM2 GGUF file. Missing is a failure, not a skip: CI runs setup.sh, which fetches it."""
+    from petals_chain.swarm.registry import ModelNotFetched, registry_path
+
+    try:
+        return registry_path("smollm2-135m")
+    except ModelNotFetched as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path):
+    """transformers' own load of the same GGUF (dequantized, float32): the reference for token-exactness."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                dtype=torch.float32).eval()

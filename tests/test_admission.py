@@ -106,7 +106,7 @@ def test_errors_propagate():
 
 @pytest.mark.slow
 def test_server_wait_fifo_timeout_and_disconnect(tiny_model_factory, tmp_path):
-    from conftest import ServerProcess
+    from conftest import ServerProcess, measure_slowdown
     from test_server import MAX_LENGTH, publish, server_args, wait_online, with_client
 
     from petals_chain.swarm.checkpoint import load_config
@@ -135,8 +135,15 @@ def test_server_wait_fifo_timeout_and_disconnect(tiny_model_factory, tmp_path):
             t0 = time.monotonic()
             with pytest.raises(NoCapacityError, match="within"):
                 await client.open_session(peer, "t", 0, 2, MAX_LENGTH, wait_s=0.5)
-            assert 0.4 < time.monotonic() - t0 < 10
+            assert 0.4 < time.monotonic() - t0 < 10 * measure_slowdown()
             order: list[str] = []
+
+            async def until_waiting(n: int) -> None:
+                """Until the server's queue holds ``n`` opens (a lasting state; no fixed sleep assumed enough)."""
+                deadline = time.monotonic() + 20 * measure_slowdown()
+                while (await client.info(peer))["admission"]["waiting"] != n:
+                    assert time.monotonic() < deadline, f"the server's wait queue never held {n}"
+                    await asyncio.sleep(0.05)
 
             async def waiter(name: str):
                 s = await client.open_session(peer, name, 0, 2, MAX_LENGTH, wait_s=20)
@@ -146,18 +153,13 @@ def test_server_wait_fifo_timeout_and_disconnect(tiny_model_factory, tmp_path):
 
             # A waiter whose client gives up (cancelled open: the stream ends) leaves the server's queue.
             gone = asyncio.ensure_future(client.open_session(peer, "gone", 0, 2, MAX_LENGTH, wait_s=20))
-            await asyncio.sleep(0.5)
-            assert (await client.info(peer))["admission"]["waiting"] == 1
+            await until_waiting(1)
             gone.cancel()
-            for _ in range(50):
-                await asyncio.sleep(0.1)
-                if (await client.info(peer))["admission"]["waiting"] == 0:
-                    break
-            assert (await client.info(peer))["admission"]["waiting"] == 0
+            await until_waiting(0)
             w1 = asyncio.ensure_future(waiter("w1"))
-            await asyncio.sleep(0.3)
+            await until_waiting(1)  # w1 queued first, then w2: their FIFO order is known
             w2 = asyncio.ensure_future(waiter("w2"))
-            await asyncio.sleep(0.3)
+            await until_waiting(2)
             with pytest.raises(NoCapacityError, match="limit 2"):
                 await client.open_session(peer, "w3", 0, 2, MAX_LENGTH, wait_s=20)
             # The emulated decode time applies per block per one-token step: 2 blocks x 50 ms.

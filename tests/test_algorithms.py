@@ -256,7 +256,7 @@ def test_gca_on_gbp_cr_placement_and_residual_override():
         gca(servers[:2], model, pl)
 
 
-def test_gca_large_swarm_is_fast():
+def test_gca_large_swarm_is_fast(slowdown):
     import time
     rng = np.random.default_rng(1)
     model = ModelSpec(70, 1.32, 0.11)
@@ -266,4 +266,4 @@ def test_gca_large_swarm_is_fast():
     t0 = time.perf_counter()
     chains = gca(servers, model, pl)
     assert len(chains) > 50
-    assert time.perf_counter() - t0 < 20
+    assert time.perf_counter() - t0 < 20 * slowdown

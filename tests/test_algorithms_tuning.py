@@ -72,7 +72,7 @@ def test_tune_capacity_use_all_servers_is_the_better_of_both_walks(seed, J, L, m
         assert set(pl) == {s.name for s in servers if s.memory >= model.block_size + model.cache_size * c}
 
 
-def test_tune_capacity_paper_parameters_fast_and_consistent():
+def test_tune_capacity_paper_parameters_fast_and_consistent(slowdown):
     import time
     rng = np.random.default_rng(0)
     model = ModelSpec(70, 1.32, 0.11)
@@ -83,7 +83,7 @@ def test_tune_capacity_paper_parameters_fast_and_consistent():
     elapsed = time.perf_counter() - t0
     assert chains and 1 <= c <= max_capacity(servers, model)
     assert chains == gca(servers, model, gbp_cr(servers, model, c, 0.2, 0.7))
-    assert elapsed < 10  # goal 1 s on an idle machine; loose here since CPUs are shared
+    assert elapsed < 10 * slowdown  # goal 1 s on an idle machine; loose here since CPUs are shared
 
 
 def test_tune_capacity_errors():
@@ -152,7 +152,7 @@ def test_segment_search_equals_full_search(seed, J, method, lam):
     assert seg[0] == full[0] and dict(seg[1]) == dict(full[1]) and seg[2] == full[2]
 
 
-def test_huge_c_max_is_fast():
+def test_huge_c_max_is_fast(slowdown):
     import time
     model = ModelSpec(8, 1.0e6, 1.0)  # tiny KV slots: c_max in the millions
     rng = np.random.default_rng(0)
@@ -160,4 +160,4 @@ def test_huge_c_max_is_fast():
     t0 = time.perf_counter()
     c, pl, chains = tune_capacity(servers, model, 5.0)
     assert chains and c >= 1
-    assert time.perf_counter() - t0 < 20
+    assert time.perf_counter() - t0 < 20 * slowdown

@@ -17,6 +17,7 @@ from petals_chain.dashboard.__main__ import build_parser, main, resolve_prefix
 from petals_chain.dashboard.source import DhtSwarmSource, merge_view
 from petals_chain.swarm.records import ServerRecord
 
+from conftest import measure_slowdown
 from dashboard_helpers import sample_swarm
 
 
@@ -173,7 +174,7 @@ def test_dht_source_reads_signed_records_and_only_the_trusted_summary():
         # background polling picks up a server going offline
         source.start()
         assert server.publish_server(prefix, _record(server.peer_id, state="offline"), expiration_s=60)
-        deadline = time.time() + 10
+        deadline = time.time() + 10 * measure_slowdown()
         while time.time() < deadline and source.view()["servers"][0]["state"] != "offline":
             time.sleep(0.2)
         assert source.view()["servers"][0]["state"] == "offline"

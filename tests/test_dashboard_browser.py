@@ -47,7 +47,7 @@ def _open(page, url):
     page.wait_for_selector("#servers-table tbody tr[data-peer-id]", timeout=10_000)
 
 
-def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url):
+def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url, slowdown):
     fx, url = swarm_url
     data = fx.view.get()
     with chromium_page() as (page, errors):
@@ -84,9 +84,9 @@ def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url):
         fx.view.update(lambda d: d.update(queue_length=9, servers=[s for s in d["servers"] if s["peer_id"] != gone["peer_id"]]))
         t0 = time.monotonic()
         page.wait_for_selector(f'#servers-table tr[data-peer-id="{gone["peer_id"]}"][data-state="gone"]',
-                               timeout=(REFRESH_S + 2.0) * 1000)
+                               timeout=(REFRESH_S + 2.0 * slowdown) * 1000)
         elapsed = time.monotonic() - t0
-        assert elapsed <= REFRESH_S + 2.0
+        assert elapsed <= REFRESH_S + 2.0 * slowdown  # one refresh period plus the page's work, at this load
         assert page.locator("#queue-length").inner_text() == "9"
         assert "broken" in page.locator('.chain[data-chain-id="0"]').get_attribute("class")
         assert page.locator("#coverage rect.cov-cell").count() == len(data["servers"]) - 1

@@ -182,7 +182,7 @@ def test_jiq_prefers_idle_and_remove_job():
         make_dispatcher("nope", [(1.0, 1)])
 
 
-def test_jffc_decision_time_at_10k_chains():
+def test_jffc_decision_time_at_10k_chains(slowdown):
     rng = random.Random(0)
     chains = [(rng.uniform(0.05, 0.2), rng.randint(1, 10)) for _ in range(10_000)]
     d = JFFCDispatcher(chains)
@@ -200,7 +200,7 @@ def test_jffc_decision_time_at_10k_chains():
                 busy.append(k)
         n += 1
     per_op = (time.perf_counter() - t0) / n
-    assert per_op < 1e-4  # well under a millisecond per decision
+    assert per_op < 1e-4 * slowdown  # well under a millisecond per decision
 
 
 

@@ -217,7 +217,8 @@ def test_bad_inputs_get_4xx_and_service_continues(swarm):
         ("/v1/completions", {"model": model}),
         ("/v1/completions", {"model": model, "prompt": "word " * (MAX_LENGTH + 50)}),
         ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": MAX_LENGTH}),
-        ("/v1/completions", {"model": model, "prompt": "hi", "logprobs": 3}),
+        ("/v1/completions", {"model": model, "prompt": "hi", "logprobs": 30}),
+        ("/v1/completions", {"model": model, "prompt": "hi", "tools": []}),
         ("/v1/chat/completions", {"model": model, "messages": []}),
         ("/v1/chat/completions", {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
         ("/api/v1/sessions", {"max_length": 10**7}),
@@ -238,49 +239,39 @@ def test_bad_inputs_get_4xx_and_service_continues(swarm):
     assert swarm.client().complete("still serving", max_tokens=4).usage["completion_tokens"] >= 1
 
 
-def test_burst_respects_chain_capacities(swarm):
+def test_burst_respects_chain_capacities(swarm, scaled):
     st = swarm.swarm()
     total_cap = sum(ch["capacity"] for ch in st["chains"])
     n = total_cap + 4
     client = swarm.client()
     results, errors = [], []
-    observed = []
-    done = threading.Event()
+    start = threading.Barrier(n)
 
     def worker(i):
         try:
+            start.wait()  # all at once: more jobs than chain slots, so some must queue centrally
             results.append(client.complete(PROMPTS[i % 3], max_tokens=16))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    def monitor():
-        while not done.is_set():
-            try:
-                observed.append(swarm.swarm())
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-
-    mon = threading.Thread(target=monitor)
-    mon.start()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=300)
-    done.set()
-    mon.join()
+        t.join(timeout=scaled(300))
     assert not errors, errors
     assert len(results) == n
-    assert any(r.wait_s > 0.01 for r in results)  # some jobs queued centrally
-    relay = swarm.swarm()["relay"]
+    # The orchestrator's own maxima since start, not samples of a transient state.
+    after = swarm.swarm()
+    assert 1 <= after["queue_max"] <= after["max_queue"]  # some jobs queued centrally, within the bound
+    assert after["queue_refused"] == 0
+    for ch in after["chains"]:
+        assert ch["active"] == 0 and ch["max_active"] <= ch["capacity"]  # no chain ever ran more than c_k jobs
+    assert max(ch["max_active"] for ch in after["chains"]) >= 1
+    relay = after["relay"]
     assert relay["lm_head_rows"] >= relay["tokens"] > 0  # every generated token went through the batched head
-    assert any(s["queue_length"] > 0 for s in observed)
-    for s in observed:
-        for ch in s["chains"]:
-            assert ch["active"] <= ch["capacity"]
-        for srv in s["servers"]:
-            assert 0 <= srv["slots_free"] <= srv["slots_total"]
+    for srv in after["servers"]:
+        assert 0 <= srv["slots_free"] <= srv["slots_total"]
     by_prompt = {}
     for r in results:  # greedy: identical prompts give identical outputs under load
         by_prompt.setdefault(tuple(r.usage.values())[0], set()).add(tuple(r.token_ids))
@@ -328,7 +319,7 @@ def test_server_join_is_used_after_replanning(swarm, llama_path):
     assert any(fast_id in c for c in chains_used)
 
 
-def test_server_killed_mid_generation_keeps_output(swarm, hf_model):
+def test_server_killed_mid_generation_keeps_output(swarm, hf_model, scaled):
     _, tok = hf_model
     client = swarm.client()
     prompt = PROMPTS[1]
@@ -344,7 +335,8 @@ def test_server_killed_mid_generation_keeps_output(swarm, hf_model):
     t = threading.Thread(target=run)
     t.start()
     victim = None
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
+    # the request holds its chain for 160 tokens: a lasting state, so polling for it cannot miss it
     while victim is None and time.monotonic() < deadline:
         st = swarm.swarm()
         for ch in st["chains"]:

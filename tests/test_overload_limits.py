@@ -11,13 +11,17 @@ import pytest
 from petals_chain.orchestrator import Orchestrator, OrchestratorConfig
 from petals_chain.orchestrator.api import create_app
 
+from conftest import measure_slowdown
+
 
 @pytest.fixture(scope="module")
 def model_path(tiny_model_factory):
     return tiny_model_factory("llama", num_layers=4)
 
 
-def run_with_api(model_path, fn, **limits):
+def run_with_api(model_path, fn, early_queue_check=True, **limits):
+    """Run ``fn(orch, client)`` against an in-process orchestrator; ``early_queue_check=False`` turns the
+    middleware's early queue check off, so that only the dispatch manager's bound refuses."""
     async def main():
         cfg = OrchestratorConfig(model=str(model_path), max_length=64, port=0, queue_timeout_s=60)
         for k, v in limits.items():
@@ -28,7 +32,10 @@ def run_with_api(model_path, fn, **limits):
         try:
             app = create_app(orch)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://orch",
-                                         timeout=30) as c:
+                                         timeout=30 * measure_slowdown()) as c:
+                if not early_queue_check:
+                    await c.get("/healthz")  # builds the middleware stack (app.state.limits)
+                    app.state.limits.limits.max_queue = 10**6
                 return await fn(orch, c)
         finally:
             await orch.stop()
@@ -41,7 +48,7 @@ def body(orch, **kw):
 
 
 async def wait_queue(orch, n, timeout=10.0):
-    for _ in range(int(timeout / 0.02)):
+    for _ in range(int(timeout * measure_slowdown() / 0.02)):
         if orch.dispatch.queue_length == n:
             return
         await asyncio.sleep(0.02)
@@ -69,6 +76,9 @@ def test_queue_bound_429_retry_after_and_recovery(model_path):
         assert lim["inflight"] == 3 and lim["rejected"]["queue_full"] == 2
         metrics = (await c.get("/metrics")).text
         assert 'petals_chain_rejected_requests_total{reason="queue_full"} 2.0' in metrics
+        assert "petals_chain_queue_length_max 3.0" in metrics and "petals_chain_queue_bound 3.0" in metrics
+        st = (await c.get("/api/v1/swarm")).json()
+        assert st["queue_length"] == st["queue_max"] == st["max_queue"] == 3 and st["requeued"] == 0
         # Queued clients give up: the queue drains and new requests are admitted again.
         for t in waiting:
             t.cancel()
@@ -133,3 +143,32 @@ def test_oversized_bodies_are_413_and_lose_nothing(model_path):
         assert orch.dispatch.queue_length == 0
 
     run_with_api(model_path, fn, max_body_bytes=200_000)
+
+
+def test_dispatcher_bound_refuses_with_429_streamed_or_not(model_path):
+    """Without the middleware's early check the dispatch manager's bound alone holds; a refused request is a
+    429 queue_full with Retry-After, streamed (its held 200 is never sent) or not."""
+    async def fn(orch, c):
+        waiting = [asyncio.create_task(c.post("/v1/completions", json=body(orch), headers={"x-api-key": f"k{i}"}))
+                   for i in range(2)]
+        await wait_queue(orch, 2)
+        chat = {"model": orch.model_id, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        for path, payload in [("/v1/completions", body(orch)), ("/v1/completions", body(orch, stream=True)),
+                              ("/v1/chat/completions", {**chat, "stream": True})]:
+            r = await c.post(path, json=payload)
+            assert r.status_code == 429, (path, payload, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+            assert int(r.headers["retry-after"]) >= 1
+        st = (await c.get("/api/v1/swarm")).json()
+        assert st["queue_length"] == st["queue_max"] == 2 and st["queue_refused"] == 3
+        lim = (await c.get("/api/v1/limits")).json()
+        assert lim["rejected"]["queue_full"] == 3 and lim["inflight"] == 2
+        assert "petals_chain_queue_refused 3.0" in (await c.get("/metrics")).text
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await wait_queue(orch, 0)
+        assert (await c.get("/api/v1/limits")).json()["inflight"] == 0
+
+    run_with_api(model_path, fn, early_queue_check=False, max_queue=2)

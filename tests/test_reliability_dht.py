@@ -14,6 +14,8 @@ import time
 
 from petals_chain.swarm.dht import SwarmDHT
 
+from conftest import measure_slowdown
+
 
 def test_large_summaries_keep_the_dht_alive():
     sd = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], prefix="big")
@@ -124,7 +126,7 @@ def test_rejoin_an_orchestrator_restarted_with_the_same_identity(tmp_path):
         orch_id = orch.maddrs[0].rsplit("/", 1)[-1]
         server = SwarmDHT.create(initial_peers=orch.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], prefix="rj")
         assert server.publish_server("rj", _record(server, "s"), 30)
-        assert orch.sees(["s"], 20)
+        assert orch.sees(["s"], 20 * measure_slowdown())
         assert server.rejoin([orch_id]) == []  # in the table: nothing to do (blocking form, as the dashboard uses)
         orch.kill()
         server.publish_server("rj", _record(server, "s"), 30)  # fails to reach it: hivemind drops the peer
@@ -135,7 +137,7 @@ def test_rejoin_an_orchestrator_restarted_with_the_same_identity(tmp_path):
         assert not orch.sees(["s"], 3), "the restarted DHT found us without a rejoin: hivemind changed"
         assert asyncio.run(server.arejoin([orch_id, "not-a-peer-id"])) == [orch_id]
         assert server.publish_server("rj", _record(server, "s"), 30)
-        assert orch.sees(["s"], 20)
+        assert orch.sees(["s"], 20 * measure_slowdown())
     finally:
         orch.kill()
         if server is not None:

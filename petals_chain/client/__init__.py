@@ -7,8 +7,18 @@ print(client.generate("The quick brown fox", max_tokens=16))          # greedy b
 for piece in client.stream("Once upon a time", max_tokens=32, temperature=0.8, seed=1):
     print(piece, end="", flush=True)
 with client.session(max_length=512) as s:                              # keeps its chain and KV cache
-    s.generate("Hello! ", max_tokens=8)
-    s.generate(" What is your name?", max_tokens=8)
+    s.chat("My name is Ada.")                                          # chat turns: the template is applied
+    print(s.chat("What is my name?").text)                             # by the orchestrator, token-exact
+```
+
+PETALS-style code ports by changing one import (token ids in, token ids out, as ``transformers``):
+
+```python
+from petals_chain.client import AutoDistributedModelForCausalLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained("smollm2-135m")
+model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", url="http://127.0.0.1:8000")
+ids = tokenizer("A cat sat", return_tensors="pt")["input_ids"]
+print(tokenizer.decode(model.generate(ids, max_new_tokens=8)[0]))
 ```
 """
 
@@ -20,7 +30,7 @@ from typing import Any, Iterator, Optional
 
 import httpx
 
-__all__ = ["Client", "ClientSession", "ClientError", "Completion"]
+__all__ = ["Client", "ClientSession", "ClientError", "Completion", "AutoDistributedModelForCausalLM", "AutoTokenizer"]
 
 
 class ClientError(RuntimeError):
@@ -45,6 +55,12 @@ class Completion:
     service_s: float = 0.0
     chain: list[str] = field(default_factory=list)
     failovers: int = 0
+    logprobs: Optional[Any] = None  # the choice's "logprobs" object when asked for
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of service (time on the chain, queueing excluded)."""
+        return len(self.token_ids) / self.service_s if self.service_s > 0 else 0.0
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -58,8 +74,9 @@ def _raise_for(resp: httpx.Response) -> None:
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:
-    body = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "repetition_penalty": repetition_penalty}
+    body = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+    if max_tokens is not None:  # None: the orchestrator's default (chat: the rest of the context)
+        body["max_tokens"] = max_tokens
     if seed is not None:
         body["seed"] = seed
     if stop:
@@ -145,13 +162,27 @@ class Client:
                     if ch.get("text"):
                         yield ch["text"]
 
-    def chat(self, messages: list[dict], *, max_tokens: int = 64, temperature: float = 0.0, **kwargs: Any) -> str:
-        """One chat completion (the tokenizer's chat template is applied by the orchestrator)."""
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                **kwargs}
+    def chat_completion(self, messages: list[dict], *, max_tokens: Optional[int] = None, temperature: float = 0.0,
+                        top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
+                        stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
+        """One chat completion with its serving details (the orchestrator applies the model's chat template).
+        ``max_tokens=None`` lets the answer run to its end of turn or the end of the context."""
+        body = {"model": self.model, "messages": messages,
+                **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._http.post("/v1/chat/completions", json=body)
         _raise_for(r)
-        return r.json()["choices"][0]["message"]["content"]
+        data = r.json()
+        ch = data["choices"][0]
+        info = (data.get("petals_chain") or [{}])[0]
+        return Completion(text=ch["message"]["content"], token_ids=info.get("token_ids", []),
+                          finish_reason=ch["finish_reason"], usage=data["usage"], wait_s=info.get("wait_s", 0.0),
+                          service_s=info.get("service_s", 0.0), chain=info.get("chain", []),
+                          failovers=info.get("failovers", 0), logprobs=ch.get("logprobs"))
+
+    def chat(self, messages: list[dict], *, max_tokens: Optional[int] = None, temperature: float = 0.0,
+             **kwargs: Any) -> str:
+        """The text of one chat completion (see :meth:`chat_completion`)."""
+        return self.chat_completion(messages, max_tokens=max_tokens, temperature=temperature, **kwargs).text
 
     # ---- multi-turn ----
     def session(self, max_length: Optional[int] = None) -> "ClientSession":
@@ -186,15 +217,11 @@ class ClientSession:
         body = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
         if input_ids is not None:
             body["input_ids"] = list(input_ids)
-        else:
+        elif prompt is not None:
             body["prompt"] = prompt
         return body
 
-    def complete(self, prompt: Optional[str] = None, *, input_ids: Optional[list[int]] = None, max_tokens: int = 16,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
-                 seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
-        """Append ``prompt`` (text) or ``input_ids`` to the session and generate."""
-        body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+    def _post(self, body: dict) -> Completion:
         r = self.client._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
         _raise_for(r)
         d = r.json()
@@ -202,6 +229,23 @@ class ClientSession:
                                usage=d["usage"], wait_s=d["wait_s"], service_s=d["service_s"], chain=d["chain"],
                                failovers=d["failovers"])
         return self.last
+
+    def chat(self, content: str | list[dict], *, role: str = "user", max_tokens: Optional[int] = None,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+             seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
+        """One chat turn: ``content`` (a ``role`` message) or a list of messages is added to the conversation and
+        the assistant answers. The session's tokens always equal the whole conversation templated at once."""
+        messages = [{"role": role, "content": content}] if isinstance(content, str) else list(content)
+        body = self._body(None, None, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        body["messages"] = messages
+        return self._post(body)
+
+    def complete(self, prompt: Optional[str] = None, *, input_ids: Optional[list[int]] = None, max_tokens: int = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+                 seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
+        """Append ``prompt`` (text) or ``input_ids`` to the session and generate."""
+        return self._post(self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty,
+                                     seed, stop, extra))
 
     def generate(self, prompt: Optional[str] = None, **kwargs: Any) -> str:
         return self.complete(prompt, **kwargs).text
@@ -237,3 +281,81 @@ class ClientSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AutoTokenizer:
+    """``AutoTokenizer.from_pretrained(model)`` for any model petals-chain serves (short name, .gguf, HF dir)."""
+
+    @staticmethod
+    def from_pretrained(model: str, **_: Any):
+        from petals_chain.swarm.sources import resolve_source
+
+        return resolve_source(model).load_tokenizer()
+
+
+class AutoDistributedModelForCausalLM:
+    """A ``transformers``-like model object whose ``generate`` runs in a petals-chain swarm.
+
+    PETALS code ports by changing one import: ``from_pretrained(model, url=ORCHESTRATOR_URL)`` then
+    ``generate(input_ids, max_new_tokens=..., do_sample=..., temperature=..., top_p=..., top_k=...,
+    repetition_penalty=...)`` returns ``[batch, prompt + new]`` token ids like ``transformers``: rows that
+    end early are right-padded with ``pad_token_id``; left padding in ``input_ids`` (with ``attention_mask``)
+    is removed before sending. As in ``transformers``, sampling defaults to ``top_k=50``.
+    """
+
+    def __init__(self, client: "Client", model: str, pad_token_id: Optional[int] = None):
+        self.client = client
+        self.name_or_path = model
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def from_pretrained(cls, model: str, *, url: Optional[str] = None, timeout: float = 600.0,
+                        pad_token_id: Optional[int] = None, **_: Any) -> "AutoDistributedModelForCausalLM":
+        """``model``: the served model's name (or the orchestrator URL itself); ``url``: the orchestrator
+        (default ``$PETALS_CHAIN_URL`` or ``http://127.0.0.1:8000``)."""
+        import os
+
+        if model.startswith(("http://", "https://")):
+            url, model = model, None
+        client = Client(url or os.environ.get("PETALS_CHAIN_URL", "http://127.0.0.1:8000"), timeout=timeout)
+        return cls(client, model or client.model, pad_token_id)
+
+    def generate(self, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
+                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 50,
+                 repetition_penalty: float = 1.0, min_p: float = 0.0, seed: Optional[int] = None,
+                 pad_token_id: Optional[int] = None, eos_token_id: Any = None, **unsupported: Any):
+        """Generate for every row of ``input_ids`` (a LongTensor ``[batch, len]`` or lists of ids)."""
+        import torch
+
+        if unsupported:
+            raise TypeError(f"generate() got unsupported arguments: {', '.join(sorted(unsupported))}")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.ndim == 1:
+            ids = ids.unsqueeze(0)
+        mask = None if attention_mask is None else torch.as_tensor(attention_mask).bool()
+        prompts = [row[m].tolist() if mask is not None else row.tolist() for row, m in
+                   zip(ids, mask if mask is not None else [None] * len(ids))]
+        body: dict[str, Any] = {"model": self.client.model, "prompt": prompts, "max_tokens": int(max_new_tokens),
+                                "repetition_penalty": float(repetition_penalty)}
+        if do_sample:
+            body.update(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k or 0),
+                        min_p=float(min_p))
+            if seed is not None:
+                body["seed"] = int(seed)
+        else:
+            body["temperature"] = 0.0
+        if eos_token_id is not None:
+            stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+            body["stop_token_ids"] = [int(x) for x in stops]
+        r = self.client._http.post("/v1/completions", json=body)
+        _raise_for(r)
+        data = r.json()
+        new = [info["token_ids"] for info in data["petals_chain"]]
+        pad = pad_token_id if pad_token_id is not None else self.pad_token_id
+        width = max(len(t) for t in new)
+        if pad is None and any(len(t) != width for t in new):
+            raise ValueError("rows ended at different lengths: give pad_token_id to pad them")
+        out = [row.tolist() + t + [pad] * (width - len(t)) for row, t in zip(ids, new)]
+        return torch.tensor(out, dtype=torch.long)

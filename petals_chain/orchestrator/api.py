@@ -1,4 +1,10 @@
-"""HTTP API of the orchestrator: OpenAI-compatible ``/v1``, sessions, swarm state, metrics, dashboard."""
+"""HTTP API of the orchestrator: OpenAI-compatible ``/v1``, sessions, swarm state, metrics, dashboard.
+
+Requests are strict: an unknown field, or an OpenAI field we do not implement (``tools``, a ``response_format``
+other than text, audio, ...), gets a 400 that names it, never silent acceptance. Beside OpenAI's fields the
+bodies take ``repetition_penalty``, ``min_p``, ``top_k``, ``stop_token_ids`` and ``ignore_eos`` (vLLM's
+extras). Logprobs are of the raw model distribution (before penalties and temperature), as in vLLM.
+"""
 
 from __future__ import annotations
 
@@ -17,18 +23,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
-from petals_chain.orchestrator.sampling import SamplingParams
+from petals_chain.orchestrator.sampling import SamplingParams, TokenChoice
 
 logger = logging.getLogger(__name__)
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_PROMPT_CHARS = 1_000_000
+MAX_LOGIT_BIAS = 300
+INLINE_TOKENIZE_CHARS = 2000  # longer texts are tokenized / templated off the event loop
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
 
 class _Base(pydantic.BaseModel):
-    # Unknown fields are ignored (as OpenAI-compatible servers do) so tools that send extras keep working.
-    model_config = pydantic.ConfigDict(extra="ignore")
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+
+def _unsupported(value: Any, name: str, allowed: tuple = (None,)) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} is not supported by this server")
 
 
 class StreamOptions(_Base):
@@ -41,10 +54,12 @@ class SamplingFields(_Base):
     max_tokens: Optional[int] = pydantic.Field(default=None, ge=1)
     temperature: float = pydantic.Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = pydantic.Field(default=0, ge=0, le=100_000)
+    top_k: int = pydantic.Field(default=0, ge=-1, le=100_000)  # -1 (vLLM) and 0: disabled
+    min_p: float = pydantic.Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = pydantic.Field(default=1.0, gt=0.0, le=10.0)
     presence_penalty: float = pydantic.Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = pydantic.Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
     seed: Optional[int] = pydantic.Field(default=None, ge=0, le=2**63 - 1)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = pydantic.Field(default=None, max_length=64)
@@ -52,7 +67,7 @@ class SamplingFields(_Base):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = pydantic.Field(default=1, ge=1)
-    user: Optional[str] = None
+    user: Optional[str] = pydantic.Field(default=None, max_length=256)  # end-user id (OpenAI): informational
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -66,27 +81,54 @@ class SamplingFields(_Base):
             raise ValueError(f"stop sequences must be at most {MAX_STOP_LEN} characters")
         return v
 
-    def sampling(self, limit_tokens: int, default_max_tokens: int) -> tuple[SamplingParams, bool]:
-        if self.presence_penalty or self.frequency_penalty:
-            raise RequestError("presence_penalty and frequency_penalty are not supported; use repetition_penalty",
-                               param="presence_penalty")
+    @pydantic.field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    def sampling(self, limit_tokens: int, default_max_tokens: int | None, logprobs: int | None = None
+                 ) -> tuple[SamplingParams, bool]:
+        """``(params, explicit)``; ``default_max_tokens`` None means the rest of the context."""
         explicit = self.max_tokens is not None
-        max_tokens = self.max_tokens if explicit else default_max_tokens
-        if max_tokens > limit_tokens:
+        max_tokens = self.max_tokens if explicit else (default_max_tokens or limit_tokens)
+        if explicit and max_tokens > limit_tokens:
             raise RequestError(f"max_tokens must be at most {limit_tokens}", param="max_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
-                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos), explicit
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k),
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stop,
+            logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return params, explicit
 
 
 class CompletionRequest(SamplingFields):
     model: str
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+
+    @pydantic.model_validator(mode="after")
+    def _unsupported_fields(self):
+        _unsupported(self.suffix, "suffix")
+        _unsupported(self.best_of, "best_of (other than 1)", (None, 1))
+        return self
 
 
 class ContentPart(_Base):
@@ -97,18 +139,60 @@ class ContentPart(_Base):
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "developer"]
     content: Union[str, list[ContentPart]]
-    name: Optional[str] = None
+    name: Optional[str] = pydantic.Field(default=None, max_length=256)
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    def as_dict(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ResponseFormat(_Base):
+    type: str
 
 
 class ChatRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_completion_tokens: Optional[int] = pydantic.Field(default=None, ge=1)
-    logprobs: Optional[bool] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
+    # OpenAI fields we do not implement: accepted only at their "off" values, else a 400 naming them.
     tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[ResponseFormat] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+
+    @pydantic.model_validator(mode="after")
+    def _unsupported_fields(self):
+        for name in ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
+                     "web_search_options", "reasoning_effort", "metadata"):
+            _unsupported(getattr(self, name), name)
+        _unsupported(self.parallel_tool_calls, "parallel_tool_calls", (None, False))
+        _unsupported(self.store, "store", (None, False))
+        _unsupported(self.service_tier, "service_tier", (None, "auto", "default"))
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported (only 'text')")
+        if self.modalities is not None and list(self.modalities) != ["text"]:
+            raise ValueError("modalities other than ['text'] are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+        return self
 
 
 class SessionOpenRequest(_Base):
@@ -118,6 +202,7 @@ class SessionOpenRequest(_Base):
 class SessionGenerateRequest(SamplingFields):
     prompt: Optional[str] = None
     input_ids: Optional[list[int]] = None
+    messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = None
 
 
@@ -135,11 +220,46 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class _Logprobs:
+    """Builds OpenAI ``logprobs`` objects (chat and completions formats) from :class:`TokenChoice` lists."""
+
+    def __init__(self, orch: Orchestrator):
+        self.orch = orch
+
+    def _text(self, token: int) -> str:
+        return self.orch.token_text(token)
+
+    def chat_entries(self, choices: list[TokenChoice], top: int) -> list[dict]:
+        out = []
+        for c in choices:
+            text = self._text(c.token)
+            entry = {"token": text, "logprob": c.logprob, "bytes": list(text.encode("utf-8"))}
+            entry["top_logprobs"] = [
+                {"token": (t := self._text(tok)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                for tok, lp in (c.top_logprobs or [])[:top]]
+            out.append(entry)
+        return out
+
+    def completion(self, choices: list[Optional[TokenChoice]], token_ids: list[int], offset0: int = 0) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = offset0
+        for tok, c in zip(token_ids, choices):
+            text = self._text(tok)
+            tokens.append(text)
+            offsets.append(pos)
+            pos += len(text)
+            token_lps.append(None if c is None else c.logprob)
+            tops.append(None if c is None or c.top_logprobs is None else
+                        {self._text(t): lp for t, lp in c.top_logprobs})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
 def create_app(orch: Orchestrator) -> FastAPI:
     """The FastAPI app over ``orch`` (the caller runs ``orch.start()``/``stop()`` in the server's loop)."""
     app = FastAPI(title="petals-chain orchestrator", version="0.1.0")
     app.state.orch = orch
     cfg = orch.cfg
+    lp = _Logprobs(orch)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
@@ -154,9 +274,18 @@ def create_app(orch: Orchestrator) -> FastAPI:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errs[:5])
-        return _error(400, f"invalid request: {msg}", param=".".join(loc) or None, code="invalid_value")
+        extra = [e for e in errs if e.get("type") == "extra_forbidden"]
+        if extra:
+            names = [".".join(str(x) for x in e.get("loc", []) if x != "body") for e in extra]
+            return _error(400, f"unsupported parameter(s): {', '.join(names)}", param=names[0],
+                          code="unsupported_parameter")
+
+        def message(e: dict) -> str:
+            where = ".".join(str(x) for x in e.get("loc", []) if x != "body") or "body"
+            return f"{where}: {str(e.get('msg', '')).removeprefix('Value error, ')}"
+
+        return _error(400, f"invalid request: {'; '.join(message(e) for e in errs[:5])}", param=".".join(loc) or None,
+                      code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -167,12 +296,28 @@ def create_app(orch: Orchestrator) -> FastAPI:
             raise RequestError(f"the model {name!r} does not exist; this swarm serves {orch.model_id!r}", status=404,
                                param="model", code="model_not_found")
 
-    def sampling(req: SamplingFields, max_tokens: Optional[int] = None) -> tuple[SamplingParams, bool]:
-        if max_tokens is not None:
-            req.max_tokens = max_tokens
+    def sampling(req: SamplingFields, default_max_tokens: int | None, logprobs: int | None = None
+                 ) -> tuple[SamplingParams, bool]:
         if req.n > cfg.max_n:
             raise RequestError(f"n must be at most {cfg.max_n}", param="n")
-        return req.sampling(cfg.max_tokens_limit, default_max_tokens=16)
+        params, explicit = req.sampling(cfg.max_tokens_limit, default_max_tokens, logprobs)
+        vocab = orch.vocab_size
+        bad = [t for t in list(params.logit_bias) + params.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="logit_bias")
+        return params, explicit
+
+    async def tokenize(text: str, **kw) -> list[int]:
+        if len(text) > MAX_PROMPT_CHARS:
+            raise RequestError("the prompt is too long", param="prompt", status=413)
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return orch.encode(text, **kw)
+        return await asyncio.to_thread(orch.encode, text, **kw)
+
+    async def template(messages: list[dict]) -> list[int]:
+        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+            raise RequestError("the messages are too long", param="messages", status=413)
+        return await asyncio.to_thread(orch.encode_chat, messages)
 
     # ---- info ----------------------------------------------------------------------------------
     @app.get("/healthz")
@@ -192,16 +337,18 @@ def create_app(orch: Orchestrator) -> FastAPI:
         orch.update_gauges()
         return Response(generate_latest(orch.stats.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": orch.model_id, "object": "model", "created": int(orch.started_at), "owned_by": "petals-chain",
+                "max_model_len": cfg.max_length}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": orch.model_id, "object": "model", "created": int(orch.started_at),
-                                            "owned_by": "petals-chain", "max_model_len": cfg.max_length}]}
+        return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         check_model(model_id)
-        return {"id": orch.model_id, "object": "model", "created": int(orch.started_at), "owned_by": "petals-chain",
-                "max_model_len": cfg.max_length}
+        return model_card()
 
     # ---- generation helpers --------------------------------------------------------------------
     def usage(prompt: int, completion: int) -> dict:
@@ -209,15 +356,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     def extras(gens: list[Generation]) -> dict:
         return {"petals_chain": [{"wait_s": g.wait_s, "service_s": g.service_s, "chain": g.chain,
-                                  "failovers": g.failovers, "token_ids": g.token_ids} for g in gens]}
-
-    async def run_n(prompt_ids: list[int], params: SamplingParams, explicit: bool, n: int) -> list[Generation]:
-        jobs = []
-        for i in range(n):
-            p = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i,
-                                  "stop": list(params.stop)})
-            jobs.append(orch.generate(list(prompt_ids), p, explicit_max_tokens=explicit))
-        return list(await asyncio.gather(*jobs))
+                                  "failovers": g.failovers, "forked": g.forked, "token_ids": g.token_ids}
+                                 for g in gens]}
 
     async def unless_disconnected(request: Request, coro):
         """Await ``coro``; if the client goes away first, cancel it (its chain and server slots are freed)."""
@@ -235,126 +375,129 @@ def create_app(orch: Orchestrator) -> FastAPI:
             if not task.done():
                 task.cancel()
 
-    def stream_response(prompt_ids: list[int], params: SamplingParams, explicit: bool, n: int,
-                        chunk: Any, include_usage: bool, gen_fn=None) -> StreamingResponse:
-        """SSE: ``chunk(index, text, finish_reason)`` builds each event's object."""
+    def stream_response(gen_fn, n: int, chunk: Any, include_usage: bool, prompt_tokens: int) -> StreamingResponse:
+        """SSE over ``gen_fn(emits) -> list[Generation]`` (``emits[i](text, choices)`` per choice); ``chunk(index,
+        text, finish_reason, choices)`` builds each event's object (``first=True``: the opening event, or None)."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def one(i: int):
-            async def emit(text: str, _tok: int):
-                await queue.put(("delta", i, text))
+        def emitter(i: int):
+            async def emit(text: str, choices: list[TokenChoice]) -> None:
+                await queue.put(("delta", i, (text, choices)))
+            return emit
 
-            p = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i,
-                                  "stop": list(params.stop)})
+        async def run() -> None:
             try:
-                if gen_fn is not None:
-                    g = await gen_fn(p, emit)
-                else:
-                    g = await orch.generate(list(prompt_ids), p, explicit_max_tokens=explicit, emit=emit)
-                await queue.put(("done", i, g))
+                gens = await gen_fn([emitter(i) for i in range(n)])
+                for i, g in enumerate(gens):
+                    await queue.put(("done", i, g))
             except (RequestError, Unavailable) as e:
-                await queue.put(("error", i, e))
+                await queue.put(("error", -1, e))
             except Exception as e:  # noqa: BLE001 - reported to the client in the stream
                 logger.exception("generation failed")
-                await queue.put(("error", i, e))
+                await queue.put(("error", -1, e))
 
         async def events() -> AsyncIterator[str]:
-            tasks = [asyncio.create_task(one(i)) for i in range(n)]
+            task = asyncio.create_task(run())
             done = 0
             completion = 0
-            prompt_tokens = len(prompt_ids)
             try:
-                first = chunk(0, None, None, first=True)
-                if first is not None:
-                    for i in range(n):
-                        yield _sse(chunk(i, None, None, first=True))
+                for i in range(n):
+                    first = chunk(i, None, None, None, first=True)
+                    if first is not None:
+                        yield _sse(first)
                 while done < n:
                     kind, i, val = await queue.get()
                     if kind == "delta":
-                        yield _sse(chunk(i, val, None))
+                        yield _sse(chunk(i, val[0], None, val[1]))
                     elif kind == "done":
                         done += 1
                         completion += len(val.token_ids)
-                        prompt_tokens = val.prompt_tokens
-                        yield _sse(chunk(i, "", val.finish_reason))
+                        yield _sse(chunk(i, "", val.finish_reason, None))
                     else:
-                        done += 1
                         status = getattr(val, "status", 503 if isinstance(val, Unavailable) else 500)
                         yield _sse({"error": {"message": str(val), "type": "server_error" if status >= 500 else
                                               "invalid_request_error", "param": None, "code": getattr(val, "code", None)}})
-                if include_usage:
-                    u = chunk(0, "", None)
+                        break
+                if include_usage and done == n:
+                    u = chunk(0, "", None, None)
                     u["choices"] = []
                     u["usage"] = usage(prompt_tokens, completion)
                     yield _sse(u)
                 yield "data: [DONE]\n\n"
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def prompt_ids_of(prompt: Any) -> list[list[int]]:
+    async def prompt_ids_of(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
-            if len(prompt) > MAX_PROMPT_CHARS:
-                raise RequestError("the prompt is too long", param="prompt", status=413)
-            return [orch.encode(prompt)]
+            return [await tokenize(prompt)]
         if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
             return [list(prompt)]
         if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
-            return [orch.encode(p) for p in prompt]
+            if sum(len(p) for p in prompt) > MAX_PROMPT_CHARS:
+                raise RequestError("the prompts are too long", param="prompt", status=413)
+            return [await tokenize(p) for p in prompt]
         if isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
             return [list(x) for x in prompt]
         raise RequestError("prompt must be a non-empty string, list of strings, token ids or lists of token ids",
                            param="prompt")
 
+    def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+        """``n`` copies; seeded requests give choice ``i`` seed ``seed + i`` (choices differ, runs repeat)."""
+        return [SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i,
+                                  "stop": list(params.stop)}) for i in range(n)]
+
     # ---- /v1/completions -----------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
-        if req.logprobs:
-            raise RequestError("logprobs are not supported", param="logprobs")
-        if req.suffix:
-            raise RequestError("suffix is not supported", param="suffix")
-        if req.best_of not in (None, 1):
-            raise RequestError("best_of is not supported", param="best_of")
-        prompts = prompt_ids_of(req.prompt)
+        prompts = await prompt_ids_of(req.prompt)
         if len(prompts) * req.n > cfg.max_n:
             raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n)", param="n")
-        params, explicit = sampling(req)
+        params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         for ids in prompts:  # validate every prompt before any work starts
-            if not ids:
-                raise RequestError("the prompt is empty", param="prompt")
-            orch.check_ids(ids)
-            orch._resolve_max_tokens(SamplingParams(**{**params.__dict__}), len(ids), cfg.max_length, explicit)
+            orch.validate_prompt(ids, params.max_tokens, explicit)
+        echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
             if len(prompts) != 1:
                 raise RequestError("streaming supports one prompt per request", param="prompt")
-            echo_text = orch.tokenizer.decode(prompts[0], skip_special_tokens=True) if req.echo else None
+            ids = prompts[0]
+            echo_text = orch.decode(ids) if req.echo else None
 
-            def chunk(i, text, finish, first=False):
+            def chunk(i, text, finish, choices, first=False):
+                logprobs = None
                 if first:
                     if echo_text is None:
                         return None
                     text = echo_text
+                elif req.logprobs is not None and choices:
+                    logprobs = lp.completion(choices, [c.token for c in choices])
                 return {"id": cid, "object": "text_completion", "created": created, "model": orch.model_id,
-                        "choices": [{"text": text or "", "index": i, "logprobs": None, "finish_reason": finish}]}
+                        "choices": [{"text": text or "", "index": i, "logprobs": logprobs, "finish_reason": finish}]}
 
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return stream_response(prompts[0], params, explicit, req.n, chunk, include)
-        results = await unless_disconnected(
-            request, asyncio.gather(*(run_n(ids, params, explicit, req.n) for ids in prompts)))
+            return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, req.n), explicit, emits),
+                                   req.n, chunk, include, len(ids))
+        results = await unless_disconnected(request, asyncio.gather(*(
+            orch.generate_n(ids, per_choice(params, req.n), explicit, prompt_logprobs=echo_logprobs)
+            for ids in prompts)))
         choices, gens = [], []
-        for p_idx, (ids, group) in enumerate(zip(prompts, results)):
+        for ids, group in zip(prompts, results):
             for g in group:
-                text = g.text
-                if req.echo:
-                    text = orch.tokenizer.decode(ids, skip_special_tokens=True) + text
-                choices.append({"text": text, "index": len(choices), "logprobs": None,
+                text, logprobs = g.text, None
+                prefix = orch.decode(ids) if req.echo else ""
+                if req.logprobs is not None:
+                    gen_lp = lp.completion(g.logprobs or [], g.token_ids, offset0=len(prefix))
+                    if req.echo:
+                        prompt_lp = lp.completion(g.prompt_logprobs or [None] * len(ids), ids)
+                        gen_lp = {k: prompt_lp[k] + gen_lp[k] for k in gen_lp}
+                    logprobs = gen_lp
+                choices.append({"text": prefix + text, "index": len(choices), "logprobs": logprobs,
                                 "finish_reason": g.finish_reason})
                 gens.append(g)
         prompt_tokens = sum(len(ids) for ids in prompts)
@@ -366,30 +509,35 @@ def create_app(orch: Orchestrator) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         check_model(req.model)
-        if req.logprobs:
-            raise RequestError("logprobs are not supported", param="logprobs")
-        if req.tools:
-            raise RequestError("tools are not supported", param="tools")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
-            raise RequestError("the messages are too long", param="messages", status=413)
-        ids = orch.encode_chat(messages)
-        params, explicit = sampling(req, req.max_completion_tokens if req.max_completion_tokens is not None else None)
-        orch.check_ids(ids)
-        orch._resolve_max_tokens(SamplingParams(**{**params.__dict__}), len(ids), cfg.max_length, explicit)
+        ids = await template([m.as_dict() for m in req.messages])
+        if req.max_completion_tokens is not None:
+            req.max_tokens = req.max_completion_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params, explicit = sampling(req, None, top)
+        orch.validate_prompt(ids, params.max_tokens, explicit)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+
+        def chat_lp(choices: list[TokenChoice]) -> Optional[dict]:
+            return {"content": lp.chat_entries(choices, top)} if top is not None else None
+
         if req.stream:
-            def chunk(i, text, finish, first=False):
-                delta = {"role": "assistant", "content": ""} if first else ({} if finish else {"content": text or ""})
+            def chunk(i, text, finish, choices, first=False):
+                if first:
+                    delta = {"role": "assistant", "content": ""}
+                else:
+                    delta = {} if finish else {"content": text or ""}
                 return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": orch.model_id,
-                        "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                        "choices": [{"index": i, "delta": delta, "finish_reason": finish,
+                                     "logprobs": chat_lp(choices) if choices else None}]}
 
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return stream_response(ids, params, explicit, req.n, chunk, include)
-        gens = await unless_disconnected(request, run_n(ids, params, explicit, req.n))
-        choices = [{"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": None,
-                    "finish_reason": g.finish_reason} for i, g in enumerate(gens)]
+            return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, req.n), explicit, emits),
+                                   req.n, chunk, include, len(ids))
+        gens = await unless_disconnected(request, orch.generate_n(ids, per_choice(params, req.n), explicit))
+        choices = [{"index": i, "message": {"role": "assistant", "content": g.text},
+                    "logprobs": chat_lp(g.logprobs or []), "finish_reason": g.finish_reason}
+                   for i, g in enumerate(gens)]
         return {"id": cid, "object": "chat.completion", "created": created, "model": orch.model_id,
                 "choices": choices, "usage": usage(len(ids), sum(len(g.token_ids) for g in gens)), **extras(gens)}
 
@@ -401,7 +549,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     def session_info(s) -> dict:
         return {"session_id": s.id, "max_length": s.max_length, "tokens": len(s.history), "turns": s.turns,
-                "chain": s.holder.chain_names, "created": s.created, "failovers": s.holder.failovers}
+                "chain": s.holder.chain_names, "created": s.created, "failovers": s.holder.failovers,
+                "messages": len(s.messages) if s.messages is not None else None, "busy": s.lock.locked()}
 
     @app.get("/api/v1/sessions/{session_id}")
     async def get_session(session_id: str):
@@ -413,36 +562,45 @@ def create_app(orch: Orchestrator) -> FastAPI:
         return {"session_id": session_id, "closed": True}
 
     @app.post("/api/v1/sessions/{session_id}/generate")
-    async def session_generate(session_id: str, req: SessionGenerateRequest):
+    async def session_generate(session_id: str, req: SessionGenerateRequest, request: Request):
         s = orch.get_session(session_id)
         if req.n != 1:
             raise RequestError("sessions generate one sequence at a time (n=1)", param="n")
-        if (req.prompt is None) == (req.input_ids is None):
-            raise RequestError("give exactly one of prompt (text) or input_ids", param="prompt")
-        if req.prompt is not None:
-            if len(req.prompt) > MAX_PROMPT_CHARS:
-                raise RequestError("the prompt is too long", param="prompt", status=413)
-            special = req.add_special_tokens if req.add_special_tokens is not None else not s.history
-            new_ids = orch.encode(req.prompt, add_special_tokens=special)
-        else:
-            new_ids = list(req.input_ids)
-        params, explicit = sampling(req)
-        orch.check_ids(new_ids)
+        if sum(x is not None for x in (req.prompt, req.input_ids, req.messages)) != 1:
+            raise RequestError("give exactly one of prompt (text), input_ids or messages", param="prompt")
         if s.lock.locked():
             raise RequestError("this session is already generating", status=409, code="session_busy")
-        orch._resolve_max_tokens(SamplingParams(**{**params.__dict__}), len(s.history) + len(new_ids), s.max_length,
-                                 explicit)
+        messages = None
+        if req.messages is not None:
+            messages = [m.as_dict() for m in req.messages]
+            target = await template(orch.session_messages(s, messages))
+            params, explicit = sampling(req, None)
+        else:
+            if req.prompt is not None:
+                special = req.add_special_tokens if req.add_special_tokens is not None else not s.history
+                new_ids = await tokenize(req.prompt, add_special_tokens=special)
+            else:
+                new_ids = list(req.input_ids)
+            target = orch.session_target(s, new_ids)
+            params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS)
+        orch.check_ids(target)
+        orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)
+
+        def gen_fn(emit=None):
+            return orch.session_generate(s, target, params, explicit_max_tokens=explicit, emit=emit,
+                                         messages=messages)
+
         if req.stream:
-            def chunk(i, text, finish, first=False):
+            def chunk(i, text, finish, choices, first=False):
                 if first:
                     return None
                 return {"session_id": s.id, "text": text or "", "finish_reason": finish}
 
-            async def gen_fn(p, emit):
-                return await orch.session_generate(s, new_ids, p, explicit_max_tokens=explicit, emit=emit)
+            async def run(emits):
+                return [await gen_fn(emits[0])]
 
-            return stream_response(new_ids, params, explicit, 1, chunk, False, gen_fn=gen_fn)
-        g = await orch.session_generate(s, new_ids, params, explicit_max_tokens=explicit)
+            return stream_response(run, 1, chunk, False, len(target))
+        g = await unless_disconnected(request, gen_fn())
         return {"session_id": s.id, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
                 "usage": usage(g.prompt_tokens, len(g.token_ids)), "wait_s": g.wait_s, "service_s": g.service_s,
                 "chain": g.chain, "failovers": g.failovers, "tokens": len(s.history)}

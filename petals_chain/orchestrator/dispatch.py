@@ -3,11 +3,20 @@
 The dispatcher itself (contracts A) is an event-driven state machine; this module turns its decisions
 into awaited leases, keeps one central FIFO queue across re-plans, and swaps the chain set when the
 planner publishes a new one without losing a queued or running job.
+
+The queue bound (``--max-queue``) is enforced here, where jobs are queued: a new job that cannot start
+at once enters the queue only if the queue stays within the bound, else ``acquire`` raises
+:class:`QueueFull` (HTTP 429). The check and the enqueue happen in one synchronous step of the event loop,
+so ``queue_length <= max_queue`` holds at every instant. Jobs that already held a chain (failover, a
+session's later turn, a job retrying after a refused open) are never refused: they wait in a separate
+re-queue lane (``requeued``), served before the queue and not counted in ``queue_length``; the lane holds
+only jobs admitted earlier, so it does not grow with the offered load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
@@ -28,11 +37,50 @@ def chain_key(chain: Chain) -> tuple:
 
 @dataclass(eq=False)
 class DispatchJob:
-    """One job as the dispatcher sees it (hashable by identity)."""
+    """One job as the dispatcher sees it (hashable by identity).
+
+    ``requeue``: the job held a chain before (it was admitted then); it waits in the re-queue lane and is
+    never refused."""
 
     job_id: str
     arrival: float = field(default_factory=time.monotonic)
     wait_s: float = 0.0
+    requeue: bool = False
+
+
+class QueueFull(Exception):
+    """A new job found no free chain and the central queue at its bound: refused (HTTP 429 ``queue_full``)."""
+
+    def __init__(self, max_queue: int):
+        super().__init__(f"the swarm is at capacity and its queue is full ({max_queue} waiting); retry later")
+        self.max_queue = max_queue
+
+
+class Admission:
+    """The dispatcher's first decision on a request's jobs: admitted (started or queued) or refused.
+
+    The API middleware puts one in :data:`ADMISSION` per generation request and holds a streamed response's
+    headers until it is decided, so a refusal can still be an HTTP 429 rather than an error inside a 200."""
+
+    def __init__(self) -> None:
+        self.state: str | None = None  # None, "admitted" or "refused"
+        self.event = asyncio.Event()
+
+    def decide(self, admitted: bool) -> None:
+        if self.state is None:
+            self.state = "admitted" if admitted else "refused"
+            self.event.set()
+
+
+# Context of the current request (copied into the tasks it spawns); None outside the API.
+ADMISSION: contextvars.ContextVar[Admission | None] = contextvars.ContextVar("petals_chain_admission", default=None)
+
+
+def note_admission(admitted: bool) -> None:
+    """Record the dispatcher's decision on the current request's job (no-op outside a request)."""
+    adm = ADMISSION.get()
+    if adm is not None:
+        adm.decide(admitted)
 
 
 @dataclass(eq=False)
@@ -82,13 +130,20 @@ class DispatchManager:
     """Central-queue dispatch over the current chains.
 
     ``acquire`` waits (FIFO, in the dispatcher's central queue) until the dispatcher starts the job on a
-    chain; ``release`` ends it there and starts the next queued job. ``set_chains`` installs a new chain
-    set: running jobs whose chain is unchanged keep counting against it, queued jobs re-arrive in order.
+    chain; ``release`` ends it there and starts the next waiting job (re-queue lane first, then the queue).
+    ``set_chains`` installs a new chain set: running jobs whose chain is unchanged keep counting against it,
+    waiting jobs re-arrive in order. ``max_queue`` (None: unbounded) bounds ``queue_length``: see the module.
+
+    Since start: ``queue_max`` (longest queue), ``refused`` (jobs refused by the bound) and
+    :meth:`peak_active` (most jobs run at once on a chain).
     """
 
-    def __init__(self, factory: DispatcherFactory | None = None, policy: str = "jffc"):
+    def __init__(self, factory: DispatcherFactory | None = None, policy: str = "jffc", max_queue: int | None = None):
+        if max_queue is not None and int(max_queue) < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
         self.factory = factory or dispatcher_factory(policy)
         self.policy = policy
+        self.max_queue = None if max_queue is None else int(max_queue)
         self.generation = 0
         self.dispatcher: Any = None
         self.chains: list[Chain] = []
@@ -96,8 +151,15 @@ class DispatchManager:
         self._ids = itertools.count()
         self._id_by_key: dict[tuple, int] = {}
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
-        self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO)
+        self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO); part of the queue
+        self._lane: list[DispatchJob] = []  # re-queued jobs (FIFO), served before the queue
         self._running: dict[DispatchJob, Lease] = {}
+        self._active: dict[int, int] = {}  # chain index -> jobs running there (current generation)
+        # (chain id, capacity) -> most jobs at once: a chain re-planned with another capacity starts afresh,
+        # so peak_active(k) <= capacity is an invariant a reader can check at any time.
+        self._peak: dict[tuple[int, int], int] = {}
+        self.queue_max = 0
+        self.refused = 0
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -105,13 +167,37 @@ class DispatchManager:
         q = self.dispatcher.queue_length if self.dispatcher is not None else 0
         return int(q) + len(self._pending)
 
+    @property
+    def requeued(self) -> int:
+        """Jobs in the re-queue lane (admitted earlier; not part of ``queue_length``)."""
+        return len(self._lane)
+
     def active(self, index: int) -> int:
         """Jobs running on chain ``index`` of the current generation."""
-        return sum(1 for ls in self._running.values() if ls.generation == self.generation and ls.index == index)
+        return self._active.get(index, 0)
+
+    def peak_active(self, index: int) -> int:
+        """Most jobs run at once on chain ``index`` (at its current capacity) since start."""
+        if not (0 <= index < len(self.chains)):
+            return 0
+        return self._peak.get((self.chain_ids[index], int(self.chains[index].capacity)), 0)
 
     @property
     def running(self) -> int:
         return len(self._running)
+
+    def _count(self, k: int, delta: int) -> None:
+        n = self._active.get(k, 0) + delta
+        self._active[k] = n
+        if delta > 0:
+            key = (self.chain_ids[k], int(self.chains[k].capacity))
+            if n > self._peak.get(key, 0):
+                self._peak[key] = n
+
+    def _note_queue(self) -> None:
+        q = self.queue_length
+        if q > self.queue_max:
+            self.queue_max = q
 
     # ---- chain set ---------------------------------------------------------------------------
     def set_chains(self, chains: Sequence[Chain]) -> None:
@@ -128,17 +214,24 @@ class DispatchManager:
                 self._id_by_key[key] = next(self._ids)
             self.chain_ids.append(self._id_by_key[key])
         self.dispatcher = self.factory(chains) if chains else None
+        self._active = {}
         index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
         for lease in old_running:
             k = index_by_key.get(chain_key(lease.chain))
             if k is not None and self._adopt(k, lease.job):
                 lease.index, lease.generation, lease.chain = k, self.generation, chains[k]
+                self._count(k, +1)
             # else: the job keeps its (old) chain until it finishes; its server slots are still held, and
             # servers refuse rather than over-commit, so a job started meanwhile retries (see engine).
+        lane, self._lane = self._lane, []
+        for job in lane:  # re-queued jobs first: they start or go back to the lane, in order
+            self._arrive_requeued(job)
         for job in queued:
+            # No bound check: each re-arriving job queues at most once, so the queue cannot grow here.
             self._arrive(job)
-        logger.info("dispatch generation %d: %d chains, %d running, %d queued", self.generation, len(chains),
-                    len(self._running), self.queue_length)
+        self._note_queue()
+        logger.info("dispatch generation %d: %d chains, %d running, %d queued, %d re-queued", self.generation,
+                    len(chains), len(self._running), self.queue_length, len(self._lane))
 
     def _adopt(self, k: int, job: DispatchJob) -> bool:
         """Count an already running ``job`` against chain ``k`` of the new dispatcher (arrive() would pick a
@@ -163,13 +256,30 @@ class DispatchManager:
         return queued
 
     # ---- jobs --------------------------------------------------------------------------------
-    def _arrive(self, job: DispatchJob) -> None:
+    def _arrive(self, job: DispatchJob, bounded: bool = False) -> None:
+        """Start ``job`` or queue it; with ``bounded``, raise :class:`QueueFull` instead of exceeding the bound."""
         if self.dispatcher is None:
+            if bounded and self.max_queue is not None and len(self._pending) >= self.max_queue:
+                raise QueueFull(self.max_queue)
             self._pending.append(job)
             return
         k = self.dispatcher.arrive(job)
         if k is not None and self._is_started(k, job):
             self._start(job, k)
+        elif bounded and self.max_queue is not None and self.queue_length > self.max_queue:
+            # Undone in the same step (no await in between): the over-long queue is never observable.
+            self.dispatcher.remove_job(job)
+            raise QueueFull(self.max_queue)
+
+    def _arrive_requeued(self, job: DispatchJob) -> None:
+        """Start ``job`` if the dispatcher has a free slot for it now, else put it in the re-queue lane."""
+        if self.dispatcher is not None:
+            k = self.dispatcher.arrive(job)
+            if k is not None and self._is_started(k, job):
+                self._start(job, k)
+                return
+            self.dispatcher.remove_job(job)  # it waits in the lane, not in the dispatcher's queue
+        self._lane.append(job)
 
     def _is_started(self, k: int, job: DispatchJob) -> bool:
         # JFFC returns None when it queues; per-chain-FIFO baselines return k also when the job waits there.
@@ -179,6 +289,7 @@ class DispatchManager:
     def _start(self, job: DispatchJob, k: int) -> None:
         lease = Lease(job=job, chain=self.chains[k], index=k, generation=self.generation, chain_id=self.chain_ids[k])
         self._running[job] = lease
+        self._count(k, +1)
         fut = self._waiters.pop(job, None)
         job.wait_s += time.monotonic() - job.arrival
         if fut is not None and not fut.done():
@@ -187,17 +298,33 @@ class DispatchManager:
             self.release(lease)
 
     async def acquire(self, job: DispatchJob) -> Lease:
-        """Wait until ``job`` is started on a chain; FIFO with every other waiting job."""
+        """Wait until ``job`` is started on a chain; FIFO with every other waiting job.
+
+        Raises :class:`QueueFull` at once if ``job`` is new (not ``requeue``), cannot start now and the queue
+        is at ``max_queue``."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._waiters[job] = fut
         job.arrival = time.monotonic()
-        self._arrive(job)
+        try:
+            if job.requeue:
+                self._arrive_requeued(job)
+            else:
+                self._arrive(job, bounded=True)
+        except QueueFull:
+            self._waiters.pop(job, None)
+            self.refused += 1
+            note_admission(False)
+            raise
+        note_admission(True)
+        self._note_queue()
         try:
             return await fut
         except asyncio.CancelledError:
             self._waiters.pop(job, None)
-            if job in self._pending:
+            if job in self._lane:
+                self._lane.remove(job)
+            elif job in self._pending:
                 self._pending.remove(job)
             elif job in self._running:
                 self.release(self._running[job])
@@ -213,13 +340,19 @@ class DispatchManager:
         self._running.pop(lease.job, None)
         if lease.generation != self.generation or self.dispatcher is None:
             return
+        self._count(lease.index, -1)
+        if self._lane:
+            # A re-queued job takes the slot over: the dispatcher's count on this chain stays as it is.
+            self._start(self._lane.pop(0), lease.index)
+            return
         nxt = self.dispatcher.complete(lease.index)
         if nxt is not None:
             self._start(nxt, lease.index)
 
     def snapshot(self) -> list[dict]:
         return [
-            {"id": self.chain_ids[k], "index": k, "active": self.active(k), "capacity": ch.capacity}
+            {"id": self.chain_ids[k], "index": k, "active": self.active(k), "capacity": ch.capacity,
+             "max_active": self.peak_active(k)}
             for k, ch in enumerate(self.chains)
         ]
 

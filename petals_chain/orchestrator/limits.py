@@ -4,17 +4,25 @@ A pure ASGI middleware, so a streamed response counts as in flight until its las
 client disconnects). Rejections are 429 (or 413 for bodies) in OpenAI's error format, with a
 ``Retry-After`` header estimated from the measured service time and the queue ahead.
 
+The queue bound itself is exact in the dispatch manager (:mod:`dispatch`), which refuses a job when its
+queue is full; the check here is only a cheap early refusal. A generation response is held back until the
+dispatcher has decided on the request's job (:class:`~petals_chain.orchestrator.dispatch.Admission`), so
+that a refusal of a streamed request is still an HTTP 429 and not an error event inside a 200 stream.
+
 The client is the API key (``X-API-Key`` or ``Authorization: Bearer``) if one is sent, else the peer IP.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
+
+from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -26,7 +34,7 @@ _OPEN_SESSION = re.compile(r"^/api/v1/sessions/?$")
 
 @dataclass
 class LimitsConfig:
-    """``max_queue``: generation requests allowed beyond the chains' total capacity (central queue bound);
+    """``max_queue``: central queue bound (enforced by the dispatch manager; here an early check);
     ``client_max_inflight``: one client's running + queued generation requests; ``client_max_sessions``:
     one client's open multi-turn sessions; ``max_body_bytes``: request body size."""
 
@@ -156,6 +164,7 @@ class AdmissionLimits:
             return await self._reject(send, 429, "client_inflight_limit",
                                       f"this client already has {mine} requests running or queued "
                                       f"(limit {self.limits.client_max_inflight})")
+        # Cheap early refusal (before the body is read); the exact bound is the dispatcher's (QueueFull).
         queue = int(getattr(self.orch.dispatch, "queue_length", 0))
         if self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue:
             return await self._reject(send, 429, "queue_full",
@@ -163,9 +172,16 @@ class AdmissionLimits:
                                       "waiting); retry later")
         self.inflight += 1
         self.by_client[client] = mine + 1
+        adm = Admission()
+        token = ADMISSION.set(adm)  # copied into the tasks the app spawns for this request
+        held = _HeldResponse(self, send, adm)
+        watcher = asyncio.ensure_future(held.watch())
         try:
-            await self._guard(send, scope, receive, send)
+            await self._guard(held, scope, receive, send)
+            await held.finish()
         finally:
+            watcher.cancel()
+            ADMISSION.reset(token)
             self.inflight -= 1
             left = self.by_client.get(client, 1) - 1
             if left > 0:
@@ -226,6 +242,68 @@ class AdmissionLimits:
             await send(message)
 
         return wrapped
+
+
+class _HeldResponse:
+    """``send`` of a generation request that holds a 200 response back until the dispatcher admitted (started
+    or queued) or refused the request's job. A streamed response starts before its job reaches the dispatcher;
+    if the job is refused, a 429 ``queue_full`` with ``Retry-After`` goes out instead and the held stream is
+    dropped. Any 429 the app sends gets a ``Retry-After`` if it has none."""
+
+    def __init__(self, limits: AdmissionLimits, send: Send, adm: Admission):
+        self.limits, self.send, self.adm = limits, send, adm
+        self.held: list[dict] = []
+        self.passing = False  # decided: messages go straight through
+        self.replaced = False  # a 429 went out instead: the app's messages are dropped
+        self.lock = asyncio.Lock()
+
+    async def __call__(self, message: dict) -> None:
+        async with self.lock:
+            if self.replaced:
+                return  # the client has its 429; the app winds down (the server reports the disconnect)
+            if self.passing:
+                return await self._send(message)
+            self.held.append(message)
+            await self._settle(app_done=False)
+
+    async def watch(self) -> None:
+        """Release the held response as soon as the dispatcher decides (a queued job may wait long)."""
+        await self.adm.event.wait()
+        async with self.lock:
+            await self._settle(app_done=False)
+
+    async def finish(self) -> None:
+        async with self.lock:
+            await self._settle(app_done=True)
+
+    async def _settle(self, app_done: bool) -> None:
+        if self.passing or self.replaced or not self.held:
+            if app_done and not self.replaced:
+                self.passing = True
+            return
+        start = self.held[0]
+        complete = any(m["type"] == "http.response.body" and not m.get("more_body", False) for m in self.held)
+        if start.get("status") == 200 and self.adm.state == "refused":
+            self.replaced, self.held = True, []
+            await self.limits._reject(self.send, 429, "queue_full",
+                                      "the swarm is at capacity and its queue is full "
+                                      f"({self.limits.limits.max_queue} waiting); retry later")
+        elif start.get("status") != 200 or self.adm.state == "admitted" or complete or app_done:
+            held, self.held, self.passing = self.held, [], True
+            for m in held:
+                await self._send(m)
+
+    async def _send(self, message: dict) -> None:
+        if message["type"] == "http.response.start" and message.get("status") == 429:
+            headers = list(message.get("headers", []))
+            if not any(k.lower() == b"retry-after" for k, _ in headers):
+                headers.append((b"retry-after", str(self.limits.retry_after_s()).encode()))
+                message = {**message, "headers": headers}
+            if self.adm.state == "refused":  # the dispatcher's refusal, answered by the app (non-streamed)
+                self.limits.rejected["queue_full"] = self.limits.rejected.get("queue_full", 0) + 1
+                if self.limits._metric is not None:
+                    self.limits._metric.labels("queue_full").inc()
+        await self.send(message)
 
 
 def install_limits(app: Any, orch: Any, limits: Optional[LimitsConfig] = None) -> None:

@@ -61,12 +61,19 @@ class ChainSession:
             self._current.cancel()
         return True
 
-    async def open(self) -> None:
-        """Open a session on every hop (concurrently). On failure closes what was opened and raises HopFailure."""
+    async def open(self, fork_from: "ChainSession | None" = None, fork_length: int = 0) -> None:
+        """Open a session on every hop (concurrently). On failure closes what was opened and raises HopFailure.
+
+        ``fork_from``: an open session on the same hops whose first ``fork_length`` tokens of KV every server
+        copies into the new session (``n > 1`` samples share one prefill)."""
         no_cap = _rpc_errors()
+        if fork_from is not None and (fork_from.hops != self.hops or not fork_from._sessions):
+            raise ValueError("fork_from must be an open session on the same hops")
 
         async def one(peer, start, end):
             extra = {"wait_s": self.wait_s} if self.wait_s > 0 else {}
+            if fork_from is not None:
+                extra = {"fork_from": fork_from.session_id, "fork_length": int(fork_length)}
             return await asyncio.wait_for(
                 self.client.open_session(peer, session_id=self.session_id, start_block=start, end_block=end,
                                          max_length=self.max_length, **extra),
@@ -137,29 +144,54 @@ def _current_task_cancelling() -> bool:
 
 
 class HeadBatcher:
-    """Batches LM-head work (final norm + lm_head) of concurrent sessions.
+    """The orchestrator's model head for every active generation: LM head + sampling, batched, off the event loop.
 
-    Requests that arrive while a batch is computing, or within ``window_s`` of the first one, share one
-    matrix multiply; the work runs in one worker thread so the event loop keeps relaying other hops.
+    Rows that arrive while a batch computes (or within ``window_s`` of the first) share one LM-head matrix
+    multiply and one vectorized :func:`~petals_chain.orchestrator.sampling.sample_batch`; the batch also embeds
+    the tokens it sampled, so the next relay step needs no tensor work on the event loop. Everything runs in one
+    worker thread on the head's device.
     """
 
     def __init__(self, head: Any, window_s: float = 0.0, max_batch: int = 256):
         self.head = head
         self.window_s = window_s
         self.max_batch = max_batch
-        self._queue: list[tuple[torch.Tensor, asyncio.Future]] = []
+        self._queue: list[tuple[torch.Tensor, Any, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lm-head")
         self.batches = 0
         self.rows = 0
+        self.on_batch: Callable[[int], None] | None = None  # rows per batch, for metrics
 
-    async def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
-        """``hidden_last`` [H] -> logits [vocab] (float32)."""
+    async def sample(self, hidden_last: torch.Tensor, seq: Any) -> tuple[Any, torch.Tensor]:
+        """``hidden_last`` [H] (the last block's output) -> (TokenChoice, embedding [1, 1, H] of that token on the CPU).
+
+        ``seq`` is the sequence's :class:`~petals_chain.orchestrator.sampling.SequenceSampler`; the caller appends
+        the token to it (a token it does not use must not count for penalties)."""
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append((hidden_last.reshape(-1), fut))
+        self._queue.append((hidden_last.reshape(-1), seq, fut))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
         return await fut
+
+    async def embed(self, ids: list[int]) -> torch.Tensor:
+        """Token ids -> hidden states ``[1, n, H]`` on the CPU (in the worker thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._embed, ids)
+
+    async def score(self, hidden: torch.Tensor, ids: list[int], k: int) -> list:
+        """Prompt logprobs: ``hidden`` [n, H] are the last block's outputs at the positions of ``ids``; position i
+        scores token i+1 (the first token gets None)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._score, hidden, ids, k)
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.head.embed(torch.tensor([ids], dtype=torch.long)).cpu()
+
+    def _score(self, hidden: torch.Tensor, ids: list[int], k: int) -> list:
+        from petals_chain.orchestrator.sampling import prompt_logprobs
+
+        with torch.inference_mode():
+            return prompt_logprobs(self.head.logits(hidden.reshape(1, -1, hidden.shape[-1]))[0], ids, k)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -169,31 +201,30 @@ class HeadBatcher:
             await asyncio.sleep(self.window_s if self.window_s > 0 else 0)
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
             try:
-                stacked = torch.stack([h for h, _ in batch]).unsqueeze(1)  # [B, 1, H]
-                if self._small(len(batch)):
-                    out = self._compute(stacked)
-                else:
-                    out = await loop.run_in_executor(self._pool, self._compute, stacked)
+                hidden = torch.stack([h for h, _, _ in batch]).unsqueeze(1)  # [B, 1, H]
+                out = await loop.run_in_executor(self._pool, self._compute, hidden, [s for _, s, _ in batch])
                 self.batches += 1
                 self.rows += len(batch)
-                for i, (_, fut) in enumerate(batch):
+                if self.on_batch is not None:
+                    self.on_batch(len(batch))
+                for (_, _, fut), result in zip(batch, out):
                     if not fut.done():
-                        fut.set_result(out[i])
+                        fut.set_result(result)
             except BaseException as e:  # deliver the error to every waiter rather than hang them
-                for _, fut in batch:
+                for _, _, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
                 if isinstance(e, asyncio.CancelledError):
                     raise
 
-    def _small(self, rows: int) -> bool:
-        """LM heads this small cost less than a thread hand-off: compute them on the loop."""
-        w = getattr(getattr(self.head, "lm_head", None), "weight", None)
-        return w is not None and rows * w.numel() <= 2_000_000
+    def _compute(self, hidden: torch.Tensor, seqs: list) -> list[tuple[Any, torch.Tensor]]:
+        from petals_chain.orchestrator.sampling import sample_batch
 
-    def _compute(self, stacked: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            return self.head.logits(stacked)[:, -1, :].float()
+            logits = self.head.logits(hidden)[:, -1, :]
+            choices = sample_batch(logits, seqs)
+            emb = self.head.embed(torch.tensor([[c.token] for c in choices], dtype=torch.long)).cpu()
+        return [(c, emb[i:i + 1]) for i, c in enumerate(choices)]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from petals_chain.model import Chain, ServerSpec
-from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, Lease
+from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, Lease, note_admission
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,12 @@ ROUTED_POLICIES = ("petals", "bprr")
 DEFAULT_ROUTE_WAIT_S = 600.0  # how long a routed open may wait at a server (the server caps it too)
 
 
-def make_dispatch(policy: str, **kwargs: Any):
-    """The dispatch manager for ``policy``: routed (PETALS, BPRR) or central-queue (JFFC and the others)."""
+def make_dispatch(policy: str, max_queue: int | None = None, **kwargs: Any):
+    """The dispatch manager for ``policy``: routed (PETALS, BPRR) or central-queue (JFFC and the others, whose
+    queue is bounded by ``max_queue``; routed jobs have no central queue to bound)."""
     if policy in ROUTED_POLICIES:
         return RoutedDispatch(policy, **kwargs)
-    return DispatchManager(policy=policy)
+    return DispatchManager(policy=policy, max_queue=max_queue)
 
 
 class RoutedDispatch:
@@ -56,6 +57,12 @@ class RoutedDispatch:
         self._running: dict[DispatchJob, Lease] = {}
         self._service_est: float | None = None  # mean route service time (s), for WS-RR's expected waits
         self.routes = 0
+        # The DispatchManager's counters, for the same swarm JSON and metrics: nothing queues centrally here.
+        self.max_queue: int | None = None
+        self.queue_max = 0
+        self.refused = 0
+        self.requeued = 0
+        self._peak: dict[tuple, int] = {}  # (servers, capacity) of a GCA chain -> most routes on it at once
 
     def attach(self, planner: Any) -> None:
         self.planner = planner
@@ -75,18 +82,26 @@ class RoutedDispatch:
         key = tuple(self.chains[index].servers)
         return sum(1 for ls in self._running.values() if tuple(ls.chain.servers) == key)
 
+    def peak_active(self, index: int) -> int:
+        """Most routed jobs at once on exactly the servers of chain ``index`` (at its capacity) since start."""
+        if not (0 <= index < len(self.chains)):
+            return 0
+        ch = self.chains[index]
+        return self._peak.get((tuple(ch.servers), int(ch.capacity)), 0)
+
     def set_chains(self, chains) -> None:
         self.chains = list(chains)
         self.chain_ids = list(range(len(self.chains)))
         self.generation += 1
 
     def snapshot(self) -> list[dict]:
-        return [{"id": k, "index": k, "active": self.active(k), "capacity": ch.capacity}
-                for k, ch in enumerate(self.chains)]
+        return [{"id": k, "index": k, "active": self.active(k), "capacity": ch.capacity,
+                 "max_active": self.peak_active(k)} for k, ch in enumerate(self.chains)]
 
     async def acquire(self, job: DispatchJob) -> Lease:
         """Route ``job`` now (waiting only while no route exists yet, e.g. before the first plan)."""
         job.arrival = time.monotonic()
+        note_admission(True)  # never refused here: a routed job waits at its servers (their bounded FIFOs)
         while True:
             hops = self.route()
             if hops is not None:
@@ -100,6 +115,10 @@ class RoutedDispatch:
         lease.wait_s = self.wait_s  # the relay opens this lease's sessions with this server-side wait
         self._running[job] = lease
         self.routes += 1
+        for k, ch in enumerate(self.chains):
+            if tuple(ch.servers) == tuple(chain.servers):
+                key = (tuple(ch.servers), int(ch.capacity))
+                self._peak[key] = max(self._peak.get(key, 0), self.active(k))
         return lease
 
     def release(self, lease: Lease) -> None:

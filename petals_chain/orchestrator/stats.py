@@ -18,6 +18,7 @@ class Stats:
         self.completed = 0
         self.failed = 0
         self.failovers = 0
+        self.forks = 0  # n > 1 choices that started from a sibling's prefill (KV copied at the servers)
         self.tokens = 0
         self.relay_steps = 0
         self.hop_s = 0.0  # time spent waiting on servers (incl. network) summed over hops
@@ -32,6 +33,15 @@ class Stats:
         self.m_prompt_tokens = Counter("petals_chain_prompt_tokens", "Prompt tokens", registry=r)
         self.m_failovers = Counter("petals_chain_failovers", "Jobs moved to another chain after a server failure", registry=r)
         self.m_queue = Gauge("petals_chain_queue_length", "Jobs in the central queue", registry=r)
+        # Maxima since start, kept by the dispatch manager: a scrape cannot miss a short peak.
+        self.m_queue_max = Gauge("petals_chain_queue_length_max", "Longest central queue since start", registry=r)
+        self.m_queue_bound = Gauge("petals_chain_queue_bound", "Central queue bound (--max-queue)", registry=r)
+        self.m_queue_refused = Gauge("petals_chain_queue_refused", "Jobs refused since start because the central queue "
+                                     "was full (429 queue_full)", registry=r)
+        self.m_requeued = Gauge("petals_chain_requeued_jobs", "Admitted jobs waiting to get a chain again (failover, "
+                                "a session's later turn); outside the bounded queue", registry=r)
+        self.m_chain_max_active = Gauge("petals_chain_chain_max_active", "Most jobs run at once on a current chain "
+                                        "since start", ["chain"], registry=r)
         self.m_running = Gauge("petals_chain_running_jobs", "Jobs holding a chain", registry=r)
         self.m_chains = Gauge("petals_chain_chains", "Chains in the current plan", registry=r)
         self.m_capacity = Gauge("petals_chain_capacity", "Sum of chain capacities", registry=r)

@@ -1,0 +1,257 @@
+"""The real model end to end: SmolLM2-135M-Instruct (GGUF) served by a swarm of real processes on loopback.
+
+Six servers, each able to hold only 10 of the 30 blocks, form two 3-hop chains. Greedy output must equal
+``transformers`` on the same dequantized model (tests/conftest.py: ``smollm2_reference``) token for token,
+for chat prompts sent one by one and concurrently (batched at the servers and at the LM head), and when a
+server is killed mid-generation. The official ``openai`` package drives the API: logprobs, seeds, streaming
+with usage, ``n > 1`` sharing one prefill, and a 400 for every parameter we do not implement.
+The tests run in file order and share one swarm; the last one kills a server.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from petals_chain.swarm.local import LocalServer, LocalSwarm, model_memory
+
+pytestmark = pytest.mark.slow
+
+MAX_LENGTH = 512
+NEW_TOKENS = 48
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "List three fruits that are red.",
+    "What is 12 plus 30?",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from petals_chain.swarm.sources import resolve_source
+
+    return resolve_source("smollm2-135m").load_tokenizer()
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    out = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(getattr(out, "input_ids", out))
+
+
+def reference(model, tokenizer, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """transformers' greedy continuation (stops after the end-of-turn token, like the swarm)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def reference_no_stop(model, ids: list[int], n: int) -> list[int]:
+    """Greedy for exactly ``n`` tokens, feeding end-of-turn tokens like any other (the API's ignore_eos)."""
+    from transformers import DynamicCache
+
+    cache, out, x = DynamicCache(config=model.config), [], torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(model(x, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+            out.append(tok)
+            x = torch.tensor([[tok]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm2_path, tmp_path_factory):
+    L, s_m, s_c = model_memory("smollm2-135m", MAX_LENGTH)
+    assert L == 30
+    # --max-blocks 10: no server may hold more than a third of the model; the memory left holds KV slots.
+    mem = 10 * s_m + 160 * s_c
+    servers = [LocalServer(f"s{i}", mem, emulate_rtt_ms=1 + i % 3, extra_args=["--max-blocks", "10"])
+               for i in range(6)]
+    sw = LocalSwarm("smollm2-135m", servers, max_length=MAX_LENGTH, arrival_rate=2.0,
+                    log_dir=tmp_path_factory.mktemp("real-swarm"), orchestrator_args=["--replan-interval-s", "3600"])
+    sw.start()
+    try:
+        st = sw.wait_ready(timeout=400)
+        assert len(st["chains"]) == 2 and all(len(ch["servers"]) == 3 for ch in st["chains"]), st["chains"]
+        yield sw
+    finally:
+        sw.stop()
+        assert sw.leftover_processes() == []
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2_reference, tokenizer):
+    return {q: reference(smollm2_reference, tokenizer, chat_ids(tokenizer, q)) for q in QUESTIONS}
+
+
+def test_greedy_chat_equals_transformers(swarm, expected, tokenizer):
+    client = swarm.client()
+    for q in QUESTIONS[:5]:
+        c = client.chat_completion([{"role": "user", "content": q}], max_tokens=NEW_TOKENS)
+        assert c.token_ids == expected[q], (q, tokenizer.decode(c.token_ids), tokenizer.decode(expected[q]))
+        assert len(c.chain) == 3
+    paris = client.chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=NEW_TOKENS)
+    assert "Paris" in paris
+
+
+def test_concurrent_batched_sessions_are_token_exact(swarm, expected):
+    """All six at once (twice each): steps of different sessions share forwards and LM-head batches."""
+    client = swarm.client()
+    jobs = QUESTIONS * 2
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda q: client.chat_completion([{"role": "user", "content": q}],
+                                                                 max_tokens=NEW_TOKENS), jobs))
+    for q, c in zip(jobs, results):
+        assert c.token_ids == expected[q], q
+    st = swarm.swarm()
+    assert st["relay"]["lm_head_rows"] > st["relay"]["lm_head_batches"]  # some LM-head calls were shared
+    assert max(ch["max_active"] for ch in st["chains"]) >= 2
+
+
+def test_openai_package_logprobs_seed_stream_n(swarm, expected, tokenizer):
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{swarm.url}/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": QUESTIONS[0]}]
+    r = api.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=12, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and len(content) > 0
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+        assert e.token == e.top_logprobs[0].token  # greedy: the chosen token is the most likely one
+    assert "".join(e.token for e in content).startswith(r.choices[0].message.content[:10])
+
+    # seed: the same seed gives the same text whatever else runs at the same time
+    def sampled(seed: int) -> str:
+        return api.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content":
+                                           "Tell me a short story about a cat."}], max_tokens=24, temperature=1.0,
+                                           top_p=0.95, seed=seed).choices[0].message.content
+
+    alone = sampled(7)
+    with ThreadPoolExecutor(6) as pool:
+        loaded = list(pool.map(sampled, [7, 8, 7, 9, 7, 10]))
+    assert loaded[0] == loaded[2] == loaded[4] == alone
+    assert len({alone, loaded[1], loaded[3], loaded[5]}) > 1
+
+    # streaming with usage: pieces concatenate to the greedy answer, usage comes last
+    stream = api.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=NEW_TOKENS, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for ev in stream:
+        if ev.usage is not None:
+            usage = ev.usage
+        for ch in ev.choices:
+            pieces.append(ch.delta.content or "")
+    greedy = expected[QUESTIONS[0]]
+    assert "".join(pieces) == tokenizer.decode(greedy, skip_special_tokens=True)
+    assert usage is not None and usage.completion_tokens == len(greedy)
+    assert usage.prompt_tokens == len(chat_ids(tokenizer, QUESTIONS[0]))
+
+    # n = 3 shares one prefill (the siblings fork its KV on the same chain)
+    forks_before = swarm.swarm()["relay"]["forks"]
+    r = api.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=16, temperature=0.9, seed=3, n=3)
+    assert len(r.choices) == 3 and {c.index for c in r.choices} == {0, 1, 2}
+    assert r.usage.prompt_tokens == len(chat_ids(tokenizer, QUESTIONS[0]))
+    assert swarm.swarm()["relay"]["forks"] > forks_before
+    greedy3 = api.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=NEW_TOKENS, temperature=0,
+                                          n=3)
+    ref_text = tokenizer.decode(greedy, skip_special_tokens=True)
+    assert [c.message.content for c in greedy3.choices] == [ref_text] * 3
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"tool_choice": "auto"},
+    {"response_format": {"type": "json_object"}}, {"audio": {"voice": "alloy", "format": "wav"}},
+    {"modalities": ["text", "audio"]}, {"functions": [{"name": "f"}]}, {"store": True},
+    {"reasoning_effort": "high"}, {"prediction": {"type": "content", "content": "x"}},
+    {"no_such_field": 1}, {"service_tier": "flex"},
+])
+def test_unsupported_parameters_are_400_naming_them(swarm, extra):
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    r = httpx.post(f"{swarm.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert list(extra)[0] in r.json()["error"]["message"]
+
+
+def test_completions_logprobs_echo_and_defaults(swarm, tokenizer, smollm2_reference):
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt)["input_ids"]
+    r = httpx.post(f"{swarm.url}/v1/completions", json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 4,
+                                                         "temperature": 0, "logprobs": 2, "echo": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 4 and lp["token_logprobs"][0] is None
+    assert ch["text"].startswith(prompt)
+    # prompt logprobs equal the reference model's log-softmax at each position
+    with torch.no_grad():
+        ref = torch.log_softmax(smollm2_reference(torch.tensor([ids])).logits[0].float(), -1)
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=2e-3)
+        assert len(lp["top_logprobs"][i]) == 2
+    # a chat request without max_tokens runs to its end of turn (not 16 tokens)
+    c = swarm.client().chat_completion([{"role": "user", "content": "Describe a cat in three sentences."}])
+    assert c.finish_reason == "stop" and len(c.token_ids) > 16
+
+
+def test_session_chat_is_token_exact_and_survives_an_aborted_turn(swarm, smollm2_reference, tokenizer):
+    """A session's tokens equal the whole conversation templated at once; an aborted turn changes nothing."""
+    client = swarm.client()
+    with client.session() as s:
+        first = s.chat("Hi! My name is Ada.", max_tokens=NEW_TOKENS)
+        convo = [{"role": "user", "content": "Hi! My name is Ada."}, {"role": "assistant", "content": first.text},
+                 {"role": "user", "content": "What is my name?"}]
+        ids = list(getattr(out := tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=True),
+                           "input_ids", out))
+        # abort a turn mid-generation: the client gives up after a moment
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(f"{swarm.url}/api/v1/sessions/{s.id}/generate",
+                       json={"messages": [{"role": "user", "content": "Tell me a very long story."}],
+                             "max_tokens": 400, "ignore_eos": True}, timeout=0.5)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{swarm.url}/api/v1/sessions/{s.id}").json()["busy"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = s.chat("What is my name?", max_tokens=NEW_TOKENS)
+        assert second.token_ids == reference(smollm2_reference, tokenizer, ids)
+        assert second.failovers == 0  # the aborted turn released its chain; no server was blamed
+
+
+def test_server_killed_mid_generation_keeps_output(swarm, smollm2_reference, tokenizer):
+    ids = chat_ids(tokenizer, "Write a long story about a dragon.")
+    want = reference_no_stop(smollm2_reference, ids, 160)
+    client = swarm.client()
+    got: dict = {}
+
+    def run():
+        try:
+            got["c"] = client.complete(ids, max_tokens=160, temperature=0, ignore_eos=True)
+        except Exception as e:  # noqa: BLE001
+            got["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    victim = None
+    deadline = time.monotonic() + 60
+    while victim is None and time.monotonic() < deadline:
+        for ch in swarm.swarm()["chains"]:
+            if ch["active"] > 0:
+                victim = ch["names"][1]  # the middle hop
+        time.sleep(0.01)
+    assert victim is not None, "the request never showed up on a chain"
+    swarm.kill_server(victim)
+    t.join(timeout=300)
+    assert "error" not in got, got.get("error")
+    assert got["c"].token_ids == want
+    assert got["c"].failovers >= 1  # 160 tokens through three hops outlast the poll that found the chain
+    assert victim not in [n for ch in swarm.swarm()["chains"] for n in ch["names"]]
