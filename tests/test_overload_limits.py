@@ -94,20 +94,43 @@ def test_queue_bound_429_retry_after_and_recovery(model_path):
     run_with_api(model_path, fn, max_queue=3)
 
 
-def test_per_client_inflight_and_session_limits(model_path):
+KEYS = """# name key [limits]
+alice alice-key-0123456789
+bob   bob-key-0123456789abc
+carol carol-key-0123456789 max_concurrent=1 max_sessions=1
+"""
+
+
+def test_per_key_inflight_and_session_limits(model_path, tmp_path):
+    keyfile = tmp_path / "keys"
+    keyfile.write_text(KEYS)
+
     async def fn(orch, c):
-        a = {"authorization": "Bearer alice-key"}
+        a = {"authorization": "Bearer alice-key-0123456789"}
+        b = {"x-api-key": "bob-key-0123456789abc"}
+        # no key or an unknown key: 401 before anything else; public endpoints stay open
+        for headers in ({}, {"authorization": "Bearer nope-nope-nope-nope"}):
+            r = await c.post("/v1/completions", json=body(orch), headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert (await c.get("/v1/models", headers=headers)).status_code == 401
+        for public in ("/healthz", "/api/v1/swarm", "/metrics"):
+            assert (await c.get(public)).status_code == 200
         waiting = [asyncio.create_task(c.post("/v1/completions", json=body(orch), headers=a)) for _ in range(2)]
         await wait_queue(orch, 2)
         r = await c.post("/v1/completions", json=body(orch), headers=a)
         assert r.status_code == 429 and r.json()["error"]["code"] == "client_inflight_limit"
         assert "retry-after" in r.headers
-        # Another client (another key; or the same key in X-API-Key form is the same client) is unaffected.
-        r2 = asyncio.create_task(c.post("/v1/completions", json=body(orch), headers={"x-api-key": "bob-key"}))
+        # Another key is unaffected; the same key in X-API-Key form is the same client.
+        r2 = asyncio.create_task(c.post("/v1/completions", json=body(orch), headers=b))
         await wait_queue(orch, 3)
-        r3 = await c.post("/v1/completions", json=body(orch), headers={"x-api-key": "alice-key"})
+        r3 = await c.post("/v1/completions", json=body(orch), headers={"x-api-key": "alice-key-0123456789"})
         assert r3.status_code == 429
-        # Sessions: two per client.
+        # a key's own limits override the defaults: carol may run one request at a time
+        carol = {"authorization": "Bearer carol-key-0123456789"}
+        r4 = asyncio.create_task(c.post("/v1/completions", json=body(orch), headers=carol))
+        await wait_queue(orch, 4)
+        assert (await c.post("/v1/completions", json=body(orch), headers=carol)).status_code == 429
+        # Sessions: two per key by default, one for carol; a session answers only to its own key.
         ids = []
         for _ in range(2):
             s = await c.post("/api/v1/sessions", json={}, headers=a)
@@ -115,15 +138,50 @@ def test_per_client_inflight_and_session_limits(model_path):
             ids.append(s.json()["session_id"])
         s = await c.post("/api/v1/sessions", json={}, headers=a)
         assert s.status_code == 429 and s.json()["error"]["code"] == "client_session_limit"
-        assert (await c.post("/api/v1/sessions", json={}, headers={"x-api-key": "bob-key"})).status_code == 200
-        assert (await c.delete(f"/api/v1/sessions/{ids[0]}")).status_code == 200
+        assert (await c.post("/api/v1/sessions", json={}, headers=b)).status_code == 200
+        assert (await c.post("/api/v1/sessions", json={}, headers=carol)).status_code == 200
+        assert (await c.post("/api/v1/sessions", json={}, headers=carol)).status_code == 429
+        for method, path in (("GET", ""), ("POST", "/generate"), ("DELETE", "")):
+            r = await c.request(method, f"/api/v1/sessions/{ids[0]}{path}", headers=b,
+                                json={"prompt": "x"} if method == "POST" else None)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", (method, r.text)
+        assert (await c.get(f"/api/v1/sessions/{ids[0]}", headers=a)).status_code == 200
+        assert (await c.delete(f"/api/v1/sessions/{ids[0]}", headers=a)).status_code == 200
         assert (await c.post("/api/v1/sessions", json={}, headers=a)).status_code == 200  # a slot came back
-        for t in [*waiting, r2]:
+        # usage per key name (never the key) in the swarm state
+        clients = {x["name"]: x for x in (await c.get("/api/v1/swarm")).json()["clients"]}
+        assert set(clients) == {"alice", "bob", "carol"}
+        assert clients["alice"]["inflight"] == 2 and clients["alice"]["sessions"] == 2
+        assert clients["carol"]["limits"]["max_concurrent"] == 1
+        assert "alice-key" not in (await c.get("/api/v1/swarm")).text + (await c.get("/metrics")).text
+        for t in [*waiting, r2, r4]:
             t.cancel()
-        await asyncio.gather(*waiting, r2, return_exceptions=True)
+        await asyncio.gather(*waiting, r2, r4, return_exceptions=True)
         await wait_queue(orch, 0)
 
-    run_with_api(model_path, fn, client_max_inflight=2, client_max_sessions=2)
+    run_with_api(model_path, fn, client_max_inflight=2, client_max_sessions=2, api_keys=str(keyfile))
+
+
+def test_key_file_errors_name_the_line(tmp_path):
+    from petals_chain.orchestrator.auth import KeyFileError, KeyRing
+
+    cases = {"alice short": "shorter than", "alice k-0123456789abcdef bogus=1": "invalid limit",
+             "anonymous k-0123456789abcdef": "invalid key name", "a k-0123456789abcdef\na k-0123456789abcdeg": "duplicate",
+             "a k-0123456789abcdef\nb k-0123456789abcdef": "listed twice", "# only a comment": "no keys",
+             "a k-0123456789abcdef max_sessions=0": "invalid limit"}
+    for text, message in cases.items():
+        path = tmp_path / "keys"
+        path.write_text(text.replace("\\n", "\n"))
+        with pytest.raises(KeyFileError, match=message):
+            KeyRing.from_file(path)
+    ring = KeyRing.from_file(_write(tmp_path / "ok", "alice k-0123456789abcdef tokens_per_minute=100  # comment\n"))
+    assert ring.lookup("k-0123456789abcdef").name == "alice" and ring.lookup("k-0123456789abcdeX") is None
+    assert ring.get("alice").tokens_per_minute == 100 and ring.get("alice").max_concurrent is None
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
 
 
 def test_oversized_bodies_are_413_and_lose_nothing(model_path):

@@ -102,9 +102,10 @@ def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
 class Client:
     """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``)."""
 
-    def __init__(self, url: str, *, timeout: float = 600.0, model: Optional[str] = None):
+    def __init__(self, url: str, *, timeout: float = 600.0, model: Optional[str] = None, api_key: Optional[str] = None):
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
         self._model = model
 
     # ---- info ----
@@ -309,15 +310,17 @@ class AutoDistributedModelForCausalLM:
         self.pad_token_id = pad_token_id
 
     @classmethod
-    def from_pretrained(cls, model: str, *, url: Optional[str] = None, timeout: float = 600.0,
-                        pad_token_id: Optional[int] = None, **_: Any) -> "AutoDistributedModelForCausalLM":
+    def from_pretrained(cls, model: str, *, url: Optional[str] = None, api_key: Optional[str] = None,
+                        timeout: float = 600.0, pad_token_id: Optional[int] = None,
+                        **_: Any) -> "AutoDistributedModelForCausalLM":
         """``model``: the served model's name (or the orchestrator URL itself); ``url``: the orchestrator
-        (default ``$PETALS_CHAIN_URL`` or ``http://127.0.0.1:8000``)."""
+        (default ``$PETALS_CHAIN_URL`` or ``http://127.0.0.1:8000``); ``api_key``: default ``$PETALS_CHAIN_API_KEY``."""
         import os
 
         if model.startswith(("http://", "https://")):
             url, model = model, None
-        client = Client(url or os.environ.get("PETALS_CHAIN_URL", "http://127.0.0.1:8000"), timeout=timeout)
+        client = Client(url or os.environ.get("PETALS_CHAIN_URL", "http://127.0.0.1:8000"), timeout=timeout,
+                        api_key=api_key or os.environ.get("PETALS_CHAIN_API_KEY"))
         return cls(client, model or client.model, pad_token_id)
 
     def generate(self, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,

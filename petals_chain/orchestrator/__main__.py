@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-max-sessions", type=_positive_int, default=64,
                    help="open multi-turn sessions per client (API key, else IP)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024, help="request body limit (413)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="API keys, one a line: NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N]; "
+                        "requests need 'Authorization: Bearer KEY' (401 otherwise), limits and sessions are per key. "
+                        "Without it the API is open (one anonymous client)")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: from the model name)")
     p.add_argument("--model-id", default=None, help="model id served at /v1 (default: the model's name)")
     p.add_argument("--settle-s", type=float, default=2.0, help="wait this long without joins before the first plan")
@@ -169,6 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     # Admission limits (limits.py), read with defaults by the API middleware.
     cfg.max_queue, cfg.client_max_inflight = args.max_queue, args.client_max_inflight
     cfg.client_max_sessions, cfg.max_body_bytes = args.client_max_sessions, args.max_body_bytes
+    cfg.api_keys = args.api_keys
+    if args.api_keys:
+        from petals_chain.orchestrator.auth import KeyFileError, KeyRing
+
+        try:
+            print(f"API keys: {len(KeyRing.from_file(args.api_keys))} from {args.api_keys}", flush=True)
+        except KeyFileError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("the HTTP API listens on %s without --api-keys: anyone who can reach it can use the swarm",
+                       args.host)
     try:
         Orchestrator(cfg)  # validate the configuration before anything starts
     except (ValueError, RuntimeError, OSError) as e:

@@ -327,10 +327,13 @@ def create_app(orch: Orchestrator) -> FastAPI:
         return JSONResponse(body, status_code=200)
 
     @app.get("/api/v1/swarm")
-    async def swarm():
+    async def swarm(request: Request):
         from petals_chain.dashboard.app import json_safe
 
-        return JSONResponse(json_safe(orch.swarm_json()))
+        state = orch.swarm_json()
+        limits = getattr(request.app.state, "limits", None)
+        state["clients"] = limits.clients_json() if limits is not None else []
+        return JSONResponse(json_safe(state))
 
     @app.get("/metrics")
     async def metrics():

@@ -616,6 +616,8 @@ class Orchestrator:
         for h in holders[1:]:
             h.fork_source = (holders[0], len(prompt_ids))
         prefill: asyncio.Future = asyncio.get_running_loop().create_future()
+        # A failed prefill is reported by its own task; the siblings only wait on it.
+        prefill.add_done_callback(lambda f: f.cancelled() or f.exception())
         results: list[Generation | None] = [None] * len(params)
 
         async def one(i: int) -> None:
@@ -659,8 +661,6 @@ class Orchestrator:
             await asyncio.gather(*tasks, return_exceptions=True)
             if not prefill.done():
                 prefill.cancel()
-            elif not prefill.cancelled():
-                prefill.exception()  # retrieved: a failed prefill is reported once, by its own task
         scored = results[0].prompt_logprobs
         for g in results[1:]:
             g.prompt_logprobs = scored

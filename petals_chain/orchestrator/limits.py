@@ -9,19 +9,23 @@ queue is full; the check here is only a cheap early refusal. A generation respon
 dispatcher has decided on the request's job (:class:`~petals_chain.orchestrator.dispatch.Admission`), so
 that a refusal of a streamed request is still an HTTP 429 and not an error event inside a 200 stream.
 
-The client is the API key (``X-API-Key`` or ``Authorization: Bearer``) if one is sent, else the peer IP.
+The client is the name of the API key a request presents (``--api-keys``, :mod:`auth`); without keys every
+request is the one client ``anonymous``. With keys, the API (``/v1/*``, ``/api/v1/sessions*``) answers 401 to
+a missing or unknown key, each key has its own limits, and a session answers only to the key that opened it
+(another key gets 404, as for a session that does not exist). The swarm state, metrics, health and dashboard
+stay public (they show key names, never keys).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
+from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 
 Scope = dict
@@ -30,6 +34,8 @@ Send = Callable[[dict], Awaitable[None]]
 
 _GENERATE = re.compile(r"^/(v1/completions|v1/chat/completions|api/v1/sessions/[^/]+/generate)/?$")
 _OPEN_SESSION = re.compile(r"^/api/v1/sessions/?$")
+_SESSION = re.compile(r"^/api/v1/sessions/([^/]+)(/generate)?/?$")
+_AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions)")
 
 
 @dataclass
@@ -42,28 +48,40 @@ class LimitsConfig:
     client_max_inflight: int = 256
     client_max_sessions: int = 64
     max_body_bytes: int = 8 * 1024 * 1024
+    keys: Optional[KeyRing] = None  # --api-keys; None: no authentication, one anonymous client
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LimitsConfig":
         d = cls()
-        return cls(**{k: int(getattr(cfg, k, None) or getattr(d, k)) for k in d.__dict__})
+        numbers = {k: int(getattr(cfg, k, None) or getattr(d, k)) for k in d.__dict__ if k != "keys"}
+        path = getattr(cfg, "api_keys", None)
+        return cls(**numbers, keys=KeyRing.from_file(path) if path else None)
+
+    def inflight_limit(self, client: str) -> int:
+        key = self.keys.get(client) if self.keys is not None else None
+        return key.max_concurrent if key is not None and key.max_concurrent else self.client_max_inflight
+
+    def session_limit(self, client: str) -> int:
+        key = self.keys.get(client) if self.keys is not None else None
+        return key.max_sessions if key is not None and key.max_sessions else self.client_max_sessions
+
+    def tokens_per_minute(self, client: str) -> Optional[int]:
+        key = self.keys.get(client) if self.keys is not None else None
+        return key.tokens_per_minute if key is not None else None
 
 
 class _BodyTooLarge(Exception):
     pass
 
 
-def client_key(scope: Scope) -> str:
-    """``key:<hash>`` for an API key header (never stored in clear), else ``ip:<address>``."""
+def client_of(scope: Scope, keys: Optional[KeyRing]) -> Optional[str]:
+    """The request's client: its key's name; ``anonymous`` without keys; None for a missing or unknown key."""
+    if keys is None:
+        return ANONYMOUS
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-    key = headers.get("x-api-key")
-    auth = headers.get("authorization", "")
-    if not key and auth.lower().startswith("bearer "):
-        key = auth[7:].strip()
-    if key and key.lower() not in ("none", "empty", "-"):  # placeholder keys (openai package needs one) are not identities
-        return "key:" + hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()[:16]
-    client = scope.get("client") or ("unknown", 0)
-    return f"ip:{client[0]}"
+    key = bearer_key(headers)
+    found = keys.lookup(key) if key else None
+    return found.name if found is not None else None
 
 
 class AdmissionLimits:
@@ -113,19 +131,38 @@ class AdmissionLimits:
         return int(min(120, max(1, math.ceil(service * (queue + 1) / cap))))
 
     def snapshot(self) -> dict:
+        numbers = {k: v for k, v in self.limits.__dict__.items() if k != "keys"}
         return {"inflight": self.inflight, "clients": len(self.by_client), "rejected": dict(self.rejected),
-                **self.limits.__dict__}
+                "api_keys": len(self.limits.keys) if self.limits.keys is not None else 0, **numbers}
+
+    def clients_json(self) -> list[dict]:
+        """Usage per client (key name; never the key): requests in flight, open sessions, tokens in the last
+        minute, and each key's limits."""
+        names = set(self.by_client) | set(self.sessions_of)
+        if self.limits.keys is not None:
+            names |= {k.name for k in self.limits.keys.keys}
+        else:
+            names.add(ANONYMOUS)
+        stats = self.orch.stats
+        return [{"name": n, "inflight": self.by_client.get(n, 0), "sessions": self.open_sessions(n),
+                 "tokens_last_minute": stats.tokens_last_minute(n), **stats.client_totals(n),
+                 "limits": {"max_concurrent": self.limits.inflight_limit(n), "max_sessions": self.limits.session_limit(n),
+                            "tokens_per_minute": self.limits.tokens_per_minute(n)}}
+                for n in sorted(names)]
 
     # ---- responses -----------------------------------------------------------------------------
-    async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool = True) -> None:
+    async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool | int = True) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         if self._metric is not None:
             self._metric.labels(reason).inc()
-        body = json.dumps({"error": {"message": message, "type": "rate_limit_error" if status == 429 else
-                                     "invalid_request_error", "param": None, "code": reason}}).encode()
+        kind = {429: "rate_limit_error", 401: "authentication_error"}.get(status, "invalid_request_error")
+        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": reason}}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="petals-chain"'))
         if retry:
-            headers.append((b"retry-after", str(self.retry_after_s()).encode()))
+            seconds = self.retry_after_s() if retry is True else int(retry)
+            headers.append((b"retry-after", str(seconds).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -137,7 +174,27 @@ class AdmissionLimits:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json")]})
             return await send({"type": "http.response.body", "body": body})
-        if scope.get("type") != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+        if scope.get("type") != "http" or not _AUTHENTICATED.match(path):
+            return await self.app(scope, receive, send)
+        client = client_of(scope, self.limits.keys)
+        if client is None:
+            return await self._reject(send, 401, "invalid_api_key", "a valid API key is required: send "
+                                      "'Authorization: Bearer KEY' (keys are configured with --api-keys)",
+                                      retry=False)
+        token = CLIENT.set(client)  # copied into every task the request spawns (stats, sessions)
+        try:
+            await self._serve(client, scope, receive, send)
+        finally:
+            CLIENT.reset(token)
+
+    async def _serve(self, client: str, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        m = _SESSION.match(path)
+        if m is not None and not _OPEN_SESSION.match(path) and self.limits.keys is not None:
+            sid = m.group(1)
+            if sid in getattr(self.orch, "sessions", {}) and sid not in self.sessions_of.get(client, set()):
+                return await self._reject(send, 404, "session_not_found", f"no open session {sid!r}", retry=False)
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.limits.max_body_bytes
         for k, v in scope.get("headers", []):
@@ -150,20 +207,25 @@ class AdmissionLimits:
                     return await self._reject(send, 400, "bad_content_length", "invalid Content-Length",
                                               retry=False)
         receive = self._bounded(receive, limit)
-        client = client_key(scope)
         if _OPEN_SESSION.match(path):
-            if self.open_sessions(client) >= self.limits.client_max_sessions:
+            cap = self.limits.session_limit(client)
+            if self.open_sessions(client) >= cap:
                 return await self._reject(send, 429, "client_session_limit",
-                                          f"this client already has {self.limits.client_max_sessions} open sessions;"
+                                          f"this client already has {cap} open sessions;"
                                           " close one (DELETE /api/v1/sessions/{id}) or retry later")
             return await self._guard(self._record_session(client, send), scope, receive, send)
         if not _GENERATE.match(path):
             return await self._guard(send, scope, receive, send)
         mine = self.by_client.get(client, 0)
-        if mine >= self.limits.client_max_inflight:
+        cap = self.limits.inflight_limit(client)
+        if mine >= cap:
             return await self._reject(send, 429, "client_inflight_limit",
-                                      f"this client already has {mine} requests running or queued "
-                                      f"(limit {self.limits.client_max_inflight})")
+                                      f"this client already has {mine} requests running or queued (limit {cap})")
+        per_minute = self.limits.tokens_per_minute(client)
+        if per_minute is not None and self.orch.stats.tokens_last_minute(client) >= per_minute:
+            return await self._reject(send, 429, "tokens_per_minute",
+                                      f"this client used its {per_minute} tokens per minute; retry later",
+                                      retry=self.orch.stats.seconds_until_below(client, per_minute))
         # Cheap early refusal (before the body is read); the exact bound is the dispatcher's (QueueFull).
         queue = int(getattr(self.orch.dispatch, "queue_length", 0))
         if self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from petals_chain.orchestrator.auth import CLIENT
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -53,6 +56,51 @@ class Stats:
         self.m_arrival = Gauge("petals_chain_arrival_rate", "Arrival rate used by the planner (req/s)", registry=r)
         self.m_head_batch = Histogram("petals_chain_lm_head_batch_rows", "Rows per batched LM-head call",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self._client_usage()
+
+    def _client_usage(self) -> None:
+        """Per-client (API key name) counters: labels are bounded by the configured keys plus ``anonymous``."""
+        r = self.registry
+        self.m_client_requests = Counter("petals_chain_client_requests", "Requests by client (API key name) and "
+                                         "outcome", ["client", "outcome"], registry=r)
+        self.m_client_tokens = Counter("petals_chain_client_tokens", "Prompt + generated tokens by client (API key "
+                                       "name)", ["client"], registry=r)
+        self._window: dict[str, deque[tuple[float, int]]] = {}  # client -> (time, tokens) of the last minute
+        self._totals: dict[str, dict[str, int]] = {}
+
+    def _charge(self, client: str, tokens: int, ok: bool) -> None:
+        self.m_client_requests.labels(client, "completed" if ok else "failed").inc()
+        self.m_client_tokens.labels(client).inc(tokens)
+        totals = self._totals.setdefault(client, {"completed": 0, "failed": 0, "tokens": 0})
+        totals["completed" if ok else "failed"] += 1
+        totals["tokens"] += tokens
+        if tokens:
+            self._window.setdefault(client, deque()).append((time.monotonic(), tokens))
+
+    def tokens_last_minute(self, client: str) -> int:
+        """Prompt + generated tokens ``client`` used in the last 60 s (what ``tokens_per_minute`` limits)."""
+        w = self._window.get(client)
+        if not w:
+            return 0
+        cutoff = time.monotonic() - 60.0
+        while w and w[0][0] < cutoff:
+            w.popleft()
+        return sum(n for _, n in w)
+
+    def seconds_until_below(self, client: str, limit: int) -> int:
+        """Seconds until ``client``'s last-minute usage drops below ``limit`` (for Retry-After)."""
+        used = self.tokens_last_minute(client)
+        if used < limit:
+            return 1
+        now = time.monotonic()
+        for t, n in self._window.get(client, ()):  # oldest first: each entry leaves the window at t + 60
+            used -= n
+            if used < limit:
+                return max(1, math.ceil(t + 60.0 - now))
+        return 60
+
+    def client_totals(self, client: str) -> dict[str, int]:
+        return dict(self._totals.get(client, {"completed": 0, "failed": 0, "tokens": 0}))
 
     def add_failover(self) -> None:
         self.failovers += 1
@@ -74,6 +122,7 @@ class Stats:
         self.tokens += tokens
         self.m_tokens.inc(tokens)
         self.m_prompt_tokens.inc(prompt_tokens)
+        self._charge(CLIENT.get(), tokens + prompt_tokens, ok)
 
     def measured(self) -> dict:
         h = list(self.history)

@@ -1,0 +1,125 @@
+"""API keys: who a request comes from, and each client's own limits.
+
+``--api-keys FILE`` holds one key a line (``#`` starts a comment)::
+
+    NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N]
+
+Clients send ``Authorization: Bearer KEY`` (or ``X-API-Key: KEY``). The client identity everywhere (limits,
+session ownership, metrics, fairness) is the key's *name*; the key itself is kept only as a SHA-256 digest and
+never shown. Without ``--api-keys`` every request is the one client ``anonymous``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ANONYMOUS = "anonymous"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@\-]{0,63}$")
+_LIMITS = ("max_concurrent", "tokens_per_minute", "max_sessions")
+MIN_KEY_CHARS = 16
+
+# The client of the request being served (set by the API middleware; copied into the tasks a request spawns).
+CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("petals_chain_client", default=ANONYMOUS)
+
+
+class KeyFileError(ValueError):
+    """The API key file is malformed (the message names the line)."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A named key and its limits (None: the orchestrator's per-client default)."""
+
+    name: str
+    digest: bytes  # sha256 of the key
+    max_concurrent: Optional[int] = None  # requests running or queued at once
+    tokens_per_minute: Optional[int] = None  # prompt + generated tokens over the last 60 s
+    max_sessions: Optional[int] = None  # open multi-turn sessions
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+class KeyRing:
+    """The configured keys; :meth:`lookup` compares digests in constant time."""
+
+    def __init__(self, keys: list[ApiKey]):
+        names = [k.name for k in keys]
+        if len(set(names)) != len(names):
+            raise KeyFileError("duplicate key names")
+        self.keys = list(keys)
+        self._by_name = {k.name: k for k in keys}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def lookup(self, key: str) -> Optional[ApiKey]:
+        d = _digest(key)
+        found = None
+        for k in self.keys:  # every entry is compared: the time does not tell which one matched
+            if hmac.compare_digest(k.digest, d):
+                found = k
+        return found
+
+    def get(self, name: str) -> Optional[ApiKey]:
+        return self._by_name.get(name)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "KeyRing":
+        """Parse an API key file; raises :class:`KeyFileError` naming the first bad line."""
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise KeyFileError(f"cannot read the API key file {path}: {e}") from None
+        keys, digests = [], set()
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            fields = line.split()
+            where = f"{path}:{lineno}"
+            if len(fields) < 2:
+                raise KeyFileError(f"{where}: expected 'NAME KEY [max_concurrent=N] [tokens_per_minute=N] "
+                                   f"[max_sessions=N]'")
+            name, key, extra = fields[0], fields[1], fields[2:]
+            if not _NAME.match(name) or name == ANONYMOUS:
+                raise KeyFileError(f"{where}: invalid key name {name!r} (letters, digits, '_.@-', at most 64; "
+                                   f"not {ANONYMOUS!r})")
+            if len(key) < MIN_KEY_CHARS:
+                raise KeyFileError(f"{where}: the key of {name!r} is shorter than {MIN_KEY_CHARS} characters")
+            limits: dict[str, int] = {}
+            for item in extra:
+                k, sep, v = item.partition("=")
+                if not sep or k not in _LIMITS or not v.isdigit() or int(v) < 1:
+                    raise KeyFileError(f"{where}: invalid limit {item!r} (use {', '.join(f'{x}=N' for x in _LIMITS)}"
+                                       f" with N >= 1)")
+                if k in limits:
+                    raise KeyFileError(f"{where}: {k} given twice")
+                limits[k] = int(v)
+            d = _digest(key)
+            if d in digests:
+                raise KeyFileError(f"{where}: the same key is listed twice")
+            digests.add(d)
+            keys.append(ApiKey(name=name, digest=d, **limits))
+        if not keys:
+            raise KeyFileError(f"{path}: no keys (an empty key file would lock every client out)")
+        try:
+            return cls(keys)
+        except KeyFileError as e:
+            raise KeyFileError(f"{path}: {e}") from None
+
+
+def bearer_key(headers: dict[str, str]) -> Optional[str]:
+    """The key a request presents (``X-API-Key`` or ``Authorization: Bearer``), or None."""
+    key = headers.get("x-api-key")
+    auth = headers.get("authorization", "")
+    if not key and auth[:7].lower() == "bearer ":
+        key = auth[7:].strip()
+    return key or None

@@ -1,0 +1,73 @@
+"""API keys on a real swarm: per-key token budgets, sessions owned by their key, the openai package with a key."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+
+pytestmark = pytest.mark.slow
+
+ALICE, BOB = "alice-secret-0123456789", "bob-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model_factory, tmp_path_factory):
+    path = tiny_model_factory("llama", num_layers=4)
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"alice {ALICE} tokens_per_minute=60\nbob {BOB}\n")
+    sw = LocalSwarm(path, [LocalServer("a", memory_for(path, 128, 4, 8), tau_p=0.001)], max_length=128,
+                    arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"), orchestrator_args=["--api-keys", str(keys)])
+    sw.start()
+    try:
+        sw.wait_ready(timeout=150)
+        yield sw
+    finally:
+        sw.stop()
+
+
+def gen(sw, key, max_tokens=20):
+    return httpx.post(f"{sw.url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                      json={"model": sw.swarm()["model"], "prompt": "hello there", "max_tokens": max_tokens,
+                            "ignore_eos": True})
+
+
+def test_token_budget_is_per_key(swarm):
+    # alice spends her 60 tokens per minute (prompt + generated); then 429 with a Retry-After
+    codes = [gen(swarm, ALICE).status_code for _ in range(4)]
+    assert codes[:2] == [200, 200] and codes[-1] == 429, codes
+    r = gen(swarm, ALICE)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_per_minute"
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    # bob is unaffected, also while alice keeps knocking
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda k: gen(swarm, k).status_code, [BOB, ALICE, BOB, ALICE, BOB, BOB]))
+    assert [results[i] for i in (0, 2, 4, 5)] == [200] * 4 and {results[1], results[3]} == {429}
+    clients = {c["name"]: c for c in swarm.swarm()["clients"]}
+    assert clients["alice"]["tokens_last_minute"] >= 60 and clients["bob"]["completed"] >= 4
+    metrics = httpx.get(f"{swarm.url}/metrics").text
+    assert 'petals_chain_client_tokens_total{client="bob"}' in metrics and ALICE not in metrics
+
+
+def test_sessions_belong_to_their_key(swarm):
+    a = swarm.client(api_key=BOB)
+    with a.session() as s:
+        s.generate("hello", max_tokens=2)
+        other = httpx.post(f"{swarm.url}/api/v1/sessions/{s.id}/generate", json={"prompt": "x", "max_tokens": 1},
+                           headers={"Authorization": f"Bearer {ALICE}"}, timeout=60)
+        assert other.status_code == 404
+        assert httpx.delete(f"{swarm.url}/api/v1/sessions/{s.id}").status_code == 401
+        assert s.info()["turns"] == 1  # untouched by the other key
+
+
+def test_openai_package_with_a_key(swarm):
+    from openai import AuthenticationError, OpenAI
+
+    model = swarm.swarm()["model"]
+    ok = OpenAI(base_url=f"{swarm.url}/v1", api_key=BOB, max_retries=0)
+    assert ok.completions.create(model=model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{swarm.url}/v1", api_key="wrong-key-0123456789", max_retries=0).models.list()
