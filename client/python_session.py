@@ -34,3 +34,10 @@ with client.session(max_length=128) as session:
     info = session.info()
     print("session:", repr(first), "|", repr(second))
     print(f"  {info['turns']} turns, {info['tokens']} tokens held on a chain of {len(info['chain'])} server(s)")
+
+# A chat session: send only the new turn; the orchestrator applies the chat template so the session's tokens
+# always equal the whole conversation templated at once.
+with client.session() as chat:
+    chat.chat("Hi! I am Bob.", max_tokens=12)
+    reply = chat.chat("What is my name?", max_tokens=12)
+    print("chat session:", repr(reply.text), f"({len(reply.token_ids)} tokens, {reply.tokens_per_s:.1f} tokens/s)")

@@ -284,8 +284,11 @@ def test_client_kit_examples(swarm):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    for cmd, expect in [([sys.executable, "client/python_session.py", swarm.url], ["completion:", "session:", "turns"]),
+    for cmd, expect in [([sys.executable, "client/python_session.py", swarm.url], ["completion:", "session:", "turns",
+                                                                                    "chat session:"]),
                         ([sys.executable, "client/openai_example.py", swarm.url], ["model:", "chat stream:"]),
+                        ([sys.executable, "client/transformers_style.py", swarm.url, str(swarm.model_path)],
+                         ["greedy:", "sampled:"]),
                         (["bash", "client/curl_examples.sh", swarm.url], ["session_id", "ready: True", "HTTP 400"])]:
         r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (cmd, r.stdout, r.stderr)

@@ -205,6 +205,24 @@ def test_completions_logprobs_echo_and_defaults(swarm, tokenizer, smollm2_refere
     assert c.finish_reason == "stop" and len(c.token_ids) > 16
 
 
+def test_transformers_style_client_equals_transformers(swarm, smollm2_reference, tokenizer):
+    """PETALS-style code (one import changed) gets transformers' token ids, left-padded batches included."""
+    from petals_chain.client import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", url=swarm.url)
+    tok = __import__("copy").copy(tokenizer)
+    tok.padding_side = "left"
+    batch = tok(["The capital of France is", "Water boils at"], return_tensors="pt", padding=True)
+    got = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=12,
+                         pad_token_id=tok.pad_token_id)
+    # each row as transformers continues it alone; the output keeps the input's padding, like transformers
+    for row, mask, out in zip(batch["input_ids"], batch["attention_mask"], got):
+        ids = row[mask.bool()].tolist()
+        new = reference(smollm2_reference, tokenizer, ids, n=12)
+        assert out.tolist()[:len(row) + len(new)] == row.tolist() + new
+        assert all(t == tok.pad_token_id for t in out.tolist()[len(row) + len(new):])
+
+
 def test_session_chat_is_token_exact_and_survives_an_aborted_turn(swarm, smollm2_reference, tokenizer):
     """A session's tokens equal the whole conversation templated at once; an aborted turn changes nothing."""
     client = swarm.client()
