@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from petals_chain.server.batching import BatchItem, run_batch
+from petals_chain.server.emulated import EmulatedRunner
 from petals_chain.server.runner import BlockRunner
 from petals_chain.swarm.checkpoint import load_head
 from petals_chain.swarm.tiny_model import build_tiny_model
@@ -310,8 +311,8 @@ def test_compute_scale_applies_per_batch(models, monkeypatch):
     slept: list[float] = []
     real_sleep = time.sleep
     monkeypatch.setattr(batching_mod.time, "sleep", lambda s: slept.append(s) or real_sleep(s))
-    r = BlockRunner(models["llama"], 0, 8, num_slots=32, max_length=16, compute_scale=2.0, batch_wait_ms=200,
-                    progress=False)
+    r = EmulatedRunner(models["llama"], 0, 8, num_slots=32, max_length=16, compute_scale=2.0, batch_wait_ms=200,
+                       progress=False)
     H = r.hidden_size
     for i in range(4):
         r.allocate(f"s{i}", 0, 8)

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import petals_chain.swarm.sources as sources
+from petals_chain.server.emulated import EmulatedRunner
 from petals_chain.server.runner import BlockRunner, NoCapacityError
 from petals_chain.swarm.checkpoint import load_block, load_config, load_head, resolve_model_path, weight_map
 from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, slots_for_budget
@@ -330,7 +331,9 @@ def test_runner_constructor_validation(models):
     with pytest.raises(ValueError, match="outside"):
         BlockRunner(path, 6, 3, num_slots=1, max_length=8, progress=False)
     with pytest.raises(ValueError, match="compute_scale"):
-        BlockRunner(path, 0, 1, num_slots=1, max_length=8, compute_scale=0.5, progress=False)
+        EmulatedRunner(path, 0, 1, num_slots=1, max_length=8, compute_scale=0.5, progress=False)
+    with pytest.raises(TypeError):  # emulation is a wrapper, not a knob of the real runner
+        BlockRunner(path, 0, 1, num_slots=1, max_length=8, compute_scale=2.0, progress=False)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         BlockRunner(path, 0, 1, num_slots=1, max_length=10**6, progress=False)
 
@@ -345,7 +348,7 @@ def test_compute_scale_slows_steps(models, monkeypatch):
     monkeypatch.setattr(runner_mod.time, "sleep", lambda s: slept.append(s) or real_sleep(s))
     path = models["llama"]
     fast = BlockRunner(path, 0, 8, num_slots=8, max_length=128, progress=False)
-    slow = BlockRunner(path, 0, 8, num_slots=8, max_length=128, compute_scale=3.0, progress=False)
+    slow = EmulatedRunner(path, 0, 8, num_slots=8, max_length=128, compute_scale=3.0, progress=False)
     x = torch.randn(1, 32, fast.hidden_size)
     fast.allocate("t", 0, 8)
     fast.forward("t", x, 0)
@@ -452,7 +455,6 @@ def test_mistral_sliding_window(tmp_path):
 
 
 def test_release_during_step_and_idle_release(models, monkeypatch):
-    import time
 
     r = BlockRunner(models["llama"], 0, 2, num_slots=4, max_length=16, progress=False)
     H = r.hidden_size

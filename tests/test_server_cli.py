@@ -13,6 +13,9 @@ from petals_chain.server.server import CPU_MEMORY_FRACTION, Server, ServerConfig
     (["--memory-bytes", "0"], "--memory-bytes must be positive"),
     (["--emulate-compute-scale", "0.5"], "emulate_compute_scale"),
     (["--emulate-rtt-ms", "-3"], "emulate_rtt_ms"),
+    (["--emulate-decode-ms", "nan"], "emulate_decode_ms"),
+    (["--emulate-reply-fault", "nan", "--emulate-reply-fault-rate", "1.5"], "emulate_reply_fault_rate"),
+    (["--emulate-tau-p-lie", "0"], "emulate_tau_p_lie"),
     (["--max-length", "0"], "--max-length"),
     (["--dht-prefix", "bad prefix!"], "invalid DHT prefix"),
 ])
@@ -47,6 +50,6 @@ def test_defaults_trust_and_memory(tiny_model_dir):
     available = psutil.virtual_memory().available
     assert abs(default_memory_bytes("cpu") - CPU_MEMORY_FRACTION * available) < 0.1 * available
     # Eq. 3 with the model's own s_m and s_c.
-    server.memory_bytes, server.s_m = 10_000_000, 164_352
-    s_c = server.s_c(64)
-    assert server.slots_for(2, 64) == (10_000_000 - 2 * 164_352) // s_c
+    server.memory.memory_bytes, server.memory.s_m = 10_000_000, 164_352
+    s_c = server.memory.s_c(64)
+    assert server.memory.slots_for(2, 64) == (10_000_000 - 2 * 164_352) // s_c

@@ -30,17 +30,19 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Mapping, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-if TYPE_CHECKING:  # pragma: no cover
-    from petals_chain.server.runner import BlockRunner, _Session
+from petals_chain.server.kv_cache import SlotPool
+from petals_chain.server.session_state import SessionState
 
-__all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem"]
+__all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem", "BatchHost"]
+
+T = TypeVar("T")
 
 ATTN_NAME = "petals_chain_slots"
 # Decode rows are gathered into one padded K/V tensor while it holds at most this many elements (per K and V);
@@ -85,6 +87,23 @@ def install_dispatch(layers: Sequence[torch.nn.Module]) -> None:
         attn.config._attn_implementation = ATTN_NAME
 
 
+class BatchHost(Protocol):
+    """What :func:`run_batch` and :class:`BatchScheduler` use of the blocks they run (``BlockRunner`` is one)."""
+
+    device: torch.device
+    pool: SlotPool
+    rotary: torch.nn.Module
+    blocks: torch.nn.ModuleList
+    start_block: int
+
+    def run_on_device(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with the device to itself (one compute at a time), returning once the device is done."""
+
+    def _run_blocks(self, hidden: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+                    end: int) -> torch.Tensor:
+        """One row alone through blocks ``[start, end)`` (no lock: called inside :meth:`run_on_device`)."""
+
+
 @dataclass
 class BatchItem:
     """One row of a batch: ``x`` ``[1, n, H]`` at positions ``position..position+n-1`` over blocks ``[start, end)``."""
@@ -103,7 +122,7 @@ class _Segment:
     block of the batch; slot tensors are indexed by ``layer_idx - lo``.
     """
 
-    def __init__(self, runner: BlockRunner, items: Sequence[BatchItem], rows: Sequence[int], lo: int, hi: int,
+    def __init__(self, runner: BatchHost, items: Sequence[BatchItem], rows: Sequence[int], lo: int, hi: int,
                  tok_off: Sequence[int]):
         dev = runner.device
         self.pool = runner.pool
@@ -213,7 +232,7 @@ class _SegmentCache(Cache):
 
 
 @torch.inference_mode()  # cheaper than no_grad per op; outputs are only serialized
-def run_batch(runner: BlockRunner, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+def run_batch(runner: BatchHost, items: Sequence[BatchItem]) -> list[torch.Tensor]:
     """One forward per block for all ``items`` (already validated, on the runner's device and dtype).
 
     Returns each row's output ``[1, n_i, H]``. Each row's K/V is written only into its own slots and each row
@@ -248,7 +267,7 @@ class _Cancelled(KeyError):
 
 @dataclass(eq=False)
 class _Request:
-    session: _Session
+    session: SessionState
     x: torch.Tensor  # [1, n, H] on the runner's device and dtype
     position: int
     slot_of: dict[int, int]
@@ -282,12 +301,13 @@ class BatchScheduler:
     ``idle_exit_s`` without work.
     """
 
-    def __init__(self, runner: BlockRunner, *, max_batch_tokens: int, prefill_chunk_tokens: int, gather_s: float,
-                 idle_exit_s: float = 1.0):
+    def __init__(self, runner: BatchHost, *, lock: threading.Lock, sessions: Mapping[str, SessionState],
+                 max_batch_tokens: int, prefill_chunk_tokens: int, gather_s: float, idle_exit_s: float = 1.0):
         self.runner = runner
+        self._sessions = sessions  # the runner's open sessions (read under ``lock``)
         self.max_batch_tokens, self.prefill_chunk_tokens = max_batch_tokens, prefill_chunk_tokens
         self.gather_s, self.idle_exit_s = gather_s, idle_exit_s
-        self._cv = threading.Condition(runner._lock)  # shares the runner's lock: queue and sessions change together
+        self._cv = threading.Condition(lock)  # the runner's lock: queue and sessions change together
         self._queue: deque[_Request] = deque()
         self._seq = 0
         self._worker: threading.Thread | None = None
@@ -295,7 +315,7 @@ class BatchScheduler:
         self.rows = 0
 
     # -------------------------------------------------------------- caller side
-    def submit(self, session: _Session, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+    def submit(self, session: SessionState, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
                end: int) -> torch.Tensor:
         """Queue one step and block until its output ``[1, n, H]`` is ready (raises the step's error).
 
@@ -307,7 +327,7 @@ class BatchScheduler:
         req.event.wait()
         return self._result(req)
 
-    async def submit_async(self, session: _Session, x: torch.Tensor, position: int, slot_of: dict[int, int],
+    async def submit_async(self, session: SessionState, x: torch.Tensor, position: int, slot_of: dict[int, int],
                            start: int, end: int, *, inline_max_tokens: int = 0) -> torch.Tensor:
         """:meth:`submit` for asyncio: awaits the batch without blocking the loop."""
         loop = asyncio.get_running_loop()
@@ -335,12 +355,12 @@ class BatchScheduler:
             raise
         return self._result(req)
 
-    def _enqueue(self, session: _Session, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+    def _enqueue(self, session: SessionState, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
                  end: int, *, inline_max_tokens: int, on_done: Any = None) -> _Request | None:
         with self._cv:
             # alone on the runner: nothing to batch with, so skip the hand-off to the worker (returns None)
             if (not self._queue and x.shape[1] <= inline_max_tokens
-                    and all(s is session or s.closing for s in self.runner._sessions.values())):
+                    and all(s is session or s.closing for s in self._sessions.values())):
                 return None
             self._seq += 1
             req = _Request(session, x, position, slot_of, start, end, self._seq, on_done=on_done)
@@ -363,7 +383,7 @@ class BatchScheduler:
             raise req.error
         return req.outputs[0] if len(req.outputs) == 1 else torch.cat(req.outputs, dim=1)
 
-    def cancel(self, session: _Session) -> bool:
+    def cancel(self, session: SessionState) -> bool:
         """Drop ``session``'s queued step if it has not started; its caller gets a KeyError. Caller holds the lock."""
         for req in self._queue:
             if req.session is session and not req.started:
@@ -412,7 +432,7 @@ class BatchScheduler:
             return True
         queued = {id(r.session) for r in self._queue}
         now = time.monotonic()
-        for s in self.runner._sessions.values():
+        for s in self._sessions.values():
             if s.closing or id(s) in queued:
                 continue
             # still handing its last result back, or got it recently: its next step is likely close (the
@@ -458,27 +478,20 @@ class BatchScheduler:
                 r.complete()
 
     def _compute(self, items: list[BatchItem]) -> list[torch.Tensor | BaseException]:
-        """Run ``items`` under the compute lock (with compute_scale emulation); a row's error is its result."""
-        runner = self.runner
-        results: list[torch.Tensor | BaseException] = []
-        with runner._compute_lock:
-            t0 = time.perf_counter()
-            if len(items) == 1:
-                results = [self._one(items[0])]
-            else:
-                try:
-                    results = list(run_batch(runner, items))
-                except Exception:
-                    # isolate the failure: every row again on its own, so only the row that fails gets the error
-                    results = [self._one(it) for it in items]
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            elapsed = time.perf_counter() - t0
-            if runner.compute_scale > 1.0:
-                time.sleep((runner.compute_scale - 1.0) * elapsed)
-            self.batches += 1
+        """Run ``items`` on the device as one batch; a row's error is its result."""
+
+        def batch() -> list[torch.Tensor | BaseException]:
+            self.batches += 1  # on the device: one batch at a time, so the counts need no lock of their own
             self.rows += len(items)
-        return results
+            if len(items) == 1:
+                return [self._one(items[0])]
+            try:
+                return list(run_batch(self.runner, items))
+            except Exception:
+                # isolate the failure: every row again on its own, so only the row that fails gets the error
+                return [self._one(it) for it in items]
+
+        return self.runner.run_on_device(batch)
 
     def _one(self, it: BatchItem) -> torch.Tensor | BaseException:
         try:

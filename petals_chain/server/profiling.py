@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from petals_chain.server.emulated import EmulatedRunner
 from petals_chain.server.runner import BlockRunner
 
 DEFAULT_L_IN = 128
@@ -54,7 +55,7 @@ def cache_key(runner: BlockRunner, l_in: int, l_out: int) -> str:
     """Disk-cache key of a measurement on ``runner``'s model, device, dtype and quantisation."""
     dtype = str(runner.dtype).replace("torch.", "")
     return "|".join([_model_key(runner), device_name(runner.device), dtype, runner.quant, f"l_in={l_in}",
-                     f"l_out={l_out}", f"scale={runner.compute_scale:g}"])
+                     f"l_out={l_out}", f"scale={getattr(runner, 'compute_scale', 1.0):g}"])
 
 
 def _load_cache(path: Path) -> dict[str, Any]:
@@ -116,8 +117,10 @@ def measure_tau_p(
         if runner.max_length < l_in + l_out:
             raise ValueError(f"the runner's max_length {runner.max_length} < l_in + l_out = {l_in + l_out}")
     else:
-        runner = BlockRunner(runner_or_path, block or 0, 1, num_slots=1, max_length=l_in + l_out, dtype=dtype,
-                             device=device, quant=quant, compute_scale=compute_scale, progress=False)
+        args = (runner_or_path, block or 0, 1)
+        kwargs = dict(num_slots=1, max_length=l_in + l_out, dtype=dtype, device=device, quant=quant, progress=False)
+        runner = (EmulatedRunner(*args, compute_scale=compute_scale, **kwargs) if compute_scale != 1.0
+                  else BlockRunner(*args, **kwargs))
     path = Path(cache_path) if cache_path is not None else default_cache_path()
     key = cache_key(runner, l_in, l_out)
     if use_cache:

@@ -5,10 +5,12 @@ owns the rotary module, and allocates ``num_slots`` cache slots once (``s_c`` by
 native layout). A session processing blocks ``[a, b)`` holds ``b - a`` slots from :meth:`allocate` to
 :meth:`release`; a full runner refuses with :class:`NoCapacityError` and never over-commits.
 
-Per-session state (span, slots, cached length) is kept apart from the compute. With ``batching=True``
-(the default) concurrent :meth:`BlockRunner.forward` calls are gathered by a
-:class:`~petals_chain.server.batching.BatchScheduler` and run together, one forward per block; with
-``batching=False`` each call runs alone under the compute lock (:meth:`BlockRunner._run_blocks`).
+Per-session state (:class:`~petals_chain.server.session_state.SessionState`: span, slots, cached length) is
+kept apart from the compute. With ``batching=True`` (the default) concurrent :meth:`BlockRunner.forward`
+calls are gathered by a :class:`~petals_chain.server.batching.BatchScheduler` and run together, one forward
+per block; with ``batching=False`` each call runs alone. Every compute goes through
+:meth:`BlockRunner.run_on_device` (one at a time); :class:`~petals_chain.server.emulated.EmulatedRunner`
+stretches it to emulate a slower device.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
 from petals_chain.server.batching import BatchScheduler, install_dispatch
 from petals_chain.server.kv_cache import NoCapacityError, SlotCache, SlotPool
+from petals_chain.server.session_state import SessionState
 from petals_chain.swarm.checkpoint import build_rotary, load_block, parse_dtype
 from petals_chain.swarm.memory import head_dim, num_kv_heads
 from petals_chain.swarm.sources import ModelSource, resolve_source
@@ -34,6 +36,7 @@ from petals_chain.swarm.sources import ModelSource, resolve_source
 __all__ = ["BlockRunner", "NoCapacityError"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+T = TypeVar("T")
 
 
 def _on_event_loop() -> bool:
@@ -44,26 +47,10 @@ def _on_event_loop() -> bool:
     return True
 
 
-@dataclass
-class _Session:
-    session_id: str
-    start_block: int
-    end_block: int
-    slot_of: dict[int, int]  # global layer index -> slot index in the pool
-    length: int = 0  # tokens whose K/V are valid in every slot of the session
-    busy: bool = False  # a step is computing; a second concurrent step is refused
-    closing: bool = False  # released while busy: slots go back when the step ends
-    dropped: bool = False  # slots already returned to the pool
-    last_used: float = field(default_factory=time.monotonic)
-
-
 class BlockRunner:
     """Decoder layers ``[start_block, start_block + num_blocks)`` with ``num_slots`` KV slots of ``max_length``.
 
-    ``dtype`` None/"auto" keeps the checkpoint's dtype; ``quant`` is none|int8|nf4 (CUDA only).
-    ``compute_scale >= 1`` emulates a slower device: after each step's compute the runner sleeps
-    ``(compute_scale - 1) * elapsed`` while still holding the compute lock (per batch when batching).
-    Thread-safe.
+    ``dtype`` None/"auto" keeps the checkpoint's dtype; ``quant`` is none|int8|nf4 (CUDA only). Thread-safe.
 
     Batching (keyword-only): ``batching`` gathers concurrent steps of different sessions into one forward per
     block; ``max_batch_tokens`` bounds the tokens of one batch; ``prefill_chunk_tokens`` is the most tokens one
@@ -87,7 +74,6 @@ class BlockRunner:
         device: str | torch.device = "cpu",
         quant: str = "none",
         *,
-        compute_scale: float = 1.0,
         attn_implementation: str = "sdpa",
         config: Any = None,
         progress: bool | None = None,
@@ -117,8 +103,6 @@ class BlockRunner:
         if max_pos is not None and max_length > max_pos:
             raise ValueError(f"max_length {max_length} exceeds the model's max_position_embeddings {max_pos}")
         self._check_sliding_window(max_length)
-        if not (isinstance(compute_scale, (int, float)) and math.isfinite(compute_scale) and compute_scale >= 1.0):
-            raise ValueError(f"compute_scale must be a finite number >= 1, got {compute_scale!r}")
         for name, v in (("max_batch_tokens", max_batch_tokens), ("prefill_chunk_tokens", prefill_chunk_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -132,7 +116,6 @@ class BlockRunner:
         self.dtype = parse_dtype(dtype, self.config)
         self.device = torch.device(device)
         self.quant = quant
-        self.compute_scale = float(compute_scale)
         self.hidden_size = int(self.config.hidden_size)
 
         self.blocks = torch.nn.ModuleList()
@@ -146,11 +129,12 @@ class BlockRunner:
 
         install_dispatch(self.blocks)
 
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, SessionState] = {}
         self._lock = threading.Lock()  # session table, pool and batch queue
         self._compute_lock = threading.Lock()  # one forward at a time on the device
         self.batching = bool(batching)
-        self.scheduler = BatchScheduler(self, max_batch_tokens=max_batch_tokens,
+        self.scheduler = BatchScheduler(self, lock=self._lock, sessions=self._sessions,
+                                        max_batch_tokens=max_batch_tokens,
                                         prefill_chunk_tokens=min(prefill_chunk_tokens, max_batch_tokens),
                                         gather_s=batch_wait_ms / 1000.0)
 
@@ -209,7 +193,7 @@ class BlockRunner:
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
         slots = self.pool.allocate(end_block - start_block)
-        self._sessions[session_id] = _Session(session_id, start_block, end_block,
+        self._sessions[session_id] = SessionState(session_id, start_block, end_block,
                                               dict(zip(range(start_block, end_block), slots)))
 
     def fork(self, source_id: str, session_id: str, length: int) -> None:
@@ -263,12 +247,12 @@ class BlockRunner:
                 if not s.busy or self.scheduler.cancel(s):
                     self._drop(s)
 
-    def _drop(self, s: _Session) -> None:
+    def _drop(self, s: SessionState) -> None:
         s.dropped = True
         del self._sessions[s.session_id]
         self.pool.release(list(s.slot_of.values()))
 
-    def _get(self, session_id: str) -> _Session:
+    def _get(self, session_id: str) -> SessionState:
         s = self._sessions.get(session_id)
         if s is None or s.closing:
             raise KeyError(f"unknown session {session_id!r}")
@@ -304,16 +288,14 @@ class BlockRunner:
         """:meth:`forward` for asyncio callers: the step joins a batch without blocking the event loop.
 
         A step of at most ``inline_max_tokens`` tokens of a session alone on the runner runs inline (no thread
-        hand-off; with ``compute_scale == 1`` only, so emulated slowness never blocks the loop). Without
-        batching, the step runs in the loop's default executor.
+        hand-off). Without batching, the step runs in the loop's default executor.
         """
         s, x, n, slot_of, start, end = self._begin(session_id, hidden, position)
         ok = False
         try:
             if self.batching:
-                out = await self.scheduler.submit_async(
-                    s, x, position, slot_of, start, end,
-                    inline_max_tokens=inline_max_tokens if self.compute_scale == 1.0 else 0)
+                out = await self.scheduler.submit_async(s, x, position, slot_of, start, end,
+                                                        inline_max_tokens=inline_max_tokens)
             else:
                 out = await asyncio.get_running_loop().run_in_executor(
                     None, self._compute_alone, x, position, slot_of, start, end)
@@ -345,7 +327,7 @@ class BlockRunner:
             raise
         return s, x, n, slot_of, start, end
 
-    def _finish(self, s: _Session, position: int, n: int, ok: bool) -> None:
+    def _finish(self, s: SessionState, position: int, n: int, ok: bool) -> None:
         with self._lock:
             s.busy = False
             s.last_used = time.monotonic()
@@ -356,15 +338,21 @@ class BlockRunner:
 
     def _compute_alone(self, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
                        end: int) -> torch.Tensor:
-        """One session's step under the compute lock, with compute_scale emulation (the unbatched path)."""
+        """One session's step on its own (the unbatched path)."""
+        return self.run_on_device(lambda: self._run_blocks(x, position, slot_of, start, end))
+
+    def run_on_device(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (one step or one batch) with the device to itself; returns once the device is done with it.
+
+        The one place every compute passes through: :class:`~petals_chain.server.emulated.EmulatedRunner`
+        overrides :meth:`_on_device` here to emulate a slower device."""
         with self._compute_lock:
-            t0 = time.perf_counter()
-            out = self._run_blocks(x, position, slot_of, start, end)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            elapsed = time.perf_counter() - t0
-            if self.compute_scale > 1.0:
-                time.sleep((self.compute_scale - 1.0) * elapsed)
+            return self._on_device(fn)
+
+    def _on_device(self, fn: Callable[[], T]) -> T:
+        out = fn()
+        if self.device.type == "cuda":  # kernels run asynchronously: the device is busy until they finish
+            torch.cuda.synchronize(self.device)
         return out
 
     def _validate_hidden(self, hidden: Any) -> int:

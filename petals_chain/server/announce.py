@@ -1,0 +1,143 @@
+"""Announcing: this server's signed DHT record, kept alive by a timer of its own, and rejoining lost peers.
+
+The record expires ``max(3 x refresh_s, 10 s)`` after its last publish. :class:`Announcer` republishes it every
+``refresh_s`` (and soon after :meth:`Announcer.mark_dirty`) from its own asyncio task, in every state --
+joining, profiling ``tau_p``, loading blocks, online, draining -- so a long await in the lifecycle (loading
+runs in an executor, a drain waits for sessions) never lets the orchestrator forget a working server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from petals_chain.swarm.dht import SwarmDHT
+from petals_chain.swarm.emulation import Emulation
+from petals_chain.swarm.records import ServerRecord
+
+logger = logging.getLogger("petals_chain.server")
+
+
+class RecordSource(Protocol):
+    """What a server record is built from (the lifecycle's ``Server`` is one)."""
+
+    state: str
+    epoch: int
+    span: Optional[tuple[int, int]]
+    max_length: int
+    tau_p: float  # measured, unscaled
+    runner: Any
+    memory: Any  # MemoryBudget
+    emulation: Emulation
+    cfg: Any  # ServerConfig
+    dtype_name: str
+    model_fingerprint: str
+
+
+def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
+    """The record of ``src`` as it is now (slots from the runner being served, emulation shown as such)."""
+    runner = src.runner
+    start, num = src.span if (src.span and runner is not None) else (0, 0)
+    cfg = src.cfg
+    return ServerRecord(
+        peer_id=peer_id, state=src.state, memory_bytes=int(src.memory.memory_bytes),
+        tau_p=float(src.emulation.announced_tau_p(src.tau_p)), device=cfg.device, dtype=src.dtype_name,
+        quant=cfg.quant, start_block=int(start), num_blocks=int(num),
+        slots_total=int(runner.slots_total) if runner is not None else 0,
+        slots_free=int(runner.slots_free) if runner is not None else 0,
+        public_name=cfg.public_name[:128], max_length=int(src.max_length), s_m_bytes=int(src.memory.s_m),
+        s_c_bytes=int(src.memory.s_c(src.max_length)), **src.emulation.record_fields(), epoch=int(src.epoch),
+        model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), timestamp=time.time(),
+    )
+
+
+class Announcer:
+    """Publishes ``record()`` under ``{prefix}.servers`` on a timer and re-pings lost initial peers.
+
+    :meth:`start` runs two tasks until :meth:`stop`: the publish timer (every ``refresh_s``, or at once after
+    :meth:`mark_dirty`) and the rejoin loop (every ``rejoin_s``: hivemind drops a peer from the routing table
+    after one failed RPC and never pings its initial peers again, so an orchestrator restarted with the same
+    identity and address would never see our record otherwise; see :meth:`SwarmDHT.arejoin`).
+    """
+
+    def __init__(self, sd: SwarmDHT, prefix: str, record: Callable[[], ServerRecord], *, refresh_s: float,
+                 rejoin_s: float, initial_peer_ids: Sequence[str]):
+        self.sd, self.prefix, self.record = sd, prefix, record
+        self.refresh_s, self.rejoin_s = refresh_s, rejoin_s
+        self.initial_peer_ids = list(initial_peer_ids)
+        self.rejoins = 0  # times a lost initial peer (the orchestrator) answered again and we re-announced
+        self._dirty = asyncio.Event()
+        self._lock = asyncio.Lock()  # one publish at a time: the last one stored carries the newest state
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._wake = asyncio.Event()  # set by stop(): ends the loops' waits
+
+    @property
+    def expiration_s(self) -> float:
+        return max(3 * self.refresh_s, 10.0)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._publish_loop(), name="petals-chain-publish"),
+                       asyncio.create_task(self._rejoin_loop(), name="petals-chain-rejoin")]
+
+    async def stop(self) -> None:
+        """End both loops (a publish or rejoin under way is cancelled)."""
+        # Flags as well as cancel(): Python 3.11's wait_for() loses a cancellation that arrives as its inner
+        # future completes (gh-86296); the loops then see the flag at their next wait, which stop() ends.
+        self._stopping = True
+        self._wake.set()
+        self._dirty.set()
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=max(self.refresh_s, 5.0) + 5.0)
+        self._tasks = []
+
+    def mark_dirty(self) -> None:
+        """The record changed: publish it soon (from the timer's task, without waiting here)."""
+        self._dirty.set()
+
+    async def publish(self) -> bool:
+        """Publish the record now; False (logged) if the DHT did not store it."""
+        async with self._lock:
+            self._dirty.clear()  # this publish carries every change made so far
+            try:
+                # bounded: a store hung on an unreachable peer must not hold back the next refresh for long
+                ok = await asyncio.wait_for(self.sd.apublish_server(self.prefix, self.record(), self.expiration_s),
+                                            timeout=max(self.refresh_s, 5.0))
+            except Exception as e:  # noqa: BLE001 - a DHT hiccup must not kill the server
+                logger.warning(f"publishing the server record failed: {type(e).__name__}: {e}")
+                return False
+        if not ok:
+            logger.warning("the DHT did not store our server record (no reachable peers?)")
+        return bool(ok)
+
+    async def _publish_loop(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), timeout=self.refresh_s)
+            if not self._stopping:
+                await self.publish()
+
+    async def _rejoin_loop(self) -> None:
+        while not self._stopping:
+            await self._rejoin()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.rejoin_s)
+
+    async def _rejoin(self) -> None:
+        """Re-bootstrap to the initial peers our DHT node has dropped, then re-announce at once."""
+        try:
+            timeout_s = max(1.0, self.rejoin_s)
+            back = await asyncio.wait_for(self.sd.arejoin(self.initial_peer_ids, timeout_s=timeout_s),
+                                          2 * timeout_s + 5.0)
+        except Exception as e:  # noqa: BLE001 - a DHT hiccup must not kill the server
+            logger.warning(f"re-bootstrapping to the initial peers failed: {e}")
+            return
+        if back:
+            self.rejoins += 1
+            logger.info(f"initial peer(s) {', '.join(p[:12] for p in back)} answer again: re-announcing our record")
+            self.mark_dirty()

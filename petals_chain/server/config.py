@@ -1,0 +1,58 @@
+"""ServerConfig: everything a volunteer sets on the command line (``python -m petals_chain.server --help``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from petals_chain.swarm.emulation import Emulation
+
+DEFAULT_MAX_LENGTH = 2048  # slots are sized for this many tokens until an assignment says otherwise
+
+
+@dataclass
+class ServerConfig:
+    model: str
+    initial_peers: Sequence[str] = ()
+    dht_prefix: Optional[str] = None
+    memory_bytes: Optional[int] = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    quant: str = "none"
+    public_name: str = ""
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
+    identity_path: Optional[str] = None
+    client_mode: bool = False
+    max_length: Optional[int] = None  # None: the assignment's max_length (DEFAULT_MAX_LENGTH until one arrives)
+    max_blocks: int = 0  # the volunteer's cap on hosted blocks (0: as many as the memory budget allows)
+    trust_orchestrator: Sequence[str] = ()  # empty: the peer ids named in initial_peers
+    allow_any_client: bool = False
+    tau_p: Optional[float] = None  # None: measure (cached); else use this value (s/block/job, unscaled)
+    profile_l_in: int = 128
+    profile_l_out: int = 16
+    profile_cache: Optional[str] = None
+    refresh_s: float = 30.0
+    assignment_poll_s: float = 3.0
+    idle_timeout_s: float = 120.0
+    drain_timeout_s: float = 60.0
+    progress: Optional[bool] = None
+    cache_tokens_per_block: int = 0  # > 0: PETALS-style fixed cache, at most this many tokens per block
+    batching: bool = True  # run concurrent sessions' steps together (one forward per block); False: one at a time
+    max_waiters: int = 256  # opens waiting for slots (wait_s > 0), FIFO
+    max_wait_s: float = 600.0
+    # Testbed emulation (swarm/emulation.py), all shown in the server record:
+    emulate_rtt_ms: float = 0.0
+    emulate_compute_scale: float = 1.0
+    emulate_step_ms: float = 0.0  # t_o, ms per block, once per session (its first step)
+    emulate_prefill_ms_per_token: float = 0.0  # t_I, ms per block per token of a multi-token step
+    emulate_decode_ms: float = 0.0  # t_O, ms per block per token of a one-token step
+    emulate_reply_fault: str = "none"  # chaos runs: none | nan | shape
+    emulate_reply_fault_rate: float = 0.0  # fraction of step replies corrupted
+    emulate_tau_p_lie: float = 1.0  # announce tau_p this many times better than measured
+
+    def emulation(self) -> Emulation:
+        """The emulation knobs (validated: ValueError naming the bad one)."""
+        return Emulation(rtt_ms=self.emulate_rtt_ms, compute_scale=self.emulate_compute_scale,
+                         step_ms=self.emulate_step_ms, prefill_ms_per_token=self.emulate_prefill_ms_per_token,
+                         decode_ms=self.emulate_decode_ms, reply_fault=self.emulate_reply_fault,
+                         reply_fault_rate=self.emulate_reply_fault_rate, tau_p_lie=self.emulate_tau_p_lie)

@@ -1,0 +1,144 @@
+"""Emulation as wrappers around the real serving path (testbeds and chaos runs; see
+:mod:`petals_chain.swarm.emulation` for the knobs). A server composes them only when a knob is set, so with
+emulation off nothing here is on its path:
+
+* :class:`EmulatedRunner` -- a :class:`~petals_chain.server.runner.BlockRunner` on a device
+  ``compute_scale`` times slower (each compute holds the device that much longer: per step alone, per batch
+  when batching);
+* :class:`EmulatedDelays` -- adds the footnote-11 compute time after each step (outside the device: the
+  modelled time of other sessions overlaps);
+* :class:`FaultyReplies` -- corrupts a fraction of step replies (NaN or a wrong shape).
+
+The emulated link delay (``rtt_ms``) is applied by the RPC handler (:mod:`petals_chain.swarm.rpc`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import time
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+
+from petals_chain.server.runner import BlockRunner
+from petals_chain.swarm.emulation import Emulation
+
+T = TypeVar("T")
+
+
+class EmulatedRunner(BlockRunner):
+    """A BlockRunner whose device is ``compute_scale`` (>= 1) times slower: after each compute the device stays
+    busy ``(compute_scale - 1) * elapsed`` longer (other steps wait, as on a slower device)."""
+
+    def __init__(self, *args: Any, compute_scale: float, **kwargs: Any):
+        if not (isinstance(compute_scale, (int, float)) and math.isfinite(compute_scale) and compute_scale >= 1.0):
+            raise ValueError(f"compute_scale must be a finite number >= 1, got {compute_scale!r}")
+        self.compute_scale = float(compute_scale)
+        super().__init__(*args, **kwargs)
+
+    def _on_device(self, fn: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        out = super()._on_device(fn)
+        time.sleep((self.compute_scale - 1.0) * (time.perf_counter() - t0))
+        return out
+
+    async def forward_async(self, session_id: str, hidden: torch.Tensor, position: int,
+                            *, inline_max_tokens: int = 8) -> torch.Tensor:
+        # never inline: the emulated slowness would block the event loop
+        return await super().forward_async(session_id, hidden, position, inline_max_tokens=0)
+
+
+def runner_class(emulation: Emulation) -> Callable[..., BlockRunner]:
+    """What builds this server's runners: BlockRunner, or EmulatedRunner at the emulated compute scale."""
+    if emulation.compute_scale > 1.0:
+        return functools.partial(EmulatedRunner, compute_scale=emulation.compute_scale)
+    return BlockRunner
+
+
+class BackendWrapper:
+    """A session backend that hands every call to ``inner`` (subclasses change what they emulate)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    @property
+    def hidden_size(self) -> int:
+        return self.inner.hidden_size
+
+    def authorize(self, peer_id: str) -> bool:
+        return self.inner.authorize(peer_id)
+
+    def open_session(self, *args: Any, **kwargs: Any) -> dict:
+        return self.inner.open_session(*args, **kwargs)
+
+    async def open_session_wait(self, *args: Any, **kwargs: Any) -> dict:
+        return await self.inner.open_session_wait(*args, **kwargs)
+
+    async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        return await self.inner.forward(session_id, hidden, position)
+
+    def close_session(self, session_id: str) -> None:
+        self.inner.close_session(session_id)
+
+    def info(self) -> dict:
+        return self.inner.info()
+
+    def session(self, session_id: str) -> Optional[Any]:
+        return self.inner.session(session_id)
+
+
+class EmulatedDelays(BackendWrapper):
+    """After each step's real compute, sleep its footnote-11 time (:meth:`Emulation.step_delay_s`)."""
+
+    def __init__(self, inner: Any, emulation: Emulation):
+        super().__init__(inner)
+        self.emulation = emulation
+
+    async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        out = await self.inner.forward(session_id, hidden, position)
+        sess = self.inner.session(session_id)
+        if sess is not None:  # still open (a drain may have closed it meanwhile)
+            start, end = sess.span
+            delay = self.emulation.step_delay_s(sess.steps == 1, end - start, int(hidden.shape[1]))
+            if delay > 0:
+                await asyncio.sleep(delay)
+        return out
+
+
+class FaultyReplies(BackendWrapper):
+    """Corrupt ``reply_fault_rate`` of the step replies, evenly spread (reply k when ``floor(k * rate)`` grows):
+    ``nan`` puts NaN in the reply's last token, ``shape`` drops the last hidden unit (``[1, n, hidden - 1]``).
+    The session's KV cache is computed honestly; only what goes back is wrong."""
+
+    def __init__(self, inner: Any, emulation: Emulation):
+        super().__init__(inner)
+        self.fault, self.rate = emulation.reply_fault, emulation.reply_fault_rate
+        self.replies = 0
+        self.faulty = 0
+
+    async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        out = await self.inner.forward(session_id, hidden, position)
+        self.replies += 1
+        if math.floor(self.replies * self.rate + 1e-9) <= self.faulty:
+            return out
+        self.faulty += 1
+        if self.fault == "nan":
+            out = out.clone()
+            out[:, -1] = float("nan")
+            return out
+        return out[..., :-1].contiguous()
+
+    def info(self) -> dict:
+        return {**self.inner.info(), "faulty_replies": self.faulty}
+
+
+def session_backend(service: Any, emulation: Emulation) -> Any:
+    """``service`` wrapped in what ``emulation`` asks for (``service`` itself when it asks for nothing)."""
+    backend = service
+    if emulation.delays:
+        backend = EmulatedDelays(backend, emulation)
+    if emulation.faults:
+        backend = FaultyReplies(backend, emulation)
+    return backend

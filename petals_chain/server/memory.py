@@ -1,0 +1,59 @@
+"""This server's memory budget ``M_j`` and what fits in it: ``s_m`` per block, ``s_c`` per KV slot, and
+``floor((M_j - s_m m_j) / s_c)`` slots for ``m_j`` blocks (Eq. 3). The sizes themselves come from
+:mod:`petals_chain.swarm.memory` (shared with the orchestrator, which plans with the same numbers)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, slots_for_budget
+
+CPU_MEMORY_FRACTION = 0.5  # default M_j on CPU: half of the RAM available at start
+CUDA_HEADROOM_FRACTION = 0.05  # default M_j on CUDA: free memory minus max(1 GiB, 5 %) for activations
+CUDA_HEADROOM_MIN_BYTES = 1 << 30
+
+
+def default_memory_bytes(device: str) -> int:
+    """``M_j`` when the volunteer gives no limit: see CPU_MEMORY_FRACTION / CUDA_HEADROOM_* above."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return max(0, int(free - max(CUDA_HEADROOM_MIN_BYTES, CUDA_HEADROOM_FRACTION * free)))
+    import psutil
+
+    return int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
+
+
+class MemoryBudget:
+    """``M_j`` (``memory_bytes``) and ``s_m`` of this server's model, dtype and quantization; zero until
+    :meth:`measure` (a server measures at start, when it knows its device)."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, quant: str = "none", cache_tokens_per_block: int = 0):
+        if cache_tokens_per_block < 0:
+            raise ValueError("--cache-tokens-per-block must be >= 0")
+        self.config, self.dtype, self.quant = config, dtype, quant
+        self.cache_tokens_per_block = cache_tokens_per_block
+        self.memory_bytes = 0
+        self.s_m = 0
+
+    def measure(self, memory_bytes: Optional[int], device: str) -> None:
+        """Fix ``M_j`` (the volunteer's limit, else :func:`default_memory_bytes`) and compute ``s_m``."""
+        self.memory_bytes = int(memory_bytes if memory_bytes is not None else default_memory_bytes(device))
+        self.s_m = block_bytes(self.config, self.dtype, self.quant)
+
+    def s_c(self, max_length: int) -> int:
+        """Bytes of one KV slot: one block's K and V for one job of ``max_length`` tokens."""
+        return cache_slot_bytes(self.config, self.dtype, max_length)
+
+    def slots_for(self, num_blocks: int, max_length: int) -> int:
+        """Eq. 3: ``floor((M_j - s_m m_j) / s_c)``, capped by ``--cache-tokens-per-block`` when set."""
+        slots = slots_for_budget(self.memory_bytes, num_blocks, self.s_m, self.s_c(max_length))
+        if self.cache_tokens_per_block > 0:  # PETALS' fixed attention cache, in slots of max_length tokens
+            slots = min(slots, num_blocks * self.cache_tokens_per_block // max_length)
+        return slots
+
+    def holds(self, num_blocks: int, max_length: int) -> bool:
+        """Whether ``num_blocks`` blocks fit with at least one KV slot."""
+        return self.s_m * num_blocks <= self.memory_bytes and self.slots_for(num_blocks, max_length) >= 1

@@ -1,0 +1,25 @@
+"""Per-session state of a runner, shared by the runner (which owns it) and the batch scheduler (which reads it).
+
+Kept apart so that :mod:`~petals_chain.server.runner` depends on :mod:`~petals_chain.server.batching` and not
+the other way round.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SessionState:
+    """One open session on a runner: its span, its slots and how much of them holds valid K/V."""
+
+    session_id: str
+    start_block: int
+    end_block: int
+    slot_of: dict[int, int]  # global layer index -> slot index in the pool
+    length: int = 0  # tokens whose K/V are valid in every slot of the session
+    busy: bool = False  # a step is computing; a second concurrent step is refused
+    closing: bool = False  # released while busy: slots go back when the step ends
+    dropped: bool = False  # slots already returned to the pool
+    last_used: float = field(default_factory=time.monotonic)

@@ -1,0 +1,177 @@
+"""Serving sessions: the RPC session backend (:class:`~petals_chain.swarm.rpc.SessionBackend`) of a server.
+
+A session is one job's use of a span of this server's blocks: open reserves one KV slot per block (or waits
+for them, FIFO, see :mod:`~petals_chain.server.admission`; or forks another session's KV prefix), steps run
+the blocks over the session's slots, close frees them. Sessions are opened only on the runner being served
+(:attr:`SessionService.runner`) and only while the server is ``online``; the lifecycle
+(:mod:`~petals_chain.server.server`) swaps runners and drains through :meth:`SessionService.drain`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from petals_chain.server.admission import SlotWaitQueue, WaitRefused
+from petals_chain.server.kv_cache import NoCapacityError
+from petals_chain.swarm.rpc import RefusedError
+
+logger = logging.getLogger("petals_chain.server")
+
+INLINE_MAX_TOKENS = 8  # steps with at most this many tokens run inline (see SessionService.forward)
+
+
+@dataclass
+class OpenSession:
+    runner: Any  # the BlockRunner the session's slots are on (the one served when it opened)
+    max_length: int
+    peer: str  # who opened it: forks are only allowed from the same peer
+    span: tuple[int, int]  # [start_block, end_block)
+    steps: int = 0  # steps computed so far
+
+
+class SessionService:
+    """Sessions of trusted peers on the runner being served (see the module docstring).
+
+    ``state()`` is the server's state (sessions open only while ``online``); ``on_change()`` is called
+    whenever the free slots change (the record shows them); ``describe()`` gives the server's part of
+    :meth:`info`.
+    """
+
+    def __init__(self, *, hidden_size: int, trusted: Iterable[str], allow_any_client: bool,
+                 state: Callable[[], str], on_change: Callable[[], None], describe: Callable[[], dict],
+                 max_waiters: int = 256, max_wait_s: float = 600.0):
+        self.hidden_size = hidden_size
+        self.trusted = trusted
+        self.allow_any_client = allow_any_client
+        self.runner = None  # set by the lifecycle while a span is loaded
+        self.sessions: dict[str, OpenSession] = {}
+        self.admission = SlotWaitQueue(NoCapacityError, max_waiters=max_waiters, max_wait_s=max_wait_s)
+        self._state, self._on_change, self._describe = state, on_change, describe
+        self._closed = asyncio.Event()  # a session closed (or the drain was told to stop waiting)
+
+    # ------------------------------------------------------------------ rpc.SessionBackend
+    def authorize(self, peer_id: str) -> bool:
+        return self.allow_any_client or peer_id in self.trusted
+
+    def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
+                     fork_from: Optional[str] = None, fork_length: int = 0) -> dict:
+        self._check_open(session_id, max_length)
+        if len(self.admission):  # opens waiting for slots are served first (FIFO)
+            raise RefusedError("no_capacity", f"no capacity: {len(self.admission)} opens wait for slots")
+        try:
+            return self._allocate(session_id, start_block, end_block, max_length, peer_id, fork_from, fork_length)
+        except NoCapacityError as e:
+            raise self._no_capacity(e, start_block, end_block) from None
+
+    async def open_session_wait(self, session_id: str, start_block: int, end_block: int, max_length: int,
+                                peer_id: str, wait_s: float) -> dict:
+        """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
+        runner = self._check_open(session_id, max_length)
+        if end_block - start_block > runner.slots_total:
+            raise RefusedError("no_capacity", f"no capacity: {end_block - start_block} slots needed, the server has "
+                                              f"{runner.slots_total} in all")
+        try:
+            return await self.admission.acquire(
+                lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id), wait_s,
+                release=lambda _result: self.close_session(session_id))
+        except NoCapacityError as e:
+            raise self._no_capacity(e, start_block, end_block) from None
+        except WaitRefused as e:
+            raise RefusedError("no_capacity", f"no capacity: {e}") from None
+
+    async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            raise RefusedError("invalid", f"unknown session {session_id!r}")
+        if position + hidden.shape[1] > sess.max_length:
+            raise RefusedError("invalid", f"positions {position}..{position + hidden.shape[1] - 1} exceed the "
+                                          f"session's max_length {sess.max_length}")
+        try:
+            # The runner's batch scheduler runs concurrent sessions' steps in one forward per block (issue 7);
+            # a lone short step runs inline (a thread hand-off costs ~1.5 ms here) and longer work runs off the
+            # event loop, so pings and other streams stay responsive.
+            out = await sess.runner.forward_async(session_id, hidden, position, inline_max_tokens=INLINE_MAX_TOKENS)
+        except (ValueError, KeyError) as e:
+            raise RefusedError("invalid", str(e)) from None
+        sess.steps += 1
+        return out
+
+    def close_session(self, session_id: str) -> None:
+        sess = self.sessions.pop(session_id, None)
+        if sess is not None:
+            sess.runner.release(session_id)
+            self._closed.set()
+            self._on_change()
+            self.admission.notify()
+
+    def info(self) -> dict:
+        return {**self._describe(), "sessions": len(self.sessions), "admission": self.admission.stats()}
+
+    def session(self, session_id: str) -> Optional[OpenSession]:
+        return self.sessions.get(session_id)
+
+    # ------------------------------------------------------------------ for the lifecycle
+    async def drain(self, timeout_s: float, forced: Callable[[], bool]) -> None:
+        """Refuse waiting opens, wait up to ``timeout_s`` for open sessions to close (less once ``forced()``
+        turns true, see :meth:`wake`), then release the rest. The caller has stopped new opens already."""
+        self.admission.fail_all(lambda: RefusedError("unavailable", "server is draining, not accepting sessions"))
+        deadline = time.monotonic() + timeout_s
+        while self.sessions and time.monotonic() < deadline and not forced():
+            self._closed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), timeout=min(1.0, deadline - time.monotonic()))
+        if self.sessions:
+            logger.warning(f"drain timeout: releasing {len(self.sessions)} open session(s)")
+            for sid in list(self.sessions):
+                self.close_session(sid)
+
+    def wake(self) -> None:
+        """Make a drain look at ``forced()`` again now."""
+        self._closed.set()
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self, session_id: str, max_length: int):
+        runner = self.runner
+        state = self._state()
+        if state != "online" or runner is None:
+            raise RefusedError("unavailable", f"server is {state}, not accepting sessions")
+        if max_length > runner.max_length:
+            raise RefusedError("invalid", f"max_length {max_length} exceeds this server's {runner.max_length}")
+        if session_id in self.sessions:
+            raise RefusedError("invalid", f"session {session_id!r} is already open")
+        return runner
+
+    def _allocate(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
+                  fork_from: Optional[str] = None, fork_length: int = 0) -> dict:
+        """Check and allocate; raises NoCapacityError when the slots are not free (yet).
+
+        ``fork_from``: an open session of the same peer and span whose first ``fork_length`` tokens of KV the
+        new session starts with (``n > 1`` samples of one prompt share its prefill)."""
+        runner = self._check_open(session_id, max_length)
+        try:
+            if fork_from is None:
+                runner.allocate(session_id, start_block, end_block)
+            else:
+                src = self.sessions.get(fork_from)
+                if src is None or src.peer != peer_id or src.span != (start_block, end_block):
+                    raise ValueError(f"cannot fork {fork_from!r}: no open session of this peer over blocks "
+                                     f"[{start_block}, {end_block})")
+                runner.fork(fork_from, session_id, fork_length)
+        except (ValueError, KeyError) as e:
+            raise RefusedError("invalid", str(e)) from None
+        self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block))
+        self._on_change()
+        return {"slots_free": runner.slots_free, "start_block": start_block, "end_block": end_block}
+
+    def _no_capacity(self, e: Exception, start_block: int, end_block: int) -> RefusedError:
+        runner = self.runner
+        free, total = (runner.slots_free, runner.slots_total) if runner is not None else (0, 0)
+        return RefusedError("no_capacity", f"no capacity: {e} (slots free {free} of {total}, "
+                                           f"need {end_block - start_block})")
