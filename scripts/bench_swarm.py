@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 import tempfile

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
+from petals_chain.model import Chain, ModelSpec
 from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
 from petals_chain.orchestrator.sampling import Sampler, SamplingParams, StopMatcher
 

@@ -3,9 +3,7 @@
 import json
 
 import pytest
-import torch
 
-from petals_chain.server import profiling
 from petals_chain.server.runner import BlockRunner, NoCapacityError
 from petals_chain.server.profiling import measure_tau_p
 from petals_chain.swarm.tiny_model import build_tiny_model

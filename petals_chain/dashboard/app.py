@@ -1,105 +1,20 @@
-"""The dashboard page and the FastAPI apps that serve it.
+"""The standalone dashboard's FastAPI app (the page itself is :mod:`petals_chain.swarm.webpage`).
 
-* :func:`page_html` — the single-page dashboard (HTML with its CSS and JS inlined; no CDN, no build step).
-  It polls the *relative* URL ``api/v1/swarm`` (contracts E), so the same page works under the
-  orchestrator at ``/`` and under the standalone dashboard.
-* :func:`mount_dashboard` — adds ``GET /`` (the page) to an existing FastAPI app: the orchestrator calls it.
 * :func:`create_app` — the standalone dashboard's app: page + ``GET /api/v1/swarm`` + ``GET /healthz``
   from a callable that returns the current contracts-E view (see :mod:`petals_chain.dashboard.source`).
 """
 
 from __future__ import annotations
 
-import base64
-import functools
-import hashlib
-import math
-from importlib import resources
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import JSONResponse
 
-STATIC_PACKAGE = "petals_chain.dashboard"
+from petals_chain.swarm.jsonsafe import json_safe  # in swarm/: the orchestrator publishes with it too
+from petals_chain.swarm.webpage import mount_dashboard, page_headers, page_html, page_response
 
-
-def _static_text(name: str) -> str:
-    return resources.files(STATIC_PACKAGE).joinpath("static", name).read_text(encoding="utf-8")
-
-
-@functools.lru_cache(maxsize=1)
-def _page_and_csp() -> tuple[str, str]:
-    html = _static_text("index.html")
-    css = _static_text("dashboard.css")
-    js = _static_text("dashboard.js")
-    if "</script" in js.lower() or "</style" in css.lower():  # would end the inline element early
-        raise RuntimeError("dashboard assets must not contain closing script/style tags")
-    for marker in ("<!--DASHBOARD_CSS-->", "<!--DASHBOARD_JS-->"):
-        if html.count(marker) != 1:
-            raise RuntimeError(f"index.html must contain {marker} exactly once")
-    page = html.replace("<!--DASHBOARD_CSS-->", f"<style>{css}</style>").replace(
-        "<!--DASHBOARD_JS-->", f"<script>{js}</script>"
-    )
-
-    def digest(text: str) -> str:
-        return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode() + "'"
-
-    # Only our own inline script/style (by hash) may run; the page talks to its own origin only.
-    csp = (
-        f"default-src 'none'; script-src {digest(js)}; style-src {digest(css)}; connect-src 'self'; "
-        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-    )
-    return page, csp
-
-
-def page_html() -> str:
-    """The complete dashboard page (HTML with inlined CSS and JS)."""
-    return _page_and_csp()[0]
-
-
-def page_headers() -> dict[str, str]:
-    """HTTP headers to send with :func:`page_html` (a hash-based Content-Security-Policy, no caching)."""
-    return {
-        "Content-Security-Policy": _page_and_csp()[1],
-        "Cache-Control": "no-cache",
-        "X-Content-Type-Options": "nosniff",
-        "Referrer-Policy": "no-referrer",
-    }
-
-
-def page_response() -> HTMLResponse:
-    """The page as a FastAPI response (for apps that route it themselves)."""
-    return HTMLResponse(page_html(), headers=page_headers())
-
-
-def mount_dashboard(app: FastAPI, path: str = "/") -> None:
-    """Serve the dashboard page at ``path`` (default ``/``) of ``app``.
-
-    The page fetches ``api/v1/swarm`` relative to its own URL, so ``app`` must serve the contracts-E JSON
-    at ``GET /api/v1/swarm`` when ``path`` is ``/`` (the orchestrator does).
-    """
-    if not path.startswith("/"):
-        raise ValueError(f"path must start with '/', got {path!r}")
-    page_html()  # fail at startup, not on the first visitor, if the assets are broken
-
-    async def dashboard_page() -> HTMLResponse:
-        return page_response()
-
-    app.add_api_route(path, dashboard_page, methods=["GET"], include_in_schema=False, response_class=HTMLResponse)
-    if path == "/":
-        app.add_api_route("/index.html", dashboard_page, methods=["GET"], include_in_schema=False,
-                          response_class=HTMLResponse)
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with non-finite floats replaced by None (JSON has no inf/nan; browsers reject them)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
+__all__ = ["create_app", "json_safe", "mount_dashboard", "page_headers", "page_html", "page_response"]
 
 
 def create_app(

@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-max-sessions", type=_positive_int, default=64,
                    help="open multi-turn sessions per client (API key, else IP)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024, help="request body limit (413)")
+    p.add_argument("--replay-cache-mb", type=float, default=256.0,
+                   help="memory for the hop inputs kept so a failed hop is replayed alone (all jobs together; "
+                        "jobs over the budget fall back to replaying their prefix through the whole chain)")
+    p.add_argument("--ban-base-s", type=float, default=5.0,
+                   help="a server that failed is not planned for this long, doubling per failure (max --ban-max-s)")
+    p.add_argument("--ban-max-s", type=float, default=300.0)
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="API keys, one a line: NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N]; "
                         "requests need 'Authorization: Bearer KEY' (401 otherwise), limits and sessions are per key. "
@@ -167,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
         model_id=args.model_id, settle_s=args.settle_s,
-        replan_interval_s=args.replan_interval_s, move_margin=args.move_margin)
+        replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
+        ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
     # Admission limits (limits.py), read with defaults by the API middleware.

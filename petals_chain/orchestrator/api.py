@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.sampling import SamplingParams, TokenChoice
+from petals_chain.swarm.jsonsafe import json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -328,8 +329,6 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     @app.get("/api/v1/swarm")
     async def swarm(request: Request):
-        from petals_chain.dashboard.app import json_safe
-
         state = orch.swarm_json()
         limits = getattr(request.app.state, "limits", None)
         state["clients"] = limits.clients_json() if limits is not None else []
@@ -610,7 +609,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     # ---- dashboard -----------------------------------------------------------------------------
     try:
-        from petals_chain.dashboard import mount_dashboard
+        from petals_chain.swarm.webpage import mount_dashboard
 
         mount_dashboard(app, "/")
     except Exception as e:  # noqa: BLE001 - the API works without the page

@@ -1,50 +1,43 @@
-"""The orchestrator: DHT peer, planner, JFFC dispatch, relay, sampling, multi-turn sessions.
+"""The orchestrator: configuration, lifecycle, the model's head and tokenizer, planner wiring, swarm state.
 
 A *job* is one request (or one multi-turn session): it waits in the central queue for a chain, holds
 that chain until it is done, and every token goes hop by hop through the chain's servers while the
-embeddings, final norm, LM head and sampling run here.
+embeddings, final norm, LM head and sampling run here. The parts live beside this module: ``errors``
+(RequestError, Unavailable), ``failover`` (a job's chain: dispatch, feeding, forks, failover), ``replay``
+(the hop inputs failover replays), ``generation`` (the decode loop, ``n`` choices), ``sessions``
+(multi-turn sessions, their lease and keepalives), ``planner``, ``dispatch``, ``relay``, ``stats``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
-import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import torch
 
 from petals_chain.model import Chain, ModelSpec
-from petals_chain.orchestrator.dispatch import (DISPATCH_POLICIES, PLACEMENT_POLICIES, DispatchJob, Lease, QueueFull,
-                                                note_admission)
+from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES
+from petals_chain.orchestrator.errors import RequestError, Unavailable
+from petals_chain.orchestrator.generation import Emit, Generation, GenerationMixin
 from petals_chain.orchestrator.planner import Planner
 from petals_chain.orchestrator.relay import ChainSession, HeadBatcher, HopFailure
-from petals_chain.orchestrator.sampling import SamplingParams, SequenceSampler, StopMatcher, TokenChoice
+from petals_chain.orchestrator.replay import ReplayCache
+from petals_chain.orchestrator.sessions import SessionMixin, UserSession
 from petals_chain.orchestrator.stats import Stats
+from petals_chain.swarm.jsonsafe import json_safe
+from petals_chain.swarm.rpc import RemoteError
+
+__all__ = ["Emit", "Generation", "Orchestrator", "OrchestratorConfig", "RequestError", "Unavailable", "UserSession"]
 
 logger = logging.getLogger(__name__)
 
 PLACEMENTS = PLACEMENT_POLICIES
 DISPATCHES = DISPATCH_POLICIES
-
-
-class RequestError(ValueError):
-    """A request the orchestrator refuses (maps to HTTP 4xx)."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-
-
-class Unavailable(RuntimeError):
-    """The swarm could not serve the request (no chain in time, too many failures): HTTP 503."""
 
 
 @dataclass
@@ -82,231 +75,15 @@ class OrchestratorConfig:
     bprr_r: int | None = None  # --placement bprr: CG-BP target concurrency (None: GBP-CR's c*)
     route_wait_s: float = 600.0  # --dispatch petals|bprr: max wait at the servers for slots (routed.py)
     max_queue: int = 1024  # --max-queue: central-queue bound, enforced by the dispatch manager (dispatch.py)
+    replay_cache_mb: float = 256.0  # --replay-cache-mb: hop inputs kept for failover, all jobs together (replay.py)
+    keepalive_tick_s: float = 0.25  # how often idle server sessions are checked for a keepalive (sessions.py)
+    ban_base_s: float = 5.0  # a failed server is not planned for this long, doubling per failure (planner.py)
+    ban_max_s: float = 300.0
+    ban_reset_s: float = 120.0  # unbanned and no failure for this long: its next ban starts at ban_base_s again
 
 
-@dataclass
-class Generation:
-    """Result of one generation."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    wait_s: float
-    service_s: float
-    chain: list[str]
-    failovers: int
-    logprobs: list[TokenChoice] | None = None  # per generated token, when asked for
-    prompt_logprobs: list[TokenChoice | None] | None = None  # per prompt token (first: None), when asked for
-    forked: bool = False  # started from a sibling's prefill (n > 1) instead of its own
-
-
-# emit(text, token choices since the previous emit): streaming callbacks get the text that is safe to show and
-# the tokens (with logprobs when asked) it came from; text may be empty while a stop string is still possible.
-Emit = Callable[[str, list[TokenChoice]], Awaitable[None]]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class ChainHolder:
-    """A job's chain and server sessions; feeds tokens and replays its prefix on another chain on failure."""
-
-    _counter = itertools.count()
-
-    def __init__(self, orch: "Orchestrator", job_id: str, max_length: int):
-        self.orch = orch
-        self.job_id = job_id
-        self.max_length = max_length
-        self.kv_ids: list[int] = []  # tokens whose KV the current chain holds
-        self.lease: Lease | None = None
-        self.cs: ChainSession | None = None
-        self.kv_valid = 0
-        self.wait_s = 0.0
-        self.steps = 0
-        self.failovers = 0
-        self.closed = False
-        self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
-        # (sibling, tokens): a sibling whose first `tokens` KV this job may copy if it lands on the same chain
-        self.fork_source: tuple["ChainHolder", int] | None = None
-        self.forked = False
-
-    @property
-    def chain_names(self) -> list[str]:
-        return [h[0] for h in self.lease.hops] if self.lease is not None else []
-
-    async def _ensure_chain(self) -> None:
-        orch = self.orch
-        deadline = time.monotonic() + orch.cfg.queue_timeout_s
-        failed_opens = 0
-        if self.cs is not None:
-            note_admission(True)  # holds its chain (a session's later turn): admitted without the queue
-        while self.cs is None:
-            if time.monotonic() > deadline:
-                raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
-            job = DispatchJob(job_id=self.job_id, requeue=self.admitted)
-            t0 = time.monotonic()
-            try:
-                lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=max(0.1, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
-            except QueueFull as e:  # only a job that never held a chain is refused
-                raise RequestError(str(e), status=429, code="queue_full") from None
-            self.admitted = True
-            cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", self.max_length,
-                              observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0))
-            opened = False
-            fork = self._fork_candidate(lease)
-            for attempt in range(60):
-                try:
-                    if fork is not None:
-                        try:
-                            await cs.open(fork_from=fork[0], fork_length=fork[1])
-                        except HopFailure as e:
-                            if not (e.no_capacity or _is_refusal(e)):
-                                raise
-                            fork = None  # the sibling's session moved or a server is full: open plainly
-                            continue
-                        self.kv_valid = fork[1]
-                        self.forked = True
-                        self.orch.stats.forks += 1
-                    else:
-                        await cs.open()
-                    opened = True
-                    break
-                except HopFailure as e:
-                    if e.no_capacity and attempt < 59:
-                        # Slots still held by jobs of a previous plan: they free up as those finish.
-                        await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
-                        continue
-                    self.failovers += 1
-                    orch.stats.add_failover()
-                    orch.server_failed(e)
-                    break
-                except BaseException:
-                    orch.dispatch.release(lease)
-                    raise
-            if opened:
-                self.wait_s += time.monotonic() - t0
-                self.lease, self.cs = lease, cs
-                if fork is None:
-                    self.kv_valid = 0
-                orch.chain_sessions.add(cs)
-            else:
-                orch.dispatch.release(lease)
-                # A refusal (or a failure the planner has not acted on yet) must not become a busy loop.
-                failed_opens += 1
-                await asyncio.sleep(min(2.0, 0.1 * failed_opens))
-                self.wait_s += time.monotonic() - t0
-
-    def _fork_candidate(self, lease: Lease) -> tuple[ChainSession, int] | None:
-        """The sibling's session to copy the prefix KV from, if it runs on exactly the hops of ``lease``."""
-        if self.fork_source is None or self.kv_valid:
-            return None
-        sibling, n = self.fork_source
-        cs = sibling.cs
-        if cs is None or sibling.kv_valid < n or cs.hops != lease.hops or self.kv_ids[:n] != sibling.kv_ids[:n]:
-            return None
-        return cs, n
-
-    def sync(self, target: list[int]) -> list[int]:
-        """Make ``target`` the sequence this job continues: keep the longest common prefix of the tokens fed so
-        far (rolling the chain's KV back past it) and return the tokens of ``target`` still to feed.
-
-        A turn that failed or was aborted fed tokens nobody kept; a re-templated chat history may tokenize the
-        last answer differently: either way the next feed starts where the two sequences agree."""
-        keep = common_prefix(self.kv_ids, target)
-        del self.kv_ids[keep:]
-        self.kv_valid = min(self.kv_valid, keep)
-        return list(target[keep:])
-
-    async def _drop(self) -> None:
-        cs, lease = self.cs, self.lease
-        self.cs, self.lease, self.kv_valid = None, None, 0
-        if cs is not None:
-            self.orch.chain_sessions.discard(cs)
-            await cs.close()
-        if lease is not None:
-            self.orch.dispatch.release(lease)
-
-    async def feed(self, new_ids: list[int], hidden: torch.Tensor | None = None, *,
-                   all_positions: bool = False) -> torch.Tensor:
-        """Append ``new_ids`` to the KV; return the last block's output at the last position [H] (or, with
-        ``all_positions``, at every position of the tokens fed in this call, [n, H]).
-
-        ``hidden``: the embeddings of ``new_ids`` if the caller has them (the head batcher embeds the tokens it
-        samples); replays after a failover embed in the head's worker thread."""
-        if len(self.kv_ids) + len(new_ids) > self.max_length:
-            raise RequestError(f"sequence would exceed max_length={self.max_length}", code="context_length_exceeded")
-        for _ in range(self.orch.cfg.max_failovers + 1):
-            await self._ensure_chain()
-            ids = self.kv_ids[self.kv_valid:] + list(new_ids)
-            position = self.kv_valid
-            if hidden is None or len(ids) != len(new_ids):
-                hidden = await self.orch.batcher.embed(ids)
-            try:
-                out = await self.cs.forward(hidden, position)
-            except asyncio.CancelledError:
-                # A step cut short leaves replies unread: its streams are closed. Release the chain now (its JFFC
-                # slot goes to the next job); a session's next turn acquires one and replays what it needs.
-                self.orch._background(self._drop())
-                raise
-            except HopFailure as e:
-                self.failovers += 1
-                self.orch.stats.add_failover()
-                logger.warning("job %s: %s; replaying %d tokens on another chain", self.job_id, e, len(ids))
-                self.orch.server_failed(e)
-                await self._drop()
-                continue
-            self.kv_ids.extend(new_ids)
-            self.kv_valid = len(self.kv_ids)
-            self.steps += 1
-            return out[0, len(ids) - len(new_ids):] if all_positions else out[0, -1]
-        raise Unavailable(f"gave up after {self.failovers} server failures")
-
-    async def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            await self._drop()
-
-
-def _is_refusal(e: HopFailure) -> bool:
-    """The server answered with an error (it lives), as opposed to a dead or silent server."""
-    from petals_chain.swarm.rpc import RemoteError
-
-    return isinstance(e.cause, RemoteError) and not isinstance(e.cause, ConnectionError)
-
-
-class UserSession:
-    """A multi-turn session: one job that keeps its chain and KV between calls.
-
-    ``history`` is the session's token sequence after its last completed turn; ``messages`` the conversation
-    of a chat session (None for a session fed raw text or token ids). A turn that fails or is aborted leaves
-    both exactly as they were."""
-
-    def __init__(self, orch: "Orchestrator", max_length: int):
-        self.id = uuid.uuid4().hex
-        self.holder = ChainHolder(orch, f"s-{self.id[:12]}", max_length)
-        self.history: list[int] = []
-        self.messages: list[dict] | None = None
-        self.lock = asyncio.Lock()
-        self.last_used = time.monotonic()
-        self.created = time.time()
-        self.turns = 0
-
-    @property
-    def max_length(self) -> int:
-        return self.holder.max_length
-
-
-class Orchestrator:
-    """Owns the swarm side (DHT, planner, dispatch, relay) and the generation logic the API calls."""
+class Orchestrator(GenerationMixin, SessionMixin):
+    """Owns the swarm side (DHT, planner, dispatch, relay); generation and sessions come from the mixins."""
 
     def __init__(self, cfg: OrchestratorConfig):
         from petals_chain.swarm.keys import check_prefix, default_dht_prefix
@@ -321,6 +98,11 @@ class Orchestrator:
             raise ValueError(f"--arrival-rate must be positive, got {cfg.arrival_rate}")
         if cfg.max_length < 2:
             raise ValueError(f"--max-length must be at least 2, got {cfg.max_length}")
+        if not (0 <= cfg.replay_cache_mb < math.inf):
+            raise ValueError(f"--replay-cache-mb must be a finite number >= 0, got {cfg.replay_cache_mb}")
+        if not (0 < cfg.ban_base_s <= cfg.ban_max_s < math.inf):
+            raise ValueError(f"--ban-base-s and --ban-max-s must satisfy 0 < base <= max, got {cfg.ban_base_s}, "
+                             f"{cfg.ban_max_s}")
         from petals_chain.swarm.sources import check_family, resolve_source
 
         self.cfg = cfg
@@ -336,6 +118,7 @@ class Orchestrator:
 
         self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue)
         self.sessions: dict[str, UserSession] = {}
+        self.replay_cache = ReplayCache(int(cfg.replay_cache_mb * 2**20))
         self.started_at = time.time()
         self.http_url = f"http://{cfg.host}:{cfg.port}"
         self.dht = None
@@ -417,12 +200,15 @@ class Orchestrator:
             refresh_s=self.cfg.refresh_s, replan_interval_s=self.cfg.replan_interval_s,
             model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on,
             serialization_s=self.measure_serialization(), petals_cache_tokens=self.cfg.petals_cache_tokens,
-            bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint)
+            bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint, ban_base_s=self.cfg.ban_base_s,
+            ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s)
         if hasattr(self.dispatch, "attach"):  # routed dispatch (PETALS, BPRR) reads live server views
             self.dispatch.attach(self.planner)
         self._tasks = [asyncio.create_task(self.planner.run(self._stop), name="planner"),
                        asyncio.create_task(self._summary_loop(), name="summary"),
                        asyncio.create_task(self._reap_sessions(), name="session-reaper")]
+        if self.cfg.keepalive_tick_s > 0:
+            self._tasks.append(asyncio.create_task(self._keep_alive(), name="keepalive"))
 
     @property
     def initial_peers(self) -> list[str]:
@@ -470,15 +256,16 @@ class Orchestrator:
             self.planner.observe_hop(peer_id, n_tokens, n_blocks, seconds, compute_s)
 
     def server_failed(self, e: HopFailure) -> None:
-        """A hop failed: unless it was a refusal the server sent, drop the server from the plan at once."""
-        try:
-            from petals_chain.swarm.rpc import RemoteError
-        except ImportError:  # pragma: no cover
-            RemoteError = ()  # type: ignore[assignment]
+        """A hop failed: unless it was a refusal the server sent, ban the server from the plan at once (a dead
+        server, and one whose reply was invalid: shape, dtype, NaN, chunking)."""
         if isinstance(e.cause, RemoteError) and not isinstance(e.cause, ConnectionError):
-            return  # the server answered: it lives (e.g. lost the session on re-assignment)
+            return  # the server answered: it lives (e.g. lost the session on re-assignment or to its idle timeout)
         if self.planner is not None:
-            self.planner.report_failure(e.peer_id)
+            self.planner.report_failure(e.peer_id, reason=f"{type(e.cause).__name__}: {e.cause}")
+
+    def replacement_servers(self, start: int, end: int) -> list[str]:
+        """Servers that could take blocks ``[start, end)`` of a failed hop over (see ``Planner.replacements``)."""
+        return self.planner.replacements(start, end) if self.planner is not None else []
 
     @property
     def ready(self) -> bool:
@@ -543,223 +330,6 @@ class Orchestrator:
                                param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    # ---- generation ----------------------------------------------------------------------------
-    async def _decode_loop(self, holder: ChainHolder, context: list[int], hidden: torch.Tensor,
-                           params: SamplingParams, emit: Emit | None) -> tuple[list[int], str, str, list[TokenChoice]]:
-        """Sample, feed, repeat: ``hidden`` is the last block's output after ``context``; returns (tokens,
-        text, finish_reason, choices). The LM head, sampling and the next token's embedding run batched in the
-        head's worker thread (:class:`HeadBatcher`); this loop only relays."""
-        seq = SequenceSampler(params, context)
-        matcher = StopMatcher(self.tokenizer, params.stop)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
-        generated: list[int] = []
-        choices: list[TokenChoice] = []
-        unsent: list[TokenChoice] = []
-        finish = "length"
-        limit = min(params.max_tokens, holder.max_length - len(context))
-        for i in range(limit):
-            choice, emb = await self.batcher.sample(hidden, seq)
-            tok = choice.token
-            seq.append(tok)
-            generated.append(tok)
-            choices.append(choice)
-            unsent.append(choice)
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            delta = matcher.feed(tok)
-            if delta and emit is not None:
-                await emit(delta, unsent)
-                unsent = []
-            if matcher.stopped:
-                finish = "stop"
-                break
-            if i + 1 < limit:
-                hidden = await holder.feed([tok], emb)
-        tail = matcher.flush()
-        if emit is not None and (tail or unsent):
-            await emit(tail, unsent)
-        self.stats.relay_steps += holder.steps
-        return generated, matcher.text, finish, choices
-
-    def _finish_job(self, holder: ChainHolder, t0: float, generated: int, prompt_tokens: int, ok: bool) -> float:
-        """Record a finished job (or turn) and return its service time."""
-        service = max(0.0, time.monotonic() - t0 - holder.wait_s)
-        self.stats.record(wait_s=holder.wait_s, service_s=service, tokens=generated, prompt_tokens=prompt_tokens,
-                          ok=ok)
-        if ok and self.planner is not None:
-            self.planner.observe_job(holder.steps)
-        return service
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, explicit_max_tokens: bool = True,
-                       emit: Emit | None = None, prompt_logprobs: int | None = None) -> Generation:
-        """One request as one job: queue for a chain, prefill, decode, release the chain."""
-        return (await self.generate_n(prompt_ids, [params], explicit_max_tokens, [emit] if emit else None,
-                                      prompt_logprobs=prompt_logprobs))[0]
-
-    async def generate_n(self, prompt_ids: list[int], params: list[SamplingParams], explicit_max_tokens: bool = True,
-                         emits: list[Emit | None] | None = None, *, prompt_logprobs: int | None = None
-                         ) -> list[Generation]:
-        """``len(params)`` completions of one prompt, each its own job. The first job prefills; the others
-        wait for that prefill and start from a copy of its KV when JFFC puts them on the same chain (else
-        they prefill on theirs): the prompt is computed once, and every choice samples its first token from
-        the same last hidden state. If one choice fails, the others are cancelled and their chains released."""
-        self.validate_prompt(prompt_ids, params[0].max_tokens, explicit_max_tokens)
-        params = [SamplingParams(**{**p.__dict__, "stop": list(p.stop), "max_tokens": self._max_tokens(
-            p.max_tokens, len(prompt_ids), self.cfg.max_length, explicit_max_tokens)}) for p in params]
-        emits = list(emits or [None] * len(params))
-        if self.planner is not None:
-            for _ in params:
-                self.planner.rates.arrive()
-        t0 = time.monotonic()
-        holders = [ChainHolder(self, f"r-{uuid.uuid4().hex[:12]}", self.cfg.max_length) for _ in params]
-        for h in holders[1:]:
-            h.fork_source = (holders[0], len(prompt_ids))
-        prefill: asyncio.Future = asyncio.get_running_loop().create_future()
-        # A failed prefill is reported by its own task; the siblings only wait on it.
-        prefill.add_done_callback(lambda f: f.cancelled() or f.exception())
-        results: list[Generation | None] = [None] * len(params)
-
-        async def one(i: int) -> None:
-            holder, p = holders[i], params[i]
-            generated: list[int] = []
-            ok = False
-            scored = None
-            try:
-                if i == 0:
-                    try:
-                        out = await holder.feed(list(prompt_ids), all_positions=prompt_logprobs is not None)
-                        if prompt_logprobs is not None:
-                            scored = await self.batcher.score(out, list(prompt_ids), prompt_logprobs)
-                            out = out[-1]
-                        prefill.set_result(out)
-                    except BaseException as e:
-                        if not prefill.done():
-                            prefill.set_exception(e)
-                        raise
-                    hidden = out
-                else:
-                    hidden = await asyncio.shield(prefill)
-                    holder.kv_ids = list(prompt_ids)  # fed lazily: forked on the sibling's chain or replayed
-                generated, text, finish, choices = await self._decode_loop(holder, list(prompt_ids), hidden, p,
-                                                                            emits[i])
-                ok = True
-            finally:
-                self._background(holder.close())
-                service = self._finish_job(holder, t0, len(generated), len(prompt_ids) if i == 0 else 0, ok)
-            results[i] = Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt_ids),
-                                    wait_s=holder.wait_s, service_s=service, chain=holder.chain_names,
-                                    failovers=holder.failovers, logprobs=choices if p.logprobs is not None else None,
-                                    prompt_logprobs=scored, forked=holder.forked)
-
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(params))]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if not prefill.done():
-                prefill.cancel()
-        scored = results[0].prompt_logprobs
-        for g in results[1:]:
-            g.prompt_logprobs = scored
-        return results  # type: ignore[return-value]
-
-    # ---- multi-turn sessions -------------------------------------------------------------------
-    def open_session(self, max_length: int | None = None) -> UserSession:
-        if len(self.sessions) >= self.cfg.max_sessions:
-            raise RequestError(f"too many open sessions ({self.cfg.max_sessions})", status=429)
-        ml = self.cfg.max_length if max_length is None else int(max_length)
-        if not (2 <= ml <= self.cfg.max_length):
-            raise RequestError(f"max_length must be in [2, {self.cfg.max_length}], got {ml}", param="max_length")
-        s = UserSession(self, ml)
-        self.sessions[s.id] = s
-        return s
-
-    def get_session(self, session_id: str) -> UserSession:
-        s = self.sessions.get(session_id)
-        if s is None:
-            raise RequestError(f"no open session {session_id!r}", status=404, code="session_not_found")
-        return s
-
-    async def close_session(self, session_id: str) -> None:
-        s = self.sessions.pop(session_id, None)
-        if s is None:
-            raise RequestError(f"no open session {session_id!r}", status=404, code="session_not_found")
-        async with s.lock:
-            await s.holder.close()
-
-    def session_messages(self, s: UserSession, new: list[dict]) -> list[dict]:
-        """The whole conversation after a chat turn adding ``new`` (refused for a raw-text session)."""
-        if s.messages is None and s.history:
-            raise RequestError("this session was fed raw text or token ids; chat messages cannot continue it",
-                               param="messages", code="session_mode")
-        return list(s.messages or []) + list(new)
-
-    def session_target(self, s: UserSession, new_ids: list[int]) -> list[int]:
-        """The session's token sequence after a raw turn adding ``new_ids`` (refused for a chat session)."""
-        if s.messages is not None:
-            raise RequestError("this is a chat session; continue it with messages", param="prompt",
-                               code="session_mode")
-        return s.history + list(new_ids)
-
-    async def session_generate(self, s: UserSession, target: list[int], params: SamplingParams, *,
-                               explicit_max_tokens: bool = True, emit: Emit | None = None,
-                               messages: list[dict] | None = None) -> Generation:
-        """Continue session ``s`` so that its tokens are ``target`` (the history plus this turn's input, or a
-        chat conversation templated at once), then generate. Only the tokens the chain does not hold yet are
-        fed; on failure or cancellation the session stays as it was before the turn."""
-        if s.lock.locked():
-            raise RequestError("this session is already generating", status=409, code="session_busy")
-        async with s.lock:
-            if s.id not in self.sessions:
-                raise RequestError("the session was closed", status=404, code="session_not_found")
-            self.validate_prompt(target, params.max_tokens, explicit_max_tokens, max_length=s.max_length)
-            params = SamplingParams(**{**params.__dict__, "stop": list(params.stop), "max_tokens": self._max_tokens(
-                params.max_tokens, len(target), s.max_length, explicit_max_tokens)})
-            s.last_used = time.monotonic()
-            holder = s.holder
-            wait0 = holder.wait_s
-            t0 = time.monotonic()
-            pending = holder.sync(target)
-            prompt_tokens = len(pending)
-            try:
-                if pending:
-                    hidden = await holder.feed(pending)
-                else:  # the chain already holds the whole target: recompute the last position's output
-                    last = target[-1:]
-                    holder.sync(target[:-1])
-                    hidden = await holder.feed(last)
-                generated, text, finish, choices = await self._decode_loop(holder, list(target), hidden, params, emit)
-            except BaseException:
-                self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=0, prompt_tokens=prompt_tokens,
-                                  ok=False)
-                raise
-            finally:
-                s.last_used = time.monotonic()
-            if messages is not None:
-                s.messages = self.session_messages(s, messages) + [{"role": "assistant", "content": text}]
-            s.history = list(target) + generated
-            s.turns += 1
-            wait = holder.wait_s - wait0
-            service = max(0.0, time.monotonic() - t0 - wait)
-            self.stats.record(wait_s=wait, service_s=service, tokens=len(generated), prompt_tokens=prompt_tokens,
-                              ok=True)
-            return Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(target),
-                              wait_s=wait, service_s=service, chain=holder.chain_names, failovers=holder.failovers,
-                              logprobs=choices if params.logprobs is not None else None)
-
-    async def _reap_sessions(self) -> None:
-        while not self._stop.is_set():
-            await asyncio.sleep(5.0)
-            now = time.monotonic()
-            for sid, s in list(self.sessions.items()):
-                if not s.lock.locked() and now - s.last_used > self.cfg.session_idle_timeout_s:
-                    logger.info("closing idle session %s", sid)
-                    self.sessions.pop(sid, None)
-                    await s.holder.close()
-
     # ---- state ---------------------------------------------------------------------------------
     def swarm_json(self) -> dict[str, Any]:
         """The ``GET /api/v1/swarm`` object (contracts E)."""
@@ -795,7 +365,10 @@ class Orchestrator:
             "relay": {"tokens": self.stats.tokens, "relay_steps": self.stats.relay_steps, "hop_s": self.stats.hop_s,
                       "service_s": self.stats.service_s, "failovers": self.stats.failovers,
                       "lm_head_batches": self.batcher.batches if self.batcher else 0,
-                      "lm_head_rows": self.batcher.rows if self.batcher else 0, "forks": self.stats.forks},
+                      "lm_head_rows": self.batcher.rows if self.batcher else 0, "forks": self.stats.forks,
+                      **self.stats.replay_json(),
+                      "replay_cache": {"bytes": self.replay_cache.bytes, "budget_bytes": self.replay_cache.budget,
+                                       "jobs": self.replay_cache.jobs, "evictions": self.replay_cache.evictions}},
         }
 
     def update_gauges(self) -> None:
@@ -812,6 +385,9 @@ class Orchestrator:
         s.m_chains.set(len(self.dispatch.chains))
         s.m_capacity.set(sum(ch.capacity for ch in self.dispatch.chains))
         s.m_ready.set(1 if self.ready else 0)
+        s.m_replay_bytes.set(self.replay_cache.bytes)
+        s.m_replay_budget.set(self.replay_cache.budget)
+        s.m_replay_evictions.set(self.replay_cache.evictions)
         if self.planner is not None:
             s.m_epoch.set(self.planner.epoch)
             s.m_arrival.set(self.planner.arrival_rate)
@@ -834,8 +410,6 @@ class Orchestrator:
             except asyncio.TimeoutError:
                 pass
             try:
-                from petals_chain.dashboard.app import json_safe
-
                 summary = json_safe(self.swarm_json())  # no inf/nan: JSON readers (browsers) reject them
                 expiration_s = max(30.0, 3 * self.cfg.summary_interval_s)
                 await asyncio.to_thread(self.dht.publish_summary, self.prefix, summary, expiration_s)

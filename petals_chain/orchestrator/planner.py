@@ -4,6 +4,11 @@ Units: memory in bytes (``M_j`` = ``memory_bytes``, ``s_m``/``s_c`` from the ser
 seconds. A *job* for the planner is one request: one prefill step plus its decode steps; ``steps_per_job``
 (online mean, with a prior) turns per-message measurements into the paper's per-job ``tau_c_j`` and
 ``tau_p_j``.
+
+Servers are untrusted: a server is planned by the compute time it delivers once measured, and flagged when
+that is more than ``TAU_P_SUSPECT_RATIO`` times what it advertises (:meth:`Planner.tau_p`). A server whose
+session failed (dead, silent, or an invalid reply) is banned from the plan with exponential backoff
+(:meth:`Planner.report_failure`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
 logger = logging.getLogger(__name__)
 
 EWMA = 0.2
+TAU_P_MIN_OBS = 8  # decode steps observed on a server before its measured tau_p replaces the advertised one
+TAU_P_SUSPECT_RATIO = 2.0  # measured tau_p above this multiple of the advertised one: flagged
 
 
 @dataclass
@@ -36,12 +43,19 @@ class ServerView:
     step_s_per_block: float | None = None  # observed compute per block per relay step, EWMA
     comm_s_per_step: float | None = None  # observed hop time minus server compute per relay step, EWMA
     hop_obs: int = 0
-    failed_at: float | None = None  # set when a session on it failed; cleared by a newer record + ping
+    failed_at: float | None = None  # wall time a session on it failed; cleared when its ban is over
+    strikes: int = 0  # failures counted for the ban backoff (reset after ban_reset_s without one)
+    banned_until: float = 0.0  # planner clock: not planned before this
+    flagged_slow: bool = False  # measured tau_p was found above TAU_P_SUSPECT_RATIO x advertised
 
     @property
     def usable(self) -> bool:
         # tau_p == 0: the server is still profiling; plan with it once its speed is known.
         return self.failed_at is None and self.record.state != "offline" and self.record.tau_p > 0
+
+    @property
+    def banned(self) -> bool:
+        return self.failed_at is not None
 
 
 class RateEstimator:
@@ -100,7 +114,8 @@ class Planner:
                  serialization_s: float = 2e-4, assignment_expiration_s: float = 60.0,
                  model_spec_fallback: Callable[[], ModelSpec | None] | None = None,
                  on_failure: Callable[[str], None] | None = None, petals_cache_tokens: int = 4096,
-                 bprr_r: int | None = None, model_fingerprint: str = ""):
+                 bprr_r: int | None = None, model_fingerprint: str = "", ban_base_s: float = 5.0,
+                 ban_max_s: float = 300.0, ban_reset_s: float = 120.0, clock: Callable[[], float] = time.monotonic):
         self.dht = dht
         self.prefix = prefix
         self.client = client
@@ -122,6 +137,9 @@ class Planner:
         self.petals_cache_tokens = int(petals_cache_tokens)  # PETALS placement: its fixed cache per block
         self.bprr_r = bprr_r  # BPRR placement: CG-BP target concurrency R (None: the c* GBP-CR would pick)
         self.servers: dict[str, ServerView] = {}
+        self.ban_base_s, self.ban_max_s, self.ban_reset_s = ban_base_s, ban_max_s, ban_reset_s
+        self.clock = clock  # for bans (tests pass their own)
+        self._speed_changed: list[str] = []  # servers newly found slower than they claim: re-plan soon
         # Servers announcing another model (sources.ModelSource.fingerprint): never planned, shown as refused.
         self.model_fingerprint = model_fingerprint
         self.refused: dict[str, Any] = {}
@@ -152,11 +170,23 @@ class Planner:
         rtt = v.rtt_s if v.rtt_s is not None else (2e-3 + 2 * v.record.emulate_rtt_ms / 1000.0)
         return (rtt + self.serialization_s) * self.steps_per_job
 
+    def measured_tau_p(self, v: ServerView) -> float | None:
+        """Compute time per block per job the server delivers: observed decode steps per block times steps per job,
+        once ``TAU_P_MIN_OBS`` decode steps were seen (None before)."""
+        if v.step_s_per_block is None or v.hop_obs < TAU_P_MIN_OBS:
+            return None
+        return v.step_s_per_block * self.steps_per_job
+
+    def tau_p_suspect(self, v: ServerView) -> bool:
+        """The server delivers compute more than ``TAU_P_SUSPECT_RATIO`` times slower than it advertises."""
+        measured = self.measured_tau_p(v)
+        return measured is not None and measured > TAU_P_SUSPECT_RATIO * float(v.record.tau_p)
+
     def tau_p(self, v: ServerView) -> float:
-        """Compute time per block per job: online (observed relay steps) once seen, else the record's."""
-        if v.step_s_per_block is not None and v.hop_obs >= 8:
-            return v.step_s_per_block * self.steps_per_job
-        return float(v.record.tau_p)
+        """Compute time per block per job used for planning: what the server delivers once measured (a server is
+        untrusted: a false claim must not win it blocks), else what its record advertises."""
+        measured = self.measured_tau_p(v)
+        return measured if measured is not None else float(v.record.tau_p)
 
     def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float,
                     compute_s: float | None = None) -> None:
@@ -179,6 +209,12 @@ class Planner:
             per_block = max(0.0, seconds - (v.rtt_s or 0.0)) / n_blocks
         v.step_s_per_block = per_block if v.step_s_per_block is None else (1 - EWMA) * v.step_s_per_block + EWMA * per_block
         v.hop_obs += 1
+        if not v.flagged_slow and self.tau_p_suspect(v):
+            v.flagged_slow = True
+            logger.warning("server %s (%s) delivers tau_p=%.4g s, %.1fx the %.4g s it advertises: planning it by what "
+                           "it delivers", v.record.public_name, peer_id[:12], self.measured_tau_p(v),
+                           self.measured_tau_p(v) / max(float(v.record.tau_p), 1e-12), float(v.record.tau_p))
+            self._speed_changed.append(peer_id)
 
     def observe_job(self, steps: int) -> None:
         """A finished job made ``steps`` relay steps (prefill + decodes)."""
@@ -186,16 +222,41 @@ class Planner:
         w = max(EWMA, 1.0 / self._steps_obs) if self._steps_obs < 20 else 0.05
         self.steps_per_job = (1 - w) * self.steps_per_job + w * float(steps)
 
-    def report_failure(self, peer_id: str) -> None:
-        """A session on ``peer_id`` failed: drop it from the plan now."""
+    def report_failure(self, peer_id: str, reason: str = "") -> None:
+        """A session on ``peer_id`` failed (dead, silent, invalid reply): drop it from the chains now and ban it
+        from the plan for ``ban_base_s * 2**(strikes-1)`` seconds (at most ``ban_max_s``); a server that went
+        ``ban_reset_s`` after its last ban without failing starts again at ``ban_base_s``."""
         v = self.servers.get(peer_id)
         if v is None or v.failed_at is not None:
-            return
+            return  # already banned: the failures of one incident count once
+        now = self.clock()
+        if v.strikes and now - v.banned_until >= self.ban_reset_s:
+            v.strikes = 0
+        v.strikes += 1
+        ban_s = min(self.ban_max_s, self.ban_base_s * 2 ** (v.strikes - 1))
+        v.banned_until = now + ban_s
         v.failed_at = time.time()
-        logger.warning("server %s (%s) failed; dropping it from the chains", v.record.public_name, peer_id[:12])
+        logger.warning("server %s (%s) failed%s; dropping it from the chains, banned for %.0f s (strike %d)",
+                       v.record.public_name, peer_id[:12], f" ({reason})" if reason else "", ban_s, v.strikes)
         if self.on_failure is not None:
             self.on_failure(peer_id)
         self._recompute_chains(reason=f"failure of {v.record.public_name or peer_id[:12]}")
+
+    def _unban(self, v: ServerView) -> bool:
+        """Lift ``v``'s ban once it is over, if the server still announces itself and answered the last ping."""
+        if v.failed_at is None or self.clock() < v.banned_until or v.record.state == "offline" or v.ping_failures:
+            return False
+        v.failed_at = None
+        logger.info("server %s (%s): ban over, planning it again", v.record.public_name, v.peer_id[:12])
+        return True
+
+    def replacements(self, start: int, end: int) -> list[str]:
+        """Servers that can take a failed hop's blocks ``[start, end)`` over: online, not banned, serving a span
+        that contains them; the most free slots (as last announced) first, then the fastest."""
+        views = [v for v in self.online_views() if v.record.start_block <= start
+                 and end <= v.record.start_block + v.record.num_blocks and v.record.slots_total >= end - start]
+        views.sort(key=lambda v: (-v.record.slots_free, self.tau_p(v)))
+        return [v.peer_id for v in views]
 
     # ---- model spec ----------------------------------------------------------------------------
     def _model_spec(self) -> ModelSpec | None:
@@ -408,25 +469,35 @@ class Planner:
             self.refused = refused
             now = time.time()
             joined, left = [], []
+            # A server that stops gracefully announces "offline" and its record lingers until it expires: the view
+            # is kept (not usable) so that the leave is seen once, not as a join and a leave at every refresh.
+            # A join restarts the settle time (more may follow); a leave does not (re-plan at once).
             for peer_id, rec in records.items():
                 v = self.servers.get(peer_id)
                 if v is None:
                     v = self.servers[peer_id] = ServerView(peer_id=peer_id, record=rec)
-                    joined.append(v)
-                    self.last_change = time.monotonic()
+                    if rec.state != "offline":
+                        joined.append(v)
+                        self.last_change = time.monotonic()
                 else:
-                    if v.failed_at is not None and rec.timestamp > v.failed_at + 1.0 and rec.state != "offline":
-                        v.failed_at = None  # the server re-announced after the failure; pings will confirm
-                        v.ping_failures = 0
+                    if rec.state == "offline" and v.record.state != "offline":
+                        left.append(v)
+                    elif rec.state != "offline" and v.record.state == "offline":
+                        joined.append(v)  # back (restarted with the same identity)
+                        self.last_change = time.monotonic()
                     if v.record.tau_p <= 0 < rec.tau_p:
                         self.last_change = time.monotonic()  # its speed is known now: a join for the planner
                     v.record = rec
                 v.last_seen = now
             for peer_id in list(self.servers):
-                if peer_id not in records or records[peer_id].state == "offline":
-                    left.append(self.servers.pop(peer_id))
-                    self.last_change = time.monotonic()
-            await asyncio.gather(*(self._ping(v) for v in self.servers.values()))
+                if peer_id not in records:
+                    v = self.servers.pop(peer_id)
+                    if v.record.state != "offline":
+                        left.append(v)
+            live = [v for v in self.servers.values() if v.record.state != "offline"]
+            await asyncio.gather(*(self._ping(v) for v in live))
+            for v in live:
+                self._unban(v)
             for v in joined:
                 logger.info("server joined: %s (%s) memory=%d tau_p=%.4g state=%s", v.record.public_name,
                             v.peer_id[:12], v.record.memory_bytes, v.record.tau_p, v.record.state)
@@ -435,6 +506,7 @@ class Planner:
             await self._decide(joined, left)
 
     async def _decide(self, joined: list[ServerView], left: list[ServerView]) -> None:
+        speed_changed, self._speed_changed = self._speed_changed, []
         views = self.usable_views()
         settled = time.monotonic() - self.last_change >= self.settle_s
         if self.plan is None:
@@ -456,6 +528,8 @@ class Planner:
         key = tuple(sorted((v.peer_id, v.record.slots_total) for v in self.online_views()))
         if key != self._gca_key:
             self._recompute_chains("servers online changed")
+        elif speed_changed:
+            self._recompute_chains("measured speed of " + ", ".join(p[:12] for p in speed_changed))
         # Servers without blocks (new, or left over by GBP-CR) are considered once each, then again only
         # at the periodic re-plan: a leftover server must not trigger planning every refresh.
         unassigned = [v for v in views if v.peer_id not in self.assignment]
@@ -463,7 +537,7 @@ class Planner:
         assigned_gone = [p for p in self.assignment if p not in {v.peer_id for v in views}]
         if not settled:
             return
-        due = time.monotonic() - self.last_full_replan >= self.replan_interval_s
+        due = time.monotonic() - self.last_full_replan >= self.replan_interval_s or bool(speed_changed)
         if not (fresh or assigned_gone or due):
             return
         self._considered.update(v.peer_id for v in unassigned)
@@ -505,9 +579,11 @@ class Planner:
 
     def server_json(self, active_by_peer: dict[str, int] | None = None) -> list[dict]:
         out = []
+        now = self.clock()
         for v in sorted(self.servers.values(), key=lambda v: (v.record.start_block, v.record.public_name)):
             r = v.record
             state = "failed" if v.failed_at is not None else r.state
+            measured = self.measured_tau_p(v)
             out.append({
                 "peer_id": v.peer_id, "public_name": r.public_name, "state": state,
                 "start_block": r.start_block, "num_blocks": r.num_blocks,
@@ -517,6 +593,9 @@ class Planner:
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
                 "last_seen": v.last_seen, "assigned": list(self.assignment[v.peer_id]) if v.peer_id in self.assignment else None,
                 "max_blocks": r.max_blocks, "model_mismatch": False,
+                "tau_p_advertised": r.tau_p, "tau_p_measured": measured, "tau_p_suspect": self.tau_p_suspect(v),
+                "strikes": v.strikes, "banned": v.banned,
+                "banned_for_s": max(0.0, v.banned_until - now) if v.banned else 0.0,
             })
         for peer_id, r in sorted(self.refused.items()):
             out.append({
@@ -525,5 +604,7 @@ class Planner:
                 "memory_bytes": r.memory_bytes, "device": r.device, "dtype": r.dtype,
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
                 "last_seen": None, "assigned": None, "max_blocks": r.max_blocks, "model_mismatch": True,
+                "tau_p_advertised": r.tau_p, "tau_p_measured": None, "tau_p_suspect": False, "strikes": 0,
+                "banned": False, "banned_for_s": 0.0,
             })
         return out

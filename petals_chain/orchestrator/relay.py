@@ -4,45 +4,57 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import time
 from typing import Any, Callable
 
 import torch
 
+from petals_chain.swarm.rpc import InvalidReply, NoCapacityError
+
 logger = logging.getLogger(__name__)
 
 
 class HopFailure(Exception):
-    """A server on the chain failed (dead, error reply, refused): the caller fails over."""
+    """A server on the chain failed (dead, error reply, invalid reply, refused): the caller fails over.
 
-    def __init__(self, peer_id: str, cause: BaseException, *, no_capacity: bool = False):
+    ``hop``: the index of the failed hop in its chain (None when the failure is not tied to one)."""
+
+    def __init__(self, peer_id: str, cause: BaseException, *, no_capacity: bool = False, hop: int | None = None):
         super().__init__(f"server {peer_id[:16]}…: {type(cause).__name__}: {cause}")
         self.peer_id = peer_id
         self.cause = cause
         self.no_capacity = no_capacity
-
-
-def _rpc_errors():
-    from petals_chain.swarm import rpc
-
-    no_cap = getattr(rpc, "NoCapacityError", None)
-    if no_cap is None:
-        from petals_chain.server.runner import NoCapacityError as no_cap  # type: ignore[no-redef]
-    return no_cap
+        self.hop = hop
 
 
 # (peer_id, n_tokens, n_blocks, seconds of the whole hop, seconds the server reports computing or None)
 HopObserver = Callable[[str, int, int, float, "float | None"], None]
 
 
+def check_hop_output(out: Any, sent: torch.Tensor) -> None:
+    """Raise InvalidReply unless ``out`` is what a hop must return for ``sent``: same shape and dtype, finite.
+
+    :class:`~petals_chain.swarm.rpc.RemoteSession` checks replies on the wire already; this guards the LM head
+    against any session object (the head batches rows of many jobs: one bad row must not reach it)."""
+    if not isinstance(out, torch.Tensor) or out.shape != sent.shape or out.dtype != sent.dtype:
+        got = f"{out.dtype}{list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InvalidReply(f"hop returned {got} for {sent.dtype}{list(sent.shape)}")
+    if not torch.isfinite(out).all():
+        raise InvalidReply("hop returned NaN or inf")
+
+
 class ChainSession:
-    """Server sessions of one job along the hops ``[(peer_id, start, end), ...]`` of a chain."""
+    """Server sessions of one job along the hops ``[(peer_id, start, end), ...]`` of a chain.
+
+    A hop can be moved to another server that holds its span (:meth:`replace`); the other hops keep their
+    sessions and KV."""
 
     def __init__(self, client: Any, hops: list[tuple[str, int, int]], session_id: str, max_length: int,
                  observe: HopObserver | None = None, step_timeout_s: float = 60.0, wait_s: float = 0.0):
         self.client = client
-        self.hops = hops
+        self.hops = list(hops)
         self.session_id = session_id
         self.max_length = max_length
         self.observe = observe
@@ -50,14 +62,16 @@ class ChainSession:
         self.wait_s = wait_s  # > 0: servers queue the opens (FIFO) up to this long instead of refusing
         self._sessions: list[Any] = []
         self._current: asyncio.Future | None = None
-        self._aborted: str | None = None
+        self._current_peer: str | None = None
+        self._aborted: set[str] = set()
+        self._replacements = itertools.count(1)
 
     def abort(self, peer_id: str) -> bool:
-        """``peer_id`` is known dead: fail the step waiting on it now instead of at the timeout."""
+        """``peer_id`` is known dead: fail the step waiting on it now (not at the timeout), and any later one."""
         if peer_id not in (h[0] for h in self.hops):
             return False
-        self._aborted = peer_id
-        if self._current is not None and not self._current.done():
+        self._aborted.add(peer_id)
+        if self._current_peer == peer_id and self._current is not None and not self._current.done():
             self._current.cancel()
         return True
 
@@ -66,7 +80,6 @@ class ChainSession:
 
         ``fork_from``: an open session on the same hops whose first ``fork_length`` tokens of KV every server
         copies into the new session (``n > 1`` samples share one prefill)."""
-        no_cap = _rpc_errors()
         if fork_from is not None and (fork_from.hops != self.hops or not fork_from._sessions):
             raise ValueError("fork_from must be an open session on the same hops")
 
@@ -97,10 +110,10 @@ class ChainSession:
             results = await asyncio.gather(*(one(*h) for h in self.hops), return_exceptions=True)
         failure: HopFailure | None = None
         opened = []
-        for (peer, _, _), res in zip(self.hops, results):  # sequential opens stop at the first failure
+        for i, ((peer, _, _), res) in enumerate(zip(self.hops, results)):  # sequential opens stop at a failure
             if isinstance(res, BaseException):
-                if failure is None or isinstance(failure.cause, no_cap):
-                    failure = HopFailure(peer, res, no_capacity=isinstance(res, no_cap))
+                if failure is None or isinstance(failure.cause, NoCapacityError):
+                    failure = HopFailure(peer, res, no_capacity=isinstance(res, NoCapacityError), hop=i)
             else:
                 opened.append(res)
         if failure is not None:
@@ -108,29 +121,80 @@ class ChainSession:
             raise failure
         self._sessions = list(results)
 
+    async def step(self, i: int, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Run ``hidden`` [1, n, H] (positions ``position..``) through hop ``i``; HopFailure(hop=i) if it fails or
+        returns anything but finite hidden states of the same shape and dtype."""
+        peer, start, end = self.hops[i]
+        if peer in self._aborted:
+            raise HopFailure(peer, ConnectionError("the server was declared failed"), hop=i)
+        sess = self._sessions[i]
+        t0 = time.perf_counter()
+        # The step timeout is the ServerClient's (one task per hop here keeps the relay cheap).
+        self._current, self._current_peer = asyncio.ensure_future(sess.step(hidden, position)), peer
+        try:
+            out = await self._current
+        except asyncio.CancelledError:
+            if peer in self._aborted and not _current_task_cancelling():
+                raise HopFailure(peer, ConnectionError("the server was declared failed"), hop=i) from None
+            self._current.cancel()
+            raise
+        except BaseException as e:  # any RPC failure means this hop is unusable for this job
+            raise HopFailure(peer, e, hop=i) from e
+        finally:
+            self._current, self._current_peer = None, None
+        try:
+            check_hop_output(out, hidden)
+        except InvalidReply as e:
+            raise HopFailure(peer, e, hop=i) from e
+        if self.observe is not None:
+            self.observe(peer, int(hidden.shape[1]), end - start, time.perf_counter() - t0,
+                         getattr(sess, "last_compute_s", None))
+        return out
+
     async def forward(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Run ``hidden`` [1, n, H] (positions ``position..``) through every hop in order."""
-        n = int(hidden.shape[1])
-        for (peer, start, end), sess in zip(self.hops, self._sessions):
-            if self._aborted is not None:
-                raise HopFailure(self._aborted, ConnectionError("the server was declared failed"))
-            t0 = time.perf_counter()
-            # The step timeout is the ServerClient's (one task per hop here keeps the relay cheap).
-            self._current = asyncio.ensure_future(sess.step(hidden, position))
-            try:
-                hidden = await self._current
-            except asyncio.CancelledError:
-                if self._aborted is not None and not _current_task_cancelling():
-                    raise HopFailure(self._aborted, ConnectionError("the server was declared failed")) from None
-                self._current.cancel()
-                raise
-            except BaseException as e:  # any RPC failure means this hop is unusable for this job
-                raise HopFailure(peer, e) from e
-            finally:
-                self._current = None
-            if self.observe is not None:
-                self.observe(peer, n, end - start, time.perf_counter() - t0, getattr(sess, "last_compute_s", None))
+        for i in range(len(self.hops)):
+            hidden = await self.step(i, hidden, position)
         return hidden
+
+    async def replace(self, i: int, peer: str, history: torch.Tensor | None, hidden: torch.Tensor,
+                      position: int) -> torch.Tensor:
+        """Move hop ``i`` to ``peer`` (a server holding its span): open a session there, replay ``history`` (what
+        the hop received for positions ``0..position-1``) together with ``hidden`` (this step's input at
+        ``position..``), and return the hop's output for ``hidden``. The old session is closed. HopFailure(hop=i)
+        if ``peer`` refuses, fails or answers garbage; the hop is then unchanged."""
+        _, start, end = self.hops[i]
+        sid = f"{self.session_id}.r{next(self._replacements)}"
+        try:
+            sess = await asyncio.wait_for(self.client.open_session(peer, session_id=sid, start_block=start,
+                                                                   end_block=end, max_length=self.max_length),
+                                          timeout=self.step_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - refused, full or unreachable: the caller tries another
+            raise HopFailure(peer, e, no_capacity=isinstance(e, NoCapacityError), hop=i) from e
+        x = hidden if history is None or position == 0 else torch.cat([history.to(hidden.dtype), hidden], dim=1)
+        try:
+            out = await sess.step(x, 0)
+            check_hop_output(out, x)
+        except BaseException as e:
+            await asyncio.gather(sess.close(), return_exceptions=True)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise HopFailure(peer, e, hop=i) from e
+        old, self._sessions[i] = self._sessions[i], sess
+        self.hops[i] = (peer, start, end)
+        self._aborted.discard(peer)  # declared failed once, banned, back: this session on it is new
+        await asyncio.gather(old.close(), return_exceptions=True)
+        return out[:, position:]
+
+    async def keepalive(self, now: float) -> None:
+        """Keep every hop's server session alive while the job holds it idle (between a session's turns): a
+        hop silent for a third of the idle timeout its server announced gets a keepalive."""
+        due = [s for s in self._sessions if getattr(s, "idle_timeout_s", None)
+               and not s.closed and now - s.last_io > s.idle_timeout_s / 3]
+        if due:
+            await asyncio.gather(*(s.keepalive() for s in due), return_exceptions=True)
 
     async def close(self) -> None:
         sessions, self._sessions = self._sessions, []

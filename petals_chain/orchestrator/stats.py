@@ -26,6 +26,12 @@ class Stats:
         self.relay_steps = 0
         self.hop_s = 0.0  # time spent waiting on servers (incl. network) summed over hops
         self.service_s = 0.0  # sum of jobs' service times
+        # Failover replays by kind: "partial" (one hop's span re-fed on a replacement server) or "full" (the
+        # whole prefix through a new chain). tokens: positions re-fed; token_blocks: tokens x blocks recomputed.
+        self.replays = {"partial": 0, "full": 0}
+        self.replay_tokens = {"partial": 0, "full": 0}
+        self.replay_token_blocks = {"partial": 0, "full": 0}
+        self.recent_replays: deque[dict] = deque(maxlen=50)
         self.registry = CollectorRegistry()
         r = self.registry
         self.m_requests = Counter("petals_chain_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -54,6 +60,19 @@ class Stats:
         self.m_lower = Gauge("petals_chain_predicted_response_lower_seconds", "Thm 3.7 lower bound", registry=r)
         self.m_upper = Gauge("petals_chain_predicted_response_upper_seconds", "Thm 3.7 upper bound", registry=r)
         self.m_arrival = Gauge("petals_chain_arrival_rate", "Arrival rate used by the planner (req/s)", registry=r)
+        self.m_replays = Counter("petals_chain_failover_replays", "Failover replays: partial (the failed hop's span "
+                                 "on a replacement server) or full (the whole prefix on a new chain)", ["kind"],
+                                 registry=r)
+        self.m_replay_tokens = Counter("petals_chain_failover_replayed_tokens", "Token positions re-fed by failover "
+                                       "replays", ["kind"], registry=r)
+        self.m_replay_token_blocks = Counter("petals_chain_failover_replayed_token_blocks", "Tokens x blocks "
+                                             "recomputed by failover replays", ["kind"], registry=r)
+        self.m_replay_bytes = Gauge("petals_chain_replay_cache_bytes", "Hop inputs kept for failover replays "
+                                    "(all jobs)", registry=r)
+        self.m_replay_budget = Gauge("petals_chain_replay_cache_budget_bytes", "Budget of the hop inputs kept "
+                                     "(--replay-cache-mb)", registry=r)
+        self.m_replay_evictions = Gauge("petals_chain_replay_cache_evictions", "Jobs whose hop inputs were dropped "
+                                        "to stay within the budget, since start", registry=r)
         self.m_head_batch = Histogram("petals_chain_lm_head_batch_rows", "Rows per batched LM-head call",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self._client_usage()
@@ -105,6 +124,24 @@ class Stats:
     def add_failover(self) -> None:
         self.failovers += 1
         self.m_failovers.inc()
+
+    def add_replay(self, kind: str, *, tokens: int, token_blocks: int) -> None:
+        """A failover (``kind``: partial|full) re-fed ``tokens`` positions, ``token_blocks`` tokens x blocks."""
+        self.replays[kind] += 1
+        self.replay_tokens[kind] += tokens
+        self.replay_token_blocks[kind] += token_blocks
+        self.recent_replays.append({"t": time.time(), "kind": kind, "tokens": tokens, "token_blocks": token_blocks})
+        self.m_replays.labels(kind).inc()
+        self.m_replay_tokens.labels(kind).inc(tokens)
+        self.m_replay_token_blocks.labels(kind).inc(token_blocks)
+
+    def replay_json(self) -> dict:
+        return {"replays_partial": self.replays["partial"], "replays_full": self.replays["full"],
+                "replayed_tokens_partial": self.replay_tokens["partial"],
+                "replayed_tokens_full": self.replay_tokens["full"],
+                "replayed_token_blocks_partial": self.replay_token_blocks["partial"],
+                "replayed_token_blocks_full": self.replay_token_blocks["full"],
+                "recent_replays": list(self.recent_replays)[-20:]}
 
     def record(self, *, wait_s: float, service_s: float, tokens: int, prompt_tokens: int, ok: bool) -> None:
         if ok:

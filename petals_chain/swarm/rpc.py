@@ -16,15 +16,24 @@ Session stream, client -> server:
   2. ``{"op": "step", "position"}`` + the first chunk of hidden ``[1, n, hidden]`` (further chunks follow
      as messages with only ``tensors``) -> ``{"ok": true, "position"}`` + output chunks, or an error reply
      (the session survives an error reply; nothing changed).
-  3. ``{"op": "close"}`` -> ``{"ok": true, "closed": true}``; the stream ends.
-The server frees the session's slots when the stream ends for any reason: close, client disconnect,
-or no message for ``idle_timeout_s``. Error replies are ``{"ok": false, "code", "error"}`` with code
-``no_capacity`` | ``untrusted`` | ``invalid`` | ``unavailable`` | ``idle_timeout`` | ``internal``.
+  3. ``{"op": "keepalive"}`` -> ``{"ok": true, "keepalive": true}``: nothing but a reset of the idle timer, for
+     a session the client holds between turns.
+  4. ``{"op": "close"}`` -> ``{"ok": true, "closed": true}``; the stream ends.
+The open reply announces ``idle_timeout_s``: the server frees the session's slots when the stream ends for
+any reason: close, client disconnect, or no *valid* message (open, step, keepalive) for ``idle_timeout_s``
+(an error reply does not reset that timer, so garbage cannot hold slots). A peer the server does not trust
+gets ``untrusted`` (after its first message, or ``UNTRUSTED_READ_S`` of silence) and the stream ends.
+Error replies are ``{"ok": false, "code", "error"}`` with code ``no_capacity`` | ``untrusted`` | ``invalid``
+| ``unavailable`` | ``idle_timeout`` | ``internal``.
+
+The client checks every step reply against what it sent (one tensor of the same shape and dtype, finite,
+in no more chunks than its size allows): anything else raises :class:`InvalidReply` and ends the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -52,6 +61,7 @@ MAX_TENSOR_BYTES = 1 << 31  # 2 GiB per step; the server's max_length bounds it 
 ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _MAX_SESSION_ID = 256
+UNTRUSTED_READ_S = 0.5  # how long the first message of an untrusted peer is awaited before it is refused
 
 
 class RemoteError(RuntimeError):
@@ -67,6 +77,11 @@ class NoCapacityError(RemoteError):
 
     def __init__(self, message: str):
         super().__init__(message, "no_capacity")
+
+
+class InvalidReply(ConnectionError):
+    """The server's reply breaks the protocol (shape, dtype, NaN/inf, chunking): the server is faulty or hostile,
+    and the stream is no longer usable."""
 
 
 class RefusedError(Exception):
@@ -171,18 +186,31 @@ class PetalsChainBlocks(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         peer = context.remote_id.to_base58()
         stream = requests.__aiter__()
+        if not self.backend.authorize(peer):
+            # Refused before anything is parsed or allocated, and a silent stream is not held for the idle timeout.
+            # Its first message is still read (briefly): replying while the peer writes it resets the stream.
+            with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
+                await asyncio.wait_for(stream.__anext__(), timeout=min(self.idle_timeout_s, UNTRUSTED_READ_S))
+            await self.emulation.half_rtt()
+            yield _error("untrusted", f"peer {peer} is not trusted by this server")
+            return
         session_id: Optional[str] = None
+        loop = asyncio.get_running_loop()
+        last_valid = loop.time()  # only valid messages move it: an error reply keeps the idle deadline
 
         pending: Optional[asyncio.Future] = None  # a read of the stream begun while the open waited
 
         async def next_message() -> Optional[runtime_pb2.ExpertRequest]:
             nonlocal pending
+            timeout = last_valid + self.idle_timeout_s - loop.time()
+            if timeout <= 0:
+                raise asyncio.TimeoutError
             try:
                 if pending is not None:
                     fut, pending = pending, None
-                    msg = await asyncio.wait_for(fut, timeout=self.idle_timeout_s)
+                    msg = await asyncio.wait_for(fut, timeout=timeout)
                 else:
-                    msg = await asyncio.wait_for(stream.__anext__(), timeout=self.idle_timeout_s)
+                    msg = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
             except StopAsyncIteration:
                 return None
             await self.emulation.half_rtt()
@@ -196,7 +224,7 @@ class PetalsChainBlocks(ServicerBase):
                 meta = _unpack(first.metadata)
                 if meta.get("op") != "open":
                     raise RefusedError("invalid", "the first message of a session must be op=open")
-                if not self.backend.authorize(peer):
+                if not self.backend.authorize(peer):  # trust may have been withdrawn meanwhile
                     raise RefusedError("untrusted", f"peer {peer} is not trusted by this server")
                 sid = meta.get("session_id")
                 if not isinstance(sid, str) or not (0 < len(sid) <= _MAX_SESSION_ID):
@@ -226,8 +254,10 @@ class PetalsChainBlocks(ServicerBase):
                 await self.emulation.half_rtt()
                 yield _error(e.code, str(e))
                 return
+            last_valid = loop.time()
             await self.emulation.half_rtt()
-            yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "session_id": session_id, **(extra or {})}))
+            yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "session_id": session_id,
+                                                             "idle_timeout_s": self.idle_timeout_s, **(extra or {})}))
 
             while True:
                 msg = await next_message()
@@ -240,8 +270,15 @@ class PetalsChainBlocks(ServicerBase):
                         await self.emulation.half_rtt()
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "closed": True}))
                         return
+                    if op == "keepalive":
+                        if msg.tensors:
+                            raise RefusedError("invalid", "keepalive carries no tensors")
+                        last_valid = loop.time()
+                        await self.emulation.half_rtt()
+                        yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "keepalive": True}))
+                        continue
                     if op != "step":
-                        raise RefusedError("invalid", f"unknown op {op!r} (expected step or close)")
+                        raise RefusedError("invalid", f"unknown op {op!r} (expected step, keepalive or close)")
                     position = _int_field(meta, "position")
                     hidden = await self._receive_tensor(msg, next_message)
                     t_compute = time.perf_counter()
@@ -259,6 +296,7 @@ class PetalsChainBlocks(ServicerBase):
                     await self.emulation.half_rtt()
                     yield _error("internal", f"{type(e).__name__}: {e}")
                     continue
+                last_valid = loop.time()
                 await self.emulation.half_rtt()
                 yield runtime_pb2.ExpertResponse(
                     metadata=_pack({"ok": True, "position": position + int(out.shape[1]),
@@ -402,7 +440,10 @@ class RemoteSession:
         self.position = 0  # tokens the server holds for this session (as acknowledged by it)
         self.last_compute_s: float | None = None  # server-side compute time of the last step (seconds)
         self.step_timeout_s = step_timeout_s
+        self.idle_timeout_s: float | None = None  # announced by the server at open (None: an older server)
+        self.last_io = time.monotonic()  # last reply from the server: what its idle timer saw last
         self.closed = False
+        self._lost: BaseException | None = None  # why the stream ended under us (keepalive failed)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._responses: Optional[AsyncIterator[runtime_pb2.ExpertResponse]] = None
         self._lock = asyncio.Lock()
@@ -416,14 +457,12 @@ class RemoteSession:
 
     async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Send hidden ``[1, n, hidden_size]`` for positions ``position..position+n-1``; returns the same shape."""
-        if self.closed:
-            raise RemoteError("session is closed", "invalid")
+        self._raise_if_closed()
         if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3:
             raise ValueError("hidden must be a 3-D tensor [1, n_tokens, hidden_size]")
         chunks = serialize_chunks(hidden)
         async with self._lock:
-            if self.closed:
-                raise RemoteError("session is closed", "invalid")
+            self._raise_if_closed()
             try:
                 return await self._step_locked(chunks, hidden, int(position))
             except RemoteError:
@@ -435,30 +474,88 @@ class RemoteSession:
                 self._queue.put_nowait(None)
                 raise
 
+    def _raise_if_closed(self) -> None:
+        lost = self._lost
+        if lost is not None:  # the server dropped the stream while we held the session: say how
+            if isinstance(lost, RemoteError):
+                raise RemoteError(f"session lost: {lost}", lost.code)
+            raise ConnectionError(f"session lost: {lost}")
+        if self.closed:
+            raise RemoteError("session is closed", "invalid")
+
     async def _step_locked(self, chunks, hidden: torch.Tensor, position: int) -> torch.Tensor:
         self._queue.put_nowait(
             runtime_pb2.ExpertRequest(metadata=_pack({"op": "step", "position": position}), tensors=[chunks[0]])
         )
         for chunk in chunks[1:]:
             self._queue.put_nowait(runtime_pb2.ExpertRequest(tensors=[chunk]))
-        reply = await _await_next(self._responses, self.step_timeout_s, f"step on {self.peer_id}")
+        what = f"step on {self.peer_id}"
+        reply = await _await_next(self._responses, self.step_timeout_s, what)
         meta = _unpack_reply(reply)
         _raise_if_error(meta)
         if len(reply.tensors) != 1:
-            raise ConnectionError("malformed step reply from the server")
-        parts = [reply.tensors[0]]
-        while len(parts) < max(1, parts[0].chunks):
-            more = await _await_next(self._responses, self.step_timeout_s, f"step on {self.peer_id}")
-            if len(more.tensors) != 1:
-                raise ConnectionError("malformed step reply from the server")
+            raise InvalidReply(f"{what}: a step reply carries one tensor, got {len(reply.tensors)}")
+        # The reply must be what we sent, transformed: same dtype and shape. Checked before reading further
+        # chunks, so a server announcing a huge or absurdly chunked tensor costs us nothing.
+        head, sent = reply.tensors[0], chunks[0]
+        if head.dtype != sent.dtype or list(head.size) != list(sent.size) or head.compression != sent.compression:
+            raise InvalidReply(f"{what}: reply tensor {head.dtype}{list(head.size)} (compression {head.compression}) "
+                               f"does not match the {sent.dtype}{list(sent.size)} sent")
+        nbytes = math.prod(sent.size) * _DTYPE_BYTES.get(sent.dtype, 4)
+        num_chunks = max(1, int(head.chunks))
+        if num_chunks > min(MAX_CHUNKS, 1 + nbytes // MIN_CHUNK_BYTES):
+            raise InvalidReply(f"{what}: {num_chunks} chunks announced for {nbytes} bytes")
+        parts, received = [head], len(head.buffer)
+        while len(parts) < num_chunks and received <= nbytes:
+            more = await _await_next(self._responses, self.step_timeout_s, what)
+            if more.metadata or len(more.tensors) != 1:
+                raise InvalidReply(f"{what}: expected a tensor continuation chunk")
             parts.append(more.tensors[0])
-        self.position = int(meta.get("position", position + hidden.shape[1]))
+            received += len(more.tensors[0].buffer)
+        if received != nbytes:
+            raise InvalidReply(f"{what}: reply tensor has {received} bytes, {nbytes} expected")
+        try:
+            out = deserialize_torch_tensor(combine_from_streaming(parts))
+        except Exception as e:  # noqa: BLE001
+            raise InvalidReply(f"{what}: cannot deserialize the reply: {e}") from None
+        if out.shape != hidden.shape or out.dtype != hidden.dtype:
+            raise InvalidReply(f"{what}: reply {out.dtype}{list(out.shape)} for {hidden.dtype}{list(hidden.shape)}")
+        if not torch.isfinite(out).all():
+            raise InvalidReply(f"{what}: the reply contains NaN or inf")
+        self.position = position + int(hidden.shape[1])
+        self.last_io = time.monotonic()
         compute_s = meta.get("compute_s")
         # the server's own time for this step (incl. emulated slowness); lets the orchestrator split a hop's
         # time into compute (tau_p) and communication (tau_c) without trusting ping RTTs under load
         self.last_compute_s = (float(compute_s) if isinstance(compute_s, (int, float)) and 0 <= compute_s < 1e6
                                else None)
-        return deserialize_torch_tensor(combine_from_streaming(parts))
+        return out
+
+    async def keepalive(self) -> bool:
+        """Reset the server's idle timer for this held session; False if the session is gone (it is then closed,
+        and the next step raises what ended it). A no-op while a step is in flight (the stream is not idle)."""
+        if self.closed:
+            return False
+        if self._lock.locked():
+            return True
+        async with self._lock:
+            if self.closed:
+                return False
+            self._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({"op": "keepalive"})))
+            try:
+                reply = await _await_next(self._responses, self.step_timeout_s, f"keepalive on {self.peer_id}")
+                _raise_if_error(_unpack_reply(reply))
+            except (ConnectionError, RemoteError) as e:
+                self._lost = e
+                self.closed = True
+                self._queue.put_nowait(None)
+                return False
+            except BaseException:
+                self.closed = True
+                self._queue.put_nowait(None)
+                raise
+            self.last_io = time.monotonic()
+            return True
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Free the server's slots (idempotent; never raises for a dead server)."""
@@ -523,11 +620,16 @@ class ServerClient:
         try:
             reply = await _await_next(sess._responses, self.open_timeout_s + max(0.0, float(wait_s)),
                                       f"open on {peer_id}")
-            _raise_if_error(_unpack_reply(reply))
+            meta = _unpack_reply(reply)
+            _raise_if_error(meta)
         except BaseException:
             sess.closed = True
             sess._queue.put_nowait(None)
             raise
+        idle = meta.get("idle_timeout_s")
+        if isinstance(idle, (int, float)) and not isinstance(idle, bool) and 0 < idle < math.inf:
+            sess.idle_timeout_s = float(idle)
+        sess.last_io = time.monotonic()
         if fork_from is not None:
             sess.position = int(fork_length)
         return sess

@@ -1,0 +1,17 @@
+"""The two ways a request ends without a generation: refused (4xx) or the swarm could not serve it (503)."""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request the orchestrator refuses (maps to HTTP 4xx)."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+class Unavailable(RuntimeError):
+    """The swarm could not serve the request (no chain in time, too many failures): HTTP 503."""

@@ -1,0 +1,267 @@
+"""A job's hold on a chain: acquisition through dispatch, feeding tokens, forks, and failover.
+
+When a hop fails, the job keeps its chain lease and its other hops: the failed hop's span moves to another
+server that holds it (a hop whose server only lost the session, e.g. to its idle timeout, is re-opened on the
+same server), which replays just that hop's inputs (:mod:`~petals_chain.orchestrator.replay`). Only when no
+server can take the span over, or the inputs were evicted, does the job drop its chain and replay its whole
+prefix on a chain the dispatcher gives it. Greedy output is the same either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from petals_chain.orchestrator.dispatch import DispatchJob, Lease, QueueFull, note_admission
+from petals_chain.orchestrator.errors import RequestError, Unavailable
+from petals_chain.orchestrator.relay import ChainSession, HopFailure
+from petals_chain.swarm.rpc import RemoteError
+
+logger = logging.getLogger(__name__)
+
+MAX_REPLACEMENT_TRIES = 3  # servers tried for one failed hop before the whole chain is given up
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def is_refusal(e: HopFailure) -> bool:
+    """The server answered with an error (it lives), as opposed to a dead, silent or garbage-answering server."""
+    return isinstance(e.cause, RemoteError) and not isinstance(e.cause, ConnectionError)
+
+
+class ChainHolder:
+    """A job's chain and server sessions; feeds tokens, fails over hop by hop, or replays on another chain."""
+
+    _counter = itertools.count()
+
+    def __init__(self, orch: Any, job_id: str, max_length: int):
+        self.orch = orch
+        self.job_id = job_id
+        self.max_length = max_length
+        self.kv_ids: list[int] = []  # tokens whose KV the current chain holds
+        self.lease: Lease | None = None
+        self.cs: ChainSession | None = None
+        self.kv_valid = 0
+        self.wait_s = 0.0
+        self.steps = 0
+        self.failovers = 0
+        self.closed = False
+        self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
+        # (sibling, tokens): a sibling whose first `tokens` KV this job may copy if it lands on the same chain
+        self.fork_source: tuple["ChainHolder", int] | None = None
+        self.forked = False
+        self.inputs = orch.replay_cache.new()  # what each hop received: replay one hop, not the chain
+
+    @property
+    def chain_names(self) -> list[str]:
+        """Peer ids of the hops serving the job now (a replaced hop included)."""
+        if self.cs is not None:
+            return [h[0] for h in self.cs.hops]
+        return [h[0] for h in self.lease.hops] if self.lease is not None else []
+
+    async def _ensure_chain(self) -> None:
+        orch = self.orch
+        deadline = time.monotonic() + orch.cfg.queue_timeout_s
+        failed_opens = 0
+        if self.cs is not None:
+            note_admission(True)  # holds its chain (a session's later turn): admitted without the queue
+        while self.cs is None:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
+            job = DispatchJob(job_id=self.job_id, requeue=self.admitted)
+            t0 = time.monotonic()
+            try:
+                lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
+            except QueueFull as e:  # only a job that never held a chain is refused
+                raise RequestError(str(e), status=429, code="queue_full") from None
+            self.admitted = True
+            cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", self.max_length,
+                              observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0))
+            opened = False
+            fork = self._fork_candidate(lease)
+            for attempt in range(60):
+                try:
+                    if fork is not None:
+                        try:
+                            await cs.open(fork_from=fork[0], fork_length=fork[1])
+                        except HopFailure as e:
+                            if not (e.no_capacity or is_refusal(e)):
+                                raise
+                            fork = None  # the sibling's session moved or a server is full: open plainly
+                            continue
+                        self.kv_valid = fork[1]
+                        self.forked = True
+                        self.orch.stats.forks += 1
+                    else:
+                        await cs.open()
+                    opened = True
+                    break
+                except HopFailure as e:
+                    if e.no_capacity and attempt < 59:
+                        # Slots still held by jobs of a previous plan: they free up as those finish.
+                        await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
+                        continue
+                    self.failovers += 1
+                    orch.stats.add_failover()
+                    orch.server_failed(e)
+                    break
+                except BaseException:
+                    orch.dispatch.release(lease)
+                    raise
+            if opened:
+                self.wait_s += time.monotonic() - t0
+                self.lease, self.cs = lease, cs
+                if fork is None:
+                    self.kv_valid = 0
+                    self.inputs.clear()
+                else:
+                    self.inputs.copy_prefix(self.fork_source[0].inputs, fork[1])
+                orch.chain_sessions.add(cs)
+            else:
+                orch.dispatch.release(lease)
+                # A refusal (or a failure the planner has not acted on yet) must not become a busy loop.
+                failed_opens += 1
+                await asyncio.sleep(min(2.0, 0.1 * failed_opens))
+                self.wait_s += time.monotonic() - t0
+
+    def _fork_candidate(self, lease: Lease) -> tuple[ChainSession, int] | None:
+        """The sibling's session to copy the prefix KV from, if it runs on exactly the hops of ``lease``."""
+        if self.fork_source is None or self.kv_valid:
+            return None
+        sibling, n = self.fork_source
+        cs = sibling.cs
+        if cs is None or sibling.kv_valid < n or cs.hops != lease.hops or self.kv_ids[:n] != sibling.kv_ids[:n]:
+            return None
+        return cs, n
+
+    def sync(self, target: list[int]) -> list[int]:
+        """Make ``target`` the sequence this job continues: keep the longest common prefix of the tokens fed so
+        far (rolling the chain's KV back past it) and return the tokens of ``target`` still to feed.
+
+        A turn that failed or was aborted fed tokens nobody kept; a re-templated chat history may tokenize the
+        last answer differently: either way the next feed starts where the two sequences agree."""
+        keep = common_prefix(self.kv_ids, target)
+        del self.kv_ids[keep:]
+        self.kv_valid = min(self.kv_valid, keep)
+        return list(target[keep:])
+
+    async def _drop(self) -> None:
+        cs, lease = self.cs, self.lease
+        self.cs, self.lease, self.kv_valid = None, None, 0
+        self.inputs.clear()
+        if cs is not None:
+            self.orch.chain_sessions.discard(cs)
+            await cs.close()
+        if lease is not None:
+            self.orch.dispatch.release(lease)
+
+    async def feed(self, new_ids: list[int], hidden: torch.Tensor | None = None, *,
+                   all_positions: bool = False) -> torch.Tensor:
+        """Append ``new_ids`` to the KV; return the last block's output at the last position [H] (or, with
+        ``all_positions``, at every position of the tokens fed in this call, [n, H]).
+
+        ``hidden``: the embeddings of ``new_ids`` if the caller has them (the head batcher embeds the tokens it
+        samples); replays after a failover embed in the head's worker thread."""
+        if len(self.kv_ids) + len(new_ids) > self.max_length:
+            raise RequestError(f"sequence would exceed max_length={self.max_length}", code="context_length_exceeded")
+        budget = [self.orch.cfg.max_failovers]  # hop and chain failovers of this call, together
+        while True:
+            await self._ensure_chain()
+            ids = self.kv_ids[self.kv_valid:] + list(new_ids)
+            position = self.kv_valid
+            if hidden is None or len(ids) != len(new_ids):
+                hidden = await self.orch.batcher.embed(ids)
+            try:
+                out = await self._forward(hidden, position, budget)
+            except asyncio.CancelledError:
+                # A step cut short leaves replies unread: its streams are closed. Release the chain now (its JFFC
+                # slot goes to the next job); a session's next turn acquires one and replays what it needs.
+                self.orch._background(self._drop())
+                raise
+            except HopFailure as e:
+                self.failovers += 1
+                self.orch.stats.add_failover()
+                blocks = sum(end - start for _, start, end in (self.cs.hops if self.cs is not None else []))
+                self.orch.stats.add_replay("full", tokens=len(self.kv_ids), token_blocks=len(self.kv_ids) * blocks)
+                logger.warning("job %s: %s; replaying %d tokens on another chain", self.job_id, e, len(ids))
+                self.orch.server_failed(e)
+                await self._drop()
+                budget[0] -= 1
+                if budget[0] < 0:
+                    raise Unavailable(f"gave up after {self.failovers} server failures") from None
+                continue
+            self.kv_ids.extend(new_ids)
+            self.kv_valid = len(self.kv_ids)
+            self.steps += 1
+            return out[0, len(ids) - len(new_ids):] if all_positions else out[0, -1]
+
+    async def _forward(self, hidden: torch.Tensor, position: int, budget: list[int]) -> torch.Tensor:
+        """Run ``hidden`` (positions ``position..``) through the chain, keeping every hop's input; a failed hop
+        moves to another server (:meth:`_move_hop`). HopFailure: the chain as a whole is lost."""
+        cs, inputs = self.cs, self.inputs
+        inputs.truncate(position)
+        x = hidden
+        for i in range(len(cs.hops)):
+            if i > 0:
+                inputs.append(cs.hops[i][1], x, position)
+            try:
+                x = await cs.step(i, x, position)
+            except HopFailure as e:
+                x = await self._move_hop(i, e, x, position, budget)
+        return x
+
+    async def _move_hop(self, i: int, failure: HopFailure, x: torch.Tensor, position: int,
+                        budget: list[int]) -> torch.Tensor:
+        """Give hop ``i`` to another server holding its span (or re-open it on its own server if that server only
+        lost the session) and replay the hop's inputs there; re-raise ``failure`` if that is not possible."""
+        orch, cs = self.orch, self.cs
+        peer, start, end = cs.hops[i]
+        orch.server_failed(failure)  # a dead or lying server is banned before candidates are chosen
+        if budget[0] <= 0:
+            raise failure
+        if position == 0:
+            history = None
+        elif start == 0:
+            history = await orch.batcher.embed(self.kv_ids[:position])
+        else:
+            history = self.inputs.get(start, position)
+            if history is None:  # evicted (over --replay-cache-mb) or never kept: replay the whole chain
+                raise failure
+        candidates = [p for p in orch.replacement_servers(start, end) if p != peer]
+        if is_refusal(failure):
+            candidates.insert(0, peer)  # the server lives (e.g. its idle timeout dropped the session)
+        for cand in candidates[:MAX_REPLACEMENT_TRIES]:
+            try:
+                out = await cs.replace(i, cand, history, x, position)
+            except HopFailure as e:
+                logger.info("job %s: %s cannot take blocks [%d, %d) over: %s", self.job_id, cand[:12], start, end, e)
+                orch.server_failed(e)
+                continue
+            budget[0] -= 1
+            self.failovers += 1
+            orch.stats.add_failover()
+            orch.stats.add_replay("partial", tokens=position, token_blocks=position * (end - start))
+            logger.warning("job %s: %s; replayed %d tokens of blocks [%d, %d) on %s", self.job_id, failure, position,
+                           start, end, cand[:12])
+            return out
+        raise failure
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            await self._drop()
+            self.inputs.close()

@@ -1,0 +1,168 @@
+"""Generation: the decode loop (sample, feed, repeat) and requests of ``n >= 1`` choices, each its own job.
+
+:class:`GenerationMixin` holds these methods of :class:`~petals_chain.orchestrator.core.Orchestrator`; the LM
+head and sampling run batched in the head's worker thread (``HeadBatcher``), the relay in
+:class:`~petals_chain.orchestrator.failover.ChainHolder`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import torch
+
+from petals_chain.orchestrator.failover import ChainHolder
+from petals_chain.orchestrator.sampling import SamplingParams, SequenceSampler, StopMatcher, TokenChoice
+
+
+@dataclass
+class Generation:
+    """Result of one generation."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    wait_s: float
+    service_s: float
+    chain: list[str]
+    failovers: int
+    logprobs: list[TokenChoice] | None = None  # per generated token, when asked for
+    prompt_logprobs: list[TokenChoice | None] | None = None  # per prompt token (first: None), when asked for
+    forked: bool = False  # started from a sibling's prefill (n > 1) instead of its own
+
+
+# emit(text, token choices since the previous emit): streaming callbacks get the text that is safe to show and
+# the tokens (with logprobs when asked) it came from; text may be empty while a stop string is still possible.
+Emit = Callable[[str, list[TokenChoice]], Awaitable[None]]
+
+
+class GenerationMixin:
+    """The generation methods of the Orchestrator (it provides ``batcher``, ``stats``, ``planner``, ``tokenizer``,
+    ``cfg``, ``_eos``, ``validate_prompt``, ``_max_tokens`` and ``_background``)."""
+
+    async def _decode_loop(self, holder: ChainHolder, context: list[int], hidden: torch.Tensor,
+                           params: SamplingParams, emit: Emit | None) -> tuple[list[int], str, str, list[TokenChoice]]:
+        """Sample, feed, repeat: ``hidden`` is the last block's output after ``context``; returns (tokens,
+        text, finish_reason, choices). The LM head, sampling and the next token's embedding run batched in the
+        head's worker thread (:class:`HeadBatcher`); this loop only relays."""
+        seq = SequenceSampler(params, context)
+        matcher = StopMatcher(self.tokenizer, params.stop)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
+        generated: list[int] = []
+        choices: list[TokenChoice] = []
+        unsent: list[TokenChoice] = []
+        finish = "length"
+        limit = min(params.max_tokens, holder.max_length - len(context))
+        for i in range(limit):
+            choice, emb = await self.batcher.sample(hidden, seq)
+            tok = choice.token
+            seq.append(tok)
+            generated.append(tok)
+            choices.append(choice)
+            unsent.append(choice)
+            if tok in stop_ids:
+                finish = "stop"
+                break
+            delta = matcher.feed(tok)
+            if delta and emit is not None:
+                await emit(delta, unsent)
+                unsent = []
+            if matcher.stopped:
+                finish = "stop"
+                break
+            if i + 1 < limit:
+                hidden = await holder.feed([tok], emb)
+        tail = matcher.flush()
+        if emit is not None and (tail or unsent):
+            await emit(tail, unsent)
+        self.stats.relay_steps += holder.steps
+        return generated, matcher.text, finish, choices
+
+    def _finish_job(self, holder: ChainHolder, t0: float, generated: int, prompt_tokens: int, ok: bool) -> float:
+        """Record a finished job (or turn) and return its service time."""
+        service = max(0.0, time.monotonic() - t0 - holder.wait_s)
+        self.stats.record(wait_s=holder.wait_s, service_s=service, tokens=generated, prompt_tokens=prompt_tokens,
+                          ok=ok)
+        if ok and self.planner is not None:
+            self.planner.observe_job(holder.steps)
+        return service
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, explicit_max_tokens: bool = True,
+                       emit: Emit | None = None, prompt_logprobs: int | None = None) -> Generation:
+        """One request as one job: queue for a chain, prefill, decode, release the chain."""
+        return (await self.generate_n(prompt_ids, [params], explicit_max_tokens, [emit] if emit else None,
+                                      prompt_logprobs=prompt_logprobs))[0]
+
+    async def generate_n(self, prompt_ids: list[int], params: list[SamplingParams], explicit_max_tokens: bool = True,
+                         emits: list[Emit | None] | None = None, *, prompt_logprobs: int | None = None
+                         ) -> list[Generation]:
+        """``len(params)`` completions of one prompt, each its own job. The first job prefills; the others
+        wait for that prefill and start from a copy of its KV when JFFC puts them on the same chain (else
+        they prefill on theirs): the prompt is computed once, and every choice samples its first token from
+        the same last hidden state. If one choice fails, the others are cancelled and their chains released."""
+        self.validate_prompt(prompt_ids, params[0].max_tokens, explicit_max_tokens)
+        params = [SamplingParams(**{**p.__dict__, "stop": list(p.stop), "max_tokens": self._max_tokens(
+            p.max_tokens, len(prompt_ids), self.cfg.max_length, explicit_max_tokens)}) for p in params]
+        emits = list(emits or [None] * len(params))
+        if self.planner is not None:
+            for _ in params:
+                self.planner.rates.arrive()
+        t0 = time.monotonic()
+        holders = [ChainHolder(self, f"r-{uuid.uuid4().hex[:12]}", self.cfg.max_length) for _ in params]
+        for h in holders[1:]:
+            h.fork_source = (holders[0], len(prompt_ids))
+        prefill: asyncio.Future = asyncio.get_running_loop().create_future()
+        # A failed prefill is reported by its own task; the siblings only wait on it.
+        prefill.add_done_callback(lambda f: f.cancelled() or f.exception())
+        results: list[Generation | None] = [None] * len(params)
+
+        async def one(i: int) -> None:
+            holder, p = holders[i], params[i]
+            generated: list[int] = []
+            ok = False
+            scored = None
+            try:
+                if i == 0:
+                    try:
+                        out = await holder.feed(list(prompt_ids), all_positions=prompt_logprobs is not None)
+                        if prompt_logprobs is not None:
+                            scored = await self.batcher.score(out, list(prompt_ids), prompt_logprobs)
+                            out = out[-1]
+                        prefill.set_result(out)
+                    except BaseException as e:
+                        if not prefill.done():
+                            prefill.set_exception(e)
+                        raise
+                    hidden = out
+                else:
+                    hidden = await asyncio.shield(prefill)
+                    holder.kv_ids = list(prompt_ids)  # fed lazily: forked on the sibling's chain or replayed
+                generated, text, finish, choices = await self._decode_loop(holder, list(prompt_ids), hidden, p,
+                                                                            emits[i])
+                ok = True
+            finally:
+                self._background(holder.close())
+                service = self._finish_job(holder, t0, len(generated), len(prompt_ids) if i == 0 else 0, ok)
+            results[i] = Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt_ids),
+                                    wait_s=holder.wait_s, service_s=service, chain=holder.chain_names,
+                                    failovers=holder.failovers, logprobs=choices if p.logprobs is not None else None,
+                                    prompt_logprobs=scored, forked=holder.forked)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(params))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if not prefill.done():
+                prefill.cancel()
+        scored = results[0].prompt_logprobs
+        for g in results[1:]:
+            g.prompt_logprobs = scored
+        return results  # type: ignore[return-value]

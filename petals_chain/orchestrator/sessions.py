@@ -1,0 +1,166 @@
+"""Multi-turn sessions: a job that keeps its chain and KV between calls, its lease, and keepalives.
+
+The lease: a session idle for ``session_idle_timeout_s`` is closed by the reaper. Servers drop a session
+stream idle for the ``idle_timeout_s`` they announce at open (120 s by default), usually shorter: so while a
+job holds its sessions idle (between turns), every hop gets a keepalive after a third of its server's timeout.
+A session a server dropped anyway (it restarted, or a keepalive came too late) fails over on its next step:
+the hop is re-opened and its inputs replayed (:mod:`~petals_chain.orchestrator.failover`), never an error.
+
+:class:`SessionMixin` holds these methods of :class:`~petals_chain.orchestrator.core.Orchestrator`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from petals_chain.orchestrator.errors import RequestError
+from petals_chain.orchestrator.failover import ChainHolder
+from petals_chain.orchestrator.generation import Emit, Generation
+from petals_chain.orchestrator.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class UserSession:
+    """A multi-turn session: one job that keeps its chain and KV between calls.
+
+    ``history`` is the session's token sequence after its last completed turn; ``messages`` the conversation
+    of a chat session (None for a session fed raw text or token ids). A turn that fails or is aborted leaves
+    both exactly as they were."""
+
+    def __init__(self, orch: Any, max_length: int):
+        self.id = uuid.uuid4().hex
+        self.holder = ChainHolder(orch, f"s-{self.id[:12]}", max_length)
+        self.history: list[int] = []
+        self.messages: list[dict] | None = None
+        self.lock = asyncio.Lock()
+        self.last_used = time.monotonic()
+        self.created = time.time()
+        self.turns = 0
+
+    @property
+    def max_length(self) -> int:
+        return self.holder.max_length
+
+
+class SessionMixin:
+    """The session methods of the Orchestrator (it provides ``sessions``, ``chain_sessions``, ``cfg``, ``stats``,
+    ``_stop``, ``_decode_loop``, ``validate_prompt`` and ``_max_tokens``)."""
+
+    def open_session(self, max_length: int | None = None) -> UserSession:
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise RequestError(f"too many open sessions ({self.cfg.max_sessions})", status=429)
+        ml = self.cfg.max_length if max_length is None else int(max_length)
+        if not (2 <= ml <= self.cfg.max_length):
+            raise RequestError(f"max_length must be in [2, {self.cfg.max_length}], got {ml}", param="max_length")
+        s = UserSession(self, ml)
+        self.sessions[s.id] = s
+        return s
+
+    def get_session(self, session_id: str) -> UserSession:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise RequestError(f"no open session {session_id!r}", status=404, code="session_not_found")
+        return s
+
+    async def close_session(self, session_id: str) -> None:
+        s = self.sessions.pop(session_id, None)
+        if s is None:
+            raise RequestError(f"no open session {session_id!r}", status=404, code="session_not_found")
+        async with s.lock:
+            await s.holder.close()
+
+    def session_messages(self, s: UserSession, new: list[dict]) -> list[dict]:
+        """The whole conversation after a chat turn adding ``new`` (refused for a raw-text session)."""
+        if s.messages is None and s.history:
+            raise RequestError("this session was fed raw text or token ids; chat messages cannot continue it",
+                               param="messages", code="session_mode")
+        return list(s.messages or []) + list(new)
+
+    def session_target(self, s: UserSession, new_ids: list[int]) -> list[int]:
+        """The session's token sequence after a raw turn adding ``new_ids`` (refused for a chat session)."""
+        if s.messages is not None:
+            raise RequestError("this is a chat session; continue it with messages", param="prompt",
+                               code="session_mode")
+        return s.history + list(new_ids)
+
+    async def session_generate(self, s: UserSession, target: list[int], params: SamplingParams, *,
+                               explicit_max_tokens: bool = True, emit: Emit | None = None,
+                               messages: list[dict] | None = None) -> Generation:
+        """Continue session ``s`` so that its tokens are ``target`` (the history plus this turn's input, or a
+        chat conversation templated at once), then generate. Only the tokens the chain does not hold yet are
+        fed; on failure or cancellation the session stays as it was before the turn."""
+        if s.lock.locked():
+            raise RequestError("this session is already generating", status=409, code="session_busy")
+        async with s.lock:
+            if s.id not in self.sessions:
+                raise RequestError("the session was closed", status=404, code="session_not_found")
+            self.validate_prompt(target, params.max_tokens, explicit_max_tokens, max_length=s.max_length)
+            params = SamplingParams(**{**params.__dict__, "stop": list(params.stop), "max_tokens": self._max_tokens(
+                params.max_tokens, len(target), s.max_length, explicit_max_tokens)})
+            s.last_used = time.monotonic()
+            holder = s.holder
+            wait0 = holder.wait_s
+            t0 = time.monotonic()
+            pending = holder.sync(target)
+            prompt_tokens = len(pending)
+            try:
+                if pending:
+                    hidden = await holder.feed(pending)
+                else:  # the chain already holds the whole target: recompute the last position's output
+                    last = target[-1:]
+                    holder.sync(target[:-1])
+                    hidden = await holder.feed(last)
+                generated, text, finish, choices = await self._decode_loop(holder, list(target), hidden, params, emit)
+            except BaseException:
+                self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=0, prompt_tokens=prompt_tokens,
+                                  ok=False)
+                raise
+            finally:
+                s.last_used = time.monotonic()
+            if messages is not None:
+                s.messages = self.session_messages(s, messages) + [{"role": "assistant", "content": text}]
+            s.history = list(target) + generated
+            s.turns += 1
+            wait = holder.wait_s - wait0
+            service = max(0.0, time.monotonic() - t0 - wait)
+            self.stats.record(wait_s=wait, service_s=service, tokens=len(generated), prompt_tokens=prompt_tokens,
+                              ok=True)
+            return Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(target),
+                              wait_s=wait, service_s=service, chain=holder.chain_names, failovers=holder.failovers,
+                              logprobs=choices if params.logprobs is not None else None)
+
+    async def _reap_sessions(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(5.0)
+            now = time.monotonic()
+            for sid, s in list(self.sessions.items()):
+                if not s.lock.locked() and now - s.last_used > self.cfg.session_idle_timeout_s:
+                    logger.info("closing idle session %s", sid)
+                    self.sessions.pop(sid, None)
+                    await s.holder.close()
+
+    async def _keep_alive(self) -> None:
+        """Send keepalives on the idle server sessions of every job (see the module docstring)."""
+        inflight: dict = {}  # ChainSession -> its keepalive task (one at a time per job)
+        tick = self.cfg.keepalive_tick_s
+        try:
+            while not self._stop.is_set():
+                try:
+                    await asyncio.wait_for(self._stop.wait(), timeout=tick)
+                    return
+                except asyncio.TimeoutError:
+                    pass
+                now = time.monotonic()
+                for cs in list(self.chain_sessions):
+                    if cs not in inflight:
+                        task = asyncio.ensure_future(cs.keepalive(now))
+                        inflight[cs] = task
+                        task.add_done_callback(lambda t, cs=cs: inflight.pop(cs, None))
+        finally:
+            for task in list(inflight.values()):
+                task.cancel()

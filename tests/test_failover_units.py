@@ -1,0 +1,165 @@
+"""Failover and untrusted-server rules without processes: the planner's ban backoff, one leave per graceful stop,
+tau_p by what a server delivers, and the replay cache's byte budget."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import torch
+
+from petals_chain.model import ModelSpec
+from petals_chain.swarm.records import ServerRecord
+
+MODEL = ModelSpec(num_blocks=4, block_size=10.0, cache_size=1.0)
+
+
+def record(name: str, state: str = "online", tau_p: float = 0.01, **kw) -> ServerRecord:
+    return ServerRecord(peer_id=name, state=state, memory_bytes=60, tau_p=tau_p, public_name=name, max_length=64,
+                        **{"timestamp": time.time(), **kw})
+
+
+class FakeDHT:
+    peer_id = "orch"
+
+    def __init__(self, records: dict):
+        self.records = records
+
+    async def afetch_servers(self, prefix):
+        return dict(self.records)
+
+    def publish_assignment(self, prefix, rec, expiration):
+        pass
+
+
+class FakeClient:
+    def __init__(self):
+        self.dead: set[str] = set()
+
+    async def ping(self, peer_id):
+        if peer_id in self.dead:
+            raise ConnectionError("unreachable")
+        return 0.001
+
+
+def planner(records: dict, **attrs):
+    from petals_chain.orchestrator.planner import Planner
+
+    pl = Planner(dht=FakeDHT(records), prefix="x", client=FakeClient(), max_length=64, on_chains=lambda c: None,
+                 arrival_rate=1.0, model_spec_fallback=lambda: MODEL, settle_s=0.0)
+    for k, v in attrs.items():  # clock and ban knobs (constructor arguments too)
+        setattr(pl, k, v)
+    return pl
+
+
+def test_failed_server_banned_with_exponential_backoff():
+    now = [1000.0]
+    records = {n: record(n) for n in "abc"}
+    pl = planner(records, clock=lambda: now[0], ban_base_s=5.0, ban_max_s=20.0, ban_reset_s=60.0)
+    refresh = lambda: asyncio.run(pl.refresh())  # noqa: E731
+    refresh()
+    a = pl.servers["a"]
+    assert a.usable and pl.plan is not None
+
+    def fail_and_time_ban() -> float:
+        pl.report_failure("a")
+        assert not a.usable
+        start = now[0]
+        records["a"] = record("a", timestamp=time.time() + 2)  # a newer record: it used to lift the ban at once
+        while not a.usable:
+            now[0] += 0.5
+            refresh()
+            assert now[0] - start < 100
+        return now[0] - start
+
+    bans = [fail_and_time_ban() for _ in range(4)]
+    assert bans == [5.0, 10.0, 20.0, 20.0], bans  # doubling, capped at ban_max_s
+    assert a.strikes == 4
+    pl.report_failure("a")
+    entry = next(s for s in pl.server_json() if s["peer_id"] == "a")
+    assert entry["banned"] and entry["strikes"] == 5 and entry["banned_for_s"] == 20.0 and entry["state"] == "failed"
+    now[0] += 20.0
+    refresh()
+    now[0] += 60.0  # served well for ban_reset_s: the next ban starts small again
+    assert fail_and_time_ban() == 5.0 and a.strikes == 1
+    # A ban is not lifted while the server does not answer pings (it is dead, not just unlucky).
+    pl.client.dead.add("a")
+    pl.report_failure("a")
+    now[0] += 30.0
+    refresh()
+    refresh()
+    assert not a.usable
+    pl.client.dead.clear()
+    refresh()
+    assert a.usable
+
+
+def test_graceful_stop_is_one_leave(caplog):
+    records = {n: record(n) for n in "abc"}
+    pl = planner(records)
+    asyncio.run(pl.refresh())
+    changed = pl.last_change
+    records["b"] = record("b", state="offline")  # announced at shutdown; lingers in the DHT until it expires
+    with caplog.at_level(logging.INFO, logger="petals_chain.orchestrator.planner"):
+        for _ in range(5):
+            asyncio.run(pl.refresh())
+        del records["b"]  # expired
+        asyncio.run(pl.refresh())
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("server left: b ") for m in lines) == 1, lines
+    assert not any(m.startswith("server joined: b ") for m in lines), lines
+    assert pl.last_change == changed  # a leave does not restart the settle time: re-planned at once
+    assert "b" not in pl.servers and "b" not in pl.assignment
+
+
+def test_tau_p_planned_by_what_a_server_delivers_and_flagged():
+    from petals_chain.orchestrator.planner import TAU_P_MIN_OBS, TAU_P_SUSPECT_RATIO, ServerView
+
+    pl = planner({})
+    steps = pl.steps_per_job
+    liar = pl.servers["liar"] = ServerView(peer_id="liar", record=record("liar", tau_p=0.001))
+    honest = pl.servers["honest"] = ServerView(peer_id="honest", record=record("honest", tau_p=0.001))
+    for i in range(TAU_P_MIN_OBS):
+        assert pl.tau_p(liar) == 0.001 and not pl.tau_p_suspect(liar)  # too few observations: as advertised
+        # per decode step and block: the liar computes 3x what it claims, the honest one 1.5x (noise, load)
+        pl.observe_hop("liar", 1, 2, seconds=0.05, compute_s=2 * 3 * 0.001 / steps)
+        pl.observe_hop("honest", 1, 2, seconds=0.05, compute_s=2 * 1.5 * 0.001 / steps)
+    assert pl.measured_tau_p(liar) == pytest.approx(0.003)
+    assert pl.tau_p(liar) == pytest.approx(0.003) and pl.tau_p_suspect(liar)  # planned by what it delivers
+    assert pl.tau_p(honest) == pytest.approx(0.0015) and not pl.tau_p_suspect(honest)  # within the ratio
+    assert 1.5 < TAU_P_SUSPECT_RATIO < 3
+    assert pl.specs([liar])[0].tau_p == pytest.approx(0.003)
+    entry = {s["peer_id"]: s for s in pl.server_json()}
+    assert entry["liar"]["tau_p_suspect"] is True and entry["liar"]["tau_p_measured"] == pytest.approx(0.003)
+    assert entry["liar"]["tau_p_advertised"] == 0.001
+    assert entry["honest"]["tau_p_suspect"] is False
+    assert pl._speed_changed == ["liar"]  # the next refresh re-plans with the measured value
+
+
+def test_replay_cache_budget_evicts_oldest_jobs():
+    from petals_chain.orchestrator.replay import ReplayCache
+
+    row = 16 * 4  # bytes of one position (hidden 16, float32)
+    cache = ReplayCache(budget_bytes=25 * row)
+    old, mid, new = cache.new(), cache.new(), cache.new()
+    for store in (old, mid):
+        store.append(4, torch.randn(1, 10, 16), 0)
+    assert cache.bytes == 20 * row and cache.jobs == 2
+    new.append(4, torch.randn(1, 8, 16), 0)  # over budget: the oldest job's inputs go
+    assert old.get(4, 10) is None and mid.get(4, 10) is not None and cache.bytes == 18 * row
+    assert cache.evictions == 1
+    old.append(4, torch.randn(1, 1, 16), 10)  # positions 0..9 are gone: a later step cannot be kept
+    assert old.length(4) == 0 and cache.bytes == 18 * row
+    x = torch.randn(1, 3, 16)
+    mid.append(4, x, 10)
+    assert torch.equal(mid.get(4, 13)[0, 10:], x[0]) and mid.length(4) == 13
+    mid.truncate(11)  # a rolled-back turn
+    assert mid.length(4) == 11 and cache.bytes == 19 * row
+    sliced = torch.randn(1, 40, 16)[:, 39:]  # a view pinning 40 rows: stored as a copy of its one row
+    new.append(4, sliced, 8)
+    assert new.get(4, 9)[0, 8].untyped_storage().nbytes() <= 9 * row
+    for store in (old, mid, new):
+        store.close()
+    assert cache.bytes == 0 and cache.jobs == 0
