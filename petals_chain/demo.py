@@ -179,7 +179,7 @@ def run_real(args) -> int:
         show.answer("instruction, temperature 0.7, seed 1", q,
                     client.chat_completion([{"role": "user", "content": q}], max_tokens=64, temperature=0.7, seed=1))
         with client.session() as s:
-            for i, q in enumerate(["Hi! My name is Ada and I like painting.", "What is my name?"], 1):
+            for i, q in enumerate(["Hi, I am Ada. I live in Rome.", "Which city do I live in?"], 1):
                 show.answer(f"session turn {i}", q, s.chat(q, max_tokens=48))
         print(f"\n  burst: {len(BURST_QUESTIONS)} questions at once (JFFC spreads them over the chains)")
         results: list = [None] * len(BURST_QUESTIONS)

@@ -7,8 +7,8 @@ print(client.generate("The quick brown fox", max_tokens=16))          # greedy b
 for piece in client.stream("Once upon a time", max_tokens=32, temperature=0.8, seed=1):
     print(piece, end="", flush=True)
 with client.session(max_length=512) as s:                              # keeps its chain and KV cache
-    s.chat("My name is Ada.")                                          # chat turns: the template is applied
-    print(s.chat("What is my name?").text)                             # by the orchestrator, token-exact
+    s.chat("I live in Rome.")                                          # chat turns: the template is applied
+    print(s.chat("Where do I live?").text)                             # by the orchestrator, token-exact
 ```
 
 PETALS-style code ports by changing one import (token ids in, token ids out, as ``transformers``):
