@@ -6,6 +6,7 @@ its p2pd, even after SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 
@@ -168,6 +169,44 @@ def with_suppress(fn) -> None:
         fn()
     except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired, OSError):
         pass
+
+
+@contextlib.contextmanager
+def assigned_server(model: Path, memory_bytes: int, workdir: Path, prefix: str, max_length: int,
+                    extra_args: Sequence[str] = (), trust_orchestrator: bool = False) -> Iterator[dict]:
+    """One server process assigned blocks [0, 2) by a bare orchestrator DHT node, plus a rogue DHT peer
+    (``trust_orchestrator``: the server is started with ``--trust-orchestrator`` naming that node).
+
+    Yields ``dict(orch, rogue, peer, proc)`` once the server's record says ``online``; everything is stopped
+    afterwards. For tests of the server's wire protocol against trusted and untrusted peers."""
+    from petals_chain.swarm.dht import SwarmDHT
+    from petals_chain.swarm.records import AssignmentRecord
+
+    orch = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    rogue = SwarmDHT.create(initial_peers=orch.visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    proc = ServerProcess(["--model", str(model), "--initial-peers", *orch.visible_maddrs(), "--host-maddrs",
+                          "/ip4/127.0.0.1/tcp/0", "--dht-prefix", prefix, "--memory-bytes", str(memory_bytes),
+                          "--assignment-poll-s", "0.3", "--refresh-s", "2", "--tau-p", "0.01", "--no-progress",
+                          *extra_args, *(["--trust-orchestrator", orch.peer_id] if trust_orchestrator else [])],
+                         workdir / "server.log")
+    try:
+        peer = proc.wait_peer_id(timeout=180)
+        assert orch.publish_assignment(prefix, AssignmentRecord(epoch=1, max_length=max_length,
+                                                                orchestrator_peer_id=orch.peer_id,
+                                                                assignments={peer: [0, 2]}), 300)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            rec = orch.fetch_servers(prefix).get(peer)
+            if rec is not None and rec.state == "online":
+                break
+            time.sleep(0.25)
+        else:
+            raise TimeoutError(proc.log()[-3000:])
+        yield dict(orch=orch, rogue=rogue, peer=peer, proc=proc)
+    finally:
+        proc.kill()
+        rogue.shutdown()
+        orch.shutdown()
 
 
 @pytest.fixture

@@ -19,9 +19,8 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from petals_chain.swarm.dht import SwarmDHT
 from petals_chain.swarm.keys import summary_key
-from petals_chain.swarm.records import AssignmentRecord, SummaryRecord
+from petals_chain.swarm.records import SummaryRecord
 from petals_chain.swarm.rpc import PetalsChainBlocks, RemoteError, ServerClient, _pack, _unpack, serialize_chunks
 
 pytestmark = pytest.mark.slow
@@ -44,38 +43,16 @@ def rss_tree(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def attacked(tiny_model_factory, tmp_path_factory):
-    from conftest import ServerProcess
+    from conftest import assigned_server
     from petals_chain.swarm.checkpoint import load_config
     from petals_chain.swarm.memory import block_bytes, cache_slot_bytes
 
     model = tiny_model_factory("llama", num_layers=4)
     config = load_config(model)
     s_m, s_c = block_bytes(config, "float32"), cache_slot_bytes(config, "float32", MAX_LENGTH)
-    orch = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    rogue = SwarmDHT.create(initial_peers=orch.visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    workdir = tmp_path_factory.mktemp("hostile")
-    proc = ServerProcess(["--model", str(model), "--initial-peers", *orch.visible_maddrs(), "--host-maddrs",
-                          "/ip4/127.0.0.1/tcp/0", "--dht-prefix", PREFIX, "--memory-bytes", str(2 * s_m + 4 * s_c),
-                          "--assignment-poll-s", "0.3", "--refresh-s", "2", "--tau-p", "0.01", "--no-progress",
-                          "--idle-timeout-s", "5", "--trust-orchestrator", orch.peer_id], workdir / "server.log")
-    try:
-        peer = proc.wait_peer_id(timeout=180)
-        asg = AssignmentRecord(epoch=1, max_length=MAX_LENGTH, orchestrator_peer_id=orch.peer_id,
-                               assignments={peer: [0, 2]})
-        assert orch.publish_assignment(PREFIX, asg, 300)
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            rec = orch.fetch_servers(PREFIX).get(peer)
-            if rec is not None and rec.state == "online":
-                break
-            time.sleep(0.25)
-        else:
-            raise TimeoutError(proc.log()[-3000:])
-        yield dict(orch=orch, rogue=rogue, peer=peer, model=model, proc=proc)
-    finally:
-        proc.kill()
-        rogue.shutdown()
-        orch.shutdown()
+    with assigned_server(model, 2 * s_m + 4 * s_c, tmp_path_factory.mktemp("hostile"), PREFIX, MAX_LENGTH,
+                         ["--idle-timeout-s", "5"], trust_orchestrator=True) as env:
+        yield dict(env, model=model)
 
 
 async def _never() -> None:

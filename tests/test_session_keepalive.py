@@ -37,35 +37,11 @@ def model_path(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def idle_server(model_path, tmp_path_factory):
-    from conftest import ServerProcess
-    from petals_chain.swarm.records import AssignmentRecord
+    from conftest import assigned_server
 
-    orch = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    rogue = SwarmDHT.create(initial_peers=orch.visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    workdir = tmp_path_factory.mktemp("idle")
-    proc = ServerProcess(["--model", str(model_path), "--initial-peers", *orch.visible_maddrs(), "--host-maddrs",
-                          "/ip4/127.0.0.1/tcp/0", "--dht-prefix", PREFIX, "--memory-bytes",
-                          str(memory_for(model_path, MAX_LENGTH, 2, 4)), "--assignment-poll-s", "0.3", "--refresh-s",
-                          "2", "--tau-p", "0.01", "--no-progress", "--idle-timeout-s", str(IDLE_S)],
-                         workdir / "server.log")
-    try:
-        peer = proc.wait_peer_id(timeout=180)
-        assert orch.publish_assignment(PREFIX, AssignmentRecord(epoch=1, max_length=MAX_LENGTH,
-                                                                orchestrator_peer_id=orch.peer_id,
-                                                                assignments={peer: [0, 2]}), 300)
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            rec = orch.fetch_servers(PREFIX).get(peer)
-            if rec is not None and rec.state == "online":
-                break
-            time.sleep(0.25)
-        else:
-            raise TimeoutError(proc.log()[-3000:])
-        yield dict(orch=orch, rogue=rogue, peer=peer, proc=proc)
-    finally:
-        proc.kill()
-        rogue.shutdown()
-        orch.shutdown()
+    with assigned_server(model_path, memory_for(model_path, MAX_LENGTH, 2, 4), tmp_path_factory.mktemp("idle"),
+                         PREFIX, MAX_LENGTH, ["--idle-timeout-s", str(IDLE_S)]) as env:
+        yield env
 
 
 async def _with_p2p(dht: SwarmDHT, fn):

@@ -16,21 +16,9 @@ from typing import Any, Sequence
 
 from petals_chain.sim import experiments as ex
 from petals_chain.sim.scenarios import DEFAULT_ETA, DEFAULT_J, DEFAULT_LAMBDA, DISPATCHERS
+from petals_chain.swarm.jsonsafe import json_safe
 
 FIGS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8")
-
-
-def _clean(obj: Any) -> Any:
-    """JSON-safe copy: inf/nan -> None, int dict keys -> str."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if hasattr(obj, "item"):  # numpy scalars
-        return _clean(obj.item())
-    return obj
 
 
 def _fmt(v: Any, nd: int = 3) -> str:
@@ -280,7 +268,7 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
             if out:
                 Path(out).mkdir(parents=True, exist_ok=True)
                 with open(Path(out) / "fig8_cells.jsonl", "a") as f:
-                    f.write(json.dumps(_clean(cell)) + "\n")
+                    f.write(json.dumps(json_safe(cell)) + "\n")
 
         return ex.fig8(runs=runs, seed=a.seed, jobs=jobs, progress=prog, on_cell=on_cell,
                        petals_cache_tokens=a.petals_cache_tokens, bprr_r=a.bprr_r,
@@ -362,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cmd in cmds:
         t0 = time.perf_counter()
         try:
-            res = _clean(run_command(cmd, a))
+            res = json_safe(run_command(cmd, a))
         except (OSError, ValueError) as e:
             print(f"error in {cmd}: {e}", file=sys.stderr)
             return 2
