@@ -59,9 +59,9 @@ async def _never() -> None:
     await asyncio.Event().wait()
 
 
-async def attack(p2p, peer: str, report: dict) -> None:
-    """Everything a rogue (untrusted) peer can send; every reply must be a refusal."""
-    client = ServerClient(p2p, open_timeout_s=60, step_timeout_s=60)
+async def attack(p2p, peer: str, report: dict, timeout_s: float) -> None:
+    """Everything a rogue (untrusted) peer can send; every reply must be a refusal (each within ``timeout_s``)."""
+    client = ServerClient(p2p, open_timeout_s=2 * timeout_s, step_timeout_s=2 * timeout_s)
     stub = PetalsChainBlocks.get_stub(p2p, PeerID.from_base58(peer))
 
     async def raw_first(msg: runtime_pb2.ExpertRequest) -> dict:
@@ -70,7 +70,7 @@ async def attack(p2p, peer: str, report: dict) -> None:
             await _never()  # keep the stream open: the server must answer without waiting for more
 
         stream = await stub.rpc_session(reqs())
-        reply = await asyncio.wait_for(stream.__anext__(), 30)
+        reply = await asyncio.wait_for(stream.__anext__(), timeout_s)
         return _unpack(reply.metadata)
 
     # 1. Opens without trust (for the assigned span, for another span, for a huge one), in a flood.
@@ -115,7 +115,7 @@ async def attack(p2p, peer: str, report: dict) -> None:
         try:
             stream = await stub.rpc_session(reqs())
             idle.append(stream)
-            reply = await asyncio.wait_for(stream.__anext__(), 30)
+            reply = await asyncio.wait_for(stream.__anext__(), timeout_s)
             return _unpack(reply.metadata).get("code")
         except Exception as e:  # noqa: BLE001
             return type(e).__name__
@@ -124,11 +124,15 @@ async def attack(p2p, peer: str, report: dict) -> None:
     report["idle_codes"] = sorted(set(idle_codes))
     # 4. Ping/info flood (public calls).
     t0 = time.perf_counter()
-    await asyncio.gather(*(client.ping(peer) for _ in range(100)), *(client.info(peer) for _ in range(100)))
+    # The rogue's own calls may be dropped by the P2P layer under load (a reset stream): that is the rogue's loss,
+    # counted, not a failure; what matters is that the honest session and the server are unaffected.
+    flood = await asyncio.gather(*(client.ping(peer) for _ in range(100)), *(client.info(peer) for _ in range(100)),
+                                 return_exceptions=True)
     report["ping_flood_s"] = time.perf_counter() - t0
+    report["flood_answered"] = sum(not isinstance(r, BaseException) for r in flood)
 
 
-def test_honest_session_unaffected_while_attacked(attacked):
+def test_honest_session_unaffected_while_attacked(attacked, scaled):
     from petals_chain.server.runner import BlockRunner
 
     orch, rogue, peer, model, proc = (attacked[k] for k in ("orch", "rogue", "peer", "model", "proc"))
@@ -147,7 +151,7 @@ def test_honest_session_unaffected_while_attacked(attacked):
         honest_p2p = await orch.replicate_p2p()
         rogue_p2p = await rogue.replicate_p2p()
         try:
-            honest = ServerClient(honest_p2p, step_timeout_s=60)
+            honest = ServerClient(honest_p2p, step_timeout_s=scaled(60))
             sess = await honest.open_session(peer, "honest", 0, 2, MAX_LENGTH)
             outs, lat = [], []
 
@@ -160,7 +164,7 @@ def test_honest_session_unaffected_while_attacked(attacked):
                     p += x.shape[1]
                     await asyncio.sleep(0.1)  # a steady decode while the attack runs
 
-            await asyncio.gather(honest_run(), attack(rogue_p2p, peer, report))
+            await asyncio.gather(honest_run(), attack(rogue_p2p, peer, report, scaled(30)))
             info = await honest.info(peer)
             await sess.close()
             report["slots_free_during"] = info["slots_free"]

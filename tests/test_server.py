@@ -214,7 +214,7 @@ def test_release_on_idle_timeout(slot_server):
     run(with_client(orch, scenario))
 
 
-def test_release_when_client_process_dies(slot_server, tmp_path):
+def test_release_when_client_process_dies(slot_server, tmp_path, scaled):
     """A trusted client process holding a session is SIGKILLed (with its p2pd): its slots come back."""
     import subprocess
     import sys
@@ -229,7 +229,15 @@ def test_release_when_client_process_dies(slot_server, tmp_path):
         async def main():
             p2p = await P2P.create(initial_peers={orch.visible_maddrs()!r}, identity_path=sys.argv[1],
                                    host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            await ServerClient(p2p).open_session({peer!r}, "doomed", 0, 2, {MAX_LENGTH})
+            client = ServerClient(p2p, open_timeout_s={scaled(30)!r})
+            for attempt in range(30):  # p2pd may not have found the server through its bootstrap peer yet
+                try:
+                    await client.open_session({peer!r}, "doomed", 0, 2, {MAX_LENGTH})
+                    break
+                except ConnectionError as e:
+                    if "failed to find any peer" not in str(e) or attempt == 29:
+                        raise
+                    await asyncio.sleep(1.0)
             print("OPEN", flush=True)
             await asyncio.sleep(600)
         asyncio.run(main())
@@ -237,18 +245,20 @@ def test_release_when_client_process_dies(slot_server, tmp_path):
     proc = subprocess.Popen([sys.executable, str(script), slot_server["client_identity"]], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        line = b""
-        deadline = time.time() + 60
-        while time.time() < deadline and b"OPEN" not in line and proc.poll() is None:
+        output = b""
+        while b"OPEN" not in output:  # readline returns b"" only at EOF: the client exited
             line = proc.stdout.readline()
-        assert b"OPEN" in line, proc.stdout.read().decode() if proc.poll() is not None else line
+            if not line:
+                break
+            output += line
+        assert b"OPEN" in output, f"the client exited ({proc.wait(10)}) before opening:\n{output.decode()}"
         info = run(with_client(orch, lambda c: c.info(peer)))
         assert info["slots_free"] == 3
     finally:
         with_kill(proc)
 
     async def wait_free(client):
-        return await wait_info(client, peer, lambda i: i["slots_free"] == 5, timeout=15)
+        return await wait_info(client, peer, lambda i: i["slots_free"] == 5, timeout=scaled(15))
 
     assert run(with_client(orch, wait_free))["slots_free"] == 5
 
