@@ -163,3 +163,36 @@ def test_replay_cache_budget_evicts_oldest_jobs():
     for store in (old, mid, new):
         store.close()
     assert cache.bytes == 0 and cache.jobs == 0
+
+
+def test_banned_server_keeps_its_blocks_and_rejoins_with_them():
+    """A ban (e.g. one invalid reply) must not unassign the server: it would unload and reload its span (minutes on
+    a real model). It stays assigned, out of the chains while banned, and is back in them once the ban is over;
+    only a server whose record is gone loses its span. (Failed on the previous main: the span went at once.)"""
+    now = [1000.0]
+    records = {n: record(n, slots_total=4, slots_free=4) for n in "abc"}
+    pl = planner(records, clock=lambda: now[0], ban_base_s=5.0, use_all_servers=True)  # as --spare-servers use
+    refresh = lambda: asyncio.run(pl.refresh())  # noqa: E731
+    refresh()
+    assert pl.plan is not None and set(pl.assignment) == set("abc"), pl.assignment
+    for n, (start, count) in pl.assignment.items():  # the servers load their spans
+        records[n] = record(n, start_block=start, num_blocks=count, slots_total=4, slots_free=4, epoch=pl.epoch)
+    refresh()
+    in_chains = lambda name: any(name in ch.servers for ch in pl.current.chains)  # noqa: E731
+    assert in_chains("a")
+    span, epoch, placements = pl.assignment["a"], pl.epoch, sum(e["kind"] == "placement" for e in pl.plan_log)
+
+    pl.report_failure("a", "invalid reply")
+    assert not in_chains("a")
+    while not pl.servers["a"].usable:
+        now[0] += 1.0
+        refresh()
+        assert pl.assignment.get("a") == span, "a banned server lost its span: it would unload and reload"
+        assert now[0] < 1100
+    assert pl.epoch == epoch and sum(e["kind"] == "placement" for e in pl.plan_log) == placements
+    assert in_chains("a")  # back with the blocks it kept
+
+    pl.report_failure("a", "dead")
+    del records["a"]  # its record expired: it is gone, and so is its span
+    refresh()
+    assert "a" not in pl.assignment

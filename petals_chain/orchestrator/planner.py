@@ -155,6 +155,7 @@ class Planner:
         self.plan_log: deque[dict] = deque(maxlen=100)
         self._gca_key: tuple | None = None
         self._considered: set[str] = set()
+        self._planned_around: set[str] = set()  # banned servers already planned around (see held_spans)
         self._lock = asyncio.Lock()
         self.model_spec: ModelSpec | None = None
 
@@ -249,6 +250,14 @@ class Planner:
         v.failed_at = None
         logger.info("server %s (%s): ban over, planning it again", v.record.public_name, v.peer_id[:12])
         return True
+
+    def held_spans(self) -> dict[str, tuple[int, int]]:
+        """Assigned spans of servers that are banned but still announce themselves. They stay in the assignment
+        (a ban must not make a server unload, and a reload costs minutes on a real model) while the plan for
+        everyone else is made without them; when the ban is over they rejoin the chains with the blocks they hold.
+        A dead server's record expires, and with it its span."""
+        return {p: span for p, span in self.assignment.items()
+                if (v := self.servers.get(p)) is not None and v.banned and v.record.state != "offline"}
 
     def replacements(self, start: int, end: int) -> list[str]:
         """Servers that can take a failed hop's blocks ``[start, end)`` over: online, not banned, serving a span
@@ -432,6 +441,11 @@ class Planner:
         self.last_publish = time.monotonic()
 
     async def _adopt(self, plan: Plan, reason: str) -> None:
+        held = {p: span for p, span in self.held_spans().items() if p not in plan.placement}
+        if held:
+            placement = Placement({**dict(plan.placement.items()), **held}, num_blocks=plan.placement.num_blocks)
+            plan = Plan(c=plan.c, placement=placement, chains=plan.chains, lower=plan.lower, upper=plan.upper,
+                        reason=plan.reason)
         self.plan = plan
         new_assignment = {k: tuple(v) for k, v in plan.placement.items()}
         if new_assignment != self.assignment:
@@ -534,13 +548,19 @@ class Planner:
         # at the periodic re-plan: a leftover server must not trigger planning every refresh.
         unassigned = [v for v in views if v.peer_id not in self.assignment]
         fresh = [v for v in unassigned if v.peer_id not in self._considered]
-        assigned_gone = [p for p in self.assignment if p not in {v.peer_id for v in views}]
+        held = self.held_spans()
+        view_ids = {v.peer_id for v in views}
+        # A banned server is planned around once (others may take its blocks over if the chains need them),
+        # not at every refresh of its ban.
+        planned_around = held.keys() & self._planned_around
+        assigned_gone = [p for p in self.assignment if p not in view_ids and p not in planned_around]
         if not settled:
             return
         due = time.monotonic() - self.last_full_replan >= self.replan_interval_s or bool(speed_changed)
         if not (fresh or assigned_gone or due):
             return
         self._considered.update(v.peer_id for v in unassigned)
+        self._planned_around = set(held)
         self.last_full_replan = time.monotonic()
         base = self.evaluate(views, self.plan.placement, self.plan.c)  # everyone usable serves its span
         best, reason = base, ""
@@ -560,7 +580,7 @@ class Planner:
         full = self.full_plan(views)
         if full is not None and full.chains and full.lower < (1 - self.move_margin) * best.lower:
             best, reason = full, f"re-placement improves predicted response {best.lower:.4g}s -> {full.lower:.4g}s"
-        if best is base and set(alive_placement) == set(self.assignment):
+        if best is base and set(alive_placement) == set(self.assignment) - set(held):
             return
         await self._adopt(best, reason or "servers left")
 

@@ -167,7 +167,8 @@ class Server:
         self.assignment_timestamp = asg.timestamp
         self._applied_content = self._assignment_content(asg)
         if span == self.span and max_length == self.max_length and (self.runner is not None or span is None):
-            logger.info("same span and max_length: keeping the loaded blocks (no reload)")
+            logger.info("same span and max_length: keeping the loaded blocks (no reload)" if span is not None
+                        else "still no span assigned")
             self._record_changed()
             return
         if span is not None:
