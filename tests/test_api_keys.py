@@ -12,6 +12,7 @@ from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 pytestmark = pytest.mark.slow
 
 ALICE, BOB = "alice-secret-0123456789", "bob-secret-0123456789"
+IDLE_S = 10.0  # the session lease (--session-idle-timeout-s)
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def swarm(tiny_model_factory, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"alice {ALICE} tokens_per_minute=60\nbob {BOB}\n")
     sw = LocalSwarm(path, [LocalServer("a", memory_for(path, 128, 4, 8), tau_p=0.001)], max_length=128,
-                    arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"), orchestrator_args=["--api-keys", str(keys)])
+                    arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"), orchestrator_args=["--api-keys", str(keys), "--session-idle-timeout-s", str(IDLE_S)])
     sw.start()
     try:
         sw.wait_ready(timeout=150)
@@ -61,6 +62,25 @@ def test_sessions_belong_to_their_key(swarm):
         assert other.status_code == 404
         assert httpx.delete(f"{swarm.url}/api/v1/sessions/{s.id}").status_code == 401
         assert s.info()["turns"] == 1  # untouched by the other key
+
+
+def test_idle_session_lease_expires(swarm, scaled):
+    """A session without a turn for --session-idle-timeout-s is closed: its chain and slots come back, and the id
+    answers 404 afterwards."""
+    import time
+
+    s = swarm.client(api_key=BOB).session()
+    s.generate("hello", max_tokens=2)
+    assert swarm.swarm()["sessions"] >= 1
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < IDLE_S + scaled(20):
+        if swarm.swarm()["sessions"] == 0:
+            break
+        time.sleep(0.5)
+    assert swarm.swarm()["sessions"] == 0 and time.monotonic() - t0 >= IDLE_S * 0.9
+    gone = httpx.post(f"{swarm.url}/api/v1/sessions/{s.id}/generate", json={"prompt": "x", "max_tokens": 1},
+                      headers={"Authorization": f"Bearer {BOB}"}, timeout=60)
+    assert gone.status_code == 404
 
 
 def test_openai_package_with_a_key(swarm):

@@ -29,6 +29,16 @@ def _arrival_rate(text: str) -> float | None:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -83,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-max-sessions", type=_positive_int, default=64,
                    help="open multi-turn sessions per client (API key, else IP)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024, help="request body limit (413)")
+    p.add_argument("--max-sessions", type=_positive_int, default=1024,
+                   help="open multi-turn sessions in total, all clients together; more get 429")
+    p.add_argument("--session-idle-timeout-s", type=_positive_float, default=300.0,
+                   help="a session without a turn for this long is closed (its chain and KV released)")
     p.add_argument("--replay-cache-mb", type=float, default=256.0,
                    help="memory for the hop inputs kept so a failed hop is replayed alone (all jobs together; "
                         "jobs over the budget fall back to replaying their prefix through the whole chain)")
@@ -180,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     # Admission limits (limits.py), read with defaults by the API middleware.
     cfg.max_queue, cfg.client_max_inflight = args.max_queue, args.client_max_inflight
     cfg.client_max_sessions, cfg.max_body_bytes = args.client_max_sessions, args.max_body_bytes
+    cfg.max_sessions, cfg.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
     cfg.api_keys = args.api_keys
     if args.api_keys:
         from petals_chain.orchestrator.auth import KeyFileError, KeyRing

@@ -136,7 +136,7 @@ class SessionMixin:
 
     async def _reap_sessions(self) -> None:
         while not self._stop.is_set():
-            await asyncio.sleep(5.0)
+            await asyncio.sleep(min(5.0, self.cfg.session_idle_timeout_s / 4))
             now = time.monotonic()
             for sid, s in list(self.sessions.items()):
                 if not s.lock.locked() and now - s.last_used > self.cfg.session_idle_timeout_s:
