@@ -5,8 +5,8 @@
 It announces a signed server record (fast ``--tau-p``, the memory given), follows the orchestrator's assignment
 (announcing the assigned span as loaded and online at once: it loads nothing) and serves the real RPC handle
 names (``PetalsChainBlocks.rpc_session`` / ``rpc_ping`` / ``rpc_info``). Opens succeed; each step is read in
-full and answered with, by ``--mode`` (``cycle``: the next mode each time it is given blocks again, i.e. after
-every ban; a session id ``<mode>-...`` picks its own):
+full and answered with, by ``--mode`` (``cycle``: the next mode each time it is given blocks again; with
+``--mode-file F`` the mode written in F when a session opens; a session id ``<mode>-...`` picks its own):
 
 * ``nan``: a tensor of the right shape and dtype, full of NaN;
 * ``shape``: one column more than the hidden size;
@@ -56,10 +56,21 @@ def corrupt(mode: str, x: torch.Tensor) -> list[runtime_pb2.Tensor]:
 
 
 class PetalsChainBlocks(ServicerBase):  # the class name is the wire protocol's handle prefix
-    def __init__(self, mode: str, info: dict):
+    def __init__(self, mode: str, info: dict, mode_file: str | None = None):
         self.modes = itertools.cycle(MODES) if mode == "cycle" else itertools.repeat(mode)
         self.mode = next(self.modes)
         self.info = info
+        self.mode_file = mode_file
+
+    def current_mode(self) -> str:
+        if self.mode_file is not None:
+            try:
+                mode = open(self.mode_file).read().strip()
+            except OSError:
+                mode = ""
+            if mode in MODES:
+                return mode
+        return self.mode
 
     async def rpc_ping(self, request: runtime_pb2.ExpertRequest,
                        context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -75,7 +86,7 @@ class PetalsChainBlocks(ServicerBase):  # the class name is the wire protocol's 
         first = await stream.__anext__()
         sid = _unpack(first.metadata).get("session_id")
         prefix = str(sid).split("-", 1)[0]
-        mode = prefix if prefix in MODES else self.mode  # a session id "nan-..." picks its mode (unit tests)
+        mode = prefix if prefix in MODES else self.current_mode()  # a session id "nan-..." picks its mode
         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "session_id": sid, "idle_timeout_s": 60.0}))
         async for msg in stream:
             meta = _unpack(msg.metadata)
@@ -103,6 +114,7 @@ async def main(argv: list[str]) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--initial-peers", nargs="+", required=True)
     p.add_argument("--mode", default="cycle", choices=[*MODES, "cycle"])
+    p.add_argument("--mode-file", default=None, help="read the mode from this file at each session open")
     p.add_argument("--memory-bytes", type=int, required=True)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--tau-p", type=float, default=1e-4)
@@ -114,7 +126,7 @@ async def main(argv: list[str]) -> None:
     sd = SwarmDHT.create(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], prefix=prefix)
     p2p = await sd.replicate_p2p()
     info = {"peer_id": sd.peer_id, "public_name": args.public_name, "state": "online"}
-    handler = PetalsChainBlocks(args.mode, info)
+    handler = PetalsChainBlocks(args.mode, info, args.mode_file)
     await handler.add_p2p_handlers(p2p)
     print(f"PEER_ID {sd.peer_id}", flush=True)
     trusted = [a.rsplit("/p2p/", 1)[1] for a in args.initial_peers if "/p2p/" in a]

@@ -86,9 +86,10 @@ def swarm(model_path, tmp_path):
         sw.start()
         sw.add_server("whole", memory_for(model_path, MAX_LENGTH, 4, 8), tau_p=0.01)
         # The hostile server claims the whole model and a speed no honest server has: the planner puts it on the
-        # fastest chain (alone: its replies go straight to the batched LM head), again after every ban.
+        # fastest chain (alone: its replies go straight to the batched LM head), again after every ban (it keeps
+        # its span while banned). Each round writes the mode it corrupts with to hostile.mode.
         sw.add_hostile("hostile", memory_for(model_path, MAX_LENGTH, 4, 4), "--tau-p", "0.00001", "--slots", "16",
-                       "--mode", "cycle")
+                       "--mode-file", str(tmp_path / "hostile.mode"))
         yield sw
     finally:
         sw.stop()
@@ -99,7 +100,7 @@ def _hostile_in_chain(st: dict) -> bool:
         s["state"] == "online" for s in st["servers"] if s["public_name"] == "whole")
 
 
-def test_bad_replies_fail_over_and_never_reach_the_head(swarm, model_path, scaled):
+def test_bad_replies_fail_over_and_never_reach_the_head(swarm, model_path, tmp_path, scaled):
     """Round by round (one bad-reply mode each), a burst of greedy requests fills every chain while the hostile
     server is on the fastest one: every request is token-exact, the hostile server's sessions fail over."""
     from transformers import AutoModelForCausalLM
@@ -114,6 +115,7 @@ def test_bad_replies_fail_over_and_never_reach_the_head(swarm, model_path, scale
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     rounds = []
     for mode in MODES:
+        (tmp_path / "hostile.mode").write_text(mode)
         st = swarm.wait_until(_hostile_in_chain, scaled(120), f"the hostile server back in a chain ({mode} round)")
         assert sum(ch["capacity"] for ch in st["chains"]) <= len(prompts)  # the burst fills the hostile chain too
         bad_before = swarm.log("hostile").count(f"BAD_REPLY {mode} ")

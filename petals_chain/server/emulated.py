@@ -7,23 +7,26 @@ emulation off nothing here is on its path:
   when batching);
 * :class:`EmulatedDelays` -- adds the footnote-11 compute time after each step (outside the device: the
   modelled time of other sessions overlaps);
-* :class:`FaultyReplies` -- corrupts a fraction of step replies (NaN or a wrong shape).
-
-The emulated link delay (``rtt_ms``) is applied by the RPC handler (:mod:`petals_chain.swarm.rpc`).
+* :class:`FaultyReplies` -- corrupts a fraction of step replies (NaN or a wrong shape);
+* :class:`EmulatedLink` -- the RPC handler behind a link with round-trip time ``rtt_ms``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
 
 from petals_chain.server.runner import BlockRunner
 from petals_chain.swarm.emulation import Emulation
+from petals_chain.swarm.rpc import PetalsChainBlocks
 
 T = TypeVar("T")
 
@@ -142,3 +145,55 @@ def session_backend(service: Any, emulation: Emulation) -> Any:
     if emulation.faults:
         backend = FaultyReplies(backend, emulation)
     return backend
+
+
+Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
+
+
+class EmulatedLink:
+    """Wraps the server's RPC handler behind a link of ``emulation.rtt_ms``: each message waits half the round trip
+    on its way in and each reply half on its way out. A tensor split into chunks travels as one message (only its
+    first chunk, the one with metadata, waits). Registered with ``handler.add_p2p_handlers(p2p, wrapper=link)``,
+    so peers call the plain handler's names and the plain handler does the work."""
+
+    def __init__(self, handler: PetalsChainBlocks, emulation: Emulation):
+        self.handler = handler
+        self.emulation = emulation
+
+    async def _delayed(self, messages: AsyncIterator[Message]) -> AsyncIterator[Message]:
+        first = True
+        async with contextlib.aclosing(messages) as stream:
+            async for msg in stream:
+                if first or msg.metadata:
+                    await self.emulation.half_rtt()
+                first = False
+                yield msg
+
+    async def _unary(self, method: Callable, request: runtime_pb2.ExpertRequest,
+                     context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        await self.emulation.half_rtt()
+        async for reply in self._delayed(method(request, context)):
+            yield reply
+
+    async def rpc_ping(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for reply in self._unary(self.handler.rpc_ping, request, context):
+            yield reply
+
+    async def rpc_info(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for reply in self._unary(self.handler.rpc_info, request, context):
+            yield reply
+
+    async def rpc_session(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for reply in self._delayed(self.handler.rpc_session(self._delayed(requests), context)):
+            yield reply
+
+
+def link_for(handler: PetalsChainBlocks, emulation: Emulation) -> Optional[EmulatedLink]:
+    """The wrapper to register ``handler`` with (None: no link delay, the handler answers directly)."""
+    return EmulatedLink(handler, emulation) if emulation.rtt_ms > 0 else None

@@ -249,8 +249,8 @@ class Server:
         handler = None
         try:
             self.p2p = await self.sd.replicate_p2p()
-            handler = PetalsChainBlocks(self.backend, emulation=self.emulation, idle_timeout_s=self.cfg.idle_timeout_s)
-            await handler.add_p2p_handlers(self.p2p)
+            handler = PetalsChainBlocks(self.backend, idle_timeout_s=self.cfg.idle_timeout_s)
+            await handler.add_p2p_handlers(self.p2p, wrapper=emulated.link_for(handler, self.emulation))
             maddrs = self.sd.visible_maddrs()
             logger.info(f"peer id {self.sd.peer_id}; multiaddrs: {' '.join(maddrs)}")
             print(f"PEER_ID {self.sd.peer_id}", flush=True)

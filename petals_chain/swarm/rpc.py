@@ -47,7 +47,6 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from petals_chain.swarm.emulation import Emulation
 
 hivemind.compression.base.USE_LEGACY_BFLOAT16 = False  # bf16 travels as bf16, not as fp32
 
@@ -152,9 +151,8 @@ def serialize_chunks(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
 class PetalsChainBlocks(ServicerBase):
     """The server's RPC handler (``await handler.add_p2p_handlers(p2p)``)."""
 
-    def __init__(self, backend: SessionBackend, *, emulation: Emulation = Emulation(), idle_timeout_s: float = 120.0):
+    def __init__(self, backend: SessionBackend, *, idle_timeout_s: float = 120.0):
         self.backend = backend
-        self.emulation = emulation
         self.idle_timeout_s = idle_timeout_s
 
     # ping and info answer on a fresh stream (like sessions), not on hivemind's persistent unary connection:
@@ -163,22 +161,18 @@ class PetalsChainBlocks(ServicerBase):
     async def rpc_ping(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        await self.emulation.half_rtt()
         meta = request.metadata[:MAX_METADATA_BYTES]
-        await self.emulation.half_rtt()
         yield runtime_pb2.ExpertResponse(metadata=meta)
 
     async def rpc_info(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        await self.emulation.half_rtt()
         try:
             info = self.backend.info()
         except Exception as e:  # noqa: BLE001
             logger.exception("info failed")
             yield _error("internal", f"info failed: {e}")
             return
-        await self.emulation.half_rtt()
         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **info}))
 
     async def rpc_session(
@@ -191,7 +185,6 @@ class PetalsChainBlocks(ServicerBase):
             # Its first message is still read (briefly): replying while the peer writes it resets the stream.
             with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
                 await asyncio.wait_for(stream.__anext__(), timeout=min(self.idle_timeout_s, UNTRUSTED_READ_S))
-            await self.emulation.half_rtt()
             yield _error("untrusted", f"peer {peer} is not trusted by this server")
             return
         session_id: Optional[str] = None
@@ -213,7 +206,6 @@ class PetalsChainBlocks(ServicerBase):
                     msg = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
             except StopAsyncIteration:
                 return None
-            await self.emulation.half_rtt()
             return msg
 
         try:
@@ -251,11 +243,9 @@ class PetalsChainBlocks(ServicerBase):
                     extra = self.backend.open_session(sid, start, end, max_length, peer, **fork)
                 session_id = sid
             except RefusedError as e:
-                await self.emulation.half_rtt()
                 yield _error(e.code, str(e))
                 return
             last_valid = loop.time()
-            await self.emulation.half_rtt()
             yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "session_id": session_id,
                                                              "idle_timeout_s": self.idle_timeout_s, **(extra or {})}))
 
@@ -267,14 +257,12 @@ class PetalsChainBlocks(ServicerBase):
                     meta = _unpack(msg.metadata)
                     op = meta.get("op")
                     if op == "close":
-                        await self.emulation.half_rtt()
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "closed": True}))
                         return
                     if op == "keepalive":
                         if msg.tensors:
                             raise RefusedError("invalid", "keepalive carries no tensors")
                         last_valid = loop.time()
-                        await self.emulation.half_rtt()
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "keepalive": True}))
                         continue
                     if op != "step":
@@ -286,18 +274,15 @@ class PetalsChainBlocks(ServicerBase):
                     compute_s = time.perf_counter() - t_compute
                     chunks = serialize_chunks(out)
                 except RefusedError as e:
-                    await self.emulation.half_rtt()
                     yield _error(e.code, str(e))
                     continue
                 except asyncio.TimeoutError:
                     raise  # idle in the middle of a chunked tensor: handled below
                 except Exception as e:  # noqa: BLE001 - a bug must not kill the session or the server
                     logger.exception(f"step of session {session_id} failed")
-                    await self.emulation.half_rtt()
                     yield _error("internal", f"{type(e).__name__}: {e}")
                     continue
                 last_valid = loop.time()
-                await self.emulation.half_rtt()
                 yield runtime_pb2.ExpertResponse(
                     metadata=_pack({"ok": True, "position": position + int(out.shape[1]),
                                     "compute_s": round(compute_s, 7)}),
