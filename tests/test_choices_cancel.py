@@ -23,7 +23,10 @@ def test_failing_choice_cancels_siblings_and_releases_chains(tiny_model_factory,
     sw = InProcessSwarm(model, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0)
     try:
         sw.start()
-        sw.add_server("whole", memory_for(model, MAX_LENGTH, 4, 4))  # one chain, 4 jobs at once
+        # One chain, 4 jobs at once; 10 ms per decoded token per block (emulated), so that a sibling needs ~2 s for
+        # its 50 tokens: the choices run as separate tasks, and on a loaded machine one ran 48 tokens ahead of
+        # another (~0.25 s at full speed) and finished before choice 1 failed.
+        sw.add_server("whole", memory_for(model, MAX_LENGTH, 4, 4), "--emulate-decode-ms", "10")
         sw.wait_until(lambda st: st["ready"] and st["chains"][0]["capacity"] >= 3, scaled(120), "the chain")
 
         class Boom(Exception):
