@@ -622,8 +622,15 @@ class ServerClient:
     async def _call(self, method: str, peer_id: Union[str, PeerID], request: runtime_pb2.ExpertRequest,
                     timeout_s: float) -> runtime_pb2.ExpertResponse:
         async def call():
-            stream = await getattr(self._stub(peer_id), method)(request)
-            return await stream.__anext__()
+            for attempt in range(2):
+                stream = await getattr(self._stub(peer_id), method)(request)
+                try:
+                    return await stream.__anext__()
+                except StopAsyncIteration:
+                    # The stream ended without a reply: on a loaded host the P2P layer now and then resets a fresh
+                    # stream before the handler answers. ping and info only read, so they ask once more.
+                    if attempt:
+                        raise
 
         try:
             return await asyncio.wait_for(call(), timeout=timeout_s)
