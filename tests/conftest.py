@@ -6,6 +6,7 @@ its p2pd, even after SIGKILL.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import pytest
 
@@ -207,6 +208,27 @@ def assigned_server(model: Path, memory_bytes: int, workdir: Path, prefix: str, 
         proc.kill()
         rogue.shutdown()
         orch.shutdown()
+
+
+def kill_hop_during(swarm: Any, request: Callable[[], Any], hop: int, *, find_s: float, settle_s: float,
+                    join_s: float) -> tuple[Any, dict]:
+    """Run ``request()`` in a thread; once a chain of ``swarm`` is serving it, wait ``settle_s`` (some tokens first)
+    and SIGKILL the server at hop ``hop`` of that chain. Returns the request's result and that chain (as
+    ``/api/v1/swarm`` showed it). The request must hold its chain long enough to be seen: a lasting state."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        future = pool.submit(request)
+        chain = None
+        deadline = time.monotonic() + find_s
+        while chain is None and time.monotonic() < deadline:
+            chain = next((ch for ch in swarm.swarm()["chains"] if ch["active"] > 0), None)
+            time.sleep(0.02)
+        assert chain is not None, "the request never showed up on a chain"
+        time.sleep(settle_s)
+        swarm.kill_server(chain["names"][hop])
+        return future.result(timeout=join_s), chain  # the request's own error, if any, is raised here
+    finally:
+        pool.shutdown(wait=False)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import kill_hop_during
 from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 
 pytestmark = pytest.mark.slow
@@ -327,31 +328,10 @@ def test_server_killed_mid_generation_keeps_output(swarm, hf_model, scaled):
     client = swarm.client()
     prompt = PROMPTS[1]
     expected = hf_greedy(hf_model, tok(prompt)["input_ids"], 160)
-    got: dict = {}
-
-    def run():
-        try:
-            got["comp"] = client.complete(prompt, max_tokens=160)
-        except Exception as e:  # noqa: BLE001
-            got["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    victim = None
-    deadline = time.monotonic() + scaled(30)
     # the request holds its chain for 160 tokens: a lasting state, so polling for it cannot miss it
-    while victim is None and time.monotonic() < deadline:
-        st = swarm.swarm()
-        for ch in st["chains"]:
-            if ch["active"] > 0:
-                victim = ch["names"][0]
-        time.sleep(0.02)
-    assert victim is not None, "the request never showed up on a chain"
-    time.sleep(0.1)  # let it generate some tokens first
-    swarm.kill_server(victim)
-    t.join(timeout=240)
-    assert "error" not in got, got.get("error")
-    comp = got["comp"]
+    comp, chain = kill_hop_during(swarm, lambda: client.complete(prompt, max_tokens=160), 0, find_s=scaled(30),
+                                  settle_s=0.1, join_s=240)
+    victim = chain["names"][0]
     assert comp.token_ids == expected
     assert comp.failovers >= 1
     st = swarm.swarm()

@@ -7,13 +7,12 @@ the other server holding it, which replays the hop's stored inputs; greedy outpu
 
 from __future__ import annotations
 
-import threading
-import time
 
 import httpx
 import pytest
 import torch
 
+from conftest import kill_hop_during
 from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 
 pytestmark = pytest.mark.slow
@@ -39,28 +38,11 @@ def test_killed_hop_replays_only_its_span(tiny_model_factory, tmp_path, scaled):
     try:
         st = sw.wait_ready(timeout=scaled(150))
         assert all(len(ch["names"]) == 2 for ch in st["chains"]) and len(st["chains"]) >= 2, st["chains"]
-        got: dict = {}
-
-        def run():
-            try:
-                got["comp"] = sw.client(timeout=scaled(240)).complete(prompt, max_tokens=n_new, ignore_eos=True)
-            except Exception as e:  # noqa: BLE001
-                got["error"] = e
-
-        t = threading.Thread(target=run)
-        t.start()
-        chain = None
-        deadline = time.monotonic() + scaled(30)
-        while chain is None and time.monotonic() < deadline:  # the job holds its chain for 150 tokens
-            chain = next((ch for ch in sw.swarm()["chains"] if ch["active"] > 0), None)
-            time.sleep(0.02)
-        assert chain is not None, "the request never showed up on a chain"
+        # the job holds its chain for 150 tokens; some tokens first, so the replay has a prefix to re-feed
+        comp, chain = kill_hop_during(
+            sw, lambda: sw.client(timeout=scaled(240)).complete(prompt, max_tokens=n_new, ignore_eos=True), 1,
+            find_s=scaled(30), settle_s=0.5, join_s=scaled(240))
         victim, kept = chain["names"][1], chain["names"][0]
-        time.sleep(0.5)  # some tokens first: the replay has a prefix to re-feed
-        sw.kill_server(victim)
-        t.join(timeout=scaled(240))
-        assert "error" not in got, got.get("error")
-        comp = got["comp"]
         assert comp.token_ids == expected
         assert comp.failovers == 1
         relay = sw.swarm()["relay"]

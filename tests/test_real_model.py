@@ -10,7 +10,6 @@ The tests run in file order and share one swarm; the last one kills a server.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +17,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import kill_hop_during
 from petals_chain.swarm.local import LocalServer, LocalSwarm, model_memory
 
 pytestmark = pytest.mark.slow
@@ -249,27 +249,9 @@ def test_server_killed_mid_generation_keeps_output(swarm, smollm2_reference, tok
     ids = chat_ids(tokenizer, "Write a long story about a dragon.")
     want = reference_no_stop(smollm2_reference, ids, 160)
     client = swarm.client()
-    got: dict = {}
-
-    def run():
-        try:
-            got["c"] = client.complete(ids, max_tokens=160, temperature=0, ignore_eos=True)
-        except Exception as e:  # noqa: BLE001
-            got["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    victim = None
-    deadline = time.monotonic() + 60
-    while victim is None and time.monotonic() < deadline:
-        for ch in swarm.swarm()["chains"]:
-            if ch["active"] > 0:
-                victim = ch["names"][1]  # the middle hop
-        time.sleep(0.01)
-    assert victim is not None, "the request never showed up on a chain"
-    swarm.kill_server(victim)
-    t.join(timeout=300)
-    assert "error" not in got, got.get("error")
-    assert got["c"].token_ids == want
-    assert got["c"].failovers >= 1  # 160 tokens through three hops outlast the poll that found the chain
+    comp, chain = kill_hop_during(swarm, lambda: client.complete(ids, max_tokens=160, temperature=0, ignore_eos=True),
+                                  1, find_s=60, settle_s=0.0, join_s=300)  # the middle hop
+    victim = chain["names"][1]
+    assert comp.token_ids == want
+    assert comp.failovers >= 1  # 160 tokens through three hops outlast the poll that found the chain
     assert victim not in [n for ch in swarm.swarm()["chains"] for n in ch["names"]]
