@@ -78,10 +78,6 @@ class Emulation:
         if self.rtt_ms > 0:
             await asyncio.sleep(self.rtt_ms / 2000.0)
 
-    def extra_compute_s(self, elapsed_s: float) -> float:
-        """Extra seconds to hold the device after a compute of ``elapsed_s`` seconds."""
-        return max(0.0, (self.compute_scale - 1.0) * elapsed_s)
-
     def step_delay_s(self, first_step: bool, num_blocks: int, num_tokens: int) -> float:
         """Footnote-11 time of one step through ``num_blocks`` blocks (added after the real compute)."""
         ms = self.step_ms if first_step else 0.0
