@@ -10,6 +10,7 @@ The tests run in file order and share one swarm; the last one kills a server.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -107,14 +108,29 @@ def test_concurrent_batched_sessions_are_token_exact(swarm, expected):
     """All six at once (twice each): steps of different sessions share forwards and LM-head batches."""
     client = swarm.client()
     jobs = QUESTIONS * 2
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda q: client.chat_completion([{"role": "user", "content": q}],
-                                                                 max_tokens=NEW_TOKENS), jobs))
+    # max_active counts per chain at its current capacity: a re-plan on a loaded host (a record late, then
+    # back) starts it afresh, so the most jobs seen at once on one chain while the jobs run counts too.
+    seen_active, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen_active[0] = max([seen_active[0]] + [ch["active"] for ch in swarm.swarm()["chains"]])
+            done.wait(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(lambda q: client.chat_completion([{"role": "user", "content": q}],
+                                                                     max_tokens=NEW_TOKENS), jobs))
+    finally:
+        done.set()
+        watcher.join()
     for q, c in zip(jobs, results):
         assert c.token_ids == expected[q], q
     st = swarm.swarm()
     assert st["relay"]["lm_head_rows"] > st["relay"]["lm_head_batches"]  # some LM-head calls were shared
-    assert max(ch["max_active"] for ch in st["chains"]) >= 2
+    assert max([seen_active[0]] + [ch["max_active"] for ch in st["chains"]]) >= 2, (st["epoch"], st["chains"])
 
 
 def test_openai_package_logprobs_seed_stream_n(swarm, expected, tokenizer):
