@@ -206,9 +206,9 @@ def chunk_choice(hidden_size: int = 64, num_layers: int = 8, heads: int = 4, ses
         for i in range(sessions + 1):
             r.allocate(f"c{i}", 0, num_layers)
             r.forward(f"c{i}", torch.randn(1, 32, H), 0)
-        dec = [BatchItem(torch.randn(1, 1, H), 32, r._sessions[f"c{i}"].slot_of, 0, num_layers)
+        dec = [BatchItem(torch.randn(1, 1, H), 32, r._sessions[f"c{i}"].pages_of, 0, num_layers)
                for i in range(sessions)]
-        pre = r._sessions[f"c{sessions}"].slot_of
+        pre = r._sessions[f"c{sessions}"].pages_of
         for c in chunks:
             x = torch.randn(1, c, H)
             times_alone, times_mixed = [], []

@@ -113,7 +113,7 @@ def load_requests(n: int, trace_path: str | None, seed: int):
 
 
 def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale: float, l_in_mean: float,
-                 l_out_mean: float, petals: bool, n_fast: int, n_slow: int, batching: bool = True,
+                 l_out_mean: float, petals: bool, n_fast: int, n_slow: int, batching: bool = True, kv_cache: str = "slots",
                  out_token_scale: int = 1):
     from petals_chain.swarm.local import LocalServer
 
@@ -134,6 +134,7 @@ def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale:
             extra += ["--cache-tokens-per-block", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH)]
         if not batching:
             extra += ["--no-batching"]
+        extra += ["--kv-cache", kv_cache]
         name = f"{'fast' if j < n_fast else 'slow'}{j}"
         specs.append(LocalServer(name, memory_bytes=int(gpu["memory_slots"] * s_c), emulate_rtt_ms=rtt,
                                  tau_p=tau_p_s / time_scale, extra_args=extra))
@@ -219,7 +220,8 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
     specs, described = server_specs(model_path, s_c, rtts, time_scale=args.time_scale,
                                     l_in_mean=float(np.mean(l_in)), l_out_mean=float(np.mean(l_out)),
                                     petals=policy == "petals", n_fast=args.fast, n_slow=args.slow,
-                                    batching=not args.no_batching, out_token_scale=args.out_token_scale)
+                                    batching=not args.no_batching, kv_cache=args.kv_cache,
+                                    out_token_scale=args.out_token_scale)
     orch_args = ["--placement", placement, "--dispatch", dispatch, "--replan-interval-s", "1000000",
                  "--petals-cache-tokens", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH),
                  "--route-wait-s", str(3600), "--log-level", "WARNING",
@@ -353,6 +355,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-batching", action="store_true",
                    help="servers run each session's step alone (issue 7's with/without-batching comparison)")
+    p.add_argument("--kv-cache", choices=["slots", "paged"], default="slots",
+                   help="the servers' KV cache (default slots: the paper's Eq. 3 model that Table 1 assumes)")
     p.add_argument("--plot", default=None, help="write a CDF plot of response times (PNG) here")
     p.add_argument("--plot-from", default=None, help="only plot, from a previous --out JSON")
     p.add_argument("--analyze", default=None, metavar="JSON",
@@ -400,7 +404,7 @@ def main(argv=None) -> int:
             "paper_max_length": PAPER_MAX_LENGTH, "token_scale": TOKEN_SCALE, "real_max_length": REAL_MAX_LENGTH,
             "mean_l_in": float(np.mean(l_in)), "mean_l_out": float(np.mean(l_out)),
             "s_m_bytes": s_m, "s_c_bytes": s_c, "s_m_over_s_c": s_m / s_c, "llama2_7b_s_m_over_s_c": S_M_OVER_S_C,
-            "petals_cache_slots_per_block": PETALS_CACHE_SLOTS, "server_batching": not args.no_batching, "rtt_source": anchors.source
+            "petals_cache_slots_per_block": PETALS_CACHE_SLOTS, "server_batching": not args.no_batching, "kv_cache": args.kv_cache, "rtt_source": anchors.source
             if hasattr(anchors, "source") else str(args.rtt_file or "default"),
             "servers": described, "times_in": "seconds of the uncompressed trace (measured x time_scale)",
         }

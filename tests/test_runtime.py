@@ -197,7 +197,7 @@ def test_memory_formulas_match_tensors(models, family, dtype):
 
 
 def test_slot_accounting(models):
-    r = BlockRunner(models["llama"], 2, 4, num_slots=7, max_length=32, progress=False)
+    r = BlockRunner(models["llama"], 2, 4, num_slots=7, max_length=32, progress=False, kv_cache="slots")
     assert (r.slots_total, r.slots_free) == (7, 7)
     r.allocate("a", 2, 6)  # 4 slots
     r.allocate("b", 4, 6)  # 2 slots
@@ -210,8 +210,8 @@ def test_slot_accounting(models):
     with pytest.raises(NoCapacityError):
         r.allocate("e", 5, 6)
     # distinct sessions never share a slot
-    slots = [s for sess in r._sessions.values() for s in sess.slot_of.values()]
-    assert sorted(slots) == list(range(7))
+    slots = [p for sess in r._sessions.values() for t in sess.pages_of.values() for p in t]
+    assert sorted(slots) == list(range(7)) and r.cache_stats()["pages_used"] == 7
     assert r.release("a") and r.slots_free == 4
     assert not r.release("a")  # unknown now
     r.allocate("c", 3, 5)
@@ -226,9 +226,41 @@ def test_slot_accounting(models):
     assert r.slots_free == 7 and r.sessions() == {}
 
 
-def test_fork_copies_the_prefix_kv(models):
+def test_paged_admission_counts_tokens_not_max_length(models):
+    """Equal memory: slots admit one session per slot; pages admit by declared length, never over-commit, and a
+    step past a session's declared length is refused."""
+    kw = dict(num_slots=8, max_length=64, progress=False)
+    slots = BlockRunner(models["llama"], 0, 2, kv_cache="slots", **kw)
+    paged = BlockRunner(models["llama"], 0, 2, kv_cache="paged", page_size=8, **kw)
+    assert slots.pool.nbytes == paged.pool.nbytes and paged.cache_tokens_total == 8 * 64
+    for r in (slots, paged):
+        n = 0
+        while True:
+            try:
+                r.allocate(f"s{n}", 0, 2, max_tokens=20)  # 3 pages of 8 per block
+            except NoCapacityError:
+                break
+            n += 1
+        assert n == (4 if r is slots else 10), r.kv_cache  # 8 slots / 2 blocks; 64 pages / (2 x 3)
+    assert paged.cache_tokens_free == 4 * 8 and paged.slots_free == 0 and paged.cache_stats()["pages_used"] == 60
+    H = paged.hidden_size
+    paged.forward("s0", torch.randn(1, 17, H), 0)  # crosses two page boundaries
+    paged.forward("s0", torch.randn(1, 3, H), 17)  # fills its 20 tokens exactly
+    with pytest.raises(ValueError, match="token limit 20"):
+        paged.forward("s0", torch.randn(1, 1, H), 20)
+    paged.allocate("short", 0, 1, max_tokens=30)  # 4 pages: exactly what is left
+    with pytest.raises(NoCapacityError):
+        paged.allocate("one-more", 0, 1, max_tokens=1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        paged.allocate("too-long", 0, 1, max_tokens=65)
+    paged.close()
+    assert paged.cache_stats()["pages_used"] == 0 and paged.slots_free == 8
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_fork_copies_the_prefix_kv(models, kv_cache):
     """A forked session continues exactly like the session it copies, and like a fresh one fed the same tokens."""
-    r = BlockRunner(models["llama"], 0, 4, num_slots=16, max_length=32, progress=False)
+    r = BlockRunner(models["llama"], 0, 4, num_slots=16, max_length=32, progress=False, kv_cache=kv_cache)
     g = torch.Generator().manual_seed(3)
     prefix = torch.randn(1, 7, r.hidden_size, generator=g)
     nxt = [torch.randn(1, 1, r.hidden_size, generator=g) for _ in range(3)]
@@ -264,8 +296,10 @@ def test_zero_slot_runner_refuses(models):
         r.allocate("a", 0, 1)
 
 
-def test_invalid_inputs_change_nothing(models):
-    r = BlockRunner(models["qwen2"], 0, 2, num_slots=2, max_length=16, progress=False)
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_invalid_inputs_change_nothing(models, kv_cache):
+    r = BlockRunner(models["qwen2"], 0, 2, num_slots=2, max_length=16, progress=False, kv_cache=kv_cache,
+                    page_size=4)
     H = r.hidden_size
     r.allocate("s", 0, 2)
     x = torch.randn(1, 4, H, generator=torch.Generator().manual_seed(0))
@@ -396,23 +430,55 @@ def test_concurrent_sessions_from_threads(models):
     assert r.slots_free == 32
 
 
-def test_slot_cache_writes_in_place_and_returns_pool_views():
-    from petals_chain.server.kv_cache import SlotCache, SlotPool
+def test_one_page_cache_writes_in_place_and_returns_pool_views():
+    """Slots mode: a session's layer is one page of max_length tokens; a step reads a view of it, no copy."""
+    from petals_chain.server.kv_cache import PagedCache, PagePool
 
-    pool = SlotPool(3, num_kv_heads=2, max_length=10, head_dim=4, dtype=torch.float32)
-    cache = SlotCache(pool, {7: 2, 8: 0}, position=4, n_tokens=2)
+    pool = PagePool(3, num_kv_heads=2, page_size=10, head_dim=4, dtype=torch.float32)
+    pool.reserve(2)
+    p0, p2 = pool.take(2)
+    cache = PagedCache(pool, {7: [p2], 8: [p0]}, position=4, n_tokens=2)
     k, v = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
     ko, vo = cache.update(k, v, 7)
     assert ko.shape == (1, 2, 6, 4) and cache.get_seq_length() == 4
     assert ko.untyped_storage().data_ptr() == pool.keys.untyped_storage().data_ptr()  # a view, no copy of the past
-    assert torch.equal(pool.keys[2, :, 4:6], k[0]) and torch.equal(pool.values[2, :, 4:6], v[0])
-    assert torch.count_nonzero(pool.keys[0]) == 0 and torch.count_nonzero(pool.keys[1]) == 0
+    assert torch.equal(pool.keys[:, p2, 4:6], k[0]) and torch.equal(pool.values[:, p2, 4:6], v[0])
+    assert torch.count_nonzero(pool.keys[:, p0]) == 0
     with pytest.raises(KeyError):
-        cache.update(k, v, 9)  # a layer this session holds no slot for
-    with pytest.raises(ValueError, match="max_length"):
-        SlotCache(pool, {7: 2}, position=9, n_tokens=2)
+        cache.update(k, v, 9)  # a layer this session holds no page for
+    with pytest.raises(ValueError, match="exceed the pages"):
+        PagedCache(pool, {7: [p2]}, position=9, n_tokens=2)
+    free = [p for p in range(3) if p not in (p0, p2)]
     with pytest.raises(ValueError, match="not allocated"):
-        pool.release([1])
+        pool.release(free)
+    with pytest.raises(NoCapacityError):
+        pool.reserve(2)  # one page free
+    with pytest.raises(ValueError, match="reserved"):
+        pool.take(1)  # nothing reserved
+    pool.release([p0, p2])
+    assert pool.pages_available == 3
+
+
+def test_pages_in_any_order_read_back_as_one_sequence():
+    """Paged mode: K/V written across page boundaries, into pages scattered in the pool, reads back in order."""
+    from petals_chain.server.kv_cache import PagedCache, PagePool
+
+    pool = PagePool(8, num_kv_heads=2, page_size=4, head_dim=3, dtype=torch.float32)
+    pool.reserve(8)
+    pages = pool.take(8)
+    table_a, table_b = [pages[5], pages[1], pages[7]], [pages[0], pages[6], pages[2]]
+    g = torch.Generator().manual_seed(0)
+    full_a, full_b = torch.randn(2, 11, 3, generator=g), torch.randn(2, 11, 3, generator=g)
+    for start, end in ((0, 3), (3, 9), (9, 10), (10, 11)):  # steps that cross page boundaries
+        for table, full in ((table_a, full_a), (table_b, full_b)):
+            cache = PagedCache(pool, {0: table}, position=start, n_tokens=end - start)
+            ko, vo = cache.update(full[None, :, start:end], -full[None, :, start:end], 0)
+            assert torch.equal(ko[0], full[:, :end]) and torch.equal(vo[0], -full[:, :end])
+    kb, vb = pool.read_batch([table_a, table_b[:2]], 7)  # the second table is padded: only its 7 tokens count
+    assert kb.shape == (2, 2, 7, 3) and torch.equal(kb[0], full_a[:, :7]) and torch.equal(kb[1], full_b[:, :7])
+    dst = pages[3:4] + pages[4:5]
+    pool.copy(table_a, dst, 6)
+    assert torch.equal(pool.read(dst, 6)[0][0], full_a[:, :6])
 
 
 def test_runner_does_not_mutate_callers_config(models):

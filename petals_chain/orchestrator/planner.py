@@ -607,7 +607,9 @@ class Planner:
             out.append({
                 "peer_id": v.peer_id, "public_name": r.public_name, "state": state,
                 "start_block": r.start_block, "num_blocks": r.num_blocks,
-                "slots_total": r.slots_total, "slots_free": r.slots_free,
+                "slots_total": r.slots_total, "slots_free": r.slots_free, "kv_cache": r.kv_cache,
+                "page_size": r.page_size, "cache_tokens_total": r.cache_tokens_total,
+                "cache_tokens_free": r.cache_tokens_free,
                 "tau_p": self.tau_p(v), "tau_c": self.tau_c(v), "rtt_s": v.rtt_s,
                 "memory_bytes": r.memory_bytes, "device": r.device, "dtype": r.dtype,
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
@@ -620,7 +622,8 @@ class Planner:
         for peer_id, r in sorted(self.refused.items()):
             out.append({
                 "peer_id": peer_id, "public_name": r.public_name, "state": "refused", "start_block": 0, "num_blocks": 0,
-                "slots_total": 0, "slots_free": 0, "tau_p": r.tau_p, "tau_c": None, "rtt_s": None,
+                "slots_total": 0, "slots_free": 0, "kv_cache": r.kv_cache, "page_size": 0, "cache_tokens_total": 0,
+                "cache_tokens_free": 0, "tau_p": r.tau_p, "tau_c": None, "rtt_s": None,
                 "memory_bytes": r.memory_bytes, "device": r.device, "dtype": r.dtype,
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
                 "last_seen": None, "assigned": None, "max_blocks": r.max_blocks, "model_mismatch": True,

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-tokens-per-block", type=int, default=0,
                    help="cap the KV cache at this many tokens per hosted block, as PETALS' fixed attention cache "
                         "(0: every byte left after the blocks, Eq. 3)")
+    p.add_argument("--kv-cache", choices=["paged", "slots"], default="paged",
+                   help="paged: KV pages of --page-size tokens, a session reserves what its declared length needs "
+                        "and takes pages as it grows; slots: one max_length slot per block per session (the "
+                        "paper's Eq. 3 model, for the Table 1 reproduction)")
+    p.add_argument("--page-size", type=int, default=16, metavar="TOKENS", help="tokens per KV page (paged mode)")
     p.add_argument("--no-batching", action="store_true",
                    help="run each session's step alone instead of batching concurrent sessions (for comparisons)")
     p.add_argument("--max-waiters", type=int, default=256,
@@ -111,7 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             emulate_decode_ms=args.emulate_decode_ms, cache_tokens_per_block=args.cache_tokens_per_block,
             emulate_reply_fault=args.emulate_reply_fault, emulate_reply_fault_rate=args.emulate_reply_fault_rate,
             emulate_tau_p_lie=args.emulate_tau_p_lie, batching=not args.no_batching, max_blocks=args.max_blocks,
-            max_waiters=args.max_waiters, max_wait_s=args.max_wait_s)
+            max_waiters=args.max_waiters, max_wait_s=args.max_wait_s, kv_cache=args.kv_cache, page_size=args.page_size)
         server = Server(cfg)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -50,7 +50,10 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         slots_free=int(runner.slots_free) if runner is not None else 0,
         public_name=cfg.public_name[:128], max_length=int(src.max_length), s_m_bytes=int(src.memory.s_m),
         s_c_bytes=int(src.memory.s_c(src.max_length)), **src.emulation.record_fields(), epoch=int(src.epoch),
-        model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), timestamp=time.time(),
+        model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), kv_cache=cfg.kv_cache,
+        page_size=int(runner.page_size) if runner is not None else 0,
+        cache_tokens_total=int(runner.cache_tokens_total) if runner is not None else 0,
+        cache_tokens_free=int(runner.cache_tokens_free) if runner is not None else 0, timestamp=time.time(),
     )
 
 

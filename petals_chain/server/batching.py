@@ -4,10 +4,10 @@ Two parts:
 
 * :func:`run_batch` -- one forward per block for the pending steps of several sessions. Tokens of all rows are
   *packed* into one ``[1, T, hidden]`` tensor (no padding through the projections and MLP); each token carries
-  its own position (rotary per token) and the K/V it produces is written in place into its session's slot at
-  its position. Attention is per row over that row's own slot only: single-token (decode) rows are gathered
+  its own position (rotary per token) and the K/V it produces is written in place into its session's page at
+  its position. Attention is per row over that row's own pages only: single-token (decode) rows are gathered
   into one padded ``[B, kv_heads, max_len, head_dim]`` tensor with a length mask (one SDPA call); multi-token
-  rows (prefill chunks) attend over a view of their own slot with a causal mask. Rows may process different
+  rows (prefill chunks) attend over their own pages (a view in ``slots`` mode) with a causal mask. Rows may process different
   sub-spans of the runner's blocks: at each block only the rows whose span contains it take part.
 * :class:`BatchScheduler` -- callers block in :meth:`BatchScheduler.submit` (or await
   :meth:`BatchScheduler.submit_async`); one worker thread gathers pending requests for at most a short window,
@@ -17,8 +17,9 @@ Two parts:
   one chunk; short requests go first, and a request passed over twice goes to the front.
 
 The attention goes through a dispatcher registered with transformers' ``AttentionInterface``: it runs the
-batched kernel when the layer is called with a :class:`_Segment` as ``attention_mask`` and otherwise the
-layer's original implementation (``sdpa`` or ``eager``), so the one-session path is unchanged.
+batched kernel when the layer is called with a :class:`_Segment` under the keyword ``SEGMENT_KWARG`` (which
+transformers passes through the layer to the attention) and otherwise the layer's original implementation
+(``sdpa`` or ``eager``), so the one-session path is unchanged.
 """
 
 from __future__ import annotations
@@ -37,16 +38,19 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from petals_chain.server.kv_cache import SlotPool
+from petals_chain.server.kv_cache import PagePool, pages_for
 from petals_chain.server.session_state import SessionState
 
 __all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem", "BatchHost"]
 
 T = TypeVar("T")
 
-ATTN_NAME = "petals_chain_slots"
+ATTN_NAME = "petals_chain_paged"
+# The keyword argument that carries a batch's :class:`_Segment` from the decoder layer to the attention (transformers
+# passes a layer's extra keyword arguments through to the attention function).
+SEGMENT_KWARG = "petals_chain_segment"
 # Decode rows are gathered into one padded K/V tensor while it holds at most this many elements (per K and V);
-# above it they attend one by one over views of their slots. On this CPU (1 thread) gathering wins up to about
+# above it they attend one by one over their own pages. On this CPU (1 thread) gathering wins up to about
 # 16 rows x 512 tokens x 4 heads x 16 dims and loses 5x at 2048 tokens (scripts/bench_batching.py --attention).
 # On CUDA per-row kernel launches are the larger cost; that limit is a guess, not measured here.
 GATHER_MAX_ELEMENTS = 1 << 19
@@ -60,8 +64,9 @@ GATHER_MAX_ELEMENTS_CUDA = 1 << 26
 # ---------------------------------------------------------------------------------------------- attention
 def _dispatch_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any):
-    if isinstance(attention_mask, _Segment):
-        return attention_mask.attend(module, query, key, value, scaling)
+    seg = kwargs.pop(SEGMENT_KWARG, None)
+    if seg is not None:
+        return seg.attend(module, query, scaling)
     return module._pc_base_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                      **kwargs)
 
@@ -91,7 +96,7 @@ class BatchHost(Protocol):
     """What :func:`run_batch` and :class:`BatchScheduler` use of the blocks they run (``BlockRunner`` is one)."""
 
     device: torch.device
-    pool: SlotPool
+    pool: PagePool
     rotary: torch.nn.Module
     blocks: torch.nn.ModuleList
     start_block: int
@@ -99,7 +104,7 @@ class BatchHost(Protocol):
     def run_on_device(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the device to itself (one compute at a time), returning once the device is done."""
 
-    def _run_blocks(self, hidden: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+    def _run_blocks(self, hidden: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
                     end: int) -> torch.Tensor:
         """One row alone through blocks ``[start, end)`` (no lock: called inside :meth:`run_on_device`)."""
 
@@ -110,47 +115,51 @@ class BatchItem:
 
     x: torch.Tensor
     position: int
-    slot_of: dict[int, int]
+    pages_of: dict[int, list[int]]  # global layer index -> the row's page table
     start: int
     end: int
 
 
 class _Segment:
-    """Per-batch metadata of a set of rows that run the same blocks (passed to the layers as ``attention_mask``).
+    """Per-batch metadata of a set of rows that run the same blocks (handed to the attention as ``SEGMENT_KWARG``).
 
     Token order inside the segment is the packed order of its rows. ``lo`` is the global index of the first
-    block of the batch; slot tensors are indexed by ``layer_idx - lo``.
+    block of the batch; ``tables[layer_idx - lo][i]`` is row ``i``'s page table at that layer.
     """
 
     def __init__(self, runner: BatchHost, items: Sequence[BatchItem], rows: Sequence[int], lo: int, hi: int,
                  tok_off: Sequence[int]):
         dev = runner.device
-        self.pool = runner.pool
+        self.pool = pool = runner.pool
+        ps = pool.page_size
         self.lo = lo
         counts = [items[r].x.shape[1] for r in rows]
         self.num_tokens = sum(counts)
-        slots = torch.tensor([[items[r].slot_of.get(layer, -1) for r in rows] for layer in range(lo, hi)],
-                             dtype=torch.long)
-        row_of_tok = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts))
+        self.tables = [[items[r].pages_of.get(layer, []) for r in rows] for layer in range(lo, hi)]
         pos = torch.cat([torch.arange(items[r].position, items[r].position + c) for r, c in zip(rows, counts)])
         # token indices of these rows in the full packed batch (None when the segment is the whole batch)
         full = torch.cat([torch.arange(tok_off[r], tok_off[r] + c) for r, c in zip(rows, counts)])
         self.tok_idx = None if len(full) == tok_off[-1] else full.to(dev)
         self.position_ids = pos.unsqueeze(0).to(dev)
-        self.write_pos = pos.to(dev)
-        self.write_slots = slots[:, row_of_tok].to(dev)  # [layers, T]: where each token's K/V goes
+        # where each token's K/V goes, per layer: its row's page at its position, and the offset in that page
+        page_of_tok = [(i, p // ps) for i, (r, c) in enumerate(zip(rows, counts))
+                       for p in range(items[r].position, items[r].position + c)]
+        self.write_pages = torch.tensor([[t[i][k] if k < len(t[i]) else 0 for i, k in page_of_tok]
+                                         for t in self.tables], dtype=torch.long).to(dev)  # [layers, T]
+        self.write_offs = (pos % ps).to(dev)
 
         dec = [i for i, c in enumerate(counts) if c == 1]
         self.all_decode = len(dec) == len(rows)
-        self.dec_slots = slots[:, dec].to(dev) if dec else None  # [layers, Bd]
+        self.dec = dec
         if dec:
             lengths = [items[rows[i]].position + 1 for i in dec]
             self.dec_len = max(lengths)
-            pool = runner.pool
             # gather the rows' prefixes into one padded tensor only while that copy is small; else attend per
-            # row over views of the slots (no copy): see GATHER_MAX_ELEMENTS
+            # row (over a view of its page in slots mode): see GATHER_MAX_ELEMENTS
             limit = GATHER_MAX_ELEMENTS_CUDA if pool.keys.device.type == "cuda" else GATHER_MAX_ELEMENTS
-            self.dec_gather = len(dec) * self.dec_len * pool.keys.shape[1] * pool.keys.shape[3] <= limit
+            npages = pages_for(self.dec_len, ps)
+            copied = self.dec_len if npages == 1 else npages * ps  # tokens per row read_batch copies
+            self.dec_gather = len(dec) * copied * pool.keys.shape[0] * pool.keys.shape[3] <= limit
             if self.dec_gather:
                 lt = torch.tensor(lengths)
                 self.dec_mask = (torch.arange(self.dec_len)[None, :] < lt[:, None])[:, None, None, :].to(dev)
@@ -170,27 +179,23 @@ class _Segment:
                     mask = torch.arange(p + c, device=dev)[None, :] <= q
                 self.long.append((off, c, p, i, mask))
             off += c
-        self.slots_cpu = slots  # for the long rows (python ints)
         self.cache = _SegmentCache(self)
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               scaling: float | None) -> tuple[torch.Tensor, None]:
-        """Attention of every row over its own slot; ``keys``/``values`` are the whole pool. -> ``[1, T, h, d]``."""
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> tuple[torch.Tensor, None]:
+        """Attention of every row over its own pages. -> ``[1, T, h, d]``."""
         li = module.layer_idx - self.lo
-        gqa = query.shape[1] != keys.shape[1]
+        tables, pool = self.tables[li], self.pool
+        gqa = query.shape[1] != pool.keys.shape[0]
         h, d = query.shape[1], query.shape[3]
         out = None
-        if self.dec_slots is not None and not self.dec_gather:
+        if self.dec and not self.dec_gather:
             out = query.new_empty(self.num_tokens, h, d)
             for tok, length, row in self.dec_rows:
-                sl = int(self.slots_cpu[li, row])
-                o = F.scaled_dot_product_attention(query[:, :, tok:tok + 1], keys[sl:sl + 1, :, :length],
-                                                   values[sl:sl + 1, :, :length], scale=scaling, enable_gqa=gqa)
+                k, v = pool.read(tables[row], length)
+                o = F.scaled_dot_product_attention(query[:, :, tok:tok + 1], k, v, scale=scaling, enable_gqa=gqa)
                 out[tok] = o[0, :, 0]
-        elif self.dec_slots is not None:
-            idx = self.dec_slots[li]
-            k = keys[:, :, :self.dec_len].index_select(0, idx)
-            v = values[:, :, :self.dec_len].index_select(0, idx)
+        elif self.dec:
+            k, v = pool.read_batch([tables[i] for i in self.dec], self.dec_len)
             q = query[0].transpose(0, 1) if self.all_decode else query[0].index_select(1, self.dec_tok).transpose(0, 1)
             o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=self.dec_mask, scale=scaling,
                                                enable_gqa=gqa)  # [Bd, h, 1, d]
@@ -201,16 +206,15 @@ class _Segment:
         if out is None:
             out = query.new_empty(self.num_tokens, h, d)
         for off, c, p, row, mask in self.long:
-            s = int(self.slots_cpu[li, row])
-            o = F.scaled_dot_product_attention(query[:, :, off:off + c], keys[s:s + 1, :, :p + c],
-                                               values[s:s + 1, :, :p + c], attn_mask=mask, is_causal=mask is None,
-                                               scale=scaling, enable_gqa=gqa)  # [1, h, c, d]
+            k, v = pool.read(tables[row], p + c)
+            o = F.scaled_dot_product_attention(query[:, :, off:off + c], k, v, attn_mask=mask,
+                                               is_causal=mask is None, scale=scaling, enable_gqa=gqa)  # [1, h, c, d]
             out[off:off + c] = o[0].transpose(0, 1)
         return out.unsqueeze(0), None
 
 
 class _SegmentCache(Cache):
-    """Writes each token's K/V into its row's slot at its position; hands the whole pool to the attention."""
+    """Writes each token's K/V into its row's page at its position; the attention reads the pages itself."""
 
     def __init__(self, seg: _Segment):
         super().__init__(layers=[])
@@ -218,9 +222,9 @@ class _SegmentCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         seg = self.seg
-        slots = seg.write_slots[layer_idx - seg.lo]
-        seg.pool.keys[slots, :, seg.write_pos] = key_states[0].transpose(0, 1)
-        seg.pool.values[slots, :, seg.write_pos] = value_states[0].transpose(0, 1)
+        pages = seg.write_pages[layer_idx - seg.lo]
+        seg.pool.keys[:, pages, seg.write_offs] = key_states[0]
+        seg.pool.values[:, pages, seg.write_offs] = value_states[0]
         return seg.pool.keys, seg.pool.values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -235,8 +239,8 @@ class _SegmentCache(Cache):
 def run_batch(runner: BatchHost, items: Sequence[BatchItem]) -> list[torch.Tensor]:
     """One forward per block for all ``items`` (already validated, on the runner's device and dtype).
 
-    Returns each row's output ``[1, n_i, H]``. Each row's K/V is written only into its own slots and each row
-    attends only over its own slots: rows never see each other.
+    Returns each row's output ``[1, n_i, H]``. Each row's K/V is written only into its own pages and each row
+    attends only over its own pages: rows never see each other.
     """
     counts = [it.x.shape[1] for it in items]
     tok_off = [0]
@@ -253,8 +257,8 @@ def run_batch(runner: BatchHost, items: Sequence[BatchItem]) -> list[torch.Tenso
             seg.position_embeddings = runner.rotary(hidden, seg.position_ids)
         layer = runner.blocks[layer_idx - runner.start_block]
         h = hidden if seg.tok_idx is None else hidden.index_select(1, seg.tok_idx)
-        h = layer(h, attention_mask=seg, position_ids=seg.position_ids, past_key_values=seg.cache, use_cache=True,
-                  position_embeddings=seg.position_embeddings)
+        h = layer(h, attention_mask=None, position_ids=seg.position_ids, past_key_values=seg.cache, use_cache=True,
+                  position_embeddings=seg.position_embeddings, **{SEGMENT_KWARG: seg})
         h = h[0] if isinstance(h, tuple) else h
         hidden = h if seg.tok_idx is None else hidden.index_copy(1, seg.tok_idx, h)
     return [hidden[:, tok_off[i]:tok_off[i + 1]] for i in range(len(items))]
@@ -270,7 +274,7 @@ class _Request:
     session: SessionState
     x: torch.Tensor  # [1, n, H] on the runner's device and dtype
     position: int
-    slot_of: dict[int, int]
+    pages_of: dict[int, list[int]]
     start: int
     end: int
     seq: int
@@ -315,19 +319,19 @@ class BatchScheduler:
         self.rows = 0
 
     # -------------------------------------------------------------- caller side
-    def submit(self, session: SessionState, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+    def submit(self, session: SessionState, x: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
                end: int) -> torch.Tensor:
         """Queue one step and block until its output ``[1, n, H]`` is ready (raises the step's error).
 
         A session alone on the runner runs its step (up to one chunk) at once in the calling thread.
         """
-        req = self._enqueue(session, x, position, slot_of, start, end, inline_max_tokens=self.prefill_chunk_tokens)
+        req = self._enqueue(session, x, position, pages_of, start, end, inline_max_tokens=self.prefill_chunk_tokens)
         if req is None:
-            return self._inline(x, position, slot_of, start, end)
+            return self._inline(x, position, pages_of, start, end)
         req.event.wait()
         return self._result(req)
 
-    async def submit_async(self, session: SessionState, x: torch.Tensor, position: int, slot_of: dict[int, int],
+    async def submit_async(self, session: SessionState, x: torch.Tensor, position: int, pages_of: dict[int, list[int]],
                            start: int, end: int, *, inline_max_tokens: int = 0) -> torch.Tensor:
         """:meth:`submit` for asyncio: awaits the batch without blocking the loop."""
         loop = asyncio.get_running_loop()
@@ -336,15 +340,15 @@ class BatchScheduler:
         def wake() -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
-        req = self._enqueue(session, x, position, slot_of, start, end, inline_max_tokens=inline_max_tokens,
+        req = self._enqueue(session, x, position, pages_of, start, end, inline_max_tokens=inline_max_tokens,
                             on_done=wake)
         if req is None:
-            return self._inline(x, position, slot_of, start, end)
+            return self._inline(x, position, pages_of, start, end)
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
             # the caller gave up: drop the step if it has not started; a started step still writes the session's
-            # slots, so wait for it (one batch at most) before the session may take another step
+            # pages, so wait for it (one batch at most) before the session may take another step
             with self._cv:
                 dropped = not req.started and self.cancel(session)
             while not dropped and not fut.done():
@@ -355,7 +359,7 @@ class BatchScheduler:
             raise
         return self._result(req)
 
-    def _enqueue(self, session: SessionState, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+    def _enqueue(self, session: SessionState, x: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
                  end: int, *, inline_max_tokens: int, on_done: Any = None) -> _Request | None:
         with self._cv:
             # alone on the runner: nothing to batch with, so skip the hand-off to the worker (returns None)
@@ -363,7 +367,7 @@ class BatchScheduler:
                     and all(s is session or s.closing for s in self._sessions.values())):
                 return None
             self._seq += 1
-            req = _Request(session, x, position, slot_of, start, end, self._seq, on_done=on_done)
+            req = _Request(session, x, position, pages_of, start, end, self._seq, on_done=on_done)
             self._queue.append(req)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._loop, name="petals-chain-batcher", daemon=True)
@@ -371,8 +375,8 @@ class BatchScheduler:
             self._cv.notify_all()
         return req
 
-    def _inline(self, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int, end: int) -> torch.Tensor:
-        res = self._compute([BatchItem(x, position, slot_of, start, end)])[0]
+    def _inline(self, x: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int, end: int) -> torch.Tensor:
+        res = self._compute([BatchItem(x, position, pages_of, start, end)])[0]
         if isinstance(res, BaseException):
             raise res
         return res
@@ -462,7 +466,7 @@ class BatchScheduler:
         return taken
 
     def _execute(self, batch: list[tuple[_Request, int, int]]) -> None:
-        items = [BatchItem(r.x[:, off:off + n], r.position + off, r.slot_of, r.start, r.end) for r, off, n in batch]
+        items = [BatchItem(r.x[:, off:off + n], r.position + off, r.pages_of, r.start, r.end) for r, off, n in batch]
         results = self._compute(items)
         with self._cv:
             for (r, _, n), res in zip(batch, results):
@@ -495,7 +499,7 @@ class BatchScheduler:
 
     def _one(self, it: BatchItem) -> torch.Tensor | BaseException:
         try:
-            return self.runner._run_blocks(it.x, it.position, it.slot_of, it.start, it.end)
+            return self.runner._run_blocks(it.x, it.position, it.pages_of, it.start, it.end)
         except Exception as e:  # handed to the request's caller
             return e
 

@@ -38,6 +38,8 @@ class ServerConfig:
     progress: Optional[bool] = None
     cache_tokens_per_block: int = 0  # > 0: PETALS-style fixed cache, at most this many tokens per block
     batching: bool = True  # run concurrent sessions' steps together (one forward per block); False: one at a time
+    kv_cache: str = "paged"  # paged | slots (server/kv_cache.py)
+    page_size: int = 16  # tokens per KV page (paged mode)
     max_waiters: int = 256  # opens waiting for slots (wait_s > 0), FIFO
     max_wait_s: float = 600.0
     # Testbed emulation (swarm/emulation.py), all shown in the server record:

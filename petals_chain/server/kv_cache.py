@@ -1,106 +1,210 @@
-"""Pre-allocated KV-cache slots in the attention's native layout, and a transformers ``Cache`` over them.
+"""The KV cache of a server's blocks: a pool of fixed-size pages, and a transformers ``Cache`` over one session's.
 
-One *slot* is the K and V of one decoder layer for one job at ``max_length`` tokens (``s_c`` bytes).
-:class:`SlotPool` allocates every slot once, as two tensors ``[num_slots, kv_heads, max_length, head_dim]``;
-a session holds one slot per block it processes for its whole life. :class:`SlotCache` is what the decoder
-layers see during one step: ``update`` writes the new K/V in place at the step's positions and returns views
-of the valid prefix, so a decode step costs no O(L) copy (PETALS concatenates the whole past per token).
+A *page* holds the K and V of ``page_size`` consecutive tokens of one decoder layer for one session.
+:class:`PagePool` allocates every page once, as two tensors ``[kv_heads, num_pages, page_size, head_dim]`` (KV
+heads first, so that a page table gathers into one sequence without a second copy), and never over-commits: a session first *reserves* the pages it may ever need
+(``ceil(its max tokens / page_size)`` per block) and takes them from its reservation, one run of consecutive
+pages per block when the pool has one free (then reading them is a view, no copy).
+
+Two modes (``--kv-cache``) use the same pool:
+
+* ``paged`` (default): pages of ``page_size`` tokens (16); a session holds pages for the tokens it declared at
+  open (the request's prompt plus ``max_tokens``, not the server's ``max_length``).
+* ``slots``: the paper's Eq. 3 model: one page of ``max_length`` tokens per block (an ``s_c``-byte slot) per
+  session, whatever its length. The Table 1 reproduction plans with it.
+
+:class:`PagedCache` is what the decoder layers see during one step of one session: ``update`` writes the step's
+K/V in place at its positions and returns the K/V of the valid prefix -- a view when it lies in one page (always
+in ``slots`` mode, so a decode step costs no O(L) copy), else the session's pages gathered in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers.cache_utils import Cache
 
+KV_CACHE_MODES = ("paged", "slots")
+DEFAULT_PAGE_SIZE = 16  # tokens per page (vLLM's default block size)
+
 
 class NoCapacityError(RuntimeError):
-    """The server has too few free cache slots for the requested span."""
+    """The server has too few free cache pages for the requested span and length."""
 
 
-class SlotPool:
-    """``num_slots`` KV slots allocated up front; hands out and takes back slot indices, never over-commits.
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` tokens."""
+    return -(-int(tokens) // int(page_size))
 
-    Not thread-safe on its own: the owner (the block runner) serialises calls.
+
+class PagePool:
+    """``num_pages`` KV pages of ``page_size`` tokens allocated up front (see the module docstring).
+
+    Accounting: ``free`` pages are not held by any session; ``reserved`` of them are promised to a session
+    being opened (:meth:`reserve` checks capacity for all its blocks at once, :meth:`take` then hands out each
+    block's pages); ``available = free - reserved``. Not thread-safe on its own: the owner (the block runner)
+    serialises calls.
     """
 
-    def __init__(self, num_slots: int, num_kv_heads: int, max_length: int, head_dim: int,
+    def __init__(self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu"):
-        for name, v in (("num_slots", num_slots), ("num_kv_heads", num_kv_heads), ("max_length", max_length),
+        for name, v in (("num_pages", num_pages), ("num_kv_heads", num_kv_heads), ("page_size", page_size),
                         ("head_dim", head_dim)):
-            if int(v) != v or v < (0 if name == "num_slots" else 1):
-                raise ValueError(f"{name} must be a {'non-negative' if name == 'num_slots' else 'positive'} "
+            if isinstance(v, bool) or int(v) != v or v < (0 if name == "num_pages" else 1):
+                raise ValueError(f"{name} must be a {'non-negative' if name == 'num_pages' else 'positive'} "
                                  f"integer, got {v!r}")
-        self.num_slots, self.max_length = int(num_slots), int(max_length)
-        shape = (self.num_slots, int(num_kv_heads), self.max_length, int(head_dim))
+        self.num_pages, self.page_size = int(num_pages), int(page_size)
+        shape = (int(num_kv_heads), self.num_pages, self.page_size, int(head_dim))
         # Zero-filled so that every page is really committed now, not at first use.
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self._allocated = bytearray(self.num_pages)  # 1 = held by a session (bytes.find locates free runs fast)
+        self._free = self.num_pages
+        self.reserved = 0
 
     @property
-    def slots_free(self) -> int:
-        return len(self._free)
+    def pages_free(self) -> int:
+        """Pages held by no session (some may be reserved)."""
+        return self._free
 
     @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot (K and V): ``s_c``."""
-        per = self.keys[0].numel() * self.keys.element_size() if self.num_slots else 0
-        return 2 * per
+    def pages_available(self) -> int:
+        """Pages a new session may reserve: free and not promised to an open session."""
+        return self._free - self.reserved
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (K and V)."""
+        return 2 * self.keys[:, 0].numel() * self.keys.element_size() if self.num_pages else 0
 
     @property
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` slots, or raise :class:`NoCapacityError` and take none."""
-        if int(n) != n or n < 1:
-            raise ValueError(f"number of slots must be a positive integer, got {n!r}")
-        if n > len(self._free):
-            raise NoCapacityError(f"no capacity: {n} cache slot(s) needed, {len(self._free)} of "
-                                  f"{self.num_slots} free")
-        taken = [self._free.pop() for _ in range(int(n))]
+    def reserve(self, n: int) -> None:
+        """Promise ``n`` pages to a session, or raise :class:`NoCapacityError` and promise none."""
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"number of pages must be a positive integer, got {n!r}")
+        if n > self.pages_available:
+            raise NoCapacityError(f"no capacity: {n} cache page(s) needed, {self.pages_available} of "
+                                  f"{self.num_pages} available")
+        self.reserved += int(n)
+
+    def unreserve(self, n: int) -> None:
+        """Give back ``n`` promised pages that were never taken."""
+        if not 0 <= n <= self.reserved:
+            raise ValueError(f"cannot unreserve {n} of {self.reserved} reserved pages")
+        self.reserved -= int(n)
+
+    def take(self, n: int) -> list[int]:
+        """Hand out ``n`` pages out of a reservation made earlier: consecutive pages when a free run of ``n``
+        exists (the first one), else the lowest free pages."""
+        if not 0 <= n <= self.reserved:
+            raise ValueError(f"cannot take {n} pages: only {self.reserved} are reserved")
+        start = self._allocated.find(bytes(n)) if n else -1
+        if start >= 0:
+            taken = list(range(start, start + n))
+            self._allocated[start:start + n] = b"\x01" * n
+        else:
+            taken, at = [], 0
+            while len(taken) < n:
+                at = self._allocated.find(0, at)
+                taken.append(at)
+                self._allocated[at] = 1
+                at += 1
+        self.reserved -= n
+        self._free -= n
         return taken
 
-    def copy(self, src: int, dst: int, length: int) -> None:
-        """Copy the K/V of the first ``length`` positions of slot ``src`` into slot ``dst``."""
-        self.keys[dst, :, :length].copy_(self.keys[src, :, :length])
-        self.values[dst, :, :length].copy_(self.values[src, :, :length])
+    def release(self, pages: Sequence[int]) -> None:
+        """Give pages back (each exactly once)."""
+        if len(set(pages)) != len(pages):
+            raise ValueError("a page is released twice")
+        for p in pages:
+            if not 0 <= p < self.num_pages or not self._allocated[p]:
+                raise ValueError(f"page {p} is not allocated")
+        for p in pages:
+            self._allocated[p] = 0
+        self._free += len(pages)
 
-    def release(self, slots: list[int]) -> None:
-        """Give slots back (each exactly once)."""
-        free = set(self._free)
-        for s in slots:
-            if not 0 <= s < self.num_slots or s in free:
-                raise ValueError(f"slot {s} is not allocated")
-            free.add(s)
-        self._free.extend(reversed(slots))
+    # ------------------------------------------------------------------ reading and writing one session's K/V
+    def write(self, table: Sequence[int], position: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``key``/``value`` ``[kv_heads, n, head_dim]`` at positions ``position..position+n-1`` of ``table``."""
+        ps, n = self.page_size, key.shape[-2]
+        first, last = position // ps, (position + n - 1) // ps
+        if first == last:
+            page, off = table[first], position - first * ps
+            self.keys[:, page, off:off + n] = key
+            self.values[:, page, off:off + n] = value
+            return
+        pos = torch.arange(position, position + n)
+        pages = torch.tensor(table, dtype=torch.long)[pos // ps].to(self.keys.device)
+        offs = (pos % ps).to(self.keys.device)
+        self.keys[:, pages, offs] = key
+        self.values[:, pages, offs] = value
+
+    def read(self, table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[1, kv_heads, length, head_dim]`` of positions ``[0, length)``: a view when they lie in one page
+        or in consecutive pages, else one gathering copy."""
+        np_ = pages_for(length, self.page_size)
+        first = table[0]
+        if all(table[i] == first + i for i in range(1, np_)):
+            return tuple(t[:, first:first + np_].reshape(t.shape[0], -1, t.shape[3])[None, :, :length]
+                         for t in (self.keys, self.values))  # type: ignore[return-value]
+        idx = torch.tensor(table[:np_], dtype=torch.long, device=self.keys.device)
+        return tuple(t.index_select(1, idx).view(t.shape[0], -1, t.shape[3])[None, :, :length]
+                     for t in (self.keys, self.values))  # type: ignore[return-value]
+
+    def read_batch(self, tables: Sequence[Sequence[int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, kv_heads, length, head_dim]`` of positions ``[0, length)`` of each table (padded rows
+        repeat a page of their own and must be masked by the caller). One gathering copy."""
+        np_ = pages_for(length, self.page_size)
+        idx = torch.tensor([list(t[:np_]) + [t[0]] * (np_ - min(len(t), np_)) for t in tables], dtype=torch.long,
+                           device=self.keys.device)
+        b = len(tables)
+        if np_ == 1:  # one page per row (always in slots mode): copy only the valid prefix
+            i = idx[:, 0]
+            return tuple(t[:, :, :length].index_select(1, i).transpose(0, 1)  # type: ignore[return-value]
+                         for t in (self.keys, self.values))
+        flat = idx.reshape(-1)
+        return tuple(t.index_select(1, flat).view(t.shape[0], b, np_ * self.page_size, t.shape[3])
+                     .transpose(0, 1)[:, :, :length] for t in (self.keys, self.values))  # type: ignore[return-value]
+
+    def copy(self, src: Sequence[int], dst: Sequence[int], length: int) -> None:
+        """Copy the K/V of the first ``length`` positions of pages ``src`` into pages ``dst`` (same page size)."""
+        ps = self.page_size
+        for i in range(pages_for(length, ps)):
+            n = min(ps, length - i * ps)
+            self.keys[:, dst[i], :n] = self.keys[:, src[i], :n]
+            self.values[:, dst[i], :n] = self.values[:, src[i], :n]
 
 
-class SlotCache(Cache):
-    """The KV cache of ONE session for ONE step, over its slots of a :class:`SlotPool`.
+class PagedCache(Cache):
+    """The KV cache of ONE session for ONE step, over its pages of a :class:`PagePool`.
 
-    ``slot_of`` maps a layer's global index (``self_attn.layer_idx``) to the session's slot for that layer;
-    ``position`` is where the step's tokens start and ``n_tokens`` how many there are. Positions before
-    ``position`` are the session's valid prefix; anything after it is stale (rollback) and never read.
+    ``pages_of`` maps a layer's global index (``self_attn.layer_idx``) to the session's page table for that
+    layer (covering at least ``position + n_tokens`` tokens); ``position`` is where the step's tokens start.
+    Positions before ``position`` are the session's valid prefix; anything after it is stale (rollback) and
+    never read.
     """
 
-    def __init__(self, pool: SlotPool, slot_of: Mapping[int, int], position: int, n_tokens: int):
+    def __init__(self, pool: PagePool, pages_of: Mapping[int, Sequence[int]], position: int, n_tokens: int):
         super().__init__(layers=[])
-        self.pool, self.slot_of = pool, dict(slot_of)
+        self.pool, self.pages_of = pool, dict(pages_of)
         self.position, self.n_tokens = int(position), int(n_tokens)
-        if self.position + self.n_tokens > pool.max_length:
-            raise ValueError(f"positions up to {self.position + self.n_tokens} exceed max_length {pool.max_length}")
+        need = pages_for(self.position + self.n_tokens, pool.page_size)
+        short = [layer for layer, t in self.pages_of.items() if len(t) < need]
+        if short:
+            raise ValueError(f"positions up to {self.position + self.n_tokens} exceed the pages of layer(s) {short} "
+                             f"({need} pages of {pool.page_size} tokens needed)")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[1, kv_heads, n, head_dim]`` K/V at the step's positions; return K/V of positions ``[0, end)``."""
-        slot = self.slot_of[layer_idx]
-        end = self.position + key_states.shape[-2]
-        self.pool.keys[slot, :, self.position:end].copy_(key_states[0])
-        self.pool.values[slot, :, self.position:end].copy_(value_states[0])
-        return self.pool.keys[slot:slot + 1, :, :end], self.pool.values[slot:slot + 1, :, :end]
+        table = self.pages_of[layer_idx]
+        self.pool.write(table, self.position, key_states[0], value_states[0])
+        return self.pool.read(table, self.position + key_states.shape[-2])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens already cached before this step."""
@@ -110,11 +214,35 @@ class SlotCache(Cache):
         return self.position + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.pool.max_length
+        return min((len(t) for t in self.pages_of.values()), default=0) * self.pool.page_size
 
     @property
     def is_compileable(self) -> bool:
         return False
 
     def __len__(self) -> int:
-        return len(self.slot_of)
+        return len(self.pages_of)
+
+
+def check_kv_cache(mode: str, page_size: int) -> None:
+    """Raise ``ValueError`` for an unknown ``--kv-cache`` mode or a bad ``--page-size``."""
+    if mode not in KV_CACHE_MODES:
+        raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_MODES)}, got {mode!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+
+
+def page_size_for(mode: str, max_length: int, page_size: int) -> int:
+    """Tokens per page: ``max_length`` in ``slots`` mode (a page is a slot), else ``page_size`` (at most
+    ``max_length``)."""
+    return max_length if mode == "slots" else min(page_size, max_length)
+
+
+def slot_tokens(mode: str, max_length: int, page_size: int) -> int:
+    """Tokens of memory one ``max_length`` session takes per block: ``max_length`` rounded up to whole pages."""
+    ps = page_size_for(mode, max_length, page_size)
+    return pages_for(max_length, ps) * ps
+
+
+__all__ = ["KV_CACHE_MODES", "DEFAULT_PAGE_SIZE", "NoCapacityError", "PagePool", "PagedCache", "pages_for",
+           "check_kv_cache", "page_size_for", "slot_tokens"]

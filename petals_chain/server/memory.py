@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from petals_chain.server.kv_cache import DEFAULT_PAGE_SIZE, check_kv_cache, slot_tokens
 from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, slots_for_budget
 
 CPU_MEMORY_FRACTION = 0.5  # default M_j on CPU: half of the RAM available at start
@@ -30,11 +31,14 @@ class MemoryBudget:
     """``M_j`` (``memory_bytes``) and ``s_m`` of this server's model, dtype and quantization; zero until
     :meth:`measure` (a server measures at start, when it knows its device)."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, quant: str = "none", cache_tokens_per_block: int = 0):
+    def __init__(self, config: Any, dtype: torch.dtype, quant: str = "none", cache_tokens_per_block: int = 0,
+                 kv_cache: str = "slots", page_size: int = DEFAULT_PAGE_SIZE):
         if cache_tokens_per_block < 0:
             raise ValueError("--cache-tokens-per-block must be >= 0")
+        check_kv_cache(kv_cache, page_size)
         self.config, self.dtype, self.quant = config, dtype, quant
         self.cache_tokens_per_block = cache_tokens_per_block
+        self.kv_cache, self.page_size = kv_cache, page_size
         self.memory_bytes = 0
         self.s_m = 0
 
@@ -44,8 +48,9 @@ class MemoryBudget:
         self.s_m = block_bytes(self.config, self.dtype, self.quant)
 
     def s_c(self, max_length: int) -> int:
-        """Bytes of one KV slot: one block's K and V for one job of ``max_length`` tokens."""
-        return cache_slot_bytes(self.config, self.dtype, max_length)
+        """Bytes of one KV slot: one block's K and V for one job of ``max_length`` tokens (paged mode: rounded up
+        to whole pages, as the runner allocates them)."""
+        return cache_slot_bytes(self.config, self.dtype, slot_tokens(self.kv_cache, max_length, self.page_size))
 
     def slots_for(self, num_blocks: int, max_length: int) -> int:
         """Eq. 3: ``floor((M_j - s_m m_j) / s_c)``, capped by ``--cache-tokens-per-block`` when set."""

@@ -1,11 +1,13 @@
-"""BlockRunner: a server's span of decoder layers, its pre-allocated KV slot pool and its sessions.
+"""BlockRunner: a server's span of decoder layers, its pre-allocated KV page pool and its sessions.
 
 The runner loads blocks ``[start_block, start_block + num_blocks)`` one by one from an HF-format checkpoint,
-owns the rotary module, and allocates ``num_slots`` cache slots once (``s_c`` bytes each, the attention's
-native layout). A session processing blocks ``[a, b)`` holds ``b - a`` slots from :meth:`allocate` to
-:meth:`release`; a full runner refuses with :class:`NoCapacityError` and never over-commits.
+owns the rotary module, and allocates the memory of ``num_slots`` cache slots (``s_c`` bytes each) once, as a
+:class:`~petals_chain.server.kv_cache.PagePool`. In ``paged`` mode (default) a session processing blocks
+``[a, b)`` reserves ``b - a`` times the pages its declared length needs at :meth:`allocate` and takes them as it
+grows; in ``slots`` mode it holds one ``max_length`` slot per block (Eq. 3). A full runner refuses with
+:class:`NoCapacityError` and never over-commits: a step never runs out of pages.
 
-Per-session state (:class:`~petals_chain.server.session_state.SessionState`: span, slots, cached length) is
+Per-session state (:class:`~petals_chain.server.session_state.SessionState`: span, pages, cached length) is
 kept apart from the compute. With ``batching=True`` (the default) concurrent :meth:`BlockRunner.forward`
 calls are gathered by a :class:`~petals_chain.server.batching.BatchScheduler` and run together, one forward
 per block; with ``batching=False`` each call runs alone. Every compute goes through
@@ -27,7 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from petals_chain.server.batching import BatchScheduler, install_dispatch
-from petals_chain.server.kv_cache import NoCapacityError, SlotCache, SlotPool
+from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NoCapacityError, PagedCache, PagePool, check_kv_cache,
+                                          page_size_for, pages_for)
 from petals_chain.server.session_state import SessionState
 from petals_chain.swarm.checkpoint import build_rotary, load_block, parse_dtype
 from petals_chain.swarm.memory import head_dim, num_kv_heads
@@ -48,7 +51,8 @@ def _on_event_loop() -> bool:
 
 
 class BlockRunner:
-    """Decoder layers ``[start_block, start_block + num_blocks)`` with ``num_slots`` KV slots of ``max_length``.
+    """Decoder layers ``[start_block, start_block + num_blocks)`` with the KV memory of ``num_slots`` slots of
+    ``max_length`` tokens, as pages of ``page_size`` tokens (``kv_cache="paged"``) or as slots (``"slots"``).
 
     ``dtype`` None/"auto" keeps the checkpoint's dtype; ``quant`` is none|int8|nf4 (CUDA only). Thread-safe.
 
@@ -81,6 +85,8 @@ class BlockRunner:
         max_batch_tokens: int = 256,
         prefill_chunk_tokens: int = 128,
         batch_wait_ms: float = 2.0,
+        kv_cache: str = "paged",
+        page_size: int = DEFAULT_PAGE_SIZE,
     ):
         self.source = resolve_source(model_path)
         self.model_path = self.source.path
@@ -103,6 +109,7 @@ class BlockRunner:
         if max_pos is not None and max_length > max_pos:
             raise ValueError(f"max_length {max_length} exceeds the model's max_position_embeddings {max_pos}")
         self._check_sliding_window(max_length)
+        check_kv_cache(kv_cache, page_size)
         for name, v in (("max_batch_tokens", max_batch_tokens), ("prefill_chunk_tokens", prefill_chunk_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -124,8 +131,13 @@ class BlockRunner:
             self.blocks.append(load_block(self.source, i, self.dtype, self.device, quant,
                                           config=self.config, attn_implementation=attn_implementation))
         self.rotary = build_rotary(self.config, self.device)
-        self.pool = SlotPool(num_slots, num_kv_heads(self.config), max_length, head_dim(self.config),
-                             self.dtype, self.device)
+        self.kv_cache = kv_cache
+        self.num_slots = num_slots
+        self.page_size = page_size_for(kv_cache, max_length, page_size)
+        self.pages_per_slot = pages_for(max_length, self.page_size)  # pages a max_length session takes per block
+        # the memory of num_slots slots, each rounded up to whole pages (kv_cache.slot_tokens)
+        self.pool = PagePool(num_slots * self.pages_per_slot, num_kv_heads(self.config), self.page_size,
+                             head_dim(self.config), self.dtype, self.device)
 
         install_dispatch(self.blocks)
 
@@ -141,17 +153,37 @@ class BlockRunner:
     # ---------------------------------------------------------------- capacity and sessions
     @property
     def slots_total(self) -> int:
-        return self.pool.num_slots
+        """Sessions of ``max_length`` tokens per block the pool holds (Eq. 3's slots; paged mode: its memory)."""
+        return self.num_slots
 
     @property
     def slots_free(self) -> int:
+        """Sessions of ``max_length`` tokens per block that could still be admitted."""
         with self._lock:
-            return self.pool.slots_free
+            return min(self.num_slots, self.pool.pages_available // self.pages_per_slot)
+
+    @property
+    def cache_tokens_total(self) -> int:
+        """Tokens of K/V the pool holds, summed over the pages of all blocks."""
+        return self.pool.num_pages * self.page_size
+
+    @property
+    def cache_tokens_free(self) -> int:
+        """Tokens of K/V a new session may still reserve (all blocks together)."""
+        with self._lock:
+            return self.pool.pages_available * self.page_size
+
+    def cache_stats(self) -> dict[str, int]:
+        """The pool in pages: total, used (held by sessions), free; and tokens per page."""
+        with self._lock:
+            p = self.pool
+            return {"pages_total": p.num_pages, "pages_used": p.num_pages - p.pages_free, "pages_free": p.pages_free,
+                    "page_size": self.page_size}
 
     @property
     def s_c(self) -> int:
-        """Bytes of one cache slot as allocated."""
-        return self.pool.slot_bytes
+        """Bytes of the cache of one ``max_length`` session for one block (a slot) as allocated."""
+        return self.pool.page_bytes * self.pages_per_slot
 
     @property
     def blocks_bytes(self) -> int:
@@ -159,11 +191,12 @@ class BlockRunner:
         return sum(t.numel() * t.element_size() for t in list(self.blocks.parameters()) + list(self.blocks.buffers()))
 
     def sessions(self) -> dict[str, dict[str, Any]]:
-        """Snapshot of open sessions: span, cached length, slots held, idle seconds."""
+        """Snapshot of open sessions: span, cached length, token limit, pages held, idle seconds."""
         now = time.monotonic()
         with self._lock:
             return {sid: {"start_block": s.start_block, "end_block": s.end_block, "length": s.length,
-                          "slots": len(s.slot_of), "idle_s": now - s.last_used, "busy": s.busy}
+                          "limit": s.limit, "pages": sum(len(t) for t in s.pages_of.values()),
+                          "idle_s": now - s.last_used, "busy": s.busy}
                     for sid, s in self._sessions.items()}
 
     def session_length(self, session_id: str) -> int:
@@ -171,10 +204,11 @@ class BlockRunner:
         with self._lock:
             return self._get(session_id).length
 
-    def allocate(self, session_id: str, start_block: int, end_block: int) -> None:
-        """Open ``session_id`` over blocks ``[start_block, end_block)``, holding one slot per block.
+    def allocate(self, session_id: str, start_block: int, end_block: int, max_tokens: int | None = None) -> None:
+        """Open ``session_id`` over blocks ``[start_block, end_block)`` for at most ``max_tokens`` tokens (default and
+        cap: ``max_length``), reserving the pages it may need (``slots`` mode: one slot per block).
 
-        Raises :class:`NoCapacityError` if too few slots are free, ``ValueError`` for a bad span or a
+        Raises :class:`NoCapacityError` if too few pages are available, ``ValueError`` for a bad span, length or a
         session id already open. Nothing changes on error.
         """
         if not isinstance(session_id, str) or not session_id:
@@ -185,16 +219,28 @@ class BlockRunner:
         if not self.start_block <= start_block < end_block <= self.end_block:
             raise ValueError(f"span [{start_block}, {end_block}) is not a non-empty part of this server's "
                              f"blocks [{self.start_block}, {self.end_block})")
+        limit = self.max_length if max_tokens is None else max_tokens
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.max_length:
+            raise ValueError(f"max_tokens must be an int in [1, {self.max_length}], got {max_tokens!r}")
         with self._lock:
-            self.allocate_locked(session_id, start_block, end_block)
+            self.allocate_locked(session_id, start_block, end_block, limit)
 
-    def allocate_locked(self, session_id: str, start_block: int, end_block: int) -> None:
-        """:meth:`allocate` with ``_lock`` held and the span already validated."""
+    def pages_needed(self, num_blocks: int, max_tokens: int) -> int:
+        """Pages a session over ``num_blocks`` blocks of at most ``max_tokens`` tokens reserves."""
+        per_block = self.pages_per_slot if self.kv_cache == "slots" else pages_for(max_tokens, self.page_size)
+        return num_blocks * per_block
+
+    def allocate_locked(self, session_id: str, start_block: int, end_block: int, limit: int) -> None:
+        """:meth:`allocate` with ``_lock`` held and the span and limit already validated."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
-        slots = self.pool.allocate(end_block - start_block)
-        self._sessions[session_id] = SessionState(session_id, start_block, end_block,
-                                              dict(zip(range(start_block, end_block), slots)))
+        per_block = self.pages_needed(1, limit)
+        self.pool.reserve(per_block * (end_block - start_block))
+        # Every page now, one run per block where the pool has one: a reservation is what admission counts, and
+        # consecutive pages read as a view (kv_cache.PagePool.read), so a long session's decode copies nothing.
+        pages_of = {b: self.pool.take(per_block) for b in range(start_block, end_block)}
+        self._sessions[session_id] = SessionState(session_id, start_block, end_block, pages_of,
+                                                  limit=limit if self.kv_cache == "paged" else self.max_length)
 
     def fork(self, source_id: str, session_id: str, length: int) -> None:
         """Open ``session_id`` over ``source_id``'s span with a copy of its first ``length`` cached tokens.
@@ -212,14 +258,14 @@ class BlockRunner:
             src = self._get(source_id)
             if length > src.length:
                 raise ValueError(f"session {source_id!r} holds {src.length} tokens, cannot fork {length}")
-            self.allocate_locked(session_id, src.start_block, src.end_block)
+            self.allocate_locked(session_id, src.start_block, src.end_block, src.limit)
             dst = self._sessions[session_id]
-            for layer, slot in dst.slot_of.items():
-                self.pool.copy(src.slot_of[layer], slot, length)
+            for layer, table in dst.pages_of.items():
+                self.pool.copy(src.pages_of[layer], table, length)
             dst.length = length
 
     def release(self, session_id: str) -> bool:
-        """Close ``session_id`` and return its slots (after its running step, if any). False if unknown."""
+        """Close ``session_id`` and return its pages (after its running step, if any). False if unknown."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None or s.closing:
@@ -240,7 +286,7 @@ class BlockRunner:
         return [s.session_id for s in stale]
 
     def close(self) -> None:
-        """Release every session (running steps finish first, then their slots return; queued steps are dropped)."""
+        """Release every session (running steps finish first, then their pages return; queued steps are dropped)."""
         with self._lock:
             for s in list(self._sessions.values()):
                 s.closing = True
@@ -250,7 +296,7 @@ class BlockRunner:
     def _drop(self, s: SessionState) -> None:
         s.dropped = True
         del self._sessions[s.session_id]
-        self.pool.release(list(s.slot_of.values()))
+        self.pool.release([p for table in s.pages_of.values() for p in table])
 
     def _get(self, session_id: str) -> SessionState:
         s = self._sessions.get(session_id)
@@ -263,7 +309,7 @@ class BlockRunner:
         """Run the session's blocks on ``hidden`` ``[1, n, hidden_size]`` at positions ``position..position+n-1``.
 
         ``position`` must be <= the session's cached length (== continues; < rolls back and overwrites,
-        as PETALS' ``start_from_position``) and ``position + n <= max_length``. Returns the output hidden
+        as PETALS' ``start_from_position``) and ``position + n`` at most the session's token limit. Returns the output hidden
         states in the input's dtype and device. Invalid input raises ``ValueError`` (``KeyError`` for an
         unknown session, or one released while its step was still queued) and changes nothing.
 
@@ -271,13 +317,13 @@ class BlockRunner:
         event loop, it runs on its own at once instead (no other step could join while the loop is blocked):
         async callers should use :meth:`forward_async`.
         """
-        s, x, n, slot_of, start, end = self._begin(session_id, hidden, position)
+        s, x, n, pages_of, start, end = self._begin(session_id, hidden, position)
         ok = False
         try:
             if self.batching and not _on_event_loop():
-                out = self.scheduler.submit(s, x, position, slot_of, start, end)
+                out = self.scheduler.submit(s, x, position, pages_of, start, end)
             else:
-                out = self._compute_alone(x, position, slot_of, start, end)
+                out = self._compute_alone(x, position, pages_of, start, end)
             ok = True
             return out.to(device=hidden.device, dtype=hidden.dtype)
         finally:
@@ -290,15 +336,15 @@ class BlockRunner:
         A step of at most ``inline_max_tokens`` tokens of a session alone on the runner runs inline (no thread
         hand-off). Without batching, the step runs in the loop's default executor.
         """
-        s, x, n, slot_of, start, end = self._begin(session_id, hidden, position)
+        s, x, n, pages_of, start, end = self._begin(session_id, hidden, position)
         ok = False
         try:
             if self.batching:
-                out = await self.scheduler.submit_async(s, x, position, slot_of, start, end,
+                out = await self.scheduler.submit_async(s, x, position, pages_of, start, end,
                                                         inline_max_tokens=inline_max_tokens)
             else:
                 out = await asyncio.get_running_loop().run_in_executor(
-                    None, self._compute_alone, x, position, slot_of, start, end)
+                    None, self._compute_alone, x, position, pages_of, start, end)
             ok = True
             return out.to(device=hidden.device, dtype=hidden.dtype)
         finally:
@@ -316,16 +362,17 @@ class BlockRunner:
             if not 0 <= position <= s.length:
                 raise ValueError(f"position {position} is not in [0, {s.length}] (the session's cached length): "
                                  f"steps must continue the prefix or roll back, not skip ahead")
-            if position + n > self.max_length:
-                raise ValueError(f"positions {position}..{position + n - 1} exceed max_length {self.max_length}")
+            if position + n > s.limit:
+                what = "max_length" if s.limit == self.max_length else "the session's token limit"
+                raise ValueError(f"positions {position}..{position + n - 1} exceed {what} {s.limit}")
             s.busy = True
-            slot_of, start, end = dict(s.slot_of), s.start_block, s.end_block
+            pages_of, start, end = {b: list(t) for b, t in s.pages_of.items()}, s.start_block, s.end_block
         try:
             x = hidden.to(device=self.device, dtype=self.dtype)
         except BaseException:
             self._finish(s, position, n, False)
             raise
-        return s, x, n, slot_of, start, end
+        return s, x, n, pages_of, start, end
 
     def _finish(self, s: SessionState, position: int, n: int, ok: bool) -> None:
         with self._lock:
@@ -336,10 +383,10 @@ class BlockRunner:
             if s.closing and not s.dropped:
                 self._drop(s)
 
-    def _compute_alone(self, x: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+    def _compute_alone(self, x: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
                        end: int) -> torch.Tensor:
         """One session's step on its own (the unbatched path)."""
-        return self.run_on_device(lambda: self._run_blocks(x, position, slot_of, start, end))
+        return self.run_on_device(lambda: self._run_blocks(x, position, pages_of, start, end))
 
     def run_on_device(self, fn: Callable[[], T]) -> T:
         """``fn()`` (one step or one batch) with the device to itself; returns once the device is done with it.
@@ -367,7 +414,7 @@ class BlockRunner:
         return int(hidden.shape[1])
 
     def _check_sliding_window(self, max_length: int) -> None:
-        # The slot cache keeps the full prefix; a sliding-window layer would need to mask beyond the window.
+        # The cache keeps the full prefix; a sliding-window layer would need to mask beyond the window.
         window = getattr(self.config, "sliding_window", None)
         layer_types = getattr(self.config, "layer_types", None)
         uses_window = window is not None and (layer_types is None or "sliding_attention" in layer_types)
@@ -391,11 +438,11 @@ class BlockRunner:
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
 
     @torch.inference_mode()
-    def _run_blocks(self, hidden: torch.Tensor, position: int, slot_of: dict[int, int], start: int,
+    def _run_blocks(self, hidden: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
                     end: int) -> torch.Tensor:
-        """One session's step through blocks ``[start, end)``: pure compute over the given slots."""
+        """One session's step through blocks ``[start, end)``: pure compute over the given pages."""
         n = hidden.shape[1]
-        cache = SlotCache(self.pool, slot_of, position, n)
+        cache = PagedCache(self.pool, pages_of, position, n)
         position_ids = torch.arange(position, position + n, device=self.device).unsqueeze(0)
         position_embeddings = self.rotary(hidden, position_ids)
         mask = self._causal_mask(position, n)

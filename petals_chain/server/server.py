@@ -71,7 +71,8 @@ class Server:
         self.torch_dtype = parse_dtype(cfg.dtype, self.config)
         self.dtype_name = str(self.torch_dtype).replace("torch.", "")
         self.prefix = check_prefix(cfg.dht_prefix) if cfg.dht_prefix else default_dht_prefix(self.source.name)
-        self.memory = MemoryBudget(self.config, self.torch_dtype, cfg.quant, cfg.cache_tokens_per_block)
+        self.memory = MemoryBudget(self.config, self.torch_dtype, cfg.quant, cfg.cache_tokens_per_block,
+                                   kv_cache=cfg.kv_cache, page_size=cfg.page_size)
         self._initial_peer_ids = peer_ids_from_maddrs(cfg.initial_peers)
         self.trusted: set[str] = set(cfg.trust_orchestrator) or set(self._initial_peer_ids)
         if not self.trusted and not cfg.allow_any_client:
@@ -133,6 +134,7 @@ class Server:
             "device": cfg.device, "quant": cfg.quant, **emu.record_fields(), "emulate_step_ms": emu.step_ms,
             "emulate_prefill_ms_per_token": emu.prefill_ms_per_token, "emulate_decode_ms": emu.decode_ms,
             "reloads": self.reloads, "cache_tokens_per_block": cfg.cache_tokens_per_block, "batching": cfg.batching,
+            "kv_cache": cfg.kv_cache, "kv_pages": runner.cache_stats() if runner else None,
             "rejoins": self.announcer.rejoins if self.announcer else 0,
         }
 
@@ -197,7 +199,7 @@ class Server:
             runner = await loop.run_in_executor(None, lambda: self._make_runner(
                 self.source, start, num, num_slots=slots, max_length=max_length, dtype=self.torch_dtype,
                 device=self.cfg.device, quant=self.cfg.quant, config=self.config, progress=self.cfg.progress,
-                batching=self.cfg.batching))
+                batching=self.cfg.batching, kv_cache=self.cfg.kv_cache, page_size=self.cfg.page_size))
         except Exception:
             logger.exception("loading the assigned blocks failed")
             return

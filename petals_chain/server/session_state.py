@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SessionState:
-    """One open session on a runner: its span, its slots and how much of them holds valid K/V."""
+    """One open session on a runner: its span, its pages and how much of them holds valid K/V."""
 
     session_id: str
     start_block: int
     end_block: int
-    slot_of: dict[int, int]  # global layer index -> slot index in the pool
-    length: int = 0  # tokens whose K/V are valid in every slot of the session
+    pages_of: dict[int, list[int]]  # global layer index -> page table (pages in token order)
+    limit: int  # most tokens the session may hold (what its pages cover)
+    length: int = 0  # tokens whose K/V are valid in every layer of the session
     busy: bool = False  # a step is computing; a second concurrent step is refused
-    closing: bool = False  # released while busy: slots go back when the step ends
-    dropped: bool = False  # slots already returned to the pool
+    closing: bool = False  # released while busy: pages go back when the step ends
+    dropped: bool = False  # pages already returned to the pool
     last_used: float = field(default_factory=time.monotonic)

@@ -1,8 +1,9 @@
 """Serving sessions: the RPC session backend (:class:`~petals_chain.swarm.rpc.SessionBackend`) of a server.
 
-A session is one job's use of a span of this server's blocks: open reserves one KV slot per block (or waits
-for them, FIFO, see :mod:`~petals_chain.server.admission`; or forks another session's KV prefix), steps run
-the blocks over the session's slots, close frees them. Sessions are opened only on the runner being served
+A session is one job's use of a span of this server's blocks: open reserves the KV pages its declared
+``max_length`` needs in every block (``slots`` mode: one slot per block; or waits for them, FIFO, see
+:mod:`~petals_chain.server.admission`; or forks another session's KV prefix), steps run the blocks over the
+session's pages, close frees them. Sessions are opened only on the runner being served
 (:attr:`SessionService.runner`) and only while the server is ``online``; the lifecycle
 (:mod:`~petals_chain.server.server`) swaps runners and drains through :meth:`SessionService.drain`.
 """
@@ -74,9 +75,10 @@ class SessionService:
                                 peer_id: str, wait_s: float) -> dict:
         """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
         runner = self._check_open(session_id, max_length)
-        if end_block - start_block > runner.slots_total:
-            raise RefusedError("no_capacity", f"no capacity: {end_block - start_block} slots needed, the server has "
-                                              f"{runner.slots_total} in all")
+        need = runner.pages_needed(end_block - start_block, max_length)
+        if need > runner.pool.num_pages:
+            raise RefusedError("no_capacity", f"no capacity: {need} cache pages needed, the server has "
+                                              f"{runner.pool.num_pages} in all")
         try:
             return await self.admission.acquire(
                 lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id), wait_s,
@@ -157,7 +159,7 @@ class SessionService:
         runner = self._check_open(session_id, max_length)
         try:
             if fork_from is None:
-                runner.allocate(session_id, start_block, end_block)
+                runner.allocate(session_id, start_block, end_block, max_tokens=max_length)
             else:
                 src = self.sessions.get(fork_from)
                 if src is None or src.peer != peer_id or src.span != (start_block, end_block):
@@ -168,10 +170,12 @@ class SessionService:
             raise RefusedError("invalid", str(e)) from None
         self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block))
         self._on_change()
-        return {"slots_free": runner.slots_free, "start_block": start_block, "end_block": end_block}
+        return {"slots_free": runner.slots_free, "cache_tokens_free": runner.cache_tokens_free,
+                "start_block": start_block, "end_block": end_block}
 
     def _no_capacity(self, e: Exception, start_block: int, end_block: int) -> RefusedError:
         runner = self.runner
         free, total = (runner.slots_free, runner.slots_total) if runner is not None else (0, 0)
-        return RefusedError("no_capacity", f"no capacity: {e} (slots free {free} of {total}, "
-                                           f"need {end_block - start_block})")
+        tokens = f", {runner.kv_cache} KV cache" if runner is not None else ""
+        return RefusedError("no_capacity", f"no capacity: {e} (slots free {free} of {total}{tokens}, "
+                                           f"{end_block - start_block} blocks asked for)")

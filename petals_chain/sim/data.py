@@ -206,6 +206,25 @@ def get_trace(path: str | os.PathLike[str] | None = None, *, seed: int = 0) -> T
     return load_trace(found) if found else synthetic_trace(seed=seed)
 
 
+CONV_TRACE_FILENAME = "azure_llm_inference_trace_conv_2023-11-16.csv"
+CONV_LENGTH_MEAN, CONV_LENGTH_P90 = 1366.0, 2820.0  # prompt + output tokens of the real conversation trace
+
+
+def get_conversation_lengths(path: str | os.PathLike[str] | None = None, *, n: int = 20000,
+                             seed: int = 0) -> tuple[np.ndarray, str]:
+    """``(prompt + output tokens per request, source)`` of the Azure conversation trace at ``path`` (default:
+    the shared file if present); else ``n`` synthetic lengths, lognormal with the real trace's mean and P90."""
+    if path is not None or default_data_path(CONV_TRACE_FILENAME) is not None:
+        trace = get_trace(path if path is not None else default_data_path(CONV_TRACE_FILENAME))
+        return trace.context_tokens + trace.generated_tokens, trace.source
+    # mean = exp(mu + s^2 / 2), P90 = exp(mu + z90 s): the smaller root of s^2 / 2 - z90 s + ln(P90 / mean) = 0
+    z90 = 1.2815515655446004
+    sigma = z90 - math.sqrt(z90 * z90 - 2.0 * math.log(CONV_LENGTH_P90 / CONV_LENGTH_MEAN))
+    mu = math.log(CONV_LENGTH_MEAN) - sigma * sigma / 2.0
+    lengths = np.maximum(np.rint(np.random.default_rng(seed).lognormal(mu, sigma, n)), 2).astype(np.int64)
+    return lengths, "synthetic"
+
+
 # ------------------------------------------------------------------------------------------ RTTs
 
 

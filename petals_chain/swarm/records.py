@@ -50,12 +50,20 @@ class ServerRecord(pydantic.BaseModel):
     epoch: int = pydantic.Field(default=-1, ge=-1)  # assignment epoch the server follows (-1: none yet)
     model_fingerprint: str = pydantic.Field(default="", max_length=64)  # sources.ModelSource.fingerprint
     max_blocks: int = pydantic.Field(default=0, ge=0)  # the volunteer's cap on blocks (0: no cap)
+    # the KV cache (server/kv_cache.py): paged (tokens per page) or slots (a page is a max_length slot); tokens
+    # of K/V summed over the hosted blocks, and what a new session may still reserve of them
+    kv_cache: Literal["paged", "slots"] = "paged"
+    page_size: int = pydantic.Field(default=0, ge=0)
+    cache_tokens_total: int = pydantic.Field(default=0, ge=0)
+    cache_tokens_free: int = pydantic.Field(default=0, ge=0)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.model_validator(mode="after")
     def _check_slots(self) -> "ServerRecord":
         if self.slots_free > self.slots_total:
             raise ValueError(f"slots_free {self.slots_free} > slots_total {self.slots_total}")
+        if self.cache_tokens_free > self.cache_tokens_total:
+            raise ValueError(f"cache_tokens_free {self.cache_tokens_free} > cache_tokens_total {self.cache_tokens_total}")
         return self
 
     def to_value(self) -> dict:
@@ -157,6 +165,10 @@ class _ServerValueV1(pv1.BaseModel):
     epoch: pv1.conint(strict=True, ge=-1)
     model_fingerprint: pv1.constr(strict=True, max_length=64)
     max_blocks: pv1.conint(strict=True, ge=0)
+    kv_cache: pv1.constr(strict=True, regex=r"^(paged|slots)$")
+    page_size: pv1.conint(strict=True, ge=0)
+    cache_tokens_total: pv1.conint(strict=True, ge=0)
+    cache_tokens_free: pv1.conint(strict=True, ge=0)
     timestamp: pv1.StrictFloat
 
     class Config:
