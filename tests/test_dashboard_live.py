@@ -164,6 +164,12 @@ def test_live_swarm_dashboard(live_swarm, slowdown):
                     break
                 page.wait_for_timeout(300)
             assert mismatch is None, f"{url}: {mismatch}"
+            # servers run the default paged KV cache: the page shows its tokens used / total, as records announce
+            for s in view["servers"]:
+                if s["public_name"] in SERVER_NAMES and s["state"] == "online":
+                    assert s["kv_cache"] == "paged" and s["cache_tokens_total"] > 0, s
+                    cell = page.locator(f'#servers-table tr[data-peer-id="{s["peer_id"]}"] td[data-label="KV cache"]')
+                    assert cell.inner_text().strip().endswith(" tok"), cell.inner_text()
             assert page.locator("#ready-badge").get_attribute("data-ready") == "true"
             assert page.locator("#latency-chart svg path.line-response").count() == 1
 

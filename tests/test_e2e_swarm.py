@@ -91,6 +91,9 @@ def test_swarm_state_contract(swarm):
     assert httpx.get(f"{swarm.url}/healthz").json()["ready"] is True
     metrics = httpx.get(f"{swarm.url}/metrics").text
     assert "petals_chain_chains" in metrics and "petals_chain_queue_length" in metrics
+    for s in st["servers"]:  # each server's KV cache, as its record announces it
+        assert f'petals_chain_server_kv_cache_tokens{{kind="total",server="{s["public_name"]}"}} ' \
+               f'{float(s["cache_tokens_total"])}' in metrics
     page = httpx.get(f"{swarm.url}/")
     assert page.status_code == 200 and "<html" in page.text.lower()
     # the same summary is published to the DHT, signed by the orchestrator (what standalone dashboards read)

@@ -395,6 +395,11 @@ class Orchestrator(GenerationMixin, SessionMixin):
             if cur is not None and math.isfinite(cur.lower):
                 s.m_lower.set(cur.lower)
                 s.m_upper.set(cur.upper if math.isfinite(cur.upper) else float("nan"))
+            s.m_server_cache.clear()  # only servers known now
+            for v in self.planner.servers.values():
+                name = v.record.public_name or v.peer_id
+                s.m_server_cache.labels(name, "total").set(v.record.cache_tokens_total)
+                s.m_server_cache.labels(name, "free").set(v.record.cache_tokens_free)
             counts: dict[str, int] = {}
             for v in self.planner.servers.values():
                 st = "failed" if v.failed_at is not None else v.record.state

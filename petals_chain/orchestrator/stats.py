@@ -55,6 +55,9 @@ class Stats:
         self.m_chains = Gauge("petals_chain_chains", "Chains in the current plan", registry=r)
         self.m_capacity = Gauge("petals_chain_capacity", "Sum of chain capacities", registry=r)
         self.m_servers = Gauge("petals_chain_servers", "Known servers by state", ["state"], registry=r)
+        self.m_server_cache = Gauge("petals_chain_server_kv_cache_tokens", "KV cache tokens of a server over its "
+                                    "hosted blocks, as its record announces them (kind: total | free)",
+                                    ["server", "kind"], registry=r)
         self.m_ready = Gauge("petals_chain_ready", "1 if some chain covers all blocks", registry=r)
         self.m_epoch = Gauge("petals_chain_assignment_epoch", "Assignment epoch", registry=r)
         self.m_lower = Gauge("petals_chain_predicted_response_lower_seconds", "Thm 3.7 lower bound", registry=r)

@@ -94,6 +94,11 @@
     return Number(v.toPrecision(3)) + " s";
   }
 
+  function fmtTokens(n) {
+    if (n === null) return "?";
+    return n >= 10000 ? Number((n / 1000).toPrecision(3)) + "k" : String(n);
+  }
+
   function fmtBytes(b) {
     var v = num(b);
     if (v === null) return "\u2014";
@@ -538,9 +543,16 @@
     var gone = goneSince !== null || !isLive(s);
     var a = int(s.start_block), m = int(s.num_blocks);
     var span = a !== null && m !== null && m > 0 ? a + "\u2013" + (a + m - 1) + " (" + m + ")" : "none";
-    var total = int(s.slots_total), free = int(s.slots_free);
+    // a paged KV cache is shown in tokens (sessions hold what their length needs), slots in slots
+    var paged = str(s.kv_cache) === "paged" && int(s.cache_tokens_total);
+    var total = paged ? int(s.cache_tokens_total) : int(s.slots_total);
+    var free = paged ? int(s.cache_tokens_free) : int(s.slots_free);
     var used = total !== null && free !== null ? Math.max(0, total - free) : null;
     var frac = total ? clamp(used / total, 0, 1) : 0;
+    var cacheText = paged ? fmtTokens(used) + " / " + fmtTokens(total) + " tok"
+      : (used === null ? "?" : used) + " / " + (total === null ? "?" : total);
+    var cacheTitle = paged ? "KV cache tokens used / total over the hosted blocks (pages of " + int(s.page_size) + " tokens)"
+      : "KV cache slots of max_length tokens used / total";
     var flags = [];
     var rtt = num(s.emulate_rtt_ms), scale = num(s.emulate_compute_scale);
     if (rtt !== null && rtt > 0) flags.push(el("span", { class: "flag", title: "emulated WAN round-trip time", text: "RTT " + rtt + " ms" }));
@@ -553,10 +565,10 @@
       el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null)),
       el("td", { "data-label": "blocks", class: "num" }, el("span", { text: span })),
       el("td", { "data-label": "memory", class: "num" }, el("span", { title: hw, text: fmtBytes(s.memory_bytes) + (hw ? " \u00b7 " + hw : "") })),
-      el("td", { "data-label": "slots" },
-        el("div", { class: "slots" },
+      el("td", { "data-label": "KV cache" },
+        el("div", { class: "slots", title: cacheTitle },
           el("div", { class: "bar slots" + (frac >= 1 ? " full" : "") }, el("span", { style: { width: (100 * frac).toFixed(1) + "%" } })),
-          el("span", { class: "num", text: (used === null ? "?" : used) + " / " + (total === null ? "?" : total) }))),
+          el("span", { class: "num", text: cacheText }))),
       el("td", { "data-label": "\u03c4p /block", class: "num" }, el("span", { text: fmtSeconds(s.tau_p) })),
       el("td", { "data-label": "\u03c4c", class: "num" }, el("span", { text: fmtSeconds(s.tau_c) })),
       el("td", { "data-label": "emulation" }, el("span", {}, flags.length ? flags : "off")),
