@@ -81,9 +81,8 @@ def prefill(runner: BlockRunner, lengths: list[int], seed: int) -> list[BatchIte
             k = min(512, n - 1 - pos)
             runner.forward(sid, torch.randn(1, k, H, generator=g) * 0.1, pos)
         s = runner._sessions[sid]
-        items.append(BatchItem(torch.randn(1, 1, H, generator=g) * 0.1, n - 1, {b: list(t) for b, t in
-                                                                                 s.pages_of.items()},
-                               runner.start_block, runner.end_block))
+        items.append(BatchItem(torch.randn(1, 1, H, generator=g) * 0.1, n - 1, dict(s.pages_of), runner.start_block,
+                               runner.end_block))
     return items
 
 

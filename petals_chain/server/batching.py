@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from petals_chain.server.kv_cache import PagePool, pages_for
+from petals_chain.server.kv_cache import PagePool, PageTables, pages_for
 from petals_chain.server.session_state import SessionState
 
 __all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem", "BatchHost"]
@@ -104,7 +104,7 @@ class BatchHost(Protocol):
     def run_on_device(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the device to itself (one compute at a time), returning once the device is done."""
 
-    def _run_blocks(self, hidden: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
+    def _run_blocks(self, hidden: torch.Tensor, position: int, pages_of: PageTables, start: int,
                     end: int) -> torch.Tensor:
         """One row alone through blocks ``[start, end)`` (no lock: called inside :meth:`run_on_device`)."""
 
@@ -115,7 +115,7 @@ class BatchItem:
 
     x: torch.Tensor
     position: int
-    pages_of: dict[int, list[int]]  # global layer index -> the row's page table
+    pages_of: PageTables  # global layer index -> the row's page table
     start: int
     end: int
 
@@ -274,7 +274,7 @@ class _Request:
     session: SessionState
     x: torch.Tensor  # [1, n, H] on the runner's device and dtype
     position: int
-    pages_of: dict[int, list[int]]
+    pages_of: PageTables
     start: int
     end: int
     seq: int
@@ -319,7 +319,7 @@ class BatchScheduler:
         self.rows = 0
 
     # -------------------------------------------------------------- caller side
-    def submit(self, session: SessionState, x: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
+    def submit(self, session: SessionState, x: torch.Tensor, position: int, pages_of: PageTables, start: int,
                end: int) -> torch.Tensor:
         """Queue one step and block until its output ``[1, n, H]`` is ready (raises the step's error).
 
@@ -331,7 +331,7 @@ class BatchScheduler:
         req.event.wait()
         return self._result(req)
 
-    async def submit_async(self, session: SessionState, x: torch.Tensor, position: int, pages_of: dict[int, list[int]],
+    async def submit_async(self, session: SessionState, x: torch.Tensor, position: int, pages_of: PageTables,
                            start: int, end: int, *, inline_max_tokens: int = 0) -> torch.Tensor:
         """:meth:`submit` for asyncio: awaits the batch without blocking the loop."""
         loop = asyncio.get_running_loop()
@@ -359,7 +359,7 @@ class BatchScheduler:
             raise
         return self._result(req)
 
-    def _enqueue(self, session: SessionState, x: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
+    def _enqueue(self, session: SessionState, x: torch.Tensor, position: int, pages_of: PageTables, start: int,
                  end: int, *, inline_max_tokens: int, on_done: Any = None) -> _Request | None:
         with self._cv:
             # alone on the runner: nothing to batch with, so skip the hand-off to the worker (returns None)
@@ -375,7 +375,7 @@ class BatchScheduler:
             self._cv.notify_all()
         return req
 
-    def _inline(self, x: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int, end: int) -> torch.Tensor:
+    def _inline(self, x: torch.Tensor, position: int, pages_of: PageTables, start: int, end: int) -> torch.Tensor:
         res = self._compute([BatchItem(x, position, pages_of, start, end)])[0]
         if isinstance(res, BaseException):
             raise res

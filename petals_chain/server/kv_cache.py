@@ -38,6 +38,27 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-int(tokens) // int(page_size))
 
 
+def _consecutive(pages: Sequence[int]) -> bool:
+    first = pages[0] if pages else 0
+    return all(p == first + i for i, p in enumerate(pages))
+
+
+# A session's page tables: global layer index -> its pages for that layer in token order.
+PageTables = Mapping[int, Sequence[int]]
+
+
+class PageTable(tuple):
+    """One session's pages for one layer, in token order; whether they are consecutive is computed once (a
+    session's table never changes), so a step reads them as a view without checking again."""
+
+    consecutive: bool
+
+    def __new__(cls, pages: Sequence[int]) -> "PageTable":
+        table = super().__new__(cls, pages)
+        table.consecutive = _consecutive(table)
+        return table
+
+
 class PagePool:
     """``num_pages`` KV pages of ``page_size`` tokens allocated up front (see the module docstring).
 
@@ -149,7 +170,7 @@ class PagePool:
         or in consecutive pages, else one gathering copy."""
         np_ = pages_for(length, self.page_size)
         first = table[0]
-        if all(table[i] == first + i for i in range(1, np_)):
+        if table.consecutive if isinstance(table, PageTable) else _consecutive(table[:np_]):
             return tuple(t[:, first:first + np_].reshape(t.shape[0], -1, t.shape[3])[None, :, :length]
                          for t in (self.keys, self.values))  # type: ignore[return-value]
         idx = torch.tensor(table[:np_], dtype=torch.long, device=self.keys.device)
@@ -244,5 +265,5 @@ def slot_tokens(mode: str, max_length: int, page_size: int) -> int:
     return pages_for(max_length, ps) * ps
 
 
-__all__ = ["KV_CACHE_MODES", "DEFAULT_PAGE_SIZE", "NoCapacityError", "PagePool", "PagedCache", "pages_for",
+__all__ = ["KV_CACHE_MODES", "DEFAULT_PAGE_SIZE", "NoCapacityError", "PagePool", "PageTable", "PageTables", "PagedCache", "pages_for",
            "check_kv_cache", "page_size_for", "slot_tokens"]

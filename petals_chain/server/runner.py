@@ -29,8 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from petals_chain.server.batching import BatchScheduler, install_dispatch
-from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NoCapacityError, PagedCache, PagePool, check_kv_cache,
-                                          page_size_for, pages_for)
+from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NoCapacityError, PagedCache, PagePool, PageTable,
+                                          PageTables, check_kv_cache, page_size_for, pages_for)
 from petals_chain.server.session_state import SessionState
 from petals_chain.swarm.checkpoint import build_rotary, load_block, parse_dtype
 from petals_chain.swarm.memory import head_dim, num_kv_heads
@@ -238,7 +238,7 @@ class BlockRunner:
         self.pool.reserve(per_block * (end_block - start_block))
         # Every page now, one run per block where the pool has one: a reservation is what admission counts, and
         # consecutive pages read as a view (kv_cache.PagePool.read), so a long session's decode copies nothing.
-        pages_of = {b: self.pool.take(per_block) for b in range(start_block, end_block)}
+        pages_of = {b: PageTable(self.pool.take(per_block)) for b in range(start_block, end_block)}
         self._sessions[session_id] = SessionState(session_id, start_block, end_block, pages_of,
                                                   limit=limit if self.kv_cache == "paged" else self.max_length)
 
@@ -366,7 +366,7 @@ class BlockRunner:
                 what = "max_length" if s.limit == self.max_length else "the session's token limit"
                 raise ValueError(f"positions {position}..{position + n - 1} exceed {what} {s.limit}")
             s.busy = True
-            pages_of, start, end = {b: list(t) for b, t in s.pages_of.items()}, s.start_block, s.end_block
+            pages_of, start, end = dict(s.pages_of), s.start_block, s.end_block  # tables are immutable
         try:
             x = hidden.to(device=self.device, dtype=self.dtype)
         except BaseException:
@@ -383,7 +383,7 @@ class BlockRunner:
             if s.closing and not s.dropped:
                 self._drop(s)
 
-    def _compute_alone(self, x: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
+    def _compute_alone(self, x: torch.Tensor, position: int, pages_of: PageTables, start: int,
                        end: int) -> torch.Tensor:
         """One session's step on its own (the unbatched path)."""
         return self.run_on_device(lambda: self._run_blocks(x, position, pages_of, start, end))
@@ -438,7 +438,7 @@ class BlockRunner:
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
 
     @torch.inference_mode()
-    def _run_blocks(self, hidden: torch.Tensor, position: int, pages_of: dict[int, list[int]], start: int,
+    def _run_blocks(self, hidden: torch.Tensor, position: int, pages_of: PageTables, start: int,
                     end: int) -> torch.Tensor:
         """One session's step through blocks ``[start, end)``: pure compute over the given pages."""
         n = hidden.shape[1]

@@ -17,7 +17,7 @@ class SessionState:
     session_id: str
     start_block: int
     end_block: int
-    pages_of: dict[int, list[int]]  # global layer index -> page table (pages in token order)
+    pages_of: dict[int, tuple[int, ...]]  # global layer index -> page table (kv_cache.PageTable, token order)
     limit: int  # most tokens the session may hold (what its pages cover)
     length: int = 0  # tokens whose K/V are valid in every layer of the session
     busy: bool = False  # a step is computing; a second concurrent step is refused
