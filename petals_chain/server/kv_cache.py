@@ -112,12 +112,6 @@ class PagePool:
                                   f"{self.num_pages} available")
         self.reserved += int(n)
 
-    def unreserve(self, n: int) -> None:
-        """Give back ``n`` promised pages that were never taken."""
-        if not 0 <= n <= self.reserved:
-            raise ValueError(f"cannot unreserve {n} of {self.reserved} reserved pages")
-        self.reserved -= int(n)
-
     def take(self, n: int) -> list[int]:
         """Hand out ``n`` pages out of a reservation made earlier: consecutive pages when a free run of ``n``
         exists (the first one), else the lowest free pages."""

@@ -3,8 +3,8 @@
 The runner loads blocks ``[start_block, start_block + num_blocks)`` one by one from an HF-format checkpoint,
 owns the rotary module, and allocates the memory of ``num_slots`` cache slots (``s_c`` bytes each) once, as a
 :class:`~petals_chain.server.kv_cache.PagePool`. In ``paged`` mode (default) a session processing blocks
-``[a, b)`` reserves ``b - a`` times the pages its declared length needs at :meth:`allocate` and takes them as it
-grows; in ``slots`` mode it holds one ``max_length`` slot per block (Eq. 3). A full runner refuses with
+``[a, b)`` holds, in each block, the pages its declared length needs from :meth:`allocate` to :meth:`release`;
+in ``slots`` mode it holds one ``max_length`` slot per block (Eq. 3). A full runner refuses with
 :class:`NoCapacityError` and never over-commits: a step never runs out of pages.
 
 Per-session state (:class:`~petals_chain.server.session_state.SessionState`: span, pages, cached length) is
