@@ -199,7 +199,9 @@ def test_orchestrator_restart_same_identity(swarm, prompts_ref):
     swarm.orchestrator.popen.wait(10)
     t.join(60)
     assert got["result"] in ("RemoteProtocolError", "ReadError"), got
-    with pytest.raises(httpx.ConnectError):
+    # Down: refused, or reset when the kernel had queued the connection on the listening socket while the killed
+    # process group was still going away (seen on a loaded host).
+    with pytest.raises((httpx.ConnectError, httpx.ReadError)):
         httpx.get(f"{url}/healthz", timeout=5)
     t0 = time.monotonic()
     swarm.start_orchestrator(timeout=180)
