@@ -2,9 +2,9 @@
 
 A *page* holds the K and V of ``page_size`` consecutive tokens of one decoder layer for one session.
 :class:`PagePool` allocates every page once, as two tensors ``[kv_heads, num_pages, page_size, head_dim]`` (KV
-heads first, so that a page table gathers into one sequence without a second copy), and never over-commits: a session first *reserves* the pages it may ever need
-(``ceil(its max tokens / page_size)`` per block) and takes them from its reservation, one run of consecutive
-pages per block when the pool has one free (then reading them is a view, no copy).
+heads first, so that a page table gathers into one sequence without a second copy), and never over-commits: a
+session first *reserves* the pages it may ever need (``ceil(its max tokens / page_size)`` per block) and takes
+them from its reservation, one run of consecutive pages per block when the pool has one free.
 
 Two modes (``--kv-cache``) use the same pool:
 
@@ -14,8 +14,9 @@ Two modes (``--kv-cache``) use the same pool:
   session, whatever its length. The Table 1 reproduction plans with it.
 
 :class:`PagedCache` is what the decoder layers see during one step of one session: ``update`` writes the step's
-K/V in place at its positions and returns the K/V of the valid prefix -- a view when it lies in one page (always
-in ``slots`` mode, so a decode step costs no O(L) copy), else the session's pages gathered in order.
+K/V in place at its positions and returns the K/V of the valid prefix -- a view when its pages are consecutive
+(always in ``slots`` mode, usually in ``paged`` mode), so a decode step costs no O(L) copy; else the session's
+pages gathered in order.
 """
 
 from __future__ import annotations

@@ -226,9 +226,9 @@ class BlockRunner:
             self.allocate_locked(session_id, start_block, end_block, limit)
 
     def pages_needed(self, num_blocks: int, max_tokens: int) -> int:
-        """Pages a session over ``num_blocks`` blocks of at most ``max_tokens`` tokens reserves."""
-        per_block = self.pages_per_slot if self.kv_cache == "slots" else pages_for(max_tokens, self.page_size)
-        return num_blocks * per_block
+        """Pages a session over ``num_blocks`` blocks of at most ``max_tokens`` tokens reserves (in ``slots`` mode a
+        page is ``max_length`` tokens, so one per block)."""
+        return num_blocks * pages_for(max_tokens, self.page_size)
 
     def allocate_locked(self, session_id: str, start_block: int, end_block: int, limit: int) -> None:
         """:meth:`allocate` with ``_lock`` held and the span and limit already validated."""
