@@ -17,11 +17,19 @@ Two modes (``--kv-cache``) use the same pool:
 K/V in place at its positions and returns the K/V of the valid prefix -- a view when its pages are consecutive
 (always in ``slots`` mode, usually in ``paged`` mode), so a decode step costs no O(L) copy; else the session's
 pages gathered in order.
+
+Prefix cache (``paged`` mode): a full page whose tokens' *prefix hash* is known (the orchestrator sends the
+hash chain of the token ids, :mod:`petals_chain.swarm.prefix`; a server never sees tokens) can outlive its
+session: at close it is *cached* under ``(layer, hash)`` instead of freed. A later session over the same layers
+whose prompt starts with the same tokens *pins* those pages and skips their compute. Cached pages no session
+uses are evictable, least recently used first (the deepest page of a prefix goes before its shallower ones),
+and count as available: they are evicted on demand by :meth:`PagePool.take`, so caching never refuses a session.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from transformers.cache_utils import Cache
@@ -65,8 +73,9 @@ class PagePool:
 
     Accounting: ``free`` pages are not held by any session; ``reserved`` of them are promised to a session
     being opened (:meth:`reserve` checks capacity for all its blocks at once, :meth:`take` then hands out each
-    block's pages); ``available = free - reserved``. Not thread-safe on its own: the owner (the block runner)
-    serialises calls.
+    block's pages); *cached* pages hold a prefix (:meth:`cache`), pinned by the sessions reusing them
+    (:meth:`pin`) or evictable; ``available = free + evictable - reserved``. Not thread-safe on its own: the
+    owner (the block runner) serialises calls.
     """
 
     def __init__(self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
@@ -84,6 +93,13 @@ class PagePool:
         self._allocated = bytearray(self.num_pages)  # 1 = held by a session (bytes.find locates free runs fast)
         self._free = self.num_pages
         self.reserved = 0
+        # prefix cache: (layer, prefix hash) <-> page, sessions pinning each cached page, and the unpinned ones
+        # in eviction order (least recently used first)
+        self._index: dict[tuple[int, bytes], int] = {}
+        self._key_of: dict[int, tuple[int, bytes]] = {}
+        self._pins: dict[int, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.evictions = 0  # cached pages reclaimed for new sessions so far
 
     @property
     def pages_free(self) -> int:
@@ -92,8 +108,18 @@ class PagePool:
 
     @property
     def pages_available(self) -> int:
-        """Pages a new session may reserve: free and not promised to an open session."""
-        return self._free - self.reserved
+        """Pages a new session may reserve: free or evictable, and not promised to an open session."""
+        return self._free + len(self._evictable) - self.reserved
+
+    @property
+    def pages_cached(self) -> int:
+        """Pages holding a cached prefix (pinned by a session or evictable)."""
+        return len(self._key_of)
+
+    @property
+    def pages_evictable(self) -> int:
+        """Cached pages no session uses (reclaimed, least recently used first, when free pages run out)."""
+        return len(self._evictable)
 
     @property
     def page_bytes(self) -> int:
@@ -118,6 +144,8 @@ class PagePool:
         exists (the first one), else the lowest free pages."""
         if not 0 <= n <= self.reserved:
             raise ValueError(f"cannot take {n} pages: only {self.reserved} are reserved")
+        while self._free < n:  # the reservation counted evictable pages: reclaim the least recently used
+            self._evict_one()
         start = self._allocated.find(bytes(n)) if n else -1
         if start >= 0:
             taken = list(range(start, start + n))
@@ -138,11 +166,65 @@ class PagePool:
         if len(set(pages)) != len(pages):
             raise ValueError("a page is released twice")
         for p in pages:
-            if not 0 <= p < self.num_pages or not self._allocated[p]:
-                raise ValueError(f"page {p} is not allocated")
+            if not 0 <= p < self.num_pages or not self._allocated[p] or p in self._key_of:
+                raise ValueError(f"page {p} is not allocated to a session")
         for p in pages:
             self._allocated[p] = 0
         self._free += len(pages)
+
+    # ------------------------------------------------------------------ prefix cache
+    def match(self, layers: Iterable[int], hashes: Sequence[bytes]) -> int:
+        """How many leading ``hashes`` (one per page, a hash chain) are cached in every one of ``layers``."""
+        layers = list(layers)
+        n = 0
+        for h in hashes:
+            if not all((layer, h) in self._index for layer in layers):
+                break
+            n += 1
+        return n
+
+    def pin(self, layer: int, hashes: Sequence[bytes]) -> list[int]:
+        """The cached pages of ``layer`` for ``hashes`` (all must be cached), pinned: not evictable until
+        :meth:`unpin`."""
+        pages = [self._index[(layer, h)] for h in hashes]
+        for p in pages:
+            self._pins[p] = self._pins.get(p, 0) + 1
+            self._evictable.pop(p, None)
+        return pages
+
+    def unpin(self, pages: Iterable[int]) -> None:
+        """Undo one :meth:`pin` of each page; a page no session pins becomes the most recently used evictable one
+        (unpin a prefix deepest page first, so that its shallow pages are evicted last)."""
+        for p in pages:
+            left = self._pins[p] - 1
+            if left:
+                self._pins[p] = left
+            else:
+                del self._pins[p]
+                self._evictable[p] = None
+
+    def cache(self, layer: int, prefix_hash: bytes, page: int) -> bool:
+        """Keep ``page`` (held by a closing session, its K/V valid) as the cached page of ``(layer, prefix_hash)``.
+        False if that prefix is cached already: the caller releases ``page`` as usual."""
+        key = (layer, prefix_hash)
+        cached = self._index.get(key)
+        if cached is not None:
+            if cached in self._evictable:
+                self._evictable.move_to_end(cached)
+            return False
+        if not (0 <= page < self.num_pages and self._allocated[page]) or page in self._key_of:
+            raise ValueError(f"page {page} is not a held page")
+        self._index[key] = page
+        self._key_of[page] = key
+        self._evictable[page] = None
+        return True
+
+    def _evict_one(self) -> None:
+        page, _ = self._evictable.popitem(last=False)
+        del self._index[self._key_of.pop(page)]
+        self._allocated[page] = 0
+        self._free += 1
+        self.evictions += 1
 
     # ------------------------------------------------------------------ reading and writing one session's K/V
     def write(self, table: Sequence[int], position: int, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -34,6 +35,7 @@ from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NoCapacityError, Pa
 from petals_chain.server.session_state import SessionState
 from petals_chain.swarm.checkpoint import build_rotary, load_block, parse_dtype
 from petals_chain.swarm.memory import head_dim, num_kv_heads
+from petals_chain.swarm.prefix import PREFIX_BLOCK_TOKENS, page_hashes, supports_prefix_cache
 from petals_chain.swarm.sources import ModelSource, resolve_source
 
 __all__ = ["BlockRunner", "NoCapacityError"]
@@ -87,6 +89,7 @@ class BlockRunner:
         batch_wait_ms: float = 2.0,
         kv_cache: str = "paged",
         page_size: int = DEFAULT_PAGE_SIZE,
+        prefix_cache: bool = True,
     ):
         self.source = resolve_source(model_path)
         self.model_path = self.source.path
@@ -138,6 +141,10 @@ class BlockRunner:
         # the memory of num_slots slots, each rounded up to whole pages (kv_cache.slot_tokens)
         self.pool = PagePool(num_slots * self.pages_per_slot, num_kv_heads(self.config), self.page_size,
                              head_dim(self.config), self.dtype, self.device)
+        # Finished sessions' full pages stay cached for sessions with the same prompt prefix (kv_cache module).
+        self.prefix_cache = bool(prefix_cache) and kv_cache == "paged" and supports_prefix_cache(self.page_size)
+        self.prefix_offered_tokens = 0  # prompt tokens sessions named by prefix hashes at open
+        self.prefix_reused_tokens = 0  # of those, tokens whose K/V came from the cache (not computed)
 
         install_dispatch(self.blocks)
 
@@ -174,11 +181,15 @@ class BlockRunner:
             return self.pool.pages_available * self.page_size
 
     def cache_stats(self) -> dict[str, int]:
-        """The pool in pages: total, used (held by sessions), free; and tokens per page."""
+        """The pool in pages: total, used (held by sessions, or cached prefixes they pin), cached (prefixes,
+        pinned or evictable), evictable, free; tokens per page; prefix-cache counters (tokens)."""
         with self._lock:
             p = self.pool
-            return {"pages_total": p.num_pages, "pages_used": p.num_pages - p.pages_free, "pages_free": p.pages_free,
-                    "page_size": self.page_size}
+            return {"pages_total": p.num_pages, "pages_used": p.num_pages - p.pages_free - p.pages_evictable,
+                    "pages_cached": p.pages_cached, "pages_evictable": p.pages_evictable, "pages_free": p.pages_free,
+                    "page_size": self.page_size, "prefix_cache": self.prefix_cache,
+                    "prefix_offered_tokens": self.prefix_offered_tokens,
+                    "prefix_reused_tokens": self.prefix_reused_tokens, "prefix_evictions": p.evictions}
 
     @property
     def s_c(self) -> int:
@@ -196,6 +207,7 @@ class BlockRunner:
         with self._lock:
             return {sid: {"start_block": s.start_block, "end_block": s.end_block, "length": s.length,
                           "limit": s.limit, "pages": sum(len(t) for t in s.pages_of.values()),
+                          "shared_pages": s.shared_pages * len(s.pages_of),
                           "idle_s": now - s.last_used, "busy": s.busy}
                     for sid, s in self._sessions.items()}
 
@@ -204,9 +216,16 @@ class BlockRunner:
         with self._lock:
             return self._get(session_id).length
 
-    def allocate(self, session_id: str, start_block: int, end_block: int, max_tokens: int | None = None) -> None:
+    def allocate(self, session_id: str, start_block: int, end_block: int, max_tokens: int | None = None,
+                 prefix_hashes: Sequence[bytes] = ()) -> int:
         """Open ``session_id`` over blocks ``[start_block, end_block)`` for at most ``max_tokens`` tokens (default and
         cap: ``max_length``), reserving the pages it may need (``slots`` mode: one slot per block).
+
+        ``prefix_hashes``: the session's prompt named by :func:`~petals_chain.swarm.prefix.prefix_hashes` (one per
+        16 tokens). Returns how many leading tokens of it the prefix cache holds in every block of the span: the
+        session starts with them (its cached length); its first step may start there or earlier (the caller
+        takes the smallest such length over a chain's hops), and positions before the first step's are never
+        written again (a rollback below them is refused).
 
         Raises :class:`NoCapacityError` if too few pages are available, ``ValueError`` for a bad span, length or a
         session id already open. Nothing changes on error.
@@ -223,24 +242,62 @@ class BlockRunner:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.max_length:
             raise ValueError(f"max_tokens must be an int in [1, {self.max_length}], got {max_tokens!r}")
         with self._lock:
-            self.allocate_locked(session_id, start_block, end_block, limit)
+            return self.allocate_locked(session_id, start_block, end_block, limit, prefix_hashes)
 
     def pages_needed(self, num_blocks: int, max_tokens: int) -> int:
         """Pages a session over ``num_blocks`` blocks of at most ``max_tokens`` tokens reserves (in ``slots`` mode a
         page is ``max_length`` tokens, so one per block)."""
         return num_blocks * pages_for(max_tokens, self.page_size)
 
-    def allocate_locked(self, session_id: str, start_block: int, end_block: int, limit: int) -> None:
+    def allocate_locked(self, session_id: str, start_block: int, end_block: int, limit: int,
+                        prefix_hashes: Sequence[bytes] = ()) -> int:
         """:meth:`allocate` with ``_lock`` held and the span and limit already validated."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
         per_block = self.pages_needed(1, limit)
-        self.pool.reserve(per_block * (end_block - start_block))
+        layers = range(start_block, end_block)
+        pool = self.pool
+        names = page_hashes(prefix_hashes, self.page_size) if self.prefix_cache else []
+        # A matched page is pinned before the reservation (which could evict it otherwise); the last token of a
+        # limit is never reused (the session must compute at least one position).
+        matched = min(pool.match(layers, names), (limit - 1) // self.page_size)
+        pending = {b: pool.pin(b, names[:matched]) for b in layers} if matched else None
+        try:
+            # The whole limit in own pages, whatever is matched: if another hop of the chain matched less, the
+            # first step starts earlier and needs them; the unused ones are returned at that step (_start_at).
+            pool.reserve(per_block * len(layers))
+        except NoCapacityError:
+            if pending is None:
+                raise
+            for pages in pending.values():
+                pool.unpin(reversed(pages))
+            return self.allocate_locked(session_id, start_block, end_block, limit)  # serve it, without reuse
         # Every page now, one run per block where the pool has one: a reservation is what admission counts, and
         # consecutive pages read as a view (kv_cache.PagePool.read), so a long session's decode copies nothing.
-        pages_of = {b: PageTable(self.pool.take(per_block)) for b in range(start_block, end_block)}
-        self._sessions[session_id] = SessionState(session_id, start_block, end_block, pages_of,
-                                                  limit=limit if self.kv_cache == "paged" else self.max_length)
+        pages_of = {b: PageTable(pool.take(per_block)) for b in layers}
+        s = SessionState(session_id, start_block, end_block, pages_of,
+                         limit=limit if self.kv_cache == "paged" else self.max_length)
+        s.pending, s.length = pending, matched * self.page_size
+        if self.prefix_cache:
+            self.prefix_offered_tokens += min(len(prefix_hashes) * PREFIX_BLOCK_TOKENS, limit - 1)
+        self._sessions[session_id] = s
+        return s.length
+
+    def _start_at(self, s: SessionState, position: int) -> None:
+        """A session opened on a matched prefix steps at ``position`` for the first time: its tables become the
+        cached pages before ``position``'s page plus its own pages from there (the part of that page before
+        ``position`` copied); the other matched pages are unpinned and the own pages under shared ones returned."""
+        pool, ps = self.pool, self.page_size
+        keep = position // ps
+        for layer, shared in s.pending.items():
+            own = s.pages_of[layer]
+            if position % ps and keep < len(shared):
+                pool.copy([shared[keep]], [own[keep]], position % ps)
+            pool.unpin(reversed(shared[keep:]))
+            pool.release(own[:keep])
+            s.pages_of[layer] = PageTable(list(shared[:keep]) + list(own[keep:]))
+        s.pending, s.shared_pages = None, keep
+        self.prefix_reused_tokens += position
 
     def fork(self, source_id: str, session_id: str, length: int) -> None:
         """Open ``session_id`` over ``source_id``'s span with a copy of its first ``length`` cached tokens.
@@ -264,13 +321,18 @@ class BlockRunner:
                 self.pool.copy(src.pages_of[layer], table, length)
             dst.length = length
 
-    def release(self, session_id: str) -> bool:
-        """Close ``session_id`` and return its pages (after its running step, if any). False if unknown."""
+    def release(self, session_id: str, prefix_hashes: Sequence[bytes] = ()) -> bool:
+        """Close ``session_id`` and return its pages (after its running step, if any). False if unknown.
+
+        ``prefix_hashes`` name the tokens the session holds (:func:`~petals_chain.swarm.prefix.prefix_hashes`): its
+        full pages among them stay in the prefix cache instead of being freed."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None or s.closing:
                 return False
             s.closing = True
+            if self.prefix_cache:
+                s.close_hashes = tuple(page_hashes(prefix_hashes, self.page_size))
             if not s.busy or self.scheduler.cancel(s):
                 self._drop(s)  # idle, or its step was still queued (its caller gets a KeyError)
             return True
@@ -296,7 +358,22 @@ class BlockRunner:
     def _drop(self, s: SessionState) -> None:
         s.dropped = True
         del self._sessions[s.session_id]
-        self.pool.release([p for table in s.pages_of.values() for p in table])
+        pool = self.pool
+        if s.pending is not None:  # never stepped: its matched pages were only pinned
+            for shared in s.pending.values():
+                pool.unpin(reversed(shared))
+            pool.release([p for table in s.pages_of.values() for p in table])
+            return
+        cacheable = min(len(s.close_hashes), s.length // self.page_size)
+        free = []
+        for layer, table in s.pages_of.items():
+            # deepest page first: a prefix's shallow pages become the most recently used, evicted last
+            for j in range(len(table) - 1, -1, -1):
+                if j < s.shared_pages:
+                    pool.unpin([table[j]])
+                elif not (j < cacheable and pool.cache(layer, s.close_hashes[j], table[j])):
+                    free.append(table[j])
+        pool.release(free)
 
     def _get(self, session_id: str) -> SessionState:
         s = self._sessions.get(session_id)
@@ -365,6 +442,11 @@ class BlockRunner:
             if position + n > s.limit:
                 what = "max_length" if s.limit == self.max_length else "the session's token limit"
                 raise ValueError(f"positions {position}..{position + n - 1} exceed {what} {s.limit}")
+            if position < s.shared_pages * self.page_size:
+                raise ValueError(f"position {position} rolls back into the session's shared cached prefix "
+                                 f"(positions < {s.shared_pages * self.page_size} are never rewritten)")
+            if s.pending is not None:
+                self._start_at(s, position)
             s.busy = True
             pages_of, start, end = dict(s.pages_of), s.start_block, s.end_block  # tables are immutable
         try:

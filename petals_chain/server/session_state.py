@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -24,3 +25,9 @@ class SessionState:
     closing: bool = False  # released while busy: pages go back when the step ends
     dropped: bool = False  # pages already returned to the pool
     last_used: float = field(default_factory=time.monotonic)
+    # prefix cache (kv_cache.PagePool.pin): the first `shared_pages` pages of every table are cached pages the
+    # session pins; until its first step says where it starts, `pending` holds the pinned pages matched at open
+    # (the tables then hold only the session's own pages) and `length` is the matched prefix
+    shared_pages: int = 0
+    pending: Optional[dict[int, list[int]]] = None
+    close_hashes: tuple[bytes, ...] = ()  # page names given at close: its full pages are cached, not freed

@@ -1,0 +1,164 @@
+"""Prefix cache of a server's paged KV pool: pages named by prefix hashes outlive their session, and a later
+session with the same prompt prefix reuses them instead of computing them, with the same outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from petals_chain.server.kv_cache import PagePool
+from petals_chain.server.runner import BlockRunner, NoCapacityError
+from petals_chain.swarm.prefix import page_hashes, prefix_hashes, split_hashes
+from petals_chain.swarm.tiny_model import build_tiny_model
+
+HIDDEN_SEED = 11
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", family="llama", num_layers=4, seed=0)
+
+
+def _runner(model, num_slots=16, max_length=128, **kw) -> BlockRunner:
+    return BlockRunner(model, 0, 4, num_slots=num_slots, max_length=max_length, progress=False, **kw)
+
+
+def _embed(r: BlockRunner, ids: list[int]) -> torch.Tensor:
+    """A fixed hidden state per token id (what the orchestrator's embedding would give)."""
+    table = torch.randn(1000, r.hidden_size, generator=torch.Generator().manual_seed(HIDDEN_SEED))
+    return table[torch.tensor(ids)].unsqueeze(0)
+
+
+def _hashes(ids: list[int]) -> list[bytes]:
+    return split_hashes(prefix_hashes(ids))
+
+
+def _fresh(r: BlockRunner, ids: list[int]) -> torch.Tensor:
+    r.allocate("fresh", 0, 4, max_tokens=len(ids))
+    try:
+        return r.forward("fresh", _embed(r, ids), 0)
+    finally:
+        r.release("fresh")
+
+
+def test_hash_chain_names_every_prefix():
+    a = list(range(40))
+    b = list(range(20)) + [999] * 20
+    ha, hb = _hashes(a), _hashes(b)
+    assert len(ha) == 2 and len(prefix_hashes(a[:15])) == 0
+    assert ha[0] == hb[0] and ha[1] != hb[1]  # block 1 (tokens 16-31) differs from token 20 on
+    assert _hashes(list(range(32)))[1] == ha[1]  # a hash covers everything up to its block's end
+    assert page_hashes(ha, 32) == [ha[1]] and page_hashes(ha, 16) == ha and page_hashes(ha, 24) == []
+    with pytest.raises(ValueError):
+        split_hashes(b"x" * 17)
+
+
+def test_second_session_reuses_the_first_ones_pages(model):
+    r = _runner(model)
+    prompt = list(range(1, 41))  # 40 tokens: 2 full pages of 16
+    r.allocate("a", 0, 4, max_tokens=64)
+    r.forward("a", _embed(r, prompt), 0)
+    assert r.release("a", prefix_hashes(prompt))
+    stats = r.cache_stats()
+    assert stats["pages_cached"] == 2 * 4 and stats["pages_evictable"] == 8 and stats["pages_used"] == 0
+    # cached pages count as available: nothing is lost to the cache
+    assert r.cache_tokens_free == r.cache_tokens_total
+
+    other = prompt[:35] + [500, 501, 502, 503, 504, 505]  # shares 35 tokens: 2 pages (32 tokens)
+    matched = r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(other[:-1]))
+    assert matched == 32 and r.session_length("b") == 32
+    out = r.forward("b", _embed(r, other[32:]), 32)
+    ref = _fresh(r, other)
+    torch.testing.assert_close(out, ref[:, 32:], rtol=0, atol=1e-4)
+    # the shared pages are pinned, not evictable, while b holds them; b's own pages under them went back
+    assert r.cache_stats()["pages_evictable"] == 0
+    assert r.sessions()["b"]["shared_pages"] == 2 * 4
+    assert r.cache_stats()["prefix_reused_tokens"] == 32
+    # decode continues on top of the shared pages
+    step = r.forward("b", _embed(r, [7]), len(other))
+    torch.testing.assert_close(step, _fresh(r, other + [7])[:, -1:], rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="shared cached prefix"):
+        r.forward("b", _embed(r, [3]), 20)
+    r.release("b")
+    assert r.cache_stats()["pages_used"] == 0 and r.cache_stats()["pages_cached"] == 8
+
+
+def test_first_step_before_the_match_copies_the_straddled_page(model):
+    """Another hop of the chain matched less: this hop's first step starts inside its matched pages."""
+    r = _runner(model)
+    prompt = list(range(100, 150))  # 50 tokens: 3 full pages
+    r.allocate("a", 0, 4, max_tokens=64)
+    r.forward("a", _embed(r, prompt), 0)
+    r.release("a", prefix_hashes(prompt))
+    assert r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 48
+    out = r.forward("b", _embed(r, prompt[20:]), 20)  # starts in page 1, at offset 4
+    torch.testing.assert_close(out, _fresh(r, prompt)[:, 20:], rtol=0, atol=1e-4)
+    assert r.sessions()["b"]["shared_pages"] == 1 * 4
+    r.release("b")
+    stats = r.cache_stats()
+    assert stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]
+
+
+def test_unused_match_is_unpinned_and_pool_is_whole_again(model):
+    r = _runner(model)
+    prompt = list(range(200, 233))
+    r.allocate("a", 0, 4, max_tokens=64)
+    r.forward("a", _embed(r, prompt), 0)
+    r.release("a", prefix_hashes(prompt))
+    assert r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 32
+    assert r.cache_stats()["pages_evictable"] == 0
+    r.release("b")  # closed before any step
+    assert r.cache_stats()["pages_evictable"] == 8 and r.cache_tokens_free == r.cache_tokens_total
+
+
+def test_cached_pages_are_evicted_deepest_first_when_memory_is_needed(model):
+    r = _runner(model, num_slots=8, max_length=64)  # 8 block-slots of 4 pages: 32 pages of 16 tokens
+    prompt = list(range(300, 348))  # 3 pages per block
+    r.allocate("a", 0, 4, max_tokens=64)
+    r.forward("a", _embed(r, prompt), 0)
+    r.release("a", prefix_hashes(prompt))
+    assert r.cache_stats()["pages_cached"] == 12
+    # 12 cached, 20 free: a session of 64 tokens (4 pages per block) fits in the free pages, a second one evicts
+    r.allocate("x", 0, 4, max_tokens=64)
+    assert r.cache_stats()["prefix_evictions"] == 0
+    r.allocate("y", 0, 4, max_tokens=64)
+    assert r.cache_stats()["prefix_evictions"] == 12 and r.cache_stats()["pages_cached"] == 0
+    with pytest.raises(NoCapacityError):
+        r.allocate("z", 0, 4, max_tokens=16)
+    r.release("x")
+    r.release("y")
+    # eviction order: the deepest page of a prefix goes first, so a partial prefix keeps its start
+    pool = PagePool(6, 1, 16, 4, torch.float32)
+    pool.reserve(3)
+    pages = pool.take(3)
+    for j in (2, 1, 0):
+        assert pool.cache(0, bytes([j]) * 16, pages[j])
+    pool.reserve(4)
+    pool.take(4)  # 3 free + 1 eviction: the deepest page
+    assert pool.match([0], [bytes([j]) * 16 for j in range(3)]) == 2
+
+
+def test_tight_pool_serves_without_reuse_rather_than_refusing(model):
+    r = _runner(model, num_slots=8, max_length=64)  # 32 pages
+    prompt = list(range(400, 440))
+    r.allocate("a", 0, 4, max_tokens=64)
+    r.forward("a", _embed(r, prompt), 0)
+    r.release("a", prefix_hashes(prompt))
+    r.allocate("hold", 0, 4, max_tokens=64)  # half the pool
+    # the match would pin 2 of the pages the new session's reservation needs: served, without reuse
+    assert r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 0
+    out = r.forward("b", _embed(r, prompt), 0)
+    r.release("hold")
+    torch.testing.assert_close(out, _fresh(r, prompt), rtol=0, atol=1e-4)
+
+
+def test_slots_mode_and_disabled_cache_never_reuse(model):
+    prompt = list(range(500, 540))
+    for kw in ({"kv_cache": "slots"}, {"prefix_cache": False}, {"page_size": 24}):
+        r = _runner(model, **kw)
+        assert not r.prefix_cache
+        r.allocate("a", 0, 4, max_tokens=64)
+        r.forward("a", _embed(r, prompt), 0)
+        r.release("a", prefix_hashes(prompt))
+        assert r.cache_stats()["pages_cached"] == 0
+        assert r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 0
