@@ -191,7 +191,7 @@ def test_multi_turn_session_keeps_kv(swarm, hf_model):
         first = s.complete("Once upon a time", max_tokens=10)
         chain = s.info()["chain"]
         second = s.complete(" The people of the village", max_tokens=10)
-        assert s.info()["chain"] == chain  # the same chain held between calls
+        assert s.info()["chain"] == chain  # the chain holding the session's cached prefix, again
         assert s.info()["turns"] == 2
         third_text = "".join(s.stream(" and", max_tokens=6))  # streamed turn continues the same KV
         assert s.info()["turns"] == 3 and s.info()["chain"] == chain
@@ -205,6 +205,41 @@ def test_multi_turn_session_keeps_kv(swarm, hf_model):
     # closed: further use is a 404
     r = post(swarm, f"/api/v1/sessions/{s.id}/generate", {"prompt": "x", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+def test_prefix_cache_shared_prompt_and_session_turns(swarm, hf_model):
+    """A prompt prefix computed once is reused by the next request that starts with it (the servers' prefix
+    caches and dispatch's preference for the chain holding it), and by a session's next turn after its chain
+    was released between turns; outputs stay token-exact."""
+    _, tok = hf_model
+    client = swarm.client()
+    system = ("You are a careful assistant. Answer briefly and cite the rules you follow when you answer a "
+              "question about the village, its people, its river and its old stone bridge.")
+    base = tok(system)["input_ids"]
+    assert len(base) >= 40
+    before = client.swarm()["relay"]
+    usages = []
+    for question in (" Who built the bridge?", " Where does the river go?"):
+        ids = base + tok(question, add_special_tokens=False)["input_ids"]
+        comp = client.complete(ids, max_tokens=8)
+        assert comp.token_ids == hf_greedy(hf_model, ids, 8)
+        usages.append(comp.usage["prompt_tokens_details"]["cached_tokens"])
+    assert usages[0] == 0 and usages[1] >= len(base) // 16 * 16 - 16, usages
+    relay = client.swarm()["relay"]
+    assert relay["prompt_cached_tokens"] - before["prompt_cached_tokens"] >= usages[1]
+    assert relay["preferred_starts"] > before["preferred_starts"]
+    deadline = time.monotonic() + 60  # server records reach the orchestrator on its next DHT refresh
+    while sum(v["prefix_reused_tokens"] for v in client.swarm()["servers"]) < usages[1]:
+        assert time.monotonic() < deadline, "no server record shows the reused prefix"
+        time.sleep(0.5)
+
+    with client.session(max_length=160) as s:
+        first = s.complete(system, max_tokens=12)
+        second = s.complete(" Who built the bridge?", max_tokens=8)
+    held = len(base) + len(first.token_ids) - 1  # the last sampled token was never fed
+    assert second.usage["prompt_tokens_details"]["cached_tokens"] >= held // 16 * 16 - 16
+    ids2 = base + first.token_ids + tok(" Who built the bridge?", add_special_tokens=False)["input_ids"]
+    assert second.token_ids == hf_greedy(hf_model, ids2, 8)
 
 
 def test_bad_inputs_get_4xx_and_service_continues(swarm):
@@ -341,3 +376,4 @@ def test_server_killed_mid_generation_keeps_output(swarm, hf_model, scaled):
     dead = next(s for s in st["servers"] if s["public_name"] == victim)
     assert dead["state"] in ("failed", "offline")
     assert all(dead["peer_id"] not in ch["servers"] for ch in st["chains"])
+

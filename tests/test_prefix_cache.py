@@ -162,3 +162,50 @@ def test_slots_mode_and_disabled_cache_never_reuse(model):
         r.release("a", prefix_hashes(prompt))
         assert r.cache_stats()["pages_cached"] == 0
         assert r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 0
+
+
+def test_prefix_directory_longest_match_and_bound():
+    from petals_chain.algorithms.prefix_locality import PrefixDirectory
+
+    d = PrefixDirectory(capacity=5)
+    d.add("A", ["k0", "k1", "k2"])
+    d.add("B", ["k0", "x1"])
+    assert d.match(["k0", "k1", "k2", "k3"]) == {"A": 3, "B": 1}
+    assert d.preferred(["k0", "k1"]) == ["A", "B"] and d.preferred(["zz"]) == []
+    d.add("C", ["k0"])  # 6 entries: the oldest, A's deepest block, goes first
+    assert d.match(["k0", "k1", "k2"]) == {"A": 2, "B": 1, "C": 1}
+    d.forget("A")
+    assert d.match(["k0", "k1"]) == {"B": 1, "C": 1} and len(d) == 3
+    with pytest.raises(ValueError):
+        PrefixDirectory(capacity=-1)
+
+
+def test_dispatch_starts_a_job_on_the_chain_holding_its_prefix():
+    import asyncio
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import ChainPrefixes, DispatchJob, DispatchManager
+
+    def chain(name, T):
+        return Chain(servers=(name,), blocks=(4,), service_time=T, capacity=1, spans=((0, 4),))
+
+    async def main():
+        dm = DispatchManager(policy="jffc")
+        fast, slow = chain("fast", 1.0), chain("slow", 2.0)
+        dm.set_chains([fast, slow])
+        prefixes = ChainPrefixes()
+        prompt = list(range(70))
+        prefixes.add(slow, prompt[:40])  # the slower chain's servers were given 2 blocks of this prompt
+        job = DispatchJob("1", prefer=prefixes.preferred(prompt))
+        lease = await dm.acquire(job)
+        assert lease.chain.servers == ("slow",) and dm.preferred_starts == 1
+        # the preferred chain is full now: the next job sharing the prefix takes the fastest free chain
+        other = await dm.acquire(DispatchJob("2", prefer=prefixes.preferred(prompt)))
+        assert other.chain.servers == ("fast",) and dm.preferred_starts == 1
+        queued = asyncio.create_task(dm.acquire(DispatchJob("3", prefer=prefixes.preferred(prompt))))
+        await asyncio.sleep(0)
+        assert dm.queue_length == 1  # no chain has room: it waits in the queue like any job
+        dm.release(other)
+        assert (await queued).chain.servers == ("fast",)
+
+    asyncio.run(main())

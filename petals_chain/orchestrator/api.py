@@ -353,8 +353,11 @@ def create_app(orch: Orchestrator) -> FastAPI:
         return model_card()
 
     # ---- generation helpers --------------------------------------------------------------------
-    def usage(prompt: int, completion: int) -> dict:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+        """OpenAI's usage object; ``cached``: prompt tokens whose KV was not computed (the servers' prefix caches,
+        or a session's KV held from its last turn)."""
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def extras(gens: list[Generation]) -> dict:
         return {"petals_chain": [{"wait_s": g.wait_s, "service_s": g.service_s, "chain": g.chain,
@@ -402,6 +405,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
             task = asyncio.create_task(run())
             done = 0
             completion = 0
+            cached = 0
             try:
                 for i in range(n):
                     first = chunk(i, None, None, None, first=True)
@@ -414,6 +418,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
                     elif kind == "done":
                         done += 1
                         completion += len(val.token_ids)
+                        if i == 0:
+                            cached = val.cached_tokens  # the prompt is computed once, by the first choice
                         yield _sse(chunk(i, "", val.finish_reason, None))
                     else:
                         status = getattr(val, "status", 503 if isinstance(val, Unavailable) else 500)
@@ -423,7 +429,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 if include_usage and done == n:
                     u = chunk(0, "", None, None)
                     u["choices"] = []
-                    u["usage"] = usage(prompt_tokens, completion)
+                    u["usage"] = usage(prompt_tokens, completion, cached)
                     yield _sse(u)
                 yield "data: [DONE]\n\n"
             finally:
@@ -504,8 +510,9 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 gens.append(g)
         prompt_tokens = sum(len(ids) for ids in prompts)
         completion = sum(len(g.token_ids) for g in gens)
+        cached = sum(group[0].cached_tokens for group in results)
         return {"id": cid, "object": "text_completion", "created": created, "model": orch.model_id,
-                "choices": choices, "usage": usage(prompt_tokens, completion), **extras(gens)}
+                "choices": choices, "usage": usage(prompt_tokens, completion, cached), **extras(gens)}
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -541,7 +548,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
                     "logprobs": chat_lp(g.logprobs or []), "finish_reason": g.finish_reason}
                    for i, g in enumerate(gens)]
         return {"id": cid, "object": "chat.completion", "created": created, "model": orch.model_id,
-                "choices": choices, "usage": usage(len(ids), sum(len(g.token_ids) for g in gens)), **extras(gens)}
+                "choices": choices, "usage": usage(len(ids), sum(len(g.token_ids) for g in gens), gens[0].cached_tokens),
+                **extras(gens)}
 
     # ---- multi-turn sessions -------------------------------------------------------------------
     @app.post("/api/v1/sessions")
@@ -551,7 +559,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     def session_info(s) -> dict:
         return {"session_id": s.id, "max_length": s.max_length, "tokens": len(s.history), "turns": s.turns,
-                "chain": s.holder.chain_names, "created": s.created, "failovers": s.holder.failovers,
+                "chain": s.holder.chain_names or s.last_chain, "created": s.created, "failovers": s.holder.failovers,
                 "messages": len(s.messages) if s.messages is not None else None, "busy": s.lock.locked()}
 
     @app.get("/api/v1/sessions/{session_id}")
@@ -604,7 +612,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
             return stream_response(run, 1, chunk, False, len(target))
         g = await unless_disconnected(request, gen_fn())
         return {"session_id": s.id, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
-                "usage": usage(g.prompt_tokens, len(g.token_ids)), "wait_s": g.wait_s, "service_s": g.service_s,
+                "usage": usage(g.prompt_tokens, len(g.token_ids), g.cached_tokens), "wait_s": g.wait_s,
+                "service_s": g.service_s,
                 "chain": g.chain, "failovers": g.failovers, "tokens": len(s.history)}
 
     # ---- dashboard -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from petals_chain.model import Chain, ModelSpec
-from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES
+from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES, ChainPrefixes
 from petals_chain.orchestrator.errors import RequestError, Unavailable
 from petals_chain.orchestrator.generation import Emit, Generation, GenerationMixin
 from petals_chain.orchestrator.planner import Planner
@@ -119,6 +119,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue)
         self.sessions: dict[str, UserSession] = {}
         self.replay_cache = ReplayCache(int(cfg.replay_cache_mb * 2**20))
+        self.prefix_directory = ChainPrefixes()  # what each chain's servers were given to cache
         self.started_at = time.time()
         self.http_url = f"http://{cfg.host}:{cfg.port}"
         self.dht = None
@@ -366,7 +367,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
                       "service_s": self.stats.service_s, "failovers": self.stats.failovers,
                       "lm_head_batches": self.batcher.batches if self.batcher else 0,
                       "lm_head_rows": self.batcher.rows if self.batcher else 0, "forks": self.stats.forks,
-                      **self.stats.replay_json(),
+                      **self.stats.replay_json(), **self.stats.prefix_json(),
+                      "preferred_starts": self.dispatch.preferred_starts,
                       "replay_cache": {"bytes": self.replay_cache.bytes, "budget_bytes": self.replay_cache.budget,
                                        "jobs": self.replay_cache.jobs, "evictions": self.replay_cache.evictions}},
         }

@@ -23,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from petals_chain.algorithms.prefix_locality import PrefixDirectory
 from petals_chain.model import Chain
+from petals_chain.swarm.prefix import prefix_hashes, split_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +42,32 @@ class DispatchJob:
     """One job as the dispatcher sees it (hashable by identity).
 
     ``requeue``: the job held a chain before (it was admitted then); it waits in the re-queue lane and is
-    never refused."""
+    never refused. ``prefer``: chain keys (:func:`chain_key`) to start on, in order, when one has room (the
+    chains holding the longest cached prefix of the job's prompt, :class:`ChainPrefixes`)."""
 
     job_id: str
     arrival: float = field(default_factory=time.monotonic)
     wait_s: float = 0.0
     requeue: bool = False
+    prefer: tuple = ()
+
+
+class ChainPrefixes:
+    """Which prompt prefixes each chain's servers were given to cache (at every job's close), so that a job starts
+    on the chain holding the longest prefix of its prompt when that chain has room (a hint: servers evict on
+    their own, and a chain that lost its prefix only costs the recompute)."""
+
+    def __init__(self, directory: PrefixDirectory | None = None):
+        self.directory = directory if directory is not None else PrefixDirectory()
+
+    def add(self, chain: Chain, tokens: Sequence[int]) -> None:
+        """``chain``'s servers were given the KV of ``tokens`` to cache."""
+        self.directory.add(chain_key(chain), split_hashes(prefix_hashes(tokens)))
+
+    def preferred(self, prompt: Sequence[int]) -> tuple:
+        """Chain keys holding part of ``prompt`` (all but its last token, which is always computed), longest
+        first."""
+        return tuple(self.directory.preferred(split_hashes(prefix_hashes(prompt[:-1]))))
 
 
 class QueueFull(Exception):
@@ -148,6 +170,8 @@ class DispatchManager:
         self.dispatcher: Any = None
         self.chains: list[Chain] = []
         self.chain_ids: list[int] = []
+        self._index_by_key: dict[tuple, int] = {}  # chain_key -> index in the current chains
+        self.preferred_starts = 0  # jobs started on a chain they preferred (its cached prefix)
         self._ids = itertools.count()
         self._id_by_key: dict[tuple, int] = {}
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
@@ -215,7 +239,7 @@ class DispatchManager:
             self.chain_ids.append(self._id_by_key[key])
         self.dispatcher = self.factory(chains) if chains else None
         self._active = {}
-        index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
+        index_by_key = self._index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
         for lease in old_running:
             k = index_by_key.get(chain_key(lease.chain))
             if k is not None and self._adopt(k, lease.job):
@@ -263,6 +287,8 @@ class DispatchManager:
                 raise QueueFull(self.max_queue)
             self._pending.append(job)
             return
+        if self._start_preferred(job):
+            return
         k = self.dispatcher.arrive(job)
         if k is not None and self._is_started(k, job):
             self._start(job, k)
@@ -274,12 +300,25 @@ class DispatchManager:
     def _arrive_requeued(self, job: DispatchJob) -> None:
         """Start ``job`` if the dispatcher has a free slot for it now, else put it in the re-queue lane."""
         if self.dispatcher is not None:
+            if self._start_preferred(job):
+                return
             k = self.dispatcher.arrive(job)
             if k is not None and self._is_started(k, job):
                 self._start(job, k)
                 return
             self.dispatcher.remove_job(job)  # it waits in the lane, not in the dispatcher's queue
         self._lane.append(job)
+
+    def _start_preferred(self, job: DispatchJob) -> bool:
+        """Start ``job`` on the first chain it prefers that has room now (JFFC: a chain has room only while the
+        queue is empty, so no queued job is passed over). False if none has."""
+        for key in job.prefer:
+            k = self._index_by_key.get(key)
+            if k is not None and self.dispatcher.adopt(k, job):
+                self.preferred_starts += 1
+                self._start(job, k)
+                return True
+        return False
 
     def _is_started(self, k: int, job: DispatchJob) -> bool:
         # JFFC returns None when it queues; per-chain-FIFO baselines return k also when the job waits there.

@@ -63,6 +63,8 @@ class ChainHolder:
         self.fork_source: tuple["ChainHolder", int] | None = None
         self.forked = False
         self.inputs = orch.replay_cache.new()  # what each hop received: replay one hop, not the chain
+        self.cached_tokens = 0  # tokens the last chain opened held in its servers' prefix caches (not computed)
+        self.reused_tokens = 0  # leading tokens of the last feed's sequence whose KV was not computed by it
 
     @property
     def chain_names(self) -> list[str]:
@@ -71,7 +73,9 @@ class ChainHolder:
             return [h[0] for h in self.cs.hops]
         return [h[0] for h in self.lease.hops] if self.lease is not None else []
 
-    async def _ensure_chain(self) -> None:
+    async def _ensure_chain(self, prompt: list[int] | None = None) -> None:
+        """Hold a chain with open sessions. ``prompt``: the whole sequence the next feed computes; a chain whose
+        servers hold a prefix of it in their prefix caches is preferred, and the feed starts after that prefix."""
         orch = self.orch
         deadline = time.monotonic() + orch.cfg.queue_timeout_s
         failed_opens = 0
@@ -80,7 +84,8 @@ class ChainHolder:
         while self.cs is None:
             if time.monotonic() > deadline:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
-            job = DispatchJob(job_id=self.job_id, requeue=self.admitted)
+            job = DispatchJob(job_id=self.job_id, requeue=self.admitted,
+                              prefer=orch.prefix_directory.preferred(prompt) if prompt else ())
             t0 = time.monotonic()
             try:
                 lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=max(0.1, deadline - time.monotonic()))
@@ -107,7 +112,7 @@ class ChainHolder:
                         self.forked = True
                         self.orch.stats.forks += 1
                     else:
-                        await cs.open()
+                        await cs.open(prompt=prompt)
                     opened = True
                     break
                 except HopFailure as e:
@@ -126,8 +131,10 @@ class ChainHolder:
                 self.wait_s += time.monotonic() - t0
                 self.lease, self.cs = lease, cs
                 if fork is None:
-                    self.kv_valid = 0
+                    self.kv_valid = self.cached_tokens = cs.cached_tokens
                     self.inputs.clear()
+                    if cs.cached_tokens:
+                        orch.stats.add_prefix_hit(cs.cached_tokens)
                 else:
                     self.inputs.copy_prefix(self.fork_source[0].inputs, fork[1])
                 orch.chain_sessions.add(cs)
@@ -161,13 +168,25 @@ class ChainHolder:
 
     async def _drop(self) -> None:
         cs, lease = self.cs, self.lease
+        held = self.kv_ids[:self.kv_valid]  # every hop holds their KV: servers may keep it as cached prefixes
         self.cs, self.lease, self.kv_valid = None, None, 0
         self.inputs.clear()
+        if lease is not None and held:
+            self.orch.prefix_directory.add(lease.chain, held)
         if cs is not None:
             self.orch.chain_sessions.discard(cs)
-            await cs.close()
+            await cs.close(held=held)
         if lease is not None:
             self.orch.dispatch.release(lease)
+
+    async def release_chain(self) -> bool:
+        """Between a session's turns: give the chain back (its servers keep the KV as cached prefixes; the next
+        turn reuses what is still cached, recomputes the rest). Only when every hop has a prefix cache, else the
+        chain stays held (a slots-mode chain would recompute the whole history). True if released."""
+        if self.cs is None or not self.cs.prefix_cache:
+            return False
+        await self._drop()
+        return True
 
     async def feed(self, new_ids: list[int], hidden: torch.Tensor | None = None, *,
                    all_positions: bool = False) -> torch.Tensor:
@@ -180,13 +199,15 @@ class ChainHolder:
             raise RequestError(f"sequence would exceed max_length={self.max_length}", code="context_length_exceeded")
         budget = [self.orch.cfg.max_failovers]  # hop and chain failovers of this call, together
         while True:
-            await self._ensure_chain()
-            ids = self.kv_ids[self.kv_valid:] + list(new_ids)
+            full = self.kv_ids + list(new_ids)
+            # prompt logprobs need every position's output: nothing may come from a prefix cache
+            await self._ensure_chain(prompt=None if all_positions else full)
             position = self.kv_valid
+            ids = full[position:]
             if hidden is None or len(ids) != len(new_ids):
                 hidden = await self.orch.batcher.embed(ids)
             try:
-                out = await self._forward(hidden, position, budget)
+                out = await self._forward(hidden, position, budget, full)
             except asyncio.CancelledError:
                 # A step cut short leaves replies unread: its streams are closed. Release the chain now (its JFFC
                 # slot goes to the next job); a session's next turn acquires one and replays what it needs.
@@ -206,12 +227,13 @@ class ChainHolder:
                 continue
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
+            self.reused_tokens = position
             self.steps += 1
             return out[0, len(ids) - len(new_ids):] if all_positions else out[0, -1]
 
-    async def _forward(self, hidden: torch.Tensor, position: int, budget: list[int]) -> torch.Tensor:
-        """Run ``hidden`` (positions ``position..``) through the chain, keeping every hop's input; a failed hop
-        moves to another server (:meth:`_move_hop`). HopFailure: the chain as a whole is lost."""
+    async def _forward(self, hidden: torch.Tensor, position: int, budget: list[int], tokens: list[int]) -> torch.Tensor:
+        """Run ``hidden`` (positions ``position..`` of ``tokens``) through the chain, keeping every hop's input; a
+        failed hop moves to another server (:meth:`_move_hop`). HopFailure: the chain as a whole is lost."""
         cs, inputs = self.cs, self.inputs
         inputs.truncate(position)
         x = hidden
@@ -221,11 +243,11 @@ class ChainHolder:
             try:
                 x = await cs.step(i, x, position)
             except HopFailure as e:
-                x = await self._move_hop(i, e, x, position, budget)
+                x = await self._move_hop(i, e, x, position, budget, tokens)
         return x
 
     async def _move_hop(self, i: int, failure: HopFailure, x: torch.Tensor, position: int,
-                        budget: list[int]) -> torch.Tensor:
+                        budget: list[int], tokens: list[int]) -> torch.Tensor:
         """Give hop ``i`` to another server holding its span (or re-open it on its own server if that server only
         lost the session) and replay the hop's inputs there; re-raise ``failure`` if that is not possible."""
         orch, cs = self.orch, self.cs
@@ -236,7 +258,7 @@ class ChainHolder:
         if position == 0:
             history = None
         elif start == 0:
-            history = await orch.batcher.embed(self.kv_ids[:position])
+            history = await orch.batcher.embed(tokens[:position])
         else:
             history = self.inputs.get(start, position)
             if history is None:  # evicted (over --replay-cache-mb) or never kept: replay the whole chain

@@ -34,6 +34,7 @@ class Generation:
     logprobs: list[TokenChoice] | None = None  # per generated token, when asked for
     prompt_logprobs: list[TokenChoice | None] | None = None  # per prompt token (first: None), when asked for
     forked: bool = False  # started from a sibling's prefill (n > 1) instead of its own
+    cached_tokens: int = 0  # prompt tokens whose KV was not computed for this request (prefix cache, held KV)
 
 
 # emit(text, token choices since the previous emit): streaming callbacks get the text that is safe to show and
@@ -123,8 +124,10 @@ class GenerationMixin:
         # A failed prefill is reported by its own task; the siblings only wait on it.
         prefill.add_done_callback(lambda f: f.cancelled() or f.exception())
         results: list[Generation | None] = [None] * len(params)
+        cached = 0  # the prefill's tokens that came from the servers' prefix caches
 
         async def one(i: int) -> None:
+            nonlocal cached
             holder, p = holders[i], params[i]
             generated: list[int] = []
             ok = False
@@ -133,6 +136,7 @@ class GenerationMixin:
                 if i == 0:
                     try:
                         out = await holder.feed(list(prompt_ids), all_positions=prompt_logprobs is not None)
+                        cached = holder.reused_tokens
                         if prompt_logprobs is not None:
                             scored = await self.batcher.score(out, list(prompt_ids), prompt_logprobs)
                             out = out[-1]
@@ -154,7 +158,7 @@ class GenerationMixin:
             results[i] = Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt_ids),
                                     wait_s=holder.wait_s, service_s=service, chain=holder.chain_names,
                                     failovers=holder.failovers, logprobs=choices if p.logprobs is not None else None,
-                                    prompt_logprobs=scored, forked=holder.forked)
+                                    prompt_logprobs=scored, forked=holder.forked, cached_tokens=cached)
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(params))]
         try:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from petals_chain.swarm.prefix import prefix_hashes
 from petals_chain.swarm.rpc import InvalidReply, NoCapacityError
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class ChainSession:
         self._current_peer: str | None = None
         self._aborted: set[str] = set()
         self._replacements = itertools.count(1)
+        self.cached_tokens = 0  # leading tokens of the prompt named at open that every hop's prefix cache held
+        self.prefix_cache = False  # every hop's server keeps closed sessions' pages as cached prefixes
 
     def abort(self, peer_id: str) -> bool:
         """``peer_id`` is known dead: fail the step waiting on it now (not at the timeout), and any later one."""
@@ -75,16 +78,23 @@ class ChainSession:
             self._current.cancel()
         return True
 
-    async def open(self, fork_from: "ChainSession | None" = None, fork_length: int = 0) -> None:
+    async def open(self, fork_from: "ChainSession | None" = None, fork_length: int = 0,
+                   prompt: list[int] | None = None) -> None:
         """Open a session on every hop (concurrently). On failure closes what was opened and raises HopFailure.
 
         ``fork_from``: an open session on the same hops whose first ``fork_length`` tokens of KV every server
-        copies into the new session (``n > 1`` samples share one prefill)."""
+        copies into the new session (``n > 1`` samples share one prefill). ``prompt``: the tokens the job will
+        feed first; servers with a prefix cache say how much of it they hold, and :attr:`cached_tokens` is the
+        part every hop holds (at most all but the last token): the first step may start there."""
         if fork_from is not None and (fork_from.hops != self.hops or not fork_from._sessions):
             raise ValueError("fork_from must be an open session on the same hops")
+        # the last token is always computed: its output is what the job samples from
+        named = prefix_hashes(prompt[:-1]) if prompt and fork_from is None else b""
 
         async def one(peer, start, end):
             extra = {"wait_s": self.wait_s} if self.wait_s > 0 else {}
+            if named:
+                extra["prefix_hashes"] = named
             if fork_from is not None:
                 extra = {"fork_from": fork_from.session_id, "fork_length": int(fork_length)}
             return await asyncio.wait_for(
@@ -120,6 +130,8 @@ class ChainSession:
             await asyncio.gather(*(s.close() for s in opened), return_exceptions=True)
             raise failure
         self._sessions = list(results)
+        self.cached_tokens = min(getattr(s, "cached_tokens", 0) for s in self._sessions) if named else 0
+        self.prefix_cache = all(getattr(s, "prefix_cache", False) for s in self._sessions)
 
     async def step(self, i: int, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Run ``hidden`` [1, n, H] (positions ``position..``) through hop ``i``; HopFailure(hop=i) if it fails or
@@ -196,9 +208,13 @@ class ChainSession:
         if due:
             await asyncio.gather(*(s.keepalive() for s in due), return_exceptions=True)
 
-    async def close(self) -> None:
+    async def close(self, held: list[int] | None = None) -> None:
+        """Close every hop. ``held``: the tokens whose KV every hop holds: servers keep their full pages in their
+        prefix caches for later prompts that start with them."""
         sessions, self._sessions = self._sessions, []
-        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+        named = prefix_hashes(held) if held else b""
+        await asyncio.gather(*(s.close(prefix_hashes=named) if named else s.close() for s in sessions),
+                             return_exceptions=True)
 
 
 def _current_task_cancelling() -> bool:

@@ -62,6 +62,7 @@ class RoutedDispatch:
         self.queue_max = 0
         self.refused = 0
         self.requeued = 0
+        self.preferred_starts = 0  # routes ignore DispatchJob.prefer: each request picks its own servers
         self._peak: dict[tuple, int] = {}  # (servers, capacity) of a GCA chain -> most routes on it at once
 
     def attach(self, planner: Any) -> None:

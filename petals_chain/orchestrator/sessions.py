@@ -41,6 +41,7 @@ class UserSession:
         self.last_used = time.monotonic()
         self.created = time.time()
         self.turns = 0
+        self.last_chain: list[str] = []  # the chain of the last turn (released between turns, see below)
 
     @property
     def max_length(self) -> int:
@@ -115,7 +116,12 @@ class SessionMixin:
                     last = target[-1:]
                     holder.sync(target[:-1])
                     hidden = await holder.feed(last)
+                cached = holder.reused_tokens
                 generated, text, finish, choices = await self._decode_loop(holder, list(target), hidden, params, emit)
+                # Between turns the chain goes back to the pool and its servers keep the KV as cached prefixes
+                # (where they have a prefix cache): the next turn reuses what is still cached.
+                chain = s.last_chain = holder.chain_names
+                await holder.release_chain()
             except BaseException:
                 self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=0, prompt_tokens=prompt_tokens,
                                   ok=False)
@@ -131,8 +137,8 @@ class SessionMixin:
             self.stats.record(wait_s=wait, service_s=service, tokens=len(generated), prompt_tokens=prompt_tokens,
                               ok=True)
             return Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(target),
-                              wait_s=wait, service_s=service, chain=holder.chain_names, failovers=holder.failovers,
-                              logprobs=choices if params.logprobs is not None else None)
+                              wait_s=wait, service_s=service, chain=chain, failovers=holder.failovers,
+                              logprobs=choices if params.logprobs is not None else None, cached_tokens=cached)
 
     async def _reap_sessions(self) -> None:
         while not self._stop.is_set():

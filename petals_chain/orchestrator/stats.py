@@ -22,6 +22,9 @@ class Stats:
         self.failed = 0
         self.failovers = 0
         self.forks = 0  # n > 1 choices that started from a sibling's prefill (KV copied at the servers)
+        self.prompt_tokens = 0
+        self.prefix_hits = 0  # chains opened on a prompt prefix their servers held in their prefix caches
+        self.prefix_cached_tokens = 0  # prompt tokens those chains did not compute
         self.tokens = 0
         self.relay_steps = 0
         self.hop_s = 0.0  # time spent waiting on servers (incl. network) summed over hops
@@ -40,6 +43,8 @@ class Stats:
         self.m_service = Histogram("petals_chain_service_seconds", "Time on a chain", buckets=_BUCKETS, registry=r)
         self.m_tokens = Counter("petals_chain_generated_tokens", "Generated tokens", registry=r)
         self.m_prompt_tokens = Counter("petals_chain_prompt_tokens", "Prompt tokens", registry=r)
+        self.m_prompt_cached = Counter("petals_chain_prompt_cached_tokens", "Prompt tokens whose KV came from the "
+                                       "servers' prefix caches (not computed)", registry=r)
         self.m_failovers = Counter("petals_chain_failovers", "Jobs moved to another chain after a server failure", registry=r)
         self.m_queue = Gauge("petals_chain_queue_length", "Jobs in the central queue", registry=r)
         # Maxima since start, kept by the dispatch manager: a scrape cannot miss a short peak.
@@ -124,6 +129,17 @@ class Stats:
     def client_totals(self, client: str) -> dict[str, int]:
         return dict(self._totals.get(client, {"completed": 0, "failed": 0, "tokens": 0}))
 
+    def add_prefix_hit(self, tokens: int) -> None:
+        """A chain opened holding ``tokens`` of the job's prompt in its servers' prefix caches."""
+        self.prefix_hits += 1
+        self.prefix_cached_tokens += tokens
+        self.m_prompt_cached.inc(tokens)
+
+    def prefix_json(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "prefix_hits": self.prefix_hits,
+                "prompt_cached_tokens": self.prefix_cached_tokens,
+                "prompt_cache_hit_rate": self.prefix_cached_tokens / self.prompt_tokens if self.prompt_tokens else None}
+
     def add_failover(self) -> None:
         self.failovers += 1
         self.m_failovers.inc()
@@ -162,6 +178,7 @@ class Stats:
         self.tokens += tokens
         self.m_tokens.inc(tokens)
         self.m_prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens += prompt_tokens
         self._charge(CLIENT.get(), tokens + prompt_tokens, ok)
 
     def measured(self) -> dict:

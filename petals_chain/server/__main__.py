@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and takes pages as it grows; slots: one max_length slot per block per session (the "
                         "paper's Eq. 3 model, for the Table 1 reproduction)")
     p.add_argument("--page-size", type=int, default=16, metavar="TOKENS", help="tokens per KV page (paged mode)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="free a finished session's pages instead of keeping them for later prompts that start with "
+                        "the same tokens (the prefix cache needs paged mode and a --page-size multiple of 16)")
     p.add_argument("--no-batching", action="store_true",
                    help="run each session's step alone instead of batching concurrent sessions (for comparisons)")
     p.add_argument("--max-waiters", type=int, default=256,
@@ -116,7 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             emulate_decode_ms=args.emulate_decode_ms, cache_tokens_per_block=args.cache_tokens_per_block,
             emulate_reply_fault=args.emulate_reply_fault, emulate_reply_fault_rate=args.emulate_reply_fault_rate,
             emulate_tau_p_lie=args.emulate_tau_p_lie, batching=not args.no_batching, max_blocks=args.max_blocks,
-            max_waiters=args.max_waiters, max_wait_s=args.max_wait_s, kv_cache=args.kv_cache, page_size=args.page_size)
+            max_waiters=args.max_waiters, max_wait_s=args.max_wait_s, kv_cache=args.kv_cache, page_size=args.page_size,
+            prefix_cache=not args.no_prefix_cache)
         server = Server(cfg)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -53,7 +53,10 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), kv_cache=cfg.kv_cache,
         page_size=int(runner.page_size) if runner is not None else 0,
         cache_tokens_total=int(runner.cache_tokens_total) if runner is not None else 0,
-        cache_tokens_free=int(runner.cache_tokens_free) if runner is not None else 0, timestamp=time.time(),
+        cache_tokens_free=int(runner.cache_tokens_free) if runner is not None else 0,
+        prefix_cache=bool(runner is not None and runner.prefix_cache),
+        prefix_offered_tokens=int(runner.prefix_offered_tokens) if runner is not None else 0,
+        prefix_reused_tokens=int(runner.prefix_reused_tokens) if runner is not None else 0, timestamp=time.time(),
     )
 
 

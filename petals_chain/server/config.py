@@ -40,6 +40,7 @@ class ServerConfig:
     batching: bool = True  # run concurrent sessions' steps together (one forward per block); False: one at a time
     kv_cache: str = "paged"  # paged | slots (server/kv_cache.py)
     page_size: int = 16  # tokens per KV page (paged mode)
+    prefix_cache: bool = True  # keep finished sessions' full pages for prompts with the same prefix (paged mode)
     max_waiters: int = 256  # opens waiting for slots (wait_s > 0), FIFO
     max_wait_s: float = 600.0
     # Testbed emulation (swarm/emulation.py), all shown in the server record:

@@ -82,8 +82,8 @@ class BackendWrapper:
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         return await self.inner.forward(session_id, hidden, position)
 
-    def close_session(self, session_id: str) -> None:
-        self.inner.close_session(session_id)
+    def close_session(self, session_id: str, **kwargs: Any) -> None:
+        self.inner.close_session(session_id, **kwargs)
 
     def info(self) -> dict:
         return self.inner.info()

@@ -199,7 +199,8 @@ class Server:
             runner = await loop.run_in_executor(None, lambda: self._make_runner(
                 self.source, start, num, num_slots=slots, max_length=max_length, dtype=self.torch_dtype,
                 device=self.cfg.device, quant=self.cfg.quant, config=self.config, progress=self.cfg.progress,
-                batching=self.cfg.batching, kv_cache=self.cfg.kv_cache, page_size=self.cfg.page_size))
+                batching=self.cfg.batching, kv_cache=self.cfg.kv_cache, page_size=self.cfg.page_size,
+                prefix_cache=self.cfg.prefix_cache))
         except Exception:
             logger.exception("loading the assigned blocks failed")
             return

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -62,17 +62,19 @@ class SessionService:
         return self.allow_any_client or peer_id in self.trusted
 
     def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
-                     fork_from: Optional[str] = None, fork_length: int = 0) -> dict:
+                     fork_from: Optional[str] = None, fork_length: int = 0,
+                     prefix_hashes: Sequence[bytes] = ()) -> dict:
         self._check_open(session_id, max_length)
         if len(self.admission):  # opens waiting for slots are served first (FIFO)
             raise RefusedError("no_capacity", f"no capacity: {len(self.admission)} opens wait for slots")
         try:
-            return self._allocate(session_id, start_block, end_block, max_length, peer_id, fork_from, fork_length)
+            return self._allocate(session_id, start_block, end_block, max_length, peer_id, fork_from, fork_length,
+                                  prefix_hashes)
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
 
     async def open_session_wait(self, session_id: str, start_block: int, end_block: int, max_length: int,
-                                peer_id: str, wait_s: float) -> dict:
+                                peer_id: str, wait_s: float, prefix_hashes: Sequence[bytes] = ()) -> dict:
         """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
         runner = self._check_open(session_id, max_length)
         need = runner.pages_needed(end_block - start_block, max_length)
@@ -81,7 +83,8 @@ class SessionService:
                                               f"{runner.pool.num_pages} in all")
         try:
             return await self.admission.acquire(
-                lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id), wait_s,
+                lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id,
+                                       prefix_hashes=prefix_hashes), wait_s,
                 release=lambda _result: self.close_session(session_id))
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
@@ -105,10 +108,10 @@ class SessionService:
         sess.steps += 1
         return out
 
-    def close_session(self, session_id: str) -> None:
+    def close_session(self, session_id: str, prefix_hashes: Sequence[bytes] = ()) -> None:
         sess = self.sessions.pop(session_id, None)
         if sess is not None:
-            sess.runner.release(session_id)
+            sess.runner.release(session_id, prefix_hashes)
             self._closed.set()
             self._on_change()
             self.admission.notify()
@@ -151,15 +154,18 @@ class SessionService:
         return runner
 
     def _allocate(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
-                  fork_from: Optional[str] = None, fork_length: int = 0) -> dict:
+                  fork_from: Optional[str] = None, fork_length: int = 0, prefix_hashes: Sequence[bytes] = ()) -> dict:
         """Check and allocate; raises NoCapacityError when the slots are not free (yet).
 
         ``fork_from``: an open session of the same peer and span whose first ``fork_length`` tokens of KV the
-        new session starts with (``n > 1`` samples of one prompt share its prefill)."""
+        new session starts with (``n > 1`` samples of one prompt share its prefill). ``prefix_hashes``: the
+        prompt's names; the reply's ``cached_tokens`` is how much of it the prefix cache holds."""
         runner = self._check_open(session_id, max_length)
+        cached = 0
         try:
             if fork_from is None:
-                runner.allocate(session_id, start_block, end_block, max_tokens=max_length)
+                cached = runner.allocate(session_id, start_block, end_block, max_tokens=max_length,
+                                         prefix_hashes=prefix_hashes)
             else:
                 src = self.sessions.get(fork_from)
                 if src is None or src.peer != peer_id or src.span != (start_block, end_block):
@@ -171,7 +177,8 @@ class SessionService:
         self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block))
         self._on_change()
         return {"slots_free": runner.slots_free, "cache_tokens_free": runner.cache_tokens_free,
-                "start_block": start_block, "end_block": end_block}
+                "start_block": start_block, "end_block": end_block, "cached_tokens": cached,
+                "prefix_cache": bool(runner.prefix_cache)}
 
     def _no_capacity(self, e: Exception, start_block: int, end_block: int) -> RefusedError:
         runner = self.runner

@@ -56,6 +56,10 @@ class ServerRecord(pydantic.BaseModel):
     page_size: int = pydantic.Field(default=0, ge=0)
     cache_tokens_total: int = pydantic.Field(default=0, ge=0)
     cache_tokens_free: int = pydantic.Field(default=0, ge=0)
+    # the prefix cache: on or off; prompt tokens sessions named at open, and how many of them came from the cache
+    prefix_cache: bool = False
+    prefix_offered_tokens: int = pydantic.Field(default=0, ge=0)
+    prefix_reused_tokens: int = pydantic.Field(default=0, ge=0)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.model_validator(mode="after")
@@ -169,6 +173,9 @@ class _ServerValueV1(pv1.BaseModel):
     page_size: pv1.conint(strict=True, ge=0)
     cache_tokens_total: pv1.conint(strict=True, ge=0)
     cache_tokens_free: pv1.conint(strict=True, ge=0)
+    prefix_cache: pv1.StrictBool
+    prefix_offered_tokens: pv1.conint(strict=True, ge=0)
+    prefix_reused_tokens: pv1.conint(strict=True, ge=0)
     timestamp: pv1.StrictFloat
 
     class Config:

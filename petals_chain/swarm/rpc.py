@@ -8,7 +8,10 @@ tensors travel uncompressed (``USE_LEGACY_BFLOAT16 = False``: bf16 stays 2 bytes
 
 Session stream, client -> server:
   1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"[, "wait_s"][, "fork_from",
-     "fork_length"]}`` -> ``{"ok": true, ...}`` or an error, after which the server ends the stream. With
+     "fork_length"][, "prefix_hashes"]}`` -> ``{"ok": true, ...}`` or an error, after which the server ends the
+     stream. ``prefix_hashes`` names the prompt (:mod:`~petals_chain.swarm.prefix`): the reply's
+     ``cached_tokens`` says how many of its tokens the server's prefix cache holds in every block of the span
+     (the session starts holding them; its first step may start there or earlier). With
      ``wait_s > 0`` a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds
      instead of refusing it; the client sends nothing until the reply, and ending the stream meanwhile
      withdraws it. ``fork_from`` names an open session of the same peer and span: the new session starts
@@ -18,7 +21,8 @@ Session stream, client -> server:
      (the session survives an error reply; nothing changed).
   3. ``{"op": "keepalive"}`` -> ``{"ok": true, "keepalive": true}``: nothing but a reset of the idle timer, for
      a session the client holds between turns.
-  4. ``{"op": "close"}`` -> ``{"ok": true, "closed": true}``; the stream ends.
+  4. ``{"op": "close"[, "prefix_hashes"]}`` -> ``{"ok": true, "closed": true}``; the stream ends.
+     ``prefix_hashes`` names the tokens the session holds: its full pages among them stay cached.
 The open reply announces ``idle_timeout_s``: the server frees the session's slots when the stream ends for
 any reason: close, client disconnect, or no *valid* message (open, step, keepalive) for ``idle_timeout_s``
 (an error reply does not reset that timer, so garbage cannot hold slots). A peer the server does not trust
@@ -47,13 +51,15 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from petals_chain.swarm.prefix import HASH_BYTES, PREFIX_BLOCK_TOKENS, split_hashes
+
 
 hivemind.compression.base.USE_LEGACY_BFLOAT16 = False  # bf16 travels as bf16, not as fp32
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # 1 MiB per message, far below hivemind's 4 MiB limit
-MAX_METADATA_BYTES = 4096
+MAX_METADATA_BYTES = 1 << 17  # 128 KiB: prefix hashes of 128k tokens
 MIN_CHUNK_BYTES = 1024  # a sender may use smaller chunks than ours, but not absurdly many
 MAX_CHUNKS = 4096
 MAX_TENSOR_BYTES = 1 << 31  # 2 GiB per step; the server's max_length bounds it further
@@ -103,14 +109,16 @@ class SessionBackend(Protocol):
     def authorize(self, peer_id: str) -> bool: ...
 
     def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
-                     fork_from: Optional[str] = None, fork_length: int = 0) -> dict:
+                     fork_from: Optional[str] = None, fork_length: int = 0, **prefix: Any) -> dict:
         """Reserve slots (copying ``fork_from``'s first ``fork_length`` tokens of KV) or raise RefusedError;
-        returns extra fields for the open reply."""
+        returns extra fields for the open reply. ``prefix``: ``prefix_hashes`` (a list of hashes) when the
+        client named its prompt."""
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Run the session's blocks; raise RefusedError('invalid', ...) for bad input (state unchanged)."""
 
-    def close_session(self, session_id: str) -> None: ...
+    def close_session(self, session_id: str, **prefix: Any) -> None:
+        """Free the session (``prefix_hashes``, when given: keep its full pages among them cached)."""
 
     def info(self) -> dict: ...
 
@@ -140,6 +148,21 @@ def _int_field(meta: dict, name: str, lo: int = 0, hi: int = 1 << 40) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not (lo <= value <= hi):
         raise RefusedError("invalid", f"field {name!r} must be an integer in [{lo}, {hi}], got {value!r}")
     return value
+
+
+def _hashes_field(meta: dict, max_tokens: int) -> dict:
+    """``{"prefix_hashes": [...]}`` from the optional field (at most one hash per 16 tokens of ``max_tokens``),
+    or ``{}``."""
+    blob = meta.get("prefix_hashes")
+    if blob is None:
+        return {}
+    try:
+        hashes = split_hashes(blob)
+    except ValueError as e:
+        raise RefusedError("invalid", f"field 'prefix_hashes': {e}") from None
+    if len(hashes) > max_tokens // PREFIX_BLOCK_TOKENS:
+        raise RefusedError("invalid", f"field 'prefix_hashes': {len(hashes)} hashes for at most {max_tokens} tokens")
+    return {"prefix_hashes": hashes} if hashes else {}
 
 
 def serialize_chunks(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
@@ -235,12 +258,16 @@ class PetalsChainBlocks(ServicerBase):
                     if wait_s:
                         raise RefusedError("invalid", "fork_from cannot be combined with wait_s")
                     fork = {"fork_from": fork_from, "fork_length": _int_field(meta, "fork_length", lo=1)}
+                prefix = _hashes_field(meta, max_length)
+                if fork and prefix:
+                    raise RefusedError("invalid", "fork_from cannot be combined with prefix_hashes")
                 if wait_s > 0 and hasattr(self.backend, "open_session_wait"):
-                    extra, pending = await self._open_waiting(stream, sid, start, end, max_length, peer, float(wait_s))
+                    extra, pending = await self._open_waiting(stream, sid, start, end, max_length, peer, float(wait_s),
+                                                              prefix)
                     if extra is None:
                         return  # the client went away (or broke protocol) while waiting
                 else:
-                    extra = self.backend.open_session(sid, start, end, max_length, peer, **fork)
+                    extra = self.backend.open_session(sid, start, end, max_length, peer, **fork, **prefix)
                 session_id = sid
             except RefusedError as e:
                 yield _error(e.code, str(e))
@@ -257,6 +284,9 @@ class PetalsChainBlocks(ServicerBase):
                     meta = _unpack(msg.metadata)
                     op = meta.get("op")
                     if op == "close":
+                        prefix = _hashes_field(meta, 1 << 40)
+                        sid, session_id = session_id, None  # closed here, not again below
+                        self.backend.close_session(sid, **prefix)
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "closed": True}))
                         return
                     if op == "keepalive":
@@ -300,10 +330,11 @@ class PetalsChainBlocks(ServicerBase):
                 self.backend.close_session(session_id)
 
     async def _open_waiting(self, stream, sid: str, start: int, end: int, max_length: int, peer: str,
-                            wait_s: float) -> tuple[Optional[dict], Optional[asyncio.Future]]:
+                            wait_s: float, prefix: dict) -> tuple[Optional[dict], Optional[asyncio.Future]]:
         """Wait for slots while watching the stream: if the client ends it (or sends anything) first, the wait is
         withdrawn and ``(None, None)`` returned. Else ``(extra, read)``: ``read`` is the stream read in flight."""
-        opening = asyncio.ensure_future(self.backend.open_session_wait(sid, start, end, max_length, peer, wait_s))
+        opening = asyncio.ensure_future(self.backend.open_session_wait(sid, start, end, max_length, peer, wait_s,
+                                                                       **prefix))
         reading = asyncio.ensure_future(stream.__anext__())
         try:
             await asyncio.wait({opening, reading}, return_when=asyncio.FIRST_COMPLETED)
@@ -423,6 +454,8 @@ class RemoteSession:
         self.peer_id, self.session_id = peer_id, session_id
         self.start_block, self.end_block, self.max_length = start_block, end_block, max_length
         self.position = 0  # tokens the server holds for this session (as acknowledged by it)
+        self.cached_tokens = 0  # of the prompt named at open, tokens the server's prefix cache held
+        self.prefix_cache = False  # the server keeps closed sessions' full pages for later prompts (open reply)
         self.last_compute_s: float | None = None  # server-side compute time of the last step (seconds)
         self.step_timeout_s = step_timeout_s
         self.idle_timeout_s: float | None = None  # announced by the server at open (None: an older server)
@@ -542,14 +575,17 @@ class RemoteSession:
             self.last_io = time.monotonic()
             return True
 
-    async def close(self, timeout_s: float = 10.0) -> None:
-        """Free the server's slots (idempotent; never raises for a dead server)."""
+    async def close(self, timeout_s: float = 10.0, prefix_hashes: bytes = b"") -> None:
+        """Free the server's slots (idempotent; never raises for a dead server). ``prefix_hashes``
+        (:func:`~petals_chain.swarm.prefix.prefix_hashes` of the tokens the session holds) lets the server keep
+        the session's full pages in its prefix cache."""
         if self.closed:
             return
         self.closed = True
         try:
             async with self._lock:
-                self._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({"op": "close"})))
+                meta = {"op": "close", **({"prefix_hashes": bytes(prefix_hashes)} if prefix_hashes else {})}
+                self._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack(meta)))
                 await _await_next(self._responses, timeout_s, "close")
         except (ConnectionError, RemoteError):
             pass
@@ -583,10 +619,12 @@ class ServerClient:
 
     async def open_session(self, peer_id: Union[str, PeerID], session_id: str, start_block: int, end_block: int,
                            max_length: int, wait_s: float = 0.0, fork_from: Optional[str] = None,
-                           fork_length: int = 0) -> RemoteSession:
+                           fork_length: int = 0, prefix_hashes: bytes = b"") -> RemoteSession:
         """Reserve ``end_block - start_block`` slots on ``peer_id``; with ``wait_s > 0`` wait at the server (FIFO)
         up to ``wait_s`` seconds for them to free up. ``fork_from``: start with a copy of that session's first
-        ``fork_length`` tokens of KV (same peer, same span).
+        ``fork_length`` tokens of KV (same peer, same span). ``prefix_hashes``: the prompt's
+        :func:`~petals_chain.swarm.prefix.prefix_hashes`; the session starts holding the ``cached_tokens`` of it
+        the server's prefix cache has (its ``position``).
 
         Raises NoCapacityError (server full), RemoteError (refused/invalid), ConnectionError (unreachable)."""
         sess = RemoteSession(str(peer_id), session_id, int(start_block), int(end_block), int(max_length),
@@ -594,7 +632,8 @@ class ServerClient:
         sess._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({
             "op": "open", "session_id": session_id, "start_block": int(start_block), "end_block": int(end_block),
             "max_length": int(max_length), **({"wait_s": float(wait_s)} if wait_s > 0 else {}),
-            **({"fork_from": fork_from, "fork_length": int(fork_length)} if fork_from is not None else {})})))
+            **({"fork_from": fork_from, "fork_length": int(fork_length)} if fork_from is not None else {}),
+            **({"prefix_hashes": bytes(prefix_hashes)} if prefix_hashes else {})})))
         try:
             sess._responses = await asyncio.wait_for(self._stub(peer_id).rpc_session(sess._requests()),
                                                      timeout=self.open_timeout_s)
@@ -617,6 +656,11 @@ class ServerClient:
         sess.last_io = time.monotonic()
         if fork_from is not None:
             sess.position = int(fork_length)
+        sess.prefix_cache = meta.get("prefix_cache") is True
+        cached = meta.get("cached_tokens", 0)
+        named = len(prefix_hashes) // HASH_BYTES * PREFIX_BLOCK_TOKENS  # a server cannot hold more than was named
+        if isinstance(cached, int) and not isinstance(cached, bool) and 0 < cached <= min(named, int(max_length) - 1):
+            sess.position = sess.cached_tokens = cached
         return sess
 
     async def _call(self, method: str, peer_id: Union[str, PeerID], request: runtime_pb2.ExpertRequest,
