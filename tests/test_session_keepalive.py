@@ -161,7 +161,11 @@ def swarm(model_path, tmp_path, request):
         sw.stop()
 
 
-def _two_turns(swarm, model_path, scaled) -> tuple[list[int], list[int], object, dict]:
+HELD = {"hold_sessions": True}  # these tests are about server sessions held idle between turns
+
+
+def _two_turns(swarm, model_path, scaled, turn1: tuple[int, ...] = (3, 14, 15, 92, 65)
+               ) -> tuple[list[int], list[int], object, dict]:
     """Turn 1, an idle pause of 3x the servers' idle timeout, turn 2; returns the turns' tokens, the expected ones
     (a fresh greedy generation of the whole history), the session holder and the relay counters."""
     from transformers import AutoModelForCausalLM
@@ -170,7 +174,7 @@ def _two_turns(swarm, model_path, scaled) -> tuple[list[int], list[int], object,
 
     swarm.wait_until(lambda st: st["ready"] and len(st["chains"][0]["names"]) == 2, scaled(120), "the chain")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    turn1, turn2 = [3, 14, 15, 92, 65], [35, 89, 79]
+    turn1, turn2 = list(turn1), [35, 89, 79]
 
     async def first(orch):
         s = orch.open_session()
@@ -187,6 +191,18 @@ def _two_turns(swarm, model_path, scaled) -> tuple[list[int], list[int], object,
     return g2.token_ids, expected, s.holder, swarm.state()["relay"]
 
 
+def test_released_session_reuses_its_cached_prefix(swarm, model_path, scaled):
+    """By default the chain goes back between turns and its servers keep the KV as cached prefixes: the next turn,
+    after the servers' idle timeout (nothing held, nothing to keep alive), reuses it and stays exact."""
+    turn1 = tuple(range(3, 40))  # 37 tokens + 7 fed of the 8 generated: 2 full pages of 16
+    got, expected, holder, relay = _two_turns(swarm, model_path, scaled, turn1)
+    print(f"failovers {holder.failovers}; relay {relay}")
+    assert got == expected
+    assert holder.failovers == 0 and holder.cs is None  # released again after turn 2
+    assert relay["prompt_cached_tokens"] == 32 and relay["prefix_hits"] == 1 and relay["preferred_starts"] == 1
+
+
+@pytest.mark.parametrize("swarm", [HELD], indirect=True)
 def test_idle_session_kept_alive_past_server_timeout(swarm, model_path, scaled):
     got, expected, holder, relay = _two_turns(swarm, model_path, scaled)
     print(f"failovers {holder.failovers}; relay {relay}")
@@ -194,7 +210,7 @@ def test_idle_session_kept_alive_past_server_timeout(swarm, model_path, scaled):
     assert holder.failovers == 0  # the servers never dropped the held sessions
 
 
-@pytest.mark.parametrize("swarm", [{"keepalive_tick_s": 0}], indirect=True)
+@pytest.mark.parametrize("swarm", [{"keepalive_tick_s": 0, **HELD}], indirect=True)
 def test_session_dropped_by_servers_fails_over_transparently(swarm, model_path, scaled):
     """Keepalives off: both servers drop the session while it idles; the next turn re-opens each hop on its own
     server and replays that hop's inputs (no new chain, no error)."""
@@ -205,7 +221,7 @@ def test_session_dropped_by_servers_fails_over_transparently(swarm, model_path, 
     assert relay["replays_full"] == 0 and relay["replays_partial"] == holder.failovers, relay
 
 
-@pytest.mark.parametrize("swarm", [{"keepalive_tick_s": 0, "replay_cache_mb": 0}], indirect=True)
+@pytest.mark.parametrize("swarm", [{"keepalive_tick_s": 0, "replay_cache_mb": 0, **HELD}], indirect=True)
 def test_without_kept_inputs_the_whole_prefix_is_replayed(swarm, model_path, scaled):
     """No budget for hop inputs (``--replay-cache-mb 0``): a hop past the first cannot be replayed alone, so the
     job falls back to replaying its whole prefix on a chain from the dispatcher; still exact, still no error."""

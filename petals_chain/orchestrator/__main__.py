@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open multi-turn sessions in total, all clients together; more get 429")
     p.add_argument("--session-idle-timeout-s", type=_positive_float, default=300.0,
                    help="a session without a turn for this long is closed (its chain and KV released)")
+    p.add_argument("--hold-sessions", action="store_true",
+                   help="a multi-turn session keeps its chain and server sessions between turns (its next turn "
+                        "starts at once, but the chain's capacity stays taken while the user types). Default: "
+                        "release the chain after each turn where every hop has a prefix cache; the next turn "
+                        "reuses the cached KV and recomputes only what was evicted")
     p.add_argument("--replay-cache-mb", type=float, default=256.0,
                    help="memory for the hop inputs kept so a failed hop is replayed alone (all jobs together; "
                         "jobs over the budget fall back to replaying their prefix through the whole chain)")
@@ -188,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
         model_id=args.model_id, settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
+        hold_sessions=args.hold_sessions,
         ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s

@@ -77,6 +77,7 @@ class OrchestratorConfig:
     max_queue: int = 1024  # --max-queue: central-queue bound, enforced by the dispatch manager (dispatch.py)
     replay_cache_mb: float = 256.0  # --replay-cache-mb: hop inputs kept for failover, all jobs together (replay.py)
     keepalive_tick_s: float = 0.25  # how often idle server sessions are checked for a keepalive (sessions.py)
+    hold_sessions: bool = False  # --hold-sessions: a session keeps its chain between turns even with prefix caches
     ban_base_s: float = 5.0  # a failed server is not planned for this long, doubling per failure (planner.py)
     ban_max_s: float = 300.0
     ban_reset_s: float = 120.0  # unbanned and no failure for this long: its next ban starts at ban_base_s again

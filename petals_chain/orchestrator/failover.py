@@ -182,8 +182,9 @@ class ChainHolder:
     async def release_chain(self) -> bool:
         """Between a session's turns: give the chain back (its servers keep the KV as cached prefixes; the next
         turn reuses what is still cached, recomputes the rest). Only when every hop has a prefix cache, else the
-        chain stays held (a slots-mode chain would recompute the whole history). True if released."""
-        if self.cs is None or not self.cs.prefix_cache:
+        chain stays held (a slots-mode chain would recompute the whole history), and with ``--hold-sessions``.
+        True if released."""
+        if self.cs is None or not self.cs.prefix_cache or self.orch.cfg.hold_sessions:
             return False
         await self._drop()
         return True

@@ -1,6 +1,8 @@
-"""Multi-turn sessions: a job that keeps its chain and KV between calls, its lease, and keepalives.
+"""Multi-turn sessions: a job that keeps its KV between calls, its lease, and keepalives.
 
-The lease: a session idle for ``session_idle_timeout_s`` is closed by the reaper. Servers drop a session
+Between turns a session gives its chain back when every hop has a prefix cache (the servers keep the KV as
+cached prefixes and dispatch prefers that chain for the next turn, which recomputes only what was evicted);
+otherwise, or with ``--hold-sessions``, it holds the chain and its server sessions. The lease: a session idle for ``session_idle_timeout_s`` is closed by the reaper. Servers drop a session
 stream idle for the ``idle_timeout_s`` they announce at open (120 s by default), usually shorter: so while a
 job holds its sessions idle (between turns), every hop gets a keepalive after a third of its server's timeout.
 A session a server dropped anyway (it restarted, or a keepalive came too late) fails over on its next step:

@@ -308,6 +308,9 @@
     $("measured-response").textContent = fmtSeconds(meas);
     $("measured-wait").textContent = fmtSeconds(m.mean_wait_s);
     $("measured-service").textContent = fmtSeconds(m.mean_service_s);
+    var relay = obj(data.relay), hit = num(relay.prompt_cache_hit_rate);
+    $("prompt-cache").textContent = hit === null ? "\u2014"
+      : (100 * hit).toFixed(0) + "% of " + fmtTokens(int(relay.prompt_tokens)) + " tok";
 
     var container = $("bounds-gauge");
     var w = Math.max(300, Math.min(1400, container.clientWidth || 600)), h = 46, pad = 10;
@@ -553,6 +556,12 @@
       : (used === null ? "?" : used) + " / " + (total === null ? "?" : total);
     var cacheTitle = paged ? "KV cache tokens used / total over the hosted blocks (pages of " + int(s.page_size) + " tokens)"
       : "KV cache slots of max_length tokens used / total";
+    var prefix = null;
+    if (s.prefix_cache === true) {
+      var offered = int(s.prefix_offered_tokens), reused = int(s.prefix_reused_tokens);
+      prefix = el("div", { class: "muted prefix-hits", title: "prefix cache: prompt tokens reused from cached pages / named at open",
+        text: "prefix hits " + (offered ? (100 * reused / offered).toFixed(0) + "%" : "\u2014") });
+    }
     var flags = [];
     var rtt = num(s.emulate_rtt_ms), scale = num(s.emulate_compute_scale);
     if (rtt !== null && rtt > 0) flags.push(el("span", { class: "flag", title: "emulated WAN round-trip time", text: "RTT " + rtt + " ms" }));
@@ -568,7 +577,7 @@
       el("td", { "data-label": "KV cache" },
         el("div", { class: "slots", title: cacheTitle },
           el("div", { class: "bar slots" + (frac >= 1 ? " full" : "") }, el("span", { style: { width: (100 * frac).toFixed(1) + "%" } })),
-          el("span", { class: "num", text: cacheText }))),
+          el("span", { class: "num", text: cacheText })), prefix),
       el("td", { "data-label": "\u03c4p /block", class: "num" }, el("span", { text: fmtSeconds(s.tau_p) })),
       el("td", { "data-label": "\u03c4c", class: "num" }, el("span", { text: fmtSeconds(s.tau_c) })),
       el("td", { "data-label": "emulation" }, el("span", {}, flags.length ? flags : "off")),
