@@ -10,8 +10,8 @@ Each runs the same two workloads, and the ratios are printed side by side:
   orchestrator reports (``/api/v1/swarm``: cached / prompt tokens);
 * **two-turn conversation**: a session whose first turn carries the long prompt and generates ``--tokens``
   tokens, and a short second turn; the second turn's TTFT over the first's. Between turns the session gives its
-  chain back (the default): with prefix caches the second turn reuses the first's KV, without them it computes
-  the whole conversation again.
+  chain back (the default) where every hop has a prefix cache, and the second turn reuses the first's KV;
+  servers without one keep the chain held between turns instead (``--hold-sessions`` behaviour), shown beside.
 
     python scripts/bench_prefix.py [--model smollm2-135m] [--system-tokens 1000] [--requests 32]
 """
@@ -80,8 +80,9 @@ def run(args, system: str, prefix_cache: bool) -> dict:
         turns = []
         for r in range(args.conversations):
             with client.session(max_length=args.max_length) as s:
-                t1 = ttft_s(s.stream(system + "\n" + QUESTIONS[r % len(QUESTIONS)], max_tokens=args.tokens,
-                                     ignore_eos=True))
+                # a conversation of its own: its first tokens differ from the shared prompt's, nothing is cached
+                t1 = ttft_s(s.stream(f"Conversation {r + 1}.\n" + system + "\n" + QUESTIONS[r % len(QUESTIONS)],
+                                     max_tokens=args.tokens, ignore_eos=True))
                 t2 = ttft_s(s.stream(" Thank you. And who lives there?", max_tokens=args.answer_tokens))
             turns.append((t1, t2))
     return {"hops": hops, "shared": shared, "hit_rate": cached / prompt if prompt else 0.0, "turns": turns}
@@ -116,8 +117,8 @@ def main() -> int:
         print(f"  {name:16s} {mean(r['shared']) * 1000:8.0f} ms   (median {med(r['shared']) * 1000:.0f} ms, "
               f"prompt-cache hit rate {r['hit_rate']:.1%})")
     print(f"  ratio prefix cache / none: {mean(on['shared']) / mean(off['shared']):.3f}")
-    print(f"two-turn conversations ({args.conversations}; first turn {n_system}+ tokens, {args.tokens} generated; "
-          f"chain released between turns), median TTFT:")
+    print(f"two-turn conversations ({args.conversations}; first turn {n_system}+ tokens, {args.tokens} generated), "
+          f"median TTFT (prefix cache: chain released between turns; none: chain held):")
     for name, r in (("no prefix cache", off), ("prefix cache", on)):
         t1, t2 = med(t for t, _ in r["turns"]), med(t for _, t in r["turns"])
         print(f"  {name:16s} turn 1 {t1 * 1000:7.0f} ms   turn 2 {t2 * 1000:7.0f} ms   turn 2 / turn 1 {t2 / t1:.3f}")
