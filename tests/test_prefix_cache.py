@@ -64,8 +64,12 @@ def test_second_session_reuses_the_first_ones_pages(model):
     # cached pages count as available: nothing is lost to the cache
     assert r.cache_tokens_free == r.cache_tokens_total
 
+    stranger = [7] + prompt[1:]  # one token differs, in the first page: nothing is shared
+    assert r.allocate("s", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(stranger)) == 0
+    r.release("s")
     other = prompt[:35] + [500, 501, 502, 503, 504, 505]  # shares 35 tokens: 2 pages (32 tokens)
-    matched = r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(other[:-1]))
+    # the hashes as a list (what the RPC hands over) or as prefix_hashes' blob name the same pages
+    matched = r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=_hashes(other[:-1]))
     assert matched == 32 and r.session_length("b") == 32
     out = r.forward("b", _embed(r, other[32:]), 32)
     ref = _fresh(r, other)

@@ -212,6 +212,7 @@ class ChainHolder:
             except asyncio.CancelledError:
                 # A step cut short leaves replies unread: its streams are closed. Release the chain now (its JFFC
                 # slot goes to the next job); a session's next turn acquires one and replays what it needs.
+                self.kv_valid = min(self.kv_valid, len(self.kv_ids))  # a reused prefix beyond them is not kept
                 self.orch._background(self._drop())
                 raise
             except HopFailure as e:

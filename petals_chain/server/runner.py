@@ -217,7 +217,7 @@ class BlockRunner:
             return self._get(session_id).length
 
     def allocate(self, session_id: str, start_block: int, end_block: int, max_tokens: int | None = None,
-                 prefix_hashes: Sequence[bytes] = ()) -> int:
+                 prefix_hashes: bytes | Sequence[bytes] = ()) -> int:
         """Open ``session_id`` over blocks ``[start_block, end_block)`` for at most ``max_tokens`` tokens (default and
         cap: ``max_length``), reserving the pages it may need (``slots`` mode: one slot per block).
 
@@ -250,7 +250,7 @@ class BlockRunner:
         return num_blocks * pages_for(max_tokens, self.page_size)
 
     def allocate_locked(self, session_id: str, start_block: int, end_block: int, limit: int,
-                        prefix_hashes: Sequence[bytes] = ()) -> int:
+                        prefix_hashes: bytes | Sequence[bytes] = ()) -> int:
         """:meth:`allocate` with ``_lock`` held and the span and limit already validated."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
@@ -279,7 +279,8 @@ class BlockRunner:
                          limit=limit if self.kv_cache == "paged" else self.max_length)
         s.pending, s.length = pending, matched * self.page_size
         if self.prefix_cache:
-            self.prefix_offered_tokens += min(len(prefix_hashes) * PREFIX_BLOCK_TOKENS, limit - 1)
+            self.prefix_offered_tokens += min(len(page_hashes(prefix_hashes, PREFIX_BLOCK_TOKENS)) *
+                                              PREFIX_BLOCK_TOKENS, limit - 1)
         self._sessions[session_id] = s
         return s.length
 
@@ -321,7 +322,7 @@ class BlockRunner:
                 self.pool.copy(src.pages_of[layer], table, length)
             dst.length = length
 
-    def release(self, session_id: str, prefix_hashes: Sequence[bytes] = ()) -> bool:
+    def release(self, session_id: str, prefix_hashes: bytes | Sequence[bytes] = ()) -> bool:
         """Close ``session_id`` and return its pages (after its running step, if any). False if unknown.
 
         ``prefix_hashes`` name the tokens the session holds (:func:`~petals_chain.swarm.prefix.prefix_hashes`): its

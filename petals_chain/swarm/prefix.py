@@ -36,9 +36,11 @@ def split_hashes(blob: bytes) -> list[bytes]:
     return [bytes(blob[i:i + HASH_BYTES]) for i in range(0, len(blob), HASH_BYTES)]
 
 
-def page_hashes(block_hashes: Sequence[bytes], page_size: int) -> list[bytes]:
-    """The names of the full pages of ``page_size`` tokens covered by ``block_hashes`` (``[]`` when
-    ``page_size`` is not a multiple of :data:`PREFIX_BLOCK_TOKENS`)."""
+def page_hashes(block_hashes: bytes | Sequence[bytes], page_size: int) -> list[bytes]:
+    """The names of the full pages of ``page_size`` tokens covered by ``block_hashes`` (a list, or a
+    :func:`prefix_hashes` blob; ``[]`` when ``page_size`` is not a multiple of :data:`PREFIX_BLOCK_TOKENS`)."""
+    if isinstance(block_hashes, (bytes, bytearray)):
+        block_hashes = split_hashes(block_hashes)
     if page_size < 1 or page_size % PREFIX_BLOCK_TOKENS:
         return []
     step = page_size // PREFIX_BLOCK_TOKENS
