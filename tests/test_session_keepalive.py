@@ -164,10 +164,11 @@ def swarm(model_path, tmp_path, request):
 HELD = {"hold_sessions": True}  # these tests are about server sessions held idle between turns
 
 
-def _two_turns(swarm, model_path, scaled, turn1: tuple[int, ...] = (3, 14, 15, 92, 65)
+def _two_turns(swarm, model_path, scaled, turn1: tuple[int, ...] = (3, 14, 15, 92, 65), between=None
                ) -> tuple[list[int], list[int], object, dict]:
-    """Turn 1, an idle pause of 3x the servers' idle timeout, turn 2; returns the turns' tokens, the expected ones
-    (a fresh greedy generation of the whole history), the session holder and the relay counters."""
+    """Turn 1, an idle pause of 3x the servers' idle timeout (or ``between()``), turn 2; returns the turns' tokens,
+    the expected ones (a fresh greedy generation of the whole history), the session holder and the relay
+    counters."""
     from transformers import AutoModelForCausalLM
 
     from petals_chain.orchestrator.sampling import SamplingParams
@@ -181,7 +182,10 @@ def _two_turns(swarm, model_path, scaled, turn1: tuple[int, ...] = (3, 14, 15, 9
         return s, await orch.session_generate(s, turn1, params)
 
     s, g1 = swarm.call(first)
-    time.sleep(3 * IDLE_S)
+    if between is None:
+        time.sleep(3 * IDLE_S)
+    else:
+        between()
     history = turn1 + g1.token_ids + turn2
     g2 = swarm.call(lambda orch: orch.session_generate(s, list(history), params))
     hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
@@ -200,6 +204,26 @@ def test_released_session_reuses_its_cached_prefix(swarm, model_path, scaled):
     assert got == expected
     assert holder.failovers == 0 and holder.cs is None  # released again after turn 2
     assert relay["prompt_cached_tokens"] == 32 and relay["prefix_hits"] == 1 and relay["preferred_starts"] == 1
+
+
+def test_evicted_prefix_is_recomputed_exactly(swarm, model_path, scaled):
+    """Between the turns other jobs' cached prefixes fill the servers' memory and evict the session's pages: the
+    next turn recomputes what is gone, with the same output."""
+    from petals_chain.orchestrator.sampling import SamplingParams
+
+    def other_jobs():
+        # each 62-token job caches 3 pages per block (6 of a server's 32 pages): by the fifth the pool is out of
+        # free pages and reclaims the least recently used ones, the session's first
+        for j in range(6):
+            prompt = [100 + 7 * j + i for i in range(60)]
+            swarm.call(lambda orch: orch.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                                         ignore_eos=True)))
+
+    turn1 = tuple(range(3, 40))
+    got, expected, holder, relay = _two_turns(swarm, model_path, scaled, turn1, between=other_jobs)
+    print(f"failovers {holder.failovers}; relay {relay}")
+    assert got == expected and holder.failovers == 0
+    assert relay["prompt_cached_tokens"] < 32  # turn 2 found less than its 2 pages (the others share nothing)
 
 
 @pytest.mark.parametrize("swarm", [HELD], indirect=True)
