@@ -169,7 +169,10 @@ def test_live_swarm_dashboard(live_swarm, slowdown):
                 if s["public_name"] in SERVER_NAMES and s["state"] == "online":
                     assert s["kv_cache"] == "paged" and s["cache_tokens_total"] > 0, s
                     cell = page.locator(f'#servers-table tr[data-peer-id="{s["peer_id"]}"] td[data-label="KV cache"]')
-                    assert cell.inner_text().strip().endswith(" tok"), cell.inner_text()
+                    assert cell.locator("span.num").inner_text().strip().endswith(" tok"), cell.inner_text()
+                    # and its prefix cache: prompt tokens reused / named (none yet: a dash)
+                    assert s["prefix_cache"] is True, s
+                    assert cell.locator(".prefix-hits").inner_text().startswith("prefix hits"), cell.inner_text()
             assert page.locator("#ready-badge").get_attribute("data-ready") == "true"
             assert page.locator("#latency-chart svg path.line-response").count() == 1
 
