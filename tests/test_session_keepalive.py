@@ -253,3 +253,48 @@ def test_without_kept_inputs_the_whole_prefix_is_replayed(swarm, model_path, sca
     print(f"failovers {holder.failovers}; relay {relay}")
     assert got == expected
     assert relay["replays_full"] >= 1 and relay["replay_cache"]["bytes"] == 0 == relay["replay_cache"]["evictions"]
+
+
+def test_prefill_failing_after_a_reused_prefix_replays_exactly(model_path, tmp_path, scaled, monkeypatch):
+    """A job reuses a cached prefix on one chain, a hop fails during its prefill (the hop's inputs for the cached
+    positions were never relayed, so the job replays on another chain), and the chain it gets has nothing
+    cached: the replay computes the whole prompt from position 0 with its own embeddings (a regression: it
+    re-sent the first attempt's embeddings of the uncached part only)."""
+    from inprocess import InProcessSwarm
+    from transformers import AutoModelForCausalLM
+
+    from petals_chain.orchestrator import relay
+    from petals_chain.orchestrator.sampling import SamplingParams
+
+    sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0)
+    try:
+        sw.start()
+        for name, tau in (("a1", 0.001), ("b1", 0.001), ("a2", 0.003), ("b2", 0.003)):  # two chains, "1" faster
+            sw.add_server(name, memory_for(model_path, MAX_LENGTH, 2, 4), "--max-blocks", "2", tau_p=tau)
+        sw.wait_until(lambda st: st["ready"] and len(st["chains"]) == 2, scaled(120), "two chains")
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        shared = list(range(3, 38))  # 35 tokens: 2 cached pages of 16
+        sw.call(lambda orch: orch.generate(shared + [40, 41], params))  # on the faster chain: caches the prefix
+        prompt = shared + [50, 51, 52]
+        injected = []
+        real_step = relay.ChainSession.step
+
+        async def failing_step(self, i, hidden, position):
+            if not injected and i == 1 and position > 0:  # hop 2 of the reused prefill: the server "dies"
+                injected.append((self.hops[i][0], position))
+                raise relay.HopFailure(self.hops[i][0], ConnectionError("injected failure"), hop=i)
+            return await real_step(self, i, hidden, position)
+
+        monkeypatch.setattr(relay.ChainSession, "step", failing_step)
+        g = sw.call(lambda orch: orch.generate(prompt, params))
+        hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+        relay_state = sw.state()["relay"]
+        print(f"injected {injected}; failovers {g.failovers}; cached {g.cached_tokens}; relay {relay_state}")
+        assert injected and injected[0][1] == 32  # the failure hit the prefill after the 32 reused tokens
+        assert g.token_ids == expected
+        assert g.failovers == 1 and relay_state["replays_full"] == 1
+    finally:
+        sw.stop()

@@ -205,10 +205,10 @@ class ChainHolder:
             await self._ensure_chain(prompt=None if all_positions else full)
             position = self.kv_valid
             ids = full[position:]
-            if hidden is None or len(ids) != len(new_ids):
-                hidden = await self.orch.batcher.embed(ids)
+            # the caller's embeddings cover exactly new_ids: usable only when the chain holds all the rest
+            x = hidden if hidden is not None and position == len(self.kv_ids) else await self.orch.batcher.embed(ids)
             try:
-                out = await self._forward(hidden, position, budget, full)
+                out = await self._forward(x, position, budget, full)
             except asyncio.CancelledError:
                 # A step cut short leaves replies unread: its streams are closed. Release the chain now (its JFFC
                 # slot goes to the next job); a session's next turn acquires one and replays what it needs.
