@@ -6,7 +6,7 @@ client = Client("http://127.0.0.1:8000")
 print(client.generate("The quick brown fox", max_tokens=16))          # greedy by default
 for piece in client.stream("Once upon a time", max_tokens=32, temperature=0.8, seed=1):
     print(piece, end="", flush=True)
-with client.session(max_length=512) as s:                              # keeps its chain and KV cache
+with client.session(max_length=512) as s:                              # keeps its KV between turns
     s.chat("I live in Rome.")                                          # chat turns: the template is applied
     print(s.chat("Where do I live?").text)                             # by the orchestrator, token-exact
 ```
@@ -187,7 +187,8 @@ class Client:
 
     # ---- multi-turn ----
     def session(self, max_length: Optional[int] = None) -> "ClientSession":
-        """A multi-turn session that keeps its chain and KV cache between calls (use as a context manager)."""
+        """A multi-turn session that keeps its KV between calls (held on its chain, or as the servers' cached prefix
+        when the chain is given back between turns); use as a context manager."""
         return ClientSession(self, max_length)
 
     def close(self) -> None:
