@@ -189,6 +189,7 @@ def test_dispatch_starts_a_job_on_the_chain_holding_its_prefix():
 
     from petals_chain.model import Chain
     from petals_chain.orchestrator.dispatch import ChainPrefixes, DispatchJob, DispatchManager
+    from petals_chain.swarm.prefix import prefix_hashes
 
     def chain(name, T):
         return Chain(servers=(name,), blocks=(4,), service_time=T, capacity=1, spans=((0, 4),))
@@ -199,14 +200,14 @@ def test_dispatch_starts_a_job_on_the_chain_holding_its_prefix():
         dm.set_chains([fast, slow])
         prefixes = ChainPrefixes()
         prompt = list(range(70))
-        prefixes.add(slow, prompt[:40])  # the slower chain's servers were given 2 blocks of this prompt
-        job = DispatchJob("1", prefer=prefixes.preferred(prompt))
+        prefixes.add(slow, prefix_hashes(prompt[:40]))  # the slower chain's servers were given 2 blocks of this prompt
+        job = DispatchJob("1", prefer=prefixes.preferred(prefix_hashes(prompt[:-1])))
         lease = await dm.acquire(job)
         assert lease.chain.servers == ("slow",) and dm.preferred_starts == 1
         # the preferred chain is full now: the next job sharing the prefix takes the fastest free chain
-        other = await dm.acquire(DispatchJob("2", prefer=prefixes.preferred(prompt)))
+        other = await dm.acquire(DispatchJob("2", prefer=prefixes.preferred(prefix_hashes(prompt[:-1]))))
         assert other.chain.servers == ("fast",) and dm.preferred_starts == 1
-        queued = asyncio.create_task(dm.acquire(DispatchJob("3", prefer=prefixes.preferred(prompt))))
+        queued = asyncio.create_task(dm.acquire(DispatchJob("3", prefer=prefixes.preferred(prefix_hashes(prompt[:-1])))))
         await asyncio.sleep(0)
         assert dm.queue_length == 1  # no chain has room: it waits in the queue like any job
         dm.release(other)

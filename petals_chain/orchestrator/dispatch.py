@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.prefix_locality import PrefixDirectory
 from petals_chain.model import Chain
-from petals_chain.swarm.prefix import prefix_hashes, split_hashes
+from petals_chain.swarm.prefix import split_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +60,14 @@ class ChainPrefixes:
     def __init__(self, directory: PrefixDirectory | None = None):
         self.directory = directory if directory is not None else PrefixDirectory()
 
-    def add(self, chain: Chain, tokens: Sequence[int]) -> None:
-        """``chain``'s servers were given the KV of ``tokens`` to cache."""
-        self.directory.add(chain_key(chain), split_hashes(prefix_hashes(tokens)))
+    def add(self, chain: Chain, named: bytes) -> None:
+        """``chain``'s servers were given the KV of the tokens ``named`` (:func:`~petals_chain.swarm.prefix.
+        prefix_hashes`) to cache."""
+        self.directory.add(chain_key(chain), split_hashes(named))
 
-    def preferred(self, prompt: Sequence[int]) -> tuple:
-        """Chain keys holding part of ``prompt`` (all but its last token, which is always computed), longest
-        first."""
-        return tuple(self.directory.preferred(split_hashes(prefix_hashes(prompt[:-1]))))
+    def preferred(self, named: bytes) -> tuple:
+        """Chain keys holding part of the prompt ``named`` (its prefix hashes), longest first."""
+        return tuple(self.directory.preferred(split_hashes(named)))
 
 
 class QueueFull(Exception):

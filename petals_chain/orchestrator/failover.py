@@ -20,6 +20,7 @@ import torch
 from petals_chain.orchestrator.dispatch import DispatchJob, Lease, QueueFull, note_admission
 from petals_chain.orchestrator.errors import RequestError, Unavailable
 from petals_chain.orchestrator.relay import ChainSession, HopFailure
+from petals_chain.swarm.prefix import prefix_hashes
 from petals_chain.swarm.rpc import RemoteError
 
 logger = logging.getLogger(__name__)
@@ -79,13 +80,16 @@ class ChainHolder:
         orch = self.orch
         deadline = time.monotonic() + orch.cfg.queue_timeout_s
         failed_opens = 0
+        # the last token is always computed (its output is what the job samples from): named once, for dispatch and
+        # for every open
+        named = prefix_hashes(prompt[:-1]) if prompt else b""
         if self.cs is not None:
             note_admission(True)  # holds its chain (a session's later turn): admitted without the queue
         while self.cs is None:
             if time.monotonic() > deadline:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
             job = DispatchJob(job_id=self.job_id, requeue=self.admitted,
-                              prefer=orch.prefix_directory.preferred(prompt) if prompt else ())
+                              prefer=orch.prefix_directory.preferred(named) if named else ())
             t0 = time.monotonic()
             try:
                 lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=max(0.1, deadline - time.monotonic()))
@@ -112,7 +116,7 @@ class ChainHolder:
                         self.forked = True
                         self.orch.stats.forks += 1
                     else:
-                        await cs.open(prompt=prompt)
+                        await cs.open(named=named)
                     opened = True
                     break
                 except HopFailure as e:
@@ -171,11 +175,12 @@ class ChainHolder:
         held = self.kv_ids[:self.kv_valid]  # every hop holds their KV: servers may keep it as cached prefixes
         self.cs, self.lease, self.kv_valid = None, None, 0
         self.inputs.clear()
-        if lease is not None and held:
-            self.orch.prefix_directory.add(lease.chain, held)
+        named = prefix_hashes(held) if held else b""
+        if lease is not None and named:
+            self.orch.prefix_directory.add(lease.chain, named)
         if cs is not None:
             self.orch.chain_sessions.discard(cs)
-            await cs.close(held=held)
+            await cs.close(named=named)
         if lease is not None:
             self.orch.dispatch.release(lease)
 

@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 import torch
 
-from petals_chain.swarm.prefix import prefix_hashes
 from petals_chain.swarm.rpc import InvalidReply, NoCapacityError
 
 logger = logging.getLogger(__name__)
@@ -78,18 +77,18 @@ class ChainSession:
             self._current.cancel()
         return True
 
-    async def open(self, fork_from: "ChainSession | None" = None, fork_length: int = 0,
-                   prompt: list[int] | None = None) -> None:
+    async def open(self, fork_from: "ChainSession | None" = None, fork_length: int = 0, named: bytes = b"") -> None:
         """Open a session on every hop (concurrently). On failure closes what was opened and raises HopFailure.
 
         ``fork_from``: an open session on the same hops whose first ``fork_length`` tokens of KV every server
-        copies into the new session (``n > 1`` samples share one prefill). ``prompt``: the tokens the job will
-        feed first; servers with a prefix cache say how much of it they hold, and :attr:`cached_tokens` is the
-        part every hop holds (at most all but the last token): the first step may start there."""
+        copies into the new session (``n > 1`` samples share one prefill). ``named``: the prefix hashes of the
+        tokens the job will feed first (all but the last one, whose output it samples from); servers with a prefix
+        cache say how much of them they hold, and :attr:`cached_tokens` is the part every hop holds: the first step
+        may start there."""
         if fork_from is not None and (fork_from.hops != self.hops or not fork_from._sessions):
             raise ValueError("fork_from must be an open session on the same hops")
-        # the last token is always computed: its output is what the job samples from
-        named = prefix_hashes(prompt[:-1]) if prompt and fork_from is None else b""
+        if fork_from is not None:
+            named = b""
 
         async def one(peer, start, end):
             extra = {"wait_s": self.wait_s} if self.wait_s > 0 else {}
@@ -208,11 +207,10 @@ class ChainSession:
         if due:
             await asyncio.gather(*(s.keepalive() for s in due), return_exceptions=True)
 
-    async def close(self, held: list[int] | None = None) -> None:
-        """Close every hop. ``held``: the tokens whose KV every hop holds: servers keep their full pages in their
-        prefix caches for later prompts that start with them."""
+    async def close(self, named: bytes = b"") -> None:
+        """Close every hop. ``named``: the prefix hashes of the tokens whose KV every hop holds: servers keep their
+        full pages in their prefix caches for later prompts that start with them."""
         sessions, self._sessions = self._sessions, []
-        named = prefix_hashes(held) if held else b""
         await asyncio.gather(*(s.close(prefix_hashes=named) if named else s.close() for s in sessions),
                              return_exceptions=True)
 
