@@ -80,8 +80,10 @@ def test_client_refuses_each_invalid_reply_at_once(model_path, tmp_path, scaled)
 def swarm(model_path, tmp_path):
     from inprocess import InProcessSwarm
 
+    # job_tokens=MAX_LENGTH: chain capacities stay in max_length slots (not learnt from the requests' lengths), so
+    # that each round's burst of 12 fills every chain
     sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0, ban_base_s=1.0, ban_max_s=1.0,
-                        replan_interval_s=2.0)
+                        replan_interval_s=2.0, job_tokens=MAX_LENGTH)
     try:
         sw.start()
         sw.add_server("whole", memory_for(model_path, MAX_LENGTH, 4, 8), tau_p=0.01)

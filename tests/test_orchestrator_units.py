@@ -173,6 +173,7 @@ class _FakeRecord:
         self.max_blocks, self.model_fingerprint = max_blocks, ""
         self.slots_total, self.slots_free, self.state, self.public_name = slots, slots, state, name
         self.emulate_rtt_ms, self.emulate_compute_scale, self.device, self.dtype = 0.0, 1.0, "cpu", "float32"
+        self.kv_cache, self.page_size, self.cache_tokens_total = "slots", 0, 0  # capacities in slots (Eq. 3)
         self.timestamp = time.time()
 
 

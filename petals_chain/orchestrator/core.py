@@ -81,6 +81,7 @@ class OrchestratorConfig:
     ban_base_s: float = 5.0  # a failed server is not planned for this long, doubling per failure (planner.py)
     ban_max_s: float = 300.0
     ban_reset_s: float = 120.0  # unbanned and no failure for this long: its next ban starts at ban_base_s again
+    job_tokens: int | None = None  # --job-tokens: L^ of paged chain capacities (None: learnt; token_budget.py)
 
 
 class Orchestrator(GenerationMixin, SessionMixin):
@@ -99,6 +100,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
             raise ValueError(f"--arrival-rate must be positive, got {cfg.arrival_rate}")
         if cfg.max_length < 2:
             raise ValueError(f"--max-length must be at least 2, got {cfg.max_length}")
+        if cfg.job_tokens is not None and (isinstance(cfg.job_tokens, bool) or not isinstance(cfg.job_tokens, int)
+                                           or not 1 <= cfg.job_tokens <= cfg.max_length):
+            raise ValueError(f"--job-tokens must be an int in [1, --max-length {cfg.max_length}], got {cfg.job_tokens!r}")
         if not (0 <= cfg.replay_cache_mb < math.inf):
             raise ValueError(f"--replay-cache-mb must be a finite number >= 0, got {cfg.replay_cache_mb}")
         if not (0 < cfg.ban_base_s <= cfg.ban_max_s < math.inf):
@@ -203,7 +207,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on,
             serialization_s=self.measure_serialization(), petals_cache_tokens=self.cfg.petals_cache_tokens,
             bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint, ban_base_s=self.cfg.ban_base_s,
-            ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s)
+            ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s, job_tokens=self.cfg.job_tokens)
         if hasattr(self.dispatch, "attach"):  # routed dispatch (PETALS, BPRR) reads live server views
             self.dispatch.attach(self.planner)
         self._tasks = [asyncio.create_task(self.planner.run(self._stop), name="planner"),
@@ -357,6 +361,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "arrival_rate": p.arrival_rate if p is not None else (self.cfg.arrival_rate or 0.0),
             "arrival_rate_mode": "fixed" if self.cfg.arrival_rate is not None else "auto",
             "rho_bar": self.cfg.rho_bar, "predicted_response_s": predicted, "measured": self.stats.measured(),
+            "job_tokens": self._job_tokens_json(),
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,
             # maxima and counts since start (exact, unlike samples of queue_length): queue_max <= max_queue
             "queue_max": self.dispatch.queue_max, "max_queue": self.dispatch.max_queue,
@@ -373,6 +378,16 @@ class Orchestrator(GenerationMixin, SessionMixin):
                       "replay_cache": {"bytes": self.replay_cache.bytes, "budget_bytes": self.replay_cache.budget,
                                        "jobs": self.replay_cache.jobs, "evictions": self.replay_cache.evictions}},
         }
+
+    def _job_tokens_json(self) -> dict:
+        """``L^`` (what paged servers' chain capacities count per job), how it is set, and what it is learnt from."""
+        p = self.planner
+        if p is None:
+            return {"value": self.cfg.job_tokens or self.cfg.max_length, "mode": "fixed" if self.cfg.job_tokens else
+                    "auto", "mean_declared": 0.0, "jobs_observed": 0, "open_waits": self.stats.open_waits}
+        est = p.job_tokens
+        return {"value": est.value, "mode": "fixed" if p.fixed_job_tokens is not None else "auto",
+                "mean_declared": est.mean, "jobs_observed": est.observed, "open_waits": self.stats.open_waits}
 
     def update_gauges(self) -> None:
         s = self.stats
@@ -394,6 +409,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if self.planner is not None:
             s.m_epoch.set(self.planner.epoch)
             s.m_arrival.set(self.planner.arrival_rate)
+            s.m_job_tokens.set(self.planner.job_tokens.value)
             cur = self.planner.current
             if cur is not None and math.isfinite(cur.lower):
                 s.m_lower.set(cur.lower)

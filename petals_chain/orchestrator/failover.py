@@ -50,7 +50,10 @@ class ChainHolder:
     def __init__(self, orch: Any, job_id: str, max_length: int):
         self.orch = orch
         self.job_id = job_id
-        self.max_length = max_length
+        self.max_length = max_length  # tokens the job declares (its servers reserve that much KV)
+        planner = getattr(orch, "planner", None)
+        if planner is not None:
+            planner.observe_job_tokens(max_length)
         self.kv_ids: list[int] = []  # tokens whose KV the current chain holds
         self.lease: Lease | None = None
         self.cs: ChainSession | None = None
@@ -120,8 +123,14 @@ class ChainHolder:
                     opened = True
                     break
                 except HopFailure as e:
+                    if e.no_capacity and cs.wait_s <= 0:
+                        # A paged chain's capacity counts jobs of the expected length (token_budget.py), and slots
+                        # may still be held by jobs of a previous plan: the servers queue the opens (FIFO, in
+                        # route order) until pages free up, instead of refusing.
+                        cs.wait_s = max(0.1, deadline - time.monotonic())
+                        self.orch.stats.open_waits += 1
+                        continue
                     if e.no_capacity and attempt < 59:
-                        # Slots still held by jobs of a previous plan: they free up as those finish.
                         await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
                         continue
                     self.failovers += 1

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
 from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,8 @@ class Planner:
                  model_spec_fallback: Callable[[], ModelSpec | None] | None = None,
                  on_failure: Callable[[str], None] | None = None, petals_cache_tokens: int = 4096,
                  bprr_r: int | None = None, model_fingerprint: str = "", ban_base_s: float = 5.0,
-                 ban_max_s: float = 300.0, ban_reset_s: float = 120.0, clock: Callable[[], float] = time.monotonic):
+                 ban_max_s: float = 300.0, ban_reset_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
+                 job_tokens: int | None = None):
         self.dht = dht
         self.prefix = prefix
         self.client = client
@@ -144,6 +146,10 @@ class Planner:
         self.model_fingerprint = model_fingerprint
         self.refused: dict[str, Any] = {}
         self.steps_per_job = 1.0 + prior_tokens_per_job
+        # L^ of paged servers' chain capacities (algorithms/token_budget.py): learnt from the jobs' declared
+        # lengths, or fixed by --job-tokens
+        self.fixed_job_tokens = job_tokens
+        self.job_tokens = JobTokenEstimate(max_length, prior=job_tokens)
         self._steps_obs = 0
         self.epoch = 0
         self.assignment: dict[str, tuple[int, int]] = {}
@@ -289,6 +295,26 @@ class Planner:
             return math.inf, math.inf
         return response_time_bounds([(1.0 / ch.service_time, ch.capacity) for ch in chains], self.arrival_rate)
 
+    def observe_job_tokens(self, tokens: int) -> None:
+        """A job declared ``tokens`` tokens (prompt + ``max_tokens``, or a session's max_length): the estimate
+        ``L^`` follows (unless fixed); chains are recomputed at the next refresh when it moved."""
+        if self.fixed_job_tokens is None:
+            self.job_tokens.observe(tokens)
+
+    def residual_jobs(self, record: Any) -> int:
+        """``M~_j`` for GCA: a loaded server's cache slots (Eq. 3; a job takes one per block it runs there), or
+        for a paged KV cache its token budget over ``L^`` rounded up to its pages (algorithms/token_budget.py)."""
+        r = record
+        if r.kv_cache != "paged" or r.page_size <= 0 or r.cache_tokens_total <= 0:
+            return int(r.slots_total)
+        job = -(-self.job_tokens.value // r.page_size) * r.page_size
+        return max(int(r.slots_total), jobs_in_budget(r.cache_tokens_total, job))
+
+    def _chains_key(self, views: Sequence[ServerView]) -> tuple:
+        """What GCA on the online servers depends on besides the placement: their capacities (and ``L^``)."""
+        return (self.job_tokens.value,) + tuple(sorted((v.peer_id, v.record.slots_total, v.record.cache_tokens_total)
+                                                       for v in views))
+
     def full_plan(self, views: Sequence[ServerView]) -> Plan | None:
         """c* by the Theorem 3.7 lower bound over GBP-CR + GCA on ``views`` (or the configured placement)."""
         from petals_chain.algorithms import tune_capacity
@@ -349,7 +375,7 @@ class Planner:
         for v in views:
             r = v.record
             if v.peer_id in sub and r.num_blocks > 0 and (r.start_block, r.num_blocks) == sub[v.peer_id]:
-                residual[v.peer_id] = int(r.slots_total)
+                residual[v.peer_id] = self.residual_jobs(r)
         specs = self.specs([v for v in views if v.peer_id in sub])
         chains = gca(specs, model, sub, residual_slots=residual) if specs else []
         lower, upper = self._bounds(chains)
@@ -414,7 +440,7 @@ class Planner:
         if self.plan is None or self._model_spec() is None:
             return
         views = self.online_views()
-        key = tuple(sorted((v.peer_id, v.record.slots_total) for v in views))
+        key = self._chains_key(views)
         plan = self.evaluate(views, self.plan.placement, self.plan.c)
         self.current = plan
         self._gca_key = key
@@ -539,9 +565,10 @@ class Planner:
                     await self._adopt(plan, reason)
             return
         # Chains follow the servers that are online now.
-        key = tuple(sorted((v.peer_id, v.record.slots_total) for v in self.online_views()))
+        key = self._chains_key(self.online_views())
         if key != self._gca_key:
-            self._recompute_chains("servers online changed")
+            self._recompute_chains("servers online changed" if self._gca_key is None or key[1:] != self._gca_key[1:]
+                                   else f"expected tokens per job L^ = {key[0]}")
         elif speed_changed:
             self._recompute_chains("measured speed of " + ", ".join(p[:12] for p in speed_changed))
         # Servers without blocks (new, or left over by GBP-CR) are considered once each, then again only

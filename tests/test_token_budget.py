@@ -1,0 +1,137 @@
+"""Chain capacity by tokens (issue 15): a paged server's token budget holds jobs of the expected length ``L^``.
+
+Units: the estimate and the budget arithmetic (pure, algorithms/token_budget.py), the planner's ``M~_j`` per record.
+Through the orchestrator (real server processes, real P2P on loopback): a paged chain runs as many jobs at once as
+its token budget holds (more than its ``max_length`` slots), a burst of jobs longer than ``L^`` waits at the server
+instead of failing, and every output equals transformers'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
+
+
+def test_jobs_in_budget():
+    assert jobs_in_budget(4096 * 32, 1360) == 96
+    assert jobs_in_budget(0, 16) == 0
+    with pytest.raises(ValueError):
+        jobs_in_budget(100, 0)
+    with pytest.raises(ValueError):
+        jobs_in_budget(-1, 16)
+
+
+def test_estimate_prior_then_mean_of_window_rounded_to_pages():
+    est = JobTokenEstimate(4096, window=4, min_jobs=3, granularity=16, tolerance=0.2)
+    assert est.value == 4096  # a fresh orchestrator counts max_length slots until it has seen traffic
+    assert not est.observe(100) and not est.observe(200)  # fewer than min_jobs: the prior holds
+    assert est.value == 4096
+    assert est.observe(300) and est.value == 208  # mean 200, rounded up to whole pages of 16
+    assert not est.observe(230)  # mean 207.5: inside the band, no recompute
+    assert est.value == 208
+    for t in (9000, 9000, 9000, 9000):  # the window forgets old jobs; lengths are clamped to max_length
+        est.observe(t)
+    assert est.value == 4096 and est.mean == 4096
+    assert est.observed == 8
+
+
+def test_estimate_fixed_prior_and_bounds():
+    assert JobTokenEstimate(64, prior=1).value == 16  # at least one page
+    assert JobTokenEstimate(64, prior=63).value == 64  # at most max_length
+    with pytest.raises(ValueError):
+        JobTokenEstimate(0)
+    with pytest.raises(ValueError):
+        JobTokenEstimate(64, tolerance=1.0)
+
+
+def test_planner_counts_paged_servers_by_tokens():
+    from petals_chain.orchestrator.planner import Planner
+    from petals_chain.swarm.records import ServerRecord
+
+    planner = Planner(dht=None, prefix="t", client=None, max_length=4096, on_chains=lambda chains: None,
+                      job_tokens=1000)
+    common = dict(peer_id="p", state="online", memory_bytes=1, tau_p=0.01, start_block=0, num_blocks=10,
+                  max_length=4096)
+    paged = ServerRecord(**common, slots_total=32, slots_free=32, kv_cache="paged", page_size=16,
+                         cache_tokens_total=32 * 4096, cache_tokens_free=32 * 4096)
+    slots = ServerRecord(**common, slots_total=32, slots_free=32, kv_cache="slots", page_size=4096,
+                         cache_tokens_total=32 * 4096, cache_tokens_free=32 * 4096)
+    assert planner.residual_jobs(slots) == 32  # Eq. 3 slots, whatever L^
+    assert planner.residual_jobs(paged) == 32 * 4096 // 1008  # L^ rounded up to whole pages: 1008 tokens
+    planner.observe_job_tokens(10)  # fixed by --job-tokens: not learnt
+    assert planner.job_tokens.value == 1008
+    auto = Planner(dht=None, prefix="t", client=None, max_length=4096, on_chains=lambda chains: None)
+    assert auto.residual_jobs(paged) == 32  # L^ = max_length before any job: the slot count
+    for _ in range(16):
+        auto.observe_job_tokens(2048)
+    assert auto.job_tokens.value == 2048 and auto.residual_jobs(paged) == 64
+
+
+# ---------------------------------------------------------------- through the orchestrator
+
+MAX_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory):
+    return tiny_model_factory("llama", num_layers=4)
+
+
+def _expected(model_path, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+def test_paged_chain_runs_its_token_budget_and_long_bursts_wait(model_path, tmp_path, scaled):
+    """One server, all 4 blocks, the memory of 2 slots of 64 tokens per block. With ``--job-tokens 16`` its chain
+    holds 8 jobs at once (2 x 64 / 16), not 2: 8 short requests submitted together all run at once. Then 6 requests
+    declaring 60 tokens each (4x the budget) all finish: the opens the server cannot fit wait in its FIFO. Every
+    output equals transformers'."""
+    from inprocess import InProcessSwarm
+
+    from petals_chain.orchestrator.sampling import SamplingParams
+    from petals_chain.swarm.local import memory_for
+
+    sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0, job_tokens=16)
+    try:
+        sw.start()
+        sw.add_server("a", memory_for(model_path, MAX_LENGTH, 4, 2))
+        st = sw.wait_until(lambda st: st["ready"] and st["chains"], scaled(120), "the chain")
+        assert [c["capacity"] for c in st["chains"]] == [8], st["chains"]
+        assert st["servers"][0]["slots_total"] == 2 * 4  # block-slots of max_length: what slots mode would run
+        assert st["job_tokens"]["value"] == 16 and st["job_tokens"]["mode"] == "fixed"
+
+        def run(prompts: list[list[int]], max_tokens: int) -> list:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+            async def all_at_once(orch):
+                return await asyncio.gather(*(orch.generate(p, params) for p in prompts))
+
+            return sw.call(all_at_once, timeout=scaled(300))
+
+        short = [[3 + i, 14, 15, 92, 65, 35] for i in range(8)]  # 6 + 8 = 14 tokens declared: one page
+        outs = run(short, 8)
+        st = sw.state()
+        print("chains:", st["chains"], "job_tokens:", st["job_tokens"])
+        assert st["chains"][0]["max_active"] == 8  # all at once: 4x the chain's max_length slots
+        for p, g in zip(short, outs):
+            assert g.token_ids == _expected(model_path, p, 8)
+        long = [[7 + i, 21, 5, 40] for i in range(6)]  # 4 + 56 = 60 tokens declared, 4 pages per block each
+        outs = run(long, 56)
+        st = sw.state()
+        print("chains:", st["chains"], "job_tokens:", st["job_tokens"])
+        assert st["job_tokens"]["open_waits"] >= 1  # the server fits 2 at once: the others waited for pages
+        assert all(g.failovers == 0 for g in outs)
+        for p, g in zip(long, outs):
+            assert g.token_ids == _expected(model_path, p, 56)
+    finally:
+        sw.stop()
