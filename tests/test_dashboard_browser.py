@@ -70,6 +70,8 @@ def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url, slowdo
         assert page.locator("#queue-length").inner_text() == str(data["queue_length"])
         assert page.locator("#ready-badge").get_attribute("data-ready") == "true"
         assert page.locator("#c-star").inner_text() == str(data["c"])
+        assert f'expected L\u0302 {data["job_tokens"]["value"]} ({data["job_tokens"]["mode"]})' in \
+            page.locator("#job-tokens").inner_text()
         # coverage map: one row per hosting server, one count per block (24 blocks, every one covered)
         assert page.locator("#coverage rect.cov-cell").count() == len(data["servers"])
         counts = page.locator("#coverage rect[data-block]").evaluate_all("rs => rs.map(r => +r.dataset.count)")

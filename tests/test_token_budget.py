@@ -135,3 +135,81 @@ def test_paged_chain_runs_its_token_budget_and_long_bursts_wait(model_path, tmp_
             assert g.token_ids == _expected(model_path, p, 56)
     finally:
         sw.stop()
+
+
+# ---------------------------------------------------------------- growth and preemption
+
+def _runner(model_path, slots: int, kv_cache: str = "paged"):
+    from petals_chain.server.runner import BlockRunner
+
+    return BlockRunner(str(model_path), 0, 2, num_slots=slots, max_length=MAX_LENGTH, kv_cache=kv_cache,
+                       batching=False)
+
+
+def test_runner_extend_takes_pages_or_changes_nothing(model_path):
+    from petals_chain.server.kv_cache import NoCapacityError
+
+    r = _runner(model_path, slots=2)  # 2 block-slots of 64 tokens: 8 pages of 16
+    r.allocate("a", 0, 2, max_tokens=10)  # one page per block
+    r.allocate("b", 0, 2, max_tokens=40)  # three pages per block
+    x = torch.randn(1, 10, r.config.hidden_size)
+    before = r.forward("a", x, 0)
+    assert r.pool.pages_available == 0
+    with pytest.raises(NoCapacityError):
+        r.extend("a", 17)
+    assert r.sessions()["a"]["limit"] == 10 and r.sessions()["a"]["pages"] == 2  # unchanged
+    with pytest.raises(ValueError):
+        r.forward("a", torch.randn(1, 1, r.config.hidden_size), 10)  # beyond the limit
+    r.release("b")
+    assert r.extend("a", 40) == 40 and r.sessions()["a"]["pages"] == 6
+    assert r.extend("a", 20) == 40  # never shrinks
+    y = torch.randn(1, 20, r.config.hidden_size)
+    out = r.forward("a", y, 10)  # continues over the old page and the new ones
+    ref = _runner(model_path, slots=2)
+    ref.allocate("a", 0, 2, max_tokens=40)
+    assert torch.equal(ref.forward("a", x, 0), before)
+    assert torch.allclose(ref.forward("a", y, 10), out, atol=1e-6)
+    with pytest.raises(ValueError):
+        r.extend("a", MAX_LENGTH + 1)
+    with pytest.raises(KeyError):
+        r.extend("nope", 20)
+    s = _runner(model_path, slots=2, kv_cache="slots")
+    s.allocate("a", 0, 2, max_tokens=10)
+    assert s.extend("a", 60) == MAX_LENGTH  # a slot holds max_length already
+
+
+@pytest.mark.slow
+def test_jobs_outgrowing_their_reservation_extend_or_are_preempted_exactly(model_path, tmp_path, scaled):
+    """Chains are opened for the prompt + 8 tokens (``output_reserve_tokens=8``) and L^ is 16, so the server's 32
+    pages (2 slots of 64 tokens per block, 4 blocks) admit 6 jobs of 4 prompt tokens at once; each then generates
+    56 tokens and must grow to 4 pages per block: the server fits two of them at full length. Jobs extend while
+    pages are free; the others are preempted (their KV kept as cached prefixes), resume when pages free up, and
+    every output equals transformers'."""
+    from inprocess import InProcessSwarm
+
+    from petals_chain.orchestrator.sampling import SamplingParams
+    from petals_chain.swarm.local import memory_for
+
+    sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0, job_tokens=16,
+                        output_reserve_tokens=8)
+    try:
+        sw.start()
+        sw.add_server("a", memory_for(model_path, MAX_LENGTH, 4, 2))
+        sw.wait_until(lambda st: st["ready"] and st["chains"], scaled(120), "the chain")
+        prompts = [[7 + i, 21, 5, 40] for i in range(6)]
+        params = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
+
+        async def all_at_once(orch):
+            return await asyncio.gather(*(orch.generate(p, params) for p in prompts))
+
+        outs = sw.call(all_at_once, timeout=scaled(300))
+        st = sw.state()
+        print("job_tokens:", st["job_tokens"], "relay:", {k: st["relay"][k] for k in ("prompt_cached_tokens",
+                                                                                        "failovers")})
+        assert st["chains"][0]["max_active"] == 6  # all admitted at once on their short reservations
+        assert st["job_tokens"]["extensions"] >= 2 and st["job_tokens"]["preemptions"] >= 1
+        assert all(g.failovers == 0 for g in outs)
+        for p, g in zip(prompts, outs):
+            assert g.token_ids == _expected(model_path, p, 56)
+    finally:
+        sw.stop()

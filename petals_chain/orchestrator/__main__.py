@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "starts at once, but the chain's capacity stays taken while the user types). Default: "
                         "release the chain after each turn where every hop has a prefix cache; the next turn "
                         "reuses the cached KV and recomputes only what was evicted")
+    p.add_argument("--output-reserve-tokens", type=int, default=256, metavar="N",
+                   help="a job's chain is opened for its prompt plus N tokens (at most its max_tokens), not for the "
+                        "whole max_tokens: a job that outgrows it asks its servers for more (N doubling), and one a "
+                        "server has no pages for gives its chain back and resumes later, reusing its cached KV. "
+                        "0: open for prompt + max_tokens")
     p.add_argument("--job-tokens", default="auto", metavar="auto|N",
                    help="L^: KV tokens per job that a paged server's chain capacity counts (its token budget over "
                         "L^). auto: the mean declared length (prompt + max_tokens) of the last 256 jobs, "
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
         model_id=args.model_id, settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
-        hold_sessions=args.hold_sessions, job_tokens=job_tokens,
+        hold_sessions=args.hold_sessions, job_tokens=job_tokens, output_reserve_tokens=args.output_reserve_tokens,
         ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s

@@ -81,6 +81,7 @@ class OrchestratorConfig:
     ban_base_s: float = 5.0  # a failed server is not planned for this long, doubling per failure (planner.py)
     ban_max_s: float = 300.0
     ban_reset_s: float = 120.0  # unbanned and no failure for this long: its next ban starts at ban_base_s again
+    output_reserve_tokens: int = 256  # --output-reserve-tokens: a chain is opened for the prompt + this (failover.py)
     job_tokens: int | None = None  # --job-tokens: L^ of paged chain capacities (None: learnt; token_budget.py)
 
 
@@ -100,6 +101,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
             raise ValueError(f"--arrival-rate must be positive, got {cfg.arrival_rate}")
         if cfg.max_length < 2:
             raise ValueError(f"--max-length must be at least 2, got {cfg.max_length}")
+        if isinstance(cfg.output_reserve_tokens, bool) or not isinstance(cfg.output_reserve_tokens, int) \
+                or cfg.output_reserve_tokens < 0:
+            raise ValueError(f"--output-reserve-tokens must be an int >= 0, got {cfg.output_reserve_tokens!r}")
         if cfg.job_tokens is not None and (isinstance(cfg.job_tokens, bool) or not isinstance(cfg.job_tokens, int)
                                            or not 1 <= cfg.job_tokens <= cfg.max_length):
             raise ValueError(f"--job-tokens must be an int in [1, --max-length {cfg.max_length}], got {cfg.job_tokens!r}")
@@ -380,14 +384,16 @@ class Orchestrator(GenerationMixin, SessionMixin):
         }
 
     def _job_tokens_json(self) -> dict:
-        """``L^`` (what paged servers' chain capacities count per job), how it is set, and what it is learnt from."""
-        p = self.planner
+        """``L^`` (what paged servers' chain capacities count per job), how it is set and what it is learnt from; how
+        jobs' reservations went (opens that waited for pages, extensions, preemptions)."""
+        p, st = self.planner, self.stats
         if p is None:
-            return {"value": self.cfg.job_tokens or self.cfg.max_length, "mode": "fixed" if self.cfg.job_tokens else
-                    "auto", "mean_declared": 0.0, "jobs_observed": 0, "open_waits": self.stats.open_waits}
-        est = p.job_tokens
-        return {"value": est.value, "mode": "fixed" if p.fixed_job_tokens is not None else "auto",
-                "mean_declared": est.mean, "jobs_observed": est.observed, "open_waits": self.stats.open_waits}
+            value, mean, observed = self.cfg.job_tokens or self.cfg.max_length, 0.0, 0
+        else:
+            value, mean, observed = p.job_tokens.value, p.job_tokens.mean, p.job_tokens.observed
+        return {"value": value, "mode": "fixed" if self.cfg.job_tokens is not None else "auto",
+                "mean_declared": mean, "jobs_observed": observed, "output_reserve_tokens": self.cfg.output_reserve_tokens,
+                "open_waits": st.open_waits, "extensions": st.extensions, "preemptions": st.preemptions}
 
     def update_gauges(self) -> None:
         s = self.stats

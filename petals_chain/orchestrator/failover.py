@@ -50,10 +50,10 @@ class ChainHolder:
     def __init__(self, orch: Any, job_id: str, max_length: int):
         self.orch = orch
         self.job_id = job_id
-        self.max_length = max_length  # tokens the job declares (its servers reserve that much KV)
-        planner = getattr(orch, "planner", None)
-        if planner is not None:
-            planner.observe_job_tokens(max_length)
+        self.max_length = max_length  # the job's length limit (prompt + max_tokens, or a session's max_length)
+        # What a chain is opened for: the tokens to feed plus this many (0: the whole max_length); a job that
+        # outgrows it extends its sessions, doubling the reserve, or is preempted (see feed)
+        self.output_reserve = int(getattr(orch.cfg, "output_reserve_tokens", 0) or 0)
         self.kv_ids: list[int] = []  # tokens whose KV the current chain holds
         self.lease: Lease | None = None
         self.cs: ChainSession | None = None
@@ -61,6 +61,7 @@ class ChainHolder:
         self.wait_s = 0.0
         self.steps = 0
         self.failovers = 0
+        self.preemptions = 0  # times the job gave its chain back because a hop had no pages to grow it
         self.closed = False
         self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
         # (sibling, tokens): a sibling whose first `tokens` KV this job may copy if it lands on the same chain
@@ -77,9 +78,17 @@ class ChainHolder:
             return [h[0] for h in self.cs.hops]
         return [h[0] for h in self.lease.hops] if self.lease is not None else []
 
-    async def _ensure_chain(self, prompt: list[int] | None = None) -> None:
+    def declared_length(self, need: int) -> int:
+        """Tokens a chain opened now is asked to hold for this job: ``need`` (what the next feed leaves in the KV)
+        plus the output reserve, within the job's ``max_length``."""
+        if self.output_reserve <= 0:
+            return self.max_length
+        return min(self.max_length, int(need) + self.output_reserve)
+
+    async def _ensure_chain(self, prompt: list[int] | None = None, need: int = 0) -> None:
         """Hold a chain with open sessions. ``prompt``: the whole sequence the next feed computes; a chain whose
-        servers hold a prefix of it in their prefix caches is preferred, and the feed starts after that prefix."""
+        servers hold a prefix of it in their prefix caches is preferred, and the feed starts after that prefix.
+        ``need``: tokens the chain must hold after that feed (see :meth:`declared_length`)."""
         orch = self.orch
         deadline = time.monotonic() + orch.cfg.queue_timeout_s
         failed_opens = 0
@@ -101,7 +110,8 @@ class ChainHolder:
             except QueueFull as e:  # only a job that never held a chain is refused
                 raise RequestError(str(e), status=429, code="queue_full") from None
             self.admitted = True
-            cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", self.max_length,
+            declared = self.declared_length(need)
+            cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", declared,
                               observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0))
             opened = False
             fork = self._fork_candidate(lease)
@@ -143,6 +153,9 @@ class ChainHolder:
             if opened:
                 self.wait_s += time.monotonic() - t0
                 self.lease, self.cs = lease, cs
+                planner = getattr(orch, "planner", None)
+                if planner is not None:
+                    planner.observe_job_tokens(declared)  # L^ of paged chain capacities (token_budget.py)
                 if fork is None:
                     self.kv_valid = self.cached_tokens = cs.cached_tokens
                     self.inputs.clear()
@@ -216,7 +229,25 @@ class ChainHolder:
         while True:
             full = self.kv_ids + list(new_ids)
             # prompt logprobs need every position's output: nothing may come from a prefix cache
-            await self._ensure_chain(prompt=None if all_positions else full)
+            await self._ensure_chain(prompt=None if all_positions else full, need=len(full))
+            if len(full) > self.cs.max_length:
+                try:
+                    await self._grow(len(full))
+                except HopFailure as e:
+                    if not e.no_capacity:
+                        await self._chain_failed(e, budget, len(full) - self.kv_valid)
+                        continue
+                    # Too few free pages on a hop: preempted. The servers keep the KV as cached prefixes; the job
+                    # goes back to the dispatcher (never refused) and resumes with a larger reservation, reusing
+                    # what is still cached and recomputing the rest: the output is the same either way.
+                    self.preemptions += 1
+                    self.orch.stats.preemptions += 1
+                    self.orch.stats.m_preemptions.inc()
+                    logger.info("job %s: preempted at %d tokens (%s); resuming on a chain with room", self.job_id,
+                                len(self.kv_ids), e)
+                    self.kv_valid = min(self.kv_valid, len(self.kv_ids))
+                    await self._drop()
+                    continue
             position = self.kv_valid
             ids = full[position:]
             # the caller's embeddings cover exactly new_ids: usable only when the chain holds all the rest
@@ -230,22 +261,33 @@ class ChainHolder:
                 self.orch._background(self._drop())
                 raise
             except HopFailure as e:
-                self.failovers += 1
-                self.orch.stats.add_failover()
-                blocks = sum(end - start for _, start, end in (self.cs.hops if self.cs is not None else []))
-                self.orch.stats.add_replay("full", tokens=len(self.kv_ids), token_blocks=len(self.kv_ids) * blocks)
-                logger.warning("job %s: %s; replaying %d tokens on another chain", self.job_id, e, len(ids))
-                self.orch.server_failed(e)
-                await self._drop()
-                budget[0] -= 1
-                if budget[0] < 0:
-                    raise Unavailable(f"gave up after {self.failovers} server failures") from None
+                await self._chain_failed(e, budget, len(ids))
                 continue
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
             self.reused_tokens = position
             self.steps += 1
             return out[0, len(ids) - len(new_ids):] if all_positions else out[0, -1]
+
+    async def _grow(self, need: int) -> None:
+        """The job outgrew what its chain was opened for: ask every hop for ``need`` tokens plus twice the previous
+        output reserve (so a long generation extends a logarithmic number of times). HopFailure if a hop cannot."""
+        self.output_reserve = max(2 * self.output_reserve, 16)
+        await self.cs.extend(min(self.max_length, need + self.output_reserve))
+        self.orch.stats.extensions += 1
+
+    async def _chain_failed(self, e: HopFailure, budget: list[int], replay_tokens: int) -> None:
+        """The chain as a whole is lost: drop it (the next feed replays on another chain), within the budget."""
+        self.failovers += 1
+        self.orch.stats.add_failover()
+        blocks = sum(end - start for _, start, end in (self.cs.hops if self.cs is not None else []))
+        self.orch.stats.add_replay("full", tokens=len(self.kv_ids), token_blocks=len(self.kv_ids) * blocks)
+        logger.warning("job %s: %s; replaying %d tokens on another chain", self.job_id, e, replay_tokens)
+        self.orch.server_failed(e)
+        await self._drop()
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise Unavailable(f"gave up after {self.failovers} server failures") from None
 
     async def _forward(self, hidden: torch.Tensor, position: int, budget: list[int], tokens: list[int]) -> torch.Tensor:
         """Run ``hidden`` (positions ``position..`` of ``tokens``) through the chain, keeping every hop's input; a

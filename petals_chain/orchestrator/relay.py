@@ -199,6 +199,21 @@ class ChainSession:
         await asyncio.gather(old.close(), return_exceptions=True)
         return out[:, position:]
 
+    async def extend(self, max_length: int) -> None:
+        """Let every hop's session hold up to ``max_length`` tokens (concurrently). HopFailure (``no_capacity`` when
+        a server has too few free pages) if any hop refuses or fails; hops that granted it keep the larger limit."""
+        results = await asyncio.gather(*(asyncio.wait_for(s.extend(max_length), timeout=self.step_timeout_s)
+                                         for s in self._sessions), return_exceptions=True)
+        failure: HopFailure | None = None
+        for i, ((peer, _, _), res) in enumerate(zip(self.hops, results)):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            if isinstance(res, BaseException) and (failure is None or failure.no_capacity):
+                failure = HopFailure(peer, res, no_capacity=isinstance(res, NoCapacityError), hop=i)
+        if failure is not None:
+            raise failure
+        self.max_length = max(self.max_length, int(max_length))
+
     async def keepalive(self, now: float) -> None:
         """Keep every hop's server session alive while the job holds it idle (between a session's turns): a
         hop silent for a third of the idle timeout its server announced gets a keepalive."""

@@ -23,6 +23,8 @@ class Stats:
         self.failovers = 0
         self.forks = 0  # n > 1 choices that started from a sibling's prefill (KV copied at the servers)
         self.open_waits = 0  # chain opens a server refused for KV memory, retried as a wait in its FIFO
+        self.extensions = 0  # jobs' chains asked to hold more tokens than opened for (granted)
+        self.preemptions = 0  # jobs that gave their chain back for lack of pages to grow, resumed later
         self.prompt_tokens = 0
         self.prefix_hits = 0  # chains opened on a prompt prefix their servers held in their prefix caches
         self.prefix_cached_tokens = 0  # prompt tokens those chains did not compute
@@ -60,6 +62,9 @@ class Stats:
         self.m_running = Gauge("petals_chain_running_jobs", "Jobs holding a chain", registry=r)
         self.m_chains = Gauge("petals_chain_chains", "Chains in the current plan", registry=r)
         self.m_capacity = Gauge("petals_chain_capacity", "Sum of chain capacities", registry=r)
+        self.m_preemptions = Counter("petals_chain_preemptions", "Jobs that outgrew their reservation on a hop "
+                                     "without free pages: chain given back, resumed later (cached KV reused)",
+                                     registry=r)
         self.m_job_tokens = Gauge("petals_chain_expected_job_tokens", "L^: expected KV tokens per job that paged "
                                   "servers' chain capacities count (mean declared length of recent jobs)", registry=r)
         self.m_servers = Gauge("petals_chain_servers", "Known servers by state", ["state"], registry=r)

@@ -82,6 +82,9 @@ class BackendWrapper:
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         return await self.inner.forward(session_id, hidden, position)
 
+    def extend_session(self, session_id: str, max_length: int) -> dict:
+        return self.inner.extend_session(session_id, max_length)
+
     def close_session(self, session_id: str, **kwargs: Any) -> None:
         self.inner.close_session(session_id, **kwargs)
 

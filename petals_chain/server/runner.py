@@ -284,6 +284,30 @@ class BlockRunner:
         self._sessions[session_id] = s
         return s.length
 
+    def extend(self, session_id: str, max_tokens: int) -> int:
+        """Raise ``session_id``'s token limit to ``max_tokens`` (at most ``max_length``), taking the pages that needs
+        in every block of its span now; returns the new limit (``slots`` mode: ``max_length`` already).
+
+        What a job that outgrows the length it declared at open asks for before its next step (the orchestrator
+        declares the prompt plus an output reserve, not the request's whole ``max_tokens``). Raises
+        :class:`NoCapacityError` if too few pages are available (nothing changes: the caller preempts the job),
+        ``KeyError`` for an unknown session, ``ValueError`` for a bad length or a session with a step running."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.max_length:
+            raise ValueError(f"max_tokens must be an int in [1, {self.max_length}], got {max_tokens!r}")
+        with self._lock:
+            s = self._get(session_id)
+            if s.busy:
+                raise ValueError(f"session {session_id!r} has a step in progress")
+            more = self.pages_needed(1, max_tokens) - self.pages_needed(1, s.limit)
+            if max_tokens <= s.limit or more <= 0:
+                s.limit = max(s.limit, max_tokens)
+                return s.limit
+            self.pool.reserve(more * len(s.pages_of))
+            for layer, table in s.pages_of.items():
+                s.pages_of[layer] = PageTable(list(table) + self.pool.take(more))
+            s.limit = max_tokens
+            return s.limit
+
     def _start_at(self, s: SessionState, position: int) -> None:
         """A session opened on a matched prefix steps at ``position`` for the first time: its tables become the
         cached pages before ``position``'s page plus its own pages from there (the part of that page before

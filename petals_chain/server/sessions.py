@@ -108,6 +108,22 @@ class SessionService:
         sess.steps += 1
         return out
 
+    def extend_session(self, session_id: str, max_length: int) -> dict:
+        """Raise an open session's token limit (a paged KV cache takes the pages now); ``no_capacity`` leaves it as
+        it was. Running sessions go before opens waiting in the FIFO: refusing would preempt work already done."""
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            raise RefusedError("invalid", f"unknown session {session_id!r}")
+        try:
+            sess.runner.extend(session_id, max_length)
+        except NoCapacityError as e:
+            raise self._no_capacity(e, *sess.span) from None
+        except (ValueError, KeyError) as e:
+            raise RefusedError("invalid", str(e)) from None
+        sess.max_length = max(sess.max_length, max_length)
+        self._on_change()
+        return {"max_length": sess.max_length, "cache_tokens_free": sess.runner.cache_tokens_free}
+
     def close_session(self, session_id: str, prefix_hashes: Sequence[bytes] = ()) -> None:
         sess = self.sessions.pop(session_id, None)
         if sess is not None:

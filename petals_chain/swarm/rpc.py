@@ -21,7 +21,10 @@ Session stream, client -> server:
      (the session survives an error reply; nothing changed).
   3. ``{"op": "keepalive"}`` -> ``{"ok": true, "keepalive": true}``: nothing but a reset of the idle timer, for
      a session the client holds between turns.
-  4. ``{"op": "close"[, "prefix_hashes"]}`` -> ``{"ok": true, "closed": true}``; the stream ends.
+  4. ``{"op": "extend", "max_length"}`` -> ``{"ok": true, "max_length"}``: the session may hold up to
+     ``max_length`` tokens from now on (a paged KV cache takes the pages at once), or ``no_capacity`` and the
+     session stays as it was.
+  5. ``{"op": "close"[, "prefix_hashes"]}`` -> ``{"ok": true, "closed": true}``; the stream ends.
      ``prefix_hashes`` names the tokens the session holds: its full pages among them stay cached.
 The open reply announces ``idle_timeout_s``: the server frees the session's slots when the stream ends for
 any reason: close, client disconnect, or no *valid* message (open, step, keepalive) for ``idle_timeout_s``
@@ -116,6 +119,10 @@ class SessionBackend(Protocol):
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Run the session's blocks; raise RefusedError('invalid', ...) for bad input (state unchanged)."""
+
+    def extend_session(self, session_id: str, max_length: int) -> dict:
+        """Raise the session's token limit to ``max_length`` or raise RefusedError (``no_capacity``: unchanged);
+        returns extra fields for the reply."""
 
     def close_session(self, session_id: str, **prefix: Any) -> None:
         """Free the session (``prefix_hashes``, when given: keep its full pages among them cached)."""
@@ -295,8 +302,15 @@ class PetalsChainBlocks(ServicerBase):
                         last_valid = loop.time()
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "keepalive": True}))
                         continue
+                    if op == "extend":
+                        if msg.tensors:
+                            raise RefusedError("invalid", "extend carries no tensors")
+                        extra = self.backend.extend_session(session_id, _int_field(meta, "max_length"))
+                        last_valid = loop.time()
+                        yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **extra}))
+                        continue
                     if op != "step":
-                        raise RefusedError("invalid", f"unknown op {op!r} (expected step, keepalive or close)")
+                        raise RefusedError("invalid", f"unknown op {op!r} (expected step, extend, keepalive or close)")
                     position = _int_field(meta, "position")
                     hidden = await self._receive_tensor(msg, next_message)
                     t_compute = time.perf_counter()
@@ -574,6 +588,26 @@ class RemoteSession:
                 raise
             self.last_io = time.monotonic()
             return True
+
+    async def extend(self, max_length: int) -> int:
+        """Ask the server to let this session hold up to ``max_length`` tokens; returns the limit granted. Raises
+        :class:`NoCapacityError` or another :class:`RemoteError` (the session is unchanged and usable), or what a
+        step would raise for a lost stream."""
+        async with self._lock:
+            self._raise_if_closed()
+            self._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({"op": "extend",
+                                                                            "max_length": int(max_length)})))
+            try:
+                reply = await _await_next(self._responses, self.step_timeout_s, f"extend on {self.peer_id}")
+            except BaseException:
+                self.closed = True
+                self._queue.put_nowait(None)
+                raise
+            self.last_io = time.monotonic()
+            meta = _unpack_reply(reply)
+            _raise_if_error(meta)
+            self.max_length = int(meta.get("max_length", max_length))
+            return self.max_length
 
     async def close(self, timeout_s: float = 10.0, prefix_hashes: bytes = b"") -> None:
         """Free the server's slots (idempotent; never raises for a dead server). ``prefix_hashes``

@@ -260,6 +260,10 @@
     $("status-epoch").textContent = epoch === null ? "" : "plan epoch " + epoch;
     var ml = int(data.max_length);
     $("max-length").textContent = ml === null ? "\u2014" : String(ml);
+    var jt = obj(data.job_tokens), lhat = int(jt.value);
+    // paged servers' chain capacities count jobs of L^ tokens (algorithms/token_budget.py)
+    $("job-tokens").textContent = lhat === null ? "tokens per job"
+      : "tokens per job \u00b7 expected L\u0302 " + lhat + (str(jt.mode) ? " (" + str(jt.mode) + ")" : "");
     var c = int(data.c);
     $("c-star").textContent = c === null ? "\u2014" : String(c);
     var pol = [str(data.placement_policy), str(data.dispatch_policy)].filter(Boolean).join(" + ");
