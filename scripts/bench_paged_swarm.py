@@ -15,7 +15,7 @@ jobs, ``algorithms/token_budget.py``, learnt from the burst itself: its first 16
 chain capacity, most jobs run at once, mean and P90 response time, the burst's makespan, opens that waited at a
 server for pages, and whether every request's tokens are identical in all three.
 
-    python scripts/bench_paged_swarm.py [--model smollm2-135m] [--requests 32] [--rtt-ms 20]
+    python scripts/bench_paged_swarm.py [--model smollm2-135m] [--requests 32] [--max-length 512] [--rtt-ms 100]
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--slots", type=int, default=4, help="cache slots of max_length tokens per block per server")
-    p.add_argument("--rtt-ms", type=float, default=20.0, help="emulated round trip per message to each server")
+    p.add_argument("--rtt-ms", type=float, default=100.0, help="emulated round trip per message to each server")
     p.add_argument("--trace", default=None, help="Azure conversation trace CSV (default: ../shared/data)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
