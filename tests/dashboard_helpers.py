@@ -73,6 +73,8 @@ def sample_swarm(now: Optional[float] = None, hostile_name: str = "<img src=x on
         "measured": {"mean_response_s": 0.31, "mean_wait_s": 0.07, "mean_service_s": 0.24,
                      "completed": 1234, "failed": 2},
         "queue_length": 4, "updated_at": now, "servers": servers, "chains": chains, "history": history,
+        "job_tokens": {"value": 176, "mode": "auto", "mean_declared": 171.5, "jobs_observed": 1236,
+                       "output_reserve_tokens": 256, "open_waits": 3, "extensions": 5, "preemptions": 1},
     }
 
 

@@ -123,6 +123,10 @@ def _page_mismatch(page, view: dict) -> Optional[str]:
         return f"chains: page {sorted(ids)}, API {sorted(ch['id'] for ch in view['chains'])}"
     if page.locator("#queue-length").inner_text() != str(view["queue_length"]):
         return f"queue: page {page.locator('#queue-length').inner_text()}, API {view['queue_length']}"
+    if "job_tokens" in view:  # the orchestrator's page (the standalone dashboard's summary has no L^)
+        lhat = f'expected L\u0302 {view["job_tokens"]["value"]} ({view["job_tokens"]["mode"]})'
+        if lhat not in page.locator("#job-tokens").inner_text():
+            return f"L^: page {page.locator('#job-tokens').inner_text()!r}, API {view['job_tokens']}"
     return None
 
 
