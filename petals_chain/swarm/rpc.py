@@ -27,7 +27,7 @@ Session stream, client -> server:
   5. ``{"op": "close"[, "prefix_hashes"]}`` -> ``{"ok": true, "closed": true}``; the stream ends.
      ``prefix_hashes`` names the tokens the session holds: its full pages among them stay cached.
 The open reply announces ``idle_timeout_s``: the server frees the session's slots when the stream ends for
-any reason: close, client disconnect, or no *valid* message (open, step, keepalive) for ``idle_timeout_s``
+any reason: close, client disconnect, or no *valid* message (open, step, extend, keepalive) for ``idle_timeout_s``
 (an error reply does not reset that timer, so garbage cannot hold slots). A peer the server does not trust
 gets ``untrusted`` (after its first message, or ``UNTRUSTED_READ_S`` of silence) and the stream ends.
 Error replies are ``{"ok": false, "code", "error"}`` with code ``no_capacity`` | ``untrusted`` | ``invalid``
