@@ -49,6 +49,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _auto_or_positive_int(text: str) -> int | None:
+    """``auto`` (None) or a positive integer."""
+    if text == "auto":
+        return None
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto or a positive integer, got {text!r}") from None
+
+
 def _max_length(text: str) -> int:
     v = _positive_int(text)
     if v < 2:
@@ -107,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "whole max_tokens: a job that outgrows it asks its servers for more (N doubling), and one a "
                         "server has no pages for gives its chain back and resumes later, reusing its cached KV. "
                         "0: open for prompt + max_tokens")
-    p.add_argument("--job-tokens", default="auto", metavar="auto|N",
+    p.add_argument("--job-tokens", type=_auto_or_positive_int, default=None, metavar="auto|N",
                    help="L^: KV tokens per job that a paged server's chain capacity counts (its token budget over "
                         "L^). auto: the mean declared length (prompt + max_tokens) of the last 256 jobs, "
                         "max_length until 16 were seen. A burst of longer jobs waits at the servers, never "
@@ -188,15 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rho-bar must be in (0, 1], got {args.rho_bar}")
     if not (0 <= args.move_margin < 1):
         parser.error(f"--move-margin must be in [0, 1), got {args.move_margin}")
-    job_tokens = None
-    if args.job_tokens != "auto":
-        try:
-            job_tokens = int(args.job_tokens)
-        except ValueError:
-            job_tokens = 0
-        if not 1 <= job_tokens <= args.max_length:
-            parser.error(f"--job-tokens must be auto or an int in [1, --max-length {args.max_length}], "
-                         f"got {args.job_tokens!r}")
     if not (0 <= args.port < 65536):
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
         model_id=args.model_id, settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
-        hold_sessions=args.hold_sessions, job_tokens=job_tokens, output_reserve_tokens=args.output_reserve_tokens,
+        hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
         ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s

@@ -234,19 +234,10 @@ class ChainHolder:
                 try:
                     await self._grow(len(full))
                 except HopFailure as e:
-                    if not e.no_capacity:
+                    if e.no_capacity:
+                        await self._preempt(e)
+                    else:
                         await self._chain_failed(e, budget, len(full) - self.kv_valid)
-                        continue
-                    # Too few free pages on a hop: preempted. The servers keep the KV as cached prefixes; the job
-                    # goes back to the dispatcher (never refused) and resumes with a larger reservation, reusing
-                    # what is still cached and recomputing the rest: the output is the same either way.
-                    self.preemptions += 1
-                    self.orch.stats.preemptions += 1
-                    self.orch.stats.m_preemptions.inc()
-                    logger.info("job %s: preempted at %d tokens (%s); resuming on a chain with room", self.job_id,
-                                len(self.kv_ids), e)
-                    self.kv_valid = min(self.kv_valid, len(self.kv_ids))
-                    await self._drop()
                     continue
             position = self.kv_valid
             ids = full[position:]
@@ -275,6 +266,17 @@ class ChainHolder:
         self.output_reserve = max(2 * self.output_reserve, 16)
         await self.cs.extend(min(self.max_length, need + self.output_reserve))
         self.orch.stats.extensions += 1
+
+    async def _preempt(self, e: HopFailure) -> None:
+        """Too few free pages on a hop to grow: give the chain back. The servers keep the KV as cached prefixes; the
+        next feed goes back to the dispatcher (never refused) and resumes with a larger reservation, reusing what is
+        still cached and recomputing the rest: the output is the same either way."""
+        self.preemptions += 1
+        self.orch.stats.add_preemption()
+        logger.info("job %s: preempted at %d tokens (%s); resuming on a chain with room", self.job_id,
+                    len(self.kv_ids), e)
+        self.kv_valid = min(self.kv_valid, len(self.kv_ids))
+        await self._drop()
 
     async def _chain_failed(self, e: HopFailure, budget: list[int], replay_tokens: int) -> None:
         """The chain as a whole is lost: drop it (the next feed replays on another chain), within the budget."""

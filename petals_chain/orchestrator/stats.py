@@ -152,6 +152,10 @@ class Stats:
         self.failovers += 1
         self.m_failovers.inc()
 
+    def add_preemption(self) -> None:
+        self.preemptions += 1
+        self.m_preemptions.inc()
+
     def add_replay(self, kind: str, *, tokens: int, token_blocks: int) -> None:
         """A failover (``kind``: partial|full) re-fed ``tokens`` positions, ``token_blocks`` tokens x blocks."""
         self.replays[kind] += 1
