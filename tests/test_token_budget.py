@@ -39,6 +39,14 @@ def test_estimate_prior_then_mean_of_window_rounded_to_pages():
     assert est.observed == 8
 
 
+def test_estimate_does_not_flip_at_a_page_boundary():
+    """Short jobs whose mean hovers around a page boundary (one page is more than the 20 % band there) must not move
+    L^ back and forth: each move recomputes the chains."""
+    est = JobTokenEstimate(128, window=8, min_jobs=1)
+    changes = sum(est.observe(t) for t in [40, 70, 50, 60, 45, 75] * 30)
+    assert changes == 1 and est.value == 48  # the first job moves it off the prior (128), then it stays
+
+
 def test_estimate_fixed_prior_and_bounds():
     assert JobTokenEstimate(64, prior=1).value == 16  # at least one page
     assert JobTokenEstimate(64, prior=63).value == 64  # at most max_length

@@ -69,9 +69,11 @@ class JobTokenEstimate:
         self.observed += 1
         if self.observed < self.min_jobs:
             return False
-        target = self._round(self.mean)
-        if abs(target - self.value) > self.tolerance * self.value:
-            self.value = target
+        # The band is around the running mean itself, not its page-rounded value: for short jobs one page is more
+        # than the tolerance, and a mean hovering at a page boundary would flip L^ (and the chains) back and forth.
+        mean = self.mean
+        if abs(mean - self.value) > self.tolerance * self.value and self._round(mean) != self.value:
+            self.value = self._round(mean)
             return True
         return False
 
