@@ -1,0 +1,560 @@
+"""Fair sharing among clients with prefix locality (seed 002): FCFS, LPM, VTC, DLPM, and D2LPM over chains.
+
+Two decisions, kept apart as in the seed: *which waiting request a worker takes next* (the queue discipline)
+and, for the distributed policies, *which worker (chain) a new request is bound to*. A worker is a chain; its
+identity is any hashable the caller keeps stable across re-plans (the orchestrator uses the chain's hops and
+spans), so counters survive re-planning and a vanished chain's counters are dropped (:meth:`FairPolicy.retain`).
+
+Service (§3): ``W = w_e * extend + w_q * output`` in *service units*, where ``extend`` is the input tokens the
+worker must compute (input minus the prefix it holds cached) and ``output`` the tokens generated. The policies
+charge ``w_e * extend`` when a request is admitted (started on a chain) and ``w_q`` per output token as it is
+produced, as DLPM's Alg. 1 does; a caller that learns the exact extend later corrects it with
+:meth:`FairPolicy.prompt`. Recomputation caused by the system (a failover's replay) is not charged.
+
+Policies (``FAIRNESS_POLICIES``):
+
+* ``fcfs`` — oldest first (the paper's JFFC queue).
+* ``lpm`` — longest prefix match on the freed worker first (locality, unfair).
+* ``vtc`` — Virtual Token Counter: the backlogged client with the least counted service first (fair, blind to
+  locality). A client arriving with nothing queued is lifted to the least counter among queued clients, so idle
+  time is not banked. VTC counts full input tokens (``w_e * input``), as in its paper.
+* ``dlpm`` — Deficit LPM (Alg. 1): the waiting requests in LPM order, each client admitted while its deficit
+  ``q_i > 0``; when no queued client has credit every client with ``q_i <= 0`` is refilled by the quantum
+  ``Q^u``. One request is taken per freed slot, so the printed spin on a full batch cannot happen.
+* ``d2lpm`` — D2LPM (Alg. 2): a new request is bound to a worker by ``SelectWorker`` (the workers holding its
+  longest prefix where the client still has per-worker credit ``q_{i,w} > 0``, else the least loaded worker with
+  credit; all of the client's worker credits refilled by ``Q^w`` when none is left), and each worker runs DLPM
+  locally on the requests bound to it.
+* ``d-vtc`` and ``rr-lpm`` — the seed's distributed baselines: VTC locally with per-client round-robin binding,
+  and LPM locally with per-request round-robin binding.
+
+Readings of the seed's gaps (docs/scheduling-seeds.md §2): DLPM's client list ``l`` holds every client seen, so an
+idle client keeps at most one quantum of credit (``q_i <= Q^u``: no banking) and keeps its debt (no forgiveness
+by going quiet). Binding (distributed policies) follows JFFC's capacity rule: while some worker has a free slot
+a new request is bound only to a free worker, and a worker whose own queue is empty takes (re-binds) the request
+its local discipline prefers among all waiting ones, so no worker idles while a request waits (work-conserving,
+P3). Ties go to the faster worker, then the lower index.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from petals_chain.model import Chain
+
+FAIRNESS_POLICIES = ("fcfs", "lpm", "vtc", "dlpm", "d2lpm", "d-vtc", "rr-lpm")
+DISTRIBUTED_POLICIES = ("d2lpm", "d-vtc", "rr-lpm")
+
+Worker = Hashable
+
+
+@dataclass(frozen=True)
+class FairnessConfig:
+    """Weights and quanta of the fair policies, all in service units (``w_e`` per extend token, ``w_q`` per output
+    token: 1 and 2 as in the seed). ``quantum`` is DLPM's ``Q^u`` (None: adaptive, ``quantum_factor`` times the
+    median cost of the last ``quantum_window`` admitted requests, :class:`AdaptiveQuantum`); ``worker_quantum`` is
+    D2LPM's ``Q^w``."""
+
+    w_e: float = 1.0
+    w_q: float = 2.0
+    quantum: float | None = None
+    worker_quantum: float = 20000.0
+    quantum_factor: float = 4.0
+    quantum_window: int = 256
+    quantum_prior: float = 2048.0
+
+    def __post_init__(self) -> None:
+        for name in ("w_e", "w_q", "worker_quantum", "quantum_factor", "quantum_prior"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.w_e + self.w_q <= 0:
+            raise ValueError("w_e and w_q cannot both be 0")
+        if self.quantum is not None and not (math.isfinite(self.quantum) and self.quantum > 0):
+            raise ValueError(f"quantum (Q^u) must be a positive number or None (adaptive), got {self.quantum!r}")
+        if not self.worker_quantum > 0 or not self.quantum_factor > 0 or not self.quantum_prior > 0:
+            raise ValueError("worker_quantum, quantum_factor and quantum_prior must be positive")
+        if int(self.quantum_window) != self.quantum_window or self.quantum_window < 1:
+            raise ValueError(f"quantum_window must be a positive integer, got {self.quantum_window!r}")
+
+    def cost(self, extend_tokens: float, output_tokens: float) -> float:
+        """Service units of a request that computes ``extend_tokens`` input tokens and generates ``output_tokens``."""
+        return self.w_e * extend_tokens + self.w_q * output_tokens
+
+
+@dataclass(eq=False)
+class FairRequest:
+    """A request as the policies see it. ``matched``: cached prefix tokens per worker (workers not listed hold
+    none); ``expected_output``: tokens the request may generate (for the adaptive quantum only). ``item`` is the
+    caller's object; ``seq`` (arrival order) and ``worker`` (the worker a distributed policy bound it to) are set
+    by the dispatcher."""
+
+    item: Any
+    client: str
+    input_tokens: int
+    matched: Mapping[Worker, int] = field(default_factory=dict)
+    expected_output: int = 0
+    seq: int = 0
+    worker: Worker | None = None
+    charged: float = 0.0  # w_e * tokens charged at admission (corrected by FairPolicy.prompt)
+
+    def match(self, worker: Worker) -> int:
+        return min(int(self.matched.get(worker, 0)), int(self.input_tokens))
+
+    def extend(self, worker: Worker) -> int:
+        """Input tokens ``worker`` must compute for this request."""
+        return max(0, int(self.input_tokens) - self.match(worker))
+
+
+class AdaptiveQuantum:
+    """``Q^u`` = ``factor`` x the median cost of the last ``window`` admitted requests (the seed gives no default;
+    ~4 median requests per round keeps a client's prefix-sharing requests together without loosening the bound
+    much). Before any request it is ``prior``."""
+
+    def __init__(self, cfg: FairnessConfig):
+        self.cfg = cfg
+        self._costs: deque[float] = deque(maxlen=int(cfg.quantum_window))
+        self._value = float(cfg.quantum if cfg.quantum is not None else cfg.quantum_prior)
+        self._dirty = False
+
+    def observe(self, cost: float) -> None:
+        if self.cfg.quantum is None:
+            self._costs.append(float(cost))
+            self._dirty = True
+
+    @property
+    def value(self) -> float:
+        if self._dirty:
+            self._value = max(1.0, self.cfg.quantum_factor * statistics.median(self._costs))
+            self._dirty = False
+        return self._value
+
+
+def _oldest(reqs: Iterable[FairRequest]) -> FairRequest | None:
+    return min(reqs, key=lambda r: r.seq, default=None)
+
+
+def _longest_match(reqs: Iterable[FairRequest], worker: Worker) -> FairRequest | None:
+    """LPM order: longest cached prefix on ``worker`` first, then the oldest."""
+    return min(reqs, key=lambda r: (-r.match(worker), r.seq), default=None)
+
+
+class _Local:
+    """A local queue discipline: picks one of ``waiting`` for ``worker``; charged on admission and output."""
+
+    def arrived(self, req: FairRequest, waiting: Sequence[FairRequest]) -> None:
+        pass
+
+    def pick(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
+        raise NotImplementedError
+
+    def charge(self, client: str, units: float) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, float]:
+        return {}
+
+
+class _FCFS(_Local):
+    def pick(self, waiting, worker):
+        return _oldest(waiting)
+
+
+class _LPM(_Local):
+    def pick(self, waiting, worker):
+        return _longest_match(waiting, worker)
+
+
+class _VTC(_Local):
+    """Counters ``c_i`` of service received; the queued client with the least counter goes first."""
+
+    def __init__(self) -> None:
+        self.counter: dict[str, float] = {}
+        self._last_min = 0.0  # least counter among queued clients when the queue was last non-empty
+
+    def arrived(self, req, waiting):
+        queued = {r.client for r in waiting if r is not req}
+        if req.client in queued:
+            return
+        floor = min((self.counter.get(c, 0.0) for c in queued), default=self._last_min)
+        self.counter[req.client] = max(self.counter.get(req.client, 0.0), floor)
+
+    def pick(self, waiting, worker):
+        if not waiting:
+            return None
+        client = min({r.client for r in waiting}, key=lambda c: (self.counter.get(c, 0.0), c))
+        self._last_min = self.counter.get(client, 0.0)
+        return _oldest(r for r in waiting if r.client == client)
+
+    def charge(self, client, units):
+        self.counter[client] = self.counter.get(client, 0.0) + units
+
+    def snapshot(self):
+        return dict(self.counter)
+
+
+class _DLPM(_Local):
+    """Alg. 1: deficits ``q_i`` (start 0, ``-U < q_i <= Q^u``), refilled together when no queued client has credit."""
+
+    def __init__(self, quantum: Callable[[], float]):
+        self.quantum = quantum
+        self.deficit: dict[str, float] = {}
+        self.refills = 0
+
+    def arrived(self, req, waiting):
+        self.deficit.setdefault(req.client, 0.0)
+
+    def _check_refill(self, clients: set[str]) -> None:
+        # Refill rounds until some queued client has credit; a client deep in debt may need several rounds,
+        # during which every other client with q <= 0 is refilled too (as repeated CheckRefill calls would).
+        q_u = self.quantum()
+        for c in clients:
+            self.deficit.setdefault(c, 0.0)
+        while not any(self.deficit.get(c, 0.0) > 0 for c in clients):
+            for c, q in self.deficit.items():
+                if q <= 0:
+                    self.deficit[c] = q + q_u
+            self.refills += 1
+
+    def pick(self, waiting, worker):
+        if not waiting:
+            return None
+        self._check_refill({r.client for r in waiting})
+        return _longest_match((r for r in waiting if self.deficit.get(r.client, 0.0) > 0), worker)
+
+    def charge(self, client, units):
+        self.deficit[client] = self.deficit.get(client, 0.0) - units
+
+    def snapshot(self):
+        return dict(self.deficit)
+
+
+class FairPolicy:
+    """State of one fairness policy, kept across re-plans (one per orchestrator and model).
+
+    Also counts each client's service ``W_i`` (:attr:`service`, ``w_e * extend + w_q * output`` for every policy,
+    so they compare) and requests admitted (:attr:`admitted_requests`)."""
+
+    def __init__(self, name: str = "dlpm", cfg: FairnessConfig | None = None):
+        if name not in FAIRNESS_POLICIES:
+            raise ValueError(f"unknown fairness policy {name!r}; choose from {', '.join(FAIRNESS_POLICIES)}")
+        self.name = name
+        self.cfg = cfg or FairnessConfig()
+        self.quantum = AdaptiveQuantum(self.cfg)
+        self.distributed = name in DISTRIBUTED_POLICIES
+        self.service: dict[str, float] = {}
+        self.admitted_requests: dict[str, int] = {}
+        self._local: dict[Worker, _Local] = {}  # per worker (distributed policies); key None: the central one
+        self.worker_credit: dict[tuple[str, Worker], float] = {}  # D2LPM's q_{i,w}
+        self._rr_client: dict[str, int] = {}  # d-vtc: next worker index per client
+        self._rr = 0  # rr-lpm: next worker index
+
+    # ---- local disciplines ------------------------------------------------------------------------
+    def _new_local(self) -> _Local:
+        kind = {"fcfs": "fcfs", "lpm": "lpm", "rr-lpm": "lpm", "vtc": "vtc", "d-vtc": "vtc"}.get(self.name, "dlpm")
+        if kind == "fcfs":
+            return _FCFS()
+        if kind == "lpm":
+            return _LPM()
+        if kind == "vtc":
+            return _VTC()
+        return _DLPM(lambda: self.quantum.value)
+
+    def local(self, worker: Worker | None) -> _Local:
+        key = worker if self.distributed else None
+        loc = self._local.get(key)
+        if loc is None:
+            loc = self._local[key] = self._new_local()
+        return loc
+
+    def retain(self, workers: Iterable[Worker]) -> None:
+        """Keep the state of ``workers`` only (the current chains): a new chain starts at 0, a gone one is dropped."""
+        keep = set(workers)
+        if self.distributed:
+            for w in [w for w in self._local if w not in keep]:
+                del self._local[w]
+        for key in [k for k in self.worker_credit if k[1] not in keep]:
+            del self.worker_credit[key]
+
+    # ---- events -------------------------------------------------------------------------------------
+    def arrived(self, req: FairRequest, waiting: Sequence[FairRequest]) -> None:
+        """``req`` joined ``waiting`` (for a distributed policy: before it is bound)."""
+        self.service.setdefault(req.client, 0.0)
+        if self.distributed:
+            return
+        self.local(None).arrived(req, waiting)
+
+    def choose_worker(self, req: FairRequest, candidates: Sequence[Worker], load: Callable[[Worker], float]) -> Worker:
+        """Bind ``req`` to one of ``candidates`` (distributed policies; in the caller's preference order, e.g.
+        fastest first). ``load(w)``: requests bound to ``w`` and not finished, per unit of its capacity."""
+        if not candidates:
+            raise ValueError("no worker to choose from")
+        if self.name == "rr-lpm":
+            w = candidates[self._rr % len(candidates)]
+            self._rr += 1
+            return w
+        if self.name == "d-vtc":
+            i = self._rr_client.get(req.client, 0)
+            self._rr_client[req.client] = i + 1
+            return candidates[i % len(candidates)]
+        # D2LPM SelectWorker over the candidates.
+        credit = self.worker_credit
+        with_credit = [w for w in candidates if credit.get((req.client, w), 0.0) > 0]
+        while not with_credit:
+            for w in candidates:
+                credit[(req.client, w)] = credit.get((req.client, w), 0.0) + self.cfg.worker_quantum
+            with_credit = [w for w in candidates if credit[(req.client, w)] > 0]
+        best = max((req.match(w) for w in candidates), default=0)
+        holding = [w for w in with_credit if best > 0 and req.match(w) == best]
+        pool = holding or with_credit
+        order = {w: i for i, w in enumerate(candidates)}
+        return min(pool, key=lambda w: (load(w), order[w]))
+
+    def pick(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
+        """The request ``worker`` takes next among ``waiting`` (None if empty)."""
+        return self.local(worker).pick(waiting, worker) if waiting else None
+
+    def admit(self, req: FairRequest, worker: Worker) -> None:
+        """``req`` starts on ``worker``: charge its input (extend tokens; VTC and D2LPM's worker credit: all of it)."""
+        cfg = self.cfg
+        extend = req.extend(worker)
+        req.charged = cfg.w_e * extend
+        self.service[req.client] = self.service.get(req.client, 0.0) + req.charged
+        self.admitted_requests[req.client] = self.admitted_requests.get(req.client, 0) + 1
+        local = self.local(worker)
+        local.charge(req.client, cfg.w_e * (req.input_tokens if isinstance(local, _VTC) else extend))
+        self.quantum.observe(cfg.cost(extend, req.expected_output))
+
+    def rebind(self, req: FairRequest, worker: Worker) -> None:
+        """``req``, bound to another worker, is taken by ``worker`` (work conservation): its D2LPM worker credit
+        moves along (nothing was charged locally before admission)."""
+        old = req.worker
+        self.local(worker).arrived(req, [req])
+        if self.name == "d2lpm" and old is not None and old != worker:
+            units = self.cfg.w_e * req.input_tokens
+            if (req.client, old) in self.worker_credit:
+                self.worker_credit[(req.client, old)] += units
+            self.worker_credit[(req.client, worker)] = self.worker_credit.get((req.client, worker), 0.0) - units
+        req.worker = worker
+
+    def bound(self, req: FairRequest, worker: Worker, waiting: Sequence[FairRequest]) -> None:
+        """``req`` was bound to ``worker`` at arrival (distributed policies; ``waiting``: the requests bound there,
+        ``req`` included): the worker's local discipline sees it arrive, and D2LPM charges the client's credit
+        there for its whole input (Alg. 2 charges at dispatch)."""
+        req.worker = worker
+        self.local(worker).arrived(req, waiting)
+        if self.name == "d2lpm":
+            key = (req.client, worker)
+            self.worker_credit[key] = self.worker_credit.get(key, 0.0) - self.cfg.w_e * req.input_tokens
+
+    def prompt(self, req: FairRequest, worker: Worker, extend_tokens: int) -> None:
+        """The exact extend of ``req`` on ``worker`` is now known (the worker reported its cached prefix): correct
+        the admission charge."""
+        delta = self.cfg.w_e * max(0, int(extend_tokens)) - req.charged
+        if delta:
+            req.charged += delta
+            self.service[req.client] = self.service.get(req.client, 0.0) + delta
+            local = self.local(worker)
+            if not isinstance(local, _VTC):
+                local.charge(req.client, delta)
+
+    def output(self, client: str, worker: Worker, tokens: int = 1) -> None:
+        """``tokens`` output tokens were generated for ``client`` on ``worker``."""
+        units = self.cfg.w_q * tokens
+        self.service[client] = self.service.get(client, 0.0) + units
+        self.local(worker).charge(client, units)
+        if self.name == "d2lpm":
+            key = (client, worker)
+            self.worker_credit[key] = self.worker_credit.get(key, 0.0) - units
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters for APIs and tests: service per client, local counters (per worker when distributed)."""
+        local = {("*" if w is None else str(w)): loc.snapshot() for w, loc in self._local.items()}
+        return {"policy": self.name, "quantum": self.quantum.value, "service": dict(self.service),
+                "admitted": dict(self.admitted_requests), "counters": local}
+
+
+def _rate_capacity(chain: Any) -> tuple[float, int]:
+    if isinstance(chain, Chain):
+        return float(chain.rate), int(chain.capacity)
+    mu, cap = chain
+    return float(mu), int(cap)
+
+
+class FairDispatcher:
+    """JFFC's capacity rule with a fair queue: a new job starts on a free chain or waits; a chain whose job ended
+    takes the job :class:`FairPolicy` picks for it. Same contract as :class:`~petals_chain.algorithms.jffc.
+    JFFCDispatcher` (``arrive``/``complete``/``adopt``/``remove_job``, ``queue``, ``queue_length``,
+    ``last_started``), so the orchestrator's dispatch and the simulator drive either.
+
+    ``describe(job) -> FairRequest`` tells the policy who sent a job and what it holds cached where (the request's
+    ``item`` must be the job); ``workers``: stable worker ids of ``chains`` (default: their indices). Central
+    policies start a job on the free chain holding its longest prefix (then the fastest); distributed ones bind
+    it with :meth:`FairPolicy.choose_worker` (see the module).
+    """
+
+    def __init__(self, chains: Sequence[Any], policy: FairPolicy, describe: Callable[[Any], FairRequest],
+                 workers: Sequence[Worker] | None = None):
+        self.chains = list(chains)
+        params = [_rate_capacity(ch) for ch in self.chains]
+        self.rates = [mu for mu, _ in params]
+        self.capacities = [cap for _, cap in params]
+        self.workers = list(workers) if workers is not None else list(range(len(self.chains)))
+        if len(self.workers) != len(self.chains) or len(set(self.workers)) != len(self.workers):
+            raise ValueError("workers must name each chain once")
+        self._index = {w: k for k, w in enumerate(self.workers)}
+        self.policy = policy
+        policy.retain(self.workers)
+        self.describe = describe
+        self.occupancy = [0] * len(self.chains)
+        self._bound = [0] * len(self.chains)  # waiting jobs bound to each chain (distributed policies)
+        self._waiting: dict[int, FairRequest] = {}  # seq -> request, arrival order
+        self._by_item: dict[int, FairRequest] = {}  # id(job) -> its request
+        self._seq = itertools.count()
+        # fastest first, then the lower index (JFFC's order); chains of capacity 0 never take a job
+        self._order = sorted((k for k in range(len(self.chains)) if self.capacities[k] > 0),
+                             key=lambda k: (-self.rates[k], k))
+        self.last_started = False
+        self.started: FairRequest | None = None  # the request of the last job started (for the caller's charges)
+
+    # ---- contract ---------------------------------------------------------------------------------
+    @property
+    def running(self) -> list[int]:
+        return self.occupancy
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def queue(self) -> list[Any]:
+        """Waiting jobs in arrival order."""
+        return [r.item for r in self._waiting.values()]
+
+    def free_chains(self) -> int:
+        return sum(1 for k in self._order if self.occupancy[k] < self.capacities[k])
+
+    def request_of(self, job: Any) -> FairRequest | None:
+        return self._by_item.get(id(job))
+
+    def arrive(self, job: Any) -> int | None:
+        req = self.describe(job)
+        if req.item is not job:
+            raise ValueError("describe(job).item must be the job")
+        req.seq = next(self._seq)
+        req.worker = None
+        waiting = list(self._waiting.values())
+        self.policy.arrived(req, waiting + [req])
+        free = [k for k in self._order if self.occupancy[k] < self.capacities[k]]
+        if self.policy.distributed:
+            cands = free or self._order
+            if not cands:
+                return self._wait(req)
+            w = self.policy.choose_worker(req, [self.workers[k] for k in cands], self._load)
+            k = self._index[w]
+            self.policy.bound(req, w, [r for r in waiting if r.worker == w] + [req])
+            if self.occupancy[k] < self.capacities[k]:
+                return self._start(req, k)
+            self._bound[k] += 1
+            return self._wait(req)
+        if free and not self._waiting:
+            k = min(free, key=lambda k: (-req.match(self.workers[k]), -self.rates[k], k))
+            return self._start(req, k)
+        return self._wait(req)
+
+    def complete(self, k: int) -> Any | None:
+        """A job left chain ``k``: start the job the policy picks for it and return it, or None if none waits."""
+        if not (0 <= k < len(self.chains)) or self.occupancy[k] <= 0:
+            raise ValueError(f"no job is running on chain {k!r}")
+        self.occupancy[k] -= 1
+        if self.occupancy[k] >= self.capacities[k]:  # capacity shrank meanwhile: nothing starts here
+            return None
+        req = self._pick(k)
+        if req is None:
+            return None
+        self._forget(req)
+        self._start(req, k)
+        return req.item
+
+    def adopt(self, k: int, job: Any) -> bool:
+        """Count ``job``, already running on chain ``k`` (carried over a re-plan), if ``k`` has room; no charge."""
+        if not (0 <= k < len(self.chains)) or self.occupancy[k] >= self.capacities[k]:
+            return False
+        self.occupancy[k] += 1
+        return True
+
+    def remove_job(self, job: Any) -> bool:
+        req = self._by_item.get(id(job))
+        if req is None:
+            return False
+        self._forget(req)
+        return True
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _load(self, w: Worker) -> float:
+        k = self._index[w]
+        return (self.occupancy[k] + self._bound[k]) / max(1, self.capacities[k])
+
+    def _wait(self, req: FairRequest) -> None:
+        self._waiting[req.seq] = req
+        self._by_item[id(req.item)] = req
+        self.last_started = False
+        return None
+
+    def _start(self, req: FairRequest, k: int) -> int:
+        self.occupancy[k] += 1
+        w = self.workers[k]
+        if self.policy.distributed and req.worker != w:
+            self.policy.rebind(req, w)
+        self.policy.admit(req, w)
+        self.last_started = True
+        self.started = req
+        return k
+
+    def _forget(self, req: FairRequest) -> None:
+        del self._waiting[req.seq]
+        del self._by_item[id(req.item)]
+        if req.worker is not None and req.worker in self._index:
+            k = self._index[req.worker]
+            if self._bound[k] > 0 and self.policy.distributed:
+                self._bound[k] -= 1
+
+    def _pick(self, k: int) -> FairRequest | None:
+        if not self._waiting:
+            return None
+        w = self.workers[k]
+        waiting = list(self._waiting.values())
+        if self.policy.distributed:
+            own = [r for r in waiting if r.worker == w]
+            if own:
+                return self.policy.pick(own, w)
+            # Work conservation: nothing bound here, take what this chain's discipline prefers among the rest.
+        return self.policy.pick(waiting, w)
+
+
+def jain_index(values: Sequence[float]) -> float:
+    """Jain's fairness index ``(sum x)^2 / (n sum x^2)``: 1 when all equal, 1/n when one gets everything."""
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ValueError("jain_index needs at least one value")
+    sq = sum(x * x for x in xs)
+    return 1.0 if sq == 0 else sum(xs) ** 2 / (len(xs) * sq)
+
+
+def service_bound(cfg: FairnessConfig, quantum: float, max_input_tokens: int, max_batch_tokens: int,
+                  workers: int = 1) -> float:
+    """Thm 4.1 / 5.1: the most service two continuously backlogged clients can differ by, ``2 |W| (U + Q^u)`` with
+    ``U = w_e L_input + w_q M`` (``M``: most tokens a worker's running batch generates per step, i.e. requests
+    it runs at once)."""
+    u = cfg.w_e * max_input_tokens + cfg.w_q * max_batch_tokens
+    return 2.0 * workers * (u + quantum)
+
+
+__all__ = ["FAIRNESS_POLICIES", "DISTRIBUTED_POLICIES", "FairnessConfig", "FairRequest", "FairPolicy",
+           "FairDispatcher", "AdaptiveQuantum", "jain_index", "service_bound"]

@@ -1,0 +1,185 @@
+"""Fair queue disciplines (seed 002) as dispatchers: contract, ordering, charges, state across re-plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from petals_chain.algorithms.fairness import (FAIRNESS_POLICIES, FairDispatcher, FairnessConfig, FairPolicy,
+                                              FairRequest, jain_index, service_bound)
+
+
+class Job:
+    def __init__(self, client: str, tokens: int = 10, matched: dict | None = None, out: int = 0):
+        self.client, self.tokens, self.matched, self.out = client, tokens, matched or {}, out
+
+    def __repr__(self) -> str:
+        return f"Job({self.client}, {self.tokens})"
+
+
+def describe(job: Job) -> FairRequest:
+    return FairRequest(item=job, client=job.client, input_tokens=job.tokens, matched=job.matched,
+                       expected_output=job.out)
+
+
+def make(policy: str, chains=((1.0, 1),), workers=None, **cfg) -> FairDispatcher:
+    return FairDispatcher(list(chains), FairPolicy(policy, FairnessConfig(**cfg)), describe, workers=workers)
+
+
+@pytest.mark.parametrize("policy", FAIRNESS_POLICIES)
+def test_every_policy_runs_every_job_once_and_never_idles_a_chain(policy):
+    d = make(policy, chains=[(2.0, 2), (1.0, 1), (1.0, 0)], quantum=30.0)
+    jobs = [Job(c, 5 + i % 7, matched={i % 2: 3}) for i, c in enumerate("aabacbbcaacb" * 3)]
+    running: list[tuple[int, Job]] = []
+    started = []
+    for job in jobs:
+        k = d.arrive(job)
+        if k is not None:
+            running.append((k, job))
+            started.append(job)
+    assert d.queue_length == len(jobs) - 3  # capacities 2 + 1 (+ 0): three start at once
+    while running:
+        k, job = running.pop(0)
+        d.policy.output(job.client, d.workers[k], 3)
+        nxt = d.complete(k)
+        if nxt is not None:
+            running.append((k, nxt))
+            started.append(nxt)
+        # work conservation: a chain with a free slot never coexists with a waiting job
+        assert d.queue_length == 0 or d.free_chains() == 0
+    assert sorted(map(id, started)) == sorted(map(id, jobs))
+    assert d.queue_length == 0 and d.occupancy == [0, 0, 0]
+    assert sum(d.policy.admitted_requests.values()) == len(jobs)
+
+
+def test_fcfs_and_lpm_orders():
+    d = make("fcfs")
+    first = Job("a")
+    assert d.arrive(first) == 0
+    j1, j2 = Job("b", matched={0: 1}), Job("c", matched={0: 8})
+    d.arrive(j1), d.arrive(j2)
+    assert d.complete(0) is j1
+    d = make("lpm")
+    d.arrive(Job("a"))
+    d.arrive(j1), d.arrive(j2)
+    assert d.complete(0) is j2  # the longest cached prefix on chain 0 first
+
+
+def test_vtc_serves_the_client_with_least_service_and_lifts_newcomers():
+    d = make("vtc")
+    a0 = Job("a", 100)
+    d.arrive(a0)  # a is charged 100
+    a1, a2, b1 = Job("a", 100), Job("a", 100), Job("b", 10)
+    d.arrive(a1), d.arrive(a2), d.arrive(b1)
+    # b arrives with nothing queued: lifted to the least counter among queued clients (a: 100)
+    assert d.policy.local(None).counter["b"] == 100
+    assert d.complete(0) is a1  # tie 100 vs 100 -> by name
+    assert d.complete(0) is b1  # a now at 200, b at 100
+    assert d.complete(0) is a2
+
+
+def test_dlpm_keeps_a_clients_prefix_run_until_its_credit_is_spent():
+    # Q^u = 20 service units; a's requests extend 8 tokens (2 of 10 cached on chain 0), b's 10.
+    d = make("dlpm", quantum=20.0)
+    d.arrive(Job("x", 1))  # occupies the chain
+    for _ in range(4):
+        d.arrive(Job("a", 10, matched={0: 2}))
+    for _ in range(4):
+        d.arrive(Job("b", 10))
+    order = []
+    while (nxt := d.complete(0)) is not None:
+        order.append(nxt.client)
+    # round 1: a (longer match) runs 20 -> 12 -> 4 -> -4, then b 20 -> 10 -> 0; round 2: a 16 -> 8, b 20 -> 10 -> 0
+    assert "".join(order) == "aaabbabb"
+
+
+def test_dlpm_deficits_stay_in_the_theorem_range():
+    cfg = FairnessConfig(quantum=40.0)
+    d = FairDispatcher([(1.0, 2)], FairPolicy("dlpm", cfg), describe)
+    running = []
+    for i in range(60):
+        job = Job("abc"[i % 3] if i % 4 else "a", tokens=5 + (i * 7) % 30, matched={0: (i * 3) % 5})
+        k = d.arrive(job)
+        if k is not None:
+            running.append(job)
+    u = service_bound(cfg, 0, 35, 2) / 2  # U = w_e L_input + w_q M
+    loc = d.policy.local(None)
+    while running:
+        job = running.pop(0)
+        d.policy.output(job.client, 0, 4)
+        nxt = d.complete(0)
+        if nxt is not None:
+            running.append(nxt)
+        assert all(-u - 8 < q <= cfg.quantum for q in loc.deficit.values()), loc.deficit
+
+
+def test_d2lpm_binds_to_the_chain_holding_the_prefix_while_credit_lasts():
+    cfg = FairnessConfig(worker_quantum=50.0, quantum=1000.0)
+    d = FairDispatcher([(1.0, 1), (1.0, 1)], FairPolicy("d2lpm", cfg), describe, workers=["w0", "w1"])
+    d.arrive(Job("z", 1)), d.arrive(Job("z", 1))  # both chains busy
+    jobs = [Job("a", 20, matched={"w1": 15}) for _ in range(4)]
+    for j in jobs:
+        assert d.arrive(j) is None
+    reqs = [d.request_of(j) for j in jobs]
+    # credit 50 on each chain; w1 holds the prefix and keeps a while a has credit there (50 -> 30 -> 10 -> -10)
+    assert [r.worker for r in reqs] == ["w1", "w1", "w1", "w0"]
+    # a freed chain with nothing bound to it takes work bound elsewhere (work conservation), credit moves along
+    d2 = FairDispatcher([(1.0, 1), (1.0, 1)], FairPolicy("d2lpm", cfg), describe, workers=["w0", "w1"])
+    d2.arrive(Job("z", 1)), d2.arrive(Job("z", 1))
+    j = Job("a", 20, matched={"w1": 15})
+    d2.arrive(j)
+    assert d2.request_of(j).worker == "w1"
+    assert d2.complete(0) is j
+    assert d2.policy.worker_credit[("a", "w1")] == pytest.approx(50.0)
+    assert d2.policy.worker_credit[("a", "w0")] == pytest.approx(30.0)
+
+
+def test_counters_survive_a_new_dispatcher_over_the_same_chains_and_drop_gone_ones():
+    policy = FairPolicy("d2lpm", FairnessConfig(quantum=10.0))
+    d = FairDispatcher([(1.0, 1), (1.0, 1)], policy, describe, workers=["A", "B"])
+    d.arrive(Job("a", 30)), d.arrive(Job("b", 5))
+    before = dict(policy.worker_credit)
+    assert before
+    FairDispatcher([(1.0, 1), (1.0, 1)], policy, describe, workers=["A", "B"])
+    assert policy.worker_credit == before
+    FairDispatcher([(1.0, 1)], policy, describe, workers=["A"])
+    assert all(w == "A" for _, w in policy.worker_credit)
+    assert policy.service["a"] == 30 and policy.service["b"] == 5
+
+
+def test_prompt_correction_and_output_charges():
+    policy = FairPolicy("dlpm", FairnessConfig(quantum=100.0))
+    d = FairDispatcher([(1.0, 1)], policy, describe)
+    job = Job("a", 50, matched={0: 20})
+    d.arrive(job)
+    req = d.started
+    assert policy.service["a"] == 30  # w_e * extend estimated from the directory
+    policy.prompt(req, 0, 50)  # the server had nothing cached after all
+    assert policy.service["a"] == 50
+    policy.output("a", 0, 3)
+    assert policy.service["a"] == 56  # w_q = 2 per output token
+    assert policy.local(None).deficit["a"] == -56
+
+
+def test_remove_and_bad_input():
+    d = make("dlpm")
+    a, b = Job("a"), Job("b")
+    d.arrive(a), d.arrive(b)
+    assert d.remove_job(b) and not d.remove_job(b)
+    assert d.queue_length == 0
+    with pytest.raises(ValueError):
+        FairPolicy("wfq")
+    with pytest.raises(ValueError):
+        FairnessConfig(quantum=0)
+    with pytest.raises(ValueError):
+        FairnessConfig(w_e=0, w_q=0)
+    with pytest.raises(ValueError):
+        make("fcfs").complete(0)
+    with pytest.raises(ValueError):
+        FairDispatcher([(1.0, 1)], FairPolicy(), describe, workers=["a", "b"])
+
+
+def test_jain_index():
+    assert jain_index([3, 3, 3]) == pytest.approx(1.0)
+    assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        jain_index([])
