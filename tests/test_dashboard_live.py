@@ -127,6 +127,13 @@ def _page_mismatch(page, view: dict) -> Optional[str]:
         lhat = f'expected L\u0302 {view["job_tokens"]["value"]} ({view["job_tokens"]["mode"]})'
         if lhat not in page.locator("#job-tokens").inner_text():
             return f"L^: page {page.locator('#job-tokens').inner_text()!r}, API {view['job_tokens']}"
+    if "fairness" in view:  # the Clients table: one row per client, the policy in its summary
+        shown = page.locator("#clients-table tbody tr[data-client]").evaluate_all("rs => rs.map(r => r.dataset.client)")
+        if sorted(shown) != sorted(view["fairness"]["clients"]):
+            return f"clients: page {shown}, API {sorted(view['fairness']['clients'])}"
+        summary = page.locator("#clients-summary").inner_text()
+        if not summary.startswith(f"policy {view['fairness']['policy']}"):
+            return f"clients summary: page {summary!r}, API policy {view['fairness']['policy']}"
     return None
 
 

@@ -183,3 +183,47 @@ def test_jain_index():
     assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)
     with pytest.raises(ValueError):
         jain_index([])
+
+
+def test_dispatch_manager_keeps_fair_counters_across_re_plans_and_charges_once():
+    import asyncio
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, chain_key
+    from petals_chain.orchestrator.fairness import ClientShares
+
+    def chain(name: str, cap: int) -> Chain:
+        return Chain(servers=[name], spans=[(0, 4)], blocks=[4], service_time=1.0, capacity=cap)
+
+    async def run():
+        shares = ClientShares(FairPolicy("dlpm", FairnessConfig(quantum=5.0)))
+        dm = DispatchManager(shares=shares)
+        a, b = chain("a", 1), chain("b", 1)
+        dm.set_chains([a])
+        first = await dm.acquire(DispatchJob("h0", client="heavy", input_tokens=20))
+        waiting = [asyncio.ensure_future(dm.acquire(DispatchJob(f"h{i}", client="heavy", input_tokens=20)))
+                   for i in range(1, 4)]
+        light = asyncio.ensure_future(dm.acquire(DispatchJob("l", client="light", input_tokens=20)))
+        await asyncio.sleep(0)
+        assert dm.queue_length == 4
+        local = shares.policy.local(None)
+        assert local.deficit == {"heavy": -20.0, "light": 0.0}
+        dm.set_chains([a, b])  # a re-plan adds a chain: the queue re-arrives, the counters stay
+        await asyncio.sleep(0)
+        assert shares.policy.local(None) is local and dm.running == 2
+        # one refill round (Q^u = 5): heavy keeps its debt, light gets credit and is admitted
+        assert local.deficit == {"heavy": -15.0, "light": 5.0 - 20.0}
+        # heavy is in debt (20 units), light is not: light takes the new chain ahead of heavy's older jobs
+        assert light.done() and light.result().chain == b
+        shares.output("heavy", chain_key(a), 3)
+        dm.release(first)
+        await asyncio.sleep(0)
+        assert sum(f.done() for f in waiting) == 1
+        assert shares.policy.service == {"heavy": 46.0, "light": 20.0}
+        assert shares.policy.admitted_requests == {"heavy": 2, "light": 1}
+        info = shares.json(dm.waiting_jobs())
+        assert info["clients"]["heavy"]["waiting"] == 2 and info["clients"]["light"]["started"] == 1
+        for f in waiting:
+            f.cancel()
+
+    asyncio.run(run())

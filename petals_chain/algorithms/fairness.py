@@ -58,8 +58,8 @@ Worker = Hashable
 class FairnessConfig:
     """Weights and quanta of the fair policies, all in service units (``w_e`` per extend token, ``w_q`` per output
     token: 1 and 2 as in the seed). ``quantum`` is DLPM's ``Q^u`` (None: adaptive, ``quantum_factor`` times the
-    median cost of the last ``quantum_window`` admitted requests, :class:`AdaptiveQuantum`); ``worker_quantum`` is
-    D2LPM's ``Q^w``."""
+    median full cost of the last ``quantum_window`` admitted requests, :class:`AdaptiveQuantum`);
+    ``worker_quantum`` is D2LPM's ``Q^w``."""
 
     w_e: float = 1.0
     w_q: float = 2.0
@@ -103,6 +103,7 @@ class FairRequest:
     seq: int = 0
     worker: Worker | None = None
     charged: float = 0.0  # w_e * tokens charged at admission (corrected by FairPolicy.prompt)
+    admitted_on: Worker | None = None  # set by FairPolicy.admit
 
     def match(self, worker: Worker) -> int:
         return min(int(self.matched.get(worker, 0)), int(self.input_tokens))
@@ -113,9 +114,10 @@ class FairRequest:
 
 
 class AdaptiveQuantum:
-    """``Q^u`` = ``factor`` x the median cost of the last ``window`` admitted requests (the seed gives no default;
-    ~4 median requests per round keeps a client's prefix-sharing requests together without loosening the bound
-    much). Before any request it is ``prior``."""
+    """``Q^u`` = ``factor`` x the median full cost (``w_e * input + w_q * expected output``, cache ignored) of the
+    last ``window`` admitted requests (the seed gives no default; ~4 median requests per round keeps a client's
+    prefix-sharing requests together without loosening the bound much, and a quantum at least one cache miss
+    long keeps one miss from putting its client rounds in debt). Before any request it is ``prior``."""
 
     def __init__(self, cfg: FairnessConfig):
         self.cfg = cfg
@@ -324,12 +326,14 @@ class FairPolicy:
         """``req`` starts on ``worker``: charge its input (extend tokens; VTC and D2LPM's worker credit: all of it)."""
         cfg = self.cfg
         extend = req.extend(worker)
+        req.admitted_on = worker
         req.charged = cfg.w_e * extend
         self.service[req.client] = self.service.get(req.client, 0.0) + req.charged
         self.admitted_requests[req.client] = self.admitted_requests.get(req.client, 0) + 1
         local = self.local(worker)
         local.charge(req.client, cfg.w_e * (req.input_tokens if isinstance(local, _VTC) else extend))
-        self.quantum.observe(cfg.cost(extend, req.expected_output))
+        # Q^u follows full costs: sized on extend costs, a cache miss would put its client rounds in debt
+        self.quantum.observe(cfg.cost(req.input_tokens, req.expected_output))
 
     def rebind(self, req: FairRequest, worker: Worker) -> None:
         """``req``, bound to another worker, is taken by ``worker`` (work conservation): its D2LPM worker credit
@@ -363,6 +367,16 @@ class FairPolicy:
             local = self.local(worker)
             if not isinstance(local, _VTC):
                 local.charge(req.client, delta)
+
+    def input(self, client: str, worker: Worker, tokens: int) -> None:
+        """``worker`` computed ``tokens`` more input tokens for ``client`` outside an admission (a session's turn on
+        the chain it holds)."""
+        units = self.cfg.w_e * tokens
+        self.service[client] = self.service.get(client, 0.0) + units
+        self.local(worker).charge(client, units)
+        if self.name == "d2lpm":
+            key = (client, worker)
+            self.worker_credit[key] = self.worker_credit.get(key, 0.0) - units
 
     def output(self, client: str, worker: Worker, tokens: int = 1) -> None:
         """``tokens`` output tokens were generated for ``client`` on ``worker``."""
@@ -468,6 +482,31 @@ class FairDispatcher:
             return self._start(req, k)
         return self._wait(req)
 
+    def arrive_all(self, jobs: Iterable[Any]) -> list[tuple[Any, int]]:
+        """``jobs`` that were waiting before a re-plan, in arrival order: all are queued first and then every free
+        slot takes the job the policy picks (arriving one by one, the first would take a free chain whatever the
+        policy says). Returns the ``(job, chain index)`` pairs started."""
+        for job in jobs:
+            req = self.describe(job)
+            req.seq = next(self._seq)
+            req.worker = None
+            self.policy.arrived(req, list(self._waiting.values()) + [req])
+            if self.policy.distributed and self._order:
+                w = self.policy.choose_worker(req, [self.workers[k] for k in self._order], self._load)
+                self.policy.bound(req, w, [r for r in self._waiting.values() if r.worker == w] + [req])
+                self._bound[self._index[w]] += 1
+            self._wait(req)
+        started = []
+        for k in self._order:
+            while self.occupancy[k] < self.capacities[k]:
+                req = self._pick(k)
+                if req is None:
+                    break
+                self._forget(req)
+                self._start(req, k)
+                started.append((req.item, k))
+        return started
+
     def complete(self, k: int) -> Any | None:
         """A job left chain ``k``: start the job the policy picks for it and return it, or None if none waits."""
         if not (0 <= k < len(self.chains)) or self.occupancy[k] <= 0:
@@ -538,6 +577,58 @@ class FairDispatcher:
         return self.policy.pick(waiting, w)
 
 
+class ServiceMeter:
+    """Each client's service over the last ``window_s`` seconds and Jain's index among the clients that had a
+    request waiting in that window (the seed computes Jain only over backlogged clients; a client that never
+    waits gets what it asks for and is left out). Times are the caller's clock, in seconds."""
+
+    def __init__(self, window_s: float = 60.0):
+        if not window_s > 0:
+            raise ValueError(f"window_s must be positive, got {window_s!r}")
+        self.window_s = float(window_s)
+        self._events: deque[tuple[float, str, float]] = deque()
+        self._sums: dict[str, float] = {}
+        self._waited: dict[str, float] = {}  # client -> last time it had a request waiting
+
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window_s
+        while self._events and self._events[0][0] < cutoff:
+            _, c, units = self._events.popleft()
+            left = self._sums[c] - units
+            if left <= 1e-9:
+                del self._sums[c]
+            else:
+                self._sums[c] = left
+        for c in [c for c, t in self._waited.items() if t < cutoff]:
+            del self._waited[c]
+
+    def served(self, now: float, client: str, units: float) -> None:
+        if units:
+            self._events.append((now, client, float(units)))
+            self._sums[client] = self._sums.get(client, 0.0) + float(units)
+
+    def waited(self, now: float, client: str) -> None:
+        """``client`` had a request waiting at ``now``."""
+        self._waited[client] = now
+
+    def rates(self, now: float) -> dict[str, float]:
+        """Service units per second over the window, per client served in it."""
+        self._trim(now)
+        return {c: v / self.window_s for c, v in self._sums.items()}
+
+    def backlogged(self, now: float) -> list[str]:
+        self._trim(now)
+        return sorted(self._waited)
+
+    def jain(self, now: float) -> float | None:
+        """Jain's index of the window's service among clients that waited in it (None with fewer than two)."""
+        rates = self.rates(now)
+        clients = self.backlogged(now)
+        if len(clients) < 2:
+            return None
+        return jain_index([rates.get(c, 0.0) for c in clients])
+
+
 def jain_index(values: Sequence[float]) -> float:
     """Jain's fairness index ``(sum x)^2 / (n sum x^2)``: 1 when all equal, 1/n when one gets everything."""
     xs = [float(v) for v in values]
@@ -557,4 +648,4 @@ def service_bound(cfg: FairnessConfig, quantum: float, max_input_tokens: int, ma
 
 
 __all__ = ["FAIRNESS_POLICIES", "DISTRIBUTED_POLICIES", "FairnessConfig", "FairRequest", "FairPolicy",
-           "FairDispatcher", "AdaptiveQuantum", "jain_index", "service_bound"]
+           "FairDispatcher", "AdaptiveQuantum", "ServiceMeter", "jain_index", "service_bound"]

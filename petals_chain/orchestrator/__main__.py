@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 
+from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES as DISPATCHES
 from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
 
@@ -57,6 +58,10 @@ def _auto_or_positive_int(text: str) -> int | None:
         return _positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected auto or a positive integer, got {text!r}") from None
+
+
+def _auto_or_positive_float(text: str) -> float | None:
+    return None if text == "auto" else _positive_float(text)
 
 
 def _max_length(text: str) -> int:
@@ -122,6 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "L^). auto: the mean declared length (prompt + max_tokens) of the last 256 jobs, "
                         "max_length until 16 were seen. A burst of longer jobs waits at the servers, never "
                         "over-commits. Slot-mode servers count max_length slots either way")
+    p.add_argument("--fairness", default="auto", choices=["auto", *FAIRNESS_POLICIES],
+                   help="how waiting requests share the chains among clients (API key names; without keys all "
+                        "requests are one client): fcfs (the paper's FIFO), vtc (least service first), lpm "
+                        "(longest cached prefix first), dlpm (VTC-style fairness that keeps prefix locality, seed "
+                        "002), d2lpm (dlpm per chain, requests bound to the chain holding their prefix), d-vtc, "
+                        "rr-lpm. auto: dlpm with --api-keys, else fcfs")
+    p.add_argument("--fairness-quantum", type=_auto_or_positive_float, default=None, metavar="auto|X",
+                   help="DLPM's quantum Q^u in service units (a client's credit per round); auto: 4x the median "
+                        "request's cost over the last 256 requests")
+    p.add_argument("--fairness-worker-quantum", type=_positive_float, default=20000.0, metavar="X",
+                   help="D2LPM's per-chain quantum Q^w in service units")
+    p.add_argument("--fairness-w-e", type=float, default=1.0, metavar="X",
+                   help="service units per input token a chain computes (cached prefix tokens are free)")
+    p.add_argument("--fairness-w-q", type=float, default=2.0, metavar="X", help="service units per output token")
     p.add_argument("--replay-cache-mb", type=float, default=256.0,
                    help="memory for the hop inputs kept so a failed hop is replayed alone (all jobs together; "
                         "jobs over the budget fall back to replaying their prefix through the whole chain)")
@@ -214,14 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         model_id=args.model_id, settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
         hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
-        ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s)
+        ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, fairness=args.fairness,
+        fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
+        fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
     # Admission limits (limits.py), read with defaults by the API middleware.
     cfg.max_queue, cfg.client_max_inflight = args.max_queue, args.client_max_inflight
     cfg.client_max_sessions, cfg.max_body_bytes = args.client_max_sessions, args.max_body_bytes
     cfg.max_sessions, cfg.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
-    cfg.api_keys = args.api_keys
     if args.api_keys:
         from petals_chain.orchestrator.auth import KeyFileError, KeyRing
 

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from petals_chain.algorithms.fairness import FAIRNESS_POLICIES, FairnessConfig, FairPolicy
 from petals_chain.model import Chain, ModelSpec
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES, ChainPrefixes
 from petals_chain.orchestrator.errors import RequestError, Unavailable
+from petals_chain.orchestrator.fairness import ClientShares
 from petals_chain.orchestrator.generation import Emit, Generation, GenerationMixin
 from petals_chain.orchestrator.planner import Planner
 from petals_chain.orchestrator.relay import ChainSession, HeadBatcher, HopFailure
@@ -38,6 +40,26 @@ logger = logging.getLogger(__name__)
 
 PLACEMENTS = PLACEMENT_POLICIES
 DISPATCHES = DISPATCH_POLICIES
+
+
+def fairness_policy_name(cfg: "OrchestratorConfig") -> str:
+    """``--fairness`` resolved: ``auto`` is dlpm when API keys name the clients, else fcfs."""
+    if cfg.fairness == "auto":
+        return "dlpm" if getattr(cfg, "api_keys", None) else "fcfs"
+    return cfg.fairness
+
+
+def make_shares(cfg: "OrchestratorConfig", registry: Any) -> ClientShares:
+    """The fairness policy of ``cfg`` (ValueError naming the flag if a value is out of range)."""
+    name = fairness_policy_name(cfg)
+    if name not in FAIRNESS_POLICIES:
+        raise ValueError(f"--fairness must be auto or one of {', '.join(FAIRNESS_POLICIES)}, got {cfg.fairness!r}")
+    try:
+        fc = FairnessConfig(w_e=cfg.fairness_w_e, w_q=cfg.fairness_w_q, quantum=cfg.fairness_quantum,
+                            worker_quantum=cfg.fairness_worker_quantum)
+    except ValueError as e:
+        raise ValueError(f"--fairness-*: {e}") from None
+    return ClientShares(FairPolicy(name, fc), registry=registry)
 
 
 @dataclass
@@ -83,6 +105,14 @@ class OrchestratorConfig:
     ban_reset_s: float = 120.0  # unbanned and no failure for this long: its next ban starts at ban_base_s again
     output_reserve_tokens: int = 256  # --output-reserve-tokens: a chain is opened for the prompt + this (failover.py)
     job_tokens: int | None = None  # --job-tokens: L^ of paged chain capacities (None: learnt; token_budget.py)
+    # --fairness: queue discipline among clients (API key names; fairness.py). "auto": dlpm with --api-keys, else
+    # fcfs (the paper's FIFO). Service units: w_e per input token computed, w_q per output token.
+    api_keys: str | None = None  # --api-keys FILE (auth.py; limits.py)
+    fairness: str = "auto"
+    fairness_quantum: float | None = None  # DLPM's Q^u in service units (None: 4 x the median request's cost)
+    fairness_worker_quantum: float = 20000.0  # D2LPM's Q^w
+    fairness_w_e: float = 1.0
+    fairness_w_q: float = 2.0
 
 
 class Orchestrator(GenerationMixin, SessionMixin):
@@ -125,7 +155,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.stats = Stats()
         from petals_chain.orchestrator.routed import make_dispatch
 
-        self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue)
+        self.shares = make_shares(cfg, self.stats.registry)
+        self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue,
+                                      shares=self.shares)
         self.sessions: dict[str, UserSession] = {}
         self.replay_cache = ReplayCache(int(cfg.replay_cache_mb * 2**20))
         self.prefix_directory = ChainPrefixes()  # what each chain's servers were given to cache
@@ -366,6 +398,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "arrival_rate_mode": "fixed" if self.cfg.arrival_rate is not None else "auto",
             "rho_bar": self.cfg.rho_bar, "predicted_response_s": predicted, "measured": self.stats.measured(),
             "job_tokens": self._job_tokens_json(),
+            "fairness": self.shares.json(self.dispatch.waiting_jobs() if hasattr(self.dispatch, "waiting_jobs") else []),
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,
             # maxima and counts since start (exact, unlike samples of queue_length): queue_max <= max_queue
             "queue_max": self.dispatch.queue_max, "max_queue": self.dispatch.max_queue,
@@ -412,6 +445,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         s.m_replay_bytes.set(self.replay_cache.bytes)
         s.m_replay_budget.set(self.replay_cache.budget)
         s.m_replay_evictions.set(self.replay_cache.evictions)
+        self.shares.json(self.dispatch.waiting_jobs() if hasattr(self.dispatch, "waiting_jobs") else [])  # Jain gauge
         if self.planner is not None:
             s.m_epoch.set(self.planner.epoch)
             s.m_arrival.set(self.planner.arrival_rate)

@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.prefix_locality import PrefixDirectory
 from petals_chain.model import Chain
-from petals_chain.swarm.prefix import split_hashes
+from petals_chain.orchestrator.fairness import ClientShares
+from petals_chain.swarm.prefix import PREFIX_BLOCK_TOKENS, split_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,22 @@ class DispatchJob:
 
     ``requeue``: the job held a chain before (it was admitted then); it waits in the re-queue lane and is
     never refused. ``prefer``: chain keys (:func:`chain_key`) to start on, in order, when one has room (the
-    chains holding the longest cached prefix of the job's prompt, :class:`ChainPrefixes`)."""
+    chains holding the longest cached prefix of the job's prompt, :class:`ChainPrefixes`).
+
+    For the fairness policy (:mod:`~petals_chain.orchestrator.fairness`): ``client`` (API key name),
+    ``input_tokens`` the job's chain will compute that its client has not paid for yet, ``matched`` (chain key ->
+    those of them cached there), ``expected_output`` (tokens it may generate); ``fair`` is the policy's view."""
 
     job_id: str
     arrival: float = field(default_factory=time.monotonic)
     wait_s: float = 0.0
     requeue: bool = False
     prefer: tuple = ()
+    client: str = "anonymous"
+    input_tokens: int = 0
+    matched: dict = field(default_factory=dict)
+    expected_output: int = 0
+    fair: Any = None
 
 
 class ChainPrefixes:
@@ -68,6 +78,10 @@ class ChainPrefixes:
     def preferred(self, named: bytes) -> tuple:
         """Chain keys holding part of the prompt ``named`` (its prefix hashes), longest first."""
         return tuple(self.directory.preferred(split_hashes(named)))
+
+    def matched_tokens(self, named: bytes) -> dict[tuple, int]:
+        """Chain key -> tokens of the prompt ``named`` its servers were given to cache."""
+        return {k: n * PREFIX_BLOCK_TOKENS for k, n in self.directory.match(split_hashes(named)).items()}
 
 
 class QueueFull(Exception):
@@ -134,6 +148,16 @@ def jffc_factory(queue_factory: Callable[[], Any] | None = None) -> DispatcherFa
     return lambda chains: JFFCDispatcher(chains, queue=queue_factory() if queue_factory is not None else None)
 
 
+def fair_factory(shares: ClientShares) -> DispatcherFactory:
+    """JFFC's capacity rule with the fairness policy of ``shares`` choosing the waiting job a freed chain takes
+    (and, for D2LPM, the chain a job is bound to); chains are named by :func:`chain_key`, so the policy's
+    counters survive re-plans."""
+    from petals_chain.algorithms.fairness import FairDispatcher
+
+    return lambda chains: FairDispatcher(chains, shares.policy, shares.describe,
+                                         workers=[chain_key(ch) for ch in chains])
+
+
 def dispatcher_factory(policy: str, seed: int = 0, queue_factory: Callable[[], Any] | None = None) -> DispatcherFactory:
     """Factory for ``policy``: JFFC (central queue) or a per-chain-FIFO baseline (JSQ, JIQ, SED, SA-JSQ)."""
     import random
@@ -160,9 +184,16 @@ class DispatchManager:
     :meth:`peak_active` (most jobs run at once on a chain).
     """
 
-    def __init__(self, factory: DispatcherFactory | None = None, policy: str = "jffc", max_queue: int | None = None):
+    def __init__(self, factory: DispatcherFactory | None = None, policy: str = "jffc", max_queue: int | None = None,
+                 shares: ClientShares | None = None):
         if max_queue is not None and int(max_queue) < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
+        self.shares = shares
+        if factory is None and shares is not None and shares.central:
+            if policy != "jffc":
+                raise ValueError(f"fairness policy {shares.policy.name!r} needs the central queue of JFFC, not "
+                                 f"dispatch {policy!r}")
+            factory = fair_factory(shares)
         self.factory = factory or dispatcher_factory(policy)
         self.policy = policy
         self.max_queue = None if max_queue is None else int(max_queue)
@@ -250,9 +281,13 @@ class DispatchManager:
         lane, self._lane = self._lane, []
         for job in lane:  # re-queued jobs first: they start or go back to the lane, in order
             self._arrive_requeued(job)
-        for job in queued:
-            # No bound check: each re-arriving job queues at most once, so the queue cannot grow here.
-            self._arrive(job)
+        if hasattr(self.dispatcher, "arrive_all"):  # a fairness policy picks among them all (fairness.py)
+            for job, k in self.dispatcher.arrive_all(queued):
+                self._start(job, k, queued=True)
+        else:
+            for job in queued:
+                # No bound check: each re-arriving job queues at most once, so the queue cannot grow here.
+                self._arrive(job)
         self._note_queue()
         logger.info("dispatch generation %d: %d chains, %d running, %d queued, %d re-queued", self.generation,
                     len(chains), len(self._running), self.queue_length, len(self._lane))
@@ -291,6 +326,8 @@ class DispatchManager:
             return
         k = self.dispatcher.arrive(job)
         if k is not None and self._is_started(k, job):
+            if chain_key(self.chains[k]) in job.prefer:
+                self.preferred_starts += 1
             self._start(job, k)
         elif bounded and self.max_queue is not None and self.queue_length > self.max_queue:
             # Undone in the same step (no await in between): the over-long queue is never observable.
@@ -311,7 +348,10 @@ class DispatchManager:
 
     def _start_preferred(self, job: DispatchJob) -> bool:
         """Start ``job`` on the first chain it prefers that has room now (JFFC: a chain has room only while the
-        queue is empty, so no queued job is passed over). False if none has."""
+        queue is empty, so no queued job is passed over). False if none has, or if the dispatcher weighs prefixes
+        itself (a fairness policy)."""
+        if self.shares is not None and self.shares.central:
+            return False
         for key in job.prefer:
             k = self._index_by_key.get(key)
             if k is not None and self.dispatcher.adopt(k, job):
@@ -325,12 +365,14 @@ class DispatchManager:
         started = getattr(self.dispatcher, "last_started", None)
         return True if started is None else bool(started)
 
-    def _start(self, job: DispatchJob, k: int) -> None:
+    def _start(self, job: DispatchJob, k: int, queued: bool = False) -> None:
         lease = Lease(job=job, chain=self.chains[k], index=k, generation=self.generation, chain_id=self.chain_ids[k])
         self._running[job] = lease
         self._count(k, +1)
         fut = self._waiters.pop(job, None)
         job.wait_s += time.monotonic() - job.arrival
+        if self.shares is not None:
+            self.shares.started(job, chain_key(self.chains[k]), queued)
         if fut is not None and not fut.done():
             fut.set_result(lease)
         else:  # nobody waits any more: give the slot back at once
@@ -382,11 +424,16 @@ class DispatchManager:
         self._count(lease.index, -1)
         if self._lane:
             # A re-queued job takes the slot over: the dispatcher's count on this chain stays as it is.
-            self._start(self._lane.pop(0), lease.index)
+            self._start(self._lane.pop(0), lease.index, queued=True)
             return
         nxt = self.dispatcher.complete(lease.index)
         if nxt is not None:
-            self._start(nxt, lease.index)
+            self._start(nxt, lease.index, queued=True)
+
+    def waiting_jobs(self) -> list[DispatchJob]:
+        """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane)."""
+        q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
+        return [*(list(q) if q is not None else []), *self._pending, *self._lane]
 
     def snapshot(self) -> list[dict]:
         return [

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from petals_chain.orchestrator.dispatch import DispatchJob, Lease, QueueFull, note_admission
+from petals_chain.orchestrator.auth import CLIENT
+from petals_chain.orchestrator.dispatch import DispatchJob, Lease, QueueFull, chain_key, note_admission
 from petals_chain.orchestrator.errors import RequestError, Unavailable
 from petals_chain.orchestrator.relay import ChainSession, HopFailure
 from petals_chain.swarm.prefix import prefix_hashes
@@ -70,6 +71,11 @@ class ChainHolder:
         self.inputs = orch.replay_cache.new()  # what each hop received: replay one hop, not the chain
         self.cached_tokens = 0  # tokens the last chain opened held in its servers' prefix caches (not computed)
         self.reused_tokens = 0  # leading tokens of the last feed's sequence whose KV was not computed by it
+        # Fair sharing (fairness.py): the API key name of the request that made this job, the leading tokens of its
+        # sequence its client was charged for, and the chain charged last
+        self.client = CLIENT.get()
+        self.paid = 0
+        self._worker: tuple | None = None
 
     @property
     def chain_names(self) -> list[str]:
@@ -100,8 +106,13 @@ class ChainHolder:
         while self.cs is None:
             if time.monotonic() > deadline:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
+            paid = self.paid
+            matched = orch.prefix_directory.matched_tokens(named) if named else {}
             job = DispatchJob(job_id=self.job_id, requeue=self.admitted,
-                              prefer=orch.prefix_directory.preferred(named) if named else ())
+                              prefer=orch.prefix_directory.preferred(named) if named else (), client=self.client,
+                              input_tokens=max(0, need - paid),
+                              matched={k: max(0, n - paid) for k, n in matched.items()},
+                              expected_output=max(0, self.max_length - need))
             t0 = time.monotonic()
             try:
                 lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=max(0.1, deadline - time.monotonic()))
@@ -110,6 +121,9 @@ class ChainHolder:
             except QueueFull as e:  # only a job that never held a chain is refused
                 raise RequestError(str(e), status=429, code="queue_full") from None
             self.admitted = True
+            # charged at admission (the dispatcher): a failed open and a failover's replay are not charged again
+            self.paid = max(self.paid, need)
+            self._worker = chain_key(lease.chain)
             declared = self.declared_length(need)
             cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", declared,
                               observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0))
@@ -156,6 +170,9 @@ class ChainHolder:
                 planner = getattr(orch, "planner", None)
                 if planner is not None:
                     planner.observe_job_tokens(declared)  # L^ of paged chain capacities (token_budget.py)
+                shares = getattr(orch, "shares", None)
+                if shares is not None:  # what the chain computes, now that its cached prefix is known
+                    shares.prompt(job, self._worker, need - max(cs.cached_tokens if fork is None else fork[1], paid))
                 if fork is None:
                     self.kv_valid = self.cached_tokens = cs.cached_tokens
                     self.inputs.clear()
@@ -189,6 +206,7 @@ class ChainHolder:
         last answer differently: either way the next feed starts where the two sequences agree."""
         keep = common_prefix(self.kv_ids, target)
         del self.kv_ids[keep:]
+        self.paid = min(self.paid, keep)  # tokens fed again are computed again
         self.kv_valid = min(self.kv_valid, keep)
         return list(target[keep:])
 
@@ -256,9 +274,24 @@ class ChainHolder:
                 continue
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
+            if self.paid < len(self.kv_ids):  # a turn on a chain the job kept: no admission charged it
+                self._charge("input", len(self.kv_ids) - self.paid)
             self.reused_tokens = position
             self.steps += 1
             return out[0, len(ids) - len(new_ids):] if all_positions else out[0, -1]
+
+    def charge_output(self, tokens: int = 1) -> None:
+        """``tokens`` were generated for the job's client (fair sharing: ``w_q`` each, on the chain serving it)."""
+        self._charge("output", tokens)
+
+    def _charge(self, kind: str, tokens: int) -> None:
+        shares = getattr(self.orch, "shares", None)
+        if kind == "output":
+            self.paid = max(self.paid, len(self.kv_ids) + tokens)  # the token is fed next: charged once
+        else:
+            self.paid = len(self.kv_ids)
+        if shares is not None and self._worker is not None and tokens > 0:
+            (shares.output if kind == "output" else shares.input)(self.client, self._worker, tokens)
 
     async def _grow(self, need: int) -> None:
         """The job outgrew what its chain was opened for: ask every hop for ``need`` tokens plus twice the previous

@@ -64,6 +64,7 @@ class GenerationMixin:
             tok = choice.token
             seq.append(tok)
             generated.append(tok)
+            holder.charge_output()
             choices.append(choice)
             unsent.append(choice)
             if tok in stop_ids:
@@ -149,6 +150,7 @@ class GenerationMixin:
                 else:
                     hidden = await asyncio.shield(prefill)
                     holder.kv_ids = list(prompt_ids)  # fed lazily: forked on the sibling's chain or replayed
+                    holder.paid = len(prompt_ids)  # the first choice's job paid the prompt
                 generated, text, finish, choices = await self._decode_loop(holder, list(prompt_ids), hidden, p,
                                                                             emits[i])
                 ok = True

@@ -220,6 +220,7 @@
     renderChains(data);
     renderCoverage(data, servers);
     renderServers(data, servers, nowMs);
+    renderClients(data);
   }
 
   function trackDepartures(servers, nowMs) {
@@ -600,6 +601,35 @@
     $("servers-summary").textContent = servers.length + " known \u00b7 " + online + " online" + (goneCount ? " \u00b7 " + goneCount + " gone" : "");
     if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 9, class: "muted", text: "No servers have announced themselves yet." }))];
     var tbody = $("servers-table").tBodies[0];
+    tbody.replaceChildren.apply(tbody, rows);
+  }
+
+  // Fair sharing among clients (seed 002): service per client, waits, Jain's index among backlogged clients.
+  function renderClients(data) {
+    var fair = obj(data.fairness);
+    var clients = obj(fair.clients);
+    var names = Object.keys(clients).sort();
+    var jain = num(fair.jain_index);
+    var parts = [];
+    if (fair.policy) parts.push("policy " + str(fair.policy));
+    var quantum = num(fair.quantum);
+    if (quantum !== null && fair.policy !== "fcfs") parts.push("Q\u1d58 " + Math.round(quantum) + (fair.quantum_mode === "auto" ? " (auto)" : ""));
+    parts.push("Jain " + (jain === null ? "\u2014" : jain.toFixed(3)));
+    $("clients-summary").textContent = parts.join(" \u00b7 ");
+    var rows = names.map(function (name) {
+      var c = obj(clients[name]);
+      var rate = num(c.service_rate);
+      return el("tr", { "data-client": name, class: c.backlogged ? "backlogged" : "" },
+        el("td", { "data-label": "client" }, el("span", { text: name })),
+        el("td", { "data-label": "requests", class: "num" }, el("span", { text: String(int(c.requests) || 0) })),
+        el("td", { "data-label": "waiting", class: "num" }, el("span", { text: String(int(c.waiting) || 0) })),
+        el("td", { "data-label": "service", class: "num" }, el("span", { text: fmtTokens(num(c.service) || 0) })),
+        el("td", { "data-label": "service rate", class: "num" }, el("span", { text: rate === null ? "\u2014" : rate.toFixed(1) + " /s" })),
+        el("td", { "data-label": "mean wait", class: "num" }, el("span", { text: fmtSeconds(num(c.wait_mean_s)) })),
+        el("td", { "data-label": "max wait", class: "num" }, el("span", { text: fmtSeconds(num(c.wait_max_s)) })));
+    });
+    if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No client has sent a request yet." }))];
+    var tbody = $("clients-table").tBodies[0];
     tbody.replaceChildren.apply(tbody, rows);
   }
 

@@ -1,0 +1,118 @@
+"""Fair sharing among clients at the orchestrator (``--fairness``): the policy's state and what it is shown.
+
+A client is an API key's name (requests without keys form one client, ``anonymous``). The queue discipline
+itself is pure (:mod:`petals_chain.algorithms.fairness`); this module owns one :class:`FairPolicy` for the
+orchestrator's lifetime (so counters survive re-plans), describes dispatch jobs to it, charges what the relay
+sees (``w_e`` per input token a chain computes, ``w_q`` per generated token; a failover's replay is not charged)
+and keeps per-client service, waiting time and Jain's index for ``/api/v1/swarm`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Hashable
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from petals_chain.algorithms.fairness import FairPolicy, FairRequest, ServiceMeter
+
+FAIRNESS_WINDOW_S = 60.0  # window of the per-client service rates and Jain's index
+
+
+class ClientShares:
+    """The fairness policy and per-client accounting of one orchestrator."""
+
+    def __init__(self, policy: FairPolicy, registry: Any = None, window_s: float = FAIRNESS_WINDOW_S):
+        self.policy = policy
+        self.meter = ServiceMeter(window_s)
+        self.waits: dict[str, list[float]] = {}  # client -> [jobs started, total wait s, max wait s]
+        self.m_service = Counter("petals_chain_client_service_units", "Service per client (API key name): w_e per "
+                                 "input token computed + w_q per output token (seed 002)", ["client"],
+                                 registry=registry)
+        self.m_wait = Histogram("petals_chain_client_wait_seconds", "Time a client's jobs waited for a chain",
+                                ["client"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                                registry=registry)
+        self.m_jain = Gauge("petals_chain_fairness_jain_index", "Jain's index of the last minute's service among "
+                            "clients that waited in it (NaN with fewer than two)", registry=registry)
+
+    @property
+    def central(self) -> bool:
+        """The discipline replaces JFFC's FIFO (every policy but ``fcfs``, which keeps the paper's queue)."""
+        return self.policy.name != "fcfs"
+
+    def describe(self, job: Any) -> FairRequest:
+        """The policy's view of a dispatch job (``client``, ``input_tokens``, ``matched``, ``expected_output``)."""
+        req = FairRequest(item=job, client=job.client, input_tokens=job.input_tokens, matched=job.matched,
+                          expected_output=job.expected_output)
+        job.fair = req
+        return req
+
+    def started(self, job: Any, worker: Hashable, queued: bool) -> None:
+        """``job`` started on ``worker`` after waiting ``job.wait_s`` (``queued``: it waited in the queue)."""
+        req = getattr(job, "fair", None)
+        if req is None or req.admitted_on is None:  # FIFO (fcfs) and re-queue lane starts: charge here
+            req = self.describe(job)
+            self.policy.admit(req, worker)
+        now = time.monotonic()
+        self._served(now, job.client, req.charged)
+        w = self.waits.setdefault(job.client, [0, 0.0, 0.0])
+        w[0] += 1
+        w[1] += job.wait_s
+        w[2] = max(w[2], job.wait_s)
+        self.m_wait.labels(job.client).observe(job.wait_s)
+        if queued:
+            self.meter.waited(now, job.client)
+
+    def waiting(self, jobs: Any) -> None:
+        """The jobs waiting now (marks their clients backlogged)."""
+        now = time.monotonic()
+        for job in jobs:
+            self.meter.waited(now, getattr(job, "client", "anonymous"))
+
+    def prompt(self, job: Any, worker: Hashable, extend_tokens: int) -> None:
+        """The chain ``job`` opened on holds all but ``extend_tokens`` of its new input: correct the charge."""
+        req = getattr(job, "fair", None)
+        if req is None or req.admitted_on is None:
+            return
+        before = req.charged
+        self.policy.prompt(req, worker, extend_tokens)
+        self._served(time.monotonic(), req.client, req.charged - before)
+
+    def input(self, client: str, worker: Hashable, tokens: int) -> None:
+        """A chain a job holds computed ``tokens`` new input tokens (a session's turn without a new admission)."""
+        self.policy.input(client, worker, tokens)
+        self._served(time.monotonic(), client, self.policy.cfg.w_e * tokens)
+
+    def output(self, client: str, worker: Hashable, tokens: int = 1) -> None:
+        self.policy.output(client, worker, tokens)
+        self._served(time.monotonic(), client, self.policy.cfg.w_q * tokens)
+
+    def _served(self, now: float, client: str, units: float) -> None:
+        if units > 0:
+            self.m_service.labels(client).inc(units)
+        self.meter.served(now, client, units)
+
+    def json(self, waiting_jobs: Any = ()) -> dict[str, Any]:
+        """``fairness`` of ``/api/v1/swarm``: policy, weights, quantum, Jain's index and per-client figures."""
+        self.waiting(waiting_jobs)
+        now = time.monotonic()
+        rates = self.meter.rates(now)
+        backlogged = set(self.meter.backlogged(now))
+        jain = self.meter.jain(now)
+        self.m_jain.set(float("nan") if jain is None else jain)
+        queued: dict[str, int] = {}
+        for job in waiting_jobs:
+            c = getattr(job, "client", "anonymous")
+            queued[c] = queued.get(c, 0) + 1
+        clients = {}
+        for c in sorted(set(self.policy.service) | set(self.waits)):
+            started, total_wait, max_wait = self.waits.get(c, [0, 0.0, 0.0])
+            clients[c] = {"service": self.policy.service.get(c, 0.0), "service_rate": rates.get(c, 0.0),
+                          "requests": self.policy.admitted_requests.get(c, 0), "started": int(started),
+                          "waiting": queued.get(c, 0), "wait_mean_s": total_wait / started if started else None,
+                          "wait_max_s": max_wait, "backlogged": c in backlogged}
+        cfg = self.policy.cfg
+        return {"policy": self.policy.name, "w_e": cfg.w_e, "w_q": cfg.w_q, "quantum": self.policy.quantum.value,
+                "quantum_mode": "fixed" if cfg.quantum is not None else "auto",
+                "worker_quantum": cfg.worker_quantum, "window_s": self.meter.window_s, "jain_index": jain,
+                "clients": clients}
