@@ -1,6 +1,7 @@
 """``python -m petals_chain.sim``: reproduce the paper's §4.1 figures, the overall comparison and a trace replay.
 
-Sub-commands: fig3 fig4 fig5 fig6 fig7 fig8 overall trace planner-scale reproduce. Tables go to stdout
+Sub-commands: fig3 fig4 fig5 fig6 fig7 fig8 overall trace planner-scale reproduce, and fairness (seed 002:
+FCFS/LPM/VTC/DLPM/D2LPM on a token-step simulator, ``--experiment heavy|prefix|distributed|sweep|bound|all``). Tables go to stdout
 (``--json``: one JSON object instead), PNG plots and JSON files to ``--out DIR``; progress bars on stderr.
 """
 
@@ -231,12 +232,58 @@ def show(cmd: str, res: dict) -> None:
                     [[p, d.get("mean_response_s"), res["paper"].get(p, {}).get("mean_response_s"), d.get("p95_response_s"),
                       res["paper"].get(p, {}).get("p95_response_s"), d.get("mean_wait_s"), res["paper"].get(p, {}).get("mean_wait_s"),
                       d.get("mean_service_s")] for p, d in res["policies"].items()])
+    elif cmd == "fairness":
+        for name, r in res.items():
+            show_fairness(name, r)
     elif cmd == "planner-scale":
         print_table("Planner scale (tune_capacity: c* by lower bound + GBP-CR + GCA)", ["J", "seconds", "c", "chains", "λ"],
                     [[res["servers"], res["seconds"], res["c"], res["chains"], res["arrival_rate"]]])
 
 
-PLOTS = {"fig3": plot_fig3, "fig4": plot_fig4, "fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig8": plot_fig8}
+def show_fairness(name: str, r: dict) -> None:
+    """Tables of one fairness experiment (petals_chain.sim.fairness), the seed's claim under each."""
+    if name == "bound":
+        print_table(f"Thm 4.1 / 5.1: max |W_f - W_g| change over backlogged windows (Q^u = {r['quantum']:g})",
+                    ["policy", "workers", "seed", "requests", "max gap", "gap (any-worker backlog)", "bound", "gap/bound"],
+                    [[x["policy"], x["workers"], x["seed"], x["requests"], x["max_gap"], x.get("max_gap_any"), x["bound"],
+                      x["ratio"]] for x in r["rows"]])
+    else:
+        heavy = name == "heavy"
+        hdr = ["policy", "units/s", "req/s", "hit rate", "Jain (all backlogged)", "mean latency s"]
+        if heavy:
+            hdr = ["policy", "units/s", "vs fcfs", "Jain (all backlogged)", "Jain vs max-min share",
+                   "light lat / alone (max)", "light service time / alone", "light wait s", "heavy lat s"]
+        rows = []
+        for p, m in r["policies"].items():
+            if heavy:
+                rows.append([p, m["throughput_units_s"], m["throughput_vs_fcfs"], m["jain"], m["jain_vs_share"],
+                             m["light_ratio_max"], m["light_service_ratio_max"],
+                             max(v["wait_s"] for v in m["light"].values()), m["latency"]["heavy"]["mean_s"]])
+            else:
+                rows.append([p, m["throughput_units_s"], m["throughput_req_s"], m["cache_hit_rate"], m["jain"],
+                             m["mean_latency_s"]])
+        print_table(f"fairness {name} ({r.get('workers', 1)} worker(s), {r['requests']} requests)", hdr, rows)
+        if r.get("accept"):
+            print(f"acceptance: {r['accept']}")
+    print(f"seed 002: {r['seed_claim']}")
+
+
+def plot_fairness_sweep(res: dict, out: Path | None) -> None:
+    r = res.get("sweep")
+    if not r:
+        return
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for label, m in r["policies"].items():
+        ax.plot([m["jain"]], [m["throughput_units_s"]], "o" if label.startswith("dlpm") else "s", ms=8)
+        ax.annotate(label, (m["jain"], m["throughput_units_s"]), textcoords="offset points", xytext=(5, 3), fontsize=8)
+    ax.set_xlabel("Jain's index (client-view service, all clients backlogged)")
+    ax.set_ylabel("throughput (service units/s)")
+    ax.set_title("DLPM Q^u sweep (seed 002 Fig. 1)")
+    _save(fig, out, "fairness_sweep")
+
+
+PLOTS = {"fig3": plot_fig3, "fig4": plot_fig4, "fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig8": plot_fig8, "fairness": plot_fairness_sweep}
 
 
 # ------------------------------------------------------------------------------------ commands
@@ -280,6 +327,11 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
         return ex.trace_replay(trace_path=a.trace, requests=a.requests, seed=a.seed, service_scale=a.service_scale,
                                petals_cache_tokens=a.petals_cache_tokens,
                                runs=a.runs if a.runs is not None else (1 if q else 5), progress=prog)
+    if cmd == "fairness":
+        from petals_chain.sim import fairness as fair
+
+        names = list(fair.EXPERIMENTS) if a.experiment == "all" else [a.experiment]
+        return {n: fair.EXPERIMENTS[n](quick=q, seed=a.seed) for n in names}
     if cmd == "planner-scale":
         return ex.planner_scale(a.servers, seed=a.seed, arrival_rate=a.planner_rate)
     raise ValueError(cmd)
@@ -288,7 +340,9 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m petals_chain.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=(*FIGS, "overall", "trace", "planner-scale", "reproduce"))
+    p.add_argument("command", choices=(*FIGS, "overall", "trace", "planner-scale", "reproduce", "fairness"))
+    p.add_argument("--experiment", choices=("heavy", "prefix", "distributed", "sweep", "bound", "all"), default="all",
+                   help="fairness: which experiment (default all)")
     p.add_argument("--runs", type=int, default=None, help="Monte Carlo runs (default 20, 3 with --quick; trace: 5 / 1)")
     p.add_argument("--jobs", type=int, default=None, help="jobs per simulation run (default 5000, 1000 with --quick)")
     p.add_argument("--seed", type=int, default=0)
