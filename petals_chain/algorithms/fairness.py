@@ -371,16 +371,14 @@ class FairPolicy:
     def input(self, client: str, worker: Worker, tokens: int) -> None:
         """``worker`` computed ``tokens`` more input tokens for ``client`` outside an admission (a session's turn on
         the chain it holds)."""
-        units = self.cfg.w_e * tokens
-        self.service[client] = self.service.get(client, 0.0) + units
-        self.local(worker).charge(client, units)
-        if self.name == "d2lpm":
-            key = (client, worker)
-            self.worker_credit[key] = self.worker_credit.get(key, 0.0) - units
+        self._charge(client, worker, self.cfg.w_e * tokens)
 
     def output(self, client: str, worker: Worker, tokens: int = 1) -> None:
         """``tokens`` output tokens were generated for ``client`` on ``worker``."""
-        units = self.cfg.w_q * tokens
+        self._charge(client, worker, self.cfg.w_q * tokens)
+
+    def _charge(self, client: str, worker: Worker, units: float) -> None:
+        """Work done for a running request: its client's service, local counter and D2LPM worker credit."""
         self.service[client] = self.service.get(client, 0.0) + units
         self.local(worker).charge(client, units)
         if self.name == "d2lpm":
