@@ -1,0 +1,206 @@
+"""A heavy client against light ones on a real swarm: ``--fairness fcfs`` vs ``dlpm`` side by side (issue 16).
+
+Real processes: an orchestrator with API keys (one per client) and ``--servers`` servers on loopback, each link
+delayed by ``--rtt-ms`` (emulated, per message), with ``--kv-cache slots`` so every chain runs a fixed number of
+jobs. Clients send completion requests open-loop (Poisson arrivals, ``--max-tokens`` greedy tokens each, a
+prompt of ``--prompt-tokens`` random ids): ``--light`` light clients at rate ``r`` each and one heavy client at
+``--heavy-factor`` x ``r``.
+
+First the light clients run alone (policy fcfs) to measure their latency without the heavy client and the
+swarm's service time; ``r`` is then set so that the total offered load is ``--overload`` x the chains' capacity
+(the heavy client is backlogged, each light client asks for less than its fair share). The same arrival times
+are replayed under every ``--policies`` entry, each on a fresh swarm. Printed per policy: light clients' mean
+latency and its ratio to the alone run, the heavy client's, total throughput (completed requests/s and service
+units/s) against the first policy (Jain's index over backlogged clients is the simulator's: here only the heavy
+client is backlogged). With ``--plot``: per-request latency over time, one panel per policy.
+
+    python scripts/bench_fairness.py [--model PATH|smollm2-135m] [--duration-s 45] [--rtt-ms 20] [--plot F.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def arrivals(rate: float, duration: float, rng: np.random.Generator) -> list[float]:
+    out, t = [], 0.0
+    while True:
+        t += rng.exponential(1.0 / rate)
+        if t >= duration:
+            return out
+        out.append(t)
+
+
+async def replay(url: str, model: str, plan: list[tuple[float, str, str]], prompt: list[int],
+                 max_tokens: int) -> list[dict]:
+    """Send ``plan``'s requests (time, client name, key) at their times; per request: client, sent, latency."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(plan) + 5, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as c:
+        t0 = time.perf_counter()
+
+        async def one(at: float, name: str, key: str) -> dict:
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+            sent = time.perf_counter() - t0
+            r = await c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                   "ignore_eos": True})
+            r.raise_for_status()
+            extra = r.json()["petals_chain"][0]
+            return {"client": name, "sent": sent, "latency": time.perf_counter() - t0 - sent,
+                    "wait": extra["wait_s"], "service": extra["service_s"]}
+
+        return await asyncio.gather(*(one(*p) for p in plan))
+
+
+def run_policy(args, policy: str, plan: list[tuple[float, str, str]], keys_file: Path, prompt: list[int]) -> dict:
+    from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for, model_memory
+
+    L, _, _ = model_memory(args.model, args.max_length)
+    extra = ("--kv-cache", "slots", "--emulate-rtt-ms", str(args.rtt_ms))
+    servers = [LocalServer(f"s{i}", memory_for(args.model, args.max_length, L, args.slots), extra_args=extra)
+               for i in range(args.servers)]
+    orch_args = ["--api-keys", str(keys_file), "--fairness", policy]
+    if args.quantum is not None:
+        orch_args += ["--fairness-quantum", str(args.quantum)]
+    with tempfile.TemporaryDirectory() as logs, \
+            LocalSwarm(args.model, servers, max_length=args.max_length, arrival_rate=1.0, log_dir=logs,
+                       orchestrator_args=orch_args) as sw:
+        st = sw.wait_ready(timeout=900)
+        model = st["model"]
+        t0 = time.perf_counter()
+        results = asyncio.run(replay(sw.url, model, plan, prompt, args.max_tokens))
+        wall = time.perf_counter() - t0
+        st = sw.swarm()
+    return {"results": results, "wall_s": wall, "capacity": sum(ch["capacity"] for ch in st["chains"]),
+            "fairness": st["fairness"]}
+
+
+def summarize(run: dict, lights: list[str]) -> dict:
+    res = run["results"]
+    by = {}
+    for r in res:
+        by.setdefault(r["client"], []).append(r)
+    light_lat = [r["latency"] for c in lights for r in by.get(c, [])]
+    out = {"light_mean_s": statistics.mean(light_lat) if light_lat else None,
+           "light_p90_s": float(np.percentile(light_lat, 90)) if light_lat else None,
+           "requests_per_s": len(res) / run["wall_s"], "wall_s": run["wall_s"], "capacity": run["capacity"]}
+    if "heavy" in by:
+        out["heavy_mean_s"] = statistics.mean(r["latency"] for r in by["heavy"])
+    fair = run["fairness"]
+    out["service_units"] = {c: v["service"] for c, v in fair["clients"].items()}
+    out["service_units_per_s"] = sum(out["service_units"].values()) / run["wall_s"]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--slots", type=int, default=3, help="jobs a server runs at once (cache slots per block)")
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--rtt-ms", type=float, default=20.0)
+    p.add_argument("--light", type=int, default=3, help="light clients")
+    p.add_argument("--heavy-factor", type=float, default=4.0)
+    p.add_argument("--overload", type=float, default=1.3, help="offered load / capacity with the heavy client")
+    p.add_argument("--duration-s", type=float, default=45.0, help="arrival window per policy")
+    p.add_argument("--policies", default="fcfs,dlpm", help="comma-separated --fairness values")
+    p.add_argument("--quantum", type=float, default=None, help="--fairness-quantum (default: auto)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the raw results here")
+    p.add_argument("--plot", default=None, help="PNG of per-request latency over time per policy")
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench_fairness_"))
+    if args.model is None:
+        from petals_chain.swarm.tiny_model import build_tiny_model
+
+        args.model = str(build_tiny_model(work / "tiny", family="llama", num_layers=4))
+    from petals_chain.swarm.sources import resolve_source
+
+    vocab = int(resolve_source(args.model).config.vocab_size)
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(10, vocab, size=args.prompt_tokens).tolist()
+    lights = [f"light{i}" for i in range(args.light)]
+    keys = {name: f"{name}-key-{i:04d}-0123456789" for i, name in enumerate(["heavy", *lights])}
+    keys_file = work / "api-keys"
+    keys_file.write_text("".join(f"{n} {k}\n" for n, k in keys.items()))
+
+    # 1. light clients alone: their latency without the heavy client, and the service time that sets the rate
+    probe_rate = 0.5
+    alone_plan = sorted((t, c, keys[c]) for c in lights for t in arrivals(probe_rate, args.duration_s / 2, rng))
+    print(f"light clients alone ({len(alone_plan)} requests) ...", flush=True)
+    alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
+    service = statistics.mean(r["service"] for r in alone["results"])
+    cap_rate = alone["capacity"] / service  # requests/s the chains complete when full
+    rate = args.overload * cap_rate / (args.light + args.heavy_factor)
+    print(f"capacity {alone['capacity']} jobs, service {service:.2f} s -> {cap_rate:.2f} req/s; light rate "
+          f"{rate:.3f}/s each, heavy {args.heavy_factor * rate:.3f}/s (offered {args.overload:g}x capacity)",
+          flush=True)
+    # light latency alone at the same light rate as the mixed runs
+    alone_plan = sorted((t, c, keys[c]) for c in lights for t in arrivals(rate, args.duration_s, rng))
+    alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
+    alone_mean = statistics.mean(r["latency"] for r in alone["results"])
+
+    plan = sorted([(t, c, keys[c]) for c in lights for t in arrivals(rate, args.duration_s, rng)]
+                  + [(t, "heavy", keys["heavy"]) for t in arrivals(args.heavy_factor * rate, args.duration_s, rng)])
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    runs, summ = {}, {}
+    for pol in policies:
+        print(f"--fairness {pol}: {len(plan)} requests over {args.duration_s:g} s ...", flush=True)
+        runs[pol] = run_policy(args, pol, plan, keys_file, prompt)
+        summ[pol] = summarize(runs[pol], lights)
+    base = summ[policies[0]]
+    print(f"\nlight clients alone: mean latency {alone_mean:.2f} s ({len(alone_plan)} requests)")
+    print(f"{'':34s}" + "".join(f"{pol:>12s}" for pol in policies))
+    rows = (("light mean latency (s)", lambda s: s["light_mean_s"]),
+            ("light mean / alone", lambda s: s["light_mean_s"] / alone_mean),
+            ("light P90 latency (s)", lambda s: s["light_p90_s"]),
+            ("heavy mean latency (s)", lambda s: s.get("heavy_mean_s")),
+            ("throughput (req/s)", lambda s: s["requests_per_s"]),
+            ("throughput / " + policies[0], lambda s: s["requests_per_s"] / base["requests_per_s"]),
+            ("service units/s / " + policies[0], lambda s: s["service_units_per_s"] / base["service_units_per_s"]))
+    for name, f in rows:
+        print(f"{name:34s}" + "".join(f"{f(summ[pol]):12.3f}" for pol in policies))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "alone_mean_s": alone_mean, "rate": rate,
+                                               "summary": summ, "runs": {k: v["results"] for k, v in runs.items()}},
+                                              indent=1))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 3.6), sharey=True, squeeze=False)
+        for ax, pol in zip(axes[0], policies):
+            for c, color in [("heavy", "tab:red"), *[(x, "tab:blue") for x in lights]]:
+                pts = [(r["sent"], r["latency"]) for r in runs[pol]["results"] if r["client"] == c]
+                if pts:
+                    ax.scatter(*zip(*pts), s=8, color=color, label=("heavy" if c == "heavy" else "light")
+                               if c in ("heavy", lights[0]) else None)
+            ax.axhline(alone_mean, color="gray", ls="--", lw=1, label="light alone (mean)")
+            ax.set_title(f"--fairness {pol}")
+            ax.set_xlabel("request sent (s)")
+        axes[0][0].set_ylabel("latency (s)")
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
