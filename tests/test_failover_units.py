@@ -196,3 +196,33 @@ def test_banned_server_keeps_its_blocks_and_rejoins_with_them():
     del records["a"]  # its record expired: it is gone, and so is its span
     refresh()
     assert "a" not in pl.assignment
+
+
+def test_a_server_banned_for_good_stays_out_even_after_its_record_expires():
+    """Audits ban a liar for good: out of the chains, its span planned around, and a record that expires and comes
+    back (a restart under the same identity) does not make it usable again."""
+    now = [1000.0]
+    records = {n: record(n, slots_total=4, slots_free=4) for n in "abc"}
+    pl = planner(records, clock=lambda: now[0], ban_base_s=5.0, ban_max_s=10.0, use_all_servers=True)
+    refresh = lambda: asyncio.run(pl.refresh())  # noqa: E731
+    refresh()
+    for n, (start, count) in pl.assignment.items():
+        records[n] = record(n, start_block=start, num_blocks=count, slots_total=4, slots_free=4, epoch=pl.epoch)
+    refresh()
+    pl.report_failure("a", "audits found wrong hidden states", permanent=True)
+    in_chains = lambda name: any(name in ch.servers for ch in pl.current.chains)  # noqa: E731
+    assert not in_chains("a") and pl.servers["a"].distrusted
+    for _ in range(30):  # far beyond ban_max_s
+        now[0] += 1.0
+        refresh()
+    assert not in_chains("a") and not pl.servers["a"].usable
+    assert "a" not in pl.held_spans()
+    del records["a"]
+    refresh()
+    records["a"] = record("a", slots_total=4, slots_free=4)  # back under the same peer id
+    refresh()
+    now[0] += 100.0
+    refresh()
+    assert pl.servers["a"].distrusted and not in_chains("a")
+    entry = {s["peer_id"]: s for s in pl.server_json()}["a"]
+    assert entry["distrusted"] and entry["banned_for_s"] is None

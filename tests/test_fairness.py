@@ -227,3 +227,32 @@ def test_dispatch_manager_keeps_fair_counters_across_re_plans_and_charges_once()
             f.cancel()
 
     asyncio.run(run())
+
+
+def test_service_meter_takes_negative_corrections():
+    from petals_chain.algorithms.fairness import ServiceMeter
+
+    m = ServiceMeter(window_s=1.0)
+    m.served(0.0, "a", 100)
+    m.served(0.1, "a", -99)  # the chain held more cached prefix than estimated
+    m.served(0.2, "a", 4)
+    m.waited(0.2, "a")
+    assert m.rates(0.5)["a"] == pytest.approx(5.0)
+    assert m.rates(5.0) == {} and m.jain(5.0) is None  # everything left the window, no KeyError
+
+
+def test_d2lpm_bindings_are_not_charged_again_by_re_plans_or_cancels():
+    policy = FairPolicy("d2lpm", FairnessConfig(worker_quantum=100.0))
+    d = FairDispatcher([(1.0, 1)], policy, describe, workers=["w"])
+    d.arrive(Job("z", 1))
+    job = Job("a", 30)
+    d.arrive(job)
+    assert policy.worker_credit[("a", "w")] == pytest.approx(70.0)
+    for _ in range(3):  # re-plans over the same chain
+        items = d.drain()
+        d = FairDispatcher([(1.0, 1)], policy, describe, workers=["w"])
+        d.adopt(0, "running")
+        assert d.arrive_all(items) == []
+        assert policy.worker_credit[("a", "w")] == pytest.approx(70.0)
+    assert d.remove_job(job)  # cancelled before it started: the binding's credit comes back
+    assert policy.worker_credit[("a", "w")] == pytest.approx(100.0)

@@ -357,6 +357,15 @@ class FairPolicy:
             key = (req.client, worker)
             self.worker_credit[key] = self.worker_credit.get(key, 0.0) - self.cfg.w_e * req.input_tokens
 
+    def unbind(self, req: FairRequest) -> None:
+        """``req`` left its worker's queue without starting (cancelled, moved to another queue, re-planned): D2LPM
+        gives back the credit its binding took."""
+        if self.name == "d2lpm" and req.worker is not None and req.admitted_on is None:
+            key = (req.client, req.worker)
+            if key in self.worker_credit:
+                self.worker_credit[key] += self.cfg.w_e * req.input_tokens
+        req.worker = None
+
     def prompt(self, req: FairRequest, worker: Worker, extend_tokens: int) -> None:
         """The exact extend of ``req`` on ``worker`` is now known (the worker reported its cached prefix): correct
         the admission charge."""
@@ -531,7 +540,17 @@ class FairDispatcher:
         if req is None:
             return False
         self._forget(req)
+        self.policy.unbind(req)
         return True
+
+    def drain(self) -> list[Any]:
+        """Take every waiting job out (a re-plan re-queues them in a new dispatcher, :meth:`arrive_all`), in
+        arrival order; their bindings are undone, so they are not charged twice."""
+        reqs = list(self._waiting.values())
+        for req in reqs:
+            self._forget(req)
+            self.policy.unbind(req)
+        return [r.item for r in reqs]
 
     # ---- internals --------------------------------------------------------------------------------
     def _load(self, w: Worker) -> float:
@@ -592,9 +611,9 @@ class ServiceMeter:
         cutoff = now - self.window_s
         while self._events and self._events[0][0] < cutoff:
             _, c, units = self._events.popleft()
-            left = self._sums[c] - units
-            if left <= 1e-9:
-                del self._sums[c]
+            left = self._sums.get(c, 0.0) - units  # corrections can be negative: sums need not stay positive
+            if abs(left) <= 1e-9:
+                self._sums.pop(c, None)
             else:
                 self._sums[c] = left
         for c in [c for c, t in self._waited.items() if t < cutoff]:
@@ -612,7 +631,7 @@ class ServiceMeter:
     def rates(self, now: float) -> dict[str, float]:
         """Service units per second over the window, per client served in it."""
         self._trim(now)
-        return {c: v / self.window_s for c, v in self._sums.items()}
+        return {c: max(0.0, v) / self.window_s for c, v in self._sums.items()}
 
     def backlogged(self, now: float) -> list[str]:
         self._trim(now)

@@ -141,6 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fairness-w-e", type=float, default=1.0, metavar="X",
                    help="service units per input token a chain computes (cached prefix tokens are free)")
     p.add_argument("--fairness-w-q", type=float, default=2.0, metavar="X", help="service units per output token")
+    p.add_argument("--audit-rate", type=float, default=0.02, metavar="P",
+                   help="fraction of hop steps re-run on a second server holding the same blocks (when one has "
+                        "spare room) and compared; a disagreement is settled by a third, the server in the minority "
+                        "gets a strike, and --audit-strikes decayed strikes ban it for good. 0: no audits")
+    p.add_argument("--audit-tolerance", type=_auto_or_positive_float, default=None, metavar="auto|X",
+                   help="largest per-token relative L2 error between two servers' outputs that counts as agreement "
+                        "(auto: 0.01 for fp32 replies, 0.06 for 16-bit ones)")
+    p.add_argument("--audit-strikes", type=_positive_float, default=3.0, metavar="X",
+                   help="decayed strikes that ban a server for good")
+    p.add_argument("--audit-half-life-s", type=_positive_float, default=3600.0, metavar="S",
+                   help="half-life of a strike")
     p.add_argument("--replay-cache-mb", type=float, default=256.0,
                    help="memory for the hop inputs kept so a failed hop is replayed alone (all jobs together; "
                         "jobs over the budget fall back to replaying their prefix through the whole chain)")
@@ -235,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
         ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, fairness=args.fairness,
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
-        fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys)
+        fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
+        audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,
+        audit_half_life_s=args.audit_half_life_s)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
     # Admission limits (limits.py), read with defaults by the API middleware.

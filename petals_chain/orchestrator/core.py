@@ -23,6 +23,7 @@ import torch
 from petals_chain.algorithms.fairness import FAIRNESS_POLICIES, FairnessConfig, FairPolicy
 from petals_chain.model import Chain, ModelSpec
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES, ChainPrefixes
+from petals_chain.orchestrator.audit import Auditor
 from petals_chain.orchestrator.errors import RequestError, Unavailable
 from petals_chain.orchestrator.fairness import ClientShares
 from petals_chain.orchestrator.generation import Emit, Generation, GenerationMixin
@@ -113,6 +114,11 @@ class OrchestratorConfig:
     fairness_worker_quantum: float = 20000.0  # D2LPM's Q^w
     fairness_w_e: float = 1.0
     fairness_w_q: float = 2.0
+    # --audit-rate: fraction of hop steps re-run on another server holding the same blocks (audit.py)
+    audit_rate: float = 0.02
+    audit_tolerance: float | None = None  # relative L2 error per token (None: by the reply's dtype)
+    audit_strikes: float = 3.0  # decayed strikes that ban a server for good
+    audit_half_life_s: float = 3600.0
 
 
 class Orchestrator(GenerationMixin, SessionMixin):
@@ -156,6 +162,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         from petals_chain.orchestrator.routed import make_dispatch
 
         self.shares = make_shares(cfg, self.stats.registry)
+        self.auditor = Auditor(self, cfg.audit_rate, tolerance=cfg.audit_tolerance, threshold=cfg.audit_strikes,
+                               half_life_s=cfg.audit_half_life_s, registry=self.stats.registry)
         self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue,
                                       shares=self.shares)
         self.sessions: dict[str, UserSession] = {}
@@ -258,6 +266,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
 
     async def stop(self) -> None:
         self._stop.set()
+        await self.auditor.stop()
         if self._bg_tasks:
             await asyncio.wait(list(self._bg_tasks), timeout=10)
         for s in list(self.sessions.values()):
@@ -378,6 +387,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         p = self.planner
         current = p.current if p is not None else None
         servers = p.server_json() if p is not None else []
+        for s in servers:  # what audits found (verified chains): audits, strikes, decayed score, ban
+            s["trust"] = self.auditor.server_json(s["peer_id"])
         name_of = {s["peer_id"]: s["public_name"] for s in servers}
         chains = []
         for k, ch in enumerate(self.dispatch.chains):
@@ -398,6 +409,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "arrival_rate_mode": "fixed" if self.cfg.arrival_rate is not None else "auto",
             "rho_bar": self.cfg.rho_bar, "predicted_response_s": predicted, "measured": self.stats.measured(),
             "job_tokens": self._job_tokens_json(),
+            "audit": self.auditor.json(),
             "fairness": self.shares.json(self.dispatch.waiting_jobs() if hasattr(self.dispatch, "waiting_jobs") else []),
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,
             # maxima and counts since start (exact, unlike samples of queue_length): queue_max <= max_queue

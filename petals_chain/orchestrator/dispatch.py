@@ -302,7 +302,9 @@ class DispatchManager:
         d = self.dispatcher
         if d is not None:
             q = getattr(d, "queue", None)
-            if q is not None:
+            if hasattr(d, "drain"):  # a fairness dispatcher: undo what queueing charged
+                queued.extend(d.drain())
+            elif q is not None:
                 queued.extend(list(q))
             else:  # remove_job is the contract's way to take a queued job out
                 for job in list(self._waiters):

@@ -100,12 +100,14 @@ class ChainHolder:
         failed_opens = 0
         # the last token is always computed (its output is what the job samples from): named once, for dispatch and
         # for every open
-        named = prefix_hashes(prompt[:-1]) if prompt else b""
+        auditor = getattr(orch, "auditor", None)
         if self.cs is not None:
             note_admission(True)  # holds its chain (a session's later turn): admitted without the queue
         while self.cs is None:
             if time.monotonic() > deadline:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
+            # named per attempt: a ban while the job waited changes the salt (no prefix cached before it matches)
+            named = prefix_hashes(prompt[:-1], auditor.salt if auditor is not None else b"") if prompt else b""
             paid = self.paid
             matched = orch.prefix_directory.matched_tokens(named) if named else {}
             job = DispatchJob(job_id=self.job_id, requeue=self.admitted,
@@ -121,8 +123,13 @@ class ChainHolder:
             except QueueFull as e:  # only a job that never held a chain is refused
                 raise RequestError(str(e), status=429, code="queue_full") from None
             self.admitted = True
-            # charged at admission (the dispatcher): a failed open and a failover's replay are not charged again
-            self.paid = max(self.paid, need)
+            shares = getattr(orch, "shares", None)
+            if auditor is not None and auditor.tainted(lease.hops):  # a plan from before a ban: wait for the next
+                if shares is not None:
+                    shares.prompt(job, chain_key(lease.chain), 0)  # not served: the admission is refunded
+                orch.dispatch.release(lease)
+                await asyncio.sleep(0.2)
+                continue
             self._worker = chain_key(lease.chain)
             declared = self.declared_length(need)
             cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", declared,
@@ -170,9 +177,10 @@ class ChainHolder:
                 planner = getattr(orch, "planner", None)
                 if planner is not None:
                     planner.observe_job_tokens(declared)  # L^ of paged chain capacities (token_budget.py)
-                shares = getattr(orch, "shares", None)
                 if shares is not None:  # what the chain computes, now that its cached prefix is known
                     shares.prompt(job, self._worker, need - max(cs.cached_tokens if fork is None else fork[1], paid))
+                # charged at admission: a failover's replay of these tokens is not charged again
+                self.paid = max(self.paid, need)
                 if fork is None:
                     self.kv_valid = self.cached_tokens = cs.cached_tokens
                     self.inputs.clear()
@@ -182,6 +190,8 @@ class ChainHolder:
                     self.inputs.copy_prefix(self.fork_source[0].inputs, fork[1])
                 orch.chain_sessions.add(cs)
             else:
+                if shares is not None:
+                    shares.prompt(job, self._worker, 0)  # not served: the admission is refunded
                 orch.dispatch.release(lease)
                 # A refusal (or a failure the planner has not acted on yet) must not become a busy loop.
                 failed_opens += 1
@@ -213,9 +223,12 @@ class ChainHolder:
     async def _drop(self) -> None:
         cs, lease = self.cs, self.lease
         held = self.kv_ids[:self.kv_valid]  # every hop holds their KV: servers may keep it as cached prefixes
+        auditor = getattr(self.orch, "auditor", None)
+        if cs is not None and auditor is not None and auditor.tainted(cs.peers_used):
+            held = []  # computed from a banned server's replies: never offered to a later job
         self.cs, self.lease, self.kv_valid = None, None, 0
         self.inputs.clear()
-        named = prefix_hashes(held) if held else b""
+        named = prefix_hashes(held, auditor.salt if auditor is not None else b"") if held else b""
         if lease is not None and named:
             self.orch.prefix_directory.add(lease.chain, named)
         if cs is not None:
@@ -248,6 +261,15 @@ class ChainHolder:
             full = self.kv_ids + list(new_ids)
             # prompt logprobs need every position's output: nothing may come from a prefix cache
             await self._ensure_chain(prompt=None if all_positions else full, need=len(full))
+            auditor = getattr(self.orch, "auditor", None)
+            if auditor is not None and auditor.tainted(self.cs.peers_used):
+                # A server of this chain was caught returning wrong results: what its hops downstream hold was
+                # computed from them. Replay every token on a chain without it (not charged as a failover).
+                logger.warning("job %s: its chain runs through a banned server; replaying %d tokens elsewhere",
+                               self.job_id, len(full))
+                self.kv_valid = 0
+                await self._drop()
+                continue
             if len(full) > self.cs.max_length:
                 try:
                     await self._grow(len(full))
@@ -330,13 +352,17 @@ class ChainHolder:
         cs, inputs = self.cs, self.inputs
         inputs.truncate(position)
         x = hidden
+        auditor = getattr(self.orch, "auditor", None)
         for i in range(len(cs.hops)):
             if i > 0:
                 inputs.append(cs.hops[i][1], x, position)
             try:
-                x = await cs.step(i, x, position)
+                x_in, x = x, await cs.step(i, x, position)
             except HopFailure as e:
                 x = await self._move_hop(i, e, x, position, budget, tokens)
+                continue
+            if auditor is not None and auditor.sample():
+                auditor.schedule(cs.hops[i], x_in, position, x, tokens, inputs)
         return x
 
     async def _move_hop(self, i: int, failure: HopFailure, x: torch.Tensor, position: int,
@@ -348,6 +374,9 @@ class ChainHolder:
         orch.server_failed(failure)  # a dead or lying server is banned before candidates are chosen
         if budget[0] <= 0:
             raise failure
+        auditor = getattr(orch, "auditor", None)
+        if auditor is not None and auditor.distrusted(peer):
+            raise failure  # banned for wrong results: the hops after it hold KV computed from them, replay it all
         if position == 0:
             history = None
         elif start == 0:

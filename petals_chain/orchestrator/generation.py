@@ -151,6 +151,7 @@ class GenerationMixin:
                     hidden = await asyncio.shield(prefill)
                     holder.kv_ids = list(prompt_ids)  # fed lazily: forked on the sibling's chain or replayed
                     holder.paid = len(prompt_ids)  # the first choice's job paid the prompt
+                    holder._worker = holders[0]._worker  # its first token is charged where the prompt ran
                 generated, text, finish, choices = await self._decode_loop(holder, list(prompt_ids), hidden, p,
                                                                             emits[i])
                 ok = True

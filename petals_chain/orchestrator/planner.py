@@ -48,6 +48,7 @@ class ServerView:
     strikes: int = 0  # failures counted for the ban backoff (reset after ban_reset_s without one)
     banned_until: float = 0.0  # planner clock: not planned before this
     flagged_slow: bool = False  # measured tau_p was found above TAU_P_SUSPECT_RATIO x advertised
+    distrusted: bool = False  # banned for good: audits found it returning wrong results (audit.py)
 
     @property
     def usable(self) -> bool:
@@ -139,6 +140,7 @@ class Planner:
         self.petals_cache_tokens = int(petals_cache_tokens)  # PETALS placement: its fixed cache per block
         self.bprr_r = bprr_r  # BPRR placement: CG-BP target concurrency R (None: the c* GBP-CR would pick)
         self.servers: dict[str, ServerView] = {}
+        self.distrusted: set[str] = set()  # banned for good (audits), kept when a record expires and returns
         self.ban_base_s, self.ban_max_s, self.ban_reset_s = ban_base_s, ban_max_s, ban_reset_s
         self.clock = clock  # for bans (tests pass their own)
         self._speed_changed: list[str] = []  # servers newly found slower than they claim: re-plan soon
@@ -229,12 +231,26 @@ class Planner:
         w = max(EWMA, 1.0 / self._steps_obs) if self._steps_obs < 20 else 0.05
         self.steps_per_job = (1 - w) * self.steps_per_job + w * float(steps)
 
-    def report_failure(self, peer_id: str, reason: str = "") -> None:
+    def report_failure(self, peer_id: str, reason: str = "", permanent: bool = False) -> None:
         """A session on ``peer_id`` failed (dead, silent, invalid reply): drop it from the chains now and ban it
         from the plan for ``ban_base_s * 2**(strikes-1)`` seconds (at most ``ban_max_s``); a server that went
-        ``ban_reset_s`` after its last ban without failing starts again at ``ban_base_s``."""
+        ``ban_reset_s`` after its last ban without failing starts again at ``ban_base_s``. ``permanent``: audits
+        caught it lying; it is never planned again and gives its span up (the others are planned to cover it)."""
+        if permanent:
+            self.distrusted.add(peer_id)
         v = self.servers.get(peer_id)
-        if v is None or v.failed_at is not None:
+        if v is None or v.distrusted:
+            return
+        if permanent:
+            v.distrusted = True
+            v.failed_at = v.failed_at or time.time()
+            v.banned_until = math.inf
+            logger.warning("server %s (%s) banned for good (%s)", v.record.public_name, peer_id[:12], reason)
+            if self.on_failure is not None:
+                self.on_failure(peer_id)
+            self._recompute_chains(reason=f"ban of {v.record.public_name or peer_id[:12]}")
+            return
+        if v.failed_at is not None:
             return  # already banned: the failures of one incident count once
         now = self.clock()
         if v.strikes and now - v.banned_until >= self.ban_reset_s:
@@ -251,7 +267,8 @@ class Planner:
 
     def _unban(self, v: ServerView) -> bool:
         """Lift ``v``'s ban once it is over, if the server still announces itself and answered the last ping."""
-        if v.failed_at is None or self.clock() < v.banned_until or v.record.state == "offline" or v.ping_failures:
+        if (v.failed_at is None or v.distrusted or self.clock() < v.banned_until or v.record.state == "offline"
+                or v.ping_failures):
             return False
         v.failed_at = None
         logger.info("server %s (%s): ban over, planning it again", v.record.public_name, v.peer_id[:12])
@@ -263,7 +280,8 @@ class Planner:
         everyone else is made without them; when the ban is over they rejoin the chains with the blocks they hold.
         A dead server's record expires, and with it its span."""
         return {p: span for p, span in self.assignment.items()
-                if (v := self.servers.get(p)) is not None and v.banned and v.record.state != "offline"}
+                if (v := self.servers.get(p)) is not None and v.banned and not v.distrusted
+                and v.record.state != "offline"}
 
     def replacements(self, start: int, end: int) -> list[str]:
         """Servers that can take a failed hop's blocks ``[start, end)`` over: online, not banned, serving a span
@@ -516,6 +534,8 @@ class Planner:
                 v = self.servers.get(peer_id)
                 if v is None:
                     v = self.servers[peer_id] = ServerView(peer_id=peer_id, record=rec)
+                    if peer_id in self.distrusted:  # banned for good before its record expired
+                        v.distrusted, v.failed_at, v.banned_until = True, time.time(), math.inf
                     if rec.state != "offline":
                         joined.append(v)
                         self.last_change = time.monotonic()
@@ -641,11 +661,12 @@ class Planner:
                 "tau_p": self.tau_p(v), "tau_c": self.tau_c(v), "rtt_s": v.rtt_s,
                 "memory_bytes": r.memory_bytes, "device": r.device, "dtype": r.dtype,
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
+                "emulate_reply_fault": r.emulate_reply_fault, "emulate_reply_fault_rate": r.emulate_reply_fault_rate,
                 "last_seen": v.last_seen, "assigned": list(self.assignment[v.peer_id]) if v.peer_id in self.assignment else None,
                 "max_blocks": r.max_blocks, "model_mismatch": False,
                 "tau_p_advertised": r.tau_p, "tau_p_measured": measured, "tau_p_suspect": self.tau_p_suspect(v),
-                "strikes": v.strikes, "banned": v.banned,
-                "banned_for_s": max(0.0, v.banned_until - now) if v.banned else 0.0,
+                "strikes": v.strikes, "banned": v.banned, "distrusted": v.distrusted,
+                "banned_for_s": None if v.distrusted else max(0.0, v.banned_until - now) if v.banned else 0.0,
             })
         for peer_id, r in sorted(self.refused.items()):
             out.append({

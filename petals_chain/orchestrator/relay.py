@@ -55,6 +55,7 @@ class ChainSession:
                  observe: HopObserver | None = None, step_timeout_s: float = 60.0, wait_s: float = 0.0):
         self.client = client
         self.hops = list(hops)
+        self.peers_used = {h[0] for h in self.hops}  # every server that fed this session's KV, replaced ones too
         self.session_id = session_id
         self.max_length = max_length
         self.observe = observe
@@ -195,6 +196,7 @@ class ChainSession:
             raise HopFailure(peer, e, hop=i) from e
         old, self._sessions[i] = self._sessions[i], sess
         self.hops[i] = (peer, start, end)
+        self.peers_used.add(peer)
         self._aborted.discard(peer)  # declared failed once, banned, back: this session on it is new
         await asyncio.gather(old.close(), return_exceptions=True)
         return out[:, position:]

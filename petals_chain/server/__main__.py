@@ -51,11 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulated prefill time t_I (ms per block per token) for multi-token steps (testbeds only)")
     p.add_argument("--emulate-decode-ms", type=float, default=0.0,
                    help="emulated decode time t_O (ms per block per token) for one-token steps (testbeds only)")
-    p.add_argument("--emulate-reply-fault", default="none", choices=["none", "nan", "shape"],
-                   help="chaos runs only: corrupt a fraction of step replies with NaN (last token) or a wrong shape "
-                        "(hidden size one short); the server's own state stays right")
+    p.add_argument("--emulate-reply-fault", default="none", choices=["none", "nan", "shape", "noise"],
+                   help="chaos runs only: corrupt a fraction of step replies with NaN (last token), a wrong shape "
+                        "(hidden size one short) or noise (plausible but wrong hidden states, which only an audit "
+                        "catches); the server's own state stays right")
     p.add_argument("--emulate-reply-fault-rate", type=float, default=0.0, metavar="P",
                    help="fraction of step replies --emulate-reply-fault corrupts (0..1, evenly spread)")
+    p.add_argument("--emulate-faulty-rate", type=float, default=None, metavar="P",
+                   help="tests only: add noise to a fraction P of step replies (same as --emulate-reply-fault noise "
+                        "--emulate-reply-fault-rate P); shown in the record")
     p.add_argument("--emulate-tau-p-lie", type=float, default=1.0, metavar="X",
                    help="chaos runs only: announce a tau_p X times better than measured (compute stays real)")
     p.add_argument("--cache-tokens-per-block", type=int, default=0,
@@ -117,7 +121,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             drain_timeout_s=args.drain_timeout_s, progress=False if args.no_progress else None,
             emulate_step_ms=args.emulate_step_ms, emulate_prefill_ms_per_token=args.emulate_prefill_ms_per_token,
             emulate_decode_ms=args.emulate_decode_ms, cache_tokens_per_block=args.cache_tokens_per_block,
-            emulate_reply_fault=args.emulate_reply_fault, emulate_reply_fault_rate=args.emulate_reply_fault_rate,
+            emulate_reply_fault="noise" if args.emulate_faulty_rate is not None else args.emulate_reply_fault,
+            emulate_reply_fault_rate=(args.emulate_faulty_rate if args.emulate_faulty_rate is not None
+                                      else args.emulate_reply_fault_rate),
             emulate_tau_p_lie=args.emulate_tau_p_lie, batching=not args.no_batching, max_blocks=args.max_blocks,
             max_waiters=args.max_waiters, max_wait_s=args.max_wait_s, kv_cache=args.kv_cache, page_size=args.page_size,
             prefix_cache=not args.no_prefix_cache)

@@ -25,7 +25,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from petals_chain.server.runner import BlockRunner
-from petals_chain.swarm.emulation import Emulation
+from petals_chain.swarm.emulation import NOISE_SCALE, Emulation
 from petals_chain.swarm.rpc import PetalsChainBlocks
 
 T = TypeVar("T")
@@ -115,7 +115,8 @@ class EmulatedDelays(BackendWrapper):
 
 class FaultyReplies(BackendWrapper):
     """Corrupt ``reply_fault_rate`` of the step replies, evenly spread (reply k when ``floor(k * rate)`` grows):
-    ``nan`` puts NaN in the reply's last token, ``shape`` drops the last hidden unit (``[1, n, hidden - 1]``).
+    ``nan`` puts NaN in the reply's last token, ``shape`` drops the last hidden unit (``[1, n, hidden - 1]``),
+    ``noise`` adds Gaussian noise of ``NOISE_SCALE`` x the reply's RMS (seeded by the reply's number).
     The session's KV cache is computed honestly; only what goes back is wrong."""
 
     def __init__(self, inner: Any, emulation: Emulation):
@@ -134,6 +135,11 @@ class FaultyReplies(BackendWrapper):
             out = out.clone()
             out[:, -1] = float("nan")
             return out
+        if self.fault == "noise":
+            gen = torch.Generator().manual_seed(self.replies)
+            noise = torch.randn(out.shape, generator=gen, dtype=torch.float32)
+            rms = out.float().pow(2).mean().sqrt()
+            return (out.float() + NOISE_SCALE * rms * noise.to(out.device)).to(out.dtype)
         return out[..., :-1].contiguous()
 
     def info(self) -> dict:

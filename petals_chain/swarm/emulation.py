@@ -15,7 +15,9 @@ Faults, for chaos runs (a misbehaving server on purpose):
 
 * ``reply_fault`` ``nan`` | ``shape`` at ``reply_fault_rate``: that fraction of step replies (evenly spread:
   reply k is faulty when ``floor(k * rate)`` grows) carries NaN in its last token, or a hidden dimension one
-  short (``[1, n, hidden - 1]``). The server's own state stays right; only the reply is wrong.
+  short (``[1, n, hidden - 1]``), or (``noise``, ``--emulate-faulty-rate``) plausible hidden states with Gaussian
+  noise of :data:`NOISE_SCALE` times their RMS added: a wrong answer that passes every validity check, which only
+  an audit against another server catches. The server's own state stays right; only the reply is wrong.
 * ``tau_p_lie``: the server announces a ``tau_p`` this many times smaller (better) than it measured, while
   it computes at its real speed.
 
@@ -28,7 +30,8 @@ import asyncio
 import math
 from dataclasses import dataclass
 
-REPLY_FAULTS = ("none", "nan", "shape")
+REPLY_FAULTS = ("none", "nan", "shape", "noise")
+NOISE_SCALE = 0.1  # ``noise`` replies: Gaussian noise of this fraction of the reply's RMS, per element
 
 
 @dataclass(frozen=True)

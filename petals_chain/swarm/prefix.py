@@ -18,10 +18,12 @@ PREFIX_BLOCK_TOKENS = 16  # tokens per hashed block (the default page size)
 HASH_BYTES = 16  # blake2b digest size: collisions are out of reach for any swarm
 
 
-def prefix_hashes(token_ids: Sequence[int]) -> bytes:
-    """The hash chain of ``token_ids``' full blocks, concatenated (``len // 16`` hashes)."""
+def prefix_hashes(token_ids: Sequence[int], salt: bytes = b"") -> bytes:
+    """The hash chain of ``token_ids``' full blocks, concatenated (``len // 16`` hashes). ``salt`` starts the
+    chain: the same tokens under another salt never match (the orchestrator changes it to retire every cached
+    prefix at once, e.g. after banning a server whose replies other servers' KV was computed from)."""
     out = bytearray()
-    prev = b""
+    prev = bytes(salt)
     for start in range(0, len(token_ids) - PREFIX_BLOCK_TOKENS + 1, PREFIX_BLOCK_TOKENS):
         block = token_ids[start:start + PREFIX_BLOCK_TOKENS]
         prev = hashlib.blake2b(prev + struct.pack(f"<{PREFIX_BLOCK_TOKENS}I", *block), digest_size=HASH_BYTES).digest()

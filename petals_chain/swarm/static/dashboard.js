@@ -571,12 +571,18 @@
     var rtt = num(s.emulate_rtt_ms), scale = num(s.emulate_compute_scale);
     if (rtt !== null && rtt > 0) flags.push(el("span", { class: "flag", title: "emulated WAN round-trip time", text: "RTT " + rtt + " ms" }));
     if (scale !== null && scale !== 1) flags.push(el("span", { class: "flag", title: "emulated compute slowdown", text: "compute \u00d7" + scale }));
+    var fault = str(s.emulate_reply_fault), faultRate = num(s.emulate_reply_fault_rate);
+    if (fault && fault !== "none" && faultRate) flags.push(el("span", { class: "flag", title: "test mode: corrupts this fraction of its replies", text: "faulty " + fault + " " + (100 * faultRate).toFixed(0) + "%" }));
+    // verified chains: what audits against other servers found
+    var trust = obj(s.trust), trustLine = null;
+    if (trust.banned === true) trustLine = el("div", { class: "trust banned", title: "audits found it returning wrong hidden states: never planned again", text: "banned: wrong results" });
+    else if (int(trust.audits)) trustLine = el("div", { class: "muted trust", title: "audited steps it took part in / strikes (decaying)", text: "audits " + int(trust.audits) + " \u00b7 strikes " + (int(trust.strikes) || 0) });
     var lastSeen = goneSince !== null ? "left " + fmtAgo(goneSince, nowS) : fmtAgo(s.last_seen, nowS);
     var hw = [str(s.device), str(s.dtype)].filter(Boolean).join(" \u00b7 ");
     return el("tr", { "data-peer-id": str(s.peer_id), "data-state": gone ? "gone" : str(s.state), class: gone ? "gone" : null },
       el("td", { "data-label": "name" },
         el("div", {}, el("div", { class: "server-name", text: serverName(s) }), el("div", { class: "peer-id", title: str(s.peer_id), text: shortId(s.peer_id) }))),
-      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null)),
+      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null), trustLine),
       el("td", { "data-label": "blocks", class: "num" }, el("span", { text: span })),
       el("td", { "data-label": "memory", class: "num" }, el("span", { title: hw, text: fmtBytes(s.memory_bytes) + (hw ? " \u00b7 " + hw : "") })),
       el("td", { "data-label": "KV cache" },

@@ -1,0 +1,275 @@
+"""Auditing servers (``--audit-rate``): re-run a sample of hop steps on another server holding the same blocks.
+
+The relay sees every hop's input and output. For a sampled step, once the hop answered, a background task opens
+a throwaway session on a second server holding the hop's span, feeds it the hop's whole input history plus the
+step's input (the token embeddings for a first hop, the inputs kept for failover otherwise) and compares the
+outputs per token (relative L2 error, :func:`relative_error`) against a tolerance for the reply's dtype. A
+disagreement is broken by a third server; the minority gets a strike (:mod:`petals_chain.algorithms.audit`),
+and a server whose decayed strikes reach the threshold is banned for good: it is not planned again, jobs on a
+chain through it drop the chain and replay their tokens on honest servers, and prefix caches are re-keyed
+(``salt``) because KV that servers downstream of it computed from its replies must never be reused. Audits never
+delay the job: they run beside it, and a step that cannot be audited (no second server, a busy one, inputs no
+longer kept) is counted and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import struct
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from petals_chain.algorithms.audit import StrikeBook, verdict
+from petals_chain.orchestrator.relay import check_hop_output
+
+logger = logging.getLogger(__name__)
+
+# Relative L2 error per token that honest servers stay within (measured, docs/results.md "Verified chains"):
+# fp32 servers agree to ~1e-5 (batching and chunking reorder float sums); 16-bit ones to ~1e-2.
+DEFAULT_TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-2, torch.float16: 6e-2, torch.bfloat16: 6e-2}
+MAX_INFLIGHT = 4  # audits running at once: a burst of samples never piles up work on the auditors
+# An audit re-computes the hop's whole history on the auditor: steps later in a sequence than this are skipped
+# (counted), so auditing costs at most a prefill of this many tokens per sampled step
+MAX_AUDIT_TOKENS = 1024
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest per-token ``||out - ref|| / ||ref||`` of two hop outputs [1, n, H] (inf if shapes differ)."""
+    if out.shape != ref.shape:
+        return float("inf")
+    a, b = out.float().reshape(-1, out.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
+    num = (a - b).norm(dim=-1)
+    den = b.norm(dim=-1).clamp_min(1e-6)
+    return float((num / den).max()) if num.numel() else 0.0
+
+
+class Auditor:
+    """Samples hop steps at ``rate``, re-runs them on other servers, strikes and bans liars (see the module)."""
+
+    def __init__(self, orch: Any, rate: float = 0.0, *, tolerance: float | None = None, threshold: float = 3.0,
+                 half_life_s: float = 3600.0, seed: int | None = None, registry: Any = None):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"--audit-rate must be in [0, 1], got {rate!r}")
+        if tolerance is not None and not tolerance > 0:
+            raise ValueError(f"--audit-tolerance must be positive, got {tolerance!r}")
+        self.orch = orch
+        self.rate = float(rate)
+        self.tolerance = tolerance
+        self.book = StrikeBook(threshold, half_life_s)
+        self.rng = random.Random(seed)
+        self.epoch = 0  # prefix-cache key epoch: bumped by every ban
+        self._tasks: set[asyncio.Task] = set()
+        self.counts = {"sampled": 0, "audits": 0, "agreed": 0, "disagreed": 0, "inconclusive": 0, "strikes": 0,
+                       "bans": 0, "skipped_no_auditor": 0, "skipped_busy": 0, "skipped_no_history": 0,
+                       "skipped_auditor_failed": 0, "skipped_long": 0}
+        self.max_agreeing_error = 0.0  # the largest error between servers that agreed (tolerance calibration)
+        self.errors: deque[float] = deque(maxlen=10_000)  # recent errors of every audit (for the benchmark)
+        self.events: deque[dict] = deque(maxlen=50)
+        self.m_audits = Counter("petals_chain_audits", "Audited hop steps by outcome", ["outcome"], registry=registry)
+        self.m_strikes = Counter("petals_chain_audit_strikes", "Strikes given by audits, by server", ["server"],
+                                 registry=registry)
+        self.m_bans = Gauge("petals_chain_audit_banned_servers", "Servers banned for wrong results", registry=registry)
+        self.m_error = Histogram("petals_chain_audit_relative_error", "Relative L2 error between two servers' "
+                                 "outputs of an audited step", buckets=(1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2,
+                                                                        0.1, 0.3, 1.0), registry=registry)
+
+    # ---- what the relay asks ------------------------------------------------------------------------
+    @property
+    def salt(self) -> bytes:
+        """Prefix-hash salt: empty until a ban, then the ban epoch (old cache entries never match again)."""
+        return struct.pack("<Q", self.epoch) if self.epoch else b""
+
+    def distrusted(self, peer_id: str) -> bool:
+        return peer_id in self.book.banned
+
+    def tainted(self, peers: Any) -> bool:
+        """Whether any of ``peers`` (peer ids, or ``(peer, start, end)`` hops) is banned: KV a chain computed
+        downstream of such a server is not to be trusted."""
+        if not self.book.banned:
+            return False
+        return any((p[0] if isinstance(p, tuple) else p) in self.book.banned for p in peers)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._tasks)
+
+    def sample(self) -> bool:
+        if self.rate <= 0 or self.rng.random() >= self.rate:
+            return False
+        self.counts["sampled"] += 1
+        if self.inflight >= MAX_INFLIGHT:
+            self._outcome("skipped_busy")
+            return False
+        return True
+
+    async def stop(self) -> None:
+        """Cancel running audits (their throwaway sessions are closed on the way out)."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def schedule(self, hop: tuple[str, int, int], x: torch.Tensor, position: int, out: torch.Tensor,
+                 tokens: list[int], inputs: Any) -> None:
+        """Audit the step that sent ``x`` (positions ``position..``) to ``hop`` and got ``out``: ``tokens`` are the
+        job's tokens (a first hop's history), ``inputs`` its kept hop inputs (a later hop's)."""
+        peer, start, end = hop
+        if position + int(x.shape[1]) > MAX_AUDIT_TOKENS:
+            self._outcome("skipped_long")
+            return
+        if position == 0:
+            history = None
+        elif start == 0:
+            history = list(tokens[:position])
+        else:
+            history = inputs.get(start, position)
+            if history is None:  # evicted, or a prefix reused from a cache was never relayed
+                self._outcome("skipped_no_history")
+                return
+        task = asyncio.ensure_future(self._audit(peer, start, end, history, x, position, out))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- the audit ----------------------------------------------------------------------------------
+    def _outcome(self, kind: str) -> None:
+        self.counts[kind] += 1
+        self.m_audits.labels(kind).inc()
+
+    def _tolerance(self, dtype: torch.dtype) -> float:
+        return self.tolerance if self.tolerance is not None else DEFAULT_TOLERANCE.get(dtype, 6e-2)
+
+    async def _audit(self, peer: str, start: int, end: int, history: Any, x: torch.Tensor, position: int,
+                     out: torch.Tensor) -> None:
+        try:
+            if isinstance(history, list):
+                history = await self.orch.batcher.embed(history)
+            candidates = [p for p in self.orch.replacement_servers(start, end)
+                          if p != peer and not self.distrusted(p) and self._has_room(p, end - start)]
+            if not candidates:
+                self._outcome("skipped_no_auditor")
+                return
+            tol = self._tolerance(out.dtype)
+            ref = await self._rerun(candidates[0], start, end, history, x, position)
+            if ref is None:
+                return
+            err = relative_error(out, ref)
+            self.errors.append(err)
+            self.m_error.observe(min(err, 1e9))
+            self.counts["audits"] += 1
+            self.book.audited(peer)
+            self.book.audited(candidates[0])
+            if err <= tol:
+                self.max_agreeing_error = max(self.max_agreeing_error, err)
+                self._outcome("agreed")
+                return
+            self._outcome("disagreed")
+            pa = pb = None
+            referee = candidates[1] if len(candidates) > 1 else None
+            if referee is not None:
+                third = await self._rerun(referee, start, end, history, x, position)
+                if third is not None:
+                    self.book.audited(referee)
+                    pa = relative_error(out, third) <= tol
+                    pb = relative_error(ref, third) <= tol
+            roles = {"primary": peer, "auditor": candidates[0], "referee": referee}
+            culprits = verdict(False, pa, pb)
+            if not culprits:
+                self._outcome("inconclusive")
+            for role in culprits:
+                self._strike(roles[role], err, start, end)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - an audit must never break the relay
+            logger.warning("audit of %s blocks [%d, %d) failed", peer[:12], start, end, exc_info=True)
+
+    async def _rerun(self, peer: str, start: int, end: int, history: torch.Tensor | None, x: torch.Tensor,
+                     position: int) -> torch.Tensor | None:
+        """``peer``'s output for ``x`` after ``history`` (a fresh session, one prefill); None if it cannot."""
+        xx = x if history is None else torch.cat([history.to(x.dtype), x], dim=1)
+        try:
+            sess = await asyncio.wait_for(
+                self.orch.client.open_session(peer, session_id=f"audit-{uuid.uuid4().hex[:12]}", start_block=start,
+                                              end_block=end, max_length=int(xx.shape[1])),
+                timeout=self.orch.cfg.step_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - full, refusing or gone: this audit is skipped
+            self._outcome("skipped_busy" if "capacity" in type(e).__name__.lower() else "skipped_auditor_failed")
+            return None
+        try:
+            res = await sess.step(xx, 0)
+            check_hop_output(res, xx)
+            return res[:, position:]
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - an auditor that fails is not evidence against the audited server
+            self._outcome("skipped_auditor_failed")
+            return None
+        finally:
+            await asyncio.gather(sess.close(), return_exceptions=True)
+
+    def _strike(self, server: str, err: float, start: int, end: int) -> None:
+        self.counts["strikes"] += 1
+        self.m_strikes.labels(self._name(server)).inc()
+        now = time.monotonic()
+        banned = self.book.strike(server, now)
+        self.events.append({"t": time.time(), "server": server, "name": self._name(server), "event": "ban" if banned
+                            else "strike", "relative_error": err, "blocks": [start, end],
+                            "score": self.book.score(server, now)})
+        logger.warning("audit: %s returned wrong hidden states for blocks [%d, %d) (relative error %.3g): strike, "
+                       "score %.2f", self._name(server), start, end, err, self.book.score(server, now))
+        if banned:
+            self.ban(server)
+
+    def ban(self, server: str) -> None:
+        """Ban ``server`` for good: out of every plan, its chains replayed elsewhere, prefix caches re-keyed."""
+        self.book.banned.add(server)
+        self.counts["bans"] += 1
+        self.m_bans.set(len(self.book.banned))
+        self.epoch += 1
+        logger.error("audit: banning %s (%s) for wrong results; jobs on its chains replay on other servers",
+                     self._name(server), server[:12])
+        planner = getattr(self.orch, "planner", None)
+        if planner is not None:
+            planner.report_failure(server, reason="audits found wrong hidden states", permanent=True)
+
+    def _has_room(self, peer: str, blocks: int) -> bool:
+        """The server announced free cache for an audit (audits use spare capacity, never a job's)."""
+        planner = getattr(self.orch, "planner", None)
+        v = planner.servers.get(peer) if planner is not None else None
+        return v is None or v.record.slots_free >= blocks
+
+    def _name(self, peer: str) -> str:
+        planner = getattr(self.orch, "planner", None)
+        v = planner.servers.get(peer) if planner is not None else None
+        return (v.record.public_name if v is not None and v.record.public_name else peer[:12])
+
+    # ---- reporting ------------------------------------------------------------------------------------
+    def server_json(self, peer: str) -> dict:
+        return self.book.snapshot(peer, time.monotonic())
+
+    def _quantiles(self) -> dict:
+        """Quantiles of the relative error of the last 10,000 audits (how far from the tolerance honest servers
+        stay)."""
+        if not self.errors:
+            return {}
+        xs = sorted(self.errors)
+
+        def q(f: float) -> float:
+            return xs[min(len(xs) - 1, int(f * len(xs)))]
+
+        return {"n": len(xs), "p50": q(0.5), "p99": q(0.99), "p999": q(0.999), "max": xs[-1]}
+
+    def json(self) -> dict:
+        return {"rate": self.rate, "tolerance": self.tolerance, "tolerance_mode": "fixed" if self.tolerance else "auto",
+                "threshold": self.book.threshold, "half_life_s": self.book.half_life_s, **self.counts,
+                "max_agreeing_error": self.max_agreeing_error, "inflight": self.inflight,
+                "error_quantiles": self._quantiles(),
+                "banned": sorted(self._name(p) for p in self.book.banned), "events": list(self.events)[-20:]}

@@ -1,0 +1,109 @@
+"""Verified chains (issue 21): audits re-run hop steps on other servers, strike and ban a server that lies.
+
+Units: the verdict of a 2-1 split, decaying strikes, the error measure. End to end: three server processes hold
+the whole tiny model (three one-hop chains); one adds noise to 30 % of its replies (``--emulate-faulty-rate``),
+which passes every validity check. With ``--audit-rate 1`` the orchestrator catches and bans it, honest servers
+get no strike, and answers after the ban equal transformers' greedy output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import torch
+
+from petals_chain.algorithms.audit import StrikeBook, verdict
+from petals_chain.orchestrator.audit import relative_error
+from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+
+
+def test_verdict_strikes_the_minority_only():
+    assert verdict(True, None, None) == ()
+    assert verdict(False, None, None) == ()  # no referee: nobody
+    assert verdict(False, False, True) == ("primary",)
+    assert verdict(False, True, False) == ("auditor",)
+    assert verdict(False, False, False) == ()  # three answers: inconclusive
+
+
+def test_strikes_decay_and_ban_once():
+    book = StrikeBook(threshold=3.0, half_life_s=10.0)
+    assert not book.strike("a", 0.0) and not book.strike("a", 0.0)
+    assert book.score("a", 10.0) == pytest.approx(1.0)  # two strikes, one half-life later
+    assert not book.strike("a", 10.0)  # 2.0 < 3
+    assert book.strike("a", 10.0)  # 3.0: banned now
+    assert not book.strike("a", 10.0)  # once
+    assert book.snapshot("a", 10.0)["banned"] and book.snapshot("a", 10.0)["strikes"] == 5
+    # rare accidents far apart never add up
+    for t in range(0, 1000, 50):
+        assert not book.strike("b", float(t))
+    book.forget("a")
+    assert "a" not in book.banned
+    with pytest.raises(ValueError):
+        StrikeBook(threshold=0)
+
+
+def test_relative_error():
+    a = torch.randn(1, 3, 8)
+    assert relative_error(a, a) == 0.0
+    b = a.clone()
+    b[0, 1] *= 1.5
+    assert relative_error(b, a) == pytest.approx(0.5, rel=1e-5)
+    assert math.isinf(relative_error(a[..., :-1], a))
+
+
+@pytest.mark.slow
+def test_a_lying_server_is_banned_and_later_answers_are_exact(tiny_model_factory, tmp_path, scaled):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model_factory("llama", num_layers=4)
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11], [9, 8, 7, 6, 5], [100, 200, 300]]
+
+    def greedy(prompt, n):
+        with torch.no_grad():
+            return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+
+    mem = memory_for(model, 128, 4, 4)
+    # the liar announces the best tau_p, so JFFC puts sequential requests on its chain
+    servers = [LocalServer("liar", mem, tau_p=0.001, extra_args=["--emulate-faulty-rate", "0.3"]),
+               LocalServer("honest1", mem, tau_p=0.002), LocalServer("honest2", mem, tau_p=0.002)]
+    sw = LocalSwarm(model, servers, max_length=128, arrival_rate=1.0, log_dir=tmp_path,
+                    orchestrator_args=["--audit-rate", "1", "--replan-interval-s", "3600"])
+    sw.start(timeout=scaled(120))
+    try:
+        st = sw.wait_ready(timeout=scaled(150))
+        by_name = {s["public_name"]: s for s in st["servers"]}
+        assert by_name["liar"]["emulate_reply_fault"] == "noise"  # the emulation is visible in its record
+        assert by_name["liar"]["emulate_reply_fault_rate"] == pytest.approx(0.3)
+        client = sw.client(timeout=scaled(120))
+        for i in range(40):
+            client.complete(prompts[i % 3], max_tokens=12, ignore_eos=True)
+            audit = sw.swarm()["audit"]
+            if audit["bans"]:
+                break
+        st = sw.swarm()
+        audit = st["audit"]
+        trust = {s["public_name"]: s["trust"] for s in st["servers"]}
+        print(audit, trust)
+        assert audit["bans"] == 1 and audit["banned"] == ["liar"], audit
+        assert trust["liar"]["banned"] and trust["liar"]["strikes"] >= 3
+        assert trust["honest1"]["strikes"] == 0 and trust["honest2"]["strikes"] == 0
+        assert trust["honest1"]["audits"] > 0 and audit["agreed"] > 0
+        assert audit["max_agreeing_error"] < 1e-3  # honest fp32 servers agree far inside the tolerance
+        names = {s["peer_id"]: s["public_name"] for s in st["servers"]}
+        assert {s["public_name"]: s["distrusted"] for s in st["servers"]}["liar"] is True
+        # the liar is out of every chain, and every answer from now on is exact
+        def no_liar(v):
+            return v["ready"] and all("liar" not in [names.get(p) for p in ch["servers"]] for ch in v["chains"])
+        sw.wait_until(no_liar, scaled(30), "chains without the banned server")
+        for prompt in prompts:
+            comp = client.complete(prompt, max_tokens=20, ignore_eos=True)
+            assert comp.token_ids == greedy(prompt, 20)
+        metrics = httpx.get(f"{sw.url}/metrics", timeout=10).text
+        assert 'petals_chain_audits_total{outcome="disagreed"}' in metrics
+        assert "petals_chain_audit_banned_servers 1.0" in metrics
+    finally:
+        sw.stop()

@@ -1,0 +1,36 @@
+"""The orchestrator's command line refuses bad fairness and audit settings with a message naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from petals_chain.orchestrator.__main__ import main
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--audit-rate", "1.5"], "--audit-rate"),
+    (["--audit-rate", "-0.1"], "--audit-rate"),
+    (["--fairness-w-e", "-1"], "w_e"),
+    (["--fairness-w-e", "0", "--fairness-w-q", "0"], "w_e and w_q"),
+    (["--fairness", "d2lpm", "--dispatch", "petals"], "--fairness d2lpm"),
+])
+def test_bad_settings_exit_2_naming_the_flag(tiny_model_dir, capsys, args, flag):
+    assert main(["--model", str(tiny_model_dir), *args]) == 2
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--fairness", "wfq"], ["--fairness-quantum", "0"], ["--audit-tolerance", "x"],
+                                  ["--audit-strikes", "0"]])
+def test_unparseable_values_are_usage_errors(tiny_model_dir, args):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tiny_model_dir), *args])
+    assert e.value.code == 2
+
+
+def test_prefix_salt_retires_every_cached_prefix():
+    from petals_chain.swarm.prefix import prefix_hashes
+
+    ids = list(range(40))
+    assert prefix_hashes(ids) == prefix_hashes(ids, b"")
+    assert prefix_hashes(ids, b"\x01") != prefix_hashes(ids)
+    assert len(prefix_hashes(ids, b"\x01")) == len(prefix_hashes(ids))
