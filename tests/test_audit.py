@@ -107,3 +107,27 @@ def test_a_lying_server_is_banned_and_later_answers_are_exact(tiny_model_factory
         assert "petals_chain_audit_banned_servers 1.0" in metrics
     finally:
         sw.stop()
+
+
+@pytest.mark.slow
+def test_probes_catch_a_liar_without_any_traffic(tiny_model_factory, tmp_path, scaled):
+    """No requests and no sampled audits: the periodic probes alone find and ban the server that lies (a probe of
+    a span after block 0 gets its input from servers holding the blocks before it)."""
+    model = tiny_model_factory("llama", num_layers=4)
+    half = memory_for(model, 128, 2, 4)
+    # six servers of half the blocks each: three hold each half, so a disagreement always has a referee
+    servers = [LocalServer(f"honest{i}", half, tau_p=0.002) for i in range(5)]
+    servers.append(LocalServer("liar", half, tau_p=0.002, extra_args=["--emulate-faulty-rate", "1"]))
+    sw = LocalSwarm(model, servers, max_length=128, arrival_rate=1.0, log_dir=tmp_path,
+                    orchestrator_args=["--audit-rate", "0", "--audit-probe-s", "0.3", "--replan-interval-s", "3600"])
+    sw.start(timeout=scaled(120))
+    try:
+        sw.wait_ready(timeout=scaled(150))
+        st = sw.wait_until(lambda v: v["audit"]["bans"] >= 1, scaled(90), "the probes to ban the liar")
+        audit = st["audit"]
+        trust = {s["public_name"]: s["trust"] for s in st["servers"]}
+        print(audit, trust)
+        assert audit["banned"] == ["liar"] and audit["sampled"] == 0 and audit["probes"] >= 3
+        assert all(t["strikes"] == 0 for name, t in trust.items() if name != "liar"), trust
+    finally:
+        sw.stop()

@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decayed strikes that ban a server for good")
     p.add_argument("--audit-half-life-s", type=_positive_float, default=3600.0, metavar="S",
                    help="half-life of a strike")
+    p.add_argument("--audit-probe-s", type=float, default=30.0, metavar="S",
+                   help="while no request waits for a chain, send the next server a short random sequence this "
+                        "often (its input computed by other servers) and judge its output like an audit: catches a "
+                        "server that lies off the sampled traffic. 0: no probes")
     p.add_argument("--replay-cache-mb", type=float, default=256.0,
                    help="memory for the hop inputs kept so a failed hop is replayed alone (all jobs together; "
                         "jobs over the budget fall back to replaying their prefix through the whole chain)")
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
         fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
         audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,
-        audit_half_life_s=args.audit_half_life_s)
+        audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
     # Admission limits (limits.py), read with defaults by the API middleware.

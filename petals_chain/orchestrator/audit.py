@@ -10,6 +10,12 @@ chain through it drop the chain and replay their tokens on honest servers, and p
 (``salt``) because KV that servers downstream of it computed from its replies must never be reused. Audits never
 delay the job: they run beside it, and a step that cannot be audited (no second server, a busy one, inputs no
 longer kept) is counted and skipped.
+
+*Probes* (``--audit-probe-s``) catch a server that lies only when nobody audits it, or only on traffic the
+samples miss: while the swarm has spare capacity (nothing waits for a chain), every period one server in turn
+gets a short random token sequence. Its span's input comes from the token embeddings (a span starting at block
+0) or from other servers computing the blocks before it; the server's output is then judged like an audited
+step's, against a second holder of the span and, on a disagreement, a third.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ MAX_INFLIGHT = 4  # audits running at once: a burst of samples never piles up wo
 # An audit re-computes the hop's whole history on the auditor: steps later in a sequence than this are skipped
 # (counted), so auditing costs at most a prefill of this many tokens per sampled step
 MAX_AUDIT_TOKENS = 1024
+PROBE_TOKENS = 16  # length of a probe sequence
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -54,9 +61,13 @@ class Auditor:
     """Samples hop steps at ``rate``, re-runs them on other servers, strikes and bans liars (see the module)."""
 
     def __init__(self, orch: Any, rate: float = 0.0, *, tolerance: float | None = None, threshold: float = 3.0,
-                 half_life_s: float = 3600.0, seed: int | None = None, registry: Any = None):
+                 half_life_s: float = 3600.0, probe_s: float = 0.0, seed: int | None = None, registry: Any = None):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"--audit-rate must be in [0, 1], got {rate!r}")
+        if not probe_s >= 0:
+            raise ValueError(f"--audit-probe-s must be >= 0, got {probe_s!r}")
+        self.probe_s = float(probe_s)
+        self._probe_turn = 0
         if tolerance is not None and not tolerance > 0:
             raise ValueError(f"--audit-tolerance must be positive, got {tolerance!r}")
         self.orch = orch
@@ -66,7 +77,7 @@ class Auditor:
         self.rng = random.Random(seed)
         self.epoch = 0  # prefix-cache key epoch: bumped by every ban
         self._tasks: set[asyncio.Task] = set()
-        self.counts = {"sampled": 0, "audits": 0, "agreed": 0, "disagreed": 0, "inconclusive": 0, "strikes": 0,
+        self.counts = {"sampled": 0, "probes": 0, "audits": 0, "agreed": 0, "disagreed": 0, "inconclusive": 0, "strikes": 0,
                        "bans": 0, "skipped_no_auditor": 0, "skipped_busy": 0, "skipped_no_history": 0,
                        "skipped_auditor_failed": 0, "skipped_long": 0}
         self.max_agreeing_error = 0.0  # the largest error between servers that agreed (tolerance calibration)
@@ -133,9 +144,83 @@ class Auditor:
             if history is None:  # evicted, or a prefix reused from a cache was never relayed
                 self._outcome("skipped_no_history")
                 return
-        task = asyncio.ensure_future(self._audit(peer, start, end, history, x, position, out))
+        self._spawn(self._audit(peer, start, end, history, x, position, out))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    # ---- probes -------------------------------------------------------------------------------------
+    async def probe_loop(self, stop: asyncio.Event) -> None:
+        """Every ``probe_s`` seconds, probe the next server while the swarm has spare capacity."""
+        while self.probe_s > 0 and not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.probe_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            if self.inflight >= MAX_INFLIGHT or getattr(self.orch.dispatch, "queue_length", 0):
+                continue  # no spare capacity: jobs first
+            try:
+                target = self._next_probe_target()
+            except Exception:  # noqa: BLE001 - a planner in flux must not end the probes
+                logger.warning("choosing a server to probe failed", exc_info=True)
+                continue
+            if target is not None:
+                self._spawn(self._probe(*target))
+
+    def _next_probe_target(self) -> tuple[str, int, int] | None:
+        planner = getattr(self.orch, "planner", None)
+        if planner is None:
+            return None
+        views = sorted((v for v in planner.online_views() if not self.distrusted(v.peer_id)
+                        and v.record.num_blocks > 0 and v.record.slots_free >= 1),
+                       key=lambda v: v.peer_id)
+        if not views:
+            return None
+        v = views[self._probe_turn % len(views)]
+        self._probe_turn += 1
+        return v.peer_id, v.record.start_block, v.record.start_block + v.record.num_blocks
+
+    async def _probe(self, peer: str, start: int, end: int) -> None:
+        """Run a random sequence through ``peer``'s span (its input computed without it) and judge the output."""
+        try:
+            self.counts["probes"] += 1
+            vocab = int(self.orch.vocab_size)
+            tokens = [self.rng.randrange(vocab) for _ in range(PROBE_TOKENS)]
+            x = await self.orch.batcher.embed(tokens)
+            pos = 0
+            while pos < start:  # the blocks before the span, on other servers
+                hop = self._covering(pos, start, exclude=peer)
+                if hop is None:
+                    self._outcome("skipped_no_auditor")
+                    return
+                holder, hop_end = hop
+                x = await self._rerun(holder, pos, hop_end, None, x, 0)
+                if x is None:
+                    return
+                pos = hop_end
+            out = await self._rerun(peer, start, end, None, x, 0)
+            if out is not None:
+                await self._judge(peer, start, end, None, x, 0, out)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a probe must never break the orchestrator
+            logger.warning("probe of %s blocks [%d, %d) failed", peer[:12], start, end, exc_info=True)
+
+    def _covering(self, pos: int, limit: int, exclude: str) -> tuple[str, int] | None:
+        """A trusted server other than ``exclude`` holding block ``pos``, and where its part ends (<= ``limit``)."""
+        planner = getattr(self.orch, "planner", None)
+        best = None
+        for v in planner.online_views() if planner is not None else []:
+            r = v.record
+            if v.peer_id == exclude or self.distrusted(v.peer_id) or not r.start_block <= pos < r.start_block + r.num_blocks:
+                continue
+            reach = min(limit, r.start_block + r.num_blocks)
+            if r.slots_free >= 1 and (best is None or reach > best[1]):
+                best = (v.peer_id, reach)
+        return best
 
     # ---- the audit ----------------------------------------------------------------------------------
     def _outcome(self, kind: str) -> None:
@@ -150,44 +235,50 @@ class Auditor:
         try:
             if isinstance(history, list):
                 history = await self.orch.batcher.embed(history)
-            candidates = [p for p in self.orch.replacement_servers(start, end)
-                          if p != peer and not self.distrusted(p) and self._has_room(p, end - start)]
-            if not candidates:
-                self._outcome("skipped_no_auditor")
-                return
-            tol = self._tolerance(out.dtype)
-            ref = await self._rerun(candidates[0], start, end, history, x, position)
-            if ref is None:
-                return
-            err = relative_error(out, ref)
-            self.errors.append(err)
-            self.m_error.observe(min(err, 1e9))
-            self.counts["audits"] += 1
-            self.book.audited(peer)
-            self.book.audited(candidates[0])
-            if err <= tol:
-                self.max_agreeing_error = max(self.max_agreeing_error, err)
-                self._outcome("agreed")
-                return
-            self._outcome("disagreed")
-            pa = pb = None
-            referee = candidates[1] if len(candidates) > 1 else None
-            if referee is not None:
-                third = await self._rerun(referee, start, end, history, x, position)
-                if third is not None:
-                    self.book.audited(referee)
-                    pa = relative_error(out, third) <= tol
-                    pb = relative_error(ref, third) <= tol
-            roles = {"primary": peer, "auditor": candidates[0], "referee": referee}
-            culprits = verdict(False, pa, pb)
-            if not culprits:
-                self._outcome("inconclusive")
-            for role in culprits:
-                self._strike(roles[role], err, start, end)
+            await self._judge(peer, start, end, history, x, position, out)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - an audit must never break the relay
             logger.warning("audit of %s blocks [%d, %d) failed", peer[:12], start, end, exc_info=True)
+
+    async def _judge(self, peer: str, start: int, end: int, history: torch.Tensor | None, x: torch.Tensor,
+                     position: int, out: torch.Tensor) -> None:
+        """Compare ``peer``'s ``out`` with a second holder's answer; on a disagreement ask a third and strike the
+        minority."""
+        candidates = [p for p in self.orch.replacement_servers(start, end)
+                      if p != peer and not self.distrusted(p) and self._has_room(p)]
+        if not candidates:
+            self._outcome("skipped_no_auditor")
+            return
+        tol = self._tolerance(out.dtype)
+        ref = await self._rerun(candidates[0], start, end, history, x, position)
+        if ref is None:
+            return
+        err = relative_error(out, ref)
+        self.errors.append(err)
+        self.m_error.observe(min(err, 1e9))
+        self.counts["audits"] += 1
+        self.book.audited(peer)
+        self.book.audited(candidates[0])
+        if err <= tol:
+            self.max_agreeing_error = max(self.max_agreeing_error, err)
+            self._outcome("agreed")
+            return
+        self._outcome("disagreed")
+        pa = pb = None
+        referee = candidates[1] if len(candidates) > 1 else None
+        if referee is not None:
+            third = await self._rerun(referee, start, end, history, x, position)
+            if third is not None:
+                self.book.audited(referee)
+                pa = relative_error(out, third) <= tol
+                pb = relative_error(ref, third) <= tol
+        roles = {"primary": peer, "auditor": candidates[0], "referee": referee}
+        culprits = verdict(False, pa, pb)
+        if not culprits:
+            self._outcome("inconclusive")
+        for role in culprits:
+            self._strike(roles[role], err, start, end)
 
     async def _rerun(self, peer: str, start: int, end: int, history: torch.Tensor | None, x: torch.Tensor,
                      position: int) -> torch.Tensor | None:
@@ -240,11 +331,12 @@ class Auditor:
         if planner is not None:
             planner.report_failure(server, reason="audits found wrong hidden states", permanent=True)
 
-    def _has_room(self, peer: str, blocks: int) -> bool:
-        """The server announced free cache for an audit (audits use spare capacity, never a job's)."""
+    def _has_room(self, peer: str) -> bool:
+        """The server announced room for one more session (a slot in each of its blocks): audits use spare
+        capacity, never a job's."""
         planner = getattr(self.orch, "planner", None)
         v = planner.servers.get(peer) if planner is not None else None
-        return v is None or v.record.slots_free >= blocks
+        return v is None or v.record.slots_free >= 1
 
     def _name(self, peer: str) -> str:
         planner = getattr(self.orch, "planner", None)

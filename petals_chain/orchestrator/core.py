@@ -119,6 +119,7 @@ class OrchestratorConfig:
     audit_tolerance: float | None = None  # relative L2 error per token (None: by the reply's dtype)
     audit_strikes: float = 3.0  # decayed strikes that ban a server for good
     audit_half_life_s: float = 3600.0
+    audit_probe_s: float = 30.0  # --audit-probe-s: a probe of the next server this often while capacity is spare
 
 
 class Orchestrator(GenerationMixin, SessionMixin):
@@ -163,7 +164,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
 
         self.shares = make_shares(cfg, self.stats.registry)
         self.auditor = Auditor(self, cfg.audit_rate, tolerance=cfg.audit_tolerance, threshold=cfg.audit_strikes,
-                               half_life_s=cfg.audit_half_life_s, registry=self.stats.registry)
+                               half_life_s=cfg.audit_half_life_s, probe_s=cfg.audit_probe_s,
+                               registry=self.stats.registry)
         self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue,
                                       shares=self.shares)
         self.sessions: dict[str, UserSession] = {}
@@ -259,6 +261,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
                        asyncio.create_task(self._reap_sessions(), name="session-reaper")]
         if self.cfg.keepalive_tick_s > 0:
             self._tasks.append(asyncio.create_task(self._keep_alive(), name="keepalive"))
+        if self.auditor.probe_s > 0:
+            self._tasks.append(asyncio.create_task(self.auditor.probe_loop(self._stop), name="audit-probes"))
 
     @property
     def initial_peers(self) -> list[str]:
