@@ -226,7 +226,9 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
                  "--petals-cache-tokens", str(PETALS_CACHE_SLOTS * REAL_MAX_LENGTH),
                  "--route-wait-s", str(3600), "--log-level", "WARNING",
                  # the replay is one HTTP client standing for the trace's many users: no per-client limits
-                 "--client-max-inflight", "1000000", "--max-queue", "1000000", *policy_args]
+                 "--client-max-inflight", "1000000", "--max-queue", "1000000",
+                 # the paper's system: no audits or probes taking server time beside the jobs
+                 "--audit-rate", "0", "--audit-probe-s", "0", *policy_args]
     log_dir = workdir / f"logs-{policy}"
     t_start = time.monotonic()
     swarm = LocalSwarm(model_path, specs, max_length=REAL_MAX_LENGTH, arrival_rate=rate,
