@@ -40,7 +40,10 @@ def swarm(args, audit_rate: float, faulty: float | None, logs: str):
         extra, tau = [], 0.002
         if faulty is not None and i == 0:
             extra, tau = ["--emulate-faulty-rate", str(faulty)], 0.001
-        servers.append(LocalServer("liar" if extra else f"honest{i}", mem, tau_p=tau, extra_args=extra))
+        if args.server_dtype:
+            extra = [*extra, "--dtype", args.server_dtype]
+        servers.append(LocalServer("liar" if faulty is not None and i == 0 else f"honest{i}", mem, tau_p=tau,
+                                   extra_args=extra))
     return LocalSwarm(args.model, servers, max_length=args.max_length, arrival_rate=1.0, log_dir=logs,
                       orchestrator_args=["--audit-rate", str(audit_rate), "--replan-interval-s", "3600"])
 
@@ -157,6 +160,7 @@ def main() -> int:
     p.add_argument("--cost-rates", default="0,0.02,0.1")
     p.add_argument("--cost-s", type=float, default=60.0)
     p.add_argument("--phases", default="fp,detect,cost")
+    p.add_argument("--server-dtype", default=None, help="servers' --dtype (e.g. bfloat16: the 16-bit tolerance)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.model is None:
