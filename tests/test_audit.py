@@ -131,3 +131,21 @@ def test_probes_catch_a_liar_without_any_traffic(tiny_model_factory, tmp_path, s
         assert all(t["strikes"] == 0 for name, t in trust.items() if name != "liar"), trust
     finally:
         sw.stop()
+
+
+def test_tolerance_follows_the_dtype_servers_compute_in():
+    """bf16 servers reply in fp32: the fp32 tolerance would strike honest bf16 rounding (found by the calibration
+    run, which banned an honest server)."""
+    import types
+
+    from petals_chain.orchestrator.audit import Auditor
+
+    def view(dtype):
+        return types.SimpleNamespace(record=types.SimpleNamespace(dtype=dtype))
+
+    planner = types.SimpleNamespace(servers={"a": view("bfloat16"), "b": view("float32"), "c": view("float32")})
+    auditor = Auditor(types.SimpleNamespace(planner=planner), 0.0)
+    assert auditor._tolerance(torch.float32, ["b", "c"]) == pytest.approx(1e-2)
+    assert auditor._tolerance(torch.float32, ["a", "b"]) == pytest.approx(6e-2)
+    assert auditor._tolerance(torch.bfloat16, ["b", "c"]) == pytest.approx(6e-2)
+    assert Auditor(types.SimpleNamespace(planner=planner), 0.0, tolerance=0.3)._tolerance(torch.float32, ["a"]) == 0.3
