@@ -46,7 +46,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from petals_chain.model import Chain
+from petals_chain.algorithms.jffc import _chain_rate_capacity
 
 FAIRNESS_POLICIES = ("fcfs", "lpm", "vtc", "dlpm", "d2lpm", "d-vtc", "rr-lpm")
 DISTRIBUTED_POLICIES = ("d2lpm", "d-vtc", "rr-lpm")
@@ -401,13 +401,6 @@ class FairPolicy:
                 "admitted": dict(self.admitted_requests), "counters": local}
 
 
-def _rate_capacity(chain: Any) -> tuple[float, int]:
-    if isinstance(chain, Chain):
-        return float(chain.rate), int(chain.capacity)
-    mu, cap = chain
-    return float(mu), int(cap)
-
-
 class FairDispatcher:
     """JFFC's capacity rule with a fair queue: a new job starts on a free chain or waits; a chain whose job ended
     takes the job :class:`FairPolicy` picks for it. Same contract as :class:`~petals_chain.algorithms.jffc.
@@ -423,7 +416,7 @@ class FairDispatcher:
     def __init__(self, chains: Sequence[Any], policy: FairPolicy, describe: Callable[[Any], FairRequest],
                  workers: Sequence[Worker] | None = None):
         self.chains = list(chains)
-        params = [_rate_capacity(ch) for ch in self.chains]
+        params = [_chain_rate_capacity(ch) for ch in self.chains]
         self.rates = [mu for mu, _ in params]
         self.capacities = [cap for _, cap in params]
         self.workers = list(workers) if workers is not None else list(range(len(self.chains)))

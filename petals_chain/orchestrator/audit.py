@@ -234,11 +234,10 @@ class Auditor:
         computes in (its record; a bf16 server may reply in fp32)."""
         if self.tolerance is not None:
             return self.tolerance
-        planner = getattr(self.orch, "planner", None)
         names = [_TORCH_NAMES.get(dtype, "")]
         for p in peers:
-            v = planner.servers.get(p) if planner is not None else None
-            names.append(str(getattr(v.record, "dtype", "")) if v is not None else "")
+            r = self._record(p)
+            names.append(str(getattr(r, "dtype", "")) if r is not None else "")
         return max(DEFAULT_TOLERANCE.get(n, 6e-2) if n else 1e-2 for n in names)
 
     async def _audit(self, peer: str, start: int, end: int, history: Any, x: torch.Tensor, position: int,
@@ -342,17 +341,21 @@ class Auditor:
         if planner is not None:
             planner.report_failure(server, reason="audits found wrong hidden states", permanent=True)
 
+    def _record(self, peer: str) -> Any:
+        """The server's last record as the planner knows it (None if unknown)."""
+        planner = getattr(self.orch, "planner", None)
+        v = planner.servers.get(peer) if planner is not None else None
+        return v.record if v is not None else None
+
     def _has_room(self, peer: str) -> bool:
         """The server announced room for one more session (a slot in each of its blocks): audits use spare
         capacity, never a job's."""
-        planner = getattr(self.orch, "planner", None)
-        v = planner.servers.get(peer) if planner is not None else None
-        return v is None or v.record.slots_free >= 1
+        r = self._record(peer)
+        return r is None or r.slots_free >= 1
 
     def _name(self, peer: str) -> str:
-        planner = getattr(self.orch, "planner", None)
-        v = planner.servers.get(peer) if planner is not None else None
-        return (v.record.public_name if v is not None and v.record.public_name else peer[:12])
+        r = self._record(peer)
+        return r.public_name if r is not None and r.public_name else peer[:12]
 
     # ---- reporting ------------------------------------------------------------------------------------
     def server_json(self, peer: str) -> dict:

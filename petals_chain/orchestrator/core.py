@@ -106,9 +106,9 @@ class OrchestratorConfig:
     ban_reset_s: float = 120.0  # unbanned and no failure for this long: its next ban starts at ban_base_s again
     output_reserve_tokens: int = 256  # --output-reserve-tokens: a chain is opened for the prompt + this (failover.py)
     job_tokens: int | None = None  # --job-tokens: L^ of paged chain capacities (None: learnt; token_budget.py)
+    api_keys: str | None = None  # --api-keys FILE (auth.py; limits.py)
     # --fairness: queue discipline among clients (API key names; fairness.py). "auto": dlpm with --api-keys, else
     # fcfs (the paper's FIFO). Service units: w_e per input token computed, w_q per output token.
-    api_keys: str | None = None  # --api-keys FILE (auth.py; limits.py)
     fairness: str = "auto"
     fairness_quantum: float | None = None  # DLPM's Q^u in service units (None: 4 x the median request's cost)
     fairness_worker_quantum: float = 20000.0  # D2LPM's Q^w
@@ -116,7 +116,7 @@ class OrchestratorConfig:
     fairness_w_q: float = 2.0
     # --audit-rate: fraction of hop steps re-run on another server holding the same blocks (audit.py)
     audit_rate: float = 0.02
-    audit_tolerance: float | None = None  # relative L2 error per token (None: by the reply's dtype)
+    audit_tolerance: float | None = None  # relative L2 error per token (None: by the dtypes servers compute in)
     audit_strikes: float = 3.0  # decayed strikes that ban a server for good
     audit_half_life_s: float = 3600.0
     audit_probe_s: float = 30.0  # --audit-probe-s: a probe of the next server this often while capacity is spare
@@ -414,7 +414,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "rho_bar": self.cfg.rho_bar, "predicted_response_s": predicted, "measured": self.stats.measured(),
             "job_tokens": self._job_tokens_json(),
             "audit": self.auditor.json(),
-            "fairness": self.shares.json(self.dispatch.waiting_jobs() if hasattr(self.dispatch, "waiting_jobs") else []),
+            "fairness": self.shares.json(self.dispatch.waiting_jobs()),
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,
             # maxima and counts since start (exact, unlike samples of queue_length): queue_max <= max_queue
             "queue_max": self.dispatch.queue_max, "max_queue": self.dispatch.max_queue,
@@ -461,7 +461,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         s.m_replay_bytes.set(self.replay_cache.bytes)
         s.m_replay_budget.set(self.replay_cache.budget)
         s.m_replay_evictions.set(self.replay_cache.evictions)
-        self.shares.json(self.dispatch.waiting_jobs() if hasattr(self.dispatch, "waiting_jobs") else [])  # Jain gauge
+        self.shares.update_gauge(self.dispatch.waiting_jobs())
         if self.planner is not None:
             s.m_epoch.set(self.planner.epoch)
             s.m_arrival.set(self.planner.arrival_rate)

@@ -92,14 +92,19 @@ class ClientShares:
             self.m_service.labels(client).inc(units)
         self.meter.served(now, client, units)
 
+    def update_gauge(self, waiting_jobs: Any = ()) -> float | None:
+        """Mark the clients of ``waiting_jobs`` backlogged and set the Jain gauge; returns Jain's index."""
+        self.waiting(waiting_jobs)
+        jain = self.meter.jain(time.monotonic())
+        self.m_jain.set(float("nan") if jain is None else jain)
+        return jain
+
     def json(self, waiting_jobs: Any = ()) -> dict[str, Any]:
         """``fairness`` of ``/api/v1/swarm``: policy, weights, quantum, Jain's index and per-client figures."""
-        self.waiting(waiting_jobs)
+        jain = self.update_gauge(waiting_jobs)
         now = time.monotonic()
         rates = self.meter.rates(now)
         backlogged = set(self.meter.backlogged(now))
-        jain = self.meter.jain(now)
-        self.m_jain.set(float("nan") if jain is None else jain)
         queued: dict[str, int] = {}
         for job in waiting_jobs:
             c = getattr(job, "client", "anonymous")

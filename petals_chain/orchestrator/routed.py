@@ -99,6 +99,10 @@ class RoutedDispatch:
         self.chain_ids = list(range(len(self.chains)))
         self.generation += 1
 
+    def waiting_jobs(self) -> list[DispatchJob]:
+        """Nothing waits centrally: routed jobs wait at their servers."""
+        return []
+
     def snapshot(self) -> list[dict]:
         return [{"id": k, "index": k, "active": self.active(k), "capacity": ch.capacity,
                  "max_active": self.peak_active(k)} for k, ch in enumerate(self.chains)]
