@@ -38,9 +38,10 @@ def swarm(tiny_model_factory, tmp_path_factory):
         sw.stop()
 
 
-def complete(sw, key: str, done: list, lock: threading.Lock) -> dict:
+def complete(sw, key: str, done: list, lock: threading.Lock, max_tokens: int = 24) -> dict:
     r = httpx.post(f"{sw.url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
-                   json={"model": sw.swarm()["model"], "prompt": "hello there", "max_tokens": 24, "ignore_eos": True})
+                   json={"model": sw.swarm()["model"], "prompt": "hello there", "max_tokens": max_tokens,
+                         "ignore_eos": True})
     assert r.status_code == 200, r.text
     with lock:
         done.append(key)
@@ -54,9 +55,11 @@ def test_light_client_is_not_starved_by_a_heavy_burst(swarm):
     done: list[str] = []
     lock = threading.Lock()
     with ThreadPoolExecutor(BURST + 1) as pool:
-        heavy = [pool.submit(complete, swarm, HEAVY, done, lock) for _ in range(BURST)]
+        # long heavy jobs, so the burst stays queued while the light request arrives, also on a loaded machine
+        heavy = [pool.submit(complete, swarm, HEAVY, done, lock, 64) for _ in range(BURST)]
         deadline = time.monotonic() + 60
-        while swarm.swarm()["queue_length"] < BURST - 4:  # the burst is queued behind the two running jobs
+        # queue_max is exact (the most jobs ever queued), so a slow poll cannot miss the burst
+        while swarm.swarm()["queue_max"] < BURST - 4:  # the burst is queued behind the two running jobs
             assert time.monotonic() < deadline, "the heavy burst never queued"
             time.sleep(0.05)
         light = pool.submit(complete, swarm, LIGHT, done, lock)
