@@ -1,0 +1,310 @@
+"""HERD, Shepherd's periodic planner (seed 003 §4): streams and models into serving groups by an ILP.
+
+For each stream ``i``: ``n_i = rate_i / T_i`` GPUs sustain its average load (``T_i``: its measured goodput on one
+GPU). Its *burst tolerance* in an assignment is ``bt(i) = sum_j size_j * x_ij / n_i`` (GPUs it can use at peak over
+GPUs it needs on average). HERD maximizes ``min_i bt(i)``. The seed's Eq. 2 is lost; the ILP below is the rebuild
+of docs/scheduling-seeds.md §3.3 (variables of Table 2)::
+
+    x_ij, y_cj, z_kj in {0,1}; size_j in {0..Ḡ}; w_ij >= 0 (= size_j * x_ij); t >= 0
+    max t   s.t.   t <= sum_j w_ij / n_i                 for all i
+                   w_ij <= Ḡ x_ij,  w_ij <= size_j        (w's lower bounds are implied: max t pushes w up)
+    (a) sum_j size_j <= N            (b) size_j <= Ḡ
+    (c) sum_k z_kj mem_k <= mem      (every GPU of group j holds all of j's models)
+    (d) sum_j x_ij = 1;  x_ij <= z_{m(i) j}
+    (e) sum_c y_cj <= 1;  z_kj <= sum_c q_ck y_cj     (a group's models come from one affinity set)
+
+with ``⌈N/Ḡ⌉`` candidate groups (empty ones allowed) and ``size_1 >= size_2 >= ...`` to break the groups'
+symmetry. Solved with ``scipy.optimize.milp`` (HiGHS); :func:`brute_force_herd` enumerates small instances.
+
+Seed mapping §3.7 (:func:`solve_chain_allocation`): in petals-chain the unit is a *chain* (a chain serves one
+model), so a group's size counts chains and the memory constraint becomes "every model a group serves has at least
+one complete chain in it"; a model-stream's burst tolerance counts the chains of its own model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import lil_matrix
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A request stream (or a model-stream): its model and ``n`` = GPUs (or chains) for its average load."""
+
+    name: str
+    model: str
+    n: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.n) and self.n > 0):
+            raise ValueError(f"stream {self.name!r}: n must be a positive number, got {self.n!r}")
+
+
+@dataclass
+class HerdProblem:
+    """``num_gpus`` GPUs of ``gpu_memory`` each; groups of at most ``g_bar`` GPUs (None: no limit);
+    ``affinity_sets``: a partition of the models (None: one set, the seed's evaluation ``K̄ = ∞``);
+    ``groups``: candidate groups (None: ``⌈N/Ḡ⌉``)."""
+
+    streams: Sequence[Stream]
+    model_memory: Mapping[str, float]
+    gpu_memory: float
+    num_gpus: int
+    g_bar: int | None = None
+    affinity_sets: Sequence[Sequence[str]] | None = None
+    groups: int | None = None
+
+    def g(self) -> int:
+        return self.num_gpus if self.g_bar is None else min(self.g_bar, self.num_gpus)
+
+    def num_groups(self) -> int:
+        return self.groups or max(1, -(-self.num_gpus // self.g()))
+
+    def models(self) -> list[str]:
+        return sorted({s.model for s in self.streams})
+
+    def sets(self) -> list[list[str]]:
+        return [list(s) for s in self.affinity_sets] if self.affinity_sets else [self.models()]
+
+
+@dataclass
+class HerdSolution:
+    """``objective`` = min burst tolerance; ``group[stream name]``, ``sizes[j]``, ``models[j]``, ``bt[stream]``."""
+
+    objective: float
+    group: dict[str, int]
+    sizes: list[int]
+    models: list[list[str]]
+    bt: dict[str, float] = field(default_factory=dict)
+    status: str = "optimal"
+
+
+def burst_tolerance(problem: HerdProblem, group: Mapping[str, int], sizes: Sequence[int]) -> dict[str, float]:
+    return {s.name: sizes[group[s.name]] / s.n for s in problem.streams}
+
+
+def check_solution(problem: HerdProblem, sol: HerdSolution) -> list[str]:
+    """Constraint violations of ``sol`` (empty if valid): (a)-(e) and the objective."""
+    bad = []
+    G = problem.g()
+    if sum(sol.sizes) > problem.num_gpus:
+        bad.append("(a) cluster size")
+    if any(s < 0 or s > G for s in sol.sizes):
+        bad.append("(b) group-worker limit")
+    sets = problem.sets()
+    for j, ms in enumerate(sol.models):
+        if sum(problem.model_memory[m] for m in ms) > problem.gpu_memory + 1e-9:
+            bad.append(f"(c) memory of group {j}")
+        if ms and not any(set(ms) <= set(c) for c in sets):
+            bad.append(f"(e) group {j} mixes affinity sets")
+    for s in problem.streams:
+        if s.model not in sol.models[sol.group[s.name]]:
+            bad.append(f"(d) stream {s.name} in a group without its model")
+    bt = burst_tolerance(problem, sol.group, sol.sizes)
+    if bt and abs(min(bt.values()) - sol.objective) > 1e-6 * max(1.0, sol.objective):
+        bad.append("objective is not min bt")
+    return bad
+
+
+def solve_herd(problem: HerdProblem, *, merge: bool = True, time_limit_s: float | None = None,
+               mip_rel_gap: float = 1e-7) -> HerdSolution | None:
+    """The HERD ILP (module docstring) by HiGHS; None if infeasible (a model larger than a GPU, say).
+
+    ``merge`` (default) solves it over model-streams (:func:`merge_model_streams`, the seed's scaling step) and puts
+    every stream in its model's group. This loses nothing: given any solution, moving a stream into the group that
+    holds its model's largest-``n`` stream keeps (c)-(e) (that group already holds the model) and gives it
+    ``bt = size / n_i >= size / max n >= t``, so both problems have the same optimum; the merged one has one
+    binary per model and group instead of one per stream and group."""
+    if merge:
+        merged = merge_model_streams(problem.streams)
+        if len(merged) < len(problem.streams):
+            sub = HerdProblem(merged, problem.model_memory, problem.gpu_memory, problem.num_gpus, problem.g_bar,
+                              problem.affinity_sets, problem.num_groups())
+            sol = solve_herd(sub, merge=False, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap)
+            if sol is None:
+                return None
+            group = {s.name: sol.group[s.model] for s in problem.streams}
+            bt = burst_tolerance(problem, group, sol.sizes)
+            return HerdSolution(min(bt.values()), group, sol.sizes, sol.models, bt, sol.status)
+    streams = list(problem.streams)
+    S, J, G, N = len(streams), problem.num_groups(), problem.g(), problem.num_gpus
+    models = problem.models()
+    K = len(models)
+    kidx = {m: k for k, m in enumerate(models)}
+    sets = problem.sets()
+    C = len(sets)
+    # variable layout
+    ox, ow, oz, oy, osz = 0, S * J, 2 * S * J, 2 * S * J + K * J, 2 * S * J + K * J + C * J
+    ot = osz + J
+    nv = ot + 1
+    X = lambda i, j: ox + i * J + j  # noqa: E731
+    W = lambda i, j: ow + i * J + j  # noqa: E731
+    Z = lambda k, j: oz + k * J + j  # noqa: E731
+    Y = lambda c, j: oy + c * J + j  # noqa: E731
+    rows: list[tuple[dict[int, float], float, float]] = []
+    for i, s in enumerate(streams):
+        rows.append(({ot: 1.0, **{W(i, j): -1.0 / s.n for j in range(J)}}, -np.inf, 0.0))
+        rows.append(({X(i, j): 1.0 for j in range(J)}, 1.0, 1.0))
+        for j in range(J):
+            rows.append(({W(i, j): 1.0, X(i, j): -float(G)}, -np.inf, 0.0))
+            rows.append(({W(i, j): 1.0, osz + j: -1.0}, -np.inf, 0.0))
+            rows.append(({X(i, j): 1.0, Z(kidx[s.model], j): -1.0}, -np.inf, 0.0))
+    rows.append(({osz + j: 1.0 for j in range(J)}, -np.inf, float(N)))
+    for j in range(J):
+        rows.append(({Z(k, j): float(problem.model_memory[m]) for k, m in enumerate(models)}, -np.inf,
+                     float(problem.gpu_memory)))
+        rows.append(({Y(c, j): 1.0 for c in range(C)}, -np.inf, 1.0))
+        for k, m in enumerate(models):
+            rows.append(({Z(k, j): 1.0, **{Y(c, j): -1.0 for c in range(C) if m in sets[c]}}, -np.inf, 0.0))
+        if j + 1 < J:
+            rows.append(({osz + j: -1.0, osz + j + 1: 1.0}, -np.inf, 0.0))  # symmetry: sizes non-increasing
+    A = lil_matrix((len(rows), nv))
+    lo, hi = np.empty(len(rows)), np.empty(len(rows))
+    for r, (coef, a, b) in enumerate(rows):
+        for v, c in coef.items():
+            A[r, v] = c
+        lo[r], hi[r] = a, b
+    lb = np.zeros(nv)
+    ub = np.ones(nv)
+    ub[ow:ow + S * J] = G
+    ub[osz:osz + J] = G
+    ub[ot] = np.inf
+    integrality = np.ones(nv)
+    integrality[ow:ow + S * J] = 0
+    integrality[ot] = 0
+    c = np.zeros(nv)
+    c[ot] = -1.0
+    opts = {"mip_rel_gap": mip_rel_gap}
+    if time_limit_s is not None:
+        opts["time_limit"] = time_limit_s
+    res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality, bounds=Bounds(lb, ub),
+               options=opts)
+    if res.x is None:
+        return None
+    x = res.x
+    group = {s.name: int(np.argmax([x[X(i, j)] for j in range(J)])) for i, s in enumerate(streams)}
+    sizes = _fill(problem, group, [int(round(x[osz + j])) for j in range(J)])
+    gm = [sorted({s.model for s in streams if group[s.name] == j}) for j in range(J)]
+    bt = burst_tolerance(problem, group, sizes)
+    return HerdSolution(min(bt.values()) if bt else 0.0, group, sizes, gm, bt,
+                        "optimal" if res.status == 0 else f"status {res.status}: {res.message}")
+
+
+def _fill(problem: HerdProblem, group: Mapping[str, int], sizes: list[int]) -> list[int]:
+    """Hand GPUs the ILP left unused (it is indifferent to them) to non-full groups, the lowest burst tolerance
+    first: the objective cannot drop and every stream gains headroom."""
+    G, left = problem.g(), problem.num_gpus - sum(sizes)
+    need = {}
+    for s in problem.streams:
+        need[group[s.name]] = max(need.get(group[s.name], 0.0), s.n)
+    while left > 0:
+        open_ = [j for j in need if sizes[j] < G]
+        if not open_:
+            break
+        j = min(open_, key=lambda j: (sizes[j] / need[j], j))
+        sizes[j] += 1
+        left -= 1
+    return sizes
+
+
+def _best_sizes(need: Sequence[float], N: int, G: int) -> tuple[float, list[int]]:
+    """Max ``t`` with integer sizes ``ceil(t * need_j) <= G`` and ``sum <= N`` (``need_j`` = the largest ``n_i`` in
+    group j, 0 for an empty group): the optimum has some group at ``t = s / need_j``, so try those values."""
+    cands = sorted({s / n for n in need if n > 0 for s in range(1, G + 1)}, reverse=True)
+    for t in cands:
+        sizes = [math.ceil(t * n - 1e-9) if n > 0 else 0 for n in need]
+        if max(sizes, default=0) <= G and sum(sizes) <= N:
+            return t, sizes
+    return 0.0, [0] * len(need)
+
+
+def brute_force_herd(problem: HerdProblem) -> HerdSolution | None:
+    """Every assignment of streams to groups (``J^S``; small instances only), the best sizes for each."""
+    streams = list(problem.streams)
+    J, G, N = problem.num_groups(), problem.g(), problem.num_gpus
+    if len(streams) > 8 or J ** len(streams) > 200_000:
+        raise ValueError("instance too large for brute force")
+    sets = [set(s) for s in problem.sets()]
+    best: HerdSolution | None = None
+    for assign in itertools.product(range(J), repeat=len(streams)):
+        gm = [sorted({s.model for s, a in zip(streams, assign) if a == j}) for j in range(J)]
+        if any(sum(problem.model_memory[m] for m in ms) > problem.gpu_memory + 1e-9 for ms in gm):
+            continue
+        if any(ms and not any(set(ms) <= c for c in sets) for ms in gm):
+            continue
+        need = [max((s.n for s, a in zip(streams, assign) if a == j), default=0.0) for j in range(J)]
+        t, sizes = _best_sizes(need, N, G)
+        if best is None or t > best.objective + 1e-12:
+            group = {s.name: a for s, a in zip(streams, assign)}
+            best = HerdSolution(t, group, sizes, gm, burst_tolerance(problem, group, sizes), "brute force")
+    return best
+
+
+def merge_model_streams(streams: Sequence[Stream]) -> list[Stream]:
+    """The seed's scaling step: streams of one model become one model-stream whose burst tolerance is the lowest of
+    its streams', i.e. ``n`` = the largest ``n_i`` (bt = size / n_i is lowest for the largest n_i)."""
+    by: dict[str, float] = {}
+    for s in streams:
+        by[s.model] = max(by.get(s.model, 0.0), s.n)
+    return [Stream(m, m, n) for m, n in sorted(by.items())]
+
+
+@dataclass
+class ChainAllocation:
+    """``chains[model]`` chains for each model, ``groups[j]`` = {model: chains} and the min burst tolerance."""
+
+    objective: float
+    chains: dict[str, int]
+    groups: list[dict[str, int]]
+
+
+def solve_chain_allocation(need: Mapping[str, float], servers_per_chain: Mapping[str, int], num_servers: int,
+                           g_bar: int | None = None) -> ChainAllocation | None:
+    """Seed mapping §3.7: ``need[m]`` = chains model ``m`` needs for its average load (``rate_m / T_m``, ``T_m`` the
+    goodput of one chain), a chain of ``m`` uses ``servers_per_chain[m]`` servers. Chosen: chains ``c_mj`` of each
+    model in each group (each model in one group, ``>= 1`` chain there), at most ``g_bar`` chains per group and
+    ``num_servers`` servers in all, maximizing ``min_m c_m / need[m]``. None if not every model gets a chain."""
+    models = sorted(need)
+    K = len(models)
+    if K == 0:
+        return ChainAllocation(0.0, {}, [])
+    max_chains = sum(num_servers // max(1, int(servers_per_chain[m])) for m in models)
+    G = max_chains if g_bar is None else max(1, min(g_bar, max_chains))
+    J = max(1, -(-max_chains // G)) if max_chains else 1
+    ox, oc, ot = 0, K * J, 2 * K * J
+    nv = ot + 1
+    rows: list[tuple[dict[int, float], float, float]] = []
+    for k, m in enumerate(models):
+        rows.append(({ot: 1.0, **{oc + k * J + j: -1.0 / float(need[m]) for j in range(J)}}, -np.inf, 0.0))
+        rows.append(({ox + k * J + j: 1.0 for j in range(J)}, 1.0, 1.0))
+        for j in range(J):
+            rows.append(({oc + k * J + j: 1.0, ox + k * J + j: -float(G)}, -np.inf, 0.0))
+            rows.append(({oc + k * J + j: 1.0, ox + k * J + j: -1.0}, 0.0, np.inf))
+    for j in range(J):
+        rows.append(({oc + k * J + j: 1.0 for k in range(K)}, -np.inf, float(G)))
+    rows.append(({oc + k * J + j: float(servers_per_chain[m]) for k, m in enumerate(models) for j in range(J)},
+                 -np.inf, float(num_servers)))
+    A = lil_matrix((len(rows), nv))
+    lo, hi = np.empty(len(rows)), np.empty(len(rows))
+    for r, (coef, a, b) in enumerate(rows):
+        for v, c in coef.items():
+            A[r, v] = c
+        lo[r], hi[r] = a, b
+    ub = np.concatenate([np.ones(K * J), np.full(K * J, float(G)), [np.inf]])
+    integrality = np.concatenate([np.ones(2 * K * J), [0]])
+    c = np.zeros(nv)
+    c[ot] = -1.0
+    res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(nv), ub), options={"mip_rel_gap": 1e-7})
+    if res.x is None:
+        return None
+    cm = np.rint(res.x[oc:oc + K * J]).astype(int).reshape(K, J)
+    chains = {m: int(cm[k].sum()) for k, m in enumerate(models)}
+    groups = [{m: int(cm[k, j]) for k, m in enumerate(models) if cm[k, j]} for j in range(J)]
+    return ChainAllocation(min(chains[m] / float(need[m]) for m in models), chains, groups)
