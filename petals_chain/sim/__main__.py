@@ -235,6 +235,20 @@ def show(cmd: str, res: dict) -> None:
     elif cmd == "fairness":
         for name, r in res.items():
             show_fairness(name, r)
+    elif cmd == "deadlines":
+        from petals_chain.sim import deadlines as dl
+
+        for name, r in res.items():
+            for title, hdr, rows in dl.tables(name, r):
+                print_table(title, hdr, rows)
+            print(f"seed 003: {r['seed_claim']}")
+    elif cmd == "multimodel":
+        from petals_chain.sim import multimodel as mmsim
+
+        for name, r in res.items():
+            for title, hdr, rows in mmsim.tables(name, r):
+                print_table(title, hdr, rows)
+            print(f"seed 001: {r['seed_claim']}")
     elif cmd == "planner-scale":
         print_table("Planner scale (tune_capacity: c* by lower bound + GBP-CR + GCA)", ["J", "seconds", "c", "chains", "λ"],
                     [[res["servers"], res["seconds"], res["c"], res["chains"], res["arrival_rate"]]])
@@ -332,6 +346,20 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
 
         names = list(fair.EXPERIMENTS) if a.experiment == "all" else [a.experiment]
         return {n: fair.EXPERIMENTS[n](quick=q, seed=a.seed) for n in names}
+    if cmd == "deadlines":
+        from petals_chain.sim import deadlines as dl
+
+        names = list(dl.EXPERIMENTS) if a.experiment == "all" else [a.experiment]
+        if any(n not in dl.EXPERIMENTS for n in names):
+            raise ValueError(f"deadlines: --experiment must be one of {', '.join(dl.EXPERIMENTS)} or all")
+        return {n: dl.EXPERIMENTS[n](quick=q, seed=a.seed, **({"trace": a.trace} if n == "load" else {})) for n in names}
+    if cmd == "multimodel":
+        from petals_chain.sim import multimodel as mmsim
+
+        names = list(mmsim.EXPERIMENTS) if a.experiment == "all" else [a.experiment]
+        if any(n not in mmsim.EXPERIMENTS for n in names):
+            raise ValueError(f"multimodel: --experiment must be one of {', '.join(mmsim.EXPERIMENTS)} or all")
+        return {n: mmsim.EXPERIMENTS[n](quick=q, seed=a.seed) for n in names}
     if cmd == "planner-scale":
         return ex.planner_scale(a.servers, seed=a.seed, arrival_rate=a.planner_rate)
     raise ValueError(cmd)
@@ -340,9 +368,11 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m petals_chain.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=(*FIGS, "overall", "trace", "planner-scale", "reproduce", "fairness"))
-    p.add_argument("--experiment", choices=("heavy", "prefix", "distributed", "sweep", "bound", "all"), default="all",
-                   help="fairness: which experiment (default all)")
+    p.add_argument("command", choices=(*FIGS, "overall", "trace", "planner-scale", "reproduce", "fairness", "deadlines",
+                                        "multimodel"))
+    p.add_argument("--experiment", choices=("heavy", "prefix", "distributed", "sweep", "bound", "all",
+                                                "fig11a", "load", "herd", "chain", "db", "shift", "ablation"), default="all",
+                   help="fairness / deadlines (fig11a|load|herd|chain): which experiment (default all)")
     p.add_argument("--runs", type=int, default=None, help="Monte Carlo runs (default 20, 3 with --quick; trace: 5 / 1)")
     p.add_argument("--jobs", type=int, default=None, help="jobs per simulation run (default 5000, 1000 with --quick)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,766 @@
+"""Several models in one swarm (seed 001, SeaLLM): DB scheduling, placement by unserved index, adaptive replacement.
+
+Pure (no torch, no I/O, no asyncio): the simulator (``petals_chain.sim.multimodel``) and the orchestrator drive
+the same objects. Section, equation and algorithm numbers are the seed's (``docs/scheduling-seeds.md`` §1).
+
+Vocabulary. A *service* ``s`` is a model plus a request class (any hashable; by default the model's name). A
+*sharing group* is one chain: it runs steps (one prefill or decode iteration of every request in its batch) and
+asks its :class:`Scheduler` before every step which requests run (preemption at step granularity). Times are
+seconds of execution on the chain that runs the request (the caller may normalize them to a reference speed);
+``L̂_s`` and ``σ_s`` are the mean and standard deviation of a service's execution time without queueing.
+
+Schedulers (``SCHEDULES``, the orchestrator's ``--schedule db|fcfs|mlfq``), all behind one interface
+(:meth:`Scheduler.arrive`, :meth:`Scheduler.select`, :meth:`Scheduler.charge`, :meth:`Scheduler.complete`):
+
+* ``db`` — doubling budget (§4.2, Eq. 7, Alg. 2): :class:`DBScheduler`.
+* ``fcfs`` — first come first served, non-preemptive continuous batching (SeaLLM-F, AlpaServe, vLLM).
+* ``mlfq`` — FastServe's skip-join multi-level feedback queue (SeaLLM-M): :class:`MLFQScheduler`.
+
+Placement (§4.1, Eq. 6, Alg. 1): :func:`place_by_unserved_index` gives every volunteer server one model; inside
+a model the blocks are placed by GBP-CR and chains formed by GCA (:func:`model_chains`). Replacement (§4.3,
+Eq. 8): :class:`AdaptiveInterval`, :class:`MixDriftDetector` and :func:`moves_that_pay`. Metrics (Eq. 1, Eq. 5):
+:func:`normalized_latency`, :func:`slo_attainment`, :func:`p99`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from petals_chain.algorithms.gbp_cr import gbp_cr
+from petals_chain.algorithms.gca import gca
+from petals_chain.model import Chain, ModelSpec, ServerSpec
+
+SCHEDULES = ("db", "fcfs", "mlfq")
+ALPHA = 1e-4  # weight of L_N^s in the unserved index (Eq. 6, §6.1)
+BETA = 0.1  # interval step and tolerance (Eq. 8, §6.1)
+SLO_SCALE = 5.0  # SLO = 5 x the request's execution time (§6.1)
+STARVE_FACTOR = 2.0  # [gap] starvation threshold theta_s = 2 L̂_s
+UNPLACED_LN = 1e4  # L_N^s counted for a service with no complete chain (all its requests are unserved)
+
+
+# ------------------------------------------------------------------------------------------ service stats
+
+
+class ServiceStats:
+    """``L̂_s`` and ``σ_s`` of one service's execution time (s, without queueing) over the last ``window``
+    completed requests; the profiled ``prior`` (mean, std) until ``min_samples`` were seen (the seed's profiler /
+    service monitor, §3). ``σ_s`` is the standard deviation (the seed's "standard variance" [gap])."""
+
+    def __init__(self, prior_mean: float, prior_std: float = 0.0, *, window: int = 512, min_samples: int = 16):
+        if not (prior_mean > 0 and math.isfinite(prior_mean)) or not (prior_std >= 0 and math.isfinite(prior_std)):
+            raise ValueError(f"prior must be a positive mean and a std >= 0, got ({prior_mean!r}, {prior_std!r})")
+        if window < 1 or min_samples < 1:
+            raise ValueError("window and min_samples must be >= 1")
+        self.prior_mean, self.prior_std = float(prior_mean), float(prior_std)
+        self.window, self.min_samples = int(window), int(min_samples)
+        self._xs: deque[float] = deque()
+        self._sum = self._sq = 0.0
+
+    def observe(self, exec_s: float) -> None:
+        """One completed request took ``exec_s`` seconds of execution."""
+        x = float(exec_s)
+        if not (x >= 0 and math.isfinite(x)):
+            raise ValueError(f"execution time must be finite and >= 0, got {exec_s!r}")
+        self._xs.append(x)
+        self._sum += x
+        self._sq += x * x
+        if len(self._xs) > self.window:
+            y = self._xs.popleft()
+            self._sum -= y
+            self._sq -= y * y
+
+    @property
+    def count(self) -> int:
+        return len(self._xs)
+
+    @property
+    def mean(self) -> float:
+        """``L̂_s`` (s)."""
+        if len(self._xs) < self.min_samples:
+            return self.prior_mean
+        return max(self._sum / len(self._xs), 1e-9)
+
+    @property
+    def std(self) -> float:
+        """``σ_s`` (s), population standard deviation of the window."""
+        n = len(self._xs)
+        if n < self.min_samples:
+            return self.prior_std
+        return math.sqrt(max(self._sq / n - (self._sum / n) ** 2, 0.0))
+
+    @property
+    def base_budget(self) -> float:
+        """``Q0_s = L̂_s + σ_s`` (s)."""
+        return self.mean + self.std
+
+
+class ServiceMonitor:
+    """Per-service :class:`ServiceStats`; a service not profiled yet gets ``default`` (mean, std) as its prior."""
+
+    def __init__(self, priors: Mapping[Hashable, tuple[float, float]] | None = None, *,
+                 default: tuple[float, float] = (1.0, 0.0), window: int = 512, min_samples: int = 16):
+        self.default = default
+        self.window, self.min_samples = window, min_samples
+        self.stats: dict[Hashable, ServiceStats] = {}
+        for s, (m, sd) in (priors or {}).items():
+            self.stats[s] = ServiceStats(m, sd, window=window, min_samples=min_samples)
+
+    def __getitem__(self, service: Hashable) -> ServiceStats:
+        st = self.stats.get(service)
+        if st is None:
+            st = self.stats[service] = ServiceStats(*self.default, window=self.window, min_samples=self.min_samples)
+        return st
+
+    def observe(self, service: Hashable, exec_s: float) -> None:
+        self[service].observe(exec_s)
+
+
+# ------------------------------------------------------------------------------------------- scheduling
+
+
+@dataclass(eq=False)
+class Job:
+    """A request as a scheduler sees it. ``key``: the caller's handle; ``prefill_s``: estimated time of its first
+    iteration (MLFQ's skip-join). The scheduler keeps the rest: ``level`` (DB's ``k_r``, MLFQ's queue),
+    ``budget`` (DB's ``Q_r``, MLFQ's quantum left, s), ``priority`` (DB's ``O_r``), ``used`` (execution seconds
+    charged), ``waiting_since`` (arrival or the end of its last step) and ``running`` (in the last batch)."""
+
+    key: Hashable
+    service: Hashable
+    arrival: float
+    prefill_s: float = 0.0
+    level: int = 0
+    budget: float = math.nan
+    priority: float = math.nan
+    used: float = 0.0
+    steps: int = 0
+    waiting_since: float = math.nan
+    running: bool = False
+
+
+class Scheduler:
+    """The queue discipline of one sharing group (chain). Drive it as::
+
+        sched.arrive(job, now)                 # a request is dispatched to this group
+        batch = sched.select(capacity, now)    # before every step: the jobs that run it (<= capacity)
+        ...                                    # run the step (jobs in sched.preempted left the batch: pause them)
+        sched.charge(batch, step_s, now)       # after the step: each job in it used step_s seconds
+        sched.complete(job, now)               # a job finished (its ``used`` feeds the service monitor)
+
+    ``remove(job)`` takes a job away without completing it (migration to another group; re-``arrive`` it there:
+    its level and budget are kept)."""
+
+    name = "?"
+
+    def __init__(self, monitor: ServiceMonitor | None = None):
+        self.monitor = monitor if monitor is not None else ServiceMonitor()
+        self.jobs: dict[int, Job] = {}
+        self.preempted: list[Job] = []
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __contains__(self, job: Job) -> bool:
+        return id(job) in self.jobs
+
+    def arrive(self, job: Job, now: float) -> None:
+        if id(job) in self.jobs:
+            raise ValueError(f"job {job.key!r} is already here")
+        job.waiting_since = now
+        job.running = False
+        self._init(job, now)
+        self.jobs[id(job)] = job
+
+    def _init(self, job: Job, now: float) -> None:
+        pass
+
+    def _order(self, now: float) -> list[Job]:
+        raise NotImplementedError
+
+    def select(self, capacity: int, now: float, fits: Callable[[Job], bool] | None = None) -> list[Job]:
+        """The jobs that run the next step, at most ``capacity``, best first; ``preempted``: those that ran the
+        last step and do not run this one. ``fits(job)`` is asked, in priority order, about each job that did not
+        run the last step: whether the group has room for it (KV pages; it may reserve them); a job that does not
+        fit is skipped (the seed's ``EnoughResource``)."""
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        jobs = self._order(now) if len(self.jobs) > capacity or fits is not None else list(self.jobs.values())
+        if fits is None:
+            batch = jobs[:capacity]
+        else:
+            batch = []
+            for j in jobs:
+                if len(batch) >= capacity:
+                    break
+                if j.running or fits(j):
+                    batch.append(j)
+        chosen = set(map(id, batch))
+        self.preempted = [j for j in self.jobs.values() if j.running and id(j) not in chosen]
+        for j in self.preempted:
+            j.running = False
+            j.waiting_since = now
+        for j in batch:
+            j.running = True
+        return batch
+
+    def charge(self, batch: Iterable[Job], step_s: float, now: float) -> None:
+        """Each job of ``batch`` used ``step_s`` seconds of execution in the step that ended at ``now``."""
+        for j in batch:
+            j.used += step_s
+            j.steps += 1
+            j.waiting_since = now
+            self._charged(j, step_s)
+
+    def _charged(self, job: Job, step_s: float) -> None:
+        pass
+
+    def complete(self, job: Job, now: float, exec_s: float | None = None) -> None:
+        """``job`` finished; its execution time (default: what it was charged) updates ``L̂_s``, ``σ_s``."""
+        self.jobs.pop(id(job))
+        job.running = False
+        self.monitor.observe(job.service, job.used if exec_s is None else exec_s)
+
+    def remove(self, job: Job) -> None:
+        self.jobs.pop(id(job))
+        job.running = False
+
+
+class FCFSScheduler(Scheduler):
+    """First come first served with continuous batching: running jobs keep their place (never preempted), free
+    places go to the earliest arrivals (SeaLLM-F; the paper's JFFC queue)."""
+
+    name = "fcfs"
+
+    def _order(self, now: float) -> list[Job]:
+        return sorted(self.jobs.values(), key=lambda j: (not j.running, j.arrival))
+
+
+class DBScheduler(Scheduler):
+    """Doubling-budget scheduling (§4.2, Eq. 7, Alg. 2).
+
+    * Arrival: ``k_r = 0``, ``Q_r = Q0_s = L̂_s + σ_s``, priority ``O_r = Q_r · L̂_s`` (Eq. 7 with the remaining
+      budget as ``T'_r``); smallest ``O_r`` runs first.
+    * After each step: ``Q_r -= step_s``; when ``Q_r <= 0``: ``k_r += 1`` and ``Q_r = 2^k_r · Q0_s`` [gap: the seed
+      writes only the first doubling, ``2(L̂_s + σ_s)``, then says "double again each time": geometric]. The
+      overshoot of the step that exhausted the budget is not carried over (as the seed's reset). ``O_r`` is then
+      recomputed with the current ``L̂_s``; ``Q0_s`` is read when the budget is (re)set, so online profiling
+      changes only budgets set later.
+    * Starvation [gap]: service ``s`` is starved when its longest-waiting job (not in the last batch) has waited
+      more than ``θ_s = starve_factor · L̂_s`` since its arrival or its last step; starved services go first,
+      longest-waiting first, each contributing its min-``O`` waiting job; the rest of the batch by ``O``. The rule
+      orders services, so it applies only while the group holds requests of two services or more.
+    * Preemption: re-ranked before every step; a running job leaves the batch only for a strictly smaller
+      ``O`` (ties keep running jobs, then the earlier arrival), so a pause happens only on a priority inversion.
+    * Departures from Alg. 2 (documented): one batch may mix services and phases (petals servers batch sessions
+      themselves; the seed's one-service-one-phase batches exist because SeaLLM time-shares GPUs between models,
+      which a petals chain never does); no skip-and-reinsert loop is needed (Alg. 2 l. 17-20 [gap]: as printed it
+      never advances on a mismatch)."""
+
+    name = "db"
+
+    def __init__(self, monitor: ServiceMonitor | None = None, *, starve_factor: float | None = STARVE_FACTOR):
+        super().__init__(monitor)
+        self.starve_factor = starve_factor
+
+    def _init(self, job: Job, now: float) -> None:
+        if math.isnan(job.budget):  # a migrated job keeps (k_r, Q_r)
+            job.level = 0
+            job.budget = self.monitor[job.service].base_budget
+        job.priority = job.budget * self.monitor[job.service].mean
+
+    def _charged(self, job: Job, step_s: float) -> None:
+        job.budget -= step_s
+        if job.budget <= 0:
+            job.level += 1
+            job.budget = (2 ** job.level) * self.monitor[job.service].base_budget
+        job.priority = job.budget * self.monitor[job.service].mean
+
+    def starved(self, now: float) -> list[Job]:
+        """The min-``O`` waiting job of every starved service, the longest-waiting service first."""
+        if self.starve_factor is None:
+            return []
+        oldest: dict[Hashable, float] = {}
+        best: dict[Hashable, Job] = {}
+        for j in self.jobs.values():
+            if j.running:
+                continue
+            s = j.service
+            if j.waiting_since < oldest.get(s, math.inf):
+                oldest[s] = j.waiting_since
+            b = best.get(s)
+            if b is None or (j.priority, j.arrival) < (b.priority, b.arrival):
+                best[s] = j
+        if len(oldest) + (1 if any(j.running and j.service not in oldest for j in self.jobs.values()) else 0) < 2:
+            return []  # starvation is between services: with one service here it would only churn the batch
+        out = [s for s, t in oldest.items() if now - t > self.starve_factor * self.monitor[s].mean]
+        out.sort(key=lambda s: oldest[s])
+        return [best[s] for s in out]
+
+    def _order(self, now: float) -> list[Job]:
+        first = self.starved(now)
+        ids = set(map(id, first))
+        rest = sorted((j for j in self.jobs.values() if id(j) not in ids),
+                      key=lambda j: (j.priority, not j.running, j.arrival))
+        return first + rest
+
+
+class MLFQScheduler(Scheduler):
+    """FastServe's skip-join MLFQ (SeaLLM-M; [outside] FastServe §4): ``levels`` queues with quanta
+    ``q_i = q_1 · 2^i`` (``i`` = 0 highest; ``q_1`` ≈ one decode iteration, s). A new job joins the highest queue
+    whose quantum covers its first iteration (``prefill_s``), skipping the ones above; it drops one level each
+    time it uses up its quantum; FCFS inside a queue; preempted at step boundaries; a job waiting longer than
+    ``starve_s`` since its last step goes back to the top queue (None: never)."""
+
+    name = "mlfq"
+
+    def __init__(self, monitor: ServiceMonitor | None = None, *, q1: float = 0.03, levels: int = 16,
+                 starve_s: float | None = None):
+        super().__init__(monitor)
+        if not (q1 > 0) or levels < 1:
+            raise ValueError("q1 must be > 0 and levels >= 1")
+        self.q1, self.levels, self.starve_s = float(q1), int(levels), starve_s
+
+    def quantum(self, level: int) -> float:
+        return self.q1 * 2 ** level
+
+    def join_level(self, prefill_s: float) -> int:
+        """Skip-join: the highest queue whose quantum is at least the first iteration's time."""
+        for i in range(self.levels):
+            if self.quantum(i) >= prefill_s:
+                return i
+        return self.levels - 1
+
+    def _init(self, job: Job, now: float) -> None:
+        if math.isnan(job.budget):
+            job.level = self.join_level(job.prefill_s)
+            job.budget = self.quantum(job.level)
+
+    def _charged(self, job: Job, step_s: float) -> None:
+        job.budget -= step_s
+        if job.budget <= 0:
+            job.level = min(job.level + 1, self.levels - 1)
+            job.budget = self.quantum(job.level)
+
+    def _order(self, now: float) -> list[Job]:
+        if self.starve_s is not None:
+            for j in self.jobs.values():
+                if not j.running and j.level > 0 and now - j.waiting_since > self.starve_s:
+                    j.level, j.budget = 0, self.quantum(0)
+        return sorted(self.jobs.values(), key=lambda j: (j.level, j.arrival))
+
+
+def make_scheduler(name: str, monitor: ServiceMonitor | None = None, **kw) -> Scheduler:
+    """``db|fcfs|mlfq`` (``--schedule``); ``kw`` go to the scheduler (``starve_factor``; ``q1``, ``levels``,
+    ``starve_s``)."""
+    if name == "db":
+        return DBScheduler(monitor, **kw)
+    if name == "fcfs":
+        return FCFSScheduler(monitor)
+    if name == "mlfq":
+        return MLFQScheduler(monitor, **kw)
+    raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def normalized_latency(latency_s: Sequence[float], service_exec_s: Sequence[float]) -> float:
+    """Eq. 1 per request: ``mean_r(L_r / L̂_{s(r)})`` ([gap] sum vs mean: the mean, as §6.1 reports it).
+    ``service_exec_s[i]``: ``L̂_s`` of request ``i``'s service."""
+    x, n = np.asarray(latency_s, dtype=float), np.asarray(service_exec_s, dtype=float)
+    if len(x) != len(n):
+        raise ValueError("latency and L̂ must have the same length")
+    return float(np.mean(x / n)) if len(x) else math.nan
+
+
+def slo_attainment(latency_s: Sequence[float], exec_s: Sequence[float], scale: float = SLO_SCALE) -> float:
+    """Eq. 5: the fraction of requests with ``L_r < SLO_r``, ``SLO_r = scale`` x the request's own execution
+    time ([gap] Fig. 10 uses the service mean; §6.1 the request's)."""
+    x, e = np.asarray(latency_s, dtype=float), np.asarray(exec_s, dtype=float)
+    if len(x) != len(e):
+        raise ValueError("latency and execution times must have the same length")
+    return float(np.mean(x < scale * e)) if len(x) else math.nan
+
+
+def p99(latency_s: Sequence[float]) -> float:
+    return float(np.percentile(np.asarray(latency_s, dtype=float), 99)) if len(latency_s) else math.nan
+
+
+# -------------------------------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class Volunteer:
+    """A volunteer server: ``memory`` (the unit of the models' ``block_memory``), ``speed`` (1 = the reference
+    hardware the models' ``block_time`` is measured on) and ``tau_c`` (s per job, its link to the orchestrator)."""
+
+    name: str
+    memory: float
+    speed: float = 1.0
+    tau_c: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.name or not (self.memory >= 0 and self.speed > 0 and self.tau_c >= 0):
+            raise ValueError(f"bad volunteer {self!r}")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model and its traffic: ``num_blocks`` ``L``, ``block_memory`` ``s_m`` and ``cache_memory`` ``s_c`` (per
+    block per job), ``block_time`` (s per block per job on speed-1 hardware), ``rate`` ``λ_s`` (req/s),
+    ``exec_s`` ``L̂_s`` (mean execution time of a request on a reference chain, s; default ``L · block_time``),
+    ``c`` the concurrency GBP-CR plans each chain for, ``slo_scale`` the SLO in multiples of the execution time."""
+
+    name: str
+    num_blocks: int
+    block_memory: float
+    cache_memory: float
+    block_time: float
+    rate: float = 0.0
+    exec_s: float | None = None
+    c: int = 8
+    slo_scale: float = SLO_SCALE
+
+    @property
+    def spec(self) -> ModelSpec:
+        return ModelSpec(self.num_blocks, self.block_memory, self.cache_memory)
+
+    @property
+    def mean_exec_s(self) -> float:
+        return self.exec_s if self.exec_s is not None else self.num_blocks * self.block_time
+
+    def with_rate(self, rate: float) -> "ServedModel":
+        return ServedModel(self.name, self.num_blocks, self.block_memory, self.cache_memory, self.block_time, rate,
+                           self.exec_s, self.c, self.slo_scale)
+
+    def can_hold(self, server: Volunteer) -> bool:
+        """``CanAllocate``: the server holds at least one block with one cache slot (Eq. 3)."""
+        return server.memory >= self.block_memory + self.cache_memory
+
+
+def server_specs(servers: Iterable[Volunteer], model: ServedModel) -> list[ServerSpec]:
+    """The servers in seed 000's terms for ``model``: ``tau_p = block_time / speed``."""
+    return [ServerSpec(s.name, s.memory, s.tau_c, model.block_time / s.speed) for s in servers]
+
+
+def model_chains(servers: Sequence[Volunteer], model: ServedModel) -> list[Chain]:
+    """Chains of ``model`` on ``servers`` (all of them serving it): GBP-CR (Alg. 1 of seed 000, every server that
+    holds a block takes part) places the blocks for concurrency ``c``, GCA (Alg. 2) forms chains. Empty when the
+    servers cannot cover all ``L`` blocks."""
+    fit = [s for s in servers if model.can_hold(s)]
+    if not fit:
+        return []
+    specs = server_specs(fit, model)
+    placement = gbp_cr(specs, model.spec, model.c, max(model.rate, 1e-9), use_all_servers=True)
+    if not placement:
+        return []
+    return gca(specs, model.spec, placement)
+
+
+@dataclass(frozen=True)
+class ModelEstimate:
+    """Predicted performance of one model over a history window: ``requests``, ``misses`` (expected SLO misses),
+    ``norm_latency`` (``L_N^s``) and the unserved index ``ui`` (Eq. 6)."""
+
+    requests: float
+    misses: float
+    norm_latency: float
+    ui: float
+
+    @property
+    def slo_attainment(self) -> float:
+        return 1.0 - self.misses / self.requests if self.requests > 0 else 1.0
+
+
+def erlang_c(servers: int, load: float) -> float:
+    """Probability of waiting in M/M/``servers`` with offered load ``load = λ/μ`` (1 when ``load >= servers``)."""
+    if servers <= 0 or load >= servers:
+        return 1.0
+    if load <= 0:
+        return 0.0
+    # sum_{k<c} a^k/k! and a^c/c! via a stable recurrence
+    term, total = 1.0, 1.0
+    for k in range(1, servers):
+        term *= load / k
+        total += term
+    last = term * load / servers
+    top = last * servers / (servers - load)
+    return top / (total + top)
+
+
+def estimate_model(model: ServedModel, chains: Sequence[Chain], horizon_s: float, *, alpha: float = ALPHA) -> ModelEstimate:
+    """An M/M/C estimate of ``model`` on ``chains`` over ``horizon_s`` seconds of its traffic (the placement's fast
+    stand-in for the seed's simulator; a caller may supply its own ``evaluate``): ``C = Σ c_k`` slots served at
+    the capacity-weighted mean rate ``μ = Σ c_k/T_k / C``. A request's execution on chain ``k`` takes
+    ``x L̂_s`` with ``x = T_k / (L · block_time)`` (the chain's slowness against the reference; capacity-weighted
+    mean); it misses its SLO when ``x L̂_s + W > slo_scale · L̂_s`` (Erlang C, exponential wait tail);
+    ``L_N^s = x + E[W] / L̂_s``. No complete chain, or ``λ >= Σ c_k/T_k``: every request is unserved."""
+    n = model.rate * horizon_s
+    C = sum(ch.capacity for ch in chains)
+    if not chains or C <= 0:
+        return ModelEstimate(n, n, UNPLACED_LN, n + alpha * UNPLACED_LN)
+    nu = sum(ch.capacity / ch.service_time for ch in chains)  # jobs/s with every slot busy
+    mu = nu / C
+    ref = model.num_blocks * model.block_time
+    x = sum(ch.capacity / ch.service_time * ch.service_time / ref for ch in chains) / nu
+    load = model.rate / mu
+    if model.rate >= nu:
+        return ModelEstimate(n, n, UNPLACED_LN, n + alpha * UNPLACED_LN)
+    pw = erlang_c(C, load)
+    gap = max(nu - model.rate, 1e-12)
+    wait = pw / gap
+    slack = (model.slo_scale - x) * model.mean_exec_s  # the wait a request can afford
+    miss = 1.0 if slack <= 0 else pw * math.exp(-gap * slack)
+    ln = x + wait / model.mean_exec_s
+    return ModelEstimate(n, n * miss, ln, n * miss + alpha * ln)
+
+
+Assignment = Mapping[str, str]  # server name -> model name
+Evaluate = Callable[[Mapping[str, Sequence[Volunteer]]], Mapping[str, ModelEstimate]]
+
+
+def analytic_evaluate(models: Sequence[ServedModel], horizon_s: float, alpha: float = ALPHA) -> Evaluate:
+    """``evaluate(servers per model) -> {model: ModelEstimate}`` by :func:`estimate_model` on GBP-CR/GCA chains."""
+    by_name = {m.name: m for m in models}
+
+    def evaluate(groups: Mapping[str, Sequence[Volunteer]]) -> dict[str, ModelEstimate]:
+        return {name: estimate_model(m, model_chains(groups.get(name, ()), m), horizon_s, alpha=alpha)
+                for name, m in by_name.items()}
+
+    return evaluate
+
+
+def groups_of(assignment: Assignment, servers: Sequence[Volunteer]) -> dict[str, list[Volunteer]]:
+    """Servers per model (in the order of ``servers``)."""
+    out: dict[str, list[Volunteer]] = {}
+    for s in servers:
+        m = assignment.get(s.name)
+        if m is not None:
+            out.setdefault(m, []).append(s)
+    return out
+
+
+def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[ServedModel], *,
+                            horizon_s: float = 600.0, alpha: float = ALPHA, evaluate: Evaluate | None = None,
+                            fixed: Assignment | None = None) -> dict[str, str]:
+    """Which model each server serves, by the unserved index (§4.1, Eq. 6, Alg. 1).
+
+    Repeat until no server can be added: estimate ``UI_s = #SLO misses + α · L_N^s`` of every model on the partial
+    plan (``evaluate``, default :func:`analytic_evaluate` over ``horizon_s`` of traffic; a model without a complete
+    chain counts all its requests as unserved), then visit the servers by ascending request rate already placed on
+    them and, within a server, the models by descending ``UI_s``; the first pair where the server can hold the
+    model (``CanAllocate``: one block and one cache slot) is added.
+
+    Petals mapping: a *group* is one volunteer server and holds exactly one model (the seed's TP group partition
+    becomes GBP-CR's spans inside the model, done by :func:`model_chains`), so only unassigned servers (rate 0)
+    are candidates; ties between them go to the fastest, then the largest, then the first listed. ``fixed``:
+    servers whose model is already decided (kept as they are)."""
+    names = [s.name for s in servers]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate server names")
+    mnames = [m.name for m in models]
+    if len(set(mnames)) != len(mnames):
+        raise ValueError("duplicate model names")
+    evaluate = evaluate or analytic_evaluate(models, horizon_s, alpha)
+    plan: dict[str, str] = {k: v for k, v in (fixed or {}).items() if k in set(names) and v in set(mnames)}
+    free = sorted((s for s in servers if s.name not in plan), key=lambda s: (-s.speed, -s.memory, names.index(s.name)))
+    while free:
+        est = evaluate(groups_of(plan, servers))
+        order = sorted(models, key=lambda m: (-est[m.name].ui, mnames.index(m.name)))
+        for s in free:
+            m = next((m for m in order if m.can_hold(s)), None)
+            if m is not None:
+                plan[s.name] = m.name
+                free.remove(s)
+                break
+        else:
+            break
+    return plan
+
+
+def even_split(servers: Sequence[Volunteer], models: Sequence[ServedModel]) -> dict[str, str]:
+    """No placement (SeaLLM-P, vLLM): the servers dealt round-robin to the models that fit them."""
+    plan: dict[str, str] = {}
+    k = 0
+    for s in servers:
+        for _ in range(len(models)):
+            m = models[k % len(models)]
+            k += 1
+            if m.can_hold(s):
+                plan[s.name] = m.name
+                break
+    return plan
+
+
+# ------------------------------------------------------------------------------------------ replacement
+
+
+@dataclass(frozen=True)
+class PlanMetrics:
+    """What Eq. 8 compares: SLO attainment and normalized latency of one interval."""
+
+    slo_attainment: float
+    norm_latency: float
+
+
+class AdaptiveInterval:
+    """The replacement interval ``I_t`` (§4.3, Eq. 8): after interval ``t``, ``I_{t+1} = (1 - β) I_t`` when the
+    relative error ``|M_real - M_est| / M_est`` exceeds ``β``, ``(1 + β) I_t`` when it is below ``β``.
+
+    [gap] ``M`` holds SLO attainment and normalized latency: shrink when either error exceeds ``β``, grow when
+    both are below it, keep ``I_t`` otherwise (an error exactly ``β``); clamped to ``[min_s, max_s]`` (not in the
+    paper). ``initial_s`` = ``I_0`` [gap: 10 min]."""
+
+    def __init__(self, initial_s: float = 600.0, *, beta: float = BETA, min_s: float = 30.0, max_s: float = 3600.0):
+        if not 0 < beta < 1:
+            raise ValueError("beta must be in (0, 1)")
+        if not 0 < min_s <= initial_s <= max_s:
+            raise ValueError("need 0 < min_s <= initial_s <= max_s")
+        self.interval, self.beta, self.min_s, self.max_s = float(initial_s), float(beta), float(min_s), float(max_s)
+        self.history: list[tuple[float, float]] = []  # (relative error, interval after)
+
+    @staticmethod
+    def relative_error(real: PlanMetrics, est: PlanMetrics) -> float:
+        """The larger of the two metrics' ``|real - est| / est`` (inf when an estimate is 0 and the real is not)."""
+        errs = []
+        for r, e in ((real.slo_attainment, est.slo_attainment), (real.norm_latency, est.norm_latency)):
+            errs.append(abs(r - e) / abs(e) if e else (0.0 if r == e else math.inf))
+        return max(errs)
+
+    def update(self, real: PlanMetrics, est: PlanMetrics) -> float:
+        """The next interval (s) from the interval that just ended."""
+        err = self.relative_error(real, est)
+        if err > self.beta:
+            self.interval *= 1.0 - self.beta
+        elif err < self.beta:
+            self.interval *= 1.0 + self.beta
+        self.interval = min(max(self.interval, self.min_s), self.max_s)
+        self.history.append((err, self.interval))
+        return self.interval
+
+
+class MixDriftDetector:
+    """Traffic-mix drift (ours, beside Eq. 8): the share of arrivals per model over the last ``window_s`` seconds
+    against the shares the plan was made for; drift when their total variation distance exceeds ``threshold``
+    (and at least ``min_arrivals`` arrived in the window), so a shift re-plans before the interval ends."""
+
+    def __init__(self, window_s: float = 60.0, threshold: float = 0.2, min_arrivals: int = 30):
+        self.window_s, self.threshold, self.min_arrivals = float(window_s), float(threshold), int(min_arrivals)
+        self._events: deque[tuple[float, str]] = deque()
+        self.planned: dict[str, float] = {}
+
+    def arrive(self, model: str, now: float) -> None:
+        self._events.append((now, model))
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def mix(self, now: float) -> dict[str, float]:
+        """Share of arrivals per model in the window."""
+        self._trim(now)
+        n = len(self._events)
+        out: dict[str, float] = {}
+        for _, m in self._events:
+            out[m] = out.get(m, 0.0) + 1.0 / n
+        return out
+
+    def rates(self, now: float) -> dict[str, float]:
+        """Arrivals per second per model in the window."""
+        self._trim(now)
+        out: dict[str, float] = {}
+        for _, m in self._events:
+            out[m] = out.get(m, 0.0) + 1.0 / self.window_s
+        return out
+
+    def set_plan(self, mix: Mapping[str, float]) -> None:
+        self.planned = dict(mix)
+
+    def distance(self, now: float) -> float:
+        cur = self.mix(now)
+        keys = set(cur) | set(self.planned)
+        return 0.5 * sum(abs(cur.get(k, 0.0) - self.planned.get(k, 0.0)) for k in keys)
+
+    def drifted(self, now: float) -> bool:
+        self._trim(now)
+        return len(self._events) >= self.min_arrivals and bool(self.planned) and self.distance(now) > self.threshold
+
+
+@dataclass(frozen=True)
+class Move:
+    """Server ``server`` goes from model ``src`` (None: idle) to ``dst``; ``benefit``: the objective it saves over
+    the interval net of its reload (objective units, e.g. expected SLO misses)."""
+
+    server: str
+    src: str | None
+    dst: str
+    benefit: float
+
+
+def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[[Assignment], float], *,
+                   reload_s: float, interval_s: float) -> list[Move]:
+    """The moves from ``current`` toward ``target`` that pay for their reload ("move only servers whose move pays
+    for its reload time"). ``cost_rate(assignment)``: the objective per second under an assignment (e.g. the
+    predicted unserved index per second, :func:`ui_rate`). A server moving ``A -> B`` serves nothing for
+    ``reload_s``, then serves ``B`` for the rest of ``interval_s``; it pays when
+    ``I · cost(now) > reload · cost(without it) + (I - reload) · cost(after)``.
+
+    Greedy: repeatedly take the best-paying single move against the moves taken so far; when no single move pays
+    but all the remaining ones together do (a chain may need several servers to exist at all), take them all."""
+    if not (reload_s >= 0 and interval_s > 0):
+        raise ValueError("need reload_s >= 0 and interval_s > 0")
+    cur = dict(current)
+    todo = [(s, m) for s, m in target.items() if cur.get(s) != m]
+    taken: list[Move] = []
+    rest = max(interval_s - reload_s, 0.0)
+
+    def gain(base: dict[str, str], moves: Sequence[tuple[str, str]]) -> float:
+        mid = {k: v for k, v in base.items() if k not in {s for s, _ in moves}}
+        after = dict(base)
+        after.update(moves)
+        return interval_s * cost_rate(base) - reload_s * cost_rate(mid) - rest * cost_rate(after)
+
+    while todo:
+        scored = [(gain(cur, [(s, m)]), s, m) for s, m in todo]
+        b, s, m = max(scored, key=lambda x: x[0])
+        if b > 0:
+            taken.append(Move(s, cur.get(s), m, b))
+            cur[s] = m
+            todo.remove((s, m))
+            continue
+        b = gain(cur, todo)
+        if b > 0:
+            taken.extend(Move(s, cur.get(s), m, b / len(todo)) for s, m in todo)
+        break
+    return taken
+
+
+def ui_rate(servers: Sequence[Volunteer], models: Sequence[ServedModel], *, horizon_s: float = 600.0,
+            alpha: float = ALPHA) -> Callable[[Assignment], float]:
+    """``assignment -> Σ_s UI_s / horizon`` (predicted unserved index per second, analytic) for
+    :func:`moves_that_pay`."""
+    ev = analytic_evaluate(models, horizon_s, alpha)
+    cache: dict[tuple, float] = {}
+
+    def rate(assignment: Assignment) -> float:
+        key = tuple(sorted(assignment.items()))
+        if key not in cache:
+            cache[key] = sum(e.ui for e in ev(groups_of(assignment, servers)).values()) / horizon_s
+        return cache[key]
+
+    return rate
+
+
+@dataclass
+class ReplanState:
+    """What must survive a re-plan (§1.9): the interval controller, the last estimate and when it was made."""
+
+    interval: AdaptiveInterval
+    estimate: PlanMetrics | None = None
+    planned_at: float = 0.0
+    plans: list[dict] = field(default_factory=list)

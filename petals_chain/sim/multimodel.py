@@ -1,0 +1,868 @@
+"""Token-step simulator of several models sharing a swarm (seed 001, SeaLLM) and its experiments.
+
+Model. Volunteer servers (:class:`~petals_chain.algorithms.multimodel.Volunteer`) each serve one model (the
+placement); a model's servers form chains by GBP-CR + GCA (:func:`~petals_chain.algorithms.multimodel.model_chains`).
+A chain is a sharing group: continuous batching of at most ``max_batch`` requests (and its GCA capacity ``c_k``),
+steps back to back, each step ``a + b * extend tokens + d * batch`` seconds (:class:`~petals_chain.sim.fairness.StepCost`,
+scaled by the chain's ``T_k`` over the reference chain's). Before every step the chain's scheduler
+(``db|fcfs|mlfq``) picks the batch, so preemption is at step granularity. A request that leaves the batch keeps
+its KV in the chain's pages (``kv_tokens`` per chain, :class:`ChainWorker`), so resuming costs nothing; a waiting
+request is admitted only while its KV fits (the seed's ``EnoughResource``).
+A request's first token comes out of its prefill step; one token per step after that.
+
+Dispatch (seed §3): a new request goes to the chain of its model with the fewest requests per batch place
+(ties: the faster chain). Re-placement (SeaLLM's switch-over, §5): a server that changes model leaves after its
+current step, its requests move to the model's other chains (their KV is lost there) and it serves its new
+model after ``reload_s`` seconds (block download and load).
+
+Execution time ``exec_s`` of a request = its steps alone on a reference chain (prefill ``a + b·input + d``, then
+``a + d`` per token); ``L̂_s`` = the service's mean ``exec_s``; SLO = 5 x ``exec_s`` (§6.1). These normalize every
+policy alike. Experiments (:data:`EXPERIMENTS`) return JSON-ready dicts; ``python -m petals_chain.sim multimodel
+--experiment db|shift|ablation|sweep|all`` prints them beside the seed's numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from petals_chain.algorithms import multimodel as mm
+from petals_chain.algorithms.multimodel import (AdaptiveInterval, Job, MixDriftDetector, PlanMetrics, ServedModel,
+                                                ServiceMonitor, Volunteer)
+from petals_chain.sim import data as simdata
+from petals_chain.sim.fairness import StepCost, _round, capacity_req_s
+
+# The seed's numbers (docs/scheduling-seeds.md §1.8) printed beside ours.
+SEED_CLAIMS = {
+    "db": "Fig. 6 (32 A800): L_N up to 10.38x lower than vLLM, 9.52x than AlpaServe (FCFS sharing), 13.60x than "
+          "MuxServe; SeaLLM's L_N < 3 and SLO attainment > 90% at every rate (2-50 req/s)",
+    "shift": "Fig. 8: SeaLLM-A (fixed placement) up to 2.44x higher L_N and 1.33x lower SLO attainment",
+    "ablation": "Fig. 8: SeaLLM-F / SeaLLM-M up to 4.17x higher L_N, 1.37x lower SLO attainment; SeaLLM-A up to "
+                "2.44x and 1.33x; SeaLLM-P degenerates to vLLM (up to 10.38x)",
+    "sweep": "Fig. 6: rates swept 2-50 req/s; SeaLLM L_N < 3, SLO > 90% throughout, FCFS sharing degrades several-fold",
+}
+ACCEPT = {"db_vs_fcfs": 0.5, "db_slo": 0.90, "adaptive_vs_fixed": 1 / 1.3}
+# A chain's step: 30 ms fixed (a decode step of a whole model, network included), 0.05 ms per prefill token
+# (20k tokens/s: a 2000-token prompt costs ~3 decode steps), 1 ms per request in the batch.
+MM_COST = StepCost(a=0.03, b=0.00005, d=0.001)
+
+# Two models of the same size; lengths differ by service (chat: conversation trace, code: code trace).
+REF_MODEL = dict(num_blocks=32, block_memory=0.5)  # GB: a 16 GB model
+SERVER_MEMORY = 24.0  # GB: one server holds a whole model and its KV slots
+
+
+@dataclass(eq=False)
+class MMRequest:
+    """One request of ``model`` (service ``service``, default the model): ``input``/``output`` tokens; the
+    simulator fills the times (s) and counters."""
+
+    rid: int
+    model: str
+    arrival: float
+    input: int
+    output: int
+    exec_s: float = math.nan  # alone on the reference chain
+    service: str = ""
+    first_token: float = math.nan
+    finished: float = math.nan
+    done: int = 0
+    started: bool = False  # prefilled at least once
+    kv_lost: bool = False  # its KV must be recomputed before it decodes again
+    job: Job | None = None
+    chain: Any = None
+    preemptions: int = 0
+    recomputes: int = 0
+    migrations: int = 0
+
+    def __post_init__(self) -> None:
+        self.service = self.service or self.model
+
+    @property
+    def latency(self) -> float:
+        return self.finished - self.arrival
+
+
+def exec_alone(inp: int, out: int, cost: StepCost) -> float:
+    """Seconds of a request alone on the reference chain: a prefill step (its first token), then ``out - 1``."""
+    return cost.step(inp, 1) + (out - 1) * cost.step(0, 1)
+
+
+class ChainWorker:
+    """One chain: its scheduler, the batch of the step in flight and the KV its resident requests hold.
+
+    A request is *resident* from its prefill until it finishes: running or paused, its KV (prompt + generated
+    tokens) stays in the chain's pages, ``kv_tokens`` in all. A waiting request joins a batch only when its KV fits
+    (fresh: its prompt; one whose KV was lost: prompt + generated, recomputed). When decoding outgrows the pages,
+    the paused requests with the lowest priority lose their KV (recomputed when they resume)."""
+
+    def __init__(self, key: Any, model: str, servers: tuple[str, ...], cost: StepCost, scale: float, capacity: int,
+                 sched: mm.Scheduler, kv_tokens: int):
+        self.key, self.model, self.servers = key, model, servers
+        self.cost, self.scale, self.capacity, self.sched = cost, scale, capacity, sched
+        self.resident: dict[int, int] = {}  # rid -> KV tokens held
+        self.kv_tokens = kv_tokens
+        self.kv_used = 0
+        self.batch: list[Job] = []
+        self.stepping = False
+        self.draining = False
+        self.alive = True
+        self.steps = 0
+
+    def fits(self, job: Job) -> bool:
+        r: MMRequest = job.key
+        if r.rid in self.resident:
+            return True
+        need = r.input + r.done
+        if self.kv_used + need > self.kv_tokens and self.resident:
+            return False
+        self.resident[r.rid] = need
+        self.kv_used += need
+        return True
+
+    def grow(self, r: MMRequest) -> None:
+        self.resident[r.rid] += 1
+        self.kv_used += 1
+
+    def free(self, r: MMRequest) -> None:
+        n = self.resident.pop(r.rid, None)
+        if n is not None:
+            self.kv_used -= n
+
+@dataclass
+class Outcome:
+    """One run: the requests with their times, the counters and the plan history."""
+
+    requests: list[MMRequest]
+    schedule: str
+    steps: int
+    wall_s: float
+    plans: list[dict] = field(default_factory=list)
+    intervals: list[dict] = field(default_factory=list)
+
+
+class MultiModelSim:
+    """Event-driven token-step simulator. ``models``: the served models (name, blocks, memory, rate for GBP-CR);
+    ``servers``: the volunteers; ``plan``: server -> model at time 0; ``schedule``: ``db|fcfs|mlfq``.
+
+    ``replan`` (optional): a callable ``(sim, now) -> (new plan or None, next check time or None)`` called at the
+    times it returns (the adaptive replacement of :func:`adaptive_policy`). ``group_of``: request model -> the
+    served model whose chains run it (the seed's setting, where one sharing group time-shares several LLMs: a
+    ``shared`` model serving both; its services stay apart)."""
+
+    def __init__(self, models: Sequence[ServedModel], servers: Sequence[Volunteer], plan: Mapping[str, str], *,
+                 schedule: str = "db", cost: StepCost = MM_COST, max_batch: int = 16, kv_tokens: int = 131072,
+                 monitor_priors: Mapping[str, tuple[float, float]] | None = None, sched_kw: Mapping[str, Any] | None = None,
+                 reload_s: float = 20.0, replan: Callable[["MultiModelSim", float], tuple[dict | None, float | None]] | None = None,
+                 replan_first: float | None = None, group_of: Mapping[str, str] | None = None):
+        if schedule not in mm.SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}")
+        self.models = {m.name: m for m in models}
+        self.servers = {s.name: s for s in servers}
+        self.schedule, self.cost, self.max_batch = schedule, cost, int(max_batch)
+        self.kv_tokens = int(kv_tokens)
+        self.monitor = ServiceMonitor(monitor_priors)
+        self.sched_kw = dict(sched_kw or {})
+        self.reload_s = float(reload_s)
+        self.replan_fn, self.replan_first = replan, replan_first
+        self.group_of = dict(group_of or {})
+        self.plan: dict[str, str] = dict(plan)
+        self.loading: dict[str, str] = {}  # server -> model it is loading
+        self.workers: dict[Any, ChainWorker] = {}
+        self.backlog: dict[str, list[MMRequest]] = {m: [] for m in self.models}
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.steps = 0
+        self.finished = 0
+        self.plans: list[dict] = []
+        self.arrived: list[MMRequest] = []
+        for m in self.models:
+            self._rebuild(m)
+
+    # ------------------------------------------------------------------------------------------- chains
+
+    def _push(self, t: float, kind: int, x: Any) -> None:
+        heapq.heappush(self.heap, (t, self.seq, kind, x))
+        self.seq += 1
+
+    def ref_service_time(self, model: ServedModel) -> float:
+        return model.num_blocks * model.block_time
+
+    def _rebuild(self, model: str) -> None:
+        """Recompute ``model``'s chains on the servers serving it; unchanged chains keep their requests."""
+        m = self.models[model]
+        servers = [self.servers[s] for s, mm_ in self.plan.items() if mm_ == model]
+        chains = mm.model_chains(servers, m)
+        keep = set()
+        for ch in chains:
+            key = (model, ch.servers, ch.spans)
+            keep.add(key)
+            if key not in self.workers:
+                scale = ch.service_time / self.ref_service_time(m)
+                c = StepCost(self.cost.a * scale, self.cost.b * scale, self.cost.d * scale)
+                self.workers[key] = ChainWorker(key, model, ch.servers, c, scale, min(self.max_batch, ch.capacity),
+                                                mm.make_scheduler(self.schedule, self.monitor, **self.sched_kw),
+                                                self.kv_tokens)
+        for key, w in list(self.workers.items()):
+            if w.model == model and key not in keep and w.alive:
+                self._drain(w)
+        waiting, self.backlog[model] = self.backlog[model], []
+        for r in waiting:
+            self._dispatch(r)
+
+    def _drain(self, w: ChainWorker) -> None:
+        w.draining = True
+        if not w.stepping:
+            self._retire(w)
+
+    def _retire(self, w: ChainWorker) -> None:
+        """The chain is gone: its requests go to the model's other chains (without their KV)."""
+        w.alive = False
+        self.workers.pop(w.key, None)
+        for j in list(w.sched.jobs.values()):
+            w.sched.remove(j)
+            r: MMRequest = j.key
+            r.chain = None
+            r.kv_lost = r.started
+            r.migrations += 1
+            self._dispatch(r)
+
+    def _dispatch(self, r: MMRequest) -> None:
+        g = self.group_of.get(r.model, r.model)
+        ws = [w for w in self.workers.values() if w.model == g and w.alive and not w.draining]
+        if not ws:
+            self.backlog[g].append(r)
+            return
+        w = min(ws, key=lambda w: (len(w.sched) / w.capacity, w.scale))
+        if r.job is None:
+            r.job = Job(r, r.service, r.arrival, prefill_s=self.cost.step(r.input, 1))
+        r.chain = w.key
+        w.sched.arrive(r.job, self.now)
+        if not w.stepping:
+            self._start_step(w)
+
+    def _start_step(self, w: ChainWorker) -> None:
+        if not w.alive:
+            return
+        if w.draining:
+            self._retire(w)
+            return
+        prev = set(map(id, w.batch))
+        batch = w.sched.select(w.capacity, self.now, w.fits)
+        for j in w.sched.preempted:
+            j.key.preemptions += 1
+        extend = 0
+        for j in batch:
+            if id(j) in prev:
+                continue
+            r: MMRequest = j.key
+            if not r.started:
+                extend += r.input
+            elif r.kv_lost:
+                extend += r.input + r.done  # its KV is not here (evicted or migrated): recompute
+                r.recomputes += 1
+                r.kv_lost = False
+        w.batch = batch
+        if not batch:
+            w.stepping = False
+            return
+        w.stepping = True
+        dt = w.cost.step(extend, len(batch))
+        self._push(self.now + dt, 1, (w, dt))
+        w.steps += 1
+        self.steps += 1
+
+    def _end_step(self, w: ChainWorker, dt: float) -> None:
+        w.stepping = False
+        if not w.alive:
+            return
+        batch = w.batch
+        w.sched.charge(batch, dt / w.scale, self.now)  # budgets in reference-chain seconds
+        for j in batch:
+            r: MMRequest = j.key
+            r.started = True
+            r.done += 1
+            if r.done == 1:
+                r.first_token = self.now
+            if r.done >= r.output:
+                r.finished = self.now
+                self.finished += 1
+                w.sched.complete(j, self.now)
+                w.free(r)
+            else:
+                w.grow(r)
+        w.batch = [j for j in batch if j.key.done < j.key.output]
+        if w.kv_used > w.kv_tokens:  # decoding outgrew the pages: drop the least urgent paused KV
+            running = set(map(id, w.batch))
+            paused = [j for j in w.sched.jobs.values() if id(j) not in running and j.key.rid in w.resident]
+            for j in sorted(paused, key=lambda j: (-j.priority if not math.isnan(j.priority) else 0.0, -j.arrival)):
+                if w.kv_used <= w.kv_tokens:
+                    break
+                w.free(j.key)
+                j.key.kv_lost = True
+        self._start_step(w)
+
+    # --------------------------------------------------------------------------------------- re-planning
+
+    def apply_plan(self, new: Mapping[str, str]) -> list[tuple[str, str | None, str]]:
+        """Move the servers whose model differs in ``new``: they leave now and serve their new model after
+        ``reload_s``. Returns the moves."""
+        moves = [(s, self.plan.get(s), m) for s, m in new.items() if self.plan.get(s) != m and s not in self.loading]
+        touched = set()
+        for s, src, dst in moves:
+            if src is not None:
+                del self.plan[s]
+                touched.add(src)
+            self.loading[s] = dst
+            self._push(self.now + self.reload_s, 2, s)
+        for m in touched:
+            self._rebuild(m)
+        if moves:
+            self.plans.append({"t": self.now, "moves": [list(x) for x in moves]})
+        return moves
+
+    def _loaded(self, s: str) -> None:
+        m = self.loading.pop(s)
+        self.plan[s] = m
+        self._rebuild(m)
+
+    # -------------------------------------------------------------------------------------------- run
+
+    def run(self, requests: Sequence[MMRequest]) -> Outcome:
+        t0 = time.perf_counter()
+        for r in requests:
+            self._push(r.arrival, 0, r)
+        if self.replan_fn is not None and self.replan_first is not None:
+            self._push(self.replan_first, 3, None)
+        pending = len(requests)
+        while self.heap and pending:
+            self.now, _, kind, x = heapq.heappop(self.heap)
+            if kind == 0:
+                self.arrived.append(x)
+                self._dispatch(x)
+            elif kind == 1:
+                self._end_step(*x)
+                pending = len(requests) - self.finished
+            elif kind == 2:
+                self._loaded(x)
+            else:
+                new, nxt = self.replan_fn(self, self.now)
+                if new:
+                    self.apply_plan(new)
+                if nxt is not None:
+                    self._push(nxt, 3, None)
+        return Outcome(list(requests), self.schedule, self.steps, time.perf_counter() - t0, self.plans)
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+
+def summarize(reqs: Sequence[MMRequest], *, scale: float = mm.SLO_SCALE, since: float = 0.0,
+              until: float = math.inf) -> dict[str, Any]:
+    """Normalized latency (Eq. 1, mean of ``L_r / L̂_s``; and the ratio of means), P99 latency, SLO attainment
+    (Eq. 5), mean TTFT, overall and per model, over the finished requests that arrived in ``[since, until)``."""
+    rs = [r for r in reqs if since <= r.arrival < until and not math.isnan(r.finished)]
+    if not rs:
+        return {"requests": 0}
+    lhat: dict[str, float] = {}
+    for s in {r.service for r in rs}:
+        lhat[s] = float(np.mean([r.exec_s for r in reqs if r.service == s]))
+
+    def block(xs: Sequence[MMRequest]) -> dict[str, Any]:
+        lat = [r.latency for r in xs]
+        norm = [lhat[r.service] for r in xs]
+        return {"requests": len(xs), "norm_latency": mm.normalized_latency(lat, norm),
+                "norm_latency_ratio_of_means": float(np.mean(lat) / np.mean(norm)),
+                "p99_s": mm.p99(lat), "mean_s": float(np.mean(lat)),
+                "slo_attainment": mm.slo_attainment(lat, [r.exec_s for r in xs], scale),
+                "ttft_s": float(np.mean([r.first_token - r.arrival for r in xs])),
+                "preemptions": int(sum(r.preemptions for r in xs)), "recomputes": int(sum(r.recomputes for r in xs))}
+
+    out = block(rs)
+    out["per_model"] = {m: block([r for r in rs if r.model == m]) for m in sorted({r.model for r in rs})}
+    out["lhat_s"] = lhat
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+
+
+@functools.lru_cache(maxsize=8)
+def _trace(kind: str, path: str | None, seed: int) -> simdata.Trace:
+    """The Azure ``conv`` or ``code`` trace at ``path`` (default: the shared file), else a synthetic stand-in
+    (cached: the arrays are only read)."""
+    fname = simdata.CONV_TRACE_FILENAME if kind == "conv" else simdata.TRACE_FILENAME
+    found = path or simdata.default_data_path(fname)
+    if found:
+        return simdata.get_trace(found)
+    if kind == "code":
+        return simdata.synthetic_trace(seed=seed)
+    # conversation stand-in: the real file's length statistics (README), Poisson-like arrivals at 5.5 req/s
+    rng = np.random.default_rng([seed, 5])
+    n = 19366
+    arr = np.concatenate([[0.0], np.cumsum(rng.exponential(1 / 5.5, n - 1))])
+    ctx = np.clip(np.rint(rng.lognormal(math.log(1020), math.sqrt(2 * math.log(1155 / 1020)), n)), 1, 14050)
+    gen = np.clip(np.rint(rng.lognormal(math.log(129), math.sqrt(2 * math.log(211 / 129)), n)), 1, 1000)
+    return simdata.Trace(arr, ctx.astype(np.int64), gen.astype(np.int64), "synthetic")
+
+
+TRACE_OF = {"chat": "conv", "code": "code", "chat2": "conv", "code2": "code"}
+
+
+def trace_requests(model: str, rate: float, duration: float, *, kind: str | None = None, path: str | None = None,
+                   seed: int = 0, offset: float = 0.0, share: Callable[[float], float] | None = None,
+                   cost: StepCost = MM_COST) -> tuple[list[MMRequest], str]:
+    """Requests of ``model`` from the Azure ``kind`` trace (``conv`` for chat, ``code`` for code), arrival times
+    rescaled to ``rate`` req/s and starting at row ``offset`` x the trace's length, lengths the rows'. ``share``:
+    thinning ``t -> [0, 1]`` (a time-varying rate ``rate · share(t)``; the kept rows by a hash of the row)."""
+    tr = _trace(kind or TRACE_OF.get(model, "conv"), path, seed)
+    start = int(offset * len(tr)) % len(tr)
+    scale = tr.rate / rate
+    out: list[MMRequest] = []
+    base = float(tr.arrivals[start])
+    i, lap = start, 0.0
+    while True:
+        if i >= len(tr):  # wrap around the trace
+            lap += (float(tr.arrivals[-1]) - base) * scale + 1.0 / rate
+            base, i = float(tr.arrivals[0]), 0
+        t = (float(tr.arrivals[i]) - base) * scale + lap
+        if t >= duration:
+            break
+        keep = True
+        if share is not None:
+            h = ((i + 1) * 2654435761 + seed * 40503 + zlib.crc32(model.encode()) % 997) % 2**32 / 2**32
+            keep = h < share(t)
+        if keep:
+            inp, outp = max(1, int(tr.context_tokens[i])), max(1, int(tr.generated_tokens[i]))
+            out.append(MMRequest(0, model, t, inp, outp, exec_alone(inp, outp, cost)))
+        i += 1
+        if i == start and lap > 0:
+            break
+    return out, tr.source
+
+
+def merge(*streams: Sequence[MMRequest]) -> list[MMRequest]:
+    reqs = sorted((r for s in streams for r in s), key=lambda r: (r.arrival, r.model))
+    for i, r in enumerate(reqs):
+        r.rid = i
+    return reqs
+
+
+def fresh(reqs: Sequence[MMRequest]) -> list[MMRequest]:
+    """Unsimulated copies (every policy sees the same workload)."""
+    return [MMRequest(r.rid, r.model, r.arrival, r.input, r.output, r.exec_s, r.service) for r in reqs]
+
+
+def stats(reqs: Sequence[MMRequest], cost: StepCost, max_batch: int) -> dict[str, dict[str, float]]:
+    """Per model: mean input/output, mean and std of ``exec_s`` (the profiled prior) and one chain's capacity
+    (req/s with a full batch, :func:`~petals_chain.sim.fairness.capacity_req_s`)."""
+    out = {}
+    for m in sorted({r.model for r in reqs}):
+        rs = [r for r in reqs if r.model == m]
+        mi, mo = float(np.mean([r.input for r in rs])), float(np.mean([r.output for r in rs]))
+        e = np.array([r.exec_s for r in rs])
+        out[m] = {"mean_input": mi, "mean_output": mo, "exec_mean_s": float(e.mean()), "exec_std_s": float(e.std()),
+                  "chain_capacity_req_s": capacity_req_s(max_batch, mi, mo, cost)}
+    return out
+
+
+def make_models(names: Sequence[str], rates: Mapping[str, float], st: Mapping[str, Mapping[str, float]],
+                max_batch: int = 16) -> list[ServedModel]:
+    """The served models in the placement's terms: ``REF_MODEL`` blocks; ``cache_memory`` such that a whole-model
+    server keeps exactly ``max_batch`` slots (GCA's ``c_k`` = the batch limit); ``block_time`` such that a
+    reference chain's ``c_k / T_k`` is its measured capacity (req/s with a full batch), so the placement's M/M/C
+    estimate sees the simulator's capacity; ``exec_s`` = the mean execution time alone (``L̂_s``)."""
+    L, sm = REF_MODEL["num_blocks"], REF_MODEL["block_memory"]
+    sc = (SERVER_MEMORY - L * sm) / (max_batch * L)
+    return [ServedModel(n, L, sm, sc, max_batch / st[n]["chain_capacity_req_s"] / L, rate=rates.get(n, 0.0),
+                        exec_s=st[n]["exec_mean_s"], c=max_batch) for n in names]
+
+
+def make_servers(n: int, memory: float = SERVER_MEMORY, speeds: Sequence[float] | None = None) -> list[Volunteer]:
+    return [Volunteer(f"s{i:02d}", memory, speeds[i] if speeds else 1.0) for i in range(n)]
+
+
+def sched_kwargs(schedule: str, cost: StepCost, reqs: Sequence[MMRequest], max_batch: int) -> dict[str, Any]:
+    """MLFQ: ``q_1`` = a decode step of a half-full batch; starvation after 2 x the pooled mean ``exec_s``
+    (FastServe's threshold, ours [outside]). DB: the default starvation factor."""
+    if schedule == "mlfq":
+        return {"q1": cost.step(0, max(1, max_batch // 2)),
+                "starve_s": mm.STARVE_FACTOR * float(np.mean([r.exec_s for r in reqs]))}
+    return {}
+
+
+def simulate(reqs: Sequence[MMRequest], models: Sequence[ServedModel], servers: Sequence[Volunteer],
+             plan: Mapping[str, str], schedule: str, *, cost: StepCost = MM_COST, max_batch: int = 16,
+             **kw: Any) -> Outcome:
+    """Run ``schedule`` on fresh copies of ``reqs``; the monitor's priors are the services' ``exec_s`` statistics."""
+    rs = fresh(reqs)
+    st = stats(rs, cost, max_batch)
+    priors = {m: (v["exec_mean_s"], v["exec_std_s"]) for m, v in st.items()}
+    sim = MultiModelSim(models, servers, plan, schedule=schedule, cost=cost, max_batch=max_batch,
+                        monitor_priors=priors, sched_kw=sched_kwargs(schedule, cost, rs, max_batch), **kw)
+    return sim.run(rs)
+
+
+def plan_counts(plan: Mapping[str, str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in plan.values():
+        out[m] = out.get(m, 0) + 1
+    return dict(sorted(out.items()))
+
+
+# ------------------------------------------------------------------------------------- adaptive replacement
+
+
+def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer], *, initial_s: float = 120.0,
+                    beta: float = mm.BETA, min_s: float = 30.0, max_s: float = 1200.0, reload_s: float = 20.0,
+                    drift_window_s: float = 60.0, drift_threshold: float = 0.15, check_s: float = 10.0,
+                    estimate: bool = True, drift: bool = True, horizon_s: float = 600.0,
+                    log: list | None = None) -> Callable[[MultiModelSim, float], tuple[dict | None, float | None]]:
+    """SeaLLM's replacement loop (§4.3) as a ``replan`` callable for :class:`MultiModelSim`.
+
+    At the end of interval ``I_t`` (and earlier when :class:`MixDriftDetector` sees the traffic mix drift by more
+    than ``drift_threshold``): ``M_real`` of the interval (its arrivals' SLO attainment and normalized latency) is
+    compared with the ``M_est`` made at its start and Eq. 8 sets ``I_{t+1}``; the rates of the last
+    ``drift_window_s`` feed :func:`~petals_chain.algorithms.multimodel.place_by_unserved_index`; only the moves
+    that pay for ``reload_s`` are made (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`); ``M_est`` of
+    the new plan is a simulation of the last interval's requests on it (the seed's simulator on the history)."""
+    ctl = AdaptiveInterval(initial_s, beta=beta, min_s=min_s, max_s=max_s)
+    det = MixDriftDetector(drift_window_s, drift_threshold)
+    state: dict[str, Any] = {"start": 0.0, "end": initial_s, "est": None, "seen": 0}
+    names = [m.name for m in models]
+
+    def observe(sim: MultiModelSim) -> None:
+        for r in sim.arrived[state["seen"]:]:
+            det.arrive(r.model, r.arrival)
+        state["seen"] = len(sim.arrived)
+
+    def fn(sim: MultiModelSim, now: float) -> tuple[dict | None, float | None]:
+        observe(sim)
+        if not det.planned:
+            det.set_plan(det.mix(now) or {m.name: 1 / len(models) for m in models})
+        due = now >= state["end"] - 1e-9
+        drifted = drift and det.drifted(now)
+        if not (due or drifted):
+            return None, now + check_s
+        hist = [r for r in sim.arrived if state["start"] <= r.arrival < now]
+        real = None
+        if hist:
+            lat = [r.latency if not math.isnan(r.finished) else now - r.arrival for r in hist]
+            lhat = {s: float(np.mean([r.exec_s for r in hist if r.service == s])) for s in {r.service for r in hist}}
+            real = PlanMetrics(mm.slo_attainment(lat, [r.exec_s for r in hist]),
+                               mm.normalized_latency(lat, [lhat[r.service] for r in hist]))
+        if real is not None and state["est"] is not None:
+            ctl.update(real, state["est"])
+        rates = det.rates(now)
+        cur = [m.with_rate(rates.get(m.name, 0.0)) for m in models]
+        target = mm.place_by_unserved_index(servers, cur, horizon_s=horizon_s)
+        current = {**sim.plan, **sim.loading}
+        moves = mm.moves_that_pay(current, target, mm.ui_rate(servers, cur, horizon_s=horizon_s),
+                                  reload_s=reload_s, interval_s=ctl.interval)
+        new = dict(current)
+        new.update({mv.server: mv.dst for mv in moves})
+        est = None
+        if estimate and hist:
+            t0 = hist[0].arrival
+            past = [MMRequest(r.rid, r.model, r.arrival - t0, r.input, r.output, r.exec_s, r.service) for r in hist]
+            o = simulate(past, models, servers, new, sim.schedule, cost=sim.cost, max_batch=sim.max_batch,
+                         kv_tokens=sim.kv_tokens)
+            s = summarize(o.requests)
+            est = PlanMetrics(s["slo_attainment"], s["norm_latency"])
+        state["est"] = est
+        det.set_plan(det.mix(now))
+        state["start"], state["end"] = now, now + ctl.interval
+        if log is not None:
+            log.append({"t": now, "trigger": "interval" if due else "drift", "interval_s": ctl.interval,
+                        "real": None if real is None else vars(real), "est": None if est is None else vars(est),
+                        "rates": {k: rates.get(k, 0.0) for k in names}, "moves": len(moves),
+                        "plan": plan_counts(new)})
+        return ({mv.server: mv.dst for mv in moves} or None), now + check_s
+
+    return fn
+
+
+# --------------------------------------------------------------------------------------------- experiments
+
+
+def _rates_for(names: Sequence[str], rho: float, servers: int, work: Mapping[str, float],
+               st: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Rates that load ``servers`` chains at ``rho``: model ``m`` needs ``work[m]`` of the server-time."""
+    tot = sum(work[n] for n in names)
+    return {n: rho * servers * work[n] / tot * st[n]["chain_capacity_req_s"] for n in names}
+
+
+def _workload(names: Sequence[str], rates: Mapping[str, float], duration: float, *, seed: int, cost: StepCost,
+              trace: Mapping[str, str | None] | None = None,
+              share: Mapping[str, Callable[[float], float]] | None = None) -> tuple[list[MMRequest], dict[str, str]]:
+    streams, sources = [], {}
+    for i, n in enumerate(names):
+        kind = TRACE_OF.get(n, "conv")
+        rs, src = trace_requests(n, rates[n], duration, kind=kind, path=(trace or {}).get(kind), seed=seed,
+                                 offset=0.5 * (i // 2) + 0.1 * seed, share=(share or {}).get(n), cost=cost)
+        streams.append(rs)
+        sources[n] = src
+    return merge(*streams), sources
+
+
+def _probe_stats(names: Sequence[str], cost: StepCost, max_batch: int, seed: int,
+                 trace: Mapping[str, str | None] | None) -> dict[str, dict[str, float]]:
+    probe, _ = _workload(names, {n: 1.0 for n in names}, 2000.0, seed=seed, cost=cost, trace=trace)
+    return stats(probe, cost, max_batch)
+
+
+def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duration: float = 600.0, seed: int = 0,
+            cost: StepCost = MM_COST, max_batch: int = 16, schedules: Sequence[str] = mm.SCHEDULES,
+            work: Mapping[str, float] | None = None, trace: Mapping[str, str | None] | None = None,
+            shared: bool = False) -> dict[str, Any]:
+    """``names`` models at load ``rho`` on ``servers`` servers placed by the unserved index: every schedule on
+    the same requests. ``shared``: the seed's setting instead, every chain serving every model (a sharing group
+    time-sharing the LLMs; impossible in petals-chain, where a server holds one model)."""
+    work = work or {n: 1.0 for n in names}
+    st = _probe_stats(names, cost, max_batch, seed, trace)
+    rates = _rates_for(names, rho, servers, work, st)
+    reqs, sources = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace)
+    vols = make_servers(servers)
+    models = make_models(names, rates, st, max_batch)
+    extra: dict[str, Any] = {}
+    if shared:
+        models = [replace(models[0], name="shared")]
+        plan = {v.name: "shared" for v in vols}
+        extra["group_of"] = {n: "shared" for n in names}
+        rho_m = {n: rates[n] / st[n]["chain_capacity_req_s"] / servers for n in names}
+    else:
+        plan = mm.place_by_unserved_index(vols, models)
+    counts = plan_counts(plan)
+    if not shared:
+        rho_m = {n: rates[n] / (counts.get(n, 0) * st[n]["chain_capacity_req_s"]) if counts.get(n) else math.inf
+                 for n in names}
+    rows = {}
+    for s in schedules:
+        o = simulate(reqs, models, vols, plan, s, cost=cost, max_batch=max_batch, **extra)
+        m = summarize(o.requests)
+        m["steps"], m["wall_s"] = o.steps, o.wall_s
+        rows[s] = m
+    f = rows.get("fcfs", {}).get("norm_latency")
+    for m in rows.values():
+        m["vs_fcfs"] = m["norm_latency"] / f if f else None
+    return {"models": list(names), "shared": shared, "rho": rho, "servers": servers, "duration_s": duration, "requests": len(reqs),
+            "sources": sources, "rates": rates, "plan": counts, "rho_per_model": rho_m, "stats": st,
+            "max_batch": max_batch, "cost": vars(cost), "schedules": rows}
+
+
+def poisson_shared(*, seed: int = 0, rate: float = 2.0, duration: float = 150.0, long_share: float = 0.3,
+                   cost: StepCost = MM_COST, max_batch: int = 4,
+                   schedules: Sequence[str] = mm.SCHEDULES) -> dict[str, Any]:
+    """The seed's mechanism in isolation (its Fig. 2 / §1.8 "worth reproducing"): one chain time-shares a long
+    service (``chat``: 100-199 output tokens, ``long_share`` of the requests) and a short one (``code``: 2-7),
+    200-token prompts, Poisson arrivals at ``rate`` req/s (about 0.8 of the chain's capacity at the defaults)."""
+    rng = np.random.default_rng([seed, 1])
+    reqs: list[MMRequest] = []
+    t = 0.0
+    while True:
+        t += float(rng.exponential(1.0 / rate))
+        if t >= duration:
+            break
+        long_ = rng.random() < long_share
+        out = int(rng.integers(100, 200)) if long_ else int(rng.integers(2, 8))
+        reqs.append(MMRequest(len(reqs), "chat" if long_ else "code", t, 200, out, exec_alone(200, out, cost)))
+    st = stats(reqs, cost, max_batch)
+    cap = capacity_req_s(max_batch, 200.0, float(np.mean([r.output for r in reqs])), cost)
+    models = make_models(("shared",), {"shared": rate}, {"shared": {"chain_capacity_req_s": cap,
+                                                                   "exec_mean_s": 1.0}}, max_batch)
+    rows = {}
+    for sch in schedules:
+        o = simulate(reqs, models, make_servers(1), {"s00": "shared"}, sch, cost=cost, max_batch=max_batch,
+                     group_of={"chat": "shared", "code": "shared"})
+        rows[sch] = summarize(o.requests)
+    return {"requests": len(reqs), "rho": rate / cap, "stats": st, "schedules": rows,
+            "db_vs_fcfs": rows["db"]["norm_latency"] / rows["fcfs"]["norm_latency"] if {"db", "fcfs"} <= set(rows) else None}
+
+
+def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[str, str | None] | None = None,
+       **kw: Any) -> dict[str, Any]:
+    """(a) Chat (conversation trace) and code (code trace) at ``rho`` = 0.8: DB vs FCFS vs MLFQ, in petals-chain's
+    setting (each server serves one model, placed by the unserved index) and, under ``seed_setting``, the seed's
+    (every chain time-shares both models)."""
+    servers = kw.pop("servers", 6 if quick else 8)
+    duration = kw.pop("duration", 300.0 if quick else 900.0)
+    r = compare(("chat", "code"), rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, **kw)
+    sh = compare(("chat", "code"), rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, shared=True, **kw)
+    r["seed_setting"] = {k: sh[k] for k in ("rho_per_model", "schedules", "plan")}
+    r["seed_setting"]["db_vs_fcfs"] = sh["schedules"]["db"]["norm_latency"] / sh["schedules"]["fcfs"]["norm_latency"]
+    r["poisson_shared"] = poisson_shared(seed=seed)
+    d, f = r["schedules"].get("db"), r["schedules"].get("fcfs")
+    r["db_vs_fcfs"] = d["norm_latency"] / f["norm_latency"] if d and f else None
+    r["accept"] = None if r["db_vs_fcfs"] is None else {
+        "db_vs_fcfs": r["db_vs_fcfs"] <= ACCEPT["db_vs_fcfs"], "db_slo": d["slo_attainment"] >= ACCEPT["db_slo"]}
+    r["thresholds"] = ACCEPT
+    r["experiment"] = "db"
+    r["seed_claim"] = SEED_CLAIMS["db"]
+    return _round(r)
+
+
+def _shift_share(duration: float, hi: float) -> dict[str, Callable[[float], float]]:
+    """Model ``chat`` (A) carries ``hi`` of the work for the first third, ``code`` (B) for the last half; linear
+    in between (shares of the peak rate each model's stream is generated at)."""
+    t1, t2 = duration / 3, duration / 2
+    lo = 1.0 - hi
+
+    def a_share(t: float) -> float:
+        x = 0.0 if t < t1 else 1.0 if t >= t2 else (t - t1) / (t2 - t1)
+        return hi + (lo - hi) * x
+
+    return {"chat": lambda t: a_share(t) / hi, "code": lambda t: (1.0 - a_share(t)) / hi}
+
+
+def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rho: float = 0.75, hi: float = 0.75,
+              servers: int | None = None, duration: float | None = None, cost: StepCost = MM_COST,
+              max_batch: int = 16, reload_s: float = 20.0, initial_s: float = 120.0,
+              trace: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+    """Chat's share of the work goes ``hi`` -> ``1 - hi`` (code's the reverse) at total load ``rho``. Variants:
+    ``full`` (DB, unserved-index placement, adaptive replacement), ``fixed`` / ``-A`` (placement never re-planned),
+    ``-F`` / ``-M`` (FCFS / MLFQ instead of DB, adaptive), ``-P`` (no placement: servers split evenly, fixed)."""
+    names = ("chat", "code")
+    servers = servers or (6 if quick else 8)
+    duration = duration or (600.0 if quick else 1200.0)
+    st = _probe_stats(names, cost, max_batch, seed, trace)
+    peak = _rates_for(names, rho, servers, {"chat": hi, "code": hi}, st)  # each model's peak rate (share hi)
+    share = _shift_share(duration, hi)
+    reqs, sources = _workload(names, peak, duration, seed=seed, cost=cost, trace=trace, share=share)
+    vols = make_servers(servers)
+    start_rates = {"chat": peak["chat"], "code": peak["code"] * (1 - hi) / hi}
+    models0 = make_models(names, start_rates, st, max_batch)
+    ui_plan = mm.place_by_unserved_index(vols, models0)
+    even = mm.even_split(vols, models0)
+    rows, logs = {}, {}
+    for v in variants:
+        sched = {"-F": "fcfs", "-M": "mlfq"}.get(v, "db")
+        adaptive = v in ("full", "-F", "-M")
+        plan = even if v == "-P" else ui_plan
+        log: list = []
+        kw: dict[str, Any] = {"reload_s": reload_s}
+        if adaptive:
+            kw["replan"] = adaptive_policy(models0, vols, initial_s=initial_s, reload_s=reload_s, log=log)
+            kw["replan_first"] = 10.0
+        o = simulate(reqs, models0, vols, plan, sched, cost=cost, max_batch=max_batch, **kw)
+        m = summarize(o.requests)
+        m["steps"], m["wall_s"], m["moves"] = o.steps, o.wall_s, sum(len(p["moves"]) for p in o.plans)
+        m["initial_plan"] = plan_counts(plan)
+        m["replans"] = len(log)
+        m["intervals_s"] = [round(x["interval_s"], 1) for x in log]
+        rows[v] = m
+        logs[v] = log
+    return {"models": list(names), "rho": rho, "hi": hi, "servers": servers, "duration_s": duration,
+            "requests": len(reqs), "sources": sources, "peak_rates": peak, "reload_s": reload_s,
+            "initial_interval_s": initial_s, "variants": rows, "log": logs.get("full", [])}
+
+
+def shift(*, quick: bool = False, seed: int = 0, **kw: Any) -> dict[str, Any]:
+    """(b) A traffic shift from chat to code: adaptive replacement vs the fixed plan (both DB)."""
+    r = shift_run(("full", "fixed"), quick=quick, seed=seed, **kw)
+    a, f = r["variants"]["full"], r["variants"]["fixed"]
+    r["adaptive_vs_fixed"] = a["norm_latency"] / f["norm_latency"]
+    r["accept"] = {"adaptive_vs_fixed": r["adaptive_vs_fixed"] <= ACCEPT["adaptive_vs_fixed"]}
+    r["thresholds"] = ACCEPT
+    r["experiment"] = "shift"
+    r["seed_claim"] = SEED_CLAIMS["shift"]
+    return _round(r)
+
+
+def ablation(*, quick: bool = False, seed: int = 0, **kw: Any) -> dict[str, Any]:
+    """(c) The seed's §6.3 ablations on the shift workload: SeaLLM, -F, -M, -P, -A in one table."""
+    r = shift_run(("full", "-F", "-M", "-P", "fixed"), quick=quick, seed=seed, **kw)
+    r["variants"]["-A"] = r["variants"].pop("fixed")
+    base = r["variants"]["full"]
+    for m in r["variants"].values():
+        m["ln_vs_full"] = m["norm_latency"] / base["norm_latency"]
+        m["slo_full_over"] = base["slo_attainment"] / m["slo_attainment"] if m["slo_attainment"] else math.inf
+    r["experiment"] = "ablation"
+    r["seed_claim"] = SEED_CLAIMS["ablation"]
+    return _round(r)
+
+
+def sweep(*, quick: bool = False, seed: int = 0, rhos: Sequence[float] | None = None,
+          trace: Mapping[str, str | None] | None = None, **kw: Any) -> dict[str, Any]:
+    """(d) Load swept for 2 models (chat, code) and 4 (chat, code and two more of each trace, other segments)."""
+    rhos = rhos or ((0.5, 0.8, 0.9) if quick else (0.5, 0.6, 0.7, 0.8, 0.9))
+    rows = []
+    for names in (("chat", "code"), ("chat", "code", "chat2", "code2")):
+        for rho in rhos:
+            r = compare(names, rho=rho, servers=kw.get("servers", 2 * len(names) if quick else 4 * len(names)),
+                        duration=kw.get("duration", 200.0 if quick else 600.0), seed=seed, trace=trace)
+            row = {"models": len(names), "rho": rho, "requests": r["requests"], "plan": r["plan"]}
+            for s, m in r["schedules"].items():
+                row[s] = {"norm_latency": m["norm_latency"], "slo_attainment": m["slo_attainment"], "p99_s": m["p99_s"]}
+            row["db_vs_fcfs"] = row["db"]["norm_latency"] / row["fcfs"]["norm_latency"]
+            rows.append(row)
+    return _round({"experiment": "sweep", "rows": rows, "seed_claim": SEED_CLAIMS["sweep"]})
+
+
+EXPERIMENTS = {"db": db, "shift": shift, "ablation": ablation, "sweep": sweep}
+
+_COLS = ["L_N", "L_N (ratio of means)", "vs FCFS", "SLO att.", "P99 s", "TTFT s", "preempt", "recompute"]
+
+
+def _row(label: str, m: Mapping[str, Any], base: float | None = None) -> list[Any]:
+    return [label, m["norm_latency"], m["norm_latency_ratio_of_means"],
+            None if not base else m["norm_latency"] / base, m["slo_attainment"], m["p99_s"], m["ttft_s"],
+            m["preemptions"], m["recomputes"]]
+
+
+def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    """``(title, header, rows)`` of one experiment's result, for the CLI."""
+    out = []
+    if name == "db":
+        for label, res, plan in (("petals-chain (one model per server)", r, r["plan"]),
+                                 ("seed setting (chains time-share both models)", r["seed_setting"], r["seed_setting"]["plan"])):
+            f = res["schedules"]["fcfs"]["norm_latency"]
+            rows = [_row(s, m, f) for s, m in res["schedules"].items()]
+            rows += [_row(f"  {s}: {mdl}", pm) for s, m in res["schedules"].items() for mdl, pm in m["per_model"].items()]
+            out.append((f"(a) {label}: chat + code at rho {r['rho']}, servers {plan}, rho per model "
+                        f"{ {k: round(v, 2) for k, v in res['rho_per_model'].items()} }, {r['requests']} requests",
+                        ["schedule"] + _COLS, rows))
+        ps = r["poisson_shared"]
+        f = ps["schedules"]["fcfs"]["norm_latency"]
+        out.append((f"(a') seed mechanism: one chain time-shares long chat (100-199 tokens) and short code (2-7), "
+                    f"Poisson, rho {ps['rho']:.2f}, {ps['requests']} requests", ["schedule"] + _COLS,
+                    [_row(s, m, f) for s, m in ps["schedules"].items()]))
+        out.append(("acceptance (issue 17)", ["check", "ours", "target", "met"],
+                    [["DB L_N / FCFS L_N (seed mechanism, Poisson)", ps["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
+                      ps["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
+                     ["DB L_N / FCFS L_N", r["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"], r["accept"]["db_vs_fcfs"]],
+                     ["DB L_N / FCFS L_N (seed setting)", r["seed_setting"]["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
+                      r["seed_setting"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
+                     ["DB SLO attainment", r["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
+                      r["accept"]["db_slo"]]]))
+    elif name in ("shift", "ablation"):
+        rows = [[v, m["norm_latency"], m.get("ln_vs_full"), m["slo_attainment"], m["p99_s"], m["moves"], m["replans"],
+                 str(m["initial_plan"]), m["per_model"].get("chat", {}).get("norm_latency"),
+                 m["per_model"].get("code", {}).get("norm_latency")] for v, m in r["variants"].items()]
+        out.append((f"({'b' if name == 'shift' else 'c'}) {name}: chat {r['hi']:.0%} -> {1 - r['hi']:.0%} of the work, "
+                    f"rho {r['rho']}, {r['servers']} servers, reload {r['reload_s']} s, {r['requests']} requests",
+                    ["variant", "L_N", "vs full", "SLO att.", "P99 s", "moves", "re-plans", "initial plan", "L_N chat",
+                     "L_N code"], rows))
+        if name == "shift":
+            out.append(("acceptance (issue 17)", ["check", "ours", "target", "met"],
+                        [["adaptive L_N / fixed L_N", r["adaptive_vs_fixed"], r["thresholds"]["adaptive_vs_fixed"],
+                          r["accept"]["adaptive_vs_fixed"]]]))
+    elif name == "sweep":
+        rows = [[x["models"], x["rho"], x["requests"], str(x["plan"]), x["db"]["norm_latency"], x["fcfs"]["norm_latency"],
+                 x["mlfq"]["norm_latency"], x["db_vs_fcfs"], x["db"]["slo_attainment"], x["fcfs"]["slo_attainment"],
+                 x["mlfq"]["slo_attainment"]] for x in r["rows"]]
+        out.append(("(d) load sweep", ["models", "rho", "requests", "plan", "L_N db", "L_N fcfs", "L_N mlfq", "db/fcfs",
+                                       "SLO db", "SLO fcfs", "SLO mlfq"], rows))
+    return out
+
+
+def run_experiments(names: Sequence[str], *, quick: bool = False, seed: int = 0) -> dict[str, Any]:
+    return {n: EXPERIMENTS[n](quick=quick, seed=seed) for n in names}
+

@@ -1,0 +1,203 @@
+"""Seed 001 (SeaLLM) pure algorithms (petals_chain/algorithms/multimodel.py): DB budgets and priorities (Eq. 7),
+preemption at step granularity, skip-join MLFQ, placement by unserved index (Eq. 6, Alg. 1), the adaptive
+interval (Eq. 8) and the move-pays-for-its-reload rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from petals_chain.algorithms import multimodel as mm
+from petals_chain.algorithms.multimodel import (AdaptiveInterval, DBScheduler, FCFSScheduler, Job, MLFQScheduler,
+                                                MixDriftDetector, PlanMetrics, ServedModel, ServiceMonitor,
+                                                ServiceStats, Volunteer)
+
+
+def _db(mean=2.0, std=1.0, **kw):
+    return DBScheduler(ServiceMonitor({"a": (mean, std), "b": (10.0, 0.0)}), **kw)
+
+
+def test_service_stats_prior_then_sliding_window():
+    st = ServiceStats(3.0, 1.0, window=4, min_samples=2)
+    st.observe(1.0)
+    assert (st.mean, st.std, st.base_budget) == (3.0, 1.0, 4.0)  # prior until min_samples
+    st.observe(3.0)
+    assert st.mean == pytest.approx(2.0) and st.std == pytest.approx(1.0)
+    for x in (10.0, 10.0, 10.0, 10.0):
+        st.observe(x)
+    assert st.mean == pytest.approx(10.0) and st.std == pytest.approx(0.0)  # the window dropped the first two
+
+
+def test_db_budget_and_priority_follow_eq7_and_double_geometrically():
+    s = _db()
+    j = Job("r", "a", 0.0)
+    s.arrive(j, 0.0)
+    q0 = 2.0 + 1.0  # L̂ + σ
+    assert j.level == 0 and j.budget == pytest.approx(q0) and j.priority == pytest.approx(q0 * 2.0)
+    s.charge([j], 1.0, 1.0)
+    assert j.budget == pytest.approx(2.0) and j.priority == pytest.approx(4.0)  # O = Q_r · L̂_s
+    s.charge([j], 2.5, 3.5)  # exhausted: k = 1, Q = 2 · Q0 (overshoot not carried over)
+    assert j.level == 1 and j.budget == pytest.approx(2 * q0) and j.priority == pytest.approx(2 * q0 * 2.0)
+    s.charge([j], 2 * q0, 10.0)  # exhausted again: k = 2, Q = 4 · Q0
+    assert j.level == 2 and j.budget == pytest.approx(4 * q0)
+    s.complete(j, 11.0)
+    assert len(s) == 0 and s.monitor["a"].count == 1
+
+
+def test_db_preempts_at_step_granularity_only_on_a_strict_inversion():
+    s = _db()
+    long_ = Job("long", "a", 0.0)
+    s.arrive(long_, 0.0)
+    assert s.select(1, 0.0) == [long_]
+    s.charge([long_], 1.0, 1.0)  # Q 3 -> 2
+    fresh = Job("fresh", "a", 1.0)
+    s.arrive(fresh, 1.0)
+    assert s.select(1, 1.0) == [long_] and s.preempted == []  # O 4 < 6: the running one keeps going
+    s.charge([long_], 2.0, 3.0)  # exhausted: O = 6 * 2 = 12 > fresh's 6
+    assert s.select(1, 3.0) == [fresh] and s.preempted == [long_]
+    assert not long_.running and fresh.running
+    # a shorter service beats a longer one at arrival: O = Q0 · L̂ (a: 3·2 = 6, b: 10·10 = 100)
+    other = Job("b1", "b", 3.0)
+    s.arrive(other, 3.0)
+    assert s.select(3, 3.0)[-1] is other
+
+
+def test_db_starvation_serves_a_waiting_service_first():
+    s = _db(starve_factor=2.0)  # θ_a = 4 s, θ_b = 20 s
+    a = [Job(f"a{i}", "a", 0.0) for i in range(2)]
+    b = Job("b", "b", 0.0)
+    for j in (*a, b):
+        s.arrive(j, 0.0)
+    assert b not in s.select(2, 0.0)
+    assert b not in s.select(2, 19.0)
+    assert s.select(2, 21.0)[0] is b  # b waited > 20 s: its service is starved
+    one = _db(starve_factor=2.0)  # one service alone: nothing to reorder
+    for j in (Job("x", "a", 0.0), Job("y", "a", 1.0)):
+        one.arrive(j, 0.0)
+    assert one.starved(100.0) == []
+
+
+def test_fcfs_never_preempts_and_mlfq_skip_joins_and_demotes():
+    f = FCFSScheduler()
+    old, new = Job("old", "a", 5.0), Job("new", "a", 0.0)
+    f.arrive(old, 5.0)
+    assert f.select(1, 5.0) == [old]
+    f.arrive(new, 6.0)  # earlier arrival time, but the running one keeps its place
+    assert f.select(1, 6.0) == [old]
+    m = MLFQScheduler(q1=0.1, levels=5)
+    assert [m.join_level(x) for x in (0.05, 0.1, 0.15, 0.39, 0.41, 100.0)] == [0, 0, 1, 2, 3, 4]
+    j = Job("j", "a", 0.0, prefill_s=0.15)
+    m.arrive(j, 0.0)
+    assert j.level == 1 and j.budget == pytest.approx(0.2)
+    m.charge([j], 0.15, 0.15)
+    assert j.level == 1
+    m.charge([j], 0.06, 0.2)  # quantum 0.2 used up: one level down, quantum 0.4
+    assert j.level == 2 and j.budget == pytest.approx(0.4)
+    k = Job("k", "a", 1.0, prefill_s=0.01)
+    m.arrive(k, 1.0)
+    assert m.select(1, 1.0) == [k]  # the top queue first, FCFS inside a queue
+    starving = MLFQScheduler(q1=0.1, levels=5, starve_s=1.0)
+    starving.arrive(j, 1.0)
+    starving.select(0, 2.5)
+    assert j.level == 0
+
+
+def test_make_scheduler_and_metrics():
+    assert {mm.make_scheduler(n).name for n in mm.SCHEDULES} == set(mm.SCHEDULES)
+    with pytest.raises(ValueError):
+        mm.make_scheduler("edf")
+    assert mm.normalized_latency([2.0, 9.0], [1.0, 3.0]) == pytest.approx(2.5)
+    assert mm.slo_attainment([4.9, 5.0, 1.0], [1.0, 1.0, 1.0]) == pytest.approx(2 / 3)  # strict: L_r < SLO
+    assert mm.p99(list(range(101))) == pytest.approx(99.0)
+
+
+MODEL = dict(num_blocks=8, block_memory=1.0, cache_memory=0.05, block_time=0.5, exec_s=4.0, c=4)
+
+
+def _model(name, rate, **kw):
+    return ServedModel(name, rate=rate, **{**MODEL, **kw})
+
+
+def test_unserved_index_placement_respects_memory_and_favours_the_most_unserved_model():
+    servers = [Volunteer(f"s{i}", 10.0) for i in range(6)]  # 10 GB: whole 8-block model + 40 slots
+    hot, cold = _model("hot", 2.0), _model("cold", 0.2)
+    plan = mm.place_by_unserved_index(servers, [cold, hot])
+    counts = mm.groups_of(plan, servers)
+    assert len(plan) == 6 and len(counts["hot"]) > len(counts["cold"]) >= 1
+    # the first server goes to the model with the higher unserved index (more requests unserved)
+    first = mm.place_by_unserved_index(servers[:1], [cold, hot])
+    assert first == {"s0": "hot"}
+    # a model that needs more memory than a small server has never lands there
+    big = _model("big", 5.0, block_memory=4.0)
+    small = [Volunteer("tiny", 3.0), Volunteer("huge", 80.0)]
+    p = mm.place_by_unserved_index(small, [big, _model("x", 0.1)])
+    assert p["tiny"] == "x" and p["huge"] == "big"
+    assert not big.can_hold(small[0])
+
+
+def test_estimate_counts_unplaced_models_as_unserved():
+    m = _model("m", 0.5)  # one chain serves 4 slots / 4 s = 1 req/s
+    e = mm.estimate_model(m, [], 100.0)
+    assert e.misses == e.requests == pytest.approx(50.0) and e.ui > 50.0
+    chains = mm.model_chains([Volunteer("a", 10.0)], m)
+    assert len(chains) == 1 and chains[0].servers == ("a",)
+    ok = mm.estimate_model(m, chains, 100.0)
+    assert ok.misses < e.misses and ok.slo_attainment > 0.5
+    assert mm.estimate_model(_model("m", 1.0), chains, 100.0).misses == pytest.approx(100.0)  # ρ = 1
+    assert mm.erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = ρ
+
+
+def test_adaptive_interval_eq8():
+    ctl = AdaptiveInterval(100.0, beta=0.1, min_s=50.0, max_s=200.0)
+    est = PlanMetrics(0.9, 2.0)
+    assert ctl.update(PlanMetrics(0.88, 2.1), est) == pytest.approx(110.0)  # both errors < β: (1+β) I
+    assert ctl.update(PlanMetrics(0.9, 2.5), est) == pytest.approx(99.0)  # L_N error 25 % > β: (1-β) I
+    assert ctl.update(PlanMetrics(0.5, 2.0), est) == pytest.approx(89.1)  # SLO error > β
+    for _ in range(20):
+        ctl.update(PlanMetrics(0.1, 9.0), est)
+    assert ctl.interval == 50.0  # clamped
+
+
+def test_mix_drift_detector():
+    d = MixDriftDetector(window_s=10.0, threshold=0.2, min_arrivals=4)
+    d.set_plan({"a": 0.5, "b": 0.5})
+    for t in range(8):
+        d.arrive("a" if t % 2 else "b", float(t))
+    assert not d.drifted(8.0)
+    for t in range(8, 16):
+        d.arrive("b", float(t))
+    assert d.distance(16.0) > 0.2 and d.drifted(16.0)
+    assert d.rates(16.0)["b"] == pytest.approx(0.9)
+
+
+def test_moves_pay_for_their_reload_only():
+    servers = [Volunteer(f"s{i}", 10.0) for i in range(4)]
+    models = [_model("a", 0.05), _model("b", 2.0)]  # b needs 3 chains (1 req/s each): two moves together pay
+    cur = {"s0": "a", "s1": "a", "s2": "a", "s3": "b"}
+    target = {"s0": "a", "s1": "b", "s2": "b", "s3": "b"}
+    rate = mm.ui_rate(servers, models)
+    moves = mm.moves_that_pay(cur, target, rate, reload_s=10.0, interval_s=600.0)
+    assert {m.server for m in moves} == {"s1", "s2"} and all(m.dst == "b" and m.benefit > 0 for m in moves)
+    # the same moves do not pay when the reload eats the whole interval
+    assert mm.moves_that_pay(cur, target, rate, reload_s=600.0, interval_s=600.0) == []
+    # a move that only costs (towards the idle model) is never made
+    back = {"s0": "a", "s1": "a", "s2": "a", "s3": "a"}
+    assert mm.moves_that_pay(cur, back, rate, reload_s=10.0, interval_s=600.0) == []
+
+
+def test_select_respects_fits():
+    s = FCFSScheduler()
+    jobs = [Job(i, "a", float(i)) for i in range(4)]
+    for j in jobs:
+        s.arrive(j, 0.0)
+    room = {"n": 2}
+
+    def fits(j):
+        if j.key == 0:
+            return False
+        room["n"] -= 1
+        return room["n"] >= 0
+
+    assert [j.key for j in s.select(3, 0.0, fits)] == [1, 2]
+    assert math.isnan(jobs[0].priority)

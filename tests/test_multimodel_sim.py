@@ -1,0 +1,86 @@
+"""The multi-model simulator (petals_chain/sim/multimodel.py): invariants, the step model, re-placement, and short
+runs asserting the seed's qualitative results with margins."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from petals_chain.algorithms import multimodel as mm
+from petals_chain.sim import multimodel as ms
+from petals_chain.sim.fairness import StepCost
+from petals_chain.sim.multimodel import MMRequest, MultiModelSim
+
+COST = StepCost(a=0.03, b=0.00005, d=0.001)
+
+
+def _models(names=("chat", "code"), max_batch=4):
+    st = {n: {"chain_capacity_req_s": 1.0, "exec_mean_s": 1.0} for n in names}
+    return ms.make_models(names, {n: 0.5 for n in names}, st, max_batch)
+
+
+def _req(rid, model, t, inp, out):
+    return MMRequest(rid, model, t, inp, out, ms.exec_alone(inp, out, COST))
+
+
+def test_one_request_alone_takes_its_reference_execution_time():
+    models = _models()
+    servers = ms.make_servers(2)
+    r = _req(0, "chat", 1.0, 1000, 5)
+    o = ms.simulate([r], models, servers, {"s00": "chat", "s01": "code"}, "db", cost=COST, max_batch=4)
+    done = o.requests[0]
+    assert done.first_token == pytest.approx(1.0 + COST.step(1000, 1))
+    assert done.latency == pytest.approx(done.exec_s) and done.done == 5
+
+
+@pytest.mark.parametrize("schedule", mm.SCHEDULES)
+def test_every_request_finishes_once_and_budget_preemption_shows_up(schedule):
+    reqs = [_req(i, "chat" if i % 3 else "code", 0.05 * i, 100 + 37 * (i % 7), 1 + (i * 13) % 60) for i in range(120)]
+    models, servers = _models(), ms.make_servers(2)
+    o = ms.simulate(reqs, models, servers, {"s00": "chat", "s01": "code"}, schedule, cost=COST, max_batch=4,
+                    kv_tokens=4000)
+    assert all(r.done == r.output and r.finished >= r.first_token > r.arrival for r in o.requests)
+    pre = sum(r.preemptions for r in o.requests)
+    assert (pre == 0) if schedule == "fcfs" else (pre > 0)
+    s = ms.summarize(o.requests)
+    assert s["requests"] == 120 and 0 <= s["slo_attainment"] <= 1 and s["norm_latency"] >= 1.0 - 1e-9
+
+
+def test_replacement_moves_a_server_after_its_reload_and_requests_migrate():
+    models, servers = _models(), ms.make_servers(2)
+    reqs = [_req(i, "chat", 0.01 * i, 50, 40) for i in range(30)]
+    reqs += [_req(100 + i, "code", 5.0 + 0.01 * i, 50, 5) for i in range(5)]
+    sim = MultiModelSim(models, servers, {"s00": "chat", "s01": "chat"}, schedule="db", cost=COST, max_batch=4,
+                        reload_s=3.0, replan=lambda sim, now: ({"s01": "code"}, None), replan_first=0.5)
+    o = sim.run(ms.fresh(reqs))
+    code = [r for r in o.requests if r.model == "code"]
+    assert all(r.finished > 0.5 + 3.0 for r in code)  # code had no server until s01 finished loading
+    assert sim.plan == {"s00": "chat", "s01": "code"} and o.plans[0]["moves"] == [["s01", "chat", "code"]]
+    moved = [r for r in o.requests if r.migrations]
+    assert moved and all(r.done == r.output for r in o.requests)
+    assert any(r.recomputes for r in moved)  # their KV stayed on the chain they left
+
+
+def test_db_beats_fcfs_in_normalized_latency_at_rho_08_in_the_seed_setting():
+    r = ms.poisson_shared(seed=0, duration=100.0, schedules=("db", "fcfs"))
+    d, f = r["schedules"]["db"], r["schedules"]["fcfs"]
+    assert 0.7 < r["rho"] < 0.9 and r["requests"] > 150
+    assert d["norm_latency"] <= 0.5 * f["norm_latency"]
+    assert d["slo_attainment"] >= 0.9 > f["slo_attainment"]
+    # the short service gains: shortest-budget-first lets it pass the long one
+    assert d["per_model"]["code"]["norm_latency"] < 0.5 * f["per_model"]["code"]["norm_latency"]
+
+
+def test_unserved_index_placement_gives_each_model_its_share():
+    r = ms.compare(("chat", "code"), rho=0.8, servers=4, duration=60.0, seed=0, schedules=("fcfs",))
+    assert r["plan"] == {"chat": 2, "code": 2}
+    assert all(0.6 < v < 1.0 for v in r["rho_per_model"].values())
+
+
+def test_adaptive_replacement_beats_a_fixed_plan_under_a_traffic_shift():
+    r = ms.shift_run(("full", "fixed"), servers=4, duration=240.0, seed=0, initial_s=40.0, reload_s=10.0)
+    a, f = r["variants"]["full"], r["variants"]["fixed"]
+    assert a["moves"] >= 1 and f["moves"] == 0
+    assert a["norm_latency"] < 0.95 * f["norm_latency"]
+    assert not math.isnan(a["slo_attainment"])
