@@ -12,7 +12,6 @@ import functools
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -109,16 +108,17 @@ def _descendants(pid: int) -> list[int]:
 
 
 class ServerProcess:
-    """A ``python -m petals_chain.server`` subprocess; ``stop()`` sends SIGTERM, ``kill()`` kills the group."""
+    """A ``python -m petals_chain.server`` process (forked by :func:`~petals_chain.swarm.launch.launch`); ``stop()``
+    sends SIGTERM, ``kill()`` kills the group."""
 
     def __init__(self, args: list[str], log_path: Path, env: Optional[dict] = None):
+        from petals_chain.swarm.launch import launch
+
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        log_path.write_bytes(b"")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         full_env.setdefault("PETALS_CHAIN_CACHE_DIR", str(log_path.parent / "cache"))
-        self.proc = subprocess.Popen([sys.executable, "-m", "petals_chain.server", *args], cwd=str(REPO_ROOT),
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        self.proc = launch("petals_chain.server", args, log_path=log_path, env=full_env, cwd=REPO_ROOT)
         self.peer_id: Optional[str] = None
 
     def log(self) -> str:
@@ -156,13 +156,10 @@ class ServerProcess:
         for pid in descendants:
             with_suppress(lambda: os.kill(pid, signal.SIGKILL))
         with_suppress(lambda: self.proc.wait(timeout=10))
-        self._log.close()
 
     def _reap_group(self) -> None:
         # Anything left in the process group (a p2pd whose parent died) is ours to kill.
         with_suppress(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
-        if not self._log.closed:
-            self._log.close()
 
 
 def with_suppress(fn) -> None:

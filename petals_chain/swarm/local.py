@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import httpx
 
+from petals_chain.swarm.launch import Launched, launch
+
 
 @dataclass
 class LocalServer:
@@ -68,10 +70,9 @@ def _descendants(pid: int) -> list[int]:
 @dataclass
 class _Proc:
     name: str
-    popen: subprocess.Popen
+    popen: Launched  # a subprocess.Popen or a ForkedProcess (launch.py)
     log_path: Path
     spec: Any = None
-    log_file: Any = None
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -118,10 +119,9 @@ class LocalSwarm:
     # ---- processes -----------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], spec: Any = None) -> _Proc:
         log_path = self.log_dir / f"{name}.log"
-        log_file = open(log_path, "ab")
-        popen = subprocess.Popen([self.python, *args], stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
-                                 start_new_session=True, cwd=os.getcwd())
-        return _Proc(name=name, popen=popen, log_path=log_path, spec=spec, log_file=log_file)
+        assert args[0] == "-m", args
+        popen = launch(args[1], args[2:], log_path=log_path, env=self.env, cwd=os.getcwd(), python=self.python)
+        return _Proc(name=name, popen=popen, log_path=log_path, spec=spec)
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         proc = self.orchestrator if name == "orchestrator" else self.servers.get(name)
@@ -269,9 +269,6 @@ class LocalSwarm:
             proc.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        if proc.log_file is not None:
-            proc.log_file.close()
-            proc.log_file = None
 
     def stop(self) -> None:
         """Stop the orchestrator (it closes its sessions), then the servers; no process (p2pd included) survives."""

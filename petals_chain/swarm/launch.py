@@ -1,0 +1,164 @@
+"""Start a role (``python -m petals_chain.server ...``, ``... .orchestrator ...``) as a process on this machine, fast.
+
+A role's imports (torch, transformers' modeling code, hivemind) cost about 9 s of CPU per process on a 2-core
+host, and a swarm on one machine (the demo, :class:`~petals_chain.swarm.local.LocalSwarm`, the tests, the
+benchmarks) starts dozens of them. :func:`launch` forks each process from a multiprocessing *fork server* that
+imported those modules once, then runs the module exactly as ``python -m`` does (:func:`runpy.run_module` as
+``__main__``, ``sys.argv`` set), in a new session (its own process group, like ``start_new_session``), with the
+given environment, working directory and log file as stdout and stderr.
+
+``PETALS_CHAIN_LAUNCH=exec`` (or a platform without the fork server) starts a fresh interpreter instead
+(:class:`subprocess.Popen`); both return an object with Popen's ``pid``, ``returncode``, ``poll``, ``wait``,
+``send_signal``, ``terminate`` and ``kill``. Volunteers and operators start roles with ``python -m`` as before;
+this only changes how a local swarm starts its processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence, Union
+
+# Imported once by the fork server; each name is optional (a missing one is skipped by multiprocessing).
+PRELOAD = (
+    "torch",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.qwen2.modeling_qwen2",
+    "hivemind",
+    "petals_chain.server.server",
+    "petals_chain.orchestrator.core",
+    "petals_chain.orchestrator.api",
+)
+
+_lock = threading.Lock()
+_context: Any = None
+_live: "set[ForkedProcess]" = set()
+
+
+def launch_mode() -> str:
+    """``fork`` (the fork server) or ``exec`` (a fresh interpreter): ``PETALS_CHAIN_LAUNCH``, default ``fork``
+    where the platform has a fork server."""
+    mode = os.environ.get("PETALS_CHAIN_LAUNCH", "fork").strip().lower()
+    if mode not in ("fork", "exec"):
+        raise ValueError(f"PETALS_CHAIN_LAUNCH must be 'fork' or 'exec', got {mode!r}")
+    if mode == "fork" and "forkserver" not in multiprocessing.get_all_start_methods():
+        return "exec"
+    return mode
+
+
+def _fork_context() -> Any:
+    global _context
+    with _lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(list(PRELOAD))
+            atexit.register(_stop_all)  # runs before multiprocessing's own exit handler, which would join them
+            _context = ctx
+        return _context
+
+
+def _run_role(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str) -> None:
+    """In the forked child: become ``python -m module *args`` with ``env``, ``cwd`` and the log as stdio."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # unbuffered as with PYTHONUNBUFFERED: the log is read while the role runs
+            stream.reconfigure(line_buffering=True, write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    threads = env.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        # The fork server's torch read its own environment at import; apply this process's thread count.
+        sys.modules["torch"].set_num_threads(max(1, int(threads)))
+    import runpy
+
+    sys.argv = ["-m", *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+class ForkedProcess:
+    """A role forked from the fork server, with the part of :class:`subprocess.Popen`'s interface we use."""
+
+    def __init__(self, module: str, args: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str):
+        self.args = [module, *args]
+        self._proc = _fork_context().Process(target=_run_role, args=(module, list(args), dict(env), cwd, log_path),
+                                             name=f"petals-chain {module}")
+        self._proc.start()
+        self.pid: int = self._proc.pid
+        _live.add(self)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        code = self._proc.exitcode
+        if code is not None:
+            _live.discard(self)
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+Launched = Union[ForkedProcess, subprocess.Popen]
+
+
+def launch(module: str, args: Sequence[str], *, log_path: Union[str, Path], env: Mapping[str, str] | None = None,
+           cwd: Union[str, Path, None] = None, python: str = sys.executable) -> Launched:
+    """Start ``python -m module *args`` in a new session, stdout and stderr appended to ``log_path``.
+
+    ``env``: the whole environment (default: this one); ``cwd``: default this one. ``python``: the interpreter
+    for ``exec`` mode; a different interpreter than this one also means ``exec``."""
+    env = dict(os.environ if env is None else env)
+    cwd = str(cwd or os.getcwd())
+    if launch_mode() == "fork" and python == sys.executable:
+        return ForkedProcess(module, args, env, cwd, str(log_path))
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen([python, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+    finally:
+        log.close()  # the child holds its own copy
+
+
+def _stop_all() -> None:
+    """At exit, roles still running are killed with their process groups (a role must not outlive the swarm that
+    started it, and multiprocessing would otherwise wait for it)."""
+    for proc in list(_live):
+        if proc.poll() is None:
+            for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL)):
+                try:
+                    kill()
+                except (ProcessLookupError, PermissionError):
+                    pass
+            proc._proc.join(5)
