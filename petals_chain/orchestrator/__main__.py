@@ -13,6 +13,7 @@ import sys
 
 from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES as DISPATCHES
+from petals_chain.orchestrator.dispatch import SCHEDULES
 from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
 
 logger = logging.getLogger("petals_chain.orchestrator")
@@ -133,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(longest cached prefix first), dlpm (VTC-style fairness that keeps prefix locality, seed "
                         "002), d2lpm (dlpm per chain, requests bound to the chain holding their prefix), d-vtc, "
                         "rr-lpm. auto: dlpm with --api-keys, else fcfs")
+    p.add_argument("--schedule", default="fcfs", choices=list(SCHEDULES),
+                   help="the central queue's order: fcfs (the paper's FIFO) or edf (earliest deadline first: requests "
+                        "with deadline_ms / ttft_deadline_ms, or their API key's defaults, go first; needs "
+                        "--fairness fcfs). Either way a request whose deadline the queue and the chains' speed say it "
+                        "cannot meet is refused at once (429 deadline_unreachable) unless it asks for best_effort")
     p.add_argument("--fairness-quantum", type=_auto_or_positive_float, default=None, metavar="auto|X",
                    help="DLPM's quantum Q^u in service units (a client's credit per round); auto: 4x the median "
                         "request's cost over the last 256 requests")
@@ -248,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         model_id=args.model_id, settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
         hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
-        ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, fairness=args.fairness,
+        ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, fairness=args.fairness, schedule=args.schedule,
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
         fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
         audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,

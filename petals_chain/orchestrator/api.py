@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from petals_chain.orchestrator.auth import CLIENT
+from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.sampling import SamplingParams, TokenChoice
 from petals_chain.swarm.jsonsafe import json_safe
@@ -33,6 +35,7 @@ MAX_STOP_LEN = 256
 MAX_PROMPT_CHARS = 1_000_000
 MAX_LOGIT_BIAS = 300
 INLINE_TOKENIZE_CHARS = 2000  # longer texts are tokenized / templated off the event loop
+MAX_DEADLINE_MS = 3_600_000.0  # an hour: longer is no deadline
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
 
@@ -69,6 +72,10 @@ class SamplingFields(_Base):
     stream_options: Optional[StreamOptions] = None
     n: int = pydantic.Field(default=1, ge=1)
     user: Optional[str] = pydantic.Field(default=None, max_length=256)  # end-user id (OpenAI): informational
+    # Deadlines from arrival (orchestrator/deadlines.py); None: the API key's default, if any.
+    deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS)
+    ttft_deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS)
+    best_effort: bool = False  # never refused or dropped for a deadline: served, late if need be
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -306,7 +313,18 @@ def create_app(orch: Orchestrator) -> FastAPI:
         bad = [t for t in list(params.logit_bias) + params.stop_token_ids if t >= vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="logit_bias")
+        set_deadline(req)
         return params, explicit
+
+    def set_deadline(req: SamplingFields) -> None:
+        """The request's deadlines (its fields, else its API key's defaults) for the dispatcher and the report."""
+        client = CLIENT.get()
+        limits = getattr(app.state, "limits", None)
+        d_ms, t_ms = limits.limits.deadline_defaults(client) if limits is not None else (None, None)
+        dl = RequestDeadline.from_ms(client, req.deadline_ms if req.deadline_ms is not None else d_ms,
+                                     req.ttft_deadline_ms if req.ttft_deadline_ms is not None else t_ms,
+                                     best_effort=req.best_effort)
+        DEADLINE.set(dl if dl.active else None)
 
     async def tokenize(text: str, **kw) -> list[int]:
         if len(text) > MAX_PROMPT_CHARS:
@@ -360,9 +378,13 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def extras(gens: list[Generation]) -> dict:
-        return {"petals_chain": [{"wait_s": g.wait_s, "service_s": g.service_s, "chain": g.chain,
-                                  "failovers": g.failovers, "forked": g.forked, "token_ids": g.token_ids}
-                                 for g in gens]}
+        out: dict[str, Any] = {"petals_chain": [{"wait_s": g.wait_s, "service_s": g.service_s, "chain": g.chain,
+                                                 "failovers": g.failovers, "forked": g.forked,
+                                                 "token_ids": g.token_ids} for g in gens]}
+        dl = DEADLINE.get()
+        if dl is not None:
+            out["deadline"] = dl.report()
+        return out
 
     async def unless_disconnected(request: Request, coro):
         """Await ``coro``; if the client goes away first, cancel it (its chain and server slots are freed)."""
@@ -430,6 +452,9 @@ def create_app(orch: Orchestrator) -> FastAPI:
                     u = chunk(0, "", None, None)
                     u["choices"] = []
                     u["usage"] = usage(prompt_tokens, completion, cached)
+                    dl = DEADLINE.get()
+                    if dl is not None:
+                        u["deadline"] = dl.report()
                     yield _sse(u)
                 yield "data: [DONE]\n\n"
             finally:

@@ -2,7 +2,9 @@
 
 ``--api-keys FILE`` holds one key a line (``#`` starts a comment)::
 
-    NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N]
+    NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N] [deadline_ms=N] [ttft_deadline_ms=N]
+
+``deadline_ms`` / ``ttft_deadline_ms`` are the key's default deadlines (a request's own fields override them).
 
 Clients send ``Authorization: Bearer KEY`` (or ``X-API-Key: KEY``). The client identity everywhere (limits,
 session ownership, metrics, fairness) is the key's *name*; the key itself is kept only as a SHA-256 digest and
@@ -21,7 +23,7 @@ from typing import Optional
 
 ANONYMOUS = "anonymous"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@\-]{0,63}$")
-_LIMITS = ("max_concurrent", "tokens_per_minute", "max_sessions")
+_LIMITS = ("max_concurrent", "tokens_per_minute", "max_sessions", "deadline_ms", "ttft_deadline_ms")
 MIN_KEY_CHARS = 16
 
 # The client of the request being served (set by the API middleware; copied into the tasks a request spawns).
@@ -41,6 +43,8 @@ class ApiKey:
     max_concurrent: Optional[int] = None  # requests running or queued at once
     tokens_per_minute: Optional[int] = None  # prompt + generated tokens over the last 60 s
     max_sessions: Optional[int] = None  # open multi-turn sessions
+    deadline_ms: Optional[int] = None  # default time to the last token (orchestrator/deadlines.py)
+    ttft_deadline_ms: Optional[int] = None  # default time to the first token
 
 
 def _digest(key: str) -> bytes:
@@ -87,7 +91,7 @@ class KeyRing:
             where = f"{path}:{lineno}"
             if len(fields) < 2:
                 raise KeyFileError(f"{where}: expected 'NAME KEY [max_concurrent=N] [tokens_per_minute=N] "
-                                   f"[max_sessions=N]'")
+                                   f"[max_sessions=N] [deadline_ms=N] [ttft_deadline_ms=N]'")
             name, key, extra = fields[0], fields[1], fields[2:]
             if not _NAME.match(name) or name == ANONYMOUS:
                 raise KeyFileError(f"{where}: invalid key name {name!r} (letters, digits, '_.@-', at most 64; "

@@ -22,6 +22,7 @@ import torch
 
 from petals_chain.algorithms.fairness import FAIRNESS_POLICIES, FairnessConfig, FairPolicy
 from petals_chain.model import Chain, ModelSpec
+from petals_chain.orchestrator.deadlines import DeadlineBook
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES, ChainPrefixes
 from petals_chain.orchestrator.audit import Auditor
 from petals_chain.orchestrator.errors import RequestError, Unavailable
@@ -110,6 +111,9 @@ class OrchestratorConfig:
     # --fairness: queue discipline among clients (API key names; fairness.py). "auto": dlpm with --api-keys, else
     # fcfs (the paper's FIFO). Service units: w_e per input token computed, w_q per output token.
     fairness: str = "auto"
+    # --schedule: the central queue's order, fcfs or edf (earliest deadline first; deadlines.py). Either way a
+    # request whose deadline the dispatcher predicts it cannot meet is refused at once.
+    schedule: str = "fcfs"
     fairness_quantum: float | None = None  # DLPM's Q^u in service units (None: 4 x the median request's cost)
     fairness_worker_quantum: float = 20000.0  # D2LPM's Q^w
     fairness_w_e: float = 1.0
@@ -166,8 +170,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.auditor = Auditor(self, cfg.audit_rate, tolerance=cfg.audit_tolerance, threshold=cfg.audit_strikes,
                                half_life_s=cfg.audit_half_life_s, probe_s=cfg.audit_probe_s,
                                registry=self.stats.registry)
+        self.deadlines = DeadlineBook(counter=self.stats.m_deadlines)
         self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue,
-                                      shares=self.shares)
+                                      shares=self.shares, schedule=cfg.schedule, steps_per_job=self._steps_per_job)
         self.sessions: dict[str, UserSession] = {}
         self.replay_cache = ReplayCache(int(cfg.replay_cache_mb * 2**20))
         self.prefix_directory = ChainPrefixes()  # what each chain's servers were given to cache
@@ -322,6 +327,10 @@ class Orchestrator(GenerationMixin, SessionMixin):
         """Servers that could take blocks ``[start, end)`` of a failed hop over (see ``Planner.replacements``)."""
         return self.planner.replacements(start, end) if self.planner is not None else []
 
+    def _steps_per_job(self) -> float:
+        """The planner's steps per job (``T_k`` covers that many), for the deadline prediction."""
+        return self.planner.steps_per_job if self.planner is not None else 17.0
+
     @property
     def ready(self) -> bool:
         return bool(self.dispatch.chains)
@@ -415,6 +424,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "job_tokens": self._job_tokens_json(),
             "audit": self.auditor.json(),
             "fairness": self.shares.json(self.dispatch.waiting_jobs()),
+            "deadlines": {"schedule": self.cfg.schedule, **self.deadlines.json()},
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,
             # maxima and counts since start (exact, unlike samples of queue_length): queue_max <= max_queue
             "queue_max": self.dispatch.queue_max, "max_queue": self.dispatch.max_queue,
@@ -462,6 +472,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         s.m_replay_budget.set(self.replay_cache.budget)
         s.m_replay_evictions.set(self.replay_cache.evictions)
         self.shares.update_gauge(self.dispatch.waiting_jobs())
+        s.m_goodput.set(self.deadlines.goodput())
         if self.planner is not None:
             s.m_epoch.set(self.planner.epoch)
             s.m_arrival.set(self.planner.arrival_rate)

@@ -19,10 +19,12 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from petals_chain.algorithms.edf import ChainLoad, EDFQueue, Prediction, predict
 from petals_chain.algorithms.prefix_locality import PrefixDirectory
 from petals_chain.model import Chain
 from petals_chain.orchestrator.fairness import ClientShares
@@ -48,7 +50,10 @@ class DispatchJob:
 
     For the fairness policy (:mod:`~petals_chain.orchestrator.fairness`): ``client`` (API key name),
     ``input_tokens`` the job's chain will compute that its client has not paid for yet, ``matched`` (chain key ->
-    those of them cached there), ``expected_output`` (tokens it may generate); ``fair`` is the policy's view."""
+    those of them cached there), ``expected_output`` (tokens it may generate); ``fair`` is the policy's view.
+
+    ``deadline``: the request's :class:`~petals_chain.orchestrator.deadlines.RequestDeadline` (None: none), for
+    ``--schedule edf`` and the admission prediction; ``output_tokens``: the most it may generate."""
 
     job_id: str
     arrival: float = field(default_factory=time.monotonic)
@@ -60,6 +65,13 @@ class DispatchJob:
     matched: dict = field(default_factory=dict)
     expected_output: int = 0
     fair: Any = None
+    deadline: Any = None
+    output_tokens: int = 0
+
+    @property
+    def order_key(self) -> float:
+        """EDF's key: the job's earliest deadline (``inf``: none, after every job with one)."""
+        return self.deadline.order_key if self.deadline is not None else math.inf
 
 
 class ChainPrefixes:
@@ -90,6 +102,16 @@ class QueueFull(Exception):
     def __init__(self, max_queue: int):
         super().__init__(f"the swarm is at capacity and its queue is full ({max_queue} waiting); retry later")
         self.max_queue = max_queue
+
+
+class DeadlineUnreachable(Exception):
+    """A new job's deadline cannot be met by the dispatcher's prediction: refused at once (HTTP 429
+    ``deadline_unreachable``)."""
+
+    def __init__(self, prediction: Prediction):
+        super().__init__(f"the deadline cannot be met: {prediction.reason}; retry with a later deadline, fewer "
+                         f"max_tokens or best_effort")
+        self.prediction = prediction
 
 
 class Admission:
@@ -137,6 +159,7 @@ class Lease:
 
 
 DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq", "petals", "bprr")  # petals, bprr: routed.py
+SCHEDULES = ("fcfs", "edf")  # the central queue's order (--schedule)
 PLACEMENT_POLICIES = ("gbp-cr", "whole-model", "petals", "bprr")
 
 
@@ -180,20 +203,38 @@ class DispatchManager:
     ``set_chains`` installs a new chain set: running jobs whose chain is unchanged keep counting against it,
     waiting jobs re-arrive in order. ``max_queue`` (None: unbounded) bounds ``queue_length``: see the module.
 
-    Since start: ``queue_max`` (longest queue), ``refused`` (jobs refused by the bound) and
-    :meth:`peak_active` (most jobs run at once on a chain).
+    ``schedule``: the central queue's order, ``fcfs`` or ``edf`` (earliest deadline first, :class:`EDFQueue`).
+    Either way a new job with a deadline (``job.deadline``, not best effort) is refused with
+    :class:`DeadlineUnreachable` when :meth:`predict` says it would miss; ``steps_per_job()`` is the planner's
+    steps per job (``T_k`` covers that many steps).
+
+    Since start: ``queue_max`` (longest queue), ``refused`` (jobs refused by the bound), ``deadline_refused``
+    (jobs refused as doomed) and :meth:`peak_active` (most jobs run at once on a chain).
     """
 
     def __init__(self, factory: DispatcherFactory | None = None, policy: str = "jffc", max_queue: int | None = None,
-                 shares: ClientShares | None = None):
+                 shares: ClientShares | None = None, schedule: str = "fcfs",
+                 steps_per_job: Callable[[], float] | None = None):
         if max_queue is not None and int(max_queue) < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.shares = shares
+        self.schedule = schedule
+        self.steps_per_job = steps_per_job or (lambda: 17.0)
         if factory is None and shares is not None and shares.central:
             if policy != "jffc":
                 raise ValueError(f"fairness policy {shares.policy.name!r} needs the central queue of JFFC, not "
                                  f"dispatch {policy!r}")
+            if schedule != "fcfs":
+                raise ValueError(f"--schedule {schedule} orders the central queue by deadline, --fairness "
+                                 f"{shares.policy.name} by client shares: choose one (--fairness fcfs with --schedule "
+                                 f"{schedule})")
             factory = fair_factory(shares)
+        if factory is None and schedule == "edf":
+            if policy != "jffc":
+                raise ValueError(f"--schedule edf needs the central queue of JFFC, not dispatch {policy!r}")
+            factory = jffc_factory(lambda: EDFQueue(key=lambda job: job.order_key))
         self.factory = factory or dispatcher_factory(policy)
         self.policy = policy
         self.max_queue = None if max_queue is None else int(max_queue)
@@ -215,6 +256,7 @@ class DispatchManager:
         self._peak: dict[tuple[int, int], int] = {}
         self.queue_max = 0
         self.refused = 0
+        self.deadline_refused = 0
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -390,13 +432,20 @@ class DispatchManager:
         self._waiters[job] = fut
         job.arrival = time.monotonic()
         try:
+            dl = job.deadline
+            if not job.requeue and dl is not None and dl.active and not dl.best_effort:
+                pred = self.predict(job)
+                if pred.doomed:
+                    self.deadline_refused += 1
+                    raise DeadlineUnreachable(pred)
             if job.requeue:
                 self._arrive_requeued(job)
             else:
                 self._arrive(job, bounded=True)
-        except QueueFull:
+        except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
-            self.refused += 1
+            if isinstance(e, QueueFull):
+                self.refused += 1
             note_admission(False)
             raise
         note_admission(True)
@@ -431,6 +480,24 @@ class DispatchManager:
         nxt = self.dispatcher.complete(lease.index)
         if nxt is not None:
             self._start(nxt, lease.index, queued=True)
+
+    def predict(self, job: DispatchJob, now: float | None = None) -> Prediction:
+        """When ``job`` would get its first and last token if it arrived now (:func:`~petals_chain.algorithms.edf.
+        predict`): the jobs served before it are the re-queue lane and, in the queue, every job (``fcfs``) or those
+        with an earlier or equal deadline (``edf``)."""
+        now = time.monotonic() if now is None else now
+        spj = max(1.0, float(self.steps_per_job()))
+        chains = [ChainLoad(capacity=int(ch.capacity), active=self.active(k), job_s=ch.service_time,
+                            step_s=ch.service_time / spj) for k, ch in enumerate(self.chains)]
+        q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
+        ahead = len(self._lane) + len(self._pending)
+        if self.schedule == "edf" and isinstance(q, EDFQueue):
+            ahead += q.ahead_of(job.order_key)
+        else:
+            ahead += self.queue_length - len(self._pending)
+        dl = job.deadline
+        return predict(now, chains, ahead, job.output_tokens, ttft_deadline=dl.ttft_deadline if dl else math.inf,
+                       deadline=dl.deadline if dl else math.inf)
 
     def waiting_jobs(self) -> list[DispatchJob]:
         """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane)."""

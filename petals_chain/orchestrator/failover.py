@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from petals_chain.orchestrator.auth import CLIENT
-from petals_chain.orchestrator.dispatch import DispatchJob, Lease, QueueFull, chain_key, note_admission
+from petals_chain.orchestrator.deadlines import DEADLINE
+from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob, Lease, QueueFull, chain_key, note_admission
 from petals_chain.orchestrator.errors import RequestError, Unavailable
 from petals_chain.orchestrator.relay import ChainSession, HopFailure
 from petals_chain.swarm.prefix import prefix_hashes
@@ -115,13 +116,25 @@ class ChainHolder:
                               input_tokens=max(0, need - paid),
                               matched={k: max(0, n - paid) for k, n in matched.items()},
                               expected_output=max(0, self.max_length - need))
+            dl = DEADLINE.get() if not self.admitted else None
+            if dl is not None and dl.active:
+                job.deadline, job.output_tokens = dl, max(0, self.max_length - need)
             t0 = time.monotonic()
+            drop_at = dl.drop_at if dl is not None and dl.active else float("inf")
             try:
-                lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=max(0.1, deadline - time.monotonic()))
+                lease = await asyncio.wait_for(orch.dispatch.acquire(job),
+                                               timeout=max(0.001, min(deadline, drop_at) - time.monotonic()))
             except asyncio.TimeoutError:
+                if time.monotonic() >= drop_at:  # still waiting for a chain when its deadline passed: dropped
+                    orch.deadlines.settle(dl, "dropped")
+                    raise RequestError("the deadline passed while the request waited for a chain", status=504,
+                                       code="deadline_exceeded") from None
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
             except QueueFull as e:  # only a job that never held a chain is refused
                 raise RequestError(str(e), status=429, code="queue_full") from None
+            except DeadlineUnreachable as e:
+                orch.deadlines.settle(dl, "refused")
+                raise RequestError(str(e), status=429, code="deadline_unreachable") from None
             self.admitted = True
             shares = getattr(orch, "shares", None)
             if auditor is not None and auditor.tainted(lease.hops):  # a plan from before a ban: wait for the next

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 import torch
 
+from petals_chain.orchestrator.deadlines import DEADLINE
 from petals_chain.orchestrator.failover import ChainHolder
 from petals_chain.orchestrator.sampling import SamplingParams, SequenceSampler, StopMatcher, TokenChoice
 
@@ -59,8 +60,11 @@ class GenerationMixin:
         unsent: list[TokenChoice] = []
         finish = "length"
         limit = min(params.max_tokens, holder.max_length - len(context))
+        deadline = DEADLINE.get()
         for i in range(limit):
             choice, emb = await self.batcher.sample(hidden, seq)
+            if i == 0 and deadline is not None:
+                deadline.first_token()
             tok = choice.token
             seq.append(tok)
             generated.append(tok)
@@ -166,6 +170,9 @@ class GenerationMixin:
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(params))]
         try:
             await asyncio.gather(*tasks)
+            deadline = DEADLINE.get()
+            if deadline is not None:  # every choice is done: the request's last token has come
+                self.deadlines.settle(deadline)
         finally:
             for t in tasks:
                 t.cancel()

@@ -65,6 +65,11 @@ class LimitsConfig:
         key = self.keys.get(client) if self.keys is not None else None
         return key.max_sessions if key is not None and key.max_sessions else self.client_max_sessions
 
+    def deadline_defaults(self, client: str) -> tuple[Optional[int], Optional[int]]:
+        """The key's default ``(deadline_ms, ttft_deadline_ms)`` (None: none)."""
+        key = self.keys.get(client) if self.keys is not None else None
+        return (key.deadline_ms, key.ttft_deadline_ms) if key is not None else (None, None)
+
     def tokens_per_minute(self, client: str) -> Optional[int]:
         key = self.keys.get(client) if self.keys is not None else None
         return key.tokens_per_minute if key is not None else None

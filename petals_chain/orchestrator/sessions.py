@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import Any
 
+from petals_chain.orchestrator.deadlines import DEADLINE
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.failover import ChainHolder
 from petals_chain.orchestrator.generation import Emit, Generation
@@ -138,6 +139,9 @@ class SessionMixin:
             service = max(0.0, time.monotonic() - t0 - wait)
             self.stats.record(wait_s=wait, service_s=service, tokens=len(generated), prompt_tokens=prompt_tokens,
                               ok=True)
+            deadline = DEADLINE.get()
+            if deadline is not None:
+                self.deadlines.settle(deadline)
             return Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(target),
                               wait_s=wait, service_s=service, chain=chain, failovers=holder.failovers,
                               logprobs=choices if params.logprobs is not None else None, cached_tokens=cached)

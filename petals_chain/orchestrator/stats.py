@@ -48,6 +48,11 @@ class Stats:
         self.m_prompt_tokens = Counter("petals_chain_prompt_tokens", "Prompt tokens", registry=r)
         self.m_prompt_cached = Counter("petals_chain_prompt_cached_tokens", "Prompt tokens whose KV came from the "
                                        "servers' prefix caches (not computed)", registry=r)
+        self.m_deadlines = Counter("petals_chain_deadline_requests", "Requests with a deadline by client and outcome "
+                                   "(met, missed, refused as doomed at arrival, dropped in the queue)",
+                                   ["client", "outcome"], registry=r)
+        self.m_goodput = Gauge("petals_chain_goodput_per_second", "Requests that met every deadline they had, per "
+                               "second over the last minute", registry=r)
         self.m_failovers = Counter("petals_chain_failovers", "Jobs moved to another chain after a server failure", registry=r)
         self.m_queue = Gauge("petals_chain_queue_length", "Jobs in the central queue", registry=r)
         # Maxima since start, kept by the dispatch manager: a scrape cannot miss a short peak.

@@ -1,0 +1,142 @@
+"""Deadlines at the orchestrator's central queue: earliest-deadline-first order and the admission prediction.
+
+The swarm's unit of execution is a chain running continuous batching with ``c_k`` slots (seed 003 mapping §3.7),
+so a job's wait is the wait for a slot, not for an exclusive batch. Two pure pieces, used by
+:class:`~petals_chain.orchestrator.dispatch.DispatchManager` (and testable alone):
+
+* :class:`EDFQueue` — JFFC's central queue in deadline order (jobs without a deadline after every job with one,
+  FIFO among equals), with JFFC's queue contract (push, pop, peek, remove, ``in``, ``len``, iteration);
+* :func:`predict` — when a new job would get its first and its last token: the wait for a slot with ``ahead``
+  jobs served before it is ``max(0, ahead + 1 - free) / mu`` (``mu = sum_k c_k / T_k`` jobs per second, the
+  central queue's total service rate of Thm 3.7), then a prefill step and one step per output token on the
+  fastest chain with a free slot (or the fastest chain when none is free). A job that misses its deadline by this
+  prediction is refused at once (:class:`Prediction`.``doomed``).
+
+Times are seconds on the caller's monotonic clock; a deadline of ``math.inf`` means none.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+
+class EDFQueue:
+    """Central queue ordered by ``key(job)`` (a deadline, ``inf`` for none), then by arrival; O(n) insert and
+    removal by identity (the queue is bounded by ``--max-queue``), O(1) pop of the earliest deadline."""
+
+    def __init__(self, key: Callable[[Any], float]):
+        self._key = key
+        self._entries: list[tuple[float, int]] = []  # (deadline, seq), sorted
+        self._jobs: dict[int, Any] = {}  # seq -> job
+        self._seq_of: dict[int, list[int]] = {}  # id(job) -> its sequence numbers
+        self._counter = itertools.count()
+
+    def push(self, job: Any) -> None:
+        seq = next(self._counter)
+        d = float(self._key(job))
+        if math.isnan(d):
+            raise ValueError("a deadline must be a number, not NaN")
+        bisect.insort(self._entries, (d, seq))
+        self._jobs[seq] = job
+        self._seq_of.setdefault(id(job), []).append(seq)
+
+    def pop(self) -> Any:
+        """Remove and return the job with the earliest deadline; IndexError if empty."""
+        if not self._entries:
+            raise IndexError("pop from an empty queue")
+        _, seq = self._entries.pop(0)
+        return self._take(seq)
+
+    def peek(self) -> Any:
+        return self._jobs[self._entries[0][1]]
+
+    def remove(self, job: Any) -> bool:
+        """Drop ``job`` (its oldest entry); True if it was queued."""
+        seqs = self._seq_of.get(id(job))
+        if not seqs:
+            return False
+        seq = seqs[0]
+        for i, (_, s) in enumerate(self._entries):
+            if s == seq:
+                del self._entries[i]
+                break
+        self._take(seq)
+        return True
+
+    def ahead_of(self, deadline: float) -> int:
+        """Jobs a new job with ``deadline`` would wait behind (deadline earlier or equal: equals keep FIFO)."""
+        return bisect.bisect_right(self._entries, (float(deadline), math.inf))
+
+    def _take(self, seq: int) -> Any:
+        job = self._jobs.pop(seq)
+        seqs = self._seq_of[id(job)]
+        seqs.remove(seq)
+        if not seqs:
+            del self._seq_of[id(job)]
+        return job
+
+    def __contains__(self, job: Any) -> bool:
+        return id(job) in self._seq_of
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([self._jobs[s] for _, s in self._entries])
+
+
+@dataclass(frozen=True)
+class ChainLoad:
+    """A chain as the prediction sees it: ``capacity`` slots (``c_k``), ``active`` jobs on them, ``job_s`` seconds
+    per job of the planner's mean length (``T_k``) and ``step_s`` seconds per step of one job (``T_k`` over the
+    planner's steps per job)."""
+
+    capacity: int
+    active: int
+    job_s: float
+    step_s: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """When a job would start, get its first token and its last (seconds from ``now``), and whether it is doomed
+    (misses a deadline it was given by this prediction; ``reason`` says which)."""
+
+    wait_s: float
+    ttft_s: float
+    total_s: float
+    doomed: bool
+    reason: str = ""
+
+
+def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: int, *,
+            ttft_deadline: float = math.inf, deadline: float = math.inf) -> Prediction:
+    """Predicted start, first and last token of a new job with ``ahead`` jobs served before it (see the module);
+    ``output_tokens``: the most it may generate (its ``max_tokens``). ``ttft_deadline`` / ``deadline``: absolute
+    times on the caller's clock (``inf``: none). No chain at all: doomed when it has a deadline."""
+    if ahead < 0 or output_tokens < 0:
+        raise ValueError("ahead and output_tokens must be >= 0")
+    usable = [c for c in chains if c.capacity > 0 and 0 < c.step_s <= c.job_s < math.inf]
+    has_deadline = math.isfinite(ttft_deadline) or math.isfinite(deadline)
+    if not usable:
+        return Prediction(math.inf, math.inf, math.inf, has_deadline, "no chain serves this model yet")
+    free = sum(max(0, c.capacity - c.active) for c in usable)
+    steps = 1 + int(output_tokens)
+    mu = sum(c.capacity / c.job_s for c in usable)  # the jobs ahead are of the mean length, as far as we know
+    wait = max(0, ahead + 1 - free) / mu
+    open_chains = [c for c in usable if c.active < c.capacity] if wait == 0 else usable
+    step = min(c.step_s for c in open_chains)
+    ttft = wait + step
+    total = wait + step * steps
+    if now + ttft > ttft_deadline:
+        return Prediction(wait, ttft, total, True, f"predicted time to first token {ttft * 1000:.0f} ms exceeds "
+                                                   f"ttft_deadline_ms {(ttft_deadline - now) * 1000:.0f}")
+    if now + total > deadline:
+        return Prediction(wait, ttft, total, True, f"predicted time to the last of {output_tokens} tokens "
+                                                   f"{total * 1000:.0f} ms exceeds deadline_ms "
+                                                   f"{(deadline - now) * 1000:.0f}")
+    return Prediction(wait, ttft, total, False)

@@ -1,0 +1,146 @@
+"""Deadlines of requests (issue 18, seed 003): what a request asked for, whether it got it, and goodput per client.
+
+A generation request may carry ``deadline_ms`` (time to its last token) and ``ttft_deadline_ms`` (time to its first
+token), counted from its arrival, or take its API key's defaults. The API puts a :class:`RequestDeadline` in
+:data:`DEADLINE` for the request; the dispatcher reads it to order the central queue (``--schedule edf``), to
+refuse a job its prediction says is doomed (HTTP 429 ``deadline_unreachable``, at once) and to drop a queued job
+whose deadline passed before it got a chain (HTTP 504 ``deadline_exceeded``); ``best_effort: true`` turns refusal
+and dropping off (the job is served, late if need be). The response reports the outcome; :class:`DeadlineBook`
+counts outcomes per client and the goodput (requests that met every deadline they had, per second).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+OUTCOMES = ("met", "missed", "refused", "dropped")
+
+
+@dataclass(eq=False)
+class RequestDeadline:
+    """A request's deadlines on the monotonic clock (``inf``: none) and when its tokens came."""
+
+    client: str
+    arrival: float
+    deadline: float = math.inf  # last token by then
+    ttft_deadline: float = math.inf  # first token by then
+    best_effort: bool = False
+    first_token_at: float | None = None
+    done_at: float | None = None
+    outcome: str | None = None  # one of OUTCOMES once decided
+
+    @classmethod
+    def from_ms(cls, client: str, deadline_ms: float | None, ttft_deadline_ms: float | None,
+                best_effort: bool = False, arrival: float | None = None) -> "RequestDeadline":
+        t0 = time.monotonic() if arrival is None else arrival
+        return cls(client=client, arrival=t0,
+                   deadline=math.inf if deadline_ms is None else t0 + float(deadline_ms) / 1000.0,
+                   ttft_deadline=math.inf if ttft_deadline_ms is None else t0 + float(ttft_deadline_ms) / 1000.0,
+                   best_effort=bool(best_effort))
+
+    @property
+    def active(self) -> bool:
+        """True if it has any deadline."""
+        return math.isfinite(self.deadline) or math.isfinite(self.ttft_deadline)
+
+    @property
+    def order_key(self) -> float:
+        """EDF's key in the central queue: the deadline that comes first (the first token's, if it has one)."""
+        return min(self.ttft_deadline, self.deadline)
+
+    @property
+    def drop_at(self) -> float:
+        """When a job still waiting for a chain has missed for sure (``inf`` for best effort or none): its first
+        token's deadline, else its last token's."""
+        if self.best_effort:
+            return math.inf
+        return self.ttft_deadline if math.isfinite(self.ttft_deadline) else self.deadline
+
+    def first_token(self, now: float | None = None) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic() if now is None else now
+
+    def report(self) -> dict:
+        """The response's ``deadline`` object: what was asked, what happened (ms from arrival), whether it was met."""
+        def ms(t: float | None) -> float | None:
+            return None if t is None or not math.isfinite(t) else round((t - self.arrival) * 1000.0, 1)
+
+        ttft_met = None if not math.isfinite(self.ttft_deadline) or self.first_token_at is None else \
+            self.first_token_at <= self.ttft_deadline
+        met = None if not math.isfinite(self.deadline) or self.done_at is None else self.done_at <= self.deadline
+        return {"deadline_ms": ms(self.deadline), "ttft_deadline_ms": ms(self.ttft_deadline),
+                "best_effort": self.best_effort, "ttft_ms": ms(self.first_token_at), "total_ms": ms(self.done_at),
+                "ttft_met": ttft_met, "met": met, "outcome": self.outcome}
+
+
+# The deadline of the request being served (set by the API; copied into the tasks it spawns); None: no deadline.
+DEADLINE: contextvars.ContextVar[RequestDeadline | None] = contextvars.ContextVar("petals_chain_deadline",
+                                                                                     default=None)
+
+
+@dataclass
+class _ClientCounts:
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    met_times: deque = field(default_factory=deque)  # monotonic times of recent on-time completions
+
+
+class DeadlineBook:
+    """Outcomes of requests with deadlines, per client, and goodput over the last ``window_s`` seconds.
+
+    ``metrics``: the Prometheus counter ``petals_chain_deadline_requests_total{client, outcome}`` (optional)."""
+
+    def __init__(self, window_s: float = 60.0, counter=None):
+        self.window_s = float(window_s)
+        self._clients: dict[str, _ClientCounts] = defaultdict(_ClientCounts)
+        self._counter = counter
+
+    def settle(self, dl: RequestDeadline, outcome: str | None = None, now: float | None = None) -> None:
+        """Decide ``dl``'s outcome once: ``refused`` / ``dropped`` as given, else ``met`` if every deadline it had
+        held (completed at ``now``), else ``missed``."""
+        if dl.outcome is not None or not dl.active:
+            return
+        now = time.monotonic() if now is None else now
+        if outcome is None:
+            dl.done_at = now if dl.done_at is None else dl.done_at
+            ok_first = dl.first_token_at is not None and dl.first_token_at <= dl.ttft_deadline
+            outcome = "met" if ok_first and dl.done_at <= dl.deadline else "missed"
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}")
+        dl.outcome = outcome
+        c = self._clients[dl.client]
+        c.outcomes[outcome] += 1
+        if outcome == "met":
+            c.met_times.append(now)
+        if self._counter is not None:
+            self._counter.labels(dl.client, outcome).inc()
+
+    def goodput(self, now: float | None = None, client: str | None = None) -> float:
+        """On-time completions per second over the last ``window_s`` (one client, or all)."""
+        now = time.monotonic() if now is None else now
+        total = 0
+        for name, c in self._clients.items():
+            while c.met_times and c.met_times[0] < now - self.window_s:
+                c.met_times.popleft()
+            if client is None or name == client:
+                total += len(c.met_times)
+        return total / self.window_s
+
+    def json(self, now: float | None = None) -> dict:
+        """Per client: outcome counts, SLO attainment (met over decided) and goodput; and the totals."""
+        now = time.monotonic() if now is None else now
+        clients = {}
+        totals = dict.fromkeys(OUTCOMES, 0)
+        for name in sorted(self._clients):
+            counts = dict(self._clients[name].outcomes)
+            for k, v in counts.items():
+                totals[k] += v
+            decided = sum(counts.values())
+            clients[name] = {**counts, "attainment": counts["met"] / decided if decided else None,
+                             "goodput_per_s": self.goodput(now, name)}
+        decided = sum(totals.values())
+        return {"window_s": self.window_s, "clients": clients, **totals,
+                "attainment": totals["met"] / decided if decided else None, "goodput_per_s": self.goodput(now)}

@@ -1,0 +1,152 @@
+"""Deadlines at the central queue (issue 18): EDF order, the admission prediction, the dispatcher's refusals and the
+per-client outcome book — pure and asyncio units; tests/test_deadlines_swarm.py drives them through HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import pytest
+
+from petals_chain.algorithms.edf import ChainLoad, EDFQueue, predict
+from petals_chain.model import Chain
+from petals_chain.orchestrator.auth import KeyFileError, KeyRing
+from petals_chain.orchestrator.deadlines import DeadlineBook, RequestDeadline
+from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob, DispatchManager
+
+
+class J:
+    def __init__(self, d):
+        self.d = d
+
+
+def test_edf_queue_orders_by_deadline_fifo_among_equals_and_removes_by_identity():
+    rng = random.Random(3)
+    q = EDFQueue(key=lambda j: j.d)
+    jobs = [J(rng.choice([1.0, 2.0, 3.0, math.inf])) for _ in range(40)]
+    for j in jobs:
+        q.push(j)
+    gone = jobs[5::7]
+    for j in gone:
+        assert q.remove(j) and j not in q
+    assert not q.remove(J(1.0))
+    left = [j for j in jobs if j not in gone]
+    expected = sorted(left, key=lambda j: (j.d, jobs.index(j)))  # stable: FIFO among equal deadlines
+    assert list(q) == expected and len(q) == len(left)
+    assert q.ahead_of(2.0) == sum(j.d <= 2.0 for j in left)
+    assert q.peek() is expected[0]
+    assert [q.pop() for _ in range(len(left))] == expected
+    with pytest.raises(IndexError):
+        q.pop()
+    with pytest.raises(ValueError):
+        q.push(J(math.nan))
+
+
+def test_prediction_waits_for_a_slot_at_the_queue_rate():
+    chains = [ChainLoad(capacity=2, active=2, job_s=2.0, step_s=0.1), ChainLoad(capacity=1, active=1, job_s=4.0,
+                                                                                 step_s=0.2)]
+    # mu = 2/2 + 1/4 = 1.25 jobs/s; no free slot and 4 jobs ahead: wait (4 + 1) / 1.25 = 4 s, then the fastest chain
+    p = predict(100.0, chains, ahead=4, output_tokens=9)
+    assert p.wait_s == pytest.approx(4.0) and p.ttft_s == pytest.approx(4.1) and p.total_s == pytest.approx(5.0)
+    assert not p.doomed
+    assert predict(100.0, chains, 4, 9, ttft_deadline=104.05).doomed
+    assert not predict(100.0, chains, 4, 9, ttft_deadline=104.2).doomed
+    late = predict(100.0, chains, 4, 9, deadline=104.9)
+    assert late.doomed and "deadline_ms" in late.reason
+    # a free slot on the slow chain: no wait, and the step is that chain's
+    free = [ChainLoad(2, 2, 2.0, 0.1), ChainLoad(1, 0, 4.0, 0.2)]
+    p = predict(0.0, free, ahead=0, output_tokens=4)
+    assert p.wait_s == 0 and p.total_s == pytest.approx(1.0)
+    # no chain: doomed only with a deadline
+    assert not predict(0.0, [], 0, 4).doomed
+    assert predict(0.0, [], 0, 4, deadline=10.0).doomed
+    with pytest.raises(ValueError):
+        predict(0.0, free, ahead=-1, output_tokens=1)
+
+
+def _chains():
+    return [Chain(servers=("a",), blocks=(4,), service_time=1.7, capacity=1, spans=((0, 4),))]
+
+
+def _job(i, dl=None, out=16):
+    return DispatchJob(job_id=f"j{i}", deadline=dl, output_tokens=out)
+
+
+def test_edf_dispatch_starts_the_earliest_deadline_and_refuses_the_doomed():
+    async def main():
+        dm = DispatchManager(schedule="edf", steps_per_job=lambda: 17.0)  # step 0.1 s, a job 1.7 s
+        dm.set_chains(_chains())
+        running = await dm.acquire(_job(0))
+        late, soon, none = (RequestDeadline.from_ms("x", 60_000, None), RequestDeadline.from_ms("x", 30_000, None),
+                            None)
+        tasks = [asyncio.ensure_future(dm.acquire(_job(i, dl))) for i, dl in enumerate([none, late, soon], 1)]
+        await asyncio.sleep(0)
+        assert dm.queue_length == 3
+        order = []
+        lease = running
+        for _ in range(3):
+            dm.release(lease)
+            await asyncio.sleep(0)
+            lease = next(t.result() for t in tasks if t.done() and t.result().job.job_id not in order)
+            order.append(lease.job.job_id)
+        assert order == ["j3", "j2", "j1"]  # earliest deadline first, no deadline last
+        # one job runs (1.7 s of 17 steps): a first token due in 50 ms cannot come; one due in 2 s can
+        with pytest.raises(DeadlineUnreachable) as e:
+            await dm.acquire(_job(9, RequestDeadline.from_ms("x", None, 50)))
+        assert "ttft_deadline_ms" in str(e.value) and dm.deadline_refused == 1 and dm.queue_length == 0
+        ok = asyncio.ensure_future(dm.acquire(_job(10, RequestDeadline.from_ms("x", None, 2_000))))
+        await asyncio.sleep(0)
+        assert not ok.done() and dm.queue_length == 1
+        # best effort is never refused
+        be = asyncio.ensure_future(dm.acquire(_job(11, RequestDeadline.from_ms("x", None, 1, best_effort=True))))
+        await asyncio.sleep(0)
+        assert dm.queue_length == 2 and dm.deadline_refused == 1
+        for t in (ok, be):
+            t.cancel()
+        await asyncio.gather(ok, be, return_exceptions=True)
+        assert dm.queue_length == 0
+
+    asyncio.run(main())
+
+
+def test_edf_needs_the_central_queue_and_no_fairness_policy():
+    with pytest.raises(ValueError, match="central queue"):
+        DispatchManager(policy="jsq", schedule="edf")
+    with pytest.raises(ValueError, match="--schedule"):
+        DispatchManager(schedule="flexible")
+
+
+def test_deadline_outcomes_report_and_goodput():
+    book = DeadlineBook(window_s=10.0)
+    a = RequestDeadline.from_ms("alice", 1000, 200, arrival=0.0)
+    a.first_token(0.1)
+    book.settle(a, now=0.9)
+    b = RequestDeadline.from_ms("alice", 1000, 200, arrival=0.0)
+    b.first_token(0.3)  # first token late
+    book.settle(b, now=0.5)
+    c = RequestDeadline.from_ms("bob", 500, None, arrival=0.0)
+    book.settle(c, "refused", now=0.0)
+    book.settle(c, now=1.0)  # decided once
+    assert (a.outcome, b.outcome, c.outcome) == ("met", "missed", "refused")
+    rep = a.report()
+    assert rep["deadline_ms"] == 1000 and rep["ttft_deadline_ms"] == 200 and rep["ttft_ms"] == 100 and rep["met"]
+    assert b.report()["ttft_met"] is False
+    j = book.json(now=1.0)
+    assert j["met"] == 1 and j["missed"] == 1 and j["refused"] == 1 and j["attainment"] == pytest.approx(1 / 3)
+    assert j["clients"]["alice"]["attainment"] == 0.5 and j["clients"]["bob"]["met"] == 0
+    assert book.goodput(now=1.0) == pytest.approx(0.1) and book.goodput(now=20.0) == 0
+    none = RequestDeadline.from_ms("x", None, None)
+    assert not none.active and none.drop_at == math.inf
+    book.settle(none, now=1.0)
+    assert none.outcome is None  # no deadline: not counted
+
+
+def test_key_file_deadline_defaults(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("slo " + "k" * 20 + " ttft_deadline_ms=500 deadline_ms=4000\n")
+    key = KeyRing.from_file(f).get("slo")
+    assert (key.deadline_ms, key.ttft_deadline_ms) == (4000, 500)
+    f.write_text("slo " + "k" * 20 + " deadline_ms=0\n")
+    with pytest.raises(KeyFileError, match="deadline_ms"):
+        KeyRing.from_file(f)
