@@ -117,6 +117,36 @@ def test_hostile_public_name_is_text(swarm_url):
         assert errors == []
 
 
+def test_clients_table_shows_fair_shares_and_deadline_outcomes(swarm_url):
+    fx, url = swarm_url
+    fairness = {"policy": "fcfs", "quantum": None, "jain_index": 0.9, "clients": {
+        "alice": {"requests": 5, "waiting": 1, "service": 300, "service_rate": 2.0, "wait_mean_s": 0.5,
+                  "wait_max_s": 1.0, "backlogged": True},
+        "bob": {"requests": 2, "waiting": 0, "service": 50, "service_rate": 0.5, "wait_mean_s": 0.1, "wait_max_s": 0.2,
+                "backlogged": False}}}
+    deadlines = {"schedule": "edf", "window_s": 60, "met": 3, "missed": 1, "refused": 1, "dropped": 0,
+                 "goodput_per_s": 0.05, "clients": {
+                     "alice": {"met": 3, "missed": 1, "refused": 0, "dropped": 0, "goodput_per_s": 0.05},
+                     "carol": {"met": 0, "missed": 0, "refused": 1, "dropped": 0, "goodput_per_s": 0.0}}}
+    fx.view.update(lambda d: d.update(fairness=fairness, deadlines=deadlines))
+    try:
+        with chromium_page() as (page, errors):
+            _open(page, url)
+            page.wait_for_selector('#clients-table tr[data-client="carol"]', timeout=10_000)
+
+            def cells(name):
+                return page.locator(f'#clients-table tr[data-client="{name}"] td').all_inner_texts()
+
+            assert cells("alice")[-2:] == ["3/4 (75%)", "0.05 /s"]
+            assert cells("bob")[-2:] == ["\u2014", "\u2014"]  # no request with a deadline
+            assert cells("carol")[-2:] == ["0/1 (0%)", "0.00 /s"]  # refused only: counted, never served
+            summary = page.locator("#clients-summary").inner_text()
+            assert "schedule edf" in summary and "goodput 0.05 /s" in summary
+            assert errors == []
+    finally:
+        fx.view.update(lambda d: (d.pop("fairness", None), d.pop("deadlines", None)))
+
+
 def test_phone_width_has_no_horizontal_overflow(swarm_url):
     fx, url = swarm_url
     with chromium_page({"width": 390, "height": 844}) as (page, errors):

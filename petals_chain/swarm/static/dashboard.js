@@ -610,21 +610,41 @@
     tbody.replaceChildren.apply(tbody, rows);
   }
 
-  // Fair sharing among clients (seed 002): service per client, waits, Jain's index among backlogged clients.
+  // Fair sharing among clients (seed 002): service per client, waits, Jain's index among backlogged clients;
+  // deadlines (seed 003): outcomes and goodput per client.
+  function deadlineCell(d) {
+    var decided = ["met", "missed", "refused", "dropped"].reduce(function (a, k) { return a + (int(d[k]) || 0); }, 0);
+    if (!decided) return "\u2014";
+    var met = int(d.met) || 0;
+    return met + "/" + decided + " (" + Math.round(100 * met / decided) + "%)";
+  }
+
   function renderClients(data) {
     var fair = obj(data.fairness);
     var clients = obj(fair.clients);
-    var names = Object.keys(clients).sort();
+    var dls = obj(data.deadlines);
+    var dlClients = obj(dls.clients);
+    var seen = {};
+    var names = Object.keys(clients).concat(Object.keys(dlClients)).filter(function (n) {
+      if (seen[n]) return false;
+      seen[n] = true;
+      return true;
+    }).sort();
     var jain = num(fair.jain_index);
     var parts = [];
     if (fair.policy) parts.push("policy " + str(fair.policy));
     var quantum = num(fair.quantum);
     if (quantum !== null && fair.policy !== "fcfs") parts.push("Q\u1d58 " + Math.round(quantum) + (fair.quantum_mode === "auto" ? " (auto)" : ""));
     parts.push("Jain " + (jain === null ? "\u2014" : jain.toFixed(3)));
+    if (dls.schedule) parts.push("schedule " + str(dls.schedule));
+    var goodput = num(dls.goodput_per_s);
+    if (goodput !== null && deadlineCell(dls) !== "\u2014") parts.push("goodput " + goodput.toFixed(2) + " /s");
     $("clients-summary").textContent = parts.join(" \u00b7 ");
     var rows = names.map(function (name) {
       var c = obj(clients[name]);
+      var d = obj(dlClients[name]);
       var rate = num(c.service_rate);
+      var gp = num(d.goodput_per_s);
       return el("tr", { "data-client": name, class: c.backlogged ? "backlogged" : "" },
         el("td", { "data-label": "client" }, el("span", { text: name })),
         el("td", { "data-label": "requests", class: "num" }, el("span", { text: String(int(c.requests) || 0) })),
@@ -632,9 +652,11 @@
         el("td", { "data-label": "service", class: "num" }, el("span", { text: fmtTokens(num(c.service) || 0) })),
         el("td", { "data-label": "service rate", class: "num" }, el("span", { text: rate === null ? "\u2014" : rate.toFixed(1) + " /s" })),
         el("td", { "data-label": "mean wait", class: "num" }, el("span", { text: fmtSeconds(num(c.wait_mean_s)) })),
-        el("td", { "data-label": "max wait", class: "num" }, el("span", { text: fmtSeconds(num(c.wait_max_s)) })));
+        el("td", { "data-label": "max wait", class: "num" }, el("span", { text: fmtSeconds(num(c.wait_max_s)) })),
+        el("td", { "data-label": "deadlines met", class: "num" }, el("span", { text: deadlineCell(d) })),
+        el("td", { "data-label": "goodput", class: "num" }, el("span", { text: gp === null || deadlineCell(d) === "\u2014" ? "\u2014" : gp.toFixed(2) + " /s" })));
     });
-    if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No client has sent a request yet." }))];
+    if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 9, class: "muted", text: "No client has sent a request yet." }))];
     var tbody = $("clients-table").tBodies[0];
     tbody.replaceChildren.apply(tbody, rows);
   }
