@@ -85,7 +85,10 @@ def _run_role(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str
     import runpy
 
     sys.argv = ["-m", *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()  # a forked child leaves through os._exit: run what the interpreter would at exit
 
 
 class ForkedProcess:

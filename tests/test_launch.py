@@ -1,0 +1,52 @@
+"""``launch``: a role forked from the fork server behaves as ``python -m`` would (argv, env, cwd, own session, log,
+exit code), and can be signalled and killed with its group; ``PETALS_CHAIN_LAUNCH=exec`` starts a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from petals_chain.swarm import launch as launch_mod
+from petals_chain.swarm.launch import ForkedProcess, launch
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+@pytest.mark.parametrize("mode", ["fork", "exec"])
+def test_launched_module_runs_as_python_dash_m(mode, tmp_path, monkeypatch):
+    monkeypatch.setenv("PETALS_CHAIN_LAUNCH", mode)
+    log = tmp_path / "probe.log"
+    env = {**os.environ, "LAUNCH_PROBE": "42", "PYTHONPATH": TESTS}
+    proc = launch("launch_probe", ["a", "--b", "c d"], log_path=log, env=env, cwd=tmp_path)
+    assert isinstance(proc, ForkedProcess) == (mode == "fork")
+    assert proc.wait(timeout=120) == 3 and proc.returncode == 3 and proc.poll() == 3
+    first, second = log.read_text().splitlines()[:2]
+    seen = json.loads(first)
+    assert seen == {"argv": ["a", "--b", "c d"], "cwd": str(tmp_path), "probe": "42", "leader": True,
+                    "main": "__main__"}
+    assert second == "to stderr"
+
+
+def test_signal_wait_timeout_and_group_kill(tmp_path, monkeypatch):
+    monkeypatch.setenv("PETALS_CHAIN_LAUNCH", "fork")
+    proc = launch("launch_probe", ["sleep"], log_path=tmp_path / "log", env={**os.environ, "PYTHONPATH": TESTS})
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.5)
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGTERM)  # its own process group, as start_new_session gives
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    proc.send_signal(signal.SIGKILL)  # no-op once it has exited
+    assert proc not in launch_mod._live
+
+
+def test_bad_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("PETALS_CHAIN_LAUNCH", "thread")
+    with pytest.raises(ValueError, match="PETALS_CHAIN_LAUNCH"):
+        launch_mod.launch_mode()
+    monkeypatch.setenv("PETALS_CHAIN_LAUNCH", "exec")
+    assert launch_mod.launch_mode() == "exec"
