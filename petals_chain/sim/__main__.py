@@ -1,7 +1,9 @@
 """``python -m petals_chain.sim``: reproduce the paper's §4.1 figures, the overall comparison and a trace replay.
 
-Sub-commands: fig3 fig4 fig5 fig6 fig7 fig8 overall trace planner-scale reproduce, and fairness (seed 002:
-FCFS/LPM/VTC/DLPM/D2LPM on a token-step simulator, ``--experiment heavy|prefix|distributed|sweep|bound|all``). Tables go to stdout
+Sub-commands: fig3 fig4 fig5 fig6 fig7 fig8 overall trace planner-scale reproduce, and the seeds' experiments:
+fairness (seed 002: FCFS/LPM/VTC/DLPM/D2LPM on a token-step simulator, ``--experiment heavy|prefix|distributed|
+sweep|bound|all``), deadlines (seed 003: FLEX/FLEX-NP/EDF/FCFS and HERD, ``fig11a|load|herd|chain|all``) and
+multimodel (seed 001: DB/FCFS/MLFQ, unserved-index placement, adaptive replacement, ``db|shift|ablation|sweep|all``). Tables go to stdout
 (``--json``: one JSON object instead), PNG plots and JSON files to ``--out DIR``; progress bars on stderr.
 """
 
@@ -372,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "multimodel"))
     p.add_argument("--experiment", choices=("heavy", "prefix", "distributed", "sweep", "bound", "all",
                                                 "fig11a", "load", "herd", "chain", "db", "shift", "ablation"), default="all",
-                   help="fairness / deadlines (fig11a|load|herd|chain): which experiment (default all)")
+                   help="which experiment (default all): fairness heavy|prefix|distributed|sweep|bound, deadlines "
+                        "fig11a|load|herd|chain, multimodel db|shift|ablation|sweep")
     p.add_argument("--runs", type=int, default=None, help="Monte Carlo runs (default 20, 3 with --quick; trace: 5 / 1)")
     p.add_argument("--jobs", type=int, default=None, help="jobs per simulation run (default 5000, 1000 with --quick)")
     p.add_argument("--seed", type=int, default=0)
