@@ -128,9 +128,6 @@ def session_reference(greedy: Greedy, scripts: list[list[dict]], max_tokens: int
 def restart_server(swarm: LocalSwarm, name: str) -> None:
     """Start a fresh process for the (dead) server ``name``, with its original spec."""
     proc = swarm.servers.pop(name)
-    if proc.log_file is not None:
-        proc.log_file.close()
-        proc.log_file = None
     swarm.add_server(proc.spec)
 
 
@@ -139,9 +136,6 @@ def restart_orchestrator(swarm: LocalSwarm, timeout: float = 180.0) -> float:
     t0 = time.monotonic()
     os.killpg(swarm.orchestrator.popen.pid, signal.SIGKILL)
     swarm.orchestrator.popen.wait(10)
-    if swarm.orchestrator.log_file is not None:
-        swarm.orchestrator.log_file.close()
-        swarm.orchestrator.log_file = None
     swarm.start_orchestrator(timeout=timeout)
     return time.monotonic() - t0
 
