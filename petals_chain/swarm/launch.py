@@ -78,6 +78,7 @@ def _run_role(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    _own_resource_tracker()
     threads = env.get("OMP_NUM_THREADS")
     if threads and threads.isdigit() and "torch" in sys.modules:
         # The fork server's torch read its own environment at import; apply this process's thread count.
@@ -89,6 +90,24 @@ def _run_role(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
         atexit._run_exitfuncs()  # a forked child leaves through os._exit: run what the interpreter would at exit
+
+
+def _own_resource_tracker() -> None:
+    """Leave the launching process's multiprocessing resource tracker (inherited through the fork server): the role
+    starts its own when it needs one, in its own process group, as a fresh interpreter would. Else semaphores of a
+    role killed with its group are reported as leaked by the launcher at exit."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    fd = getattr(tracker, "_fd", None)
+    if fd is None:
+        return
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    tracker._fd = None
+    tracker._pid = None
 
 
 class ForkedProcess:
