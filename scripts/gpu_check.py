@@ -1,0 +1,207 @@
+"""The GPU checklist's in-process parts (../shared/docs/gpu-checklist.md items 2, 4, 5) in one run, for a lent GPU.
+
+    python scripts/gpu_check.py [--device cuda] [--layers 8] [--json out.json] [--quick]
+
+1. ``exact``: greedy tokens of our path (three ``BlockRunner`` spans on the device, as a 3-hop chain's servers
+   run them, plus the orchestrator's head from ``load_head``) against transformers' own model on the same device:
+   a tiny random Llama in float32 and a Llama-2-7B-shaped random model (hidden 4096, 32 heads, MLP 11008, vocab
+   32000; ``--layers`` blocks) in bfloat16. Reports the agreeing prefix of 32 greedy tokens and the largest logit
+   difference at the prefill.
+2. ``batching``: decode steps/s of one 7B-shaped span (4 blocks, bf16) at 1, 8 and 32 concurrent sessions, the
+   server's continuous batching on vs off (``scripts/bench_batching.py``'s measurement); goal >= 8x at 32.
+3. ``head``: the orchestrator's LM head (hidden 4096 x vocab 128256, bf16) plus batched sampling per step at batch
+   1, 8, 32 on the device, and the batched sampler vs a per-request loop (``scripts/bench_sampling.py``'s mix).
+
+Every section records its error instead of stopping the run; the JSON has everything printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+SEVEN_B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+               vocab_size=32000, initializer_range=0.02)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def exact(path: str, device: torch.device, dtype: torch.dtype, layers: int, new_tokens: int = 32) -> dict:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from petals_chain.server.runner import BlockRunner
+    from petals_chain.swarm.checkpoint import load_head
+
+    cuts = [0, layers // 3, 2 * layers // 3, layers]
+    runners = [BlockRunner(path, a, b - a, num_slots=b - a, max_length=64, dtype=dtype, device=device, progress=False)
+               for a, b in zip(cuts, cuts[1:])]
+    for r, (a, b) in zip(runners, zip(cuts, cuts[1:])):
+        r.allocate("s", a, b)
+    head = load_head(path, dtype=dtype, device=device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (1, 16), generator=g).to(device)
+    ours, ref, diffs = [], [], []
+    cache = DynamicCache(config=model.config)
+    inp_o, inp_r, pos = ids, ids, 0
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            hidden = head.embed(inp_o)
+            for r in runners:
+                hidden = r.forward("s", hidden, pos)
+            lo = head.logits(hidden[:, -1]).float()
+            lr = model(inp_r, past_key_values=cache, use_cache=True).logits[:, -1].float()
+            diffs.append(float((lo - lr).abs().max()))
+            to, tr = int(lo.argmax(-1)), int(lr.argmax(-1))
+            ours.append(to)
+            ref.append(tr)
+            pos += inp_o.shape[1]
+            inp_o = torch.tensor([[to]], device=device)
+            inp_r = torch.tensor([[tr]], device=device)
+    agree = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
+    del model, runners, head
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"dtype": str(dtype), "layers": layers, "tokens": new_tokens, "agreeing_prefix": agree,
+            "identical": ours == ref, "distinct_tokens": len(set(ref)), "max_logit_diff_prefill": diffs[0],
+            "max_logit_diff_any": max(diffs), "ours": ours, "ref": ref}
+
+
+def batching(path: str, device: torch.device, dtype: torch.dtype, sessions: list[int], steps: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_batching import decode_rate
+
+    from petals_chain.server.runner import BlockRunner
+
+    blocks = 4
+    out = {}
+    common = dict(num_slots=max(sessions) * blocks, max_length=32 + steps + 8, progress=False, dtype=dtype,
+                  device=device)
+    on = BlockRunner(path, 0, blocks, batching=True, **common)
+    off = BlockRunner(path, 0, blocks, batching=False, **common)
+    for n in sessions:
+        decode_rate(on, n, 32, 4)  # warm-up
+        decode_rate(off, n, 32, 4)
+        b, rows = decode_rate(on, n, 32, steps, seed=1)
+        u, _ = decode_rate(off, n, 32, steps, seed=1)
+        out[n] = {"batched_steps_per_s": round(b, 1), "unbatched_steps_per_s": round(u, 1), "ratio": round(b / u, 2),
+                  "rows_per_batch": round(rows, 1)}
+        print(f"  batching {n:>3} sessions: on {b:8.1f} steps/s, off {u:8.1f} steps/s, {b / u:5.2f}x "
+              f"({rows:.1f} rows/batch)", flush=True)
+    on.close() if hasattr(on, "close") else None
+    off.close() if hasattr(off, "close") else None
+    base = out[sessions[0]]["batched_steps_per_s"]
+    out["scaling_at_max"] = round(out[max(sessions)]["batched_steps_per_s"] / base, 2)
+    return out
+
+
+def head_and_sampling(device: torch.device, batches: list[int], steps: int, hidden: int = 4096,
+                      vocab: int = 128256) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_sampling import CONTEXT, MIX, make_logits
+
+    from petals_chain.orchestrator.sampling import PerRequestSampler, SamplingParams, SequenceSampler, sample_batch
+
+    lm_head = torch.nn.Linear(hidden, vocab, bias=False, dtype=torch.bfloat16, device=device)
+    out = {}
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        h = torch.randn(batch, hidden, generator=gen).to(device, torch.bfloat16)
+        pool = [make_logits(batch, vocab, gen).to(device) for _ in range(steps)]
+        params = [SamplingParams(**MIX[i % len(MIX)][1], seed=i) for i in range(batch)]
+        prompts = [torch.randint(0, vocab, (CONTEXT,), generator=gen).tolist() for _ in range(batch)]
+
+        def batched() -> float:
+            seqs = [SequenceSampler(p, c) for p, c in zip(params, prompts)]
+            _sync(device)
+            t0 = time.perf_counter()
+            for x in pool:
+                with torch.no_grad():
+                    lm_head(h)  # the head's matmul, as the orchestrator runs it before sampling
+                for s, c in zip(seqs, sample_batch(x, seqs)):
+                    s.append(c.token)
+            _sync(device)
+            return (time.perf_counter() - t0) / steps * 1e3
+
+        def loop() -> float:
+            samplers = [PerRequestSampler(p) for p in params]
+            ctxs = [list(c) for c in prompts]
+            _sync(device)
+            t0 = time.perf_counter()
+            for x in pool:
+                for i, s in enumerate(samplers):
+                    ctxs[i].append(s.next_token(x[i], ctxs[i]))
+            _sync(device)
+            return (time.perf_counter() - t0) / steps * 1e3
+
+        batched(), loop()
+        tb = statistics.median([batched() for _ in range(3)])
+        tl = statistics.median([loop() for _ in range(3)])
+        out[batch] = {"head_plus_batched_ms_per_step": round(tb, 3), "loop_sampling_ms_per_step": round(tl, 3),
+                      "batched_over_loop": round(tb / tl, 3)}
+        print(f"  head+sampling batch {batch:>3}: {tb:7.3f} ms/step batched, loop {tl:7.3f} ms ({tb / tl:.3f}x)",
+              flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=8, help="blocks of the 7B-shaped model for the exactness check")
+    ap.add_argument("--quick", action="store_true", help="small shapes (to try the script on a CPU)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    from petals_chain.swarm.tiny_model import build_tiny_model
+
+    res: dict = {"torch": torch.__version__}
+    if device.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name(device)
+    import transformers
+
+    res["transformers"] = transformers.__version__
+    print(json.dumps(res), flush=True)
+    big = dict(SEVEN_B) if not args.quick else dict(hidden_size=128, num_attention_heads=4, intermediate_size=256,
+                                                     vocab_size=512, initializer_range=0.02)
+
+    def section(name, fn, *a):
+        t0 = time.perf_counter()
+        try:
+            res[name] = fn(*a)
+        except Exception as e:  # noqa: BLE001 - recorded, the next section still runs
+            res[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        res[name + "_s"] = round(time.perf_counter() - t0, 1)
+        print(name, json.dumps({k: v for k, v in res[name].items() if k not in ("ours", "ref", "trace")}
+                               if isinstance(res[name], dict) else res[name]), flush=True)
+        if isinstance(res[name], dict) and "trace" in res[name]:
+            print(res[name]["trace"], flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+
+    with tempfile.TemporaryDirectory() as d:
+        tiny = build_tiny_model(Path(d) / "tiny", family="llama", num_layers=8)
+        section("exact_tiny_fp32", exact, str(tiny), device, torch.float32, 8)
+        seven = build_tiny_model(Path(d) / "seven", family="llama", num_layers=args.layers, **big)
+        section("exact_7b_bf16", exact, str(seven), device, torch.bfloat16, args.layers)
+        section("batching_7b_bf16", batching, str(seven), device, torch.bfloat16, [1, 8, 32] if not args.quick
+                else [1, 4], 24 if not args.quick else 4)
+    if args.quick:
+        section("head_sampling", head_and_sampling, device, [1, 4], 2, 128, 4096)
+    else:
+        section("head_sampling", head_and_sampling, device, [1, 8, 32], 8)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
