@@ -106,6 +106,60 @@ def batching(path: str, device: torch.device, dtype: torch.dtype, sessions: list
     return out
 
 
+def profile_decode(path: str, device: torch.device, dtype: torch.dtype, steps: int = 20) -> dict:
+    """Where one session's decode step goes on a 4-block span: wall ms per step (input on the CPU, as the server
+    receives it, and on the device), and torch.profiler's top operators by self CPU and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from petals_chain.server.runner import BlockRunner
+
+    r = BlockRunner(path, 0, 4, num_slots=8, max_length=512, progress=False, dtype=dtype, device=device)
+    H = r.hidden_size
+    out = {}
+    if device.type == "cuda":
+        # SDPA's backends on decode lengths never seen before (cuDNN builds a plan per shape) and seen again
+        for label, start, cudnn in (("default_new_lengths", 100, True), ("default_seen_lengths", 100, True),
+                                    ("no_cudnn_new_lengths", 300, False)):
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            r.allocate("q", 0, 4)
+            r.forward("q", torch.randn(1, start, H, device=device), 0)
+            x = torch.randn(1, 1, H, device=device)
+            _sync(device)
+            t0 = time.perf_counter()
+            for k in range(steps):
+                x = r.forward("q", x, start + k)
+            _sync(device)
+            out[f"ms_per_step_{label}"] = round((time.perf_counter() - t0) / steps * 1e3, 3)
+            r.release("q")
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    for where in ("cpu", str(device)):
+        r.allocate("p", 0, 4)
+        r.forward("p", torch.randn(1, 32, H, device=where), 0)
+        x = torch.randn(1, 1, H, device=where)
+        for k in range(3):
+            x = r.forward("p", x, 32 + k)
+        _sync(device)
+        t0 = time.perf_counter()
+        for k in range(steps):
+            x = r.forward("p", x, 35 + k)
+        _sync(device)
+        out[f"ms_per_step_input_on_{where}"] = round((time.perf_counter() - t0) / steps * 1e3, 3)
+        r.release("p")
+    r.allocate("p", 0, 4)
+    r.forward("p", torch.randn(1, 32, H), 0)
+    x = torch.randn(1, 1, H)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for k in range(steps):
+            x = r.forward("p", x, 32 + k)
+    r.release("p")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+    if device.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12), flush=True)
+    print(f"  decode step, one session, 4 blocks: {out}", flush=True)
+    return out
+
+
 def head_and_sampling(device: torch.device, batches: list[int], steps: int, hidden: int = 4096,
                       vocab: int = 128256) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -171,6 +225,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes (to try the script on a CPU)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--only-head", action="store_true", help="only the head and sampling section")
+    ap.add_argument("--profile", action="store_true", help="only a profile of one session's decode steps")
     args = ap.parse_args()
     device = torch.device(args.device)
     from petals_chain.swarm.tiny_model import build_tiny_model
@@ -199,6 +254,11 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1, default=str))
 
+    if args.profile:
+        with tempfile.TemporaryDirectory() as d:
+            seven = build_tiny_model(Path(d) / "seven", family="llama", num_layers=4, **big)
+            section("profile_decode", profile_decode, str(seven), device, torch.bfloat16)
+        return 0
     if not args.only_head:
         with tempfile.TemporaryDirectory() as d:
             tiny = build_tiny_model(Path(d) / "tiny", family="llama", num_layers=8)

@@ -554,3 +554,19 @@ def test_release_during_step_and_idle_release(models, monkeypatch):
     r._sessions["old"].last_used -= 100
     assert r.release_idle(50) == ["old"]
     assert list(r.sessions()) == ["new"] and r.slots_free == 3
+
+
+def test_cuda_runners_keep_attention_off_cudnn():
+    """cuDNN's SDPA builds a plan per shape, 13x slower decode at new lengths on an H200 (docs/results.md): a runner on
+    CUDA turns that backend off; one on the CPU leaves the flag alone."""
+    from petals_chain.server.runner import _avoid_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        _avoid_cudnn_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        _avoid_cudnn_attention(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
