@@ -31,14 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-
-def arrivals(rate: float, duration: float, rng: np.random.Generator) -> list[float]:
-    out, t = [], 0.0
-    while True:
-        t += rng.exponential(1.0 / rate)
-        if t >= duration:
-            return out
-        out.append(t)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fairness import arrivals  # noqa: E402 - Poisson arrival times, shared with the fairness benchmark
 
 
 async def replay(url: str, model: str, plan: list[float], body: dict) -> list[dict]:

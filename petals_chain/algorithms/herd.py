@@ -85,6 +85,17 @@ class HerdSolution:
     status: str = "optimal"
 
 
+
+def _constraint_matrix(rows: list, nv: int):
+    """``(A, lo, hi)`` for scipy's ``LinearConstraint`` from rows ``({variable: coefficient}, lo, hi)``."""
+    A = lil_matrix((len(rows), nv))
+    lo, hi = np.empty(len(rows)), np.empty(len(rows))
+    for r, (coef, a, b) in enumerate(rows):
+        for v, c in coef.items():
+            A[r, v] = c
+        lo[r], hi[r] = a, b
+    return A, lo, hi
+
 def burst_tolerance(problem: HerdProblem, group: Mapping[str, int], sizes: Sequence[int]) -> dict[str, float]:
     return {s.name: sizes[group[s.name]] / s.n for s in problem.streams}
 
@@ -164,12 +175,7 @@ def solve_herd(problem: HerdProblem, *, merge: bool = True, time_limit_s: float 
             rows.append(({Z(k, j): 1.0, **{Y(c, j): -1.0 for c in range(C) if m in sets[c]}}, -np.inf, 0.0))
         if j + 1 < J:
             rows.append(({osz + j: -1.0, osz + j + 1: 1.0}, -np.inf, 0.0))  # symmetry: sizes non-increasing
-    A = lil_matrix((len(rows), nv))
-    lo, hi = np.empty(len(rows)), np.empty(len(rows))
-    for r, (coef, a, b) in enumerate(rows):
-        for v, c in coef.items():
-            A[r, v] = c
-        lo[r], hi[r] = a, b
+    A, lo, hi = _constraint_matrix(rows, nv)
     lb = np.zeros(nv)
     ub = np.ones(nv)
     ub[ow:ow + S * J] = G
@@ -290,12 +296,7 @@ def solve_chain_allocation(need: Mapping[str, float], servers_per_chain: Mapping
         rows.append(({oc + k * J + j: 1.0 for k in range(K)}, -np.inf, float(G)))
     rows.append(({oc + k * J + j: float(servers_per_chain[m]) for k, m in enumerate(models) for j in range(J)},
                  -np.inf, float(num_servers)))
-    A = lil_matrix((len(rows), nv))
-    lo, hi = np.empty(len(rows)), np.empty(len(rows))
-    for r, (coef, a, b) in enumerate(rows):
-        for v, c in coef.items():
-            A[r, v] = c
-        lo[r], hi[r] = a, b
+    A, lo, hi = _constraint_matrix(rows, nv)
     ub = np.concatenate([np.ones(K * J), np.full(K * J, float(G)), [np.inf]])
     integrality = np.concatenate([np.ones(2 * K * J), [0]])
     c = np.zeros(nv)
