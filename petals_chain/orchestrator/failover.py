@@ -121,9 +121,11 @@ class ChainHolder:
                 job.deadline, job.output_tokens = dl, max(0, self.max_length - need)
             t0 = time.monotonic()
             drop_at = dl.drop_at if dl is not None and dl.active else float("inf")
+            wait_s = max(0.1, deadline - time.monotonic())
+            if drop_at < deadline:
+                wait_s = max(0.001, drop_at - time.monotonic())
             try:
-                lease = await asyncio.wait_for(orch.dispatch.acquire(job),
-                                               timeout=max(0.001, min(deadline, drop_at) - time.monotonic()))
+                lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=wait_s)
             except asyncio.TimeoutError:
                 if time.monotonic() >= drop_at:  # still waiting for a chain when its deadline passed: dropped
                     orch.deadlines.settle(dl, "dropped")

@@ -173,6 +173,11 @@ class GenerationMixin:
             deadline = DEADLINE.get()
             if deadline is not None:  # every choice is done: the request's last token has come
                 self.deadlines.settle(deadline)
+        except BaseException:
+            deadline = DEADLINE.get()
+            if deadline is not None:  # failed or cancelled after admission: not met (a refusal is settled already)
+                self.deadlines.settle(deadline, "missed")
+            raise
         finally:
             for t in tasks:
                 t.cancel()
