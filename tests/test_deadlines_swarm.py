@@ -29,7 +29,9 @@ def swarm(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory("llama", num_layers=4)
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"bulk {BULK}\nslo {SLO} ttft_deadline_ms={SLO_TTFT_MS}\n")
-    server = LocalServer("a", memory_for(path, 128, 4, 2), tau_p=0.001, extra_args=["--kv-cache", "slots"])
+    # 20 ms per step (emulated link): a queued burst of 64-token jobs lasts seconds, whatever the machine's load
+    server = LocalServer("a", memory_for(path, 128, 4, 2), tau_p=0.001, emulate_rtt_ms=20.0,
+                         extra_args=["--kv-cache", "slots"])
     sw = LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
                     orchestrator_args=["--api-keys", str(keys), "--fairness", "fcfs", "--schedule", "edf"])
     sw.start()
@@ -70,8 +72,12 @@ def test_edf_serves_the_deadline_first_refuses_the_doomed_and_reports(swarm, sca
         refused_s = time.monotonic() - t0
         assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_unreachable", r.text
         assert "ttft_deadline_ms" in r.json()["error"]["message"]
-        assert refused_s < scaled(0.25), refused_s  # decided at arrival, not after waiting in the queue
+        # decided at arrival, not after waiting in the queue: the burst is still queued when the refusal is back
+        # (bench_deadlines.py measures the round trip on a quiet machine: 16 ms at most)
+        assert swarm.swarm()["queue_length"] >= 1 and refused_s < scaled(1.0), refused_s
         # the slo key's default deadline puts it ahead of the queued burst
+        queued = swarm.swarm()["queue_length"]
+        assert queued >= 3, queued
         r = post(swarm, SLO, max_tokens=8)
         assert r.status_code == 200, r.text
         with lock:
