@@ -217,14 +217,22 @@ def test_prefix_cache_shared_prompt_and_session_turns(swarm, hf_model):
               "question about the village, its people, its river and its old stone bridge.")
     base = tok(system)["input_ids"]
     assert len(base) >= 40
-    before = client.swarm()["relay"]
-    usages = []
-    for question in (" Who built the bridge?", " Where does the river go?"):
-        ids = base + tok(question, add_special_tokens=False)["input_ids"]
-        comp = client.complete(ids, max_tokens=8)
-        assert comp.token_ids == hf_greedy(hf_model, ids, 8)
-        usages.append(comp.usage["prompt_tokens_details"]["cached_tokens"])
-    assert usages[0] == 0 and usages[1] >= len(base) // 16 * 16 - 16, usages
+    for attempt in range(3):
+        # A re-plan between the two requests (the planner re-plans by the speed servers deliver, often in the
+        # suite's first minute) gives new chains that hold no prefix yet: then try again with a fresh prompt.
+        prompt = base if attempt == 0 else tok(f"Attempt {attempt}. " + system)["input_ids"]
+        chains_before = [c["id"] for c in client.swarm()["chains"]]
+        before = client.swarm()["relay"]
+        usages = []
+        for question in (" Who built the bridge?", " Where does the river go?"):
+            ids = prompt + tok(question, add_special_tokens=False)["input_ids"]
+            comp = client.complete(ids, max_tokens=8)
+            assert comp.token_ids == hf_greedy(hf_model, ids, 8)
+            usages.append(comp.usage["prompt_tokens_details"]["cached_tokens"])
+        replanned = [c["id"] for c in client.swarm()["chains"]] != chains_before
+        if not replanned or usages[1] >= len(prompt) // 16 * 16 - 16:
+            break
+    assert usages[0] == 0 and usages[1] >= len(prompt) // 16 * 16 - 16, (usages, attempt)
     relay = client.swarm()["relay"]
     assert relay["prompt_cached_tokens"] - before["prompt_cached_tokens"] >= usages[1]
     assert relay["preferred_starts"] > before["preferred_starts"]
