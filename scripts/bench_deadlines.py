@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fairness import arrivals  # noqa: E402 - Poisson arrival times, shared with the fairness benchmark
+from bench_fairness import arrivals, model_and_prompt  # noqa: E402 - shared with the fairness benchmark
 
 
 async def replay(url: str, model: str, plan: list[float], body: dict) -> list[dict]:
@@ -95,15 +95,8 @@ def main() -> int:
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench_deadlines_"))
-    if args.model is None:
-        from petals_chain.swarm.tiny_model import build_tiny_model
-
-        args.model = str(build_tiny_model(work / "tiny", family="llama", num_layers=4))
-    from petals_chain.swarm.sources import resolve_source
-
-    vocab = int(resolve_source(args.model).config.vocab_size)
     rng = np.random.default_rng(args.seed)
-    prompt = rng.integers(10, vocab, size=args.prompt_tokens).tolist()
+    prompt = model_and_prompt(args, work, rng)
     base = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
 
     # 1. service time alone and capacity

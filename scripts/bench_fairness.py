@@ -31,6 +31,19 @@ from pathlib import Path
 import numpy as np
 
 
+def model_and_prompt(args, work: Path, rng: np.random.Generator) -> list[int]:
+    """Set ``args.model`` to a tiny random-weight Llama built in ``work`` when none was given; return a prompt of
+    ``args.prompt_tokens`` random ids of its vocabulary."""
+    if args.model is None:
+        from petals_chain.swarm.tiny_model import build_tiny_model
+
+        args.model = str(build_tiny_model(work / "tiny", family="llama", num_layers=4))
+    from petals_chain.swarm.sources import resolve_source
+
+    vocab = int(resolve_source(args.model).config.vocab_size)
+    return rng.integers(10, vocab, size=args.prompt_tokens).tolist()
+
+
 def arrivals(rate: float, duration: float, rng: np.random.Generator) -> list[float]:
     out, t = [], 0.0
     while True:
@@ -124,15 +137,8 @@ def main() -> int:
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench_fairness_"))
-    if args.model is None:
-        from petals_chain.swarm.tiny_model import build_tiny_model
-
-        args.model = str(build_tiny_model(work / "tiny", family="llama", num_layers=4))
-    from petals_chain.swarm.sources import resolve_source
-
-    vocab = int(resolve_source(args.model).config.vocab_size)
     rng = np.random.default_rng(args.seed)
-    prompt = rng.integers(10, vocab, size=args.prompt_tokens).tolist()
+    prompt = model_and_prompt(args, work, rng)
     lights = [f"light{i}" for i in range(args.light)]
     keys = {name: f"{name}-key-{i:04d}-0123456789" for i, name in enumerate(["heavy", *lights])}
     keys_file = work / "api-keys"
