@@ -1,7 +1,10 @@
 """Paged vs slot KV cache on one server's blocks, measured side by side (issue 15).
 
-    python scripts/bench_kv.py [--model smollm2-135m | --tiny] [--trace PATH] [--max-length 4096]
+    python scripts/bench_kv.py [--model smollm2-135m | --tiny | --seven-b] [--trace PATH] [--max-length 4096]
                                [--slots 32] [--windows 50] [--sessions 16] [--blocks 4] [--steps 20] [--json]
+                               [--device cuda --dtype bfloat16]
+
+``--seven-b``: random weights shaped like Llama-2-7B's blocks (hidden 4096, 32 heads, MLP 11008), for a GPU.
 
 Session lengths (prompt + output tokens) come from the Azure LLM *conversation* trace in ``../shared/data``
 (or ``--trace``; without it a synthetic lognormal stand-in with the same mean and P90), capped at
@@ -70,18 +73,28 @@ def churn(runner: BlockRunner, lengths: np.ndarray, events: int, rng: np.random.
             pass
 
 
+SEVEN_B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+               vocab_size=32000, initializer_range=0.02)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def prefill(runner: BlockRunner, lengths: list[int], seed: int) -> list[BatchItem]:
     """Open one session per length, prefill ``length - 1`` tokens in chunks; returns each session's decode step."""
     g = torch.Generator().manual_seed(seed)
     H, items = runner.hidden_size, []
+    dev, dt = runner.device, runner.dtype
     for i, n in enumerate(lengths):
         sid = f"dec{i}"
         runner.allocate(sid, runner.start_block, runner.end_block, max_tokens=n)
         for pos in range(0, n - 1, 512):
             k = min(512, n - 1 - pos)
-            runner.forward(sid, torch.randn(1, k, H, generator=g) * 0.1, pos)
+            runner.forward(sid, (torch.randn(1, k, H, generator=g) * 0.1).to(dev, dt), pos)
         s = runner._sessions[sid]
-        items.append(BatchItem(torch.randn(1, 1, H, generator=g) * 0.1, n - 1, dict(s.pages_of), runner.start_block,
+        items.append(BatchItem((torch.randn(1, 1, H, generator=g) * 0.1).to(dev, dt), n - 1, dict(s.pages_of), runner.start_block,
                                runner.end_block))
     return items
 
@@ -90,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="registry name or path (default: the real model)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random-weight llama instead of --model (fast)")
+    ap.add_argument("--seven-b", action="store_true", help="random weights shaped like Llama-2-7B (for a GPU)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--trace", default=None, help="Azure conversation trace CSV (default: ../shared/data)")
     ap.add_argument("--max-length", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=16)
@@ -106,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     tmp = None
-    if args.tiny:
+    if args.tiny or args.seven_b:
         from petals_chain.swarm.tiny_model import build_tiny_model
 
         tmp = tempfile.TemporaryDirectory()
         model = build_tiny_model(Path(tmp.name) / "tiny", family="llama", num_layers=args.blocks,
-                                 max_position_embeddings=args.max_length)
+                                 max_position_embeddings=args.max_length, **(SEVEN_B if args.seven_b else {}))
     else:
         from petals_chain.swarm.registry import registry_path
 
@@ -119,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths, source = get_conversation_lengths(args.trace, seed=args.seed)
     lengths = np.minimum(lengths, args.max_length)
     runners = {mode: BlockRunner(model, 0, args.blocks, num_slots=args.slots * args.blocks, max_length=args.max_length,
-                                 kv_cache=mode, page_size=args.page_size, progress=False, dtype="float32")
+                                 kv_cache=mode, page_size=args.page_size, progress=False, dtype=args.dtype,
+                                 device=args.device)
                for mode in ("slots", "paged")}
     assert runners["slots"].pool.nbytes <= runners["paged"].pool.nbytes <= runners["slots"].pool.nbytes * 1.001
 
@@ -147,12 +164,15 @@ def main(argv: list[str] | None = None) -> int:
                 run_batch(r, items[mode])
         for step in range(args.steps):
             for mode in (("slots", "paged") if step % 2 == 0 else ("paged", "slots")):
+                _sync(runners[mode].device)
                 t0 = time.perf_counter()
                 run_batch(runners[mode], items[mode])
+                _sync(runners[mode].device)
                 times[mode].append(time.perf_counter() - t0)
     med = {m: statistics.median(t) for m, t in times.items()}
     out = {
-        "model": "tiny" if args.tiny else str(args.model), "trace": source, "max_length": args.max_length,
+        "model": "tiny" if args.tiny else "7b-shaped" if args.seven_b else str(args.model),
+        "device": str(args.device), "dtype": args.dtype, "trace": source, "max_length": args.max_length,
         "page_size": args.page_size, "blocks": args.blocks, "slots_per_block": args.slots,
         "length_mean": float(lengths.mean()), "length_p90": float(np.percentile(lengths, 90)),
         "admitted_slots_mean": float(np.mean(admitted["slots"])), "admitted_paged_mean": float(np.mean(admitted["paged"])),
