@@ -207,6 +207,36 @@ def test_planner_incremental_join_and_margin():
     assert pl.steps_per_job > 17
 
 
+def test_planner_places_a_wave_of_newcomers_as_chains_of_their_own():
+    """Three servers form the plan's one chain; three more like them join later. None of them alone completes a
+    second chain (each incremental span predicts no gain), but placed together by GBP-CR they do, and nobody
+    already planned moves."""
+    from petals_chain.orchestrator.planner import Planner, ServerView
+
+    model = ModelSpec(num_blocks=9, block_size=10.0, cache_size=1.0)
+    pl = Planner(dht=None, prefix="x", client=None, max_length=64, on_chains=lambda c: None, arrival_rate=3.0,
+                 model_spec_fallback=lambda: model)
+
+    def view(n):
+        v = ServerView(peer_id=n, record=_FakeRecord(60.0, 0.05, name=n, max_blocks=3))
+        v.rtt_s = 0.001
+        return v
+
+    first = [view(n) for n in "abc"]
+    plan = pl.full_plan(first)
+    assert plan is not None and len(plan.chains) == 1
+    wave = [view(n) for n in "def"]
+    views = first + wave
+    for v in wave:
+        inc = pl.incremental(views, plan.placement, v, plan.c)
+        assert inc is not None and len(inc.chains) == 1 and not inc.lower < plan.lower * (1 - 1e-9)
+    together = pl.joint(views, plan.placement, wave, plan.c)
+    assert together is not None and len(together.chains) == 2 and together.lower < plan.lower
+    for name in plan.placement:
+        assert together.placement[name] == plan.placement[name]
+    assert pl.joint(views, plan.placement, wave[:2], plan.c) is None  # two thirds of a chain: nothing to add
+
+
 def test_planner_splits_hops_into_compute_and_communication():
     """With the server's reported compute time, tau_p and tau_c are refined from sessions, never from a ping
     RTT that (under load) can exceed a fast step and drive the compute estimate to zero."""

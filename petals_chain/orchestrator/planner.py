@@ -426,6 +426,29 @@ class Planner:
             return current
         return best
 
+    def joint(self, views: Sequence[ServerView], base: Placement, newcomers: Sequence[ServerView],
+              c: int | None) -> Plan | None:
+        """GBP-CR over ``newcomers`` alone at the plan's ``c``, added to ``base`` (others keep their blocks).
+
+        Servers that joined after the plan in a wave can form chains of their own: placed one at a time (see
+        :meth:`incremental`) none of them completes a chain, so none is ever worth adding alone. None when the
+        newcomers cover no chain or the plan has no ``c`` (a baseline placement policy)."""
+        from petals_chain.algorithms import gbp_cr
+
+        model = self._model_spec()
+        if model is None or c is None or len(newcomers) < 2:
+            return None
+        try:
+            placed = gbp_cr(self.specs(newcomers), model, int(c), max(self.arrival_rate, 1e-6), rho_bar=self.rho_bar,
+                            use_all_servers=self.use_all_servers)
+        except ValueError:
+            return None
+        if not placed or min(placed.coverage(model.num_blocks)) < 1:
+            return None
+        spans = dict(base.items())
+        spans.update(placed.items())
+        return self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c)
+
     def served_plan(self, views: Sequence[ServerView], c: int | None) -> Plan | None:
         """The placement the servers in ``views`` already serve (loaded spans sized for our max_length), if it
         covers every block; else None. Non-empty after an orchestrator restart."""
@@ -624,6 +647,10 @@ class Planner:
                     and _total_rate(inc.chains) > _total_rate(best.chains) * (1 + 1e-9))
             if better or adds:
                 best, reason = inc, f"join of {v.record.public_name or v.peer_id[:12]} (incremental)"
+        if self.placement_policy == "gbp-cr":
+            together = self.joint(views, base.placement, unassigned, self.plan.c)
+            if together is not None and together.lower < best.lower * (1 - 1e-9):
+                best, reason = together, f"join of {len(unassigned)} servers (chains of their own)"
         full = self.full_plan(views)
         if full is not None and full.chains and full.lower < (1 - self.move_margin) * best.lower:
             best, reason = full, f"re-placement improves predicted response {best.lower:.4g}s -> {full.lower:.4g}s"
