@@ -40,6 +40,7 @@ from petals_chain.server.batching import BatchItem, run_batch
 from petals_chain.server.kv_cache import NoCapacityError
 from petals_chain.server.runner import BlockRunner
 from petals_chain.sim.data import get_conversation_lengths
+from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE
 
 
 def admission(runner: BlockRunner, lengths: np.ndarray) -> int:
@@ -73,8 +74,6 @@ def churn(runner: BlockRunner, lengths: np.ndarray, events: int, rng: np.random.
             pass
 
 
-SEVEN_B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-               vocab_size=32000, initializer_range=0.02)
 
 
 def _sync(device: torch.device) -> None:
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tmp = tempfile.TemporaryDirectory()
         model = build_tiny_model(Path(tmp.name) / "tiny", family="llama", num_layers=args.blocks,
-                                 max_position_embeddings=args.max_length, **(SEVEN_B if args.seven_b else {}))
+                                 max_position_embeddings=args.max_length, **(LLAMA2_7B_SHAPE if args.seven_b else {}))
     else:
         from petals_chain.swarm.registry import registry_path
 

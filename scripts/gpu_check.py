@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-SEVEN_B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-               vocab_size=32000, initializer_range=0.02)
+from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE
 
 
 def _sync(device: torch.device) -> None:
@@ -237,8 +236,9 @@ def main() -> int:
 
     res["transformers"] = transformers.__version__
     print(json.dumps(res), flush=True)
-    big = dict(SEVEN_B) if not args.quick else dict(hidden_size=128, num_attention_heads=4, intermediate_size=256,
-                                                     vocab_size=512, initializer_range=0.02)
+    big = dict(LLAMA2_7B_SHAPE) if not args.quick else dict(hidden_size=128, num_attention_heads=4,
+                                                             intermediate_size=256, vocab_size=512,
+                                                             initializer_range=0.02)
 
     def section(name, fn, *a):
         t0 = time.perf_counter()

@@ -25,10 +25,7 @@ from pathlib import Path
 import torch
 
 from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
-from petals_chain.swarm.tiny_model import build_tiny_model
-
-SEVEN_B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-               vocab_size=32000, initializer_range=0.02)
+from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE, build_tiny_model
 
 
 def reference(path: str, prompts: list[list[int]], n: int, device: str) -> list[list[int]]:
@@ -64,7 +61,7 @@ def main() -> int:
     dev = args.device
     res: dict = {"gpu": torch.cuda.get_device_name(0) if dev != "cpu" else "cpu", "layers": args.layers,
                  "servers": args.servers}
-    shape = SEVEN_B if not args.quick else dict(hidden_size=128, num_attention_heads=4, intermediate_size=256,
+    shape = LLAMA2_7B_SHAPE if not args.quick else dict(hidden_size=128, num_attention_heads=4, intermediate_size=256,
                                                  vocab_size=512, initializer_range=0.02)
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as d:

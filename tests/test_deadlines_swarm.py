@@ -75,6 +75,13 @@ def test_edf_serves_the_deadline_first_refuses_the_doomed_and_reports(swarm, sca
         # decided at arrival, not after waiting in the queue: the burst is still queued when the refusal is back
         # (bench_deadlines.py measures the round trip on a quiet machine: 16 ms at most)
         assert swarm.swarm()["queue_length"] >= 1 and refused_s < scaled(1.0), refused_s
+        # streamed: the response is held back until the dispatcher decides, so the refusal is the same 429
+        with httpx.stream("POST", f"{swarm.url}/v1/completions", headers={"Authorization": f"Bearer {BULK}"},
+                          timeout=60, json={"model": state["model"], "prompt": "hi", "max_tokens": 8, "stream": True,
+                                            "ttft_deadline_ms": 5}) as r:
+            r.read()
+        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_unreachable", r.text
+        assert "ttft_deadline_ms" in r.json()["error"]["message"] and "retry-after" in r.headers
         # the slo key's default deadline puts it ahead of the queued burst
         queued = swarm.swarm()["queue_length"]
         assert queued >= 3, queued
@@ -95,11 +102,11 @@ def test_edf_serves_the_deadline_first_refuses_the_doomed_and_reports(swarm, sca
     assert len(done) - 1 - done.index("slo") >= 3, done
     assert all("deadline" not in rep for rep in replies)  # no deadline asked, none reported
     dl = swarm.swarm()["deadlines"]
-    assert dl["refused"] == 1 and dl["met"] == 1 and dl["missed"] == 1 and dl["dropped"] == 0
-    assert dl["clients"]["slo"]["met"] == 1 and dl["clients"]["bulk"]["refused"] == 1
+    assert dl["refused"] == 2 and dl["met"] == 1 and dl["missed"] == 1 and dl["dropped"] == 0
+    assert dl["clients"]["slo"]["met"] == 1 and dl["clients"]["bulk"]["refused"] == 2
     assert dl["goodput_per_s"] > 0
     metrics = httpx.get(f"{swarm.url}/metrics", timeout=30).text
-    assert 'petals_chain_deadline_requests_total{client="bulk",outcome="refused"} 1.0' in metrics
+    assert 'petals_chain_deadline_requests_total{client="bulk",outcome="refused"} 2.0' in metrics
     assert "petals_chain_goodput_per_second" in metrics
 
 

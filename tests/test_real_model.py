@@ -263,6 +263,9 @@ def test_session_chat_is_token_exact_and_survives_an_aborted_turn(swarm, smollm2
         deadline = time.monotonic() + 60
         while httpx.get(f"{swarm.url}/api/v1/sessions/{s.id}").json()["busy"] and time.monotonic() < deadline:
             time.sleep(0.1)
+        info = httpx.get(f"{swarm.url}/api/v1/sessions/{s.id}").json()
+        # the aborted turn left nothing behind (else the orchestrator's log says what it saw of the disconnect)
+        assert info["turns"] == 1, (info, swarm.log_tail("orchestrator", 60))
         second = s.chat("What is my name?", max_tokens=NEW_TOKENS)
         assert second.token_ids == reference(smollm2_reference, tokenizer, ids)
         assert second.failovers == 0  # the aborted turn released its chain; no server was blamed

@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open multi-turn sessions in total, all clients together; more get 429")
     p.add_argument("--session-idle-timeout-s", type=_positive_float, default=300.0,
                    help="a session without a turn for this long is closed (its chain and KV released)")
+    p.add_argument("--speculative", default="none", choices=["none", "ngram"],
+                   help="speculative decoding: ngram drafts up to k tokens by prompt lookup (the tokens that followed "
+                        "the latest earlier occurrence of the last 1-3 tokens) and verifies them with the token just "
+                        "sampled in one relay step through the chain; greedy output is unchanged, sampled output "
+                        "keeps its distribution. A request's \"speculative\" field overrides it. Default: none")
+    p.add_argument("--speculative-k", type=int, default=4, metavar="K",
+                   help="first draft length; it adapts per request (+2 when all drafts are kept, -1 otherwise, "
+                        "at most 16). Default: 4")
     p.add_argument("--hold-sessions", action="store_true",
                    help="a multi-turn session keeps its chain and server sessions between turns (its next turn "
                         "starts at once, but the chain's capacity stays taken while the user types). Default: "
@@ -240,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--move-margin must be in [0, 1), got {args.move_margin}")
     if not (0 <= args.port < 65536):
         parser.error(f"--port must be in [0, 65535], got {args.port}")
+    if not (1 <= args.speculative_k <= 16):
+        parser.error(f"--speculative-k must be in [1, 16], got {args.speculative_k}")
     from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -258,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
         fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
         audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,
-        audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s)
+        audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s, speculative=args.speculative,
+        speculative_k=args.speculative_k)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
     # Admission limits (limits.py), read with defaults by the API middleware.

@@ -3,7 +3,8 @@
 Requests are strict: an unknown field, or an OpenAI field we do not implement (``tools``, a ``response_format``
 other than text, audio, ...), gets a 400 that names it, never silent acceptance. Beside OpenAI's fields the
 bodies take ``repetition_penalty``, ``min_p``, ``top_k``, ``stop_token_ids`` and ``ignore_eos`` (vLLM's
-extras). Logprobs are of the raw model distribution (before penalties and temperature), as in vLLM.
+extras), deadlines (``deadline_ms``, ``ttft_deadline_ms``, ``best_effort``) and ``speculative`` (``none`` or
+``ngram``). Logprobs are of the raw model distribution (before penalties and temperature), as in vLLM.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class SamplingFields(_Base):
     deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS)
     ttft_deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS)
     best_effort: bool = False  # never refused or dropped for a deadline: served, late if need be
+    # Speculative decoding for this request (generation.py); None: the orchestrator's --speculative.
+    speculative: Optional[Literal["none", "ngram"]] = None
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -116,7 +119,8 @@ class SamplingFields(_Base):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stop,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs)
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            speculative=self.speculative)
         try:
             params.validate()
         except ValueError as e:
@@ -395,6 +399,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 if done:
                     return task.result()
                 if await request.is_disconnected():
+                    logger.info("%s %s: the client disconnected; its generation is cancelled", request.method,
+                                request.url.path)
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
                     raise RequestError("the client disconnected", status=499, code="client_disconnected")

@@ -124,6 +124,10 @@ class OrchestratorConfig:
     audit_strikes: float = 3.0  # decayed strikes that ban a server for good
     audit_half_life_s: float = 3600.0
     audit_probe_s: float = 30.0  # --audit-probe-s: a probe of the next server this often while capacity is spare
+    # --speculative: none, or ngram (prompt-lookup drafts verified by the whole chain in one relay step; requests
+    # may override it with their "speculative" field). --speculative-k: the first draft length (it adapts).
+    speculative: str = "none"
+    speculative_k: int = 4
 
 
 class Orchestrator(GenerationMixin, SessionMixin):
@@ -437,6 +441,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
                       "lm_head_batches": self.batcher.batches if self.batcher else 0,
                       "lm_head_rows": self.batcher.rows if self.batcher else 0, "forks": self.stats.forks,
                       **self.stats.replay_json(), **self.stats.prefix_json(),
+                      "speculative": {"default": self.cfg.speculative, **self.stats.speculation_json()},
                       "preferred_starts": self.dispatch.preferred_starts,
                       "replay_cache": {"bytes": self.replay_cache.bytes, "budget_bytes": self.replay_cache.budget,
                                        "jobs": self.replay_cache.jobs, "evictions": self.replay_cache.evictions}},

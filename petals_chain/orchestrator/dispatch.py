@@ -122,11 +122,14 @@ class Admission:
 
     def __init__(self) -> None:
         self.state: str | None = None  # None, "admitted" or "refused"
+        self.code = ""  # a refusal's error code (queue_full, deadline_unreachable)
+        self.message = ""  # and what the client is told
         self.event = asyncio.Event()
 
-    def decide(self, admitted: bool) -> None:
+    def decide(self, admitted: bool, code: str = "", message: str = "") -> None:
         if self.state is None:
             self.state = "admitted" if admitted else "refused"
+            self.code, self.message = code, message
             self.event.set()
 
 
@@ -134,11 +137,12 @@ class Admission:
 ADMISSION: contextvars.ContextVar[Admission | None] = contextvars.ContextVar("petals_chain_admission", default=None)
 
 
-def note_admission(admitted: bool) -> None:
-    """Record the dispatcher's decision on the current request's job (no-op outside a request)."""
+def note_admission(admitted: bool, code: str = "", message: str = "") -> None:
+    """Record the dispatcher's decision on the current request's job (no-op outside a request); a refusal names
+    its error ``code`` and ``message`` (a streamed response that was held back answers with them)."""
     adm = ADMISSION.get()
     if adm is not None:
-        adm.decide(admitted)
+        adm.decide(admitted, code, message)
 
 
 @dataclass(eq=False)
@@ -446,7 +450,7 @@ class DispatchManager:
             self._waiters.pop(job, None)
             if isinstance(e, QueueFull):
                 self.refused += 1
-            note_admission(False)
+            note_admission(False, "queue_full" if isinstance(e, QueueFull) else "deadline_unreachable", str(e))
             raise
         note_admission(True)
         self._note_queue()

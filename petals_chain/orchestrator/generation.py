@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 import torch
 
+from petals_chain.algorithms.speculative import DraftLength, ngram_draft
 from petals_chain.orchestrator.deadlines import DEADLINE
 from petals_chain.orchestrator.failover import ChainHolder
 from petals_chain.orchestrator.sampling import SamplingParams, SequenceSampler, StopMatcher, TokenChoice
@@ -51,7 +52,12 @@ class GenerationMixin:
                            params: SamplingParams, emit: Emit | None) -> tuple[list[int], str, str, list[TokenChoice]]:
         """Sample, feed, repeat: ``hidden`` is the last block's output after ``context``; returns (tokens,
         text, finish_reason, choices). The LM head, sampling and the next token's embedding run batched in the
-        head's worker thread (:class:`HeadBatcher`); this loop only relays."""
+        head's worker thread (:class:`HeadBatcher`); this loop only relays.
+
+        With speculative decoding (``params.speculative`` or ``--speculative``: ``ngram``) each relay step feeds
+        the token just sampled together with up to k prompt-lookup drafts; the head keeps the drafts the model's
+        own choices confirm (``verify_drafts``) and the chain's KV is rolled back past the rest (the next step
+        overwrites those positions)."""
         seq = SequenceSampler(params, context)
         matcher = StopMatcher(self.tokenizer, params.stop)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
@@ -61,28 +67,54 @@ class GenerationMixin:
         finish = "length"
         limit = min(params.max_tokens, holder.max_length - len(context))
         deadline = DEADLINE.get()
-        for i in range(limit):
-            choice, emb = await self.batcher.sample(hidden, seq)
-            if i == 0 and deadline is not None:
-                deadline.first_token()
-            tok = choice.token
-            seq.append(tok)
-            generated.append(tok)
-            holder.charge_output()
-            choices.append(choice)
-            unsent.append(choice)
-            if tok in stop_ids:
-                finish = "stop"
+        mode = params.speculative or self.cfg.speculative
+        drafts = DraftLength(k=self.cfg.speculative_k) if mode == "ngram" else None
+        if limit <= 0:
+            return generated, "", finish, choices
+        choice, emb = await self.batcher.sample(hidden, seq)
+        seq.append(choice.token)
+        pending = [choice]
+        while True:
+            done = False
+            for choice in pending:
+                if not generated and deadline is not None:
+                    deadline.first_token()
+                tok = choice.token
+                generated.append(tok)
+                holder.charge_output()
+                choices.append(choice)
+                unsent.append(choice)
+                if tok in stop_ids:
+                    finish, done = "stop", True
+                    break
+                delta = matcher.feed(tok)
+                if delta and emit is not None:
+                    await emit(delta, unsent)
+                    unsent = []
+                if matcher.stopped:
+                    finish, done = "stop", True
+                    break
+                if len(generated) >= limit:
+                    done = True
+                    break
+            if done:
                 break
-            delta = matcher.feed(tok)
-            if delta and emit is not None:
-                await emit(delta, unsent)
-                unsent = []
-            if matcher.stopped:
-                finish = "stop"
-                break
-            if i + 1 < limit:
+            tok = generated[-1]
+            # drafts never reach past the last token this request may generate (its pages hold exactly that)
+            draft = ngram_draft(context + generated, min(drafts.k, limit - len(generated) - 1)) if drafts else []
+            if draft:
+                fed = context + generated[:-1]
+                outs = await holder.feed([tok] + draft, all_positions=True)
+                pending, emb = await self.batcher.verify(outs, seq, draft)
+                accepted = len(pending) - 1
+                drafts.update(len(draft), accepted)
+                self.stats.add_speculation(len(draft), accepted)
+                holder.sync(fed + [tok] + draft[:accepted])  # the rejected drafts' KV is overwritten next
+            else:
                 hidden = await holder.feed([tok], emb)
+                choice, emb = await self.batcher.sample(hidden, seq)
+                seq.append(choice.token)
+                pending = [choice]
         tail = matcher.flush()
         if emit is not None and (tail or unsent):
             await emit(tail, unsent)

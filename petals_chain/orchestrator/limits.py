@@ -352,9 +352,12 @@ class _HeldResponse:
         complete = any(m["type"] == "http.response.body" and not m.get("more_body", False) for m in self.held)
         if start.get("status") == 200 and self.adm.state == "refused":
             self.replaced, self.held = True, []
-            await self.limits._reject(self.send, 429, "queue_full",
-                                      "the swarm is at capacity and its queue is full "
-                                      f"({self.limits.limits.max_queue} waiting); retry later")
+            if self.adm.code and self.adm.code != "queue_full":  # e.g. deadline_unreachable: not a full queue
+                await self.limits._reject(self.send, 429, self.adm.code, self.adm.message)
+            else:
+                await self.limits._reject(self.send, 429, "queue_full",
+                                          "the swarm is at capacity and its queue is full "
+                                          f"({self.limits.limits.max_queue} waiting); retry later")
         elif start.get("status") != 200 or self.adm.state == "admitted" or complete or app_done:
             held, self.held, self.passing = self.held, [], True
             for m in held:
@@ -367,9 +370,10 @@ class _HeldResponse:
                 headers.append((b"retry-after", str(self.limits.retry_after_s()).encode()))
                 message = {**message, "headers": headers}
             if self.adm.state == "refused":  # the dispatcher's refusal, answered by the app (non-streamed)
-                self.limits.rejected["queue_full"] = self.limits.rejected.get("queue_full", 0) + 1
+                code = self.adm.code or "queue_full"
+                self.limits.rejected[code] = self.limits.rejected.get(code, 0) + 1
                 if self.limits._metric is not None:
-                    self.limits._metric.labels("queue_full").inc()
+                    self.limits._metric.labels(code).inc()
         await self.send(message)
 
 

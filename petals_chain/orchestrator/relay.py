@@ -278,6 +278,22 @@ class HeadBatcher:
         scores token i+1 (the first token gets None)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._score, hidden, ids, k)
 
+    async def verify(self, hidden: torch.Tensor, seq: Any, draft: list[int]) -> tuple[list, torch.Tensor]:
+        """Speculative decoding: ``hidden`` [len(draft) + 1, H] are the last block's outputs at the positions of the
+        token just fed and of each draft token. -> (the TokenChoices to emit, see
+        :func:`~petals_chain.orchestrator.sampling.verify_drafts`, which also advances ``seq``; the embedding
+        [1, 1, H] of the last one)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._verify, hidden, seq, draft)
+
+    def _verify(self, hidden: torch.Tensor, seq: Any, draft: list[int]) -> tuple[list, torch.Tensor]:
+        from petals_chain.orchestrator.sampling import verify_drafts
+
+        with torch.inference_mode():
+            logits = self.head.logits(hidden.reshape(1, -1, hidden.shape[-1]))[0]
+            choices = verify_drafts(logits, seq, draft)
+            emb = self.head.embed(torch.tensor([[choices[-1].token]], dtype=torch.long)).cpu()
+        return choices, emb
+
     def _embed(self, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return self.head.embed(torch.tensor([ids], dtype=torch.long)).cpu()

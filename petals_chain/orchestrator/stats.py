@@ -30,6 +30,10 @@ class Stats:
         self.prefix_cached_tokens = 0  # prompt tokens those chains did not compute
         self.tokens = 0
         self.relay_steps = 0
+        # Speculative decoding: verification passes, draft tokens sent with them, drafts the model kept.
+        self.spec_passes = 0
+        self.spec_drafted = 0
+        self.spec_accepted = 0
         self.hop_s = 0.0  # time spent waiting on servers (incl. network) summed over hops
         self.service_s = 0.0  # sum of jobs' service times
         # Failover replays by kind: "partial" (one hop's span re-fed on a replacement server) or "full" (the
@@ -53,6 +57,12 @@ class Stats:
                                    ["client", "outcome"], registry=r)
         self.m_goodput = Gauge("petals_chain_goodput_per_second", "Requests that met every deadline they had, per "
                                "second over the last minute", registry=r)
+        self.m_spec_passes = Counter("petals_chain_speculative_passes", "Speculative verification passes (one relay "
+                                     "step through the chain with the drafts)", registry=r)
+        self.m_spec_drafted = Counter("petals_chain_speculative_draft_tokens", "Draft tokens sent for verification",
+                                      registry=r)
+        self.m_spec_accepted = Counter("petals_chain_speculative_accepted_tokens", "Draft tokens the model kept",
+                                       registry=r)
         self.m_failovers = Counter("petals_chain_failovers", "Jobs moved to another chain after a server failure", registry=r)
         self.m_queue = Gauge("petals_chain_queue_length", "Jobs in the central queue", registry=r)
         # Maxima since start, kept by the dispatch manager: a scrape cannot miss a short peak.
@@ -152,6 +162,22 @@ class Stats:
         return {"prompt_tokens": self.prompt_tokens, "prefix_hits": self.prefix_hits,
                 "prompt_cached_tokens": self.prefix_cached_tokens,
                 "prompt_cache_hit_rate": self.prefix_cached_tokens / self.prompt_tokens if self.prompt_tokens else None}
+
+    def add_speculation(self, drafted: int, accepted: int) -> None:
+        """One verification pass sent ``drafted`` draft tokens through the chain; ``accepted`` were kept."""
+        self.spec_passes += 1
+        self.spec_drafted += drafted
+        self.spec_accepted += accepted
+        self.m_spec_drafted.inc(drafted)
+        self.m_spec_accepted.inc(accepted)
+        self.m_spec_passes.inc()
+
+    def speculation_json(self) -> dict:
+        return {"passes": self.spec_passes, "drafted_tokens": self.spec_drafted,
+                "accepted_tokens": self.spec_accepted,
+                "acceptance_rate": self.spec_accepted / self.spec_drafted if self.spec_drafted else None,
+                "accepted_per_pass": self.spec_accepted / self.spec_passes if self.spec_passes else None,
+                "tokens_per_relay_step": self.tokens / self.relay_steps if self.relay_steps else None}
 
     def add_failover(self) -> None:
         self.failovers += 1

@@ -157,6 +157,12 @@ def _shard_state_dict(state: dict[str, torch.Tensor], num_shards: int) -> list[d
     return [s for s in shards if s]
 
 
+# Random weights shaped like Llama-2-7B's blocks (hidden 4096, 32 heads, MLP 11008, vocab 32,000): GPU checks and
+# benchmarks use them where the real 7B weights cannot be fetched (``build_tiny_model(dir, **LLAMA2_7B_SHAPE)``).
+LLAMA2_7B_SHAPE = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+                       vocab_size=32000, initializer_range=0.02)
+
+
 def build_tiny_model(
     dir: str | os.PathLike,
     family: str = "llama",
