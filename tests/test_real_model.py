@@ -111,6 +111,23 @@ def test_greedy_chat_equals_transformers(swarm, expected, tokenizer):
     assert "Paris" in paris
 
 
+def test_speculative_ngram_greedy_equals_transformers(swarm, smollm2_reference, tokenizer):
+    """Prompt-lookup drafts verified by the real chain (some kept, some rolled back) change no token."""
+    before = swarm.swarm()["relay"]["speculative"]
+    client = swarm.client()
+    text = ("The old lighthouse stands on the cliff above the bay. Every night its lamp turns slowly, and the "
+            "ships that pass far out at sea see its light and know where the rocks are.")
+    ids = chat_ids(tokenizer, f"Repeat this text word for word:\n\n{text}")
+    want = reference(smollm2_reference, tokenizer, ids, 64)
+    c = client.chat_completion([{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}],
+                               max_tokens=64, speculative="ngram")
+    assert c.token_ids == want, (tokenizer.decode(c.token_ids), tokenizer.decode(want))
+    after = swarm.swarm()["relay"]["speculative"]
+    drafted = after["drafted_tokens"] - before["drafted_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert 0 < accepted < drafted, after  # drafts kept (several tokens per relay step) and drafts rolled back
+
+
 def test_concurrent_batched_sessions_are_token_exact(swarm, expected):
     """All six at once (twice each): steps of different sessions share forwards and LM-head batches."""
     client = swarm.client()
