@@ -75,6 +75,9 @@ def sample_swarm(now: Optional[float] = None, hostile_name: str = "<img src=x on
         "queue_length": 4, "updated_at": now, "servers": servers, "chains": chains, "history": history,
         "job_tokens": {"value": 176, "mode": "auto", "mean_declared": 171.5, "jobs_observed": 1236,
                        "output_reserve_tokens": 256, "open_waits": 3, "extensions": 5, "preemptions": 1},
+        "relay": {"tokens": 5000, "relay_steps": 2000, "prompt_tokens": 20000, "prompt_cache_hit_rate": 0.25,
+                  "speculative": {"default": "ngram", "passes": 900, "drafted_tokens": 3000, "accepted_tokens": 1800,
+                                  "acceptance_rate": 0.6, "accepted_per_pass": 2.0, "tokens_per_relay_step": 2.5}},
     }
 
 

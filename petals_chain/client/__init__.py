@@ -2,7 +2,7 @@
 
 ```python
 from petals_chain.client import Client
-client = Client("http://127.0.0.1:8000")
+client = Client("http://127.0.0.1:8000")   # or Client([url1, url2]): the next one takes over if one is lost
 print(client.generate("The quick brown fox", max_tokens=16))          # greedy by default
 for piece in client.stream("Once upon a time", max_tokens=32, temperature=0.8, seed=1):
     print(piece, end="", flush=True)
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import httpx
 
@@ -99,32 +99,77 @@ def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
         yield obj
 
 
-class Client:
-    """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``)."""
+# An orchestrator that answers these could not serve the request (it has no chain, is shutting down, or a proxy in
+# front of it lost it): another orchestrator may.
+_TRY_ANOTHER = {502, 503, 504}
 
-    def __init__(self, url: str, *, timeout: float = 600.0, model: Optional[str] = None, api_key: Optional[str] = None):
-        self.url = url.rstrip("/")
+
+class Client:
+    """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``), or of the first of several that
+    serve the same model (``url`` a list): a one-shot request that one of them cannot take (unreachable, cut off
+    mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered. A
+    stream cut off mid-way is resumed there when its output is reproducible (greedy, or seeded): the text
+    already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with the orchestrator
+    that opened them."""
+
+    def __init__(self, url: str | Sequence[str], *, timeout: float = 600.0, model: Optional[str] = None,
+                 api_key: Optional[str] = None):
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls or not all(isinstance(u, str) and u for u in urls):
+            raise ValueError("url must be an orchestrator URL or a non-empty list of them")
+        self.urls = [u.rstrip("/") for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+        self._https = [httpx.Client(base_url=u, timeout=timeout, headers=headers) for u in self.urls]
+        self._current = 0
         self._model = model
+
+    @property
+    def url(self) -> str:
+        """The orchestrator this client uses now."""
+        return self.urls[self._current]
+
+    @property
+    def _http(self) -> httpx.Client:
+        return self._https[self._current]
+
+    def _order(self) -> list[int]:
+        n = len(self._https)
+        return [(self._current + i) % n for i in range(n)]
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """``method path`` on the current orchestrator, else on the next ones (see the class docstring)."""
+        failures = []
+        order = self._order()
+        for k, i in enumerate(order):
+            try:
+                r = self._https[i].request(method, path, **kwargs)
+            except httpx.TransportError as e:
+                failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
+                continue
+            if r.status_code in _TRY_ANOTHER and k + 1 < len(order):
+                failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
+                continue
+            self._current = i
+            return r
+        raise ClientError(503, "no orchestrator could serve the request: " + "; ".join(failures), "unavailable")
 
     # ---- info ----
     @property
     def model(self) -> str:
         if self._model is None:
-            r = self._http.get("/v1/models")
+            r = self._request("GET", "/v1/models")
             _raise_for(r)
             self._model = r.json()["data"][0]["id"]
         return self._model
 
     def swarm(self) -> dict:
         """The orchestrator's ``GET /api/v1/swarm`` (servers, chains, queue, plan)."""
-        r = self._http.get("/api/v1/swarm")
+        r = self._request("GET", "/api/v1/swarm")
         _raise_for(r)
         return r.json()
 
     def healthz(self) -> dict:
-        r = self._http.get("/healthz")
+        r = self._request("GET", "/healthz")
         _raise_for(r)
         return r.json()
 
@@ -135,7 +180,7 @@ class Client:
         """Generate one completion (greedy unless ``temperature > 0``) and return it with its serving details."""
         body = {"model": self.model, "prompt": prompt,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
-        r = self._http.post("/v1/completions", json=body)
+        r = self._request("POST", "/v1/completions", json=body)
         _raise_for(r)
         data = r.json()
         ch = data["choices"][0]
@@ -154,14 +199,38 @@ class Client:
         """Yield text pieces as tokens are generated (server-sent events)."""
         body = {"model": self.model, "prompt": prompt, "stream": True,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
-        with self._http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code >= 400:
-                r.read()
-                _raise_for(r)
-            for obj in _iter_sse(r):
-                for ch in obj.get("choices", []):
-                    if ch.get("text"):
-                        yield ch["text"]
+        reproducible = temperature == 0 or seed is not None
+        sent = ""  # text yielded so far (a resumed stream skips it)
+        failures = []
+        order = self._order()
+        for k, i in enumerate(order):
+            skip = len(sent)
+            try:
+                with self._https[i].stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code in _TRY_ANOTHER and k + 1 < len(order):
+                        r.read()
+                        failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
+                        continue
+                    if r.status_code >= 400:
+                        r.read()
+                        _raise_for(r)
+                    self._current = i
+                    for obj in _iter_sse(r):
+                        for ch in obj.get("choices", []):
+                            text = ch.get("text") or ""
+                            if skip:  # already yielded before the first orchestrator was lost
+                                cut = min(skip, len(text))
+                                text, skip = text[cut:], skip - cut
+                            if text:
+                                sent += text
+                                yield text
+                    return
+            except httpx.TransportError as e:
+                failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
+                if sent and not reproducible:
+                    raise ClientError(503, "the stream was cut off and cannot be resumed elsewhere: it samples "
+                                      f"without a seed ({failures[-1]})", "unavailable") from e
+        raise ClientError(503, "no orchestrator could serve the request: " + "; ".join(failures), "unavailable")
 
     def chat_completion(self, messages: list[dict], *, max_tokens: Optional[int] = None, temperature: float = 0.0,
                         top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
@@ -170,7 +239,7 @@ class Client:
         ``max_tokens=None`` lets the answer run to its end of turn or the end of the context."""
         body = {"model": self.model, "messages": messages,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
-        r = self._http.post("/v1/chat/completions", json=body)
+        r = self._request("POST", "/v1/chat/completions", json=body)
         _raise_for(r)
         data = r.json()
         ch = data["choices"][0]
@@ -192,7 +261,8 @@ class Client:
         return ClientSession(self, max_length)
 
     def close(self) -> None:
-        self._http.close()
+        for h in self._https:
+            h.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -207,8 +277,9 @@ class ClientSession:
     def __init__(self, client: Client, max_length: Optional[int] = None):
         self.client = client
         body = {} if max_length is None else {"max_length": max_length}
-        r = client._http.post("/api/v1/sessions", json=body)
+        r = client._request("POST", "/api/v1/sessions", json=body)
         _raise_for(r)
+        self._http = client._http  # the session lives on this orchestrator
         data = r.json()
         self.id: str = data["session_id"]
         self.max_length: int = data["max_length"]
@@ -224,7 +295,7 @@ class ClientSession:
         return body
 
     def _post(self, body: dict) -> Completion:
-        r = self.client._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
+        r = self._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
         _raise_for(r)
         d = r.json()
         self.last = Completion(text=d["text"], token_ids=d["token_ids"], finish_reason=d["finish_reason"],
@@ -257,7 +328,7 @@ class ClientSession:
                seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
         body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
         body["stream"] = True
-        with self.client._http.stream("POST", f"/api/v1/sessions/{self.id}/generate", json=body) as r:
+        with self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate", json=body) as r:
             if r.status_code >= 400:
                 r.read()
                 _raise_for(r)
@@ -266,7 +337,7 @@ class ClientSession:
                     yield obj["text"]
 
     def info(self) -> dict:
-        r = self.client._http.get(f"/api/v1/sessions/{self.id}")
+        r = self._http.get(f"/api/v1/sessions/{self.id}")
         _raise_for(r)
         return r.json()
 
@@ -274,7 +345,7 @@ class ClientSession:
         if self.closed:
             return
         self.closed = True
-        r = self.client._http.delete(f"/api/v1/sessions/{self.id}")
+        r = self._http.delete(f"/api/v1/sessions/{self.id}")
         if r.status_code != 404:
             _raise_for(r)
 
@@ -353,7 +424,7 @@ class AutoDistributedModelForCausalLM:
         if eos_token_id is not None:
             stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
             body["stop_token_ids"] = [int(x) for x in stops]
-        r = self.client._http.post("/v1/completions", json=body)
+        r = self.client._request("POST", "/v1/completions", json=body)
         _raise_for(r)
         data = r.json()
         new = [info["token_ids"] for info in data["petals_chain"]]

@@ -316,6 +316,9 @@
     var relay = obj(data.relay), hit = num(relay.prompt_cache_hit_rate);
     $("prompt-cache").textContent = hit === null ? "\u2014"
       : (100 * hit).toFixed(0) + "% of " + fmtTokens(int(relay.prompt_tokens)) + " tok";
+    var spec = obj(relay.speculative), per = num(spec.tokens_per_relay_step), acc = num(spec.acceptance_rate);
+    $("tokens-per-step").textContent = per === null ? "\u2014"
+      : per.toFixed(2) + (acc === null ? "" : " (" + (100 * acc).toFixed(0) + "% of drafts kept)");
 
     var container = $("bounds-gauge");
     var w = Math.max(300, Math.min(1400, container.clientWidth || 600)), h = 46, pad = 10;

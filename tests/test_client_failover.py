@@ -1,0 +1,151 @@
+"""The Python client given several orchestrators: a request one of them cannot serve goes to the next, and a
+reproducible stream cut off mid-way resumes there without repeating text. Unit tests drive the retry rules
+through httpx's mock transport; the end-to-end test kills a real orchestrator mid-stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from petals_chain.client import Client, ClientError
+
+MODEL = "m"
+
+
+def _sse(texts: list[str], cut: bool = False):
+    """An SSE body yielding ``texts`` as completion chunks; ``cut``: the connection drops after them."""
+    for t in texts:
+        yield ("data: " + json.dumps({"choices": [{"index": 0, "text": t, "finish_reason": None}]}) + "\n\n").encode()
+    if cut:
+        raise httpx.ReadError("connection lost")
+    yield b"data: [DONE]\n\n"
+
+
+class _Stream(httpx.SyncByteStream):
+    def __init__(self, gen):
+        self.gen = gen
+
+    def __iter__(self):
+        yield from self.gen
+
+
+def _client(handlers: list) -> Client:
+    c = Client([f"http://orch{i}" for i in range(len(handlers))], model=MODEL)
+    for i, h in enumerate(handlers):
+        c._https[i] = httpx.Client(base_url=f"http://orch{i}", transport=httpx.MockTransport(h))
+    return c
+
+
+def _completion(text: str) -> httpx.Response:
+    return httpx.Response(200, json={"choices": [{"text": text, "finish_reason": "length"}], "usage": {},
+                                     "petals_chain": [{"token_ids": [1, 2]}]})
+
+
+def test_one_shot_goes_to_the_next_orchestrator_and_stays_there():
+    calls = []
+
+    def dead(req):
+        calls.append("dead")
+        raise httpx.ConnectError("refused")
+
+    def busy(req):
+        calls.append("busy")
+        return httpx.Response(503, json={"error": {"message": "no chain", "code": "unavailable"}})
+
+    def good(req):
+        calls.append("good")
+        return _completion("hello")
+
+    c = _client([dead, busy, good])
+    assert c.complete("x").text == "hello" and calls == ["dead", "busy", "good"]
+    assert c.url == "http://orch2"
+    calls.clear()
+    assert c.complete("x").text == "hello" and calls == ["good"]  # it stays with the one that answered
+    # a refusal (4xx) is the answer, not a reason to try elsewhere
+    c = _client([lambda r: httpx.Response(429, json={"error": {"message": "slow down", "code": "queue_full"}}), good])
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    assert e.value.status == 429 and c.url == "http://orch0"
+    # nobody can serve: one error naming each
+    c = _client([dead, dead])
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    assert e.value.status == 503 and e.value.message.count("ConnectError") == 2
+
+
+def test_cut_stream_resumes_elsewhere_without_repeating_text():
+    def cut(req):
+        return httpx.Response(200, stream=_Stream(_sse(["The ", "quick "], cut=True)))
+
+    def whole(req):
+        return httpx.Response(200, stream=_Stream(_sse(["The qu", "ick brown", " fox"])))
+
+    c = _client([cut, whole])
+    assert "".join(c.stream("x", temperature=0)) == "The quick brown fox"
+    assert c.url == "http://orch1"
+    c = _client([cut, whole])
+    assert "".join(c.stream("x", temperature=0.8, seed=3)) == "The quick brown fox"  # seeded: reproducible
+    c = _client([cut, whole])
+    got = []
+    with pytest.raises(ClientError) as e:
+        for piece in c.stream("x", temperature=0.8):  # sampled without a seed: another orchestrator would differ
+            got.append(piece)
+    assert got == ["The ", "quick "] and "without a seed" in e.value.message
+
+
+def test_session_stays_on_its_orchestrator():
+    seen = []
+
+    def orch(i):
+        def handle(req):
+            seen.append((i, req.url.path))
+            if req.url.path == "/api/v1/sessions":
+                return httpx.Response(200, json={"session_id": f"s{i}", "max_length": 64})
+            return httpx.Response(200, json={"text": "ok", "token_ids": [1], "finish_reason": "length", "usage": {},
+                                             "wait_s": 0, "service_s": 0, "chain": [], "failovers": 0})
+        return handle
+
+    c = _client([orch(0), orch(1)])
+    with c.session() as s:
+        s.complete("hi")
+        c._current = 1  # the client moved on (say, for one-shot requests)
+        s.complete("again")
+    assert [i for i, _ in seen] == [0, 0, 0, 0]  # open, two turns, close: all on orchestrator 0
+
+
+@pytest.mark.slow
+def test_a_killed_orchestrator_mid_stream_is_replaced_by_the_other(tiny_model_factory, tmp_path):
+    from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+
+    model = tiny_model_factory("llama", 4)
+    mem = memory_for(model, 160, 4, 4)
+    swarms = []
+    try:
+        for name in "ab":  # two swarms of the same model, one orchestrator each
+            sw = LocalSwarm(model, [LocalServer(f"{name}0", mem, tau_p=0.01, emulate_rtt_ms=20)], max_length=160,
+                            log_dir=tmp_path / name)
+            sw.start()
+            swarms.append(sw)
+        a, b = swarms
+        for sw in swarms:
+            sw.wait_ready(timeout=240)
+        prompt = [5, 6, 7, 8, 9]
+        want = Client(b.url).complete(prompt, max_tokens=120, ignore_eos=True)
+        client = Client([a.url, b.url], timeout=120)
+        stream = client.stream(prompt, max_tokens=120, ignore_eos=True)
+        pieces = [next(stream)]  # served by a
+        assert client.url == a.url
+        os.killpg(a.orchestrator.popen.pid, signal.SIGKILL)  # a's orchestrator dies mid-generation
+        pieces.extend(stream)
+        assert "".join(pieces) == want.text
+        assert client.url == b.url
+        # a is unreachable now: one-shot requests go to b at once
+        again = Client([a.url, b.url], timeout=120).complete(prompt, max_tokens=16, ignore_eos=True)
+        assert again.token_ids == want.token_ids[:16]
+    finally:
+        for sw in swarms:
+            sw.stop()
