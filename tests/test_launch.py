@@ -50,3 +50,8 @@ def test_bad_mode_is_refused(monkeypatch):
         launch_mod.launch_mode()
     monkeypatch.setenv("PETALS_CHAIN_LAUNCH", "exec")
     assert launch_mod.launch_mode() == "exec"
+
+
+def test_fork_is_the_default(monkeypatch):
+    monkeypatch.delenv("PETALS_CHAIN_LAUNCH", raising=False)
+    assert launch_mod.launch_mode() == "fork"

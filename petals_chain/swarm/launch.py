@@ -7,10 +7,8 @@ imported those modules once, then runs the module exactly as ``python -m`` does 
 ``__main__``, ``sys.argv`` set), in a new session (its own process group, like ``start_new_session``), with the
 given environment, working directory and log file as stdout and stderr.
 
-``PETALS_CHAIN_LAUNCH=fork`` turns the fork server on; the default, ``exec``, starts a fresh interpreter (the
-suite runs in about two thirds of the time with ``fork``, but clean-clone runs with it showed timing-dependent
-failures still to be fixed: the real-model swarm planned one chain instead of two when its servers joined within
-seconds of each other). A platform without the fork server always uses ``exec``. Both return an object with
+The fork server is the default (the test suite runs in about two thirds of the time); ``PETALS_CHAIN_LAUNCH=exec``
+starts a fresh interpreter instead, as does a platform without the fork server. Both return an object with
 Popen's ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate`` and ``kill`` (a
 :class:`subprocess.Popen` with ``exec``). Volunteers and operators start roles with ``python -m`` as before;
 this only changes how a local swarm starts its processes.
@@ -47,9 +45,9 @@ _live: "set[ForkedProcess]" = set()
 
 
 def launch_mode() -> str:
-    """``fork`` (the fork server, where the platform has one) or ``exec`` (a fresh interpreter, the default):
+    """``fork`` (the fork server, the default where the platform has one) or ``exec`` (a fresh interpreter):
     ``PETALS_CHAIN_LAUNCH``."""
-    mode = os.environ.get("PETALS_CHAIN_LAUNCH", "exec").strip().lower()
+    mode = os.environ.get("PETALS_CHAIN_LAUNCH", "fork").strip().lower()
     if mode not in ("fork", "exec"):
         raise ValueError(f"PETALS_CHAIN_LAUNCH must be 'fork' or 'exec', got {mode!r}")
     if mode == "fork" and "forkserver" not in multiprocessing.get_all_start_methods():
