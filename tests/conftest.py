@@ -98,6 +98,17 @@ def tiny_model_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("llama", num_layers=4)
 
 
+def hf_greedy_from(model_path: Path | str, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation (``n`` tokens, fp32) of ``prompt`` for the model at ``model_path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+
+
 def _descendants(pid: int) -> list[int]:
     try:
         import psutil

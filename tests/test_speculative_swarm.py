@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import hf_greedy_from
 from petals_chain.orchestrator.sampling import SamplingParams
 from petals_chain.swarm.local import memory_for
 
@@ -20,15 +21,6 @@ NEW = 48
 # 30-46 drafts for random 10-token prompts).
 INIT_RANGE = 0.05
 PROMPTS = [torch.randint(3, 700, (10,), generator=torch.Generator().manual_seed(s)).tolist() for s in (0, 1)]
-
-
-def _expected(model_path, prompt: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                           pad_token_id=0)[0, len(prompt):].tolist()
 
 
 def _params(mode: str, n: int = NEW) -> SamplingParams:
@@ -57,7 +49,7 @@ def swarm(tiny_model_factory, tmp_path_factory):
 def test_ngram_greedy_equals_plain_and_transformers(swarm):
     before = swarm.state()["relay"]["speculative"]
     for prompt in PROMPTS:
-        want = _expected(swarm.model_path, prompt, NEW)
+        want = hf_greedy_from(swarm.model_path, prompt, NEW)
         plain = swarm.call(lambda o, p=prompt: o.generate(p, _params("none")))
         spec = swarm.call(lambda o, p=prompt: o.generate(p, _params("ngram")))
         assert plain.token_ids == want
@@ -72,7 +64,7 @@ def test_ngram_greedy_equals_plain_and_transformers(swarm):
 def test_ngram_survives_a_server_killed_mid_generation(swarm, scaled):
     prompt = PROMPTS[0]
     n = MAX_LENGTH - len(prompt) - 2
-    want = _expected(swarm.model_path, prompt, n)
+    want = hf_greedy_from(swarm.model_path, prompt, n)
     st0 = swarm.state()
     fut = swarm.submit(lambda o: o.generate(prompt, _params("ngram", n)))
     deadline = time.monotonic() + scaled(60)

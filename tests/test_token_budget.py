@@ -13,6 +13,7 @@ import asyncio
 import pytest
 import torch
 
+from conftest import hf_greedy_from
 from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
 
 
@@ -89,15 +90,6 @@ def model_path(tiny_model_factory):
     return tiny_model_factory("llama", num_layers=4)
 
 
-def _expected(model_path, prompt: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                           pad_token_id=0)[0, len(prompt):].tolist()
-
-
 @pytest.mark.slow
 def test_paged_chain_runs_its_token_budget_and_long_bursts_wait(model_path, tmp_path, scaled):
     """One server, all 4 blocks, the memory of 2 slots of 64 tokens per block. With ``--job-tokens 16`` its chain
@@ -132,7 +124,7 @@ def test_paged_chain_runs_its_token_budget_and_long_bursts_wait(model_path, tmp_
         print("chains:", st["chains"], "job_tokens:", st["job_tokens"])
         assert st["chains"][0]["max_active"] == 8  # all at once: 4x the chain's max_length slots
         for p, g in zip(short, outs):
-            assert g.token_ids == _expected(model_path, p, 8)
+            assert g.token_ids == hf_greedy_from(model_path, p, 8)
         long = [[7 + i, 21, 5, 40] for i in range(6)]  # 4 + 56 = 60 tokens declared, 4 pages per block each
         outs = run(long, 56)
         st = sw.state()
@@ -140,7 +132,7 @@ def test_paged_chain_runs_its_token_budget_and_long_bursts_wait(model_path, tmp_
         assert st["job_tokens"]["open_waits"] >= 1  # the server fits 2 at once: the others waited for pages
         assert all(g.failovers == 0 for g in outs)
         for p, g in zip(long, outs):
-            assert g.token_ids == _expected(model_path, p, 56)
+            assert g.token_ids == hf_greedy_from(model_path, p, 56)
     finally:
         sw.stop()
 
@@ -218,6 +210,6 @@ def test_jobs_outgrowing_their_reservation_extend_or_are_preempted_exactly(model
         assert st["job_tokens"]["extensions"] >= 2 and st["job_tokens"]["preemptions"] >= 1
         assert all(g.failovers == 0 for g in outs)
         for p, g in zip(prompts, outs):
-            assert g.token_ids == _expected(model_path, p, 56)
+            assert g.token_ids == hf_greedy_from(model_path, p, 56)
     finally:
         sw.stop()

@@ -104,6 +104,10 @@ def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
 _TRY_ANOTHER = {502, 503, 504}
 
 
+def _unavailable(failures: list[str]) -> ClientError:
+    return ClientError(503, "no orchestrator could serve the request: " + "; ".join(failures), "unavailable")
+
+
 class Client:
     """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``), or of the first of several that
     serve the same model (``url`` a list): a one-shot request that one of them cannot take (unreachable, cut off
@@ -151,7 +155,7 @@ class Client:
                 continue
             self._current = i
             return r
-        raise ClientError(503, "no orchestrator could serve the request: " + "; ".join(failures), "unavailable")
+        raise _unavailable(failures)
 
     # ---- info ----
     @property
@@ -230,7 +234,7 @@ class Client:
                 if sent and not reproducible:
                     raise ClientError(503, "the stream was cut off and cannot be resumed elsewhere: it samples "
                                       f"without a seed ({failures[-1]})", "unavailable") from e
-        raise ClientError(503, "no orchestrator could serve the request: " + "; ".join(failures), "unavailable")
+        raise _unavailable(failures)
 
     def chat_completion(self, messages: list[dict], *, max_tokens: Optional[int] = None, temperature: float = 0.0,
                         top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,

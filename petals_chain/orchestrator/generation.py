@@ -103,13 +103,12 @@ class GenerationMixin:
             # drafts never reach past the last token this request may generate (its pages hold exactly that)
             draft = ngram_draft(context + generated, min(drafts.k, limit - len(generated) - 1)) if drafts else []
             if draft:
-                fed = context + generated[:-1]
                 outs = await holder.feed([tok] + draft, all_positions=True)
                 pending, emb = await self.batcher.verify(outs, seq, draft)
                 accepted = len(pending) - 1
                 drafts.update(len(draft), accepted)
                 self.stats.add_speculation(len(draft), accepted)
-                holder.sync(fed + [tok] + draft[:accepted])  # the rejected drafts' KV is overwritten next
+                holder.sync(context + generated + draft[:accepted])  # the rejected drafts' KV is overwritten next
             else:
                 hidden = await holder.feed([tok], emb)
                 choice, emb = await self.batcher.sample(hidden, seq)

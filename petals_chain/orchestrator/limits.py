@@ -315,7 +315,8 @@ class _HeldResponse:
     """``send`` of a generation request that holds a 200 response back until the dispatcher admitted (started
     or queued) or refused the request's job. A streamed response starts before its job reaches the dispatcher;
     if the job is refused, a 429 with the refusal's code (``queue_full`` or ``deadline_unreachable``) and
-    ``Retry-After`` goes out instead and the held stream is dropped. Any 429 the app sends gets a ``Retry-After`` if it has none."""
+    ``Retry-After`` goes out instead and the held stream is dropped. Any 429 the app sends gets a
+    ``Retry-After`` if it has none."""
 
     def __init__(self, limits: AdmissionLimits, send: Send, adm: Admission):
         self.limits, self.send, self.adm = limits, send, adm

@@ -747,9 +747,7 @@ def verify_drafts(logits: torch.Tensor, seq: SequenceSampler, draft: Sequence[in
     out: list[TokenChoice] = []
     for j in range(len(draft) + 1):
         row = logits[j:j + 1]
-        if j == len(draft):  # every draft accepted: the bonus token
-            choice = sample_batch(row, [seq])[0]
-        elif seq.greedy:
+        if j == len(draft) or seq.greedy:  # the bonus token (every draft accepted), or greedy's own choice
             choice = sample_batch(row, [seq])[0]
         else:
             d = int(draft[j])
