@@ -1,4 +1,5 @@
-"""One user's tokens/s over the wide area: plain relaying vs speculative decoding (issue 19), side by side.
+"""One user's tokens/s over the wide area: relay through the orchestrator vs server-to-server push, each with and
+without speculative decoding (issue 19), side by side.
 
     python scripts/bench_latency.py [--model smollm2-135m | --tiny] [--rtt-ms 50] [--hops 3] [--max-tokens 96]
                                     [--rounds 2] [--json out.json]
@@ -7,9 +8,10 @@ Real processes: an orchestrator and ``--hops`` servers (each may hold at most ``
 one chain has ``--hops`` hops), every server emulating ``--rtt-ms`` of round trip per relay step (the link between
 the orchestrator and it). One session at a time, greedy, on input-grounded tasks (rewrite a given text, fix a
 function, answer by quoting a passage: the output repeats spans of the prompt, prompt lookup's case). Each task
-runs with ``speculative: "none"`` and ``"ngram"`` alternately (``--rounds`` times each; the machine is shared),
-on the same swarm, and the outputs must be token-identical. Prints tokens/s per mode and their ratio, drafts'
-acceptance rate, accepted tokens per verification pass and relay steps per generated token.
+runs in the four modes of :data:`MODES` (``relay`` x ``speculative`` request fields) in turn, ``--rounds`` times
+each (order reversed every other round; the machine is shared), on the same swarm, and the outputs must be
+token-identical. Prints tokens/s per mode and its ratio to the paper's relay, network legs on the critical path
+per generated token, and the drafts' acceptance rate.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+# (relay, speculative): the paper's relay first (the ratios' base), then server-to-server push, then each with drafts
+MODES = [("orchestrator", "none"), ("push", "none"), ("orchestrator", "ngram"), ("push", "ngram")]
 TASKS = [
     ("rewrite", "Rewrite the following text exactly, but in the past tense:\n\n"
                 "The committee meets every Tuesday in the small room on the third floor. The chair opens the "
@@ -86,56 +89,62 @@ def main() -> int:
             url, name = sw.url, st["model"]
             rows = []
             with httpx.Client(base_url=url, timeout=1800) as c:
-                def run(prompt: str, mode: str) -> dict:
+                def run(prompt: str, mode: tuple[str, str]) -> dict:
+                    relay, spec = mode
                     before = c.get("/api/v1/swarm").json()["relay"]
-                    t0 = time.perf_counter()
                     r = c.post("/v1/chat/completions", json={
                         "model": name, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-                        "max_tokens": args.max_tokens, "speculative": mode})
-                    dt = time.perf_counter() - t0
+                        "max_tokens": args.max_tokens, "speculative": spec, "relay": relay})
                     r.raise_for_status()
                     after = c.get("/api/v1/swarm").json()["relay"]
                     info = r.json()["petals_chain"][0]
-                    toks = info["token_ids"]
-                    return {"tokens": toks, "seconds": dt, "service_s": info["service_s"],
-                            "steps": after["relay_steps"] - before["relay_steps"],
-                            "drafted": (after["speculative"]["drafted_tokens"]
-                                        - before["speculative"]["drafted_tokens"]),
-                            "accepted": (after["speculative"]["accepted_tokens"]
-                                         - before["speculative"]["accepted_tokens"]),
-                            "passes": after["speculative"]["passes"] - before["speculative"]["passes"]}
 
-                run(TASKS[0][1], "none")  # warm-up (the chain's first job)
+                    def delta(*path: str) -> float:
+                        a, b = after, before
+                        for k in path:
+                            a, b = a[k], b[k]
+                        return a - b
+
+                    return {"tokens": info["token_ids"], "service_s": info["service_s"],
+                            "steps": delta("relay_steps"), "legs": delta("critical_legs", relay),
+                            "drafted": delta("speculative", "drafted_tokens"),
+                            "accepted": delta("speculative", "accepted_tokens"),
+                            "passes": delta("speculative", "passes")}
+
+                run(TASKS[0][1], MODES[0])  # warm-up (the chain's first job)
+                run(TASKS[0][1], MODES[1])
                 for task, prompt in TASKS:
-                    res = {"none": [], "ngram": []}
+                    res: dict = {m: [] for m in MODES}
                     for rnd in range(args.rounds):
-                        for mode in (("none", "ngram") if rnd % 2 == 0 else ("ngram", "none")):
+                        for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
                             res[mode].append(run(prompt, mode))
-                    same = all(r["tokens"] == res["none"][0]["tokens"] for m in res for r in res[m])
-                    n_tok = len(res["none"][0]["tokens"])
-                    tps = {m: statistics.median(len(r["tokens"]) / r["service_s"] for r in res[m]) for m in res}
-                    sp = res["ngram"]
+                    base = res[MODES[0]][0]["tokens"]
+                    row = {"task": task, "tokens": len(base),
+                           "identical": all(r["tokens"] == base for m in res for r in res[m])}
+                    tps = {m: statistics.median(len(r["tokens"]) / r["service_s"] for r in res[m]) for m in MODES}
+                    for m in MODES:
+                        key = "+".join(m)
+                        row[f"tokens_per_s[{key}]"] = tps[m]
+                        row[f"ratio[{key}]"] = tps[m] / tps[MODES[0]]
+                        row[f"legs_per_token[{key}]"] = statistics.mean(r["legs"] / len(r["tokens"]) for r in res[m])
+                    sp = [r for m in MODES if m[1] == "ngram" for r in res[m]]
                     drafted, accepted, passes = (sum(r[k] for r in sp) for k in ("drafted", "accepted", "passes"))
-                    row = {"task": task, "tokens": n_tok, "identical": same,
-                           "tokens_per_s_plain": tps["none"], "tokens_per_s_ngram": tps["ngram"],
-                           "ratio": tps["ngram"] / tps["none"],
-                           "acceptance_rate": accepted / drafted if drafted else 0.0,
-                           "accepted_per_pass": accepted / passes if passes else 0.0,
-                           "steps_per_token_plain": statistics.mean(r["steps"] / len(r["tokens"]) for r in res["none"]),
-                           "steps_per_token_ngram": statistics.mean(r["steps"] / len(r["tokens"]) for r in sp)}
+                    row["acceptance_rate"] = accepted / drafted if drafted else 0.0
+                    row["accepted_per_pass"] = accepted / passes if passes else 0.0
                     rows.append(row)
                     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
                           flush=True)
         finally:
             sw.stop()
     print(f"\n{args.hops}-hop chain {hops}, emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} "
-          f"tokens max; tokens/s = generated tokens / service time (median of {args.rounds})")
-    print(f"{'task':8} {'tokens':>6} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} {'accept':>7} "
-          f"{'per pass':>8} {'steps/tok plain':>15} {'ngram':>6} identical")
+          f"tokens max; tokens/s = generated tokens / service time (median of {args.rounds}); ratio vs "
+          f"{'+'.join(MODES[0])}; legs = network legs per generated token on the critical path")
+    print(f"{'task':8} {'tokens':>6} " + " ".join(f"{'+'.join(m):>26}" for m in MODES) + "  accept  identical")
     for r in rows:
-        print(f"{r['task']:8} {r['tokens']:6d} {r['tokens_per_s_plain']:11.2f} {r['tokens_per_s_ngram']:11.2f} "
-              f"{r['ratio']:5.2f}x {r['acceptance_rate']:7.2f} {r['accepted_per_pass']:8.2f} "
-              f"{r['steps_per_token_plain']:15.2f} {r['steps_per_token_ngram']:6.2f} {r['identical']}")
+        cells = [f"{r[f'tokens_per_s[{k}]']:6.2f} ({r[f'ratio[{k}]']:4.2f}x, {r[f'legs_per_token[{k}]']:4.2f} legs)"
+                 for k in ("+".join(m) for m in MODES)]
+        print(f"{r['task']:8} {r['tokens']:6d} " + " ".join(f"{c:>26}" for c in cells)
+              + f"  {r['acceptance_rate']:6.2f}  {r['identical']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1

@@ -245,7 +245,10 @@ def test_prefix_cache_shared_prompt_and_session_turns(swarm, hf_model):
         first = s.complete(system, max_tokens=12)
         second = s.complete(" Who built the bridge?", max_tokens=8)
     held = len(base) + len(first.token_ids) - 1  # the last sampled token was never fed
-    assert second.usage["prompt_tokens_details"]["cached_tokens"] >= held // 16 * 16 - 16
+    st = client.swarm()
+    assert second.usage["prompt_tokens_details"]["cached_tokens"] >= held // 16 * 16 - 16, (
+        first.chain, second.chain, first.usage, second.usage, st["epoch"], [c["servers"] for c in st["chains"]],
+        st["relay"])
     ids2 = base + first.token_ids + tok(" Who built the bridge?", add_special_tokens=False)["input_ids"]
     assert second.token_ids == hf_greedy(hf_model, ids2, 8)
 

@@ -32,8 +32,10 @@ def swarm(tiny_model_factory, tmp_path_factory):
     from inprocess import InProcessSwarm
 
     model_path = tiny_model_factory("llama", 4, initializer_range=INIT_RANGE)
+    # the draft model: the served model's first 3 of 4 layers (self-speculative; measured offline: its greedy
+    # choice is the full model's about half of the time on these prompts)
     sw = InProcessSwarm(model_path, tmp_path_factory.mktemp("spec"), max_length=MAX_LENGTH, arrival_rate=1.0,
-                        speculative="none")
+                        speculative="none", draft_model="self", draft_layers=3)
     try:
         sw.start()
         mem = memory_for(model_path, MAX_LENGTH, 2, 4)
@@ -59,6 +61,43 @@ def test_ngram_greedy_equals_plain_and_transformers(swarm):
     assert passes > 0 and drafted > 0
     assert 0 < accepted < drafted, sp  # kept drafts (fewer relay steps) and rejected ones (KV rolled back)
     assert sp["default"] == "none" and 0 < sp["acceptance_rate"] < 1
+
+
+def test_draft_model_greedy_equals_plain_and_transformers(swarm):
+    before = swarm.state()["relay"]["speculative"]
+    assert before["draft_model"] == {"name": "self", "layers": 3}
+    for prompt in PROMPTS:
+        want = hf_greedy_from(swarm.model_path, prompt, NEW)
+        out = swarm.call(lambda o, p=prompt: o.generate(p, _params("draft")))
+        assert out.token_ids == want
+    sp = swarm.state()["relay"]["speculative"]
+    drafted = sp["drafted_tokens"] - before["drafted_tokens"]
+    accepted = sp["accepted_tokens"] - before["accepted_tokens"]
+    assert 0 < accepted < drafted, sp  # the draft model's tokens kept and rejected (its own cache rolled back too)
+
+
+def test_draft_model_sampling_keeps_the_distribution(swarm):
+    """Sampled with drafts: the speculative-sampling rule keeps each token's distribution, so a seeded request
+    gives the same tokens as without drafts only by chance, but the first token (sampled before any draft) is
+    the plain request's, and every token is one the model could sample (no draft leaks through unverified)."""
+    prompt = PROMPTS[1]
+    params = dict(temperature=1.0, top_k=3, max_tokens=24, ignore_eos=True, seed=7)
+    plain = swarm.call(lambda o: o.generate(prompt, SamplingParams(**params, speculative="none")))
+    spec = swarm.call(lambda o: o.generate(prompt, SamplingParams(**params, speculative="draft")))
+    assert spec.token_ids[0] == plain.token_ids[0] and len(spec.token_ids) == 24
+    hf = _hf(swarm.model_path)
+    ids = list(prompt)
+    for tok in spec.token_ids:  # top_k=3: every kept token is among the model's 3 likeliest at its position
+        with torch.no_grad():
+            top = torch.topk(hf(torch.tensor([ids])).logits[0, -1], 3).indices.tolist()
+        assert tok in top
+        ids.append(tok)
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def test_ngram_survives_a_server_killed_mid_generation(swarm, scaled):
@@ -93,12 +132,13 @@ def test_speculative_field_and_metrics_over_http(swarm):
             a = await c.post("/v1/completions", json={**body, "speculative": "ngram"})
             b = await c.post("/v1/completions", json={**body, "speculative": "none"})
             bad = await c.post("/v1/completions", json={**body, "speculative": "eagle"})
+            draft = await c.post("/v1/completions", json={**body, "speculative": "draft"})
             metrics = (await c.get("/metrics")).text
-            return a, b, bad, metrics
+            return a, b, bad, draft, metrics
 
-    a, b, bad, metrics = swarm.call(talk)
-    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
-    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    a, b, bad, draft, metrics = swarm.call(talk)
+    assert a.status_code == 200 and b.status_code == 200 and draft.status_code == 200, (a.text, b.text, draft.text)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"] == draft.json()["choices"][0]["text"]
     assert bad.status_code == 400 and "speculative" in bad.text
     assert "petals_chain_speculative_passes_total" in metrics
     assert "petals_chain_speculative_accepted_tokens_total" in metrics

@@ -41,6 +41,15 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _speculative(text: str) -> tuple[str, str | None]:
+    """``none`` | ``ngram`` | ``draft:MODEL`` -> (mode, draft model or None)."""
+    if text in ("none", "ngram"):
+        return text, None
+    if text.startswith("draft:") and text[len("draft:"):].strip():
+        return "draft", text[len("draft:"):].strip()
+    raise argparse.ArgumentTypeError(f"expected none, ngram or draft:MODEL, got {text!r}")
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -113,11 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open multi-turn sessions in total, all clients together; more get 429")
     p.add_argument("--session-idle-timeout-s", type=_positive_float, default=300.0,
                    help="a session without a turn for this long is closed (its chain and KV released)")
-    p.add_argument("--speculative", default="none", choices=["none", "ngram"],
+    p.add_argument("--speculative", default="none", type=_speculative, metavar="none|ngram|draft:MODEL",
                    help="speculative decoding: ngram drafts up to k tokens by prompt lookup (the tokens that followed "
-                        "the latest earlier occurrence of the last 1-3 tokens) and verifies them with the token just "
-                        "sampled in one relay step through the chain; greedy output is unchanged, sampled output "
-                        "keeps its distribution. A request's \"speculative\" field overrides it. Default: none")
+                        "the latest earlier occurrence of the last 1-3 tokens), draft:MODEL by a draft model's greedy "
+                        "choices (a registry name, a path, or 'self': the served model; same tokenizer; with "
+                        "--draft-layers only its first layers run); the chain verifies them with the token just "
+                        "sampled in one relay step; greedy output is unchanged, sampled output keeps its "
+                        "distribution. A request's \"speculative\" field overrides it. Default: none")
+    p.add_argument("--draft-layers", type=_positive_int, default=None, metavar="N",
+                   help="run only the draft model's first N decoder layers (self-speculative with draft:self)")
+    p.add_argument("--relay", default="orchestrator", choices=["orchestrator", "push"],
+                   help="how a step crosses a chain: orchestrator (every hop's output comes back here and goes on to "
+                        "the next hop; the paper's mode) or push (each server pushes its output straight to the next "
+                        "one over routes only this orchestrator can make; hops + 1 network legs per step instead of "
+                        "2 x hops). Default: orchestrator")
     p.add_argument("--speculative-k", type=int, default=4, metavar="K",
                    help="first draft length; it adapts per request (+2 when all drafts are kept, -1 otherwise, "
                         "at most 16). Default: 4")
@@ -268,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
         fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
         audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,
-        audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s, speculative=args.speculative,
-        speculative_k=args.speculative_k)
+        audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s, speculative=args.speculative[0],
+        draft_model=args.speculative[1], draft_layers=args.draft_layers, speculative_k=args.speculative_k,
+        relay=args.relay)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
     # Admission limits (limits.py), read with defaults by the API middleware.

@@ -78,7 +78,9 @@ class SamplingFields(_Base):
     ttft_deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS)
     best_effort: bool = False  # never refused or dropped for a deadline: served, late if need be
     # Speculative decoding for this request (generation.py); None: the orchestrator's --speculative.
-    speculative: Optional[Literal["none", "ngram"]] = None
+    speculative: Optional[Literal["none", "ngram", "draft"]] = None
+    # How steps cross the chain for this request (relay.py); None: the orchestrator's --relay.
+    relay: Optional[Literal["orchestrator", "push"]] = None
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -120,7 +122,7 @@ class SamplingFields(_Base):
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stop,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            speculative=self.speculative)
+            speculative=self.speculative, relay=self.relay)
         try:
             params.validate()
         except ValueError as e:

@@ -124,9 +124,16 @@ class OrchestratorConfig:
     audit_strikes: float = 3.0  # decayed strikes that ban a server for good
     audit_half_life_s: float = 3600.0
     audit_probe_s: float = 30.0  # --audit-probe-s: a probe of the next server this often while capacity is spare
-    # --speculative: none, or ngram (prompt-lookup drafts verified by the whole chain in one relay step; requests
-    # may override it with their "speculative" field). --speculative-k: the first draft length (it adapts).
+    # --speculative: none, ngram (prompt-lookup drafts) or draft (a draft model's greedy tokens), verified by the whole
+    # chain in one relay step; requests may override it with their "speculative" field. --speculative-k: the first
+    # draft length (it adapts). draft_model (--speculative draft:MODEL): a registry name, a path or "self" (the
+    # served model); draft_layers (--draft-layers): only its first N decoder layers (None: all).
     speculative: str = "none"
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    # --relay: orchestrator (each hop's output comes back to us and goes on to the next hop: the paper's mode) or
+    # push (each server pushes its output straight to the next one; see petals_chain.swarm.push)
+    relay: str = "orchestrator"
     speculative_k: int = 4
 
 
@@ -188,6 +195,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.head = None
         self.tokenizer = None
         self.batcher: HeadBatcher | None = None
+        self.drafter = None  # DraftModel (drafting.py) when --speculative draft:MODEL
         self._p2p = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -216,6 +224,26 @@ class Orchestrator(GenerationMixin, SessionMixin):
         max_pos = getattr(self.config, "max_position_embeddings", None)
         if max_pos and self.cfg.max_length > max_pos:
             raise ValueError(f"--max-length {self.cfg.max_length} exceeds the model's max_position_embeddings {max_pos}")
+        if self.cfg.draft_model:
+            self.drafter = self._load_drafter()
+
+    def _load_drafter(self):
+        from petals_chain.orchestrator.drafting import DraftModel
+        from petals_chain.swarm.sources import resolve_source
+
+        name = self.cfg.draft_model
+        draft_src = src = self.source
+        if name != "self":
+            draft_src = resolve_source(name)
+        if int(draft_src.config.vocab_size) != int(self.config.vocab_size):
+            raise ValueError(f"draft model {name!r} has a vocabulary of {draft_src.config.vocab_size} tokens, the "
+                             f"served model {self.config.vocab_size}: drafts need the same tokenizer")
+        if draft_src is not src and draft_src.load_tokenizer().get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"draft model {name!r} does not share the served model's tokenizer")
+        dtype = None if self.cfg.dtype == "auto" else self.cfg.dtype
+        drafter = DraftModel.load(draft_src, name, num_layers=self.cfg.draft_layers, dtype=dtype, device=self.cfg.device)
+        logger.info("draft model %s: %d decoder layers", name, drafter.layers)
+        return drafter
 
     def model_spec(self) -> ModelSpec:
         """``L``, ``s_m``, ``s_c`` (bytes) from the model config at the swarm's max_length."""
@@ -290,6 +318,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.batcher is not None:
             self.batcher.close()
+        if self.drafter is not None:
+            self.drafter.close()
         if self._p2p is not None:
             try:
                 await self._p2p.shutdown()
@@ -313,9 +343,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
     def _on_chains(self, chains: list[Chain]) -> None:
         self.dispatch.set_chains(chains)
 
-    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float,
+    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float | None,
                     compute_s: float | None = None) -> None:
-        self.stats.hop_s += seconds
+        self.stats.hop_s += seconds if seconds is not None else (compute_s or 0.0)
         if self.planner is not None:
             self.planner.observe_hop(peer_id, n_tokens, n_blocks, seconds, compute_s)
 
@@ -441,7 +471,11 @@ class Orchestrator(GenerationMixin, SessionMixin):
                       "lm_head_batches": self.batcher.batches if self.batcher else 0,
                       "lm_head_rows": self.batcher.rows if self.batcher else 0, "forks": self.stats.forks,
                       **self.stats.replay_json(), **self.stats.prefix_json(),
-                      "speculative": {"default": self.cfg.speculative, **self.stats.speculation_json()},
+                      "speculative": {"default": self.cfg.speculative,
+                                      "draft_model": (None if self.drafter is None else
+                                                      {"name": self.drafter.name, "layers": self.drafter.layers}),
+                                      **self.stats.speculation_json()},
+                      "mode": self.cfg.relay, **self.stats.legs_json(),
                       "preferred_starts": self.dispatch.preferred_starts,
                       "replay_cache": {"bytes": self.replay_cache.bytes, "budget_bytes": self.replay_cache.budget,
                                        "jobs": self.replay_cache.jobs, "evictions": self.replay_cache.evictions}},

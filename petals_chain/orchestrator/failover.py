@@ -49,7 +49,7 @@ class ChainHolder:
 
     _counter = itertools.count()
 
-    def __init__(self, orch: Any, job_id: str, max_length: int):
+    def __init__(self, orch: Any, job_id: str, max_length: int, relay: str | None = None):
         self.orch = orch
         self.job_id = job_id
         self.max_length = max_length  # the job's length limit (prompt + max_tokens, or a session's max_length)
@@ -70,6 +70,7 @@ class ChainHolder:
         self.fork_source: tuple["ChainHolder", int] | None = None
         self.forked = False
         self.inputs = orch.replay_cache.new()  # what each hop received: replay one hop, not the chain
+        self.relay = relay  # "orchestrator" | "push" for the chains this job opens; None: --relay
         self.cached_tokens = 0  # tokens the last chain opened held in its servers' prefix caches (not computed)
         self.reused_tokens = 0  # leading tokens of the last feed's sequence whose KV was not computed by it
         # Fair sharing (fairness.py): the API key name of the request that made this job, the leading tokens of its
@@ -148,7 +149,8 @@ class ChainHolder:
             self._worker = chain_key(lease.chain)
             declared = self.declared_length(need)
             cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", declared,
-                              observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0))
+                              observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0),
+                              push=(self.relay or orch.cfg.relay) == "push")
             opened = False
             fork = self._fork_candidate(lease)
             for attempt in range(60):
@@ -368,6 +370,21 @@ class ChainHolder:
         inputs.truncate(position)
         x = hidden
         auditor = getattr(self.orch, "auditor", None)
+        if cs.push:
+            async def recover(i: int, failure: HopFailure, x_in: torch.Tensor) -> torch.Tensor:
+                return await self._move_hop(i, failure, x_in, position, budget, tokens)
+
+            rescues = cs.push_rescues
+            outs = await cs.forward_push(x, position, recover)
+            self.orch.stats.add_push_step(len(cs.hops), cs.push_rescues - rescues)
+            for i, out in enumerate(outs):
+                if i > 0:
+                    inputs.append(cs.hops[i][1], x, position)
+                if auditor is not None and auditor.sample():
+                    auditor.schedule(cs.hops[i], x, position, out, tokens, inputs)
+                x = out
+            return x
+        self.orch.stats.add_relay_step(len(cs.hops))
         for i in range(len(cs.hops)):
             if i > 0:
                 inputs.append(cs.hops[i][1], x, position)

@@ -17,6 +17,8 @@ import torch
 
 from petals_chain.algorithms.speculative import DraftLength, ngram_draft
 from petals_chain.orchestrator.deadlines import DEADLINE
+from petals_chain.orchestrator.drafting import DraftState
+from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.failover import ChainHolder
 from petals_chain.orchestrator.sampling import SamplingParams, SequenceSampler, StopMatcher, TokenChoice
 
@@ -68,7 +70,8 @@ class GenerationMixin:
         limit = min(params.max_tokens, holder.max_length - len(context))
         deadline = DEADLINE.get()
         mode = params.speculative or self.cfg.speculative
-        drafts = DraftLength(k=self.cfg.speculative_k) if mode == "ngram" else None
+        drafts = DraftLength(k=self.cfg.speculative_k) if mode in ("ngram", "draft") else None
+        draft_state = DraftState() if mode == "draft" else None
         if limit <= 0:
             return generated, "", finish, choices
         choice, emb = await self.batcher.sample(hidden, seq)
@@ -101,7 +104,11 @@ class GenerationMixin:
                 break
             tok = generated[-1]
             # drafts never reach past the last token this request may generate (its pages hold exactly that)
-            draft = ngram_draft(context + generated, min(drafts.k, limit - len(generated) - 1)) if drafts else []
+            k = min(drafts.k, limit - len(generated) - 1) if drafts else 0
+            if draft_state is not None:
+                draft = await self.drafter.draft(draft_state, context + generated, k)
+            else:
+                draft = ngram_draft(context + generated, k) if k > 0 else []
             if draft:
                 outs = await holder.feed([tok] + draft, all_positions=True)
                 pending, emb = await self.batcher.verify(outs, seq, draft)
@@ -119,6 +126,12 @@ class GenerationMixin:
             await emit(tail, unsent)
         self.stats.relay_steps += holder.steps
         return generated, matcher.text, finish, choices
+
+    def check_speculative(self, params: SamplingParams) -> None:
+        """A request for draft-model speculation needs a draft model (400 before any chain is taken)."""
+        if params.speculative == "draft" and self.drafter is None:
+            raise RequestError("speculative 'draft' needs an orchestrator started with --speculative draft:MODEL",
+                               param="speculative")
 
     def _finish_job(self, holder: ChainHolder, t0: float, generated: int, prompt_tokens: int, ok: bool) -> float:
         """Record a finished job (or turn) and return its service time."""
@@ -143,6 +156,7 @@ class GenerationMixin:
         they prefill on theirs): the prompt is computed once, and every choice samples its first token from
         the same last hidden state. If one choice fails, the others are cancelled and their chains released."""
         self.validate_prompt(prompt_ids, params[0].max_tokens, explicit_max_tokens)
+        self.check_speculative(params[0])
         params = [SamplingParams(**{**p.__dict__, "stop": list(p.stop), "max_tokens": self._max_tokens(
             p.max_tokens, len(prompt_ids), self.cfg.max_length, explicit_max_tokens)}) for p in params]
         emits = list(emits or [None] * len(params))
@@ -153,7 +167,7 @@ class GenerationMixin:
         # A one-shot job never holds more than its prompt and its max_tokens: servers with a paged KV cache
         # reserve pages for that much, not for max_length.
         job_length = min(self.cfg.max_length, len(prompt_ids) + max(p.max_tokens for p in params))
-        holders = [ChainHolder(self, f"r-{uuid.uuid4().hex[:12]}", job_length) for _ in params]
+        holders = [ChainHolder(self, f"r-{uuid.uuid4().hex[:12]}", job_length, relay=p.relay) for p in params]
         for h in holders[1:]:
             h.fork_source = (holders[0], len(prompt_ids))
         prefill: asyncio.Future = asyncio.get_running_loop().create_future()

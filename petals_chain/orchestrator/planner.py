@@ -197,18 +197,23 @@ class Planner:
         measured = self.measured_tau_p(v)
         return measured if measured is not None else float(v.record.tau_p)
 
-    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float,
+    def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float | None,
                     compute_s: float | None = None) -> None:
         """One relay step of ``n_tokens`` through ``n_blocks`` of ``peer_id`` took ``seconds`` (incl. network).
 
         ``compute_s`` is the server's own time for the step when it reports one: the hop then splits exactly
         into compute (refines ``tau_p``) and communication (refines ``tau_c``). Without it, the ping RTT is
         subtracted, which under load can exceed a fast step — so such estimates never drive ``tau_c``.
+        ``seconds=None`` (push mode, where a hop's reply time includes waiting for its input): compute only.
         """
         v = self.servers.get(peer_id)
         if v is None or n_blocks <= 0 or n_tokens != 1:  # decode steps only: prefill cost varies with length
             return
-        if compute_s is not None:
+        if seconds is None:
+            if compute_s is None or compute_s < 0.0:
+                return
+            per_block = compute_s / n_blocks
+        elif compute_s is not None:
             if not 0.0 <= compute_s <= seconds:
                 return  # a report that contradicts our own clock says nothing reliable
             per_block = compute_s / n_blocks

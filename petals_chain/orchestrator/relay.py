@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import secrets
 import time
 from typing import Any, Callable
 
@@ -52,7 +53,8 @@ class ChainSession:
     sessions and KV."""
 
     def __init__(self, client: Any, hops: list[tuple[str, int, int]], session_id: str, max_length: int,
-                 observe: HopObserver | None = None, step_timeout_s: float = 60.0, wait_s: float = 0.0):
+                 observe: HopObserver | None = None, step_timeout_s: float = 60.0, wait_s: float = 0.0,
+                 push: bool = False):
         self.client = client
         self.hops = list(hops)
         self.peers_used = {h[0] for h in self.hops}  # every server that fed this session's KV, replaced ones too
@@ -68,6 +70,10 @@ class ChainSession:
         self._replacements = itertools.count(1)
         self.cached_tokens = 0  # leading tokens of the prompt named at open that every hop's prefix cache held
         self.prefix_cache = False  # every hop's server keeps closed sessions' pages as cached prefixes
+        self.push = push and len(self.hops) > 1  # --relay push: servers forward each step to the next hop
+        self._step_ids = itertools.count(1)  # numbers push steps (a server takes the push of the step it awaits)
+        self.push_rescues = 0  # pushes the orchestrator made itself because a hop could not
+        self._push_current: dict[str, asyncio.Future] = {}  # peer -> its step in flight (push mode)
 
     def abort(self, peer_id: str) -> bool:
         """``peer_id`` is known dead: fail the step waiting on it now (not at the timeout), and any later one."""
@@ -76,6 +82,9 @@ class ChainSession:
         self._aborted.add(peer_id)
         if self._current_peer == peer_id and self._current is not None and not self._current.done():
             self._current.cancel()
+        inner = self._push_current.get(peer_id)
+        if inner is not None and not inner.done():
+            inner.cancel()
         return True
 
     async def open(self, fork_from: "ChainSession | None" = None, fork_length: int = 0, named: bytes = b"") -> None:
@@ -93,10 +102,13 @@ class ChainSession:
 
         async def one(peer, start, end):
             extra = {"wait_s": self.wait_s} if self.wait_s > 0 else {}
+            if self.push:
+                extra["push_token"] = secrets.token_hex(16)
             if named:
                 extra["prefix_hashes"] = named
             if fork_from is not None:
-                extra = {"fork_from": fork_from.session_id, "fork_length": int(fork_length)}
+                extra = {"fork_from": fork_from.session_id, "fork_length": int(fork_length),
+                         **({"push_token": extra["push_token"]} if self.push else {})}
             return await asyncio.wait_for(
                 self.client.open_session(peer, session_id=self.session_id, start_block=start, end_block=end,
                                          max_length=self.max_length, **extra),
@@ -169,6 +181,77 @@ class ChainSession:
             hidden = await self.step(i, hidden, position)
         return hidden
 
+    def _route(self, first: int) -> list[dict]:
+        """The push route from hop ``first`` to the end of the chain."""
+        return [{"peer": peer, "session_id": self._sessions[j].session_id, "token": self._sessions[j].push_token}
+                for j, (peer, _, _) in enumerate(self.hops) if j >= first]
+
+    async def _push_step(self, i: int, hidden: torch.Tensor, position: int, step_id: int) -> torch.Tensor:
+        """Hop ``i``'s part of a push step: hop 0 gets ``hidden`` and the route, later hops await their push."""
+        peer, start, end = self.hops[i]
+        if peer in self._aborted:
+            raise HopFailure(peer, ConnectionError("the server was declared failed"), hop=i)
+        sess = self._sessions[i]
+        kwargs = {"route": self._route(1), "step_id": step_id} if i == 0 else {"pushed": True, "step_id": step_id}
+        inner = self._push_current[peer] = asyncio.ensure_future(sess.step(hidden, position, **kwargs))
+        try:
+            out = await inner
+            check_hop_output(out, hidden)
+        except asyncio.CancelledError:
+            if peer in self._aborted and not _current_task_cancelling():
+                raise HopFailure(peer, ConnectionError("the server was declared failed"), hop=i) from None
+            inner.cancel()
+            raise
+        except BaseException as e:  # noqa: BLE001 - any RPC failure means this hop is unusable for this job
+            raise HopFailure(peer, e, hop=i) from e
+        finally:
+            if self._push_current.get(peer) is inner:
+                del self._push_current[peer]
+        if self.observe is not None and sess.last_compute_s is not None:
+            # a hop's reply time in push mode includes waiting for its input: only its compute is observed
+            self.observe(peer, int(hidden.shape[1]), end - start, None, sess.last_compute_s)
+        return out
+
+    async def forward_push(self, hidden: torch.Tensor, position: int, recover: Callable) -> list[torch.Tensor]:
+        """Run ``hidden`` through every hop with server-to-server pushes; returns every hop's output, in order.
+
+        All hops get their step at once: hop 0 with the input and the route, the others await the previous hop's
+        push. A hop that fails is given to ``await recover(i, failure, its_input)``, which returns its output
+        (another server took the hop over) or raises (the chain is lost: the other hops' steps are abandoned and
+        their streams closed). Where a hop's output did not reach the next hop, the orchestrator pushes it."""
+        step_id = next(self._step_ids)
+        tasks = [asyncio.ensure_future(self._push_step(i, hidden, position, step_id)) for i in range(len(self.hops))]
+        outs: list[torch.Tensor] = []
+        unreachable: HopFailure | None = None  # the next hop, which our own push could not reach either
+        try:
+            for i, task in enumerate(tasks):
+                x_in = hidden if i == 0 else outs[-1]
+                try:
+                    if unreachable is not None:
+                        task.cancel()
+                        raise unreachable
+                    out = await task
+                    pushed = self._sessions[i].pushed is not False
+                except HopFailure as e:
+                    out = await recover(i, e, x_in)  # a new session: it awaits no push
+                    pushed = False
+                unreachable = None
+                outs.append(out)
+                if i + 1 < len(self.hops) and not pushed:
+                    # the next hop still waits for this step's input: deliver it, with the rest of the route
+                    self.push_rescues += 1
+                    nxt = self._route(i + 1)
+                    try:
+                        await self.client.push(nxt[0], position, step_id, nxt[1:], out, timeout_s=self.step_timeout_s)
+                    except (ConnectionError, RuntimeError) as e:
+                        unreachable = HopFailure(self.hops[i + 1][0], e, hop=i + 1)
+            return outs
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def replace(self, i: int, peer: str, history: torch.Tensor | None, hidden: torch.Tensor,
                       position: int) -> torch.Tensor:
         """Move hop ``i`` to ``peer`` (a server holding its span): open a session there, replay ``history`` (what
@@ -177,9 +260,11 @@ class ChainSession:
         if ``peer`` refuses, fails or answers garbage; the hop is then unchanged."""
         _, start, end = self.hops[i]
         sid = f"{self.session_id}.r{next(self._replacements)}"
+        extra = {"push_token": secrets.token_hex(16)} if self.push else {}
         try:
             sess = await asyncio.wait_for(self.client.open_session(peer, session_id=sid, start_block=start,
-                                                                   end_block=end, max_length=self.max_length),
+                                                                   end_block=end, max_length=self.max_length,
+                                                                   **extra),
                                           timeout=self.step_timeout_s)
         except asyncio.CancelledError:
             raise

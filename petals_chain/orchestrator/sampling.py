@@ -55,7 +55,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
-    speculative: str | None = None  # "none" or "ngram"; None: the orchestrator's --speculative
+    speculative: str | None = None  # "none", "ngram" or "draft"; None: the orchestrator's --speculative
+    relay: str | None = None  # "orchestrator" or "push"; None: the orchestrator's --relay
 
     @property
     def greedy(self) -> bool:
@@ -70,8 +71,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
             return float(v)
 
-        if self.speculative not in (None, "none", "ngram"):
-            raise ValueError(f"speculative must be 'none' or 'ngram', got {self.speculative!r}")
+        if self.speculative not in (None, "none", "ngram", "draft"):
+            raise ValueError(f"speculative must be 'none', 'ngram' or 'draft', got {self.speculative!r}")
+        if self.relay not in (None, "orchestrator", "push"):
+            raise ValueError(f"relay must be 'orchestrator' or 'push', got {self.relay!r}")
         if num("temperature") < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < num("top_p") <= 1.0:

@@ -104,10 +104,12 @@ class SessionMixin:
             if s.id not in self.sessions:
                 raise RequestError("the session was closed", status=404, code="session_not_found")
             self.validate_prompt(target, params.max_tokens, explicit_max_tokens, max_length=s.max_length)
+            self.check_speculative(params)
             params = SamplingParams(**{**params.__dict__, "stop": list(params.stop), "max_tokens": self._max_tokens(
                 params.max_tokens, len(target), s.max_length, explicit_max_tokens)})
             s.last_used = time.monotonic()
             holder = s.holder
+            holder.relay = params.relay  # for the chain it opens next (a held chain keeps its mode)
             wait0 = holder.wait_s
             t0 = time.monotonic()
             pending = holder.sync(target)

@@ -34,6 +34,9 @@ class Stats:
         self.spec_passes = 0
         self.spec_drafted = 0
         self.spec_accepted = 0
+        self.passes = {"orchestrator": 0, "push": 0}  # passes through a whole chain by relay mode
+        self.legs = {"orchestrator": 0, "push": 0}  # network legs on those passes' critical paths
+        self.push_rescues = 0
         self.hop_s = 0.0  # time spent waiting on servers (incl. network) summed over hops
         self.service_s = 0.0  # sum of jobs' service times
         # Failover replays by kind: "partial" (one hop's span re-fed on a replacement server) or "full" (the
@@ -63,6 +66,13 @@ class Stats:
                                       registry=r)
         self.m_spec_accepted = Counter("petals_chain_speculative_accepted_tokens", "Draft tokens the model kept",
                                        registry=r)
+        self.m_relay_steps = Counter("petals_chain_relay_step_passes", "Passes of a step through a whole chain by relay "
+                                     "mode (orchestrator: hop by hop through us; push: server to server)", ["mode"],
+                                     registry=r)
+        self.m_legs = Counter("petals_chain_relay_critical_legs", "Network legs on the critical path of the passes "
+                              "(orchestrator: 2 per hop; push: hops + 1)", ["mode"], registry=r)
+        self.m_push_rescues = Counter("petals_chain_push_rescues", "Pushes the orchestrator made itself because a "
+                                      "hop could not push to the next one (failed, replaced or unreachable)", registry=r)
         self.m_failovers = Counter("petals_chain_failovers", "Jobs moved to another chain after a server failure", registry=r)
         self.m_queue = Gauge("petals_chain_queue_length", "Jobs in the central queue", registry=r)
         # Maxima since start, kept by the dispatch manager: a scrape cannot miss a short peak.
@@ -178,6 +188,27 @@ class Stats:
                 "acceptance_rate": self.spec_accepted / self.spec_drafted if self.spec_drafted else None,
                 "accepted_per_pass": self.spec_accepted / self.spec_passes if self.spec_passes else None,
                 "tokens_per_relay_step": self.tokens / self.relay_steps if self.relay_steps else None}
+
+    def add_relay_step(self, hops: int) -> None:
+        """One pass through a chain of ``hops`` hops, relayed by us."""
+        self._add_pass("orchestrator", 2 * hops)
+
+    def add_push_step(self, hops: int, rescues: int) -> None:
+        """One pass through a chain of ``hops`` hops with pushes; we pushed ``rescues`` times ourselves."""
+        self._add_pass("push", hops + 1)
+        self.push_rescues += rescues
+        self.m_push_rescues.inc(rescues)
+
+    def _add_pass(self, mode: str, legs: int) -> None:
+        self.passes[mode] += 1
+        self.legs[mode] += legs
+        self.m_relay_steps.labels(mode).inc()
+        self.m_legs.labels(mode).inc(legs)
+
+    def legs_json(self) -> dict:
+        legs = sum(self.legs.values())
+        return {"passes": dict(self.passes), "critical_legs": dict(self.legs), "push_rescues": self.push_rescues,
+                "legs_per_token": legs / self.tokens if self.tokens else None}
 
     def add_failover(self) -> None:
         self.failovers += 1

@@ -202,6 +202,13 @@ class EmulatedLink:
         async for reply in self._delayed(self.handler.rpc_session(self._delayed(requests), context)):
             yield reply
 
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        # a push from the previous hop comes in over this server's link like any other message
+        async for reply in self._delayed(self.handler.rpc_push(self._delayed(requests), context)):
+            yield reply
+
 
 def link_for(handler: PetalsChainBlocks, emulation: Emulation) -> Optional[EmulatedLink]:
     """The wrapper to register ``handler`` with (None: no link delay, the handler answers directly)."""

@@ -271,3 +271,41 @@ def load_head(path: "str | os.PathLike | ModelSource", dtype: str | torch.dtype 
     head = head.to(device)
     head.eval().requires_grad_(False)
     return head
+
+
+def load_causal_lm(path: "str | os.PathLike | ModelSource", num_layers: int | None = None,
+                   dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu") -> nn.Module:
+    """The whole causal LM at ``path`` (any source) as one transformers model, or only its first ``num_layers``
+    decoder layers with the embeddings, final norm and LM head (a self-speculative draft model: same tokenizer,
+    cheaper, close to the full model's choices). Eval mode, no grads."""
+    from accelerate import init_empty_weights
+
+    src = resolve_source(path)
+    config = _prepare_config(src.config, None)
+    total = int(config.num_hidden_layers)
+    n = total if num_layers is None else int(num_layers)
+    if not 1 <= n <= total:
+        raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
+    config.num_hidden_layers = n
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[:n]
+    torch_dtype = parse_dtype(dtype, config)
+    with init_empty_weights():
+        model = _causal_lm_class(config)(config)
+    all_names = src.tensor_names()
+    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in all_names
+    keep = ("model.embed_tokens.", "model.norm.", *(f"model.layers.{i}." for i in range(n)),
+            *(() if tied else ("lm_head.",)))
+    state = {k: v.to(torch_dtype) for k, v in src.read_tensors([k for k in all_names if k.startswith(keep)]).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise KeyError(f"{src.path}: missing tensors {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    meta_left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if meta_left:
+        raise RuntimeError(f"tensors left uninitialised: {meta_left[:8]}")
+    model = model.to(device)
+    model.eval().requires_grad_(False)
+    return model

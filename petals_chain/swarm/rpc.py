@@ -55,6 +55,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from petals_chain.swarm.prefix import HASH_BYTES, PREFIX_BLOCK_TOKENS, split_hashes
+from petals_chain.swarm.push import PushBox, RouteError, check_route, check_token
 
 
 hivemind.compression.base.USE_LEGACY_BFLOAT16 = False  # bf16 travels as bf16, not as fp32
@@ -181,9 +182,16 @@ def serialize_chunks(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
 class PetalsChainBlocks(ServicerBase):
     """The server's RPC handler (``await handler.add_p2p_handlers(p2p)``)."""
 
-    def __init__(self, backend: SessionBackend, *, idle_timeout_s: float = 120.0):
+    def __init__(self, backend: SessionBackend, *, idle_timeout_s: float = 120.0, push_timeout_s: float = 30.0):
         self.backend = backend
         self.idle_timeout_s = idle_timeout_s
+        self.push_timeout_s = push_timeout_s  # a push to the next hop, ack included
+        self._boxes: dict[str, PushBox] = {}  # session id -> pushed inputs (sessions opened with a push_token)
+        self._p2p: Optional[P2P] = None  # where pushes to the next hop go out
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, **kwargs: Any) -> None:
+        self._p2p = p2p
+        await super().add_p2p_handlers(p2p, wrapper, **kwargs)
 
     # ping and info answer on a fresh stream (like sessions), not on hivemind's persistent unary connection:
     # with hivemind 1.1.12 that connection hangs for a P2P replica created after another replica of the same
@@ -268,6 +276,14 @@ class PetalsChainBlocks(ServicerBase):
                 prefix = _hashes_field(meta, max_length)
                 if fork and prefix:
                     raise RefusedError("invalid", "fork_from cannot be combined with prefix_hashes")
+                push_token = meta.get("push_token")
+                if push_token is not None:
+                    try:
+                        check_token(push_token)
+                    except RouteError as e:
+                        raise RefusedError("invalid", str(e)) from None
+                    if sid in self._boxes:
+                        raise RefusedError("invalid", f"session {sid!r} is already open")
                 if wait_s > 0 and hasattr(self.backend, "open_session_wait"):
                     extra, pending = await self._open_waiting(stream, sid, start, end, max_length, peer, float(wait_s),
                                                               prefix)
@@ -276,6 +292,8 @@ class PetalsChainBlocks(ServicerBase):
                 else:
                     extra = self.backend.open_session(sid, start, end, max_length, peer, **fork, **prefix)
                 session_id = sid
+                if push_token is not None:
+                    self._boxes[sid] = PushBox(push_token)
             except RefusedError as e:
                 yield _error(e.code, str(e))
                 return
@@ -312,11 +330,16 @@ class PetalsChainBlocks(ServicerBase):
                     if op != "step":
                         raise RefusedError("invalid", f"unknown op {op!r} (expected step, extend, keepalive or close)")
                     position = _int_field(meta, "position")
-                    hidden = await self._receive_tensor(msg, next_message)
+                    route = _route_field(meta)
+                    if meta.get("pushed") is True:  # the input comes from the previous hop (push mode)
+                        position, hidden, route = await self._take_push(msg, meta, session_id, position)
+                    else:
+                        hidden = await self._receive_tensor(msg, next_message)
                     t_compute = time.perf_counter()
                     out = await self.backend.forward(session_id, hidden, position)
                     compute_s = time.perf_counter() - t_compute
                     chunks = serialize_chunks(out)
+                    pushed = await self._push_next(route, position, meta.get("step_id"), chunks) if route else {}
                 except RefusedError as e:
                     yield _error(e.code, str(e))
                     continue
@@ -329,7 +352,7 @@ class PetalsChainBlocks(ServicerBase):
                 last_valid = loop.time()
                 yield runtime_pb2.ExpertResponse(
                     metadata=_pack({"ok": True, "position": position + int(out.shape[1]),
-                                    "compute_s": round(compute_s, 7)}),
+                                    "compute_s": round(compute_s, 7), **pushed}),
                     tensors=[chunks[0]]
                 )
                 for chunk in chunks[1:]:
@@ -342,6 +365,73 @@ class PetalsChainBlocks(ServicerBase):
                 pending.cancel()
             if session_id is not None:
                 self.backend.close_session(session_id)
+                box = self._boxes.pop(session_id, None)
+                if box is not None:
+                    box.close()
+
+    async def _take_push(self, msg: runtime_pb2.ExpertRequest, meta: dict, session_id: str,
+                         position: int) -> tuple[int, torch.Tensor, list[dict]]:
+        """The input of a ``pushed`` step: what the previous hop pushed for this ``step_id``."""
+        if msg.tensors:
+            raise RefusedError("invalid", "a pushed step carries no tensor (the previous hop pushes it)")
+        box = self._boxes.get(session_id)
+        if box is None:
+            raise RefusedError("invalid", "this session was opened without a push_token: it cannot take pushes")
+        step_id = _int_field(meta, "step_id")
+        tokens = _int_field(meta, "tokens", lo=1)
+        try:
+            pushed_position, hidden, route = await box.take(step_id, self.idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise RefusedError("unavailable", f"no push for step {step_id} within {self.idle_timeout_s} s") from None
+        if pushed_position != position or hidden.shape[1] != tokens:
+            raise RefusedError("invalid", f"the push of step {step_id} is for positions {pushed_position}.."
+                                          f"+{hidden.shape[1]}, the step awaits {position}..+{tokens}")
+        return position, hidden, route
+
+    async def _push_next(self, route: list[dict], position: int, step_id: Any, chunks: list) -> dict:
+        """Push this step's output to the route's next hop -> reply fields ``pushed`` (and ``push_error``)."""
+        if not isinstance(step_id, int) or isinstance(step_id, bool) or self._p2p is None:
+            return {"pushed": False, "push_error": "no step_id" if self._p2p is not None else "no P2P"}
+        try:
+            await push_step(self._p2p, route[0], position, step_id, route[1:], chunks, self.push_timeout_s)
+        except (ConnectionError, RuntimeError) as e:
+            logger.info("push of step %d to %s failed: %s", step_id, route[0]["peer"][:12], e)
+            return {"pushed": False, "push_error": str(e)[:500]}
+        return {"pushed": True}
+
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A previous hop's output for a session of ours (see :mod:`~petals_chain.swarm.push`)."""
+        stream = requests.__aiter__()
+
+        async def next_message() -> Optional[runtime_pb2.ExpertRequest]:
+            try:
+                return await asyncio.wait_for(stream.__anext__(), timeout=self.push_timeout_s)
+            except StopAsyncIteration:
+                return None
+
+        try:
+            first = await next_message()
+            if first is None:
+                return
+            meta = _unpack(first.metadata)
+            box = self._boxes.get(meta.get("session_id")) if isinstance(meta.get("session_id"), str) else None
+            if box is None or not box.accepts(meta.get("token")):
+                # the token is checked before the tensor is read: a stranger's push costs one message
+                raise RefusedError("untrusted", "no open session takes this push (unknown session or wrong token)")
+            position = _int_field(meta, "position")
+            step_id = _int_field(meta, "step_id")
+            route = _route_field(meta)
+            hidden = await self._receive_tensor(first, next_message)
+            box.put(step_id, position, hidden, route)
+        except RefusedError as e:
+            yield _error(e.code, str(e))
+            return
+        except asyncio.TimeoutError:
+            yield _error("invalid", f"push incomplete after {self.push_timeout_s} s")
+            return
+        yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True}))
 
     async def _open_waiting(self, stream, sid: str, start: int, end: int, max_length: int, peer: str,
                             wait_s: float, prefix: dict) -> tuple[Optional[dict], Optional[asyncio.Future]]:
@@ -435,6 +525,47 @@ class PetalsChainBlocks(ServicerBase):
         return nbytes
 
 
+def _route_field(meta: dict) -> list[dict]:
+    try:
+        return check_route(meta.get("route"))
+    except RouteError as e:
+        raise RefusedError("invalid", f"field 'route': {e}") from None
+
+
+async def _iterate(messages: list) -> AsyncIterator:
+    for m in messages:
+        yield m
+
+
+async def push_step(p2p: P2P, hop: dict, position: int, step_id: int, route: list[dict], chunks: list,
+                    timeout_s: float) -> None:
+    """Push a step's serialized hidden states (``chunks``) to the route hop ``hop`` (``{"peer", "session_id",
+    "token"}``), which forwards along ``route`` after it. Raises ConnectionError (unreachable, timeout, no reply)
+    or RuntimeError (refused)."""
+    meta = {"session_id": hop["session_id"], "token": hop["token"], "position": int(position),
+            "step_id": int(step_id), "route": route}
+    messages = [runtime_pb2.ExpertRequest(metadata=_pack(meta), tensors=[chunks[0]])]
+    messages += [runtime_pb2.ExpertRequest(tensors=[c]) for c in chunks[1:]]
+
+    async def call() -> dict:
+        for attempt in range(2):
+            try:
+                stream = await PetalsChainBlocks.get_stub(p2p, _as_peer(hop["peer"])).rpc_push(_iterate(messages))
+                return _unpack_reply(await stream.__anext__())
+            except (StopAsyncIteration, BrokenPipeError, ConnectionResetError) as e:
+                # on a loaded host the P2P layer now and then resets a fresh stream; a push may be repeated (the
+                # receiver keys it by step)
+                if attempt:
+                    raise ConnectionError(f"the push stream broke: {type(e).__name__}") from None
+
+    try:
+        reply = await asyncio.wait_for(call(), timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - timeouts, P2P errors of a dead or unreachable peer
+        raise ConnectionError(f"push to {hop['peer'][:16]}…: {type(e).__name__}: {e}") from e
+    if not reply.get("ok", False):
+        raise RuntimeError(f"push to {hop['peer'][:16]}… refused: {reply.get('code')}: {reply.get('error')}")
+
+
 def _as_peer(peer_id: Union[str, PeerID]) -> PeerID:
     return peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(str(peer_id))
 
@@ -476,6 +607,9 @@ class RemoteSession:
         self.last_io = time.monotonic()  # last reply from the server: what its idle timer saw last
         self.closed = False
         self._lost: BaseException | None = None  # why the stream ended under us (keepalive failed)
+        self.push_token: str | None = None  # given at open: this session takes pushes from the previous hop
+        self.pushed: bool | None = None  # the last step with a route: whether the server pushed its output on
+        self.push_error: str | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
         self._responses: Optional[AsyncIterator[runtime_pb2.ExpertResponse]] = None
         self._lock = asyncio.Lock()
@@ -487,16 +621,33 @@ class RemoteSession:
                 return
             yield item
 
-    async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        """Send hidden ``[1, n, hidden_size]`` for positions ``position..position+n-1``; returns the same shape."""
+    async def step(self, hidden: torch.Tensor, position: int, *, route: Optional[list[dict]] = None,
+                   step_id: Optional[int] = None, pushed: bool = False) -> torch.Tensor:
+        """Send hidden ``[1, n, hidden_size]`` for positions ``position..position+n-1``; returns the same shape.
+
+        Push mode (:mod:`~petals_chain.swarm.push`): ``route`` (with ``step_id``) makes the server push its
+        output on to the route's first hop (:attr:`pushed` says whether it could); with ``pushed=True`` the
+        server takes this step's input from the previous hop's push instead, and ``hidden`` only says the
+        shape and dtype to expect (it is not sent)."""
         self._raise_if_closed()
         if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3:
             raise ValueError("hidden must be a 3-D tensor [1, n_tokens, hidden_size]")
-        chunks = serialize_chunks(hidden)
+        meta: dict = {"op": "step", "position": int(position)}
+        if route or pushed:
+            meta["step_id"] = int(step_id)
+        if route:
+            meta["route"] = list(route)
+        if pushed:
+            meta.update(pushed=True, tokens=int(hidden.shape[1]))
+        # a pushed step sends no tensor, but its reply is checked against the header one would have
+        chunks = serialize_chunks(hidden[:, :1] if pushed else hidden)
+        expect = runtime_pb2.Tensor(dtype=chunks[0].dtype, size=list(hidden.shape), compression=chunks[0].compression)
+        messages = [runtime_pb2.ExpertRequest(metadata=_pack(meta), tensors=[] if pushed else [chunks[0]])]
+        messages += [] if pushed else [runtime_pb2.ExpertRequest(tensors=[c]) for c in chunks[1:]]
         async with self._lock:
             self._raise_if_closed()
             try:
-                return await self._step_locked(chunks, hidden, int(position))
+                return await self._step_locked(messages, expect, hidden, int(position), bool(route))
             except RemoteError:
                 raise  # an error reply: the stream is still in step, the session lives on
             except BaseException:
@@ -515,21 +666,22 @@ class RemoteSession:
         if self.closed:
             raise RemoteError("session is closed", "invalid")
 
-    async def _step_locked(self, chunks, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        self._queue.put_nowait(
-            runtime_pb2.ExpertRequest(metadata=_pack({"op": "step", "position": position}), tensors=[chunks[0]])
-        )
-        for chunk in chunks[1:]:
-            self._queue.put_nowait(runtime_pb2.ExpertRequest(tensors=[chunk]))
+    async def _step_locked(self, messages: list, sent: runtime_pb2.Tensor, hidden: torch.Tensor, position: int,
+                           routed: bool) -> torch.Tensor:
+        for m in messages:
+            self._queue.put_nowait(m)
         what = f"step on {self.peer_id}"
         reply = await _await_next(self._responses, self.step_timeout_s, what)
         meta = _unpack_reply(reply)
         _raise_if_error(meta)
+        if routed:
+            self.pushed = meta.get("pushed") is True
+            self.push_error = None if self.pushed else str(meta.get("push_error", "the server did not push"))[:500]
         if len(reply.tensors) != 1:
             raise InvalidReply(f"{what}: a step reply carries one tensor, got {len(reply.tensors)}")
         # The reply must be what we sent, transformed: same dtype and shape. Checked before reading further
         # chunks, so a server announcing a huge or absurdly chunked tensor costs us nothing.
-        head, sent = reply.tensors[0], chunks[0]
+        head = reply.tensors[0]
         if head.dtype != sent.dtype or list(head.size) != list(sent.size) or head.compression != sent.compression:
             raise InvalidReply(f"{what}: reply tensor {head.dtype}{list(head.size)} (compression {head.compression}) "
                                f"does not match the {sent.dtype}{list(sent.size)} sent")
@@ -653,12 +805,13 @@ class ServerClient:
 
     async def open_session(self, peer_id: Union[str, PeerID], session_id: str, start_block: int, end_block: int,
                            max_length: int, wait_s: float = 0.0, fork_from: Optional[str] = None,
-                           fork_length: int = 0, prefix_hashes: bytes = b"") -> RemoteSession:
+                           fork_length: int = 0, prefix_hashes: bytes = b"", push_token: str = "") -> RemoteSession:
         """Reserve ``end_block - start_block`` slots on ``peer_id``; with ``wait_s > 0`` wait at the server (FIFO)
         up to ``wait_s`` seconds for them to free up. ``fork_from``: start with a copy of that session's first
         ``fork_length`` tokens of KV (same peer, same span). ``prefix_hashes``: the prompt's
         :func:`~petals_chain.swarm.prefix.prefix_hashes`; the session starts holding the ``cached_tokens`` of it
-        the server's prefix cache has (its ``position``).
+        the server's prefix cache has (its ``position``). ``push_token``: the session takes pushes from the
+        previous hop of a route that carries it (:mod:`~petals_chain.swarm.push`).
 
         Raises NoCapacityError (server full), RemoteError (refused/invalid), ConnectionError (unreachable)."""
         sess = RemoteSession(str(peer_id), session_id, int(start_block), int(end_block), int(max_length),
@@ -667,7 +820,8 @@ class ServerClient:
             "op": "open", "session_id": session_id, "start_block": int(start_block), "end_block": int(end_block),
             "max_length": int(max_length), **({"wait_s": float(wait_s)} if wait_s > 0 else {}),
             **({"fork_from": fork_from, "fork_length": int(fork_length)} if fork_from is not None else {}),
-            **({"prefix_hashes": bytes(prefix_hashes)} if prefix_hashes else {})})))
+            **({"prefix_hashes": bytes(prefix_hashes)} if prefix_hashes else {}),
+            **({"push_token": push_token} if push_token else {})})))
         try:
             sess._responses = await asyncio.wait_for(self._stub(peer_id).rpc_session(sess._requests()),
                                                      timeout=self.open_timeout_s)
@@ -691,6 +845,7 @@ class ServerClient:
         if fork_from is not None:
             sess.position = int(fork_length)
         sess.prefix_cache = meta.get("prefix_cache") is True
+        sess.push_token = push_token or None
         cached = meta.get("cached_tokens", 0)
         named = len(prefix_hashes) // HASH_BYTES * PREFIX_BLOCK_TOKENS  # a server cannot hold more than was named
         if isinstance(cached, int) and not isinstance(cached, bool) and 0 < cached <= min(named, int(max_length) - 1):
@@ -714,6 +869,11 @@ class ServerClient:
             return await asyncio.wait_for(call(), timeout=timeout_s)
         except Exception as e:  # noqa: BLE001 - timeouts, P2P errors, dead peers
             raise ConnectionError(f"{method} {peer_id}: {type(e).__name__}: {e}") from e
+
+    async def push(self, hop: dict, position: int, step_id: int, route: list[dict], hidden: torch.Tensor,
+                   timeout_s: float = 30.0) -> None:
+        """Push ``hidden`` to a route hop ourselves (the orchestrator, when the hop before it failed to)."""
+        await push_step(self.p2p, hop, position, step_id, route, serialize_chunks(hidden), timeout_s)
 
     async def ping(self, peer_id: Union[str, PeerID], timeout_s: float = 10.0) -> float:
         """Round-trip time of a tiny RPC in seconds (raises ConnectionError if unreachable)."""

@@ -1,0 +1,94 @@
+"""Draft model for speculative decoding (``--speculative draft:MODEL``): a small causal LM with the chain model's
+tokenizer, run at the orchestrator, proposes the next k tokens greedily; the chain verifies them in one step.
+
+``MODEL`` is a registry name, a path (GGUF or HF directory) or ``self`` (the served model itself); with
+``--draft-layers N`` only its first N decoder layers run, before the final norm and LM head (self-speculative
+drafting: no second model needed, same tokenizer by construction). Drafts are greedy, so the draft distribution
+is a point mass and the verification rule of :func:`~petals_chain.orchestrator.sampling.verify_drafts` keeps a
+sampled request's distribution exact.
+
+Each generation keeps a :class:`DraftState` (the draft model's KV cache and the tokens it holds): a draft call
+rolls the cache back to what it shares with the sequence now (rejected drafts are dropped) and feeds only the
+rest. The model runs in its own worker thread, off the event loop, one call at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftState:
+    """One generation's draft KV cache and the tokens it holds."""
+
+    def __init__(self) -> None:
+        self.cache: Any = None
+        self.ids: list[int] = []
+
+
+class DraftModel:
+    """A causal LM that drafts tokens greedily for speculative decoding (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, name: str):
+        self.model = model
+        self.name = name
+        self.layers = int(model.config.num_hidden_layers)
+        self.vocab_size = int(model.config.vocab_size)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        # transformers renamed past_key_values to cache (5.24+); older 5.x only know the first
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    @classmethod
+    def load(cls, source: Any, name: str, num_layers: int | None = None, dtype: Any = None,
+             device: str = "cpu") -> "DraftModel":
+        from petals_chain.swarm.checkpoint import load_causal_lm
+
+        model = load_causal_lm(source, num_layers=num_layers, dtype=dtype, device=device)
+        return cls(model, name)
+
+    async def draft(self, state: DraftState, context: list[int], k: int) -> list[int]:
+        """Up to ``k`` greedy draft tokens after ``context`` (the whole sequence so far)."""
+        if k <= 0 or not context:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._draft, state, list(context), k)
+
+    def _draft(self, state: DraftState, context: list[int], k: int) -> list[int]:
+        from transformers import DynamicCache
+
+        with torch.inference_mode():
+            if state.cache is None:
+                state.cache, state.ids = DynamicCache(config=self.model.config), []
+            keep = min(_common_prefix(state.ids, context), len(context) - 1)  # the last token is always fed
+            held = state.cache.get_seq_length()
+            if held > keep:
+                state.cache.crop(keep - held)  # a negative count: tokens removed from the end
+            state.ids = state.ids[:keep]
+            feed = context[keep:]
+            out: list[int] = []
+            device = self.model.device
+            for _ in range(k):
+                logits = self.model(input_ids=torch.tensor([feed], device=device), use_cache=True,
+                                    **{self._cache_arg: state.cache}).logits[0, -1]
+                state.ids += feed
+                tok = int(torch.argmax(logits))
+                out.append(tok)
+                feed = [tok]
+            return out  # the cache holds context + out[:-1]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
