@@ -1,4 +1,5 @@
-"""The orchestrator's command line refuses bad fairness and audit settings with a message naming the flag."""
+"""The orchestrator's command line refuses bad fairness, audit, speculation and relay settings with a message naming
+the flag."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def test_bad_settings_exit_2_naming_the_flag(tiny_model_dir, capsys, args, flag)
 
 
 @pytest.mark.parametrize("args", [["--fairness", "wfq"], ["--fairness-quantum", "0"], ["--audit-tolerance", "x"],
-                                  ["--audit-strikes", "0"]])
+                                  ["--audit-strikes", "0"], ["--speculative", "eagle"], ["--speculative", "draft"],
+                                  ["--speculative", "draft:"], ["--speculative", "draft:a", "--draft-model", "b"],
+                                  ["--relay", "carrier"], ["--draft-layers", "0"]])
 def test_unparseable_values_are_usage_errors(tiny_model_dir, args):
     with pytest.raises(SystemExit) as e:
         main(["--model", str(tiny_model_dir), *args])

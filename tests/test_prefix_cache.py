@@ -142,18 +142,42 @@ def test_cached_pages_are_evicted_deepest_first_when_memory_is_needed(model):
     assert pool.match([0], [bytes([j]) * 16 for j in range(3)]) == 2
 
 
-def test_tight_pool_serves_without_reuse_rather_than_refusing(model):
+def test_tight_pool_reuses_with_a_lean_reservation(model):
+    """A pool too full for a copy of the whole limit in own pages still reuses the matched prefix (own pages only
+    after it); a first step before the match then takes the pages it needs, or is refused with nothing changed."""
     r = _runner(model, num_slots=8, max_length=64)  # 32 pages
-    prompt = list(range(400, 440))
+    prompt = list(range(400, 440))  # 2 full pages per block
     r.allocate("a", 0, 4, max_tokens=64)
     r.forward("a", _embed(r, prompt), 0)
     r.release("a", prefix_hashes(prompt))
-    r.allocate("hold", 0, 4, max_tokens=64)  # half the pool
-    # the match would pin 2 of the pages the new session's reservation needs: served, without reuse
-    assert r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 0
-    out = r.forward("b", _embed(r, prompt), 0)
+    r.allocate("hold", 0, 4, max_tokens=64)  # 16 pages: 8 free and the 8 cached are left
+    # a full reservation (16 own pages) would evict the very prefix the session matched: it takes 8 and reuses
+    assert r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 32
+    assert r.sessions()["b"]["pages"] == 8
+    out = r.forward("b", _embed(r, prompt[32:]), 32)
+    torch.testing.assert_close(out, _fresh(_runner(model), prompt)[:, 32:], rtol=0, atol=1e-4)
+    r.release("b", prefix_hashes(prompt))
+
+    # another hop matched less: the first step starts at 20, inside the match, and needs a page of its own there
+    assert r.allocate("c", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 32
+    assert r.cache_stats()["pages_free"] == 0  # hold, c's 8 own pages and the 8 pinned shared ones
+    with pytest.raises(NoCapacityError):
+        r.forward("c", _embed(r, prompt[20:]), 20)
     r.release("hold")
-    torch.testing.assert_close(out, _fresh(r, prompt), rtol=0, atol=1e-4)
+    out = r.forward("c", _embed(r, prompt[20:]), 20)  # nothing changed by the refusal: now it fits
+    assert r.sessions()["c"]["shared_pages"] == 1 * 4
+    r.release("c")
+    torch.testing.assert_close(out, _fresh(r, prompt)[:, 20:], rtol=0, atol=1e-4)
+    stats = r.cache_stats()
+    assert stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_evictable"] == stats["pages_total"]
+
+    # too full even for own pages after the match: refused (it would not fit without reuse either), and the
+    # matched pages are evictable again
+    r.allocate("hold", 0, 4, max_tokens=64)
+    r.allocate("hold2", 0, 4, max_tokens=32)
+    with pytest.raises(NoCapacityError):
+        r.allocate("e", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt))
+    assert r.cache_stats()["pages_evictable"] == 8
 
 
 def test_slots_mode_and_disabled_cache_never_reuse(model):

@@ -81,7 +81,9 @@ def swarm(smollm2_path, tmp_path_factory):
     servers = [LocalServer(f"s{i}", mem, emulate_rtt_ms=1 + i % 3, tau_p=0.1, extra_args=["--max-blocks", "10"])
                for i in range(6)]
     sw = LocalSwarm("smollm2-135m", servers, max_length=MAX_LENGTH, arrival_rate=2.0,
-                    log_dir=tmp_path_factory.mktemp("real-swarm"), orchestrator_args=["--replan-interval-s", "3600"])
+                    log_dir=tmp_path_factory.mktemp("real-swarm"),
+                    # a draft model for requests that ask for it: the served model's first 24 of 30 layers
+                    orchestrator_args=["--replan-interval-s", "3600", "--draft-model", "self", "--draft-layers", "24"])
     sw.start()
     try:
         sw.wait_ready(timeout=400)
@@ -109,23 +111,32 @@ def test_greedy_chat_equals_transformers(swarm, expected, tokenizer):
         assert len(c.chain) == 3
     paris = client.chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=NEW_TOKENS)
     assert "Paris" in paris
+    before = swarm.swarm()["relay"]["passes"]["push"]
+    for q in QUESTIONS[1:3]:  # servers pushing to each other (--relay push), the same tokens
+        c = client.chat_completion([{"role": "user", "content": q}], max_tokens=NEW_TOKENS, relay="push")
+        assert c.token_ids == expected[q], (q, tokenizer.decode(c.token_ids), tokenizer.decode(expected[q]))
+    assert swarm.swarm()["relay"]["passes"]["push"] - before >= 2 * 10
 
 
-def test_speculative_ngram_greedy_equals_transformers(swarm, smollm2_reference, tokenizer):
-    """Prompt-lookup drafts verified by the real chain (some kept, some rolled back) change no token."""
+def test_speculative_greedy_equals_transformers(swarm, smollm2_reference, tokenizer):
+    """Prompt-lookup drafts and a draft model's, verified by the real chain (some kept, some rolled back), relayed
+    by the orchestrator or pushed from server to server, change no token."""
     before = swarm.swarm()["relay"]["speculative"]
     client = swarm.client()
     text = ("The old lighthouse stands on the cliff above the bay. Every night its lamp turns slowly, and the "
             "ships that pass far out at sea see its light and know where the rocks are.")
     ids = chat_ids(tokenizer, f"Repeat this text word for word:\n\n{text}")
     want = reference(smollm2_reference, tokenizer, ids, 64)
-    c = client.chat_completion([{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}],
-                               max_tokens=64, speculative="ngram")
-    assert c.token_ids == want, (tokenizer.decode(c.token_ids), tokenizer.decode(want))
-    after = swarm.swarm()["relay"]["speculative"]
-    drafted = after["drafted_tokens"] - before["drafted_tokens"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
-    assert 0 < accepted < drafted, after  # drafts kept (several tokens per relay step) and drafts rolled back
+    for mode, relay in (("ngram", "orchestrator"), ("ngram", "push"), ("draft", "orchestrator"), ("draft", "push")):
+        c = client.chat_completion([{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}],
+                                   max_tokens=64, speculative=mode, relay=relay)
+        assert c.token_ids == want, (mode, relay, tokenizer.decode(c.token_ids), tokenizer.decode(want))
+        after = swarm.swarm()["relay"]["speculative"]
+        drafted = after["drafted_tokens"] - before["drafted_tokens"]
+        accepted = after["accepted_tokens"] - before["accepted_tokens"]
+        assert 0 < accepted < drafted, (mode, relay, after)  # drafts kept (several tokens a step) and rolled back
+        before = after
+    assert after["draft_model"] == {"name": "self", "layers": 24}
 
 
 def test_concurrent_batched_sessions_are_token_exact(swarm, expected):
@@ -289,10 +300,13 @@ def test_session_chat_is_token_exact_and_survives_an_aborted_turn(swarm, smollm2
 
 
 def test_server_killed_mid_generation_keeps_output(swarm, smollm2_reference, tokenizer):
+    """The middle hop killed while servers push to each other (--relay push; the orchestrator relay's failover is
+    covered with tiny models): another server takes its blocks over, and no token changes."""
     ids = chat_ids(tokenizer, "Write a long story about a dragon.")
     want = reference_no_stop(smollm2_reference, ids, 160)
     client = swarm.client()
-    comp, chain = kill_hop_during(swarm, lambda: client.complete(ids, max_tokens=160, temperature=0, ignore_eos=True),
+    comp, chain = kill_hop_during(swarm, lambda: client.complete(ids, max_tokens=160, temperature=0, ignore_eos=True,
+                                                                 relay="push"),
                                   1, find_s=60, settle_s=0.0, join_s=300)  # the middle hop
     victim = chain["names"][1]
     assert comp.token_ids == want

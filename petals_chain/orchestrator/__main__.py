@@ -43,11 +43,11 @@ def _positive_float(text: str) -> float:
 
 def _speculative(text: str) -> tuple[str, str | None]:
     """``none`` | ``ngram`` | ``draft:MODEL`` -> (mode, draft model or None)."""
-    if text in ("none", "ngram"):
+    if text in ("none", "ngram", "draft"):
         return text, None
     if text.startswith("draft:") and text[len("draft:"):].strip():
         return "draft", text[len("draft:"):].strip()
-    raise argparse.ArgumentTypeError(f"expected none, ngram or draft:MODEL, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected none, ngram, draft or draft:MODEL, got {text!r}")
 
 
 def _positive_int(text: str) -> int:
@@ -122,13 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open multi-turn sessions in total, all clients together; more get 429")
     p.add_argument("--session-idle-timeout-s", type=_positive_float, default=300.0,
                    help="a session without a turn for this long is closed (its chain and KV released)")
-    p.add_argument("--speculative", default="none", type=_speculative, metavar="none|ngram|draft:MODEL",
+    p.add_argument("--speculative", default="none", type=_speculative, metavar="none|ngram|draft[:MODEL]",
                    help="speculative decoding: ngram drafts up to k tokens by prompt lookup (the tokens that followed "
                         "the latest earlier occurrence of the last 1-3 tokens), draft:MODEL by a draft model's greedy "
                         "choices (a registry name, a path, or 'self': the served model; same tokenizer; with "
                         "--draft-layers only its first layers run); the chain verifies them with the token just "
                         "sampled in one relay step; greedy output is unchanged, sampled output keeps its "
-                        "distribution. A request's \"speculative\" field overrides it. Default: none")
+                        "distribution. A request's \"speculative\" field overrides it ('draft' needs a draft model: "
+                        "draft:MODEL or --draft-model). Default: none")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="load a draft model for requests asking for \"speculative\": \"draft\" without making it "
+                        "the default (--speculative draft:MODEL does both)")
     p.add_argument("--draft-layers", type=_positive_int, default=None, metavar="N",
                    help="run only the draft model's first N decoder layers (self-speculative with draft:self)")
     p.add_argument("--relay", default="orchestrator", choices=["orchestrator", "push"],
@@ -266,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--move-margin must be in [0, 1), got {args.move_margin}")
     if not (0 <= args.port < 65536):
         parser.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.speculative[1] and args.draft_model and args.speculative[1] != args.draft_model:
+        parser.error(f"--speculative draft:{args.speculative[1]} and --draft-model {args.draft_model} name different "
+                     f"draft models")
+    if args.speculative[0] == "draft" and not (args.speculative[1] or args.draft_model):
+        parser.error("--speculative draft needs a draft model: draft:MODEL or --draft-model MODEL")
     if not (1 <= args.speculative_k <= 16):
         parser.error(f"--speculative-k must be in [1, 16], got {args.speculative_k}")
     from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
@@ -287,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
         audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,
         audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s, speculative=args.speculative[0],
-        draft_model=args.speculative[1], draft_layers=args.draft_layers, speculative_k=args.speculative_k,
+        draft_model=args.speculative[1] or args.draft_model, draft_layers=args.draft_layers, speculative_k=args.speculative_k,
         relay=args.relay)
     # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
     cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s

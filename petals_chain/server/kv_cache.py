@@ -42,6 +42,9 @@ class NoCapacityError(RuntimeError):
     """The server has too few free cache pages for the requested span and length."""
 
 
+NO_PAGE = -1  # a table entry with no page yet (under a matched prefix of a session opened lean, see the runner)
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold ``tokens`` tokens."""
     return -(-int(tokens) // int(page_size))

@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from petals_chain.server.batching import BatchScheduler, install_dispatch
-from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NoCapacityError, PagedCache, PagePool, PageTable,
+from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NO_PAGE, NoCapacityError, PagedCache, PagePool, PageTable,
                                           PageTables, check_kv_cache, page_size_for, pages_for)
 from petals_chain.server.session_state import SessionState
 from petals_chain.swarm.checkpoint import build_rotary, load_block, parse_dtype
@@ -217,7 +217,7 @@ class BlockRunner:
         now = time.monotonic()
         with self._lock:
             return {sid: {"start_block": s.start_block, "end_block": s.end_block, "length": s.length,
-                          "limit": s.limit, "pages": sum(len(t) for t in s.pages_of.values()),
+                          "limit": s.limit, "pages": sum(p != NO_PAGE for t in s.pages_of.values() for p in t),
                           "shared_pages": s.shared_pages * len(s.pages_of),
                           "idle_s": now - s.last_used, "busy": s.busy}
                     for sid, s in self._sessions.items()}
@@ -273,6 +273,7 @@ class BlockRunner:
         # limit is never reused (the session must compute at least one position).
         matched = min(pool.match(layers, names), (limit - 1) // self.page_size)
         pending = {b: pool.pin(b, names[:matched]) for b in layers} if matched else None
+        lean = 0  # own pages not taken under the matched prefix (the first step takes them if it starts earlier)
         try:
             # The whole limit in own pages, whatever is matched: if another hop of the chain matched less, the
             # first step starts earlier and needs them; the unused ones are returned at that step (_start_at).
@@ -280,12 +281,19 @@ class BlockRunner:
         except NoCapacityError:
             if pending is None:
                 raise
-            for pages in pending.values():
-                pool.unpin(reversed(pages))
-            return self.allocate_locked(session_id, start_block, end_block, limit)  # serve it, without reuse
+            try:
+                # Too full for that: own pages only after the matched prefix (a server that can hold one such
+                # session keeps reusing its prefix instead of evicting it to make room for a copy). If even that
+                # does not fit, neither would the session without reuse (the matched pages count as available).
+                pool.reserve((per_block - matched) * len(layers))
+                lean = matched
+            except NoCapacityError:
+                for pages in pending.values():
+                    pool.unpin(reversed(pages))
+                raise
         # Every page now, one run per block where the pool has one: a reservation is what admission counts, and
         # consecutive pages read as a view (kv_cache.PagePool.read), so a long session's decode copies nothing.
-        pages_of = {b: PageTable(pool.take(per_block)) for b in layers}
+        pages_of = {b: PageTable([NO_PAGE] * lean + pool.take(per_block - lean)) for b in layers}
         s = SessionState(session_id, start_block, end_block, pages_of,
                          limit=limit if self.kv_cache == "paged" else self.max_length)
         s.pending, s.length = pending, matched * self.page_size
@@ -325,12 +333,17 @@ class BlockRunner:
         ``position`` copied); the other matched pages are unpinned and the own pages under shared ones returned."""
         pool, ps = self.pool, self.page_size
         keep = position // ps
+        missing = {layer: [j for j in range(keep, len(own)) if own[j] == NO_PAGE] for layer, own in s.pages_of.items()}
+        if any(missing.values()):  # opened lean and starts before its matched prefix: take those pages now
+            pool.reserve(sum(len(js) for js in missing.values()))  # NoCapacityError: nothing changed
         for layer, shared in s.pending.items():
-            own = s.pages_of[layer]
+            own = list(s.pages_of[layer])
+            for j, page in zip(missing[layer], pool.take(len(missing[layer]))):
+                own[j] = page
             if position % ps and keep < len(shared):
                 pool.copy([shared[keep]], [own[keep]], position % ps)
             pool.unpin(reversed(shared[keep:]))
-            pool.release(own[:keep])
+            pool.release([p for p in own[:keep] if p != NO_PAGE])
             s.pages_of[layer] = PageTable(list(shared[:keep]) + list(own[keep:]))
         s.pending, s.shared_pages = None, keep
         self.prefix_reused_tokens += position
@@ -398,7 +411,7 @@ class BlockRunner:
         if s.pending is not None:  # never stepped: its matched pages were only pinned
             for shared in s.pending.values():
                 pool.unpin(reversed(shared))
-            pool.release([p for table in s.pages_of.values() for p in table])
+            pool.release([p for table in s.pages_of.values() for p in table if p != NO_PAGE])
             return
         cacheable = min(len(s.close_hashes), s.length // self.page_size)
         free = []
