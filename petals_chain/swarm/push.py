@@ -8,8 +8,9 @@ later hops wait for the pushed input instead of one sent by the orchestrator. A 
 
 Only routes the orchestrator made are followed: each session's push token is a random secret the orchestrator
 gave that session's server in its ``open`` (over the authenticated stream of a trusted orchestrator), and it
-reveals it only to the hop right before it, in that step's route. A push that does not carry the token of an
-open session is refused before its tensor is read; it cannot reach a session of another job or orchestrator.
+reveals it only in the routes of that job's steps, i.e. to the servers before it on the same chain (which could
+feed it wrong activations anyway; audits catch that). A push that does not carry the token of an open session
+is refused before its tensor is read: no other peer can reach a session of another job or orchestrator.
 
 Wire (stream call ``PetalsChainBlocks.rpc_push``): first message ``{"session_id", "token", "position",
 "step_id", "route"}`` + the first chunk of hidden ``[1, n, hidden]`` (continuation chunks follow as in a session

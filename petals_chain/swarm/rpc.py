@@ -185,7 +185,9 @@ class PetalsChainBlocks(ServicerBase):
     def __init__(self, backend: SessionBackend, *, idle_timeout_s: float = 120.0, push_timeout_s: float = 30.0):
         self.backend = backend
         self.idle_timeout_s = idle_timeout_s
-        self.push_timeout_s = push_timeout_s  # a push to the next hop, ack included
+        # how long a pushed step waits for its input, and a push for its stream: below the orchestrator's step timeout
+        # (60 s), so that a lost push comes back as a refusal the orchestrator repairs, not as a dead server
+        self.push_timeout_s = push_timeout_s
         self._boxes: dict[str, PushBox] = {}  # session id -> pushed inputs (sessions opened with a push_token)
         self._p2p: Optional[P2P] = None  # where pushes to the next hop go out
 
@@ -228,6 +230,7 @@ class PetalsChainBlocks(ServicerBase):
         session_id: Optional[str] = None
         loop = asyncio.get_running_loop()
         last_valid = loop.time()  # only valid messages move it: an error reply keeps the idle deadline
+        push_streams: dict[tuple, PushStream] = {}  # (peer, session) -> a stream this session pushes its outputs on
 
         pending: Optional[asyncio.Future] = None  # a read of the stream begun while the open waited
 
@@ -339,7 +342,8 @@ class PetalsChainBlocks(ServicerBase):
                     out = await self.backend.forward(session_id, hidden, position)
                     compute_s = time.perf_counter() - t_compute
                     chunks = serialize_chunks(out)
-                    pushed = await self._push_next(route, position, meta.get("step_id"), chunks) if route else {}
+                    pushed = (await self._push_next(route, position, meta.get("step_id"), chunks, push_streams)
+                              if route else {})
                 except RefusedError as e:
                     yield _error(e.code, str(e))
                     continue
@@ -363,6 +367,8 @@ class PetalsChainBlocks(ServicerBase):
         finally:
             if pending is not None:
                 pending.cancel()
+            for ps in push_streams.values():
+                ps.close()
             if session_id is not None:
                 self.backend.close_session(session_id)
                 box = self._boxes.pop(session_id, None)
@@ -380,58 +386,76 @@ class PetalsChainBlocks(ServicerBase):
         step_id = _int_field(meta, "step_id")
         tokens = _int_field(meta, "tokens", lo=1)
         try:
-            pushed_position, hidden, route = await box.take(step_id, self.idle_timeout_s)
+            pushed_position, hidden, route = await box.take(step_id, self.push_timeout_s)
         except asyncio.TimeoutError:
-            raise RefusedError("unavailable", f"no push for step {step_id} within {self.idle_timeout_s} s") from None
+            raise RefusedError("unavailable", f"no push for step {step_id} within {self.push_timeout_s} s") from None
         if pushed_position != position or hidden.shape[1] != tokens:
             raise RefusedError("invalid", f"the push of step {step_id} is for positions {pushed_position}.."
                                           f"+{hidden.shape[1]}, the step awaits {position}..+{tokens}")
         return position, hidden, route
 
-    async def _push_next(self, route: list[dict], position: int, step_id: Any, chunks: list) -> dict:
-        """Push this step's output to the route's next hop -> reply fields ``pushed`` (and ``push_error``)."""
+    async def _push_next(self, route: list[dict], position: int, step_id: Any, chunks: list,
+                         streams: dict[tuple, "PushStream"]) -> dict:
+        """Push this step's output to the route's next hop -> reply fields ``pushed`` (and ``push_error``).
+        ``streams``: the pushing session's open push streams (one per next hop, reused step after step: a stream
+        open costs more than a message)."""
         if not isinstance(step_id, int) or isinstance(step_id, bool) or self._p2p is None:
             return {"pushed": False, "push_error": "no step_id" if self._p2p is not None else "no P2P"}
-        try:
-            await push_step(self._p2p, route[0], position, step_id, route[1:], chunks, self.push_timeout_s)
-        except (ConnectionError, RuntimeError) as e:
-            logger.info("push of step %d to %s failed: %s", step_id, route[0]["peer"][:12], e)
-            return {"pushed": False, "push_error": str(e)[:500]}
-        return {"pushed": True}
+        hop = route[0]
+        key = (hop["peer"], hop["session_id"])
+        messages = push_messages(hop, position, step_id, route[1:], chunks)
+        for attempt in range(2):
+            ps = streams.get(key)
+            if ps is None or ps.closed:  # closed: refused, broken or idle at the other end
+                ps = streams[key] = PushStream(self._p2p, hop["peer"])
+            try:
+                await ps.send(messages, self.push_timeout_s)
+                return {"pushed": True}
+            except ConnectionError as e:  # cannot open a stream: one more try on a fresh one
+                streams.pop(key, None)
+                error = str(e)
+        logger.info("push of step %d to %s failed: %s", step_id, hop["peer"][:12], error)
+        return {"pushed": False, "push_error": error[:500]}
 
     async def rpc_push(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """A previous hop's output for a session of ours (see :mod:`~petals_chain.swarm.push`)."""
+        """A previous hop's outputs for a session of ours, one push after another on the stream (see
+        :mod:`~petals_chain.swarm.push`); the stream ends at the first push no session takes."""
         stream = requests.__aiter__()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.push_timeout_s  # the first push comes at once; later ones within idle_timeout_s
 
         async def next_message() -> Optional[runtime_pb2.ExpertRequest]:
             try:
-                return await asyncio.wait_for(stream.__anext__(), timeout=self.push_timeout_s)
+                return await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - loop.time()))
             except StopAsyncIteration:
                 return None
 
-        try:
-            first = await next_message()
-            if first is None:
-                return
-            meta = _unpack(first.metadata)
-            box = self._boxes.get(meta.get("session_id")) if isinstance(meta.get("session_id"), str) else None
-            if box is None or not box.accepts(meta.get("token")):
-                # the token is checked before the tensor is read: a stranger's push costs one message
-                raise RefusedError("untrusted", "no open session takes this push (unknown session or wrong token)")
-            position = _int_field(meta, "position")
-            step_id = _int_field(meta, "step_id")
-            route = _route_field(meta)
-            hidden = await self._receive_tensor(first, next_message)
-            box.put(step_id, position, hidden, route)
-        except RefusedError as e:
-            yield _error(e.code, str(e))
-            return
-        except asyncio.TimeoutError:
-            yield _error("invalid", f"push incomplete after {self.push_timeout_s} s")
-            return
-        yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True}))
+        while True:
+            try:
+                first = await next_message()
+                if first is None:
+                    return
+                meta = _unpack(first.metadata)
+                box = self._boxes.get(meta.get("session_id")) if isinstance(meta.get("session_id"), str) else None
+                if box is None or not box.accepts(meta.get("token")):
+                    # the token is checked before the tensor is read: a stranger's push costs one message
+                    raise RefusedError("untrusted", "no open session takes this push (unknown session or wrong token)")
+                position = _int_field(meta, "position")
+                step_id = _int_field(meta, "step_id")
+                route = _route_field(meta)
+                hidden = await self._receive_tensor(first, next_message)
+                box.put(step_id, position, hidden, route)
+            except RefusedError as e:
+                yield _error(e.code, str(e))
+                if e.code == "untrusted":
+                    return
+                continue
+            except asyncio.TimeoutError:
+                return  # idle (or stalled in the middle of a tensor): the pusher opens a new stream if it needs one
+            deadline = loop.time() + self.idle_timeout_s
+            yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True}))
 
     async def _open_waiting(self, stream, sid: str, start: int, end: int, max_length: int, peer: str,
                             wait_s: float, prefix: dict) -> tuple[Optional[dict], Optional[asyncio.Future]]:
@@ -532,38 +556,101 @@ def _route_field(meta: dict) -> list[dict]:
         raise RefusedError("invalid", f"field 'route': {e}") from None
 
 
-async def _iterate(messages: list) -> AsyncIterator:
-    for m in messages:
-        yield m
+def push_messages(hop: dict, position: int, step_id: int, route: list[dict], chunks: list) -> list:
+    """The messages of one push of serialized hidden states (``chunks``) to the route hop ``hop`` (``{"peer",
+    "session_id", "token"}``), which forwards along ``route`` after it."""
+    meta = {"session_id": hop["session_id"], "token": hop["token"], "position": int(position),
+            "step_id": int(step_id), "route": route}
+    messages = [runtime_pb2.ExpertRequest(metadata=_pack(meta), tensors=[chunks[0]])]
+    return messages + [runtime_pb2.ExpertRequest(tensors=[c]) for c in chunks[1:]]
+
+
+class PushStream:
+    """One ``rpc_push`` stream to a peer for pushes one after another. A server does not wait for the
+    acknowledgements (its reply to the orchestrator would wait a round trip to the next hop): they are read in the
+    background, and a refusal or a broken stream closes it (the next push opens a new one; a push that got lost
+    on the way leaves the next hop without its input, which the orchestrator sees and repairs)."""
+
+    def __init__(self, p2p: P2P, peer: str):
+        self.p2p, self.peer = p2p, peer
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._responses: Optional[AsyncIterator[runtime_pb2.ExpertResponse]] = None
+        self._reader: Optional[asyncio.Task] = None
+        self._lock = asyncio.Lock()
+        self.closed = False
+
+    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    async def _open(self, timeout_s: float) -> None:
+        if self.closed:
+            raise ConnectionError("the push stream is closed")
+        if self._responses is None:
+            try:
+                self._responses = await asyncio.wait_for(
+                    PetalsChainBlocks.get_stub(self.p2p, _as_peer(self.peer)).rpc_push(self._requests()), timeout_s)
+            except Exception as e:  # noqa: BLE001 - P2P errors of a dead or unreachable peer
+                self.close()
+                raise ConnectionError(f"push to {self.peer[:16]}…: {type(e).__name__}: {e}") from e
+
+    async def send(self, messages: list, timeout_s: float) -> None:
+        """Send a push on the stream (opened on first use) without waiting for its acknowledgement.
+        ConnectionError if the stream cannot be opened or is closed."""
+        async with self._lock:
+            await self._open(timeout_s)
+            if self._reader is None:
+                self._reader = asyncio.ensure_future(self._read_acks())
+            for m in messages:
+                self._queue.put_nowait(m)
+
+    async def send_confirmed(self, messages: list, timeout_s: float) -> None:
+        """Send a push and wait for its acknowledgement (a stream of one push). ConnectionError: unreachable,
+        broken or timed out; RuntimeError: refused."""
+        async with self._lock:
+            try:
+                await asyncio.wait_for(self._open(timeout_s), timeout_s)
+                for m in messages:
+                    self._queue.put_nowait(m)
+                reply = _unpack_reply(await asyncio.wait_for(self._responses.__anext__(), timeout_s))
+            except (StopAsyncIteration, asyncio.TimeoutError, ConnectionError) as e:
+                self.close()
+                raise ConnectionError(f"push to {self.peer[:16]}…: {type(e).__name__}: {e}") from None
+            if not reply.get("ok", False):
+                raise RuntimeError(f"push to {self.peer[:16]}… refused: {reply.get('code')}: {reply.get('error')}")
+
+    async def _read_acks(self) -> None:
+        try:
+            async for reply in self._responses:
+                meta = _unpack_reply(reply)
+                if not meta.get("ok", False):
+                    logger.info("push to %s refused: %s: %s", self.peer[:12], meta.get("code"), meta.get("error"))
+                    return
+        except Exception as e:  # noqa: BLE001 - the stream broke: the next push opens a new one
+            logger.info("push stream to %s ended: %s: %s", self.peer[:12], type(e).__name__, e)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put_nowait(None)
+        if self._reader is not None and not self._reader.done() and self._reader is not asyncio.current_task():
+            self._reader.cancel()
 
 
 async def push_step(p2p: P2P, hop: dict, position: int, step_id: int, route: list[dict], chunks: list,
                     timeout_s: float) -> None:
-    """Push a step's serialized hidden states (``chunks``) to the route hop ``hop`` (``{"peer", "session_id",
-    "token"}``), which forwards along ``route`` after it. Raises ConnectionError (unreachable, timeout, no reply)
-    or RuntimeError (refused)."""
-    meta = {"session_id": hop["session_id"], "token": hop["token"], "position": int(position),
-            "step_id": int(step_id), "route": route}
-    messages = [runtime_pb2.ExpertRequest(metadata=_pack(meta), tensors=[chunks[0]])]
-    messages += [runtime_pb2.ExpertRequest(tensors=[c]) for c in chunks[1:]]
-
-    async def call() -> dict:
-        for attempt in range(2):
-            try:
-                stream = await PetalsChainBlocks.get_stub(p2p, _as_peer(hop["peer"])).rpc_push(_iterate(messages))
-                return _unpack_reply(await stream.__anext__())
-            except (StopAsyncIteration, BrokenPipeError, ConnectionResetError) as e:
-                # on a loaded host the P2P layer now and then resets a fresh stream; a push may be repeated (the
-                # receiver keys it by step)
-                if attempt:
-                    raise ConnectionError(f"the push stream broke: {type(e).__name__}") from None
-
+    """One push on a stream of its own, acknowledged (see :func:`push_messages`). Raises ConnectionError
+    (unreachable, timeout, no reply) or RuntimeError (refused)."""
+    ps = PushStream(p2p, hop["peer"])
     try:
-        reply = await asyncio.wait_for(call(), timeout=timeout_s)
-    except Exception as e:  # noqa: BLE001 - timeouts, P2P errors of a dead or unreachable peer
-        raise ConnectionError(f"push to {hop['peer'][:16]}…: {type(e).__name__}: {e}") from e
-    if not reply.get("ok", False):
-        raise RuntimeError(f"push to {hop['peer'][:16]}… refused: {reply.get('code')}: {reply.get('error')}")
+        await ps.send_confirmed(push_messages(hop, position, step_id, route, chunks), timeout_s)
+    finally:
+        ps.close()
 
 
 def _as_peer(peer_id: Union[str, PeerID]) -> PeerID:
