@@ -77,7 +77,9 @@ def sample_swarm(now: Optional[float] = None, hostile_name: str = "<img src=x on
                        "output_reserve_tokens": 256, "open_waits": 3, "extensions": 5, "preemptions": 1},
         "relay": {"tokens": 5000, "relay_steps": 2000, "prompt_tokens": 20000, "prompt_cache_hit_rate": 0.25,
                   "speculative": {"default": "ngram", "passes": 900, "drafted_tokens": 3000, "accepted_tokens": 1800,
-                                  "acceptance_rate": 0.6, "accepted_per_pass": 2.0, "tokens_per_relay_step": 2.5}},
+                                  "acceptance_rate": 0.6, "accepted_per_pass": 2.0, "tokens_per_relay_step": 2.5},
+                  "mode": "push", "passes": {"orchestrator": 100, "push": 800}, "push_rescues": 1,
+                  "critical_legs": {"orchestrator": 600, "push": 3200}, "legs_per_token": 1.6},
     }
 
 

@@ -71,6 +71,7 @@ def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url, slowdo
         assert page.locator("#ready-badge").get_attribute("data-ready") == "true"
         assert page.locator("#c-star").inner_text() == str(data["c"])
         assert page.locator("#tokens-per-step").inner_text() == "2.50 (60% of drafts kept)"
+        assert page.locator("#legs-per-token").inner_text() == "1.60 (relay: push)"
         assert f'expected L\u0302 {data["job_tokens"]["value"]} ({data["job_tokens"]["mode"]})' in \
             page.locator("#job-tokens").inner_text()
         # coverage map: one row per hosting server, one count per block (24 blocks, every one covered)

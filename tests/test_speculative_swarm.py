@@ -1,6 +1,9 @@
-"""Speculative decoding through a real chain (server processes over hivemind P2P): greedy output with ``ngram``
-drafts equals plain relaying and transformers, drafts are both kept and rejected (the servers' KV rolled back),
-a server killed mid-generation fails over without changing a token, and the counters reach the API."""
+"""Speculative decoding and push relay through a real chain (server processes over hivemind P2P): greedy output
+with ``ngram`` or draft-model drafts, relayed by the orchestrator or pushed from server to server (``relay:
+push``), equals plain relaying and transformers; drafts are both kept and rejected (the servers' KV rolled back);
+a push without the session's token is refused; a server killed mid-generation fails over without changing a
+token; the counters (drafts, passes, critical legs) reach the API. 3-hop push chains, the middle hop forwarding
+the route, run on the real model (test_real_model.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ INIT_RANGE = 0.05
 PROMPTS = [torch.randint(3, 700, (10,), generator=torch.Generator().manual_seed(s)).tolist() for s in (0, 1)]
 
 
-def _params(mode: str, n: int = NEW) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=mode)
+def _params(mode: str, n: int = NEW, relay: str | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=mode, relay=relay)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,58 @@ def test_ngram_greedy_equals_plain_and_transformers(swarm):
     assert passes > 0 and drafted > 0
     assert 0 < accepted < drafted, sp  # kept drafts (fewer relay steps) and rejected ones (KV rolled back)
     assert sp["default"] == "none" and 0 < sp["acceptance_rate"] < 1
+
+
+def test_push_greedy_equals_orchestrator_relay_and_transformers(swarm):
+    before = swarm.state()["relay"]
+    for prompt in PROMPTS:
+        want = hf_greedy_from(swarm.model_path, prompt, NEW)
+        for mode in ("none", "ngram", "draft"):
+            out = swarm.call(lambda o, p=prompt, m=mode: o.generate(p, _params(m, relay="push")))
+            assert out.token_ids == want, mode
+    st = swarm.state()["relay"]
+    assert st["mode"] == "orchestrator"  # the default; requests asked for push
+    push_passes = st["passes"]["push"] - before["passes"]["push"]
+    assert push_passes >= NEW * len(PROMPTS)
+    # 2 hops: 3 legs per pass pushed, 4 relayed
+    assert st["critical_legs"]["push"] - before["critical_legs"]["push"] == 3 * push_passes
+    relay_passes = st["passes"]["orchestrator"] - before["passes"]["orchestrator"]
+    assert st["critical_legs"]["orchestrator"] - before["critical_legs"]["orchestrator"] == 4 * relay_passes
+    # servers push on their own; the orchestrator pushes only where a push broke (rare, on a loaded host)
+    assert st["push_rescues"] - before["push_rescues"] <= 2
+
+
+def test_a_push_without_the_token_is_refused(swarm):
+    """A peer that is not on the route cannot feed a session: wrong token, unknown session."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from petals_chain.swarm.rpc import push_step, serialize_chunks
+
+    peer = swarm.state()["servers"][0]["peer_id"]
+    hidden = torch.zeros(1, 1, swarm.call(_hidden_size), dtype=torch.float32)
+
+    async def forge():
+        p2p = await P2P.create(initial_peers=swarm.initial_peers)
+        try:
+            errors = []
+            for sid in ("no-such-session", "x" * 8):
+                try:
+                    await push_step(p2p, {"peer": peer, "session_id": sid, "token": "0" * 32}, 0, 1, [],
+                                    serialize_chunks(hidden), timeout_s=20)
+                except RuntimeError as e:
+                    errors.append(str(e))
+            return errors
+        finally:
+            await p2p.shutdown()
+
+    errors = asyncio.run(forge())
+    assert len(errors) == 2 and all("untrusted" in e for e in errors), errors
+
+
+async def _hidden_size(orch) -> int:
+    return int(orch.config.hidden_size)
 
 
 def test_draft_model_greedy_equals_plain_and_transformers(swarm):
@@ -100,12 +155,14 @@ def _hf(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def test_ngram_survives_a_server_killed_mid_generation(swarm, scaled):
+def test_ngram_push_survives_a_server_killed_mid_generation(swarm, scaled):
+    """Drafts and pushes while the chain's last hop dies: the hop moves to the other chain's server (replaying its
+    inputs), and where a push can no longer arrive the orchestrator delivers it; no token changes."""
     prompt = PROMPTS[0]
     n = MAX_LENGTH - len(prompt) - 2
     want = hf_greedy_from(swarm.model_path, prompt, n)
     st0 = swarm.state()
-    fut = swarm.submit(lambda o: o.generate(prompt, _params("ngram", n)))
+    fut = swarm.submit(lambda o: o.generate(prompt, _params("ngram", n, relay="push")))
     deadline = time.monotonic() + scaled(60)
     busy = []
     while not busy:  # the chain serving it

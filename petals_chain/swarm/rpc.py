@@ -549,6 +549,15 @@ class PetalsChainBlocks(ServicerBase):
         return nbytes
 
 
+async def _drain(queue: asyncio.Queue) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    """The messages put in ``queue``, as a stream's requests, until a None."""
+    while True:
+        item = await queue.get()
+        if item is None:
+            return
+        yield item
+
+
 def _route_field(meta: dict) -> list[dict]:
     try:
         return check_route(meta.get("route"))
@@ -579,12 +588,8 @@ class PushStream:
         self._lock = asyncio.Lock()
         self.closed = False
 
-    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while True:
-            item = await self._queue.get()
-            if item is None:
-                return
-            yield item
+    def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        return _drain(self._queue)
 
     async def _open(self, timeout_s: float) -> None:
         if self.closed:
@@ -701,12 +706,8 @@ class RemoteSession:
         self._responses: Optional[AsyncIterator[runtime_pb2.ExpertResponse]] = None
         self._lock = asyncio.Lock()
 
-    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while True:
-            item = await self._queue.get()
-            if item is None:
-                return
-            yield item
+    def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        return _drain(self._queue)
 
     async def step(self, hidden: torch.Tensor, position: int, *, route: Optional[list[dict]] = None,
                    step_id: Optional[int] = None, pushed: bool = False) -> torch.Tensor:

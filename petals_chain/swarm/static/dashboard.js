@@ -319,6 +319,9 @@
     var spec = obj(relay.speculative), per = num(spec.tokens_per_relay_step), acc = num(spec.acceptance_rate);
     $("tokens-per-step").textContent = per === null ? "\u2014"
       : per.toFixed(2) + (acc === null ? "" : " (" + (100 * acc).toFixed(0) + "% of drafts kept)");
+    var legs = num(relay.legs_per_token);
+    $("legs-per-token").textContent = legs === null ? "\u2014"
+      : legs.toFixed(2) + (typeof relay.mode === "string" ? " (relay: " + relay.mode + ")" : "");
 
     var container = $("bounds-gauge");
     var w = Math.max(300, Math.min(1400, container.clientWidth || 600)), h = 46, pad = 10;
