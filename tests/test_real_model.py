@@ -112,10 +112,10 @@ def test_greedy_chat_equals_transformers(swarm, expected, tokenizer):
     paris = client.chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=NEW_TOKENS)
     assert "Paris" in paris
     before = swarm.swarm()["relay"]["passes"]["push"]
-    for q in QUESTIONS[1:3]:  # servers pushing to each other (--relay push), the same tokens
-        c = client.chat_completion([{"role": "user", "content": q}], max_tokens=NEW_TOKENS, relay="push")
-        assert c.token_ids == expected[q], (q, tokenizer.decode(c.token_ids), tokenizer.decode(expected[q]))
-    assert swarm.swarm()["relay"]["passes"]["push"] - before >= 2 * 10
+    q = QUESTIONS[1]  # servers pushing to each other (--relay push): the same tokens
+    c = client.chat_completion([{"role": "user", "content": q}], max_tokens=NEW_TOKENS, relay="push")
+    assert c.token_ids == expected[q], (q, tokenizer.decode(c.token_ids), tokenizer.decode(expected[q]))
+    assert swarm.swarm()["relay"]["passes"]["push"] - before >= 10
 
 
 def test_speculative_greedy_equals_transformers(swarm, smollm2_reference, tokenizer):
@@ -127,7 +127,8 @@ def test_speculative_greedy_equals_transformers(swarm, smollm2_reference, tokeni
             "ships that pass far out at sea see its light and know where the rocks are.")
     ids = chat_ids(tokenizer, f"Repeat this text word for word:\n\n{text}")
     want = reference(smollm2_reference, tokenizer, ids, 64)
-    for mode, relay in (("ngram", "orchestrator"), ("ngram", "push"), ("draft", "orchestrator"), ("draft", "push")):
+    # (ngram through the orchestrator relay: tests/test_speculative_swarm.py and bench_latency.py's identity check)
+    for mode, relay in (("ngram", "push"), ("draft", "orchestrator"), ("draft", "push")):
         c = client.chat_completion([{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}],
                                    max_tokens=64, speculative=mode, relay=relay)
         assert c.token_ids == want, (mode, relay, tokenizer.decode(c.token_ids), tokenizer.decode(want))

@@ -232,14 +232,16 @@ def test_release_when_client_process_dies(slot_server, tmp_path, scaled):
             client = ServerClient(p2p, open_timeout_s={scaled(30)!r})
             for attempt in range(30):  # p2pd may not have found the server through its bootstrap peer yet
                 try:
-                    await client.open_session({peer!r}, "doomed", 0, 2, {MAX_LENGTH})
+                    sess = await client.open_session({peer!r}, "doomed", 0, 2, {MAX_LENGTH})
                     break
                 except ConnectionError as e:
                     if "failed to find any peer" not in str(e) or attempt == 29:
                         raise
                     await asyncio.sleep(1.0)
             print("OPEN", flush=True)
-            await asyncio.sleep(600)
+            while True:  # held, as a client between steps does: only the kill may end it (idle timeout 4 s)
+                await sess.keepalive()
+                await asyncio.sleep(1.0)
         asyncio.run(main())
     """))
     proc = subprocess.Popen([sys.executable, str(script), slot_server["client_identity"]], stdout=subprocess.PIPE,

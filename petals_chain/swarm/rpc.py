@@ -392,6 +392,10 @@ class PetalsChainBlocks(ServicerBase):
         if pushed_position != position or hidden.shape[1] != tokens:
             raise RefusedError("invalid", f"the push of step {step_id} is for positions {pushed_position}.."
                                           f"+{hidden.shape[1]}, the step awaits {position}..+{tokens}")
+        dtype = meta.get("dtype")
+        if dtype is not None and ALLOWED_DTYPES.get(dtype) is not hidden.dtype:
+            # the previous hop pushed another dtype than the orchestrator's: refused here, not blamed on us later
+            raise RefusedError("invalid", f"the push of step {step_id} is {hidden.dtype}, the step awaits {dtype}")
         return position, hidden, route
 
     async def _push_next(self, route: list[dict], position: int, step_id: Any, chunks: list,
@@ -726,7 +730,7 @@ class RemoteSession:
         if route:
             meta["route"] = list(route)
         if pushed:
-            meta.update(pushed=True, tokens=int(hidden.shape[1]))
+            meta.update(pushed=True, tokens=int(hidden.shape[1]), dtype=str(hidden.dtype).removeprefix("torch."))
         # a pushed step sends no tensor, but its reply is checked against the header one would have
         chunks = serialize_chunks(hidden[:, :1] if pushed else hidden)
         expect = runtime_pb2.Tensor(dtype=chunks[0].dtype, size=list(hidden.shape), compression=chunks[0].compression)
