@@ -31,7 +31,8 @@ def server_args(model, orch: SwarmDHT, *extra: str, memory_bytes: int = 50_000_0
 def publish(orch: SwarmDHT, epoch: int, spans: dict[str, tuple[int, int]], max_length: int = MAX_LENGTH) -> None:
     asg = AssignmentRecord(epoch=epoch, max_length=max_length, orchestrator_peer_id=orch.peer_id,
                            assignments={p: [a, m] for p, (a, m) in spans.items()})
-    assert orch.publish_assignment(PREFIX, asg, 120)
+    # a DHT store can fail on a loaded host (no peer acknowledged it in time): the orchestrator re-publishes too
+    assert any(orch.publish_assignment(PREFIX, asg, 120) for _ in range(3))
 
 
 def wait_records(orch: SwarmDHT, peer_ids, predicate, timeout: float = 90.0) -> dict:
