@@ -17,20 +17,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
-import logging
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+from petals_chain.orchestrator.failover import common_prefix
 
 
 class DraftState:
@@ -48,7 +39,6 @@ class DraftModel:
         self.model = model
         self.name = name
         self.layers = int(model.config.num_hidden_layers)
-        self.vocab_size = int(model.config.vocab_size)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         # transformers renamed past_key_values to cache (5.24+); older 5.x only know the first
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -73,7 +63,7 @@ class DraftModel:
         with torch.inference_mode():
             if state.cache is None:
                 state.cache, state.ids = DynamicCache(config=self.model.config), []
-            keep = min(_common_prefix(state.ids, context), len(context) - 1)  # the last token is always fed
+            keep = min(common_prefix(state.ids, context), len(context) - 1)  # the last token is always fed
             held = state.cache.get_seq_length()
             if held > keep:
                 state.cache.crop(keep - held)  # a negative count: tokens removed from the end
