@@ -725,17 +725,19 @@ class RemoteSession:
         if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3:
             raise ValueError("hidden must be a 3-D tensor [1, n_tokens, hidden_size]")
         meta: dict = {"op": "step", "position": int(position)}
+        dtype_name = str(hidden.dtype).removeprefix("torch.")  # as serialize_torch_tensor names it
         if route or pushed:
             meta["step_id"] = int(step_id)
         if route:
             meta["route"] = list(route)
         if pushed:
-            meta.update(pushed=True, tokens=int(hidden.shape[1]), dtype=str(hidden.dtype).removeprefix("torch."))
+            meta.update(pushed=True, tokens=int(hidden.shape[1]), dtype=dtype_name)
         # a pushed step sends no tensor, but its reply is checked against the header one would have
-        chunks = serialize_chunks(hidden[:, :1] if pushed else hidden)
-        expect = runtime_pb2.Tensor(dtype=chunks[0].dtype, size=list(hidden.shape), compression=chunks[0].compression)
-        messages = [runtime_pb2.ExpertRequest(metadata=_pack(meta), tensors=[] if pushed else [chunks[0]])]
-        messages += [] if pushed else [runtime_pb2.ExpertRequest(tensors=[c]) for c in chunks[1:]]
+        chunks = [] if pushed else serialize_chunks(hidden)
+        expect = runtime_pb2.Tensor(dtype=dtype_name, size=list(hidden.shape),
+                                    compression=runtime_pb2.CompressionType.NONE)
+        messages = [runtime_pb2.ExpertRequest(metadata=_pack(meta), tensors=chunks[:1])]
+        messages += [runtime_pb2.ExpertRequest(tensors=[c]) for c in chunks[1:]]
         async with self._lock:
             self._raise_if_closed()
             try:
