@@ -88,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory or a hub name")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
                    help="libp2p multiaddrs to listen on (the swarm's initial peers); e.g. /ip4/0.0.0.0/tcp/31337")
+    p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                   help="the addresses servers on other hosts should dial (e.g. behind a port forward); default: "
+                        "the addresses the daemon listens on")
+    p.add_argument("--public-ip", default=None, metavar="IP",
+                   help="shorthand: listen on all interfaces at --p2p-port and announce IP there")
+    p.add_argument("--p2p-port", type=int, default=0, metavar="PORT",
+                   help="TCP port for peer-to-peer traffic (with --public-ip: default a free one, picked once)")
+    p.add_argument("--no-relay-service", action="store_true",
+                   help="do not relay for servers that nobody can dial (servers behind NAT then cannot serve)")
+    p.add_argument("--ssl-certfile", default=None, help="serve the HTTP API and dashboard over HTTPS with this "
+                                                        "certificate (PEM; with --ssl-keyfile)")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting one")
     p.add_argument("--identity-path", default=None, help="RSA identity file (created if missing): a stable peer id")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
@@ -227,17 +239,20 @@ async def serve(cfg, ready_file: str | None = None) -> None:
 
     from petals_chain.orchestrator.api import create_app
     from petals_chain.orchestrator.core import Orchestrator
+    from petals_chain.swarm.reachability import is_loopback
 
     orch = Orchestrator(cfg)
     sock = _bind(cfg.host, cfg.port)
     port = sock.getsockname()[1]
     cfg.port = port
-    orch.http_url = f"http://{cfg.host if cfg.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{port}"
+    scheme = "https" if cfg.ssl_certfile else "http"
+    orch.http_url = f"{scheme}://{cfg.host if cfg.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{port}"
     print(f"Loading {cfg.model} (embeddings, final norm, LM head)...", flush=True)
     await asyncio.to_thread(orch.load_model)
     await orch.start()
     app = create_app(orch)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3,
+                                           ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile))
     server.install_signal_handlers = lambda: None  # we handle signals ourselves (below)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -246,7 +261,10 @@ async def serve(cfg, ready_file: str | None = None) -> None:
     print("Orchestrator peer id:", orch.dht.peer_id, flush=True)
     print("Initial peers (give these to servers as --initial-peers):", flush=True)
     for m in peers:
-        print("   ", m, flush=True)
+        print("   ", m, "   (this host only)" if is_loopback(m) else "", flush=True)
+    if peers and all(is_loopback(m) for m in peers):
+        print("Listening on loopback only: servers on other hosts cannot join. Use --public-ip IP (or --host-maddrs "
+              "/ip4/0.0.0.0/tcp/PORT and --announce-maddrs) for a swarm across hosts.", flush=True)
     print(f"HTTP API: {orch.http_url}/v1  dashboard: {orch.http_url}/  swarm: {orch.http_url}/api/v1/swarm", flush=True)
     if ready_file:
         tmp = ready_file + ".tmp"
@@ -277,6 +295,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--speculative draft needs a draft model: draft:MODEL or --draft-model MODEL")
     if not (1 <= args.speculative_k <= 16):
         parser.error(f"--speculative-k must be in [1, 16], got {args.speculative_k}")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        parser.error("--ssl-certfile and --ssl-keyfile go together")
+    for path in (args.ssl_certfile, args.ssl_keyfile):
+        if path and not os.path.isfile(path):
+            parser.error(f"no such file: {path}")
+    from petals_chain.swarm.reachability import listen_and_announce
+
+    try:
+        host_maddrs, announce_maddrs = listen_and_announce(args.host_maddrs, args.announce_maddrs, args.public_ip,
+                                                           args.p2p_port)
+    except ValueError as e:
+        parser.error(str(e))
     from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -284,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cfg = OrchestratorConfig(
-        model=args.model, host_maddrs=args.host_maddrs, initial_peers=args.initial_peers,
+        model=args.model, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+        relay_service=not args.no_relay_service, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        initial_peers=args.initial_peers,
         identity_path=args.identity_path, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,

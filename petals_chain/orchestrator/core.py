@@ -34,6 +34,7 @@ from petals_chain.orchestrator.replay import ReplayCache
 from petals_chain.orchestrator.sessions import SessionMixin, UserSession
 from petals_chain.orchestrator.stats import Stats
 from petals_chain.swarm.jsonsafe import json_safe
+from petals_chain.swarm.reachability import Prober
 from petals_chain.swarm.rpc import RemoteError
 
 __all__ = ["Emit", "Generation", "Orchestrator", "OrchestratorConfig", "RequestError", "Unavailable", "UserSession"]
@@ -68,6 +69,10 @@ def make_shares(cfg: "OrchestratorConfig", registry: Any) -> ClientShares:
 class OrchestratorConfig:
     model: str
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)  # what servers are told to dial (default: host_maddrs)
+    relay_service: bool = True  # relay for servers nobody can dial (libp2p circuit relay v2)
+    ssl_certfile: str | None = None  # HTTPS for the API and dashboard
+    ssl_keyfile: str | None = None
     initial_peers: list[str] = field(default_factory=list)
     identity_path: str | None = None
     host: str = "127.0.0.1"
@@ -197,6 +202,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.batcher: HeadBatcher | None = None
         self.drafter = None  # DraftModel (drafting.py) when --speculative draft:MODEL
         self._p2p = None
+        # fresh dials to servers at their announced addresses (reachability checks; swarm/reachability.py)
+        self.prober = Prober()
+        self.frontdoor = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._eos: set[int] = set()
@@ -269,6 +277,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
 
     async def start(self) -> None:
         from petals_chain.swarm.dht import SwarmDHT
+        from petals_chain.swarm.reachability import PetalsChainFrontdoor
         from petals_chain.swarm.rpc import ServerClient
 
         self._stop = asyncio.Event()
@@ -276,10 +285,16 @@ class Orchestrator(GenerationMixin, SessionMixin):
             await asyncio.to_thread(self.load_model)
         self.batcher = HeadBatcher(self.head, window_s=self.cfg.head_window_s)
         self.batcher.on_batch = self.stats.m_head_batch.observe
+        dht_kwargs: dict = {"announce_maddrs": list(self.cfg.announce_maddrs)} if self.cfg.announce_maddrs else {}
+        if self.cfg.relay_service:
+            # go-libp2p serves as a relay only while it believes it is publicly reachable; servers dial us, so we are
+            dht_kwargs["force_reachability"] = "public"
         self.dht = await asyncio.to_thread(
             SwarmDHT.create, initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
-            identity_path=self.cfg.identity_path, prefix=self.prefix)
+            identity_path=self.cfg.identity_path, prefix=self.prefix, **dht_kwargs)
         self._p2p = await self.dht.replicate_p2p()
+        self.frontdoor = PetalsChainFrontdoor(self.prober)
+        await self.frontdoor.add_p2p_handlers(self._p2p)
         self.client = ServerClient(self._p2p, step_timeout_s=self.cfg.step_timeout_s)
         self.planner = Planner(
             dht=self.dht, prefix=self.prefix, client=self.client, max_length=self.cfg.max_length,
@@ -290,6 +305,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on,
             serialization_s=self.measure_serialization(), petals_cache_tokens=self.cfg.petals_cache_tokens,
             bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint, ban_base_s=self.cfg.ban_base_s,
+            prober=self.prober,
             ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s, job_tokens=self.cfg.job_tokens)
         if hasattr(self.dispatch, "attach"):  # routed dispatch (PETALS, BPRR) reads live server views
             self.dispatch.attach(self.planner)
@@ -320,6 +336,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             self.batcher.close()
         if self.drafter is not None:
             self.drafter.close()
+        await self.prober.shutdown()
         if self._p2p is not None:
             try:
                 await self._p2p.shutdown()

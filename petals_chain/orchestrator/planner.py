@@ -49,11 +49,18 @@ class ServerView:
     banned_until: float = 0.0  # planner clock: not planned before this
     flagged_slow: bool = False  # measured tau_p was found above TAU_P_SUSPECT_RATIO x advertised
     distrusted: bool = False  # banned for good: audits found it returning wrong results (audit.py)
+    # how a fresh dial from the orchestrator reached the record's maddrs: unknown (none announced) | pending |
+    # direct | relayed | unreachable; a server is planned only once reachable (swarm/reachability.py)
+    reachability: str = "unknown"
+    reach_key: tuple = ()  # the maddrs last checked
+    reach_checked: float = 0.0  # monotonic time of the last check
+    reach_error: str = ""
 
     @property
     def usable(self) -> bool:
         # tau_p == 0: the server is still profiling; plan with it once its speed is known.
-        return self.failed_at is None and self.record.state != "offline" and self.record.tau_p > 0
+        return (self.failed_at is None and self.record.state != "offline" and self.record.tau_p > 0
+                and self.reachability not in ("pending", "unreachable"))
 
     @property
     def banned(self) -> bool:
@@ -118,9 +125,12 @@ class Planner:
                  on_failure: Callable[[str], None] | None = None, petals_cache_tokens: int = 4096,
                  bprr_r: int | None = None, model_fingerprint: str = "", ban_base_s: float = 5.0,
                  ban_max_s: float = 300.0, ban_reset_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
-                 job_tokens: int | None = None):
+                 job_tokens: int | None = None, prober: Any = None, reach_recheck_s: float = 15.0):
         self.dht = dht
         self.prefix = prefix
+        self.prober = prober  # swarm.reachability.Prober; None: servers are not checked (tests of the planner alone)
+        self.reach_recheck_s = reach_recheck_s  # an unreachable server is dialed again this often
+        self._reach_tasks: dict[str, asyncio.Task] = {}
         self.client = client
         self.max_length = max_length
         self.on_chains = on_chains
@@ -540,6 +550,44 @@ class Planner:
         v.ping_failures = 0
         v.rtt_s = rtt if v.rtt_s is None else (1 - EWMA) * v.rtt_s + EWMA * rtt
 
+    def _check_reachability(self, live: list[ServerView]) -> None:
+        """Dial servers whose announced addresses are new (or that were unreachable a while ago), in the background:
+        a server another host cannot dial must not be planned (its RPCs would ride only the connection it opened
+        to us, and pushes from other servers could not reach it at all)."""
+        if self.prober is None:
+            return
+        now = time.monotonic()
+        for v in live:
+            key = tuple(v.record.maddrs)
+            if not key or v.peer_id in self._reach_tasks:
+                continue
+            if key != v.reach_key or (v.reachability == "unreachable" and now - v.reach_checked >= self.reach_recheck_s):
+                if key != v.reach_key:
+                    v.reachability = "pending"
+                v.reach_key = key
+                self._reach_tasks[v.peer_id] = asyncio.create_task(self._dial(v, key), name=f"reach-{v.peer_id[:8]}")
+
+    async def _dial(self, v: ServerView, key: tuple) -> None:
+        try:
+            ok, maddr, error = await self.prober.dial(v.peer_id, list(key))
+        except Exception as e:  # noqa: BLE001 - a failed check is a fact, not a crash
+            ok, maddr, error = False, "", f"{type(e).__name__}: {e}"
+        finally:
+            self._reach_tasks.pop(v.peer_id, None)
+        if v.reach_key != key:
+            return  # the server announced other addresses meanwhile: that check decides
+        was = v.reachability
+        v.reach_checked = time.monotonic()
+        v.reachability = ("relayed" if "/p2p-circuit" in maddr else "direct") if ok else "unreachable"
+        v.reach_error = error
+        if ok and was != v.reachability:
+            self.last_change = time.monotonic()  # a server the planner may use now: a join for it
+            logger.info("server %s (%s) is reachable %s at %s", v.record.public_name, v.peer_id[:12],
+                        v.reachability, maddr)
+        elif not ok and was != "unreachable":
+            logger.warning("server %s (%s) is NOT reachable at %s: %s; not planned until it is",
+                           v.record.public_name, v.peer_id[:12], " ".join(key), error)
+
     async def refresh(self) -> None:
         """Fetch records, ping, and react to joins, leaves and state changes."""
         async with self._lock:
@@ -583,6 +631,7 @@ class Planner:
                     if v.record.state != "offline":
                         left.append(v)
             live = [v for v in self.servers.values() if v.record.state != "offline"]
+            self._check_reachability(live)
             await asyncio.gather(*(self._ping(v) for v in live))
             for v in live:
                 self._unban(v)
@@ -664,6 +713,13 @@ class Planner:
         await self._adopt(best, reason or "servers left")
 
     async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self._run(stop)
+        finally:
+            for task in list(self._reach_tasks.values()):
+                task.cancel()
+
+    async def _run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 await self.refresh()
@@ -699,6 +755,7 @@ class Planner:
                 "tau_p_advertised": r.tau_p, "tau_p_measured": measured, "tau_p_suspect": self.tau_p_suspect(v),
                 "strikes": v.strikes, "banned": v.banned, "distrusted": v.distrusted,
                 "banned_for_s": None if v.distrusted else max(0.0, v.banned_until - now) if v.banned else 0.0,
+                "reachability": v.reachability, "reachability_error": v.reach_error, "maddrs": list(r.maddrs),
             })
         for peer_id, r in sorted(self.refused.items()):
             out.append({
@@ -710,6 +767,7 @@ class Planner:
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
                 "last_seen": None, "assigned": None, "max_blocks": r.max_blocks, "model_mismatch": True,
                 "tau_p_advertised": r.tau_p, "tau_p_measured": None, "tau_p_suspect": False, "strikes": 0,
-                "banned": False, "banned_for_s": 0.0,
+                "banned": False, "banned_for_s": 0.0, "reachability": "unknown", "reachability_error": "",
+                "maddrs": list(r.maddrs),
             })
         return out

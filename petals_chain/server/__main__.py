@@ -31,6 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public-name", default="", help="name shown on the dashboard")
     p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
                    help="where to listen (default: all interfaces, a random TCP port)")
+    p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                   help="the addresses other peers should dial (behind a port forward, e.g. /ip4/1.2.3.4/tcp/31337); "
+                        "default: the addresses the daemon listens on")
+    p.add_argument("--public-ip", default=None, metavar="IP",
+                   help="shorthand: listen on all interfaces at --p2p-port and announce IP there")
+    p.add_argument("--p2p-port", type=int, default=0, metavar="PORT",
+                   help="TCP port for peer-to-peer traffic (default: a random one; with --public-ip: picked once)")
+    p.add_argument("--nat-relay", choices=["auto", "always", "never"], default="auto",
+                   help="auto: if the orchestrator cannot dial this server at its addresses, join through a relay "
+                        "(the orchestrator) instead; always: relay from the start; never: announce the addresses "
+                        "as they are (the server is not given blocks while the orchestrator cannot dial it)")
     p.add_argument("--identity-path", default=None,
                    help="RSA identity file: keeps the peer id across restarts (created if missing)")
     p.add_argument("--client-mode", action="store_true", help="join the DHT without accepting DHT requests")
@@ -108,11 +119,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if memory_bytes is not None and memory_bytes <= 0:
         print("error: --memory-bytes must be positive", file=sys.stderr)
         return 2
+    from petals_chain.swarm.reachability import listen_and_announce
+
+    try:
+        host_maddrs, announce_maddrs = listen_and_announce(args.host_maddrs, args.announce_maddrs, args.public_ip,
+                                                           args.p2p_port)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = ServerConfig(
             model=args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, memory_bytes=memory_bytes,
             device=args.device, dtype=args.dtype, quant=args.quant, public_name=args.public_name,
-            host_maddrs=args.host_maddrs, identity_path=args.identity_path, client_mode=args.client_mode,
+            host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, nat_relay=args.nat_relay,
+            identity_path=args.identity_path, client_mode=args.client_mode,
             emulate_rtt_ms=args.emulate_rtt_ms, emulate_compute_scale=args.emulate_compute_scale,
             max_length=args.max_length, trust_orchestrator=args.trust_orchestrator,
             allow_any_client=args.allow_any_client, tau_p=args.tau_p, profile_l_in=args.profile_l_in,

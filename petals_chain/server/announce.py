@@ -35,6 +35,8 @@ class RecordSource(Protocol):
     cfg: Any  # ServerConfig
     dtype_name: str
     model_fingerprint: str
+    maddrs: Sequence[str]  # where peers dial it (swarm/reachability.py)
+    reachability: str  # unknown | direct | relayed | unreachable
 
 
 def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
@@ -56,7 +58,8 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         cache_tokens_free=int(runner.cache_tokens_free) if runner is not None else 0,
         prefix_cache=bool(runner is not None and runner.prefix_cache),
         prefix_offered_tokens=int(runner.prefix_offered_tokens) if runner is not None else 0,
-        prefix_reused_tokens=int(runner.prefix_reused_tokens) if runner is not None else 0, timestamp=time.time(),
+        prefix_reused_tokens=int(runner.prefix_reused_tokens) if runner is not None else 0,
+        maddrs=list(src.maddrs)[:8], reachability=src.reachability, timestamp=time.time(),
     )
 
 

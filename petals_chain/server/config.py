@@ -21,6 +21,9 @@ class ServerConfig:
     quant: str = "none"
     public_name: str = ""
     host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: Sequence[str] = ()  # what peers are told to dial (default: what the daemon listens on)
+    nat_relay: str = "auto"  # auto: relay through the orchestrator if it cannot dial us | always | never
+    relay_wait_s: float = 60.0  # how long a relayed server waits for its relay reservation to work
     identity_path: Optional[str] = None
     client_mode: bool = False
     max_length: Optional[int] = None  # None: the assignment's max_length (DEFAULT_MAX_LENGTH until one arrives)

@@ -31,6 +31,7 @@ from petals_chain.server.announce import Announcer, build_record
 from petals_chain.server.config import DEFAULT_MAX_LENGTH, ServerConfig
 from petals_chain.server.memory import CPU_MEMORY_FRACTION, MemoryBudget, default_memory_bytes
 from petals_chain.server.sessions import SessionService
+from petals_chain.swarm import reachability
 from petals_chain.swarm.dht import SwarmDHT, peer_ids_from_maddrs
 from petals_chain.swarm.keys import check_prefix, default_dht_prefix
 from petals_chain.swarm.records import AssignmentRecord, ServerRecord
@@ -89,6 +90,8 @@ class Server:
         self.reloads = 0
         self.sd: Optional[SwarmDHT] = None
         self.p2p = None
+        self.maddrs: list[str] = []  # where peers dial us, as the record announces (swarm/reachability.py)
+        self.reachability = "unknown"
         self.announcer: Optional[Announcer] = None
         self._stop = asyncio.Event()
         self._force_stop = False
@@ -243,15 +246,9 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
         # The DHT forks its process: start it before touching CUDA.
-        try:
-            self.sd = await loop.run_in_executor(None, lambda: SwarmDHT.create(
-                initial_peers=list(self.cfg.initial_peers), host_maddrs=list(self.cfg.host_maddrs),
-                identity_path=self.cfg.identity_path, client_mode=self.cfg.client_mode, prefix=self.prefix))
-        except Exception as e:  # noqa: BLE001 - unreachable peers, bad multiaddrs, identity in use, ...
-            raise JoinError(f"cannot join the swarm via {list(self.cfg.initial_peers)}: {e}") from e
         handler = None
         try:
-            self.p2p = await self.sd.replicate_p2p()
+            await self._join()
             handler = PetalsChainBlocks(self.backend, idle_timeout_s=self.cfg.idle_timeout_s)
             await handler.add_p2p_handlers(self.p2p, wrapper=emulated.link_for(handler, self.emulation))
             maddrs = self.sd.visible_maddrs()
@@ -272,6 +269,85 @@ class Server:
         finally:
             await self._shutdown(handler)
         return 0
+
+    async def _create_dht(self, relayed: bool) -> None:
+        """Start our DHT node; ``relayed``: reachable only through a relay (libp2p circuit relay v2, the initial
+        peers being the relays) and a DHT client, as PETALS runs servers that nobody can dial."""
+        cfg = self.cfg
+        kwargs: dict = (reachability.relayed_p2p_kwargs(self._relays()) if relayed
+                        else {"announce_maddrs": list(cfg.announce_maddrs)} if cfg.announce_maddrs else {})
+        try:
+            self.sd = await asyncio.get_running_loop().run_in_executor(None, lambda: SwarmDHT.create(
+                initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
+                identity_path=cfg.identity_path, client_mode=cfg.client_mode or relayed, prefix=self.prefix, **kwargs))
+        except Exception as e:  # noqa: BLE001 - unreachable peers, bad multiaddrs, identity in use, ...
+            raise JoinError(f"cannot join the swarm via {list(cfg.initial_peers)}: {e}") from e
+        self.p2p = await self.sd.replicate_p2p()
+
+    def _relays(self) -> list[str]:
+        """The trusted orchestrators' addresses among the initial peers: they relay for us if nobody can dial us."""
+        return [m for m in self.cfg.initial_peers if set(peer_ids_from_maddrs([m])) & self.trusted]
+
+    async def _dial_back(self, maddrs: list[str]) -> Optional[tuple[bool, str, str]]:
+        """Ask a trusted orchestrator to dial us at ``maddrs``; None if none of them answers."""
+        for orchestrator in sorted(self.trusted):
+            try:
+                return await reachability.ask_dial_back(self.p2p, orchestrator, maddrs)
+            except ConnectionError as e:
+                logger.info(f"reachability check by {orchestrator[:12]} failed: {e}")
+        return None
+
+    async def _join(self) -> None:
+        """Join the swarm at an address the orchestrator can dial: our own, or else a relay circuit (--nat-relay)."""
+        mode = self.cfg.nat_relay
+        await self._create_dht(relayed=mode == "always")
+        if mode != "always":
+            visible = self.sd.visible_maddrs()
+            self.maddrs = [m for m in visible if not reachability.is_loopback(m)] or visible
+            answer = await self._dial_back(self.maddrs)
+            if answer is None:
+                self.reachability = "unknown"
+                return
+            ok, maddr, error = answer
+            if ok:
+                self.reachability = "direct"
+                logger.info(f"reachable directly at {maddr}")
+                return
+            self.reachability = "unreachable"
+            logger.warning(
+                f"NOT REACHABLE: the orchestrator cannot dial this server at {' '.join(self.maddrs) or '(none)'} "
+                f"({error}). Open or forward the TCP port, or announce an address that works "
+                f"(--public-ip / --announce-maddrs)" + (
+                    "; relaying through the orchestrator instead" if mode == "auto" else
+                    ". With --nat-relay never this server is not given blocks until it is reachable"))
+            if mode != "auto":
+                return
+            await self._shutdown_dht()
+            await self._create_dht(relayed=True)
+        # relayed: wait until the relay holds our reservation and the orchestrator can dial us through it
+        self.maddrs = reachability.circuit_maddrs(self._relays())
+        deadline = time.monotonic() + self.cfg.relay_wait_s
+        while not self._stop.is_set():
+            answer = await self._dial_back(self.maddrs)
+            if answer is not None and answer[0]:
+                self.reachability = "relayed"
+                logger.info(f"reachable through the relay at {answer[1]}")
+                return
+            if answer is None or time.monotonic() > deadline:
+                self.reachability = "unreachable" if answer is not None else "unknown"
+                logger.warning(f"not reachable through a relay either ({answer[2] if answer else 'no answer'}); "
+                               "the orchestrator keeps checking")
+                return
+            await asyncio.sleep(1.0)
+
+    async def _shutdown_dht(self) -> None:
+        if self.p2p is not None:
+            with contextlib.suppress(Exception):
+                await self.p2p.shutdown()
+            self.p2p = None
+        if self.sd is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.sd.shutdown)
+            self.sd = None
 
     async def _follow_assignments(self) -> None:
         while not self._stop.is_set():

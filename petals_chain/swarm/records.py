@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, Literal, Optional
+from typing import Annotated, Any, Dict, Literal, Optional
 
 import pydantic
 import pydantic.v1 as pv1
@@ -60,6 +60,11 @@ class ServerRecord(pydantic.BaseModel):
     prefix_cache: bool = False
     prefix_offered_tokens: int = pydantic.Field(default=0, ge=0)
     prefix_reused_tokens: int = pydantic.Field(default=0, ge=0)
+    # where other peers dial it (swarm/reachability.py): its announced addresses, or relay circuits; and how the
+    # orchestrator reached it when the server asked (unknown: not asked, or nobody answered)
+    maddrs: list[Annotated[str, pydantic.StringConstraints(max_length=300)]] = pydantic.Field(default_factory=list,
+                                                                                        max_length=8)
+    reachability: Literal["unknown", "direct", "relayed", "unreachable"] = "unknown"
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.model_validator(mode="after")
@@ -176,6 +181,8 @@ class _ServerValueV1(pv1.BaseModel):
     prefix_cache: pv1.StrictBool
     prefix_offered_tokens: pv1.conint(strict=True, ge=0)
     prefix_reused_tokens: pv1.conint(strict=True, ge=0)
+    maddrs: pv1.conlist(pv1.constr(strict=True, max_length=300), max_items=8)
+    reachability: pv1.constr(strict=True, regex=r"^(unknown|direct|relayed|unreachable)$")
     timestamp: pv1.StrictFloat
 
     class Config:

@@ -1,0 +1,295 @@
+"""Reachability: can other peers dial a server at the addresses it announces, directly or through a relay?
+
+A server behind NAT (or announcing a wrong address) still reaches the orchestrator -- it dialed out -- so every
+RPC the orchestrator makes rides that connection and the server looks healthy, until the connection drops or
+another server must push activations to it. So reachability is checked by a *fresh* dial from a peer that has
+no connection to the server yet: the orchestrator's :class:`Prober`, a separate libp2p daemon.
+
+Wire protocol (handler class ``PetalsChainFrontdoor``, served by the orchestrator):
+``rpc_dial_back`` request metadata ``{"maddrs": [str, ...]}`` -> ``{"ok": true, "reachable": bool, "maddr":
+the address that worked or "", "error": str}``. The peer to dial is the caller itself (``context.remote_id``):
+the orchestrator dials nobody else on request, and a handshake proves the peer id at the other end.
+
+Relayed servers announce ``<relay maddr>/p2p-circuit`` addresses (libp2p circuit relay v2, the orchestrator
+being the relay). hivemind's multiaddr library encodes ``/p2p/<id>`` of current peer ids as a CID, which the
+daemon cannot parse, so :func:`to_multiaddr` writes those components itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from typing import Any, AsyncIterator, Iterable, Optional, Sequence
+
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+MAX_DIAL_MADDRS = 8  # addresses one dial-back may try
+MAX_MADDR_CHARS = 300
+DIAL_TIMEOUT_S = 5.0
+DIAL_BACK_INTERVAL_S = 1.0  # a peer's dial-backs are served at most this often
+_P2P_CODE, _CIRCUIT_CODE = 421, 290
+
+REACHABILITY = ("unknown", "direct", "relayed", "unreachable")  # as records and the dashboard show it
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def to_multiaddr(maddr: str) -> Multiaddr:
+    """A multiaddr from its text, with ``/p2p/<id>`` written as the raw multihash the p2p daemon expects.
+
+    Raises ValueError on malformed text."""
+    text = str(maddr).strip()
+    if not text.startswith("/") or len(text) > MAX_MADDR_CHARS:
+        raise ValueError(f"not a multiaddr: {text[:80]!r}")
+    parts = text.split("/")[1:]
+    out, plain = bytearray(), []
+
+    def flush() -> None:
+        if plain:
+            out.extend(Multiaddr("/" + "/".join(plain)).to_bytes())
+            plain.clear()
+
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part in ("p2p", "ipfs"):
+            if i + 1 >= len(parts):
+                raise ValueError(f"{text!r}: /p2p without a peer id")
+            flush()
+            digest = PeerID.from_base58(parts[i + 1]).to_bytes()
+            out.extend(_varint(_P2P_CODE) + _varint(len(digest)) + digest)
+            i += 2
+        elif part == "p2p-circuit":
+            flush()
+            out.extend(_varint(_CIRCUIT_CODE))
+            i += 1
+        else:
+            plain.append(part)
+            i += 1
+    flush()
+    try:
+        return Multiaddr(bytes(out))
+    except Exception as e:  # noqa: BLE001 - the library raises several types for garbage
+        raise ValueError(f"not a multiaddr: {text[:80]!r} ({e})") from None
+
+
+def without_peer(maddr: str, peer_id: str) -> str:
+    """``maddr`` without a trailing ``/p2p/<peer_id>`` (the daemon takes the peer id separately)."""
+    suffix = f"/p2p/{peer_id}"
+    return maddr[: -len(suffix)] if maddr.endswith(suffix) else maddr
+
+
+def is_circuit(maddr: str) -> bool:
+    return "/p2p-circuit" in maddr
+
+
+def is_loopback(maddr: str) -> bool:
+    """Whether the address is only good on this host (127.0.0.0/8, ::1)."""
+    parts = maddr.split("/")
+    for proto, value in zip(parts[1::2], parts[2::2]):
+        if proto in ("ip4", "ip6"):
+            try:
+                return ipaddress.ip_address(value).is_loopback
+            except ValueError:
+                return False
+    return False
+
+
+def circuit_maddrs(relay_maddrs: Iterable[str]) -> list[str]:
+    """The addresses a peer holding a reservation on these relays is reached at (``<relay>/p2p-circuit``)."""
+    return [f"{m.rstrip('/')}/p2p-circuit" for m in relay_maddrs if "/p2p/" in m and not is_circuit(m)]
+
+
+def listen_and_announce(host_maddrs: Sequence[str], announce_maddrs: Sequence[str], public_ip: Optional[str],
+                        p2p_port: int) -> tuple[list[str], list[str]]:
+    """``(host_maddrs, announce_maddrs)`` from the command line: ``--public-ip`` (with ``--p2p-port``, or a free
+    port picked now) listens on every interface at that port and announces ``public_ip`` there.
+
+    Raises ValueError for a bad IP or port, or a port 0 in an announced address (peers cannot dial port 0)."""
+    host, announce = list(host_maddrs), list(announce_maddrs)
+    if not 0 <= int(p2p_port) < 65536:
+        raise ValueError(f"--p2p-port must be in 0..65535, got {p2p_port}")
+    if public_ip:
+        try:
+            ip = ipaddress.ip_address(public_ip)
+        except ValueError:
+            raise ValueError(f"--public-ip: {public_ip!r} is not an IP address") from None
+        port = int(p2p_port) or _free_port(ip.version)
+        proto = "ip4" if ip.version == 4 else "ip6"
+        host = [f"/{proto}/{'0.0.0.0' if ip.version == 4 else '::'}/tcp/{port}"]
+        announce = announce + [f"/{proto}/{ip}/tcp/{port}"]
+    elif p2p_port:
+        host = [f"/ip4/0.0.0.0/tcp/{int(p2p_port)}"]
+    for m in announce:
+        to_multiaddr(m)
+        if m.rstrip("/").endswith("/tcp/0") or "/tcp/0/" in m:
+            raise ValueError(f"--announce-maddrs {m}: give the real port (peers cannot dial port 0)")
+    return host, announce
+
+
+def _free_port(version: int) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET if version == 4 else socket.AF_INET6) as s:
+        s.bind(("0.0.0.0" if version == 4 else "::", 0))
+        return int(s.getsockname()[1])
+
+
+_STATIC_RELAYS_MODE = "client-static-relays"
+
+
+def relayed_p2p_kwargs(relay_maddrs: Sequence[str]) -> dict:
+    """Keyword arguments of ``hivemind.DHT`` / ``P2P.create`` for a peer reachable only through ``relay_maddrs``.
+
+    The daemon reserves a slot on those relays at once only with relay *discovery* off (its static-relays mode);
+    with discovery on it waits for candidates from its DHT and, measured here, had no reservation after a minute.
+    hivemind has no argument for that daemon flag, so it rides on a DHT mode of our own (a client of the
+    daemon's DHT, discovery off)."""
+    P2P.DHT_MODE_MAPPING.setdefault(_STATIC_RELAYS_MODE, {"dhtClient": 1, "relayDiscovery": False})
+    return {"use_auto_relay": True, "force_reachability": "private", "trusted_relays": list(relay_maddrs),
+            "dht_mode": _STATIC_RELAYS_MODE}
+
+
+def clean_maddrs(maddrs: Any) -> list[str]:
+    """The well-formed entries of an untrusted list of multiaddr strings (at most MAX_DIAL_MADDRS)."""
+    if not isinstance(maddrs, (list, tuple)):
+        raise ValueError("maddrs must be a list of multiaddr strings")
+    out = []
+    for m in maddrs[:MAX_DIAL_MADDRS]:
+        if not isinstance(m, str):
+            raise ValueError("maddrs must be a list of multiaddr strings")
+        to_multiaddr(m)  # raises ValueError
+        out.append(m)
+    return out
+
+
+class _DialOnlyP2P(P2P):
+    """A daemon without the libp2p DHT: it dials only the addresses it is given. (With a DHT it would look the
+    peer up when those fail and connect at whatever address the peer listens on, proving nothing.)"""
+
+    DHT_MODE_MAPPING = {**P2P.DHT_MODE_MAPPING, "none": {}}
+
+
+class Prober:
+    """Dials peers afresh from a libp2p daemon of its own, started for each check.
+
+    A daemon that dialed a peer before remembers its addresses (and backs off failed ones), so the next check
+    would prove nothing: each check gets a new one (~0.3 s to start), at most ``parallel`` at a time."""
+
+    def __init__(self, timeout_s: float = DIAL_TIMEOUT_S, parallel: int = 2):
+        self.timeout_s = timeout_s
+        self._slots = asyncio.Semaphore(parallel)
+        self.checks = 0
+
+    async def dial(self, peer_id: str, maddrs: Sequence[str]) -> tuple[bool, str, str]:
+        """Connect to ``peer_id`` at ``maddrs`` only: ``(reachable, the address that worked, error)``."""
+        try:
+            peer = PeerID.from_base58(peer_id)
+            addrs = [(m, to_multiaddr(without_peer(m, peer_id))) for m in maddrs]
+        except Exception as e:  # noqa: BLE001
+            return False, "", f"bad address: {e}"
+        if not addrs:
+            return False, "", "no address announced"
+        errors = []
+        async with self._slots:
+            self.checks += 1
+            # one address at a time (a relayed one last), so that the one that worked is known; a daemon per
+            # address, as a failed dial leaves a backoff on the peer that would fail the next address at once
+            for text, addr in sorted(addrs, key=lambda a: is_circuit(a[0])):
+                p2p = await _DialOnlyP2P.create(host_maddrs=[], no_listen=True, dht_mode="none", auto_nat=False,
+                                                nat_port_map=False)
+                try:
+                    await asyncio.wait_for(p2p._client.connect(peer, [addr]), self.timeout_s)
+                except Exception as e:  # noqa: BLE001 - refused, timed out, no route, wrong peer at that address
+                    errors.append(f"{text}: {_short(e)}")
+                    continue
+                finally:
+                    await _quietly(p2p.shutdown())
+                return True, text, ""
+        return False, "", "; ".join(errors)
+
+    async def shutdown(self) -> None:
+        """Nothing outlives a check; kept for symmetry with the other services."""
+
+
+async def _quietly(aw: Any) -> None:
+    try:
+        await aw
+    except Exception:  # noqa: BLE001
+        logger.debug("prober shutdown failed", exc_info=True)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    if isinstance(e, asyncio.TimeoutError):
+        text = "timed out"
+    return " ".join(text.split())[:300]
+
+
+class PetalsChainFrontdoor(ServicerBase):
+    """The orchestrator's RPC for servers: ``rpc_dial_back`` (``await frontdoor.add_p2p_handlers(p2p)``)."""
+
+    def __init__(self, prober: Prober, *, interval_s: float = DIAL_BACK_INTERVAL_S):
+        self.prober = prober
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+
+    async def rpc_dial_back(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        peer_id = context.remote_id.to_base58()
+        now = time.monotonic()
+        if now - self._last.get(peer_id, -1e9) < self.interval_s:
+            yield _reply({"ok": False, "code": "busy", "error": f"one dial-back per {self.interval_s} s"})
+            return
+        self._last[peer_id] = now
+        if len(self._last) > 4096:  # forget old callers
+            self._last = {p: t for p, t in self._last.items() if now - t < 60}
+        try:
+            meta = MSGPackSerializer.loads(request.metadata[:1 << 16]) if request.metadata else {}
+            maddrs = clean_maddrs(meta.get("maddrs") if isinstance(meta, dict) else None)
+        except Exception as e:  # noqa: BLE001 - whatever the bytes were
+            yield _reply({"ok": False, "code": "invalid", "error": str(e)[:300]})
+            return
+        reachable, maddr, error = await self.prober.dial(peer_id, maddrs)
+        yield _reply({"ok": True, "reachable": reachable, "maddr": maddr, "error": error})
+
+
+def _reply(meta: dict) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(meta))
+
+
+async def ask_dial_back(p2p: P2P, orchestrator: str, maddrs: Sequence[str],
+                        timeout_s: float = DIAL_TIMEOUT_S * MAX_DIAL_MADDRS + 5) -> tuple[bool, str, str]:
+    """Ask the orchestrator to dial us at ``maddrs``: ``(reachable, address that worked, error)``.
+
+    Raises ConnectionError when the orchestrator does not answer (or runs no dial-back service)."""
+    stub = PetalsChainFrontdoor.get_stub(p2p, PeerID.from_base58(orchestrator))
+    request = runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps({"maddrs": list(maddrs)[:MAX_DIAL_MADDRS]}))
+
+    async def call() -> dict:
+        async for reply in await stub.rpc_dial_back(request):
+            return MSGPackSerializer.loads(reply.metadata)
+        raise ConnectionError("the stream ended without a reply")
+
+    try:
+        meta = await asyncio.wait_for(call(), timeout_s)
+    except Exception as e:  # noqa: BLE001
+        raise ConnectionError(f"dial-back from {orchestrator[:12]}: {_short(e)}") from e
+    if not isinstance(meta, dict) or not meta.get("ok"):
+        raise ConnectionError(f"dial-back refused: {meta.get('error') if isinstance(meta, dict) else meta!r}")
+    return bool(meta.get("reachable")), str(meta.get("maddr", "")), str(meta.get("error", ""))
