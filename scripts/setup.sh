@@ -19,6 +19,12 @@ if [ "${1:-}" = "dev" ]; then
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null) \
             || echo "warning: could not install chromium; browser tests will be skipped" >&2
     fi
+    # Multi-host tests (tests/test_netns_swarm.py) put a volunteer behind NAT with nftables in a network
+    # namespace; without it (or without root) those tests skip with the reason.
+    if ! command -v nft >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null) \
+            || echo "warning: could not install nftables; the NAT tests will be skipped" >&2
+    fi
     if command -v chromium >/dev/null 2>&1; then
         "$PY" - <<'PYEOF' || echo "warning: Playwright cannot start chromium; browser tests will fail" >&2
 import shutil

@@ -133,3 +133,47 @@ def test_unreachable_server_is_told_and_not_planned_and_a_relayed_one_serves(tin
         c = swarm.client().complete(prompt, max_tokens=8)
         assert c.token_ids == hf_greedy_from(tiny_model_dir, prompt, 8)
         assert relayed["peer_id"] in c.chain and len(c.chain) == 2  # the relayed hop computed its blocks
+
+
+def _self_signed(tmp_path):
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_https_api_with_a_certificate(tiny_model_dir, tmp_path, scaled):
+    import httpx
+
+    cert, key = _self_signed(tmp_path)
+    swarm = LocalSwarm(tiny_model_dir, [], max_length=64, log_dir=tmp_path,
+                       orchestrator_args=["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
+    try:
+        swarm.start_orchestrator(timeout=scaled(120))
+        assert swarm.url.startswith("https://127.0.0.1:")
+        r = httpx.get(f"{swarm.url}/v1/models", verify=str(cert), timeout=10)
+        assert r.status_code == 200 and r.json()["data"]
+        with pytest.raises(httpx.ConnectError):  # an unknown certificate is refused by a verifying client
+            httpx.get(f"{swarm.url}/healthz", timeout=10)
+        with pytest.raises(httpx.HTTPError):  # and plain HTTP gets nothing
+            httpx.get(swarm.url.replace("https://", "http://") + "/healthz", timeout=10)
+    finally:
+        swarm.stop()

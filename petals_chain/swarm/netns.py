@@ -15,6 +15,7 @@ with NetnsLab() as lab, NetnsSwarm(lab, model_path, [LocalServer("a", mem), ...]
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from typing import Any, Optional, Sequence
 
@@ -27,11 +28,12 @@ class NetnsSwarm(LocalSwarm):
     ``popen``, ``kill_host``). Every node gets a host named after it; ``url`` is the orchestrator's address on
     the lab's network, reachable from the controlling process."""
 
-    def __init__(self, lab: Any, model_path: str | os.PathLike, servers: Sequence[LocalServer] = (), **kwargs: Any):
+    def __init__(self, lab: Any, model_path: str | os.PathLike, servers: Sequence[LocalServer] = (), *,
+                 orchestrator_host: str = "orch", **kwargs: Any):
         super().__init__(model_path, servers, **kwargs)
         self.lab = lab
         self.hosts: dict[str, Any] = {}  # node name (as in _spawn) -> lab host
-        self.orchestrator_host = lab.add_host("orch")
+        self.orchestrator_host = lab.add_host(orchestrator_host)
 
     def _spawn(self, name: str, args: list[str], spec: Any = None) -> _Proc:
         host = self.hosts[name]
@@ -62,7 +64,10 @@ class NetnsSwarm(LocalSwarm):
                            spec.tau_p, ("--host-maddrs", "/ip4/0.0.0.0/tcp/0", *spec.extra_args))
         super().add_server(spec)
 
-    def kill_host(self, public_name: str) -> None:
-        """The server's machine dies: every process on its host is SIGKILLed (the host stays, empty)."""
-        self.lab.kill_host(self.hosts[f"server-{public_name}"])
-        self.servers[public_name].popen.wait(timeout=10)
+    def kill_server(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """SIGKILL: the server's machine dies (every process on its host, p2pd included; the host stays, empty).
+        Other signals go to the server's process group as in LocalSwarm."""
+        if sig != signal.SIGKILL:
+            return super().kill_server(name, sig)
+        self.lab.kill_host(self.hosts[f"server-{name}"])
+        self.servers[name].popen.wait(timeout=10)
