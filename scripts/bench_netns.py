@@ -61,7 +61,7 @@ def main() -> int:
         model = build_tiny_model(Path(tmp.name) / "tiny", family="llama", num_layers=8)
     n_layers, s_m, s_c = model_memory(model, args.max_length)
     half = (n_layers + 1) // 2
-    mem = half * s_m + 8 * s_c
+    mem = half * s_m + 32 * s_c
     extra = ["--max-blocks", str(half)]
     swarms: dict[str, NetnsSwarm] = {}
     with nl.NetnsLab(tag="bench-netns") as lab:
@@ -95,6 +95,7 @@ def main() -> int:
                             raise AssertionError(f"outputs differ for {relay!r} on {name}: {p!r}")
                         outputs.setdefault(key, c.token_ids)
                         samples[(name, relay)].append(len(c.token_ids) / dt)
+            relay_stats = {name: sw.swarm().get("relay", {}) for name, sw in swarms.items()}
             rtt = {name: next((s["rtt_s"] for s in sw.swarm()["servers"] if s["public_name"].endswith("second")), None)
                    for name, sw in swarms.items()}
         finally:
@@ -111,9 +112,11 @@ def main() -> int:
             rows.append({"relay": relay, "second_hop": name, "tokens_per_s": tps, "ms_per_token": 1e3 / tps,
                          "ping_ms": ping, "throughput_vs_direct": ratio})
             print(f"{relay:<14}{name:<12}{tps:>10.2f}{1e3 / tps:>10.1f}{ping:>9.2f}{ratio:>16.3f}")
+    for name, st in relay_stats.items():  # a push the next hop never got is pushed by the orchestrator (a rescue)
+        print(f"{name}: relay passes {st.get('passes')}, push rescues {st.get('push_rescues')}")
     print("outputs identical across the two swarms and both relay modes")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(args.model if not args.tiny else "tiny"), "rows": rows,
+        Path(args.json).write_text(json.dumps({"model": str(args.model if not args.tiny else "tiny"), "rows": rows, "relay": relay_stats,
                                                "max_tokens": args.max_tokens, "rounds": args.rounds}, indent=1))
     tmp.cleanup()
     return 0

@@ -52,6 +52,8 @@ def sample_swarm(now: Optional[float] = None, hostile_name: str = "<img src=x on
         server("QmDelta4444444444444444444444444444444444444", "delta-v100", 8, 16, 32, 16, 0.007, 0.050, 32, rtt=80),
         server("QmEvilX5555555555555555555555555555555555555", hostile_name, 4, 10, 20, 10, 0.009, 0.070, 20),
     ]
+    servers[1].update(reachability="relayed", maddrs=["/ip4/203.0.113.7/tcp/31337/p2p/QmOrch/p2p-circuit"])
+    servers[0].update(reachability="direct", maddrs=["/ip4/198.51.100.4/tcp/4000"])
     chains = [
         {"id": 0, "servers": [servers[0]["peer_id"], servers[1]["peer_id"]], "names": ["alpha-a100", "bravo-3090"],
          "blocks": [12, 12], "spans": [[0, 12], [12, 24]], "service_time": 0.20, "capacity": 3, "active": 3},

@@ -58,6 +58,8 @@ def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url, slowdo
             row = page.locator(f'#servers-table tr[data-peer-id="{s["peer_id"]}"]')
             assert row.locator(".server-name").inner_text() == s["public_name"]
             assert row.get_attribute("data-state") == "online"
+            reach = s.get("reachability")
+            assert row.locator(".reach").all_inner_texts() == ([reach] if reach else [])
         # chains: every chain, its hops in order, capacity and occupancy
         chains = page.locator(".chain[data-chain-id]")
         assert chains.count() == len(data["chains"])

@@ -583,12 +583,21 @@
     var trust = obj(s.trust), trustLine = null;
     if (trust.banned === true) trustLine = el("div", { class: "trust banned", title: "audits found it returning wrong hidden states: never planned again", text: "banned: wrong results" });
     else if (int(trust.audits)) trustLine = el("div", { class: "muted trust", title: "audited steps it took part in / strikes (decaying)", text: "audits " + int(trust.audits) + " \u00b7 strikes " + (int(trust.strikes) || 0) });
+    // how the orchestrator reaches it: directly at its own address, through the relay (NAT), or not at all
+    var reach = str(s.reachability), reachLine = null;
+    if (reach && reach !== "unknown") {
+      var addrs = Array.isArray(s.maddrs) ? s.maddrs.map(str).join("\n") : "";
+      var reachTitle = reach === "relayed" ? "behind NAT: reached through the orchestrator's circuit relay\n" + addrs
+        : reach === "unreachable" ? "the orchestrator cannot dial its announced addresses: not planned\n" + str(s.reachability_error)
+        : reach === "pending" ? "checking that its announced addresses can be dialed" : "dialed directly at\n" + addrs;
+      reachLine = el("div", { class: "reach reach-" + reach, title: reachTitle, text: reach });
+    }
     var lastSeen = goneSince !== null ? "left " + fmtAgo(goneSince, nowS) : fmtAgo(s.last_seen, nowS);
     var hw = [str(s.device), str(s.dtype)].filter(Boolean).join(" \u00b7 ");
     return el("tr", { "data-peer-id": str(s.peer_id), "data-state": gone ? "gone" : str(s.state), class: gone ? "gone" : null },
       el("td", { "data-label": "name" },
         el("div", {}, el("div", { class: "server-name", text: serverName(s) }), el("div", { class: "peer-id", title: str(s.peer_id), text: shortId(s.peer_id) }))),
-      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null), trustLine),
+      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null), trustLine, reachLine),
       el("td", { "data-label": "blocks", class: "num" }, el("span", { text: span })),
       el("td", { "data-label": "memory", class: "num" }, el("span", { title: hw, text: fmtBytes(s.memory_bytes) + (hw ? " \u00b7 " + hw : "") })),
       el("td", { "data-label": "KV cache" },
