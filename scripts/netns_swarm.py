@@ -58,7 +58,6 @@ import select
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -690,21 +689,12 @@ def tcp_server(lab: NetnsLab, host: HostLike, port: int, timeout: float = 10.0) 
 
 def tcp_probe(lab: Optional[NetnsLab], src: Optional[HostLike], ip: str, port: int, timeout: float = 1.5) -> Probe:
     """Connect from ``src`` (None: the root namespace, i.e. this process) to ``ip:port`` (a :func:`tcp_server`)."""
+    argv = [sys.executable, "-S", "-c", _CLIENT, ip, str(port), str(timeout)]
     if src is None:
-        try:
-            with socket.create_connection((ip, port), timeout=timeout) as c:
-                data = b""
-                while not data.endswith(b"\n"):
-                    chunk = c.recv(256)
-                    if not chunk:
-                        break
-                    data += chunk
-            return Probe(True, peer=data.decode().strip())
-        except OSError as e:
-            return Probe(False, error=f"{type(e).__name__} {e}")
-    assert lab is not None
-    r = lab.run(src, [sys.executable, "-S", "-c", _CLIENT, ip, str(port), str(timeout)],
-                capture_output=True, text=True, timeout=timeout + 15)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 15)
+    else:
+        assert lab is not None
+        r = lab.run(src, argv, capture_output=True, text=True, timeout=timeout + 15)
     out = r.stdout.strip()
     if r.returncode == 0 and out.startswith("OK"):
         return Probe(True, peer=out[2:].strip())
