@@ -91,7 +91,8 @@ def test_merge_records_override_summary_liveness():
         "num_blocks": 8,  # an extension field: passes through
     }
     records = {"QmA": _record("QmA"), "QmNew": _record("QmNew", state="joining", num_blocks=0, slots_total=0,
-                                                       slots_free=0)}
+                                                       slots_free=0, reachability="relayed",
+                                                       maddrs=["/ip4/1.2.3.4/tcp/5/p2p-circuit"])}
     view = merge_view("tiny", records, summary, now=now)
     by_id = {s["peer_id"]: s for s in view["servers"]}
     assert set(by_id) == {"QmA", "QmNew", "QmGone"}
@@ -105,6 +106,11 @@ def test_merge_records_override_summary_liveness():
     # the orchestrator's "failed" (unreachable) wins over a record that still says online
     summary["servers"][0]["state"] = "failed"
     assert merge_view("tiny", records, summary)["servers"][0]["state"] == "failed"
+    # how a server is reached: its record's claim, unless the orchestrator dialed it itself
+    assert by_id["QmNew"]["reachability"] == "relayed" and by_id["QmNew"]["maddrs"] == ["/ip4/1.2.3.4/tcp/5/p2p-circuit"]
+    assert by_id["QmA"]["reachability"] == "unknown"
+    summary["servers"][0]["reachability"] = "unreachable"
+    assert merge_view("tiny", records, summary)["servers"][0]["reachability"] == "unreachable"
 
 
 def test_merge_without_summary_and_with_garbage_summary():

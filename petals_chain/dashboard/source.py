@@ -79,7 +79,7 @@ def server_entry(record: Any, tau_c: Optional[float] = None) -> dict:
     entry = {k: r.get(k, v) for k, v in SERVER_DEFAULTS.items() if k not in ("tau_c", "last_seen")}
     entry["tau_c"] = tau_c
     entry["last_seen"] = r.get("timestamp")
-    for extra in ("quant", "max_length", "epoch", "version"):
+    for extra in ("quant", "max_length", "epoch", "version", "reachability", "maddrs"):
         if extra in r:
             entry[extra] = r[extra]
     return entry
@@ -117,6 +117,8 @@ def merge_view(
         entry = server_entry(record, tau_c if isinstance(tau_c, (int, float)) else None)
         if seen_by_orch.get("state") == "failed" and entry["state"] != "offline":
             entry["state"] = "failed"  # the record still says online, but the orchestrator cannot reach it
+        if seen_by_orch.get("reachability") in ("direct", "relayed", "unreachable", "pending"):
+            entry["reachability"] = seen_by_orch["reachability"]  # its own dial wins over the server's claim
         servers.append(entry)
     for peer_id, s in summary_servers.items():
         if peer_id in records:
