@@ -44,6 +44,25 @@ def test_signal_wait_timeout_and_group_kill(tmp_path, monkeypatch):
     assert proc not in launch_mod._live
 
 
+def test_a_role_killed_holding_a_hivemind_lock_does_not_block_the_next_role(tmp_path, monkeypatch):
+    """hivemind's process-wide locks are created at import, in the fork server: each role gets its own, else one
+    killed while holding one blocks every later role's DHT process (an orchestrator hung at start in CI)."""
+    import time
+
+    monkeypatch.setenv("PETALS_CHAIN_LAUNCH", "fork")
+    env = {**os.environ, "PYTHONPATH": TESTS}
+    holder = launch("launch_probe", ["hold-hivemind-lock"], log_path=tmp_path / "holder", env=env)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "holder").exists() or "holding" not in (tmp_path / "holder").read_text():
+        assert time.monotonic() < deadline and holder.poll() is None
+        time.sleep(0.05)
+    os.killpg(holder.pid, signal.SIGKILL)
+    holder.wait(timeout=30)
+    user = launch("launch_probe", ["mpfuture"], log_path=tmp_path / "user", env=env)
+    assert user.wait(timeout=120) == 3
+    assert "result 42" in (tmp_path / "user").read_text()
+
+
 def test_bad_mode_is_refused(monkeypatch):
     monkeypatch.setenv("PETALS_CHAIN_LAUNCH", "thread")
     with pytest.raises(ValueError, match="PETALS_CHAIN_LAUNCH"):

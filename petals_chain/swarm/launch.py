@@ -80,6 +80,7 @@ def _run_role(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str
     os.environ.update(env)
     os.chdir(cwd)
     _own_resource_tracker()
+    _own_hivemind_locks()
     threads = env.get("OMP_NUM_THREADS")
     if threads and threads.isdigit() and "torch" in sys.modules:
         # The fork server's torch read its own environment at import; apply this process's thread count.
@@ -91,6 +92,22 @@ def _run_role(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
         atexit._run_exitfuncs()  # a forked child leaves through os._exit: run what the interpreter would at exit
+
+
+def _own_hivemind_locks() -> None:
+    """Give this role hivemind's process-wide locks of its own.
+
+    hivemind creates them (``mp.Lock()``, a semaphore shared with every process forked afterwards) when it is
+    imported, here in the fork server, so without this every role of every swarm would share one lock for all
+    their DHT result pipes: a role SIGKILLed while holding it (tests kill servers mid-run) leaves it held forever,
+    and the next role's DHT process blocks for good sending its first result (seen in CI: an orchestrator that
+    never got past starting its DHT, in two tests in a row)."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # new _initialization_lock, _update_lock and SharedBytes._lock
+    hm_asyncio = sys.modules.get("hivemind.utils.asyncio")
+    if hm_asyncio is not None:
+        hm_asyncio._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def _own_resource_tracker() -> None:
