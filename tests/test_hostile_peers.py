@@ -51,7 +51,7 @@ def attacked(tiny_model_factory, tmp_path_factory):
     config = load_config(model)
     s_m, s_c = block_bytes(config, "float32"), cache_slot_bytes(config, "float32", MAX_LENGTH)
     with assigned_server(model, 2 * s_m + 4 * s_c, tmp_path_factory.mktemp("hostile"), PREFIX, MAX_LENGTH,
-                         ["--idle-timeout-s", "5"], trust_orchestrator=True) as env:
+                         ["--idle-timeout-s", "30"], trust_orchestrator=True) as env:
         yield dict(env, model=model)
 
 

@@ -108,9 +108,11 @@ def test_real_model_on_five_hosts_survives_a_dead_host_and_takes_a_new_one(lab, 
         assert got.token_ids == expected[questions[1]]
         assert got.failovers >= 1, chain  # the dead host's hop was replaced mid-request
 
+        # a new host joins mid-run: dialed at its own address; whether the plan gives it blocks now depends on
+        # what the planner predicts for the servers left (it may keep the chains it has), so that is not asked
         swarm.add_server(LocalServer("s4", mem, tau_p=0.1, extra_args=["--max-blocks", "15"]))
-        st = swarm.wait_until(lambda st: any(s["public_name"] == "s4" and s["assigned"] and s["state"] == "online"
-                                             for s in st["servers"]), scaled(300), "the new host to get blocks")
-        assert _server(st, "s4")["reachability"] == "direct"
+        st = swarm.wait_until(lambda st: st["ready"] and any(s["public_name"] == "s4" and s["reachability"] == "direct"
+                                                             for s in st["servers"]), scaled(300), "the new host")
+        assert all(lab.host("s4").ip in m for m in _server(st, "s4")["maddrs"])
         for q in questions:
             assert client.chat_completion([{"role": "user", "content": q}], max_tokens=new_tokens).token_ids == expected[q]
