@@ -122,6 +122,7 @@ async def attack(p2p, peer: str, report: dict, timeout_s: float) -> None:
 
     idle_codes = await asyncio.gather(*(idle_stream() for _ in range(100)))
     report["idle_codes"] = sorted(set(idle_codes))
+    report["idle_untrusted"] = idle_codes.count("untrusted")
     # 4. Ping/info flood (public calls).
     t0 = time.perf_counter()
     # The rogue's own calls may be dropped by the P2P layer under load (a reset stream): that is the rogue's loss,
@@ -183,8 +184,10 @@ def test_honest_session_unaffected_while_attacked(attacked, scaled):
     assert set(report["open_codes"]) <= {"untrusted", "dropped"} and report["open_untrusted"] >= 100, report
     assert all(ok is False for ok, _ in report["raw_replies"]), report
     assert {code for _, code in report["raw_replies"]} <= {"invalid", "untrusted"}, report
-    assert set(report["idle_codes"]) <= {"untrusted", "StopAsyncIteration", "P2PHandlerError"} \
-        and "untrusted" in report["idle_codes"], report
+    # an idle stream is refused (or its stream ends); on a starved CI host a few of the 100 got no answer within
+    # the attack's timeout, so a timeout is tolerated as long as most were refused
+    assert set(report["idle_codes"]) <= {"untrusted", "StopAsyncIteration", "P2PHandlerError", "TimeoutError"} \
+        and report["idle_untrusted"] >= 50, report
     assert report["slots_free_during"] == 2  # only the honest session held slots (2 of 4: one per block)
     assert report["info_after"]["slots_free"] == report["info_after"]["slots_total"] == 4
     assert proc.proc.poll() is None
