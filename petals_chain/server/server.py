@@ -338,7 +338,7 @@ class Server:
                 logger.warning(f"not reachable through a relay either ({answer[2] if answer else 'no answer'}); "
                                "the orchestrator keeps checking")
                 return
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.5)  # longer than the orchestrator's one dial-back per second per peer
 
     async def _shutdown_dht(self) -> None:
         if self.p2p is not None:
