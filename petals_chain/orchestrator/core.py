@@ -336,7 +336,6 @@ class Orchestrator(GenerationMixin, SessionMixin):
             self.batcher.close()
         if self.drafter is not None:
             self.drafter.close()
-        await self.prober.shutdown()
         if self._p2p is not None:
             try:
                 await self._p2p.shutdown()

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
 from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
+from petals_chain.swarm.reachability import is_circuit
 
 logger = logging.getLogger(__name__)
 
@@ -578,7 +579,7 @@ class Planner:
             return  # the server announced other addresses meanwhile: that check decides
         was = v.reachability
         v.reach_checked = time.monotonic()
-        v.reachability = ("relayed" if "/p2p-circuit" in maddr else "direct") if ok else "unreachable"
+        v.reachability = ("relayed" if is_circuit(maddr) else "direct") if ok else "unreachable"
         v.reach_error = error
         if ok and was != v.reachability:
             self.last_change = time.monotonic()  # a server the planner may use now: a join for it

@@ -14,6 +14,7 @@ with NetnsLab() as lab, NetnsSwarm(lab, model_path, [LocalServer("a", mem), ...]
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -34,6 +35,9 @@ class NetnsSwarm(LocalSwarm):
         self.lab = lab
         self.hosts: dict[str, Any] = {}  # node name (as in _spawn) -> lab host
         self.orchestrator_host = lab.add_host(orchestrator_host)
+        self.hosts["orchestrator"] = self.orchestrator_host
+        ip = self.orchestrator_host.ip
+        self.orchestrator_args = ["--host", "0.0.0.0", "--host-maddrs", f"/ip4/{ip}/tcp/0", *self.orchestrator_args]
 
     def _spawn(self, name: str, args: list[str], spec: Any = None) -> _Proc:
         host = self.hosts[name]
@@ -44,25 +48,20 @@ class NetnsSwarm(LocalSwarm):
         return _Proc(name=name, popen=popen, log_path=log_path, spec=spec)
 
     def start_orchestrator(self, timeout: float = 120.0) -> None:
-        ip = self.orchestrator_host.ip
-        self.hosts["orchestrator"] = self.orchestrator_host
-        self.orchestrator_args = ["--host", "0.0.0.0", "--host-maddrs", f"/ip4/{ip}/tcp/0", *self.orchestrator_args]
         super().start_orchestrator(timeout)
         port = self.url.rsplit(":", 1)[1]
-        self.url = f"http://{ip}:{port}"
+        self.url = f"http://{self.orchestrator_host.ip}:{port}"
         self.initial_peers = [m for m in self.initial_peers if not is_loopback(m)]
 
     def add_server(self, spec: LocalServer, *, nat: bool = False, host: Optional[Any] = None) -> None:
         """Start a server on a new host of its own (``nat``: behind a NAT router) or on ``host``."""
-        name = f"server-{spec.public_name}"
-        if name in self.hosts and spec.public_name in self.servers:
+        if spec.public_name in self.servers:  # before a host is made for it
             raise ValueError(f"a server named {spec.public_name!r} already exists")
         if host is None:
             host = self.lab.add_nat_host(spec.public_name) if nat else self.lab.add_host(spec.public_name)
-        self.hosts[name] = host
-        spec = LocalServer(spec.public_name, spec.memory_bytes, spec.emulate_rtt_ms, spec.emulate_compute_scale,
-                           spec.tau_p, ("--host-maddrs", "/ip4/0.0.0.0/tcp/0", *spec.extra_args))
-        super().add_server(spec)
+        self.hosts[f"server-{spec.public_name}"] = host
+        super().add_server(dataclasses.replace(spec, extra_args=("--host-maddrs", "/ip4/0.0.0.0/tcp/0",
+                                                                 *spec.extra_args)))
 
     def kill_server(self, name: str, sig: int = signal.SIGKILL) -> None:
         """SIGKILL: the server's machine dies (every process on its host, p2pd included; the host stays, empty).

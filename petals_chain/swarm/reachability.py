@@ -222,9 +222,6 @@ class Prober:
                 return True, text, ""
         return False, "", "; ".join(errors)
 
-    async def shutdown(self) -> None:
-        """Nothing outlives a check; kept for symmetry with the other services."""
-
 
 async def _quietly(aw: Any) -> None:
     try:
