@@ -50,8 +50,80 @@ def measure_slowdown() -> float:
     return round(min(_MAX_SLOWDOWN, max(1.0, contention * core)), 2)
 
 
+# Every process a test starts inherits this tag (through the environment), orphans and namespaced ones included,
+# so the session can find what outlived it.
+SESSION_TAG_VAR = "PETALS_CHAIN_TEST_SESSION"
+os.environ[SESSION_TAG_VAR] = f"{os.getpid()}-{time.time_ns()}"
+# How long the interpreter may take to exit once the suite has finished before it is made to (seconds).
+_EXIT_GRACE_S = float(os.environ.get("PETALS_CHAIN_TEST_EXIT_GRACE_S", "120"))
+_exit_status = 0
+
+
 def pytest_sessionstart(session):
     measure_slowdown()  # at the start, before the suite's own swarms add load of their own (~0.6 s)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+def tagged_leftovers() -> list:
+    """Live processes started by this session (tag in their environment) other than this one and its
+    multiprocessing helpers (the fork server and resource tracker: they leave when this process does)."""
+    import psutil
+
+    tag = f"{SESSION_TAG_VAR}={os.environ[SESSION_TAG_VAR]}".encode()
+    out = []
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        helper = proc.info["ppid"] == os.getpid() and "multiprocessing" in " ".join(proc.info["cmdline"] or ())
+        if proc.pid == os.getpid() or helper:  # roles forked by the fork server share its command line: not helpers
+            continue
+        try:
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                if tag in f.read().split(b"\0") and proc.status() != psutil.STATUS_ZOMBIE:
+                    out.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def _kill_all(procs: list) -> None:
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def pytest_unconfigure(config):
+    """A process the suite started must not outlive it: it would hold CI's output pipe open (CI then waits for EOF
+    until its own time limit) or load the next run. Kill what is left, and say so (a leak is a bug to fix). Then
+    make sure the interpreter's exit cannot hang: after _EXIT_GRACE_S, print every thread's stack and exit with
+    the suite's status."""
+    import sys
+    import threading
+
+    leftovers = tagged_leftovers()
+    _kill_all(leftovers)
+    if leftovers:
+        names = sorted({" ".join(p.info["cmdline"] or ())[:120] for p in leftovers})
+        print(f"\npetals-chain: killed {len(leftovers)} process(es) the suite left running:\n  " + "\n  ".join(names),
+              file=sys.stderr, flush=True)
+
+    def guard() -> None:
+        time.sleep(_EXIT_GRACE_S)
+        import faulthandler
+
+        print(f"\npetals-chain: the test process did not exit {_EXIT_GRACE_S:.0f} s after the suite finished; "
+              f"its threads:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        _kill_all(tagged_leftovers())
+        os._exit(_exit_status)
+
+    threading.Thread(target=guard, name="exit-guard", daemon=True).start()
 
 
 def pytest_report_header(config):
