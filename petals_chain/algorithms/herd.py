@@ -309,3 +309,101 @@ def solve_chain_allocation(need: Mapping[str, float], servers_per_chain: Mapping
     chains = {m: int(cm[k].sum()) for k, m in enumerate(models)}
     groups = [{m: int(cm[k, j]) for k, m in enumerate(models) if cm[k, j]} for j in range(J)]
     return ChainAllocation(min(chains[m] / float(need[m]) for m in models), chains, groups)
+
+
+# ---- runtime mapping: servers into the groups of several orchestrators ------------------------------------------
+@dataclass(frozen=True)
+class GroupServer:
+    """A server as the group split sees it: ``blocks`` it can hold (its M_j), ``throughput`` in block-steps/s
+    (``blocks / (tau_c + tau_p * blocks)``, what it adds to a group's chains)."""
+
+    peer_id: str
+    blocks: int
+    throughput: float
+
+
+def group_burst_tolerance(members: Sequence[GroupServer], demand: float, num_blocks: int) -> float:
+    """A group's burst tolerance: the jobs/s its servers sustain (``sum throughput / L``) over the jobs/s that
+    arrive at its orchestrator (``demand``); 0 when its servers cannot hold all ``num_blocks`` (no chain)."""
+    if sum(s.blocks for s in members) < num_blocks:
+        return 0.0
+    return sum(s.throughput for s in members) / max(1, num_blocks) / max(demand, 1e-9)
+
+
+def assign_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, float], num_blocks: int,
+                         previous: Mapping[str, str] | None = None, *, max_moves: int = 2,
+                         margin: float = 0.1) -> dict[str, str]:
+    """HERD for one model over several orchestrators (seed mapping §3.7): ``{server peer id: orchestrator}``.
+
+    ``demand[o]``: jobs/s arriving at orchestrator ``o`` (its stream; a floor keeps idle ones in the game);
+    the groups are ``demand``'s keys. Servers keep their ``previous`` group while its orchestrator is in
+    ``demand`` (a move costs a re-plan and maybe a reload); the others go, largest first, to the group that has
+    no complete copy of the model yet, else to the one of lowest burst tolerance. Then at most ``max_moves``
+    servers move from the most to the least tolerant group, each only if the lower of the two tolerances rises
+    by more than ``margin`` and the donor keeps a complete copy — HERD's max-min objective, greedily."""
+    orchestrators = sorted(demand)
+    if not orchestrators:
+        return {}
+    floor = max([v for v in demand.values() if v > 0], default=1.0) * 0.05
+    need = {o: max(float(demand[o]), floor) for o in orchestrators}
+    previous = previous or {}
+    groups: dict[str, list[GroupServer]] = {o: [] for o in orchestrators}
+    rest = []
+    for s in servers:
+        if previous.get(s.peer_id) in groups:
+            groups[previous[s.peer_id]].append(s)
+        else:
+            rest.append(s)
+
+    def blocks(o: str) -> int:
+        return sum(s.blocks for s in groups[o])
+
+    def bt(o: str, members: Sequence[GroupServer] | None = None) -> float:
+        return group_burst_tolerance(groups[o] if members is None else members, need[o], num_blocks)
+
+    for s in sorted(rest, key=lambda s: (-s.throughput, -s.blocks, s.peer_id)):
+        uncovered = [o for o in orchestrators if blocks(o) < num_blocks]
+        if uncovered:  # the group closest to a complete copy first: one chain somewhere beats two half-chains
+            target = max(uncovered, key=lambda o: (blocks(o), need[o], o))
+        else:
+            target = min(orchestrators, key=lambda o: (bt(o), o))
+        groups[target].append(s)
+    # A group without a complete copy serves nothing: give it one from a group that keeps its own, if any can.
+    for low in [o for o in orchestrators if blocks(o) < num_blocks]:
+        for high in sorted(orchestrators, key=lambda o: (-bt(o), o)):
+            if blocks(high) - num_blocks < num_blocks - blocks(low):
+                continue
+            moved = []
+            for s in sorted(groups[high], key=lambda s: (-s.blocks, s.throughput, s.peer_id)):
+                if blocks(low) >= num_blocks:
+                    break
+                if blocks(high) - s.blocks >= num_blocks:
+                    groups[high].remove(s)
+                    groups[low].append(s)
+                    moved.append(s)
+            if blocks(low) >= num_blocks:
+                break
+            for s in moved:  # not enough after all: undo
+                groups[low].remove(s)
+                groups[high].append(s)
+    for _ in range(max_moves):
+        if len(orchestrators) < 2:
+            break
+        low = min(orchestrators, key=lambda o: (bt(o), o))
+        high = max(orchestrators, key=lambda o: (bt(o), o))
+        if low == high:
+            break
+        before = min(bt(low), bt(high))
+        best = None
+        for s in sorted(groups[high], key=lambda s: (s.throughput, s.peer_id)):
+            donor = [x for x in groups[high] if x is not s]
+            if sum(x.blocks for x in donor) < num_blocks:
+                continue
+            after = min(bt(high, donor), bt(low, groups[low] + [s]))
+            if after > before * (1 + margin) + 1e-12 and (best is None or after > best[0]):
+                best = (after, s)
+        if best is None:
+            break
+        groups[high].remove(best[1])
+        groups[low].append(best[1])
+    return {s.peer_id: o for o in orchestrators for s in groups[o]}

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting one")
     p.add_argument("--identity-path", default=None, help="RSA identity file (created if missing): a stable peer id")
+    p.add_argument("--group-with", nargs="+", default=[], metavar="PEER_ID", type=_peer_id,
+                   help="the other orchestrators of this swarm (their peer ids): the servers are split into one "
+                        "group per live orchestrator (HERD), each orchestrator plans its own; a lost one's group "
+                        "goes to the others. Servers must trust every one (--trust-orchestrator)")
+    p.add_argument("--group-ttl-s", type=float, default=6.0, metavar="S",
+                   help="with --group-with: an orchestrator silent this long is taken for gone")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -234,6 +240,17 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _peer_id(text: str) -> str:
+    """A libp2p peer id in base58 (as servers and orchestrators print it)."""
+    from hivemind.p2p import PeerID
+
+    try:
+        PeerID.from_base58(text)
+    except Exception:  # noqa: BLE001 - any decoding failure is the same user error
+        raise argparse.ArgumentTypeError(f"not a peer id: {text!r} (the base58 id an orchestrator prints at start)")
+    return text
+
+
 async def serve(cfg, ready_file: str | None = None) -> None:
     import uvicorn
 
@@ -317,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
         relay_service=not args.no_relay_service, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         initial_peers=args.initial_peers,
-        identity_path=args.identity_path, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
+        identity_path=args.identity_path, group_with=list(args.group_with), group_ttl_s=args.group_ttl_s, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
         model_id=args.model_id, settle_s=args.settle_s,

@@ -75,6 +75,8 @@ class OrchestratorConfig:
     ssl_keyfile: str | None = None
     initial_peers: list[str] = field(default_factory=list)
     identity_path: str | None = None
+    group_with: list[str] = field(default_factory=list)  # the other orchestrators' peer ids (groups.py)
+    group_ttl_s: float = 6.0
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
@@ -197,6 +199,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.dht = None
         self.client = None
         self.planner: Planner | None = None
+        self.groups: Any = None  # groups.GroupCoordinator with --group-with
         self.head = None
         self.tokenizer = None
         self.batcher: HeadBatcher | None = None
@@ -309,7 +312,16 @@ class Orchestrator(GenerationMixin, SessionMixin):
             ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s, job_tokens=self.cfg.job_tokens)
         if hasattr(self.dispatch, "attach"):  # routed dispatch (PETALS, BPRR) reads live server views
             self.dispatch.attach(self.planner)
-        self._tasks = [asyncio.create_task(self.planner.run(self._stop), name="planner"),
+        self._tasks = []
+        if self.cfg.group_with:
+            from petals_chain.orchestrator.groups import GroupCoordinator
+
+            self.planner.group = set()  # nothing is ours before the first split
+            self.groups = GroupCoordinator(dht=self.dht, prefix=self.prefix, peers=self.cfg.group_with,
+                                           planner=self.planner, http_url=lambda: self.http_url,
+                                           ttl_s=self.cfg.group_ttl_s, refresh_s=self.cfg.refresh_s)
+            self._tasks.append(asyncio.create_task(self.groups.run(self._stop), name="groups"))
+        self._tasks += [asyncio.create_task(self.planner.run(self._stop), name="planner"),
                        asyncio.create_task(self._summary_loop(), name="summary"),
                        asyncio.create_task(self._reap_sessions(), name="session-reaper")]
         if self.cfg.keepalive_tick_s > 0:
@@ -473,6 +485,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "rho_bar": self.cfg.rho_bar, "predicted_response_s": predicted, "measured": self.stats.measured(),
             "job_tokens": self._job_tokens_json(),
             "audit": self.auditor.json(),
+            "groups": self.groups.json() if self.groups is not None else None,
             "fairness": self.shares.json(self.dispatch.waiting_jobs()),
             "deadlines": {"schedule": self.cfg.schedule, **self.deadlines.json()},
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,

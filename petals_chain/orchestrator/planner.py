@@ -177,6 +177,9 @@ class Planner:
         self._planned_around: set[str] = set()  # banned servers already planned around (see held_spans)
         self._lock = asyncio.Lock()
         self.model_spec: ModelSpec | None = None
+        # Several orchestrators (orchestrator/groups.py): the servers of this one's group; None: every server.
+        self.group: set[str] | None = None
+        self.seen: dict[str, Any] = {}  # every server record of the last refresh, in this group or not
 
     # ---- estimates -----------------------------------------------------------------------------
     @property
@@ -479,6 +482,10 @@ class Planner:
             return None
         return self.evaluate(views, placement, c)
 
+    def all_views(self) -> list[ServerView]:
+        """Views of every server of the last refresh, other groups' included (fresh views for those)."""
+        return [self.servers.get(p) or ServerView(peer_id=p, record=r) for p, r in self.seen.items()]
+
     def usable_views(self) -> list[ServerView]:
         return [v for v in self.servers.values() if v.usable]
 
@@ -602,6 +609,9 @@ class Planner:
                                        self.model_fingerprint)
                     refused[peer_id] = records.pop(peer_id)
             self.refused = refused
+            self.seen = dict(records)
+            if self.group is not None:  # another orchestrator's servers are not ours to plan: as if absent
+                records = {p: r for p, r in records.items() if p in self.group}
             now = time.time()
             joined, left = [], []
             # A server that stops gracefully announces "offline" and its record lingers until it expires: the view
@@ -690,6 +700,16 @@ class Planner:
         base = self.evaluate(views, self.plan.placement, self.plan.c)  # everyone usable serves its span
         best, reason = base, ""
         alive_placement = base.placement
+        # Servers that join holding a span (handed over by another orchestrator's group, or restarted) keep it
+        # when that predicts better: no reload.
+        holding = {v.peer_id: (v.record.start_block, v.record.num_blocks) for v in unassigned
+                   if v.record.num_blocks > 0 and v.record.max_length == self.max_length
+                   and v.record.start_block + v.record.num_blocks <= self.model_spec.num_blocks}
+        if holding:
+            kept = self.evaluate(views, Placement({**dict(base.placement.items()), **holding},
+                                                  num_blocks=self.model_spec.num_blocks), self.plan.c)
+            if kept.chains and kept.lower < best.lower * (1 - 1e-9):
+                best, reason = kept, f"{len(holding)} server(s) joined holding spans: kept"
         for v in unassigned:
             inc = self.incremental(views, Placement(dict(best.placement.items()), num_blocks=self.model_spec.num_blocks),
                                    v, self.plan.c)

@@ -352,7 +352,7 @@ class Server:
     async def _follow_assignments(self) -> None:
         while not self._stop.is_set():
             try:
-                asg = await self.sd.afetch_assignment(self.prefix, sorted(self.trusted))
+                asg = await self.sd.afetch_assignment(self.prefix, sorted(self.trusted), self.sd.peer_id)
             except Exception as e:  # noqa: BLE001
                 logger.warning(f"fetching the assignment failed: {e}")
                 asg = None

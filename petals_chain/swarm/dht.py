@@ -39,9 +39,10 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from petals_chain.swarm.keys import DIRECTORY_KEY, assignment_key, check_prefix, servers_key, summary_key
-from petals_chain.swarm.records import (AssignmentRecord, DirectoryRecord, DirectorySchemaV1, ServerRecord,
-                                        SummaryRecord, SwarmSchemaV1)
+from petals_chain.swarm.keys import (DIRECTORY_KEY, assignment_key, check_prefix, groups_key, servers_key,
+                                     summary_key)
+from petals_chain.swarm.records import (AssignmentRecord, DirectoryRecord, DirectorySchemaV1, GroupRecord,
+                                        ServerRecord, SummaryRecord, SwarmSchemaV1)
 
 logger = logging.getLogger(__name__)
 
@@ -333,9 +334,11 @@ class SwarmDHT:
             raise ValueError("record.orchestrator_peer_id must be this node's peer id")
         return self._store(assignment_key(prefix), record.to_value(), expiration_s, return_future)
 
-    def _parse_assignment(self, result, trusted: Iterable[str]) -> Optional[AssignmentRecord]:
+    def _parse_assignment(self, result, trusted: Iterable[str], peer_id: Optional[str] = None
+                          ) -> Optional[AssignmentRecord]:
         trusted = set(trusted)
         best: Optional[AssignmentRecord] = None
+        mine: Optional[AssignmentRecord] = None  # the newest that gives ``peer_id`` a span
         for owner_peer, value in self._owned_entries(result):
             if owner_peer not in trusted:
                 continue
@@ -348,17 +351,50 @@ class SwarmDHT:
                 continue
             if best is None or (record.epoch, record.timestamp) > (best.epoch, best.timestamp):
                 best = record
-        return best
+            if peer_id is not None and peer_id in record.assignments and (mine is None
+                                                                           or record.timestamp > mine.timestamp):
+                mine = record
+        return mine or best
 
-    def fetch_assignment(self, prefix: str, trusted: Sequence[str]) -> Optional[AssignmentRecord]:
-        """The newest-epoch assignment signed by a trusted orchestrator, or None."""
+    def fetch_assignment(self, prefix: str, trusted: Sequence[str], peer_id: Optional[str] = None
+                         ) -> Optional[AssignmentRecord]:
+        """The assignment to follow, signed by a trusted orchestrator: the newest that gives ``peer_id`` a span
+        (several orchestrators each assign their own group), else the newest-epoch one; None if none."""
         self._ensure_prefix(prefix)
-        return self._parse_assignment(self.dht.get(assignment_key(prefix), latest=True), trusted)
+        return self._parse_assignment(self.dht.get(assignment_key(prefix), latest=True), trusted, peer_id)
 
-    async def afetch_assignment(self, prefix: str, trusted: Sequence[str]) -> Optional[AssignmentRecord]:
+    async def afetch_assignment(self, prefix: str, trusted: Sequence[str], peer_id: Optional[str] = None
+                                ) -> Optional[AssignmentRecord]:
         self._ensure_prefix(prefix)
         result = await self.dht.get(assignment_key(prefix), latest=True, return_future=True)
-        return self._parse_assignment(result, trusted)
+        return self._parse_assignment(result, trusted, peer_id)
+
+    # ---- groups (several orchestrators) ----
+
+    async def apublish_group(self, prefix: str, record: GroupRecord, expiration_s: float) -> bool:
+        """Store this orchestrator's entry under ``{prefix}.groups`` (it must name this node)."""
+        self._ensure_prefix(prefix)
+        if record.orchestrator_peer_id != self.peer_id:
+            raise ValueError("record.orchestrator_peer_id must be this node's peer id")
+        return await self._store(groups_key(prefix), record.to_value(), expiration_s, True)
+
+    async def afetch_groups(self, prefix: str, trusted: Iterable[str]) -> dict[str, GroupRecord]:
+        """``{orchestrator peer id: its entry}`` for the trusted orchestrators with a live entry."""
+        self._ensure_prefix(prefix)
+        trusted = set(trusted)
+        out: dict[str, GroupRecord] = {}
+        result = await self.dht.get(groups_key(prefix), latest=True, return_future=True)
+        for owner_peer, value in self._owned_entries(result):
+            if owner_peer not in trusted:
+                continue
+            try:
+                record = GroupRecord.model_validate(value)
+            except Exception as e:  # noqa: BLE001
+                logger.debug(f"dropping malformed group entry of {owner_peer}: {e}")
+                continue
+            if record.orchestrator_peer_id == owner_peer:
+                out[owner_peer] = record
+        return out
 
     # ---- summary ----
 

@@ -5,6 +5,8 @@ Keys (DESIGN.md "DHT records"):
 * ``{prefix}.servers``    — subkey: the server's owner key ``[owner:ssh-rsa ...]``; value: a :class:`ServerRecord`.
 * ``{prefix}.assignment`` — subkey: the orchestrator's owner key; value: an :class:`AssignmentRecord`.
 * ``{prefix}.summary``    — subkey: the orchestrator's owner key; value: the ``GET /api/v1/swarm`` JSON.
+* ``{prefix}.groups``     — subkey: an orchestrator's owner key; value: a :class:`GroupRecord` (several
+  orchestrators on one swarm: each is alive there, the leader's entry holds the split of servers into groups).
 * ``petals-chain.swarms``  — subkey: an orchestrator's owner key; value: a :class:`DirectoryRecord` naming
   the swarm it runs (prefix, model, HTTP URL), so a dashboard needs only ``--initial-peers``.
 """
@@ -50,6 +52,11 @@ def assignment_key(prefix: str) -> str:
 def summary_key(prefix: str) -> str:
     """Key holding the orchestrator's signed swarm summary (what the dashboard shows)."""
     return f"{check_prefix(prefix)}.summary"
+
+
+def groups_key(prefix: str) -> str:
+    """Key holding one entry per orchestrator of the swarm (HERD groups)."""
+    return f"{check_prefix(prefix)}.groups"
 
 
 DIRECTORY_KEY = "petals-chain.swarms"  # swarm directory: one signed entry per orchestrator

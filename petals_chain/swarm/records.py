@@ -131,6 +131,31 @@ class SummaryRecord(pydantic.BaseModel):
         return self.model_dump()
 
 
+class GroupRecord(pydantic.BaseModel):
+    """One orchestrator's entry under ``{prefix}.groups`` when several serve one swarm (HERD groups): it is alive
+    (``timestamp``, a short expiration), where its HTTP API is, the jobs/s arriving at it; the leader's entry (the
+    live orchestrator of smallest peer id) also carries the split ``groups[orchestrator] = [server peer ids]``."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
+    http_url: str = pydantic.Field(default="", max_length=512)
+    arrival_rate: float = pydantic.Field(default=0.0, ge=0)
+    epoch: int = pydantic.Field(default=0, ge=0)  # of the split, counted on by each new leader
+    groups: Dict[str, list[str]] = pydantic.Field(default_factory=dict)
+    timestamp: float = pydantic.Field(default_factory=time.time)
+
+    def to_value(self) -> dict:
+        value = self.model_dump()
+        value["arrival_rate"] = float(value["arrival_rate"])
+        value["timestamp"] = float(value["timestamp"])
+        return value
+
+    def group_of(self) -> dict[str, str]:
+        """``{server peer id: orchestrator peer id}`` of the split."""
+        return {s: o for o, members in self.groups.items() for s in members}
+
+
 class DirectoryRecord(pydantic.BaseModel):
     """An orchestrator's entry in the swarm directory: which swarm (DHT prefix, model) it runs, and where."""
 
@@ -221,6 +246,19 @@ class _DirectoryValueV1(pv1.BaseModel):
         extra = pv1.Extra.forbid
 
 
+class _GroupValueV1(pv1.BaseModel):
+    orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
+    http_url: pv1.constr(strict=True, max_length=512)
+    arrival_rate: pv1.confloat(strict=True, ge=0)
+    epoch: pv1.conint(strict=True, ge=0)
+    groups: Dict[pv1.constr(strict=True, max_length=_PEER_ID_MAX),
+                 pv1.conlist(pv1.constr(strict=True, max_length=_PEER_ID_MAX), max_items=4096)]
+    timestamp: pv1.StrictFloat
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
 class DirectorySchemaV1(pv1.BaseModel):
     """The swarm directory key; every entry signed by the orchestrator that wrote it."""
 
@@ -233,7 +271,8 @@ class SwarmSchemaV1(pv1.BaseModel):
     servers: Dict[BytesWithPublicKey, _ServerValueV1]
     assignment: Dict[BytesWithPublicKey, _AssignmentValueV1]
     summary: Dict[BytesWithPublicKey, _SummaryValueV1]
+    groups: Dict[BytesWithPublicKey, _GroupValueV1]
 
 
-__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "DirectoryRecord", "SwarmSchemaV1", "DirectorySchemaV1",
+__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "DirectoryRecord", "GroupRecord", "SwarmSchemaV1", "DirectorySchemaV1",
            "RECORD_VERSION", "STATES"]

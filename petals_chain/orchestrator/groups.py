@@ -1,0 +1,149 @@
+"""Several orchestrators on one swarm: HERD serving groups (seed 003 §4, mapped as docs/scheduling-seeds.md §3.7).
+
+Each orchestrator started with ``--group-with PEER_ID ...`` announces itself under ``{prefix}.groups`` (a short
+expiration, republished every third of it) with its HTTP URL and the jobs/s arriving at it. The live orchestrator
+of smallest peer id is the *leader*: it splits the servers into one group per live orchestrator
+(:func:`~petals_chain.algorithms.herd.assign_server_groups`: HERD's max-min burst tolerance, servers stay where
+they are unless that pays) and publishes the split in its own entry. Every orchestrator plans only the servers of
+its group (``Planner.group``) and publishes its assignment for them; a server follows the assignment that gives it a
+span (``SwarmDHT.fetch_assignment``). When an orchestrator stops announcing, it is dropped after ``ttl_s`` of
+silence, and the leader (a new one if the leader died) hands its servers to the others: they keep serving.
+
+Until a split that names this orchestrator exists, it plans nothing (two planners must never assign one server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+from petals_chain.algorithms.herd import GroupServer, assign_server_groups
+
+logger = logging.getLogger(__name__)
+
+
+class GroupCoordinator:
+    """This orchestrator's part in the groups: announce, elect, split (as leader), follow the split.
+
+    ``peers``: the other orchestrators' peer ids (trusted for their entries and splits). ``planner``: its ``group``
+    is set to this orchestrator's servers; its ``servers`` views, ``arrival_rate``, ``tau_c`` and ``tau_p`` feed
+    the split. ``http_url()``: where this orchestrator's API is, for the entry."""
+
+    def __init__(self, *, dht: Any, prefix: str, peers: Sequence[str], planner: Any, http_url: Callable[[], str],
+                 ttl_s: float = 6.0, refresh_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        if not ttl_s > 0 or not refresh_s > 0:
+            raise ValueError("ttl_s and refresh_s must be positive")
+        self.dht = dht
+        self.prefix = prefix
+        self.me: str = dht.peer_id
+        self.peers = set(peers) - {self.me}
+        self.planner = planner
+        self.http_url = http_url
+        self.ttl_s = float(ttl_s)
+        self.refresh_s = float(refresh_s)
+        self.clock = clock
+        self.last_seen: dict[str, float] = {}  # orchestrator -> when its entry was last read (this clock)
+        self.urls: dict[str, str] = {}
+        self.rates: dict[str, float] = {}
+        self.leader: str | None = None
+        self.split: dict[str, str] = {}  # server -> orchestrator, the newest split seen
+        self.epoch = 0  # of that split
+        self._published_at = -float("inf")
+        self._published: tuple | None = None
+
+    # ---- state ---------------------------------------------------------------------------------
+    def live(self) -> list[str]:
+        """Orchestrators heard from within ``ttl_s`` (this one always), sorted by peer id."""
+        now = self.clock()
+        return sorted({self.me} | {o for o, t in self.last_seen.items() if now - t <= self.ttl_s})
+
+    def members(self) -> set[str]:
+        """Servers of this orchestrator's group (none before a split: two planners must not share a server)."""
+        return {s for s, o in self.split.items() if o == self.me}
+
+    def json(self) -> dict:
+        """For ``/api/v1/swarm``: who leads, the split's epoch, the live orchestrators and each group's size."""
+        sizes: dict[str, int] = {o: 0 for o in self.live()}
+        for o in self.split.values():
+            sizes[o] = sizes.get(o, 0) + 1
+        return {"me": self.me, "leader": self.leader, "epoch": self.epoch,
+                "orchestrators": [{"peer_id": o, "http_url": self.urls.get(o, self.http_url() if o == self.me else ""),
+                                   "arrival_rate": self.rates.get(o, 0.0), "servers": sizes.get(o, 0),
+                                   "live": o in self.live()} for o in sorted(sizes)]}
+
+    # ---- the split -----------------------------------------------------------------------------
+    def _servers(self) -> list[GroupServer]:
+        """The servers the planner sees (every one, not only this group's), as the split weighs them."""
+        model = self.planner._model_spec()
+        if model is None:
+            return []
+        plan = self.planner.plan
+        c = plan.c if plan is not None and plan.c else 1  # blocks a server holds at the cache reservation in force
+        views = [v for v in self.planner.all_views() if v.record.state != "offline" and not v.banned]
+        out = []
+        for v, spec in zip(views, self.planner.specs(views)):
+            blocks = max(0, spec.max_blocks(model, c))
+            step = spec.tau_c + spec.tau_p * blocks
+            out.append(GroupServer(v.peer_id, blocks, blocks / step if step > 0 else float(blocks)))
+        return out
+
+    def compute_split(self, live: Sequence[str]) -> dict[str, str]:
+        spec = self.planner._model_spec()
+        demand = {o: (self.planner.arrival_rate if o == self.me else self.rates.get(o, 0.0)) for o in live}
+        return assign_server_groups(self._servers(), demand, spec.num_blocks if spec is not None else 1,
+                                    previous=self.split)
+
+    # ---- loop ----------------------------------------------------------------------------------
+    async def step(self) -> None:
+        from petals_chain.swarm.records import GroupRecord
+
+        entries = await self.dht.afetch_groups(self.prefix, self.peers | {self.me})
+        now = self.clock()
+        for o, rec in entries.items():
+            if o == self.me:
+                continue
+            self.last_seen[o] = now
+            self.urls[o], self.rates[o] = rec.http_url, rec.arrival_rate
+            if rec.groups and rec.epoch > self.epoch:  # a leader's split (a new leader continues above it)
+                self.epoch, self.split = rec.epoch, rec.group_of()
+        live = self.live()
+        leader = live[0]
+        if leader != self.leader:
+            logger.info("orchestrator group leader: %s%s (live: %s)", leader[:12], " (this one)" if leader == self.me
+                        else "", ", ".join(o[:12] for o in live))
+            self.leader = leader
+        if leader == self.me:
+            split = self.compute_split(live)
+            if split != self.split or self.epoch == 0:
+                self.epoch += 1
+                self.split = split
+                sizes = {o: sum(1 for x in split.values() if x == o) for o in live}
+                logger.info("group split epoch %d: %s", self.epoch,
+                            ", ".join(f"{o[:12]}={n} servers" for o, n in sizes.items()))
+        groups: dict[str, list[str]] = {}
+        if leader == self.me:
+            for s, o in sorted(self.split.items()):
+                groups.setdefault(o, []).append(s)
+            for o in live:
+                groups.setdefault(o, [])
+        key = (self.epoch if leader == self.me else 0, round(self.planner.arrival_rate, 3))
+        if key != self._published or now - self._published_at >= self.ttl_s / 3:
+            rec = GroupRecord(orchestrator_peer_id=self.me, http_url=self.http_url(),
+                              arrival_rate=float(self.planner.arrival_rate), epoch=self.epoch if groups else 0,
+                              groups=groups)
+            if await self.dht.apublish_group(self.prefix, rec, self.ttl_s):
+                self._published, self._published_at = key, now
+        self.planner.group = self.members()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - one bad round must not end the groups
+                logger.exception("orchestrator group round failed")
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.refresh_s)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,159 @@
+"""Several orchestrators on one swarm (issue 18, HERD groups): the split of servers into groups (pure), and two real
+orchestrators sharing four servers, one of them killed: the other takes its group over and nothing fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from petals_chain.algorithms.herd import GroupServer, assign_server_groups, group_burst_tolerance
+
+
+def _servers(n: int, blocks: int = 4, throughput: float = 10.0) -> list[GroupServer]:
+    return [GroupServer(f"s{i}", blocks, throughput) for i in range(n)]
+
+
+def _sizes(split: dict[str, str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for o in split.values():
+        out[o] = out.get(o, 0) + 1
+    return out
+
+
+def test_one_orchestrator_takes_every_server():
+    split = assign_server_groups(_servers(3), {"A": 0.0}, num_blocks=4)
+    assert split == {"s0": "A", "s1": "A", "s2": "A"}
+    assert assign_server_groups(_servers(3), {}, num_blocks=4) == {}
+
+
+def test_equal_demand_splits_evenly_and_demand_weights_the_split():
+    assert _sizes(assign_server_groups(_servers(4), {"A": 1.0, "B": 1.0}, 4)) == {"A": 2, "B": 2}
+    # A receives three times B's jobs: HERD's max-min burst tolerance gives it three of the four servers
+    assert _sizes(assign_server_groups(_servers(4), {"A": 3.0, "B": 1.0}, 4)) == {"A": 3, "B": 1}
+
+
+def test_servers_stay_in_their_group_and_a_lost_orchestrators_group_moves():
+    servers = _servers(4)
+    previous = {"s0": "A", "s1": "B", "s2": "A", "s3": "B"}
+    assert assign_server_groups(servers, {"A": 1.0, "B": 1.0}, 4, previous) == previous  # nothing gains
+    assert assign_server_groups(servers, {"B": 1.0}, 4, previous) == {s: "B" for s in previous}
+
+
+def test_a_group_without_a_complete_copy_gets_one():
+    # 6 half-model servers (2 blocks of 4) all in A: B gets two of them, a whole copy, though moves are capped
+    servers = _servers(6, blocks=2)
+    split = assign_server_groups(servers, {"A": 1.0, "B": 1.0}, 4, {s.peer_id: "A" for s in servers}, max_moves=0)
+    assert _sizes(split) == {"A": 4, "B": 2}
+    # ... but not when A would lose its own: 3 half-model servers cannot make two copies
+    split = assign_server_groups(servers[:3], {"A": 1.0, "B": 1.0}, 4, {s.peer_id: "A" for s in servers[:3]})
+    assert _sizes(split) == {"A": 3}
+
+
+def test_burst_tolerance_counts_only_complete_copies():
+    assert group_burst_tolerance(_servers(1, blocks=3), 1.0, 4) == 0.0
+    assert group_burst_tolerance(_servers(2, blocks=2, throughput=8.0), 2.0, 4) == pytest.approx(16 / 4 / 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks=st.lists(st.integers(1, 6), min_size=0, max_size=9), rates=st.lists(st.floats(0, 5), min_size=1,
+       max_size=3), prev=st.lists(st.integers(0, 3), min_size=9, max_size=9), L=st.integers(1, 6))
+def test_split_properties(blocks, rates, prev, L):
+    """Every server lands in a live group; rebalancing moves never lower the worst group's burst tolerance."""
+    orchs = ["ABC"[i] for i in range(len(rates))]
+    demand = dict(zip(orchs, rates))
+    servers = [GroupServer(f"s{i}", b, b / (0.1 + 0.05 * b)) for i, b in enumerate(blocks)]
+    previous = {s.peer_id: "ABCD"[prev[i]] for i, s in enumerate(servers)}  # D: a lost orchestrator
+    split = assign_server_groups(servers, demand, L, previous)
+    assert set(split) == {s.peer_id for s in servers} and set(split.values()) <= set(orchs)
+    floor = max([v for v in rates if v > 0], default=1.0) * 0.05
+
+    def worst(sp):
+        by = {o: [s for s in servers if sp[s.peer_id] == o] for o in orchs}
+        return min(group_burst_tolerance(by[o], max(demand[o], floor), L) for o in orchs)
+
+    assert worst(split) >= worst(assign_server_groups(servers, demand, L, previous, max_moves=0)) - 1e-12
+
+
+# ---- two orchestrators, one swarm --------------------------------------------------------------------------------
+def _identity(path) -> str:
+    from hivemind.p2p import P2P, PeerID
+
+    P2P.generate_identity(str(path))
+    return PeerID.from_identity(path.read_bytes()).to_base58()
+
+
+def test_two_orchestrators_split_the_swarm_and_one_takes_over_when_the_other_dies(tiny_model_factory, tmp_path,
+                                                                                  scaled):
+    from petals_chain.client import Client
+    from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+
+    model = tiny_model_factory("llama", 4)
+    mem = memory_for(model, 160, 4, 4)
+    id_a, id_b = tmp_path / "a.id", tmp_path / "b.id"
+    pa, pb = _identity(id_a), _identity(id_b)
+    if pa > pb:  # a (the one killed) is the leader: the survivor must take the lead and the split over
+        (id_a, pa), (id_b, pb) = (id_b, pb), (id_a, pa)
+    group_args = ["--group-ttl-s", "3"]
+    a = LocalSwarm(model, [LocalServer(f"s{i}", mem, tau_p=0.01, emulate_rtt_ms=5) for i in range(4)],
+                   max_length=160, log_dir=tmp_path / "a", server_args=["--trust-orchestrator", pa, pb],
+                   orchestrator_args=["--identity-path", str(id_a), "--group-with", pb, *group_args])
+    b = None
+    try:
+        a.start()
+        b = LocalSwarm(model, [], max_length=160, log_dir=tmp_path / "b",
+                       orchestrator_args=["--identity-path", str(id_b), "--group-with", pa, *group_args,
+                                          "--initial-peers", *a.initial_peers])
+        b.start()
+
+        def chained(sw) -> set[str]:
+            return {n for ch in sw.swarm()["chains"] for n in ch["names"]}
+
+        def split_ok(_state=None) -> bool:
+            ga, gb = chained(a), chained(b)
+            return len(ga) == 2 and len(gb) == 2 and not ga & gb
+
+        a.wait_until(lambda s: split_ok(), scaled(120), "two groups of two servers, each with its chains")
+        groups = b.swarm()["groups"]
+        assert groups["leader"] == pa and {o["peer_id"] for o in groups["orchestrators"]} == {pa, pb}
+        prompt = [5, 6, 7, 8, 9]
+        want = Client(a.url).complete(prompt, max_tokens=24, ignore_eos=True)
+        assert Client(b.url).complete(prompt, max_tokens=24, ignore_eos=True).token_ids == want.token_ids
+
+        results, errors = [], []
+        stop = threading.Event()
+
+        def load(urls):
+            client = Client(urls, timeout=120)
+            while not stop.is_set():
+                try:
+                    results.append(client.complete(prompt, max_tokens=24, ignore_eos=True).token_ids)
+                except Exception as e:  # noqa: BLE001 - every failure is reported below
+                    errors.append(f"{urls}: {e!r}")
+
+        threads = [threading.Thread(target=load, args=(u,), daemon=True) for u in ([b.url], [a.url, b.url])]
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        os.killpg(a.orchestrator.popen.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        b.wait_until(lambda s: len(chained(b)) == 4, scaled(60), "the survivor serving all four servers")
+        took = time.monotonic() - killed
+        time.sleep(2)
+        stop.set()
+        for t in threads:
+            t.join(timeout=scaled(120))
+        print(f"group moved to the survivor {took:.1f} s after the kill; {len(results)} requests, none failed")
+        assert not errors, errors
+        assert results and all(r == want.token_ids for r in results)
+        assert took <= scaled(30), f"the group moved after {took:.1f} s"
+        assert b.swarm()["groups"]["leader"] == pb
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
