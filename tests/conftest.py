@@ -108,9 +108,10 @@ def pytest_unconfigure(config):
 
     leftovers = tagged_leftovers()
     _kill_all(leftovers)
-    if leftovers:
-        names = sorted({" ".join(p.info["cmdline"] or ())[:120] for p in leftovers})
-        print(f"\npetals-chain: killed {len(leftovers)} process(es) the suite left running:\n  " + "\n  ".join(names),
+    leaks = [p for p in leftovers if "torch_shm_manager" not in " ".join(p.info["cmdline"] or ())]  # torch's helper
+    if leaks:
+        names = sorted({" ".join(p.info["cmdline"] or ())[:120] for p in leaks})
+        print(f"\npetals-chain: killed {len(leaks)} process(es) the suite left running:\n  " + "\n  ".join(names),
               file=sys.stderr, flush=True)
 
     def guard() -> None:

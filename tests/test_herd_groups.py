@@ -157,3 +157,59 @@ def test_two_orchestrators_split_the_swarm_and_one_takes_over_when_the_other_die
         if b is not None:
             b.stop()
         a.stop()
+
+
+def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_model_factory, tmp_path, scaled):
+    """One server, two orchestrators: one group is empty, and what its orchestrator receives is served by the
+    other's group (one-shot and streamed, chat too), token-identical; a forwarded request is not forwarded back."""
+    import httpx
+
+    from petals_chain.client import Client
+    from petals_chain.orchestrator.forward import FORWARDED_HEADER, SERVED_BY_HEADER
+    from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+
+    model = tiny_model_factory("llama", 4)
+    id_a, id_b = tmp_path / "a.id", tmp_path / "b.id"
+    pa, pb = _identity(id_a), _identity(id_b)
+    a = LocalSwarm(model, [LocalServer("s0", memory_for(model, 160, 4, 4), tau_p=0.01)], max_length=160,
+                   log_dir=tmp_path / "a", server_args=["--trust-orchestrator", pa, pb],
+                   orchestrator_args=["--identity-path", str(id_a), "--group-with", pb])
+    b = None
+    try:
+        a.start()
+        b = LocalSwarm(model, [], max_length=160, log_dir=tmp_path / "b",
+                       orchestrator_args=["--identity-path", str(id_b), "--group-with", pa,
+                                          "--initial-peers", *a.initial_peers])
+        b.start()
+
+        def serving(sw) -> bool:
+            return bool(sw.swarm()["chains"])
+
+        a.wait_until(lambda s: serving(a) or serving(b), scaled(120), "one group to have its chain")
+        full, empty = (a, b) if serving(a) else (b, a)
+        empty.wait_until(lambda s: any(o["servers"] for o in (s["groups"] or {}).get("orchestrators", [])
+                                       if o["peer_id"] != s["groups"]["me"] and o["live"]),
+                         scaled(60), "the empty orchestrator to know the other's group")
+        prompt, name = [5, 6, 7, 8, 9], full.swarm()["model"]
+        want = Client(full.url).complete(prompt, max_tokens=12, ignore_eos=True)
+        r = httpx.post(f"{empty.url}/v1/completions", timeout=120,
+                       json={"model": name, "prompt": prompt, "max_tokens": 12, "ignore_eos": True,
+                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.headers[SERVED_BY_HEADER] == full.url
+        assert r.json()["petals_chain"][0]["token_ids"] == want.token_ids
+        pieces = list(Client(empty.url, timeout=120).stream(prompt, max_tokens=12, ignore_eos=True))
+        assert "".join(pieces) == want.text
+        chat = httpx.post(f"{empty.url}/v1/chat/completions", timeout=120,
+                          json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert chat.status_code == 200 and chat.headers[SERVED_BY_HEADER] == full.url
+        assert empty.swarm()["groups"]["forwarded"] == 3
+        # already forwarded once: the empty orchestrator keeps it (and answers it from its queue's rules)
+        again = httpx.post(f"{empty.url}/v1/completions", timeout=30, headers={FORWARDED_HEADER: "someone"},
+                           json={"model": name, "prompt": prompt, "max_tokens": 2, "ignore_eos": True,
+                                 "deadline_ms": 500})
+        assert SERVED_BY_HEADER not in again.headers and again.status_code != 200
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
+from petals_chain.orchestrator.forward import maybe_forward
 from petals_chain.orchestrator.sampling import SamplingParams, TokenChoice
 from petals_chain.swarm.jsonsafe import json_safe
 
@@ -494,6 +495,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
     # ---- /v1/completions -----------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        if (forwarded := await maybe_forward(orch, request)) is not None:
+            return forwarded
         check_model(req.model)
         prompts = await prompt_ids_of(req.prompt)
         if len(prompts) * req.n > cfg.max_n:
@@ -550,6 +553,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
     # ---- /v1/chat/completions ------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
+        if (forwarded := await maybe_forward(orch, request)) is not None:
+            return forwarded
         check_model(req.model)
         ids = await template([m.as_dict() for m in req.messages])
         if req.max_completion_tokens is not None:

@@ -50,6 +50,7 @@ class GroupCoordinator:
         self.leader: str | None = None
         self.split: dict[str, str] = {}  # server -> orchestrator, the newest split seen
         self.epoch = 0  # of that split
+        self.forwarded = 0  # requests sent on to another orchestrator (forward.py)
         self._published_at = -float("inf")
         self._published: tuple | None = None
 
@@ -68,7 +69,7 @@ class GroupCoordinator:
         sizes: dict[str, int] = {o: 0 for o in self.live()}
         for o in self.split.values():
             sizes[o] = sizes.get(o, 0) + 1
-        return {"me": self.me, "leader": self.leader, "epoch": self.epoch,
+        return {"me": self.me, "leader": self.leader, "epoch": self.epoch, "forwarded": self.forwarded,
                 "orchestrators": [{"peer_id": o, "http_url": self.urls.get(o, self.http_url() if o == self.me else ""),
                                    "arrival_rate": self.rates.get(o, 0.0), "servers": sizes.get(o, 0),
                                    "live": o in self.live()} for o in sorted(sizes)]}
