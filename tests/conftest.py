@@ -69,14 +69,17 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def tagged_leftovers() -> list:
-    """Live processes started by this session (tag in their environment) other than this one and its
-    multiprocessing helpers (the fork server and resource tracker: they leave when this process does)."""
+    """Live processes started by this session (tag in their environment) other than this one and its helpers
+    (multiprocessing's fork server and resource tracker, torch's shared-memory manager: they leave with it)."""
     import psutil
 
     tag = f"{SESSION_TAG_VAR}={os.environ[SESSION_TAG_VAR]}".encode()
     out = []
-    for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
-        helper = proc.info["ppid"] == os.getpid() and "multiprocessing" in " ".join(proc.info["cmdline"] or ())
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline", "name"]):
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        helper = proc.info["ppid"] == os.getpid() and "multiprocessing" in cmdline
+        # torch's shared-memory manager serves this process too: killed, torch aborts at exit (broken pipe)
+        helper = helper or "torch_shm_manager" in (proc.info["name"] or "") + cmdline
         if proc.pid == os.getpid() or helper:  # roles forked by the fork server share its command line: not helpers
             continue
         try:
@@ -108,10 +111,10 @@ def pytest_unconfigure(config):
 
     leftovers = tagged_leftovers()
     _kill_all(leftovers)
-    leaks = [p for p in leftovers if "torch_shm_manager" not in " ".join(p.info["cmdline"] or ())]  # torch's helper
-    if leaks:
-        names = sorted({" ".join(p.info["cmdline"] or ())[:120] for p in leaks})
-        print(f"\npetals-chain: killed {len(leaks)} process(es) the suite left running:\n  " + "\n  ".join(names),
+    if leftovers:
+        names = sorted({f"{p.pid}: " + (" ".join(p.info["cmdline"] or ()) or p.info["name"] or "?")[:120]
+                        for p in leftovers})
+        print(f"\npetals-chain: killed {len(leftovers)} process(es) the suite left running:\n  " + "\n  ".join(names),
               file=sys.stderr, flush=True)
 
     def guard() -> None:
@@ -125,6 +128,30 @@ def pytest_unconfigure(config):
         os._exit(_exit_status)
 
     threading.Thread(target=guard, name="exit-guard", daemon=True).start()
+    # Past the interpreter's own shutdown (C-level exit handlers), only another process can end a hang: this one
+    # SIGKILLs us a little after the guard; .ci/run then takes the suite's status from STATUS_FILE_VAR's file.
+    status_file = os.environ.get(STATUS_FILE_VAR)
+    if status_file:
+        Path(status_file).write_text(str(_exit_status))
+        import subprocess
+
+        subprocess.Popen([sys.executable, "-c", _EXIT_WATCHDOG, str(os.getpid()), str(_EXIT_GRACE_S + 30)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+
+
+STATUS_FILE_VAR = "PETALS_CHAIN_TEST_STATUS_FILE"  # where the suite's exit status is written before exit
+_EXIT_WATCHDOG = """
+import os, signal, sys, time
+pid, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    time.sleep(1)
+os.kill(pid, signal.SIGKILL)
+"""
 
 
 def pytest_report_header(config):

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from petals_chain.algorithms.herd import GroupServer, assign_server_groups, group_burst_tolerance
+from petals_chain.algorithms.herd import (GroupServer, assign_server_groups, brute_force_server_groups,
+                                          group_burst_tolerance, solve_server_groups, split_score)
 
 
 def _servers(n: int, blocks: int = 4, throughput: float = 10.0) -> list[GroupServer]:
@@ -78,6 +79,42 @@ def test_split_properties(blocks, rates, prev, L):
         return min(group_burst_tolerance(by[o], max(demand[o], floor), L) for o in orchs)
 
     assert worst(split) >= worst(assign_server_groups(servers, demand, L, previous, max_moves=0)) - 1e-12
+
+
+@settings(max_examples=120, deadline=None)
+@given(blocks=st.lists(st.integers(0, 6), min_size=1, max_size=6), thr=st.lists(st.floats(0.5, 20), min_size=6,
+       max_size=6), rates=st.lists(st.sampled_from([0.0, 0.3, 1.0, 2.5]), min_size=1, max_size=3),
+       L=st.integers(1, 6))
+def test_the_ilp_split_equals_brute_force(blocks, thr, rates, L):
+    """HERD's ILP over server splits: as many groups with a complete copy as any split has, then the same worst
+    burst tolerance (within the solver's relative gap), never worse than the greedy split."""
+    servers = [GroupServer(f"s{i}", b, thr[i]) for i, b in enumerate(blocks)]
+    demand = {"ABC"[i]: r for i, r in enumerate(rates)}
+    split = solve_server_groups(servers, demand, L)
+    assert split is not None and set(split) == {s.peer_id for s in servers}
+    (covered, t), (want_covered, want_t) = split_score(servers, demand, L, split), brute_force_server_groups(
+        servers, demand, L)
+    assert covered == want_covered and t == pytest.approx(want_t, rel=1e-3)
+    g_covered, g_t = split_score(servers, demand, L, assign_server_groups(servers, demand, L))
+    assert (covered, t * (1 + 1e-3)) >= (g_covered, g_t)
+
+
+def test_the_ilp_moves_few_servers_and_scales():
+    import random
+
+    rng = random.Random(0)
+    servers = [GroupServer(f"s{i}", rng.randint(1, 8), rng.uniform(0.5, 20)) for i in range(40)]
+    demand = {"A": 1.0, "B": 2.0, "C": 0.5}
+    first = solve_server_groups(servers, demand, 24)
+    assert split_score(servers, demand, 24, first)[0] == 3
+    # the same inputs again: nobody moves; one orchestrator fewer: only its servers move
+    assert solve_server_groups(servers, demand, 24, first) == first
+    second = solve_server_groups(servers, {"A": 1.0, "B": 2.0}, 24, first)
+    assert all(second[s] == first[s] for s in first if first[s] != "C")
+    big = [GroupServer(f"s{i}", rng.randint(1, 8), rng.uniform(0.5, 20)) for i in range(100)]
+    t0 = time.process_time()
+    split = solve_server_groups(big, {f"o{j}": rng.uniform(0.1, 5) for j in range(5)}, 24, time_limit_s=1.0)
+    assert split is not None and time.process_time() - t0 < 5.0  # the time limit holds (plus model building)
 
 
 # ---- two orchestrators, one swarm --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -344,8 +345,7 @@ def assign_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, fl
     orchestrators = sorted(demand)
     if not orchestrators:
         return {}
-    floor = max([v for v in demand.values() if v > 0], default=1.0) * 0.05
-    need = {o: max(float(demand[o]), floor) for o in orchestrators}
+    need = _demand_with_floor(demand)
     previous = previous or {}
     groups: dict[str, list[GroupServer]] = {o: [] for o in orchestrators}
     rest = []
@@ -407,3 +407,110 @@ def assign_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, fl
         groups[high].remove(best[1])
         groups[low].append(best[1])
     return {s.peer_id: o for o in orchestrators for s in groups[o]}
+
+
+def split_score(servers: Sequence[GroupServer], demand: Mapping[str, float], num_blocks: int,
+                 split: Mapping[str, str]) -> tuple[int, float]:
+    """``(groups holding a complete copy, the lowest burst tolerance among them)`` of a split (demands floored as
+    :func:`assign_server_groups` floors them)."""
+    demand = _demand_with_floor(demand)
+    by: dict[str, list[GroupServer]] = {o: [] for o in demand}
+    for s in servers:
+        by[split[s.peer_id]].append(s)
+    covered = [o for o in demand if sum(s.blocks for s in by[o]) >= num_blocks]
+    return len(covered), min((group_burst_tolerance(by[o], demand[o], num_blocks) for o in covered), default=0.0)
+
+
+def _demand_with_floor(demand: Mapping[str, float]) -> dict[str, float]:
+    floor = max([v for v in demand.values() if v > 0], default=1.0) * 0.05
+    return {o: max(float(v), floor) for o, v in demand.items()}
+
+
+def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, float], num_blocks: int,
+                        previous: Mapping[str, str] | None = None, *, margin: float = 0.1,
+                        time_limit_s: float = 2.0, mip_rel_gap: float = 1e-4) -> dict[str, str] | None:
+    """The split of :func:`assign_server_groups` as HERD's ILP (scipy ``milp``): ``x_sj`` (server ``s`` in group
+    ``j``), ``u_j`` (group ``j`` holds a complete copy: ``sum_s blocks_s x_sj >= L u_j``) and ``t`` (the lowest
+    burst tolerance over the covered groups). First as many covered groups as the servers allow, then the highest
+    ``t``; then, with a ``previous`` split, the fewest moves that keep ``t`` within ``margin`` of it. None if the
+    solver fails (the caller falls back to the greedy split)."""
+    groups = sorted(demand)
+    if not groups:
+        return {}
+    servers = list(servers)
+    if not servers:
+        return {}
+    need = _demand_with_floor(demand)
+    S, J = len(servers), len(groups)
+    # bt normalized by the pooled tolerance (every server for all the demand), so t <= big = sum d / min d (the
+    # whole swarm for the least loaded orchestrator): big is also the tightest big-M for an uncovered group
+    pooled = sum(s.throughput for s in servers) / max(1, num_blocks) / sum(need.values())
+    scale = pooled if pooled > 0 else 1.0
+    big = max(1.0, sum(s.throughput for s in servers) / max(1, num_blocks) / min(need.values()) / scale)
+    X = lambda i, j: i * J + j  # noqa: E731
+    U = lambda j: S * J + j  # noqa: E731
+    T = S * J + J
+    nv = T + 1
+    rows: list[tuple[dict[int, float], float, float]] = []
+    for i in range(S):
+        rows.append(({X(i, j): 1.0 for j in range(J)}, 1.0, 1.0))
+    for j, o in enumerate(groups):
+        rows.append(({**{X(i, j): float(s.blocks) for i, s in enumerate(servers)}, U(j): -float(num_blocks)},
+                     0.0, np.inf))
+        # t <= bt_j / scale + big (1 - u_j)
+        coef = {X(i, j): -s.throughput / max(1, num_blocks) / need[o] / scale for i, s in enumerate(servers)}
+        rows.append(({T: 1.0, **coef, U(j): big}, -np.inf, big))
+    lb, ub = np.zeros(nv), np.ones(nv)
+    ub[T] = big
+    integrality = np.ones(nv)
+    integrality[T] = 0
+
+    def solve(objective: np.ndarray, extra: list) -> np.ndarray | None:
+        A, lo, hi = _constraint_matrix(rows + extra, nv)
+        # HiGHS (scipy 1.17) ends some small instances in "solve error" (status 4); other settings solve them
+        for extra_options in ({}, {"presolve": False}, {"presolve": False, "mip_feasibility_tolerance": 1e-7}):
+            with warnings.catch_warnings():  # options scipy does not know are passed to HiGHS, with a warning
+                warnings.simplefilter("ignore", RuntimeWarning)
+                res = milp(objective, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+                           bounds=Bounds(lb, ub), options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap,
+                                                           **extra_options})
+            if res.x is not None:
+                return res.x
+        return None
+
+    c = np.zeros(nv)
+    for j in range(J):
+        c[U(j)] = -1.0
+    x = solve(c, [])  # the most groups with a complete copy
+    if x is None:
+        return None
+    covered = int(round(sum(x[U(j)] for j in range(J))))
+    c = np.zeros(nv)
+    c[T] = -1.0
+    x = solve(c, [({U(j): 1.0 for j in range(J)}, covered, covered)]) if covered else x  # then the best worst t
+    if x is None:
+        return None
+    t_star = float(x[T])
+    prev = {s.peer_id: previous[s.peer_id] for s in servers if previous and previous.get(s.peer_id) in demand}
+    if prev:
+        stay = np.zeros(nv)
+        for i, s in enumerate(servers):
+            if s.peer_id in prev:
+                stay[X(i, groups.index(prev[s.peer_id]))] = -1.0
+        keep = [({U(j): 1.0 for j in range(J)}, covered, covered), ({T: 1.0}, t_star * (1 - margin) - 1e-12, np.inf)]
+        y = solve(stay, keep)
+        if y is not None:
+            x = y
+    return {s.peer_id: groups[int(np.argmax([x[X(i, j)] for j in range(J)]))] for i, s in enumerate(servers)}
+
+
+def brute_force_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, float],
+                              num_blocks: int) -> tuple[int, float]:
+    """The best ``(covered groups, lowest burst tolerance among them)`` over every split (tests: small only)."""
+    groups = sorted(demand)
+    need = _demand_with_floor(demand)
+    best = (0, 0.0)
+    for choice in itertools.product(groups, repeat=len(servers)):
+        score = split_score(servers, need, num_blocks, {s.peer_id: o for s, o in zip(servers, choice)})
+        best = max(best, score)
+    return best

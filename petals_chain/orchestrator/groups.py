@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Callable, Sequence
 
-from petals_chain.algorithms.herd import GroupServer, assign_server_groups
+from petals_chain.algorithms.herd import GroupServer, assign_server_groups, solve_server_groups, split_score
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,8 @@ class GroupCoordinator:
     the split. ``http_url()``: where this orchestrator's API is, for the entry."""
 
     def __init__(self, *, dht: Any, prefix: str, peers: Sequence[str], planner: Any, http_url: Callable[[], str],
-                 ttl_s: float = 6.0, refresh_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 ttl_s: float = 6.0, refresh_s: float = 1.0, margin: float = 0.1, ilp_time_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
         if not ttl_s > 0 or not refresh_s > 0:
             raise ValueError("ttl_s and refresh_s must be positive")
         self.dht = dht
@@ -43,6 +45,10 @@ class GroupCoordinator:
         self.http_url = http_url
         self.ttl_s = float(ttl_s)
         self.refresh_s = float(refresh_s)
+        self.margin = float(margin)  # a server moves only if that raises the worst burst tolerance by this much
+        self.ilp_time_s = float(ilp_time_s)
+        self._split_key: tuple | None = None
+        self.split_method = ""  # how the newest split of this leader was found: ilp | greedy
         self.clock = clock
         self.last_seen: dict[str, float] = {}  # orchestrator -> when its entry was last read (this clock)
         self.urls: dict[str, str] = {}
@@ -70,6 +76,7 @@ class GroupCoordinator:
         for o in self.split.values():
             sizes[o] = sizes.get(o, 0) + 1
         return {"me": self.me, "leader": self.leader, "epoch": self.epoch, "forwarded": self.forwarded,
+                "split_method": self.split_method,
                 "orchestrators": [{"peer_id": o, "http_url": self.urls.get(o, self.http_url() if o == self.me else ""),
                                    "arrival_rate": self.rates.get(o, 0.0), "servers": sizes.get(o, 0),
                                    "live": o in self.live()} for o in sorted(sizes)]}
@@ -90,11 +97,28 @@ class GroupCoordinator:
             out.append(GroupServer(v.peer_id, blocks, blocks / step if step > 0 else float(blocks)))
         return out
 
-    def compute_split(self, live: Sequence[str]) -> dict[str, str]:
+    async def compute_split(self, live: Sequence[str]) -> dict[str, str]:
+        """HERD's split of the servers over ``live`` orchestrators: the ILP (in a thread, ``ilp_time_s`` at most),
+        unless the greedy split beats it by more than the ILP's own move margin (or the solver fails). Solved
+        again only when the orchestrators, the servers or a demand (by a factor of about 1.4) change."""
         spec = self.planner._model_spec()
+        num_blocks = spec.num_blocks if spec is not None else 1
+        servers = self._servers()
         demand = {o: (self.planner.arrival_rate if o == self.me else self.rates.get(o, 0.0)) for o in live}
-        return assign_server_groups(self._servers(), demand, spec.num_blocks if spec is not None else 1,
-                                    previous=self.split)
+        key = (tuple(live), tuple(sorted((s.peer_id, s.blocks) for s in servers)), num_blocks,
+               tuple(round(2 * math.log2(max(demand[o], 1e-3))) for o in live))
+        if key == self._split_key:
+            return self.split
+        greedy = assign_server_groups(servers, demand, num_blocks, previous=self.split, margin=self.margin)
+        ilp = await asyncio.to_thread(solve_server_groups, servers, demand, num_blocks, self.split,
+                                      margin=self.margin, time_limit_s=self.ilp_time_s)
+        split, how = greedy, "greedy"
+        if ilp is not None:
+            (ci, ti), (cg, tg) = (split_score(servers, demand, num_blocks, x) for x in (ilp, greedy))
+            if (ci, ti * (1 + self.margin)) >= (cg, tg):
+                split, how = ilp, "ilp"
+        self._split_key, self.split_method = key, how
+        return split
 
     # ---- loop ----------------------------------------------------------------------------------
     async def step(self) -> None:
@@ -116,12 +140,12 @@ class GroupCoordinator:
                         else "", ", ".join(o[:12] for o in live))
             self.leader = leader
         if leader == self.me:
-            split = self.compute_split(live)
+            split = await self.compute_split(live)
             if split != self.split or self.epoch == 0:
                 self.epoch += 1
                 self.split = split
                 sizes = {o: sum(1 for x in split.values() if x == o) for o in live}
-                logger.info("group split epoch %d: %s", self.epoch,
+                logger.info("group split epoch %d (%s): %s", self.epoch, self.split_method,
                             ", ".join(f"{o[:12]}={n} servers" for o, n in sizes.items()))
         groups: dict[str, list[str]] = {}
         if leader == self.me:
