@@ -151,6 +151,31 @@ def test_clients_table_shows_fair_shares_and_deadline_outcomes(swarm_url):
         fx.view.update(lambda d: (d.pop("fairness", None), d.pop("deadlines", None)))
 
 
+def test_orchestrators_panel_shows_the_groups_and_only_when_there_are_some(swarm_url):
+    fx, url = swarm_url
+    a, b = "QmLeaderAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", "QmOtherBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
+    groups = {"me": b, "leader": a, "epoch": 3, "forwarded": 2, "split_method": "ilp", "orchestrators": [
+        {"peer_id": a, "http_url": "javascript:alert(1)", "arrival_rate": 1.5, "servers": 3, "live": True},
+        {"peer_id": b, "http_url": "http://10.0.0.2:8000", "arrival_rate": 0.25, "servers": 1, "live": False}]}
+    with chromium_page() as (page, errors):
+        _open(page, url)
+        page.wait_for_timeout(300)
+        assert not page.locator("#orchestrators-panel").is_visible()  # one orchestrator: nothing to show
+        fx.view.update(lambda d: d.update(groups=groups))
+        try:
+            page.wait_for_selector(f'#orchestrators-table tr[data-orchestrator="{a}"]', timeout=10_000)
+            leader = page.locator(f'#orchestrators-table tr[data-orchestrator="{a}"] td').all_inner_texts()
+            other = page.locator(f'#orchestrators-table tr[data-orchestrator="{b}"] td').all_inner_texts()
+            assert leader[1:] == ["leader", "\u2014", "3", "1.50 /s", "live"]  # a script URL is not a link
+            assert other[1:] == ["this one", "http://10.0.0.2:8000", "1", "0.25 /s", "silent"]
+            assert page.locator("#orchestrators-table a").count() == 1
+            summary = page.locator("#orchestrators-summary").inner_text()
+            assert "2 orchestrators" in summary and "epoch 3" in summary and "2 requests forwarded" in summary
+            assert errors == []
+        finally:
+            fx.view.update(lambda d: d.pop("groups", None))
+
+
 def test_phone_width_has_no_horizontal_overflow(swarm_url):
     fx, url = swarm_url
     with chromium_page({"width": 390, "height": 844}) as (page, errors):

@@ -221,6 +221,7 @@
     renderCoverage(data, servers);
     renderServers(data, servers, nowMs);
     renderClients(data);
+    renderGroups(data);
   }
 
   function trackDepartures(servers, nowMs) {
@@ -673,6 +674,34 @@
     });
     if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 9, class: "muted", text: "No client has sent a request yet." }))];
     var tbody = $("clients-table").tBodies[0];
+    tbody.replaceChildren.apply(tbody, rows);
+  }
+
+  // Several orchestrators on one swarm (HERD groups): who leads, each one's group size, arrival rate and URL.
+  function renderGroups(data) {
+    var groups = data.groups && typeof data.groups === "object" ? data.groups : null;
+    $("orchestrators-panel").hidden = groups === null;
+    if (groups === null) return;
+    var orchs = arr(groups.orchestrators).filter(function (o) { return o && typeof o === "object"; });
+    var parts = [orchs.length + " orchestrators", "split epoch " + (int(groups.epoch) || 0)];
+    if (groups.split_method) parts.push(str(groups.split_method));
+    if (int(groups.forwarded)) parts.push(int(groups.forwarded) + " requests forwarded");
+    $("orchestrators-summary").textContent = parts.join(" \u00b7 ");
+    var rows = orchs.map(function (o) {
+      var role = [];
+      if (o.peer_id === groups.leader) role.push("leader");
+      if (o.peer_id === groups.me) role.push("this one");
+      var rate = num(o.arrival_rate);
+      var url = /^https?:\/\//.test(str(o.http_url)) ? str(o.http_url) : "";  // a link only to an http(s) URL
+      return el("tr", { "data-orchestrator": str(o.peer_id) },
+        el("td", { "data-label": "peer id" }, el("span", { title: str(o.peer_id), text: shortId(str(o.peer_id)) })),
+        el("td", { "data-label": "role" }, el("span", { text: role.join(", ") || "\u2014" })),
+        el("td", { "data-label": "API" }, url ? el("a", { href: url, text: url }) : el("span", { class: "muted", text: "\u2014" })),
+        el("td", { "data-label": "servers", class: "num" }, el("span", { text: String(int(o.servers) || 0) })),
+        el("td", { "data-label": "arrival rate", class: "num" }, el("span", { text: rate === null ? "\u2014" : rate.toFixed(2) + " /s" })),
+        el("td", { "data-label": "state" }, el("span", { class: o.live ? "" : "muted", text: o.live ? "live" : "silent" })));
+    });
+    var tbody = $("orchestrators-table").tBodies[0];
     tbody.replaceChildren.apply(tbody, rows);
   }
 
