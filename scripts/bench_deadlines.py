@@ -9,13 +9,20 @@ open-loop (Poisson) at ``--overload`` x the swarm's capacity ``sum c_k / S``, ea
 * ``fcfs`` — ``--schedule fcfs`` and every request ``best_effort``: the behaviour before deadlines existed (FIFO,
   every request served however late; the outcome is only measured);
 * ``edf`` — ``--schedule edf``: earliest deadline first, a request predicted to miss refused at once (429
-  ``deadline_unreachable``), a queued one whose deadline passed dropped (504).
+  ``deadline_unreachable``), a queued one whose deadline passed dropped (504);
+* ``flex`` — ``--schedule flex``: ``edf``, and a request that would miss takes the slot of a running request
+  without a deadline, paused between two steps and resumed later (seed 003's best-effort lane).
+
+``--background N`` adds N clients that send long requests without a deadline (``--background-tokens`` each) in a
+closed loop for the whole window, the batch work that shares the swarm with the interactive requests: their
+completed tokens per second are printed too (what pausing costs them).
 
 Printed per mode: goodput (requests that met their deadline per second of the arrival window), SLO attainment over
 all requests, refused / dropped / missed, and how fast refusals came back (client-side round trip); the ratio of
 goodputs is the acceptance number (seed 003: FLEX goodput >= 1.5x FCFS-JFFC at 2x overload).
 
     python scripts/bench_deadlines.py [--model PATH|smollm2-135m] [--duration-s 40] [--overload 2] [--slo 4]
+    python scripts/bench_deadlines.py --modes edf,flex --background 2 --kv-cache paged ...
 """
 
 from __future__ import annotations
@@ -56,11 +63,44 @@ async def replay(url: str, model: str, plan: list[float], body: dict) -> list[di
         return await asyncio.gather(*(one(t) for t in plan))
 
 
+async def background(url: str, model: str, clients: int, body: dict, duration_s: float) -> dict:
+    """``clients`` closed loops of long requests without a deadline for ``duration_s``: tokens of the requests
+    completed within the window, and how many completed."""
+    import httpx
+
+    done = {"requests": 0, "tokens": 0, "errors": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as c:
+        t0 = time.perf_counter()
+
+        async def loop() -> None:
+            while time.perf_counter() - t0 < duration_s:
+                r = await c.post("/v1/completions", json={"model": model, **body})
+                if time.perf_counter() - t0 > duration_s:
+                    return
+                if r.status_code == 200:
+                    done["requests"] += 1
+                    done["tokens"] += r.json()["usage"]["completion_tokens"]
+                else:
+                    done["errors"] += 1
+
+        await asyncio.gather(*(loop() for _ in range(clients)))
+    return done
+
+
+async def run_mode(url: str, model: str, plan: list[float], body: dict, clients: int, bg_body: dict,
+                   duration_s: float) -> tuple[list[dict], dict]:
+    bg = asyncio.ensure_future(background(url, model, clients, bg_body, duration_s)) if clients else None
+    if bg is not None:
+        await asyncio.sleep(min(2.0, duration_s / 10))  # the batch work is running when interactive requests come
+    res = await replay(url, model, plan, body)
+    return res, (await bg if bg is not None else {})
+
+
 def start_swarm(args, schedule: str, logs: str):
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for, model_memory
 
     L, _, _ = model_memory(args.model, args.max_length)
-    extra = ("--kv-cache", "slots", "--emulate-rtt-ms", str(args.rtt_ms))
+    extra = ("--kv-cache", args.kv_cache, "--emulate-rtt-ms", str(args.rtt_ms))
     servers = [LocalServer(f"s{i}", memory_for(args.model, args.max_length, L, args.slots), extra_args=extra)
                for i in range(args.servers)]
     return LocalSwarm(args.model, servers, max_length=args.max_length, arrival_rate=1.0, log_dir=logs,
@@ -89,7 +129,12 @@ def main() -> int:
     p.add_argument("--overload", type=float, default=2.0, help="offered load / capacity")
     p.add_argument("--slo", type=float, default=4.0, help="deadline = SLO x the service time alone")
     p.add_argument("--duration-s", type=float, default=40.0, help="arrival window per mode")
-    p.add_argument("--modes", default="fcfs,edf")
+    p.add_argument("--modes", default="fcfs,edf", help="comma-separated: fcfs, edf, flex")
+    p.add_argument("--background", type=int, default=0, metavar="N", help="clients of long requests without a "
+                                                                          "deadline, in a closed loop")
+    p.add_argument("--background-tokens", type=int, default=96)
+    p.add_argument("--kv-cache", choices=["slots", "paged"], default="slots",
+                   help="the servers' KV cache (paged keeps a paused request's KV as a cached prefix)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw results here")
     args = p.parse_args()
@@ -122,7 +167,8 @@ def main() -> int:
             sw.wait_ready(timeout=900)
             print(f"--schedule {mode}: {len(plan)} requests over {args.duration_s:g} s ...", flush=True)
             t0 = time.perf_counter()
-            res = asyncio.run(replay(sw.url, model, plan, body))
+            bg_body = {**base, "max_tokens": args.background_tokens}
+            res, bg = asyncio.run(run_mode(sw.url, model, plan, body, args.background, bg_body, args.duration_s))
             wall = time.perf_counter() - t0
             server_side = sw.swarm()["deadlines"]
         outs = [outcome(r) for r in res]
@@ -134,7 +180,9 @@ def main() -> int:
                  refusal_ms_p99=float(np.percentile(refusal_ms, 99)) if refusal_ms else None,
                  refusal_ms_max=max(refusal_ms) if refusal_ms else None,
                  met_latency_p50_s=statistics.median([r["latency"] for r, o in zip(res, outs) if o == "met"] or [0]),
-                 server_side=server_side)
+                 background_tokens_per_s=bg.get("tokens", 0) / args.duration_s,
+                 background_requests=bg.get("requests", 0), background_errors=bg.get("errors", 0),
+                 paused=server_side.get("paused", 0), server_side=server_side)
         runs[mode], summ[mode] = res, s
     first = summ[modes[0]]
     print(f"\n{'':32s}" + "".join(f"{m:>12s}" for m in modes))
@@ -147,7 +195,10 @@ def main() -> int:
             ("refusal round trip p50 (ms)", lambda s: s["refusal_ms_p50"]),
             ("refusal round trip p99 (ms)", lambda s: s["refusal_ms_p99"]),
             ("refusal round trip max (ms)", lambda s: s["refusal_ms_max"]),
-            ("met: latency p50 (s)", lambda s: s["met_latency_p50_s"]))
+            ("met: latency p50 (s)", lambda s: s["met_latency_p50_s"]),
+            ("requests paused (flex)", lambda s: s["paused"]),
+            ("background: tokens/s", lambda s: s["background_tokens_per_s"]),
+            ("background: requests done", lambda s: s["background_requests"]))
     for name, f in rows:
         vals = [f(summ[m]) for m in modes]
         print(f"{name:32s}" + "".join(f"{'-':>12s}" if v is None else f"{v:12.3f}" for v in vals))

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from petals_chain.algorithms.edf import ChainLoad, EDFQueue, predict
+from petals_chain.algorithms.edf import ChainLoad, EDFQueue, Preemptible, flex_victim, predict
 from petals_chain.model import Chain
 from petals_chain.orchestrator.auth import KeyFileError, KeyRing
 from petals_chain.orchestrator.deadlines import DeadlineBook, RequestDeadline
@@ -106,6 +106,58 @@ def test_edf_dispatch_starts_the_earliest_deadline_and_refuses_the_doomed():
             t.cancel()
         await asyncio.gather(ok, be, return_exceptions=True)
         assert dm.queue_length == 0
+
+    asyncio.run(main())
+
+
+def test_flex_victim_pauses_the_newest_job_where_the_deadline_is_met_soonest():
+    slow = ChainLoad(capacity=2, active=2, job_s=3.4, step_s=0.2)
+    fast = ChainLoad(capacity=2, active=2, job_s=1.7, step_s=0.1)
+    running = [Preemptible(0, 1.0, "s-old"), Preemptible(1, 1.0, "f-old"), Preemptible(1, 5.0, "f-new")]
+    # 16 tokens within 2 s: waiting for a slot (0.85 s at the queue's rate) would miss, a slot now makes it
+    doomed = predict(0.0, [slow, fast], 0, 16, deadline=2.0)
+    assert doomed.doomed
+    victim, pred = flex_victim(0.0, [slow, fast], running, 0, 16, deadline=2.0)
+    assert victim.ref == "f-new" and not pred.doomed and pred.total_s == pytest.approx(1.7)
+    # only the slow chain has a job to pause: 17 steps of 0.2 s miss 2 s, so nobody is paused
+    assert flex_victim(0.0, [slow, fast], running[:1], 0, 16, deadline=2.0) is None
+    # a slot already freed on the fast chain for an earlier job (ahead of this one) is not this job's
+    assert flex_victim(0.0, [slow, fast], running, 1, 16, deadline=2.0, promised=[0, 1])[0].ref == "f-new"
+    assert flex_victim(0.0, [slow, fast], running, 2, 16, deadline=2.0, promised=[0, 1]) is None
+    assert flex_victim(0.0, [slow, fast], [], 0, 16, deadline=2.0) is None
+
+
+def test_flex_dispatch_pauses_a_job_without_deadline_and_requeues_it_after_the_deadlines():
+    async def main():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 17.0)  # step 0.1 s, a job 1.7 s
+        dm.set_chains(_chains())
+        background = await dm.acquire(_job(0))  # no deadline: preemptible
+        later = asyncio.ensure_future(dm.acquire(_job(1)))  # another without one, queued
+        await asyncio.sleep(0)
+        # a first token within 300 ms: doomed behind the running job (edf refuses), met with its slot (flex)
+        urgent = asyncio.ensure_future(dm.acquire(_job(2, RequestDeadline.from_ms("x", None, 300))))
+        await asyncio.sleep(0)
+        assert not urgent.done() and background.preempt and dm.flex_preemptions == 1 and dm.deadline_refused == 0
+        # the paused job gives its slot back (at its next step) and queues again: after the deadline job, before
+        # the job without one that arrived before it was paused
+        dm.release(background)
+        await asyncio.sleep(0)
+        assert urgent.done() and urgent.result().job.job_id == "j2"
+        resumed = asyncio.ensure_future(dm.acquire(DispatchJob(job_id="j0", requeue=True, yields=True)))
+        await asyncio.sleep(0)
+        dm.release(urgent.result())
+        await asyncio.sleep(0)
+        assert resumed.done() and not later.done()
+        # a second doomed job finds nothing to pause but the resumed job... which has no deadline either: paused
+        again = asyncio.ensure_future(dm.acquire(_job(3, RequestDeadline.from_ms("x", None, 300))))
+        await asyncio.sleep(0)
+        assert resumed.result().preempt and dm.flex_preemptions == 2
+        # a job with a deadline is never paused: a third urgent one behind the second is refused
+        with pytest.raises(DeadlineUnreachable):
+            await dm.acquire(_job(4, RequestDeadline.from_ms("x", None, 300)))
+        for t in (later, again):
+            t.cancel()
+        await asyncio.gather(later, again, return_exceptions=True)
 
     asyncio.run(main())
 

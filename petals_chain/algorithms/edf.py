@@ -140,3 +140,69 @@ def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: 
                                                    f"{total * 1000:.0f} ms exceeds deadline_ms "
                                                    f"{(deadline - now) * 1000:.0f}")
     return Prediction(wait, ttft, total, False)
+
+
+@dataclass(frozen=True)
+class Preemptible:
+    """A running job without a deadline (or best effort): ``chain`` index, ``started`` (seconds, the caller's
+    clock), ``ref`` (the caller's handle)."""
+
+    chain: int
+    started: float
+    ref: Any = None
+
+
+def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preemptible], ahead: int,
+                output_tokens: int, *, ttft_deadline: float = math.inf, deadline: float = math.inf,
+                promised: Sequence[int] = ()) -> tuple[Preemptible, Prediction] | None:
+    """FLEX's best-effort lane on chains (seed 003, Shepherd's value-0 requests, docs/scheduling-seeds.md §3.7):
+    a new job that :func:`predict` dooms may take the slot of a running job without a deadline, paused between
+    two steps and resumed later. Returns the job to pause and the new job's prediction with that slot, or None if
+    no pause makes it meet its deadlines.
+
+    The slot is looked for chain by chain (the new job then waits only for that chain: ``ahead`` jobs before it,
+    ``promised[k]`` slots of chain ``k`` already freed by earlier pauses and not yet taken); the chain where the
+    job would finish first wins, and there the job started last is paused (it has the least progress at stake).
+    Shepherd's ``|B_g| >= lambda |B_c|`` rule does not apply here: a best-effort job's value is 0, so any batch
+    that meets its deadlines is worth more (Alg. 2's best-effort lane, as in ``algorithms.deadlines``)."""
+    best: tuple[float, Preemptible, Prediction] | None = None
+    by_chain: dict[int, list[Preemptible]] = {}
+    for r in running:
+        by_chain.setdefault(r.chain, []).append(r)
+    for k, jobs in sorted(by_chain.items()):
+        if not 0 <= k < len(chains):
+            continue
+        c = chains[k]
+        held = list(promised[k:k + 1]) or [0]
+        freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held[0] - 1), job_s=c.job_s,
+                          step_s=c.step_s)
+        pred = predict(now, [freed], ahead, output_tokens, ttft_deadline=ttft_deadline, deadline=deadline)
+        if pred.doomed:
+            continue
+        victim = max(jobs, key=lambda r: r.started)
+        if best is None or pred.total_s < best[0]:
+            best = (pred.total_s, victim, pred)
+    return None if best is None else (best[1], best[2])
+
+
+def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: Sequence[float], ahead: int,
+                         output_tokens: int, *, ttft_deadline: float = math.inf,
+                         deadline: float = math.inf) -> Prediction:
+    """A pessimistic twin of :func:`predict` for ``--schedule flex``: the running jobs free their slots when their
+    own remaining work is done (``remaining_s``, from the most tokens each may still generate), not at the queue's
+    mean rate, so a few long jobs without deadlines show as the obstacle they are. The new job gets the slot freed
+    ``ahead``-th (free slots first), then runs at the fastest chain's step."""
+    usable = [c for c in chains if c.capacity > 0 and 0 < c.step_s <= c.job_s < math.inf]
+    has_deadline = math.isfinite(ttft_deadline) or math.isfinite(deadline)
+    if not usable:
+        return Prediction(math.inf, math.inf, math.inf, has_deadline, "no chain serves this model yet")
+    free = sum(max(0, c.capacity - c.active) for c in usable)
+    frees = [0.0] * free + sorted(max(0.0, r) for r in remaining_s)
+    wait = frees[ahead] if ahead < len(frees) else math.inf
+    step = min(c.step_s for c in usable)
+    ttft, total = wait + step, wait + step * (1 + int(output_tokens))
+    if now + ttft > ttft_deadline:
+        return Prediction(wait, ttft, total, True, f"the running jobs free a slot in {wait * 1000:.0f} ms")
+    if now + total > deadline:
+        return Prediction(wait, ttft, total, True, f"the running jobs free a slot in {wait * 1000:.0f} ms")
+    return Prediction(wait, ttft, total, False)

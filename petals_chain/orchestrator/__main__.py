@@ -183,10 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "002), d2lpm (dlpm per chain, requests bound to the chain holding their prefix), d-vtc, "
                         "rr-lpm. auto: dlpm with --api-keys, else fcfs")
     p.add_argument("--schedule", default="fcfs", choices=list(SCHEDULES),
-                   help="the central queue's order: fcfs (the paper's FIFO) or edf (earliest deadline first: requests "
+                   help="the central queue's order: fcfs (the paper's FIFO), edf (earliest deadline first: requests "
                         "with deadline_ms / ttft_deadline_ms, or their API key's defaults, go first; needs "
-                        "--fairness fcfs). Either way a request whose deadline the queue and the chains' speed say it "
-                        "cannot meet is refused at once (429 deadline_unreachable) unless it asks for best_effort")
+                        "--fairness fcfs) or flex (edf, and a request that would miss its deadline takes the slot of "
+                        "a running request without one, paused between two steps and resumed later; seed 003's "
+                        "best-effort lane). A request whose deadline the queue and the chains' speed say it cannot "
+                        "meet is refused at once (429 deadline_unreachable) unless it asks for best_effort")
     p.add_argument("--fairness-quantum", type=_auto_or_positive_float, default=None, metavar="auto|X",
                    help="DLPM's quantum Q^u in service units (a client's credit per round); auto: 4x the median "
                         "request's cost over the last 256 requests")

@@ -487,7 +487,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "audit": self.auditor.json(),
             "groups": self.groups.json() if self.groups is not None else None,
             "fairness": self.shares.json(self.dispatch.waiting_jobs()),
-            "deadlines": {"schedule": self.cfg.schedule, **self.deadlines.json()},
+            "deadlines": {"schedule": self.cfg.schedule, **self.deadlines.json(), "paused": self.stats.pauses},
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,
             # maxima and counts since start (exact, unlike samples of queue_length): queue_max <= max_queue
             "queue_max": self.dispatch.queue_max, "max_queue": self.dispatch.max_queue,

@@ -20,11 +20,13 @@ import contextvars
 import itertools
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from petals_chain.algorithms.edf import ChainLoad, EDFQueue, Prediction, predict
+from petals_chain.algorithms.edf import (ChainLoad, EDFQueue, Preemptible, Prediction, flex_victim, predict,
+                                        predict_from_running)
 from petals_chain.algorithms.prefix_locality import PrefixDirectory
 from petals_chain.model import Chain
 from petals_chain.orchestrator.fairness import ClientShares
@@ -67,11 +69,21 @@ class DispatchJob:
     fair: Any = None
     deadline: Any = None
     output_tokens: int = 0
+    yields: bool = False  # paused for a deadline (--schedule flex): back in the queue, after every deadline
 
     @property
     def order_key(self) -> float:
-        """EDF's key: the job's earliest deadline (``inf``: none, after every job with one)."""
-        return self.deadline.order_key if self.deadline is not None else math.inf
+        """EDF's key: the job's earliest deadline (``inf``: none, after every job with one; a job paused for a
+        deadline just before those, so it resumes before new jobs without one)."""
+        if self.deadline is not None:
+            return self.deadline.order_key
+        return sys.float_info.max if self.yields else math.inf
+
+    @property
+    def preemptible(self) -> bool:
+        """No deadline of its own (or best effort): ``--schedule flex`` may pause it for one that has."""
+        dl = self.deadline
+        return dl is None or not dl.active or dl.best_effort
 
 
 class ChainPrefixes:
@@ -155,6 +167,8 @@ class Lease:
     generation: int
     chain_id: int
     released: bool = False
+    preempt: bool = False  # --schedule flex: give the chain back at the next step (a deadline job takes it)
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def hops(self) -> list[tuple[str, int, int]]:
@@ -163,7 +177,7 @@ class Lease:
 
 
 DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq", "petals", "bprr")  # petals, bprr: routed.py
-SCHEDULES = ("fcfs", "edf")  # the central queue's order (--schedule)
+SCHEDULES = ("fcfs", "edf", "flex")  # the central queue's order (--schedule); flex: edf + pausing jobs without one
 PLACEMENT_POLICIES = ("gbp-cr", "whole-model", "petals", "bprr")
 
 
@@ -235,9 +249,9 @@ class DispatchManager:
                                  f"{shares.policy.name} by client shares: choose one (--fairness fcfs with --schedule "
                                  f"{schedule})")
             factory = fair_factory(shares)
-        if factory is None and schedule == "edf":
+        if factory is None and schedule in ("edf", "flex"):
             if policy != "jffc":
-                raise ValueError(f"--schedule edf needs the central queue of JFFC, not dispatch {policy!r}")
+                raise ValueError(f"--schedule {schedule} needs the central queue of JFFC, not dispatch {policy!r}")
             factory = jffc_factory(lambda: EDFQueue(key=lambda job: job.order_key))
         self.factory = factory or dispatcher_factory(policy)
         self.policy = policy
@@ -261,6 +275,7 @@ class DispatchManager:
         self.queue_max = 0
         self.refused = 0
         self.deadline_refused = 0
+        self.flex_preemptions = 0  # running jobs paused so that a deadline job could take their slot
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -439,13 +454,16 @@ class DispatchManager:
             dl = job.deadline
             if not job.requeue and dl is not None and dl.active and not dl.best_effort:
                 pred = self.predict(job)
-                if pred.doomed:
+                # flex: a job that would miss (by the queue's rate, or waiting for the running jobs' own remaining
+                # work) takes the slot of a job without a deadline if that saves it; else edf's rule
+                paused = self.schedule == "flex" and (pred.doomed or self._misses_waiting(job)) and self._pause_for(job)
+                if pred.doomed and not paused:
                     self.deadline_refused += 1
                     raise DeadlineUnreachable(pred)
-            if job.requeue:
+            if job.requeue and not job.yields:
                 self._arrive_requeued(job)
             else:
-                self._arrive(job, bounded=True)
+                self._arrive(job, bounded=not job.requeue)
         except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
             if isinstance(e, QueueFull):
@@ -485,23 +503,71 @@ class DispatchManager:
         if nxt is not None:
             self._start(nxt, lease.index, queued=True)
 
-    def predict(self, job: DispatchJob, now: float | None = None) -> Prediction:
-        """When ``job`` would get its first and last token if it arrived now (:func:`~petals_chain.algorithms.edf.
-        predict`): the jobs served before it are the re-queue lane and, in the queue, every job (``fcfs``) or those
-        with an earlier or equal deadline (``edf``)."""
-        now = time.monotonic() if now is None else now
+    def _loads(self, job: DispatchJob) -> tuple[list[ChainLoad], int]:
+        """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before
+        ``job``: the re-queue lane and, in the queue, every job (``fcfs``) or those with an earlier or equal deadline
+        (``edf``, ``flex``)."""
         spj = max(1.0, float(self.steps_per_job()))
         chains = [ChainLoad(capacity=int(ch.capacity), active=self.active(k), job_s=ch.service_time,
                             step_s=ch.service_time / spj) for k, ch in enumerate(self.chains)]
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         ahead = len(self._lane) + len(self._pending)
-        if self.schedule == "edf" and isinstance(q, EDFQueue):
+        if self.schedule in ("edf", "flex") and isinstance(q, EDFQueue):
             ahead += q.ahead_of(job.order_key)
         else:
             ahead += self.queue_length - len(self._pending)
+        return chains, ahead
+
+    def predict(self, job: DispatchJob, now: float | None = None) -> Prediction:
+        """When ``job`` would get its first and last token if it arrived now (:func:`~petals_chain.algorithms.edf.
+        predict`, with the jobs :meth:`_loads` counts before it)."""
+        chains, ahead = self._loads(job)
         dl = job.deadline
-        return predict(now, chains, ahead, job.output_tokens, ttft_deadline=dl.ttft_deadline if dl else math.inf,
-                       deadline=dl.deadline if dl else math.inf)
+        return predict(time.monotonic() if now is None else now, chains, ahead, job.output_tokens,
+                       ttft_deadline=dl.ttft_deadline if dl else math.inf, deadline=dl.deadline if dl else math.inf)
+
+    def _misses_waiting(self, job: DispatchJob) -> bool:
+        """True if ``job`` misses a deadline waiting for a slot that the running jobs free when their remaining work
+        (at most their ``expected_output`` tokens) is done (:func:`~petals_chain.algorithms.edf.predict_from_running`)."""
+        chains, ahead = self._loads(job)
+        now = time.monotonic()
+        remaining = []
+        for lease in self._running.values():
+            if lease.generation != self.generation or not 0 <= lease.index < len(chains):
+                continue
+            step = chains[lease.index].step_s
+            remaining.append((1 + lease.job.expected_output) * step - (now - lease.started))
+        dl = job.deadline
+        return predict_from_running(now, chains, remaining, ahead, job.output_tokens, ttft_deadline=dl.ttft_deadline,
+                                    deadline=dl.deadline).doomed
+
+    def _pause_for(self, job: DispatchJob) -> bool:
+        """``--schedule flex``: mark a running job without a deadline to give its chain back at its next step, if
+        that lets ``job`` meet its deadlines (:func:`~petals_chain.algorithms.edf.flex_victim`); True if one was."""
+        promised: dict[int, int] = {}
+        running = []
+        for lease in self._running.values():
+            if lease.generation != self.generation:
+                continue
+            if lease.preempt:
+                promised[lease.index] = promised.get(lease.index, 0) + 1
+            elif lease.job.preemptible:
+                running.append(Preemptible(chain=lease.index, started=lease.started, ref=lease))
+        if not running:
+            return False
+        chains, ahead = self._loads(job)
+        dl = job.deadline
+        found = flex_victim(time.monotonic(), chains, running, ahead, job.output_tokens,
+                            ttft_deadline=dl.ttft_deadline, deadline=dl.deadline,
+                            promised=[promised.get(k, 0) for k in range(len(chains))])
+        if found is None:
+            return False
+        victim = found[0].ref
+        victim.preempt = True
+        self.flex_preemptions += 1
+        logger.info("flex: job %s pauses job %s on chain %d (predicted last token in %.2f s)", job.job_id,
+                    victim.job.job_id, victim.index, found[1].total_s)
+        return True
 
     def waiting_jobs(self) -> list[DispatchJob]:
         """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane)."""

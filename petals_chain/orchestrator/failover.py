@@ -64,6 +64,8 @@ class ChainHolder:
         self.steps = 0
         self.failovers = 0
         self.preemptions = 0  # times the job gave its chain back because a hop had no pages to grow it
+        self.paused = 0  # times it gave its chain back to a deadline job (--schedule flex)
+        self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
         self.closed = False
         self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
         # (sibling, tokens): a sibling whose first `tokens` KV this job may copy if it lands on the same chain
@@ -116,7 +118,7 @@ class ChainHolder:
                               prefer=orch.prefix_directory.preferred(named) if named else (), client=self.client,
                               input_tokens=max(0, need - paid),
                               matched={k: max(0, n - paid) for k, n in matched.items()},
-                              expected_output=max(0, self.max_length - need))
+                              expected_output=max(0, self.max_length - need), yields=self.yields)
             dl = DEADLINE.get() if not self.admitted else None
             if dl is not None and dl.active:
                 job.deadline, job.output_tokens = dl, max(0, self.max_length - need)
@@ -138,7 +140,7 @@ class ChainHolder:
             except DeadlineUnreachable as e:
                 orch.deadlines.settle(dl, "refused")
                 raise RequestError(str(e), status=429, code="deadline_unreachable") from None
-            self.admitted = True
+            self.admitted, self.yields = True, False
             shares = getattr(orch, "shares", None)
             if auditor is not None and auditor.tainted(lease.hops):  # a plan from before a ban: wait for the next
                 if shares is not None:
@@ -275,6 +277,8 @@ class ChainHolder:
             raise RequestError(f"sequence would exceed max_length={self.max_length}", code="context_length_exceeded")
         budget = [self.orch.cfg.max_failovers]  # hop and chain failovers of this call, together
         while True:
+            if self.lease is not None and self.lease.preempt:
+                await self._pause()
             full = self.kv_ids + list(new_ids)
             # prompt logprobs need every position's output: nothing may come from a prefix cache
             await self._ensure_chain(prompt=None if all_positions else full, need=len(full))
@@ -348,6 +352,17 @@ class ChainHolder:
         logger.info("job %s: preempted at %d tokens (%s); resuming on a chain with room", self.job_id,
                     len(self.kv_ids), e)
         self.kv_valid = min(self.kv_valid, len(self.kv_ids))
+        await self._drop()
+
+    async def _pause(self) -> None:
+        """A deadline job needs this job's slot (``--schedule flex``): give the chain back between two steps, as
+        :meth:`_preempt` does (the servers keep the KV as cached prefixes), and queue again after the deadline
+        jobs. It resumes where it was, reusing what is still cached; the output is the same."""
+        self.paused += 1
+        self.orch.stats.add_pause()
+        logger.info("job %s: paused at %d tokens for a job with a deadline", self.job_id, len(self.kv_ids))
+        self.kv_valid = min(self.kv_valid, len(self.kv_ids))
+        self.yields = True
         await self._drop()
 
     async def _chain_failed(self, e: HopFailure, budget: list[int], replay_tokens: int) -> None:

@@ -348,9 +348,11 @@ class Planner:
         return max(int(r.slots_total), jobs_in_budget(r.cache_tokens_total, job))
 
     def _chains_key(self, views: Sequence[ServerView]) -> tuple:
-        """What GCA on the online servers depends on besides the placement: their capacities (and ``L^``)."""
-        return (self.job_tokens.value,) + tuple(sorted((v.peer_id, v.record.slots_total, v.record.cache_tokens_total)
-                                                       for v in views))
+        """What GCA on the online servers depends on besides the placement: ``L^``, the steps per job (by steps of
+        25 %: ``tau_c`` and the chains' service times scale with it) and the servers' capacities."""
+        spj = round(math.log(max(1.0, self.steps_per_job)) / math.log(1.25))
+        return (self.job_tokens.value, spj) + tuple(sorted((v.peer_id, v.record.slots_total,
+                                                            v.record.cache_tokens_total) for v in views))
 
     def full_plan(self, views: Sequence[ServerView]) -> Plan | None:
         """c* by the Theorem 3.7 lower bound over GBP-CR + GCA on ``views`` (or the configured placement)."""
@@ -675,8 +677,13 @@ class Planner:
         # Chains follow the servers that are online now.
         key = self._chains_key(self.online_views())
         if key != self._gca_key:
-            self._recompute_chains("servers online changed" if self._gca_key is None or key[1:] != self._gca_key[1:]
-                                   else f"expected tokens per job L^ = {key[0]}")
+            if self._gca_key is None or key[2:] != self._gca_key[2:]:
+                why = "servers online changed"
+            elif key[0] != self._gca_key[0]:
+                why = f"expected tokens per job L^ = {key[0]}"
+            else:
+                why = f"steps per job {self.steps_per_job:.1f} (chains' service times)"
+            self._recompute_chains(why)
         elif speed_changed:
             self._recompute_chains("measured speed of " + ", ".join(p[:12] for p in speed_changed))
         # Servers without blocks (new, or left over by GBP-CR) are considered once each, then again only

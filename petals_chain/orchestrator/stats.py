@@ -25,6 +25,7 @@ class Stats:
         self.open_waits = 0  # chain opens a server refused for KV memory, retried as a wait in its FIFO
         self.extensions = 0  # jobs' chains asked to hold more tokens than opened for (granted)
         self.preemptions = 0  # jobs that gave their chain back for lack of pages to grow, resumed later
+        self.pauses = 0  # jobs without a deadline that gave their chain to one with a deadline (--schedule flex)
         self.prompt_tokens = 0
         self.prefix_hits = 0  # chains opened on a prompt prefix their servers held in their prefix caches
         self.prefix_cached_tokens = 0  # prompt tokens those chains did not compute
@@ -90,6 +91,8 @@ class Stats:
         self.m_preemptions = Counter("petals_chain_preemptions", "Jobs that outgrew their reservation on a hop "
                                      "without free pages: chain given back, resumed later (cached KV reused)",
                                      registry=r)
+        self.m_pauses = Counter("petals_chain_flex_pauses", "Jobs without a deadline paused between two steps so that "
+                                "a job with one could take their slot (--schedule flex), resumed later", registry=r)
         self.m_job_tokens = Gauge("petals_chain_expected_job_tokens", "L^: expected KV tokens per job that paged "
                                   "servers' chain capacities count (mean declared length of recent jobs)", registry=r)
         self.m_servers = Gauge("petals_chain_servers", "Known servers by state", ["state"], registry=r)
@@ -217,6 +220,10 @@ class Stats:
     def add_preemption(self) -> None:
         self.preemptions += 1
         self.m_preemptions.inc()
+
+    def add_pause(self) -> None:
+        self.pauses += 1
+        self.m_pauses.inc()
 
     def add_replay(self, kind: str, *, tokens: int, token_blocks: int) -> None:
         """A failover (``kind``: partial|full) re-fed ``tokens`` positions, ``token_blocks`` tokens x blocks."""

@@ -653,6 +653,7 @@
     if (quantum !== null && fair.policy !== "fcfs") parts.push("Q\u1d58 " + Math.round(quantum) + (fair.quantum_mode === "auto" ? " (auto)" : ""));
     parts.push("Jain " + (jain === null ? "\u2014" : jain.toFixed(3)));
     if (dls.schedule) parts.push("schedule " + str(dls.schedule));
+    if (int(dls.paused)) parts.push(int(dls.paused) + " paused for deadlines");
     var goodput = num(dls.goodput_per_s);
     if (goodput !== null && deadlineCell(dls) !== "\u2014") parts.push("goodput " + goodput.toFixed(2) + " /s");
     $("clients-summary").textContent = parts.join(" \u00b7 ");
