@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.herd import GroupServer, assign_server_groups, solve_server_groups, split_score
+from petals_chain.swarm.periodic import run_every
 
 logger = logging.getLogger(__name__)
 
@@ -163,12 +164,4 @@ class GroupCoordinator:
         self.planner.group = self.members()
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.step()
-            except Exception:  # noqa: BLE001 - one bad round must not end the groups
-                logger.exception("orchestrator group round failed")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.refresh_s)
-            except asyncio.TimeoutError:
-                pass
+        await run_every(stop, self.refresh_s, self.step, logger, "orchestrator group round")

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
 from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
+from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.reachability import is_circuit
 
 logger = logging.getLogger(__name__)
@@ -747,18 +748,13 @@ class Planner:
             for task in list(self._reach_tasks.values()):
                 task.cancel()
 
+    async def _round(self) -> None:
+        await self.refresh()
+        if self.assignment and time.monotonic() - self.last_publish > self.assignment_expiration_s / 3:
+            await self._publish_assignment()
+
     async def _run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.refresh()
-                if self.assignment and time.monotonic() - self.last_publish > self.assignment_expiration_s / 3:
-                    await self._publish_assignment()
-            except Exception:  # noqa: BLE001 - the planner must outlive any one bad refresh
-                logger.exception("planner refresh failed")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.refresh_s)
-            except asyncio.TimeoutError:
-                pass
+        await run_every(stop, self.refresh_s, self._round, logger, "planner refresh")
 
     def server_json(self, active_by_peer: dict[str, int] | None = None) -> list[dict]:
         out = []

@@ -334,21 +334,28 @@ class SwarmDHT:
             raise ValueError("record.orchestrator_peer_id must be this node's peer id")
         return self._store(assignment_key(prefix), record.to_value(), expiration_s, return_future)
 
-    def _parse_assignment(self, result, trusted: Iterable[str], peer_id: Optional[str] = None
-                          ) -> Optional[AssignmentRecord]:
+    def _trusted_records(self, result, trusted: Iterable[str], model: Any, what: str) -> list[tuple[str, Any]]:
+        """``(owner peer id, record)`` for each entry of a DHT get result written by a ``trusted`` orchestrator, valid
+        as ``model`` and naming its writer as ``orchestrator_peer_id`` (forged and malformed entries are dropped)."""
         trusted = set(trusted)
-        best: Optional[AssignmentRecord] = None
-        mine: Optional[AssignmentRecord] = None  # the newest that gives ``peer_id`` a span
+        out = []
         for owner_peer, value in self._owned_entries(result):
             if owner_peer not in trusted:
                 continue
             try:
-                record = AssignmentRecord.model_validate(value)
+                record = model.model_validate(value)
             except Exception as e:  # noqa: BLE001
-                logger.debug(f"dropping malformed assignment of {owner_peer}: {e}")
+                logger.debug(f"dropping malformed {what} of {owner_peer}: {e}")
                 continue
-            if record.orchestrator_peer_id != owner_peer:
-                continue
+            if record.orchestrator_peer_id == owner_peer:
+                out.append((owner_peer, record))
+        return out
+
+    def _parse_assignment(self, result, trusted: Iterable[str], peer_id: Optional[str] = None
+                          ) -> Optional[AssignmentRecord]:
+        best: Optional[AssignmentRecord] = None
+        mine: Optional[AssignmentRecord] = None  # the newest that gives ``peer_id`` a span
+        for _, record in self._trusted_records(result, trusted, AssignmentRecord, "assignment"):
             if best is None or (record.epoch, record.timestamp) > (best.epoch, best.timestamp):
                 best = record
             if peer_id is not None and peer_id in record.assignments and (mine is None
@@ -381,20 +388,8 @@ class SwarmDHT:
     async def afetch_groups(self, prefix: str, trusted: Iterable[str]) -> dict[str, GroupRecord]:
         """``{orchestrator peer id: its entry}`` for the trusted orchestrators with a live entry."""
         self._ensure_prefix(prefix)
-        trusted = set(trusted)
-        out: dict[str, GroupRecord] = {}
         result = await self.dht.get(groups_key(prefix), latest=True, return_future=True)
-        for owner_peer, value in self._owned_entries(result):
-            if owner_peer not in trusted:
-                continue
-            try:
-                record = GroupRecord.model_validate(value)
-            except Exception as e:  # noqa: BLE001
-                logger.debug(f"dropping malformed group entry of {owner_peer}: {e}")
-                continue
-            if record.orchestrator_peer_id == owner_peer:
-                out[owner_peer] = record
-        return out
+        return dict(self._trusted_records(result, trusted, GroupRecord, "group entry"))
 
     # ---- summary ----
 
@@ -439,18 +434,14 @@ class SwarmDHT:
 
     def fetch_directory(self, trusted: Sequence[str]) -> list[DirectoryRecord]:
         """Directory entries signed by trusted orchestrators (newest first); forged or unsigned ones are dropped."""
-        trusted = set(trusted)
         out = []
-        for owner_peer, value in self._owned_entries(self.dht.get(DIRECTORY_KEY, latest=True)):
-            if owner_peer not in trusted:
-                continue
+        result = self.dht.get(DIRECTORY_KEY, latest=True)
+        for _, record in self._trusted_records(result, trusted, DirectoryRecord, "directory entry"):
             try:
-                record = DirectoryRecord.model_validate(value)
                 check_prefix(record.dht_prefix)
-            except Exception:  # noqa: BLE001 - a malformed entry is simply not listed
+            except ValueError:  # a malformed entry is simply not listed
                 continue
-            if record.orchestrator_peer_id == owner_peer:
-                out.append(record)
+            out.append(record)
         return sorted(out, key=lambda r: -r.timestamp)
 
     def shutdown(self) -> None:
