@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the addresses the daemon listens on")
     p.add_argument("--public-ip", default=None, metavar="IP",
                    help="shorthand: listen on all interfaces at --p2p-port and announce IP there")
+    p.add_argument("--public-url", default=None, metavar="URL",
+                   help="where others reach this HTTP API: the swarm directory, other orchestrators (--group-with) "
+                        "and the dashboard use it (default: http(s)://HOST:PORT, with --public-ip as the host when "
+                        "--host is 0.0.0.0); e.g. the reverse proxy's https://swarm.example.org")
     p.add_argument("--p2p-port", type=int, default=0, metavar="PORT",
                    help="TCP port for peer-to-peer traffic (with --public-ip: default a free one, picked once)")
     p.add_argument("--no-relay-service", action="store_true",
@@ -265,7 +270,8 @@ async def serve(cfg, ready_file: str | None = None) -> None:
     port = sock.getsockname()[1]
     cfg.port = port
     scheme = "https" if cfg.ssl_certfile else "http"
-    orch.http_url = f"{scheme}://{cfg.host if cfg.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{port}"
+    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else (cfg.public_ip or "127.0.0.1")
+    orch.http_url = cfg.public_url or f"{scheme}://{host}:{port}"
     print(f"Loading {cfg.model} (embeddings, final norm, LM head)...", flush=True)
     await asyncio.to_thread(orch.load_model)
     await orch.start()
@@ -319,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in (args.ssl_certfile, args.ssl_keyfile):
         if path and not os.path.isfile(path):
             parser.error(f"no such file: {path}")
+    if args.public_url and not re.match(r"^https?://[^/\s]+(/\S*)?$", args.public_url):
+        parser.error(f"--public-url must be an http:// or https:// URL, got {args.public_url!r}")
     from petals_chain.swarm.reachability import listen_and_announce
 
     try:
@@ -336,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
         relay_service=not args.no_relay_service, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         initial_peers=args.initial_peers,
-        identity_path=args.identity_path, group_with=list(args.group_with), group_ttl_s=args.group_ttl_s, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
+        identity_path=args.identity_path, group_with=list(args.group_with), group_ttl_s=args.group_ttl_s,
+        public_url=args.public_url.rstrip("/") if args.public_url else None, public_ip=args.public_ip, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
         model_id=args.model_id, settle_s=args.settle_s,

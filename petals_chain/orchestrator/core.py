@@ -77,6 +77,8 @@ class OrchestratorConfig:
     identity_path: str | None = None
     group_with: list[str] = field(default_factory=list)  # the other orchestrators' peer ids (groups.py)
     group_ttl_s: float = 6.0
+    public_url: str | None = None  # where others reach the HTTP API (default from host, port, public_ip)
+    public_ip: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
