@@ -117,6 +117,29 @@ def test_the_ilp_moves_few_servers_and_scales():
     assert split is not None and time.process_time() - t0 < 5.0  # the time limit holds (plus model building)
 
 
+def test_forward_target_only_when_this_group_cannot_take_a_request():
+    from types import SimpleNamespace
+
+    from petals_chain.orchestrator.forward import forward_target
+
+    orchs = [{"peer_id": "me", "http_url": "http://me", "arrival_rate": 1.0, "servers": 0, "live": True},
+             {"peer_id": "busy", "http_url": "http://busy", "arrival_rate": 9.0, "servers": 2, "live": True},
+             {"peer_id": "calm", "http_url": "http://calm", "arrival_rate": 1.0, "servers": 2, "live": True},
+             {"peer_id": "dead", "http_url": "http://dead", "arrival_rate": 0.0, "servers": 5, "live": False}]
+    groups = SimpleNamespace(me="me", json=lambda: {"orchestrators": orchs})
+    no_chain = SimpleNamespace(chains=[], max_queue=None, queue_length=0)
+    orch = SimpleNamespace(groups=groups, dispatch=no_chain)
+    assert forward_target(orch) == "http://calm"  # the most servers per request arriving, never a silent one
+    orch.dispatch = SimpleNamespace(chains=["c"], max_queue=4, queue_length=3)
+    assert forward_target(orch) is None  # its own group takes it
+    orch.dispatch = SimpleNamespace(chains=["c"], max_queue=4, queue_length=4)
+    assert forward_target(orch) == "http://calm"  # its queue is full
+    assert forward_target(SimpleNamespace(groups=None, dispatch=no_chain)) is None  # one orchestrator
+    for o in orchs[1:3]:
+        o["servers"] = 0
+    assert forward_target(SimpleNamespace(groups=groups, dispatch=no_chain)) is None  # nobody can
+
+
 # ---- two orchestrators, one swarm --------------------------------------------------------------------------------
 def _identity(path) -> str:
     from hivemind.p2p import P2P, PeerID
