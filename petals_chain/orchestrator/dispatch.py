@@ -69,7 +69,7 @@ class DispatchJob:
     fair: Any = None
     deadline: Any = None
     output_tokens: int = 0
-    yields: bool = False  # paused for a deadline (--schedule flex): back in the queue, after every deadline
+    yields: bool = False  # paused for a deadline (--schedule flex): re-queued behind every job with a deadline
 
     @property
     def order_key(self) -> float:
@@ -221,7 +221,9 @@ class DispatchManager:
     ``set_chains`` installs a new chain set: running jobs whose chain is unchanged keep counting against it,
     waiting jobs re-arrive in order. ``max_queue`` (None: unbounded) bounds ``queue_length``: see the module.
 
-    ``schedule``: the central queue's order, ``fcfs`` or ``edf`` (earliest deadline first, :class:`EDFQueue`).
+    ``schedule``: the central queue's order, ``fcfs`` or ``edf`` (earliest deadline first, :class:`EDFQueue`);
+    ``flex`` is ``edf`` that also pauses a running job without a deadline for a new one that would miss its own
+    (:meth:`_pause_for`; the paused job re-queues in the lane behind the deadline jobs).
     Either way a new job with a deadline (``job.deadline``, not best effort) is refused with
     :class:`DeadlineUnreachable` when :meth:`predict` says it would miss; ``steps_per_job()`` is the planner's
     steps per job (``T_k`` covers that many steps).
@@ -456,14 +458,15 @@ class DispatchManager:
                 pred = self.predict(job)
                 # flex: a job that would miss (by the queue's rate, or waiting for the running jobs' own remaining
                 # work) takes the slot of a job without a deadline if that saves it; else edf's rule
-                paused = self.schedule == "flex" and (pred.doomed or self._misses_waiting(job)) and self._pause_for(job)
+                paused = (self.schedule == "flex" and (pred.doomed or self._misses_waiting(job))
+                          and self._pause_for(job))
                 if pred.doomed and not paused:
                     self.deadline_refused += 1
                     raise DeadlineUnreachable(pred)
-            if job.requeue and not job.yields:
+            if job.requeue:
                 self._arrive_requeued(job)
             else:
-                self._arrive(job, bounded=not job.requeue)
+                self._arrive(job, bounded=True)
         except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
             if isinstance(e, QueueFull):
@@ -495,13 +498,19 @@ class DispatchManager:
         if lease.generation != self.generation or self.dispatcher is None:
             return
         self._count(lease.index, -1)
-        if self._lane:
+        if self._lane and not self._deadline_before(self._lane[0]):
             # A re-queued job takes the slot over: the dispatcher's count on this chain stays as it is.
             self._start(self._lane.pop(0), lease.index, queued=True)
             return
         nxt = self.dispatcher.complete(lease.index)
         if nxt is not None:
             self._start(nxt, lease.index, queued=True)
+
+    def _deadline_before(self, job: DispatchJob) -> bool:
+        """``job`` (re-queued) was paused for deadlines (``flex``) and the queue's head has an earlier one: the head
+        goes first (the re-queue lane otherwise goes before the queue)."""
+        q = getattr(self.dispatcher, "queue", None)
+        return job.yields and isinstance(q, EDFQueue) and len(q) > 0 and q.peek().order_key < job.order_key
 
     def _loads(self, job: DispatchJob) -> tuple[list[ChainLoad], int]:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before
@@ -511,7 +520,8 @@ class DispatchManager:
         chains = [ChainLoad(capacity=int(ch.capacity), active=self.active(k), job_s=ch.service_time,
                             step_s=ch.service_time / spj) for k, ch in enumerate(self.chains)]
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
-        ahead = len(self._lane) + len(self._pending)
+        # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
+        ahead = sum(1 for j in self._lane if not j.yields or j.order_key <= job.order_key) + len(self._pending)
         if self.schedule in ("edf", "flex") and isinstance(q, EDFQueue):
             ahead += q.ahead_of(job.order_key)
         else:

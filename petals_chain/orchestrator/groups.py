@@ -2,9 +2,11 @@
 
 Each orchestrator started with ``--group-with PEER_ID ...`` announces itself under ``{prefix}.groups`` (a short
 expiration, republished every third of it) with its HTTP URL and the jobs/s arriving at it. The live orchestrator
-of smallest peer id is the *leader*: it splits the servers into one group per live orchestrator
-(:func:`~petals_chain.algorithms.herd.assign_server_groups`: HERD's max-min burst tolerance, servers stay where
-they are unless that pays) and publishes the split in its own entry. Every orchestrator plans only the servers of
+of smallest peer id is the *leader*: it splits the servers into one group per live orchestrator by HERD's ILP
+(:func:`~petals_chain.algorithms.herd.solve_server_groups`: every group a complete copy of the model where the
+servers allow it, then the best worst burst tolerance, then the fewest servers moved; the greedy
+:func:`~petals_chain.algorithms.herd.assign_server_groups` as a fallback) and publishes the split in its own entry;
+a leader adopts any newer split it reads before it computes its own, so its epochs stay above every one seen. Every orchestrator plans only the servers of
 its group (``Planner.group``) and publishes its assignment for them; a server follows the assignment that gives it a
 span (``SwarmDHT.fetch_assignment``). When an orchestrator stops announcing, it is dropped after ``ttl_s`` of
 silence, and the leader (a new one if the leader died) hands its servers to the others: they keep serving.
