@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -84,9 +85,10 @@ def _max_length(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m petals_chain.orchestrator", description=__doc__)
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", required=True, action="append", metavar="[NAME=]SOURCE",
                    help="a short name (smollm2-135m; fetched by scripts/setup.sh), a .gguf file, an HF-format "
-                        "directory or a hub name")
+                        "directory or a hub name. Repeat as NAME=SOURCE to serve several models: each has its own "
+                        "servers (those started with that model), chains and queue; requests choose by 'model'")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
                    help="libp2p multiaddrs to listen on (the swarm's initial peers); e.g. /ip4/0.0.0.0/tcp/31337")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
@@ -258,24 +260,38 @@ def _peer_id(text: str) -> str:
     return text
 
 
-async def serve(cfg, ready_file: str | None = None) -> None:
+async def serve(cfgs, ready_file: str | None = None) -> None:
+    """Serve one model (``cfgs``: one config, or a list of one) or several (one config each, models.py)."""
     import uvicorn
 
     from petals_chain.orchestrator.api import create_app
     from petals_chain.orchestrator.core import Orchestrator
+    from petals_chain.orchestrator.models import ModelRouter
     from petals_chain.swarm.reachability import is_loopback
 
-    orch = Orchestrator(cfg)
+    cfgs = cfgs if isinstance(cfgs, list) else [cfgs]
+    cfg = cfgs[0]
+    orchs = [Orchestrator(c) for c in cfgs]
+    orch = orchs[0]
     sock = _bind(cfg.host, cfg.port)
     port = sock.getsockname()[1]
-    cfg.port = port
     scheme = "https" if cfg.ssl_certfile else "http"
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else (cfg.public_ip or "127.0.0.1")
-    orch.http_url = cfg.public_url or f"{scheme}://{host}:{port}"
-    print(f"Loading {cfg.model} (embeddings, final norm, LM head)...", flush=True)
-    await asyncio.to_thread(orch.load_model)
+    for o in orchs:
+        o.cfg.port = port
+        o.http_url = cfg.public_url or f"{scheme}://{host}:{port}"
+    for o in orchs:
+        print(f"Loading {o.cfg.model} (embeddings, final norm, LM head)...", flush=True)
+        await asyncio.to_thread(o.load_model)
     await orch.start()
-    app = create_app(orch)
+    for o in orchs[1:]:  # the other models use the first one's DHT node
+        await o.start(shared=orch)
+    if len(orchs) == 1:
+        app = create_app(orch)
+    else:
+        app = ModelRouter({o.model_id: create_app(o) for o in orchs}, {o.model_id: o for o in orchs})
+        for o in orchs:
+            print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3,
                                            ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile))
     server.install_signal_handlers = lambda: None  # we handle signals ourselves (below)
@@ -301,7 +317,8 @@ async def serve(cfg, ready_file: str | None = None) -> None:
         await server.serve(sockets=[sock])
     finally:
         print("Shutting down...", flush=True)
-        await orch.stop()
+        for o in reversed(orchs):  # the first one, which runs the DHT node, last
+            await o.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,20 +352,29 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+    from petals_chain.orchestrator.models import parse_models
+
+    try:
+        models = parse_models(args.model)
+    except ValueError as e:
+        parser.error(str(e))
+    if len(models) > 1 and (args.dht_prefix or args.model_id):
+        parser.error("--dht-prefix and --model-id name one model; with several, each --model is NAME=SOURCE")
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("hivemind", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cfg = OrchestratorConfig(
-        model=args.model, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+        model=models[0][1], host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
         relay_service=not args.no_relay_service, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         initial_peers=args.initial_peers,
         identity_path=args.identity_path, group_with=list(args.group_with), group_ttl_s=args.group_ttl_s,
-        public_url=args.public_url.rstrip("/") if args.public_url else None, public_ip=args.public_ip, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
+        public_url=args.public_url.rstrip("/") if args.public_url else None, public_ip=args.public_ip,
+        host=args.host, port=args.port, dtype=args.dtype, device=args.device,
         arrival_rate=args.arrival_rate, rho_bar=args.rho_bar, max_length=args.max_length, placement=args.placement,
         use_all_servers=args.spare_servers == "use", dispatch=args.dispatch, dht_prefix=args.dht_prefix,
-        model_id=args.model_id, settle_s=args.settle_s,
+        model_id=args.model_id or models[0][0], settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
         hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
         ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, fairness=args.fairness, schedule=args.schedule,
@@ -358,12 +384,14 @@ def main(argv: list[str] | None = None) -> int:
         audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s, speculative=args.speculative[0],
         draft_model=args.speculative[1] or args.draft_model, draft_layers=args.draft_layers, speculative_k=args.speculative_k,
         relay=args.relay)
-    # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
-    cfg.petals_cache_tokens, cfg.bprr_r, cfg.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
-    # Admission limits (limits.py), read with defaults by the API middleware.
-    cfg.max_queue, cfg.client_max_inflight = args.max_queue, args.client_max_inflight
-    cfg.client_max_sessions, cfg.max_body_bytes = args.client_max_sessions, args.max_body_bytes
-    cfg.max_sessions, cfg.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
+    cfgs = [cfg] + [dataclasses.replace(cfg, model=source, model_id=name) for name, source in models[1:]]
+    for c in cfgs:
+        # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
+        c.petals_cache_tokens, c.bprr_r, c.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
+        # Admission limits (limits.py), read with defaults by the API middleware (each model's API its own).
+        c.max_queue, c.client_max_inflight = args.max_queue, args.client_max_inflight
+        c.client_max_sessions, c.max_body_bytes = args.client_max_sessions, args.max_body_bytes
+        c.max_sessions, c.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
     if args.api_keys:
         from petals_chain.orchestrator.auth import KeyFileError, KeyRing
 
@@ -376,12 +404,16 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("the HTTP API listens on %s without --api-keys: anyone who can reach it can use the swarm",
                        args.host)
     try:
-        Orchestrator(cfg)  # validate the configuration before anything starts
+        prefixes = [Orchestrator(c).prefix for c in cfgs]  # validate the configuration before anything starts
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if len(set(prefixes)) != len(prefixes):
+        print(f"error: two models would share a DHT prefix ({', '.join(prefixes)}): give different sources",
+              file=sys.stderr)
+        return 2
     try:
-        asyncio.run(serve(cfg, args.ready_file))
+        asyncio.run(serve(cfgs, args.ready_file))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as e:

@@ -212,6 +212,7 @@ class ChatRequest(SamplingFields):
 
 class SessionOpenRequest(_Base):
     max_length: Optional[int] = pydantic.Field(default=None, ge=2)
+    model: Optional[str] = None  # several models behind one orchestrator: which one (models.py routes by it)
 
 
 class SessionGenerateRequest(SamplingFields):
@@ -592,6 +593,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
     # ---- multi-turn sessions -------------------------------------------------------------------
     @app.post("/api/v1/sessions")
     async def open_session(req: Optional[SessionOpenRequest] = None):
+        if req is not None and req.model is not None:
+            check_model(req.model)
         s = orch.open_session(req.max_length if req is not None else None)
         return {"session_id": s.id, "max_length": s.max_length, "model": orch.model_id}
 

@@ -199,6 +199,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.started_at = time.time()
         self.http_url = f"http://{cfg.host}:{cfg.port}"
         self.dht = None
+        self._owns_dht = True  # False when another model's orchestrator in this process runs the DHT node
         self.client = None
         self.planner: Planner | None = None
         self.groups: Any = None  # groups.GroupCoordinator with --group-with
@@ -280,7 +281,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
             deserialize_torch_tensor(combine_from_streaming(serialize_chunks(hidden)))
         return 2 * (time.perf_counter() - t0) / repeats
 
-    async def start(self) -> None:
+    async def start(self, shared: "Orchestrator | None" = None) -> None:
+        """Start the DHT node, the planner and the background tasks. ``shared``: another model's orchestrator in
+        this process (models.py), whose DHT node this one uses (and whose dial-back service answers servers)."""
         from petals_chain.swarm.dht import SwarmDHT
         from petals_chain.swarm.reachability import PetalsChainFrontdoor
         from petals_chain.swarm.rpc import ServerClient
@@ -290,16 +293,21 @@ class Orchestrator(GenerationMixin, SessionMixin):
             await asyncio.to_thread(self.load_model)
         self.batcher = HeadBatcher(self.head, window_s=self.cfg.head_window_s)
         self.batcher.on_batch = self.stats.m_head_batch.observe
-        dht_kwargs: dict = {"announce_maddrs": list(self.cfg.announce_maddrs)} if self.cfg.announce_maddrs else {}
-        if self.cfg.relay_service:
-            # go-libp2p serves as a relay only while it believes it is publicly reachable; servers dial us, so we are
-            dht_kwargs["force_reachability"] = "public"
-        self.dht = await asyncio.to_thread(
-            SwarmDHT.create, initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
-            identity_path=self.cfg.identity_path, prefix=self.prefix, **dht_kwargs)
-        self._p2p = await self.dht.replicate_p2p()
-        self.frontdoor = PetalsChainFrontdoor(self.prober)
-        await self.frontdoor.add_p2p_handlers(self._p2p)
+        if shared is not None:
+            self.dht, self._owns_dht = shared.dht, False
+            self._p2p = await self.dht.replicate_p2p()
+        else:
+            dht_kwargs: dict = {"announce_maddrs": list(self.cfg.announce_maddrs)} if self.cfg.announce_maddrs else {}
+            if self.cfg.relay_service:
+                # go-libp2p serves as a relay only while it believes it is publicly reachable; servers dial us
+                dht_kwargs["force_reachability"] = "public"
+            self.dht = await asyncio.to_thread(
+                SwarmDHT.create, initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
+                identity_path=self.cfg.identity_path, prefix=self.prefix, **dht_kwargs)
+            self._owns_dht = True
+            self._p2p = await self.dht.replicate_p2p()
+            self.frontdoor = PetalsChainFrontdoor(self.prober)
+            await self.frontdoor.add_p2p_handlers(self._p2p)
         self.client = ServerClient(self._p2p, step_timeout_s=self.cfg.step_timeout_s)
         self.planner = Planner(
             dht=self.dht, prefix=self.prefix, client=self.client, max_length=self.cfg.max_length,
@@ -356,7 +364,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 logger.debug("p2p replica shutdown failed", exc_info=True)
             self._p2p = None
-        if self.dht is not None:
+        if self.dht is not None and self._owns_dht:
             await asyncio.to_thread(self.dht.shutdown)
             self.dht = None
 
@@ -574,8 +582,10 @@ class Orchestrator(GenerationMixin, SessionMixin):
                 summary = json_safe(self.swarm_json())  # no inf/nan: JSON readers (browsers) reject them
                 expiration_s = max(30.0, 3 * self.cfg.summary_interval_s)
                 await asyncio.to_thread(self.dht.publish_summary, self.prefix, summary, expiration_s)
-                # the directory entry lets a dashboard find this swarm from --initial-peers alone
-                await asyncio.to_thread(self.dht.publish_directory, self.prefix, self.model_id, self.http_url,
-                                        expiration_s)
+                # the directory entry lets a dashboard find this swarm from --initial-peers alone (one entry per DHT
+                # node: with several models, the first model's; the API and its dashboard serve them all)
+                if self._owns_dht:
+                    await asyncio.to_thread(self.dht.publish_directory, self.prefix, self.model_id, self.http_url,
+                                            expiration_s)
             except Exception:  # noqa: BLE001 - a failed publish is retried next period
                 logger.warning("publishing the swarm summary failed", exc_info=True)

@@ -33,6 +33,7 @@ class LocalServer:
     emulate_compute_scale: float = 1.0
     tau_p: Optional[float] = None  # skip profiling and announce this (seconds per block per job)
     extra_args: Sequence[str] = ()
+    model: Optional[str] = None  # the model it serves (a path): default the swarm's model
 
 
 def free_port() -> int:
@@ -91,8 +92,11 @@ class LocalSwarm:
     def __init__(self, model_path: str | os.PathLike, servers: Sequence[LocalServer] = (), *, max_length: int = 256,
                  arrival_rate: Optional[float] = None, orchestrator_args: Sequence[str] = (),
                  server_args: Sequence[str] = (), log_dir: Optional[str | os.PathLike] = None,
-                 python: str = sys.executable, env: Optional[dict] = None, settle_s: float = 1.0):
+                 python: str = sys.executable, env: Optional[dict] = None, settle_s: float = 1.0,
+                 models: Optional[dict[str, str | os.PathLike]] = None):
         self.model_path = str(model_path)
+        # several models behind the orchestrator (--model NAME=PATH each); model_path is then the first one's
+        self.models = {str(k): str(v) for k, v in (models or {}).items()}
         self.server_specs = list(servers)
         self.max_length = max_length
         self.arrival_rate = arrival_rate
@@ -133,7 +137,9 @@ class LocalSwarm:
         ready_file = self.log_dir / "orchestrator.ready.json"
         if ready_file.exists():
             ready_file.unlink()
-        args = ["-m", "petals_chain.orchestrator", "--model", self.model_path, "--port", "0",
+        model_args = (["--model", self.model_path] if not self.models else
+                      [a for name, path in self.models.items() for a in ("--model", f"{name}={path}")])
+        args = ["-m", "petals_chain.orchestrator", *model_args, "--port", "0",
                 "--max-length", str(self.max_length), "--ready-file", str(ready_file),
                 "--settle-s", str(self.settle_s)]
         if self.arrival_rate is not None:
@@ -158,7 +164,8 @@ class LocalSwarm:
             raise RuntimeError("start the orchestrator first")
         if spec.public_name in self.servers:
             raise ValueError(f"a server named {spec.public_name!r} already exists")
-        args = ["-m", "petals_chain.server", "--model", self.model_path, "--initial-peers", *self.initial_peers,
+        args = ["-m", "petals_chain.server", "--model", str(spec.model or self.model_path), "--initial-peers",
+                *self.initial_peers,
                 "--memory-bytes", str(int(spec.memory_bytes)), "--public-name", spec.public_name,
                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--emulate-rtt-ms", str(spec.emulate_rtt_ms),
                 "--emulate-compute-scale", str(spec.emulate_compute_scale), "--no-progress"]

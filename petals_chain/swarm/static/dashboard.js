@@ -5,7 +5,9 @@
 (function () {
   "use strict";
 
-  var API_URL = "api/v1/swarm";
+  // Several models behind one orchestrator: the page shows the one named by ?model= (the API routes by it).
+  var MODEL = new URLSearchParams(window.location.search).get("model");
+  var API_URL = "api/v1/swarm" + (MODEL ? "?model=" + encodeURIComponent(MODEL) : "");
   var SVGNS = "http://www.w3.org/2000/svg";
   var GONE_KEEP_MS = 10 * 60 * 1000; // how long a departed server stays listed as "gone"
   var QUEUE_SAMPLES = 120;
@@ -222,6 +224,23 @@
     renderServers(data, servers, nowMs);
     renderClients(data);
     renderGroups(data);
+    renderModels(data);
+  }
+
+  // The models this orchestrator serves (several: one link each, the shown one marked).
+  function renderModels(data) {
+    var models = arr(data.models).filter(function (m) { return m && typeof m === "object" && m.name; });
+    var nav = $("models-nav");
+    nav.hidden = models.length < 2;
+    if (models.length < 2) return;
+    var shown = str(data.model_name);
+    var links = models.map(function (m) {
+      var name = str(m.name);
+      var label = name + " \u00b7 " + (int(m.chains) || 0) + " chains \u00b7 " + (int(m.queue_length) || 0) + " queued";
+      if (name === shown) return el("span", { class: "model-link current", "data-model": name, "aria-current": "page", text: label });
+      return el("a", { class: "model-link", "data-model": name, href: "?model=" + encodeURIComponent(name), text: label });
+    });
+    nav.replaceChildren.apply(nav, links);
   }
 
   function trackDepartures(servers, nowMs) {

@@ -1,0 +1,194 @@
+"""Several models behind one orchestrator (issue 17, first step): one :class:`~petals_chain.orchestrator.core.
+Orchestrator` per model, sharing one DHT node, and one HTTP API that routes each request to its model's.
+
+``python -m petals_chain.orchestrator --model chat=smollm2-135m --model code=/models/tiny`` serves both: each model
+has its own DHT prefix (from its source, as its servers derive it), planner, chains, queue and dispatch, so a volunteer
+serves a model by starting a server with that model. :class:`ModelRouter` is the ASGI app in front:
+
+* ``POST /v1/completions``, ``/v1/chat/completions`` and ``/api/v1/sessions``: by the body's ``model`` (a session
+  without one opens on the first model); an unknown model is a 404 ``model_not_found`` naming the ones served;
+* ``/api/v1/sessions/{id}...``: to the model whose orchestrator holds the session;
+* ``GET /v1/models``: every model; ``/v1/models/{id}``: that one; ``GET /healthz``: every model's, 200 only if all are;
+* everything else (``/api/v1/swarm``, ``/metrics``, the dashboard): the model named by ``?model=NAME``, else the
+  first; ``/api/v1/swarm`` lists the models served (``models``) so the dashboard can offer the others.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Awaitable, Callable, Mapping
+from urllib.parse import parse_qs
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")  # a model's name in --model NAME=SOURCE
+_BY_BODY = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/api/v1/sessions")}
+_SESSION = re.compile(r"^/api/v1/sessions/([^/]+)")
+MAX_BODY = 64 * 2**20  # read to route; each model's own limit (--max-body-bytes) applies after
+
+
+def parse_models(values: list[str]) -> list[tuple[str | None, str]]:
+    """``--model`` values as ``(name, source)``: one plain source keeps today's naming (``name`` None); several
+    must each be ``NAME=SOURCE`` with distinct names. ValueError with the reason otherwise."""
+    if len(values) == 1 and "=" not in values[0]:
+        return [(None, values[0])]
+    out: list[tuple[str | None, str]] = []
+    for v in values:
+        name, sep, source = v.partition("=")
+        if not sep or not source:
+            raise ValueError(f"with several models each --model is NAME=SOURCE, got {v!r}")
+        if not NAME_RE.match(name):
+            raise ValueError(f"model name {name!r}: use letters, digits, '.', '_' and '-' (at most 64)")
+        out.append((name, source))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must differ, got {', '.join(names)}")
+    return out
+
+
+async def _call(app: App, method: str, path: str, query: bytes = b"", body: bytes = b"",
+                headers: list | None = None) -> tuple[int, bytes]:
+    """One request to ``app`` inside this process: (status, body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": query, "headers": headers or [], "scheme": "http",
+             "server": ("127.0.0.1", 0), "client": ("127.0.0.1", 0), "root_path": ""}
+    sent = False
+    status, chunks = 500, []
+
+    async def receive() -> dict:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks)
+
+
+async def _json(send: Send, status: int, obj: Any) -> None:
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ModelRouter:
+    """The ASGI app over several models' apps (``apps[name]``, the first is the default); ``orchs[name]`` are their
+    orchestrators (for sessions and the list of models)."""
+
+    def __init__(self, apps: Mapping[str, App], orchs: Mapping[str, Any]):
+        if not apps or set(apps) != set(orchs):
+            raise ValueError("one app per orchestrator, at least one")
+        self.apps, self.orchs = dict(apps), dict(orchs)
+        self.default = next(iter(self.apps))
+        # what a request may call a model: its name, and what its own API accepts (model id, DHT prefix, source)
+        self.aliases: dict[str, str] = {}
+        for name, o in self.orchs.items():
+            for alias in (getattr(o, "model_id", None), getattr(o, "prefix", None), getattr(o.cfg, "model", None)):
+                if alias:
+                    self.aliases.setdefault(str(alias), name)
+        self.aliases.update({name: name for name in self.apps})
+
+    def models(self) -> list[str]:
+        return list(self.apps)
+
+    async def _not_found(self, send: Send, name: Any) -> None:
+        await _json(send, 404, {"error": {"message": f"the model {name!r} does not exist; this swarm serves "
+                                                     f"{', '.join(repr(n) for n in self.apps)}",
+                                          "type": "invalid_request_error", "param": "model",
+                                          "code": "model_not_found"}})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.apps[self.default](scope, receive, send)
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        if (method, path) in _BY_BODY:
+            return await self._by_body(scope, receive, send)
+        if method == "GET" and path == "/v1/models":
+            data = []
+            for app in self.apps.values():
+                status, body = await _call(app, "GET", "/v1/models")
+                if status == 200:
+                    data.extend(json.loads(body)["data"])
+            return await _json(send, 200, {"object": "list", "data": data})
+        if path.startswith("/v1/models/"):
+            name = self.aliases.get(path[len("/v1/models/"):])
+            if name is None:
+                return await self._not_found(send, path[len("/v1/models/"):])
+            return await self.apps[name](scope, receive, send)
+        if method == "GET" and path == "/healthz":
+            out, ok = {}, True
+            for name, app in self.apps.items():
+                status, body = await _call(app, "GET", "/healthz")
+                out[name] = json.loads(body) if status == 200 else {"ok": False, "status": status}
+                ok = ok and status == 200
+            return await _json(send, 200 if ok else 503, {"ok": ok, "models": out})
+        m = _SESSION.match(path)
+        if m:
+            owner = next((n for n, o in self.orchs.items() if m.group(1) in o.sessions), self.default)
+            return await self.apps[owner](scope, receive, send)
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        asked = (query.get("model") or [self.default])[0]
+        name = self.aliases.get(asked)
+        if name is None:
+            return await self._not_found(send, asked)
+        if method == "GET" and path == "/api/v1/swarm":
+            return await self._swarm(scope, name, send)
+        return await self.apps[name](scope, receive, send)
+
+    async def _swarm(self, scope: Scope, name: str, send: Send) -> None:
+        status, body = await _call(self.apps[name], "GET", "/api/v1/swarm", scope.get("query_string", b""),
+                                   headers=list(scope.get("headers", [])))
+        if status != 200:
+            return await _json(send, status, json.loads(body))
+        state = json.loads(body)
+        state["models"] = [{"name": n, "model": o.model_id, "dht_prefix": o.prefix, "servers": len(o.planner.servers)
+                            if o.planner is not None else 0, "chains": len(o.dispatch.chains),
+                            "queue_length": o.dispatch.queue_length} for n, o in self.orchs.items()]
+        state["model_name"] = name
+        await _json(send, 200, state)
+
+    async def _by_body(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY:
+                return await _json(send, 413, {"error": {"message": f"request body over {MAX_BODY} bytes",
+                                                         "type": "invalid_request_error", "code": "body_too_large"}})
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        try:
+            obj = json.loads(body) if body.strip() else {}
+        except ValueError:
+            obj = None  # the default model's app answers 400 with its own message
+        asked = obj.get("model") if isinstance(obj, dict) else None
+        name = self.default if asked is None else self.aliases.get(str(asked))
+        if name is None:
+            return await self._not_found(send, asked)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # the client's disconnect, as the app expects to see it
+
+        await self.apps[name](scope, replay, send)
