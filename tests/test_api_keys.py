@@ -20,14 +20,11 @@ def swarm(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory("llama", num_layers=4)
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"alice {ALICE} tokens_per_minute=60\nbob {BOB}\n")
-    sw = LocalSwarm(path, [LocalServer("a", memory_for(path, 128, 4, 8), tau_p=0.001)], max_length=128,
-                    arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"), orchestrator_args=["--api-keys", str(keys), "--session-idle-timeout-s", str(IDLE_S)])
-    sw.start()
-    try:
+    with LocalSwarm(path, [LocalServer("a", memory_for(path, 128, 4, 8), tau_p=0.001)], max_length=128,
+                    arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
+                    orchestrator_args=["--api-keys", str(keys), "--session-idle-timeout-s", str(IDLE_S)]) as sw:
         sw.wait_ready(timeout=150)
         yield sw
-    finally:
-        sw.stop()
 
 
 def gen(sw, key, max_tokens=20):

@@ -32,14 +32,10 @@ def swarm(tiny_model_factory, tmp_path_factory):
     # 20 ms per step (emulated link): a queued burst of 64-token jobs lasts seconds, whatever the machine's load
     server = LocalServer("a", memory_for(path, 128, 4, 2), tau_p=0.001, emulate_rtt_ms=20.0,
                          extra_args=["--kv-cache", "slots"])
-    sw = LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
-                    orchestrator_args=["--api-keys", str(keys), "--fairness", "fcfs", "--schedule", "edf"])
-    sw.start()
-    try:
+    with LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
+                    orchestrator_args=["--api-keys", str(keys), "--fairness", "fcfs", "--schedule", "edf"]) as sw:
         sw.wait_ready(timeout=150)
         yield sw
-    finally:
-        sw.stop()
 
 
 def post(sw, key: str, timeout: float = 300, **body) -> httpx.Response:

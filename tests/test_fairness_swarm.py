@@ -28,14 +28,10 @@ def swarm(tiny_model_factory, tmp_path_factory):
     keys.write_text(f"heavy {HEAVY}\nlight {LIGHT}\n")
     # slots: the chain's capacity stays 2 jobs (a paged server's would follow the learnt job length)
     server = LocalServer("a", memory_for(path, 128, 4, 2), tau_p=0.001, extra_args=["--kv-cache", "slots"])
-    sw = LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
-                    orchestrator_args=["--api-keys", str(keys), "--fairness-quantum", "10"])
-    sw.start()
-    try:
+    with LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
+                    orchestrator_args=["--api-keys", str(keys), "--fairness-quantum", "10"]) as sw:
         sw.wait_ready(timeout=150)
         yield sw
-    finally:
-        sw.stop()
 
 
 def complete(sw, key: str, done: list, lock: threading.Lock, max_tokens: int = 24) -> dict:

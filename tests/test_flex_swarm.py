@@ -25,14 +25,10 @@ def swarm(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory("llama", num_layers=4)
     # 20 ms per hop (emulated link): a 96-token request lasts seconds, whatever the machine's load
     server = LocalServer("a", memory_for(path, 128, 4, 2), tau_p=0.001, emulate_rtt_ms=20.0)
-    sw = LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
-                    orchestrator_args=["--schedule", "flex"])
-    sw.start()
-    try:
+    with LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
+                    orchestrator_args=["--schedule", "flex"]) as sw:
         sw.wait_ready(timeout=150)
         yield sw
-    finally:
-        sw.stop()
 
 
 def post(sw, prompt: str, timeout: float = 300, **body) -> httpx.Response:
