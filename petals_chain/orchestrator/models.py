@@ -118,10 +118,11 @@ class ModelRouter:
             return await self._by_body(scope, receive, send)
         if method == "GET" and path == "/v1/models":
             data = []
-            for app in self.apps.values():
-                status, body = await _call(app, "GET", "/v1/models")
-                if status == 200:
-                    data.extend(json.loads(body)["data"])
+            for app in self.apps.values():  # with the caller's headers: an API key may be needed
+                status, body = await _call(app, "GET", "/v1/models", headers=list(scope.get("headers", [])))
+                if status != 200:
+                    return await _json(send, status, json.loads(body))
+                data.extend(json.loads(body)["data"])
             return await _json(send, 200, {"object": "list", "data": data})
         if path.startswith("/v1/models/"):
             name = self.aliases.get(path[len("/v1/models/"):])
@@ -131,7 +132,7 @@ class ModelRouter:
         if method == "GET" and path == "/healthz":
             out, ok = {}, True
             for name, app in self.apps.items():
-                status, body = await _call(app, "GET", "/healthz")
+                status, body = await _call(app, "GET", "/healthz", headers=list(scope.get("headers", [])))
                 out[name] = json.loads(body) if status == 200 else {"ok": False, "status": status}
                 ok = ok and status == 200
             return await _json(send, 200 if ok else 503, {"ok": ok, "models": out})

@@ -1,0 +1,94 @@
+"""The HTTP router in front of several models' APIs (orchestrator/models.py), over stand-in ASGI apps: what goes
+where, what a caller's headers reach, and the parse of ``--model`` values. tests/test_multimodel_swarm.py drives it
+with real orchestrators."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from petals_chain.orchestrator.models import ModelRouter, parse_models
+
+
+def stand_in(name: str, seen: list):
+    """An ASGI app answering as model ``name``'s API; it records (path, query, body, authorization) per request."""
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        headers = dict(scope["headers"])
+        seen.append((name, scope["path"], scope["query_string"], body, headers.get(b"authorization")))
+        if headers.get(b"authorization") != b"Bearer k":
+            status, out = 401, {"error": {"message": "no key"}}
+        elif scope["path"] == "/v1/models":
+            out, status = {"object": "list", "data": [{"id": name}]}, 200
+        elif scope["path"] == "/api/v1/swarm":
+            out, status = {"model": name}, 200
+        else:
+            out, status = {"served_by": name}, 200
+        data = json.dumps(out).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
+def orch(name: str, prefix: str, sessions=()):
+    return SimpleNamespace(model_id=name, prefix=prefix, cfg=SimpleNamespace(model=f"/models/{prefix}"),
+                           sessions={s: object() for s in sessions}, planner=None,
+                           dispatch=SimpleNamespace(chains=[1], queue_length=0))
+
+
+def test_router_routes_by_body_session_and_query_with_the_callers_headers():
+    seen: list = []
+    router = ModelRouter({"chat": stand_in("chat", seen), "code": stand_in("code", seen)},
+                         {"chat": orch("chat", "Tiny-Chat"), "code": orch("code", "Tiny-Code", sessions=["s1"])})
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://x",
+                                     headers={"Authorization": "Bearer k"}) as c:
+            r = await c.post("/v1/completions", json={"model": "code", "prompt": "hi"})
+            assert r.json() == {"served_by": "code"} and seen[-1][3] == b'{"model":"code","prompt":"hi"}'
+            assert (await c.post("/v1/chat/completions", json={"model": "Tiny-Code"})).json() == {"served_by": "code"}
+            assert (await c.post("/api/v1/sessions", json={})).json() == {"served_by": "chat"}  # the first model
+            assert (await c.get("/api/v1/sessions/s1")).json() == {"served_by": "code"}  # its owner
+            assert (await c.post("/api/v1/sessions/s1/generate", json={"prompt": "x"})).json()["served_by"] == "code"
+            assert (await c.get("/metrics", params={"model": "code"})).json() == {"served_by": "code"}
+            assert (await c.get("/metrics")).json() == {"served_by": "chat"}
+            state = (await c.get("/api/v1/swarm", params={"model": "code"})).json()
+            assert state["model"] == "code" and state["model_name"] == "code"
+            assert [m["name"] for m in state["models"]] == ["chat", "code"]
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["chat", "code"]
+            assert (await c.get("/v1/models/Tiny-Chat")).json() == {"served_by": "chat"}
+            for r in (await c.post("/v1/completions", json={"model": "gpt-4"}), await c.get("/v1/models/gpt-4"),
+                      await c.get("/", params={"model": "gpt-4"})):
+                assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+                assert "'chat', 'code'" in r.json()["error"]["message"]
+            # not JSON: the default model's API answers (with its own 400)
+            r = await c.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+            assert r.json() == {"served_by": "chat"} and seen[-1][3] == b"{nope"
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://x") as c:
+            assert (await c.get("/v1/models")).status_code == 401  # the caller's (missing) key, not the router's
+            health = await c.get("/healthz")
+            assert health.status_code == 503 and set(health.json()["models"]) == {"chat", "code"}
+
+    asyncio.run(main())
+    assert all(auth in (b"Bearer k", None) for *_, auth in seen)
+
+
+def test_parse_models():
+    assert parse_models(["smollm2-135m"]) == [(None, "smollm2-135m")]
+    assert parse_models(["chat=smollm2-135m", "code=/m/x"]) == [("chat", "smollm2-135m"), ("code", "/m/x")]
+    assert parse_models(["solo=/m/x"]) == [("solo", "/m/x")]
+    for bad, why in ((["a=/x", "/y"], "NAME=SOURCE"), (["a=/x", "a=/y"], "differ"), (["a b=/x", "c=/y"], "model name"),
+                     (["a=", "b=/y"], "NAME=SOURCE")):
+        with pytest.raises(ValueError, match=why):
+            parse_models(bad)
