@@ -30,6 +30,18 @@ def test_unparseable_values_are_usage_errors(tiny_model_dir, args):
     assert e.value.code == 2
 
 
+def test_several_models_need_names_and_distinct_prefixes(tiny_model_dir, capsys):
+    m = str(tiny_model_dir)
+    for args in (["--model", m, "--model", f"b={m}"], ["--model", f"a={m}", "--model", f"a={m}"],
+                 ["--model", f"a={m}", "--model", f"b={m}", "--dht-prefix", "x"]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2, args
+    # two names for one source would put both models' servers under one DHT prefix
+    assert main(["--model", f"a={m}", "--model", f"b={m}"]) == 2
+    assert "share a DHT prefix" in capsys.readouterr().err
+
+
 def test_prefix_salt_retires_every_cached_prefix():
     from petals_chain.swarm.prefix import prefix_hashes
 
