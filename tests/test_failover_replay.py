@@ -31,7 +31,9 @@ def test_killed_hop_replays_only_its_span(tiny_model_factory, tmp_path, scaled):
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
                                pad_token_id=0)[0, len(prompt):].tolist()
     mem = memory_for(model, MAX_LENGTH, 4, 2)
-    servers = [LocalServer(name, mem, tau_p=0.002) for name in ("a1", "b1", "a2", "b2")]
+    # 10 ms emulated per hop: the 150-token job lasts seconds, so it is still running when its hop is killed even on
+    # a fast machine (a stress run once saw it finish first: no failover to count)
+    servers = [LocalServer(name, mem, tau_p=0.002, emulate_rtt_ms=10.0) for name in ("a1", "b1", "a2", "b2")]
     sw = LocalSwarm(model, servers, max_length=MAX_LENGTH, arrival_rate=1.0, log_dir=tmp_path,
                     orchestrator_args=["--replan-interval-s", "3600"])
     sw.start(timeout=scaled(120))
