@@ -120,18 +120,30 @@ def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: 
     times on the caller's clock (``inf``: none). No chain at all: doomed when it has a deadline."""
     if ahead < 0 or output_tokens < 0:
         raise ValueError("ahead and output_tokens must be >= 0")
-    usable = [c for c in chains if c.capacity > 0 and 0 < c.step_s <= c.job_s < math.inf]
-    has_deadline = math.isfinite(ttft_deadline) or math.isfinite(deadline)
+    usable = _usable(chains)
     if not usable:
-        return Prediction(math.inf, math.inf, math.inf, has_deadline, "no chain serves this model yet")
+        return _no_chain(ttft_deadline, deadline)
     free = sum(max(0, c.capacity - c.active) for c in usable)
-    steps = 1 + int(output_tokens)
     mu = sum(c.capacity / c.job_s for c in usable)  # the jobs ahead are of the mean length, as far as we know
     wait = max(0, ahead + 1 - free) / mu
     open_chains = [c for c in usable if c.active < c.capacity] if wait == 0 else usable
-    step = min(c.step_s for c in open_chains)
+    return _verdict(now, wait, min(c.step_s for c in open_chains), output_tokens, ttft_deadline, deadline)
+
+
+def _usable(chains: Sequence[ChainLoad]) -> list[ChainLoad]:
+    return [c for c in chains if c.capacity > 0 and 0 < c.step_s <= c.job_s < math.inf]
+
+
+def _no_chain(ttft_deadline: float, deadline: float) -> Prediction:
+    has_deadline = math.isfinite(ttft_deadline) or math.isfinite(deadline)
+    return Prediction(math.inf, math.inf, math.inf, has_deadline, "no chain serves this model yet")
+
+
+def _verdict(now: float, wait: float, step: float, output_tokens: int, ttft_deadline: float,
+             deadline: float) -> Prediction:
+    """A job that waits ``wait`` for a slot, then runs a prefill and one step per output token of ``step`` each."""
     ttft = wait + step
-    total = wait + step * steps
+    total = wait + step * (1 + int(output_tokens))
     if now + ttft > ttft_deadline:
         return Prediction(wait, ttft, total, True, f"predicted time to first token {ttft * 1000:.0f} ms exceeds "
                                                    f"ttft_deadline_ms {(ttft_deadline - now) * 1000:.0f}")
@@ -173,9 +185,8 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
         if not 0 <= k < len(chains):
             continue
         c = chains[k]
-        held = list(promised[k:k + 1]) or [0]
-        freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held[0] - 1), job_s=c.job_s,
-                          step_s=c.step_s)
+        held = promised[k] if k < len(promised) else 0
+        freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held - 1), job_s=c.job_s, step_s=c.step_s)
         pred = predict(now, [freed], ahead, output_tokens, ttft_deadline=ttft_deadline, deadline=deadline)
         if pred.doomed:
             continue
@@ -192,17 +203,10 @@ def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: S
     own remaining work is done (``remaining_s``, from the most tokens each may still generate), not at the queue's
     mean rate, so a few long jobs without deadlines show as the obstacle they are. The new job gets the slot freed
     ``ahead``-th (free slots first), then runs at the fastest chain's step."""
-    usable = [c for c in chains if c.capacity > 0 and 0 < c.step_s <= c.job_s < math.inf]
-    has_deadline = math.isfinite(ttft_deadline) or math.isfinite(deadline)
+    usable = _usable(chains)
     if not usable:
-        return Prediction(math.inf, math.inf, math.inf, has_deadline, "no chain serves this model yet")
+        return _no_chain(ttft_deadline, deadline)
     free = sum(max(0, c.capacity - c.active) for c in usable)
     frees = [0.0] * free + sorted(max(0.0, r) for r in remaining_s)
     wait = frees[ahead] if ahead < len(frees) else math.inf
-    step = min(c.step_s for c in usable)
-    ttft, total = wait + step, wait + step * (1 + int(output_tokens))
-    if now + ttft > ttft_deadline:
-        return Prediction(wait, ttft, total, True, f"the running jobs free a slot in {wait * 1000:.0f} ms")
-    if now + total > deadline:
-        return Prediction(wait, ttft, total, True, f"the running jobs free a slot in {wait * 1000:.0f} ms")
-    return Prediction(wait, ttft, total, False)
+    return _verdict(now, wait, min(c.step_s for c in usable), output_tokens, ttft_deadline, deadline)

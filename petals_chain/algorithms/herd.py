@@ -446,7 +446,7 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
     # whole swarm for the least loaded orchestrator): big is also the tightest big-M for an uncovered group
     pooled = sum(s.throughput for s in servers) / max(1, num_blocks) / sum(need.values())
     scale = pooled if pooled > 0 else 1.0
-    big = max(1.0, sum(s.throughput for s in servers) / max(1, num_blocks) / min(need.values()) / scale)
+    big = max(1.0, sum(need.values()) / min(need.values())) if pooled > 0 else 1.0
     X = lambda i, j: i * J + j  # noqa: E731
     U = lambda j: S * J + j  # noqa: E731
     T = S * J + J
@@ -508,9 +508,8 @@ def brute_force_server_groups(servers: Sequence[GroupServer], demand: Mapping[st
                               num_blocks: int) -> tuple[int, float]:
     """The best ``(covered groups, lowest burst tolerance among them)`` over every split (tests: small only)."""
     groups = sorted(demand)
-    need = _demand_with_floor(demand)
     best = (0, 0.0)
     for choice in itertools.product(groups, repeat=len(servers)):
-        score = split_score(servers, need, num_blocks, {s.peer_id: o for s, o in zip(servers, choice)})
+        score = split_score(servers, demand, num_blocks, {s.peer_id: o for s, o in zip(servers, choice)})
         best = max(best, score)
     return best

@@ -260,8 +260,8 @@ def _peer_id(text: str) -> str:
     return text
 
 
-async def serve(cfgs, ready_file: str | None = None) -> None:
-    """Serve one model (``cfgs``: one config, or a list of one) or several (one config each, models.py)."""
+async def serve(cfgs: list, ready_file: str | None = None) -> None:
+    """Serve the models of ``cfgs`` (one config each; several: models.py)."""
     import uvicorn
 
     from petals_chain.orchestrator.api import create_app
@@ -269,7 +269,6 @@ async def serve(cfgs, ready_file: str | None = None) -> None:
     from petals_chain.orchestrator.models import ModelRouter
     from petals_chain.swarm.reachability import is_loopback
 
-    cfgs = cfgs if isinstance(cfgs, list) else [cfgs]
     cfg = cfgs[0]
     orchs = [Orchestrator(c) for c in cfgs]
     orch = orchs[0]

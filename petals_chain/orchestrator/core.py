@@ -293,9 +293,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
             await asyncio.to_thread(self.load_model)
         self.batcher = HeadBatcher(self.head, window_s=self.cfg.head_window_s)
         self.batcher.on_batch = self.stats.m_head_batch.observe
+        self._owns_dht = shared is None
         if shared is not None:
-            self.dht, self._owns_dht = shared.dht, False
-            self._p2p = await self.dht.replicate_p2p()
+            self.dht = shared.dht
         else:
             dht_kwargs: dict = {"announce_maddrs": list(self.cfg.announce_maddrs)} if self.cfg.announce_maddrs else {}
             if self.cfg.relay_service:
@@ -304,8 +304,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
             self.dht = await asyncio.to_thread(
                 SwarmDHT.create, initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
                 identity_path=self.cfg.identity_path, prefix=self.prefix, **dht_kwargs)
-            self._owns_dht = True
-            self._p2p = await self.dht.replicate_p2p()
+        self._p2p = await self.dht.replicate_p2p()
+        if self._owns_dht:
             self.frontdoor = PetalsChainFrontdoor(self.prober)
             await self.frontdoor.add_p2p_handlers(self._p2p)
         self.client = ServerClient(self._p2p, step_timeout_s=self.cfg.step_timeout_s)

@@ -64,7 +64,6 @@ class ChainHolder:
         self.steps = 0
         self.failovers = 0
         self.preemptions = 0  # times the job gave its chain back because a hop had no pages to grow it
-        self.paused = 0  # times it gave its chain back to a deadline job (--schedule flex)
         self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
         self.closed = False
         self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
@@ -358,7 +357,6 @@ class ChainHolder:
         """A deadline job needs this job's slot (``--schedule flex``): give the chain back between two steps, as
         :meth:`_preempt` does (the servers keep the KV as cached prefixes), and queue again after the deadline
         jobs. It resumes where it was, reusing what is still cached; the output is the same."""
-        self.paused += 1
         self.orch.stats.add_pause()
         logger.info("job %s: paused at %d tokens for a job with a deadline", self.job_id, len(self.kv_ids))
         self.kv_valid = min(self.kv_valid, len(self.kv_ids))

@@ -75,14 +75,15 @@ class GroupCoordinator:
 
     def json(self) -> dict:
         """For ``/api/v1/swarm``: who leads, the split's epoch, the live orchestrators and each group's size."""
-        sizes: dict[str, int] = {o: 0 for o in self.live()}
+        live = set(self.live())
+        sizes: dict[str, int] = {o: 0 for o in live}
         for o in self.split.values():
             sizes[o] = sizes.get(o, 0) + 1
         return {"me": self.me, "leader": self.leader, "epoch": self.epoch, "forwarded": self.forwarded,
                 "split_method": self.split_method,
                 "orchestrators": [{"peer_id": o, "http_url": self.urls.get(o, self.http_url() if o == self.me else ""),
                                    "arrival_rate": self.rates.get(o, 0.0), "servers": sizes.get(o, 0),
-                                   "live": o in self.live()} for o in sorted(sizes)]}
+                                   "live": o in live} for o in sorted(sizes)]}
 
     # ---- the split -----------------------------------------------------------------------------
     def _servers(self) -> list[GroupServer]:

@@ -400,17 +400,13 @@ class SwarmDHT:
         return self._store(summary_key(prefix), record.to_value(), expiration_s, return_future)
 
     def _parse_summary(self, result, trusted: Iterable[str]) -> Optional[dict]:
-        trusted = set(trusted)
         best: Optional[SummaryRecord] = None
-        for owner_peer, value in self._owned_entries(result):
-            if owner_peer not in trusted:
-                continue
+        for _, record in self._trusted_records(result, trusted, SummaryRecord, "summary"):
             try:
-                record = SummaryRecord.model_validate(value)
                 record.summary()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - JSON text that does not parse: not a summary
                 continue
-            if record.orchestrator_peer_id == owner_peer and (best is None or record.timestamp > best.timestamp):
+            if best is None or record.timestamp > best.timestamp:
                 best = record
         return best.summary() if best is not None else None
 
