@@ -44,7 +44,8 @@ def stand_in(name: str, seen: list):
 def orch(name: str, prefix: str, sessions=()):
     return SimpleNamespace(model_id=name, prefix=prefix, cfg=SimpleNamespace(model=f"/models/{prefix}"),
                            sessions={s: object() for s in sessions}, planner=None,
-                           dispatch=SimpleNamespace(chains=[1], queue_length=0))
+                           dispatch=SimpleNamespace(chains=[1], queue_length=0),
+                           stats=SimpleNamespace(completed=3, failed=0))
 
 
 def test_router_routes_by_body_session_and_query_with_the_callers_headers():

@@ -16,6 +16,7 @@ import sys
 from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES as DISPATCHES
 from petals_chain.orchestrator.dispatch import SCHEDULES
+from petals_chain.orchestrator.placement import PLACEMENT_POLICIES
 from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
 
 logger = logging.getLogger("petals_chain.orchestrator")
@@ -229,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="API keys, one a line: NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N]; "
                         "requests need 'Authorization: Bearer KEY' (401 otherwise), limits and sessions are per key. "
                         "Without it the API is open (one anonymous client)")
+    p.add_argument("--model-placement", default="ui", choices=list(PLACEMENT_POLICIES),
+                   help="with several models, which model a server offering several serves (seed 001): ui (placed "
+                        "by the unserved index when it joins, re-placed every replacement interval or when the "
+                        "traffic mix drifts, moving only servers whose move pays for its reload), static (placed "
+                        "once, never moved), even (round-robin, never moved)")
+    p.add_argument("--replace-interval-s", type=_positive_float, default=600.0, metavar="S",
+                   help="the first replacement interval I_0 (adapted by (1 +- 0.1) per interval, Eq. 8)")
+    p.add_argument("--placement-window-s", type=_positive_float, default=120.0, metavar="S",
+                   help="arrival rates and the traffic mix are measured over this window")
+    p.add_argument("--model-reload-s", type=float, default=10.0, metavar="S",
+                   help="what a server's move to another model costs it (seconds without serving); a move is "
+                        "made only if it saves more than that over the interval")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: from the model name)")
     p.add_argument("--model-id", default=None, help="model id served at /v1 (default: the model's name)")
     p.add_argument("--settle-s", type=float, default=2.0, help="wait this long without joins before the first plan")
@@ -260,8 +273,9 @@ def _peer_id(text: str) -> str:
     return text
 
 
-async def serve(cfgs: list, ready_file: str | None = None) -> None:
-    """Serve the models of ``cfgs`` (one config each; several: models.py)."""
+async def serve(cfgs: list, ready_file: str | None = None, placement: dict | None = None) -> None:
+    """Serve the models of ``cfgs`` (one config each; several: models.py, with ``placement`` the
+    :class:`~petals_chain.orchestrator.placement.ModelPlacer` keywords)."""
     import uvicorn
 
     from petals_chain.orchestrator.api import create_app
@@ -285,10 +299,15 @@ async def serve(cfgs: list, ready_file: str | None = None) -> None:
     await orch.start()
     for o in orchs[1:]:  # the other models use the first one's DHT node
         await o.start(shared=orch)
+    placer, placer_task = None, None
     if len(orchs) == 1:
         app = create_app(orch)
     else:
-        app = ModelRouter({o.model_id: create_app(o) for o in orchs}, {o.model_id: o for o in orchs})
+        from petals_chain.orchestrator.placement import ModelPlacer
+
+        placer = ModelPlacer(orchs, refresh_s=max(1.0, cfg.refresh_s), **(placement or {}))
+        placer_task = asyncio.create_task(placer.run(orch._stop), name="model-placement")
+        app = ModelRouter({o.model_id: create_app(o) for o in orchs}, {o.model_id: o for o in orchs}, placer=placer)
         for o in orchs:
             print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3,
@@ -316,6 +335,9 @@ async def serve(cfgs: list, ready_file: str | None = None) -> None:
         await server.serve(sockets=[sock])
     finally:
         print("Shutting down...", flush=True)
+        if placer_task is not None:
+            placer_task.cancel()
+            await asyncio.gather(placer_task, return_exceptions=True)
         for o in reversed(orchs):  # the first one, which runs the DHT node, last
             await o.stop()
 
@@ -412,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(cfgs, args.ready_file))
+        asyncio.run(serve(cfgs, args.ready_file, placement=dict(
+            policy=args.model_placement, interval_s=args.replace_interval_s, window_s=args.placement_window_s,
+            reload_s=args.model_reload_s)))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as e:

@@ -308,7 +308,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if self._owns_dht:
             self.frontdoor = PetalsChainFrontdoor(self.prober)
             await self.frontdoor.add_p2p_handlers(self._p2p)
-        self.client = ServerClient(self._p2p, step_timeout_s=self.cfg.step_timeout_s)
+        self.client = ServerClient(self._p2p, step_timeout_s=self.cfg.step_timeout_s,
+                                   model_fingerprint=self.source.fingerprint)
         self.planner = Planner(
             dht=self.dht, prefix=self.prefix, client=self.client, max_length=self.cfg.max_length,
             on_chains=self._on_chains, arrival_rate=self.cfg.arrival_rate, rho_bar=self.cfg.rho_bar,

@@ -88,10 +88,11 @@ class ModelRouter:
     """The ASGI app over several models' apps (``apps[name]``, the first is the default); ``orchs[name]`` are their
     orchestrators (for sessions and the list of models)."""
 
-    def __init__(self, apps: Mapping[str, App], orchs: Mapping[str, Any]):
+    def __init__(self, apps: Mapping[str, App], orchs: Mapping[str, Any], placer: Any = None):
         if not apps or set(apps) != set(orchs):
             raise ValueError("one app per orchestrator, at least one")
         self.apps, self.orchs = dict(apps), dict(orchs)
+        self.placer = placer  # placement.ModelPlacer: which model each server offering several serves
         self.default = next(iter(self.apps))
         # what a request may call a model: its name, and what its own API accepts (model id, DHT prefix, source)
         self.aliases: dict[str, str] = {}
@@ -157,8 +158,13 @@ class ModelRouter:
         state = json.loads(body)
         state["models"] = [{"name": n, "model": o.model_id, "dht_prefix": o.prefix, "servers": len(o.planner.servers)
                             if o.planner is not None else 0, "chains": len(o.dispatch.chains),
-                            "queue_length": o.dispatch.queue_length} for n, o in self.orchs.items()]
+                            "queue_length": o.dispatch.queue_length,
+                            "completed": o.stats.completed, "failed": o.stats.failed,
+                            "arrival_rate": round(o.planner.arrival_rate, 4) if o.planner is not None else 0.0}
+                           for n, o in self.orchs.items()]
         state["model_name"] = name
+        if self.placer is not None:
+            state["model_placement"] = self.placer.json()
         await _json(send, 200, state)
 
     async def _by_body(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -181,6 +181,9 @@ class Planner:
         # Several orchestrators (orchestrator/groups.py): the servers of this one's group; None: every server.
         self.group: set[str] | None = None
         self.seen: dict[str, Any] = {}  # every server record of the last refresh, in this group or not
+        # Several models (orchestrator/placement.py): ``placed(peer_id, record)`` says whether a server is placed on
+        # this model; None: a server is ours unless it serves another of the models it offers.
+        self.placed: Callable[[str, Any], bool] | None = None
 
     # ---- estimates -----------------------------------------------------------------------------
     @property
@@ -615,6 +618,10 @@ class Planner:
             self.seen = dict(records)
             if self.group is not None:  # another orchestrator's servers are not ours to plan: as if absent
                 records = {p: r for p, r in records.items() if p in self.group}
+            if self.placed is not None:  # a server placed on another model is not ours either
+                records = {p: r for p, r in records.items() if self.placed(p, r)}
+            else:
+                records = {p: r for p, r in records.items() if r.serving in ("", self.prefix)}
             now = time.time()
             joined, left = [], []
             # A server that stops gracefully announces "offline" and its record lingers until it expires: the view
@@ -780,6 +787,7 @@ class Planner:
                 "strikes": v.strikes, "banned": v.banned, "distrusted": v.distrusted,
                 "banned_for_s": None if v.distrusted else max(0.0, v.banned_until - now) if v.banned else 0.0,
                 "reachability": v.reachability, "reachability_error": v.reach_error, "maddrs": list(r.maddrs),
+                "models": list(r.models), "serving": r.serving,
             })
         for peer_id, r in sorted(self.refused.items()):
             out.append({
@@ -792,6 +800,6 @@ class Planner:
                 "last_seen": None, "assigned": None, "max_blocks": r.max_blocks, "model_mismatch": True,
                 "tau_p_advertised": r.tau_p, "tau_p_measured": None, "tau_p_suspect": False, "strikes": 0,
                 "banned": False, "banned_for_s": 0.0, "reachability": "unknown", "reachability_error": "",
-                "maddrs": list(r.maddrs),
+                "maddrs": list(r.maddrs), "models": list(r.models), "serving": r.serving,
             })
         return out

@@ -14,9 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m petals_chain.server",
         description="Join a petals-chain swarm: announce memory and speed, load the blocks the orchestrator "
                     "assigns, serve inference sessions.")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", required=True, action="append", metavar="MODEL",
                    help="the orchestrator's model: a short name (smollm2-135m), a .gguf file, an HF-format directory "
-                        "or a hub name")
+                        "or a hub name. Repeat to offer several models: the server holds one at a time, the one an "
+                        "orchestrator serving them places it on (the first until then)")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)")
@@ -129,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         cfg = ServerConfig(
-            model=args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, memory_bytes=memory_bytes,
+            model=args.model[0], extra_models=tuple(args.model[1:]), initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, memory_bytes=memory_bytes,
             device=args.device, dtype=args.dtype, quant=args.quant, public_name=args.public_name,
             host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, nat_relay=args.nat_relay,
             identity_path=args.identity_path, client_mode=args.client_mode,

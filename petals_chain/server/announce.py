@@ -64,7 +64,8 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
 
 
 class Announcer:
-    """Publishes ``record()`` under ``{prefix}.servers`` on a timer and re-pings lost initial peers.
+    """Publishes ``records()`` (``(prefix, record)`` pairs: each under ``{prefix}.servers``; a server offering
+    several models has one per model) on a timer and re-pings lost initial peers.
 
     :meth:`start` runs two tasks until :meth:`stop`: the publish timer (every ``refresh_s``, or at once after
     :meth:`mark_dirty`) and the rejoin loop (every ``rejoin_s``: hivemind drops a peer from the routing table
@@ -72,9 +73,9 @@ class Announcer:
     identity and address would never see our record otherwise; see :meth:`SwarmDHT.arejoin`).
     """
 
-    def __init__(self, sd: SwarmDHT, prefix: str, record: Callable[[], ServerRecord], *, refresh_s: float,
+    def __init__(self, sd: SwarmDHT, records: Callable[[], list[tuple[str, ServerRecord]]], *, refresh_s: float,
                  rejoin_s: float, initial_peer_ids: Sequence[str]):
-        self.sd, self.prefix, self.record = sd, prefix, record
+        self.sd, self.records = sd, records
         self.refresh_s, self.rejoin_s = refresh_s, rejoin_s
         self.initial_peer_ids = list(initial_peer_ids)
         self.rejoins = 0  # times a lost initial peer (the orchestrator) answered again and we re-announced
@@ -110,13 +111,15 @@ class Announcer:
         self._dirty.set()
 
     async def publish(self) -> bool:
-        """Publish the record now; False (logged) if the DHT did not store it."""
+        """Publish the records now; False (logged) if the DHT did not store one of them."""
         async with self._lock:
             self._dirty.clear()  # this publish carries every change made so far
             try:
                 # bounded: a store hung on an unreachable peer must not hold back the next refresh for long
-                ok = await asyncio.wait_for(self.sd.apublish_server(self.prefix, self.record(), self.expiration_s),
-                                            timeout=max(self.refresh_s, 5.0))
+                stored = await asyncio.wait_for(asyncio.gather(*(
+                    self.sd.apublish_server(prefix, record, self.expiration_s) for prefix, record in self.records())),
+                    timeout=max(self.refresh_s, 5.0))
+                ok = all(stored)
             except Exception as e:  # noqa: BLE001 - a DHT hiccup must not kill the server
                 logger.warning(f"publishing the server record failed: {type(e).__name__}: {e}")
                 return False

@@ -70,6 +70,10 @@ class BackendWrapper:
     def hidden_size(self) -> int:
         return self.inner.hidden_size
 
+    @property
+    def model_fingerprint(self) -> str:
+        return self.inner.model_fingerprint
+
     def authorize(self, peer_id: str) -> bool:
         return self.inner.authorize(peer_id)
 

@@ -29,11 +29,11 @@ import torch
 from petals_chain.server import emulated
 from petals_chain.server.announce import Announcer, build_record
 from petals_chain.server.config import DEFAULT_MAX_LENGTH, ServerConfig
-from petals_chain.server.memory import CPU_MEMORY_FRACTION, MemoryBudget, default_memory_bytes
+from petals_chain.server.memory import CPU_MEMORY_FRACTION, default_memory_bytes
+from petals_chain.server.models import HostedModel, StandbyView, load_hosted
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm import reachability
 from petals_chain.swarm.dht import SwarmDHT, peer_ids_from_maddrs
-from petals_chain.swarm.keys import check_prefix, default_dht_prefix
 from petals_chain.swarm.records import AssignmentRecord, ServerRecord
 from petals_chain.swarm.rpc import PetalsChainBlocks
 
@@ -51,8 +51,7 @@ class Server:
     """One volunteer server process: ``asyncio.run(Server(cfg).run())``."""
 
     def __init__(self, cfg: ServerConfig):
-        from petals_chain.swarm.checkpoint import QUANT_MODES, load_config, parse_dtype
-        from petals_chain.swarm.sources import check_family, resolve_source
+        from petals_chain.swarm.checkpoint import QUANT_MODES
 
         self.cfg = cfg
         if cfg.quant not in QUANT_MODES:
@@ -62,18 +61,14 @@ class Server:
         if cfg.max_length is not None and cfg.max_length < 1:
             raise ValueError("--max-length must be >= 1")
         self.emulation = cfg.emulation()
-        self.source = resolve_source(cfg.model)
-        self.model_path = self.source.path
-        self.config = load_config(self.source)
-        check_family(self.config)
-        self.model_fingerprint = self.source.fingerprint
-        self.num_layers = int(self.config.num_hidden_layers)
-        self.hidden_size = int(self.config.hidden_size)
-        self.torch_dtype = parse_dtype(cfg.dtype, self.config)
-        self.dtype_name = str(self.torch_dtype).replace("torch.", "")
-        self.prefix = check_prefix(cfg.dht_prefix) if cfg.dht_prefix else default_dht_prefix(self.source.name)
-        self.memory = MemoryBudget(self.config, self.torch_dtype, cfg.quant, cfg.cache_tokens_per_block,
-                                   kv_cache=cfg.kv_cache, page_size=cfg.page_size)
+        # every model the volunteer offers (server/models.py); the blocks served are of ``self.active``
+        self.hosted = load_hosted([cfg.model, *cfg.extra_models], dht_prefix=cfg.dht_prefix, dtype=cfg.dtype,
+                                  quant=cfg.quant, cache_tokens_per_block=cfg.cache_tokens_per_block,
+                                  kv_cache=cfg.kv_cache, page_size=cfg.page_size)
+        self.active = self.hosted[0]
+        self.placement_timestamp = 0.0  # of the placement record followed last
+        self.switches = 0  # times the server was placed on another of its models
+        self._misplaced: set[str] = set()  # placements naming a model we do not offer (said once each)
         self._initial_peer_ids = peer_ids_from_maddrs(cfg.initial_peers)
         self.trusted: set[str] = set(cfg.trust_orchestrator) or set(self._initial_peer_ids)
         if not self.trusted and not cfg.allow_any_client:
@@ -86,7 +81,6 @@ class Server:
         self._applied_content: tuple = ()
         self.span: Optional[tuple[int, int]] = None
         self.max_length = cfg.max_length or DEFAULT_MAX_LENGTH
-        self.tau_p = 0.0
         self.reloads = 0
         self.sd: Optional[SwarmDHT] = None
         self.p2p = None
@@ -100,12 +94,26 @@ class Server:
                                       allow_any_client=cfg.allow_any_client, state=lambda: self.state,
                                       on_change=self._record_changed, describe=self.describe,
                                       max_waiters=cfg.max_waiters, max_wait_s=cfg.max_wait_s)
+        self.service.model_fingerprint = self.model_fingerprint
         self.backend = emulated.session_backend(self.service, self.emulation)  # what the RPC handler serves
 
     @property
     def runner(self):
         """The runner being served (None while no span is loaded)."""
         return self.service.runner
+
+    # the model being served (several: server/models.py)
+    source = property(lambda self: self.active.source)
+    model_path = property(lambda self: self.active.source.path)
+    config = property(lambda self: self.active.config)
+    model_fingerprint = property(lambda self: self.active.fingerprint)
+    num_layers = property(lambda self: self.active.num_layers)
+    hidden_size = property(lambda self: self.active.hidden_size)
+    torch_dtype = property(lambda self: self.active.torch_dtype)
+    dtype_name = property(lambda self: self.active.dtype_name)
+    prefix = property(lambda self: self.active.prefix)
+    memory = property(lambda self: self.active.memory)
+    tau_p = property(lambda self: self.active.tau_p)
 
     def authorize(self, peer_id: str) -> bool:
         return self.service.authorize(peer_id)
@@ -122,7 +130,21 @@ class Server:
             self.announcer.mark_dirty()
 
     def record(self) -> ServerRecord:
-        return build_record(self, self.sd.peer_id)
+        rec = build_record(self, self.sd.peer_id)
+        rec.models, rec.serving = [h.prefix for h in self.hosted], self.prefix
+        return rec
+
+    def standby_records(self) -> list[tuple[str, ServerRecord]]:
+        """``(prefix, record)`` of each model offered but not served: no blocks, ``serving`` names the one served."""
+        out = []
+        for h in self.hosted:
+            if h is self.active:
+                continue
+            rec = build_record(StandbyView(h, self.max_length, self.emulation, self.cfg, self.maddrs,
+                                           self.reachability), self.sd.peer_id)
+            rec.models, rec.serving = [x.prefix for x in self.hosted], self.prefix
+            out.append((h.prefix, rec))
+        return out
 
     def describe(self) -> dict:
         """This server for ``info`` replies (the session service adds its sessions and admission)."""
@@ -139,6 +161,7 @@ class Server:
             "reloads": self.reloads, "cache_tokens_per_block": cfg.cache_tokens_per_block, "batching": cfg.batching,
             "kv_cache": cfg.kv_cache, "kv_pages": runner.cache_stats() if runner else None,
             "rejoins": self.announcer.rejoins if self.announcer else 0,
+            "models": [h.prefix for h in self.hosted], "serving": self.prefix, "model_switches": self.switches,
         }
 
     # ------------------------------------------------------------------ assignment
@@ -230,15 +253,17 @@ class Server:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ main
-    def measure_tau_p(self) -> float:
-        """Unscaled tau_p (s/block/job): --tau-p, else the runtime profiler's cached footnote-11 measurement."""
+    def measure_tau_p(self, hosted: Optional[HostedModel] = None) -> float:
+        """Unscaled tau_p (s/block/job) of ``hosted`` (default: the model served): --tau-p, else the runtime
+        profiler's cached footnote-11 measurement."""
         if self.cfg.tau_p is not None:
             return float(self.cfg.tau_p)
         from petals_chain.server import profiling
 
+        h = hosted or self.active
         # Measured on the real device (no emulation); the record shows it scaled (announce.build_record).
-        return profiling.measure_tau_p(self.model_path, self.cfg.profile_l_in, self.cfg.profile_l_out,
-                                       dtype=self.torch_dtype, device=self.cfg.device, quant=self.cfg.quant,
+        return profiling.measure_tau_p(h.source.path, self.cfg.profile_l_in, self.cfg.profile_l_out,
+                                       dtype=h.torch_dtype, device=self.cfg.device, quant=self.cfg.quant,
                                        cache_path=self.cfg.profile_cache, progress=self.cfg.progress)
 
     async def run(self) -> int:
@@ -255,16 +280,20 @@ class Server:
             logger.info(f"peer id {self.sd.peer_id}; multiaddrs: {' '.join(maddrs)}")
             print(f"PEER_ID {self.sd.peer_id}", flush=True)
 
-            self.memory.measure(self.cfg.memory_bytes, self.cfg.device)
-            logger.info(f"M_j = {self.memory.memory_bytes} bytes, s_m = {self.memory.s_m}, "
-                        f"s_c = {self.memory.s_c(self.max_length)} (max_length {self.max_length})")
-            self.announcer = Announcer(self.sd, self.prefix, self.record, refresh_s=self.cfg.refresh_s,
-                                       rejoin_s=self.cfg.assignment_poll_s, initial_peer_ids=self._initial_peer_ids)
+            for h in self.hosted:
+                h.memory.measure(self.cfg.memory_bytes, self.cfg.device)
+                logger.info(f"{h.prefix}: M_j = {h.memory.memory_bytes} bytes, s_m = {h.memory.s_m}, "
+                            f"s_c = {h.memory.s_c(self.max_length)} (max_length {self.max_length})")
+            self.announcer = Announcer(self.sd, lambda: [(self.prefix, self.record()), *self.standby_records()],
+                                       refresh_s=self.cfg.refresh_s, rejoin_s=self.cfg.assignment_poll_s,
+                                       initial_peer_ids=self._initial_peer_ids)
             await self.announcer.publish()  # joining, tau_p not measured yet
             self.announcer.start()  # from here on the record is republished in every state, whatever we await
-            self.tau_p = await loop.run_in_executor(None, self.measure_tau_p)
-            logger.info(f"tau_p = {self.tau_p * 1e3:.3f} ms/block/job (x{self.emulation.compute_scale} emulated)")
-            self._record_changed()
+            for h in self.hosted:
+                h.tau_p = await loop.run_in_executor(None, self.measure_tau_p, h)
+                logger.info(f"{h.prefix}: tau_p = {h.tau_p * 1e3:.3f} ms/block/job "
+                            f"(x{self.emulation.compute_scale} emulated)")
+                self._record_changed()
             await self._follow_assignments()
         finally:
             await self._shutdown(handler)
@@ -349,8 +378,39 @@ class Server:
             await asyncio.get_running_loop().run_in_executor(None, self.sd.shutdown)
             self.sd = None
 
+    async def follow_placement(self) -> None:
+        """Serve the model a trusted orchestrator placed this server on (several models: drain and unload the
+        blocks of the one served, then follow the other's assignment)."""
+        rec = await self.sd.afetch_placement([h.prefix for h in self.hosted], sorted(self.trusted), self.sd.peer_id)
+        if rec is None or rec.timestamp <= self.placement_timestamp:
+            return
+        self.placement_timestamp = rec.timestamp
+        target = rec.placement[self.sd.peer_id]
+        hosted = next((h for h in self.hosted if h.prefix == target), None)
+        if hosted is None:
+            if target not in self._misplaced:
+                self._misplaced.add(target)
+                logger.error(f"placed on model {target!r}, which this server does not offer "
+                             f"({', '.join(h.prefix for h in self.hosted)}): staying on {self.prefix}")
+            return
+        if hosted is self.active:
+            return
+        logger.info(f"placed on model {hosted.prefix} (serving {self.prefix}): draining and unloading its blocks")
+        await self._unload()
+        self.active = hosted
+        self.epoch, self.assignment_timestamp, self._applied_content, self.span = -1, 0.0, (), None
+        self.service.hidden_size = hosted.hidden_size
+        self.service.model_fingerprint = hosted.fingerprint
+        self.switches += 1
+        self.set_state("joining")
+
     async def _follow_assignments(self) -> None:
         while not self._stop.is_set():
+            if len(self.hosted) > 1:
+                try:
+                    await self.follow_placement()
+                except Exception as e:  # noqa: BLE001 - a DHT hiccup: try again at the next poll
+                    logger.warning(f"fetching the model placement failed: {e}")
             try:
                 asg = await self.sd.afetch_assignment(self.prefix, sorted(self.trusted), self.sd.peer_id)
             except Exception as e:  # noqa: BLE001

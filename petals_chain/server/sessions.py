@@ -52,6 +52,7 @@ class SessionService:
         self.trusted = trusted
         self.allow_any_client = allow_any_client
         self.runner = None  # set by the lifecycle while a span is loaded
+        self.model_fingerprint = ""  # of the model served (an open naming another is refused)
         self.sessions: dict[str, OpenSession] = {}
         self.admission = SlotWaitQueue(NoCapacityError, max_waiters=max_waiters, max_wait_s=max_wait_s)
         self._state, self._on_change, self._describe = state, on_change, describe

@@ -39,10 +39,10 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from petals_chain.swarm.keys import (DIRECTORY_KEY, assignment_key, check_prefix, groups_key, servers_key,
-                                     summary_key)
+from petals_chain.swarm.keys import (DIRECTORY_KEY, assignment_key, check_prefix, groups_key, placement_key,
+                                     servers_key, summary_key)
 from petals_chain.swarm.records import (AssignmentRecord, DirectoryRecord, DirectorySchemaV1, GroupRecord,
-                                        ServerRecord, SummaryRecord, SwarmSchemaV1)
+                                        PlacementRecord, ServerRecord, SummaryRecord, SwarmSchemaV1)
 
 logger = logging.getLogger(__name__)
 
@@ -390,6 +390,29 @@ class SwarmDHT:
         self._ensure_prefix(prefix)
         result = await self.dht.get(groups_key(prefix), latest=True, return_future=True)
         return dict(self._trusted_records(result, trusted, GroupRecord, "group entry"))
+
+    # ---- model placement (several models) ----
+
+    async def apublish_placement(self, prefix: str, record: PlacementRecord, expiration_s: float) -> bool:
+        """Store this orchestrator's model placement under ``{prefix}.placement`` (it must name this node)."""
+        self._ensure_prefix(prefix)
+        if record.orchestrator_peer_id != self.peer_id:
+            raise ValueError("record.orchestrator_peer_id must be this node's peer id")
+        return await self._store(placement_key(prefix), record.to_value(), expiration_s, True)
+
+    async def afetch_placement(self, prefixes: Iterable[str], trusted: Iterable[str], peer_id: str
+                               ) -> Optional[PlacementRecord]:
+        """The newest placement signed by a trusted orchestrator under any of ``prefixes`` that places ``peer_id``
+        (None if none does)."""
+        trusted = list(trusted)
+        best: Optional[PlacementRecord] = None
+        for prefix in prefixes:
+            self._ensure_prefix(prefix)
+            result = await self.dht.get(placement_key(prefix), latest=True, return_future=True)
+            for _, record in self._trusted_records(result, trusted, PlacementRecord, "placement"):
+                if peer_id in record.placement and (best is None or record.timestamp > best.timestamp):
+                    best = record
+        return best
 
     # ---- summary ----
 

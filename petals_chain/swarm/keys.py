@@ -7,6 +7,8 @@ Keys (DESIGN.md "DHT records"):
 * ``{prefix}.summary``    — subkey: the orchestrator's owner key; value: the ``GET /api/v1/swarm`` JSON.
 * ``{prefix}.groups``     — subkey: an orchestrator's owner key; value: a :class:`GroupRecord` (several
   orchestrators on one swarm: each is alive there, the leader's entry holds the split of servers into groups).
+* ``{prefix}.placement``  — subkey: the orchestrator's owner key; value: a :class:`PlacementRecord` (which model
+  each server offering several serves; the same record under every model the orchestrator serves).
 * ``petals-chain.swarms``  — subkey: an orchestrator's owner key; value: a :class:`DirectoryRecord` naming
   the swarm it runs (prefix, model, HTTP URL), so a dashboard needs only ``--initial-peers``.
 """
@@ -57,6 +59,11 @@ def summary_key(prefix: str) -> str:
 def groups_key(prefix: str) -> str:
     """Key holding one entry per orchestrator of the swarm (HERD groups)."""
     return f"{check_prefix(prefix)}.groups"
+
+
+def placement_key(prefix: str) -> str:
+    """Key holding the orchestrator's model placement of servers that offer several models."""
+    return f"{check_prefix(prefix)}.placement"
 
 
 DIRECTORY_KEY = "petals-chain.swarms"  # swarm directory: one signed entry per orchestrator

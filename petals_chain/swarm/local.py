@@ -33,7 +33,7 @@ class LocalServer:
     emulate_compute_scale: float = 1.0
     tau_p: Optional[float] = None  # skip profiling and announce this (seconds per block per job)
     extra_args: Sequence[str] = ()
-    model: Optional[str] = None  # the model it serves (a path): default the swarm's model
+    model: Optional[str | Sequence[str]] = None  # the model(s) it offers (paths): default the swarm's model
 
 
 def free_port() -> int:
@@ -164,7 +164,8 @@ class LocalSwarm:
             raise RuntimeError("start the orchestrator first")
         if spec.public_name in self.servers:
             raise ValueError(f"a server named {spec.public_name!r} already exists")
-        args = ["-m", "petals_chain.server", "--model", str(spec.model or self.model_path), "--initial-peers",
+        models = [spec.model] if isinstance(spec.model, (str, os.PathLike)) else list(spec.model or [self.model_path])
+        args = ["-m", "petals_chain.server", *[a for m in models for a in ("--model", str(m))], "--initial-peers",
                 *self.initial_peers,
                 "--memory-bytes", str(int(spec.memory_bytes)), "--public-name", spec.public_name,
                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--emulate-rtt-ms", str(spec.emulate_rtt_ms),

@@ -65,6 +65,11 @@ class ServerRecord(pydantic.BaseModel):
     maddrs: list[Annotated[str, pydantic.StringConstraints(max_length=300)]] = pydantic.Field(default_factory=list,
                                                                                         max_length=8)
     reachability: Literal["unknown", "direct", "relayed", "unreachable"] = "unknown"
+    # several models (orchestrator/placement.py): the DHT prefixes of every model this server may serve (its
+    # --model list; empty: only the one it is published under) and the one it holds or is loading ("": none yet)
+    models: list[Annotated[str, pydantic.StringConstraints(max_length=128)]] = pydantic.Field(default_factory=list,
+                                                                                          max_length=8)
+    serving: str = pydantic.Field(default="", max_length=128)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.model_validator(mode="after")
@@ -108,6 +113,24 @@ class AssignmentRecord(pydantic.BaseModel):
     def to_value(self) -> dict:
         value = self.model_dump()
         value["assignments"] = {k: [int(v[0]), int(v[1])] for k, v in self.assignments.items()}
+        return value
+
+
+class PlacementRecord(pydantic.BaseModel):
+    """Which model each server offering several serves (SeaLLM placement, ``orchestrator/placement.py``):
+    ``placement[server peer id] = DHT prefix``; stored under ``{prefix}.placement`` of every model the orchestrator
+    serves, so a server finds it under any of its own prefixes."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
+    epoch: int = pydantic.Field(default=0, ge=0)
+    placement: Dict[str, str] = pydantic.Field(default_factory=dict)
+    timestamp: float = pydantic.Field(default_factory=time.time)
+
+    def to_value(self) -> dict:
+        value = self.model_dump()
+        value["timestamp"] = float(value["timestamp"])
         return value
 
 
@@ -208,6 +231,8 @@ class _ServerValueV1(pv1.BaseModel):
     prefix_reused_tokens: pv1.conint(strict=True, ge=0)
     maddrs: pv1.conlist(pv1.constr(strict=True, max_length=300), max_items=8)
     reachability: pv1.constr(strict=True, regex=r"^(unknown|direct|relayed|unreachable)$")
+    models: pv1.conlist(pv1.constr(strict=True, max_length=128), max_items=8)
+    serving: pv1.constr(strict=True, max_length=128)
     timestamp: pv1.StrictFloat
 
     class Config:
@@ -259,6 +284,16 @@ class _GroupValueV1(pv1.BaseModel):
         extra = pv1.Extra.forbid
 
 
+class _PlacementValueV1(pv1.BaseModel):
+    orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
+    epoch: pv1.conint(strict=True, ge=0)
+    placement: Dict[pv1.constr(strict=True, max_length=_PEER_ID_MAX), pv1.constr(strict=True, max_length=128)]
+    timestamp: pv1.StrictFloat
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
 class DirectorySchemaV1(pv1.BaseModel):
     """The swarm directory key; every entry signed by the orchestrator that wrote it."""
 
@@ -272,7 +307,8 @@ class SwarmSchemaV1(pv1.BaseModel):
     assignment: Dict[BytesWithPublicKey, _AssignmentValueV1]
     summary: Dict[BytesWithPublicKey, _SummaryValueV1]
     groups: Dict[BytesWithPublicKey, _GroupValueV1]
+    placement: Dict[BytesWithPublicKey, _PlacementValueV1]
 
 
-__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "DirectoryRecord", "GroupRecord", "SwarmSchemaV1", "DirectorySchemaV1",
+__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "DirectoryRecord", "GroupRecord", "PlacementRecord", "SwarmSchemaV1", "DirectorySchemaV1",
            "RECORD_VERSION", "STATES"]

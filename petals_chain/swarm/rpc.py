@@ -8,8 +8,9 @@ tensors travel uncompressed (``USE_LEGACY_BFLOAT16 = False``: bf16 stays 2 bytes
 
 Session stream, client -> server:
   1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"[, "wait_s"][, "fork_from",
-     "fork_length"][, "prefix_hashes"]}`` -> ``{"ok": true, ...}`` or an error, after which the server ends the
-     stream. ``prefix_hashes`` names the prompt (:mod:`~petals_chain.swarm.prefix`): the reply's
+     "fork_length"][, "prefix_hashes"][, "model"]}`` -> ``{"ok": true, ...}`` or an error, after which the server
+     ends the stream. ``model``: the fingerprint of the model the client means; a server serving another one
+     (it offers several and was placed on another) refuses with ``unavailable``. ``prefix_hashes`` names the prompt (:mod:`~petals_chain.swarm.prefix`): the reply's
      ``cached_tokens`` says how many of its tokens the server's prefix cache holds in every block of the span
      (the session starts holding them; its first step may start there or earlier). With
      ``wait_s > 0`` a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds
@@ -262,6 +263,12 @@ class PetalsChainBlocks(ServicerBase):
                 sid = meta.get("session_id")
                 if not isinstance(sid, str) or not (0 < len(sid) <= _MAX_SESSION_ID):
                     raise RefusedError("invalid", "session_id must be a non-empty string of at most 256 chars")
+                model = meta.get("model")
+                served = getattr(self.backend, "model_fingerprint", "")
+                if model is not None and (not isinstance(model, str) or len(model) > 64):
+                    raise RefusedError("invalid", "field 'model' must be a model fingerprint (a string)")
+                if model and served and model != served:
+                    raise RefusedError("unavailable", f"this server serves model {served} now, not {model}")
                 start = _int_field(meta, "start_block")
                 end = _int_field(meta, "end_block", lo=1)
                 max_length = _int_field(meta, "max_length", lo=1)
@@ -889,10 +896,12 @@ def _unpack_reply(reply: runtime_pb2.ExpertResponse) -> dict:
 class ServerClient:
     """Client of petals-chain servers over an existing hivemind P2P (e.g. ``await dht.replicate_p2p()``)."""
 
-    def __init__(self, p2p: P2P, *, open_timeout_s: float = 30.0, step_timeout_s: Optional[float] = 300.0):
+    def __init__(self, p2p: P2P, *, open_timeout_s: float = 30.0, step_timeout_s: Optional[float] = 300.0,
+                 model_fingerprint: str = ""):
         self.p2p = p2p
         self.open_timeout_s = open_timeout_s
         self.step_timeout_s = step_timeout_s
+        self.model_fingerprint = model_fingerprint  # named in every open (a server serving another model refuses)
 
     def _stub(self, peer_id: Union[str, PeerID]):
         return PetalsChainBlocks.get_stub(self.p2p, _as_peer(peer_id))
@@ -915,7 +924,8 @@ class ServerClient:
             "max_length": int(max_length), **({"wait_s": float(wait_s)} if wait_s > 0 else {}),
             **({"fork_from": fork_from, "fork_length": int(fork_length)} if fork_from is not None else {}),
             **({"prefix_hashes": bytes(prefix_hashes)} if prefix_hashes else {}),
-            **({"push_token": push_token} if push_token else {})})))
+            **({"push_token": push_token} if push_token else {}),
+            **({"model": self.model_fingerprint} if self.model_fingerprint else {})})))
         try:
             sess._responses = await asyncio.wait_for(self._stub(peer_id).rpc_session(sess._requests()),
                                                      timeout=self.open_timeout_s)

@@ -236,10 +236,18 @@
     var shown = str(data.model_name);
     var links = models.map(function (m) {
       var name = str(m.name);
-      var label = name + " \u00b7 " + (int(m.chains) || 0) + " chains \u00b7 " + (int(m.queue_length) || 0) + " queued";
+      var label = name + " \u00b7 " + (int(m.servers) || 0) + " servers \u00b7 " + (int(m.chains) || 0) + " chains \u00b7 " +
+        (int(m.queue_length) || 0) + " queued";
       if (name === shown) return el("span", { class: "model-link current", "data-model": name, "aria-current": "page", text: label });
       return el("a", { class: "model-link", "data-model": name, href: "?model=" + encodeURIComponent(name), text: label });
     });
+    // servers offering several models: which one each serves is the placement's (seed 001)
+    var pl = obj(data.model_placement);
+    if (pl.policy) {
+      links.push(el("span", { class: "muted placement", title: "placement of servers offering several models: policy, " +
+        "replacement interval, servers moved so far", text: "placement " + str(pl.policy) + " \u00b7 every " +
+        fmtSeconds(pl.interval_s) + " \u00b7 " + (int(pl.moves) || 0) + " moves" }));
+    }
     nav.replaceChildren.apply(nav, links);
   }
 
@@ -612,12 +620,18 @@
         : reach === "pending" ? "checking that its announced addresses can be dialed" : "dialed directly at\n" + addrs;
       reachLine = el("div", { class: "reach reach-" + reach, title: reachTitle, text: reach });
     }
+    // a server offering several models serves one of them at a time
+    var offers = Array.isArray(s.models) ? s.models.map(str) : [], offersLine = null;
+    if (offers.length > 1) {
+      offersLine = el("div", { class: "muted offers", title: "offers " + offers.join(", ") + "; serves " + str(s.serving),
+        text: "offers " + offers.length + " models" });
+    }
     var lastSeen = goneSince !== null ? "left " + fmtAgo(goneSince, nowS) : fmtAgo(s.last_seen, nowS);
     var hw = [str(s.device), str(s.dtype)].filter(Boolean).join(" \u00b7 ");
     return el("tr", { "data-peer-id": str(s.peer_id), "data-state": gone ? "gone" : str(s.state), class: gone ? "gone" : null },
       el("td", { "data-label": "name" },
         el("div", {}, el("div", { class: "server-name", text: serverName(s) }), el("div", { class: "peer-id", title: str(s.peer_id), text: shortId(s.peer_id) }))),
-      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null), trustLine, reachLine),
+      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null), trustLine, reachLine, offersLine),
       el("td", { "data-label": "blocks", class: "num" }, el("span", { text: span })),
       el("td", { "data-label": "memory", class: "num" }, el("span", { title: hw, text: fmtBytes(s.memory_bytes) + (hw ? " \u00b7 " + hw : "") })),
       el("td", { "data-label": "KV cache" },

@@ -1,0 +1,311 @@
+"""Which model each server offering several serves (issue 17, seed 001 SeaLLM §4.1 and §4.3), at run time.
+
+One orchestrator process serving several models (``--model NAME=SOURCE`` repeated, ``models.py``) runs one
+:class:`ModelPlacer`. A server started with several ``--model`` announces itself under each model's prefix
+(``serving`` naming the one it holds); the placer decides the model of every such *flexible* server, tells each
+model's planner which servers are its own (``Planner.placed``) and publishes the decision as a signed
+:class:`~petals_chain.swarm.records.PlacementRecord`, which the servers follow (``server/server.py``). A server
+offering one of the models only is that model's, as before. The decisions are the seed's, shared with the
+simulator (``algorithms/multimodel.py``):
+
+* a flexible server seen for the first time is placed at once by the unserved index (Eq. 6, Alg. 1) given the
+  servers already placed, unless it already holds blocks of one of the models (an orchestrator restart: kept);
+* every replacement interval ``I_t`` (Eq. 8, adapted by ``(1 ± β)`` from how far the last interval's measured
+  SLO attainment and normalized latency were from the estimate), or sooner when the traffic mix drifts, the
+  placement is recomputed by the unserved index and only the moves that pay for their reload
+  (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`) are made;
+* a server that leaves keeps its placement for ``forget_s``: restarted with the same identity it serves the model
+  it held (no needless reload of another).
+
+Policies (``--model-placement``): ``ui`` (all of the above), ``static`` (placed once by the unserved index, never
+moved: the "no adaptive replacement" ablation), ``even`` (round-robin, never moved: "no placement").
+
+Model parameters are what the planners know: ``L``, ``s_m``, ``s_c`` (bytes) from the model config, each server's
+``tau_p`` and ``tau_c`` for that model (measured once hops were observed), the arrival rate over ``window_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from petals_chain.algorithms.multimodel import (BETA, AdaptiveInterval, MixDriftDetector, PlanMetrics, ServedModel,
+                                                Volunteer, analytic_evaluate, groups_of, moves_that_pay,
+                                                place_by_unserved_index, ui_rate)
+from petals_chain.swarm.periodic import run_every
+from petals_chain.swarm.records import PlacementRecord
+
+logger = logging.getLogger("petals_chain.orchestrator.placement")
+
+PLACEMENT_POLICIES = ("ui", "static", "even")
+
+
+class ModelPlacer:
+    """Places flexible servers on the models of ``orchs`` (one Orchestrator per model, keyed by ``names``)."""
+
+    def __init__(self, orchs: Sequence[Any], *, policy: str = "ui", interval_s: float = 600.0,
+                 window_s: float = 120.0, reload_s: float = 10.0, refresh_s: float = 2.0, forget_s: float = 600.0,
+                 drift_threshold: float = 0.2, min_arrivals: int = 20, beta: float = BETA,
+                 expiration_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        if policy not in PLACEMENT_POLICIES:
+            raise ValueError(f"unknown placement policy {policy!r}; choose from {', '.join(PLACEMENT_POLICIES)}")
+        if len(orchs) < 2:
+            raise ValueError("placement needs two models or more")
+        self.orchs = {o.model_id: o for o in orchs}
+        self.by_prefix = {o.prefix: name for name, o in self.orchs.items()}
+        self.policy = policy
+        self.window_s, self.reload_s, self.refresh_s, self.forget_s = window_s, reload_s, refresh_s, forget_s
+        self.expiration_s = expiration_s
+        self.clock = clock
+        self.interval = AdaptiveInterval(interval_s, beta=beta, min_s=min(30.0, interval_s),
+                                         max_s=max(3600.0, interval_s))
+        self.drift = MixDriftDetector(window_s=window_s, threshold=drift_threshold, min_arrivals=min_arrivals)
+        self.placement: dict[str, str] = {}  # flexible server peer id -> model name
+        self.gone: dict[str, float] = {}  # placed servers not seen since (clock time)
+        self.epoch = 0
+        self.planned_at = clock()
+        self.planned_wall = time.time()
+        self.estimate: PlanMetrics | None = None
+        self.moves = 0
+        self.log: deque[dict] = deque(maxlen=50)
+        self._published_epoch = -1
+        self._published_at = -math.inf
+        self._last_arrival: dict[str, float] = {name: -math.inf for name in self.orchs}
+        for name, o in self.orchs.items():
+            o.planner.placed = self._placed_on(name)
+
+    # ---- what the planners ask --------------------------------------------------------------------
+    def offered(self, record: Any) -> list[str]:
+        """The models (our names) a server record offers, in its order."""
+        return [self.by_prefix[p] for p in dict.fromkeys(record.models) if p in self.by_prefix]
+
+    def _placed_on(self, name: str) -> Callable[[str, Any], bool]:
+        prefix = self.orchs[name].prefix
+
+        def placed(peer_id: str, record: Any) -> bool:
+            if len(self.offered(record)) < 2:  # offers this model only (as far as we serve): ours unless busy
+                return record.serving in ("", prefix)
+            return self.placement.get(peer_id) == name
+
+        return placed
+
+    # ---- inputs -----------------------------------------------------------------------------------
+    def _records(self) -> dict[str, dict[str, Any]]:
+        """``{peer id: {model name: record}}`` of every live server any model's planner saw."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, o in self.orchs.items():
+            for peer, rec in o.planner.seen.items():
+                if rec.state != "offline":
+                    out.setdefault(peer, {})[name] = rec
+        return out
+
+    def _rate(self, name: str, now: float) -> float:
+        """Arrivals per second at model ``name`` over the last ``window_s`` (the planner's arrival log)."""
+        rates = self.orchs[name].planner.rates
+        span = max(1.0, min(self.window_s, now - rates.t0))
+        return sum(1 for t in rates.arrivals if t >= now - span) / span
+
+    def _note_arrivals(self, now: float) -> None:
+        """Feed the mix drift detector with the arrivals since the last round."""
+        for name, o in self.orchs.items():
+            last = self._last_arrival[name]
+            for t in list(o.planner.rates.arrivals):
+                if t > last:
+                    self.drift.arrive(name, t)
+                    self._last_arrival[name] = t
+
+    def snapshot(self, records: dict[str, dict[str, Any]], now: float
+                 ) -> tuple[list[Volunteer], list[ServedModel], dict[str, str]]:
+        """``(volunteers, models, fixed)`` for the seed's algorithms: every live server with its memory, speed and
+        link, every model with its sizes, reference block time and rate, and the servers that offer one model."""
+        tau: dict[str, dict[str, float]] = {}
+        comm: dict[str, float] = {}
+        for peer, by_model in records.items():
+            for name, rec in by_model.items():
+                planner = self.orchs[name].planner
+                view = planner.servers.get(peer)
+                t = planner.tau_p(view) if view is not None else float(rec.tau_p)
+                if t > 0:
+                    tau.setdefault(peer, {})[name] = t
+                if peer not in comm and view is not None:
+                    comm[peer] = planner.tau_c(view)
+        models = []
+        for name, o in self.orchs.items():
+            spec = o.planner._model_spec() or o.model_spec()
+            times = [t[name] for t in tau.values() if name in t]
+            block_time = statistics.median(times) if times else 1.0
+            plan = o.planner.plan
+            models.append(ServedModel(name, spec.num_blocks, float(spec.block_size), float(spec.cache_size), block_time,
+                                      rate=self._rate(name, now), c=int(plan.c) if plan is not None and plan.c else 8))
+        by_name = {m.name: m for m in models}
+        volunteers, fixed = [], {}
+        for peer, by_model in sorted(records.items()):
+            ts = tau.get(peer, {})
+            speeds = [by_name[n].block_time / t for n, t in ts.items()]
+            rec = next(iter(by_model.values()))
+            volunteers.append(Volunteer(peer, float(rec.memory_bytes), statistics.median(speeds) if speeds else 1.0,
+                                        comm.get(peer, 0.0)))
+            offered = self.offered(rec)
+            if len(offered) < 2:
+                if len(by_model) == 1:
+                    fixed[peer] = next(iter(by_model))
+                elif rec.serving in self.by_prefix:
+                    fixed[peer] = self.by_prefix[rec.serving]
+        return volunteers, models, fixed
+
+    # ---- decisions --------------------------------------------------------------------------------
+    def _flexible(self, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """``{peer: a record}`` of the live servers offering two of our models or more."""
+        out = {}
+        for peer, by_model in records.items():
+            rec = next(iter(by_model.values()))
+            if len(self.offered(rec)) >= 2:
+                out[peer] = rec
+        return out
+
+    def _holding(self, peer: str, records: dict[str, dict[str, Any]]) -> str | None:
+        """The model a server already holds blocks of (as its records say), if one of ours."""
+        for name, rec in records.get(peer, {}).items():
+            if rec.serving == self.orchs[name].prefix and rec.num_blocks > 0:
+                return name
+        return None
+
+    def _place_new(self, new: list[str], records: dict[str, dict[str, Any]], now: float) -> None:
+        volunteers, models, fixed = self.snapshot(records, now)
+        live = {v.name for v in volunteers}
+        known = {p: m for p, m in self.placement.items() if p in live}
+        for peer in new:
+            held = self._holding(peer, records)
+            if held is not None:
+                known[peer] = held
+                self._set(peer, held, "holds its blocks")
+        rest = [p for p in new if p not in known]
+        if not rest:
+            return
+        offered = {p: set(self.offered(next(iter(records[p].values())))) for p in rest}
+        if self.policy == "even":
+            counts = {m.name: sum(1 for x in {**fixed, **known}.values() if x == m.name) for m in models}
+            for peer in rest:
+                choice = min(sorted(offered[peer]), key=lambda n: (counts[n], list(self.orchs).index(n)))
+                counts[choice] += 1
+                self._set(peer, choice, "round-robin")
+            return
+        for peer in rest:  # one at a time, each given the ones placed before it
+            allowed = [m for m in models if m.name in offered[peer]]
+            plan = place_by_unserved_index([v for v in volunteers if v.name in {**fixed, **known} or v.name == peer],
+                                           allowed, horizon_s=self.interval.interval, fixed={**fixed, **known})
+            choice = plan.get(peer) or sorted(offered[peer])[0]
+            known[peer] = choice
+            self._set(peer, choice, "joined: unserved index")
+
+    def _set(self, peer: str, name: str, why: str) -> None:
+        before = self.placement.get(peer)
+        if before == name:
+            return
+        self.placement[peer] = name
+        self.epoch += 1
+        if before is not None:
+            self.moves += 1
+        self.log.append({"t": time.time(), "server": peer, "from": before, "to": name, "why": why})
+        logger.info("placement: server %s -> model %s (%s%s)", peer[:12], name, why,
+                    f"; was {before}" if before else "")
+
+    def real_metrics(self, since_wall: float) -> PlanMetrics | None:
+        """SLO attainment (response < 5 x the request's own service time) and normalized latency (response over its
+        model's mean service time) of the requests completed since ``since_wall``; None without any."""
+        met = total = 0
+        norm = 0.0
+        for o in self.orchs.values():
+            done = [h for h in o.stats.history if h["t"] >= since_wall and h["service_s"] > 0]
+            if not done:
+                continue
+            mean_service = sum(h["service_s"] for h in done) / len(done)
+            for h in done:
+                total += 1
+                met += h["response_s"] < 5.0 * h["service_s"]
+                norm += h["response_s"] / mean_service
+        return PlanMetrics(met / total, norm / total) if total else None
+
+    def _estimate(self, volunteers: list[Volunteer], models: list[ServedModel], assignment: dict[str, str]
+                  ) -> PlanMetrics | None:
+        est = analytic_evaluate(models, self.interval.interval)(groups_of(assignment, volunteers))
+        n = sum(e.requests for e in est.values())
+        if n <= 0:
+            return None
+        return PlanMetrics(1.0 - sum(e.misses for e in est.values()) / n,
+                           sum(e.norm_latency * e.requests for e in est.values()) / n)
+
+    def replace(self, records: dict[str, dict[str, Any]], now: float, why: str) -> list:
+        """Re-place the flexible servers by the unserved index, making only the moves that pay (Eq. 8 interval)."""
+        real = self.real_metrics(self.planned_wall)
+        if real is not None and self.estimate is not None:
+            self.interval.update(real, self.estimate)
+        volunteers, models, fixed = self.snapshot(records, now)
+        flexible = self._flexible(records)
+        current = {**fixed, **{p: self.placement[p] for p in flexible if p in self.placement}}
+        target = place_by_unserved_index(volunteers, models, horizon_s=self.interval.interval, fixed=fixed)
+        target = {p: m for p, m in target.items()
+                  if p in fixed or (p in flexible and m in self.offered(flexible[p]))}
+        moves = moves_that_pay(current, {**current, **target}, ui_rate(volunteers, models,
+                                                                        horizon_s=self.interval.interval),
+                               reload_s=self.reload_s, interval_s=self.interval.interval)
+        for mv in moves:
+            if mv.server in flexible:
+                self._set(mv.server, mv.dst, f"{why}: pays {mv.benefit:.3g}")
+        self.estimate = self._estimate(volunteers, models, {**fixed, **{p: self.placement[p] for p in flexible
+                                                                        if p in self.placement}})
+        self.planned_at, self.planned_wall = now, time.time()
+        total = sum(m.rate for m in models)
+        self.drift.set_plan({m.name: m.rate / total for m in models} if total > 0 else {})
+        return moves
+
+    async def round(self) -> None:
+        now = self.clock()
+        self._note_arrivals(now)
+        records = self._records()
+        flexible = self._flexible(records)
+        for peer in flexible:
+            self.gone.pop(peer, None)
+        for peer in [p for p in self.placement if p not in flexible]:
+            since = self.gone.setdefault(peer, now)
+            if now - since > self.forget_s:
+                del self.placement[peer], self.gone[peer]
+        new = sorted(p for p in flexible if p not in self.placement)
+        if new:
+            self._place_new(new, records, now)
+        if self.policy == "ui" and flexible:
+            due = now - self.planned_at >= self.interval.interval
+            # drifted from the mix planned for, or traffic arrives and no plan was made for any yet
+            drifted = self.drift.drifted(now) or (not self.drift.planned and sum(self.drift.rates(now).values())
+                                                  * self.drift.window_s >= self.drift.min_arrivals)
+            if due or drifted:
+                self.replace(records, now, "traffic mix drifted" if drifted and not due else "replacement interval")
+        await self.publish()
+
+    async def publish(self) -> None:
+        """The placement under every model's prefix, when it changed and before it expires."""
+        now = self.clock()
+        if self._published_epoch == self.epoch and now - self._published_at < self.expiration_s / 3:
+            return
+        o0 = next(iter(self.orchs.values()))
+        record = PlacementRecord(orchestrator_peer_id=o0.dht.peer_id, epoch=self.epoch,
+                                 placement={p: self.orchs[m].prefix for p, m in self.placement.items()})
+        ok = True
+        for o in self.orchs.values():
+            ok = await o0.dht.apublish_placement(o.prefix, record, self.expiration_s) and ok
+        if ok:
+            self._published_epoch, self._published_at = self.epoch, now
+
+    async def run(self, stop: Any) -> None:
+        await run_every(stop, self.refresh_s, self.round, logger, "model placement")
+
+    def json(self) -> dict:
+        """For ``/api/v1/swarm``: the policy, interval, placement and recent moves."""
+        return {"policy": self.policy, "epoch": self.epoch, "interval_s": round(self.interval.interval, 3),
+                "moves": self.moves, "placement": dict(self.placement),
+                "servers_per_model": {n: sum(1 for m in self.placement.values() if m == n) for n in self.orchs},
+                "recent": list(self.log)[-10:]}

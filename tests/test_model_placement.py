@@ -1,0 +1,179 @@
+"""The model placer's decisions (orchestrator/placement.py) over fake orchestrators: which servers are flexible,
+where a joining server goes, moves under a traffic shift, a departed server's placement kept, the planners' filter,
+and the placement record the servers read (signed schema)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from petals_chain.model import ModelSpec
+from petals_chain.orchestrator.placement import ModelPlacer
+from petals_chain.orchestrator.planner import RateEstimator, ServerView
+from petals_chain.swarm.records import PlacementRecord, ServerRecord, SwarmSchemaV1, _PlacementValueV1
+
+GB = 2**30
+
+
+class FakePlanner:
+    def __init__(self, spec: ModelSpec):
+        self.seen: dict[str, ServerRecord] = {}
+        self.servers: dict[str, ServerView] = {}
+        self.rates = RateEstimator()
+        self.plan = None
+        self.spec = spec
+        self.placed = None
+
+    def tau_p(self, v: ServerView) -> float:
+        return float(v.record.tau_p)
+
+    def tau_c(self, v: ServerView) -> float:
+        return 0.01
+
+    def _model_spec(self) -> ModelSpec:
+        return self.spec
+
+
+class FakeDHT:
+    peer_id = "orch"
+
+    def __init__(self):
+        self.stored: dict[str, PlacementRecord] = {}
+
+    async def apublish_placement(self, prefix: str, record: PlacementRecord, expiration_s: float) -> bool:
+        self.stored[prefix] = record
+        return True
+
+
+def fake_orch(name: str, blocks: int, dht: FakeDHT) -> SimpleNamespace:
+    spec = ModelSpec(num_blocks=blocks, block_size=0.1 * GB, cache_size=0.01 * GB)
+    return SimpleNamespace(model_id=name, prefix=f"{name}-prefix", planner=FakePlanner(spec), dht=dht,
+                           stats=SimpleNamespace(history=[]), model_spec=lambda: spec)
+
+
+def record(peer: str, prefixes: list[str], serving: str, *, tau_p: float = 0.5, blocks: int = 0) -> ServerRecord:
+    return ServerRecord(peer_id=peer, state="online" if blocks else "joining", memory_bytes=GB // 2, tau_p=tau_p,
+                        num_blocks=blocks, models=prefixes, serving=serving)
+
+
+def announce(orchs, peer: str, offered: list[str], serving: str, *, blocks: int = 0) -> None:
+    """The server's records under each offered model's prefix, as the server publishes them."""
+    prefixes = [orchs[n].prefix for n in offered]
+    for n in offered:
+        o = orchs[n]
+        rec = record(peer, prefixes, serving, blocks=blocks if serving == o.prefix else 0)
+        o.planner.seen[peer] = rec
+        o.planner.servers[peer] = ServerView(peer_id=peer, record=rec)
+
+
+@pytest.fixture
+def swarm():
+    dht = FakeDHT()
+    orchs = {n: fake_orch(n, b, dht) for n, b in (("alpha", 4), ("beta", 2))}
+    return orchs, dht
+
+
+def placer_for(orchs, **kw) -> ModelPlacer:
+    kw.setdefault("interval_s", 1000.0)
+    return ModelPlacer(list(orchs.values()), window_s=30.0, reload_s=1.0, min_arrivals=10, **kw)
+
+
+def arrivals(orch, n: int, now: float, span_s: float = 10.0) -> None:
+    for i in range(n):
+        orch.planner.rates.arrive(now - span_s + span_s * i / n)
+
+
+def test_joining_servers_cover_every_model_and_planners_see_only_theirs(swarm):
+    orchs, dht = swarm
+    placer = placer_for(orchs)
+    for peer in ("s0", "s1", "s2"):
+        announce(orchs, peer, ["alpha", "beta"], orchs["alpha"].prefix)
+    announce(orchs, "only-beta", ["beta"], orchs["beta"].prefix)
+    asyncio.run(placer.round())
+    assert set(placer.placement) == {"s0", "s1", "s2"}  # the single-model server is not the placer's
+    counts = placer.json()["servers_per_model"]
+    assert counts["alpha"] >= 1 and sum(counts.values()) == 3  # alpha had no chain: it got a server first
+    # each planner's filter: flexible servers by the placement, the single-model one where it serves
+    for name, o in orchs.items():
+        mine = {p for p, r in o.planner.seen.items() if o.planner.placed(p, r)}
+        assert mine == {p for p, m in placer.placement.items() if m == name} | ({"only-beta"} if name == "beta" else set())
+    # published under both prefixes, the servers' peer ids mapped to DHT prefixes, valid for the DHT schema
+    assert set(dht.stored) == {"alpha-prefix", "beta-prefix"}
+    rec = dht.stored["alpha-prefix"]
+    assert rec.placement == {p: orchs[m].prefix for p, m in placer.placement.items()}
+    _PlacementValueV1.parse_obj(rec.to_value())  # what hivemind's schema validator checks (strict types)
+    assert PlacementRecord.model_validate(rec.to_value()) == rec
+    assert "placement" in SwarmSchemaV1.__fields__
+
+
+def test_a_server_holding_blocks_keeps_them_and_a_departed_server_keeps_its_model(swarm):
+    orchs, _ = swarm
+    placer = placer_for(orchs, forget_s=5.0)
+    announce(orchs, "s0", ["alpha", "beta"], orchs["beta"].prefix, blocks=2)  # holds beta's blocks (restart)
+    asyncio.run(placer.round())
+    assert placer.placement == {"s0": "beta"}
+    for o in orchs.values():  # s0 leaves
+        o.planner.seen.pop("s0")
+    asyncio.run(placer.round())
+    assert placer.placement == {"s0": "beta"}  # kept while it may come back
+    announce(orchs, "s0", ["alpha", "beta"], orchs["alpha"].prefix)  # restarted: serves its first model, no blocks
+    asyncio.run(placer.round())
+    assert placer.placement == {"s0": "beta"} and placer.moves == 0
+    for o in orchs.values():
+        o.planner.seen.pop("s0")
+    asyncio.run(placer.round())
+    assert placer.placement == {"s0": "beta"}
+    placer.clock = lambda: time.monotonic() + 10.0
+    asyncio.run(placer.round())
+    assert placer.placement == {}  # forgotten after forget_s
+
+
+def test_traffic_shift_moves_servers_to_the_busy_model(swarm):
+    orchs, _ = swarm
+    placer = placer_for(orchs)
+    for peer in ("s0", "s1", "s2", "s3"):
+        announce(orchs, peer, ["alpha", "beta"], orchs["alpha"].prefix)
+    now = time.monotonic()
+    arrivals(orchs["alpha"], 15, now)  # 1.5 req/s on alpha: one chain of 2 slots (1 job/s) is not enough
+    asyncio.run(placer.round())
+    first = placer.json()["servers_per_model"]
+    assert first["alpha"] >= 2, placer.json()
+    for o in orchs.values():
+        o.planner.rates.arrivals.clear()
+    placer.clock = lambda: time.monotonic() + 40.0  # the alpha arrivals left the window
+    arrivals(orchs["beta"], 50, time.monotonic() + 40.0)  # 5 req/s on beta: 2 jobs/s per chain
+    asyncio.run(placer.round())
+    after = placer.json()["servers_per_model"]
+    assert after["beta"] > first["beta"] and after["alpha"] >= 1, placer.json()
+    assert placer.moves >= 1 and any("pays" in m["why"] for m in placer.json()["recent"])
+
+
+def test_even_and_static_policies_never_move(swarm):
+    orchs, _ = swarm
+    for policy in ("even", "static"):
+        for o in orchs.values():
+            o.planner.seen.clear()
+            o.planner.servers.clear()
+            o.planner.rates.arrivals.clear()
+        placer = placer_for(orchs, policy=policy)
+        for peer in ("s0", "s1", "s2", "s3"):
+            announce(orchs, peer, ["alpha", "beta"], orchs["alpha"].prefix)
+        asyncio.run(placer.round())
+        before = dict(placer.placement)
+        if policy == "even":
+            assert sorted(before.values()) == ["alpha", "alpha", "beta", "beta"]
+        arrivals(orchs["beta"], 300, time.monotonic())
+        placer.clock = lambda: time.monotonic() + 5000.0
+        asyncio.run(placer.round())
+        assert placer.placement == before and placer.moves == 0
+
+
+def test_placement_needs_two_models_and_a_known_policy(swarm):
+    orchs, _ = swarm
+    with pytest.raises(ValueError, match="two models"):
+        ModelPlacer([orchs["alpha"]])
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        ModelPlacer(list(orchs.values()), policy="random")

@@ -1,0 +1,129 @@
+"""Servers offering two models, moved between them by the orchestrator's placement (issue 17, seed 001) — real
+processes on loopback: three servers started with ``--model ALPHA --model BETA``; traffic on alpha, then a shift to
+beta; the placer moves a server to beta, no request fails, every output stays token-exact for its model; a server
+restarted with its identity comes back on the model it held without loading the other."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import hf_greedy_from
+from dashboard_helpers import browser_skip_reason, chromium_page
+from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 6, 7, 8, 9]
+TOKENS = 10
+
+
+def per_model(sw) -> dict:
+    return sw.swarm()["model_placement"]["servers_per_model"]
+
+
+class Traffic:
+    """Closed-loop clients on one model; every reply kept (status, tokens)."""
+
+    def __init__(self, sw, model: str, threads: int):
+        self.sw, self.model = sw, model
+        self.results: list[tuple[int, list[int] | str]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=180) as c:
+            while not self._stop.is_set():
+                r = c.post(f"{self.sw.url}/v1/completions", json={
+                    "model": self.model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                    "ignore_eos": True})
+                self.results.append((r.status_code, r.json()["petals_chain"][0]["token_ids"]
+                                     if r.status_code == 200 else r.text))
+
+    def __enter__(self) -> "Traffic":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=240)
+
+
+def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tmp_path):
+    alpha, beta = tiny_model_factory("llama", num_layers=4), tiny_model_factory("qwen2", num_layers=2)
+    memory = max(memory_for(alpha, 64, 4, 2), memory_for(beta, 64, 2, 2))
+    emulate = ["--emulate-decode-ms", "25"]  # a job takes ~1 s on alpha: two clients fill a chain
+
+    def spec(i: int) -> LocalServer:
+        return LocalServer(f"s{i}", memory, tau_p=0.25, model=[str(alpha), str(beta)],
+                           extra_args=[*emulate, "--identity-path", str(tmp_path / f"s{i}.key")])
+
+    expected = {"alpha": hf_greedy_from(alpha, PROMPT, TOKENS), "beta": hf_greedy_from(beta, PROMPT, TOKENS)}
+    sw = LocalSwarm(alpha, [spec(i) for i in range(3)], max_length=64, log_dir=tmp_path / "logs",
+                    models={"alpha": alpha, "beta": beta},
+                    orchestrator_args=["--replace-interval-s", "20", "--placement-window-s", "10",
+                                       "--model-reload-s", "1", "--audit-rate", "0"])
+    with sw:
+        state = sw.wait_until(lambda s: sum(s.get("model_placement", {}).get("servers_per_model", {}).values()) == 3,
+                              120, "every server placed")
+        assert min(state["model_placement"]["servers_per_model"].values()) >= 1  # both models served
+        for name in ("alpha", "beta"):
+            sw.wait_until(lambda s, n=name: any(m["name"] == n and m["chains"] for m in s["models"]), 120,
+                          f"a chain of {name}")
+        with Traffic(sw, "alpha", 3) as on_alpha:
+            sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["alpha"] >= 2, 90,
+                          "two servers on alpha")
+            time.sleep(3)
+        with Traffic(sw, "beta", 4) as on_beta:
+            state = sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["beta"] >= 2, 120,
+                                  "the shift to move a server to beta")
+            moved = [m for m in state["model_placement"]["recent"] if m["to"] == "beta" and m["from"] == "alpha"]
+            assert moved, state["model_placement"]
+            # the moved server serves beta: its record under beta's prefix, a chain of beta through it
+            peer = moved[-1]["server"]
+            sw.wait_until(lambda s: any(srv["peer_id"] == peer and srv["state"] == "online"
+                                        for srv in httpx.get(f"{sw.url}/api/v1/swarm", params={"model": "beta"},
+                                                             timeout=30).json()["servers"]), 120,
+                          "the moved server online on beta")
+            time.sleep(3)
+        for traffic in (on_alpha, on_beta):
+            assert traffic.results, f"no {traffic.model} request completed"
+            bad = [r for r in traffic.results if r[0] != 200 or r[1] != expected[traffic.model]]
+            assert not bad, f"{traffic.model}: {bad[:3]} of {len(traffic.results)}"
+        # the server that moved says so in its log: unloaded alpha's blocks, then loaded beta's
+        logs = {n: (sw.log_dir / f"server-{n}.log").read_text() for n in sw.servers}
+        name = next(n for n, text in logs.items() if f"PEER_ID {peer}" in text)
+        assert "placed on model" in logs[name] and logs[name].count("loading blocks") >= 2
+
+        if browser_skip_reason() is None:  # the dashboard shows the placement and the servers offering two models
+            with chromium_page() as (page, errors):
+                page.goto(f"{sw.url}/?model=beta")
+                page.wait_for_selector("#models-nav .placement", timeout=20_000)
+                assert "placement ui" in page.locator("#models-nav .placement").text_content()
+                page.wait_for_selector("#servers-table tr .offers", timeout=20_000)
+                assert "offers 2 models" in page.locator("#servers-table tr .offers").first.text_content()
+                assert errors == []
+
+        # restarted with its identity, it comes back on beta without loading alpha's blocks
+        sw.kill_server(name)
+        del sw.servers[name]
+        sw.add_server(spec(int(name[1:])))
+        log = sw.log_dir / f"server-{name}.log"
+
+        def restarted_online(_: dict) -> bool:  # its second run (the log is appended to) is serving
+            runs = log.read_text().split(f"PEER_ID {peer}")
+            return len(runs) == 3 and "state: joining -> online" in runs[-1]
+
+        sw.wait_until(restarted_online, 120, "the restarted server online")
+        text = log.read_text().split(f"PEER_ID {peer}")[-1]
+        beta_prefix = next(m["dht_prefix"] for m in sw.swarm()["models"] if m["name"] == "beta")
+        assert text.count("loading blocks") == 1, text[-3000:]  # beta's blocks only: alpha's never loaded
+        assert -1 < text.find(f"placed on model {beta_prefix}") < text.find("loading blocks"), text[-3000:]
+        r = httpx.post(f"{sw.url}/v1/completions", timeout=120, json={
+            "model": "beta", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["petals_chain"][0]["token_ids"] == expected["beta"]
