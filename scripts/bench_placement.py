@@ -144,7 +144,7 @@ def main() -> int:
             print(f"      move {m['server'][:10]} {m['from']} -> {m['to']} ({m['why']})", flush=True)
     exec_s = {n: statistics.median([r["service_s"] for run in runs for r in run["results"]
                                     if r["model"] == n and r["status"] == 200]) for n in paths}
-    print(f"L̂_s (median execution time): " + ", ".join(f"{n} {v:.3f} s" for n, v in exec_s.items()))
+    print("L̂_s (median execution time): " + ", ".join(f"{n} {v:.3f} s" for n, v in exec_s.items()))
     print("| policy | phase | requests | failed | wrong tokens | normalized latency | P99 (s) | SLO attainment |")
     print("|---|---|---|---|---|---|---|---|")
     table = {}
