@@ -151,7 +151,7 @@ def test_traffic_shift_moves_servers_to_the_busy_model(swarm):
     assert placer.moves >= 1 and any("pays" in m["why"] for m in placer.json()["recent"])
 
 
-def test_even_and_static_policies_never_move(swarm):
+def test_even_never_moves_and_static_moves_once_for_the_first_traffic(swarm):
     orchs, _ = swarm
     for policy in ("even", "static"):
         for o in orchs.values():
@@ -165,10 +165,21 @@ def test_even_and_static_policies_never_move(swarm):
         before = dict(placer.placement)
         if policy == "even":
             assert sorted(before.values()) == ["alpha", "alpha", "beta", "beta"]
-        arrivals(orchs["beta"], 300, time.monotonic())
-        placer.clock = lambda: time.monotonic() + 5000.0
+        now = time.monotonic()
+        arrivals(orchs["alpha"], 15, now)  # the first traffic: alpha-heavy
         asyncio.run(placer.round())
-        assert placer.placement == before and placer.moves == 0
+        first = dict(placer.placement)
+        if policy == "static":
+            assert placer.estimate is not None  # its one re-placement, for this traffic
+        else:
+            assert first == before and placer.moves == 0
+        for o in orchs.values():
+            o.planner.rates.arrivals.clear()
+        placer.clock = lambda: time.monotonic() + 5000.0  # the traffic shifts to beta, intervals pass
+        arrivals(orchs["beta"], 50, time.monotonic() + 5000.0)
+        moves = placer.moves
+        asyncio.run(placer.round())
+        assert placer.placement == first and placer.moves == moves  # never again
 
 
 def test_placement_needs_two_models_and_a_known_policy(swarm):

@@ -201,3 +201,75 @@ def test_select_respects_fits():
 
     assert [j.key for j in s.select(3, 0.0, fits)] == [1, 2]
     assert math.isnan(jobs[0].priority)
+
+
+# ---------------------------------------------------------------- --schedule db|mlfq at the orchestrator's dispatch
+
+
+def _priority_dispatch(schedule: str):
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchManager
+
+    dm = DispatchManager(schedule=schedule)
+    dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+    return dm
+
+
+def _job(dm, i: int, **kw):
+    from petals_chain.orchestrator.dispatch import DispatchJob
+
+    return DispatchJob(job_id=f"j{i}", sched=kw.pop("sched", None) or dm.new_priority_job(f"j{i}", "m"), **kw)
+
+
+def test_db_dispatch_pauses_a_job_past_its_budget_for_a_new_one_and_resumes_it_first_after():
+    import asyncio
+
+    async def main():
+        dm = _priority_dispatch("db")  # L̂ = 1 s (prior), Q0 = 1 s
+        long = await dm.acquire(_job(dm, 0))
+        queued = asyncio.ensure_future(dm.acquire(_job(dm, 1)))
+        await asyncio.sleep(0)
+        assert not queued.done() and not long.preempt  # the running job goes first: its budget is partly used
+        dm.charge(long, 0.6)  # O = 0.4 < the new job's 1.0: keeps running
+        assert not long.preempt and dm.priority_preemptions == 0
+        dm.charge(long, 0.6)  # budget used up: level 1, Q = 2 s, O = 2.0 > 1.0: gives its chain back
+        assert long.preempt and long.job.sched.level == 1 and dm.priority_preemptions == 1
+        dm.release(long)  # the pause
+        await asyncio.sleep(0)
+        assert queued.done() and queued.result().job.job_id == "j1"
+        # the paused job re-queues (yields) with its level kept; a newer job (O = 1.0) goes before it (O = 2.0)
+        resumed = asyncio.ensure_future(dm.acquire(_job(dm, 0, requeue=True, yields=True, sched=long.job.sched)))
+        newer = asyncio.ensure_future(dm.acquire(_job(dm, 2)))
+        await asyncio.sleep(0)
+        dm.release(queued.result())
+        await asyncio.sleep(0)
+        assert newer.done() and not resumed.done()
+        dm.finished(queued.result().job.sched)
+        dm.release(newer.result())
+        await asyncio.sleep(0)
+        assert resumed.done() and resumed.result().job.sched.level == 1
+        dm.release(resumed.result())
+
+    asyncio.run(main())
+
+
+def test_mlfq_and_fcfs_dispatch_orders():
+    import asyncio
+
+    async def main():
+        dm = _priority_dispatch("mlfq")
+        first = await dm.acquire(_job(dm, 0))
+        for _ in range(3):
+            dm.charge(first, 0.05)  # past the 0.03 s quantum of the top level: level 1, then 2
+        assert first.job.sched.level >= 1
+        nxt = asyncio.ensure_future(dm.acquire(_job(dm, 1)))
+        await asyncio.sleep(0)
+        assert first.preempt  # a new job joins the top queue: the demoted one pauses
+        dm.release(first)
+        await asyncio.sleep(0)
+        assert nxt.done()
+        dm.release(nxt.result())
+        plain = _priority_dispatch("fcfs")
+        assert plain.new_priority_job("x", "m") is None  # fcfs: no priorities kept, nothing paused
+
+    asyncio.run(main())

@@ -229,6 +229,22 @@ class Scheduler:
         self.jobs.pop(id(job))
         job.running = False
 
+    # The runtime (orchestrator/dispatch.py) keeps its own queue and asks only for the discipline's numbers:
+    def start(self, job: Job, now: float) -> None:
+        """Set ``job``'s level, budget and priority as :meth:`arrive` does, without holding it here."""
+        job.waiting_since = now
+        self._init(job, now)
+
+    def account(self, job: Job, step_s: float) -> None:
+        """``job`` (not held here) used ``step_s`` seconds of execution, as :meth:`charge` counts it."""
+        job.used += step_s
+        job.steps += 1
+        self._charged(job, step_s)
+
+    def key(self, job: Job) -> float:
+        """Where ``job`` goes in a queue ordered by this discipline (smaller first; ties by arrival)."""
+        return job.arrival
+
 
 class FCFSScheduler(Scheduler):
     """First come first served with continuous batching: running jobs keep their place (never preempted), free
@@ -279,6 +295,9 @@ class DBScheduler(Scheduler):
             job.level += 1
             job.budget = (2 ** job.level) * self.monitor[job.service].base_budget
         job.priority = job.budget * self.monitor[job.service].mean
+
+    def key(self, job: Job) -> float:
+        return job.priority
 
     def starved(self, now: float) -> list[Job]:
         """The min-``O`` waiting job of every starved service, the longest-waiting service first."""
@@ -345,6 +364,9 @@ class MLFQScheduler(Scheduler):
         if job.budget <= 0:
             job.level = min(job.level + 1, self.levels - 1)
             job.budget = self.quantum(job.level)
+
+    def key(self, job: Job) -> float:
+        return float(job.level)
 
     def _order(self, now: float) -> list[Job]:
         if self.starve_s is not None:

@@ -193,10 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="fcfs", choices=list(SCHEDULES),
                    help="the central queue's order: fcfs (the paper's FIFO), edf (earliest deadline first: requests "
                         "with deadline_ms / ttft_deadline_ms, or their API key's defaults, go first; needs "
-                        "--fairness fcfs) or flex (edf, and a request that would miss its deadline takes the slot of "
+                        "--fairness fcfs), flex (edf, and a request that would miss its deadline takes the slot of "
                         "a running request without one, paused between two steps and resumed later; seed 003's "
-                        "best-effort lane). A request whose deadline the queue and the chains' speed say it cannot "
-                        "meet is refused at once (429 deadline_unreachable) unless it asks for best_effort")
+                        "best-effort lane); db (seed 001's doubling budget: a job's priority is its remaining budget "
+                        "times the mean execution time, the budget doubling a level down each time it is used up; a "
+                        "waiting job of higher priority pauses the running job of lowest between two steps) or mlfq "
+                        "(skip-join multi-level feedback queue, the same way). With edf/flex a request whose deadline "
+                        "the queue and the chains' speed say it cannot meet is refused at once (429 "
+                        "deadline_unreachable) unless it asks for best_effort")
     p.add_argument("--fairness-quantum", type=_auto_or_positive_float, default=None, metavar="auto|X",
                    help="DLPM's quantum Q^u in service units (a client's credit per round); auto: 4x the median "
                         "request's cost over the last 256 requests")
@@ -233,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-placement", default="ui", choices=list(PLACEMENT_POLICIES),
                    help="with several models, which model a server offering several serves (seed 001): ui (placed "
                         "by the unserved index when it joins, re-placed every replacement interval or when the "
-                        "traffic mix drifts, moving only servers whose move pays for its reload), static (placed "
-                        "once, never moved), even (round-robin, never moved)")
+                        "traffic mix drifts, moving only servers whose move pays for its reload), static (re-placed "
+                        "once, for the first traffic seen, then never moved: a fixed plan), even (round-robin, never "
+                        "moved)")
     p.add_argument("--replace-interval-s", type=_positive_float, default=600.0, metavar="S",
                    help="the first replacement interval I_0 (adapted by (1 +- 0.1) per interval, Eq. 8)")
     p.add_argument("--placement-window-s", type=_positive_float, default=120.0, metavar="S",

@@ -400,6 +400,16 @@ class Orchestrator(GenerationMixin, SessionMixin):
         """Servers that could take blocks ``[start, end)`` of a failed hop over (see ``Planner.replacements``)."""
         return self.planner.replacements(start, end) if self.planner is not None else []
 
+    def _schedule_json(self) -> dict:
+        """``--schedule`` and its pauses; with ``db``/``mlfq`` the learnt ``L̂_s``, ``σ_s`` of each service (s)."""
+        d = self.dispatch
+        out = {"name": self.cfg.schedule, "paused": self.stats.pauses,
+               "priority_preemptions": getattr(d, "priority_preemptions", 0)}
+        if getattr(d, "priorities", None) is not None:
+            out["services"] = {str(k): {"mean_exec_s": round(st.mean, 4), "std_exec_s": round(st.std, 4),
+                                        "completed": st.count} for k, st in d.priorities.monitor.stats.items()}
+        return out
+
     def _steps_per_job(self) -> float:
         """The planner's steps per job (``T_k`` covers that many), for the deadline prediction."""
         return self.planner.steps_per_job if self.planner is not None else 17.0
@@ -499,6 +509,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "groups": self.groups.json() if self.groups is not None else None,
             "fairness": self.shares.json(self.dispatch.waiting_jobs()),
             "deadlines": {"schedule": self.cfg.schedule, **self.deadlines.json(), "paused": self.stats.pauses},
+            "schedule": self._schedule_json(),
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,
             # maxima and counts since start (exact, unlike samples of queue_length): queue_max <= max_queue
             "queue_max": self.dispatch.queue_max, "max_queue": self.dispatch.max_queue,

@@ -70,6 +70,7 @@ class DispatchJob:
     deadline: Any = None
     output_tokens: int = 0
     yields: bool = False  # paused for a deadline (--schedule flex): re-queued behind every job with a deadline
+    sched: Any = None  # --schedule db|mlfq: its algorithms.multimodel.Job (level, budget, priority), kept by the job
 
     @property
     def order_key(self) -> float:
@@ -177,7 +178,10 @@ class Lease:
 
 
 DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq", "petals", "bprr")  # petals, bprr: routed.py
-SCHEDULES = ("fcfs", "edf", "flex")  # the central queue's order (--schedule); flex: edf + pausing jobs without one
+# the central queue's order (--schedule); flex: edf + pausing jobs without one; db, mlfq: seed 001's preemptive
+# priorities (doubling budget, skip-join MLFQ) over the jobs' execution so far, paused between two steps
+SCHEDULES = ("fcfs", "edf", "flex", "db", "mlfq")
+PRIORITY_SCHEDULES = ("db", "mlfq")
 PLACEMENT_POLICIES = ("gbp-cr", "whole-model", "petals", "bprr")
 
 
@@ -251,10 +255,18 @@ class DispatchManager:
                                  f"{shares.policy.name} by client shares: choose one (--fairness fcfs with --schedule "
                                  f"{schedule})")
             factory = fair_factory(shares)
-        if factory is None and schedule in ("edf", "flex"):
+        # --schedule db|mlfq: the discipline's numbers (algorithms/multimodel.py); L̂_s learnt from finished jobs
+        self.priorities = None
+        if schedule in PRIORITY_SCHEDULES:
+            from petals_chain.algorithms.multimodel import ServiceMonitor, make_scheduler
+
+            self.priorities = make_scheduler(schedule, ServiceMonitor())
+        self.priority_preemptions = 0  # running jobs paused for a waiting job of higher priority (db, mlfq)
+        if factory is None and schedule in ("edf", "flex", *PRIORITY_SCHEDULES):
             if policy != "jffc":
                 raise ValueError(f"--schedule {schedule} needs the central queue of JFFC, not dispatch {policy!r}")
-            factory = jffc_factory(lambda: EDFQueue(key=lambda job: job.order_key))
+            key = ((lambda job: job.order_key) if self.priorities is None else self._priority)
+            factory = jffc_factory(lambda: EDFQueue(key=key))
         self.factory = factory or dispatcher_factory(policy)
         self.policy = policy
         self.max_queue = None if max_queue is None else int(max_queue)
@@ -410,6 +422,8 @@ class DispatchManager:
                 return
             self.dispatcher.remove_job(job)  # it waits in the lane, not in the dispatcher's queue
         self._lane.append(job)
+        if self.priorities is not None:  # db, mlfq: the lane too is served best priority first (stable)
+            self._lane.sort(key=self._priority)
 
     def _start_preferred(self, job: DispatchJob) -> bool:
         """Start ``job`` on the first chain it prefers that has room now (JFFC: a chain has room only while the
@@ -475,6 +489,8 @@ class DispatchManager:
             raise
         note_admission(True)
         self._note_queue()
+        if self.priorities is not None and job not in self._running:
+            self._preempt_for_priority()
         try:
             return await fut
         except asyncio.CancelledError:
@@ -507,10 +523,66 @@ class DispatchManager:
             self._start(nxt, lease.index, queued=True)
 
     def _deadline_before(self, job: DispatchJob) -> bool:
-        """``job`` (re-queued) was paused for deadlines (``flex``) and the queue's head has an earlier one: the head
-        goes first (the re-queue lane otherwise goes before the queue)."""
+        """``job`` (re-queued) was paused for deadlines (``flex``) or for priority (``db``, ``mlfq``) and the queue's
+        head goes before it: the head goes first (the re-queue lane otherwise goes before the queue)."""
         q = getattr(self.dispatcher, "queue", None)
-        return job.yields and isinstance(q, EDFQueue) and len(q) > 0 and q.peek().order_key < job.order_key
+        if not (job.yields and isinstance(q, EDFQueue) and len(q) > 0):
+            return False
+        if self.priorities is not None:
+            return self._priority(q.peek()) < self._priority(job)
+        return q.peek().order_key < job.order_key
+
+    # ---- db, mlfq: preemptive priorities (seed 001) ------------------------------------------------
+    def _priority(self, job: DispatchJob) -> float:
+        """A job's place under ``--schedule db|mlfq`` (smaller first): ``O_r`` (db) or its level (mlfq)."""
+        return self.priorities.key(job.sched) if job.sched is not None else math.inf
+
+    def new_priority_job(self, key: str, service: str) -> Any:
+        """The discipline's record of a new job of ``service`` (None unless ``--schedule db|mlfq``): level 0, budget
+        ``Q0_s = L̂_s + σ_s`` (db) or the top queue (mlfq). The job keeps it across pauses and failovers."""
+        if self.priorities is None:
+            return None
+        from petals_chain.algorithms.multimodel import Job
+
+        job = Job(key=key, service=service, arrival=time.monotonic())
+        self.priorities.start(job, time.monotonic())
+        return job
+
+    def charge(self, lease: Lease, step_s: float) -> None:
+        """The job of ``lease`` ran one step for ``step_s`` s: its budget shrinks (and doubles, a level down, when
+        used up); if a waiting job now goes before it, it gives its chain back at its next step."""
+        if self.priorities is None or lease.job.sched is None:
+            return
+        self.priorities.account(lease.job.sched, step_s)
+        self._preempt_for_priority()
+
+    def finished(self, sched: Any) -> None:
+        """A job is done: its execution time feeds ``L̂_s`` and ``σ_s`` of its service."""
+        if self.priorities is not None and sched is not None:
+            self.priorities.monitor.observe(sched.service, sched.used)
+
+    def _preempt_for_priority(self) -> None:
+        """While jobs wait and no chain has room, mark the running job that goes last to give its chain back when
+        the best waiting job goes before it (a pause happens only on such an inversion; one per waiting job)."""
+        if self.priorities is None or self.dispatcher is None:
+            return
+        waiting = [j for j in self.waiting_jobs() if j.sched is not None]
+        if not waiting:
+            return
+        running = [lease for lease in self._running.values() if lease.generation == self.generation]
+        promised = sum(1 for lease in running if lease.preempt)
+        if promised >= len(waiting):
+            return
+        candidates = [lease for lease in running if not lease.preempt and lease.job.sched is not None]
+        if not candidates:
+            return
+        best = min(waiting, key=self._priority)
+        worst = max(candidates, key=lambda lease: (self._priority(lease.job), -lease.started))
+        if self._priority(worst.job) > self._priority(best):
+            worst.preempt = True
+            self.priority_preemptions += 1
+            logger.info("%s: job %s (priority %.4g) pauses job %s (priority %.4g) on chain %d", self.schedule,
+                        best.job_id, self._priority(best), worst.job.job_id, self._priority(worst.job), worst.index)
 
     def _loads(self, job: DispatchJob) -> tuple[list[ChainLoad], int]:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before

@@ -65,6 +65,9 @@ class ChainHolder:
         self.failovers = 0
         self.preemptions = 0  # times the job gave its chain back because a hop had no pages to grow it
         self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
+        # --schedule db|mlfq: level, budget and priority of the job (kept across pauses and failovers)
+        self.priority = orch.dispatch.new_priority_job(job_id, str(getattr(orch, "model_id", ""))) \
+            if hasattr(orch.dispatch, "new_priority_job") else None
         self.closed = False
         self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
         # (sibling, tokens): a sibling whose first `tokens` KV this job may copy if it lands on the same chain
@@ -117,7 +120,8 @@ class ChainHolder:
                               prefer=orch.prefix_directory.preferred(named) if named else (), client=self.client,
                               input_tokens=max(0, need - paid),
                               matched={k: max(0, n - paid) for k, n in matched.items()},
-                              expected_output=max(0, self.max_length - need), yields=self.yields)
+                              expected_output=max(0, self.max_length - need), yields=self.yields,
+                              sched=self.priority)
             dl = DEADLINE.get() if not self.admitted else None
             if dl is not None and dl.active:
                 job.deadline, job.output_tokens = dl, max(0, self.max_length - need)
@@ -303,6 +307,7 @@ class ChainHolder:
             ids = full[position:]
             # the caller's embeddings cover exactly new_ids: usable only when the chain holds all the rest
             x = hidden if hidden is not None and position == len(self.kv_ids) else await self.orch.batcher.embed(ids)
+            t_step = time.monotonic()
             try:
                 out = await self._forward(x, position, budget, full)
             except asyncio.CancelledError:
@@ -316,6 +321,8 @@ class ChainHolder:
                 continue
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
+            if self.priority is not None and self.lease is not None:
+                self.orch.dispatch.charge(self.lease, time.monotonic() - t_step)
             if self.paid < len(self.kv_ids):  # a turn on a chain the job kept: no admission charged it
                 self._charge("input", len(self.kv_ids) - self.paid)
             self.reused_tokens = position
@@ -354,11 +361,13 @@ class ChainHolder:
         await self._drop()
 
     async def _pause(self) -> None:
-        """A deadline job needs this job's slot (``--schedule flex``): give the chain back between two steps, as
-        :meth:`_preempt` does (the servers keep the KV as cached prefixes), and queue again after the deadline
-        jobs. It resumes where it was, reusing what is still cached; the output is the same."""
+        """A deadline job (``--schedule flex``) or a job of higher priority (``db``, ``mlfq``) needs this job's slot:
+        give the chain back between two steps, as :meth:`_preempt` does (the servers keep the KV as cached
+        prefixes), and queue again behind the jobs that go first. It resumes where it was, reusing what is still
+        cached; the output is the same."""
         self.orch.stats.add_pause()
-        logger.info("job %s: paused at %d tokens for a job with a deadline", self.job_id, len(self.kv_ids))
+        logger.info("job %s: paused at %d tokens for a job %s", self.job_id, len(self.kv_ids),
+                    "of higher priority" if self.priority is not None else "with a deadline")
         self.kv_valid = min(self.kv_valid, len(self.kv_ids))
         self.yields = True
         await self._drop()
@@ -452,5 +461,7 @@ class ChainHolder:
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.priority is not None:
+                self.orch.dispatch.finished(self.priority)
             await self._drop()
             self.inputs.close()

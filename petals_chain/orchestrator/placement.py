@@ -17,8 +17,9 @@ simulator (``algorithms/multimodel.py``):
 * a server that leaves keeps its placement for ``forget_s``: restarted with the same identity it serves the model
   it held (no needless reload of another).
 
-Policies (``--model-placement``): ``ui`` (all of the above), ``static`` (placed once by the unserved index, never
-moved: the "no adaptive replacement" ablation), ``even`` (round-robin, never moved: "no placement").
+Policies (``--model-placement``): ``ui`` (all of the above), ``static`` (re-placed once, for the first traffic
+seen, then never moved: a fixed plan, the "no adaptive replacement" ablation), ``even`` (round-robin, never moved:
+"no placement").
 
 Model parameters are what the planners know: ``L``, ``s_m``, ``s_c`` (bytes) from the model config, each server's
 ``tau_p`` and ``tau_c`` for that model (measured once hops were observed), the arrival rate over ``window_s``.
@@ -277,7 +278,8 @@ class ModelPlacer:
         new = sorted(p for p in flexible if p not in self.placement)
         if new:
             self._place_new(new, records, now)
-        if self.policy == "ui" and flexible:
+        # static: one re-placement, for the first traffic seen (the fixed plan), none after
+        if flexible and (self.policy == "ui" or (self.policy == "static" and self.estimate is None)):
             due = now - self.planned_at >= self.interval.interval
             # drifted from the mix planned for, or traffic arrives and no plan was made for any yet
             drifted = self.drift.drifted(now) or (not self.drift.planned and sum(self.drift.rates(now).values())

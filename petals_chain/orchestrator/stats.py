@@ -25,7 +25,7 @@ class Stats:
         self.open_waits = 0  # chain opens a server refused for KV memory, retried as a wait in its FIFO
         self.extensions = 0  # jobs' chains asked to hold more tokens than opened for (granted)
         self.preemptions = 0  # jobs that gave their chain back for lack of pages to grow, resumed later
-        self.pauses = 0  # jobs without a deadline that gave their chain to one with a deadline (--schedule flex)
+        self.pauses = 0  # jobs that gave their chain to one with a deadline (flex) or of higher priority (db, mlfq)
         self.prompt_tokens = 0
         self.prefix_hits = 0  # chains opened on a prompt prefix their servers held in their prefix caches
         self.prefix_cached_tokens = 0  # prompt tokens those chains did not compute
@@ -91,8 +91,9 @@ class Stats:
         self.m_preemptions = Counter("petals_chain_preemptions", "Jobs that outgrew their reservation on a hop "
                                      "without free pages: chain given back, resumed later (cached KV reused)",
                                      registry=r)
-        self.m_pauses = Counter("petals_chain_flex_pauses", "Jobs without a deadline paused between two steps so that "
-                                "a job with one could take their slot (--schedule flex), resumed later", registry=r)
+        self.m_pauses = Counter("petals_chain_flex_pauses", "Jobs paused between two steps so that a job with a deadline "
+                                "(--schedule flex) or of higher priority (--schedule db|mlfq) could take their slot, "
+                                "resumed later", registry=r)
         self.m_job_tokens = Gauge("petals_chain_expected_job_tokens", "L^: expected KV tokens per job that paged "
                                   "servers' chain capacities count (mean declared length of recent jobs)", registry=r)
         self.m_servers = Gauge("petals_chain_servers", "Known servers by state", ["state"], registry=r)

@@ -1,0 +1,63 @@
+"""``--schedule db`` on a real swarm (issue 17, seed 001's doubling budget at the orchestrator): a long request that
+used up its budget is paused between two steps for short requests that arrive while it runs; the short ones finish
+before it, and it resumes from its cached KV with a token-identical output.
+
+One orchestrator process and one server process holding the whole tiny model with one job's room (so every new
+request waits for the running one unless it is paused)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+
+pytestmark = pytest.mark.slow
+
+LONG = 80
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model_factory, tmp_path_factory):
+    path = tiny_model_factory("llama", num_layers=4)
+    # 20 ms per hop (emulated link): the long request lasts seconds whatever the machine's load; one job's room
+    server = LocalServer("a", memory_for(path, 128, 4, 1), tau_p=0.001, emulate_rtt_ms=20.0)
+    with LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
+                    orchestrator_args=["--schedule", "db"]) as sw:
+        sw.wait_ready(timeout=150)
+        yield sw
+
+
+def post(sw, prompt: str, **body) -> httpx.Response:
+    return httpx.post(f"{sw.url}/v1/completions", timeout=300,
+                      json={"model": sw.swarm()["model"], "prompt": prompt, "ignore_eos": True, "temperature": 0,
+                            **body})
+
+
+def test_short_requests_pause_a_long_one_past_its_budget_and_it_stays_exact(swarm, scaled):
+    state = swarm.swarm()
+    assert state["schedule"]["name"] == "db" and sum(ch["capacity"] for ch in state["chains"]) == 1
+    # a few short jobs first: L̂ (mean execution time) is learnt from them, so the long one soon exceeds its budget
+    warm = [post(swarm, f"warm {i}", max_tokens=4) for i in range(4)]
+    assert all(r.status_code == 200 for r in warm)
+    alone = post(swarm, "the long story of a", max_tokens=LONG).json()["petals_chain"][0]["token_ids"]
+    with ThreadPoolExecutor(4) as pool:
+        long = pool.submit(post, swarm, "the long story of a", max_tokens=LONG)
+        until = time.monotonic() + scaled(60)
+        while sum(ch["active"] for ch in swarm.swarm()["chains"]) < 1:
+            assert time.monotonic() < until, "the long request never started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        short = [pool.submit(post, swarm, f"quick {i}", max_tokens=3) for i in range(3)]
+        replies = [f.result(300) for f in short]
+        long_done_first = long.done()
+        long_reply = long.result(300)
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    assert not long_done_first, "the short requests waited for the long one"
+    assert long_reply.status_code == 200 and long_reply.json()["petals_chain"][0]["token_ids"] == alone
+    sched = swarm.swarm()["schedule"]
+    assert sched["priority_preemptions"] >= 1 and sched["paused"] >= 1, sched
+    assert sched["services"] and next(iter(sched["services"].values()))["completed"] >= 5, sched
