@@ -1,11 +1,12 @@
 """Several models on shared servers under a traffic shift (issue 17, seed 001): ``--model-placement ui`` (unserved
-index + adaptive replacement) against a fixed plan (``static``: placed once when the servers join) and round-robin
-(``even``), on real processes.
+index + adaptive replacement) against a fixed plan (``static``: re-placed once, for the first traffic seen) and
+round-robin (``even``), and ``--schedule db`` (doubling budget) against ``fcfs``, on real processes.
 
 Two tiny models (4-layer Llama ``alpha`` and Qwen2 ``beta``) behind one orchestrator; ``--servers``
 servers each offer both (``--model ALPHA --model BETA``) and emulate a slow device (``--decode-ms`` per block per
 token). Requests arrive open-loop (Poisson): first ``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha,
-``--lo`` on beta), then the mix flips. The same arrival times are replayed for each policy on a fresh swarm.
+``--lo`` on beta), then the mix flips; a ``--long-frac`` of them ask for ``--long-tokens`` tokens, the rest for
+``--max-tokens``. The same requests are replayed for each run (``--runs POLICY:SCHEDULE,...``) on a fresh swarm.
 
 Printed per policy and phase: requests, failures, normalized latency (Eq. 1: each request's response time over its
 model's mean execution time ``L̂_s``, the median ``service_s`` of that model over all runs), P99 response, SLO
@@ -13,7 +14,7 @@ attainment (response < 5 x the request's own execution time, Eq. 5), the servers
 and the moves made; the ratio of normalized latencies after the shift is the acceptance number (seed 001: adaptive
 <= 1/1.3 of a fixed plan's). Every output is checked token-exact against transformers.
 
-    python scripts/bench_placement.py [--policies ui,static] [--servers 4] [--phase-s 60] [--hi 4.0] [--lo 0.3]
+    python scripts/bench_placement.py [--runs ui:fcfs,static:fcfs,ui:db] [--servers 4] [--phase-s 60] [--hi 4.0]
 """
 
 from __future__ import annotations
@@ -34,33 +35,36 @@ from bench_fairness import arrivals  # noqa: E402 - shared with the fairness ben
 PROMPT = [5, 6, 7, 8, 9]
 
 
-async def replay(url: str, plan: list[tuple[float, str]], max_tokens: int) -> list[dict]:
-    """Send ``plan``'s requests ``(time, model)`` at their times; per request: model, sent, response time, reply."""
+async def replay(url: str, plan: list[tuple[float, str, int]]) -> list[dict]:
+    """Send ``plan``'s requests ``(time, model, max_tokens)`` at their times; per request: model, sent, response
+    time, reply."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(plan) + 5, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as c:
         t0 = time.perf_counter()
 
-        async def one(at: float, model: str) -> dict:
+        async def one(at: float, model: str, max_tokens: int) -> dict:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
             sent = time.perf_counter() - t0
             r = await c.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
                                                       "temperature": 0, "ignore_eos": True})
-            out = {"model": model, "sent": sent, "response": time.perf_counter() - t0 - sent, "status": r.status_code}
+            out = {"model": model, "sent": sent, "response": time.perf_counter() - t0 - sent, "status": r.status_code,
+                   "max_tokens": max_tokens}
             if r.status_code == 200:
                 info = r.json()["petals_chain"][0]
                 out.update(tokens=info["token_ids"], service_s=info["service_s"], wait_s=info["wait_s"])
             return out
 
-        return list(await asyncio.gather(*(one(t, m) for t, m in plan)))
+        return list(await asyncio.gather(*(one(*req) for req in plan)))
 
 
 def placement(sw) -> dict:
     return sw.swarm().get("model_placement", {})
 
 
-def run_policy(policy: str, paths: dict, plan: list[tuple[float, str]], args, log_dir: Path) -> dict:
+def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, str, int]], args, log_dir: Path
+               ) -> dict:
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 
     memory = max(memory_for(path, 64, 4, args.slots) for path in paths.values())
@@ -68,8 +72,9 @@ def run_policy(policy: str, paths: dict, plan: list[tuple[float, str]], args, lo
                            model=[str(paths["alpha"]), str(paths["beta"])],
                            extra_args=["--emulate-decode-ms", str(args.decode_ms), "--kv-cache", "slots"])
                for i in range(args.servers)]
-    sw = LocalSwarm(paths["alpha"], servers, max_length=64, log_dir=log_dir / policy, models=paths,
-                    orchestrator_args=["--model-placement", policy, "--replace-interval-s", str(args.interval_s),
+    sw = LocalSwarm(paths["alpha"], servers, max_length=64, log_dir=log_dir / f"{policy}-{schedule}", models=paths,
+                    orchestrator_args=["--model-placement", policy, "--schedule", schedule,
+                                       "--replace-interval-s", str(args.interval_s),
                                        "--placement-window-s", str(args.window_s), "--model-reload-s", "2",
                                        "--audit-rate", "0", "--audit-probe-s", "0"])
     with sw:
@@ -79,22 +84,22 @@ def run_policy(policy: str, paths: dict, plan: list[tuple[float, str]], args, lo
             sw.wait_until(lambda s, n=name: any(m["name"] == n and m["chains"] for m in s["models"]), 180,
                           f"a chain of {name}")
         at_start = placement(sw)["servers_per_model"]
-        half = [(t, m) for t, m in plan if t < args.phase_s]
-        results = asyncio.run(replay(sw.url, half, args.max_tokens))
+        half = [(t, m, n) for t, m, n in plan if t < args.phase_s]
+        results = asyncio.run(replay(sw.url, half))
         mid = placement(sw)
-        rest = [(t - args.phase_s, m) for t, m in plan if t >= args.phase_s]
-        after = asyncio.run(replay(sw.url, rest, args.max_tokens))
+        rest = [(t - args.phase_s, m, n) for t, m, n in plan if t >= args.phase_s]
+        after = asyncio.run(replay(sw.url, rest))
         end = placement(sw)
     for r in after:
         r["sent"] += args.phase_s
-    return {"policy": policy, "results": results + after, "start": at_start, "mid": mid["servers_per_model"],
+    return {"policy": policy, "schedule": schedule, "name": f"{policy}:{schedule}", "results": results + after, "start": at_start, "mid": mid["servers_per_model"],
             "end": end["servers_per_model"], "moves": end.get("moves", 0), "recent": end.get("recent", [])}
 
 
 def summarize(run: dict, phase: int, exec_s: dict, phase_s: float, expected: dict) -> dict:
     rs = [r for r in run["results"] if (r["sent"] >= phase_s) == (phase == 2)]
     ok = [r for r in rs if r["status"] == 200]
-    wrong = [r for r in ok if r["tokens"] != expected[r["model"]]]
+    wrong = [r for r in ok if r["tokens"] != expected[r["model"]][:r["max_tokens"]]]
     norm = [r["response"] / exec_s[r["model"]] for r in ok]
     slo = [r["response"] < 5.0 * r["service_s"] for r in ok]
     return {"requests": len(rs), "failed": len(rs) - len(ok), "wrong": len(wrong),
@@ -105,14 +110,16 @@ def summarize(run: dict, phase: int, exec_s: dict, phase_s: float, expected: dic
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--policies", default="ui,static")
+    p.add_argument("--runs", default="ui:fcfs,static:fcfs,ui:db", help="POLICY:SCHEDULE pairs, one swarm each")
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--slots", type=int, default=2, help="KV slots per block of each server (chain concurrency)")
     p.add_argument("--phase-s", type=float, default=60.0)
     p.add_argument("--hi", type=float, default=4.0, help="req/s on the busy model")
     p.add_argument("--lo", type=float, default=0.3, help="req/s on the quiet model")
     p.add_argument("--decode-ms", type=float, default=25.0)
-    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--long-tokens", type=int, default=40)
+    p.add_argument("--long-frac", type=float, default=0.15)
     p.add_argument("--interval-s", type=float, default=60.0, help="--replace-interval-s")
     p.add_argument("--window-s", type=float, default=15.0, help="--placement-window-s")
     p.add_argument("--seed", type=int, default=0)
@@ -126,41 +133,47 @@ def main() -> int:
              "beta": Path(build_tiny_model(tmp / "beta", family="qwen2", num_layers=4))}
     from conftest import hf_greedy_from
 
-    expected = {n: hf_greedy_from(path, PROMPT, args.max_tokens) for n, path in paths.items()}
+    longest = max(args.max_tokens, args.long_tokens)
+    expected = {n: hf_greedy_from(path, PROMPT, longest) for n, path in paths.items()}
     rng = np.random.default_rng(args.seed)
-    plan = sorted([(t, "alpha") for t in arrivals(args.hi, args.phase_s, rng)]
-                  + [(t, "beta") for t in arrivals(args.lo, args.phase_s, rng)]
-                  + [(args.phase_s + t, "alpha") for t in arrivals(args.lo, args.phase_s, rng)]
-                  + [(args.phase_s + t, "beta") for t in arrivals(args.hi, args.phase_s, rng)])
+    times = sorted([(t, "alpha") for t in arrivals(args.hi, args.phase_s, rng)]
+                   + [(t, "beta") for t in arrivals(args.lo, args.phase_s, rng)]
+                   + [(args.phase_s + t, "alpha") for t in arrivals(args.lo, args.phase_s, rng)]
+                   + [(args.phase_s + t, "beta") for t in arrivals(args.hi, args.phase_s, rng)])
+    plan = [(t, m, args.long_tokens if rng.random() < args.long_frac else args.max_tokens) for t, m in times]
     print(f"{len(plan)} requests: {args.phase_s:.0f} s at alpha {args.hi}/s + beta {args.lo}/s, then flipped; "
           f"{args.servers} servers offering both, {args.decode_ms} ms per block per token", flush=True)
     runs = []
-    for policy in args.policies.split(","):
+    for pair in args.runs.split(","):
+        policy, _, schedule = pair.partition(":")
         t0 = time.time()
-        runs.append(run_policy(policy, paths, plan, args, tmp / "logs"))
-        print(f"  {policy}: ran in {time.time() - t0:.0f} s; servers per model at start {runs[-1]['start']}, after "
+        runs.append(run_policy(policy, schedule or "fcfs", paths, plan, args, tmp / "logs"))
+        print(f"  {pair}: ran in {time.time() - t0:.0f} s; servers per model at start {runs[-1]['start']}, after "
               f"phase 1 {runs[-1]['mid']}, at the end {runs[-1]['end']}; moves {runs[-1]['moves']}", flush=True)
         for m in runs[-1]["recent"]:
             print(f"      move {m['server'][:10]} {m['from']} -> {m['to']} ({m['why']})", flush=True)
     exec_s = {n: statistics.median([r["service_s"] for run in runs for r in run["results"]
                                     if r["model"] == n and r["status"] == 200]) for n in paths}
     print("L̂_s (median execution time): " + ", ".join(f"{n} {v:.3f} s" for n, v in exec_s.items()))
-    print("| policy | phase | requests | failed | wrong tokens | normalized latency | P99 (s) | SLO attainment |")
+    print("| placement:schedule | phase | requests | failed | wrong tokens | normalized latency | P99 (s) | "
+          "SLO attainment |")
     print("|---|---|---|---|---|---|---|---|")
     table = {}
     for run in runs:
         for phase in (1, 2):
             s = summarize(run, phase, exec_s, args.phase_s, expected)
-            table[(run["policy"], phase)] = s
-            print(f"| {run['policy']} | {'alpha-heavy' if phase == 1 else 'beta-heavy (after the shift)'} | "
+            table[(run["name"], phase)] = s
+            print(f"| {run['name']} | {'alpha-heavy' if phase == 1 else 'beta-heavy (after the shift)'} | "
                   f"{s['requests']} | {s['failed']} | {s['wrong']} | {s['norm_latency']:.2f} | {s['p99_s']:.2f} | "
                   f"{100 * s['slo']:.1f} % |")
-    policies = [r["policy"] for r in runs]
-    if "ui" in policies:
-        for other in policies:
-            if other != "ui":
-                ratio = table[("ui", 2)]["norm_latency"] / table[(other, 2)]["norm_latency"]
-                print(f"after the shift: normalized latency ui / {other} = {ratio:.3f} (acceptance <= {1 / 1.3:.3f})")
+    names = [r["name"] for r in runs]
+    for a, b, what in (("ui:fcfs", "static:fcfs", "adaptive replacement / fixed plan, acceptance <= 0.769"),
+                       ("ui:db", "ui:fcfs", "DB / FCFS, seed: <= 0.5")):
+        if a in names and b in names:
+            after = table[(a, 2)]["norm_latency"] / table[(b, 2)]["norm_latency"]
+            both = ((table[(a, 1)]["norm_latency"] + table[(a, 2)]["norm_latency"])
+                    / (table[(b, 1)]["norm_latency"] + table[(b, 2)]["norm_latency"]))
+            print(f"normalized latency {a} / {b}: after the shift {after:.3f}, both phases {both:.3f} ({what})")
     bad = sum(s["failed"] + s["wrong"] for s in table.values())
     return 1 if bad else 0
 

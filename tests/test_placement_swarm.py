@@ -54,7 +54,7 @@ class Traffic:
             t.join(timeout=240)
 
 
-def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tmp_path):
+def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tmp_path, scaled):
     alpha, beta = tiny_model_factory("llama", num_layers=4), tiny_model_factory("qwen2", num_layers=2)
     memory = max(memory_for(alpha, 64, 4, 2), memory_for(beta, 64, 2, 2))
     emulate = ["--emulate-decode-ms", "25"]  # a job takes ~1 s on alpha: two clients fill a chain
@@ -70,17 +70,17 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
                                        "--model-reload-s", "1", "--audit-rate", "0"])
     with sw:
         state = sw.wait_until(lambda s: sum(s.get("model_placement", {}).get("servers_per_model", {}).values()) == 3,
-                              120, "every server placed")
+                              scaled(120), "every server placed")
         assert min(state["model_placement"]["servers_per_model"].values()) >= 1  # both models served
         for name in ("alpha", "beta"):
-            sw.wait_until(lambda s, n=name: any(m["name"] == n and m["chains"] for m in s["models"]), 120,
+            sw.wait_until(lambda s, n=name: any(m["name"] == n and m["chains"] for m in s["models"]), scaled(120),
                           f"a chain of {name}")
         with Traffic(sw, "alpha", 3) as on_alpha:
-            sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["alpha"] >= 2, 90,
+            sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["alpha"] >= 2, scaled(90),
                           "two servers on alpha")
             time.sleep(3)
         with Traffic(sw, "beta", 4) as on_beta:
-            state = sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["beta"] >= 2, 120,
+            state = sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["beta"] >= 2, scaled(120),
                                   "the shift to move a server to beta")
             moved = [m for m in state["model_placement"]["recent"] if m["to"] == "beta" and m["from"] == "alpha"]
             assert moved, state["model_placement"]
@@ -88,7 +88,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
             peer = moved[-1]["server"]
             sw.wait_until(lambda s: any(srv["peer_id"] == peer and srv["state"] == "online"
                                         for srv in httpx.get(f"{sw.url}/api/v1/swarm", params={"model": "beta"},
-                                                             timeout=30).json()["servers"]), 120,
+                                                             timeout=30).json()["servers"]), scaled(120),
                           "the moved server online on beta")
             time.sleep(3)
         for traffic in (on_alpha, on_beta):
@@ -119,7 +119,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
             runs = log.read_text().split(f"PEER_ID {peer}")
             return len(runs) == 3 and "state: joining -> online" in runs[-1]
 
-        sw.wait_until(restarted_online, 120, "the restarted server online")
+        sw.wait_until(restarted_online, scaled(120), "the restarted server online")
         text = log.read_text().split(f"PEER_ID {peer}")[-1]
         beta_prefix = next(m["dht_prefix"] for m in sw.swarm()["models"] if m["name"] == "beta")
         assert text.count("loading blocks") == 1, text[-3000:]  # beta's blocks only: alpha's never loaded
