@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import hf_greedy_from, kill_hop_during
+from test_real_model import reference_no_stop
 from petals_chain.swarm.local import LocalServer, memory_for, model_memory
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "netns_swarm.py"
@@ -84,10 +85,13 @@ def test_real_model_on_five_hosts_survives_a_dead_host_and_takes_a_new_one(lab, 
         out = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         return list(getattr(out, "input_ids", out))
 
+    long_tokens = 48  # the request whose hop is killed: long enough to be mid-generation under any load
+
     with torch.no_grad():
         expected = {q: smollm2_reference.generate(torch.tensor([ids(q)]), max_new_tokens=new_tokens, do_sample=False,
                                                   pad_token_id=tokenizer.eos_token_id)[0, len(ids(q)):].tolist()
                     for q in questions}
+    long_expected = reference_no_stop(smollm2_reference, ids(questions[1]), long_tokens)
     # every volunteer gets blocks (--spare-servers use), whatever the plan predicts for this light load
     with NetnsSwarm(lab, "smollm2-135m", servers, max_length=max_length, arrival_rate=2.0, log_dir=tmp_path,
                     orchestrator_args=["--replan-interval-s", "3600", "--spare-servers", "use"]) as swarm:
@@ -102,10 +106,11 @@ def test_real_model_on_five_hosts_survives_a_dead_host_and_takes_a_new_one(lab, 
         assert c.token_ids == expected[questions[0]]  # servers pushing to each other across hosts
 
         def ask():
-            return client.chat_completion([{"role": "user", "content": questions[1]}], max_tokens=new_tokens)
+            return client.chat_completion([{"role": "user", "content": questions[1]}], max_tokens=long_tokens,
+                                          ignore_eos=True)
 
         got, chain = kill_hop_during(swarm, ask, 1, find_s=scaled(60), settle_s=0.5, join_s=scaled(300))
-        assert got.token_ids == expected[questions[1]]
+        assert got.token_ids == long_expected
         assert got.failovers >= 1, chain  # the dead host's hop was replaced mid-request
 
         # a new host joins mid-run: dialed at its own address; whether the plan gives it blocks now depends on
