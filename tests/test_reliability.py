@@ -185,6 +185,8 @@ def test_orchestrator_restart_same_identity(swarm, prompts_ref, monkeypatch):
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
+                    if line.strip() == "data: [DONE]":
+                        got["done"] = True
                     if line.startswith("data:"):
                         got.setdefault("chunks", 0)
                         got["chunks"] += 1
@@ -201,7 +203,11 @@ def test_orchestrator_restart_same_identity(swarm, prompts_ref, monkeypatch):
     os.killpg(swarm.orchestrator.popen.pid, signal.SIGKILL)
     swarm.orchestrator.popen.wait(10)
     t.join(60)
-    assert got["result"] in ("RemoteProtocolError", "ReadError"), got
+    # Cut off mid-stream, the client sees a connection-level error. On a loaded host the client thread may read far
+    # behind the orchestrator, and the whole answer can already sit in the socket buffers when the kill lands: then
+    # it must be complete ([DONE] read), never silently truncated.
+    assert got["result"] in ("RemoteProtocolError", "ReadError") or (got["result"] == "finished"
+                                                                     and got.get("done")), got
     # Down: refused, or reset when the kernel had queued the connection on the listening socket while the killed
     # process group was still going away (seen on a loaded host).
     with pytest.raises((httpx.ConnectError, httpx.ReadError)):
