@@ -240,13 +240,13 @@ class ModelPlacer:
         return PlanMetrics(1.0 - sum(e.misses for e in est.values()) / n,
                            sum(e.norm_latency * e.requests for e in est.values()) / n)
 
-    def replace(self, records: dict[str, dict[str, Any]], now: float, why: str) -> list:
-        """Re-place the flexible servers by the unserved index, making only the moves that pay (Eq. 8 interval)."""
+    def replace(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float, why: str) -> list:
+        """Re-place the ``flexible`` servers by the unserved index, making only the moves that pay (Eq. 8
+        interval)."""
         real = self.real_metrics(self.planned_wall)
         if real is not None and self.estimate is not None:
             self.interval.update(real, self.estimate)
         volunteers, models, fixed = self.snapshot(records, now)
-        flexible = self._flexible(records)
         current = {**fixed, **{p: self.placement[p] for p in flexible if p in self.placement}}
         target = place_by_unserved_index(volunteers, models, horizon_s=self.interval.interval, fixed=fixed)
         target = {p: m for p, m in target.items()
@@ -285,7 +285,8 @@ class ModelPlacer:
             drifted = self.drift.drifted(now) or (not self.drift.planned and sum(self.drift.rates(now).values())
                                                   * self.drift.window_s >= self.drift.min_arrivals)
             if due or drifted:
-                self.replace(records, now, "traffic mix drifted" if drifted and not due else "replacement interval")
+                self.replace(records, flexible, now,
+                             "traffic mix drifted" if drifted and not due else "replacement interval")
         await self.publish()
 
     async def publish(self) -> None:

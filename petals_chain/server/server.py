@@ -129,10 +129,13 @@ class Server:
         if self.announcer is not None:
             self.announcer.mark_dirty()
 
-    def record(self) -> ServerRecord:
-        rec = build_record(self, self.sd.peer_id)
+    def _offering(self, rec: ServerRecord) -> ServerRecord:
+        """``rec`` with the models this server offers and the one it serves."""
         rec.models, rec.serving = [h.prefix for h in self.hosted], self.prefix
         return rec
+
+    def record(self) -> ServerRecord:
+        return self._offering(build_record(self, self.sd.peer_id))
 
     def standby_records(self) -> list[tuple[str, ServerRecord]]:
         """``(prefix, record)`` of each model offered but not served: no blocks, ``serving`` names the one served."""
@@ -140,10 +143,9 @@ class Server:
         for h in self.hosted:
             if h is self.active:
                 continue
-            rec = build_record(StandbyView(h, self.max_length, self.emulation, self.cfg, self.maddrs,
-                                           self.reachability), self.sd.peer_id)
-            rec.models, rec.serving = [x.prefix for x in self.hosted], self.prefix
-            out.append((h.prefix, rec))
+            out.append((h.prefix, self._offering(build_record(
+                StandbyView(h, self.max_length, self.emulation, self.cfg, self.maddrs, self.reachability),
+                self.sd.peer_id))))
         return out
 
     def describe(self) -> dict:
