@@ -347,8 +347,12 @@ class Orchestrator(GenerationMixin, SessionMixin):
     async def stop(self) -> None:
         self._stop.set()
         await self.auditor.stop()
-        if self._bg_tasks:
-            await asyncio.wait(list(self._bg_tasks), timeout=10)
+        if self._bg_tasks:  # closes of finished jobs' server sessions: a courtesy (a server frees the slots of a
+            # stream that ends), so a server that went away first does not hold the shutdown for long
+            _, pending = await asyncio.wait(list(self._bg_tasks), timeout=3)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         for s in list(self.sessions.values()):
             await s.holder.close()
         self.sessions.clear()

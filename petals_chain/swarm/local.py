@@ -252,22 +252,26 @@ class LocalSwarm:
         return Client(self.url, **kwargs)
 
     # ---- shutdown ------------------------------------------------------------------------------
-    def _stop_proc(self, proc: _Proc, timeout: float = 10.0) -> None:
-        descendants = _descendants(proc.popen.pid)
-        if proc.alive():
-            try:
-                os.killpg(proc.popen.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever is left in the group (DHT child, p2pd) goes now.
+    @staticmethod
+    def _signal_group(proc: _Proc, sig: int) -> None:
         try:
-            os.killpg(proc.popen.pid, signal.SIGKILL)
+            os.killpg(proc.popen.pid, sig)
         except ProcessLookupError:
             pass
+
+    @staticmethod
+    def _wait(procs: Sequence[_Proc], timeout: float) -> None:
+        """Wait until every process in ``procs`` has exited, or ``timeout`` seconds in all."""
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return
+
+    def _reap(self, proc: _Proc, descendants: Sequence[int]) -> None:
+        """Kill whatever is left of ``proc``: its process group (DHT child, p2pd) and ``descendants``."""
+        self._signal_group(proc, signal.SIGKILL)
         for pid in descendants:  # a p2pd that left the group (new session) would survive killpg
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -278,19 +282,34 @@ class LocalSwarm:
         except subprocess.TimeoutExpired:
             pass
 
-    def stop(self) -> None:
-        """Stop the orchestrator (it closes its sessions), then the servers; no process (p2pd included) survives."""
-        if self.orchestrator is not None:
-            self._stop_proc(self.orchestrator)
+    def _stop_proc(self, proc: _Proc, timeout: float = 10.0) -> None:
+        descendants = _descendants(proc.popen.pid)
+        if proc.alive():
+            self._signal_group(proc, signal.SIGTERM)
+            self._wait([proc], timeout)
+        self._reap(proc, descendants)
+
+    def stop(self, server_timeout: float = 5.0) -> None:
+        """Stop the servers, then the orchestrator; no process (p2pd included) survives.
+
+        Servers go first, all at once: each drains and publishes its ``offline`` record while the orchestrator's
+        DHT node still answers (with that node gone first, the goodbye store waits out its timeout). A server
+        still draining after ``server_timeout`` s (a session the orchestrator holds) is killed after the
+        orchestrator has stopped and closed its sessions.
+        """
         procs = list(self.servers.values())
-        for p in procs:  # signal all first so they shut down in parallel
+        descendants = {p.name: _descendants(p.popen.pid) for p in procs}
+        for p in procs:
             if p.alive():
-                try:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
+                try:  # the server alone, as `kill PID` does: it shuts its DHT process and p2pd down itself
+                    os.kill(p.popen.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        for p in procs:  # servers had SIGTERM above; a server still draining after 5 s is killed
-            self._stop_proc(p, timeout=5.0)
+        self._wait(procs, server_timeout)
+        if self.orchestrator is not None:
+            self._stop_proc(self.orchestrator)
+        for p in procs:
+            self._reap(p, descendants[p.name])
 
     def leftover_processes(self, wait_s: float = 5.0) -> list[int]:
         """Live (non-zombie) processes left from this swarm's process groups; should be empty after stop()."""
