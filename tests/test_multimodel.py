@@ -148,6 +148,24 @@ def test_estimate_counts_unplaced_models_as_unserved():
     assert mm.erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = ρ
 
 
+def test_an_overload_made_smaller_still_lowers_the_unserved_index():
+    """More capacity for a model that stays overloaded lowers its index (below an unplaced model's, above any stable
+    plan's), so the placer moves a server from an idle model to it; the move back never pays."""
+    servers = [Volunteer(f"s{i}", 10.0) for i in range(5)]
+    hot, idle = _model("hot", 6.0), _model("idle", 0.05)  # one chain serves 1 req/s: hot is overloaded on 4
+    by_count = [mm.estimate_model(hot, mm.model_chains(servers[:k], hot), 60.0) for k in range(5)]
+    assert all(e.misses == pytest.approx(e.requests) for e in by_count)  # overloaded with 0..4 servers
+    assert [e.ui for e in by_count] == sorted((e.ui for e in by_count), reverse=True)
+    assert len({round(e.ui, 9) for e in by_count}) == 5  # strictly: every server counts
+    stable = mm.estimate_model(_model("m", 0.999), mm.model_chains(servers[:1], hot), 60.0)  # just below ν
+    assert stable.norm_latency <= mm.UNPLACED_LN / 2 <= by_count[4].norm_latency < by_count[0].norm_latency
+    cur = {"s0": "hot", "s1": "hot", "s2": "idle", "s3": "idle", "s4": "idle"}
+    rate = mm.ui_rate(servers, [hot, idle], horizon_s=60.0)
+    moves = mm.moves_that_pay(cur, {**cur, "s2": "hot", "s3": "hot"}, rate, reload_s=2.0, interval_s=60.0)
+    assert {m.server for m in moves} == {"s2", "s3"} and all(m.dst == "hot" and m.benefit > 0 for m in moves)
+    assert mm.moves_that_pay(cur, {**cur, "s1": "idle"}, rate, reload_s=2.0, interval_s=60.0) == []
+
+
 def test_adaptive_interval_eq8():
     ctl = AdaptiveInterval(100.0, beta=0.1, min_s=50.0, max_s=200.0)
     est = PlanMetrics(0.9, 2.0)

@@ -521,7 +521,8 @@ def estimate_model(model: ServedModel, chains: Sequence[Chain], horizon_s: float
     the capacity-weighted mean rate ``μ = Σ c_k/T_k / C``. A request's execution on chain ``k`` takes
     ``x L̂_s`` with ``x = T_k / (L · block_time)`` (the chain's slowness against the reference; capacity-weighted
     mean); it misses its SLO when ``x L̂_s + W > slo_scale · L̂_s`` (Erlang C, exponential wait tail);
-    ``L_N^s = x + E[W] / L̂_s``. No complete chain, or ``λ >= Σ c_k/T_k``: every request is unserved."""
+    ``L_N^s = x + E[W] / L̂_s`` (at most ``U/2``, ``U`` = :data:`UNPLACED_LN`). No complete chain: every request is
+    unserved, ``L_N^s = U``; ``λ >= ν = Σ c_k/T_k``: every request is unserved, ``L_N^s = U (1 - ν / 2λ)``."""
     n = model.rate * horizon_s
     C = sum(ch.capacity for ch in chains)
     if not chains or C <= 0:
@@ -532,13 +533,18 @@ def estimate_model(model: ServedModel, chains: Sequence[Chain], horizon_s: float
     x = sum(ch.capacity / ch.service_time * ch.service_time / ref for ch in chains) / nu
     load = model.rate / mu
     if model.rate >= nu:
-        return ModelEstimate(n, n, UNPLACED_LN, n + alpha * UNPLACED_LN)
+        # Overloaded: every request misses, as with no chain. L_N lies between a stable plan's (capped at U/2 below)
+        # and an unplaced model's U, falling as the capacity ν grows: a server that only makes an overload smaller
+        # still lowers the index (counted alike, no overloaded model would ever be given a server that leaves it
+        # overloaded).
+        ln = UNPLACED_LN * (1.0 - nu / (2.0 * model.rate))
+        return ModelEstimate(n, n, ln, n + alpha * ln)
     pw = erlang_c(C, load)
     gap = max(nu - model.rate, 1e-12)
     wait = pw / gap
     slack = (model.slo_scale - x) * model.mean_exec_s  # the wait a request can afford
     miss = 1.0 if slack <= 0 else pw * math.exp(-gap * slack)
-    ln = x + wait / model.mean_exec_s
+    ln = min(x + wait / model.mean_exec_s, UNPLACED_LN / 2)  # E[W] grows without bound as λ -> ν
     return ModelEstimate(n, n * miss, ln, n * miss + alpha * ln)
 
 
