@@ -414,3 +414,27 @@ def test_planner_after_restart_keeps_the_spans_servers_serve():
     for v in views:
         v.record.max_length = 128
     assert pl.served_plan(views, 1) is None
+
+
+
+def test_a_turn_finished_as_its_client_left_is_forgotten():
+    """The session endpoint undoes a turn that completed while the client's disconnect was being noticed (the client
+    never got it): exactly that one turn, never one that is running or a later one."""
+    from petals_chain.orchestrator import sessions
+
+    s = sessions.UserSession.__new__(sessions.UserSession)  # no chain needed for the bookkeeping
+    s.history, s.messages, s.turns, s.lock = [1, 2, 3], [{"role": "user", "content": "hi"}], 1, asyncio.Lock()
+    before = s.snapshot()
+    assert not s.forget_turn(before)  # no turn completed since
+    s.history, s.messages, s.turns = [1, 2, 3, 4, 5, 6], [*s.messages, {"role": "assistant", "content": "x"}], 2
+    assert s.forget_turn(before)
+    assert (s.history, s.messages, s.turns) == ([1, 2, 3], [{"role": "user", "content": "hi"}], 1)
+    s.turns = 3  # two turns since: not ours to undo
+    assert not s.forget_turn(before) and s.turns == 3
+
+    async def running() -> bool:
+        s.turns = 2
+        async with s.lock:  # a turn in progress: nothing is undone under it
+            return s.forget_turn(before)
+
+    assert asyncio.run(running()) is False and s.turns == 2

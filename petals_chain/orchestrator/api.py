@@ -651,7 +651,14 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 return [await gen_fn(emits[0])]
 
             return stream_response(run, 1, chunk, False, len(target))
-        g = await unless_disconnected(request, gen_fn())
+        before = s.snapshot()
+        try:
+            g = await unless_disconnected(request, gen_fn())
+        except RequestError as e:
+            # the turn may finish while the disconnect is being noticed: its client never got it, so it is undone
+            if e.code == "client_disconnected" and s.forget_turn(before):
+                logger.info("session %s: the turn finished as its client left; undone", s.id)
+            raise
         return {"session_id": s.id, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
                 "usage": usage(g.prompt_tokens, len(g.token_ids), g.cached_tokens), "wait_s": g.wait_s,
                 "service_s": g.service_s,

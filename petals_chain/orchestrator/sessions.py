@@ -44,6 +44,18 @@ class UserSession:
         self.last_used = time.monotonic()
         self.created = time.time()
         self.turns = 0
+
+    def snapshot(self) -> tuple[list[int], list[dict] | None, int]:
+        """The session's state between turns, for :meth:`forget_turn`."""
+        return list(self.history), None if self.messages is None else list(self.messages), self.turns
+
+    def forget_turn(self, before: tuple[list[int], list[dict] | None, int]) -> bool:
+        """Undo the one turn completed since ``before`` (its client never got it); False if that is not the case
+        (no turn completed, or another one runs or ran since). The chain's KV is reconciled by the next turn."""
+        if self.lock.locked() or self.turns != before[2] + 1:
+            return False
+        self.history, self.messages, self.turns = list(before[0]), before[1], before[2]
+        return True
         self.last_chain: list[str] = []  # the chain of the last turn (released between turns, see below)
 
     @property
