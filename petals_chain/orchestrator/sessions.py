@@ -44,6 +44,7 @@ class UserSession:
         self.last_used = time.monotonic()
         self.created = time.time()
         self.turns = 0
+        self.last_chain: list[str] = []  # the chain of the last turn (released between turns, see below)
 
     def snapshot(self) -> tuple[list[int], list[dict] | None, int]:
         """The session's state between turns, for :meth:`forget_turn`."""
@@ -56,7 +57,6 @@ class UserSession:
             return False
         self.history, self.messages, self.turns = list(before[0]), before[1], before[2]
         return True
-        self.last_chain: list[str] = []  # the chain of the last turn (released between turns, see below)
 
     @property
     def max_length(self) -> int:
