@@ -100,7 +100,6 @@ def test_the_ilp_split_equals_brute_force(blocks, thr, rates, L):
     assert (covered, t * (1 + 1e-3)) >= (g_covered, g_t)
 
 
-
 @pytest.mark.xfail(strict=True, reason="found on 27 Nov by a random draw: the ILP's split is 9 % below the best one "
                    "(6.28 vs 6.91) on this instance; not yet understood (docs/results.md, HERD groups)")
 def test_the_ilp_split_equals_brute_force_on_a_known_miss():

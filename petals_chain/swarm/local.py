@@ -292,8 +292,9 @@ class LocalSwarm:
     def stop(self, server_timeout: float = 5.0) -> None:
         """Stop the servers, then the orchestrator; no process (p2pd included) survives.
 
-        Servers go first, all at once: each drains and publishes its ``offline`` record while the orchestrator's
-        DHT node still answers (with that node gone first, the goodbye store waits out its timeout). A server
+        Servers go first, all at once, each signalled alone (not its process group, whose DHT process and p2pd
+        would die under it): each drains and publishes its ``offline`` record while the orchestrator's DHT node
+        still takes it. A server
         still draining after ``server_timeout`` s (a session the orchestrator holds) is killed after the
         orchestrator has stopped and closed its sessions.
         """
