@@ -166,3 +166,67 @@ def test_client_disconnect_cancels_queued_request(model_path, scaled):
             await orch.stop()
 
     asyncio.run(main())
+
+
+def test_a_streamed_turn_whose_end_the_client_never_got_is_undone(model_path):
+    """A session turn streamed to a client that leaves before ``[DONE]`` leaves the session as it was, even when the
+    turn itself finished (the client cannot know it did); a stream taken to its end keeps the turn. Driven at the
+    ASGI level so the client's departure falls exactly between the turn's end and its last events."""
+    import json
+    from types import SimpleNamespace
+
+    from petals_chain.orchestrator.dispatch import note_admission
+
+    async def fake_turn(s, target, params, *, explicit_max_tokens=True, emit=None, messages=None):
+        async with s.lock:  # a turn that finishes at once, as the race has it
+            note_admission(True)  # as the dispatcher does when it starts the job: the stream flows from here
+            await asyncio.sleep(0.05)
+            await emit("ok", [])
+            s.history, s.turns = [*target, 7], s.turns + 1
+            return SimpleNamespace(token_ids=[7], finish_reason="stop", cached_tokens=0)
+
+    async def stream_turn(app, sid: str, leave_at_end: bool) -> bytes:
+        body = json.dumps({"input_ids": [1, 2], "max_tokens": 1, "stream": True}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": f"/api/v1/sessions/{sid}/generate", "raw_path": b"",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                    (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("orch", 80)}
+        sent = bytearray()
+        fed = False
+
+        async def receive():
+            nonlocal fed
+            if not fed:
+                fed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # the client says nothing more
+
+        async def send(message):
+            chunk = message.get("body", b"")
+            if leave_at_end and b'"finish_reason":"stop"' in chunk:
+                raise OSError("the client is gone")  # as uvicorn's send fails on a closed connection
+            sent.extend(chunk)
+
+        try:
+            await app(scope, receive, send)
+        except Exception:  # noqa: BLE001 - starlette's ClientDisconnect, as a server would see it
+            pass
+        return bytes(sent)
+
+    async def fn(orch, c):
+        orch.session_generate = fake_turn
+        app = c._transport.app
+        sid = (await c.post("/api/v1/sessions", json={"max_length": 32})).json()["session_id"]
+        s = orch.get_session(sid)
+        got = await stream_turn(app, sid, leave_at_end=False)
+        assert got.rstrip().endswith(b"data: [DONE]") and s.turns == 1 and s.history == [1, 2, 7]
+        got = await stream_turn(app, sid, leave_at_end=True)
+        assert b'"text":"ok"' in got and b"[DONE]" not in got
+        for _ in range(100):  # the stream's generator is closed by the event loop once dropped
+            if s.turns == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert s.turns == 1 and s.history == [1, 2, 7]
+
+    run_with_api(model_path, fn)

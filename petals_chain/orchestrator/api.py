@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -412,9 +412,11 @@ def create_app(orch: Orchestrator) -> FastAPI:
             if not task.done():
                 task.cancel()
 
-    def stream_response(gen_fn, n: int, chunk: Any, include_usage: bool, prompt_tokens: int) -> StreamingResponse:
+    def stream_response(gen_fn, n: int, chunk: Any, include_usage: bool, prompt_tokens: int,
+                        undelivered: Callable[[], None] | None = None) -> StreamingResponse:
         """SSE over ``gen_fn(emits) -> list[Generation]`` (``emits[i](text, choices)`` per choice); ``chunk(index,
-        text, finish_reason, choices)`` builds each event's object (``first=True``: the opening event, or None)."""
+        text, finish_reason, choices)`` builds each event's object (``first=True``: the opening event, or None).
+        ``undelivered()`` runs after the generation ends if the client did not take the stream to its ``[DONE]``."""
         queue: asyncio.Queue = asyncio.Queue()
 
         def emitter(i: int):
@@ -435,6 +437,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
         async def events() -> AsyncIterator[str]:
             task = asyncio.create_task(run())
+            delivered = False
             done = 0
             completion = 0
             cached = 0
@@ -467,9 +470,12 @@ def create_app(orch: Orchestrator) -> FastAPI:
                         u["deadline"] = dl.report()
                     yield _sse(u)
                 yield "data: [DONE]\n\n"
+                delivered = True  # resumed after the last event: it was sent
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+                if undelivered is not None and not delivered:
+                    undelivered()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -650,7 +656,13 @@ def create_app(orch: Orchestrator) -> FastAPI:
             async def run(emits):
                 return [await gen_fn(emits[0])]
 
-            return stream_response(run, 1, chunk, False, len(target))
+            before = s.snapshot()
+
+            def undelivered() -> None:  # the client left before the end: a turn that finished anyway is undone
+                if s.forget_turn(before):
+                    logger.info("session %s: the streamed turn finished after its client left; undone", s.id)
+
+            return stream_response(run, 1, chunk, False, len(target), undelivered)
         before = s.snapshot()
         try:
             g = await unless_disconnected(request, gen_fn())
