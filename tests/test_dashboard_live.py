@@ -194,7 +194,8 @@ def test_live_swarm_dashboard(live_swarm, slowdown):
             for url, (page, _errors) in pages.items():
                 def api_shows_gone():
                     s = _servers_by_name(httpx.get(f"{url}/api/v1/swarm", timeout=10).json()).get(leaving)
-                    return s is None or s["state"] in ("offline", "failed")
+                    # a graceful leave is announced (offline); a crash is noticed (failed, or offline once expired)
+                    return s is None or s["state"] in (("offline",) if sig == signal.SIGTERM else ("offline", "failed"))
                 wait_for(api_shows_gone, 60 * slowdown, f"{url} to report {leaving} gone", swarm, dash)
                 t_api = time.monotonic()
                 page.wait_for_selector(f'#servers-table tr[data-peer-id="{peer_of[leaving]}"].gone',

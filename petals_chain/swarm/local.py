@@ -186,10 +186,17 @@ class LocalSwarm:
         return self
 
     def kill_server(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the server's whole process group (SIGKILL: emulate a crashed machine)."""
+        """SIGKILL (default): kill the server's whole process group and descendants at once, a crashed machine.
+        Any other signal goes to the server's own process, as an operator's ``kill PID`` or Ctrl-C: SIGTERM makes
+        it drain and announce its leave (its DHT process and p2pd are stopped by the server itself)."""
         proc = self.servers[name]
-        descendants = _descendants(proc.popen.pid) if sig == signal.SIGKILL else []
-        for pid in descendants:
+        if sig != signal.SIGKILL:
+            try:
+                os.kill(proc.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+            return
+        for pid in _descendants(proc.popen.pid):
             try:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
@@ -198,8 +205,7 @@ class LocalSwarm:
             os.killpg(proc.popen.pid, sig)
         except ProcessLookupError:
             pass
-        if sig == signal.SIGKILL:
-            proc.popen.wait(timeout=10)
+        proc.popen.wait(timeout=10)
 
     # ---- observation ---------------------------------------------------------------------------
     def swarm(self) -> dict:

@@ -65,7 +65,7 @@ class NetnsSwarm(LocalSwarm):
 
     def kill_server(self, name: str, sig: int = signal.SIGKILL) -> None:
         """SIGKILL: the server's machine dies (every process on its host, p2pd included; the host stays, empty).
-        Other signals go to the server's process group as in LocalSwarm."""
+        Other signals go to the server's own process, as in LocalSwarm."""
         if sig != signal.SIGKILL:
             return super().kill_server(name, sig)
         self.lab.kill_host(self.hosts[f"server-{name}"])
