@@ -151,6 +151,45 @@ def test_traffic_shift_moves_servers_to_the_busy_model(swarm):
     assert placer.moves >= 1 and any("pays" in m["why"] for m in placer.json()["recent"])
 
 
+def test_a_drift_replan_is_followed_by_one_on_a_window_of_new_traffic_only(swarm):
+    """A drift is noticed while the window still mixes the traffic from before it, so the re-plan it triggers sees
+    rates of neither regime: one more re-plan follows ``window_s`` later (here the mix then stays put while beta
+    grows fivefold, which the drift detector alone would leave to the 1000 s interval)."""
+    orchs, _ = swarm
+    placer = placer_for(orchs)  # window 30 s
+    for peer in ("s0", "s1", "s2", "s3"):
+        announce(orchs, peer, ["alpha", "beta"], orchs["alpha"].prefix)
+    base, now = time.monotonic(), [0.0]
+    placer.clock = lambda: base + now[0]
+    replans: list[tuple[float, dict]] = []
+
+    def advance(until: float, rate_alpha: float, rate_beta: float, step: float = 2.0) -> None:
+        while now[0] < until:
+            t0 = now[0]
+            now[0] += step
+            for name, rate in (("alpha", rate_alpha), ("beta", rate_beta)):
+                n = round(rate * step)
+                for i in range(n):
+                    orchs[name].planner.rates.arrive(base + t0 + step * (i + 0.5) / n)
+            planned = placer.planned_at
+            asyncio.run(placer.round())
+            if placer.planned_at != planned:
+                replans.append((now[0], dict(placer.json()["servers_per_model"])))
+
+    advance(60, 2, 2)
+    advance(100, 1, 3)  # the mix shifts: a drift re-plan once the window has moved enough
+    drift_at = next(t for t, _ in replans if t > 60)
+    assert placer.trigger.settle_at == pytest.approx(base + drift_at + 30.0)
+    before = dict(placer.placement)
+    advance(drift_at + 28, 15, 60)  # the same mix, 5x the rate: no drift, no interval
+    assert [t for t, _ in replans if t > drift_at] == [] and placer.placement == before
+    advance(drift_at + 30, 15, 60)
+    t, counts = replans[-1]
+    assert t == drift_at + 30 and placer.trigger.settle_at is None
+    assert counts["beta"] > sum(1 for m in before.values() if m == "beta"), counts
+    assert any(m["why"].startswith("settling after a drift") for m in placer.json()["recent"])
+
+
 def test_even_never_moves_and_static_moves_once_for_the_first_traffic(swarm):
     orchs, _ = swarm
     for policy in ("even", "static"):

@@ -10,8 +10,8 @@ import pytest
 
 from petals_chain.algorithms import multimodel as mm
 from petals_chain.algorithms.multimodel import (AdaptiveInterval, DBScheduler, FCFSScheduler, Job, MLFQScheduler,
-                                                MixDriftDetector, PlanMetrics, ServedModel, ServiceMonitor,
-                                                ServiceStats, Volunteer)
+                                                MixDriftDetector, PlanMetrics, ReplanTrigger, ServedModel,
+                                                ServiceMonitor, ServiceStats, Volunteer)
 
 
 def _db(mean=2.0, std=1.0, **kw):
@@ -291,3 +291,19 @@ def test_mlfq_and_fcfs_dispatch_orders():
         assert plain.new_priority_job("x", "m") is None  # fcfs: no priorities kept, nothing paused
 
     asyncio.run(main())
+
+
+def test_replan_trigger_follows_a_drift_once_a_window_later():
+    t = ReplanTrigger(window_s=30.0)
+    assert t.reason(0.0, due=False, drifted=False) is None
+    assert t.reason(5.0, due=True, drifted=True) == ReplanTrigger.INTERVAL  # the interval's end wins
+    t.replanned(5.0, ReplanTrigger.INTERVAL)
+    assert t.settle_at is None
+    assert t.reason(10.0, due=False, drifted=True) == ReplanTrigger.DRIFT
+    t.replanned(10.0, ReplanTrigger.DRIFT)
+    assert t.reason(39.9, due=False, drifted=False) is None
+    t.replanned(20.0, ReplanTrigger.DRIFT)  # another drift: one window after the last one
+    assert t.reason(49.9, due=False, drifted=False) is None
+    assert t.reason(50.0, due=False, drifted=False) == ReplanTrigger.SETTLE
+    t.replanned(50.0, ReplanTrigger.SETTLE)
+    assert t.reason(500.0, due=False, drifted=False) is None  # once only

@@ -719,6 +719,33 @@ class MixDriftDetector:
         return len(self._events) >= self.min_arrivals and bool(self.planned) and self.distance(now) > self.threshold
 
 
+class ReplanTrigger:
+    """When to re-place (ours, around Eq. 8): at the end of the interval, when the mix drifts, and once more
+    ``window_s`` after a re-plan for a drift, whose rates still mixed the traffic from before it (the window it
+    measured over) and so described neither regime. :meth:`reason` says why to re-plan now (None: not now);
+    :meth:`replanned` records a re-plan made."""
+
+    INTERVAL = "replacement interval"
+    DRIFT = "traffic mix drifted"
+    SETTLE = "settling after a drift"
+
+    def __init__(self, window_s: float):
+        self.window_s = float(window_s)
+        self.settle_at: float | None = None  # when the re-plan that follows a drift's is due
+
+    def reason(self, now: float, *, due: bool, drifted: bool) -> str | None:
+        if due:
+            return self.INTERVAL
+        if drifted:
+            return self.DRIFT
+        if self.settle_at is not None and now >= self.settle_at:
+            return self.SETTLE
+        return None
+
+    def replanned(self, now: float, reason: str) -> None:
+        self.settle_at = now + self.window_s if reason == self.DRIFT else None
+
+
 @dataclass(frozen=True)
 class Move:
     """Server ``server`` goes from model ``src`` (None: idle) to ``dst``; ``benefit``: the objective it saves over

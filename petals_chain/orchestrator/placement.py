@@ -13,7 +13,8 @@ simulator (``algorithms/multimodel.py``):
 * every replacement interval ``I_t`` (Eq. 8, adapted by ``(1 ± β)`` from how far the last interval's measured
   SLO attainment and normalized latency were from the estimate), or sooner when the traffic mix drifts, the
   placement is recomputed by the unserved index and only the moves that pay for their reload
-  (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`) are made;
+  (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`) are made; a re-plan for a drift is followed by one
+  more ``window_s`` later, when the rates it is made from no longer mix the traffic from before the drift;
 * a server that leaves keeps its placement for ``forget_s``: restarted with the same identity it serves the model
   it held (no needless reload of another).
 
@@ -34,8 +35,8 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from petals_chain.algorithms.multimodel import (BETA, AdaptiveInterval, MixDriftDetector, PlanMetrics, ServedModel,
-                                                Volunteer, analytic_evaluate, groups_of, moves_that_pay,
+from petals_chain.algorithms.multimodel import (BETA, AdaptiveInterval, MixDriftDetector, PlanMetrics, ReplanTrigger,
+                                                ServedModel, Volunteer, analytic_evaluate, groups_of, moves_that_pay,
                                                 place_by_unserved_index, ui_rate)
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.records import PlacementRecord
@@ -71,6 +72,7 @@ class ModelPlacer:
         self.planned_at = clock()
         self.planned_wall = time.time()
         self.estimate: PlanMetrics | None = None
+        self.trigger = ReplanTrigger(window_s)
         self.moves = 0
         self.log: deque[dict] = deque(maxlen=50)
         self._published_epoch = -1
@@ -260,6 +262,7 @@ class ModelPlacer:
         self.estimate = self._estimate(volunteers, models, {**fixed, **{p: self.placement[p] for p in flexible
                                                                         if p in self.placement}})
         self.planned_at, self.planned_wall = now, time.time()
+        self.trigger.replanned(now, why)
         total = sum(m.rate for m in models)
         self.drift.set_plan({m.name: m.rate / total for m in models} if total > 0 else {})
         return moves
@@ -284,9 +287,9 @@ class ModelPlacer:
             # drifted from the mix planned for, or traffic arrives and no plan was made for any yet
             drifted = self.drift.drifted(now) or (not self.drift.planned and sum(self.drift.rates(now).values())
                                                   * self.drift.window_s >= self.drift.min_arrivals)
-            if due or drifted:
-                self.replace(records, flexible, now,
-                             "traffic mix drifted" if drifted and not due else "replacement interval")
+            why = self.trigger.reason(now, due=due, drifted=drifted)
+            if why is not None:
+                self.replace(records, flexible, now, why)
         await self.publish()
 
     async def publish(self) -> None:

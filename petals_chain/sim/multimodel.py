@@ -529,13 +529,14 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
     """SeaLLM's replacement loop (§4.3) as a ``replan`` callable for :class:`MultiModelSim`.
 
     At the end of interval ``I_t`` (and earlier when :class:`MixDriftDetector` sees the traffic mix drift by more
-    than ``drift_threshold``): ``M_real`` of the interval (its arrivals' SLO attainment and normalized latency) is
+    than ``drift_threshold``, and ``drift_window_s`` after such a drift re-plan: :class:`ReplanTrigger`): ``M_real`` of the interval (its arrivals' SLO attainment and normalized latency) is
     compared with the ``M_est`` made at its start and Eq. 8 sets ``I_{t+1}``; the rates of the last
     ``drift_window_s`` feed :func:`~petals_chain.algorithms.multimodel.place_by_unserved_index`; only the moves
     that pay for ``reload_s`` are made (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`); ``M_est`` of
     the new plan is a simulation of the last interval's requests on it (the seed's simulator on the history)."""
     ctl = AdaptiveInterval(initial_s, beta=beta, min_s=min_s, max_s=max_s)
     det = MixDriftDetector(drift_window_s, drift_threshold)
+    trigger = mm.ReplanTrigger(drift_window_s)
     state: dict[str, Any] = {"start": 0.0, "end": initial_s, "est": None, "seen": 0}
     names = [m.name for m in models]
 
@@ -548,9 +549,8 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
         observe(sim)
         if not det.planned:
             det.set_plan(det.mix(now) or {m.name: 1 / len(models) for m in models})
-        due = now >= state["end"] - 1e-9
-        drifted = drift and det.drifted(now)
-        if not (due or drifted):
+        why = trigger.reason(now, due=now >= state["end"] - 1e-9, drifted=drift and det.drifted(now))
+        if why is None:
             return None, now + check_s
         hist = [r for r in sim.arrived if state["start"] <= r.arrival < now]
         real = None
@@ -579,9 +579,10 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
             est = PlanMetrics(s["slo_attainment"], s["norm_latency"])
         state["est"] = est
         det.set_plan(det.mix(now))
+        trigger.replanned(now, why)
         state["start"], state["end"] = now, now + ctl.interval
         if log is not None:
-            log.append({"t": now, "trigger": "interval" if due else "drift", "interval_s": ctl.interval,
+            log.append({"t": now, "trigger": why, "interval_s": ctl.interval,
                         "real": None if real is None else vars(real), "est": None if est is None else vars(est),
                         "rates": {k: rates.get(k, 0.0) for k in names}, "moves": len(moves),
                         "plan": plan_counts(new)})
