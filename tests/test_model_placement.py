@@ -180,6 +180,7 @@ def test_a_drift_replan_is_followed_by_one_on_a_window_of_new_traffic_only(swarm
     advance(100, 1, 3)  # the mix shifts: a drift re-plan once the window has moved enough
     drift_at = next(t for t, _ in replans if t > 60)
     assert placer.trigger.settle_at == pytest.approx(base + drift_at + 30.0)
+    assert placer.json()["settle_in_s"] == pytest.approx(drift_at + 30.0 - now[0], abs=0.1)
     before = dict(placer.placement)
     advance(drift_at + 28, 15, 60)  # the same mix, 5x the rate: no drift, no interval
     assert [t for t, _ in replans if t > drift_at] == [] and placer.placement == before

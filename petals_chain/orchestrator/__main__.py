@@ -236,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Without it the API is open (one anonymous client)")
     p.add_argument("--model-placement", default="ui", choices=list(PLACEMENT_POLICIES),
                    help="with several models, which model a server offering several serves (seed 001): ui (placed "
-                        "by the unserved index when it joins, re-placed every replacement interval or when the "
-                        "traffic mix drifts, moving only servers whose move pays for its reload), static (re-placed "
+                        "by the unserved index when it joins, re-placed every replacement interval, when the "
+                        "traffic mix drifts and once more a placement window after that, moving only servers whose "
+                        "move pays for its reload), static (re-placed "
                         "once, for the first traffic seen, then never moved: a fixed plan), even (round-robin, never "
                         "moved)")
     p.add_argument("--replace-interval-s", type=_positive_float, default=600.0, metavar="S",
