@@ -54,6 +54,7 @@ def sample_swarm(now: Optional[float] = None, hostile_name: str = "<img src=x on
     ]
     servers[1].update(reachability="relayed", maddrs=["/ip4/203.0.113.7/tcp/31337/p2p/QmOrch/p2p-circuit"])
     servers[0].update(reachability="direct", maddrs=["/ip4/198.51.100.4/tcp/4000"])
+    servers[0].update(step_compute_s=0.048, step_network_s=0.0315)  # what relayed steps showed (one server so far)
     chains = [
         {"id": 0, "servers": [servers[0]["peer_id"], servers[1]["peer_id"]], "names": ["alpha-a100", "bravo-3090"],
          "blocks": [12, 12], "spans": [[0, 12], [12, 24]], "service_time": 0.20, "capacity": 3, "active": 3},

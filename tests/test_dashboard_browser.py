@@ -60,6 +60,8 @@ def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url, slowdo
             assert row.get_attribute("data-state") == "online"
             reach = s.get("reachability")
             assert row.locator(".reach").all_inner_texts() == ([reach] if reach else [])
+            assert row.locator(".step-times").all_inner_texts() == (["step 48.0 ms + 31.5 ms net"]
+                                                                    if s.get("step_compute_s") else [])
         # chains: every chain, its hops in order, capacity and occupancy
         chains = page.locator(".chain[data-chain-id]")
         assert chains.count() == len(data["chains"])

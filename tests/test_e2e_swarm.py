@@ -129,6 +129,15 @@ def test_greedy_completions_equal_transformers(swarm, hf_model):
     r = post(swarm, "/v1/completions", {"model": client.model, "prompt": ids, "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200
     assert r.json()["petals_chain"][0]["token_ids"] == hf_greedy(hf_model, ids, 8)
+    # per-hop timings of the decode steps just relayed: in the swarm view and in /metrics, for every hop used
+    used = {h for ch in swarm.swarm()["chains"] if ch.get("max_active") for h in ch["servers"]}
+    servers = {s["peer_id"]: s for s in swarm.swarm()["servers"]}
+    metrics = httpx.get(f"{swarm.url}/metrics").text
+    assert used
+    for peer in used:
+        s = servers[peer]
+        assert s["step_compute_s"] > 0 and s["step_network_s"] >= 0, s
+        assert f'petals_chain_server_step_seconds{{part="compute",server="{s["public_name"]}"}} ' in metrics
 
 
 def test_openai_package_streaming_and_chat(swarm, hf_model):

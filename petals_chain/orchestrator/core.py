@@ -576,10 +576,14 @@ class Orchestrator(GenerationMixin, SessionMixin):
                 s.m_lower.set(cur.lower)
                 s.m_upper.set(cur.upper if math.isfinite(cur.upper) else float("nan"))
             s.m_server_cache.clear()  # only servers known now
+            s.m_server_step.clear()
             for v in self.planner.servers.values():
                 name = v.record.public_name or v.peer_id
                 s.m_server_cache.labels(name, "total").set(v.record.cache_tokens_total)
                 s.m_server_cache.labels(name, "free").set(v.record.cache_tokens_free)
+                for part, value in self.planner.hop_step_s(v).items():
+                    if value is not None:
+                        s.m_server_step.labels(name, part).set(value)
             counts: dict[str, int] = {}
             for v in self.planner.servers.values():
                 st = "failed" if v.failed_at is not None else v.record.state

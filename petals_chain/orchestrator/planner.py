@@ -215,6 +215,14 @@ class Planner:
         measured = self.measured_tau_p(v)
         return measured if measured is not None else float(v.record.tau_p)
 
+    def hop_step_s(self, v: ServerView) -> dict[str, float | None]:
+        """Seconds per decode step at server ``v`` as relayed steps showed them (EWMA; None before any): its
+        ``compute`` over the blocks it holds, and ``network`` (the hop's round trip less that compute; orchestrator
+        relay only, since a pushed hop's reply also waits for its input)."""
+        per_block = v.step_s_per_block
+        return {"compute": None if per_block is None else per_block * max(1, int(v.record.num_blocks)),
+                "network": v.comm_s_per_step}
+
     def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float | None,
                     compute_s: float | None = None) -> None:
         """One relay step of ``n_tokens`` through ``n_blocks`` of ``peer_id`` took ``seconds`` (incl. network).
@@ -784,6 +792,7 @@ class Planner:
                 "last_seen": v.last_seen, "assigned": list(self.assignment[v.peer_id]) if v.peer_id in self.assignment else None,
                 "max_blocks": r.max_blocks, "model_mismatch": False,
                 "tau_p_advertised": r.tau_p, "tau_p_measured": measured, "tau_p_suspect": self.tau_p_suspect(v),
+                **{f"step_{part}_s": value for part, value in self.hop_step_s(v).items()},
                 "strikes": v.strikes, "banned": v.banned, "distrusted": v.distrusted,
                 "banned_for_s": None if v.distrusted else max(0.0, v.banned_until - now) if v.banned else 0.0,
                 "reachability": v.reachability, "reachability_error": v.reach_error, "maddrs": list(r.maddrs),

@@ -626,6 +626,12 @@
       offersLine = el("div", { class: "muted offers", title: "offers " + offers.join(", ") + "; serves " + str(s.serving),
         text: "offers " + offers.length + " models" });
     }
+    // the hop's time per decode step as relayed steps showed it: compute over its blocks + the rest of the round trip
+    var stepCompute = num(s.step_compute_s), stepNetwork = num(s.step_network_s), stepLine = null;
+    if (stepCompute !== null) {
+      stepLine = el("div", { class: "muted step-times", title: "observed per decode step (moving average): the server's compute over its blocks + the rest of the hop's round trip",
+        text: "step " + fmtSeconds(stepCompute) + (stepNetwork !== null ? " + " + fmtSeconds(stepNetwork) + " net" : "") });
+    }
     var lastSeen = goneSince !== null ? "left " + fmtAgo(goneSince, nowS) : fmtAgo(s.last_seen, nowS);
     var hw = [str(s.device), str(s.dtype)].filter(Boolean).join(" \u00b7 ");
     return el("tr", { "data-peer-id": str(s.peer_id), "data-state": gone ? "gone" : str(s.state), class: gone ? "gone" : null },
@@ -638,7 +644,7 @@
         el("div", { class: "slots", title: cacheTitle },
           el("div", { class: "bar slots" + (frac >= 1 ? " full" : "") }, el("span", { style: { width: (100 * frac).toFixed(1) + "%" } })),
           el("span", { class: "num", text: cacheText })), prefix),
-      el("td", { "data-label": "\u03c4p /block", class: "num" }, el("span", { text: fmtSeconds(s.tau_p) })),
+      el("td", { "data-label": "\u03c4p /block", class: "num" }, el("span", { text: fmtSeconds(s.tau_p) }), stepLine),
       el("td", { "data-label": "\u03c4c", class: "num" }, el("span", { text: fmtSeconds(s.tau_c) })),
       el("td", { "data-label": "emulation" }, el("span", {}, flags.length ? flags : "off")),
       el("td", { "data-label": "last seen", class: "num" }, el("span", { text: lastSeen })));
