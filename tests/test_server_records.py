@@ -161,3 +161,24 @@ def test_assignments_of_another_model_or_too_many_blocks_are_not_followed(tiny_m
         time.sleep(0.25)
     assert (rec.state, rec.epoch, rec.start_block, rec.num_blocks) == ("online", 3, 1, 2), proc.log()[-3000:]
     assert proc.stop(timeout=scaled(60)) == 0
+
+
+def test_the_offline_record_is_retried_until_stored():
+    """The last record a leaving server publishes is retried: a store the DHT refuses once (a busy peer) must not
+    turn a graceful leave into one the orchestrator only notices by failed pings."""
+    from types import SimpleNamespace
+
+    from petals_chain.server.server import Server
+
+    results = [False, False, True]
+    calls = []
+
+    async def publish() -> bool:
+        calls.append(time.monotonic())
+        return results[len(calls) - 1]
+
+    server = SimpleNamespace(announcer=SimpleNamespace(publish=publish))
+    assert asyncio.run(Server.announce_offline(server, attempts=3, backoff_s=0.01)) is True and len(calls) == 3
+    calls.clear()
+    results[:] = [False] * 3
+    assert asyncio.run(Server.announce_offline(server, attempts=3, backoff_s=0.01)) is False and len(calls) == 3

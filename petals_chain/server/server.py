@@ -423,6 +423,17 @@ class Server:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self.cfg.assignment_poll_s)
 
+    async def announce_offline(self, attempts: int = 3, backoff_s: float = 0.5) -> bool:
+        """Publish the ``offline`` record, retried: it is the last one, and without it the orchestrator learns of
+        the leave only when pings fail (the server is then shown ``failed``, not gone gracefully)."""
+        for attempt in range(attempts):
+            if await self.announcer.publish():
+                return True
+            if attempt + 1 < attempts:
+                await asyncio.sleep(backoff_s * (attempt + 1))
+        logger.warning("the offline record was not stored: the orchestrator will notice the leave by itself")
+        return False
+
     def _on_signal(self) -> None:
         if self._stop.is_set():
             logger.warning("second signal: not waiting for open sessions")
@@ -441,7 +452,7 @@ class Server:
         if self.announcer is not None:
             await self.announcer.stop()
             self.set_state("offline")
-            await self.announcer.publish()
+            await self.announce_offline()
         if handler is not None and self.p2p is not None:
             with contextlib.suppress(Exception):
                 await handler.remove_p2p_handlers(self.p2p)
