@@ -311,7 +311,7 @@ class ModelPlacer:
 
     def json(self) -> dict:
         """For ``/api/v1/swarm``: the policy, interval, placement and recent moves."""
-        settle = self.trigger.settle_at
+        settle = self.trigger.settle_at if self.policy == "ui" else None  # only ui re-plans after its first plan
         return {"policy": self.policy, "epoch": self.epoch, "interval_s": round(self.interval.interval, 3),
                 "settle_in_s": None if settle is None else round(max(0.0, settle - self.clock()), 1),
                 "moves": self.moves, "placement": dict(self.placement),
