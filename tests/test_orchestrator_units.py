@@ -438,3 +438,42 @@ def test_a_turn_finished_as_its_client_left_is_forgotten():
             return s.forget_turn(before)
 
     assert asyncio.run(running()) is False and s.turns == 2
+
+
+def test_an_open_waiting_on_a_server_declared_failed_is_aborted_at_once():
+    """An open queued at a server (``wait_s``: it may wait minutes for pages) is cancelled when the server is
+    declared failed: a dead peer's stream may never end, and the job must fail over now, not at the open's timeout.
+    The other hop's open, which succeeded, is closed."""
+    from petals_chain.orchestrator.relay import ChainSession, HopFailure
+
+    closed = []
+
+    class Session:
+        def __init__(self, peer):
+            self.peer = peer
+
+        async def close(self, **kw):
+            closed.append(self.peer)
+
+    class Client:
+        async def open_session(self, peer, **kw):
+            if peer == "dead":
+                await asyncio.Event().wait()  # no reply, no end of stream
+            return Session(peer)
+
+    async def main():
+        cs = ChainSession(Client(), [("alive", 0, 2), ("dead", 2, 4)], "job.1", 64, wait_s=600.0)
+        opening = asyncio.ensure_future(cs.open())
+        await asyncio.sleep(0.05)
+        assert not opening.done()
+        t0 = time.monotonic()
+        assert cs.abort("dead")
+        with pytest.raises(HopFailure) as info:
+            await opening
+        assert time.monotonic() - t0 < 1.0 and info.value.peer_id == "dead" and info.value.hop == 1
+        assert "declared failed" in str(info.value.cause) and closed == ["alive"]
+        # a later open on the same chain session refuses the failed server at once
+        with pytest.raises(HopFailure):
+            await asyncio.wait_for(cs.open(), timeout=1.0)
+
+    asyncio.run(main())

@@ -156,6 +156,7 @@ class ChainHolder:
             cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", declared,
                               observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0),
                               push=(self.relay or orch.cfg.relay) == "push")
+            orch.chain_sessions.add(cs)  # from its open on: a server declared failed aborts a long open too
             opened = False
             fork = self._fork_candidate(lease)
             for attempt in range(60):
@@ -191,6 +192,7 @@ class ChainHolder:
                     orch.server_failed(e)
                     break
                 except BaseException:
+                    orch.chain_sessions.discard(cs)
                     orch.dispatch.release(lease)
                     raise
             if opened:
@@ -210,8 +212,8 @@ class ChainHolder:
                         orch.stats.add_prefix_hit(cs.cached_tokens)
                 else:
                     self.inputs.copy_prefix(self.fork_source[0].inputs, fork[1])
-                orch.chain_sessions.add(cs)
             else:
+                orch.chain_sessions.discard(cs)
                 if shares is not None:
                     shares.prompt(job, self._worker, 0)  # not served: the admission is refunded
                 orch.dispatch.release(lease)

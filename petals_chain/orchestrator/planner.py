@@ -669,6 +669,8 @@ class Planner:
                             v.peer_id[:12], v.record.memory_bytes, v.record.tau_p, v.record.state)
             for v in left:
                 logger.info("server left: %s (%s)", v.record.public_name, v.peer_id[:12])
+                if self.on_failure is not None and v.record.state == "offline":
+                    self.on_failure(v.peer_id)  # it drained first: whatever still waits on it gets no answer
             await self._decide(joined, left)
 
     async def _decide(self, joined: list[ServerView], left: list[ServerView]) -> None:

@@ -74,6 +74,7 @@ class ChainSession:
         self._step_ids = itertools.count(1)  # numbers push steps (a server takes the push of the step it awaits)
         self.push_rescues = 0  # pushes the orchestrator made itself because a hop could not
         self._push_current: dict[str, asyncio.Future] = {}  # peer -> its step in flight (push mode)
+        self._opening: dict[str, asyncio.Future] = {}  # peer -> its open in flight (may wait long at the server)
 
     def abort(self, peer_id: str) -> bool:
         """``peer_id`` is known dead: fail the step waiting on it now (not at the timeout), and any later one."""
@@ -82,9 +83,9 @@ class ChainSession:
         self._aborted.add(peer_id)
         if self._current_peer == peer_id and self._current is not None and not self._current.done():
             self._current.cancel()
-        inner = self._push_current.get(peer_id)
-        if inner is not None and not inner.done():
-            inner.cancel()
+        for inner in (self._push_current.get(peer_id), self._opening.get(peer_id)):
+            if inner is not None and not inner.done():
+                inner.cancel()
         return True
 
     async def open(self, fork_from: "ChainSession | None" = None, fork_length: int = 0, named: bytes = b"") -> None:
@@ -109,11 +110,25 @@ class ChainSession:
             if fork_from is not None:
                 extra = {"fork_from": fork_from.session_id, "fork_length": int(fork_length),
                          **({"push_token": extra["push_token"]} if self.push else {})}
-            return await asyncio.wait_for(
+            if peer in self._aborted:
+                raise ConnectionError("the server was declared failed")
+            # An open queued at the server (wait_s) may wait minutes: abort() cancels it when the server is declared
+            # failed, since a dead peer's stream may never end.
+            task = self._opening[peer] = asyncio.ensure_future(asyncio.wait_for(
                 self.client.open_session(peer, session_id=self.session_id, start_block=start, end_block=end,
                                          max_length=self.max_length, **extra),
                 timeout=self.step_timeout_s + self.wait_s,
-            )
+            ))
+            try:
+                return await task
+            except asyncio.CancelledError:
+                if peer in self._aborted and not _current_task_cancelling():
+                    raise ConnectionError("the server was declared failed") from None
+                task.cancel()
+                raise
+            finally:
+                if self._opening.get(peer) is task:
+                    del self._opening[peer]
 
         if self.wait_s > 0:
             # Waiting opens go one by one in route order: every route visits servers in increasing order of
