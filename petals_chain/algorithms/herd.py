@@ -23,6 +23,7 @@ one complete chain in it"; a model-stream's burst tolerance counts the chains of
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -451,6 +452,7 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
     X = lambda i, j: i * J + j  # noqa: E731
     U = lambda j: S * J + j  # noqa: E731
 
+    @functools.cache
     def model(with_u: bool) -> tuple[list, int]:
         """Rows and variable count: ``x`` then, ``with_u``, ``u``; ``t`` last (index ``nv - 1``)."""
         T = S * J + (J if with_u else 0)
@@ -499,15 +501,19 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
                 return res.x
         return None
 
+    def count_covered(x: np.ndarray) -> int:
+        return int(round(sum(x[U(j)] for j in range(J))))
+
     T = -1  # t, wherever the model puts it
-    x = solve({U(j): -1.0 for j in range(J)}, True)  # the most groups with a complete copy
+    most_covered = {U(j): -1.0 for j in range(J)}
+    x = solve(most_covered, True)  # the most groups with a complete copy
     if x is None:
         return None
-    covered = int(round(sum(x[U(j)] for j in range(J))))
+    covered = count_covered(x)
     if covered < J:  # presolve might have cut the best cover too: ask without it
-        y = solve({U(j): -1.0 for j in range(J)}, True, presolve_first=False)
-        if y is not None and int(round(sum(y[U(j)] for j in range(J)))) > covered:
-            x, covered = y, int(round(sum(y[U(j)] for j in range(J))))
+        y = solve(most_covered, True, presolve_first=False)
+        if y is not None and count_covered(y) > covered:
+            x, covered = y, count_covered(y)
     with_u = covered < J  # all covered (the usual case): no u_j and no big-M
     cover = [({U(j): 1.0 for j in range(J)}, covered, covered)] if with_u else []
     if covered:  # then the best worst t

@@ -647,6 +647,13 @@ def create_app(orch: Orchestrator) -> FastAPI:
             return orch.session_generate(s, target, params, explicit_max_tokens=explicit, emit=emit,
                                          messages=messages)
 
+        before = s.snapshot()
+
+        def forget_unseen_turn() -> None:
+            """The client left before it got the turn: if the turn finished anyway, it is undone."""
+            if s.forget_turn(before):
+                logger.info("session %s: the turn finished after its client left; undone", s.id)
+
         if req.stream:
             def chunk(i, text, finish, choices, first=False):
                 if first:
@@ -656,20 +663,12 @@ def create_app(orch: Orchestrator) -> FastAPI:
             async def run(emits):
                 return [await gen_fn(emits[0])]
 
-            before = s.snapshot()
-
-            def undelivered() -> None:  # the client left before the end: a turn that finished anyway is undone
-                if s.forget_turn(before):
-                    logger.info("session %s: the streamed turn finished after its client left; undone", s.id)
-
-            return stream_response(run, 1, chunk, False, len(target), undelivered)
-        before = s.snapshot()
+            return stream_response(run, 1, chunk, False, len(target), forget_unseen_turn)
         try:
             g = await unless_disconnected(request, gen_fn())
         except RequestError as e:
-            # the turn may finish while the disconnect is being noticed: its client never got it, so it is undone
-            if e.code == "client_disconnected" and s.forget_turn(before):
-                logger.info("session %s: the turn finished as its client left; undone", s.id)
+            if e.code == "client_disconnected":  # the turn may finish while the disconnect is being noticed
+                forget_unseen_turn()
             raise
         return {"session_id": s.id, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
                 "usage": usage(g.prompt_tokens, len(g.token_ids), g.cached_tokens), "wait_s": g.wait_s,

@@ -81,9 +81,8 @@ class ChainSession:
         if peer_id not in (h[0] for h in self.hops):
             return False
         self._aborted.add(peer_id)
-        if self._current_peer == peer_id and self._current is not None and not self._current.done():
-            self._current.cancel()
-        for inner in (self._push_current.get(peer_id), self._opening.get(peer_id)):
+        current = self._current if self._current_peer == peer_id else None
+        for inner in (current, self._push_current.get(peer_id), self._opening.get(peer_id)):
             if inner is not None and not inner.done():
                 inner.cancel()
         return True

@@ -529,8 +529,9 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
     """SeaLLM's replacement loop (§4.3) as a ``replan`` callable for :class:`MultiModelSim`.
 
     At the end of interval ``I_t`` (and earlier when :class:`MixDriftDetector` sees the traffic mix drift by more
-    than ``drift_threshold``, and ``drift_window_s`` after such a drift re-plan: :class:`ReplanTrigger`): ``M_real`` of the interval (its arrivals' SLO attainment and normalized latency) is
-    compared with the ``M_est`` made at its start and Eq. 8 sets ``I_{t+1}``; the rates of the last
+    than ``drift_threshold``, and ``drift_window_s`` after such a drift re-plan: :class:`ReplanTrigger`):
+    ``M_real`` of the interval (its arrivals' SLO attainment and normalized latency) is compared with the
+    ``M_est`` made at its start and Eq. 8 sets ``I_{t+1}``; the rates of the last
     ``drift_window_s`` feed :func:`~petals_chain.algorithms.multimodel.place_by_unserved_index`; only the moves
     that pay for ``reload_s`` are made (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`); ``M_est`` of
     the new plan is a simulation of the last interval's requests on it (the seed's simulator on the history)."""

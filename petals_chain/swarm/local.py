@@ -191,20 +191,14 @@ class LocalSwarm:
         it drain and announce its leave (its DHT process and p2pd are stopped by the server itself)."""
         proc = self.servers[name]
         if sig != signal.SIGKILL:
-            try:
-                os.kill(proc.popen.pid, sig)
-            except ProcessLookupError:
-                pass
+            self._signal(proc, sig, group=False)
             return
         for pid in _descendants(proc.popen.pid):
             try:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        try:
-            os.killpg(proc.popen.pid, sig)
-        except ProcessLookupError:
-            pass
+        self._signal(proc, sig, group=True)
         proc.popen.wait(timeout=10)
 
     # ---- observation ---------------------------------------------------------------------------
@@ -259,9 +253,11 @@ class LocalSwarm:
 
     # ---- shutdown ------------------------------------------------------------------------------
     @staticmethod
-    def _signal_group(proc: _Proc, sig: int) -> None:
+    def _signal(proc: _Proc, sig: int, *, group: bool) -> None:
+        """Signal the process's whole group, or the process alone as ``kill PID`` does (a server then shuts its DHT
+        process and p2pd down itself)."""
         try:
-            os.killpg(proc.popen.pid, sig)
+            (os.killpg if group else os.kill)(proc.popen.pid, sig)
         except ProcessLookupError:
             pass
 
@@ -277,7 +273,7 @@ class LocalSwarm:
 
     def _reap(self, proc: _Proc, descendants: Sequence[int]) -> None:
         """Kill whatever is left of ``proc``: its process group (DHT child, p2pd) and ``descendants``."""
-        self._signal_group(proc, signal.SIGKILL)
+        self._signal(proc, signal.SIGKILL, group=True)
         for pid in descendants:  # a p2pd that left the group (new session) would survive killpg
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -291,7 +287,7 @@ class LocalSwarm:
     def _stop_proc(self, proc: _Proc, timeout: float = 10.0) -> None:
         descendants = _descendants(proc.popen.pid)
         if proc.alive():
-            self._signal_group(proc, signal.SIGTERM)
+            self._signal(proc, signal.SIGTERM, group=True)
             self._wait([proc], timeout)
         self._reap(proc, descendants)
 
@@ -300,18 +296,14 @@ class LocalSwarm:
 
         Servers go first, all at once, each signalled alone (not its process group, whose DHT process and p2pd
         would die under it): each drains and publishes its ``offline`` record while the orchestrator's DHT node
-        still takes it. A server
-        still draining after ``server_timeout`` s (a session the orchestrator holds) is killed after the
-        orchestrator has stopped and closed its sessions.
+        still takes it. A server still draining after ``server_timeout`` s (a session the orchestrator holds) is
+        killed after the orchestrator has stopped and closed its sessions.
         """
         procs = list(self.servers.values())
         descendants = {p.name: _descendants(p.popen.pid) for p in procs}
         for p in procs:
             if p.alive():
-                try:  # the server alone, as `kill PID` does: it shuts its DHT process and p2pd down itself
-                    os.kill(p.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                self._signal(p, signal.SIGTERM, group=False)
         self._wait(procs, server_timeout)
         if self.orchestrator is not None:
             self._stop_proc(self.orchestrator)
