@@ -40,6 +40,16 @@ chaos = _script("chaos")
 fuzz = _script("fuzz_api")
 
 
+def test_libraries_used_by_tests_are_not_assertion_rewritten():
+    """setup.cfg names pytest's plugins instead of autoloading them, so a library's lazy import in a test does not
+    parse its source in a thread-unsafe AST conversion (see the comment there)."""
+    from _pytest.assertion.rewrite import AssertionRewritingHook
+
+    import schemathesis.generation.jsonschema.strategy as strategy
+
+    assert not isinstance(strategy.__loader__, AssertionRewritingHook)
+
+
 def report(name: str, data: dict) -> None:
     print(f"\nRELIABILITY {name} {json.dumps(data)}", flush=True)
 
