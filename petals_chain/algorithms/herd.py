@@ -427,15 +427,20 @@ def _demand_with_floor(demand: Mapping[str, float]) -> dict[str, float]:
     return {o: max(float(v), floor) for o, v in demand.items()}
 
 
+# Enumerate which groups hold a copy (no big-M) while there are at most this many choices.
+_MAX_COVER_SETS = 64
+
+
 def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, float], num_blocks: int,
                         previous: Mapping[str, str] | None = None, *, margin: float = 0.1,
                         time_limit_s: float = 2.0, mip_rel_gap: float = 1e-4) -> dict[str, str] | None:
     """The split of :func:`assign_server_groups` as HERD's ILP (scipy ``milp``): ``x_sj`` (server ``s`` in group
-    ``j``), ``u_j`` (group ``j`` holds a complete copy: ``sum_s blocks_s x_sj >= L u_j``) and ``t`` (the lowest
-    burst tolerance over the covered groups). First as many covered groups as the servers allow, then the highest
-    ``t``; then, with a ``previous`` split, the fewest moves that keep ``t`` within ``margin`` of it. When every
-    group can be covered (the usual case) the last two steps drop ``u`` and its big-M rows. None if the solver
-    fails (the caller falls back to the greedy split)."""
+    ``j``) and ``t`` (the lowest burst tolerance over the groups holding a complete copy). First as many covered
+    groups as the servers allow (with ``u_j``: ``sum_s blocks_s x_sj >= L u_j``), then the highest ``t`` for each
+    set of that many groups (a set's groups must hold a copy, the others are free: no big-M), then, with a
+    ``previous`` split, the fewest moves among the sets that keep ``t`` within ``margin`` of the best. Only when
+    there are more than ``_MAX_COVER_SETS`` such sets does ``t`` use the big-M link ``t <= bt_j + M (1 - u_j)``.
+    None if the solver fails (the caller falls back to the greedy split)."""
     groups = sorted(demand)
     if not groups:
         return {}
@@ -451,28 +456,30 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
     big = max(1.0, sum(need.values()) / min(need.values())) if pooled > 0 else 1.0
     X = lambda i, j: i * J + j  # noqa: E731
     U = lambda j: S * J + j  # noqa: E731
+    WITH_U = None  # model key: u_j variables (and big-M rows on t), instead of a fixed set of covered groups
 
     @functools.cache
-    def model(with_u: bool) -> tuple[list, int]:
-        """Rows and variable count: ``x`` then, ``with_u``, ``u``; ``t`` last (index ``nv - 1``)."""
-        T = S * J + (J if with_u else 0)
+    def model(cover: frozenset[int] | None) -> tuple[list, int]:
+        """Rows and variable count: ``x``, then ``u`` for the ``WITH_U`` model, then ``t`` (index ``nv - 1``).
+        ``cover``: the groups that must hold a copy and bound ``t``."""
+        T = S * J + (J if cover is WITH_U else 0)
         rows: list[tuple[dict[int, float], float, float]] = []
         for i in range(S):
             rows.append(({X(i, j): 1.0 for j in range(J)}, 1.0, 1.0))
         for j, o in enumerate(groups):
             hold = {X(i, j): float(s.blocks) for i, s in enumerate(servers)}
             coef = {X(i, j): -s.throughput / max(1, num_blocks) / need[o] / scale for i, s in enumerate(servers)}
-            if with_u:  # sum blocks x >= L u;  t <= bt_j / scale + big (1 - u_j)
+            if cover is WITH_U:  # sum blocks x >= L u;  t <= bt_j / scale + big (1 - u_j)
                 rows.append(({**hold, U(j): -float(num_blocks)}, 0.0, np.inf))
                 rows.append(({T: 1.0, **coef, U(j): big}, -np.inf, big))
-            else:  # every group covered: sum blocks x >= L;  t <= bt_j / scale
+            elif j in cover:  # sum blocks x >= L;  t <= bt_j / scale
                 rows.append((hold, float(num_blocks), np.inf))
                 rows.append(({T: 1.0, **coef}, -np.inf, 0.0))
         return rows, T + 1
 
-    def solve(objective_at: Mapping[int, float], with_u: bool, extra: Sequence = (),
-              presolve_first: bool = True) -> np.ndarray | None:
-        rows, nv = model(with_u)
+    def solve(objective_at: Mapping[int, float], cover: frozenset[int] | None,
+              extra: Sequence = ()) -> np.ndarray | None:
+        rows, nv = model(cover)
         objective = np.zeros(nv)
         for v, c in objective_at.items():
             objective[nv - 1 if v < 0 else v] = c
@@ -482,11 +489,11 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
         ub[nv - 1] = big
         integrality = np.ones(nv)
         integrality[nv - 1] = 0
-        # HiGHS (scipy 1.17) ends some small instances in "solve error" (status 4); with the u_j big-M links its
-        # presolve returned a worse split as optimal (HiGHS issue 3094's kind) or threw (two known instances in
+        # HiGHS (scipy 1.17) ends some small instances in "solve error" (status 4); with the u_j links its presolve
+        # returned a worse cover or split as optimal (HiGHS issue 3094's kind) or threw (known instances in
         # tests/test_herd_groups.py): other settings, presolve off first where u_j exist
         settings = [{}, {"presolve": False}]
-        if not presolve_first:
+        if cover is WITH_U:
             settings.reverse()
         for extra_options in settings + [{"presolve": False, "mip_feasibility_tolerance": 1e-7}]:
             try:
@@ -505,29 +512,39 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
         return int(round(sum(x[U(j)] for j in range(J))))
 
     T = -1  # t, wherever the model puts it
-    most_covered = {U(j): -1.0 for j in range(J)}
-    x = solve(most_covered, True)  # the most groups with a complete copy
+    x = solve({U(j): -1.0 for j in range(J)}, WITH_U)  # the most groups with a complete copy
     if x is None:
         return None
     covered = count_covered(x)
-    if covered < J:  # presolve might have cut the best cover too: ask without it
-        y = solve(most_covered, True, presolve_first=False)
-        if y is not None and count_covered(y) > covered:
-            x, covered = y, count_covered(y)
-    with_u = covered < J  # all covered (the usual case): no u_j and no big-M
-    cover = [({U(j): 1.0 for j in range(J)}, covered, covered)] if with_u else []
-    if covered:  # then the best worst t
-        x = solve({T: -1.0}, with_u, cover, presolve_first=not with_u)
-        if x is None:
-            return None
-    t_star = float(x[-1])
+    # then the best worst t: per set of `covered` groups, or (too many sets) with u_j and the cover count fixed
+    if covered == 0:
+        candidates = [(0.0, WITH_U, [], x)]
+    elif math.comb(J, covered) <= _MAX_COVER_SETS:
+        candidates = []
+        for cover in map(frozenset, itertools.combinations(range(J), covered)):
+            y = solve({T: -1.0}, cover)
+            if y is not None:
+                candidates.append((float(y[-1]), cover, [], y))
+    else:
+        fix = [({U(j): 1.0 for j in range(J)}, covered, covered)]
+        y = solve({T: -1.0}, WITH_U, fix)
+        candidates = [] if y is None else [(float(y[-1]), WITH_U, fix, y)]
+    if not candidates:
+        return None
+    t_star, _, _, x = max(candidates, key=lambda c: c[0])
     prev = {s.peer_id: previous[s.peer_id] for s in servers if previous and previous.get(s.peer_id) in demand}
     if prev:
         stay = {X(i, groups.index(prev[s.peer_id])): -1.0 for i, s in enumerate(servers) if s.peer_id in prev}
-        y = solve(stay, with_u, cover + [({T: 1.0}, t_star * (1 - margin) - 1e-12, np.inf)],
-                  presolve_first=not with_u)
-        if y is not None:
-            x = y
+        floor = [({T: 1.0}, t_star * (1 - margin) - 1e-12, np.inf)]
+        best_stay = None
+        for t_c, cover, fix, _ in candidates:
+            if t_c < t_star * (1 - margin) - 1e-12:
+                continue
+            y = solve(stay, cover, fix + floor)
+            if y is not None:
+                kept = sum(y[v] for v in stay)
+                if best_stay is None or kept > best_stay + 0.5:
+                    best_stay, x = kept, y
     return {s.peer_id: groups[int(np.argmax([x[X(i, j)] for j in range(J)]))] for i, s in enumerate(servers)}
 
 
