@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pydantic
@@ -11,7 +12,7 @@ from hivemind.utils import get_dht_time
 
 from petals_chain.swarm.dht import SwarmDHT, peer_id_of_owner, peer_ids_from_maddrs
 from petals_chain.swarm.keys import assignment_key, default_dht_prefix, servers_key, summary_key
-from petals_chain.swarm.records import AssignmentRecord, ServerRecord
+from petals_chain.swarm.records import MAX_UNKNOWN_FIELDS, AssignmentRecord, ServerRecord
 
 PREFIX = "tiny-model"
 
@@ -130,6 +131,43 @@ def test_rogue_dht_without_validators_cannot_inject(swarm):
             assert asg is None or asg.epoch != 99
     finally:
         raw.shutdown()
+
+
+def test_records_of_newer_and_older_versions_are_read(swarm, caplog):
+    """A newer writer's unknown fields are ignored (a bounded number), an older writer's missing fields take their
+    defaults; the fields every version wrote stay strict, and a record this version cannot read is reported once."""
+    orch, server, rogue = swarm
+    prefix, key = "compat-model", servers_key("compat-model")  # only this test's records under it
+    for node in swarm:
+        node.fetch_servers(prefix)  # every node validates the prefix's records from here on
+    newer = dict(_record(server.peer_id, public_name="newer").to_value(), version="petals-chain/0.9",
+                 gpu_watts=250.0, regions=["eu"])
+    assert server._store(key, newer, 30, False)
+    got = orch.fetch_servers(prefix)[server.peer_id]
+    assert got.public_name == "newer" and got.version == "petals-chain/0.9" and not hasattr(got, "gpu_watts")
+    older = {k: v for k, v in _record(server.peer_id, public_name="older").to_value().items()
+             if k not in ("models", "serving", "maddrs", "reachability", "prefix_cache", "kv_cache")}
+    assert server._store(key, older, 30, False)
+    got = orch.fetch_servers(prefix)[server.peer_id]
+    assert got.public_name == "older" and got.models == [] and got.reachability == "unknown"
+    # strict where it was: too many unknown fields, a missing timestamp or core field, a wrong type
+    crowded = dict(_record(rogue.peer_id).to_value(), **{f"x{i}": i for i in range(MAX_UNKNOWN_FIELDS + 1)})
+    rejected = [crowded, dict(_record(rogue.peer_id).to_value(), serving=3)]
+    rejected += [{k: v for k, v in _record(rogue.peer_id).to_value().items() if k != drop}
+                 for drop in ("timestamp", "tau_p", "peer_id")]
+    for value in rejected:
+        assert not rogue._store(key, value, 30, False), value
+    assert rogue.peer_id not in orch.fetch_servers(prefix)
+    with pytest.raises(pydantic.ValidationError):  # built in code, a misspelt field is still an error
+        _record(server.peer_id, publc_name="typo")
+    # valid for the DHT, not for this version's reader (more free slots than slots): one warning, then quiet
+    odd = dict(_record(rogue.peer_id).to_value(), slots_free=9, version="petals-chain/7.0")
+    assert rogue._store(key, odd, 30, False)
+    with caplog.at_level("DEBUG", logger="petals_chain.swarm.dht"):
+        assert rogue.peer_id not in orch.fetch_servers(prefix)
+        assert rogue.peer_id not in orch.fetch_servers(prefix)
+    warned = [r.getMessage() for r in caplog.records if rogue.peer_id in r.getMessage() and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "petals-chain/7.0" in warned[0] and "slots_free" in warned[0], warned
 
 
 def test_untrusted_assignment_is_ignored(swarm):

@@ -124,7 +124,8 @@ class Announcer:
                 logger.warning(f"publishing the server record failed: {type(e).__name__}: {e}")
                 return False
         if not ok:
-            logger.warning("the DHT did not store our server record (no reachable peers?)")
+            logger.warning("the DHT did not store our server record: no reachable peers, or peers of a version that "
+                           "refuses it (a field's type changed; added fields are accepted both ways)")
         return bool(ok)
 
     async def _publish_loop(self) -> None:

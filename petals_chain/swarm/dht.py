@@ -41,8 +41,8 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from petals_chain.swarm.keys import (DIRECTORY_KEY, assignment_key, check_prefix, groups_key, placement_key,
                                      servers_key, summary_key)
-from petals_chain.swarm.records import (AssignmentRecord, DirectoryRecord, DirectorySchemaV1, GroupRecord,
-                                        PlacementRecord, ServerRecord, SummaryRecord, SwarmSchemaV1)
+from petals_chain.swarm.records import (RECORD_VERSION, AssignmentRecord, DirectoryRecord, DirectorySchemaV1,
+                                        GroupRecord, PlacementRecord, ServerRecord, SummaryRecord, SwarmSchemaV1)
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ class SwarmDHT:
         if derived != self.peer_id:  # would mean hivemind changed its identity format
             raise RuntimeError(f"libp2p peer id {self.peer_id} is not derived from the RSA owner key ({derived})")
         self._prefixes = set(prefixes)
+        self._reported_invalid: set[tuple[str, str]] = set()  # (owner peer id, what): warned once each
 
     @classmethod
     def create(
@@ -278,6 +279,21 @@ class SwarmDHT:
             key, value, get_dht_time() + expiration_s, subkey=self.owner_key, return_future=return_future
         )
 
+    def _read(self, model: Any, value: Any, owner_peer: str, what: str) -> Any:
+        """``model.from_value(value)``, or None with a warning (once per writer and kind) naming the writer's
+        version: a peer whose records this version cannot read is otherwise invisible to it."""
+        try:
+            return model.from_value(value)
+        except Exception as e:  # noqa: BLE001 - anything a peer wrote must not break the reader
+            version = value.get("version") if isinstance(value, dict) else None
+            key = (owner_peer, what)
+            log = logger.debug if key in self._reported_invalid else logger.warning
+            self._reported_invalid.add(key)
+            writer = f"written by {version!r}, " if isinstance(version, str) else ""
+            log(f"ignoring the {what} of {owner_peer} ({writer}this peer runs {RECORD_VERSION}): "
+                f"{' '.join(str(e).split())[:300]}")
+            return None
+
     def _owned_entries(self, result) -> list[tuple[str, Any]]:
         """(peer id derived from the owner key, raw value) for each subkey entry of a DHT get result."""
         if result is None or not isinstance(result.value, dict):
@@ -302,10 +318,8 @@ class SwarmDHT:
     def _parse_servers(self, result) -> dict[str, ServerRecord]:
         servers: dict[str, ServerRecord] = {}
         for owner_peer, value in self._owned_entries(result):
-            try:
-                record = ServerRecord.model_validate(value)
-            except Exception as e:  # noqa: BLE001
-                logger.debug(f"dropping malformed server record of {owner_peer}: {e}")
+            record = self._read(ServerRecord, value, owner_peer, "server record")
+            if record is None:
                 continue
             if record.peer_id != owner_peer:
                 logger.warning(f"dropping forged server record: owner key is {owner_peer}, claims {record.peer_id}")
@@ -342,10 +356,8 @@ class SwarmDHT:
         for owner_peer, value in self._owned_entries(result):
             if owner_peer not in trusted:
                 continue
-            try:
-                record = model.model_validate(value)
-            except Exception as e:  # noqa: BLE001
-                logger.debug(f"dropping malformed {what} of {owner_peer}: {e}")
+            record = self._read(model, value, owner_peer, what)
+            if record is None:
                 continue
             if record.orchestrator_peer_id == owner_peer:
                 out.append((owner_peer, record))

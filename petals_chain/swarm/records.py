@@ -2,7 +2,12 @@
 
 A value is stored as a plain msgpack dict (``record.to_value()``); every field is always present, numbers
 have exact types (int vs float), so hivemind's :class:`~hivemind.dht.schema.SchemaValidator` (which
-forbids type conversions) accepts exactly what :meth:`to_value` writes and nothing else.
+forbids type conversions) accepts what :meth:`to_value` writes.
+
+Peers of different versions share a swarm, so the wire format is tolerant where it can be: a reader ignores fields
+it does not know (a newer writer's, at most ``MAX_UNKNOWN_FIELDS`` of them) and fills the fields an older writer
+did not have from their defaults; the fields every version wrote (and every type) stay strict. In code, records
+are still built strictly (a misspelt field is an error); :meth:`from_value` is the tolerant reader.
 """
 
 from __future__ import annotations
@@ -18,12 +23,30 @@ from hivemind.dht.schema import BytesWithPublicKey
 RECORD_VERSION = "petals-chain/0.1"
 STATES = ("joining", "online", "draining", "offline")
 _PEER_ID_MAX = 128
+# A newer writer's fields this version does not know: accepted (and ignored) up to this many, names this long.
+MAX_UNKNOWN_FIELDS = 16
+_UNKNOWN_FIELD_NAME_MAX = 64
 
 
-class ServerRecord(pydantic.BaseModel):
-    """What a server announces under ``{prefix}.servers`` (memory in bytes, tau_p in s/block/job)."""
+class _Record(pydantic.BaseModel):
+    """A DHT record: strict when built in code, tolerant of newer writers' fields when read off the DHT."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
+
+    @classmethod
+    def from_value(cls, value: Any) -> "_Record":
+        """Validate a DHT value, ignoring fields this version does not know (a newer peer's)."""
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k in cls.model_fields}
+        return cls.model_validate(value)
+
+    def to_value(self) -> dict:
+        """The msgpack-able DHT value (all fields, exact numeric types)."""
+        return self.model_dump()
+
+
+class ServerRecord(_Record):
+    """What a server announces under ``{prefix}.servers`` (memory in bytes, tau_p in s/block/job)."""
 
     peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     version: str = RECORD_VERSION
@@ -80,15 +103,9 @@ class ServerRecord(pydantic.BaseModel):
             raise ValueError(f"cache_tokens_free {self.cache_tokens_free} > cache_tokens_total {self.cache_tokens_total}")
         return self
 
-    def to_value(self) -> dict:
-        """The msgpack-able DHT value (all fields, exact numeric types)."""
-        return self.model_dump()
 
-
-class AssignmentRecord(pydantic.BaseModel):
+class AssignmentRecord(_Record):
     """The orchestrator's block assignment: ``assignments[peer_id] = [start_block, num_blocks]`` (0-based)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
 
     epoch: int = pydantic.Field(ge=0)
     max_length: int = pydantic.Field(ge=1)
@@ -116,12 +133,10 @@ class AssignmentRecord(pydantic.BaseModel):
         return value
 
 
-class PlacementRecord(pydantic.BaseModel):
+class PlacementRecord(_Record):
     """Which model each server offering several serves (SeaLLM placement, ``orchestrator/placement.py``):
     ``placement[server peer id] = DHT prefix``; stored under ``{prefix}.placement`` of every model the orchestrator
     serves, so a server finds it under any of its own prefixes."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
 
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     epoch: int = pydantic.Field(default=0, ge=0)
@@ -134,10 +149,8 @@ class PlacementRecord(pydantic.BaseModel):
         return value
 
 
-class SummaryRecord(pydantic.BaseModel):
+class SummaryRecord(_Record):
     """Envelope of the orchestrator's swarm summary: the ``GET /api/v1/swarm`` JSON as text."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
 
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     timestamp: float = pydantic.Field(default_factory=time.time)
@@ -150,16 +163,11 @@ class SummaryRecord(pydantic.BaseModel):
     def summary(self) -> dict[str, Any]:
         return json.loads(self.json_text)
 
-    def to_value(self) -> dict:
-        return self.model_dump()
 
-
-class GroupRecord(pydantic.BaseModel):
+class GroupRecord(_Record):
     """One orchestrator's entry under ``{prefix}.groups`` when several serve one swarm (HERD groups): it is alive
     (``timestamp``, a short expiration), where its HTTP API is, the jobs/s arriving at it; the leader's entry (the
     live orchestrator of smallest peer id) also carries the split ``groups[orchestrator] = [server peer ids]``."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
 
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     http_url: str = pydantic.Field(default="", max_length=512)
@@ -179,10 +187,8 @@ class GroupRecord(pydantic.BaseModel):
         return {s: o for o, members in self.groups.items() for s in members}
 
 
-class DirectoryRecord(pydantic.BaseModel):
+class DirectoryRecord(_Record):
     """An orchestrator's entry in the swarm directory: which swarm (DHT prefix, model) it runs, and where."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
 
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     dht_prefix: str = pydantic.Field(min_length=1, max_length=128)
@@ -190,14 +196,33 @@ class DirectoryRecord(pydantic.BaseModel):
     http_url: str = pydantic.Field(default="", max_length=512)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
-    def to_value(self) -> dict:
-        return self.model_dump()
-
 
 # ---- pydantic.v1 schemas for hivemind's SchemaValidator (strict types: no conversions allowed) ----
 
 
-class _ServerValueV1(pv1.BaseModel):
+class _ValueV1(pv1.BaseModel):
+    """Unknown fields (a newer writer's) pass, bounded in number and name length, and missing ones with a default
+    (an older writer's) too. hivemind's validator requires the parsed value to equal the stored one, so unknown
+    fields are kept as they are and ``dict()`` leaves out the fields the value did not have."""
+
+    class Config:
+        extra = pv1.Extra.allow
+
+    def dict(self, **kwargs: Any) -> dict:  # noqa: A003 - pydantic v1's name
+        kwargs["exclude_unset"] = True
+        return super().dict(**kwargs)
+
+    @pv1.root_validator(pre=True)
+    def _bound_unknown_fields(cls, values: dict) -> dict:
+        unknown = [k for k in values if k not in cls.__fields__]
+        if len(unknown) > MAX_UNKNOWN_FIELDS:
+            raise ValueError(f"{len(unknown)} unknown fields (at most {MAX_UNKNOWN_FIELDS})")
+        if any(not isinstance(k, str) or len(k) > _UNKNOWN_FIELD_NAME_MAX for k in unknown):
+            raise ValueError(f"an unknown field's name is not a string of at most {_UNKNOWN_FIELD_NAME_MAX} chars")
+        return values
+
+
+class _ServerValueV1(_ValueV1):
     peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     version: pv1.StrictStr
     state: pv1.constr(strict=True, regex=r"^(joining|online|draining|offline)$")
@@ -235,11 +260,8 @@ class _ServerValueV1(pv1.BaseModel):
     serving: pv1.constr(strict=True, max_length=128)
     timestamp: pv1.StrictFloat
 
-    class Config:
-        extra = pv1.Extra.forbid
 
-
-class _AssignmentValueV1(pv1.BaseModel):
+class _AssignmentValueV1(_ValueV1):
     epoch: pv1.conint(strict=True, ge=0)
     max_length: pv1.conint(strict=True, ge=1)
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
@@ -247,31 +269,22 @@ class _AssignmentValueV1(pv1.BaseModel):
     model_fingerprint: pv1.constr(strict=True, max_length=64)
     timestamp: pv1.StrictFloat
 
-    class Config:
-        extra = pv1.Extra.forbid
 
-
-class _SummaryValueV1(pv1.BaseModel):
+class _SummaryValueV1(_ValueV1):
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     timestamp: pv1.StrictFloat
     json_text: pv1.constr(strict=True, max_length=4 * 1024 * 1024)
 
-    class Config:
-        extra = pv1.Extra.forbid
 
-
-class _DirectoryValueV1(pv1.BaseModel):
+class _DirectoryValueV1(_ValueV1):
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     dht_prefix: pv1.constr(strict=True, min_length=1, max_length=128)
     model: pv1.constr(strict=True, max_length=512)
     http_url: pv1.constr(strict=True, max_length=512)
     timestamp: pv1.StrictFloat
 
-    class Config:
-        extra = pv1.Extra.forbid
 
-
-class _GroupValueV1(pv1.BaseModel):
+class _GroupValueV1(_ValueV1):
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     http_url: pv1.constr(strict=True, max_length=512)
     arrival_rate: pv1.confloat(strict=True, ge=0)
@@ -280,18 +293,28 @@ class _GroupValueV1(pv1.BaseModel):
                  pv1.conlist(pv1.constr(strict=True, max_length=_PEER_ID_MAX), max_items=4096)]
     timestamp: pv1.StrictFloat
 
-    class Config:
-        extra = pv1.Extra.forbid
 
-
-class _PlacementValueV1(pv1.BaseModel):
+class _PlacementValueV1(_ValueV1):
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     epoch: pv1.conint(strict=True, ge=0)
     placement: Dict[pv1.constr(strict=True, max_length=_PEER_ID_MAX), pv1.constr(strict=True, max_length=128)]
     timestamp: pv1.StrictFloat
 
-    class Config:
-        extra = pv1.Extra.forbid
+
+def _defaults_from(record: type[_Record], value_schema: type[_ValueV1]) -> None:
+    """An older writer's value lacks the fields added since: the validator fills them from the record's defaults.
+    ``timestamp`` stays required (a record without one must not look fresh)."""
+    for name, field in value_schema.__fields__.items():
+        info = record.model_fields[name]
+        if name != "timestamp" and not info.is_required():
+            field.required = False
+            field.default = info.get_default(call_default_factory=True)
+
+
+for _record, _schema in ((ServerRecord, _ServerValueV1), (AssignmentRecord, _AssignmentValueV1),
+                         (SummaryRecord, _SummaryValueV1), (DirectoryRecord, _DirectoryValueV1),
+                         (GroupRecord, _GroupValueV1), (PlacementRecord, _PlacementValueV1)):
+    _defaults_from(_record, _schema)
 
 
 class DirectorySchemaV1(pv1.BaseModel):
@@ -310,5 +333,5 @@ class SwarmSchemaV1(pv1.BaseModel):
     placement: Dict[BytesWithPublicKey, _PlacementValueV1]
 
 
-__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "DirectoryRecord", "GroupRecord", "PlacementRecord", "SwarmSchemaV1", "DirectorySchemaV1",
-           "RECORD_VERSION", "STATES"]
+__all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "DirectoryRecord", "GroupRecord", "PlacementRecord",
+           "SwarmSchemaV1", "DirectorySchemaV1", "RECORD_VERSION", "STATES", "MAX_UNKNOWN_FIELDS"]
