@@ -286,6 +286,7 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
 
     from petals_chain.orchestrator.api import create_app
     from petals_chain.orchestrator.core import Orchestrator
+    from petals_chain.swarm.aio import quiet_peer_disconnects
     from petals_chain.orchestrator.models import ModelRouter
     from petals_chain.swarm.reachability import is_loopback
 
@@ -320,6 +321,7 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
                                            ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile))
     server.install_signal_handlers = lambda: None  # we handle signals ourselves (below)
     loop = asyncio.get_running_loop()
+    quiet_peer_disconnects(loop)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     peers = orch.initial_peers

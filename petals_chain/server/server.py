@@ -33,6 +33,7 @@ from petals_chain.server.memory import CPU_MEMORY_FRACTION, default_memory_bytes
 from petals_chain.server.models import HostedModel, StandbyView, load_hosted
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm import reachability
+from petals_chain.swarm.aio import quiet_peer_disconnects
 from petals_chain.swarm.dht import SwarmDHT, peer_ids_from_maddrs
 from petals_chain.swarm.records import AssignmentRecord, ServerRecord
 from petals_chain.swarm.rpc import PetalsChainBlocks
@@ -270,6 +271,7 @@ class Server:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        quiet_peer_disconnects(loop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
         # The DHT forks its process: start it before touching CUDA.

@@ -1,0 +1,39 @@
+"""asyncio helpers the roles share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# What a write to a stream whose peer has gone ends in.
+_PEER_GONE = (ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError)
+
+
+def _coro_name(future: Any) -> str:
+    get_coro = getattr(future, "get_coro", None)
+    return getattr(get_coro(), "__qualname__", "") if callable(get_coro) else ""
+
+
+def quiet_peer_disconnects(loop: asyncio.AbstractEventLoop) -> None:
+    """Log hivemind's unretrieved "peer gone" stream errors in one DEBUG line instead of an ERROR traceback.
+
+    hivemind's P2P writes a stream handler's replies (and its end of stream) from tasks nobody awaits; when the
+    peer has left, each ends in ``ConnectionResetError`` and asyncio logs "Task exception was never retrieved"
+    with a traceback (dozens per server churn). A peer leaving mid-stream is normal in a swarm. Anything else still
+    reaches the previous handler."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        where = _coro_name(context.get("future"))
+        if isinstance(context.get("exception"), _PEER_GONE) and where.startswith("P2P."):
+            logger.debug(f"a peer left while {where} wrote to it: {context['exception']!r}")
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
