@@ -182,3 +182,34 @@ def test_the_offline_record_is_retried_until_stored():
     calls.clear()
     results[:] = [False] * 3
     assert asyncio.run(Server.announce_offline(server, attempts=3, backoff_s=0.01)) is False and len(calls) == 3
+
+
+def test_a_store_cancelled_at_shutdown_leaves_no_unretrieved_error(caplog):
+    """The DHT cancels a store in flight when it shuts down: publish() reports False and asyncio has nothing to
+    log as "exception was never retrieved" (it logged a traceback at every such shutdown)."""
+    import gc
+    import logging
+    from types import SimpleNamespace
+
+    from petals_chain.server.announce import Announcer
+
+    async def cancelled_store(prefix, record, expiration_s):
+        raise asyncio.CancelledError()
+
+    async def stored(prefix, record, expiration_s):
+        return True
+
+    async def main(store) -> bool:
+        sd = SimpleNamespace(apublish_server=store)
+        announcer = Announcer(sd, lambda: [("a", None), ("b", None)], refresh_s=1.0, rejoin_s=1.0,
+                              initial_peer_ids=[])
+        announcer._stopping = True
+        ok = await announcer.publish()
+        gc.collect()
+        await asyncio.sleep(0)
+        return ok
+
+    with caplog.at_level(logging.DEBUG):
+        assert asyncio.run(main(cancelled_store)) is False
+        assert asyncio.run(main(stored)) is True
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records

@@ -115,14 +115,20 @@ class Announcer:
         async with self._lock:
             self._dirty.clear()  # this publish carries every change made so far
             try:
-                # bounded: a store hung on an unreachable peer must not hold back the next refresh for long
+                # bounded: a store hung on an unreachable peer must not hold back the next refresh for long;
+                # return_exceptions: a store the DHT cancels (at shutdown) must not leave an unretrieved error
                 stored = await asyncio.wait_for(asyncio.gather(*(
-                    self.sd.apublish_server(prefix, record, self.expiration_s) for prefix, record in self.records())),
-                    timeout=max(self.refresh_s, 5.0))
-                ok = all(stored)
+                    self.sd.apublish_server(prefix, record, self.expiration_s) for prefix, record in self.records()),
+                    return_exceptions=True), timeout=max(self.refresh_s, 5.0))
             except Exception as e:  # noqa: BLE001 - a DHT hiccup must not kill the server
                 logger.warning(f"publishing the server record failed: {type(e).__name__}: {e}")
                 return False
+            failed = [r for r in stored if isinstance(r, BaseException)]
+            if failed:
+                if not (self._stopping and all(isinstance(e, asyncio.CancelledError) for e in failed)):
+                    logger.warning(f"publishing the server record failed: {type(failed[0]).__name__}: {failed[0]}")
+                return False
+            ok = all(stored)
         if not ok:
             logger.warning("the DHT did not store our server record: no reachable peers, or peers of a version that "
                            "refuses it (a field's type changed; added fields are accepted both ways)")
