@@ -209,3 +209,30 @@ def test_swarm_directory_names_the_trusted_orchestrators_swarm(swarm):
     assert rogue.publish_directory("rogue-swarm", "evil", "http://127.0.0.1:6666", 30)
     assert [e.dht_prefix for e in server.fetch_directory(trusted=[rogue.peer_id])] == ["rogue-swarm"]
     assert server.fetch_directory(trusted=[]) == []
+
+
+def test_the_dht_process_dies_on_sigterm_under_an_asyncio_signal_handler():
+    """Roles fork the DHT process after asyncio took SIGTERM: the child must still die on it, or hivemind's
+    "terminating it the hard way" does nothing and each slow shutdown waits out a 10 s join."""
+    import asyncio
+    import os
+    import signal
+
+    async def main() -> bool:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: None)
+        try:
+            sd = await loop.run_in_executor(None, lambda: SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+            try:
+                os.kill(sd.dht.pid, signal.SIGTERM)
+                for _ in range(50):
+                    if not sd.dht.is_alive():
+                        return True
+                    await asyncio.sleep(0.1)
+                return False
+            finally:
+                sd.shutdown()
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    assert asyncio.run(main())

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import re
+import signal
 import tempfile
 import threading
 from typing import Any, Iterable, Optional, Sequence
@@ -149,6 +150,19 @@ async def _rejoin_peers(dht: DHT, node: Any, peer_ids: tuple[str, ...], timeout_
     return [peer.to_base58() for peer in back]
 
 
+class _DHTProcess(DHT):
+    """hivemind's DHT process, forked with default signal handling.
+
+    The roles fork it after asyncio's ``add_signal_handler(SIGTERM, ...)``, so the child inherited a no-op Python
+    handler for SIGTERM and the parent loop's wakeup fd: ``DHT.shutdown``'s "terminating it the hard way" did
+    nothing and every slow shutdown waited out ``SwarmDHT.shutdown``'s join (10 s) with the process still alive."""
+
+    def run(self) -> None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        super().run()
+
+
 class _SwarmSchemaValidator(SchemaValidator):
     """SchemaValidator for the keys ``{prefix}.servers|assignment|summary`` (hivemind's own prefix uses '_')."""
 
@@ -214,7 +228,7 @@ class SwarmDHT:
         validators = ([RSASignatureValidator(private_key), _DirectorySchemaValidator()]
                       + [_SwarmSchemaValidator(p) for p in prefixes])
         try:
-            dht = DHT(
+            dht = _DHTProcess(
                 initial_peers=list(initial_peers or []),
                 start=True,
                 host_maddrs=list(host_maddrs),
