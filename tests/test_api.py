@@ -54,6 +54,7 @@ def test_api_without_servers(model_path):
             {"model": model, "prompt": "x", "max_tokens": 0},
             {"model": model, "prompt": "x", "top_k": -2},
             {"model": model, "prompt": "x", "repetition_penalty": 0},
+            {"model": model, "prompt": "x", "repetition_penalty": 5e-324},  # found by fuzzing: was a 500
             {"model": model, "prompt": "x", "stop": ["a"] * 50},
             {"model": model, "prompt": "x", "presence_penalty": 2.5},
             {"model": model, "prompt": "x", "logit_bias": {"99999": 1}},

@@ -9,6 +9,8 @@ import torch
 
 from petals_chain.orchestrator import sampling as S
 from petals_chain.orchestrator.sampling import (
+    GREEDY_BELOW_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
     PerRequestSampler,
     Sampler,
     SamplingParams,
@@ -273,7 +275,8 @@ def test_sampling_frequencies_match_distribution(params):
 
 @pytest.mark.parametrize("bad", [
     {"temperature": -0.1}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1},
-    {"min_p": -0.1}, {"min_p": 1.1}, {"repetition_penalty": 0.0}, {"presence_penalty": 2.5},
+    {"min_p": -0.1}, {"min_p": 1.1}, {"repetition_penalty": 0.0}, {"repetition_penalty": 5e-324},
+    {"repetition_penalty": 1e-4}, {"presence_penalty": 2.5},
     {"frequency_penalty": -3.0}, {"logit_bias": {5: 101.0}}, {"logit_bias": {-1: 1.0}},
     {"logit_bias": {"5": 1.0}}, {"logprobs": 21}, {"logprobs": -1},
 ])
@@ -304,6 +307,22 @@ def test_valid_edges_and_bias_beyond_vocab():
     # prompt ids beyond the LM head's vocabulary are ignored by the penalty, as in transformers
     s = SequenceSampler(SamplingParams(temperature=0.0, repetition_penalty=2.0), [3, 50])
     assert sample_batch(torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.6]]), [s])[0].token == 4
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 1e-30, 1e-6])
+def test_temperatures_too_small_to_divide_by_are_greedy(temperature):
+    """float32 logits divided by a tiny temperature overflow to inf and the softmax to NaN (a fuzzed request got a
+    token id equal to the vocabulary size): below vLLM's epsilon sampling is greedy, on both paths."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 768) * 5
+    p = SamplingParams(temperature=temperature, repetition_penalty=MIN_REPETITION_PENALTY, seed=3)
+    p.validate()
+    assert p.greedy
+    seqs = [SequenceSampler(p, prompt_ids=range(0, 768, 3)) for _ in range(3)]
+    got = [c.token for c in sample_batch(logits, seqs)]
+    ref = [PerRequestSampler(p).next_token(logits[i], list(range(0, 768, 3))) for i in range(3)]
+    assert got == ref and all(0 <= t < 768 for t in got)
+    assert SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE).greedy is False
 
 
 def test_backward_compatible_sampler_name():

@@ -27,7 +27,7 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import maybe_forward
-from petals_chain.orchestrator.sampling import SamplingParams, TokenChoice
+from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, TokenChoice
 from petals_chain.swarm.jsonsafe import json_safe
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class SamplingFields(_Base):
     top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = pydantic.Field(default=0, ge=-1, le=100_000)  # -1 (vLLM) and 0: disabled
     min_p: float = pydantic.Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = pydantic.Field(default=1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = pydantic.Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=10.0)
     presence_penalty: float = pydantic.Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = pydantic.Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None

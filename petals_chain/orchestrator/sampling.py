@@ -32,9 +32,16 @@ from transformers.generation.logits_process import (
 )
 
 
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing float32 logits by a smaller one
+# overflows to inf and the softmax to NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# The smallest repetition penalty: a logit of 100 divided by it stays far inside float32 (1e-40 became 0, then inf).
+MIN_REPETITION_PENALTY = 1e-3
+
+
 @dataclass
 class SamplingParams:
-    """How to pick the next token. ``temperature == 0`` means greedy (argmax).
+    """How to pick the next token. ``temperature == 0`` (below ``GREEDY_BELOW_TEMPERATURE``) means greedy (argmax).
 
     ``presence_penalty``/``frequency_penalty`` apply to generated tokens only (OpenAI/vLLM);
     ``repetition_penalty`` to prompt and generated tokens (transformers/vLLM). ``logprobs``: None for none, k >= 0 for
@@ -60,7 +67,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def validate(self) -> None:
         """Raise ValueError naming the first out-of-range field (construction itself stays lenient)."""
@@ -83,8 +90,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
         if not 0.0 <= num("min_p") <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if num("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = disabled), got {self.repetition_penalty}")
+        if num("repetition_penalty") < MIN_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY} (1 = disabled), "
+                             f"got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= num(name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
