@@ -32,6 +32,31 @@ def run_with_api(model_path, fn, **cfg_kwargs):
     return asyncio.run(main())
 
 
+def test_an_unexpected_error_is_a_json_500(model_path, monkeypatch):
+    """A bug in a handler still answers in OpenAI's error format (a fuzzed request got a plain-text 500)."""
+    async def main():
+        orch = Orchestrator(OrchestratorConfig(model=str(model_path), max_length=64, port=0))
+        orch.load_model()
+        await orch.start()
+        try:
+            def boom(*args, **kwargs):
+                raise RuntimeError("boom")
+
+            monkeypatch.setattr(orch, "validate_prompt", boom)
+            transport = httpx.ASGITransport(app=create_app(orch), raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://orch") as c:
+                r = await c.post("/v1/completions", json={"model": orch.model_id, "prompt": "x", "max_tokens": 2})
+                assert (await c.get("/healthz")).status_code == 200  # the app goes on
+        finally:
+            await orch.stop()
+        return r
+
+    r = asyncio.run(main())
+    err = r.json()["error"]
+    assert r.status_code == 500 and err["type"] == "server_error" and err["code"] == "internal_error"
+    assert "RuntimeError" in err["message"]
+
+
 def test_api_without_servers(model_path):
     async def fn(orch, c):
         r = await c.get("/healthz")

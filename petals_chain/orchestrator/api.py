@@ -307,6 +307,13 @@ def create_app(orch: Orchestrator) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        # a bug: the client still gets OpenAI's error shape (SDKs parse it); the traceback goes to the log (the
+        # server-error middleware re-raises it after this response)
+        return _error(500, f"internal error ({type(exc).__name__}); the request was not completed, please report it",
+                      code="internal_error")
+
     def check_model(name: str) -> None:
         if name not in (orch.model_id, orch.prefix, cfg.model):
             raise RequestError(f"the model {name!r} does not exist; this swarm serves {orch.model_id!r}", status=404,
