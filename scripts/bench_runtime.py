@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from petals_chain.server.profiling import measure_tau_p
 from petals_chain.server.runner import BlockRunner
+from petals_chain.swarm.checkpoint import cache_kwarg
 from petals_chain.swarm.tiny_model import build_tiny_model
 
 
@@ -59,10 +60,10 @@ def main() -> None:
             cache = DynamicCache(config=model.config)
             hs = []
             with torch.no_grad():
-                model(ids, past_key_values=cache, use_cache=True)
+                model(ids, use_cache=True, **{cache_kwarg(model): cache})
                 for i in range(args.steps):
                     t0 = time.perf_counter()
-                    model(ids[:, :1], past_key_values=cache, use_cache=True)
+                    model(ids[:, :1], use_cache=True, **{cache_kwarg(model): cache})
                     hs.append(time.perf_counter() - t0)
             print(f"{prefix:>7} {1e3 * statistics.median(ts):>16.3f} {1e3 * statistics.median(hs):>12.3f}")
         tau = measure_tau_p(path, use_cache=False, progress=False)

@@ -216,6 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--url", default=None, help="orchestrator URL (else --swarm)")
     p.add_argument("--swarm", action="store_true", help="start a small LocalSwarm (tiny model) and attack it")
     p.add_argument("--examples", type=int, default=25, help="schemathesis examples per operation and mode")
+    p.add_argument("--seed", type=int, default=0, help="hypothesis seed of the schema fuzzing")
     p.add_argument("--streams", type=int, default=200)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -246,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["hostile"] = hostile_cases(url, model, max_length=max_length)
         report["hostile"].pop("results")
         report["streams"] = asyncio.run(stream_abuse(url, model, streams=args.streams))
-        report["schema"] = schema_fuzz(url, model, examples=args.examples, log=log)
+        report["schema"] = schema_fuzz(url, model, examples=args.examples, seed=args.seed, log=log)
         report["after"] = settled(url)
         after = httpx.post(f"{url}/v1/completions", json=honest_body, timeout=120).json()["petals_chain"][0]["token_ids"]
         report["honest_identical"] = before == after

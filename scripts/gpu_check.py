@@ -40,7 +40,7 @@ def exact(path: str, device: torch.device, dtype: torch.dtype, layers: int, new_
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from petals_chain.server.runner import BlockRunner
-    from petals_chain.swarm.checkpoint import load_head
+    from petals_chain.swarm.checkpoint import cache_kwarg, load_head
 
     cuts = [0, layers // 3, 2 * layers // 3, layers]
     runners = [BlockRunner(path, a, b - a, num_slots=b - a, max_length=64, dtype=dtype, device=device, progress=False)
@@ -60,7 +60,7 @@ def exact(path: str, device: torch.device, dtype: torch.dtype, layers: int, new_
             for r in runners:
                 hidden = r.forward("s", hidden, pos)
             lo = head.logits(hidden[:, -1]).float()
-            lr = model(inp_r, past_key_values=cache, use_cache=True).logits[:, -1].float()
+            lr = model(inp_r, use_cache=True, **{cache_kwarg(model): cache}).logits[:, -1].float()
             diffs.append(float((lo - lr).abs().max()))
             to, tr = int(lo.argmax(-1)), int(lr.argmax(-1))
             ours.append(to)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from petals_chain.swarm.checkpoint import cache_kwarg
 from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE, build_tiny_model
 
@@ -38,7 +39,7 @@ def reference(path: str, prompts: list[list[int]], n: int, device: str) -> list[
         for ids in prompts:
             cache, out, x = DynamicCache(config=model.config), [], torch.tensor([ids], device=device)
             for _ in range(n):
-                tok = int(model(x, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+                tok = int(model(x, use_cache=True, **{cache_kwarg(model): cache}).logits[0, -1].argmax())
                 out.append(tok)
                 x = torch.tensor([[tok]], device=device)
             outs.append(out)

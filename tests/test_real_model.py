@@ -20,6 +20,7 @@ import torch
 
 from conftest import kill_hop_during
 from petals_chain.client import ClientError
+from petals_chain.swarm.checkpoint import cache_kwarg
 from petals_chain.swarm.local import LocalServer, LocalSwarm, model_memory
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,7 @@ def reference_no_stop(model, ids: list[int], n: int) -> list[int]:
     cache, out, x = DynamicCache(config=model.config), [], torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
-            tok = int(model(x, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+            tok = int(model(x, use_cache=True, **{cache_kwarg(model): cache}).logits[0, -1].argmax())
             out.append(tok)
             x = torch.tensor([[tok]])
     return out

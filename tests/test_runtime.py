@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import petals_chain.swarm.sources as sources
 from petals_chain.server.emulated import EmulatedRunner
 from petals_chain.server.runner import BlockRunner, NoCapacityError
-from petals_chain.swarm.checkpoint import load_block, load_config, load_head, resolve_model_path, weight_map
+from petals_chain.swarm.checkpoint import (cache_kwarg, load_block, load_config, load_head, resolve_model_path,
+                                         weight_map)
 from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, slots_for_budget
 from petals_chain.swarm.tiny_model import build_tiny_model
 
@@ -49,15 +50,15 @@ def test_chain_matches_full_model_logits(models, family, attn):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         # prefill of 9 tokens, then a 3-token chunk on top of a prefix (exercises the explicit mask), then decode
-        ref = model(ids[:, :9], past_key_values=cache, use_cache=True).logits
+        ref = model(ids[:, :9], use_cache=True, **{cache_kwarg(model): cache}).logits
         got = head.logits(_through(runners, head.embed(ids[:, :9]), 0))
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
-        ref = model(ids[:, 9:], past_key_values=cache, use_cache=True).logits
+        ref = model(ids[:, 9:], use_cache=True, **{cache_kwarg(model): cache}).logits
         got = head.logits(_through(runners, head.embed(ids[:, 9:]), 9))
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
         tok, pos = ref[:, -1:].argmax(-1), 12
         for _ in range(6):
-            ref = model(tok, past_key_values=cache, use_cache=True).logits
+            ref = model(tok, use_cache=True, **{cache_kwarg(model): cache}).logits
             got = head.logits(_through(runners, head.embed(tok), pos))
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
             tok, pos = ref[:, -1:].argmax(-1), pos + 1
@@ -496,10 +497,10 @@ def test_bfloat16_chain_matches_bfloat16_model(models):
     ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(5))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        ref = model(ids, past_key_values=cache, use_cache=True).logits.float()
+        ref = model(ids, use_cache=True, **{cache_kwarg(model): cache}).logits.float()
         torch.testing.assert_close(head.logits(_through(runners, head.embed(ids), 0)), ref, atol=2e-2, rtol=0)
         tok = ref[:, -1:].argmax(-1)
-        ref = model(tok, past_key_values=cache, use_cache=True).logits.float()
+        ref = model(tok, use_cache=True, **{cache_kwarg(model): cache}).logits.float()
         torch.testing.assert_close(head.logits(_through(runners, head.embed(tok), 7)), ref, atol=2e-2, rtol=0)
 
 

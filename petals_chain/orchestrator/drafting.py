@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import inspect
 from typing import Any
 
 import torch
 
 from petals_chain.orchestrator.failover import common_prefix
+from petals_chain.swarm.checkpoint import cache_kwarg
 
 
 class DraftState:
@@ -40,8 +40,7 @@ class DraftModel:
         self.name = name
         self.layers = int(model.config.num_hidden_layers)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
-        # transformers renamed past_key_values to cache (5.24+); older 5.x only know the first
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_arg = cache_kwarg(model)
 
     @classmethod
     def load(cls, source: Any, name: str, num_layers: int | None = None, dtype: Any = None,

@@ -40,6 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from petals_chain.server.kv_cache import PagePool, PageTables, pages_for
 from petals_chain.server.session_state import SessionState
+from petals_chain.swarm.checkpoint import cache_kwarg
 
 __all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem", "BatchHost"]
 
@@ -257,8 +258,8 @@ def run_batch(runner: BatchHost, items: Sequence[BatchItem]) -> list[torch.Tenso
             seg.position_embeddings = runner.rotary(hidden, seg.position_ids)
         layer = runner.blocks[layer_idx - runner.start_block]
         h = hidden if seg.tok_idx is None else hidden.index_select(1, seg.tok_idx)
-        h = layer(h, attention_mask=None, position_ids=seg.position_ids, past_key_values=seg.cache, use_cache=True,
-                  position_embeddings=seg.position_embeddings, **{SEGMENT_KWARG: seg})
+        h = layer(h, attention_mask=None, position_ids=seg.position_ids, use_cache=True,
+                  position_embeddings=seg.position_embeddings, **{cache_kwarg(layer): seg.cache, SEGMENT_KWARG: seg})
         h = h[0] if isinstance(h, tuple) else h
         hidden = h if seg.tok_idx is None else hidden.index_copy(1, seg.tok_idx, h)
     return [hidden[:, tok_off[i]:tok_off[i + 1]] for i in range(len(items))]

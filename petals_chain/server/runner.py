@@ -33,7 +33,7 @@ from petals_chain.server.batching import BatchScheduler, install_dispatch
 from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NO_PAGE, NoCapacityError, PagedCache, PagePool, PageTable,
                                           PageTables, check_kv_cache, page_size_for, pages_for)
 from petals_chain.server.session_state import SessionState
-from petals_chain.swarm.checkpoint import build_rotary, load_block, parse_dtype
+from petals_chain.swarm.checkpoint import build_rotary, cache_kwarg, load_block, parse_dtype
 from petals_chain.swarm.memory import head_dim, num_kv_heads
 from petals_chain.swarm.prefix import PREFIX_BLOCK_TOKENS, page_hashes, supports_prefix_cache
 from petals_chain.swarm.sources import ModelSource, resolve_source
@@ -578,7 +578,7 @@ class BlockRunner:
         position_embeddings = self.rotary(hidden, position_ids)
         mask = self._causal_mask(position, n)
         for layer in self.blocks[start - self.start_block:end - self.start_block]:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                        use_cache=True, position_embeddings=position_embeddings)
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                        position_embeddings=position_embeddings, **{cache_kwarg(layer): cache})
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden

@@ -10,6 +10,8 @@ head (what the orchestrator needs), together with the rotary module.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -221,6 +223,17 @@ class ModelHead(nn.Module):
         """Hidden states ``[..., hidden]`` (output of the last block) -> fp32 logits ``[..., vocab]``."""
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         return self.lm_head(self.norm(hidden)).float()
+
+
+@functools.cache
+def _cache_kwarg_of(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The keyword a transformers layer or model takes its KV cache by: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` warns and goes in 5.40), ``past_key_values`` before."""
+    return _cache_kwarg_of(type(module))
 
 
 def build_rotary(config: Any, device: str | torch.device = "cpu") -> nn.Module:
