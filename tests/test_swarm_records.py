@@ -160,6 +160,8 @@ def test_records_of_newer_and_older_versions_are_read(swarm, caplog):
     assert rogue.peer_id not in orch.fetch_servers(prefix)
     with pytest.raises(pydantic.ValidationError):  # built in code, a misspelt field is still an error
         _record(server.peer_id, publc_name="typo")
+    with pytest.raises(ValueError, match="timestamp"):  # read off the DHT (from a node without validators)
+        ServerRecord.from_value({k: v for k, v in older.items() if k != "timestamp"})
     # valid for the DHT, not for this version's reader (more free slots than slots): one warning, then quiet
     odd = dict(_record(rogue.peer_id).to_value(), slots_free=9, version="petals-chain/7.0")
     assert rogue._store(key, odd, 30, False)

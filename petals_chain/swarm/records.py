@@ -35,8 +35,11 @@ class _Record(pydantic.BaseModel):
 
     @classmethod
     def from_value(cls, value: Any) -> "_Record":
-        """Validate a DHT value, ignoring fields this version does not know (a newer peer's)."""
+        """Validate a DHT value, ignoring fields this version does not know (a newer peer's); ``timestamp`` must
+        be there (its default is now: a record without one would look fresh)."""
         if isinstance(value, dict):
+            if "timestamp" in cls.model_fields and "timestamp" not in value:
+                raise ValueError("the record has no timestamp")
             value = {k: v for k, v in value.items() if k in cls.model_fields}
         return cls.model_validate(value)
 
