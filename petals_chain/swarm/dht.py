@@ -302,6 +302,8 @@ class SwarmDHT:
             version = value.get("version") if isinstance(value, dict) else None
             key = (owner_peer, what)
             log = logger.debug if key in self._reported_invalid else logger.warning
+            if len(self._reported_invalid) >= 4096:  # bounded: writers can be made up by the thousand
+                self._reported_invalid.clear()
             self._reported_invalid.add(key)
             writer = f"written by {version!r}, " if isinstance(version, str) else ""
             log(f"ignoring the {what} of {owner_peer} ({writer}this peer runs {RECORD_VERSION}): "
