@@ -46,3 +46,30 @@ def test_other_unretrieved_errors_still_reach_asyncio(caplog):
     assert [r.levelno for r in records] == [logging.ERROR]
     records = _unretrieved(caplog, _other, ConnectionResetError("not hivemind's"))
     assert [r.levelno for r in records] == [logging.ERROR]
+
+
+def test_p2pd_shutdown_error_relayed_by_hivemind_is_debug():
+    """p2pd's "use of closed network connection" at shutdown (relayed by hivemind at ERROR into every role's log)
+    is downgraded, and dropped below DEBUG; other p2pd errors are not."""
+    import petals_chain.swarm.dht  # noqa: F401 - installs the filter
+
+    relay = logging.getLogger("hivemind.p2p.p2p_daemon")  # hivemind's loggers do not propagate to the root
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    relay.addHandler(handler)
+    level = relay.level
+    closing = ("error accepting connection: accept unix /tmp/hivemind-p2pd-x.sock: use of closed network "
+               "connection")
+    try:
+        relay.setLevel(logging.INFO)
+        relay.error(closing)
+        relay.error("failed to dial: no route")
+        assert [(r.getMessage(), r.levelno) for r in seen] == [("failed to dial: no route", logging.ERROR)]
+        seen.clear()
+        relay.setLevel(logging.DEBUG)
+        relay.error(closing)
+        assert [(r.getMessage(), r.levelno) for r in seen] == [(closing, logging.DEBUG)]
+    finally:
+        relay.removeHandler(handler)
+        relay.setLevel(level)

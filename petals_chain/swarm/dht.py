@@ -47,6 +47,26 @@ from petals_chain.swarm.records import (RECORD_VERSION, AssignmentRecord, Direct
 
 logger = logging.getLogger(__name__)
 
+
+class _P2PDaemonShutdownNoise(logging.Filter):
+    """p2pd logs its control socket's closing as an ERROR (``error accepting connection: accept unix ...: use of
+    closed network connection``) each time a node stops; hivemind relays it at that level into every role's log.
+    It is the daemon's normal shutdown: downgraded to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            message = record.getMessage()
+            if "error accepting connection" in message and "use of closed network connection" in message:
+                record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+                return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+# installed at import, before any DHT process is forked (the process that relays p2pd's output inherits it)
+_P2PD_LOGGER = logging.getLogger("hivemind.p2p.p2p_daemon")
+if not any(isinstance(f, _P2PDaemonShutdownNoise) for f in _P2PD_LOGGER.filters):
+    _P2PD_LOGGER.addFilter(_P2PDaemonShutdownNoise())
+
 _OWNER_RE = re.compile(rb"^\[owner:(.+)\]$", re.DOTALL)
 
 
