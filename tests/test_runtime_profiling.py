@@ -37,11 +37,37 @@ def test_tau_p_workload_counts_and_cache(model, tmp_path, monkeypatch):
 
 
 def test_tau_p_from_path_and_compute_scale(model, tmp_path):
-    cache = tmp_path / "tau.json"
-    base = measure_tau_p(model, l_in=32, l_out=4, repeats=3, cache_path=cache)
-    slow = measure_tau_p(model, l_in=32, l_out=4, repeats=3, compute_scale=4.0, cache_path=cache)
-    assert slow > 1.5 * base  # 4x expected; margin for a shared, loaded CPU
-    assert len(json.loads(cache.read_text())) == 2
+    # 4x expected. Two measurements taken apart compare a loaded moment with a quiet one (a stress run saw base
+    # 4.9 ms, slow 5.9 ms: the base run was slowed 3x by the busy loops), so up to three fresh pairs are measured
+    for attempt in range(3):
+        cache = tmp_path / f"tau{attempt}.json"
+        base = measure_tau_p(model, l_in=32, l_out=4, repeats=3, cache_path=cache)
+        slow = measure_tau_p(model, l_in=32, l_out=4, repeats=3, compute_scale=4.0, cache_path=cache)
+        assert len(json.loads(cache.read_text())) == 2
+        if slow > 1.5 * base:
+            break
+    assert slow > 1.5 * base, (base, slow)
+
+
+def test_emulated_compute_scale_keeps_the_device_busy_that_many_times_its_compute(model):
+    """The mechanism alone, independent of the machine's load: the device stays busy ``compute_scale`` times the
+    compute it just did (a sleep only ever lasts longer)."""
+    import time
+
+    from petals_chain.server.emulated import EmulatedRunner
+
+    r = EmulatedRunner(model, 0, 1, num_slots=1, max_length=16, progress=False, compute_scale=4.0)
+    took = []
+
+    def work() -> int:
+        t0 = time.perf_counter()
+        acc = sum(i * i for i in range(20_000))
+        took.append(time.perf_counter() - t0)
+        return acc
+
+    t0 = time.perf_counter()
+    r._on_device(work)
+    assert time.perf_counter() - t0 >= 4.0 * took[0] * 0.99
 
 
 def test_tau_p_errors(model, tmp_path):
