@@ -4,7 +4,8 @@ Requests are strict: an unknown field, or an OpenAI field we do not implement (`
 other than text, audio, ...), gets a 400 that names it, never silent acceptance. Beside OpenAI's fields the
 bodies take ``repetition_penalty``, ``min_p``, ``top_k``, ``stop_token_ids`` and ``ignore_eos`` (vLLM's
 extras), deadlines (``deadline_ms``, ``ttft_deadline_ms``, ``best_effort``) and ``speculative`` (``none`` or
-``ngram``). Logprobs are of the raw model distribution (before penalties and temperature), as in vLLM.
+``ngram``). Logprobs are of the raw model distribution (before penalties and temperature), as in vLLM; a
+temperature below 1e-5 is greedy (vLLM's epsilon) and ``repetition_penalty`` is at least 0.001.
 """
 
 from __future__ import annotations
