@@ -193,12 +193,7 @@ class LocalSwarm:
         if sig != signal.SIGKILL:
             self._signal(proc, sig, group=False)
             return
-        for pid in _descendants(proc.popen.pid):
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self._signal(proc, sig, group=True)
+        self._reap(proc, _descendants(proc.popen.pid))
         proc.popen.wait(timeout=10)
 
     # ---- observation ---------------------------------------------------------------------------
