@@ -217,14 +217,18 @@ def test_the_dht_process_dies_on_sigterm_under_an_asyncio_signal_handler():
     """Roles fork the DHT process after asyncio took SIGTERM: the child must still die on it, or hivemind's
     "terminating it the hard way" does nothing and each slow shutdown waits out a 10 s join."""
     import asyncio
+    import contextlib
     import os
     import signal
+
+    import psutil
 
     async def main() -> bool:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, lambda: None)
         try:
             sd = await loop.run_in_executor(None, lambda: SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+            p2pd = psutil.Process(sd.dht.pid).children(recursive=True)  # orphaned by the kill: reaped below
             try:
                 os.kill(sd.dht.pid, signal.SIGTERM)
                 for _ in range(50):
@@ -234,6 +238,10 @@ def test_the_dht_process_dies_on_sigterm_under_an_asyncio_signal_handler():
                 return False
             finally:
                 sd.shutdown()
+                for proc in p2pd:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+                        proc.wait(timeout=5)
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
 
