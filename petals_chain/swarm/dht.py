@@ -18,6 +18,7 @@ pydantic.v1 schema exactly (:class:`~petals_chain.swarm.records.SwarmSchemaV1`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -30,6 +31,7 @@ import threading
 from typing import Any, Iterable, Optional, Sequence
 
 import multihash
+import psutil
 from cryptography.hazmat.primitives import serialization
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -42,6 +44,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from petals_chain.swarm.keys import (DIRECTORY_KEY, assignment_key, check_prefix, groups_key, placement_key,
                                      servers_key, summary_key)
+from petals_chain.swarm.process_locks import install_robust_hivemind_locks
 from petals_chain.swarm.records import (RECORD_VERSION, AssignmentRecord, DirectoryRecord, DirectorySchemaV1,
                                         GroupRecord, PlacementRecord, ServerRecord, SummaryRecord, SwarmSchemaV1)
 
@@ -66,6 +69,9 @@ class _P2PDaemonShutdownNoise(logging.Filter):
 _P2PD_LOGGER = logging.getLogger("hivemind.p2p.p2p_daemon")
 if not any(isinstance(f, _P2PDaemonShutdownNoise) for f in _P2PD_LOGGER.filters):
     _P2PD_LOGGER.addFilter(_P2PDaemonShutdownNoise())
+
+# before any DHT process is forked: see process_locks (a DHT process killed mid-reply hung every later DHT start)
+install_robust_hivemind_locks()
 
 _OWNER_RE = re.compile(rb"^\[owner:(.+)\]$", re.DOTALL)
 
@@ -183,6 +189,30 @@ class _DHTProcess(DHT):
         super().run()
 
 
+DHT_READY_TIMEOUT_S = 120.0  # joining over a slow network takes seconds; a start that takes minutes has hung
+
+
+def _await_ready(dht: DHT, timeout_s: float) -> None:
+    """Wait for ``dht`` to report ready; if it does not within ``timeout_s``, kill it and its p2pd and raise."""
+    try:
+        dht.wait_until_ready(timeout_s)
+        return
+    except concurrent.futures.TimeoutError:
+        pass
+    try:
+        daemons = psutil.Process(dht.pid).children(recursive=True)
+    except psutil.Error:
+        daemons = []
+    dht.kill()
+    dht.join(5)
+    for proc in daemons:  # p2pd would otherwise outlive its parent until its next log line
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            proc.wait(timeout=5)
+    raise RuntimeError(f"the DHT process (pid {dht.pid}) did not become ready within {timeout_s:g} s and was "
+                       f"killed; see the log above for what it was doing (p2pd start, bootstrap)")
+
+
 class _SwarmSchemaValidator(SchemaValidator):
     """SchemaValidator for the keys ``{prefix}.servers|assignment|summary`` (hivemind's own prefix uses '_')."""
 
@@ -227,11 +257,14 @@ class SwarmDHT:
         client_mode: bool = False,
         *,
         prefix: Optional[str] = None,
+        ready_timeout_s: float = DHT_READY_TIMEOUT_S,
         **dht_kwargs: Any,
     ) -> "SwarmDHT":
         """Start a DHT node. ``identity_path``: RSA identity file (created if missing; a temporary one if None).
 
         ``prefix``: register the schema validator for that model prefix now (others are added on first use).
+        ``ready_timeout_s``: a DHT process not ready by then is killed (with its p2pd) and RuntimeError raised,
+        instead of waiting forever on a process that hung while starting.
         """
         temp_identity = None
         if identity_path is None:
@@ -251,12 +284,14 @@ class SwarmDHT:
             dht = _DHTProcess(
                 initial_peers=list(initial_peers or []),
                 start=True,
+                await_ready=False,
                 host_maddrs=list(host_maddrs),
                 identity_path=identity_path,
                 client_mode=client_mode,
                 record_validators=validators,
                 **dht_kwargs,
             )
+            _await_ready(dht, ready_timeout_s)
         except BaseException:
             if temp_identity is not None and os.path.exists(temp_identity):
                 os.unlink(temp_identity)

@@ -26,6 +26,8 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
+from petals_chain.swarm.process_locks import install_robust_hivemind_locks
+
 # Imported once by the fork server; each name is optional (a missing one is skipped by multiprocessing).
 PRELOAD = (
     "torch",
@@ -95,19 +97,17 @@ def _run_role(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str
 
 
 def _own_hivemind_locks() -> None:
-    """Give this role hivemind's process-wide locks of its own.
+    """Give this role hivemind's process-wide locks of its own, ones its death releases.
 
     hivemind creates them (``mp.Lock()``, a semaphore shared with every process forked afterwards) when it is
     imported, here in the fork server, so without this every role of every swarm would share one lock for all
     their DHT result pipes: a role SIGKILLed while holding it (tests kill servers mid-run) leaves it held forever,
     and the next role's DHT process blocks for good sending its first result (seen in CI: an orchestrator that
-    never got past starting its DHT, in two tests in a row)."""
+    never got past starting its DHT, in two tests in a row). See :mod:`petals_chain.swarm.process_locks`."""
     mpfuture = sys.modules.get("hivemind.utils.mpfuture")
     if mpfuture is not None:
-        mpfuture.MPFuture.reset_backend()  # new _initialization_lock, _update_lock and SharedBytes._lock
-    hm_asyncio = sys.modules.get("hivemind.utils.asyncio")
-    if hm_asyncio is not None:
-        hm_asyncio._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+        mpfuture.MPFuture.reset_backend()  # this process's own result pipe and backend thread, on first use
+    install_robust_hivemind_locks()
 
 
 def _own_resource_tracker() -> None:
