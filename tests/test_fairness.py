@@ -256,3 +256,122 @@ def test_d2lpm_bindings_are_not_charged_again_by_re_plans_or_cancels():
         assert policy.worker_credit[("a", "w")] == pytest.approx(70.0)
     assert d.remove_job(job)  # cancelled before it started: the binding's credit comes back
     assert policy.worker_credit[("a", "w")] == pytest.approx(100.0)
+
+
+def _running(client: str, started: float, worker=0, pauses: int = 0, ref=None):
+    from petals_chain.algorithms.fairness import RunningJob
+
+    return RunningJob(client=client, worker=worker, started=started, pauses=pauses, ref=ref or f"{client}@{started}")
+
+
+def test_peek_tells_what_pick_takes_without_changing_counters():
+    for policy in ("vtc", "dlpm"):
+        d = make(policy, chains=[(1.0, 1)], quantum=5.0)
+        for job in (Job("h", 20), Job("h", 20), Job("l", 20)):
+            d.arrive(job)
+        waiting = list(d._waiting.values())
+        local = d.policy.local(None)
+        before = dict(local.snapshot()), getattr(local, "refills", None), getattr(local, "_last_min", None)
+        peeked = d.policy.peek(waiting, 0)
+        assert (dict(local.snapshot()), getattr(local, "refills", None), getattr(local, "_last_min", None)) == before
+        assert d.policy.pick(waiting, 0) is peeked
+
+
+def test_fair_preemption_pauses_the_newest_job_of_the_client_over_its_share():
+    from petals_chain.algorithms.fairness import MAX_FAIR_PAUSES
+
+    policy = FairPolicy("dlpm", FairnessConfig(quantum=5.0))
+    light = FairRequest(item="l", client="light", input_tokens=10, seq=9)
+    heavy_q = FairRequest(item="h9", client="heavy", input_tokens=10, seq=3)
+    running = [_running("heavy", 1.0), _running("heavy", 3.0), _running("heavy", 2.0)]
+    policy.local(None).deficit.update({"heavy": -40.0, "light": 0.0})  # heavy spent its rounds, light has none
+    # DLPM serves light next (heavy stays in debt after the refill): heavy's newest job goes, for light
+    victim, client = policy.preemption_victim([heavy_q, light], running, capacity=3)
+    assert victim.started == 3.0 and client == "light"
+    # ... the one paused least often first, and one paused MAX_FAIR_PAUSES times never again
+    tired = [_running("heavy", 1.0), _running("heavy", 3.0, pauses=1), _running("heavy", 2.0)]
+    assert policy.preemption_victim([light], tired, capacity=3)[0].started == 2.0
+    done = [_running("heavy", t, pauses=MAX_FAIR_PAUSES) for t in (1.0, 2.0, 3.0)]
+    assert policy.preemption_victim([light], done, capacity=3) is None
+    # heavy has credit and older requests: DLPM takes heavy's own next, so pausing heavy would not help light
+    policy.local(None).deficit.update({"heavy": 30.0, "light": 5.0})
+    assert policy.preemption_victim([heavy_q, light], running, capacity=3) is None
+    # only while the waiting client is at least two slots behind and the other above an even share
+    policy.local(None).deficit.update({"heavy": -40.0, "light": 0.0})
+    two = [_running("heavy", 1.0), _running("heavy", 2.0), _running("light", 0.5)]
+    assert policy.preemption_victim([light], two, capacity=3) is None
+    assert policy.preemption_victim([], running, capacity=3) is None
+    for name in ("fcfs", "lpm", "d2lpm", "d-vtc", "rr-lpm"):
+        assert FairPolicy(name).preemption_victim([light], running, capacity=3) is None
+
+
+def test_vtc_preemption_and_the_dispatcher_rules():
+    d = make("vtc", chains=[(1.0, 2)])
+    h1, h2, l1 = Job("heavy", 50), Job("heavy", 50), Job("light", 5)
+    assert d.arrive(h1) == 0 and d.arrive(h2) == 0
+    running = [_running("heavy", 1.0, ref=h1), _running("heavy", 2.0, ref=h2)]
+    assert d.preemption_victim(running) is None  # nothing waits
+    d.arrive(l1)
+    found = d.preemption_victim(running)
+    assert found is not None and found[0].ref is h2 and found[1] == "light"
+    # the paused job comes back ahead of every waiting job in age (its client's order decides)
+    h3 = Job("heavy", 50)
+    d.arrive(h3)
+    assert d.complete(0) is l1
+    d.arrive(h2, resumed=True)
+    assert d.request_of(h2).seq < d.request_of(h3).seq
+    assert d.complete(0) is h2
+    # a free slot means no pause: the waiting job starts there
+    d2 = make("vtc", chains=[(1.0, 3)])
+    d2.arrive(Job("heavy", 50))
+    assert d2.preemption_victim([_running("heavy", 1.0)]) is None
+
+
+def test_dispatch_manager_fair_preemption_end_to_end():
+    """--fairness-preempt at the dispatcher: a light client's job marks a heavy job to give its chain back; the
+    paused job re-queues in the fair queue ahead of its client's other jobs and is not charged its prompt again."""
+    import asyncio
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
+    from petals_chain.orchestrator.fairness import ClientShares
+
+    with pytest.raises(ValueError, match="--fairness-preempt needs --fairness vtc or dlpm"):
+        ClientShares(FairPolicy("lpm"), preempt=True)
+
+    async def run(preempt: bool):
+        shares = ClientShares(FairPolicy("dlpm", FairnessConfig(quantum=5.0)), preempt=preempt)
+        dm = DispatchManager(shares=shares)
+        dm.set_chains([Chain(servers=["a"], spans=[(0, 4)], blocks=[4], service_time=1.0, capacity=2)])
+        leases = [await dm.acquire(DispatchJob(f"h{i}", client="heavy", input_tokens=20)) for i in range(2)]
+        queued = asyncio.ensure_future(dm.acquire(DispatchJob("h2", client="heavy", input_tokens=20)))
+        light = asyncio.ensure_future(dm.acquire(DispatchJob("l", client="light", input_tokens=4)))
+        await asyncio.sleep(0)
+        marked = [lease for lease in leases if lease.preempt]
+        if not preempt:
+            assert not marked and shares.preemptions == 0
+            for f in (queued, light):
+                f.cancel()
+            await asyncio.gather(queued, light, return_exceptions=True)
+            return
+        assert [lease.job.job_id for lease in marked] == ["h1"] and shares.preemptions == 1
+        assert shares.json()["preemptions"] == 1 and shares.json()["preempt"] is True
+        dm.charge(leases[0], 0.01)  # one pause pending at a time: no second mark
+        assert sum(lease.preempt for lease in leases) == 1
+        service = dict(shares.policy.service)
+        dm.release(marked[0])  # the paused job gives its slot back at its next step...
+        await asyncio.sleep(0)
+        assert light.done() and not queued.done()  # ... and the light job takes it
+        resumed = asyncio.ensure_future(dm.acquire(DispatchJob("h1", client="heavy", input_tokens=0, requeue=True,
+                                                               yields=True, pauses=1)))
+        await asyncio.sleep(0)
+        assert not resumed.done() and dm.queue_length == 2  # in the fair queue, not the lane
+        dm.release(light.result())
+        await asyncio.sleep(0)
+        assert resumed.done() and not queued.done()  # first among heavy's jobs
+        assert shares.policy.service["heavy"] == service["heavy"]  # its prompt was paid before the pause
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+
+    asyncio.run(run(True))
+    asyncio.run(run(False))

@@ -113,6 +113,21 @@ class FairRequest:
         return max(0, int(self.input_tokens) - self.match(worker))
 
 
+MAX_FAIR_PAUSES = 2  # a job is paused at most this often for fair preemption (bounds the recomputed work)
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job holding a slot on ``worker``, as fair preemption sees it: ``started`` (any clock; later = less work
+    lost by pausing it), ``pauses`` (times it was paused already), ``ref`` the caller's handle."""
+
+    client: str
+    worker: Worker
+    started: float
+    pauses: int = 0
+    ref: Any = None
+
+
 class AdaptiveQuantum:
     """``Q^u`` = ``factor`` x the median full cost (``w_e * input + w_q * expected output``, cache ignored) of the
     last ``window`` admitted requests (the seed gives no default; ~4 median requests per round keeps a client's
@@ -156,6 +171,10 @@ class _Local:
     def pick(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
         raise NotImplementedError
 
+    def peek(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
+        """What :meth:`pick` would return now, changing no state."""
+        return self.pick(waiting, worker)
+
     def charge(self, client: str, units: float) -> None:
         pass
 
@@ -188,10 +207,15 @@ class _VTC(_Local):
         self.counter[req.client] = max(self.counter.get(req.client, 0.0), floor)
 
     def pick(self, waiting, worker):
+        req = self.peek(waiting, worker)
+        if req is not None:
+            self._last_min = self.counter.get(req.client, 0.0)
+        return req
+
+    def peek(self, waiting, worker):
         if not waiting:
             return None
         client = min({r.client for r in waiting}, key=lambda c: (self.counter.get(c, 0.0), c))
-        self._last_min = self.counter.get(client, 0.0)
         return _oldest(r for r in waiting if r.client == client)
 
     def charge(self, client, units):
@@ -212,23 +236,34 @@ class _DLPM(_Local):
     def arrived(self, req, waiting):
         self.deficit.setdefault(req.client, 0.0)
 
-    def _check_refill(self, clients: set[str]) -> None:
-        # Refill rounds until some queued client has credit; a client deep in debt may need several rounds,
-        # during which every other client with q <= 0 is refilled too (as repeated CheckRefill calls would).
+    def _refilled(self, clients: set[str]) -> tuple[dict[str, float], int]:
+        """The deficits after CheckRefill for queued ``clients``, and the rounds it took: rounds until some queued
+        client has credit; a client deep in debt may need several, during which every other client with q <= 0 is
+        refilled too (as repeated CheckRefill calls would)."""
         q_u = self.quantum()
+        deficit = dict(self.deficit)
         for c in clients:
-            self.deficit.setdefault(c, 0.0)
-        while not any(self.deficit.get(c, 0.0) > 0 for c in clients):
-            for c, q in self.deficit.items():
+            deficit.setdefault(c, 0.0)
+        rounds = 0
+        while not any(deficit[c] > 0 for c in clients):
+            for c, q in deficit.items():
                 if q <= 0:
-                    self.deficit[c] = q + q_u
-            self.refills += 1
+                    deficit[c] = q + q_u
+            rounds += 1
+        return deficit, rounds
 
     def pick(self, waiting, worker):
         if not waiting:
             return None
-        self._check_refill({r.client for r in waiting})
-        return _longest_match((r for r in waiting if self.deficit.get(r.client, 0.0) > 0), worker)
+        self.deficit, rounds = self._refilled({r.client for r in waiting})
+        self.refills += rounds
+        return _longest_match((r for r in waiting if self.deficit[r.client] > 0), worker)
+
+    def peek(self, waiting, worker):
+        if not waiting:
+            return None
+        deficit, _ = self._refilled({r.client for r in waiting})
+        return _longest_match((r for r in waiting if deficit[r.client] > 0), worker)
 
     def charge(self, client, units):
         self.deficit[client] = self.deficit.get(client, 0.0) - units
@@ -321,6 +356,44 @@ class FairPolicy:
     def pick(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
         """The request ``worker`` takes next among ``waiting`` (None if empty)."""
         return self.local(worker).pick(waiting, worker) if waiting else None
+
+    def peek(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
+        """What :meth:`pick` would return now, changing no counter."""
+        return self.local(worker).peek(waiting, worker) if waiting else None
+
+    def preemption_victim(self, waiting: Sequence[FairRequest], running: Sequence[RunningJob],
+                          capacity: int) -> tuple[RunningJob, str] | None:
+        """Fair preemption (``--fairness-preempt``; not in the seed, whose policies only order the queue): the
+        running job to pause so that the request this policy takes next gets a slot now rather than when one
+        frees, and that request's client; or None.
+
+        Only for ``vtc`` and ``dlpm``. With ``capacity`` slots in all and ``n_c`` running jobs per client, a job of
+        client ``v`` is paused for the client ``u`` of the request :meth:`peek` returns for its worker only when
+        ``n_v >= n_u + 2`` (the move makes the two closer and cannot reverse their order, so it cannot oscillate)
+        and ``n_v`` exceeds the even share ``capacity / (clients running or waiting)``. Among ``v``'s jobs (``v``
+        the client running the most) the one paused least often goes, then the one started last (least work
+        lost); a job paused ``MAX_FAIR_PAUSES`` times is not paused again."""
+        if self.name not in ("vtc", "dlpm") or not waiting or not running:
+            return None
+        counts: dict[str, int] = {}
+        for job in running:
+            counts[job.client] = counts.get(job.client, 0) + 1
+        share = capacity / max(1, len(set(counts) | {r.client for r in waiting}))
+        best: tuple | None = None
+        for worker in dict.fromkeys(job.worker for job in running):
+            nxt = self.peek(waiting, worker)
+            if nxt is None:
+                continue
+            n_u = counts.get(nxt.client, 0)
+            for job in running:
+                n_v = counts[job.client]
+                if (job.worker != worker or job.client == nxt.client or job.pauses >= MAX_FAIR_PAUSES
+                        or n_v < n_u + 2 or not n_v > share):
+                    continue
+                key = (n_v, -job.pauses, job.started)
+                if best is None or key > best[0]:
+                    best = (key, job, nxt.client)
+        return None if best is None else (best[1], best[2])
 
     def admit(self, req: FairRequest, worker: Worker) -> None:
         """``req`` starts on ``worker``: charge its input (extend tokens; VTC and D2LPM's worker credit: all of it)."""
@@ -431,6 +504,7 @@ class FairDispatcher:
         self._waiting: dict[int, FairRequest] = {}  # seq -> request, arrival order
         self._by_item: dict[int, FairRequest] = {}  # id(job) -> its request
         self._seq = itertools.count()
+        self._resumed_seq = itertools.count(-1, -1)  # before every new arrival, in pause order
         # fastest first, then the lower index (JFFC's order); chains of capacity 0 never take a job
         self._order = sorted((k for k in range(len(self.chains)) if self.capacities[k] > 0),
                              key=lambda k: (-self.rates[k], k))
@@ -457,11 +531,13 @@ class FairDispatcher:
     def request_of(self, job: Any) -> FairRequest | None:
         return self._by_item.get(id(job))
 
-    def arrive(self, job: Any) -> int | None:
+    def arrive(self, job: Any, resumed: bool = False) -> int | None:
+        """A job arrives: started on a chain (its index returned) or queued (None). ``resumed``: a job paused by
+        fair preemption coming back; it keeps its place as the oldest waiting job (its client's order decides)."""
         req = self.describe(job)
         if req.item is not job:
             raise ValueError("describe(job).item must be the job")
-        req.seq = next(self._seq)
+        req.seq = next(self._resumed_seq) if resumed else next(self._seq)
         req.worker = None
         waiting = list(self._waiting.values())
         self.policy.arrived(req, waiting + [req])
@@ -520,6 +596,14 @@ class FairDispatcher:
         self._forget(req)
         self._start(req, k)
         return req.item
+
+    def preemption_victim(self, running: Sequence[RunningJob]) -> tuple[RunningJob, str] | None:
+        """:meth:`FairPolicy.preemption_victim` over this dispatcher's waiting requests and slots; None while a chain
+        has a free slot (a waiting job starts there) or for a distributed policy."""
+        if self.policy.distributed or not self._waiting or self.free_chains():
+            return None
+        return self.policy.preemption_victim(list(self._waiting.values()), running,
+                                             sum(self.capacities[k] for k in self._order))
 
     def adopt(self, k: int, job: Any) -> bool:
         """Count ``job``, already running on chain ``k`` (carried over a re-plan), if ``k`` has room; no charge."""
@@ -657,5 +741,5 @@ def service_bound(cfg: FairnessConfig, quantum: float, max_input_tokens: int, ma
     return 2.0 * workers * (u + quantum)
 
 
-__all__ = ["FAIRNESS_POLICIES", "DISTRIBUTED_POLICIES", "FairnessConfig", "FairRequest", "FairPolicy",
-           "FairDispatcher", "AdaptiveQuantum", "ServiceMeter", "jain_index", "service_bound"]
+__all__ = ["FAIRNESS_POLICIES", "DISTRIBUTED_POLICIES", "MAX_FAIR_PAUSES", "FairnessConfig", "FairRequest",
+           "RunningJob", "FairPolicy", "FairDispatcher", "AdaptiveQuantum", "ServiceMeter", "jain_index", "service_bound"]
