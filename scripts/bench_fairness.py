@@ -69,9 +69,10 @@ async def replay(url: str, model: str, plan: list[tuple[float, str, str]], promp
                              json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                    "ignore_eos": True})
             r.raise_for_status()
-            extra = r.json()["petals_chain"][0]
+            body = r.json()
+            extra = body["petals_chain"][0]
             return {"client": name, "sent": sent, "latency": time.perf_counter() - t0 - sent,
-                    "wait": extra["wait_s"], "service": extra["service_s"]}
+                    "wait": extra["wait_s"], "service": extra["service_s"], "text": body["choices"][0]["text"]}
 
         return await asyncio.gather(*(one(*p) for p in plan))
 
@@ -80,10 +81,15 @@ def run_policy(args, policy: str, plan: list[tuple[float, str, str]], keys_file:
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for, model_memory
 
     L, _, _ = model_memory(args.model, args.max_length)
-    extra = ("--kv-cache", "slots", "--emulate-rtt-ms", str(args.rtt_ms))
+    extra = ("--kv-cache", args.kv_cache, "--emulate-rtt-ms", str(args.rtt_ms))
     servers = [LocalServer(f"s{i}", memory_for(args.model, args.max_length, L, args.slots), extra_args=extra)
                for i in range(args.servers)]
-    orch_args = ["--api-keys", str(keys_file), "--fairness", policy]
+    name, _, variant = policy.partition("+")
+    orch_args = ["--api-keys", str(keys_file), "--fairness", name]
+    if variant == "preempt":
+        orch_args.append("--fairness-preempt")
+    elif variant:
+        raise SystemExit(f"unknown policy variant {policy!r} (POLICY or POLICY+preempt)")
     if args.quantum is not None:
         orch_args += ["--fairness-quantum", str(args.quantum)]
     with tempfile.TemporaryDirectory() as logs, \
@@ -106,6 +112,7 @@ def summarize(run: dict, lights: list[str]) -> dict:
         by.setdefault(r["client"], []).append(r)
     light_lat = [r["latency"] for c in lights for r in by.get(c, [])]
     out = {"light_mean_s": statistics.mean(light_lat) if light_lat else None,
+           "distinct_outputs": len({r["text"] for r in res}), "paused": run["fairness"].get("preemptions", 0),
            "light_p90_s": float(np.percentile(light_lat, 90)) if light_lat else None,
            "requests_per_s": len(res) / run["wall_s"], "wall_s": run["wall_s"], "capacity": run["capacity"]}
     if "heavy" in by:
@@ -129,7 +136,10 @@ def main() -> int:
     p.add_argument("--heavy-factor", type=float, default=4.0)
     p.add_argument("--overload", type=float, default=1.3, help="offered load / capacity with the heavy client")
     p.add_argument("--duration-s", type=float, default=45.0, help="arrival window per policy")
-    p.add_argument("--policies", default="fcfs,dlpm", help="comma-separated --fairness values")
+    p.add_argument("--policies", default="fcfs,dlpm", help="comma-separated --fairness values; POLICY+preempt adds "
+                   "--fairness-preempt (vtc, dlpm)")
+    p.add_argument("--kv-cache", default="slots", choices=["slots", "paged"],
+                   help="servers' KV cache (paged keeps a paused job's KV as a cached prefix)")
     p.add_argument("--quantum", type=float, default=None, help="--fairness-quantum (default: auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw results here")
@@ -177,9 +187,14 @@ def main() -> int:
             ("heavy mean latency (s)", lambda s: s.get("heavy_mean_s")),
             ("throughput (req/s)", lambda s: s["requests_per_s"]),
             ("throughput / " + policies[0], lambda s: s["requests_per_s"] / base["requests_per_s"]),
-            ("service units/s / " + policies[0], lambda s: s["service_units_per_s"] / base["service_units_per_s"]))
+            ("service units/s / " + policies[0], lambda s: s["service_units_per_s"] / base["service_units_per_s"]),
+            ("jobs paused (fair preemption)", lambda s: s["paused"]),
+            ("distinct greedy outputs", lambda s: s["distinct_outputs"]))
     for name, f in rows:
         print(f"{name:34s}" + "".join(f"{f(summ[pol]):12.3f}" for pol in policies))
+    texts = {r["text"] for run in [alone, *runs.values()] for r in run["results"]}
+    if len(texts) != 1:  # same prompt, greedy: every reply must be the same text, paused or not
+        print(f"ERROR: {len(texts)} distinct greedy outputs for one prompt", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "alone_mean_s": alone_mean, "rate": rate,
                                                "summary": summ, "runs": {k: v["results"] for k, v in runs.items()}},
@@ -205,7 +220,7 @@ def main() -> int:
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         print(f"plot: {args.plot}")
-    return 0
+    return 0 if len(texts) == 1 else 1
 
 
 if __name__ == "__main__":

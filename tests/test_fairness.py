@@ -296,10 +296,17 @@ def test_fair_preemption_pauses_the_newest_job_of_the_client_over_its_share():
     # heavy has credit and older requests: DLPM takes heavy's own next, so pausing heavy would not help light
     policy.local(None).deficit.update({"heavy": 30.0, "light": 5.0})
     assert policy.preemption_victim([heavy_q, light], running, capacity=3) is None
-    # only while the waiting client is at least two slots behind and the other above an even share
+    # only for a client running nothing, from a client running at least two and more than an even share
     policy.local(None).deficit.update({"heavy": -40.0, "light": 0.0})
-    two = [_running("heavy", 1.0), _running("heavy", 2.0), _running("light", 0.5)]
-    assert policy.preemption_victim([light], two, capacity=3) is None
+    served = [_running("heavy", 1.0), _running("heavy", 2.0), _running("heavy", 2.5), _running("light", 0.5)]
+    assert policy.preemption_victim([light], served, capacity=4) is None
+    assert policy.preemption_victim([light], [_running("heavy", 1.0)], capacity=1) is None
+    three = FairRequest(item="c", client="third", input_tokens=10, seq=10)
+    policy.local(None).deficit.update({"third": 0.0})
+    spread = [_running("heavy", 1.0), _running("heavy", 2.0), _running("light", 0.5), _running("light", 0.7)]
+    # a third client running nothing: 2 > 4 / 3, so the newest job of the two clients running 2 goes
+    assert policy.preemption_victim([three], spread, capacity=4) == (spread[1], "third")
+    assert policy.preemption_victim([three], spread, capacity=6) is None  # 2 is the even share of 6 among 3
     assert policy.preemption_victim([], running, capacity=3) is None
     for name in ("fcfs", "lpm", "d2lpm", "d-vtc", "rr-lpm"):
         assert FairPolicy(name).preemption_victim([light], running, capacity=3) is None

@@ -79,3 +79,54 @@ def test_light_client_is_not_starved_by_a_heavy_burst(swarm):
     metrics = httpx.get(f"{swarm.url}/metrics").text
     assert 'petals_chain_client_service_units_total{client="light"}' in metrics
     assert "petals_chain_fairness_jain_index" in metrics and LIGHT not in metrics
+
+
+@pytest.fixture(scope="module")
+def preempt_swarm(tiny_model_factory, tmp_path_factory):
+    path = tiny_model_factory("llama", num_layers=4)
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"heavy {HEAVY}\nlight {LIGHT}\n")
+    server = LocalServer("a", memory_for(path, 128, 4, 2), tau_p=0.001, extra_args=["--kv-cache", "slots"])
+    with LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
+                    orchestrator_args=["--api-keys", str(keys), "--fairness-quantum", "10",
+                                       "--fairness-preempt"]) as sw:
+        sw.wait_ready(timeout=150)
+        yield sw
+
+
+def test_fair_preemption_starts_a_light_request_at_once_and_keeps_paused_outputs_exact(preempt_swarm):
+    """--fairness-preempt: with both slots held by the heavy client and one more of its jobs queued, a light request
+    takes a slot from a running heavy job at its next step instead of waiting for one to finish; the paused job
+    resumes later (recomputing its KV: slots) and its greedy output is the same as the others'."""
+    sw = preempt_swarm
+    assert sw.swarm()["fairness"]["preempt"] is True
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def greedy(key: str, max_tokens: int) -> dict:
+        r = httpx.post(f"{sw.url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
+                       json={"model": sw.swarm()["model"], "prompt": "hello there", "max_tokens": max_tokens,
+                             "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        with lock:
+            done.append(key)
+        return r.json()
+
+    with ThreadPoolExecutor(4) as pool:
+        heavy = [pool.submit(greedy, HEAVY, 110) for _ in range(3)]
+        deadline = time.monotonic() + 60
+        while sw.swarm()["queue_max"] < 1:  # two heavy jobs run, the third waits
+            assert time.monotonic() < deadline, "the heavy jobs never filled the chain"
+            time.sleep(0.02)
+        light = pool.submit(greedy, LIGHT, 4).result(300)
+        heavy_replies = [f.result(300) for f in heavy]
+    # Without preemption the light job would start only when a running heavy job ended (both end together, having
+    # started together) and only the third heavy job could end after it.
+    after = len(done) - 1 - done.index(LIGHT)
+    assert after >= 2, done
+    fair = sw.swarm()["fairness"]
+    assert fair["preemptions"] >= 1 and sw.swarm()["schedule"]["paused"] >= 1
+    assert light["petals_chain"][0]["wait_s"] < max(r["petals_chain"][0]["wait_s"] for r in heavy_replies)
+    texts = {r["choices"][0]["text"] for r in heavy_replies}
+    assert len(texts) == 1, texts  # a paused and resumed greedy job generates exactly what the others did
+    assert "petals_chain_fair_preemptions_total" in httpx.get(f"{sw.url}/metrics").text
