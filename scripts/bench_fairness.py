@@ -6,10 +6,11 @@ jobs. Clients send completion requests open-loop (Poisson arrivals, ``--max-toke
 prompt of ``--prompt-tokens`` random ids): ``--light`` light clients at rate ``r`` each and one heavy client at
 ``--heavy-factor`` x ``r``.
 
-First the light clients run alone (policy fcfs) to measure their latency without the heavy client and the
-swarm's service time; ``r`` is then set so that the total offered load is ``--overload`` x the chains' capacity
-(the heavy client is backlogged, each light client asks for less than its fair share). The same arrival times
-are replayed under every ``--policies`` entry, each on a fresh swarm. Printed per policy: light clients' mean
+First a probe of light requests measures the swarm's service time; ``r`` is then set so that the total offered
+load is ``--overload`` x the chains' capacity (the heavy client is backlogged, each light client asks for less
+than its fair share). The light requests of that plan run alone (fcfs, same times, no heavy client): their
+latency is the "alone" baseline. The same arrival times are replayed under every ``--policies`` entry, each on
+a fresh swarm. Printed per policy: light clients' mean
 latency and its ratio to the alone run, the heavy client's, total throughput (completed requests/s and service
 units/s) against the first policy (Jain's index over backlogged clients is the simulator's: here only the heavy
 client is backlogged). With ``--plot``: per-request latency over time, one panel per policy.
@@ -113,6 +114,8 @@ def summarize(run: dict, lights: list[str]) -> dict:
     light_lat = [r["latency"] for c in lights for r in by.get(c, [])]
     out = {"light_mean_s": statistics.mean(light_lat) if light_lat else None,
            "distinct_outputs": len({r["text"] for r in res}), "paused": run["fairness"].get("preemptions", 0),
+           "light_wait_mean_s": statistics.mean(r["wait"] for c in lights for r in by.get(c, [])) if light_lat else None,
+           "light_wait_p50_s": statistics.median(r["wait"] for c in lights for r in by.get(c, [])) if light_lat else None,
            "light_p90_s": float(np.percentile(light_lat, 90)) if light_lat else None,
            "requests_per_s": len(res) / run["wall_s"], "wall_s": run["wall_s"], "capacity": run["capacity"]}
     if "heavy" in by:
@@ -137,7 +140,7 @@ def main() -> int:
     p.add_argument("--overload", type=float, default=1.3, help="offered load / capacity with the heavy client")
     p.add_argument("--duration-s", type=float, default=45.0, help="arrival window per policy")
     p.add_argument("--policies", default="fcfs,dlpm", help="comma-separated --fairness values; POLICY+preempt adds "
-                   "--fairness-preempt (vtc, dlpm)")
+                   "--fairness-preempt (vtc)")
     p.add_argument("--kv-cache", default="slots", choices=["slots", "paged"],
                    help="servers' KV cache (paged keeps a paused job's KV as a cached prefix)")
     p.add_argument("--quantum", type=float, default=None, help="--fairness-quantum (default: auto)")
@@ -165,13 +168,13 @@ def main() -> int:
     print(f"capacity {alone['capacity']} jobs, service {service:.2f} s -> {cap_rate:.2f} req/s; light rate "
           f"{rate:.3f}/s each, heavy {args.heavy_factor * rate:.3f}/s (offered {args.overload:g}x capacity)",
           flush=True)
-    # light latency alone at the same light rate as the mixed runs
-    alone_plan = sorted((t, c, keys[c]) for c in lights for t in arrivals(rate, args.duration_s, rng))
-    alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
-    alone_mean = statistics.mean(r["latency"] for r in alone["results"])
-
     plan = sorted([(t, c, keys[c]) for c in lights for t in arrivals(rate, args.duration_s, rng)]
                   + [(t, "heavy", keys["heavy"]) for t in arrivals(args.heavy_factor * rate, args.duration_s, rng)])
+    # the light clients alone: exactly the mixed runs' light requests (same times), without the heavy client
+    alone_plan = [x for x in plan if x[1] != "heavy"]
+    print(f"light clients alone, the mixed runs' light requests ({len(alone_plan)}) ...", flush=True)
+    alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
+    alone_mean = statistics.mean(r["latency"] for r in alone["results"])
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     runs, summ = {}, {}
     for pol in policies:
@@ -184,6 +187,8 @@ def main() -> int:
     rows = (("light mean latency (s)", lambda s: s["light_mean_s"]),
             ("light mean / alone", lambda s: s["light_mean_s"] / alone_mean),
             ("light P90 latency (s)", lambda s: s["light_p90_s"]),
+            ("light wait mean / median (s)", lambda s: s["light_wait_mean_s"]),
+            ("", lambda s: s["light_wait_p50_s"]),
             ("heavy mean latency (s)", lambda s: s.get("heavy_mean_s")),
             ("throughput (req/s)", lambda s: s["requests_per_s"]),
             ("throughput / " + policies[0], lambda s: s["requests_per_s"] / base["requests_per_s"]),

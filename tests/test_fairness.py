@@ -277,53 +277,58 @@ def test_peek_tells_what_pick_takes_without_changing_counters():
         assert d.policy.pick(waiting, 0) is peeked
 
 
-def test_fair_preemption_pauses_the_newest_job_of_the_client_over_its_share():
+def test_fair_preemption_pauses_the_newest_job_of_a_backlogged_client_well_ahead_in_vtc():
     from petals_chain.algorithms.fairness import MAX_FAIR_PAUSES
 
-    policy = FairPolicy("dlpm", FairnessConfig(quantum=5.0))
+    policy = FairPolicy("vtc", FairnessConfig(quantum=40.0))  # margin: Q^u / quantum_factor = 10 units
+    counter = policy.local(None).counter
     light = FairRequest(item="l", client="light", input_tokens=10, seq=9)
     heavy_q = FairRequest(item="h9", client="heavy", input_tokens=10, seq=3)
     running = [_running("heavy", 1.0), _running("heavy", 3.0), _running("heavy", 2.0)]
-    policy.local(None).deficit.update({"heavy": -40.0, "light": 0.0})  # heavy spent its rounds, light has none
-    # DLPM serves light next (heavy stays in debt after the refill): heavy's newest job goes, for light
+    counter.update({"heavy": 100.0, "light": 50.0})
+    # VTC serves light next and heavy (backlogged) is 50 units ahead: heavy's newest job goes, for light
     victim, client = policy.preemption_victim([heavy_q, light], running, capacity=3)
     assert victim.started == 3.0 and client == "light"
     # ... the one paused least often first, and one paused MAX_FAIR_PAUSES times never again
     tired = [_running("heavy", 1.0), _running("heavy", 3.0, pauses=1), _running("heavy", 2.0)]
-    assert policy.preemption_victim([light], tired, capacity=3)[0].started == 2.0
+    assert policy.preemption_victim([heavy_q, light], tired, capacity=3)[0].started == 2.0
     done = [_running("heavy", t, pauses=MAX_FAIR_PAUSES) for t in (1.0, 2.0, 3.0)]
-    assert policy.preemption_victim([light], done, capacity=3) is None
-    # heavy has credit and older requests: DLPM takes heavy's own next, so pausing heavy would not help light
-    policy.local(None).deficit.update({"heavy": 30.0, "light": 5.0})
+    assert policy.preemption_victim([heavy_q, light], done, capacity=3) is None
+    # the client running the most goes first among those ahead and backlogged
+    mid_q = FairRequest(item="m9", client="mid", input_tokens=10, seq=4)
+    counter["mid"] = 70.0
+    mixed = [_running("heavy", 5.0), _running("mid", 1.0), _running("mid", 2.0)]
+    assert policy.preemption_victim([heavy_q, mid_q, light], mixed, capacity=3)[0] == mixed[2]
+    # a client with nothing waiting is not paused (it asks for no more than it gets)
+    assert policy.preemption_victim([light], running, capacity=3) is None
+    # within the margin nothing is paused (two backlogged clients would trade slots every few tokens)
+    counter.update({"heavy": 55.0, "light": 50.0})
     assert policy.preemption_victim([heavy_q, light], running, capacity=3) is None
-    # only for a client running nothing, from a client running at least two and more than an even share
-    policy.local(None).deficit.update({"heavy": -40.0, "light": 0.0})
-    served = [_running("heavy", 1.0), _running("heavy", 2.0), _running("heavy", 2.5), _running("light", 0.5)]
-    assert policy.preemption_victim([light], served, capacity=4) is None
-    assert policy.preemption_victim([light], [_running("heavy", 1.0)], capacity=1) is None
-    three = FairRequest(item="c", client="third", input_tokens=10, seq=10)
-    policy.local(None).deficit.update({"third": 0.0})
-    spread = [_running("heavy", 1.0), _running("heavy", 2.0), _running("light", 0.5), _running("light", 0.7)]
-    # a third client running nothing: 2 > 4 / 3, so the newest job of the two clients running 2 goes
-    assert policy.preemption_victim([three], spread, capacity=4) == (spread[1], "third")
-    assert policy.preemption_victim([three], spread, capacity=6) is None  # 2 is the even share of 6 among 3
+    # VTC serves heavy next (its counter is the least): pausing heavy would not help anyone
+    counter.update({"heavy": 40.0, "light": 50.0})
+    assert policy.preemption_victim([heavy_q, light], running, capacity=3) is None
     assert policy.preemption_victim([], running, capacity=3) is None
-    for name in ("fcfs", "lpm", "d2lpm", "d-vtc", "rr-lpm"):
-        assert FairPolicy(name).preemption_victim([light], running, capacity=3) is None
+    counter.update({"heavy": 100.0, "light": 50.0})
+    for name in ("fcfs", "lpm", "dlpm", "d2lpm", "d-vtc", "rr-lpm"):
+        other = FairPolicy(name)
+        assert other.preemption_victim([heavy_q, light], running, capacity=3) is None
 
 
 def test_vtc_preemption_and_the_dispatcher_rules():
     d = make("vtc", chains=[(1.0, 2)])
-    h1, h2, l1 = Job("heavy", 50), Job("heavy", 50), Job("light", 5)
+    h1, h2, h3, l1 = Job("heavy", 50), Job("heavy", 50), Job("heavy", 50), Job("light", 5)
     assert d.arrive(h1) == 0 and d.arrive(h2) == 0
     running = [_running("heavy", 1.0, ref=h1), _running("heavy", 2.0, ref=h2)]
     assert d.preemption_victim(running) is None  # nothing waits
-    d.arrive(l1)
+    d.arrive(h3)
+    d.arrive(l1)  # lifted to heavy's counter (the least among queued clients): not behind it yet
+    assert d.preemption_victim(running) is None
+    d.policy.output("heavy", 0, 20)  # heavy's running jobs are charged 40 units: within the margin (50)
+    assert d.preemption_victim(running) is None
+    d.policy.output("heavy", 0, 10)
     found = d.preemption_victim(running)
     assert found is not None and found[0].ref is h2 and found[1] == "light"
     # the paused job comes back ahead of every waiting job in age (its client's order decides)
-    h3 = Job("heavy", 50)
-    d.arrive(h3)
     assert d.complete(0) is l1
     d.arrive(h2, resumed=True)
     assert d.request_of(h2).seq < d.request_of(h3).seq
@@ -335,25 +340,31 @@ def test_vtc_preemption_and_the_dispatcher_rules():
 
 
 def test_dispatch_manager_fair_preemption_end_to_end():
-    """--fairness-preempt at the dispatcher: a light client's job marks a heavy job to give its chain back; the
-    paused job re-queues in the fair queue ahead of its client's other jobs and is not charged its prompt again."""
+    """--fairness vtc --fairness-preempt at the dispatcher: once the running heavy jobs' steps put heavy ahead of a
+    waiting light job, the next step's check marks one heavy job to give its chain back; the paused job re-queues
+    in the fair queue ahead of its client's other jobs and is not charged its prompt again."""
     import asyncio
 
     from petals_chain.model import Chain
-    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
+    from petals_chain.orchestrator.dispatch import FAIR_CHECK_S, DispatchJob, DispatchManager, chain_key
     from petals_chain.orchestrator.fairness import ClientShares
 
-    with pytest.raises(ValueError, match="--fairness-preempt needs --fairness vtc or dlpm"):
-        ClientShares(FairPolicy("lpm"), preempt=True)
+    with pytest.raises(ValueError, match="--fairness-preempt needs --fairness vtc"):
+        ClientShares(FairPolicy("dlpm"), preempt=True)
 
     async def run(preempt: bool):
-        shares = ClientShares(FairPolicy("dlpm", FairnessConfig(quantum=5.0)), preempt=preempt)
+        shares = ClientShares(FairPolicy("vtc", FairnessConfig(quantum=8.0)), preempt=preempt)  # margin 2 units
         dm = DispatchManager(shares=shares)
-        dm.set_chains([Chain(servers=["a"], spans=[(0, 4)], blocks=[4], service_time=1.0, capacity=2)])
+        ch = Chain(servers=["a"], spans=[(0, 4)], blocks=[4], service_time=1.0, capacity=2)
+        dm.set_chains([ch])
         leases = [await dm.acquire(DispatchJob(f"h{i}", client="heavy", input_tokens=20)) for i in range(2)]
         queued = asyncio.ensure_future(dm.acquire(DispatchJob("h2", client="heavy", input_tokens=20)))
         light = asyncio.ensure_future(dm.acquire(DispatchJob("l", client="light", input_tokens=4)))
         await asyncio.sleep(0)
+        assert not any(lease.preempt for lease in leases)  # light was lifted level with heavy: not owed yet
+        shares.output("heavy", chain_key(ch), 2)  # a step of the two heavy jobs: heavy 4 units ahead
+        await asyncio.sleep(FAIR_CHECK_S)
+        dm.charge(leases[0], 0.01)
         marked = [lease for lease in leases if lease.preempt]
         if not preempt:
             assert not marked and shares.preemptions == 0
@@ -363,6 +374,7 @@ def test_dispatch_manager_fair_preemption_end_to_end():
             return
         assert [lease.job.job_id for lease in marked] == ["h1"] and shares.preemptions == 1
         assert shares.json()["preemptions"] == 1 and shares.json()["preempt"] is True
+        await asyncio.sleep(FAIR_CHECK_S)
         dm.charge(leases[0], 0.01)  # one pause pending at a time: no second mark
         assert sum(lease.preempt for lease in leases) == 1
         service = dict(shares.policy.service)

@@ -88,16 +88,17 @@ def preempt_swarm(tiny_model_factory, tmp_path_factory):
     keys.write_text(f"heavy {HEAVY}\nlight {LIGHT}\n")
     server = LocalServer("a", memory_for(path, 128, 4, 2), tau_p=0.001, extra_args=["--kv-cache", "slots"])
     with LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
-                    orchestrator_args=["--api-keys", str(keys), "--fairness-quantum", "10",
+                    orchestrator_args=["--api-keys", str(keys), "--fairness", "vtc", "--fairness-quantum", "10",
                                        "--fairness-preempt"]) as sw:
         sw.wait_ready(timeout=150)
         yield sw
 
 
 def test_fair_preemption_starts_a_light_request_at_once_and_keeps_paused_outputs_exact(preempt_swarm):
-    """--fairness-preempt: with both slots held by the heavy client and one more of its jobs queued, a light request
-    takes a slot from a running heavy job at its next step instead of waiting for one to finish; the paused job
-    resumes later (recomputing its KV: slots) and its greedy output is the same as the others'."""
+    """--fairness vtc --fairness-preempt: with both slots held by the heavy client and one more of its jobs queued,
+    a light request takes a slot from a running heavy job a few steps later (once heavy's counter is ahead of the
+    light one's by the margin) instead of waiting for one to finish; the paused job resumes later (recomputing its
+    KV: slots) and its greedy output is the same as the others'."""
     sw = preempt_swarm
     assert sw.swarm()["fairness"]["preempt"] is True
     done: list[str] = []

@@ -49,6 +49,7 @@ from typing import Any
 from petals_chain.algorithms.jffc import _chain_rate_capacity
 
 FAIRNESS_POLICIES = ("fcfs", "lpm", "vtc", "dlpm", "d2lpm", "d-vtc", "rr-lpm")
+PREEMPTIVE_POLICIES = ("vtc",)  # those FairPolicy.preemption_victim serves (--fairness-preempt)
 DISTRIBUTED_POLICIES = ("d2lpm", "d-vtc", "rr-lpm")
 
 Worker = Hashable
@@ -178,6 +179,10 @@ class _Local:
     def charge(self, client: str, units: float) -> None:
         pass
 
+    def ahead(self, v: str, u: str) -> bool:
+        """Whether this discipline's accounting has served ``v`` clearly more than ``u`` (fair preemption)."""
+        return False
+
     def snapshot(self) -> dict[str, float]:
         return {}
 
@@ -195,7 +200,8 @@ class _LPM(_Local):
 class _VTC(_Local):
     """Counters ``c_i`` of service received; the queued client with the least counter goes first."""
 
-    def __init__(self) -> None:
+    def __init__(self, margin: Callable[[], float] = lambda: 0.0) -> None:
+        self.margin = margin  # how far ahead a counter must be for fair preemption (hysteresis)
         self.counter: dict[str, float] = {}
         self._last_min = 0.0  # least counter among queued clients when the queue was last non-empty
 
@@ -220,6 +226,9 @@ class _VTC(_Local):
 
     def charge(self, client, units):
         self.counter[client] = self.counter.get(client, 0.0) + units
+
+    def ahead(self, v, u):
+        return self.counter.get(v, 0.0) > self.counter.get(u, 0.0) + self.margin()
 
     def snapshot(self):
         return dict(self.counter)
@@ -300,7 +309,7 @@ class FairPolicy:
         if kind == "lpm":
             return _LPM()
         if kind == "vtc":
-            return _VTC()
+            return _VTC(lambda: self.quantum.value / self.cfg.quantum_factor)  # ~ one median request's cost
         return _DLPM(lambda: self.quantum.value)
 
     def local(self, worker: Worker | None) -> _Local:
@@ -367,32 +376,33 @@ class FairPolicy:
         running job to pause so that the request this policy takes next gets a slot now rather than when one
         frees, and that request's client; or None.
 
-        Only for ``vtc`` and ``dlpm``. With ``capacity`` slots in all and ``n_c`` running jobs per client, a job of
-        client ``v`` is paused for the client ``u`` of the request :meth:`peek` returns for its worker only when
-        ``u`` runs nothing (``n_u = 0``: a client already served waits its turn as in the seed), ``n_v >= 2`` (so
-        ``v`` keeps a job running and the two cannot swap roles) and ``n_v`` exceeds the even share ``capacity /
-        (clients running or waiting)``. Among the jobs of the client running the most, the one paused least often
-        goes, then the one started last (least work lost); a job paused ``MAX_FAIR_PAUSES`` times is not paused
-        again. (Pausing for any client two slots behind, tried first, paused so often in the simulator's 16-slot
-        batches that recomputation cost 6 % of throughput.)"""
-        if self.name not in ("vtc", "dlpm") or not waiting or not running:
+        Only for ``vtc`` (:data:`PREEMPTIVE_POLICIES`; DLPM lets a client run a quantum's worth of requests in a
+        row on purpose, for prefix locality, and pausing them for a client with credit measured no better). Let
+        ``u`` be the client of the request :meth:`peek` returns for a worker. A job of client ``v`` on that worker
+        is paused only when ``v`` has a request waiting too (backlogged: it asks for more than it gets) and its
+        counter is ahead of ``u``'s by more than one median request's cost (``Q^u / quantum_factor``: without that
+        margin two backlogged clients would take slots from each other every few tokens). Among such jobs the one
+        of the client running the most goes, then the one paused least often, then the one started last (least
+        work lost); a job paused ``MAX_FAIR_PAUSES`` times is not paused again. ``capacity`` (slots in all) is
+        kept for callers; the rule does not need it."""
+        if self.name not in PREEMPTIVE_POLICIES or not waiting or not running:
             return None
         counts: dict[str, int] = {}
         for job in running:
             counts[job.client] = counts.get(job.client, 0) + 1
-        share = capacity / max(1, len(set(counts) | {r.client for r in waiting}))
+        queued = {r.client for r in waiting}
+        local = self.local(None)
         best: tuple | None = None
         for worker in dict.fromkeys(job.worker for job in running):
             nxt = self.peek(waiting, worker)
             if nxt is None:
                 continue
-            n_u = counts.get(nxt.client, 0)
             for job in running:
-                n_v = counts[job.client]
-                if (job.worker != worker or job.client == nxt.client or job.pauses >= MAX_FAIR_PAUSES
-                        or n_u > 0 or n_v < 2 or not n_v > share):
+                v = job.client
+                if (job.worker != worker or v == nxt.client or v not in queued or job.pauses >= MAX_FAIR_PAUSES
+                        or not local.ahead(v, nxt.client)):
                     continue
-                key = (n_v, -job.pauses, job.started)
+                key = (counts[v], -job.pauses, job.started)
                 if best is None or key > best[0]:
                     best = (key, job, nxt.client)
         return None if best is None else (best[1], best[2])
@@ -743,5 +753,5 @@ def service_bound(cfg: FairnessConfig, quantum: float, max_input_tokens: int, ma
     return 2.0 * workers * (u + quantum)
 
 
-__all__ = ["FAIRNESS_POLICIES", "DISTRIBUTED_POLICIES", "MAX_FAIR_PAUSES", "FairnessConfig", "FairRequest",
+__all__ = ["FAIRNESS_POLICIES", "DISTRIBUTED_POLICIES", "PREEMPTIVE_POLICIES", "MAX_FAIR_PAUSES", "FairnessConfig", "FairRequest",
            "RunningJob", "FairPolicy", "FairDispatcher", "AdaptiveQuantum", "ServiceMeter", "jain_index", "service_bound"]

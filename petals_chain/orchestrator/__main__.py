@@ -210,11 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="service units per input token a chain computes (cached prefix tokens are free)")
     p.add_argument("--fairness-w-q", type=float, default=2.0, metavar="X", help="service units per output token")
     p.add_argument("--fairness-preempt", action="store_true",
-                   help="with --fairness vtc or dlpm: when the client the policy serves next has no slot and another "
-                        "client holds at least two more than it and more than an even share, pause one of that "
+                   help="with --fairness vtc: when the client VTC serves next waits while a backlogged client whose "
+                        "counter is ahead of it by more than a median request holds a slot, pause one of that "
                         "client's running requests between two steps (it resumes later from its cached KV, token-"
-                        "identical) so the waiting client starts now. Light clients then wait about one step "
-                        "instead of a whole request; not part of seed 002's algorithm")
+                        "identical) so the waiting client starts now instead of when a request ends. Not part of "
+                        "seed 002's algorithm")
     p.add_argument("--audit-rate", type=float, default=0.02, metavar="P",
                    help="fraction of hop steps re-run on a second server holding the same blocks (when one has "
                         "spare room) and compared; a disagreement is settled by a third, the server in the minority "

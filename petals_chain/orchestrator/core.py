@@ -127,8 +127,8 @@ class OrchestratorConfig:
     fairness_worker_quantum: float = 20000.0  # D2LPM's Q^w
     fairness_w_e: float = 1.0
     fairness_w_q: float = 2.0
-    # --fairness-preempt: a running job of a client holding more slots than its share is paused between two steps
-    # for the client vtc/dlpm serves next (algorithms.fairness.FairPolicy.preemption_victim); not in seed 002
+    # --fairness-preempt: a running job of a backlogged client well ahead in VTC's counters is paused between two
+    # steps for the client vtc serves next (algorithms.fairness.FairPolicy.preemption_victim); not in seed 002
     fairness_preempt: bool = False
     # --audit-rate: fraction of hop steps re-run on another server holding the same blocks (audit.py)
     audit_rate: float = 0.02

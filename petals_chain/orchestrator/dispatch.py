@@ -293,7 +293,7 @@ class DispatchManager:
         self.refused = 0
         self.deadline_refused = 0
         self.flex_preemptions = 0  # running jobs paused so that a deadline job could take their slot
-        # --fairness-preempt: a job of a client over its share gives its slot to the client vtc/dlpm serves next
+        # --fairness-preempt: a job of a client well ahead in VTC's counters gives its slot to the one served next
         self.fair_preempt = bool(shares is not None and shares.central and shares.preempt)
         self._fair_checked = -math.inf  # monotonic time of the last check from charge() (throttled)
 
@@ -602,8 +602,9 @@ class DispatchManager:
                         best.job_id, self._priority(best), worst.job.job_id, self._priority(worst.job), worst.index)
 
     def _preempt_for_fairness(self) -> None:
-        """``--fairness-preempt``: if the client the fairness policy serves next waits while another holds more than
-        its share of slots, mark one of that client's running jobs to give its chain back at its next step
+        """``--fairness-preempt``: if the client the fairness policy serves next waits while a backlogged client well
+        ahead of it in the policy's counters holds a slot, mark one of that client's running jobs to give its chain
+        back at its next step
         (:meth:`~petals_chain.algorithms.fairness.FairDispatcher.preemption_victim`); one pause pending at a time,
         so each is decided on counters that include the previous one."""
         if self.dispatcher is None or not hasattr(self.dispatcher, "preemption_victim"):

@@ -324,7 +324,9 @@ class ChainHolder:
                 continue
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
-            if self.priority is not None and self.lease is not None:
+            if self.lease is not None and (self.priority is not None or getattr(self.orch.dispatch, "fair_preempt",
+                                                                                  False)):
+                # db/mlfq budgets, and fair preemption's counters, move with every step
                 self.orch.dispatch.charge(self.lease, time.monotonic() - t_step)
             if self.paid < len(self.kv_ids):  # a turn on a chain the job kept: no admission charged it
                 self._charge("input", len(self.kv_ids) - self.paid)

@@ -14,9 +14,7 @@ from typing import Any, Hashable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from petals_chain.algorithms.fairness import FairPolicy, FairRequest, ServiceMeter
-
-FAIR_PREEMPT_POLICIES = ("vtc", "dlpm")  # central and fair: what FairPolicy.preemption_victim serves
+from petals_chain.algorithms.fairness import PREEMPTIVE_POLICIES, FairPolicy, FairRequest, ServiceMeter
 
 FAIRNESS_WINDOW_S = 60.0  # window of the per-client service rates and Jain's index
 
@@ -26,9 +24,9 @@ class ClientShares:
 
     def __init__(self, policy: FairPolicy, registry: Any = None, window_s: float = FAIRNESS_WINDOW_S,
                  preempt: bool = False):
-        if preempt and policy.name not in FAIR_PREEMPT_POLICIES:
-            raise ValueError(f"--fairness-preempt needs --fairness {' or '.join(FAIR_PREEMPT_POLICIES)} (the policy is "
-                             f"{policy.name}; auto is fcfs without --api-keys)")
+        if preempt and policy.name not in PREEMPTIVE_POLICIES:
+            raise ValueError(f"--fairness-preempt needs --fairness {' or '.join(PREEMPTIVE_POLICIES)} (the policy is "
+                             f"{policy.name}; auto is dlpm with --api-keys, fcfs without)")
         self.policy = policy
         self.preempt = preempt
         self.preemptions = 0  # running jobs paused so that the client the policy serves next got a slot

@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from petals_chain.algorithms.fairness import (FairDispatcher, FairnessConfig, FairPolicy, FairRequest, RunningJob,
-                                              jain_index, service_bound)
+from petals_chain.algorithms.fairness import (PREEMPTIVE_POLICIES, FairDispatcher, FairnessConfig, FairPolicy,
+                                              FairRequest, RunningJob, jain_index, service_bound)
 from petals_chain.sim import data as simdata
 
 # Seed 002's numbers (docs/scheduling-seeds.md §2.9) beside which our results are printed.
@@ -285,6 +285,8 @@ class FairSim:
                  pair_backlog: str = "any", max_outstanding: int | None = None, check: bool = True,
                  preempt: bool = False):
         self.policy = FairPolicy(policy, cfg)
+        if preempt and policy not in PREEMPTIVE_POLICIES:
+            raise ValueError(f"fair preemption runs with {', '.join(PREEMPTIVE_POLICIES)}, not {policy!r}")
         self.preempt = preempt
         self.D = int(workers)
         self.capacity = int(capacity)
@@ -475,9 +477,7 @@ class FairSim:
                     pol.output(c, k, n)
                     charges.append((now, c, cfg.w_q * n, cfg.w_q * n))
                 observe()
-                # with preemption the next step starts only after the pause decision below (a request in a started
-                # step's batch cannot be paused)
-                self.stepping[k] = self.preempt
+                self.stepping[k] = False
                 if done:
                     gone = set(map(id, done))
                     self.running[k] = [r for r in self.running[k] if id(r) not in gone]
@@ -494,10 +494,8 @@ class FairSim:
                         nxt = disp.complete(k)
                         if nxt is not None:
                             admitted(nxt, k, True)
-                if self.preempt:
-                    if disp.queue_length:
-                        preempt_on(k)
-                    self.stepping[k] = False
+                if self.preempt and disp.queue_length and not self.stepping[k]:
+                    preempt_on(k)  # between two steps (not once an admission above started the next one)
                 if not self.stepping[k]:
                     start_step(k)
             if self.check and disp.queue_length and any(o < self.capacity for o in disp.occupancy):
@@ -649,7 +647,7 @@ def _round(d: Any, nd: int = 4) -> Any:
 
 # --------------------------------------------------------------------------------------- experiments
 
-HEAVY_POLICIES = ("fcfs", "lpm", "vtc", "dlpm", "vtc+preempt", "dlpm+preempt")
+HEAVY_POLICIES = ("fcfs", "lpm", "vtc", "dlpm", "vtc+preempt")
 ACCEPT = {"heavy_light_latency_ratio": 1.3, "heavy_throughput_vs_fcfs": 0.97, "heavy_jain": 0.83,
           "prefix_dlpm_vs_vtc": 1.3, "distributed_d2lpm_vs_dvtc": 1.3}
 
