@@ -10,10 +10,11 @@ First a probe of light requests measures the swarm's service time; ``r`` is then
 load is ``--overload`` x the chains' capacity (the heavy client is backlogged, each light client asks for less
 than its fair share). The light requests of that plan run alone (fcfs, same times, no heavy client): their
 latency is the "alone" baseline. The same arrival times are replayed under every ``--policies`` entry, each on
-a fresh swarm. Printed per policy: light clients' mean
-latency and its ratio to the alone run, the heavy client's, total throughput (completed requests/s and service
-units/s) against the first policy (Jain's index over backlogged clients is the simulator's: here only the heavy
-client is backlogged). With ``--plot``: per-request latency over time, one panel per policy.
+a fresh swarm. Printed per policy: light clients' mean latency and its ratio to the alone run, their mean and
+median wait for a chain, the heavy client's latency, total throughput (completed requests/s and service units/s)
+against the first policy (Jain's index over backlogged clients is the simulator's: here only the heavy client is
+backlogged), and the number of distinct greedy outputs (one prompt: must be 1; exit code 1 otherwise). With
+``--plot``: per-request latency over time, one panel per policy.
 
     python scripts/bench_fairness.py [--model PATH|smollm2-135m] [--duration-s 45] [--rtt-ms 20] [--plot F.png]
 """
@@ -85,12 +86,7 @@ def run_policy(args, policy: str, plan: list[tuple[float, str, str]], keys_file:
     extra = ("--kv-cache", args.kv_cache, "--emulate-rtt-ms", str(args.rtt_ms))
     servers = [LocalServer(f"s{i}", memory_for(args.model, args.max_length, L, args.slots), extra_args=extra)
                for i in range(args.servers)]
-    name, _, variant = policy.partition("+")
-    orch_args = ["--api-keys", str(keys_file), "--fairness", name]
-    if variant == "preempt":
-        orch_args.append("--fairness-preempt")
-    elif variant:
-        raise SystemExit(f"unknown policy variant {policy!r} (POLICY or POLICY+preempt)")
+    orch_args = ["--api-keys", str(keys_file), "--fairness", policy]
     if args.quantum is not None:
         orch_args += ["--fairness-quantum", str(args.quantum)]
     with tempfile.TemporaryDirectory() as logs, \
@@ -113,7 +109,7 @@ def summarize(run: dict, lights: list[str]) -> dict:
         by.setdefault(r["client"], []).append(r)
     light_lat = [r["latency"] for c in lights for r in by.get(c, [])]
     out = {"light_mean_s": statistics.mean(light_lat) if light_lat else None,
-           "distinct_outputs": len({r["text"] for r in res}), "paused": run["fairness"].get("preemptions", 0),
+           "distinct_outputs": len({r["text"] for r in res}),
            "light_wait_mean_s": statistics.mean(r["wait"] for c in lights for r in by.get(c, [])) if light_lat else None,
            "light_wait_p50_s": statistics.median(r["wait"] for c in lights for r in by.get(c, [])) if light_lat else None,
            "light_p90_s": float(np.percentile(light_lat, 90)) if light_lat else None,
@@ -139,10 +135,9 @@ def main() -> int:
     p.add_argument("--heavy-factor", type=float, default=4.0)
     p.add_argument("--overload", type=float, default=1.3, help="offered load / capacity with the heavy client")
     p.add_argument("--duration-s", type=float, default=45.0, help="arrival window per policy")
-    p.add_argument("--policies", default="fcfs,dlpm", help="comma-separated --fairness values; POLICY+preempt adds "
-                   "--fairness-preempt (vtc)")
+    p.add_argument("--policies", default="fcfs,dlpm", help="comma-separated --fairness values")
     p.add_argument("--kv-cache", default="slots", choices=["slots", "paged"],
-                   help="servers' KV cache (paged keeps a paused job's KV as a cached prefix)")
+                   help="servers' KV cache (slots: a chain's capacity stays --slots jobs)")
     p.add_argument("--quantum", type=float, default=None, help="--fairness-quantum (default: auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw results here")
@@ -193,7 +188,6 @@ def main() -> int:
             ("throughput (req/s)", lambda s: s["requests_per_s"]),
             ("throughput / " + policies[0], lambda s: s["requests_per_s"] / base["requests_per_s"]),
             ("service units/s / " + policies[0], lambda s: s["service_units_per_s"] / base["service_units_per_s"]),
-            ("jobs paused (fair preemption)", lambda s: s["paused"]),
             ("distinct greedy outputs", lambda s: s["distinct_outputs"]))
     for name, f in rows:
         print(f"{name:34s}" + "".join(f"{f(summ[pol]):12.3f}" for pol in policies))

@@ -49,7 +49,6 @@ from typing import Any
 from petals_chain.algorithms.jffc import _chain_rate_capacity
 
 FAIRNESS_POLICIES = ("fcfs", "lpm", "vtc", "dlpm", "d2lpm", "d-vtc", "rr-lpm")
-PREEMPTIVE_POLICIES = ("vtc",)  # those FairPolicy.preemption_victim serves (--fairness-preempt)
 DISTRIBUTED_POLICIES = ("d2lpm", "d-vtc", "rr-lpm")
 
 Worker = Hashable
@@ -114,21 +113,6 @@ class FairRequest:
         return max(0, int(self.input_tokens) - self.match(worker))
 
 
-MAX_FAIR_PAUSES = 2  # a job is paused at most this often for fair preemption (bounds the recomputed work)
-
-
-@dataclass(frozen=True)
-class RunningJob:
-    """A job holding a slot on ``worker``, as fair preemption sees it: ``started`` (any clock; later = less work
-    lost by pausing it), ``pauses`` (times it was paused already), ``ref`` the caller's handle."""
-
-    client: str
-    worker: Worker
-    started: float
-    pauses: int = 0
-    ref: Any = None
-
-
 class AdaptiveQuantum:
     """``Q^u`` = ``factor`` x the median full cost (``w_e * input + w_q * expected output``, cache ignored) of the
     last ``window`` admitted requests (the seed gives no default; ~4 median requests per round keeps a client's
@@ -172,16 +156,8 @@ class _Local:
     def pick(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
         raise NotImplementedError
 
-    def peek(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
-        """What :meth:`pick` would return now, changing no state."""
-        return self.pick(waiting, worker)
-
     def charge(self, client: str, units: float) -> None:
         pass
-
-    def ahead(self, v: str, u: str) -> bool:
-        """Whether this discipline's accounting has served ``v`` clearly more than ``u`` (fair preemption)."""
-        return False
 
     def snapshot(self) -> dict[str, float]:
         return {}
@@ -200,8 +176,7 @@ class _LPM(_Local):
 class _VTC(_Local):
     """Counters ``c_i`` of service received; the queued client with the least counter goes first."""
 
-    def __init__(self, margin: Callable[[], float] = lambda: 0.0) -> None:
-        self.margin = margin  # how far ahead a counter must be for fair preemption (hysteresis)
+    def __init__(self) -> None:
         self.counter: dict[str, float] = {}
         self._last_min = 0.0  # least counter among queued clients when the queue was last non-empty
 
@@ -213,22 +188,14 @@ class _VTC(_Local):
         self.counter[req.client] = max(self.counter.get(req.client, 0.0), floor)
 
     def pick(self, waiting, worker):
-        req = self.peek(waiting, worker)
-        if req is not None:
-            self._last_min = self.counter.get(req.client, 0.0)
-        return req
-
-    def peek(self, waiting, worker):
         if not waiting:
             return None
         client = min({r.client for r in waiting}, key=lambda c: (self.counter.get(c, 0.0), c))
+        self._last_min = self.counter.get(client, 0.0)
         return _oldest(r for r in waiting if r.client == client)
 
     def charge(self, client, units):
         self.counter[client] = self.counter.get(client, 0.0) + units
-
-    def ahead(self, v, u):
-        return self.counter.get(v, 0.0) > self.counter.get(u, 0.0) + self.margin()
 
     def snapshot(self):
         return dict(self.counter)
@@ -245,34 +212,23 @@ class _DLPM(_Local):
     def arrived(self, req, waiting):
         self.deficit.setdefault(req.client, 0.0)
 
-    def _refilled(self, clients: set[str]) -> tuple[dict[str, float], int]:
-        """The deficits after CheckRefill for queued ``clients``, and the rounds it took: rounds until some queued
-        client has credit; a client deep in debt may need several, during which every other client with q <= 0 is
-        refilled too (as repeated CheckRefill calls would)."""
+    def _check_refill(self, clients: set[str]) -> None:
+        # Refill rounds until some queued client has credit; a client deep in debt may need several rounds,
+        # during which every other client with q <= 0 is refilled too (as repeated CheckRefill calls would).
         q_u = self.quantum()
-        deficit = dict(self.deficit)
         for c in clients:
-            deficit.setdefault(c, 0.0)
-        rounds = 0
-        while not any(deficit[c] > 0 for c in clients):
-            for c, q in deficit.items():
+            self.deficit.setdefault(c, 0.0)
+        while not any(self.deficit.get(c, 0.0) > 0 for c in clients):
+            for c, q in self.deficit.items():
                 if q <= 0:
-                    deficit[c] = q + q_u
-            rounds += 1
-        return deficit, rounds
+                    self.deficit[c] = q + q_u
+            self.refills += 1
 
     def pick(self, waiting, worker):
         if not waiting:
             return None
-        self.deficit, rounds = self._refilled({r.client for r in waiting})
-        self.refills += rounds
-        return _longest_match((r for r in waiting if self.deficit[r.client] > 0), worker)
-
-    def peek(self, waiting, worker):
-        if not waiting:
-            return None
-        deficit, _ = self._refilled({r.client for r in waiting})
-        return _longest_match((r for r in waiting if deficit[r.client] > 0), worker)
+        self._check_refill({r.client for r in waiting})
+        return _longest_match((r for r in waiting if self.deficit.get(r.client, 0.0) > 0), worker)
 
     def charge(self, client, units):
         self.deficit[client] = self.deficit.get(client, 0.0) - units
@@ -309,7 +265,7 @@ class FairPolicy:
         if kind == "lpm":
             return _LPM()
         if kind == "vtc":
-            return _VTC(lambda: self.quantum.value / self.cfg.quantum_factor)  # ~ one median request's cost
+            return _VTC()
         return _DLPM(lambda: self.quantum.value)
 
     def local(self, worker: Worker | None) -> _Local:
@@ -365,47 +321,6 @@ class FairPolicy:
     def pick(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
         """The request ``worker`` takes next among ``waiting`` (None if empty)."""
         return self.local(worker).pick(waiting, worker) if waiting else None
-
-    def peek(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
-        """What :meth:`pick` would return now, changing no counter."""
-        return self.local(worker).peek(waiting, worker) if waiting else None
-
-    def preemption_victim(self, waiting: Sequence[FairRequest], running: Sequence[RunningJob],
-                          capacity: int) -> tuple[RunningJob, str] | None:
-        """Fair preemption (``--fairness-preempt``; not in the seed, whose policies only order the queue): the
-        running job to pause so that the request this policy takes next gets a slot now rather than when one
-        frees, and that request's client; or None.
-
-        Only for ``vtc`` (:data:`PREEMPTIVE_POLICIES`; DLPM lets a client run a quantum's worth of requests in a
-        row on purpose, for prefix locality, and pausing them for a client with credit measured no better). Let
-        ``u`` be the client of the request :meth:`peek` returns for a worker. A job of client ``v`` on that worker
-        is paused only when ``v`` has a request waiting too (backlogged: it asks for more than it gets) and its
-        counter is ahead of ``u``'s by more than one median request's cost (``Q^u / quantum_factor``: without that
-        margin two backlogged clients would take slots from each other every few tokens). Among such jobs the one
-        of the client running the most goes, then the one paused least often, then the one started last (least
-        work lost); a job paused ``MAX_FAIR_PAUSES`` times is not paused again. ``capacity`` (slots in all) is
-        kept for callers; the rule does not need it."""
-        if self.name not in PREEMPTIVE_POLICIES or not waiting or not running:
-            return None
-        counts: dict[str, int] = {}
-        for job in running:
-            counts[job.client] = counts.get(job.client, 0) + 1
-        queued = {r.client for r in waiting}
-        local = self.local(None)
-        best: tuple | None = None
-        for worker in dict.fromkeys(job.worker for job in running):
-            nxt = self.peek(waiting, worker)
-            if nxt is None:
-                continue
-            for job in running:
-                v = job.client
-                if (job.worker != worker or v == nxt.client or v not in queued or job.pauses >= MAX_FAIR_PAUSES
-                        or not local.ahead(v, nxt.client)):
-                    continue
-                key = (counts[v], -job.pauses, job.started)
-                if best is None or key > best[0]:
-                    best = (key, job, nxt.client)
-        return None if best is None else (best[1], best[2])
 
     def admit(self, req: FairRequest, worker: Worker) -> None:
         """``req`` starts on ``worker``: charge its input (extend tokens; VTC and D2LPM's worker credit: all of it)."""
@@ -516,7 +431,6 @@ class FairDispatcher:
         self._waiting: dict[int, FairRequest] = {}  # seq -> request, arrival order
         self._by_item: dict[int, FairRequest] = {}  # id(job) -> its request
         self._seq = itertools.count()
-        self._resumed_seq = itertools.count(-1, -1)  # before every new arrival, in pause order
         # fastest first, then the lower index (JFFC's order); chains of capacity 0 never take a job
         self._order = sorted((k for k in range(len(self.chains)) if self.capacities[k] > 0),
                              key=lambda k: (-self.rates[k], k))
@@ -543,13 +457,11 @@ class FairDispatcher:
     def request_of(self, job: Any) -> FairRequest | None:
         return self._by_item.get(id(job))
 
-    def arrive(self, job: Any, resumed: bool = False) -> int | None:
-        """A job arrives: started on a chain (its index returned) or queued (None). ``resumed``: a job paused by
-        fair preemption coming back; it keeps its place as the oldest waiting job (its client's order decides)."""
+    def arrive(self, job: Any) -> int | None:
         req = self.describe(job)
         if req.item is not job:
             raise ValueError("describe(job).item must be the job")
-        req.seq = next(self._resumed_seq) if resumed else next(self._seq)
+        req.seq = next(self._seq)
         req.worker = None
         waiting = list(self._waiting.values())
         self.policy.arrived(req, waiting + [req])
@@ -608,14 +520,6 @@ class FairDispatcher:
         self._forget(req)
         self._start(req, k)
         return req.item
-
-    def preemption_victim(self, running: Sequence[RunningJob]) -> tuple[RunningJob, str] | None:
-        """:meth:`FairPolicy.preemption_victim` over this dispatcher's waiting requests and slots; None while a chain
-        has a free slot (a waiting job starts there) or for a distributed policy."""
-        if self.policy.distributed or not self._waiting or self.free_chains():
-            return None
-        return self.policy.preemption_victim(list(self._waiting.values()), running,
-                                             sum(self.capacities[k] for k in self._order))
 
     def adopt(self, k: int, job: Any) -> bool:
         """Count ``job``, already running on chain ``k`` (carried over a re-plan), if ``k`` has room; no charge."""
@@ -753,5 +657,5 @@ def service_bound(cfg: FairnessConfig, quantum: float, max_input_tokens: int, ma
     return 2.0 * workers * (u + quantum)
 
 
-__all__ = ["FAIRNESS_POLICIES", "DISTRIBUTED_POLICIES", "PREEMPTIVE_POLICIES", "MAX_FAIR_PAUSES", "FairnessConfig", "FairRequest",
-           "RunningJob", "FairPolicy", "FairDispatcher", "AdaptiveQuantum", "ServiceMeter", "jain_index", "service_bound"]
+__all__ = ["FAIRNESS_POLICIES", "DISTRIBUTED_POLICIES", "FairnessConfig", "FairRequest", "FairPolicy",
+           "FairDispatcher", "AdaptiveQuantum", "ServiceMeter", "jain_index", "service_bound"]

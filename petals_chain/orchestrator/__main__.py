@@ -209,12 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fairness-w-e", type=float, default=1.0, metavar="X",
                    help="service units per input token a chain computes (cached prefix tokens are free)")
     p.add_argument("--fairness-w-q", type=float, default=2.0, metavar="X", help="service units per output token")
-    p.add_argument("--fairness-preempt", action="store_true",
-                   help="with --fairness vtc: when the client VTC serves next waits while a backlogged client whose "
-                        "counter is ahead of it by more than a median request holds a slot, pause one of that "
-                        "client's running requests between two steps (it resumes later from its cached KV, token-"
-                        "identical) so the waiting client starts now instead of when a request ends. Not part of "
-                        "seed 002's algorithm")
     p.add_argument("--audit-rate", type=float, default=0.02, metavar="P",
                    help="fraction of hop steps re-run on a second server holding the same blocks (when one has "
                         "spare room) and compared; a disagreement is settled by a third, the server in the minority "
@@ -414,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
         ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, fairness=args.fairness, schedule=args.schedule,
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
-        fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, fairness_preempt=args.fairness_preempt,
-        api_keys=args.api_keys,
+        fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
         audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,
         audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s, speculative=args.speculative[0],
         draft_model=args.speculative[1] or args.draft_model, draft_layers=args.draft_layers, speculative_k=args.speculative_k,

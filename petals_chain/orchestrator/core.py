@@ -62,7 +62,7 @@ def make_shares(cfg: "OrchestratorConfig", registry: Any) -> ClientShares:
                             worker_quantum=cfg.fairness_worker_quantum)
     except ValueError as e:
         raise ValueError(f"--fairness-*: {e}") from None
-    return ClientShares(FairPolicy(name, fc), registry=registry, preempt=cfg.fairness_preempt)
+    return ClientShares(FairPolicy(name, fc), registry=registry)
 
 
 @dataclass
@@ -127,9 +127,6 @@ class OrchestratorConfig:
     fairness_worker_quantum: float = 20000.0  # D2LPM's Q^w
     fairness_w_e: float = 1.0
     fairness_w_q: float = 2.0
-    # --fairness-preempt: a running job of a backlogged client well ahead in VTC's counters is paused between two
-    # steps for the client vtc serves next (algorithms.fairness.FairPolicy.preemption_victim); not in seed 002
-    fairness_preempt: bool = False
     # --audit-rate: fraction of hop steps re-run on another server holding the same blocks (audit.py)
     audit_rate: float = 0.02
     audit_tolerance: float | None = None  # relative L2 error per token (None: by the dtypes servers compute in)

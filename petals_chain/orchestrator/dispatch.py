@@ -27,7 +27,6 @@ from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.edf import (ChainLoad, EDFQueue, Preemptible, Prediction, flex_victim, predict,
                                         predict_from_running)
-from petals_chain.algorithms.fairness import RunningJob
 from petals_chain.algorithms.prefix_locality import PrefixDirectory
 from petals_chain.model import Chain
 from petals_chain.orchestrator.fairness import ClientShares
@@ -71,7 +70,6 @@ class DispatchJob:
     deadline: Any = None
     output_tokens: int = 0
     yields: bool = False  # paused for a deadline (--schedule flex): re-queued behind every job with a deadline
-    pauses: int = 0  # times the job was paused so far (fair preemption pauses a job at most MAX_FAIR_PAUSES times)
     sched: Any = None  # --schedule db|mlfq: its algorithms.multimodel.Job (level, budget, priority), kept by the job
 
     @property
@@ -170,7 +168,7 @@ class Lease:
     generation: int
     chain_id: int
     released: bool = False
-    preempt: bool = False  # give the chain back at the next step (flex, db/mlfq or fair preemption)
+    preempt: bool = False  # --schedule flex: give the chain back at the next step (a deadline job takes it)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -184,7 +182,6 @@ DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq", "petals", "bprr")  #
 # priorities (doubling budget, skip-join MLFQ) over the jobs' execution so far, paused between two steps
 SCHEDULES = ("fcfs", "edf", "flex", "db", "mlfq")
 PRIORITY_SCHEDULES = ("db", "mlfq")
-FAIR_CHECK_S = 0.02  # fair preemption re-checks at most this often as steps move the counters (it is O(jobs))
 PLACEMENT_POLICIES = ("gbp-cr", "whole-model", "petals", "bprr")
 
 
@@ -293,9 +290,6 @@ class DispatchManager:
         self.refused = 0
         self.deadline_refused = 0
         self.flex_preemptions = 0  # running jobs paused so that a deadline job could take their slot
-        # --fairness-preempt: a job of a client well ahead in VTC's counters gives its slot to the one served next
-        self.fair_preempt = bool(shares is not None and shares.central and shares.preempt)
-        self._fair_checked = -math.inf  # monotonic time of the last check from charge() (throttled)
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -422,12 +416,9 @@ class DispatchManager:
         if self.dispatcher is not None:
             if self._start_preferred(job):
                 return
-            fair_resume = self.fair_preempt and job.yields
-            k = self.dispatcher.arrive(job, resumed=True) if fair_resume else self.dispatcher.arrive(job)
+            k = self.dispatcher.arrive(job)
             if k is not None and self._is_started(k, job):
                 self._start(job, k)
-                return
-            if fair_resume:  # paused for another client: it waits in the fair queue, first among its client's jobs
                 return
             self.dispatcher.remove_job(job)  # it waits in the lane, not in the dispatcher's queue
         self._lane.append(job)
@@ -500,8 +491,6 @@ class DispatchManager:
         self._note_queue()
         if self.priorities is not None and job not in self._running:
             self._preempt_for_priority()
-        if self.fair_preempt and job not in self._running:
-            self._preempt_for_fairness()
         try:
             return await fut
         except asyncio.CancelledError:
@@ -561,13 +550,7 @@ class DispatchManager:
 
     def charge(self, lease: Lease, step_s: float) -> None:
         """The job of ``lease`` ran one step for ``step_s`` s: its budget shrinks (and doubles, a level down, when
-        used up); if a waiting job now goes before it, it gives its chain back at its next step. With fair
-        preemption the clients' counters moved: check again (at most every ``FAIR_CHECK_S``)."""
-        if self.fair_preempt:
-            now = time.monotonic()
-            if now - self._fair_checked >= FAIR_CHECK_S:
-                self._fair_checked = now
-                self._preempt_for_fairness()
+        used up); if a waiting job now goes before it, it gives its chain back at its next step."""
         if self.priorities is None or lease.job.sched is None:
             return
         self.priorities.account(lease.job.sched, step_s)
@@ -600,29 +583,6 @@ class DispatchManager:
             self.priority_preemptions += 1
             logger.info("%s: job %s (priority %.4g) pauses job %s (priority %.4g) on chain %d", self.schedule,
                         best.job_id, self._priority(best), worst.job.job_id, self._priority(worst.job), worst.index)
-
-    def _preempt_for_fairness(self) -> None:
-        """``--fairness-preempt``: if the client the fairness policy serves next waits while a backlogged client well
-        ahead of it in the policy's counters holds a slot, mark one of that client's running jobs to give its chain
-        back at its next step
-        (:meth:`~petals_chain.algorithms.fairness.FairDispatcher.preemption_victim`); one pause pending at a time,
-        so each is decided on counters that include the previous one."""
-        if self.dispatcher is None or not hasattr(self.dispatcher, "preemption_victim"):
-            return
-        running = [lease for lease in self._running.values() if lease.generation == self.generation]
-        if any(lease.preempt for lease in running):
-            return
-        workers = self.dispatcher.workers
-        found = self.dispatcher.preemption_victim(
-            [RunningJob(client=lease.job.client, worker=workers[lease.index], started=lease.started,
-                        pauses=lease.job.pauses, ref=lease) for lease in running if 0 <= lease.index < len(workers)])
-        if found is None:
-            return
-        victim, client = found[0].ref, found[1]
-        victim.preempt = True
-        self.shares.preempted()
-        logger.info("fairness: client %s waits; job %s of client %s gives its slot on chain %d back", client,
-                    victim.job.job_id, victim.job.client, victim.index)
 
     def _loads(self, job: DispatchJob) -> tuple[list[ChainLoad], int]:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before

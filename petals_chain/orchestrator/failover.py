@@ -65,7 +65,6 @@ class ChainHolder:
         self.failovers = 0
         self.preemptions = 0  # times the job gave its chain back because a hop had no pages to grow it
         self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
-        self.pauses = 0  # times paused (flex, db/mlfq or fair preemption)
         # --schedule db|mlfq: level, budget and priority of the job (kept across pauses and failovers)
         self.priority = orch.dispatch.new_priority_job(job_id, str(getattr(orch, "model_id", ""))) \
             if hasattr(orch.dispatch, "new_priority_job") else None
@@ -121,7 +120,7 @@ class ChainHolder:
                               prefer=orch.prefix_directory.preferred(named) if named else (), client=self.client,
                               input_tokens=max(0, need - paid),
                               matched={k: max(0, n - paid) for k, n in matched.items()},
-                              expected_output=max(0, self.max_length - need), yields=self.yields, pauses=self.pauses,
+                              expected_output=max(0, self.max_length - need), yields=self.yields,
                               sched=self.priority)
             dl = DEADLINE.get() if not self.admitted else None
             if dl is not None and dl.active:
@@ -324,9 +323,7 @@ class ChainHolder:
                 continue
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
-            if self.lease is not None and (self.priority is not None or getattr(self.orch.dispatch, "fair_preempt",
-                                                                                  False)):
-                # db/mlfq budgets, and fair preemption's counters, move with every step
+            if self.priority is not None and self.lease is not None:
                 self.orch.dispatch.charge(self.lease, time.monotonic() - t_step)
             if self.paid < len(self.kv_ids):  # a turn on a chain the job kept: no admission charged it
                 self._charge("input", len(self.kv_ids) - self.paid)
@@ -366,15 +363,13 @@ class ChainHolder:
         await self._drop()
 
     async def _pause(self) -> None:
-        """A deadline job (``--schedule flex``), a job of higher priority (``db``, ``mlfq``) or another client's job
-        (``--fairness-preempt``) needs this job's slot: give the chain back between two steps, as :meth:`_preempt`
-        does (the servers keep the KV as cached prefixes), and queue again behind the jobs that go first. It
-        resumes where it was, reusing what is still cached; the output is the same."""
+        """A deadline job (``--schedule flex``) or a job of higher priority (``db``, ``mlfq``) needs this job's slot:
+        give the chain back between two steps, as :meth:`_preempt` does (the servers keep the KV as cached
+        prefixes), and queue again behind the jobs that go first. It resumes where it was, reusing what is still
+        cached; the output is the same."""
         self.orch.stats.add_pause()
-        self.pauses += 1
-        why = ("of higher priority" if self.priority is not None else "of another client"
-               if getattr(self.orch.dispatch, "fair_preempt", False) else "with a deadline")
-        logger.info("job %s: paused at %d tokens for a job %s", self.job_id, len(self.kv_ids), why)
+        logger.info("job %s: paused at %d tokens for a job %s", self.job_id, len(self.kv_ids),
+                    "of higher priority" if self.priority is not None else "with a deadline")
         self.kv_valid = min(self.kv_valid, len(self.kv_ids))
         self.yields = True
         await self._drop()

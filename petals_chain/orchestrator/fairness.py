@@ -14,7 +14,7 @@ from typing import Any, Hashable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from petals_chain.algorithms.fairness import PREEMPTIVE_POLICIES, FairPolicy, FairRequest, ServiceMeter
+from petals_chain.algorithms.fairness import FairPolicy, FairRequest, ServiceMeter
 
 FAIRNESS_WINDOW_S = 60.0  # window of the per-client service rates and Jain's index
 
@@ -22,14 +22,8 @@ FAIRNESS_WINDOW_S = 60.0  # window of the per-client service rates and Jain's in
 class ClientShares:
     """The fairness policy and per-client accounting of one orchestrator."""
 
-    def __init__(self, policy: FairPolicy, registry: Any = None, window_s: float = FAIRNESS_WINDOW_S,
-                 preempt: bool = False):
-        if preempt and policy.name not in PREEMPTIVE_POLICIES:
-            raise ValueError(f"--fairness-preempt needs --fairness {' or '.join(PREEMPTIVE_POLICIES)} (the policy is "
-                             f"{policy.name}; auto is dlpm with --api-keys, fcfs without)")
+    def __init__(self, policy: FairPolicy, registry: Any = None, window_s: float = FAIRNESS_WINDOW_S):
         self.policy = policy
-        self.preempt = preempt
-        self.preemptions = 0  # running jobs paused so that the client the policy serves next got a slot
         self.meter = ServiceMeter(window_s)
         self.waits: dict[str, list[float]] = {}  # client -> [jobs started, total wait s, max wait s]
         self.m_service = Counter("petals_chain_client_service_units", "Service per client (API key name): w_e per "
@@ -38,9 +32,6 @@ class ClientShares:
         self.m_wait = Histogram("petals_chain_client_wait_seconds", "Time a client's jobs waited for a chain",
                                 ["client"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
                                 registry=registry)
-        self.m_preempt = Counter("petals_chain_fair_preemptions", "Running jobs paused between two steps so that "
-                                 "the client the fairness policy serves next got a slot (--fairness-preempt)",
-                                 registry=registry)
         self.m_jain = Gauge("petals_chain_fairness_jain_index", "Jain's index of the last minute's service among "
                             "clients that waited in it (NaN with fewer than two)", registry=registry)
 
@@ -71,11 +62,6 @@ class ClientShares:
         self.m_wait.labels(job.client).observe(job.wait_s)
         if queued:
             self.meter.waited(now, job.client)
-
-    def preempted(self) -> None:
-        """A running job was told to give its slot back for the client the policy serves next."""
-        self.preemptions += 1
-        self.m_preempt.inc()
 
     def waiting(self, jobs: Any) -> None:
         """The jobs waiting now (marks their clients backlogged)."""
@@ -132,7 +118,6 @@ class ClientShares:
                           "wait_max_s": max_wait, "backlogged": c in backlogged}
         cfg = self.policy.cfg
         return {"policy": self.policy.name, "w_e": cfg.w_e, "w_q": cfg.w_q, "quantum": self.policy.quantum.value,
-                "quantum_mode": "fixed" if cfg.quantum is not None else "auto", "preempt": self.preempt,
-                "preemptions": self.preemptions,
+                "quantum_mode": "fixed" if cfg.quantum is not None else "auto",
                 "worker_quantum": cfg.worker_quantum, "window_s": self.meter.window_s, "jain_index": jain,
                 "clients": clients}

@@ -44,8 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from petals_chain.algorithms.fairness import (PREEMPTIVE_POLICIES, FairDispatcher, FairnessConfig, FairPolicy,
-                                              FairRequest, RunningJob, jain_index, service_bound)
+from petals_chain.algorithms.fairness import FairDispatcher, FairnessConfig, FairPolicy, FairRequest, jain_index, service_bound
 from petals_chain.sim import data as simdata
 
 # Seed 002's numbers (docs/scheduling-seeds.md §2.9) beside which our results are printed.
@@ -96,8 +95,6 @@ class Request:
     done: int = 0  # output tokens generated
     bound_to: int = -1  # worker a distributed policy bound it to while it waited
     finishes: int = 0  # times it finished (must end at exactly 1)
-    pauses: int = 0  # times fair preemption paused it
-    started: float = math.nan  # its latest admission (``admitted`` keeps the first)
     offered: float = math.nan  # when the client wanted to send it (``arrival`` is when it sent it)
 
     @property
@@ -275,19 +272,12 @@ class FairSim:
     Thm 5.1's premise for D2LPM, whose local schedulers only see the requests bound to them).
     ``max_outstanding``: a client holds a request back (sends it when one of its own finishes, ``arrival`` then
     being the send time) while it has that many in the system, like an API client's concurrency limit; this keeps
-    the queues of an overloaded run bounded without changing who is backlogged. ``preempt``: fair preemption as
-    the orchestrator's ``--fairness-preempt`` (:meth:`FairPolicy.preemption_victim`), checked at every step end;
-    a paused request loses its KV (it recomputes its input, or only its suffix when its group is still cached,
-    plus the tokens it generated), is not charged for that, and re-queues first among its client's requests."""
+    the queues of an overloaded run bounded without changing who is backlogged."""
 
     def __init__(self, policy: str, *, workers: int = 1, capacity: int = 16, cache_tokens: int = 8192,
                  cost: StepCost = StepCost(), cfg: FairnessConfig | None = None, track_pairs: bool = False,
-                 pair_backlog: str = "any", max_outstanding: int | None = None, check: bool = True,
-                 preempt: bool = False):
+                 pair_backlog: str = "any", max_outstanding: int | None = None, check: bool = True):
         self.policy = FairPolicy(policy, cfg)
-        if preempt and policy not in PREEMPTIVE_POLICIES:
-            raise ValueError(f"fair preemption runs with {', '.join(PREEMPTIVE_POLICIES)}, not {policy!r}")
-        self.preempt = preempt
         self.D = int(workers)
         self.capacity = int(capacity)
         self.cost = cost
@@ -370,9 +360,8 @@ class FairSim:
             w = k
             cache = self.caches[k]
             hit = r.group is not None and r.group in cache
-            resumed = r.pauses > 0
-            r.extend = (r.suffix if hit else r.input_tokens) + r.done  # a resumed request recomputes its output too
-            pol.prompt(req, w, 0 if resumed else r.extend)  # the snapshot may differ from the cache at admission
+            r.extend = r.suffix if hit else r.input_tokens
+            pol.prompt(req, w, r.extend)  # the snapshot may differ from the cache at admission
             if r.group is not None:
                 cache.use(r.group, r.prefix)
             if r.bound_to >= 0 and r.group is not None:
@@ -380,11 +369,8 @@ class FairSim:
                 ann[r.group] -= 1
                 if not ann[r.group]:
                     del ann[r.group]
-            if not resumed:
-                r.admitted = now
-            r.started, r.worker = now, k
-            if not resumed:  # the recomputation after a pause is the system's cost, not the client's
-                charges.append((now, r.client, cfg.w_e * r.input_tokens, cfg.w_e * r.extend))
+            r.admitted, r.worker = now, k
+            charges.append((now, r.client, cfg.w_e * r.input_tokens, cfg.w_e * r.extend))
             self.pending[k].append(r)
             if was_waiting:
                 observe()  # the admission's charge counts inside the client's backlogged window
@@ -410,31 +396,6 @@ class FairSim:
             heapq.heappush(heap, (now + dt, seq, 1, k))
             seq += 1
             steps += 1
-
-        def preempt_on(k: int) -> None:
-            """Fair preemption between two steps of worker ``k``: pause the victim, start what the policy picks."""
-            slots = self.running[k] + self.pending[k]
-            found = disp.preemption_victim([RunningJob(client=r.client, worker=k, started=r.started, pauses=r.pauses,
-                                                       ref=r) for r in slots])
-            if found is None:
-                return
-            r = found[0].ref
-            if r in self.pending[k]:
-                self.pending[k].remove(r)
-            else:
-                self.running[k].remove(r)
-            if r.group is not None:
-                self.caches[k].release(r.group)
-            r.pauses += 1
-            nxt = disp.complete(k)
-            if nxt is not None:
-                admitted(nxt, k, True)
-            kk = disp.arrive(r, resumed=True)
-            if kk is None:
-                set_waiting(r.client, +1)
-                observe()
-            else:
-                admitted(r, kk, False)
 
         while heap:
             now, _, kind, x = heapq.heappop(heap)
@@ -494,8 +455,6 @@ class FairSim:
                         nxt = disp.complete(k)
                         if nxt is not None:
                             admitted(nxt, k, True)
-                if self.preempt and disp.queue_length and not self.stepping[k]:
-                    preempt_on(k)  # between two steps (not once an admission above started the next one)
                 if not self.stepping[k]:
                     start_step(k)
             if self.check and disp.queue_length and any(o < self.capacity for o in disp.occupancy):
@@ -629,10 +588,7 @@ def simulate(policy: str, requests: Sequence[Request], *, fresh: bool = True, **
     """Run ``policy`` on a private copy of ``requests`` (so every policy sees the same workload)."""
     reqs = [Request(r.rid, r.client, r.arrival, r.group, r.prefix, r.suffix, r.output) for r in requests] if fresh else list(requests)
     horizon = kw.pop("horizon", None)
-    name, _, variant = policy.partition("+")
-    if variant not in ("", "preempt"):
-        raise ValueError(f"unknown policy variant {policy!r}: POLICY or POLICY+preempt")
-    return FairSim(name, preempt=variant == "preempt", **kw).run(reqs, horizon=horizon)
+    return FairSim(policy, **kw).run(reqs, horizon=horizon)
 
 
 def _round(d: Any, nd: int = 4) -> Any:
@@ -647,7 +603,7 @@ def _round(d: Any, nd: int = 4) -> Any:
 
 # --------------------------------------------------------------------------------------- experiments
 
-HEAVY_POLICIES = ("fcfs", "lpm", "vtc", "dlpm", "vtc+preempt")
+HEAVY_POLICIES = ("fcfs", "lpm", "vtc", "dlpm")
 ACCEPT = {"heavy_light_latency_ratio": 1.3, "heavy_throughput_vs_fcfs": 0.97, "heavy_jain": 0.83,
           "prefix_dlpm_vs_vtc": 1.3, "distributed_d2lpm_vs_dvtc": 1.3}
 
