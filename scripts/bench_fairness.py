@@ -192,7 +192,7 @@ def main() -> int:
     for name, f in rows:
         print(f"{name:34s}" + "".join(f"{f(summ[pol]):12.3f}" for pol in policies))
     texts = {r["text"] for run in [alone, *runs.values()] for r in run["results"]}
-    if len(texts) != 1:  # same prompt, greedy: every reply must be the same text, paused or not
+    if len(texts) != 1:  # same prompt, greedy: every reply must be the same text
         print(f"ERROR: {len(texts)} distinct greedy outputs for one prompt", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "alone_mean_s": alone_mean, "rate": rate,
