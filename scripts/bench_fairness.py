@@ -107,12 +107,14 @@ def summarize(run: dict, lights: list[str]) -> dict:
     by = {}
     for r in res:
         by.setdefault(r["client"], []).append(r)
-    light_lat = [r["latency"] for c in lights for r in by.get(c, [])]
-    out = {"light_mean_s": statistics.mean(light_lat) if light_lat else None,
+    light = [r for c in lights for r in by.get(c, [])]
+    light_lat = [r["latency"] for r in light]
+    light_wait = [r["wait"] for r in light]
+    out = {"light_mean_s": statistics.mean(light_lat) if light else None,
            "distinct_outputs": len({r["text"] for r in res}),
-           "light_wait_mean_s": statistics.mean(r["wait"] for c in lights for r in by.get(c, [])) if light_lat else None,
-           "light_wait_p50_s": statistics.median(r["wait"] for c in lights for r in by.get(c, [])) if light_lat else None,
-           "light_p90_s": float(np.percentile(light_lat, 90)) if light_lat else None,
+           "light_wait_mean_s": statistics.mean(light_wait) if light else None,
+           "light_wait_p50_s": statistics.median(light_wait) if light else None,
+           "light_p90_s": float(np.percentile(light_lat, 90)) if light else None,
            "requests_per_s": len(res) / run["wall_s"], "wall_s": run["wall_s"], "capacity": run["capacity"]}
     if "heavy" in by:
         out["heavy_mean_s"] = statistics.mean(r["latency"] for r in by["heavy"])
