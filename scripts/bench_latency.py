@@ -2,7 +2,7 @@
 without speculative decoding (issue 19), side by side.
 
     python scripts/bench_latency.py [--model smollm2-135m | --tiny] [--rtt-ms 50] [--hops 3] [--max-tokens 96]
-                                    [--rounds 2] [--json out.json]
+                                    [--rounds 2] [--device cpu|cuda] [--dtype float32] [--json out.json]
 
 Real processes: an orchestrator and ``--hops`` servers (each may hold at most ``ceil(L / hops)`` blocks, so the
 one chain has ``--hops`` hops), every server emulating ``--rtt-ms`` of round trip per relay step (the link between
@@ -61,8 +61,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--device", default="cpu", help="where the servers' blocks and the orchestrator's head run")
+    ap.add_argument("--dtype", default="float32", help="the servers' and the head's dtype")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    placement = ["--device", args.device, "--dtype", args.dtype]
 
     import httpx
 
@@ -79,8 +82,9 @@ def main() -> int:
         L, s_m, s_c = model_memory(model, args.max_length)
         per = math.ceil(L / args.hops)
         servers = [LocalServer(f"s{i}", per * s_m + 8 * per * s_c, emulate_rtt_ms=args.rtt_ms, tau_p=0.05,
-                               extra_args=["--max-blocks", str(per)]) for i in range(args.hops)]
-        sw = LocalSwarm(model, servers, max_length=args.max_length, arrival_rate=0.5, log_dir=Path(d) / "logs")
+                               extra_args=["--max-blocks", str(per), *placement]) for i in range(args.hops)]
+        sw = LocalSwarm(model, servers, max_length=args.max_length, arrival_rate=0.5, log_dir=Path(d) / "logs",
+                        orchestrator_args=placement)
         sw.start()
         try:
             st = sw.wait_until(lambda st: st["ready"] and st["chains"]
@@ -136,7 +140,7 @@ def main() -> int:
                           flush=True)
         finally:
             sw.stop()
-    print(f"\n{args.hops}-hop chain {hops}, emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} "
+    print(f"\n{args.hops}-hop chain {hops} on {args.device} ({args.dtype}), emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} "
           f"tokens max; tokens/s = generated tokens / service time (median of {args.rounds}); ratio vs "
           f"{'+'.join(MODES[0])}; legs = network legs per generated token on the critical path")
     print(f"{'task':8} {'tokens':>6} " + " ".join(f"{'+'.join(m):>26}" for m in MODES) + "  accept  identical")

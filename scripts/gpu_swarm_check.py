@@ -1,10 +1,12 @@
 """A real P2P swarm on one GPU: three server processes share it (gpu-checklist item 2, swarm part).
 
     python scripts/gpu_swarm_check.py [--layers 32] [--servers 3] [--new-tokens 32] [--json out.json]
+    python scripts/gpu_swarm_check.py --model smollm2-135m --dtype float32     # the real model (GGUF)
 
 A Llama-2-7B-shaped random-weight model (hidden 4096, 32 heads, MLP 11008; ``--layers`` blocks) is written in
-bfloat16; transformers generates greedily on the GPU (the reference); then an orchestrator (head and sampling on
-``cuda``) and ``--servers`` server processes (``--device cuda --dtype bfloat16``, each allowed at most
+bfloat16, or ``--model`` names a real one (a short name, a .gguf file, an HF directory); transformers generates
+greedily on the GPU (the reference); then an orchestrator (head and sampling on ``cuda``) and ``--servers`` server
+processes (``--device cuda --dtype DTYPE``, each allowed at most
 ``ceil(layers / servers)`` blocks, so the chain has ``--servers`` hops) serve the same prompts through hivemind on
 loopback. Reports token agreement with the reference (run with the attention kernels our servers use: cuDNN's
 SDPA off, see ``runner._avoid_cudnn_attention``; and with transformers' defaults) and tokens/s at 1 and 8
@@ -24,16 +26,18 @@ from pathlib import Path
 
 import torch
 
-from petals_chain.swarm.checkpoint import cache_kwarg
+from petals_chain.swarm.checkpoint import cache_kwarg, load_config, resolve_model_path
 from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE, build_tiny_model
 
 
-def reference(path: str, prompts: list[list[int]], n: int, device: str) -> list[list[int]]:
-    """Greedy ``n`` tokens per prompt with transformers on the GPU (bf16), end-of-sequence fed like any token."""
+def reference(path: str, prompts: list[list[int]], n: int, device: str, dtype: torch.dtype) -> list[list[int]]:
+    """Greedy ``n`` tokens per prompt with transformers on the GPU, end-of-sequence fed like any token."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    p = Path(path)
+    kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent if kw else p), dtype=dtype, **kw).to(device).eval()
     outs = []
     with torch.no_grad():
         for ids in prompts:
@@ -57,37 +61,43 @@ def main() -> int:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default=None, help="a real model instead of the random 7B-shaped one")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--quick", action="store_true", help="small shapes (to try the script on a CPU)")
     args = ap.parse_args()
     dev = args.device
-    res: dict = {"gpu": torch.cuda.get_device_name(0) if dev != "cpu" else "cpu", "layers": args.layers,
-                 "servers": args.servers}
+    dtype = getattr(torch, args.dtype)
+    res: dict = {"gpu": torch.cuda.get_device_name(0) if dev != "cpu" else "cpu", "servers": args.servers,
+                 "model": args.model or "llama-2-7b-shaped", "dtype": args.dtype}
     shape = LLAMA2_7B_SHAPE if not args.quick else dict(hidden_size=128, num_attention_heads=4, intermediate_size=256,
                                                  vocab_size=512, initializer_range=0.02)
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        path = str(build_tiny_model(Path(d) / "seven", family="llama", num_layers=args.layers, dtype="bfloat16",
-                                    max_position_embeddings=args.max_length, **shape))
+        if args.model:
+            path = str(resolve_model_path(args.model))
+        else:
+            path = str(build_tiny_model(Path(d) / "seven", family="llama", num_layers=args.layers, dtype=args.dtype,
+                                        max_position_embeddings=args.max_length, **shape))
         res["build_s"] = round(time.perf_counter() - t0, 1)
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(path).vocab_size  # the tokenizer's, at most shape["vocab_size"]
+        config = load_config(path)
+        layers = res["layers"] = config.num_hidden_layers
+        vocab = config.vocab_size  # the tokenizer's, at most shape["vocab_size"] for the random model
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (17, 40)]
         t0 = time.perf_counter()
         # transformers' default attention kernels first, then with cuDNN's SDPA off as our servers run it
-        ref_default = reference(path, prompts, args.new_tokens, dev)
+        ref_default = reference(path, prompts, args.new_tokens, dev, dtype)
         if dev != "cpu":
             torch.backends.cuda.enable_cudnn_sdp(False)
-        ref = reference(path, prompts, args.new_tokens, dev)
+        ref = reference(path, prompts, args.new_tokens, dev, dtype)
         res["reference_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(res), flush=True)
-        per = math.ceil(args.layers / args.servers)
+        per = math.ceil(layers / args.servers)
         mem = memory_for(path, args.max_length, per, 16)
-        servers = [LocalServer(f"gpu{i}", mem, extra_args=["--device", dev, "--dtype", "bfloat16",
+        servers = [LocalServer(f"gpu{i}", mem, extra_args=["--device", dev, "--dtype", args.dtype,
                                                            "--max-blocks", str(per)]) for i in range(args.servers)]
         sw = LocalSwarm(path, servers, max_length=args.max_length, arrival_rate=1.0, log_dir=Path(d) / "logs",
-                        orchestrator_args=["--device", dev, "--dtype", "bfloat16"])
+                        orchestrator_args=["--device", dev, "--dtype", args.dtype])
         t0 = time.perf_counter()
         sw.start()
         try:
