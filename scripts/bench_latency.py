@@ -52,6 +52,10 @@ TASKS = [
 ]
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -138,6 +142,12 @@ def main() -> int:
                     rows.append(row)
                     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
                           flush=True)
+                # where a decode step's time goes, per hop (EWMA over the relayed steps; the planner's view)
+                st = c.get("/api/v1/swarm").json()
+                by_id = {s["peer_id"]: s for s in st["servers"]}
+                per_hop = [{"server": by_id[p]["public_name"], "blocks": by_id[p]["num_blocks"],
+                            "compute_ms": _ms(by_id[p].get("step_compute_s")),
+                            "network_ms": _ms(by_id[p].get("step_network_s"))} for p in st["chains"][0]["servers"]]
         finally:
             sw.stop()
     print(f"\n{args.hops}-hop chain {hops} on {args.device} ({args.dtype}), emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} "
@@ -149,8 +159,11 @@ def main() -> int:
                  for k in ("+".join(m) for m in MODES)]
         print(f"{r['task']:8} {r['tokens']:6d} " + " ".join(f"{c:>26}" for c in cells)
               + f"  {r['acceptance_rate']:6.2f}  {r['identical']}")
+    print("per decode step, each hop (relayed steps' EWMA): "
+          + ", ".join(f"{h['server']} ({h['blocks']} blocks): compute {h['compute_ms']} ms, network {h['network_ms']} ms"
+                      for h in per_hop))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "per_hop": per_hop}, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1
 
 
