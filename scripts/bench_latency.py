@@ -2,7 +2,8 @@
 without speculative decoding (issue 19), side by side.
 
     python scripts/bench_latency.py [--model smollm2-135m | --tiny] [--rtt-ms 50] [--hops 3] [--max-tokens 96]
-                                    [--rounds 2] [--device cpu|cuda] [--dtype float32] [--json out.json]
+                                    [--rounds 2] [--device cpu|cuda] [--dtype float32] [--decode-graph cuda]
+                                    [--json out.json]
 
 Real processes: an orchestrator and ``--hops`` servers (each may hold at most ``ceil(L / hops)`` blocks, so the
 one chain has ``--hops`` hops), every server emulating ``--rtt-ms`` of round trip per relay step (the link between
@@ -67,6 +68,8 @@ def main() -> int:
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--device", default="cpu", help="where the servers' blocks and the orchestrator's head run")
     ap.add_argument("--dtype", default="float32", help="the servers' and the head's dtype")
+    ap.add_argument("--decode-graph", default="off", choices=["off", "cuda", "eager"],
+                    help="the servers' --decode-graph (cuda: one-token steps replayed as CUDA graphs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     placement = ["--device", args.device, "--dtype", args.dtype]
@@ -86,7 +89,8 @@ def main() -> int:
         L, s_m, s_c = model_memory(model, args.max_length)
         per = math.ceil(L / args.hops)
         servers = [LocalServer(f"s{i}", per * s_m + 8 * per * s_c, emulate_rtt_ms=args.rtt_ms, tau_p=0.05,
-                               extra_args=["--max-blocks", str(per), *placement]) for i in range(args.hops)]
+                               extra_args=["--max-blocks", str(per), *placement,
+                                                                "--decode-graph", args.decode_graph]) for i in range(args.hops)]
         sw = LocalSwarm(model, servers, max_length=args.max_length, arrival_rate=0.5, log_dir=Path(d) / "logs",
                         orchestrator_args=placement)
         sw.start()
@@ -150,7 +154,7 @@ def main() -> int:
                             "network_ms": _ms(by_id[p].get("step_network_s"))} for p in st["chains"][0]["servers"]]
         finally:
             sw.stop()
-    print(f"\n{args.hops}-hop chain {hops} on {args.device} ({args.dtype}), emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} "
+    print(f"\n{args.hops}-hop chain {hops} on {args.device} ({args.dtype}, decode graph {args.decode_graph}), emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} "
           f"tokens max; tokens/s = generated tokens / service time (median of {args.rounds}); ratio vs "
           f"{'+'.join(MODES[0])}; legs = network legs per generated token on the critical path")
     print(f"{'task':8} {'tokens':>6} " + " ".join(f"{'+'.join(m):>26}" for m in MODES) + "  accept  identical")

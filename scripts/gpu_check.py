@@ -1,6 +1,7 @@
 """The GPU checklist's in-process parts (../shared/docs/gpu-checklist.md items 2, 4, 5) in one run, for a lent GPU.
 
     python scripts/gpu_check.py [--device cuda] [--layers 8] [--json out.json] [--quick]
+    python scripts/gpu_check.py --decode-graph [--device cuda]
 
 1. ``exact``: greedy tokens of our path (three ``BlockRunner`` spans on the device, as a 3-hop chain's servers
    run them, plus the orchestrator's head from ``load_head``) against transformers' own model on the same device:
@@ -9,7 +10,11 @@
    difference at the prefill.
 2. ``batching``: decode steps/s of one 7B-shaped span (4 blocks, bf16) at 1, 8 and 32 concurrent sessions, the
    server's continuous batching on vs off (``scripts/bench_batching.py``'s measurement); goal >= 8x at 32.
-3. ``head``: the orchestrator's LM head (hidden 4096 x vocab 128256, bf16) plus batched sampling per step at batch
+3. ``decode_graph`` (``--decode-graph``, alone): one session's decode step over a span, eager vs the static-shape
+   step (``--decode-graph eager``) vs its CUDA graph (``--decode-graph cuda``): ms per step and the largest relative
+   difference from the eager path's output, on a SmolLM2-shaped span (10 blocks, hidden 576, 9 heads, 3 KV heads,
+   fp32) and a Llama-2-7B-shaped one (4 blocks, bf16), random weights.
+4. ``head``: the orchestrator's LM head (hidden 4096 x vocab 128256, bf16) plus batched sampling per step at batch
    1, 8, 32 on the device, and the batched sampler vs a per-request loop (``scripts/bench_sampling.py``'s mix).
 
 Every section records its error instead of stopping the run; the JSON has everything printed.
@@ -102,6 +107,46 @@ def batching(path: str, device: torch.device, dtype: torch.dtype, sessions: list
     off.close() if hasattr(off, "close") else None
     base = out[sessions[0]]["batched_steps_per_s"]
     out["scaling_at_max"] = round(out[max(sessions)]["batched_steps_per_s"] / base, 2)
+    return out
+
+
+SMOLLM2_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                     vocab_size=49152, initializer_range=0.02)
+
+
+def decode_graph(path: str, device: torch.device, dtype: torch.dtype, blocks: int, steps: int = 60) -> dict:
+    """ms per one-token step of one session over ``blocks`` blocks per ``--decode-graph`` mode, and each mode's
+    largest difference from the eager path (relative to the output's largest value)."""
+    from petals_chain.server.runner import BlockRunner
+
+    modes = ["off", "eager"] + (["cuda"] if device.type == "cuda" else [])
+    runners = {m: BlockRunner(path, 0, blocks, num_slots=2 * blocks, max_length=512, dtype=dtype, device=device,
+                              batching=False, progress=False, decode_graph=m) for m in modes}
+    g = torch.Generator().manual_seed(0)
+    h = runners["off"].hidden_size
+    prompt = torch.randn(1, 32, h, generator=g).to(dtype)
+    inputs = [torch.randn(1, 1, h, generator=g).to(dtype) for _ in range(steps)]
+    outs: dict[str, list[torch.Tensor]] = {}
+    times: dict[str, list[float]] = {}
+    for m, r in runners.items():
+        r.allocate("s", 0, blocks)
+        r.forward("s", prompt, 0)
+        outs[m], times[m] = [], []
+        for i, x in enumerate(inputs):
+            _sync(device)
+            t0 = time.perf_counter()
+            y = r.forward("s", x, 32 + i)
+            _sync(device)
+            times[m].append(time.perf_counter() - t0)
+            outs[m].append(y.float())
+    out: dict = {"blocks": blocks, "dtype": str(dtype).replace("torch.", ""), "steps": steps}
+    for m in modes:
+        ms = statistics.median(times[m][5:]) * 1e3  # the first steps include the capture
+        diff = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(outs["off"], outs[m]))
+        out[m] = {"ms_per_step": round(ms, 3), "max_rel_diff": diff,
+                  **({"stats": runners[m].static_decode.stats()} if m != "off" else {})}
+    if "cuda" in modes:
+        out["speedup_cuda_vs_off"] = round(out["off"]["ms_per_step"] / out["cuda"]["ms_per_step"], 2)
     return out
 
 
@@ -225,6 +270,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--only-head", action="store_true", help="only the head and sampling section")
     ap.add_argument("--profile", action="store_true", help="only a profile of one session's decode steps")
+    ap.add_argument("--decode-graph", action="store_true", help="only the decode-graph section")
     args = ap.parse_args()
     device = torch.device(args.device)
     from petals_chain.swarm.tiny_model import build_tiny_model
@@ -254,6 +300,13 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1, default=str))
 
+    if args.decode_graph:
+        with tempfile.TemporaryDirectory() as d:
+            small = build_tiny_model(Path(d) / "smollm2", family="llama", num_layers=10, **SMOLLM2_SHAPE)
+            section("decode_graph_smollm2_fp32", decode_graph, str(small), device, torch.float32, 10)
+            seven = build_tiny_model(Path(d) / "seven", family="llama", num_layers=4, **big)
+            section("decode_graph_7b_bf16", decode_graph, str(seven), device, torch.bfloat16, 4)
+        return 0
     if args.profile:
         with tempfile.TemporaryDirectory() as d:
             seven = build_tiny_model(Path(d) / "seven", family="llama", num_layers=4, **big)

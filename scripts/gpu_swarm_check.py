@@ -63,12 +63,14 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default=None, help="a real model instead of the random 7B-shaped one")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--decode-graph", default="off", choices=["off", "cuda", "eager"], help="the servers' mode")
     ap.add_argument("--quick", action="store_true", help="small shapes (to try the script on a CPU)")
     args = ap.parse_args()
     dev = args.device
     dtype = getattr(torch, args.dtype)
     res: dict = {"gpu": torch.cuda.get_device_name(0) if dev != "cpu" else "cpu", "servers": args.servers,
-                 "model": args.model or "llama-2-7b-shaped", "dtype": args.dtype}
+                 "model": args.model or "llama-2-7b-shaped", "dtype": args.dtype,
+                 "decode_graph": args.decode_graph}
     shape = LLAMA2_7B_SHAPE if not args.quick else dict(hidden_size=128, num_attention_heads=4, intermediate_size=256,
                                                  vocab_size=512, initializer_range=0.02)
     g = torch.Generator().manual_seed(0)
@@ -95,7 +97,8 @@ def main() -> int:
         per = math.ceil(layers / args.servers)
         mem = memory_for(path, args.max_length, per, 16)
         servers = [LocalServer(f"gpu{i}", mem, extra_args=["--device", dev, "--dtype", args.dtype,
-                                                           "--max-blocks", str(per)]) for i in range(args.servers)]
+                                                           "--max-blocks", str(per), "--decode-graph",
+                                                           args.decode_graph]) for i in range(args.servers)]
         sw = LocalSwarm(path, servers, max_length=args.max_length, arrival_rate=1.0, log_dir=Path(d) / "logs",
                         orchestrator_args=["--device", dev, "--dtype", args.dtype])
         t0 = time.perf_counter()

@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="free a finished session's pages instead of keeping them for later prompts that start with "
                         "the same tokens (the prefix cache needs paged mode and a --page-size multiple of 16)")
+    p.add_argument("--decode-graph", choices=["off", "cuda", "eager"], default="off",
+                   help="cuda: replay one session's one-token decode step over the span as a CUDA graph (one launch "
+                        "instead of ~50 kernels per block; needs --device cuda); eager: the same static-shape step "
+                        "without capture, on any device (to check it)")
     p.add_argument("--no-batching", action="store_true",
                    help="run each session's step alone instead of batching concurrent sessions (for comparisons)")
     p.add_argument("--max-waiters", type=int, default=256,
@@ -147,7 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       else args.emulate_reply_fault_rate),
             emulate_tau_p_lie=args.emulate_tau_p_lie, batching=not args.no_batching, max_blocks=args.max_blocks,
             max_waiters=args.max_waiters, max_wait_s=args.max_wait_s, kv_cache=args.kv_cache, page_size=args.page_size,
-            prefix_cache=not args.no_prefix_cache)
+            prefix_cache=not args.no_prefix_cache, decode_graph=args.decode_graph)
         server = Server(cfg)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -45,6 +45,7 @@ class ServerConfig:
     kv_cache: str = "paged"  # paged | slots (server/kv_cache.py)
     page_size: int = 16  # tokens per KV page (paged mode)
     prefix_cache: bool = True  # keep finished sessions' full pages for prompts with the same prefix (paged mode)
+    decode_graph: str = "off"  # off | cuda | eager: one session's one-token steps with static shapes (decode_graph.py)
     max_waiters: int = 256  # opens waiting for slots (wait_s > 0), FIFO
     max_wait_s: float = 600.0
     # Testbed emulation (swarm/emulation.py), all shown in the server record:

@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from petals_chain.server.batching import BatchScheduler, install_dispatch
+from petals_chain.server.decode_graph import StaticDecode, check_decode_graph
 from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NO_PAGE, NoCapacityError, PagedCache, PagePool, PageTable,
                                           PageTables, check_kv_cache, page_size_for, pages_for)
 from petals_chain.server.session_state import SessionState
@@ -100,6 +101,7 @@ class BlockRunner:
         kv_cache: str = "paged",
         page_size: int = DEFAULT_PAGE_SIZE,
         prefix_cache: bool = True,
+        decode_graph: str = "off",
     ):
         self.source = resolve_source(model_path)
         self.model_path = self.source.path
@@ -123,6 +125,7 @@ class BlockRunner:
             raise ValueError(f"max_length {max_length} exceeds the model's max_position_embeddings {max_pos}")
         self._check_sliding_window(max_length)
         check_kv_cache(kv_cache, page_size)
+        check_decode_graph(decode_graph, device, quant)
         for name, v in (("max_batch_tokens", max_batch_tokens), ("prefill_chunk_tokens", prefill_chunk_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -158,6 +161,8 @@ class BlockRunner:
         self.prefix_reused_tokens = 0  # of those, tokens whose K/V came from the cache (not computed)
 
         install_dispatch(self.blocks)
+        # one-token steps of one session with static shapes (a CUDA graph replay in mode "cuda")
+        self.static_decode = StaticDecode(self, decode_graph) if decode_graph != "off" else None
 
         self._sessions: dict[str, SessionState] = {}
         self._lock = threading.Lock()  # session table, pool and batch queue
@@ -573,6 +578,10 @@ class BlockRunner:
                     end: int) -> torch.Tensor:
         """One session's step through blocks ``[start, end)``: pure compute over the given pages."""
         n = hidden.shape[1]
+        if n == 1 and self.static_decode is not None:
+            out = self.static_decode.run(hidden, position, pages_of, start, end)
+            if out is not None:
+                return out
         cache = PagedCache(self.pool, pages_of, position, n)
         position_ids = torch.arange(position, position + n, device=self.device).unsqueeze(0)
         position_embeddings = self.rotary(hidden, position_ids)

@@ -29,6 +29,7 @@ import torch
 from petals_chain.server import emulated
 from petals_chain.server.announce import Announcer, build_record
 from petals_chain.server.config import DEFAULT_MAX_LENGTH, ServerConfig
+from petals_chain.server.decode_graph import check_decode_graph
 from petals_chain.server.memory import CPU_MEMORY_FRACTION, default_memory_bytes
 from petals_chain.server.models import HostedModel, StandbyView, load_hosted
 from petals_chain.server.sessions import SessionService
@@ -61,6 +62,7 @@ class Server:
             raise ValueError(f"--max-blocks must be a non-negative integer, got {cfg.max_blocks!r}")
         if cfg.max_length is not None and cfg.max_length < 1:
             raise ValueError("--max-length must be >= 1")
+        check_decode_graph(cfg.decode_graph, cfg.device, cfg.quant)
         self.emulation = cfg.emulation()
         # every model the volunteer offers (server/models.py); the blocks served are of ``self.active``
         self.hosted = load_hosted([cfg.model, *cfg.extra_models], dht_prefix=cfg.dht_prefix, dtype=cfg.dtype,
@@ -163,6 +165,8 @@ class Server:
             "emulate_prefill_ms_per_token": emu.prefill_ms_per_token, "emulate_decode_ms": emu.decode_ms,
             "reloads": self.reloads, "cache_tokens_per_block": cfg.cache_tokens_per_block, "batching": cfg.batching,
             "kv_cache": cfg.kv_cache, "kv_pages": runner.cache_stats() if runner else None,
+            "decode_graph": (runner.static_decode.stats() if runner is not None and runner.static_decode is not None
+                             else {"mode": cfg.decode_graph}),
             "rejoins": self.announcer.rejoins if self.announcer else 0,
             "models": [h.prefix for h in self.hosted], "serving": self.prefix, "model_switches": self.switches,
         }
@@ -229,7 +233,7 @@ class Server:
                 self.source, start, num, num_slots=slots, max_length=max_length, dtype=self.torch_dtype,
                 device=self.cfg.device, quant=self.cfg.quant, config=self.config, progress=self.cfg.progress,
                 batching=self.cfg.batching, kv_cache=self.cfg.kv_cache, page_size=self.cfg.page_size,
-                prefix_cache=self.cfg.prefix_cache))
+                prefix_cache=self.cfg.prefix_cache, decode_graph=self.cfg.decode_graph))
         except Exception:
             logger.exception("loading the assigned blocks failed")
             return
