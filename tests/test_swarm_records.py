@@ -217,18 +217,14 @@ def test_the_dht_process_dies_on_sigterm_under_an_asyncio_signal_handler():
     """Roles fork the DHT process after asyncio took SIGTERM: the child must still die on it, or hivemind's
     "terminating it the hard way" does nothing and each slow shutdown waits out a 10 s join."""
     import asyncio
-    import contextlib
     import os
     import signal
-
-    import psutil
 
     async def main() -> bool:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, lambda: None)
         try:
             sd = await loop.run_in_executor(None, lambda: SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-            p2pd = psutil.Process(sd.dht.pid).children(recursive=True)  # orphaned by the kill: reaped below
             try:
                 os.kill(sd.dht.pid, signal.SIGTERM)
                 for _ in range(50):
@@ -237,12 +233,34 @@ def test_the_dht_process_dies_on_sigterm_under_an_asyncio_signal_handler():
                     await asyncio.sleep(0.1)
                 return False
             finally:
-                sd.shutdown()
-                for proc in p2pd:
-                    with contextlib.suppress(psutil.Error):
-                        proc.kill()
-                        proc.wait(timeout=5)
+                sd.shutdown()  # also reaps a p2pd the kill orphaned
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
 
     assert asyncio.run(main())
+
+
+def test_shutdown_reaps_the_p2pd_of_a_killed_dht_process():
+    """A DHT process killed outright (SIGKILL, or hivemind's "hard way" after a slow shutdown) leaves its p2pd
+    running; SwarmDHT.shutdown kills it."""
+    import contextlib
+    import os
+    import signal
+
+    import psutil
+
+    sd = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    p2pd = psutil.Process(sd.dht.pid).children(recursive=True)
+    try:
+        assert p2pd
+        os.kill(sd.dht.pid, signal.SIGKILL)
+        sd.dht.join(10)
+        assert any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in p2pd), "p2pd died with it"
+        sd.shutdown()
+        for p in p2pd:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                assert p.status() == psutil.STATUS_ZOMBIE
+    finally:
+        for p in p2pd:
+            with contextlib.suppress(psutil.Error):
+                p.kill()

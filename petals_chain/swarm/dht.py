@@ -192,6 +192,23 @@ class _DHTProcess(DHT):
 DHT_READY_TIMEOUT_S = 120.0  # joining over a slow network takes seconds; a start that takes minutes has hung
 
 
+def _daemons_of(dht: DHT) -> list[psutil.Process]:
+    """The processes the DHT process started (its p2pd)."""
+    try:
+        return psutil.Process(dht.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill_orphans(daemons: Sequence[psutil.Process]) -> None:
+    """Kill those of ``daemons`` still running: a p2pd whose DHT process was killed outlives it until its next log
+    line. (psutil checks the process's start time, so a reused pid is never signalled.)"""
+    for proc in daemons:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            proc.wait(timeout=5)
+
+
 def _await_ready(dht: DHT, timeout_s: float) -> None:
     """Wait for ``dht`` to report ready; if it does not within ``timeout_s``, kill it and its p2pd and raise."""
     try:
@@ -199,16 +216,10 @@ def _await_ready(dht: DHT, timeout_s: float) -> None:
         return
     except concurrent.futures.TimeoutError:
         pass
-    try:
-        daemons = psutil.Process(dht.pid).children(recursive=True)
-    except psutil.Error:
-        daemons = []
+    daemons = _daemons_of(dht)
     dht.kill()
     dht.join(5)
-    for proc in daemons:  # p2pd would otherwise outlive its parent until its next log line
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-            proc.wait(timeout=5)
+    _kill_orphans(daemons)
     raise RuntimeError(f"the DHT process (pid {dht.pid}) did not become ready within {timeout_s:g} s and was "
                        f"killed; see the log above for what it was doing (p2pd start, bootstrap)")
 
@@ -247,6 +258,7 @@ class SwarmDHT:
             raise RuntimeError(f"libp2p peer id {self.peer_id} is not derived from the RSA owner key ({derived})")
         self._prefixes = set(prefixes)
         self._reported_invalid: set[tuple[str, str]] = set()  # (owner peer id, what): warned once each
+        self._daemons = _daemons_of(dht)  # p2pd, killed at shutdown if the DHT process died without stopping it
 
     @classmethod
     def create(
@@ -547,9 +559,12 @@ class SwarmDHT:
         return sorted(out, key=lambda r: -r.timestamp)
 
     def shutdown(self) -> None:
-        """Stop the DHT process (and its p2pd)."""
+        """Stop the DHT process (and its p2pd, also when the DHT process was killed: hivemind's "hard way" after a
+        slow shutdown, or a signal)."""
         if self.dht.is_alive():
             self.dht.shutdown()
         self.dht.join(timeout=10)
+        if not self.dht.is_alive():
+            _kill_orphans(self._daemons)
         if self._temp_identity is not None and os.path.exists(self._temp_identity):
             os.unlink(self._temp_identity)
