@@ -204,8 +204,9 @@ def hf_greedy_from(model_path: Path | str, prompt: list[int], n: int) -> list[in
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # every prompt token attended: generate would mask ids equal to pad_token_id
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                            pad_token_id=0)[0, len(prompt):].tolist()
 
 

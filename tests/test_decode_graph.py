@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import hf_greedy_from
 
 from petals_chain.server.decode_graph import check_decode_graph
 from petals_chain.server.runner import BlockRunner
@@ -79,24 +80,20 @@ def test_server_refuses_cuda_graphs_without_a_gpu(tiny_model_factory):
 def test_swarm_with_static_decode_steps_equals_transformers(tiny_model_factory, tmp_path):
     """Two servers with ``--decode-graph eager`` (one paged by 4 tokens, one with slots): greedy output through the
     chain equals transformers' generate."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = tiny_model_factory("llama", num_layers=6)
     mem = memory_for(path, MAX_LENGTH * 2, 4, 2)
     servers = [LocalServer("x", mem, tau_p=0.001, extra_args=["--decode-graph", "eager", "--page-size", "4"]),
                LocalServer("y", mem, tau_p=0.001, extra_args=["--decode-graph", "eager", "--kv-cache", "slots"])]
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(path))
     with LocalSwarm(path, servers, max_length=MAX_LENGTH * 2, arrival_rate=1.0, log_dir=tmp_path) as sw:
         st = sw.wait_ready(timeout=150)
         assert all(len(ch["servers"]) == 2 for ch in st["chains"])
         client = sw.client()
         for prompt in ["The quick brown fox", "What is two plus two?"]:
-            ids = tok(prompt)["input_ids"]
-            with torch.no_grad():
-                ref = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                     pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
-            assert client.complete(prompt, max_tokens=20).token_ids == ref, prompt
+            want = hf_greedy_from(path, tok(prompt)["input_ids"], 20)
+            assert client.complete(prompt, max_tokens=20).token_ids == want, prompt
     assert sw.leftover_processes() == []
     for name in ("x", "y"):
         assert "decode steps run with static shapes" in (tmp_path / f"server-{name}.log").read_text(), name

@@ -6,7 +6,7 @@ pages of 4 tokens (steps cross page boundaries all the time); the Qwen2 swarm ru
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import hf_greedy_from
 
 from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 
@@ -17,7 +17,7 @@ MAX_LENGTH = 128
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_greedy_equals_transformers(family, tiny_model_factory, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = tiny_model_factory(family, num_layers=6)
     # Neither server can hold the whole model: every chain has two hops.
@@ -25,7 +25,6 @@ def test_greedy_equals_transformers(family, tiny_model_factory, tmp_path):
     kv = {"x": ["--kv-cache", "slots"], "y": ["--page-size", "4"]} if family == "mistral" else {"x": [], "y": []}
     servers = [LocalServer("x", mem, tau_p=0.001, extra_args=kv["x"]),
                LocalServer("y", mem, tau_p=0.001, emulate_rtt_ms=1, extra_args=kv["y"])]
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(path))
     with LocalSwarm(path, servers, max_length=MAX_LENGTH, arrival_rate=1.0, log_dir=tmp_path) as sw:
         st = sw.wait_ready(timeout=150)
@@ -37,10 +36,7 @@ def test_greedy_equals_transformers(family, tiny_model_factory, tmp_path):
         assert all(s["cache_tokens_free"] == s["cache_tokens_total"] > 0 for s in st["servers"])
         client = sw.client()
         for prompt in ["The quick brown fox", "What is two plus two?"]:
-            ids = tok(prompt)["input_ids"]
-            with torch.no_grad():
-                ref = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                                     pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+            ref = hf_greedy_from(path, tok(prompt)["input_ids"], 20)
             comp = client.complete(prompt, max_tokens=20)
             assert comp.token_ids == ref, (family, prompt)
             assert len(comp.chain) == 2

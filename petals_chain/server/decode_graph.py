@@ -30,7 +30,6 @@ import torch
 from transformers.cache_utils import Cache
 
 from petals_chain.server.kv_cache import PagePool, PageTables
-from petals_chain.swarm.checkpoint import cache_kwarg
 
 __all__ = ["DECODE_GRAPH_MODES", "StaticDecode", "check_decode_graph"]
 
@@ -154,13 +153,7 @@ class StaticDecode:
         page_row = torch.div(pos.view(1), r.page_size, rounding_mode="floor")
         cache = _StaticPagedCache(r.pool, self.tables, r.start_block, page_row, pos.view(1) - page_row * r.page_size)
         mask = (self.keys <= pos.view(1)).view(1, 1, 1, self.length)
-        hidden = self.hidden
-        position_embeddings = r.rotary(hidden, pos)
-        for layer in r.blocks[start - r.start_block:end - r.start_block]:
-            out = layer(hidden, attention_mask=mask, position_ids=pos, use_cache=True,
-                        position_embeddings=position_embeddings, **{cache_kwarg(layer): cache})
-            hidden = out[0] if isinstance(out, tuple) else out
-        return hidden
+        return r.run_layers(self.hidden, start, end, pos, mask, cache)
 
     def _capture(self, start: int, end: int) -> tuple[Any, torch.Tensor]:
         """Capture the span's step. The warm-up run is this step for real (it writes the step's K/V, which the

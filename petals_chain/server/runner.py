@@ -582,10 +582,15 @@ class BlockRunner:
             out = self.static_decode.run(hidden, position, pages_of, start, end)
             if out is not None:
                 return out
-        cache = PagedCache(self.pool, pages_of, position, n)
         position_ids = torch.arange(position, position + n, device=self.device).unsqueeze(0)
+        return self.run_layers(hidden, start, end, position_ids, self._causal_mask(position, n),
+                               PagedCache(self.pool, pages_of, position, n))
+
+    def run_layers(self, hidden: torch.Tensor, start: int, end: int, position_ids: torch.Tensor,
+                   mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+        """Blocks ``[start, end)`` on ``hidden`` at ``position_ids``, attending under ``mask`` over what ``cache``
+        (a transformers ``Cache``) stores and returns."""
         position_embeddings = self.rotary(hidden, position_ids)
-        mask = self._causal_mask(position, n)
         for layer in self.blocks[start - self.start_block:end - self.start_block]:
             out = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=True,
                         position_embeddings=position_embeddings, **{cache_kwarg(layer): cache})
