@@ -13,6 +13,7 @@ import torch
 from conftest import hf_greedy_from
 
 from petals_chain.server.decode_graph import check_decode_graph
+from petals_chain.server.kv_cache import NO_PAGE
 from petals_chain.server.runner import BlockRunner
 from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 
@@ -56,6 +57,18 @@ def test_static_steps_equal_the_eager_path(tiny_model_factory, kv_cache, page_si
     more = torch.randn(1, 3, h)
     assert torch.allclose(eager.forward("x", more, pos["x"]), static.forward("x", more, pos["x"]), atol=1e-5)
     assert static.static_decode.stats()["steps"] == steps
+
+
+def test_tables_the_static_step_cannot_take_go_to_the_eager_path(tiny_model_factory):
+    """A page not taken yet (NO_PAGE) or a table longer than max_length's pages: run() declines (None), so the
+    runner computes that step eagerly; on a GPU an out-of-range page index would be a fatal device error."""
+    path = tiny_model_factory("llama", num_layers=4)
+    r = BlockRunner(str(path), 0, 4, 4, MAX_LENGTH, dtype="float32", batching=False, progress=False, page_size=16,
+                    decode_graph="eager")
+    sd, x = r.static_decode, torch.zeros(1, 1, r.hidden_size)
+    assert sd.run(x, 0, {0: [NO_PAGE, 3]}, 0, 1) is None
+    assert sd.run(x, 0, {0: list(range(sd.pages + 1))}, 0, 1) is None
+    assert sd.run(x, 0, {0: [1, 2]}, 0, 1) is not None and sd.steps == 1
 
 
 def test_modes_are_checked():

@@ -105,10 +105,8 @@ class StaticDecode:
         r = self.runner
         if self.failed is not None:
             return None
-        tables = tuple(pages_of[layer] for layer in range(start, end))
-        if any(len(t) > self.pages or len(t) == 0 for t in tables):
+        if not self._load_tables(start, tuple(pages_of[layer] for layer in range(start, end))):
             return None
-        self._load_tables(start, tables)
         self.hidden.copy_(hidden)
         self.position.fill_(position)
         if self.steps == 0:
@@ -134,17 +132,23 @@ class StaticDecode:
         self.replays += 1
         return graph[1].clone()
 
-    def _load_tables(self, start: int, tables: tuple[Sequence[int], ...]) -> None:
-        # A session's page tables never change (a new page gives a new table), so identity tells what is loaded.
+    def _load_tables(self, start: int, tables: tuple[Sequence[int], ...]) -> bool:
+        """Put the step's page tables in the buffer; False if this path cannot take them (the step runs eagerly).
+        A session's tables never change in place (a new page gives a new table): identity tells what is loaded."""
         base = start - self.runner.start_block
         loaded = self._tables_of
         key = (base,) + tables
         if loaded is not None and len(loaded) == len(key) and loaded[0] == base and all(
                 a is b for a, b in zip(loaded[1:], tables)):
-            return
+            return True
+        # a page not taken yet (NO_PAGE, before a lean session's first step) would be an out-of-range index on
+        # the device, where it is a fatal error rather than an exception
+        if any(not 0 < len(t) <= self.pages or min(t) < 0 for t in tables):
+            return False
         rows = [list(t) + [t[0]] * (self.pages - len(t)) for t in tables]
         self.tables[base:base + len(rows)].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=False)
         self._tables_of = key
+        return True
 
     def _step(self, start: int, end: int) -> torch.Tensor:
         """The step on the static buffers (what a graph captures)."""
