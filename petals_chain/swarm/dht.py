@@ -28,6 +28,7 @@ import re
 import signal
 import tempfile
 import threading
+import time
 from typing import Any, Iterable, Optional, Sequence
 
 import multihash
@@ -200,13 +201,22 @@ def _daemons_of(dht: DHT) -> list[psutil.Process]:
         return []
 
 
-def _kill_orphans(daemons: Sequence[psutil.Process]) -> None:
-    """Kill those of ``daemons`` still running: a p2pd whose DHT process was killed outlives it until its next log
-    line. (psutil checks the process's start time, so a reused pid is never signalled.)"""
+def _kill_orphans(daemons: Sequence[psutil.Process], timeout_s: float = 5.0) -> None:
+    """Kill those of ``daemons`` still running and wait until they are gone or zombies (an orphan's reaping is up
+    to init): a p2pd whose DHT process was killed outlives it until its next log line. (psutil checks the
+    process's start time, so a reused pid is never signalled.)"""
     for proc in daemons:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-            proc.wait(timeout=5)
+    deadline = time.monotonic() + timeout_s
+    for proc in daemons:
+        while time.monotonic() < deadline:
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
 
 
 def _await_ready(dht: DHT, timeout_s: float) -> None:
