@@ -91,7 +91,7 @@ class StaticDecode:
         self.position = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.tables = torch.zeros(runner.num_blocks, self.pages, dtype=torch.long, device=dev)
         self.keys = torch.arange(self.length, device=dev)
-        self._tables_of: tuple[Sequence[int], ...] | None = None  # the tables in the buffer (identity compared)
+        self._tables_of: tuple | None = None  # (first row, *tables) in the buffer (tables compared by identity)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.steps = 0  # one-token steps this path served (eager or replayed)
@@ -112,9 +112,10 @@ class StaticDecode:
         if self.steps == 0:
             logger.info(f"one-token decode steps run with static shapes over {self.length} positions "
                         f"(--decode-graph {self.mode})")
-        self.steps += 1
         if self.mode == "eager":
-            return self._step(start, end)
+            out = self._step(start, end)
+            self.steps += 1
+            return out
         graph = self._graphs.get((start, end))
         if graph is None:
             try:
@@ -130,6 +131,7 @@ class StaticDecode:
                 return None
         graph[0].replay()
         self.replays += 1
+        self.steps += 1
         return graph[1].clone()
 
     def _load_tables(self, start: int, tables: tuple[Sequence[int], ...]) -> bool:
