@@ -88,9 +88,9 @@ def main() -> int:
             model = args.model if Path(args.model).exists() else str(registry_path(args.model))
         L, s_m, s_c = model_memory(model, args.max_length)
         per = math.ceil(L / args.hops)
+        server_args = ["--max-blocks", str(per), *placement, "--decode-graph", args.decode_graph]
         servers = [LocalServer(f"s{i}", per * s_m + 8 * per * s_c, emulate_rtt_ms=args.rtt_ms, tau_p=0.05,
-                               extra_args=["--max-blocks", str(per), *placement,
-                                                                "--decode-graph", args.decode_graph]) for i in range(args.hops)]
+                               extra_args=server_args) for i in range(args.hops)]
         sw = LocalSwarm(model, servers, max_length=args.max_length, arrival_rate=0.5, log_dir=Path(d) / "logs",
                         orchestrator_args=placement)
         sw.start()
@@ -154,18 +154,19 @@ def main() -> int:
                             "network_ms": _ms(by_id[p].get("step_network_s"))} for p in st["chains"][0]["servers"]]
         finally:
             sw.stop()
-    print(f"\n{args.hops}-hop chain {hops} on {args.device} ({args.dtype}, decode graph {args.decode_graph}), emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} "
-          f"tokens max; tokens/s = generated tokens / service time (median of {args.rounds}); ratio vs "
-          f"{'+'.join(MODES[0])}; legs = network legs per generated token on the critical path")
+    print(f"\n{args.hops}-hop chain {hops} on {args.device} ({args.dtype}, decode graph {args.decode_graph}), "
+          f"emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} tokens max; tokens/s = generated "
+          f"tokens / service time (median of {args.rounds}); ratio vs {'+'.join(MODES[0])}; legs = network legs "
+          f"per generated token on the critical path")
     print(f"{'task':8} {'tokens':>6} " + " ".join(f"{'+'.join(m):>26}" for m in MODES) + "  accept  identical")
     for r in rows:
         cells = [f"{r[f'tokens_per_s[{k}]']:6.2f} ({r[f'ratio[{k}]']:4.2f}x, {r[f'legs_per_token[{k}]']:4.2f} legs)"
                  for k in ("+".join(m) for m in MODES)]
         print(f"{r['task']:8} {r['tokens']:6d} " + " ".join(f"{c:>26}" for c in cells)
               + f"  {r['acceptance_rate']:6.2f}  {r['identical']}")
-    print("per decode step, each hop (relayed steps' EWMA): "
-          + ", ".join(f"{h['server']} ({h['blocks']} blocks): compute {h['compute_ms']} ms, network {h['network_ms']} ms"
-                      for h in per_hop))
+    print("per decode step, each hop (relayed steps' EWMA): " + ", ".join(
+        f"{h['server']} ({h['blocks']} blocks): compute {h['compute_ms']} ms, network {h['network_ms']} ms"
+        for h in per_hop))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "per_hop": per_hop}, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1

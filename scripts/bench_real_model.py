@@ -34,7 +34,6 @@ def main() -> int:
     args = p.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from petals_chain.swarm.local import LocalServer, LocalSwarm, model_memory
     from petals_chain.swarm.sources import resolve_source
@@ -42,11 +41,7 @@ def main() -> int:
     torch.set_num_threads(1)
     src = resolve_source(args.model)
     tok = src.load_tokenizer()
-    if src.kind == "gguf":
-        ref = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32)
-    else:
-        ref = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32)
-    ref.eval()
+    ref = src.load_reference(torch.float32)
     L, s_m, s_c = model_memory(args.model, args.max_length)
     third = -(-L // 3)
     servers = [LocalServer(f"s{i}", int(third * (s_m + 8 * s_c))) for i in range(3)]

@@ -28,16 +28,15 @@ import torch
 
 from petals_chain.swarm.checkpoint import cache_kwarg, load_config, resolve_model_path
 from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
+from petals_chain.swarm.sources import resolve_source
 from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE, build_tiny_model
 
 
 def reference(path: str, prompts: list[list[int]], n: int, device: str, dtype: torch.dtype) -> list[list[int]]:
     """Greedy ``n`` tokens per prompt with transformers on the GPU, end-of-sequence fed like any token."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    p = Path(path)
-    kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent if kw else p), dtype=dtype, **kw).to(device).eval()
+    model = resolve_source(path).load_reference(dtype).to(device)
     outs = []
     with torch.no_grad():
         for ids in prompts:

@@ -400,8 +400,6 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_reference(smollm2_path):
     """transformers' own load of the same GGUF (dequantized, float32): the reference for token-exactness."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from petals_chain.swarm.sources import resolve_source
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                dtype=torch.float32).eval()
+    return resolve_source(smollm2_path).load_reference()

@@ -93,6 +93,10 @@ class ModelSource(ABC):
     def load_tokenizer(self) -> Any: ...
 
     @abstractmethod
+    def load_reference(self, dtype: torch.dtype = torch.float32) -> Any:
+        """transformers' own whole model of this source (eval mode): what token-exactness is checked against."""
+
+    @abstractmethod
     def _fingerprint_parts(self) -> list[bytes]: ...
 
     @functools.cached_property
@@ -156,6 +160,11 @@ class HFSource(ModelSource):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.path))
+
+    def load_reference(self, dtype: torch.dtype = torch.float32) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(self.path), dtype=dtype).eval()
 
     def eos_token_ids(self) -> set[int]:
         ids = super().eos_token_ids()
@@ -329,6 +338,12 @@ class GGUFSource(ModelSource):
             result = processor.process(weights=weights, name=g, tensor_key_mapping=self._names, parsed_parameters={})
             out[hf_name] = torch.from_numpy(np.array(result.weights, dtype=np.float32, copy=True))
         return out
+
+    def load_reference(self, dtype: torch.dtype = torch.float32) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
+                                                    dtype=dtype).eval()
 
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
