@@ -9,8 +9,8 @@ import math
 import pytest
 
 from petals_chain.algorithms import multimodel as mm
-from petals_chain.algorithms.multimodel import (AdaptiveInterval, DBScheduler, FCFSScheduler, Job, MLFQScheduler,
-                                                MixDriftDetector, PlanMetrics, ReplanTrigger, ServedModel,
+from petals_chain.algorithms.multimodel import (AdaptiveInterval, DBScheduler, FCFSScheduler, Job, LengthClasses,
+                                                MLFQScheduler, MixDriftDetector, PlanMetrics, ReplanTrigger, ServedModel,
                                                 ServiceMonitor, ServiceStats, Volunteer)
 
 
@@ -27,6 +27,48 @@ def test_service_stats_prior_then_sliding_window():
     for x in (10.0, 10.0, 10.0, 10.0):
         st.observe(x)
     assert st.mean == pytest.approx(10.0) and st.std == pytest.approx(0.0)  # the window dropped the first two
+
+
+def _length_mix(n, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    shapes = [(30, 4), (30, 300), (3000, 20), (3000, 400)]  # (input, output) tokens: four kinds of request
+    return [(max(1, int(i * rng.uniform(0.7, 1.4))), max(1, int(o * rng.uniform(0.7, 1.4))))
+            for i, o in (rng.choice(shapes) for _ in range(n))]
+
+
+def test_length_classes_recover_clusters_shortest_first_and_keep_labels_on_refit():
+    pts = _length_mix(400)
+    lc = LengthClasses(4)
+    c = lc.fit(mm.length_features(i, o) for i, o in pts)
+    assert len(c) == 4 and list(c.sum(axis=1)) == sorted(c.sum(axis=1))  # ordered by size
+    assert lc.classify(30, 4) == 0 and lc.classify(3000, 400) == 3
+    labels = {shape: lc.classify(*shape) for shape in [(30, 4), (30, 300), (3000, 20), (3000, 400)]}
+    assert sorted(labels.values()) == [0, 1, 2, 3]  # each kind of request is its own class
+    # a refit on another draw (another order) gives every kind the same class: the monitor's keys stay valid
+    lc.fit(mm.length_features(i, o) for i, o in reversed(_length_mix(400, seed=1)))
+    assert {shape: lc.classify(*shape) for shape in labels} == labels
+    assert lc.describe()["centroids_tokens"][0][1] < 10
+
+
+def test_length_classes_online_one_class_until_fitted_and_k1_is_one_service():
+    lc = LengthClasses(3, min_samples=50, refit_every=25)
+    pts = _length_mix(200, seed=2)
+    first = [lc.observe(i, o) for i, o in pts[:49]]
+    assert set(first) == {0} and lc.fits == 0
+    later = [lc.observe(i, o) for i, o in pts[49:]]
+    assert lc.fits == 1 + (200 - 50) // 25 and len(set(later)) == 3
+    assert lc.classify(30, 4) == 0 and lc.classify(3000, 400) == 2
+    one = LengthClasses(1)
+    assert {one.observe(i, o) for i, o in pts} == {0} and one.centroids is None
+    few = LengthClasses(4, min_samples=1)  # fewer distinct points than k: as many classes as points
+    assert [few.observe(10, 10) for _ in range(5)] == [0] * 5 and len(few.centroids) == 1
+    for bad in ({"k": 0}, {"window": 0}, {"refit_every": 0}):
+        with pytest.raises(ValueError):
+            LengthClasses(**bad)
+    with pytest.raises(ValueError):
+        LengthClasses(2).fit([])
 
 
 def test_db_budget_and_priority_follow_eq7_and_double_geometrically():

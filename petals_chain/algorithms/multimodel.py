@@ -3,7 +3,8 @@
 Pure (no torch, no I/O, no asyncio): the simulator (``petals_chain.sim.multimodel``) and the orchestrator drive
 the same objects. Section, equation and algorithm numbers are the seed's (``docs/scheduling-seeds.md`` §1).
 
-Vocabulary. A *service* ``s`` is a model plus a request class (any hashable; by default the model's name). A
+Vocabulary. A *service* ``s`` is a model plus a request class (any hashable; by default the model's name;
+:class:`LengthClasses` gives the seed's classes, K-means clusters of request lengths). A
 *sharing group* is one chain: it runs steps (one prefill or decode iteration of every request in its batch) and
 asks its :class:`Scheduler` before every step which requests run (preemption at step granularity). Times are
 seconds of execution on the chain that runs the request (the caller may normalize them to a reference speed);
@@ -118,6 +119,76 @@ class ServiceMonitor:
 
     def observe(self, service: Hashable, exec_s: float) -> None:
         self[service].observe(exec_s)
+
+
+def length_features(input_tokens: int, output_tokens: int) -> tuple[float, float]:
+    """A request's point in the length space the classes are clustered in: (log input, log output) tokens."""
+    return math.log(max(1, int(input_tokens))), math.log(max(1, int(output_tokens)))
+
+
+class LengthClasses:
+    """Request classes by length: the seed's services (§6.1: a K-means cluster of (input len, output len)), learnt
+    online from the requests seen (scheduling-seeds.md §1.9: "otherwise an online length cluster").
+
+    Points are :func:`length_features` of (input tokens, declared output tokens: ``max_tokens`` at run time, the
+    output in the simulator, as the seed clusters known lengths). :meth:`fit` runs Lloyd's K-means from the ``k``
+    quantiles of the points' size (log input + log output) and orders the centroids by that size, so class 0 is the
+    shortest and a refit keeps each class's meaning (the :class:`ServiceMonitor` keyed by it stays valid).
+    :meth:`observe` records an arrival, refits every ``refit_every`` arrivals over the last ``window`` once
+    ``min_samples`` were seen, and returns the arrival's class; until the first fit every request is class 0.
+    ``k = 1`` is one class (a service per model)."""
+
+    def __init__(self, k: int = 4, *, window: int = 2048, refit_every: int = 128, min_samples: int = 64,
+                 iters: int = 50):
+        if k < 1 or window < 1 or refit_every < 1 or min_samples < 1 or iters < 1:
+            raise ValueError("k, window, refit_every, min_samples and iters must be >= 1")
+        self.k, self.window, self.refit_every = int(k), int(window), int(refit_every)
+        self.min_samples, self.iters = max(int(min_samples), int(k)), int(iters)
+        self._seen: deque[tuple[float, float]] = deque(maxlen=self.window)
+        self._since_fit = 0
+        self.centroids: np.ndarray | None = None  # (k', 2), k' <= k, ordered by size
+        self.fits = 0
+
+    def fit(self, points: Iterable[tuple[float, float]]) -> np.ndarray:
+        """K-means of ``points`` (:func:`length_features`); sets and returns the centroids, shortest first."""
+        x = np.asarray(list(points), dtype=float).reshape(-1, 2)
+        if len(x) == 0:
+            raise ValueError("no points to fit")
+        size = x.sum(axis=1)
+        order = np.argsort(size, kind="stable")
+        k = min(self.k, len(np.unique(x, axis=0)))
+        c = x[order[((np.arange(k) + 0.5) * len(x) / k).astype(int)]]
+        for _ in range(self.iters):
+            lab = np.argmin(((x[:, None, :] - c[None]) ** 2).sum(axis=2), axis=1)
+            nc = np.array([x[lab == j].mean(axis=0) if np.any(lab == j) else c[j] for j in range(len(c))])
+            if np.allclose(nc, c):
+                break
+            c = nc
+        self.centroids = c[np.argsort(c.sum(axis=1), kind="stable")]
+        self.fits += 1
+        return self.centroids
+
+    def classify(self, input_tokens: int, output_tokens: int) -> int:
+        """The class of a request of these lengths (0 until the first fit)."""
+        if self.centroids is None or len(self.centroids) < 2:
+            return 0
+        p = np.asarray(length_features(input_tokens, output_tokens))
+        return int(np.argmin(((self.centroids - p) ** 2).sum(axis=1)))
+
+    def observe(self, input_tokens: int, output_tokens: int) -> int:
+        """Record an arriving request and return its class (refitting first when one is due)."""
+        if self.k > 1:
+            self._seen.append(length_features(input_tokens, output_tokens))
+            self._since_fit += 1
+            if len(self._seen) >= self.min_samples and (self.centroids is None or self._since_fit >= self.refit_every):
+                self.fit(self._seen)
+                self._since_fit = 0
+        return self.classify(input_tokens, output_tokens)
+
+    def describe(self) -> dict[str, object]:
+        """The classes for an operator: centroids as (input, output) tokens, shortest first."""
+        cs = [] if self.centroids is None else [[round(math.exp(a)), round(math.exp(b))] for a, b in self.centroids]
+        return {"k": self.k, "fits": self.fits, "seen": len(self._seen), "centroids_tokens": cs}
 
 
 # ------------------------------------------------------------------------------------------- scheduling

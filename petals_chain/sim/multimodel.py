@@ -366,19 +366,24 @@ class MultiModelSim:
 
 
 def summarize(reqs: Sequence[MMRequest], *, scale: float = mm.SLO_SCALE, since: float = 0.0,
-              until: float = math.inf) -> dict[str, Any]:
+              until: float = math.inf, by: str = "service") -> dict[str, Any]:
     """Normalized latency (Eq. 1, mean of ``L_r / L̂_s``; and the ratio of means), P99 latency, SLO attainment
-    (Eq. 5), mean TTFT, overall and per model, over the finished requests that arrived in ``[since, until)``."""
+    (Eq. 5), mean TTFT, overall and per model, over the finished requests that arrived in ``[since, until)``.
+    ``by``: what ``s`` is in ``L̂_s`` (``service``, the seed's; or ``model``, one service per model)."""
     rs = [r for r in reqs if since <= r.arrival < until and not math.isnan(r.finished)]
     if not rs:
         return {"requests": 0}
+
+    def of(r: MMRequest) -> str:
+        return r.service if by == "service" else r.model
+
     lhat: dict[str, float] = {}
-    for s in {r.service for r in rs}:
-        lhat[s] = float(np.mean([r.exec_s for r in reqs if r.service == s]))
+    for s in {of(r) for r in rs}:
+        lhat[s] = float(np.mean([r.exec_s for r in reqs if of(r) == s]))
 
     def block(xs: Sequence[MMRequest]) -> dict[str, Any]:
         lat = [r.latency for r in xs]
-        norm = [lhat[r.service] for r in xs]
+        norm = [lhat[of(r)] for r in xs]
         return {"requests": len(xs), "norm_latency": mm.normalized_latency(lat, norm),
                 "norm_latency_ratio_of_means": float(np.mean(lat) / np.mean(norm)),
                 "p99_s": mm.p99(lat), "mean_s": float(np.mean(lat)),
@@ -461,6 +466,32 @@ def fresh(reqs: Sequence[MMRequest]) -> list[MMRequest]:
     return [MMRequest(r.rid, r.model, r.arrival, r.input, r.output, r.exec_s, r.service) for r in reqs]
 
 
+CLASS_FEATURES = ("io", "input")
+
+
+def assign_length_classes(reqs: Sequence[MMRequest], k: int, *, features: str = "io") -> dict[str, list[list[int]]]:
+    """Split each model's requests into ``k`` services by length (the seed's §6.1: K-means clusters of (input,
+    output) lengths, known at arrival; :class:`~petals_chain.algorithms.multimodel.LengthClasses` fitted on all of
+    the model's requests, as the seed clusters its datasets offline). ``features="input"``: the output is not known
+    (a client that declares no ``max_tokens``), clusters of input lengths only. Sets ``service`` to
+    ``model:class``; returns each model's centroids as (input, output) tokens."""
+    if features not in CLASS_FEATURES:
+        raise ValueError(f"features must be one of {CLASS_FEATURES}, got {features!r}")
+    out = {}
+    for m in sorted({r.model for r in reqs}):
+        rs = [r for r in reqs if r.model == m]
+        lc = mm.LengthClasses(k)
+
+        def shape(r: MMRequest) -> tuple[int, int]:
+            return (r.input, r.output) if features == "io" else (r.input, 1)
+
+        lc.fit(mm.length_features(*shape(r)) for r in rs)
+        for r in rs:
+            r.service = f"{m}:{lc.classify(*shape(r))}"
+        out[m] = lc.describe()["centroids_tokens"]
+    return out
+
+
 def stats(reqs: Sequence[MMRequest], cost: StepCost, max_batch: int) -> dict[str, dict[str, float]]:
     """Per model: mean input/output, mean and std of ``exec_s`` (the profiled prior) and one chain's capacity
     (req/s with a full batch, :func:`~petals_chain.sim.fairness.capacity_req_s`)."""
@@ -504,8 +535,10 @@ def simulate(reqs: Sequence[MMRequest], models: Sequence[ServedModel], servers: 
              **kw: Any) -> Outcome:
     """Run ``schedule`` on fresh copies of ``reqs``; the monitor's priors are the services' ``exec_s`` statistics."""
     rs = fresh(reqs)
-    st = stats(rs, cost, max_batch)
-    priors = {m: (v["exec_mean_s"], v["exec_std_s"]) for m, v in st.items()}
+    priors = {}
+    for sv in sorted({r.service for r in rs}):
+        e = np.array([r.exec_s for r in rs if r.service == sv])
+        priors[sv] = (float(e.mean()), float(e.std()))
     sim = MultiModelSim(models, servers, plan, schedule=schedule, cost=cost, max_batch=max_batch,
                         monitor_priors=priors, sched_kw=sched_kwargs(schedule, cost, rs, max_batch), **kw)
     return sim.run(rs)
@@ -624,14 +657,17 @@ def _probe_stats(names: Sequence[str], cost: StepCost, max_batch: int, seed: int
 def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duration: float = 600.0, seed: int = 0,
             cost: StepCost = MM_COST, max_batch: int = 16, schedules: Sequence[str] = mm.SCHEDULES,
             work: Mapping[str, float] | None = None, trace: Mapping[str, str | None] | None = None,
-            shared: bool = False) -> dict[str, Any]:
+            shared: bool = False, classes: int = 1, class_features: str = "io") -> dict[str, Any]:
     """``names`` models at load ``rho`` on ``servers`` servers placed by the unserved index: every schedule on
     the same requests. ``shared``: the seed's setting instead, every chain serving every model (a sharing group
-    time-sharing the LLMs; impossible in petals-chain, where a server holds one model)."""
+    time-sharing the LLMs; impossible in petals-chain, where a server holds one model). ``classes`` > 1: each
+    model's requests form that many services by length (:func:`assign_length_classes`), and ``L_N`` normalizes by
+    them (the seed's Eq. 1 with its services); ``norm_latency_by_model`` is the same run normalized per model."""
     work = work or {n: 1.0 for n in names}
     st = _probe_stats(names, cost, max_batch, seed, trace)
     rates = _rates_for(names, rho, servers, work, st)
     reqs, sources = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace)
+    centroids = assign_length_classes(reqs, classes, features=class_features) if classes > 1 else None
     vols = make_servers(servers)
     models = make_models(names, rates, st, max_batch)
     extra: dict[str, Any] = {}
@@ -650,6 +686,7 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     for s in schedules:
         o = simulate(reqs, models, vols, plan, s, cost=cost, max_batch=max_batch, **extra)
         m = summarize(o.requests)
+        m["norm_latency_by_model"] = summarize(o.requests, by="model")["norm_latency"]
         m["steps"], m["wall_s"] = o.steps, o.wall_s
         rows[s] = m
     f = rows.get("fcfs", {}).get("norm_latency")
@@ -657,7 +694,8 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
         m["vs_fcfs"] = m["norm_latency"] / f if f else None
     return {"models": list(names), "shared": shared, "rho": rho, "servers": servers, "duration_s": duration, "requests": len(reqs),
             "sources": sources, "rates": rates, "plan": counts, "rho_per_model": rho_m, "stats": st,
-            "max_batch": max_batch, "cost": vars(cost), "schedules": rows}
+            "max_batch": max_batch, "cost": vars(cost), "schedules": rows, "classes": classes,
+            "class_features": class_features if classes > 1 else None, "class_centroids": centroids}
 
 
 def poisson_shared(*, seed: int = 0, rate: float = 2.0, duration: float = 150.0, long_share: float = 0.3,
@@ -689,17 +727,29 @@ def poisson_shared(*, seed: int = 0, rate: float = 2.0, duration: float = 150.0,
             "db_vs_fcfs": rows["db"]["norm_latency"] / rows["fcfs"]["norm_latency"] if {"db", "fcfs"} <= set(rows) else None}
 
 
+DB_CLASSES = 4  # length classes per model in the db experiment ([gap]: the seed does not state its count)
+
+
 def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[str, str | None] | None = None,
-       **kw: Any) -> dict[str, Any]:
-    """(a) Chat (conversation trace) and code (code trace) at ``rho`` = 0.8: DB vs FCFS vs MLFQ, in petals-chain's
-    setting (each server serves one model, placed by the unserved index) and, under ``seed_setting``, the seed's
-    (every chain time-shares both models)."""
+       classes: int = DB_CLASSES, **kw: Any) -> dict[str, Any]:
+    """(a) Chat (conversation trace) and code (code trace) at ``rho`` = 0.8: DB vs FCFS vs MLFQ in petals-chain's
+    setting (each server serves one model, placed by the unserved index), each model's requests split into
+    ``classes`` services by length (the seed's §6.1 services); beside it the same requests with one service per
+    model, with classes of input length only, and the seed's setting (every chain time-shares both models)."""
     servers = kw.pop("servers", 6 if quick else 8)
     duration = kw.pop("duration", 300.0 if quick else 900.0)
-    r = compare(("chat", "code"), rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, **kw)
-    sh = compare(("chat", "code"), rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, shared=True, **kw)
-    r["seed_setting"] = {k: sh[k] for k in ("rho_per_model", "schedules", "plan")}
-    r["seed_setting"]["db_vs_fcfs"] = sh["schedules"]["db"]["norm_latency"] / sh["schedules"]["fcfs"]["norm_latency"]
+    common = dict(rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, **kw)
+    r = compare(("chat", "code"), classes=classes, **common)
+
+    def variant(**extra: Any) -> dict[str, Any]:
+        v = compare(("chat", "code"), **common, **extra)
+        out = {k: v[k] for k in ("rho_per_model", "schedules", "plan", "classes", "class_features", "class_centroids")}
+        out["db_vs_fcfs"] = v["schedules"]["db"]["norm_latency"] / v["schedules"]["fcfs"]["norm_latency"]
+        return out
+
+    r["one_service_per_model"] = variant(classes=1)
+    r["input_classes"] = variant(classes=classes, class_features="input")
+    r["seed_setting"] = variant(classes=classes, shared=True)
     r["poisson_shared"] = poisson_shared(seed=seed)
     d, f = r["schedules"].get("db"), r["schedules"].get("fcfs")
     r["db_vs_fcfs"] = d["norm_latency"] / f["norm_latency"] if d and f else None
@@ -823,14 +873,20 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
     """``(title, header, rows)`` of one experiment's result, for the CLI."""
     out = []
     if name == "db":
-        for label, res, plan in (("petals-chain (one model per server)", r, r["plan"]),
-                                 ("seed setting (chains time-share both models)", r["seed_setting"], r["seed_setting"]["plan"])):
+        k = r["classes"]
+        for label, res in ((f"petals-chain (one model per server), {k} length classes per model", r),
+                           ("same requests, one service per model", r["one_service_per_model"]),
+                           (f"same, {k} classes of input length only (output not declared)", r["input_classes"]),
+                           (f"seed setting (chains time-share both models), {k} length classes per model",
+                            r["seed_setting"])):
             f = res["schedules"]["fcfs"]["norm_latency"]
-            rows = [_row(s, m, f) for s, m in res["schedules"].items()]
-            rows += [_row(f"  {s}: {mdl}", pm) for s, m in res["schedules"].items() for mdl, pm in m["per_model"].items()]
-            out.append((f"(a) {label}: chat + code at rho {r['rho']}, servers {plan}, rho per model "
-                        f"{ {k: round(v, 2) for k, v in res['rho_per_model'].items()} }, {r['requests']} requests",
-                        ["schedule"] + _COLS, rows))
+            rows = [_row(s, m, f) + [m["norm_latency_by_model"]] for s, m in res["schedules"].items()]
+            rows += [_row(f"  {s}: {mdl}", pm) + [None] for s, m in res["schedules"].items()
+                     for mdl, pm in m["per_model"].items()]
+            out.append((f"(a) {label}: chat + code at rho {r['rho']}, servers {res['plan']}, rho per model "
+                        f"{ {k: round(v, 2) for k, v in res['rho_per_model'].items()} }, {r['requests']} requests"
+                        + (f"; classes (input, output tokens) {res['class_centroids']}" if res["class_centroids"] else ""),
+                        ["schedule"] + _COLS + ["L_N by model"], rows))
         ps = r["poisson_shared"]
         f = ps["schedules"]["fcfs"]["norm_latency"]
         out.append((f"(a') seed mechanism: one chain time-shares long chat (100-199 tokens) and short code (2-7), "
@@ -839,7 +895,11 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
         out.append(("acceptance (issue 17)", ["check", "ours", "target", "met"],
                     [["DB L_N / FCFS L_N (seed mechanism, Poisson)", ps["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
                       ps["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
-                     ["DB L_N / FCFS L_N", r["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"], r["accept"]["db_vs_fcfs"]],
+                     ["DB L_N / FCFS L_N (Azure traces, length classes)", r["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
+                      r["accept"]["db_vs_fcfs"]],
+                     ["DB L_N / FCFS L_N (one service per model)", r["one_service_per_model"]["db_vs_fcfs"],
+                      r["thresholds"]["db_vs_fcfs"],
+                      r["one_service_per_model"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB L_N / FCFS L_N (seed setting)", r["seed_setting"]["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
                       r["seed_setting"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB SLO attainment", r["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
