@@ -6,10 +6,12 @@ Two tiny models (4-layer Llama ``alpha`` and Qwen2 ``beta``) behind one orchestr
 servers each offer both (``--model ALPHA --model BETA``) and emulate a slow device (``--decode-ms`` per block per
 token). Requests arrive open-loop (Poisson): first ``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha,
 ``--lo`` on beta), then the mix flips; a ``--long-frac`` of them ask for ``--long-tokens`` tokens, the rest for
-``--max-tokens``. The same requests are replayed for each run (``--runs POLICY:SCHEDULE,...``) on a fresh swarm.
+``--max-tokens``. The same requests are replayed for each run (``--runs POLICY:SCHEDULE[:K],...``; ``K``:
+``--schedule-classes``, default the orchestrator's) on a fresh swarm.
 
 Printed per policy and phase: requests, failures, normalized latency (Eq. 1: each request's response time over its
-model's mean execution time ``L̂_s``, the median ``service_s`` of that model over all runs), P99 response, SLO
+model's mean execution time ``L̂_s``, the median ``service_s`` of that model over all runs; and per class, each
+(model, max_tokens) kind of request over its own median, the seed's services), P99 response, SLO
 attainment (response < 5 x the request's own execution time, Eq. 5), the servers per model at the end of the phase
 and the moves made; the ratio of normalized latencies after the shift is the acceptance number (seed 001: adaptive
 <= 1/1.3 of a fixed plan's). Every output is checked token-exact against transformers.
@@ -63,8 +65,8 @@ def placement(sw) -> dict:
     return sw.swarm().get("model_placement", {})
 
 
-def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, str, int]], args, log_dir: Path
-               ) -> dict:
+def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, str, int]], args, log_dir: Path,
+               classes: str = "") -> dict:
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 
     memory = max(memory_for(path, 64, 4, args.slots) for path in paths.values())
@@ -76,7 +78,8 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
                     orchestrator_args=["--model-placement", policy, "--schedule", schedule,
                                        "--replace-interval-s", str(args.interval_s),
                                        "--placement-window-s", str(args.window_s), "--model-reload-s", "2",
-                                       "--audit-rate", "0", "--audit-probe-s", "0"])
+                                       "--audit-rate", "0", "--audit-probe-s", "0"]
+                    + (["--schedule-classes", classes] if classes else []))
     with sw:
         sw.wait_until(lambda s: sum(s.get("model_placement", {}).get("servers_per_model", {}).values())
                       == args.servers, 180, "every server placed")
@@ -92,25 +95,30 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
         end = placement(sw)
     for r in after:
         r["sent"] += args.phase_s
-    return {"policy": policy, "schedule": schedule, "name": f"{policy}:{schedule}", "results": results + after, "start": at_start, "mid": mid["servers_per_model"],
+    name = f"{policy}:{schedule}" + (f":{classes}" if classes else "")
+    return {"policy": policy, "schedule": schedule, "name": name, "results": results + after, "start": at_start,
+            "mid": mid["servers_per_model"],
             "end": end["servers_per_model"], "moves": end.get("moves", 0), "recent": end.get("recent", [])}
 
 
-def summarize(run: dict, phase: int, exec_s: dict, phase_s: float, expected: dict) -> dict:
+def summarize(run: dict, phase: int, exec_s: dict, phase_s: float, expected: dict, class_s: dict) -> dict:
     rs = [r for r in run["results"] if (r["sent"] >= phase_s) == (phase == 2)]
     ok = [r for r in rs if r["status"] == 200]
     wrong = [r for r in ok if r["tokens"] != expected[r["model"]][:r["max_tokens"]]]
     norm = [r["response"] / exec_s[r["model"]] for r in ok]
+    by_class = [r["response"] / class_s[(r["model"], r["max_tokens"])] for r in ok]
     slo = [r["response"] < 5.0 * r["service_s"] for r in ok]
     return {"requests": len(rs), "failed": len(rs) - len(ok), "wrong": len(wrong),
             "norm_latency": statistics.fmean(norm) if norm else float("nan"),
+            "norm_latency_class": statistics.fmean(by_class) if by_class else float("nan"),
             "p99_s": float(np.percentile([r["response"] for r in ok], 99)) if ok else float("nan"),
             "slo": sum(slo) / len(slo) if slo else float("nan")}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", default="ui:fcfs,static:fcfs,ui:db", help="POLICY:SCHEDULE pairs, one swarm each")
+    p.add_argument("--runs", default="ui:fcfs,static:fcfs,ui:db",
+                   help="POLICY:SCHEDULE[:K] (K: --schedule-classes), one swarm each")
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--slots", type=int, default=2, help="KV slots per block of each server (chain concurrency)")
     p.add_argument("--phase-s", type=float, default=60.0)
@@ -145,35 +153,42 @@ def main() -> int:
           f"{args.servers} servers offering both, {args.decode_ms} ms per block per token", flush=True)
     runs = []
     for pair in args.runs.split(","):
-        policy, _, schedule = pair.partition(":")
+        policy, _, rest = pair.partition(":")
+        schedule, _, classes = rest.partition(":")
         t0 = time.time()
-        runs.append(run_policy(policy, schedule or "fcfs", paths, plan, args, tmp / "logs"))
+        runs.append(run_policy(policy, schedule or "fcfs", paths, plan, args, tmp / "logs", classes))
         print(f"  {pair}: ran in {time.time() - t0:.0f} s; servers per model at start {runs[-1]['start']}, after "
               f"phase 1 {runs[-1]['mid']}, at the end {runs[-1]['end']}; moves {runs[-1]['moves']}", flush=True)
         for m in runs[-1]["recent"]:
             print(f"      move {m['server'][:10]} {m['from']} -> {m['to']} ({m['why']})", flush=True)
     exec_s = {n: statistics.median([r["service_s"] for run in runs for r in run["results"]
                                     if r["model"] == n and r["status"] == 200]) for n in paths}
-    print("L̂_s (median execution time): " + ", ".join(f"{n} {v:.3f} s" for n, v in exec_s.items()))
-    print("| placement:schedule | phase | requests | failed | wrong tokens | normalized latency | P99 (s) | "
+    kinds = {(r["model"], r["max_tokens"]) for run in runs for r in run["results"] if r["status"] == 200}
+    class_s = {k: statistics.median([r["service_s"] for run in runs for r in run["results"]
+                                     if (r["model"], r["max_tokens"]) == k and r["status"] == 200]) for k in kinds}
+    print("L̂_s (median execution time): " + ", ".join(f"{n} {v:.3f} s" for n, v in exec_s.items())
+          + "; per class: " + ", ".join(f"{m}/{n} tokens {v:.3f} s" for (m, n), v in sorted(class_s.items())))
+    print("| placement:schedule | phase | requests | failed | wrong tokens | normalized latency | by class | P99 (s) | "
           "SLO attainment |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     table = {}
     for run in runs:
         for phase in (1, 2):
-            s = summarize(run, phase, exec_s, args.phase_s, expected)
+            s = summarize(run, phase, exec_s, args.phase_s, expected, class_s)
             table[(run["name"], phase)] = s
             print(f"| {run['name']} | {'alpha-heavy' if phase == 1 else 'beta-heavy (after the shift)'} | "
-                  f"{s['requests']} | {s['failed']} | {s['wrong']} | {s['norm_latency']:.2f} | {s['p99_s']:.2f} | "
+                  f"{s['requests']} | {s['failed']} | {s['wrong']} | {s['norm_latency']:.2f} | "
+                  f"{s['norm_latency_class']:.2f} | {s['p99_s']:.2f} | "
                   f"{100 * s['slo']:.1f} % |")
     names = [r["name"] for r in runs]
-    for a, b, what in (("ui:fcfs", "static:fcfs", "adaptive replacement / fixed plan, acceptance <= 0.769"),
-                       ("ui:db", "ui:fcfs", "DB / FCFS, seed: <= 0.5")):
+    pairs = [("ui:fcfs", "static:fcfs", "adaptive replacement / fixed plan, acceptance <= 0.769")]
+    pairs += [(n, "ui:fcfs", "DB / FCFS, seed: <= 0.5") for n in names if n.startswith("ui:db")]
+    for a, b, what in pairs:
         if a in names and b in names:
-            after = table[(a, 2)]["norm_latency"] / table[(b, 2)]["norm_latency"]
-            both = ((table[(a, 1)]["norm_latency"] + table[(a, 2)]["norm_latency"])
-                    / (table[(b, 1)]["norm_latency"] + table[(b, 2)]["norm_latency"]))
-            print(f"normalized latency {a} / {b}: after the shift {after:.3f}, both phases {both:.3f} ({what})")
+            for key, label in (("norm_latency", "normalized latency"), ("norm_latency_class", "by class")):
+                after = table[(a, 2)][key] / table[(b, 2)][key]
+                both = (table[(a, 1)][key] + table[(a, 2)][key]) / (table[(b, 1)][key] + table[(b, 2)][key])
+                print(f"{label} {a} / {b}: after the shift {after:.3f}, both phases {both:.3f} ({what})")
     bad = sum(s["failed"] + s["wrong"] for s in table.values())
     return 1 if bad else 0
 

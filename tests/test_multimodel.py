@@ -56,7 +56,7 @@ def test_length_classes_online_one_class_until_fitted_and_k1_is_one_service():
     lc = LengthClasses(3, min_samples=50, refit_every=25)
     pts = _length_mix(200, seed=2)
     first = [lc.observe(i, o) for i, o in pts[:49]]
-    assert set(first) == {0} and lc.fits == 0
+    assert set(first) == {0} and lc.fits == 0 and not lc.fitted
     later = [lc.observe(i, o) for i, o in pts[49:]]
     assert lc.fits == 1 + (200 - 50) // 25 and len(set(later)) == 3
     assert lc.classify(30, 4) == 0 and lc.classify(3000, 400) == 2
@@ -266,11 +266,11 @@ def test_select_respects_fits():
 # ---------------------------------------------------------------- --schedule db|mlfq at the orchestrator's dispatch
 
 
-def _priority_dispatch(schedule: str):
+def _priority_dispatch(schedule: str, classes: int = 1):
     from petals_chain.model import Chain
     from petals_chain.orchestrator.dispatch import DispatchManager
 
-    dm = DispatchManager(schedule=schedule)
+    dm = DispatchManager(schedule=schedule, classes=classes)
     dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
     return dm
 
@@ -331,6 +331,47 @@ def test_mlfq_and_fcfs_dispatch_orders():
         dm.release(nxt.result())
         plain = _priority_dispatch("fcfs")
         assert plain.new_priority_job("x", "m") is None  # fcfs: no priorities kept, nothing paused
+
+    asyncio.run(main())
+
+
+def test_db_dispatch_length_classes_learn_each_kind_and_put_the_short_kind_first():
+    """--schedule-classes: one-shot jobs of a model split by (prompt, max_tokens) into services with their own
+    L̂_s; once learnt, a new short job goes before a new long one, while with one service they are equal (FIFO)."""
+    import asyncio
+
+    async def main():
+        dm = _priority_dispatch("db", classes=2)
+        kinds = {"short": (20, 8), "long": (20, 400)}
+        used = {"short": 0.2, "long": 5.0}  # execution seconds each kind takes
+        seen = {"short": set(), "long": set()}
+        for i in range(140):  # arrivals teach the classes (64 to the first fit), completions L̂_s (16 each)
+            kind = "long" if i % 3 == 0 else "short"
+            lease = await dm.acquire(_job(dm, i, sched=dm.new_priority_job(f"j{i}", "m", kinds[kind])))
+            seen[kind].add(lease.job.sched.service)
+            dm.charge(lease, used[kind])
+            dm.release(lease)
+            dm.finished(lease.job.sched)
+        assert seen["short"] == {"m", "m:0"} and seen["long"] == {"m", "m:1"}  # one service until the first fit
+        assert dm.length_classes.describe()["centroids_tokens"] == [[20, 8], [20, 400]]
+        mon = dm.priorities.monitor
+        assert mon["m:0"].mean == pytest.approx(0.2) and mon["m:1"].mean == pytest.approx(5.0)
+        # each class started from what the model's one service had learnt (not the 1 s default)
+        assert mon["m:0"].prior_mean == mon["m:1"].prior_mean == pytest.approx(mon["m"].mean) != 1.0
+        running = await dm.acquire(_job(dm, 100, sched=dm.new_priority_job("r", "m", kinds["short"])))
+        long = asyncio.ensure_future(dm.acquire(_job(dm, 101, sched=dm.new_priority_job("l", "m", kinds["long"]))))
+        await asyncio.sleep(0)
+        short = asyncio.ensure_future(dm.acquire(_job(dm, 102, sched=dm.new_priority_job("s", "m", kinds["short"]))))
+        await asyncio.sleep(0)
+        dm.release(running)
+        await asyncio.sleep(0)
+        assert short.done() and not long.done()  # the short kind overtakes the long one that came first
+        dm.release(short.result())
+        await asyncio.sleep(0)
+        assert long.done()
+        dm.release(long.result())
+        one = _priority_dispatch("db")  # one service per model: the shape is ignored
+        assert one.length_classes is None and one.new_priority_job("x", "m", (20, 8)).service == "m"
 
     asyncio.run(main())
 

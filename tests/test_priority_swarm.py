@@ -61,3 +61,60 @@ def test_short_requests_pause_a_long_one_past_its_budget_and_it_stays_exact(swar
     sched = swarm.swarm()["schedule"]
     assert sched["priority_preemptions"] >= 1 and sched["paused"] >= 1, sched
     assert sched["services"] and next(iter(sched["services"].values()))["completed"] >= 5, sched
+
+
+@pytest.fixture(scope="module")
+def one_slot(tiny_model_factory, tmp_path_factory):
+    """One KV slot (``--kv-cache slots``): exactly one job at a time, whatever the jobs' lengths (a paged cache
+    would fit several short ones)."""
+    path = tiny_model_factory("llama", num_layers=4)
+    server = LocalServer("a", memory_for(path, 128, 4, 1), tau_p=0.001, emulate_rtt_ms=20.0,
+                         extra_args=["--kv-cache", "slots"])
+    with LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
+                    orchestrator_args=["--schedule", "db"]) as sw:
+        sw.wait_ready(timeout=150)
+        yield sw
+
+
+def test_length_classes_are_learnt_online_and_a_short_kind_overtakes_a_long_kind(one_slot, scaled):
+    """``--schedule-classes`` (default 4): the orchestrator clusters (prompt tokens, max_tokens) of the requests it
+    sees into services, each with its own learnt L̂_s; then a short request that arrives after a long one of the
+    same model goes first (with one service per model both would have the same priority: first come first)."""
+    swarm = one_slot
+    model = swarm.swarm()["model"]
+
+    def one(i: int) -> httpx.Response:
+        return post(swarm, "the same prompt", max_tokens=8 if i % 2 else 1)  # two kinds, by max_tokens alone
+
+    with ThreadPoolExecutor(2) as pool:  # 64 arrivals fit the classes, then >= 16 completions of each kind
+        assert all(r.status_code == 200 for r in pool.map(one, range(110)))
+    sched = swarm.swarm()["schedule"]
+    outs = [c[1] for c in sched["classes"]["centroids_tokens"]]  # shortest first
+    assert sched["classes"]["fits"] >= 1 and outs == [1, 8], sched  # two kinds: two classes (of at most 4)
+    short_s, long_s = sched["services"][f"{model}:0"], sched["services"][f"{model}:1"]
+    assert min(short_s["completed"], long_s["completed"]) >= 16, sched
+    assert short_s["mean_exec_s"] < long_s["mean_exec_s"], sched
+    with ThreadPoolExecutor(3) as pool:
+        running = pool.submit(post, swarm, "the same prompt", max_tokens=8)
+
+        def wait_for(what: str, cond) -> None:
+            until = time.monotonic() + scaled(60)
+            while not cond(swarm.swarm()):
+                assert time.monotonic() < until, what
+                time.sleep(0.01)
+
+        wait_for("the first request never started", lambda s: sum(ch["active"] for ch in s["chains"]) >= 1)
+        assert sum(ch["capacity"] for ch in swarm.swarm()["chains"]) == 1
+        done: dict[str, float] = {}
+
+        def timed(name: str, max_tokens: int) -> httpx.Response:
+            r = post(swarm, "the same prompt", max_tokens=max_tokens)
+            done[name] = time.monotonic()
+            return r
+
+        long = pool.submit(timed, "long", 8)
+        wait_for("the long request never queued", lambda s: s["queue_length"] >= 1 or "long" in done)
+        short = pool.submit(timed, "short", 1)
+        replies = [f.result(300) for f in (running, long, short)]
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    assert done["short"] < done["long"], (done, swarm.swarm()["schedule"])

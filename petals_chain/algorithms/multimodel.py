@@ -154,23 +154,30 @@ class LengthClasses:
         x = np.asarray(list(points), dtype=float).reshape(-1, 2)
         if len(x) == 0:
             raise ValueError("no points to fit")
-        size = x.sum(axis=1)
-        order = np.argsort(size, kind="stable")
-        k = min(self.k, len(np.unique(x, axis=0)))
-        c = x[order[((np.arange(k) + 0.5) * len(x) / k).astype(int)]]
+        # start from k distinct points at the quantiles of size (repeated points would give twin centroids)
+        u = np.unique(x, axis=0)
+        u = u[np.argsort(u.sum(axis=1), kind="stable")]
+        k = min(self.k, len(u))
+        c = u[((np.arange(k) + 0.5) * len(u) / k).astype(int)]
         for _ in range(self.iters):
             lab = np.argmin(((x[:, None, :] - c[None]) ** 2).sum(axis=2), axis=1)
-            nc = np.array([x[lab == j].mean(axis=0) if np.any(lab == j) else c[j] for j in range(len(c))])
-            if np.allclose(nc, c):
+            keep = [j for j in range(len(c)) if np.any(lab == j)]  # an empty cluster is dropped
+            nc = np.array([x[lab == j].mean(axis=0) for j in keep])
+            if len(nc) == len(c) and np.allclose(nc, c):
                 break
             c = nc
         self.centroids = c[np.argsort(c.sum(axis=1), kind="stable")]
         self.fits += 1
         return self.centroids
 
+    @property
+    def fitted(self) -> bool:
+        """Whether there are classes yet (a fit that found at least two)."""
+        return self.centroids is not None and len(self.centroids) >= 2
+
     def classify(self, input_tokens: int, output_tokens: int) -> int:
-        """The class of a request of these lengths (0 until the first fit)."""
-        if self.centroids is None or len(self.centroids) < 2:
+        """The class of a request of these lengths (0 until :attr:`fitted`)."""
+        if not self.fitted:
             return 0
         p = np.asarray(length_features(input_tokens, output_tokens))
         return int(np.argmin(((self.centroids - p) ** 2).sum(axis=1)))

@@ -201,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(skip-join multi-level feedback queue, the same way). With edf/flex a request whose deadline "
                         "the queue and the chains' speed say it cannot meet is refused at once (429 "
                         "deadline_unreachable) unless it asks for best_effort")
+    p.add_argument("--schedule-classes", type=_positive_int, default=4, metavar="K",
+                   help="with --schedule db|mlfq: a model's requests form K services by length (K-means of (prompt "
+                        "tokens, max_tokens), learnt online from the requests seen; seed 001's services), each with "
+                        "its own learnt mean execution time, so short kinds of request go before long ones. 1: one "
+                        "service per model")
     p.add_argument("--fairness-quantum", type=_auto_or_positive_float, default=None, metavar="auto|X",
                    help="DLPM's quantum Q^u in service units (a client's credit per round); auto: 4x the median "
                         "request's cost over the last 256 requests")
@@ -407,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
         hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
         ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, fairness=args.fairness, schedule=args.schedule,
+        schedule_classes=args.schedule_classes,
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
         fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
         audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,

@@ -123,6 +123,9 @@ class OrchestratorConfig:
     # --schedule: the central queue's order, fcfs or edf (earliest deadline first; deadlines.py). Either way a
     # request whose deadline the dispatcher predicts it cannot meet is refused at once.
     schedule: str = "fcfs"
+    # --schedule-classes: under --schedule db|mlfq a model's one-shot jobs form this many services by length (K-means
+    # of (prompt tokens, max_tokens), learnt online; seed 001 §6.1); 1: one service per model
+    schedule_classes: int = 4
     fairness_quantum: float | None = None  # DLPM's Q^u in service units (None: 4 x the median request's cost)
     fairness_worker_quantum: float = 20000.0  # D2LPM's Q^w
     fairness_w_e: float = 1.0
@@ -192,7 +195,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
                                registry=self.stats.registry)
         self.deadlines = DeadlineBook(counter=self.stats.m_deadlines)
         self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue,
-                                      shares=self.shares, schedule=cfg.schedule, steps_per_job=self._steps_per_job)
+                                      shares=self.shares, schedule=cfg.schedule, steps_per_job=self._steps_per_job,
+                                      classes=cfg.schedule_classes)
         self.sessions: dict[str, UserSession] = {}
         self.replay_cache = ReplayCache(int(cfg.replay_cache_mb * 2**20))
         self.prefix_directory = ChainPrefixes()  # what each chain's servers were given to cache
@@ -412,6 +416,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if getattr(d, "priorities", None) is not None:
             out["services"] = {str(k): {"mean_exec_s": round(st.mean, 4), "std_exec_s": round(st.std, 4),
                                         "completed": st.count} for k, st in d.priorities.monitor.stats.items()}
+        if getattr(d, "length_classes", None) is not None:
+            out["classes"] = d.length_classes.describe()
         return out
 
     def _steps_per_job(self) -> float:

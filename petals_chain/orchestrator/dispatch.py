@@ -238,7 +238,7 @@ class DispatchManager:
 
     def __init__(self, factory: DispatcherFactory | None = None, policy: str = "jffc", max_queue: int | None = None,
                  shares: ClientShares | None = None, schedule: str = "fcfs",
-                 steps_per_job: Callable[[], float] | None = None):
+                 steps_per_job: Callable[[], float] | None = None, classes: int = 1):
         if max_queue is not None and int(max_queue) < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
         if schedule not in SCHEDULES:
@@ -261,6 +261,12 @@ class DispatchManager:
             from petals_chain.algorithms.multimodel import ServiceMonitor, make_scheduler
 
             self.priorities = make_scheduler(schedule, ServiceMonitor())
+        # --schedule-classes: a model's jobs form that many services by length (seed 001 §6.1), each with its L̂_s
+        self.length_classes = None
+        if self.priorities is not None and int(classes) > 1:
+            from petals_chain.algorithms.multimodel import LengthClasses
+
+            self.length_classes = LengthClasses(int(classes))
         self.priority_preemptions = 0  # running jobs paused for a waiting job of higher priority (db, mlfq)
         if factory is None and schedule in ("edf", "flex", *PRIORITY_SCHEDULES):
             if policy != "jffc":
@@ -537,12 +543,23 @@ class DispatchManager:
         """A job's place under ``--schedule db|mlfq`` (smaller first): ``O_r`` (db) or its level (mlfq)."""
         return self.priorities.key(job.sched) if job.sched is not None else math.inf
 
-    def new_priority_job(self, key: str, service: str) -> Any:
+    def new_priority_job(self, key: str, service: str, shape: tuple[int, int] | None = None) -> Any:
         """The discipline's record of a new job of ``service`` (None unless ``--schedule db|mlfq``): level 0, budget
-        ``Q0_s = L̂_s + σ_s`` (db) or the top queue (mlfq). The job keeps it across pauses and failovers."""
+        ``Q0_s = L̂_s + σ_s`` (db) or the top queue (mlfq). The job keeps it across pauses and failovers.
+        ``shape``: (prompt tokens, max_tokens) of a one-shot job; with ``--schedule-classes`` its length class is
+        part of its service (``model:class``). Sessions (no shape) stay the model's service."""
         if self.priorities is None:
             return None
-        from petals_chain.algorithms.multimodel import Job
+        from petals_chain.algorithms.multimodel import Job, ServiceStats
+
+        if self.length_classes is not None and shape is not None:
+            c = self.length_classes.observe(*shape)
+            if self.length_classes.fitted:  # before the first fit the model is one service (no mixed class 0)
+                mon, model = self.priorities.monitor, service
+                service = f"{service}:{c}"
+                if service not in mon.stats and model in mon.stats:  # a new class starts from its model's L̂, σ
+                    mon.stats[service] = ServiceStats(mon.stats[model].mean, mon.stats[model].std,
+                                                      window=mon.window, min_samples=mon.min_samples)
 
         job = Job(key=key, service=service, arrival=time.monotonic())
         self.priorities.start(job, time.monotonic())

@@ -49,7 +49,8 @@ class ChainHolder:
 
     _counter = itertools.count()
 
-    def __init__(self, orch: Any, job_id: str, max_length: int, relay: str | None = None):
+    def __init__(self, orch: Any, job_id: str, max_length: int, relay: str | None = None,
+                 shape: tuple[int, int] | None = None):
         self.orch = orch
         self.job_id = job_id
         self.max_length = max_length  # the job's length limit (prompt + max_tokens, or a session's max_length)
@@ -65,8 +66,9 @@ class ChainHolder:
         self.failovers = 0
         self.preemptions = 0  # times the job gave its chain back because a hop had no pages to grow it
         self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
-        # --schedule db|mlfq: level, budget and priority of the job (kept across pauses and failovers)
-        self.priority = orch.dispatch.new_priority_job(job_id, str(getattr(orch, "model_id", ""))) \
+        # --schedule db|mlfq: level, budget and priority of the job (kept across pauses and failovers); ``shape``
+        # (prompt tokens, max_tokens) puts a one-shot job in its length class
+        self.priority = orch.dispatch.new_priority_job(job_id, str(getattr(orch, "model_id", "")), shape) \
             if hasattr(orch.dispatch, "new_priority_job") else None
         self.closed = False
         self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused

@@ -167,7 +167,8 @@ class GenerationMixin:
         # A one-shot job never holds more than its prompt and its max_tokens: servers with a paged KV cache
         # reserve pages for that much, not for max_length.
         job_length = min(self.cfg.max_length, len(prompt_ids) + max(p.max_tokens for p in params))
-        holders = [ChainHolder(self, f"r-{uuid.uuid4().hex[:12]}", job_length, relay=p.relay) for p in params]
+        holders = [ChainHolder(self, f"r-{uuid.uuid4().hex[:12]}", job_length, relay=p.relay,
+                               shape=(len(prompt_ids), p.max_tokens)) for p in params]
         for h in holders[1:]:
             h.fork_source = (holders[0], len(prompt_ids))
         prefill: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -31,11 +31,12 @@ DEFAULT_ROUTE_WAIT_S = 600.0  # how long a routed open may wait at a server (the
 
 
 def make_dispatch(policy: str, max_queue: int | None = None, shares: Any = None, schedule: str = "fcfs",
-                  steps_per_job: Any = None, **kwargs: Any):
+                  steps_per_job: Any = None, classes: int = 1, **kwargs: Any):
     """The dispatch manager for ``policy``: routed (PETALS, BPRR) or central-queue (JFFC and the others, whose
     queue is bounded by ``max_queue``; routed jobs have no central queue to bound). ``shares``: the fairness
     policy and per-client accounting (:class:`~petals_chain.orchestrator.fairness.ClientShares`), central queue
-    only; ``schedule``: the central queue's order (``fcfs``, ``edf``)."""
+    only; ``schedule``: the central queue's order (``fcfs``, ``edf``, ...); ``classes``: length classes per model
+    under ``--schedule db|mlfq``."""
     if policy in ROUTED_POLICIES:
         if shares is not None and shares.central:
             raise ValueError(f"--fairness {shares.policy.name} needs a central queue; --dispatch {policy} has none")
@@ -43,7 +44,7 @@ def make_dispatch(policy: str, max_queue: int | None = None, shares: Any = None,
             raise ValueError(f"--schedule {schedule} orders a central queue; --dispatch {policy} has none")
         return RoutedDispatch(policy, **kwargs)
     return DispatchManager(policy=policy, max_queue=max_queue, shares=shares, schedule=schedule,
-                           steps_per_job=steps_per_job)
+                           steps_per_job=steps_per_job, classes=classes)
 
 
 class RoutedDispatch:
