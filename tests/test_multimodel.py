@@ -376,6 +376,45 @@ def test_db_dispatch_length_classes_learn_each_kind_and_put_the_short_kind_first
     asyncio.run(main())
 
 
+def test_db_dispatch_starvation_rule_puts_a_service_waiting_past_twice_its_mean_first():
+    """Seed 001's starvation rule at the orchestrator (θ_s = 2·L̂_s): with length classes a long job always loses
+    to short ones by priority; once it has waited 2·L̂_long it goes first and pauses the running job."""
+    import asyncio
+
+    async def main():
+        dm = _priority_dispatch("db", classes=2)
+        kinds = {"short": (20, 8), "long": (20, 400)}
+        used = {"short": 0.01, "long": 0.02}  # L̂: θ_short = 20 ms, θ_long = 40 ms
+        for i in range(140):
+            kind = "long" if i % 3 == 0 else "short"
+            lease = await dm.acquire(_job(dm, i, sched=dm.new_priority_job(f"j{i}", "m", kinds[kind])))
+            dm.charge(lease, used[kind])
+            dm.release(lease)
+            dm.finished(lease.job.sched)
+        assert dm.starvation_promotions == 0  # nobody waited
+        running = await dm.acquire(_job(dm, 200, sched=dm.new_priority_job("r", "m", kinds["short"])))
+        long_job = _job(dm, 201, sched=dm.new_priority_job("l", "m", kinds["long"]))
+        long = asyncio.ensure_future(dm.acquire(long_job))
+        await asyncio.sleep(0)
+        short = asyncio.ensure_future(dm.acquire(_job(dm, 202, sched=dm.new_priority_job("s", "m", kinds["short"]))))
+        await asyncio.sleep(0)
+        dm.charge(running, 0.0001)
+        assert long_job.starved is None and not running.preempt  # not yet: θ not passed, the short goes first
+        await asyncio.sleep(0.06)
+        dm.charge(running, 0.0001)  # both services starved now: the one waiting longest (long) goes first
+        assert long_job.starved is not None and running.preempt and dm.starvation_promotions == 2
+        dm.release(running)  # the pause
+        await asyncio.sleep(0)
+        assert long.done() and not short.done()  # the starved long job overtook the better short one
+        assert long_job.starved is None  # promoted once: it runs now
+        dm.release(long.result())
+        await asyncio.sleep(0)
+        assert short.done()
+        dm.release(short.result())
+
+    asyncio.run(main())
+
+
 def test_replan_trigger_follows_a_drift_once_a_window_later():
     t = ReplanTrigger(window_s=30.0)
     assert t.reason(0.0, due=False, drifted=False) is None

@@ -412,7 +412,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         """``--schedule`` and its pauses; with ``db``/``mlfq`` the learnt ``L̂_s``, ``σ_s`` of each service (s)."""
         d = self.dispatch
         out = {"name": self.cfg.schedule, "paused": self.stats.pauses,
-               "priority_preemptions": getattr(d, "priority_preemptions", 0)}
+               "priority_preemptions": getattr(d, "priority_preemptions", 0),
+               "starvation_promotions": getattr(d, "starvation_promotions", 0)}
         if getattr(d, "priorities", None) is not None:
             out["services"] = {str(k): {"mean_exec_s": round(st.mean, 4), "std_exec_s": round(st.std, 4),
                                         "completed": st.count} for k, st in d.priorities.monitor.stats.items()}

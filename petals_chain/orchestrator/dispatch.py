@@ -42,6 +42,11 @@ def chain_key(chain: Chain) -> tuple:
     return (tuple(chain.servers), tuple(tuple(s) for s in chain.spans))
 
 
+# a starved job's place: before every priority (O_r, levels are >= 0), the service starved longest first (plus
+# seconds since the manager started: exact to ~0.1 us for 30 years)
+STARVED_KEY = -1e9
+
+
 @dataclass(eq=False)
 class DispatchJob:
     """One job as the dispatcher sees it (hashable by identity).
@@ -71,6 +76,9 @@ class DispatchJob:
     output_tokens: int = 0
     yields: bool = False  # paused for a deadline (--schedule flex): re-queued behind every job with a deadline
     sched: Any = None  # --schedule db|mlfq: its algorithms.multimodel.Job (level, budget, priority), kept by the job
+    # --schedule db: promoted by the starvation rule, first in the queue until it starts: the time its service's
+    # oldest waiting job arrived (services starved longest go first), else None
+    starved: float | None = None
 
     @property
     def order_key(self) -> float:
@@ -268,6 +276,8 @@ class DispatchManager:
 
             self.length_classes = LengthClasses(int(classes))
         self.priority_preemptions = 0  # running jobs paused for a waiting job of higher priority (db, mlfq)
+        self.starvation_promotions = 0  # waiting jobs put first by DB's starvation rule
+        self._epoch = time.monotonic()
         if factory is None and schedule in ("edf", "flex", *PRIORITY_SCHEDULES):
             if policy != "jffc":
                 raise ValueError(f"--schedule {schedule} needs the central queue of JFFC, not dispatch {policy!r}")
@@ -456,6 +466,7 @@ class DispatchManager:
         self._count(k, +1)
         fut = self._waiters.pop(job, None)
         job.wait_s += time.monotonic() - job.arrival
+        job.starved = None
         if self.shares is not None:
             self.shares.started(job, chain_key(self.chains[k]), queued)
         if fut is not None and not fut.done():
@@ -540,8 +551,45 @@ class DispatchManager:
 
     # ---- db, mlfq: preemptive priorities (seed 001) ------------------------------------------------
     def _priority(self, job: DispatchJob) -> float:
-        """A job's place under ``--schedule db|mlfq`` (smaller first): ``O_r`` (db) or its level (mlfq)."""
+        """A job's place under ``--schedule db|mlfq`` (smaller first): ``O_r`` (db) or its level (mlfq); a starved
+        job first of all."""
+        if job.starved is not None:
+            return STARVED_KEY + (job.starved - self._epoch)
         return self.priorities.key(job.sched) if job.sched is not None else math.inf
+
+    def _promote_starved(self) -> None:
+        """DB's starvation rule (seed 001 Alg. 2 ``GetHighestPriorityOrStarvedRequest``, θ_s = 2·L̂_s): while jobs
+        of two or more services are about, the best waiting job of a service whose oldest waiting job has waited
+        longer than θ_s goes first, the service waiting longest first (and pauses the running job that goes last,
+        as any better job does). One promoted job per service at a time; a job's wait counts from its arrival or
+        its last pause."""
+        factor = getattr(self.priorities, "starve_factor", None)
+        if factor is None:
+            return
+        waiting = [j for j in self.waiting_jobs() if j.sched is not None]
+        running = {lease.job.sched.service for lease in self._running.values() if lease.job.sched is not None}
+        by_service: dict[Any, list[DispatchJob]] = {}
+        for j in waiting:
+            by_service.setdefault(j.sched.service, []).append(j)
+        if len(set(by_service) | running) < 2:
+            return  # starvation is between services: with one it would only churn the chains
+        now = time.monotonic()
+        q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
+        for service, jobs in by_service.items():
+            if any(j.starved is not None for j in jobs):
+                continue
+            oldest = min(j.arrival for j in jobs)
+            if now - oldest <= factor * self.priorities.monitor[service].mean:
+                continue
+            best = min(jobs, key=lambda j: (self._priority(j), j.arrival))
+            best.starved = oldest
+            self.starvation_promotions += 1
+            if isinstance(q, EDFQueue) and q.remove(best):
+                q.push(best)  # its key is now below every priority
+            elif best in self._lane:
+                self._lane.sort(key=self._priority)
+            logger.info("db: service %s starved (waited %.3g s > %.3g x L̂_s): job %s goes first", service,
+                        now - oldest, factor, best.job_id)
 
     def new_priority_job(self, key: str, service: str, shape: tuple[int, int] | None = None) -> Any:
         """The discipline's record of a new job of ``service`` (None unless ``--schedule db|mlfq``): level 0, budget
@@ -583,6 +631,7 @@ class DispatchManager:
         the best waiting job goes before it (a pause happens only on such an inversion; one per waiting job)."""
         if self.priorities is None or self.dispatcher is None:
             return
+        self._promote_starved()
         waiting = [j for j in self.waiting_jobs() if j.sched is not None]
         if not waiting:
             return
