@@ -777,10 +777,11 @@ def _shift_share(duration: float, hi: float) -> dict[str, Callable[[float], floa
 def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rho: float = 0.75, hi: float = 0.75,
               servers: int | None = None, duration: float | None = None, cost: StepCost = MM_COST,
               max_batch: int = 16, reload_s: float = 20.0, initial_s: float = 120.0,
-              trace: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+              trace: Mapping[str, str | None] | None = None, classes: int = 1) -> dict[str, Any]:
     """Chat's share of the work goes ``hi`` -> ``1 - hi`` (code's the reverse) at total load ``rho``. Variants:
     ``full`` (DB, unserved-index placement, adaptive replacement), ``fixed`` / ``-A`` (placement never re-planned),
-    ``-F`` / ``-M`` (FCFS / MLFQ instead of DB, adaptive), ``-P`` (no placement: servers split evenly, fixed)."""
+    ``-F`` / ``-M`` (FCFS / MLFQ instead of DB, adaptive), ``-P`` (no placement: servers split evenly, fixed).
+    ``classes`` > 1: each model's requests in that many length classes (:func:`assign_length_classes`)."""
     names = ("chat", "code")
     servers = servers or (6 if quick else 8)
     duration = duration or (600.0 if quick else 1200.0)
@@ -788,6 +789,8 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
     peak = _rates_for(names, rho, servers, {"chat": hi, "code": hi}, st)  # each model's peak rate (share hi)
     share = _shift_share(duration, hi)
     reqs, sources = _workload(names, peak, duration, seed=seed, cost=cost, trace=trace, share=share)
+    if classes > 1:
+        assign_length_classes(reqs, classes)
     vols = make_servers(servers)
     start_rates = {"chat": peak["chat"], "code": peak["code"] * (1 - hi) / hi}
     models0 = make_models(names, start_rates, st, max_batch)
@@ -813,12 +816,13 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
         logs[v] = log
     return {"models": list(names), "rho": rho, "hi": hi, "servers": servers, "duration_s": duration,
             "requests": len(reqs), "sources": sources, "peak_rates": peak, "reload_s": reload_s,
-            "initial_interval_s": initial_s, "variants": rows, "log": logs.get("full", [])}
+            "initial_interval_s": initial_s, "variants": rows, "log": logs.get("full", []), "classes": classes}
 
 
-def shift(*, quick: bool = False, seed: int = 0, **kw: Any) -> dict[str, Any]:
-    """(b) A traffic shift from chat to code: adaptive replacement vs the fixed plan (both DB)."""
-    r = shift_run(("full", "fixed"), quick=quick, seed=seed, **kw)
+def shift(*, quick: bool = False, seed: int = 0, classes: int = DB_CLASSES, **kw: Any) -> dict[str, Any]:
+    """(b) A traffic shift from chat to code: adaptive replacement vs the fixed plan (both DB), each model's
+    requests in ``classes`` length classes (the seed's services)."""
+    r = shift_run(("full", "fixed"), quick=quick, seed=seed, classes=classes, **kw)
     a, f = r["variants"]["full"], r["variants"]["fixed"]
     r["adaptive_vs_fixed"] = a["norm_latency"] / f["norm_latency"]
     r["accept"] = {"adaptive_vs_fixed": r["adaptive_vs_fixed"] <= ACCEPT["adaptive_vs_fixed"]}
@@ -828,14 +832,23 @@ def shift(*, quick: bool = False, seed: int = 0, **kw: Any) -> dict[str, Any]:
     return _round(r)
 
 
-def ablation(*, quick: bool = False, seed: int = 0, **kw: Any) -> dict[str, Any]:
-    """(c) The seed's §6.3 ablations on the shift workload: SeaLLM, -F, -M, -P, -A in one table."""
-    r = shift_run(("full", "-F", "-M", "-P", "fixed"), quick=quick, seed=seed, **kw)
-    r["variants"]["-A"] = r["variants"].pop("fixed")
-    base = r["variants"]["full"]
-    for m in r["variants"].values():
-        m["ln_vs_full"] = m["norm_latency"] / base["norm_latency"]
-        m["slo_full_over"] = base["slo_attainment"] / m["slo_attainment"] if m["slo_attainment"] else math.inf
+def ablation(*, quick: bool = False, seed: int = 0, classes: int = DB_CLASSES, **kw: Any) -> dict[str, Any]:
+    """(c) The seed's §6.3 ablations on the shift workload: SeaLLM, -F, -M, -P, -A in one table, each model's
+    requests in ``classes`` length classes (the seed's services); the same with one service per model beside it."""
+
+    def run(k: int) -> dict[str, Any]:
+        r = shift_run(("full", "-F", "-M", "-P", "fixed"), quick=quick, seed=seed, classes=k, **kw)
+        r["variants"]["-A"] = r["variants"].pop("fixed")
+        base = r["variants"]["full"]
+        for m in r["variants"].values():
+            m["ln_vs_full"] = m["norm_latency"] / base["norm_latency"]
+            m["slo_full_over"] = base["slo_attainment"] / m["slo_attainment"] if m["slo_attainment"] else math.inf
+        r["classes"] = k
+        return r
+
+    r = run(classes)
+    if classes > 1:
+        r["one_service_per_model"] = {k: v for k, v in run(1).items() if k in ("variants", "classes")}
     r["experiment"] = "ablation"
     r["seed_claim"] = SEED_CLAIMS["ablation"]
     return _round(r)
@@ -905,13 +918,18 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                      ["DB SLO attainment", r["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
                       r["accept"]["db_slo"]]]))
     elif name in ("shift", "ablation"):
-        rows = [[v, m["norm_latency"], m.get("ln_vs_full"), m["slo_attainment"], m["p99_s"], m["moves"], m["replans"],
-                 str(m["initial_plan"]), m["per_model"].get("chat", {}).get("norm_latency"),
-                 m["per_model"].get("code", {}).get("norm_latency")] for v, m in r["variants"].items()]
-        out.append((f"({'b' if name == 'shift' else 'c'}) {name}: chat {r['hi']:.0%} -> {1 - r['hi']:.0%} of the work, "
-                    f"rho {r['rho']}, {r['servers']} servers, reload {r['reload_s']} s, {r['requests']} requests",
-                    ["variant", "L_N", "vs full", "SLO att.", "P99 s", "moves", "re-plans", "initial plan", "L_N chat",
-                     "L_N code"], rows))
+        for res in (r, r.get("one_service_per_model")):
+            if res is None:
+                continue
+            rows = [[v, m["norm_latency"], m.get("ln_vs_full"), m["slo_attainment"], m["p99_s"], m["moves"],
+                     m["replans"], str(m["initial_plan"]), m["per_model"].get("chat", {}).get("norm_latency"),
+                     m["per_model"].get("code", {}).get("norm_latency")] for v, m in res["variants"].items()]
+            k = res.get("classes", 1)
+            out.append((f"({'b' if name == 'shift' else 'c'}) {name}: chat {r['hi']:.0%} -> {1 - r['hi']:.0%} of the "
+                        f"work, rho {r['rho']}, {r['servers']} servers, reload {r['reload_s']} s, {r['requests']} "
+                        f"requests, " + (f"{k} length classes per model" if k > 1 else "one service per model"),
+                        ["variant", "L_N", "vs full", "SLO att.", "P99 s", "moves", "re-plans", "initial plan",
+                         "L_N chat", "L_N code"], rows))
         if name == "shift":
             out.append(("acceptance (issue 17)", ["check", "ours", "target", "met"],
                         [["adaptive L_N / fixed L_N", r["adaptive_vs_fixed"], r["thresholds"]["adaptive_vs_fixed"],
