@@ -131,9 +131,10 @@ class LengthClasses:
     online from the requests seen (scheduling-seeds.md §1.9: "otherwise an online length cluster").
 
     Points are :func:`length_features` of (input tokens, declared output tokens: ``max_tokens`` at run time, the
-    output in the simulator, as the seed clusters known lengths). :meth:`fit` runs Lloyd's K-means from the ``k``
-    quantiles of the points' size (log input + log output) and orders the centroids by that size, so class 0 is the
-    shortest and a refit keeps each class's meaning (the :class:`ServiceMonitor` keyed by it stays valid).
+    output in the simulator, as the seed clusters known lengths). :meth:`fit` runs Lloyd's K-means from ``k``
+    distinct points at the quantiles of size (log input + log output), drops clusters left empty, and orders the
+    centroids by size, so class 0 is the shortest and a refit keeps each class's meaning (the
+    :class:`ServiceMonitor` keyed by it stays valid).
     :meth:`observe` records an arrival, refits every ``refit_every`` arrivals over the last ``window`` once
     ``min_samples`` were seen, and returns the arrival's class; until the first fit every request is class 0.
     ``k = 1`` is one class (a service per model)."""

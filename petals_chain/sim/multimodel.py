@@ -855,20 +855,22 @@ def ablation(*, quick: bool = False, seed: int = 0, classes: int = DB_CLASSES, *
 
 
 def sweep(*, quick: bool = False, seed: int = 0, rhos: Sequence[float] | None = None,
-          trace: Mapping[str, str | None] | None = None, **kw: Any) -> dict[str, Any]:
-    """(d) Load swept for 2 models (chat, code) and 4 (chat, code and two more of each trace, other segments)."""
+          trace: Mapping[str, str | None] | None = None, classes: int = DB_CLASSES, **kw: Any) -> dict[str, Any]:
+    """(d) Load swept for 2 models (chat, code) and 4 (chat, code and two more of each trace, other segments),
+    each model's requests in ``classes`` length classes (the seed's services)."""
     rhos = rhos or ((0.5, 0.8, 0.9) if quick else (0.5, 0.6, 0.7, 0.8, 0.9))
     rows = []
     for names in (("chat", "code"), ("chat", "code", "chat2", "code2")):
         for rho in rhos:
             r = compare(names, rho=rho, servers=kw.get("servers", 2 * len(names) if quick else 4 * len(names)),
-                        duration=kw.get("duration", 200.0 if quick else 600.0), seed=seed, trace=trace)
+                        duration=kw.get("duration", 200.0 if quick else 600.0), seed=seed, trace=trace,
+                        classes=classes)
             row = {"models": len(names), "rho": rho, "requests": r["requests"], "plan": r["plan"]}
             for s, m in r["schedules"].items():
                 row[s] = {"norm_latency": m["norm_latency"], "slo_attainment": m["slo_attainment"], "p99_s": m["p99_s"]}
             row["db_vs_fcfs"] = row["db"]["norm_latency"] / row["fcfs"]["norm_latency"]
             rows.append(row)
-    return _round({"experiment": "sweep", "rows": rows, "seed_claim": SEED_CLAIMS["sweep"]})
+    return _round({"experiment": "sweep", "rows": rows, "classes": classes, "seed_claim": SEED_CLAIMS["sweep"]})
 
 
 EXPERIMENTS = {"db": db, "shift": shift, "ablation": ablation, "sweep": sweep}
@@ -938,7 +940,7 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
         rows = [[x["models"], x["rho"], x["requests"], str(x["plan"]), x["db"]["norm_latency"], x["fcfs"]["norm_latency"],
                  x["mlfq"]["norm_latency"], x["db_vs_fcfs"], x["db"]["slo_attainment"], x["fcfs"]["slo_attainment"],
                  x["mlfq"]["slo_attainment"]] for x in r["rows"]]
-        out.append(("(d) load sweep", ["models", "rho", "requests", "plan", "L_N db", "L_N fcfs", "L_N mlfq", "db/fcfs",
+        out.append((f"(d) load sweep, {r.get('classes', 1)} length classes per model", ["models", "rho", "requests", "plan", "L_N db", "L_N fcfs", "L_N mlfq", "db/fcfs",
                                        "SLO db", "SLO fcfs", "SLO mlfq"], rows))
     return out
 
