@@ -118,3 +118,34 @@ def test_length_classes_are_learnt_online_and_a_short_kind_overtakes_a_long_kind
         replies = [f.result(300) for f in (running, long, short)]
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
     assert done["short"] < done["long"], (done, swarm.swarm()["schedule"])
+
+
+@pytest.mark.browser
+def test_dashboard_shows_each_service_and_its_length_class(one_slot):
+    """The orchestrator's page in headless Chromium: the priority schedule panel lists the services the API
+    reports (after the test above: the model's length classes) with their class centres and counts."""
+    from dashboard_helpers import browser_skip_reason, chromium_browser
+
+    if browser_skip_reason() is not None:
+        pytest.skip(str(browser_skip_reason()))
+    if len(one_slot.swarm()["schedule"]["services"]) < 2:  # run alone: teach the classes first
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda i: post(one_slot, "the same prompt", max_tokens=8 if i % 2 else 1), range(110)))
+    sched = one_slot.swarm()["schedule"]
+    centroids = sched["classes"]["centroids_tokens"]
+    with chromium_browser() as new_page:
+        page, errors = new_page()
+        page.goto(f"{one_slot.url}/?refresh=1")
+        page.wait_for_selector("#schedule-table tbody tr[data-service]", timeout=15_000)
+        assert page.locator("#schedule-panel").is_visible()
+        rows = page.locator("#schedule-table tbody tr[data-service]").evaluate_all(
+            "rs => rs.map(r => [r.dataset.service, r.cells[1].innerText, r.cells[4].innerText])")
+        assert {name for name, _, _ in rows} == set(sched["services"]), (rows, sched)
+        for name, cls, done in rows:
+            assert int(done) == sched["services"][name]["completed"], (rows, sched)
+            k = name.rpartition(":")[2]
+            if name.count(":") and k.isdigit():  # a length class: its centre, prompt -> max_tokens
+                assert cls == f"{centroids[int(k)][0]} \u2192 {centroids[int(k)][1]} tokens", rows
+        summary = page.locator("#schedule-summary").inner_text()
+        assert "db" in summary and "4 length classes" in summary, summary
+        assert not errors, errors

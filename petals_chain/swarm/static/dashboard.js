@@ -223,6 +223,7 @@
     renderCoverage(data, servers);
     renderServers(data, servers, nowMs);
     renderClients(data);
+    renderSchedule(data);
     renderGroups(data);
     renderModels(data);
   }
@@ -714,6 +715,36 @@
     });
     if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 9, class: "muted", text: "No client has sent a request yet." }))];
     var tbody = $("clients-table").tBodies[0];
+    tbody.replaceChildren.apply(tbody, rows);
+  }
+
+  // --schedule db|mlfq (seed 001): each service's learnt execution time; services model:k are length classes.
+  function renderSchedule(data) {
+    var sc = data.schedule && typeof data.schedule === "object" ? data.schedule : null;
+    var services = sc && sc.services && typeof sc.services === "object" ? sc.services : null;
+    $("schedule-panel").hidden = services === null;
+    if (services === null) return;
+    var classes = obj(sc.classes);
+    var centroids = arr(classes.centroids_tokens);
+    var parts = [str(sc.name)];
+    if (int(classes.k)) parts.push(int(classes.k) + " length classes" + (centroids.length ? "" : " (learning)"));
+    parts.push((int(sc.priority_preemptions) || 0) + " pauses for priority");
+    parts.push((int(sc.starvation_promotions) || 0) + " starved jobs put first");
+    $("schedule-summary").textContent = parts.join(" \u00b7 ");
+    var rows = Object.keys(services).sort().map(function (name) {
+      var s = obj(services[name]);
+      var m = /:(\d+)$/.exec(name);
+      var c = m ? arr(centroids[int(m[1])]) : [];
+      var cls = c.length === 2 ? int(c[0]) + " \u2192 " + int(c[1]) + " tokens" : "\u2014";
+      return el("tr", { "data-service": name },
+        el("td", { "data-label": "service" }, el("span", { text: name })),
+        el("td", { "data-label": "length class" }, el("span", { text: cls })),
+        el("td", { "data-label": "mean execution", class: "num" }, el("span", { text: fmtSeconds(num(s.mean_exec_s)) })),
+        el("td", { "data-label": "std", class: "num" }, el("span", { text: fmtSeconds(num(s.std_exec_s)) })),
+        el("td", { "data-label": "completed", class: "num" }, el("span", { text: String(int(s.completed) || 0) })));
+    });
+    if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 5, class: "muted", text: "No job has finished yet." }))];
+    var tbody = $("schedule-table").tBodies[0];
     tbody.replaceChildren.apply(tbody, rows);
   }
 
