@@ -454,6 +454,20 @@ def trace_requests(model: str, rate: float, duration: float, *, kind: str | None
     return out, tr.source
 
 
+def poisson_arrivals(reqs: Sequence[MMRequest], rates: Mapping[str, float], duration: float, *,
+                     seed: int = 0) -> list[MMRequest]:
+    """The same requests (lengths, models, order within a model) with each model's arrival times redrawn as a
+    Poisson process at its rate (the trace's bursts removed); those past ``duration`` are dropped."""
+    rng = np.random.default_rng([seed, 77])
+    out = []
+    for m in sorted({r.model for r in reqs}):
+        rs = [r for r in reqs if r.model == m]
+        for r, t in zip(rs, np.cumsum(rng.exponential(1.0 / rates[m], len(rs)))):
+            if t < duration:
+                out.append(replace(r, arrival=float(t)))
+    return merge(out)
+
+
 def merge(*streams: Sequence[MMRequest]) -> list[MMRequest]:
     reqs = sorted((r for s in streams for r in s), key=lambda r: (r.arrival, r.model))
     for i, r in enumerate(reqs):
@@ -657,16 +671,22 @@ def _probe_stats(names: Sequence[str], cost: StepCost, max_batch: int, seed: int
 def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duration: float = 600.0, seed: int = 0,
             cost: StepCost = MM_COST, max_batch: int = 16, schedules: Sequence[str] = mm.SCHEDULES,
             work: Mapping[str, float] | None = None, trace: Mapping[str, str | None] | None = None,
-            shared: bool = False, classes: int = 1, class_features: str = "io") -> dict[str, Any]:
+            shared: bool = False, classes: int = 1, class_features: str = "io",
+            arrivals: str = "trace") -> dict[str, Any]:
     """``names`` models at load ``rho`` on ``servers`` servers placed by the unserved index: every schedule on
     the same requests. ``shared``: the seed's setting instead, every chain serving every model (a sharing group
     time-sharing the LLMs; impossible in petals-chain, where a server holds one model). ``classes`` > 1: each
     model's requests form that many services by length (:func:`assign_length_classes`), and ``L_N`` normalizes by
-    them (the seed's Eq. 1 with its services); ``norm_latency_by_model`` is the same run normalized per model."""
+    them (the seed's Eq. 1 with its services); ``norm_latency_by_model`` is the same run normalized per model.
+    ``arrivals="poisson"``: the trace's lengths with Poisson arrival times (:func:`poisson_arrivals`)."""
     work = work or {n: 1.0 for n in names}
     st = _probe_stats(names, cost, max_batch, seed, trace)
     rates = _rates_for(names, rho, servers, work, st)
     reqs, sources = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace)
+    if arrivals == "poisson":
+        reqs = poisson_arrivals(reqs, rates, duration, seed=seed)
+    elif arrivals != "trace":
+        raise ValueError(f"arrivals must be 'trace' or 'poisson', got {arrivals!r}")
     centroids = assign_length_classes(reqs, classes, features=class_features) if classes > 1 else None
     vols = make_servers(servers)
     models = make_models(names, rates, st, max_batch)
@@ -695,7 +715,8 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     return {"models": list(names), "shared": shared, "rho": rho, "servers": servers, "duration_s": duration, "requests": len(reqs),
             "sources": sources, "rates": rates, "plan": counts, "rho_per_model": rho_m, "stats": st,
             "max_batch": max_batch, "cost": vars(cost), "schedules": rows, "classes": classes,
-            "class_features": class_features if classes > 1 else None, "class_centroids": centroids}
+            "class_features": class_features if classes > 1 else None, "class_centroids": centroids,
+            "arrivals": arrivals}
 
 
 def poisson_shared(*, seed: int = 0, rate: float = 2.0, duration: float = 150.0, long_share: float = 0.3,
@@ -743,13 +764,15 @@ def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[s
 
     def variant(**extra: Any) -> dict[str, Any]:
         v = compare(("chat", "code"), **common, **extra)
-        out = {k: v[k] for k in ("rho_per_model", "schedules", "plan", "classes", "class_features", "class_centroids")}
+        out = {k: v[k] for k in ("rho_per_model", "schedules", "plan", "classes", "class_features", "class_centroids",
+                                 "requests")}
         out["db_vs_fcfs"] = v["schedules"]["db"]["norm_latency"] / v["schedules"]["fcfs"]["norm_latency"]
         return out
 
     r["one_service_per_model"] = variant(classes=1)
     r["input_classes"] = variant(classes=classes, class_features="input")
     r["seed_setting"] = variant(classes=classes, shared=True)
+    r["poisson_arrivals"] = variant(classes=classes, arrivals="poisson")
     r["poisson_shared"] = poisson_shared(seed=seed)
     d, f = r["schedules"].get("db"), r["schedules"].get("fcfs")
     r["db_vs_fcfs"] = d["norm_latency"] / f["norm_latency"] if d and f else None
@@ -893,13 +916,15 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                            ("same requests, one service per model", r["one_service_per_model"]),
                            (f"same, {k} classes of input length only (output not declared)", r["input_classes"]),
                            (f"seed setting (chains time-share both models), {k} length classes per model",
-                            r["seed_setting"])):
+                            r["seed_setting"]),
+                           (f"the traces' lengths with Poisson arrivals (no bursts), {k} length classes per model",
+                            r["poisson_arrivals"])):
             f = res["schedules"]["fcfs"]["norm_latency"]
             rows = [_row(s, m, f) + [m["norm_latency_by_model"]] for s, m in res["schedules"].items()]
             rows += [_row(f"  {s}: {mdl}", pm) + [None] for s, m in res["schedules"].items()
                      for mdl, pm in m["per_model"].items()]
             out.append((f"(a) {label}: chat + code at rho {r['rho']}, servers {res['plan']}, rho per model "
-                        f"{ {k: round(v, 2) for k, v in res['rho_per_model'].items()} }, {r['requests']} requests"
+                        f"{ {k: round(v, 2) for k, v in res['rho_per_model'].items()} }, {res['requests']} requests"
                         + (f"; classes (input, output tokens) {res['class_centroids']}" if res["class_centroids"] else ""),
                         ["schedule"] + _COLS + ["L_N by model"], rows))
         ps = r["poisson_shared"]
@@ -918,7 +943,12 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                      ["DB L_N / FCFS L_N (seed setting)", r["seed_setting"]["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
                       r["seed_setting"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB SLO attainment", r["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
-                      r["accept"]["db_slo"]]]))
+                      r["accept"]["db_slo"]],
+                     ["DB L_N / FCFS L_N (traces' lengths, Poisson arrivals)", r["poisson_arrivals"]["db_vs_fcfs"],
+                      r["thresholds"]["db_vs_fcfs"], r["poisson_arrivals"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
+                     ["DB SLO attainment (traces' lengths, Poisson arrivals)",
+                      r["poisson_arrivals"]["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
+                      r["poisson_arrivals"]["schedules"]["db"]["slo_attainment"] >= r["thresholds"]["db_slo"]]]))
     elif name in ("shift", "ablation"):
         for res in (r, r.get("one_service_per_model")):
             if res is None:
