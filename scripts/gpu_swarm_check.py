@@ -113,7 +113,8 @@ def main() -> int:
                 agree.append(sum(a == b for a, b in zip(got, want)))
                 res.setdefault("first_mismatch", []).append(next((i for i, (a, b) in enumerate(zip(got, want))
                                                                    if a != b), None))
-                res.setdefault("equal_to_default_kernels", []).append(sum(a == b for a, b in zip(got, ref_default[len(agree) - 1])))
+                same = sum(a == b for a, b in zip(got, ref_default[len(agree) - 1]))
+                res.setdefault("equal_to_default_kernels", []).append(same)
             res["greedy_tokens_equal"] = agree
             res["greedy_tokens_total"] = [len(w) for w in ref]
             print(json.dumps(res), flush=True)
