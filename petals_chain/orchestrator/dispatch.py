@@ -45,6 +45,7 @@ def chain_key(chain: Chain) -> tuple:
 # a starved job's place: before every priority (O_r, levels are >= 0), the service starved longest first (plus
 # seconds since the manager started: exact to ~0.1 us for 30 years)
 STARVED_KEY = -1e9
+STARVE_CHECK_S = 0.02
 
 
 @dataclass(eq=False)
@@ -278,6 +279,7 @@ class DispatchManager:
         self.priority_preemptions = 0  # running jobs paused for a waiting job of higher priority (db, mlfq)
         self.starvation_promotions = 0  # waiting jobs put first by DB's starvation rule
         self._epoch = time.monotonic()
+        self._starve_checked = -math.inf
         if factory is None and schedule in ("edf", "flex", *PRIORITY_SCHEDULES):
             if policy != "jffc":
                 raise ValueError(f"--schedule {schedule} needs the central queue of JFFC, not dispatch {policy!r}")
@@ -564,8 +566,11 @@ class DispatchManager:
         as any better job does). One promoted job per service at a time; a job's wait counts from its arrival or
         its last pause."""
         factor = getattr(self.priorities, "starve_factor", None)
-        if factor is None:
+        now = time.monotonic()
+        # every step of every running job asks: a look over the queue at most every STARVE_CHECK_S (θ_s is seconds)
+        if factor is None or now - self._starve_checked < STARVE_CHECK_S:
             return
+        self._starve_checked = now
         waiting = [j for j in self.waiting_jobs() if j.sched is not None]
         running = {lease.job.sched.service for lease in self._running.values() if lease.job.sched is not None}
         by_service: dict[Any, list[DispatchJob]] = {}
@@ -573,7 +578,6 @@ class DispatchManager:
             by_service.setdefault(j.sched.service, []).append(j)
         if len(set(by_service) | running) < 2:
             return  # starvation is between services: with one it would only churn the chains
-        now = time.monotonic()
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         for service, jobs in by_service.items():
             if any(j.starved is not None for j in jobs):
