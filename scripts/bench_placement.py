@@ -61,6 +61,19 @@ async def replay(url: str, plan: list[tuple[float, str, int]]) -> list[dict]:
         return list(await asyncio.gather(*(one(*req) for req in plan)))
 
 
+def greedy_reference(path: Path, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation of ``prompt`` (fp32) for the model at ``path`` (HF folder or GGUF)."""
+    import torch
+
+    from petals_chain.swarm.sources import resolve_source
+
+    hf = resolve_source(path).load_reference()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # every prompt token attended: generate would mask ids equal to pad_token_id
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+
+
 def placement(sw) -> dict:
     return sw.swarm().get("model_placement", {})
 
@@ -69,7 +82,9 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
                classes: str = "") -> dict:
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 
-    memory = max(memory_for(path, 64, 4, args.slots) for path in paths.values())
+    from petals_chain.swarm.local import model_memory
+
+    memory = max(memory_for(path, 64, model_memory(path, 64)[0], args.slots) for path in paths.values())
     servers = [LocalServer(f"s{i}", memory, tau_p=args.decode_ms / 1000 * (args.max_tokens + 1),
                            model=[str(paths["alpha"]), str(paths["beta"])],
                            extra_args=["--emulate-decode-ms", str(args.decode_ms), "--kv-cache", "slots"])
@@ -131,18 +146,24 @@ def main() -> int:
     p.add_argument("--interval-s", type=float, default=60.0, help="--replace-interval-s")
     p.add_argument("--window-s", type=float, default=15.0, help="--placement-window-s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alpha", default="tiny", metavar="tiny|NAME|PATH",
+                   help="model alpha: a tiny random 4-layer Llama, or a real one (a registry name such as "
+                        "smollm2-135m, fetched by scripts/setup.sh, or a path); beta stays a tiny Qwen2")
     args = p.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from petals_chain.swarm.tiny_model import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-placement-"))
-    paths = {"alpha": Path(build_tiny_model(tmp / "alpha", family="llama", num_layers=4)),
-             "beta": Path(build_tiny_model(tmp / "beta", family="qwen2", num_layers=4))}
-    from conftest import hf_greedy_from
+    if args.alpha == "tiny":
+        alpha = Path(build_tiny_model(tmp / "alpha", family="llama", num_layers=4))
+    else:
+        from petals_chain.swarm.registry import REGISTRY, registry_path
 
+        alpha = registry_path(args.alpha) if args.alpha in REGISTRY else Path(args.alpha)
+    paths = {"alpha": alpha, "beta": Path(build_tiny_model(tmp / "beta", family="qwen2", num_layers=4))}
     longest = max(args.max_tokens, args.long_tokens)
-    expected = {n: hf_greedy_from(path, PROMPT, longest) for n, path in paths.items()}
+    expected = {n: greedy_reference(path, PROMPT, longest) for n, path in paths.items()}
     rng = np.random.default_rng(args.seed)
     times = sorted([(t, "alpha") for t in arrivals(args.hi, args.phase_s, rng)]
                    + [(t, "beta") for t in arrivals(args.lo, args.phase_s, rng)]
