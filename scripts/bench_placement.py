@@ -2,7 +2,8 @@
 index + adaptive replacement) against a fixed plan (``static``: re-placed once, for the first traffic seen) and
 round-robin (``even``), and ``--schedule db`` (doubling budget) against ``fcfs``, on real processes.
 
-Two tiny models (4-layer Llama ``alpha`` and Qwen2 ``beta``) behind one orchestrator; ``--servers``
+Two models behind one orchestrator (tiny 4-layer Llama ``alpha`` and Qwen2 ``beta``; ``--alpha``/``--beta`` put a real
+one, e.g. SmolLM2, in either place); ``--servers``
 servers each offer both (``--model ALPHA --model BETA``) and emulate a slow device (``--decode-ms`` per block per
 token). Requests arrive open-loop (Poisson): first ``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha,
 ``--lo`` on beta), then the mix flips; a ``--long-frac`` of them ask for ``--long-tokens`` tokens, the rest for
@@ -148,20 +149,22 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", default="tiny", metavar="tiny|NAME|PATH",
                    help="model alpha: a tiny random 4-layer Llama, or a real one (a registry name such as "
-                        "smollm2-135m, fetched by scripts/setup.sh, or a path); beta stays a tiny Qwen2")
+                        "smollm2-135m, fetched by scripts/setup.sh, or a path)")
+    p.add_argument("--beta", default="tiny", metavar="tiny|NAME|PATH", help="model beta: a tiny Qwen2, or as --alpha")
     args = p.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from petals_chain.swarm.tiny_model import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-placement-"))
-    if args.alpha == "tiny":
-        alpha = Path(build_tiny_model(tmp / "alpha", family="llama", num_layers=4))
-    else:
-        from petals_chain.swarm.registry import REGISTRY, registry_path
+    from petals_chain.swarm.registry import REGISTRY, registry_path
 
-        alpha = registry_path(args.alpha) if args.alpha in REGISTRY else Path(args.alpha)
-    paths = {"alpha": alpha, "beta": Path(build_tiny_model(tmp / "beta", family="qwen2", num_layers=4))}
+    def model(name: str, which: str, family: str) -> Path:
+        if which == "tiny":
+            return Path(build_tiny_model(tmp / name, family=family, num_layers=4))
+        return registry_path(which) if which in REGISTRY else Path(which)
+
+    paths = {"alpha": model("alpha", args.alpha, "llama"), "beta": model("beta", args.beta, "qwen2")}
     longest = max(args.max_tokens, args.long_tokens)
     expected = {n: greedy_reference(path, PROMPT, longest) for n, path in paths.items()}
     rng = np.random.default_rng(args.seed)
