@@ -3,18 +3,19 @@ index + adaptive replacement) against a fixed plan (``static``: re-placed once, 
 round-robin (``even``), and ``--schedule db`` (doubling budget) against ``fcfs``, on real processes.
 
 Two models behind one orchestrator (tiny 4-layer Llama ``alpha`` and Qwen2 ``beta``; ``--alpha``/``--beta`` put a
-real one, e.g. SmolLM2, in either place); ``--servers`` servers each offer both (``--model ALPHA --model BETA``)
-and emulate a slow device (``--decode-ms`` per block per token). Requests arrive open-loop (Poisson): first
-``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha, ``--lo`` on beta), then the mix flips; a ``--long-frac`` of them ask for ``--long-tokens`` tokens, the rest for
-``--max-tokens``. The same requests are replayed for each run (``--runs POLICY:SCHEDULE[:K],...``; ``K``:
-``--schedule-classes``, default the orchestrator's) on a fresh swarm.
+real one, e.g. SmolLM2, in either place); ``--servers`` servers each offer both (``--model ALPHA --model BETA``) and
+emulate a slow device (``--decode-ms`` per block per token). Requests arrive open-loop (Poisson): first
+``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha, ``--lo`` on beta), then the mix flips; a ``--long-
+frac`` of them ask for ``--long-tokens`` tokens, the rest for ``--max-tokens``. The same requests are replayed for
+each run (``--runs POLICY:SCHEDULE[:K],...``; ``K``: ``--schedule-classes``, default the orchestrator's) on a fresh
+swarm.
 
 Printed per policy and phase: requests, failures, normalized latency (Eq. 1: each request's response time over its
 model's mean execution time ``L̂_s``, the median ``service_s`` of that model over all runs; and per class, each
-(model, max_tokens) kind of request over its own median, the seed's services), P99 response, SLO
-attainment (response < 5 x the request's own execution time, Eq. 5), the servers per model at the end of the phase
-and the moves made; the ratio of normalized latencies after the shift is the acceptance number (seed 001: adaptive
-<= 1/1.3 of a fixed plan's). Every output is checked token-exact against transformers.
+(model, max_tokens) kind of request over its own median, the seed's services), P99 response, SLO attainment
+(response < 5 x the request's own execution time, Eq. 5), the servers per model at the end of the phase and the
+moves made; the ratio of normalized latencies after the shift is the acceptance number (seed 001: adaptive <= 1/1.3
+of a fixed plan's). Every output is checked token-exact against transformers.
 
     python scripts/bench_placement.py [--runs ui:fcfs,static:fcfs,ui:db] [--servers 4] [--phase-s 60] [--hi 4.0]
 """
