@@ -5,8 +5,8 @@ round-robin (``even``), and ``--schedule db`` (doubling budget) against ``fcfs``
 Two models behind one orchestrator (tiny 4-layer Llama ``alpha`` and Qwen2 ``beta``; ``--alpha``/``--beta`` put a
 real one, e.g. SmolLM2, in either place); ``--servers`` servers each offer both (``--model ALPHA --model BETA``) and
 emulate a slow device (``--decode-ms`` per block per token). Requests arrive open-loop (Poisson): first
-``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha, ``--lo`` on beta), then the mix flips; a ``--long-
-frac`` of them ask for ``--long-tokens`` tokens, the rest for ``--max-tokens``. The same requests are replayed for
+``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha, ``--lo`` on beta), then the mix flips; a
+``--long-frac`` of them ask for ``--long-tokens`` tokens, the rest for ``--max-tokens``. The same requests are replayed for
 each run (``--runs POLICY:SCHEDULE[:K],...``; ``K``: ``--schedule-classes``, default the orchestrator's) on a fresh
 swarm.
 
