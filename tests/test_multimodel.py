@@ -406,11 +406,18 @@ def test_db_dispatch_starvation_rule_puts_a_service_waiting_past_twice_its_mean_
         dm.release(running)  # the pause
         await asyncio.sleep(0)
         assert long.done() and not short.done()  # the starved long job overtook the better short one
-        assert long_job.starved is None  # promoted once: it runs now
+        assert long_job.starved is None and long_job.protected  # promoted once: it runs now, unpaused
+        later = asyncio.ensure_future(dm.acquire(_job(dm, 203, sched=dm.new_priority_job("t", "m", kinds["short"]))))
+        await asyncio.sleep(0.03)
+        dm.charge(long.result(), 0.05)  # past its budget, a better job waiting: still not paused
+        assert not long.result().preempt
         dm.release(long.result())
         await asyncio.sleep(0)
         assert short.done()
         dm.release(short.result())
+        await asyncio.sleep(0)
+        assert later.done()
+        dm.release(later.result())
 
     asyncio.run(main())
 
