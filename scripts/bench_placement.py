@@ -6,9 +6,9 @@ Two models behind one orchestrator (tiny 4-layer Llama ``alpha`` and Qwen2 ``bet
 real one, e.g. SmolLM2, in either place); ``--servers`` servers each offer both (``--model ALPHA --model BETA``) and
 emulate a slow device (``--decode-ms`` per block per token). Requests arrive open-loop (Poisson): first
 ``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha, ``--lo`` on beta), then the mix flips; a
-``--long-frac`` of them ask for ``--long-tokens`` tokens, the rest for ``--max-tokens``. The same requests are replayed for
-each run (``--runs POLICY:SCHEDULE[:K],...``; ``K``: ``--schedule-classes``, default the orchestrator's) on a fresh
-swarm.
+``--long-frac`` of them ask for ``--long-tokens`` tokens, the rest for ``--max-tokens``. The same requests are
+replayed for each run (``--runs POLICY:SCHEDULE[:K],...``; ``K``: ``--schedule-classes``, default the
+orchestrator's) on a fresh swarm.
 
 Printed per policy and phase: requests, failures, normalized latency (Eq. 1: each request's response time over its
 model's mean execution time ``L̂_s``, the median ``service_s`` of that model over all runs; and per class, each
@@ -62,28 +62,13 @@ async def replay(url: str, plan: list[tuple[float, str, int]]) -> list[dict]:
         return list(await asyncio.gather(*(one(*req) for req in plan)))
 
 
-def greedy_reference(path: Path, prompt: list[int], n: int) -> list[int]:
-    """transformers' own greedy continuation of ``prompt`` (fp32) for the model at ``path`` (HF folder or GGUF)."""
-    import torch
-
-    from petals_chain.swarm.sources import resolve_source
-
-    hf = resolve_source(path).load_reference()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():  # every prompt token attended: generate would mask ids equal to pad_token_id
-        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                           pad_token_id=0)[0, len(prompt):].tolist()
-
-
 def placement(sw) -> dict:
     return sw.swarm().get("model_placement", {})
 
 
 def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, str, int]], args, log_dir: Path,
                classes: str = "") -> dict:
-    from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
-
-    from petals_chain.swarm.local import model_memory
+    from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for, model_memory
 
     memory = max(memory_for(path, 64, model_memory(path, 64)[0], args.slots) for path in paths.values())
     servers = [LocalServer(f"s{i}", memory, tau_p=args.decode_ms / 1000 * (args.max_tokens + 1),
@@ -165,8 +150,10 @@ def main() -> int:
         return registry_path(which) if which in REGISTRY else Path(which)
 
     paths = {"alpha": model("alpha", args.alpha, "llama"), "beta": model("beta", args.beta, "qwen2")}
+    from conftest import hf_greedy_from
+
     longest = max(args.max_tokens, args.long_tokens)
-    expected = {n: greedy_reference(path, PROMPT, longest) for n, path in paths.items()}
+    expected = {n: hf_greedy_from(path, PROMPT, longest) for n, path in paths.items()}
     rng = np.random.default_rng(args.seed)
     times = sorted([(t, "alpha") for t in arrivals(args.hi, args.phase_s, rng)]
                    + [(t, "beta") for t in arrivals(args.lo, args.phase_s, rng)]

@@ -199,11 +199,13 @@ def tiny_model_dir(tiny_model_factory) -> Path:
 
 
 def hf_greedy_from(model_path: Path | str, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation (``n`` tokens, fp32) of ``prompt`` for the model at ``model_path``."""
+    """transformers' greedy continuation (``n`` tokens, fp32) of ``prompt`` for the model at ``model_path`` (an HF
+    folder, or a GGUF file: transformers' own load of it, ``ModelSource.load_reference``)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    from petals_chain.swarm.sources import resolve_source
+
+    hf = resolve_source(model_path).load_reference(torch.float32)
     ids = torch.tensor([prompt])
     with torch.no_grad():  # every prompt token attended: generate would mask ids equal to pad_token_id
         return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
