@@ -120,6 +120,13 @@ class ServiceMonitor:
     def observe(self, service: Hashable, exec_s: float) -> None:
         self[service].observe(exec_s)
 
+    def start_from(self, service: Hashable, parent: Hashable) -> None:
+        """A ``service`` not seen yet takes ``parent``'s learnt (mean, std) as its prior (a length class starts
+        from its model's numbers rather than ``default``)."""
+        if service not in self.stats and parent in self.stats:
+            p = self.stats[parent]
+            self.stats[service] = ServiceStats(p.mean, p.std, window=self.window, min_samples=self.min_samples)
+
 
 def length_features(input_tokens: int, output_tokens: int) -> tuple[float, float]:
     """A request's point in the length space the classes are clustered in: (log input, log output) tokens."""
@@ -380,24 +387,32 @@ class DBScheduler(Scheduler):
 
     def starved(self, now: float) -> list[Job]:
         """The min-``O`` waiting job of every starved service, the longest-waiting service first."""
+        waiting = [j for j in self.jobs.values() if not j.running]
+        running = {j.service for j in self.jobs.values() if j.running}
+        return [best for _, best in self.starved_among(waiting, running, now)]
+
+    def starved_among(self, waiting: Iterable[Job], running: Iterable[Hashable],
+                      now: float) -> list[tuple[float, Job]]:
+        """The starvation rule over ``waiting`` jobs (held here or not) with jobs of the ``running`` services
+        running: ``(oldest waiting_since, min-O waiting job)`` of every service whose oldest waiting job has
+        waited more than ``θ_s = starve_factor · L̂_s``, the longest-waiting service first; none unless two or
+        more services are about (with one it would only churn the batch)."""
         if self.starve_factor is None:
             return []
         oldest: dict[Hashable, float] = {}
         best: dict[Hashable, Job] = {}
-        for j in self.jobs.values():
-            if j.running:
-                continue
+        for j in waiting:
             s = j.service
             if j.waiting_since < oldest.get(s, math.inf):
                 oldest[s] = j.waiting_since
             b = best.get(s)
             if b is None or (j.priority, j.arrival) < (b.priority, b.arrival):
                 best[s] = j
-        if len(oldest) + (1 if any(j.running and j.service not in oldest for j in self.jobs.values()) else 0) < 2:
-            return []  # starvation is between services: with one service here it would only churn the batch
+        if len(set(oldest) | set(running)) < 2:
+            return []
         out = [s for s, t in oldest.items() if now - t > self.starve_factor * self.monitor[s].mean]
         out.sort(key=lambda s: oldest[s])
-        return [best[s] for s in out]
+        return [(oldest[s], best[s]) for s in out]
 
     def _order(self, now: float) -> list[Job]:
         first = self.starved(now)

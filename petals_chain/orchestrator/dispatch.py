@@ -487,6 +487,8 @@ class DispatchManager:
         fut = loop.create_future()
         self._waiters[job] = fut
         job.arrival = time.monotonic()
+        if job.sched is not None:  # the starvation rule's wait counts from its arrival or its last pause
+            job.sched.waiting_since = job.arrival
         try:
             dl = job.deadline
             if not job.requeue and dl is not None and dl.active and not dl.best_effort:
@@ -569,35 +571,27 @@ class DispatchManager:
         its last pause. Once started, a promoted job is not paused for priority again: the seed's free preemption
         is a round trip here, and pausing it at the next better arrival undid the rule (measured: a promoted job
         paused 18 ms after it started, 254 pauses in two minutes with SmolLM2)."""
-        factor = getattr(self.priorities, "starve_factor", None)
         now = time.monotonic()
         # every step of every running job asks: a look over the queue at most every STARVE_CHECK_S (θ_s is seconds)
-        if factor is None or now - self._starve_checked < STARVE_CHECK_S:
+        if not hasattr(self.priorities, "starved_among") or now - self._starve_checked < STARVE_CHECK_S:
             return
         self._starve_checked = now
-        waiting = [j for j in self.waiting_jobs() if j.sched is not None]
+        waiting = {id(j.sched): j for j in self.waiting_jobs() if j.sched is not None}
         running = {lease.job.sched.service for lease in self._running.values() if lease.job.sched is not None}
-        by_service: dict[Any, list[DispatchJob]] = {}
-        for j in waiting:
-            by_service.setdefault(j.sched.service, []).append(j)
-        if len(set(by_service) | running) < 2:
-            return  # starvation is between services: with one it would only churn the chains
+        promoted = {j.sched.service for j in waiting.values() if j.starved is not None}
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
-        for service, jobs in by_service.items():
-            if any(j.starved is not None for j in jobs):
+        for oldest, sched in self.priorities.starved_among([j.sched for j in waiting.values()], running, now):
+            if sched.service in promoted:
                 continue
-            oldest = min(j.arrival for j in jobs)
-            if now - oldest <= factor * self.priorities.monitor[service].mean:
-                continue
-            best = min(jobs, key=lambda j: (self._priority(j), j.arrival))
+            best = waiting[id(sched)]
             best.starved = oldest
             self.starvation_promotions += 1
             if isinstance(q, EDFQueue) and q.remove(best):
                 q.push(best)  # its key is now below every priority
             elif best in self._lane:
                 self._lane.sort(key=self._priority)
-            logger.info("db: service %s starved (waited %.3g s > %.3g x L̂_s): job %s goes first", service,
-                        now - oldest, factor, best.job_id)
+            logger.info("db: service %s starved (waited %.3g s > %.3g x L̂_s): job %s goes first", sched.service,
+                        now - oldest, self.priorities.starve_factor, best.job_id)
 
     def new_priority_job(self, key: str, service: str, shape: tuple[int, int] | None = None) -> Any:
         """The discipline's record of a new job of ``service`` (None unless ``--schedule db|mlfq``): level 0, budget
@@ -606,16 +600,13 @@ class DispatchManager:
         part of its service (``model:class``). Sessions (no shape) stay the model's service."""
         if self.priorities is None:
             return None
-        from petals_chain.algorithms.multimodel import Job, ServiceStats
+        from petals_chain.algorithms.multimodel import Job
 
         if self.length_classes is not None and shape is not None:
             c = self.length_classes.observe(*shape)
             if self.length_classes.fitted:  # before the first fit the model is one service (no mixed class 0)
-                mon, model = self.priorities.monitor, service
-                service = f"{service}:{c}"
-                if service not in mon.stats and model in mon.stats:  # a new class starts from its model's L̂, σ
-                    mon.stats[service] = ServiceStats(mon.stats[model].mean, mon.stats[model].std,
-                                                      window=mon.window, min_samples=mon.min_samples)
+                model, service = service, f"{service}:{c}"
+                self.priorities.monitor.start_from(service, model)  # a new class starts from its model's L̂, σ
 
         job = Job(key=key, service=service, arrival=time.monotonic())
         self.priorities.start(job, time.monotonic())
