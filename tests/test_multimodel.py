@@ -335,6 +335,21 @@ def test_mlfq_and_fcfs_dispatch_orders():
     asyncio.run(main())
 
 
+async def _teach_classes(dm, kinds: dict, used: dict, n: int = 140) -> dict:
+    """``n`` one-shot jobs of model ``m``, a third ``long``, the rest ``short`` (``kinds``: (prompt, max_tokens)),
+    each run alone for ``used[kind]`` seconds: the arrivals teach the length classes (64 to the first fit), the
+    completions each class's L̂ (16 each). Returns the services each kind got."""
+    seen: dict = {kind: set() for kind in kinds}
+    for i in range(n):
+        kind = "long" if i % 3 == 0 else "short"
+        lease = await dm.acquire(_job(dm, i, sched=dm.new_priority_job(f"j{i}", "m", kinds[kind])))
+        seen[kind].add(lease.job.sched.service)
+        dm.charge(lease, used[kind])
+        dm.release(lease)
+        dm.finished(lease.job.sched)
+    return seen
+
+
 def test_db_dispatch_length_classes_learn_each_kind_and_put_the_short_kind_first():
     """--schedule-classes: one-shot jobs of a model split by (prompt, max_tokens) into services with their own
     L̂_s; once learnt, a new short job goes before a new long one, while with one service they are equal (FIFO)."""
@@ -344,14 +359,7 @@ def test_db_dispatch_length_classes_learn_each_kind_and_put_the_short_kind_first
         dm = _priority_dispatch("db", classes=2)
         kinds = {"short": (20, 8), "long": (20, 400)}
         used = {"short": 0.2, "long": 5.0}  # execution seconds each kind takes
-        seen = {"short": set(), "long": set()}
-        for i in range(140):  # arrivals teach the classes (64 to the first fit), completions L̂_s (16 each)
-            kind = "long" if i % 3 == 0 else "short"
-            lease = await dm.acquire(_job(dm, i, sched=dm.new_priority_job(f"j{i}", "m", kinds[kind])))
-            seen[kind].add(lease.job.sched.service)
-            dm.charge(lease, used[kind])
-            dm.release(lease)
-            dm.finished(lease.job.sched)
+        seen = await _teach_classes(dm, kinds, used)
         assert seen["short"] == {"m", "m:0"} and seen["long"] == {"m", "m:1"}  # one service until the first fit
         assert dm.length_classes.describe()["centroids_tokens"] == [[20, 8], [20, 400]]
         mon = dm.priorities.monitor
@@ -385,12 +393,7 @@ def test_db_dispatch_starvation_rule_puts_a_service_waiting_past_twice_its_mean_
         dm = _priority_dispatch("db", classes=2)
         kinds = {"short": (20, 8), "long": (20, 400)}
         used = {"short": 0.01, "long": 0.02}  # L̂: θ_short = 20 ms, θ_long = 40 ms
-        for i in range(140):
-            kind = "long" if i % 3 == 0 else "short"
-            lease = await dm.acquire(_job(dm, i, sched=dm.new_priority_job(f"j{i}", "m", kinds[kind])))
-            dm.charge(lease, used[kind])
-            dm.release(lease)
-            dm.finished(lease.job.sched)
+        await _teach_classes(dm, kinds, used)
         assert dm.starvation_promotions == 0  # nobody waited
         running = await dm.acquire(_job(dm, 200, sched=dm.new_priority_job("r", "m", kinds["short"])))
         long_job = _job(dm, 201, sched=dm.new_priority_job("l", "m", kinds["long"]))

@@ -63,6 +63,13 @@ def test_short_requests_pause_a_long_one_past_its_budget_and_it_stays_exact(swar
     assert sched["services"] and next(iter(sched["services"].values()))["completed"] >= 5, sched
 
 
+def teach_two_kinds(sw) -> list[httpx.Response]:
+    """110 requests of one prompt, two kinds by max_tokens alone (1 and 8): 64 arrivals fit the length classes,
+    then each kind completes >= 16 times."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda i: post(sw, "the same prompt", max_tokens=8 if i % 2 else 1), range(110)))
+
+
 @pytest.fixture(scope="module")
 def one_slot(tiny_model_factory, tmp_path_factory):
     """One KV slot (``--kv-cache slots``): exactly one job at a time, whatever the jobs' lengths (a paged cache
@@ -82,12 +89,7 @@ def test_length_classes_are_learnt_online_and_a_short_kind_overtakes_a_long_kind
     same model goes first (with one service per model both would have the same priority: first come first)."""
     swarm = one_slot
     model = swarm.swarm()["model"]
-
-    def one(i: int) -> httpx.Response:
-        return post(swarm, "the same prompt", max_tokens=8 if i % 2 else 1)  # two kinds, by max_tokens alone
-
-    with ThreadPoolExecutor(2) as pool:  # 64 arrivals fit the classes, then >= 16 completions of each kind
-        assert all(r.status_code == 200 for r in pool.map(one, range(110)))
+    assert all(r.status_code == 200 for r in teach_two_kinds(swarm))
     sched = swarm.swarm()["schedule"]
     outs = [c[1] for c in sched["classes"]["centroids_tokens"]]  # shortest first
     assert sched["classes"]["fits"] >= 1 and outs == [1, 8], sched  # two kinds: two classes (of at most 4)
@@ -129,8 +131,7 @@ def test_dashboard_shows_each_service_and_its_length_class(one_slot):
     if browser_skip_reason() is not None:
         pytest.skip(str(browser_skip_reason()))
     if len(one_slot.swarm()["schedule"]["services"]) < 2:  # run alone: teach the classes first
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda i: post(one_slot, "the same prompt", max_tokens=8 if i % 2 else 1), range(110)))
+        teach_two_kinds(one_slot)
     sched = one_slot.swarm()["schedule"]
     centroids = sched["classes"]["centroids_tokens"]
     with chromium_browser() as new_page:
