@@ -246,6 +246,31 @@ def test_moves_pay_for_their_reload_only():
     assert mm.moves_that_pay(cur, back, rate, reload_s=10.0, interval_s=600.0) == []
 
 
+def test_moves_swap_servers_between_models_only_when_the_swap_pays_by_a_margin():
+    """A re-plan that moves one server a -> b and another b -> a changes no model's count of servers: on measured
+    speeds such a swap "paid" a fraction of a percent for two reloads. It is made only when it saves more than
+    ``SWAP_MARGIN`` of the interval's cost; a one-way move is made as before."""
+    speeds = [1.06, 1.06, 1.01, 0.86, 1.14, 0.8]
+    servers = [Volunteer(f"s{i}", 10.0, sp) for i, sp in enumerate(speeds)]
+    models = [_model("a", 0.3), _model("b", 0.2)]
+    cur = {"s0": "a", **{f"s{i}": "b" for i in range(1, 6)}}
+    target = mm.place_by_unserved_index(servers, models, horizon_s=600.0)
+    rate = mm.ui_rate(servers, models)
+    swap_too = mm.moves_that_pay(cur, target, rate, reload_s=10.0, interval_s=600.0, swap_margin=0.0)
+    assert [(m.server, m.src, m.dst) for m in swap_too] == [("s4", "b", "a"), ("s0", "a", "b")]
+    assert swap_too[1].benefit < 0.01 * 600.0 * rate({**cur, "s4": "a"})  # the second half saves < 1 %
+    moves = mm.moves_that_pay(cur, target, rate, reload_s=10.0, interval_s=600.0)
+    assert [(m.server, m.src, m.dst) for m in moves] == [("s4", "b", "a")]
+    # a swap that pays well is made: a fast server to the overloaded model, a slow one to the other
+    speeds = {"s0": 0.7, "s1": 1.0, "s2": 1.3, "s3": 1.0}
+    servers = [Volunteer(k, 10.0, v) for k, v in speeds.items()]
+    models = [_model("a", 1.5), _model("b", 1.0)]
+    cur = {"s0": "a", "s1": "a", "s2": "b", "s3": "b"}
+    moves = mm.moves_that_pay(cur, {**cur, "s0": "b", "s2": "a"}, mm.ui_rate(servers, models), reload_s=10.0,
+                              interval_s=600.0)
+    assert {(m.server, m.dst) for m in moves} == {("s0", "b"), ("s2", "a")}
+
+
 def test_select_respects_fits():
     s = FCFSScheduler()
     jobs = [Job(i, "a", float(i)) for i in range(4)]

@@ -40,6 +40,8 @@ SCHEDULES = ("db", "fcfs", "mlfq")
 ALPHA = 1e-4  # weight of L_N^s in the unserved index (Eq. 6, §6.1)
 BETA = 0.1  # interval step and tolerance (Eq. 8, §6.1)
 SLO_SCALE = 5.0  # SLO = 5 x the request's execution time (§6.1)
+SWAP_MARGIN = 0.05  # servers swapped between two models in one re-plan must save > 5 % of the interval's cost
+# (not in the seed: moves_that_pay)
 STARVE_FACTOR = 2.0  # [gap] starvation threshold theta_s = 2 L̂_s
 UNPLACED_LN = 1e4  # L_N^s counted for a service with no complete chain (all its requests are unserved)
 
@@ -852,7 +854,7 @@ class Move:
 
 
 def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[[Assignment], float], *,
-                   reload_s: float, interval_s: float) -> list[Move]:
+                   reload_s: float, interval_s: float, swap_margin: float = SWAP_MARGIN) -> list[Move]:
     """The moves from ``current`` toward ``target`` that pay for their reload ("move only servers whose move pays
     for its reload time"). ``cost_rate(assignment)``: the objective per second under an assignment (e.g. the
     predicted unserved index per second, :func:`ui_rate`). A server moving ``A -> B`` serves nothing for
@@ -860,9 +862,12 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
     ``I · cost(now) > reload · cost(without it) + (I - reload) · cost(after)``.
 
     Greedy: repeatedly take the best-paying single move against the moves taken so far; when no single move pays
-    but all the remaining ones together do (a chain may need several servers to exist at all), take them all."""
-    if not (reload_s >= 0 and interval_s > 0):
-        raise ValueError("need reload_s >= 0 and interval_s > 0")
+    but all the remaining ones together do (a chain may need several servers to exist at all), take them all.
+    Moving servers both ways between two models in one re-plan (a swap: no model's number of servers changes, only
+    which server serves which) must save more than ``swap_margin`` of the interval's cost: its gain rests on
+    measured speeds, and on processes such swaps "paid" 0.01 % of it for two reloads."""
+    if not (reload_s >= 0 and interval_s > 0 and 0 <= swap_margin < 1):
+        raise ValueError("need reload_s >= 0, interval_s > 0 and 0 <= swap_margin < 1")
     cur = dict(current)
     todo = [(s, m) for s, m in target.items() if cur.get(s) != m]
     taken: list[Move] = []
@@ -874,16 +879,22 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
         after.update(moves)
         return interval_s * cost_rate(base) - reload_s * cost_rate(mid) - rest * cost_rate(after)
 
+    def swapping(moves: Sequence[tuple[str, str]]) -> bool:
+        ways = {(mv.src, mv.dst) for mv in taken} | {(cur.get(s), m) for s, m in moves}
+        return any((b, a) in ways for a, b in ways)
+
     while todo:
-        scored = [(gain(cur, [(s, m)]), s, m) for s, m in todo]
-        b, s, m = max(scored, key=lambda x: x[0])
-        if b > 0:
+        margin = swap_margin * interval_s * cost_rate(cur)
+        scored = [(g - (margin if swapping([(s, m)]) else 0.0), g, s, m)
+                  for s, m in todo for g in (gain(cur, [(s, m)]),)]
+        net, b, s, m = max(scored, key=lambda x: x[0])
+        if net > 0:
             taken.append(Move(s, cur.get(s), m, b))
             cur[s] = m
             todo.remove((s, m))
             continue
         b = gain(cur, todo)
-        if b > 0:
+        if b - (margin if swapping(todo) else 0.0) > 0:
             taken.extend(Move(s, cur.get(s), m, b / len(todo)) for s, m in todo)
         break
     return taken
