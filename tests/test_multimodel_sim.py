@@ -113,3 +113,19 @@ def test_length_classes_are_services_db_serves_the_short_class_first():
     assert ms.summarize(two["db"], by="model")["norm_latency"] < one["db"]["norm_latency"]
     with pytest.raises(ValueError):
         ms.assign_length_classes(reqs, 2, features="output")
+
+
+def test_slo_upper_bound_holds_for_every_schedule_and_binds_under_overload():
+    """No schedule the simulator runs beats :func:`slo_upper_bound` (a bound for any order), and a burst of short
+    requests on one chain that cannot all be served within 5x their own time makes the bound fall below 1."""
+    reqs = [_req(i, "chat" if i % 3 else "code", 0.05 * i, 100 + 37 * (i % 7), 1 + (i * 13) % 60) for i in range(120)]
+    reqs += [_req(200 + i, "code", 3.0, 200, 8) for i in range(60)]  # the burst
+    models, servers = _models(), ms.make_servers(2)
+    bound = ms.slo_upper_bound(reqs, {"chat": 1, "code": 1}, COST, 4)
+    assert bound < 0.9
+    for schedule in mm.SCHEDULES:
+        o = ms.simulate(ms.fresh(reqs), models, servers, {"s00": "chat", "s01": "code"}, schedule, cost=COST,
+                        max_batch=4)
+        assert ms.summarize(o.requests)["slo_attainment"] <= bound
+    assert ms.slo_upper_bound(reqs, {"chat": 1, "code": 4}, COST, 4) > bound  # more chains, a higher ceiling
+    assert ms.slo_upper_bound(reqs, {"chat": 1}, COST, 4) < 0.7  # code unserved: all of its requests miss

@@ -509,6 +509,55 @@ def p99(latency_s: Sequence[float]) -> float:
     return float(np.percentile(np.asarray(latency_s, dtype=float), 99)) if len(latency_s) else math.nan
 
 
+def on_time_upper_bound(arrival_s: Sequence[float], deadline_s: Sequence[float], work_s: Sequence[float],
+                        capacity: float, *, grid_s: float = 1.0, max_window_s: float = 60.0) -> int:
+    """An upper bound on how many requests *any* schedule finishes by their deadlines, whatever its order,
+    preemptions or batching, when request ``i`` needs at least ``work_s[i]`` seconds of a resource that supplies
+    ``capacity`` seconds per second (e.g. chains x speed; ``work_s`` a lower bound such as its share of full-batch
+    steps).
+
+    The requests that arrive and are due inside a window ``[t1, t2]`` must all be served inside it, so at most the
+    largest number of them whose smallest works fit in ``capacity · (t2 - t1)`` can be on time. These limits hold
+    together over disjoint windows; the bound is ``N`` minus the largest total overflow over a set of disjoint
+    windows on a ``grid_s`` grid, each at most ``max_window_s`` long (dynamic programming over the grid). A smaller
+    grid or longer windows give a tighter (lower) bound."""
+    arr = np.asarray(arrival_s, dtype=float)
+    due = np.asarray(deadline_s, dtype=float)
+    work = np.asarray(work_s, dtype=float)
+    if not (len(arr) == len(due) == len(work)):
+        raise ValueError("arrival, deadline and work must have the same length")
+    if not (capacity > 0 and grid_s > 0 and max_window_s >= grid_s):
+        raise ValueError("need capacity > 0, grid_s > 0 and max_window_s >= grid_s")
+    n = len(arr)
+    if n == 0:
+        return 0
+    order = np.argsort(arr, kind="stable")
+    arr, due, work = arr[order], due[order], work[order]
+    t0 = math.floor(float(arr[0]) / grid_s) * grid_s
+    grid = t0 + grid_s * np.arange(int(math.ceil((float(due.max()) - t0) / grid_s)) + 1)
+    span = max(1, int(max_window_s / grid_s + 1e-9))
+    best = np.zeros(len(grid))  # best[j]: the largest overflow of disjoint windows inside [grid[0], grid[j]]
+    into: list[list[tuple[int, int]]] = [[] for _ in grid]  # into[j]: (i, overflow of [grid[i], grid[j]])
+    for i in range(len(grid) - 1):
+        lo = int(np.searchsorted(arr, grid[i], side="left"))
+        hi = int(np.searchsorted(arr, grid[i] + span * grid_s, side="right"))
+        if hi <= lo:
+            continue
+        by_due = np.argsort(due[lo:hi], kind="stable")
+        d, w = due[lo:hi][by_due], work[lo:hi][by_due]
+        for j in range(i + 1, min(len(grid), i + span + 1)):
+            k = int(np.searchsorted(d, grid[j], side="right"))
+            if k == 0:
+                continue
+            fit = int(np.searchsorted(np.cumsum(np.sort(w[:k])), capacity * (grid[j] - grid[i]) * (1 + 1e-12),
+                                      side="right"))
+            if k > fit:
+                into[j].append((i, k - fit))
+    for j in range(1, len(grid)):
+        best[j] = max([best[j - 1]] + [best[i] + over for i, over in into[j]])
+    return int(n - best[-1])
+
+
 # -------------------------------------------------------------------------------------------- placement
 
 

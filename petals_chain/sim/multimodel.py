@@ -519,6 +519,39 @@ def stats(reqs: Sequence[MMRequest], cost: StepCost, max_batch: int) -> dict[str
     return out
 
 
+def slo_upper_bound(reqs: Sequence[MMRequest], chains: Mapping[str, float], cost: StepCost, max_batch: int, *,
+                    scale: float = mm.SLO_SCALE, steps: int = 60) -> float:
+    """The highest SLO attainment any scheduler could reach with ``chains[m]`` chains (reference speed) serving
+    model ``m``'s requests (:func:`~petals_chain.algorithms.multimodel.on_time_upper_bound` per model; a request
+    needs at least its prefill plus one full-batch share of each of its steps, ``b·input + output·(a / max_batch +
+    d)`` chain-seconds, and is due ``scale`` x its execution time after it arrives). The smaller of two bounds per
+    model: windows up to four times its median SLO (at least 60 s), and windows up to the whole run, each on a grid
+    of ``steps`` per window. Requests of a model with no chain count as missed."""
+    on_time = 0
+    for m in sorted({r.model for r in reqs}):
+        rs = [r for r in reqs if r.model == m]
+        if chains.get(m, 0) <= 0:
+            continue
+        arrival = [r.arrival for r in rs]
+        due = [r.arrival + scale * r.exec_s for r in rs]
+        work = [cost.b * r.input + r.output * (cost.a / max_batch + cost.d) for r in rs]
+        whole = max(due) - min(arrival) + 1.0
+        on_time += min(mm.on_time_upper_bound(arrival, due, work, float(chains[m]), grid_s=w / steps, max_window_s=w)
+                       for w in (min(whole, max(60.0, 4 * scale * float(np.median([r.exec_s for r in rs])))), whole))
+    return on_time / len(reqs) if reqs else math.nan
+
+
+def best_split_slo_bound(reqs: Sequence[MMRequest], names: Sequence[str], servers: int, cost: StepCost,
+                         max_batch: int) -> tuple[float, dict[str, int]]:
+    """:func:`slo_upper_bound` maximized over every split of ``servers`` whole-model servers between two models
+    (each given one at least): what no placement and no order can beat."""
+    if len(names) != 2:
+        raise ValueError("the split is searched for two models")
+    a, b = names
+    return max((slo_upper_bound(reqs, {a: k, b: servers - k}, cost, max_batch), {a: k, b: servers - k})
+               for k in range(1, servers))
+
+
 def make_models(names: Sequence[str], rates: Mapping[str, float], st: Mapping[str, Mapping[str, float]],
                 max_batch: int = 16) -> list[ServedModel]:
     """The served models in the placement's terms: ``REF_MODEL`` blocks; ``cache_memory`` such that a whole-model
@@ -672,13 +705,15 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
             cost: StepCost = MM_COST, max_batch: int = 16, schedules: Sequence[str] = mm.SCHEDULES,
             work: Mapping[str, float] | None = None, trace: Mapping[str, str | None] | None = None,
             shared: bool = False, classes: int = 1, class_features: str = "io",
-            arrivals: str = "trace") -> dict[str, Any]:
+            arrivals: str = "trace", bound: bool = False) -> dict[str, Any]:
     """``names`` models at load ``rho`` on ``servers`` servers placed by the unserved index: every schedule on
     the same requests. ``shared``: the seed's setting instead, every chain serving every model (a sharing group
     time-sharing the LLMs; impossible in petals-chain, where a server holds one model). ``classes`` > 1: each
     model's requests form that many services by length (:func:`assign_length_classes`), and ``L_N`` normalizes by
     them (the seed's Eq. 1 with its services); ``norm_latency_by_model`` is the same run normalized per model.
-    ``arrivals="poisson"``: the trace's lengths with Poisson arrival times (:func:`poisson_arrivals`)."""
+    ``arrivals="poisson"``: the trace's lengths with Poisson arrival times (:func:`poisson_arrivals`). ``bound``:
+    also the SLO attainment no order can beat on this plan, and on the best split of the servers
+    (:func:`slo_upper_bound`; not for ``shared``)."""
     work = work or {n: 1.0 for n in names}
     st = _probe_stats(names, cost, max_batch, seed, trace)
     rates = _rates_for(names, rho, servers, work, st)
@@ -712,7 +747,13 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     f = rows.get("fcfs", {}).get("norm_latency")
     for m in rows.values():
         m["vs_fcfs"] = m["norm_latency"] / f if f else None
-    return {"models": list(names), "shared": shared, "rho": rho, "servers": servers, "duration_s": duration, "requests": len(reqs),
+    slo_bound = None
+    if bound and not shared:
+        slo_bound = {"plan": slo_upper_bound(reqs, counts, cost, max_batch)}
+        if len(names) == 2:
+            slo_bound["best_split"], slo_bound["best_split_plan"] = best_split_slo_bound(reqs, names, servers, cost,
+                                                                                         max_batch)
+    return {"slo_upper_bound": slo_bound, "models": list(names), "shared": shared, "rho": rho, "servers": servers, "duration_s": duration, "requests": len(reqs),
             "sources": sources, "rates": rates, "plan": counts, "rho_per_model": rho_m, "stats": st,
             "max_batch": max_batch, "cost": vars(cost), "schedules": rows, "classes": classes,
             "class_features": class_features if classes > 1 else None, "class_centroids": centroids,
@@ -760,7 +801,7 @@ def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[s
     servers = kw.pop("servers", 6 if quick else 8)
     duration = kw.pop("duration", 300.0 if quick else 900.0)
     common = dict(rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, **kw)
-    r = compare(("chat", "code"), classes=classes, **common)
+    r = compare(("chat", "code"), classes=classes, bound=True, **common)
 
     def variant(**extra: Any) -> dict[str, Any]:
         v = compare(("chat", "code"), **common, **extra)
@@ -944,6 +985,9 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                       r["seed_setting"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB SLO attainment", r["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
                       r["accept"]["db_slo"]],
+                     ["  upper bound for any order on this plan", r["slo_upper_bound"]["plan"], None, None],
+                     [f"  upper bound for any order and split (best: {r['slo_upper_bound']['best_split_plan']})",
+                      r["slo_upper_bound"]["best_split"], None, None],
                      ["DB L_N / FCFS L_N (traces' lengths, Poisson arrivals)", r["poisson_arrivals"]["db_vs_fcfs"],
                       r["thresholds"]["db_vs_fcfs"], r["poisson_arrivals"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB SLO attainment (traces' lengths, Poisson arrivals)",
