@@ -155,10 +155,15 @@ def fig11a_requests(slo_s: float, duration_s: float, *, burst: int = 1024, perio
     return reqs
 
 
+FIG11A_SWEEP_S = (0.06, 0.07, 0.08, 0.085, 0.09, 0.095, 0.1, 0.11, 0.12, 0.15, 0.2, 0.25)
+
+
 def fig11a(*, quick: bool = False, seed: int = 0, slos_s: Sequence[float] = (0.250, 0.090),
-           duration_s: float | None = None, policies: Sequence[str] = DISCIPLINES) -> dict[str, Any]:
-    """The seed's Fig. 11a on one GPU with Table 4's ResNet18 (A) and ResNeSt269 (B). Deterministic (``seed``
-    unused)."""
+           duration_s: float | None = None, policies: Sequence[str] = DISCIPLINES,
+           sweep_s: Sequence[float] = FIG11A_SWEEP_S) -> dict[str, Any]:
+    """The seed's Fig. 11a on one GPU with Table 4's ResNet18 (A) and ResNeSt269 (B); ``sweep_s``: the same for a
+    range of SLOs, goodput only (the tight-SLO ratio depends on how B's batches fall against A's bursts).
+    Deterministic (``seed`` unused)."""
     duration_s = duration_s or (1.2 if quick else 6.0)
     workers = {"gpu": {"A": table4("RN18"), "B": table4("RS269")}}
     rows = {}
@@ -173,8 +178,14 @@ def fig11a(*, quick: bool = False, seed: int = 0, slos_s: Sequence[float] = (0.2
             "flex_vs_flex_np": _ratio(g.get("flex", 0), g.get("flex-np", 0)),
             "flex_vs_fcfs": _ratio(g.get("flex", 0), g.get("fcfs", 0)),
         }
+    sweep = {}
+    for slo in sweep_s:
+        res = run_policies(policies, workers, lambda: fig11a_requests(slo, duration_s), duration_s)
+        g = {p: _summary(o, ("A", "B"))["goodput_rps"] for p, o in res.items()}
+        sweep[f"{slo * 1000:g}ms"] = {"goodput_rps": g, "flex_vs_edf": _ratio(g.get("flex", 0), g.get("edf", 0)),
+                                      "flex_vs_flex_np": _ratio(g.get("flex", 0), g.get("flex-np", 0))}
     return {"experiment": "fig11a", "duration_s": duration_s, "requests_per_s": {"A": 1024 / 0.120, "B": 1000.0},
-            "latency_ms": {"A": TABLE4_MS["RN18"], "B": TABLE4_MS["RS269"]}, "slos": rows,
+            "latency_ms": {"A": TABLE4_MS["RN18"], "B": TABLE4_MS["RS269"]}, "slos": rows, "sweep": sweep,
             "seed": {"250ms": {"flex_vs_edf": 3.7, "flex_np_vs_edf": 3.7}, "90ms": {"flex_vs_edf": 6.2, "flex_vs_flex_np": 6.2}},
             "seed_claim": SEED_CLAIMS["fig11a"]}
 
@@ -432,6 +443,12 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
             out.append((f"Fig. 11a ratios, SLO {key}", ["FLEX/EDF", "seed", "FLEX-NP/EDF", "seed", "FLEX/FLEX-NP", "seed"],
                         [[v["flex_vs_edf"], seed.get("flex_vs_edf"), v["flex_np_vs_edf"], seed.get("flex_np_vs_edf"),
                           v["flex_vs_flex_np"], seed.get("flex_vs_flex_np")]]))
+        if r.get("sweep"):
+            pols = list(next(iter(r["sweep"].values()))["goodput_rps"])
+            out.append((f"Fig. 11a over SLOs (goodput req/s, {r['duration_s']} s)",
+                        ["SLO"] + pols + ["FLEX/EDF", "FLEX/FLEX-NP"],
+                        [[k] + [v["goodput_rps"][p] for p in pols] + [v["flex_vs_edf"], v["flex_vs_flex_np"]]
+                         for k, v in r["sweep"].items()]))
     elif name in ("load", "chain"):
         pols = list(r["rows"][0]["policies"]) if r["rows"] else []
         title = (f"goodput (req/s) vs load: {r.get('workers')} workers, models {r.get('models')}, SLO {r.get('slo_s')} s, "
