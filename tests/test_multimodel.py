@@ -409,6 +409,50 @@ def test_mlfq_and_fcfs_dispatch_orders():
     asyncio.run(main())
 
 
+def test_mlfq_dispatch_sends_a_job_waiting_past_twice_the_mean_back_to_the_top_queue():
+    """FastServe's starvation rule at the orchestrator, as the simulator's MLFQ: a demoted job that waited longer
+    than 2 x the mean execution time learnt goes back to the top queue, before top-level jobs that come later
+    (without it, every new job would go first)."""
+    import asyncio
+
+    async def main():
+        dm = _priority_dispatch("mlfq")
+        for i in range(16):  # the monitor learns a mean execution time of 50 ms: the threshold is 100 ms
+            lease = await dm.acquire(_job(dm, 100 + i))
+            dm.charge(lease, 0.05)
+            dm.release(lease)
+            dm.finished(lease.job.sched)
+        assert dm.priorities.starve_threshold() == pytest.approx(0.1)
+        first = await dm.acquire(_job(dm, 0))
+        for _ in range(3):
+            dm.charge(first, 0.05)  # demoted below the top queue
+        level = first.job.sched.level
+        nxt = asyncio.ensure_future(dm.acquire(_job(dm, 1)))
+        await asyncio.sleep(0)
+        assert first.preempt and level >= 1
+        dm.release(first)
+        await asyncio.sleep(0)
+        running = nxt.result()
+        resumed = asyncio.ensure_future(dm.acquire(_job(dm, 0, requeue=True, yields=True, sched=first.job.sched)))
+        await asyncio.sleep(0)
+        dm.charge(running, 0.001)
+        assert first.job.sched.level == level and dm.starvation_promotions == 0  # not waited long enough
+        await asyncio.sleep(0.15)
+        dm.charge(running, 0.001)
+        assert first.job.sched.level == 0 and dm.starvation_promotions == 1  # back to the top queue
+        newer = asyncio.ensure_future(dm.acquire(_job(dm, 2)))  # a new top-level job, after the promotion
+        await asyncio.sleep(0)
+        dm.release(running)
+        await asyncio.sleep(0)
+        assert resumed.done() and not newer.done()
+        dm.release(resumed.result())
+        await asyncio.sleep(0)
+        assert newer.done()
+        dm.release(newer.result())
+
+    asyncio.run(main())
+
+
 async def _teach_classes(dm, kinds: dict, used: dict, n: int = 140) -> dict:
     """``n`` one-shot jobs of model ``m``, a third ``long``, the rest ``short`` (``kinds``: (prompt, max_tokens)),
     each run alone for ``used[kind]`` seconds: the arrivals teach the length classes (64 to the first fit), the

@@ -122,6 +122,13 @@ class ServiceMonitor:
     def observe(self, service: Hashable, exec_s: float) -> None:
         self[service].observe(exec_s)
 
+    def pooled_mean(self) -> float:
+        """The mean execution time over every service's window (s); the default prior's mean before any sample."""
+        n = sum(st.count for st in self.stats.values())
+        if n == 0:
+            return float(self.default[0])
+        return sum(st._sum for st in self.stats.values()) / n
+
     def start_from(self, service: Hashable, parent: Hashable) -> None:
         """A ``service`` not seen yet takes ``parent``'s learnt (mean, std) as its prior (a length class starts
         from its model's numbers rather than ``default``)."""
@@ -429,16 +436,39 @@ class MLFQScheduler(Scheduler):
     ``q_i = q_1 · 2^i`` (``i`` = 0 highest; ``q_1`` ≈ one decode iteration, s). A new job joins the highest queue
     whose quantum covers its first iteration (``prefill_s``), skipping the ones above; it drops one level each
     time it uses up its quantum; FCFS inside a queue; preempted at step boundaries; a job waiting longer than
-    ``starve_s`` since its last step goes back to the top queue (None: never)."""
+    ``starve_s`` since its last step goes back to the top queue (``starve_factor`` x the pooled mean execution time
+    the monitor learnt when ``starve_s`` is None; neither: never)."""
 
     name = "mlfq"
 
     def __init__(self, monitor: ServiceMonitor | None = None, *, q1: float = 0.03, levels: int = 16,
-                 starve_s: float | None = None):
+                 starve_s: float | None = None, starve_factor: float | None = None):
         super().__init__(monitor)
         if not (q1 > 0) or levels < 1:
             raise ValueError("q1 must be > 0 and levels >= 1")
         self.q1, self.levels, self.starve_s = float(q1), int(levels), starve_s
+        self.starve_factor = starve_factor
+
+    def starve_threshold(self) -> float | None:
+        """Seconds of waiting after which a job goes back to the top queue (None: never)."""
+        if self.starve_s is not None:
+            return self.starve_s
+        return None if self.starve_factor is None else self.starve_factor * self.monitor.pooled_mean()
+
+    def starved_among(self, waiting: Iterable[Job], running: Iterable[Hashable], now: float) -> list[tuple[float, Job]]:
+        """``(waiting_since, job)`` of the ``waiting`` jobs (held here or not) below the top queue that waited
+        longer than :meth:`starve_threshold`, longest first (``running`` is unused: FastServe's rule is per job).
+        Move each to the top with :meth:`promote`."""
+        limit = self.starve_threshold()
+        if limit is None:
+            return []
+        out = [(j.waiting_since, j) for j in waiting if j.level > 0 and now - j.waiting_since > limit]
+        out.sort(key=lambda x: x[0])
+        return out
+
+    def promote(self, job: Job) -> None:
+        """Back to the top queue with its full quantum."""
+        job.level, job.budget = 0, self.quantum(0)
 
     def quantum(self, level: int) -> float:
         return self.q1 * 2 ** level
@@ -465,16 +495,14 @@ class MLFQScheduler(Scheduler):
         return float(job.level)
 
     def _order(self, now: float) -> list[Job]:
-        if self.starve_s is not None:
-            for j in self.jobs.values():
-                if not j.running and j.level > 0 and now - j.waiting_since > self.starve_s:
-                    j.level, j.budget = 0, self.quantum(0)
+        for _, j in self.starved_among([j for j in self.jobs.values() if not j.running], (), now):
+            self.promote(j)
         return sorted(self.jobs.values(), key=lambda j: (j.level, j.arrival))
 
 
 def make_scheduler(name: str, monitor: ServiceMonitor | None = None, **kw) -> Scheduler:
     """``db|fcfs|mlfq`` (``--schedule``); ``kw`` go to the scheduler (``starve_factor``; ``q1``, ``levels``,
-    ``starve_s``)."""
+    ``starve_s``, ``starve_factor``)."""
     if name == "db":
         return DBScheduler(monitor, **kw)
     if name == "fcfs":

@@ -268,9 +268,11 @@ class DispatchManager:
         # --schedule db|mlfq: the discipline's numbers (algorithms/multimodel.py); L̂_s learnt from finished jobs
         self.priorities = None
         if schedule in PRIORITY_SCHEDULES:
-            from petals_chain.algorithms.multimodel import ServiceMonitor, make_scheduler
+            from petals_chain.algorithms.multimodel import STARVE_FACTOR, ServiceMonitor, make_scheduler
 
-            self.priorities = make_scheduler(schedule, ServiceMonitor())
+            # mlfq: FastServe's starvation rule, after 2 x the mean execution time learnt (the simulator's threshold)
+            self.priorities = make_scheduler(schedule, ServiceMonitor(),
+                                             **({"starve_factor": STARVE_FACTOR} if schedule == "mlfq" else {}))
         # --schedule-classes: a model's jobs form that many services by length (seed 001 §6.1), each with its L̂_s
         self.length_classes = None
         if self.priorities is not None and int(classes) > 1:
@@ -278,7 +280,7 @@ class DispatchManager:
 
             self.length_classes = LengthClasses(int(classes))
         self.priority_preemptions = 0  # running jobs paused for a waiting job of higher priority (db, mlfq)
-        self.starvation_promotions = 0  # waiting jobs put first by DB's starvation rule
+        self.starvation_promotions = 0  # waiting jobs put first by the starvation rule (db; mlfq: to the top queue)
         self._epoch = time.monotonic()
         self._starve_checked = -math.inf
         if factory is None and schedule in ("edf", "flex", *PRIORITY_SCHEDULES):
@@ -564,7 +566,9 @@ class DispatchManager:
         return self.priorities.key(job.sched) if job.sched is not None else math.inf
 
     def _promote_starved(self) -> None:
-        """DB's starvation rule (seed 001 Alg. 2 ``GetHighestPriorityOrStarvedRequest``, θ_s = 2·L̂_s): while jobs
+        """The starvation rule of ``mlfq`` (FastServe's: a job waiting longer than 2 x the mean execution time
+        learnt goes back to the top queue) and of ``db`` (seed 001 Alg. 2 ``GetHighestPriorityOrStarvedRequest``,
+        θ_s = 2·L̂_s), below. DB: while jobs
         of two or more services are about, the best waiting job of a service whose oldest waiting job has waited
         longer than θ_s goes first, the service waiting longest first (and pauses the running job that goes last,
         as any better job does). One promoted job per service at a time; a job's wait counts from its arrival or
@@ -581,17 +585,22 @@ class DispatchManager:
         promoted = {j.sched.service for j in waiting.values() if j.starved is not None}
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         for oldest, sched in self.priorities.starved_among([j.sched for j in waiting.values()], running, now):
-            if sched.service in promoted:
-                continue
             best = waiting[id(sched)]
-            best.starved = oldest
+            if self.schedule == "mlfq":  # FastServe: back to the top queue, FCFS there
+                in_queue = isinstance(q, EDFQueue) and q.remove(best)
+                self.priorities.promote(sched)
+            else:  # db: first of all, one job per service at a time
+                if sched.service in promoted:
+                    continue
+                in_queue = isinstance(q, EDFQueue) and q.remove(best)
+                best.starved = oldest
             self.starvation_promotions += 1
-            if isinstance(q, EDFQueue) and q.remove(best):
-                q.push(best)  # its key is now below every priority
+            if in_queue:
+                q.push(best)  # its key changed
             elif best in self._lane:
                 self._lane.sort(key=self._priority)
-            logger.info("db: service %s starved (waited %.3g s > %.3g x L̂_s): job %s goes first", sched.service,
-                        now - oldest, self.priorities.starve_factor, best.job_id)
+            logger.info("%s: job %s of %s starved (waited %.3g s): goes first", self.schedule, best.job_id,
+                        sched.service, now - oldest)
 
     def new_priority_job(self, key: str, service: str, shape: tuple[int, int] | None = None) -> Any:
         """The discipline's record of a new job of ``service`` (None unless ``--schedule db|mlfq``): level 0, budget
