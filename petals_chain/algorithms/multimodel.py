@@ -82,6 +82,11 @@ class ServiceStats:
         return len(self._xs)
 
     @property
+    def total_s(self) -> float:
+        """Execution seconds of the requests in the window."""
+        return self._sum
+
+    @property
     def mean(self) -> float:
         """``L̂_s`` (s)."""
         if len(self._xs) < self.min_samples:
@@ -127,7 +132,7 @@ class ServiceMonitor:
         n = sum(st.count for st in self.stats.values())
         if n == 0:
             return float(self.default[0])
-        return sum(st._sum for st in self.stats.values()) / n
+        return sum(st.total_s for st in self.stats.values()) / n
 
     def start_from(self, service: Hashable, parent: Hashable) -> None:
         """A ``service`` not seen yet takes ``parent``'s learnt (mean, std) as its prior (a length class starts
@@ -455,7 +460,8 @@ class MLFQScheduler(Scheduler):
             return self.starve_s
         return None if self.starve_factor is None else self.starve_factor * self.monitor.pooled_mean()
 
-    def starved_among(self, waiting: Iterable[Job], running: Iterable[Hashable], now: float) -> list[tuple[float, Job]]:
+    def starved_among(self, waiting: Iterable[Job], running: Iterable[Hashable],
+                      now: float) -> list[tuple[float, Job]]:
         """``(waiting_since, job)`` of the ``waiting`` jobs (held here or not) below the top queue that waited
         longer than :meth:`starve_threshold`, longest first (``running`` is unused: FastServe's rule is per job).
         Move each to the top with :meth:`promote`."""

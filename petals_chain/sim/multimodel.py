@@ -753,10 +753,11 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
         if len(names) == 2:
             slo_bound["best_split"], slo_bound["best_split_plan"] = best_split_slo_bound(reqs, names, servers, cost,
                                                                                          max_batch)
-    return {"slo_upper_bound": slo_bound, "models": list(names), "shared": shared, "rho": rho, "servers": servers, "duration_s": duration, "requests": len(reqs),
+    return {"models": list(names), "shared": shared, "rho": rho, "servers": servers, "duration_s": duration, "requests": len(reqs),
             "sources": sources, "rates": rates, "plan": counts, "rho_per_model": rho_m, "stats": st,
             "max_batch": max_batch, "cost": vars(cost), "schedules": rows, "classes": classes,
             "class_features": class_features if classes > 1 else None, "class_centroids": centroids,
+            "slo_upper_bound": slo_bound,
             "arrivals": arrivals}
 
 
