@@ -92,6 +92,26 @@ def test_dlpm_keeps_a_clients_prefix_run_until_its_credit_is_spent():
     assert "".join(order) == "aaabbabb"
 
 
+def test_adaptive_quantum_is_one_median_request_without_reuse_and_rises_to_four_with_it():
+    """Auto ``Q^u``: 1x the median full request cost when no prompt finds a cached prefix (deficit round robin),
+    ``1 + 3h`` times it when a share ``h`` of the input tokens is found cached where the requests run."""
+    def quantum_after(matched_tokens: int) -> float:
+        policy = FairPolicy("dlpm", FairnessConfig())
+        assert policy.quantum.value == 2048.0  # the prior, before any request
+        for i in range(9):
+            req = FairRequest(item=i, client=f"c{i % 3}", input_tokens=100 + i, matched={0: matched_tokens},
+                              expected_output=10)
+            policy.admit(req, 0)
+        return policy.quantum.value
+
+    median = 1.0 * 104 + 2.0 * 10  # w_e * median input + w_q * output
+    assert quantum_after(0) == pytest.approx(median)
+    assert quantum_after(1000) == pytest.approx(4 * median)  # every input token cached
+    reuse = sum(50 for _ in range(9)) / sum(100 + i for i in range(9))
+    assert quantum_after(50) == pytest.approx((1 + 3 * reuse) * median)
+    assert FairPolicy("dlpm", FairnessConfig(quantum=7.0)).quantum.value == 7.0  # a fixed quantum stays
+
+
 def test_dlpm_deficits_stay_in_the_theorem_range():
     cfg = FairnessConfig(quantum=40.0)
     d = FairDispatcher([(1.0, 2)], FairPolicy("dlpm", cfg), describe)

@@ -119,5 +119,6 @@ class ClientShares:
         cfg = self.policy.cfg
         return {"policy": self.policy.name, "w_e": cfg.w_e, "w_q": cfg.w_q, "quantum": self.policy.quantum.value,
                 "quantum_mode": "fixed" if cfg.quantum is not None else "auto",
+                "quantum_reuse": self.policy.quantum.reuse,
                 "worker_quantum": cfg.worker_quantum, "window_s": self.meter.window_s, "jain_index": jain,
                 "clients": clients}
