@@ -105,10 +105,13 @@ def test_heavy_quick_acceptance(heavy_quick):
     # light clients are protected from the heavy one's queue: their wait is a small part of FCFS's
     assert max(v["wait_s"] for v in d["light"].values()) < 0.2 * min(v["wait_s"] for v in fc["light"].values())
     assert d["light_ratio_max"] < 0.7 * fc["light_ratio_max"]
+    # beside the other light clients (no heavy one) a light client is slower than alone: a smaller ratio
+    assert all(r["alone"][c]["together_mean_s"] > r["alone"][c]["mean_s"] for c in d["light"])
+    assert d["light_ratio_together_max"] < d["light_ratio_max"] and fc["light_ratio_together_max"] > 2
 
 
 @pytest.mark.xfail(strict=True, reason="not met under the default step cost (docs/results.md): the heavy client "
-                   "keeps the batch full, so a light request's service time alone is ~1.9x its time alone")
+                   "keeps the batch full, so a light request's service time is ~2x its time alone")
 def test_heavy_light_latency_within_1_3x_of_alone(heavy_quick):
     assert heavy_quick["policies"]["dlpm"]["light_ratio_max"] <= fair.ACCEPT["heavy_light_latency_ratio"]
 

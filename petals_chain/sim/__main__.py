@@ -268,12 +268,13 @@ def show_fairness(name: str, r: dict) -> None:
         hdr = ["policy", "units/s", "req/s", "hit rate", "Jain (all backlogged)", "mean latency s"]
         if heavy:
             hdr = ["policy", "units/s", "vs fcfs", "Jain (all backlogged)", "Jain vs max-min share",
-                   "light lat / alone (max)", "light service time / alone", "light wait s", "heavy lat s"]
+                   "light lat / alone (max)", "light lat / lights alone", "light service time / alone", "light wait s",
+                   "heavy lat s"]
         rows = []
         for p, m in r["policies"].items():
             if heavy:
                 rows.append([p, m["throughput_units_s"], m["throughput_vs_fcfs"], m["jain"], m["jain_vs_share"],
-                             m["light_ratio_max"], m["light_service_ratio_max"],
+                             m["light_ratio_max"], m["light_ratio_together_max"], m["light_service_ratio_max"],
                              max(v["wait_s"] for v in m["light"].values()), m["latency"]["heavy"]["mean_s"]])
             else:
                 rows.append([p, m["throughput_units_s"], m["throughput_req_s"], m["cache_hit_rate"], m["jain"],
