@@ -207,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "its own learnt mean execution time, so short kinds of request go before long ones. 1: one "
                         "service per model")
     p.add_argument("--fairness-quantum", type=_auto_or_positive_float, default=None, metavar="auto|X",
-                   help="DLPM's quantum Q^u in service units (a client's credit per round); auto: 4x the median "
-                        "request's cost over the last 256 requests")
+                   help="DLPM's quantum Q^u in service units (a client's credit per round); auto: the median "
+                        "request's cost over the last 256 requests, times 1 (no prompt found a cached prefix) to 4 "
+                        "(all input cached)")
     p.add_argument("--fairness-worker-quantum", type=_positive_float, default=20000.0, metavar="X",
                    help="D2LPM's per-chain quantum Q^w in service units")
     p.add_argument("--fairness-w-e", type=float, default=1.0, metavar="X",

@@ -126,7 +126,7 @@ class OrchestratorConfig:
     # --schedule-classes: under --schedule db|mlfq a model's one-shot jobs form this many services by length (K-means
     # of (prompt tokens, max_tokens), learnt online; seed 001 §6.1); 1: one service per model
     schedule_classes: int = 4
-    fairness_quantum: float | None = None  # DLPM's Q^u in service units (None: 4 x the median request's cost)
+    fairness_quantum: float | None = None  # DLPM's Q^u in service units (None: 1-4 x the median cost, by reuse)
     fairness_worker_quantum: float = 20000.0  # D2LPM's Q^w
     fairness_w_e: float = 1.0
     fairness_w_q: float = 2.0
