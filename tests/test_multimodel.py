@@ -253,8 +253,10 @@ def test_on_time_upper_bound_is_never_below_the_best_schedule():
     # ten 1-s jobs all arriving at 0, due at 4 on one resource: 4 fit, and no more can
     assert mm.on_time_upper_bound([0.0] * 10, [4.0] * 10, [1.0] * 10, 1.0) == 4
     assert mm.on_time_upper_bound([0.0] * 10, [4.0] * 10, [1.0] * 10, 2.0) == 8  # twice the capacity
-    with pytest.raises(ValueError):
-        mm.on_time_upper_bound([0.0], [1.0], [1.0], 0.0)
+    for bad in (([0.0], [1.0], [1.0], 0.0), ([0.0], [math.nan], [1.0], 1.0), ([0.0], [1.0], [-1.0], 1.0),
+                ([0.0, 1.0], [1.0], [1.0], 1.0)):
+        with pytest.raises(ValueError):
+            mm.on_time_upper_bound(*bad)
 
 
 def test_adaptive_interval_eq8():

@@ -560,6 +560,8 @@ def on_time_upper_bound(arrival_s: Sequence[float], deadline_s: Sequence[float],
     work = np.asarray(work_s, dtype=float)
     if not (len(arr) == len(due) == len(work)):
         raise ValueError("arrival, deadline and work must have the same length")
+    if not (np.isfinite(arr).all() and np.isfinite(due).all() and np.isfinite(work).all() and (work >= 0).all()):
+        raise ValueError("arrival, deadline and work must be finite, work >= 0")
     if not (capacity > 0 and grid_s > 0 and max_window_s >= grid_s):
         raise ValueError("need capacity > 0, grid_s > 0 and max_window_s >= grid_s")
     n = len(arr)
