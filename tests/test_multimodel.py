@@ -253,6 +253,11 @@ def test_on_time_upper_bound_is_never_below_the_best_schedule():
     # ten 1-s jobs all arriving at 0, due at 4 on one resource: 4 fit, and no more can
     assert mm.on_time_upper_bound([0.0] * 10, [4.0] * 10, [1.0] * 10, 1.0) == 4
     assert mm.on_time_upper_bound([0.0] * 10, [4.0] * 10, [1.0] * 10, 2.0) == 8  # twice the capacity
+    # due at or before arrival: never on time, and counted in no window (it could fall in two)
+    assert mm.on_time_upper_bound([0, 1], [2, 1], [0, 5], 1.0, grid_s=1.0, max_window_s=2.0) == 1
+    assert mm.on_time_upper_bound([0, 1, 1], [3, 1, 1], [0, 5, 5], 1.0, grid_s=1.0, max_window_s=3.0) == 1
+    assert mm.on_time_upper_bound([2.0], [1.0], [1.0], 1.0) == 0
+    assert mm.on_time_upper_bound([2.0], [2.0], [0.0], 1.0) == 1
     for bad in (([0.0], [1.0], [1.0], 0.0), ([0.0], [math.nan], [1.0], 1.0), ([0.0], [1.0], [-1.0], 1.0),
                 ([0.0, 1.0], [1.0], [1.0], 1.0)):
         with pytest.raises(ValueError):
@@ -320,6 +325,19 @@ def test_moves_swap_servers_between_models_only_when_the_swap_pays_by_a_margin()
     moves = mm.moves_that_pay(cur, {**cur, "s0": "b", "s2": "a"}, mm.ui_rate(servers, models), reload_s=10.0,
                               interval_s=600.0)
     assert {(m.server, m.dst) for m in moves} == {("s0", "b"), ("s2", "a")}
+    # after a swap, moves that do not cancel another (one way, or adding to a flow) need no margin
+    def cost(x):
+        return 100 - 10 * (x.get("s0") == "b") - 10 * (x.get("s1") == "a") - 3 * (x.get("s2") == "d")
+
+    cur = {"s0": "a", "s1": "b", "s2": "c"}
+    moves = mm.moves_that_pay(cur, {"s0": "b", "s1": "a", "s2": "d"}, cost, reload_s=0.0, interval_s=1.0)
+    assert {(m.server, m.dst) for m in moves} == {("s0", "b"), ("s1", "a"), ("s2", "d")}
+    def cost2(x):  # two models: s2 a -> b adds to the a -> b flow after the swap
+        return 100 - 10 * (x.get("s0") == "b") - 10 * (x.get("s1") == "a") - 3 * (x.get("s2") == "b")
+
+    cur = {"s0": "a", "s1": "b", "s2": "a"}
+    moves = mm.moves_that_pay(cur, {"s0": "b", "s1": "a", "s2": "b"}, cost2, reload_s=0.0, interval_s=1.0)
+    assert {(m.server, m.dst) for m in moves} == {("s0", "b"), ("s1", "a"), ("s2", "b")}
 
 
 def test_select_respects_fits():

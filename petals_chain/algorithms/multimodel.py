@@ -26,7 +26,7 @@ Eq. 8): :class:`AdaptiveInterval`, :class:`MixDriftDetector` and :func:`moves_th
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -564,6 +564,10 @@ def on_time_upper_bound(arrival_s: Sequence[float], deadline_s: Sequence[float],
         raise ValueError("arrival, deadline and work must be finite, work >= 0")
     if not (capacity > 0 and grid_s > 0 and max_window_s >= grid_s):
         raise ValueError("need capacity > 0, grid_s > 0 and max_window_s >= grid_s")
+    # due before arriving (or at arrival with work to do): never on time, and kept out of the windows, where such a
+    # request could fall inside two of them
+    possible = (due > arr) | ((due == arr) & (work == 0))
+    arr, due, work = arr[possible], due[possible], work[possible]
     n = len(arr)
     if n == 0:
         return 0
@@ -572,6 +576,7 @@ def on_time_upper_bound(arrival_s: Sequence[float], deadline_s: Sequence[float],
     t0 = math.floor(float(arr[0]) / grid_s) * grid_s
     grid = t0 + grid_s * np.arange(int(math.ceil((float(due.max()) - t0) / grid_s)) + 1)
     span = max(1, int(max_window_s / grid_s + 1e-9))
+    slack = 1e-9 * capacity * max(1.0, abs(float(grid[-1])))  # rounding of the grid's differences at large times
     best = np.zeros(len(grid))  # best[j]: the largest overflow of disjoint windows inside [grid[0], grid[j]]
     into: list[list[tuple[int, int]]] = [[] for _ in grid]  # into[j]: (i, overflow of [grid[i], grid[j]])
     for i in range(len(grid) - 1):
@@ -585,7 +590,7 @@ def on_time_upper_bound(arrival_s: Sequence[float], deadline_s: Sequence[float],
             k = int(np.searchsorted(d, grid[j], side="right"))
             if k == 0:
                 continue
-            fit = int(np.searchsorted(np.cumsum(np.sort(w[:k])), capacity * (grid[j] - grid[i]) * (1 + 1e-12),
+            fit = int(np.searchsorted(np.cumsum(np.sort(w[:k])), capacity * (grid[j] - grid[i]) + slack,
                                       side="right"))
             if k > fit:
                 into[j].append((i, k - fit))
@@ -964,9 +969,13 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
         after.update(moves)
         return interval_s * cost_rate(base) - reload_s * cost_rate(mid) - rest * cost_rate(after)
 
+    def cancelled(flow: Counter) -> int:
+        return sum(min(n, flow.get((b, a), 0)) for (a, b), n in flow.items())
+
     def swapping(moves: Sequence[tuple[str, str]]) -> bool:
-        ways = {(mv.src, mv.dst) for mv in taken} | {(cur.get(s), m) for s, m in moves}
-        return any((b, a) in ways for a, b in ways)
+        """Whether ``moves`` cancel moves the other way (taken or among themselves) rather than add to a flow."""
+        before = Counter((mv.src, mv.dst) for mv in taken)
+        return cancelled(before + Counter((cur.get(s), m) for s, m in moves)) > cancelled(before)
 
     while todo:
         margin = swap_margin * interval_s * cost_rate(cur)
