@@ -99,7 +99,8 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
     name = f"{policy}:{schedule}" + (f":{classes}" if classes else "")
     return {"policy": policy, "schedule": schedule, "name": name, "results": results + after, "start": at_start,
             "mid": mid["servers_per_model"],
-            "end": end["servers_per_model"], "moves": end.get("moves", 0), "recent": end.get("recent", [])}
+            "end": end["servers_per_model"], "moves": end.get("moves", 0), "recent": end.get("recent", []),
+            "replans": end.get("replans", [])}
 
 
 def summarize(run: dict, phase: int, exec_s: dict, phase_s: float, expected: dict, class_s: dict) -> dict:
@@ -172,6 +173,11 @@ def main() -> int:
               f"phase 1 {runs[-1]['mid']}, at the end {runs[-1]['end']}; moves {runs[-1]['moves']}", flush=True)
         for m in runs[-1]["recent"]:
             print(f"      move {m['server'][:10]} {m['from']} -> {m['to']} ({m['why']})", flush=True)
+        for r in runs[-1]["replans"]:
+            print(f"      re-plan ({r['why']}): rates {r['rates']}, servers {r['servers_per_model']}, target "
+                  f"{r['target']}, {r['moves']} moves; predicted (misses, L_N) now {r.get('predicted_now')}, "
+                  f"at the target {r.get('predicted_target')}; block time {r.get('block_time_s')}, slots "
+                  f"{r.get('slots')}, speeds {r.get('speeds')}", flush=True)
     exec_s = {n: statistics.median([r["service_s"] for run in runs for r in run["results"]
                                     if r["model"] == n and r["status"] == 200]) for n in paths}
     kinds = {(r["model"], r["max_tokens"]) for run in runs for r in run["results"] if r["status"] == 200}

@@ -27,8 +27,13 @@ class FakePlanner:
         self.spec = spec
         self.placed = None
 
+        self.measured: dict[str, float] = {}  # peer -> compute per block per job delivered (observed steps)
+
+    def measured_tau_p(self, v: ServerView) -> float | None:
+        return self.measured.get(v.peer_id)
+
     def tau_p(self, v: ServerView) -> float:
-        return float(v.record.tau_p)
+        return self.measured.get(v.peer_id, float(v.record.tau_p))
 
     def tau_c(self, v: ServerView) -> float:
         return 0.01
@@ -228,3 +233,29 @@ def test_placement_needs_two_models_and_a_known_policy(swarm):
         ModelPlacer([orchs["alpha"]])
     with pytest.raises(ValueError, match="unknown placement policy"):
         ModelPlacer(list(orchs.values()), policy="random")
+
+
+def test_a_models_block_time_is_what_its_servers_delivered_not_what_the_others_advertise(swarm):
+    """Six servers offer both models and advertise 0.5 s per block per job; the one serving beta delivered 5 s (a
+    real model slower than advertised). Beta's reference time is the delivered 5 s, not the median of six adverts
+    (0.5 s): with it the placer saw beta as fast and left it one server at 3 req/s. A server's speed compares like
+    with like (delivered with delivered)."""
+    orchs, _ = swarm
+    placer = placer_for(orchs)
+    for i in range(6):
+        announce(orchs, f"s{i}", ["alpha", "beta"], orchs["beta" if i == 0 else "alpha"].prefix, blocks=2)
+    orchs["beta"].planner.measured["s0"] = 5.0
+    for i in range(1, 6):
+        orchs["alpha"].planner.measured[f"s{i}"] = 0.5 if i < 5 else 1.0
+    volunteers, models, _ = placer.snapshot(placer._records(), time.monotonic())
+    by_name = {m.name: m for m in models}
+    assert by_name["beta"].block_time == pytest.approx(5.0) and by_name["alpha"].block_time == pytest.approx(0.5)
+    speed = {v.name: v.speed for v in volunteers}
+    assert speed["s0"] == pytest.approx(1.0) and speed["s1"] == pytest.approx(1.0)
+    assert speed["s5"] == pytest.approx(0.5)  # it delivered alpha at half the others' speed
+    # before anything was measured, adverts against adverts
+    for o in orchs.values():
+        o.planner.measured.clear()
+    volunteers, models, _ = placer.snapshot(placer._records(), time.monotonic())
+    assert {m.name: m.block_time for m in models} == {"alpha": 0.5, "beta": 0.5}
+    assert all(v.speed == pytest.approx(1.0) for v in volunteers)

@@ -75,6 +75,7 @@ class ModelPlacer:
         self.trigger = ReplanTrigger(window_s)
         self.moves = 0
         self.log: deque[dict] = deque(maxlen=50)
+        self.replans: deque[dict] = deque(maxlen=20)  # each re-placement: why, the rates, where it aimed, what moved
         self._published_epoch = -1
         self._published_at = -math.inf
         self._last_arrival: dict[str, float] = {name: -math.inf for name in self.orchs}
@@ -125,30 +126,46 @@ class ModelPlacer:
                  ) -> tuple[list[Volunteer], list[ServedModel], dict[str, str]]:
         """``(volunteers, models, fixed)`` for the seed's algorithms: every live server with its memory, speed and
         link, every model with its sizes, reference block time and rate, and the servers that offer one model."""
-        tau: dict[str, dict[str, float]] = {}
+        # Per block per job, measured (a server that served the model: observed decode steps) and advertised (its
+        # record). A model's reference time is the median of what servers delivered, not of what every offering
+        # server advertises: most of those never ran it, and their advertised times outvoted the one measured
+        # server (a real model ~10x slower than advertised looked fast, and got one server at 3 req/s).
+        measured: dict[str, dict[str, float]] = {}
+        advertised: dict[str, dict[str, float]] = {}
         comm: dict[str, float] = {}
         for peer, by_model in records.items():
             for name, rec in by_model.items():
                 planner = self.orchs[name].planner
                 view = planner.servers.get(peer)
-                t = planner.tau_p(view) if view is not None else float(rec.tau_p)
-                if t > 0:
-                    tau.setdefault(peer, {})[name] = t
+                got = planner.measured_tau_p(view) if view is not None else None
+                if got is not None and got > 0:
+                    measured.setdefault(peer, {})[name] = got
+                if float(rec.tau_p) > 0:
+                    advertised.setdefault(peer, {})[name] = float(rec.tau_p)
                 if peer not in comm and view is not None:
                     comm[peer] = planner.tau_c(view)
+
+        def reference(taus: dict[str, dict[str, float]], name: str) -> float | None:
+            times = [t[name] for t in taus.values() if name in t]
+            return statistics.median(times) if times else None
+
         models = []
         for name, o in self.orchs.items():
             spec = o.planner._model_spec() or o.model_spec()
-            times = [t[name] for t in tau.values() if name in t]
-            block_time = statistics.median(times) if times else 1.0
+            block_time = reference(measured, name) or reference(advertised, name) or 1.0
             plan = o.planner.plan
             models.append(ServedModel(name, spec.num_blocks, float(spec.block_size), float(spec.cache_size), block_time,
                                       rate=self._rate(name, now), c=int(plan.c) if plan is not None and plan.c else 8))
         by_name = {m.name: m for m in models}
         volunteers, fixed = [], {}
         for peer, by_model in sorted(records.items()):
-            ts = tau.get(peer, {})
-            speeds = [by_name[n].block_time / t for n, t in ts.items()]
+            # a server's speed: its measured times against the measured references, else its advertised ones
+            # against the advertised references (never one against the other)
+            if measured.get(peer):
+                speeds = [by_name[n].block_time / t for n, t in measured[peer].items()]
+            else:
+                speeds = [ref / t for n, t in advertised.get(peer, {}).items()
+                          for ref in (reference(advertised, n),) if ref]
             rec = next(iter(by_model.values()))
             volunteers.append(Volunteer(peer, float(rec.memory_bytes), statistics.median(speeds) if speeds else 1.0,
                                         comm.get(peer, 0.0)))
@@ -259,6 +276,26 @@ class ModelPlacer:
         for mv in moves:
             if mv.server in flexible:
                 self._set(mv.server, mv.dst, f"{why}: pays {mv.benefit:.3g}")
+        counts = {m.name: 0 for m in models}
+        aimed = dict(counts)
+        for m in current.values():
+            counts[m] = counts.get(m, 0) + 1
+        for m in {**current, **target}.values():
+            aimed[m] = aimed.get(m, 0) + 1
+        ev = analytic_evaluate(models, self.interval.interval)
+
+        def predicted(assignment: dict[str, str]) -> dict[str, list[float]]:
+            return {n: [round(e.misses, 2), round(e.norm_latency, 3)]
+                    for n, e in ev(groups_of(assignment, volunteers)).items()}
+
+        self.replans.append({"t": time.time(), "why": why, "rates": {m.name: round(m.rate, 4) for m in models},
+                             "servers_per_model": counts, "target": aimed, "moves": len(moves),
+                             "block_time_s": {m.name: round(m.block_time, 5) for m in models},
+                             "slots": {m.name: m.c for m in models},
+                             "speeds": {v.name[:8]: round(v.speed, 3) for v in volunteers},
+                             "predicted_now": predicted(current), "predicted_target": predicted({**current, **target})})
+        logger.info("re-placement (%s): rates %s, servers %s, target %s, %d moves pay", why,
+                    self.replans[-1]["rates"], counts, aimed, len(moves))
         self.estimate = self._estimate(volunteers, models, {**fixed, **{p: self.placement[p] for p in flexible
                                                                         if p in self.placement}})
         self.planned_at, self.planned_wall = now, time.time()
@@ -316,4 +353,4 @@ class ModelPlacer:
                 "settle_in_s": None if settle is None else round(max(0.0, settle - self.clock()), 1),
                 "moves": self.moves, "placement": dict(self.placement),
                 "servers_per_model": {n: sum(1 for m in self.placement.values() if m == n) for n in self.orchs},
-                "recent": list(self.log)[-10:]}
+                "recent": list(self.log)[-10:], "replans": list(self.replans)[-10:]}
