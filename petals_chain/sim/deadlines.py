@@ -166,22 +166,22 @@ def fig11a(*, quick: bool = False, seed: int = 0, slos_s: Sequence[float] = (0.2
     Deterministic (``seed`` unused)."""
     duration_s = duration_s or (1.2 if quick else 6.0)
     workers = {"gpu": {"A": table4("RN18"), "B": table4("RS269")}}
-    rows = {}
-    for slo in slos_s:
+    runs = {}  # each SLO simulated once: the detailed ones are in the sweep too
+    for slo in dict.fromkeys([*slos_s, *sweep_s]):
         res = run_policies(policies, workers, lambda: fig11a_requests(slo, duration_s), duration_s)
-        pol = {p: _summary(o, ("A", "B")) for p, o in res.items()}
-        g = {p: v["goodput_rps"] for p, v in pol.items()}
+        runs[slo] = {p: _summary(o, ("A", "B")) for p, o in res.items()}
+    rows, sweep = {}, {}
+    for slo in slos_s:
+        g = {p: v["goodput_rps"] for p, v in runs[slo].items()}
         rows[f"{slo * 1000:g}ms"] = {
-            "slo_s": slo, "policies": pol,
+            "slo_s": slo, "policies": runs[slo],
             "flex_vs_edf": _ratio(g.get("flex", 0), g.get("edf", 0)),
             "flex_np_vs_edf": _ratio(g.get("flex-np", 0), g.get("edf", 0)),
             "flex_vs_flex_np": _ratio(g.get("flex", 0), g.get("flex-np", 0)),
             "flex_vs_fcfs": _ratio(g.get("flex", 0), g.get("fcfs", 0)),
         }
-    sweep = {}
     for slo in sweep_s:
-        res = run_policies(policies, workers, lambda: fig11a_requests(slo, duration_s), duration_s)
-        g = {p: _summary(o, ("A", "B"))["goodput_rps"] for p, o in res.items()}
+        g = {p: v["goodput_rps"] for p, v in runs[slo].items()}
         sweep[f"{slo * 1000:g}ms"] = {"goodput_rps": g, "flex_vs_edf": _ratio(g.get("flex", 0), g.get("edf", 0)),
                                       "flex_vs_flex_np": _ratio(g.get("flex", 0), g.get("flex-np", 0))}
     return {"experiment": "fig11a", "duration_s": duration_s, "requests_per_s": {"A": 1024 / 0.120, "B": 1000.0},
