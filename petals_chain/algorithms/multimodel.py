@@ -498,7 +498,10 @@ class MLFQScheduler(Scheduler):
             job.budget = self.quantum(job.level)
 
     def key(self, job: Job) -> float:
-        return float(job.level)
+        """Its level, then its arrival (FCFS inside a queue, as :meth:`_order`, also in a queue that breaks ties by
+        insertion: a job promoted back to the top goes before younger ones). ``arrival · 2^-32`` stays under one
+        level for 136 years of seconds and keeps arrivals 15 us apart distinct up to level 15."""
+        return job.level + job.arrival * 2.0 ** -32
 
     def _order(self, now: float) -> list[Job]:
         for _, j in self.starved_among([j for j in self.jobs.values() if not j.running], (), now):

@@ -563,12 +563,7 @@ class DispatchManager:
         (mlfq); a starved job first of all."""
         if job.starved is not None:
             return STARVED_KEY + (job.starved - self._epoch)
-        if job.sched is None:
-            return math.inf
-        if self.schedule == "mlfq":  # FCFS inside a level by arrival, as the simulator's (not by when it was queued:
-            # a job promoted back to the top goes before younger ones): under 1 per level for 136 years, 15 us apart
-            return self.priorities.key(job.sched) + (job.sched.arrival - self._epoch) * 2.0 ** -32
-        return self.priorities.key(job.sched)
+        return self.priorities.key(job.sched) if job.sched is not None else math.inf
 
     def _promote_starved(self) -> None:
         """The starvation rule of ``mlfq`` (FastServe's: a job waiting longer than 2 x the mean execution time
@@ -591,13 +586,12 @@ class DispatchManager:
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         for oldest, sched in self.priorities.starved_among([j.sched for j in waiting.values()], running, now):
             best = waiting[id(sched)]
+            if self.schedule == "db" and sched.service in promoted:  # db: one promoted job per service at a time
+                continue
+            in_queue = isinstance(q, EDFQueue) and q.remove(best)  # before its key changes
             if self.schedule == "mlfq":  # FastServe: back to the top queue, FCFS there
-                in_queue = isinstance(q, EDFQueue) and q.remove(best)
                 self.priorities.promote(sched)
-            else:  # db: first of all, one job per service at a time
-                if sched.service in promoted:
-                    continue
-                in_queue = isinstance(q, EDFQueue) and q.remove(best)
+            else:  # db: first of all
                 best.starved = oldest
             self.starvation_promotions += 1
             if in_queue:
