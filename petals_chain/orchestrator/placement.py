@@ -149,10 +149,11 @@ class ModelPlacer:
             times = [t[name] for t in taus.values() if name in t]
             return statistics.median(times) if times else None
 
+        advertised_ref = {name: reference(advertised, name) for name in self.orchs}
         models = []
         for name, o in self.orchs.items():
             spec = o.planner._model_spec() or o.model_spec()
-            block_time = reference(measured, name) or reference(advertised, name) or 1.0
+            block_time = reference(measured, name) or advertised_ref[name] or 1.0
             plan = o.planner.plan
             models.append(ServedModel(name, spec.num_blocks, float(spec.block_size), float(spec.cache_size), block_time,
                                       rate=self._rate(name, now), c=int(plan.c) if plan is not None and plan.c else 8))
@@ -164,8 +165,7 @@ class ModelPlacer:
             if measured.get(peer):
                 speeds = [by_name[n].block_time / t for n, t in measured[peer].items()]
             else:
-                speeds = [ref / t for n, t in advertised.get(peer, {}).items()
-                          for ref in (reference(advertised, n),) if ref]
+                speeds = [advertised_ref[n] / t for n, t in advertised.get(peer, {}).items()]
             rec = next(iter(by_model.values()))
             volunteers.append(Volunteer(peer, float(rec.memory_bytes), statistics.median(speeds) if speeds else 1.0,
                                         comm.get(peer, 0.0)))
@@ -276,18 +276,17 @@ class ModelPlacer:
         for mv in moves:
             if mv.server in flexible:
                 self._set(mv.server, mv.dst, f"{why}: pays {mv.benefit:.3g}")
-        counts = {m.name: 0 for m in models}
-        aimed = dict(counts)
-        for m in current.values():
-            counts[m] = counts.get(m, 0) + 1
-        for m in {**current, **target}.values():
-            aimed[m] = aimed.get(m, 0) + 1
         ev = analytic_evaluate(models, self.interval.interval)
+
+        def servers_per_model(assignment: dict[str, str]) -> dict[str, int]:
+            groups = groups_of(assignment, volunteers)
+            return {m.name: len(groups.get(m.name, ())) for m in models}
 
         def predicted(assignment: dict[str, str]) -> dict[str, list[float]]:
             return {n: [round(e.misses, 2), round(e.norm_latency, 3)]
                     for n, e in ev(groups_of(assignment, volunteers)).items()}
 
+        counts, aimed = servers_per_model(current), servers_per_model({**current, **target})
         self.replans.append({"t": time.time(), "why": why, "rates": {m.name: round(m.rate, 4) for m in models},
                              "servers_per_model": counts, "target": aimed, "moves": len(moves),
                              "block_time_s": {m.name: round(m.block_time, 5) for m in models},
