@@ -66,6 +66,14 @@ def placement(sw) -> dict:
     return sw.swarm().get("model_placement", {})
 
 
+def schedule_state(sw, model: str) -> dict:
+    """``/api/v1/swarm``'s ``schedule`` of ``model`` (pauses, starvation promotions); the router answers for the
+    first model unless asked."""
+    import httpx
+
+    return httpx.get(f"{sw.url}/api/v1/swarm", params={"model": model}, timeout=10.0).json().get("schedule", {})
+
+
 def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, str, int]], args, log_dir: Path,
                classes: str = "") -> dict:
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for, model_memory
@@ -73,7 +81,7 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
     memory = max(memory_for(path, 64, model_memory(path, 64)[0], args.slots) for path in paths.values())
     servers = [LocalServer(f"s{i}", memory, tau_p=args.decode_ms / 1000 * (args.max_tokens + 1),
                            model=[str(paths["alpha"]), str(paths["beta"])],
-                           extra_args=["--emulate-decode-ms", str(args.decode_ms), "--kv-cache", "slots"])
+                           extra_args=["--emulate-decode-ms", str(args.decode_ms), "--kv-cache", args.kv_cache])
                for i in range(args.servers)]
     sw = LocalSwarm(paths["alpha"], servers, max_length=64, log_dir=log_dir / f"{policy}-{schedule}", models=paths,
                     orchestrator_args=["--model-placement", policy, "--schedule", schedule,
@@ -87,6 +95,11 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
         for name in paths:
             sw.wait_until(lambda s, n=name: any(m["name"] == n and m["chains"] for m in s["models"]), 180,
                           f"a chain of {name}")
+        # every server loaded and in a chain (whole-model servers: a chain each) before the clock starts: a
+        # SmolLM2 server still loading takes the CPU from the others (the tiny model's median went to 10-17 s)
+        until = time.monotonic() + 300
+        while sum(m["chains"] for m in sw.swarm()["models"]) < args.servers and time.monotonic() < until:
+            time.sleep(1.0)
         at_start = placement(sw)["servers_per_model"]
         half = [(t, m, n) for t, m, n in plan if t < args.phase_s]
         results = asyncio.run(replay(sw.url, half))
@@ -94,13 +107,15 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
         rest = [(t - args.phase_s, m, n) for t, m, n in plan if t >= args.phase_s]
         after = asyncio.run(replay(sw.url, rest))
         end = placement(sw)
+        scheds = [schedule_state(sw, name) for name in paths]
     for r in after:
         r["sent"] += args.phase_s
     name = f"{policy}:{schedule}" + (f":{classes}" if classes else "")
     return {"policy": policy, "schedule": schedule, "name": name, "results": results + after, "start": at_start,
             "mid": mid["servers_per_model"],
             "end": end["servers_per_model"], "moves": end.get("moves", 0), "recent": end.get("recent", []),
-            "replans": end.get("replans", [])}
+            "replans": end.get("replans", []), "pauses": sum(sc.get("paused", 0) for sc in scheds),
+            "promotions": sum(sc.get("starvation_promotions", 0) for sc in scheds)}
 
 
 def summarize(run: dict, phase: int, exec_s: dict, phase_s: float, expected: dict, class_s: dict) -> dict:
@@ -123,6 +138,9 @@ def main() -> int:
                    help="POLICY:SCHEDULE[:K] (K: --schedule-classes), one swarm each")
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--slots", type=int, default=2, help="KV slots per block of each server (chain concurrency)")
+    p.add_argument("--kv-cache", choices=["slots", "paged"], default="slots",
+                   help="the servers' KV cache: slots (a pause recomputes the paused job's KV) or paged (kept as a "
+                        "cached prefix)")
     p.add_argument("--phase-s", type=float, default=60.0)
     p.add_argument("--hi", type=float, default=4.0, help="req/s on the busy model")
     p.add_argument("--lo", type=float, default=0.3, help="req/s on the quiet model")
@@ -170,7 +188,8 @@ def main() -> int:
         t0 = time.time()
         runs.append(run_policy(policy, schedule or "fcfs", paths, plan, args, tmp / "logs", classes))
         print(f"  {pair}: ran in {time.time() - t0:.0f} s; servers per model at start {runs[-1]['start']}, after "
-              f"phase 1 {runs[-1]['mid']}, at the end {runs[-1]['end']}; moves {runs[-1]['moves']}", flush=True)
+              f"phase 1 {runs[-1]['mid']}, at the end {runs[-1]['end']}; moves {runs[-1]['moves']}; pauses "
+              f"{runs[-1]['pauses']}, starvation promotions {runs[-1]['promotions']}", flush=True)
         for m in runs[-1]["recent"]:
             print(f"      move {m['server'][:10]} {m['from']} -> {m['to']} ({m['why']})", flush=True)
         for r in runs[-1]["replans"]:
