@@ -369,6 +369,14 @@ def _priority_dispatch(schedule: str, classes: int = 1):
     return dm
 
 
+async def _acquire(dm, job, keeps_kv: bool = True):
+    """``dm.acquire(job)``, its chain then opened on servers that keep a paused job's KV (the orchestrator sets
+    ``keeps_kv`` from the chain session's open): only such a job is paused for priority."""
+    lease = await dm.acquire(job)
+    lease.keeps_kv = keeps_kv
+    return lease
+
+
 def _job(dm, i: int, **kw):
     from petals_chain.orchestrator.dispatch import DispatchJob
 
@@ -380,8 +388,8 @@ def test_db_dispatch_pauses_a_job_past_its_budget_for_a_new_one_and_resumes_it_f
 
     async def main():
         dm = _priority_dispatch("db")  # L̂ = 1 s (prior), Q0 = 1 s
-        long = await dm.acquire(_job(dm, 0))
-        queued = asyncio.ensure_future(dm.acquire(_job(dm, 1)))
+        long = await _acquire(dm, _job(dm, 0))
+        queued = asyncio.ensure_future(_acquire(dm, _job(dm, 1)))
         await asyncio.sleep(0)
         assert not queued.done() and not long.preempt  # the running job goes first: its budget is partly used
         dm.charge(long, 0.6)  # O = 0.4 < the new job's 1.0: keeps running
@@ -392,8 +400,8 @@ def test_db_dispatch_pauses_a_job_past_its_budget_for_a_new_one_and_resumes_it_f
         await asyncio.sleep(0)
         assert queued.done() and queued.result().job.job_id == "j1"
         # the paused job re-queues (yields) with its level kept; a newer job (O = 1.0) goes before it (O = 2.0)
-        resumed = asyncio.ensure_future(dm.acquire(_job(dm, 0, requeue=True, yields=True, sched=long.job.sched)))
-        newer = asyncio.ensure_future(dm.acquire(_job(dm, 2)))
+        resumed = asyncio.ensure_future(_acquire(dm, _job(dm, 0, requeue=True, yields=True, sched=long.job.sched)))
+        newer = asyncio.ensure_future(_acquire(dm, _job(dm, 2)))
         await asyncio.sleep(0)
         dm.release(queued.result())
         await asyncio.sleep(0)
@@ -407,16 +415,73 @@ def test_db_dispatch_pauses_a_job_past_its_budget_for_a_new_one_and_resumes_it_f
     asyncio.run(main())
 
 
+def test_db_dispatch_pauses_only_for_a_job_one_budget_doubling_ahead():
+    """A pause at run time is a round trip (and a recompute where the job resumes on another chain): DB pauses
+    a running job only for a waiting one with at most half its ``O_r`` (``PAUSE_FACTOR``), not for a near-equal
+    one; MLFQ only for a job a level above, never inside a level."""
+    import asyncio
+
+    from petals_chain.algorithms.multimodel import PAUSE_FACTOR, make_scheduler
+
+    db, mlfq = make_scheduler("db"), make_scheduler("mlfq")
+    assert PAUSE_FACTOR == 2.0
+    assert db.worth_pausing(2.0, 1.0) and not db.worth_pausing(1.9, 1.0) and db.worth_pausing(1.0, -1e9)
+    assert mlfq.worth_pausing(1.0 + 1e-6, 0.5e-6) and not mlfq.worth_pausing(1e-6, 0.5e-6)
+
+    async def main():
+        dm = _priority_dispatch("db")  # service m: L̂ = 1 s (prior), Q0 = 1 s
+        for _ in range(20):
+            dm.priorities.monitor.observe("n", 0.55)  # service n: L̂ = 0.55 s, sigma 0: a new job's O = 0.3025
+        running = await _acquire(dm, _job(dm, 0))
+        dm.charge(running, 0.6)  # O = 0.4
+        queued = asyncio.ensure_future(_acquire(dm, _job(dm, 1, sched=dm.new_priority_job("j1", "n"))))
+        await asyncio.sleep(0)
+        dm.charge(running, 0.05)  # O = 0.35 > 0.3025, but not twice it: no pause
+        assert not queued.done() and not running.preempt and dm.priority_preemptions == 0
+        dm.charge(running, 0.4)  # budget used up: level 1, O = 2.0 >= 2 x 0.3025
+        assert running.preempt and dm.priority_preemptions == 1
+        dm.release(running)
+        await asyncio.sleep(0)
+        assert queued.done()
+        dm.release(queued.result())
+
+    asyncio.run(main())
+
+def test_db_dispatch_does_not_pause_a_job_whose_chain_would_recompute_its_kv():
+    """A chain without a prefix cache on every hop (``--kv-cache slots``, ``--no-prefix-cache``) would recompute a
+    paused job's whole history: DB keeps its order in the queue but lets that job finish."""
+    import asyncio
+
+    async def main():
+        dm = _priority_dispatch("db")
+        long = await _acquire(dm, _job(dm, 0), keeps_kv=False)
+        queued = asyncio.ensure_future(_acquire(dm, _job(dm, 1)))
+        later = asyncio.ensure_future(_acquire(dm, _job(dm, 2)))
+        await asyncio.sleep(0)
+        for _ in range(4):  # far past its budget: level 2, O = 4 > the waiting jobs' 1.0
+            dm.charge(long, 1.0)
+        assert long.job.sched.level >= 2 and not long.preempt and dm.priority_preemptions == 0
+        dm.release(long)  # it finished
+        await asyncio.sleep(0)
+        assert queued.done() and not later.done()
+        dm.release(queued.result())
+        await asyncio.sleep(0)
+        assert later.done()
+        dm.release(later.result())
+
+    asyncio.run(main())
+
+
 def test_mlfq_and_fcfs_dispatch_orders():
     import asyncio
 
     async def main():
         dm = _priority_dispatch("mlfq")
-        first = await dm.acquire(_job(dm, 0))
+        first = await _acquire(dm, _job(dm, 0))
         for _ in range(3):
             dm.charge(first, 0.05)  # past the 0.03 s quantum of the top level: level 1, then 2
         assert first.job.sched.level >= 1
-        nxt = asyncio.ensure_future(dm.acquire(_job(dm, 1)))
+        nxt = asyncio.ensure_future(_acquire(dm, _job(dm, 1)))
         await asyncio.sleep(0)
         assert first.preempt  # a new job joins the top queue: the demoted one pauses
         dm.release(first)
@@ -438,29 +503,29 @@ def test_mlfq_dispatch_sends_a_job_waiting_past_twice_the_mean_back_to_the_top_q
     async def main():
         dm = _priority_dispatch("mlfq")
         for i in range(16):  # the monitor learns a mean execution time of 50 ms: the threshold is 100 ms
-            lease = await dm.acquire(_job(dm, 100 + i))
+            lease = await _acquire(dm, _job(dm, 100 + i))
             dm.charge(lease, 0.05)
             dm.release(lease)
             dm.finished(lease.job.sched)
         assert dm.priorities.starve_threshold() == pytest.approx(0.1)
-        first = await dm.acquire(_job(dm, 0))
+        first = await _acquire(dm, _job(dm, 0))
         for _ in range(3):
             dm.charge(first, 0.05)  # demoted below the top queue
         level = first.job.sched.level
-        nxt = asyncio.ensure_future(dm.acquire(_job(dm, 1)))
+        nxt = asyncio.ensure_future(_acquire(dm, _job(dm, 1)))
         await asyncio.sleep(0)
         assert first.preempt and level >= 1
         dm.release(first)
         await asyncio.sleep(0)
         running = nxt.result()
-        resumed = asyncio.ensure_future(dm.acquire(_job(dm, 0, requeue=True, yields=True, sched=first.job.sched)))
+        resumed = asyncio.ensure_future(_acquire(dm, _job(dm, 0, requeue=True, yields=True, sched=first.job.sched)))
         await asyncio.sleep(0)
         dm.charge(running, 0.001)
         assert first.job.sched.level == level and dm.starvation_promotions == 0  # not waited long enough
         await asyncio.sleep(0.15)
         dm.charge(running, 0.001)
         assert first.job.sched.level == 0 and dm.starvation_promotions == 1  # back to the top queue
-        newer = asyncio.ensure_future(dm.acquire(_job(dm, 2)))  # a new top-level job, after the promotion
+        newer = asyncio.ensure_future(_acquire(dm, _job(dm, 2)))  # a new top-level job, after the promotion
         await asyncio.sleep(0)
         dm.release(running)
         await asyncio.sleep(0)
@@ -480,7 +545,7 @@ async def _teach_classes(dm, kinds: dict, used: dict, n: int = 140) -> dict:
     seen: dict = {kind: set() for kind in kinds}
     for i in range(n):
         kind = "long" if i % 3 == 0 else "short"
-        lease = await dm.acquire(_job(dm, i, sched=dm.new_priority_job(f"j{i}", "m", kinds[kind])))
+        lease = await _acquire(dm, _job(dm, i, sched=dm.new_priority_job(f"j{i}", "m", kinds[kind])))
         seen[kind].add(lease.job.sched.service)
         dm.charge(lease, used[kind])
         dm.release(lease)
@@ -504,10 +569,10 @@ def test_db_dispatch_length_classes_learn_each_kind_and_put_the_short_kind_first
         assert mon["m:0"].mean == pytest.approx(0.2) and mon["m:1"].mean == pytest.approx(5.0)
         # each class started from what the model's one service had learnt (not the 1 s default)
         assert mon["m:0"].prior_mean == mon["m:1"].prior_mean == pytest.approx(mon["m"].mean) != 1.0
-        running = await dm.acquire(_job(dm, 100, sched=dm.new_priority_job("r", "m", kinds["short"])))
-        long = asyncio.ensure_future(dm.acquire(_job(dm, 101, sched=dm.new_priority_job("l", "m", kinds["long"]))))
+        running = await _acquire(dm, _job(dm, 100, sched=dm.new_priority_job("r", "m", kinds["short"])))
+        long = asyncio.ensure_future(_acquire(dm, _job(dm, 101, sched=dm.new_priority_job("l", "m", kinds["long"]))))
         await asyncio.sleep(0)
-        short = asyncio.ensure_future(dm.acquire(_job(dm, 102, sched=dm.new_priority_job("s", "m", kinds["short"]))))
+        short = asyncio.ensure_future(_acquire(dm, _job(dm, 102, sched=dm.new_priority_job("s", "m", kinds["short"]))))
         await asyncio.sleep(0)
         dm.release(running)
         await asyncio.sleep(0)
@@ -533,11 +598,11 @@ def test_db_dispatch_starvation_rule_puts_a_service_waiting_past_twice_its_mean_
         used = {"short": 0.01, "long": 0.02}  # L̂: θ_short = 20 ms, θ_long = 40 ms
         await _teach_classes(dm, kinds, used)
         assert dm.starvation_promotions == 0  # nobody waited
-        running = await dm.acquire(_job(dm, 200, sched=dm.new_priority_job("r", "m", kinds["short"])))
+        running = await _acquire(dm, _job(dm, 200, sched=dm.new_priority_job("r", "m", kinds["short"])))
         long_job = _job(dm, 201, sched=dm.new_priority_job("l", "m", kinds["long"]))
-        long = asyncio.ensure_future(dm.acquire(long_job))
+        long = asyncio.ensure_future(_acquire(dm, long_job))
         await asyncio.sleep(0)
-        short = asyncio.ensure_future(dm.acquire(_job(dm, 202, sched=dm.new_priority_job("s", "m", kinds["short"]))))
+        short = asyncio.ensure_future(_acquire(dm, _job(dm, 202, sched=dm.new_priority_job("s", "m", kinds["short"]))))
         await asyncio.sleep(0)
         dm.charge(running, 0.0001)
         assert long_job.starved is None and not running.preempt  # not yet: θ not passed, the short goes first
@@ -548,7 +613,7 @@ def test_db_dispatch_starvation_rule_puts_a_service_waiting_past_twice_its_mean_
         await asyncio.sleep(0)
         assert long.done() and not short.done()  # the starved long job overtook the better short one
         assert long_job.starved is None and long_job.protected  # promoted once: it runs now, unpaused
-        later = asyncio.ensure_future(dm.acquire(_job(dm, 203, sched=dm.new_priority_job("t", "m", kinds["short"]))))
+        later = asyncio.ensure_future(_acquire(dm, _job(dm, 203, sched=dm.new_priority_job("t", "m", kinds["short"]))))
         await asyncio.sleep(0.03)
         dm.charge(long.result(), 0.05)  # past its budget, a better job waiting: still not paused
         assert not long.result().preempt

@@ -75,7 +75,7 @@ def one_slot(tiny_model_factory, tmp_path_factory):
     """One KV slot (``--kv-cache slots``): exactly one job at a time, whatever the jobs' lengths (a paged cache
     would fit several short ones)."""
     path = tiny_model_factory("llama", num_layers=4)
-    server = LocalServer("a", memory_for(path, 128, 4, 1), tau_p=0.001, emulate_rtt_ms=20.0,
+    server = LocalServer("a", memory_for(path, 128, 4, 1), tau_p=0.001, emulate_rtt_ms=40.0,
                          extra_args=["--kv-cache", "slots"])
     with LocalSwarm(path, [server], max_length=128, arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
                     orchestrator_args=["--schedule", "db"]) as sw:
@@ -97,7 +97,10 @@ def test_length_classes_are_learnt_online_and_a_short_kind_overtakes_a_long_kind
     assert min(short_s["completed"], long_s["completed"]) >= 16, sched
     assert short_s["mean_exec_s"] < long_s["mean_exec_s"], sched
     with ThreadPoolExecutor(3) as pool:
-        running = pool.submit(post, swarm, "the same prompt", max_tokens=8)
+        # 12 tokens (>= 0.5 s at 40 ms a step): both later requests queue behind it, and the long one waits less
+        # than its class's starvation threshold (2 x an 8-token job). A slots chain is not paused for priority (a
+        # pause there recomputes the job's KV), so the order shows when it finishes
+        running = pool.submit(post, swarm, "the same prompt", max_tokens=12)
 
         def wait_for(what: str, cond) -> None:
             until = time.monotonic() + scaled(60)

@@ -43,6 +43,7 @@ SLO_SCALE = 5.0  # SLO = 5 x the request's execution time (§6.1)
 SWAP_MARGIN = 0.05  # servers swapped between two models in one re-plan must save > 5 % of the interval's cost
 # (not in the seed: moves_that_pay)
 STARVE_FACTOR = 2.0  # [gap] starvation threshold theta_s = 2 L̂_s
+PAUSE_FACTOR = 2.0  # run time only: DB pauses a running job for one of at most half its O_r (one budget doubling)
 UNPLACED_LN = 1e4  # L_N^s counted for a service with no complete chain (all its requests are unserved)
 
 
@@ -345,6 +346,12 @@ class Scheduler:
         """Where ``job`` goes in a queue ordered by this discipline (smaller first; ties by arrival)."""
         return job.arrival
 
+    def worth_pausing(self, running: float, waiting: float) -> bool:
+        """At run time, where a pause is a round trip and may cost a recompute (the simulator's preemption is
+        free): pause the running job of :meth:`key` ``running`` for the waiting one of key ``waiting``. Here: on
+        any inversion."""
+        return running > waiting
+
 
 class FCFSScheduler(Scheduler):
     """First come first served with continuous batching: running jobs keep their place (never preempted), free
@@ -398,6 +405,13 @@ class DBScheduler(Scheduler):
 
     def key(self, job: Job) -> float:
         return job.priority
+
+    def worth_pausing(self, running: float, waiting: float) -> bool:
+        """Only for a job of at most ``1 / PAUSE_FACTOR`` of the running job's ``O_r``: one budget doubling apart,
+        so a job demoted a level still pauses for a new job of its own service, while near-equal priorities (two
+        services' new jobs, a job resumed after a pause) never pause each other: each such pause cost a round trip
+        and a recompute on another chain for nothing (SmolLM2: 100 pauses in two minutes, some 10 % apart)."""
+        return running >= PAUSE_FACTOR * waiting
 
     def starved(self, now: float) -> list[Job]:
         """The min-``O`` waiting job of every starved service, the longest-waiting service first."""
@@ -496,6 +510,10 @@ class MLFQScheduler(Scheduler):
         if job.budget <= 0:
             job.level = min(job.level + 1, self.levels - 1)
             job.budget = self.quantum(job.level)
+
+    def worth_pausing(self, running: float, waiting: float) -> bool:
+        """Only for a job a level above (never inside a level, where the order is FCFS)."""
+        return math.floor(running) > math.floor(waiting)
 
     def key(self, job: Job) -> float:
         """Its level, then its arrival (FCFS inside a queue, as :meth:`_order`, also in a queue that breaks ties by

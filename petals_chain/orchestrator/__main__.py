@@ -197,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a running request without one, paused between two steps and resumed later; seed 003's "
                         "best-effort lane); db (seed 001's doubling budget: a job's priority is its remaining budget "
                         "times the mean execution time, the budget doubling a level down each time it is used up; a "
-                        "waiting job of higher priority pauses the running job of lowest between two steps) or mlfq "
+                        "waiting job with at most half its priority value pauses the running job of lowest between two "
+                        "steps, on chains whose servers keep its KV as a cached prefix: paged, with the prefix "
+                        "cache) or mlfq "
                         "(skip-join multi-level feedback queue, the same way). With edf/flex a request whose deadline "
                         "the queue and the chains' speed say it cannot meet is refused at once (429 "
                         "deadline_unreachable) unless it asks for best_effort")

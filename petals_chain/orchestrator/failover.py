@@ -200,6 +200,7 @@ class ChainHolder:
             if opened:
                 self.wait_s += time.monotonic() - t0
                 self.lease, self.cs = lease, cs
+                lease.keeps_kv = cs.prefix_cache
                 planner = getattr(orch, "planner", None)
                 if planner is not None:
                     planner.observe_job_tokens(declared)  # L^ of paged chain capacities (token_budget.py)
