@@ -482,6 +482,30 @@ def test_pages_in_any_order_read_back_as_one_sequence():
     assert torch.equal(pool.read(dst, 6)[0][0], full_a[:, :6])
 
 
+def test_reading_a_batch_copies_only_its_rows_pages():
+    """A decode step's gather must cost the rows' tokens, not the pool's size: reading the one-page prefixes of two
+    rows from a 4096-page pool allocates about their size (index_select on a strided view of the pool made the
+    whole pool contiguous first, every step: a volunteer with a large memory budget and a small model decoded ~80x
+    slower under load). Checked by the bytes the profiler sees allocated, not by timing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from petals_chain.server.kv_cache import PagePool
+
+    pool = PagePool(4096, num_kv_heads=2, page_size=16, head_dim=8, dtype=torch.float32)
+    pool.reserve(2)
+    a, b = pool.take(2)
+    g = torch.Generator().manual_seed(1)
+    ka, kb = torch.randn(2, 9, 8, generator=g), torch.randn(2, 9, 8, generator=g)
+    pool.write([a], 0, ka, -ka)
+    pool.write([b], 0, kb, -kb)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        k, v = pool.read_batch([[a], [b]], 9)
+    assert torch.equal(k[0], ka) and torch.equal(k[1], kb) and torch.equal(v[1], -kb)
+    allocated = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+    rows = 2 * 2 * 9 * 8 * 4  # two rows' K (or V) prefixes, bytes
+    assert allocated <= 4 * rows, (allocated, pool.nbytes)
+
+
 def test_runner_does_not_mutate_callers_config(models):
     cfg = load_config(models["llama"])
     cfg._attn_implementation = "eager"
