@@ -575,9 +575,9 @@ class DispatchManager:
         of two or more services are about, the best waiting job of a service whose oldest waiting job has waited
         longer than θ_s goes first, the service waiting longest first (it takes the next slot that frees and
         pauses nobody, see :meth:`_preempt_for_priority`). One promoted job per service at a time; a job's wait
-        counts from its arrival or its last pause. Once started, a promoted job is not paused for priority again: the seed's free preemption
-        is a round trip here, and pausing it at the next better arrival undid the rule (measured: a promoted job
-        paused 18 ms after it started, 254 pauses in two minutes with SmolLM2)."""
+        counts from its arrival or its last pause. Once started, a promoted job is not paused for priority again:
+        the seed's free preemption is a round trip here, and pausing it at the next better arrival undid the rule
+        (measured: a promoted job paused 18 ms after it started, 254 pauses in two minutes with SmolLM2)."""
         now = time.monotonic()
         # every step of every running job asks: a look over the queue at most every STARVE_CHECK_S (θ_s is seconds)
         if not hasattr(self.priorities, "starved_among") or now - self._starve_checked < STARVE_CHECK_S:
@@ -651,7 +651,7 @@ class DispatchManager:
             return
         # Seed 001 preempts for free; a chain that would recompute the paused job's history is not paused for
         # priority (its jobs finish, the queue's order still holds): on SmolLM2 with --kv-cache slots, pausing
-        # there made DB 1.6x FCFS's normalized latency when nothing queued for long
+        # there made DB 1.2x FCFS's normalized latency at overload, 1.6x when nothing queued for long
         candidates = [lease for lease in running if not lease.preempt and lease.keeps_kv
                       and lease.job.sched is not None and not lease.job.protected]
         if not candidates:
