@@ -96,7 +96,7 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
             sw.wait_until(lambda s, n=name: any(m["name"] == n and m["chains"] for m in s["models"]), 180,
                           f"a chain of {name}")
         # every server loaded and in a chain (whole-model servers: a chain each) before the clock starts: a
-        # SmolLM2 server still loading takes the CPU from the others (the tiny model's median went to 10-17 s)
+        # SmolLM2 server still loading its blocks would take the CPU from the others in the first phase
         until = time.monotonic() + 300
         while sum(m["chains"] for m in sw.swarm()["models"]) < args.servers and time.monotonic() < until:
             time.sleep(1.0)
