@@ -66,14 +66,6 @@ def placement(sw) -> dict:
     return sw.swarm().get("model_placement", {})
 
 
-def schedule_state(sw, model: str) -> dict:
-    """``/api/v1/swarm``'s ``schedule`` of ``model`` (pauses, starvation promotions); the router answers for the
-    first model unless asked."""
-    import httpx
-
-    return httpx.get(f"{sw.url}/api/v1/swarm", params={"model": model}, timeout=10.0).json().get("schedule", {})
-
-
 def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, str, int]], args, log_dir: Path,
                classes: str = "") -> dict:
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for, model_memory
@@ -107,7 +99,7 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
         rest = [(t - args.phase_s, m, n) for t, m, n in plan if t >= args.phase_s]
         after = asyncio.run(replay(sw.url, rest))
         end = placement(sw)
-        scheds = [schedule_state(sw, name) for name in paths]
+        scheds = [sw.swarm(name).get("schedule", {}) for name in paths]  # pauses, starvation promotions
     for r in after:
         r["sent"] += args.phase_s
     name = f"{policy}:{schedule}" + (f":{classes}" if classes else "")

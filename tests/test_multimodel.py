@@ -447,6 +447,7 @@ def test_db_dispatch_pauses_only_for_a_job_one_budget_doubling_ahead():
 
     asyncio.run(main())
 
+
 def test_db_dispatch_does_not_pause_a_job_whose_chain_would_recompute_its_kv():
     """A chain without a prefix cache on every hop (``--kv-cache slots``, ``--no-prefix-cache``) would recompute a
     paused job's whole history: DB keeps its order in the queue but lets that job finish."""

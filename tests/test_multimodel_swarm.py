@@ -38,9 +38,7 @@ def two_models(tiny_model_factory, tmp_path_factory):
 
 
 def view(sw, model: str | None = None) -> dict:
-    r = httpx.get(f"{sw.url}/api/v1/swarm", params={"model": model} if model else None, timeout=30)
-    r.raise_for_status()
-    return r.json()
+    return sw.swarm(model, timeout=30)
 
 
 def complete(sw, model: str, **body) -> httpx.Response:

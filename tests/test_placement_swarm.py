@@ -87,8 +87,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
             # the moved server serves beta: its record under beta's prefix, a chain of beta through it
             peer = moved[-1]["server"]
             sw.wait_until(lambda s: any(srv["peer_id"] == peer and srv["state"] == "online"
-                                        for srv in httpx.get(f"{sw.url}/api/v1/swarm", params={"model": "beta"},
-                                                             timeout=30).json()["servers"]), scaled(120),
+                                        for srv in sw.swarm("beta", timeout=30)["servers"]), scaled(120),
                           "the moved server online on beta")
             time.sleep(3)
         for traffic in (on_alpha, on_beta):

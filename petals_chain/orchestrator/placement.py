@@ -270,31 +270,29 @@ class ModelPlacer:
         target = place_by_unserved_index(volunteers, models, horizon_s=self.interval.interval, fixed=fixed)
         target = {p: m for p, m in target.items()
                   if p in fixed or (p in flexible and m in self.offered(flexible[p]))}
-        moves = moves_that_pay(current, {**current, **target}, ui_rate(volunteers, models,
-                                                                        horizon_s=self.interval.interval),
+        aimed = {**current, **target}
+        moves = moves_that_pay(current, aimed, ui_rate(volunteers, models, horizon_s=self.interval.interval),
                                reload_s=self.reload_s, interval_s=self.interval.interval)
         for mv in moves:
             if mv.server in flexible:
                 self._set(mv.server, mv.dst, f"{why}: pays {mv.benefit:.3g}")
         ev = analytic_evaluate(models, self.interval.interval)
 
-        def servers_per_model(assignment: dict[str, str]) -> dict[str, int]:
+        def summary(assignment: dict[str, str]) -> tuple[dict[str, int], dict[str, list[float]]]:
+            """Servers per model, and each model's predicted (misses, L_N), under ``assignment``."""
             groups = groups_of(assignment, volunteers)
-            return {m.name: len(groups.get(m.name, ())) for m in models}
+            return ({m.name: len(groups.get(m.name, ())) for m in models},
+                    {n: [round(e.misses, 2), round(e.norm_latency, 3)] for n, e in ev(groups).items()})
 
-        def predicted(assignment: dict[str, str]) -> dict[str, list[float]]:
-            return {n: [round(e.misses, 2), round(e.norm_latency, 3)]
-                    for n, e in ev(groups_of(assignment, volunteers)).items()}
-
-        counts, aimed = servers_per_model(current), servers_per_model({**current, **target})
+        (counts, pred_now), (targets, pred_target) = summary(current), summary(aimed)
         self.replans.append({"t": time.time(), "why": why, "rates": {m.name: round(m.rate, 4) for m in models},
-                             "servers_per_model": counts, "target": aimed, "moves": len(moves),
+                             "servers_per_model": counts, "target": targets, "moves": len(moves),
                              "block_time_s": {m.name: round(m.block_time, 5) for m in models},
                              "slots": {m.name: m.c for m in models},
                              "speeds": {v.name[:8]: round(v.speed, 3) for v in volunteers},
-                             "predicted_now": predicted(current), "predicted_target": predicted({**current, **target})})
+                             "predicted_now": pred_now, "predicted_target": pred_target})
         logger.info("re-placement (%s): rates %s, servers %s, target %s, %d moves pay", why,
-                    self.replans[-1]["rates"], counts, aimed, len(moves))
+                    self.replans[-1]["rates"], counts, targets, len(moves))
         self.estimate = self._estimate(volunteers, models, {**fixed, **{p: self.placement[p] for p in flexible
                                                                         if p in self.placement}})
         self.planned_at, self.planned_wall = now, time.time()

@@ -197,8 +197,9 @@ class LocalSwarm:
         proc.popen.wait(timeout=10)
 
     # ---- observation ---------------------------------------------------------------------------
-    def swarm(self) -> dict:
-        r = httpx.get(f"{self.url}/api/v1/swarm", timeout=10.0)
+    def swarm(self, model: str | None = None, timeout: float = 10.0) -> dict:
+        """``/api/v1/swarm``; with several models, ``model``'s (the router answers for the first one unless asked)."""
+        r = httpx.get(f"{self.url}/api/v1/swarm", params={"model": model} if model else None, timeout=timeout)
         r.raise_for_status()
         return r.json()
 
