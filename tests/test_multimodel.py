@@ -180,6 +180,24 @@ def test_unserved_index_placement_respects_memory_and_favours_the_most_unserved_
     assert not big.can_hold(small[0])
 
 
+def test_a_model_with_traffic_gets_a_chain_before_another_gets_more():
+    """Seed §3: a service first gets its minimum group. Without that rule a model whose misses outnumber another's
+    requests (bursts that no capacity absorbs) would take every server; a model without traffic is not served first."""
+    servers = [Volunteer(f"s{i}", 10.0) for i in range(4)]
+    busy, quiet, idle = _model("busy", 1.0), _model("quiet", 0.1), _model("idle", 0.0)
+
+    def evaluate(groups):
+        out = {}
+        for m, n, missed in ((busy, 100.0, 50.0), (quiet, 10.0, 0.0), (idle, 0.0, 0.0)):
+            placed = bool(mm.model_chains(groups.get(m.name, ()), m))
+            miss = missed if placed else n
+            out[m.name] = mm.ModelEstimate(n, miss, 2.0, miss + mm.ALPHA * 2.0)
+        return out
+
+    plan = mm.place_by_unserved_index(servers, [busy, quiet, idle], evaluate=evaluate)
+    assert {m: len(g) for m, g in mm.groups_of(plan, servers).items()} == {"busy": 3, "quiet": 1}
+
+
 def test_estimate_counts_unplaced_models_as_unserved():
     m = _model("m", 0.5)  # one chain serves 4 slots / 4 s = 1 req/s
     e = mm.estimate_model(m, [], 100.0)

@@ -78,6 +78,25 @@ def test_unserved_index_placement_gives_each_model_its_share():
     assert all(0.6 < v < 1.0 for v in r["rho_per_model"].values())
 
 
+def test_simulated_unserved_index_sees_a_burst_the_analytic_estimate_does_not():
+    """Two models at the same mean rate, one steady, one in a single burst: the M/M/C estimate splits the servers
+    evenly, the seed's simulated index gives the burst the servers it needs, and its estimates are the simulator's."""
+    models, servers = _models(max_batch=4), ms.make_servers(6)
+    hist = [_req(i, "chat", 2.0 * i, 100, 20) for i in range(30)]
+    hist += [_req(100 + i, "code", 0.01 * i, 100, 5) for i in range(30)]
+    ev = ms.simulated_evaluate(hist, models, cost=COST, max_batch=4)
+    assert ms.plan_counts(mm.place_by_unserved_index(servers, models)) == {"chat": 3, "code": 3}
+    plan = mm.place_by_unserved_index(servers, models, evaluate=ev)
+    assert ms.plan_counts(plan)["code"] > ms.plan_counts(plan)["chat"] >= 1
+    none, one = ev({"chat": servers[:1]}), ev({"chat": servers[:1], "code": servers[1:2]})
+    assert none["code"].misses == none["code"].requests == 30 and none["code"].norm_latency == mm.UNPLACED_LN
+    o = ms.simulate([r for r in hist if r.model == "code"], models, servers[1:2], {"s01": "code"}, "db",
+                    cost=COST, max_batch=4)
+    direct = ms.summarize(o.requests)
+    assert one["code"].misses == pytest.approx(30 * (1 - direct["slo_attainment"])) and one["code"].misses > 0
+    assert one["code"].norm_latency == pytest.approx(direct["norm_latency"]) and one["chat"].misses == 0
+
+
 def test_adaptive_replacement_beats_a_fixed_plan_under_a_traffic_shift():
     r = ms.shift_run(("full", "fixed"), servers=4, duration=240.0, seed=0, initial_s=40.0, reload_s=10.0)
     a, f = r["variants"]["full"], r["variants"]["fixed"]

@@ -789,7 +789,9 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
     plan (``evaluate``, default :func:`analytic_evaluate` over ``horizon_s`` of traffic; a model without a complete
     chain counts all its requests as unserved), then visit the servers by ascending request rate already placed on
     them and, within a server, the models by descending ``UI_s``; the first pair where the server can hold the
-    model (``CanAllocate``: one block and one cache slot) is added.
+    model (``CanAllocate``: one block and one cache slot) is added. As the seed's §3 gives a newly registered
+    service its minimum group first, a model with requests and no complete chain is served before the others: the
+    pair is sought among those models first.
 
     Petals mapping: a *group* is one volunteer server and holds exactly one model (the seed's TP group partition
     becomes GBP-CR's spans inside the model, done by :func:`model_chains`), so only unassigned servers (rate 0)
@@ -805,16 +807,17 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
     plan: dict[str, str] = {k: v for k, v in (fixed or {}).items() if k in set(names) and v in set(mnames)}
     free = sorted((s for s in servers if s.name not in plan), key=lambda s: (-s.speed, -s.memory, names.index(s.name)))
     while free:
-        est = evaluate(groups_of(plan, servers))
+        groups = groups_of(plan, servers)
+        est = evaluate(groups)
         order = sorted(models, key=lambda m: (-est[m.name].ui, mnames.index(m.name)))
-        for s in free:
-            m = next((m for m in order if m.can_hold(s)), None)
-            if m is not None:
-                plan[s.name] = m.name
-                free.remove(s)
-                break
-        else:
+        # §3: a service with traffic first gets the minimum it needs, one complete chain, before any service gets
+        # more; else a model whose misses outnumber another's requests (bursts no capacity absorbs) takes all
+        unplaced = [m for m in order if est[m.name].requests > 0 and not model_chains(groups.get(m.name, ()), m)]
+        pair = next(((s, m) for cands in (unplaced, order) for s in free for m in cands if m.can_hold(s)), None)
+        if pair is None:
             break
+        plan[pair[0].name] = pair[1].name
+        free.remove(pair[0])
     return plan
 
 

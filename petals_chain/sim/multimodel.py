@@ -591,6 +591,42 @@ def simulate(reqs: Sequence[MMRequest], models: Sequence[ServedModel], servers: 
     return sim.run(rs)
 
 
+def simulated_evaluate(history: Sequence[MMRequest], models: Sequence[ServedModel], *, schedule: str = "db",
+                       cost: StepCost = MM_COST, max_batch: int = 16, kv_tokens: int = 131072,
+                       alpha: float = mm.ALPHA, scale: float = mm.SLO_SCALE) -> mm.Evaluate:
+    """The seed's unserved index (§4.1, Eq. 6) by simulation: ``evaluate(servers per model)`` replays each model's
+    requests of ``history`` on its servers alone (this simulator, ``schedule``) and counts the SLO misses and
+    ``L_N^s``. Unlike the M/M/C estimate it sees the traffic's bursts and lengths, so a model whose requests come in
+    bursts is given the servers its bursts need. A model with no complete chain counts every request as unserved.
+    Results are cached by (model, servers): Alg. 1 re-evaluates unchanged groups at every step."""
+    by_name = {m.name: m for m in models}
+    per = {n: [r for r in history if r.model == n] for n in by_name}
+    cache: dict[tuple[str, tuple[str, ...]], mm.ModelEstimate] = {}
+
+    def one(name: str, group: Sequence[Volunteer]) -> mm.ModelEstimate:
+        key = (name, tuple(s.name for s in group))
+        if key not in cache:
+            m, rs = by_name[name], per[name]
+            n = float(len(rs))
+            if not rs:
+                est = mm.ModelEstimate(0.0, 0.0, 0.0, 0.0)
+            elif not mm.model_chains(group, m):
+                est = mm.ModelEstimate(n, n, mm.UNPLACED_LN, n + alpha * mm.UNPLACED_LN)
+            else:
+                o = simulate(rs, [m], group, {s.name: name for s in group}, schedule, cost=cost, max_batch=max_batch,
+                             kv_tokens=kv_tokens)
+                sm = summarize(o.requests, scale=scale)
+                misses = n * (1.0 - sm["slo_attainment"])
+                est = mm.ModelEstimate(n, misses, sm["norm_latency"], misses + alpha * sm["norm_latency"])
+            cache[key] = est
+        return cache[key]
+
+    def evaluate(groups: Mapping[str, Sequence[Volunteer]]) -> dict[str, mm.ModelEstimate]:
+        return {n: one(n, groups.get(n, ())) for n in by_name}
+
+    return evaluate
+
+
 def plan_counts(plan: Mapping[str, str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for m in plan.values():
@@ -684,12 +720,19 @@ def _rates_for(names: Sequence[str], rho: float, servers: int, work: Mapping[str
 
 def _workload(names: Sequence[str], rates: Mapping[str, float], duration: float, *, seed: int, cost: StepCost,
               trace: Mapping[str, str | None] | None = None,
-              share: Mapping[str, Callable[[float], float]] | None = None) -> tuple[list[MMRequest], dict[str, str]]:
+              share: Mapping[str, Callable[[float], float]] | None = None,
+              before: bool = False) -> tuple[list[MMRequest], dict[str, str]]:
+    """Each model's requests from its trace (``TRACE_OF``) at ``rates``; ``before``: the ``duration`` of the same
+    trace just before that segment instead (the history a placement made at time 0 would have seen)."""
     streams, sources = [], {}
     for i, n in enumerate(names):
         kind = TRACE_OF.get(n, "conv")
-        rs, src = trace_requests(n, rates[n], duration, kind=kind, path=(trace or {}).get(kind), seed=seed,
-                                 offset=0.5 * (i // 2) + 0.1 * seed, share=(share or {}).get(n), cost=cost)
+        path = (trace or {}).get(kind)
+        offset = 0.5 * (i // 2) + 0.1 * seed
+        if before:  # the trace's rows are rescaled to rates[n]: a run of `duration` reads about duration * rate rows
+            offset -= duration * rates[n] / len(_trace(kind, path, seed))
+        rs, src = trace_requests(n, rates[n], duration, kind=kind, path=path, seed=seed,
+                                 offset=offset, share=(share or {}).get(n), cost=cost)
         streams.append(rs)
         sources[n] = src
     return merge(*streams), sources
@@ -705,7 +748,7 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
             cost: StepCost = MM_COST, max_batch: int = 16, schedules: Sequence[str] = mm.SCHEDULES,
             work: Mapping[str, float] | None = None, trace: Mapping[str, str | None] | None = None,
             shared: bool = False, classes: int = 1, class_features: str = "io",
-            arrivals: str = "trace", bound: bool = False) -> dict[str, Any]:
+            arrivals: str = "trace", bound: bool = False, placement: str = "analytic") -> dict[str, Any]:
     """``names`` models at load ``rho`` on ``servers`` servers placed by the unserved index: every schedule on
     the same requests. ``shared``: the seed's setting instead, every chain serving every model (a sharing group
     time-sharing the LLMs; impossible in petals-chain, where a server holds one model). ``classes`` > 1: each
@@ -713,7 +756,11 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     them (the seed's Eq. 1 with its services); ``norm_latency_by_model`` is the same run normalized per model.
     ``arrivals="poisson"``: the trace's lengths with Poisson arrival times (:func:`poisson_arrivals`). ``bound``:
     also the SLO attainment no order can beat on this plan, and on the best split of the servers
-    (:func:`slo_upper_bound`; not for ``shared``)."""
+    (:func:`slo_upper_bound`; not for ``shared``). ``placement``: the unserved index by the M/M/C estimate
+    (``analytic``) or by this simulator (``simulated``, the seed's: :func:`simulated_evaluate` on the same length of
+    the trace just before the run, its history)."""
+    if placement not in ("analytic", "simulated"):
+        raise ValueError(f"placement must be 'analytic' or 'simulated', got {placement!r}")
     work = work or {n: 1.0 for n in names}
     st = _probe_stats(names, cost, max_batch, seed, trace)
     rates = _rates_for(names, rho, servers, work, st)
@@ -731,6 +778,12 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
         plan = {v.name: "shared" for v in vols}
         extra["group_of"] = {n: "shared" for n in names}
         rho_m = {n: rates[n] / st[n]["chain_capacity_req_s"] / servers for n in names}
+    elif placement == "simulated":
+        hist, _ = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace, before=True)
+        if classes > 1:
+            assign_length_classes(hist, classes, features=class_features)
+        plan = mm.place_by_unserved_index(vols, models, evaluate=simulated_evaluate(hist, models, cost=cost,
+                                                                                    max_batch=max_batch))
     else:
         plan = mm.place_by_unserved_index(vols, models)
     counts = plan_counts(plan)
@@ -757,7 +810,7 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
             "sources": sources, "rates": rates, "plan": counts, "rho_per_model": rho_m, "stats": st,
             "max_batch": max_batch, "cost": vars(cost), "schedules": rows, "classes": classes,
             "class_features": class_features if classes > 1 else None, "class_centroids": centroids,
-            "slo_upper_bound": slo_bound,
+            "slo_upper_bound": slo_bound, "placement": placement if not shared else None,
             "arrivals": arrivals}
 
 
@@ -798,7 +851,8 @@ def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[s
     """(a) Chat (conversation trace) and code (code trace) at ``rho`` = 0.8: DB vs FCFS vs MLFQ in petals-chain's
     setting (each server serves one model, placed by the unserved index), each model's requests split into
     ``classes`` services by length (the seed's §6.1 services); beside it the same requests with one service per
-    model, with classes of input length only, and the seed's setting (every chain time-shares both models)."""
+    model, with classes of input length only, the seed's setting (every chain time-shares both models), and the
+    servers placed by the seed's simulated unserved index on the preceding history."""
     servers = kw.pop("servers", 6 if quick else 8)
     duration = kw.pop("duration", 300.0 if quick else 900.0)
     common = dict(rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, **kw)
@@ -815,6 +869,7 @@ def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[s
     r["input_classes"] = variant(classes=classes, class_features="input")
     r["seed_setting"] = variant(classes=classes, shared=True)
     r["poisson_arrivals"] = variant(classes=classes, arrivals="poisson")
+    r["simulated_placement"] = variant(classes=classes, placement="simulated")
     r["poisson_shared"] = poisson_shared(seed=seed)
     d, f = r["schedules"].get("db"), r["schedules"].get("fcfs")
     r["db_vs_fcfs"] = d["norm_latency"] / f["norm_latency"] if d and f else None
@@ -960,7 +1015,9 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                            (f"seed setting (chains time-share both models), {k} length classes per model",
                             r["seed_setting"]),
                            (f"the traces' lengths with Poisson arrivals (no bursts), {k} length classes per model",
-                            r["poisson_arrivals"])):
+                            r["poisson_arrivals"]),
+                           (f"servers placed by the unserved index simulated on the trace's preceding {r['duration_s']:g} s "
+                            f"(the seed's), {k} length classes per model", r["simulated_placement"])):
             f = res["schedules"]["fcfs"]["norm_latency"]
             rows = [_row(s, m, f) + [m["norm_latency_by_model"]] for s, m in res["schedules"].items()]
             rows += [_row(f"  {s}: {mdl}", pm) + [None] for s, m in res["schedules"].items()
@@ -989,6 +1046,10 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                      ["  upper bound for any order on this plan", r["slo_upper_bound"]["plan"], None, None],
                      [f"  upper bound for any order and split (best: {r['slo_upper_bound']['best_split_plan']})",
                       r["slo_upper_bound"]["best_split"], None, None],
+                     [f"DB SLO attainment, placed by simulated UI {r['simulated_placement']['plan']} (L_N / FCFS "
+                      f"{r['simulated_placement']['db_vs_fcfs']:.2f})",
+                      r["simulated_placement"]["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
+                      r["simulated_placement"]["schedules"]["db"]["slo_attainment"] >= r["thresholds"]["db_slo"]],
                      ["DB L_N / FCFS L_N (traces' lengths, Poisson arrivals)", r["poisson_arrivals"]["db_vs_fcfs"],
                       r["thresholds"]["db_vs_fcfs"], r["poisson_arrivals"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB SLO attainment (traces' lengths, Poisson arrivals)",
