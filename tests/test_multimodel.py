@@ -198,6 +198,32 @@ def test_a_model_with_traffic_gets_a_chain_before_another_gets_more():
     assert {m: len(g) for m, g in mm.groups_of(plan, servers).items()} == {"busy": 3, "quiet": 1}
 
 
+def test_largest_gain_gives_a_server_where_it_clears_misses_not_where_misses_stay():
+    """Alg. 1 gives each server to the model with the most misses; a bursty model keeps many whatever it gets, so
+    ``largest_gain`` gives the server to the model whose misses it clears instead (both rules serve each model
+    first)."""
+    servers = [Volunteer(f"s{i}", 10.0) for i in range(4)]
+    bursty, steady = _model("bursty", 1.0), _model("steady", 0.5)
+    misses = {"bursty": lambda k: 100.0 - 5.0 * k, "steady": lambda k: 40.0 if k == 1 else 0.0}
+
+    def evaluate(groups):
+        out = {}
+        for name, n in (("bursty", 200.0), ("steady", 40.0)):
+            k = len(groups.get(name, ()))
+            miss = misses[name](k) if k else n
+            out[name] = mm.ModelEstimate(n, miss, 3.0, miss + mm.ALPHA * 3.0)
+        return out
+
+    def counts(rule):
+        plan = mm.place_by_unserved_index(servers, [bursty, steady], evaluate=evaluate, rule=rule)
+        return {m: len(g) for m, g in mm.groups_of(plan, servers).items()}
+
+    assert counts("most_unserved") == {"bursty": 3, "steady": 1}
+    assert counts("largest_gain") == {"bursty": 2, "steady": 2}
+    with pytest.raises(ValueError):
+        mm.place_by_unserved_index(servers, [bursty, steady], rule="random")
+
+
 def test_estimate_counts_unplaced_models_as_unserved():
     m = _model("m", 0.5)  # one chain serves 4 slots / 4 s = 1 req/s
     e = mm.estimate_model(m, [], 100.0)

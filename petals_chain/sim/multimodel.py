@@ -641,6 +641,7 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
                     beta: float = mm.BETA, min_s: float = 30.0, max_s: float = 1200.0, reload_s: float = 20.0,
                     drift_window_s: float = 60.0, drift_threshold: float = 0.15, check_s: float = 10.0,
                     estimate: bool = True, drift: bool = True, horizon_s: float = 600.0,
+                    placement: str = "analytic", rule: str = "most_unserved",
                     log: list | None = None) -> Callable[[MultiModelSim, float], tuple[dict | None, float | None]]:
     """SeaLLM's replacement loop (§4.3) as a ``replan`` callable for :class:`MultiModelSim`.
 
@@ -650,7 +651,12 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
     ``M_est`` made at its start and Eq. 8 sets ``I_{t+1}``; the rates of the last
     ``drift_window_s`` feed :func:`~petals_chain.algorithms.multimodel.place_by_unserved_index`; only the moves
     that pay for ``reload_s`` are made (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`); ``M_est`` of
-    the new plan is a simulation of the last interval's requests on it (the seed's simulator on the history)."""
+    the new plan is a simulation of the last interval's requests on it (the seed's simulator on the history).
+    ``placement="simulated"``: the unserved index of the placement and of the moves' pay is that simulation too
+    (:func:`simulated_evaluate` on the last interval's requests, the seed's), instead of the M/M/C estimate on the
+    recent rates; ``rule``: Alg. 1's choice of a model for each server."""
+    if placement not in ("analytic", "simulated"):
+        raise ValueError(f"placement must be 'analytic' or 'simulated', got {placement!r}")
     ctl = AdaptiveInterval(initial_s, beta=beta, min_s=min_s, max_s=max_s)
     det = MixDriftDetector(drift_window_s, drift_threshold)
     trigger = mm.ReplanTrigger(drift_window_s)
@@ -680,16 +686,21 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
             ctl.update(real, state["est"])
         rates = det.rates(now)
         cur = [m.with_rate(rates.get(m.name, 0.0)) for m in models]
-        target = mm.place_by_unserved_index(servers, cur, horizon_s=horizon_s)
+        t0 = hist[0].arrival if hist else now
+        past = [MMRequest(r.rid, r.model, r.arrival - t0, r.input, r.output, r.exec_s, r.service) for r in hist]
+        ev, span = None, horizon_s
+        if placement == "simulated" and past:
+            ev = simulated_evaluate(past, cur, schedule=sim.schedule, cost=sim.cost, max_batch=sim.max_batch,
+                                    kv_tokens=sim.kv_tokens)
+            span = max(now - t0, 1.0)
+        target = mm.place_by_unserved_index(servers, cur, horizon_s=horizon_s, evaluate=ev, rule=rule)
         current = {**sim.plan, **sim.loading}
-        moves = mm.moves_that_pay(current, target, mm.ui_rate(servers, cur, horizon_s=horizon_s),
+        moves = mm.moves_that_pay(current, target, mm.ui_rate(servers, cur, horizon_s=span, evaluate=ev),
                                   reload_s=reload_s, interval_s=ctl.interval)
         new = dict(current)
         new.update({mv.server: mv.dst for mv in moves})
         est = None
         if estimate and hist:
-            t0 = hist[0].arrival
-            past = [MMRequest(r.rid, r.model, r.arrival - t0, r.input, r.output, r.exec_s, r.service) for r in hist]
             o = simulate(past, models, servers, new, sim.schedule, cost=sim.cost, max_batch=sim.max_batch,
                          kv_tokens=sim.kv_tokens)
             s = summarize(o.requests)
@@ -748,7 +759,8 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
             cost: StepCost = MM_COST, max_batch: int = 16, schedules: Sequence[str] = mm.SCHEDULES,
             work: Mapping[str, float] | None = None, trace: Mapping[str, str | None] | None = None,
             shared: bool = False, classes: int = 1, class_features: str = "io",
-            arrivals: str = "trace", bound: bool = False, placement: str = "analytic") -> dict[str, Any]:
+            arrivals: str = "trace", bound: bool = False, placement: str = "analytic",
+            rule: str = "most_unserved") -> dict[str, Any]:
     """``names`` models at load ``rho`` on ``servers`` servers placed by the unserved index: every schedule on
     the same requests. ``shared``: the seed's setting instead, every chain serving every model (a sharing group
     time-sharing the LLMs; impossible in petals-chain, where a server holds one model). ``classes`` > 1: each
@@ -758,7 +770,8 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     also the SLO attainment no order can beat on this plan, and on the best split of the servers
     (:func:`slo_upper_bound`; not for ``shared``). ``placement``: the unserved index by the M/M/C estimate
     (``analytic``) or by this simulator (``simulated``, the seed's: :func:`simulated_evaluate` on the same length of
-    the trace just before the run, its history)."""
+    the trace just before the run, its history); ``rule``: Alg. 1's choice of a model for each server
+    (:data:`~petals_chain.algorithms.multimodel.PLACEMENT_RULES`)."""
     if placement not in ("analytic", "simulated"):
         raise ValueError(f"placement must be 'analytic' or 'simulated', got {placement!r}")
     work = work or {n: 1.0 for n in names}
@@ -782,10 +795,10 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
         hist, _ = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace, before=True)
         if classes > 1:
             assign_length_classes(hist, classes, features=class_features)
-        plan = mm.place_by_unserved_index(vols, models, evaluate=simulated_evaluate(hist, models, cost=cost,
-                                                                                    max_batch=max_batch))
+        plan = mm.place_by_unserved_index(vols, models, rule=rule,
+                                          evaluate=simulated_evaluate(hist, models, cost=cost, max_batch=max_batch))
     else:
-        plan = mm.place_by_unserved_index(vols, models)
+        plan = mm.place_by_unserved_index(vols, models, rule=rule)
     counts = plan_counts(plan)
     if not shared:
         rho_m = {n: rates[n] / (counts.get(n, 0) * st[n]["chain_capacity_req_s"]) if counts.get(n) else math.inf
@@ -810,7 +823,7 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
             "sources": sources, "rates": rates, "plan": counts, "rho_per_model": rho_m, "stats": st,
             "max_batch": max_batch, "cost": vars(cost), "schedules": rows, "classes": classes,
             "class_features": class_features if classes > 1 else None, "class_centroids": centroids,
-            "slo_upper_bound": slo_bound, "placement": placement if not shared else None,
+            "slo_upper_bound": slo_bound, "placement": None if shared else f"{placement}, {rule}",
             "arrivals": arrivals}
 
 
@@ -852,7 +865,8 @@ def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[s
     setting (each server serves one model, placed by the unserved index), each model's requests split into
     ``classes`` services by length (the seed's §6.1 services); beside it the same requests with one service per
     model, with classes of input length only, the seed's setting (every chain time-shares both models), and the
-    servers placed by the seed's simulated unserved index on the preceding history."""
+    servers placed by the seed's simulated unserved index on the preceding history (Alg. 1's rule, and ours: the
+    server to the model whose index it lowers most)."""
     servers = kw.pop("servers", 6 if quick else 8)
     duration = kw.pop("duration", 300.0 if quick else 900.0)
     common = dict(rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, **kw)
@@ -870,6 +884,7 @@ def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[s
     r["seed_setting"] = variant(classes=classes, shared=True)
     r["poisson_arrivals"] = variant(classes=classes, arrivals="poisson")
     r["simulated_placement"] = variant(classes=classes, placement="simulated")
+    r["simulated_gain_placement"] = variant(classes=classes, placement="simulated", rule="largest_gain")
     r["poisson_shared"] = poisson_shared(seed=seed)
     d, f = r["schedules"].get("db"), r["schedules"].get("fcfs")
     r["db_vs_fcfs"] = d["norm_latency"] / f["norm_latency"] if d and f else None
@@ -897,7 +912,8 @@ def _shift_share(duration: float, hi: float) -> dict[str, Callable[[float], floa
 def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rho: float = 0.75, hi: float = 0.75,
               servers: int | None = None, duration: float | None = None, cost: StepCost = MM_COST,
               max_batch: int = 16, reload_s: float = 20.0, initial_s: float = 120.0,
-              trace: Mapping[str, str | None] | None = None, classes: int = 1) -> dict[str, Any]:
+              trace: Mapping[str, str | None] | None = None, classes: int = 1, placement: str = "analytic",
+              rule: str = "most_unserved") -> dict[str, Any]:
     """Chat's share of the work goes ``hi`` -> ``1 - hi`` (code's the reverse) at total load ``rho``. Variants:
     ``full`` (DB, unserved-index placement, adaptive replacement), ``fixed`` / ``-A`` (placement never re-planned),
     ``-F`` / ``-M`` (FCFS / MLFQ instead of DB, adaptive), ``-P`` (no placement: servers split evenly, fixed).
@@ -924,7 +940,8 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
         log: list = []
         kw: dict[str, Any] = {"reload_s": reload_s}
         if adaptive:
-            kw["replan"] = adaptive_policy(models0, vols, initial_s=initial_s, reload_s=reload_s, log=log)
+            kw["replan"] = adaptive_policy(models0, vols, initial_s=initial_s, reload_s=reload_s, log=log,
+                                           placement=placement, rule=rule)
             kw["replan_first"] = 10.0
         o = simulate(reqs, models0, vols, plan, sched, cost=cost, max_batch=max_batch, **kw)
         m = summarize(o.requests)
@@ -1017,7 +1034,9 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                            (f"the traces' lengths with Poisson arrivals (no bursts), {k} length classes per model",
                             r["poisson_arrivals"]),
                            (f"servers placed by the unserved index simulated on the trace's preceding {r['duration_s']:g} s "
-                            f"(the seed's), {k} length classes per model", r["simulated_placement"])):
+                            f"(the seed's), {k} length classes per model", r["simulated_placement"]),
+                           (f"the same simulated index, each server to the model whose index it lowers most, {k} length "
+                            f"classes per model", r["simulated_gain_placement"])):
             f = res["schedules"]["fcfs"]["norm_latency"]
             rows = [_row(s, m, f) + [m["norm_latency_by_model"]] for s, m in res["schedules"].items()]
             rows += [_row(f"  {s}: {mdl}", pm) + [None] for s, m in res["schedules"].items()
@@ -1050,6 +1069,10 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                       f"{r['simulated_placement']['db_vs_fcfs']:.2f})",
                       r["simulated_placement"]["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
                       r["simulated_placement"]["schedules"]["db"]["slo_attainment"] >= r["thresholds"]["db_slo"]],
+                     [f"DB SLO attainment, simulated UI, largest gain {r['simulated_gain_placement']['plan']} (L_N / "
+                      f"FCFS {r['simulated_gain_placement']['db_vs_fcfs']:.2f})",
+                      r["simulated_gain_placement"]["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
+                      r["simulated_gain_placement"]["schedules"]["db"]["slo_attainment"] >= r["thresholds"]["db_slo"]],
                      ["DB L_N / FCFS L_N (traces' lengths, Poisson arrivals)", r["poisson_arrivals"]["db_vs_fcfs"],
                       r["thresholds"]["db_vs_fcfs"], r["poisson_arrivals"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB SLO attainment (traces' lengths, Poisson arrivals)",
