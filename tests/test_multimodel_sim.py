@@ -95,6 +95,12 @@ def test_simulated_unserved_index_sees_a_burst_the_analytic_estimate_does_not():
     direct = ms.summarize(o.requests)
     assert one["code"].misses == pytest.approx(30 * (1 - direct["slo_attainment"])) and one["code"].misses > 0
     assert one["code"].norm_latency == pytest.approx(direct["norm_latency"]) and one["chat"].misses == 0
+    # a model with a rate but no request in the window (between two bursts) still loses its expected requests
+    # when a plan drops its last chain, so no move may take that chain away for free
+    quiet = ms.simulated_evaluate([r for r in hist if r.model == "chat"], models, cost=COST, max_batch=4,
+                                  horizon_s=60.0)
+    assert quiet({"chat": servers[:1]})["code"].misses == pytest.approx(0.5 * 60.0)
+    assert quiet({"chat": servers[:1], "code": servers[1:2]})["code"].misses == 0
 
 
 @pytest.mark.parametrize("placement,rule", [("analytic", "most_unserved"), ("simulated", "largest_gain")])

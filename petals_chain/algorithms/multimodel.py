@@ -791,8 +791,9 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
     chain counts all its requests as unserved), then visit the servers by ascending request rate already placed on
     them and, within a server, the models by descending ``UI_s``; the first pair where the server can hold the
     model (``CanAllocate``: one block and one cache slot) is added. As the seed's §3 gives a newly registered
-    service its minimum group first, a model with requests and no complete chain is served before the others: the
-    pair is sought among those models first.
+    service its minimum group first, a model with traffic (requests in the estimate, or a rate: a short history may
+    hold none of a bursty model's requests) and no complete chain is served before the others: the pair is sought
+    among those models first.
 
     ``rule``: ``most_unserved`` (the seed's: the server goes to the model with the highest ``UI_s``) or
     ``largest_gain`` (to the model whose ``UI_s`` it lowers most; ours). Alg. 1's rule keeps feeding a model whose
@@ -820,7 +821,8 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
         order = sorted(models, key=lambda m: (-est[m.name].ui, mnames.index(m.name)))
         # §3: a service with traffic first gets the minimum it needs, one complete chain, before any service gets
         # more; else a model whose misses outnumber another's requests (bursts no capacity absorbs) takes all
-        unplaced = [m for m in order if est[m.name].requests > 0 and not model_chains(groups.get(m.name, ()), m)]
+        unplaced = [m for m in order if (est[m.name].requests > 0 or m.rate > 0)
+                    and not model_chains(groups.get(m.name, ()), m)]
         pair = next(((s, m) for s in free for m in unplaced if m.can_hold(s)), None)
         if pair is None and rule == "largest_gain":
             gains = []

@@ -593,13 +593,19 @@ def simulate(reqs: Sequence[MMRequest], models: Sequence[ServedModel], servers: 
 
 def simulated_evaluate(history: Sequence[MMRequest], models: Sequence[ServedModel], *, schedule: str = "db",
                        cost: StepCost = MM_COST, max_batch: int = 16, kv_tokens: int = 131072,
-                       alpha: float = mm.ALPHA, scale: float = mm.SLO_SCALE) -> mm.Evaluate:
+                       alpha: float = mm.ALPHA, scale: float = mm.SLO_SCALE,
+                       horizon_s: float | None = None) -> mm.Evaluate:
     """The seed's unserved index (§4.1, Eq. 6) by simulation: ``evaluate(servers per model)`` replays each model's
     requests of ``history`` on its servers alone (this simulator, ``schedule``) and counts the SLO misses and
     ``L_N^s``. Unlike the M/M/C estimate it sees the traffic's bursts and lengths, so a model whose requests come in
-    bursts is given the servers its bursts need. A model with no complete chain counts every request as unserved.
-    Results are cached by (model, servers): Alg. 1 re-evaluates unchanged groups at every step."""
+    bursts is given the servers its bursts need. A model with no complete chain counts every request as unserved,
+    and one with a rate but no request in the history (a short window between a bursty model's bursts) the
+    ``rate x horizon_s`` requests it expects (``horizon_s``: default the history's span), so that no plan may drop
+    its last chain for free. Results are cached by (model, servers): Alg. 1 re-evaluates unchanged groups at every
+    step."""
     by_name = {m.name: m for m in models}
+    if horizon_s is None:
+        horizon_s = max((r.arrival for r in history), default=0.0) - min((r.arrival for r in history), default=0.0)
     per = {n: [r for r in history if r.model == n] for n in by_name}
     cache: dict[tuple[str, tuple[str, ...]], mm.ModelEstimate] = {}
 
@@ -609,7 +615,9 @@ def simulated_evaluate(history: Sequence[MMRequest], models: Sequence[ServedMode
             m, rs = by_name[name], per[name]
             n = float(len(rs))
             if not rs:
-                est = mm.ModelEstimate(0.0, 0.0, 0.0, 0.0)
+                expected = m.rate * horizon_s if not mm.model_chains(group, m) else 0.0
+                est = mm.ModelEstimate(expected, expected, mm.UNPLACED_LN if expected else 0.0,
+                                       expected + (alpha * mm.UNPLACED_LN if expected else 0.0))
             elif not mm.model_chains(group, m):
                 est = mm.ModelEstimate(n, n, mm.UNPLACED_LN, n + alpha * mm.UNPLACED_LN)
             else:
@@ -637,6 +645,12 @@ def plan_counts(plan: Mapping[str, str]) -> dict[str, int]:
 # ------------------------------------------------------------------------------------- adaptive replacement
 
 
+def _rebased(reqs: Sequence[MMRequest]) -> list[MMRequest]:
+    """Fresh copies of ``reqs`` (arrival order) with arrival times counted from the first one."""
+    t0 = reqs[0].arrival if reqs else 0.0
+    return [MMRequest(r.rid, r.model, r.arrival - t0, r.input, r.output, r.exec_s, r.service) for r in reqs]
+
+
 def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer], *, initial_s: float = 120.0,
                     beta: float = mm.BETA, min_s: float = 30.0, max_s: float = 1200.0, reload_s: float = 20.0,
                     drift_window_s: float = 60.0, drift_threshold: float = 0.15, check_s: float = 10.0,
@@ -653,8 +667,9 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
     that pay for ``reload_s`` are made (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`); ``M_est`` of
     the new plan is a simulation of the last interval's requests on it (the seed's simulator on the history).
     ``placement="simulated"``: the unserved index of the placement and of the moves' pay is that simulation too
-    (:func:`simulated_evaluate` on the last interval's requests, the seed's), instead of the M/M/C estimate on the
-    recent rates; ``rule``: Alg. 1's choice of a model for each server."""
+    (:func:`simulated_evaluate` on the last interval's requests, the seed's, and at least ``drift_window_s`` of
+    them), instead of the M/M/C estimate on the recent rates; ``rule``: Alg. 1's choice of a model for each
+    server."""
     if placement not in ("analytic", "simulated"):
         raise ValueError(f"placement must be 'analytic' or 'simulated', got {placement!r}")
     ctl = AdaptiveInterval(initial_s, beta=beta, min_s=min_s, max_s=max_s)
@@ -686,13 +701,16 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
             ctl.update(real, state["est"])
         rates = det.rates(now)
         cur = [m.with_rate(rates.get(m.name, 0.0)) for m in models]
-        t0 = hist[0].arrival if hist else now
-        past = [MMRequest(r.rid, r.model, r.arrival - t0, r.input, r.output, r.exec_s, r.service) for r in hist]
+        past = _rebased(hist)
         ev, span = None, horizon_s
-        if placement == "simulated" and past:
-            ev = simulated_evaluate(past, cur, schedule=sim.schedule, cost=sim.cost, max_batch=sim.max_batch,
-                                    kv_tokens=sim.kv_tokens)
-            span = max(now - t0, 1.0)
+        if placement == "simulated":
+            # at least drift_window_s of history: the first intervals (cut short by drifts) held a few seconds
+            since = min(state["start"], now - drift_window_s)
+            recent = [r for r in sim.arrived if since <= r.arrival < now]
+            if recent:
+                span = max(now - since, 1.0)
+                ev = simulated_evaluate(_rebased(recent), cur, schedule=sim.schedule, cost=sim.cost,
+                                        max_batch=sim.max_batch, kv_tokens=sim.kv_tokens, horizon_s=span)
         target = mm.place_by_unserved_index(servers, cur, horizon_s=horizon_s, evaluate=ev, rule=rule)
         current = {**sim.plan, **sim.loading}
         moves = mm.moves_that_pay(current, target, mm.ui_rate(servers, cur, horizon_s=span, evaluate=ev),
