@@ -799,6 +799,9 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
     ``largest_gain`` (to the model whose ``UI_s`` it lowers most; ours). Alg. 1's rule keeps feeding a model whose
     misses stay many whatever it is given (a bursty one) while one server would clear another model's queue: on the
     Azure traces at rho 0.5 it gave chat 1 server of 8 (chat at 2x its capacity), where 2 serve it with no miss.
+    ``largest_gain`` is myopic and meant for the simulated index: the M/M/C estimate counts an overload as all
+    missed until it clears, so a model short of several servers gains almost nothing from one (rates 4.5 and 0.6
+    req/s on six 1-req/s servers: 4 + 2, the first still overloaded, where Alg. 1 gives 5 + 1).
 
     Petals mapping: a *group* is one volunteer server and holds exactly one model (the seed's TP group partition
     becomes GBP-CR's spans inside the model, done by :func:`model_chains`), so only unassigned servers (rate 0)
