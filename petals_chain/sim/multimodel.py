@@ -591,6 +591,14 @@ def simulate(reqs: Sequence[MMRequest], models: Sequence[ServedModel], servers: 
     return sim.run(rs)
 
 
+PLACEMENTS = ("analytic", "simulated")  # the unserved index by the M/M/C estimate, or by this simulator
+
+
+def _check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+
+
 def simulated_evaluate(history: Sequence[MMRequest], models: Sequence[ServedModel], *, schedule: str = "db",
                        cost: StepCost = MM_COST, max_batch: int = 16, kv_tokens: int = 131072,
                        alpha: float = mm.ALPHA, scale: float = mm.SLO_SCALE,
@@ -614,12 +622,12 @@ def simulated_evaluate(history: Sequence[MMRequest], models: Sequence[ServedMode
         if key not in cache:
             m, rs = by_name[name], per[name]
             n = float(len(rs))
-            if not rs:
-                expected = m.rate * horizon_s if not mm.model_chains(group, m) else 0.0
-                est = mm.ModelEstimate(expected, expected, mm.UNPLACED_LN if expected else 0.0,
-                                       expected + (alpha * mm.UNPLACED_LN if expected else 0.0))
-            elif not mm.model_chains(group, m):
-                est = mm.ModelEstimate(n, n, mm.UNPLACED_LN, n + alpha * mm.UNPLACED_LN)
+            if not mm.model_chains(group, m):
+                unserved = n if rs else m.rate * horizon_s
+                est = (mm.ModelEstimate(unserved, unserved, mm.UNPLACED_LN, unserved + alpha * mm.UNPLACED_LN)
+                       if unserved else mm.ModelEstimate(0.0, 0.0, 0.0, 0.0))
+            elif not rs:
+                est = mm.ModelEstimate(0.0, 0.0, 0.0, 0.0)
             else:
                 o = simulate(rs, [m], group, {s.name: name for s in group}, schedule, cost=cost, max_batch=max_batch,
                              kv_tokens=kv_tokens)
@@ -670,8 +678,7 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
     (:func:`simulated_evaluate` on the last interval's requests, the seed's, and at least ``drift_window_s`` of
     them), instead of the M/M/C estimate on the recent rates; ``rule``: Alg. 1's choice of a model for each
     server."""
-    if placement not in ("analytic", "simulated"):
-        raise ValueError(f"placement must be 'analytic' or 'simulated', got {placement!r}")
+    _check_placement(placement)
     ctl = AdaptiveInterval(initial_s, beta=beta, min_s=min_s, max_s=max_s)
     det = MixDriftDetector(drift_window_s, drift_threshold)
     trigger = mm.ReplanTrigger(drift_window_s)
@@ -701,7 +708,6 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
             ctl.update(real, state["est"])
         rates = det.rates(now)
         cur = [m.with_rate(rates.get(m.name, 0.0)) for m in models]
-        past = _rebased(hist)
         ev, span = None, horizon_s
         if placement == "simulated":
             # at least drift_window_s of history: the first intervals (cut short by drifts) held a few seconds
@@ -719,7 +725,7 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
         new.update({mv.server: mv.dst for mv in moves})
         est = None
         if estimate and hist:
-            o = simulate(past, models, servers, new, sim.schedule, cost=sim.cost, max_batch=sim.max_batch,
+            o = simulate(_rebased(hist), models, servers, new, sim.schedule, cost=sim.cost, max_batch=sim.max_batch,
                          kv_tokens=sim.kv_tokens)
             s = summarize(o.requests)
             est = PlanMetrics(s["slo_attainment"], s["norm_latency"])
@@ -790,8 +796,7 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     (``analytic``) or by this simulator (``simulated``, the seed's: :func:`simulated_evaluate` on the same length of
     the trace just before the run, its history); ``rule``: Alg. 1's choice of a model for each server
     (:data:`~petals_chain.algorithms.multimodel.PLACEMENT_RULES`)."""
-    if placement not in ("analytic", "simulated"):
-        raise ValueError(f"placement must be 'analytic' or 'simulated', got {placement!r}")
+    _check_placement(placement)
     work = work or {n: 1.0 for n in names}
     st = _probe_stats(names, cost, max_batch, seed, trace)
     rates = _rates_for(names, rho, servers, work, st)
