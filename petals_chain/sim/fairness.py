@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from petals_chain.algorithms.chainsim import StepCost  # noqa: F401 - the step model, shared
 from petals_chain.algorithms.fairness import FairDispatcher, FairnessConfig, FairPolicy, FairRequest, jain_index, service_bound
 from petals_chain.sim import data as simdata
 
@@ -57,22 +58,6 @@ SEED_CLAIMS = {
     "bound": "Thm 4.1: |W_f - W_g| <= 2(U + Q^u); Thm 5.1: <= 2|W|(U + Q^u) for continuously backlogged f, g",
     "jain": "Fig. 10 (D = 4): D2LPM's Jain index 0.855 -> 0.83 as Q^w goes 2,000 -> 40,000",
 }
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Seconds per continuous-batching step: ``a + b * extend_tokens + d * batch_size``.
-
-    Defaults: ``a`` = 20 ms per forward pass, ``b`` = 0.2 ms per prefill token (5k tokens/s: a 2000-token document
-    costs 0.4 s, twenty decode steps, so recomputing long shared prefixes dominates, as for the seed's
-    long-context QA and LLM-as-a-judge workloads), ``d`` = 1 ms per running request (decode grows with the batch)."""
-
-    a: float = 0.02
-    b: float = 0.0002
-    d: float = 0.001
-
-    def step(self, extend_tokens: int, batch: int) -> float:
-        return self.a + self.b * extend_tokens + self.d * batch
 
 
 @dataclass(eq=False)

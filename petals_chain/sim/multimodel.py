@@ -1,44 +1,28 @@
-"""Token-step simulator of several models sharing a swarm (seed 001, SeaLLM) and its experiments.
-
-Model. Volunteer servers (:class:`~petals_chain.algorithms.multimodel.Volunteer`) each serve one model (the
-placement); a model's servers form chains by GBP-CR + GCA (:func:`~petals_chain.algorithms.multimodel.model_chains`).
-A chain is a sharing group: continuous batching of at most ``max_batch`` requests (and its GCA capacity ``c_k``),
-steps back to back, each step ``a + b * extend tokens + d * batch`` seconds (:class:`~petals_chain.sim.fairness.StepCost`,
-scaled by the chain's ``T_k`` over the reference chain's). Before every step the chain's scheduler
-(``db|fcfs|mlfq``) picks the batch, so preemption is at step granularity. A request that leaves the batch keeps
-its KV in the chain's pages (``kv_tokens`` per chain, :class:`ChainWorker`), so resuming costs nothing; a waiting
-request is admitted only while its KV fits (the seed's ``EnoughResource``).
-A request's first token comes out of its prefill step; one token per step after that.
-
-Dispatch (seed §3): a new request goes to the chain of its model with the fewest requests per batch place
-(ties: the faster chain). Re-placement (SeaLLM's switch-over, §5): a server that changes model leaves after its
-current step, its requests move to the model's other chains (their KV is lost there) and it serves its new
-model after ``reload_s`` seconds (block download and load).
-
-Execution time ``exec_s`` of a request = its steps alone on a reference chain (prefill ``a + b·input + d``, then
-``a + d`` per token); ``L̂_s`` = the service's mean ``exec_s``; SLO = 5 x ``exec_s`` (§6.1). These normalize every
-policy alike. Experiments (:data:`EXPERIMENTS`) return JSON-ready dicts; ``python -m petals_chain.sim multimodel
---experiment db|shift|ablation|sweep|all`` prints them beside the seed's numbers.
+"""Experiments of several models sharing a swarm (seed 001, SeaLLM) on the token-step chain simulator
+(:mod:`petals_chain.algorithms.chainsim`, also what the orchestrator's placer replays recent traffic on): the Azure
+traces as workloads, the seed's comparisons, traffic shifts, ablations and sweeps, and the adaptive replacement
+loop as a ``replan`` callable. Experiments (:data:`EXPERIMENTS`) return JSON-ready dicts; ``python -m
+petals_chain.sim multimodel --experiment db|shift|ablation|sweep|all`` prints them beside the seed's numbers.
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
 import math
-import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
 
 from petals_chain.algorithms import multimodel as mm
-from petals_chain.algorithms.multimodel import (AdaptiveInterval, Job, MixDriftDetector, PlanMetrics, ServedModel,
-                                                ServiceMonitor, Volunteer)
+from petals_chain.algorithms.chainsim import (MM_COST, PLACEMENTS, MMRequest, MultiModelSim, StepCost,  # noqa: F401
+                                              _check_placement, exec_alone, fresh, sched_kwargs, simulate,
+                                              simulated_evaluate, summarize)
+from petals_chain.algorithms.multimodel import AdaptiveInterval, MixDriftDetector, PlanMetrics, ServedModel, Volunteer
 from petals_chain.sim import data as simdata
-from petals_chain.sim.fairness import StepCost, _round, capacity_req_s
+from petals_chain.sim.fairness import _round, capacity_req_s
 
 # The seed's numbers (docs/scheduling-seeds.md §1.8) printed beside ours.
 SEED_CLAIMS = {
@@ -50,351 +34,13 @@ SEED_CLAIMS = {
     "sweep": "Fig. 6: rates swept 2-50 req/s; SeaLLM L_N < 3, SLO > 90% throughout, FCFS sharing degrades several-fold",
 }
 ACCEPT = {"db_vs_fcfs": 0.5, "db_slo": 0.90, "adaptive_vs_fixed": 1 / 1.3}
-# A chain's step: 30 ms fixed (a decode step of a whole model, network included), 0.05 ms per prefill token
-# (20k tokens/s: a 2000-token prompt costs ~3 decode steps), 1 ms per request in the batch.
-MM_COST = StepCost(a=0.03, b=0.00005, d=0.001)
 
 # Two models of the same size; lengths differ by service (chat: conversation trace, code: code trace).
 REF_MODEL = dict(num_blocks=32, block_memory=0.5)  # GB: a 16 GB model
 SERVER_MEMORY = 24.0  # GB: one server holds a whole model and its KV slots
 
 
-@dataclass(eq=False)
-class MMRequest:
-    """One request of ``model`` (service ``service``, default the model): ``input``/``output`` tokens; the
-    simulator fills the times (s) and counters."""
-
-    rid: int
-    model: str
-    arrival: float
-    input: int
-    output: int
-    exec_s: float = math.nan  # alone on the reference chain
-    service: str = ""
-    first_token: float = math.nan
-    finished: float = math.nan
-    done: int = 0
-    started: bool = False  # prefilled at least once
-    kv_lost: bool = False  # its KV must be recomputed before it decodes again
-    job: Job | None = None
-    chain: Any = None
-    preemptions: int = 0
-    recomputes: int = 0
-    migrations: int = 0
-
-    def __post_init__(self) -> None:
-        self.service = self.service or self.model
-
-    @property
-    def latency(self) -> float:
-        return self.finished - self.arrival
-
-
-def exec_alone(inp: int, out: int, cost: StepCost) -> float:
-    """Seconds of a request alone on the reference chain: a prefill step (its first token), then ``out - 1``."""
-    return cost.step(inp, 1) + (out - 1) * cost.step(0, 1)
-
-
-class ChainWorker:
-    """One chain: its scheduler, the batch of the step in flight and the KV its resident requests hold.
-
-    A request is *resident* from its prefill until it finishes: running or paused, its KV (prompt + generated
-    tokens) stays in the chain's pages, ``kv_tokens`` in all. A waiting request joins a batch only when its KV fits
-    (fresh: its prompt; one whose KV was lost: prompt + generated, recomputed). When decoding outgrows the pages,
-    the paused requests with the lowest priority lose their KV (recomputed when they resume)."""
-
-    def __init__(self, key: Any, model: str, servers: tuple[str, ...], cost: StepCost, scale: float, capacity: int,
-                 sched: mm.Scheduler, kv_tokens: int):
-        self.key, self.model, self.servers = key, model, servers
-        self.cost, self.scale, self.capacity, self.sched = cost, scale, capacity, sched
-        self.resident: dict[int, int] = {}  # rid -> KV tokens held
-        self.kv_tokens = kv_tokens
-        self.kv_used = 0
-        self.batch: list[Job] = []
-        self.stepping = False
-        self.draining = False
-        self.alive = True
-        self.steps = 0
-
-    def fits(self, job: Job) -> bool:
-        r: MMRequest = job.key
-        if r.rid in self.resident:
-            return True
-        need = r.input + r.done
-        if self.kv_used + need > self.kv_tokens and self.resident:
-            return False
-        self.resident[r.rid] = need
-        self.kv_used += need
-        return True
-
-    def grow(self, r: MMRequest) -> None:
-        self.resident[r.rid] += 1
-        self.kv_used += 1
-
-    def free(self, r: MMRequest) -> None:
-        n = self.resident.pop(r.rid, None)
-        if n is not None:
-            self.kv_used -= n
-
-@dataclass
-class Outcome:
-    """One run: the requests with their times, the counters and the plan history."""
-
-    requests: list[MMRequest]
-    schedule: str
-    steps: int
-    wall_s: float
-    plans: list[dict] = field(default_factory=list)
-    intervals: list[dict] = field(default_factory=list)
-
-
-class MultiModelSim:
-    """Event-driven token-step simulator. ``models``: the served models (name, blocks, memory, rate for GBP-CR);
-    ``servers``: the volunteers; ``plan``: server -> model at time 0; ``schedule``: ``db|fcfs|mlfq``.
-
-    ``replan`` (optional): a callable ``(sim, now) -> (new plan or None, next check time or None)`` called at the
-    times it returns (the adaptive replacement of :func:`adaptive_policy`). ``group_of``: request model -> the
-    served model whose chains run it (the seed's setting, where one sharing group time-shares several LLMs: a
-    ``shared`` model serving both; its services stay apart)."""
-
-    def __init__(self, models: Sequence[ServedModel], servers: Sequence[Volunteer], plan: Mapping[str, str], *,
-                 schedule: str = "db", cost: StepCost = MM_COST, max_batch: int = 16, kv_tokens: int = 131072,
-                 monitor_priors: Mapping[str, tuple[float, float]] | None = None, sched_kw: Mapping[str, Any] | None = None,
-                 reload_s: float = 20.0, replan: Callable[["MultiModelSim", float], tuple[dict | None, float | None]] | None = None,
-                 replan_first: float | None = None, group_of: Mapping[str, str] | None = None):
-        if schedule not in mm.SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}")
-        self.models = {m.name: m for m in models}
-        self.servers = {s.name: s for s in servers}
-        self.schedule, self.cost, self.max_batch = schedule, cost, int(max_batch)
-        self.kv_tokens = int(kv_tokens)
-        self.monitor = ServiceMonitor(monitor_priors)
-        self.sched_kw = dict(sched_kw or {})
-        self.reload_s = float(reload_s)
-        self.replan_fn, self.replan_first = replan, replan_first
-        self.group_of = dict(group_of or {})
-        self.plan: dict[str, str] = dict(plan)
-        self.loading: dict[str, str] = {}  # server -> model it is loading
-        self.workers: dict[Any, ChainWorker] = {}
-        self.backlog: dict[str, list[MMRequest]] = {m: [] for m in self.models}
-        self.heap: list[tuple[float, int, int, Any]] = []
-        self.seq = 0
-        self.now = 0.0
-        self.steps = 0
-        self.finished = 0
-        self.plans: list[dict] = []
-        self.arrived: list[MMRequest] = []
-        for m in self.models:
-            self._rebuild(m)
-
-    # ------------------------------------------------------------------------------------------- chains
-
-    def _push(self, t: float, kind: int, x: Any) -> None:
-        heapq.heappush(self.heap, (t, self.seq, kind, x))
-        self.seq += 1
-
-    def ref_service_time(self, model: ServedModel) -> float:
-        return model.num_blocks * model.block_time
-
-    def _rebuild(self, model: str) -> None:
-        """Recompute ``model``'s chains on the servers serving it; unchanged chains keep their requests."""
-        m = self.models[model]
-        servers = [self.servers[s] for s, mm_ in self.plan.items() if mm_ == model]
-        chains = mm.model_chains(servers, m)
-        keep = set()
-        for ch in chains:
-            key = (model, ch.servers, ch.spans)
-            keep.add(key)
-            if key not in self.workers:
-                scale = ch.service_time / self.ref_service_time(m)
-                c = StepCost(self.cost.a * scale, self.cost.b * scale, self.cost.d * scale)
-                self.workers[key] = ChainWorker(key, model, ch.servers, c, scale, min(self.max_batch, ch.capacity),
-                                                mm.make_scheduler(self.schedule, self.monitor, **self.sched_kw),
-                                                self.kv_tokens)
-        for key, w in list(self.workers.items()):
-            if w.model == model and key not in keep and w.alive:
-                self._drain(w)
-        waiting, self.backlog[model] = self.backlog[model], []
-        for r in waiting:
-            self._dispatch(r)
-
-    def _drain(self, w: ChainWorker) -> None:
-        w.draining = True
-        if not w.stepping:
-            self._retire(w)
-
-    def _retire(self, w: ChainWorker) -> None:
-        """The chain is gone: its requests go to the model's other chains (without their KV)."""
-        w.alive = False
-        self.workers.pop(w.key, None)
-        for j in list(w.sched.jobs.values()):
-            w.sched.remove(j)
-            r: MMRequest = j.key
-            r.chain = None
-            r.kv_lost = r.started
-            r.migrations += 1
-            self._dispatch(r)
-
-    def _dispatch(self, r: MMRequest) -> None:
-        g = self.group_of.get(r.model, r.model)
-        ws = [w for w in self.workers.values() if w.model == g and w.alive and not w.draining]
-        if not ws:
-            self.backlog[g].append(r)
-            return
-        w = min(ws, key=lambda w: (len(w.sched) / w.capacity, w.scale))
-        if r.job is None:
-            r.job = Job(r, r.service, r.arrival, prefill_s=self.cost.step(r.input, 1))
-        r.chain = w.key
-        w.sched.arrive(r.job, self.now)
-        if not w.stepping:
-            self._start_step(w)
-
-    def _start_step(self, w: ChainWorker) -> None:
-        if not w.alive:
-            return
-        if w.draining:
-            self._retire(w)
-            return
-        prev = set(map(id, w.batch))
-        batch = w.sched.select(w.capacity, self.now, w.fits)
-        for j in w.sched.preempted:
-            j.key.preemptions += 1
-        extend = 0
-        for j in batch:
-            if id(j) in prev:
-                continue
-            r: MMRequest = j.key
-            if not r.started:
-                extend += r.input
-            elif r.kv_lost:
-                extend += r.input + r.done  # its KV is not here (evicted or migrated): recompute
-                r.recomputes += 1
-                r.kv_lost = False
-        w.batch = batch
-        if not batch:
-            w.stepping = False
-            return
-        w.stepping = True
-        dt = w.cost.step(extend, len(batch))
-        self._push(self.now + dt, 1, (w, dt))
-        w.steps += 1
-        self.steps += 1
-
-    def _end_step(self, w: ChainWorker, dt: float) -> None:
-        w.stepping = False
-        if not w.alive:
-            return
-        batch = w.batch
-        w.sched.charge(batch, dt / w.scale, self.now)  # budgets in reference-chain seconds
-        for j in batch:
-            r: MMRequest = j.key
-            r.started = True
-            r.done += 1
-            if r.done == 1:
-                r.first_token = self.now
-            if r.done >= r.output:
-                r.finished = self.now
-                self.finished += 1
-                w.sched.complete(j, self.now)
-                w.free(r)
-            else:
-                w.grow(r)
-        w.batch = [j for j in batch if j.key.done < j.key.output]
-        if w.kv_used > w.kv_tokens:  # decoding outgrew the pages: drop the least urgent paused KV
-            running = set(map(id, w.batch))
-            paused = [j for j in w.sched.jobs.values() if id(j) not in running and j.key.rid in w.resident]
-            for j in sorted(paused, key=lambda j: (-j.priority if not math.isnan(j.priority) else 0.0, -j.arrival)):
-                if w.kv_used <= w.kv_tokens:
-                    break
-                w.free(j.key)
-                j.key.kv_lost = True
-        self._start_step(w)
-
-    # --------------------------------------------------------------------------------------- re-planning
-
-    def apply_plan(self, new: Mapping[str, str]) -> list[tuple[str, str | None, str]]:
-        """Move the servers whose model differs in ``new``: they leave now and serve their new model after
-        ``reload_s``. Returns the moves."""
-        moves = [(s, self.plan.get(s), m) for s, m in new.items() if self.plan.get(s) != m and s not in self.loading]
-        touched = set()
-        for s, src, dst in moves:
-            if src is not None:
-                del self.plan[s]
-                touched.add(src)
-            self.loading[s] = dst
-            self._push(self.now + self.reload_s, 2, s)
-        for m in touched:
-            self._rebuild(m)
-        if moves:
-            self.plans.append({"t": self.now, "moves": [list(x) for x in moves]})
-        return moves
-
-    def _loaded(self, s: str) -> None:
-        m = self.loading.pop(s)
-        self.plan[s] = m
-        self._rebuild(m)
-
-    # -------------------------------------------------------------------------------------------- run
-
-    def run(self, requests: Sequence[MMRequest]) -> Outcome:
-        t0 = time.perf_counter()
-        for r in requests:
-            self._push(r.arrival, 0, r)
-        if self.replan_fn is not None and self.replan_first is not None:
-            self._push(self.replan_first, 3, None)
-        pending = len(requests)
-        while self.heap and pending:
-            self.now, _, kind, x = heapq.heappop(self.heap)
-            if kind == 0:
-                self.arrived.append(x)
-                self._dispatch(x)
-            elif kind == 1:
-                self._end_step(*x)
-                pending = len(requests) - self.finished
-            elif kind == 2:
-                self._loaded(x)
-            else:
-                new, nxt = self.replan_fn(self, self.now)
-                if new:
-                    self.apply_plan(new)
-                if nxt is not None:
-                    self._push(nxt, 3, None)
-        return Outcome(list(requests), self.schedule, self.steps, time.perf_counter() - t0, self.plans)
-
-
 # ----------------------------------------------------------------------------------------------- metrics
-
-
-def summarize(reqs: Sequence[MMRequest], *, scale: float = mm.SLO_SCALE, since: float = 0.0,
-              until: float = math.inf, by: str = "service") -> dict[str, Any]:
-    """Normalized latency (Eq. 1, mean of ``L_r / L̂_s``; and the ratio of means), P99 latency, SLO attainment
-    (Eq. 5), mean TTFT, overall and per model, over the finished requests that arrived in ``[since, until)``.
-    ``by``: what ``s`` is in ``L̂_s`` (``service``, the seed's; or ``model``, one service per model)."""
-    rs = [r for r in reqs if since <= r.arrival < until and not math.isnan(r.finished)]
-    if not rs:
-        return {"requests": 0}
-
-    def of(r: MMRequest) -> str:
-        return r.service if by == "service" else r.model
-
-    lhat: dict[str, float] = {}
-    for s in {of(r) for r in rs}:
-        lhat[s] = float(np.mean([r.exec_s for r in reqs if of(r) == s]))
-
-    def block(xs: Sequence[MMRequest]) -> dict[str, Any]:
-        lat = [r.latency for r in xs]
-        norm = [lhat[of(r)] for r in xs]
-        return {"requests": len(xs), "norm_latency": mm.normalized_latency(lat, norm),
-                "norm_latency_ratio_of_means": float(np.mean(lat) / np.mean(norm)),
-                "p99_s": mm.p99(lat), "mean_s": float(np.mean(lat)),
-                "slo_attainment": mm.slo_attainment(lat, [r.exec_s for r in xs], scale),
-                "ttft_s": float(np.mean([r.first_token - r.arrival for r in xs])),
-                "preemptions": int(sum(r.preemptions for r in xs)), "recomputes": int(sum(r.recomputes for r in xs))}
-
-    out = block(rs)
-    out["per_model"] = {m: block([r for r in rs if r.model == m]) for m in sorted({r.model for r in rs})}
-    out["lhat_s"] = lhat
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- workloads
@@ -473,11 +119,6 @@ def merge(*streams: Sequence[MMRequest]) -> list[MMRequest]:
     for i, r in enumerate(reqs):
         r.rid = i
     return reqs
-
-
-def fresh(reqs: Sequence[MMRequest]) -> list[MMRequest]:
-    """Unsimulated copies (every policy sees the same workload)."""
-    return [MMRequest(r.rid, r.model, r.arrival, r.input, r.output, r.exec_s, r.service) for r in reqs]
 
 
 CLASS_FEATURES = ("io", "input")
@@ -566,81 +207,6 @@ def make_models(names: Sequence[str], rates: Mapping[str, float], st: Mapping[st
 
 def make_servers(n: int, memory: float = SERVER_MEMORY, speeds: Sequence[float] | None = None) -> list[Volunteer]:
     return [Volunteer(f"s{i:02d}", memory, speeds[i] if speeds else 1.0) for i in range(n)]
-
-
-def sched_kwargs(schedule: str, cost: StepCost, reqs: Sequence[MMRequest], max_batch: int) -> dict[str, Any]:
-    """MLFQ: ``q_1`` = a decode step of a half-full batch; starvation after 2 x the pooled mean ``exec_s``
-    (FastServe's threshold, ours [outside]). DB: the default starvation factor."""
-    if schedule == "mlfq":
-        return {"q1": cost.step(0, max(1, max_batch // 2)),
-                "starve_s": mm.STARVE_FACTOR * float(np.mean([r.exec_s for r in reqs]))}
-    return {}
-
-
-def simulate(reqs: Sequence[MMRequest], models: Sequence[ServedModel], servers: Sequence[Volunteer],
-             plan: Mapping[str, str], schedule: str, *, cost: StepCost = MM_COST, max_batch: int = 16,
-             **kw: Any) -> Outcome:
-    """Run ``schedule`` on fresh copies of ``reqs``; the monitor's priors are the services' ``exec_s`` statistics."""
-    rs = fresh(reqs)
-    priors = {}
-    for sv in sorted({r.service for r in rs}):
-        e = np.array([r.exec_s for r in rs if r.service == sv])
-        priors[sv] = (float(e.mean()), float(e.std()))
-    sim = MultiModelSim(models, servers, plan, schedule=schedule, cost=cost, max_batch=max_batch,
-                        monitor_priors=priors, sched_kw=sched_kwargs(schedule, cost, rs, max_batch), **kw)
-    return sim.run(rs)
-
-
-PLACEMENTS = ("analytic", "simulated")  # the unserved index by the M/M/C estimate, or by this simulator
-
-
-def _check_placement(placement: str) -> None:
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-
-
-def simulated_evaluate(history: Sequence[MMRequest], models: Sequence[ServedModel], *, schedule: str = "db",
-                       cost: StepCost = MM_COST, max_batch: int = 16, kv_tokens: int = 131072,
-                       alpha: float = mm.ALPHA, scale: float = mm.SLO_SCALE,
-                       horizon_s: float | None = None) -> mm.Evaluate:
-    """The seed's unserved index (§4.1, Eq. 6) by simulation: ``evaluate(servers per model)`` replays each model's
-    requests of ``history`` on its servers alone (this simulator, ``schedule``) and counts the SLO misses and
-    ``L_N^s``. Unlike the M/M/C estimate it sees the traffic's bursts and lengths, so a model whose requests come in
-    bursts is given the servers its bursts need. A model with no complete chain counts every request as unserved,
-    and one with a rate but no request in the history (a short window between a bursty model's bursts) the
-    ``rate x horizon_s`` requests it expects (``horizon_s``: default the history's span), so that no plan may drop
-    its last chain for free. Results are cached by (model, servers): Alg. 1 re-evaluates unchanged groups at every
-    step."""
-    by_name = {m.name: m for m in models}
-    if horizon_s is None:
-        horizon_s = max((r.arrival for r in history), default=0.0) - min((r.arrival for r in history), default=0.0)
-    per = {n: [r for r in history if r.model == n] for n in by_name}
-    cache: dict[tuple[str, tuple[str, ...]], mm.ModelEstimate] = {}
-
-    def one(name: str, group: Sequence[Volunteer]) -> mm.ModelEstimate:
-        key = (name, tuple(s.name for s in group))
-        if key not in cache:
-            m, rs = by_name[name], per[name]
-            n = float(len(rs))
-            if not mm.model_chains(group, m):
-                unserved = n if rs else m.rate * horizon_s
-                est = (mm.ModelEstimate(unserved, unserved, mm.UNPLACED_LN, unserved + alpha * mm.UNPLACED_LN)
-                       if unserved else mm.ModelEstimate(0.0, 0.0, 0.0, 0.0))
-            elif not rs:
-                est = mm.ModelEstimate(0.0, 0.0, 0.0, 0.0)
-            else:
-                o = simulate(rs, [m], group, {s.name: name for s in group}, schedule, cost=cost, max_batch=max_batch,
-                             kv_tokens=kv_tokens)
-                sm = summarize(o.requests, scale=scale)
-                misses = n * (1.0 - sm["slo_attainment"])
-                est = mm.ModelEstimate(n, misses, sm["norm_latency"], misses + alpha * sm["norm_latency"])
-            cache[key] = est
-        return cache[key]
-
-    def evaluate(groups: Mapping[str, Sequence[Volunteer]]) -> dict[str, mm.ModelEstimate]:
-        return {n: one(n, groups.get(n, ())) for n in by_name}
-
-    return evaluate
 
 
 def plan_counts(plan: Mapping[str, str]) -> dict[str, int]:
