@@ -5,12 +5,15 @@ and the placement record the servers read (signed schema)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from petals_chain.algorithms.chainsim import StepCost
 from petals_chain.model import ModelSpec
+from petals_chain.orchestrator.dispatch import DispatchJob
 from petals_chain.orchestrator.placement import ModelPlacer
 from petals_chain.orchestrator.planner import RateEstimator, ServerView
 from petals_chain.swarm.records import PlacementRecord, ServerRecord, SwarmSchemaV1, _PlacementValueV1
@@ -259,3 +262,75 @@ def test_a_models_block_time_is_what_its_servers_delivered_not_what_the_others_a
     volunteers, models, _ = placer.snapshot(placer._records(), time.monotonic())
     assert {m.name: m.block_time for m in models} == {"alpha": 0.5, "beta": 0.5}
     assert all(v.speed == pytest.approx(1.0) for v in volunteers)
+
+
+def completed(orch, arrivals_s: list[float], cost, *, wall: float, mono: float, seed: int = 0) -> None:
+    """``orch`` served requests arriving ``arrivals_s`` seconds ago (the planner's arrivals and the stats' history,
+    as the orchestrator records them), each taking what ``cost`` says for its lengths and batch."""
+    rng = random.Random(seed)
+    orch.planner.rates.t0 = mono - 300
+    for ago in arrivals_s:
+        orch.planner.rates.arrive(mono - ago)
+        inp, out, batch = rng.choice((5, 50)), rng.randint(20, 40), rng.choice((1, 2, 3))
+        service = out * cost.a + cost.b * inp + cost.d * out * batch
+        orch.stats.history.append({"t": wall - ago + service, "response_s": service, "wait_s": 0.0,
+                                   "service_s": service, "prompt_tokens": inp, "tokens": out, "batch": batch})
+
+
+def test_the_simulated_index_replays_recent_requests_and_gives_a_burst_the_servers_it_needs():
+    """Six servers hold beta (restarted); alpha then gets 60 requests in a 3 s burst and beta 1 req/s, about 2 and
+    1 req/s over the 30 s window. The M/M/C index sees only those rates (alpha: 2 servers); the simulated one
+    (the seed's) replays the requests with the step cost fitted from them, sees the burst miss its SLO on two
+    servers and gives alpha five (beta keeps one). Beta's waiting jobs are replayed too."""
+    cost = StepCost(a=0.05, b=0.001, d=0.01)
+    got = {}
+    for index in ("analytic", "simulated"):
+        dht = FakeDHT()
+        orchs = {n: fake_orch(n, 2, dht) for n in ("alpha", "beta")}
+        waiting = [DispatchJob(job_id=f"w{i}", arrival=time.monotonic() - 1.0, input_tokens=5, expected_output=500)
+                   for i in range(3)]
+        orchs["beta"].dispatch = SimpleNamespace(waiting_jobs=lambda: waiting)
+        placer = placer_for(orchs, index=index)
+        for i in range(6):
+            announce(orchs, f"s{i}", ["alpha", "beta"], orchs["beta"].prefix, blocks=2)
+        asyncio.run(placer.round())
+        assert placer.json()["servers_per_model"] == {"alpha": 0, "beta": 6}  # they hold beta's blocks: kept
+        wall, mono = time.time(), time.monotonic()
+        completed(orchs["alpha"], [10 - 3 * k / 60 for k in range(60)], cost, wall=wall, mono=mono)
+        completed(orchs["beta"], [59.5 - k for k in range(60)], cost, wall=wall, mono=mono, seed=1)
+        asyncio.run(placer.round())
+        j = placer.json()
+        got[index] = j["servers_per_model"]
+        replan = j["replans"][-1]
+        assert replan["index"] == index and j["index"] == index
+        assert replan["rule"] == ("largest_gain" if index == "simulated" else "most_unserved")
+    assert got["analytic"] == {"alpha": 2, "beta": 4}, got
+    assert got["simulated"]["alpha"] >= 4 and got["simulated"]["beta"] >= 1, got
+    # the alpha burst (60) and beta's requests of the window (30 s, or the time since the last plan if longer)
+    # plus its 3 waiting jobs
+    assert replan["replayed"] == 60 + 30 + 3
+    history, _ = placer.history(*placer.snapshot(placer._records(), time.monotonic())[:2], {}, time.monotonic())
+    assert sorted(r.output for r in history.requests if r.model == "beta")[-3:] == [40, 40, 40]  # 500 declared:
+    # a waiting job is replayed for at most the longest output seen
+    for fitted in replan["step_cost"].values():
+        assert fitted == pytest.approx([cost.a, cost.b, cost.d], rel=1e-3)
+
+
+def test_the_simulated_index_falls_back_to_the_analytic_one_until_it_can_replay():
+    dht = FakeDHT()
+    orchs = {n: fake_orch(n, 2, dht) for n in ("alpha", "beta")}
+    placer = placer_for(orchs, index="simulated")
+    for i in range(4):
+        announce(orchs, f"s{i}", ["alpha", "beta"], orchs["alpha"].prefix)
+    asyncio.run(placer.round())
+    mono, wall = time.monotonic(), time.time()
+    arrivals(orchs["alpha"], 15, mono)  # traffic seen, nothing completed yet
+    asyncio.run(placer.round())
+    assert placer.json()["replans"][-1]["index"] == "analytic (no recent requests)"
+    completed(orchs["alpha"], [5.0] * 4, StepCost(), wall=wall, mono=mono)  # too few to fit a step cost on
+    assert placer.history(*placer.snapshot(placer._records(), mono)[:2], {}, mono) == (
+        None, "no step cost for alpha yet (4 completed requests)")
+    with pytest.raises(ValueError, match="unknown placement index"):
+        placer_for(orchs, index="exact")
+    with pytest.raises(ValueError, match="unknown placement rule"):
+        placer_for(orchs, rule="random")

@@ -16,7 +16,8 @@ import sys
 from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES as DISPATCHES
 from petals_chain.orchestrator.dispatch import SCHEDULES
-from petals_chain.orchestrator.placement import PLACEMENT_POLICIES
+from petals_chain.algorithms.multimodel import PLACEMENT_RULES
+from petals_chain.orchestrator.placement import PLACEMENT_INDEXES, PLACEMENT_POLICIES
 from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
 
 logger = logging.getLogger("petals_chain.orchestrator")
@@ -249,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "move pays for its reload), static (re-placed "
                         "once, for the first traffic seen, then never moved: a fixed plan), even (round-robin, never "
                         "moved)")
+    p.add_argument("--placement-index", default="analytic", choices=list(PLACEMENT_INDEXES),
+                   help="how the unserved index judges a placement: analytic (an M/M/C estimate from each model's "
+                        "arrival rate) or simulated (seed 001's: the recent requests replayed on the chains the "
+                        "placement would give each model, with a step cost fitted from the completed ones)")
+    p.add_argument("--placement-rule", default=None, choices=list(PLACEMENT_RULES),
+                   help="which model Alg. 1 gives each server: most_unserved (the seed's; default with the analytic "
+                        "index) or largest_gain (the one whose index it lowers most; default with the simulated)")
     p.add_argument("--replace-interval-s", type=_positive_float, default=600.0, metavar="S",
                    help="the first replacement interval I_0 (adapted by (1 +- 0.1) per interval, Eq. 8)")
     p.add_argument("--placement-window-s", type=_positive_float, default=120.0, metavar="S",
@@ -453,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(serve(cfgs, args.ready_file, placement=dict(
             policy=args.model_placement, interval_s=args.replace_interval_s, window_s=args.placement_window_s,
-            reload_s=args.model_reload_s)))
+            reload_s=args.model_reload_s, index=args.placement_index, rule=args.placement_rule)))
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as e:

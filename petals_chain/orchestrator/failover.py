@@ -63,6 +63,7 @@ class ChainHolder:
         self.kv_valid = 0
         self.wait_s = 0.0
         self.steps = 0
+        self.batch_steps = 0  # jobs on the chain summed over this job's steps (its mean batch, for StepCost.fit)
         self.failovers = 0
         self.preemptions = 0  # times the job gave its chain back because a hop had no pages to grow it
         self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
@@ -332,7 +333,20 @@ class ChainHolder:
                 self._charge("input", len(self.kv_ids) - self.paid)
             self.reused_tokens = position
             self.steps += 1
+            self.batch_steps += self._chain_jobs()
             return out[0, len(ids) - len(new_ids):] if all_positions else out[0, -1]
+
+    def _chain_jobs(self) -> int:
+        """Jobs running on this job's chain now (itself included)."""
+        lease, dispatch = self.lease, self.orch.dispatch
+        if lease is None or getattr(dispatch, "generation", None) != lease.generation or not hasattr(dispatch, "active"):
+            return 1
+        return max(1, dispatch.active(lease.index))
+
+    @property
+    def mean_batch(self) -> float | None:
+        """Jobs on its chain per step of this job, on average (None before a step)."""
+        return self.batch_steps / self.steps if self.steps else None
 
     def charge_output(self, tokens: int = 1) -> None:
         """``tokens`` were generated for the job's client (fair sharing: ``w_q`` each, on the chain serving it)."""

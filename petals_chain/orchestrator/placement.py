@@ -22,21 +22,34 @@ Policies (``--model-placement``): ``ui`` (all of the above), ``static`` (re-plac
 seen, then never moved: a fixed plan, the "no adaptive replacement" ablation), ``even`` (round-robin, never moved:
 "no placement").
 
+The unserved index (``--placement-index``): ``analytic`` (an M/M/C estimate from each model's arrival rate: fast,
+blind to bursts and lengths) or ``simulated`` (the seed's: each model's recent requests, the completed ones with
+their lengths and the waiting ones, replayed on the chains a plan would give it by the chain simulator of
+:mod:`~petals_chain.algorithms.chainsim`, whose step cost is fitted per model from the completed requests'
+service times and batch sizes; run in a worker thread; falls back to ``analytic`` for a round where a model with
+traffic has no fitted cost yet). ``--placement-rule``: Alg. 1's ``most_unserved`` (the default with ``analytic``)
+or ``largest_gain`` (the default with ``simulated``; docs/results.md, issue 17, for why each pairs with its
+index).
+
 Model parameters are what the planners know: ``L``, ``s_m``, ``s_c`` (bytes) from the model config, each server's
 ``tau_p`` and ``tau_c`` for that model (measured once hops were observed), the arrival rate over ``window_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import statistics
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from petals_chain.algorithms.multimodel import (BETA, AdaptiveInterval, MixDriftDetector, PlanMetrics, ReplanTrigger,
-                                                ServedModel, Volunteer, analytic_evaluate, groups_of, moves_that_pay,
+from petals_chain.algorithms.chainsim import PLACEMENTS, MMRequest, StepCost, exec_alone, simulated_evaluate
+from petals_chain.algorithms.multimodel import (BETA, PLACEMENT_RULES, SCHEDULES, AdaptiveInterval, Evaluate,
+                                                MixDriftDetector, PlanMetrics, ReplanTrigger, ServedModel, Volunteer,
+                                                analytic_evaluate, groups_of, model_chains, moves_that_pay,
                                                 place_by_unserved_index, ui_rate)
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.records import PlacementRecord
@@ -44,6 +57,25 @@ from petals_chain.swarm.records import PlacementRecord
 logger = logging.getLogger("petals_chain.orchestrator.placement")
 
 PLACEMENT_POLICIES = ("ui", "static", "even")
+PLACEMENT_INDEXES = PLACEMENTS  # how the unserved index is evaluated: analytic (M/M/C) or simulated (the seed's)
+DEFAULT_RULE = {"analytic": "most_unserved", "simulated": "largest_gain"}
+
+
+@dataclass
+class History:
+    """What the simulated index replays: each model's recent requests (arrivals from the window's start, s),
+    its fitted step cost, the chain time that cost was measured on, its batch limit and the schedule."""
+
+    requests: list[MMRequest]
+    costs: dict[str, StepCost]
+    ref_times: dict[str, float]
+    max_batch: dict[str, int]
+    schedule: str
+    span_s: float
+
+    def evaluate(self, models: Sequence[ServedModel]) -> Evaluate:
+        return simulated_evaluate(self.requests, models, schedule=self.schedule, cost=self.costs,
+                                  max_batch=self.max_batch, horizon_s=self.span_s, ref_times=self.ref_times)
 
 
 class ModelPlacer:
@@ -52,9 +84,16 @@ class ModelPlacer:
     def __init__(self, orchs: Sequence[Any], *, policy: str = "ui", interval_s: float = 600.0,
                  window_s: float = 120.0, reload_s: float = 10.0, refresh_s: float = 2.0, forget_s: float = 600.0,
                  drift_threshold: float = 0.2, min_arrivals: int = 20, beta: float = BETA,
-                 expiration_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+                 expiration_s: float = 60.0, index: str = "analytic", rule: str | None = None,
+                 max_history: int = 2000, clock: Callable[[], float] = time.monotonic):
         if policy not in PLACEMENT_POLICIES:
             raise ValueError(f"unknown placement policy {policy!r}; choose from {', '.join(PLACEMENT_POLICIES)}")
+        if index not in PLACEMENT_INDEXES:
+            raise ValueError(f"unknown placement index {index!r}; choose from {', '.join(PLACEMENT_INDEXES)}")
+        rule = rule or DEFAULT_RULE[index]
+        if rule not in PLACEMENT_RULES:
+            raise ValueError(f"unknown placement rule {rule!r}; choose from {', '.join(PLACEMENT_RULES)}")
+        self.index, self.rule, self.max_history = index, rule, int(max_history)
         if len(orchs) < 2:
             raise ValueError("placement needs two models or more")
         self.orchs = {o.model_id: o for o in orchs}
@@ -195,6 +234,8 @@ class ModelPlacer:
         return None
 
     def _place_new(self, new: list[str], records: dict[str, dict[str, Any]], now: float) -> None:
+        """Place servers seen for the first time, at once: by the analytic index and Alg. 1's rule whatever
+        ``index`` is (a join waits for no simulation; the next re-placement uses the configured index)."""
         volunteers, models, fixed = self.snapshot(records, now)
         live = {v.name for v in volunteers}
         known = {p: m for p, m in self.placement.items() if p in live}
@@ -250,16 +291,86 @@ class ModelPlacer:
                 norm += h["response_s"] / mean_service
         return PlanMetrics(met / total, norm / total) if total else None
 
-    def _estimate(self, volunteers: list[Volunteer], models: list[ServedModel], assignment: dict[str, str]
-                  ) -> PlanMetrics | None:
-        est = analytic_evaluate(models, self.interval.interval)(groups_of(assignment, volunteers))
-        n = sum(e.requests for e in est.values())
-        if n <= 0:
-            return None
-        return PlanMetrics(1.0 - sum(e.misses for e in est.values()) / n,
-                           sum(e.norm_latency * e.requests for e in est.values()) / n)
+    # ---- the simulated index's inputs, gathered on the event loop ---------------------------------------
+    def history(self, volunteers: list[Volunteer], models: list[ServedModel], current: dict[str, str], now: float
+                ) -> tuple[History | None, str]:
+        """The requests the simulated index replays and each model's fitted step cost, or ``(None, why not)``.
 
-    def replace(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float, why: str) -> list:
+        Requests: each model's completed ones that arrived in the last ``max(window_s, time since the last plan)``
+        (lengths and arrival as recorded) and the ones waiting for a chain now (their declared output, at most the
+        longest seen), the latest ``max_history`` per model. Costs: :meth:`StepCost.fit` over the model's completed
+        requests (service time, lengths and jobs per step on their chains), measured on its current chains (their
+        median ``T_k`` is the reference a plan's chains are scaled from)."""
+        wall, mono = time.time(), time.monotonic()
+        span = max(self.window_s, now - self.planned_at)
+        since = wall - span
+        by_name = {m.name: m for m in models}
+        reqs: list[tuple[float, str, int, int]] = []
+        costs: dict[str, StepCost] = {}
+        ref_times: dict[str, float] = {}
+        for name, o in self.orchs.items():
+            done = [h for h in o.stats.history if h.get("tokens", 0) >= 1 and h.get("batch")]
+            cost = StepCost.fit((h["prompt_tokens"], h["tokens"], h["service_s"], h["batch"]) for h in done)
+            longest = max((h["tokens"] for h in done), default=None)
+            mine = [(h["t"] - h["response_s"], name, int(h["prompt_tokens"]), int(h["tokens"])) for h in done
+                    if h["t"] - h["response_s"] >= since]
+            dispatch = getattr(o, "dispatch", None)
+            for job in (dispatch.waiting_jobs() if dispatch is not None else []):
+                out = job.expected_output if longest is None else min(job.expected_output or longest, longest)
+                mine.append((wall - (mono - job.arrival), name, int(job.input_tokens), max(1, int(out))))
+            mine = sorted(mine)[-self.max_history:]
+            if mine and cost is None:
+                return None, f"no step cost for {name} yet ({len(done)} completed requests)"
+            if cost is not None:
+                costs[name] = cost
+                chains = model_chains([v for v in volunteers if current.get(v.name) == name], by_name[name])
+                if chains:
+                    ref_times[name] = statistics.median(ch.service_time for ch in chains)
+            reqs.extend(mine)
+        if not reqs:
+            return None, "no recent requests"
+        reqs.sort()
+        t0 = since
+        history = [MMRequest(k, name, max(0.0, t - t0), inp, out, exec_alone(inp, out, costs[name]))
+                   for k, (t, name, inp, out) in enumerate(reqs)]
+        schedules = {getattr(getattr(o, "cfg", None), "schedule", "fcfs") for o in self.orchs.values()}
+        schedule = next(iter(schedules & set(SCHEDULES)), "fcfs")
+        return History(history, costs, ref_times, {m.name: max(1, int(m.c)) for m in models}, schedule, span), ""
+
+    # ---- a re-placement: inputs on the loop, the search in a worker thread with the simulated index -------------
+    def _decide(self, volunteers: list[Volunteer], models: list[ServedModel], fixed: dict[str, str],
+                current: dict[str, str], offered: dict[str, set[str]], history: History | None) -> dict[str, Any]:
+        """The target placement, the moves that pay, and each model's predicted (misses, L_N) now and after."""
+        horizon = self.interval.interval
+        ev = history.evaluate(models) if history is not None else analytic_evaluate(models, horizon)
+        span = history.span_s if history is not None else horizon
+        target = place_by_unserved_index(volunteers, models, horizon_s=horizon, fixed=fixed,
+                                         evaluate=None if history is None else ev, rule=self.rule)
+        target = {p: m for p, m in target.items() if p in fixed or m in offered.get(p, ())}
+        aimed = {**current, **target}
+        moves = moves_that_pay(current, aimed, ui_rate(volunteers, models, horizon_s=span,
+                                                       evaluate=None if history is None else ev),
+                               reload_s=self.reload_s, interval_s=horizon)
+        after = dict(current)
+        after.update({mv.server: mv.dst for mv in moves if mv.server in offered})
+
+        def summary(assignment: dict[str, str]) -> tuple[dict[str, int], dict[str, list[float]], PlanMetrics | None]:
+            """Servers per model, each model's predicted (misses, L_N), and the plan's SLO attainment and L_N."""
+            groups = groups_of(assignment, volunteers)
+            est = ev(groups)
+            n = sum(e.requests for e in est.values())
+            metrics = None if n <= 0 else PlanMetrics(1.0 - sum(e.misses for e in est.values()) / n,
+                                                      sum(e.norm_latency * e.requests for e in est.values()) / n)
+            return ({m.name: len(groups.get(m.name, ())) for m in models},
+                    {k: [round(e.misses, 2), round(e.norm_latency, 3)] for k, e in est.items()}, metrics)
+
+        counts, pred_now, _ = summary(current)
+        targets, pred_target, _ = summary(aimed)
+        return {"moves": moves, "counts": counts, "pred_now": pred_now, "targets": targets,
+                "pred_target": pred_target, "estimate": summary(after)[2]}
+
+    async def replace(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float, why: str
+                      ) -> list:
         """Re-place the ``flexible`` servers by the unserved index, making only the moves that pay (Eq. 8
         interval)."""
         real = self.real_metrics(self.planned_wall)
@@ -267,34 +378,32 @@ class ModelPlacer:
             self.interval.update(real, self.estimate)
         volunteers, models, fixed = self.snapshot(records, now)
         current = {**fixed, **{p: self.placement[p] for p in flexible if p in self.placement}}
-        target = place_by_unserved_index(volunteers, models, horizon_s=self.interval.interval, fixed=fixed)
-        target = {p: m for p, m in target.items()
-                  if p in fixed or (p in flexible and m in self.offered(flexible[p]))}
-        aimed = {**current, **target}
-        moves = moves_that_pay(current, aimed, ui_rate(volunteers, models, horizon_s=self.interval.interval),
-                               reload_s=self.reload_s, interval_s=self.interval.interval)
+        offered = {p: set(self.offered(rec)) for p, rec in flexible.items()}
+        history, index = None, "analytic"
+        if self.index == "simulated":
+            history, fallback = self.history(volunteers, models, current, now)
+            index = "simulated" if history is not None else f"analytic ({fallback})"
+        args = (volunteers, models, fixed, current, offered, history)
+        t0 = time.perf_counter()
+        d = await asyncio.to_thread(self._decide, *args) if history is not None else self._decide(*args)
+        moves = d["moves"]
         for mv in moves:
             if mv.server in flexible:
                 self._set(mv.server, mv.dst, f"{why}: pays {mv.benefit:.3g}")
-        ev = analytic_evaluate(models, self.interval.interval)
-
-        def summary(assignment: dict[str, str]) -> tuple[dict[str, int], dict[str, list[float]]]:
-            """Servers per model, and each model's predicted (misses, L_N), under ``assignment``."""
-            groups = groups_of(assignment, volunteers)
-            return ({m.name: len(groups.get(m.name, ())) for m in models},
-                    {n: [round(e.misses, 2), round(e.norm_latency, 3)] for n, e in ev(groups).items()})
-
-        (counts, pred_now), (targets, pred_target) = summary(current), summary(aimed)
-        self.replans.append({"t": time.time(), "why": why, "rates": {m.name: round(m.rate, 4) for m in models},
-                             "servers_per_model": counts, "target": targets, "moves": len(moves),
+        self.replans.append({"t": time.time(), "why": why, "index": index, "rule": self.rule,
+                             "decide_s": round(time.perf_counter() - t0, 3),
+                             "replayed": None if history is None else len(history.requests),
+                             "step_cost": None if history is None else
+                             {k: [round(c.a, 5), round(c.b, 7), round(c.d, 5)] for k, c in history.costs.items()},
+                             "rates": {m.name: round(m.rate, 4) for m in models},
+                             "servers_per_model": d["counts"], "target": d["targets"], "moves": len(moves),
                              "block_time_s": {m.name: round(m.block_time, 5) for m in models},
                              "slots": {m.name: m.c for m in models},
                              "speeds": {v.name[:8]: round(v.speed, 3) for v in volunteers},
-                             "predicted_now": pred_now, "predicted_target": pred_target})
-        logger.info("re-placement (%s): rates %s, servers %s, target %s, %d moves pay", why,
-                    self.replans[-1]["rates"], counts, targets, len(moves))
-        self.estimate = self._estimate(volunteers, models, {**fixed, **{p: self.placement[p] for p in flexible
-                                                                        if p in self.placement}})
+                             "predicted_now": d["pred_now"], "predicted_target": d["pred_target"]})
+        logger.info("re-placement (%s, %s index): rates %s, servers %s, target %s, %d moves pay", why, index,
+                    self.replans[-1]["rates"], d["counts"], d["targets"], len(moves))
+        self.estimate = d["estimate"]
         self.planned_at, self.planned_wall = now, time.time()
         self.trigger.replanned(now, why)
         total = sum(m.rate for m in models)
@@ -323,7 +432,7 @@ class ModelPlacer:
                                                   * self.drift.window_s >= self.drift.min_arrivals)
             why = self.trigger.reason(now, due=due, drifted=drifted)
             if why is not None:
-                self.replace(records, flexible, now, why)
+                await self.replace(records, flexible, now, why)
         await self.publish()
 
     async def publish(self) -> None:
@@ -346,7 +455,7 @@ class ModelPlacer:
     def json(self) -> dict:
         """For ``/api/v1/swarm``: the policy, interval, placement and recent moves."""
         settle = self.trigger.settle_at if self.policy == "ui" else None  # only ui re-plans after its first plan
-        return {"policy": self.policy, "epoch": self.epoch, "interval_s": round(self.interval.interval, 3),
+        return {"policy": self.policy, "index": self.index, "rule": self.rule, "epoch": self.epoch, "interval_s": round(self.interval.interval, 3),
                 "settle_in_s": None if settle is None else round(max(0.0, settle - self.clock()), 1),
                 "moves": self.moves, "placement": dict(self.placement),
                 "servers_per_model": {n: sum(1 for m in self.placement.values() if m == n) for n in self.orchs},

@@ -152,7 +152,7 @@ class SessionMixin:
             wait = holder.wait_s - wait0
             service = max(0.0, time.monotonic() - t0 - wait)
             self.stats.record(wait_s=wait, service_s=service, tokens=len(generated), prompt_tokens=prompt_tokens,
-                              ok=True)
+                              ok=True, batch=holder.mean_batch)
             deadline = DEADLINE.get()
             if deadline is not None:
                 self.deadlines.settle(deadline)

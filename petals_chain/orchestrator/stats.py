@@ -247,12 +247,16 @@ class Stats:
                 "replayed_token_blocks_full": self.replay_token_blocks["full"],
                 "recent_replays": list(self.recent_replays)[-20:]}
 
-    def record(self, *, wait_s: float, service_s: float, tokens: int, prompt_tokens: int, ok: bool) -> None:
+    def record(self, *, wait_s: float, service_s: float, tokens: int, prompt_tokens: int, ok: bool,
+               batch: float | None = None) -> None:
+        """One finished job: ``tokens`` generated after ``prompt_tokens``, ``batch`` jobs on its chain per step on
+        average (the history the model placer replays, ``--placement-index simulated``)."""
         if ok:
             self.completed += 1
             self.m_requests.labels("completed").inc()
             self.history.append({"t": time.time(), "response_s": wait_s + service_s, "wait_s": wait_s,
-                                 "service_s": service_s})
+                                 "service_s": service_s, "prompt_tokens": prompt_tokens, "tokens": tokens,
+                                 "batch": batch})
             self.m_response.observe(wait_s + service_s)
             self.m_wait.observe(wait_s)
             self.m_service.observe(service_s)
