@@ -7,8 +7,10 @@ real one, e.g. SmolLM2, in either place); ``--servers`` servers each offer both 
 emulate a slow device (``--decode-ms`` per block per token). Requests arrive open-loop (Poisson): first
 ``--phase-s`` seconds mostly on alpha (``--hi`` req/s on alpha, ``--lo`` on beta), then the mix flips; a
 ``--long-frac`` of them ask for ``--long-tokens`` tokens, the rest for ``--max-tokens``. The same requests are
-replayed for each run (``--runs POLICY:SCHEDULE[:K],...``; ``K``: ``--schedule-classes``, default the
-orchestrator's) on a fresh swarm.
+replayed for each run (``--runs POLICY[@INDEX]:SCHEDULE[:K],...``; ``INDEX``: ``--placement-index``, analytic
+or simulated; ``K``: ``--schedule-classes``, default the orchestrator's) on a fresh swarm. ``--burst N``: the busy
+model's requests come in bursts of ``N`` at once (burst times Poisson at ``hi / N``: the same mean rate), the
+traffic the M/M/C index cannot see and the simulated one replays.
 
 Printed per policy and phase: requests, failures, normalized latency (Eq. 1: each request's response time over its
 model's mean execution time ``L̂_s``, the median ``service_s`` of that model over all runs; and per class, each
@@ -18,6 +20,7 @@ moves made; the ratio of normalized latencies after the shift is the acceptance 
 of a fixed plan's). Every output is checked token-exact against transformers.
 
     python scripts/bench_placement.py [--runs ui:fcfs,static:fcfs,ui:db] [--servers 4] [--phase-s 60] [--hi 4.0]
+    python scripts/bench_placement.py --runs ui:fcfs,ui@simulated:fcfs --burst 12
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def placement(sw) -> dict:
 
 
 def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, str, int]], args, log_dir: Path,
-               classes: str = "") -> dict:
+               classes: str = "", index: str = "analytic") -> dict:
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for, model_memory
 
     memory = max(memory_for(path, 64, model_memory(path, 64)[0], args.slots) for path in paths.values())
@@ -75,8 +78,9 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
                            model=[str(paths["alpha"]), str(paths["beta"])],
                            extra_args=["--emulate-decode-ms", str(args.decode_ms), "--kv-cache", args.kv_cache])
                for i in range(args.servers)]
-    sw = LocalSwarm(paths["alpha"], servers, max_length=64, log_dir=log_dir / f"{policy}-{schedule}", models=paths,
-                    orchestrator_args=["--model-placement", policy, "--schedule", schedule,
+    sw = LocalSwarm(paths["alpha"], servers, max_length=64, log_dir=log_dir / f"{policy}-{index}-{schedule}",
+                    models=paths,
+                    orchestrator_args=["--model-placement", policy, "--schedule", schedule, "--placement-index", index,
                                        "--replace-interval-s", str(args.interval_s),
                                        "--placement-window-s", str(args.window_s), "--model-reload-s", "2",
                                        "--audit-rate", "0", "--audit-probe-s", "0"]
@@ -102,7 +106,7 @@ def run_policy(policy: str, schedule: str, paths: dict, plan: list[tuple[float, 
         scheds = [sw.swarm(name).get("schedule", {}) for name in paths]  # pauses, starvation promotions
     for r in after:
         r["sent"] += args.phase_s
-    name = f"{policy}:{schedule}" + (f":{classes}" if classes else "")
+    name = policy + ("" if index == "analytic" else f"@{index}") + f":{schedule}" + (f":{classes}" if classes else "")
     return {"policy": policy, "schedule": schedule, "name": name, "results": results + after, "start": at_start,
             "mid": mid["servers_per_model"],
             "end": end["servers_per_model"], "moves": end.get("moves", 0), "recent": end.get("recent", []),
@@ -142,6 +146,8 @@ def main() -> int:
     p.add_argument("--long-frac", type=float, default=0.15)
     p.add_argument("--interval-s", type=float, default=60.0, help="--replace-interval-s")
     p.add_argument("--window-s", type=float, default=15.0, help="--placement-window-s")
+    p.add_argument("--burst", type=int, default=1, metavar="N",
+                   help="the busy model's requests in bursts of N (same mean rate; 1: Poisson)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", default="tiny", metavar="tiny|NAME|PATH",
                    help="model alpha: a tiny random 4-layer Llama, or a real one (a registry name such as "
@@ -166,26 +172,34 @@ def main() -> int:
     longest = max(args.max_tokens, args.long_tokens)
     expected = {n: hf_greedy_from(path, PROMPT, longest) for n, path in paths.items()}
     rng = np.random.default_rng(args.seed)
-    times = sorted([(t, "alpha") for t in arrivals(args.hi, args.phase_s, rng)]
+    def busy(rate: float) -> list[float]:
+        return [t for t in arrivals(rate / args.burst, args.phase_s, rng) for _ in range(args.burst)]
+
+    times = sorted([(t, "alpha") for t in busy(args.hi)]
                    + [(t, "beta") for t in arrivals(args.lo, args.phase_s, rng)]
                    + [(args.phase_s + t, "alpha") for t in arrivals(args.lo, args.phase_s, rng)]
-                   + [(args.phase_s + t, "beta") for t in arrivals(args.hi, args.phase_s, rng)])
+                   + [(args.phase_s + t, "beta") for t in busy(args.hi)])
     plan = [(t, m, args.long_tokens if rng.random() < args.long_frac else args.max_tokens) for t, m in times]
     print(f"{len(plan)} requests: {args.phase_s:.0f} s at alpha {args.hi}/s + beta {args.lo}/s, then flipped; "
-          f"{args.servers} servers offering both, {args.decode_ms} ms per block per token", flush=True)
+          f"{args.servers} servers offering both, {args.decode_ms} ms per block per token"
+          + (f"; the busy model's in bursts of {args.burst}" if args.burst > 1 else ""), flush=True)
     runs = []
     for pair in args.runs.split(","):
         policy, _, rest = pair.partition(":")
+        policy, _, index = policy.partition("@")
         schedule, _, classes = rest.partition(":")
         t0 = time.time()
-        runs.append(run_policy(policy, schedule or "fcfs", paths, plan, args, tmp / "logs", classes))
+        runs.append(run_policy(policy, schedule or "fcfs", paths, plan, args, tmp / "logs", classes,
+                               index or "analytic"))
         print(f"  {pair}: ran in {time.time() - t0:.0f} s; servers per model at start {runs[-1]['start']}, after "
               f"phase 1 {runs[-1]['mid']}, at the end {runs[-1]['end']}; moves {runs[-1]['moves']}; pauses "
               f"{runs[-1]['pauses']}, starvation promotions {runs[-1]['promotions']}", flush=True)
         for m in runs[-1]["recent"]:
             print(f"      move {m['server'][:10]} {m['from']} -> {m['to']} ({m['why']})", flush=True)
         for r in runs[-1]["replans"]:
-            print(f"      re-plan ({r['why']}): rates {r['rates']}, servers {r['servers_per_model']}, target "
+            print(f"      re-plan ({r['why']}; {r.get('index')} index, {r.get('replayed')} requests replayed, "
+                  f"step cost (a, b, d) {r.get('step_cost')}, {r.get('decide_s')} s): "
+                  f"rates {r['rates']}, servers {r['servers_per_model']}, target "
                   f"{r['target']}, {r['moves']} moves; predicted (misses, L_N) now {r.get('predicted_now')}, "
                   f"at the target {r.get('predicted_target')}; block time {r.get('block_time_s')}, slots "
                   f"{r.get('slots')}, speeds {r.get('speeds')}", flush=True)
@@ -211,6 +225,8 @@ def main() -> int:
     names = [r["name"] for r in runs]
     pairs = [("ui:fcfs", "static:fcfs", "adaptive replacement / fixed plan, acceptance <= 0.769")]
     pairs += [(n, "ui:fcfs", "DB / FCFS, seed: <= 0.5") for n in names if n.startswith("ui:db")]
+    pairs += [(n, n.replace("@simulated", ""), "simulated / analytic unserved index") for n in names
+              if "@simulated" in n]
     for a, b, what in pairs:
         if a in names and b in names:
             for key, label in (("norm_latency", "normalized latency"), ("norm_latency_class", "by class")):

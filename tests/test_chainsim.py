@@ -10,11 +10,12 @@ import pytest
 from petals_chain.algorithms.chainsim import MM_COST, StepCost
 
 
-def samples(cost: StepCost, n: int, *, batches=(1, 2, 4, 8), inputs=(5, 50, 400), noise: float = 0.0, seed: int = 0):
+def samples(cost: StepCost, n: int, *, batches=(1, 2, 4, 8), inputs=(5, 50, 400), outputs=(1, 64), noise: float = 0.0,
+            seed: int = 0):
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        i, o, bt = rng.choice(inputs), rng.randint(1, 64), rng.choice(batches)
+        i, o, bt = rng.choice(inputs), rng.randint(*outputs), rng.choice(batches)
         t = o * cost.a + cost.b * i + cost.d * o * bt
         out.append((i, o, t * (1 + rng.uniform(-noise, noise)), bt))
     return out
@@ -41,6 +42,19 @@ def test_what_the_requests_cannot_tell_apart_keeps_the_priors_ratio():
     # every request alone and no prompt: nothing tells the prefill apart, b keeps the ratio too
     got = StepCost.fit(samples(true, 100, batches=(1,), inputs=(0,)))
     assert got.b / got.a == pytest.approx(prior.b / prior.a) and got.d / got.a == pytest.approx(prior.d / prior.a)
+
+
+def test_requests_all_of_one_length_fit_the_batch_cost_and_keep_the_prompts_ratio():
+    """The real-process test's traffic: one prompt, one output length, batches of 1-3 (a swarm's closed-loop
+    clients). The prompt's share cannot be told from the steps'; a fit that gave the whole time to the prompt
+    (``a`` = 0, as the first fit did here) is not a step cost."""
+    true = StepCost(a=0.05, b=0.0004, d=0.006)
+    got = StepCost.fit(samples(true, 60, inputs=(5,), outputs=(20, 20), batches=(1, 2, 3), noise=0.05))
+    assert got is not None and got.a > 0
+    assert got.b / got.a == pytest.approx(MM_COST.b / MM_COST.a)
+    for batch in (1, 3):  # what a request of that shape costs, as seen
+        want = 20 * true.a + true.b * 5 + true.d * 20 * batch
+        assert 20 * got.a + got.b * 5 + got.d * 20 * batch == pytest.approx(want, rel=0.1)
 
 
 def test_too_few_or_unusable_samples_give_no_fit():

@@ -54,7 +54,11 @@ class Traffic:
             t.join(timeout=240)
 
 
-def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tmp_path, scaled):
+@pytest.mark.parametrize("index", ["analytic", "simulated"])
+def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tmp_path, scaled, index):
+    """``analytic``: the whole story (placement, shift, dashboard, restart). ``simulated`` (the unserved index by
+    replaying the recent requests on a fitted step cost): the placement and the shift, and that the re-placements
+    after the first completed requests replayed them."""
     alpha, beta = tiny_model_factory("llama", num_layers=4), tiny_model_factory("qwen2", num_layers=2)
     memory = max(memory_for(alpha, 64, 4, 2), memory_for(beta, 64, 2, 2))
     emulate = ["--emulate-decode-ms", "25"]  # a job takes ~1 s on alpha: two clients fill a chain
@@ -67,7 +71,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
     sw = LocalSwarm(alpha, [spec(i) for i in range(3)], max_length=64, log_dir=tmp_path / "logs",
                     models={"alpha": alpha, "beta": beta},
                     orchestrator_args=["--replace-interval-s", "20", "--placement-window-s", "10",
-                                       "--model-reload-s", "1", "--audit-rate", "0"])
+                                       "--model-reload-s", "1", "--audit-rate", "0", "--placement-index", index])
     with sw:
         state = sw.wait_until(lambda s: sum(s.get("model_placement", {}).get("servers_per_model", {}).values()) == 3,
                               scaled(120), "every server placed")
@@ -94,6 +98,14 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
             assert traffic.results, f"no {traffic.model} request completed"
             bad = [r for r in traffic.results if r[0] != 200 or r[1] != expected[traffic.model]]
             assert not bad, f"{traffic.model}: {bad[:3]} of {len(traffic.results)}"
+        if index == "simulated":
+            replans = sw.swarm()["model_placement"]["replans"]
+            simulated = [r for r in replans if r["index"] == "simulated"]
+            assert simulated, replans
+            assert all(r["index"].startswith("analytic (no") for r in replans if r["index"] != "simulated"), replans
+            for r in simulated:  # each model with replayed requests had its step cost fitted from them
+                assert r["replayed"] > 0 and r["step_cost"] and all(a > 0 for a, _, _ in r["step_cost"].values())
+            return
         # the server that moved says so in its log: unloaded alpha's blocks, then loaded beta's
         logs = {n: (sw.log_dir / f"server-{n}.log").read_text() for n in sw.servers}
         name = next(n for n, text in logs.items() if f"PEER_ID {peer}" in text)

@@ -61,9 +61,9 @@ class StepCost:
         ``samples``: ``(input tokens, output tokens, service s, mean batch)`` of completed requests, where a request
         of ``o`` tokens took ``o`` steps (its prefill the first) with ``mean batch`` requests in each on average:
         ``service = a·o + b·input + d·o·batch``, fitted by non-negative least squares. A coefficient the samples
-        cannot tell apart from the others (every request in a batch of the same size, or no prompt tokens: a
-        rank-deficient design) keeps ``prior``'s ratio to ``a`` (default :data:`MM_COST`'s), so a swarm
-        that never batched still predicts what batching costs."""
+        cannot tell apart from the others (every request alone, every request of the same lengths: a
+        rank-deficient design), or that only a fit without a per-step cost would explain, keeps ``prior``'s ratio
+        to ``a`` (default :data:`MM_COST`'s), so a swarm that never batched still predicts what batching costs."""
         rows = [(float(i), float(o), float(t), float(bt)) for i, o, t, bt in samples
                 if o >= 1 and t > 0 and math.isfinite(t) and bt > 0]
         if len(rows) < min_samples:
@@ -71,22 +71,30 @@ class StepCost:
         prior = prior or MM_COST
         x = np.array(rows)
         inp, out, service, batch = x[:, 0], x[:, 1], x[:, 2], x[:, 3]
-        free = ["a", "b", "d"]
-        while True:
-            # a fixed coefficient rides on ``a`` at the prior's ratio: the column of ``a`` absorbs it
+
+        def rank(*cols: np.ndarray) -> int:
+            return int(np.linalg.matrix_rank(np.stack(cols, axis=1)))
+
+        # what the samples tell apart from the steps' cost: the prompt's share unless every request has the same
+        # lengths, the batch's share unless every request ran alone (or in batches of one size)
+        told = ("a",) + (("b",) if rank(out, inp) == 2 else ()) + (("d",) if rank(out, out * batch) == 2 else ())
+        for free in [told] + [f for f in (("a", "d"), ("a", "b"), ("a",)) if set(f) < set(told)]:
+            # a coefficient not fitted rides on ``a`` at the prior's ratio: the column of ``a`` carries it
             col_a = out + (0 if "b" in free else prior.b / prior.a * inp) + (0 if "d" in free else
                                                                                prior.d / prior.a * out * batch)
             cols = {"a": col_a, "b": inp, "d": out * batch}
             design = np.stack([cols[k] for k in free], axis=1)
-            if np.linalg.matrix_rank(design) == len(free) or len(free) == 1:
+            if np.linalg.matrix_rank(design) < len(free):
+                continue
+            coef, _ = nnls(design / service[:, None], np.ones(len(rows)))  # relative errors: short and long alike
+            got = dict(zip(free, coef))
+            if got["a"] > 0:
                 break
-            free.remove("d" if "d" in free else "b")
-        coef, _ = nnls(design / service[:, None], np.ones(len(rows)))  # relative errors: short and long alike
-        got = dict(zip(free, coef))
-        a = got["a"]
-        if a <= 0:
+        else:
             return None
-        return cls(a=float(a), b=float(got.get("b", prior.b / prior.a * a)), d=float(got.get("d", prior.d / prior.a * a)))
+        a = got["a"]
+        return cls(a=float(a), b=float(got.get("b", prior.b / prior.a * a)),
+                   d=float(got.get("d", prior.d / prior.a * a)))
 
 # A chain's step: 30 ms fixed (a decode step of a whole model, network included), 0.05 ms per prefill token
 # (20k tokens/s: a 2000-token prompt costs ~3 decode steps), 1 ms per request in the batch.
@@ -169,6 +177,7 @@ class ChainWorker:
         n = self.resident.pop(r.rid, None)
         if n is not None:
             self.kv_used -= n
+
 
 @dataclass
 class Outcome:
@@ -401,7 +410,6 @@ class MultiModelSim:
         return Outcome(list(requests), self.schedule, self.steps, time.perf_counter() - t0, self.plans)
 
 
-
 def summarize(reqs: Sequence[MMRequest], *, scale: float = mm.SLO_SCALE, since: float = 0.0,
               until: float = math.inf, by: str = "service") -> dict[str, Any]:
     """Normalized latency (Eq. 1, mean of ``L_r / L̂_s``; and the ratio of means), P99 latency, SLO attainment
@@ -434,11 +442,9 @@ def summarize(reqs: Sequence[MMRequest], *, scale: float = mm.SLO_SCALE, since: 
     return out
 
 
-
 def fresh(reqs: Sequence[MMRequest]) -> list[MMRequest]:
     """Unsimulated copies (every policy sees the same workload)."""
     return [MMRequest(r.rid, r.model, r.arrival, r.input, r.output, r.exec_s, r.service) for r in reqs]
-
 
 
 def sched_kwargs(schedule: str, cost: StepCost, reqs: Sequence[MMRequest], max_batch: int) -> dict[str, Any]:
