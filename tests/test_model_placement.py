@@ -326,7 +326,7 @@ def test_the_simulated_index_falls_back_to_the_analytic_one_until_it_can_replay(
     mono, wall = time.monotonic(), time.time()
     arrivals(orchs["alpha"], 15, mono)  # traffic seen, nothing completed yet
     asyncio.run(placer.round())
-    assert placer.json()["replans"][-1]["index"] == "analytic (no recent requests)"
+    assert placer.json()["replans"][-1]["index"] == "analytic (0 recent requests, fewer than 40)"
     completed(orchs["alpha"], [5.0] * 4, StepCost(), wall=wall, mono=mono)  # too few to fit a step cost on
     assert placer.history(*placer.snapshot(placer._records(), mono)[:2], {}, mono) == (
         None, "no step cost for alpha yet (4 completed requests)")
@@ -334,3 +334,30 @@ def test_the_simulated_index_falls_back_to_the_analytic_one_until_it_can_replay(
         placer_for(orchs, index="exact")
     with pytest.raises(ValueError, match="unknown placement rule"):
         placer_for(orchs, rule="random")
+
+
+def test_the_simulated_index_reaches_back_for_enough_requests_and_keeps_a_quiet_model_served():
+    """A window may hold no request of a bursty model (it is between bursts): the replay reaches back until
+    ``min_replay`` requests are in, and a model with completions kept but none in the window keeps its rate over
+    them, so no plan strips its last chain (a real run placed every server on the other model between bursts)."""
+    cost = StepCost(a=0.05, b=0.001, d=0.01)
+    dht = FakeDHT()
+    orchs = {n: fake_orch(n, 2, dht) for n in ("alpha", "beta")}
+    placer = placer_for(orchs, index="simulated")  # window 30 s, min_replay 40
+    for i in range(4):
+        announce(orchs, f"s{i}", ["alpha", "beta"], orchs["alpha" if i < 2 else "beta"].prefix, blocks=2)
+    asyncio.run(placer.round())
+    assert placer.json()["servers_per_model"] == {"alpha": 2, "beta": 2}
+    wall, mono = time.time(), time.monotonic()
+    completed(orchs["alpha"], [100 - k for k in range(30)], cost, wall=wall, mono=mono)  # 100-71 s ago
+    completed(orchs["beta"], [10 - k / 2 for k in range(10)], cost, wall=wall, mono=mono, seed=1)  # in the window
+    volunteers, models, _ = placer.snapshot(placer._records(), mono)
+    history, _ = placer.history(volunteers, models, dict(placer.placement), mono)
+    assert len(history.requests) == 40 and history.span_s == pytest.approx(100, abs=0.5)  # back to alpha's first
+    assert history.rate_floor["alpha"] == pytest.approx(30 / 100, rel=0.02)
+    # beta keeps arriving, alpha is quiet: beta gets what it needs, alpha keeps a chain
+    completed(orchs["beta"], [5 - k / 10 for k in range(50)], cost, wall=wall, mono=mono, seed=2)
+    asyncio.run(placer.round())
+    replan = placer.json()["replans"][-1]
+    assert replan["index"] == "simulated" and replan["rates"]["alpha"] == 0.0
+    assert placer.json()["servers_per_model"]["alpha"] >= 1, replan

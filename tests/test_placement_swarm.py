@@ -115,7 +115,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
             with chromium_page() as (page, errors):
                 page.goto(f"{sw.url}/?model=beta")
                 page.wait_for_selector("#models-nav .placement", timeout=20_000)
-                assert "placement ui" in page.locator("#models-nav .placement").text_content()
+                assert "placement ui \u00b7 analytic index" in page.locator("#models-nav .placement").text_content()
                 page.wait_for_selector("#servers-table tr .offers", timeout=20_000)
                 assert "offers 2 models" in page.locator("#servers-table tr .offers").first.text_content()
                 assert errors == []

@@ -27,7 +27,7 @@ blind to bursts and lengths) or ``simulated`` (the seed's: each model's recent r
 their lengths and the waiting ones, replayed on the chains a plan would give it by the chain simulator of
 :mod:`~petals_chain.algorithms.chainsim`, whose step cost is fitted per model from the completed requests'
 service times and batch sizes; run in a worker thread; falls back to ``analytic`` for a round where a model with
-traffic has no fitted cost yet). ``--placement-rule``: Alg. 1's ``most_unserved`` (the default with ``analytic``)
+traffic has no fitted cost yet or fewer than ``min_replay`` requests can be replayed). ``--placement-rule``: Alg. 1's ``most_unserved`` (the default with ``analytic``)
 or ``largest_gain`` (the default with ``simulated``; docs/results.md, issue 17, for why each pairs with its
 index).
 
@@ -72,6 +72,11 @@ class History:
     max_batch: dict[str, int]
     schedule: str
     span_s: float
+    rate_floor: dict[str, float]
+
+    def models(self, models: Sequence[ServedModel]) -> list[ServedModel]:
+        """``models`` with each rate at least its ``rate_floor``."""
+        return [m.with_rate(max(m.rate, self.rate_floor.get(m.name, 0.0))) for m in models]
 
     def evaluate(self, models: Sequence[ServedModel]) -> Evaluate:
         return simulated_evaluate(self.requests, models, schedule=self.schedule, cost=self.costs,
@@ -85,7 +90,7 @@ class ModelPlacer:
                  window_s: float = 120.0, reload_s: float = 10.0, refresh_s: float = 2.0, forget_s: float = 600.0,
                  drift_threshold: float = 0.2, min_arrivals: int = 20, beta: float = BETA,
                  expiration_s: float = 60.0, index: str = "analytic", rule: str | None = None,
-                 max_history: int = 2000, clock: Callable[[], float] = time.monotonic):
+                 max_history: int = 2000, min_replay: int = 40, clock: Callable[[], float] = time.monotonic):
         if policy not in PLACEMENT_POLICIES:
             raise ValueError(f"unknown placement policy {policy!r}; choose from {', '.join(PLACEMENT_POLICIES)}")
         if index not in PLACEMENT_INDEXES:
@@ -93,7 +98,7 @@ class ModelPlacer:
         rule = rule or DEFAULT_RULE[index]
         if rule not in PLACEMENT_RULES:
             raise ValueError(f"unknown placement rule {rule!r}; choose from {', '.join(PLACEMENT_RULES)}")
-        self.index, self.rule, self.max_history = index, rule, int(max_history)
+        self.index, self.rule, self.max_history, self.min_replay = index, rule, int(max_history), int(min_replay)
         if len(orchs) < 2:
             raise ValueError("placement needs two models or more")
         self.orchs = {o.model_id: o for o in orchs}
@@ -297,51 +302,67 @@ class ModelPlacer:
         """The requests the simulated index replays and each model's fitted step cost, or ``(None, why not)``.
 
         Requests: each model's completed ones that arrived in the last ``max(window_s, time since the last plan)``
-        (lengths and arrival as recorded) and the ones waiting for a chain now (their declared output, at most the
-        longest seen), the latest ``max_history`` per model. Costs: :meth:`StepCost.fit` over the model's completed
-        requests (service time, lengths and jobs per step on their chains), measured on its current chains (their
-        median ``T_k`` is the reference a plan's chains are scaled from)."""
+        (lengths and arrival as recorded), reaching further back until ``min_replay`` of them are in (a window of a
+        bursty model's traffic may hold one burst or none: a plan must not hang on that), and the ones waiting for
+        a chain now (their declared output, at most the longest seen); the latest ``max_history`` per model; fewer
+        than ``min_replay`` in all: none (the analytic index decides). Costs: :meth:`StepCost.fit` over the
+        model's completed requests (service time, lengths and jobs per step on their chains), measured on its
+        current chains (their median ``T_k`` is the reference a plan's chains are scaled from). Each model's rate
+        is at least its rate over all the completions kept (``rate_floor``), so a model between bursts still keeps
+        a chain."""
         wall, mono = time.time(), time.monotonic()
-        span = max(self.window_s, now - self.planned_at)
-        since = wall - span
         by_name = {m.name: m for m in models}
-        reqs: list[tuple[float, str, int, int]] = []
+        done: dict[str, list[dict]] = {}
         costs: dict[str, StepCost] = {}
+        rate_floor: dict[str, float] = {}
+        for name, o in self.orchs.items():
+            done[name] = [h for h in o.stats.history if h.get("tokens", 0) >= 1 and h.get("batch")]
+            cost = StepCost.fit((h["prompt_tokens"], h["tokens"], h["service_s"], h["batch"]) for h in done[name])
+            if cost is not None:
+                costs[name] = cost
+            if done[name]:
+                first = min(h["t"] - h["response_s"] for h in done[name])
+                rate_floor[name] = len(done[name]) / max(wall - first, self.window_s)
+        arrivals = sorted((h["t"] - h["response_s"] for hs in done.values() for h in hs), reverse=True)
+        span = max(self.window_s, now - self.planned_at)
+        if len(arrivals) >= self.min_replay:
+            span = max(span, wall - arrivals[self.min_replay - 1])
+        since = wall - span
+        reqs: list[tuple[float, str, int, int]] = []
         ref_times: dict[str, float] = {}
         for name, o in self.orchs.items():
-            done = [h for h in o.stats.history if h.get("tokens", 0) >= 1 and h.get("batch")]
-            cost = StepCost.fit((h["prompt_tokens"], h["tokens"], h["service_s"], h["batch"]) for h in done)
-            longest = max((h["tokens"] for h in done), default=None)
-            mine = [(h["t"] - h["response_s"], name, int(h["prompt_tokens"]), int(h["tokens"])) for h in done
+            longest = max((h["tokens"] for h in done[name]), default=None)
+            mine = [(h["t"] - h["response_s"], name, int(h["prompt_tokens"]), int(h["tokens"])) for h in done[name]
                     if h["t"] - h["response_s"] >= since]
             dispatch = getattr(o, "dispatch", None)
             for job in (dispatch.waiting_jobs() if dispatch is not None else []):
                 out = job.expected_output if longest is None else min(job.expected_output or longest, longest)
                 mine.append((wall - (mono - job.arrival), name, int(job.input_tokens), max(1, int(out))))
             mine = sorted(mine)[-self.max_history:]
-            if mine and cost is None:
-                return None, f"no step cost for {name} yet ({len(done)} completed requests)"
-            if cost is not None:
-                costs[name] = cost
+            if mine and name not in costs:
+                return None, f"no step cost for {name} yet ({len(done[name])} completed requests)"
+            if name in costs:
                 chains = model_chains([v for v in volunteers if current.get(v.name) == name], by_name[name])
                 if chains:
                     ref_times[name] = statistics.median(ch.service_time for ch in chains)
             reqs.extend(mine)
-        if not reqs:
-            return None, "no recent requests"
+        if len(reqs) < self.min_replay:
+            return None, f"{len(reqs)} recent requests, fewer than {self.min_replay}"
         reqs.sort()
-        t0 = since
-        history = [MMRequest(k, name, max(0.0, t - t0), inp, out, exec_alone(inp, out, costs[name]))
+        history = [MMRequest(k, name, max(0.0, t - since), inp, out, exec_alone(inp, out, costs[name]))
                    for k, (t, name, inp, out) in enumerate(reqs)]
         schedules = {getattr(getattr(o, "cfg", None), "schedule", "fcfs") for o in self.orchs.values()}
         schedule = next(iter(schedules & set(SCHEDULES)), "fcfs")
-        return History(history, costs, ref_times, {m.name: max(1, int(m.c)) for m in models}, schedule, span), ""
+        return History(history, costs, ref_times, {m.name: max(1, int(m.c)) for m in models}, schedule, span,
+                       rate_floor), ""
 
     # ---- a re-placement: inputs on the loop, the search in a worker thread with the simulated index -------------
     def _decide(self, volunteers: list[Volunteer], models: list[ServedModel], fixed: dict[str, str],
                 current: dict[str, str], offered: dict[str, set[str]], history: History | None) -> dict[str, Any]:
         """The target placement, the moves that pay, and each model's predicted (misses, L_N) now and after."""
         horizon = self.interval.interval
+        if history is not None:
+            models = history.models(models)
         ev = history.evaluate(models) if history is not None else analytic_evaluate(models, horizon)
         span = history.span_s if history is not None else horizon
         target = place_by_unserved_index(volunteers, models, horizon_s=horizon, fixed=fixed,

@@ -246,7 +246,9 @@
     var pl = obj(data.model_placement);
     if (pl.policy) {
       links.push(el("span", { class: "muted placement", title: "placement of servers offering several models: policy, " +
-        "replacement interval, servers moved so far", text: "placement " + str(pl.policy) + " \u00b7 every " +
+        "how the unserved index is judged (analytic: M/M/C from the rates; simulated: the recent requests replayed), " +
+        "replacement interval, servers moved so far", text: "placement " + str(pl.policy) +
+        (pl.index ? " \u00b7 " + str(pl.index) + " index" : "") + " \u00b7 every " +
         fmtSeconds(pl.interval_s) + " \u00b7 " + (int(pl.moves) || 0) + " moves" }));
     }
     nav.replaceChildren.apply(nav, links);
