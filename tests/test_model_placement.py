@@ -162,10 +162,11 @@ def test_traffic_shift_moves_servers_to_the_busy_model(swarm):
 def test_a_drift_replan_is_followed_by_one_on_a_window_of_new_traffic_only(swarm):
     """A drift is noticed while the window still mixes the traffic from before it, so the re-plan it triggers sees
     rates of neither regime: one more re-plan follows ``window_s`` later (here the mix then stays put while beta
-    grows fivefold, which the drift detector alone would leave to the 1000 s interval)."""
+    grows fivefold, which the drift detector alone would leave to the 1000 s interval). Six servers: alpha needs
+    two for a chain, and no move leaves it without one while it has traffic."""
     orchs, _ = swarm
     placer = placer_for(orchs)  # window 30 s
-    for peer in ("s0", "s1", "s2", "s3"):
+    for peer in ("s0", "s1", "s2", "s3", "s4", "s5"):
         announce(orchs, peer, ["alpha", "beta"], orchs["alpha"].prefix)
     base, now = time.monotonic(), [0.0]
     placer.clock = lambda: base + now[0]
@@ -269,10 +270,11 @@ def completed(orch, arrivals_s: list[float], cost, *, wall: float, mono: float, 
     as the orchestrator records them), each taking what ``cost`` says for its lengths and batch."""
     rng = random.Random(seed)
     orch.planner.rates.t0 = mono - 300
-    for ago in arrivals_s:
+    shapes = [(rng.choice((5, 50)), rng.randint(20, 40), rng.choice((1, 2, 3))) for _ in arrivals_s]
+    per_step = sum(i for i, _, _ in shapes) / sum(o for _, o, _ in shapes)  # the others' prompts in each step
+    for ago, (inp, out, batch) in zip(arrivals_s, shapes):
         orch.planner.rates.arrive(mono - ago)
-        inp, out, batch = rng.choice((5, 50)), rng.randint(20, 40), rng.choice((1, 2, 3))
-        service = out * cost.a + cost.b * inp + cost.d * out * batch
+        service = out * cost.a + cost.b * (inp + out * (batch - 1) * per_step) + cost.d * out * batch
         orch.stats.history.append({"t": wall - ago + service, "response_s": service, "wait_s": 0.0,
                                    "service_s": service, "prompt_tokens": inp, "tokens": out, "batch": batch})
 
@@ -361,3 +363,28 @@ def test_the_simulated_index_reaches_back_for_enough_requests_and_keeps_a_quiet_
     replan = placer.json()["replans"][-1]
     assert replan["index"] == "simulated" and replan["rates"]["alpha"] == 0.0
     assert placer.json()["servers_per_model"]["alpha"] >= 1, replan
+
+
+def test_no_move_leaves_a_model_with_traffic_without_a_chain(swarm):
+    """Four servers; alpha needs two of them for a chain (beta one). As beta's traffic grows to four times
+    alpha's, the unserved index aims at a plan that swaps servers between them, and only one side of the swap
+    pays: before, that move was made and left alpha one server and no chain while its users kept asking (the
+    drift test's sequence on four servers). No move may strand a model with traffic."""
+    orchs, _ = swarm
+    placer = placer_for(orchs)
+    for peer in ("s0", "s1", "s2", "s3"):
+        announce(orchs, peer, ["alpha", "beta"], orchs["alpha"].prefix)
+    base, now = time.monotonic(), [0.0]
+    placer.clock = lambda: base + now[0]
+    lowest = 4
+    for until, rate_alpha, rate_beta in ((60, 2, 2), (100, 1, 3), (160, 15, 60)):
+        while now[0] < until:
+            t0 = now[0]
+            now[0] += 2.0
+            for name, rate in (("alpha", rate_alpha), ("beta", rate_beta)):
+                n = round(rate * 2.0)
+                for i in range(n):
+                    orchs[name].planner.rates.arrive(base + t0 + 2.0 * (i + 0.5) / n)
+            asyncio.run(placer.round())
+            lowest = min(lowest, placer.json()["servers_per_model"]["alpha"])
+    assert placer.moves >= 1 and lowest >= 2, placer.json()["replans"]

@@ -59,8 +59,11 @@ class StepCost:
         """The step cost that explains observed requests, or None with fewer than ``min_samples``.
 
         ``samples``: ``(input tokens, output tokens, service s, mean batch)`` of completed requests, where a request
-        of ``o`` tokens took ``o`` steps (its prefill the first) with ``mean batch`` requests in each on average:
-        ``service = a·o + b·input + d·o·batch``, fitted by non-negative least squares. A coefficient the samples
+        of ``o`` tokens took ``o`` steps (its prefill the first) with ``mean batch`` requests in each on average,
+        and each of the others in its batch brought its prompt once in its own output's worth of steps:
+        ``service = a·o + b·(input + o·(batch - 1)·mean input / mean output) + d·o·batch``, fitted by non-negative
+        least squares (without the others' prompts ``d`` took their cost: 1.4x too large, and a replay of a
+        loaded chain 55 % too slow, in ``tests/test_chainsim.py``). A coefficient the samples
         cannot tell apart from the others (every request alone, every request of the same lengths: a
         rank-deficient design), or that only a fit without a per-step cost would explain, keeps ``prior``'s ratio
         to ``a`` (default :data:`MM_COST`'s), so a swarm that never batched still predicts what batching costs."""
@@ -78,11 +81,14 @@ class StepCost:
         # what the samples tell apart from the steps' cost: the prompt's share unless every request has the same
         # lengths, the batch's share unless every request ran alone (or in batches of one size)
         told = ("a",) + (("b",) if rank(out, inp) == 2 else ()) + (("d",) if rank(out, out * batch) == 2 else ())
+        # prefill tokens in a request's steps: its own prompt, and the others' in its batch, each of which brings
+        # its prompt once in its output's worth of steps (steady state): (batch - 1) x mean input / mean output
+        prefill = inp + out * (batch - 1) * inp.mean() / out.mean()
         for free in [told] + [f for f in (("a", "d"), ("a", "b"), ("a",)) if set(f) < set(told)]:
             # a coefficient not fitted rides on ``a`` at the prior's ratio: the column of ``a`` carries it
-            col_a = out + (0 if "b" in free else prior.b / prior.a * inp) + (0 if "d" in free else
+            col_a = out + (0 if "b" in free else prior.b / prior.a * prefill) + (0 if "d" in free else
                                                                                prior.d / prior.a * out * batch)
-            cols = {"a": col_a, "b": inp, "d": out * batch}
+            cols = {"a": col_a, "b": prefill, "d": out * batch}
             design = np.stack([cols[k] for k in free], axis=1)
             if np.linalg.matrix_rank(design) < len(free):
                 continue
@@ -115,6 +121,8 @@ class MMRequest:
     service: str = ""
     first_token: float = math.nan
     finished: float = math.nan
+    admitted: float = math.nan  # the start of its first step
+    batch_steps: int = 0  # requests in each of its steps, summed (its mean batch: what StepCost.fit reads)
     done: int = 0
     started: bool = False  # prefilled at least once
     kv_lost: bool = False  # its KV must be recomputed before it decodes again
@@ -312,6 +320,8 @@ class MultiModelSim:
             if id(j) in prev:
                 continue
             r: MMRequest = j.key
+            if math.isnan(r.admitted):
+                r.admitted = self.now
             if not r.started:
                 extend += r.input
             elif r.kv_lost:
@@ -338,6 +348,7 @@ class MultiModelSim:
             r: MMRequest = j.key
             r.started = True
             r.done += 1
+            r.batch_steps += len(batch)
             if r.done == 1:
                 r.first_token = self.now
             if r.done >= r.output:

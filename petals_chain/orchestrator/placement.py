@@ -59,6 +59,10 @@ logger = logging.getLogger("petals_chain.orchestrator.placement")
 PLACEMENT_POLICIES = ("ui", "static", "even")
 PLACEMENT_INDEXES = PLACEMENTS  # how the unserved index is evaluated: analytic (M/M/C) or simulated (the seed's)
 DEFAULT_RULE = {"analytic": "most_unserved", "simulated": "largest_gain"}
+# what leaving a model that has traffic without a complete chain costs a plan (unserved index per second): more than
+# any gain elsewhere, so the moves made never strand a model its users are asking for (its requests would wait for a
+# server to reload it; the index alone may trade a quiet model's few misses for a busy one's)
+STRANDED_UI_PER_S = 1e6
 
 
 @dataclass
@@ -358,8 +362,10 @@ class ModelPlacer:
 
     # ---- a re-placement: inputs on the loop, the search in a worker thread with the simulated index -------------
     def _decide(self, volunteers: list[Volunteer], models: list[ServedModel], fixed: dict[str, str],
-                current: dict[str, str], offered: dict[str, set[str]], history: History | None) -> dict[str, Any]:
-        """The target placement, the moves that pay, and each model's predicted (misses, L_N) now and after."""
+                current: dict[str, str], offered: dict[str, set[str]], history: History | None,
+                served: set[str] = frozenset()) -> dict[str, Any]:
+        """The target placement, the moves that pay (none that leaves a model of ``served`` or with a rate
+        without a complete chain), and each model's predicted (misses, L_N) now and after."""
         horizon = self.interval.interval
         if history is not None:
             models = history.models(models)
@@ -369,9 +375,9 @@ class ModelPlacer:
                                          evaluate=None if history is None else ev, rule=self.rule)
         target = {p: m for p, m in target.items() if p in fixed or m in offered.get(p, ())}
         aimed = {**current, **target}
-        moves = moves_that_pay(current, aimed, ui_rate(volunteers, models, horizon_s=span,
-                                                       evaluate=None if history is None else ev),
-                               reload_s=self.reload_s, interval_s=horizon)
+        moves = moves_that_pay(current, aimed, self._never_stranding(
+            ui_rate(volunteers, models, horizon_s=span, evaluate=None if history is None else ev), volunteers,
+            [m for m in models if m.name in served or m.rate > 0]), reload_s=self.reload_s, interval_s=horizon)
         after = dict(current)
         after.update({mv.server: mv.dst for mv in moves if mv.server in offered})
 
@@ -390,6 +396,25 @@ class ModelPlacer:
         return {"moves": moves, "counts": counts, "pred_now": pred_now, "targets": targets,
                 "pred_target": pred_target, "estimate": summary(after)[2]}
 
+    @staticmethod
+    def _never_stranding(cost: Callable[[dict[str, str]], float], volunteers: list[Volunteer],
+                         busy: list[ServedModel]) -> Callable[[dict[str, str]], float]:
+        """``cost`` plus :data:`STRANDED_UI_PER_S` for each model of ``busy`` an assignment leaves without a
+        complete chain."""
+        chained: dict[tuple[str, tuple[str, ...]], bool] = {}
+
+        def has_chain(m: ServedModel, group: Sequence[Volunteer]) -> bool:
+            key = (m.name, tuple(v.name for v in group))
+            if key not in chained:
+                chained[key] = bool(group) and bool(model_chains(group, m))
+            return chained[key]
+
+        def total(assignment: dict[str, str]) -> float:
+            groups = groups_of(assignment, volunteers)
+            return cost(assignment) + STRANDED_UI_PER_S * sum(not has_chain(m, groups.get(m.name, ())) for m in busy)
+
+        return total
+
     async def replace(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float, why: str
                       ) -> list:
         """Re-place the ``flexible`` servers by the unserved index, making only the moves that pay (Eq. 8
@@ -404,7 +429,8 @@ class ModelPlacer:
         if self.index == "simulated":
             history, fallback = self.history(volunteers, models, current, now)
             index = "simulated" if history is not None else f"analytic ({fallback})"
-        args = (volunteers, models, fixed, current, offered, history)
+        served = {name for name, o in self.orchs.items() if o.stats.history}  # users asked it (recently kept)
+        args = (volunteers, models, fixed, current, offered, history, served)
         t0 = time.perf_counter()
         d = await asyncio.to_thread(self._decide, *args) if history is not None else self._decide(*args)
         moves = d["moves"]
