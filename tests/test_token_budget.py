@@ -137,6 +137,38 @@ def test_paged_chain_runs_its_token_budget_and_long_bursts_wait(model_path, tmp_
         sw.stop()
 
 
+@pytest.mark.slow
+def test_an_open_waits_at_a_server_a_bounded_time_then_is_sent_again(model_path, tmp_path, scaled):
+    """The long burst of the test above with ``open_wait_max_s`` 0.2 s: the opens the server queues run out of
+    their wait there before pages free up and are sent again (a lost reply would cost that wait, not the job's
+    whole queue budget); every job still finishes on its chain, token-exact, without a failover."""
+    from inprocess import InProcessSwarm
+
+    from petals_chain.orchestrator.sampling import SamplingParams
+    from petals_chain.swarm.local import memory_for
+
+    sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0, job_tokens=16,
+                        open_wait_max_s=0.2)
+    try:
+        sw.start()
+        sw.add_server("a", memory_for(model_path, MAX_LENGTH, 4, 2))
+        sw.wait_until(lambda st: st["ready"] and st["chains"], scaled(120), "the chain")
+        long = [[7 + i, 21, 5, 40] for i in range(6)]
+        params = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
+
+        async def all_at_once(orch):
+            return await asyncio.gather(*(orch.generate(p, params) for p in long))
+
+        outs = sw.call(all_at_once, timeout=scaled(300))
+        st = sw.state()["job_tokens"]
+        assert st["open_waits"] >= 1 and st["open_rewaits"] >= 1, st
+        assert all(g.failovers == 0 for g in outs)
+        for p, g in zip(long, outs):
+            assert g.token_ids == hf_greedy_from(model_path, p, 56)
+    finally:
+        sw.stop()
+
+
 # ---------------------------------------------------------------- growth and preemption
 
 def _runner(model_path, slots: int, kv_cache: str = "paged"):

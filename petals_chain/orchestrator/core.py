@@ -96,6 +96,9 @@ class OrchestratorConfig:
     max_sessions: int = 1024
     session_idle_timeout_s: float = 300.0
     queue_timeout_s: float = 600.0
+    # an open the servers queue for pages waits there at most this long before it is sent again: a reply lost on
+    # the way (seen once in a run with many re-placements: an open silent for 594 s) costs this, not the job's budget
+    open_wait_max_s: float = 60.0
     max_failovers: int = 8
     summary_interval_s: float = 5.0
     settle_s: float = 2.0
@@ -553,7 +556,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             value, mean, observed = p.job_tokens.value, p.job_tokens.mean, p.job_tokens.observed
         return {"value": value, "mode": "fixed" if self.cfg.job_tokens is not None else "auto",
                 "mean_declared": mean, "jobs_observed": observed, "output_reserve_tokens": self.cfg.output_reserve_tokens,
-                "open_waits": st.open_waits, "extensions": st.extensions, "preemptions": st.preemptions}
+                "open_waits": st.open_waits, "open_rewaits": st.open_rewaits, "extensions": st.extensions, "preemptions": st.preemptions}
 
     def update_gauges(self) -> None:
         s = self.stats

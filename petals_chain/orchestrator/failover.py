@@ -180,13 +180,19 @@ class ChainHolder:
                     opened = True
                     break
                 except HopFailure as e:
-                    if e.no_capacity and cs.wait_s <= 0:
+                    if e.no_capacity and time.monotonic() < deadline:
                         # A paged chain's capacity counts jobs of the expected length (token_budget.py), and slots
                         # may still be held by jobs of a previous plan: the servers queue the opens (FIFO, in
-                        # route order) until pages free up, instead of refusing.
-                        cs.wait_s = max(0.1, deadline - time.monotonic())
-                        self.orch.stats.open_waits += 1
-                        continue
+                        # route order) until pages free up, instead of refusing; at most open_wait_max_s a time,
+                        # then the open is sent again (its own reply may have been lost).
+                        first = cs.wait_s <= 0
+                        cs.wait_s = max(0.1, min(float(orch.cfg.open_wait_max_s), deadline - time.monotonic()))
+                        if first:
+                            self.orch.stats.open_waits += 1
+                            continue
+                        self.orch.stats.open_rewaits += 1
+                    elif e.no_capacity:
+                        break  # its queue time is up: refused below
                     if e.no_capacity and attempt < 59:
                         await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
                         continue

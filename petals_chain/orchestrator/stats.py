@@ -23,6 +23,7 @@ class Stats:
         self.failovers = 0
         self.forks = 0  # n > 1 choices that started from a sibling's prefill (KV copied at the servers)
         self.open_waits = 0  # chain opens a server refused for KV memory, retried as a wait in its FIFO
+        self.open_rewaits = 0  # such waits that ran out at the server (open_wait_max_s) and were sent again
         self.extensions = 0  # jobs' chains asked to hold more tokens than opened for (granted)
         self.preemptions = 0  # jobs that gave their chain back for lack of pages to grow, resumed later
         self.pauses = 0  # jobs that gave their chain to one with a deadline (flex) or of higher priority (db, mlfq)
