@@ -9,6 +9,7 @@ instead of failing, and every output equals transformers'.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -90,51 +91,62 @@ def model_path(tiny_model_factory):
     return tiny_model_factory("llama", num_layers=4)
 
 
+@contextlib.contextmanager
+def one_paged_server(model_path, tmp_path, scaled, **cfg):
+    """An in-process orchestrator (``--job-tokens 16`` and ``cfg``) and one server holding all 4 blocks in the
+    memory of 2 slots of 64 tokens per block, its chain up."""
+    from inprocess import InProcessSwarm
+
+    from petals_chain.swarm.local import memory_for
+
+    sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0, job_tokens=16, **cfg)
+    try:
+        sw.start()
+        sw.add_server("a", memory_for(model_path, MAX_LENGTH, 4, 2))
+        sw.wait_until(lambda st: st["ready"] and st["chains"], scaled(120), "the chain")
+        yield sw
+    finally:
+        sw.stop()
+
+
+def all_at_once(sw, prompts: list[list[int]], max_tokens: int, scaled) -> list:
+    """Greedy generations of ``prompts``, submitted together."""
+    from petals_chain.orchestrator.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def run(orch):
+        return await asyncio.gather(*(orch.generate(p, params) for p in prompts))
+
+    return sw.call(run, timeout=scaled(300))
+
+
 @pytest.mark.slow
 def test_paged_chain_runs_its_token_budget_and_long_bursts_wait(model_path, tmp_path, scaled):
     """One server, all 4 blocks, the memory of 2 slots of 64 tokens per block. With ``--job-tokens 16`` its chain
     holds 8 jobs at once (2 x 64 / 16), not 2: 8 short requests submitted together all run at once. Then 6 requests
     declaring 60 tokens each (4x the budget) all finish: the opens the server cannot fit wait in its FIFO. Every
     output equals transformers'."""
-    from inprocess import InProcessSwarm
-
-    from petals_chain.orchestrator.sampling import SamplingParams
-    from petals_chain.swarm.local import memory_for
-
-    sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0, job_tokens=16)
-    try:
-        sw.start()
-        sw.add_server("a", memory_for(model_path, MAX_LENGTH, 4, 2))
-        st = sw.wait_until(lambda st: st["ready"] and st["chains"], scaled(120), "the chain")
+    with one_paged_server(model_path, tmp_path, scaled) as sw:
+        st = sw.state()
         assert [c["capacity"] for c in st["chains"]] == [8], st["chains"]
         assert st["servers"][0]["slots_total"] == 2 * 4  # block-slots of max_length: what slots mode would run
         assert st["job_tokens"]["value"] == 16 and st["job_tokens"]["mode"] == "fixed"
-
-        def run(prompts: list[list[int]], max_tokens: int) -> list:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-            async def all_at_once(orch):
-                return await asyncio.gather(*(orch.generate(p, params) for p in prompts))
-
-            return sw.call(all_at_once, timeout=scaled(300))
-
         short = [[3 + i, 14, 15, 92, 65, 35] for i in range(8)]  # 6 + 8 = 14 tokens declared: one page
-        outs = run(short, 8)
+        outs = all_at_once(sw, short, 8, scaled)
         st = sw.state()
         print("chains:", st["chains"], "job_tokens:", st["job_tokens"])
         assert st["chains"][0]["max_active"] == 8  # all at once: 4x the chain's max_length slots
         for p, g in zip(short, outs):
             assert g.token_ids == hf_greedy_from(model_path, p, 8)
         long = [[7 + i, 21, 5, 40] for i in range(6)]  # 4 + 56 = 60 tokens declared, 4 pages per block each
-        outs = run(long, 56)
+        outs = all_at_once(sw, long, 56, scaled)
         st = sw.state()
         print("chains:", st["chains"], "job_tokens:", st["job_tokens"])
         assert st["job_tokens"]["open_waits"] >= 1  # the server fits 2 at once: the others waited for pages
         assert all(g.failovers == 0 for g in outs)
         for p, g in zip(long, outs):
             assert g.token_ids == hf_greedy_from(model_path, p, 56)
-    finally:
-        sw.stop()
 
 
 @pytest.mark.slow
@@ -142,31 +154,14 @@ def test_an_open_waits_at_a_server_a_bounded_time_then_is_sent_again(model_path,
     """The long burst of the test above with ``open_wait_max_s`` 0.2 s: the opens the server queues run out of
     their wait there before pages free up and are sent again (a lost reply would cost that wait, not the job's
     whole queue budget); every job still finishes on its chain, token-exact, without a failover."""
-    from inprocess import InProcessSwarm
-
-    from petals_chain.orchestrator.sampling import SamplingParams
-    from petals_chain.swarm.local import memory_for
-
-    sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0, job_tokens=16,
-                        open_wait_max_s=0.2)
-    try:
-        sw.start()
-        sw.add_server("a", memory_for(model_path, MAX_LENGTH, 4, 2))
-        sw.wait_until(lambda st: st["ready"] and st["chains"], scaled(120), "the chain")
+    with one_paged_server(model_path, tmp_path, scaled, open_wait_max_s=0.2) as sw:
         long = [[7 + i, 21, 5, 40] for i in range(6)]
-        params = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
-
-        async def all_at_once(orch):
-            return await asyncio.gather(*(orch.generate(p, params) for p in long))
-
-        outs = sw.call(all_at_once, timeout=scaled(300))
+        outs = all_at_once(sw, long, 56, scaled)
         st = sw.state()["job_tokens"]
         assert st["open_waits"] >= 1 and st["open_rewaits"] >= 1, st
         assert all(g.failovers == 0 for g in outs)
         for p, g in zip(long, outs):
             assert g.token_ids == hf_greedy_from(model_path, p, 56)
-    finally:
-        sw.stop()
 
 
 # ---------------------------------------------------------------- growth and preemption
@@ -217,24 +212,9 @@ def test_jobs_outgrowing_their_reservation_extend_or_are_preempted_exactly(model
     56 tokens and must grow to 4 pages per block: the server fits two of them at full length. Jobs extend while
     pages are free; the others are preempted (their KV kept as cached prefixes), resume when pages free up, and
     every output equals transformers'."""
-    from inprocess import InProcessSwarm
-
-    from petals_chain.orchestrator.sampling import SamplingParams
-    from petals_chain.swarm.local import memory_for
-
-    sw = InProcessSwarm(model_path, tmp_path, max_length=MAX_LENGTH, arrival_rate=1.0, job_tokens=16,
-                        output_reserve_tokens=8)
-    try:
-        sw.start()
-        sw.add_server("a", memory_for(model_path, MAX_LENGTH, 4, 2))
-        sw.wait_until(lambda st: st["ready"] and st["chains"], scaled(120), "the chain")
+    with one_paged_server(model_path, tmp_path, scaled, output_reserve_tokens=8) as sw:
         prompts = [[7 + i, 21, 5, 40] for i in range(6)]
-        params = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
-
-        async def all_at_once(orch):
-            return await asyncio.gather(*(orch.generate(p, params) for p in prompts))
-
-        outs = sw.call(all_at_once, timeout=scaled(300))
+        outs = all_at_once(sw, prompts, 56, scaled)
         st = sw.state()
         print("job_tokens:", st["job_tokens"], "relay:", {k: st["relay"][k] for k in ("prompt_cached_tokens",
                                                                                         "failovers")})
@@ -243,5 +223,3 @@ def test_jobs_outgrowing_their_reservation_extend_or_are_preempted_exactly(model
         assert all(g.failovers == 0 for g in outs)
         for p, g in zip(prompts, outs):
             assert g.token_ids == hf_greedy_from(model_path, p, 56)
-    finally:
-        sw.stop()
