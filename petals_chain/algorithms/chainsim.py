@@ -63,10 +63,10 @@ class StepCost:
         and each of the others in its batch brought its prompt once in its own output's worth of steps:
         ``service = a·o + b·(input + o·(batch - 1)·mean input / mean output) + d·o·batch``, fitted by non-negative
         least squares (without the others' prompts ``d`` took their cost: 1.4x too large, and a replay of a
-        loaded chain 55 % too slow, in ``tests/test_chainsim.py``). A coefficient the samples
-        cannot tell apart from the others (every request alone, every request of the same lengths: a
-        rank-deficient design), or that only a fit without a per-step cost would explain, keeps ``prior``'s ratio
-        to ``a`` (default :data:`MM_COST`'s), so a swarm that never batched still predicts what batching costs."""
+        loaded chain 55 % too slow, in ``tests/test_chainsim.py``). A coefficient the samples cannot tell apart
+        from the others (every request alone, every request of the same lengths: a rank-deficient design), or
+        that only a fit without a per-step cost would explain, keeps ``prior``'s ratio to ``a`` (default
+        :data:`MM_COST`'s), so a swarm that never batched still predicts what batching costs."""
         rows = [(float(i), float(o), float(t), float(bt)) for i, o, t, bt in samples
                 if o >= 1 and t > 0 and math.isfinite(t) and bt > 0]
         if len(rows) < min_samples:

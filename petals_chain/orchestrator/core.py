@@ -556,7 +556,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
             value, mean, observed = p.job_tokens.value, p.job_tokens.mean, p.job_tokens.observed
         return {"value": value, "mode": "fixed" if self.cfg.job_tokens is not None else "auto",
                 "mean_declared": mean, "jobs_observed": observed, "output_reserve_tokens": self.cfg.output_reserve_tokens,
-                "open_waits": st.open_waits, "open_rewaits": st.open_rewaits, "extensions": st.extensions, "preemptions": st.preemptions}
+                "open_waits": st.open_waits, "open_rewaits": st.open_rewaits, "extensions": st.extensions,
+                "preemptions": st.preemptions}
 
     def update_gauges(self) -> None:
         s = self.stats

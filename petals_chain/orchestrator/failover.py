@@ -345,7 +345,9 @@ class ChainHolder:
     def _chain_jobs(self) -> int:
         """Jobs running on this job's chain now (itself included)."""
         lease, dispatch = self.lease, self.orch.dispatch
-        if lease is None or getattr(dispatch, "generation", None) != lease.generation or not hasattr(dispatch, "active"):
+        if lease is None or not hasattr(dispatch, "active"):
+            return 1
+        if getattr(dispatch, "generation", None) != lease.generation:  # re-planned: its index means another chain
             return 1
         return max(1, dispatch.active(lease.index))
 

@@ -27,9 +27,10 @@ blind to bursts and lengths) or ``simulated`` (the seed's: each model's recent r
 their lengths and the waiting ones, replayed on the chains a plan would give it by the chain simulator of
 :mod:`~petals_chain.algorithms.chainsim`, whose step cost is fitted per model from the completed requests'
 service times and batch sizes; run in a worker thread; falls back to ``analytic`` for a round where a model with
-traffic has no fitted cost yet or fewer than ``min_replay`` requests can be replayed). ``--placement-rule``: Alg. 1's ``most_unserved`` (the default with ``analytic``)
-or ``largest_gain`` (the default with ``simulated``; docs/results.md, issue 17, for why each pairs with its
-index).
+traffic has no fitted cost yet or fewer than ``min_replay`` requests can be replayed). ``--placement-rule``:
+Alg. 1's ``most_unserved`` (the default with ``analytic``) or ``largest_gain`` (the default with ``simulated``;
+docs/results.md, issue 17, for why each pairs with its index). With either index no move leaves a model that has
+traffic without a complete chain (:data:`STRANDED_UI_PER_S`).
 
 Model parameters are what the planners know: ``L``, ``s_m``, ``s_c`` (bytes) from the model config, each server's
 ``tau_p`` and ``tau_c`` for that model (measured once hops were observed), the arrival rate over ``window_s``.
@@ -502,7 +503,8 @@ class ModelPlacer:
     def json(self) -> dict:
         """For ``/api/v1/swarm``: the policy, interval, placement and recent moves."""
         settle = self.trigger.settle_at if self.policy == "ui" else None  # only ui re-plans after its first plan
-        return {"policy": self.policy, "index": self.index, "rule": self.rule, "epoch": self.epoch, "interval_s": round(self.interval.interval, 3),
+        return {"policy": self.policy, "index": self.index, "rule": self.rule, "epoch": self.epoch,
+                "interval_s": round(self.interval.interval, 3),
                 "settle_in_s": None if settle is None else round(max(0.0, settle - self.clock()), 1),
                 "moves": self.moves, "placement": dict(self.placement),
                 "servers_per_model": {n: sum(1 for m in self.placement.values() if m == n) for n in self.orchs},
