@@ -102,7 +102,8 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
             replans = sw.swarm()["model_placement"]["replans"]
             simulated = [r for r in replans if r["index"] == "simulated"]
             assert simulated, replans
-            assert all(r["index"].startswith("analytic (no") for r in replans if r["index"] != "simulated"), replans
+            # the others fell back, saying why (no fitted cost yet, or too few requests to replay)
+            assert all(r["index"].startswith("analytic (") for r in replans if r["index"] != "simulated"), replans
             for r in simulated:  # each model with replayed requests had its step cost fitted from them
                 assert r["replayed"] > 0 and r["step_cost"] and all(a > 0 for a, _, _ in r["step_cost"].values())
             return
