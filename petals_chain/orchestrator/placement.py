@@ -372,12 +372,12 @@ class ModelPlacer:
             models = history.models(models)
         ev = history.evaluate(models) if history is not None else analytic_evaluate(models, horizon)
         span = history.span_s if history is not None else horizon
-        target = place_by_unserved_index(volunteers, models, horizon_s=horizon, fixed=fixed,
-                                         evaluate=None if history is None else ev, rule=self.rule)
+        target = place_by_unserved_index(volunteers, models, horizon_s=horizon, fixed=fixed, evaluate=ev,
+                                         rule=self.rule)
         target = {p: m for p, m in target.items() if p in fixed or m in offered.get(p, ())}
         aimed = {**current, **target}
         moves = moves_that_pay(current, aimed, self._never_stranding(
-            ui_rate(volunteers, models, horizon_s=span, evaluate=None if history is None else ev), volunteers,
+            ui_rate(volunteers, models, horizon_s=span, evaluate=ev), volunteers,
             [m for m in models if m.name in served or m.rate > 0]), reload_s=self.reload_s, interval_s=horizon)
         after = dict(current)
         after.update({mv.server: mv.dst for mv in moves if mv.server in offered})
