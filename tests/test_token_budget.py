@@ -150,18 +150,32 @@ def test_paged_chain_runs_its_token_budget_and_long_bursts_wait(model_path, tmp_
 
 
 @pytest.mark.slow
-def test_an_open_waits_at_a_server_a_bounded_time_then_is_sent_again(model_path, tmp_path, scaled):
-    """The long burst of the test above with ``open_wait_max_s`` 0.2 s: the opens the server queues run out of
-    their wait there before pages free up and are sent again (a lost reply would cost that wait, not the job's
-    whole queue budget); every job still finishes on its chain, token-exact, without a failover."""
+def test_an_open_waits_at_a_server_for_its_queue_time_or_a_bounded_time_if_silent(model_path, tmp_path, scaled):
+    """The long burst of the test above with ``open_wait_max_s`` 0.2 s. The server heartbeats the opens it queues,
+    so they keep their place in its FIFO for the jobs' queue time (none is sent again). Then, as if the server were
+    an older one without heartbeats, the same burst: the queued opens run out of their 0.2 s wait there before
+    pages free up and are sent again (a lost reply would cost that wait, not the job's whole queue budget). Every
+    job finishes on its chain, token-exact, without a failover."""
     with one_paged_server(model_path, tmp_path, scaled, open_wait_max_s=0.2) as sw:
         long = [[7 + i, 21, 5, 40] for i in range(6)]
-        outs = all_at_once(sw, long, 56, scaled)
-        st = sw.state()["job_tokens"]
-        assert st["open_waits"] >= 1 and st["open_rewaits"] >= 1, st
-        assert all(g.failovers == 0 for g in outs)
-        for p, g in zip(long, outs):
-            assert g.token_ids == hf_greedy_from(model_path, p, 56)
+
+        async def older_server(orch):
+            peer = next(iter(orch.planner.servers))
+            assert orch.client.heartbeats(peer)  # what this version's record says
+            orch.client.heartbeats = lambda peer_id: False
+
+        for heartbeats in (True, False):
+            if not heartbeats:
+                sw.call(older_server)
+            before = sw.state()["job_tokens"]
+            outs = all_at_once(sw, long, 56, scaled)
+            st = sw.state()["job_tokens"]
+            waits, rewaits = st["open_waits"] - before["open_waits"], st["open_rewaits"] - before["open_rewaits"]
+            assert waits >= 1, st
+            assert (rewaits == 0) if heartbeats else (rewaits >= 1), (heartbeats, st)
+            assert all(g.failovers == 0 for g in outs)
+            for p, g in zip(long, outs):
+                assert g.token_ids == hf_greedy_from(model_path, p, 56)
 
 
 # ---------------------------------------------------------------- growth and preemption

@@ -96,8 +96,10 @@ class OrchestratorConfig:
     max_sessions: int = 1024
     session_idle_timeout_s: float = 300.0
     queue_timeout_s: float = 600.0
-    # an open the servers queue for pages waits there at most this long before it is sent again: a reply lost on
-    # the way (seen once in a run with many re-placements: an open silent for 594 s) costs this, not the job's budget
+    # an open a server queues for pages, on a server that sends no heartbeats while it waits (older versions), waits
+    # there at most this long before it is sent again: a reply lost on the way (seen once in a run with many
+    # re-placements: an open silent for 594 s) costs this, not the job's budget. Heartbeating servers keep the open
+    # for the job's whole queue time, and a lost stream shows as silence within ~20 s (swarm/rpc.py).
     open_wait_max_s: float = 60.0
     max_failovers: int = 8
     summary_interval_s: float = 5.0
@@ -328,6 +330,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint, ban_base_s=self.cfg.ban_base_s,
             prober=self.prober,
             ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s, job_tokens=self.cfg.job_tokens)
+        self.client.heartbeats = self._open_heartbeats
         if hasattr(self.dispatch, "attach"):  # routed dispatch (PETALS, BPRR) reads live server views
             self.dispatch.attach(self.planner)
         self._tasks = []
@@ -384,6 +387,11 @@ class Orchestrator(GenerationMixin, SessionMixin):
         task = asyncio.ensure_future(coro)
         self._bg_tasks.add(task)
         task.add_done_callback(self._bg_tasks.discard)
+
+    def _open_heartbeats(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s record says it heartbeats a queued open (see ServerClient.open_session)."""
+        view = self.planner.servers.get(peer_id) if self.planner is not None else None
+        return bool(view is not None and view.record is not None and view.record.open_heartbeats)
 
     def _abort_sessions_on(self, peer_id: str) -> None:
         """Jobs waiting on a server declared failed fail over now (not at their step timeout)."""

@@ -183,10 +183,12 @@ class ChainHolder:
                     if e.no_capacity and time.monotonic() < deadline:
                         # A paged chain's capacity counts jobs of the expected length (token_budget.py), and slots
                         # may still be held by jobs of a previous plan: the servers queue the opens (FIFO, in
-                        # route order) until pages free up, instead of refusing; at most open_wait_max_s a time,
-                        # then the open is sent again (its own reply may have been lost).
+                        # route order) until pages free up, instead of refusing. A server that heartbeats keeps the
+                        # open for the job's queue time; one that does not, at most open_wait_max_s a time, then the
+                        # open is sent again (its silence may be a lost reply).
                         first = cs.wait_s <= 0
-                        cs.wait_s = max(0.1, min(float(orch.cfg.open_wait_max_s), deadline - time.monotonic()))
+                        cs.wait_s = max(0.1, deadline - time.monotonic())
+                        cs.silent_wait_max_s = float(orch.cfg.open_wait_max_s)
                         if first:
                             self.orch.stats.open_waits += 1
                             continue

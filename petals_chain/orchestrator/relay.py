@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import math
 import secrets
 import time
 from typing import Any, Callable
@@ -63,6 +64,9 @@ class ChainSession:
         self.observe = observe
         self.step_timeout_s = step_timeout_s
         self.wait_s = wait_s  # > 0: servers queue the opens (FIFO) up to this long instead of refusing
+        # ... but a server that sends no heartbeats while an open waits only this long a time: its silence cannot
+        # tell a long wait from a lost reply (the caller sends the open again)
+        self.silent_wait_max_s = math.inf
         self._sessions: list[Any] = []
         self._current: asyncio.Future | None = None
         self._current_peer: str | None = None
@@ -87,6 +91,16 @@ class ChainSession:
                 inner.cancel()
         return True
 
+    def wait_for(self, peer_id: str) -> float:
+        """How long ``peer_id`` may queue this session's open (s): :attr:`wait_s`, at most
+        :attr:`silent_wait_max_s` on a server that does not heartbeat a waiting open."""
+        if self.wait_s <= 0:
+            return 0.0
+        heartbeats = getattr(self.client, "heartbeats", None)
+        if heartbeats is not None and heartbeats(peer_id):
+            return self.wait_s
+        return min(self.wait_s, self.silent_wait_max_s)
+
     async def open(self, fork_from: "ChainSession | None" = None, fork_length: int = 0, named: bytes = b"") -> None:
         """Open a session on every hop (concurrently). On failure closes what was opened and raises HopFailure.
 
@@ -101,7 +115,8 @@ class ChainSession:
             named = b""
 
         async def one(peer, start, end):
-            extra = {"wait_s": self.wait_s} if self.wait_s > 0 else {}
+            wait_s = self.wait_for(peer)
+            extra = {"wait_s": wait_s} if wait_s > 0 else {}
             if self.push:
                 extra["push_token"] = secrets.token_hex(16)
             if named:
@@ -116,7 +131,7 @@ class ChainSession:
             task = self._opening[peer] = asyncio.ensure_future(asyncio.wait_for(
                 self.client.open_session(peer, session_id=self.session_id, start_block=start, end_block=end,
                                          max_length=self.max_length, **extra),
-                timeout=self.step_timeout_s + self.wait_s,
+                timeout=self.step_timeout_s + wait_s,
             ))
             try:
                 return await task

@@ -59,7 +59,7 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         prefix_cache=bool(runner is not None and runner.prefix_cache),
         prefix_offered_tokens=int(runner.prefix_offered_tokens) if runner is not None else 0,
         prefix_reused_tokens=int(runner.prefix_reused_tokens) if runner is not None else 0,
-        maddrs=list(src.maddrs)[:8], reachability=src.reachability, timestamp=time.time(),
+        maddrs=list(src.maddrs)[:8], reachability=src.reachability, open_heartbeats=True, timestamp=time.time(),
     )
 
 

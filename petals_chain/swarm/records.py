@@ -96,6 +96,8 @@ class ServerRecord(_Record):
     models: list[Annotated[str, pydantic.StringConstraints(max_length=128)]] = pydantic.Field(default_factory=list,
                                                                                           max_length=8)
     serving: str = pydantic.Field(default="", max_length=128)
+    # it answers a queued open's heartbeat_s with "still waiting" replies (swarm/rpc.py; older servers do not)
+    open_heartbeats: bool = False
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.model_validator(mode="after")
@@ -261,6 +263,7 @@ class _ServerValueV1(_ValueV1):
     reachability: pv1.constr(strict=True, regex=r"^(unknown|direct|relayed|unreachable)$")
     models: pv1.conlist(pv1.constr(strict=True, max_length=128), max_items=8)
     serving: pv1.constr(strict=True, max_length=128)
+    open_heartbeats: pv1.StrictBool
     timestamp: pv1.StrictFloat
 
 

@@ -15,7 +15,9 @@ Session stream, client -> server:
      (the session starts holding them; its first step may start there or earlier). With
      ``wait_s > 0`` a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds
      instead of refusing it; the client sends nothing until the reply, and ending the stream meanwhile
-     withdraws it. ``fork_from`` names an open session of the same peer and span: the new session starts
+     withdraws it. With ``heartbeat_s`` too (servers announcing ``open_heartbeat_s > 0`` in their record), a
+     queued open is answered every ``heartbeat_s`` seconds with ``{"ok": true, "waiting": true, "waited_s"}``
+     until the real reply, so the client can tell a long wait from a lost stream. ``fork_from`` names an open session of the same peer and span: the new session starts
      with a copy of its first ``fork_length`` cached tokens (no wait; not with ``wait_s``).
   2. ``{"op": "step", "position"}`` + the first chunk of hidden ``[1, n, hidden]`` (further chunks follow
      as messages with only ``tensors``) -> ``{"ok": true, "position"}`` + output chunks, or an error reply
@@ -45,7 +47,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, Optional, Protocol, Union
+from typing import Any, AsyncIterator, Callable, Optional, Protocol, Union
 
 import torch
 import hivemind.compression.base
@@ -72,6 +74,12 @@ ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _MAX_SESSION_ID = 256
 UNTRUSTED_READ_S = 0.5  # how long the first message of an untrusted peer is awaited before it is refused
+# A queued open's heartbeats (s): what clients ask for, and the bounds a server keeps the asked period within.
+OPEN_HEARTBEAT_S = 5.0
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 60.0
+# Silence after which a client gives up on a queued open that heartbeats: this many periods, plus a grace (s) for a
+# loaded server's event loop.
+HEARTBEATS_MISSED = 3
 
 
 class RemoteError(RuntimeError):
@@ -180,12 +188,26 @@ def serialize_chunks(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
     return list(split_for_streaming(serialized, CHUNK_BYTES))
 
 
+_STILL_WAITING = object()  # a queued open's wait went on past one heartbeat period
+
+
+def _withdraw_open(backend: Any, opening: asyncio.Future, reading: asyncio.Future, sid: str) -> None:
+    """Give up a queued open (the client left, or the stream broke): its read and its wait are cancelled, and
+    slots allocated at that very moment are released (a wait cancelled later releases its own, see
+    :meth:`SlotWaitQueue.acquire`)."""
+    reading.cancel()
+    if not opening.cancel() and not opening.cancelled() and opening.exception() is None:
+        backend.close_session(sid)
+
+
 class PetalsChainBlocks(ServicerBase):
     """The server's RPC handler (``await handler.add_p2p_handlers(p2p)``)."""
 
-    def __init__(self, backend: SessionBackend, *, idle_timeout_s: float = 120.0, push_timeout_s: float = 30.0):
+    def __init__(self, backend: SessionBackend, *, idle_timeout_s: float = 120.0, push_timeout_s: float = 30.0,
+                 open_heartbeats: bool = True):
         self.backend = backend
         self.idle_timeout_s = idle_timeout_s
+        self.open_heartbeats = open_heartbeats  # answer a queued open's heartbeat_s (False: ignore it, as before)
         # how long a pushed step waits for its input, and a push for its stream: below the orchestrator's step timeout
         # (60 s), so that a lost push comes back as a refusal the orchestrator repairs, not as a dead server
         self.push_timeout_s = push_timeout_s
@@ -275,6 +297,10 @@ class PetalsChainBlocks(ServicerBase):
                 wait_s = meta.get("wait_s", 0)
                 if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (0 <= wait_s < math.inf):
                     raise RefusedError("invalid", f"field 'wait_s' must be a finite number >= 0, got {wait_s!r}")
+                beat = meta.get("heartbeat_s", 0)
+                if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not (0 <= beat < math.inf):
+                    raise RefusedError("invalid", f"field 'heartbeat_s' must be a finite number >= 0, got {beat!r}")
+                beat = min(max(float(beat), MIN_HEARTBEAT_S), MAX_HEARTBEAT_S) if beat and self.open_heartbeats else 0.0
                 fork_from = meta.get("fork_from")
                 fork = {}
                 if fork_from is not None:
@@ -295,8 +321,20 @@ class PetalsChainBlocks(ServicerBase):
                     if sid in self._boxes:
                         raise RefusedError("invalid", f"session {sid!r} is already open")
                 if wait_s > 0 and hasattr(self.backend, "open_session_wait"):
-                    extra, pending = await self._open_waiting(stream, sid, start, end, max_length, peer, float(wait_s),
-                                                              prefix)
+                    opening = asyncio.ensure_future(self.backend.open_session_wait(sid, start, end, max_length, peer,
+                                                                                   float(wait_s), **prefix))
+                    reading = asyncio.ensure_future(stream.__anext__())
+                    t_wait = loop.time()
+                    try:
+                        while True:
+                            extra, pending = await self._open_waiting(opening, reading, sid, beat or None)
+                            if extra is not _STILL_WAITING:
+                                break
+                            yield runtime_pb2.ExpertResponse(metadata=_pack(
+                                {"ok": True, "waiting": True, "waited_s": round(loop.time() - t_wait, 3)}))
+                    except BaseException:
+                        _withdraw_open(self.backend, opening, reading, sid)
+                        raise
                     if extra is None:
                         return  # the client went away (or broke protocol) while waiting
                 else:
@@ -468,32 +506,18 @@ class PetalsChainBlocks(ServicerBase):
             deadline = loop.time() + self.idle_timeout_s
             yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True}))
 
-    async def _open_waiting(self, stream, sid: str, start: int, end: int, max_length: int, peer: str,
-                            wait_s: float, prefix: dict) -> tuple[Optional[dict], Optional[asyncio.Future]]:
-        """Wait for slots while watching the stream: if the client ends it (or sends anything) first, the wait is
-        withdrawn and ``(None, None)`` returned. Else ``(extra, read)``: ``read`` is the stream read in flight."""
-        opening = asyncio.ensure_future(self.backend.open_session_wait(sid, start, end, max_length, peer, wait_s,
-                                                                       **prefix))
-        reading = asyncio.ensure_future(stream.__anext__())
-        try:
-            await asyncio.wait({opening, reading}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            opening.cancel()
-            reading.cancel()
-            raise
+    async def _open_waiting(self, opening: asyncio.Future, reading: asyncio.Future, sid: str,
+                            timeout: Optional[float]) -> tuple[Any, Optional[asyncio.Future]]:
+        """Wait for the open (``opening``) while watching the stream (``reading``) up to ``timeout`` seconds:
+        ``(_STILL_WAITING, None)`` if neither finished; ``(None, None)`` if the client ended the stream (or sent
+        anything) first, and the wait is withdrawn; else ``(extra, reading)``, the read continuing as the session's
+        next message. The open's error propagates."""
+        done, _ = await asyncio.wait({opening, reading}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            return _STILL_WAITING, None
         if opening.done():
-            try:
-                return opening.result(), reading  # the read continues as the session's next message
-            except BaseException:
-                reading.cancel()
-                raise
-        opening.cancel()
-        try:
-            await opening
-        except (asyncio.CancelledError, RefusedError):
-            pass
-        else:  # allocated at the very moment the client left
-            self.backend.close_session(sid)
+            return opening.result(), reading
+        _withdraw_open(self.backend, opening, reading, sid)
         return None, None
 
     async def _receive_tensor(self, first: runtime_pb2.ExpertRequest, next_message) -> torch.Tensor:
@@ -702,6 +726,7 @@ class RemoteSession:
         self.peer_id, self.session_id = peer_id, session_id
         self.start_block, self.end_block, self.max_length = start_block, end_block, max_length
         self.position = 0  # tokens the server holds for this session (as acknowledged by it)
+        self.open_heartbeats = 0  # "still waiting" replies the server sent while the open was queued
         self.cached_tokens = 0  # of the prompt named at open, tokens the server's prefix cache held
         self.prefix_cache = False  # the server keeps closed sessions' full pages for later prompts (open reply)
         self.last_compute_s: float | None = None  # server-side compute time of the last step (seconds)
@@ -897,11 +922,14 @@ class ServerClient:
     """Client of petals-chain servers over an existing hivemind P2P (e.g. ``await dht.replicate_p2p()``)."""
 
     def __init__(self, p2p: P2P, *, open_timeout_s: float = 30.0, step_timeout_s: Optional[float] = 300.0,
-                 model_fingerprint: str = ""):
+                 model_fingerprint: str = "", heartbeat_grace_s: float = 5.0):
         self.p2p = p2p
         self.open_timeout_s = open_timeout_s
         self.step_timeout_s = step_timeout_s
         self.model_fingerprint = model_fingerprint  # named in every open (a server serving another model refuses)
+        self.heartbeat_s, self.heartbeat_grace_s = OPEN_HEARTBEAT_S, heartbeat_grace_s
+        # peer id -> whether it answers a queued open's heartbeat_s (its record's open_heartbeats; set by the owner)
+        self.heartbeats: Callable[[str], bool] = lambda peer_id: False
 
     def _stub(self, peer_id: Union[str, PeerID]):
         return PetalsChainBlocks.get_stub(self.p2p, _as_peer(peer_id))
@@ -910,7 +938,8 @@ class ServerClient:
                            max_length: int, wait_s: float = 0.0, fork_from: Optional[str] = None,
                            fork_length: int = 0, prefix_hashes: bytes = b"", push_token: str = "") -> RemoteSession:
         """Reserve ``end_block - start_block`` slots on ``peer_id``; with ``wait_s > 0`` wait at the server (FIFO)
-        up to ``wait_s`` seconds for them to free up. ``fork_from``: start with a copy of that session's first
+        up to ``wait_s`` seconds for them to free up (a server that heartbeats, see :attr:`heartbeats`, is given
+        up on after ``HEARTBEATS_MISSED`` silent periods plus ``heartbeat_grace_s``). ``fork_from``: start with a copy of that session's first
         ``fork_length`` tokens of KV (same peer, same span). ``prefix_hashes``: the prompt's
         :func:`~petals_chain.swarm.prefix.prefix_hashes`; the session starts holding the ``cached_tokens`` of it
         the server's prefix cache has (its ``position``). ``push_token``: the session takes pushes from the
@@ -919,9 +948,11 @@ class ServerClient:
         Raises NoCapacityError (server full), RemoteError (refused/invalid), ConnectionError (unreachable)."""
         sess = RemoteSession(str(peer_id), session_id, int(start_block), int(end_block), int(max_length),
                              self.step_timeout_s)
+        beat = self.heartbeat_s if wait_s > 0 and self.heartbeats(str(peer_id)) else 0.0
         sess._queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({
             "op": "open", "session_id": session_id, "start_block": int(start_block), "end_block": int(end_block),
             "max_length": int(max_length), **({"wait_s": float(wait_s)} if wait_s > 0 else {}),
+            **({"heartbeat_s": beat} if beat else {}),
             **({"fork_from": fork_from, "fork_length": int(fork_length)} if fork_from is not None else {}),
             **({"prefix_hashes": bytes(prefix_hashes)} if prefix_hashes else {}),
             **({"push_token": push_token} if push_token else {}),
@@ -934,10 +965,16 @@ class ServerClient:
         except Exception as e:  # noqa: BLE001
             raise ConnectionError(f"open on {peer_id}: {type(e).__name__}: {e}") from e
         try:
-            reply = await _await_next(sess._responses, self.open_timeout_s + max(0.0, float(wait_s)),
-                                      f"open on {peer_id}")
-            meta = _unpack_reply(reply)
-            _raise_if_error(meta)
+            budget = self.open_timeout_s + max(0.0, float(wait_s))
+            give_up = time.monotonic() + budget
+            while True:
+                left = max(0.001, give_up - time.monotonic())
+                silence = min(left, HEARTBEATS_MISSED * beat + self.heartbeat_grace_s) if beat else budget
+                meta = _unpack_reply(await _await_next(sess._responses, silence, f"open on {peer_id}"))
+                _raise_if_error(meta)
+                if not (beat and meta.get("waiting") is True):
+                    break
+                sess.open_heartbeats += 1  # still queued there: the stream and the server are alive
         except BaseException:
             sess.closed = True
             sess._queue.put_nowait(None)
