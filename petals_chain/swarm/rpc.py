@@ -15,10 +15,10 @@ Session stream, client -> server:
      (the session starts holding them; its first step may start there or earlier). With
      ``wait_s > 0`` a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds
      instead of refusing it; the client sends nothing until the reply, and ending the stream meanwhile
-     withdraws it. With ``heartbeat_s`` too (servers announcing ``open_heartbeat_s > 0`` in their record), a
-     queued open is answered every ``heartbeat_s`` seconds with ``{"ok": true, "waiting": true, "waited_s"}``
-     until the real reply, so the client can tell a long wait from a lost stream. ``fork_from`` names an open session of the same peer and span: the new session starts
-     with a copy of its first ``fork_length`` cached tokens (no wait; not with ``wait_s``).
+     withdraws it. With ``heartbeat_s`` too (to servers whose record says ``open_heartbeats``), a queued
+     open is answered every ``heartbeat_s`` seconds with ``{"ok": true, "waiting": true, "waited_s"}`` until
+     the real reply, so the client can tell a long wait from a lost stream. ``fork_from`` names an open
+     session of the same peer and span: the new session starts with a copy of its first ``fork_length`` cached tokens (no wait; not with ``wait_s``).
   2. ``{"op": "step", "position"}`` + the first chunk of hidden ``[1, n, hidden]`` (further chunks follow
      as messages with only ``tensors``) -> ``{"ok": true, "position"}`` + output chunks, or an error reply
      (the session survives an error reply; nothing changed).
@@ -939,8 +939,8 @@ class ServerClient:
                            fork_length: int = 0, prefix_hashes: bytes = b"", push_token: str = "") -> RemoteSession:
         """Reserve ``end_block - start_block`` slots on ``peer_id``; with ``wait_s > 0`` wait at the server (FIFO)
         up to ``wait_s`` seconds for them to free up (a server that heartbeats, see :attr:`heartbeats`, is given
-        up on after ``HEARTBEATS_MISSED`` silent periods plus ``heartbeat_grace_s``). ``fork_from``: start with a copy of that session's first
-        ``fork_length`` tokens of KV (same peer, same span). ``prefix_hashes``: the prompt's
+        up on after ``HEARTBEATS_MISSED`` silent periods plus ``heartbeat_grace_s``). ``fork_from``: start with a
+        copy of that session's first ``fork_length`` tokens of KV (same peer, same span). ``prefix_hashes``: the prompt's
         :func:`~petals_chain.swarm.prefix.prefix_hashes`; the session starts holding the ``cached_tokens`` of it
         the server's prefix cache has (its ``position``). ``push_token``: the session takes pushes from the
         previous hop of a route that carries it (:mod:`~petals_chain.swarm.push`).
