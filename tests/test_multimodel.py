@@ -356,7 +356,8 @@ def test_moves_swap_servers_between_models_only_when_the_swap_pays_by_a_margin()
     cur = {"s0": "a", **{f"s{i}": "b" for i in range(1, 6)}}
     target = mm.place_by_unserved_index(servers, models, horizon_s=600.0)
     rate = mm.ui_rate(servers, models)
-    swap_too = mm.moves_that_pay(cur, target, rate, reload_s=10.0, interval_s=600.0, swap_margin=0.0)
+    swap_too = mm.moves_that_pay(cur, target, rate, reload_s=10.0, interval_s=600.0, swap_margin=0.0,
+                                 min_swap_gain=0.0)
     assert [(m.server, m.src, m.dst) for m in swap_too] == [("s4", "b", "a"), ("s0", "a", "b")]
     assert swap_too[1].benefit < 0.01 * 600.0 * rate({**cur, "s4": "a"})  # the second half saves < 1 %
     moves = mm.moves_that_pay(cur, target, rate, reload_s=10.0, interval_s=600.0)
@@ -382,6 +383,17 @@ def test_moves_swap_servers_between_models_only_when_the_swap_pays_by_a_margin()
     cur = {"s0": "a", "s1": "b", "s2": "a"}
     moves = mm.moves_that_pay(cur, {"s0": "b", "s1": "a", "s2": "b"}, cost2, reload_s=0.0, interval_s=1.0)
     assert {(m.server, m.dst) for m in moves} == {("s0", "b"), ("s1", "a"), ("s2", "b")}
+
+    # near no traffic 5 % of the cost is no margin: a swap must also save MIN_SWAP_GAIN (one request) per pair,
+    # while a one-way move of any gain still pays (an idle model's server to one that needs it)
+    def quiet(x):
+        return 1e-3 - 4e-4 * (x.get("s0") == "b") - 4e-4 * (x.get("s1") == "a")
+
+    cur = {"s0": "a", "s1": "b"}
+    assert mm.moves_that_pay(cur, {"s0": "b", "s1": "a"}, quiet, reload_s=0.0, interval_s=1.0,
+                             min_swap_gain=0.0) != []  # what re-plans did at run time ("paid" 5e-6 requests)
+    moves = mm.moves_that_pay(cur, {"s0": "b", "s1": "a"}, quiet, reload_s=0.0, interval_s=1.0)
+    assert [(m.server, m.dst) for m in moves] == [("s0", "b")]
 
 
 def test_select_respects_fits():

@@ -41,7 +41,8 @@ ALPHA = 1e-4  # weight of L_N^s in the unserved index (Eq. 6, §6.1)
 BETA = 0.1  # interval step and tolerance (Eq. 8, §6.1)
 SLO_SCALE = 5.0  # SLO = 5 x the request's execution time (§6.1)
 SWAP_MARGIN = 0.05  # servers swapped between two models in one re-plan must save > 5 % of the interval's cost
-# (not in the seed: moves_that_pay)
+MIN_SWAP_GAIN = 1.0  # ... and more than this (the unserved index: one request's SLO miss) per swapped pair
+# (neither in the seed: moves_that_pay)
 STARVE_FACTOR = 2.0  # [gap] starvation threshold theta_s = 2 L̂_s
 PAUSE_FACTOR = 2.0  # run time only: DB pauses a running job for one of at most half its O_r (one budget doubling)
 UNPLACED_LN = 1e4  # L_N^s counted for a service with no complete chain (all its requests are unserved)
@@ -991,7 +992,8 @@ class Move:
 
 
 def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[[Assignment], float], *,
-                   reload_s: float, interval_s: float, swap_margin: float = SWAP_MARGIN) -> list[Move]:
+                   reload_s: float, interval_s: float, swap_margin: float = SWAP_MARGIN,
+                   min_swap_gain: float = MIN_SWAP_GAIN) -> list[Move]:
     """The moves from ``current`` toward ``target`` that pay for their reload ("move only servers whose move pays
     for its reload time"). ``cost_rate(assignment)``: the objective per second under an assignment (e.g. the
     predicted unserved index per second, :func:`ui_rate`). A server moving ``A -> B`` serves nothing for
@@ -1001,10 +1003,12 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
     Greedy: repeatedly take the best-paying single move against the moves taken so far; when no single move pays
     but all the remaining ones together do (a chain may need several servers to exist at all), take them all.
     Moving servers both ways between two models in one re-plan (a swap: no model's number of servers changes, only
-    which server serves which) must save more than ``swap_margin`` of the interval's cost: its gain rests on
-    measured speeds, and on processes such swaps "paid" 0.01 % of it for two reloads."""
-    if not (reload_s >= 0 and interval_s > 0 and 0 <= swap_margin < 1):
-        raise ValueError("need reload_s >= 0, interval_s > 0 and 0 <= swap_margin < 1")
+    which server serves which) must save more than ``swap_margin`` of the interval's cost, and more than
+    ``min_swap_gain`` per swapped pair (in the objective's units over the interval): its gain rests on measured
+    speeds, and on processes such swaps "paid" 0.01 % of the cost for two reloads, or 5e-6 requests when the
+    cost itself was near 0 (a simulated index replaying a quiet spell)."""
+    if not (reload_s >= 0 and interval_s > 0 and 0 <= swap_margin < 1 and min_swap_gain >= 0):
+        raise ValueError("need reload_s >= 0, interval_s > 0, 0 <= swap_margin < 1 and min_swap_gain >= 0")
     cur = dict(current)
     todo = [(s, m) for s, m in target.items() if cur.get(s) != m]
     taken: list[Move] = []
@@ -1019,15 +1023,15 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
     def cancelled(flow: Counter) -> int:
         return sum(min(n, flow.get((b, a), 0)) for (a, b), n in flow.items())
 
-    def swapping(moves: Sequence[tuple[str, str]]) -> bool:
-        """Whether ``moves`` cancel moves the other way (taken or among themselves) rather than add to a flow."""
+    def swapping(moves: Sequence[tuple[str, str]]) -> int:
+        """How many swapped pairs ``moves`` make: moves that cancel moves the other way (taken or among
+        themselves) rather than add to a flow."""
         before = Counter((mv.src, mv.dst) for mv in taken)
-        return cancelled(before + Counter((cur.get(s), m) for s, m in moves)) > cancelled(before)
+        return (cancelled(before + Counter((cur.get(s), m) for s, m in moves)) - cancelled(before)) // 2
 
     while todo:
-        margin = swap_margin * interval_s * cost_rate(cur)
-        scored = [(g - (margin if swapping([(s, m)]) else 0.0), g, s, m)
-                  for s, m in todo for g in (gain(cur, [(s, m)]),)]
+        margin = max(swap_margin * interval_s * cost_rate(cur), min_swap_gain)
+        scored = [(g - margin * swapping([(s, m)]), g, s, m) for s, m in todo for g in (gain(cur, [(s, m)]),)]
         net, b, s, m = max(scored, key=lambda x: x[0])
         if net > 0:
             taken.append(Move(s, cur.get(s), m, b))
@@ -1035,7 +1039,7 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
             todo.remove((s, m))
             continue
         b = gain(cur, todo)
-        if b - (margin if swapping(todo) else 0.0) > 0:
+        if b - margin * swapping(todo) > 0:
             taken.extend(Move(s, cur.get(s), m, b / len(todo)) for s, m in todo)
         break
     return taken
