@@ -993,7 +993,7 @@ class Move:
 
 def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[[Assignment], float], *,
                    reload_s: float, interval_s: float, swap_margin: float = SWAP_MARGIN,
-                   min_swap_gain: float = MIN_SWAP_GAIN) -> list[Move]:
+                   min_swap_gain: float = MIN_SWAP_GAIN, min_gain: float = 0.0) -> list[Move]:
     """The moves from ``current`` toward ``target`` that pay for their reload ("move only servers whose move pays
     for its reload time"). ``cost_rate(assignment)``: the objective per second under an assignment (e.g. the
     predicted unserved index per second, :func:`ui_rate`). A server moving ``A -> B`` serves nothing for
@@ -1006,9 +1006,11 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
     which server serves which) must save more than ``swap_margin`` of the interval's cost, and more than
     ``min_swap_gain`` per swapped pair (in the objective's units over the interval): its gain rests on measured
     speeds, and on processes such swaps "paid" 0.01 % of the cost for two reloads, or 5e-6 requests when the
-    cost itself was near 0 (a simulated index replaying a quiet spell)."""
-    if not (reload_s >= 0 and interval_s > 0 and 0 <= swap_margin < 1 and min_swap_gain >= 0):
-        raise ValueError("need reload_s >= 0, interval_s > 0, 0 <= swap_margin < 1 and min_swap_gain >= 0")
+    cost itself was near 0 (a simulated index replaying a quiet spell). Any move must save more than ``min_gain``
+    (0 by default: on exact costs, as in the simulator, the smallest gains pay too)."""
+    if not (reload_s >= 0 and interval_s > 0 and 0 <= swap_margin < 1 and min_swap_gain >= 0 and min_gain >= 0):
+        raise ValueError("need reload_s >= 0, interval_s > 0, 0 <= swap_margin < 1, min_swap_gain >= 0 and "
+                         "min_gain >= 0")
     cur = dict(current)
     todo = [(s, m) for s, m in target.items() if cur.get(s) != m]
     taken: list[Move] = []
@@ -1033,13 +1035,13 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
         margin = max(swap_margin * interval_s * cost_rate(cur), min_swap_gain)
         scored = [(g - margin * swapping([(s, m)]), g, s, m) for s, m in todo for g in (gain(cur, [(s, m)]),)]
         net, b, s, m = max(scored, key=lambda x: x[0])
-        if net > 0:
+        if net > min_gain:
             taken.append(Move(s, cur.get(s), m, b))
             cur[s] = m
             todo.remove((s, m))
             continue
         b = gain(cur, todo)
-        if b - margin * swapping(todo) > 0:
+        if b - margin * swapping(todo) > min_gain * len(todo):
             taken.extend(Move(s, cur.get(s), m, b / len(todo)) for s, m in todo)
         break
     return taken

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.chainsim import PLACEMENTS, MMRequest, StepCost, exec_alone, simulated_evaluate
-from petals_chain.algorithms.multimodel import (BETA, PLACEMENT_RULES, SCHEDULES, AdaptiveInterval, Evaluate,
+from petals_chain.algorithms.multimodel import (ALPHA, BETA, PLACEMENT_RULES, SCHEDULES, AdaptiveInterval, Evaluate,
                                                 MixDriftDetector, PlanMetrics, ReplanTrigger, ServedModel, Volunteer,
                                                 analytic_evaluate, groups_of, model_chains, moves_that_pay,
                                                 place_by_unserved_index, ui_rate)
@@ -64,6 +64,10 @@ DEFAULT_RULE = {"analytic": "most_unserved", "simulated": "largest_gain"}
 # any gain elsewhere, so the moves made never strand a model its users are asking for (its requests would wait for a
 # server to reload it; the index alone may trade a quiet model's few misses for a busy one's)
 STRANDED_UI_PER_S = 1e6
+# a move must cut some model's normalized latency by this much (in execution times; or save an SLO miss) over the
+# interval: the plans' estimates rest on measured speeds, which swing +-30 % between re-plans on a shared host, and
+# with no miss predicted either way the index prices a reload at nothing (servers moved back and forth for 1e-6)
+MIN_LN_GAIN = 0.5
 
 
 @dataclass
@@ -378,7 +382,8 @@ class ModelPlacer:
         aimed = {**current, **target}
         moves = moves_that_pay(current, aimed, self._never_stranding(
             ui_rate(volunteers, models, horizon_s=span, evaluate=ev), volunteers,
-            [m for m in models if m.name in served or m.rate > 0]), reload_s=self.reload_s, interval_s=horizon)
+            [m for m in models if m.name in served or m.rate > 0]), reload_s=self.reload_s, interval_s=horizon,
+            min_gain=ALPHA * MIN_LN_GAIN)
         after = dict(current)
         after.update({mv.server: mv.dst for mv in moves if mv.server in offered})
 
