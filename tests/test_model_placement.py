@@ -152,9 +152,7 @@ def test_traffic_shift_moves_servers_to_the_busy_model(swarm):
     for o in orchs.values():
         o.planner.rates.arrivals.clear()
     placer.clock = lambda: time.monotonic() + 40.0  # the alpha arrivals left the window
-    # 400 in the 30 s window: 13 req/s on beta, whose one chain serves 8 (8 slots, 1 s a job); a smaller load the
-    # index sees served with no miss and barely less latency elsewhere, which pays no reload (MIN_LN_GAIN)
-    arrivals(orchs["beta"], 400, time.monotonic() + 40.0)
+    arrivals(orchs["beta"], 50, time.monotonic() + 40.0)  # beta's traffic; alpha has none left (idle: any gain pays)
     asyncio.run(placer.round())
     after = placer.json()["servers_per_model"]
     assert after["beta"] > first["beta"] and after["alpha"] >= 1, placer.json()

@@ -346,6 +346,22 @@ def test_moves_pay_for_their_reload_only():
     assert mm.moves_that_pay(cur, back, rate, reload_s=10.0, interval_s=600.0) == []
 
 
+def test_moves_below_the_gain_floor_are_made_only_from_an_idle_model():
+    """With ``min_gain`` (the run time's noise floor) a move that saves less is not made, unless it takes the server
+    from a model in ``idle`` (no traffic: its users lose nothing); a move that saves more is made either way."""
+    def cost(x):
+        return 1e-3 - 2e-5 * (x.get("s0") == "b") - 5.0 * (x.get("s1") == "b")
+
+    cur = {"s0": "a", "s1": "a"}
+    tiny = {**cur, "s0": "b"}
+    assert [m.server for m in mm.moves_that_pay(cur, tiny, cost, reload_s=0.0, interval_s=1.0)] == ["s0"]
+    assert mm.moves_that_pay(cur, tiny, cost, reload_s=0.0, interval_s=1.0, min_gain=5e-5) == []
+    assert [m.server for m in mm.moves_that_pay(cur, tiny, cost, reload_s=0.0, interval_s=1.0, min_gain=5e-5,
+                                                idle={"a"})] == ["s0"]
+    big = {**cur, "s1": "b"}
+    assert [m.server for m in mm.moves_that_pay(cur, big, cost, reload_s=0.0, interval_s=1.0, min_gain=5e-5)] == ["s1"]
+
+
 def test_moves_swap_servers_between_models_only_when_the_swap_pays_by_a_margin():
     """A re-plan that moves one server a -> b and another b -> a changes no model's count of servers: on measured
     speeds such a swap "paid" a fraction of a percent for two reloads. It is made only when it saves more than

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -993,7 +993,8 @@ class Move:
 
 def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[[Assignment], float], *,
                    reload_s: float, interval_s: float, swap_margin: float = SWAP_MARGIN,
-                   min_swap_gain: float = MIN_SWAP_GAIN, min_gain: float = 0.0) -> list[Move]:
+                   min_swap_gain: float = MIN_SWAP_GAIN, min_gain: float = 0.0,
+                   idle: Collection[str] = frozenset()) -> list[Move]:
     """The moves from ``current`` toward ``target`` that pay for their reload ("move only servers whose move pays
     for its reload time"). ``cost_rate(assignment)``: the objective per second under an assignment (e.g. the
     predicted unserved index per second, :func:`ui_rate`). A server moving ``A -> B`` serves nothing for
@@ -1007,7 +1008,8 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
     ``min_swap_gain`` per swapped pair (in the objective's units over the interval): its gain rests on measured
     speeds, and on processes such swaps "paid" 0.01 % of the cost for two reloads, or 5e-6 requests when the
     cost itself was near 0 (a simulated index replaying a quiet spell). Any move must save more than ``min_gain``
-    (0 by default: on exact costs, as in the simulator, the smallest gains pay too)."""
+    (0 by default: on exact costs, as in the simulator, the smallest gains pay too), except a move away from a model
+    of ``idle`` (no traffic: it costs that model's users nothing), which pays with any gain."""
     if not (reload_s >= 0 and interval_s > 0 and 0 <= swap_margin < 1 and min_swap_gain >= 0 and min_gain >= 0):
         raise ValueError("need reload_s >= 0, interval_s > 0, 0 <= swap_margin < 1, min_swap_gain >= 0 and "
                          "min_gain >= 0")
@@ -1031,17 +1033,21 @@ def moves_that_pay(current: Assignment, target: Assignment, cost_rate: Callable[
         before = Counter((mv.src, mv.dst) for mv in taken)
         return (cancelled(before + Counter((cur.get(s), m) for s, m in moves)) - cancelled(before)) // 2
 
+    def floor(servers: Sequence[str]) -> float:
+        return min_gain * sum(cur.get(s) not in idle for s in servers)
+
     while todo:
         margin = max(swap_margin * interval_s * cost_rate(cur), min_swap_gain)
-        scored = [(g - margin * swapping([(s, m)]), g, s, m) for s, m in todo for g in (gain(cur, [(s, m)]),)]
+        scored = [(g - margin * swapping([(s, m)]) - floor([s]), g, s, m) for s, m in todo
+                  for g in (gain(cur, [(s, m)]),)]
         net, b, s, m = max(scored, key=lambda x: x[0])
-        if net > min_gain:
+        if net > 0:
             taken.append(Move(s, cur.get(s), m, b))
             cur[s] = m
             todo.remove((s, m))
             continue
         b = gain(cur, todo)
-        if b - margin * swapping(todo) > min_gain * len(todo):
+        if b - margin * swapping(todo) - floor([s for s, _ in todo]) > 0:
             taken.extend(Move(s, cur.get(s), m, b / len(todo)) for s, m in todo)
         break
     return taken

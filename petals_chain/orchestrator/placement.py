@@ -66,7 +66,8 @@ DEFAULT_RULE = {"analytic": "most_unserved", "simulated": "largest_gain"}
 STRANDED_UI_PER_S = 1e6
 # a move must cut some model's normalized latency by this much (in execution times; or save an SLO miss) over the
 # interval: the plans' estimates rest on measured speeds, which swing +-30 % between re-plans on a shared host, and
-# with no miss predicted either way the index prices a reload at nothing (servers moved back and forth for 1e-6)
+# with no miss predicted either way the index prices a reload at nothing (servers moved back and forth for 1e-6).
+# A server of a model without traffic moves for any gain (its users lose nothing).
 MIN_LN_GAIN = 0.5
 
 
@@ -383,7 +384,7 @@ class ModelPlacer:
         moves = moves_that_pay(current, aimed, self._never_stranding(
             ui_rate(volunteers, models, horizon_s=span, evaluate=ev), volunteers,
             [m for m in models if m.name in served or m.rate > 0]), reload_s=self.reload_s, interval_s=horizon,
-            min_gain=ALPHA * MIN_LN_GAIN)
+            min_gain=ALPHA * MIN_LN_GAIN, idle={m.name for m in models if m.rate <= 0})
         after = dict(current)
         after.update({mv.server: mv.dst for mv in moves if mv.server in offered})
 
