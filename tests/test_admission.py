@@ -107,12 +107,12 @@ def test_errors_propagate():
 @pytest.mark.slow
 def test_server_wait_fifo_timeout_and_disconnect(tiny_model_factory, tmp_path):
     from conftest import ServerProcess, measure_slowdown
-    from test_server import MAX_LENGTH, publish, server_args, wait_online, with_client
+    from test_server import MAX_LENGTH, PREFIX, publish, server_args, wait_online, with_client
 
     from petals_chain.swarm.checkpoint import load_config
     from petals_chain.swarm.dht import SwarmDHT
     from petals_chain.swarm.memory import block_bytes, cache_slot_bytes
-    from petals_chain.swarm.rpc import NoCapacityError, ServerClient
+    from petals_chain.swarm.rpc import NoCapacityError, RemoteError, ServerClient
 
     model = tiny_model_factory("llama", num_layers=4)
     config = load_config(model)
@@ -120,7 +120,8 @@ def test_server_wait_fifo_timeout_and_disconnect(tiny_model_factory, tmp_path):
     memory = 2 * s_m + 2 * s_c + s_c // 2  # 2 slots: one job over blocks [0, 2)
     orch = SwarmDHT.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     proc = ServerProcess(server_args(model, orch, "--max-waiters", "2", "--max-wait-s", "20",
-                                     "--emulate-decode-ms", "50", memory_bytes=memory), tmp_path / "server.log")
+                                     "--emulate-decode-ms", "50", "--emulate-rtt-ms", "10",
+                                     memory_bytes=memory), tmp_path / "server.log")
     try:
         peer = proc.wait_peer_id()
         publish(orch, 1, {peer: (0, 2)})
@@ -175,6 +176,22 @@ def test_server_wait_fifo_timeout_and_disconnect(tiny_model_factory, tmp_path):
             # after the queue drained, an open with wait_s is served at once
             s = await client.open_session(peer, "late", 0, 2, MAX_LENGTH, wait_s=5)
             await s.close()
+
+            # A reload (a new span) fails the opens waiting there at once, with a reply: heartbeats until then
+            # (its record says it sends them), then "unavailable" (not silence: a benchmark once saw 594 s of it).
+            assert orch.fetch_servers(PREFIX)[peer].open_heartbeats
+            client.heartbeats, client.heartbeat_s = (lambda peer_id: True), 0.2
+            full = await client.open_session(peer, "full", 0, 2, MAX_LENGTH)
+            drained = asyncio.ensure_future(client.open_session(peer, "drained", 0, 2, MAX_LENGTH, wait_s=20))
+            await until_waiting(1)
+            await asyncio.sleep(0.5)  # a few heartbeats
+            publish(orch, 2, {peer: (2, 2)})
+            t0 = time.monotonic()
+            with pytest.raises(RemoteError) as err:
+                await asyncio.wait_for(drained, 30 * measure_slowdown())
+            assert err.value.code == "unavailable" and "draining" in str(err.value), err.value
+            assert time.monotonic() - t0 < 15 * measure_slowdown()  # the next assignment poll, not the wait
+            await full.close()
 
         asyncio.run(with_client(orch, scenario))
     finally:
