@@ -76,7 +76,7 @@ _MAX_SESSION_ID = 256
 UNTRUSTED_READ_S = 0.5  # how long the first message of an untrusted peer is awaited before it is refused
 # A queued open's heartbeats (s): what clients ask for, and the bounds a server keeps the asked period within.
 OPEN_HEARTBEAT_S = 5.0
-MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 60.0
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.5, 60.0  # the floor bounds what a peer's many queued opens make us send
 # Silence after which a client gives up on a queued open that heartbeats: this many periods, plus a grace (s) for a
 # loaded server's event loop.
 HEARTBEATS_MISSED = 3
@@ -969,7 +969,8 @@ class ServerClient:
             give_up = time.monotonic() + budget
             while True:
                 left = max(0.001, give_up - time.monotonic())
-                silence = min(left, HEARTBEATS_MISSED * beat + self.heartbeat_grace_s) if beat else budget
+                period = min(max(beat, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)  # what the server keeps to
+                silence = min(left, HEARTBEATS_MISSED * period + self.heartbeat_grace_s) if beat else budget
                 meta = _unpack_reply(await _await_next(sess._responses, silence, f"open on {peer_id}"))
                 _raise_if_error(meta)
                 if not (beat and meta.get("waiting") is True):
