@@ -18,7 +18,8 @@ Session stream, client -> server:
      withdraws it. With ``heartbeat_s`` too (to servers whose record says ``open_heartbeats``), a queued
      open is answered every ``heartbeat_s`` seconds with ``{"ok": true, "waiting": true, "waited_s"}`` until
      the real reply, so the client can tell a long wait from a lost stream. ``fork_from`` names an open
-     session of the same peer and span: the new session starts with a copy of its first ``fork_length`` cached tokens (no wait; not with ``wait_s``).
+     session of the same peer and span: the new session starts with a copy of its first ``fork_length``
+     cached tokens (no wait; not with ``wait_s``).
   2. ``{"op": "step", "position"}`` + the first chunk of hidden ``[1, n, hidden]`` (further chunks follow
      as messages with only ``tensors``) -> ``{"ok": true, "position"}`` + output chunks, or an error reply
      (the session survives an error reply; nothing changed).
@@ -300,7 +301,9 @@ class PetalsChainBlocks(ServicerBase):
                 beat = meta.get("heartbeat_s", 0)
                 if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not (0 <= beat < math.inf):
                     raise RefusedError("invalid", f"field 'heartbeat_s' must be a finite number >= 0, got {beat!r}")
-                beat = min(max(float(beat), MIN_HEARTBEAT_S), MAX_HEARTBEAT_S) if beat and self.open_heartbeats else 0.0
+                if not self.open_heartbeats:
+                    beat = 0.0
+                beat = min(max(float(beat), MIN_HEARTBEAT_S), MAX_HEARTBEAT_S) if beat else 0.0
                 fork_from = meta.get("fork_from")
                 fork = {}
                 if fork_from is not None:
