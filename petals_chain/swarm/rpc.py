@@ -943,9 +943,9 @@ class ServerClient:
         """Reserve ``end_block - start_block`` slots on ``peer_id``; with ``wait_s > 0`` wait at the server (FIFO)
         up to ``wait_s`` seconds for them to free up (a server that heartbeats, see :attr:`heartbeats`, is given
         up on after ``HEARTBEATS_MISSED`` silent periods plus ``heartbeat_grace_s``). ``fork_from``: start with a
-        copy of that session's first ``fork_length`` tokens of KV (same peer, same span). ``prefix_hashes``: the prompt's
-        :func:`~petals_chain.swarm.prefix.prefix_hashes`; the session starts holding the ``cached_tokens`` of it
-        the server's prefix cache has (its ``position``). ``push_token``: the session takes pushes from the
+        copy of that session's first ``fork_length`` tokens of KV (same peer, same span). ``prefix_hashes``: the
+        prompt's :func:`~petals_chain.swarm.prefix.prefix_hashes`; the session starts holding the ``cached_tokens``
+        of it the server's prefix cache has (its ``position``). ``push_token``: the session takes pushes from the
         previous hop of a route that carries it (:mod:`~petals_chain.swarm.push`).
 
         Raises NoCapacityError (server full), RemoteError (refused/invalid), ConnectionError (unreachable)."""
