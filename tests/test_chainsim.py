@@ -21,8 +21,7 @@ def samples(cost: StepCost, n: int, *, batches=(1, 2, 4, 8), inputs=(5, 50, 400)
     per_step = statistics.fmean(i for i, _, _ in shapes) / statistics.fmean(o for _, o, _ in shapes)
     out = []
     for i, o, bt in shapes:
-        t = o * cost.a + cost.b * (i + o * (bt - 1) * per_step) + cost.d * o * bt
-        out.append((i, o, t * (1 + rng.uniform(-noise, noise)), bt))
+        out.append((i, o, cost.request_s(i, o, bt, per_step) * (1 + rng.uniform(-noise, noise)), bt))
     return out
 
 

@@ -274,7 +274,7 @@ def completed(orch, arrivals_s: list[float], cost, *, wall: float, mono: float, 
     per_step = sum(i for i, _, _ in shapes) / sum(o for _, o, _ in shapes)  # the others' prompts in each step
     for ago, (inp, out, batch) in zip(arrivals_s, shapes):
         orch.planner.rates.arrive(mono - ago)
-        service = out * cost.a + cost.b * (inp + out * (batch - 1) * per_step) + cost.d * out * batch
+        service = cost.request_s(inp, out, batch, per_step)
         orch.stats.history.append({"t": wall - ago + service, "response_s": service, "wait_s": 0.0,
                                    "service_s": service, "prompt_tokens": inp, "tokens": out, "batch": batch})
 

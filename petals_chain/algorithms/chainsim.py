@@ -53,6 +53,13 @@ class StepCost:
     def step(self, extend_tokens: int, batch: int) -> float:
         return self.a + self.b * extend_tokens + self.d * batch
 
+    def request_s(self, input_tokens: float, output_tokens: float, batch: float, prompt_per_step: float) -> float:
+        """Service time of a request of ``output_tokens`` steps (its prefill the first) with ``batch`` requests in
+        each on average, each of the others bringing ``prompt_per_step`` prompt tokens per step (mean input / mean
+        output in steady state): the model :meth:`fit` inverts."""
+        prefill = input_tokens + output_tokens * (batch - 1) * prompt_per_step
+        return self.a * output_tokens + self.b * prefill + self.d * output_tokens * batch
+
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float, float, float]], prior: "StepCost | None" = None,
             min_samples: int = 8) -> "StepCost | None":
@@ -60,9 +67,9 @@ class StepCost:
 
         ``samples``: ``(input tokens, output tokens, service s, mean batch)`` of completed requests, where a request
         of ``o`` tokens took ``o`` steps (its prefill the first) with ``mean batch`` requests in each on average,
-        and each of the others in its batch brought its prompt once in its own output's worth of steps:
-        ``service = a·o + b·(input + o·(batch - 1)·mean input / mean output) + d·o·batch``, fitted by non-negative
-        least squares (without the others' prompts ``d`` took their cost: 1.4x too large, and a replay of a
+        and each of the others in its batch brought its prompt once in its own output's worth of steps
+        (:meth:`request_s`: ``a·o + b·(input + o·(batch - 1)·mean input / mean output) + d·o·batch``), fitted by
+        non-negative least squares (without the others' prompts ``d`` took their cost: 1.4x too large, and a replay of a
         loaded chain 55 % too slow, in ``tests/test_chainsim.py``). A coefficient the samples cannot tell apart
         from the others (every request alone, every request of the same lengths: a rank-deficient design), or
         that only a fit without a per-step cost would explain, keeps ``prior``'s ratio to ``a`` (default
@@ -211,8 +218,9 @@ class MultiModelSim:
 
     def __init__(self, models: Sequence[ServedModel], servers: Sequence[Volunteer], plan: Mapping[str, str], *,
                  schedule: str = "db", cost: StepCost = MM_COST, max_batch: int = 16, kv_tokens: int = 131072,
-                 monitor_priors: Mapping[str, tuple[float, float]] | None = None, sched_kw: Mapping[str, Any] | None = None,
-                 reload_s: float = 20.0, replan: Callable[["MultiModelSim", float], tuple[dict | None, float | None]] | None = None,
+                 monitor_priors: Mapping[str, tuple[float, float]] | None = None,
+                 sched_kw: Mapping[str, Any] | None = None, reload_s: float = 20.0,
+                 replan: Callable[["MultiModelSim", float], tuple[dict | None, float | None]] | None = None,
                  replan_first: float | None = None, group_of: Mapping[str, str] | None = None,
                  ref_times: Mapping[str, float] | None = None):
         if schedule not in mm.SCHEDULES:
