@@ -81,6 +81,7 @@ MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.5, 60.0  # the floor bounds what a peer's m
 # Silence after which a client gives up on a queued open that heartbeats: this many periods, plus a grace (s) for a
 # loaded server's event loop.
 HEARTBEATS_MISSED = 3
+LOG_WAIT_S = 1.0  # a queued open that waited this long (or did not end served) is logged by the server
 
 
 class RemoteError(RuntimeError):
@@ -199,6 +200,14 @@ def _withdraw_open(backend: Any, opening: asyncio.Future, reading: asyncio.Futur
     reading.cancel()
     if not opening.cancel() and not opening.cancelled() and opening.exception() is None:
         backend.close_session(sid)
+
+
+def _log_wait(sid: str, peer: str, waited_s: float, outcome: str) -> None:
+    """One line per queued open that waited long, or waited at all and did not end served: which opens a server
+    saw, and how each ended, is what tells a lost reply from a lost request afterwards (a refusal at once, e.g. a
+    full queue, is answered in the same round trip and not logged: an overload would flood the log)."""
+    if waited_s >= LOG_WAIT_S or (outcome != "served" and waited_s >= 0.1):
+        logger.info(f"open {sid} of {peer[:12]} waited {waited_s:.1f} s for slots: {outcome}")
 
 
 class PetalsChainBlocks(ServicerBase):
@@ -335,9 +344,12 @@ class PetalsChainBlocks(ServicerBase):
                                 break
                             yield runtime_pb2.ExpertResponse(metadata=_pack(
                                 {"ok": True, "waiting": True, "waited_s": round(loop.time() - t_wait, 3)}))
-                    except BaseException:
+                    except BaseException as e:
                         _withdraw_open(self.backend, opening, reading, sid)
+                        _log_wait(sid, peer, loop.time() - t_wait, f"refused ({e})" if isinstance(e, RefusedError)
+                                  else f"abandoned ({type(e).__name__})")
                         raise
+                    _log_wait(sid, peer, loop.time() - t_wait, "withdrawn by the client" if extra is None else "served")
                     if extra is None:
                         return  # the client went away (or broke protocol) while waiting
                 else:
