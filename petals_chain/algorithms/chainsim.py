@@ -53,11 +53,16 @@ class StepCost:
     def step(self, extend_tokens: int, batch: int) -> float:
         return self.a + self.b * extend_tokens + self.d * batch
 
+    @staticmethod
+    def prefill_tokens(input_tokens: Any, output_tokens: Any, batch: Any, prompt_per_step: float) -> Any:
+        """Prefill tokens in a request's steps: its own prompt, and the others' in its batch, each bringing
+        ``prompt_per_step`` per step (mean input / mean output in steady state). Numbers or numpy arrays."""
+        return input_tokens + output_tokens * (batch - 1) * prompt_per_step
+
     def request_s(self, input_tokens: float, output_tokens: float, batch: float, prompt_per_step: float) -> float:
         """Service time of a request of ``output_tokens`` steps (its prefill the first) with ``batch`` requests in
-        each on average, each of the others bringing ``prompt_per_step`` prompt tokens per step (mean input / mean
-        output in steady state): the model :meth:`fit` inverts."""
-        prefill = input_tokens + output_tokens * (batch - 1) * prompt_per_step
+        each on average (:meth:`prefill_tokens`): the model :meth:`fit` inverts."""
+        prefill = self.prefill_tokens(input_tokens, output_tokens, batch, prompt_per_step)
         return self.a * output_tokens + self.b * prefill + self.d * output_tokens * batch
 
     @classmethod
@@ -88,9 +93,7 @@ class StepCost:
         # what the samples tell apart from the steps' cost: the prompt's share unless every request has the same
         # lengths, the batch's share unless every request ran alone (or in batches of one size)
         told = ("a",) + (("b",) if rank(out, inp) == 2 else ()) + (("d",) if rank(out, out * batch) == 2 else ())
-        # prefill tokens in a request's steps: its own prompt, and the others' in its batch, each of which brings
-        # its prompt once in its output's worth of steps (steady state): (batch - 1) x mean input / mean output
-        prefill = inp + out * (batch - 1) * inp.mean() / out.mean()
+        prefill = cls.prefill_tokens(inp, out, batch, inp.mean() / out.mean())
         for free in [told] + [f for f in (("a", "d"), ("a", "b"), ("a",)) if set(f) < set(told)]:
             # a coefficient not fitted rides on ``a`` at the prior's ratio: the column of ``a`` carries it
             col_a = out + (0 if "b" in free else prior.b / prior.a * prefill) + (0 if "d" in free else

@@ -193,6 +193,11 @@ def serialize_chunks(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
 _STILL_WAITING = object()  # a queued open's wait went on past one heartbeat period
 
 
+def heartbeat_period(asked_s: float) -> float:
+    """The heartbeat period a server keeps for an open asking ``asked_s`` (s)."""
+    return min(max(float(asked_s), MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
+
+
 def _withdraw_open(backend: Any, opening: asyncio.Future, reading: asyncio.Future, sid: str) -> None:
     """Give up a queued open (the client left, or the stream broke): its read and its wait are cancelled, and
     slots allocated at that very moment are released (a wait cancelled later releases its own, see
@@ -310,9 +315,7 @@ class PetalsChainBlocks(ServicerBase):
                 beat = meta.get("heartbeat_s", 0)
                 if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not (0 <= beat < math.inf):
                     raise RefusedError("invalid", f"field 'heartbeat_s' must be a finite number >= 0, got {beat!r}")
-                if not self.open_heartbeats:
-                    beat = 0.0
-                beat = min(max(float(beat), MIN_HEARTBEAT_S), MAX_HEARTBEAT_S) if beat else 0.0
+                beat = heartbeat_period(beat) if beat and self.open_heartbeats else 0.0
                 fork_from = meta.get("fork_from")
                 fork = {}
                 if fork_from is not None:
@@ -982,10 +985,10 @@ class ServerClient:
         try:
             budget = self.open_timeout_s + max(0.0, float(wait_s))
             give_up = time.monotonic() + budget
+            # silence that ends a heartbeating wait: missed periods of what the server keeps, plus a grace
+            quiet = HEARTBEATS_MISSED * heartbeat_period(beat) + self.heartbeat_grace_s if beat else budget
             while True:
-                left = max(0.001, give_up - time.monotonic())
-                period = min(max(beat, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)  # what the server keeps to
-                silence = min(left, HEARTBEATS_MISSED * period + self.heartbeat_grace_s) if beat else budget
+                silence = min(max(0.001, give_up - time.monotonic()), quiet) if beat else budget
                 meta = _unpack_reply(await _await_next(sess._responses, silence, f"open on {peer_id}"))
                 _raise_if_error(meta)
                 if not (beat and meta.get("waiting") is True):
