@@ -53,7 +53,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Protocol, Union
 import torch
 import hivemind.compression.base
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
@@ -75,6 +75,7 @@ ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _MAX_SESSION_ID = 256
 UNTRUSTED_READ_S = 0.5  # how long the first message of an untrusted peer is awaited before it is refused
+LINGER_S = 10.0  # how long a stream's last reply waits for the client to end the stream (see _linger)
 # A queued open's heartbeats (s): what clients ask for, and the bounds a server keeps the asked period within.
 OPEN_HEARTBEAT_S = 5.0
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.5, 60.0  # the floor bounds what a peer's many queued opens make us send
@@ -198,13 +199,31 @@ def heartbeat_period(asked_s: float) -> float:
     return min(max(float(asked_s), MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
 
 
-def _withdraw_open(backend: Any, opening: asyncio.Future, reading: asyncio.Future, sid: str) -> None:
-    """Give up a queued open (the client left, or the stream broke): its read and its wait are cancelled, and
-    slots allocated at that very moment are released (a wait cancelled later releases its own, see
+def _withdraw_open(backend: Any, opening: asyncio.Future, reading: Optional[asyncio.Future], sid: str) -> None:
+    """Give up a queued open (the client left, or the stream broke): its read (if given) and its wait are
+    cancelled, and slots allocated at that very moment are released (a wait cancelled later releases its own, see
     :meth:`SlotWaitQueue.acquire`)."""
-    reading.cancel()
+    if reading is not None:
+        reading.cancel()
     if not opening.cancel() and not opening.cancelled() and opening.exception() is None:
         backend.close_session(sid)
+
+
+async def _linger(stream: AsyncIterator, pending: Optional[asyncio.Future], timeout_s: float) -> None:
+    """After a stream's last reply: read and drop what the client still sends until it ends the stream, at most
+    ``timeout_s``. A handler that returns closes its end at once, and the P2P daemons then reset the stream, which
+    can discard the reply still in flight (measured: 1 in ~40,000 refused opens on loopback, more on a loaded
+    host; the client saw a silent server until its timeout). The client, having read the reply, ends it first.
+    ``pending``: a read of the stream already begun."""
+    if timeout_s <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    with contextlib.suppress(Exception):  # the end of the stream, the deadline, a broken stream: over either way
+        if pending is not None and not pending.cancelled():
+            await asyncio.wait_for(pending, timeout_s)
+        while True:
+            await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
 
 
 def _log_wait(sid: str, peer: str, waited_s: float, outcome: str) -> None:
@@ -219,8 +238,9 @@ class PetalsChainBlocks(ServicerBase):
     """The server's RPC handler (``await handler.add_p2p_handlers(p2p)``)."""
 
     def __init__(self, backend: SessionBackend, *, idle_timeout_s: float = 120.0, push_timeout_s: float = 30.0,
-                 open_heartbeats: bool = True):
+                 open_heartbeats: bool = True, linger_s: float = LINGER_S):
         self.backend = backend
+        self.linger_s = linger_s  # a stream's last reply waits this long for the client to end it (see _linger)
         self.idle_timeout_s = idle_timeout_s
         self.open_heartbeats = open_heartbeats  # answer a queued open's heartbeat_s (False: ignore it, as before)
         # how long a pushed step waits for its input, and a push for its stream: below the orchestrator's step timeout
@@ -264,6 +284,7 @@ class PetalsChainBlocks(ServicerBase):
             with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
                 await asyncio.wait_for(stream.__anext__(), timeout=min(self.idle_timeout_s, UNTRUSTED_READ_S))
             yield _error("untrusted", f"peer {peer} is not trusted by this server")
+            await _linger(stream, None, min(self.linger_s, UNTRUSTED_READ_S))
             return
         session_id: Optional[str] = None
         loop = asyncio.get_running_loop()
@@ -348,7 +369,10 @@ class PetalsChainBlocks(ServicerBase):
                             yield runtime_pb2.ExpertResponse(metadata=_pack(
                                 {"ok": True, "waiting": True, "waited_s": round(loop.time() - t_wait, 3)}))
                     except BaseException as e:
-                        _withdraw_open(self.backend, opening, reading, sid)
+                        refused = isinstance(e, RefusedError)
+                        # refused: the read goes on while the refusal goes out (see _linger)
+                        _withdraw_open(self.backend, opening, None if refused else reading, sid)
+                        pending = reading if refused else None
                         _log_wait(sid, peer, loop.time() - t_wait, f"refused ({e})" if isinstance(e, RefusedError)
                                   else f"abandoned ({type(e).__name__})")
                         raise
@@ -362,6 +386,7 @@ class PetalsChainBlocks(ServicerBase):
                     self._boxes[sid] = PushBox(push_token)
             except RefusedError as e:
                 yield _error(e.code, str(e))
+                await _linger(stream, pending, self.linger_s)
                 return
             last_valid = loop.time()
             yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "session_id": session_id,
@@ -379,6 +404,7 @@ class PetalsChainBlocks(ServicerBase):
                         sid, session_id = session_id, None  # closed here, not again below
                         self.backend.close_session(sid, **prefix)
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "closed": True}))
+                        await _linger(stream, None, self.linger_s)
                         return
                     if op == "keepalive":
                         if msg.tensors:
@@ -517,6 +543,7 @@ class PetalsChainBlocks(ServicerBase):
             except RefusedError as e:
                 yield _error(e.code, str(e))
                 if e.code == "untrusted":
+                    await _linger(stream, None, min(self.linger_s, UNTRUSTED_READ_S))
                     return
                 continue
             except asyncio.TimeoutError:
@@ -602,6 +629,66 @@ class PetalsChainBlocks(ServicerBase):
         return nbytes
 
 
+class PeerStream:
+    """A stream call to one of a peer's ``PetalsChainBlocks`` handlers: the requests come from an async iterator
+    (ending it sends the end of stream and closes our end), the replies from ``__anext__``.
+
+    Unlike hivemind's ``iterate_protobuf_handler``, the peer ending the stream (or the P2P layer resetting it)
+    ends the replies at once (StopAsyncIteration): hivemind's waits for the requests to end first, so a reset
+    stream looked like a silent server until the caller's timeout. A read cancelled mid-message ends the stream
+    too (its framing is lost)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: AsyncIterator,
+                 what: str):
+        self._reader, self._writer, self._what = reader, writer, what
+        self.ended = False
+        self._writing = asyncio.ensure_future(self._write(requests))
+
+    @classmethod
+    async def open(cls, p2p: P2P, peer_id: Union[str, PeerID], method: str,
+                   requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> "PeerStream":
+        """Open a stream to ``peer_id``'s ``PetalsChainBlocks.<method>`` (P2P errors propagate)."""
+        name = PetalsChainBlocks._get_handle_name(None, method)
+        _, reader, writer = await p2p.call_binary_stream_handler(_as_peer(peer_id), name)
+        return cls(reader, writer, requests, f"{method} of {str(peer_id)[:16]}…")
+
+    async def _write(self, requests: AsyncIterator) -> None:
+        try:
+            async for request in requests:
+                await P2P.send_protobuf(request, self._writer)
+            await P2P.send_protobuf(P2P.END_OF_STREAM, self._writer)
+        except (ConnectionError, OSError):
+            pass  # the stream broke: the reader sees it end
+        finally:
+            self.close()
+
+    def __aiter__(self) -> "PeerStream":
+        return self
+
+    async def __anext__(self) -> runtime_pb2.ExpertResponse:
+        if self.ended:
+            raise StopAsyncIteration
+        try:
+            reply, err = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, self._reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.close()
+            raise StopAsyncIteration from None
+        except BaseException:
+            self.close()
+            raise
+        if err is not None:  # the handler raised (hivemind reports it in-stream)
+            self.close()
+            raise P2PHandlerError(f"{self._what} failed: {err.message}")
+        return reply
+
+    def close(self) -> None:
+        """End the stream here (idempotent): no more requests are sent, no more replies read."""
+        self.ended = True
+        if not self._writing.done() and self._writing is not asyncio.current_task():
+            self._writing.cancel()
+        self._writer.close()
+
+
 async def _drain(queue: asyncio.Queue) -> AsyncIterator[runtime_pb2.ExpertRequest]:
     """The messages put in ``queue``, as a stream's requests, until a None."""
     while True:
@@ -650,7 +737,7 @@ class PushStream:
         if self._responses is None:
             try:
                 self._responses = await asyncio.wait_for(
-                    PetalsChainBlocks.get_stub(self.p2p, _as_peer(self.peer)).rpc_push(self._requests()), timeout_s)
+                    PeerStream.open(self.p2p, self.peer, "rpc_push", self._requests()), timeout_s)
             except Exception as e:  # noqa: BLE001 - P2P errors of a dead or unreachable peer
                 self.close()
                 raise ConnectionError(f"push to {self.peer[:16]}…: {type(e).__name__}: {e}") from e
@@ -976,8 +1063,8 @@ class ServerClient:
             **({"push_token": push_token} if push_token else {}),
             **({"model": self.model_fingerprint} if self.model_fingerprint else {})})))
         try:
-            sess._responses = await asyncio.wait_for(self._stub(peer_id).rpc_session(sess._requests()),
-                                                     timeout=self.open_timeout_s)
+            sess._responses = await asyncio.wait_for(PeerStream.open(self.p2p, peer_id, "rpc_session",
+                                                                     sess._requests()), timeout=self.open_timeout_s)
         except asyncio.TimeoutError:
             raise ConnectionError(f"open on {peer_id}: no stream within {self.open_timeout_s} s") from None
         except Exception as e:  # noqa: BLE001

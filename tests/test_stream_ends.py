@@ -1,0 +1,147 @@
+"""Who ends a session stream, and when the other side learns it (real hivemind P2P on loopback, stand-in backends).
+
+A handler that closes its end right after its last reply lets the P2P daemons reset the stream with the reply in
+flight (``scripts/stress_streams.py`` measures it): a server therefore keeps the stream after a refusal or a close
+until the client ends it. And a stream the server does end, with or without a reply, must reach the client at
+once as an error, not as a silent server until the open times out (hivemind's own stream client waits for the
+requests to end before it reports the end of the stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+
+from petals_chain.swarm.rpc import PeerStream, PetalsChainBlocks, RefusedError, RemoteError, ServerClient, _drain, _pack
+
+
+class RefusingBackend:
+    hidden_size = 8
+    model_fingerprint = ""
+
+    def authorize(self, peer_id: str) -> bool:
+        return True
+
+    def open_session(self, *args, **kwargs) -> dict:
+        raise RefusedError("invalid", "refused by the stand-in")
+
+    def close_session(self, *args, **kwargs) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {}
+
+    def session(self, session_id: str):
+        return None
+
+
+class Recording(PetalsChainBlocks):
+    """Records when each session handler returns (the server's end of the stream closes then)."""
+
+    ended: list[float]
+
+    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            async for reply in super().rpc_session(requests, context):
+                yield reply
+        finally:
+            self.ended.append(time.monotonic())
+
+
+Recording.__name__ = "PetalsChainBlocks"  # the class name is the wire's handler name
+
+
+class Mute(PetalsChainBlocks):
+    """Reads the open and ends the stream without a reply: what a lost reply looks like from the client."""
+
+    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        await requests.__anext__()
+        return
+        yield  # an async generator, like every stream handler
+
+
+Mute.__name__ = "PetalsChainBlocks"
+
+
+async def _swarm(*handlers: PetalsChainBlocks) -> tuple[list[P2P], P2P]:
+    servers = []
+    for handler in handlers:
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        await handler.add_p2p_handlers(p2p)
+        servers.append(p2p)
+    maddrs = [str(m) for p2p in servers for m in await p2p.get_visible_maddrs()]
+    return servers, await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+
+def _open_message() -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(metadata=_pack({"op": "open", "session_id": "s", "start_block": 0,
+                                                     "end_block": 1, "max_length": 8}))
+
+
+def test_a_refusal_keeps_the_stream_until_the_client_ends_it(scaled):
+    async def main():
+        lingering, closing = Recording(RefusingBackend()), Recording(RefusingBackend(), linger_s=0.0)
+        lingering.ended, closing.ended = [], []
+        servers, client_p2p = await _swarm(lingering, closing)
+        try:
+            for handler, p2p in ((lingering, servers[0]), (closing, servers[1])):
+                queue: asyncio.Queue = asyncio.Queue()
+                queue.put_nowait(_open_message())
+                stream = await PeerStream.open(client_p2p, p2p.peer_id, "rpc_session", _drain(queue))
+                reply = await asyncio.wait_for(stream.__anext__(), scaled(10))
+                assert b"refused by the stand-in" in reply.metadata
+                after = asyncio.ensure_future(stream.__anext__())
+                done, _ = await asyncio.wait({after}, timeout=scaled(1.0))
+                if handler is closing:  # closed at once: the end reaches the client at once
+                    assert done and isinstance(after.exception(), StopAsyncIteration)
+                    assert handler.ended
+                    continue
+                assert not done and not handler.ended  # held: the reply cannot be reset away in flight
+                t_end = time.monotonic()
+                queue.put_nowait(None)  # the client ends the stream: the server's handler returns
+                deadline = time.monotonic() + scaled(5)
+                while not handler.ended:
+                    assert time.monotonic() < deadline, "the server held the stream after the client ended it"
+                    await asyncio.sleep(0.02)
+                assert handler.ended[0] >= t_end
+                await asyncio.wait({after}, timeout=scaled(5))
+                assert after.done()
+        finally:
+            await client_p2p.shutdown()
+            for p2p in servers:
+                await p2p.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_stream_ended_without_a_reply_fails_the_open_at_once(scaled):
+    async def main():
+        servers, client_p2p = await _swarm(Mute(RefusingBackend()), PetalsChainBlocks(RefusingBackend()))
+        mute, refusing = (p2p.peer_id.to_base58() for p2p in servers)
+        try:
+            client = ServerClient(client_p2p, open_timeout_s=scaled(30))
+            t0 = time.monotonic()
+            try:
+                await client.open_session(mute, "s", 0, 1, 8)
+                raise AssertionError("the open succeeded on a server that never replied")
+            except ConnectionError as e:
+                assert "closed the stream" in str(e), e
+            assert time.monotonic() - t0 < scaled(5), "the end of the stream reached the client only by timeout"
+            # the same client, a server that answers: its refusal arrives as the server's error
+            try:
+                await client.open_session(refusing, "s", 0, 1, 8)
+                raise AssertionError("the stand-in refuses every open")
+            except RemoteError as e:
+                assert e.code == "invalid" and "refused by the stand-in" in str(e)
+        finally:
+            await client_p2p.shutdown()
+            for p2p in servers:
+                await p2p.shutdown()
+
+    asyncio.run(main())
