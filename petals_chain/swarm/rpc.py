@@ -8,8 +8,8 @@ tensors travel uncompressed (``USE_LEGACY_BFLOAT16 = False``: bf16 stays 2 bytes
 
 Session stream, client -> server:
   1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"[, "wait_s"][, "fork_from",
-     "fork_length"][, "prefix_hashes"][, "model"]}`` -> ``{"ok": true, ...}`` or an error, after which the server
-     ends the stream. ``model``: the fingerprint of the model the client means; a server serving another one
+     "fork_length"][, "prefix_hashes"][, "model"]}`` -> ``{"ok": true, ...}`` or an error, after which the client
+     ends the stream (the server waits up to ``LINGER_S`` for it, then ends it). ``model``: the fingerprint of the model the client means; a server serving another one
      (it offers several and was placed on another) refuses with ``unavailable``. ``prefix_hashes`` names the prompt (:mod:`~petals_chain.swarm.prefix`): the reply's
      ``cached_tokens`` says how many of its tokens the server's prefix cache holds in every block of the span
      (the session starts holding them; its first step may start there or earlier). With
@@ -28,7 +28,8 @@ Session stream, client -> server:
   4. ``{"op": "extend", "max_length"}`` -> ``{"ok": true, "max_length"}``: the session may hold up to
      ``max_length`` tokens from now on (a paged KV cache takes the pages at once), or ``no_capacity`` and the
      session stays as it was.
-  5. ``{"op": "close"[, "prefix_hashes"]}`` -> ``{"ok": true, "closed": true}``; the stream ends.
+  5. ``{"op": "close"[, "prefix_hashes"]}`` -> ``{"ok": true, "closed": true}``; the client ends the stream (as
+     after an error reply to an open: a server closing right after its last reply could lose it, see ``_linger``).
      ``prefix_hashes`` names the tokens the session holds: its full pages among them stay cached.
 The open reply announces ``idle_timeout_s``: the server frees the session's slots when the stream ends for
 any reason: close, client disconnect, or no *valid* message (open, step, extend, keepalive) for ``idle_timeout_s``
@@ -1107,8 +1108,9 @@ class ServerClient:
                 try:
                     return await stream.__anext__()
                 except StopAsyncIteration:
-                    # The stream ended without a reply: on a loaded host the P2P layer now and then resets a fresh
-                    # stream before the handler answers. ping and info only read, so they ask once more.
+                    # The stream ended without a reply: the handler closes its end right after replying, and the
+                    # P2P daemons' reset now and then discards the reply in flight (see _linger; a one-message
+                    # call cannot wait for our end of stream, hivemind has read it). They only read: ask once more.
                     if attempt:
                         raise
 
