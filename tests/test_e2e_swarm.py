@@ -299,35 +299,43 @@ def test_bad_inputs_get_4xx_and_service_continues(swarm):
 
 
 def test_burst_respects_chain_capacities(swarm, scaled):
-    st = swarm.swarm()
-    total_cap = sum(ch["capacity"] for ch in st["chains"])
-    n = total_cap + 4
-    client = swarm.client()
-    results, errors = [], []
-    start = threading.Barrier(n)
+    def plan(view: dict) -> set:
+        return {(ch["id"], ch["capacity"]) for ch in view["chains"]}
 
-    def worker(i):
-        try:
-            start.wait()  # all at once: more jobs than chain slots, so some must queue centrally
-            results.append(client.complete(PROMPTS[i % 3], max_tokens=16))
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+    for attempt in range(2):
+        st = swarm.swarm()
+        total_cap = sum(ch["capacity"] for ch in st["chains"])
+        n = total_cap + 4
+        client = swarm.client()
+        results, errors = [], []
+        start = threading.Barrier(n)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=scaled(300))
-    assert not errors, errors
-    assert len(results) == n
-    # The orchestrator's own maxima since start, not samples of a transient state. A job's chain is released
-    # after its reply is sent (its server sessions close first): wait for the last release.
-    after = swarm.wait_until(lambda v: all(ch["active"] == 0 for ch in v["chains"]), scaled(30),
-                             "every chain released after the burst")
-    assert 1 <= after["queue_max"] <= after["max_queue"]  # some jobs queued centrally, within the bound
-    assert after["queue_refused"] == 0
-    for ch in after["chains"]:
-        assert ch["active"] == 0 and ch["max_active"] <= ch["capacity"]  # no chain ever ran more than c_k jobs
+        def worker(i):
+            try:
+                start.wait()  # all at once: more jobs than chain slots, so some must queue centrally
+                results.append(client.complete(PROMPTS[i % 3], max_tokens=16))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=scaled(300))
+        assert not errors, errors
+        assert len(results) == n
+        # The orchestrator's own maxima since start, not samples of a transient state. A job's chain is released
+        # after its reply is sent (its server sessions close first): wait for the last release.
+        after = swarm.wait_until(lambda v: all(ch["active"] == 0 for ch in v["chains"]), scaled(30),
+                                 "every chain released after the burst")
+        assert 1 <= after["queue_max"] <= after["max_queue"]  # some jobs queued centrally, within the bound
+        assert after["queue_refused"] == 0
+        for ch in after["chains"]:
+            assert ch["active"] == 0 and ch["max_active"] <= ch["capacity"]  # no chain ever ran more than c_k jobs
+        if plan(after) == plan(st):
+            break
+        # A loaded host makes a server deliver far slower than it advertises, and the orchestrator re-plans it by
+        # what it delivers (once per server): a chain's peak counts at the capacity in force, so burst again.
     assert max(ch["max_active"] for ch in after["chains"]) >= 1
     relay = after["relay"]
     assert relay["lm_head_rows"] >= relay["tokens"] > 0  # every generated token went through the batched head
