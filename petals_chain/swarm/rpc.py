@@ -9,8 +9,9 @@ tensors travel uncompressed (``USE_LEGACY_BFLOAT16 = False``: bf16 stays 2 bytes
 Session stream, client -> server:
   1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"[, "wait_s"][, "fork_from",
      "fork_length"][, "prefix_hashes"][, "model"]}`` -> ``{"ok": true, ...}`` or an error, after which the client
-     ends the stream (the server waits up to ``LINGER_S`` for it, then ends it). ``model``: the fingerprint of the model the client means; a server serving another one
-     (it offers several and was placed on another) refuses with ``unavailable``. ``prefix_hashes`` names the prompt (:mod:`~petals_chain.swarm.prefix`): the reply's
+     ends the stream (the server waits up to ``LINGER_S`` for it, then ends it). ``model``: the fingerprint of
+     the model the client means; a server serving another one (it offers several and was placed on another)
+     refuses with ``unavailable``. ``prefix_hashes`` names the prompt (:mod:`~petals_chain.swarm.prefix`): the reply's
      ``cached_tokens`` says how many of its tokens the server's prefix cache holds in every block of the span
      (the session starts holding them; its first step may start there or earlier). With
      ``wait_s > 0`` a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds
@@ -374,7 +375,7 @@ class PetalsChainBlocks(ServicerBase):
                         # refused: the read goes on while the refusal goes out (see _linger)
                         _withdraw_open(self.backend, opening, None if refused else reading, sid)
                         pending = reading if refused else None
-                        _log_wait(sid, peer, loop.time() - t_wait, f"refused ({e})" if isinstance(e, RefusedError)
+                        _log_wait(sid, peer, loop.time() - t_wait, f"refused ({e})" if refused
                                   else f"abandoned ({type(e).__name__})")
                         raise
                     _log_wait(sid, peer, loop.time() - t_wait, "withdrawn by the client" if extra is None else "served")
