@@ -10,33 +10,21 @@ requests to end before it reports the end of the stream).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from petals_chain.swarm.rpc import PeerStream, PetalsChainBlocks, RefusedError, RemoteError, ServerClient, _drain, _pack
+from petals_chain.swarm.rpc import PeerStream, PetalsChainBlocks, RemoteError, ServerClient, _drain, _pack
 
-
-class RefusingBackend:
-    hidden_size = 8
-    model_fingerprint = ""
-
-    def authorize(self, peer_id: str) -> bool:
-        return True
-
-    def open_session(self, *args, **kwargs) -> dict:
-        raise RefusedError("invalid", "refused by the stand-in")
-
-    def close_session(self, *args, **kwargs) -> None:
-        pass
-
-    def info(self) -> dict:
-        return {}
-
-    def session(self, session_id: str):
-        return None
+_spec = importlib.util.spec_from_file_location(
+    "_stress_streams", Path(__file__).resolve().parents[1] / "scripts" / "stress_streams.py")
+stress_streams = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stress_streams)
+RefusingBackend = stress_streams.RefusingBackend  # refuses every open at once
 
 
 class Recording(PetalsChainBlocks):
@@ -95,7 +83,7 @@ def test_a_refusal_keeps_the_stream_until_the_client_ends_it(scaled):
                 queue.put_nowait(_open_message())
                 stream = await PeerStream.open(client_p2p, p2p.peer_id, "rpc_session", _drain(queue))
                 reply = await asyncio.wait_for(stream.__anext__(), scaled(10))
-                assert b"refused by the stand-in" in reply.metadata
+                assert b"this stand-in refuses every open" in reply.metadata
                 after = asyncio.ensure_future(stream.__anext__())
                 done, _ = await asyncio.wait({after}, timeout=scaled(1.0))
                 if handler is closing:  # closed at once: the end reaches the client at once
@@ -138,10 +126,19 @@ def test_a_stream_ended_without_a_reply_fails_the_open_at_once(scaled):
                 await client.open_session(refusing, "s", 0, 1, 8)
                 raise AssertionError("the stand-in refuses every open")
             except RemoteError as e:
-                assert e.code == "invalid" and "refused by the stand-in" in str(e)
+                assert e.code == "invalid" and "this stand-in refuses every open" in str(e)
         finally:
             await client_p2p.shutdown()
             for p2p in servers:
                 await p2p.shutdown()
 
     asyncio.run(main())
+
+
+def test_stress_script_counts_every_open():
+    """``scripts/stress_streams.py`` in miniature: every refused open is counted once, and with both fixes each one
+    gets its reply."""
+    r = asyncio.run(stress_streams.run_mode("after", 60, 20, 10.0))
+    assert (r["replied"], r["ended"], r["silent"]) == (60, 0, 0), r
+    r = asyncio.run(stress_streams.run_mode("before", 20, 10, 10.0))
+    assert r["replied"] + r["ended"] + r["silent"] == 20, r
