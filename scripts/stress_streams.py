@@ -9,7 +9,9 @@ refuses at once (a stand-in backend, real hivemind P2P on loopback) and counts h
 - ``before``: the server closes at once (``linger_s=0``), hivemind's stream client;
 - ``client``: the server closes at once, our :class:`~petals_chain.swarm.rpc.PeerStream` (a lost reply shows
   as an end of stream at once, not as silence);
-- ``after``: the server lingers until the client ends the stream (``LINGER_S``), ``PeerStream``.
+- ``after``: the server lingers until the client ends the stream (``LINGER_S``), ``PeerStream``;
+- ``ping-before`` / ``ping-after``: one-message pings through hivemind's stub (``ServerClient.ping`` without its
+  one retry), the server closing at once / holding the stream until the client closes it.
 
     python scripts/stress_streams.py --opens 100000
 """
@@ -72,6 +74,17 @@ async def _hivemind_open(client_p2p: P2P, peer, timeout_s: float) -> str:
         queue.put_nowait(None)
 
 
+async def _ping(client_p2p: P2P, peer, timeout_s: float) -> str:
+    replies = await PetalsChainBlocks.get_stub(client_p2p, peer).rpc_ping(runtime_pb2.ExpertRequest(metadata=b"\0"))
+    try:
+        await asyncio.wait_for(replies.__anext__(), timeout_s)
+        return "replied"
+    except StopAsyncIteration:
+        return "ended"
+    except asyncio.TimeoutError:
+        return "silent"
+
+
 async def _our_open(client: ServerClient, peer_id: str) -> str:
     try:
         await client.open_session(peer_id, uuid.uuid4().hex, 0, 1, 8)
@@ -84,8 +97,8 @@ async def _our_open(client: ServerClient, peer_id: str) -> str:
 
 async def run_mode(mode: str, opens: int, concurrency: int, timeout_s: float) -> dict:
     server_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    await PetalsChainBlocks(RefusingBackend(), linger_s=LINGER_S if mode == "after" else 0.0).add_p2p_handlers(
-        server_p2p)
+    linger_s = LINGER_S if mode.endswith("after") else 0.0
+    await PetalsChainBlocks(RefusingBackend(), linger_s=linger_s).add_p2p_handlers(server_p2p)
     maddrs = [str(m) for m in await server_p2p.get_visible_maddrs()]
     client_p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = ServerClient(client_p2p, open_timeout_s=timeout_s)
@@ -97,6 +110,8 @@ async def run_mode(mode: str, opens: int, concurrency: int, timeout_s: float) ->
             n = min(concurrency, opens - start)
             if mode == "before":
                 outcomes = [_hivemind_open(client_p2p, server_p2p.peer_id, timeout_s) for _ in range(n)]
+            elif mode.startswith("ping"):
+                outcomes = [_ping(client_p2p, server_p2p.peer_id, timeout_s) for _ in range(n)]
             else:
                 outcomes = [_our_open(client, peer_id) for _ in range(n)]
             for outcome in await asyncio.gather(*outcomes):
@@ -109,15 +124,15 @@ async def run_mode(mode: str, opens: int, concurrency: int, timeout_s: float) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--opens", type=int, default=50_000, help="refused opens per mode")
+    ap.add_argument("--opens", type=int, default=50_000, help="refused opens (or pings) per mode")
     ap.add_argument("--concurrency", type=int, default=20, help="opens in flight at once")
     ap.add_argument("--timeout-s", type=float, default=3.0, help="how long an open waits for its reply")
-    ap.add_argument("--modes", default="before,client,after")
+    ap.add_argument("--modes", default="before,client,after,ping-before,ping-after")
     args = ap.parse_args()
-    print(f"{'mode':8} {'opens':>8} {'replied':>8} {'ended':>6} {'silent':>6} {'wall_s':>7}  (ended/silent: no reply)")
+    print(f"{'mode':11} {'opens':>8} {'replied':>8} {'ended':>6} {'silent':>6} {'wall_s':>7}  (ended/silent: no reply)")
     for mode in args.modes.split(","):
         r = asyncio.run(run_mode(mode, args.opens, args.concurrency, args.timeout_s))
-        print(f"{r['mode']:8} {r['opens']:8d} {r['replied']:8d} {r['ended']:6d} {r['silent']:6d} {r['wall_s']:7.1f}",
+        print(f"{r['mode']:11} {r['opens']:8d} {r['replied']:8d} {r['ended']:6d} {r['silent']:6d} {r['wall_s']:7.1f}",
               flush=True)
 
 

@@ -40,6 +40,14 @@ class Recording(PetalsChainBlocks):
         finally:
             self.ended.append(time.monotonic())
 
+    async def rpc_ping(self, request: runtime_pb2.ExpertRequest,
+                       context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            async for reply in super().rpc_ping(request, context):
+                yield reply
+        finally:
+            self.ended.append(time.monotonic())
+
 
 Recording.__name__ = "PetalsChainBlocks"  # the class name is the wire's handler name
 
@@ -108,6 +116,39 @@ def test_a_refusal_keeps_the_stream_until_the_client_ends_it(scaled):
     asyncio.run(main())
 
 
+def test_a_ping_keeps_its_stream_until_the_client_closes_it(scaled):
+    """A one-message call cannot wait for the client's end of stream (hivemind has read it before the handler runs):
+    the server holds the stream after its reply until the client closes its end."""
+    async def main():
+        holding, closing = Recording(RefusingBackend()), Recording(RefusingBackend(), linger_s=0.0)
+        holding.ended, closing.ended = [], []
+        servers, client_p2p = await _swarm(holding, closing)
+        try:
+            for handler, p2p in ((holding, servers[0]), (closing, servers[1])):
+                replies = await PetalsChainBlocks.get_stub(client_p2p, p2p.peer_id).rpc_ping(
+                    runtime_pb2.ExpertRequest(metadata=b"hello"))
+                assert (await asyncio.wait_for(replies.__anext__(), scaled(10))).metadata == b"hello"
+                await asyncio.sleep(scaled(1.0))  # we still hold our end
+                if handler is closing:
+                    assert handler.ended  # closed at once after the reply
+                    await replies.aclose()
+                    continue
+                assert not handler.ended
+                t_close = time.monotonic()
+                await replies.aclose()  # hivemind closes our end of the stream: the server's handler is cancelled
+                deadline = time.monotonic() + scaled(5)
+                while not handler.ended:
+                    assert time.monotonic() < deadline, "the server held the ping's stream after the client closed it"
+                    await asyncio.sleep(0.02)
+                assert handler.ended[0] >= t_close
+        finally:
+            await client_p2p.shutdown()
+            for p2p in servers:
+                await p2p.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_stream_ended_without_a_reply_fails_the_open_at_once(scaled):
     async def main():
         servers, client_p2p = await _swarm(Mute(RefusingBackend()), PetalsChainBlocks(RefusingBackend()))
@@ -142,3 +183,5 @@ def test_stress_script_counts_every_open():
     assert (r["replied"], r["ended"], r["silent"]) == (60, 0, 0), r
     r = asyncio.run(stress_streams.run_mode("before", 20, 10, 10.0))
     assert r["replied"] + r["ended"] + r["silent"] == 20, r
+    r = asyncio.run(stress_streams.run_mode("ping-after", 40, 20, 10.0))
+    assert (r["replied"], r["ended"], r["silent"]) == (40, 0, 0), r

@@ -228,6 +228,14 @@ async def _linger(stream: AsyncIterator, pending: Optional[asyncio.Future], time
             await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
 
 
+async def _hold(timeout_s: float) -> None:
+    """After a one-message call's reply (ping, info): keep the stream until the client closes its end (hivemind
+    then cancels the handler), at most ``timeout_s``, for the reason of :func:`_linger`. hivemind has read the
+    request stream to its end before calling the handler, so there is nothing left to read here."""
+    if timeout_s > 0:
+        await asyncio.sleep(timeout_s)
+
+
 def _log_wait(sid: str, peer: str, waited_s: float, outcome: str) -> None:
     """One line per queued open that waited long, or waited at all and did not end served: which opens a server
     saw, and how each ended, is what tells a lost reply from a lost request afterwards (a refusal at once, e.g. a
@@ -263,6 +271,7 @@ class PetalsChainBlocks(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         meta = request.metadata[:MAX_METADATA_BYTES]
         yield runtime_pb2.ExpertResponse(metadata=meta)
+        await _hold(self.linger_s)
 
     async def rpc_info(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -272,8 +281,10 @@ class PetalsChainBlocks(ServicerBase):
         except Exception as e:  # noqa: BLE001
             logger.exception("info failed")
             yield _error("internal", f"info failed: {e}")
+            await _hold(self.linger_s)
             return
         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **info}))
+        await _hold(self.linger_s)
 
     async def rpc_session(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
