@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hivemind.p2p import P2P  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402
 
+from petals_chain.swarm.aio import LINGER_S  # noqa: E402
 from petals_chain.swarm.rpc import (  # noqa: E402
-    LINGER_S, PetalsChainBlocks, RefusedError, RemoteError, ServerClient, _drain, _pack,
+    PetalsChainBlocks, RefusedError, RemoteError, ServerClient, _drain, _pack,
 )
 
 

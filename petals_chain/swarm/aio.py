@@ -8,6 +8,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# How long a stream's last reply waits for the client to end the stream (``rpc._linger``) or close its end
+# (:func:`hold_after_reply`), in seconds.
+LINGER_S = 10.0
+
 # What a write to a stream whose peer has gone ends in.
 _PEER_GONE = (ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError)
 
@@ -37,3 +41,12 @@ def quiet_peer_disconnects(loop: asyncio.AbstractEventLoop) -> None:
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
+
+
+async def hold_after_reply(timeout_s: float) -> None:
+    """After a one-message call's reply (ping, info, dial-back): keep the stream until the client closes its end
+    (hivemind then cancels the handler), at most ``timeout_s``. A handler that returns closes its end at once, and
+    p2pd's reset of the stream can discard the reply in flight (:func:`petals_chain.swarm.rpc._linger`); hivemind
+    has read the request stream to its end before calling the handler, so there is nothing left to read here."""
+    if timeout_s > 0:
+        await asyncio.sleep(timeout_s)

@@ -28,6 +28,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.multiaddr import Multiaddr
 
+from petals_chain.swarm.aio import LINGER_S, hold_after_reply
+
 logger = logging.getLogger(__name__)
 
 MAX_DIAL_MADDRS = 8  # addresses one dial-back may try
@@ -252,6 +254,7 @@ class PetalsChainFrontdoor(ServicerBase):
         now = time.monotonic()
         if now - self._last.get(peer_id, -1e9) < self.interval_s:
             yield _reply({"ok": False, "code": "busy", "error": f"one dial-back per {self.interval_s} s"})
+            await hold_after_reply(LINGER_S)  # the reply must not be lost to a stream closed under it
             return
         self._last[peer_id] = now
         if len(self._last) > 4096:  # forget old callers
@@ -261,9 +264,11 @@ class PetalsChainFrontdoor(ServicerBase):
             maddrs = clean_maddrs(meta.get("maddrs") if isinstance(meta, dict) else None)
         except Exception as e:  # noqa: BLE001 - whatever the bytes were
             yield _reply({"ok": False, "code": "invalid", "error": str(e)[:300]})
+            await hold_after_reply(LINGER_S)
             return
         reachable, maddr, error = await self.prober.dial(peer_id, maddrs)
         yield _reply({"ok": True, "reachable": reachable, "maddr": maddr, "error": error})
+        await hold_after_reply(LINGER_S)
 
 
 def _reply(meta: dict) -> runtime_pb2.ExpertResponse:

@@ -60,6 +60,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from petals_chain.swarm.aio import LINGER_S, hold_after_reply
 from petals_chain.swarm.prefix import HASH_BYTES, PREFIX_BLOCK_TOKENS, split_hashes
 from petals_chain.swarm.push import PushBox, RouteError, check_route, check_token
 
@@ -77,7 +78,6 @@ ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _MAX_SESSION_ID = 256
 UNTRUSTED_READ_S = 0.5  # how long the first message of an untrusted peer is awaited before it is refused
-LINGER_S = 10.0  # how long a stream's last reply waits for the client to end the stream (see _linger)
 # A queued open's heartbeats (s): what clients ask for, and the bounds a server keeps the asked period within.
 OPEN_HEARTBEAT_S = 5.0
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.5, 60.0  # the floor bounds what a peer's many queued opens make us send
@@ -228,14 +228,6 @@ async def _linger(stream: AsyncIterator, pending: Optional[asyncio.Future], time
             await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
 
 
-async def _hold(timeout_s: float) -> None:
-    """After a one-message call's reply (ping, info): keep the stream until the client closes its end (hivemind
-    then cancels the handler), at most ``timeout_s``, for the reason of :func:`_linger`. hivemind has read the
-    request stream to its end before calling the handler, so there is nothing left to read here."""
-    if timeout_s > 0:
-        await asyncio.sleep(timeout_s)
-
-
 def _log_wait(sid: str, peer: str, waited_s: float, outcome: str) -> None:
     """One line per queued open that waited long, or waited at all and did not end served: which opens a server
     saw, and how each ended, is what tells a lost reply from a lost request afterwards (a refusal at once, e.g. a
@@ -271,7 +263,7 @@ class PetalsChainBlocks(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         meta = request.metadata[:MAX_METADATA_BYTES]
         yield runtime_pb2.ExpertResponse(metadata=meta)
-        await _hold(self.linger_s)
+        await hold_after_reply(self.linger_s)
 
     async def rpc_info(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -281,10 +273,10 @@ class PetalsChainBlocks(ServicerBase):
         except Exception as e:  # noqa: BLE001
             logger.exception("info failed")
             yield _error("internal", f"info failed: {e}")
-            await _hold(self.linger_s)
+            await hold_after_reply(self.linger_s)
             return
         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **info}))
-        await _hold(self.linger_s)
+        await hold_after_reply(self.linger_s)
 
     async def rpc_session(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
