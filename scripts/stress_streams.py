@@ -58,12 +58,8 @@ class RefusingBackend:
         return None
 
 
-async def _hivemind_open(client_p2p: P2P, peer, timeout_s: float) -> str:
-    """One open through hivemind's stub -> replied | ended | silent."""
-    queue: asyncio.Queue = asyncio.Queue()
-    queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({
-        "op": "open", "session_id": uuid.uuid4().hex, "start_block": 0, "end_block": 1, "max_length": 8})))
-    replies = await PetalsChainBlocks.get_stub(client_p2p, peer).rpc_session(_drain(queue))
+async def _first_reply(replies, timeout_s: float) -> str:
+    """How a stream from hivemind's stub ended for us: replied | ended | silent."""
     try:
         await asyncio.wait_for(replies.__anext__(), timeout_s)
         return "replied"
@@ -71,19 +67,23 @@ async def _hivemind_open(client_p2p: P2P, peer, timeout_s: float) -> str:
         return "ended"
     except asyncio.TimeoutError:
         return "silent"
+
+
+async def _hivemind_open(client_p2p: P2P, peer, timeout_s: float) -> str:
+    """One open through hivemind's stub."""
+    queue: asyncio.Queue = asyncio.Queue()
+    queue.put_nowait(runtime_pb2.ExpertRequest(metadata=_pack({
+        "op": "open", "session_id": uuid.uuid4().hex, "start_block": 0, "end_block": 1, "max_length": 8})))
+    try:
+        return await _first_reply(await PetalsChainBlocks.get_stub(client_p2p, peer).rpc_session(_drain(queue)),
+                                  timeout_s)
     finally:
         queue.put_nowait(None)
 
 
 async def _ping(client_p2p: P2P, peer, timeout_s: float) -> str:
-    replies = await PetalsChainBlocks.get_stub(client_p2p, peer).rpc_ping(runtime_pb2.ExpertRequest(metadata=b"\0"))
-    try:
-        await asyncio.wait_for(replies.__anext__(), timeout_s)
-        return "replied"
-    except StopAsyncIteration:
-        return "ended"
-    except asyncio.TimeoutError:
-        return "silent"
+    request = runtime_pb2.ExpertRequest(metadata=b"\0")
+    return await _first_reply(await PetalsChainBlocks.get_stub(client_p2p, peer).rpc_ping(request), timeout_s)
 
 
 async def _our_open(client: ServerClient, peer_id: str) -> str:

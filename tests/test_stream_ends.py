@@ -75,6 +75,19 @@ async def _swarm(*handlers: PetalsChainBlocks) -> tuple[list[P2P], P2P]:
     return servers, await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 
 
+async def _shutdown(servers: list[P2P], client_p2p: P2P) -> None:
+    await client_p2p.shutdown()
+    for p2p in servers:
+        await p2p.shutdown()
+
+
+async def _until_ended(handler: Recording, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not handler.ended:
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
 def _open_message() -> runtime_pb2.ExpertRequest:
     return runtime_pb2.ExpertRequest(metadata=_pack({"op": "open", "session_id": "s", "start_block": 0,
                                                      "end_block": 1, "max_length": 8}))
@@ -101,17 +114,12 @@ def test_a_refusal_keeps_the_stream_until_the_client_ends_it(scaled):
                 assert not done and not handler.ended  # held: the reply cannot be reset away in flight
                 t_end = time.monotonic()
                 queue.put_nowait(None)  # the client ends the stream: the server's handler returns
-                deadline = time.monotonic() + scaled(5)
-                while not handler.ended:
-                    assert time.monotonic() < deadline, "the server held the stream after the client ended it"
-                    await asyncio.sleep(0.02)
+                await _until_ended(handler, scaled(5), "the server held the stream after the client ended it")
                 assert handler.ended[0] >= t_end
                 await asyncio.wait({after}, timeout=scaled(5))
                 assert after.done()
         finally:
-            await client_p2p.shutdown()
-            for p2p in servers:
-                await p2p.shutdown()
+            await _shutdown(servers, client_p2p)
 
     asyncio.run(main())
 
@@ -136,15 +144,10 @@ def test_a_ping_keeps_its_stream_until_the_client_closes_it(scaled):
                 assert not handler.ended
                 t_close = time.monotonic()
                 await replies.aclose()  # hivemind closes our end of the stream: the server's handler is cancelled
-                deadline = time.monotonic() + scaled(5)
-                while not handler.ended:
-                    assert time.monotonic() < deadline, "the server held the ping's stream after the client closed it"
-                    await asyncio.sleep(0.02)
+                await _until_ended(handler, scaled(5), "the server held the ping's stream after the client closed it")
                 assert handler.ended[0] >= t_close
         finally:
-            await client_p2p.shutdown()
-            for p2p in servers:
-                await p2p.shutdown()
+            await _shutdown(servers, client_p2p)
 
     asyncio.run(main())
 
@@ -169,9 +172,7 @@ def test_a_stream_ended_without_a_reply_fails_the_open_at_once(scaled):
             except RemoteError as e:
                 assert e.code == "invalid" and "this stand-in refuses every open" in str(e)
         finally:
-            await client_p2p.shutdown()
-            for p2p in servers:
-                await p2p.shutdown()
+            await _shutdown(servers, client_p2p)
 
     asyncio.run(main())
 
