@@ -105,6 +105,60 @@ def test_dial_back_service_dials_only_the_caller_and_only_where_it_says():
     asyncio.run(scenario())
 
 
+def test_a_caller_leaving_mid_dial_leaves_no_daemon_behind():
+    """A server killed (or timing out) while the orchestrator dials it back cancels the dial-back handler; the dial's
+    own daemon must still be shut down (hivemind leaves a daemon cancelled mid-start running), and nothing is logged
+    as a task exception nobody retrieved."""
+    import gc
+    import logging
+
+    import psutil
+    from hivemind.p2p import P2P
+
+    def p2pds() -> set[int]:
+        return {c.pid for c in psutil.Process().children(recursive=True) if "p2pd" in c.name()}
+
+    async def scenario() -> tuple[int, set[int]]:
+        """-> (dials begun, prober daemons still running 20 s after the callers left)"""
+        orch = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        prober = Prober(timeout_s=5.0)
+        await PetalsChainFrontdoor(prober, interval_s=0.0).add_p2p_handlers(orch)
+        server = await P2P.create(initial_peers=[str(m) for m in await orch.get_visible_maddrs()],
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            before = p2pds()
+            mine = [str(m) for m in await server.get_visible_maddrs()]
+            for _ in range(3):  # gone while the prober's daemon starts (~0.3 s)
+                with pytest.raises(ConnectionError):
+                    await ask_dial_back(server, orch.peer_id.to_base58(), mine, timeout_s=0.05)
+            deadline = time.monotonic() + 20
+            while (prober.checks < 3 or p2pds() - before) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            gc.collect()
+            await asyncio.sleep(0.5)
+            return prober.checks, p2pds() - before
+        finally:
+            await server.shutdown()
+            await orch.shutdown()
+
+    records: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(level=logging.ERROR)
+    logging.getLogger("asyncio").addHandler(handler)
+    try:
+        checks, left = asyncio.run(scenario())
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    assert checks == 3, "the dial-backs did not begin before their callers left"
+    assert not left, f"prober daemons left running: {sorted(left)}"
+    unretrieved = [r.getMessage()[:200] for r in records if "never retrieved" in r.getMessage()]
+    assert not unretrieved, unretrieved
+
+
 @pytest.mark.slow
 def test_unreachable_server_is_told_and_not_planned_and_a_relayed_one_serves(tiny_model_dir, tmp_path, scaled):
     mem = memory_for(tiny_model_dir, 64, blocks=2, slots_per_block=4)  # each holds half of the 4 blocks

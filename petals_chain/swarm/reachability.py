@@ -266,9 +266,19 @@ class PetalsChainFrontdoor(ServicerBase):
             yield _reply({"ok": False, "code": "invalid", "error": str(e)[:300]})
             await hold_after_reply(LINGER_S)
             return
-        reachable, maddr, error = await self.prober.dial(peer_id, maddrs)
+        # The caller leaving (its stream closed: a server killed or timed out) cancels this handler; a dial cancelled
+        # while its daemon starts would leave that daemon running, owned by nobody, so the dial runs to its end.
+        dialing = asyncio.ensure_future(self.prober.dial(peer_id, maddrs))
+        dialing.add_done_callback(_retrieved)
+        reachable, maddr, error = await asyncio.shield(dialing)
         yield _reply({"ok": True, "reachable": reachable, "maddr": maddr, "error": error})
         await hold_after_reply(LINGER_S)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Done callback of a task nobody may await any more: its failure is logged here, not "never retrieved"."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("dial-back failed: %s", _short(task.exception()))
 
 
 def _reply(meta: dict) -> runtime_pb2.ExpertResponse:
