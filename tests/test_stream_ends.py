@@ -28,25 +28,27 @@ RefusingBackend = stress_streams.RefusingBackend  # refuses every open at once
 
 
 class Recording(PetalsChainBlocks):
-    """Records when each session handler returns (the server's end of the stream closes then)."""
+    """Records when each session or ping handler returns (the server's end of the stream closes then)."""
 
-    ended: list[float]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ended: list[float] = []
 
-    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def _recorded(self, replies: AsyncIterator[runtime_pb2.ExpertResponse]
+                        ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
-            async for reply in super().rpc_session(requests, context):
+            async for reply in replies:
                 yield reply
         finally:
             self.ended.append(time.monotonic())
 
-    async def rpc_ping(self, request: runtime_pb2.ExpertRequest,
-                       context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        try:
-            async for reply in super().rpc_ping(request, context):
-                yield reply
-        finally:
-            self.ended.append(time.monotonic())
+    def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                    context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        return self._recorded(super().rpc_session(requests, context))
+
+    def rpc_ping(self, request: runtime_pb2.ExpertRequest,
+                 context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        return self._recorded(super().rpc_ping(request, context))
 
 
 Recording.__name__ = "PetalsChainBlocks"  # the class name is the wire's handler name
@@ -96,7 +98,6 @@ def _open_message() -> runtime_pb2.ExpertRequest:
 def test_a_refusal_keeps_the_stream_until_the_client_ends_it(scaled):
     async def main():
         lingering, closing = Recording(RefusingBackend()), Recording(RefusingBackend(), linger_s=0.0)
-        lingering.ended, closing.ended = [], []
         servers, client_p2p = await _swarm(lingering, closing)
         try:
             for handler, p2p in ((lingering, servers[0]), (closing, servers[1])):
@@ -129,7 +130,6 @@ def test_a_ping_keeps_its_stream_until_the_client_closes_it(scaled):
     the server holds the stream after its reply until the client closes its end."""
     async def main():
         holding, closing = Recording(RefusingBackend()), Recording(RefusingBackend(), linger_s=0.0)
-        holding.ended, closing.ended = [], []
         servers, client_p2p = await _swarm(holding, closing)
         try:
             for handler, p2p in ((holding, servers[0]), (closing, servers[1])):
