@@ -440,6 +440,47 @@ def test_a_turn_finished_as_its_client_left_is_forgotten():
     assert asyncio.run(running()) is False and s.turns == 2
 
 
+def test_an_open_that_fails_as_its_server_is_declared_failed_leaves_no_unread_exception():
+    """The server's stream ends (the open fails) in the same loop turn as the orchestrator declares it failed and
+    cancels the open. Python 3.11's ``wait_for`` turned that cancellation into the read's ConnectionError inside a
+    task its canceller no longer read: asyncio logged "Task exception was never retrieved" (the chaos run's
+    orchestrator log). The open must fail as a HopFailure and leave nothing unread behind."""
+    import gc
+
+    from petals_chain.orchestrator.relay import ChainSession, HopFailure
+    from petals_chain.swarm.rpc import _await_next
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        unread = []
+        loop.set_exception_handler(lambda _loop, ctx: unread.append(ctx.get("message")))
+        ended = loop.create_future()
+
+        class Replies:
+            def __anext__(self):
+                return ended
+
+        class Client:
+            async def open_session(self, peer, **kw):
+                return await _await_next(Replies(), 600.0, f"open on {peer}")
+
+        cs = ChainSession(Client(), [("dead", 0, 4)], "job.1", 64, wait_s=600.0)
+        opening = asyncio.ensure_future(cs.open())
+        await asyncio.sleep(0.05)
+        ended.set_exception(StopAsyncIteration())  # the server closed the stream ...
+        assert cs.abort("dead")  # ... as it is declared failed
+        with pytest.raises(HopFailure) as info:
+            await opening
+        assert info.value.peer_id == "dead" and isinstance(info.value.cause, ConnectionError)
+        del opening, info
+        for _ in range(3):
+            await asyncio.sleep(0)
+            gc.collect()
+        assert unread == []
+
+    asyncio.run(main())
+
+
 def test_an_open_waiting_on_a_server_declared_failed_is_aborted_at_once():
     """An open queued at a server (``wait_s``: it may wait minutes for pages) is cancelled when the server is
     declared failed: a dead peer's stream may never end, and the job must fail over now, not at the open's timeout.

@@ -295,10 +295,10 @@ class Auditor:
         """``peer``'s output for ``x`` after ``history`` (a fresh session, one prefill); None if it cannot."""
         xx = x if history is None else torch.cat([history.to(x.dtype), x], dim=1)
         try:
-            sess = await asyncio.wait_for(
-                self.orch.client.open_session(peer, session_id=f"audit-{uuid.uuid4().hex[:12]}", start_block=start,
-                                              end_block=end, max_length=int(xx.shape[1])),
-                timeout=self.orch.cfg.step_timeout_s)
+            async with asyncio.timeout(self.orch.cfg.step_timeout_s):  # not wait_for: it can swallow a cancellation
+                sess = await self.orch.client.open_session(peer, session_id=f"audit-{uuid.uuid4().hex[:12]}",
+                                                           start_block=start, end_block=end,
+                                                           max_length=int(xx.shape[1]))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - full, refusing or gone: this audit is skipped

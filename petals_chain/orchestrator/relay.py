@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from petals_chain.swarm.rpc import InvalidReply, NoCapacityError
+from petals_chain.swarm.rpc import InvalidReply, NoCapacityError, RemoteSession
 
 logger = logging.getLogger(__name__)
 
@@ -128,17 +128,21 @@ class ChainSession:
                 raise ConnectionError("the server was declared failed")
             # An open queued at the server (wait_s) may wait minutes: abort() cancels it when the server is declared
             # failed, since a dead peer's stream may never end.
-            task = self._opening[peer] = asyncio.ensure_future(asyncio.wait_for(
-                self.client.open_session(peer, session_id=self.session_id, start_block=start, end_block=end,
-                                         max_length=self.max_length, **extra),
-                timeout=self.step_timeout_s + wait_s,
-            ))
+            async def opening() -> RemoteSession:
+                # asyncio.timeout, not wait_for: wait_for's inner task, cancelled by abort() while its open failed,
+                # ended with an exception nobody read (Python 3.11; see rpc._await_next).
+                async with asyncio.timeout(self.step_timeout_s + wait_s):
+                    return await self.client.open_session(peer, session_id=self.session_id, start_block=start,
+                                                          end_block=end, max_length=self.max_length, **extra)
+
+            task = self._opening[peer] = asyncio.ensure_future(opening())
             try:
                 return await task
             except asyncio.CancelledError:
                 if peer in self._aborted and not _current_task_cancelling():
                     raise ConnectionError("the server was declared failed") from None
                 task.cancel()
+                task.add_done_callback(_unread)  # we leave: whatever it ends in, nobody reads it
                 raise
             finally:
                 if self._opening.get(peer) is task:
@@ -291,10 +295,9 @@ class ChainSession:
         sid = f"{self.session_id}.r{next(self._replacements)}"
         extra = {"push_token": secrets.token_hex(16)} if self.push else {}
         try:
-            sess = await asyncio.wait_for(self.client.open_session(peer, session_id=sid, start_block=start,
-                                                                   end_block=end, max_length=self.max_length,
-                                                                   **extra),
-                                          timeout=self.step_timeout_s)
+            async with asyncio.timeout(self.step_timeout_s):  # not wait_for: it can swallow our cancellation
+                sess = await self.client.open_session(peer, session_id=sid, start_block=start, end_block=end,
+                                                      max_length=self.max_length, **extra)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - refused, full or unreachable: the caller tries another
@@ -344,6 +347,12 @@ class ChainSession:
         sessions, self._sessions = self._sessions, []
         await asyncio.gather(*(s.close(prefix_hashes=named) if named else s.close() for s in sessions),
                              return_exceptions=True)
+
+
+def _unread(task: asyncio.Future) -> None:
+    """Mark a finished task's exception as read: its waiter has left, and its failure is no news."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _current_task_cancelling() -> bool:

@@ -741,8 +741,8 @@ class PushStream:
             raise ConnectionError("the push stream is closed")
         if self._responses is None:
             try:
-                self._responses = await asyncio.wait_for(
-                    PeerStream.open(self.p2p, self.peer, "rpc_push", self._requests()), timeout_s)
+                async with asyncio.timeout(timeout_s):  # not wait_for: see _await_next
+                    self._responses = await PeerStream.open(self.p2p, self.peer, "rpc_push", self._requests())
             except Exception as e:  # noqa: BLE001 - P2P errors of a dead or unreachable peer
                 self.close()
                 raise ConnectionError(f"push to {self.peer[:16]}…: {type(e).__name__}: {e}") from e
@@ -762,10 +762,11 @@ class PushStream:
         broken or timed out; RuntimeError: refused."""
         async with self._lock:
             try:
-                await asyncio.wait_for(self._open(timeout_s), timeout_s)
+                await self._open(timeout_s)
                 for m in messages:
                     self._queue.put_nowait(m)
-                reply = _unpack_reply(await asyncio.wait_for(self._responses.__anext__(), timeout_s))
+                async with asyncio.timeout(timeout_s):  # not wait_for: see _await_next
+                    reply = _unpack_reply(await self._responses.__anext__())
             except (StopAsyncIteration, asyncio.TimeoutError, ConnectionError) as e:
                 self.close()
                 raise ConnectionError(f"push to {self.peer[:16]}…: {type(e).__name__}: {e}") from None
@@ -809,7 +810,11 @@ def _as_peer(peer_id: Union[str, PeerID]) -> PeerID:
 
 async def _await_next(responses: AsyncIterator, timeout: Optional[float], what: str):
     try:
-        return await asyncio.wait_for(responses.__anext__(), timeout=timeout)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a read that finishes as the
+        # caller is cancelled (gh-86296), so a cancelled open or step ended in ConnectionError instead, in a task
+        # whose canceller no longer read it ("Task exception was never retrieved").
+        async with asyncio.timeout(timeout):
+            return await responses.__anext__()
     except StopAsyncIteration:
         raise ConnectionError(f"{what}: the server closed the stream") from None
     except asyncio.TimeoutError:
@@ -1068,8 +1073,8 @@ class ServerClient:
             **({"push_token": push_token} if push_token else {}),
             **({"model": self.model_fingerprint} if self.model_fingerprint else {})})))
         try:
-            sess._responses = await asyncio.wait_for(PeerStream.open(self.p2p, peer_id, "rpc_session",
-                                                                     sess._requests()), timeout=self.open_timeout_s)
+            async with asyncio.timeout(self.open_timeout_s):  # not wait_for: see _await_next
+                sess._responses = await PeerStream.open(self.p2p, peer_id, "rpc_session", sess._requests())
         except asyncio.TimeoutError:
             raise ConnectionError(f"open on {peer_id}: no stream within {self.open_timeout_s} s") from None
         except Exception as e:  # noqa: BLE001
@@ -1119,7 +1124,8 @@ class ServerClient:
                         raise
 
         try:
-            return await asyncio.wait_for(call(), timeout=timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: see _await_next
+                return await call()
         except Exception as e:  # noqa: BLE001 - timeouts, P2P errors, dead peers
             raise ConnectionError(f"{method} {peer_id}: {type(e).__name__}: {e}") from e
 
