@@ -121,6 +121,34 @@ def test_a_push_without_the_token_is_refused(swarm):
     assert len(errors) == 2 and all("untrusted" in e for e in errors), errors
 
 
+def test_a_closed_push_session_takes_no_more_pushes_and_its_id_opens_again(swarm):
+    """Closing a session that takes pushes drops its mailbox with it: a push for it (right token, trusted peer) is
+    refused, and the same session id can be opened again with a new token. (The mailbox outlived a close: it kept
+    taking pushes, held up to 4 hidden states, and refused the id's next open as "already open".)"""
+    from petals_chain.swarm.rpc import push_step, serialize_chunks
+
+    chain = swarm.state()["chains"][0]
+    peer, (start, end) = chain["servers"][0], chain["spans"][0]
+
+    async def probe(orch):
+        hidden = torch.zeros(1, 1, int(orch.config.hidden_size), dtype=torch.float32)
+        client = orch.client
+        sess = await client.open_session(peer, "closed-box", start, end, MAX_LENGTH, push_token="ab" * 16)
+        await sess.close()
+        try:
+            await push_step(client.p2p, {"peer": peer, "session_id": "closed-box", "token": "ab" * 16}, 0, 1, [],
+                            serialize_chunks(hidden), timeout_s=20)
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        again = await client.open_session(peer, "closed-box", start, end, MAX_LENGTH, push_token="cd" * 16)
+        await again.close()
+        return refused
+
+    refused = swarm.call(probe, timeout=60)
+    assert refused is not None and "no open session takes this push" in refused, refused
+
+
 async def _hidden_size(orch) -> int:
     return int(orch.config.hidden_size)
 

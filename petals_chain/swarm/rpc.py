@@ -407,7 +407,7 @@ class PetalsChainBlocks(ServicerBase):
                     if op == "close":
                         prefix = _hashes_field(meta, 1 << 40)
                         sid, session_id = session_id, None  # closed here, not again below
-                        self.backend.close_session(sid, **prefix)
+                        self._end_session(sid, **prefix)
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, "closed": True}))
                         await _linger(stream, None, self.linger_s)
                         return
@@ -464,10 +464,14 @@ class PetalsChainBlocks(ServicerBase):
             for ps in push_streams.values():
                 ps.close()
             if session_id is not None:
-                self.backend.close_session(session_id)
-                box = self._boxes.pop(session_id, None)
-                if box is not None:
-                    box.close()
+                self._end_session(session_id)
+
+    def _end_session(self, session_id: str, **prefix: Any) -> None:
+        """Close ``session_id`` at the backend and its push mailbox (pushes to it are refused from now on)."""
+        self.backend.close_session(session_id, **prefix)
+        box = self._boxes.pop(session_id, None)
+        if box is not None:
+            box.close()
 
     async def _take_push(self, msg: runtime_pb2.ExpertRequest, meta: dict, session_id: str,
                          position: int) -> tuple[int, torch.Tensor, list[dict]]:
