@@ -180,6 +180,33 @@ def test_tight_pool_reuses_with_a_lean_reservation(model):
     assert r.cache_stats()["pages_evictable"] == 8
 
 
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_fork_before_the_sources_first_step_copies_the_matched_prefix(model, lean):
+    """A session opened on a cached prefix holds those tokens in the shared pages it matched until its first step;
+    a fork of it then copies them from there. (It copied the source's own pages, which hold nothing yet; opened
+    lean they are NO_PAGE, and the copy read the pool's last page: another session's K/V.)"""
+    r = _runner(model, num_slots=12, max_length=64)  # 48 pages of 16 tokens, 4 blocks
+    prompt = list(range(600, 640))
+    r.allocate("a", 0, 4, max_tokens=64)
+    r.forward("a", _embed(r, prompt), 0)
+    r.release("a", prefix_hashes(prompt))
+    if lean:  # too full for b's whole limit in own pages: none under its match
+        r.allocate("hold", 0, 4, max_tokens=64)
+        r.allocate("hold2", 0, 4, max_tokens=64)
+        r.forward("hold2", torch.randn(1, 64, r.hidden_size), 0)  # the pool's pages hold someone else's K/V
+    assert r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 32
+    assert r.sessions()["b"]["pages"] == (8 if lean else 16)
+    if lean:
+        r.release("hold")
+    r.fork("b", "c", 32, max_tokens=48)
+    assert r.sessions()["c"]["limit"] == 48
+    ref = _fresh(_runner(model), prompt)[:, 32:]
+    torch.testing.assert_close(r.forward("c", _embed(r, prompt[32:]), 32), ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(r.forward("b", _embed(r, prompt[32:]), 32), ref, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="must hold"):
+        r.fork("b", "d", 32, max_tokens=31)
+
+
 def test_slots_mode_and_disabled_cache_never_reuse(model):
     prompt = list(range(500, 540))
     for kw in ({"kv_cache": "slots"}, {"prefix_cache": False}, {"page_size": 24}):

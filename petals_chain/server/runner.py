@@ -353,15 +353,16 @@ class BlockRunner:
         s.pending, s.shared_pages = None, keep
         self.prefix_reused_tokens += position
 
-    def fork(self, source_id: str, session_id: str, length: int) -> None:
-        """Open ``session_id`` over ``source_id``'s span with a copy of its first ``length`` cached tokens.
+    def fork(self, source_id: str, session_id: str, length: int, max_tokens: int | None = None) -> None:
+        """Open ``session_id`` over ``source_id``'s span with a copy of its first ``length`` cached tokens, holding
+        up to ``max_tokens`` (at least ``length``; default the source's limit).
 
         What ``n > 1`` samples of one prompt share: the prompt's KV is computed once and copied per sample
         (copying ``length`` tokens of K/V per block is far cheaper than recomputing them). Raises
         :class:`NoCapacityError` without slots, ``KeyError`` for an unknown source, ``ValueError`` if the
-        source holds fewer than ``length`` tokens. Positions ``< length`` are never written by the source's
-        later steps (they continue or fail over, never roll back into a forked prefix), so the copy is safe
-        while the source computes its next step.
+        source holds fewer than ``length`` tokens or a step of it is rewriting some of them (a roll-back); a step
+        that writes only positions ``>= length`` may run meanwhile. A source opened on a cached prefix that has
+        not stepped yet holds its tokens in the shared pages it matched: they are copied from there.
         """
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"fork length must be a positive int, got {length!r}")
@@ -369,10 +370,19 @@ class BlockRunner:
             src = self._get(source_id)
             if length > src.length:
                 raise ValueError(f"session {source_id!r} holds {src.length} tokens, cannot fork {length}")
-            self.allocate_locked(session_id, src.start_block, src.end_block, src.limit)
+            if src.busy and src.writing_from < length:
+                raise ValueError(f"a step of session {source_id!r} is rewriting its tokens from position "
+                                 f"{src.writing_from}: cannot fork {length} now")
+            limit = src.limit if max_tokens is None else max_tokens
+            if isinstance(limit, bool) or not isinstance(limit, int) or not length <= limit <= self.max_length:
+                raise ValueError(f"a fork of {length} tokens must hold {length}..{self.max_length} tokens, "
+                                 f"got {limit!r}")
+            self.allocate_locked(session_id, src.start_block, src.end_block, limit)
             dst = self._sessions[session_id]
+            # before its first step, the source's own tables hold nothing valid (or NO_PAGE, opened lean)
+            source = src.pending if src.pending is not None else src.pages_of
             for layer, table in dst.pages_of.items():
-                self.pool.copy(src.pages_of[layer], table, length)
+                self.pool.copy(source[layer], table, length)
             dst.length = length
 
     def release(self, session_id: str, prefix_hashes: bytes | Sequence[bytes] = ()) -> bool:
@@ -501,7 +511,7 @@ class BlockRunner:
                                  f"(positions < {s.shared_pages * self.page_size} are never rewritten)")
             if s.pending is not None:
                 self._start_at(s, position)
-            s.busy = True
+            s.busy, s.writing_from = True, position
             pages_of, start, end = dict(s.pages_of), s.start_block, s.end_block  # tables are immutable
         try:
             x = hidden.to(device=self.device, dtype=self.dtype)

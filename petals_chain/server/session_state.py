@@ -22,6 +22,7 @@ class SessionState:
     limit: int  # most tokens the session may hold (what its pages cover)
     length: int = 0  # tokens whose K/V are valid in every layer of the session
     busy: bool = False  # a step is computing; a second concurrent step is refused
+    writing_from: int = 0  # while busy: the first position the running step writes
     closing: bool = False  # released while busy: pages go back when the step ends
     dropped: bool = False  # pages already returned to the pool
     last_used: float = field(default_factory=time.monotonic)

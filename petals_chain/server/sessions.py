@@ -78,6 +78,9 @@ class SessionService:
                                 peer_id: str, wait_s: float, prefix_hashes: Sequence[bytes] = ()) -> dict:
         """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
         runner = self._check_open(session_id, max_length)
+        if not runner.start_block <= start_block < end_block <= runner.end_block:
+            raise RefusedError("invalid", f"span [{start_block}, {end_block}) is not a non-empty part of this "
+                                          f"server's blocks [{runner.start_block}, {runner.end_block})")
         need = runner.pages_needed(end_block - start_block, max_length)
         if need > runner.pool.num_pages:
             raise RefusedError("no_capacity", f"no capacity: {need} cache pages needed, the server has "
@@ -104,8 +107,13 @@ class SessionService:
             # a lone short step runs inline (a thread hand-off costs ~1.5 ms here) and longer work runs off the
             # event loop, so pings and other streams stay responsive.
             out = await sess.runner.forward_async(session_id, hidden, position, inline_max_tokens=INLINE_MAX_TOKENS)
+        except NoCapacityError as e:  # a lean session's first step before its matched prefix needs pages
+            raise self._no_capacity(e, *sess.span) from None
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
+        finally:
+            if len(self.admission):  # a first step on a cached prefix returns the pages it no longer needs
+                self.admission.notify()
         sess.steps += 1
         return out
 
@@ -188,7 +196,7 @@ class SessionService:
                 if src is None or src.peer != peer_id or src.span != (start_block, end_block):
                     raise ValueError(f"cannot fork {fork_from!r}: no open session of this peer over blocks "
                                      f"[{start_block}, {end_block})")
-                runner.fork(fork_from, session_id, fork_length)
+                runner.fork(fork_from, session_id, fork_length, max_tokens=max_length)
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
         self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block))
