@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import threading
 
 import pytest
@@ -289,6 +291,38 @@ def test_fork_copies_the_prefix_kv(models, kv_cache):
     with pytest.raises(NoCapacityError):
         r.fork("a", "d", 3)  # a, b, c and five hold all 16 slots
     assert "d" not in r.sessions()
+
+
+def test_a_cancelled_step_without_batching_keeps_its_pages_until_the_thread_ends(models, monkeypatch):
+    """Without batching a step computes in an executor thread, which a cancelled caller cannot stop: the session
+    stays busy (its pages its own) until that thread ends. (It was finished at once, so a close could hand the
+    pages to a new session while the orphaned step still wrote them.)"""
+    r = BlockRunner(models["llama"], 0, 2, num_slots=4, max_length=32, progress=False, batching=False)
+    release, entered = threading.Event(), threading.Event()
+    compute = r._compute_alone
+
+    def slow(*args):
+        entered.set()
+        release.wait(10)
+        return compute(*args)
+
+    monkeypatch.setattr(r, "_compute_alone", slow)
+
+    async def main():
+        r.allocate("a", 0, 2)
+        step = asyncio.ensure_future(r.forward_async("a", torch.randn(1, 12, r.hidden_size), 0, inline_max_tokens=0))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        step.cancel()
+        await asyncio.sleep(0.2)
+        assert not step.done() and r.sessions()["a"]["busy"]
+        assert not r.release("a") or r.slots_free == 2  # released while busy: its slots wait for the thread
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        assert r.slots_free == 4
+
+    asyncio.run(main())
 
 
 def test_zero_slot_runner_refuses(models):

@@ -18,6 +18,7 @@ stretches it to emulate a slower device.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import math
 import os
@@ -484,8 +485,19 @@ class BlockRunner:
                 out = await self.scheduler.submit_async(s, x, position, pages_of, start, end,
                                                         inline_max_tokens=inline_max_tokens)
             else:
-                out = await asyncio.get_running_loop().run_in_executor(
-                    None, self._compute_alone, x, position, pages_of, start, end)
+                fut = asyncio.get_running_loop().run_in_executor(None, self._compute_alone, x, position, pages_of,
+                                                                 start, end)
+                try:
+                    out = await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    # the thread goes on writing the session's pages: they stay the session's (busy) until it ends,
+                    # as a started batch's do (BatchScheduler.submit_async)
+                    while not fut.done():
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.wait({fut})
+                    if not fut.cancelled():
+                        fut.exception()  # read: the caller has gone
+                    raise
             ok = True
             return out.to(device=hidden.device, dtype=hidden.dtype)
         finally:
