@@ -177,6 +177,22 @@ def test_isolation_from_garbage_neighbours(models, kv_cache):
     torch.testing.assert_close(s1, solo_step, **TOL)
 
 
+def test_rows_whose_spans_leave_a_gap_batch_together(models):
+    """Rows over [0, 2) and [5, 8): no row needs blocks 2-4, and the batch skips them (it raised on them, and every
+    row was computed again alone)."""
+    r = BlockRunner(models["qwen2"], 0, 8, num_slots=40, max_length=32, progress=False, page_size=4)
+    H = r.hidden_size
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1, 4, H, generator=g), torch.randn(1, 3, H, generator=g)]
+    spans = [(0, 2), (5, 8)]
+    for i, (a, b) in enumerate(spans):
+        r.allocate(f"s{i}", a, b)
+        r.allocate(f"solo{i}", a, b)
+    batched = run_batch(r, [BatchItem(x, 0, r._sessions[f"s{i}"].pages_of, *spans[i]) for i, x in enumerate(xs)])
+    for i, (a, b) in enumerate(spans):
+        torch.testing.assert_close(batched[i], r._run_blocks(xs[i], 0, r._sessions[f"solo{i}"].pages_of, a, b), **TOL)
+
+
 def test_bad_request_does_not_fail_the_batch(models, monkeypatch):
     path = models["llama"]
     r = BlockRunner(path, 0, 4, num_slots=16, max_length=16, batch_wait_ms=50, progress=False)

@@ -252,6 +252,8 @@ def run_batch(runner: BatchHost, items: Sequence[BatchItem]) -> list[torch.Tenso
     segments: dict[tuple[int, ...], _Segment] = {}
     for layer_idx in range(lo, hi):
         rows = tuple(i for i, it in enumerate(items) if it.start <= layer_idx < it.end)
+        if not rows:  # sub-spans with a gap between them (e.g. [0, 2) and [5, 8)): no row needs this block
+            continue
         seg = segments.get(rows)
         if seg is None:
             seg = segments[rows] = _Segment(runner, items, rows, lo, hi, tok_off)
