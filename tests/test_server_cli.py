@@ -9,7 +9,18 @@ from petals_chain.server.server import CPU_MEMORY_FRACTION, Server, ServerConfig
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--memory-gb", "-1"], "--memory-gb must be positive"),
+    (["--memory-gb", "-1"], "--memory-gb must be a positive number"),
+    (["--memory-gb", "inf"], "--memory-gb must be a positive number"),
+    (["--tau-p", "-1"], "--tau-p must be a finite number > 0"),
+    (["--tau-p", "nan"], "--tau-p must be a finite number > 0"),
+    (["--idle-timeout-s", "0"], "--idle-timeout-s must be a finite number > 0"),
+    (["--refresh-s", "0"], "--refresh-s must be a finite number > 0"),
+    (["--assignment-poll-s", "-1"], "--assignment-poll-s must be a finite number > 0"),
+    (["--drain-timeout-s", "nan"], "--drain-timeout-s must be a finite number >= 0"),
+    (["--max-wait-s", "inf"], "--max-wait-s must be a finite number > 0"),
+    (["--profile-l-in", "0"], "--profile-l-in must be an integer >= 1"),
+    (["--page-size", "0"], "--page-size must be an integer >= 1"),
+    (["--max-length", "10000000"], "exceeds max_position_embeddings"),
     (["--memory-bytes", "0"], "--memory-bytes must be positive"),
     (["--emulate-compute-scale", "0.5"], "emulate_compute_scale"),
     (["--emulate-rtt-ms", "-3"], "emulate_rtt_ms"),

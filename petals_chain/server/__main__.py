@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import sys
 from typing import Optional, Sequence
 
@@ -117,8 +118,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     memory_bytes = args.memory_bytes
     if args.memory_gb is not None:
-        if not args.memory_gb > 0:
-            print("error: --memory-gb must be positive", file=sys.stderr)
+        if not 0 < args.memory_gb < math.inf:
+            print("error: --memory-gb must be a positive number", file=sys.stderr)
             return 2
         memory_bytes = int(args.memory_gb * (1 << 30))
     if memory_bytes is not None and memory_bytes <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -57,6 +58,26 @@ class ServerConfig:
     emulate_reply_fault: str = "none"  # chaos runs: none | nan | shape
     emulate_reply_fault_rate: float = 0.0  # fraction of step replies corrupted
     emulate_tau_p_lie: float = 1.0  # announce tau_p this many times better than measured
+
+    def validate(self) -> None:
+        """ValueError naming the first option whose value the server could not run with (an option accepted and
+        then failing later, e.g. a record the DHT refuses or every session refused, leaves a volunteer guessing)."""
+        def number(flag: str, value: object, *, positive: bool) -> None:
+            ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not ok or value < 0 or (positive and value == 0):
+                raise ValueError(f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+        if self.tau_p is not None:
+            number("--tau-p", self.tau_p, positive=True)
+        for flag, value in (("--refresh-s", self.refresh_s), ("--assignment-poll-s", self.assignment_poll_s),
+                            ("--idle-timeout-s", self.idle_timeout_s), ("--max-wait-s", self.max_wait_s)):
+            number(flag, value, positive=True)
+        number("--drain-timeout-s", self.drain_timeout_s, positive=False)
+        number("relay_wait_s", self.relay_wait_s, positive=False)
+        for flag, value in (("--profile-l-in", self.profile_l_in), ("--profile-l-out", self.profile_l_out),
+                            ("--page-size", self.page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
 
     def emulation(self) -> Emulation:
         """The emulation knobs (validated: ValueError naming the bad one)."""

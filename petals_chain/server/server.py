@@ -56,6 +56,7 @@ class Server:
         from petals_chain.swarm.checkpoint import QUANT_MODES
 
         self.cfg = cfg
+        cfg.validate()
         if cfg.quant not in QUANT_MODES:
             raise ValueError(f"--quant must be one of {QUANT_MODES}, got {cfg.quant!r}")
         if isinstance(cfg.max_blocks, bool) or not isinstance(cfg.max_blocks, int) or cfg.max_blocks < 0:
@@ -69,6 +70,11 @@ class Server:
                                   quant=cfg.quant, cache_tokens_per_block=cfg.cache_tokens_per_block,
                                   kv_cache=cfg.kv_cache, page_size=cfg.page_size)
         self.active = self.hosted[0]
+        for hosted in self.hosted:
+            max_pos = getattr(hosted.config, "max_position_embeddings", None)
+            if cfg.max_length is not None and isinstance(max_pos, int) and cfg.max_length > max_pos:
+                raise ValueError(f"--max-length {cfg.max_length} exceeds max_position_embeddings {max_pos} of "
+                                 f"model {hosted.spec!r}")
         self.placement_timestamp = 0.0  # of the placement record followed last
         self.switches = 0  # times the server was placed on another of its models
         self._misplaced: set[str] = set()  # placements naming a model we do not offer (said once each)
