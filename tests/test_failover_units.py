@@ -226,3 +226,48 @@ def test_a_server_banned_for_good_stays_out_even_after_its_record_expires():
     assert pl.servers["a"].distrusted and not in_chains("a")
     entry = {s["peer_id"]: s for s in pl.server_json()}["a"]
     assert entry["distrusted"] and entry["banned_for_s"] is None
+
+
+def test_a_job_cancelled_while_its_chain_closes_gives_the_slot_back_after_the_close():
+    """The chain's close (a round trip per hop, up to its timeout on a silent server) runs to its end when the job
+    is cancelled meanwhile (its client left), and the slot goes back then. (The release came after an await that
+    the cancellation skipped: the slot was lost for good, through re-plans too.)"""
+    import types
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import ChainPrefixes, DispatchJob, DispatchManager
+    from petals_chain.orchestrator.failover import ChainHolder
+
+    closing = asyncio.Event()
+
+    class SlowChainSession:
+        prefix_cache, peers_used = True, ()
+
+        async def close(self, named=b""):
+            await closing.wait()
+
+    async def main():
+        dm = DispatchManager(policy="jffc")
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        cfg = types.SimpleNamespace(output_reserve_tokens=0, hold_sessions=False)
+        orch = types.SimpleNamespace(dispatch=dm, cfg=cfg,
+                                     model_id="m", prefix_directory=ChainPrefixes(), chain_sessions=set(), auditor=None,
+                                     stats=types.SimpleNamespace(add_pause=lambda: None),
+                                     replay_cache=types.SimpleNamespace(new=lambda: types.SimpleNamespace(
+                                         clear=lambda: None, close=lambda: None)))
+        holder = ChainHolder(orch, "job1", 64)
+        holder.lease = await dm.acquire(DispatchJob("job1"))
+        holder.cs = SlowChainSession()
+        pausing = asyncio.ensure_future(holder._pause())
+        await asyncio.sleep(0.05)
+        pausing.cancel()
+        await asyncio.gather(pausing, return_exceptions=True)
+        nxt = asyncio.ensure_future(dm.acquire(DispatchJob("next")))
+        await asyncio.sleep(0.05)
+        assert not nxt.done() and dm.running == 1  # the servers still hold the session: the slot is not free yet
+        closing.set()
+        lease = await asyncio.wait_for(nxt, 2.0)
+        dm.release(lease)
+        assert dm.running == 0 and dm.queue_length == 0
+
+    asyncio.run(main())

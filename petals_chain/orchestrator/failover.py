@@ -267,11 +267,25 @@ class ChainHolder:
         named = prefix_hashes(held, auditor.salt if auditor is not None else b"") if held else b""
         if lease is not None and named:
             self.orch.prefix_directory.add(lease.chain, named)
-        if cs is not None:
-            self.orch.chain_sessions.discard(cs)
-            await cs.close(named=named)
-        if lease is not None:
-            self.orch.dispatch.release(lease)
+        if cs is None:
+            if lease is not None:
+                self.orch.dispatch.release(lease)
+            return
+        self.orch.chain_sessions.discard(cs)
+        # The close (a round trip per hop, up to its timeout on a silent server) runs to its end even if our caller
+        # is cancelled meanwhile (a client gone, a sibling choice failed), and the slot goes back after it: the
+        # chain's free slots then match its servers' (released before, a new job's open could find them full;
+        # released after an await that a cancellation skips, the slot was lost for good).
+        closing = asyncio.ensure_future(cs.close(named=named))
+
+        def closed(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:  # read here: a cancelled caller never does
+                logger.warning("job %s: closing its chain session failed: %r", self.job_id, f.exception())
+            if lease is not None:
+                self.orch.dispatch.release(lease)
+
+        closing.add_done_callback(closed)
+        await asyncio.shield(closing)
 
     async def release_chain(self) -> bool:
         """Between a session's turns: give the chain back (its servers keep the KV as cached prefixes; the next
