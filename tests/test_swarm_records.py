@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import pydantic
@@ -57,6 +58,12 @@ def test_record_models_validate():
         AssignmentRecord(epoch=1, max_length=64, orchestrator_peer_id="QmO", assignments={"QmA": [0, 0]})
     asg = AssignmentRecord(epoch=3, max_length=64, orchestrator_peer_id="QmO", assignments={"QmA": [2, 3]})
     assert asg.span_of("QmA") == (2, 3) and asg.span_of("QmB") is None
+    # a hostile peer's inf or NaN never reaches the planner (tau_p = inf stopped every plan)
+    good = _record("QmX").to_value()
+    for field in ("tau_p", "emulate_rtt_ms", "timestamp"):
+        for bad in (math.inf, math.nan):
+            with pytest.raises(pydantic.ValidationError):
+                ServerRecord.from_value({**good, field: bad})
 
 
 def test_owner_key_derives_peer_id(swarm):

@@ -31,7 +31,9 @@ _UNKNOWN_FIELD_NAME_MAX = 64
 class _Record(pydantic.BaseModel):
     """A DHT record: strict when built in code, tolerant of newer writers' fields when read off the DHT."""
 
-    model_config = pydantic.ConfigDict(extra="forbid")
+    # inf and NaN are refused: a peer's record with tau_p = inf (or a timestamp of inf, fresh forever) reached the
+    # planner, whose every plan then failed on it
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @classmethod
     def from_value(cls, value: Any) -> "_Record":
