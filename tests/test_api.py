@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from petals_chain.orchestrator import Orchestrator, OrchestratorConfig
+from petals_chain.orchestrator.core import Unavailable
 from petals_chain.orchestrator.api import create_app
 
 
@@ -84,6 +85,9 @@ def test_api_without_servers(model_path):
             {"model": model, "prompt": "x", "presence_penalty": 2.5},
             {"model": model, "prompt": "x", "logit_bias": {"99999": 1}},
             {"model": model, "prompt": "x", "logit_bias": {"abc": 1}},
+            {"model": model, "prompt": "x", "logit_bias": {"\u00b2": 1}},  # "²".isdigit(), int() fails: was a 500
+            {"model": model, "prompt": "x", "logit_bias": {"\u0661": 1}},  # Arabic-Indic one: was read as token 1
+            {"model": model, "prompt": "x", "speculative": "draft", "stream": True},  # no draft model: was 200
             {"model": model, "prompt": "x", "min_p": 1.5},
             {"model": model, "prompt": "x", "logprobs": 21},
             {"model": model, "prompt": "x", "best_of": 2},
@@ -132,6 +136,46 @@ def test_api_without_servers(model_path):
                                                              "stream": True}) as resp:
             body = "".join([chunk async for chunk in resp.aiter_text()])
         assert '"error"' in body and body.rstrip().endswith("data: [DONE]")
+
+    run_with_api(model_path, fn)
+
+
+def test_too_many_prompts_are_refused_before_any_is_tokenized(model_path, monkeypatch):
+    """prompts x n is checked first: a body of many short prompts held the event loop while each was tokenized,
+    only to be refused afterwards."""
+    async def fn(orch, c):
+        encoded = []
+        encode = orch.encode
+        monkeypatch.setattr(orch, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw))
+        r = await c.post("/v1/completions", json={"model": orch.model_id, "prompt": ["a"] * 5000, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert encoded == []
+
+    run_with_api(model_path, fn)
+
+
+def test_a_failed_prompt_cancels_the_requests_other_prompts(model_path, monkeypatch):
+    """One prompt of a multi-prompt completion fails: the others are cancelled with it, not left holding chains
+    after the client has its error."""
+    async def fn(orch, c):
+        still_running, cancelled = [], []
+
+        async def generate_n(ids, params, explicit, *args, **kwargs):
+            if len(ids) == 1:
+                await asyncio.sleep(0.05)
+                raise Unavailable("no chain for this one")
+            still_running.append(ids)
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                cancelled.append(ids)
+                raise
+
+        monkeypatch.setattr(orch, "generate_n", generate_n)
+        r = await c.post("/v1/completions", json={"model": orch.model_id, "prompt": [[5], [5, 6], [5, 6, 7]],
+                                                  "max_tokens": 1})
+        assert r.status_code == 503
+        assert sorted(map(len, still_running)) == [2, 3] and sorted(map(len, cancelled)) == [2, 3]
 
     run_with_api(model_path, fn)
 

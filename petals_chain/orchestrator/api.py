@@ -29,6 +29,7 @@ from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import maybe_forward
 from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, TokenChoice
+from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class SamplingFields(_Base):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for key, bias in v.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # str.isdigit() takes "²" and "١", which int() misreads
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
@@ -325,6 +326,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
         if req.n > cfg.max_n:
             raise RequestError(f"n must be at most {cfg.max_n}", param="n")
         params, explicit = req.sampling(cfg.max_tokens_limit, default_max_tokens, logprobs)
+        orch.check_speculative(params)  # here, not only in the generation: a stream would answer 200 + an error
         vocab = orch.vocab_size
         bad = [t for t in list(params.logit_bias) + params.stop_token_ids if t >= vocab]
         if bad:
@@ -513,6 +515,9 @@ def create_app(orch: Orchestrator) -> FastAPI:
         if (forwarded := await maybe_forward(orch, request)) is not None:
             return forwarded
         check_model(req.model)
+        many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+        if (len(req.prompt) if many else 1) * req.n > cfg.max_n:  # before tokenizing them all on the event loop
+            raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n)", param="n")
         prompts = await prompt_ids_of(req.prompt)
         if len(prompts) * req.n > cfg.max_n:
             raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n)", param="n")
@@ -542,7 +547,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
             include = bool(req.stream_options and req.stream_options.include_usage)
             return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, req.n), explicit, emits),
                                    req.n, chunk, include, len(ids))
-        results = await unless_disconnected(request, asyncio.gather(*(
+        results = await unless_disconnected(request, gather_or_cancel(*(
             orch.generate_n(ids, per_choice(params, req.n), explicit, prompt_logprobs=echo_logprobs)
             for ids in prompts)))
         choices, gens = [], []

@@ -15,6 +15,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from petals_chain.orchestrator.dispatch import note_admission
+
 logger = logging.getLogger(__name__)
 
 FORWARDED_HEADER = "x-petals-chain-forwarded-by"  # value: the peer id of the orchestrator that forwarded it
@@ -60,6 +62,9 @@ async def maybe_forward(orch: Any, request: Request) -> Optional[StreamingRespon
         logger.warning("could not forward %s to %s (%s): serving it here", request.url.path, url, e)
         return None
     orch.groups.forwarded += 1
+    # the other orchestrator decides admission: pass its reply through as it comes (the API holds a streamed reply
+    # until our dispatcher decides, which for a forwarded request it never does: the whole stream was held)
+    note_admission(True)
 
     async def relay():
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Awaitable
 
 logger = logging.getLogger(__name__)
 
@@ -50,3 +50,16 @@ async def hold_after_reply(timeout_s: float) -> None:
     has read the request stream to its end before calling the handler, so there is nothing left to read here."""
     if timeout_s > 0:
         await asyncio.sleep(timeout_s)
+
+
+async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
+    """Like :func:`asyncio.gather`, but the first failure cancels the others (and waits for them) before it is
+    raised: one part of a request failing leaves nothing of the request running (gather lets the rest run on)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
