@@ -11,7 +11,7 @@ from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 
 pytestmark = pytest.mark.slow
 
-ALICE, BOB = "alice-secret-0123456789", "bob-secret-0123456789"
+ALICE, BOB, CAROL = "alice-secret-0123456789", "bob-secret-0123456789", "carol-secret-0123456789"
 IDLE_S = 10.0  # the session lease (--session-idle-timeout-s)
 
 
@@ -19,7 +19,7 @@ IDLE_S = 10.0  # the session lease (--session-idle-timeout-s)
 def swarm(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory("llama", num_layers=4)
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text(f"alice {ALICE} tokens_per_minute=60\nbob {BOB}\n")
+    keys.write_text(f"alice {ALICE} tokens_per_minute=60\nbob {BOB}\ncarol {CAROL}\n")
     with LocalSwarm(path, [LocalServer("a", memory_for(path, 128, 4, 8), tau_p=0.001)], max_length=128,
                     arrival_rate=1.0, log_dir=tmp_path_factory.mktemp("logs"),
                     orchestrator_args=["--api-keys", str(keys), "--session-idle-timeout-s", str(IDLE_S)]) as sw:
@@ -48,6 +48,30 @@ def test_token_budget_is_per_key(swarm):
     assert clients["alice"]["tokens_last_minute"] >= 60 and clients["bob"]["completed"] >= 4
     metrics = httpx.get(f"{swarm.url}/metrics").text
     assert 'petals_chain_client_tokens_total{client="bob"}' in metrics and ALICE not in metrics
+
+
+def test_a_stream_cut_off_is_charged_the_tokens_it_generated(swarm, scaled):
+    """A client that reads part of a stream and leaves pays for what was generated, not only for its prompt (it
+    paid 0 generated tokens: a way around tokens_per_minute)."""
+    import time
+
+    body = {"model": swarm.swarm()["model"], "prompt": "hello there", "max_tokens": 100, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{swarm.url}/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {CAROL}"}) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 12:
+                break
+    deadline = time.monotonic() + scaled(30)
+    while True:
+        carol = {c["name"]: c for c in swarm.swarm()["clients"]}.get("carol", {})
+        if carol.get("failed", 0) + carol.get("completed", 0) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert carol["tokens_last_minute"] >= 2 + 10, carol  # the prompt and at least the tokens read
 
 
 def test_sessions_belong_to_their_key(swarm):

@@ -51,10 +51,12 @@ class GenerationMixin:
     ``cfg``, ``_eos``, ``validate_prompt``, ``_max_tokens`` and ``_background``)."""
 
     async def _decode_loop(self, holder: ChainHolder, context: list[int], hidden: torch.Tensor,
-                           params: SamplingParams, emit: Emit | None) -> tuple[list[int], str, str, list[TokenChoice]]:
+                           params: SamplingParams, emit: Emit | None, generated: list[int] | None = None
+                           ) -> tuple[list[int], str, str, list[TokenChoice]]:
         """Sample, feed, repeat: ``hidden`` is the last block's output after ``context``; returns (tokens,
-        text, finish_reason, choices). The LM head, sampling and the next token's embedding run batched in the
-        head's worker thread (:class:`HeadBatcher`); this loop only relays.
+        text, finish_reason, choices). The tokens are appended to ``generated`` as they come (the caller's list:
+        a job cut off or failed is charged what it generated). The LM head, sampling and the next token's embedding
+        run batched in the head's worker thread (:class:`HeadBatcher`); this loop only relays.
 
         With speculative decoding (``params.speculative`` or ``--speculative``: ``ngram``) each relay step feeds
         the token just sampled together with up to k prompt-lookup drafts; the head keeps the drafts the model's
@@ -63,7 +65,7 @@ class GenerationMixin:
         seq = SequenceSampler(params, context)
         matcher = StopMatcher(self.tokenizer, params.stop)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
-        generated: list[int] = []
+        generated = [] if generated is None else generated
         choices: list[TokenChoice] = []
         unsent: list[TokenChoice] = []
         finish = "length"
@@ -203,7 +205,7 @@ class GenerationMixin:
                     holder.paid = len(prompt_ids)  # the first choice's job paid the prompt
                     holder._worker = holders[0]._worker  # its first token is charged where the prompt ran
                 generated, text, finish, choices = await self._decode_loop(holder, list(prompt_ids), hidden, p,
-                                                                            emits[i])
+                                                                            emits[i], generated)
                 ok = True
             finally:
                 self._background(holder.close())

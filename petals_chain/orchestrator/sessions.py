@@ -126,6 +126,7 @@ class SessionMixin:
             t0 = time.monotonic()
             pending = holder.sync(target)
             prompt_tokens = len(pending)
+            generated: list[int] = []
             try:
                 if pending:
                     hidden = await holder.feed(pending)
@@ -134,14 +135,15 @@ class SessionMixin:
                     holder.sync(target[:-1])
                     hidden = await holder.feed(last)
                 cached = holder.reused_tokens
-                generated, text, finish, choices = await self._decode_loop(holder, list(target), hidden, params, emit)
+                generated, text, finish, choices = await self._decode_loop(holder, list(target), hidden, params, emit,
+                                                                            generated)
                 # Between turns the chain goes back to the pool and its servers keep the KV as cached prefixes
                 # (where they have a prefix cache): the next turn reuses what is still cached.
                 chain = s.last_chain = holder.chain_names
                 await holder.release_chain()
             except BaseException:
-                self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=0, prompt_tokens=prompt_tokens,
-                                  ok=False)
+                self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=len(generated),
+                                  prompt_tokens=prompt_tokens, ok=False)
                 raise
             finally:
                 s.last_used = time.monotonic()
