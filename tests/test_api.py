@@ -180,6 +180,57 @@ def test_a_failed_prompt_cancels_the_requests_other_prompts(model_path, monkeypa
     run_with_api(model_path, fn)
 
 
+def test_concurrent_session_opens_stay_within_the_keys_cap(model_path, tmp_path):
+    """A key with max_sessions=2 opening 10 sessions at once (their bodies arrive just after the headers) gets 2:
+    the opens under way count. (Each was checked before its body was read and recorded after its reply: all 10
+    were opened.)"""
+    key = "k" * 24
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice {key} max_sessions=2\n")
+
+    async def main():
+        orch = Orchestrator(OrchestratorConfig(model=str(model_path), max_length=64, port=0, api_keys=str(keys)))
+        orch.load_model()
+        await orch.start()
+        try:
+            app = create_app(orch)
+            body_arrives = asyncio.Event()
+            statuses = []
+
+            async def open_one():
+                scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                         "path": "/api/v1/sessions", "raw_path": b"/api/v1/sessions", "query_string": b"",
+                         "headers": [(b"authorization", f"Bearer {key}".encode()),
+                                     (b"content-type", b"application/json"), (b"content-length", b"2")],
+                         "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": ""}
+                sent = False
+
+                async def receive():
+                    nonlocal sent
+                    if not sent:
+                        sent = True
+                        await body_arrives.wait()
+                        return {"type": "http.request", "body": b"{}", "more_body": False}
+                    await asyncio.Event().wait()
+
+                async def send(message):
+                    if message["type"] == "http.response.start":
+                        statuses.append(message["status"])
+
+                await app(scope, receive, send)
+
+            opens = [asyncio.ensure_future(open_one()) for _ in range(10)]
+            await asyncio.sleep(0.2)
+            body_arrives.set()
+            await asyncio.gather(*opens)
+            return sorted(statuses), len(orch.sessions)
+        finally:
+            await orch.stop()
+
+    statuses, opened = asyncio.run(main())
+    assert statuses == [200, 200] + [429] * 8 and opened == 2
+
+
 def test_cli_rejects_bad_arguments(model_path):
     import subprocess
     import sys

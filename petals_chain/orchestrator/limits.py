@@ -99,6 +99,7 @@ class AdmissionLimits:
         self.inflight = 0
         self.by_client: dict[str, int] = {}
         self.sessions_of: dict[str, set[str]] = {}
+        self.opening: dict[str, int] = {}  # session opens of each client under way (counted against max_sessions)
         self.rejected: dict[str, int] = {}
         self._metric = None
         try:
@@ -214,11 +215,20 @@ class AdmissionLimits:
         receive = self._bounded(receive, limit)
         if _OPEN_SESSION.match(path):
             cap = self.limits.session_limit(client)
-            if self.open_sessions(client) >= cap:
+            # opens still reading their body count too: checked one by one, concurrent opens all got past the cap
+            if self.open_sessions(client) + self.opening.get(client, 0) >= cap:
                 return await self._reject(send, 429, "client_session_limit",
                                           f"this client already has {cap} open sessions;"
                                           " close one (DELETE /api/v1/sessions/{id}) or retry later")
-            return await self._guard(self._record_session(client, send), scope, receive, send)
+            self.opening[client] = self.opening.get(client, 0) + 1
+            try:
+                return await self._guard(self._record_session(client, send), scope, receive, send)
+            finally:
+                left = self.opening[client] - 1
+                if left > 0:
+                    self.opening[client] = left
+                else:
+                    del self.opening[client]
         if not _GENERATE.match(path):
             return await self._guard(send, scope, receive, send)
         mine = self.by_client.get(client, 0)
