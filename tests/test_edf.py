@@ -13,7 +13,7 @@ from petals_chain.algorithms.edf import ChainLoad, EDFQueue, Preemptible, flex_v
 from petals_chain.model import Chain
 from petals_chain.orchestrator.auth import KeyFileError, KeyRing
 from petals_chain.orchestrator.deadlines import DeadlineBook, RequestDeadline
-from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob, DispatchManager
+from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob, DispatchManager, QueueFull
 
 
 class J:
@@ -158,6 +158,58 @@ def test_flex_dispatch_pauses_a_job_without_deadline_and_requeues_it_after_the_d
         for t in (later, again):
             t.cancel()
         await asyncio.gather(later, again, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_flex_leaves_the_running_job_alone_when_the_deadline_job_is_refused_for_a_full_queue():
+    """A deadline job that flex would pause a running job for, but that the full queue refuses: the running job is
+    not paused (it was: a round trip, perhaps a recompute, for a job that never ran)."""
+    async def main():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 10.0, max_queue=0)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        running = await dm.acquire(_job(0))
+        with pytest.raises(QueueFull):
+            await dm.acquire(DispatchJob("j1", deadline=RequestDeadline.from_ms("x", 800, None), output_tokens=5))
+        assert not running.preempt and dm.flex_preemptions == 0 and dm.refused == 1
+
+    asyncio.run(main())
+
+
+def test_a_deadline_job_back_in_the_queue_keeps_its_deadline():
+    """A job re-queued after a failover, a preemption or a pause is still a deadline job: flex never pauses it
+    for another deadline job. (It re-queued without its deadline: preemptible, and queued behind every deadline
+    job once paused.)"""
+    import types
+
+    from petals_chain.orchestrator.deadlines import DEADLINE
+    from petals_chain.orchestrator.dispatch import ChainPrefixes
+    from petals_chain.orchestrator.failover import ChainHolder
+
+    seen = []
+
+    class Captured(Exception):
+        pass
+
+    async def acquire(job):
+        seen.append(job)
+        raise Captured()
+
+    async def main():
+        dl = RequestDeadline.from_ms("x", 3000, None)
+        DEADLINE.set(dl)
+        orch = types.SimpleNamespace(cfg=types.SimpleNamespace(queue_timeout_s=5.0, output_reserve_tokens=0),
+                                     dispatch=types.SimpleNamespace(acquire=acquire), auditor=None,
+                                     prefix_directory=ChainPrefixes(), model_id="m",
+                                     replay_cache=types.SimpleNamespace(new=lambda: types.SimpleNamespace(
+                                         clear=lambda: None, close=lambda: None)))
+        holder = ChainHolder(orch, "j", 64)
+        for admitted in (False, True):  # a new job, then the same job back after a failover
+            holder.admitted = admitted
+            with pytest.raises(Captured):
+                await holder._ensure_chain([1, 2, 3], 3)
+        assert [j.requeue for j in seen] == [False, True] and all(j.deadline is dl for j in seen)
+        assert not seen[1].preemptible
 
     asyncio.run(main())
 

@@ -494,15 +494,16 @@ class DispatchManager:
         job.arrival = time.monotonic()
         if job.sched is not None:  # the starvation rule's wait counts from its arrival or its last pause
             job.sched.waiting_since = job.arrival
+        paused: Lease | None = None
         try:
             dl = job.deadline
             if not job.requeue and dl is not None and dl.active and not dl.best_effort:
                 pred = self.predict(job)
                 # flex: a job that would miss (by the queue's rate, or waiting for the running jobs' own remaining
                 # work) takes the slot of a job without a deadline if that saves it; else edf's rule
-                paused = (self.schedule == "flex" and (pred.doomed or self._misses_waiting(job))
-                          and self._pause_for(job))
-                if pred.doomed and not paused:
+                paused = (self._pause_for(job) if self.schedule == "flex" and (pred.doomed or
+                                                                                self._misses_waiting(job)) else None)
+                if pred.doomed and paused is None:
                     self.deadline_refused += 1
                     raise DeadlineUnreachable(pred)
             if job.requeue:
@@ -513,6 +514,9 @@ class DispatchManager:
             self._waiters.pop(job, None)
             if isinstance(e, QueueFull):
                 self.refused += 1
+                if paused is not None:  # refused after all: the job it would have paused runs on
+                    paused.preempt = False
+                    self.flex_preemptions -= 1
             note_admission(False, "queue_full" if isinstance(e, QueueFull) else "deadline_unreachable", str(e))
             raise
         note_admission(True)
@@ -708,9 +712,10 @@ class DispatchManager:
         return predict_from_running(now, chains, remaining, ahead, job.output_tokens, ttft_deadline=dl.ttft_deadline,
                                     deadline=dl.deadline).doomed
 
-    def _pause_for(self, job: DispatchJob) -> bool:
+    def _pause_for(self, job: DispatchJob) -> Lease | None:
         """``--schedule flex``: mark a running job without a deadline to give its chain back at its next step, if
-        that lets ``job`` meet its deadlines (:func:`~petals_chain.algorithms.edf.flex_victim`); True if one was."""
+        that lets ``job`` meet its deadlines (:func:`~petals_chain.algorithms.edf.flex_victim`); its lease, or
+        None."""
         promised: dict[int, int] = {}
         running = []
         for lease in self._running.values():
@@ -721,20 +726,20 @@ class DispatchManager:
             elif lease.job.preemptible:
                 running.append(Preemptible(chain=lease.index, started=lease.started, ref=lease))
         if not running:
-            return False
+            return None
         chains, ahead = self._loads(job)
         dl = job.deadline
         found = flex_victim(time.monotonic(), chains, running, ahead, job.output_tokens,
                             ttft_deadline=dl.ttft_deadline, deadline=dl.deadline,
                             promised=[promised.get(k, 0) for k in range(len(chains))])
         if found is None:
-            return False
+            return None
         victim = found[0].ref
         victim.preempt = True
         self.flex_preemptions += 1
         logger.info("flex: job %s pauses job %s on chain %d (predicted last token in %.2f s)", job.job_id,
                     victim.job.job_id, victim.index, found[1].total_s)
-        return True
+        return victim
 
     def waiting_jobs(self) -> list[DispatchJob]:
         """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane)."""

@@ -125,11 +125,13 @@ class ChainHolder:
                               matched={k: max(0, n - paid) for k, n in matched.items()},
                               expected_output=max(0, self.max_length - need), yields=self.yields,
                               sched=self.priority)
-            dl = DEADLINE.get() if not self.admitted else None
+            # A job back after a failover, a preemption or a pause keeps its deadline (its order in the queue, and
+            # flex never pauses it for another): only a new job is dropped when its deadline passes while it waits.
+            dl = DEADLINE.get()
             if dl is not None and dl.active:
                 job.deadline, job.output_tokens = dl, max(0, self.max_length - need)
             t0 = time.monotonic()
-            drop_at = dl.drop_at if dl is not None and dl.active else float("inf")
+            drop_at = dl.drop_at if dl is not None and dl.active and not self.admitted else float("inf")
             wait_s = max(0.1, deadline - time.monotonic())
             if drop_at < deadline:
                 wait_s = max(0.001, drop_at - time.monotonic())
