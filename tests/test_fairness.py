@@ -132,6 +132,40 @@ def test_dlpm_deficits_stay_in_the_theorem_range():
         assert all(-u - 8 < q <= cfg.quantum for q in loc.deficit.values()), loc.deficit
 
 
+def test_dlpm_refill_in_one_pass_equals_refilling_round_by_round():
+    """CheckRefill's rounds computed at once give the deficits and the round count of the round-by-round loop (which
+    took debt/quantum x clients steps: seconds on the event loop for a client deep in debt)."""
+    import random
+
+    from petals_chain.algorithms.fairness import _DLPM
+
+    def by_rounds(deficit, queued, q_u):
+        d, rounds = dict(deficit), 0
+        while not any(d[c] > 0 for c in queued):
+            for c, q in d.items():
+                if q <= 0:
+                    d[c] = q + q_u
+            rounds += 1
+        return d, rounds
+
+    rng = random.Random(3)
+    for _ in range(300):
+        q_u = rng.choice([1.0, 7.5, 300.0, 1234.5])
+        deficit = {f"c{i}": rng.choice([rng.uniform(-20 * q_u, q_u), -q_u * rng.randint(0, 5), 0.0])
+                   for i in range(rng.randint(1, 6))}
+        queued = set(rng.sample(sorted(deficit), rng.randint(1, len(deficit))))
+        policy = _DLPM(lambda q_u=q_u: q_u)
+        policy.deficit = dict(deficit)
+        policy._check_refill(queued)
+        expected, rounds = by_rounds(deficit, queued, q_u)
+        assert policy.refills == rounds
+        assert policy.deficit == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    policy = _DLPM(lambda: 1.0)
+    policy.deficit = {"deep": -5e8, "other": -3.0}
+    policy._check_refill({"deep"})  # 500 million rounds
+    assert policy.refills == 500_000_001 and policy.deficit == {"deep": 1.0, "other": 1.0}
+
+
 def test_d2lpm_binds_to_the_chain_holding_the_prefix_while_credit_lasts():
     cfg = FairnessConfig(worker_quantum=50.0, quantum=1000.0)
     d = FairDispatcher([(1.0, 1), (1.0, 1)], FairPolicy("d2lpm", cfg), describe, workers=["w0", "w1"])

@@ -217,6 +217,16 @@ class _VTC(_Local):
         return dict(self.counter)
 
 
+def _rounds_to_credit(q: float, q_u: float) -> int:
+    """Refills of ``q_u`` that take a deficit ``q <= 0`` above 0."""
+    r = max(1, math.floor(-q / q_u) + 1)
+    while r > 1 and q + (r - 1) * q_u > 0:  # float rounding either way
+        r -= 1
+    while q + r * q_u <= 0:
+        r += 1
+    return r
+
+
 class _DLPM(_Local):
     """Alg. 1: deficits ``q_i`` (start 0, ``-U < q_i <= Q^u``), refilled together when no queued client has credit."""
 
@@ -231,14 +241,20 @@ class _DLPM(_Local):
     def _check_refill(self, clients: set[str]) -> None:
         # Refill rounds until some queued client has credit; a client deep in debt may need several rounds,
         # during which every other client with q <= 0 is refilled too (as repeated CheckRefill calls would).
+        # Computed in one pass: the rounds one by one took (debt / quantum) x clients steps, seconds on the event
+        # loop for a client a long generation left deep in debt.
         q_u = self.quantum()
+        if not q_u > 0:
+            raise ValueError(f"the quantum must be > 0, got {q_u!r}")
         for c in clients:
             self.deficit.setdefault(c, 0.0)
-        while not any(self.deficit.get(c, 0.0) > 0 for c in clients):
-            for c, q in self.deficit.items():
-                if q <= 0:
-                    self.deficit[c] = q + q_u
-            self.refills += 1
+        if any(self.deficit[c] > 0 for c in clients):
+            return
+        rounds = min(_rounds_to_credit(self.deficit[c], q_u) for c in clients)
+        for c, q in self.deficit.items():
+            if q <= 0:  # refilled each round until it has credit
+                self.deficit[c] = q + q_u * min(rounds, _rounds_to_credit(q, q_u))
+        self.refills += rounds
 
     def pick(self, waiting, worker):
         if not waiting:
