@@ -166,6 +166,34 @@ def test_dlpm_refill_in_one_pass_equals_refilling_round_by_round():
     assert policy.refills == 500_000_001 and policy.deficit == {"deep": 1.0, "other": 1.0}
 
 
+@pytest.mark.parametrize("policy", ["vtc", "dlpm", "d2lpm", "d-vtc"])
+def test_a_start_that_served_nothing_is_refunded_whole(policy):
+    """A job whose chain refused or failed its open four times, then ran, leaves every counter as one clean start
+    does. (The refund corrected the service to 0 but left VTC's counter and D2LPM's worker credit charged and
+    counted the request five times.)"""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, chain_key
+    from petals_chain.orchestrator.fairness import ClientShares
+
+    async def run(failures):
+        shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1000.0)), registry=CollectorRegistry())
+        dm = DispatchManager(policy="jffc", shares=shares)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        for attempt in range(failures + 1):  # as ChainHolder._ensure_chain: the open fails, the job queues again
+            job = DispatchJob("x", client="alice", input_tokens=1000, requeue=attempt > 0)
+            lease = await dm.acquire(job)
+            if attempt < failures:
+                shares.refund(job, chain_key(lease.chain))
+            dm.release(lease)
+        return shares.policy.snapshot(), dict(shares.policy.worker_credit)
+
+    assert asyncio.run(run(4)) == asyncio.run(run(0))
+
+
 def test_d2lpm_binds_to_the_chain_holding_the_prefix_while_credit_lasts():
     cfg = FairnessConfig(worker_quantum=50.0, quantum=1000.0)
     d = FairDispatcher([(1.0, 1), (1.0, 1)], FairPolicy("d2lpm", cfg), describe, workers=["w0", "w1"])

@@ -410,6 +410,22 @@ class FairPolicy:
             if not isinstance(local, _VTC):
                 local.charge(req.client, delta)
 
+    def refund(self, req: FairRequest, worker: Worker) -> None:
+        """``req``'s admission on ``worker`` served nothing (its chain refused or failed the open; it queues again
+        as a new request): undo everything the admission and its binding charged (with :meth:`prompt`'s
+        correction to 0, VTC's counter and D2LPM's worker credit stayed charged, and it was counted twice)."""
+        cfg = self.cfg
+        self.service[req.client] = self.service.get(req.client, 0.0) - req.charged
+        local = self.local(worker)
+        local.charge(req.client, -(cfg.w_e * req.input_tokens if isinstance(local, _VTC) else req.charged))
+        if self.admitted_requests.get(req.client, 0) > 0:
+            self.admitted_requests[req.client] -= 1
+        if self.name == "d2lpm":
+            key = (req.client, req.worker if req.worker is not None else worker)
+            if key in self.worker_credit:
+                self.worker_credit[key] += cfg.w_e * req.input_tokens
+        req.charged = 0.0
+
     def input(self, client: str, worker: Worker, tokens: int) -> None:
         """``worker`` computed ``tokens`` more input tokens for ``client`` outside an admission (a session's turn on
         the chain it holds)."""

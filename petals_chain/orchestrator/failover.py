@@ -229,7 +229,7 @@ class ChainHolder:
             else:
                 orch.chain_sessions.discard(cs)
                 if shares is not None:
-                    shares.prompt(job, self._worker, 0)  # not served: the admission is refunded
+                    shares.refund(job, self._worker)  # not served: the admission is undone
                 orch.dispatch.release(lease)
                 # A refusal (or a failure the planner has not acted on yet) must not become a busy loop.
                 failed_opens += 1

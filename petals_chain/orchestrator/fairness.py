@@ -78,6 +78,16 @@ class ClientShares:
         self.policy.prompt(req, worker, extend_tokens)
         self._served(time.monotonic(), req.client, req.charged - before)
 
+    def refund(self, job: Any, worker: Hashable) -> None:
+        """``job``'s start on ``worker`` served nothing (the chain refused or failed its open): the admission is
+        undone; the job queues again and is charged when it next starts."""
+        req = getattr(job, "fair", None)
+        if req is None or req.admitted_on is None:
+            return
+        before = req.charged
+        self.policy.refund(req, worker)
+        self._served(time.monotonic(), req.client, -before)
+
     def input(self, client: str, worker: Hashable, tokens: int) -> None:
         """A chain a job holds computed ``tokens`` new input tokens (a session's turn without a new admission)."""
         self.policy.input(client, worker, tokens)
