@@ -214,6 +214,33 @@ def test_a_deadline_job_back_in_the_queue_keeps_its_deadline():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_re_plan_gives_its_new_slots_in_deadline_order(paused):
+    """A re-plan that adds a slot starts the waiting job a freed slot would start: the deadline job, not the one
+    without a deadline that arrived first, nor a job paused for deadlines from the re-queue lane (both took it)."""
+    async def main():
+        a = Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))
+        dm = DispatchManager(schedule="flex" if paused else "edf")
+        dm.set_chains([a])
+        running = await dm.acquire(_job(0))
+        if paused:
+            first = asyncio.ensure_future(dm.acquire(DispatchJob(job_id="paused", requeue=True, yields=True)))
+        else:
+            first = asyncio.ensure_future(dm.acquire(_job(1)))
+        await asyncio.sleep(0)
+        urgent = asyncio.ensure_future(dm.acquire(DispatchJob(
+            "urgent", deadline=RequestDeadline.from_ms("x", 10_000, None, best_effort=True), output_tokens=1)))
+        await asyncio.sleep(0)
+        dm.set_chains([a, Chain(servers=("b",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        await asyncio.sleep(0)
+        assert urgent.done() and not first.done()
+        dm.release(running)
+        await asyncio.sleep(0)
+        assert first.done()
+
+    asyncio.run(main())
+
+
 def test_edf_needs_the_central_queue_and_no_fairness_policy():
     with pytest.raises(ValueError, match="central queue"):
         DispatchManager(policy="jsq", schedule="edf")

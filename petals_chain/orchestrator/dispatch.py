@@ -378,8 +378,22 @@ class DispatchManager:
             # else: the job keeps its (old) chain until it finishes; its server slots are still held, and
             # servers refuse rather than over-commit, so a job started meanwhile retries (see engine).
         lane, self._lane = self._lane, []
-        for job in lane:  # re-queued jobs first: they start or go back to the lane, in order
-            self._arrive_requeued(job)
+        if self.schedule in ("edf", "flex") or self.priorities is not None:
+            # Every waiting job in the order a freed slot would take them (release(): the lane first, but a job
+            # paused for deadlines or priority after the queue's jobs that go before it): arriving lane first,
+            # then the queue by arrival, gave the new slots to whoever came first whatever their deadline.
+            order = self._priority if self.priorities is not None else (lambda job: job.order_key)
+            waiting = [(job, True) for job in lane] + [(job, False) for job in queued]
+            waiting.sort(key=lambda e: (-math.inf if e[1] and not e[0].yields else order(e[0]), not e[1]))
+            for job, in_lane in waiting:
+                if in_lane:
+                    self._arrive_requeued(job)
+                else:
+                    self._arrive(job)
+            queued = []
+        else:
+            for job in lane:  # re-queued jobs first: they start or go back to the lane, in order
+                self._arrive_requeued(job)
         if hasattr(self.dispatcher, "arrive_all"):  # a fairness policy picks among them all (fairness.py)
             for job, k in self.dispatcher.arrive_all(queued):
                 self._start(job, k, queued=True)
