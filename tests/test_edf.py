@@ -12,7 +12,7 @@ import pytest
 from petals_chain.algorithms.edf import ChainLoad, EDFQueue, Preemptible, flex_victim, predict
 from petals_chain.model import Chain
 from petals_chain.orchestrator.auth import KeyFileError, KeyRing
-from petals_chain.orchestrator.deadlines import DeadlineBook, RequestDeadline
+from petals_chain.orchestrator.deadlines import DEADLINE, DeadlineBook, RequestDeadline
 from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob, DispatchManager, QueueFull
 
 
@@ -176,16 +176,41 @@ def test_flex_leaves_the_running_job_alone_when_the_deadline_job_is_refused_for_
     asyncio.run(main())
 
 
+def _chain_holder(acquire):
+    """A ChainHolder whose orchestrator's dispatcher is ``acquire`` (what the job asks a chain of, and how)."""
+    import types
+
+    from petals_chain.orchestrator.dispatch import ChainPrefixes
+    from petals_chain.orchestrator.failover import ChainHolder
+
+    orch = types.SimpleNamespace(cfg=types.SimpleNamespace(queue_timeout_s=5.0, output_reserve_tokens=0),
+                                 dispatch=types.SimpleNamespace(acquire=acquire), auditor=None,
+                                 prefix_directory=ChainPrefixes(), model_id="m", deadlines=DeadlineBook(),
+                                 replay_cache=types.SimpleNamespace(new=lambda: types.SimpleNamespace(
+                                     clear=lambda: None, close=lambda: None)))
+    return ChainHolder(orch, "j", 64)
+
+
+def test_a_deadline_job_refused_for_a_full_queue_is_refused_not_missed():
+    from petals_chain.orchestrator.core import RequestError
+
+    async def acquire(job):
+        raise QueueFull(0)
+
+    async def main():
+        dl = RequestDeadline.from_ms("x", 3000, None)
+        DEADLINE.set(dl)
+        with pytest.raises(RequestError):
+            await _chain_holder(acquire)._ensure_chain([1, 2, 3], 3)
+        return dl.outcome
+
+    assert asyncio.run(main()) == "refused"
+
+
 def test_a_deadline_job_back_in_the_queue_keeps_its_deadline():
     """A job re-queued after a failover, a preemption or a pause is still a deadline job: flex never pauses it
     for another deadline job. (It re-queued without its deadline: preemptible, and queued behind every deadline
     job once paused.)"""
-    import types
-
-    from petals_chain.orchestrator.deadlines import DEADLINE
-    from petals_chain.orchestrator.dispatch import ChainPrefixes
-    from petals_chain.orchestrator.failover import ChainHolder
-
     seen = []
 
     class Captured(Exception):
@@ -198,12 +223,7 @@ def test_a_deadline_job_back_in_the_queue_keeps_its_deadline():
     async def main():
         dl = RequestDeadline.from_ms("x", 3000, None)
         DEADLINE.set(dl)
-        orch = types.SimpleNamespace(cfg=types.SimpleNamespace(queue_timeout_s=5.0, output_reserve_tokens=0),
-                                     dispatch=types.SimpleNamespace(acquire=acquire), auditor=None,
-                                     prefix_directory=ChainPrefixes(), model_id="m",
-                                     replay_cache=types.SimpleNamespace(new=lambda: types.SimpleNamespace(
-                                         clear=lambda: None, close=lambda: None)))
-        holder = ChainHolder(orch, "j", 64)
+        holder = _chain_holder(acquire)
         for admitted in (False, True):  # a new job, then the same job back after a failover
             holder.admitted = admitted
             with pytest.raises(Captured):

@@ -144,6 +144,8 @@ class ChainHolder:
                                        code="deadline_exceeded") from None
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
             except QueueFull as e:  # only a job that never held a chain is refused
+                if dl is not None and dl.active:
+                    orch.deadlines.settle(dl, "refused")  # refused, not missed: it never ran
                 raise RequestError(str(e), status=429, code="queue_full") from None
             except DeadlineUnreachable as e:
                 orch.deadlines.settle(dl, "refused")
@@ -152,7 +154,7 @@ class ChainHolder:
             shares = getattr(orch, "shares", None)
             if auditor is not None and auditor.tainted(lease.hops):  # a plan from before a ban: wait for the next
                 if shares is not None:
-                    shares.prompt(job, chain_key(lease.chain), 0)  # not served: the admission is refunded
+                    shares.refund(job, chain_key(lease.chain))  # not served: the admission is undone
                 orch.dispatch.release(lease)
                 await asyncio.sleep(0.2)
                 continue
