@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -178,6 +179,32 @@ def test_a_failed_prompt_cancels_the_requests_other_prompts(model_path, monkeypa
         assert sorted(map(len, still_running)) == [2, 3] and sorted(map(len, cancelled)) == [2, 3]
 
     run_with_api(model_path, fn)
+
+
+def test_a_multi_prompt_deadline_is_met_only_if_its_last_prompt_is_in_time(model_path, monkeypatch):
+    """Every prompt of a request shares its deadline: the first prompt to finish decided it ("met") however late
+    the others came."""
+    from petals_chain.orchestrator.core import Generation
+    from petals_chain.orchestrator.deadlines import DEADLINE
+
+    async def fn(orch, c):
+        async def generate_n(ids, params, explicit, *args, settle=True, **kwargs):
+            await asyncio.sleep(0.01 if len(ids) == 1 else 0.6)  # the second prompt ends after the deadline
+            deadline = DEADLINE.get()
+            deadline.first_token_at = deadline.first_token_at or time.monotonic()
+            if settle:  # as the real one does
+                orch.deadlines.settle(deadline)
+            return [Generation(token_ids=[5], text="x", finish_reason="length", prompt_tokens=len(ids), wait_s=0.0,
+                               service_s=0.01, chain=[], failovers=0)]
+
+        monkeypatch.setattr(orch, "generate_n", generate_n)
+        r = await c.post("/v1/completions", json={"model": orch.model_id, "prompt": [[5], [5, 6]], "max_tokens": 1,
+                                                  "deadline_ms": 300, "best_effort": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    body = run_with_api(model_path, fn)
+    assert body["deadline"]["met"] is False, body["deadline"]
 
 
 def test_concurrent_session_opens_stay_within_the_keys_cap(model_path, tmp_path):

@@ -548,8 +548,12 @@ def create_app(orch: Orchestrator) -> FastAPI:
             return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, req.n), explicit, emits),
                                    req.n, chunk, include, len(ids))
         results = await unless_disconnected(request, gather_or_cancel(*(
-            orch.generate_n(ids, per_choice(params, req.n), explicit, prompt_logprobs=echo_logprobs)
+            orch.generate_n(ids, per_choice(params, req.n), explicit, prompt_logprobs=echo_logprobs,
+                            settle=len(prompts) == 1)
             for ids in prompts)))
+        deadline = DEADLINE.get()
+        if deadline is not None and len(prompts) > 1:  # met only if the last prompt's last token was in time
+            orch.deadlines.settle(deadline)
         choices, gens = [], []
         for ids, group in zip(prompts, results):
             for g in group:

@@ -151,12 +151,14 @@ class GenerationMixin:
                                       prompt_logprobs=prompt_logprobs))[0]
 
     async def generate_n(self, prompt_ids: list[int], params: list[SamplingParams], explicit_max_tokens: bool = True,
-                         emits: list[Emit | None] | None = None, *, prompt_logprobs: int | None = None
-                         ) -> list[Generation]:
+                         emits: list[Emit | None] | None = None, *, prompt_logprobs: int | None = None,
+                         settle: bool = True) -> list[Generation]:
         """``len(params)`` completions of one prompt, each its own job. The first job prefills; the others
         wait for that prefill and start from a copy of its KV when JFFC puts them on the same chain (else
         they prefill on theirs): the prompt is computed once, and every choice samples its first token from
-        the same last hidden state. If one choice fails, the others are cancelled and their chains released."""
+        the same last hidden state. If one choice fails, the others are cancelled and their chains released.
+        ``settle=False``: the request's deadline is settled by the caller (a request of several prompts, when its
+        last one is done)."""
         self.validate_prompt(prompt_ids, params[0].max_tokens, explicit_max_tokens)
         self.check_speculative(params[0])
         params = [SamplingParams(**{**p.__dict__, "stop": list(p.stop), "max_tokens": self._max_tokens(
@@ -219,7 +221,7 @@ class GenerationMixin:
         try:
             await asyncio.gather(*tasks)
             deadline = DEADLINE.get()
-            if deadline is not None:  # every choice is done: the request's last token has come
+            if deadline is not None and settle:  # every choice is done: the request's last token has come
                 self.deadlines.settle(deadline)
         except BaseException:
             deadline = DEADLINE.get()
