@@ -207,6 +207,33 @@ def test_a_multi_prompt_deadline_is_met_only_if_its_last_prompt_is_in_time(model
     assert body["deadline"]["met"] is False, body["deadline"]
 
 
+def test_a_chunked_body_past_the_limit_is_a_413(model_path):
+    """Without Content-Length the limit trips while the app reads the body: FastAPI's body parsing made that a 400
+    "error parsing the body"; it is a 413 as with Content-Length."""
+    async def main():
+        cfg = OrchestratorConfig(model=str(model_path), max_length=64, port=0)
+        cfg.max_body_bytes = 1000
+        orch = Orchestrator(cfg)
+        orch.load_model()
+        await orch.start()
+        try:
+            async def body():
+                yield b'{"model": "m", "prompt": "'
+                for _ in range(10):
+                    yield b"x" * 200
+                yield b'"}'
+
+            transport = httpx.ASGITransport(app=create_app(orch))
+            async with httpx.AsyncClient(transport=transport, base_url="http://orch") as c:
+                return [await c.post(path, content=body(), headers={"content-type": "application/json"})
+                        for path in ("/v1/completions", "/api/v1/sessions")]
+        finally:
+            await orch.stop()
+
+    for r in asyncio.run(main()):
+        assert r.status_code == 413 and "larger than 1000 bytes" in r.json()["error"]["message"], r.text
+
+
 def test_concurrent_session_opens_stay_within_the_keys_cap(model_path, tmp_path):
     """A key with max_sessions=2 opening 10 sessions at once (their bodies arrive just after the headers) gets 2:
     the opens under way count. (Each was checked before its body was read and recorded after its reply: all 10

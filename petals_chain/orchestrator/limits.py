@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 
@@ -75,8 +77,12 @@ class LimitsConfig:
         return key.tokens_per_minute if key is not None else None
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """A chunked body past the limit, raised while the app reads it: an HTTP exception so that FastAPI's body
+    parsing passes it on as a 413 (any other exception there becomes its 400 "error parsing the body")."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than {limit} bytes")
 
 
 def client_of(scope: Scope, keys: Optional[KeyRing]) -> Optional[str]:
@@ -293,7 +299,7 @@ class AdmissionLimits:
             if message.get("type") == "http.request":
                 total += len(message.get("body", b""))
                 if total > limit:
-                    raise _BodyTooLarge()
+                    raise _BodyTooLarge(limit)
             return message
 
         return wrapped
