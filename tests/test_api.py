@@ -137,6 +137,7 @@ def test_api_without_servers(model_path):
                                                              "stream": True}) as resp:
             body = "".join([chunk async for chunk in resp.aiter_text()])
         assert '"error"' in body and body.rstrip().endswith("data: [DONE]")
+        assert '"status":503' in body and '"code":"swarm_unavailable"' in body  # what the HTTP error would be
 
     run_with_api(model_path, fn)
 

@@ -77,6 +77,36 @@ def test_one_shot_goes_to_the_next_orchestrator_and_stays_there():
     assert e.value.status == 503 and e.value.message.count("ConnectError") == 2
 
 
+def _error_event(status: int, code: str):
+    yield ("data: " + json.dumps({"error": {"message": "x", "type": "server_error" if status >= 500 else
+                                            "rate_limit_error", "param": None, "code": code, "status": status}})
+           + "\n\n").encode()
+    yield b"data: [DONE]\n\n"
+
+
+def test_an_error_event_keeps_its_status_and_a_503_one_tries_the_next_orchestrator():
+    """A stream that failed after its 200 (an error event) reports the status the error would have had, and one
+    another orchestrator may serve (503) goes there. (Every such error raised at once, as a 400 or a 503.)"""
+    calls = []
+
+    def lost(req):
+        calls.append("lost")
+        return httpx.Response(200, stream=_Stream(_error_event(503, "swarm_unavailable")))
+
+    def good(req):
+        calls.append("good")
+        return httpx.Response(200, stream=_Stream(_sse(["he", "llo"])))
+
+    assert "".join(_client([lost, good]).stream("x")) == "hello" and calls == ["lost", "good"]
+    late = _client([lambda r: httpx.Response(200, stream=_Stream(_error_event(504, "deadline_exceeded"))), good])
+    with pytest.raises(ClientError) as e:
+        list(late.stream("x"))
+    assert e.value.status == 504 and e.value.code == "deadline_exceeded"
+    with pytest.raises(ClientError) as e:  # the last orchestrator's error is the answer
+        list(_client([lost]).stream("x"))
+    assert e.value.status == 503 and e.value.code == "swarm_unavailable"
+
+
 def test_cut_stream_resumes_elsewhere_without_repeating_text():
     def cut(req):
         return httpx.Response(200, stream=_Stream(_sse(["The ", "quick "], cut=True)))

@@ -95,7 +95,10 @@ def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
         obj = json.loads(data)
         if "error" in obj:
             err = obj["error"]
-            raise ClientError(503 if err.get("type") == "server_error" else 400, err.get("message", ""), err.get("code"))
+            status = err.get("status")  # the HTTP status the error would have had (older orchestrators: none)
+            if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status < 600:
+                status = 503 if err.get("type") in ("server_error", "service_unavailable") else 400
+            raise ClientError(status, err.get("message", ""), err.get("code"))
         yield obj
 
 
@@ -219,15 +222,21 @@ class Client:
                         r.read()
                         _raise_for(r)
                     self._current = i
-                    for obj in _iter_sse(r):
-                        for ch in obj.get("choices", []):
-                            text = ch.get("text") or ""
-                            if skip:  # already yielded before the first orchestrator was lost
-                                cut = min(skip, len(text))
-                                text, skip = text[cut:], skip - cut
-                            if text:
-                                sent += text
-                                yield text
+                    try:
+                        for obj in _iter_sse(r):
+                            for ch in obj.get("choices", []):
+                                text = ch.get("text") or ""
+                                if skip:  # already yielded before the first orchestrator was lost
+                                    cut = min(skip, len(text))
+                                    text, skip = text[cut:], skip - cut
+                                if text:
+                                    sent += text
+                                    yield text
+                    except ClientError as e:  # an error event: "no chain here" is another orchestrator's to try
+                        if e.status != 503 or k + 1 == len(order) or (sent and not reproducible):
+                            raise
+                        failures.append(f"{self.urls[i]}: {e}")
+                        continue
                     return
             except httpx.TransportError as e:
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")

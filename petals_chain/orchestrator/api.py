@@ -468,8 +468,12 @@ def create_app(orch: Orchestrator) -> FastAPI:
                         yield _sse(chunk(i, "", val.finish_reason, None))
                     else:
                         status = getattr(val, "status", 503 if isinstance(val, Unavailable) else 500)
-                        yield _sse({"error": {"message": str(val), "type": "server_error" if status >= 500 else
-                                              "invalid_request_error", "param": None, "code": getattr(val, "code", None)}})
+                        code = getattr(val, "code", None) or ("swarm_unavailable" if isinstance(val, Unavailable)
+                                                              else None)
+                        # the error response's fields, and its HTTP status (a client acts on it: 503 tries another
+                        # orchestrator, 429 retries later)
+                        err = json.loads(_error(status, str(val), param=getattr(val, "param", None), code=code).body)
+                        yield _sse({"error": {**err["error"], "status": status}})
                         break
                 if include_usage and done == n:
                     u = chunk(0, "", None, None)
