@@ -85,6 +85,36 @@ def test_router_routes_by_body_session_and_query_with_the_callers_headers():
     assert all(auth in (b"Bearer k", None) for *_, auth in seen)
 
 
+def test_a_request_the_api_refuses_unread_reaches_it_unread(tmp_path):
+    """No key (or a wrong one) or a Content-Length past the limit: the router hands the request to the default
+    model's API, which refuses it before reading the body, instead of buffering the body (up to 64 MiB) to route
+    it first."""
+    from petals_chain.orchestrator.auth import KeyRing
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice {'k' * 16}\n")
+    seen: list = []
+    apps = {"chat": stand_in("chat", seen), "code": stand_in("code", seen)}
+    for app in apps.values():
+        app.state = SimpleNamespace(limits=SimpleNamespace(limits=SimpleNamespace(keys=KeyRing.from_file(keys),
+                                                                                  max_body_bytes=1000)))
+    router = ModelRouter(apps, {"chat": orch("chat", "Tiny-Chat"), "code": orch("code", "Tiny-Code")})
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://x") as c:
+            body = {"model": "code", "prompt": "hi"}
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = await c.post("/v1/completions", json=body, headers=headers)
+                assert r.status_code == 401 and seen[-1][0] == "chat"
+            key = {"Authorization": f"Bearer {'k' * 16}"}
+            await c.post("/v1/completions", json=body, headers=key)
+            assert seen[-1][0] == "code"
+            await c.post("/v1/completions", json={**body, "prompt": "x" * 2000}, headers=key)
+            assert seen[-1][0] == "chat"  # too large to read: the default API answers (its own 413)
+
+    asyncio.run(main())
+
+
 def test_parse_models():
     assert parse_models(["smollm2-135m"]) == [(None, "smollm2-135m")]
     assert parse_models(["chat=smollm2-135m", "code=/m/x"]) == [("chat", "smollm2-135m"), ("code", "/m/x")]

@@ -20,6 +20,8 @@ import re
 from typing import Any, Awaitable, Callable, Mapping
 from urllib.parse import parse_qs
 
+from petals_chain.orchestrator.limits import client_of
+
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -168,6 +170,17 @@ class ModelRouter:
         await _json(send, 200, state)
 
     async def _by_body(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # A request the API refuses before reading its body (no key or an unknown one, a Content-Length past the
+        # limit) goes to the default model's API unread: reading up to 64 MiB per request first let anyone make
+        # the router buffer it.
+        limits = [x.limits for x in (getattr(getattr(a, "state", None), "limits", None) for a in self.apps.values())
+                  if x is not None]
+        cap = min(MAX_BODY, max((x.max_body_bytes for x in limits), default=MAX_BODY))
+        if limits and limits[0].keys is not None and client_of(scope, limits[0].keys) is None:
+            return await self.apps[self.default](scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k.lower() == b"content-length" and (not v.isdigit() or int(v) > cap):
+                return await self.apps[self.default](scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -175,8 +188,8 @@ class ModelRouter:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > MAX_BODY:
-                return await _json(send, 413, {"error": {"message": f"request body over {MAX_BODY} bytes",
+            if size > cap:
+                return await _json(send, 413, {"error": {"message": f"the request body is larger than {cap} bytes",
                                                          "type": "invalid_request_error", "code": "body_too_large"}})
             if not message.get("more_body"):
                 break
