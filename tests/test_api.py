@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import pytest
 
 from petals_chain.orchestrator import Orchestrator, OrchestratorConfig
-from petals_chain.orchestrator.core import Unavailable
 from petals_chain.orchestrator.api import create_app
+from petals_chain.orchestrator.core import Unavailable
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +236,69 @@ def test_a_chunked_body_past_the_limit_is_a_413(model_path):
         assert r.status_code == 413 and "larger than 1000 bytes" in r.json()["error"]["message"], r.text
 
 
+async def _post_later(app, path: str, body: bytes, body_arrives: asyncio.Event, headers=()) -> tuple[int, bytes]:
+    """POST ``body`` to the ASGI ``app``: the headers now, the body once ``body_arrives`` is set (a slow client).
+    Returns (status, response body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "scheme": "http", "server": ("127.0.0.1", 80),
+             "client": ("127.0.0.1", 1), "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         *headers]}
+    sent, status, out = False, 0, b""
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            await body_arrives.wait()
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+
+    async def send(message):
+        nonlocal status, out
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            out += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return status, out
+
+
+def test_a_deadline_counts_from_the_requests_arrival_not_from_its_body(model_path, monkeypatch):
+    """A client whose body comes 0.5 s after its headers has spent that much of a 300 ms deadline (the clock
+    started once the body was read and tokenized)."""
+    from petals_chain.orchestrator.core import Generation
+    from petals_chain.orchestrator.deadlines import DEADLINE
+
+    async def main():
+        orch = Orchestrator(OrchestratorConfig(model=str(model_path), max_length=64, port=0))
+        orch.load_model()
+        await orch.start()
+        try:
+            async def generate_n(ids, params, explicit, *args, settle=True, **kwargs):
+                deadline = DEADLINE.get()
+                deadline.first_token_at = time.monotonic()
+                orch.deadlines.settle(deadline)
+                return [Generation(token_ids=[5], text="x", finish_reason="length", prompt_tokens=len(ids),
+                                   wait_s=0.0, service_s=0.0, chain=[], failovers=0)]
+
+            monkeypatch.setattr(orch, "generate_n", generate_n)
+            body_arrives = asyncio.Event()
+            body = json.dumps({"model": orch.model_id, "prompt": [5], "max_tokens": 1, "deadline_ms": 300,
+                               "best_effort": True}).encode()
+            posting = asyncio.ensure_future(_post_later(create_app(orch), "/v1/completions", body, body_arrives))
+            await asyncio.sleep(0.5)
+            body_arrives.set()
+            status, out = await posting
+            return status, json.loads(out)
+        finally:
+            await orch.stop()
+
+    status, out = asyncio.run(main())
+    assert status == 200 and out["deadline"]["met"] is False, out
+
+
 def test_concurrent_session_opens_stay_within_the_keys_cap(model_path, tmp_path):
     """A key with max_sessions=2 opening 10 sessions at once (their bodies arrive just after the headers) gets 2:
     the opens under way count. (Each was checked before its body was read and recorded after its reply: all 10
@@ -250,34 +314,12 @@ def test_concurrent_session_opens_stay_within_the_keys_cap(model_path, tmp_path)
         try:
             app = create_app(orch)
             body_arrives = asyncio.Event()
-            statuses = []
-
-            async def open_one():
-                scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                         "path": "/api/v1/sessions", "raw_path": b"/api/v1/sessions", "query_string": b"",
-                         "headers": [(b"authorization", f"Bearer {key}".encode()),
-                                     (b"content-type", b"application/json"), (b"content-length", b"2")],
-                         "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": ""}
-                sent = False
-
-                async def receive():
-                    nonlocal sent
-                    if not sent:
-                        sent = True
-                        await body_arrives.wait()
-                        return {"type": "http.request", "body": b"{}", "more_body": False}
-                    await asyncio.Event().wait()
-
-                async def send(message):
-                    if message["type"] == "http.response.start":
-                        statuses.append(message["status"])
-
-                await app(scope, receive, send)
-
-            opens = [asyncio.ensure_future(open_one()) for _ in range(10)]
+            opens = [asyncio.ensure_future(_post_later(app, "/api/v1/sessions", b"{}", body_arrives,
+                                                       [(b"authorization", f"Bearer {key}".encode())]))
+                     for _ in range(10)]
             await asyncio.sleep(0.2)
             body_arrives.set()
-            await asyncio.gather(*opens)
+            statuses = [status for status, _ in await asyncio.gather(*opens)]
             return sorted(statuses), len(orch.sessions)
         finally:
             await orch.stop()

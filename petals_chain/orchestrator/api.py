@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
+from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import maybe_forward
 from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, TokenChoice
@@ -339,9 +340,10 @@ def create_app(orch: Orchestrator) -> FastAPI:
         client = CLIENT.get()
         limits = getattr(app.state, "limits", None)
         d_ms, t_ms = limits.limits.deadline_defaults(client) if limits is not None else (None, None)
+        adm = ADMISSION.get()  # set by the limits middleware when the request came in, before reading its body
         dl = RequestDeadline.from_ms(client, req.deadline_ms if req.deadline_ms is not None else d_ms,
                                      req.ttft_deadline_ms if req.ttft_deadline_ms is not None else t_ms,
-                                     best_effort=req.best_effort)
+                                     best_effort=req.best_effort, arrival=adm.arrived if adm is not None else None)
         DEADLINE.set(dl if dl.active else None)
 
     async def tokenize(text: str, **kw) -> list[int]:

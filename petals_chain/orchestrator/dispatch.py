@@ -148,6 +148,7 @@ class Admission:
         self.code = ""  # a refusal's error code (queue_full, deadline_unreachable)
         self.message = ""  # and what the client is told
         self.event = asyncio.Event()
+        self.arrived = time.monotonic()  # the request came in (before its body was read): deadlines count from here
 
     def decide(self, admitted: bool, code: str = "", message: str = "") -> None:
         if self.state is None:
