@@ -156,6 +156,112 @@ def test_forward_target_only_when_this_group_cannot_take_a_request():
 
 
 # ---- two orchestrators, one swarm --------------------------------------------------------------------------------
+class _GroupsDHT:
+    """The DHT's groups key and servers key, shared by the coordinators of a test (and its planner)."""
+
+    def __init__(self, records: dict, me: str = "orch", entries: dict | None = None):
+        self.records, self.peer_id, self.entries = records, me, ({} if entries is None else entries)
+
+    async def afetch_servers(self, prefix):
+        return dict(self.records)
+
+    def publish_assignment(self, *args):
+        pass
+
+    async def afetch_groups(self, prefix, peers):
+        return {k: v for k, v in self.entries.items() if k in peers}
+
+    async def apublish_group(self, prefix, rec, ttl):
+        self.entries[rec.orchestrator_peer_id] = rec
+        return True
+
+
+def test_a_server_the_leader_banned_stays_in_the_split_and_banned():
+    """Banned servers stay in the split: left out, a banned server was in no group, the leader's planner dropped
+    its view with its ban, and the next round planned it again (an audit's permanent ban undone every round)."""
+    import asyncio
+
+    from test_failover_units import MODEL, FakeClient, record
+
+    from petals_chain.orchestrator.groups import GroupCoordinator
+    from petals_chain.orchestrator.planner import Planner
+
+    async def main(permanent):
+        now = [1000.0]
+        dht = _GroupsDHT({n: record(n) for n in "abc"}, me="orchA")
+        pl = Planner(dht=dht, prefix="x", client=FakeClient(), max_length=64, on_chains=lambda c: None,
+                     arrival_rate=1.0, model_spec_fallback=lambda: MODEL, settle_s=0.0, clock=lambda: now[0],
+                     ban_base_s=60.0)
+        g = GroupCoordinator(dht=dht, prefix="x", peers=["orchB"], planner=pl, http_url=lambda: "http://a",
+                             ilp_time_s=0.5)
+        for _ in range(3):
+            await g.step()
+            await pl.refresh()
+        pl.report_failure("a", "test", permanent=permanent)
+        epoch = g.epoch
+        for _ in range(5):  # the clock stands still: the ban holds
+            await g.step()
+            await pl.refresh()
+            assert "a" in g.split and pl.servers["a"].banned and g.epoch == epoch
+
+    for permanent in (False, True):
+        asyncio.run(main(permanent))
+
+
+def test_a_leader_that_restarts_continues_above_the_epoch_its_followers_hold():
+    """A leader restarted before its follower takes over starts at epoch 0 again; it continues above what its
+    follower holds (followers publish it) instead of publishing splits the follower ignores until the old epoch
+    is passed: meanwhile both planned some servers and nobody others."""
+    import asyncio
+
+    from test_failover_units import MODEL, record
+
+    from petals_chain.model import ServerSpec
+    from petals_chain.orchestrator.groups import GroupCoordinator
+    from petals_chain.orchestrator.planner import ServerView
+
+    seen = {f"s{i}": record(f"s{i}") for i in range(4)}  # a whole copy of the model per server
+    entries: dict = {}
+    now = [0.0]
+
+    class Planner:
+        plan, arrival_rate, group = None, 1.0, None
+
+        def _model_spec(self):
+            return MODEL
+
+        def all_views(self):
+            return [ServerView(peer_id=p, record=r) for p, r in seen.items()]
+
+        def specs(self, views):
+            return [ServerSpec(v.peer_id, float(v.record.memory_bytes), 0.01, 0.01) for v in views]
+
+    def coordinator(me, peer):
+        return GroupCoordinator(dht=_GroupsDHT(seen, me, entries), prefix="x", peers=[peer], planner=Planner(),
+                                http_url=lambda: "u", clock=lambda: now[0], ilp_time_s=0.5)
+
+    async def rounds(n, *coordinators):
+        for _ in range(n):
+            now[0] += 1.0
+            for c in coordinators:
+                await c.step()
+
+    async def main():
+        leader, follower = coordinator("A", "B"), coordinator("B", "A")
+        await rounds(3, leader, follower)
+        for i in range(4, 8):  # servers join: the split changes, its epoch grows
+            seen[f"s{i}"] = record(f"s{i}")
+            await rounds(2, leader, follower)
+        assert follower.epoch > 2
+        leader = coordinator("A", "B")  # restarted within the entries' time to live
+        seen["s8"], seen["s9"] = record("s8"), record("s9")
+        await rounds(3, leader, follower)
+        assert leader.epoch == follower.epoch and leader.members().isdisjoint(follower.members())
+        assert leader.members() | follower.members() == set(seen)
+
+    asyncio.run(main())
+
+
 def _identity(path) -> str:
     from hivemind.p2p import P2P, PeerID
 

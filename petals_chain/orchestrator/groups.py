@@ -93,7 +93,9 @@ class GroupCoordinator:
             return []
         plan = self.planner.plan
         c = plan.c if plan is not None and plan.c else 1  # blocks a server holds at the cache reservation in force
-        views = [v for v in self.planner.all_views() if v.record.state != "offline" and not v.banned]
+        # banned servers too: left out, a banned server was in no group, the leader's planner dropped its view (and
+        # its ban with it) and the next round planned it again, fresh
+        views = [v for v in self.planner.all_views() if v.record.state != "offline"]
         out = []
         for v, spec in zip(views, self.planner.specs(views)):
             blocks = max(0, spec.max_blocks(model, c))
@@ -130,6 +132,9 @@ class GroupCoordinator:
 
         entries = await self.dht.afetch_groups(self.prefix, self.peers | {self.me})
         now = self.clock()
+        # the highest split epoch anyone published (followers publish the one they follow; our own entry may be
+        # from before a restart): a leader continues above it, else followers ignore its splits until it passes it
+        seen_epoch = max((rec.epoch for rec in entries.values()), default=0)
         for o, rec in entries.items():
             if o == self.me:
                 continue
@@ -145,8 +150,8 @@ class GroupCoordinator:
             self.leader = leader
         if leader == self.me:
             split = await self.compute_split(live)
-            if split != self.split or self.epoch == 0:
-                self.epoch += 1
+            if split != self.split or self.epoch == 0 or self.epoch < seen_epoch:
+                self.epoch = max(self.epoch, seen_epoch) + 1
                 self.split = split
                 sizes = {o: sum(1 for x in split.values() if x == o) for o in live}
                 logger.info("group split epoch %d (%s): %s", self.epoch, self.split_method,
@@ -157,11 +162,10 @@ class GroupCoordinator:
                 groups.setdefault(o, []).append(s)
             for o in live:
                 groups.setdefault(o, [])
-        key = (self.epoch if leader == self.me else 0, round(self.planner.arrival_rate, 3))
+        key = (self.epoch, leader == self.me, round(self.planner.arrival_rate, 3))
         if key != self._published or now - self._published_at >= self.ttl_s / 3:
             rec = GroupRecord(orchestrator_peer_id=self.me, http_url=self.http_url(),
-                              arrival_rate=float(self.planner.arrival_rate), epoch=self.epoch if groups else 0,
-                              groups=groups)
+                              arrival_rate=float(self.planner.arrival_rate), epoch=self.epoch, groups=groups)
             if await self.dht.apublish_group(self.prefix, rec, self.ttl_s):
                 self._published, self._published_at = key, now
         self.planner.group = self.members()
