@@ -518,3 +518,27 @@ def test_an_open_waiting_on_a_server_declared_failed_is_aborted_at_once():
             await asyncio.wait_for(cs.open(), timeout=1.0)
 
     asyncio.run(main())
+
+
+def test_per_request_records_stay_within_their_windows_whoever_reads_them(monkeypatch):
+    """Arrival times (a fixed --arrival-rate never asks the rate), the model mix (placements that never ask for
+    it) and a client's last-minute tokens (read only with a limit or a state request) were trimmed only when
+    read: they grew by one entry per request."""
+    import time as time_mod
+
+    from petals_chain.algorithms.multimodel import MixDriftDetector
+    from petals_chain.orchestrator.planner import RateEstimator
+    from petals_chain.orchestrator.stats import Stats
+
+    rates, mix = RateEstimator(window_s=300.0), MixDriftDetector(window_s=120.0)
+    for i in range(5000):  # 5000 s of arrivals, one a second
+        rates.arrive(1e6 + i)
+        mix.arrive("a", 1e6 + i)
+    assert len(rates.arrivals) <= 301 and len(mix._events) <= 121
+    stats = Stats()
+    now = [1e6]
+    monkeypatch.setattr(time_mod, "monotonic", lambda: now[0])
+    for _ in range(3000):  # an hour of requests, one every 1.2 s
+        now[0] += 1.2
+        stats.record(wait_s=0.0, service_s=0.1, tokens=5, prompt_tokens=3, ok=True)
+    assert max(len(w) for w in stats._window.values()) <= 51

@@ -918,6 +918,7 @@ class MixDriftDetector:
 
     def arrive(self, model: str, now: float) -> None:
         self._events.append((now, model))
+        self._trim(now)  # a placement that never asks for the mix (even, static) must not keep every arrival
 
     def _trim(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:

@@ -80,12 +80,17 @@ class RateEstimator:
         self.arrivals: deque[float] = deque()
 
     def arrive(self, t: float | None = None) -> None:
-        self.arrivals.append(time.monotonic() if t is None else t)
+        t = time.monotonic() if t is None else t
+        self.arrivals.append(t)
+        self._trim(t)  # here too: with a fixed --arrival-rate nobody asks rate(), and the deque grew per request
+
+    def _trim(self, now: float) -> None:
+        while self.arrivals and self.arrivals[0] < now - self.window_s:
+            self.arrivals.popleft()
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
-        while self.arrivals and self.arrivals[0] < now - self.window_s:
-            self.arrivals.popleft()
+        self._trim(now)
         span = min(self.window_s, now - self.t0)
         return (len(self.arrivals) + self.prior * self.prior_weight_s) / (span + self.prior_weight_s)
 

@@ -143,16 +143,22 @@ class Stats:
         totals["completed" if ok else "failed"] += 1
         totals["tokens"] += tokens
         if tokens:
-            self._window.setdefault(client, deque()).append((time.monotonic(), tokens))
+            w = self._window.setdefault(client, deque())
+            w.append((time.monotonic(), tokens))
+            self._trim(w)  # here too: read only with a per-minute limit or a state request, it grew per request
+
+    @staticmethod
+    def _trim(w: deque) -> None:
+        cutoff = time.monotonic() - 60.0
+        while w and w[0][0] < cutoff:
+            w.popleft()
 
     def tokens_last_minute(self, client: str) -> int:
         """Prompt + generated tokens ``client`` used in the last 60 s (what ``tokens_per_minute`` limits)."""
         w = self._window.get(client)
         if not w:
             return 0
-        cutoff = time.monotonic() - 60.0
-        while w and w[0][0] < cutoff:
-            w.popleft()
+        self._trim(w)
         return sum(n for _, n in w)
 
     def seconds_until_below(self, client: str, limit: int) -> int:
