@@ -58,6 +58,25 @@ def test_record_models_validate():
         AssignmentRecord(epoch=1, max_length=64, orchestrator_peer_id="QmO", assignments={"QmA": [0, 0]})
     asg = AssignmentRecord(epoch=3, max_length=64, orchestrator_peer_id="QmO", assignments={"QmA": [2, 3]})
     assert asg.span_of("QmA") == (2, 3) and asg.span_of("QmB") is None
+    # a hostile peer's record stays small: a few MB in one field (or in a newer writer's fields) made every lookup
+    # of the servers key fail (the reply outgrew hivemind's message limit)
+    from types import SimpleNamespace
+
+    from petals_chain.swarm.records import _ServerValueV1
+
+    value = _record("QmX").to_value()
+    for bad in ({"device": "x" * 65}, {"version": "v" * 65}, {"future_field": "y" * 5000},
+                {"future_field": [[[[[[1]]]]]]}, {f"f{i}": "z" * 300 for i in range(16)}):
+        with pytest.raises(pydantic.ValidationError if "device" in bad or "version" in bad else ValueError):
+            ServerRecord.from_value({**value, **bad})
+        with pytest.raises(Exception):
+            _ServerValueV1.parse_obj({**value, **bad})  # refused on store too
+    assert ServerRecord.from_value({**value, "future_field": {"a": [1, 2.5, "short"]}}).peer_id == "QmX"
+    # nor is one whose timestamp is far from now read as live (hivemind keeps what it is given)
+    reader = SimpleNamespace(_reported_invalid=set())
+    assert SwarmDHT._read(reader, ServerRecord, value, "QmX", "server record") is not None
+    for ts in (time.time() - 7 * 3600, time.time() + 7 * 3600):
+        assert SwarmDHT._read(reader, ServerRecord, {**value, "timestamp": ts}, "QmX", "server record") is None
     # a hostile peer's inf or NaN never reaches the planner (tau_p = inf stopped every plan)
     good = _record("QmX").to_value()
     for field in ("tau_p", "emulate_rtt_ms", "timestamp"):

@@ -72,6 +72,8 @@ class ServerConfig:
         for flag, value in (("--refresh-s", self.refresh_s), ("--assignment-poll-s", self.assignment_poll_s),
                             ("--idle-timeout-s", self.idle_timeout_s), ("--max-wait-s", self.max_wait_s)):
             number(flag, value, positive=True)
+        if self.refresh_s > 3600:  # the record lives 3 x as long; readers drop records that claim over 6 h
+            raise ValueError(f"--refresh-s must be at most 3600, got {self.refresh_s!r}")
         number("--drain-timeout-s", self.drain_timeout_s, positive=False)
         number("relay_wait_s", self.relay_wait_s, positive=False)
         for flag, value in (("--profile-l-in", self.profile_l_in), ("--profile-l-out", self.profile_l_out),

@@ -75,6 +75,10 @@ if not any(isinstance(f, _P2PDaemonShutdownNoise) for f in _P2PD_LOGGER.filters)
 install_robust_hivemind_locks()
 
 _OWNER_RE = re.compile(rb"^\[owner:(.+)\]$", re.DOTALL)
+# Records that claim to live longer than this, or whose timestamp is older (or further ahead), are not read: hivemind
+# sets no bound on an entry's expiration and copies entries to nodes as they join, so a record stored once with a
+# far expiration (a hostile or a long-gone peer's) would be read as live for ever. Ours expire within minutes.
+MAX_RECORD_TTL_S = 6 * 3600.0
 
 
 def peer_id_of_owner(owner: bytes) -> Optional[str]:
@@ -374,9 +378,15 @@ class SwarmDHT:
         """``model.from_value(value)``, or None with a warning (once per writer and kind) naming the writer's
         version: a peer whose records this version cannot read is otherwise invisible to it."""
         try:
-            return model.from_value(value)
+            record = model.from_value(value)
+            age = time.time() - record.timestamp
+            if not -MAX_RECORD_TTL_S <= age <= MAX_RECORD_TTL_S:
+                raise ValueError(f"its timestamp is {age / 3600:.1f} h old (more than {MAX_RECORD_TTL_S / 3600:.0f} h "
+                                 "either way)")
+            return record
         except Exception as e:  # noqa: BLE001 - anything a peer wrote must not break the reader
             version = value.get("version") if isinstance(value, dict) else None
+            version = version[:40] if isinstance(version, str) else None  # a peer's string, in our log
             key = (owner_peer, what)
             log = logger.debug if key in self._reported_invalid else logger.warning
             if len(self._reported_invalid) >= 4096:  # bounded: writers can be made up by the thousand
@@ -392,9 +402,10 @@ class SwarmDHT:
         if result is None or not isinstance(result.value, dict):
             return []
         out = []
+        latest = get_dht_time() + MAX_RECORD_TTL_S
         for subkey, item in result.value.items():
             owner_peer = peer_id_of_owner(subkey)
-            if owner_peer is None:
+            if owner_peer is None or item.expiration_time > latest:
                 continue
             out.append((owner_peer, item.value))
         return out

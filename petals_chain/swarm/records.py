@@ -26,6 +26,30 @@ _PEER_ID_MAX = 128
 # A newer writer's fields this version does not know: accepted (and ignored) up to this many, names this long.
 MAX_UNKNOWN_FIELDS = 16
 _UNKNOWN_FIELD_NAME_MAX = 64
+_UNKNOWN_VALUES_MAX = 4096  # a newer writer's fields together, in characters of their repr, nested at most 4 deep
+_SHORT_MAX = 64  # names like a version, device, dtype or quantization
+
+
+def check_unknown_values(values: list) -> None:
+    """ValueError unless a newer writer's field values are small: at most :data:`_UNKNOWN_VALUES_MAX` characters
+    of scalars and strings together, nested at most 4 deep (they are kept, and passed on, as they are: a record
+    of several MB made the lookups of every record under its key fail)."""
+    budget = _UNKNOWN_VALUES_MAX
+    stack = [(v, 0) for v in values]
+    while stack:
+        v, depth = stack.pop()
+        if depth > 4:
+            raise ValueError("an unknown field's value is nested more than 4 deep")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for kv in v.items() for x in kv)
+            budget -= 1
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, depth + 1) for x in v)
+            budget -= 1
+        else:
+            budget -= len(v) if isinstance(v, (str, bytes)) else 8
+        if budget < 0:
+            raise ValueError(f"unknown fields hold more than {_UNKNOWN_VALUES_MAX} characters")
 
 
 class _Record(pydantic.BaseModel):
@@ -42,6 +66,10 @@ class _Record(pydantic.BaseModel):
         if isinstance(value, dict):
             if "timestamp" in cls.model_fields and "timestamp" not in value:
                 raise ValueError("the record has no timestamp")
+            unknown = [k for k in value if k not in cls.model_fields]
+            if len(unknown) > MAX_UNKNOWN_FIELDS:
+                raise ValueError(f"{len(unknown)} unknown fields (at most {MAX_UNKNOWN_FIELDS})")
+            check_unknown_values([value[k] for k in unknown])
             value = {k: v for k, v in value.items() if k in cls.model_fields}
         return cls.model_validate(value)
 
@@ -54,13 +82,13 @@ class ServerRecord(_Record):
     """What a server announces under ``{prefix}.servers`` (memory in bytes, tau_p in s/block/job)."""
 
     peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
-    version: str = RECORD_VERSION
+    version: str = pydantic.Field(default=RECORD_VERSION, max_length=_SHORT_MAX)
     state: Literal["joining", "online", "draining", "offline"]
     memory_bytes: int = pydantic.Field(ge=0)  # M_j
     tau_p: float = pydantic.Field(ge=0)  # s/block/job, footnote-11 workload, emulation scale included
-    device: str = "cpu"
-    dtype: str = "float32"
-    quant: str = "none"
+    device: str = pydantic.Field(default="cpu", max_length=_SHORT_MAX)
+    dtype: str = pydantic.Field(default="float32", max_length=_SHORT_MAX)
+    quant: str = pydantic.Field(default="none", max_length=_SHORT_MAX)
     start_block: int = pydantic.Field(default=0, ge=0)  # a_j (0-based)
     num_blocks: int = pydantic.Field(default=0, ge=0)  # m_j; 0 while nothing is loaded
     slots_total: int = pydantic.Field(default=0, ge=0)
@@ -226,18 +254,19 @@ class _ValueV1(pv1.BaseModel):
             raise ValueError(f"{len(unknown)} unknown fields (at most {MAX_UNKNOWN_FIELDS})")
         if any(not isinstance(k, str) or len(k) > _UNKNOWN_FIELD_NAME_MAX for k in unknown):
             raise ValueError(f"an unknown field's name is not a string of at most {_UNKNOWN_FIELD_NAME_MAX} chars")
+        check_unknown_values([values[k] for k in unknown])
         return values
 
 
 class _ServerValueV1(_ValueV1):
     peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
-    version: pv1.StrictStr
+    version: pv1.constr(strict=True, max_length=_SHORT_MAX)
     state: pv1.constr(strict=True, regex=r"^(joining|online|draining|offline)$")
     memory_bytes: pv1.conint(strict=True, ge=0)
     tau_p: pv1.confloat(strict=True, ge=0)
-    device: pv1.StrictStr
-    dtype: pv1.StrictStr
-    quant: pv1.StrictStr
+    device: pv1.constr(strict=True, max_length=_SHORT_MAX)
+    dtype: pv1.constr(strict=True, max_length=_SHORT_MAX)
+    quant: pv1.constr(strict=True, max_length=_SHORT_MAX)
     start_block: pv1.conint(strict=True, ge=0)
     num_blocks: pv1.conint(strict=True, ge=0)
     slots_total: pv1.conint(strict=True, ge=0)
