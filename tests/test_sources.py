@@ -121,6 +121,31 @@ def test_unsupported_family_is_refused(tiny_model_factory, tmp_path):
     assert proc.returncode != 0 and "gemma2" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_weight_files_outside_the_model_folder_are_refused(tiny_model_factory, tmp_path):
+    """An index naming ``../x.safetensors`` or an absolute path is refused: they were read from wherever they
+    pointed."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_factory("llama", num_layers=4), path)
+    single = path / "model.safetensors"
+    if single.is_file():  # make it a one-file index
+        from safetensors import safe_open
+
+        with safe_open(str(single), "pt") as f:
+            names = list(f.keys())
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names,
+                                                                                               single.name)}))
+    from petals_chain.swarm.sources import HFSource
+
+    assert HFSource(path, "m").tensor_names()  # a fresh source each time (resolve_source keeps one per path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    for bad in ("../elsewhere/private.safetensors", str(tmp_path / "abs.safetensors")):
+        first = next(iter(index["weight_map"]))
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**index["weight_map"],
+                                                                                      first: bad}}))
+        with pytest.raises(ValueError, match="not a file name inside"):
+            HFSource(path, "m").tensor_names()
+
+
 def test_bad_model_arguments(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match="not a .gguf"):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
 from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
 from petals_chain.swarm.periodic import run_every
-from petals_chain.swarm.reachability import is_circuit
+from petals_chain.swarm.reachability import is_circuit, public_dial_error
 
 logger = logging.getLogger(__name__)
 
@@ -802,7 +802,8 @@ class Planner:
                 **{f"step_{part}_s": value for part, value in self.hop_step_s(v).items()},
                 "strikes": v.strikes, "banned": v.banned, "distrusted": v.distrusted,
                 "banned_for_s": None if v.distrusted else max(0.0, v.banned_until - now) if v.banned else 0.0,
-                "reachability": v.reachability, "reachability_error": v.reach_error, "maddrs": list(r.maddrs),
+                "reachability": v.reachability, "reachability_error": public_dial_error(v.reach_error),
+                "maddrs": list(r.maddrs),
                 "models": list(r.models), "serving": r.serving,
             })
         for peer_id, r in sorted(self.refused.items()):

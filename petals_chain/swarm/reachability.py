@@ -271,7 +271,7 @@ class PetalsChainFrontdoor(ServicerBase):
         dialing = asyncio.ensure_future(self.prober.dial(peer_id, maddrs))
         dialing.add_done_callback(_retrieved)
         reachable, maddr, error = await asyncio.shield(dialing)
-        yield _reply({"ok": True, "reachable": reachable, "maddr": maddr, "error": error})
+        yield _reply({"ok": True, "reachable": reachable, "maddr": maddr, "error": public_dial_error(error)})
         await hold_after_reply(LINGER_S)
 
 
@@ -279,6 +279,13 @@ def _retrieved(task: asyncio.Future) -> None:
     """Done callback of a task nobody may await any more: its failure is logged here, not "never retrieved"."""
     if not task.cancelled() and task.exception() is not None:
         logger.warning("dial-back failed: %s", _short(task.exception()))
+
+
+def public_dial_error(error: str) -> str:
+    """What a failed dial tells others (the peer that asked, the public summary): that it failed, not how. Per
+    address, refused / timed out / handshake failed reads as a port scan of the orchestrator's network at
+    addresses anyone may announce; the details stay in the orchestrator's log."""
+    return "none of the announced addresses answered a dial from the orchestrator" if error else ""
 
 
 def _reply(meta: dict) -> runtime_pb2.ExpertResponse:

@@ -26,7 +26,7 @@ import struct
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
@@ -131,7 +131,12 @@ class HFSource(ModelSource):
 
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
+            wmap = dict(json.loads(index.read_text())["weight_map"])
+            for fname in set(wmap.values()):
+                # names inside the folder only (by name: a Hugging Face cache links its files to blobs elsewhere)
+                if not isinstance(fname, str) or PurePath(fname).is_absolute() or ".." in PurePath(fname).parts:
+                    raise ValueError(f"{index}: weight file {fname!r} is not a file name inside {self.path}")
+            return wmap
         single = self.path / "model.safetensors"
         if single.is_file():
             with safe_open(str(single), "pt") as f:
