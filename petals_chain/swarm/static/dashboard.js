@@ -147,7 +147,8 @@
     if (v === null) {
       try { v = num(window.localStorage.getItem("petals-chain.refresh")); } catch (e) { v = null; }
     }
-    return v === null ? 2 : clamp(v, 0, 3600);
+    // 0 pauses; anything else is at least 1 s (a crafted ?refresh=0.0001 made every visitor poll 10 times a second)
+    return v === null ? 2 : (v <= 0 ? 0 : clamp(v, 1, 3600));
   }
 
   function setPeriod(seconds, persist) {
