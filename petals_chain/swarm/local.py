@@ -58,12 +58,13 @@ def memory_for(model_path: str | os.PathLike, max_length: int, blocks: int, slot
     return int(blocks * (s_m + s_c * slots_per_block))
 
 
-def _descendants(pid: int) -> list[int]:
-    """All descendant pids of ``pid`` (empty if psutil is missing or the process is gone)."""
+def _descendants(pid: int) -> list[Any]:
+    """All descendants of ``pid`` as psutil processes (empty if psutil is missing or the process is gone): killed
+    later through them, a pid that a new process took meanwhile is left alone (psutil checks its start time)."""
     try:
         import psutil
 
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        return psutil.Process(pid).children(recursive=True)
     except Exception:  # noqa: BLE001 - best effort; killpg covers the usual case
         return []
 
@@ -267,13 +268,15 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 return
 
-    def _reap(self, proc: _Proc, descendants: Sequence[int]) -> None:
+    def _reap(self, proc: _Proc, descendants: Sequence[Any]) -> None:
         """Kill whatever is left of ``proc``: its process group (DHT child, p2pd) and ``descendants``."""
+        import psutil
+
         self._signal(proc, signal.SIGKILL, group=True)
-        for pid in descendants:  # a p2pd that left the group (new session) would survive killpg
+        for child in descendants:  # a p2pd that left the group (new session) would survive killpg
             try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                child.kill()
+            except (psutil.Error, ProcessLookupError, PermissionError):
                 pass
         try:
             proc.popen.wait(timeout=5)
