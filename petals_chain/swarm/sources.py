@@ -355,7 +355,11 @@ class GGUFSource(ModelSource):
 
         from petals_chain.swarm.registry import cache_dir
 
-        saved = cache_dir() / "tokenizers" / self.fingerprint
+        # the fingerprint names the weights, not the tokenizer: a file with the same weights and another vocabulary
+        # or chat template must not get this one's (the file's size and time tell such a file apart)
+        st = self.path.stat()
+        file_id = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        saved = cache_dir() / "tokenizers" / f"{self.fingerprint}-{file_id}"
         if (saved / "tokenizer.json").is_file():
             try:
                 return AutoTokenizer.from_pretrained(str(saved))
