@@ -64,6 +64,8 @@ class ServerSpec:
             value = getattr(self, attr)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{attr} of server {self.name!r} must be finite and >= 0, got {value!r}")
+        if self.tau_c + self.tau_p <= 0:  # a chain of such servers would serve in no time (GBP-CR divides by it)
+            raise ValueError(f"server {self.name!r} takes no time per job (tau_c = tau_p = 0)")
         if int(self.block_limit) != self.block_limit or self.block_limit < 0:
             raise ValueError(f"block_limit of server {self.name!r} must be an integer >= 0, got {self.block_limit!r}")
 

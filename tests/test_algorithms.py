@@ -144,6 +144,8 @@ def test_gbp_cr_stops_when_rate_reached_and_rejects_bad_input():
         gbp_cr(servers, model, 1, -1.0)
     with pytest.raises(ValueError):
         gbp_cr(servers + [servers[0]], model, 1, 0.1)
+    with pytest.raises(ValueError, match="no time per job"):  # a chain of it would take 0 s: GBP-CR divided by 0
+        ServerSpec("free", 60.0, 0.0, 0.0)
 
 
 # ---------------------------------------------------------------- GCA
