@@ -200,6 +200,36 @@ def test_a_drift_replan_is_followed_by_one_on_a_window_of_new_traffic_only(swarm
     assert any(m["why"].startswith("settling after a drift") for m in placer.json()["recent"])
 
 
+def test_a_model_whose_servers_left_gets_one_at_once_not_at_the_interval(swarm):
+    """The servers placed on a model with traffic leave: a flexible server is moved to it within a drift window,
+    not when the re-placement interval ends (up to an hour; 1000 s here), the mix being unchanged."""
+    orchs, _ = swarm
+    placer = placer_for(orchs)  # window 30 s
+    for peer in ("s0", "s1", "s2", "s3"):
+        announce(orchs, peer, ["alpha", "beta"], orchs["alpha"].prefix)
+    base, now = time.monotonic(), [0.0]
+    placer.clock = lambda: base + now[0]
+
+    def advance(seconds: float) -> None:
+        end = now[0] + seconds
+        while now[0] < end:
+            now[0] += 2.0
+            for o in orchs.values():
+                o.planner.rates.arrive(base + now[0] - 1.0)  # 0.5 req/s each, a steady mix
+            asyncio.run(placer.round())
+
+    advance(60)
+    on_beta = [p for p, m in placer.placement.items() if m == "beta"]
+    assert on_beta and len(on_beta) < 4
+    for peer in on_beta:  # they leave the swarm
+        for o in orchs.values():
+            o.planner.seen.pop(peer, None)
+            o.planner.servers.pop(peer, None)
+    advance(32)
+    assert any(m == "beta" for p, m in placer.placement.items() if p not in on_beta), placer.placement
+    assert now[0] - (placer.planned_at - base) < 40 and placer.interval.interval > 100
+
+
 def test_even_never_moves_and_static_moves_once_for_the_first_traffic(swarm):
     orchs, _ = swarm
     for policy in ("even", "static"):

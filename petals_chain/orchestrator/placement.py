@@ -124,6 +124,7 @@ class ModelPlacer:
         self.gone: dict[str, float] = {}  # placed servers not seen since (clock time)
         self.epoch = 0
         self.planned_at = clock()
+        self._stranded_at = -math.inf  # the last re-placement for a model with traffic and no server
         self.planned_wall = time.time()
         self.estimate: PlanMetrics | None = None
         self.trigger = ReplanTrigger(window_s)
@@ -232,6 +233,16 @@ class ModelPlacer:
         return volunteers, models, fixed
 
     # ---- decisions --------------------------------------------------------------------------------
+    def _stranded(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float) -> list[str]:
+        """Models that had arrivals in the last ``window_s`` and no live server (none placed on them, none offering
+        only them), that a flexible server offers."""
+        offered = {n for rec in flexible.values() for n in self.offered(rec)}
+        served = {self.placement.get(p) for p in flexible}
+        for peer, by_model in records.items():
+            if peer not in flexible:
+                served.update(by_model)  # a server offering one of our models only: it serves that one
+        return [n for n in self.orchs if n in offered and n not in served and self._rate(n, now) > 0]
+
     def _flexible(self, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """``{peer: a record}`` of the live servers offering two of our models or more."""
         out = {}
@@ -484,6 +495,11 @@ class ModelPlacer:
             # drifted from the mix planned for, or traffic arrives and no plan was made for any yet
             drifted = self.drift.drifted(now) or (not self.drift.planned and sum(self.drift.rates(now).values())
                                                   * self.drift.window_s >= self.drift.min_arrivals)
+            # a model with traffic and no server that a flexible server could serve (its last servers left): now,
+            # not at the interval's end (up to an hour), at most once a drift window
+            if (not drifted and now - self._stranded_at >= self.drift.window_s
+                    and self._stranded(records, flexible, now)):
+                drifted, self._stranded_at = True, now
             why = self.trigger.reason(now, due=due, drifted=drifted)
             if why is not None:
                 await self.replace(records, flexible, now, why)
