@@ -271,3 +271,19 @@ def test_a_job_cancelled_while_its_chain_closes_gives_the_slot_back_after_the_cl
         assert dm.running == 0 and dm.queue_length == 0
 
     asyncio.run(main())
+
+
+def test_a_server_that_leaves_and_comes_back_is_planned_at_once_each_time():
+    """A server considered once and gone is fresh when it comes back with the same peer id (it waited for the
+    periodic re-plan, from its second return on: the ids of servers considered were kept for ever)."""
+    records = {n: record(n) for n in "abc"}
+    pl = planner(records, use_all_servers=True)
+    asyncio.run(pl.refresh())
+    assert sorted(pl.assignment) == ["a", "b", "c"]
+    for _ in range(2):
+        del records["c"]
+        asyncio.run(pl.refresh())
+        assert "c" not in pl.assignment and "c" not in pl._considered
+        records["c"] = record("c")
+        asyncio.run(pl.refresh())
+        assert "c" in pl.assignment

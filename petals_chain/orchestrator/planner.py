@@ -715,6 +715,8 @@ class Planner:
         fresh = [v for v in unassigned if v.peer_id not in self._considered]
         held = self.held_spans()
         view_ids = {v.peer_id for v in views}
+        # a server that left is fresh again when it comes back (and its id is not kept for ever)
+        self._considered &= view_ids
         # A banned server is planned around once (others may take its blocks over if the chains need them),
         # not at every refresh of its ban.
         planned_around = held.keys() & self._planned_around
