@@ -287,3 +287,40 @@ def test_a_server_that_leaves_and_comes_back_is_planned_at_once_each_time():
         records["c"] = record("c")
         asyncio.run(pl.refresh())
         assert "c" in pl.assignment
+
+
+def test_a_new_servers_reachability_check_goes_before_re_checks_of_unreachable_ones():
+    """Re-checks of unreachable servers (anyone can announce addresses that never answer) run one at a time and
+    only while no first check waits: a joining server was left "pending", unplanned, behind them."""
+    class Prober:
+        def __init__(self):
+            self.calls: list[str] = []
+
+        async def dial(self, peer_id, maddrs):
+            self.calls.append(peer_id)
+            await asyncio.sleep(0.01)
+            ok = not peer_id.startswith("bad")
+            return ok, maddrs[0] if ok else "", "" if ok else "refused"
+
+    def announcing(name: str) -> ServerRecord:
+        return record(name, maddrs=[f"/ip4/10.0.0.1/tcp/{4000 + len(name)}"])
+
+    async def main():
+        records = {n: announcing(n) for n in ("a", "bad1", "bad2")}
+        pl = planner(records, prober=Prober(), reach_recheck_s=0.0)
+        await pl.refresh()
+        await asyncio.sleep(0.1)
+        assert sorted(pl.prober.calls) == ["a", "bad1", "bad2"] and pl.servers["bad1"].reachability == "unreachable"
+        pl.prober.calls.clear()
+        await pl.refresh()  # both bad ones are due again: one re-check at a time
+        await pl.refresh()
+        assert len(pl.prober.calls) == 1 and pl.prober.calls[0].startswith("bad")
+        await asyncio.sleep(0.1)
+        pl.prober.calls.clear()
+        records["new"] = announcing("new")
+        await pl.refresh()  # a first check waits: no re-check now
+        assert pl.prober.calls == ["new"]
+        await asyncio.sleep(0.1)
+        assert pl.servers["new"].reachability == "direct"
+
+    asyncio.run(main())

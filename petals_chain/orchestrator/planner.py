@@ -584,15 +584,20 @@ class Planner:
         if self.prober is None:
             return
         now = time.monotonic()
-        for v in live:
+        # New addresses first; an unreachable server is dialed again only while no first check waits (its
+        # addresses, up to 8, may hold a dial slot for a while, and anyone can announce blackholed ones: new
+        # servers stayed "pending", unplanned, behind such re-checks)
+        first = [v for v in live if v.record.maddrs and v.peer_id not in self._reach_tasks
+                 and tuple(v.record.maddrs) != v.reach_key]
+        again = [] if first or self._reach_tasks else [
+            v for v in live if v.record.maddrs and v.reachability == "unreachable"
+            and now - v.reach_checked >= self.reach_recheck_s]
+        for v in first + sorted(again, key=lambda v: v.reach_checked)[:1]:  # one re-check at a time, oldest first
             key = tuple(v.record.maddrs)
-            if not key or v.peer_id in self._reach_tasks:
-                continue
-            if key != v.reach_key or (v.reachability == "unreachable" and now - v.reach_checked >= self.reach_recheck_s):
-                if key != v.reach_key:
-                    v.reachability = "pending"
-                v.reach_key = key
-                self._reach_tasks[v.peer_id] = asyncio.create_task(self._dial(v, key), name=f"reach-{v.peer_id[:8]}")
+            if key != v.reach_key:
+                v.reachability = "pending"
+            v.reach_key = key
+            self._reach_tasks[v.peer_id] = asyncio.create_task(self._dial(v, key), name=f"reach-{v.peer_id[:8]}")
 
     async def _dial(self, v: ServerView, key: tuple) -> None:
         try:

@@ -209,13 +209,19 @@ class Prober:
         errors = []
         async with self._slots:
             self.checks += 1
+            # a check takes at most 3 timeouts in all, however many addresses it tries (a slot is shared)
+            give_up = time.monotonic() + 3 * self.timeout_s
             # one address at a time (a relayed one last), so that the one that worked is known; a daemon per
             # address, as a failed dial leaves a backoff on the peer that would fail the next address at once
             for text, addr in sorted(addrs, key=lambda a: is_circuit(a[0])):
+                left = min(self.timeout_s, give_up - time.monotonic())
+                if left <= 0:
+                    errors.append(f"{text}: not tried (the check's time was spent)")
+                    continue
                 p2p = await _DialOnlyP2P.create(host_maddrs=[], no_listen=True, dht_mode="none", auto_nat=False,
                                                 nat_port_map=False)
                 try:
-                    await asyncio.wait_for(p2p._client.connect(peer, [addr]), self.timeout_s)
+                    await asyncio.wait_for(p2p._client.connect(peer, [addr]), left)
                 except Exception as e:  # noqa: BLE001 - refused, timed out, no route, wrong peer at that address
                     errors.append(f"{text}: {_short(e)}")
                     continue
