@@ -153,6 +153,21 @@ def test_stop_matcher_holds_back_partial_stop_strings():
     assert "".join(m2.feed(ord(c)) for c in "abc") + m2.flush() == "abc"
 
 
+def test_stop_matcher_cuts_at_the_earliest_stop_whatever_their_order():
+    """One token holding two stop strings (a merged ".\n"): the text ends before the first in the text, not before
+    the first listed (which left "." in the answer with stop=["\n", "."])."""
+    class Merged:
+        vocab = {0: "Hi", 1: ".\n", 2: " there"}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.vocab[i] for i in ids)
+
+    for stop in (["\n", "."], [".", "\n"]):
+        m = StopMatcher(Merged(), stop)
+        streamed = "".join(m.feed(t) for t in (0, 1, 2)) + m.flush()
+        assert m.text == streamed == "Hi", stop
+
+
 def test_sampler_greedy_seeded_and_processors():
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
     assert Sampler(SamplingParams(temperature=0)).next_token(logits, [0]) == 1

@@ -855,14 +855,15 @@ class StopMatcher:
         if not self._advance():
             return ""
         text = self.text
-        for s in self.stop:
-            pos = text.find(s, max(0, self.emitted - len(s) + 1))
-            if pos != -1:
-                self.stopped = True
-                self.text = text[:pos]
-                out = self.text[self.emitted:]
-                self.emitted = len(self.text)
-                return out
+        # the earliest match in the text, whatever the order of the stop list (the first stop listed that matched
+        # left an earlier one in the text when one token held both, e.g. ".\n")
+        found = [p for p in (text.find(s, max(0, self.emitted - len(s) + 1)) for s in self.stop) if p != -1]
+        if found:
+            self.stopped = True
+            self.text = text[:min(found)]
+            out = self.text[self.emitted:]
+            self.emitted = len(self.text)
+            return out
         hold = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), 0, -1):
