@@ -496,6 +496,41 @@ def test_an_open_that_fails_as_its_server_is_declared_failed_leaves_no_unread_ex
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("wait_s", [0.0, 600.0])
+def test_a_chain_open_cancelled_midway_closes_the_hops_it_opened(wait_s):
+    """The job is cancelled (its client left) while one hop's open is still under way: the hops already open are
+    closed, and so is one whose open gets through after the cancellation. (Opened concurrently, the open hops were
+    dropped unclosed: the servers held them until their idle timeout while their slot counted as free here.)"""
+    from petals_chain.orchestrator.relay import ChainSession
+
+    sessions = []
+
+    class Session:
+        def __init__(self, peer):
+            self.peer, self.closed = peer, False
+            sessions.append(self)
+
+        async def close(self, **kw):
+            self.closed = True
+
+    class Client:
+        async def open_session(self, peer, **kw):
+            if peer == "slow":
+                await asyncio.sleep(10)
+            return Session(peer)
+
+    async def main():
+        cs = ChainSession(Client(), [("fast", 0, 2), ("slow", 2, 4)], "job.1", 64, wait_s=wait_s)
+        opening = asyncio.ensure_future(cs.open())
+        await asyncio.sleep(0.05)
+        opening.cancel()
+        await asyncio.gather(opening, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        assert [(x.peer, x.closed) for x in sessions] == [("fast", True)]
+
+    asyncio.run(main())
+
+
 def test_an_open_waiting_on_a_server_declared_failed_is_aborted_at_once():
     """An open queued at a server (``wait_s``: it may wait minutes for pages) is cancelled when the server is
     declared failed: a dead peer's stream may never end, and the job must fail over now, not at the open's timeout.

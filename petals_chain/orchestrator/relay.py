@@ -142,7 +142,7 @@ class ChainSession:
                 if peer in self._aborted and not _current_task_cancelling():
                     raise ConnectionError("the server was declared failed") from None
                 task.cancel()
-                task.add_done_callback(_unread)  # we leave: whatever it ends in, nobody reads it
+                task.add_done_callback(_close_if_opened)  # we leave: an open that got through is closed
                 raise
             finally:
                 if self._opening.get(peer) is task:
@@ -162,7 +162,16 @@ class ChainSession:
                     results.append(e)
                     break
         else:
-            results = await asyncio.gather(*(one(*h) for h in self.hops), return_exceptions=True)
+            tasks = [asyncio.ensure_future(one(*h)) for h in self.hops]
+            try:
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+            except asyncio.CancelledError:
+                # the hops already open would stay open at their servers (their slot counted free here) until the
+                # servers' idle timeout: close them, and any that opens still
+                for t in tasks:
+                    t.cancel()
+                    t.add_done_callback(_close_if_opened)
+                raise
         failure: HopFailure | None = None
         opened = []
         for i, ((peer, _, _), res) in enumerate(zip(self.hops, results)):  # sequential opens stop at a failure
@@ -349,10 +358,18 @@ class ChainSession:
                              return_exceptions=True)
 
 
-def _unread(task: asyncio.Future) -> None:
-    """Mark a finished task's exception as read: its waiter has left, and its failure is no news."""
-    if not task.cancelled():
-        task.exception()
+_CLOSING: set[asyncio.Future] = set()  # closes nobody awaits (the event loop keeps only weak references to tasks)
+
+
+def _close_if_opened(task: asyncio.Future) -> None:
+    """A finished open whose waiter has left: close the session it opened, if it did (a failure is no news)."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    session = task.result()
+    if session is not None:
+        closing = asyncio.ensure_future(session.close())
+        _CLOSING.add(closing)
+        closing.add_done_callback(lambda f: (_CLOSING.discard(f), f.cancelled() or f.exception()))
 
 
 def _current_task_cancelling() -> bool:
