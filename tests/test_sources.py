@@ -146,6 +146,31 @@ def test_weight_files_outside_the_model_folder_are_refused(tiny_model_factory, t
             HFSource(path, "m").tensor_names()
 
 
+def test_a_corrupt_gguf_file_is_refused_at_once_with_its_name(smollm2_path, tmp_path, capsys):
+    """A truncated file, or one whose header declares an array of 2^40 entries, is a ValueError naming the file
+    within a second: the metadata parser trusted the count (it looped for minutes, GBs growing) and a truncated
+    file ended in an IndexError traceback from the CLIs."""
+    import struct
+    import time
+
+    from petals_chain.server.__main__ import main as server_main
+
+    head = smollm2_path.read_bytes()[:2_000_000]  # the header, metadata and tensor table, without the data
+    key = b"tokenizer.ggml.token_type"
+    at = head.index(key) + len(key) + 8  # past the value type (array) and the element type
+    huge = head[:at] + struct.pack("<Q", 1 << 40) + head[at + 8:]
+    for name, data in (("truncated", head), ("huge-count", huge)):
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(data)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="corrupt or truncated GGUF file"):
+            GGUFSource(path, name)._config_dict()
+        assert time.monotonic() - t0 < 5.0
+    assert server_main(["--model", str(tmp_path / "huge-count.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "corrupt or truncated GGUF file" in err and "Traceback" not in err
+
+
 def test_bad_model_arguments(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match="not a .gguf"):

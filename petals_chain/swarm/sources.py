@@ -251,9 +251,32 @@ class GGUFSource(ModelSource):
         if "config" not in meta:
             from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-            cfg = load_gguf_checkpoint(str(self.path), return_tensors=False)["config"]
+            self.check_file()
+            try:
+                cfg = load_gguf_checkpoint(str(self.path), return_tensors=False)["config"]
+            except OSError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a malformed file fails anywhere in the parser
+                raise ValueError(f"{self.path}: corrupt GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
             self._save_meta(config=cfg)
         return copy.deepcopy(self._meta()["config"])
+
+    def check_file(self) -> None:
+        """ValueError unless the header parses and every tensor lies inside the file. Checked before the metadata
+        parse: its reader trusts the header's counts (a count of 2^40 in a corrupt or hostile file looped for
+        minutes, GBs growing), where the header reader stops at the end of the file."""
+        try:
+            table = self._table
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - struct.error, UnicodeDecodeError, ... of a malformed header
+            raise ValueError(f"{self.path}: corrupt or truncated GGUF file ({type(e).__name__}: {str(e)[:200]})"
+                             ) from None
+        size = self.path.stat().st_size
+        for name, (_, _, start, nbytes) in table.items():
+            if start + nbytes > size:
+                raise ValueError(f"{self.path}: corrupt or truncated GGUF file: tensor {name!r} ends at byte "
+                                 f"{start + nbytes}, the file has {size}")
 
     def _load_config(self) -> Any:
         from transformers import AutoConfig
