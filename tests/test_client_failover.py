@@ -147,6 +147,34 @@ def test_session_stays_on_its_orchestrator():
     assert [i for i, _ in seen] == [0, 0, 0, 0]  # open, two turns, close: all on orchestrator 0
 
 
+def test_the_model_asked_for_is_the_one_sessions_and_the_transformers_interface_use(monkeypatch):
+    """On an orchestrator serving several models, a session of ``Client(model="code")`` and
+    ``AutoDistributedModelForCausalLM.from_pretrained("code")`` use "code" (they used the first model listed)."""
+    from petals_chain.client import AutoDistributedModelForCausalLM
+
+    bodies = []
+
+    def handle(req):
+        body = json.loads(req.content) if req.content else {}
+        bodies.append((req.url.path, body))
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "chat"}, {"id": "code"}]})
+        if req.url.path == "/api/v1/sessions":
+            return httpx.Response(200, json={"session_id": "s", "max_length": 64})
+        return httpx.Response(200, json={"choices": [{"text": "x", "finish_reason": "length"}], "usage": {},
+                                         "petals_chain": [{"token_ids": [7]}]})
+
+    c = _client([handle])
+    c._model = "code"
+    c.session().close()
+    assert bodies[0] == ("/api/v1/sessions", {"model": "code"})
+    real = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real(transport=httpx.MockTransport(handle), **kw))
+    bodies.clear()
+    AutoDistributedModelForCausalLM.from_pretrained("code", url="http://orch").generate([[1, 2]], max_new_tokens=1)
+    assert [b.get("model") for path, b in bodies if path == "/v1/completions"] == ["code"]
+
+
 @pytest.mark.slow
 def test_a_killed_orchestrator_mid_stream_is_replaced_by_the_other(tiny_model_factory, tmp_path):
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for

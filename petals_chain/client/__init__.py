@@ -289,7 +289,9 @@ class ClientSession:
 
     def __init__(self, client: Client, max_length: Optional[int] = None):
         self.client = client
-        body = {} if max_length is None else {"max_length": max_length}
+        body: dict[str, Any] = {} if max_length is None else {"max_length": max_length}
+        if client._model is not None:  # on an orchestrator of several models, the one asked for (not the first)
+            body["model"] = client._model
         r = client._request("POST", "/api/v1/sessions", json=body)
         _raise_for(r)
         self._http = client._http  # the session lives on this orchestrator
@@ -405,7 +407,7 @@ class AutoDistributedModelForCausalLM:
         if model.startswith(("http://", "https://")):
             url, model = model, None
         client = Client(url or os.environ.get("PETALS_CHAIN_URL", "http://127.0.0.1:8000"), timeout=timeout,
-                        api_key=api_key or os.environ.get("PETALS_CHAIN_API_KEY"))
+                        api_key=api_key or os.environ.get("PETALS_CHAIN_API_KEY"), model=model)
         return cls(client, model or client.model, pad_token_id)
 
     def generate(self, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
