@@ -147,6 +147,31 @@ def test_session_stays_on_its_orchestrator():
     assert [i for i, _ in seen] == [0, 0, 0, 0]  # open, two turns, close: all on orchestrator 0
 
 
+def test_a_session_whose_orchestrator_is_gone_raises_client_errors_and_keeps_the_callers_own():
+    """Session calls to an orchestrator that went away raise ClientError 503 like one-shot calls (they raised
+    httpx's errors), and leaving a ``with`` block on an error keeps that error (the failed close replaced it)."""
+    gone = [False]
+
+    def handle(req):
+        if gone[0]:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"session_id": "s", "max_length": 64})
+
+    c = _client([handle])
+    s = c.session()
+    gone[0] = True
+    for call in (lambda: s.complete("x"), lambda: list(s.stream("x")), s.info):
+        with pytest.raises(ClientError) as e:
+            call()
+        assert e.value.status == 503 and e.value.code == "unavailable"
+    gone[0] = False
+    other = c.session()
+    gone[0] = True
+    with pytest.raises(KeyError):
+        with other:
+            raise KeyError("the caller's own")
+
+
 def test_the_model_asked_for_is_the_one_sessions_and_the_transformers_interface_use(monkeypatch):
     """On an orchestrator serving several models, a session of ``Client(model="code")`` and
     ``AutoDistributedModelForCausalLM.from_pretrained("code")`` use "code" (they used the first model listed)."""

@@ -24,6 +24,7 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=8)[0]))
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
@@ -71,6 +72,16 @@ def _raise_for(resp: httpx.Response) -> None:
         raise ClientError(resp.status_code, err.get("message", resp.text), err.get("code"))
     except (ValueError, AttributeError):
         raise ClientError(resp.status_code, resp.text) from None
+
+
+@contextlib.contextmanager
+def _transport_errors(http: httpx.Client) -> Iterator[None]:
+    """An orchestrator that cannot be reached (or that cut the connection) is a ClientError 503, as for one-shot
+    requests, not an httpx exception."""
+    try:
+        yield
+    except httpx.TransportError as e:
+        raise ClientError(503, f"{http.base_url}: {type(e).__name__}: {e}", "unavailable") from e
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:
@@ -310,7 +321,8 @@ class ClientSession:
         return body
 
     def _post(self, body: dict) -> Completion:
-        r = self._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
+        with _transport_errors(self._http):
+            r = self._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
         _raise_for(r)
         d = r.json()
         self.last = Completion(text=d["text"], token_ids=d["token_ids"], finish_reason=d["finish_reason"],
@@ -343,7 +355,8 @@ class ClientSession:
                seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
         body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
         body["stream"] = True
-        with self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate", json=body) as r:
+        with _transport_errors(self._http), self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate",
+                                                              json=body) as r:
             if r.status_code >= 400:
                 r.read()
                 _raise_for(r)
@@ -352,7 +365,8 @@ class ClientSession:
                     yield obj["text"]
 
     def info(self) -> dict:
-        r = self._http.get(f"/api/v1/sessions/{self.id}")
+        with _transport_errors(self._http):
+            r = self._http.get(f"/api/v1/sessions/{self.id}")
         _raise_for(r)
         return r.json()
 
@@ -360,15 +374,22 @@ class ClientSession:
         if self.closed:
             return
         self.closed = True
-        r = self._http.delete(f"/api/v1/sessions/{self.id}")
+        with _transport_errors(self._http):
+            r = self._http.delete(f"/api/v1/sessions/{self.id}")
         if r.status_code != 404:
             _raise_for(r)
 
     def __enter__(self) -> "ClientSession":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # leaving on an error: that error is the caller's, not a failed close (the orchestrator may be gone)
+            self.close()
+        except ClientError:
+            pass
 
 
 class AutoTokenizer:
