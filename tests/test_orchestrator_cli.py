@@ -23,7 +23,14 @@ def test_bad_settings_exit_2_naming_the_flag(tiny_model_dir, capsys, args, flag)
 @pytest.mark.parametrize("args", [["--fairness", "wfq"], ["--fairness-quantum", "0"], ["--audit-tolerance", "x"],
                                   ["--audit-strikes", "0"], ["--speculative", "eagle"], ["--speculative", "draft"],
                                   ["--speculative", "draft:"], ["--speculative", "draft:a", "--draft-model", "b"],
-                                  ["--relay", "carrier"], ["--draft-layers", "0"]])
+                                  ["--relay", "carrier"], ["--draft-layers", "0"],
+                                  # accepted before, then a stuck or broken orchestrator (no plan ever, a plan error
+                                  # logged for ever, opens failing at once, a traceback after the model loaded)
+                                  ["--settle-s", "nan"], ["--replan-interval-s", "0"], ["--bprr-r", "0"],
+                                  ["--petals-cache-tokens", "-1"], ["--route-wait-s", "nan"],
+                                  ["--model-reload-s", "-1"], ["--group-ttl-s", "0"], ["--host-maddrs", "garbage"],
+                                  ["--initial-peers", "garbage"], ["--log-level", "bogus"],
+                                  ["--ready-file", "/nonexistent/dir/ready.json"], ["--draft-layers", "2"]])
 def test_unparseable_values_are_usage_errors(tiny_model_dir, args):
     with pytest.raises(SystemExit) as e:
         main(["--model", str(tiny_model_dir), *args])

@@ -45,6 +45,16 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text}")
+    return v
+
+
 def _speculative(text: str) -> tuple[str, str | None]:
     """``none`` | ``ngram`` | ``draft:MODEL`` -> (mode, draft model or None)."""
     if text in ("none", "ngram", "draft"):
@@ -115,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the other orchestrators of this swarm (their peer ids): the servers are split into one "
                         "group per live orchestrator (HERD), each orchestrator plans its own; a lost one's group "
                         "goes to the others. Servers must trust every one (--trust-orchestrator)")
-    p.add_argument("--group-ttl-s", type=float, default=6.0, metavar="S",
+    p.add_argument("--group-ttl-s", type=_positive_float, default=6.0, metavar="S",
                    help="with --group-with: an orchestrator silent this long is taken for gone")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
@@ -132,11 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "arrival rate (more capacity behind the fastest chains, for bursts); 'idle' leaves them "
                         "without blocks, exactly as the paper's Alg. 1")
     p.add_argument("--dispatch", default="jffc", choices=list(DISPATCHES))
-    p.add_argument("--petals-cache-tokens", type=int, default=4096,
+    p.add_argument("--petals-cache-tokens", type=_positive_int, default=4096,
                    help="--placement petals: PETALS' fixed attention cache per block, in tokens")
-    p.add_argument("--bprr-r", type=int, default=None,
+    p.add_argument("--bprr-r", type=_positive_int, default=None,
                    help="--placement bprr: CG-BP target concurrency R (default: the c* GBP-CR picks)")
-    p.add_argument("--route-wait-s", type=float, default=600.0,
+    p.add_argument("--route-wait-s", type=_nonnegative_float, default=600.0,
                    help="--dispatch petals|bprr: how long a routed request may wait at its servers for slots")
     p.add_argument("--max-queue", type=_positive_int, default=1024,
                    help="generation requests admitted beyond the chains' capacity; more get 429 + Retry-After")
@@ -261,13 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the first replacement interval I_0 (adapted by (1 +- 0.1) per interval, Eq. 8)")
     p.add_argument("--placement-window-s", type=_positive_float, default=120.0, metavar="S",
                    help="arrival rates and the traffic mix are measured over this window")
-    p.add_argument("--model-reload-s", type=float, default=10.0, metavar="S",
+    p.add_argument("--model-reload-s", type=_nonnegative_float, default=10.0, metavar="S",
                    help="what a server's move to another model costs it (seconds without serving); a move is "
                         "made only if it saves more than that over the interval")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: from the model name)")
     p.add_argument("--model-id", default=None, help="model id served at /v1 (default: the model's name)")
-    p.add_argument("--settle-s", type=float, default=2.0, help="wait this long without joins before the first plan")
-    p.add_argument("--replan-interval-s", type=float, default=30.0)
+    p.add_argument("--settle-s", type=_nonnegative_float, default=2.0,
+                   help="wait this long without joins before the first plan")
+    p.add_argument("--replan-interval-s", type=_positive_float, default=30.0)
     p.add_argument("--move-margin", type=float, default=0.2,
                    help="move blocks only if the predicted mean response time improves by this fraction")
     p.add_argument("--ready-file", default=None, help="write {http_url, initial_peers, peer_id} as JSON here once up")
@@ -389,8 +400,20 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no such file: {path}")
     if args.public_url and not re.match(r"^https?://[^/\s]+(/\S*)?$", args.public_url):
         parser.error(f"--public-url must be an http:// or https:// URL, got {args.public_url!r}")
-    from petals_chain.swarm.reachability import listen_and_announce
+    if not isinstance(logging.getLevelName(str(args.log_level).upper()), int):
+        parser.error(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {args.log_level!r}")
+    if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
+        parser.error(f"--ready-file {args.ready_file}: no such directory")  # found only once all had started
+    if args.draft_layers is not None and not (args.speculative[1] or args.draft_model):
+        parser.error("--draft-layers needs a draft model (--speculative draft:MODEL or --draft-model MODEL)")
+    from petals_chain.swarm.reachability import listen_and_announce, to_multiaddr
 
+    for flag, values in (("--host-maddrs", args.host_maddrs), ("--initial-peers", args.initial_peers)):
+        for m in values:  # else hivemind's daemon fails on them after the model has loaded, with a traceback
+            try:
+                to_multiaddr(m)
+            except ValueError as e:
+                parser.error(f"{flag}: {e}")
     try:
         host_maddrs, announce_maddrs = listen_and_announce(args.host_maddrs, args.announce_maddrs, args.public_ip,
                                                            args.p2p_port)
