@@ -136,8 +136,19 @@ def test_cli_requires_a_prefix_and_validates_arguments(capsys):
     assert exc.value.code == 2 and "--dht-prefix" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--initial-peers", "x", "--dht-prefix", "bad prefix!"])
-    with pytest.raises(SystemExit):
-        main(["--initial-peers", "x", "--dht-prefix", "ok", "--poll-interval", "0"])
+    for bad in (["--poll-interval", "0"], ["--poll-interval", "inf"], ["--log-level", "bogus"]):
+        with pytest.raises(SystemExit):
+            main(["--initial-peers", "x", "--dht-prefix", "ok", *bad])
+
+
+def test_the_model_names_the_swarm_the_orchestrator_of_that_model_announces(smollm2_path):
+    """``--model`` given as the path of the real model's file: the orchestrator names that swarm by the registry's
+    short name; the dashboard took the raw file name and watched an empty swarm."""
+    from petals_chain.swarm.keys import default_dht_prefix
+    from petals_chain.swarm.sources import resolve_source
+
+    args = build_parser().parse_args(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--model", str(smollm2_path)])
+    assert resolve_prefix(args) == default_dht_prefix(resolve_source(smollm2_path).name) == "smollm2-135m"
 
 
 @pytest.mark.slow

@@ -46,6 +46,9 @@ def test_parser_rejects_both_memory_flags_and_bad_choices():
         parser.parse_args(["--model", "m", "--memory-gb", "1", "--memory-bytes", "5"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--quant", "int4"])
+    with pytest.raises(SystemExit) as e:  # was a ValueError traceback from logging
+        main(["--model", "m", "--log-level", "bogus"])
+    assert e.value.code == 2
 
 
 def test_defaults_trust_and_memory(tiny_model_dir):

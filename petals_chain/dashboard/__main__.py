@@ -45,8 +45,22 @@ def resolve_prefix(args: argparse.Namespace) -> Optional[str]:
     if args.dht_prefix:
         return check_prefix(args.dht_prefix)
     if args.model:
-        return default_dht_prefix(args.model)
+        return default_dht_prefix(_model_name(args.model))
     return None
+
+
+def _model_name(model: str) -> str:
+    """What the orchestrator names ``model`` when it exists here (its DHT prefix derives from it): the registry's
+    short name, a .gguf file's stem; the raw path gave another prefix (an empty swarm on the page, no error)."""
+    from pathlib import Path
+
+    from petals_chain.swarm.registry import REGISTRY
+
+    if model in REGISTRY or Path(model).expanduser().exists():
+        from petals_chain.swarm.sources import resolve_source
+
+        return resolve_source(model).name
+    return model
 
 
 def discover_prefix(sd, trusted: Sequence[str], timeout_s: float, poll_s: float = 1.0) -> str:
@@ -69,9 +83,11 @@ def discover_prefix(sd, trusted: Sequence[str], timeout_s: float, poll_s: float 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not isinstance(logging.getLevelName(str(args.log_level).upper()), int):
+        parser.error(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {args.log_level!r}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not (args.poll_interval > 0):
-        parser.error("--poll-interval must be positive")
+    if not (0 < args.poll_interval <= 3600):  # inf: the poller died after one read, /healthz said fresh for ever
+        parser.error("--poll-interval must be in (0, 3600] seconds")
     if not (0 < args.port < 65536):
         parser.error("--port must be in 1..65535")
     if not (args.discover_timeout >= 0):
