@@ -88,6 +88,9 @@ class Server:
         self.epoch = -1
         self.assignment_timestamp = 0.0
         self._applied_content: tuple = ()
+        # an assignment whose load failed: (its content, when it may be tried again); consecutive failures
+        self._failed_load: Optional[tuple[tuple, float]] = None
+        self._failed_loads = 0
         self.span: Optional[tuple[int, int]] = None
         self.max_length = cfg.max_length or DEFAULT_MAX_LENGTH
         self.reloads = 0
@@ -203,10 +206,14 @@ class Server:
             return
         span = asg.span_of(self.sd.peer_id)
         max_length = self.cfg.max_length or asg.max_length
+        content = self._assignment_content(asg)
+        failed = self._failed_load
+        if failed is not None and failed[0] == content and time.monotonic() < failed[1]:
+            return  # its load failed a moment ago: tried again after a backoff, not at every poll
         logger.info(f"assignment epoch {asg.epoch}: span {span}, max_length {max_length}")
         self.epoch = asg.epoch
         self.assignment_timestamp = asg.timestamp
-        self._applied_content = self._assignment_content(asg)
+        self._applied_content = content
         if span == self.span and max_length == self.max_length and (self.runner is not None or span is None):
             logger.info("same span and max_length: keeping the loaded blocks (no reload)" if span is not None
                         else "still no span assigned")
@@ -221,6 +228,8 @@ class Server:
                 logger.error(f"assignment of {num} blocks exceeds --max-blocks {self.cfg.max_blocks}; ignoring it")
                 return
         await self._unload()
+        if self._stop.is_set():  # stopped while draining: a load now would only delay the exit, and announce us
+            return
         self.max_length = max_length
         self.set_state("joining")
         if span is None:
@@ -230,6 +239,7 @@ class Server:
         if not self.memory.holds(num, max_length):
             logger.error(f"assignment of {num} blocks leaves {slots} cache slots in M_j={self.memory.memory_bytes} "
                          f"bytes (s_m={self.memory.s_m}, s_c={self.memory.s_c(max_length)}); not loading it")
+            self._load_failed(content)
             return
         logger.info(f"loading blocks [{start}, {start + num}) with {slots} cache slots (max_length {max_length})")
         loop = asyncio.get_running_loop()
@@ -242,12 +252,22 @@ class Server:
                 prefix_cache=self.cfg.prefix_cache, decode_graph=self.cfg.decode_graph))
         except Exception:
             logger.exception("loading the assigned blocks failed")
+            self._load_failed(content)
             return
+        self._failed_load, self._failed_loads = None, 0
         self.service.runner, self.span = runner, (start, num)
         self.reloads += 1
         logger.info(f"loaded blocks [{start}, {start + num}) in {time.perf_counter() - t0:.1f} s; "
                     f"{runner.slots_total} slots")
         self.set_state("online")
+
+    def _load_failed(self, content: tuple) -> None:
+        """The assignment ``content`` was not loaded: follow it again when it is published again (else the server
+        stayed joining, without blocks, until the orchestrator published another epoch), after a backoff (10 s,
+        doubling up to 5 min)."""
+        self._failed_loads += 1
+        self._failed_load = (content, time.monotonic() + min(300.0, 10.0 * 2 ** (self._failed_loads - 1)))
+        self._applied_content, self.assignment_timestamp = (), 0.0
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new sessions, wait up to ``timeout_s`` for open ones to close, then release the rest."""
@@ -411,6 +431,8 @@ class Server:
             return
         logger.info(f"placed on model {hosted.prefix} (serving {self.prefix}): draining and unloading its blocks")
         await self._unload()
+        if self._stop.is_set():
+            return
         self.active = hosted
         self.epoch, self.assignment_timestamp, self._applied_content, self.span = -1, 0.0, (), None
         self.service.hidden_size = hosted.hidden_size
@@ -425,6 +447,8 @@ class Server:
                     await self.follow_placement()
                 except Exception as e:  # noqa: BLE001 - a DHT hiccup: try again at the next poll
                     logger.warning(f"fetching the model placement failed: {e}")
+                if self._stop.is_set():
+                    break
             try:
                 asg = await self.sd.afetch_assignment(self.prefix, sorted(self.trusted), self.sd.peer_id)
             except Exception as e:  # noqa: BLE001

@@ -1,0 +1,109 @@
+"""A server following its assignments, with the blocks' loading and the sessions' drain stood in: a stop that comes
+while it drains for a re-assignment loads nothing more, and a load that failed is tried again when the orchestrator
+publishes the assignment again (after a backoff), instead of the server staying joining without blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import types
+
+from petals_chain.server.server import Server
+
+
+class _Runner:
+    slots_total = slots_free = 4
+
+    def close(self) -> None:
+        pass
+
+
+class _Assignment:
+    def __init__(self, epoch: int, span: tuple[int, int], timestamp: float):
+        self.epoch, self.timestamp, self.max_length, self.model_fingerprint = epoch, timestamp, 128, ""
+        self.assignments = {"me": list(span)}
+
+    def span_of(self, peer_id: str):
+        return tuple(self.assignments[peer_id])
+
+
+def _server(load) -> Server:
+    """A Server without a model, a DHT or sessions: ``load(source, start, num, ...)`` makes its runner."""
+    class Service:
+        runner = None
+
+        async def drain(self, timeout_s, forced):
+            await asyncio.sleep(0.2)  # open sessions finishing
+
+    s = object.__new__(Server)
+    s.cfg = types.SimpleNamespace(max_length=None, max_blocks=0, device="cpu", quant="none", progress=False,
+                                  batching=False, kv_cache="slots", page_size=16, prefix_cache=False,
+                                  decode_graph="off", drain_timeout_s=5)
+    s.state, s.epoch, s.assignment_timestamp, s._applied_content = "joining", -1, 0.0, ()
+    s.span, s.max_length, s.reloads, s.announcer = None, 128, 0, None
+    s._failed_load, s._failed_loads = None, 0
+    s.service, s._stop, s._force_stop = Service(), asyncio.Event(), False
+    s.sd = types.SimpleNamespace(peer_id="me")
+    memory = types.SimpleNamespace(slots_for=lambda n, length: 4, holds=lambda n, length: True)
+    s.active = types.SimpleNamespace(num_layers=8, memory=memory, source=None, config=None, torch_dtype=None,
+                                     fingerprint="fp")
+    s._make_runner = load
+    return s
+
+
+def test_a_stop_during_a_re_assignments_drain_loads_nothing_more():
+    """It loaded the new span anyway (minutes on a real model, uncancellable) and announced itself online."""
+    loads = []
+
+    def load(source, start, num, **kw):
+        loads.append((start, num))
+        return _Runner()
+
+    async def main():
+        s = _server(load)
+        await s.apply_assignment(_Assignment(1, (0, 4), 1.0))
+        assert s.state == "online"
+
+        async def stop_soon():
+            await asyncio.sleep(0.05)
+            s._on_signal()
+
+        stopping = asyncio.ensure_future(stop_soon())
+        await s.apply_assignment(_Assignment(2, (4, 4), 2.0))
+        await stopping
+        return s
+
+    s = asyncio.run(main())
+    assert loads == [(0, 4)] and s.state != "online" and s.service.runner is None
+
+
+def test_a_failed_load_is_tried_again_after_a_backoff(monkeypatch):
+    attempts = []
+
+    def load(source, start, num, **kw):
+        attempts.append((start, num))
+        if len(attempts) == 1:
+            raise RuntimeError("out of memory, for a moment")
+        return _Runner()
+
+    now = [1000.0]
+    monkeypatch.setattr("petals_chain.server.server.time.monotonic", lambda: now[0])
+    logging.disable(logging.CRITICAL)
+    try:
+        async def main():
+            s = _server(load)
+            await s.apply_assignment(_Assignment(1, (0, 4), 1.0))
+            assert s.state == "joining" and s.service.runner is None
+            republished = _Assignment(1, (0, 4), 5.0)  # the same epoch and spans, published again
+            assert s.is_new_assignment(republished)
+            await s.apply_assignment(republished)  # within the backoff: not yet
+            assert len(attempts) == 1
+            now[0] += 11.0
+            await s.apply_assignment(republished)
+            return s
+
+        s = asyncio.run(main())
+    finally:
+        logging.disable(logging.NOTSET)
+    assert len(attempts) == 2 and s.state == "online" and s.service.runner is not None
+
