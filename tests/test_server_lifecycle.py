@@ -8,6 +8,8 @@ import asyncio
 import logging
 import types
 
+import pytest
+
 from petals_chain.server.server import Server
 
 
@@ -107,3 +109,33 @@ def test_a_failed_load_is_tried_again_after_a_backoff(monkeypatch):
         logging.disable(logging.NOTSET)
     assert len(attempts) == 2 and s.state == "online" and s.service.runner is not None
 
+
+
+def test_a_model_switch_whose_unload_failed_is_tried_again():
+    """The drain or unload raised while switching models: the placement is followed again at the next poll (it was
+    marked followed first, so the server stayed draining with the old model's blocks)."""
+    a, b = (types.SimpleNamespace(prefix=p, hidden_size=64, fingerprint=p) for p in ("model-a", "model-b"))
+    placement = types.SimpleNamespace(timestamp=10.0, placement={"me": "model-b"})
+    unloads = []
+
+    async def unload():
+        unloads.append(1)
+        if len(unloads) == 1:
+            raise RuntimeError("drain failed")
+
+    async def fetch(prefixes, trusted, peer_id):
+        return placement
+
+    async def main():
+        s = _server(lambda *a, **k: _Runner())
+        s.hosted, s.active, s.trusted, s._misplaced, s.placement_timestamp, s.switches = [a, b], a, {"o"}, set(), 0.0, 0
+        s.sd.afetch_placement = fetch
+        s._unload = unload
+        with pytest.raises(RuntimeError):
+            await s.follow_placement()
+        assert s.active is a
+        await s.follow_placement()  # the next poll
+        return s
+
+    s = asyncio.run(main())
+    assert s.active is b and len(unloads) == 2 and s.state == "joining"

@@ -330,20 +330,31 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
     for o in orchs:
         print(f"Loading {o.cfg.model} (embeddings, final norm, LM head)...", flush=True)
         await asyncio.to_thread(o.load_model)
-    await orch.start()
-    for o in orchs[1:]:  # the other models use the first one's DHT node
-        await o.start(shared=orch)
+    started: list[Orchestrator] = []
     placer, placer_task = None, None
-    if len(orchs) == 1:
-        app = create_app(orch)
-    else:
-        from petals_chain.orchestrator.placement import ModelPlacer
+    try:  # a failure before serving stops what started (the DHT process and p2pd would outlive us)
+        await orch.start()
+        started.append(orch)
+        for o in orchs[1:]:  # the other models use the first one's DHT node
+            await o.start(shared=orch)
+            started.append(o)
+        if len(orchs) == 1:
+            app = create_app(orch)
+        else:
+            from petals_chain.orchestrator.placement import ModelPlacer
 
-        placer = ModelPlacer(orchs, refresh_s=max(1.0, cfg.refresh_s), **(placement or {}))
-        placer_task = asyncio.create_task(placer.run(orch._stop), name="model-placement")
-        app = ModelRouter({o.model_id: create_app(o) for o in orchs}, {o.model_id: o for o in orchs}, placer=placer)
-        for o in orchs:
-            print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
+            placer = ModelPlacer(orchs, refresh_s=max(1.0, cfg.refresh_s), **(placement or {}))
+            placer_task = asyncio.create_task(placer.run(orch._stop), name="model-placement")
+            app = ModelRouter({o.model_id: create_app(o) for o in orchs}, {o.model_id: o for o in orchs},
+                              placer=placer)
+            for o in orchs:
+                print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
+    except BaseException:
+        if placer_task is not None:
+            placer_task.cancel()
+        for o in reversed(started):
+            await o.stop()
+        raise
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3,
                                            ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile))
     server.install_signal_handlers = lambda: None  # we handle signals ourselves (below)

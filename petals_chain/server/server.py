@@ -418,21 +418,23 @@ class Server:
         rec = await self.sd.afetch_placement([h.prefix for h in self.hosted], sorted(self.trusted), self.sd.peer_id)
         if rec is None or rec.timestamp <= self.placement_timestamp:
             return
-        self.placement_timestamp = rec.timestamp
         target = rec.placement[self.sd.peer_id]
         hosted = next((h for h in self.hosted if h.prefix == target), None)
         if hosted is None:
+            self.placement_timestamp = rec.timestamp
             if target not in self._misplaced:
                 self._misplaced.add(target)
                 logger.error(f"placed on model {target!r}, which this server does not offer "
                              f"({', '.join(h.prefix for h in self.hosted)}): staying on {self.prefix}")
             return
         if hosted is self.active:
+            self.placement_timestamp = rec.timestamp
             return
         logger.info(f"placed on model {hosted.prefix} (serving {self.prefix}): draining and unloading its blocks")
-        await self._unload()
+        await self._unload()  # if it raises, the placement is followed again at the next poll (not left draining)
         if self._stop.is_set():
             return
+        self.placement_timestamp = rec.timestamp
         self.active = hosted
         self.epoch, self.assignment_timestamp, self._applied_content, self.span = -1, 0.0, (), None
         self.service.hidden_size = hosted.hidden_size
@@ -455,7 +457,11 @@ class Server:
                 logger.warning(f"fetching the assignment failed: {e}")
                 asg = None
             if asg is not None and self.is_new_assignment(asg):
-                await self.apply_assignment(asg)
+                try:
+                    await self.apply_assignment(asg)
+                except Exception:  # noqa: BLE001 - a failed drain or unload must not end the server's loop
+                    logger.exception("following the assignment failed; trying again after a backoff")
+                    self._load_failed(self._assignment_content(asg))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self.cfg.assignment_poll_s)
 
