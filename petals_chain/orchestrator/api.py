@@ -524,9 +524,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
         many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
         if (len(req.prompt) if many else 1) * req.n > cfg.max_n:  # before tokenizing them all on the event loop
             raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n)", param="n")
-        prompts = await prompt_ids_of(req.prompt)
-        if len(prompts) * req.n > cfg.max_n:
-            raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n)", param="n")
+        prompts = await prompt_ids_of(req.prompt)  # as many as counted above
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         for ids in prompts:  # validate every prompt before any work starts
             orch.validate_prompt(ids, params.max_tokens, explicit)
