@@ -220,6 +220,7 @@ class GGUFSource(ModelSource):
     def __init__(self, path: Path, name: str):
         super().__init__(path, name)
         st = path.stat()
+        self._file_stamp = f"{st.st_size}:{st.st_mtime_ns}"  # the file's size and time: it changed if they did
         key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
         from petals_chain.swarm.registry import cache_dir
 
@@ -380,8 +381,7 @@ class GGUFSource(ModelSource):
 
         # the fingerprint names the weights, not the tokenizer: a file with the same weights and another vocabulary
         # or chat template must not get this one's (the file's size and time tell such a file apart)
-        st = self.path.stat()
-        file_id = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        file_id = hashlib.sha256(self._file_stamp.encode()).hexdigest()[:12]
         saved = cache_dir() / "tokenizers" / f"{self.fingerprint}-{file_id}"
         if (saved / "tokenizer.json").is_file():
             try:
