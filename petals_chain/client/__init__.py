@@ -81,7 +81,7 @@ def _transport_errors(http: httpx.Client) -> Iterator[None]:
     try:
         yield
     except httpx.TransportError as e:
-        raise ClientError(503, f"{http.base_url}: {type(e).__name__}: {e}", "unavailable") from e
+        raise _unavailable([f"{http.base_url}: {type(e).__name__}: {e}"]) from e
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:

@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from petals_chain.swarm.logs import log_level
+
 logger = logging.getLogger("petals_chain.dashboard")
 
 
@@ -83,9 +85,7 @@ def discover_prefix(sd, trusted: Sequence[str], timeout_s: float, poll_s: float 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not isinstance(logging.getLevelName(str(args.log_level).upper()), int):
-        parser.error(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {args.log_level!r}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (0 < args.poll_interval <= 3600):  # inf: the poller died after one read, /healthz said fresh for ever
         parser.error("--poll-interval must be in (0, 3600] seconds")
     if not (0 < args.port < 65536):

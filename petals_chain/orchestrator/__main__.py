@@ -19,6 +19,7 @@ from petals_chain.orchestrator.dispatch import SCHEDULES
 from petals_chain.algorithms.multimodel import PLACEMENT_RULES
 from petals_chain.orchestrator.placement import PLACEMENT_INDEXES, PLACEMENT_POLICIES
 from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
+from petals_chain.swarm.logs import log_level
 
 logger = logging.getLogger("petals_chain.orchestrator")
 
@@ -35,21 +36,22 @@ def _arrival_rate(text: str) -> float | None:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        v = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    v = _number(text)
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
     return v
 
 
 def _nonnegative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    v = _number(text)
     if not 0 <= v < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text}")
     return v
@@ -411,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no such file: {path}")
     if args.public_url and not re.match(r"^https?://[^/\s]+(/\S*)?$", args.public_url):
         parser.error(f"--public-url must be an http:// or https:// URL, got {args.public_url!r}")
-    if not isinstance(logging.getLevelName(str(args.log_level).upper()), int):
-        parser.error(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {args.log_level!r}")
+    level = log_level(parser, args.log_level)
     if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
         parser.error(f"--ready-file {args.ready_file}: no such directory")  # found only once all had started
     if args.draft_layers is not None and not (args.speculative[1] or args.draft_model):
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(models) > 1 and (args.dht_prefix or args.model_id):
         parser.error("--dht-prefix and --model-id name one model; with several, each --model is NAME=SOURCE")
 
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("hivemind", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

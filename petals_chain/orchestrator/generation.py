@@ -21,6 +21,7 @@ from petals_chain.orchestrator.drafting import DraftState
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.failover import ChainHolder
 from petals_chain.orchestrator.sampling import SamplingParams, SequenceSampler, StopMatcher, TokenChoice
+from petals_chain.swarm.aio import gather_or_cancel
 
 
 @dataclass
@@ -217,9 +218,8 @@ class GenerationMixin:
                                     failovers=holder.failovers, logprobs=choices if p.logprobs is not None else None,
                                     prompt_logprobs=scored, forked=holder.forked, cached_tokens=cached)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(params))]
         try:
-            await asyncio.gather(*tasks)
+            await gather_or_cancel(*(one(i) for i in range(len(params))))
             deadline = DEADLINE.get()
             if deadline is not None and settle:  # every choice is done: the request's last token has come
                 self.deadlines.settle(deadline)
@@ -229,9 +229,6 @@ class GenerationMixin:
                 self.deadlines.settle(deadline, "missed")
             raise
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             if not prefill.done():
                 prefill.cancel()
         scored = results[0].prompt_logprobs

@@ -9,6 +9,8 @@ import math
 import sys
 from typing import Optional, Sequence
 
+from petals_chain.swarm.logs import log_level
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -113,9 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not isinstance(logging.getLevelName(str(args.log_level).upper()), int):
-        parser.error(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {args.log_level!r}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
+    logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
                         stream=sys.stderr)
     from petals_chain.server.server import Server, ServerConfig
 

@@ -40,6 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from petals_chain.server.kv_cache import PagePool, PageTables, pages_for
 from petals_chain.server.session_state import SessionState
+from petals_chain.swarm.aio import outlast
 from petals_chain.swarm.checkpoint import cache_kwarg
 
 __all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem", "BatchHost"]
@@ -354,11 +355,8 @@ class BatchScheduler:
             # pages, so wait for it (one batch at most) before the session may take another step
             with self._cv:
                 dropped = not req.started and self.cancel(session)
-            while not dropped and not fut.done():
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    pass
+            if not dropped:
+                await outlast(fut)
             raise
         return self._result(req)
 

@@ -18,7 +18,6 @@ stretches it to emulate a slower device.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import math
 import os
@@ -35,6 +34,7 @@ from petals_chain.server.decode_graph import StaticDecode, check_decode_graph
 from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NO_PAGE, NoCapacityError, PagedCache, PagePool, PageTable,
                                           PageTables, check_kv_cache, page_size_for, pages_for)
 from petals_chain.server.session_state import SessionState
+from petals_chain.swarm.aio import outlast
 from petals_chain.swarm.checkpoint import build_rotary, cache_kwarg, load_block, parse_dtype
 from petals_chain.swarm.memory import head_dim, num_kv_heads
 from petals_chain.swarm.prefix import PREFIX_BLOCK_TOKENS, page_hashes, supports_prefix_cache
@@ -492,11 +492,7 @@ class BlockRunner:
                 except asyncio.CancelledError:
                     # the thread goes on writing the session's pages: they stay the session's (busy) until it ends,
                     # as a started batch's do (BatchScheduler.submit_async)
-                    while not fut.done():
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await asyncio.wait({fut})
-                    if not fut.cancelled():
-                        fut.exception()  # read: the caller has gone
+                    await outlast(fut)
                     raise
             ok = True
             return out.to(device=hidden.device, dtype=hidden.dtype)

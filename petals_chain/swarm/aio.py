@@ -52,6 +52,18 @@ async def hold_after_reply(timeout_s: float) -> None:
         await asyncio.sleep(timeout_s)
 
 
+async def outlast(fut: asyncio.Future) -> None:
+    """Wait until ``fut`` is done, whatever cancellations come meanwhile (work that cannot be stopped, e.g. in a
+    thread, still owns what it writes until it ends); its exception is read, not raised."""
+    while not fut.done():
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            pass
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
     """Like :func:`asyncio.gather`, but the first failure cancels the others (and waits for them) before it is
     raised: one part of a request failing leaves nothing of the request running (gather lets the rest run on)."""
