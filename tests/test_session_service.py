@@ -103,3 +103,25 @@ def test_refusals_carry_the_code_a_client_acts_on(model):
         assert info.value.code == "invalid"
 
     asyncio.run(main())
+
+
+def test_a_session_released_by_a_drain_hears_unavailable_not_unknown(model):
+    """A drain's timeout releases the sessions still open; their next step or extension is ``unavailable`` (the
+    server went away under them, so their client fails over), where an id never opened stays ``invalid``."""
+    async def main():
+        svc = _service(model, num_slots=8)
+        svc.open_session("s", 0, 4, 64, "peer")
+        await svc.forward("s", _embed(svc, PROMPT[:4]), 0)
+        await svc.drain(0.05, forced=lambda: False)
+        assert not svc.sessions and svc.runner.pool.pages_available == svc.runner.pool.num_pages
+        with pytest.raises(RefusedError) as info:
+            await svc.forward("s", _embed(svc, PROMPT[4:5]), 4)
+        assert info.value.code == "unavailable" and "drain" in str(info.value)
+        with pytest.raises(RefusedError) as info:
+            svc.extend_session("s", 64)
+        assert info.value.code == "unavailable"
+        with pytest.raises(RefusedError) as info:
+            await svc.forward("never", _embed(svc, PROMPT[:1]), 0)
+        assert info.value.code == "invalid"
+
+    asyncio.run(main())

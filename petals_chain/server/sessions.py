@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -26,6 +27,7 @@ from petals_chain.swarm.rpc import RefusedError
 logger = logging.getLogger("petals_chain.server")
 
 INLINE_MAX_TOKENS = 8  # steps with at most this many tokens run inline (see SessionService.forward)
+RELEASED_IDS_KEPT = 4096  # ids of sessions a drain released, remembered so their next step hears "unavailable"
 
 
 @dataclass
@@ -57,6 +59,7 @@ class SessionService:
         self.admission = SlotWaitQueue(NoCapacityError, max_waiters=max_waiters, max_wait_s=max_wait_s)
         self._state, self._on_change, self._describe = state, on_change, describe
         self._closed = asyncio.Event()  # a session closed (or the drain was told to stop waiting)
+        self._released: OrderedDict[str, None] = OrderedDict()  # by a drain's timeout, oldest first (bounded)
 
     # ------------------------------------------------------------------ rpc.SessionBackend
     def authorize(self, peer_id: str) -> bool:
@@ -96,9 +99,7 @@ class SessionService:
             raise RefusedError("no_capacity", f"no capacity: {e}") from None
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        sess = self.sessions.get(session_id)
-        if sess is None:
-            raise RefusedError("invalid", f"unknown session {session_id!r}")
+        sess = self._open(session_id)
         if position + hidden.shape[1] > sess.max_length:
             raise RefusedError("invalid", f"positions {position}..{position + hidden.shape[1] - 1} exceed the "
                                           f"session's max_length {sess.max_length}")
@@ -120,9 +121,7 @@ class SessionService:
     def extend_session(self, session_id: str, max_length: int) -> dict:
         """Raise an open session's token limit (a paged KV cache takes the pages now); ``no_capacity`` leaves it as
         it was. Running sessions go before opens waiting in the FIFO: refusing would preempt work already done."""
-        sess = self.sessions.get(session_id)
-        if sess is None:
-            raise RefusedError("invalid", f"unknown session {session_id!r}")
+        sess = self._open(session_id)
         try:
             sess.runner.extend(session_id, max_length)
         except NoCapacityError as e:
@@ -161,12 +160,25 @@ class SessionService:
             logger.warning(f"drain timeout: releasing {len(self.sessions)} open session(s)")
             for sid in list(self.sessions):
                 self.close_session(sid)
+                self._released[sid] = None
+            while len(self._released) > RELEASED_IDS_KEPT:
+                self._released.popitem(last=False)
 
     def wake(self) -> None:
         """Make a drain look at ``forced()`` again now."""
         self._closed.set()
 
     # ------------------------------------------------------------------ internals
+    def _open(self, session_id: str) -> OpenSession:
+        """The open session ``session_id``; a session a drain released is ``unavailable`` (the server went away
+        under it: its client fails over, as for a server gone), any other unknown id ``invalid``."""
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            if session_id in self._released:
+                raise RefusedError("unavailable", f"session {session_id!r} was released: the server drained")
+            raise RefusedError("invalid", f"unknown session {session_id!r}")
+        return sess
+
     def _check_open(self, session_id: str, max_length: int):
         runner = self.runner
         state = self._state()
