@@ -324,3 +324,35 @@ def test_a_new_servers_reachability_check_goes_before_re_checks_of_unreachable_o
         assert pl.servers["new"].reachability == "direct"
 
     asyncio.run(main())
+
+
+def test_a_feed_of_all_positions_names_the_tokens_held_before_it_for_the_prefix_cache():
+    """A speculative verify (``all_positions``) that must take a chain again (paused, preempted, failed over) may
+    resume on the servers' prefix caches for the tokens held before its new ones, and never inside them. (It named
+    nothing: every paused speculative job recomputed its whole history.)"""
+    import types
+
+    from petals_chain.orchestrator.dispatch import DispatchManager
+    from petals_chain.orchestrator.failover import ChainHolder
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    async def ensure_chain(prompt=None, need=0):
+        seen.append((prompt, need))
+        raise Stop
+
+    orch = types.SimpleNamespace(dispatch=DispatchManager(policy="jffc"),
+                                 cfg=types.SimpleNamespace(output_reserve_tokens=0, max_failovers=3),
+                                 replay_cache=types.SimpleNamespace(new=lambda: None))
+    for held, new, all_positions, named in [(list(range(40)), [7, 8, 9], True, list(range(40)) + [7]),
+                                            (list(range(40)), [7, 8, 9], False, list(range(40)) + [7, 8, 9]),
+                                            ([], [1, 2, 3], True, [1])]:  # prompt logprobs: no cached prefix
+        holder = ChainHolder(orch, "job", 64)
+        holder.kv_ids = list(held)
+        holder._ensure_chain = ensure_chain
+        with pytest.raises(Stop):
+            asyncio.run(holder.feed(new, all_positions=all_positions))
+        assert seen.pop() == (named, len(held) + len(new))

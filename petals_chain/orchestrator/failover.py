@@ -315,8 +315,9 @@ class ChainHolder:
             if self.lease is not None and self.lease.preempt:
                 await self._pause()
             full = self.kv_ids + list(new_ids)
-            # prompt logprobs need every position's output: nothing may come from a prefix cache
-            await self._ensure_chain(prompt=None if all_positions else full, need=len(full))
+            # every position of new_ids needs its output (prompt logprobs, a speculative verify): a prefix cache may
+            # serve the tokens held before them, never one of them (the chain computes the last token named)
+            await self._ensure_chain(prompt=full[:len(self.kv_ids) + 1] if all_positions else full, need=len(full))
             auditor = getattr(self.orch, "auditor", None)
             if auditor is not None and auditor.tainted(self.cs.peers_used):
                 # A server of this chain was caught returning wrong results: what its hops downstream hold was
