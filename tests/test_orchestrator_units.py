@@ -51,6 +51,26 @@ def test_dispatch_never_exceeds_capacity_and_serves_everyone(policy):
         assert len(order) == 20
 
 
+@pytest.mark.parametrize("policy", ["jffc", "jsq", "sed", "sa-jsq", "jiq"])
+def test_a_requeued_job_starts_at_once_where_a_chain_has_room(policy):
+    """A job back from a failover or a pause (re-queued, never refused) starts on any chain with room. (SED scored
+    the full fast chain below the free slow one and the job waited in the lane beside the free slot.)"""
+    async def main():
+        dm = DispatchManager(policy=policy)
+        dm.set_chains([chain(["fast"], 1.0, 4), chain(["slow"], 3.0, 1)])
+        held = [await dm.acquire(DispatchJob(str(i))) for i in range(4)]
+        assert {lease.chain.servers for lease in held} <= {("fast",), ("slow",)}
+        free = [k for k in (0, 1) if dm.active(k) < (4, 1)[k]]
+        assert len(free) == 1  # one slot left, on one chain or the other
+        lease = await asyncio.wait_for(dm.acquire(DispatchJob("back", requeue=True)), 1.0)
+        assert lease.index == free[0] and dm.requeued == 0
+        for one in held + [lease]:
+            dm.release(one)
+        assert dm.running == 0
+
+    asyncio.run(main())
+
+
 def test_jffc_fastest_first_fifo_and_cancel():
     async def main():
         dm = DispatchManager(policy="jffc")

@@ -460,6 +460,12 @@ class DispatchManager:
                 self._start(job, k)
                 return
             self.dispatcher.remove_job(job)  # it waits in the lane, not in the dispatcher's queue
+            # A per-chain baseline (SED) may have queued it at a full fast chain while another has room: an
+            # admitted job is not left waiting beside a free slot (the lane takes the first slot that frees).
+            for k in sorted(range(len(self.chains)), key=lambda i: self.chains[i].service_time):
+                if self.dispatcher.adopt(k, job):
+                    self._start(job, k)
+                    return
         self._lane.append(job)
         if self.priorities is not None:  # db, mlfq: the lane too is served best priority first (stable)
             self._lane.sort(key=self._priority)
