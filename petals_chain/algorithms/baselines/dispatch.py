@@ -178,15 +178,46 @@ class _ScoreHeapDispatcher(_PerChainDispatcher):
             heapq.heapify(self._heap)
 
 
-class JSQDispatcher(_ScoreHeapDispatcher):
-    """Join-the-Shortest-Queue over parallel chains: argmin ``(Z_k - c_k + 1)+ / c_k``, random ties."""
+class JSQDispatcher(_PerChainDispatcher):
+    """Join-the-Shortest-Queue over parallel chains: argmin ``(Z_k - c_k + 1)+ / c_k``, ties uniformly at random.
+
+    Chains are kept in buckets by score (a lazy heap of the scores in use): every arrival draws uniformly among
+    all chains at the minimum. (A random key drawn when a chain's score changed is not uniform: the chains not
+    picked keep keys known to be above the last winner's, so the last pick tended to win again.)"""
+
+    def __init__(self, chains: Sequence[Any], rng: Any = None):
+        super().__init__(chains)
+        self.rng = _make_rng(rng)
+        self._score_of: dict[int, float] = {}
+        self._buckets: dict[float, _IndexedSet] = {}
+        self._scores: list[float] = []  # heap of scores, some of them with an empty bucket now (lazy)
+        for k in range(len(self.chains)):
+            self._changed(k)
 
     def _score(self, k: int) -> float:
         return max(self._z(k) - self.capacities[k] + 1, 0) / self.capacities[k]
 
-    def _tiebreak(self, k: int) -> float:
-        # an i.i.d. uniform key per (re)insertion makes the heap's choice among equal scores uniform
-        return self.rng.random()
+    def _choose(self) -> int:
+        scores, buckets = self._scores, self._buckets
+        while not len(buckets[scores[0]]):
+            heapq.heappop(scores)
+        return buckets[scores[0]].choice(self.rng)
+
+    def _changed(self, k: int) -> None:
+        if self.capacities[k] == 0:
+            return
+        score, old = self._score(k), self._score_of.get(k)
+        if score == old:
+            return
+        if old is not None:
+            self._buckets[old].discard(k)
+        self._score_of[k] = score
+        bucket = self._buckets.setdefault(score, _IndexedSet())
+        if not len(bucket):
+            heapq.heappush(self._scores, score)
+            if len(self._scores) > 4 * len(self.chains) + 64:  # drop the scores of empty buckets now and then
+                self._scores = sorted({x for x in self._scores if len(self._buckets[x])} | {score})
+        bucket.add(k)
 
 
 class SAJSQDispatcher(_ScoreHeapDispatcher):
