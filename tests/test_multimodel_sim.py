@@ -158,3 +158,21 @@ def test_slo_upper_bound_holds_for_every_schedule_and_binds_under_overload():
         assert ms.summarize(o.requests)["slo_attainment"] <= bound
     assert ms.slo_upper_bound(reqs, {"chat": 1, "code": 4}, COST, 4) > bound  # more chains, a higher ceiling
     assert ms.slo_upper_bound(reqs, {"chat": 1}, COST, 4) < 0.7  # code unserved: all of its requests miss
+
+
+@pytest.mark.parametrize("kind", ["conv", "code"])
+def test_trace_segments_arrive_at_the_rate_asked(kind):
+    """A run replays a segment of a trace: its arrivals are rescaled so that the segment itself comes at the rate
+    asked (each segment's own rate differs from the trace's mean by tens of percent, so runs said to load chains at
+    0.8 loaded them at 0.6-1.0). The same holds where the segment wraps around the trace's end."""
+    from petals_chain.sim import deadlines as sd
+    from petals_chain.sim import fairness as sf
+
+    for offset in (0.0, 0.13, 0.5, 0.97):
+        reqs, _ = ms.trace_requests("m", 2.0, 600.0, kind=kind, offset=offset)
+        assert abs(len(reqs) - 1200) <= 1 and reqs[-1].arrival < 600.0, (offset, len(reqs))
+        assert all(a.arrival <= b.arrival for a, b in zip(reqs, reqs[1:]))
+    fair, _ = sf.trace_workload({"heavy": 4, "light": 1}, 1.5, 400.0)
+    assert abs(len(fair) - 600) <= 1
+    arrivals, _ = sd.trace_arrivals(50.0, 20.0, None)
+    assert abs(len(arrivals) - 1000) <= 1

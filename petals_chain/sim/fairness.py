@@ -144,7 +144,7 @@ def trace_workload(weights: Mapping[str, float], rate: float, duration: float, *
     names = list(weights)
     cum = np.cumsum([float(weights[c]) for c in names])
     cum /= cum[-1]
-    scale = tr.rate / rate
+    scale = tr.time_scale(rate, duration)
     reqs: list[Request] = []
     for i in range(len(tr)):
         t = float(tr.arrivals[i]) * scale

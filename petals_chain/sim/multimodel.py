@@ -76,15 +76,11 @@ def trace_requests(model: str, rate: float, duration: float, *, kind: str | None
     thinning ``t -> [0, 1]`` (a time-varying rate ``rate · share(t)``; the kept rows by a hash of the row)."""
     tr = _trace(kind or TRACE_OF.get(model, "conv"), path, seed)
     start = int(offset * len(tr)) % len(tr)
-    scale = tr.rate / rate
+    scale = tr.time_scale(rate, duration, start)
     out: list[MMRequest] = []
-    base = float(tr.arrivals[start])
-    i, lap = start, 0.0
-    while True:
-        if i >= len(tr):  # wrap around the trace
-            lap += (float(tr.arrivals[-1]) - base) * scale + 1.0 / rate
-            base, i = float(tr.arrivals[0]), 0
-        t = (float(tr.arrivals[i]) - base) * scale + lap
+    for k in range(len(tr)):  # at most one lap of the trace
+        i = (start + k) % len(tr)
+        t = tr.offset_s(start, k) * scale
         if t >= duration:
             break
         keep = True
@@ -94,9 +90,6 @@ def trace_requests(model: str, rate: float, duration: float, *, kind: str | None
         if keep:
             inp, outp = max(1, int(tr.context_tokens[i])), max(1, int(tr.generated_tokens[i]))
             out.append(MMRequest(0, model, t, inp, outp, exec_alone(inp, outp, cost)))
-        i += 1
-        if i == start and lap > 0:
-            break
     return out, tr.source
 
 
