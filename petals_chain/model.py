@@ -26,6 +26,13 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 
+def units_that_fit(amount: float, unit: float) -> int:
+    """``floor(amount / unit)``, the one rounding of Eq. 3 and Eq. 8 everywhere (GBP-CR, GCA, tuning, servers): a
+    quotient within 1e-9 of a whole number counts as that number (``1.0 / 0.1`` is 10, where ``1.0 // 0.1`` is 9
+    and ``floor(1.0 / 0.1)`` 10: two roundings once let a tuned plan count a slot a server did not have)."""
+    return math.floor(amount / unit + 1e-9)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model as a chain of ``num_blocks`` blocks of ``block_size`` with ``cache_size`` per slot."""
@@ -75,11 +82,11 @@ class ServerSpec:
 
     def max_blocks(self, model: ModelSpec, capacity: int) -> int:
         """``m_j(c) = min(floor(M_j / (s_m + s_c c)), L)`` (Eq. 8), capped by ``block_limit``."""
-        return min(int(self.memory // (model.block_size + model.cache_size * capacity)), self.block_cap(model))
+        return min(units_that_fit(self.memory, model.block_size + model.cache_size * capacity), self.block_cap(model))
 
     def residual_slots(self, model: ModelSpec, num_blocks: int) -> int:
         """``M~_j = floor((M_j - s_m m_j) / s_c)`` cache slots left after hosting ``num_blocks`` (Eq. 3)."""
-        return max(0, int((self.memory - model.block_size * num_blocks) // model.cache_size))
+        return max(0, units_that_fit(self.memory - model.block_size * num_blocks, model.cache_size))
 
 
 class Placement(Mapping[str, tuple[int, int]]):

@@ -287,3 +287,25 @@ def test_gca_large_swarm_is_fast(slowdown):
     chains = gca(servers, model, pl)
     assert len(chains) > 50
     assert time.perf_counter() - t0 < 20 * slowdown
+
+
+def test_eq3_and_eq8_round_alike_everywhere():
+    """GBP-CR's ``m_j(c)``, the server's ``max_blocks`` and ``residual_slots``, and tuning's slot count are one
+    rounding: with decimal memories (1.0 GB, 0.1 GB blocks and slots) ``1.0 // 0.1`` gave 9 where ``floor(1.0 /
+    0.1)`` gave 10, so ``tune_capacity`` planned a chain of 9 jobs where GCA (and the server) had 8 slots."""
+    import numpy as np
+
+    from petals_chain.algorithms import gca, tune_capacity
+    from petals_chain.algorithms.gbp_cr import blocks_per_server
+
+    model = ModelSpec(num_blocks=10, block_size=0.1, cache_size=0.1)
+    server = ServerSpec("x", 1.0, 0.01, 0.1)
+    assert server.residual_slots(model, 1) == 9 and server.residual_slots(model, 3) == 7
+    for c in range(1, 10):
+        assert int(blocks_per_server(np.array([1.0]), model, c)[0]) == server.max_blocks(model, c) == 10 // (1 + c)
+    one = ModelSpec(num_blocks=1, block_size=0.1, cache_size=0.1)
+    servers = [ServerSpec(f"s{i}", 1.0, 0.02, 0.05) for i in range(3)]
+    _, placement, chains = tune_capacity(servers, one, arrival_rate=5.0, rho_bar=0.7, method="lower")
+    by_gca = gca(servers, one, placement)
+    assert [(ch.servers, ch.capacity) for ch in chains] == [(ch.servers, ch.capacity) for ch in by_gca]
+    assert all(ch.capacity <= servers[0].residual_slots(one, 1) for ch in chains)

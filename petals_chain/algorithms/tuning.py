@@ -18,7 +18,7 @@ from petals_chain.algorithms.bounds import response_time_bounds
 from petals_chain.algorithms.gbp_cr import (_ChainSequence, _check_inputs, _check_rate, _server_arrays,
                                             block_caps, blocks_per_server)
 from petals_chain.algorithms.gca import _RoutingDAG, gca_indices
-from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
+from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec, units_that_fit
 
 METHODS = ("lower", "upper", "surrogate")
 
@@ -27,7 +27,7 @@ def max_capacity(servers: Sequence[ServerSpec], model: ModelSpec) -> int:
     """``c_max = floor((max_j M_j - s_m)/s_c)``: most concurrent jobs any server can hold with one block."""
     if not servers:
         return 0
-    return max(0, int((max(s.memory for s in servers) - model.block_size) // model.cache_size))
+    return max(0, units_that_fit(max(s.memory for s in servers) - model.block_size, model.cache_size))
 
 
 def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, rho_bar: float = 0.7,
@@ -137,7 +137,7 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
         idx, a, m = keys[pkey].placement_arrays(pkey[1])
         order = np.argsort(idx, kind="stable")  # input order, as gca() breaks ties
         idx, a, m = idx[order], a[order], m[order]
-        slots = np.maximum(0, np.floor((memory[idx] - model.block_size * m) / model.cache_size)).astype(np.int64)
+        slots = np.maximum(0, np.floor((memory[idx] - model.block_size * m) / model.cache_size + 1e-9)).astype(np.int64)
         return idx, a, m, slots
 
     def evaluate(pkey):

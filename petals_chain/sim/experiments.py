@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from petals_chain.algorithms.gbp_cr import blocks_per_server
 from petals_chain.model import Chain
 from petals_chain.sim import data as simdata
 from petals_chain.sim.engine import Workload, mean_ci, simulate_chains
@@ -93,7 +94,7 @@ def fig3(*, runs: int = 20, seed: int = 0, c: int = DEFAULT_C, num_random: int =
                 scen = bloom_scenario(num_servers, eta, lam, rng=rng, anchors=anchors)
                 model = scen.model
                 memory = np.array([s.memory for s in scen.servers])
-                m = np.minimum(np.floor(memory / (model.block_size + model.cache_size * c)), model.num_blocks).astype(int)
+                m = blocks_per_server(memory, model, c)
                 t = np.array([s.tau_c + s.tau_p * mj for s, mj in zip(scen.servers, m)])
                 target = lam / (scen.rho_bar * c)
                 K = gbp_cr_chain_count(scen.servers, model, c, lam, scen.rho_bar)
