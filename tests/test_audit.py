@@ -133,6 +133,39 @@ def test_probes_catch_a_liar_without_any_traffic(tiny_model_factory, tmp_path, s
         sw.stop()
 
 
+@pytest.mark.slow
+def test_a_push_that_is_not_the_reply_is_caught_and_the_step_relayed_exactly(tiny_model_factory, tmp_path, scaled):
+    """Push relay: a server replies right to the orchestrator and pushes a noised copy to the next hop. The next
+    hop says what it took (a digest); it is not the reply, so that hop's step is redone on the reply, relayed
+    through the orchestrator, and the job relays from then on: every answer is exact and no honest hop is audited
+    (or struck) for an input the orchestrator never saw. (The answers were wrong, and at three holders per span the
+    honest next hop was banned.)"""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model_factory("llama", num_layers=4)
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    half = memory_for(model, 128, 2, 4)
+    # both servers push noise: whichever holds blocks [0, 2) is the first hop of the one chain
+    lie = ["--emulate-reply-fault", "push", "--emulate-reply-fault-rate", "1"]
+    servers = [LocalServer(f"s{i}", half, tau_p=0.002, extra_args=lie) for i in range(2)]
+    sw = LocalSwarm(model, servers, max_length=128, arrival_rate=1.0, log_dir=tmp_path,
+                    orchestrator_args=["--relay", "push", "--replan-interval-s", "3600"])
+    sw.start(timeout=scaled(120))
+    try:
+        sw.wait_ready(timeout=scaled(150))
+        client = sw.client(timeout=scaled(120))
+        for prompt in ([5, 17, 42, 99, 7, 3, 250, 11], [9, 8, 7, 6, 5]):
+            with torch.no_grad():
+                want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+            assert client.complete(prompt, max_tokens=8, ignore_eos=True).token_ids == want
+        relay = sw.swarm()["relay"]
+        assert relay["push_mismatches"] == 2 and relay["passes"]["push"] >= 2, relay  # one per job, then relayed
+        assert "petals_chain_push_mismatches_total 2.0" in httpx.get(f"{sw.url}/metrics", timeout=10).text
+    finally:
+        sw.stop()
+
+
 def test_tolerance_follows_the_dtype_servers_compute_in():
     """bf16 servers reply in fp32: the fp32 tolerance would strike honest bf16 rounding (found by the calibration
     run, which banned an honest server)."""

@@ -444,9 +444,9 @@ class ChainHolder:
             async def recover(i: int, failure: HopFailure, x_in: torch.Tensor) -> torch.Tensor:
                 return await self._move_hop(i, failure, x_in, position, budget, tokens)
 
-            rescues = cs.push_rescues
+            rescues, mismatches = cs.push_rescues, cs.push_mismatches
             outs = await cs.forward_push(x, position, recover)
-            self.orch.stats.add_push_step(len(cs.hops), cs.push_rescues - rescues)
+            self.orch.stats.add_push_step(len(cs.hops), cs.push_rescues - rescues, cs.push_mismatches - mismatches)
             for i, out in enumerate(outs):
                 if i > 0:
                     inputs.append(cs.hops[i][1], x, position)

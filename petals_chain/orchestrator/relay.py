@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from petals_chain.swarm.push import tensor_digest
 from petals_chain.swarm.rpc import InvalidReply, NoCapacityError, RemoteSession
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class ChainSession:
         self.push = push and len(self.hops) > 1  # --relay push: servers forward each step to the next hop
         self._step_ids = itertools.count(1)  # numbers push steps (a server takes the push of the step it awaits)
         self.push_rescues = 0  # pushes the orchestrator made itself because a hop could not
+        self.push_mismatches = 0  # pushed steps computed on another input than the previous hop's reply
         self._push_current: dict[str, asyncio.Future] = {}  # peer -> its step in flight (push mode)
         self._opening: dict[str, asyncio.Future] = {}  # peer -> its open in flight (may wait long at the server)
 
@@ -277,6 +279,9 @@ class ChainSession:
                 except HopFailure as e:
                     out = await recover(i, e, x_in)  # a new session: it awaits no push
                     pushed = False
+                else:
+                    if i > 0 and self._sessions[i].input_digest != tensor_digest(x_in):
+                        return outs + await self._relay_rest(i, x_in, position, tasks[i + 1:], recover)
                 unreachable = None
                 outs.append(out)
                 if i + 1 < len(self.hops) and not pushed:
@@ -293,6 +298,27 @@ class ChainSession:
                 if not task.done():
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _relay_rest(self, i: int, x: torch.Tensor, position: int, later: list[asyncio.Future],
+                          recover: Callable) -> list[torch.Tensor]:
+        """Hop ``i`` computed on a push that is not the previous hop's reply (or did not say what it took): one of
+        the two is dishonest or broken, and which cannot be told here. Its output and every later hop's are
+        discarded; hops ``i..`` run again on the reply, relayed through us (each step overwrites the positions the
+        pushed one wrote), and the chain relays from now on. Nobody is struck: the audits judge the relayed steps."""
+        self.push_mismatches += 1
+        self.push = False
+        logger.warning("session %s: hop %d (%s) computed on a push that is not %s's reply; relaying through the "
+                       "orchestrator from now on", self.session_id, i, self.hops[i][0][:12], self.hops[i - 1][0][:12])
+        if later:  # their steps consume pushes already made: let them end, so their streams stay usable
+            await asyncio.wait(later, timeout=self.step_timeout_s)
+        outs = []
+        for j in range(i, len(self.hops)):
+            try:
+                x = await self.step(j, x, position)
+            except HopFailure as e:
+                x = await recover(j, e, x)
+            outs.append(x)
+        return outs
 
     async def replace(self, i: int, peer: str, history: torch.Tensor | None, hidden: torch.Tensor,
                       position: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ class Stats:
         self.passes = {"orchestrator": 0, "push": 0}  # passes through a whole chain by relay mode
         self.legs = {"orchestrator": 0, "push": 0}  # network legs on those passes' critical paths
         self.push_rescues = 0
+        self.push_mismatches = 0
         self.hop_s = 0.0  # time spent waiting on servers (incl. network) summed over hops
         self.service_s = 0.0  # sum of jobs' service times
         # Failover replays by kind: "partial" (one hop's span re-fed on a replacement server) or "full" (the
@@ -73,6 +74,8 @@ class Stats:
                                      registry=r)
         self.m_legs = Counter("petals_chain_relay_critical_legs", "Network legs on the critical path of the passes "
                               "(orchestrator: 2 per hop; push: hops + 1)", ["mode"], registry=r)
+        self.m_push_mismatches = Counter("petals_chain_push_mismatches", "Pushed steps computed on an input that "
+                                         "was not the previous hop's reply (redone by relay)", registry=r)
         self.m_push_rescues = Counter("petals_chain_push_rescues", "Pushes the orchestrator made itself because a "
                                       "hop could not push to the next one (failed, replaced or unreachable)", registry=r)
         self.m_failovers = Counter("petals_chain_failovers", "Jobs moved to another chain after a server failure", registry=r)
@@ -207,11 +210,14 @@ class Stats:
         """One pass through a chain of ``hops`` hops, relayed by us."""
         self._add_pass("orchestrator", 2 * hops)
 
-    def add_push_step(self, hops: int, rescues: int) -> None:
-        """One pass through a chain of ``hops`` hops with pushes; we pushed ``rescues`` times ourselves."""
+    def add_push_step(self, hops: int, rescues: int, mismatches: int = 0) -> None:
+        """One pass through a chain of ``hops`` hops with pushes; we pushed ``rescues`` times ourselves;
+        ``mismatches``: a hop computed on a push that was not the previous hop's reply (the rest was relayed)."""
         self._add_pass("push", hops + 1)
         self.push_rescues += rescues
         self.m_push_rescues.inc(rescues)
+        self.push_mismatches += mismatches
+        self.m_push_mismatches.inc(mismatches)
 
     def _add_pass(self, mode: str, legs: int) -> None:
         self.passes[mode] += 1
@@ -221,7 +227,7 @@ class Stats:
 
     def legs_json(self) -> dict:
         legs = sum(self.legs.values())
-        return {"passes": dict(self.passes), "critical_legs": dict(self.legs), "push_rescues": self.push_rescues,
+        return {"passes": dict(self.passes), "critical_legs": dict(self.legs), "push_rescues": self.push_rescues, "push_mismatches": self.push_mismatches,
                 "legs_per_token": legs / self.tokens if self.tokens else None}
 
     def add_failover(self) -> None:

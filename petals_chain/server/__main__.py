@@ -66,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulated prefill time t_I (ms per block per token) for multi-token steps (testbeds only)")
     p.add_argument("--emulate-decode-ms", type=float, default=0.0,
                    help="emulated decode time t_O (ms per block per token) for one-token steps (testbeds only)")
-    p.add_argument("--emulate-reply-fault", default="none", choices=["none", "nan", "shape", "noise"],
+    p.add_argument("--emulate-reply-fault", default="none", choices=["none", "nan", "shape", "noise", "push"],
                    help="chaos runs only: corrupt a fraction of step replies with NaN (last token), a wrong shape "
                         "(hidden size one short) or noise (plausible but wrong hidden states, which only an audit "
-                        "catches); the server's own state stays right")
+                        "catches), or (push) the outputs pushed to the next hop while replies stay right; the "
+                        "server's own state stays right")
     p.add_argument("--emulate-reply-fault-rate", type=float, default=0.0, metavar="P",
                    help="fraction of step replies --emulate-reply-fault corrupts (0..1, evenly spread)")
     p.add_argument("--emulate-faulty-rate", type=float, default=None, metavar="P",

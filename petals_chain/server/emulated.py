@@ -131,6 +131,11 @@ class FaultyReplies(BackendWrapper):
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         out = await self.inner.forward(session_id, hidden, position)
+        return out if self.fault == "push" else self.corrupt(out)
+
+    def corrupt(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` as this reply goes out: corrupted when its turn comes (``push``: what is pushed, see
+        :func:`push_fault_for`)."""
         self.replies += 1
         if math.floor(self.replies * self.rate + 1e-9) <= self.faulty:
             return out
@@ -139,7 +144,7 @@ class FaultyReplies(BackendWrapper):
             out = out.clone()
             out[:, -1] = float("nan")
             return out
-        if self.fault == "noise":
+        if self.fault in ("noise", "push"):
             gen = torch.Generator().manual_seed(self.replies)
             noise = torch.randn(out.shape, generator=gen, dtype=torch.float32)
             rms = out.float().pow(2).mean().sqrt()
@@ -148,6 +153,11 @@ class FaultyReplies(BackendWrapper):
 
     def info(self) -> dict:
         return {**self.inner.info(), "faulty_replies": self.faulty}
+
+
+def push_fault_for(backend: Any) -> Any:
+    """What corrupts the outputs a server pushes on (``--emulate-reply-fault push``), or None."""
+    return backend.corrupt if isinstance(backend, FaultyReplies) and backend.fault == "push" else None
 
 
 def session_backend(service: Any, emulation: Emulation) -> Any:

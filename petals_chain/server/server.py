@@ -308,7 +308,8 @@ class Server:
         handler = None
         try:
             await self._join()
-            handler = PetalsChainBlocks(self.backend, idle_timeout_s=self.cfg.idle_timeout_s)
+            handler = PetalsChainBlocks(self.backend, idle_timeout_s=self.cfg.idle_timeout_s,
+                                        push_fault=emulated.push_fault_for(self.backend))
             await handler.add_p2p_handlers(self.p2p, wrapper=emulated.link_for(handler, self.emulation))
             maddrs = self.sd.visible_maddrs()
             logger.info(f"peer id {self.sd.peer_id}; multiaddrs: {' '.join(maddrs)}")

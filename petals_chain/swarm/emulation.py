@@ -18,6 +18,8 @@ Faults, for chaos runs (a misbehaving server on purpose):
   short (``[1, n, hidden - 1]``), or (``noise``, ``--emulate-faulty-rate``) plausible hidden states with Gaussian
   noise of :data:`NOISE_SCALE` times their RMS added: a wrong answer that passes every validity check, which only
   an audit against another server catches. The server's own state stays right; only the reply is wrong.
+  ``push``: the reply is right and the noised copy goes to the next hop (push relay): a server that would let the
+  next hop take the blame for its lie.
 * ``tau_p_lie``: the server announces a ``tau_p`` this many times smaller (better) than it measured, while
   it computes at its real speed.
 
@@ -30,7 +32,7 @@ import asyncio
 import math
 from dataclasses import dataclass
 
-REPLY_FAULTS = ("none", "nan", "shape", "noise")
+REPLY_FAULTS = ("none", "nan", "shape", "noise", "push")
 NOISE_SCALE = 0.1  # ``noise`` replies: Gaussian noise of this fraction of the reply's RMS, per element
 
 

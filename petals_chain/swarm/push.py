@@ -21,6 +21,7 @@ step it awaits, never a stale one (a step retried after a failure may be pushed 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from typing import Any
 
@@ -30,6 +31,16 @@ MAX_ROUTE_HOPS = 64
 MAX_TOKEN_CHARS = 128
 MIN_TOKEN_CHARS = 16
 MAX_PENDING_PUSHES = 4  # pushes a session keeps for steps it has not awaited yet (the oldest is dropped first)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """A digest of a tensor's dtype, shape and bytes. A hop that took its input from a push says the digest of
+    what it took; the orchestrator checks it against the previous hop's reply (the same serialized chunks
+    deserialize to the same bytes), so a hop that pushes one thing and replies another is caught, and the next
+    hop is not audited, and blamed, for an input the orchestrator never saw."""
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
 
 
 class RouteError(ValueError):

@@ -100,7 +100,7 @@ class ServerRecord(_Record):
     emulate_rtt_ms: float = pydantic.Field(default=0.0, ge=0)
     emulate_compute_scale: float = pydantic.Field(default=1.0, gt=0)
     # test-only faults (chaos runs): a fraction of step replies corrupted; tau_p announced this many times better
-    emulate_reply_fault: Literal["none", "nan", "shape", "noise"] = "none"
+    emulate_reply_fault: Literal["none", "nan", "shape", "noise", "push"] = "none"
     emulate_reply_fault_rate: float = pydantic.Field(default=0.0, ge=0, le=1)
     emulate_tau_p_lie: float = pydantic.Field(default=1.0, gt=0)
     epoch: int = pydantic.Field(default=-1, ge=-1)  # assignment epoch the server follows (-1: none yet)
@@ -277,7 +277,7 @@ class _ServerValueV1(_ValueV1):
     s_c_bytes: pv1.conint(strict=True, ge=0)
     emulate_rtt_ms: pv1.confloat(strict=True, ge=0)
     emulate_compute_scale: pv1.confloat(strict=True, gt=0)
-    emulate_reply_fault: pv1.constr(strict=True, regex=r"^(none|nan|shape|noise)$")
+    emulate_reply_fault: pv1.constr(strict=True, regex=r"^(none|nan|shape|noise|push)$")
     emulate_reply_fault_rate: pv1.confloat(strict=True, ge=0, le=1)
     emulate_tau_p_lie: pv1.confloat(strict=True, gt=0)
     epoch: pv1.conint(strict=True, ge=-1)

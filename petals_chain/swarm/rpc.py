@@ -62,7 +62,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from petals_chain.swarm.aio import LINGER_S, hold_after_reply
 from petals_chain.swarm.prefix import HASH_BYTES, PREFIX_BLOCK_TOKENS, split_hashes
-from petals_chain.swarm.push import PushBox, RouteError, check_route, check_token
+from petals_chain.swarm.push import PushBox, RouteError, check_route, check_token, tensor_digest
 
 
 hivemind.compression.base.USE_LEGACY_BFLOAT16 = False  # bf16 travels as bf16, not as fp32
@@ -240,8 +240,10 @@ class PetalsChainBlocks(ServicerBase):
     """The server's RPC handler (``await handler.add_p2p_handlers(p2p)``)."""
 
     def __init__(self, backend: SessionBackend, *, idle_timeout_s: float = 120.0, push_timeout_s: float = 30.0,
-                 open_heartbeats: bool = True, linger_s: float = LINGER_S):
+                 open_heartbeats: bool = True, linger_s: float = LINGER_S,
+                 push_fault: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         self.backend = backend
+        self.push_fault = push_fault  # chaos runs only: corrupts what is pushed on, not the reply (emulated.py)
         self.linger_s = linger_s  # a stream's last reply waits this long for the client to end it (see _linger)
         self.idle_timeout_s = idle_timeout_s
         self.open_heartbeats = open_heartbeats  # answer a queued open's heartbeat_s (False: ignore it, as before)
@@ -428,15 +430,18 @@ class PetalsChainBlocks(ServicerBase):
                         raise RefusedError("invalid", f"unknown op {op!r} (expected step, extend, keepalive or close)")
                     position = _int_field(meta, "position")
                     route = _route_field(meta)
+                    taken: dict = {}
                     if meta.get("pushed") is True:  # the input comes from the previous hop (push mode)
                         position, hidden, route = await self._take_push(msg, meta, session_id, position)
+                        taken = {"input_digest": tensor_digest(hidden)}  # what we computed on (see tensor_digest)
                     else:
                         hidden = await self._receive_tensor(msg, next_message)
                     t_compute = time.perf_counter()
                     out = await self.backend.forward(session_id, hidden, position)
                     compute_s = time.perf_counter() - t_compute
                     chunks = serialize_chunks(out)
-                    pushed = (await self._push_next(route, position, meta.get("step_id"), chunks, push_streams)
+                    onward = chunks if self.push_fault is None or not route else serialize_chunks(self.push_fault(out))
+                    pushed = (await self._push_next(route, position, meta.get("step_id"), onward, push_streams)
                               if route else {})
                 except RefusedError as e:
                     yield _error(e.code, str(e))
@@ -450,7 +455,7 @@ class PetalsChainBlocks(ServicerBase):
                 last_valid = loop.time()
                 yield runtime_pb2.ExpertResponse(
                     metadata=_pack({"ok": True, "position": position + int(out.shape[1]),
-                                    "compute_s": round(compute_s, 7), **pushed}),
+                                    "compute_s": round(compute_s, 7), **pushed, **taken}),
                     tensors=[chunks[0]]
                 )
                 for chunk in chunks[1:]:
@@ -857,6 +862,7 @@ class RemoteSession:
         self.push_token: str | None = None  # given at open: this session takes pushes from the previous hop
         self.pushed: bool | None = None  # the last step with a route: whether the server pushed its output on
         self.push_error: str | None = None
+        self.input_digest: str | None = None  # the last pushed step: the digest of the input the server took
         self._queue: asyncio.Queue = asyncio.Queue()
         self._responses: Optional[AsyncIterator[runtime_pb2.ExpertResponse]] = None
         self._lock = asyncio.Lock()
@@ -919,6 +925,8 @@ class RemoteSession:
         reply = await _await_next(self._responses, self.step_timeout_s, what)
         meta = _unpack_reply(reply)
         _raise_if_error(meta)
+        digest = meta.get("input_digest")
+        self.input_digest = digest if isinstance(digest, str) else None
         if routed:
             self.pushed = meta.get("pushed") is True
             self.push_error = None if self.pushed else str(meta.get("push_error", "the server did not push"))[:500]
