@@ -176,3 +176,11 @@ def test_trace_segments_arrive_at_the_rate_asked(kind):
     assert abs(len(fair) - 600) <= 1
     arrivals, _ = sd.trace_arrivals(50.0, 20.0, None)
     assert abs(len(arrivals) - 1000) <= 1
+
+
+def test_the_best_split_bound_takes_the_first_of_equal_splits():
+    """Splits with the same bound (every request on time either way) are not compared by their dicts (a
+    TypeError that ended the `db` experiment once the loads were right)."""
+    reqs = [_req(i, "chat" if i % 2 else "code", 0.5 * i, 100, 4) for i in range(20)]
+    bound, split = ms.best_split_slo_bound(reqs, ["chat", "code"], 4, COST, 4)
+    assert bound == 1.0 and split == {"chat": 1, "code": 3}

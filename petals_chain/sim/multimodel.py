@@ -182,8 +182,8 @@ def best_split_slo_bound(reqs: Sequence[MMRequest], names: Sequence[str], server
     if len(names) != 2:
         raise ValueError("the split is searched for two models")
     a, b = names
-    return max((slo_upper_bound(reqs, {a: k, b: servers - k}, cost, max_batch), {a: k, b: servers - k})
-               for k in range(1, servers))
+    return max(((slo_upper_bound(reqs, {a: k, b: servers - k}, cost, max_batch), {a: k, b: servers - k})
+                for k in range(1, servers)), key=lambda bound_split: bound_split[0])  # ties: the first split
 
 
 def make_models(names: Sequence[str], rates: Mapping[str, float], st: Mapping[str, Mapping[str, float]],
