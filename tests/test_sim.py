@@ -358,3 +358,29 @@ def test_route_memoization_is_exact(policy):
         assert np.array_equal(a.response, b.response) and np.array_equal(a.wait, b.wait)
         if lam > 1.0:
             assert b.wait.max() > 0  # servers filled up, so the key took several values
+
+
+def test_routed_sim_shows_routers_the_wait_where_a_hop_finds_too_few_slots():
+    """WS-RR adds a server's expected wait only where ``free < m_ij``: the wait must be there whenever that holds
+    (it was 0 wherever one slot was free, so a 4-block hop was sent to 2 free slots and waited), and a server with a
+    queue shows no free slot (a new hop starts after the queue)."""
+    import numpy as np
+
+    from petals_chain.algorithms.baselines import ws_rr_route
+    from petals_chain.model import ModelSpec, ServerSpec
+    from petals_chain.sim.engine import CostModel, Workload, simulate_routed
+
+    model = ModelSpec(4, 1.0, 0.1)
+    servers = [ServerSpec("A", 4.6, 0.05, 1.0), ServerSpec("B", 8.0, 0.05, 1.2)]
+    placement = {"A": (0, 4), "B": (0, 4)}
+    seen = []
+
+    def route(free, wait):
+        seen.append((dict(free), dict(wait)))
+        return ws_rr_route(servers, model, placement, free, wait)
+
+    wl = Workload(np.array([0.0, 0.1, 0.2, 0.3]), np.array([[1.0, 0, 0]] * 4))
+    simulate_routed(route, {"A": 6, "B": 40}, wl, CostModel.from_servers(servers))
+    free, wait = seen[1]
+    assert free["A"] == 2 and wait["A"] > 0  # the second job finds 2 of A's slots free: its 4-block hop would wait
+    assert all(w > 0 for _, ws in seen for w in ws.values())

@@ -212,9 +212,9 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
                     route_key: Callable[[dict[str, int], dict[str, float]], object] | None = None) -> SimResult:
     """Per-request routing with hold-and-wait slot acquisition (module docstring).
 
-    ``route_fn(free_slots, expected_wait)`` picks a route at each arrival. ``expected_wait[name]`` is an
-    estimate of how long a new job would wait for slots at ``name``: 0 when it has free slots and no
-    queue, else ``(queued demand + 1) / slots_total * mean holding time`` (slots turn over at rate
+    ``route_fn(free_slots, expected_wait)`` picks a route at each arrival. ``free_slots[name]`` is what a new hop
+    can take at once (0 at a server with a queue: FIFO); ``expected_wait[name]`` estimates how long a hop that
+    finds too few would wait: ``(queued demand + 1) / slots_total * mean holding time`` (slots turn over at rate
     ``slots_total / mean holding time``; the mean is the running mean of completed jobs' service times).
     With ``check_slots`` every acquisition asserts ``0 <= free <= total`` (for tests).
     ``route_key(free_slots, expected_wait)``, when given, must map states on which ``route_fn`` returns
@@ -289,21 +289,19 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
             now, j = pop(heap)
             release(j, now)
             events += 1
-        mean_hold = hold_sum / hold_n if hold_n else None
-        expected_wait = {}
-        for name in total:
-            if free[name] > 0 and not queues[name]:
-                expected_wait[name] = 0.0
-            else:
-                h = mean_hold if mean_hold is not None else mean_guess
-                expected_wait[name] = (queued_demand[name] + 1) / max(total[name], 1) * h
+        h = hold_sum / hold_n if hold_n else mean_guess
+        # The wait a hop faces where it cannot start at once; routers add it only where free < m_ij. A server with
+        # a queue starts no new hop before the queue (FIFO): it shows no free slot. (The wait was 0 wherever one
+        # slot was free, so a 4-block hop went to a server with 2 free slots and waited there.)
+        expected_wait = {name: (queued_demand[name] + 1) / max(total[name], 1) * h for name in total}
+        startable = {name: 0 if queues[name] else free[name] for name in total}
         if route_key is not None:
-            key = route_key(free, expected_wait)
+            key = route_key(startable, expected_wait)
             route = route_cache.get(key)
             if route is None:
-                route = route_cache[key] = route_fn(dict(free), expected_wait)
+                route = route_cache[key] = route_fn(dict(startable), expected_wait)
         else:
-            route = route_fn(dict(free), expected_wait)
+            route = route_fn(dict(startable), expected_wait)
         if not route:
             raise RuntimeError(f"router returned no route for job {i}")
         for name, s, e in route:
