@@ -125,3 +125,23 @@ def test_a_session_released_by_a_drain_hears_unavailable_not_unknown(model):
         assert info.value.code == "invalid"
 
     asyncio.run(main())
+
+
+def test_only_a_trusted_peers_close_puts_pages_in_the_prefix_cache(model):
+    """With ``--allow-any-client`` a stranger may run sessions, but its close's word for which tokens its pages hold
+    is not taken: a session of garbage closed under a popular prompt's hashes was reused by trusted sessions
+    (their outputs off by 38 against 1e-5)."""
+    async def main():
+        svc = _service(model, num_slots=8)
+        svc.allow_any_client = True
+        svc.open_session("m", 0, 4, 64, "mallory")
+        await svc.forward("m", torch.randn(1, len(PROMPT), svc.hidden_size) * 50, 0)
+        svc.close_session("m", prefix_hashes(PROMPT))
+        reply = svc.open_session("v", 0, 4, 64, "peer", prefix_hashes=prefix_hashes(PROMPT))
+        assert reply["cached_tokens"] == 0
+        svc.close_session("v")
+        await _cache_prompt(svc)  # the trusted orchestrator's own close still caches
+        reply = svc.open_session("w", 0, 4, 64, "peer", prefix_hashes=prefix_hashes(PROMPT))
+        assert reply["cached_tokens"] == 32
+
+    asyncio.run(main())

@@ -135,7 +135,10 @@ class SessionService:
     def close_session(self, session_id: str, prefix_hashes: Sequence[bytes] = ()) -> None:
         sess = self.sessions.pop(session_id, None)
         if sess is not None:
-            sess.runner.release(session_id, prefix_hashes)
+            # The close names the tokens its pages hold; only a trusted orchestrator's word puts pages in the prefix
+            # cache (with --allow-any-client anyone could close a session of garbage under a popular prompt's hashes,
+            # and trusted sessions would reuse it).
+            sess.runner.release(session_id, prefix_hashes if sess.peer in self.trusted else ())
             self._closed.set()
             self._on_change()
             self.admission.notify()
