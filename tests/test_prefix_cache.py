@@ -142,6 +142,25 @@ def test_cached_pages_are_evicted_deepest_first_when_memory_is_needed(model):
     assert pool.match([0], [bytes([j]) * 16 for j in range(3)]) == 2
 
 
+def test_evictions_take_a_prefixs_depth_away_in_every_layer_alike(model):
+    """A match needs the page in every layer of the span: evictions go deepest position first across all layers
+    (layer by layer, three evictions took layer 0's whole prefix and the other nine cached pages matched nothing),
+    both for pages cached at close and for matched pages a first step unpins."""
+    for first_step in (True, False):
+        r = _runner(model, num_slots=8, max_length=64)  # 32 pages
+        prompt = list(range(300, 348))  # 3 pages per block
+        r.allocate("a", 0, 4, max_tokens=48)
+        r.forward("a", _embed(r, prompt), 0)
+        r.release("a", prefix_hashes(prompt))
+        if first_step:  # pinned by a match, then unpinned by a first step at 0 (it computes everything itself)
+            r.allocate("b", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt))
+            r.forward("b", _embed(r, prompt[:1]), 0)
+        r.pool.reserve(r.pool.pages_free)
+        r.pool.take(r.pool.pages_free)  # every free page, as other sessions would
+        r.allocate("c", 0, 1, max_tokens=48)  # 3 pages: three evictions
+        assert r.pool.match(range(4), _hashes(prompt)) == 2, first_step
+
+
 def test_tight_pool_reuses_with_a_lean_reservation(model):
     """A pool too full for a copy of the whole limit in own pages still reuses the matched prefix (own pages only
     after it); a first step before the match then takes the pages it needs, or is refused with nothing changed."""
