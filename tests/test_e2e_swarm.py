@@ -172,6 +172,20 @@ def test_openai_package_streaming_and_chat(swarm, hf_model):
     if hasattr(chat_ids, "keys"):
         chat_ids = chat_ids["input_ids"]
     assert chat.usage.prompt_tokens == len(chat_ids)
+    # None for an optional parameter (the package sends null: it is the default), the returned assistant message
+    # sent back as it came (refusal, tool_calls, annotations... all null), no tools, top_p 0 (greedy)
+    again = oa.chat.completions.create(
+        model=model_id, messages=messages + [chat.choices[0].message.model_dump(), {"role": "user", "content": "ok"}],
+        max_tokens=4, temperature=None, top_p=None, n=None, presence_penalty=None, frequency_penalty=None,
+        stream=None, logprobs=None, tools=[], tool_choice="none")
+    assert again.choices[0].message.content is not None
+    nucleus0 = oa.chat.completions.create(model=model_id, messages=messages, max_tokens=12, temperature=1.0, top_p=0)
+    assert nucleus0.choices[0].message.content == chat.choices[0].message.content
+    assert oa.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                 echo=None).choices[0].text == full.choices[0].text
+    with pytest.raises(openai.BadRequestError):  # as OpenAI: stream_options needs stream
+        oa.chat.completions.create(model=model_id, messages=messages, max_tokens=2,
+                                   stream_options={"include_usage": True})
     # unknown model -> 404 in OpenAI's format, raised as NotFoundError by the package
     with pytest.raises(openai.NotFoundError):
         oa.completions.create(model="no-such-model", prompt="x", max_tokens=2)

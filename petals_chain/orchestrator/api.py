@@ -47,6 +47,17 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat
 class _Base(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """JSON ``null`` for a field with a default is that default (OpenAI types its optional parameters "... or
+        null", and its client sends null for a parameter given as None); a required field stays required."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)}
+        return data
+
 
 def _unsupported(value: Any, name: str, allowed: tuple = (None,)) -> None:
     if value not in allowed:
@@ -62,7 +73,7 @@ class SamplingFields(_Base):
 
     max_tokens: Optional[int] = pydantic.Field(default=None, ge=1)
     temperature: float = pydantic.Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = pydantic.Field(default=1.0, ge=0.0, le=1.0)  # 0: greedy (OpenAI takes 0..1)
     top_k: int = pydantic.Field(default=0, ge=-1, le=100_000)  # -1 (vLLM) and 0: disabled
     min_p: float = pydantic.Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = pydantic.Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=10.0)
@@ -85,6 +96,12 @@ class SamplingFields(_Base):
     speculative: Optional[Literal["none", "ngram", "draft"]] = None
     # How steps cross the chain for this request (relay.py); None: the orchestrator's --relay.
     relay: Optional[Literal["orchestrator", "push"]] = None
+
+    @pydantic.model_validator(mode="after")
+    def _stream_options_with_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")  # as OpenAI and vLLM
+        return self
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -120,8 +137,10 @@ class SamplingFields(_Base):
         if explicit and max_tokens > limit_tokens:
             raise RequestError(f"max_tokens must be at most {limit_tokens}", param="max_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        greedy = self.top_p == 0.0  # nucleus of probability 0: the most likely token alone
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k),
+            max_tokens=max_tokens, temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
+            top_k=max(0, self.top_k),
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stop,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
@@ -158,6 +177,18 @@ class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "developer"]
     content: Union[str, list[ContentPart]]
     name: Optional[str] = pydantic.Field(default=None, max_length=256)
+    # what an OpenAI client's returned assistant message carries: taken back only empty (a conversation resent)
+    refusal: Optional[str] = None
+    tool_calls: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    annotations: Optional[list[Any]] = None
+
+    @pydantic.model_validator(mode="after")
+    def _no_tool_use(self):
+        for name in ("refusal", "tool_calls", "function_call", "audio", "annotations"):
+            _unsupported(getattr(self, name), f"a message's {name}", (None, [], ""))
+        return self
 
     def as_dict(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -195,9 +226,11 @@ class ChatRequest(SamplingFields):
 
     @pydantic.model_validator(mode="after")
     def _unsupported_fields(self):
-        for name in ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
-                     "web_search_options", "reasoning_effort", "metadata"):
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
+                     "metadata"):
             _unsupported(getattr(self, name), name)
+        _unsupported(self.tools, "tools", (None, []))  # no tools offered: what a plain chat is
+        _unsupported(self.tool_choice, "tool_choice", (None, "none"))
         _unsupported(self.parallel_tool_calls, "parallel_tool_calls", (None, False))
         _unsupported(self.store, "store", (None, False))
         _unsupported(self.service_tier, "service_tier", (None, "auto", "default"))
