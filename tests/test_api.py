@@ -133,6 +133,13 @@ def test_api_without_servers(model_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "swarm_unavailable"
         st = (await c.get("/api/v1/swarm")).json()
         assert st["queue_length"] == 0 and st["measured"]["failed"] == 1
+        # with no chain at all a new request hears it after --no-chain-wait-s, not after the queue time (it waited
+        # the whole 600 s, and the openai package retried it twice)
+        orch.cfg.queue_timeout_s, orch.cfg.no_chain_wait_s = 600.0, 0.3
+        r = await asyncio.wait_for(c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}),
+                                   10.0)
+        assert r.status_code == 503 and "no server serves this model" in r.json()["error"]["message"]
+        orch.cfg.queue_timeout_s = 0.5
         # and streamed: the error arrives as an SSE event, then [DONE]
         async with c.stream("POST", "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2,
                                                              "stream": True}) as resp:

@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--placement bprr: CG-BP target concurrency R (default: the c* GBP-CR picks)")
     p.add_argument("--route-wait-s", type=_nonnegative_float, default=600.0,
                    help="--dispatch petals|bprr: how long a routed request may wait at its servers for slots")
+    p.add_argument("--queue-timeout-s", type=_positive_float, default=600.0,
+                   help="longest wait of a request for a chain (then 503)")
+    p.add_argument("--no-chain-wait-s", type=_nonnegative_float, default=30.0,
+                   help="a new request while no chain serves its model (no server ready) waits this long, then 503")
     p.add_argument("--max-queue", type=_positive_int, default=1024,
                    help="generation requests admitted beyond the chains' capacity; more get 429 + Retry-After")
     p.add_argument("--client-max-inflight", type=_positive_int, default=256,
@@ -471,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         c.petals_cache_tokens, c.bprr_r, c.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s
         # Admission limits (limits.py), read with defaults by the API middleware (each model's API its own).
         c.max_queue, c.client_max_inflight = args.max_queue, args.client_max_inflight
+        c.queue_timeout_s, c.no_chain_wait_s = args.queue_timeout_s, args.no_chain_wait_s
         c.client_max_sessions, c.max_body_bytes = args.client_max_sessions, args.max_body_bytes
         c.max_sessions, c.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
     if args.api_keys:

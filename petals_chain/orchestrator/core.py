@@ -96,6 +96,8 @@ class OrchestratorConfig:
     max_sessions: int = 1024
     session_idle_timeout_s: float = 300.0
     queue_timeout_s: float = 600.0
+    # a new request while no chain serves the model (no server ready, all gone) waits this long for one, then 503
+    no_chain_wait_s: float = 30.0
     # an open a server queues for pages, on a server that sends no heartbeats while it waits (older versions), waits
     # there at most this long before it is sent again: a reply lost on the way (seen once in a run with many
     # re-placements: an open silent for 594 s) costs this, not the job's budget. Heartbeating servers keep the open

@@ -135,6 +135,9 @@ class ChainHolder:
             wait_s = max(0.1, deadline - time.monotonic())
             if drop_at < deadline:
                 wait_s = max(0.001, drop_at - time.monotonic())
+            chainless = not self.admitted and not getattr(orch.dispatch, "chains", True)
+            if chainless:  # nothing serves the model now: a new request learns it soon, not after the queue time
+                wait_s = min(wait_s, max(0.001, float(getattr(orch.cfg, "no_chain_wait_s", wait_s))))
             try:
                 lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=wait_s)
             except asyncio.TimeoutError:
@@ -142,6 +145,11 @@ class ChainHolder:
                     orch.deadlines.settle(dl, "dropped")
                     raise RequestError("the deadline passed while the request waited for a chain", status=504,
                                        code="deadline_exceeded") from None
+                if chainless:
+                    if getattr(orch.dispatch, "chains", None) and time.monotonic() < deadline:
+                        continue  # chains came meanwhile: queue again for the rest of the queue time
+                    raise Unavailable(f"no server serves this model now (no chain for {wait_s:.0f} s); "
+                                      f"try again later") from None
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
             except QueueFull as e:  # only a job that never held a chain is refused
                 if dl is not None and dl.active:
