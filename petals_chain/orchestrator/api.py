@@ -368,6 +368,13 @@ def create_app(orch: Orchestrator) -> FastAPI:
         set_deadline(req)
         return params, explicit
 
+    def reserve_tokens(need: int) -> None:
+        """Hold the most tokens the request may use against its client's ``tokens_per_minute`` (429 if they do not
+        fit); released when the request ends, its real use charged."""
+        adm = ADMISSION.get()
+        if adm is not None and adm.reserve is not None:
+            adm.reserve(need)
+
     def set_deadline(req: SamplingFields) -> None:
         """The request's deadlines (its fields, else its API key's defaults) for the dispatcher and the report."""
         client = CLIENT.get()
@@ -561,6 +568,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         for ids in prompts:  # validate every prompt before any work starts
             orch.validate_prompt(ids, params.max_tokens, explicit)
+        reserve_tokens(sum(len(ids) + params.max_tokens * req.n for ids in prompts))
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -623,6 +631,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
         top = (req.top_logprobs or 0) if req.logprobs else None
         params, explicit = sampling(req, None, top)
         orch.validate_prompt(ids, params.max_tokens, explicit)
+        reserve_tokens(len(ids) + params.max_tokens * req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -696,6 +705,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
             params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS)
         orch.check_ids(target)
         orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)
+        reserve_tokens(max(0, len(target) - len(s.history)) + params.max_tokens)
 
         def gen_fn(emit=None):
             return orch.session_generate(s, target, params, explicit_max_tokens=explicit, emit=emit,

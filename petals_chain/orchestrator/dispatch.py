@@ -149,6 +149,10 @@ class Admission:
         self.message = ""  # and what the client is told
         self.event = asyncio.Event()
         self.arrived = time.monotonic()  # the request came in (before its body was read): deadlines count from here
+        # reserve(tokens): the most tokens the request may use, held against its client's tokens_per_minute until it
+        # ends (RequestError 429 if they do not fit); set by the API middleware when the client has such a limit
+        self.reserve: Callable[[int], None] | None = None
+        self.reserved = 0  # tokens held by reserve()
 
     def decide(self, admitted: bool, code: str = "", message: str = "") -> None:
         if self.state is None:

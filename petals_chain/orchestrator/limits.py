@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
+from petals_chain.orchestrator.errors import RequestError
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -106,6 +107,7 @@ class AdmissionLimits:
         self.by_client: dict[str, int] = {}
         self.sessions_of: dict[str, set[str]] = {}
         self.opening: dict[str, int] = {}  # session opens of each client under way (counted against max_sessions)
+        self.reserved: dict[str, int] = {}  # tokens requests under way may still use, per client (tokens_per_minute)
         self.rejected: dict[str, int] = {}
         self._metric = None
         try:
@@ -163,10 +165,13 @@ class AdmissionLimits:
                 for n in sorted(names)]
 
     # ---- responses -----------------------------------------------------------------------------
-    async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool | int = True) -> None:
+    def _count(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         if self._metric is not None:
             self._metric.labels(reason).inc()
+
+    async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool | int = True) -> None:
+        self._count(reason)
         kind = {429: "rate_limit_error", 401: "authentication_error"}.get(status, "invalid_request_error")
         body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": reason}}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -243,7 +248,7 @@ class AdmissionLimits:
             return await self._reject(send, 429, "client_inflight_limit",
                                       f"this client already has {mine} requests running or queued (limit {cap})")
         per_minute = self.limits.tokens_per_minute(client)
-        if per_minute is not None and self.orch.stats.tokens_last_minute(client) >= per_minute:
+        if per_minute is not None and self._tokens_held(client) >= per_minute:
             return await self._reject(send, 429, "tokens_per_minute",
                                       f"this client used its {per_minute} tokens per minute; retry later",
                                       retry=self.orch.stats.seconds_until_below(client, per_minute))
@@ -256,6 +261,8 @@ class AdmissionLimits:
         self.inflight += 1
         self.by_client[client] = mine + 1
         adm = Admission()
+        if per_minute is not None:
+            adm.reserve = lambda need: self._reserve(client, adm, int(need), per_minute)
         token = ADMISSION.set(adm)  # copied into the tasks the app spawns for this request
         held = _HeldResponse(self, send, adm)
         watcher = asyncio.ensure_future(held.watch())
@@ -265,12 +272,39 @@ class AdmissionLimits:
         finally:
             watcher.cancel()
             ADMISSION.reset(token)
+            if adm.reserved:  # its real use is charged by now (a little counted twice meanwhile: never less)
+                left = self.reserved.get(client, 0) - adm.reserved
+                if left > 0:
+                    self.reserved[client] = left
+                else:
+                    self.reserved.pop(client, None)
             self.inflight -= 1
             left = self.by_client.get(client, 1) - 1
             if left > 0:
                 self.by_client[client] = left
             else:
                 self.by_client.pop(client, None)
+
+    def _tokens_held(self, client: str) -> int:
+        """Tokens ``client`` used in the last minute plus what its requests under way may still use."""
+        return self.orch.stats.tokens_last_minute(client) + self.reserved.get(client, 0)
+
+    def _reserve(self, client: str, adm: Admission, need: int, per_minute: int) -> None:
+        """Hold ``need`` tokens (prompt + max_tokens x n) of ``client``'s per-minute budget for a request, before it
+        runs. Checking only the tokens charged when requests end let one request, or many at once, spend the budget
+        several times over."""
+        held = self._tokens_held(client)
+        if held + need > per_minute:
+            self._count("tokens_per_minute")
+            if need > per_minute:
+                raise RequestError(f"this request may use {need} tokens (prompt + max_tokens x n), more than this "
+                                   f"client's {per_minute} tokens per minute: lower max_tokens", status=429,
+                                   param="max_tokens", code="tokens_per_minute")
+            raise RequestError(f"this request may use {need} tokens and this client has {held} of its {per_minute} "
+                               "tokens per minute used or held by requests under way; retry later", status=429,
+                               code="tokens_per_minute")
+        self.reserved[client] = self.reserved.get(client, 0) + need
+        adm.reserved += need
 
     async def _guard(self, inner_send: Send, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
