@@ -182,3 +182,47 @@ def test_tolerance_follows_the_dtype_servers_compute_in():
     assert auditor._tolerance(torch.float32, ["a", "b"]) == pytest.approx(6e-2)
     assert auditor._tolerance(torch.bfloat16, ["b", "c"]) == pytest.approx(6e-2)
     assert Auditor(types.SimpleNamespace(planner=planner), 0.0, tolerance=0.3)._tolerance(torch.float32, ["a"]) == 0.3
+
+
+def test_probes_look_like_jobs_and_reach_servers_announcing_no_free_slot():
+    """A server that lies only where it is not checked must not tell a probe from a job: probe sessions are named
+    as a job's hops are, opened for a length with an output reserve, with probe sequences of varied lengths; and a
+    server announcing no free slot is probed all the same ("audit-" ids, exact 16-token lengths and slots_free 0
+    let a liar pass every probe)."""
+    import asyncio
+    import re
+    import types
+
+    from petals_chain.orchestrator.audit import Auditor
+
+    opened = []
+
+    class Session:
+        async def step(self, x, position):
+            return x
+
+        async def close(self):
+            pass
+
+    class FakeClient:
+        async def open_session(self, peer, **kw):
+            opened.append(kw)
+            return Session()
+
+    async def embed(tokens):
+        return torch.zeros(1, len(tokens), 8)
+
+    rec = types.SimpleNamespace(num_blocks=4, start_block=0, slots_free=0, public_name="full")
+    views = [types.SimpleNamespace(peer_id="full", record=rec)]
+    planner = types.SimpleNamespace(online_views=lambda: views, servers={})
+    orch = types.SimpleNamespace(planner=planner, client=FakeClient(), vocab_size=100,
+                                 batcher=types.SimpleNamespace(embed=embed),
+                                 cfg=types.SimpleNamespace(step_timeout_s=5.0, max_length=512),
+                                 dispatch=types.SimpleNamespace(queue_length=0))
+    auditor = Auditor(orch, rate=0.0, probe_s=1.0, seed=3)
+    assert auditor._next_probe_target() == ("full", 0, 4)
+    for _ in range(12):
+        asyncio.run(auditor._probe("full", 0, 4))
+    assert len(opened) == 12
+    assert all(re.fullmatch(r"r-[0-9a-f]{12}\.\d+", kw["session_id"]) for kw in opened), opened[0]
+    assert len({kw["max_length"] for kw in opened}) > 3 and all(kw["max_length"] > 8 for kw in opened)

@@ -46,7 +46,7 @@ MAX_INFLIGHT = 4  # audits running at once: a burst of samples never piles up wo
 # An audit re-computes the hop's whole history on the auditor: steps later in a sequence than this are skipped
 # (counted), so auditing costs at most a prefill of this many tokens per sampled step
 MAX_AUDIT_TOKENS = 1024
-PROBE_TOKENS = 16  # length of a probe sequence
+PROBE_TOKENS = (8, 64)  # a probe sequence's length, drawn in this range (a fixed length would mark probes)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -176,9 +176,10 @@ class Auditor:
         planner = getattr(self.orch, "planner", None)
         if planner is None:
             return None
+        # whatever free slots a server announces: a liar announcing none was never probed (a full server refuses
+        # the open, and the probe counts as skipped_busy)
         views = sorted((v for v in planner.online_views() if not self.distrusted(v.peer_id)
-                        and v.record.num_blocks > 0 and v.record.slots_free >= 1),
-                       key=lambda v: v.peer_id)
+                        and v.record.num_blocks > 0), key=lambda v: v.peer_id)
         if not views:
             return None
         v = views[self._probe_turn % len(views)]
@@ -190,7 +191,7 @@ class Auditor:
         try:
             self.counts["probes"] += 1
             vocab = int(self.orch.vocab_size)
-            tokens = [self.rng.randrange(vocab) for _ in range(PROBE_TOKENS)]
+            tokens = [self.rng.randrange(vocab) for _ in range(self.rng.randint(*PROBE_TOKENS))]
             x = await self.orch.batcher.embed(tokens)
             pos = 0
             while pos < start:  # the blocks before the span, on other servers
@@ -210,6 +211,15 @@ class Auditor:
             raise
         except Exception:  # noqa: BLE001 - a probe must never break the orchestrator
             logger.warning("probe of %s blocks [%d, %d) failed", peer[:12], start, end, exc_info=True)
+
+    def _job_like_session_id(self) -> str:
+        from petals_chain.orchestrator.failover import ChainHolder  # (failover imports this module)
+
+        return f"r-{uuid.uuid4().hex[:12]}.{next(ChainHolder._counter)}"  # as a job's chain sessions are named
+
+    def _job_like_length(self, tokens: int) -> int:
+        reserve = self.rng.choice((16, 32, 64, 128, 256))  # what a job opens for: its tokens and an output reserve
+        return max(tokens, min(int(getattr(self.orch.cfg, "max_length", tokens + reserve)), tokens + reserve))
 
     def _covering(self, pos: int, limit: int, exclude: str) -> tuple[str, int] | None:
         """A trusted server other than ``exclude`` holding block ``pos``, and where its part ends (<= ``limit``)."""
@@ -296,9 +306,11 @@ class Auditor:
         xx = x if history is None else torch.cat([history.to(x.dtype), x], dim=1)
         try:
             async with asyncio.timeout(self.orch.cfg.step_timeout_s):  # not wait_for: it can swallow a cancellation
-                sess = await self.orch.client.open_session(peer, session_id=f"audit-{uuid.uuid4().hex[:12]}",
+                # opened as a job's hop is (its id's form, a length with an output reserve): a server that lies
+                # only outside audits must not tell them apart ("audit-" ids and exact lengths gave them away)
+                sess = await self.orch.client.open_session(peer, session_id=self._job_like_session_id(),
                                                            start_block=start, end_block=end,
-                                                           max_length=int(xx.shape[1]))
+                                                           max_length=self._job_like_length(int(xx.shape[1])))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - full, refusing or gone: this audit is skipped
