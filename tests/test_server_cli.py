@@ -29,6 +29,9 @@ from petals_chain.server.server import CPU_MEMORY_FRACTION, Server, ServerConfig
     (["--emulate-tau-p-lie", "0"], "emulate_tau_p_lie"),
     (["--max-length", "0"], "--max-length"),
     (["--dht-prefix", "bad prefix!"], "invalid DHT prefix"),
+    (["--memory-gb", "100000"], "of RAM available"),  # allocated whole at start: it took the host's RAM
+    pytest.param(["--device", "cuda"], "no CUDA device is available",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, message, tiny_model_dir, capsys):
     assert main(["--model", str(tiny_model_dir), *argv]) == 2

@@ -129,6 +129,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if memory_bytes is not None and memory_bytes <= 0:
         print("error: --memory-bytes must be positive", file=sys.stderr)
         return 2
+    from petals_chain.server.memory import check_device_budget
+
+    try:
+        check_device_budget(args.device, memory_bytes)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from petals_chain.swarm.reachability import listen_and_announce
 
     try:

@@ -27,6 +27,26 @@ def default_memory_bytes(device: str) -> int:
     return int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
 
 
+def check_device_budget(device: str, memory_bytes: int | None) -> None:
+    """ValueError, in one line, for a device this machine lacks or a budget above what the device has free now (the
+    KV cache is allocated whole at start: ``--memory-gb 20`` on a CPU host with less took the host's RAM)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available (use --device cpu)")
+    if memory_bytes is None:
+        return
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if memory_bytes > free:
+        raise ValueError(f"the memory budget ({memory_bytes / 2**30:.1f} GiB) exceeds the {free / 2**30:.1f} GiB "
+                         f"{'free on ' + device if dev.type == 'cuda' else 'of RAM available'}: give a smaller "
+                         f"--memory-gb (or none: a share of what is free)")
+
+
 class MemoryBudget:
     """``M_j`` (``memory_bytes``) and ``s_m`` of this server's model, dtype and quantization; zero until
     :meth:`measure` (a server measures at start, when it knows its device)."""
