@@ -11,6 +11,7 @@ and tokens/s. ``--tiny`` runs the old random-weight demo instead (a burst of sam
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import threading
@@ -117,6 +118,10 @@ def _work_dir(arg: str | None) -> tuple[Path, tempfile.TemporaryDirectory | None
     work = Path(arg)
     work.mkdir(parents=True, exist_ok=True)
     return work, None
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _keep_running(args, swarm) -> None:
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-running", action="store_true", help="keep the swarm up at the end (Ctrl+C to stop)")
     p.add_argument("--work-dir", default=None, help="where to put logs (and the tiny model); default: a temp dir")
     args = p.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the swarm as Ctrl+C does (it outlived a killed demo)
+        signal.signal(sig, _interrupt)
     if args.tiny:
         args.max_length = args.max_length or 256
         args.arrival_rate = args.arrival_rate or "8"
