@@ -26,8 +26,8 @@ print()
 # Chat with the model's chat template.
 print("chat:", repr(client.chat([{"role": "user", "content": "What is two plus two?"}], max_tokens=12)))
 
-# A multi-turn session: the chain and its KV cache stay reserved between calls, so the second call
-# only sends the new tokens through the servers.
+# A multi-turn session: the servers keep its KV cache's full pages as cached prefixes between calls (or hold
+# the chain with the orchestrator's --hold-sessions), so the second call computes little more than its new tokens.
 with client.session(max_length=128) as session:
     first = session.generate("Hello! My name is Alice.", max_tokens=8)
     second = session.generate(" What is my name?", max_tokens=8)

@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a server that failed is not planned for this long, doubling per failure (max --ban-max-s)")
     p.add_argument("--ban-max-s", type=float, default=300.0)
     p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="API keys, one a line: NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N]; "
+                   help="API keys, one a line: NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N] "
+                        "[deadline_ms=X] [ttft_deadline_ms=X]; "
                         "requests need 'Authorization: Bearer KEY' (401 otherwise), limits and sessions are per key. "
                         "Without it the API is open (one anonymous client)")
     p.add_argument("--model-placement", default="ui", choices=list(PLACEMENT_POLICIES),
@@ -287,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replan-interval-s", type=_positive_float, default=30.0)
     p.add_argument("--move-margin", type=float, default=0.2,
                    help="move blocks only if the predicted mean response time improves by this fraction")
-    p.add_argument("--ready-file", default=None, help="write {http_url, initial_peers, peer_id} as JSON here once up")
+    p.add_argument("--ready-file", default=None, help="write {http_url, initial_peers, peer_id, pid} as JSON here once up")
     p.add_argument("--log-level", default="INFO")
     return p
 
