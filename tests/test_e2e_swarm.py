@@ -183,6 +183,13 @@ def test_openai_package_streaming_and_chat(swarm, hf_model):
     assert nucleus0.choices[0].message.content == chat.choices[0].message.content
     assert oa.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=20, temperature=0,
                                  echo=None).choices[0].text == full.choices[0].text
+    # a stop token ends the text and is not in its logprobs (the tokens join to the text)
+    ids = swarm.client().complete(PROMPTS[1], max_tokens=8).token_ids
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    cut = oa.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=1,
+                                extra_body={"stop_token_ids": [ids[k]]})
+    assert cut.choices[0].finish_reason == "stop" and len(cut.choices[0].logprobs.tokens) == k
+    assert "".join(cut.choices[0].logprobs.tokens) == cut.choices[0].text
     with pytest.raises(openai.BadRequestError):  # as OpenAI: stream_options needs stream
         oa.chat.completions.create(model=model_id, messages=messages, max_tokens=2,
                                    stream_options={"include_usage": True})

@@ -88,11 +88,11 @@ class GenerationMixin:
                 tok = choice.token
                 generated.append(tok)
                 holder.charge_output()
-                choices.append(choice)
-                unsent.append(choice)
-                if tok in stop_ids:
+                if tok in stop_ids:  # not in the text, so not in its logprobs either (OpenAI's)
                     finish, done = "stop", True
                     break
+                choices.append(choice)
+                unsent.append(choice)
                 delta = matcher.feed(tok)
                 if delta and emit is not None:
                     await emit(delta, unsent)
