@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replan-interval-s", type=_positive_float, default=30.0)
     p.add_argument("--move-margin", type=float, default=0.2,
                    help="move blocks only if the predicted mean response time improves by this fraction")
-    p.add_argument("--ready-file", default=None, help="write {http_url, initial_peers, peer_id, pid} as JSON here once up")
+    p.add_argument("--ready-file", default=None,
+                   help="write {http_url, initial_peers, peer_id, pid} as JSON here once up")
     p.add_argument("--log-level", default="INFO")
     return p
 

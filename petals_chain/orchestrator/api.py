@@ -55,7 +55,8 @@ class _Base(pydantic.BaseModel):
         if isinstance(data, dict):
             fields = cls.model_fields
             return {k: v for k, v in data.items()
-                    if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)}
+                    if not (v is None and k in fields and not fields[k].is_required()
+                            and fields[k].default is not None)}
         return data
 
 

@@ -227,7 +227,8 @@ class Stats:
 
     def legs_json(self) -> dict:
         legs = sum(self.legs.values())
-        return {"passes": dict(self.passes), "critical_legs": dict(self.legs), "push_rescues": self.push_rescues, "push_mismatches": self.push_mismatches,
+        return {"passes": dict(self.passes), "critical_legs": dict(self.legs), "push_rescues": self.push_rescues,
+                "push_mismatches": self.push_mismatches,
                 "legs_per_token": legs / self.tokens if self.tokens else None}
 
     def add_failover(self) -> None:

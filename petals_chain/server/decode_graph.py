@@ -160,7 +160,8 @@ class StaticDecode:
         cache = _StaticPagedCache(r.pool, self.tables, r.start_block, page_row, pos.view(1) - page_row * r.page_size)
         mask = (self.keys <= pos.view(1)).view(1, 1, 1, self.length)
         if r.config._attn_implementation != "sdpa":  # eager attention adds its mask to the scores
-            mask = torch.zeros(mask.shape, dtype=r.dtype, device=mask.device).masked_fill(~mask, torch.finfo(r.dtype).min)
+            additive = torch.zeros(mask.shape, dtype=r.dtype, device=mask.device)
+            mask = additive.masked_fill(~mask, torch.finfo(r.dtype).min)
         return r.run_layers(self.hidden, start, end, pos, mask, cache)
 
     def _capture(self, start: int, end: int) -> tuple[Any, torch.Tensor]:
