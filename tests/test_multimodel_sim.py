@@ -172,6 +172,8 @@ def test_trace_segments_arrive_at_the_rate_asked(kind):
         reqs, _ = ms.trace_requests("m", 2.0, 600.0, kind=kind, offset=offset)
         assert abs(len(reqs) - 1200) <= 1 and reqs[-1].arrival < 600.0, (offset, len(reqs))
         assert all(a.arrival <= b.arrival for a, b in zip(reqs, reqs[1:]))
+    busy, _ = ms.trace_requests("m", 30.0, 900.0, kind=kind, offset=0.5)  # 27,000 rows: round the trace again
+    assert abs(len(busy) - 27_000) <= 1 and busy[-1].arrival < 900.0
     fair, _ = sf.trace_workload({"heavy": 4, "light": 1}, 1.5, 400.0)
     assert abs(len(fair) - 600) <= 1
     arrivals, _ = sd.trace_arrivals(50.0, 20.0, None)

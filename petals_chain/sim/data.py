@@ -110,12 +110,13 @@ class Trace:
 
     def time_scale(self, rate: float, duration: float, start: int = 0) -> float:
         """Run seconds per trace second so that the rows from ``start`` on arrive at ``rate`` req/s on average over
-        a run of ``duration`` seconds: the ``k = rate x duration`` rows after ``start`` span ``k / rate`` seconds
-        (``k`` at most one lap of the trace). Scaled by the whole trace's mean rate, a segment kept its own rate,
-        tens of percent off the mean on the Azure traces: runs said to load chains at 0.8 loaded them at 0.6-1.0."""
+        a run of ``duration`` seconds: the ``k = rate x duration`` rows after ``start`` (going round the trace as
+        often as it takes) span ``k / rate`` seconds. Scaled by the whole trace's mean rate, a segment kept its own
+        rate, tens of percent off the mean on the Azure traces: runs said to load chains at 0.8 loaded them at
+        0.6-1.0."""
         if not (rate > 0 and duration > 0):
             raise ValueError(f"rate and duration must be positive, got {rate!r}, {duration!r}")
-        k = min(max(1, round(rate * duration)), len(self) - 1)
+        k = max(1, round(rate * duration)) if len(self) > 1 else 0
         span = self.offset_s(start, k) if k > 0 else 0.0
         return k / rate / span if span > 0 else (self.rate / rate if math.isfinite(self.rate) else 1.0)
 

@@ -66,6 +66,7 @@ def _trace(kind: str, path: str | None, seed: int) -> simdata.Trace:
 
 
 TRACE_OF = {"chat": "conv", "code": "code", "chat2": "conv", "code2": "code"}
+MAX_TRACE_LAPS = 100  # a run reads a trace round at most this many times
 
 
 def trace_requests(model: str, rate: float, duration: float, *, kind: str | None = None, path: str | None = None,
@@ -78,7 +79,7 @@ def trace_requests(model: str, rate: float, duration: float, *, kind: str | None
     start = int(offset * len(tr)) % len(tr)
     scale = tr.time_scale(rate, duration, start)
     out: list[MMRequest] = []
-    for k in range(len(tr)):  # at most one lap of the trace
+    for k in range(MAX_TRACE_LAPS * len(tr)):  # round the trace again where the run outlasts it (a busy model)
         i = (start + k) % len(tr)
         t = tr.offset_s(start, k) * scale
         if t >= duration:
