@@ -289,7 +289,7 @@ def test_bad_inputs_get_4xx_and_service_continues(swarm):
         ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": -1}),
         ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 10**9}),
         ("/v1/completions", {"model": model, "prompt": "hi", "temperature": 5}),
-        ("/v1/completions", {"model": model, "prompt": "hi", "top_p": 0}),
+        ("/v1/completions", {"model": model, "prompt": "hi", "top_p": -0.1}),
         ("/v1/completions", {"model": model, "prompt": "hi", "n": 1000}),
         ("/v1/completions", {"model": model, "prompt": []}),
         ("/v1/completions", {"model": model, "prompt": [10**9]}),

@@ -228,8 +228,8 @@ def test_estimate_counts_unplaced_models_as_unserved():
     m = _model("m", 0.5)  # one chain serves 4 slots / 4 s = 1 req/s
     e = mm.estimate_model(m, [], 100.0)
     assert e.misses == e.requests == pytest.approx(50.0) and e.ui > 50.0
-    chains = mm.model_chains([Volunteer("a", 10.0)], m)
-    assert len(chains) == 1 and chains[0].servers == ("a",)
+    chains = mm.model_chains([Volunteer("a", 9.99)], m)  # 8 blocks + 39 slots: 4 jobs a chain (10.0 holds 40: 5)
+    assert len(chains) == 1 and chains[0].servers == ("a",) and chains[0].capacity == 4
     ok = mm.estimate_model(m, chains, 100.0)
     assert ok.misses < e.misses and ok.slo_attainment > 0.5
     assert mm.estimate_model(_model("m", 1.0), chains, 100.0).misses == pytest.approx(100.0)  # ρ = 1
@@ -367,7 +367,7 @@ def test_moves_swap_servers_between_models_only_when_the_swap_pays_by_a_margin()
     speeds such a swap "paid" a fraction of a percent for two reloads. It is made only when it saves more than
     ``SWAP_MARGIN`` of the interval's cost; a one-way move is made as before."""
     speeds = [1.06, 1.06, 1.01, 0.86, 1.14, 0.8]
-    servers = [Volunteer(f"s{i}", 10.0, sp) for i, sp in enumerate(speeds)]
+    servers = [Volunteer(f"s{i}", 9.99, sp) for i, sp in enumerate(speeds)]  # 4 jobs a chain
     models = [_model("a", 0.3), _model("b", 0.2)]
     cur = {"s0": "a", **{f"s{i}": "b" for i in range(1, 6)}}
     target = mm.place_by_unserved_index(servers, models, horizon_s=600.0)
@@ -380,7 +380,7 @@ def test_moves_swap_servers_between_models_only_when_the_swap_pays_by_a_margin()
     assert [(m.server, m.src, m.dst) for m in moves] == [("s4", "b", "a")]
     # a swap that pays well is made: a fast server to the overloaded model, a slow one to the other
     speeds = {"s0": 0.7, "s1": 1.0, "s2": 1.3, "s3": 1.0}
-    servers = [Volunteer(k, 10.0, v) for k, v in speeds.items()]
+    servers = [Volunteer(k, 9.99, v) for k, v in speeds.items()]
     models = [_model("a", 1.5), _model("b", 1.0)]
     cur = {"s0": "a", "s1": "a", "s2": "b", "s3": "b"}
     moves = mm.moves_that_pay(cur, {**cur, "s0": "b", "s2": "a"}, mm.ui_rate(servers, models), reload_s=10.0,

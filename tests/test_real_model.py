@@ -179,7 +179,10 @@ def test_openai_package_logprobs_seed_stream_n(swarm, expected, tokenizer):
     r = api.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=12, temperature=0,
                                     logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens and len(content) > 0
+    # the text's tokens: a stop token (counted as generated) is not in the text, so not in its logprobs
+    eos = r.choices[0].finish_reason == "stop"
+    assert len(content) == r.usage.completion_tokens - eos and len(content) > 0
+    assert "".join(e.token for e in content) == r.choices[0].message.content
     for e in content:
         assert e.logprob <= 0 and len(e.top_logprobs) == 3
         assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
