@@ -408,6 +408,34 @@ def test_stop_matcher_incremental_decoding_equals_full_decode():
         assert out == tok.decode(ids, skip_special_tokens=True)
 
 
+def test_stop_matcher_decodes_after_the_prompt_as_the_whole_sequence_does():
+    """With the prompt's last tokens as context, prompt + generated text equals decoding the whole sequence, also
+    with a SentencePiece-style tokenizer ("▁" word starts: Llama-2, Mistral), whose first generated word lost its
+    leading space when decoded alone; byte-level BPE (our test tokenizer) is unchanged."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from petals_chain.swarm.tiny_model import build_tokenizer
+
+    spm = Tokenizer(models.BPE(unk_token="<unk>"))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    spm.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    spm.train_from_iterator(["The capital of France is Paris. Paris is a city."] * 50,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+                                                show_progress=False))
+    spm = PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    for tok in (spm, build_tokenizer()):
+        prompt = tok("The capital of France is")["input_ids"]
+        full = tok("The capital of France is Paris. Paris is")["input_ids"]
+        assert full[:len(prompt)] == prompt
+        gen = full[len(prompt):]
+        m = StopMatcher(tok, [" is"], prompt)
+        streamed = "".join(m.feed(t) for t in gen) + m.flush()
+        whole = tok.decode(full, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
+        assert streamed == m.text == whole[:whole.index(" is")] == " Paris. Paris", (streamed, whole)
+        assert streamed.startswith(" Paris")
+
+
 def test_planner_after_restart_keeps_the_spans_servers_serve():
     """A restarted orchestrator adopts the spans servers already hold (no reload) unless a new placement is
     clearly better, continues above their epoch, and a returning server keeps its span."""

@@ -64,7 +64,7 @@ class GenerationMixin:
         own choices confirm (``verify_drafts``) and the chain's KV is rolled back past the rest (the next step
         overwrites those positions)."""
         seq = SequenceSampler(params, context)
-        matcher = StopMatcher(self.tokenizer, params.stop)
+        matcher = StopMatcher(self.tokenizer, params.stop, context)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
         generated = [] if generated is None else generated
         choices: list[TokenChoice] = []

@@ -813,6 +813,9 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> l
     return out
 
 
+PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the incremental detokenizer starts from (StopMatcher)
+
+
 class StopMatcher:
     """Incremental detokenization with stop strings.
 
@@ -832,6 +835,12 @@ class StopMatcher:
         # [prefix, read) give the decoder its context (leading spaces, merged bytes).
         self.prefix = 0
         self.read = 0
+        if prompt_ids:
+            # The last prompt tokens as the decoder's context: a SentencePiece tokenizer ("▁" word starts: Llama-2,
+            # Mistral) drops the leading space of a sequence's first word, so the first generated word decoded
+            # alone lost its space ('TRAN…' for ' TRAN…'); prompt + text now equals decoding the whole sequence.
+            self.ids = [int(t) for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:]]
+            self.read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
