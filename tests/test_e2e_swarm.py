@@ -190,6 +190,13 @@ def test_openai_package_streaming_and_chat(swarm, hf_model):
                                 extra_body={"stop_token_ids": [ids[k]]})
     assert cut.choices[0].finish_reason == "stop" and len(cut.choices[0].logprobs.tokens) == k
     assert "".join(cut.choices[0].logprobs.tokens) == cut.choices[0].text
+    # streamed logprobs' text_offset runs on across chunks, as the non-streamed one (it restarted at 0 each chunk)
+    whole = oa.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=1,
+                                  extra_body={"ignore_eos": True})
+    parts = oa.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=1,
+                                  stream=True, extra_body={"ignore_eos": True})
+    streamed = [o for c in parts if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == whole.choices[0].logprobs.text_offset and len(streamed) == 6
     with pytest.raises(openai.BadRequestError):  # as OpenAI: stream_options needs stream
         oa.chat.completions.create(model=model_id, messages=messages, max_tokens=2,
                                    stream_options={"include_usage": True})

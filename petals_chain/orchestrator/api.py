@@ -578,6 +578,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 raise RequestError("streaming supports one prompt per request", param="prompt")
             ids = prompts[0]
             echo_text = orch.decode(ids) if req.echo else None
+            offsets: dict[int, int] = {}  # each choice's text so far: text_offset runs on across its chunks
 
             def chunk(i, text, finish, choices, first=False):
                 logprobs = None
@@ -586,7 +587,9 @@ def create_app(orch: Orchestrator) -> FastAPI:
                         return None
                     text = echo_text
                 elif req.logprobs is not None and choices:
-                    logprobs = lp.completion(choices, [c.token for c in choices])
+                    start = offsets.get(i, len(echo_text or ""))
+                    logprobs = lp.completion(choices, [c.token for c in choices], offset0=start)
+                    offsets[i] = start + sum(len(t) for t in logprobs["tokens"])
                 return {"id": cid, "object": "text_completion", "created": created, "model": orch.model_id,
                         "choices": [{"text": text or "", "index": i, "logprobs": logprobs, "finish_reason": finish}]}
 
