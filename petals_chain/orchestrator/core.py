@@ -183,12 +183,11 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if not (0 < cfg.ban_base_s <= cfg.ban_max_s < math.inf):
             raise ValueError(f"--ban-base-s and --ban-max-s must satisfy 0 < base <= max, got {cfg.ban_base_s}, "
                              f"{cfg.ban_max_s}")
+        from petals_chain.swarm.memory import check_device
         from petals_chain.swarm.sources import check_family, resolve_source
 
         self.cfg = cfg
-        dev = torch.device(cfg.device)  # a bad --device fails here, before anything starts
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {cfg.device}: no CUDA device is available (use --device cpu)")
+        check_device(cfg.device)  # a bad --device fails here, before anything starts
         self.source = resolve_source(cfg.model)
         check_family(self.source.config)
         self.prefix = check_prefix(cfg.dht_prefix or default_dht_prefix(self.source.name))

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from petals_chain.server.kv_cache import DEFAULT_PAGE_SIZE, check_kv_cache, slot_tokens
-from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, slots_for_budget
+from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, check_device, slots_for_budget
 
 CPU_MEMORY_FRACTION = 0.5  # default M_j on CPU: half of the RAM available at start
 CUDA_HEADROOM_FRACTION = 0.05  # default M_j on CUDA: free memory minus max(1 GiB, 5 %) for activations
@@ -30,9 +30,7 @@ def default_memory_bytes(device: str) -> int:
 def check_device_budget(device: str, memory_bytes: int | None) -> None:
     """ValueError, in one line, for a device this machine lacks or a budget above what the device has free now (the
     KV cache is allocated whole at start: ``--memory-gb 20`` on a CPU host with less took the host's RAM)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device is available (use --device cpu)")
+    dev = check_device(device)
     if memory_bytes is None:
         return
     if dev.type == "cuda":

@@ -75,6 +75,15 @@ def cache_slot_bytes(config: Any, dtype: str | torch.dtype | None = None, max_le
     return 2 * num_kv_heads(config) * head_dim(config) * int(max_length) * _dtype_bytes(parse_dtype(dtype, config))
 
 
+def check_device(device: str) -> torch.device:
+    """``torch.device(device)``; ValueError, in one line, for a CUDA device on a machine without CUDA (the roles
+    check it before anything starts, not with a traceback once they have joined)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available (use --device cpu)")
+    return dev
+
+
 def slots_for_budget(memory_bytes: float, num_blocks: int, s_m: float, s_c: float) -> int:
     """``floor((M_j - s_m m_j) / s_c)``, at least 0 (Eq. 3)."""
     if s_c <= 0:
