@@ -96,6 +96,15 @@ def client_of(scope: Scope, keys: Optional[KeyRing]) -> Optional[str]:
     return found.name if found is not None else None
 
 
+def _take(counts: dict[str, int], client: str, n: int) -> None:
+    """Take ``n`` off ``client``'s count, dropping the entry at zero (the dicts hold only clients with something)."""
+    left = counts.get(client, 0) - n
+    if left > 0:
+        counts[client] = left
+    else:
+        counts.pop(client, None)
+
+
 class AdmissionLimits:
     """ASGI middleware enforcing :class:`LimitsConfig` in front of the API app of ``orch``."""
 
@@ -235,11 +244,7 @@ class AdmissionLimits:
             try:
                 return await self._guard(self._record_session(client, send), scope, receive, send)
             finally:
-                left = self.opening[client] - 1
-                if left > 0:
-                    self.opening[client] = left
-                else:
-                    del self.opening[client]
+                _take(self.opening, client, 1)
         if not _GENERATE.match(path):
             return await self._guard(send, scope, receive, send)
         mine = self.by_client.get(client, 0)
@@ -272,18 +277,10 @@ class AdmissionLimits:
         finally:
             watcher.cancel()
             ADMISSION.reset(token)
-            if adm.reserved:  # its real use is charged by now (a little counted twice meanwhile: never less)
-                left = self.reserved.get(client, 0) - adm.reserved
-                if left > 0:
-                    self.reserved[client] = left
-                else:
-                    self.reserved.pop(client, None)
+            # the reservation's real use is charged by now (a little counted twice meanwhile: never less)
+            _take(self.reserved, client, adm.reserved)
             self.inflight -= 1
-            left = self.by_client.get(client, 1) - 1
-            if left > 0:
-                self.by_client[client] = left
-            else:
-                self.by_client.pop(client, None)
+            _take(self.by_client, client, 1)
 
     def _tokens_held(self, client: str) -> int:
         """Tokens ``client`` used in the last minute plus what its requests under way may still use."""
