@@ -23,7 +23,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -64,12 +64,17 @@ def _avoid_cudnn_attention(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def _deepest_first(tables: Mapping[int, Sequence[int]]) -> Iterator[tuple[int, int, int]]:
+    """``(position, layer, page)`` of several layers' page tables, deepest position first and every layer's page at
+    a position together: the order pages become evictable in (unpinned or cached), so that evictions take a prefix's
+    depth away in all its layers alike (a match needs a page in every layer; layer by layer, three evictions took
+    one layer's whole prefix and nothing matched any more)."""
+    depth = max((len(t) for t in tables.values()), default=0)
+    for j in range(depth - 1, -1, -1):
+        for layer, table in tables.items():
+            if j < len(table):
+                yield j, layer, table[j]
 
-def _deepest_first(tables: Iterable[Sequence[int]]) -> list[int]:
-    """The pages of several layers' tables, deepest position first and every layer's page at a position together
-    (the order unpinning makes them evictable in: a prefix loses depth in all its layers alike)."""
-    tables = [list(t) for t in tables]
-    return [t[j] for j in range(max((len(t) for t in tables), default=0) - 1, -1, -1) for t in tables if j < len(t)]
 
 class BlockRunner:
     """Decoder layers ``[start_block, start_block + num_blocks)`` with the KV memory of ``num_slots`` slots of
@@ -357,7 +362,8 @@ class BlockRunner:
                 pool.copy([shared[keep]], [own[keep]], position % ps)
             pool.release([p for p in own[:keep] if p != NO_PAGE])
             s.pages_of[layer] = PageTable(list(shared[:keep]) + list(own[keep:]))
-        pool.unpin(_deepest_first([shared[keep:] for shared in s.pending.values()]))
+        after = {layer: shared[keep:] for layer, shared in s.pending.items()}  # matched pages it computes itself
+        pool.unpin(page for _, _, page in _deepest_first(after))
         s.pending, s.shared_pages = None, keep
         self.prefix_reused_tokens += position
 
@@ -432,23 +438,16 @@ class BlockRunner:
         del self._sessions[s.session_id]
         pool = self.pool
         if s.pending is not None:  # never stepped: its matched pages were only pinned
-            pool.unpin(_deepest_first(s.pending.values()))
+            pool.unpin(page for _, _, page in _deepest_first(s.pending))
             pool.release([p for table in s.pages_of.values() for p in table if p != NO_PAGE])
             return
         cacheable = min(len(s.close_hashes), s.length // self.page_size)
         free = []
-        tables = list(s.pages_of.items())
-        # deepest page first across every layer: a prefix's shallow pages become the most recently used, evicted
-        # last; a match needs a page in every layer, so evictions take a prefix's depth away in all layers alike
-        # (layer by layer, three evictions took one layer's whole prefix and nothing matched any more)
-        for j in range(max((len(table) for _, table in tables), default=0) - 1, -1, -1):
-            for layer, table in tables:
-                if j >= len(table):
-                    continue
-                if j < s.shared_pages:
-                    pool.unpin([table[j]])
-                elif not (j < cacheable and pool.cache(layer, s.close_hashes[j], table[j])):
-                    free.append(table[j])
+        for j, layer, page in _deepest_first(s.pages_of):  # a prefix's shallow pages evicted last
+            if j < s.shared_pages:
+                pool.unpin([page])
+            elif not (j < cacheable and pool.cache(layer, s.close_hashes[j], page)):
+                free.append(page)
         pool.release(free)
 
     def _get(self, session_id: str) -> SessionState:
