@@ -26,11 +26,15 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 
+WHOLE_TOLERANCE = 1e-9  # a quotient this close below a whole number counts as it (see units_that_fit)
+
+
 def units_that_fit(amount: float, unit: float) -> int:
     """``floor(amount / unit)``, the one rounding of Eq. 3 and Eq. 8 everywhere (GBP-CR, GCA, tuning, servers): a
-    quotient within 1e-9 of a whole number counts as that number (``1.0 / 0.1`` is 10, where ``1.0 // 0.1`` is 9
-    and ``floor(1.0 / 0.1)`` 10: two roundings once let a tuned plan count a slot a server did not have)."""
-    return math.floor(amount / unit + 1e-9)
+    quotient within :data:`WHOLE_TOLERANCE` of a whole number counts as that number (``1.0 / 0.1`` is 10, where
+    ``1.0 // 0.1`` is 9 and ``floor(1.0 / 0.1)`` 10: two roundings once let a tuned plan count a slot a server did
+    not have). Array code adds the same tolerance before its ``np.floor``."""
+    return math.floor(amount / unit + WHOLE_TOLERANCE)
 
 
 @dataclass(frozen=True)

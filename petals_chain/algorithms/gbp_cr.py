@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from petals_chain.model import ModelSpec, Placement, ServerSpec
+from petals_chain.model import WHOLE_TOLERANCE, ModelSpec, Placement, ServerSpec
 
 
 def _check_inputs(servers: Sequence[ServerSpec], model: ModelSpec) -> None:
@@ -33,7 +33,7 @@ def _check_rate(arrival_rate: float, rho_bar: float) -> None:
 def blocks_per_server(memory: np.ndarray, model: ModelSpec, c: int, cap: np.ndarray | None = None) -> np.ndarray:
     """``m_j(c) = min(floor(M_j / (s_m + s_c c)), L)`` for every server (Eq. 8), as int64; ``cap``: per-server
     block caps (``ServerSpec.block_cap``)."""
-    m = np.floor(np.asarray(memory, dtype=float) / (model.block_size + model.cache_size * c) + 1e-9)  # units_that_fit
+    m = np.floor(np.asarray(memory, dtype=float) / (model.block_size + model.cache_size * c) + WHOLE_TOLERANCE)
     return np.minimum(m, model.num_blocks if cap is None else cap).astype(np.int64)
 
 

@@ -18,7 +18,7 @@ from petals_chain.algorithms.bounds import response_time_bounds
 from petals_chain.algorithms.gbp_cr import (_ChainSequence, _check_inputs, _check_rate, _server_arrays,
                                             block_caps, blocks_per_server)
 from petals_chain.algorithms.gca import _RoutingDAG, gca_indices
-from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec, units_that_fit
+from petals_chain.model import WHOLE_TOLERANCE, Chain, ModelSpec, Placement, ServerSpec, units_that_fit
 
 METHODS = ("lower", "upper", "surrogate")
 
@@ -137,7 +137,8 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
         idx, a, m = keys[pkey].placement_arrays(pkey[1])
         order = np.argsort(idx, kind="stable")  # input order, as gca() breaks ties
         idx, a, m = idx[order], a[order], m[order]
-        slots = np.maximum(0, np.floor((memory[idx] - model.block_size * m) / model.cache_size + 1e-9)).astype(np.int64)
+        residual = (memory[idx] - model.block_size * m) / model.cache_size
+        slots = np.maximum(0, np.floor(residual + WHOLE_TOLERANCE)).astype(np.int64)  # as units_that_fit
         return idx, a, m, slots
 
     def evaluate(pkey):
