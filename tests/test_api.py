@@ -79,7 +79,7 @@ def test_api_without_servers(model_path):
 
         # validation: OpenAI error shape, never a 500
         cases = [
-            {"model": model, "prompt": "x", "max_tokens": 0},
+            {"model": model, "prompt": "x", "max_tokens": -1},
             {"model": model, "prompt": "x", "top_k": -2},
             {"model": model, "prompt": "x", "repetition_penalty": 0},
             {"model": model, "prompt": "x", "repetition_penalty": 5e-324},  # found by fuzzing: was a 500
@@ -112,6 +112,16 @@ def test_api_without_servers(model_path):
         assert r.status_code == 400
         r = await c.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 404
+        r = await c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}],
+                                                       "max_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        # max_tokens 0 computes nothing (echo without logprobs): answered without a chain, even with none up
+        r = await c.post("/v1/completions", json={"model": model, "prompt": "hello world", "max_tokens": 0,
+                                                  "echo": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == orch.decode(orch.tokenizer("hello world")["input_ids"])
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
 
         # sessions: open, inspect, validate, close; unknown ids are 404
         s = (await c.post("/api/v1/sessions", json={"max_length": 32})).json()

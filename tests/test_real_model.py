@@ -262,6 +262,39 @@ def test_completions_logprobs_echo_and_defaults(swarm, tokenizer, smollm2_refere
     assert c.finish_reason == "stop" and len(c.token_ids) > 16
 
 
+def test_prompt_scoring_as_evaluation_harnesses_ask_for_it(swarm, tokenizer, smollm2_reference):
+    """lm-evaluation-harness's loglikelihood request: token-id prompts, ``echo``, ``logprobs``, ``max_tokens: 0``.
+    Every prompt token after the first is scored as transformers scores it; tokens that are only part of a
+    character (CJK, emoji: byte-level BPE splits them) show as OpenAI's ``bytes:\\xNN`` and start where their
+    character does; a chat reply's logprob ``bytes`` make up its text."""
+    prompts = [tokenizer("The capital of France is Paris")["input_ids"],
+               tokenizer("漢字の読み方 🦜 is a question")["input_ids"]]
+    r = httpx.post(f"{swarm.url}/v1/completions", json={"model": "smollm2-135m", "prompt": prompts, "max_tokens": 0,
+                                                         "echo": True, "logprobs": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 0
+    for ids, ch in zip(prompts, body["choices"]):
+        lp, text = ch["logprobs"], ch["text"]
+        assert text == tokenizer.decode(ids) and ch["finish_reason"] == "length"
+        assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(smollm2_reference(torch.tensor([ids])).logits[0].float(), -1)
+        for i in range(1, len(ids)):
+            assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=2e-3)
+        for tok, off in zip(lp["tokens"], lp["text_offset"]):
+            if not tok.startswith("bytes:"):
+                assert text[off:off + len(tok)] == tok
+    cjk = body["choices"][1]["logprobs"]
+    assert [t for t in cjk["tokens"] if t.startswith("bytes:")]
+    assert cjk["text_offset"] == sorted(cjk["text_offset"])
+    c = httpx.post(f"{swarm.url}/v1/chat/completions", json={
+        "model": "smollm2-135m", "messages": [{"role": "user", "content": "Write 漢字 and a parrot emoji."}],
+        "max_tokens": 12, "temperature": 0, "logprobs": True}, timeout=60).json()["choices"][0]
+    raw = bytes(b for e in c["logprobs"]["content"] for b in e["bytes"])
+    assert raw.decode("utf-8", errors="replace") == c["message"]["content"]
+
+
 def test_transformers_style_client_equals_transformers(swarm, smollm2_reference, tokenizer):
     """PETALS-style code (one import changed) gets transformers' token ids, left-padded batches included."""
     from petals_chain.client import AutoDistributedModelForCausalLM

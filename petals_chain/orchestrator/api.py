@@ -30,6 +30,7 @@ from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import maybe_forward
 from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, TokenChoice
+from petals_chain.orchestrator.tokentext import TextOffsets
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
 
@@ -159,6 +160,8 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
     logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
+    # 0: nothing generated (with echo and logprobs: the prompt's own logprobs, how evaluation harnesses score text)
+    max_tokens: Optional[int] = pydantic.Field(default=None, ge=0)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
@@ -274,36 +277,39 @@ def _sse(obj: Any) -> str:
 
 
 class _Logprobs:
-    """Builds OpenAI ``logprobs`` objects (chat and completions formats) from :class:`TokenChoice` lists."""
+    """Builds OpenAI ``logprobs`` objects (chat and completions formats) from :class:`TokenChoice` lists: each
+    token as its own bytes show it (:class:`~petals_chain.orchestrator.tokentext.TokenText`)."""
 
     def __init__(self, orch: Orchestrator):
         self.orch = orch
 
-    def _text(self, token: int) -> str:
-        return self.orch.token_text(token)
+    def _entry(self, token: int) -> tuple[str, list[int]]:
+        tt = self.orch.token_text
+        return tt.text_of(token), list(tt.bytes_of(token))
 
     def chat_entries(self, choices: list[TokenChoice], top: int) -> list[dict]:
         out = []
         for c in choices:
-            text = self._text(c.token)
-            entry = {"token": text, "logprob": c.logprob, "bytes": list(text.encode("utf-8"))}
+            text, raw = self._entry(c.token)
+            entry = {"token": text, "logprob": c.logprob, "bytes": raw}
             entry["top_logprobs"] = [
-                {"token": (t := self._text(tok)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                {"token": (e := self._entry(tok))[0], "logprob": lp, "bytes": e[1]}
                 for tok, lp in (c.top_logprobs or [])[:top]]
             out.append(entry)
         return out
 
-    def completion(self, choices: list[Optional[TokenChoice]], token_ids: list[int], offset0: int = 0) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        pos = offset0
-        for tok, c in zip(token_ids, choices):
-            text = self._text(tok)
-            tokens.append(text)
-            offsets.append(pos)
-            pos += len(text)
-            token_lps.append(None if c is None else c.logprob)
-            tops.append(None if c is None or c.top_logprobs is None else
-                        {self._text(t): lp for t, lp in c.top_logprobs})
+    def completion(self, choices: list[Optional[TokenChoice]], token_ids: list[int], offset0: int = 0,
+                   context: list[int] | tuple = (), counter: TextOffsets | None = None) -> dict:
+        """``token_ids`` (those ``choices`` score: a stop token has none) decoded after ``context``, starting at
+        character ``offset0`` of the returned text; ``counter`` carries a stream's position over its chunks."""
+        tt = self.orch.token_text
+        token_ids = list(token_ids[:len(choices)])
+        counter = counter if counter is not None else TextOffsets(self.orch.tokenizer, context)
+        offsets = [offset0 + o for o in counter.feed(token_ids)]
+        tokens = [tt.text_of(tok) for tok in token_ids]
+        token_lps = [None if c is None else c.logprob for c in choices]
+        tops = [None if c is None or c.top_logprobs is None else {tt.text_of(t): lp for t, lp in c.top_logprobs}
+                for c in choices]
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -578,7 +584,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 raise RequestError("streaming supports one prompt per request", param="prompt")
             ids = prompts[0]
             echo_text = orch.decode(ids) if req.echo else None
-            offsets: dict[int, int] = {}  # each choice's text so far: text_offset runs on across its chunks
+            counters: dict[int, TextOffsets] = {}  # each choice's position: text_offset runs on across its chunks
 
             def chunk(i, text, finish, choices, first=False):
                 logprobs = None
@@ -587,9 +593,9 @@ def create_app(orch: Orchestrator) -> FastAPI:
                         return None
                     text = echo_text
                 elif req.logprobs is not None and choices:
-                    start = offsets.get(i, len(echo_text or ""))
-                    logprobs = lp.completion(choices, [c.token for c in choices], offset0=start)
-                    offsets[i] = start + sum(len(t) for t in logprobs["tokens"])
+                    counter = counters.setdefault(i, TextOffsets(orch.tokenizer, ids))
+                    logprobs = lp.completion(choices, [c.token for c in choices], offset0=len(echo_text or ""),
+                                             counter=counter)
                 return {"id": cid, "object": "text_completion", "created": created, "model": orch.model_id,
                         "choices": [{"text": text or "", "index": i, "logprobs": logprobs, "finish_reason": finish}]}
 
@@ -609,7 +615,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 text, logprobs = g.text, None
                 prefix = orch.decode(ids) if req.echo else ""
                 if req.logprobs is not None:
-                    gen_lp = lp.completion(g.logprobs or [], g.token_ids, offset0=len(prefix))
+                    gen_lp = lp.completion(g.logprobs or [], g.token_ids, offset0=len(prefix), context=ids)
                     if req.echo:
                         prompt_lp = lp.completion(g.prompt_logprobs or [None] * len(ids), ids)
                         gen_lp = {k: prompt_lp[k] + gen_lp[k] for k in gen_lp}

@@ -33,6 +33,7 @@ from petals_chain.orchestrator.relay import ChainSession, HeadBatcher, HopFailur
 from petals_chain.orchestrator.replay import ReplayCache
 from petals_chain.orchestrator.sessions import SessionMixin, UserSession
 from petals_chain.orchestrator.stats import Stats
+from petals_chain.orchestrator.tokentext import TokenText
 from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.reachability import Prober
 from petals_chain.swarm.rpc import RemoteError
@@ -224,7 +225,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._eos: set[int] = set()
-        self._token_text: dict[int, str] = {}
+        self.token_text: TokenText | None = None  # logprobs' per-token bytes, text and offsets
         self.chain_sessions: "weakref.WeakSet[ChainSession]" = weakref.WeakSet()
         self._bg_tasks: set[asyncio.Task] = set()
 
@@ -241,6 +242,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         dtype = None if self.cfg.dtype == "auto" else self.cfg.dtype
         self.head = load_head(src, dtype=dtype, device=self.cfg.device)
         self.tokenizer = src.load_tokenizer()
+        self.token_text = TokenText(self.tokenizer)
         eos = set(src.eos_token_ids())
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -463,13 +465,6 @@ class Orchestrator(GenerationMixin, SessionMixin):
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def token_text(self, token: int) -> str:
-        """One token as text (logprobs responses); cached, tokens repeat."""
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._token_text[token] = self.tokenizer.decode([token])
-        return text
-
     def check_ids(self, ids: list[int]) -> None:
         vocab = self.vocab_size
         bad = [i for i in ids if not (0 <= int(i) < vocab)]
@@ -489,7 +484,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         """Tokens to generate after ``used`` context tokens: an implicit limit shrinks to the room left, an
         explicit one that does not fit is refused (OpenAI's behaviour)."""
         room = max_length - used
-        if room <= 0:
+        if room < 0 or (room == 0 and not (explicit and max_tokens == 0)):  # max_tokens 0: a prompt scored, echoed
             raise RequestError(f"the prompt has {used} tokens, but this model's maximum context length is "
                                f"{max_length} tokens", param="prompt", code="context_length_exceeded")
         if not explicit:

@@ -76,6 +76,8 @@ class GenerationMixin:
         drafts = DraftLength(k=self.cfg.speculative_k) if mode in ("ngram", "draft") else None
         draft_state = DraftState() if mode == "draft" else None
         if limit <= 0:
+            if deadline is not None:  # nothing to generate: the answer's first (and last) part is ready now
+                deadline.first_token()
             return generated, "", finish, choices
         choice, emb = await self.batcher.sample(hidden, seq)
         seq.append(choice.token)
@@ -165,6 +167,15 @@ class GenerationMixin:
         params = [SamplingParams(**{**p.__dict__, "stop": list(p.stop), "max_tokens": self._max_tokens(
             p.max_tokens, len(prompt_ids), self.cfg.max_length, explicit_max_tokens)}) for p in params]
         emits = list(emits or [None] * len(params))
+        if prompt_logprobs is None and all(p.max_tokens == 0 for p in params):  # nothing to compute: no chain taken
+            deadline = DEADLINE.get()
+            if deadline is not None:
+                deadline.first_token()
+                if settle:
+                    self.deadlines.settle(deadline)
+            return [Generation(token_ids=[], text="", finish_reason="length", prompt_tokens=len(prompt_ids), wait_s=0.0,
+                               service_s=0.0, chain=[], failovers=0, logprobs=[] if p.logprobs is not None else None)
+                    for p in params]
         if self.planner is not None:
             for _ in params:
                 self.planner.rates.arrive()

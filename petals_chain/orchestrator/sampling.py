@@ -31,6 +31,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from petals_chain.orchestrator.tokentext import context_tail
+
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing float32 logits by a smaller one
 # overflows to inf and the softmax to NaN.
@@ -813,7 +815,6 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> l
     return out
 
 
-PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the incremental detokenizer starts from (StopMatcher)
 
 
 class StopMatcher:
@@ -839,7 +840,7 @@ class StopMatcher:
             # The last prompt tokens as the decoder's context: a SentencePiece tokenizer ("▁" word starts: Llama-2,
             # Mistral) drops the leading space of a sequence's first word, so the first generated word decoded
             # alone lost its space ('TRAN…' for ' TRAN…'); prompt + text now equals decoding the whole sequence.
-            self.ids = [int(t) for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:]]
+            self.ids = context_tail(tokenizer, prompt_ids)
             self.read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
