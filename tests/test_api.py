@@ -73,7 +73,11 @@ def test_api_without_servers(model_path):
         st = (await c.get("/api/v1/swarm")).json()
         assert st["ready"] is False and st["initial_peers"] and st["servers"] == [] and st["chains"] == []
         assert st["c"] is None and st["predicted_response_s"] is None and st["queue_length"] == 0
-        assert "petals_chain_ready 0.0" in (await c.get("/metrics")).text
+        metrics = (await c.get("/metrics")).text
+        assert "petals_chain_ready 0.0" in metrics
+        # no chain, no prediction: a plan's bounds must not outlive its chains
+        assert "petals_chain_predicted_response_lower_seconds NaN" in metrics
+        assert st["num_blocks"] == orch.source.config.num_hidden_layers
         page = await c.get("/")
         assert page.status_code == 200
 

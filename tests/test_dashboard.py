@@ -127,7 +127,7 @@ def test_merge_without_summary_and_with_garbage_summary():
     assert {s["peer_id"] for s in view["servers"]} == {"QmA", "QmB"}
 
 
-def test_cli_requires_a_prefix_and_validates_arguments(capsys):
+def test_cli_requires_a_prefix_and_validates_arguments(capsys, tmp_path):
     args = build_parser().parse_args(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--model", "/m/Tiny-Llama/"])
     assert resolve_prefix(args) == "Tiny-Llama"
     # no prefix and no trusted orchestrator (no peer id in the multiaddr) to discover it from
@@ -136,6 +136,10 @@ def test_cli_requires_a_prefix_and_validates_arguments(capsys):
     assert exc.value.code == 2 and "--dht-prefix" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--initial-peers", "x", "--dht-prefix", "bad prefix!"])
+    # a directory that holds no model: a one-line usage error (was a FileNotFoundError traceback)
+    with pytest.raises(SystemExit) as exc:
+        main(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--model", str(tmp_path)])
+    assert exc.value.code == 2 and "config.json" in capsys.readouterr().err
     for bad in (["--poll-interval", "0"], ["--poll-interval", "inf"], ["--log-level", "bogus"]):
         with pytest.raises(SystemExit):
             main(["--initial-peers", "x", "--dht-prefix", "ok", *bad])

@@ -78,6 +78,7 @@ def test_swarm_state_contract(swarm):
         assert key in st, key
     assert st["ready"] and st["initial_peers"] and st["epoch"] >= 1 and st["c"] >= 1
     assert st["max_length"] == MAX_LENGTH
+    assert st["num_blocks"] == 8  # the model's (the page's coverage bar took the largest span any record claimed)
     for ch in st["chains"]:
         spans = ch["spans"]
         assert spans[0][0] == 0 and spans[-1][1] == 8
@@ -92,7 +93,7 @@ def test_swarm_state_contract(swarm):
     metrics = httpx.get(f"{swarm.url}/metrics").text
     assert "petals_chain_chains" in metrics and "petals_chain_queue_length" in metrics
     for s in st["servers"]:  # each server's KV cache, as its record announces it
-        assert f'petals_chain_server_kv_cache_tokens{{kind="total",server="{s["public_name"]}"}} ' \
+        assert f'petals_chain_server_kv_cache_tokens{{kind="total",name="{s["public_name"]}",server="{s["peer_id"]}"}} ' \
                f'{float(s["cache_tokens_total"])}' in metrics
     page = httpx.get(f"{swarm.url}/")
     assert page.status_code == 200 and "<html" in page.text.lower()
@@ -137,7 +138,7 @@ def test_greedy_completions_equal_transformers(swarm, hf_model):
     for peer in used:
         s = servers[peer]
         assert s["step_compute_s"] > 0 and s["step_network_s"] >= 0, s
-        assert f'petals_chain_server_step_seconds{{part="compute",server="{s["public_name"]}"}} ' in metrics
+        assert f'petals_chain_server_step_seconds{{name="{s["public_name"]}",part="compute",server="{peer}"}} ' in metrics
 
 
 def test_openai_package_streaming_and_chat(swarm, hf_model):

@@ -288,6 +288,9 @@ def test_dispatch_manager_keeps_fair_counters_across_re_plans_and_charges_once()
         light = asyncio.ensure_future(dm.acquire(DispatchJob("l", client="light", input_tokens=20)))
         await asyncio.sleep(0)
         assert dm.queue_length == 4
+        # a client whose every request waits (the one a starving policy would hide) has its row
+        light_row = shares.json(dm.waiting_jobs())["clients"]["light"]
+        assert light_row["waiting"] == 1 and light_row["started"] == 0 and light_row["backlogged"]
         local = shares.policy.local(None)
         assert local.deficit == {"heavy": -20.0, "light": 0.0}
         dm.set_chains([a, b])  # a re-plan adds a chain: the queue re-arrives, the counters stay

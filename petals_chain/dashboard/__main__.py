@@ -94,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--discover-timeout must be >= 0")
     try:
         prefix = resolve_prefix(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # a path that is no model: a usage error, not a traceback
         parser.error(str(e))
 
     import uvicorn

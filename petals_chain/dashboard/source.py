@@ -46,6 +46,7 @@ VIEW_DEFAULTS: dict[str, Any] = {
     "model": "",
     "dht_prefix": "",
     "max_length": 0,
+    "num_blocks": None,
     "ready": False,
     "initial_peers": [],
     "http_url": "",

@@ -86,7 +86,8 @@ class Auditor:
         self.errors: deque[float] = deque(maxlen=10_000)  # recent errors of every audit (for the benchmark)
         self.events: deque[dict] = deque(maxlen=50)
         self.m_audits = Counter("petals_chain_audits", "Audited hop steps by outcome", ["outcome"], registry=registry)
-        self.m_strikes = Counter("petals_chain_audit_strikes", "Strikes given by audits, by server", ["server"],
+        self.m_strikes = Counter("petals_chain_audit_strikes", "Strikes given by audits, by server (peer id: a server "
+                                 "names itself, and may take another's name)", ["server"],
                                  registry=registry)
         self.m_bans = Gauge("petals_chain_audit_banned_servers", "Servers banned for wrong results", registry=registry)
         self.m_error = Histogram("petals_chain_audit_relative_error", "Relative L2 error between two servers' "
@@ -330,14 +331,15 @@ class Auditor:
 
     def _strike(self, server: str, err: float, start: int, end: int) -> None:
         self.counts["strikes"] += 1
-        self.m_strikes.labels(self._name(server)).inc()
+        self.m_strikes.labels(server).inc()
         now = time.monotonic()
         banned = self.book.strike(server, now)
         self.events.append({"t": time.time(), "server": server, "name": self._name(server), "event": "ban" if banned
                             else "strike", "relative_error": err, "blocks": [start, end],
                             "score": self.book.score(server, now)})
-        logger.warning("audit: %s returned wrong hidden states for blocks [%d, %d) (relative error %.3g): strike, "
-                       "score %.2f", self._name(server), start, end, err, self.book.score(server, now))
+        logger.warning("audit: %s (%s) returned wrong hidden states for blocks [%d, %d) (relative error %.3g): "
+                       "strike, score %.2f", self._name(server), server[:12], start, end, err,
+                       self.book.score(server, now))
         if banned:
             self.ban(server)
 

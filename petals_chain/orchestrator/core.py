@@ -516,6 +516,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
             predicted = {"lower": current.lower, "upper": current.upper if math.isfinite(current.upper) else None}
         return {
             "model": self.model_id, "dht_prefix": self.prefix, "max_length": self.cfg.max_length,
+            # the model's blocks (the page's coverage bar; else it would take the largest span any record claims)
+            "num_blocks": int(self.source.config.num_hidden_layers),
             "ready": self.ready, "initial_peers": self.initial_peers, "http_url": self.http_url,
             "epoch": p.epoch if p is not None else 0, "placement_policy": self.cfg.placement,
             "dispatch_policy": self.cfg.dispatch, "c": p.plan.c if p is not None and p.plan is not None else None,
@@ -587,18 +589,23 @@ class Orchestrator(GenerationMixin, SessionMixin):
             s.m_arrival.set(self.planner.arrival_rate)
             s.m_job_tokens.set(self.planner.job_tokens.value)
             cur = self.planner.current
-            if cur is not None and math.isfinite(cur.lower):
+            if cur is not None and cur.chains and math.isfinite(cur.lower):
                 s.m_lower.set(cur.lower)
                 s.m_upper.set(cur.upper if math.isfinite(cur.upper) else float("nan"))
+            else:  # no chain: no prediction (the last plan's bounds would outlive it)
+                s.m_lower.set(float("nan"))
+                s.m_upper.set(float("nan"))
             s.m_server_cache.clear()  # only servers known now
             s.m_server_step.clear()
             for v in self.planner.servers.values():
-                name = v.record.public_name or v.peer_id
-                s.m_server_cache.labels(name, "total").set(v.record.cache_tokens_total)
-                s.m_server_cache.labels(name, "free").set(v.record.cache_tokens_free)
+                # by peer id: two servers of one name (an operator's two GPUs, or a stranger taking an honest
+                # server's name) would write one series
+                who = (v.peer_id, v.record.public_name)
+                s.m_server_cache.labels(*who, "total").set(v.record.cache_tokens_total)
+                s.m_server_cache.labels(*who, "free").set(v.record.cache_tokens_free)
                 for part, value in self.planner.hop_step_s(v).items():
                     if value is not None:
-                        s.m_server_step.labels(name, part).set(value)
+                        s.m_server_step.labels(*who, part).set(value)
             counts: dict[str, int] = {}
             for v in self.planner.servers.values():
                 st = "failed" if v.failed_at is not None else v.record.state

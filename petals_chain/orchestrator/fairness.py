@@ -120,7 +120,8 @@ class ClientShares:
             c = getattr(job, "client", "anonymous")
             queued[c] = queued.get(c, 0) + 1
         clients = {}
-        for c in sorted(set(self.policy.service) | set(self.waits)):
+        # a client whose requests all still wait (the one being starved) is listed too
+        for c in sorted(set(self.policy.service) | set(self.waits) | set(queued) | backlogged):
             started, total_wait, max_wait = self.waits.get(c, [0, 0.0, 0.0])
             clients[c] = {"service": self.policy.service.get(c, 0.0), "service_rate": rates.get(c, 0.0),
                           "requests": self.policy.admitted_requests.get(c, 0), "started": int(started),
