@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from urllib.parse import parse_qs
 
 from petals_chain.orchestrator.limits import client_of
+from petals_chain.swarm.jsonsafe import json_safe
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -80,7 +81,7 @@ async def _call(app: App, method: str, path: str, query: bytes = b"", body: byte
 
 
 async def _json(send: Send, status: int, obj: Any) -> None:
-    body = json.dumps(obj).encode()
+    body = json.dumps(json_safe(obj)).encode()  # no inf/nan (a server's record can make one): browsers reject them
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
