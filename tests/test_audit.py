@@ -226,3 +226,95 @@ def test_probes_look_like_jobs_and_reach_servers_announcing_no_free_slot():
     assert len(opened) == 12
     assert all(re.fullmatch(r"r-[0-9a-f]{12}\.\d+", kw["session_id"]) for kw in opened), opened[0]
     assert len({kw["max_length"] for kw in opened}) > 3 and all(kw["max_length"] > 8 for kw in opened)
+
+
+def test_a_later_hop_after_a_reused_prefix_is_audited_from_a_rebuilt_history():
+    """A later hop's step whose earlier inputs were never relayed (a prefix reused from the servers' caches) was
+    skipped (``skipped_no_history``): a liar serving the later hops of popular prompts was never audited. The history
+    is now rebuilt from the tokens through the blocks before the span on other servers, and the step is judged:
+    the liar is struck, an honest hop agrees."""
+    import asyncio
+    import types
+
+    from petals_chain.orchestrator.audit import Auditor
+
+    H = 8
+    opened = []
+
+    class Session:  # each block adds 1 to every number; the liar adds 0.5 more
+        def __init__(self, peer, start, end):
+            self.peer, self.add = peer, float(end - start) + (0.5 if peer == "liar" else 0.0)
+
+        async def step(self, x, position):
+            return x + self.add
+
+        async def close(self):
+            pass
+
+    class FakeClient:
+        async def open_session(self, peer, *, start_block, end_block, **kw):
+            opened.append((peer, start_block, end_block))
+            return Session(peer, start_block, end_block)
+
+    async def embed(tokens):
+        return torch.tensor(tokens, dtype=torch.float32).reshape(1, -1, 1).expand(1, len(tokens), H).clone()
+
+    def view(peer, start, end):
+        return types.SimpleNamespace(peer_id=peer, record=types.SimpleNamespace(
+            start_block=start, num_blocks=end - start, slots_free=2, public_name=peer, dtype="float32"))
+
+    views = [view("up1", 0, 2), view("up2", 0, 2), view("h1", 2, 4), view("h2", 2, 4), view("liar", 2, 4)]
+    planner = types.SimpleNamespace(online_views=lambda: views, servers={})
+    orch = types.SimpleNamespace(planner=planner, client=FakeClient(), vocab_size=100,
+                                 batcher=types.SimpleNamespace(embed=embed),
+                                 cfg=types.SimpleNamespace(step_timeout_s=5.0, max_length=512),
+                                 replacement_servers=lambda s, e: [v.peer_id for v in views
+                                                                   if v.record.start_block == s])
+    no_inputs = types.SimpleNamespace(get=lambda boundary, length: None)  # the prefix was never relayed
+    tokens = [3, 1, 4, 1, 5, 9, 2]
+    position = 6  # the step feeds token 6 after a reused prefix of 6
+
+    async def audit(peer, lie):
+        auditor = Auditor(orch, rate=1.0, seed=0)
+        x = (await embed(tokens))[:, position:] + 2.0  # the step's input at block 2
+        out = x + 2.0 + lie
+        auditor.schedule((peer, 2, 4), x, position, out, tokens, no_inputs)
+        await asyncio.gather(*auditor._tasks)
+        return auditor
+
+    liar = asyncio.run(audit("liar", 0.5))
+    assert liar.counts["rebuilt_history"] == 1 and liar.counts["skipped_no_history"] == 0
+    assert liar.counts["disagreed"] == 1 and liar.counts["strikes"] == 1 and liar.book.score("liar", 0) > 0
+    assert ("up1", 0, 2) in opened or ("up2", 0, 2) in opened  # the history came from the blocks before the span
+    honest = asyncio.run(audit("h1", 0.0))
+    assert honest.counts["agreed"] == 1 and honest.counts["strikes"] == 0
+
+
+@pytest.mark.slow
+def test_honest_later_hops_after_reused_prefixes_agree_with_rebuilt_histories(tiny_model_factory, tmp_path, scaled):
+    """Real servers, a prompt sent again (its prefix reused from the servers' caches): the later hop's steps are
+    audited from a history rebuilt on other servers, and honest servers agree with it (no strike)."""
+    model = tiny_model_factory("llama", num_layers=4)
+    half = memory_for(model, 128, 2, 4)
+    servers = [LocalServer(f"honest{i}", half, tau_p=0.002) for i in range(4)]
+    sw = LocalSwarm(model, servers, max_length=128, arrival_rate=1.0, log_dir=tmp_path,
+                    orchestrator_args=["--audit-rate", "1", "--replan-interval-s", "3600"])
+    sw.start(timeout=scaled(120))
+    try:
+        sw.wait_ready(timeout=scaled(150))
+        client = sw.client(timeout=scaled(120))
+        prompt = [(7 * i + 3) % 250 + 1 for i in range(48)]
+        first = client.complete(prompt, max_tokens=4, ignore_eos=True)
+        cached = []
+        for _ in range(3):
+            again = client.complete(prompt, max_tokens=4, ignore_eos=True)
+            assert again.token_ids == first.token_ids
+            cached.append(again.usage["prompt_tokens_details"]["cached_tokens"])
+        assert max(cached) >= 16, cached  # the prefix was reused: its later-hop inputs were never relayed
+        st = sw.wait_until(lambda v: v["audit"]["inflight"] == 0, scaled(30), "audits to finish")
+        audit = st["audit"]
+        print(audit)
+        assert audit["rebuilt_history"] >= 1 and audit["skipped_no_history"] == 0, audit
+        assert audit["strikes"] == 0 and audit["agreed"] >= audit["rebuilt_history"] > 0
+    finally:
+        sw.stop()

@@ -27,6 +27,7 @@ import struct
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,13 @@ MAX_INFLIGHT = 4  # audits running at once: a burst of samples never piles up wo
 # (counted), so auditing costs at most a prefill of this many tokens per sampled step
 MAX_AUDIT_TOKENS = 1024
 PROBE_TOKENS = (8, 64)  # a probe sequence's length, drawn in this range (a fixed length would mark probes)
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    """A later hop's history to rebuild from its tokens (:meth:`Auditor._upstream`)."""
+
+    tokens: list[int]
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -80,7 +88,7 @@ class Auditor:
         self.epoch = 0  # prefix-cache key epoch: bumped by every ban
         self._tasks: set[asyncio.Task] = set()
         self.counts = {"sampled": 0, "probes": 0, "audits": 0, "agreed": 0, "disagreed": 0, "inconclusive": 0, "strikes": 0,
-                       "bans": 0, "skipped_no_auditor": 0, "skipped_busy": 0, "skipped_no_history": 0,
+                       "bans": 0, "skipped_no_auditor": 0, "skipped_busy": 0, "skipped_no_history": 0, "rebuilt_history": 0,
                        "skipped_auditor_failed": 0, "skipped_long": 0}
         self.max_agreeing_error = 0.0  # the largest error between servers that agreed (tolerance calibration)
         self.errors: deque[float] = deque(maxlen=10_000)  # recent errors of every audit (for the benchmark)
@@ -145,8 +153,13 @@ class Auditor:
         else:
             history = inputs.get(start, position)
             if history is None:  # evicted, or a prefix reused from a cache was never relayed
-                self._outcome("skipped_no_history")
-                return
+                if len(tokens) < position:
+                    self._outcome("skipped_no_history")
+                    return
+                # rebuilt from the tokens through the blocks before the span on other servers (as a probe's input
+                # is): a liar serving later hops of popular prefixes was never audited
+                self.counts["rebuilt_history"] += 1
+                history = _Upstream(list(tokens[:position]))
         self._spawn(self._audit(peer, start, end, history, x, position, out))
 
     def _spawn(self, coro: Any) -> None:
@@ -193,18 +206,9 @@ class Auditor:
             self.counts["probes"] += 1
             vocab = int(self.orch.vocab_size)
             tokens = [self.rng.randrange(vocab) for _ in range(self.rng.randint(*PROBE_TOKENS))]
-            x = await self.orch.batcher.embed(tokens)
-            pos = 0
-            while pos < start:  # the blocks before the span, on other servers
-                hop = self._covering(pos, start, exclude=peer)
-                if hop is None:
-                    self._outcome("skipped_no_auditor")
-                    return
-                holder, hop_end = hop
-                x = await self._rerun(holder, pos, hop_end, None, x, 0)
-                if x is None:
-                    return
-                pos = hop_end
+            x = await self._upstream(tokens, start, exclude=peer)
+            if x is None:
+                return
             out = await self._rerun(peer, start, end, None, x, 0)
             if out is not None:
                 await self._judge(peer, start, end, None, x, 0, out)
@@ -212,6 +216,23 @@ class Auditor:
             raise
         except Exception:  # noqa: BLE001 - a probe must never break the orchestrator
             logger.warning("probe of %s blocks [%d, %d) failed", peer[:12], start, end, exc_info=True)
+
+    async def _upstream(self, tokens: list[int], start: int, exclude: str) -> torch.Tensor | None:
+        """The input of block ``start`` for ``tokens``: their embeddings run through blocks [0, start) on trusted
+        servers other than ``exclude`` (None, counted, if no such server can)."""
+        x = await self.orch.batcher.embed(tokens)
+        pos = 0
+        while pos < start:
+            hop = self._covering(pos, start, exclude=exclude)
+            if hop is None:
+                self._outcome("skipped_no_auditor")
+                return None
+            holder, hop_end = hop
+            x = await self._rerun(holder, pos, hop_end, None, x, 0)
+            if x is None:
+                return None
+            pos = hop_end
+        return x
 
     def _job_like_session_id(self) -> str:
         from petals_chain.orchestrator.failover import ChainHolder  # (failover imports this module)
@@ -256,6 +277,10 @@ class Auditor:
         try:
             if isinstance(history, list):
                 history = await self.orch.batcher.embed(history)
+            elif isinstance(history, _Upstream):
+                history = await self._upstream(history.tokens, start, exclude=peer)
+                if history is None:
+                    return
             await self._judge(peer, start, end, history, x, position, out)
         except asyncio.CancelledError:
             raise
