@@ -5,6 +5,7 @@ through httpx's mock transport; the end-to-end test kills a real orchestrator mi
 from __future__ import annotations
 
 import json
+import time
 import os
 import signal
 
@@ -33,8 +34,8 @@ class _Stream(httpx.SyncByteStream):
         yield from self.gen
 
 
-def _client(handlers: list) -> Client:
-    c = Client([f"http://orch{i}" for i in range(len(handlers))], model=MODEL)
+def _client(handlers: list, retry_s: float = 0.0) -> Client:
+    c = Client([f"http://orch{i}" for i in range(len(handlers))], model=MODEL, retry_s=retry_s)
     for i, h in enumerate(handlers):
         c._https[i] = httpx.Client(base_url=f"http://orch{i}", transport=httpx.MockTransport(h))
     return c
@@ -75,6 +76,58 @@ def test_one_shot_goes_to_the_next_orchestrator_and_stays_there():
     with pytest.raises(ClientError) as e:
         c.complete("x")
     assert e.value.status == 503 and e.value.message.count("ConnectError") == 2
+
+
+def test_rounds_go_on_until_an_orchestrator_serves_or_the_retry_time_is_out():
+    """With several orchestrators, a request none of them can serve now goes round them again (the survivor of a
+    lost orchestrator serves once it adopted that group, ~10 s): one round each, then none (a forwarded stream
+    cut off by the lost orchestrator failed at once, the survivor's retry going to the dead one)."""
+    calls = []
+
+    def dead(req):
+        calls.append("dead")
+        raise httpx.ConnectError("refused")
+
+    def later(req):  # cannot serve the first two times, then can
+        calls.append("later")
+        if calls.count("later") <= 2:
+            return httpx.Response(503, json={"error": {"message": "no chain yet", "code": "swarm_unavailable"}})
+        return _completion("served")
+
+    t0 = time.monotonic()
+    assert _client([later, dead], retry_s=10).complete("x").text == "served"
+    assert calls == ["later", "dead", "later", "dead", "later"] and time.monotonic() - t0 < 5
+    # the last answer, when nobody served in time, is that orchestrator's own error
+    calls.clear()
+    c = _client([dead, lambda r: httpx.Response(503, json={"error": {"message": "no chain", "code": "x"}})],
+                retry_s=1)
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    assert e.value.status == 503 and e.value.message == "no chain" and calls.count("dead") >= 2
+    with pytest.raises(ValueError):
+        Client("http://x", retry_s=-1)
+
+
+def test_opening_a_session_is_sent_again_only_if_it_never_arrived():
+    """Opening a session creates one: after a connection that may have carried the request (a read error), it is
+    not sent to another orchestrator (an orphaned session would hold a place of the key's max_sessions)."""
+    opened = []
+
+    def cut_after_sending(req):
+        opened.append(0)
+        raise httpx.ReadError("connection reset")
+
+    def refused(req):
+        raise httpx.ConnectError("refused")
+
+    def opens(req):
+        opened.append(1)
+        return httpx.Response(200, json={"session_id": "s1", "max_length": 64})
+
+    with pytest.raises(ClientError):
+        _client([cut_after_sending, opens]).session()
+    assert opened == [0]
+    assert _client([refused, opens]).session().id == "s1" and opened == [0, 1]
 
 
 def _error_event(status: int, code: str):

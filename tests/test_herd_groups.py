@@ -394,3 +394,138 @@ def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_mode
         if b is not None:
             b.stop()
         a.stop()
+
+
+def test_a_leader_back_from_a_silence_rebalances_the_split():
+    """A leader silent past the entries' time to live loses its servers to the other orchestrator; back, it adopted
+    that split and its own split cache (same orchestrators, servers and demand) answered with it ever after: its
+    group stayed empty for good. It solves afresh and the split is even again."""
+    import asyncio
+
+    from test_failover_units import MODEL, record
+
+    from petals_chain.model import ServerSpec
+    from petals_chain.orchestrator.groups import GroupCoordinator
+    from petals_chain.orchestrator.planner import ServerView
+
+    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
+    entries: dict = {}
+    now = [0.0]
+
+    class Planner:
+        plan, arrival_rate, group = None, 1.0, None
+
+        def _model_spec(self):
+            return MODEL
+
+        def all_views(self):
+            return [ServerView(peer_id=p, record=r) for p, r in seen.items()]
+
+        def specs(self, views):
+            return [ServerSpec(v.peer_id, float(v.record.memory_bytes), 0.01, 0.01) for v in views]
+
+    def coordinator(me, peer):
+        return GroupCoordinator(dht=_GroupsDHT(seen, me, entries), prefix="x", peers=[peer], planner=Planner(),
+                                http_url=lambda: "u", clock=lambda: now[0], ilp_time_s=0.5, ttl_s=3.0)
+
+    async def rounds(n, *coordinators):
+        for _ in range(n):
+            now[0] += 1.0
+            for c in coordinators:
+                await c.step()
+
+    async def main():
+        a, b = coordinator("A", "B"), coordinator("B", "A")
+        await rounds(3, a, b)
+        assert len(a.members()) == len(b.members()) == 2
+        entries.pop("A")  # A is silent for longer than the time to live: B takes every server
+        await rounds(5, b)
+        assert len(b.members()) == 4
+        await rounds(6, a, b)
+        assert a.leader == "A" and len(a.members()) == len(b.members()) == 2, (a.members(), b.members())
+
+    asyncio.run(main())
+
+
+def test_forwarding_passes_replies_whole_takes_sessions_along_and_gives_up_on_a_silent_orchestrator(
+        tiny_model_factory):
+    """The API of an orchestrator whose group has no chain, forwarding to another one (a fake on loopback): its
+    replies come back with their headers (Retry-After, SSE's no-cache); a session opened through the forward lives
+    there and its later calls here go there (it was opened here, where no chain would ever serve it); a request
+    is forwarded even when this queue is full; and a forward to an orchestrator that stopped refreshing its group
+    record (hung, its host gone with the connection open) is served here instead of waiting for ever."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    import httpx
+    from dashboard_helpers import serve_app
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+
+    calls: list = []
+    hang = threading.Event()
+
+    async def complete(request):
+        calls.append(("complete", request.headers.get("x-petals-chain-forwarded-by")))
+        if hang.is_set():
+            await asyncio.sleep(3600)
+        return JSONResponse({"error": {"message": "slow down"}}, status_code=429, headers={"Retry-After": "77"})
+
+    async def open_session(request):
+        calls.append(("open",))
+        return JSONResponse({"session_id": "far-1", "max_length": 64, "model": "m"})
+
+    async def session(request):
+        sid = request.path_params["sid"]
+        calls.append((request.method, sid))
+        return JSONResponse({"session_id": sid, "closed": request.method == "DELETE"})
+
+    other = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"]),
+                              Route("/api/v1/sessions", open_session, methods=["POST"]),
+                              Route("/api/v1/sessions/{sid}", session, methods=["GET", "DELETE"])])
+
+    model = tiny_model_factory("llama", num_layers=4)
+    with serve_app(other) as other_url:
+        live = [True]
+
+        async def main():
+            cfg = OrchestratorConfig(model=str(model), max_length=64, port=0, no_chain_wait_s=1.0, max_queue=0)
+            orch = Orchestrator(cfg)
+            orch.load_model()
+            await orch.start()
+            orch.groups = SimpleNamespace(me="me", forwarded=0, session_owners=__import__(
+                "petals_chain.orchestrator.forward", fromlist=["SessionOwners"]).SessionOwners(),
+                json=lambda: {"orchestrators": [
+                    {"peer_id": "me", "http_url": "http://me", "arrival_rate": 0.0, "servers": 0, "live": True},
+                    {"peer_id": "o", "http_url": other_url, "arrival_rate": 0.0, "servers": 2, "live": live[0]}]})
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(orch)),
+                                             base_url="http://orch", timeout=60) as c:
+                    body = {"model": orch.model_id, "prompt": [1, 2, 3], "max_tokens": 2}
+                    # the queue is "full" (max_queue 0): forwarded all the same, the other's reply whole
+                    r = await c.post("/v1/completions", json=body)
+                    assert r.status_code == 429 and r.headers["retry-after"] == "77", (r.status_code, r.headers)
+                    assert r.headers["x-petals-chain-served-by"] == other_url and calls[-1] == ("complete", "me")
+                    s = (await c.post("/api/v1/sessions", json={})).json()
+                    assert s["session_id"] == "far-1" and calls[-1] == ("open",)
+                    assert (await c.get("/api/v1/sessions/far-1")).json()["session_id"] == "far-1"
+                    assert (await c.delete("/api/v1/sessions/far-1")).json()["closed"] is True
+                    assert calls[-2:] == [("GET", "far-1"), ("DELETE", "far-1")]
+                    assert "far-1" not in orch.groups.session_owners
+                    # the other orchestrator hangs, then its group record expires: answered here (the queue is full)
+                    hang.set()
+                    asyncio.get_running_loop().call_later(1.5, lambda: live.__setitem__(0, False))
+                    t0 = asyncio.get_running_loop().time()
+                    r = await c.post("/v1/completions", json=body)
+                    took = asyncio.get_running_loop().time() - t0
+                    assert r.status_code == 429 and "x-petals-chain-served-by" not in r.headers and took < 15, (
+                        r.status_code, took, r.text)
+            finally:
+                await orch.stop()
+
+        asyncio.run(main())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
@@ -116,6 +117,10 @@ def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
 # An orchestrator that answers these could not serve the request (it has no chain, is shutting down, or a proxy in
 # front of it lost it): another orchestrator may.
 _TRY_ANOTHER = {502, 503, 504}
+# With several orchestrators: how long to keep going round them (s) when none can serve, and the pause between rounds
+# (s, doubling): a lost orchestrator's group is taken over within --group-ttl-s plus a round (about 10 s by default)
+DEFAULT_RETRY_S = 30.0
+RETRY_PAUSE_S = (0.5, 4.0)
 
 
 def _unavailable(failures: list[str]) -> ClientError:
@@ -125,16 +130,20 @@ def _unavailable(failures: list[str]) -> ClientError:
 class Client:
     """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``), or of the first of several that
     serve the same model (``url`` a list): a one-shot request that one of them cannot take (unreachable, cut off
-    mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered. A
-    stream cut off mid-way is resumed there when its output is reproducible (greedy, or seeded): the text
-    already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with the orchestrator
-    that opened them."""
+    mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered; when
+    none can, it goes round them again for up to ``retry_s`` seconds (the time a survivor takes to adopt a lost
+    orchestrator's group). A stream cut off mid-way is resumed there when its output is reproducible (greedy, or
+    seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with
+    the orchestrator that opened them, and opening one is sent again only if it never reached the first."""
 
     def __init__(self, url: str | Sequence[str], *, timeout: float = 600.0, model: Optional[str] = None,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, retry_s: float = DEFAULT_RETRY_S):
         urls = [url] if isinstance(url, str) else list(url)
         if not urls or not all(isinstance(u, str) and u for u in urls):
             raise ValueError("url must be an orchestrator URL or a non-empty list of them")
+        if not retry_s >= 0:
+            raise ValueError(f"retry_s must be >= 0, got {retry_s!r}")
+        self.retry_s = float(retry_s)
         self.urls = [u.rstrip("/") for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._https = [httpx.Client(base_url=u, timeout=timeout, headers=headers) for u in self.urls]
@@ -150,25 +159,43 @@ class Client:
     def _http(self) -> httpx.Client:
         return self._https[self._current]
 
-    def _order(self) -> list[int]:
+    def _tries(self) -> Iterator[int]:
+        """The orchestrators to try in turn: the current one, then the others; with several, more rounds after a
+        pause until ``retry_s`` has passed (the survivor takes a lost orchestrator's group over in that time,
+        and one that forwarded to the lost one answers again once it serves the request itself)."""
         n = len(self._https)
-        return [(self._current + i) % n for i in range(n)]
+        t0, pause = time.monotonic(), RETRY_PAUSE_S[0]
+        while True:
+            for i in range(n):
+                yield (self._current + i) % n
+            if n == 1 or time.monotonic() - t0 + pause > self.retry_s:
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, RETRY_PAUSE_S[1])
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """``method path`` on the current orchestrator, else on the next ones (see the class docstring)."""
-        failures = []
-        order = self._order()
-        for k, i in enumerate(order):
+    def _request(self, method: str, path: str, *, resend: bool = True, **kwargs: Any) -> httpx.Response:
+        """``method path`` on the current orchestrator, else on the next ones (see the class docstring).
+        ``resend=False`` (a request that creates something): tried elsewhere only if it was never sent."""
+        failures: list[str] = []
+        last: Optional[tuple[int, httpx.Response]] = None
+        for i in self._tries():
             try:
                 r = self._https[i].request(method, path, **kwargs)
             except httpx.TransportError as e:
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
+                last = None
+                if not resend and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    break  # it may have been done there: done twice would leave one behind
                 continue
-            if r.status_code in _TRY_ANOTHER and k + 1 < len(order):
+            if r.status_code in _TRY_ANOTHER:
                 failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
+                last = (i, r)
                 continue
             self._current = i
             return r
+        if last is not None:  # the last answer was "cannot serve": its own error says why
+            self._current = last[0]
+            return last[1]
         raise _unavailable(failures)
 
     # ---- info ----
@@ -219,19 +246,22 @@ class Client:
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         reproducible = temperature == 0 or seed is not None
         sent = ""  # text yielded so far (a resumed stream skips it)
-        failures = []
-        order = self._order()
-        for k, i in enumerate(order):
+        failures: list[str] = []
+        last_error: Optional[ClientError] = None
+        for i in self._tries():
             skip = len(sent)
             try:
                 with self._https[i].stream("POST", "/v1/completions", json=body) as r:
-                    if r.status_code in _TRY_ANOTHER and k + 1 < len(order):
-                        r.read()
-                        failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
-                        continue
                     if r.status_code >= 400:
                         r.read()
-                        _raise_for(r)
+                        try:
+                            _raise_for(r)
+                        except ClientError as e:
+                            if r.status_code not in _TRY_ANOTHER:
+                                raise
+                            failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
+                            last_error = e
+                            continue
                     self._current = i
                     try:
                         for obj in _iter_sse(r):
@@ -244,16 +274,20 @@ class Client:
                                     sent += text
                                     yield text
                     except ClientError as e:  # an error event: "no chain here" is another orchestrator's to try
-                        if e.status != 503 or k + 1 == len(order) or (sent and not reproducible):
+                        if e.status != 503 or (sent and not reproducible):
                             raise
                         failures.append(f"{self.urls[i]}: {e}")
+                        last_error = e
                         continue
                     return
             except httpx.TransportError as e:
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
+                last_error = None
                 if sent and not reproducible:
                     raise ClientError(503, "the stream was cut off and cannot be resumed elsewhere: it samples "
                                       f"without a seed ({failures[-1]})", "unavailable") from e
+        if last_error is not None:
+            raise last_error
         raise _unavailable(failures)
 
     def chat_completion(self, messages: list[dict], *, max_tokens: Optional[int] = None, temperature: float = 0.0,
@@ -303,7 +337,7 @@ class ClientSession:
         body: dict[str, Any] = {} if max_length is None else {"max_length": max_length}
         if client._model is not None:  # on an orchestrator of several models, the one asked for (not the first)
             body["model"] = client._model
-        r = client._request("POST", "/api/v1/sessions", json=body)
+        r = client._request("POST", "/api/v1/sessions", json=body, resend=False)
         _raise_for(r)
         self._http = client._http  # the session lives on this orchestrator
         data = r.json()

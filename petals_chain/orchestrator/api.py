@@ -28,7 +28,7 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
 from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
-from petals_chain.orchestrator.forward import maybe_forward
+from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
 from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, TokenChoice
 from petals_chain.orchestrator.tokentext import TextOffsets
 from petals_chain.swarm.aio import gather_or_cancel
@@ -453,24 +453,6 @@ def create_app(orch: Orchestrator) -> FastAPI:
             out["deadline"] = dl.report()
         return out
 
-    async def unless_disconnected(request: Request, coro):
-        """Await ``coro``; if the client goes away first, cancel it (its chain and server slots are freed)."""
-        task = asyncio.ensure_future(coro)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=1.0)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    logger.info("%s %s: the client disconnected; its generation is cancelled", request.method,
-                                request.url.path)
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    raise RequestError("the client disconnected", status=499, code="client_disconnected")
-        finally:
-            if not task.done():
-                task.cancel()
-
     def stream_response(gen_fn, n: int, chunk: Any, include_usage: bool, prompt_tokens: int,
                         undelivered: Callable[[], None] | None = None) -> StreamingResponse:
         """SSE over ``gen_fn(emits) -> list[Generation]`` (``emits[i](text, choices)`` per choice); ``chunk(index,
@@ -671,7 +653,9 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     # ---- multi-turn sessions -------------------------------------------------------------------
     @app.post("/api/v1/sessions")
-    async def open_session(req: Optional[SessionOpenRequest] = None):
+    async def open_session(request: Request, req: Optional[SessionOpenRequest] = None):
+        if (forwarded := await maybe_forward(orch, request)) is not None:  # no chain here: opened where there is
+            return forwarded
         if req is not None and req.model is not None:
             check_model(req.model)
         s = orch.open_session(req.max_length if req is not None else None)
@@ -683,16 +667,22 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 "messages": len(s.messages) if s.messages is not None else None, "busy": s.lock.locked()}
 
     @app.get("/api/v1/sessions/{session_id}")
-    async def get_session(session_id: str):
+    async def get_session(session_id: str, request: Request):
+        if (forwarded := await forward_session_call(orch, request, session_id)) is not None:
+            return forwarded
         return session_info(orch.get_session(session_id))
 
     @app.delete("/api/v1/sessions/{session_id}")
-    async def close_session(session_id: str):
+    async def close_session(session_id: str, request: Request):
+        if (forwarded := await forward_session_call(orch, request, session_id)) is not None:
+            return forwarded
         await orch.close_session(session_id)
         return {"session_id": session_id, "closed": True}
 
     @app.post("/api/v1/sessions/{session_id}/generate")
     async def session_generate(session_id: str, req: SessionGenerateRequest, request: Request):
+        if (forwarded := await forward_session_call(orch, request, session_id)) is not None:
+            return forwarded
         s = orch.get_session(session_id)
         if req.n != 1:
             raise RequestError("sessions generate one sequence at a time (n=1)", param="n")

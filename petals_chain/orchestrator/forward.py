@@ -2,26 +2,76 @@
 take now (no chain, or the queue at ``--max-queue``) goes to another orchestrator's group instead of failing.
 
 A forwarded request carries :data:`FORWARDED_HEADER` and is never forwarded again (no loops); its reply, streamed
-or not, is passed back as the other orchestrator sent it, with :data:`SERVED_BY_HEADER` naming it. If the other
-orchestrator cannot be reached, this one handles the request itself (and answers 503 or 429 as it would have).
+or not, is passed back as the other orchestrator sent it (status, body and headers), with :data:`SERVED_BY_HEADER`
+naming it. If the other orchestrator cannot be reached, or gives no answer within the time its own queue may take,
+this one handles the request itself (and answers 503 or 429 as it would have). A session opened through a forward
+lives on the other orchestrator: its later calls here are forwarded there (:attr:`SessionOwners`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
-from typing import Any, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Optional
 
 import httpx
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from petals_chain.orchestrator.dispatch import note_admission
+from petals_chain.orchestrator.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
 FORWARDED_HEADER = "x-petals-chain-forwarded-by"  # value: the peer id of the orchestrator that forwarded it
 SERVED_BY_HEADER = "x-petals-chain-served-by"  # value: the URL of the orchestrator that served it
 _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-api-key")
+# the other orchestrator's reply headers not passed back: hop-by-hop ones, and those the relay sets itself
+_REPLY_HEADERS_DROPPED = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
+                          "date", "server", "upgrade", "trailer", "te", "proxy-authenticate", "proxy-authorization"}
+HEAD_MARGIN_S = 10.0  # beyond the other orchestrator's own queue timeout, a reply's head that has not come is lost
+MAX_SESSION_OWNERS = 10_000
+
+
+class SessionOwners(OrderedDict):
+    """Session id -> URL of the orchestrator it was opened on through a forward (bounded, oldest out first)."""
+
+    def remember(self, session_id: str, url: str) -> None:
+        self[session_id] = url
+        self.move_to_end(session_id)
+        while len(self) > MAX_SESSION_OWNERS:
+            self.popitem(last=False)
+
+
+class _Lost(Exception):
+    """The other orchestrator stopped answering while a forwarded request waited for its reply."""
+
+
+async def unless_disconnected(request: Request, coro, give_up: Optional[Callable[[], Optional[str]]] = None):
+    """Await ``coro``; if the client goes away first, cancel it (its chain and server slots are freed, or the
+    connection to the orchestrator it was forwarded to is closed, which frees them there). ``give_up()``, asked
+    every second, names a reason to stop waiting (:class:`_Lost`), or None."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if give_up is not None and (reason := give_up()) is not None:
+                raise _Lost(reason)
+            if await request.is_disconnected():
+                logger.info("%s %s: the client disconnected; its generation is cancelled", request.method,
+                            request.url.path)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise RequestError("the client disconnected", status=499, code="client_disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def forward_target(orch: Any) -> Optional[str]:
@@ -43,36 +93,94 @@ def forward_target(orch: Any) -> Optional[str]:
     return best["http_url"]
 
 
-async def maybe_forward(orch: Any, request: Request) -> Optional[StreamingResponse]:
-    """The other orchestrator's reply to this request when :func:`forward_target` names one and it answers;
-    None: handle the request here."""
+def forwardable(orch: Any, headers: Any) -> bool:
+    """Whether a request with these headers would be forwarded now (the limits' early refusals let it through)."""
+    return FORWARDED_HEADER not in headers and forward_target(orch) is not None
+
+
+async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) -> Optional[Response]:
+    """The other orchestrator's reply to this request when :func:`forward_target` (or ``url``: a session's owner)
+    names one and it answers; None: handle the request here."""
     if FORWARDED_HEADER in request.headers:
         return None
-    url = forward_target(orch)
+    url = url or forward_target(orch)
     if url is None:
         return None
     headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
     headers[FORWARDED_HEADER] = orch.groups.me
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
     try:
-        upstream = await client.send(client.build_request("POST", url.rstrip("/") + request.url.path,
-                                                          content=await request.body(), headers=headers), stream=True)
-    except httpx.TransportError as e:
+        upstream = await _reply_head(orch, request, client, client.build_request(
+            request.method, url.rstrip("/") + request.url.path, content=await request.body(), headers=headers), url)
+    except (httpx.TransportError, _Lost) as e:
         await client.aclose()
         logger.warning("could not forward %s to %s (%s): serving it here", request.url.path, url, e)
         return None
+    except BaseException:
+        await client.aclose()
+        raise
     orch.groups.forwarded += 1
     # the other orchestrator decides admission: pass its reply through as it comes (the API holds a streamed reply
     # until our dispatcher decides, which for a forwarded request it never does: the whole stream was held)
     note_admission(True)
+    reply_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _REPLY_HEADERS_DROPPED}
+    reply_headers[SERVED_BY_HEADER] = url
+
+    async def close() -> None:  # also when the client left before the relay started (its finally never runs)
+        await upstream.aclose()
+        await client.aclose()
+
+    if request.method == "POST" and request.url.path.rstrip("/") == "/api/v1/sessions":
+        try:  # a session opened there: its later calls here go there too
+            body = await upstream.aread()
+        finally:
+            await close()
+        owners = orch.groups.session_owners
+        try:
+            sid = json.loads(body).get("session_id") if upstream.status_code == 200 else None
+        except (ValueError, AttributeError):
+            sid = None
+        if isinstance(sid, str):
+            owners.remember(sid, url)
+        return Response(body, status_code=upstream.status_code, headers=reply_headers)
 
     async def relay():
-        try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        finally:
-            await upstream.aclose()
-            await client.aclose()
+        async for chunk in upstream.aiter_raw():
+            yield chunk
 
-    return StreamingResponse(relay(), status_code=upstream.status_code,
-                             media_type=upstream.headers.get("content-type"), headers={SERVED_BY_HEADER: url})
+    return StreamingResponse(relay(), status_code=upstream.status_code, headers=reply_headers,
+                             background=BackgroundTask(close))
+
+
+def _live(orch: Any, url: str) -> bool:
+    """Whether the orchestrator at ``url`` still refreshes its group record (one stopped or cut off does not)."""
+    return any(o["http_url"] == url and o["live"] for o in orch.groups.json()["orchestrators"])
+
+
+async def _reply_head(orch: Any, request: Request, client: httpx.AsyncClient, req: httpx.Request,
+                      url: str) -> httpx.Response:
+    """Send ``req`` and wait for its reply's head. The other orchestrator holds the head until its dispatcher
+    decides (up to its queue timeout), so a slow head is no failure; one from an orchestrator that no longer
+    refreshes its group record (stopped, its host gone with the connection open) is: :class:`_Lost`."""
+    loop = asyncio.get_running_loop()
+    head_s, t0 = float(getattr(orch.cfg, "queue_timeout_s", 600.0)) + HEAD_MARGIN_S, loop.time()
+
+    def give_up() -> Optional[str]:
+        if not _live(orch, url):
+            return "it no longer refreshes its group record"
+        return f"no reply within {head_s:.0f} s" if loop.time() - t0 > head_s else None
+
+    return await unless_disconnected(request, client.send(req, stream=True), give_up)
+
+
+async def forward_session_call(orch: Any, request: Request, session_id: str) -> Optional[Response]:
+    """A call on a session this orchestrator does not hold but opened elsewhere through a forward: that
+    orchestrator's reply (None: not such a session, or its orchestrator cannot be reached)."""
+    groups = orch.groups
+    url = groups.session_owners.get(session_id) if groups is not None else None
+    if url is None or session_id in getattr(orch, "sessions", {}):
+        return None
+    reply = await maybe_forward(orch, request, url)
+    if reply is not None and request.method == "DELETE":
+        groups.session_owners.pop(session_id, None)
+    return reply

@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.herd import GroupServer, assign_server_groups, solve_server_groups, split_score
+from petals_chain.orchestrator.forward import SessionOwners
 from petals_chain.swarm.periodic import run_every
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class GroupCoordinator:
         self.split: dict[str, str] = {}  # server -> orchestrator, the newest split seen
         self.epoch = 0  # of that split
         self.forwarded = 0  # requests sent on to another orchestrator (forward.py)
+        self.session_owners = SessionOwners()  # sessions opened elsewhere through a forward: their orchestrator
         self._published_at = -float("inf")
         self._published: tuple | None = None
 
@@ -142,6 +144,7 @@ class GroupCoordinator:
             self.urls[o], self.rates[o] = rec.http_url, rec.arrival_rate
             if rec.groups and rec.epoch > self.epoch:  # a leader's split (a new leader continues above it)
                 self.epoch, self.split = rec.epoch, rec.group_of()
+                self._split_key = None  # the split cached is not this one: a leader again, solve afresh
         live = self.live()
         leader = live[0]
         if leader != self.leader:

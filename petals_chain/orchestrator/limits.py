@@ -25,11 +25,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError
+from petals_chain.orchestrator.forward import forwardable
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -259,7 +261,8 @@ class AdmissionLimits:
                                       retry=self.orch.stats.seconds_until_below(client, per_minute))
         # Cheap early refusal (before the body is read); the exact bound is the dispatcher's (QueueFull).
         queue = int(getattr(self.orch.dispatch, "queue_length", 0))
-        if self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue:
+        full = self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue
+        if full and not forwardable(self.orch, Headers(scope=scope)):  # another orchestrator's group may take it
             return await self._reject(send, 429, "queue_full",
                                       f"the swarm is at capacity and its queue is full ({self.limits.max_queue} "
                                       "waiting); retry later")
