@@ -342,7 +342,8 @@ def test_two_orchestrators_split_the_swarm_and_one_takes_over_when_the_other_die
 
 def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_model_factory, tmp_path, scaled):
     """One server, two orchestrators: one group is empty, and what its orchestrator receives is served by the
-    other's group (one-shot and streamed, chat too), token-identical; a forwarded request is not forwarded back."""
+    other's group (one-shot and streamed, chat and sessions too), token-identical; a forwarded request is not
+    forwarded back; and a forwarded stream whose serving orchestrator is killed is finished by the survivor."""
     import httpx
 
     from petals_chain.client import Client
@@ -352,8 +353,8 @@ def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_mode
     model = tiny_model_factory("llama", 4)
     id_a, id_b = tmp_path / "a.id", tmp_path / "b.id"
     pa, pb = _identity(id_a), _identity(id_b)
-    a = LocalSwarm(model, [LocalServer("s0", memory_for(model, 160, 4, 4), tau_p=0.01)], max_length=160,
-                   log_dir=tmp_path / "a", server_args=["--trust-orchestrator", pa, pb],
+    a = LocalSwarm(model, [LocalServer("s0", memory_for(model, 160, 4, 4), tau_p=0.01, emulate_rtt_ms=20)],
+                   max_length=160, log_dir=tmp_path / "a", server_args=["--trust-orchestrator", pa, pb],
                    orchestrator_args=["--identity-path", str(id_a), "--group-with", pb])
     b = None
     try:
@@ -390,6 +391,19 @@ def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_mode
                            json={"model": name, "prompt": prompt, "max_tokens": 2, "ignore_eos": True,
                                  "deadline_ms": 500})
         assert SERVED_BY_HEADER not in again.headers and again.status_code != 200
+        # a session opened through the empty orchestrator lives on the other, its turns too (it never ran)
+        with Client(empty.url, timeout=120).session() as sess:
+            assert sess.complete(input_ids=prompt, max_tokens=12, ignore_eos=True).token_ids == want.token_ids
+        # the orchestrator the stream was forwarded to dies mid-stream: the client (given both URLs, the survivor
+        # first) goes round them until the survivor, having taken the group over, serves it; the text is whole
+        long = Client(full.url).complete(prompt, max_tokens=80, ignore_eos=True)
+        client = Client([empty.url, full.url], timeout=120)
+        stream = client.stream(prompt, max_tokens=80, ignore_eos=True)
+        pieces = [next(stream)]
+        os.killpg(full.orchestrator.popen.pid, signal.SIGKILL)
+        pieces.extend(stream)
+        assert "".join(pieces) == long.text and client.url == empty.url
+        assert empty.swarm()["measured"]["completed"] >= 1  # the survivor served the rest itself
     finally:
         if b is not None:
             b.stop()
