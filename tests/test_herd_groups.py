@@ -543,3 +543,18 @@ def test_forwarding_passes_replies_whole_takes_sessions_along_and_gives_up_on_a_
                 await orch.stop()
 
         asyncio.run(main())
+
+
+def test_one_copy_for_two_orchestrators_stays_where_it_is():
+    """With fewer complete copies than orchestrators, the groups without one forward their requests to those with
+    one: a copy serves every orchestrator's demand wherever it is. Scored on its own group's demand alone, the one
+    copy went to the orchestrator receiving least and moved each time the two demands crossed (its chains dropped,
+    requests forwarded back and forth)."""
+    from petals_chain.algorithms.herd import covered_demand
+
+    one = [GroupServer("s0", 4, 10.0)]
+    for holder in ("A", "B"):
+        for demand in ({"A": 0.469, "B": 0.398}, {"A": 0.398, "B": 0.469}, {"A": 2.0, "B": 0.1}):
+            assert solve_server_groups(one, demand, 4, previous={"s0": holder}) == {"s0": holder}
+            assert split_score(one, demand, 4, {"s0": "A"}) == split_score(one, demand, 4, {"s0": "B"})
+    assert covered_demand({"A": 1.0, "B": 2.0, "C": 3.0}, ["A", "B"]) == {"A": 2.5, "B": 3.5}

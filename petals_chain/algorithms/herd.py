@@ -413,13 +413,26 @@ def assign_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, fl
 def split_score(servers: Sequence[GroupServer], demand: Mapping[str, float], num_blocks: int,
                  split: Mapping[str, str]) -> tuple[int, float]:
     """``(groups holding a complete copy, the lowest burst tolerance among them)`` of a split (demands floored as
-    :func:`assign_server_groups` floors them)."""
+    :func:`assign_server_groups` floors them; a group without a copy forwards its demand, shared evenly by the
+    groups with one: :func:`covered_demand`)."""
     demand = _demand_with_floor(demand)
     by: dict[str, list[GroupServer]] = {o: [] for o in demand}
     for s in servers:
         by[split[s.peer_id]].append(s)
     covered = [o for o in demand if sum(s.blocks for s in by[o]) >= num_blocks]
-    return len(covered), min((group_burst_tolerance(by[o], demand[o], num_blocks) for o in covered), default=0.0)
+    need = covered_demand(demand, covered)
+    return len(covered), min((group_burst_tolerance(by[o], need[o], num_blocks) for o in covered), default=0.0)
+
+
+def covered_demand(demand: Mapping[str, float], covered: Sequence[str]) -> dict[str, float]:
+    """The jobs/s each group of ``covered`` (those holding a complete copy) serves: its own, and an even share of
+    the groups' without a copy, whose orchestrators forward their requests. (Scored on its own demand alone, the
+    one copy of a swarm went to the orchestrator that received least, and moved back and forth as the two
+    demands crossed.)"""
+    if not covered:
+        return {}
+    rest = sum(v for o, v in demand.items() if o not in covered)
+    return {o: demand[o] + rest / len(covered) for o in covered}
 
 
 def _demand_with_floor(demand: Mapping[str, float]) -> dict[str, float]:
@@ -437,7 +450,8 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
     """The split of :func:`assign_server_groups` as HERD's ILP (scipy ``milp``): ``x_sj`` (server ``s`` in group
     ``j``) and ``t`` (the lowest burst tolerance over the groups holding a complete copy). First as many covered
     groups as the servers allow (with ``u_j``: ``sum_s blocks_s x_sj >= L u_j``), then the highest ``t`` for each
-    set of that many groups (a set's groups must hold a copy, the others are free: no big-M), then, with a
+    set of that many groups (a set's groups must hold a copy and serve the others' demand too,
+    :func:`covered_demand`; the others are free: no big-M), then, with a
     ``previous`` split, the fewest moves among the sets that keep ``t`` within ``margin`` of the best. Only when
     there are more than ``_MAX_COVER_SETS`` such sets does ``t`` use the big-M link ``t <= bt_j + M (1 - u_j)``.
     None if the solver fails (the caller falls back to the greedy split)."""
@@ -466,9 +480,11 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
         rows: list[tuple[dict[int, float], float, float]] = []
         for i in range(S):
             rows.append(({X(i, j): 1.0 for j in range(J)}, 1.0, 1.0))
+        # a fixed cover serves the uncovered groups' demand too; the u_j model (cover unknown) scores own demand
+        served = need if cover is WITH_U else {**need, **covered_demand(need, [groups[j] for j in cover])}
         for j, o in enumerate(groups):
             hold = {X(i, j): float(s.blocks) for i, s in enumerate(servers)}
-            coef = {X(i, j): -s.throughput / max(1, num_blocks) / need[o] / scale for i, s in enumerate(servers)}
+            coef = {X(i, j): -s.throughput / max(1, num_blocks) / served[o] / scale for i, s in enumerate(servers)}
             if cover is WITH_U:  # sum blocks x >= L u;  t <= bt_j / scale + big (1 - u_j)
                 rows.append(({**hold, U(j): -float(num_blocks)}, 0.0, np.inf))
                 rows.append(({T: 1.0, **coef, U(j): big}, -np.inf, big))
