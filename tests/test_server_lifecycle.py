@@ -139,3 +139,24 @@ def test_a_model_switch_whose_unload_failed_is_tried_again():
 
     s = asyncio.run(main())
     assert s.active is b and len(unloads) == 2 and s.state == "joining"
+
+
+def test_a_server_left_without_blocks_says_why_after_a_while(caplog):
+    """A server that no orchestrator assigns (none serves its model under its DHT prefix, or the plan leaves it out)
+    stayed joining in silence; after two minutes without blocks it says which, then every ten minutes."""
+    from petals_chain.server.server import UNASSIGNED_REPEAT_S, UNASSIGNED_WARN_S
+
+    s = _server(lambda *a, **kw: _Runner())
+    s._unassigned_since, s._unassigned_said = None, float("-inf")
+    s.active.prefix = "smollm2-135m"
+    with caplog.at_level(logging.WARNING, logger="petals_chain.server.server"):
+        assert s.say_if_unassigned(None, 0.0) is None
+        assert s.say_if_unassigned(None, UNASSIGNED_WARN_S - 1) is None
+        said = s.say_if_unassigned(None, UNASSIGNED_WARN_S + 1)
+        assert "no trusted orchestrator publishes assignments" in said and "'smollm2-135m'" in said
+        assert s.say_if_unassigned(None, UNASSIGNED_WARN_S + 60) is None  # not at every poll
+        left_out = s.say_if_unassigned(_Assignment(3, (0, 4), 1.0), UNASSIGNED_WARN_S + UNASSIGNED_REPEAT_S + 2)
+        assert "plan (epoch 3) leaves this server out" in left_out
+        assert len([r for r in caplog.records if "no blocks assigned" in r.getMessage()]) == 2
+        s.span = (0, 4)  # assigned: quiet, and the clock starts again when it has none
+        assert s.say_if_unassigned(None, 10_000.0) is None and s._unassigned_since is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import time
 from typing import Optional
@@ -47,6 +48,10 @@ logger = logging.getLogger("petals_chain.server")
 
 class JoinError(RuntimeError):
     """The DHT could not be started or joined (nothing else was started)."""
+
+
+UNASSIGNED_WARN_S = 120.0  # a server with no span this long says why it may be ...
+UNASSIGNED_REPEAT_S = 600.0  # ... and again this often
 
 
 class Server:
@@ -92,6 +97,8 @@ class Server:
         self._failed_load: Optional[tuple[tuple, float]] = None
         self._failed_loads = 0
         self.span: Optional[tuple[int, int]] = None
+        self._unassigned_since: Optional[float] = None  # monotonic time since when no span is held
+        self._unassigned_said = -math.inf
         self.max_length = cfg.max_length or DEFAULT_MAX_LENGTH
         self.reloads = 0
         self.sd: Optional[SwarmDHT] = None
@@ -463,8 +470,29 @@ class Server:
                 except Exception:  # noqa: BLE001 - a failed drain or unload must not end the server's loop
                     logger.exception("following the assignment failed; trying again after a backoff")
                     self._load_failed(self._assignment_content(asg))
+            self.say_if_unassigned(asg, time.monotonic())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self.cfg.assignment_poll_s)
+
+    def say_if_unassigned(self, asg: Optional[AssignmentRecord], now: float) -> Optional[str]:
+        """A server holding no span for ``UNASSIGNED_WARN_S`` says why it may be (then every ``UNASSIGNED_REPEAT_S``):
+        it waited in silence, joining for ever, when no orchestrator served its model or the plan left it out."""
+        if self.span is not None:
+            self._unassigned_since = None
+            return None
+        since = self._unassigned_since = now if self._unassigned_since is None else self._unassigned_since
+        if now - since < UNASSIGNED_WARN_S or now - self._unassigned_said < UNASSIGNED_REPEAT_S:
+            return None
+        self._unassigned_said = now
+        if asg is None:
+            why = (f"no trusted orchestrator publishes assignments under DHT prefix {self.prefix!r} (is one serving "
+                   "this model, reachable through --initial-peers, and trusted?)")
+        else:
+            why = (f"the orchestrator's plan (epoch {asg.epoch}) leaves this server out (a memory budget below one "
+                   "block and its cache, another model's swarm, or servers enough already: see its dashboard)")
+        msg = f"no blocks assigned after {now - since:.0f} s: {why}"
+        logger.warning(msg)
+        return msg
 
     async def announce_offline(self, attempts: int = 3, backoff_s: float = 0.5) -> bool:
         """Publish the ``offline`` record, retried: it is the last one, and without it the orchestrator learns of
