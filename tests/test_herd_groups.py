@@ -176,6 +176,40 @@ class _GroupsDHT:
         return True
 
 
+def _group_world(seen: dict, entries: dict, now: list, **kwargs):
+    """``coordinator(me, peer)`` over a planner seeing the records ``seen`` and a DHT whose groups key is
+    ``entries``, on the clock ``now[0]``; ``rounds(n, *coordinators)``: n steps of each, a second apart."""
+    from test_failover_units import MODEL
+
+    from petals_chain.model import ServerSpec
+    from petals_chain.orchestrator.groups import GroupCoordinator
+    from petals_chain.orchestrator.planner import ServerView
+
+    class Planner:
+        plan, arrival_rate, group = None, 1.0, None
+
+        def _model_spec(self):
+            return MODEL
+
+        def all_views(self):
+            return [ServerView(peer_id=p, record=r) for p, r in seen.items()]
+
+        def specs(self, views):
+            return [ServerSpec(v.peer_id, float(v.record.memory_bytes), 0.01, 0.01) for v in views]
+
+    def coordinator(me, peer):
+        return GroupCoordinator(dht=_GroupsDHT(seen, me, entries), prefix="x", peers=[peer], planner=Planner(),
+                                http_url=lambda: "u", clock=lambda: now[0], ilp_time_s=0.5, **kwargs)
+
+    async def rounds(n, *coordinators):
+        for _ in range(n):
+            now[0] += 1.0
+            for c in coordinators:
+                await c.step()
+
+    return coordinator, rounds
+
+
 def test_a_server_the_leader_banned_stays_in_the_split_and_banned():
     """Banned servers stay in the split: left out, a banned server was in no group, the leader's planner dropped
     its view with its ban, and the next round planned it again (an audit's permanent ban undone every round)."""
@@ -214,37 +248,14 @@ def test_a_leader_that_restarts_continues_above_the_epoch_its_followers_hold():
     is passed: meanwhile both planned some servers and nobody others."""
     import asyncio
 
-    from test_failover_units import MODEL, record
+    from test_failover_units import record
 
-    from petals_chain.model import ServerSpec
-    from petals_chain.orchestrator.groups import GroupCoordinator
-    from petals_chain.orchestrator.planner import ServerView
 
     seen = {f"s{i}": record(f"s{i}") for i in range(4)}  # a whole copy of the model per server
     entries: dict = {}
     now = [0.0]
 
-    class Planner:
-        plan, arrival_rate, group = None, 1.0, None
-
-        def _model_spec(self):
-            return MODEL
-
-        def all_views(self):
-            return [ServerView(peer_id=p, record=r) for p, r in seen.items()]
-
-        def specs(self, views):
-            return [ServerSpec(v.peer_id, float(v.record.memory_bytes), 0.01, 0.01) for v in views]
-
-    def coordinator(me, peer):
-        return GroupCoordinator(dht=_GroupsDHT(seen, me, entries), prefix="x", peers=[peer], planner=Planner(),
-                                http_url=lambda: "u", clock=lambda: now[0], ilp_time_s=0.5)
-
-    async def rounds(n, *coordinators):
-        for _ in range(n):
-            now[0] += 1.0
-            for c in coordinators:
-                await c.step()
+    coordinator, rounds = _group_world(seen, entries, now)
 
     async def main():
         leader, follower = coordinator("A", "B"), coordinator("B", "A")
@@ -416,37 +427,14 @@ def test_a_leader_back_from_a_silence_rebalances_the_split():
     group stayed empty for good. It solves afresh and the split is even again."""
     import asyncio
 
-    from test_failover_units import MODEL, record
+    from test_failover_units import record
 
-    from petals_chain.model import ServerSpec
-    from petals_chain.orchestrator.groups import GroupCoordinator
-    from petals_chain.orchestrator.planner import ServerView
 
     seen = {f"s{i}": record(f"s{i}") for i in range(4)}
     entries: dict = {}
     now = [0.0]
 
-    class Planner:
-        plan, arrival_rate, group = None, 1.0, None
-
-        def _model_spec(self):
-            return MODEL
-
-        def all_views(self):
-            return [ServerView(peer_id=p, record=r) for p, r in seen.items()]
-
-        def specs(self, views):
-            return [ServerSpec(v.peer_id, float(v.record.memory_bytes), 0.01, 0.01) for v in views]
-
-    def coordinator(me, peer):
-        return GroupCoordinator(dht=_GroupsDHT(seen, me, entries), prefix="x", peers=[peer], planner=Planner(),
-                                http_url=lambda: "u", clock=lambda: now[0], ilp_time_s=0.5, ttl_s=3.0)
-
-    async def rounds(n, *coordinators):
-        for _ in range(n):
-            now[0] += 1.0
-            for c in coordinators:
-                await c.step()
+    coordinator, rounds = _group_world(seen, entries, now, ttl_s=3.0)
 
     async def main():
         a, b = coordinator("A", "B"), coordinator("B", "A")
