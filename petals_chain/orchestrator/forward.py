@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 FORWARDED_HEADER = "x-petals-chain-forwarded-by"  # value: the peer id of the orchestrator that forwarded it
 SERVED_BY_HEADER = "x-petals-chain-served-by"  # value: the URL of the orchestrator that served it
 _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-api-key")
-# the other orchestrator's reply headers not passed back: hop-by-hop ones, and those the relay sets itself
-_REPLY_HEADERS_DROPPED = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
-                          "date", "server", "upgrade", "trailer", "te", "proxy-authenticate", "proxy-authorization"}
+# the other orchestrator's reply headers not passed back: hop-by-hop ones, and those the relay sets itself (the body
+# goes on as it came, still encoded: its content-encoding stays)
+_REPLY_HEADERS_DROPPED = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
+                          "upgrade", "trailer", "te", "proxy-authenticate", "proxy-authorization"}
 HEAD_MARGIN_S = 10.0  # beyond the other orchestrator's own queue timeout, a reply's head that has not come is lost
 MAX_SESSION_OWNERS = 10_000
 
@@ -142,6 +143,7 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
             sid = None
         if isinstance(sid, str):
             owners.remember(sid, url)
+        reply_headers.pop("content-encoding", None)  # read, so decoded
         return Response(body, status_code=upstream.status_code, headers=reply_headers)
 
     async def relay():
