@@ -119,7 +119,50 @@ def test_parse_models():
     assert parse_models(["smollm2-135m"]) == [(None, "smollm2-135m")]
     assert parse_models(["chat=smollm2-135m", "code=/m/x"]) == [("chat", "smollm2-135m"), ("code", "/m/x")]
     assert parse_models(["solo=/m/x"]) == [("solo", "/m/x")]
+    assert parse_models(["/m/eq=dir/x"]) == [(None, "/m/eq=dir/x")]  # a path holding "=" is a bare source
     for bad, why in ((["a=/x", "/y"], "NAME=SOURCE"), (["a=/x", "a=/y"], "differ"), (["a b=/x", "c=/y"], "model name"),
                      (["a=", "b=/y"], "NAME=SOURCE")):
         with pytest.raises(ValueError, match=why):
             parse_models(bad)
+
+
+def test_a_keys_limits_hold_over_every_model_behind_the_router(tiny_model_factory, tmp_path):
+    """Per-key limits (and --max-sessions) are the key's over every model one orchestrator process serves: counted
+    per model's app, a key had its tokens per minute, sessions and concurrency once per model (the reviewer's swarm:
+    60 tokens in a minute and two sessions for a key allowed 30 and one)."""
+    from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+    from petals_chain.orchestrator.limits import ClientLedger
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice alice-secret-0123456789 tokens_per_minute=30 max_sessions=1\n"
+                    "bob bob-secret-0123456789\n")
+    orchs = []
+    for name, layers in (("alpha", 4), ("beta", 2)):
+        o = Orchestrator(OrchestratorConfig(model=str(tiny_model_factory("llama", num_layers=layers)), model_id=name,
+                                            max_length=64, port=0, api_keys=str(keys), max_sessions=2))
+        o.load_model()
+        orchs.append(o)
+    ledger = ClientLedger(orchs)
+    for o in orchs:
+        o.siblings = orchs
+    router = ModelRouter({o.model_id: create_app(o, ledger) for o in orchs}, {o.model_id: o for o in orchs})
+
+    async def main():
+        alice = {"Authorization": "Bearer alice-secret-0123456789"}
+        bob = {"Authorization": "Bearer bob-secret-0123456789"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://x") as c:
+            r = await c.post("/api/v1/sessions", json={"model": "alpha"}, headers=alice)
+            assert r.status_code == 200, r.text
+            r = await c.post("/api/v1/sessions", json={"model": "beta"}, headers=alice)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "client_session_limit", r.text
+            # --max-sessions 2 in total: bob's first session is the second of the process, his next one too many
+            assert (await c.post("/api/v1/sessions", json={"model": "beta"}, headers=bob)).status_code == 200
+            r = await c.post("/api/v1/sessions", json={"model": "beta"}, headers=bob)
+            assert r.status_code == 429 and "too many open sessions" in r.json()["error"]["message"]
+            orchs[0].stats._charge("alice", 25, True)  # 25 of alice's 30 tokens used on alpha
+            r = await c.post("/v1/completions", headers=alice,
+                             json={"model": "beta", "prompt": [1, 2, 3], "max_tokens": 10})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_per_minute", r.text
+
+    asyncio.run(main())

@@ -43,6 +43,13 @@ def test_missing_model_is_an_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_named_model_as_the_orchestrator_takes_it_names_its_source(tmp_path, capsys):
+    """``--model NAME=SOURCE`` (the orchestrator's form) is the SOURCE: it was read whole ('alpha=...' not found)."""
+    assert main(["--model", f"alpha={tmp_path / 'nope'}", "--initial-peers"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "alpha=" not in err and str(tmp_path / "nope") in err
+
+
 def test_parser_rejects_both_memory_flags_and_bad_choices():
     parser = build_parser()
     with pytest.raises(SystemExit):

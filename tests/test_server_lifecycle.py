@@ -160,3 +160,40 @@ def test_a_server_left_without_blocks_says_why_after_a_while(caplog):
         assert len([r for r in caplog.records if "no blocks assigned" in r.getMessage()]) == 2
         s.span = (0, 4)  # assigned: quiet, and the clock starts again when it has none
         assert s.say_if_unassigned(None, 10_000.0) is None and s._unassigned_since is None
+
+
+def test_a_server_of_several_models_moves_to_one_an_orchestrator_serves():
+    """``--model gamma --model alpha`` with an orchestrator serving alpha only: that orchestrator never places the
+    server (it offers one of its models), and the server served gamma, its first, which no orchestrator serves: idle
+    for good, silently. After ``ORPHAN_SWITCH_S`` with no orchestrator for gamma (no assignment, no summary) it
+    serves alpha, whose orchestrator publishes its summary (it has no plan yet: no server)."""
+    from petals_chain.server.server import ORPHAN_SWITCH_S
+
+    gamma, alpha = (types.SimpleNamespace(prefix=p, hidden_size=64, fingerprint=p) for p in ("gamma", "alpha"))
+    asked = []
+
+    async def fetch(prefix, trusted, peer_id):
+        asked.append(prefix)
+        return None  # no plan anywhere yet: alpha's orchestrator has no server
+
+    async def summary(prefix, trusted):
+        return {"model": "alpha"} if prefix == "alpha" else None  # alpha's orchestrator is there
+
+    async def unload():
+        pass
+
+    async def main():
+        s = _server(lambda *a, **k: _Runner())
+        s.hosted, s.active, s.trusted, s.placement_timestamp, s.switches = [gamma, alpha], gamma, {"o"}, 0.0, 0
+        s._unassigned_since, s._unassigned_said = None, float("-inf")
+        s.sd.afetch_assignment, s.sd.afetch_summary = fetch, summary
+        s._unload = unload
+        s.say_if_unassigned(None, 0.0)
+        assert not await s.serve_a_model_someone_serves(None, ORPHAN_SWITCH_S - 1) and asked == []
+        # an orchestrator assigns the model served (even without blocks for it): no move
+        assert not await s.serve_a_model_someone_serves(_Assignment(1, (0, 4), 1.0), ORPHAN_SWITCH_S + 1)
+        assert await s.serve_a_model_someone_serves(None, ORPHAN_SWITCH_S + 1)
+        return s
+
+    s = asyncio.run(main())
+    assert s.active is alpha and s.switches == 1 and s.state == "joining" and asked == ["alpha"]

@@ -353,7 +353,12 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
 
             placer = ModelPlacer(orchs, refresh_s=max(1.0, cfg.refresh_s), **(placement or {}))
             placer_task = asyncio.create_task(placer.run(orch._stop), name="model-placement")
-            app = ModelRouter({o.model_id: create_app(o) for o in orchs}, {o.model_id: o for o in orchs},
+            from petals_chain.orchestrator.limits import ClientLedger
+
+            ledger = ClientLedger(orchs)  # a key's limits over every model, not each
+            for o in orchs:
+                o.siblings = orchs  # --max-sessions counts the sessions of every model
+            app = ModelRouter({o.model_id: create_app(o, ledger) for o in orchs}, {o.model_id: o for o in orchs},
                               placer=placer)
             for o in orchs:
                 print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)

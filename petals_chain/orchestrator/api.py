@@ -313,8 +313,9 @@ class _Logprobs:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def create_app(orch: Orchestrator) -> FastAPI:
-    """The FastAPI app over ``orch`` (the caller runs ``orch.start()``/``stop()`` in the server's loop)."""
+def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
+    """The FastAPI app over ``orch`` (the caller runs ``orch.start()``/``stop()`` in the server's loop); ``ledger``:
+    the per-client counts shared with the other models' apps behind one router (``limits.ClientLedger``)."""
     app = FastAPI(title="petals-chain orchestrator", version="0.1.0")
     app.state.orch = orch
     cfg = orch.cfg
@@ -755,5 +756,5 @@ def create_app(orch: Orchestrator) -> FastAPI:
     # Bounded queue, per-client limits and body size (429/413 with Retry-After): limits.py.
     from petals_chain.orchestrator.limits import install_limits
 
-    install_limits(app, orch)
+    install_limits(app, orch, ledger=ledger)
     return app

@@ -226,6 +226,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self._tasks: list[asyncio.Task] = []
         self._eos: set[int] = set()
         self.token_text: TokenText | None = None  # logprobs' per-token bytes, text and offsets
+        self.siblings: list[Orchestrator] = [self]  # the orchestrators of every model behind one router
         self.chain_sessions: "weakref.WeakSet[ChainSession]" = weakref.WeakSet()
         self._bg_tasks: set[asyncio.Task] = set()
 

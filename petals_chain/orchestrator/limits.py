@@ -22,8 +22,9 @@ import asyncio
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -107,18 +108,53 @@ def _take(counts: dict[str, int], client: str, n: int) -> None:
         counts.pop(client, None)
 
 
-class AdmissionLimits:
-    """ASGI middleware enforcing :class:`LimitsConfig` in front of the API app of ``orch``."""
+class ClientLedger:
+    """What each client holds across every model an orchestrator process serves: a key's limits are the key's,
+    not one model's (counted per model, a key with two models had its tokens per minute, sessions and concurrency
+    twice). ``orchs``: the orchestrators of those models (their live sessions, their token counts)."""
 
-    def __init__(self, app: Any, orch: Any, limits: Optional[LimitsConfig] = None):
+    def __init__(self, orchs: Sequence[Any]):
+        self.orchs = list(orchs)
+        self.by_client: dict[str, int] = {}  # generation requests running or queued
+        self.sessions_of: dict[str, set[str]] = {}
+        self.opening: dict[str, int] = {}  # session opens of each client under way (counted against max_sessions)
+        self.reserved: dict[str, int] = {}  # tokens requests under way may still use, per client (tokens_per_minute)
+
+    def live_sessions(self) -> set[str]:
+        return {sid for o in self.orchs for sid in getattr(o, "sessions", {})}
+
+    def tokens_last_minute(self, client: str) -> int:
+        return sum(o.stats.tokens_last_minute(client) for o in self.orchs)
+
+    def seconds_until_below(self, client: str, limit: int) -> int:
+        """Seconds until ``client``'s last-minute usage over every model drops below ``limit`` (Retry-After)."""
+        used = self.tokens_last_minute(client)
+        if used < limit:
+            return 1
+        now = time.monotonic()
+        for t, n in sorted(e for o in self.orchs for e in o.stats.usage_window(client)):  # each leaves at t + 60
+            used -= n
+            if used < limit:
+                return max(1, math.ceil(t + 60.0 - now))
+        return 60
+
+
+class AdmissionLimits:
+    """ASGI middleware enforcing :class:`LimitsConfig` in front of the API app of ``orch`` (per-client counts in
+    ``ledger``, shared by every model's app of one orchestrator process)."""
+
+    def __init__(self, app: Any, orch: Any, limits: Optional[LimitsConfig] = None,
+                 ledger: Optional[ClientLedger] = None):
         self.app = app
         self.orch = orch
         self.limits = limits or LimitsConfig.from_config(getattr(orch, "cfg", None))
         self.inflight = 0
-        self.by_client: dict[str, int] = {}
-        self.sessions_of: dict[str, set[str]] = {}
-        self.opening: dict[str, int] = {}  # session opens of each client under way (counted against max_sessions)
-        self.reserved: dict[str, int] = {}  # tokens requests under way may still use, per client (tokens_per_minute)
+        self.ledger = ledger if ledger is not None else ClientLedger([orch])
+        # the ledger's dicts themselves (changed in place only): every model's app sees the same counts
+        self.by_client = self.ledger.by_client
+        self.sessions_of = self.ledger.sessions_of
+        self.opening = self.ledger.opening
+        self.reserved = self.ledger.reserved
         self.rejected: dict[str, int] = {}
         self._metric = None
         try:
@@ -134,11 +170,10 @@ class AdmissionLimits:
         return int(sum(max(0, int(ch.capacity)) for ch in getattr(self.orch.dispatch, "chains", [])))
 
     def open_sessions(self, client: str) -> int:
-        live = getattr(self.orch, "sessions", {})
         owned = self.sessions_of.get(client)
         if not owned:
             return 0
-        owned.intersection_update(live.keys())  # closed or reaped sessions stop counting
+        owned.intersection_update(self.ledger.live_sessions())  # closed or reaped sessions stop counting
         if not owned:
             self.sessions_of.pop(client, None)
         return len(owned)
@@ -170,7 +205,7 @@ class AdmissionLimits:
             names.add(ANONYMOUS)
         stats = self.orch.stats
         return [{"name": n, "inflight": self.by_client.get(n, 0), "sessions": self.open_sessions(n),
-                 "tokens_last_minute": stats.tokens_last_minute(n), **stats.client_totals(n),
+                 "tokens_last_minute": self.ledger.tokens_last_minute(n), **stats.client_totals(n),
                  "limits": {"max_concurrent": self.limits.inflight_limit(n), "max_sessions": self.limits.session_limit(n),
                             "tokens_per_minute": self.limits.tokens_per_minute(n)}}
                 for n in sorted(names)]
@@ -258,7 +293,7 @@ class AdmissionLimits:
         if per_minute is not None and self._tokens_held(client) >= per_minute:
             return await self._reject(send, 429, "tokens_per_minute",
                                       f"this client used its {per_minute} tokens per minute; retry later",
-                                      retry=self.orch.stats.seconds_until_below(client, per_minute))
+                                      retry=self.ledger.seconds_until_below(client, per_minute))
         # Cheap early refusal (before the body is read); the exact bound is the dispatcher's (QueueFull).
         queue = int(getattr(self.orch.dispatch, "queue_length", 0))
         full = self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue
@@ -287,7 +322,7 @@ class AdmissionLimits:
 
     def _tokens_held(self, client: str) -> int:
         """Tokens ``client`` used in the last minute plus what its requests under way may still use."""
-        return self.orch.stats.tokens_last_minute(client) + self.reserved.get(client, 0)
+        return self.ledger.tokens_last_minute(client) + self.reserved.get(client, 0)
 
     def _reserve(self, client: str, adm: Admission, need: int, per_minute: int) -> None:
         """Hold ``need`` tokens (prompt + max_tokens x n) of ``client``'s per-minute budget for a request, before it
@@ -428,13 +463,14 @@ class _HeldResponse:
         await self.send(message)
 
 
-def install_limits(app: Any, orch: Any, limits: Optional[LimitsConfig] = None) -> None:
+def install_limits(app: Any, orch: Any, limits: Optional[LimitsConfig] = None,
+                   ledger: Optional[ClientLedger] = None) -> None:
     """Wrap ``app`` (FastAPI/Starlette) with :class:`AdmissionLimits`; the instance is ``app.state.limits``."""
     holder: dict[str, AdmissionLimits] = {}
 
     class _Bound(AdmissionLimits):
         def __init__(self, inner: Any):
-            super().__init__(inner, orch, limits)
+            super().__init__(inner, orch, limits, ledger)
             holder["limits"] = self
             app.state.limits = self
 

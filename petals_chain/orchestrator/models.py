@@ -22,13 +22,13 @@ from urllib.parse import parse_qs
 
 from petals_chain.orchestrator.limits import client_of
 from petals_chain.swarm.jsonsafe import json_safe
+from petals_chain.swarm.sources import MODEL_NAME_RE, split_model_arg
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")  # a model's name in --model NAME=SOURCE
 _BY_BODY = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/api/v1/sessions")}
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)")
 MAX_BODY = 64 * 2**20  # read to route; each model's own limit (--max-body-bytes) applies after
@@ -37,14 +37,14 @@ MAX_BODY = 64 * 2**20  # read to route; each model's own limit (--max-body-bytes
 def parse_models(values: list[str]) -> list[tuple[str | None, str]]:
     """``--model`` values as ``(name, source)``: one plain source keeps today's naming (``name`` None); several
     must each be ``NAME=SOURCE`` with distinct names. ValueError with the reason otherwise."""
-    if len(values) == 1 and "=" not in values[0]:
+    if len(values) == 1 and split_model_arg(values[0])[0] is None:  # a bare source (which may hold "=")
         return [(None, values[0])]
     out: list[tuple[str | None, str]] = []
     for v in values:
         name, sep, source = v.partition("=")
         if not sep or not source:
             raise ValueError(f"with several models each --model is NAME=SOURCE, got {v!r}")
-        if not NAME_RE.match(name):
+        if not MODEL_NAME_RE.match(name):
             raise ValueError(f"model name {name!r}: use letters, digits, '.', '_' and '-' (at most 64)")
         out.append((name, source))
     names = [n for n, _ in out]

@@ -68,7 +68,7 @@ class SessionMixin:
     ``_stop``, ``_decode_loop``, ``validate_prompt`` and ``_max_tokens``)."""
 
     def open_session(self, max_length: int | None = None) -> UserSession:
-        if len(self.sessions) >= self.cfg.max_sessions:
+        if sum(len(o.sessions) for o in self.siblings) >= self.cfg.max_sessions:  # every model's, in total
             raise RequestError(f"too many open sessions ({self.cfg.max_sessions})", status=429)
         ml = self.cfg.max_length if max_length is None else int(max_length)
         if not (2 <= ml <= self.cfg.max_length):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 
@@ -165,17 +164,13 @@ class Stats:
         self._trim(w)
         return sum(n for _, n in w)
 
-    def seconds_until_below(self, client: str, limit: int) -> int:
-        """Seconds until ``client``'s last-minute usage drops below ``limit`` (for Retry-After)."""
-        used = self.tokens_last_minute(client)
-        if used < limit:
-            return 1
-        now = time.monotonic()
-        for t, n in self._window.get(client, ()):  # oldest first: each entry leaves the window at t + 60
-            used -= n
-            if used < limit:
-                return max(1, math.ceil(t + 60.0 - now))
-        return 60
+    def usage_window(self, client: str) -> list[tuple[float, int]]:
+        """``(monotonic time, tokens)`` of ``client``'s usage in the last 60 s, oldest first."""
+        w = self._window.get(client)
+        if not w:
+            return []
+        self._trim(w)
+        return list(w)
 
     def client_totals(self, client: str) -> dict[str, int]:
         return dict(self._totals.get(client, {"completed": 0, "failed": 0, "tokens": 0}))

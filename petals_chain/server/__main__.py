@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "assigns, serve inference sessions.")
     p.add_argument("--model", required=True, action="append", metavar="MODEL",
                    help="the orchestrator's model: a short name (smollm2-135m), a .gguf file, an HF-format directory "
-                        "or a hub name. Repeat to offer several models: the server holds one at a time, the one an "
+                        "or a hub name (NAME=SOURCE as given to the orchestrator works too). Repeat to offer several models: the server holds one at a time, the one an "
                         "orchestrator serving them places it on (the first until then)")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
@@ -119,6 +119,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
                         stream=sys.stderr)
     from petals_chain.server.server import Server, ServerConfig
+    from petals_chain.swarm.sources import split_model_arg
+
+    models = [split_model_arg(v)[1] for v in args.model]  # NAME=SOURCE as the orchestrator takes it: the name unused
 
     memory_bytes = args.memory_bytes
     if args.memory_gb is not None:
@@ -146,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         cfg = ServerConfig(
-            model=args.model[0], extra_models=tuple(args.model[1:]), initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, memory_bytes=memory_bytes,
+            model=models[0], extra_models=tuple(models[1:]), initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, memory_bytes=memory_bytes,
             device=args.device, dtype=args.dtype, quant=args.quant, public_name=args.public_name,
             host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, nat_relay=args.nat_relay,
             identity_path=args.identity_path, client_mode=args.client_mode,

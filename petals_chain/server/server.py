@@ -52,6 +52,7 @@ class JoinError(RuntimeError):
 
 UNASSIGNED_WARN_S = 120.0  # a server with no span this long says why it may be ...
 UNASSIGNED_REPEAT_S = 600.0  # ... and again this often
+ORPHAN_SWITCH_S = 30.0  # a server of several models with no orchestrator for the one it serves moves on after this
 
 
 class Server:
@@ -439,16 +440,46 @@ class Server:
             self.placement_timestamp = rec.timestamp
             return
         logger.info(f"placed on model {hosted.prefix} (serving {self.prefix}): draining and unloading its blocks")
-        await self._unload()  # if it raises, the placement is followed again at the next poll (not left draining)
+        if await self._switch_to(hosted):
+            self.placement_timestamp = rec.timestamp
+
+    async def _switch_to(self, hosted: HostedModel) -> bool:
+        """Drain and unload the blocks of the model served, then serve ``hosted`` (False: stopped meanwhile)."""
+        await self._unload()  # if it raises, the switch is tried again at the next poll (not left draining)
         if self._stop.is_set():
-            return
-        self.placement_timestamp = rec.timestamp
+            return False
         self.active = hosted
         self.epoch, self.assignment_timestamp, self._applied_content, self.span = -1, 0.0, (), None
         self.service.hidden_size = hosted.hidden_size
         self.service.model_fingerprint = hosted.fingerprint
         self.switches += 1
         self.set_state("joining")
+        return True
+
+    async def serve_a_model_someone_serves(self, asg: Optional[AssignmentRecord], now: float) -> bool:
+        """Several models offered, none placed by an orchestrator, and for ``ORPHAN_SWITCH_S`` no trusted
+        orchestrator serving the one served (no assignment, no summary under its prefix): serve the first other
+        model one serves. (An orchestrator serving only one of the models offered never places the server, and the
+        one served first, ``--model``'s first, had none: the volunteer's GPU sat idle for good.)"""
+        if len(self.hosted) < 2 or self.placement_timestamp > 0 or asg is not None or self.span is not None:
+            return False
+        since = self._unassigned_since
+        if since is None or now - since < ORPHAN_SWITCH_S:
+            return False
+        trusted = sorted(self.trusted)
+        if await self.sd.afetch_summary(self.prefix, trusted) is not None:
+            return False  # its orchestrator is there (planning, or no room for this server): stay
+        for h in self.hosted:
+            if h is self.active:
+                continue
+            if (await self.sd.afetch_assignment(h.prefix, trusted, self.sd.peer_id) is not None
+                    or await self.sd.afetch_summary(h.prefix, trusted) is not None):
+                logger.info(f"no orchestrator serves {self.prefix}, one serves {h.prefix}: serving that")
+                if await self._switch_to(h):
+                    self._unassigned_since = None
+                    return True
+                return False
+        return False
 
     async def _follow_assignments(self) -> None:
         while not self._stop.is_set():
@@ -471,6 +502,11 @@ class Server:
                     logger.exception("following the assignment failed; trying again after a backoff")
                     self._load_failed(self._assignment_content(asg))
             self.say_if_unassigned(asg, time.monotonic())
+            try:
+                if await self.serve_a_model_someone_serves(asg, time.monotonic()):
+                    continue  # the new model's assignment at once
+            except Exception as e:  # noqa: BLE001 - a DHT hiccup: try again at the next poll
+                logger.warning(f"looking for another offered model's orchestrator failed: {e}")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self.cfg.assignment_poll_s)
 

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -45,6 +46,18 @@ _CONFIG_VOLATILE = {"transformers_version", "architectures", "dtype", "torch_dty
 
 class UnsupportedModelError(ValueError):
     """A model family the block runner is not proven exact for."""
+
+
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")  # a model's name in --model NAME=SOURCE
+
+
+def split_model_arg(value: str) -> tuple[str | None, str]:
+    """``--model`` as ``(name, source)``: ``NAME=SOURCE`` when what comes before the first ``=`` is a model name,
+    else the whole value is the source (a path may hold ``=``)."""
+    name, sep, source = value.partition("=")
+    if sep and source and MODEL_NAME_RE.match(name):
+        return name, source
+    return None, value
 
 
 def check_family(config: Any) -> None:
