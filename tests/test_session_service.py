@@ -130,7 +130,7 @@ def test_a_session_released_by_a_drain_hears_unavailable_not_unknown(model):
 def test_only_a_trusted_peers_close_puts_pages_in_the_prefix_cache(model):
     """With ``--allow-any-client`` a stranger may run sessions, but its close's word for which tokens its pages hold
     is not taken: a session of garbage closed under a popular prompt's hashes was reused by trusted sessions
-    (their outputs off by 38 against 1e-5)."""
+    (their outputs off by 38 against 1e-5); and its open does not match cached pages."""
     async def main():
         svc = _service(model, num_slots=8)
         svc.allow_any_client = True
@@ -143,5 +143,10 @@ def test_only_a_trusted_peers_close_puts_pages_in_the_prefix_cache(model):
         await _cache_prompt(svc)  # the trusted orchestrator's own close still caches
         reply = svc.open_session("w", 0, 4, 64, "peer", prefix_hashes=prefix_hashes(PROMPT))
         assert reply["cached_tokens"] == 32
+        svc.close_session("w")
+        # nor does a stranger match the trusted orchestrator's cached pages: cached_tokens (and the time saved) told
+        # it which prompts others had sent, and it read their K/V
+        reply = svc.open_session("m2", 0, 4, 64, "mallory", prefix_hashes=prefix_hashes(PROMPT))
+        assert reply["cached_tokens"] == 0
 
     asyncio.run(main())

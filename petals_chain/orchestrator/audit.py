@@ -87,9 +87,9 @@ class Auditor:
         self.rng = random.Random(seed)
         self.epoch = 0  # prefix-cache key epoch: bumped by every ban
         self._tasks: set[asyncio.Task] = set()
-        self.counts = {"sampled": 0, "probes": 0, "audits": 0, "agreed": 0, "disagreed": 0, "inconclusive": 0, "strikes": 0,
-                       "bans": 0, "skipped_no_auditor": 0, "skipped_busy": 0, "skipped_no_history": 0, "rebuilt_history": 0,
-                       "skipped_auditor_failed": 0, "skipped_long": 0}
+        self.counts = {"sampled": 0, "probes": 0, "audits": 0, "agreed": 0, "disagreed": 0, "inconclusive": 0,
+                       "strikes": 0, "bans": 0, "skipped_no_auditor": 0, "skipped_busy": 0, "skipped_no_history": 0,
+                       "rebuilt_history": 0, "skipped_auditor_failed": 0, "skipped_long": 0}
         self.max_agreeing_error = 0.0  # the largest error between servers that agreed (tolerance calibration)
         self.errors: deque[float] = deque(maxlen=10_000)  # recent errors of every audit (for the benchmark)
         self.events: deque[dict] = deque(maxlen=50)

@@ -64,8 +64,8 @@ class UserSession:
 
 
 class SessionMixin:
-    """The session methods of the Orchestrator (it provides ``sessions``, ``chain_sessions``, ``cfg``, ``stats``,
-    ``_stop``, ``_decode_loop``, ``validate_prompt`` and ``_max_tokens``)."""
+    """The session methods of the Orchestrator (it provides ``sessions``, ``siblings``, ``chain_sessions``, ``cfg``,
+    ``stats``, ``_stop``, ``_decode_loop``, ``validate_prompt`` and ``_max_tokens``)."""
 
     def open_session(self, max_length: int | None = None) -> UserSession:
         if sum(len(o.sessions) for o in self.siblings) >= self.cfg.max_sessions:  # every model's, in total

@@ -19,8 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "assigns, serve inference sessions.")
     p.add_argument("--model", required=True, action="append", metavar="MODEL",
                    help="the orchestrator's model: a short name (smollm2-135m), a .gguf file, an HF-format directory "
-                        "or a hub name (NAME=SOURCE as given to the orchestrator works too). Repeat to offer several models: the server holds one at a time, the one an "
-                        "orchestrator serving them places it on (the first until then)")
+                        "or a hub name (NAME=SOURCE as given to the orchestrator works too). Repeat to offer several "
+                        "models: the server holds one at a time, the one an orchestrator serving them places it on (the "
+                        "first until then, or after 30 s without an orchestrator for it the first another serves)")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)")

@@ -204,8 +204,10 @@ class SessionService:
         cached = 0
         try:
             if fork_from is None:
+                # a stranger (--allow-any-client) matches no cached page: the reply's cached_tokens (and the time
+                # saved) would tell it which prompts others sent, and its steps would read their K/V
                 cached = runner.allocate(session_id, start_block, end_block, max_tokens=max_length,
-                                         prefix_hashes=prefix_hashes)
+                                         prefix_hashes=prefix_hashes if peer_id in self.trusted else ())
             else:
                 src = self.sessions.get(fork_from)
                 if src is None or src.peer != peer_id or src.span != (start_block, end_block):
