@@ -173,15 +173,20 @@ def test_the_offline_record_is_retried_until_stored():
     results = [False, False, True]
     calls = []
 
-    async def publish() -> bool:
+    async def publish(timeout_s=None) -> bool:
         calls.append(time.monotonic())
         return results[len(calls) - 1]
 
-    server = SimpleNamespace(announcer=SimpleNamespace(publish=publish))
+    server = SimpleNamespace(announcer=SimpleNamespace(publish=publish), sd=SimpleNamespace(alive=True))
     assert asyncio.run(Server.announce_offline(server, attempts=3, backoff_s=0.01)) is True and len(calls) == 3
     calls.clear()
     results[:] = [False] * 3
     assert asyncio.run(Server.announce_offline(server, attempts=3, backoff_s=0.01)) is False and len(calls) == 3
+    # the DHT process is gone (a SIGTERM to the process group ended it first): no store is tried (each waited its
+    # whole timeout: the server took ~90 s to exit)
+    calls.clear()
+    server.sd.alive = False
+    assert asyncio.run(Server.announce_offline(server, attempts=3, backoff_s=0.01)) is False and calls == []
 
 
 def test_a_store_cancelled_at_shutdown_leaves_no_unretrieved_error(caplog):

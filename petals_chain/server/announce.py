@@ -110,8 +110,9 @@ class Announcer:
         """The record changed: publish it soon (from the timer's task, without waiting here)."""
         self._dirty.set()
 
-    async def publish(self) -> bool:
-        """Publish the records now; False (logged) if the DHT did not store one of them."""
+    async def publish(self, timeout_s: float | None = None) -> bool:
+        """Publish the records now; False (logged) if the DHT did not store one of them (within ``timeout_s``,
+        default the refresh period or 5 s)."""
         async with self._lock:
             self._dirty.clear()  # this publish carries every change made so far
             try:
@@ -119,7 +120,7 @@ class Announcer:
                 # return_exceptions: a store the DHT cancels (at shutdown) must not leave an unretrieved error
                 stored = await asyncio.wait_for(asyncio.gather(*(
                     self.sd.apublish_server(prefix, record, self.expiration_s) for prefix, record in self.records()),
-                    return_exceptions=True), timeout=max(self.refresh_s, 5.0))
+                    return_exceptions=True), timeout=max(self.refresh_s, 5.0) if timeout_s is None else timeout_s)
             except Exception as e:  # noqa: BLE001 - a DHT hiccup must not kill the server
                 logger.warning(f"publishing the server record failed: {type(e).__name__}: {e}")
                 return False

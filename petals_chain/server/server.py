@@ -52,6 +52,7 @@ class JoinError(RuntimeError):
 
 UNASSIGNED_WARN_S = 120.0  # a server with no span this long says why it may be ...
 UNASSIGNED_REPEAT_S = 600.0  # ... and again this often
+OFFLINE_STORE_S = 5.0  # one attempt to store the offline record at a leave
 ORPHAN_SWITCH_S = 30.0  # a server of several models with no orchestrator for the one it serves moves on after this
 
 
@@ -534,7 +535,11 @@ class Server:
         """Publish the ``offline`` record, retried: it is the last one, and without it the orchestrator learns of
         the leave only when pings fail (the server is then shown ``failed``, not gone gracefully)."""
         for attempt in range(attempts):
-            if await self.announcer.publish():
+            if self.sd is not None and not self.sd.alive:  # stopped with us (a signal to the process group)
+                logger.warning("the DHT process is gone: the orchestrator will notice the leave by itself")
+                return False  # each store would wait its whole timeout (three made the exit take ~90 s)
+            # bounded: a leave must not wait a whole refresh period per attempt on a DHT that is going away
+            if await self.announcer.publish(timeout_s=OFFLINE_STORE_S):
                 return True
             if attempt + 1 < attempts:
                 await asyncio.sleep(backoff_s * (attempt + 1))

@@ -579,6 +579,11 @@ class SwarmDHT:
             out.append(record)
         return sorted(out, key=lambda r: -r.timestamp)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the DHT process runs (a signal to the whole process group may have ended it first)."""
+        return self.dht.is_alive()
+
     def shutdown(self) -> None:
         """Stop the DHT process (and its p2pd, also when the DHT process was killed: hivemind's "hard way" after a
         slow shutdown, or a signal)."""
