@@ -52,6 +52,23 @@ def test_public_ip_and_announce_options():
             listen_and_announce(*args)
 
 
+def test_a_port_something_listens_on_is_refused():
+    """p2pd binds with SO_REUSEPORT: a second server given the same --p2p-port started silently and the kernel split
+    incoming connections between the two. A listener there (with SO_REUSEPORT, as p2pd) is now an error."""
+    import socket
+
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port {port} is in use"):
+            listen_and_announce([], [], None, port)
+        with pytest.raises(ValueError, match="in use"):
+            listen_and_announce([], [], "203.0.113.7", port)
+    assert listen_and_announce([], [], None, port) == ([f"/ip4/0.0.0.0/tcp/{port}"], [])  # closed: free again
+
+
 def test_server_and_orchestrator_cli_refuse_bad_addresses(tmp_path):
     from petals_chain.orchestrator.__main__ import main as orchestrator_main
     from petals_chain.server.__main__ import main as server_main

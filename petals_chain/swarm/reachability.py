@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import time
 from typing import Any, AsyncIterator, Iterable, Optional, Sequence
 
@@ -140,7 +141,33 @@ def listen_and_announce(host_maddrs: Sequence[str], announce_maddrs: Sequence[st
         to_multiaddr(m)
         if m.rstrip("/").endswith("/tcp/0") or "/tcp/0/" in m:
             raise ValueError(f"--announce-maddrs {m}: give the real port (peers cannot dial port 0)")
+    for m in host:
+        _check_port_free(m)
     return host, announce
+
+
+_LISTEN = re.compile(r"^/(ip4|ip6)/([^/]+)/tcp/(\d+)")
+
+
+def _check_port_free(maddr: str) -> None:
+    """ValueError if something listens on ``maddr``'s TCP port already. p2pd binds with SO_REUSEPORT, so a second
+    server or orchestrator given the same port started without a word and the kernel split incoming connections
+    between the two processes."""
+    import errno
+    import socket
+
+    m = _LISTEN.match(maddr)
+    if m is None or int(m.group(3)) == 0:
+        return
+    family = socket.AF_INET if m.group(1) == "ip4" else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free; a listener is not
+        try:
+            s.bind((m.group(2), int(m.group(3))))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"TCP port {m.group(3)} is in use on this host (another server or orchestrator "
+                                 f"listens there?): give another --p2p-port or --host-maddrs") from None
 
 
 def _free_port(version: int) -> int:
