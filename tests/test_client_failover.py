@@ -128,6 +128,20 @@ def test_opening_a_session_is_sent_again_only_if_it_never_arrived():
         _client([cut_after_sending, opens]).session()
     assert opened == [0]
     assert _client([refused, opens]).session().id == "s1" and opened == [0, 1]
+    # a proxy's 502/504 may come after the session was opened behind it: not sent again; a 503 ("not here") is
+    for status, again in ((502, False), (504, False), (503, True)):
+        opened.clear()
+
+        def behind_a_proxy(req, status=status):
+            opened.append(0)
+            return httpx.Response(status, json={"error": {"message": "upstream", "code": "x"}})
+
+        if again:
+            assert _client([behind_a_proxy, opens]).session().id == "s1" and opened == [0, 1]
+        else:
+            with pytest.raises(ClientError):
+                _client([behind_a_proxy, opens]).session()
+            assert opened == [0], status
 
 
 def _error_event(status: int, code: str):

@@ -546,3 +546,78 @@ def test_one_copy_for_two_orchestrators_stays_where_it_is():
             assert solve_server_groups(one, demand, 4, previous={"s0": holder}) == {"s0": holder}
             assert split_score(one, demand, 4, {"s0": "A"}) == split_score(one, demand, 4, {"s0": "B"})
     assert covered_demand({"A": 1.0, "B": 2.0, "C": 3.0}, ["A", "B"]) == {"A": 2.5, "B": 3.5}
+
+
+def test_a_forward_waits_for_a_long_one_shot_reply_and_closes_a_cut_stream(monkeypatch):
+    """In-process, the other orchestrator a mock: (a) a one-shot reply's head comes only when its generation ends, so
+    a forward that gave up after the queue timeout redid long generations here (the other still live); (b) a relayed
+    stream the other orchestrator cuts off closes its response and client (the background task that closed them runs
+    only after a clean end)."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    import httpx
+    from starlette.requests import Request
+
+    import petals_chain.orchestrator.forward as fw
+
+    url, closed = "http://other:8000", []
+    real_client = httpx.AsyncClient
+
+    def client_for(handler):
+        class Client(real_client):
+            def __init__(self, **kw):
+                super().__init__(transport=httpx.MockTransport(handler), **kw)
+
+            async def aclose(self):
+                closed.append("client")
+                await super().aclose()
+        return Client
+
+    orch = NS(cfg=NS(queue_timeout_s=0.5), dispatch=NS(chains=[], max_queue=None, queue_length=0),
+              groups=NS(me="me", forwarded=0, session_owners=fw.SessionOwners(), json=lambda: {"orchestrators": [
+                  {"peer_id": "other", "http_url": url, "live": True, "servers": 3, "arrival_rate": 0.0}]}))
+
+    def request(body: bytes):
+        sent = [False]
+
+        async def receive():
+            if not sent[0]:
+                sent[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "asgi": {"version": "3.0"}}
+        return Request(scope, receive), scope, receive
+
+    async def slow(req):
+        await asyncio.sleep(2.0)  # admitted at once, generating 4x the queue timeout: the head comes now
+        return httpx.Response(200, json={"choices": [{"text": "done"}]})
+
+    class Cut(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"x":1}\n\n'
+            raise httpx.ReadError("the other orchestrator was lost")
+
+        async def aclose(self):
+            closed.append("upstream")
+
+    async def cut(req):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Cut())
+
+    async def main():
+        monkeypatch.setattr(fw.httpx, "AsyncClient", client_for(slow))
+        r = await fw.maybe_forward(orch, request(b'{"prompt":"x"}')[0])
+        assert r is not None and r.status_code == 200  # not None: "serve it here"
+        monkeypatch.setattr(fw.httpx, "AsyncClient", client_for(cut))
+        closed.clear()
+        req, scope, receive = request(b'{"prompt":"x","stream":true}')
+        resp = await fw.maybe_forward(orch, req)
+
+        async def send(message):
+            pass
+        with pytest.raises(httpx.ReadError):
+            await resp(scope, receive, send)
+        assert sorted(closed) == ["client", "upstream"]
+
+    asyncio.run(main())

@@ -166,3 +166,23 @@ def test_a_keys_limits_hold_over_every_model_behind_the_router(tiny_model_factor
             assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_per_minute", r.text
 
     asyncio.run(main())
+
+
+def test_a_session_opened_through_a_forward_is_routed_to_its_models_app():
+    """A session one model's orchestrator opened on another orchestrator (forwarded: its id in that model's
+    ``groups.session_owners``, not in any ``sessions``) went to the default model's app, which knew nothing of it."""
+    from petals_chain.orchestrator.forward import SessionOwners
+
+    seen: list = []
+    chat, code = orch("chat", "Tiny-Chat"), orch("code", "Tiny-Code")
+    for o in (chat, code):
+        o.groups = SimpleNamespace(session_owners=SessionOwners())
+    code.groups.session_owners.remember("far-1", "http://other:8000")
+    router = ModelRouter({"chat": stand_in("chat", seen), "code": stand_in("code", seen)}, {"chat": chat, "code": code})
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://x",
+                                     headers={"Authorization": "Bearer k"}) as c:
+            assert (await c.get("/api/v1/sessions/far-1")).json() == {"served_by": "code"}
+
+    asyncio.run(main())

@@ -192,6 +192,7 @@ def test_a_server_of_several_models_moves_to_one_an_orchestrator_serves():
         assert not await s.serve_a_model_someone_serves(None, ORPHAN_SWITCH_S - 1) and asked == []
         # an orchestrator assigns the model served (even without blocks for it): no move
         assert not await s.serve_a_model_someone_serves(_Assignment(1, (0, 4), 1.0), ORPHAN_SWITCH_S + 1)
+        s.placement_timestamp = 7.0  # placed once, by an orchestrator since gone: moves all the same
         assert await s.serve_a_model_someone_serves(None, ORPHAN_SWITCH_S + 1)
         return s
 

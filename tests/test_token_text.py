@@ -110,6 +110,18 @@ def test_token_bytes_make_up_the_text_and_partial_characters_show_as_bytes(tok):
                 assert tt.text_of(t) == whole
 
 
+def test_offsets_after_a_special_token_in_the_text(tok):
+    """A skipped special token mid-text (``</s>`` between documents) is no context of its own: alone as the
+    decoder's context, the SentencePiece word after it lost its leading space and every later offset was one short."""
+    tt = TokenText(tok)
+    words = tok("Paris", add_special_tokens=False)["input_ids"], tok(" is a city", add_special_tokens=False)["input_ids"]
+    ids = words[0] + [tok.eos_token_id] + words[1]
+    assert tt.offsets(ids) == _slow_offsets(tok, ids)
+    prompt = words[0] + [tok.eos_token_id]  # generated text after a prompt that ends with one
+    head = len(_decode(tok, prompt))
+    assert tt.offsets(words[1], prompt) == [o - head for o in _slow_offsets(tok, ids)[len(prompt):]]
+
+
 def test_special_tokens_show_as_their_text_and_take_no_room_in_the_text():
     tok = _byte_level()
     tt = TokenText(tok)

@@ -187,7 +187,8 @@ class Client:
                 if not resend and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
                     break  # it may have been done there: done twice would leave one behind
                 continue
-            if r.status_code in _TRY_ANOTHER:
+            # a 502/504 (a proxy) may come after the request was done there; a 503 is the orchestrator's "not here"
+            if r.status_code in _TRY_ANOTHER and (resend or r.status_code == 503):
                 failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
                 last = (i, r)
                 continue

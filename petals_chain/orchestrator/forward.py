@@ -3,8 +3,8 @@ take now (no chain, or the queue at ``--max-queue``) goes to another orchestrato
 
 A forwarded request carries :data:`FORWARDED_HEADER` and is never forwarded again (no loops); its reply, streamed
 or not, is passed back as the other orchestrator sent it (status, body and headers), with :data:`SERVED_BY_HEADER`
-naming it. If the other orchestrator cannot be reached, or gives no answer within the time its own queue may take,
-this one handles the request itself (and answers 503 or 429 as it would have). A session opened through a forward
+naming it. If the other orchestrator cannot be reached, or stops refreshing its group record while the request
+waits, this one handles the request itself (and answers 503 or 429 as it would have). A session opened through a forward
 lives on the other orchestrator: its later calls here are forwarded there (:attr:`SessionOwners`).
 """
 
@@ -33,7 +33,6 @@ _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-api-key")
 # goes on as it came, still encoded: its content-encoding stays)
 _REPLY_HEADERS_DROPPED = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
                           "upgrade", "trailer", "te", "proxy-authenticate", "proxy-authorization"}
-HEAD_MARGIN_S = 10.0  # beyond the other orchestrator's own queue timeout, a reply's head that has not come is lost
 MAX_SESSION_OWNERS = 10_000
 
 
@@ -127,9 +126,14 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     reply_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _REPLY_HEADERS_DROPPED}
     reply_headers[SERVED_BY_HEADER] = url
 
-    async def close() -> None:  # also when the client left before the relay started (its finally never runs)
-        await upstream.aclose()
-        await client.aclose()
+    closed = False
+
+    async def close() -> None:  # once; also when the client left before the relay started (its finally never ran)
+        nonlocal closed
+        if not closed:
+            closed = True
+            await upstream.aclose()
+            await client.aclose()
 
     if request.method == "POST" and request.url.path.rstrip("/") == "/api/v1/sessions":
         try:  # a session opened there: its later calls here go there too
@@ -147,8 +151,11 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
         return Response(body, status_code=upstream.status_code, headers=reply_headers)
 
     async def relay():
-        async for chunk in upstream.aiter_raw():
-            yield chunk
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:  # the other orchestrator cut off too (no background task runs after an error)
+            await close()
 
     return StreamingResponse(relay(), status_code=upstream.status_code, headers=reply_headers,
                              background=BackgroundTask(close))
@@ -162,15 +169,12 @@ def _live(orch: Any, url: str) -> bool:
 async def _reply_head(orch: Any, request: Request, client: httpx.AsyncClient, req: httpx.Request,
                       url: str) -> httpx.Response:
     """Send ``req`` and wait for its reply's head. The other orchestrator holds the head until its dispatcher
-    decides (up to its queue timeout), so a slow head is no failure; one from an orchestrator that no longer
-    refreshes its group record (stopped, its host gone with the connection open) is: :class:`_Lost`."""
-    loop = asyncio.get_running_loop()
-    head_s, t0 = float(getattr(orch.cfg, "queue_timeout_s", 600.0)) + HEAD_MARGIN_S, loop.time()
+    decides, and a one-shot reply's until its generation ends, so no wait is too long in itself; a wait on an
+    orchestrator that no longer refreshes its group record (stopped, its host gone with the connection open) is:
+    :class:`_Lost`."""
 
     def give_up() -> Optional[str]:
-        if not _live(orch, url):
-            return "it no longer refreshes its group record"
-        return f"no reply within {head_s:.0f} s" if loop.time() - t0 > head_s else None
+        return None if _live(orch, url) else "it no longer refreshes its group record"
 
     return await unless_disconnected(request, client.send(req, stream=True), give_up)
 

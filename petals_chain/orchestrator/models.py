@@ -142,7 +142,9 @@ class ModelRouter:
             return await _json(send, 200 if ok else 503, {"ok": ok, "models": out})
         m = _SESSION.match(path)
         if m:
-            owner = next((n for n, o in self.orchs.items() if m.group(1) in o.sessions), self.default)
+            # held here, or opened through a forward on another orchestrator (its model's app forwards the calls)
+            owner = next((n for n, o in self.orchs.items() if m.group(1) in o.sessions
+                          or m.group(1) in getattr(getattr(o, "groups", None), "session_owners", ())), self.default)
             return await self.apps[owner](scope, receive, send)
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         asked = (query.get("model") or [self.default])[0]

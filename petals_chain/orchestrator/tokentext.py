@@ -102,6 +102,7 @@ class TextOffsets:
 
     def __init__(self, tokenizer, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
+        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.ctx = context_tail(tokenizer, context)
         self.base = self._decode(self.ctx)
         self.pending: list[int] = []  # tokens since the text last ended on a whole character
@@ -120,7 +121,10 @@ class TextOffsets:
                     self.pending.append(int(tok))
                     continue
                 self.done += len(text)
-                self.ctx = self.pending  # whole characters, from a character's start
+                # whole characters, from a character's start; skipped special tokens alone are no context (after
+                # "</s>" alone a SentencePiece word lost its leading space)
+                if not all(t in self.special for t in self.pending):
+                    self.ctx = self.pending
                 self.base = self._decode(self.ctx)
                 self.pending = []
             out.append(self.done)

@@ -458,11 +458,12 @@ class Server:
         return True
 
     async def serve_a_model_someone_serves(self, asg: Optional[AssignmentRecord], now: float) -> bool:
-        """Several models offered, none placed by an orchestrator, and for ``ORPHAN_SWITCH_S`` no trusted
+        """Several models offered, and for ``ORPHAN_SWITCH_S`` no trusted
         orchestrator serving the one served (no assignment, no summary under its prefix): serve the first other
         model one serves. (An orchestrator serving only one of the models offered never places the server, and the
         one served first, ``--model``'s first, had none: the volunteer's GPU sat idle for good.)"""
-        if len(self.hosted) < 2 or self.placement_timestamp > 0 or asg is not None or self.span is not None:
+        # (placed once or not: an orchestrator that placed it publishes a summary under the model it placed it on)
+        if len(self.hosted) < 2 or asg is not None or self.span is not None:
             return False
         since = self._unassigned_since
         if since is None or now - since < ORPHAN_SWITCH_S:
