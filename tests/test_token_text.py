@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from petals_chain.orchestrator.tokentext import TextOffsets, TokenText
+from petals_chain.orchestrator.sampling import StopMatcher
+from petals_chain.orchestrator.tokentext import TokenText
 
 TEXTS = ["The capital of France is Paris.", "漢字の読み方 🦜🧬 ℵ₀ and ascii", "Ελληνικά ☃ naïve café — ok",
          "  leading spaces\nnew line\ttab  ", "日本語 テキスト ✓ is Paris"]
@@ -54,6 +55,11 @@ def _decode(tok, ids):
     return tok.decode(ids, skip_special_tokens=True)
 
 
+def _offsets(tok, ids, context=()) -> list[int]:
+    """Offsets as the API gives them: from the stream's incremental detokenizer, started after ``context``."""
+    return StopMatcher(tok, [], list(context)).feed_offsets(ids)
+
+
 def _slow_offsets(tok, ids: list[int]) -> list[int]:
     """Token i starts after the longest prefix ``ids[:j]``, j <= i, that decodes to whole characters (a decoder
     may turn a whole run of bytes into U+FFFDs while its last character is incomplete)."""
@@ -75,19 +81,19 @@ def test_offsets_are_where_each_token_starts_in_the_decoded_text(tok):
     for text in TEXTS:
         ids = tok(text)["input_ids"]
         want = _slow_offsets(tok, ids)
-        assert tt.offsets(ids) == want, text
-        counter, got, i = TextOffsets(tok), [], 0
+        assert _offsets(tok, ids) == want, text
+        counter, got, i = StopMatcher(tok, []), [], 0
         while i < len(ids):
             k = rng.randint(1, 4)
-            got += counter.feed(ids[i:i + k])
+            got += counter.feed_offsets(ids[i:i + k])
             i += k
         assert got == want
         # after a context (a prompt ends on a whole character), as generated text is decoded after its prompt
         cut = max(i for i in range(1, len(ids) // 2 + 1) if not _decode(tok, ids[:i]).endswith("\ufffd"))
         rest = _decode(tok, ids)[len(_decode(tok, ids[:cut])):]
         head = len(_decode(tok, ids[:cut]))
-        assert tt.offsets(ids[cut:], ids[:cut]) == [o - head for o in _slow_offsets(tok, ids)[cut:]], text
-        assert all(o <= len(rest) for o in tt.offsets(ids[cut:], ids[:cut]))
+        assert _offsets(tok, ids[cut:], ids[:cut]) == [o - head for o in _slow_offsets(tok, ids)[cut:]], text
+        assert all(o <= len(rest) for o in _offsets(tok, ids[cut:], ids[:cut]))
         saw_partial |= any(tt.text_of(t).startswith("bytes:") for t in ids)
     assert saw_partial  # the texts do split characters over tokens
 
@@ -113,13 +119,12 @@ def test_token_bytes_make_up_the_text_and_partial_characters_show_as_bytes(tok):
 def test_offsets_after_a_special_token_in_the_text(tok):
     """A skipped special token mid-text (``</s>`` between documents) is no context of its own: alone as the
     decoder's context, the SentencePiece word after it lost its leading space and every later offset was one short."""
-    tt = TokenText(tok)
     words = tok("Paris", add_special_tokens=False)["input_ids"], tok(" is a city", add_special_tokens=False)["input_ids"]
     ids = words[0] + [tok.eos_token_id] + words[1]
-    assert tt.offsets(ids) == _slow_offsets(tok, ids)
+    assert _offsets(tok, ids) == _slow_offsets(tok, ids)
     prompt = words[0] + [tok.eos_token_id]  # generated text after a prompt that ends with one
     head = len(_decode(tok, prompt))
-    assert tt.offsets(words[1], prompt) == [o - head for o in _slow_offsets(tok, ids)[len(prompt):]]
+    assert _offsets(tok, words[1], prompt) == [o - head for o in _slow_offsets(tok, ids)[len(prompt):]]
 
 
 def test_special_tokens_show_as_their_text_and_take_no_room_in_the_text():
@@ -128,7 +133,7 @@ def test_special_tokens_show_as_their_text_and_take_no_room_in_the_text():
     eos = tok.eos_token_id
     ids = tok("Paris")["input_ids"] + [eos] + tok(" is")["input_ids"]
     assert tt.text_of(eos) == tok.eos_token and tt.bytes_of(eos) == tok.eos_token.encode()
-    offs = tt.offsets(ids)
+    offs = _offsets(tok, ids)
     at = ids.index(eos)
     assert offs[at] == offs[at + 1] == len("Paris")
 

@@ -29,8 +29,7 @@ from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
 from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
-from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, TokenChoice
-from petals_chain.orchestrator.tokentext import TextOffsets
+from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
 
@@ -299,13 +298,13 @@ class _Logprobs:
         return out
 
     def completion(self, choices: list[Optional[TokenChoice]], token_ids: list[int], offset0: int = 0,
-                   context: list[int] | tuple = (), counter: TextOffsets | None = None) -> dict:
+                   context: list[int] | tuple = (), counter: StopMatcher | None = None) -> dict:
         """``token_ids`` (those ``choices`` score: a stop token has none) decoded after ``context``, starting at
         character ``offset0`` of the returned text; ``counter`` carries a stream's position over its chunks."""
         tt = self.orch.token_text
         token_ids = list(token_ids[:len(choices)])
-        counter = counter if counter is not None else TextOffsets(self.orch.tokenizer, context)
-        offsets = [offset0 + o for o in counter.feed(token_ids)]
+        counter = counter if counter is not None else StopMatcher(self.orch.tokenizer, [], list(context))
+        offsets = [offset0 + o for o in counter.feed_offsets(token_ids)]
         tokens = [tt.text_of(tok) for tok in token_ids]
         token_lps = [None if c is None else c.logprob for c in choices]
         tops = [None if c is None or c.top_logprobs is None else {tt.text_of(t): lp for t, lp in c.top_logprobs}
@@ -567,7 +566,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 raise RequestError("streaming supports one prompt per request", param="prompt")
             ids = prompts[0]
             echo_text = orch.decode(ids) if req.echo else None
-            counters: dict[int, TextOffsets] = {}  # each choice's position: text_offset runs on across its chunks
+            counters: dict[int, StopMatcher] = {}  # each choice's position: text_offset runs on across its chunks
 
             def chunk(i, text, finish, choices, first=False):
                 logprobs = None
@@ -576,7 +575,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                         return None
                     text = echo_text
                 elif req.logprobs is not None and choices:
-                    counter = counters.setdefault(i, TextOffsets(orch.tokenizer, ids))
+                    counter = counters.setdefault(i, StopMatcher(orch.tokenizer, [], ids))
                     logprobs = lp.completion(choices, [c.token for c in choices], offset0=len(echo_text or ""),
                                              counter=counter)
                 return {"id": cid, "object": "text_completion", "created": created, "model": orch.model_id,

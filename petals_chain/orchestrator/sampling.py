@@ -815,8 +815,6 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> l
     return out
 
 
-
-
 class StopMatcher:
     """Incremental detokenization with stop strings.
 
@@ -885,6 +883,15 @@ class StopMatcher:
             return ""
         out = text[self.emitted:safe]
         self.emitted = safe
+        return out
+
+    def feed_offsets(self, ids: Sequence[int]) -> list[int]:
+        """Feed ``ids`` (no stop strings); where each starts in :attr:`text`, the whole characters decoded before it
+        (a token inside an incomplete character starts where that character does): logprobs' ``text_offset``."""
+        out = []
+        for tok in ids:
+            out.append(len(self.text))
+            self.feed(int(tok))
         return out
 
     def flush(self) -> str:

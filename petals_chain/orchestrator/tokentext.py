@@ -1,12 +1,11 @@
 """Tokens as the OpenAI ``logprobs`` objects show them: each token's own bytes, its text, and where it starts in the
-returned text.
+returned text (that offset comes from the stream's incremental detokenizer, ``sampling.StopMatcher.feed_offsets``).
 
 A token decoded alone is not its part of the text: byte-level BPE splits rare characters (CJK, many emoji) over
 several tokens, each of which decodes alone to U+FFFD, and a SentencePiece tokenizer drops the leading space of a
 sequence's first word. So a token's ``bytes`` come from its vocabulary piece (byte-level: GPT-2's byte-to-character
 map undone; SentencePiece: ``▁`` is a space, ``<0xNN>`` one byte), its text is those bytes when they are whole
-UTF-8 and OpenAI's ``bytes:\\xNN`` form when they are not, and its ``text_offset`` comes from decoding the
-sequence incrementally (a token that only starts a character starts where that character does).
+UTF-8 and OpenAI's ``bytes:\\xNN`` form when they are not.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Sequence
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 SENTENCEPIECE_SPACE = "\u2581"  # "▁": SentencePiece's word start
-CONTEXT_TOKENS = 4  # tokens before a window that the decoder sees (leading spaces, merged bytes)
+CONTEXT_TOKENS = 4  # prompt tokens an incremental decoder starts from (leading spaces, merged bytes)
 MAX_CHARACTER_BYTES = 4  # UTF-8
 
 
@@ -89,44 +88,3 @@ class TokenText:
                 t = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
             self._text[token] = t
         return t
-
-    def offsets(self, ids: Sequence[int], context: Sequence[int] = ()) -> list[int]:
-        """Where each of ``ids`` starts in their text decoded after ``context`` (see :class:`TextOffsets`)."""
-        return TextOffsets(self.tokenizer, context).feed(ids)
-
-
-class TextOffsets:
-    """Where tokens start in their decoded text, fed in pieces (a stream's chunks): the length of the whole
-    characters decoded before each. Linear: the decoder sees only the tokens since the text last ended on a whole
-    character, after the run of tokens before them (its context: leading spaces, merged bytes)."""
-
-    def __init__(self, tokenizer, context: Sequence[int] = ()):
-        self.tokenizer = tokenizer
-        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self.ctx = context_tail(tokenizer, context)
-        self.base = self._decode(self.ctx)
-        self.pending: list[int] = []  # tokens since the text last ended on a whole character
-        self.done = 0  # characters final before ``pending``
-
-    def _decode(self, part: list[int]) -> str:
-        return self.tokenizer.decode(part, skip_special_tokens=True)
-
-    def feed(self, ids: Sequence[int]) -> list[int]:
-        out: list[int] = []
-        for tok in ids:
-            if self.pending:
-                text = self._decode(self.ctx + self.pending)[len(self.base):]
-                if text.endswith("\ufffd"):  # a character still incomplete: this token is inside it
-                    out.append(self.done + len(text.rstrip("\ufffd")))
-                    self.pending.append(int(tok))
-                    continue
-                self.done += len(text)
-                # whole characters, from a character's start; skipped special tokens alone are no context (after
-                # "</s>" alone a SentencePiece word lost its leading space)
-                if not all(t in self.special for t in self.pending):
-                    self.ctx = self.pending
-                self.base = self._decode(self.ctx)
-                self.pending = []
-            out.append(self.done)
-            self.pending.append(int(tok))
-        return out
