@@ -52,7 +52,8 @@ PROBE_TOKENS = (8, 64)  # a probe sequence's length, drawn in this range (a fixe
 
 @dataclass(frozen=True)
 class _Upstream:
-    """A later hop's history to rebuild from its tokens (:meth:`Auditor._upstream`)."""
+    """A hop's history to compute from its tokens (:meth:`Auditor._upstream`): a first hop's embeddings, or a later
+    hop's input rebuilt through the blocks before its span."""
 
     tokens: list[int]
 
@@ -149,7 +150,7 @@ class Auditor:
         if position == 0:
             history = None
         elif start == 0:
-            history = list(tokens[:position])
+            history = _Upstream(list(tokens[:position]))  # the token embeddings (no block before the span)
         else:
             history = inputs.get(start, position)
             if history is None:  # evicted, or a prefix reused from a cache was never relayed
@@ -275,9 +276,7 @@ class Auditor:
     async def _audit(self, peer: str, start: int, end: int, history: Any, x: torch.Tensor, position: int,
                      out: torch.Tensor) -> None:
         try:
-            if isinstance(history, list):
-                history = await self.orch.batcher.embed(history)
-            elif isinstance(history, _Upstream):
+            if isinstance(history, _Upstream):
                 history = await self._upstream(history.tokens, start, exclude=peer)
                 if history is None:
                     return

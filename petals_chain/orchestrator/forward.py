@@ -46,6 +46,17 @@ class SessionOwners(OrderedDict):
             self.popitem(last=False)
 
 
+def opened_session_id(status: int, body: bytes) -> Optional[str]:
+    """The id a session-open reply names (None: not a 200 naming one)."""
+    if status != 200:
+        return None
+    try:
+        sid = json.loads(body).get("session_id")
+    except (ValueError, AttributeError):
+        return None
+    return sid if isinstance(sid, str) else None
+
+
 class _Lost(Exception):
     """The other orchestrator stopped answering while a forwarded request waited for its reply."""
 
@@ -140,13 +151,8 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
             body = await upstream.aread()
         finally:
             await close()
-        owners = orch.groups.session_owners
-        try:
-            sid = json.loads(body).get("session_id") if upstream.status_code == 200 else None
-        except (ValueError, AttributeError):
-            sid = None
-        if isinstance(sid, str):
-            owners.remember(sid, url)
+        if (sid := opened_session_id(upstream.status_code, body)) is not None:
+            orch.groups.session_owners.remember(sid, url)
         reply_headers.pop("content-encoding", None)  # read, so decoded
         return Response(body, status_code=upstream.status_code, headers=reply_headers)
 

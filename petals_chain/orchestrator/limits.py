@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError
-from petals_chain.orchestrator.forward import forwardable
+from petals_chain.orchestrator.forward import forwardable, opened_session_id
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -385,11 +385,7 @@ class AdmissionLimits:
             elif message["type"] == "http.response.body" and status == 200:
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body", False):
-                    try:
-                        sid = json.loads(b"".join(chunks)).get("session_id")
-                    except (ValueError, AttributeError):
-                        sid = None
-                    if isinstance(sid, str):
+                    if (sid := opened_session_id(status, b"".join(chunks))) is not None:
                         self.sessions_of.setdefault(client, set()).add(sid)
             await send(message)
 
