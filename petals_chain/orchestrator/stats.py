@@ -101,8 +101,9 @@ class Stats:
                                   "servers' chain capacities count (mean declared length of recent jobs)", registry=r)
         self.m_servers = Gauge("petals_chain_servers", "Known servers by state", ["state"], registry=r)
         self.m_server_cache = Gauge("petals_chain_server_kv_cache_tokens", "KV cache tokens of a server over its "
-                                    "hosted blocks, as its record announces them (kind: total | free); server: its peer id, name: its "
-                                    "public name (names need not be unique)", ["server", "name", "kind"], registry=r)
+                                    "hosted blocks, as its record announces them (kind: total | free); server: its peer "
+                                    "id, name: its public name (names need not be unique)", ["server", "name", "kind"],
+                                    registry=r)
         self.m_server_step = Gauge("petals_chain_server_step_seconds", "A hop's time per decode step, as the relay "
                                    "observes it (EWMA): part compute (the server's own time for its blocks) | "
                                    "network (the rest of the hop's round trip); server: peer id, name: public name",
