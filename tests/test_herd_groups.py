@@ -354,7 +354,8 @@ def test_two_orchestrators_split_the_swarm_and_one_takes_over_when_the_other_die
 def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_model_factory, tmp_path, scaled):
     """One server, two orchestrators: one group is empty, and what its orchestrator receives is served by the
     other's group (one-shot and streamed, chat and sessions too), token-identical; a forwarded request is not
-    forwarded back; and a forwarded stream whose serving orchestrator is killed is finished by the survivor."""
+    forwarded back; and a forwarded stream whose serving orchestrator is killed is finished by the survivor for a client
+    that knows no other orchestrator."""
     import httpx
 
     from petals_chain.client import Client
@@ -405,16 +406,20 @@ def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_mode
         # a session opened through the empty orchestrator lives on the other, its turns too (it never ran)
         with Client(empty.url, timeout=120).session() as sess:
             assert sess.complete(input_ids=prompt, max_tokens=12, ignore_eos=True).token_ids == want.token_ids
-        # the orchestrator the stream was forwarded to dies mid-stream: the client (given both URLs, the survivor
-        # first) goes round them until the survivor, having taken the group over, serves it; the text is whole
+        # the orchestrator the stream was forwarded to dies mid-stream: an OpenAI client of the survivor (it knows
+        # no other URL) gets the whole text once, the survivor finishing the stream itself when it has the group
+        from openai import OpenAI
+
         long = Client(full.url).complete(prompt, max_tokens=80, ignore_eos=True)
-        client = Client([empty.url, full.url], timeout=120)
-        stream = client.stream(prompt, max_tokens=80, ignore_eos=True)
-        pieces = [next(stream)]
+        oai = OpenAI(base_url=f"{empty.url}/v1", api_key="none", max_retries=0, timeout=120)
+        stream = iter(oai.completions.create(model=name, prompt=prompt, max_tokens=80, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True}))
+        pieces = [next(stream).choices[0].text]
         os.killpg(full.orchestrator.popen.pid, signal.SIGKILL)
-        pieces.extend(stream)
-        assert "".join(pieces) == long.text and client.url == empty.url
-        assert empty.swarm()["measured"]["completed"] >= 1  # the survivor served the rest itself
+        chunks = list(stream)
+        pieces.extend(c.choices[0].text for c in chunks if c.choices)
+        assert "".join(pieces) == long.text and chunks[-1].choices[0].finish_reason == "length"
+        assert empty.swarm()["groups"]["resumed"] == 1 and empty.swarm()["measured"]["completed"] >= 1
     finally:
         if b is not None:
             b.stop()
@@ -552,7 +557,7 @@ def test_a_forward_waits_for_a_long_one_shot_reply_and_closes_a_cut_stream(monke
     """In-process, the other orchestrator a mock: (a) a one-shot reply's head comes only when its generation ends, so
     a forward that gave up after the queue timeout redid long generations here (the other still live); (b) a relayed
     stream the other orchestrator cuts off closes its response and client (the background task that closed them runs
-    only after a clean end)."""
+    only after a clean end), and ends with an error event when it samples without a seed."""
     import asyncio
     from types import SimpleNamespace as NS
 
@@ -614,10 +619,126 @@ def test_a_forward_waits_for_a_long_one_shot_reply_and_closes_a_cut_stream(monke
         req, scope, receive = request(b'{"prompt":"x","stream":true}')
         resp = await fw.maybe_forward(orch, req)
 
+        got = bytearray()
+
         async def send(message):
-            pass
-        with pytest.raises(httpx.ReadError):
-            await resp(scope, receive, send)
+            got.extend(message.get("body", b""))
+        await resp(scope, receive, send)  # sampled without a seed: it cannot be finished elsewhere, and says so
         assert sorted(closed) == ["client", "upstream"]
+        assert b'"code":"stream_cut"' in got and got.endswith(b"data: [DONE]\n\n")
 
     asyncio.run(main())
+
+
+def _chat_events(cid: str, pieces: list[str], end: bool = True) -> bytes:
+    import json
+
+    def ev(obj):
+        return f"data: {json.dumps(obj)}\n\n".encode()
+    out = ev({"id": cid, "created": 1, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                     "finish_reason": None}]})
+    for p in pieces:
+        out += ev({"id": cid, "created": 1, "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]})
+    if end:
+        out += ev({"id": cid, "created": 1, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        out += b"data: [DONE]\n\n"
+    return out
+
+
+@pytest.mark.parametrize("case", ["resumed", "resumed_after_a_refusal", "mismatch", "sampled"])
+def test_a_forwarded_stream_cut_off_is_finished_here_without_repeating_text(monkeypatch, case):
+    """In-process, the orchestrators mocks: the one a chat stream was forwarded to dies in its third piece of text; a
+    reproducible stream is run again where a chain is (here: ``local_url``; first refused with 503 in one case) and
+    the client gets each piece once, under the first run's id, ending with [DONE]; a rerun that gives another text
+    ends with an error event rather than a corrupted one; an unseeded sampled stream ends with an error event."""
+    import asyncio
+    import json
+    from types import SimpleNamespace as NS
+
+    import httpx
+    from starlette.requests import Request
+
+    import petals_chain.orchestrator.forward as fw
+
+    other, here = "http://other:8000", "http://127.0.0.1:9000"
+    real_client, calls = httpx.AsyncClient, []
+    full = ["Hel", "lo", " wor", "ld"]
+
+    class Cut(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            data = _chat_events("chatcmpl-first", full[:3], end=False)
+            yield data[:40]
+            yield data[40:-7]  # the third piece's event is cut off before its end
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    class Whole(httpx.AsyncByteStream):
+        def __init__(self, data: bytes):
+            self.data = data
+
+        async def __aiter__(self):
+            for k in range(0, len(self.data), 50):
+                yield self.data[k:k + 50]
+
+    def handler(req: httpx.Request):
+        calls.append((str(req.url.copy_with(path="/")), dict(req.headers)))
+        if req.url.host == "other":
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Cut())
+        if case == "resumed_after_a_refusal" and len(calls) == 2:
+            return httpx.Response(503, json={"error": {"message": "no chain"}})
+        pieces = ["Hel", "LO", " wor", "ld"] if case == "mismatch" else full
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=Whole(_chat_events("chatcmpl-rerun", pieces)))
+
+    class Client(real_client):
+        def __init__(self, **kw):
+            super().__init__(transport=httpx.MockTransport(handler), **kw)
+
+    monkeypatch.setattr(fw.httpx, "AsyncClient", Client)
+    monkeypatch.setattr(fw, "RESUME_PAUSE_S", 0.0)
+    orch = NS(dispatch=NS(chains=["a chain"], max_queue=None, queue_length=0), local_url=here,
+              groups=NS(me="me", forwarded=0, resumed=0, session_owners=fw.SessionOwners(), json=lambda: {"orchestrators": [
+                  {"peer_id": "other", "http_url": other, "live": True, "servers": 3, "arrival_rate": 0.0}]}))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4,
+            **({"temperature": 0.7} if case == "sampled" else {"temperature": 0})}
+    sent = [False]
+
+    async def receive():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await asyncio.sleep(3600)
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"authorization", b"Bearer k")],
+             "asgi": {"version": "3.0"}}
+    got = bytearray()
+
+    async def send(message):
+        got.extend(message.get("body", b""))
+
+    async def main():
+        orch.dispatch.chains = []  # no chain here when the request comes: forwarded
+        resp = await fw.maybe_forward(orch, Request(scope, receive))
+        orch.dispatch.chains = ["a chain"]  # this group has one by the time the other dies
+        await resp(scope, receive, send)
+
+    asyncio.run(main())
+    events = [e for e in bytes(got).decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    objs = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    if case == "sampled":
+        assert objs[-1]["error"]["code"] == "stream_cut" and len(calls) == 1
+        return
+    if case == "mismatch":
+        assert objs[-1]["error"]["code"] == "resume_mismatch" and objs[-1]["error"]["status"] == 502
+        assert "".join(o["choices"][0]["delta"].get("content", "") for o in objs[:-1]) == "Hello"
+        return
+    text = "".join(o["choices"][0]["delta"].get("content", "") for o in objs)
+    assert text == "".join(full)  # " wor" came cut off, so was not relayed before the cut: sent once, by the rerun
+    assert [o["choices"][0]["delta"].get("role") for o in objs].count("assistant") == 1
+    assert {o["id"] for o in objs} == {"chatcmpl-first"}
+    assert objs[-1]["choices"][0]["finish_reason"] == "length"
+    reruns = calls[1:]
+    assert all(url == here + "/" for url, _ in reruns) and len(reruns) == (2 if case == "resumed_after_a_refusal" else 1)
+    assert all(h[fw.FORWARDED_HEADER] == "me" and fw.is_resume(h) and h["authorization"] == "Bearer k"
+               for _, h in reruns)
+    assert not fw.is_resume({fw.RESUME_HEADER: "guessed"}) and orch.groups.resumed == 1

@@ -130,6 +130,13 @@ def test_per_key_inflight_and_session_limits(model_path, tmp_path):
         r4 = asyncio.create_task(c.post("/v1/completions", json=body(orch), headers=carol))
         await wait_queue(orch, 4)
         assert (await c.post("/v1/completions", json=body(orch), headers=carol)).status_code == 429
+        # this process finishing a cut forwarded stream of hers (already counted) gets past her cap; a forged one not
+        from petals_chain.orchestrator import forward as fw
+        forged = {**carol, fw.RESUME_HEADER: "a-guess"}
+        assert (await c.post("/v1/completions", json=body(orch), headers=forged)).status_code == 429
+        resumed = asyncio.create_task(c.post("/v1/completions", json=body(orch),
+                                             headers={**carol, fw.RESUME_HEADER: fw._RESUME_SECRET}))
+        await wait_queue(orch, 5)
         # Sessions: two per key by default, one for carol; a session answers only to its own key.
         ids = []
         for _ in range(2):
@@ -154,9 +161,9 @@ def test_per_key_inflight_and_session_limits(model_path, tmp_path):
         assert clients["alice"]["inflight"] == 2 and clients["alice"]["sessions"] == 2
         assert clients["carol"]["limits"]["max_concurrent"] == 1
         assert "alice-key" not in (await c.get("/api/v1/swarm")).text + (await c.get("/metrics")).text
-        for t in [*waiting, r2, r4]:
+        for t in [*waiting, r2, r4, resumed]:
             t.cancel()
-        await asyncio.gather(*waiting, r2, r4, return_exceptions=True)
+        await asyncio.gather(*waiting, r2, r4, resumed, return_exceptions=True)
         await wait_queue(orch, 0)
 
     run_with_api(model_path, fn, client_max_inflight=2, client_max_sessions=2, api_keys=str(keyfile))

@@ -332,9 +332,11 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
     port = sock.getsockname()[1]
     scheme = "https" if cfg.ssl_certfile else "http"
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else (cfg.public_ip or "127.0.0.1")
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(cfg.host, cfg.host)
     for o in orchs:
         o.cfg.port = port
         o.http_url = cfg.public_url or f"{scheme}://{host}:{port}"
+        o.local_url = f"{scheme}://{f'[{local}]' if ':' in local else local}:{port}"
     for o in orchs:
         print(f"Loading {o.cfg.model} (embeddings, final norm, LM head)...", flush=True)
         await asyncio.to_thread(o.load_model)

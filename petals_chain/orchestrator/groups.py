@@ -61,6 +61,7 @@ class GroupCoordinator:
         self.split: dict[str, str] = {}  # server -> orchestrator, the newest split seen
         self.epoch = 0  # of that split
         self.forwarded = 0  # requests sent on to another orchestrator (forward.py)
+        self.resumed = 0  # forwarded streams cut off there and finished from here
         self.session_owners = SessionOwners()  # sessions opened elsewhere through a forward: their orchestrator
         self._published_at = -float("inf")
         self._published: tuple | None = None
@@ -82,6 +83,7 @@ class GroupCoordinator:
         for o in self.split.values():
             sizes[o] = sizes.get(o, 0) + 1
         return {"me": self.me, "leader": self.leader, "epoch": self.epoch, "forwarded": self.forwarded,
+                "resumed": self.resumed,
                 "split_method": self.split_method,
                 "orchestrators": [{"peer_id": o, "http_url": self.urls.get(o, self.http_url() if o == self.me else ""),
                                    "arrival_rate": self.rates.get(o, 0.0), "servers": sizes.get(o, 0),

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError
-from petals_chain.orchestrator.forward import forwardable, opened_session_id
+from petals_chain.orchestrator.forward import forwardable, is_resume, opened_session_id
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -286,7 +286,7 @@ class AdmissionLimits:
             return await self._guard(send, scope, receive, send)
         mine = self.by_client.get(client, 0)
         cap = self.limits.inflight_limit(client)
-        if mine >= cap:
+        if mine >= cap and not is_resume(Headers(scope=scope)):  # a resume's request is already counted here
             return await self._reject(send, 429, "client_inflight_limit",
                                       f"this client already has {mine} requests running or queued (limit {cap})")
         per_minute = self.limits.tokens_per_minute(client)
