@@ -186,13 +186,14 @@ def _group_world(seen: dict, entries: dict, now: list, **kwargs):
     from petals_chain.orchestrator.planner import ServerView
 
     class Planner:
-        plan, arrival_rate, group = None, 1.0, None
+        plan, arrival_rate, group, refreshes = None, 1.0, None, 1
+        view = None  # the records this planner read, when not ``seen``
 
         def _model_spec(self):
             return MODEL
 
         def all_views(self):
-            return [ServerView(peer_id=p, record=r) for p, r in seen.items()]
+            return [ServerView(peer_id=p, record=r) for p, r in (seen if self.view is None else self.view).items()]
 
         def specs(self, views):
             return [ServerSpec(v.peer_id, float(v.record.memory_bytes), 0.01, 0.01) for v in views]
@@ -424,6 +425,43 @@ def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_mode
         if b is not None:
             b.stop()
         a.stop()
+
+
+def test_a_restarted_leader_splits_nothing_away_before_it_sees_the_servers():
+    """A leader restarted while the follower serves: before its planner reads any server record it published a
+    split of no servers (the follower's group emptied, its requests cut), then took the servers for itself. It now
+    splits only once it has read the records, keeps servers its young view lacks where they are, and drops a
+    server missing from its view only after ``ttl_s``."""
+    import asyncio
+
+    from test_failover_units import record
+
+    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
+    entries: dict = {}
+    now = [0.0]
+    coordinator, rounds = _group_world(seen, entries, now)
+
+    async def main():
+        leader, follower = coordinator("A", "B"), coordinator("B", "A")
+        await rounds(3, leader, follower)
+        before = dict(follower.split)
+        assert set(before) == set(seen) and follower.members() and leader.members()
+        entries.pop("A")  # the leader dies: its entry expires, the follower leads and takes every server
+        await rounds(8, follower)
+        assert follower.members() == set(seen)
+        before = dict(follower.split)
+        leader = coordinator("A", "B")  # restarted, smallest peer id: it leads again
+        leader.planner.refreshes, leader.planner.view = 0, {}
+        await rounds(3, leader, follower)
+        assert follower.split == before and follower.members() == set(seen)
+        leader.planner.refreshes, leader.planner.view = 1, {"s0": seen["s0"]}  # a first view, partial
+        await rounds(3, leader, follower)
+        assert follower.members() | leader.members() == set(seen)
+        leader.planner.view = {k: v for k, v in seen.items() if k != "s3"}  # s3 is gone for good
+        await rounds(8, leader, follower)
+        assert "s3" not in follower.split and follower.members() | leader.members() == {"s0", "s1", "s2"}
+
+    asyncio.run(main())
 
 
 def test_a_leader_back_from_a_silence_rebalances_the_split():

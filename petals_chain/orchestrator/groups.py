@@ -65,6 +65,7 @@ class GroupCoordinator:
         self.session_owners = SessionOwners()  # sessions opened elsewhere through a forward: their orchestrator
         self._published_at = -float("inf")
         self._published: tuple | None = None
+        self._view_since: float | None = None  # when the planner first read the servers' records (this clock)
 
     # ---- state ---------------------------------------------------------------------------------
     def live(self) -> list[str]:
@@ -115,8 +116,11 @@ class GroupCoordinator:
         num_blocks = spec.num_blocks if spec is not None else 1
         servers = self._servers()
         demand = {o: (self.planner.arrival_rate if o == self.me else self.rates.get(o, 0.0)) for o in live}
+        # A view only just read (this orchestrator restarted, its DHT node still joining) may lack servers the
+        # others see and serve: for ``ttl_s`` those keep their group instead of being split away.
+        young = self._view_since is None or self.clock() - self._view_since < self.ttl_s
         key = (tuple(live), tuple(sorted((s.peer_id, s.blocks) for s in servers)), num_blocks,
-               tuple(round(2 * math.log2(max(demand[o], 1e-3))) for o in live))
+               tuple(round(2 * math.log2(max(demand[o], 1e-3))) for o in live), young)
         if key == self._split_key:
             return self.split
         greedy = assign_server_groups(servers, demand, num_blocks, previous=self.split, margin=self.margin)
@@ -127,6 +131,9 @@ class GroupCoordinator:
             (ci, ti), (cg, tg) = (split_score(servers, demand, num_blocks, x) for x in (ilp, greedy))
             if (ci, ti * (1 + self.margin)) >= (cg, tg):
                 split, how = ilp, "ilp"
+        if young:
+            seen = {sv.peer_id for sv in servers}
+            split = {**{sv: o for sv, o in self.split.items() if sv not in seen and o in live}, **split}
         self._split_key, self.split_method = key, how
         return split
 
@@ -153,7 +160,11 @@ class GroupCoordinator:
             logger.info("orchestrator group leader: %s%s (live: %s)", leader[:12], " (this one)" if leader == self.me
                         else "", ", ".join(o[:12] for o in live))
             self.leader = leader
-        if leader == self.me:
+        if self._view_since is None and self.planner.refreshes > 0:
+            self._view_since = now
+        # a leader that has read no server record yet (just restarted) would split nothing: every server left
+        # the groups that serve with it until its first refresh
+        if leader == self.me and self._view_since is not None:
             split = await self.compute_split(live)
             if split != self.split or self.epoch == 0 or self.epoch < seen_epoch:
                 self.epoch = max(self.epoch, seen_epoch) + 1

@@ -186,6 +186,7 @@ class Planner:
         # Several orchestrators (orchestrator/groups.py): the servers of this one's group; None: every server.
         self.group: set[str] | None = None
         self.seen: dict[str, Any] = {}  # every server record of the last refresh, in this group or not
+        self.refreshes = 0  # refreshes done (0: nothing of the swarm read yet)
         # Several models (orchestrator/placement.py): ``placed(peer_id, record)`` says whether a server is placed on
         # this model; None: a server is ours unless it serves another of the models it offers.
         self.placed: Callable[[str, Any], bool] | None = None
@@ -634,6 +635,7 @@ class Planner:
                     refused[peer_id] = records.pop(peer_id)
             self.refused = refused
             self.seen = dict(records)
+            self.refreshes += 1
             if self.group is not None:  # another orchestrator's servers are not ours to plan: as if absent
                 records = {p: r for p, r in records.items() if p in self.group}
             if self.placed is not None:  # a server placed on another model is not ours either
