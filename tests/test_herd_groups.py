@@ -697,6 +697,7 @@ def test_a_forwarded_stream_cut_off_is_finished_here_without_repeating_text(monk
     from starlette.requests import Request
 
     import petals_chain.orchestrator.forward as fw
+    import petals_chain.orchestrator.resume as resume
 
     other, here = "http://other:8000", "http://127.0.0.1:9000"
     real_client, calls = httpx.AsyncClient, []
@@ -732,7 +733,7 @@ def test_a_forwarded_stream_cut_off_is_finished_here_without_repeating_text(monk
             super().__init__(transport=httpx.MockTransport(handler), **kw)
 
     monkeypatch.setattr(fw.httpx, "AsyncClient", Client)
-    monkeypatch.setattr(fw, "RESUME_PAUSE_S", 0.0)
+    monkeypatch.setattr(resume, "RESUME_PAUSE_S", 0.0)
     orch = NS(dispatch=NS(chains=["a chain"], max_queue=None, queue_length=0), local_url=here,
               groups=NS(me="me", forwarded=0, resumed=0, session_owners=fw.SessionOwners(), json=lambda: {"orchestrators": [
                   {"peer_id": "other", "http_url": other, "live": True, "servers": 3, "arrival_rate": 0.0}]}))
@@ -777,6 +778,6 @@ def test_a_forwarded_stream_cut_off_is_finished_here_without_repeating_text(monk
     assert objs[-1]["choices"][0]["finish_reason"] == "length"
     reruns = calls[1:]
     assert all(url == here + "/" for url, _ in reruns) and len(reruns) == (2 if case == "resumed_after_a_refusal" else 1)
-    assert all(h[fw.FORWARDED_HEADER] == "me" and fw.is_resume(h) and h["authorization"] == "Bearer k"
+    assert all(h[fw.FORWARDED_HEADER] == "me" and resume.is_resume(h) and h["authorization"] == "Bearer k"
                for _, h in reruns)
-    assert not fw.is_resume({fw.RESUME_HEADER: "guessed"}) and orch.groups.resumed == 1
+    assert not resume.is_resume({resume.RESUME_HEADER: "guessed"}) and orch.groups.resumed == 1

@@ -131,11 +131,11 @@ def test_per_key_inflight_and_session_limits(model_path, tmp_path):
         await wait_queue(orch, 4)
         assert (await c.post("/v1/completions", json=body(orch), headers=carol)).status_code == 429
         # this process finishing a cut forwarded stream of hers (already counted) gets past her cap; a forged one not
-        from petals_chain.orchestrator import forward as fw
-        forged = {**carol, fw.RESUME_HEADER: "a-guess"}
+        from petals_chain.orchestrator import resume
+        forged = {**carol, resume.RESUME_HEADER: "a-guess"}
         assert (await c.post("/v1/completions", json=body(orch), headers=forged)).status_code == 429
         resumed = asyncio.create_task(c.post("/v1/completions", json=body(orch),
-                                             headers={**carol, fw.RESUME_HEADER: fw._RESUME_SECRET}))
+                                             headers={**carol, **resume.resume_headers()}))
         await wait_queue(orch, 5)
         # Sessions: two per key by default, one for carol; a session answers only to its own key.
         ids = []

@@ -5,22 +5,21 @@ A forwarded request carries :data:`FORWARDED_HEADER` and is never forwarded agai
 or not, is passed back as the other orchestrator sent it (status, body and headers), with :data:`SERVED_BY_HEADER`
 naming it. If the other orchestrator cannot be reached, or stops refreshing its group record while the request
 waits, this one handles the request itself (and answers 503 or 429 as it would have). A streamed completion the other
-orchestrator cuts off mid-way (it died) is finished from here when its output is reproducible (greedy, or seeded): run
-again here once this group has a chain (or on a third orchestrator), its events relayed without the text the client
-already has, so an OpenAI client of this orchestrator sees one whole stream (:class:`_Delivered`). A session opened
-through a forward lives on the other orchestrator: its later calls here are forwarded there (:attr:`SessionOwners`).
+orchestrator cuts off mid-way (it died, or stopped refreshing its group record while the stream was silent) is finished
+from here when its output is reproducible: run again here once this group has a chain (or on a third orchestrator),
+its events relayed without what the client already has, so an OpenAI client of this orchestrator sees one whole
+stream (resume.py). A session opened through a forward lives on the other orchestrator: its later calls here are
+forwarded there (:attr:`SessionOwners`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import secrets
 import time
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, Callable, Optional
 
 import httpx
 from fastapi import Request
@@ -29,7 +28,7 @@ from starlette.background import BackgroundTask
 
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
-from petals_chain.orchestrator.sampling import GREEDY_BELOW_TEMPERATURE
+from petals_chain.orchestrator.resume import Cut, StreamRecord, finish, relay_events
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +40,6 @@ _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-api-key")
 _REPLY_HEADERS_DROPPED = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
                           "upgrade", "trailer", "te", "proxy-authenticate", "proxy-authorization"}
 MAX_SESSION_OWNERS = 10_000
-RESUME_S = 60.0  # how long a cut forwarded stream looks for somewhere to finish (a lost group moves within ~30 s)
-RESUME_PAUSE_S = 1.0  # between its tries
-# A stream this process resumes on itself is already counted in its client's requests under way: the header, with a
-# secret only this process knows, lets it past the per-client cap once more (limits.py); forged, it is ignored.
-RESUME_HEADER = "x-petals-chain-resume"
-_RESUME_SECRET = secrets.token_urlsafe(24)
-_RESUMABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class SessionOwners(OrderedDict):
@@ -124,11 +116,6 @@ def _best_peer(orch: Any, avoid: str = "") -> Optional[str]:
     return best["http_url"]
 
 
-def is_resume(headers: Any) -> bool:
-    """Whether a request is this process resuming a cut forwarded stream on itself (see :data:`RESUME_HEADER`)."""
-    return hmac.compare_digest(headers.get(RESUME_HEADER, ""), _RESUME_SECRET)
-
-
 def forwardable(orch: Any, headers: Any) -> bool:
     """Whether a request with these headers would be forwarded now (the limits' early refusals let it through)."""
     return FORWARDED_HEADER not in headers and forward_target(orch) is not None
@@ -142,6 +129,7 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     url = url or forward_target(orch)
     if url is None:
         return None
+    arrived = time.monotonic()
     headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
     headers[FORWARDED_HEADER] = orch.groups.me
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
@@ -182,10 +170,10 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
         return Response(body, status_code=upstream.status_code, headers=reply_headers)
 
     body = await request.body()
-    delivered = _Delivered.of(request, body, upstream)
+    record = StreamRecord.of(request.method, request.url.path, body, upstream.status_code, upstream.headers, arrived)
 
     async def relay():
-        if delivered is None:
+        if record is None:
             try:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
@@ -193,18 +181,28 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
                 await close()
             return
         try:  # whole events only: a cut never leaves half of one with the client
-            async for event in _events(upstream.aiter_raw()):
-                if (out := delivered.take(event)) is not None:
-                    yield out
+            async for out in relay_events(record, upstream.aiter_raw(), lambda: _live(orch, url)):
+                yield out
             cut = "its stream ended early"
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, Cut) as e:
             cut = f"{type(e).__name__}: {e}"
         finally:
             await close()
-        if not delivered.finished:
-            logger.warning("the stream forwarded to %s was cut off (%s): finishing it here", url, cut)
-            async for out in _resume(orch, request.url.path, body, headers, delivered, url):
-                yield out
+        if record.finished:
+            return
+        logger.warning("the stream forwarded to %s was cut off (%s): finishing it here", url, cut)
+
+        def where(local_refused: bool) -> tuple[Optional[str], bool]:
+            here = getattr(orch, "local_url", None) if orch.dispatch.chains else None
+            peer = _best_peer(orch, avoid=url)
+            if here is not None and not (local_refused and peer is not None):
+                return here, True
+            return peer, False
+
+        async for out in finish(record, request.url.path, headers, where, lambda u: _live(orch, u), url):
+            yield out
+        if record.finished_by is not None:
+            orch.groups.resumed += 1
 
     return StreamingResponse(relay(), status_code=upstream.status_code, headers=reply_headers,
                              background=BackgroundTask(close))
@@ -239,183 +237,3 @@ async def forward_session_call(orch: Any, request: Request, session_id: str) -> 
     if reply is not None and request.method == "DELETE":
         groups.session_owners.pop(session_id, None)
     return reply
-
-
-async def _events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Whole server-sent events (each with its blank-line end) from a byte stream; a partial last one is dropped."""
-    buf = b""
-    async for chunk in chunks:
-        buf += chunk.replace(b"\r\n", b"\n")
-        while (end := buf.find(b"\n\n")) >= 0:
-            yield buf[:end + 2]
-            buf = buf[end + 2:]
-
-
-class _Delivered:
-    """What a relayed completion stream gave its client: each choice's text so far, and whether it ended (its
-    ``[DONE]`` or an error event). A run of the same request elsewhere goes through :meth:`take` too: its events are
-    passed on without the text already delivered (checked equal: a reproducible output repeats), under the first
-    run's id."""
-
-    def __init__(self) -> None:
-        self.text: dict[int, str] = {}  # choice index -> text delivered
-        self.opened: set[int] = set()  # choices with an event delivered (a chat stream's role event comes once)
-        self.ended: set[int] = set()  # choices whose finish_reason was delivered
-        self.at: dict[int, int] = {}  # this run: choice index -> characters of its text seen so far
-        self.head: dict[str, Any] = {}  # the first run's id and created time
-        self.rerun = False  # events now come from a run of the request elsewhere
-        self.reproducible = False
-        self.finished = False
-
-    @classmethod
-    def of(cls, request: Request, body: bytes, upstream: httpx.Response) -> Optional["_Delivered"]:
-        """A tracker when this forwarded reply is a stream that could be run again to the same text, else None."""
-        if (request.method != "POST" or request.url.path.rstrip("/") not in _RESUMABLE_PATHS
-                or upstream.status_code != 200 or "content-encoding" in upstream.headers
-                or not upstream.headers.get("content-type", "").startswith("text/event-stream")):
-            return None
-        try:
-            req = json.loads(body)
-            if not isinstance(req, dict) or req.get("stream") is not True:
-                return None
-            greedy = float(req.get("temperature", 1.0)) < GREEDY_BELOW_TEMPERATURE or float(req.get("top_p", 1.0)) == 0
-        except (ValueError, TypeError):
-            return None
-        tracker = cls()
-        tracker.reproducible = greedy or req.get("seed") is not None
-        return tracker
-
-    def restart(self) -> None:
-        """Another run of the request begins: its text is matched against what was delivered from the start."""
-        self.at = {}
-        self.rerun = True
-
-    def take(self, event: bytes) -> Optional[bytes]:
-        """The event to pass on (trimmed of text the client has), or None; raises :class:`_Mismatch`."""
-        payload = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
-        if payload == b"[DONE]":
-            self.finished = True
-            return event
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            return None if self.rerun else event  # comments and keep-alives: the first run's only
-        if not isinstance(obj, dict):
-            return None if self.rerun else event
-        if "error" in obj:
-            self.finished = True
-            return event
-        if not self.head:
-            self.head = {k: obj[k] for k in ("id", "created") if k in obj}
-        kept = [c for c in obj.get("choices") or [] if isinstance(c, dict) and self._trim(c)]
-        if not self.rerun:
-            return event
-        if not kept and not obj.get("usage"):
-            return None
-        return _sse_bytes({**obj, **self.head, "choices": kept})
-
-    def _trim(self, choice: dict) -> bool:
-        """Cut from ``choice`` the text already delivered; whether anything of it is left to send."""
-        i = choice.get("index", 0)
-        delta = choice.get("delta")
-        holder, key = (delta, "content") if isinstance(delta, dict) else (choice, "text")
-        text = holder.get(key) or ""
-        at, have = self.at.get(i, 0), self.text.get(i, "")
-        seen = min(len(text), max(0, len(have) - at))
-        if text[:seen] != have[at:at + seen]:
-            raise _Mismatch(f"choice {i}: the run here gave {text[:seen]!r} where the client had {have[at:at + seen]!r}")
-        self.at[i] = at + len(text)
-        self.text[i] = have + text[seen:]
-        ends = choice.get("finish_reason") is not None
-        if self.rerun:
-            if i in self.ended or (not text[seen:] and not ends and i in self.opened):
-                return False  # all of it delivered (a chat stream's role event, an end) by the run before
-            if seen:
-                holder[key] = text[seen:]
-                if choice.get("logprobs"):
-                    choice["logprobs"] = None  # an event cut in two: its tokens' logprobs cannot split by characters
-        self.opened.add(i)
-        if ends:
-            self.ended.add(i)
-        return True
-
-
-class _Mismatch(Exception):
-    """A run of a request elsewhere did not repeat the text the client already has."""
-
-
-def _sse_bytes(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
-def _error_event(status: int, code: str, message: str) -> bytes:
-    return _sse_bytes({"error": {"message": message, "type": "server_error", "param": None, "code": code,
-                                 "status": status}}) + b"data: [DONE]\n\n"
-
-
-def _resume_target(orch: Any, lost: str) -> tuple[Optional[str], bool]:
-    """Where to run a cut stream again now: ``(url, is_this_orchestrator)``; this one once its group has a chain."""
-    if orch.dispatch.chains and getattr(orch, "local_url", None):
-        return orch.local_url, True
-    return _best_peer(orch, avoid=lost), False
-
-
-async def _resume(orch: Any, path: str, body: bytes, headers: dict, delivered: _Delivered,
-                  lost: str) -> AsyncIterator[bytes]:
-    """The rest of a forwarded stream cut off by ``lost``: the request run again (here, or on another orchestrator)
-    for up to :data:`RESUME_S`, relayed through ``delivered``; an error event if it cannot be finished."""
-    if not delivered.reproducible:
-        yield _error_event(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost, and the "
-                                              "stream cannot be finished elsewhere: it samples without a seed")
-        return
-    give_up = time.monotonic() + RESUME_S
-    why = "no orchestrator with a chain"
-    while True:
-        url, here = _resume_target(orch, lost)
-        if url is not None:
-            sent = {**headers, FORWARDED_HEADER: orch.groups.me, **({RESUME_HEADER: _RESUME_SECRET} if here else {})}
-            delivered.restart()
-            try:
-                async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), verify=not here) as client:
-                    async with client.stream("POST", url.rstrip("/") + path, content=body, headers=sent) as r:
-                        if r.status_code != 200:
-                            reply = await r.aread()
-                            if r.status_code not in (429, 502, 503, 504):
-                                yield _error_event(r.status_code, "resume_refused", "the stream was cut off and its "
-                                                   f"rerun at {url} was refused: {reply[:300].decode(errors='replace')}")
-                                return
-                            why = f"{url}: HTTP {r.status_code}"
-                        else:
-                            async for event in _events(r.aiter_raw()):
-                                if _unavailable_event(event):  # that group lost its chain too: try again
-                                    why = f"{url}: no chain"
-                                    break
-                                if (out := delivered.take(event)) is not None:
-                                    yield out
-                                if delivered.finished:
-                                    logger.info("a cut forwarded stream was finished by %s", url)
-                                    orch.groups.resumed += 1
-                                    return
-            except _Mismatch as e:
-                logger.error("a cut forwarded stream could not be finished: %s", e)
-                yield _error_event(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
-                                                            f"than the one already sent ({e})")
-                return
-            except httpx.HTTPError as e:
-                why = f"{url}: {type(e).__name__}: {e}"
-        if time.monotonic() >= give_up:
-            yield _error_event(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
-                                                  f"no other could finish it within {RESUME_S:.0f} s ({why})")
-            return
-        await asyncio.sleep(RESUME_PAUSE_S)
-
-
-def _unavailable_event(event: bytes) -> bool:
-    """Whether an event is a 503 error (the run found no chain), which another try may get past."""
-    if b'"error"' not in event:
-        return False
-    try:
-        err = json.loads(event.split(b"data:", 1)[1]).get("error") or {}
-    except (ValueError, IndexError, AttributeError):
-        return False
-    return err.get("status") == 503

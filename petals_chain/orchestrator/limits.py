@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError
-from petals_chain.orchestrator.forward import forwardable, is_resume, opened_session_id
+from petals_chain.orchestrator.forward import forwardable, opened_session_id
+from petals_chain.orchestrator.resume import is_resume
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]

@@ -1,0 +1,373 @@
+"""Finishing a streamed completion that another orchestrator cut off (forward.py relays it; that one died).
+
+A stream whose output is reproducible (greedy, ``top_k`` 1, or seeded) is run again where a chain is (this
+orchestrator once its group has one, or a third), and the rerun's events are passed on without what the client
+already has: each choice's text and logprob entries are counted as they are delivered, the rerun's are checked
+against them, and only what is new goes on, under the first run's id. A rerun that does not repeat the text ends
+the stream with an error event (``resume_mismatch``) rather than a corrupted text; a stream that samples without a
+seed ends with one (``stream_cut``) at once. The deadline a client gave keeps counting from its first arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import secrets
+import time
+from typing import Any, AsyncIterator, Callable, Optional
+
+import httpx
+
+from petals_chain.orchestrator.sampling import GREEDY_BELOW_TEMPERATURE
+
+logger = logging.getLogger(__name__)
+
+RESUME_S = 60.0  # how long a cut stream looks for somewhere to finish (a lost group moves within ~30 s)
+RESUME_PAUSE_S = 1.0  # between its tries
+TICK_S = 1.0  # how often a silent stream checks that the orchestrator sending it is alive
+KEEPALIVE_S = 10.0  # an SSE comment to the client after this long without a byte (proxies drop idle streams)
+# A stream this process reruns on itself is already counted in its client's requests under way: the header, with a
+# secret only this process knows, lets it past the per-client cap once more (limits.py); forged, it is ignored.
+RESUME_HEADER = "x-petals-chain-resume"
+_RESUME_SECRET = secrets.token_urlsafe(24)
+RESUMABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+_DONE = b"data: [DONE]\n\n"
+_KEEPALIVE = b": waiting to finish this stream\n\n"
+
+
+def resume_headers() -> dict[str, str]:
+    """The header marking a rerun on this process (never sent to another orchestrator)."""
+    return {RESUME_HEADER: _RESUME_SECRET}
+
+
+def is_resume(headers: Any) -> bool:
+    """Whether a request is this process rerunning a cut stream on itself (see :data:`RESUME_HEADER`)."""
+    return hmac.compare_digest(str(headers.get(RESUME_HEADER, "")).encode(), _RESUME_SECRET.encode())
+
+
+class Cut(Exception):
+    """The orchestrator sending a stream stopped refreshing its group record while the stream was silent."""
+
+
+class _Mismatch(Exception):
+    """A rerun did not repeat what the client already has."""
+
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Whole server-sent events (LF line ends, each with its blank-line end) from a byte stream; a partial last one
+    is dropped."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        while (m := _EVENT_END.search(buf)) is not None:
+            yield buf[:m.start()].replace(b"\r\n", b"\n") + b"\n\n"
+            buf = buf[m.end():]
+
+
+async def ticking(items: AsyncIterator[Any], every: float = TICK_S) -> AsyncIterator[Any]:
+    """``items``, with a None each ``every`` seconds none comes (so a caller can look around while it waits)."""
+    it = items.__aiter__()
+    pending: Optional[asyncio.Future] = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+
+
+def _num(value: Any, default: float) -> float:
+    return default if value is None else float(value)
+
+
+def _lp_entries(lp: Any) -> Optional[list]:
+    """A choice's logprob entries in stream order (completions: ``tokens``; chat: ``content``), or None."""
+    if not isinstance(lp, dict):
+        return None
+    entries = lp.get("tokens") if "tokens" in lp else lp.get("content")
+    return entries if isinstance(entries, list) else None
+
+
+def _lp_from(lp: dict, k: int) -> dict:
+    """``lp`` without its first ``k`` entries (every per-token list cut alike)."""
+    if "tokens" in lp:
+        return {key: (v[k:] if isinstance(v, list) else v) for key, v in lp.items()}
+    return {**lp, "content": lp["content"][k:]}
+
+
+class StreamRecord:
+    """What a relayed completion stream gave its client, to finish it elsewhere without repeating any of it."""
+
+    def __init__(self, body: dict, arrived: float) -> None:
+        self.n = int(_num(body.get("n"), 1))
+        opts = body.get("stream_options")
+        self.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        greedy = (_num(body.get("temperature"), 1.0) < GREEDY_BELOW_TEMPERATURE or _num(body.get("top_p"), 1.0) == 0
+                  or body.get("top_k") == 1)
+        self.reproducible = greedy or body.get("seed") is not None
+        self.body = body
+        self.arrived = arrived  # monotonic, at this orchestrator: a deadline counts from here
+        self.text: dict[int, str] = {}  # choice index -> text delivered
+        self.lps: dict[int, int] = {}  # choice index -> logprob entries delivered
+        self.opened: set[int] = set()  # choices with an event delivered (a chat stream's role event comes once)
+        self.ended: set[int] = set()  # choices whose finish_reason was delivered
+        self.usage_sent = False
+        self.head: dict[str, Any] = {}  # the first run's id and created time
+        self.rerun = False  # events now come from a run of the request elsewhere
+        self.at: dict[int, int] = {}  # this run: characters of each choice's text seen
+        self.lp_at: dict[int, int] = {}  # this run: logprob entries of each choice seen
+        self.finished = False  # [DONE] or an error event delivered
+        self.finished_by: Optional[str] = None  # the URL of the rerun that finished it
+
+    @classmethod
+    def of(cls, method: str, path: str, body: bytes, status: int, headers: Any,
+           arrived: float) -> Optional["StreamRecord"]:
+        """A record when this reply is a completion stream the relay understands, else None (relayed as bytes)."""
+        if (method != "POST" or path.rstrip("/") not in RESUMABLE_PATHS or status != 200
+                or "content-encoding" in headers or not headers.get("content-type", "").startswith("text/event-stream")):
+            return None
+        try:
+            req = json.loads(body)
+            if not isinstance(req, dict) or req.get("stream") is not True:
+                return None
+            return cls(req, arrived)
+        except (ValueError, TypeError):
+            return None
+
+    @property
+    def complete(self) -> bool:
+        """Every choice ended (and the usage event came, if asked for): only ``[DONE]`` is missing."""
+        return len(self.ended) >= self.n and (self.usage_sent or not self.include_usage)
+
+    def restart(self) -> None:
+        """A rerun begins: its events are matched against what was delivered from the start."""
+        self.at, self.lp_at, self.rerun = {}, {}, True
+
+    def take(self, event: bytes) -> Optional[bytes]:
+        """The event to pass on (of a rerun: without what the client has), or None; raises :class:`_Mismatch`."""
+        payload = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+        if payload == b"[DONE]":
+            self.finished = True
+            return event
+        try:
+            obj = json.loads(payload)
+            if not isinstance(obj, dict):
+                raise ValueError("not an object")
+            if "error" in obj:
+                self.finished = True
+                return event
+            if not self.head:
+                self.head = {k: obj[k] for k in ("id", "created") if k in obj}
+            choices = obj.get("choices") or []
+            kept = [c for c in choices if isinstance(c, dict) and self._trim(c)]
+            usage = obj.get("usage") is not None
+            if usage and self.rerun and self.usage_sent:
+                obj = {**obj, "usage": None}
+                usage = False
+            self.usage_sent |= usage
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError):  # not ours to understand
+            return None if self.rerun else event
+        if not self.rerun:
+            return event
+        if not kept and not usage:
+            return None
+        return _sse_bytes({**obj, **self.head, "choices": kept})
+
+    def _trim(self, choice: dict) -> bool:
+        """Cut from ``choice`` what was already delivered (text and logprob entries); whether any of it goes on."""
+        i = choice.get("index", 0)
+        delta = choice.get("delta")
+        holder, key = (delta, "content") if isinstance(delta, dict) else (choice, "text")
+        text = holder.get(key) or ""
+        at, have = self.at.get(i, 0), self.text.get(i, "")
+        seen = min(len(text), max(0, len(have) - at))
+        if text[:seen] != have[at:at + seen]:
+            raise _Mismatch(f"choice {i}: the rerun gave {text[:seen]!r} where the client had {have[at:at + seen]!r}")
+        self.at[i] = at + len(text)
+        self.text[i] = have + text[seen:]
+        entries = _lp_entries(choice.get("logprobs"))
+        n_lp = len(entries) if entries is not None else 0
+        lp_at, lp_have = self.lp_at.get(i, 0), self.lps.get(i, 0)
+        old_lp = min(n_lp, max(0, lp_have - lp_at))
+        self.lp_at[i] = lp_at + n_lp
+        self.lps[i] = lp_have + n_lp - old_lp
+        ends = choice.get("finish_reason") is not None
+        if self.rerun:
+            if ends and self.at[i] < len(self.text[i]):
+                raise _Mismatch(f"choice {i}: the rerun ended after {self.at[i]} characters; the client had "
+                                f"{len(self.text[i])}")
+            new = bool(text[seen:]) or n_lp > old_lp or (ends and i not in self.ended) or i not in self.opened
+            if not new:
+                return False
+            if seen:
+                holder[key] = text[seen:]
+            if old_lp:
+                choice["logprobs"] = _lp_from(choice["logprobs"], old_lp)
+            if ends and i in self.ended:
+                choice["finish_reason"] = None
+        self.opened.add(i)
+        if ends:
+            self.ended.add(i)
+        return True
+
+    def rerun_body(self) -> bytes:
+        """The request to run again: its deadlines shortened by the time already gone (the TTFT one dropped once a
+        token was delivered); raises :class:`_Expired` when one has passed."""
+        body = dict(self.body)
+        gone_ms = (time.monotonic() - self.arrived) * 1000.0
+        for field in ("deadline_ms", "ttft_deadline_ms"):
+            ms = body.get(field)
+            if ms is None:
+                continue
+            if field == "ttft_deadline_ms" and any(self.text.values()):
+                body.pop(field)  # its first token is with the client: met or missed already
+                continue
+            left = float(ms) - gone_ms
+            if left <= 0:
+                raise _Expired(field)
+            body[field] = left
+        return json.dumps(body).encode()
+
+
+class _Expired(Exception):
+    """A deadline of the stream passed before a rerun could start."""
+
+
+def _sse_bytes(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def error_event(status: int, code: str, message: str, type_: str = "server_error") -> bytes:
+    return _sse_bytes({"error": {"message": message, "type": type_, "param": None, "code": code,
+                                 "status": status}}) + _DONE
+
+
+def _error_of(event: bytes) -> Optional[dict]:
+    """An error event's error object, or None."""
+    if b'"error"' not in event:
+        return None
+    try:
+        err = json.loads(event.split(b"data:", 1)[1]).get("error")
+    except (ValueError, IndexError, AttributeError):
+        return None
+    return err if isinstance(err, dict) else None
+
+
+async def relay_events(record: StreamRecord, chunks: AsyncIterator[bytes],
+                       alive: Callable[[], bool]) -> AsyncIterator[bytes]:
+    """``chunks``' whole events through ``record``; raises :class:`Cut` if the sender stops being ``alive()``
+    while its stream is silent (its host gone with the connection open)."""
+    async for event in ticking(sse_events(chunks)):
+        if event is None:
+            if not alive():
+                raise Cut("it no longer refreshes its group record")
+            continue
+        if (out := record.take(event)) is not None:
+            yield out
+
+
+async def finish(record: StreamRecord, path: str, headers: dict,
+                 where: Callable[[bool], tuple[Optional[str], bool]], alive: Callable[[str], bool],
+                 lost: str) -> AsyncIterator[bytes]:
+    """The rest of a stream cut off by ``lost``. ``where(local_refused)`` names where to rerun it now, ``(url,
+    on_this_process)`` (after this process refused it, somewhere else if there is somewhere); ``alive(url)``: whether
+    another orchestrator still refreshes its group record. Tries for up to :data:`RESUME_S`."""
+    if record.complete:  # cut between its last event and [DONE]
+        yield _DONE
+        return
+    if not record.reproducible:
+        yield error_event(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost, and the "
+                                             "stream cannot be finished elsewhere: it samples without a seed")
+        return
+    give_up = time.monotonic() + RESUME_S
+    why, local_refused, quiet_since = "no orchestrator with a chain", False, time.monotonic()
+    while True:
+        url, here = where(local_refused)
+        if url is not None:
+            sent = {**headers, **(resume_headers() if here else {})}
+            try:
+                body = record.rerun_body()
+            except _Expired as e:
+                yield error_event(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
+                                                            f"elsewhere (its orchestrator {lost} was lost)")
+                return
+            record.restart()
+            try:
+                async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), verify=not here) as client:
+                    async with client.stream("POST", url.rstrip("/") + path, content=body, headers=sent) as r:
+                        if r.status_code != 200:
+                            reply = await r.aread()
+                            code = _reply_code(reply)
+                            if r.status_code not in (429, 502, 503, 504) or code == "deadline_unreachable":
+                                yield error_event(r.status_code, code or "resume_refused", "the stream was cut off "
+                                                  f"and its rerun at {url} was refused: "
+                                                  f"{reply[:300].decode(errors='replace')}", "invalid_request_error"
+                                                  if r.status_code < 500 else "server_error")
+                                return
+                            why, local_refused = f"{url}: HTTP {r.status_code} {code}", here
+                        else:
+                            local_refused = False
+                            async for event in ticking(sse_events(r.aiter_raw())):
+                                if event is None:
+                                    if not here and not alive(url):
+                                        raise Cut(f"{url} no longer refreshes its group record")
+                                    if time.monotonic() - quiet_since >= KEEPALIVE_S:
+                                        quiet_since = time.monotonic()
+                                        yield _KEEPALIVE
+                                    continue
+                                err = _error_of(event)
+                                if err is not None and err.get("status") == 503:  # that group lost its chain too
+                                    why = f"{url}: {err.get('message', 'unavailable')}"
+                                    break
+                                if (out := record.take(event)) is not None:
+                                    quiet_since = time.monotonic()
+                                    yield out
+                                if record.finished:
+                                    if err is None:
+                                        record.finished_by = url
+                                        logger.info("a cut forwarded stream was finished by %s", url)
+                                    return
+                            else:
+                                why = f"{url}: its stream ended early"
+            except _Mismatch as e:
+                logger.error("a cut forwarded stream could not be finished: %s", e)
+                yield error_event(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
+                                                          f"than the one already sent ({e})")
+                return
+            except (httpx.HTTPError, Cut) as e:
+                why = f"{url}: {type(e).__name__}: {e}"
+            if record.complete:
+                yield _DONE
+                return
+        if time.monotonic() >= give_up:
+            yield error_event(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
+                                                 f"no other could finish it within {RESUME_S:.0f} s ({why})")
+            return
+        if time.monotonic() - quiet_since >= KEEPALIVE_S:
+            quiet_since = time.monotonic()
+            yield _KEEPALIVE
+        await asyncio.sleep(RESUME_PAUSE_S)
+
+
+def _reply_code(reply: bytes) -> str:
+    try:
+        err = json.loads(reply).get("error") or {}
+        return str(err.get("code") or "")
+    except (ValueError, AttributeError):
+        return ""
