@@ -10,7 +10,8 @@ clients must see nothing. Clients, all greedy over token-id prompts (every outpu
 * the Python client given both URLs (streams and one-shot completions): none of its requests may fail.
 
 The killed orchestrator is restarted at once (same identity and ports) and forwards from then on; the next round
-kills the other one.
+kills the other one. With ``--freeze`` every second round SIGSTOPs it instead (its host gone with its connections
+open: nothing tells the survivor's relays, only its group record going stale), and kills it once the group moved.
 
     python scripts/herd_failover.py --json                 # 3 rounds, ~4 min
     python scripts/herd_failover.py --rounds 1 --json      # ~1.5 min
@@ -156,6 +157,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--settle-s", type=float, default=8.0, help="load before each kill and after each restart")
     p.add_argument("--streams", type=int, default=2, help="single-URL streaming clients per orchestrator")
     p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--freeze", action="store_true", help="every second round SIGSTOPs the orchestrator instead "
+                   "(a host gone with its connections open), killing it only after the group moved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", action="store_true")
@@ -180,10 +183,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return ["--identity-path", str(ids[me]), "--group-with", peer[other], *group,
                 "--host-maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}", "--port", str(free_port())]
 
+    base = {"a": orch_args("a", "b"), "b": orch_args("b", "a")}  # fixed identities and ports
     logs = Path(args.log_dir) if args.log_dir else root / "logs"
     server = LocalServer("s0", memory_for(model, max_length, 4, 4), tau_p=0.01, emulate_rtt_ms=20)
     a = LocalSwarm(model, [server], max_length=max_length, log_dir=logs / "a",
-                   server_args=["--trust-orchestrator", peer["a"], peer["b"]], orchestrator_args=orch_args("a", "b"))
+                   server_args=["--trust-orchestrator", peer["a"], peer["b"]], orchestrator_args=base["a"])
     b: Optional[LocalSwarm] = None
     report: dict[str, Any] = {"rounds": []}
     stop = threading.Event()
@@ -192,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         a.start()
         b = LocalSwarm(model, [], max_length=max_length, log_dir=logs / "b",
-                       orchestrator_args=[*orch_args("b", "a"), "--initial-peers", *a.initial_peers])
+                       orchestrator_args=[*base["b"], "--initial-peers", *a.initial_peers])
         b.start()
         orchs = Orchestrators(a, b)
         deadline = time.monotonic() + 180
@@ -233,24 +237,36 @@ def main(argv: Optional[list[str]] = None) -> int:
             if victim is None:
                 raise RuntimeError("no orchestrator serves")
             survivor = "b" if victim == "a" else "a"
-            resumed_before = orchs.swarms[survivor].swarm()["groups"]["resumed"]
+            before = orchs.swarms[survivor].swarm()["groups"]
             killed = time.monotonic()
             with orchs.lock:
                 orchs.down[victim].append((killed, None))
-            os.killpg(orchs.swarms[victim].orchestrator.popen.pid, signal.SIGKILL)
-            orchs.swarms[victim].orchestrator.popen.wait(10)
+            freeze = args.freeze and k % 2 == 1
+            pid = orchs.swarms[victim].orchestrator.popen.pid
+            # frozen: its host is gone but its connections stay open (no reset reaches the survivor's relays)
+            os.killpg(pid, signal.SIGSTOP if freeze else signal.SIGKILL)
             orchs.swarms[survivor].wait_until(lambda s: bool(s["chains"]), 120, "the survivor to serve the group")
             took = time.monotonic() - killed
-            orchs.swarms[victim].start_orchestrator(timeout=120)
+            if freeze:
+                time.sleep(args.settle_s)  # the survivor's streams relayed from the frozen one are finished meanwhile
+                os.killpg(pid, signal.SIGKILL)
+            orchs.swarms[victim].orchestrator.popen.wait(10)
+            # restarted as an operator would: given the swarm's addresses (the survivor's), else its DHT node waits
+            # for the others to call it before it sees anything (it was the first one, started with none)
+            vs = orchs.swarms[victim]
+            vs.orchestrator_args = [*base[victim], "--initial-peers", *orchs.swarms[survivor].initial_peers]
+            vs.start_orchestrator(timeout=120)
             with orchs.lock:
                 orchs.down[victim][-1] = (killed, time.monotonic())
             orchs.swarms[victim].wait_until(lambda s: other_knows_group(victim) or bool(s["chains"]), 60,
                                             "the restarted orchestrator to rejoin the groups")
             time.sleep(2.0)  # the survivor's streams forwarded before the kill have finished by now
-            resumed = orchs.swarms[survivor].swarm()["groups"]["resumed"] - resumed_before
-            report["rounds"].append({"killed": victim, "group_moved_s": round(took, 1),
+            after = orchs.swarms[survivor].swarm()["groups"]
+            resumed = after["resumed"] - before["resumed"]
+            report["rounds"].append({"killed": victim, "how": "SIGSTOP" if freeze else "SIGKILL",
+                                     "group_moved_s": round(took, 1),
                                      "survivor_streams_finished_after_the_cut": resumed})
-            log(f"round {k + 1}: killed {victim}; its group moved to {survivor} in {took:.1f} s; "
+            log(f"round {k + 1}: {'froze' if freeze else 'killed'} {victim}; its group moved to {survivor} in {took:.1f} s; "
                 f"{resumed} cut streams finished by {survivor}")
         time.sleep(args.settle_s)
     finally:

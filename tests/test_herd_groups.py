@@ -464,6 +464,39 @@ def test_a_restarted_leader_splits_nothing_away_before_it_sees_the_servers():
     asyncio.run(main())
 
 
+def test_a_restarted_leader_continues_from_the_split_its_follower_follows():
+    """One copy of the model, served by the follower since the leader died: the leader restarts (smallest peer id,
+    it leads again), reads nobody's entry for a while (its DHT node joining), then reads the split from the
+    follower's entry (followers published none, so it solved from nothing and moved the only copy to itself, cutting
+    what ran on it)."""
+    import asyncio
+
+    from test_failover_units import record
+
+    seen = {"s0": record("s0")}
+    entries: dict = {}
+    now = [0.0]
+    coordinator, rounds = _group_world(seen, entries, now)
+
+    async def main():
+        leader, follower = coordinator("A", "B"), coordinator("B", "A")
+        await rounds(3, leader, follower)
+        entries.pop("A")
+        await rounds(8, follower)
+        assert follower.members() == {"s0"}
+        leader = coordinator("A", "B")
+        fetch, island = leader.dht.afetch_groups, [3]
+
+        async def joining(prefix, peers):  # its DHT node still joining: it reads its own entry only, others its
+            island[0] -= 1
+            return {k: v for k, v in (await fetch(prefix, peers)).items() if k == "A" or island[0] < 0}
+        leader.dht.afetch_groups = joining
+        await rounds(12, leader, follower)
+        assert leader.leader == "A" and follower.members() == {"s0"} and leader.epoch == follower.epoch
+
+    asyncio.run(main())
+
+
 def test_a_leader_back_from_a_silence_rebalances_the_split():
     """A leader silent past the entries' time to live loses its servers to the other orchestrator; back, it adopted
     that split and its own split cache (same orchestrators, servers and demand) answered with it ever after: its
@@ -781,3 +814,52 @@ def test_a_forwarded_stream_cut_off_is_finished_here_without_repeating_text(monk
     assert all(h[fw.FORWARDED_HEADER] == "me" and resume.is_resume(h) and h["authorization"] == "Bearer k"
                for _, h in reruns)
     assert not resume.is_resume({resume.RESUME_HEADER: "guessed"}) and orch.groups.resumed == 1
+
+
+def test_a_request_to_an_orchestrator_that_has_not_read_the_split_yet_waits_for_a_target(monkeypatch):
+    """Just restarted, an orchestrator knows no group with a chain: a request it queued waited for its own group's
+    chain (up to --no-chain-wait-s, then 503) while the other group served. It now waits briefly for a target to be
+    known (forwarded), or for a chain of its own (served here)."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    import httpx
+    from starlette.requests import Request
+
+    import petals_chain.orchestrator.forward as fw
+
+    real_client, sent = httpx.AsyncClient, []
+
+    class Client(real_client):
+        def __init__(self, **kw):
+            super().__init__(transport=httpx.MockTransport(
+                lambda req: sent.append(str(req.url)) or httpx.Response(200, json={"choices": []})), **kw)
+
+    monkeypatch.setattr(fw.httpx, "AsyncClient", Client)
+    known: list = []
+    orch = NS(dispatch=NS(chains=[], max_queue=None, queue_length=0),
+              groups=NS(me="me", forwarded=0, session_owners=fw.SessionOwners(),
+                        json=lambda: {"orchestrators": list(known)}))
+
+    def request():
+        async def receive():
+            return {"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                        "headers": [(b"content-type", b"application/json")]}, receive)
+
+    async def later(s, fn):
+        await asyncio.sleep(s)
+        fn()
+
+    async def main():
+        t0 = time.monotonic()
+        asyncio.ensure_future(later(0.6, lambda: known.append(
+            {"peer_id": "other", "http_url": "http://other:1", "live": True, "servers": 1, "arrival_rate": 0.0})))
+        r = await fw.maybe_forward(orch, request())
+        assert r is not None and sent == ["http://other:1/v1/completions"] and 0.5 < time.monotonic() - t0 < 3
+        known.clear()
+        t0 = time.monotonic()
+        asyncio.ensure_future(later(0.6, lambda: orch.dispatch.chains.append("a chain")))
+        assert await fw.maybe_forward(orch, request()) is None and time.monotonic() - t0 < 3  # served here
+
+    asyncio.run(main())

@@ -40,6 +40,7 @@ _PASSED_HEADERS = ("authorization", "content-type", "accept", "x-api-key")
 _REPLY_HEADERS_DROPPED = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server",
                           "upgrade", "trailer", "te", "proxy-authenticate", "proxy-authorization"}
 MAX_SESSION_OWNERS = 10_000
+TARGET_WAIT_S = 10.0  # a request to a group without a chain waits this long for one, here or elsewhere, to be known
 
 
 class SessionOwners(OrderedDict):
@@ -116,6 +117,24 @@ def _best_peer(orch: Any, avoid: str = "") -> Optional[str]:
     return best["http_url"]
 
 
+async def _target_soon(orch: Any) -> Optional[str]:
+    """:func:`forward_target`, waiting up to :data:`TARGET_WAIT_S` while this group has no chain and no other
+    orchestrator is known to have one (this one just started, and has not read the split yet): a request queued
+    here then waited for this group's own chain (``--no-chain-wait-s``, then 503) while another group could serve it.
+    None as soon as this group has a chain."""
+    url = forward_target(orch)
+    if url is not None or orch.groups is None or orch.dispatch.chains:
+        return url
+    give_up = time.monotonic() + TARGET_WAIT_S
+    while time.monotonic() < give_up:
+        await asyncio.sleep(0.25)
+        if orch.dispatch.chains:
+            return None
+        if (url := forward_target(orch)) is not None:
+            return url
+    return None
+
+
 def forwardable(orch: Any, headers: Any) -> bool:
     """Whether a request with these headers would be forwarded now (the limits' early refusals let it through)."""
     return FORWARDED_HEADER not in headers and forward_target(orch) is not None
@@ -126,7 +145,7 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     names one and it answers; None: handle the request here."""
     if FORWARDED_HEADER in request.headers:
         return None
-    url = url or forward_target(orch)
+    url = url or await _target_soon(orch)
     if url is None:
         return None
     arrived = time.monotonic()

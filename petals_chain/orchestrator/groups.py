@@ -6,10 +6,12 @@ of smallest peer id is the *leader*: it splits the servers into one group per li
 (:func:`~petals_chain.algorithms.herd.solve_server_groups`: every group a complete copy of the model where the
 servers allow it, then the best worst burst tolerance, then the fewest servers moved; the greedy
 :func:`~petals_chain.algorithms.herd.assign_server_groups` as a fallback) and publishes the split in its own entry;
-a leader adopts any newer split it reads before it computes its own, so its epochs stay above every one seen. Every orchestrator plans only the servers of
-its group (``Planner.group``) and publishes its assignment for them; a server follows the assignment that gives it a
-span (``SwarmDHT.fetch_assignment``). When an orchestrator stops announcing, it is dropped after ``ttl_s`` of
-silence, and the leader (a new one if the leader died) hands its servers to the others: they keep serving.
+a leader adopts any newer split it reads before it computes its own, so its epochs stay above every one seen (every
+entry carries the split its orchestrator follows: a restarted leader continues from it). Every orchestrator plans only
+the servers of its group (``Planner.group``) and publishes its assignment for them; a server follows the assignment
+that gives it a span (``SwarmDHT.fetch_assignment``). When an orchestrator stops announcing, it is dropped after
+``ttl_s`` of silence, and the leader (a new one if the leader died) hands its servers to the others: they keep
+serving.
 
 Until a split that names this orchestrator exists, it plans nothing (two planners must never assign one server).
 """
@@ -172,10 +174,12 @@ class GroupCoordinator:
                 sizes = {o: sum(1 for x in split.values() if x == o) for o in live}
                 logger.info("group split epoch %d (%s): %s", self.epoch, self.split_method,
                             ", ".join(f"{o[:12]}={n} servers" for o, n in sizes.items()))
+        # every entry carries the split its orchestrator follows (the leader's: its own), so a leader that restarts
+        # continues from it instead of from nothing, which let it move servers away from the groups serving them
         groups: dict[str, list[str]] = {}
-        if leader == self.me:
-            for s, o in sorted(self.split.items()):
-                groups.setdefault(o, []).append(s)
+        for s, o in sorted(self.split.items()):
+            groups.setdefault(o, []).append(s)
+        if self.split or leader == self.me:
             for o in live:
                 groups.setdefault(o, [])
         key = (self.epoch, leader == self.me, round(self.planner.arrival_rate, 3))

@@ -201,8 +201,9 @@ class SummaryRecord(_Record):
 
 class GroupRecord(_Record):
     """One orchestrator's entry under ``{prefix}.groups`` when several serve one swarm (HERD groups): it is alive
-    (``timestamp``, a short expiration), where its HTTP API is, the jobs/s arriving at it; the leader's entry (the
-    live orchestrator of smallest peer id) also carries the split ``groups[orchestrator] = [server peer ids]``."""
+    (``timestamp``, a short expiration), where its HTTP API is, the jobs/s arriving at it, and the split it follows
+    ``groups[orchestrator] = [server peer ids]`` of ``epoch`` (the leader, the live orchestrator of smallest peer id,
+    computes it)."""
 
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     http_url: str = pydantic.Field(default="", max_length=512)
