@@ -301,3 +301,64 @@ def test_key_file_deadline_defaults(tmp_path):
     f.write_text("slo " + "k" * 20 + " deadline_ms=0\n")
     with pytest.raises(KeyFileError, match="deadline_ms"):
         KeyRing.from_file(f)
+
+
+def test_flex_and_db_never_pick_an_idle_held_session_to_pause():
+    """A session holding its chain between turns steps no more: marked to pause, it gave nothing back until its
+    next turn, and the slot it stood for was counted as promised (flex: the deadline job waited and was dropped;
+    db: no running job was paused)."""
+    one = [Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=2, spans=((0, 4),))]
+
+    async def flex():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 17.0)
+        dm.set_chains(one)
+        session = await dm.acquire(_job(0))
+        session.job.idle = True  # between turns, holding its chain
+        running = await dm.acquire(_job(1))
+        urgent = asyncio.ensure_future(dm.acquire(_job(2, RequestDeadline.from_ms("x", None, 300))))
+        await asyncio.sleep(0)
+        assert running.preempt and not session.preempt
+        urgent.cancel()
+        await asyncio.gather(urgent, return_exceptions=True)
+
+    async def db():
+        dm = DispatchManager(schedule="db", classes=1)
+        dm.set_chains(one)
+        session = await dm.acquire(DispatchJob("s", sched=dm.new_priority_job("s", "m")))
+        running = await dm.acquire(DispatchJob("r", sched=dm.new_priority_job("r", "m")))
+        session.keeps_kv = running.keeps_kv = True
+        for _ in range(3):
+            dm.charge(session, 1.0)  # its turns so far: the worst priority
+        dm.charge(running, 1.2)
+        session.job.idle = True
+        new = asyncio.ensure_future(dm.acquire(DispatchJob("n", sched=dm.new_priority_job("n", "m"))))
+        await asyncio.sleep(0)
+        assert running.preempt and not session.preempt
+        new.cancel()
+        await asyncio.gather(new, return_exceptions=True)
+
+    asyncio.run(flex())
+    asyncio.run(db())
+
+
+def test_a_paused_job_at_the_head_of_the_re_queue_lane_does_not_hold_back_the_jobs_behind_it():
+    def dl(ms):
+        return RequestDeadline.from_ms("x", ms, None, best_effort=True)
+
+    async def main():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 10.0)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        running = await dm.acquire(DispatchJob("R", deadline=dl(60_000), output_tokens=4))
+        paused = asyncio.ensure_future(dm.acquire(DispatchJob("P", requeue=True, yields=True)))
+        back = asyncio.ensure_future(dm.acquire(DispatchJob("F", requeue=True, deadline=dl(5_000), output_tokens=4)))
+        await asyncio.sleep(0)
+        new = asyncio.ensure_future(dm.acquire(DispatchJob("N", deadline=dl(30_000), output_tokens=4)))
+        await asyncio.sleep(0)
+        dm.release(running)
+        await asyncio.sleep(0)
+        assert [t.result().job.job_id for t in (paused, back, new) if t.done()] == ["F"]  # not N (later deadline)
+        for t in (paused, new):
+            t.cancel()
+        await asyncio.gather(paused, new, return_exceptions=True)
+
+    asyncio.run(main())

@@ -356,3 +356,62 @@ def test_a_feed_of_all_positions_names_the_tokens_held_before_it_for_the_prefix_
         with pytest.raises(Stop):
             asyncio.run(holder.feed(new, all_positions=all_positions))
         assert seen.pop() == (named, len(held) + len(new))
+
+
+def test_a_sessions_next_turn_is_a_new_request_and_only_completed_jobs_teach_the_service_time():
+    """A session that gave its chain back between turns kept ``admitted``: every later turn took the re-queue
+    lane (before the whole queue, never refused, never dropped at its deadline). One that holds its chain is idle
+    (flex and db do not pause it) until its next turn, which carries that turn's own deadline. And ``--schedule
+    db``: a refused or failed job taught its service an execution time of 0 s (``L̂_s`` fell to nothing)."""
+    import types
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
+    from petals_chain.orchestrator.dispatch import ChainPrefixes, DispatchJob, DispatchManager
+    from petals_chain.orchestrator.failover import ChainHolder
+
+    class HeldSession:
+        peers_used = ()
+
+        def __init__(self, prefix_cache):
+            self.prefix_cache = prefix_cache
+
+        async def close(self, named=b""):
+            pass
+
+    async def main(hold):
+        dm = DispatchManager(schedule="db", classes=1)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        cfg = types.SimpleNamespace(output_reserve_tokens=0, hold_sessions=hold, queue_timeout_s=60.0)
+        orch = types.SimpleNamespace(dispatch=dm, cfg=cfg, model_id="m", prefix_directory=ChainPrefixes(),
+                                     chain_sessions=set(), auditor=None,
+                                     replay_cache=types.SimpleNamespace(new=lambda: types.SimpleNamespace(
+                                         clear=lambda: None, close=lambda: None)))
+        holder = ChainHolder(orch, "s-1", 64)
+        holder.priority = dm.new_priority_job("s-1", "m")
+        holder.lease = await dm.acquire(DispatchJob("s-1", sched=holder.priority))
+        holder.cs, holder.admitted = HeldSession(prefix_cache=True), True
+        released = await holder.release_chain()
+        if not hold:
+            assert released and not holder.admitted and dm.running == 0
+        else:
+            assert not released and holder.admitted and holder.lease.job.idle
+            dl = RequestDeadline.from_ms("x", 60_000, None)
+            token = DEADLINE.set(dl)
+            try:
+                await holder._ensure_chain(need=8)  # the next turn, on the chain it holds
+            finally:
+                DEADLINE.reset(token)
+            assert not holder.lease.job.idle and holder.lease.job.deadline is dl and not holder.lease.job.preemptible
+        stats = dm.priorities.monitor["m"]
+        before = stats.count
+        await holder.close()  # the turn never completed: not an execution time
+        assert stats.count == before
+        done = ChainHolder(orch, "r-1", 64)
+        done.priority, done.completed = dm.new_priority_job("r-1", "m"), True
+        done.priority.used = 2.0
+        await done.close()
+        assert stats.count == before + 1
+
+    asyncio.run(main(hold=False))
+    asyncio.run(main(hold=True))

@@ -326,6 +326,27 @@ def test_service_meter_takes_negative_corrections():
     assert m.rates(5.0) == {} and m.jain(5.0) is None  # everything left the window, no KeyError
 
 
+@pytest.mark.parametrize("policy", ["vtc", "d-vtc"])
+def test_vtc_counters_of_clients_waiting_through_a_re_plan_are_not_lifted(policy):
+    """A re-plan re-queues the waiting jobs: VTC's lift (a client newly backlogged starts at the least counter of
+    the queued ones) fired for clients that had been waiting all along, raising the one owed service to the counter
+    of the heavy one whose job is older, which then went first."""
+    pol = FairPolicy(policy, FairnessConfig())
+    d = FairDispatcher([(1.0, 1)], pol, describe, workers=["w"])
+    d.arrive(Job("x", 1))  # takes the only slot
+    d.arrive(Job("heavy", 10))
+    d.arrive(Job("light", 10))
+    pol.output("heavy", "w", 500)  # heavy was served much (an earlier job of its)
+    before = dict(pol.local("w" if pol.distributed else None).counter)
+    items = d.drain()
+    d = FairDispatcher([(1.0, 1)], pol, describe, workers=["w"])
+    d.adopt(0, "running")
+    assert d.arrive_all(items) == []
+    assert dict(pol.local("w" if pol.distributed else None).counter) == before
+    assert before["light"] < before["heavy"]
+    assert d.complete(0).client == "light"
+
+
 def test_d2lpm_bindings_are_not_charged_again_by_re_plans_or_cancels():
     policy = FairPolicy("d2lpm", FairnessConfig(worker_quantum=100.0))
     d = FairDispatcher([(1.0, 1)], policy, describe, workers=["w"])

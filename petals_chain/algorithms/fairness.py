@@ -166,8 +166,8 @@ def _longest_match(reqs: Iterable[FairRequest], worker: Worker) -> FairRequest |
 class _Local:
     """A local queue discipline: picks one of ``waiting`` for ``worker``; charged on admission and output."""
 
-    def arrived(self, req: FairRequest, waiting: Sequence[FairRequest]) -> None:
-        pass
+    def arrived(self, req: FairRequest, waiting: Sequence[FairRequest], again: bool = False) -> None:
+        """``req`` joined ``waiting``; ``again``: it waited before a re-plan already (its client stays backlogged)."""
 
     def pick(self, waiting: Sequence[FairRequest], worker: Worker) -> FairRequest | None:
         raise NotImplementedError
@@ -196,10 +196,10 @@ class _VTC(_Local):
         self.counter: dict[str, float] = {}
         self._last_min = 0.0  # least counter among queued clients when the queue was last non-empty
 
-    def arrived(self, req, waiting):
+    def arrived(self, req, waiting, again=False):
         queued = {r.client for r in waiting if r is not req}
-        if req.client in queued:
-            return
+        if req.client in queued or (again and req.client in self.counter):
+            return  # lifted only when it becomes backlogged: a re-plan re-queueing its waiting jobs is not that
         floor = min((self.counter.get(c, 0.0) for c in queued), default=self._last_min)
         self.counter[req.client] = max(self.counter.get(req.client, 0.0), floor)
 
@@ -235,7 +235,7 @@ class _DLPM(_Local):
         self.deficit: dict[str, float] = {}
         self.refills = 0
 
-    def arrived(self, req, waiting):
+    def arrived(self, req, waiting, again=False):
         self.deficit.setdefault(req.client, 0.0)
 
     def _check_refill(self, clients: set[str]) -> None:
@@ -317,12 +317,13 @@ class FairPolicy:
             del self.worker_credit[key]
 
     # ---- events -------------------------------------------------------------------------------------
-    def arrived(self, req: FairRequest, waiting: Sequence[FairRequest]) -> None:
-        """``req`` joined ``waiting`` (for a distributed policy: before it is bound)."""
+    def arrived(self, req: FairRequest, waiting: Sequence[FairRequest], again: bool = False) -> None:
+        """``req`` joined ``waiting`` (for a distributed policy: before it is bound); ``again``: it was waiting
+        before a re-plan (the policy's state must not treat its client as newly backlogged)."""
         self.service.setdefault(req.client, 0.0)
         if self.distributed:
             return
-        self.local(None).arrived(req, waiting)
+        self.local(None).arrived(req, waiting, again)
 
     def choose_worker(self, req: FairRequest, candidates: Sequence[Worker], load: Callable[[Worker], float]) -> Worker:
         """Bind ``req`` to one of ``candidates`` (distributed policies; in the caller's preference order, e.g.
@@ -380,12 +381,12 @@ class FairPolicy:
             self.worker_credit[(req.client, worker)] = self.worker_credit.get((req.client, worker), 0.0) - units
         req.worker = worker
 
-    def bound(self, req: FairRequest, worker: Worker, waiting: Sequence[FairRequest]) -> None:
+    def bound(self, req: FairRequest, worker: Worker, waiting: Sequence[FairRequest], again: bool = False) -> None:
         """``req`` was bound to ``worker`` at arrival (distributed policies; ``waiting``: the requests bound there,
         ``req`` included): the worker's local discipline sees it arrive, and D2LPM charges the client's credit
-        there for its whole input (Alg. 2 charges at dispatch)."""
+        there for its whole input (Alg. 2 charges at dispatch). ``again``: as for :meth:`arrived`."""
         req.worker = worker
-        self.local(worker).arrived(req, waiting)
+        self.local(worker).arrived(req, waiting, again)
         if self.name == "d2lpm":
             key = (req.client, worker)
             self.worker_credit[key] = self.worker_credit.get(key, 0.0) - self.cfg.w_e * req.input_tokens
@@ -539,10 +540,10 @@ class FairDispatcher:
             req = self.describe(job)
             req.seq = next(self._seq)
             req.worker = None
-            self.policy.arrived(req, list(self._waiting.values()) + [req])
+            self.policy.arrived(req, list(self._waiting.values()) + [req], again=True)
             if self.policy.distributed and self._order:
                 w = self.policy.choose_worker(req, [self.workers[k] for k in self._order], self._load)
-                self.policy.bound(req, w, [r for r in self._waiting.values() if r.worker == w] + [req])
+                self.policy.bound(req, w, [r for r in self._waiting.values() if r.worker == w] + [req], again=True)
                 self._bound[self._index[w]] += 1
             self._wait(req)
         started = []

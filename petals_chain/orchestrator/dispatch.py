@@ -81,6 +81,8 @@ class DispatchJob:
     # oldest waiting job arrived (services starved longest go first), else None
     starved: float | None = None
     protected: bool = False  # started because it starved: not paused for priority again (a pause costs a round trip)
+    # a session holding its chain between turns: it steps no more until its next turn, so pausing it frees nothing
+    idle: bool = False
 
     @property
     def order_key(self) -> float:
@@ -571,9 +573,12 @@ class DispatchManager:
         if lease.generation != self.generation or self.dispatcher is None:
             return
         self._count(lease.index, -1)
-        if self._lane and not self._deadline_before(self._lane[0]):
-            # A re-queued job takes the slot over: the dispatcher's count on this chain stays as it is.
-            self._start(self._lane.pop(0), lease.index, queued=True)
+        # A re-queued job takes the slot over (the dispatcher's count on this chain stays as it is): the first one
+        # the queue's head does not go before (a job paused for it waits, not the re-queued jobs behind it)
+        lane = next((j for j in self._lane if not self._deadline_before(j)), None)
+        if lane is not None:
+            self._lane.remove(lane)
+            self._start(lane, lease.index, queued=True)
             return
         nxt = self.dispatcher.complete(lease.index)
         if nxt is not None:
@@ -681,7 +686,7 @@ class DispatchManager:
         # Seed 001 preempts for free; a chain that would recompute the paused job's history is not paused for
         # priority (its jobs finish, the queue's order still holds): on SmolLM2 with --kv-cache slots, pausing
         # there made DB 1.2x FCFS's normalized latency at overload, 1.6x when nothing queued for long
-        candidates = [lease for lease in running if not lease.preempt and lease.keeps_kv
+        candidates = [lease for lease in running if not lease.preempt and lease.keeps_kv and not lease.job.idle
                       and lease.job.sched is not None and not lease.job.protected]
         if not candidates:
             return
@@ -748,7 +753,7 @@ class DispatchManager:
                 continue
             if lease.preempt:
                 promised[lease.index] = promised.get(lease.index, 0) + 1
-            elif lease.job.preemptible:
+            elif lease.job.preemptible and not lease.job.idle:
                 running.append(Preemptible(chain=lease.index, started=lease.started, ref=lease))
         if not running:
             return None

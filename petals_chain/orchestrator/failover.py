@@ -73,6 +73,7 @@ class ChainHolder:
             if hasattr(orch.dispatch, "new_priority_job") else None
         self.closed = False
         self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
+        self.completed = False  # a request (a session: a turn) ran to its end: its time is an execution time
         # (sibling, tokens): a sibling whose first `tokens` KV this job may copy if it lands on the same chain
         self.fork_source: tuple["ChainHolder", int] | None = None
         self.forked = False
@@ -112,6 +113,12 @@ class ChainHolder:
         auditor = getattr(orch, "auditor", None)
         if self.cs is not None:
             note_admission(True)  # holds its chain (a session's later turn): admitted without the queue
+            if self.lease is not None:  # this turn's own deadline (flex pauses only jobs without one), stepping
+                dl = DEADLINE.get()
+                active = dl is not None and dl.active
+                self.lease.job.deadline = dl if active else None
+                self.lease.job.output_tokens = max(0, self.max_length - need) if active else 0
+                self.lease.job.idle = False
         while self.cs is None:
             if time.monotonic() > deadline:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
@@ -305,8 +312,13 @@ class ChainHolder:
         chain stays held (a slots-mode chain would recompute the whole history), and with ``--hold-sessions``.
         True if released."""
         if self.cs is None or not self.cs.prefix_cache or self.orch.cfg.hold_sessions:
+            if self.lease is not None:
+                self.lease.job.idle = True  # held, not stepping: not a job to pause for another
             return False
         await self._drop()
+        # the next turn is a new request: queued, predicted, refused and dropped as one (the re-queue lane is for
+        # a job that lost its chain within a request)
+        self.admitted = False
         return True
 
     async def feed(self, new_ids: list[int], hidden: torch.Tensor | None = None, *,
@@ -517,7 +529,7 @@ class ChainHolder:
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self.priority is not None:
+            if self.priority is not None and self.completed:  # a refused or failed job taught L̂_s 0 s
                 self.orch.dispatch.finished(self.priority)
             await self._drop()
             self.inputs.close()

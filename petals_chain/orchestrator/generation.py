@@ -220,7 +220,7 @@ class GenerationMixin:
                     holder._worker = holders[0]._worker  # its first token is charged where the prompt ran
                 generated, text, finish, choices = await self._decode_loop(holder, list(prompt_ids), hidden, p,
                                                                             emits[i], generated)
-                ok = True
+                ok = holder.completed = True
             finally:
                 self._background(holder.close())
                 service = self._finish_job(holder, t0, len(generated), len(prompt_ids) if i == 0 else 0, ok)

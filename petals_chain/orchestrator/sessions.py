@@ -140,10 +140,14 @@ class SessionMixin:
                 # Between turns the chain goes back to the pool and its servers keep the KV as cached prefixes
                 # (where they have a prefix cache): the next turn reuses what is still cached.
                 chain = s.last_chain = holder.chain_names
+                holder.completed = True
                 await holder.release_chain()
             except BaseException:
                 self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=len(generated),
                                   prompt_tokens=prompt_tokens, ok=False)
+                deadline = DEADLINE.get()
+                if deadline is not None:  # failed or cancelled after admission: not met (a refusal is settled already)
+                    self.deadlines.settle(deadline, "missed")
                 raise
             finally:
                 s.last_used = time.monotonic()
