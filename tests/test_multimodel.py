@@ -718,3 +718,36 @@ def test_replan_trigger_follows_a_drift_once_a_window_later():
     assert t.reason(50.0, due=False, drifted=False) == ReplanTrigger.SETTLE
     t.replanned(50.0, ReplanTrigger.SETTLE)
     assert t.reason(500.0, due=False, drifted=False) is None  # once only
+
+
+def test_skip_join_mlfq_at_run_time_learns_its_quantum_and_each_jobs_first_iteration():
+    """At the orchestrator every job joined the top queue (nothing set its first-iteration time) and ``q_1`` stayed
+    at 30 ms, shorter than one relay step: skip-join was plain MLFQ with every job a level down after its first step.
+    Both now come from the steps jobs run: a decode step 0.1 s and prefills of 0.02 s a prompt token."""
+    import asyncio
+
+    from petals_chain.algorithms.multimodel import IterationTimes
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
+
+    t = IterationTimes(alpha=1.0)
+    assert t.first_iteration_s(100) == 0.0  # nothing seen: every job joins the top queue
+    t.observe(0.1, 1)
+    t.observe(0.1 + 0.02 * 49, 50)
+    assert t.first_iteration_s(1) == pytest.approx(0.1) and t.first_iteration_s(50) == pytest.approx(1.08)
+
+    async def main():
+        dm = DispatchManager(schedule="mlfq")
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        first = dm.new_priority_job("r-0", "m", (50, 8))
+        lease = await dm.acquire(DispatchJob("r-0", sched=first))
+        assert first.level == 0
+        for _ in range(20):
+            dm.charge(lease, 0.1, 1)
+        dm.charge(lease, 0.1 + 0.02 * 49, 50)
+        assert dm.priorities.q1 == pytest.approx(0.1)
+        short, long_ = dm.new_priority_job("r-1", "m", (2, 8)), dm.new_priority_job("r-2", "m", (200, 8))
+        assert short.level == 1 and long_.level == 6  # quanta 0.1 · 2^i cover 0.12 s and 4.1 s
+        dm.release(lease)
+
+    asyncio.run(main())

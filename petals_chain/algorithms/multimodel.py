@@ -451,6 +451,38 @@ class DBScheduler(Scheduler):
         return first + rest
 
 
+class IterationTimes:
+    """What one iteration of a chain takes, learnt from the steps jobs run (moving averages, weight ``alpha``): a
+    decode step (one token, s) and the extra time per prompt token of a prefill (s). Skip-join MLFQ at run time
+    takes ``q_1`` from the first (FastServe: about one decode iteration) and each new job's first-iteration time
+    (``prefill_s``, the level it joins) from both."""
+
+    def __init__(self, alpha: float = 0.1):
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = float(alpha)
+        self.decode_s: float | None = None
+        self.per_token_s: float | None = None
+
+    def _avg(self, old: float | None, x: float) -> float:
+        return x if old is None else old + self.alpha * (x - old)
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """A step that computed ``tokens`` positions took ``seconds``."""
+        if not (math.isfinite(seconds) and seconds >= 0) or tokens < 1:
+            return
+        if tokens == 1:
+            self.decode_s = self._avg(self.decode_s, seconds)
+        elif self.decode_s is not None:
+            self.per_token_s = self._avg(self.per_token_s, max(0.0, seconds - self.decode_s) / (tokens - 1))
+
+    def first_iteration_s(self, prompt_tokens: int) -> float:
+        """The estimated time of a new job's first iteration (its prefill; 0 before any step was seen)."""
+        if self.decode_s is None:
+            return 0.0
+        return self.decode_s + (self.per_token_s or 0.0) * max(0, int(prompt_tokens) - 1)
+
+
 class MLFQScheduler(Scheduler):
     """FastServe's skip-join MLFQ (SeaLLM-M; [outside] FastServe §4): ``levels`` queues with quanta
     ``q_i = q_1 · 2^i`` (``i`` = 0 highest; ``q_1`` ≈ one decode iteration, s). A new job joins the highest queue

@@ -289,6 +289,12 @@ class DispatchManager:
             from petals_chain.algorithms.multimodel import LengthClasses
 
             self.length_classes = LengthClasses(int(classes))
+        # mlfq: q_1 and each job's first iteration from the steps jobs run here (the skip-join needs both)
+        self.iterations = None
+        if schedule == "mlfq":
+            from petals_chain.algorithms.multimodel import IterationTimes
+
+            self.iterations = IterationTimes()
         self.priority_preemptions = 0  # running jobs paused for a waiting job of higher priority (db, mlfq)
         self.starvation_promotions = 0  # waiting jobs put first by the starvation rule (db; mlfq: to the top queue)
         self._epoch = time.monotonic()
@@ -653,15 +659,21 @@ class DispatchManager:
                 model, service = service, f"{service}:{c}"
                 self.priorities.monitor.start_from(service, model)  # a new class starts from its model's L̂, σ
 
-        job = Job(key=key, service=service, arrival=time.monotonic())
+        prefill_s = self.iterations.first_iteration_s(shape[0]) if self.iterations is not None and shape else 0.0
+        job = Job(key=key, service=service, arrival=time.monotonic(), prefill_s=prefill_s)
         self.priorities.start(job, time.monotonic())
         return job
 
-    def charge(self, lease: Lease, step_s: float) -> None:
-        """The job of ``lease`` ran one step for ``step_s`` s: its budget shrinks (and doubles, a level down, when
-        used up); if a waiting job now goes before it, it gives its chain back at its next step."""
+    def charge(self, lease: Lease, step_s: float, tokens: int = 1) -> None:
+        """The job of ``lease`` ran one step of ``tokens`` positions for ``step_s`` s: its budget shrinks (and
+        doubles, a level down, when used up); if a waiting job now goes before it, it gives its chain back at its
+        next step."""
         if self.priorities is None or lease.job.sched is None:
             return
+        if self.iterations is not None:
+            self.iterations.observe(step_s, tokens)
+            if self.iterations.decode_s:
+                self.priorities.q1 = self.iterations.decode_s
         self.priorities.account(lease.job.sched, step_s)
         self._preempt_for_priority()
 

@@ -375,7 +375,7 @@ class ChainHolder:
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
             if self.priority is not None and self.lease is not None:
-                self.orch.dispatch.charge(self.lease, time.monotonic() - t_step)
+                self.orch.dispatch.charge(self.lease, time.monotonic() - t_step, len(ids))
             if self.paid < len(self.kv_ids):  # a turn on a chain the job kept: no admission charged it
                 self._charge("input", len(self.kv_ids) - self.paid)
             self.reused_tokens = position
