@@ -362,3 +362,25 @@ def test_a_paused_job_at_the_head_of_the_re_queue_lane_does_not_hold_back_the_jo
         await asyncio.gather(paused, new, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_a_slot_an_idle_session_holds_is_not_counted_on_by_the_prediction():
+    """The only slot held by a session between turns: a job whose deadline needs that slot was admitted (the
+    prediction expected the slot back at the queue's rate), waited, and was dropped at its deadline (504); it is
+    refused at once now (429)."""
+    async def main(schedule):
+        dm = DispatchManager(schedule=schedule, steps_per_job=lambda: 17.0)
+        dm.set_chains(_chains())
+        session = await dm.acquire(_job(0))
+        session.job.idle = True
+        with pytest.raises(DeadlineUnreachable):
+            await asyncio.wait_for(dm.acquire(_job(1, RequestDeadline.from_ms("x", 5_000, None))), 2.0)
+        session.job.idle = False  # its next turn: it steps, and frees the slot when done
+        late = asyncio.ensure_future(dm.acquire(_job(2, RequestDeadline.from_ms("x", 5_000, None))))
+        await asyncio.sleep(0)
+        assert not late.done()  # admitted, waiting
+        late.cancel()
+        await asyncio.gather(late, return_exceptions=True)
+
+    for schedule in ("edf", "flex"):
+        asyncio.run(main(schedule))

@@ -720,7 +720,13 @@ class DispatchManager:
         ``job``: the re-queue lane and, in the queue, every job (``fcfs``) or those with an earlier or equal deadline
         (``edf``, ``flex``)."""
         spj = max(1.0, float(self.steps_per_job()))
-        chains = [ChainLoad(capacity=int(ch.capacity), active=self.active(k), job_s=ch.service_time,
+        # a session holding its chain between turns frees its slot at no known time: the slot is not there
+        idle: dict[int, int] = {}
+        for lease in self._running.values():
+            if lease.job.idle and lease.generation == self.generation:
+                idle[lease.index] = idle.get(lease.index, 0) + 1
+        chains = [ChainLoad(capacity=max(0, int(ch.capacity) - idle.get(k, 0)),
+                            active=max(0, self.active(k) - idle.get(k, 0)), job_s=ch.service_time,
                             step_s=ch.service_time / spj) for k, ch in enumerate(self.chains)]
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
@@ -746,7 +752,7 @@ class DispatchManager:
         now = time.monotonic()
         remaining = []
         for lease in self._running.values():
-            if lease.generation != self.generation or not 0 <= lease.index < len(chains):
+            if lease.generation != self.generation or not 0 <= lease.index < len(chains) or lease.job.idle:
                 continue
             step = chains[lease.index].step_s
             remaining.append((1 + lease.job.expected_output) * step - (now - lease.started))
