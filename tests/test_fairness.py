@@ -362,3 +362,17 @@ def test_d2lpm_bindings_are_not_charged_again_by_re_plans_or_cancels():
         assert policy.worker_credit[("a", "w")] == pytest.approx(70.0)
     assert d.remove_job(job)  # cancelled before it started: the binding's credit comes back
     assert policy.worker_credit[("a", "w")] == pytest.approx(100.0)
+
+
+def test_jobs_that_came_while_no_chain_existed_arrive_as_new_after_the_outage():
+    """Not waiting all along: VTC lifts their idle client as any newly backlogged one (it banked the service it
+    did not use, and took the chains for itself after the outage)."""
+    pol = FairPolicy("vtc", FairnessConfig())
+    local = pol.local(None)
+    local.counter.update({"old": 10.0, "busy": 1000.0})
+    local._last_min = 1000.0
+    d = FairDispatcher([(1.0, 1)], pol, describe)
+    d.adopt(0, "running")
+    jobs = [Job("busy", 10), Job("old", 10)]
+    assert d.arrive_all(jobs, fresh=set(jobs)) == []
+    assert local.counter["old"] >= 1000.0

@@ -189,3 +189,14 @@ def test_the_resume_header_takes_only_this_process_secret():
     assert rs.is_resume(rs.resume_headers())
     for forged in ("", "guess", "caf\xe9", rs.resume_headers()[rs.RESUME_HEADER][:-1]):
         assert not rs.is_resume({rs.RESUME_HEADER: forged})
+
+
+def test_a_request_sent_on_after_a_wait_carries_what_is_left_of_its_deadlines():
+    arrived = time.monotonic() - 2.0
+    body = json.loads(rs.with_time_gone(json.dumps({"deadline_ms": 5000, "ttft_deadline_ms": 3000}).encode(), arrived))
+    assert 2900 < body["deadline_ms"] < 3050 and 900 < body["ttft_deadline_ms"] < 1050
+    with pytest.raises(rs.DeadlineGone):
+        rs.with_time_gone(b'{"deadline_ms": 1000}', arrived)
+    for untouched in (b'{"prompt": "x"}', b"not json"):
+        assert rs.with_time_gone(untouched, arrived) == untouched
+    assert json.loads(rs.with_time_gone(b'{"deadline_ms": "soon"}', arrived)) == {"deadline_ms": "soon"}  # a 400 there

@@ -42,7 +42,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -532,18 +532,20 @@ class FairDispatcher:
             return self._start(req, k)
         return self._wait(req)
 
-    def arrive_all(self, jobs: Iterable[Any]) -> list[tuple[Any, int]]:
+    def arrive_all(self, jobs: Iterable[Any], fresh: Collection[Any] = ()) -> list[tuple[Any, int]]:
         """``jobs`` that were waiting before a re-plan, in arrival order: all are queued first and then every free
         slot takes the job the policy picks (arriving one by one, the first would take a free chain whatever the
-        policy says). Returns the ``(job, chain index)`` pairs started."""
+        policy says). ``fresh``: those of them the policy never saw (they came while no chain existed): they
+        arrive as new, the others as waiting all along. Returns the ``(job, chain index)`` pairs started."""
         for job in jobs:
             req = self.describe(job)
             req.seq = next(self._seq)
             req.worker = None
-            self.policy.arrived(req, list(self._waiting.values()) + [req], again=True)
+            again = job not in fresh
+            self.policy.arrived(req, list(self._waiting.values()) + [req], again=again)
             if self.policy.distributed and self._order:
                 w = self.policy.choose_worker(req, [self.workers[k] for k in self._order], self._load)
-                self.policy.bound(req, w, [r for r in self._waiting.values() if r.worker == w] + [req], again=True)
+                self.policy.bound(req, w, [r for r in self._waiting.values() if r.worker == w] + [req], again=again)
                 self._bound[self._index[w]] += 1
             self._wait(req)
         started = []

@@ -317,6 +317,7 @@ class DispatchManager:
         self._id_by_key: dict[tuple, int] = {}
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
         self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO); part of the queue
+        self._fresh: set[DispatchJob] = set()  # of the jobs a re-plan queues again, those no policy saw yet
         self._lane: list[DispatchJob] = []  # re-queued jobs (FIFO), served before the queue
         self._running: dict[DispatchJob, Lease] = {}
         self._active: dict[int, int] = {}  # chain index -> jobs running there (current generation)
@@ -408,7 +409,7 @@ class DispatchManager:
             for job in lane:  # re-queued jobs first: they start or go back to the lane, in order
                 self._arrive_requeued(job)
         if hasattr(self.dispatcher, "arrive_all"):  # a fairness policy picks among them all (fairness.py)
-            for job, k in self.dispatcher.arrive_all(queued):
+            for job, k in self.dispatcher.arrive_all(queued, fresh=self._fresh):
                 self._start(job, k, queued=True)
         else:
             for job in queued:
@@ -437,7 +438,8 @@ class DispatchManager:
                     if job not in self._running and d.remove_job(job):
                         queued.append(job)
         queued.sort(key=lambda j: j.arrival)
-        queued.extend(j for j in self._pending if j not in queued)
+        self._fresh = {j for j in self._pending if j not in queued}  # arrived while no chain existed: never queued
+        queued.extend(self._fresh)
         self._pending = []
         queued.sort(key=lambda j: j.arrival)
         return queued
@@ -665,9 +667,9 @@ class DispatchManager:
         return job
 
     def charge(self, lease: Lease, step_s: float, tokens: int = 1) -> None:
-        """The job of ``lease`` ran one step of ``tokens`` positions for ``step_s`` s: its budget shrinks (and
-        doubles, a level down, when used up); if a waiting job now goes before it, it gives its chain back at its
-        next step."""
+        """The job of ``lease`` ran one step of ``tokens`` positions for ``step_s`` s (0: a step that tells nothing
+        of an iteration's time): its budget shrinks (and doubles, a level down, when used up); if a waiting job
+        now goes before it, it gives its chain back at its next step."""
         if self.priorities is None or lease.job.sched is None:
             return
         if self.iterations is not None:

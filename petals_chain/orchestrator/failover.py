@@ -113,12 +113,15 @@ class ChainHolder:
         auditor = getattr(orch, "auditor", None)
         if self.cs is not None:
             note_admission(True)  # holds its chain (a session's later turn): admitted without the queue
-            if self.lease is not None:  # this turn's own deadline (flex pauses only jobs without one), stepping
+            job = self.lease.job if self.lease is not None else None
+            if job is not None and job.idle:  # a held session's next turn: its own deadline and length, stepping
                 dl = DEADLINE.get()
                 active = dl is not None and dl.active
-                self.lease.job.deadline = dl if active else None
-                self.lease.job.output_tokens = max(0, self.max_length - need) if active else 0
-                self.lease.job.idle = False
+                job.deadline = dl if active else None
+                job.output_tokens = max(0, self.max_length - need) if active else 0
+                job.expected_output = max(0, self.max_length - need)
+                job.idle = False
+                self.lease.started = time.monotonic()
         while self.cs is None:
             if time.monotonic() > deadline:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
@@ -311,7 +314,10 @@ class ChainHolder:
         turn reuses what is still cached, recomputes the rest). Only when every hop has a prefix cache, else the
         chain stays held (a slots-mode chain would recompute the whole history), and with ``--hold-sessions``.
         True if released."""
-        if self.cs is None or not self.cs.prefix_cache or self.orch.cfg.hold_sessions:
+        if self.cs is None:
+            return False
+        paused = self.lease is not None and self.lease.preempt  # marked at its last step: it has no next one
+        if (not self.cs.prefix_cache or self.orch.cfg.hold_sessions) and not paused:
             if self.lease is not None:
                 self.lease.job.idle = True  # held, not stepping: not a job to pause for another
             return False
@@ -360,7 +366,7 @@ class ChainHolder:
             ids = full[position:]
             # the caller's embeddings cover exactly new_ids: usable only when the chain holds all the rest
             x = hidden if hidden is not None and position == len(self.kv_ids) else await self.orch.batcher.embed(ids)
-            t_step = time.monotonic()
+            t_step, failovers = time.monotonic(), self.failovers
             try:
                 out = await self._forward(x, position, budget, full)
             except asyncio.CancelledError:
@@ -375,7 +381,10 @@ class ChainHolder:
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
             if self.priority is not None and self.lease is not None:
-                self.orch.dispatch.charge(self.lease, time.monotonic() - t_step, len(ids))
+                # a step's time tells an iteration's (mlfq) only for a plain decode or prefill: not a speculative
+                # verify nor prompt scoring (every position wanted), nor a step that failed over
+                plain = not all_positions and self.failovers == failovers
+                self.orch.dispatch.charge(self.lease, time.monotonic() - t_step, len(ids) if plain else 0)
             if self.paid < len(self.kv_ids):  # a turn on a chain the job kept: no admission charged it
                 self._charge("input", len(self.kv_ids) - self.paid)
             self.reused_tokens = position

@@ -28,7 +28,7 @@ from starlette.background import BackgroundTask
 
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
-from petals_chain.orchestrator.resume import Cut, StreamRecord, finish, relay_events
+from petals_chain.orchestrator.resume import Cut, DeadlineGone, StreamRecord, finish, relay_events, with_time_gone
 
 logger = logging.getLogger(__name__)
 
@@ -117,16 +117,16 @@ def _best_peer(orch: Any, avoid: str = "") -> Optional[str]:
     return best["http_url"]
 
 
-async def _target_soon(orch: Any) -> Optional[str]:
-    """:func:`forward_target`, waiting up to :data:`TARGET_WAIT_S` while this group has no chain and no other
-    orchestrator is known to have one (this one just started, and has not read the split yet): a request queued
-    here then waited for this group's own chain (``--no-chain-wait-s``, then 503) while another group could serve it.
-    None as soon as this group has a chain."""
+async def _target_soon(orch: Any, request: Request) -> Optional[str]:
+    """:func:`forward_target`; while this orchestrator knows no split yet (it just started) and its group has no
+    chain, waiting up to :data:`TARGET_WAIT_S` for a target or a chain (a request queued here waited for this
+    group's own chain, ``--no-chain-wait-s`` then 503, while another group could serve it). None as soon as this
+    group has a chain, or the client left."""
     url = forward_target(orch)
-    if url is not None or orch.groups is None or orch.dispatch.chains:
+    if url is not None or orch.groups is None or orch.dispatch.chains or orch.groups.epoch > 0:
         return url
     give_up = time.monotonic() + TARGET_WAIT_S
-    while time.monotonic() < give_up:
+    while time.monotonic() < give_up and not await request.is_disconnected():
         await asyncio.sleep(0.25)
         if orch.dispatch.chains:
             return None
@@ -145,16 +145,22 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     names one and it answers; None: handle the request here."""
     if FORWARDED_HEADER in request.headers:
         return None
-    url = url or await _target_soon(orch)
+    arrived = time.monotonic()  # a deadline counts from here, the wait for a target included
+    url = url or await _target_soon(orch, request)
     if url is None:
         return None
-    arrived = time.monotonic()
+    body = await request.body()
+    if time.monotonic() - arrived > 0.05:  # waited for a target: the deadlines sent on are what is left of them
+        try:
+            body = with_time_gone(body, arrived)
+        except DeadlineGone:
+            return None  # served (and dropped at its deadline) here
     headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
     headers[FORWARDED_HEADER] = orch.groups.me
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
     try:
         upstream = await _reply_head(orch, request, client, client.build_request(
-            request.method, url.rstrip("/") + request.url.path, content=await request.body(), headers=headers), url)
+            request.method, url.rstrip("/") + request.url.path, content=body, headers=headers), url)
     except (httpx.TransportError, _Lost) as e:
         await client.aclose()
         logger.warning("could not forward %s to %s (%s): serving it here", request.url.path, url, e)
@@ -188,7 +194,7 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
         reply_headers.pop("content-encoding", None)  # read, so decoded
         return Response(body, status_code=upstream.status_code, headers=reply_headers)
 
-    body = await request.body()
+    body = await request.body()  # the client's own (the rerun shortens its deadlines itself)
     record = StreamRecord.of(request.method, request.url.path, body, upstream.status_code, upstream.headers, arrived)
 
     async def relay():

@@ -68,6 +68,7 @@ class GroupCoordinator:
         self._published_at = -float("inf")
         self._published: tuple | None = None
         self._view_since: float | None = None  # when the planner first read the servers' records (this clock)
+        self._started_at: float | None = None  # this coordinator's first step (this clock)
 
     # ---- state ---------------------------------------------------------------------------------
     def live(self) -> list[str]:
@@ -162,11 +163,14 @@ class GroupCoordinator:
             logger.info("orchestrator group leader: %s%s (live: %s)", leader[:12], " (this one)" if leader == self.me
                         else "", ", ".join(o[:12] for o in live))
             self.leader = leader
+        if self._started_at is None:
+            self._started_at = now
         if self._view_since is None and self.planner.refreshes > 0:
             self._view_since = now
-        # a leader that has read no server record yet (just restarted) would split nothing: every server left
-        # the groups that serve with it until its first refresh
-        if leader == self.me and self._view_since is not None:
+        # A leader just started splits only once it has read the server records (else it split nothing: every
+        # server left the groups serving with it) and heard the others for ttl_s (they republish every ttl_s / 3;
+        # its DHT node still joining, it took itself for the only one and split every server to itself)
+        if leader == self.me and self._view_since is not None and now - self._started_at >= self.ttl_s:
             split = await self.compute_split(live)
             if split != self.split or self.epoch == 0 or self.epoch < seen_epoch:
                 self.epoch = max(self.epoch, seen_epoch) + 1

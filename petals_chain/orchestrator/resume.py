@@ -228,25 +228,44 @@ class StreamRecord:
 
     def rerun_body(self) -> bytes:
         """The request to run again: its deadlines shortened by the time already gone (the TTFT one dropped once a
-        token was delivered); raises :class:`_Expired` when one has passed."""
-        body = dict(self.body)
-        gone_ms = (time.monotonic() - self.arrived) * 1000.0
-        for field in ("deadline_ms", "ttft_deadline_ms"):
-            ms = body.get(field)
-            if ms is None:
-                continue
-            if field == "ttft_deadline_ms" and any(self.text.values()):
-                body.pop(field)  # its first token is with the client: met or missed already
-                continue
+        token was delivered); raises :class:`DeadlineGone` when one has passed."""
+        return json.dumps(_shortened(self.body, self.arrived, first_token_sent=any(self.text.values()))).encode()
+
+
+class DeadlineGone(Exception):
+    """A deadline of the request passed before it could be sent on."""
+
+
+def _shortened(body: dict, arrived: float, first_token_sent: bool = False) -> dict:
+    out = dict(body)
+    gone_ms = (time.monotonic() - arrived) * 1000.0
+    for field in ("deadline_ms", "ttft_deadline_ms"):
+        ms = out.get(field)
+        if ms is None:
+            continue
+        if field == "ttft_deadline_ms" and first_token_sent:
+            out.pop(field)  # its first token is with the client: met or missed already
+            continue
+        try:
             left = float(ms) - gone_ms
-            if left <= 0:
-                raise _Expired(field)
-            body[field] = left
-        return json.dumps(body).encode()
+        except (TypeError, ValueError):
+            continue  # the API's validation answers it
+        if left <= 0:
+            raise DeadlineGone(field)
+        out[field] = left
+    return out
 
 
-class _Expired(Exception):
-    """A deadline of the stream passed before a rerun could start."""
+def with_time_gone(body: bytes, arrived: float) -> bytes:
+    """A JSON request body with its deadlines shortened by the time since ``arrived`` (monotonic); unchanged if
+    it is not a JSON object or names none. Raises :class:`DeadlineGone` when one has passed."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(obj, dict) or not any(obj.get(f) is not None for f in ("deadline_ms", "ttft_deadline_ms")):
+        return body
+    return json.dumps(_shortened(obj, arrived)).encode()
 
 
 def _sse_bytes(obj: Any) -> bytes:
@@ -303,7 +322,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
             sent = {**headers, **(resume_headers() if here else {})}
             try:
                 body = record.rerun_body()
-            except _Expired as e:
+            except DeadlineGone as e:
                 yield error_event(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
                                                             f"elsewhere (its orchestrator {lost} was lost)")
                 return

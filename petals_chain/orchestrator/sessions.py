@@ -124,6 +124,9 @@ class SessionMixin:
             holder.relay = params.relay  # for the chain it opens next (a held chain keeps its mode)
             wait0 = holder.wait_s
             t0 = time.monotonic()
+            # a new request unless it holds its chain: a turn cut or failed before this one left it marked admitted
+            # (its next turn took the re-queue lane)
+            holder.admitted = holder.cs is not None
             pending = holder.sync(target)
             prompt_tokens = len(pending)
             generated: list[int] = []
