@@ -415,3 +415,35 @@ def test_a_sessions_next_turn_is_a_new_request_and_only_completed_jobs_teach_the
 
     asyncio.run(main(hold=False))
     asyncio.run(main(hold=True))
+
+
+def test_a_sessions_next_turn_starts_a_fresh_priority_record():
+    """db/mlfq: a session's record spanned its turns, so a short later turn kept the low level its earlier turns had
+    reached, and its execution time was observed once, at close, for the whole session."""
+    import types
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import ChainPrefixes, DispatchJob, DispatchManager
+    from petals_chain.orchestrator.failover import ChainHolder
+
+    async def main():
+        dm = DispatchManager(schedule="mlfq")
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        orch = types.SimpleNamespace(dispatch=dm, model_id="m", prefix_directory=ChainPrefixes(), chain_sessions=set(),
+                                     cfg=types.SimpleNamespace(output_reserve_tokens=0, hold_sessions=True),
+                                     auditor=None, replay_cache=types.SimpleNamespace(new=lambda: None))
+        holder = ChainHolder(orch, "s-1", 64)
+        holder.lease = await dm.acquire(DispatchJob("s-1", sched=holder.priority))
+        for _ in range(40):
+            dm.charge(holder.lease, 0.1)  # a long first turn: several levels down
+        first = holder.priority
+        assert first.level > 2
+        holder.completed = True
+        count = dm.priorities.monitor["m"].count
+        holder.next_turn()
+        assert dm.priorities.monitor["m"].count == count + 1  # the first turn's time, observed once
+        assert holder.priority is not first and holder.priority.level == 0 and holder.lease.job.sched is holder.priority
+        assert not holder.completed
+        dm.release(holder.lease)
+
+    asyncio.run(main())

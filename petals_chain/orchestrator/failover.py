@@ -309,6 +309,19 @@ class ChainHolder:
         closing.add_done_callback(closed)
         await asyncio.shield(closing)
 
+    def next_turn(self) -> None:
+        """A session's next turn is a new request: for ``--schedule db|mlfq`` the last turn's execution time is
+        observed (if it completed) and this one starts with a fresh record (top level, first budget), not the level
+        the session's earlier turns had reached."""
+        if self.priority is None:
+            return
+        if self.completed:
+            self.orch.dispatch.finished(self.priority)
+        self.completed = False
+        self.priority = self.orch.dispatch.new_priority_job(self.job_id, str(getattr(self.orch, "model_id", "")))
+        if self.lease is not None:
+            self.lease.job.sched = self.priority
+
     async def release_chain(self) -> bool:
         """Between a session's turns: give the chain back (its servers keep the KV as cached prefixes; the next
         turn reuses what is still cached, recomputes the rest). Only when every hop has a prefix cache, else the

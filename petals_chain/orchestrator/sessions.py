@@ -127,6 +127,8 @@ class SessionMixin:
             # a new request unless it holds its chain: a turn cut or failed before this one left it marked admitted
             # (its next turn took the re-queue lane)
             holder.admitted = holder.cs is not None
+            if s.turns:
+                holder.next_turn()
             pending = holder.sync(target)
             prompt_tokens = len(pending)
             generated: list[int] = []
