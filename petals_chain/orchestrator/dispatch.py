@@ -317,7 +317,6 @@ class DispatchManager:
         self._id_by_key: dict[tuple, int] = {}
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
         self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO); part of the queue
-        self._fresh: set[DispatchJob] = set()  # of the jobs a re-plan queues again, those no policy saw yet
         self._lane: list[DispatchJob] = []  # re-queued jobs (FIFO), served before the queue
         self._running: dict[DispatchJob, Lease] = {}
         self._active: dict[int, int] = {}  # chain index -> jobs running there (current generation)
@@ -372,7 +371,7 @@ class DispatchManager:
         """Install ``chains`` (GCA order). Jobs on unchanged chains are carried over."""
         chains = list(chains)
         old_running = list(self._running.values())
-        queued = self._drain_queue()
+        queued, fresh = self._drain_queue()
         self.generation += 1
         self.chains = chains
         self.chain_ids = []
@@ -409,7 +408,7 @@ class DispatchManager:
             for job in lane:  # re-queued jobs first: they start or go back to the lane, in order
                 self._arrive_requeued(job)
         if hasattr(self.dispatcher, "arrive_all"):  # a fairness policy picks among them all (fairness.py)
-            for job, k in self.dispatcher.arrive_all(queued, fresh=self._fresh):
+            for job, k in self.dispatcher.arrive_all(queued, fresh=fresh):
                 self._start(job, k, queued=True)
         else:
             for job in queued:
@@ -424,7 +423,8 @@ class DispatchManager:
         chain by its own rule; the job already runs on chain k)."""
         return bool(self.dispatcher.adopt(k, job))
 
-    def _drain_queue(self) -> list[DispatchJob]:
+    def _drain_queue(self) -> tuple[list[DispatchJob], set[DispatchJob]]:
+        """Every waiting job, by arrival, and those of them no policy saw yet (they arrived while no chain existed)."""
         queued: list[DispatchJob] = []
         d = self.dispatcher
         if d is not None:
@@ -438,11 +438,11 @@ class DispatchManager:
                     if job not in self._running and d.remove_job(job):
                         queued.append(job)
         queued.sort(key=lambda j: j.arrival)
-        self._fresh = {j for j in self._pending if j not in queued}  # arrived while no chain existed: never queued
-        queued.extend(self._fresh)
+        fresh = {j for j in self._pending if j not in queued}
+        queued.extend(fresh)
         self._pending = []
         queued.sort(key=lambda j: j.arrival)
-        return queued
+        return queued, fresh
 
     # ---- jobs --------------------------------------------------------------------------------
     def _arrive(self, job: DispatchJob, bounded: bool = False) -> None:

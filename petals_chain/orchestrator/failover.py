@@ -115,11 +115,7 @@ class ChainHolder:
             note_admission(True)  # holds its chain (a session's later turn): admitted without the queue
             job = self.lease.job if self.lease is not None else None
             if job is not None and job.idle:  # a held session's next turn: its own deadline and length, stepping
-                dl = DEADLINE.get()
-                active = dl is not None and dl.active
-                job.deadline = dl if active else None
-                job.output_tokens = max(0, self.max_length - need) if active else 0
-                job.expected_output = max(0, self.max_length - need)
+                self._as_this_request(job, need)
                 job.idle = False
                 self.lease.started = time.monotonic()
         while self.cs is None:
@@ -133,13 +129,11 @@ class ChainHolder:
                               prefer=orch.prefix_directory.preferred(named) if named else (), client=self.client,
                               input_tokens=max(0, need - paid),
                               matched={k: max(0, n - paid) for k, n in matched.items()},
-                              expected_output=max(0, self.max_length - need), yields=self.yields,
-                              sched=self.priority)
+                              yields=self.yields, sched=self.priority)
             # A job back after a failover, a preemption or a pause keeps its deadline (its order in the queue, and
             # flex never pauses it for another): only a new job is dropped when its deadline passes while it waits.
+            self._as_this_request(job, need)
             dl = DEADLINE.get()
-            if dl is not None and dl.active:
-                job.deadline, job.output_tokens = dl, max(0, self.max_length - need)
             t0 = time.monotonic()
             drop_at = dl.drop_at if dl is not None and dl.active and not self.admitted else float("inf")
             wait_s = max(0.1, deadline - time.monotonic())
@@ -308,6 +302,13 @@ class ChainHolder:
 
         closing.add_done_callback(closed)
         await asyncio.shield(closing)
+
+    def _as_this_request(self, job: DispatchJob, need: int) -> None:
+        """``job`` as the request under way: the tokens it may still generate after ``need``, and its deadline and
+        most output tokens when it has an active one (else none)."""
+        dl = DEADLINE.get()
+        job.expected_output = max(0, self.max_length - need)
+        job.deadline, job.output_tokens = (dl, job.expected_output) if dl is not None and dl.active else (None, 0)
 
     def next_turn(self) -> None:
         """A session's next turn is a new request: for ``--schedule db|mlfq`` the last turn's execution time is

@@ -149,10 +149,10 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     url = url or await _target_soon(orch, request)
     if url is None:
         return None
-    body = await request.body()
+    body = sent = await request.body()
     if time.monotonic() - arrived > 0.05:  # waited for a target: the deadlines sent on are what is left of them
         try:
-            body = with_time_gone(body, arrived)
+            sent = with_time_gone(body, arrived)
         except DeadlineGone:
             return None  # served (and dropped at its deadline) here
     headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
@@ -160,7 +160,7 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
     try:
         upstream = await _reply_head(orch, request, client, client.build_request(
-            request.method, url.rstrip("/") + request.url.path, content=body, headers=headers), url)
+            request.method, url.rstrip("/") + request.url.path, content=sent, headers=headers), url)
     except (httpx.TransportError, _Lost) as e:
         await client.aclose()
         logger.warning("could not forward %s to %s (%s): serving it here", request.url.path, url, e)
@@ -186,15 +186,15 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
 
     if request.method == "POST" and request.url.path.rstrip("/") == "/api/v1/sessions":
         try:  # a session opened there: its later calls here go there too
-            body = await upstream.aread()
+            reply = await upstream.aread()
         finally:
             await close()
-        if (sid := opened_session_id(upstream.status_code, body)) is not None:
+        if (sid := opened_session_id(upstream.status_code, reply)) is not None:
             orch.groups.session_owners.remember(sid, url)
         reply_headers.pop("content-encoding", None)  # read, so decoded
-        return Response(body, status_code=upstream.status_code, headers=reply_headers)
+        return Response(reply, status_code=upstream.status_code, headers=reply_headers)
 
-    body = await request.body()  # the client's own (the rerun shortens its deadlines itself)
+    # the client's own body: a rerun shortens its deadlines itself
     record = StreamRecord.of(request.method, request.url.path, body, upstream.status_code, upstream.headers, arrived)
 
     async def relay():
