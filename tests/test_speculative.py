@@ -73,6 +73,37 @@ def test_greedy_verification_is_plain_greedy():
         verify_drafts(logits, seq, [1])
 
 
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5, repetition_penalty=1.2, frequency_penalty=0.3),
+    dict(temperature=1.3, top_p=0.8, logprobs=2),
+])
+def test_seeded_sampling_gives_the_same_tokens_with_or_without_drafts(params):
+    """A seeded sampled sequence emits the tokens plain decoding emits from the same logits, whatever the drafts
+    (right, wrong, or mixed): each emitted token consumes the one uniform plain sampling would."""
+    vocab, rows = 12, 7
+    logits = _logits(rows, vocab, seed=11)
+    for seed in range(60):
+        plain = SequenceSampler(SamplingParams(seed=seed, **params), [1, 2])
+        want = []
+        for j in range(rows):
+            c = sample_batch(logits[j:j + 1], [plain])[0]
+            plain.append(c.token)
+            want.append(c.token)
+        g = torch.Generator().manual_seed(seed)
+        seq = SequenceSampler(SamplingParams(seed=seed, **params), [1, 2])
+        got, pos = [], 0
+        while pos < rows - 1:
+            k = min(int(torch.randint(1, 4, (), generator=g)), rows - 1 - pos)
+            # drafts: plain's own tokens, each swapped for a wrong one a third of the time
+            draft = [t if torch.rand((), generator=g) < 0.67 else (t + 1) % vocab for t in want[pos:pos + k]]
+            out = verify_drafts(logits[pos:pos + k + 1], seq, draft)
+            got += [c.token for c in out]
+            pos += len(out)
+        assert got[:rows] == want[:len(got[:rows])], seed
+        assert seq.num_generated == len(got)
+
+
 def test_verification_keeps_logprobs_of_the_raw_distribution():
     logits = _logits(3, seed=2)
     seq = SequenceSampler(SamplingParams(temperature=0.8, seed=5, logprobs=2), [])

@@ -166,15 +166,19 @@ def test_draft_model_greedy_equals_plain_and_transformers(swarm):
     assert 0 < accepted < drafted, sp  # the draft model's tokens kept and rejected (its own cache rolled back too)
 
 
-def test_draft_model_sampling_keeps_the_distribution(swarm):
-    """Sampled with drafts: the speculative-sampling rule keeps each token's distribution, so a seeded request
-    gives the same tokens as without drafts only by chance, but the first token (sampled before any draft) is
-    the plain request's, and every token is one the model could sample (no draft leaks through unverified)."""
+def test_draft_model_sampling_gives_the_plain_seeded_tokens(swarm):
+    """Sampled with drafts: verification samples each position with the uniform plain decoding would draw, so a
+    seeded request gives the same tokens with drafts as without (the drafts are kept and rejected along the way),
+    and every token is one the model could sample (no draft leaks through unverified)."""
     prompt = PROMPTS[1]
     params = dict(temperature=1.0, top_k=3, max_tokens=24, ignore_eos=True, seed=7)
+    before = swarm.state()["relay"]["speculative"]
     plain = swarm.call(lambda o: o.generate(prompt, SamplingParams(**params, speculative="none")))
     spec = swarm.call(lambda o: o.generate(prompt, SamplingParams(**params, speculative="draft")))
-    assert spec.token_ids[0] == plain.token_ids[0] and len(spec.token_ids) == 24
+    ngram = swarm.call(lambda o: o.generate(prompt, SamplingParams(**params, speculative="ngram")))
+    assert spec.token_ids == plain.token_ids == ngram.token_ids and len(spec.token_ids) == 24
+    sp = swarm.state()["relay"]["speculative"]
+    assert sp["accepted_tokens"] > before["accepted_tokens"], sp  # drafts were verified, and some kept
     hf = _hf(swarm.model_path)
     ids = list(prompt)
     for tok in spec.token_ids:  # top_k=3: every kept token is among the model's 3 likeliest at its position

@@ -727,58 +727,26 @@ def sample_batch(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> list[
     return out
 
 
-def _raw_choice(logits_row: torch.Tensor, token: int, k: int | None) -> TokenChoice:
-    """``token`` with its raw logprob and the top ``k`` (``k`` None: no logprobs asked)."""
-    if k is None:
-        return TokenChoice(token)
-    with torch.inference_mode():
-        lsm = torch.log_softmax(logits_row.detach().to("cpu", torch.float32).reshape(-1), dim=0)
-        top = []
-        if k:
-            tv, ti = torch.topk(lsm, min(k, lsm.shape[0]))
-            top = list(zip(ti.tolist(), tv.tolist()))
-        return TokenChoice(token, float(lsm[token]), top)
-
-
 def verify_drafts(logits: torch.Tensor, seq: SequenceSampler, draft: Sequence[int]) -> list[TokenChoice]:
     """Speculative decoding's verification of ``draft`` for one sequence: ``logits`` [len(draft) + 1, vocab] are the
     model's at the positions that end with each draft token's predecessor (row j predicts what follows
     ``draft[:j]``). Returns the tokens to emit: the accepted drafts, then one more (the model's own token where a
     draft was rejected, else the bonus token from the last row). Advances ``seq`` by every returned token.
 
-    Greedy rows accept a draft iff it is the token greedy sampling picks, so the output equals plain greedy
-    decoding. Sampled rows apply the speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023) for a
-    draft that is one token with certainty (prompt lookup's): accept with probability p(draft) under the same
-    processed distribution ``sample_batch`` draws from (penalties, temperature, top-k/top-p), else draw from p
-    with the draft removed and renormalized; each emitted token then has exactly p's distribution. Random draws
-    come from the sequence's own generator (seeded requests are reproducible, though not the same draws as
-    without speculation)."""
-    k_lp = seq.params.logprobs
+    Each row is sampled exactly as plain decoding samples it (``sample_batch``: greedy's choice, or one uniform
+    from the sequence's generator by inverse CDF over the processed distribution) and a draft is kept iff it is
+    the token drawn. For a draft that is one token with certainty (prompt lookup's, a greedy draft model's) this
+    is the speculative-sampling rule coupled to plain sampling's draws: a draft is kept with probability p(draft)
+    (Leviathan et al. 2023's min(1, p/q) with q = 1) and a rejected position emits a draw from p without the
+    draft, so each token has p's distribution; and since every emitted token consumes exactly the one uniform
+    plain decoding would, a seeded request gives the same tokens with or without speculation (up to the float
+    differences between a verification pass's logits and a single step's)."""
     if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
         raise ValueError(f"need logits [{len(draft) + 1}, vocab] for {len(draft)} draft tokens, got "
                          f"{tuple(logits.shape)}")
     out: list[TokenChoice] = []
     for j in range(len(draft) + 1):
-        row = logits[j:j + 1]
-        if j == len(draft) or seq.greedy:  # the bonus token (every draft accepted), or greedy's own choice
-            choice = sample_batch(row, [seq])[0]
-        else:
-            d = int(draft[j])
-            p = _filtered_probs(row, [seq])[0].to(torch.float64)
-            u = float(torch.rand((), dtype=torch.float64, generator=seq.generator))
-            if 0 <= d < p.shape[0] and u < float(p[d]):
-                choice = _raw_choice(row, d, k_lp)
-            else:
-                residual = p.clone()
-                if 0 <= d < residual.shape[0]:
-                    residual[d] = 0.0
-                cdf = torch.cumsum(residual, 0)
-                u2 = float(torch.rand((), dtype=torch.float64, generator=seq.generator)) * float(cdf[-1])
-                tok = int(torch.searchsorted(cdf, torch.tensor([u2], dtype=torch.float64), right=True)[0])
-                tok = min(tok, residual.shape[0] - 1)
-                while residual[tok] <= 0 and tok > 0:  # never a token of probability 0 (float round-off at the top)
-                    tok -= 1
-                choice = _raw_choice(row, tok, k_lp)
+        choice = sample_batch(logits[j:j + 1], [seq])[0]
         seq.append(choice.token)
         out.append(choice)
         if j < len(draft) and choice.token != int(draft[j]):
