@@ -138,6 +138,43 @@ def test_deadlines_keep_counting_from_the_first_arrival(monkeypatch):
     assert parsed(out)[0]["error"]["code"] == "deadline_unreachable" and len(seen) == 1  # not retried for a minute
 
 
+def test_the_keys_default_deadlines_keep_counting_too(monkeypatch):
+    """A body naming no deadline runs under its API key's defaults: the rerun keeps counting them from the first
+    arrival (run again as they are, they started over); a deadline the body names wins over the key's."""
+    hdrs = {"content-type": "text/event-stream"}
+    body = json.dumps({"prompt": [1], "stream": True, "temperature": 0, "ttft_deadline_ms": 40_000}).encode()
+    rec = rs.StreamRecord.of("POST", "/v1/completions", body, 200, hdrs, time.monotonic() - 5.0,
+                             {"deadline_ms": 30_000, "ttft_deadline_ms": 8_000})
+    out, seen = run_finish(rec, monkeypatch, lambda req, n: sse(cmpl("!", finish="length"), DONE))
+    sent = json.loads(seen[0].content)
+    assert 24_000 < sent["deadline_ms"] < 25_100 and 34_000 < sent["ttft_deadline_ms"] < 35_100
+    assert rs.StreamRecord.of("POST", "/v1/completions", body, 200, hdrs, time.monotonic(),
+                              {"deadline_ms": None, "ttft_deadline_ms": None}).body == json.loads(body)
+
+
+def test_a_forwarded_request_takes_its_keys_defaults(tmp_path):
+    """The forward reads the defaults of the key the request came with (the app's limits, the client's name)."""
+    from types import SimpleNamespace as NS
+
+    from starlette.requests import Request
+
+    from petals_chain.orchestrator.auth import CLIENT, KeyRing
+    from petals_chain.orchestrator.forward import _key_deadlines
+    from petals_chain.orchestrator.limits import LimitsConfig
+
+    (tmp_path / "keys").write_text(f"alice {'a' * 20} deadline_ms=9000\nbob {'b' * 20}\n")
+    app = NS(state=NS(limits=NS(limits=LimitsConfig(keys=KeyRing.from_file(tmp_path / "keys")))))
+    request = Request({"type": "http", "app": app, "headers": []})
+    for who, want in (("alice", {"deadline_ms": 9000, "ttft_deadline_ms": None}),
+                      ("bob", {"deadline_ms": None, "ttft_deadline_ms": None})):
+        token = CLIENT.set(who)
+        try:
+            assert _key_deadlines(request) == want
+        finally:
+            CLIENT.reset(token)
+    assert _key_deadlines(Request({"type": "http", "headers": []})) == {}  # no limits: no defaults
+
+
 def test_refused_here_it_tries_another_orchestrator(monkeypatch):
     """Forwarded because this queue was full, it must not wait on this queue alone."""
     asked = []

@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.resume import Cut, DeadlineGone, StreamRecord, finish, relay_events, with_time_gone
@@ -135,6 +136,16 @@ async def _target_soon(orch: Any, request: Request) -> Optional[str]:
     return None
 
 
+def _key_deadlines(request: Request) -> dict:
+    """The deadlines this client's API key gives a request that names none (``deadline_ms``, ``ttft_deadline_ms``)."""
+    app = request.scope.get("app")
+    limits = getattr(getattr(app, "state", None), "limits", None)
+    if limits is None:
+        return {}
+    d_ms, t_ms = limits.limits.deadline_defaults(CLIENT.get())
+    return {"deadline_ms": d_ms, "ttft_deadline_ms": t_ms}
+
+
 def forwardable(orch: Any, headers: Any) -> bool:
     """Whether a request with these headers would be forwarded now (the limits' early refusals let it through)."""
     return FORWARDED_HEADER not in headers and forward_target(orch) is not None
@@ -195,7 +206,8 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
         return Response(reply, status_code=upstream.status_code, headers=reply_headers)
 
     # the client's own body: a rerun shortens its deadlines itself
-    record = StreamRecord.of(request.method, request.url.path, body, upstream.status_code, upstream.headers, arrived)
+    record = StreamRecord.of(request.method, request.url.path, body, upstream.status_code, upstream.headers, arrived,
+                             _key_deadlines(request))
 
     async def relay():
         if record is None:

@@ -136,9 +136,11 @@ class StreamRecord:
         self.finished_by: Optional[str] = None  # the URL of the rerun that finished it
 
     @classmethod
-    def of(cls, method: str, path: str, body: bytes, status: int, headers: Any,
-           arrived: float) -> Optional["StreamRecord"]:
-        """A record when this reply is a completion stream the relay understands, else None (relayed as bytes)."""
+    def of(cls, method: str, path: str, body: bytes, status: int, headers: Any, arrived: float,
+           defaults: Optional[dict] = None) -> Optional["StreamRecord"]:
+        """A record when this reply is a completion stream the relay understands, else None (relayed as bytes).
+        ``defaults``: the deadlines that apply where the body names none (the client's API key's), so a rerun
+        keeps counting them from the first arrival instead of starting them again."""
         if (method != "POST" or path.rstrip("/") not in RESUMABLE_PATHS or status != 200
                 or "content-encoding" in headers or not headers.get("content-type", "").startswith("text/event-stream")):
             return None
@@ -146,6 +148,9 @@ class StreamRecord:
             req = json.loads(body)
             if not isinstance(req, dict) or req.get("stream") is not True:
                 return None
+            for field, ms in (defaults or {}).items():
+                if req.get(field) is None and ms is not None:
+                    req[field] = ms
             return cls(req, arrived)
         except (ValueError, TypeError):
             return None
