@@ -11,7 +11,6 @@ temperature below 1e-5 is greedy (vLLM's epsilon) and ``repetition_penalty`` is 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -30,6 +29,7 @@ from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
 from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice
+from petals_chain.orchestrator.sse import DONE, error_event, error_object, sse
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
 
@@ -263,16 +263,7 @@ class SessionGenerateRequest(SamplingFields):
 
 def _error(status: int, message: str, *, type_: str | None = None, param: str | None = None,
            code: str | None = None) -> JSONResponse:
-    if type_ is None:
-        type_ = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
-                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-                 503: "service_unavailable"}.get(status, "server_error")
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "param": param,
-                                                               "code": code}})
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return JSONResponse(status_code=status, content=error_object(status, message, type_=type_, param=param, code=code))
 
 
 class _Logprobs:
@@ -486,25 +477,22 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 for i in range(n):
                     first = chunk(i, None, None, None, first=True)
                     if first is not None:
-                        yield _sse(first)
+                        yield sse(first)
                 while done < n:
                     kind, i, val = await queue.get()
                     if kind == "delta":
-                        yield _sse(chunk(i, val[0], None, val[1]))
+                        yield sse(chunk(i, val[0], None, val[1]))
                     elif kind == "done":
                         done += 1
                         completion += len(val.token_ids)
                         if i == 0:
                             cached = val.cached_tokens  # the prompt is computed once, by the first choice
-                        yield _sse(chunk(i, "", val.finish_reason, None))
+                        yield sse(chunk(i, "", val.finish_reason, None))
                     else:
                         status = getattr(val, "status", 503 if isinstance(val, Unavailable) else 500)
                         code = getattr(val, "code", None) or ("swarm_unavailable" if isinstance(val, Unavailable)
                                                               else None)
-                        # the error response's fields, and its HTTP status (a client acts on it: 503 tries another
-                        # orchestrator, 429 retries later)
-                        err = json.loads(_error(status, str(val), param=getattr(val, "param", None), code=code).body)
-                        yield _sse({"error": {**err["error"], "status": status}})
+                        yield error_event(status, str(val), param=getattr(val, "param", None), code=code)
                         break
                 if include_usage and done == n:
                     u = chunk(0, "", None, None)
@@ -513,8 +501,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     dl = DEADLINE.get()
                     if dl is not None:
                         u["deadline"] = dl.report()
-                    yield _sse(u)
-                yield "data: [DONE]\n\n"
+                    yield sse(u)
+                yield DONE
                 delivered = True  # resumed after the last event: it was sent
             finally:
                 task.cancel()

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 import httpx
 
+from petals_chain.orchestrator import sse
 from petals_chain.orchestrator.sampling import GREEDY_BELOW_TEMPERATURE
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ RESUME_HEADER = "x-petals-chain-resume"
 _RESUME_SECRET = secrets.token_urlsafe(24)
 RESUMABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
-_DONE = b"data: [DONE]\n\n"
+_DONE = sse.DONE.encode()
 _KEEPALIVE = b": waiting to finish this stream\n\n"
 
 
@@ -192,7 +193,7 @@ class StreamRecord:
             return event
         if not kept and not usage:
             return None
-        return _sse_bytes({**obj, **self.head, "choices": kept})
+        return sse.sse({**obj, **self.head, "choices": kept}).encode()
 
     def _trim(self, choice: dict) -> bool:
         """Cut from ``choice`` what was already delivered (text and logprob entries); whether any of it goes on."""
@@ -273,13 +274,9 @@ def with_time_gone(body: bytes, arrived: float) -> bytes:
     return json.dumps(_shortened(obj, arrived)).encode()
 
 
-def _sse_bytes(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
-def error_event(status: int, code: str, message: str, type_: str = "server_error") -> bytes:
-    return _sse_bytes({"error": {"message": message, "type": type_, "param": None, "code": code,
-                                 "status": status}}) + _DONE
+def _ending(status: int, code: str, message: str) -> bytes:
+    """The error event and ``[DONE]`` that end a stream which could not be finished."""
+    return (sse.error_event(status, message, code=code) + sse.DONE).encode()
 
 
 def _error_of(event: bytes) -> Optional[dict]:
@@ -316,8 +313,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
         yield _DONE
         return
     if not record.reproducible:
-        yield error_event(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost, and the "
-                                             "stream cannot be finished elsewhere: it samples without a seed")
+        yield _ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost, and the "
+                      "stream cannot be finished elsewhere: it samples without a seed")
         return
     give_up = time.monotonic() + RESUME_S
     why, local_refused, quiet_since = "no orchestrator with a chain", False, time.monotonic()
@@ -328,8 +325,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
             try:
                 body = record.rerun_body()
             except DeadlineGone as e:
-                yield error_event(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
-                                                            f"elsewhere (its orchestrator {lost} was lost)")
+                yield _ending(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
+                              f"elsewhere (its orchestrator {lost} was lost)")
                 return
             record.restart()
             try:
@@ -339,10 +336,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                             reply = await r.aread()
                             code = _reply_code(reply)
                             if r.status_code not in (429, 502, 503, 504) or code == "deadline_unreachable":
-                                yield error_event(r.status_code, code or "resume_refused", "the stream was cut off "
-                                                  f"and its rerun at {url} was refused: "
-                                                  f"{reply[:300].decode(errors='replace')}", "invalid_request_error"
-                                                  if r.status_code < 500 else "server_error")
+                                yield _ending(r.status_code, code or "resume_refused", "the stream was cut off and "
+                                              f"its rerun at {url} was refused: {reply[:300].decode(errors='replace')}")
                                 return
                             why, local_refused = f"{url}: HTTP {r.status_code} {code}", here
                         else:
@@ -371,8 +366,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                                 why = f"{url}: its stream ended early"
             except _Mismatch as e:
                 logger.error("a cut forwarded stream could not be finished: %s", e)
-                yield error_event(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
-                                                          f"than the one already sent ({e})")
+                yield _ending(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
+                              f"than the one already sent ({e})")
                 return
             except (httpx.HTTPError, Cut) as e:
                 why = f"{url}: {type(e).__name__}: {e}"
@@ -380,8 +375,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                 yield _DONE
                 return
         if time.monotonic() >= give_up:
-            yield error_event(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
-                                                 f"no other could finish it within {RESUME_S:.0f} s ({why})")
+            yield _ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
+                          f"no other could finish it within {RESUME_S:.0f} s ({why})")
             return
         if time.monotonic() - quiet_since >= KEEPALIVE_S:
             quiet_since = time.monotonic()

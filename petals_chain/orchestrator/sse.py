@@ -1,0 +1,30 @@
+"""OpenAI's wire shapes shared by the API and the stream relay (resume.py): error objects and server-sent events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+DONE = "data: [DONE]\n\n"
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
+                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}
+
+
+def error_object(status: int, message: str, *, type_: Optional[str] = None, param: Optional[str] = None,
+                 code: Optional[str] = None) -> dict:
+    """``{"error": {...}}`` as OpenAI answers it; ``type_`` defaults to the status's kind."""
+    return {"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def error_event(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None) -> str:
+    """The event that ends a stream in error: the error object with the HTTP status the request would have had
+    (a client acts on it: 503 tries another orchestrator, 429 retries later)."""
+    err = error_object(status, message, param=param, code=code)["error"]
+    return sse({"error": {**err, "status": status}})
