@@ -10,6 +10,7 @@ The tests run in file order and share one swarm; the last one kills a server.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -257,6 +258,22 @@ def test_completions_logprobs_echo_and_defaults(swarm, tokenizer, smollm2_refere
     for i in range(1, len(ids)):
         assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=2e-3)
         assert len(lp["top_logprobs"][i]) == 2
+    # streamed, it opens with the prompt and its logprobs, and the chunks add up to the same text and entries
+    events = []
+    with httpx.stream("POST", f"{swarm.url}/v1/completions", timeout=60, json={
+            "model": "smollm2-135m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "echo": True, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    first = events[0]["choices"][0]
+    assert first["text"] == tokenizer.decode(ids) and len(first["logprobs"]["tokens"]) == len(ids)
+    parts = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+    assert "".join(e["choices"][0]["text"] for e in events) == ch["text"]
+    got = {f: [v for part in parts for v in part["logprobs"][f]] for f in ("tokens", "token_logprobs", "text_offset")}
+    assert got["tokens"] == lp["tokens"] and got["text_offset"] == lp["text_offset"]
+    assert got["token_logprobs"][0] is None
+    assert got["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-3)
     # a chat request without max_tokens runs to its end of turn (not 16 tokens)
     c = swarm.client().chat_completion([{"role": "user", "content": "Describe a cat in three sentences."}])
     assert c.finish_reason == "stop" and len(c.token_ids) > 16

@@ -445,9 +445,11 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         return out
 
     def stream_response(gen_fn, n: int, chunk: Any, include_usage: bool, prompt_tokens: int,
-                        undelivered: Callable[[], None] | None = None) -> StreamingResponse:
+                        undelivered: Callable[[], None] | None = None, opens_scored: bool = False) -> StreamingResponse:
         """SSE over ``gen_fn(emits) -> list[Generation]`` (``emits[i](text, choices)`` per choice); ``chunk(index,
         text, finish_reason, choices)`` builds each event's object (``first=True``: the opening event, or None).
+        ``opens_scored``: the opening events wait for the prompt's logprobs, ``gen_fn(emits, scored)`` awaiting
+        ``scored(prompt_logprobs)`` (they are ``chunk``'s ``choices`` then).
         ``undelivered()`` runs after the generation ends if the client did not take the stream to its ``[DONE]``."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -456,9 +458,13 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 await queue.put(("delta", i, (text, choices)))
             return emit
 
+        async def scored(prompt_logprobs: list) -> None:
+            await queue.put(("open", -1, prompt_logprobs))
+
         async def run() -> None:
             try:
-                gens = await gen_fn([emitter(i) for i in range(n)])
+                emits = [emitter(i) for i in range(n)]
+                gens = await (gen_fn(emits, scored) if opens_scored else gen_fn(emits))
                 for i, g in enumerate(gens):
                     await queue.put(("done", i, g))
             except (RequestError, Unavailable) as e:
@@ -474,13 +480,16 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             completion = 0
             cached = 0
             try:
-                for i in range(n):
+                for i in range(0 if opens_scored else n):
                     first = chunk(i, None, None, None, first=True)
                     if first is not None:
                         yield sse(first)
                 while done < n:
                     kind, i, val = await queue.get()
-                    if kind == "delta":
+                    if kind == "open":
+                        for j in range(n):
+                            yield sse(chunk(j, None, None, val, first=True))
+                    elif kind == "delta":
                         yield sse(chunk(i, val[0], None, val[1]))
                     elif kind == "done":
                         done += 1
@@ -562,6 +571,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     if echo_text is None:
                         return None
                     text = echo_text
+                    if choices is not None:  # the prompt's own logprobs (echo with logprobs)
+                        logprobs = lp.completion(choices, ids)
                 elif req.logprobs is not None and choices:
                     counter = counters.setdefault(i, StopMatcher(orch.tokenizer, [], ids))
                     logprobs = lp.completion(choices, [c.token for c in choices], offset0=len(echo_text or ""),
@@ -570,8 +581,9 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                         "choices": [{"text": text or "", "index": i, "logprobs": logprobs, "finish_reason": finish}]}
 
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, req.n), explicit, emits),
-                                   req.n, chunk, include, len(ids))
+            return stream_response(lambda emits, scored=None: orch.generate_n(
+                ids, per_choice(params, req.n), explicit, emits, prompt_logprobs=echo_logprobs, scored=scored),
+                req.n, chunk, include, len(ids), opens_scored=echo_logprobs is not None)
         results = await unless_disconnected(request, gather_or_cancel(*(
             orch.generate_n(ids, per_choice(params, req.n), explicit, prompt_logprobs=echo_logprobs,
                             settle=len(prompts) == 1)

@@ -155,13 +155,15 @@ class GenerationMixin:
 
     async def generate_n(self, prompt_ids: list[int], params: list[SamplingParams], explicit_max_tokens: bool = True,
                          emits: list[Emit | None] | None = None, *, prompt_logprobs: int | None = None,
-                         settle: bool = True) -> list[Generation]:
+                         settle: bool = True, scored: Callable[[list], Awaitable[None]] | None = None,
+                         ) -> list[Generation]:
         """``len(params)`` completions of one prompt, each its own job. The first job prefills; the others
         wait for that prefill and start from a copy of its KV when JFFC puts them on the same chain (else
         they prefill on theirs): the prompt is computed once, and every choice samples its first token from
         the same last hidden state. If one choice fails, the others are cancelled and their chains released.
         ``settle=False``: the request's deadline is settled by the caller (a request of several prompts, when its
-        last one is done)."""
+        last one is done). ``scored(prompt_logprobs)`` is awaited once the prompt is scored, before any choice
+        emits a token (a stream that echoes its prompt with logprobs opens with them)."""
         self.validate_prompt(prompt_ids, params[0].max_tokens, explicit_max_tokens)
         self.check_speculative(params[0])
         params = [SamplingParams(**{**p.__dict__, "stop": list(p.stop), "max_tokens": self._max_tokens(
@@ -198,15 +200,17 @@ class GenerationMixin:
             holder, p = holders[i], params[i]
             generated: list[int] = []
             ok = False
-            scored = None
+            scored_lp = None
             try:
                 if i == 0:
                     try:
                         out = await holder.feed(list(prompt_ids), all_positions=prompt_logprobs is not None)
                         cached = holder.reused_tokens
                         if prompt_logprobs is not None:
-                            scored = await self.batcher.score(out, list(prompt_ids), prompt_logprobs)
+                            scored_lp = await self.batcher.score(out, list(prompt_ids), prompt_logprobs)
                             out = out[-1]
+                            if scored is not None:
+                                await scored(scored_lp)
                         prefill.set_result(out)
                     except BaseException as e:
                         if not prefill.done():
@@ -227,7 +231,7 @@ class GenerationMixin:
             results[i] = Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt_ids),
                                     wait_s=holder.wait_s, service_s=service, chain=holder.chain_names,
                                     failovers=holder.failovers, logprobs=choices if p.logprobs is not None else None,
-                                    prompt_logprobs=scored, forked=holder.forked, cached_tokens=cached)
+                                    prompt_logprobs=scored_lp, forked=holder.forked, cached_tokens=cached)
 
         try:
             await gather_or_cancel(*(one(i) for i in range(len(params))))
@@ -242,7 +246,6 @@ class GenerationMixin:
         finally:
             if not prefill.done():
                 prefill.cancel()
-        scored = results[0].prompt_logprobs
         for g in results[1:]:
-            g.prompt_logprobs = scored
+            g.prompt_logprobs = results[0].prompt_logprobs
         return results  # type: ignore[return-value]
