@@ -29,6 +29,8 @@ REAL_SERVERS = [
 BURST_QUESTIONS = [
     "Name a planet in our solar system.", "What color is the sky on a clear day?", "How many legs does a spider have?",
     "What is the boiling point of water in Celsius?", "Name a famous painter.", "What is 7 times 8?",
+    "Name a fruit that is yellow.", "What do bees make?", "How many days are in a week?", "Name an ocean.",
+    "What is the opposite of hot?", "Which animal is known as the king of the jungle?",
 ]
 
 # Tiny model: name, memory budget M_j as (blocks of s_m + cache slots of s_c) for an 8-block model, tau_p
@@ -186,17 +188,22 @@ def run_real(args) -> int:
         with client.session() as s:
             for i, q in enumerate(["Hi, I am Ada. I live in Rome.", "Which city do I live in?"], 1):
                 show.answer(f"session turn {i}", q, s.chat(q, max_tokens=48))
-        print(f"\n  burst: {len(BURST_QUESTIONS)} questions at once (JFFC spreads them over the chains)")
-        results: list = [None] * len(BURST_QUESTIONS)
+        # one more question than the chains have slots: JFFC fills the fastest chain, then the next, and the last
+        # waits in the central queue for the first slot to free
+        slots = sum(ch["capacity"] for ch in state["chains"])
+        questions = BURST_QUESTIONS[:max(2, min(len(BURST_QUESTIONS), slots + 1))]
+        print(f"\n  burst: {len(questions)} questions at once, {slots} chain slots (JFFC fills the fastest chain's "
+              "slots, then the next chain's; the rest wait in the central queue)")
+        results: list = [None] * len(questions)
 
         def ask(i: int) -> None:
             try:
-                results[i] = client.chat_completion([{"role": "user", "content": BURST_QUESTIONS[i]}], max_tokens=32)
+                results[i] = client.chat_completion([{"role": "user", "content": questions[i]}], max_tokens=32)
             except Exception as e:  # noqa: BLE001 - reported below
                 results[i] = e
 
         t0 = time.monotonic()
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(BURST_QUESTIONS))]
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
         for t in threads:
             t.start()
         for t in threads:
@@ -204,11 +211,11 @@ def run_real(args) -> int:
         elapsed = time.monotonic() - t0
         for i, r in enumerate(results):
             if isinstance(r, Exception):
-                print(f"  {BURST_QUESTIONS[i]!r}: FAILED: {r}")
+                print(f"  {questions[i]!r}: FAILED: {r}")
                 code = 1
             else:
                 print(f"  {_fmt_s(r.wait_s):>9} wait {_fmt_s(r.service_s):>9} service  {show.chain(r.chain):<34} "
-                      f"{BURST_QUESTIONS[i][:34]!r:<36} -> {r.text.strip()[:40]!r}")
+                      f"{questions[i][:34]!r:<36} -> {r.text.strip()[:40]!r}")
         tokens = sum(len(r.token_ids) for r in results if not isinstance(r, Exception))
         m = swarm.swarm()["measured"]
         print(f"  burst done in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s over all); since start: mean wait "
