@@ -191,9 +191,10 @@ def run_real(args) -> int:
         # one more question than the chains have slots: JFFC fills the fastest chain, then the next, and the last
         # waits in the central queue for the first slot to free
         slots = sum(ch["capacity"] for ch in state["chains"])
-        questions = BURST_QUESTIONS[:max(2, min(len(BURST_QUESTIONS), slots + 1))]
+        questions = [BURST_QUESTIONS[i % len(BURST_QUESTIONS)] for i in range(max(2, min(slots + 1, 32)))]
+        rest = "; the rest wait in the central queue" if len(questions) > slots else ""
         print(f"\n  burst: {len(questions)} questions at once, {slots} chain slots (JFFC fills the fastest chain's "
-              "slots, then the next chain's; the rest wait in the central queue)")
+              f"slots, then the next chain's{rest})")
         results: list = [None] * len(questions)
 
         def ask(i: int) -> None:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 import petals_chain.orchestrator.resume as rs
+from petals_chain.orchestrator.deadlines import MAX_DEADLINE_MS
 
 _CLIENT = httpx.AsyncClient
 
@@ -127,7 +128,8 @@ def test_deadlines_keep_counting_from_the_first_arrival(monkeypatch):
     feed(rec, [cmpl("Hi")])
     out, seen = run_finish(rec, monkeypatch, lambda req, n: sse(cmpl("Hi"), cmpl("!", finish="length"), DONE))
     body = json.loads(seen[0].content)
-    assert 54_000 < body["deadline_ms"] < 55_100 and "ttft_deadline_ms" not in body  # its first token was sent
+    assert 54_000 < body["deadline_ms"] < 55_100  # its first token was sent: the TTFT one is spent
+    assert body["ttft_deadline_ms"] == body["deadline_ms"]
     late = rs.StreamRecord({"prompt": [1], "stream": True, "temperature": 0, "deadline_ms": 1000},
                            time.monotonic() - 2.0)
     out, seen = run_finish(late, monkeypatch, lambda req, n: pytest.fail("rerun"))
@@ -150,6 +152,46 @@ def test_the_keys_default_deadlines_keep_counting_too(monkeypatch):
     assert 24_000 < sent["deadline_ms"] < 25_100 and 34_000 < sent["ttft_deadline_ms"] < 35_100
     assert rs.StreamRecord.of("POST", "/v1/completions", body, 200, hdrs, time.monotonic(),
                               {"deadline_ms": None, "ttft_deadline_ms": None}).body == json.loads(body)
+
+
+def test_spent_and_passed_deadlines_are_not_restarted_by_the_keys_defaults(monkeypatch):
+    """Once a generated token went out, the TTFT deadline is spent: the rerun names one that cannot restart (left
+    out, the key's default would apply again, counted afresh); an echoed prompt is not a generated token; a best
+    effort request whose deadline passed is run again late, as asked, not ended with a 504."""
+    hdrs = {"content-type": "text/event-stream"}
+
+    def rec_of(body, gone_s, defaults):
+        return rs.StreamRecord.of("POST", "/v1/completions", json.dumps({"prompt": [1], "stream": True,
+                                  "temperature": 0, **body}).encode(), 200, hdrs, time.monotonic() - gone_s, defaults)
+
+    key_ttft = {"deadline_ms": None, "ttft_deadline_ms": 3000}
+    rec = rec_of({}, 1.0, key_ttft)
+    feed(rec, [cmpl("Hi")])
+    assert json.loads(rec.rerun_body())["ttft_deadline_ms"] == MAX_DEADLINE_MS
+    echo = rec_of({"echo": True}, 1.0, key_ttft)
+    feed(echo, [cmpl("the prompt")])  # only the prompt went out: the first token is still to come
+    assert 1900 < json.loads(echo.rerun_body())["ttft_deadline_ms"] < 2100
+    feed(echo, [cmpl(" and")])
+    assert json.loads(echo.rerun_body())["ttft_deadline_ms"] == MAX_DEADLINE_MS
+    late = rec_of({"best_effort": True}, 5.0, {"deadline_ms": 2000, "ttft_deadline_ms": None})
+    out, seen = run_finish(late, monkeypatch, lambda req, n: sse(cmpl("!", finish="length"), DONE))
+    assert json.loads(seen[0].content)["deadline_ms"] == 1.0 and parsed(out)[-1] == "data: [DONE]"
+    with pytest.raises(rs.DeadlineGone):
+        rec_of({}, 5.0, {"deadline_ms": 2000}).rerun_body()
+    # the first forward, sent on after a wait for a target: the key's defaults count from the arrival too
+    sent = json.loads(rs.with_time_gone(b'{"prompt": [1], "deadline_ms": null}', time.monotonic() - 2.0,
+                                        {"deadline_ms": 9000, "ttft_deadline_ms": None}))
+    assert 6900 < sent["deadline_ms"] < 7100 and "ttft_deadline_ms" not in sent
+
+
+def test_a_refused_rerun_ends_with_the_refusals_own_type(monkeypatch):
+    out, _ = run_finish(record(), monkeypatch, lambda req, n: httpx.Response(
+        401, json={"error": {"code": "invalid_api_key", "type": "authentication_error", "message": "no"}}))
+    err = parsed(out)[0]["error"]
+    assert (err["status"], err["code"], err["type"]) == (401, "invalid_api_key", "authentication_error")
+    out, _ = run_finish(record(), monkeypatch, lambda req, n: httpx.Response(405, text="Method Not Allowed"))
+    err = parsed(out)[0]["error"]
+    assert (err["status"], err["code"], err["type"]) == (405, "resume_refused", "invalid_request_error")
 
 
 def test_a_forwarded_request_takes_its_keys_defaults(tmp_path):

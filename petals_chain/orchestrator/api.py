@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.orchestrator.auth import CLIENT
-from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
+from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline
 from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
@@ -40,7 +40,6 @@ MAX_STOP_LEN = 256
 MAX_PROMPT_CHARS = 1_000_000
 MAX_LOGIT_BIAS = 300
 INLINE_TOKENIZE_CHARS = 2000  # longer texts are tokenized / templated off the event loop
-MAX_DEADLINE_MS = 3_600_000.0  # an hour: longer is no deadline
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
 

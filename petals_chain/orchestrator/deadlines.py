@@ -17,6 +17,8 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+MAX_DEADLINE_MS = 3_600_000.0  # the longest deadline a request may ask for: an hour
+
 OUTCOMES = ("met", "missed", "refused", "dropped")
 
 

@@ -163,7 +163,7 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     body = sent = await request.body()
     if time.monotonic() - arrived > 0.05:  # waited for a target: the deadlines sent on are what is left of them
         try:
-            sent = with_time_gone(body, arrived)
+            sent = with_time_gone(body, arrived, _key_deadlines(request))
         except DeadlineGone:
             return None  # served (and dropped at its deadline) here
     headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}

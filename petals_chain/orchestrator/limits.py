@@ -34,6 +34,7 @@ from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.forward import forwardable, opened_session_id
 from petals_chain.orchestrator.resume import is_resume
+from petals_chain.orchestrator.sse import error_object
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -219,8 +220,7 @@ class AdmissionLimits:
 
     async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool | int = True) -> None:
         self._count(reason)
-        kind = {429: "rate_limit_error", 401: "authentication_error"}.get(status, "invalid_request_error")
-        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": reason}}).encode()
+        body = json.dumps(error_object(status, message, code=reason)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="petals-chain"'))

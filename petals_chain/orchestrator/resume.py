@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 import httpx
 
 from petals_chain.orchestrator import sse
+from petals_chain.orchestrator.deadlines import MAX_DEADLINE_MS
 from petals_chain.orchestrator.sampling import GREEDY_BELOW_TEMPERATURE
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class StreamRecord:
         self.body = body
         self.arrived = arrived  # monotonic, at this orchestrator: a deadline counts from here
         self.text: dict[int, str] = {}  # choice index -> text delivered
+        self.text_events: dict[int, int] = {}  # choice index -> events that delivered some of it
+        self.echo = body.get("echo") is True  # a choice's first text is its prompt, not a generated token
         self.lps: dict[int, int] = {}  # choice index -> logprob entries delivered
         self.opened: set[int] = set()  # choices with an event delivered (a chat stream's role event comes once)
         self.ended: set[int] = set()  # choices whose finish_reason was delivered
@@ -149,10 +152,7 @@ class StreamRecord:
             req = json.loads(body)
             if not isinstance(req, dict) or req.get("stream") is not True:
                 return None
-            for field, ms in (defaults or {}).items():
-                if req.get(field) is None and ms is not None:
-                    req[field] = ms
-            return cls(req, arrived)
+            return cls(_with_defaults(req, defaults), arrived)
         except (ValueError, TypeError):
             return None
 
@@ -207,6 +207,8 @@ class StreamRecord:
             raise _Mismatch(f"choice {i}: the rerun gave {text[:seen]!r} where the client had {have[at:at + seen]!r}")
         self.at[i] = at + len(text)
         self.text[i] = have + text[seen:]
+        if text[seen:]:
+            self.text_events[i] = self.text_events.get(i, 0) + 1
         entries = _lp_entries(choice.get("logprobs"))
         n_lp = len(entries) if entries is not None else 0
         lp_at, lp_have = self.lp_at.get(i, 0), self.lps.get(i, 0)
@@ -233,13 +235,20 @@ class StreamRecord:
         return True
 
     def rerun_body(self) -> bytes:
-        """The request to run again: its deadlines shortened by the time already gone (the TTFT one dropped once a
-        token was delivered); raises :class:`DeadlineGone` when one has passed."""
-        return json.dumps(_shortened(self.body, self.arrived, first_token_sent=any(self.text.values()))).encode()
+        """The request to run again: its deadlines shortened by the time already gone (the TTFT one spent once a
+        generated token was delivered); raises :class:`DeadlineGone` when one has passed (unless best effort)."""
+        first_token_sent = any(k > (1 if self.echo else 0) for k in self.text_events.values())
+        return json.dumps(_shortened(self.body, self.arrived, first_token_sent)).encode()
 
 
 class DeadlineGone(Exception):
     """A deadline of the request passed before it could be sent on."""
+
+
+def _with_defaults(body: dict, defaults: Optional[dict]) -> dict:
+    """``body`` with ``defaults`` (the API key's deadlines) for the fields it leaves out or sets to null."""
+    missing = {f: ms for f, ms in (defaults or {}).items() if ms is not None and body.get(f) is None}
+    return {**body, **missing} if missing else body
 
 
 def _shortened(body: dict, arrived: float, first_token_sent: bool = False) -> dict:
@@ -250,33 +259,41 @@ def _shortened(body: dict, arrived: float, first_token_sent: bool = False) -> di
         if ms is None:
             continue
         if field == "ttft_deadline_ms" and first_token_sent:
-            out.pop(field)  # its first token is with the client: met or missed already
+            # its first token is with the client (met or missed already); left out, the field would take the key's
+            # default again, counted afresh: the time to the last token (or the longest deadline) stands in for it
+            out[field] = out.get("deadline_ms") or MAX_DEADLINE_MS
             continue
         try:
             left = float(ms) - gone_ms
         except (TypeError, ValueError):
             continue  # the API's validation answers it
         if left <= 0:
-            raise DeadlineGone(field)
+            if out.get("best_effort") is not True:
+                raise DeadlineGone(field)
+            left = 1.0  # missed already, and served late as asked
         out[field] = left
     return out
 
 
-def with_time_gone(body: bytes, arrived: float) -> bytes:
-    """A JSON request body with its deadlines shortened by the time since ``arrived`` (monotonic); unchanged if
-    it is not a JSON object or names none. Raises :class:`DeadlineGone` when one has passed."""
+def with_time_gone(body: bytes, arrived: float, defaults: Optional[dict] = None) -> bytes:
+    """A JSON request body with its deadlines (its own, else ``defaults``: its API key's) shortened by the time since
+    ``arrived`` (monotonic); unchanged if it is not a JSON object or none applies. Raises :class:`DeadlineGone`
+    when one has passed (unless the request is ``best_effort``)."""
     try:
         obj = json.loads(body)
     except ValueError:
         return body
-    if not isinstance(obj, dict) or not any(obj.get(f) is not None for f in ("deadline_ms", "ttft_deadline_ms")):
+    if not isinstance(obj, dict):
+        return body
+    obj = _with_defaults(obj, defaults)
+    if not any(obj.get(f) is not None for f in ("deadline_ms", "ttft_deadline_ms")):
         return body
     return json.dumps(_shortened(obj, arrived)).encode()
 
 
-def _ending(status: int, code: str, message: str) -> bytes:
+def _ending(status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
     """The error event and ``[DONE]`` that end a stream which could not be finished."""
-    return (sse.error_event(status, message, code=code) + sse.DONE).encode()
+    return (sse.error_event(status, message, code=code, type_=type_) + sse.DONE).encode()
 
 
 def _error_of(event: bytes) -> Optional[dict]:
@@ -334,10 +351,11 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                     async with client.stream("POST", url.rstrip("/") + path, content=body, headers=sent) as r:
                         if r.status_code != 200:
                             reply = await r.aread()
-                            code = _reply_code(reply)
+                            code, type_ = _reply_error(reply)
                             if r.status_code not in (429, 502, 503, 504) or code == "deadline_unreachable":
                                 yield _ending(r.status_code, code or "resume_refused", "the stream was cut off and "
-                                              f"its rerun at {url} was refused: {reply[:300].decode(errors='replace')}")
+                                              f"its rerun at {url} was refused: {reply[:300].decode(errors='replace')}",
+                                              type_)
                                 return
                             why, local_refused = f"{url}: HTTP {r.status_code} {code}", here
                         else:
@@ -384,9 +402,10 @@ async def finish(record: StreamRecord, path: str, headers: dict,
         await asyncio.sleep(RESUME_PAUSE_S)
 
 
-def _reply_code(reply: bytes) -> str:
+def _reply_error(reply: bytes) -> tuple[str, Optional[str]]:
+    """An error reply's ``(code, type)`` ("" and None where it names none)."""
     try:
         err = json.loads(reply).get("error") or {}
-        return str(err.get("code") or "")
+        return str(err.get("code") or ""), (str(err["type"]) if isinstance(err.get("type"), str) else None)
     except (ValueError, AttributeError):
-        return ""
+        return "", None

@@ -6,16 +6,15 @@ import json
 from typing import Any, Optional
 
 DONE = "data: [DONE]\n\n"
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
-                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
+                503: "service_unavailable"}  # other 4xx: invalid_request_error; other 5xx: server_error
 
 
 def error_object(status: int, message: str, *, type_: Optional[str] = None, param: Optional[str] = None,
                  code: Optional[str] = None) -> dict:
     """``{"error": {...}}`` as OpenAI answers it; ``type_`` defaults to the status's kind."""
-    return {"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
+    type_ = type_ or _ERROR_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def sse(obj: Any) -> str:
@@ -23,8 +22,9 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def error_event(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None) -> str:
+def error_event(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                type_: Optional[str] = None) -> str:
     """The event that ends a stream in error: the error object with the HTTP status the request would have had
     (a client acts on it: 503 tries another orchestrator, 429 retries later)."""
-    err = error_object(status, message, param=param, code=code)["error"]
+    err = error_object(status, message, type_=type_, param=param, code=code)["error"]
     return sse({"error": {**err, "status": status}})
