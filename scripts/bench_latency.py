@@ -3,16 +3,17 @@ without speculative decoding (issue 19), side by side.
 
     python scripts/bench_latency.py [--model smollm2-135m | --tiny] [--rtt-ms 50] [--hops 3] [--max-tokens 96]
                                     [--rounds 2] [--device cpu|cuda] [--dtype float32] [--decode-graph cuda]
-                                    [--json out.json]
+                                    [--temperature 0.8 --seed 7] [--json out.json]
 
 Real processes: an orchestrator and ``--hops`` servers (each may hold at most ``ceil(L / hops)`` blocks, so the
 one chain has ``--hops`` hops), every server emulating ``--rtt-ms`` of round trip per relay step (the link between
-the orchestrator and it). One session at a time, greedy, on input-grounded tasks (rewrite a given text, fix a
-function, answer by quoting a passage: the output repeats spans of the prompt, prompt lookup's case). Each task
-runs in the four modes of :data:`MODES` (``relay`` x ``speculative`` request fields) in turn, ``--rounds`` times
-each (order reversed every other round; the machine is shared), on the same swarm, and the outputs must be
-token-identical. Prints tokens/s per mode and its ratio to the paper's relay, network legs on the critical path
-per generated token, and the drafts' acceptance rate.
+the orchestrator and it). One session at a time, greedy (or sampled with a seed: ``--temperature``), on
+input-grounded tasks (rewrite a given text, fix a function, answer by quoting a passage: the output repeats spans
+of the prompt, prompt lookup's case). Each task runs in the four modes of :data:`MODES` (``relay`` x
+``speculative`` request fields) in turn, ``--rounds`` times each (order reversed every other round; the machine is
+shared), on the same swarm, and the outputs must be token-identical (a seed draws the same tokens with drafts).
+Prints tokens/s per mode and its ratio to the paper's relay, network legs on the critical path per generated
+token, and the drafts' acceptance rate.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="the servers' and the head's dtype")
     ap.add_argument("--decode-graph", default="off", choices=["off", "cuda", "eager"],
                     help="the servers' --decode-graph (cuda: one-token steps replayed as CUDA graphs)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with --seed")
+    ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     placement = ["--device", args.device, "--dtype", args.dtype]
@@ -105,7 +108,8 @@ def main() -> int:
                     relay, spec = mode
                     before = c.get("/api/v1/swarm").json()["relay"]
                     r = c.post("/v1/chat/completions", json={
-                        "model": name, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                        "model": name, "messages": [{"role": "user", "content": prompt}],
+                        "temperature": args.temperature, **({"seed": args.seed} if args.temperature > 0 else {}),
                         "max_tokens": args.max_tokens, "speculative": spec, "relay": relay})
                     r.raise_for_status()
                     after = c.get("/api/v1/swarm").json()["relay"]
@@ -155,7 +159,9 @@ def main() -> int:
         finally:
             sw.stop()
     print(f"\n{args.hops}-hop chain {hops} on {args.device} ({args.dtype}, decode graph {args.decode_graph}), "
-          f"emulated RTT {args.rtt_ms:g} ms per hop, greedy, {args.max_tokens} tokens max; tokens/s = generated "
+          f"emulated RTT {args.rtt_ms:g} ms per hop, "
+          f"{'greedy' if args.temperature <= 0 else f'sampled (temperature {args.temperature:g}, seed {args.seed})'}, "
+          f"{args.max_tokens} tokens max; tokens/s = generated "
           f"tokens / service time (median of {args.rounds}); ratio vs {'+'.join(MODES[0])}; legs = network legs "
           f"per generated token on the critical path")
     print(f"{'task':8} {'tokens':>6} " + " ".join(f"{'+'.join(m):>26}" for m in MODES) + "  accept  identical")
