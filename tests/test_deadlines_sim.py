@@ -27,6 +27,28 @@ def test_fig11a_short():
     assert tight["policies"]["flex"]["preemptions"] > 0 and tight["policies"]["flex-np"]["preemptions"] == 0
     # FCFS batches B's backlog and misses nearly everything
     assert loose["policies"]["fcfs"]["goodput_rps"] < 0.1 * loose["policies"]["flex"]["goodput_rps"]
+    # the steady state (2nd burst to the last, excluded: 3 bursts in 0.6 s leave one) and EDF at Clockwork's batch
+    # sizes are reported beside; capped at 8, its batches serve few of a burst in time
+    assert tight["steady_flex_vs_edf"] > 1.8 and tight["flex_vs_clockwork"] > tight["flex_vs_edf"]
+    assert tight["policies"]["clockwork"]["steady_goodput_rps"] < tight["policies"]["edf"]["steady_goodput_rps"]
+
+
+def test_edf_at_fixed_batch_sizes_cuts_each_run_to_the_largest_that_fits():
+    from petals_chain.algorithms.deadlines import EDF
+
+    lat = dl.table4("RN18")
+    workers = {"gpu": {"A": lat}}
+    reqs = [DeadlineRequest.with_slo(("A", k), "A", 0.0, 1.0) for k in range(13)]
+    free = make_scheduler("edf", workers).arrive(list(reqs), 0.0).starts
+    cut = make_scheduler("clockwork", workers).arrive(
+        [DeadlineRequest.with_slo(("A", k), "A", 0.0, 1.0) for k in range(13)], 0.0).starts
+    assert [len(b.requests) for b in free] == [13] and [len(b.requests) for b in cut] == [8]
+    assert cut[0].end_s == pytest.approx(lat(8))
+    sizes = EDF(workers, batch_sizes=(1, 3)).arrive(
+        [DeadlineRequest.with_slo(("A", k), "A", 0.0, 1.0) for k in range(2)], 0.0).starts
+    assert [len(b.requests) for b in sizes] == [1]
+    with pytest.raises(ValueError):
+        EDF(workers, batch_sizes=(2, 4))
 
 
 def test_load_short():

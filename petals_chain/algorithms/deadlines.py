@@ -53,6 +53,9 @@ from typing import Any
 import numpy as np
 
 DISCIPLINES = ("flex", "flex-np", "edf", "fcfs")
+# Clockwork runs a model only at the batch sizes it was compiled for, powers of two up to its max_batch_size (8 in
+# its sample configuration): ``make_scheduler("clockwork")`` is EDF restricted to these (a sensitivity baseline)
+CLOCKWORK_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_LAMBDA = 3.03  # preemption threshold of Thm 5.2 (several GPUs and models)
 DEFAULT_B_MAX = 128  # §5.2: bounds cascading preemptions
 EPS_S = 1e-9  # float slack of every "finishes by its deadline" test (a batch planned to end at d is on time)
@@ -626,6 +629,16 @@ class EDF(_DeadlineOrdered):
 
     name = "edf"
 
+    def __init__(self, workers: Mapping[Worker, Mapping[str, BatchLatency]] | None = None, *,
+                 b_max: int = DEFAULT_B_MAX, best_effort: bool = False, batch_sizes: Sequence[int] | None = None):
+        """``batch_sizes``: the only sizes a batch may have (a run is cut to the largest that fits); None: any."""
+        if batch_sizes is not None:
+            batch_sizes = sorted({int(k) for k in batch_sizes})
+            if not batch_sizes or batch_sizes[0] != 1:
+                raise ValueError(f"batch_sizes must include 1, got {batch_sizes!r}")
+        self.batch_sizes = batch_sizes
+        super().__init__(workers, b_max=b_max, best_effort=best_effort)
+
     def _pick(self, worker: Worker, now: float, out: Outcome) -> Batch | None:
         st = self._workers[worker]
         best = None
@@ -638,6 +651,8 @@ class EDF(_DeadlineOrdered):
                 continue
             d0 = q.keys[j][0]
             k = min(len(q) - j, lat.max_batch(d0 - now, self.b_max))
+            if self.batch_sizes is not None:
+                k = self.batch_sizes[bisect.bisect_right(self.batch_sizes, k) - 1]
             if best is None or (d0, m) < (best[0], best[1]):
                 best = (d0, m, j, k)
         if best is None:
@@ -748,13 +763,18 @@ class FLEX(_DeadlineOrdered):
 def make_scheduler(discipline: str, workers: Mapping[Worker, Mapping[str, BatchLatency]] | None = None, *,
                    b_max: int = DEFAULT_B_MAX, best_effort: bool = False, lam: float = DEFAULT_LAMBDA,
                    drop: bool = False) -> DeadlineScheduler:
-    """A scheduler by name (``DISCIPLINES``); ``lam`` for FLEX, ``drop`` for FCFS."""
+    """A scheduler by name (``DISCIPLINES``, or ``clockwork``: EDF at Clockwork's batch sizes); ``lam`` for FLEX,
+    ``drop`` for FCFS."""
     if discipline == "flex":
         return FLEX(workers, b_max=b_max, best_effort=best_effort, lam=lam)
     if discipline == "flex-np":
         return FLEX(workers, b_max=b_max, best_effort=best_effort, lam=lam, preempt=False)
     if discipline == "edf":
         return EDF(workers, b_max=b_max, best_effort=best_effort)
+    if discipline == "clockwork":
+        sched = EDF(workers, b_max=b_max, best_effort=best_effort, batch_sizes=CLOCKWORK_BATCH_SIZES)
+        sched.name = "clockwork"
+        return sched
     if discipline == "fcfs":
         return FCFS(workers, b_max=b_max, best_effort=best_effort, drop=drop)
     raise ValueError(f"unknown discipline {discipline!r}; expected one of {DISCIPLINES}")

@@ -156,6 +156,15 @@ def fig11a_requests(slo_s: float, duration_s: float, *, burst: int = 1024, perio
 
 
 FIG11A_SWEEP_S = (0.06, 0.07, 0.08, 0.085, 0.09, 0.095, 0.1, 0.11, 0.12, 0.15, 0.2, 0.25)
+FIG11A_PERIOD_S, FIG11A_FIRST_BURST_S = 0.120, 0.005
+
+
+def steady_goodput(o: SimOutcome, start_s: float, end_s: float) -> float:
+    """On-time requests among those arriving in ``[start_s, end_s)``, per second of that window: the steady state,
+    without the first period's start from an empty GPU nor the last burst's drain after the arrivals end."""
+    on_time = sum(1 for r, f in zip(o.requests, o.finish_s)
+                  if start_s <= r.arrival_s < end_s and f is not None and f <= r.deadline_s + EPS_S)
+    return on_time / (end_s - start_s)
 
 
 def fig11a(*, quick: bool = False, seed: int = 0, slos_s: Sequence[float] = (0.250, 0.090),
@@ -166,19 +175,31 @@ def fig11a(*, quick: bool = False, seed: int = 0, slos_s: Sequence[float] = (0.2
     Deterministic (``seed`` unused)."""
     duration_s = duration_s or (1.2 if quick else 6.0)
     workers = {"gpu": {"A": table4("RN18"), "B": table4("RS269")}}
+    # the steady state: the arrivals from the second burst to the last one (excluded)
+    bursts = math.ceil((duration_s - FIG11A_FIRST_BURST_S) / FIG11A_PERIOD_S - 1e-9)
+    window = (FIG11A_FIRST_BURST_S + FIG11A_PERIOD_S, FIG11A_FIRST_BURST_S + (bursts - 1) * FIG11A_PERIOD_S)
     runs = {}  # each SLO simulated once: the detailed ones are in the sweep too
     for slo in dict.fromkeys([*slos_s, *sweep_s]):
-        res = run_policies(policies, workers, lambda: fig11a_requests(slo, duration_s), duration_s)
+        detailed = slo in slos_s
+        res = run_policies(list(dict.fromkeys([*policies, *(["clockwork"] if detailed else [])])), workers,
+                           lambda: fig11a_requests(slo, duration_s), duration_s)
         runs[slo] = {p: _summary(o, ("A", "B")) for p, o in res.items()}
+        if detailed and window[1] > window[0]:
+            for p, o in res.items():
+                runs[slo][p]["steady_goodput_rps"] = steady_goodput(o, *window)
     rows, sweep = {}, {}
     for slo in slos_s:
         g = {p: v["goodput_rps"] for p, v in runs[slo].items()}
+        st = {p: v.get("steady_goodput_rps", 0.0) for p, v in runs[slo].items()}
         rows[f"{slo * 1000:g}ms"] = {
             "slo_s": slo, "policies": runs[slo],
             "flex_vs_edf": _ratio(g.get("flex", 0), g.get("edf", 0)),
             "flex_np_vs_edf": _ratio(g.get("flex-np", 0), g.get("edf", 0)),
             "flex_vs_flex_np": _ratio(g.get("flex", 0), g.get("flex-np", 0)),
             "flex_vs_fcfs": _ratio(g.get("flex", 0), g.get("fcfs", 0)),
+            "steady_flex_vs_edf": _ratio(st.get("flex", 0), st.get("edf", 0)),
+            "flex_vs_clockwork": _ratio(g.get("flex", 0), g.get("clockwork", 0)),
+            "steady_flex_vs_clockwork": _ratio(st.get("flex", 0), st.get("clockwork", 0)),
         }
     for slo in sweep_s:
         g = {p: v["goodput_rps"] for p, v in runs[slo].items()}
@@ -437,12 +458,17 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
         for key, v in r["slos"].items():
             seed = r["seed"].get(key, {})
             out.append((f"Fig. 11a, SLO {key} (1 GPU, {r['duration_s']} s; seed: {seed})",
-                        ["policy", "goodput req/s", "A req/s", "B req/s", "attainment", "preemptions", "wasted s"],
-                        [[p, m["goodput_rps"], m["per_model"]["A"], m["per_model"]["B"], m["slo_attainment"],
-                          m["preemptions"], m["wasted_s"]] for p, m in v["policies"].items()]))
-            out.append((f"Fig. 11a ratios, SLO {key}", ["FLEX/EDF", "seed", "FLEX-NP/EDF", "seed", "FLEX/FLEX-NP", "seed"],
-                        [[v["flex_vs_edf"], seed.get("flex_vs_edf"), v["flex_np_vs_edf"], seed.get("flex_np_vs_edf"),
-                          v["flex_vs_flex_np"], seed.get("flex_vs_flex_np")]]))
+                        ["policy", "goodput req/s", "steady req/s", "A req/s", "B req/s", "attainment", "preemptions",
+                         "wasted s"],
+                        [[p, m["goodput_rps"], m.get("steady_goodput_rps"), m["per_model"]["A"], m["per_model"]["B"],
+                          m["slo_attainment"], m["preemptions"], m["wasted_s"]] for p, m in v["policies"].items()]))
+            out.append((f"Fig. 11a ratios, SLO {key} (steady: arrivals from the 2nd burst to the last, excluded; "
+                        "clockwork: EDF at batch sizes 1, 2, 4, 8)",
+                        ["FLEX/EDF", "steady", "seed", "FLEX-NP/EDF", "seed", "FLEX/FLEX-NP", "seed", "FLEX/clockwork",
+                         "steady"],
+                        [[v["flex_vs_edf"], v.get("steady_flex_vs_edf"), seed.get("flex_vs_edf"), v["flex_np_vs_edf"],
+                          seed.get("flex_np_vs_edf"), v["flex_vs_flex_np"], seed.get("flex_vs_flex_np"),
+                          v.get("flex_vs_clockwork"), v.get("steady_flex_vs_clockwork")]]))
         if r.get("sweep"):
             pols = list(next(iter(r["sweep"].values()))["goodput_rps"])
             out.append((f"Fig. 11a over SLOs (goodput req/s, {r['duration_s']} s)",
