@@ -65,11 +65,47 @@ def test_replacement_moves_a_server_after_its_reload_and_requests_migrate():
 def test_db_beats_fcfs_in_normalized_latency_at_rho_08_in_the_seed_setting():
     r = ms.poisson_shared(seed=0, duration=100.0, schedules=("db", "fcfs"))
     d, f = r["schedules"]["db"], r["schedules"]["fcfs"]
-    assert 0.7 < r["rho"] < 0.9 and r["requests"] > 150
+    assert 0.78 < r["rho"] < 0.82 and r["requests"] > 150  # at the load asked, for the lengths drawn
     assert d["norm_latency"] <= 0.5 * f["norm_latency"]
-    assert d["slo_attainment"] >= 0.9 > f["slo_attainment"]
+    assert d["slo_attainment"] > 2 * f["slo_attainment"]
     # the short service gains: shortest-budget-first lets it pass the long one
     assert d["per_model"]["code"]["norm_latency"] < 0.5 * f["per_model"]["code"]["norm_latency"]
+
+
+def test_the_shift_runs_at_the_load_it_states():
+    """One model at ``hi`` of the work, the other at ``1 - hi``: together ``rho`` of the servers (the peaks were sized
+    as if both peaked at once: half the load)."""
+    r = ms.shift_run(("fixed",), quick=True, duration=60.0, rho=0.75, hi=0.75)
+    assert r["load_at_start"] == pytest.approx(0.75)
+
+
+def test_llms_time_sharing_a_chain_run_one_at_a_time():
+    """Two LLMs on one chain (the seed's setting): a step runs the requests of one of them (one model's weights per
+    iteration; the seed's Alg. 2 batches one service), chosen by the discipline's first job (FCFS: the oldest)."""
+    from petals_chain.algorithms import chainsim
+    from petals_chain.algorithms.multimodel import DBScheduler, FCFSScheduler, Job
+
+    for cls in (FCFSScheduler, DBScheduler):
+        sched = cls()
+        jobs = [Job(f"{m}{i}", m, float(i), prefill_s=0.1) for i, m in enumerate("ababab")]
+        for j in jobs:
+            sched.arrive(j, j.arrival)
+        batch = sched.select(4, 6.0, one_of=lambda j: j.service)
+        assert {j.service for j in batch} == {"a"} and len(batch) == 3  # FCFS: the oldest is an "a"
+    seen = []
+    real = chainsim.MultiModelSim._start_step
+
+    def spy(self, w):
+        real(self, w)
+        if w.batch:
+            seen.append({j.key.model for j in w.batch})
+
+    try:
+        chainsim.MultiModelSim._start_step = spy
+        ms.poisson_shared(seed=1, duration=30.0, schedules=("db", "fcfs"))
+    finally:
+        chainsim.MultiModelSim._start_step = real
+    assert seen and all(len(k) == 1 for k in seen) and {m for k in seen for m in k} == {"chat", "code"}
 
 
 def test_unserved_index_placement_gives_each_model_its_share():

@@ -209,6 +209,10 @@ class Outcome:
     intervals: list[dict] = field(default_factory=list)
 
 
+def _llm(job: Job) -> str:
+    return job.key.model
+
+
 class MultiModelSim:
     """Event-driven token-step simulator. ``models``: the served models (name, blocks, memory, rate for GBP-CR);
     ``servers``: the volunteers; ``plan``: server -> model at time 0; ``schedule``: ``db|fcfs|mlfq``.
@@ -216,7 +220,8 @@ class MultiModelSim:
     ``replan`` (optional): a callable ``(sim, now) -> (new plan or None, next check time or None)`` called at the
     times it returns (the adaptive replacement of :func:`petals_chain.sim.multimodel.adaptive_policy`).
     ``group_of``: request model -> the served model whose chains run it (the seed's setting, where one sharing
-    group time-shares several LLMs: a ``shared`` model serving both; its services stay apart). ``ref_times``: see
+    group time-shares several LLMs: a ``shared`` model serving both; its services stay apart, and a step runs the
+    requests of one LLM only, that of the discipline's first job). ``ref_times``: see
     :meth:`ref_service_time`."""
 
     def __init__(self, models: Sequence[ServedModel], servers: Sequence[Volunteer], plan: Mapping[str, str], *,
@@ -323,7 +328,8 @@ class MultiModelSim:
             self._retire(w)
             return
         prev = set(map(id, w.batch))
-        batch = w.sched.select(w.capacity, self.now, w.fits)
+        # several LLMs time-sharing a chain (group_of): a step runs one of them (one model's weights at a time)
+        batch = w.sched.select(w.capacity, self.now, w.fits, one_of=_llm if self.group_of else None)
         for j in w.sched.preempted:
             j.key.preemptions += 1
         extend = 0

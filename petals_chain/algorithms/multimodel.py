@@ -284,14 +284,24 @@ class Scheduler:
     def _order(self, now: float) -> list[Job]:
         raise NotImplementedError
 
-    def select(self, capacity: int, now: float, fits: Callable[[Job], bool] | None = None) -> list[Job]:
+    def _lead(self, ordered: list[Job]) -> Job:
+        """The job whose kind a one-kind step runs (``select``'s ``one_of``): the first in this discipline's order."""
+        return ordered[0]
+
+    def select(self, capacity: int, now: float, fits: Callable[[Job], bool] | None = None,
+               one_of: Callable[[Job], Hashable] | None = None) -> list[Job]:
         """The jobs that run the next step, at most ``capacity``, best first; ``preempted``: those that ran the
         last step and do not run this one. ``fits(job)`` is asked, in priority order, about each job that did not
         run the last step: whether the group has room for it (KV pages; it may reserve them); a job that does not
-        fit is skipped (the seed's ``EnoughResource``)."""
+        fit is skipped (the seed's ``EnoughResource``). ``one_of(job)``: a step runs jobs of one kind only (the LLM,
+        where a group time-shares several: one model's weights per iteration), the kind of :meth:`_lead`'s job."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
-        jobs = self._order(now) if len(self.jobs) > capacity or fits is not None else list(self.jobs.values())
+        ordered = len(self.jobs) > capacity or fits is not None or one_of is not None
+        jobs = self._order(now) if ordered else list(self.jobs.values())
+        if one_of is not None and jobs:
+            kind = one_of(self._lead(jobs))
+            jobs = [j for j in jobs if one_of(j) == kind]
         if fits is None:
             batch = jobs[:capacity]
         else:
@@ -362,6 +372,9 @@ class FCFSScheduler(Scheduler):
 
     def _order(self, now: float) -> list[Job]:
         return sorted(self.jobs.values(), key=lambda j: (not j.running, j.arrival))
+
+    def _lead(self, ordered: list[Job]) -> Job:
+        return min(ordered, key=lambda j: j.arrival)  # the oldest job's kind runs (its place, not a running job's)
 
 
 class DBScheduler(Scheduler):

@@ -219,11 +219,20 @@ def _rebased(reqs: Sequence[MMRequest]) -> list[MMRequest]:
     return [MMRequest(r.rid, r.model, r.arrival - t0, r.input, r.output, r.exec_s, r.service) for r in reqs]
 
 
+def _censored_metrics(reqs: Sequence[MMRequest], end: float) -> PlanMetrics:
+    """SLO attainment and normalized latency of ``reqs`` seen at time ``end``: a request not finished by then counts
+    the time it has waited (Eq. 8's ``M_real`` at an interval's end, and ``M_est`` taken the same way)."""
+    lat = [r.latency if not math.isnan(r.finished) and r.finished <= end else end - r.arrival for r in reqs]
+    lhat = {s: float(np.mean([r.exec_s for r in reqs if r.service == s])) for s in {r.service for r in reqs}}
+    return PlanMetrics(mm.slo_attainment(lat, [r.exec_s for r in reqs]),
+                       mm.normalized_latency(lat, [lhat[r.service] for r in reqs]))
+
+
 def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer], *, initial_s: float = 120.0,
                     beta: float = mm.BETA, min_s: float = 30.0, max_s: float = 1200.0, reload_s: float = 20.0,
                     drift_window_s: float = 60.0, drift_threshold: float = 0.15, check_s: float = 10.0,
                     estimate: bool = True, drift: bool = True, horizon_s: float = 600.0,
-                    placement: str = "analytic", rule: str = "most_unserved",
+                    placement: str = "analytic", rule: str = "most_unserved", adapt: bool = True,
                     log: list | None = None) -> Callable[[MultiModelSim, float], tuple[dict | None, float | None]]:
     """SeaLLM's replacement loop (§4.3) as a ``replan`` callable for :class:`MultiModelSim`.
 
@@ -237,7 +246,7 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
     ``placement="simulated"``: the unserved index of the placement and of the moves' pay is that simulation too
     (:func:`simulated_evaluate` on the last interval's requests, the seed's, and at least ``drift_window_s`` of
     them), instead of the M/M/C estimate on the recent rates; ``rule``: Alg. 1's choice of a model for each
-    server."""
+    server. ``adapt=False``: the interval stays ``initial_s`` (Eq. 8 off; the ``-I`` ablation)."""
     _check_placement(placement)
     ctl = AdaptiveInterval(initial_s, beta=beta, min_s=min_s, max_s=max_s)
     det = MixDriftDetector(drift_window_s, drift_threshold)
@@ -258,13 +267,8 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
         if why is None:
             return None, now + check_s
         hist = [r for r in sim.arrived if state["start"] <= r.arrival < now]
-        real = None
-        if hist:
-            lat = [r.latency if not math.isnan(r.finished) else now - r.arrival for r in hist]
-            lhat = {s: float(np.mean([r.exec_s for r in hist if r.service == s])) for s in {r.service for r in hist}}
-            real = PlanMetrics(mm.slo_attainment(lat, [r.exec_s for r in hist]),
-                               mm.normalized_latency(lat, [lhat[r.service] for r in hist]))
-        if real is not None and state["est"] is not None:
+        real = _censored_metrics(hist, now) if hist else None
+        if real is not None and state["est"] is not None and adapt:
             ctl.update(real, state["est"])
         rates = det.rates(now)
         cur = [m.with_rate(rates.get(m.name, 0.0)) for m in models]
@@ -287,8 +291,9 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
         if estimate and hist:
             o = simulate(_rebased(hist), models, servers, new, sim.schedule, cost=sim.cost, max_batch=sim.max_batch,
                          kv_tokens=sim.kv_tokens)
-            s = summarize(o.requests)
-            est = PlanMetrics(s["slo_attainment"], s["norm_latency"])
+            # as M_real is taken: requests unfinished at the window's end count what they had waited by then (run to
+            # completion from an empty system instead, M_est sat apart from M_real and every update shrank I_t)
+            est = _censored_metrics(o.requests, now - hist[0].arrival)
         state["est"] = est
         det.set_plan(det.mix(now))
         trigger.replanned(now, why)
@@ -359,8 +364,10 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     _check_placement(placement)
     work = work or {n: 1.0 for n in names}
     st = _probe_stats(names, cost, max_batch, seed, trace)
-    rates = _rates_for(names, rho, servers, work, st)
-    reqs, sources = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace)
+    for _ in range(3):  # the load of the rows the run replays (a probe of other rows missed rho by up to 5 %)
+        rates = _rates_for(names, rho, servers, work, st)
+        reqs, sources = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace)
+        st = stats(reqs, cost, max_batch)
     if arrivals == "poisson":
         reqs = poisson_arrivals(reqs, rates, duration, seed=seed)
     elif arrivals != "trace":
@@ -410,21 +417,29 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
             "arrivals": arrivals}
 
 
-def poisson_shared(*, seed: int = 0, rate: float = 2.0, duration: float = 150.0, long_share: float = 0.3,
+def poisson_shared(*, seed: int = 0, rho: float = 0.8, duration: float = 600.0, long_share: float = 0.3,
                    cost: StepCost = MM_COST, max_batch: int = 4,
                    schedules: Sequence[str] = mm.SCHEDULES) -> dict[str, Any]:
     """The seed's mechanism in isolation (its Fig. 2 / §1.8 "worth reproducing"): one chain time-shares a long
     service (``chat``: 100-199 output tokens, ``long_share`` of the requests) and a short one (``code``: 2-7),
-    200-token prompts, Poisson arrivals at ``rate`` req/s (about 0.8 of the chain's capacity at the defaults)."""
-    rng = np.random.default_rng([seed, 1])
+    200-token prompts, Poisson arrivals at ``rho`` of the chain's capacity for the lengths drawn."""
+    rng, arrivals = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 3])
+    # lengths first, then the rate their capacity gives (a nominal rate put the drawn requests at rho 0.79-0.96)
+    lengths: list[tuple[bool, int]] = []
+    for _ in range(int(duration * 10)):  # more than a run at rho <= 1 of a 4-request chain can hold
+        long_ = bool(rng.random() < long_share)
+        lengths.append((long_, int(rng.integers(100, 200)) if long_ else int(rng.integers(2, 8))))
+    rate = 0.0
+    for _ in range(3):
+        n = max(1, int(rate * duration)) if rate else len(lengths)
+        cap = capacity_req_s(max_batch, 200.0, float(np.mean([o for _, o in lengths[:n]])), cost)
+        rate = rho * cap
     reqs: list[MMRequest] = []
     t = 0.0
-    while True:
-        t += float(rng.exponential(1.0 / rate))
+    for long_, out in lengths:
+        t += float(arrivals.exponential(1.0 / rate))
         if t >= duration:
             break
-        long_ = rng.random() < long_share
-        out = int(rng.integers(100, 200)) if long_ else int(rng.integers(2, 8))
         reqs.append(MMRequest(len(reqs), "chat" if long_ else "code", t, 200, out, exec_alone(200, out, cost)))
     st = stats(reqs, cost, max_batch)
     cap = capacity_req_s(max_batch, 200.0, float(np.mean([r.output for r in reqs])), cost)
@@ -499,13 +514,16 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
               rule: str = "most_unserved") -> dict[str, Any]:
     """Chat's share of the work goes ``hi`` -> ``1 - hi`` (code's the reverse) at total load ``rho``. Variants:
     ``full`` (DB, unserved-index placement, adaptive replacement), ``fixed`` / ``-A`` (placement never re-planned),
-    ``-F`` / ``-M`` (FCFS / MLFQ instead of DB, adaptive), ``-P`` (no placement: servers split evenly, fixed).
+    ``-F`` / ``-M`` (FCFS / MLFQ instead of DB, adaptive), ``-P`` (no placement: servers split evenly, fixed),
+    ``-I`` (re-placed as ``full`` but every ``initial_s``: Eq. 8's interval adaptation off).
     ``classes`` > 1: each model's requests in that many length classes (:func:`assign_length_classes`)."""
     names = ("chat", "code")
     servers = servers or (6 if quick else 8)
     duration = duration or (600.0 if quick else 1200.0)
     st = _probe_stats(names, cost, max_batch, seed, trace)
-    peak = _rates_for(names, rho, servers, {"chat": hi, "code": hi}, st)  # each model's peak rate (share hi)
+    # each model's peak rate: ``hi`` of the servers' work at load rho (the other model then has 1 - hi of it; sized as
+    # if both peaked at once, the total load was rho / (2 hi) = 0.5, not rho)
+    peak = {n: rho * servers * hi * st[n]["chain_capacity_req_s"] for n in names}
     share = _shift_share(duration, hi)
     reqs, sources = _workload(names, peak, duration, seed=seed, cost=cost, trace=trace, share=share)
     if classes > 1:
@@ -518,13 +536,13 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
     rows, logs = {}, {}
     for v in variants:
         sched = {"-F": "fcfs", "-M": "mlfq"}.get(v, "db")
-        adaptive = v in ("full", "-F", "-M")
+        adaptive = v in ("full", "-F", "-M", "-I")
         plan = even if v == "-P" else ui_plan
         log: list = []
         kw: dict[str, Any] = {"reload_s": reload_s}
         if adaptive:
             kw["replan"] = adaptive_policy(models0, vols, initial_s=initial_s, reload_s=reload_s, log=log,
-                                           placement=placement, rule=rule)
+                                           placement=placement, rule=rule, adapt=v != "-I")
             kw["replan_first"] = 10.0
         o = simulate(reqs, models0, vols, plan, sched, cost=cost, max_batch=max_batch, **kw)
         m = summarize(o.requests)
@@ -536,6 +554,7 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
         logs[v] = log
     return {"models": list(names), "rho": rho, "hi": hi, "servers": servers, "duration_s": duration,
             "requests": len(reqs), "sources": sources, "peak_rates": peak, "reload_s": reload_s,
+            "load_at_start": sum(start_rates[n] / st[n]["chain_capacity_req_s"] for n in names) / servers,
             "initial_interval_s": initial_s, "variants": rows, "log": logs.get("full", []), "classes": classes}
 
 
@@ -553,11 +572,12 @@ def shift(*, quick: bool = False, seed: int = 0, classes: int = DB_CLASSES, **kw
 
 
 def ablation(*, quick: bool = False, seed: int = 0, classes: int = DB_CLASSES, **kw: Any) -> dict[str, Any]:
-    """(c) The seed's §6.3 ablations on the shift workload: SeaLLM, -F, -M, -P, -A in one table, each model's
+    """(c) The seed's §6.3 ablations on the shift workload: SeaLLM, -F, -M, -P, -A (and -I: re-placed at a fixed
+    interval, Eq. 8 off) in one table, each model's
     requests in ``classes`` length classes (the seed's services); the same with one service per model beside it."""
 
     def run(k: int) -> dict[str, Any]:
-        r = shift_run(("full", "-F", "-M", "-P", "fixed"), quick=quick, seed=seed, classes=k, **kw)
+        r = shift_run(("full", "-F", "-M", "-P", "fixed", "-I"), quick=quick, seed=seed, classes=k, **kw)
         r["variants"]["-A"] = r["variants"].pop("fixed")
         base = r["variants"]["full"]
         for m in r["variants"].values():
