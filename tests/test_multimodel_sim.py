@@ -75,8 +75,9 @@ def test_db_beats_fcfs_in_normalized_latency_at_rho_08_in_the_seed_setting():
 def test_the_shift_runs_at_the_load_it_states():
     """One model at ``hi`` of the work, the other at ``1 - hi``: together ``rho`` of the servers (the peaks were sized
     as if both peaked at once: half the load)."""
-    r = ms.shift_run(("fixed",), quick=True, duration=60.0, rho=0.75, hi=0.75)
-    assert r["load_at_start"] == pytest.approx(0.75)
+    r = ms.shift_run(("fixed",), quick=True, rho=0.75, hi=0.75)
+    # measured on the rows generated (the code trace's bursts move it a few % off: 0.71 on seeds 0-2; was 0.47)
+    assert 0.65 < r["offered_load"] < 0.82
 
 
 def test_llms_time_sharing_a_chain_run_one_at_a_time():
@@ -92,6 +93,18 @@ def test_llms_time_sharing_a_chain_run_one_at_a_time():
             sched.arrive(j, j.arrival)
         batch = sched.select(4, 6.0, one_of=lambda j: j.service)
         assert {j.service for j in batch} == {"a"} and len(batch) == 3  # FCFS: the oldest is an "a"
+    # FCFS runs the oldest job's LLM even while a newer one of the other LLM runs; and when none of the lead's
+    # jobs fits, the other LLM's run rather than nothing (a chain that idled there never stepped again)
+    fc = FCFSScheduler()
+    old_b, new_a = Job("b0", "b", 0.0), Job("a1", "a", 1.0)
+    fc.arrive(new_a, 1.0)
+    assert fc.select(4, 1.0, one_of=lambda j: j.service) == [new_a]
+    fc.arrive(old_b, 0.0)
+    assert fc.select(4, 2.0, one_of=lambda j: j.service) == [old_b] and fc.preempted == [new_a]
+    fc = FCFSScheduler()
+    for j in (Job("b0", "b", 0.0), new_a := Job("a1", "a", 1.0)):
+        fc.arrive(j, j.arrival)
+    assert fc.select(4, 3.0, fits=lambda j: j.service != "b", one_of=lambda j: j.service) == [new_a]
     seen = []
     real = chainsim.MultiModelSim._start_step
 

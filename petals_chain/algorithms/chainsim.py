@@ -207,6 +207,7 @@ class Outcome:
     wall_s: float
     plans: list[dict] = field(default_factory=list)
     intervals: list[dict] = field(default_factory=list)
+    unfinished: int = 0  # requests never finished (no chain ran them): metrics over the finished ones omit them
 
 
 def _llm(job: Job) -> str:
@@ -435,7 +436,8 @@ class MultiModelSim:
                     self.apply_plan(new)
                 if nxt is not None:
                     self._push(nxt, 3, None)
-        return Outcome(list(requests), self.schedule, self.steps, time.perf_counter() - t0, self.plans)
+        return Outcome(list(requests), self.schedule, self.steps, time.perf_counter() - t0, self.plans,
+                       unfinished=pending)
 
 
 def summarize(reqs: Sequence[MMRequest], *, scale: float = mm.SLO_SCALE, since: float = 0.0,

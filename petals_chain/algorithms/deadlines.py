@@ -651,6 +651,8 @@ class EDF(_DeadlineOrdered):
                 continue
             d0 = q.keys[j][0]
             k = min(len(q) - j, lat.max_batch(d0 - now, self.b_max))
+            if k < 1:  # the earliest deadline is met only within float slack: nothing of this model fits
+                continue
             if self.batch_sizes is not None:
                 k = self.batch_sizes[bisect.bisect_right(self.batch_sizes, k) - 1]
             if best is None or (d0, m) < (best[0], best[1]):

@@ -294,23 +294,30 @@ class Scheduler:
         last step and do not run this one. ``fits(job)`` is asked, in priority order, about each job that did not
         run the last step: whether the group has room for it (KV pages; it may reserve them); a job that does not
         fit is skipped (the seed's ``EnoughResource``). ``one_of(job)``: a step runs jobs of one kind only (the LLM,
-        where a group time-shares several: one model's weights per iteration), the kind of :meth:`_lead`'s job."""
+        where a group time-shares several: one model's weights per iteration): the kind of :meth:`_lead`'s job, else
+        (none of its jobs fits) the next kind by its first job in the order, so the group never idles while a kind
+        could run (a kind whose jobs all fail ``fits`` reserved nothing)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         ordered = len(self.jobs) > capacity or fits is not None or one_of is not None
         jobs = self._order(now) if ordered else list(self.jobs.values())
+        groups = [jobs]
         if one_of is not None and jobs:
-            kind = one_of(self._lead(jobs))
-            jobs = [j for j in jobs if one_of(j) == kind]
-        if fits is None:
-            batch = jobs[:capacity]
-        else:
-            batch = []
-            for j in jobs:
-                if len(batch) >= capacity:
-                    break
-                if j.running or fits(j):
-                    batch.append(j)
+            lead = one_of(self._lead(jobs))
+            kinds = [lead, *(k for k in dict.fromkeys(map(one_of, jobs)) if k != lead)]
+            groups = [[j for j in jobs if one_of(j) == k] for k in kinds]
+        batch: list[Job] = []
+        for group in groups:
+            if fits is None:
+                batch = group[:capacity]
+            else:
+                for j in group:
+                    if len(batch) >= capacity:
+                        break
+                    if j.running or fits(j):
+                        batch.append(j)
+            if batch:
+                break
         chosen = set(map(id, batch))
         self.preempted = [j for j in self.jobs.values() if j.running and id(j) not in chosen]
         for j in self.preempted:
@@ -365,8 +372,9 @@ class Scheduler:
 
 
 class FCFSScheduler(Scheduler):
-    """First come first served with continuous batching: running jobs keep their place (never preempted), free
-    places go to the earliest arrivals (SeaLLM-F; the paper's JFFC queue)."""
+    """First come first served with continuous batching: running jobs keep their place (never preempted, except
+    that LLMs time-sharing a group run one per step: the oldest job's), free places go to the earliest arrivals
+    (SeaLLM-F; the paper's JFFC queue)."""
 
     name = "fcfs"
 

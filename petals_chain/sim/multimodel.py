@@ -398,7 +398,7 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
         o = simulate(reqs, models, vols, plan, s, cost=cost, max_batch=max_batch, **extra)
         m = summarize(o.requests)
         m["norm_latency_by_model"] = summarize(o.requests, by="model")["norm_latency"]
-        m["steps"], m["wall_s"] = o.steps, o.wall_s
+        m["steps"], m["wall_s"], m["unfinished"] = o.steps, o.wall_s, o.unfinished
         rows[s] = m
     f = rows.get("fcfs", {}).get("norm_latency")
     for m in rows.values():
@@ -449,7 +449,7 @@ def poisson_shared(*, seed: int = 0, rho: float = 0.8, duration: float = 600.0, 
     for sch in schedules:
         o = simulate(reqs, models, make_servers(1), {"s00": "shared"}, sch, cost=cost, max_batch=max_batch,
                      group_of={"chat": "shared", "code": "shared"})
-        rows[sch] = summarize(o.requests)
+        rows[sch] = {**summarize(o.requests), "unfinished": o.unfinished}
     return {"requests": len(reqs), "rho": rate / cap, "stats": st, "schedules": rows,
             "db_vs_fcfs": rows["db"]["norm_latency"] / rows["fcfs"]["norm_latency"] if {"db", "fcfs"} <= set(rows) else None}
 
@@ -515,17 +515,19 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
     """Chat's share of the work goes ``hi`` -> ``1 - hi`` (code's the reverse) at total load ``rho``. Variants:
     ``full`` (DB, unserved-index placement, adaptive replacement), ``fixed`` / ``-A`` (placement never re-planned),
     ``-F`` / ``-M`` (FCFS / MLFQ instead of DB, adaptive), ``-P`` (no placement: servers split evenly, fixed),
-    ``-I`` (re-placed as ``full`` but every ``initial_s``: Eq. 8's interval adaptation off).
+    ``-I`` (re-placed as ``full``, drift triggers included, but at the interval ``initial_s``: Eq. 8 off).
     ``classes`` > 1: each model's requests in that many length classes (:func:`assign_length_classes`)."""
     names = ("chat", "code")
     servers = servers or (6 if quick else 8)
     duration = duration or (600.0 if quick else 1200.0)
     st = _probe_stats(names, cost, max_batch, seed, trace)
-    # each model's peak rate: ``hi`` of the servers' work at load rho (the other model then has 1 - hi of it; sized as
-    # if both peaked at once, the total load was rho / (2 hi) = 0.5, not rho)
-    peak = {n: rho * servers * hi * st[n]["chain_capacity_req_s"] for n in names}
     share = _shift_share(duration, hi)
-    reqs, sources = _workload(names, peak, duration, seed=seed, cost=cost, trace=trace, share=share)
+    for _ in range(3):  # the capacity of the rows replayed (not of a probe's)
+        # each model's peak rate: ``hi`` of the servers' work at load rho (the other model then has 1 - hi of it;
+        # sized as if both peaked at once, the total load was rho / (2 hi) = 0.5, not rho)
+        peak = {n: rho * servers * hi * st[n]["chain_capacity_req_s"] for n in names}
+        reqs, sources = _workload(names, peak, duration, seed=seed, cost=cost, trace=trace, share=share)
+        st = stats(reqs, cost, max_batch)
     if classes > 1:
         assign_length_classes(reqs, classes)
     vols = make_servers(servers)
@@ -542,11 +544,12 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
         kw: dict[str, Any] = {"reload_s": reload_s}
         if adaptive:
             kw["replan"] = adaptive_policy(models0, vols, initial_s=initial_s, reload_s=reload_s, log=log,
-                                           placement=placement, rule=rule, adapt=v != "-I")
+                                           placement=placement, rule=rule, adapt=v != "-I", estimate=v != "-I")
             kw["replan_first"] = 10.0
         o = simulate(reqs, models0, vols, plan, sched, cost=cost, max_batch=max_batch, **kw)
         m = summarize(o.requests)
         m["steps"], m["wall_s"], m["moves"] = o.steps, o.wall_s, sum(len(p["moves"]) for p in o.plans)
+        m["unfinished"] = o.unfinished
         m["initial_plan"] = plan_counts(plan)
         m["replans"] = len(log)
         m["intervals_s"] = [round(x["interval_s"], 1) for x in log]
@@ -554,7 +557,8 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
         logs[v] = log
     return {"models": list(names), "rho": rho, "hi": hi, "servers": servers, "duration_s": duration,
             "requests": len(reqs), "sources": sources, "peak_rates": peak, "reload_s": reload_s,
-            "load_at_start": sum(start_rates[n] / st[n]["chain_capacity_req_s"] for n in names) / servers,
+            # the load the rows offer: each request a 1 / capacity share of a chain-second, over the run
+            "offered_load": sum(1.0 / st[r.model]["chain_capacity_req_s"] for r in reqs) / (servers * duration),
             "initial_interval_s": initial_s, "variants": rows, "log": logs.get("full", []), "classes": classes}
 
 
