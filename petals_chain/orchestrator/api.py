@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.orchestrator.auth import CLIENT
-from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline
+from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline, key_defaults
 from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
@@ -375,8 +375,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     def set_deadline(req: SamplingFields) -> None:
         """The request's deadlines (its fields, else its API key's defaults) for the dispatcher and the report."""
         client = CLIENT.get()
-        limits = getattr(app.state, "limits", None)
-        d_ms, t_ms = limits.limits.deadline_defaults(client) if limits is not None else (None, None)
+        d_ms, t_ms = key_defaults(app, client) or (None, None)
         adm = ADMISSION.get()  # set by the limits middleware when the request came in, before reading its body
         dl = RequestDeadline.from_ms(client, req.deadline_ms if req.deadline_ms is not None else d_ms,
                                      req.ttft_deadline_ms if req.ttft_deadline_ms is not None else t_ms,

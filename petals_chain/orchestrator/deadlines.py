@@ -22,6 +22,13 @@ MAX_DEADLINE_MS = 3_600_000.0  # the longest deadline a request may ask for: an 
 OUTCOMES = ("met", "missed", "refused", "dropped")
 
 
+def key_defaults(app: object, client: str) -> tuple[float | None, float | None] | None:
+    """``client``'s API key's default ``(deadline_ms, ttft_deadline_ms)`` in the API ``app`` (its admission limits,
+    ``app.state.limits``; None for each the key does not set); None when the app has no limits."""
+    limits = getattr(getattr(app, "state", None), "limits", None)
+    return limits.limits.deadline_defaults(client) if limits is not None else None
+
+
 @dataclass(eq=False)
 class RequestDeadline:
     """A request's deadlines on the monotonic clock (``inf``: none) and when its tokens came."""

@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from petals_chain.orchestrator.auth import CLIENT
+from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.resume import Cut, DeadlineGone, StreamRecord, finish, relay_events, with_time_gone
@@ -138,12 +139,8 @@ async def _target_soon(orch: Any, request: Request) -> Optional[str]:
 
 def _key_deadlines(request: Request) -> dict:
     """The deadlines this client's API key gives a request that names none (``deadline_ms``, ``ttft_deadline_ms``)."""
-    app = request.scope.get("app")
-    limits = getattr(getattr(app, "state", None), "limits", None)
-    if limits is None:
-        return {}
-    d_ms, t_ms = limits.limits.deadline_defaults(CLIENT.get())
-    return {"deadline_ms": d_ms, "ttft_deadline_ms": t_ms}
+    defaults = key_defaults(request.scope.get("app"), CLIENT.get())
+    return {} if defaults is None else dict(zip(("deadline_ms", "ttft_deadline_ms"), defaults))
 
 
 def forwardable(orch: Any, headers: Any) -> bool:

@@ -141,8 +141,11 @@ def _summary(o: SimOutcome, models: Sequence[str]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------- Fig. 11a
 
 
-def fig11a_requests(slo_s: float, duration_s: float, *, burst: int = 1024, period_s: float = 0.120,
-                    first_burst_s: float = 0.005, b_interval_s: float = 0.001) -> list[DeadlineRequest]:
+FIG11A_PERIOD_S, FIG11A_FIRST_BURST_S = 0.120, 0.005
+
+
+def fig11a_requests(slo_s: float, duration_s: float, *, burst: int = 1024, period_s: float = FIG11A_PERIOD_S,
+                    first_burst_s: float = FIG11A_FIRST_BURST_S, b_interval_s: float = 0.001) -> list[DeadlineRequest]:
     """Stream A (model ``A`` = ResNet18): ``burst`` requests every ``period_s`` from ``first_burst_s``; stream B
     (model ``B`` = ResNeSt269): one request every ``b_interval_s`` from 0; both with deadline ``a + slo_s``."""
     reqs = []
@@ -156,7 +159,6 @@ def fig11a_requests(slo_s: float, duration_s: float, *, burst: int = 1024, perio
 
 
 FIG11A_SWEEP_S = (0.06, 0.07, 0.08, 0.085, 0.09, 0.095, 0.1, 0.11, 0.12, 0.15, 0.2, 0.25)
-FIG11A_PERIOD_S, FIG11A_FIRST_BURST_S = 0.120, 0.005
 
 
 def steady_goodput(o: SimOutcome, start_s: float, end_s: float) -> float:

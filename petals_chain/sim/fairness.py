@@ -624,11 +624,14 @@ def heavy(*, quick: bool = False, seed: int = 0, cost: StepCost = StepCost(), ca
     duration = duration or (300.0 if quick else 900.0)
     warm = 0.1 * duration
     weights = {"heavy": heavy_weight, "light1": 1.0, "light2": 1.0, "light3": 1.0}
+    def sizes(rs: Sequence[Request]) -> tuple[float, float, float]:
+        """Mean input and output tokens of ``rs`` and the worker's capacity (req/s) for them."""
+        mean_in, mean_out = float(np.mean([r.input_tokens for r in rs])), float(np.mean([r.output for r in rs]))
+        return mean_in, mean_out, capacity_req_s(capacity, mean_in, mean_out, cost)
+
     reqs, source = trace_workload(weights, 1.0, 3000.0, path=trace, seed=seed)
     for _ in range(3):  # the capacity of the rows the run replays (a probe of other rows put "1.3x" at 1.25x)
-        mean_in = float(np.mean([r.input_tokens for r in reqs]))
-        mean_out = float(np.mean([r.output for r in reqs]))
-        cap = capacity_req_s(capacity, mean_in, mean_out, cost)
+        mean_in, mean_out, cap = sizes(reqs)
         rate = overload * cap
         reqs, _ = trace_workload(weights, rate, duration, path=trace, seed=seed)
     lights = [c for c in weights if c != "heavy"]
@@ -684,9 +687,8 @@ def heavy(*, quick: bool = False, seed: int = 0, cost: StepCost = StepCost(), ca
                   "jain": d["jain"] is not None and d["jain"] >= ACCEPT["heavy_jain"]}
     return _round({"experiment": "heavy", "source": source, "requests": len(reqs), "duration_s": duration,
                    "warmup_s": warm, "capacity": capacity, "cost": vars_cost(cost), "capacity_req_s": cap,
-                   "offered_req_s": rate, "overload": rate / capacity_req_s(
-                       capacity, float(np.mean([r.input_tokens for r in reqs])), float(np.mean([r.output for r in reqs])),
-                       cost), "mean_input": mean_in, "mean_output": mean_out,
+                   "offered_req_s": rate, "overload": rate / sizes(reqs)[2], "mean_input": mean_in,
+                   "mean_output": mean_out,
                    "alone": alone, "policies": rows, "accept": accept, "thresholds": ACCEPT,
                    "seed_claim": SEED_CLAIMS["heavy"]})
 

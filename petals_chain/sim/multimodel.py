@@ -338,6 +338,20 @@ def _workload(names: Sequence[str], rates: Mapping[str, float], duration: float,
     return merge(*streams), sources
 
 
+def _at_own_load(names: Sequence[str], rates_of: Callable[[Mapping[str, Mapping[str, float]]], dict[str, float]],
+                 duration: float, st: Mapping[str, Mapping[str, float]], *, seed: int, cost: StepCost,
+                 max_batch: int, trace: Mapping[str, str | None] | None,
+                 share: Mapping[str, Callable[[float], float]] | None = None
+                 ) -> tuple[dict[str, float], list[MMRequest], dict[str, str], dict[str, dict[str, float]]]:
+    """``(rates, requests, sources, stats)``: the rows a run replays at ``rates_of(stats)``, the stats being those of
+    the rows themselves (a few rounds from a probe's ``st``: a probe of other rows missed the load by up to 5 %)."""
+    for _ in range(3):
+        rates = rates_of(st)
+        reqs, sources = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace, share=share)
+        st = stats(reqs, cost, max_batch)
+    return rates, reqs, sources, st
+
+
 def _probe_stats(names: Sequence[str], cost: StepCost, max_batch: int, seed: int,
                  trace: Mapping[str, str | None] | None) -> dict[str, dict[str, float]]:
     probe, _ = _workload(names, {n: 1.0 for n in names}, 2000.0, seed=seed, cost=cost, trace=trace)
@@ -363,11 +377,9 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     (:data:`~petals_chain.algorithms.multimodel.PLACEMENT_RULES`)."""
     _check_placement(placement)
     work = work or {n: 1.0 for n in names}
-    st = _probe_stats(names, cost, max_batch, seed, trace)
-    for _ in range(3):  # the load of the rows the run replays (a probe of other rows missed rho by up to 5 %)
-        rates = _rates_for(names, rho, servers, work, st)
-        reqs, sources = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace)
-        st = stats(reqs, cost, max_batch)
+    rates, reqs, sources, st = _at_own_load(
+        names, lambda st: _rates_for(names, rho, servers, work, st), duration,
+        _probe_stats(names, cost, max_batch, seed, trace), seed=seed, cost=cost, max_batch=max_batch, trace=trace)
     if arrivals == "poisson":
         reqs = poisson_arrivals(reqs, rates, duration, seed=seed)
     elif arrivals != "trace":
@@ -429,11 +441,12 @@ def poisson_shared(*, seed: int = 0, rho: float = 0.8, duration: float = 600.0, 
     for _ in range(int(duration * 10)):  # more than a run at rho <= 1 of a 4-request chain can hold
         long_ = bool(rng.random() < long_share)
         lengths.append((long_, int(rng.integers(100, 200)) if long_ else int(rng.integers(2, 8))))
-    rate = 0.0
-    for _ in range(3):
-        n = max(1, int(rate * duration)) if rate else len(lengths)
-        cap = capacity_req_s(max_batch, 200.0, float(np.mean([o for _, o in lengths[:n]])), cost)
-        rate = rho * cap
+    def rate_for(n: int) -> float:  # rho of the chain's capacity for the first n lengths
+        return rho * capacity_req_s(max_batch, 200.0, float(np.mean([o for _, o in lengths[:n]])), cost)
+
+    rate = rate_for(len(lengths))
+    for _ in range(2):  # the lengths a run of this rate holds
+        rate = rate_for(max(1, int(rate * duration)))
     reqs: list[MMRequest] = []
     t = 0.0
     for long_, out in lengths:
@@ -520,14 +533,12 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
     names = ("chat", "code")
     servers = servers or (6 if quick else 8)
     duration = duration or (600.0 if quick else 1200.0)
-    st = _probe_stats(names, cost, max_batch, seed, trace)
-    share = _shift_share(duration, hi)
-    for _ in range(3):  # the capacity of the rows replayed (not of a probe's)
-        # each model's peak rate: ``hi`` of the servers' work at load rho (the other model then has 1 - hi of it;
-        # sized as if both peaked at once, the total load was rho / (2 hi) = 0.5, not rho)
-        peak = {n: rho * servers * hi * st[n]["chain_capacity_req_s"] for n in names}
-        reqs, sources = _workload(names, peak, duration, seed=seed, cost=cost, trace=trace, share=share)
-        st = stats(reqs, cost, max_batch)
+    # each model's peak rate: ``hi`` of the servers' work at load rho (the other model then has 1 - hi of it; sized
+    # as if both peaked at once, the total load was rho / (2 hi) = 0.5, not rho)
+    peak, reqs, sources, st = _at_own_load(
+        names, lambda st: {n: rho * servers * hi * st[n]["chain_capacity_req_s"] for n in names}, duration,
+        _probe_stats(names, cost, max_batch, seed, trace), seed=seed, cost=cost, max_batch=max_batch, trace=trace,
+        share=_shift_share(duration, hi))
     if classes > 1:
         assign_length_classes(reqs, classes)
     vols = make_servers(servers)
