@@ -8,6 +8,7 @@ two jobs at once, so a burst queues at the orchestrator.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -107,7 +108,9 @@ def test_edf_serves_the_deadline_first_refuses_the_doomed_and_reports(swarm, sca
 
 
 def test_deadline_fields_are_validated(swarm):
-    for body in ({"deadline_ms": 0}, {"ttft_deadline_ms": -5}, {"deadline_ms": "soon"}, {"deadline_ms": 1e12}):
+    # true was a 1 ms deadline and "500" a number; "yes" was best effort: our own fields are typed strictly
+    for body in ({"deadline_ms": 0}, {"ttft_deadline_ms": -5}, {"deadline_ms": "soon"}, {"deadline_ms": 1e12},
+                 {"deadline_ms": True}, {"ttft_deadline_ms": "500"}, {"best_effort": "yes"}, {"best_effort": 1}):
         r = post(swarm, BULK, timeout=30, max_tokens=2, **body)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", (body, r.text)
     # streamed: the outcome comes in the usage chunk
@@ -117,3 +120,23 @@ def test_deadline_fields_are_validated(swarm):
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
     assert '"deadline"' in lines[-1] and '"outcome":"met"' in lines[-1].replace(" ", ""), lines[-1]
+
+
+def test_a_session_turn_reports_its_deadline(swarm):
+    """A session's turn took deadlines and counted them, but its reply (one-shot or streamed) never said the outcome."""
+    auth = {"Authorization": f"Bearer {BULK}"}
+    sid = httpx.post(f"{swarm.url}/api/v1/sessions", headers=auth, json={"model": swarm.swarm()["model"]},
+                     timeout=60).json()["session_id"]
+    try:
+        r = httpx.post(f"{swarm.url}/api/v1/sessions/{sid}/generate", headers=auth, timeout=120,
+                       json={"prompt": "hello", "max_tokens": 3, "deadline_ms": 600_000})
+        assert r.status_code == 200, r.text
+        assert r.json()["deadline"]["outcome"] == "met" and r.json()["deadline"]["deadline_ms"] == 600_000
+        with httpx.stream("POST", f"{swarm.url}/api/v1/sessions/{sid}/generate", headers=auth, timeout=120,
+                          json={"prompt": " again", "max_tokens": 3, "stream": True, "deadline_ms": 600_000}) as r:
+            assert r.status_code == 200
+            events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert events[-1]["finish_reason"] and events[-1]["deadline"]["outcome"] == "met", events[-1]
+        assert all("deadline" not in e for e in events[:-1])
+    finally:
+        httpx.delete(f"{swarm.url}/api/v1/sessions/{sid}", headers=auth, timeout=60)

@@ -58,9 +58,10 @@ def test_prediction_waits_for_a_slot_at_the_queue_rate():
     free = [ChainLoad(2, 2, 2.0, 0.1), ChainLoad(1, 0, 4.0, 0.2)]
     p = predict(0.0, free, ahead=0, output_tokens=4)
     assert p.wait_s == 0 and p.total_s == pytest.approx(1.0)
-    # no chain: doomed only with a deadline
+    # no chain to predict from (none yet, a re-plan): not doomed; the caller waits for one and drops the job if its
+    # deadline passes first (a ten-minute deadline was refused at once while a request without one waited)
     assert not predict(0.0, [], 0, 4).doomed
-    assert predict(0.0, [], 0, 4, deadline=10.0).doomed
+    assert not predict(0.0, [], 0, 4, deadline=600.0).doomed
     with pytest.raises(ValueError):
         predict(0.0, free, ahead=-1, output_tokens=1)
 
@@ -98,13 +99,17 @@ def test_edf_dispatch_starts_the_earliest_deadline_and_refuses_the_doomed():
         ok = asyncio.ensure_future(dm.acquire(_job(10, RequestDeadline.from_ms("x", None, 2_000))))
         await asyncio.sleep(0)
         assert not ok.done() and dm.queue_length == 1
-        # best effort is never refused
+        # best effort is never refused; predicted late, it queues behind the job that can still meet its deadline
+        # (by its own 1 ms deadline it went first: best_effort with ttft_deadline_ms=1 jumped every queue)
         be = asyncio.ensure_future(dm.acquire(_job(11, RequestDeadline.from_ms("x", None, 1, best_effort=True))))
         await asyncio.sleep(0)
         assert dm.queue_length == 2 and dm.deadline_refused == 1
-        for t in (ok, be):
-            t.cancel()
-        await asyncio.gather(ok, be, return_exceptions=True)
+        dm.release(lease)
+        await asyncio.sleep(0)
+        assert ok.done() and not be.done()
+        assert ok.result().job.deadline.late is False
+        be.cancel()
+        await asyncio.gather(be, return_exceptions=True)
         assert dm.queue_length == 0
 
     asyncio.run(main())
@@ -293,6 +298,38 @@ def test_deadline_outcomes_report_and_goodput():
     assert none.outcome is None  # no deadline: not counted
 
 
+def test_a_queued_job_is_dropped_at_the_first_of_its_deadlines():
+    dl = RequestDeadline.from_ms("x", 1500, 600_000, arrival=10.0)
+    assert dl.drop_at == pytest.approx(11.5)  # it was the TTFT deadline's, ten minutes on, whenever one was set
+    assert RequestDeadline.from_ms("x", 600_000, 1500, arrival=10.0).drop_at == pytest.approx(11.5)
+    assert RequestDeadline.from_ms("x", 1500, None, best_effort=True, arrival=10.0).drop_at == math.inf
+
+
+def test_the_first_choice_of_n_is_predicted_for_them_all_and_the_others_are_not_refused():
+    async def main():
+        dm = DispatchManager(schedule="edf", steps_per_job=lambda: 17.0)  # step 0.1 s, a job 1.7 s, one slot
+        dm.set_chains(_chains())
+        # a free slot and 1.7 s of work: one choice meets 2.5 s, two in a row (the second after the first) do not
+        single = asyncio.ensure_future(dm.acquire(_job(0, RequestDeadline.from_ms("x", 2_500, None))))
+        await asyncio.sleep(0)
+        assert single.done() and not single.exception()
+        dm.release(single.result())
+        with pytest.raises(DeadlineUnreachable):  # refused before any work, not after the prefill's stream opened
+            await dm.acquire(DispatchJob(job_id="n0", deadline=RequestDeadline.from_ms("x", 2_500, None),
+                                         output_tokens=16, siblings=1))
+        # a later choice of an admitted request waits for a slot however late it is now
+        first = await dm.acquire(_job(1))
+        later = asyncio.ensure_future(dm.acquire(DispatchJob(
+            job_id="n1", deadline=RequestDeadline.from_ms("x", None, 1), output_tokens=16, checked=True)))
+        await asyncio.sleep(0)
+        assert not later.done() and dm.queue_length == 1 and dm.deadline_refused == 1
+        dm.release(first)
+        await asyncio.sleep(0)
+        assert later.done() and not later.exception()
+
+    asyncio.run(main())
+
+
 def test_key_file_deadline_defaults(tmp_path):
     f = tmp_path / "keys"
     f.write_text("slo " + "k" * 20 + " ttft_deadline_ms=500 deadline_ms=4000\n")
@@ -301,6 +338,11 @@ def test_key_file_deadline_defaults(tmp_path):
     f.write_text("slo " + "k" * 20 + " deadline_ms=0\n")
     with pytest.raises(KeyFileError, match="deadline_ms"):
         KeyRing.from_file(f)
+    # a deadline past an hour (400 digits overflowed float() at every request of the key) is the file's error
+    for big in ("3600001", "9" * 400):
+        f.write_text("slo " + "k" * 20 + f" deadline_ms={big}\n")
+        with pytest.raises(KeyFileError, match="largest value"):
+            KeyRing.from_file(f)
 
 
 def test_flex_and_db_never_pick_an_idle_held_session_to_pause():

@@ -122,7 +122,7 @@ def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: 
         raise ValueError("ahead and output_tokens must be >= 0")
     usable = _usable(chains)
     if not usable:
-        return _no_chain(ttft_deadline, deadline)
+        return _no_chain(chains, ttft_deadline, deadline)
     free = sum(max(0, c.capacity - c.active) for c in usable)
     mu = sum(c.capacity / c.job_s for c in usable)  # the jobs ahead are of the mean length, as far as we know
     wait = max(0, ahead + 1 - free) / mu
@@ -134,9 +134,15 @@ def _usable(chains: Sequence[ChainLoad]) -> list[ChainLoad]:
     return [c for c in chains if c.capacity > 0 and 0 < c.step_s <= c.job_s < math.inf]
 
 
-def _no_chain(ttft_deadline: float, deadline: float) -> Prediction:
+def _no_chain(chains: Sequence[ChainLoad], ttft_deadline: float, deadline: float) -> Prediction:
+    """No usable chain. None at all (none yet, a re-plan): not doomed; the caller waits for one as for a job without
+    a deadline and drops the job if its deadline passes first (refusing at once turned away a ten-minute deadline
+    during a re-plan). Chains whose every slot is held for good (sessions between turns): doomed if it has a
+    deadline."""
+    if not chains:
+        return Prediction(math.inf, math.inf, math.inf, False, "no chain serves this model yet")
     has_deadline = math.isfinite(ttft_deadline) or math.isfinite(deadline)
-    return Prediction(math.inf, math.inf, math.inf, has_deadline, "no chain serves this model yet")
+    return Prediction(math.inf, math.inf, math.inf, has_deadline, "no chain has a slot it will free")
 
 
 def _verdict(now: float, wait: float, step: float, output_tokens: int, ttft_deadline: float,
@@ -205,7 +211,7 @@ def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: S
     ``ahead``-th (free slots first), then runs at the fastest chain's step."""
     usable = _usable(chains)
     if not usable:
-        return _no_chain(ttft_deadline, deadline)
+        return _no_chain(chains, ttft_deadline, deadline)
     free = sum(max(0, c.capacity - c.active) for c in usable)
     frees = [0.0] * free + sorted(max(0.0, r) for r in remaining_s)
     wait = frees[ahead] if ahead < len(frees) else math.inf

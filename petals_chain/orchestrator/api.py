@@ -89,9 +89,10 @@ class SamplingFields(_Base):
     n: int = pydantic.Field(default=1, ge=1)
     user: Optional[str] = pydantic.Field(default=None, max_length=256)  # end-user id (OpenAI): informational
     # Deadlines from arrival (orchestrator/deadlines.py); None: the API key's default, if any.
-    deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS)
-    ttft_deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS)
-    best_effort: bool = False  # never refused or dropped for a deadline: served, late if need be
+    # Strict: our own fields, so no OpenAI client sends them loosely typed; lax parsing read true as a 1 ms deadline
+    deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS, strict=True)
+    ttft_deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS, strict=True)
+    best_effort: bool = pydantic.Field(default=False, strict=True)  # never refused or dropped: served, late if need be
     # Speculative decoding for this request (generation.py); None: the orchestrator's --speculative.
     speculative: Optional[Literal["none", "ngram", "draft"]] = None
     # How steps cross the chain for this request (relay.py); None: the orchestrator's --relay.
@@ -720,7 +721,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             def chunk(i, text, finish, choices, first=False):
                 if first:
                     return None
-                return {"session_id": s.id, "text": text or "", "finish_reason": finish}
+                out = {"session_id": s.id, "text": text or "", "finish_reason": finish}
+                if finish is not None and (dl := DEADLINE.get()) is not None:  # the turn's last event
+                    out["deadline"] = dl.report()
+                return out
 
             async def run(emits):
                 return [await gen_fn(emits[0])]
@@ -732,10 +736,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             if e.code == "client_disconnected":  # the turn may finish while the disconnect is being noticed
                 forget_unseen_turn()
             raise
-        return {"session_id": s.id, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
-                "usage": usage(g.prompt_tokens, len(g.token_ids), g.cached_tokens), "wait_s": g.wait_s,
-                "service_s": g.service_s,
-                "chain": g.chain, "failovers": g.failovers, "tokens": len(s.history)}
+        out = {"session_id": s.id, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
+               "usage": usage(g.prompt_tokens, len(g.token_ids), g.cached_tokens), "wait_s": g.wait_s,
+               "service_s": g.service_s, "chain": g.chain, "failovers": g.failovers, "tokens": len(s.history)}
+        if (dl := DEADLINE.get()) is not None:
+            out["deadline"] = dl.report()
+        return out
 
     # ---- dashboard -----------------------------------------------------------------------------
     try:

@@ -21,9 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from petals_chain.orchestrator.deadlines import MAX_DEADLINE_MS
+
 ANONYMOUS = "anonymous"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@\-]{0,63}$")
 _LIMITS = ("max_concurrent", "tokens_per_minute", "max_sessions", "deadline_ms", "ttft_deadline_ms")
+_LIMIT_MAX = {"max_concurrent": 10**9, "tokens_per_minute": 10**12, "max_sessions": 10**9,
+              "deadline_ms": int(MAX_DEADLINE_MS), "ttft_deadline_ms": int(MAX_DEADLINE_MS)}
 MIN_KEY_CHARS = 16
 
 # The client of the request being served (set by the API middleware; copied into the tasks a request spawns).
@@ -104,6 +108,8 @@ class KeyRing:
                 if not sep or k not in _LIMITS or not v.isdigit() or int(v) < 1:
                     raise KeyFileError(f"{where}: invalid limit {item!r} (use {', '.join(f'{x}=N' for x in _LIMITS)}"
                                        f" with N >= 1)")
+                if int(v) > _LIMIT_MAX[k]:  # also keeps float(deadline) from overflowing at every request
+                    raise KeyFileError(f"{where}: {k}={v} is above its largest value, {_LIMIT_MAX[k]}")
                 if k in limits:
                     raise KeyFileError(f"{where}: {k} given twice")
                 limits[k] = int(v)

@@ -38,6 +38,9 @@ class RequestDeadline:
     deadline: float = math.inf  # last token by then
     ttft_deadline: float = math.inf  # first token by then
     best_effort: bool = False
+    # best effort and predicted to miss at arrival: queued behind every job with a deadline it can still meet (its
+    # own early deadline would otherwise put a request that is served late anyway first in the EDF queue)
+    late: bool = False
     first_token_at: float | None = None
     done_at: float | None = None
     outcome: str | None = None  # one of OUTCOMES once decided
@@ -58,16 +61,16 @@ class RequestDeadline:
 
     @property
     def order_key(self) -> float:
-        """EDF's key in the central queue: the deadline that comes first (the first token's, if it has one)."""
-        return min(self.ttft_deadline, self.deadline)
+        """EDF's key in the central queue: the deadline that comes first (``inf`` once known to be late)."""
+        return math.inf if self.late else min(self.ttft_deadline, self.deadline)
 
     @property
     def drop_at(self) -> float:
-        """When a job still waiting for a chain has missed for sure (``inf`` for best effort or none): its first
-        token's deadline, else its last token's."""
+        """When a job still waiting for a chain has missed for sure (``inf`` for best effort or none): the first of
+        its deadlines to pass (a job without its first token has missed both by then)."""
         if self.best_effort:
             return math.inf
-        return self.ttft_deadline if math.isfinite(self.ttft_deadline) else self.deadline
+        return min(self.ttft_deadline, self.deadline)
 
     def first_token(self, now: float | None = None) -> None:
         if self.first_token_at is None:

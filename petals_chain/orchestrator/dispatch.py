@@ -83,6 +83,11 @@ class DispatchJob:
     protected: bool = False  # started because it starved: not paused for priority again (a pause costs a round trip)
     # a session holding its chain between turns: it steps no more until its next turn, so pausing it frees nothing
     idle: bool = False
+    # n > 1: the request's other choices, which ask for slots after this one (its first): its deadline prediction
+    # is the last choice's. ``checked``: one of those later choices, admitted with the first (never refused or
+    # dropped for its deadline: the request is already answering)
+    siblings: int = 0
+    checked: bool = False
 
     @property
     def order_key(self) -> float:
@@ -532,7 +537,12 @@ class DispatchManager:
         paused: Lease | None = None
         try:
             dl = job.deadline
-            if not job.requeue and dl is not None and dl.active and not dl.best_effort:
+            fresh = not job.requeue and not job.checked and dl is not None and dl.active
+            if fresh and dl.best_effort:
+                # served late rather than refused, so not first in the queue either: behind the jobs that can still
+                # meet their deadlines (else ttft_deadline_ms=1 with best_effort would jump every queue)
+                dl.late = self.predict(job).doomed
+            elif fresh:
                 pred = self.predict(job)
                 # flex: a job that would miss (by the queue's rate, or waiting for the running jobs' own remaining
                 # work) takes the slot of a job without a deadline if that saves it; else edf's rule
@@ -733,6 +743,7 @@ class DispatchManager:
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
         ahead = sum(1 for j in self._lane if not j.yields or j.order_key <= job.order_key) + len(self._pending)
+        ahead += job.siblings
         if self.schedule in ("edf", "flex") and isinstance(q, EDFQueue):
             ahead += q.ahead_of(job.order_key)
         else:

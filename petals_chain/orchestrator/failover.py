@@ -73,6 +73,10 @@ class ChainHolder:
             if hasattr(orch.dispatch, "new_priority_job") else None
         self.closed = False
         self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
+        # n > 1 (generation.py): the first choice's job counts the others in its deadline prediction; the others
+        # are admitted with it (``checked``: never refused or dropped for the request's deadline)
+        self.siblings = 0
+        self.checked = False
         self.completed = False  # a request (a session: a turn) ran to its end: its time is an execution time
         # (sibling, tokens): a sibling whose first `tokens` KV this job may copy if it lands on the same chain
         self.fork_source: tuple["ChainHolder", int] | None = None
@@ -129,13 +133,15 @@ class ChainHolder:
                               prefer=orch.prefix_directory.preferred(named) if named else (), client=self.client,
                               input_tokens=max(0, need - paid),
                               matched={k: max(0, n - paid) for k, n in matched.items()},
-                              yields=self.yields, sched=self.priority)
+                              yields=self.yields, sched=self.priority, siblings=self.siblings,
+                              checked=self.checked)
             # A job back after a failover, a preemption or a pause keeps its deadline (its order in the queue, and
             # flex never pauses it for another): only a new job is dropped when its deadline passes while it waits.
             self._as_this_request(job, need)
             dl = DEADLINE.get()
             t0 = time.monotonic()
-            drop_at = dl.drop_at if dl is not None and dl.active and not self.admitted else float("inf")
+            drop_at = dl.drop_at if dl is not None and dl.active and not (self.admitted or self.checked) \
+                else float("inf")
             wait_s = max(0.1, deadline - time.monotonic())
             if drop_at < deadline:
                 wait_s = max(0.001, drop_at - time.monotonic())

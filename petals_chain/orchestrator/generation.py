@@ -187,8 +187,10 @@ class GenerationMixin:
         job_length = min(self.cfg.max_length, len(prompt_ids) + max(p.max_tokens for p in params))
         holders = [ChainHolder(self, f"r-{uuid.uuid4().hex[:12]}", job_length, relay=p.relay,
                                shape=(len(prompt_ids), p.max_tokens)) for p in params]
+        holders[0].siblings = len(holders) - 1
         for h in holders[1:]:
             h.fork_source = (holders[0], len(prompt_ids))
+            h.checked = True
         prefill: asyncio.Future = asyncio.get_running_loop().create_future()
         # A failed prefill is reported by its own task; the siblings only wait on it.
         prefill.add_done_callback(lambda f: f.cancelled() or f.exception())
