@@ -376,3 +376,159 @@ def test_jobs_that_came_while_no_chain_existed_arrive_as_new_after_the_outage():
     jobs = [Job("busy", 10), Job("old", 10)]
     assert d.arrive_all(jobs, fresh=set(jobs)) == []
     assert local.counter["old"] >= 1000.0
+
+
+def _shares_on_one_chain(policy="dlpm"):
+    from prometheus_client import CollectorRegistry
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchManager
+    from petals_chain.orchestrator.fairness import ClientShares
+
+    reg = CollectorRegistry()
+    shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1000.0)), registry=reg)
+    dm = DispatchManager(policy="jffc", shares=shares)
+    dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+    return shares, dm, reg
+
+
+def test_the_service_counter_counts_what_the_json_says_after_refunds_and_corrections():
+    """/metrics kept every provisional admission charge (three refused opens and an 80 % cache hit: 4000 where the
+    JSON said 200), a Prometheus counter cannot go down: the input is counted once the chain says what it held."""
+    import asyncio
+
+    from petals_chain.orchestrator.dispatch import DispatchJob, chain_key
+
+    async def main():
+        shares, dm, reg = _shares_on_one_chain()
+        for attempt in range(4):  # as ChainHolder._ensure_chain: three refused opens, then the job runs
+            job = DispatchJob("x", client="alice", input_tokens=1000, requeue=attempt > 0)
+            lease = await dm.acquire(job)
+            if attempt < 3:
+                shares.refund(job, chain_key(lease.chain))
+            else:
+                shares.prompt(job, chain_key(lease.chain), 200)  # 800 of the 1000 tokens were cached there
+            dm.release(lease)
+        shares.output("alice", chain_key(lease.chain), 5)
+        row = shares.json()["clients"]["alice"]
+        counted = reg.get_sample_value("petals_chain_client_service_units_total", {"client": "alice"})
+        assert row["service"] == counted == 210.0
+        assert row["requests"] == 1 and row["started"] == 4  # one request, re-admitted after each refusal
+
+    asyncio.run(main())
+    # the adaptive quantum samples a request once: a re-admission (failover, pause) halved it (1400 -> 800)
+    pol = FairPolicy("dlpm", FairnessConfig())
+    pol.admit(FairRequest(item=None, client="a", input_tokens=1000, expected_output=200), "w")
+    for _ in range(3):
+        pol.admit(FairRequest(item=None, client="a", input_tokens=0, expected_output=200, again=True), "w")
+    assert pol.quantum.value == 1400.0 and pol.admitted_requests == {"a": 1}
+
+
+@pytest.mark.parametrize("policy", ["dlpm", "vtc", "fcfs"])
+def test_a_client_gone_in_the_turn_its_job_was_picked_is_not_charged(policy):
+    import asyncio
+
+    from petals_chain.orchestrator.dispatch import DispatchJob
+
+    async def main():
+        shares, dm, _ = _shares_on_one_chain(policy)
+        first = await dm.acquire(DispatchJob("h", client="heavy", input_tokens=10))
+        gone = asyncio.ensure_future(dm.acquire(DispatchJob("x", client="alice", input_tokens=5000)))
+        await asyncio.sleep(0)  # queued
+        gone.cancel()  # its client disconnects, and in the same turn the chain frees
+        dm.release(first)
+        await asyncio.sleep(0)
+        assert gone.cancelled() and dm.running == 0
+        row = shares.json()["clients"]["alice"]
+        assert row["service"] == 0.0 and row["requests"] == 0 and row["started"] == 0 and row["gave_up"] == 1
+        local = shares.policy.snapshot()["counters"]["*"]
+        assert local.get("alice", 0.0) in (0.0, 1000.0)  # dlpm: the quantum refilled for the pick, nothing spent
+
+    asyncio.run(main())
+
+
+def test_a_client_that_gives_up_waiting_shows_its_wait():
+    """A starved client whose requests time out had no wait at all on record (and under fcfs no row)."""
+    import asyncio
+
+    from petals_chain.orchestrator.dispatch import DispatchJob
+
+    async def main():
+        shares, dm, reg = _shares_on_one_chain("fcfs")
+        await dm.acquire(DispatchJob("h", client="heavy", input_tokens=10))
+        for _ in range(2):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(dm.acquire(DispatchJob("x", client="light", input_tokens=10)), 0.05)
+        row = shares.json()["clients"]["light"]
+        assert row["gave_up"] == 2 and row["started"] == 0 and row["wait_max_s"] >= 0.04
+        assert reg.get_sample_value("petals_chain_client_wait_seconds_count", {"client": "light"}) == 2
+
+    asyncio.run(main())
+
+
+def test_jain_compares_the_clients_backlogged_through_the_window():
+    """Every client that waited once in the window was compared: a light client served at once when it asked
+    (service 100 against a backlogged client's 1000) made the index 0.52 though it got all it wanted."""
+    from petals_chain.algorithms.fairness import ServiceMeter
+
+    m = ServiceMeter(window_s=60.0)
+    for t in range(60):
+        m.sample(float(t), ["heavy", "other"] if t != 30 else ["heavy", "other", "light"])
+        m.served(float(t), "heavy", 20.0)
+        m.served(float(t), "other", 19.0 if t % 2 else 21.0)
+    m.served(30.0, "light", 100.0)
+    assert m.saturated(59.0) == ["heavy", "other"] and "light" in m.backlogged(59.0)
+    assert m.jain(59.0) == pytest.approx(1.0)
+    # one saturated client, or too few samples: nothing to compare
+    m2 = ServiceMeter(window_s=60.0)
+    for t in range(3):
+        m2.sample(float(t), ["a", "b"])
+    assert m2.jain(3.0) is None
+    for t in range(3, 10):
+        m2.sample(float(t), ["a"])
+    assert m2.saturated(10.0) == ["a"] and m2.jain(10.0) is None
+    # a client starved in the queue is compared with the one served
+    m3 = ServiceMeter(window_s=10.0)
+    for t in range(10):
+        m3.sample(float(t), ["a", "b"])
+        m3.served(float(t), "a", 10.0)
+    assert m3.jain(9.5) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dlpm"])
+def test_a_waiting_job_sees_a_prefix_its_chain_gained_while_it_waited(policy):
+    """The queue was ordered by each job's prefix match as it was at arrival: a chain that gained a shared system
+    prompt meanwhile (the group's first request closing there) did not draw the group's waiting requests."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import ChainPrefixes, DispatchJob, DispatchManager
+    from petals_chain.orchestrator.fairness import ClientShares
+    from petals_chain.swarm.prefix import prefix_hashes
+
+    system, other = list(range(100, 164)), list(range(500, 564))
+
+    def job(prefixes, name, prompt):  # as ChainHolder._ensure_chain builds it
+        named = prefix_hashes(prompt[:-1])
+        return DispatchJob(name, client="c", input_tokens=len(prompt), matched=prefixes.live_match(named))
+
+    async def main():
+        prefixes = ChainPrefixes()
+        shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1e6)), registry=CollectorRegistry())
+        dm = DispatchManager(policy="jffc", shares=shares)
+        ch = Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))
+        dm.set_chains([ch])
+        first = await dm.acquire(job(prefixes, "g0", system + [1, 2]))
+        older = asyncio.ensure_future(dm.acquire(job(prefixes, "o1", other + [3])))
+        newer = asyncio.ensure_future(dm.acquire(job(prefixes, "g1", system + [4])))
+        await asyncio.sleep(0)
+        prefixes.add(ch, prefix_hashes(system + [1, 2]))  # g0 closes: the chain was given the system prompt
+        dm.release(first)
+        await asyncio.sleep(0)
+        assert newer.done() and not older.done()
+        older.cancel()
+        await asyncio.gather(older, return_exceptions=True)
+
+    asyncio.run(main())

@@ -14,6 +14,10 @@ from petals_chain.orchestrator.__main__ import main
     (["--fairness-w-e", "-1"], "w_e"),
     (["--fairness-w-e", "0", "--fairness-w-q", "0"], "w_e and w_q"),
     (["--fairness", "d2lpm", "--dispatch", "petals"], "--fairness d2lpm"),
+    # accepted before: an OverflowError at the first refill, and a refill loop that never ended
+    (["--fairness-w-q", "1e308"], "w_e and w_q must be at most"),
+    (["--fairness-quantum", "1e-30"], "quantum must be between"),
+    (["--fairness-worker-quantum", "1e-30"], "worker_quantum must be between"),
 ])
 def test_bad_settings_exit_2_naming_the_flag(tiny_model_dir, capsys, args, flag):
     assert main(["--model", str(tiny_model_dir), *args]) == 2
@@ -56,3 +60,16 @@ def test_prefix_salt_retires_every_cached_prefix():
     assert prefix_hashes(ids) == prefix_hashes(ids, b"")
     assert prefix_hashes(ids, b"\x01") != prefix_hashes(ids)
     assert len(prefix_hashes(ids, b"\x01")) == len(prefix_hashes(ids))
+
+
+def test_auto_fairness_leaves_the_queue_to_the_schedule():
+    """``--api-keys`` with ``--schedule edf`` (per-key deadlines exist for it) exited 2: auto picked dlpm, which
+    orders the same queue by client shares."""
+    from types import SimpleNamespace
+
+    from petals_chain.orchestrator.core import fairness_policy_name
+
+    assert fairness_policy_name(SimpleNamespace(fairness="auto", api_keys="k", schedule="fcfs")) == "dlpm"
+    for schedule in ("edf", "flex", "db", "mlfq"):
+        assert fairness_policy_name(SimpleNamespace(fairness="auto", api_keys="k", schedule=schedule)) == "fcfs"
+    assert fairness_policy_name(SimpleNamespace(fairness="auto", api_keys=None, schedule="fcfs")) == "fcfs"

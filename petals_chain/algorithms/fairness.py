@@ -54,6 +54,10 @@ DISTRIBUTED_POLICIES = ("d2lpm", "d-vtc", "rr-lpm")
 Worker = Hashable
 
 
+MAX_WEIGHT = 1e6  # service units per token (w_e, w_q)
+MIN_QUANTUM, MAX_QUANTUM = 1.0, 1e15  # service units (Q^u, Q^w): one token's worth at the least
+
+
 @dataclass(frozen=True)
 class FairnessConfig:
     """Weights and quanta of the fair policies, all in service units (``w_e`` per extend token, ``w_q`` per output
@@ -77,8 +81,15 @@ class FairnessConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.w_e + self.w_q <= 0:
             raise ValueError("w_e and w_q cannot both be 0")
-        if self.quantum is not None and not (math.isfinite(self.quantum) and self.quantum > 0):
-            raise ValueError(f"quantum (Q^u) must be a positive number or None (adaptive), got {self.quantum!r}")
+        # Bounded so that counters stay exact in floats: a weight of 1e308 overflowed a refill, and a quantum many
+        # orders below one request's cost made the refill's rounds vanish in rounding (a loop that never ended)
+        if max(self.w_e, self.w_q) > MAX_WEIGHT:
+            raise ValueError(f"w_e and w_q must be at most {MAX_WEIGHT:g} units per token, got {self.w_e}, {self.w_q}")
+        for name in ("quantum", "worker_quantum", "quantum_prior"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and MIN_QUANTUM <= v <= MAX_QUANTUM):
+                raise ValueError(f"{name} must be between {MIN_QUANTUM:g} and {MAX_QUANTUM:g} service units, "
+                                 f"got {v!r}")
         if not self.worker_quantum > 0 or not self.quantum_factor > 0 or not self.quantum_prior > 0:
             raise ValueError("worker_quantum, quantum_factor and quantum_prior must be positive")
         if int(self.quantum_window) != self.quantum_window or self.quantum_window < 1:
@@ -105,6 +116,9 @@ class FairRequest:
     worker: Worker | None = None
     charged: float = 0.0  # w_e * tokens charged at admission (corrected by FairPolicy.prompt)
     admitted_on: Worker | None = None  # set by FairPolicy.admit
+    # the same request admitted again (after a failover, a preemption or a pause): charged for what it has not paid
+    # for, but not counted as another request nor sampled by the adaptive quantum
+    again: bool = False
 
     def match(self, worker: Worker) -> int:
         return min(int(self.matched.get(worker, 0)), int(self.input_tokens))
@@ -362,9 +376,11 @@ class FairPolicy:
         req.admitted_on = worker
         req.charged = cfg.w_e * extend
         self.service[req.client] = self.service.get(req.client, 0.0) + req.charged
-        self.admitted_requests[req.client] = self.admitted_requests.get(req.client, 0) + 1
         local = self.local(worker)
         local.charge(req.client, cfg.w_e * (req.input_tokens if isinstance(local, _VTC) else extend))
+        if req.again:
+            return
+        self.admitted_requests[req.client] = self.admitted_requests.get(req.client, 0) + 1
         # Q^u follows full costs: sized on extend costs, a cache miss would put its client rounds in debt
         self.quantum.observe(cfg.cost(req.input_tokens, req.expected_output), req.input_tokens,
                              req.input_tokens - extend)
@@ -411,20 +427,22 @@ class FairPolicy:
             if not isinstance(local, _VTC):
                 local.charge(req.client, delta)
 
-    def refund(self, req: FairRequest, worker: Worker) -> None:
+    def refund(self, req: FairRequest, worker: Worker, gone: bool = False) -> None:
         """``req``'s admission on ``worker`` served nothing (its chain refused or failed the open; it queues again
         as a new request): undo everything the admission and its binding charged (with :meth:`prompt`'s
-        correction to 0, VTC's counter and D2LPM's worker credit stayed charged, and it was counted twice)."""
+        correction to 0, VTC's counter and D2LPM's worker credit stayed charged). It stays one admitted request:
+        its next admission is marked ``again`` and not counted; ``gone``: nobody waits for it any more, so it is
+        not counted either."""
         cfg = self.cfg
         self.service[req.client] = self.service.get(req.client, 0.0) - req.charged
         local = self.local(worker)
         local.charge(req.client, -(cfg.w_e * req.input_tokens if isinstance(local, _VTC) else req.charged))
-        if self.admitted_requests.get(req.client, 0) > 0:
-            self.admitted_requests[req.client] -= 1
         if self.name == "d2lpm":
             key = (req.client, req.worker if req.worker is not None else worker)
             if key in self.worker_credit:
                 self.worker_credit[key] += cfg.w_e * req.input_tokens
+        if gone and not req.again and self.admitted_requests.get(req.client, 0) > 0:
+            self.admitted_requests[req.client] -= 1
         req.charged = 0.0
 
     def input(self, client: str, worker: Worker, tokens: int) -> None:
@@ -640,9 +658,18 @@ class FairDispatcher:
 
 
 class ServiceMeter:
-    """Each client's service over the last ``window_s`` seconds and Jain's index among the clients that had a
-    request waiting in that window (the seed computes Jain only over backlogged clients; a client that never
-    waits gets what it asks for and is left out). Times are the caller's clock, in seconds."""
+    """Each client's service over the last ``window_s`` seconds and Jain's index among the clients that stayed
+    backlogged through it. Times are the caller's clock, in seconds.
+
+    The seed takes Jain's index only over the interval in which every client is backlogged. A server has no fixed
+    set of clients, so the meter samples which clients have a request waiting (:meth:`sample`, at a steady period)
+    and compares those backlogged in at least ``BACKLOGGED_SHARE`` of the window's samples: clients that would
+    take any more service they were given, which a fair order serves equally. A client that waited now and then got
+    what it asked for and is left out (taking every client that waited once called a fairly served light client
+    unfair: 0.52)."""
+
+    BACKLOGGED_SHARE = 0.9
+    MIN_SAMPLES = 5
 
     def __init__(self, window_s: float = 60.0):
         if not window_s > 0:
@@ -651,6 +678,8 @@ class ServiceMeter:
         self._events: deque[tuple[float, str, float]] = deque()
         self._sums: dict[str, float] = {}
         self._waited: dict[str, float] = {}  # client -> last time it had a request waiting
+        self._samples: deque[tuple[float, frozenset]] = deque()  # (time, clients with a request waiting)
+        self._sampled: dict[str, int] = {}  # client -> samples in the window in which it was backlogged
 
     def _trim(self, now: float) -> None:
         cutoff = now - self.window_s
@@ -663,6 +692,11 @@ class ServiceMeter:
                 self._sums[c] = left
         for c in [c for c, t in self._waited.items() if t < cutoff]:
             del self._waited[c]
+        while self._samples and self._samples[0][0] < cutoff:
+            for c in self._samples.popleft()[1]:
+                self._sampled[c] -= 1
+                if not self._sampled[c]:
+                    del self._sampled[c]
 
     def served(self, now: float, client: str, units: float) -> None:
         if units:
@@ -670,8 +704,17 @@ class ServiceMeter:
             self._sums[client] = self._sums.get(client, 0.0) + float(units)
 
     def waited(self, now: float, client: str) -> None:
-        """``client`` had a request waiting at ``now``."""
+        """``client`` had a request waiting at ``now`` (listed as backlogged; Jain's index reads :meth:`sample`)."""
         self._waited[client] = now
+
+    def sample(self, now: float, backlogged: Iterable[str]) -> None:
+        """The clients with a request waiting at ``now``; called at a steady period (Jain's index counts samples)."""
+        clients = frozenset(backlogged)
+        self._samples.append((now, clients))
+        for c in clients:
+            self._sampled[c] = self._sampled.get(c, 0) + 1
+            self._waited[c] = now
+        self._trim(now)
 
     def rates(self, now: float) -> dict[str, float]:
         """Service units per second over the window, per client served in it."""
@@ -679,15 +722,25 @@ class ServiceMeter:
         return {c: max(0.0, v) / self.window_s for c, v in self._sums.items()}
 
     def backlogged(self, now: float) -> list[str]:
+        """Clients that had a request waiting at some time in the window."""
         self._trim(now)
         return sorted(self._waited)
 
+    def saturated(self, now: float) -> list[str]:
+        """Clients backlogged in at least ``BACKLOGGED_SHARE`` of the window's samples (none before
+        ``MIN_SAMPLES``)."""
+        self._trim(now)
+        n = len(self._samples)
+        if n < self.MIN_SAMPLES:
+            return []
+        return sorted(c for c, k in self._sampled.items() if k >= self.BACKLOGGED_SHARE * n)
+
     def jain(self, now: float) -> float | None:
-        """Jain's index of the window's service among clients that waited in it (None with fewer than two)."""
-        rates = self.rates(now)
-        clients = self.backlogged(now)
+        """Jain's index of the window's service among the :meth:`saturated` clients (None with fewer than two)."""
+        clients = self.saturated(now)
         if len(clients) < 2:
             return None
+        rates = self.rates(now)
         return jain_index([rates.get(c, 0.0) for c in clients])
 
 

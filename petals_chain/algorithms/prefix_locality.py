@@ -23,12 +23,14 @@ class PrefixDirectory:
         self.capacity = int(capacity)
         self._entries: OrderedDict[tuple[Hashable, Hashable], None] = OrderedDict()
         self._workers_of: dict[Hashable, dict[Hashable, None]] = {}  # block key -> workers holding it
+        self.version = 0  # changes whenever what some worker holds may have changed (live views re-match)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def add(self, worker: Hashable, keys: Sequence[Hashable]) -> None:
         """``worker`` was given the prefix of ``keys`` (shallow blocks become the most recent: dropped last)."""
+        self.version += 1
         for key in reversed(keys):
             entry = (worker, key)
             if entry in self._entries:
@@ -65,6 +67,7 @@ class PrefixDirectory:
 
     def forget(self, worker: Hashable) -> None:
         """Drop every entry of ``worker`` (e.g. a chain that no longer exists)."""
+        self.version += 1
         for entry in [e for e in self._entries if e[0] == worker]:
             del self._entries[entry]
             holders = self._workers_of[entry[1]]

@@ -26,7 +26,7 @@ from petals_chain.orchestrator.deadlines import DeadlineBook
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES, ChainPrefixes
 from petals_chain.orchestrator.audit import Auditor
 from petals_chain.orchestrator.errors import RequestError, Unavailable
-from petals_chain.orchestrator.fairness import ClientShares
+from petals_chain.orchestrator.fairness import FAIRNESS_SAMPLE_S, ClientShares
 from petals_chain.orchestrator.generation import Emit, Generation, GenerationMixin
 from petals_chain.orchestrator.planner import Planner
 from petals_chain.orchestrator.relay import ChainSession, HeadBatcher, HopFailure
@@ -47,9 +47,10 @@ DISPATCHES = DISPATCH_POLICIES
 
 
 def fairness_policy_name(cfg: "OrchestratorConfig") -> str:
-    """``--fairness`` resolved: ``auto`` is dlpm when API keys name the clients, else fcfs."""
+    """``--fairness`` resolved: ``auto`` is dlpm when API keys name the clients and the queue is not ordered by
+    ``--schedule`` (deadlines, priorities: those need the FIFO's fairness), else fcfs."""
     if cfg.fairness == "auto":
-        return "dlpm" if getattr(cfg, "api_keys", None) else "fcfs"
+        return "dlpm" if getattr(cfg, "api_keys", None) and getattr(cfg, "schedule", "fcfs") == "fcfs" else "fcfs"
     return cfg.fairness
 
 
@@ -349,6 +350,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             self._tasks.append(asyncio.create_task(self.groups.run(self._stop), name="groups"))
         self._tasks += [asyncio.create_task(self.planner.run(self._stop), name="planner"),
                        asyncio.create_task(self._summary_loop(), name="summary"),
+                       asyncio.create_task(self._sample_backlog(), name="fairness-samples"),
                        asyncio.create_task(self._reap_sessions(), name="session-reaper")]
         if self.cfg.keepalive_tick_s > 0:
             self._tasks.append(asyncio.create_task(self._keep_alive(), name="keepalive"))
@@ -614,6 +616,15 @@ class Orchestrator(GenerationMixin, SessionMixin):
                 counts[st] = counts.get(st, 0) + 1
             for st in ("joining", "online", "draining", "offline", "failed"):
                 s.m_servers.labels(st).set(counts.get(st, 0))
+
+    async def _sample_backlog(self) -> None:
+        """Which clients have requests waiting, once a second: Jain's index compares those backlogged throughout."""
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=FAIRNESS_SAMPLE_S)
+                return
+            except asyncio.TimeoutError:
+                self.shares.sample(self.dispatch.waiting_jobs())
 
     async def _summary_loop(self) -> None:
         while not self._stop.is_set():

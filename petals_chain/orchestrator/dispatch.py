@@ -23,6 +23,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.edf import (ChainLoad, EDFQueue, Preemptible, Prediction, flex_victim, predict,
@@ -70,7 +71,7 @@ class DispatchJob:
     prefer: tuple = ()
     client: str = "anonymous"
     input_tokens: int = 0
-    matched: dict = field(default_factory=dict)
+    matched: Mapping = field(default_factory=dict)
     expected_output: int = 0
     fair: Any = None
     deadline: Any = None
@@ -124,6 +125,37 @@ class ChainPrefixes:
     def matched_tokens(self, named: bytes) -> dict[tuple, int]:
         """Chain key -> tokens of the prompt ``named`` its servers were given to cache."""
         return {k: n * PREFIX_BLOCK_TOKENS for k, n in self.directory.match(split_hashes(named)).items()}
+
+    def live_match(self, named: bytes, paid: int = 0) -> "LiveMatch":
+        """:meth:`matched_tokens` less ``paid`` (tokens its client paid for already), kept current while the job
+        waits: a fair policy ordering the queue by prefix sees a chain that gained the prefix meanwhile."""
+        return LiveMatch(self.directory, split_hashes(named), paid)
+
+
+class LiveMatch(Mapping):
+    """Chain key -> cached tokens of one prompt beyond what its client paid for, re-matched when the directory
+    changes (a copy taken at arrival ordered the queue by what the chains held then)."""
+
+    def __init__(self, directory: PrefixDirectory, keys: Sequence, paid: int):
+        self._directory, self._keys, self._paid = directory, keys, int(paid)
+        self._version = -1
+        self._now: dict = {}
+
+    def _current(self) -> dict:
+        if self._version != self._directory.version:
+            self._version = self._directory.version
+            self._now = {k: max(0, n * PREFIX_BLOCK_TOKENS - self._paid)
+                         for k, n in self._directory.match(self._keys).items()}
+        return self._now
+
+    def __getitem__(self, key):
+        return self._current()[key]
+
+    def __iter__(self):
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
 
 
 class QueueFull(Exception):
@@ -516,9 +548,13 @@ class DispatchManager:
         job.wait_s += time.monotonic() - job.arrival
         if job.starved is not None:
             job.starved, job.protected = None, True
+        live = fut is not None and not fut.done()
         if self.shares is not None:
-            self.shares.started(job, chain_key(self.chains[k]), queued)
-        if fut is not None and not fut.done():
+            if live:
+                self.shares.started(job, chain_key(self.chains[k]), queued)
+            else:  # a policy that picked it charged it: its client went away in the same turn, nothing is served
+                self.shares.refund(job, chain_key(self.chains[k]), gone=True)
+        if live:
             fut.set_result(lease)
         else:  # nobody waits any more: give the slot back at once
             self.release(lease)
@@ -572,6 +608,8 @@ class DispatchManager:
             return await fut
         except asyncio.CancelledError:
             self._waiters.pop(job, None)
+            if self.shares is not None and job not in self._running:  # gave up waiting (a timeout, a client gone)
+                self.shares.abandoned(job, job.wait_s + time.monotonic() - job.arrival)
             if job in self._lane:
                 self._lane.remove(job)
             elif job in self._pending:

@@ -89,6 +89,7 @@ class ChainHolder:
         # sequence its client was charged for, and the chain charged last
         self.client = CLIENT.get()
         self.paid = 0
+        self.drafted = 0  # the feed under way ends with this many speculative drafts (not the client's input)
         self._worker: tuple | None = None
 
     @property
@@ -128,11 +129,10 @@ class ChainHolder:
             # named per attempt: a ban while the job waited changes the salt (no prefix cached before it matches)
             named = prefix_hashes(prompt[:-1], auditor.salt if auditor is not None else b"") if prompt else b""
             paid = self.paid
-            matched = orch.prefix_directory.matched_tokens(named) if named else {}
             job = DispatchJob(job_id=self.job_id, requeue=self.admitted,
                               prefer=orch.prefix_directory.preferred(named) if named else (), client=self.client,
-                              input_tokens=max(0, need - paid),
-                              matched={k: max(0, n - paid) for k, n in matched.items()},
+                              input_tokens=max(0, need - self.drafted - paid),
+                              matched=orch.prefix_directory.live_match(named, paid) if named else {},
                               yields=self.yields, sched=self.priority, siblings=self.siblings,
                               checked=self.checked)
             # A job back after a failover, a preemption or a pause keeps its deadline (its order in the queue, and
@@ -236,9 +236,10 @@ class ChainHolder:
                 if planner is not None:
                     planner.observe_job_tokens(declared)  # L^ of paged chain capacities (token_budget.py)
                 if shares is not None:  # what the chain computes, now that its cached prefix is known
-                    shares.prompt(job, self._worker, need - max(cs.cached_tokens if fork is None else fork[1], paid))
+                    shares.prompt(job, self._worker, need - self.drafted -
+                                  max(cs.cached_tokens if fork is None else fork[1], paid))
                 # charged at admission: a failover's replay of these tokens is not charged again
-                self.paid = max(self.paid, need)
+                self.paid = max(self.paid, need - self.drafted)
                 if fork is None:
                     self.kv_valid = self.cached_tokens = cs.cached_tokens
                     self.inputs.clear()
@@ -348,12 +349,14 @@ class ChainHolder:
         return True
 
     async def feed(self, new_ids: list[int], hidden: torch.Tensor | None = None, *,
-                   all_positions: bool = False) -> torch.Tensor:
+                   all_positions: bool = False, drafted: int = 0) -> torch.Tensor:
         """Append ``new_ids`` to the KV; return the last block's output at the last position [H] (or, with
         ``all_positions``, at every position of the tokens fed in this call, [n, H]).
 
         ``hidden``: the embeddings of ``new_ids`` if the caller has them (the head batcher embeds the tokens it
-        samples); replays after a failover embed in the head's worker thread."""
+        samples); replays after a failover embed in the head's worker thread. ``drafted``: the last tokens of
+        ``new_ids`` are speculative drafts, the system's guesses: not charged to the client as input (the accepted
+        ones are charged as output)."""
         if len(self.kv_ids) + len(new_ids) > self.max_length:
             raise RequestError(f"sequence would exceed max_length={self.max_length}", code="context_length_exceeded")
         budget = [self.orch.cfg.max_failovers]  # hop and chain failovers of this call, together
@@ -363,7 +366,12 @@ class ChainHolder:
             full = self.kv_ids + list(new_ids)
             # every position of new_ids needs its output (prompt logprobs, a speculative verify): a prefix cache may
             # serve the tokens held before them, never one of them (the chain computes the last token named)
-            await self._ensure_chain(prompt=full[:len(self.kv_ids) + 1] if all_positions else full, need=len(full))
+            self.drafted = drafted  # a chain taken now is not charged for them (_ensure_chain)
+            try:
+                await self._ensure_chain(prompt=full[:len(self.kv_ids) + 1] if all_positions else full,
+                                         need=len(full))
+            finally:
+                self.drafted = 0
             auditor = getattr(self.orch, "auditor", None)
             if auditor is not None and auditor.tainted(self.cs.peers_used):
                 # A server of this chain was caught returning wrong results: what its hops downstream hold was
@@ -405,8 +413,9 @@ class ChainHolder:
                 # verify nor prompt scoring (every position wanted), nor a step that failed over
                 plain = not all_positions and self.failovers == failovers
                 self.orch.dispatch.charge(self.lease, time.monotonic() - t_step, len(ids) if plain else 0)
-            if self.paid < len(self.kv_ids):  # a turn on a chain the job kept: no admission charged it
-                self._charge("input", len(self.kv_ids) - self.paid)
+            billable = len(self.kv_ids) - drafted
+            if self.paid < billable:  # a turn on a chain the job kept: no admission charged it
+                self._charge("input", billable - self.paid)
             self.reused_tokens = position
             self.steps += 1
             self.batch_steps += self._chain_jobs()
@@ -435,7 +444,7 @@ class ChainHolder:
         if kind == "output":
             self.paid = max(self.paid, len(self.kv_ids) + tokens)  # the token is fed next: charged once
         else:
-            self.paid = len(self.kv_ids)
+            self.paid += tokens
         if shares is not None and self._worker is not None and tokens > 0:
             (shares.output if kind == "output" else shares.input)(self.client, self._worker, tokens)
 

@@ -17,6 +17,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from petals_chain.algorithms.fairness import FairPolicy, FairRequest, ServiceMeter
 
 FAIRNESS_WINDOW_S = 60.0  # window of the per-client service rates and Jain's index
+FAIRNESS_SAMPLE_S = 1.0  # period of the samples of which clients are backlogged (Jain's index)
 
 
 class ClientShares:
@@ -25,15 +26,17 @@ class ClientShares:
     def __init__(self, policy: FairPolicy, registry: Any = None, window_s: float = FAIRNESS_WINDOW_S):
         self.policy = policy
         self.meter = ServiceMeter(window_s)
-        self.waits: dict[str, list[float]] = {}  # client -> [jobs started, total wait s, max wait s]
+        # client -> [jobs started, total wait s, max wait s, jobs that left the queue unstarted]
+        self.waits: dict[str, list[float]] = {}
         self.m_service = Counter("petals_chain_client_service_units", "Service per client (API key name): w_e per "
-                                 "input token computed + w_q per output token (seed 002)", ["client"],
-                                 registry=registry)
-        self.m_wait = Histogram("petals_chain_client_wait_seconds", "Time a client's jobs waited for a chain",
-                                ["client"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                                 "input token computed + w_q per output token (seed 002); an admission's input is "
+                                 "counted once its chain says what it held cached", ["client"], registry=registry)
+        self.m_wait = Histogram("petals_chain_client_wait_seconds", "Time a client's jobs waited for a chain (also "
+                                "those that gave up waiting)", ["client"],
+                                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
                                 registry=registry)
         self.m_jain = Gauge("petals_chain_fairness_jain_index", "Jain's index of the last minute's service among "
-                            "clients that waited in it (NaN with fewer than two)", registry=registry)
+                            "clients backlogged through it (NaN with fewer than two)", registry=registry)
 
     @property
     def central(self) -> bool:
@@ -41,9 +44,10 @@ class ClientShares:
         return self.policy.name != "fcfs"
 
     def describe(self, job: Any) -> FairRequest:
-        """The policy's view of a dispatch job (``client``, ``input_tokens``, ``matched``, ``expected_output``)."""
+        """The policy's view of a dispatch job (``client``, ``input_tokens``, ``matched``, ``expected_output``; a
+        job back after a failover, preemption or pause is the same request admitted again)."""
         req = FairRequest(item=job, client=job.client, input_tokens=job.input_tokens, matched=job.matched,
-                          expected_output=job.expected_output)
+                          expected_output=job.expected_output, again=bool(getattr(job, "requeue", False)))
         job.fair = req
         return req
 
@@ -54,20 +58,32 @@ class ClientShares:
             req = self.describe(job)
             self.policy.admit(req, worker)
         now = time.monotonic()
-        self._served(now, job.client, req.charged)
-        w = self.waits.setdefault(job.client, [0, 0.0, 0.0])
-        w[0] += 1
-        w[1] += job.wait_s
-        w[2] = max(w[2], job.wait_s)
-        self.m_wait.labels(job.client).observe(job.wait_s)
+        self._served(now, job.client, req.charged, count=False)  # counted by prompt(), once it is exact
+        self._waited(job.client, job.wait_s, started=True)
         if queued:
             self.meter.waited(now, job.client)
+
+    def abandoned(self, job: Any, waited_s: float) -> None:
+        """``job`` left the queue without starting after ``waited_s`` (its client timed out or went away): its wait
+        counts too, else a client starved until it gives up shows no wait at all."""
+        self._waited(getattr(job, "client", "anonymous"), waited_s, started=False)
+
+    def _waited(self, client: str, wait_s: float, started: bool) -> None:
+        w = self.waits.setdefault(client, [0, 0.0, 0.0, 0])
+        w[0 if started else 3] += 1
+        w[1] += wait_s
+        w[2] = max(w[2], wait_s)
+        self.m_wait.labels(client).observe(wait_s)
 
     def waiting(self, jobs: Any) -> None:
         """The jobs waiting now (marks their clients backlogged)."""
         now = time.monotonic()
         for job in jobs:
             self.meter.waited(now, getattr(job, "client", "anonymous"))
+
+    def sample(self, jobs: Any) -> None:
+        """The jobs waiting now, sampled at a steady period for Jain's index (:meth:`ServiceMeter.sample`)."""
+        self.meter.sample(time.monotonic(), (getattr(job, "client", "anonymous") for job in jobs))
 
     def prompt(self, job: Any, worker: Hashable, extend_tokens: int) -> None:
         """The chain ``job`` opened on holds all but ``extend_tokens`` of its new input: correct the charge."""
@@ -76,17 +92,19 @@ class ClientShares:
             return
         before = req.charged
         self.policy.prompt(req, worker, extend_tokens)
-        self._served(time.monotonic(), req.client, req.charged - before)
+        self._served(time.monotonic(), req.client, req.charged - before, count=False)
+        if req.charged > 0:  # the admission's input, now exact: a Prometheus counter cannot take a refund back
+            self.m_service.labels(req.client).inc(req.charged)
 
-    def refund(self, job: Any, worker: Hashable) -> None:
+    def refund(self, job: Any, worker: Hashable, gone: bool = False) -> None:
         """``job``'s start on ``worker`` served nothing (the chain refused or failed its open): the admission is
-        undone; the job queues again and is charged when it next starts."""
+        undone; the job queues again and is charged when it next starts (``gone``: its client went away)."""
         req = getattr(job, "fair", None)
         if req is None or req.admitted_on is None:
             return
         before = req.charged
-        self.policy.refund(req, worker)
-        self._served(time.monotonic(), req.client, -before)
+        self.policy.refund(req, worker, gone=gone)
+        self._served(time.monotonic(), req.client, -before, count=False)
 
     def input(self, client: str, worker: Hashable, tokens: int) -> None:
         """A chain a job holds computed ``tokens`` new input tokens (a session's turn without a new admission)."""
@@ -97,8 +115,8 @@ class ClientShares:
         self.policy.output(client, worker, tokens)
         self._served(time.monotonic(), client, self.policy.cfg.w_q * tokens)
 
-    def _served(self, now: float, client: str, units: float) -> None:
-        if units > 0:
+    def _served(self, now: float, client: str, units: float, count: bool = True) -> None:
+        if count and units > 0:
             self.m_service.labels(client).inc(units)
         self.meter.served(now, client, units)
 
@@ -122,14 +140,17 @@ class ClientShares:
         clients = {}
         # a client whose requests all still wait (the one being starved) is listed too
         for c in sorted(set(self.policy.service) | set(self.waits) | set(queued) | backlogged):
-            started, total_wait, max_wait = self.waits.get(c, [0, 0.0, 0.0])
+            started, total_wait, max_wait, gave_up = self.waits.get(c, [0, 0.0, 0.0, 0])
+            waited = started + gave_up
             clients[c] = {"service": self.policy.service.get(c, 0.0), "service_rate": rates.get(c, 0.0),
                           "requests": self.policy.admitted_requests.get(c, 0), "started": int(started),
-                          "waiting": queued.get(c, 0), "wait_mean_s": total_wait / started if started else None,
-                          "wait_max_s": max_wait, "backlogged": c in backlogged}
+                          "gave_up": int(gave_up), "waiting": queued.get(c, 0),
+                          "wait_mean_s": total_wait / waited if waited else None, "wait_max_s": max_wait,
+                          "backlogged": c in backlogged}
         cfg = self.policy.cfg
         return {"policy": self.policy.name, "w_e": cfg.w_e, "w_q": cfg.w_q, "quantum": self.policy.quantum.value,
                 "quantum_mode": "fixed" if cfg.quantum is not None else "auto",
                 "quantum_reuse": self.policy.quantum.reuse,
                 "worker_quantum": cfg.worker_quantum, "window_s": self.meter.window_s, "jain_index": jain,
+                "jain_clients": self.meter.saturated(now),
                 "clients": clients}

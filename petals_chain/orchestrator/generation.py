@@ -115,7 +115,7 @@ class GenerationMixin:
             else:
                 draft = ngram_draft(context + generated, k) if k > 0 else []
             if draft:
-                outs = await holder.feed([tok] + draft, all_positions=True)
+                outs = await holder.feed([tok] + draft, all_positions=True, drafted=len(draft))
                 pending, emb = await self.batcher.verify(outs, seq, draft)
                 accepted = len(pending) - 1
                 drafts.update(len(draft), accepted)
