@@ -116,10 +116,16 @@ def test_db_starvation_serves_a_waiting_service_first():
     assert b not in s.select(2, 0.0)
     assert b not in s.select(2, 19.0)
     assert s.select(2, 21.0)[0] is b  # b waited > 20 s: its service is starved
-    one = _db(starve_factor=2.0)  # one service alone: nothing to reorder
-    for j in (Job("x", "a", 0.0), Job("y", "a", 1.0)):
-        one.arrive(j, 0.0)
-    assert one.starved(100.0) == []
+    # one service alone: its best job runs first anyway, so the rule takes the job waiting longest, as a backstop
+    # once it has waited JOB_STARVE_FACTOR x θ_a = 16 s (a long job demoted below every new one waited for good)
+    one = _db(starve_factor=2.0)
+    x = Job("x", "a", 0.0)
+    one.arrive(x, 0.0)
+    x.priority = 99.0  # demoted: every new job of its service goes before it
+    one.arrive(Job("y", "a", 1.0), 1.0)
+    assert one.starved(15.0) == []
+    assert one.starved(17.0) == [x]
+    assert one.select(1, 17.0) == [x]
 
 
 def test_fcfs_never_preempts_and_mlfq_skip_joins_and_demotes():
@@ -749,5 +755,57 @@ def test_skip_join_mlfq_at_run_time_learns_its_quantum_and_each_jobs_first_itera
         short, long_ = dm.new_priority_job("r-1", "m", (2, 8)), dm.new_priority_job("r-2", "m", (200, 8))
         assert short.level == 1 and long_.level == 6  # quanta 0.1 · 2^i cover 0.12 s and 4.1 s
         dm.release(lease)
+
+    asyncio.run(main())
+
+
+def test_db_dispatch_resumes_a_long_job_of_the_only_service_once_it_waited_long():
+    """With one service (``--schedule-classes 1``, before the first length fit, or jobs all of one class) the rule
+    between services never fired: a long job paused past its budget never resumed while new jobs kept the chain
+    busy (298 in a row; on a real swarm its stream ended in a 503 at the queue timeout)."""
+    import asyncio
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
+
+    async def main():
+        dm = DispatchManager(schedule="db", classes=1)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+
+        def job(i, **kw):
+            sched = kw.pop("sched", None) or dm.new_priority_job(f"j{i}", "m", (20, 400))
+            return DispatchJob(job_id=f"j{i}", sched=sched, **kw)
+
+        for i in range(40):  # L̂ of the service: 50 ms
+            lease = await dm.acquire(job(100 + i))
+            dm.charge(lease, 0.05)
+            dm.release(lease)
+            dm.finished(lease.job.sched)
+        long = await dm.acquire(job(0))
+        long.keeps_kv = True
+        nxt = asyncio.ensure_future(dm.acquire(job(1)))
+        await asyncio.sleep(0)
+        for _ in range(2):
+            dm.charge(long, 0.05)  # past its budget (a level down, O_r twice a new job's), a better job waiting
+        assert long.preempt and long.job.sched.level == 1
+        dm.release(long)
+        await asyncio.sleep(0)
+        resumed = asyncio.ensure_future(dm.acquire(job(0, requeue=True, yields=True, sched=long.job.sched)))
+        running = nxt.result()
+        backstop = 4 * 2 * dm.priorities.monitor["m"].mean  # JOB_STARVE_FACTOR x STARVE_FACTOR x L̂
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(2, 10_000):
+            assert loop.time() - t0 < 3 * backstop + 0.5, "the long job never resumed"
+            newer = asyncio.ensure_future(dm.acquire(job(i)))  # new jobs keep arriving while one runs
+            await asyncio.sleep(0.01)
+            dm.charge(running, 0.01)
+            dm.release(running)
+            await asyncio.sleep(0)
+            if resumed.done():
+                newer.cancel()
+                break
+            running = newer.result()
+        assert loop.time() - t0 >= backstop * 0.9 and dm.starvation_promotions >= 1
 
     asyncio.run(main())

@@ -44,6 +44,8 @@ SWAP_MARGIN = 0.05  # servers swapped between two models in one re-plan must sav
 MIN_SWAP_GAIN = 1.0  # ... and more than this (the unserved index: one request's SLO miss) per swapped pair
 # (neither in the seed: moves_that_pay)
 STARVE_FACTOR = 2.0  # [gap] starvation threshold theta_s = 2 L̂_s
+# with one service about, a job that waited JOB_STARVE_FACTOR x theta_s goes first (a backstop, not a second order)
+JOB_STARVE_FACTOR = 4.0
 PAUSE_FACTOR = 2.0  # run time only: DB pauses a running job for one of at most half its O_r (one budget doubling)
 UNPLACED_LN = 1e4  # L_N^s counted for a service with no complete chain (all its requests are unserved)
 
@@ -445,24 +447,28 @@ class DBScheduler(Scheduler):
                       now: float) -> list[tuple[float, Job]]:
         """The starvation rule over ``waiting`` jobs (held here or not) with jobs of the ``running`` services
         running: ``(oldest waiting_since, min-O waiting job)`` of every service whose oldest waiting job has
-        waited more than ``θ_s = starve_factor · L̂_s``, the longest-waiting service first; none unless two or
-        more services are about (with one it would only churn the batch)."""
+        waited more than ``θ_s = starve_factor · L̂_s``, the longest-waiting service first. With one service about
+        that job would be the one its order runs next anyway, so the rule takes the oldest job itself once it has
+        waited ``θ_s``: else a long request, demoted below every new one of its service, waited for good (a
+        single-model swarm with ``--schedule-classes 1``, or jobs all of one length class)."""
         if self.starve_factor is None:
             return []
         oldest: dict[Hashable, float] = {}
+        first: dict[Hashable, Job] = {}  # the job waiting longest, per service
         best: dict[Hashable, Job] = {}
         for j in waiting:
             s = j.service
             if j.waiting_since < oldest.get(s, math.inf):
                 oldest[s] = j.waiting_since
+                first[s] = j
             b = best.get(s)
             if b is None or (j.priority, j.arrival) < (b.priority, b.arrival):
                 best[s] = j
-        if len(set(oldest) | set(running)) < 2:
-            return []
-        out = [s for s, t in oldest.items() if now - t > self.starve_factor * self.monitor[s].mean]
+        alone = len(set(oldest) | set(running)) < 2
+        pick, factor = (first, JOB_STARVE_FACTOR * self.starve_factor) if alone else (best, self.starve_factor)
+        out = [s for s, t in oldest.items() if now - t > factor * self.monitor[s].mean]
         out.sort(key=lambda s: oldest[s])
-        return [(oldest[s], best[s]) for s in out]
+        return [(oldest[s], pick[s]) for s in out]
 
     def _order(self, now: float) -> list[Job]:
         first = self.starved(now)
