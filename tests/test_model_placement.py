@@ -419,3 +419,18 @@ def test_no_move_leaves_a_model_with_traffic_without_a_chain(swarm):
             asyncio.run(placer.round())
             lowest = min(lowest, placer.json()["servers_per_model"]["alpha"])
     assert placer.moves >= 1 and lowest >= 2, placer.json()["replans"]
+
+
+def test_a_model_with_requests_in_flight_is_not_idle(swarm):
+    """A model whose one long request arrived before the window read rate 0 (idle: any gain paid for moving the
+    server under it; the next arrival moved one back: two reloads and a cut stream). Its requests in flight count."""
+    orchs, _ = swarm
+    placer = placer_for(orchs)
+    now = time.monotonic()
+    orchs["alpha"].planner.rates.t0 = now - 100.0
+    orchs["alpha"].dispatch = SimpleNamespace(running=0, queue_length=0)
+    assert placer._rate("alpha", now) == 0.0
+    orchs["alpha"].dispatch = SimpleNamespace(running=1, queue_length=2)
+    assert placer._rate("alpha", now) == pytest.approx(3 / 30.0)
+    arrivals(orchs["alpha"], 6, now)  # arrivals in the window that are also the ones in flight: not counted twice
+    assert placer._rate("alpha", now) == pytest.approx(6 / 30.0)

@@ -504,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if len(set(prefixes)) != len(prefixes):
-        print(f"error: two models would share a DHT prefix ({', '.join(prefixes)}): give different sources",
-              file=sys.stderr)
+        print(f"error: two models would share a DHT prefix ({', '.join(prefixes)}): a model's prefix is its file or "
+              f"directory name (the servers derive the same), so the same model twice, or two models named alike: "
+              f"rename one", file=sys.stderr)
         return 2
     try:
         asyncio.run(serve(cfgs, args.ready_file, placement=dict(

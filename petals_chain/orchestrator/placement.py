@@ -163,10 +163,16 @@ class ModelPlacer:
         return out
 
     def _rate(self, name: str, now: float) -> float:
-        """Arrivals per second at model ``name`` over the last ``window_s`` (the planner's arrival log)."""
-        rates = self.orchs[name].planner.rates
+        """Arrivals per second at model ``name`` over the last ``window_s`` (the planner's arrival log), and at
+        least its requests in flight (running or waiting) over that window: a model whose one long request arrived
+        before the window read as idle, so any gain paid for moving the server under it, and the next arrival
+        moved one back (two reloads and a cut stream)."""
+        o = self.orchs[name]
+        rates = o.planner.rates
         span = max(1.0, min(self.window_s, now - rates.t0))
-        return sum(1 for t in rates.arrivals if t >= now - span) / span
+        dispatch = getattr(o, "dispatch", None)
+        in_flight = int(getattr(dispatch, "running", 0) or 0) + int(getattr(dispatch, "queue_length", 0) or 0)
+        return max(sum(1 for t in rates.arrivals if t >= now - span), in_flight) / span
 
     def _note_arrivals(self, now: float) -> None:
         """Feed the mix drift detector with the arrivals since the last round."""

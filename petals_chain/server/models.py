@@ -72,7 +72,9 @@ def load_hosted(specs: Sequence[str], *, dht_prefix: Optional[str] = None, **kwa
     hosted = [HostedModel.load(s, dht_prefix=dht_prefix, **kwargs) for s in specs]
     prefixes = [h.prefix for h in hosted]
     if len(set(prefixes)) != len(prefixes):
-        raise ValueError(f"two --model values share a DHT prefix ({', '.join(prefixes)}): give different models")
+        raise ValueError(f"two --model values share a DHT prefix ({', '.join(prefixes)}): a model's prefix is its "
+                         f"file or directory name (the orchestrator derives the same), so the same model twice, or two "
+                         f"models named alike: rename one")
     return hosted
 
 
