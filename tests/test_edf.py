@@ -339,9 +339,13 @@ def test_key_file_deadline_defaults(tmp_path):
     with pytest.raises(KeyFileError, match="deadline_ms"):
         KeyRing.from_file(f)
     # a deadline past an hour (400 digits overflowed float() at every request of the key) is the file's error
-    for big in ("3600001", "9" * 400):
+    for big in ("3600001", "9" * 18):
         f.write_text("slo " + "k" * 20 + f" deadline_ms={big}\n")
         with pytest.raises(KeyFileError, match="largest value"):
+            KeyRing.from_file(f)
+    for bad in ("9" * 5000, "²", "٣"):  # int() raised ValueError past 4300 digits; "²".isdigit() is True
+        f.write_text("slo " + "k" * 20 + f" deadline_ms={bad}\n")
+        with pytest.raises(KeyFileError, match="invalid limit"):
             KeyRing.from_file(f)
 
 
@@ -426,3 +430,69 @@ def test_a_slot_an_idle_session_holds_is_not_counted_on_by_the_prediction():
 
     for schedule in ("edf", "flex"):
         asyncio.run(main(schedule))
+
+
+def test_a_best_effort_request_is_late_or_not_once_for_all_its_prompts():
+    """The prompts of one request share its deadline; each prompt's first job re-decided ``late``, so a job queued
+    at the early key stayed there after a later prompt found the request late (ahead of a job that could make it)."""
+    async def main():
+        dm = DispatchManager(schedule="edf", steps_per_job=lambda: 17.0)  # one slot, a job 1.7 s
+        dm.set_chains(_chains())
+        running = await dm.acquire(_job(0))
+        dl = RequestDeadline.from_ms("be", 4_000, None, best_effort=True)  # one request, two prompts
+        p1 = asyncio.ensure_future(dm.acquire(_job(1, dl)))
+        await asyncio.sleep(0)
+        p2 = asyncio.ensure_future(dm.acquire(_job(2, dl)))
+        await asyncio.sleep(0)
+        assert dl.late_decided and [entry[0] for entry in dm.dispatcher.queue._entries] == [dl.order_key] * 2
+        c = asyncio.ensure_future(dm.acquire(_job(3, RequestDeadline.from_ms("ok", 20_000, None))))
+        await asyncio.sleep(0)
+        dm.release(running)
+        await asyncio.sleep(0)
+        assert p1.done() and not c.done()  # as its key said when it was queued
+        for f in (p2, c):
+            f.cancel()
+        await asyncio.gather(p2, c, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_later_choice_waits_when_the_queue_is_full():
+    async def main():
+        dm = DispatchManager(schedule="edf", max_queue=0, steps_per_job=lambda: 17.0)
+        dm.set_chains(_chains())
+        first = await dm.acquire(_job(0))
+        with pytest.raises(QueueFull):  # a new request is refused ...
+            await dm.acquire(_job(1))
+        later = asyncio.ensure_future(dm.acquire(DispatchJob(job_id="n1", output_tokens=16, checked=True)))
+        await asyncio.sleep(0)
+        assert not later.done() and dm.refused == 1  # ... a later choice of an admitted one waits
+        dm.release(first)
+        await asyncio.sleep(0)
+        assert later.done() and not later.exception()
+
+    asyncio.run(main())
+
+
+def test_a_request_no_chain_served_is_refused_not_missed():
+    """With no chain a request with a deadline now waits --no-chain-wait-s, then gets a 503: it never ran, so its
+    outcome is refused (it read missed, lowering its client's attainment for an outage)."""
+    import types
+
+    from petals_chain.orchestrator.core import Unavailable
+    from petals_chain.orchestrator.dispatch import ChainPrefixes
+    from petals_chain.orchestrator.failover import ChainHolder
+
+    async def main():
+        cfg = types.SimpleNamespace(queue_timeout_s=60.0, output_reserve_tokens=0, no_chain_wait_s=0.1)
+        orch = types.SimpleNamespace(cfg=cfg, dispatch=DispatchManager(schedule="edf"), auditor=None,
+                                     prefix_directory=ChainPrefixes(), model_id="m", deadlines=DeadlineBook(),
+                                     replay_cache=types.SimpleNamespace(new=lambda: types.SimpleNamespace(
+                                         clear=lambda: None, close=lambda: None)))
+        dl = RequestDeadline.from_ms("x", 600_000, None)
+        DEADLINE.set(dl)
+        with pytest.raises(Unavailable):
+            await ChainHolder(orch, "j", 64)._ensure_chain([1, 2, 3], 3)
+        return dl.outcome
+
+    assert asyncio.run(main()) == "refused"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from petals_chain.algorithms.fairness import (FAIRNESS_POLICIES, FairDispatcher, FairnessConfig, FairPolicy,
@@ -425,7 +427,8 @@ def test_the_service_counter_counts_what_the_json_says_after_refunds_and_correct
 
 
 @pytest.mark.parametrize("policy", ["dlpm", "vtc", "fcfs"])
-def test_a_client_gone_in_the_turn_its_job_was_picked_is_not_charged(policy):
+@pytest.mark.parametrize("cancel_first", [True, False])
+def test_a_client_gone_in_the_turn_its_job_was_picked_is_not_charged(policy, cancel_first):
     import asyncio
 
     from petals_chain.orchestrator.dispatch import DispatchJob
@@ -435,35 +438,117 @@ def test_a_client_gone_in_the_turn_its_job_was_picked_is_not_charged(policy):
         first = await dm.acquire(DispatchJob("h", client="heavy", input_tokens=10))
         gone = asyncio.ensure_future(dm.acquire(DispatchJob("x", client="alice", input_tokens=5000)))
         await asyncio.sleep(0)  # queued
-        gone.cancel()  # its client disconnects, and in the same turn the chain frees
+        if cancel_first:  # its client disconnects, and in the same turn the chain frees; or the other way round
+            gone.cancel()
         dm.release(first)
+        gone.cancel()
         await asyncio.sleep(0)
         assert gone.cancelled() and dm.running == 0
-        row = shares.json()["clients"]["alice"]
-        assert row["service"] == 0.0 and row["requests"] == 0 and row["started"] == 0 and row["gave_up"] == 1
-        local = shares.policy.snapshot()["counters"]["*"]
-        assert local.get("alice", 0.0) in (0.0, 1000.0)  # dlpm: the quantum refilled for the pick, nothing spent
+        row = shares.json()["clients"].get("alice", {"service": 0.0, "requests": 0})  # fcfs: never charged
+        assert row["service"] == 0.0 and row["requests"] == 0
 
     asyncio.run(main())
 
 
-def test_a_client_that_gives_up_waiting_shows_its_wait():
-    """A starved client whose requests time out had no wait at all on record (and under fcfs no row)."""
-    import asyncio
+class _HangingSession:
+    """A chain session whose open never ends (the servers queue it until pages free)."""
 
+    def __init__(self, *a, **k):
+        self.wait_s, self.cached_tokens, self.prefix_cache = 0.0, 0, True
+
+    async def open(self, **k):
+        await asyncio.sleep(3600)
+
+    async def close(self, **k):
+        pass
+
+
+def _holder(dm, shares, monkeypatch, **cfg):
+    import types
+
+    from petals_chain.orchestrator import failover
+    from petals_chain.orchestrator.auth import CLIENT
+    from petals_chain.orchestrator.dispatch import ChainPrefixes
+    from petals_chain.orchestrator.replay import ReplayCache
+
+    monkeypatch.setattr(failover, "ChainSession", _HangingSession)
+    cfg = types.SimpleNamespace(**{"queue_timeout_s": 60.0, "output_reserve_tokens": 0, "relay": "orchestrator",
+                                   "no_chain_wait_s": 10.0, "open_wait_max_s": 5.0, "max_failovers": 2, **cfg})
+    orch = types.SimpleNamespace(cfg=cfg, dispatch=dm, replay_cache=ReplayCache(1 << 20), shares=shares,
+                                 prefix_directory=ChainPrefixes(), deadlines=None, client=None, observe_hop=None,
+                                 chain_sessions=set(), stats=None, auditor=None, planner=None, model_id="m")
+    CLIENT.set("alice")
+    return failover.ChainHolder(orch, "r-1", 4096)
+
+
+def test_a_request_gone_during_its_chains_open_is_refunded(monkeypatch):
+    """The open may wait long for pages; a client gone meanwhile kept its admission charged (and the JSON and
+    /metrics disagreed: prompt() never ran)."""
+    async def main():
+        shares, dm, reg = _shares_on_one_chain()
+        t = asyncio.ensure_future(_holder(dm, shares, monkeypatch).feed(list(range(3000))))
+        await asyncio.sleep(0.05)
+        assert dm.running == 1
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        row = shares.json()["clients"]["alice"]
+        assert dm.running == 0 and row["service"] == 0.0 and row["requests"] == 0
+        assert reg.get_sample_value("petals_chain_client_service_units_total", {"client": "alice"}) is None
+
+    asyncio.run(main())
+
+
+def test_a_client_that_gives_up_waiting_shows_its_wait_once_per_request(monkeypatch):
+    """A starved client whose requests time out had no wait on record (under fcfs no row); and a request that
+    waited out a re-plan and then ran is not one that gave up."""
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.core import Unavailable
     from petals_chain.orchestrator.dispatch import DispatchJob
 
     async def main():
         shares, dm, reg = _shares_on_one_chain("fcfs")
-        await dm.acquire(DispatchJob("h", client="heavy", input_tokens=10))
+        busy = await dm.acquire(DispatchJob("h", client="heavy", input_tokens=10))
         for _ in range(2):
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(dm.acquire(DispatchJob("x", client="light", input_tokens=10)), 0.05)
-        row = shares.json()["clients"]["light"]
+            with pytest.raises(Unavailable):
+                await _holder(dm, shares, monkeypatch, queue_timeout_s=0.05).feed([1, 2, 3])
+        row = shares.json()["clients"]["alice"]
         assert row["gave_up"] == 2 and row["started"] == 0 and row["wait_max_s"] >= 0.04
-        assert reg.get_sample_value("petals_chain_client_wait_seconds_count", {"client": "light"}) == 2
+        assert reg.get_sample_value("petals_chain_client_wait_seconds_count", {"client": "alice"}) == 2
+        dm.release(busy)
+        # a re-plan: no chain for a while; one comes, an earlier job takes it, the request's wait for a chain ends
+        # (it queues again: not giving up) and it runs when that job is done
+        shares2, dm2, _ = _shares_on_one_chain("dlpm")
+        dm2.set_chains([])
+        other = asyncio.ensure_future(dm2.acquire(DispatchJob("o", client="bob", input_tokens=10)))
+        await asyncio.sleep(0)
+        t = asyncio.ensure_future(_holder(dm2, shares2, monkeypatch, no_chain_wait_s=0.1).feed([1, 2, 3]))
+        await asyncio.sleep(0.05)
+        dm2.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        await asyncio.sleep(0.2)  # past the no-chain wait
+        dm2.release(other.result())
+        await asyncio.sleep(0.05)
+        row = shares2.json()["clients"]["alice"]
+        assert dm2.running == 1 and row["started"] == 1 and row["gave_up"] == 0
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_d2lpm_refills_a_deep_debt_in_one_pass():
+    """One round of Q^w a loop: 6 s of the event loop for a 16-token prompt at w_e 1e6, Q^w 1 (an hour for 8k)."""
+    import time
+
+    pol = FairPolicy("d2lpm", FairnessConfig(w_e=1e6, worker_quantum=1.0))
+    r = FairRequest(item=None, client="a", input_tokens=8192)
+    pol.bound(r, "w", [r])  # the client's credit on w: -8.2e9
+    t0 = time.perf_counter()
+    assert pol.choose_worker(FairRequest(item=None, client="a", input_tokens=1), ["w"], lambda w: 0.0) == "w"
+    assert time.perf_counter() - t0 < 0.5 and 0 < pol.worker_credit[("a", "w")] <= 1.0
+    # as the rounds one by one: every candidate refilled until the first has credit
+    pol.bound(r, "w", [r])
+    assert pol.choose_worker(FairRequest(item=None, client="a", input_tokens=1), ["w", "v"], lambda w: 0.0) == "v"
+    assert pol.worker_credit[("a", "v")] == 1.0 and pol.worker_credit[("a", "w")] < -8e9
 
 
 def test_jain_compares_the_clients_backlogged_through_the_window():

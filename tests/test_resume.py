@@ -279,3 +279,7 @@ def test_a_request_sent_on_after_a_wait_carries_what_is_left_of_its_deadlines():
     for untouched in (b'{"prompt": "x"}', b"not json"):
         assert rs.with_time_gone(untouched, arrived) == untouched
     assert json.loads(rs.with_time_gone(b'{"deadline_ms": "soon"}', arrived)) == {"deadline_ms": "soon"}  # a 400 there
+    # nor a number in a string or a boolean: float() made them valid deadlines at the target ("5000" -> 2999.9,
+    # true with best_effort -> 1 ms), past the API's strict typing
+    for raw in ('{"deadline_ms": "5000"}', '{"deadline_ms": true, "best_effort": true}'):
+        assert json.loads(rs.with_time_gone(raw.encode(), arrived)) == json.loads(raw)

@@ -355,9 +355,13 @@ class FairPolicy:
         # D2LPM SelectWorker over the candidates.
         credit = self.worker_credit
         with_credit = [w for w in candidates if credit.get((req.client, w), 0.0) > 0]
-        while not with_credit:
+        if not with_credit:
+            # refill rounds of Q^w on every candidate until one has credit, counted in one pass (one round a loop
+            # took debt / Q^w turns: an hour of the event loop for an 8k-token prompt at w_e 1e6, Q^w 1)
+            q_w = self.cfg.worker_quantum
+            rounds = min(_rounds_to_credit(credit.get((req.client, w), 0.0), q_w) for w in candidates)
             for w in candidates:
-                credit[(req.client, w)] = credit.get((req.client, w), 0.0) + self.cfg.worker_quantum
+                credit[(req.client, w)] = credit.get((req.client, w), 0.0) + rounds * q_w
             with_credit = [w for w in candidates if credit[(req.client, w)] > 0]
         best = max((req.match(w) for w in candidates), default=0)
         holding = [w for w in with_credit if best > 0 and req.match(w) == best]

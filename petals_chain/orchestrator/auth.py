@@ -105,7 +105,8 @@ class KeyRing:
             limits: dict[str, int] = {}
             for item in extra:
                 k, sep, v = item.partition("=")
-                if not sep or k not in _LIMITS or not v.isdigit() or int(v) < 1:
+                # ASCII digits, at most 18 (str.isdigit() takes "²", and int() refuses 4300 digits)
+                if not sep or k not in _LIMITS or not (v.isascii() and v.isdigit() and len(v) <= 18) or int(v) < 1:
                     raise KeyFileError(f"{where}: invalid limit {item!r} (use {', '.join(f'{x}=N' for x in _LIMITS)}"
                                        f" with N >= 1)")
                 if int(v) > _LIMIT_MAX[k]:  # also keeps float(deadline) from overflowing at every request

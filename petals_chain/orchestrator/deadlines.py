@@ -41,6 +41,7 @@ class RequestDeadline:
     # best effort and predicted to miss at arrival: queued behind every job with a deadline it can still meet (its
     # own early deadline would otherwise put a request that is served late anyway first in the EDF queue)
     late: bool = False
+    late_decided: bool = False  # decided at the request's first arrival (several prompts share one deadline)
     first_token_at: float | None = None
     done_at: float | None = None
     outcome: str | None = None  # one of OUTCOMES once decided

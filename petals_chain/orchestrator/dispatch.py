@@ -576,8 +576,10 @@ class DispatchManager:
             fresh = not job.requeue and not job.checked and dl is not None and dl.active
             if fresh and dl.best_effort:
                 # served late rather than refused, so not first in the queue either: behind the jobs that can still
-                # meet their deadlines (else ttft_deadline_ms=1 with best_effort would jump every queue)
-                dl.late = self.predict(job).doomed
+                # meet their deadlines (else ttft_deadline_ms=1 with best_effort would jump every queue). Decided
+                # once: a multi-prompt request's jobs share it, and a queued job's key must not change under it
+                if not dl.late_decided:
+                    dl.late, dl.late_decided = self.predict(job).doomed, True
             elif fresh:
                 pred = self.predict(job)
                 # flex: a job that would miss (by the queue's rate, or waiting for the running jobs' own remaining
@@ -590,7 +592,7 @@ class DispatchManager:
             if job.requeue:
                 self._arrive_requeued(job)
             else:
-                self._arrive(job, bounded=True)
+                self._arrive(job, bounded=not job.checked)  # a later choice was admitted with the first
         except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
             if isinstance(e, QueueFull):
@@ -608,14 +610,15 @@ class DispatchManager:
             return await fut
         except asyncio.CancelledError:
             self._waiters.pop(job, None)
-            if self.shares is not None and job not in self._running:  # gave up waiting (a timeout, a client gone)
-                self.shares.abandoned(job, job.wait_s + time.monotonic() - job.arrival)
             if job in self._lane:
                 self._lane.remove(job)
             elif job in self._pending:
                 self._pending.remove(job)
-            elif job in self._running:
-                self.release(self._running[job])
+            elif job in self._running:  # started in the turn its waiter went: served nothing
+                lease = self._running[job]
+                if self.shares is not None:
+                    self.shares.refund(job, chain_key(lease.chain), gone=True)
+                self.release(lease)
             elif self.dispatcher is not None:
                 self.dispatcher.remove_job(job)
             raise

@@ -111,7 +111,9 @@ class ChainHolder:
         servers hold a prefix of it in their prefix caches is preferred, and the feed starts after that prefix.
         ``need``: tokens the chain must hold after that feed (see :meth:`declared_length`)."""
         orch = self.orch
-        deadline = time.monotonic() + orch.cfg.queue_timeout_s
+        began = time.monotonic()
+        deadline = began + orch.cfg.queue_timeout_s
+        shares = getattr(orch, "shares", None)
         failed_opens = 0
         # the last token is always computed (its output is what the job samples from): named once, for dispatch and
         # for every open
@@ -150,14 +152,21 @@ class ChainHolder:
                 wait_s = min(wait_s, max(0.001, float(getattr(orch.cfg, "no_chain_wait_s", wait_s))))
             try:
                 lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=wait_s)
+            except asyncio.CancelledError:
+                self._gave_up(job, began)  # its client went away while it waited
+                raise
             except asyncio.TimeoutError:
                 if time.monotonic() >= drop_at:  # still waiting for a chain when its deadline passed: dropped
+                    self._gave_up(job, began)
                     orch.deadlines.settle(dl, "dropped")
                     raise RequestError("the deadline passed while the request waited for a chain", status=504,
                                        code="deadline_exceeded") from None
+                if chainless and getattr(orch.dispatch, "chains", None) and time.monotonic() < deadline:
+                    continue  # chains came meanwhile: queue again for the rest of the queue time
+                self._gave_up(job, began)
+                if dl is not None and dl.active and not self.admitted:
+                    orch.deadlines.settle(dl, "refused")  # it never ran: not a miss of the model's chains
                 if chainless:
-                    if getattr(orch.dispatch, "chains", None) and time.monotonic() < deadline:
-                        continue  # chains came meanwhile: queue again for the rest of the queue time
                     raise Unavailable(f"no server serves this model now (no chain for {wait_s:.0f} s); "
                                       f"try again later") from None
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
@@ -169,7 +178,6 @@ class ChainHolder:
                 orch.deadlines.settle(dl, "refused")
                 raise RequestError(str(e), status=429, code="deadline_unreachable") from None
             self.admitted, self.yields = True, False
-            shares = getattr(orch, "shares", None)
             if auditor is not None and auditor.tainted(lease.hops):  # a plan from before a ban: wait for the next
                 if shares is not None:
                     shares.refund(job, chain_key(lease.chain))  # not served: the admission is undone
@@ -226,6 +234,8 @@ class ChainHolder:
                     break
                 except BaseException:
                     orch.chain_sessions.discard(cs)
+                    if shares is not None:  # the open never finished (its client went away): nothing was served
+                        shares.refund(job, self._worker, gone=True)
                     orch.dispatch.release(lease)
                     raise
             if opened:
@@ -256,6 +266,13 @@ class ChainHolder:
                 failed_opens += 1
                 await asyncio.sleep(min(2.0, 0.1 * failed_opens))
                 self.wait_s += time.monotonic() - t0
+
+    def _gave_up(self, job: DispatchJob, began: float) -> None:
+        """The request stops waiting for a chain unstarted (a timeout, a dropped deadline, its client gone): its
+        client's wait counts (fair sharing's figures; a starved client showed no wait at all)."""
+        shares = getattr(self.orch, "shares", None)
+        if shares is not None:
+            shares.abandoned(job, time.monotonic() - began)
 
     def _fork_candidate(self, lease: Lease) -> tuple[ChainSession, int] | None:
         """The sibling's session to copy the prefix KV from, if it runs on exactly the hops of ``lease``."""

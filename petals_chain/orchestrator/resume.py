@@ -263,10 +263,9 @@ def _shortened(body: dict, arrived: float, first_token_sent: bool = False) -> di
             # default again, counted afresh: the time to the last token (or the longest deadline) stands in for it
             out[field] = out.get("deadline_ms") or MAX_DEADLINE_MS
             continue
-        try:
-            left = float(ms) - gone_ms
-        except (TypeError, ValueError):
-            continue  # the API's validation answers it
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)):
+            continue  # the API's validation answers it (float() made "5000" and true deadlines again)
+        left = float(ms) - gone_ms
         if left <= 0:
             if out.get("best_effort") is not True:
                 raise DeadlineGone(field)
