@@ -121,8 +121,11 @@ def test_db_starvation_serves_a_waiting_service_first():
     one = _db(starve_factor=2.0)
     x = Job("x", "a", 0.0)
     one.arrive(x, 0.0)
-    x.priority = 99.0  # demoted: every new job of its service goes before it
+    x.priority, x.steps = 99.0, 3  # it ran, then was demoted: every new job of its service goes before it
     one.arrive(Job("y", "a", 1.0), 1.0)
+    old = Job("z", "a", 0.5)  # waiting longer, never started: left to the order (else DB is FCFS at overload)
+    one.arrive(old, 0.5)
+    old.waiting_since = -5.0
     assert one.starved(15.0) == []
     assert one.starved(17.0) == [x]
     assert one.select(1, 17.0) == [x]

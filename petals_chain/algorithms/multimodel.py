@@ -448,9 +448,11 @@ class DBScheduler(Scheduler):
         """The starvation rule over ``waiting`` jobs (held here or not) with jobs of the ``running`` services
         running: ``(oldest waiting_since, min-O waiting job)`` of every service whose oldest waiting job has
         waited more than ``θ_s = starve_factor · L̂_s``, the longest-waiting service first. With one service about
-        that job would be the one its order runs next anyway, so the rule takes the oldest job itself once it has
-        waited ``θ_s``: else a long request, demoted below every new one of its service, waited for good (a
-        single-model swarm with ``--schedule-classes 1``, or jobs all of one length class)."""
+        that job would be the one its order runs next anyway, so the rule takes the paused job (one that has run)
+        waiting longest once it has waited ``JOB_STARVE_FACTOR · θ_s``: else a long request, demoted below every
+        new one of its service, stalled mid-stream for good (a single-model swarm with ``--schedule-classes 1``, or
+        jobs all of one length class). Jobs not started yet are left to the order (promoting them too made DB
+        first-come-first-served under overload)."""
         if self.starve_factor is None:
             return []
         oldest: dict[Hashable, float] = {}
@@ -460,15 +462,19 @@ class DBScheduler(Scheduler):
             s = j.service
             if j.waiting_since < oldest.get(s, math.inf):
                 oldest[s] = j.waiting_since
+            if j.steps and j.waiting_since < getattr(first.get(s), "waiting_since", math.inf):
                 first[s] = j
             b = best.get(s)
             if b is None or (j.priority, j.arrival) < (b.priority, b.arrival):
                 best[s] = j
-        alone = len(set(oldest) | set(running)) < 2
-        pick, factor = (first, JOB_STARVE_FACTOR * self.starve_factor) if alone else (best, self.starve_factor)
-        out = [s for s, t in oldest.items() if now - t > factor * self.monitor[s].mean]
+        if len(set(oldest) | set(running)) < 2:
+            since = {s: j.waiting_since for s, j in first.items()}
+            factor = JOB_STARVE_FACTOR * self.starve_factor
+            out = sorted((s for s, t in since.items() if now - t > factor * self.monitor[s].mean), key=since.get)
+            return [(since[s], first[s]) for s in out]
+        out = [s for s, t in oldest.items() if now - t > self.starve_factor * self.monitor[s].mean]
         out.sort(key=lambda s: oldest[s])
-        return [(oldest[s], pick[s]) for s in out]
+        return [(oldest[s], best[s]) for s in out]
 
     def _order(self, now: float) -> list[Job]:
         first = self.starved(now)
