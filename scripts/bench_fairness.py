@@ -120,6 +120,8 @@ def summarize(run: dict, lights: list[str]) -> dict:
         out["heavy_mean_s"] = statistics.mean(r["latency"] for r in by["heavy"])
     fair = run["fairness"]
     out["service_units"] = {c: v["service"] for c, v in fair["clients"].items()}
+    # the orchestrator's own figure at the run's end: Jain's index among clients backlogged through the last minute
+    out["jain_index"], out["jain_clients"] = fair.get("jain_index"), fair.get("jain_clients", [])
     out["service_units_per_s"] = sum(out["service_units"].values()) / run["wall_s"]
     return out
 
@@ -193,6 +195,10 @@ def main() -> int:
             ("distinct greedy outputs", lambda s: s["distinct_outputs"]))
     for name, f in rows:
         print(f"{name:34s}" + "".join(f"{f(summ[pol]):12.3f}" for pol in policies))
+    print(f"{'Jain (backlogged clients), API':34s}" + "".join(
+        f"{'-' if summ[pol]['jain_index'] is None else format(summ[pol]['jain_index'], '.3f'):>12s}"
+        for pol in policies))
+    print(f"{'  over clients':34s}" + "".join(f"{','.join(summ[pol]['jain_clients']) or '-':>12s}" for pol in policies))
     texts = {r["text"] for run in [alone, *runs.values()] for r in run["results"]}
     if len(texts) != 1:  # same prompt, greedy: every reply must be the same text
         print(f"ERROR: {len(texts)} distinct greedy outputs for one prompt", flush=True)

@@ -572,6 +572,11 @@ def test_jain_compares_the_clients_backlogged_through_the_window():
     for t in range(3, 10):
         m2.sample(float(t), ["a"])
     assert m2.saturated(10.0) == ["a"] and m2.jain(10.0) is None
+    # an idle lead-in (a swarm up for a while before the load) is no one's share
+    m4 = ServiceMeter(window_s=60.0)
+    for t in range(60):
+        m4.sample(float(t), [] if t < 40 else ["a", "b"])
+    assert m4.saturated(59.5) == ["a", "b"]
     # a client starved in the queue is compared with the one served
     m3 = ServiceMeter(window_s=10.0)
     for t in range(10):

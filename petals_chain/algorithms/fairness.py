@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -667,10 +667,10 @@ class ServiceMeter:
 
     The seed takes Jain's index only over the interval in which every client is backlogged. A server has no fixed
     set of clients, so the meter samples which clients have a request waiting (:meth:`sample`, at a steady period)
-    and compares those backlogged in at least ``BACKLOGGED_SHARE`` of the window's samples: clients that would
-    take any more service they were given, which a fair order serves equally. A client that waited now and then got
-    what it asked for and is left out (taking every client that waited once called a fairly served light client
-    unfair: 0.52)."""
+    and compares those backlogged in at least ``BACKLOGGED_SHARE`` of the window's contention (its samples from the
+    first to the last in which anyone waited): clients that would take any more service they were given, which a
+    fair order serves equally. A client that waited now and then got what it asked for and is left out (taking
+    every client that waited once called a fairly served light client unfair: 0.52)."""
 
     BACKLOGGED_SHARE = 0.9
     MIN_SAMPLES = 5
@@ -683,7 +683,6 @@ class ServiceMeter:
         self._sums: dict[str, float] = {}
         self._waited: dict[str, float] = {}  # client -> last time it had a request waiting
         self._samples: deque[tuple[float, frozenset]] = deque()  # (time, clients with a request waiting)
-        self._sampled: dict[str, int] = {}  # client -> samples in the window in which it was backlogged
 
     def _trim(self, now: float) -> None:
         cutoff = now - self.window_s
@@ -697,10 +696,7 @@ class ServiceMeter:
         for c in [c for c, t in self._waited.items() if t < cutoff]:
             del self._waited[c]
         while self._samples and self._samples[0][0] < cutoff:
-            for c in self._samples.popleft()[1]:
-                self._sampled[c] -= 1
-                if not self._sampled[c]:
-                    del self._sampled[c]
+            self._samples.popleft()
 
     def served(self, now: float, client: str, units: float) -> None:
         if units:
@@ -716,7 +712,6 @@ class ServiceMeter:
         clients = frozenset(backlogged)
         self._samples.append((now, clients))
         for c in clients:
-            self._sampled[c] = self._sampled.get(c, 0) + 1
             self._waited[c] = now
         self._trim(now)
 
@@ -731,13 +726,16 @@ class ServiceMeter:
         return sorted(self._waited)
 
     def saturated(self, now: float) -> list[str]:
-        """Clients backlogged in at least ``BACKLOGGED_SHARE`` of the window's samples (none before
+        """Clients backlogged in at least ``BACKLOGGED_SHARE`` of the window's contention (the samples from the
+        first to the last with anyone waiting: an idle lead-in or tail is no one's share; none before
         ``MIN_SAMPLES``)."""
         self._trim(now)
-        n = len(self._samples)
-        if n < self.MIN_SAMPLES:
+        busy = [i for i, (_, clients) in enumerate(self._samples) if clients]
+        if not busy or busy[-1] - busy[0] + 1 < self.MIN_SAMPLES:
             return []
-        return sorted(c for c, k in self._sampled.items() if k >= self.BACKLOGGED_SHARE * n)
+        span = [clients for i, (_, clients) in enumerate(self._samples) if busy[0] <= i <= busy[-1]]
+        counts = Counter(c for clients in span for c in clients)
+        return sorted(c for c, k in counts.items() if k >= self.BACKLOGGED_SHARE * len(span))
 
     def jain(self, now: float) -> float | None:
         """Jain's index of the window's service among the :meth:`saturated` clients (None with fewer than two)."""
