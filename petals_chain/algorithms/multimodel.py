@@ -44,7 +44,7 @@ SWAP_MARGIN = 0.05  # servers swapped between two models in one re-plan must sav
 MIN_SWAP_GAIN = 1.0  # ... and more than this (the unserved index: one request's SLO miss) per swapped pair
 # (neither in the seed: moves_that_pay)
 STARVE_FACTOR = 2.0  # [gap] starvation threshold theta_s = 2 L̂_s
-# with one service about, a job that waited JOB_STARVE_FACTOR x theta_s goes first (a backstop, not a second order)
+# with one service about, a paused job that waited JOB_STARVE_FACTOR x theta_s goes first (a backstop, not a second order)
 JOB_STARVE_FACTOR = 4.0
 PAUSE_FACTOR = 2.0  # run time only: DB pauses a running job for one of at most half its O_r (one budget doubling)
 UNPLACED_LN = 1e4  # L_N^s counted for a service with no complete chain (all its requests are unserved)

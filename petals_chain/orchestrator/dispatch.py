@@ -22,8 +22,8 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.edf import (ChainLoad, EDFQueue, Preemptible, Prediction, flex_victim, predict,
