@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,20 @@ def test_bad_mode_is_refused(monkeypatch):
 def test_fork_is_the_default(monkeypatch):
     monkeypatch.delenv("PETALS_CHAIN_LAUNCH", raising=False)
     assert launch_mod.launch_mode() == "fork"
+
+
+def test_sigterm_unwinds_a_local_swarm_like_ctrl_c(monkeypatch, tmp_path):
+    """``timeout`` or ``kill`` ended a benchmark script at once and left its swarm running (an orchestrator and a
+    server found idle minutes later): inside ``with LocalSwarm`` a SIGTERM now unwinds it, so it is stopped."""
+    from petals_chain.swarm.local import LocalSwarm
+
+    calls = []
+    monkeypatch.setattr(LocalSwarm, "start", lambda self, timeout=120.0: calls.append("start") or self)
+    monkeypatch.setattr(LocalSwarm, "stop", lambda self, server_timeout=5.0: calls.append("stop"))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        with LocalSwarm(str(tmp_path), log_dir=str(tmp_path)):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+    assert e.value.code == 128 + signal.SIGTERM and calls == ["start", "stop"]
+    assert signal.getsignal(signal.SIGTERM) is before  # restored

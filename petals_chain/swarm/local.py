@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,9 +331,31 @@ class LocalSwarm:
             time.sleep(0.2)
 
     def __enter__(self) -> "LocalSwarm":
-        return self.start()
+        # SIGTERM (``timeout``, ``kill``) ended a script at once and left its swarm running: it now unwinds the
+        # ``with`` like Ctrl-C does, so the swarm stops (only where nobody handles SIGTERM already)
+        self._sigterm = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            return self.start()
+        except BaseException:
+            self._restore_sigterm()
+            raise
 
     def __exit__(self, *exc) -> None:
-        self.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        try:
+            self.stop()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+        finally:
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if getattr(self, "_sigterm", None) is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
