@@ -622,3 +622,19 @@ def test_a_waiting_job_sees_a_prefix_its_chain_gained_while_it_waited(policy):
         await asyncio.gather(older, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_the_choices_of_one_request_are_one_request():
+    """``n`` = 2 read as two requests of its client (its charges were right: the prompt once)."""
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob
+
+    async def main():
+        shares, dm, _ = _shares_on_one_chain()
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=2, spans=((0, 4),))])
+        await dm.acquire(DispatchJob("c0", client="alice", input_tokens=100, expected_output=8))
+        await dm.acquire(DispatchJob("c1", client="alice", input_tokens=0, expected_output=8, checked=True))
+        row = shares.json()["clients"]["alice"]
+        assert row["requests"] == 1 and row["started"] == 2 and row["service"] == 100.0
+
+    asyncio.run(main())

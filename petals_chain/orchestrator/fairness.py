@@ -45,9 +45,11 @@ class ClientShares:
 
     def describe(self, job: Any) -> FairRequest:
         """The policy's view of a dispatch job (``client``, ``input_tokens``, ``matched``, ``expected_output``; a
-        job back after a failover, preemption or pause is the same request admitted again)."""
+        job back after a failover, preemption or pause, and a later choice of ``n`` > 1, are the same request
+        admitted again: charged for their own work, not counted as more requests)."""
+        again = bool(getattr(job, "requeue", False) or getattr(job, "checked", False))
         req = FairRequest(item=job, client=job.client, input_tokens=job.input_tokens, matched=job.matched,
-                          expected_output=job.expected_output, again=bool(getattr(job, "requeue", False)))
+                          expected_output=job.expected_output, again=again)
         job.fair = req
         return req
 
