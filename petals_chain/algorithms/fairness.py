@@ -90,8 +90,8 @@ class FairnessConfig:
             if v is not None and not (isinstance(v, (int, float)) and MIN_QUANTUM <= v <= MAX_QUANTUM):
                 raise ValueError(f"{name} must be between {MIN_QUANTUM:g} and {MAX_QUANTUM:g} service units, "
                                  f"got {v!r}")
-        if not self.worker_quantum > 0 or not self.quantum_factor > 0 or not self.quantum_prior > 0:
-            raise ValueError("worker_quantum, quantum_factor and quantum_prior must be positive")
+        if not self.quantum_factor > 0:  # the quanta's bounds above keep them positive
+            raise ValueError(f"quantum_factor must be positive, got {self.quantum_factor!r}")
         if int(self.quantum_window) != self.quantum_window or self.quantum_window < 1:
             raise ValueError(f"quantum_window must be a positive integer, got {self.quantum_window!r}")
 

@@ -456,7 +456,7 @@ class DBScheduler(Scheduler):
         if self.starve_factor is None:
             return []
         oldest: dict[Hashable, float] = {}
-        first: dict[Hashable, Job] = {}  # the job waiting longest, per service
+        first: dict[Hashable, Job] = {}  # the paused job (one that ran) waiting longest, per service
         best: dict[Hashable, Job] = {}
         for j in waiting:
             s = j.service
@@ -468,13 +468,12 @@ class DBScheduler(Scheduler):
             if b is None or (j.priority, j.arrival) < (b.priority, b.arrival):
                 best[s] = j
         if len(set(oldest) | set(running)) < 2:
-            since = {s: j.waiting_since for s, j in first.items()}
+            since, pick = {s: j.waiting_since for s, j in first.items()}, first
             factor = JOB_STARVE_FACTOR * self.starve_factor
-            out = sorted((s for s, t in since.items() if now - t > factor * self.monitor[s].mean), key=since.get)
-            return [(since[s], first[s]) for s in out]
-        out = [s for s, t in oldest.items() if now - t > self.starve_factor * self.monitor[s].mean]
-        out.sort(key=lambda s: oldest[s])
-        return [(oldest[s], best[s]) for s in out]
+        else:
+            since, pick, factor = oldest, best, self.starve_factor
+        out = sorted((s for s, t in since.items() if now - t > factor * self.monitor[s].mean), key=since.get)
+        return [(since[s], pick[s]) for s in out]
 
     def _order(self, now: float) -> list[Job]:
         first = self.starved(now)
