@@ -63,7 +63,7 @@ def test_router_routes_by_body_session_and_query_with_the_callers_headers():
             assert (await c.get("/api/v1/sessions/s1")).json() == {"served_by": "code"}  # its owner
             assert (await c.post("/api/v1/sessions/s1/generate", json={"prompt": "x"})).json()["served_by"] == "code"
             assert (await c.get("/metrics", params={"model": "code"})).json() == {"served_by": "code"}
-            assert (await c.get("/metrics")).json() == {"served_by": "chat"}
+            assert (await c.get("/metrics", params={"model": "Tiny-Chat"})).json() == {"served_by": "chat"}
             state = (await c.get("/api/v1/swarm", params={"model": "code"})).json()
             assert state["model"] == "code" and state["model_name"] == "code"
             assert [m["name"] for m in state["models"]] == ["chat", "code"]
@@ -184,5 +184,50 @@ def test_a_session_opened_through_a_forward_is_routed_to_its_models_app():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://x",
                                      headers={"Authorization": "Bearer k"}) as c:
             assert (await c.get("/api/v1/sessions/far-1")).json() == {"served_by": "code"}
+
+    asyncio.run(main())
+
+
+def test_metrics_without_a_model_are_every_models_labelled(tiny_model_factory):
+    """``/metrics`` on a multi-model orchestrator was the first model's alone, with no ``model`` label: a Prometheus
+    scrape never saw the other models' requests, deadlines or queues. Now one exposition holds every model's series,
+    each labelled; ``?model=NAME`` stays that model's, unlabelled."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+    from petals_chain.orchestrator.limits import ClientLedger
+
+    orchs = []
+    for name, layers in (("alpha", 4), ("beta", 2)):
+        o = Orchestrator(OrchestratorConfig(model=str(tiny_model_factory("llama", num_layers=layers)), model_id=name,
+                                            max_length=64, port=0))
+        o.load_model()
+        orchs.append(o)
+    ledger = ClientLedger(orchs)
+    router = ModelRouter({o.model_id: create_app(o, ledger) for o in orchs}, {o.model_id: o for o in orchs})
+    orchs[0].stats.record(wait_s=0.1, service_s=0.2, tokens=3, prompt_tokens=2, ok=True)
+    for _ in range(2):
+        orchs[1].stats.record(wait_s=0.1, service_s=0.2, tokens=3, prompt_tokens=2, ok=False)
+    orchs[1].stats.m_deadlines.labels("bob", "missed").inc()
+
+    def samples(text: str) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://x") as c:
+            r = await c.get("/metrics")
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+            both = samples(r.text)
+            assert both[("petals_chain_requests_total", (("model", "alpha"), ("outcome", "completed")))] == 1
+            assert both[("petals_chain_requests_total", (("model", "beta"), ("outcome", "failed")))] == 2
+            assert ("petals_chain_requests_total", (("model", "alpha"), ("outcome", "failed"))) not in both
+            key = ("petals_chain_deadline_requests_total", (("client", "bob"), ("model", "beta"), ("outcome", "missed")))
+            assert both[key] == 1
+            assert {dict(k[1]).get("model") for k in both} == {"alpha", "beta"}  # every sample labelled
+            one = samples((await c.get("/metrics", params={"model": "beta"})).text)
+            assert one[("petals_chain_requests_total", (("outcome", "failed"),))] == 2
+            assert all("model" not in dict(k[1]) for k in one)
 
     asyncio.run(main())

@@ -87,6 +87,8 @@ def test_unknown_models_sessions_and_views(two_models):
     health = httpx.get(f"{sw.url}/healthz", timeout=30)
     assert health.status_code == 200 and set(health.json()["models"]) == {"alpha", "beta"}
     assert "petals_chain_" in httpx.get(f"{sw.url}/metrics", params={"model": "beta"}, timeout=30).text
+    both = httpx.get(f"{sw.url}/metrics", timeout=30).text  # one scrape: every model's series, labelled
+    assert 'petals_chain_chains{model="alpha"}' in both and 'petals_chain_chains{model="beta"}' in both
 
 
 @pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))

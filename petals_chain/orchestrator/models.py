@@ -9,8 +9,10 @@ serves a model by starting a server with that model. :class:`ModelRouter` is the
   without one opens on the first model); an unknown model is a 404 ``model_not_found`` naming the ones served;
 * ``/api/v1/sessions/{id}...``: to the model whose orchestrator holds the session;
 * ``GET /v1/models``: every model; ``/v1/models/{id}``: that one; ``GET /healthz``: every model's, 200 only if all are;
-* everything else (``/api/v1/swarm``, ``/metrics``, the dashboard): the model named by ``?model=NAME``, else the
-  first; ``/api/v1/swarm`` lists the models served (``models``) so the dashboard can offer the others.
+* ``GET /metrics``: every model's series in one exposition, each sample labelled ``model="NAME"`` (what a Prometheus
+  scrape of the orchestrator expects); ``?model=NAME`` gives that model's alone, unlabelled, as with one model;
+* everything else (``/api/v1/swarm``, the dashboard): the model named by ``?model=NAME``, else the first;
+  ``/api/v1/swarm`` lists the models served (``models``) so the dashboard can offer the others.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import json
 import re
 from typing import Any, Awaitable, Callable, Mapping
 from urllib.parse import parse_qs
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from petals_chain.orchestrator.limits import client_of
 from petals_chain.swarm.jsonsafe import json_safe
@@ -87,6 +92,28 @@ async def _json(send: Send, status: int, obj: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class ModelsCollector:
+    """Every model's Prometheus registry as one collector: families merged by name, each sample labelled with its
+    model's name (``orchs[name].stats.registry``; each orchestrator's gauges are refreshed first)."""
+
+    def __init__(self, orchs: Mapping[str, Any]):
+        self.orchs = orchs
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for name, o in self.orchs.items():
+            o.update_gauges()
+            for fam in o.stats.registry.collect():
+                out = families.get(fam.name)
+                if out is None:
+                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                out.samples.extend(s._replace(labels={"model": name, **s.labels}) for s in fam.samples)
+        return iter(families.values())
+
+    def exposition(self) -> bytes:
+        return generate_latest(self)
+
+
 class ModelRouter:
     """The ASGI app over several models' apps (``apps[name]``, the first is the default); ``orchs[name]`` are their
     orchestrators (for sessions and the list of models)."""
@@ -147,6 +174,8 @@ class ModelRouter:
                           or m.group(1) in getattr(getattr(o, "groups", None), "session_owners", ())), self.default)
             return await self.apps[owner](scope, receive, send)
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if method == "GET" and path == "/metrics" and not query.get("model"):
+            return await self._metrics(send)
         asked = (query.get("model") or [self.default])[0]
         name = self.aliases.get(asked)
         if name is None:
@@ -154,6 +183,13 @@ class ModelRouter:
         if method == "GET" and path == "/api/v1/swarm":
             return await self._swarm(scope, name, send)
         return await self.apps[name](scope, receive, send)
+
+    async def _metrics(self, send: Send) -> None:
+        body = ModelsCollector(self.orchs).exposition()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     async def _swarm(self, scope: Scope, name: str, send: Send) -> None:
         status, body = await _call(self.apps[name], "GET", "/api/v1/swarm", scope.get("query_string", b""),
