@@ -122,14 +122,102 @@ def test_flex_victim_pauses_the_newest_job_where_the_deadline_is_met_soonest():
     # 16 tokens within 2 s: waiting for a slot (0.85 s at the queue's rate) would miss, a slot now makes it
     doomed = predict(0.0, [slow, fast], 0, 16, deadline=2.0)
     assert doomed.doomed
-    victim, pred = flex_victim(0.0, [slow, fast], running, 0, 16, deadline=2.0)
-    assert victim.ref == "f-new" and not pred.doomed and pred.total_s == pytest.approx(1.7)
+    victims, pred = flex_victim(0.0, [slow, fast], running, 0, 16, deadline=2.0)
+    assert [v.ref for v in victims] == ["f-new"] and not pred.doomed and pred.total_s == pytest.approx(1.7)
     # only the slow chain has a job to pause: 17 steps of 0.2 s miss 2 s, so nobody is paused
     assert flex_victim(0.0, [slow, fast], running[:1], 0, 16, deadline=2.0) is None
     # a slot already freed on the fast chain for an earlier job (ahead of this one) is not this job's
-    assert flex_victim(0.0, [slow, fast], running, 1, 16, deadline=2.0, promised=[0, 1])[0].ref == "f-new"
+    assert [v.ref for v in flex_victim(0.0, [slow, fast], running, 1, 16, deadline=2.0, promised=[0, 1])[0]] == [
+        "f-new"]
     assert flex_victim(0.0, [slow, fast], running, 2, 16, deadline=2.0, promised=[0, 1]) is None
     assert flex_victim(0.0, [slow, fast], [], 0, 16, deadline=2.0) is None
+
+
+def test_the_choices_of_n_get_the_first_token_of_the_first_and_the_deadline_of_the_last():
+    """A request of ``n`` choices: its first token is its first choice's (``ttft_deadline``), its last the last
+    choice's (``deadline``). The prediction gave the first token the last choice's wait too: with a free slot, an
+    ``n`` = 2 request with a 150 ms first-token deadline was refused (429) where ``n`` = 1 started at once."""
+    one = ChainLoad(capacity=2, active=1, job_s=0.4, step_s=0.02)
+    first = predict(0.0, [one], 0, 16, siblings=1, ttft_deadline=0.15)
+    assert not first.doomed and first.ttft_s == pytest.approx(0.02) and first.total_s == pytest.approx(1 / 5 + 0.34)
+    assert predict(0.0, [one], 0, 16, siblings=1, deadline=0.5).doomed  # the second choice waits for a slot
+    assert not predict(0.0, [ChainLoad(2, 0, 0.4, 0.02)], 0, 16, siblings=1, deadline=0.5).doomed
+    with pytest.raises(ValueError):
+        predict(0.0, [one], 0, 16, siblings=-1)
+
+    async def main(schedule):
+        dm = DispatchManager(schedule=schedule, steps_per_job=lambda: 20.0)  # step 0.02 s, a job 0.4 s
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=0.4, capacity=2, spans=((0, 4),))])
+        busy = await dm.acquire(DispatchJob("busy", expected_output=10))
+        lease = await asyncio.wait_for(dm.acquire(DispatchJob(
+            "c0", deadline=RequestDeadline.from_ms("x", None, 150), output_tokens=16, siblings=1)), 1.0)
+        assert lease.index == 0 and not busy.preempt and dm.deadline_refused == 0
+
+    for schedule in ("edf", "flex"):
+        asyncio.run(main(schedule))
+
+
+def test_flex_pauses_a_slot_for_every_choice_or_none():
+    """FLEX paused one running job for an ``n`` = 2 request and counted on its second choice getting a slot at the
+    queue's mean rate, though the pause was looked for because the running jobs free none in time: the second
+    choice waited for the other long job, the request missed its deadline anyway, and the paused job was delayed for
+    nothing. Now it pauses a slot per choice, or none (and the request is refused)."""
+    chain = ChainLoad(capacity=2, active=2, job_s=0.4, step_s=0.02)
+    long_jobs = [Preemptible(0, 1.0, "a", remaining_s=4.0), Preemptible(0, 2.0, "b", remaining_s=4.0)]
+    victims, pred = flex_victim(0.0, [chain], long_jobs, 0, 20, siblings=1, deadline=0.7, remaining=[[]])
+    assert sorted(v.ref for v in victims) == ["a", "b"] and pred.total_s == pytest.approx(0.42)
+    # one choice: the newest job alone
+    victims, _ = flex_victim(0.0, [chain], long_jobs, 0, 20, deadline=0.7, remaining=[[]])
+    assert [v.ref for v in victims] == ["b"]
+    # two choices and one job to pause, the other slot held by a job with a deadline for 4 s: nobody is paused
+    assert flex_victim(0.0, [chain], long_jobs[:1], 0, 20, siblings=1, deadline=0.7, remaining=[[4.0]]) is None
+    # ... it frees its slot in 0.1 s: one pause is enough
+    victims, _ = flex_victim(0.0, [chain], long_jobs[:1], 0, 20, siblings=1, deadline=0.7, remaining=[[0.1]])
+    assert [v.ref for v in victims] == ["a"]
+
+    async def main():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 20.0)  # the chain's mean job 0.4 s
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=0.4, capacity=2, spans=((0, 4),))])
+        a = await dm.acquire(DispatchJob("a", expected_output=200))  # two jobs of 4 s without deadlines
+        b = await dm.acquire(DispatchJob("b", expected_output=200))
+        dl = RequestDeadline.from_ms("x", 700, None)
+        first = asyncio.ensure_future(dm.acquire(DispatchJob("c0", deadline=dl, output_tokens=20, expected_output=20,
+                                                       siblings=1)))
+        await asyncio.sleep(0)
+        # the first choice pauses one job (the newest) now, there being one more for the second choice
+        assert b.preempt and not a.preempt and dm.flex_preemptions == 1 and not first.done()
+        dm.release(b)
+        await asyncio.sleep(0)
+        assert first.done() and first.result().job.job_id == "c0"
+        resumed = asyncio.ensure_future(dm.acquire(DispatchJob(job_id="b", requeue=True, yields=True)))
+        await asyncio.sleep(0)
+        assert not resumed.done()
+        # the second choice, after the first's prefill: it pauses the other job, and gets its slot before the
+        # paused job's resumption (with both paused at once, the second slot went to that resumption)
+        second = asyncio.ensure_future(dm.acquire(DispatchJob("c1", deadline=dl, output_tokens=20, expected_output=20,
+                                                                checked=True)))
+        await asyncio.sleep(0)
+        assert a.preempt and dm.flex_preemptions == 2 and not second.done()
+        dm.release(a)
+        await asyncio.sleep(0)
+        assert second.done() and second.result().job.job_id == "c1" and not resumed.done()
+        resumed.cancel()
+        await asyncio.gather(resumed, return_exceptions=True)
+
+    asyncio.run(main())
+    # not enough jobs to pause for both choices: the request is refused and nobody is paused
+    async def short():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 20.0)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=0.4, capacity=2, spans=((0, 4),))])
+        a = await dm.acquire(DispatchJob("a", expected_output=200))
+        d = await dm.acquire(DispatchJob("d", deadline=RequestDeadline.from_ms("x", 60_000, None),
+                                         output_tokens=200, expected_output=200))
+        with pytest.raises(DeadlineUnreachable):
+            await dm.acquire(DispatchJob("c0", deadline=RequestDeadline.from_ms("x", 700, None), output_tokens=20,
+                                         siblings=1))
+        assert not a.preempt and not d.preempt and dm.flex_preemptions == 0
+
+    asyncio.run(short())
 
 
 def test_flex_dispatch_pauses_a_job_without_deadline_and_requeues_it_after_the_deadlines():

@@ -113,21 +113,24 @@ class Prediction:
     reason: str = ""
 
 
-def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: int, *,
+def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: int, *, siblings: int = 0,
             ttft_deadline: float = math.inf, deadline: float = math.inf) -> Prediction:
     """Predicted start, first and last token of a new job with ``ahead`` jobs served before it (see the module);
-    ``output_tokens``: the most it may generate (its ``max_tokens``). ``ttft_deadline`` / ``deadline``: absolute
-    times on the caller's clock (``inf``: none). No chain at all: doomed when it has a deadline."""
-    if ahead < 0 or output_tokens < 0:
-        raise ValueError("ahead and output_tokens must be >= 0")
+    ``output_tokens``: the most it may generate (its ``max_tokens``). ``siblings``: the request's other choices
+    (``n`` > 1), served after it: its first token is this job's, its last the last choice's. ``ttft_deadline`` /
+    ``deadline``: absolute times on the caller's clock (``inf``: none). No chain at all: doomed when it has a
+    deadline."""
+    if ahead < 0 or output_tokens < 0 or siblings < 0:
+        raise ValueError("ahead, output_tokens and siblings must be >= 0")
     usable = _usable(chains)
     if not usable:
         return _no_chain(chains, ttft_deadline, deadline)
     free = sum(max(0, c.capacity - c.active) for c in usable)
     mu = sum(c.capacity / c.job_s for c in usable)  # the jobs ahead are of the mean length, as far as we know
     wait = max(0, ahead + 1 - free) / mu
+    last = max(0, ahead + 1 + siblings - free) / mu
     open_chains = [c for c in usable if c.active < c.capacity] if wait == 0 else usable
-    return _verdict(now, wait, min(c.step_s for c in open_chains), output_tokens, ttft_deadline, deadline)
+    return _verdict(now, wait, min(c.step_s for c in open_chains), output_tokens, ttft_deadline, deadline, last)
 
 
 def _usable(chains: Sequence[ChainLoad]) -> list[ChainLoad]:
@@ -146,10 +149,11 @@ def _no_chain(chains: Sequence[ChainLoad], ttft_deadline: float, deadline: float
 
 
 def _verdict(now: float, wait: float, step: float, output_tokens: int, ttft_deadline: float,
-             deadline: float) -> Prediction:
-    """A job that waits ``wait`` for a slot, then runs a prefill and one step per output token of ``step`` each."""
+             deadline: float, last_wait: float | None = None) -> Prediction:
+    """A job that waits ``wait`` for a slot, then runs a prefill and one step per output token of ``step`` each;
+    ``last_wait``: the wait of the request's last choice (``n`` > 1), which its deadline is for."""
     ttft = wait + step
-    total = wait + step * (1 + int(output_tokens))
+    total = (wait if last_wait is None else max(wait, last_wait)) + step * (1 + int(output_tokens))
     if now + ttft > ttft_deadline:
         return Prediction(wait, ttft, total, True, f"predicted time to first token {ttft * 1000:.0f} ms exceeds "
                                                    f"ttft_deadline_ms {(ttft_deadline - now) * 1000:.0f}")
@@ -163,27 +167,35 @@ def _verdict(now: float, wait: float, step: float, output_tokens: int, ttft_dead
 @dataclass(frozen=True)
 class Preemptible:
     """A running job without a deadline (or best effort): ``chain`` index, ``started`` (seconds, the caller's
-    clock), ``ref`` (the caller's handle)."""
+    clock), ``ref`` (the caller's handle), ``remaining_s`` (seconds until it frees its slot if left to run: see
+    :func:`predict_from_running`)."""
 
     chain: int
     started: float
     ref: Any = None
+    remaining_s: float = math.inf
 
 
 def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preemptible], ahead: int,
-                output_tokens: int, *, ttft_deadline: float = math.inf, deadline: float = math.inf,
-                promised: Sequence[int] = ()) -> tuple[Preemptible, Prediction] | None:
+                output_tokens: int, *, siblings: int = 0, ttft_deadline: float = math.inf, deadline: float = math.inf,
+                promised: Sequence[int] = (),
+                remaining: Sequence[Sequence[float]] | None = None) -> tuple[list[Preemptible], Prediction] | None:
     """FLEX's best-effort lane on chains (seed 003, Shepherd's value-0 requests, docs/scheduling-seeds.md §3.7):
-    a new job that :func:`predict` dooms may take the slot of a running job without a deadline, paused between
-    two steps and resumed later. Returns the job to pause and the new job's prediction with that slot, or None if
-    no pause makes it meet its deadlines.
+    a new job that :func:`predict` dooms may take the slots of running jobs without a deadline, paused between
+    two steps and resumed later. Returns the jobs to pause and the new job's prediction with their slots, or None
+    if no pause makes it meet its deadlines.
 
-    The slot is looked for chain by chain (the new job then waits only for that chain: ``ahead`` jobs before it,
-    ``promised[k]`` slots of chain ``k`` already freed by earlier pauses and not yet taken); the chain where the
-    job would finish first wins, and there the job started last is paused (it has the least progress at stake).
-    Shepherd's ``|B_g| >= lambda |B_c|`` rule does not apply here: a best-effort job's value is 0, so any batch
-    that meets its deadlines is worth more (Alg. 2's best-effort lane, as in ``algorithms.deadlines``)."""
-    best: tuple[float, Preemptible, Prediction] | None = None
+    The slots are looked for chain by chain (the new job then waits only for that chain: ``ahead`` jobs before
+    it, ``promised[k]`` slots of chain ``k`` already freed by earlier pauses and not yet taken). A request of
+    ``n`` choices (``siblings`` = n - 1) may pause up to ``n`` jobs there, as few as meet its deadlines: one slot
+    for its first choice would leave the others waiting for the jobs it was paused to get past. The chain needing
+    the fewest pauses wins, then the one where the request would finish first; there the jobs started last are
+    paused (they have the least progress at stake). ``remaining[k]``: the seconds until chain ``k``'s other running
+    jobs (those not in ``running``) free their slots; given, a pause must also meet the deadlines by
+    :func:`predict_from_running` (the pessimistic view that makes the caller look for a pause). Shepherd's
+    ``|B_g| >= lambda |B_c|`` rule does not apply here: a best-effort job's value is 0, so any batch that meets its
+    deadlines is worth more (Alg. 2's best-effort lane, as in ``algorithms.deadlines``)."""
+    best: tuple[tuple[int, float], list[Preemptible], Prediction] | None = None
     by_chain: dict[int, list[Preemptible]] = {}
     for r in running:
         by_chain.setdefault(r.chain, []).append(r)
@@ -192,27 +204,40 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
             continue
         c = chains[k]
         held = promised[k] if k < len(promised) else 0
-        freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held - 1), job_s=c.job_s, step_s=c.step_s)
-        pred = predict(now, [freed], ahead, output_tokens, ttft_deadline=ttft_deadline, deadline=deadline)
-        if pred.doomed:
-            continue
-        victim = max(jobs, key=lambda r: r.started)
-        if best is None or pred.total_s < best[0]:
-            best = (pred.total_s, victim, pred)
+        newest = sorted(jobs, key=lambda r: r.started, reverse=True)
+        for p in range(1, min(len(newest), 1 + siblings) + 1):
+            freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held - p), job_s=c.job_s,
+                              step_s=c.step_s)
+            kw = dict(siblings=siblings, ttft_deadline=ttft_deadline, deadline=deadline)
+            pred = predict(now, [freed], ahead, output_tokens, **kw)
+            if not pred.doomed and remaining is not None:
+                others = list(remaining[k] if k < len(remaining) else ()) + [r.remaining_s for r in newest[p:]]
+                pred = max(pred, predict_from_running(now, [freed], others, ahead, output_tokens, **kw),
+                           key=lambda x: (x.doomed, x.total_s))
+            if pred.doomed:
+                continue
+            if best is None or (p, pred.total_s) < best[0]:
+                best = ((p, pred.total_s), newest[:p], pred)
+            break
     return None if best is None else (best[1], best[2])
 
 
 def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: Sequence[float], ahead: int,
-                         output_tokens: int, *, ttft_deadline: float = math.inf,
+                         output_tokens: int, *, siblings: int = 0, ttft_deadline: float = math.inf,
                          deadline: float = math.inf) -> Prediction:
     """A pessimistic twin of :func:`predict` for ``--schedule flex``: the running jobs free their slots when their
     own remaining work is done (``remaining_s``, from the most tokens each may still generate), not at the queue's
     mean rate, so a few long jobs without deadlines show as the obstacle they are. The new job gets the slot freed
-    ``ahead``-th (free slots first), then runs at the fastest chain's step."""
+    ``ahead``-th (free slots first), its last sibling the one freed ``siblings`` later; then each runs at the
+    fastest chain's step."""
     usable = _usable(chains)
     if not usable:
         return _no_chain(chains, ttft_deadline, deadline)
     free = sum(max(0, c.capacity - c.active) for c in usable)
     frees = [0.0] * free + sorted(max(0.0, r) for r in remaining_s)
-    wait = frees[ahead] if ahead < len(frees) else math.inf
-    return _verdict(now, wait, min(c.step_s for c in usable), output_tokens, ttft_deadline, deadline)
+
+    def at(i: int) -> float:
+        return frees[i] if i < len(frees) else math.inf
+
+    return _verdict(now, at(ahead), min(c.step_s for c in usable), output_tokens, ttft_deadline, deadline,
+                    at(ahead + siblings))

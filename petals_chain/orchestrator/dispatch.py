@@ -570,7 +570,7 @@ class DispatchManager:
         job.arrival = time.monotonic()
         if job.sched is not None:  # the starvation rule's wait counts from its arrival or its last pause
             job.sched.waiting_since = job.arrival
-        paused: Lease | None = None
+        paused: list[Lease] = []
         try:
             dl = job.deadline
             fresh = not job.requeue and not job.checked and dl is not None and dl.active
@@ -580,13 +580,19 @@ class DispatchManager:
                 # once: a multi-prompt request's jobs share it, and a queued job's key must not change under it
                 if not dl.late_decided:
                     dl.late, dl.late_decided = self.predict(job).doomed, True
+            elif job.checked and self.schedule == "flex" and dl is not None and dl.active and not dl.best_effort:
+                # a later choice, admitted with the first when enough jobs were there to pause for them all: it
+                # pauses its own now that it needs the slot (paused with the first, the slot went to the paused
+                # job's own resumption before this choice came). Never refused
+                if self.predict(job).doomed or self._misses_waiting(job):
+                    paused = self._pause_for(job)
             elif fresh:
                 pred = self.predict(job)
                 # flex: a job that would miss (by the queue's rate, or waiting for the running jobs' own remaining
                 # work) takes the slot of a job without a deadline if that saves it; else edf's rule
                 paused = (self._pause_for(job) if self.schedule == "flex" and (pred.doomed or
-                                                                                self._misses_waiting(job)) else None)
-                if pred.doomed and paused is None:
+                                                                                self._misses_waiting(job)) else [])
+                if pred.doomed and not paused:
                     self.deadline_refused += 1
                     raise DeadlineUnreachable(pred)
             if job.requeue:
@@ -597,8 +603,8 @@ class DispatchManager:
             self._waiters.pop(job, None)
             if isinstance(e, QueueFull):
                 self.refused += 1
-                if paused is not None:  # refused after all: the job it would have paused runs on
-                    paused.preempt = False
+                for lease in paused:  # refused after all: the jobs it would have paused run on
+                    lease.preempt = False
                     self.flex_preemptions -= 1
             note_admission(False, "queue_full" if isinstance(e, QueueFull) else "deadline_unreachable", str(e))
             raise
@@ -784,7 +790,6 @@ class DispatchManager:
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
         ahead = sum(1 for j in self._lane if not j.yields or j.order_key <= job.order_key) + len(self._pending)
-        ahead += job.siblings
         if self.schedule in ("edf", "flex") and isinstance(q, EDFQueue):
             ahead += q.ahead_of(job.order_key)
         else:
@@ -797,51 +802,64 @@ class DispatchManager:
         chains, ahead = self._loads(job)
         dl = job.deadline
         return predict(time.monotonic() if now is None else now, chains, ahead, job.output_tokens,
-                       ttft_deadline=dl.ttft_deadline if dl else math.inf, deadline=dl.deadline if dl else math.inf)
+                       siblings=job.siblings, ttft_deadline=dl.ttft_deadline if dl else math.inf,
+                       deadline=dl.deadline if dl else math.inf)
+
+    def _remaining(self, lease: Lease, chains: list[ChainLoad], now: float) -> float | None:
+        """Seconds until a running job frees its slot if left to run (at most its ``expected_output`` tokens);
+        None for one of another plan's chains or held between turns (no known time)."""
+        if lease.generation != self.generation or not 0 <= lease.index < len(chains) or lease.job.idle:
+            return None
+        return (1 + lease.job.expected_output) * chains[lease.index].step_s - (now - lease.started)
 
     def _misses_waiting(self, job: DispatchJob) -> bool:
         """True if ``job`` misses a deadline waiting for a slot that the running jobs free when their remaining work
         (at most their ``expected_output`` tokens) is done (:func:`~petals_chain.algorithms.edf.predict_from_running`)."""
         chains, ahead = self._loads(job)
         now = time.monotonic()
-        remaining = []
-        for lease in self._running.values():
-            if lease.generation != self.generation or not 0 <= lease.index < len(chains) or lease.job.idle:
-                continue
-            step = chains[lease.index].step_s
-            remaining.append((1 + lease.job.expected_output) * step - (now - lease.started))
+        remaining = [r for r in (self._remaining(lease, chains, now) for lease in self._running.values())
+                     if r is not None]
         dl = job.deadline
-        return predict_from_running(now, chains, remaining, ahead, job.output_tokens, ttft_deadline=dl.ttft_deadline,
-                                    deadline=dl.deadline).doomed
+        return predict_from_running(now, chains, remaining, ahead, job.output_tokens, siblings=job.siblings,
+                                    ttft_deadline=dl.ttft_deadline, deadline=dl.deadline).doomed
 
-    def _pause_for(self, job: DispatchJob) -> Lease | None:
-        """``--schedule flex``: mark a running job without a deadline to give its chain back at its next step, if
-        that lets ``job`` meet its deadlines (:func:`~petals_chain.algorithms.edf.flex_victim`); its lease, or
-        None."""
+    def _pause_for(self, job: DispatchJob) -> list[Lease]:
+        """``--schedule flex``: mark running jobs without a deadline to give their chain back at their next step,
+        if that lets ``job`` (and its later choices) meet its deadlines (:func:`~petals_chain.algorithms.edf.
+        flex_victim`); their leases, none if no pause saves it."""
+        chains, ahead = self._loads(job)
+        now = time.monotonic()
         promised: dict[int, int] = {}
         running = []
+        others: list[list[float]] = [[] for _ in chains]  # jobs that free their slots only when done
         for lease in self._running.values():
             if lease.generation != self.generation:
                 continue
             if lease.preempt:
                 promised[lease.index] = promised.get(lease.index, 0) + 1
-            elif lease.job.preemptible and not lease.job.idle:
-                running.append(Preemptible(chain=lease.index, started=lease.started, ref=lease))
+                continue
+            left = self._remaining(lease, chains, now)
+            if lease.job.preemptible and not lease.job.idle:
+                running.append(Preemptible(chain=lease.index, started=lease.started, ref=lease,
+                                           remaining_s=math.inf if left is None else left))
+            elif left is not None:
+                others[lease.index].append(left)
         if not running:
-            return None
-        chains, ahead = self._loads(job)
+            return []
         dl = job.deadline
-        found = flex_victim(time.monotonic(), chains, running, ahead, job.output_tokens,
+        found = flex_victim(now, chains, running, ahead, job.output_tokens, siblings=job.siblings,
                             ttft_deadline=dl.ttft_deadline, deadline=dl.deadline,
-                            promised=[promised.get(k, 0) for k in range(len(chains))])
+                            promised=[promised.get(k, 0) for k in range(len(chains))], remaining=others)
         if found is None:
-            return None
-        victim = found[0].ref
-        victim.preempt = True
-        self.flex_preemptions += 1
-        logger.info("flex: job %s pauses job %s on chain %d (predicted last token in %.2f s)", job.job_id,
-                    victim.job.job_id, victim.index, found[1].total_s)
-        return victim
+            return []
+        # one slot for this job now; a later choice pauses its own when it comes (flex_victim found enough for all)
+        victims = [v.ref for v in found[0][:1]]
+        for victim in victims:
+            victim.preempt = True
+            self.flex_preemptions += 1
+            logger.info("flex: job %s pauses job %s on chain %d (predicted last token in %.2f s)", job.job_id,
+                        victim.job.job_id, victim.index, found[1].total_s)
+        return victims
 
     def waiting_jobs(self) -> list[DispatchJob]:
         """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane)."""
