@@ -146,7 +146,7 @@ def test_api_without_servers(model_path):
         r = await c.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "swarm_unavailable"
         st = (await c.get("/api/v1/swarm")).json()
-        assert st["queue_length"] == 0 and st["measured"]["failed"] == 1
+        assert st["queue_length"] == 0 and st["measured"]["failed"] == 0 and st["measured"]["unserved"] == 1
         # with no chain at all a new request hears it after --no-chain-wait-s, not after the queue time (it waited
         # the whole 600 s, and the openai package retried it twice)
         orch.cfg.queue_timeout_s, orch.cfg.no_chain_wait_s = 600.0, 0.3
@@ -392,13 +392,14 @@ def test_client_disconnect_cancels_queued_request(model_path, scaled):
                 assert orch.dispatch.queue_length == 1 and not post.done()
                 post.cancel()  # the client gives up: its connection closes
                 await asyncio.gather(post, return_exceptions=True)
-            # The queue entry goes first (inner wait_for task), the failure is counted when the outer
+            # The queue entry goes first (inner wait_for task), the request is counted (unserved: it never held a
+            # chain) when the outer
             # generate() unwinds a loop iteration later: wait for both.
             for _ in range(int(scaled(100))):
-                if orch.dispatch.queue_length == 0 and orch.stats.failed == 1:
+                if orch.dispatch.queue_length == 0 and orch.stats.unserved == 1:
                     break
                 await asyncio.sleep(0.1)
-            assert orch.dispatch.queue_length == 0 and orch.stats.failed == 1
+            assert orch.dispatch.queue_length == 0 and orch.stats.unserved == 1 and orch.stats.failed == 0
         finally:
             server.should_exit = True
             await serve

@@ -584,3 +584,46 @@ def test_a_request_no_chain_served_is_refused_not_missed():
         return dl.outcome
 
     assert asyncio.run(main()) == "refused"
+
+
+def test_a_request_that_never_held_a_chain_is_not_charged_nor_failed(tiny_model_factory, tmp_path):
+    """A key's tokens per minute paid the prompts of requests the dispatcher refused (doomed, queue full) or dropped
+    at their deadline while queued, which computed nothing, and each counted as a failed request: two refusals of a
+    40-token prompt used 80 of a key's 100 tokens, and the third request was refused for ``tokens_per_minute``. Now
+    such a request is counted ``unserved`` and charged nothing; a session's refused turn alike."""
+    import httpx
+
+    from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice alice-secret-0123456789 tokens_per_minute=100\n")
+    orch = Orchestrator(OrchestratorConfig(model=str(tiny_model_factory("llama", num_layers=2)), max_length=128, port=0,
+                                           api_keys=str(keys), schedule="edf"))
+    orch.load_model()
+    app = create_app(orch)
+    key = {"Authorization": "Bearer alice-secret-0123456789"}
+    prompt = list(range(10, 50))  # 40 tokens
+
+    async def main():
+        orch.dispatch.set_chains([Chain(servers=("a",), blocks=(2,), service_time=1.7, capacity=1, spans=((0, 2),))])
+        await orch.dispatch.acquire(DispatchJob(job_id="holder"))  # the chain's one slot is busy
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=60) as c:
+            body = {"model": orch.model_id, "prompt": prompt, "max_tokens": 5}
+            for extra in ({"ttft_deadline_ms": 1}, {"ttft_deadline_ms": 1, "n": 2}, {"ttft_deadline_ms": 1}):
+                r = await c.post("/v1/completions", headers=key, json={**body, **extra})
+                assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_unreachable", r.text
+            r = await c.post("/v1/completions", headers=key, json={**body, "ttft_deadline_ms": 2500})  # queued
+            assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
+            s = (await c.post("/api/v1/sessions", headers=key, json={})).json()["session_id"]
+            r = await c.post(f"/api/v1/sessions/{s}/generate", headers=key,
+                             json={"input_ids": prompt, "max_tokens": 5, "ttft_deadline_ms": 1})
+            assert r.status_code == 429, r.text
+            assert orch.stats.tokens_last_minute("alice") == 0
+            alice = {x["name"]: x for x in (await c.get("/api/v1/swarm")).json()["clients"]}["alice"]
+            assert (alice["failed"], alice["completed"], alice["tokens"]) == (0, 0, 0) and alice["unserved"] == 6, alice
+            measured = (await c.get("/api/v1/swarm")).json()["measured"]
+            assert measured["failed"] == 0 and measured["unserved"] == 6
+            assert 'petals_chain_requests_total{outcome="unserved"} 6.0' in (await c.get("/metrics")).text
+
+    asyncio.run(main())

@@ -62,6 +62,21 @@ def test_prefix_salt_retires_every_cached_prefix():
     assert len(prefix_hashes(ids, b"\x01")) == len(prefix_hashes(ids))
 
 
+def test_api_keys_with_a_baseline_dispatch_start(tiny_model_dir, tmp_path):
+    """``--api-keys`` added to a working ``--dispatch jsq`` (or petals, bprr) command exited 2 with an error about
+    ``--fairness dlpm``, a flag never given: auto fairness is fcfs there."""
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice alice-secret-0123456789\n")
+    for dispatch in ("jsq", "petals", "bprr"):
+        orch = Orchestrator(OrchestratorConfig(model=str(tiny_model_dir), api_keys=str(keys), dispatch=dispatch))
+        assert orch.shares.policy.name == "fcfs"
+    with pytest.raises(ValueError, match="--fairness dlpm needs a central queue"):  # asked for: still refused
+        Orchestrator(OrchestratorConfig(model=str(tiny_model_dir), api_keys=str(keys), dispatch="petals",
+                                        fairness="dlpm"))
+
+
 def test_auto_fairness_leaves_the_queue_to_the_schedule():
     """``--api-keys`` with ``--schedule edf`` (per-key deadlines exist for it) exited 2: auto picked dlpm, which
     orders the same queue by client shares."""
@@ -73,3 +88,7 @@ def test_auto_fairness_leaves_the_queue_to_the_schedule():
     for schedule in ("edf", "flex", "db", "mlfq"):
         assert fairness_policy_name(SimpleNamespace(fairness="auto", api_keys="k", schedule=schedule)) == "fcfs"
     assert fairness_policy_name(SimpleNamespace(fairness="auto", api_keys=None, schedule="fcfs")) == "fcfs"
+    # nor with a baseline dispatch (--api-keys added to a working --dispatch jsq command exited 2 about dlpm)
+    for dispatch in ("jsq", "petals", "bprr"):
+        cfg = SimpleNamespace(fairness="auto", api_keys="k", schedule="fcfs", dispatch=dispatch)
+        assert fairness_policy_name(cfg) == "fcfs"

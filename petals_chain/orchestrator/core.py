@@ -47,10 +47,12 @@ DISPATCHES = DISPATCH_POLICIES
 
 
 def fairness_policy_name(cfg: "OrchestratorConfig") -> str:
-    """``--fairness`` resolved: ``auto`` is dlpm when API keys name the clients and the queue is not ordered by
-    ``--schedule`` (deadlines, priorities: those need the FIFO's fairness), else fcfs."""
+    """``--fairness`` resolved: ``auto`` is dlpm when API keys name the clients, the queue is JFFC's central one
+    (``--dispatch jffc``; the baselines have none or their own) and not ordered by ``--schedule`` (deadlines,
+    priorities: those need the FIFO's fairness), else fcfs."""
     if cfg.fairness == "auto":
-        return "dlpm" if getattr(cfg, "api_keys", None) and getattr(cfg, "schedule", "fcfs") == "fcfs" else "fcfs"
+        central = getattr(cfg, "dispatch", "jffc") == "jffc" and getattr(cfg, "schedule", "fcfs") == "fcfs"
+        return "dlpm" if getattr(cfg, "api_keys", None) and central else "fcfs"
     return cfg.fairness
 
 

@@ -142,7 +142,7 @@ class GenerationMixin:
         """Record a finished job (or turn) and return its service time."""
         service = max(0.0, time.monotonic() - t0 - holder.wait_s)
         self.stats.record(wait_s=holder.wait_s, service_s=service, tokens=generated, prompt_tokens=prompt_tokens,
-                          ok=ok, batch=holder.mean_batch)
+                          ok=ok, batch=holder.mean_batch, served=holder.admitted)
         if ok and self.planner is not None:
             self.planner.observe_job(holder.steps)
         return service

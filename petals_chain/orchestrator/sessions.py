@@ -149,7 +149,7 @@ class SessionMixin:
                 await holder.release_chain()
             except BaseException:
                 self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=len(generated),
-                                  prompt_tokens=prompt_tokens, ok=False)
+                                  prompt_tokens=prompt_tokens, ok=False, served=holder.admitted)
                 deadline = DEADLINE.get()
                 if deadline is not None:  # failed or cancelled after admission: not met (a refusal is settled already)
                     self.deadlines.settle(deadline, "missed")

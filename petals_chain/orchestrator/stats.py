@@ -19,6 +19,7 @@ class Stats:
         self.history: deque[dict] = deque(maxlen=history)
         self.completed = 0
         self.failed = 0
+        self.unserved = 0  # jobs that ended before holding a chain (refused, dropped queued, their client gone)
         self.failovers = 0
         self.forks = 0  # n > 1 choices that started from a sibling's prefill (KV copied at the servers)
         self.open_waits = 0  # chain opens a server refused for KV memory, retried as a wait in its FIFO
@@ -140,11 +141,11 @@ class Stats:
         self._window: dict[str, deque[tuple[float, int]]] = {}  # client -> (time, tokens) of the last minute
         self._totals: dict[str, dict[str, int]] = {}
 
-    def _charge(self, client: str, tokens: int, ok: bool) -> None:
-        self.m_client_requests.labels(client, "completed" if ok else "failed").inc()
+    def _charge(self, client: str, tokens: int, outcome: str) -> None:
+        self.m_client_requests.labels(client, outcome).inc()
         self.m_client_tokens.labels(client).inc(tokens)
-        totals = self._totals.setdefault(client, {"completed": 0, "failed": 0, "tokens": 0})
-        totals["completed" if ok else "failed"] += 1
+        totals = self._totals.setdefault(client, {"completed": 0, "failed": 0, "unserved": 0, "tokens": 0})
+        totals[outcome] += 1
         totals["tokens"] += tokens
         if tokens:
             w = self._window.setdefault(client, deque())
@@ -174,7 +175,7 @@ class Stats:
         return list(w)
 
     def client_totals(self, client: str) -> dict[str, int]:
-        return dict(self._totals.get(client, {"completed": 0, "failed": 0, "tokens": 0}))
+        return dict(self._totals.get(client, {"completed": 0, "failed": 0, "unserved": 0, "tokens": 0}))
 
     def add_prefix_hit(self, tokens: int) -> None:
         """A chain opened holding ``tokens`` of the job's prompt in its servers' prefix caches."""
@@ -259,9 +260,16 @@ class Stats:
                 "recent_replays": list(self.recent_replays)[-20:]}
 
     def record(self, *, wait_s: float, service_s: float, tokens: int, prompt_tokens: int, ok: bool,
-               batch: float | None = None) -> None:
+               batch: float | None = None, served: bool = True) -> None:
         """One finished job: ``tokens`` generated after ``prompt_tokens``, ``batch`` jobs on its chain per step on
-        average (the history the model placer replays, ``--placement-index simulated``)."""
+        average (the history the model placer replays, ``--placement-index simulated``). ``served`` False: it
+        ended before it held a chain (refused, dropped while queued, its client gone): counted ``unserved``, and
+        its prompt neither counted nor charged to its client's tokens per minute (nothing was computed)."""
+        if not ok and not served:
+            self.unserved += 1
+            self.m_requests.labels("unserved").inc()
+            self._charge(CLIENT.get(), 0, "unserved")
+            return
         if ok:
             self.completed += 1
             self.m_requests.labels("completed").inc()
@@ -279,7 +287,7 @@ class Stats:
         self.m_tokens.inc(tokens)
         self.m_prompt_tokens.inc(prompt_tokens)
         self.prompt_tokens += prompt_tokens
-        self._charge(CLIENT.get(), tokens + prompt_tokens, ok)
+        self._charge(CLIENT.get(), tokens + prompt_tokens, "completed" if ok else "failed")
 
     def measured(self) -> dict:
         h = list(self.history)
@@ -288,4 +296,5 @@ class Stats:
             return sum(x[key] for x in h) / len(h) if h else None
 
         return {"mean_response_s": mean("response_s"), "mean_wait_s": mean("wait_s"),
-                "mean_service_s": mean("service_s"), "completed": self.completed, "failed": self.failed}
+                "mean_service_s": mean("service_s"), "completed": self.completed, "failed": self.failed,
+                "unserved": self.unserved}

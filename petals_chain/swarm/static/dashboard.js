@@ -311,9 +311,11 @@
     $("jobs-running").textContent = "waiting \u00b7 " + running + " / " + cap + " running";
     renderSpark($("queue-spark"));
     var m = obj(data.measured);
-    var done = int(m.completed), failed = int(m.failed);
+    var done = int(m.completed), failed = int(m.failed), unserved = int(m.unserved);
     $("completed").textContent = done === null ? "\u2014" : String(done);
-    $("failed").textContent = "completed \u00b7 " + (failed === null ? 0 : failed) + " failed";
+    // unserved: ended before holding a chain (refused, dropped while queued, the client gone)
+    $("failed").textContent = "completed \u00b7 " + (failed === null ? 0 : failed) + " failed" +
+      (unserved ? " \u00b7 " + unserved + " unserved" : "");
   }
 
   function renderSpark(container) {
