@@ -160,7 +160,7 @@ def test_a_keys_limits_hold_over_every_model_behind_the_router(tiny_model_factor
             assert (await c.post("/api/v1/sessions", json={"model": "beta"}, headers=bob)).status_code == 200
             r = await c.post("/api/v1/sessions", json={"model": "beta"}, headers=bob)
             assert r.status_code == 429 and "too many open sessions" in r.json()["error"]["message"]
-            orchs[0].stats._charge("alice", 25, True)  # 25 of alice's 30 tokens used on alpha
+            orchs[0].stats._charge("alice", 25, "completed")  # 25 of alice's 30 tokens used on alpha
             r = await c.post("/v1/completions", headers=alice,
                              json={"model": "beta", "prompt": [1, 2, 3], "max_tokens": 10})
             assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_per_minute", r.text
@@ -231,3 +231,37 @@ def test_metrics_without_a_model_are_every_models_labelled(tiny_model_factory):
             assert all("model" not in dict(k[1]) for k in one)
 
     asyncio.run(main())
+
+
+def test_the_first_request_without_a_key_is_refused_unread(tiny_model_factory, tmp_path):
+    """Each model's API built its limits at its first request, so until then the router in front saw no limits and
+    read a request's whole body (up to 64 MiB) to route it before the API refused it for a missing key."""
+    from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+    from petals_chain.orchestrator.limits import ClientLedger
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice alice-secret-0123456789\n")
+    orchs = []
+    for name, layers in (("alpha", 4), ("beta", 2)):
+        o = Orchestrator(OrchestratorConfig(model=str(tiny_model_factory("llama", num_layers=layers)), model_id=name,
+                                            max_length=64, port=0, api_keys=str(keys)))
+        o.load_model()
+        orchs.append(o)
+    ledger = ClientLedger(orchs)
+    router = ModelRouter({o.model_id: create_app(o, ledger) for o in orchs}, {o.model_id: o for o in orchs})
+    reads, sent = [], []
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b'{"model": "beta", "prompt": "x"}', "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"33")], "scheme": "http",
+             "server": ("127.0.0.1", 0), "client": ("127.0.0.1", 0), "root_path": ""}
+    asyncio.run(router(scope, receive, send))
+    assert sent[0]["status"] == 401 and reads == []

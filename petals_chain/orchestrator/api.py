@@ -760,4 +760,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     from petals_chain.orchestrator.limits import install_limits
 
     install_limits(app, orch, ledger=ledger)
+    # built now, not at the first request: the limits (app.state.limits) exist from the start, so a router in
+    # front (models.py) refuses a request without a valid key unread from the first one on
+    app.middleware_stack = app.build_middleware_stack()
     return app
