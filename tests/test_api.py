@@ -137,6 +137,7 @@ def test_api_without_servers(model_path):
         assert r.status_code == 400
         r = await c.post(f"/api/v1/sessions/{sid}/generate", json={"prompt": "word " * 40, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "this session's max_length is 32 tokens" in r.json()["error"]["message"]  # not the model's 64
         assert (await c.delete(f"/api/v1/sessions/{sid}")).json()["closed"] is True
         assert (await c.delete(f"/api/v1/sessions/{sid}")).status_code == 404
         assert (await c.get("/api/v1/sessions/nope")).status_code == 404
@@ -468,5 +469,47 @@ def test_a_streamed_turn_whose_end_the_client_never_got_is_undone(model_path):
                 break
             await asyncio.sleep(0.02)
         assert s.turns == 1 and s.history == [1, 2, 7]
+
+    run_with_api(model_path, fn)
+
+
+def test_a_turn_whose_client_left_while_it_ran_is_undone(model_path):
+    """A session turn (not streamed) whose client timed out while it ran, finished in less than the second between
+    two checks for a disconnect: it was kept, and the client's retry of the turn held its input twice."""
+    import json
+    from types import SimpleNamespace
+
+    async def fake_turn(s, target, params, *, explicit_max_tokens=True, emit=None, messages=None):
+        async with s.lock:
+            await asyncio.sleep(0.05)
+            s.history, s.turns = [*target, 7], s.turns + 1
+            return SimpleNamespace(text="ok", token_ids=[7], finish_reason="stop", cached_tokens=0, prompt_tokens=2,
+                                   wait_s=0.0, service_s=0.05, chain=[], failovers=0)
+
+    async def fn(orch, c):
+        orch.session_generate = fake_turn
+        app = c._transport.app
+        sid = (await c.post("/api/v1/sessions", json={"max_length": 32})).json()["session_id"]
+        s = orch.get_session(sid)
+        body = json.dumps({"input_ids": [1, 2], "max_tokens": 1}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": f"/api/v1/sessions/{sid}/generate", "raw_path": b"",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                    (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("orch", 80)}
+        messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+
+        async def receive():
+            return messages.pop(0) if len(messages) > 1 else messages[0]
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+        assert s.turns == 0 and s.history == [] and sent[0]["status"] == 499
+        r = await c.post(f"/api/v1/sessions/{sid}/generate", json={"input_ids": [1, 2], "max_tokens": 1})
+        assert r.status_code == 200 and s.turns == 1 and s.history == [1, 2, 7]  # a client that stays keeps it
 
     run_with_api(model_path, fn)

@@ -299,3 +299,78 @@ def test_a_killed_orchestrator_mid_stream_is_replaced_by_the_other(tiny_model_fa
     finally:
         for sw in swarms:
             sw.stop()
+
+
+def test_a_resumed_stream_goes_on_round_the_orchestrators_not_back():
+    """Three orchestrators, the first down, the second cut mid-stream: the resume went back to the first (the round
+    counted from the one that had answered, mid-round) and never asked the third; with ``retry_s=0`` it failed."""
+    calls = []
+
+    def dead(req):
+        calls.append("A")
+        raise httpx.ConnectError("refused")
+
+    def cut(req):
+        calls.append("B")
+        return httpx.Response(200, stream=_Stream(_sse(["The ", "quick "], cut=True)))
+
+    def good(req):
+        calls.append("C")
+        return httpx.Response(200, stream=_Stream(_sse(["The quick brown fox"])))
+
+    assert "".join(_client([dead, cut, good]).stream("x")) == "The quick brown fox" and calls == ["A", "B", "C"]
+
+
+def test_calls_that_return_one_completion_refuse_what_would_be_lost():
+    """``complete`` dropped the logprobs it asked for; ``n=2`` or a batch of prompts returned the first choice alone
+    (streamed: both choices' pieces interleaved); ``stream=True`` on ``complete`` failed decoding the reply;
+    a session's ``complete(prompt, input_ids=...)`` sent the ids and dropped the prompt without a word."""
+    bodies = []
+
+    def orch(req):
+        bodies.append(json.loads(req.content))
+        if req.url.path.startswith("/api/v1/sessions/"):
+            return httpx.Response(200, json={"text": "hi", "token_ids": [1], "finish_reason": "length",
+                                             "usage": {}, "wait_s": 0, "service_s": 0, "chain": [], "failovers": 0})
+        if req.url.path == "/api/v1/sessions":
+            return httpx.Response(200, json={"session_id": "s1", "max_length": 64})
+        return httpx.Response(200, json={"choices": [{"text": "hi", "finish_reason": "length",
+                                                      "logprobs": {"tokens": ["hi"]}}], "usage": {},
+                                         "petals_chain": [{"token_ids": [1]}]})
+
+    c = _client([orch])
+    assert c.complete("x", logprobs=1).logprobs == {"tokens": ["hi"]}
+    for call in (lambda: c.complete("x", n=2), lambda: list(c.stream("x", n=2)), lambda: c.complete(["a", "b"]),
+                 lambda: c.complete([[1, 2], [3]]), lambda: c.chat_completion([{"role": "user", "content": "x"}], n=3)):
+        with pytest.raises(ValueError, match="one completion|one prompt"):
+            call()
+    for call in (lambda: c.complete("x", stream=True), lambda: list(c.stream("x", stream=False))):
+        with pytest.raises(TypeError, match="stream"):
+            call()
+    assert c.complete([5, 6], n=1).text == "hi"  # token ids are one prompt; n=1 is fine
+    s = c.session()
+    with pytest.raises(ValueError, match="not both"):
+        s.complete("hello", input_ids=[1])
+    n = len(bodies)
+    assert s.complete(input_ids=[1]).text == "hi" and len(bodies) == n + 1
+
+
+def test_a_session_close_that_did_not_reach_its_orchestrator_can_be_tried_again():
+    state = {"up": False, "deletes": 0}
+
+    def orch(req):
+        if req.method == "DELETE":
+            if not state["up"]:
+                raise httpx.ConnectError("refused")
+            state["deletes"] += 1
+            return httpx.Response(200, json={"closed": True})
+        return httpx.Response(200, json={"session_id": "s1", "max_length": 64})
+
+    s = _client([orch]).session()
+    with pytest.raises(ClientError):
+        s.close()
+    assert not s.closed
+    state["up"] = True
+    s.close()
+    s.close()
+    assert s.closed and state["deletes"] == 1

@@ -85,7 +85,21 @@ def _transport_errors(http: httpx.Client) -> Iterator[None]:
         raise _unavailable([f"{http.base_url}: {type(e).__name__}: {e}"]) from e
 
 
+def _one_completion(prompt: Any, extra: dict) -> None:
+    """A call that returns one completion (or one stream) is asked for one: ``n`` > 1 or a batch of prompts gave the
+    first choice (or, streamed, every choice's pieces interleaved). ValueError otherwise."""
+    n = extra.get("n", 1)
+    if n != 1:
+        raise ValueError(f"this call returns one completion, got n={n!r}: call it once per completion (with "
+                         "different seeds to sample), or use the OpenAI API for several choices")
+    if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
+        raise ValueError("this call takes one prompt (text or token ids), got a batch: call it once per prompt, "
+                         "or use AutoDistributedModelForCausalLM.generate for a batch")
+
+
 def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:
+    if "stream" in extra:  # each method streams or not: stream=True on complete() failed decoding the reply
+        raise TypeError("stream is not an argument here: use stream() to stream, complete() or chat() otherwise")
     body = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     if max_tokens is not None:  # None: the orchestrator's default (chat: the rest of the context)
         body["max_tokens"] = max_tokens
@@ -163,11 +177,11 @@ class Client:
         """The orchestrators to try in turn: the current one, then the others; with several, more rounds after a
         pause until ``retry_s`` has passed (the survivor takes a lost orchestrator's group over in that time,
         and one that forwarded to the lost one answers again once it serves the request itself)."""
-        n = len(self._https)
+        n, base = len(self._https), self._current  # fixed: a stream moves _current mid-round
         t0, pause = time.monotonic(), RETRY_PAUSE_S[0]
         while True:
             for i in range(n):
-                yield (self._current + i) % n
+                yield (base + i) % n
             if n == 1 or time.monotonic() - t0 + pause > self.retry_s:
                 return
             time.sleep(pause)
@@ -224,6 +238,7 @@ class Client:
                  top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
                  stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
         """Generate one completion (greedy unless ``temperature > 0``) and return it with its serving details."""
+        _one_completion(prompt, extra)
         body = {"model": self.model, "prompt": prompt,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._request("POST", "/v1/completions", json=body)
@@ -233,7 +248,7 @@ class Client:
         info = (data.get("petals_chain") or [{}])[0]
         return Completion(text=ch["text"], token_ids=info.get("token_ids", []), finish_reason=ch["finish_reason"],
                           usage=data["usage"], wait_s=info.get("wait_s", 0.0), service_s=info.get("service_s", 0.0),
-                          chain=info.get("chain", []), failovers=info.get("failovers", 0))
+                          chain=info.get("chain", []), failovers=info.get("failovers", 0), logprobs=ch.get("logprobs"))
 
     def generate(self, prompt: str | list[int], **kwargs: Any) -> str:
         """The generated text (see :meth:`complete` for the arguments)."""
@@ -243,6 +258,7 @@ class Client:
                top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
                stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
         """Yield text pieces as tokens are generated (server-sent events)."""
+        _one_completion(prompt, extra)
         body = {"model": self.model, "prompt": prompt, "stream": True,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         reproducible = temperature == 0 or seed is not None
@@ -296,6 +312,7 @@ class Client:
                         stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
         """One chat completion with its serving details (the orchestrator applies the model's chat template).
         ``max_tokens=None`` lets the answer run to its end of turn or the end of the context."""
+        _one_completion(None, extra)
         body = {"model": self.model, "messages": messages,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._request("POST", "/v1/chat/completions", json=body)
@@ -348,6 +365,9 @@ class ClientSession:
         self.last: Optional[Completion] = None
 
     def _body(self, prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra):
+        if prompt is not None and input_ids is not None:  # the prompt was dropped without a word
+            raise ValueError("give prompt or input_ids, not both")
+        _one_completion(prompt, extra)
         body = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
         if input_ids is not None:
             body["input_ids"] = list(input_ids)
@@ -408,11 +428,11 @@ class ClientSession:
     def close(self) -> None:
         if self.closed:
             return
-        self.closed = True
-        with _transport_errors(self._http):
+        with _transport_errors(self._http):  # not reached: closed stays False, so close() can be called again
             r = self._http.delete(f"/api/v1/sessions/{self.id}")
         if r.status_code != 404:
             _raise_for(r)
+        self.closed = True
 
     def __enter__(self) -> "ClientSession":
         return self

@@ -732,6 +732,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return stream_response(run, 1, chunk, False, len(target), forget_unseen_turn)
         try:
             g = await unless_disconnected(request, gen_fn())
+            if await request.is_disconnected():  # gone while the turn ran, unnoticed (checked once a second)
+                raise RequestError("the client disconnected", status=499, code="client_disconnected")
         except RequestError as e:
             if e.code == "client_disconnected":  # the turn may finish while the disconnect is being noticed
                 forget_unseen_turn()

@@ -483,22 +483,25 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         self.check_ids(ids)
-        self._max_tokens(max_tokens, len(ids), max_length or self.cfg.max_length, explicit)
+        self._max_tokens(max_tokens, len(ids), max_length or self.cfg.max_length, explicit,
+                         session=max_length is not None)
 
     @staticmethod
-    def _max_tokens(max_tokens: int, used: int, max_length: int, explicit: bool) -> int:
+    def _max_tokens(max_tokens: int, used: int, max_length: int, explicit: bool, session: bool = False) -> int:
         """Tokens to generate after ``used`` context tokens: an implicit limit shrinks to the room left, an
-        explicit one that does not fit is refused (OpenAI's behaviour)."""
+        explicit one that does not fit is refused (OpenAI's behaviour). ``session``: ``max_length`` is a session's
+        (the error names it, not the model's context)."""
         room = max_length - used
+        limit = (f"this session's max_length is {max_length} tokens" if session else
+                 f"this model's maximum context length is {max_length} tokens")
         if room < 0 or (room == 0 and not (explicit and max_tokens == 0)):  # max_tokens 0: a prompt scored, echoed
-            raise RequestError(f"the prompt has {used} tokens, but this model's maximum context length is "
-                               f"{max_length} tokens", param="prompt", code="context_length_exceeded")
+            raise RequestError(f"the prompt has {used} tokens, but {limit}", param="prompt",
+                               code="context_length_exceeded")
         if not explicit:
             return min(max_tokens, room)
         if max_tokens > room:
-            raise RequestError(f"this model's maximum context length is {max_length} tokens; the prompt has {used} "
-                               f"and max_tokens is {max_tokens}: reduce the prompt or max_tokens",
-                               param="max_tokens", code="context_length_exceeded")
+            raise RequestError(f"{limit}; the prompt has {used} and max_tokens is {max_tokens}: reduce the prompt or "
+                               "max_tokens", param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
     # ---- state ---------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ class SessionMixin:
             self.validate_prompt(target, params.max_tokens, explicit_max_tokens, max_length=s.max_length)
             self.check_speculative(params)
             params = SamplingParams(**{**params.__dict__, "stop": list(params.stop), "max_tokens": self._max_tokens(
-                params.max_tokens, len(target), s.max_length, explicit_max_tokens)})
+                params.max_tokens, len(target), s.max_length, explicit_max_tokens, session=True)})
             s.last_used = time.monotonic()
             holder = s.holder
             holder.relay = params.relay  # for the chain it opens next (a held chain keeps its mode)
