@@ -428,9 +428,33 @@ def test_a_model_with_requests_in_flight_is_not_idle(swarm):
     placer = placer_for(orchs)
     now = time.monotonic()
     orchs["alpha"].planner.rates.t0 = now - 100.0
-    orchs["alpha"].dispatch = SimpleNamespace(running=0, queue_length=0)
+    orchs["alpha"].dispatch = SimpleNamespace(stepping=0, queue_length=0)
     assert placer._rate("alpha", now) == 0.0
-    orchs["alpha"].dispatch = SimpleNamespace(running=1, queue_length=2)
+    orchs["alpha"].dispatch = SimpleNamespace(stepping=1, queue_length=2)
     assert placer._rate("alpha", now) == pytest.approx(3 / 30.0)
     arrivals(orchs["alpha"], 6, now)  # arrivals in the window that are also the ones in flight: not counted twice
     assert placer._rate("alpha", now) == pytest.approx(6 / 30.0)
+
+
+def test_sessions_held_between_turns_are_not_in_flight(swarm):
+    """A model whose traffic had ended but with one chat session held between turns read one request per window in
+    flight (a session holds its lease): the placer refused to move its servers to a model with traffic."""
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
+
+    orchs, _ = swarm
+    placer = placer_for(orchs)
+    now = time.monotonic()
+    orchs["alpha"].planner.rates.t0 = now - 100.0
+
+    async def held(k: int) -> DispatchManager:
+        dm = DispatchManager(schedule="fcfs")
+        dm.set_chains([Chain(servers=("x",), blocks=(4,), service_time=1.0, capacity=8, spans=((0, 4),))])
+        for i in range(k):
+            lease = await dm.acquire(DispatchJob(f"s{i}"))
+            lease.job.idle = i > 0  # the first one is stepping
+        return dm
+
+    orchs["alpha"].dispatch = asyncio.run(held(4))
+    assert orchs["alpha"].dispatch.running == 4 and orchs["alpha"].dispatch.stepping == 1
+    assert placer._rate("alpha", now) == pytest.approx(1 / 30.0)

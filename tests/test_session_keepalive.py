@@ -228,10 +228,15 @@ def test_evicted_prefix_is_recomputed_exactly(swarm, model_path, scaled):
 
 @pytest.mark.parametrize("swarm", [HELD], indirect=True)
 def test_idle_session_kept_alive_past_server_timeout(swarm, model_path, scaled):
+    arrived = len(swarm.orch.planner.rates.arrivals)
     got, expected, holder, relay = _two_turns(swarm, model_path, scaled)
     print(f"failovers {holder.failovers}; relay {relay}")
     assert got == expected
     assert holder.failovers == 0  # the servers never dropped the held sessions
+    # each turn is an arrival (the planner's rate, the model placement's), the session held between turns is not
+    # work in flight (a model with idle sessions alone read as busy, and kept servers another model needed)
+    assert len(swarm.orch.planner.rates.arrivals) == arrived + 2
+    assert swarm.orch.dispatch.running == 1 and swarm.orch.dispatch.stepping == 0
 
 
 @pytest.mark.parametrize("swarm", [{"keepalive_tick_s": 0, **HELD}], indirect=True)

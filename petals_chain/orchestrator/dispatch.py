@@ -390,6 +390,11 @@ class DispatchManager:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def stepping(self) -> int:
+        """Jobs holding a chain and working on it (sessions held between turns left out)."""
+        return sum(1 for lease in self._running.values() if not lease.job.idle)
+
     def _count(self, k: int, delta: int) -> None:
         n = self._active.get(k, 0) + delta
         self._active[k] = n

@@ -166,12 +166,13 @@ class ModelPlacer:
         """Arrivals per second at model ``name`` over the last ``window_s`` (the planner's arrival log), and at
         least its requests in flight (running or waiting) over that window: a model whose one long request arrived
         before the window read as idle, so any gain paid for moving the server under it, and the next arrival
-        moved one back (two reloads and a cut stream)."""
+        moved one back (two reloads and a cut stream). Sessions held between turns are not in flight (their turns
+        arrive as requests do)."""
         o = self.orchs[name]
         rates = o.planner.rates
         span = max(1.0, min(self.window_s, now - rates.t0))
         dispatch = getattr(o, "dispatch", None)
-        in_flight = int(getattr(dispatch, "running", 0) or 0) + int(getattr(dispatch, "queue_length", 0) or 0)
+        in_flight = int(getattr(dispatch, "stepping", 0) or 0) + int(getattr(dispatch, "queue_length", 0) or 0)
         return max(sum(1 for t in rates.arrivals if t >= now - span), in_flight) / span
 
     def _note_arrivals(self, now: float) -> None:

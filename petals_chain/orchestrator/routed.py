@@ -86,6 +86,10 @@ class RoutedDispatch:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def stepping(self) -> int:
+        return len(self._running)  # routed jobs hold nothing between turns
+
     def active(self, index: int) -> int:
         if not (0 <= index < len(self.chains)):
             return 0

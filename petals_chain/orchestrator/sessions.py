@@ -120,6 +120,8 @@ class SessionMixin:
             params = SamplingParams(**{**params.__dict__, "stop": list(params.stop), "max_tokens": self._max_tokens(
                 params.max_tokens, len(target), s.max_length, explicit_max_tokens, session=True)})
             s.last_used = time.monotonic()
+            if self.planner is not None:  # a turn is a request to the planner's rate and the model placement
+                self.planner.rates.arrive()
             holder = s.holder
             holder.relay = params.relay  # for the chain it opens next (a held chain keeps its mode)
             wait0 = holder.wait_s
