@@ -513,3 +513,24 @@ def test_a_turn_whose_client_left_while_it_ran_is_undone(model_path):
         assert r.status_code == 200 and s.turns == 1 and s.history == [1, 2, 7]  # a client that stays keeps it
 
     run_with_api(model_path, fn)
+
+
+def test_a_turn_built_before_another_turn_ended_is_refused_not_undoing_it(model_path):
+    """Two calls on one session, the second read (tokenized) while the first ran and ended: its target was the
+    history before the first turn, so it rewound the session over that turn. Now it is a 409."""
+    async def fn(orch, c):
+        sid = (await c.post("/api/v1/sessions", json={"max_length": 32})).json()["session_id"]
+        s = orch.get_session(sid)
+        build = orch.session_target
+
+        def meanwhile(sess, new_ids):
+            target = build(sess, new_ids)
+            sess.history, sess.turns = [9, 9, 7], sess.turns + 1  # another call's turn ended meanwhile
+            return target
+
+        orch.session_target = meanwhile
+        r = await c.post(f"/api/v1/sessions/{sid}/generate", json={"input_ids": [1, 2], "max_tokens": 1})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy", r.text
+        assert s.history == [9, 9, 7] and s.turns == 1
+
+    run_with_api(model_path, fn)

@@ -689,6 +689,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             raise RequestError("give exactly one of prompt (text), input_ids or messages", param="prompt")
         if s.lock.locked():
             raise RequestError("this session is already generating", status=409, code="session_busy")
+        turns = s.turns  # the target is built from the session as it is now (tokenizing may take a while)
         messages = None
         if req.messages is not None:
             messages = [m.as_dict() for m in req.messages]
@@ -708,7 +709,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
         def gen_fn(emit=None):
             return orch.session_generate(s, target, params, explicit_max_tokens=explicit, emit=emit,
-                                         messages=messages)
+                                         messages=messages, based_on=turns)
 
         before = s.snapshot()
 

@@ -106,15 +106,19 @@ class SessionMixin:
 
     async def session_generate(self, s: UserSession, target: list[int], params: SamplingParams, *,
                                explicit_max_tokens: bool = True, emit: Emit | None = None,
-                               messages: list[dict] | None = None) -> Generation:
+                               messages: list[dict] | None = None, based_on: int | None = None) -> Generation:
         """Continue session ``s`` so that its tokens are ``target`` (the history plus this turn's input, or a
         chat conversation templated at once), then generate. Only the tokens the chain does not hold yet are
-        fed; on failure or cancellation the session stays as it was before the turn."""
+        fed; on failure or cancellation the session stays as it was before the turn. ``based_on``: the session's
+        turns when ``target`` was built; another turn since is a 409 (its target would undo that turn)."""
         if s.lock.locked():
             raise RequestError("this session is already generating", status=409, code="session_busy")
         async with s.lock:
             if s.id not in self.sessions:
                 raise RequestError("the session was closed", status=404, code="session_not_found")
+            if based_on is not None and s.turns != based_on:
+                raise RequestError("the session took another turn while this request was read; send it again",
+                                   status=409, code="session_busy")
             self.validate_prompt(target, params.max_tokens, explicit_max_tokens, max_length=s.max_length)
             self.check_speculative(params)
             params = SamplingParams(**{**params.__dict__, "stop": list(params.stop), "max_tokens": self._max_tokens(
