@@ -334,6 +334,9 @@ def test_calls_that_return_one_completion_refuse_what_would_be_lost():
                                              "usage": {}, "wait_s": 0, "service_s": 0, "chain": [], "failovers": 0})
         if req.url.path == "/api/v1/sessions":
             return httpx.Response(200, json={"session_id": "s1", "max_length": 64})
+        if req.url.path == "/v1/chat/completions":
+            return httpx.Response(200, json={"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+                                             "usage": {}})
         return httpx.Response(200, json={"choices": [{"text": "hi", "finish_reason": "length",
                                                       "logprobs": {"tokens": ["hi"]}}], "usage": {},
                                          "petals_chain": [{"token_ids": [1]}]})
@@ -348,6 +351,11 @@ def test_calls_that_return_one_completion_refuse_what_would_be_lost():
         with pytest.raises(TypeError, match="stream"):
             call()
     assert c.complete([5, 6], n=1).text == "hi"  # token ids are one prompt; n=1 is fine
+    # a list of one prompt (OpenAI's form, a tokenizer's batch of one) and a stream= that agrees are fine
+    for call in (lambda: c.complete(["one"]), lambda: c.complete([[1, 2, 3]]), lambda: c.complete("x", stream=False),
+                 lambda: c.chat_completion([{"role": "user", "content": "x"}], stream=False)):
+        assert call().text == "hi"
+    assert "stream" not in bodies[-1]
     s = c.session()
     with pytest.raises(ValueError, match="not both"):
         s.complete("hello", input_ids=[1])

@@ -627,3 +627,44 @@ def test_a_request_that_never_held_a_chain_is_not_charged_nor_failed(tiny_model_
             assert 'petals_chain_requests_total{outcome="unserved"} 6.0' in (await c.get("/metrics")).text
 
     asyncio.run(main())
+
+
+def test_flex_for_n_choices_counts_the_slots_its_own_choices_free_and_the_slots_promised_to_it():
+    """Review of the change above: (1) more choices than slots were never met by the pessimistic view (the last
+    choice's slot was one nobody frees) though each choice frees its slot for the next; (2) a slot already promised
+    to the request by an earlier pause was not counted, and one more job was paused for nothing."""
+    chain = ChainLoad(capacity=2, active=2, job_s=0.4, step_s=0.02)
+    long_jobs = [Preemptible(0, 1.0, "a", remaining_s=4.0), Preemptible(0, 2.0, "b", remaining_s=4.0)]
+    victims, pred = flex_victim(0.0, [chain], long_jobs, 0, 20, siblings=2, deadline=1.0, remaining=[[]])
+    assert sorted(v.ref for v in victims) == ["a", "b"] and pred.total_s == pytest.approx(0.84)
+    victims, pred = flex_victim(0.0, [chain], long_jobs[1:], 0, 20, deadline=1.0, promised=[1], remaining=[[]])
+    assert victims == [] and not pred.doomed
+
+
+def test_a_later_choice_pauses_only_for_the_requests_last_token():
+    """A later choice of ``n`` paused a job for the request's first-token deadline, which the first choice had met;
+    one back in the queue after a failover paused one too (a first choice never does)."""
+    async def main():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 20.0)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=0.4, capacity=2, spans=((0, 4),))])
+        a = await dm.acquire(DispatchJob("a", expected_output=200))
+        ttft_only = RequestDeadline.from_ms("x", None, 300)
+        later = asyncio.ensure_future(dm.acquire(DispatchJob("c1", deadline=ttft_only, output_tokens=20,
+                                                             expected_output=20, checked=True)))
+        await asyncio.sleep(0)
+        assert later.done()  # the free slot
+        dm.release(later.result())
+        b = await dm.acquire(DispatchJob("b", expected_output=200))
+        ttft_only2 = RequestDeadline.from_ms("x", None, 300)
+        waiting = asyncio.ensure_future(dm.acquire(DispatchJob("d1", deadline=ttft_only2, output_tokens=20,
+                                                               expected_output=20, checked=True)))
+        both = RequestDeadline.from_ms("x", 700, None)
+        requeued = asyncio.ensure_future(dm.acquire(DispatchJob("e1", deadline=both, output_tokens=20,
+                                                                expected_output=20, checked=True, requeue=True)))
+        await asyncio.sleep(0)
+        assert not a.preempt and not b.preempt and dm.flex_preemptions == 0
+        for t in (waiting, requeued):
+            t.cancel()
+        await asyncio.gather(waiting, requeued, return_exceptions=True)
+
+    asyncio.run(main())

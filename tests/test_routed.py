@@ -51,6 +51,9 @@ def test_routes_follow_free_slots_and_release(policy):
         assert names[:2] == ["a", "a"] and names[2:] == ["b", "b"]
         assert all(ls.hops == [(n, 0, 4)] for ls, n in zip(leases, names))
         assert d.free_slots() == {"a": 0, "b": 0} and d.running == 4 and d.queue_length == 0
+        leases[3].job.idle = True  # a session's lease held between turns: not work in flight (model placement)
+        assert d.stepping == 3
+        leases[3].job.idle = False
         assert all(ls.wait_s == 5.0 for ls in leases)
         extra = await d.acquire(DispatchJob(job_id="x"))
         assert extra.hops[0][0] in ("a", "b")

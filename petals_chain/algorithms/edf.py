@@ -18,6 +18,7 @@ Times are seconds on the caller's monotonic clock; a deadline of ``math.inf`` me
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -182,8 +183,8 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
                 remaining: Sequence[Sequence[float]] | None = None) -> tuple[list[Preemptible], Prediction] | None:
     """FLEX's best-effort lane on chains (seed 003, Shepherd's value-0 requests, docs/scheduling-seeds.md §3.7):
     a new job that :func:`predict` dooms may take the slots of running jobs without a deadline, paused between
-    two steps and resumed later. Returns the jobs to pause and the new job's prediction with their slots, or None
-    if no pause makes it meet its deadlines.
+    two steps and resumed later. Returns the jobs to pause and the new job's prediction with their slots (no job
+    when slots already promised to it are enough), or None if no pause makes it meet its deadlines.
 
     The slots are looked for chain by chain (the new job then waits only for that chain: ``ahead`` jobs before
     it, ``promised[k]`` slots of chain ``k`` already freed by earlier pauses and not yet taken). A request of
@@ -196,7 +197,7 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
     ``|B_g| >= lambda |B_c|`` rule does not apply here: a best-effort job's value is 0, so any batch that meets its
     deadlines is worth more (Alg. 2's best-effort lane, as in ``algorithms.deadlines``)."""
     best: tuple[tuple[int, float], list[Preemptible], Prediction] | None = None
-    by_chain: dict[int, list[Preemptible]] = {}
+    by_chain: dict[int, list[Preemptible]] = {k: [] for k, n in enumerate(promised) if n > 0}
     for r in running:
         by_chain.setdefault(r.chain, []).append(r)
     for k, jobs in sorted(by_chain.items()):
@@ -205,7 +206,7 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
         c = chains[k]
         held = promised[k] if k < len(promised) else 0
         newest = sorted(jobs, key=lambda r: r.started, reverse=True)
-        for p in range(1, min(len(newest), 1 + siblings) + 1):
+        for p in range(0 if held else 1, min(len(newest), 1 + siblings) + 1):
             freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held - p), job_s=c.job_s,
                               step_s=c.step_s)
             kw = dict(siblings=siblings, ttft_deadline=ttft_deadline, deadline=deadline)
@@ -227,17 +228,23 @@ def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: S
                          deadline: float = math.inf) -> Prediction:
     """A pessimistic twin of :func:`predict` for ``--schedule flex``: the running jobs free their slots when their
     own remaining work is done (``remaining_s``, from the most tokens each may still generate), not at the queue's
-    mean rate, so a few long jobs without deadlines show as the obstacle they are. The new job gets the slot freed
-    ``ahead``-th (free slots first), its last sibling the one freed ``siblings`` later; then each runs at the
-    fastest chain's step."""
+    mean rate, so a few long jobs without deadlines show as the obstacle they are. The ``ahead`` jobs take the
+    first slots freed (free slots first); then the new job and each of its ``siblings`` in turn take the next one,
+    a choice's slot freed again for a later choice when it is done; each runs at the fastest chain's step."""
     usable = _usable(chains)
     if not usable:
         return _no_chain(chains, ttft_deadline, deadline)
     free = sum(max(0, c.capacity - c.active) for c in usable)
-    frees = [0.0] * free + sorted(max(0.0, r) for r in remaining_s)
-
-    def at(i: int) -> float:
-        return frees[i] if i < len(frees) else math.inf
-
-    return _verdict(now, at(ahead), min(c.step_s for c in usable), output_tokens, ttft_deadline, deadline,
-                    at(ahead + siblings))
+    step = min(c.step_s for c in usable)
+    # the jobs ahead take the first slots (when they give them back is not known); each of the request's choices
+    # takes the next one, and gives it back for a later choice when it is done
+    slots = ([0.0] * free + sorted(max(0.0, r) for r in remaining_s))[ahead:]
+    starts: list[float] = []
+    for _ in range(1 + siblings):
+        if not slots:
+            starts.append(math.inf)
+            break
+        start = heapq.heappop(slots)
+        starts.append(start)
+        heapq.heappush(slots, start + step * (1 + int(output_tokens)))
+    return _verdict(now, starts[0], step, output_tokens, ttft_deadline, deadline, starts[-1])

@@ -92,14 +92,21 @@ def _one_completion(prompt: Any, extra: dict) -> None:
     if n != 1:
         raise ValueError(f"this call returns one completion, got n={n!r}: call it once per completion (with "
                          "different seeds to sample), or use the OpenAI API for several choices")
-    if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
+    batch = isinstance(prompt, (list, tuple)) and not all(isinstance(t, int) for t in prompt)
+    if batch and len(prompt) > 1:  # a list of one text (or of one list of ids) is one prompt, as OpenAI takes it
         raise ValueError("this call takes one prompt (text or token ids), got a batch: call it once per prompt, "
                          "or use AutoDistributedModelForCausalLM.generate for a batch")
 
 
+def _no_stream_switch(extra: dict, streams: bool) -> None:
+    """``stream=`` is each method's own: a value that agrees is dropped, one that does not is a TypeError
+    (``complete(stream=True)`` failed decoding the reply; ``stream(stream=False)`` yielded nothing)."""
+    if "stream" in extra and bool(extra.pop("stream")) != streams:
+        raise TypeError("use stream() to stream, complete() or chat_completion() otherwise" if not streams else
+                        "stream() always streams: use complete() or chat_completion() for one reply")
+
+
 def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:
-    if "stream" in extra:  # each method streams or not: stream=True on complete() failed decoding the reply
-        raise TypeError("stream is not an argument here: use stream() to stream, complete() or chat() otherwise")
     body = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     if max_tokens is not None:  # None: the orchestrator's default (chat: the rest of the context)
         body["max_tokens"] = max_tokens
@@ -239,6 +246,7 @@ class Client:
                  stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
         """Generate one completion (greedy unless ``temperature > 0``) and return it with its serving details."""
         _one_completion(prompt, extra)
+        _no_stream_switch(extra, False)
         body = {"model": self.model, "prompt": prompt,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._request("POST", "/v1/completions", json=body)
@@ -259,6 +267,7 @@ class Client:
                stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
         """Yield text pieces as tokens are generated (server-sent events)."""
         _one_completion(prompt, extra)
+        _no_stream_switch(extra, True)
         body = {"model": self.model, "prompt": prompt, "stream": True,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         reproducible = temperature == 0 or seed is not None
@@ -313,6 +322,7 @@ class Client:
         """One chat completion with its serving details (the orchestrator applies the model's chat template).
         ``max_tokens=None`` lets the answer run to its end of turn or the end of the context."""
         _one_completion(None, extra)
+        _no_stream_switch(extra, False)
         body = {"model": self.model, "messages": messages,
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._request("POST", "/v1/chat/completions", json=body)
@@ -364,10 +374,12 @@ class ClientSession:
         self.closed = False
         self.last: Optional[Completion] = None
 
-    def _body(self, prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra):
+    def _body(self, prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
+              streams: bool = False):
         if prompt is not None and input_ids is not None:  # the prompt was dropped without a word
             raise ValueError("give prompt or input_ids, not both")
         _one_completion(prompt, extra)
+        _no_stream_switch(extra, streams)
         body = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
         if input_ids is not None:
             body["input_ids"] = list(input_ids)
@@ -408,7 +420,8 @@ class ClientSession:
     def stream(self, prompt: Optional[str] = None, *, input_ids: Optional[list[int]] = None, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
                seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
-        body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
+                          streams=True)
         body["stream"] = True
         with _transport_errors(self._http), self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate",
                                                               json=body) as r:

@@ -689,11 +689,11 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             raise RequestError("give exactly one of prompt (text), input_ids or messages", param="prompt")
         if s.lock.locked():
             raise RequestError("this session is already generating", status=409, code="session_busy")
-        turns = s.turns  # the target is built from the session as it is now (tokenizing may take a while)
         messages = None
         if req.messages is not None:
             messages = [m.as_dict() for m in req.messages]
-            target = await template(orch.session_messages(s, messages))
+            turns, conversation = s.turns, orch.session_messages(s, messages)  # the session the target is built on
+            target = await template(conversation)
             params, explicit = sampling(req, None)
         else:
             if req.prompt is not None:
@@ -701,7 +701,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 new_ids = await tokenize(req.prompt, add_special_tokens=special)
             else:
                 new_ids = list(req.input_ids)
-            target = orch.session_target(s, new_ids)
+            turns, target = s.turns, orch.session_target(s, new_ids)  # built on the session as it is now
             params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS)
         orch.check_ids(target)
         orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)

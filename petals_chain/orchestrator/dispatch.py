@@ -585,19 +585,22 @@ class DispatchManager:
                 # once: a multi-prompt request's jobs share it, and a queued job's key must not change under it
                 if not dl.late_decided:
                     dl.late, dl.late_decided = self.predict(job).doomed, True
-            elif job.checked and self.schedule == "flex" and dl is not None and dl.active and not dl.best_effort:
+            elif (job.checked and not job.requeue and self.schedule == "flex" and dl is not None and dl.active
+                  and not dl.best_effort and math.isfinite(dl.deadline)):
                 # a later choice, admitted with the first when enough jobs were there to pause for them all: it
                 # pauses its own now that it needs the slot (paused with the first, the slot went to the paused
-                # job's own resumption before this choice came). Never refused
-                if self.predict(job).doomed or self._misses_waiting(job):
-                    paused = self._pause_for(job)
+                # job's own resumption before this choice came). Only for the last token (the request's first
+                # token is the first choice's). Never refused
+                if self.predict(job, first_token=False).doomed or self._misses_waiting(job, first_token=False):
+                    paused = self._pause_for(job, first_token=False) or []
             elif fresh:
                 pred = self.predict(job)
                 # flex: a job that would miss (by the queue's rate, or waiting for the running jobs' own remaining
                 # work) takes the slot of a job without a deadline if that saves it; else edf's rule
-                paused = (self._pause_for(job) if self.schedule == "flex" and (pred.doomed or
-                                                                                self._misses_waiting(job)) else [])
-                if pred.doomed and not paused:
+                found = (self._pause_for(job) if self.schedule == "flex" and (pred.doomed or
+                                                                               self._misses_waiting(job)) else None)
+                paused = found or []
+                if pred.doomed and found is None:  # found == []: slots already promised are enough
                     self.deadline_refused += 1
                     raise DeadlineUnreachable(pred)
             if job.requeue:
@@ -801,14 +804,21 @@ class DispatchManager:
             ahead += self.queue_length - len(self._pending)
         return chains, ahead
 
-    def predict(self, job: DispatchJob, now: float | None = None) -> Prediction:
+    @staticmethod
+    def _deadlines(job: DispatchJob, first_token: bool = True) -> dict[str, float]:
+        """``job``'s deadlines as the predictions take them; ``first_token=False``: its last token's alone (a later
+        choice of ``n``: the request's first token is the first choice's)."""
+        dl = job.deadline
+        if dl is None:
+            return {"ttft_deadline": math.inf, "deadline": math.inf}
+        return {"ttft_deadline": dl.ttft_deadline if first_token else math.inf, "deadline": dl.deadline}
+
+    def predict(self, job: DispatchJob, now: float | None = None, *, first_token: bool = True) -> Prediction:
         """When ``job`` would get its first and last token if it arrived now (:func:`~petals_chain.algorithms.edf.
         predict`, with the jobs :meth:`_loads` counts before it)."""
         chains, ahead = self._loads(job)
-        dl = job.deadline
         return predict(time.monotonic() if now is None else now, chains, ahead, job.output_tokens,
-                       siblings=job.siblings, ttft_deadline=dl.ttft_deadline if dl else math.inf,
-                       deadline=dl.deadline if dl else math.inf)
+                       siblings=job.siblings, **self._deadlines(job, first_token))
 
     def _remaining(self, lease: Lease, chains: list[ChainLoad], now: float) -> float | None:
         """Seconds until a running job frees its slot if left to run (at most its ``expected_output`` tokens);
@@ -817,21 +827,20 @@ class DispatchManager:
             return None
         return (1 + lease.job.expected_output) * chains[lease.index].step_s - (now - lease.started)
 
-    def _misses_waiting(self, job: DispatchJob) -> bool:
+    def _misses_waiting(self, job: DispatchJob, *, first_token: bool = True) -> bool:
         """True if ``job`` misses a deadline waiting for a slot that the running jobs free when their remaining work
         (at most their ``expected_output`` tokens) is done (:func:`~petals_chain.algorithms.edf.predict_from_running`)."""
         chains, ahead = self._loads(job)
         now = time.monotonic()
         remaining = [r for r in (self._remaining(lease, chains, now) for lease in self._running.values())
                      if r is not None]
-        dl = job.deadline
         return predict_from_running(now, chains, remaining, ahead, job.output_tokens, siblings=job.siblings,
-                                    ttft_deadline=dl.ttft_deadline, deadline=dl.deadline).doomed
+                                    **self._deadlines(job, first_token)).doomed
 
-    def _pause_for(self, job: DispatchJob) -> list[Lease]:
+    def _pause_for(self, job: DispatchJob, *, first_token: bool = True) -> list[Lease] | None:
         """``--schedule flex``: mark running jobs without a deadline to give their chain back at their next step,
         if that lets ``job`` (and its later choices) meet its deadlines (:func:`~petals_chain.algorithms.edf.
-        flex_victim`); their leases, none if no pause saves it."""
+        flex_victim`); their leases (none when slots already promised are enough), None if no pause saves it."""
         chains, ahead = self._loads(job)
         now = time.monotonic()
         promised: dict[int, int] = {}
@@ -849,14 +858,13 @@ class DispatchManager:
                                            remaining_s=math.inf if left is None else left))
             elif left is not None:
                 others[lease.index].append(left)
-        if not running:
-            return []
-        dl = job.deadline
+        if not running and not promised:
+            return None
         found = flex_victim(now, chains, running, ahead, job.output_tokens, siblings=job.siblings,
-                            ttft_deadline=dl.ttft_deadline, deadline=dl.deadline,
-                            promised=[promised.get(k, 0) for k in range(len(chains))], remaining=others)
+                            promised=[promised.get(k, 0) for k in range(len(chains))], remaining=others,
+                            **self._deadlines(job, first_token))
         if found is None:
-            return []
+            return None
         # one slot for this job now; a later choice pauses its own when it comes (flex_victim found enough for all)
         victims = [v.ref for v in found[0][:1]]
         for victim in victims:

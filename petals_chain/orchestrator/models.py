@@ -200,7 +200,7 @@ class ModelRouter:
         state["models"] = [{"name": n, "model": o.model_id, "dht_prefix": o.prefix, "servers": len(o.planner.servers)
                             if o.planner is not None else 0, "chains": len(o.dispatch.chains),
                             "queue_length": o.dispatch.queue_length,
-                            "completed": o.stats.completed, "failed": o.stats.failed,
+                            "completed": o.stats.completed, "failed": o.stats.failed, "unserved": o.stats.unserved,
                             "arrival_rate": round(o.planner.arrival_rate, 4) if o.planner is not None else 0.0}
                            for n, o in self.orchs.items()]
         state["model_name"] = name

@@ -88,7 +88,7 @@ class RoutedDispatch:
 
     @property
     def stepping(self) -> int:
-        return len(self._running)  # routed jobs hold nothing between turns
+        return sum(1 for lease in self._running.values() if not lease.job.idle)  # a session's held lease: idle
 
     def active(self, index: int) -> int:
         if not (0 <= index < len(self.chains)):
