@@ -418,7 +418,7 @@ def test_a_streamed_turn_whose_end_the_client_never_got_is_undone(model_path):
 
     from petals_chain.orchestrator.dispatch import note_admission
 
-    async def fake_turn(s, target, params, *, explicit_max_tokens=True, emit=None, messages=None):
+    async def fake_turn(s, target, params, *, explicit_max_tokens=True, emit=None, messages=None, based_on=None):
         async with s.lock:  # a turn that finishes at once, as the race has it
             note_admission(True)  # as the dispatcher does when it starts the job: the stream flows from here
             await asyncio.sleep(0.05)
@@ -479,7 +479,7 @@ def test_a_turn_whose_client_left_while_it_ran_is_undone(model_path):
     import json
     from types import SimpleNamespace
 
-    async def fake_turn(s, target, params, *, explicit_max_tokens=True, emit=None, messages=None):
+    async def fake_turn(s, target, params, *, explicit_max_tokens=True, emit=None, messages=None, based_on=None):
         async with s.lock:
             await asyncio.sleep(0.05)
             s.history, s.turns = [*target, 7], s.turns + 1
