@@ -183,8 +183,8 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
                 remaining: Sequence[Sequence[float]] | None = None) -> tuple[list[Preemptible], Prediction] | None:
     """FLEX's best-effort lane on chains (seed 003, Shepherd's value-0 requests, docs/scheduling-seeds.md §3.7):
     a new job that :func:`predict` dooms may take the slots of running jobs without a deadline, paused between
-    two steps and resumed later. Returns the jobs to pause and the new job's prediction with their slots (no job
-    when slots already promised to it are enough), or None if no pause makes it meet its deadlines.
+    two steps and resumed later. Returns the jobs to pause and the new job's prediction with their slots, or None
+    if no pause makes it meet its deadlines.
 
     The slots are looked for chain by chain (the new job then waits only for that chain: ``ahead`` jobs before
     it, ``promised[k]`` slots of chain ``k`` already freed by earlier pauses and not yet taken). A request of
@@ -193,11 +193,13 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
     the fewest pauses wins, then the one where the request would finish first; there the jobs started last are
     paused (they have the least progress at stake). ``remaining[k]``: the seconds until chain ``k``'s other running
     jobs (those not in ``running``) free their slots; given, a pause must also meet the deadlines by
-    :func:`predict_from_running` (the pessimistic view that makes the caller look for a pause). Shepherd's
+    :func:`predict_from_running` (the pessimistic view that makes the caller look for a pause), which decides how
+    many a request of several choices needs (the caller passes it only for those: for one choice it counts the
+    jobs ahead as never giving their slots back, and turned down pauses that would have met the deadline). Shepherd's
     ``|B_g| >= lambda |B_c|`` rule does not apply here: a best-effort job's value is 0, so any batch that meets its
     deadlines is worth more (Alg. 2's best-effort lane, as in ``algorithms.deadlines``)."""
     best: tuple[tuple[int, float], list[Preemptible], Prediction] | None = None
-    by_chain: dict[int, list[Preemptible]] = {k: [] for k, n in enumerate(promised) if n > 0}
+    by_chain: dict[int, list[Preemptible]] = {}
     for r in running:
         by_chain.setdefault(r.chain, []).append(r)
     for k, jobs in sorted(by_chain.items()):
@@ -206,7 +208,7 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
         c = chains[k]
         held = promised[k] if k < len(promised) else 0
         newest = sorted(jobs, key=lambda r: r.started, reverse=True)
-        for p in range(0 if held else 1, min(len(newest), 1 + siblings) + 1):
+        for p in range(1, min(len(newest), 1 + siblings) + 1):
             freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held - p), job_s=c.job_s,
                               step_s=c.step_s)
             kw = dict(siblings=siblings, ttft_deadline=ttft_deadline, deadline=deadline)

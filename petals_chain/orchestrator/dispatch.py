@@ -600,7 +600,7 @@ class DispatchManager:
                 found = (self._pause_for(job) if self.schedule == "flex" and (pred.doomed or
                                                                                self._misses_waiting(job)) else None)
                 paused = found or []
-                if pred.doomed and found is None:  # found == []: slots already promised are enough
+                if pred.doomed and not found:
                     self.deadline_refused += 1
                     raise DeadlineUnreachable(pred)
             if job.requeue:
@@ -840,7 +840,7 @@ class DispatchManager:
     def _pause_for(self, job: DispatchJob, *, first_token: bool = True) -> list[Lease] | None:
         """``--schedule flex``: mark running jobs without a deadline to give their chain back at their next step,
         if that lets ``job`` (and its later choices) meet its deadlines (:func:`~petals_chain.algorithms.edf.
-        flex_victim`); their leases (none when slots already promised are enough), None if no pause saves it."""
+        flex_victim`); their leases, None if no pause saves it."""
         chains, ahead = self._loads(job)
         now = time.monotonic()
         promised: dict[int, int] = {}
@@ -858,11 +858,11 @@ class DispatchManager:
                                            remaining_s=math.inf if left is None else left))
             elif left is not None:
                 others[lease.index].append(left)
-        if not running and not promised:
+        if not running:
             return None
         found = flex_victim(now, chains, running, ahead, job.output_tokens, siblings=job.siblings,
-                            promised=[promised.get(k, 0) for k in range(len(chains))], remaining=others,
-                            **self._deadlines(job, first_token))
+                            promised=[promised.get(k, 0) for k in range(len(chains))],
+                            remaining=others if job.siblings else None, **self._deadlines(job, first_token))
         if found is None:
             return None
         # one slot for this job now; a later choice pauses its own when it comes (flex_victim found enough for all)
