@@ -441,7 +441,7 @@ class ClientSession:
     def close(self) -> None:
         if self.closed:
             return
-        with _transport_errors(self._http):  # not reached: closed stays False, so close() can be called again
+        with _transport_errors(self._http):  # a DELETE that never arrived leaves closed False: close() again
             r = self._http.delete(f"/api/v1/sessions/{self.id}")
         if r.status_code != 404:
             _raise_for(r)
