@@ -534,3 +534,26 @@ def test_a_turn_built_before_another_turn_ended_is_refused_not_undoing_it(model_
         assert s.history == [9, 9, 7] and s.turns == 1
 
     run_with_api(model_path, fn)
+
+
+def test_a_refused_field_is_named_in_the_error(model_path):
+    """OpenAI's error names the offending field in ``param``; a model-level check gave ``param: null`` (tools,
+    best_of, top_logprobs without logprobs, ...), and an out-of-vocabulary ``stop_token_ids`` entry was blamed on
+    ``logit_bias``."""
+    async def fn(orch, c):
+        model = orch.model_id
+        msgs = [{"role": "user", "content": "hi"}]
+        cases = [("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+                 ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+                 ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
+                 ("/v1/chat/completions", {"messages": msgs, "tools": [{"type": "function"}]}, "tools"),
+                 ("/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}, "top_logprobs"),
+                 ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_object"}},
+                  "response_format"),
+                 ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "a", "tool_calls": [{}]}]},
+                  "messages.0.tool_calls")]
+        for path, body, param in cases:
+            r = await c.post(path, json={"model": model, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+    run_with_api(model_path, fn)

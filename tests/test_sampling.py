@@ -333,3 +333,16 @@ def test_backward_compatible_sampler_name():
     s = PerRequestSampler(p)
     assert s.next_token(logits, [1]) == 1  # the context at the first call is the prompt: no presence penalty
     assert s.next_token(logits, [1, 1]) == 2  # token 1 was generated since: penalized
+
+
+def test_int64_seeds_and_the_seeds_of_n_choices_past_them():
+    """OpenAI types ``seed`` as int64: a negative one was a 400; a seed near the top plus a choice's index must not
+    overflow the generator. A seed is taken modulo 2**64 (as torch takes a negative one)."""
+    for a, b in ((-1, 2**64 - 1), (2**63 - 1 + 7, 2**63 + 6), (-2**63, 2**63)):
+        assert SequenceSampler(SamplingParams(temperature=1.0, seed=a)).generator.initial_seed() == \
+            SequenceSampler(SamplingParams(temperature=1.0, seed=b)).generator.initial_seed()
+    from petals_chain.orchestrator.api import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt="x", seed=-5).seed == -5
+    with pytest.raises(ValueError):
+        CompletionRequest(model="m", prompt="x", seed=2**63)

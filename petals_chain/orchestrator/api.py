@@ -59,9 +59,18 @@ class _Base(pydantic.BaseModel):
         return data
 
 
-def _unsupported(value: Any, name: str, allowed: tuple = (None,)) -> None:
+class FieldError(ValueError):
+    """A model validator's error about one field: ``param`` names it in the error object (a model validator's own
+    location is the whole body)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _unsupported(value: Any, name: str, allowed: tuple = (None,), what: str | None = None) -> None:
     if value not in allowed:
-        raise ValueError(f"{name} is not supported by this server")
+        raise FieldError(name, f"{what or name} is not supported by this server")
 
 
 class StreamOptions(_Base):
@@ -80,7 +89,7 @@ class SamplingFields(_Base):
     presence_penalty: float = pydantic.Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = pydantic.Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
-    seed: Optional[int] = pydantic.Field(default=None, ge=0, le=2**63 - 1)
+    seed: Optional[int] = pydantic.Field(default=None, ge=-2**63, le=2**63 - 1)  # OpenAI's int64
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = pydantic.Field(default=None, max_length=64)
     ignore_eos: bool = False
@@ -101,7 +110,7 @@ class SamplingFields(_Base):
     @pydantic.model_validator(mode="after")
     def _stream_options_with_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")  # as OpenAI and vLLM
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")  # as OpenAI
         return self
 
     @pydantic.field_validator("stop")
@@ -167,7 +176,7 @@ class CompletionRequest(SamplingFields):
     @pydantic.model_validator(mode="after")
     def _unsupported_fields(self):
         _unsupported(self.suffix, "suffix")
-        _unsupported(self.best_of, "best_of (other than 1)", (None, 1))
+        _unsupported(self.best_of, "best_of", (None, 1), "best_of (other than 1)")
         return self
 
 
@@ -190,7 +199,7 @@ class ChatMessage(_Base):
     @pydantic.model_validator(mode="after")
     def _no_tool_use(self):
         for name in ("refusal", "tool_calls", "function_call", "audio", "annotations"):
-            _unsupported(getattr(self, name), f"a message's {name}", (None, [], ""))
+            _unsupported(getattr(self, name), name, (None, [], ""), f"a message's {name}")
         return self
 
     def as_dict(self) -> dict:
@@ -238,14 +247,15 @@ class ChatRequest(SamplingFields):
         _unsupported(self.store, "store", (None, False))
         _unsupported(self.service_tier, "service_tier", (None, "auto", "default"))
         if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported (only 'text')")
+            raise FieldError("response_format",
+                             f"response_format {self.response_format.type!r} is not supported (only 'text')")
         if self.modalities is not None and list(self.modalities) != ["text"]:
-            raise ValueError("modalities other than ['text'] are not supported")
+            raise FieldError("modalities", "modalities other than ['text'] are not supported")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+            raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; give one")
         return self
 
 
@@ -334,7 +344,9 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             where = ".".join(str(x) for x in e.get("loc", []) if x != "body") or "body"
             return f"{where}: {str(e.get('msg', '')).removeprefix('Value error, ')}"
 
-        return _error(400, f"invalid request: {'; '.join(message(e) for e in errs[:5])}", param=".".join(loc) or None,
+        field = getattr((first.get("ctx") or {}).get("error"), "param", None)  # a FieldError's (model validators)
+        param = ".".join(loc + ([field] if field else [])) or None
+        return _error(400, f"invalid request: {'; '.join(message(e) for e in errs[:5])}", param=param,
                       code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
@@ -360,9 +372,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         params, explicit = req.sampling(cfg.max_tokens_limit, default_max_tokens, logprobs)
         orch.check_speculative(params)  # here, not only in the generation: a stream would answer 200 + an error
         vocab = orch.vocab_size
-        bad = [t for t in list(params.logit_bias) + params.stop_token_ids if t >= vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="logit_bias")
+        for field, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=field)
         set_deadline(req)
         return params, explicit
 

@@ -160,7 +160,7 @@ class PerRequestSampler:
         self.prompt_len = prompt_len
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(int(params.seed))
+            self.generator.manual_seed(int(params.seed) % 2**64)  # int64 seeds, and seed + i for n choices
         else:
             self.generator.seed()
         self.processors: LogitsProcessorList | None = None
@@ -227,7 +227,7 @@ class SequenceSampler:
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(int(params.seed))
+            self.generator.manual_seed(int(params.seed) % 2**64)  # int64 seeds, and seed + i for n choices
         else:
             self.generator.seed()
         self.greedy = params.greedy
