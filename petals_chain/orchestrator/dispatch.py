@@ -616,12 +616,15 @@ class DispatchManager:
                     self.flex_preemptions -= 1
             note_admission(False, "queue_full" if isinstance(e, QueueFull) else "deadline_unreachable", str(e))
             raise
-        note_admission(True)
+        if job not in self._pending:  # with no chain at all it is not admitted yet: a stream held back stays so, and
+            note_admission(True)  # becomes the 503 it ends in if no chain comes (not a 200 with an error event)
         self._note_queue()
         if self.priorities is not None and job not in self._running:
             self._preempt_for_priority()
         try:
-            return await fut
+            lease = await fut
+            note_admission(True)  # a job that waited in _pending (no-op if decided)
+            return lease
         except asyncio.CancelledError:
             self._waiters.pop(job, None)
             if job in self._lane:

@@ -393,12 +393,28 @@ class AdmissionLimits:
         return wrapped
 
 
+def _stream_error(messages: list[dict]) -> dict | None:
+    """The error object (with its ``status``) of a held event stream that ended in an error event, else None."""
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+    for line in body.decode("utf-8", "replace").splitlines():
+        if line.startswith("data: {") and '"error"' in line:
+            try:
+                err = json.loads(line[6:]).get("error")
+            except ValueError:
+                continue
+            status = err.get("status") if isinstance(err, dict) else None
+            if isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 600:
+                return dict(err)
+    return None
+
+
 class _HeldResponse:
     """``send`` of a generation request that holds a 200 response back until the dispatcher admitted (started
     or queued) or refused the request's job. A streamed response starts before its job reaches the dispatcher;
     if the job is refused, a 429 with the refusal's code (``queue_full`` or ``deadline_unreachable``) and
-    ``Retry-After`` goes out instead and the held stream is dropped. Any 429 the app sends gets a
-    ``Retry-After`` if it has none."""
+    ``Retry-After`` goes out instead and the held stream is dropped. A stream that ends in an error event before
+    the dispatcher decided (no chain served the model) goes out as that error's HTTP status, as OpenAI answers.
+    Any 429 the app sends gets a ``Retry-After`` if it has none."""
 
     def __init__(self, limits: AdmissionLimits, send: Send, adm: Admission):
         self.limits, self.send, self.adm = limits, send, adm
@@ -433,7 +449,18 @@ class _HeldResponse:
             return
         start = self.held[0]
         complete = any(m["type"] == "http.response.body" and not m.get("more_body", False) for m in self.held)
-        if start.get("status") == 200 and self.adm.state == "refused":
+        failed = _stream_error(self.held) if complete and self.adm.state is None and start.get("status") == 200 \
+            else None
+        if failed is not None:  # ended in error before the dispatcher saw it (no chain at all): nothing went out yet
+            self.replaced, self.held = True, []
+            status = failed.pop("status", 503)
+            body = json.dumps({"error": failed}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            if status in (429, 503):
+                headers.append((b"retry-after", str(self.limits.retry_after_s()).encode()))
+            await self.send({"type": "http.response.start", "status": status, "headers": headers})
+            await self.send({"type": "http.response.body", "body": body})
+        elif start.get("status") == 200 and self.adm.state == "refused":
             self.replaced, self.held = True, []
             if self.adm.code and self.adm.code != "queue_full":  # e.g. deadline_unreachable: not a full queue
                 await self.limits._reject(self.send, 429, self.adm.code, self.adm.message)
