@@ -123,7 +123,20 @@ def test_api_without_servers(model_path):
                                                   "echo": True})
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["choices"][0]["text"] == orch.decode(orch.tokenizer("hello world")["input_ids"])
+        assert body["choices"][0]["text"] == "hello world"
+        # echo gives the prompt back as sent: decoding its tokens dropped special tokens (a chat-formatted prompt's
+        # "<|user|>", "</s>"), and stripping the echo by the prompt's length cut into the completion
+        special = f"{orch.tokenizer.eos_token}\nhello {orch.tokenizer.eos_token} world"
+        for stream in (False, True):
+            r = await c.post("/v1/completions", json={"model": model, "prompt": special, "max_tokens": 0, "echo": True,
+                                                      "stream": stream})
+            text = r.json()["choices"][0]["text"] if not stream else "".join(
+                json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                if line.startswith("data: {") and json.loads(line[6:])["choices"])
+            assert text == special, (stream, text)
+        r = await c.post("/v1/completions", json={"model": model, "prompt": [special, "two"], "max_tokens": 0,
+                                                  "echo": True})
+        assert [ch["text"] for ch in r.json()["choices"]] == [special, "two"]
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
 
         # sessions: open, inspect, validate, close; unknown ids are 404
@@ -173,8 +186,15 @@ def test_too_many_prompts_are_refused_before_any_is_tokenized(model_path, monkey
         encode = orch.encode
         monkeypatch.setattr(orch, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw))
         r = await c.post("/v1/completions", json={"model": orch.model_id, "prompt": ["a"] * 5000, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and encoded == []
+        assert "--max-choices" in r.json()["error"]["message"]
+        nine = {"model": orch.model_id, "prompt": ["a"] * 9, "max_tokens": 0, "echo": True}  # no chain needed
+        assert (await c.post("/v1/completions", json=nine)).status_code == 400
+        orch.cfg.max_n = 16  # --max-choices 16
+        r = await c.post("/v1/completions", json=nine)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 9
+        r = await c.post("/v1/completions", json={**nine, "prompt": ["a"] * 2, "n": 9})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-        assert encoded == []
 
     run_with_api(model_path, fn)
 

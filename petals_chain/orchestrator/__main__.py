@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest wait of a request for a chain (then 503)")
     p.add_argument("--no-chain-wait-s", type=_nonnegative_float, default=30.0,
                    help="a new request while no chain serves its model (no server ready) waits this long, then 503")
+    p.add_argument("--max-choices", type=_positive_int, default=8,
+                   help="completions one request may ask for (prompts x n); more get 400")
     p.add_argument("--max-queue", type=_positive_int, default=1024,
                    help="generation requests admitted beyond the chains' capacity; more get 429 + Retry-After")
     p.add_argument("--client-max-inflight", type=_positive_int, default=256,
@@ -487,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         c.queue_timeout_s, c.no_chain_wait_s = args.queue_timeout_s, args.no_chain_wait_s
         c.client_max_sessions, c.max_body_bytes = args.client_max_sessions, args.max_body_bytes
         c.max_sessions, c.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
+        c.max_n = args.max_choices
     if args.api_keys:
         from petals_chain.orchestrator.auth import KeyFileError, KeyRing
 

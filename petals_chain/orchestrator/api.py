@@ -368,7 +368,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     def sampling(req: SamplingFields, default_max_tokens: int | None, logprobs: int | None = None
                  ) -> tuple[SamplingParams, bool]:
         if req.n > cfg.max_n:
-            raise RequestError(f"n must be at most {cfg.max_n}", param="n")
+            raise RequestError(f"n must be at most {cfg.max_n} (the orchestrator's --max-choices)", param="n")
         params, explicit = req.sampling(cfg.max_tokens_limit, default_max_tokens, logprobs)
         orch.check_speculative(params)  # here, not only in the generation: a stream would answer 200 + an error
         vocab = orch.vocab_size
@@ -561,8 +561,19 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         check_model(req.model)
         many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
         if (len(req.prompt) if many else 1) * req.n > cfg.max_n:  # before tokenizing them all on the event loop
-            raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n)", param="n")
+            raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n; the orchestrator's "
+                               "--max-choices)", param="prompt" if many and req.n == 1 else "n")
         prompts = await prompt_ids_of(req.prompt)  # as many as counted above
+        # echo gives back each prompt as sent (its text; decoding its tokens dropped special tokens such as
+        # "<|user|>" and changed the text a client strips the echo by): token-id prompts are decoded
+        if not req.echo:
+            texts = [""] * len(prompts)
+        elif isinstance(req.prompt, str):
+            texts = [req.prompt]
+        elif many and isinstance(req.prompt[0], str):
+            texts = list(req.prompt)
+        else:
+            texts = [orch.decode(ids) for ids in prompts]
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         for ids in prompts:  # validate every prompt before any work starts
             orch.validate_prompt(ids, params.max_tokens, explicit)
@@ -574,7 +585,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             if len(prompts) != 1:
                 raise RequestError("streaming supports one prompt per request", param="prompt")
             ids = prompts[0]
-            echo_text = orch.decode(ids) if req.echo else None
+            echo_text = texts[0] if req.echo else None
             counters: dict[int, StopMatcher] = {}  # each choice's position: text_offset runs on across its chunks
 
             def chunk(i, text, finish, choices, first=False):
@@ -604,10 +615,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if deadline is not None and len(prompts) > 1:  # met only if the last prompt's last token was in time
             orch.deadlines.settle(deadline)
         choices, gens = [], []
-        for ids, group in zip(prompts, results):
+        for ids, prompt_text, group in zip(prompts, texts, results):
             for g in group:
                 text, logprobs = g.text, None
-                prefix = orch.decode(ids) if req.echo else ""
+                prefix = prompt_text if req.echo else ""
                 if req.logprobs is not None:
                     gen_lp = lp.completion(g.logprobs or [], g.token_ids, offset0=len(prefix), context=ids)
                     if req.echo:

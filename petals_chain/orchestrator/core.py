@@ -96,7 +96,7 @@ class OrchestratorConfig:
     dht_prefix: str | None = None
     model_id: str | None = None  # the id /v1/models lists; default: the model's (short) name
     max_tokens_limit: int = 4096
-    max_n: int = 8
+    max_n: int = 8  # completions per request, prompts x n (--max-choices)
     max_sessions: int = 1024
     session_idle_timeout_s: float = 300.0
     queue_timeout_s: float = 600.0
