@@ -118,9 +118,14 @@ class Announcer:
             try:
                 # bounded: a store hung on an unreachable peer must not hold back the next refresh for long;
                 # return_exceptions: a store the DHT cancels (at shutdown) must not leave an unretrieved error
-                stored = await asyncio.wait_for(asyncio.gather(*(
+                stores = asyncio.gather(*(
                     self.sd.apublish_server(prefix, record, self.expiration_s) for prefix, record in self.records()),
-                    return_exceptions=True), timeout=max(self.refresh_s, 5.0) if timeout_s is None else timeout_s)
+                    return_exceptions=True)
+                # this publish cancelled (stop() under way) ends the gather with a CancelledError nobody awaits:
+                # retrieved here, else asyncio logs "exception was never retrieved" as an ERROR at every shutdown
+                stores.add_done_callback(lambda f: f.cancelled() or f.exception())
+                stored = await asyncio.wait_for(stores, timeout=max(self.refresh_s, 5.0) if timeout_s is None
+                                                else timeout_s)
             except Exception as e:  # noqa: BLE001 - a DHT hiccup must not kill the server
                 logger.warning(f"publishing the server record failed: {type(e).__name__}: {e}")
                 return False
