@@ -45,17 +45,33 @@ class DashboardProc:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 15.0) -> list[int]:
+        """SIGTERM (as ``kill``, systemd, docker stop), then SIGKILL what is left; returns the processes the
+        dashboard left running after SIGTERM (its DHT process and p2pd outlived it: uvicorn re-raised the signal
+        before the cleanup)."""
         children = descendants(self.proc.pid)
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             quietly(lambda: self.proc.wait(timeout=timeout))
+        deadline = time.time() + 10
+        while (left := [pid for pid in children if _running(pid)]) and time.time() < deadline:
+            time.sleep(0.2)
         quietly(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
         for pid in children:
             quietly(lambda: os.kill(pid, signal.SIGKILL))
         quietly(lambda: self.proc.wait(timeout=10))
         if not self._log.closed:
             self._log.close()
+        return left
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def wait_for(cond: Callable[[], Optional[object]], timeout: float, what: str, swarm, dash: DashboardProc) -> object:
@@ -96,13 +112,15 @@ def live_swarm(tiny_model_factory, tmp_path):
                               "--poll-interval", "1", "--log-level", "WARNING"], tmp_path / "dashboard.log")
         yield swarm, dash, f"http://127.0.0.1:{port}"
     finally:
+        left = None
         try:
             if dash is not None:
-                dash.stop()
+                left = dash.stop()
         finally:
             swarm.stop()
         assert swarm.leftover_processes() == []
         assert dash is None or dash.proc.poll() is not None
+        assert not left and (dash is None or dash.proc.returncode == 0), (left, dash and dash.proc.returncode)
 
 
 def _servers_by_name(view: dict) -> dict:

@@ -8,10 +8,12 @@ every ``--poll-interval`` seconds, and serves the page at ``/``, the JSON at ``/
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from petals_chain.swarm.logs import log_level
 
@@ -129,11 +131,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         app = create_app(source.view, source.health)
         print(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})", flush=True)
         print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        _serve(uvicorn, app, args.host, args.port)
     finally:
         source.stop()
         sd.shutdown()
     return 0
+
+
+def _serve(uvicorn: Any, app: Any, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM, then return (so the caller stops its DHT): uvicorn's own handlers re-raise
+    the signal once it has shut down, and SIGTERM's default action then ended the process before the cleanup,
+    leaving the DHT process and p2pd running."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server.install_signal_handlers = lambda: None
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        await server.serve()
+
+    asyncio.run(run())
 
 
 if __name__ == "__main__":
