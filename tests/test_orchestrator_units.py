@@ -212,6 +212,26 @@ class _FakeRecord:
         self.timestamp = time.time()
 
 
+def test_a_server_sized_for_shorter_jobs_is_left_out_of_the_chains(caplog):
+    """A server started with ``--max-length 32`` in a swarm of 64 refuses a longer job's open: the job took the same
+    chain again until its queue time ran out (ten minutes, nothing logged). It is left out of the chains, said once."""
+    import logging
+
+    from petals_chain.orchestrator.planner import Planner, ServerView
+
+    pl = Planner(dht=None, prefix="x", client=None, max_length=64, on_chains=lambda c: None, arrival_rate=1.0)
+    for name, length in (("whole", 64), ("short", 32), ("long", 128)):
+        rec = _FakeRecord(100.0, 0.01, start=0, num=4, slots=2, state="online", name=name)
+        rec.max_length = length
+        pl.servers[name] = ServerView(peer_id=name, record=rec)
+        pl.assignment[name] = (0, 4)
+    with caplog.at_level(logging.WARNING):
+        assert sorted(v.peer_id for v in pl.online_views()) == ["long", "whole"]
+        pl.online_views()
+    said = [r for r in caplog.records if "below this swarm's max_length" in r.getMessage()]
+    assert len(said) == 1 and "short" in said[0].getMessage()
+
+
 def test_planner_incremental_join_and_margin():
     from petals_chain.orchestrator.planner import Planner, ServerView
 

@@ -198,3 +198,30 @@ def test_a_server_of_several_models_moves_to_one_an_orchestrator_serves():
 
     s = asyncio.run(main())
     assert s.active is alpha and s.switches == 1 and s.state == "joining" and asked == ["alpha"]
+
+
+def test_an_assignment_it_cannot_serve_says_which_flag(caplog):
+    """``--cache-tokens-per-block`` below what one job needs: every assignment was refused with an error about the
+    memory budget (``M_j``), which had room for 42 slots; and ``--max-length`` below the swarm's said nothing (its
+    chains then refused every longer job)."""
+    def load(source, start, num, **kw):
+        return _Runner()
+
+    async def main(s, asg):
+        await s.apply_assignment(asg)
+
+    s = _server(load)
+    s.memory.slots_for = lambda n, length, cap=True: 0 if cap else 42
+    s.memory.holds = lambda n, length: False
+    s.memory.cache_tokens_per_block, s.memory.memory_bytes, s.memory.s_m = 16, 10**6, 1000
+    s.memory.s_c = lambda length: 100
+    with caplog.at_level(logging.INFO):
+        asyncio.run(main(s, _Assignment(1, (0, 4), 1.0)))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert said and "--cache-tokens-per-block 16" in said[-1] and "at least 32" in said[-1], said
+    s = _server(load)
+    s.cfg.max_length = 32
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        asyncio.run(main(s, _Assignment(1, (0, 4), 1.0)))
+    assert any("--max-length 32 is below the swarm's max_length 128" in r.getMessage() for r in caplog.records)

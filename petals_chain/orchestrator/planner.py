@@ -140,6 +140,7 @@ class Planner:
         self._reach_tasks: dict[str, asyncio.Task] = {}
         self.client = client
         self.max_length = max_length
+        self._short: dict[str, int] = {}  # servers left out of chains for a smaller max_length (warned once)
         self.on_chains = on_chains
         self.fixed_rate = arrival_rate
         self.rates = RateEstimator()
@@ -510,12 +511,22 @@ class Planner:
         return [v for v in self.servers.values() if v.usable]
 
     def online_views(self) -> list[ServerView]:
-        """Usable servers that are online and serve exactly their assigned span."""
+        """Usable servers that are online and serve exactly their assigned span, with slots for the swarm's
+        ``max_length`` (a server started with a smaller ``--max-length`` refuses a longer job's open, and the job
+        took the same chain again until its queue time ran out, ten minutes without a word)."""
         out = []
         for v in self.usable_views():
             span = self.assignment.get(v.peer_id)
             r = v.record
             if span is not None and r.state == "online" and (r.start_block, r.num_blocks) == tuple(span):
+                short = getattr(r, "max_length", 0)
+                if 0 < short < self.max_length:
+                    if self._short.get(v.peer_id) != short:
+                        self._short[v.peer_id] = short
+                        logger.warning("server %s sizes its KV for %d tokens, below this swarm's max_length %d "
+                                       "(its --max-length): left out of the chains", r.public_name or v.peer_id,
+                                       short, self.max_length)
+                    continue
                 out.append(v)
         return out
 

@@ -70,10 +70,10 @@ class MemoryBudget:
         to whole pages, as the runner allocates them)."""
         return cache_slot_bytes(self.config, self.dtype, slot_tokens(self.kv_cache, max_length, self.page_size))
 
-    def slots_for(self, num_blocks: int, max_length: int) -> int:
-        """Eq. 3: ``floor((M_j - s_m m_j) / s_c)``, capped by ``--cache-tokens-per-block`` when set."""
+    def slots_for(self, num_blocks: int, max_length: int, cap: bool = True) -> int:
+        """Eq. 3: ``floor((M_j - s_m m_j) / s_c)``, capped by ``--cache-tokens-per-block`` when set (and ``cap``)."""
         slots = slots_for_budget(self.memory_bytes, num_blocks, self.s_m, self.s_c(max_length))
-        if self.cache_tokens_per_block > 0:  # PETALS' fixed attention cache, in slots of max_length tokens
+        if cap and self.cache_tokens_per_block > 0:  # PETALS' fixed attention cache, in slots of max_length tokens
             slots = min(slots, num_blocks * self.cache_tokens_per_block // max_length)
         return slots
 

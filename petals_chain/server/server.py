@@ -215,6 +215,10 @@ class Server:
             return
         span = asg.span_of(self.sd.peer_id)
         max_length = self.cfg.max_length or asg.max_length
+        if max_length < asg.max_length and asg.timestamp > self.assignment_timestamp:
+            logger.warning(f"--max-length {max_length} is below the swarm's max_length {asg.max_length}: the "
+                           "orchestrator leaves this server out of its chains; restart without --max-length (or "
+                           f"with {asg.max_length} or more) to serve")
         content = self._assignment_content(asg)
         failed = self._failed_load
         if failed is not None and failed[0] == content and time.monotonic() < failed[1]:
@@ -246,8 +250,13 @@ class Server:
         start, num = span
         slots = self.memory.slots_for(num, max_length)
         if not self.memory.holds(num, max_length):
-            logger.error(f"assignment of {num} blocks leaves {slots} cache slots in M_j={self.memory.memory_bytes} "
-                         f"bytes (s_m={self.memory.s_m}, s_c={self.memory.s_c(max_length)}); not loading it")
+            capped = (self.memory.cache_tokens_per_block > 0
+                      and self.memory.slots_for(num, max_length, cap=False) > slots)
+            why = (f"--cache-tokens-per-block {self.memory.cache_tokens_per_block} holds {slots} jobs of "
+                   f"{max_length} tokens in {num} blocks (raise it to at least {-(-max_length // num)})" if capped
+                   else f"M_j={self.memory.memory_bytes} bytes (s_m={self.memory.s_m}, "
+                        f"s_c={self.memory.s_c(max_length)})")
+            logger.error(f"assignment of {num} blocks leaves {slots} cache slots: {why}; not loading it")
             self._load_failed(content)
             return
         logger.info(f"loading blocks [{start}, {start + num}) with {slots} cache slots (max_length {max_length})")
