@@ -111,6 +111,16 @@ def test_merge_records_override_summary_liveness():
     assert by_id["QmA"]["reachability"] == "unknown"
     summary["servers"][0]["reachability"] = "unreachable"
     assert merge_view("tiny", records, summary)["servers"][0]["reachability"] == "unreachable"
+    # what only the orchestrator knows passes through (a server banned by audits showed as a normal online one,
+    # one refused for serving another model as joining); what the server signs is shown (its emulated faults)
+    summary["servers"][0].update(state="refused", trust={"banned": True, "strikes": 3}, step_compute_s=0.01,
+                                 model_mismatch=True)
+    records["QmA"] = _record("QmA", emulate_reply_fault="noise", emulate_reply_fault_rate=0.5,
+                             models=["tiny", "other"], serving="tiny")
+    a = {s["peer_id"]: s for s in merge_view("tiny", records, summary)["servers"]}["QmA"]
+    assert a["state"] == "refused" and a["trust"] == {"banned": True, "strikes": 3} and a["step_compute_s"] == 0.01
+    assert a["emulate_reply_fault"] == "noise" and a["emulate_reply_fault_rate"] == 0.5
+    assert a["models"] == ["tiny", "other"] and a["serving"] == "tiny" and a["model_mismatch"] is True
 
 
 def test_merge_without_summary_and_with_garbage_summary():

@@ -80,10 +80,17 @@ def server_entry(record: Any, tau_c: Optional[float] = None) -> dict:
     entry = {k: r.get(k, v) for k, v in SERVER_DEFAULTS.items() if k not in ("tau_c", "last_seen")}
     entry["tau_c"] = tau_c
     entry["last_seen"] = r.get("timestamp")
-    for extra in ("quant", "max_length", "epoch", "version", "reachability", "maddrs"):
+    for extra in ("quant", "max_length", "epoch", "version", "reachability", "maddrs", "emulate_reply_fault",
+                  "emulate_reply_fault_rate", "models", "serving"):  # what the server signs (emulation is shown)
         if extra in r:
             entry[extra] = r[extra]
     return entry
+
+
+# What only the orchestrator knows about a server (its audits' verdict, the step times it measures, its own dial
+# of the server, the refusal of another model's server): passed through from the trusted summary.
+_JUDGED = ("trust", "step_compute_s", "step_network_s", "reachability_error", "model_mismatch", "strikes", "banned",
+           "banned_for_s", "distrusted", "tau_p_measured", "tau_p_suspect", "rtt_s", "assigned")
 
 
 def merge_view(
@@ -116,8 +123,11 @@ def merge_view(
         seen_by_orch = summary_servers.get(peer_id, {})
         tau_c = seen_by_orch.get("tau_c")
         entry = server_entry(record, tau_c if isinstance(tau_c, (int, float)) else None)
-        if seen_by_orch.get("state") == "failed" and entry["state"] != "offline":
-            entry["state"] = "failed"  # the record still says online, but the orchestrator cannot reach it
+        if seen_by_orch.get("state") in ("failed", "refused") and entry["state"] != "offline":
+            # the record still says online (or joining), but the orchestrator cannot reach it, or refused it for
+            # serving another model
+            entry["state"] = seen_by_orch["state"]
+        entry.update({k: seen_by_orch[k] for k in _JUDGED if k in seen_by_orch})
         if seen_by_orch.get("reachability") in ("direct", "relayed", "unreachable", "pending"):
             entry["reachability"] = seen_by_orch["reachability"]  # its own dial wins over the server's claim
         servers.append(entry)
