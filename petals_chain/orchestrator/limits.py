@@ -220,7 +220,11 @@ class AdmissionLimits:
 
     async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool | int = True) -> None:
         self._count(reason)
-        body = json.dumps(error_object(status, message, code=reason)).encode()
+        await self._send_error(send, status, error_object(status, message, code=reason), retry)
+
+    async def _send_error(self, send: Send, status: int, error: dict, retry: bool | int) -> None:
+        """``error`` (``{"error": {...}}``) as the whole response; ``retry``: a ``Retry-After`` (True: ours)."""
+        body = json.dumps(error).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="petals-chain"'))
@@ -454,12 +458,7 @@ class _HeldResponse:
         if failed is not None:  # ended in error before the dispatcher saw it (no chain at all): nothing went out yet
             self.replaced, self.held = True, []
             status = failed.pop("status", 503)
-            body = json.dumps({"error": failed}).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            if status in (429, 503):
-                headers.append((b"retry-after", str(self.limits.retry_after_s()).encode()))
-            await self.send({"type": "http.response.start", "status": status, "headers": headers})
-            await self.send({"type": "http.response.body", "body": body})
+            await self.limits._send_error(self.send, status, {"error": failed}, retry=status in (429, 503))
         elif start.get("status") == 200 and self.adm.state == "refused":
             self.replaced, self.held = True, []
             if self.adm.code and self.adm.code != "queue_full":  # e.g. deadline_unreachable: not a full queue

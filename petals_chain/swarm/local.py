@@ -121,6 +121,7 @@ class LocalSwarm:
         self.url: Optional[str] = None
         self.initial_peers: list[str] = []
         self.orchestrator_peer_id: Optional[str] = None
+        self._sigterm: Any = None  # the SIGTERM handler __enter__ replaced (restored at __exit__)
 
     # ---- processes -----------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], spec: Any = None) -> _Proc:
@@ -333,7 +334,6 @@ class LocalSwarm:
     def __enter__(self) -> "LocalSwarm":
         # SIGTERM (``timeout``, ``kill``) ended a script at once and left its swarm running: it now unwinds the
         # ``with`` like Ctrl-C does, so the swarm stops (only where nobody handles SIGTERM already)
-        self._sigterm = None
         if threading.current_thread() is threading.main_thread() and \
                 signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -352,7 +352,7 @@ class LocalSwarm:
             self._restore_sigterm()
 
     def _restore_sigterm(self) -> None:
-        if getattr(self, "_sigterm", None) is not None:
+        if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
             self._sigterm = None
 
