@@ -59,8 +59,13 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
     """``analytic``: the whole story (placement, shift, dashboard, restart). ``simulated`` (the unserved index by
     replaying the recent requests on a fitted step cost): the placement and the shift, and that the re-placements
     after the first completed requests replayed them."""
-    alpha, beta = tiny_model_factory("llama", num_layers=4), tiny_model_factory("qwen2", num_layers=2)
-    memory = max(memory_for(alpha, 64, 4, 2), memory_for(beta, 64, 2, 2))
+    # One server holds either model whole: alpha with 2 slots, beta (3 blocks, no GQA: more KV per token) with 4.
+    # Each model's clients outnumber one server's slots, so the index gains by a second server whatever the
+    # measured speeds (with beta at 19 slots and 4 clients, the move's gain rested on them alone and was 0 at times).
+    alpha = tiny_model_factory("llama", num_layers=4)
+    beta = tiny_model_factory("qwen2", num_layers=3, num_key_value_heads=4)
+    memory = memory_for(alpha, 64, 4, 2)
+    assert memory_for(beta, 64, 3, 4) <= memory < memory_for(beta, 64, 3, 5)
     emulate = ["--emulate-decode-ms", "25"]  # a job takes ~1 s on alpha: two clients fill a chain
 
     def spec(i: int) -> LocalServer:
@@ -83,7 +88,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
             sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["alpha"] >= 2, scaled(90),
                           "two servers on alpha")
             time.sleep(3)
-        with Traffic(sw, "beta", 4) as on_beta:
+        with Traffic(sw, "beta", 6) as on_beta:
             state = sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["beta"] >= 2, scaled(120),
                                   "the shift to move a server to beta")
             moved = [m for m in state["model_placement"]["recent"] if m["to"] == "beta" and m["from"] == "alpha"]

@@ -142,6 +142,11 @@ _TRY_ANOTHER = {502, 503, 504}
 # (s, doubling): a lost orchestrator's group is taken over within --group-ttl-s plus a round (about 10 s by default)
 DEFAULT_RETRY_S = 30.0
 RETRY_PAUSE_S = (0.5, 4.0)
+# No cap on pooled connections: httpcore 1.0.9's pool closes an idle connection it has just handed to a waiting
+# thread when it holds more than the keep-alive cap (or needs room under the connection cap), cutting that
+# thread's request ("ReadError: [Errno 9] Bad file descriptor", or a hang until the read timeout): encode/httpcore
+# #1110, open. A Client shared by more threads than the caps (a burst of requests) met it.
+_POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
 
 def _unavailable(failures: list[str]) -> ClientError:
@@ -167,7 +172,8 @@ class Client:
         self.retry_s = float(retry_s)
         self.urls = [u.rstrip("/") for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._https = [httpx.Client(base_url=u, timeout=timeout, headers=headers) for u in self.urls]
+        self._https = [httpx.Client(base_url=u, timeout=timeout, headers=headers, limits=_POOL_LIMITS)
+                       for u in self.urls]
         self._current = 0
         self._model = model
 
