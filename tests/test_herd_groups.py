@@ -823,7 +823,8 @@ def test_a_forwarded_stream_cut_off_is_finished_here_without_repeating_text(monk
 def test_a_request_to_an_orchestrator_that_has_not_read_the_split_yet_waits_for_a_target(monkeypatch):
     """Just restarted, an orchestrator knows no group with a chain: a request it queued waited for its own group's
     chain (up to --no-chain-wait-s, then 503) while the other group served. It now waits briefly for a target to be
-    known (forwarded), or for a chain of its own (served here); once it knows the split it does not wait."""
+    known (forwarded), or for a chain of its own (served here), never past the request's deadline; once it knows
+    the split it does not wait."""
     import asyncio
     from types import SimpleNamespace as NS
 
@@ -845,9 +846,9 @@ def test_a_request_to_an_orchestrator_that_has_not_read_the_split_yet_waits_for_
               groups=NS(me="me", forwarded=0, session_owners=fw.SessionOwners(), epoch=0,
                         json=lambda: {"orchestrators": list(known)}))
 
-    def request():
+    def request(body: bytes = b'{"prompt": "x"}'):
         async def receive():
-            return {"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
         return Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
                         "headers": [(b"content-type", b"application/json")]}, receive)
 
@@ -866,6 +867,12 @@ def test_a_request_to_an_orchestrator_that_has_not_read_the_split_yet_waits_for_
         asyncio.ensure_future(later(0.6, lambda: orch.dispatch.chains.append("a chain")))
         assert await fw.maybe_forward(orch, request()) is None and time.monotonic() - t0 < 3  # served here
         orch.dispatch.chains.clear()
+        # nothing becomes known: a request with a deadline waits no longer than its nearer deadline (then handled
+        # here, which drops it at once), not the 10 s a request without one waits
+        t0 = time.monotonic()
+        assert await fw.maybe_forward(orch, request(b'{"prompt": "x", "deadline_ms": 5000, "ttft_deadline_ms": 400}'
+                                                     )) is None
+        assert 0.35 < time.monotonic() - t0 < 1.5 and sent == ["http://other:1/v1/completions"]
         orch.groups.epoch = 3  # it knows the split: no group has a chain, nothing to wait for
         t0 = time.monotonic()
         assert await fw.maybe_forward(orch, request()) is None and time.monotonic() - t0 < 0.2

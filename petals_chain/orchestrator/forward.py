@@ -30,7 +30,8 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
-from petals_chain.orchestrator.resume import Cut, DeadlineGone, StreamRecord, finish, relay_events, with_time_gone
+from petals_chain.orchestrator.resume import (Cut, DeadlineGone, StreamRecord, finish, first_deadline_s, relay_events,
+                                             with_time_gone)
 
 logger = logging.getLogger(__name__)
 
@@ -119,17 +120,19 @@ def _best_peer(orch: Any, avoid: str = "") -> Optional[str]:
     return best["http_url"]
 
 
-async def _target_soon(orch: Any, request: Request) -> Optional[str]:
+async def _target_soon(orch: Any, request: Request, arrived: float) -> Optional[str]:
     """:func:`forward_target`; while this orchestrator knows no split yet (it just started) and its group has no
     chain, waiting up to :data:`TARGET_WAIT_S` for a target or a chain (a request queued here waited for this
-    group's own chain, ``--no-chain-wait-s`` then 503, while another group could serve it). None as soon as this
-    group has a chain, or the client left."""
+    group's own chain, ``--no-chain-wait-s`` then 503, while another group could serve it), and never past the
+    request's nearer deadline (``arrived``: monotonic; then it is handled here, which drops it at once). None as
+    soon as this group has a chain, or the client left."""
     url = forward_target(orch)
     if url is not None or orch.groups is None or orch.dispatch.chains or orch.groups.epoch > 0:
         return url
-    give_up = time.monotonic() + TARGET_WAIT_S
+    deadline_s = first_deadline_s(await request.body(), _key_deadlines(request))
+    give_up = arrived + min(TARGET_WAIT_S, TARGET_WAIT_S if deadline_s is None else deadline_s)
     while time.monotonic() < give_up and not await request.is_disconnected():
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(min(0.25, max(give_up - time.monotonic(), 0.0)))
         if orch.dispatch.chains:
             return None
         if (url := forward_target(orch)) is not None:
@@ -154,7 +157,7 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     if FORWARDED_HEADER in request.headers:
         return None
     arrived = time.monotonic()  # a deadline counts from here, the wait for a target included
-    url = url or await _target_soon(orch, request)
+    url = url or await _target_soon(orch, request, arrived)
     if url is None:
         return None
     body = sent = await request.body()

@@ -290,6 +290,22 @@ def with_time_gone(body: bytes, arrived: float, defaults: Optional[dict] = None)
     return json.dumps(_shortened(obj, arrived)).encode()
 
 
+def first_deadline_s(body: bytes, defaults: Optional[dict] = None) -> Optional[float]:
+    """The nearer of a JSON request body's deadlines (its own, else ``defaults``: its API key's) in seconds from its
+    arrival; None when none applies, the request is ``best_effort``, or the body is not a JSON object (the API's
+    validation answers those)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("best_effort") is True:
+        return None
+    obj = _with_defaults(obj, defaults)
+    ms = [v for v in (obj.get("deadline_ms"), obj.get("ttft_deadline_ms"))
+          if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
+    return min(ms) / 1000.0 if ms else None
+
+
 def _ending(status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
     """The error event and ``[DONE]`` that end a stream which could not be finished."""
     return (sse.error_event(status, message, code=code, type_=type_) + sse.DONE).encode()
