@@ -558,8 +558,8 @@ def test_a_turn_built_before_another_turn_ended_is_refused_not_undoing_it(model_
 
 def test_a_refused_field_is_named_in_the_error(model_path):
     """OpenAI's error names the offending field in ``param``; a model-level check gave ``param: null`` (tools,
-    best_of, top_logprobs without logprobs, ...), and an out-of-vocabulary ``stop_token_ids`` entry was blamed on
-    ``logit_bias``."""
+    best_of, top_logprobs without logprobs, ...), an out-of-vocabulary ``stop_token_ids`` entry was blamed on
+    ``logit_bias``, and a ``max_completion_tokens`` too long for the context on ``max_tokens``."""
     async def fn(orch, c):
         model = orch.model_id
         msgs = [{"role": "user", "content": "hi"}]
@@ -572,8 +572,18 @@ def test_a_refused_field_is_named_in_the_error(model_path):
                   "response_format"),
                  ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "a", "tool_calls": [{}]}]},
                   "messages.0.tool_calls")]
+        # an output limit past the context, or too long for the prompt, is named as the request sent it (the chat
+        # API's newer max_completion_tokens included)
+        most = orch.cfg.max_length
+        for path, body in [("/v1/chat/completions", {"messages": msgs}), ("/v1/completions", {"prompt": "x"})]:
+            for field in ("max_tokens", "max_completion_tokens") if "messages" in body else ("max_tokens",):
+                cases += [(path, {**body, field: most + 1}, field), (path, {**body, field: most - 1}, field)]
         for path, body, param in cases:
             r = await c.post(path, json={"model": model, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            if body.get(param) == most - 1:
+                assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+            if param.startswith("max_"):
+                assert param in r.json()["error"]["message"], r.text
 
     run_with_api(model_path, fn)

@@ -139,13 +139,19 @@ class SamplingFields(_Base):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return v
 
+    @property
+    def limit_field(self) -> str:
+        """The body field the output limit came in, for errors: a chat request may send ``max_completion_tokens``
+        (the chat API's newer name, copied into ``max_tokens``)."""
+        return "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
+
     def sampling(self, limit_tokens: int, default_max_tokens: int | None, logprobs: int | None = None
                  ) -> tuple[SamplingParams, bool]:
         """``(params, explicit)``; ``default_max_tokens`` None means the rest of the context."""
         explicit = self.max_tokens is not None
         max_tokens = self.max_tokens if explicit else (default_max_tokens or limit_tokens)
         if explicit and max_tokens > limit_tokens:
-            raise RequestError(f"max_tokens must be at most {limit_tokens}", param="max_tokens")
+            raise RequestError(f"{self.limit_field} must be at most {limit_tokens}", param=self.limit_field)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         greedy = self.top_p == 0.0  # nucleus of probability 0: the most likely token alone
         params = SamplingParams(
@@ -645,7 +651,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             req.max_tokens = req.max_completion_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params, explicit = sampling(req, None, top)
-        orch.validate_prompt(ids, params.max_tokens, explicit)
+        orch.validate_prompt(ids, params.max_tokens, explicit, field=req.limit_field)
         reserve_tokens(len(ids) + params.max_tokens * req.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

@@ -477,20 +477,22 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
 
-    def validate_prompt(self, ids: list[int], max_tokens: int, explicit: bool, *, max_length: int | None = None
-                        ) -> None:
-        """Refuse (RequestError) an empty prompt, unknown token ids, or one that leaves no room to generate."""
+    def validate_prompt(self, ids: list[int], max_tokens: int, explicit: bool, *, max_length: int | None = None,
+                        field: str = "max_tokens") -> None:
+        """Refuse (RequestError) an empty prompt, unknown token ids, or one that leaves no room to generate.
+        ``field``: the body field the limit came in (``max_completion_tokens`` for a chat request that sent it)."""
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         self.check_ids(ids)
         self._max_tokens(max_tokens, len(ids), max_length or self.cfg.max_length, explicit,
-                         session=max_length is not None)
+                         session=max_length is not None, field=field)
 
     @staticmethod
-    def _max_tokens(max_tokens: int, used: int, max_length: int, explicit: bool, session: bool = False) -> int:
+    def _max_tokens(max_tokens: int, used: int, max_length: int, explicit: bool, session: bool = False,
+                    field: str = "max_tokens") -> int:
         """Tokens to generate after ``used`` context tokens: an implicit limit shrinks to the room left, an
         explicit one that does not fit is refused (OpenAI's behaviour). ``session``: ``max_length`` is a session's
-        (the error names it, not the model's context)."""
+        (the error names it, not the model's context); ``field``: the body field the error names."""
         room = max_length - used
         limit = (f"this session's max_length is {max_length} tokens" if session else
                  f"this model's maximum context length is {max_length} tokens")
@@ -500,8 +502,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if not explicit:
             return min(max_tokens, room)
         if max_tokens > room:
-            raise RequestError(f"{limit}; the prompt has {used} and max_tokens is {max_tokens}: reduce the prompt or "
-                               "max_tokens", param="max_tokens", code="context_length_exceeded")
+            raise RequestError(f"{limit}; the prompt has {used} and {field} is {max_tokens}: reduce the prompt or "
+                               f"{field}", param=field, code="context_length_exceeded")
         return max_tokens
 
     # ---- state ---------------------------------------------------------------------------------
