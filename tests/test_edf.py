@@ -220,6 +220,48 @@ def test_flex_pauses_a_slot_for_every_choice_or_none():
     asyncio.run(short())
 
 
+def test_flex_pauses_for_several_choices_across_chains():
+    """An ``n`` = 2 request with one pausable job on each of two chains was refused: the pauses were looked for on
+    one chain only. Now one per chain does, the first on the fastest chain (where the first choice goes), judged at
+    the slowest one's pace."""
+    one = ChainLoad(capacity=1, active=1, job_s=0.4, step_s=0.02)
+    jobs = [Preemptible(0, 1.0, "a", remaining_s=4.0), Preemptible(1, 2.0, "b", remaining_s=4.0)]
+    # both choices on one chain, one after the other: 2 x 21 steps of 0.02 s miss 0.7 s; side by side they meet it
+    victims, pred = flex_victim(0.0, [one, one], jobs, 0, 20, siblings=1, deadline=0.7, remaining=[[], []])
+    assert [v.ref for v in victims] == ["a", "b"] and pred.total_s == pytest.approx(0.42)
+    # a chain twice as slow takes the second choice 0.84 s: judged at the slower pace, nobody is paused
+    slow = ChainLoad(capacity=1, active=1, job_s=0.8, step_s=0.04)
+    assert flex_victim(0.0, [slow, one], jobs, 0, 20, siblings=1, deadline=0.7, remaining=[[], []]) is None
+    # one choice: one chain's pause is enough, as before
+    assert [v.ref for v in flex_victim(0.0, [one, one], jobs, 0, 20, deadline=0.7, remaining=[[], []])[0]] == ["a"]
+
+    async def main():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 20.0)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=0.4, capacity=1, spans=((0, 4),)),
+                       Chain(servers=("b",), blocks=(4,), service_time=0.4, capacity=1, spans=((0, 4),))])
+        a = await dm.acquire(DispatchJob("a", expected_output=200))  # one long job without a deadline per chain
+        b = await dm.acquire(DispatchJob("b", expected_output=200))
+        assert {a.index, b.index} == {0, 1}
+        dl = RequestDeadline.from_ms("x", 700, None)
+        first = asyncio.ensure_future(dm.acquire(DispatchJob("c0", deadline=dl, output_tokens=20, expected_output=20,
+                                                       siblings=1)))
+        await asyncio.sleep(0)
+        assert sum(x.preempt for x in (a, b)) == 1 and dm.flex_preemptions == 1 and dm.deadline_refused == 0
+        gave, kept = (a, b) if a.preempt else (b, a)
+        dm.release(gave)
+        await asyncio.sleep(0)
+        assert first.done() and first.result().index == gave.index
+        second = asyncio.ensure_future(dm.acquire(DispatchJob("c1", deadline=dl, output_tokens=20, expected_output=20,
+                                                                checked=True)))
+        await asyncio.sleep(0)
+        assert kept.preempt and dm.flex_preemptions == 2  # the second choice pauses the other chain's job
+        dm.release(kept)
+        await asyncio.sleep(0)
+        assert second.done() and second.result().index == kept.index
+
+    asyncio.run(main())
+
+
 def test_flex_dispatch_pauses_a_job_without_deadline_and_requeues_it_after_the_deadlines():
     async def main():
         dm = DispatchManager(schedule="flex", steps_per_job=lambda: 17.0)  # step 0.1 s, a job 1.7 s

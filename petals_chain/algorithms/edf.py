@@ -191,7 +191,8 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
     ``n`` choices (``siblings`` = n - 1) may pause up to ``n`` jobs there, as few as meet its deadlines: one slot
     for its first choice would leave the others waiting for the jobs it was paused to get past. The chain needing
     the fewest pauses wins, then the one where the request would finish first; there the jobs started last are
-    paused (they have the least progress at stake). ``remaining[k]``: the seconds until chain ``k``'s other running
+    paused (they have the least progress at stake). When no one chain has enough, several chains' together
+    (:func:`_pauses_across_chains`). ``remaining[k]``: the seconds until chain ``k``'s other running
     jobs (those not in ``running``) free their slots; given, a pause must also meet the deadlines by
     :func:`predict_from_running` (the pessimistic view that makes the caller look for a pause), which decides how
     many a request of several choices needs (the caller passes it only for those: for one choice it counts the
@@ -222,7 +223,49 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
             if best is None or (p, pred.total_s) < best[0]:
                 best = ((p, pred.total_s), newest[:p], pred)
             break
+    if best is None and siblings > 0:
+        return _pauses_across_chains(now, chains, by_chain, ahead, output_tokens, siblings, promised, remaining,
+                                     ttft_deadline, deadline)
     return None if best is None else (best[1], best[2])
+
+
+def _pauses_across_chains(now: float, chains: Sequence[ChainLoad], by_chain: dict[int, list[Preemptible]], ahead: int,
+                          output_tokens: int, siblings: int, promised: Sequence[int],
+                          remaining: Sequence[Sequence[float]] | None, ttft_deadline: float, deadline: float
+                          ) -> tuple[list[Preemptible], Prediction] | None:
+    """:func:`flex_victim` for a request of several choices that no one chain has enough jobs to pause for (one
+    pausable job on each of two chains, ``n`` = 2): the newest job of each chain in turn, the fastest chain first,
+    until the jobs paused meet the deadlines on those chains together, the first on the fastest chain (where the
+    first choice goes). None if even one per choice does not."""
+    order = sorted((k for k in by_chain if 0 <= k < len(chains)), key=lambda k: (chains[k].step_s, k))
+    newest = {k: sorted(by_chain[k], key=lambda r: r.started, reverse=True) for k in order}
+    taken: dict[int, int] = {}
+    picked: list[Preemptible] = []
+    while len(picked) < 1 + siblings:
+        more = [k for k in order if taken.get(k, 0) < len(newest[k])]
+        if not more:
+            return None
+        for k in more[:1 + siblings - len(picked)]:
+            picked.append(newest[k][taken.get(k, 0)])
+            taken[k] = taken.get(k, 0) + 1
+        if len(taken) < 2:
+            continue  # one chain alone was tried by flex_victim
+        # every chain at the slowest one's pace: the prediction runs each choice at the fastest chain's step, and
+        # the last choice may well land on the slowest
+        slowest = max((chains[k] for k in taken), key=lambda c: c.step_s)
+        freed = [ChainLoad(capacity=chains[k].capacity, job_s=slowest.job_s, step_s=slowest.step_s,
+                           active=max(0, chains[k].capacity - (promised[k] if k < len(promised) else 0) - n))
+                 for k, n in taken.items()]
+        kw = dict(siblings=siblings, ttft_deadline=ttft_deadline, deadline=deadline)
+        pred = predict(now, freed, ahead, output_tokens, **kw)
+        if not pred.doomed and remaining is not None:
+            others = [t for k, n in taken.items() for t in [*(remaining[k] if k < len(remaining) else ()),
+                                                             *(r.remaining_s for r in newest[k][n:])]]
+            pred = max(pred, predict_from_running(now, freed, others, ahead, output_tokens, **kw),
+                       key=lambda x: (x.doomed, x.total_s))
+        if not pred.doomed:
+            return picked, pred
+    return None
 
 
 def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: Sequence[float], ahead: int,
