@@ -587,3 +587,89 @@ def test_a_refused_field_is_named_in_the_error(model_path):
                 assert param in r.json()["error"]["message"], r.text
 
     run_with_api(model_path, fn)
+
+
+def test_session_turns_carry_their_own_logprobs(model_path):
+    """A session turn takes ``logprobs`` (it was refused as an unknown field): the turn's sampling gets it (its
+    generation computes them) and the reply carries the turn's tokens in /v1/completions' format, text, token-id
+    and chat turns alike; a stream carries each chunk's, text_offset running on over the chunks as the whole
+    reply's. Each turn's are its own: a turn undone (its streamed client left) and taken again, or a turn after
+    it, never shows another turn's tokens. ``logprobs: true`` (chat's habit) is refused, not read as 1."""
+    import json
+
+    from petals_chain.orchestrator.generation import Generation
+    from petals_chain.orchestrator.sampling import TokenChoice
+
+    asked: list = []
+    words = iter([" red fox", " blue sky", " green tea", " old bridge", " dark night"])
+
+    async def fn(orch, c):
+        async def fake_turn(s, target, params, *, explicit_max_tokens=True, emit=None, messages=None,
+                            based_on=None):
+            asked.append(params.logprobs)
+            toks = orch.encode(next(words), add_special_tokens=False)
+            k = params.logprobs
+            choices = [TokenChoice(t, -1.0 - i, None if not k else [(t, -1.0 - i), (t + 1, -3.0)][:k])
+                       for i, t in enumerate(toks)]
+            async with s.lock:
+                for ch in choices:  # one token per chunk
+                    if emit is not None:
+                        await emit(orch.decode([ch.token]), [ch])
+                s.history, s.turns = [*target, *toks], s.turns + 1
+                return Generation(token_ids=toks, text=orch.decode(toks), finish_reason="length",
+                                  prompt_tokens=len(target), wait_s=0.0, service_s=0.0, chain=[], failovers=0,
+                                  logprobs=choices if k is not None else None)
+
+        def check(lp: dict, text: str, k: int) -> None:
+            """``lp`` is the object of ``text``'s tokens alone (as the fake turn scored them)."""
+            n = len(orch.encode(text, add_special_tokens=False))
+            assert "".join(lp["tokens"]) == text and len(lp["tokens"]) == n
+            assert lp["token_logprobs"] == [-1.0 - i for i in range(n)]
+            assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n)]
+            if k:
+                assert all(len(top) == k and top[tok] == p
+                           for top, tok, p in zip(lp["top_logprobs"], lp["tokens"], lp["token_logprobs"]))
+            else:
+                assert lp["top_logprobs"] == [None] * n
+
+        async def stream(sid: str, body: dict) -> tuple[str, dict]:
+            text, joined = "", {}
+            async with c.stream("POST", f"/api/v1/sessions/{sid}/generate", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ev = json.loads(line[6:])
+                        assert ev["logprobs"] is None or "".join(ev["logprobs"]["tokens"]) == ev["text"]
+                        text += ev["text"]
+                        for key, values in (ev["logprobs"] or {}).items():
+                            joined.setdefault(key, []).extend(values)
+            return text, joined
+
+        orch.session_generate = fake_turn
+        sid = (await c.post("/api/v1/sessions", json={"max_length": 48})).json()["session_id"]
+        url = f"/api/v1/sessions/{sid}/generate"
+        for bad in (True, False, 21, -1):
+            r = await c.post(url, json={"input_ids": [1, 2], "logprobs": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+        r = (await c.post(url, json={"input_ids": [1, 2], "max_tokens": 4, "logprobs": 2})).json()
+        check(r["logprobs"], r["text"], 2)
+        assert r["text"] == " red fox"
+        r = (await c.post(url, json={"prompt": " and", "max_tokens": 4})).json()
+        assert r["logprobs"] is None and r["text"] == " blue sky"  # not asked: none
+        s = orch.get_session(sid)
+        before = s.snapshot()
+        text, lp = await stream(sid, {"prompt": " then", "max_tokens": 4, "logprobs": 0})
+        assert text == " green tea"
+        check(lp, text, 0)
+        assert s.forget_turn(before)  # as when its client left before [DONE]: the turn is taken again
+        text, lp = await stream(sid, {"prompt": " then", "max_tokens": 4, "logprobs": 1})
+        assert text == " old bridge"
+        check(lp, text, 1)  # its own tokens, offsets from 0: nothing of the undone turn
+        chat = (await c.post("/api/v1/sessions", json={"max_length": 48})).json()["session_id"]
+        hi = [{"role": "user", "content": "hi"}]
+        r = (await c.post(f"/api/v1/sessions/{chat}/generate", json={"messages": hi, "max_tokens": 4, "logprobs": 2}))
+        r = r.json()
+        check(r["logprobs"], r["text"], 2)
+        assert asked == [2, None, 0, 1, 2]
+
+    run_with_api(model_path, fn)

@@ -382,3 +382,48 @@ def test_a_session_close_that_did_not_reach_its_orchestrator_can_be_tried_again(
     s.close()
     s.close()
     assert s.closed and state["deletes"] == 1
+
+
+def test_a_session_turn_asks_for_logprobs_and_returns_its_own():
+    """``logprobs=`` on a session's ``complete``/``chat``/``generate``/``stream`` is sent and the turn's come back
+    (``last.logprobs``; a stream's chunks joined): ``complete`` dropped them, and a turn that failed left
+    ``last`` holding the turn before it, logprobs and all."""
+    bodies = []
+    turn = {"n": 0}
+
+    def orch(req):
+        if req.url.path == "/api/v1/sessions":
+            return httpx.Response(200, json={"session_id": "s1", "max_length": 64})
+        body = json.loads(req.content)
+        bodies.append(body)
+        turn["n"] += 1
+        if body.get("prompt") == "boom":
+            return httpx.Response(503, json={"error": {"message": "no chain", "code": "swarm_unavailable"}})
+        lp = {"tokens": [f"t{turn['n']}"], "token_logprobs": [-0.5], "top_logprobs": [None], "text_offset": [0]}
+        if not body.get("stream"):
+            return httpx.Response(200, json={"text": f"t{turn['n']}", "token_ids": [1], "finish_reason": "length",
+                                             "usage": {}, "wait_s": 0, "service_s": 0, "chain": [], "failovers": 0,
+                                             "logprobs": lp if "logprobs" in body else None})
+        events = [{"text": "ab", "finish_reason": None,
+                   "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0], "top_logprobs": [None, None],
+                                "text_offset": [0, 1]}},
+                  {"text": "c", "finish_reason": None,
+                   "logprobs": {"tokens": ["c"], "token_logprobs": [-3.0], "top_logprobs": [None], "text_offset": [2]}},
+                  {"text": "", "finish_reason": "stop", "logprobs": None}]
+        sse = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+        return httpx.Response(200, stream=_Stream(iter([sse])), headers={"content-type": "text/event-stream"})
+
+    s = _client([orch]).session()
+    got = s.complete("x", logprobs=2)
+    assert bodies[-1]["logprobs"] == 2 and got.logprobs["tokens"] == ["t1"] and s.last is got
+    assert s.chat("hi", logprobs=0).logprobs["tokens"] == ["t2"] and bodies[-1]["logprobs"] == 0
+    assert s.generate("x", logprobs=1) == "t3" and s.last.logprobs["tokens"] == ["t3"]
+    assert s.complete("x").logprobs is None and "logprobs" not in bodies[-1]  # not asked: none sent, none back
+    with pytest.raises(ClientError):
+        s.complete("boom", logprobs=1)
+    assert s.last is None  # not the turn before's
+    assert "".join(s.stream("x", logprobs=0)) == "abc" and bodies[-1]["logprobs"] == 0
+    assert s.last.text == "abc" and s.last.finish_reason == "stop"
+    assert s.last.logprobs == {"tokens": ["a", "b", "c"], "token_logprobs": [-1.0, -2.0, -3.0],
+                               "top_logprobs": [None, None, None], "text_offset": [0, 1, 2]}
+    assert "".join(s.stream("x")) == "abc" and s.last.logprobs is None and "logprobs" not in bodies[-1]

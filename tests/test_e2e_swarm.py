@@ -291,6 +291,59 @@ def test_prefix_cache_shared_prompt_and_session_turns(swarm, hf_model):
     assert second.token_ids == hf_greedy(hf_model, ids2, 8)
 
 
+def test_session_turns_carry_the_logprobs_completions_give(swarm, hf_model):
+    """A session turn's ``logprobs`` (text, token-id and chat turns; greedy and seeded; streamed or not) are what
+    /v1/completions gives for the turn's whole context and sampling: the same tokens, top alternatives and text
+    offsets, every logprob equal but for float noise (the turn computes on the KV its session kept, the completion
+    its whole prompt)."""
+    _, tok = hf_model
+    client = swarm.client()
+
+    def completion(ids: list[int], **sampling) -> dict:
+        r = post(swarm, "/v1/completions", {"model": client.model, "prompt": ids, **sampling})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    def same(got: dict, want: dict) -> None:
+        assert want["tokens"] and got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"], (
+            got, want)
+        assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4)
+        for g, w in zip(got["top_logprobs"], want["top_logprobs"], strict=True):
+            assert (g is None) == (w is None) and list(g or {}) == list(w or {}), (got, want)
+            assert list((g or {}).values()) == pytest.approx(list((w or {}).values()), abs=1e-4)
+
+    def chat_ids(conversation: list[dict]) -> list[int]:
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    with client.session(max_length=160) as s:
+        first = s.complete("Once upon a time", max_tokens=8, logprobs=2)
+        ctx = tok("Once upon a time")["input_ids"]
+        want = completion(ctx, max_tokens=8, temperature=0, logprobs=2)
+        assert first.text == want["text"]
+        same(first.logprobs, want["logprobs"])
+        new = tok(" The people of the village", add_special_tokens=False)["input_ids"]
+        second = s.complete(input_ids=new, max_tokens=8, temperature=0.8, seed=11, logprobs=3)
+        ctx = ctx + first.token_ids + new
+        want = completion(ctx, max_tokens=8, temperature=0.8, seed=11, logprobs=3)
+        assert second.text == want["text"]
+        same(second.logprobs, want["logprobs"])
+        text = "".join(s.stream(" and", max_tokens=6, logprobs=1))  # the chunks' joined
+        ctx = ctx + second.token_ids + tok(" and", add_special_tokens=False)["input_ids"]
+        want = completion(ctx, max_tokens=6, temperature=0, logprobs=1)
+        assert text == want["text"] == s.last.text
+        same(s.last.logprobs, want["logprobs"])
+    with client.session(max_length=160) as s:
+        conversation: list[dict] = []  # the session's tokens are the whole conversation templated at once
+        for question in ("What is two plus two?", "And three?"):
+            conversation.append({"role": "user", "content": question})
+            turn = s.chat(question, max_tokens=8, logprobs=2)
+            want = completion(chat_ids(conversation), max_tokens=8, temperature=0, logprobs=2)
+            assert turn.text == want["text"]
+            same(turn.logprobs, want["logprobs"])
+            conversation.append({"role": "assistant", "content": turn.text})
+
+
 def test_bad_inputs_get_4xx_and_service_continues(swarm):
     model = swarm.client().model
     bad = [

@@ -364,7 +364,9 @@ class Client:
 
 
 class ClientSession:
-    """A session opened on the orchestrator; every call continues the same token sequence."""
+    """A session opened on the orchestrator; every call continues the same token sequence. ``logprobs=k`` (0 to 20)
+    asks a turn for its generated tokens' logprobs with k top alternatives, in ``/v1/completions``' format (chat
+    turns too); ``last`` is the last turn's :class:`Completion` (None while a turn runs or after one failed)."""
 
     def __init__(self, client: Client, max_length: Optional[int] = None):
         self.client = client
@@ -381,12 +383,15 @@ class ClientSession:
         self.last: Optional[Completion] = None
 
     def _body(self, prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
-              streams: bool = False):
+              streams: bool = False, logprobs: Optional[int] = None):
         if prompt is not None and input_ids is not None:  # the prompt was dropped without a word
             raise ValueError("give prompt or input_ids, not both")
         _one_completion(prompt, extra)
         _no_stream_switch(extra, streams)
+        self.last = None  # never the previous turn's result (and logprobs) for this one
         body = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        if logprobs is not None:
+            body["logprobs"] = logprobs
         if input_ids is not None:
             body["input_ids"] = list(input_ids)
         elif prompt is not None:
@@ -400,43 +405,63 @@ class ClientSession:
         d = r.json()
         self.last = Completion(text=d["text"], token_ids=d["token_ids"], finish_reason=d["finish_reason"],
                                usage=d["usage"], wait_s=d["wait_s"], service_s=d["service_s"], chain=d["chain"],
-                               failovers=d["failovers"])
+                               failovers=d["failovers"], logprobs=d.get("logprobs"))
         return self.last
 
     def chat(self, content: str | list[dict], *, role: str = "user", max_tokens: Optional[int] = None,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
-             seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
+             seed: Optional[int] = None, stop: Optional[list[str] | str] = None, logprobs: Optional[int] = None,
+             **extra: Any) -> Completion:
         """One chat turn: ``content`` (a ``role`` message) or a list of messages is added to the conversation and
         the assistant answers. The session's tokens always equal the whole conversation templated at once."""
         messages = [{"role": role, "content": content}] if isinstance(content, str) else list(content)
-        body = self._body(None, None, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        body = self._body(None, None, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
+                          logprobs=logprobs)
         body["messages"] = messages
         return self._post(body)
 
     def complete(self, prompt: Optional[str] = None, *, input_ids: Optional[list[int]] = None, max_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
-                 seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
+                 seed: Optional[int] = None, stop: Optional[list[str] | str] = None, logprobs: Optional[int] = None,
+                 **extra: Any) -> Completion:
         """Append ``prompt`` (text) or ``input_ids`` to the session and generate."""
         return self._post(self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty,
-                                     seed, stop, extra))
+                                     seed, stop, extra, logprobs=logprobs))
 
     def generate(self, prompt: Optional[str] = None, **kwargs: Any) -> str:
+        """The generated text (see :meth:`complete`; ``last`` holds the whole turn, its logprobs too)."""
         return self.complete(prompt, **kwargs).text
 
     def stream(self, prompt: Optional[str] = None, *, input_ids: Optional[list[int]] = None, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
-               seed: Optional[int] = None, stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
+               seed: Optional[int] = None, stop: Optional[list[str] | str] = None, logprobs: Optional[int] = None,
+               **extra: Any) -> Iterator[str]:
+        """Yield the turn's text pieces as they are generated; once the stream ends, ``last`` holds its text,
+        finish_reason and logprobs (the chunks' joined, as :meth:`complete` returns them; a stream carries no token
+        ids or usage)."""
         body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
-                          streams=True)
+                          streams=True, logprobs=logprobs)
         body["stream"] = True
+        pieces: list[str] = []
+        joined: Optional[dict[str, list]] = None if logprobs is None else {}  # this turn's chunks only
+        finish = None
         with _transport_errors(self._http), self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate",
                                                               json=body) as r:
             if r.status_code >= 400:
                 r.read()
                 _raise_for(r)
             for obj in _iter_sse(r):
+                finish = obj.get("finish_reason") or finish
+                if joined is not None and obj.get("logprobs"):
+                    for key, values in obj["logprobs"].items():  # text_offset already runs on over the chunks
+                        joined.setdefault(key, []).extend(values)
                 if obj.get("text"):
+                    pieces.append(obj["text"])
                     yield obj["text"]
+        if joined is not None and not joined:  # nothing generated that has logprobs (e.g. a stop token at once)
+            joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.last = Completion(text="".join(pieces), token_ids=[], finish_reason=finish or "", usage={},
+                               logprobs=joined)
 
     def info(self) -> dict:
         with _transport_errors(self._http):

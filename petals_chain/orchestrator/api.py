@@ -275,6 +275,17 @@ class SessionGenerateRequest(SamplingFields):
     input_ids: Optional[list[int]] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = None
+    # the generated tokens' logprobs with this many top alternatives, in /v1/completions' format for every kind
+    # of turn (messages too: the reply is this API's own, not OpenAI's chat shape, so one format serves all)
+    logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
+
+    @pydantic.field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_a_count(cls, v):
+        if isinstance(v, bool):  # lax parsing read chat's ``logprobs: true`` as 1 alternative, false as 0
+            raise ValueError("logprobs is the number of top alternatives per token (0 to 20, as /v1/completions "
+                             "takes it), not a boolean")
+        return v
 
 
 def _error(status: int, message: str, *, type_: str | None = None, param: str | None = None,
@@ -724,7 +735,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             messages = [m.as_dict() for m in req.messages]
             turns, conversation = s.turns, orch.session_messages(s, messages)  # the session the target is built on
             target = await template(conversation)
-            params, explicit = sampling(req, None)
+            params, explicit = sampling(req, None, req.logprobs)
         else:
             if req.prompt is not None:
                 special = req.add_special_tokens if req.add_special_tokens is not None else not s.history
@@ -732,7 +743,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             else:
                 new_ids = list(req.input_ids)
             turns, target = s.turns, orch.session_target(s, new_ids)  # built on the session as it is now
-            params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS)
+            params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         orch.check_ids(target)
         orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)
         reserve_tokens(max(0, len(target) - len(s.history)) + params.max_tokens)
@@ -749,10 +760,17 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 logger.info("session %s: the turn finished after its client left; undone", s.id)
 
         if req.stream:
+            # this request's own, on this turn's context: text_offset runs on over its chunks (a turn undone or
+            # sent again is a new request, counted afresh on the session as it is then)
+            counter = StopMatcher(orch.tokenizer, [], target) if req.logprobs is not None else None
+
             def chunk(i, text, finish, choices, first=False):
                 if first:
                     return None
-                out = {"session_id": s.id, "text": text or "", "finish_reason": finish}
+                logprobs = None
+                if counter is not None and choices:
+                    logprobs = lp.completion(choices, [c.token for c in choices], counter=counter)
+                out = {"session_id": s.id, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
                 if finish is not None and (dl := DEADLINE.get()) is not None:  # the turn's last event
                     out["deadline"] = dl.report()
                 return out
@@ -769,7 +787,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             if e.code == "client_disconnected":  # the turn may finish while the disconnect is being noticed
                 forget_unseen_turn()
             raise
-        out = {"session_id": s.id, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
+        # this turn's tokens alone (a stop token has none), decoded after the context they were generated on
+        logprobs = None if req.logprobs is None else lp.completion(g.logprobs or [], g.token_ids, context=target)
+        out = {"session_id": s.id, "text": g.text, "token_ids": g.token_ids, "logprobs": logprobs,
+               "finish_reason": g.finish_reason,
                "usage": usage(g.prompt_tokens, len(g.token_ids), g.cached_tokens), "wait_s": g.wait_s,
                "service_s": g.service_s, "chain": g.chain, "failovers": g.failovers, "tokens": len(s.history)}
         if (dl := DEADLINE.get()) is not None:
