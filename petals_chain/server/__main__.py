@@ -133,6 +133,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if memory_bytes is not None and memory_bytes <= 0:
         print("error: --memory-bytes must be positive", file=sys.stderr)
         return 2
+    if args.emulate_faulty_rate is not None and not 0 <= args.emulate_faulty_rate <= 1:  # NaN included
+        print(f"error: --emulate-faulty-rate must be in [0, 1], got {args.emulate_faulty_rate}", file=sys.stderr)
+        return 2
     from petals_chain.server.memory import check_device_budget
 
     try:
@@ -168,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             emulate_tau_p_lie=args.emulate_tau_p_lie, batching=not args.no_batching, max_blocks=args.max_blocks,
             max_waiters=args.max_waiters, max_wait_s=args.max_wait_s, kv_cache=args.kv_cache, page_size=args.page_size,
             prefix_cache=not args.no_prefix_cache, decode_graph=args.decode_graph)
-        server = Server(cfg)
+        server = Server(cfg, memory_flag="--memory-gb" if args.memory_gb is not None else "--memory-bytes")
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

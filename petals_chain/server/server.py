@@ -21,11 +21,15 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import re
 import signal
 import time
 from typing import Optional
 
+import multihash
 import torch
+from hivemind.p2p import PeerID
 
 from petals_chain.server import emulated
 from petals_chain.server.announce import Announcer, build_record
@@ -36,7 +40,8 @@ from petals_chain.server.models import HostedModel, StandbyView, load_hosted
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm import reachability
 from petals_chain.swarm.aio import quiet_peer_disconnects
-from petals_chain.swarm.dht import SwarmDHT, peer_ids_from_maddrs
+from petals_chain.swarm.dht import SwarmDHT, load_identity, peer_ids_from_maddrs
+from petals_chain.swarm.memory import block_bytes, slots_for_budget
 from petals_chain.swarm.records import AssignmentRecord, ServerRecord
 from petals_chain.swarm.rpc import PetalsChainBlocks
 
@@ -54,34 +59,102 @@ UNASSIGNED_WARN_S = 120.0  # a server with no span this long says why it may be 
 UNASSIGNED_REPEAT_S = 600.0  # ... and again this often
 OFFLINE_STORE_S = 5.0  # one attempt to store the offline record at a leave
 ORPHAN_SWITCH_S = 30.0  # a server of several models with no orchestrator for the one it serves moves on after this
+MIN_SWARM_MAX_LENGTH = 2  # the shortest max_length an orchestrator takes (its --max-length check)
+_PEER_ID_HASHES = {0x12: 32, 0x00: None}  # multihash codes of libp2p peer ids: sha2-256 of the key, or the key inline
+
+
+def is_peer_id(text: str) -> bool:
+    """Whether ``text`` is a libp2p peer id: base58 of a sha2-256 or identity multihash. (hivemind's
+    ``PeerID.from_base58`` alone takes any base58 text, 'notapeerid' included.)"""
+    try:
+        mh = multihash.decode(PeerID.from_base58(text).to_bytes())
+    except Exception:  # noqa: BLE001 - not base58, or not a multihash: the same user error
+        return False
+    size = _PEER_ID_HASHES.get(mh.code, 0)
+    return bool(mh.digest) and (size is None or len(mh.digest) == size)
+
+
+def check_identity_path(path: str) -> None:
+    """ValueError naming ``--identity-path`` unless ``path`` is an RSA identity key file the DHT can read, or a missing
+    file it can create there (missing directories are made here: hivemind writes a new key but makes no directory).
+    An existing file is only read, never replaced: it may be the key a volunteer's peer id comes from."""
+    flag = f"--identity-path {path}"
+    if not path:
+        raise ValueError("--identity-path is empty: give the path of the key file (created if missing)")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} is a directory: give the path of the key file in it (created if missing)")
+    if os.path.exists(path):
+        if not os.path.isfile(path):  # a FIFO or a device: reading or writing a key there blocks or garbles it
+            raise ValueError(f"{flag} is not a regular file: give the path of the key file (created if missing)")
+        try:
+            load_identity(path)
+        except OSError as e:
+            raise ValueError(f"{flag} cannot be read ({e.strerror or e}): make it readable, or give another path "
+                             "(a missing file is created)") from None
+        except Exception as e:  # noqa: BLE001 - protobuf, DER or key-type errors: all mean "not our key file"
+            raise ValueError(f"{flag} is not a libp2p RSA identity key ({type(e).__name__}: {e}): give another path "
+                             "(a missing file is created) or move this file away; it was left as it is") from None
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # 0o700: it will hold a private key
+    except OSError as e:
+        raise ValueError(f"{flag}: its directory {folder} cannot be created ({e.strerror or e}): give a path in a "
+                         "directory this user can write") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: the key cannot be created, {folder} is not writable by this user: give a path in "
+                         "a directory this user can write")
+
+
+def _gib_at_least(n: int) -> str:
+    """``n`` bytes in GiB, three significant digits, rounded up (a value to give ``--memory-gb``)."""
+    x = n / 2**30
+    q = 10.0 ** (math.floor(math.log10(x)) - 2)
+    return f"{math.ceil(x / q) * q:.3g}"
 
 
 class Server:
     """One volunteer server process: ``asyncio.run(Server(cfg).run())``."""
 
-    def __init__(self, cfg: ServerConfig):
+    def __init__(self, cfg: ServerConfig, *, memory_flag: str = "--memory-bytes"):
+        """ValueError naming the option when a value cannot work (checked here, before anything starts).
+        ``memory_flag``: the option ``cfg.memory_bytes`` came from (``--memory-gb`` or ``--memory-bytes``)."""
         from petals_chain.swarm.checkpoint import QUANT_MODES
 
         self.cfg = cfg
         cfg.validate()
         if cfg.quant not in QUANT_MODES:
             raise ValueError(f"--quant must be one of {QUANT_MODES}, got {cfg.quant!r}")
-        if isinstance(cfg.max_blocks, bool) or not isinstance(cfg.max_blocks, int) or cfg.max_blocks < 0:
-            raise ValueError(f"--max-blocks must be a non-negative integer, got {cfg.max_blocks!r}")
-        if cfg.max_length is not None and cfg.max_length < 1:
-            raise ValueError("--max-length must be >= 1")
+        for flag, value, least in (("--max-blocks", cfg.max_blocks, 0), ("--max-waiters", cfg.max_waiters, 0),
+                                   ("--cache-tokens-per-block", cfg.cache_tokens_per_block, 0),
+                                   ("--max-length", 1 if cfg.max_length is None else cfg.max_length, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{flag} must be an integer >= {least}, got {value!r}")
+        for peer_id in cfg.trust_orchestrator:
+            if not is_peer_id(str(peer_id)):
+                hint = (" (only the part after /p2p/ of a multiaddr)" if "/p2p/" in str(peer_id) else
+                        " (the base58 id, Qm..., an orchestrator prints at start)")
+                raise ValueError(f"--trust-orchestrator {peer_id!r} is not a libp2p peer id: give a peer id{hint}")
         check_decode_graph(cfg.decode_graph, cfg.device, cfg.quant)
-        self.emulation = cfg.emulation()
+        try:
+            self.emulation = cfg.emulation()
+        except ValueError as e:  # it names its fields (emulate_rtt_ms); the volunteer typed the flag
+            raise ValueError(re.sub(r"^emulate_(\w+)", lambda m: "--emulate-" + m.group(1).replace("_", "-"),
+                                    str(e))) from None
         # every model the volunteer offers (server/models.py); the blocks served are of ``self.active``
         self.hosted = load_hosted([cfg.model, *cfg.extra_models], dht_prefix=cfg.dht_prefix, dtype=cfg.dtype,
                                   quant=cfg.quant, cache_tokens_per_block=cfg.cache_tokens_per_block,
                                   kv_cache=cfg.kv_cache, page_size=cfg.page_size)
-        self.active = self.hosted[0]
         for hosted in self.hosted:
             max_pos = getattr(hosted.config, "max_position_embeddings", None)
             if cfg.max_length is not None and isinstance(max_pos, int) and cfg.max_length > max_pos:
                 raise ValueError(f"--max-length {cfg.max_length} exceeds max_position_embeddings {max_pos} of "
                                  f"model {hosted.spec!r}")
+        if cfg.memory_bytes is not None:
+            self.hosted = self._models_the_budget_holds(memory_flag)
+        self.active = self.hosted[0]
+        if cfg.identity_path is not None:  # last: it may make the key's directory, which a bad flag above would not
+            check_identity_path(str(cfg.identity_path))
         self.placement_timestamp = 0.0  # of the placement record followed last
         self.switches = 0  # times the server was placed on another of its models
         self._misplaced: set[str] = set()  # placements naming a model we do not offer (said once each)
@@ -117,6 +190,53 @@ class Server:
                                       max_waiters=cfg.max_waiters, max_wait_s=cfg.max_wait_s)
         self.service.model_fingerprint = self.model_fingerprint
         self.backend = emulated.session_backend(self.service, self.emulation)  # what the RPC handler serves
+
+    def _models_the_budget_holds(self, flag: str) -> list[HostedModel]:
+        """The offered models of which the memory budget holds one block and one KV slot, at ``--max-length`` or,
+        without it, at the shortest a swarm may use (the swarm's own is learnt from its first assignment, and a budget
+        sized for it must not be refused). A model it cannot hold is never given blocks: said, and not offered (the
+        server would serve it first, idle, if it came first); none held: ValueError naming ``flag``."""
+        cfg, budget = self.cfg, int(self.cfg.memory_bytes)
+        shown = f"{flag} {budget / 2**30:.4g} ({budget} bytes)" if flag == "--memory-gb" else f"{flag} {budget}"
+        length = cfg.max_length or MIN_SWARM_MAX_LENGTH
+        advised = cfg.max_length or DEFAULT_MAX_LENGTH  # the least that would do is said for a slot this long
+
+        def fits(h: HostedModel, s_m: int, tokens: int) -> bool:
+            return slots_for_budget(budget, 1, s_m, h.memory.s_c(tokens)) >= 1
+
+        def least(h: HostedModel, s_m: int) -> str:
+            s_c = h.memory.s_c(advised)
+            return (f"{s_m + s_c} bytes (--memory-gb {_gib_at_least(s_m + s_c)}), one block ({s_m}) and one KV slot "
+                    f"of {advised} tokens ({s_c})")
+
+        held: list[HostedModel] = []
+        refused: list[tuple[str, str]] = []  # (model, the least budget that holds it)
+        for h in self.hosted:
+            s_m = block_bytes(h.memory.config, h.memory.dtype, h.memory.quant)  # as MemoryBudget.measure takes it
+            if not fits(h, s_m, length):
+                refused.append((h.spec, least(h, s_m)))
+                continue
+            held.append(h)
+            if cfg.max_length is None and not fits(h, s_m, DEFAULT_MAX_LENGTH):
+                lo, hi = length, DEFAULT_MAX_LENGTH  # the longest slot it holds: fits(lo), not fits(hi)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if fits(h, s_m, mid) else (lo, mid)
+                logger.warning(f"{shown} holds one block of {h.spec} with a KV slot of at most {lo} tokens: an "
+                               f"orchestrator whose max length is longer leaves this server out (at least "
+                               f"{least(h, s_m)})")
+        slot = (f"a KV slot of --max-length {cfg.max_length} tokens" if cfg.max_length is not None
+                else "even the shortest KV slot")
+        if not held:
+            why = "" if cfg.max_length is not None else (
+                f" (at the server's default max length {DEFAULT_MAX_LENGTH}; a swarm with a shorter one, given "
+                "as --max-length, needs less)")
+            raise ValueError(f"{shown} cannot hold one block of any model offered with {slot}; the least that would "
+                             f"do{why}: {'; '.join(f'{spec}: {text}' for spec, text in refused)}")
+        for spec, text in refused:
+            logger.warning(f"not offering model {spec}: {shown} cannot hold one of its blocks with {slot} (it needs "
+                           f"at least {text}); offering {', '.join(h.spec for h in held)}")
+        return held
 
     @property
     def runner(self):
