@@ -1,16 +1,22 @@
-"""Shared helpers of the dashboard tests: a contracts-E fixture, a threaded uvicorn server, headless Chromium."""
+"""Shared helpers of the dashboard tests: a contracts-E fixture, a threaded uvicorn server, headless Chromium, the
+standalone dashboard as its own process."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from petals_chain.swarm.local import free_port  # noqa: F401 - also imported from here by the live test
@@ -170,3 +176,66 @@ def quietly(fn: Callable[[], Any]) -> None:
     except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired, OSError):
         pass
 
+
+class DashboardProc:
+    """``python -m petals_chain.dashboard`` in its own session; ``kill()`` takes its whole group (DHT, p2pd)."""
+
+    def __init__(self, args: list[str], log: Path):
+        self.log_path = log
+        self._log = open(log, "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "petals_chain.dashboard", *args], cwd=str(REPO_ROOT),
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> list[int]:
+        """SIGTERM (as ``kill``, systemd, docker stop), then SIGKILL what is left; returns the processes the
+        dashboard left running after SIGTERM (its DHT process and p2pd outlived it: uvicorn re-raised the signal
+        before the cleanup)."""
+        children = descendants(self.proc.pid)
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            quietly(lambda: self.proc.wait(timeout=timeout))
+        deadline = time.time() + 10
+        while (left := [pid for pid in children if _running(pid)]) and time.time() < deadline:
+            time.sleep(0.2)
+        quietly(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
+        for pid in children:
+            quietly(lambda: os.kill(pid, signal.SIGKILL))
+        quietly(lambda: self.proc.wait(timeout=10))
+        if not self._log.closed:
+            self._log.close()
+        return left
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_for(cond: Callable[[], Optional[object]], timeout: float, what: str, swarm, dash: DashboardProc) -> object:
+    deadline = time.time() + timeout
+    last_exc = None
+    while time.time() < deadline:
+        if not swarm.orchestrator.alive():
+            raise RuntimeError(f"the orchestrator exited:\n{swarm.log_tail('orchestrator')}")
+        if not dash.alive():
+            raise RuntimeError(f"the dashboard exited with {dash.proc.returncode}:\n{dash.log()[-3000:]}")
+        try:
+            value = cond()
+            if value:
+                return value
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            last_exc = e
+        time.sleep(0.3)
+    raise TimeoutError(f"timed out waiting for {what} (last error {last_exc!r})\n--- orchestrator\n"
+                       f"{swarm.log_tail('orchestrator')}\n--- dashboard\n{dash.log()[-2000:]}")

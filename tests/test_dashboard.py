@@ -137,6 +137,67 @@ def test_merge_without_summary_and_with_garbage_summary():
     assert {s["peer_id"] for s in view["servers"]} == {"QmA", "QmB"}
 
 
+
+class FakeDht:
+    """What :class:`DhtSwarmSource` reads, by prefix: server records and the (trusted) summary."""
+
+    def __init__(self, records: dict, summaries: dict):
+        self.records, self.summaries = records, summaries
+
+    def fetch_servers(self, prefix: str) -> dict:
+        return self.records.get(prefix, {})
+
+    def fetch_summary(self, prefix: str, trusted) -> dict | None:
+        return self.summaries.get(prefix)
+
+
+def test_several_models_listed_by_the_trusted_summary_are_each_shown():
+    """One model: ``?model=`` ignored, as by an orchestrator of one. Several (the summary's ``models``): each one's
+    view by name or prefix, with the list for the page's links; another name is UnknownModel, and a 404 like the
+    orchestrator router's on the API and the page."""
+    from petals_chain.dashboard.source import UnknownModel
+
+    listed = [{"name": "alpha", "model": "alpha", "dht_prefix": "pa", "servers": 9},
+              {"name": "beta", "model": "beta", "dht_prefix": "pb"},
+              {"name": "bad", "dht_prefix": "not a prefix!"}, {"name": "alpha", "dht_prefix": "pc"}, "junk"]
+    dht = FakeDht({"pa": {"QmA": _record("QmA")}, "pb": {"QmB": _record("QmB"), "QmC": _record("QmC")}},
+                  {"pa": {"model": "alpha", "chains": [{"id": 0}]}, "pb": {"model": "beta", "queue_length": 4}})
+    source = DhtSwarmSource(dht, "pa", trusted=["QmOrch"])
+    source.refresh()
+    assert source.view("beta") is source.view() and "models" not in source.view()  # one model, as today
+    dht.summaries["pa"]["models"] = listed
+    source.refresh()
+    assert source.models() == ["alpha", "beta"]  # malformed and duplicate entries dropped
+    for asked in ("beta", "pb"):
+        beta = source.view(asked)
+        assert (beta["model"], beta["model_name"], beta["dht_prefix"]) == ("beta", "beta", "pb")
+        assert [s["peer_id"] for s in beta["servers"]] == ["QmB", "QmC"] and beta["queue_length"] == 4
+    assert source.view() is source.view("alpha") and source.view()["model_name"] == "alpha"
+    # the links' counts are those of the view each leads to
+    assert [(m["name"], m["servers"], m["chains"], m["queue_length"]) for m in source.view("pb")["models"]] == [
+        ("alpha", 1, 1, 0), ("beta", 2, 0, 4)]
+    with pytest.raises(UnknownModel, match="'gamma' does not exist; this swarm serves 'alpha', 'beta'"):
+        source.view("gamma")
+    del dht.summaries["pa"]  # the orchestrator restarting: its models stay reachable meanwhile
+    source.refresh()
+    assert source.view("beta")["dht_prefix"] == "pb" and source.view()["orchestrator_summary"] is False
+    dht.summaries["pa"] = {"models": [dict(listed[0], dht_prefix="pc"), listed[1]]}  # not listing ours: ignored
+    source.refresh()
+    assert source.models() == [] and source.view("beta")["dht_prefix"] == "pa" and "models" not in source.view()
+
+    dht.summaries["pa"]["models"] = listed
+    source.refresh()
+    client = TestClient(create_app(source.view, source.health, model_view=source.view))
+    assert client.get("/api/v1/swarm", params={"model": "beta"}).json()["dht_prefix"] == "pb"
+    assert client.get("/api/v1/swarm", params={"model": ""}).json()["dht_prefix"] == "pa"
+    assert client.get("/", params={"model": "beta"}).status_code == 200
+    for path in ("/api/v1/swarm", "/", "/index.html"):
+        r = client.get(path, params={"model": "gamma"})
+        assert r.status_code == 404 and r.json()["error"] == {
+            "message": "the model 'gamma' does not exist; this swarm serves 'alpha', 'beta'",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert client.get("/healthz").json()["models"] == ["alpha", "beta"]
+
 def test_cli_requires_a_prefix_and_validates_arguments(capsys, tmp_path):
     args = build_parser().parse_args(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--model", "/m/Tiny-Llama/"])
     assert resolve_prefix(args) == "Tiny-Llama"

@@ -8,18 +8,14 @@ server leaves gracefully (SIGTERM) and one crashes (SIGKILL), and both pages mus
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import httpx
 import pytest
 
-from dashboard_helpers import REPO_ROOT, browser_skip_reason, chromium_browser, descendants, free_port, quietly
+from dashboard_helpers import DashboardProc, browser_skip_reason, chromium_browser, free_port, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
               pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))]
@@ -27,70 +23,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow,
 MAX_LENGTH = 128
 REFRESH_S = 1.0
 SERVER_NAMES = ["live-alpha", "live-bravo", "live-charlie"]
-
-
-class DashboardProc:
-    """``python -m petals_chain.dashboard`` in its own session; ``kill()`` takes its whole group (DHT, p2pd)."""
-
-    def __init__(self, args: list[str], log: Path):
-        self.log_path = log
-        self._log = open(log, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "petals_chain.dashboard", *args], cwd=str(REPO_ROOT),
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 15.0) -> list[int]:
-        """SIGTERM (as ``kill``, systemd, docker stop), then SIGKILL what is left; returns the processes the
-        dashboard left running after SIGTERM (its DHT process and p2pd outlived it: uvicorn re-raised the signal
-        before the cleanup)."""
-        children = descendants(self.proc.pid)
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            quietly(lambda: self.proc.wait(timeout=timeout))
-        deadline = time.time() + 10
-        while (left := [pid for pid in children if _running(pid)]) and time.time() < deadline:
-            time.sleep(0.2)
-        quietly(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
-        for pid in children:
-            quietly(lambda: os.kill(pid, signal.SIGKILL))
-        quietly(lambda: self.proc.wait(timeout=10))
-        if not self._log.closed:
-            self._log.close()
-        return left
-
-
-def _running(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def wait_for(cond: Callable[[], Optional[object]], timeout: float, what: str, swarm, dash: DashboardProc) -> object:
-    deadline = time.time() + timeout
-    last_exc = None
-    while time.time() < deadline:
-        if not swarm.orchestrator.alive():
-            raise RuntimeError(f"the orchestrator exited:\n{swarm.log_tail('orchestrator')}")
-        if not dash.alive():
-            raise RuntimeError(f"the dashboard exited with {dash.proc.returncode}:\n{dash.log()[-3000:]}")
-        try:
-            value = cond()
-            if value:
-                return value
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            last_exc = e
-        time.sleep(0.3)
-    raise TimeoutError(f"timed out waiting for {what} (last error {last_exc!r})\n--- orchestrator\n"
-                       f"{swarm.log_tail('orchestrator')}\n--- dashboard\n{dash.log()[-2000:]}")
 
 
 @pytest.fixture

@@ -3,6 +3,9 @@
 Joins the swarm's DHT in client mode, finds the swarm in the directory the trusted orchestrator signs (unless
 ``--dht-prefix`` or ``--model`` names it), reads the signed server records and the orchestrator's signed summary
 every ``--poll-interval`` seconds, and serves the page at ``/``, the JSON at ``/api/v1/swarm`` and ``/healthz``.
+An orchestrator serving several models lists them all in its summary: each is read too, and ``?model=NAME`` (or
+its DHT prefix) on the page and the JSON shows that one, as on the orchestrator's own page; ``/`` shows the swarm
+the dashboard started on.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     source = DhtSwarmSource(sd, prefix, trusted, interval_s=args.poll_interval, initial_peers=args.initial_peers)
     try:
         source.start()
-        app = create_app(source.view, source.health)
+        app = create_app(source.view, source.health, model_view=source.view)
         print(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})", flush=True)
         print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
         _serve(uvicorn, app, args.host, args.port)

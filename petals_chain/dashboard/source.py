@@ -4,6 +4,10 @@ Trust: server records come from :meth:`SwarmDHT.fetch_servers` (signature verifi
 peer id); the summary only from :meth:`SwarmDHT.fetch_summary` with an explicit list of trusted orchestrator
 peer ids. Nothing unsigned is ever shown. Server records override the summary's view of liveness: a server
 the summary lists but whose record expired (or says ``offline``) is shown as ``offline``.
+
+Several models (an orchestrator started with ``--model NAME=SOURCE`` repeated): the trusted summary of the swarm the
+dashboard started on lists every model with its DHT prefix (``models``); each is read and merged the same way, and
+``view(NAME)`` answers ``?model=NAME`` as the orchestrator's router does (:class:`UnknownModel` for another name).
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
+
+#: the most models one dashboard reads (each costs two DHT reads a poll); the orchestrator's summary names them.
+MAX_MODELS = 16
 
 #: contracts-E fields of one server entry, with their defaults when a source lacks them.
 SERVER_DEFAULTS: dict[str, Any] = {
@@ -157,11 +164,41 @@ def merge_view(
     return view
 
 
-class DhtSwarmSource:
-    """Polls the DHT in a background thread and keeps the latest merged view.
+class UnknownModel(LookupError):
+    """``?model=`` names no model of the swarm; ``args[0]`` is the message (it names the models served)."""
 
-    ``sd`` is a :class:`petals_chain.swarm.dht.SwarmDHT` (client mode is enough); ``trusted`` are the
-    orchestrator peer ids whose signed summary is believed.
+
+def listed_models(summary: Optional[Mapping[str, Any]], prefix: str) -> list[dict]:
+    """The models a trusted summary lists (``[{name, dht_prefix, ...}]``, at most :data:`MAX_MODELS`, names and
+    prefixes distinct), or ``[]`` when it lists fewer than two or not the one at ``prefix`` it was read under (one
+    model: the dashboard stays as it was)."""
+    from petals_chain.swarm.keys import check_prefix
+
+    out: list[dict] = []
+    entries = summary.get("models") if isinstance(summary, Mapping) else None
+    for m in entries if isinstance(entries, list) else []:
+        if not isinstance(m, Mapping):
+            continue
+        name, pfx = m.get("name"), m.get("dht_prefix")
+        if not isinstance(name, str) or not 0 < len(name) <= 128:
+            continue
+        try:
+            check_prefix(pfx)
+        except ValueError:  # a malformed entry is simply not shown
+            continue
+        if any(name == x["name"] or pfx == x["dht_prefix"] for x in out):
+            continue
+        out.append(dict(m))
+        if len(out) == MAX_MODELS:
+            break
+    return out if len(out) > 1 and any(m["dht_prefix"] == prefix for m in out) else []
+
+
+class DhtSwarmSource:
+    """Polls the DHT in a background thread and keeps the latest merged view (one per model of the swarm).
+
+    ``sd`` is a :class:`petals_chain.swarm.dht.SwarmDHT` (client mode is enough); ``prefix`` is the swarm shown at
+    ``/`` (the default model); ``trusted`` are the orchestrator peer ids whose signed summary is believed.
     """
 
     def __init__(
@@ -181,6 +218,8 @@ class DhtSwarmSource:
         self.initial_peers = list(initial_peers)
         self._lock = threading.Lock()
         self._view: dict = merge_view(prefix, {}, None, initial_peers=self.initial_peers)
+        self._models: list[dict] = []  # listed_models() of the last trusted summary that listed several
+        self._views: dict[str, dict] = {}  # by model name, with several models
         self._last_ok: Optional[float] = None
         self._last_error: Optional[str] = None
         self._stop = threading.Event()
@@ -195,18 +234,57 @@ class DhtSwarmSource:
                 self.sd.rejoin(peer_ids_from_maddrs(self.initial_peers))
             except Exception as e:  # noqa: BLE001 - the records may still be readable through other peers
                 logger.debug(f"dashboard: re-bootstrap to the initial peers failed: {e!r}")
-        records = self.sd.fetch_servers(self.prefix)
-        summary = self.sd.fetch_summary(self.prefix, trusted=self.trusted) if self.trusted else None
-        view = merge_view(self.prefix, records, summary, initial_peers=self.initial_peers)
+        view, summary = self._read(self.prefix)
+        models = listed_models(summary, self.prefix)
+        if summary is None:  # an orchestrator restarting: its other models stay listed until its summary is back
+            models = self._models
+        views: dict[str, dict] = {}
+        for m in models:  # every view read before any is replaced: a failed read keeps the last set whole
+            views[m["name"]] = view if m["dht_prefix"] == self.prefix else self._read(m["dht_prefix"])[0]
+        if models:
+            # the links as the orchestrator's page shows them, their counts from what each link will show
+            nav = [{**m, "servers": len(views[m["name"]]["servers"]), "chains": len(views[m["name"]]["chains"]),
+                    "queue_length": views[m["name"]]["queue_length"]} for m in models]
+            placement = next((v["model_placement"] for v in views.values() if "model_placement" in v), None)
+            for name, v in views.items():
+                v.update(models=nav, model_name=name)
+                if placement is not None:
+                    v.setdefault("model_placement", placement)
+        else:
+            view.pop("models", None)  # a list not taken (malformed, or not naming this swarm): no links to nowhere
+        if [m["name"] for m in models] != [m["name"] for m in self._models]:
+            logger.info("the swarm serves %s", ", ".join(f"{m['name']} (DHT prefix {m['dht_prefix']})"
+                                                        for m in models) or "one model")
         with self._lock:
-            self._view = view
+            self._view, self._models, self._views = view, models, views
             self._last_ok = time.time()
             self._last_error = None
         return view
 
-    def view(self) -> dict:
+    def _read(self, prefix: str) -> tuple[dict, Optional[dict]]:
+        """The merged view of the swarm at ``prefix`` and the trusted summary it was merged from (or None)."""
+        records = self.sd.fetch_servers(prefix)
+        summary = self.sd.fetch_summary(prefix, trusted=self.trusted) if self.trusted else None
+        return merge_view(prefix, records, summary, initial_peers=self.initial_peers), summary
+
+    def view(self, model: Optional[str] = None) -> dict:
+        """The view of ``model`` (its name or DHT prefix; None or empty: the default one); with one model ``model``
+        is ignored, as by an orchestrator serving one. :class:`UnknownModel` if the swarm serves several and no
+        such one."""
         with self._lock:
-            return self._view
+            if not model or not self._models:
+                return self._view
+            # names first: one model's name may be another's prefix (the router's aliases rank them so too)
+            for m in sorted(self._models, key=lambda m: model != m["name"]):
+                if model in (m["name"], m["dht_prefix"]):
+                    return self._views[m["name"]]
+            names = ", ".join(repr(m["name"]) for m in self._models)
+        raise UnknownModel(f"the model {model!r} does not exist; this swarm serves {names}")
+
+    def models(self) -> list[str]:
+        """The names of the models served (empty with one model)."""
+        with self._lock:
+            return [m["name"] for m in self._models]
 
     def health(self) -> tuple[bool, dict]:
         """OK while the last successful DHT read is recent (3 poll periods + 10 s)."""
@@ -220,6 +298,7 @@ class DhtSwarmSource:
             "last_error": err,
             "trusted_orchestrators": self.trusted,
             "orchestrator_summary": bool(self.view().get("orchestrator_summary")),
+            "models": self.models(),
         }
 
     def _run(self) -> None:

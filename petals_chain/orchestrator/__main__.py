@@ -362,6 +362,7 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
             ledger = ClientLedger(orchs)  # a key's limits over every model, not each
             for o in orchs:
                 o.siblings = orchs  # --max-sessions counts the sessions of every model
+                o.placer = placer  # its decisions go into every model's summary (the standalone dashboard shows them)
             app = ModelRouter({o.model_id: create_app(o, ledger) for o in orchs}, {o.model_id: o for o in orchs},
                               placer=placer)
             for o in orchs:

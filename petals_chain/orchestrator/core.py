@@ -231,6 +231,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self._eos: set[int] = set()
         self.token_text: TokenText | None = None  # logprobs' per-token bytes, text and offsets
         self.siblings: list[Orchestrator] = [self]  # the orchestrators of every model behind one router
+        self.placer: Any = None  # placement.ModelPlacer of those models (several), for the summary
         self.chain_sessions: "weakref.WeakSet[ChainSession]" = weakref.WeakSet()
         self._bg_tasks: set[asyncio.Task] = set()
 
@@ -563,6 +564,17 @@ class Orchestrator(GenerationMixin, SessionMixin):
                                        "jobs": self.replay_cache.jobs, "evictions": self.replay_cache.evictions}},
         }
 
+    def summary_json(self) -> dict[str, Any]:
+        """What the signed summary publishes: :meth:`swarm_json`, and with several models behind one router what the
+        router adds to ``/api/v1/swarm`` (models.py ``models_json``): the standalone dashboard learns the other
+        models' DHT prefixes from it, and shows the same model links as this page."""
+        summary = self.swarm_json()
+        if len(self.siblings) > 1:
+            from petals_chain.orchestrator.models import models_json
+
+            summary.update(models_json({o.model_id: o for o in self.siblings}, self.model_id, self.placer))
+        return summary
+
     def _job_tokens_json(self) -> dict:
         """``L^`` (what paged servers' chain capacities count per job), how it is set and what it is learnt from; how
         jobs' reservations went (opens that waited for pages, extensions, preemptions)."""
@@ -641,7 +653,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             except asyncio.TimeoutError:
                 pass
             try:
-                summary = json_safe(self.swarm_json())  # no inf/nan: JSON readers (browsers) reject them
+                summary = json_safe(self.summary_json())  # no inf/nan: JSON readers (browsers) reject them
                 expiration_s = max(30.0, 3 * self.cfg.summary_interval_s)
                 await asyncio.to_thread(self.dht.publish_summary, self.prefix, summary, expiration_s)
                 # the directory entry lets a dashboard find this swarm from --initial-peers alone (one entry per DHT

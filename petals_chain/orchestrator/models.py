@@ -12,7 +12,8 @@ serves a model by starting a server with that model. :class:`ModelRouter` is the
 * ``GET /metrics``: every model's series in one exposition, each sample labelled ``model="NAME"`` (what a Prometheus
   scrape of the orchestrator expects); ``?model=NAME`` gives that model's alone, unlabelled, as with one model;
 * everything else (``/api/v1/swarm``, the dashboard): the model named by ``?model=NAME``, else the first;
-  ``/api/v1/swarm`` lists the models served (``models``) so the dashboard can offer the others.
+  ``/api/v1/swarm`` lists the models served (``models``) so the dashboard can offer the others; each model's signed
+  summary lists them too (:func:`models_json`), for the standalone dashboard.
 """
 
 from __future__ import annotations
@@ -90,6 +91,23 @@ async def _json(send: Send, status: int, obj: Any) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+def models_json(orchs: Mapping[str, Any], name: str, placer: Any = None) -> dict[str, Any]:
+    """What ``/api/v1/swarm?model=name`` adds with several models (and the signed summary of each, so that a
+    standalone dashboard finds the others' DHT prefixes): ``models`` (each one's name, prefix and load: the page's
+    model links), ``model_name`` (the one shown) and ``model_placement`` (``placer``'s, if any)."""
+    out: dict[str, Any] = {
+        "models": [{"name": n, "model": o.model_id, "dht_prefix": o.prefix,
+                    "servers": len(o.planner.servers) if o.planner is not None else 0,
+                    "chains": len(o.dispatch.chains), "queue_length": o.dispatch.queue_length,
+                    "completed": o.stats.completed, "failed": o.stats.failed, "unserved": o.stats.unserved,
+                    "arrival_rate": round(o.planner.arrival_rate, 4) if o.planner is not None else 0.0}
+                   for n, o in orchs.items()],
+        "model_name": name}
+    if placer is not None:
+        out["model_placement"] = placer.json()
+    return out
 
 
 class ModelsCollector:
@@ -197,15 +215,7 @@ class ModelRouter:
         if status != 200:
             return await _json(send, status, json.loads(body))
         state = json.loads(body)
-        state["models"] = [{"name": n, "model": o.model_id, "dht_prefix": o.prefix, "servers": len(o.planner.servers)
-                            if o.planner is not None else 0, "chains": len(o.dispatch.chains),
-                            "queue_length": o.dispatch.queue_length,
-                            "completed": o.stats.completed, "failed": o.stats.failed, "unserved": o.stats.unserved,
-                            "arrival_rate": round(o.planner.arrival_rate, 4) if o.planner is not None else 0.0}
-                           for n, o in self.orchs.items()]
-        state["model_name"] = name
-        if self.placer is not None:
-            state["model_placement"] = self.placer.json()
+        state.update(models_json(self.orchs, name, self.placer))
         await _json(send, 200, state)
 
     async def _by_body(self, scope: Scope, receive: Receive, send: Send) -> None:
