@@ -214,6 +214,11 @@ def test_cli_requires_a_prefix_and_validates_arguments(capsys, tmp_path):
     for bad in (["--poll-interval", "0"], ["--poll-interval", "inf"], ["--log-level", "bogus"]):
         with pytest.raises(SystemExit):
             main(["--initial-peers", "x", "--dht-prefix", "ok", *bad])
+    # base58 but no peer id (hivemind's from_base58 takes it): a typo trusted nobody, the page stayed empty
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["--initial-peers", "x", "--dht-prefix", "ok", "--trust-orchestrator", "notapeerid"])
+    assert exc.value.code == 2 and "not a peer id: 'notapeerid'" in capsys.readouterr().err
 
 
 def test_the_model_names_the_swarm_the_orchestrator_of_that_model_announces(smollm2_path):

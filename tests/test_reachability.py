@@ -81,7 +81,8 @@ def test_server_and_orchestrator_cli_refuse_bad_addresses(tmp_path):
     with pytest.raises(SystemExit) as e:
         orchestrator_main(["--model", str(tmp_path), "--p2p-port", "99999", "--public-ip", "1.2.3.4"])
     assert e.value.code == 2
-    for bad in (["--public-url", "ftp://x"], ["--public-url", "http://"], ["--group-with", "not-a-peer-id"]):
+    for bad in (["--public-url", "ftp://x"], ["--public-url", "http://"], ["--group-with", "not-a-peer-id"],
+                ["--group-with", "notapeerid"]):  # base58, which hivemind's from_base58 alone took
         with pytest.raises(SystemExit) as e:
             orchestrator_main(["--model", str(tmp_path), *bad])
         assert e.value.code == 2, bad

@@ -23,6 +23,15 @@ from petals_chain.swarm.logs import log_level
 logger = logging.getLogger("petals_chain.dashboard")
 
 
+def _peer_id(text: str) -> str:
+    """A libp2p peer id in base58 (a typo trusted nobody: every summary was ignored, the page stayed empty)."""
+    from petals_chain.swarm.dht import is_peer_id
+
+    if not is_peer_id(text):
+        raise argparse.ArgumentTypeError(f"not a peer id: {text!r} (the base58 id an orchestrator prints at start)")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m petals_chain.dashboard", description=__doc__.split("\n\n")[0])
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
@@ -31,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the swarm's DHT prefix (default: from --model, else the swarm the trusted orchestrator "
                         "announces in the DHT directory)")
     p.add_argument("--model", default=None, help="model name or path the swarm serves (used to derive the prefix)")
-    p.add_argument("--trust-orchestrator", nargs="+", default=None, metavar="PEER_ID",
+    p.add_argument("--trust-orchestrator", nargs="+", default=None, metavar="PEER_ID", type=_peer_id,
                    help="peer ids whose signed summary is believed (default: the peer ids in --initial-peers)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to serve the public)")
     p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")

@@ -27,9 +27,7 @@ import signal
 import time
 from typing import Optional
 
-import multihash
 import torch
-from hivemind.p2p import PeerID
 
 from petals_chain.server import emulated
 from petals_chain.server.announce import Announcer, build_record
@@ -40,7 +38,7 @@ from petals_chain.server.models import HostedModel, StandbyView, load_hosted
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm import reachability
 from petals_chain.swarm.aio import quiet_peer_disconnects
-from petals_chain.swarm.dht import SwarmDHT, load_identity, peer_ids_from_maddrs
+from petals_chain.swarm.dht import SwarmDHT, is_peer_id, load_identity, peer_ids_from_maddrs
 from petals_chain.swarm.memory import block_bytes, slots_for_budget
 from petals_chain.swarm.records import AssignmentRecord, ServerRecord
 from petals_chain.swarm.rpc import PetalsChainBlocks
@@ -60,18 +58,6 @@ UNASSIGNED_REPEAT_S = 600.0  # ... and again this often
 OFFLINE_STORE_S = 5.0  # one attempt to store the offline record at a leave
 ORPHAN_SWITCH_S = 30.0  # a server of several models with no orchestrator for the one it serves moves on after this
 MIN_SWARM_MAX_LENGTH = 2  # the shortest max_length an orchestrator takes (its --max-length check)
-_PEER_ID_HASHES = {0x12: 32, 0x00: None}  # multihash codes of libp2p peer ids: sha2-256 of the key, or the key inline
-
-
-def is_peer_id(text: str) -> bool:
-    """Whether ``text`` is a libp2p peer id: base58 of a sha2-256 or identity multihash. (hivemind's
-    ``PeerID.from_base58`` alone takes any base58 text, 'notapeerid' included.)"""
-    try:
-        mh = multihash.decode(PeerID.from_base58(text).to_bytes())
-    except Exception:  # noqa: BLE001 - not base58, or not a multihash: the same user error
-        return False
-    size = _PEER_ID_HASHES.get(mh.code, 0)
-    return bool(mh.digest) and (size is None or len(mh.digest) == size)
 
 
 def check_identity_path(path: str) -> None:

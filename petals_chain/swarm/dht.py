@@ -100,6 +100,20 @@ def peer_id_of_owner(owner: bytes) -> Optional[str]:
     return PeerID(digest).to_base58()
 
 
+_PEER_ID_HASHES = {0x12: 32, 0x00: None}  # multihash codes of libp2p peer ids: sha2-256 of the key, or the key inline
+
+
+def is_peer_id(text: str) -> bool:
+    """Whether ``text`` is a libp2p peer id: base58 of a sha2-256 or identity multihash. (hivemind's
+    ``PeerID.from_base58`` alone takes any base58 text, 'notapeerid' included.)"""
+    try:
+        mh = multihash.decode(PeerID.from_base58(text).to_bytes())
+    except Exception:  # noqa: BLE001 - not base58, or not a multihash: the same user error
+        return False
+    size = _PEER_ID_HASHES.get(mh.code, 0)
+    return bool(mh.digest) and (size is None or len(mh.digest) == size)
+
+
 def peer_ids_from_maddrs(maddrs: Iterable[str]) -> list[str]:
     """Peer ids named by ``/p2p/<id>`` components of multiaddrs (order kept, duplicates dropped)."""
     out: list[str] = []
