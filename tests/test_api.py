@@ -444,7 +444,7 @@ def test_a_streamed_turn_whose_end_the_client_never_got_is_undone(model_path):
             await asyncio.sleep(0.05)
             await emit("ok", [])
             s.history, s.turns = [*target, 7], s.turns + 1
-            return SimpleNamespace(token_ids=[7], finish_reason="stop", cached_tokens=0)
+            return SimpleNamespace(token_ids=[7], finish_reason="stop", cached_tokens=0, prompt_tokens=len(target))
 
     async def stream_turn(app, sid: str, leave_at_end: bool) -> bytes:
         body = json.dumps({"input_ids": [1, 2], "max_tokens": 1, "stream": True}).encode()

@@ -295,14 +295,14 @@ def test_session_turns_carry_the_logprobs_completions_give(swarm, hf_model):
     """A session turn's ``logprobs`` (text, token-id and chat turns; greedy and seeded; streamed or not) are what
     /v1/completions gives for the turn's whole context and sampling: the same tokens, top alternatives and text
     offsets, every logprob equal but for float noise (the turn computes on the KV its session kept, the completion
-    its whole prompt)."""
+    its whole prompt); a streamed turn's events carry its token ids and its last one the usage."""
     _, tok = hf_model
     client = swarm.client()
 
     def completion(ids: list[int], **sampling) -> dict:
         r = post(swarm, "/v1/completions", {"model": client.model, "prompt": ids, **sampling})
         assert r.status_code == 200, r.text
-        return r.json()["choices"][0]
+        return {**r.json()["choices"][0], "token_ids": r.json()["petals_chain"][0]["token_ids"]}
 
     def same(got: dict, want: dict) -> None:
         assert want["tokens"] and got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"], (
@@ -333,6 +333,10 @@ def test_session_turns_carry_the_logprobs_completions_give(swarm, hf_model):
         want = completion(ctx, max_tokens=6, temperature=0, logprobs=1)
         assert text == want["text"] == s.last.text
         same(s.last.logprobs, want["logprobs"])
+        # the stream's events carry their token ids, the last one the turn's usage (a stream gave neither)
+        assert s.last.token_ids == want["token_ids"] and s.last.finish_reason == "length"
+        assert s.last.usage["completion_tokens"] == len(want["token_ids"]) == 6
+        assert s.info()["tokens"] == len(ctx) + 6
     with client.session(max_length=160) as s:
         conversation: list[dict] = []  # the session's tokens are the whole conversation templated at once
         for question in ("What is two plus two?", "And three?"):

@@ -436,15 +436,15 @@ class ClientSession:
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
                seed: Optional[int] = None, stop: Optional[list[str] | str] = None, logprobs: Optional[int] = None,
                **extra: Any) -> Iterator[str]:
-        """Yield the turn's text pieces as they are generated; once the stream ends, ``last`` holds its text,
-        finish_reason and logprobs (the chunks' joined, as :meth:`complete` returns them; a stream carries no token
-        ids or usage)."""
+        """Yield the turn's text pieces as they are generated; once the stream ends, ``last`` holds its text, token
+        ids, finish_reason, usage and logprobs (the chunks' joined, as :meth:`complete` returns them)."""
         body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
                           streams=True, logprobs=logprobs)
         body["stream"] = True
         pieces: list[str] = []
+        ids: list[int] = []
         joined: Optional[dict[str, list]] = None if logprobs is None else {}  # this turn's chunks only
-        finish = None
+        finish, used = None, {}
         with _transport_errors(self._http), self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate",
                                                               json=body) as r:
             if r.status_code >= 400:
@@ -452,6 +452,8 @@ class ClientSession:
                 _raise_for(r)
             for obj in _iter_sse(r):
                 finish = obj.get("finish_reason") or finish
+                ids.extend(obj.get("token_ids") or ())
+                used = obj.get("usage") or used
                 if joined is not None and obj.get("logprobs"):
                     for key, values in obj["logprobs"].items():  # text_offset already runs on over the chunks
                         joined.setdefault(key, []).extend(values)
@@ -460,7 +462,7 @@ class ClientSession:
                     yield obj["text"]
         if joined is not None and not joined:  # nothing generated that has logprobs (e.g. a stop token at once)
             joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        self.last = Completion(text="".join(pieces), token_ids=[], finish_reason=finish or "", usage={},
+        self.last = Completion(text="".join(pieces), token_ids=ids, finish_reason=finish or "", usage=used,
                                logprobs=joined)
 
     def info(self) -> dict:

@@ -476,7 +476,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     def stream_response(gen_fn, n: int, chunk: Any, include_usage: bool, prompt_tokens: int,
                         undelivered: Callable[[], None] | None = None, opens_scored: bool = False) -> StreamingResponse:
         """SSE over ``gen_fn(emits) -> list[Generation]`` (``emits[i](text, choices)`` per choice); ``chunk(index,
-        text, finish_reason, choices)`` builds each event's object (``first=True``: the opening event, or None).
+        text, finish_reason, choices)`` builds each event's object (``first=True``: the opening event, or None;
+        ``gen``: the choice's Generation, for its last event).
         ``opens_scored``: the opening events wait for the prompt's logprobs, ``gen_fn(emits, scored)`` awaiting
         ``scored(prompt_logprobs)`` (they are ``chunk``'s ``choices`` then).
         ``undelivered()`` runs after the generation ends if the client did not take the stream to its ``[DONE]``."""
@@ -525,7 +526,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                         completion += len(val.token_ids)
                         if i == 0:
                             cached = val.cached_tokens  # the prompt is computed once, by the first choice
-                        yield sse(chunk(i, "", val.finish_reason, None))
+                        yield sse(chunk(i, "", val.finish_reason, None, gen=val))
                     else:
                         status = getattr(val, "status", 503 if isinstance(val, Unavailable) else 500)
                         code = getattr(val, "code", None) or ("swarm_unavailable" if isinstance(val, Unavailable)
@@ -605,7 +606,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             echo_text = texts[0] if req.echo else None
             counters: dict[int, StopMatcher] = {}  # each choice's position: text_offset runs on across its chunks
 
-            def chunk(i, text, finish, choices, first=False):
+            def chunk(i, text, finish, choices, first=False, gen=None):
                 logprobs = None
                 if first:
                     if echo_text is None:
@@ -671,7 +672,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return {"content": lp.chat_entries(choices, top)} if top is not None else None
 
         if req.stream:
-            def chunk(i, text, finish, choices, first=False):
+            def chunk(i, text, finish, choices, first=False, gen=None):
                 if first:
                     delta = {"role": "assistant", "content": ""}
                 else:
@@ -764,14 +765,18 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             # sent again is a new request, counted afresh on the session as it is then)
             counter = StopMatcher(orch.tokenizer, [], target) if req.logprobs is not None else None
 
-            def chunk(i, text, finish, choices, first=False):
+            def chunk(i, text, finish, choices, first=False, gen=None):
                 if first:
                     return None
                 logprobs = None
                 if counter is not None and choices:
                     logprobs = lp.completion(choices, [c.token for c in choices], counter=counter)
-                out = {"session_id": s.id, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-                if finish is not None and (dl := DEADLINE.get()) is not None:  # the turn's last event
+                out = {"session_id": s.id, "text": text or "", "token_ids": [c.token for c in choices or ()],
+                       "logprobs": logprobs, "finish_reason": finish}
+                if gen is not None:  # the turn's last event: what the non-streamed reply says of the turn
+                    out.update(usage=usage(gen.prompt_tokens, len(gen.token_ids), gen.cached_tokens),
+                               tokens=len(s.history))
+                if finish is not None and (dl := DEADLINE.get()) is not None:
                     out["deadline"] = dl.report()
                 return out
 
