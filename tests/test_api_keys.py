@@ -57,6 +57,13 @@ def test_a_request_holds_its_most_tokens_before_it_runs(swarm):
     tokens charged)."""
     r = gen(swarm, DAVE, max_tokens=100)
     assert r.status_code == 429 and r.json()["error"]["param"] == "max_tokens", r.text
+    # a chat request that sent max_completion_tokens is told to lower that (it was told max_tokens)
+    r = httpx.post(f"{swarm.url}/v1/chat/completions", headers={"Authorization": f"Bearer {DAVE}"}, timeout=120,
+                   json={"model": swarm.swarm()["model"], "messages": [{"role": "user", "content": "hi"}],
+                         "max_completion_tokens": 100})
+    err = r.json()["error"]
+    assert r.status_code == 429 and err["param"] == "max_completion_tokens", r.text
+    assert "lower max_completion_tokens" in err["message"], r.text
     with ThreadPoolExecutor(6) as pool:
         codes = list(pool.map(lambda _: gen(swarm, DAVE, max_tokens=20).status_code, range(6)))
     assert sorted(codes) == [200, 200, 429, 429, 429, 429], codes  # 2 x (2 + 20) <= 50

@@ -337,6 +337,15 @@ def test_session_turns_carry_the_logprobs_completions_give(swarm, hf_model):
         assert s.last.token_ids == want["token_ids"] and s.last.finish_reason == "length"
         assert s.last.usage["completion_tokens"] == len(want["token_ids"]) == 6
         assert s.info()["tokens"] == len(ctx) + 6
+        # a turn ending at a stop token: no event shows that token, the last one still carries it in token_ids
+        ctx = ctx + want["token_ids"] + tok(" then", add_special_tokens=False)["input_ids"]
+        free = completion(ctx, max_tokens=6, temperature=0)
+        stop = free["token_ids"][2]
+        want = completion(ctx, max_tokens=6, temperature=0, stop_token_ids=[stop])
+        assert want["token_ids"][-1] == stop and want["finish_reason"] == "stop"
+        text = "".join(s.stream(" then", max_tokens=6, stop_token_ids=[stop]))
+        assert text == want["text"] and s.last.token_ids == want["token_ids"] and s.last.finish_reason == "stop"
+        assert s.last.usage["completion_tokens"] == len(want["token_ids"])
     with client.session(max_length=160) as s:
         conversation: list[dict] = []  # the session's tokens are the whole conversation templated at once
         for question in ("What is two plus two?", "And three?"):

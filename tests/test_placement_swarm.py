@@ -59,7 +59,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
     """``analytic``: the whole story (placement, shift, dashboard, restart). ``simulated`` (the unserved index by
     replaying the recent requests on a fitted step cost): the placement and the shift, and that the re-placements
     after the first completed requests replayed them."""
-    # One server holds either model whole: alpha with 2 slots, beta (3 blocks, no GQA: more KV per token) with 4.
+    # One server holds either model whole: alpha (4 blocks) with 2 slots, beta (3 blocks of alpha's size) with 4.
     # Each model's clients outnumber one server's slots, so the index gains by a second server whatever the
     # measured speeds (with beta at 19 slots and 4 clients, the move's gain rested on them alone and was 0 at times).
     alpha = tiny_model_factory("llama", num_layers=4)

@@ -396,12 +396,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         set_deadline(req)
         return params, explicit
 
-    def reserve_tokens(need: int) -> None:
+    def reserve_tokens(need: int, field: str = "max_tokens") -> None:
         """Hold the most tokens the request may use against its client's ``tokens_per_minute`` (429 if they do not
-        fit); released when the request ends, its real use charged."""
+        fit); released when the request ends, its real use charged. ``field``: the output limit's, for the error."""
         adm = ADMISSION.get()
         if adm is not None and adm.reserve is not None:
-            adm.reserve(need)
+            adm.reserve(need, field)
 
     def set_deadline(req: SamplingFields) -> None:
         """The request's deadlines (its fields, else its API key's defaults) for the dispatcher and the report."""
@@ -664,7 +664,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         top = (req.top_logprobs or 0) if req.logprobs else None
         params, explicit = sampling(req, None, top)
         orch.validate_prompt(ids, params.max_tokens, explicit, field=req.limit_field)
-        reserve_tokens(len(ids) + params.max_tokens * req.n)
+        reserve_tokens(len(ids) + params.max_tokens * req.n, req.limit_field)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -764,6 +764,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             # this request's own, on this turn's context: text_offset runs on over its chunks (a turn undone or
             # sent again is a new request, counted afresh on the session as it is then)
             counter = StopMatcher(orch.tokenizer, [], target) if req.logprobs is not None else None
+            sent = [0]  # token ids the events carried so far
 
             def chunk(i, text, finish, choices, first=False, gen=None):
                 if first:
@@ -771,9 +772,13 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 logprobs = None
                 if counter is not None and choices:
                     logprobs = lp.completion(choices, [c.token for c in choices], counter=counter)
-                out = {"session_id": s.id, "text": text or "", "token_ids": [c.token for c in choices or ()],
-                       "logprobs": logprobs, "finish_reason": finish}
-                if gen is not None:  # the turn's last event: what the non-streamed reply says of the turn
+                ids = [c.token for c in choices or ()]
+                sent[0] += len(ids)
+                if gen is not None:  # the turn's last event: what the non-streamed reply says of the turn, and the
+                    ids = list(gen.token_ids[sent[0]:])  # tokens no event carried (a stop token is never shown)
+                out = {"session_id": s.id, "text": text or "", "token_ids": ids, "logprobs": logprobs,
+                       "finish_reason": finish}
+                if gen is not None:
                     out.update(usage=usage(gen.prompt_tokens, len(gen.token_ids), gen.cached_tokens),
                                tokens=len(s.history))
                 if finish is not None and (dl := DEADLINE.get()) is not None:

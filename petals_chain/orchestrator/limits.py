@@ -310,7 +310,8 @@ class AdmissionLimits:
         self.by_client[client] = mine + 1
         adm = Admission()
         if per_minute is not None:
-            adm.reserve = lambda need: self._reserve(client, adm, int(need), per_minute)
+            adm.reserve = lambda need, field="max_tokens": self._reserve(client, adm, int(need), per_minute,
+                                                                         field)
         token = ADMISSION.set(adm)  # copied into the tasks the app spawns for this request
         held = _HeldResponse(self, send, adm)
         watcher = asyncio.ensure_future(held.watch())
@@ -329,17 +330,17 @@ class AdmissionLimits:
         """Tokens ``client`` used in the last minute plus what its requests under way may still use."""
         return self.ledger.tokens_last_minute(client) + self.reserved.get(client, 0)
 
-    def _reserve(self, client: str, adm: Admission, need: int, per_minute: int) -> None:
+    def _reserve(self, client: str, adm: Admission, need: int, per_minute: int, field: str = "max_tokens") -> None:
         """Hold ``need`` tokens (prompt + max_tokens x n) of ``client``'s per-minute budget for a request, before it
         runs. Checking only the tokens charged when requests end let one request, or many at once, spend the budget
-        several times over."""
+        several times over. ``field``: the body field the output limit came in (named in the error)."""
         held = self._tokens_held(client)
         if held + need > per_minute:
             self._count("tokens_per_minute")
             if need > per_minute:
-                raise RequestError(f"this request may use {need} tokens (prompt + max_tokens x n), more than this "
-                                   f"client's {per_minute} tokens per minute: lower max_tokens", status=429,
-                                   param="max_tokens", code="tokens_per_minute")
+                raise RequestError(f"this request may use {need} tokens (prompt + {field} x n), more than this "
+                                   f"client's {per_minute} tokens per minute: lower {field}", status=429,
+                                   param=field, code="tokens_per_minute")
             raise RequestError(f"this request may use {need} tokens and this client has {held} of its {per_minute} "
                                "tokens per minute used or held by requests under way; retry later", status=429,
                                code="tokens_per_minute")
