@@ -121,6 +121,12 @@ def test_merge_records_override_summary_liveness():
     assert a["state"] == "refused" and a["trust"] == {"banned": True, "strikes": 3} and a["step_compute_s"] == 0.01
     assert a["emulate_reply_fault"] == "noise" and a["emulate_reply_fault_rate"] == 0.5
     assert a["models"] == ["tiny", "other"] and a["serving"] == "tiny" and a["model_mismatch"] is True
+    # a span it cannot load, and why: signed by the server, shown with the orchestrator's "failed"
+    records["QmA"] = _record("QmA", state="joining", num_blocks=0, slots_total=0, slots_free=0, failed_span=[0, 4],
+                             load_error="loading failed: OutOfMemoryError: CUDA out of memory")
+    summary["servers"][0].update(state="failed")
+    a = {s["peer_id"]: s for s in merge_view("tiny", records, summary)["servers"]}["QmA"]
+    assert a["state"] == "failed" and a["failed_span"] == [0, 4] and "out of memory" in a["load_error"]
 
 
 def test_merge_without_summary_and_with_garbage_summary():

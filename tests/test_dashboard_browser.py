@@ -111,6 +111,29 @@ def test_page_shows_servers_chains_queue_and_tracks_departures(swarm_url, slowdo
     fx.view.update(lambda d: d.update(sample_swarm(hostile_name=HOSTILE)))
 
 
+def test_a_server_that_cannot_load_its_blocks_says_why(swarm_url):
+    """A server whose record says it cannot load its assigned span (the planner plans around it) is shown failed,
+    with why in its row; the reason is text, never markup."""
+    fx, url = swarm_url
+    peer = fx.view.get()["servers"][2]["peer_id"]
+    why = "2 blocks leave 0 cache slots of 64 tokens: --cache-tokens-per-block 16 <b>x</b>"
+    fx.view.update(lambda d: next(s for s in d["servers"] if s["peer_id"] == peer).update(
+        state="failed", failed_span=[2, 2], load_error=why))
+    try:
+        with chromium_page() as (page, errors):
+            _open(page, url)
+            row = page.locator(f'#servers-table tr[data-peer-id="{peer}"]')
+            # not serving, as a failed server is shown (greyed), its badge "failed"
+            assert row.get_attribute("data-state") == "gone" and row.locator(".badge").inner_text() == "failed"
+            line = row.locator(".load-error")
+            assert line.inner_text() == "cannot load its blocks"
+            assert line.get_attribute("title") == (f"cannot load its assigned blocks 2\u20133: {why}\n"
+                                                   "planned around until it loads them or restarts")
+            assert page.locator('#servers-table .load-error').count() == 1 and errors == []
+    finally:
+        fx.view.update(lambda d: d.update(sample_swarm(hostile_name=HOSTILE)))
+
+
 def test_hostile_public_name_is_text(swarm_url):
     fx, url = swarm_url
     with chromium_page() as (page, errors):

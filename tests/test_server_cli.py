@@ -262,3 +262,16 @@ def test_usable_identity_paths_start(tiny_model_dir, tmp_path, started):
     for path in (key, tmp_path / "server.id", missing):
         assert main(["--model", str(tiny_model_dir), "--identity-path", str(path)]) == 0
     assert key.read_bytes() == before and missing.parent.is_dir() and not missing.exists() and len(started) == 3
+
+
+def test_an_identity_path_with_a_tilde_is_the_home_directorys(tiny_model_dir, tmp_path, monkeypatch, started):
+    """``--identity-path=~/...`` (or a quoted ``~``) reaches the server unexpanded: a directory named ``~`` was made
+    in the working directory, the key in it (a restart elsewhere got a new peer id)."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert main(["--model", str(tiny_model_dir), "--identity-path=~/.petals/server.id"]) == 0
+    assert (home / ".petals").is_dir() and not (cwd / "~").exists()
+    assert started[0].cfg.identity_path == str(home / ".petals" / "server.id")

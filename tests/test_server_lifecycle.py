@@ -43,7 +43,7 @@ def _server(load) -> Server:
                                   decode_graph="off", drain_timeout_s=5)
     s.state, s.epoch, s.assignment_timestamp, s._applied_content = "joining", -1, 0.0, ()
     s.span, s.max_length, s.reloads, s.announcer = None, 128, 0, None
-    s._failed_load, s._failed_loads = None, 0
+    s._failed_load, s._failed_loads, s.load_failure = None, 0, None
     s.service, s._stop, s._force_stop = Service(), asyncio.Event(), False
     s.sd = types.SimpleNamespace(peer_id="me")
     memory = types.SimpleNamespace(slots_for=lambda n, length: 4, holds=lambda n, length: True)

@@ -88,7 +88,7 @@ def server_entry(record: Any, tau_c: Optional[float] = None) -> dict:
     entry["tau_c"] = tau_c
     entry["last_seen"] = r.get("timestamp")
     for extra in ("quant", "max_length", "epoch", "version", "reachability", "maddrs", "emulate_reply_fault",
-                  "emulate_reply_fault_rate", "models", "serving"):  # what the server signs (emulation is shown)
+                  "emulate_reply_fault_rate", "models", "serving", "failed_span", "load_error"):  # what it signs
         if extra in r:
             entry[extra] = r[extra]
     return entry

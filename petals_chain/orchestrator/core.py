@@ -631,7 +631,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
                         s.m_server_step.labels(*who, part).set(value)
             counts: dict[str, int] = {}
             for v in self.planner.servers.values():
-                st = "failed" if v.failed_at is not None else v.record.state
+                st = "failed" if v.failed_at is not None or v.load_failed else v.record.state
                 counts[st] = counts.get(st, 0) + 1
             for st in ("joining", "online", "draining", "offline", "failed"):
                 s.m_servers.labels(st).set(counts.get(st, 0))

@@ -62,7 +62,15 @@ class ServerView:
     def usable(self) -> bool:
         # tau_p == 0: the server is still profiling; plan with it once its speed is known.
         return (self.failed_at is None and self.record.state != "offline" and self.record.tau_p > 0
-                and self.reachability not in ("pending", "unreachable"))
+                and self.reachability not in ("pending", "unreachable") and not self.load_failed)
+
+    @property
+    def load_failed(self) -> bool:
+        """Its record says it cannot load the span it was assigned (swarm/records.py ``failed_span``, ``load_error``):
+        planned as if it were not there until it loads one or restarts (an older server's record never says so; an
+        offline one is gone, whatever it says)."""
+        r = self.record
+        return r.state != "offline" and bool(getattr(r, "failed_span", None) or getattr(r, "load_error", ""))
 
     @property
     def banned(self) -> bool:
@@ -182,6 +190,8 @@ class Planner:
         self._gca_key: tuple | None = None
         self._considered: set[str] = set()
         self._planned_around: set[str] = set()  # banned servers already planned around (see held_spans)
+        # servers whose record says they cannot load their span: (failed_span, load_error) as last said
+        self.load_failures: dict[str, tuple[tuple[int, ...], str]] = {}
         self._lock = asyncio.Lock()
         self.model_spec: ModelSpec | None = None
         # Several orchestrators (orchestrator/groups.py): the servers of this one's group; None: every server.
@@ -313,12 +323,13 @@ class Planner:
         return True
 
     def held_spans(self) -> dict[str, tuple[int, int]]:
-        """Assigned spans of servers that are banned but still announce themselves. They stay in the assignment
-        (a ban must not make a server unload, and a reload costs minutes on a real model) while the plan for
-        everyone else is made without them; when the ban is over they rejoin the chains with the blocks they hold.
-        A dead server's record expires, and with it its span."""
+        """Assigned spans of servers that are banned, or cannot load their span, but still announce themselves. They
+        stay in the assignment (a ban must not make a server unload, and a reload costs minutes on a real model; a
+        failed load is retried by the server, which may succeed once memory frees up) while the plan for everyone
+        else is made without them; when the ban is over, or the load succeeds, they rejoin the chains with the blocks
+        they hold. A dead server's record expires, and with it its span."""
         return {p: span for p, span in self.assignment.items()
-                if (v := self.servers.get(p)) is not None and v.banned and not v.distrusted
+                if (v := self.servers.get(p)) is not None and (v.banned or v.load_failed) and not v.distrusted
                 and v.record.state != "offline"}
 
     def replacements(self, start: int, end: int) -> list[str]:
@@ -632,6 +643,26 @@ class Planner:
             logger.warning("server %s (%s) is NOT reachable at %s: %s; not planned until it is",
                            v.record.public_name, v.peer_id[:12], " ".join(key), error)
 
+    def _note_load_failure(self, v: ServerView) -> None:
+        """Say when ``v``'s record starts or stops reporting a span it cannot load (once per change); a server that
+        stops is a join for the planner (it loaded its blocks after all, or restarted)."""
+        r = v.record
+        failure = (tuple(getattr(r, "failed_span", ())), getattr(r, "load_error", "")) if v.load_failed else None
+        said = self.load_failures.get(v.peer_id)
+        if failure == said:
+            return
+        if failure is not None:
+            self.load_failures[v.peer_id] = failure
+            span = f"[{failure[0][0]}, {failure[0][0] + failure[0][1]})" if len(failure[0]) == 2 else "its span"
+            logger.warning("server %s (%s) cannot load its assigned blocks %s: %s; planning around it until it loads "
+                           "them or restarts", r.public_name, v.peer_id[:12], span, failure[1] or "(no reason given)")
+            return
+        del self.load_failures[v.peer_id]
+        if r.state != "offline":
+            logger.info("server %s (%s) no longer reports a failed load (%s): planning it again", r.public_name,
+                        v.peer_id[:12], "it loaded its blocks" if r.num_blocks else "restarted")
+            self.last_change = time.monotonic()
+
     async def refresh(self) -> None:
         """Fetch records, ping, and react to joins, leaves and state changes."""
         async with self._lock:
@@ -676,9 +707,11 @@ class Planner:
                     if v.record.tau_p <= 0 < rec.tau_p:
                         self.last_change = time.monotonic()  # its speed is known now: a join for the planner
                     v.record = rec
+                self._note_load_failure(v)
                 v.last_seen = now
             for peer_id in list(self.servers):
                 if peer_id not in records:
+                    self.load_failures.pop(peer_id, None)
                     v = self.servers.pop(peer_id)
                     if v.record.state != "offline":
                         left.append(v)
@@ -735,8 +768,9 @@ class Planner:
         view_ids = {v.peer_id for v in views}
         # a server that left is fresh again when it comes back (and its id is not kept for ever)
         self._considered &= view_ids
-        # A banned server is planned around once (others may take its blocks over if the chains need them),
-        # not at every refresh of its ban.
+        # A banned server (or one that cannot load its span) is planned around once (others may take its blocks over
+        # if the chains need them), not at every refresh of its ban; again if it is held again later.
+        self._planned_around &= held.keys()
         planned_around = held.keys() & self._planned_around
         assigned_gone = [p for p in self.assignment if p not in view_ids and p not in planned_around]
         if not settled:
@@ -781,7 +815,11 @@ class Planner:
             best, reason = full, f"re-placement improves predicted response {best.lower:.4g}s -> {full.lower:.4g}s"
         if best is base and set(alive_placement) == set(self.assignment) - set(held):
             return
-        await self._adopt(best, reason or "servers left")
+        reason = reason or "servers left"
+        if failed := [self.servers[p] for p in assigned_gone if p in held and self.servers[p].load_failed]:
+            reason += "; planned around " + ", ".join(v.record.public_name or v.peer_id[:12] for v in failed) + \
+                " (cannot load its blocks)"
+        await self._adopt(best, reason)
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -803,7 +841,8 @@ class Planner:
         now = self.clock()
         for v in sorted(self.servers.values(), key=lambda v: (v.record.start_block, v.record.public_name)):
             r = v.record
-            state = "failed" if v.failed_at is not None else r.state
+            # a failed load shows as failed too (dashboards treat it as not serving), told apart by load_error
+            state = "failed" if v.failed_at is not None or v.load_failed else r.state
             measured = self.measured_tau_p(v)
             out.append({
                 "peer_id": v.peer_id, "public_name": r.public_name, "state": state,
@@ -825,6 +864,7 @@ class Planner:
                 "reachability": v.reachability, "reachability_error": public_dial_error(v.reach_error),
                 "maddrs": list(r.maddrs),
                 "models": list(r.models), "serving": r.serving,
+                "failed_span": list(r.failed_span) or None, "load_error": r.load_error,
             })
         for peer_id, r in sorted(self.refused.items()):
             out.append({
@@ -838,5 +878,6 @@ class Planner:
                 "tau_p_advertised": r.tau_p, "tau_p_measured": None, "tau_p_suspect": False, "strikes": 0,
                 "banned": False, "banned_for_s": 0.0, "reachability": "unknown", "reachability_error": "",
                 "maddrs": list(r.maddrs), "models": list(r.models), "serving": r.serving,
+                "failed_span": None, "load_error": "",
             })
         return out

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from petals_chain.swarm.dht import SwarmDHT
 from petals_chain.swarm.emulation import Emulation
-from petals_chain.swarm.records import ServerRecord
+from petals_chain.swarm.records import LOAD_ERROR_MAX, ServerRecord
 
 logger = logging.getLogger("petals_chain.server")
 
@@ -40,10 +40,12 @@ class RecordSource(Protocol):
 
 
 def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
-    """The record of ``src`` as it is now (slots from the runner being served, emulation shown as such)."""
+    """The record of ``src`` as it is now (slots from the runner being served, emulation shown as such; the span it
+    could not load and why, from ``src.load_failure`` where it has one: a model offered but not served has none)."""
     runner = src.runner
     start, num = src.span if (src.span and runner is not None) else (0, 0)
     cfg = src.cfg
+    failure = getattr(src, "load_failure", None)
     return ServerRecord(
         peer_id=peer_id, state=src.state, memory_bytes=int(src.memory.memory_bytes),
         tau_p=float(src.emulation.announced_tau_p(src.tau_p)), device=cfg.device, dtype=src.dtype_name,
@@ -59,7 +61,9 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         prefix_cache=bool(runner is not None and runner.prefix_cache),
         prefix_offered_tokens=int(runner.prefix_offered_tokens) if runner is not None else 0,
         prefix_reused_tokens=int(runner.prefix_reused_tokens) if runner is not None else 0,
-        maddrs=list(src.maddrs)[:8], reachability=src.reachability, open_heartbeats=True, timestamp=time.time(),
+        maddrs=list(src.maddrs)[:8], reachability=src.reachability, open_heartbeats=True,
+        failed_span=[int(x) for x in failure[0]] if failure else [],
+        load_error=failure[1][:LOAD_ERROR_MAX] if failure else "", timestamp=time.time(),
     )
 
 

@@ -140,7 +140,9 @@ class Server:
             self.hosted = self._models_the_budget_holds(memory_flag)
         self.active = self.hosted[0]
         if cfg.identity_path is not None:  # last: it may make the key's directory, which a bad flag above would not
-            check_identity_path(str(cfg.identity_path))
+            # a quoted or --identity-path=~/x path comes with its ~ (a directory named ~ was made in the cwd)
+            cfg.identity_path = os.path.expanduser(str(cfg.identity_path))
+            check_identity_path(cfg.identity_path)
         self.placement_timestamp = 0.0  # of the placement record followed last
         self.switches = 0  # times the server was placed on another of its models
         self._misplaced: set[str] = set()  # placements naming a model we do not offer (said once each)
@@ -157,6 +159,9 @@ class Server:
         # an assignment whose load failed: (its content, when it may be tried again); consecutive failures
         self._failed_load: Optional[tuple[tuple, float]] = None
         self._failed_loads = 0
+        # the assigned span not loaded and why, announced (ServerRecord.failed_span, load_error) until a load succeeds:
+        # the orchestrator plans around this server meanwhile instead of waiting for blocks that never come
+        self.load_failure: Optional[tuple[tuple[int, int], str]] = None
         self.span: Optional[tuple[int, int]] = None
         self._unassigned_since: Optional[float] = None  # monotonic time since when no span is held
         self._unassigned_said = -math.inf
@@ -321,7 +326,7 @@ class Server:
             return
         span = asg.span_of(self.sd.peer_id)
         max_length = self.cfg.max_length or asg.max_length
-        if max_length < asg.max_length and asg.timestamp > self.assignment_timestamp:
+        if max_length < asg.max_length and span is None and asg.timestamp > self.assignment_timestamp:
             logger.warning(f"--max-length {max_length} is below the swarm's max_length {asg.max_length}: the "
                            "orchestrator leaves this server out of its chains; restart without --max-length (or "
                            f"with {asg.max_length} or more) to serve")
@@ -333,6 +338,15 @@ class Server:
         self.epoch = asg.epoch
         self.assignment_timestamp = asg.timestamp
         self._applied_content = content
+        if span is not None and max_length < asg.max_length:
+            # slots this short serve none of the swarm's chains (the planner leaves such a server out of them): loaded,
+            # they only held blocks the plan counted on
+            await self._unload()
+            self.set_state("joining")
+            self._load_failed(content, span, f"--max-length {max_length} is below the swarm's max_length "
+                                             f"{asg.max_length} (restart without --max-length, or with "
+                                             f"{asg.max_length} or more)")
+            return
         if span == self.span and max_length == self.max_length and (self.runner is not None or span is None):
             logger.info("same span and max_length: keeping the loaded blocks (no reload)" if span is not None
                         else "still no span assigned")
@@ -362,8 +376,7 @@ class Server:
                    f"{max_length} tokens in {num} blocks (raise it to at least {-(-max_length // num)})" if capped
                    else f"M_j={self.memory.memory_bytes} bytes (s_m={self.memory.s_m}, "
                         f"s_c={self.memory.s_c(max_length)})")
-            logger.error(f"assignment of {num} blocks leaves {slots} cache slots: {why}; not loading it")
-            self._load_failed(content)
+            self._load_failed(content, span, f"{num} blocks leave {slots} cache slots of {max_length} tokens: {why}")
             return
         logger.info(f"loading blocks [{start}, {start + num}) with {slots} cache slots (max_length {max_length})")
         loop = asyncio.get_running_loop()
@@ -374,24 +387,33 @@ class Server:
                 device=self.cfg.device, quant=self.cfg.quant, config=self.config, progress=self.cfg.progress,
                 batching=self.cfg.batching, kv_cache=self.cfg.kv_cache, page_size=self.cfg.page_size,
                 prefix_cache=self.cfg.prefix_cache, decode_graph=self.cfg.decode_graph))
-        except Exception:
+        except Exception as e:  # noqa: BLE001 - out of memory, unreadable weights, ...: announced, then retried
             logger.exception("loading the assigned blocks failed")
-            self._load_failed(content)
+            self._load_failed(content, span, f"loading failed: {type(e).__name__}: {e}")
             return
-        self._failed_load, self._failed_loads = None, 0
+        self._failed_load, self._failed_loads, self.load_failure = None, 0, None
         self.service.runner, self.span = runner, (start, num)
         self.reloads += 1
         logger.info(f"loaded blocks [{start}, {start + num}) in {time.perf_counter() - t0:.1f} s; "
                     f"{runner.slots_total} slots")
         self.set_state("online")
 
-    def _load_failed(self, content: tuple) -> None:
+    def _load_failed(self, content: tuple, span: Optional[tuple[int, int]] = None, why: str = "") -> None:
         """The assignment ``content`` was not loaded: follow it again when it is published again (else the server
         stayed joining, without blocks, until the orchestrator published another epoch), after a backoff (10 s,
-        doubling up to 5 min)."""
+        doubling up to 5 min). With ``span`` (ours in it), the record says which and ``why`` until a load succeeds:
+        the orchestrator plans around this server (its chains waited for these blocks for ever)."""
         self._failed_loads += 1
-        self._failed_load = (content, time.monotonic() + min(300.0, 10.0 * 2 ** (self._failed_loads - 1)))
+        backoff_s = min(300.0, 10.0 * 2 ** (self._failed_loads - 1))
+        self._failed_load = (content, time.monotonic() + backoff_s)
         self._applied_content, self.assignment_timestamp = (), 0.0
+        if span is not None:
+            why = " ".join(why.split())  # one line (a CUDA out-of-memory message has several)
+            logger.error(f"cannot serve the assigned blocks [{span[0]}, {span[0] + span[1]}): {why}. Announced, so "
+                         f"that the orchestrator plans around this server; tried again in "
+                         f"{backoff_s:.0f} s (restart with a working configuration to join at once)")
+            self.load_failure = (tuple(span), why)
+            self._record_changed()
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new sessions, wait up to ``timeout_s`` for open ones to close, then release the rest."""
@@ -566,6 +588,7 @@ class Server:
             return False
         self.active = hosted
         self.epoch, self.assignment_timestamp, self._applied_content, self.span = -1, 0.0, (), None
+        self._failed_load, self._failed_loads, self.load_failure = None, 0, None  # they concerned the other model
         self.service.hidden_size = hosted.hidden_size
         self.service.model_fingerprint = hosted.fingerprint
         self.switches += 1
@@ -615,9 +638,10 @@ class Server:
             if asg is not None and self.is_new_assignment(asg):
                 try:
                     await self.apply_assignment(asg)
-                except Exception:  # noqa: BLE001 - a failed drain or unload must not end the server's loop
+                except Exception as e:  # noqa: BLE001 - a failed drain or unload must not end the server's loop
                     logger.exception("following the assignment failed; trying again after a backoff")
-                    self._load_failed(self._assignment_content(asg))
+                    self._load_failed(self._assignment_content(asg), asg.span_of(self.sd.peer_id),
+                                      f"{type(e).__name__}: {e}")
             self.say_if_unassigned(asg, time.monotonic())
             try:
                 if await self.serve_a_model_someone_serves(asg, time.monotonic()):
@@ -637,7 +661,10 @@ class Server:
         if now - since < UNASSIGNED_WARN_S or now - self._unassigned_said < UNASSIGNED_REPEAT_S:
             return None
         self._unassigned_said = now
-        if asg is None:
+        if self.load_failure is not None:
+            (start, num), error = self.load_failure
+            why = f"the blocks assigned, [{start}, {start + num}), cannot be served: {error}"
+        elif asg is None:
             why = (f"no trusted orchestrator publishes assignments under DHT prefix {self.prefix!r} (is one serving "
                    "this model, reachable through --initial-peers, and trusted?)")
         else:

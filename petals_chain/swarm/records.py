@@ -28,6 +28,7 @@ MAX_UNKNOWN_FIELDS = 16
 _UNKNOWN_FIELD_NAME_MAX = 64
 _UNKNOWN_VALUES_MAX = 4096  # a newer writer's fields together, in characters of their repr, nested at most 4 deep
 _SHORT_MAX = 64  # names like a version, device, dtype or quantization
+LOAD_ERROR_MAX = 300  # ServerRecord.load_error: one line for the operator and the dashboard
 
 
 def check_unknown_values(values: list) -> None:
@@ -128,6 +129,10 @@ class ServerRecord(_Record):
     serving: str = pydantic.Field(default="", max_length=128)
     # it answers a queued open's heartbeat_s with "still waiting" replies (swarm/rpc.py; older servers do not)
     open_heartbeats: bool = False
+    # the assigned span it could not load ([start_block, num_blocks]; [] for none) and why ("" for none): planners
+    # plan around it until it loads a span or restarts (an older server announces neither and is planned as before)
+    failed_span: list[Annotated[int, pydantic.Field(ge=0)]] = pydantic.Field(default_factory=list, max_length=2)
+    load_error: str = pydantic.Field(default="", max_length=LOAD_ERROR_MAX)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.model_validator(mode="after")
@@ -136,6 +141,8 @@ class ServerRecord(_Record):
             raise ValueError(f"slots_free {self.slots_free} > slots_total {self.slots_total}")
         if self.cache_tokens_free > self.cache_tokens_total:
             raise ValueError(f"cache_tokens_free {self.cache_tokens_free} > cache_tokens_total {self.cache_tokens_total}")
+        if len(self.failed_span) not in (0, 2):
+            raise ValueError(f"failed_span must be [] or [start_block, num_blocks], got {self.failed_span}")
         return self
 
 
@@ -296,6 +303,8 @@ class _ServerValueV1(_ValueV1):
     models: pv1.conlist(pv1.constr(strict=True, max_length=128), max_items=8)
     serving: pv1.constr(strict=True, max_length=128)
     open_heartbeats: pv1.StrictBool
+    failed_span: pv1.conlist(pv1.conint(strict=True, ge=0), max_items=2)
+    load_error: pv1.constr(strict=True, max_length=LOAD_ERROR_MAX)
     timestamp: pv1.StrictFloat
 
 

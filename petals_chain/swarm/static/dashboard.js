@@ -626,6 +626,14 @@
         : reach === "pending" ? "checking that its announced addresses can be dialed" : "dialed directly at\n" + addrs;
       reachLine = el("div", { class: "reach reach-" + reach, title: reachTitle, text: reach });
     }
+    // its record says it cannot load the blocks it was assigned (too little cache, out of memory, ...): planned around
+    var loadError = str(s.load_error), loadLine = null;
+    if (loadError) {
+      var fs = Array.isArray(s.failed_span) && s.failed_span.length === 2 ? s.failed_span.map(int) : null;
+      var where = fs && fs[0] !== null && fs[1] ? " " + fs[0] + "\u2013" + (fs[0] + fs[1] - 1) : "";
+      loadLine = el("div", { class: "load-error", text: "cannot load its blocks",
+        title: "cannot load its assigned blocks" + where + ": " + loadError + "\nplanned around until it loads them or restarts" });
+    }
     // a server offering several models serves one of them at a time
     var offers = Array.isArray(s.models) ? s.models.map(str) : [], offersLine = null;
     if (offers.length > 1) {
@@ -643,7 +651,7 @@
     return el("tr", { "data-peer-id": str(s.peer_id), "data-state": gone ? "gone" : str(s.state), class: gone ? "gone" : null },
       el("td", { "data-label": "name" },
         el("div", {}, el("div", { class: "server-name", text: serverName(s) }), el("div", { class: "peer-id", title: str(s.peer_id), text: shortId(s.peer_id) }))),
-      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null), trustLine, reachLine, offersLine),
+      el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null), trustLine, reachLine, loadLine, offersLine),
       el("td", { "data-label": "blocks", class: "num" }, el("span", { text: span })),
       el("td", { "data-label": "memory", class: "num" }, el("span", { title: hw, text: fmtBytes(s.memory_bytes) + (hw ? " \u00b7 " + hw : "") })),
       el("td", { "data-label": "KV cache" },
