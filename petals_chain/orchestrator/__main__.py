@@ -257,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ban-base-s", type=float, default=5.0,
                    help="a server that failed is not planned for this long, doubling per failure (max --ban-max-s)")
     p.add_argument("--ban-max-s", type=float, default=300.0)
+    p.add_argument("--load-deadline-s", type=_nonnegative_float, default=600.0, metavar="S",
+                   help="a server not online with the blocks it was assigned S seconds after the assignment (a load "
+                        "that hangs, a wedged device, an older server that does not report a failed load) is planned "
+                        "around until it serves them (its clock starts again after a drain of its old blocks). "
+                        "0: never")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="API keys, one a line: NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N] "
                         "[deadline_ms=X] [ttft_deadline_ms=X]; "
@@ -471,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         model_id=args.model_id or models[0][0], settle_s=args.settle_s,
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
         hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
-        ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, fairness=args.fairness, schedule=args.schedule,
+        ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, load_deadline_s=args.load_deadline_s,
+        fairness=args.fairness, schedule=args.schedule,
         schedule_classes=args.schedule_classes,
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
         fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,

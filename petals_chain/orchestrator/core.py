@@ -125,6 +125,11 @@ class OrchestratorConfig:
     ban_base_s: float = 5.0  # a failed server is not planned for this long, doubling per failure (planner.py)
     ban_max_s: float = 300.0
     ban_reset_s: float = 120.0  # unbanned and no failure for this long: its next ban starts at ban_base_s again
+    # --load-deadline-s: a server not online with a span it was assigned this long after is planned around (planner.py;
+    # 0: never). Ten minutes: the whole of a 70B model in 16 bits (~140 GB; weights are fetched before a server joins)
+    # reads from a disk at 250 MB/s in less, a volunteer's span in a fraction of that; a missed deadline costs only a
+    # re-plan (the server keeps its span and rejoins once loaded), a hung load without one cost the chains for good
+    load_deadline_s: float = 600.0
     output_reserve_tokens: int = 256  # --output-reserve-tokens: a chain is opened for the prompt + this (failover.py)
     job_tokens: int | None = None  # --job-tokens: L^ of paged chain capacities (None: learnt; token_budget.py)
     api_keys: str | None = None  # --api-keys FILE (auth.py; limits.py)
@@ -187,6 +192,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if not (0 < cfg.ban_base_s <= cfg.ban_max_s < math.inf):
             raise ValueError(f"--ban-base-s and --ban-max-s must satisfy 0 < base <= max, got {cfg.ban_base_s}, "
                              f"{cfg.ban_max_s}")
+        if not (0 <= cfg.load_deadline_s < math.inf):
+            raise ValueError(f"--load-deadline-s must be a finite number >= 0 (0: none), got {cfg.load_deadline_s}")
         from petals_chain.swarm.memory import check_device
         from petals_chain.swarm.sources import check_family, resolve_source
 
@@ -338,7 +345,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
             serialization_s=self.measure_serialization(), petals_cache_tokens=self.cfg.petals_cache_tokens,
             bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint, ban_base_s=self.cfg.ban_base_s,
             prober=self.prober,
-            ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s, job_tokens=self.cfg.job_tokens)
+            ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s, job_tokens=self.cfg.job_tokens,
+            load_deadline_s=self.cfg.load_deadline_s)
         self.client.heartbeats = self._open_heartbeats
         if hasattr(self.dispatch, "attach"):  # routed dispatch (PETALS, BPRR) reads live server views
             self.dispatch.attach(self.planner)

@@ -57,6 +57,10 @@ class ServerView:
     reach_key: tuple = ()  # the maddrs last checked
     reach_checked: float = 0.0  # monotonic time of the last check
     reach_error: str = ""
+    # --load-deadline-s: the planner-clock time an assignment gave it a span it did not serve (None: nothing awaited),
+    # and whether it was still not online with that span at the deadline (planned around like a failed load)
+    awaiting_since: float | None = None
+    load_overdue: bool = False
 
     @property
     def usable(self) -> bool:
@@ -66,9 +70,15 @@ class ServerView:
 
     @property
     def load_failed(self) -> bool:
-        """Its record says it cannot load the span it was assigned (swarm/records.py ``failed_span``, ``load_error``):
-        planned as if it were not there until it loads one or restarts (an older server's record never says so; an
-        offline one is gone, whatever it says)."""
+        """It cannot load the span it was assigned, by its record's word or by the load deadline (``load_overdue``):
+        planned as if it were not there until it serves that span or restarts (an offline one is gone, whatever it
+        says)."""
+        return self.record.state != "offline" and (self.load_overdue or self.load_reported)
+
+    @property
+    def load_reported(self) -> bool:
+        """Its record says it cannot load the span it was assigned (swarm/records.py ``failed_span``, ``load_error``;
+        an older server's record never says so)."""
         r = self.record
         return r.state != "offline" and bool(getattr(r, "failed_span", None) or getattr(r, "load_error", ""))
 
@@ -140,7 +150,8 @@ class Planner:
                  on_failure: Callable[[str], None] | None = None, petals_cache_tokens: int = 4096,
                  bprr_r: int | None = None, model_fingerprint: str = "", ban_base_s: float = 5.0,
                  ban_max_s: float = 300.0, ban_reset_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
-                 job_tokens: int | None = None, prober: Any = None, reach_recheck_s: float = 15.0):
+                 job_tokens: int | None = None, prober: Any = None, reach_recheck_s: float = 15.0,
+                 load_deadline_s: float = 600.0):
         self.dht = dht
         self.prefix = prefix
         self.prober = prober  # swarm.reachability.Prober; None: servers are not checked (tests of the planner alone)
@@ -168,7 +179,10 @@ class Planner:
         self.servers: dict[str, ServerView] = {}
         self.distrusted: set[str] = set()  # banned for good (audits), kept when a record expires and returns
         self.ban_base_s, self.ban_max_s, self.ban_reset_s = ban_base_s, ban_max_s, ban_reset_s
-        self.clock = clock  # for bans (tests pass their own)
+        self.clock = clock  # for bans and load deadlines (tests pass their own)
+        # a server assigned a span it does not serve, and not online with it this long after, is planned around
+        # (check_load_deadlines); 0: never
+        self.load_deadline_s = load_deadline_s
         self._speed_changed: list[str] = []  # servers newly found slower than they claim: re-plan soon
         # Servers announcing another model (sources.ModelSource.fingerprint): never planned, shown as refused.
         self.model_fingerprint = model_fingerprint
@@ -323,11 +337,12 @@ class Planner:
         return True
 
     def held_spans(self) -> dict[str, tuple[int, int]]:
-        """Assigned spans of servers that are banned, or cannot load their span, but still announce themselves. They
-        stay in the assignment (a ban must not make a server unload, and a reload costs minutes on a real model; a
-        failed load is retried by the server, which may succeed once memory frees up) while the plan for everyone
-        else is made without them; when the ban is over, or the load succeeds, they rejoin the chains with the blocks
-        they hold. A dead server's record expires, and with it its span."""
+        """Assigned spans of servers that are banned, or cannot load their span (by their word or by the load
+        deadline), but still announce themselves. They stay in the assignment (a ban must not make a server unload, and
+        a reload costs minutes on a real model; a failed load is retried by the server, which may succeed once memory
+        frees up, and a slow one may still end) while the plan for everyone else is made without them; when the ban is
+        over, or the load succeeds, they rejoin the chains with the blocks they hold. A dead server's record expires,
+        and with it its span."""
         return {p: span for p, span in self.assignment.items()
                 if (v := self.servers.get(p)) is not None and (v.banned or v.load_failed) and not v.distrusted
                 and v.record.state != "offline"}
@@ -581,11 +596,67 @@ class Planner:
         self.plan = plan
         new_assignment = {k: tuple(v) for k, v in plan.placement.items()}
         if new_assignment != self.assignment:
+            self._start_load_clocks(self.assignment, new_assignment)
             self.epoch += 1
             self.assignment = new_assignment
             self._log_plan("placement", plan, reason)
             await self._publish_assignment()
         self._recompute_chains(reason)
+
+    # ---- load deadlines ------------------------------------------------------------------------
+    @staticmethod
+    def _serves(v: ServerView, span: tuple[int, int]) -> bool:
+        r = v.record
+        return r.state == "online" and (r.start_block, r.num_blocks) == tuple(span)
+
+    def _start_load_clocks(self, old: dict[str, tuple[int, int]], new: dict[str, tuple[int, int]]) -> None:
+        """Start the load deadline of each server that ``new`` gives a span it had not been assigned in ``old`` and does
+        not serve already. A span kept keeps its clock (a held server stays overdue); one that a server already serves
+        (a restarted orchestrator adopting the placement in force, servers handed over by another group) starts
+        none."""
+        now = self.clock()
+        for p, span in new.items():
+            v = self.servers.get(p)
+            if v is None or old.get(p) == span:
+                continue
+            v.awaiting_since, v.load_overdue = (None if self._serves(v, span) else now), False
+        for p in old.keys() - new.keys():
+            if (v := self.servers.get(p)) is not None:
+                v.awaiting_since, v.load_overdue = None, False
+
+    def check_load_deadlines(self) -> None:
+        """Plan around each server not online with its assigned span ``load_deadline_s`` after the assignment that
+        gave it the span (a load that hangs, a wedged device, an older server that does not report a failed load):
+        it stays assigned (held_spans) and rejoins the chains once it serves that span, as a failed load does. A
+        server draining, or offline, restarts its clock: it still serves its old blocks' sessions, or it is away
+        (back, it loads anew)."""
+        now = self.clock()
+        for v in self.servers.values():
+            if v.awaiting_since is None:
+                continue
+            span = self.assignment.get(v.peer_id)
+            r = v.record
+            if span is None:
+                v.awaiting_since, v.load_overdue = None, False
+            elif self._serves(v, span):
+                if v.load_overdue:
+                    logger.info("server %s (%s) is online with its blocks [%d, %d) %.0f s after its assignment: "
+                                "planning it again", r.public_name, v.peer_id[:12], span[0], span[0] + span[1],
+                                now - v.awaiting_since)
+                v.awaiting_since, v.load_overdue = None, False
+            elif r.state == "offline" or (r.state == "draining" and not v.load_overdue):
+                v.awaiting_since, v.load_overdue = now, False
+            elif not v.load_overdue and 0 < self.load_deadline_s <= now - v.awaiting_since:
+                v.load_overdue = True
+                logger.warning("server %s (%s) is not online with its assigned blocks [%d, %d) %.0f s after its "
+                               "assignment (--load-deadline-s %g; it is %s): planning around it until it serves them",
+                               r.public_name, v.peer_id[:12], span[0], span[0] + span[1], now - v.awaiting_since,
+                               self.load_deadline_s, r.state)
+
+    def _overdue_error(self, v: ServerView, now: float, flag: bool = True) -> str:
+        """Why an overdue server is planned around (its ``load_error``, unless its record says one)."""
+        why = f"not online {now - (v.awaiting_since or now):.0f} s after its assignment"
+        return f"{why} (--load-deadline-s {self.load_deadline_s:g})" if flag else why
 
     # ---- loop ----------------------------------------------------------------------------------
     async def _ping(self, v: ServerView) -> None:
@@ -647,7 +718,7 @@ class Planner:
         """Say when ``v``'s record starts or stops reporting a span it cannot load (once per change); a server that
         stops is a join for the planner (it loaded its blocks after all, or restarted)."""
         r = v.record
-        failure = (tuple(getattr(r, "failed_span", ())), getattr(r, "load_error", "")) if v.load_failed else None
+        failure = (tuple(getattr(r, "failed_span", ())), getattr(r, "load_error", "")) if v.load_reported else None
         said = self.load_failures.get(v.peer_id)
         if failure == said:
             return
@@ -720,6 +791,7 @@ class Planner:
             await asyncio.gather(*(self._ping(v) for v in live))
             for v in live:
                 self._unban(v)
+            self.check_load_deadlines()
             for v in joined:
                 logger.info("server joined: %s (%s) memory=%d tau_p=%.4g state=%s", v.record.public_name,
                             v.peer_id[:12], v.record.memory_bytes, v.record.tau_p, v.record.state)
@@ -817,8 +889,11 @@ class Planner:
             return
         reason = reason or "servers left"
         if failed := [self.servers[p] for p in assigned_gone if p in held and self.servers[p].load_failed]:
-            reason += "; planned around " + ", ".join(v.record.public_name or v.peer_id[:12] for v in failed) + \
-                " (cannot load its blocks)"
+            now = self.clock()
+            why = {v.peer_id: "cannot load its blocks" if v.load_reported else self._overdue_error(v, now, flag=False)
+                   for v in failed}
+            reason += "; planned around " + ", ".join(f"{v.record.public_name or v.peer_id[:12]} ({why[v.peer_id]})"
+                                                       for v in failed)
         await self._adopt(best, reason)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -835,6 +910,13 @@ class Planner:
 
     async def _run(self, stop: asyncio.Event) -> None:
         await run_every(stop, self.refresh_s, self._round, logger, "planner refresh")
+
+    def _load_failure_json(self, v: ServerView, now: float) -> dict:
+        """``failed_span`` and ``load_error`` as its record says them, else as the load deadline does."""
+        r = v.record
+        if v.load_overdue and not v.load_reported and v.peer_id in self.assignment:
+            return {"failed_span": list(self.assignment[v.peer_id]), "load_error": self._overdue_error(v, now)}
+        return {"failed_span": list(r.failed_span) or None, "load_error": r.load_error}
 
     def server_json(self, active_by_peer: dict[str, int] | None = None) -> list[dict]:
         out = []
@@ -864,7 +946,7 @@ class Planner:
                 "reachability": v.reachability, "reachability_error": public_dial_error(v.reach_error),
                 "maddrs": list(r.maddrs),
                 "models": list(r.models), "serving": r.serving,
-                "failed_span": list(r.failed_span) or None, "load_error": r.load_error,
+                **self._load_failure_json(v, now),
             })
         for peer_id, r in sorted(self.refused.items()):
             out.append({
