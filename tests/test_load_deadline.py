@@ -24,8 +24,8 @@ SPEEDS = {"A": 0.1, "B": 0.2, "C": 0.4, "E": 0.3}
 def record(name: str, state: str = "joining", span: tuple[int, int] = (0, 0), **kw) -> ServerRecord:
     slots = 5 if span[1] else 0
     return ServerRecord(peer_id=name, public_name=name, state=state, memory_bytes=300, tau_p=SPEEDS.get(name, 0.1),
-                        max_length=64, kv_cache="slots", start_block=span[0], num_blocks=span[1], slots_total=slots,
-                        slots_free=slots, **{"timestamp": time.time(), **kw})
+                        kv_cache="slots", start_block=span[0], num_blocks=span[1], slots_total=slots,
+                        slots_free=slots, **{"timestamp": time.time(), "max_length": 64, **kw})
 
 
 class FakeDHT:
@@ -218,3 +218,39 @@ def test_the_load_deadline_reaches_the_planner_config(tiny_model_dir, monkeypatc
     assert got == [[5.0], [600.0]]
     with pytest.raises(ValueError, match="--load-deadline-s"):
         Orchestrator(OrchestratorConfig(model=str(tiny_model_dir), load_deadline_s=math.nan))
+
+
+def test_a_failure_reported_to_another_planner_or_before_a_restart_does_not_keep_a_server_out(caplog):
+    """B reported a failed load of [2, 4) to the orchestrator before this one (or another group's): its record still
+    says so. Read as failing for good, B was never planned again, and with C gone nobody served [2, 4): no chain for
+    hours. A failure counts only of the span this planner gives, reported at that assignment's epoch or later; B is
+    planned, and says so again if it fails again."""
+    records = {"A": record("A", "online", (0, 2), epoch=7),
+               "B": record("B", failed_span=[2, 2], load_error="oom", epoch=7)}
+    sw = Swarm(records)
+    sw.refresh()
+    assert sw.pl.assignment.get("B") == (2, 2) and sw.shown("B")["state"] == "joining"
+    assert sw.shown("B")["load_error"] == "" and sw.shown("B")["failed_span"] is None
+    sw.refresh(5.0)  # its record has not caught up with the new epoch yet: not judged on the stale one
+    assert not sw.pl.servers["B"].load_failed
+    with caplog.at_level(logging.WARNING, logger="petals_chain.orchestrator.planner"):
+        records["B"] = record("B", failed_span=[2, 2], load_error="oom\x1b[2J\nforged", epoch=sw.pl.epoch)
+        sw.refresh(1.0)  # it fails again, at this planner's epoch: planned around, said once, in one line
+    said = _said(caplog, "cannot load its assigned blocks")
+    assert sw.pl.servers["B"].load_failed and len(said) == 1 and "\x1b" not in said[0] and "\n" not in said[0]
+    assert sw.shown("B")["load_error"] == "oom [2J forged"
+    sw.load("B")
+    sw.refresh(1.0)
+    assert sw.chains() == [("A", "B")]
+
+
+def test_an_older_server_with_short_slots_is_not_serving_its_span_for_the_deadline():
+    """An older server started with a --max-length below the swarm's loads its span and goes online: the chains
+    leave it out (its slots are too short), and it reports no failure. The plan counted on its blocks for good; the
+    deadline now sees it as not serving its span."""
+    sw = Swarm({n: record(n) for n in "AB"})
+    sw.refresh()
+    sw.load("A")
+    sw.records["B"] = record("B", "online", sw.pl.assignment["B"], epoch=sw.pl.epoch, max_length=32)
+    sw.refresh(DEADLINE + 1)
+    assert sw.pl.servers["B"].load_failed and sw.shown("B")["state"] == "failed" and sw.chains() == []

@@ -258,3 +258,21 @@ def test_https_api_with_a_certificate(tiny_model_dir, tmp_path, scaled):
             httpx.get(swarm.url.replace("https://", "http://") + "/healthz", timeout=10)
     finally:
         swarm.stop()
+
+
+def test_an_identity_path_with_a_tilde_is_the_home_directorys(tmp_path, monkeypatch):
+    """Every role's ``--identity-path`` (the orchestrator's, the dashboard's: ``SwarmDHT.create``) given as
+    ``--identity-path=~/x`` or quoted: the key went to ``./~/x`` (a new peer id when started from elsewhere, or no
+    start at all without a ``./~``)."""
+    from petals_chain.swarm.dht import SwarmDHT
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    node = SwarmDHT.create(identity_path="~/orch.key", host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        assert (home / "orch.key").is_file() and not (cwd / "~").exists()
+    finally:
+        node.shutdown()

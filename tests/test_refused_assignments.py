@@ -148,7 +148,8 @@ def test_the_planner_moves_blocks_off_a_server_that_cannot_load_them():
         assert pl.assignment == {"A": (0, 2), "B": (2, 2), "C": (0, 2)}
         load("A", (0, 2))
         load("C", (0, 2))
-        pl.servers["B"].record = _record("B", 0.2, failed_span=[2, 2], load_error="out of memory")
+        # announced by a server following this planner's epoch (a failure reported before it is stale)
+        pl.servers["B"].record = _record("B", 0.2, failed_span=[2, 2], load_error="out of memory", epoch=pl.epoch)
         pl._note_load_failure(pl.servers["B"])
         await pl._decide([], [])
         assert pl.assignment == {"A": (0, 2), "B": (2, 2), "C": (2, 2)}  # B held: it may still load
@@ -166,3 +167,31 @@ def test_the_planner_moves_blocks_off_a_server_that_cannot_load_them():
         assert {s["public_name"]: s["state"] for s in pl.server_json()}["C"] == "offline"
 
     asyncio.run(main())
+
+
+def test_a_failure_of_a_span_no_longer_assigned_is_not_announced_on():
+    """Its load of [0, 4) failed; the next assignment gives it another span (or none): announcing the old failure
+    on, it read as failing still to a planner that never gave it that span, which never planned it again."""
+    from test_server_lifecycle import _Assignment, _Runner, _server
+
+    def load(source, start, num, **kw):
+        if (start, num) == (0, 4):
+            raise RuntimeError("CUDA out of memory")
+        return _Runner()
+
+    async def main():
+        s = _server(load)
+        await s.apply_assignment(_Assignment(1, (0, 4), 1.0))
+        assert s.load_failure is not None and s.load_failure[0] == (0, 4)
+        unassigned = _Assignment(2, (0, 4), 2.0)
+        unassigned.assignments = {"other": [0, 4]}
+        unassigned.span_of = lambda peer_id: None
+        await s.apply_assignment(unassigned)
+        assert s.load_failure is None and s._failed_load is None
+        await s.apply_assignment(_Assignment(3, (0, 4), 3.0))  # the same span again: tried at once, fails again
+        assert s.load_failure is not None and s.load_failure[0] == (0, 4)
+        await s.apply_assignment(_Assignment(4, (0, 2), 4.0))  # another span: loaded, nothing failed stands
+        return s
+
+    s = asyncio.run(main())
+    assert s.load_failure is None and s.state == "online" and s.span == (0, 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -61,6 +62,10 @@ class ServerView:
     # and whether it was still not online with that span at the deadline (planned around like a failed load)
     awaiting_since: float | None = None
     load_overdue: bool = False
+    # its record reports a failed load of the very span this planner assigns it (set at each refresh): a report of a
+    # span it is no longer given (another orchestrator's, one before a restart of this one) must not keep it out
+    failed_assigned: bool = False
+    span_epoch: int = 0  # the assignment epoch that gave it its current span (a failure announced before is stale)
 
     @property
     def usable(self) -> bool:
@@ -73,7 +78,7 @@ class ServerView:
         """It cannot load the span it was assigned, by its record's word or by the load deadline (``load_overdue``):
         planned as if it were not there until it serves that span or restarts (an offline one is gone, whatever it
         says)."""
-        return self.record.state != "offline" and (self.load_overdue or self.load_reported)
+        return self.record.state != "offline" and (self.load_overdue or self.failed_assigned)
 
     @property
     def load_reported(self) -> bool:
@@ -85,6 +90,11 @@ class ServerView:
     @property
     def banned(self) -> bool:
         return self.failed_at is not None
+
+
+def _one_line(text: str) -> str:
+    """A server's free text as one line of printable characters (it is logged: a hostile one forged log lines)."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", str(text))
 
 
 class RateEstimator:
@@ -604,10 +614,12 @@ class Planner:
         self._recompute_chains(reason)
 
     # ---- load deadlines ------------------------------------------------------------------------
-    @staticmethod
-    def _serves(v: ServerView, span: tuple[int, int]) -> bool:
+    def _serves(self, v: ServerView, span: tuple[int, int]) -> bool:
+        """Online with ``span``, its slots sized for this swarm's jobs (a server with a smaller ``--max-length`` is
+        left out of the chains: an older one, which reports no failed load, is caught by the deadline)."""
         r = v.record
-        return r.state == "online" and (r.start_block, r.num_blocks) == tuple(span)
+        short = 0 < getattr(r, "max_length", 0) < self.max_length
+        return r.state == "online" and (r.start_block, r.num_blocks) == tuple(span) and not short
 
     def _start_load_clocks(self, old: dict[str, tuple[int, int]], new: dict[str, tuple[int, int]]) -> None:
         """Start the load deadline of each server that ``new`` gives a span it had not been assigned in ``old`` and does
@@ -620,6 +632,7 @@ class Planner:
             if v is None or old.get(p) == span:
                 continue
             v.awaiting_since, v.load_overdue = (None if self._serves(v, span) else now), False
+            v.span_epoch = self.epoch + 1  # the epoch published with it
         for p in old.keys() - new.keys():
             if (v := self.servers.get(p)) is not None:
                 v.awaiting_since, v.load_overdue = None, False
@@ -715,10 +728,16 @@ class Planner:
                            v.record.public_name, v.peer_id[:12], " ".join(key), error)
 
     def _note_load_failure(self, v: ServerView) -> None:
-        """Say when ``v``'s record starts or stops reporting a span it cannot load (once per change); a server that
-        stops is a join for the planner (it loaded its blocks after all, or restarted)."""
+        """Say when ``v``'s record starts or stops reporting that it cannot load the span this planner assigns it
+        (once per change); a server that stops is a join for the planner (it loaded its blocks after all, restarted,
+        or the span it failed is not its assignment any more: it is planned afresh, and says so again if it fails)."""
         r = v.record
-        failure = (tuple(getattr(r, "failed_span", ())), getattr(r, "load_error", "")) if v.load_reported else None
+        span = tuple(getattr(r, "failed_span", ()))
+        # of the span this planner gives it, reported since it gave it (a record of the epoch that gave the span or a
+        # later one): a failure announced before (to an orchestrator before a restart of this one) is stale
+        v.failed_assigned = (v.load_reported and len(span) == 2 and span == tuple(self.assignment.get(v.peer_id, ()))
+                             and getattr(r, "epoch", -1) >= v.span_epoch)
+        failure = (span, _one_line(getattr(r, "load_error", ""))) if v.failed_assigned else None
         said = self.load_failures.get(v.peer_id)
         if failure == said:
             return
@@ -730,8 +749,9 @@ class Planner:
             return
         del self.load_failures[v.peer_id]
         if r.state != "offline":
-            logger.info("server %s (%s) no longer reports a failed load (%s): planning it again", r.public_name,
-                        v.peer_id[:12], "it loaded its blocks" if r.num_blocks else "restarted")
+            logger.info("server %s (%s) no longer reports a failed load of its assigned blocks (%s): planning it again",
+                        r.public_name, v.peer_id[:12], "it loaded them" if r.num_blocks else
+                        "it restarted, or they are not its assignment any more")
             self.last_change = time.monotonic()
 
     async def refresh(self) -> None:
@@ -890,7 +910,7 @@ class Planner:
         reason = reason or "servers left"
         if failed := [self.servers[p] for p in assigned_gone if p in held and self.servers[p].load_failed]:
             now = self.clock()
-            why = {v.peer_id: "cannot load its blocks" if v.load_reported else self._overdue_error(v, now, flag=False)
+            why = {v.peer_id: "cannot load its blocks" if v.failed_assigned else self._overdue_error(v, now, flag=False)
                    for v in failed}
             reason += "; planned around " + ", ".join(f"{v.record.public_name or v.peer_id[:12]} ({why[v.peer_id]})"
                                                        for v in failed)
@@ -914,9 +934,11 @@ class Planner:
     def _load_failure_json(self, v: ServerView, now: float) -> dict:
         """``failed_span`` and ``load_error`` as its record says them, else as the load deadline does."""
         r = v.record
-        if v.load_overdue and not v.load_reported and v.peer_id in self.assignment:
+        if v.failed_assigned:
+            return {"failed_span": list(r.failed_span), "load_error": _one_line(r.load_error)}
+        if v.load_overdue and v.peer_id in self.assignment:
             return {"failed_span": list(self.assignment[v.peer_id]), "load_error": self._overdue_error(v, now)}
-        return {"failed_span": list(r.failed_span) or None, "load_error": r.load_error}
+        return {"failed_span": None, "load_error": ""}  # none, or of a span it is no longer given
 
     def server_json(self, active_by_peer: dict[str, int] | None = None) -> list[dict]:
         out = []

@@ -338,6 +338,11 @@ class Server:
         self.epoch = asg.epoch
         self.assignment_timestamp = asg.timestamp
         self._applied_content = content
+        if self.load_failure is not None and (span is None or tuple(span) != self.load_failure[0]):
+            # it failed a span this assignment does not give: announced on, it read as failing still to a planner
+            # that never gave it that span (a restarted orchestrator, another group's), which then never planned it
+            self._failed_load, self._failed_loads, self.load_failure = None, 0, None
+            self._record_changed()
         if span is not None and max_length < asg.max_length:
             # slots this short serve none of the swarm's chains (the planner leaves such a server out of them): loaded,
             # they only held blocks the plan counted on
@@ -350,6 +355,8 @@ class Server:
         if span == self.span and max_length == self.max_length and (self.runner is not None or span is None):
             logger.info("same span and max_length: keeping the loaded blocks (no reload)" if span is not None
                         else "still no span assigned")
+            if self.runner is not None:  # it serves this span: no failure of it stands
+                self._failed_load, self._failed_loads, self.load_failure = None, 0, None
             self._record_changed()
             return
         if span is not None:

@@ -312,6 +312,9 @@ class SwarmDHT:
             os.close(fd)
             os.unlink(temp_identity)
             identity_path = temp_identity
+        # every role's --identity-path: a quoted or --flag=~/x path comes with its ~ (the key went to ./~/, a new peer
+        # id when started from another directory)
+        identity_path = os.path.expanduser(identity_path)
         if not os.path.isfile(identity_path):
             P2P.generate_identity(identity_path)
             # A key generated this instant cannot be in use elsewhere: skip hivemind's network check.
