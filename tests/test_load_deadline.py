@@ -15,6 +15,7 @@ import pytest
 
 from petals_chain.model import ModelSpec
 from petals_chain.swarm.records import ServerRecord
+from test_failover_units import FakeClient, FakeDHT
 
 MODEL = ModelSpec(num_blocks=4, block_size=100.0, cache_size=10.0)  # 300 bytes: 2 blocks with 5 slots
 DEADLINE = 60.0
@@ -26,24 +27,6 @@ def record(name: str, state: str = "joining", span: tuple[int, int] = (0, 0), **
     return ServerRecord(peer_id=name, public_name=name, state=state, memory_bytes=300, tau_p=SPEEDS.get(name, 0.1),
                         kv_cache="slots", start_block=span[0], num_blocks=span[1], slots_total=slots,
                         slots_free=slots, **{"timestamp": time.time(), "max_length": 64, **kw})
-
-
-class FakeDHT:
-    peer_id = "orch"
-
-    def __init__(self, records: dict):
-        self.records = records
-
-    async def afetch_servers(self, prefix):
-        return dict(self.records)
-
-    def publish_assignment(self, prefix, rec, expiration):
-        pass
-
-
-class FakeClient:
-    async def ping(self, peer_id):
-        return 0.001
 
 
 class Swarm:
