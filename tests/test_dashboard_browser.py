@@ -130,6 +130,11 @@ def test_a_server_that_cannot_load_its_blocks_says_why(swarm_url):
             assert line.get_attribute("title") == (f"cannot load its assigned blocks 2\u20133: {why}\n"
                                                    "planned around until it loads them or restarts")
             assert page.locator('#servers-table .load-error').count() == 1 and errors == []
+            # the orchestrator's load deadline, for a server that said nothing
+            fx.view.update(lambda d: next(s for s in d["servers"] if s["peer_id"] == peer).update(
+                load_error="not online 612 s after its assignment (--load-deadline-s 600)"))
+            page.wait_for_selector(f'#servers-table tr[data-peer-id="{peer}"] .load-error >> text=not online with '
+                                   'its blocks', timeout=(REFRESH_S + 4.0) * 1000)
     finally:
         fx.view.update(lambda d: d.update(sample_swarm(hostile_name=HOSTILE)))
 

@@ -631,7 +631,9 @@
     if (loadError) {
       var fs = Array.isArray(s.failed_span) && s.failed_span.length === 2 ? s.failed_span.map(int) : null;
       var where = fs && fs[0] !== null && fs[1] ? " " + fs[0] + "\u2013" + (fs[0] + fs[1] - 1) : "";
-      loadLine = el("div", { class: "load-error", text: "cannot load its blocks",
+      // the orchestrator's --load-deadline-s speaks for a server that said nothing (its load hangs, an older one)
+      var overdue = loadError.indexOf("not online ") === 0;
+      loadLine = el("div", { class: "load-error", text: overdue ? "not online with its blocks" : "cannot load its blocks",
         title: "cannot load its assigned blocks" + where + ": " + loadError + "\nplanned around until it loads them or restarts" });
     }
     // a server offering several models serves one of them at a time
