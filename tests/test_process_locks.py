@@ -103,8 +103,13 @@ def test_a_dht_start_that_hangs_is_killed_with_its_p2pd_and_raises():
         with pytest.raises(RuntimeError, match="did not become ready within 3 s"):
             SwarmDHT.create(ready_timeout_s=3)
         assert time.monotonic() - t0 < 30
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # ended between the listing and the read
+            return False
+
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and alive(p)]
     assert left == [], [p.cmdline() for p in left]
     dht = SwarmDHT.create(ready_timeout_s=60)  # and the next start works
     dht.shutdown()
