@@ -212,12 +212,9 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
         for p in range(1, min(len(newest), 1 + siblings) + 1):
             freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held - p), job_s=c.job_s,
                               step_s=c.step_s)
-            kw = dict(siblings=siblings, ttft_deadline=ttft_deadline, deadline=deadline)
-            pred = predict(now, [freed], ahead, output_tokens, **kw)
-            if not pred.doomed and remaining is not None:
-                others = list(remaining[k] if k < len(remaining) else ()) + [r.remaining_s for r in newest[p:]]
-                pred = max(pred, predict_from_running(now, [freed], others, ahead, output_tokens, **kw),
-                           key=lambda x: (x.doomed, x.total_s))
+            others = None if remaining is None else [*(remaining[k] if k < len(remaining) else ()),
+                                                     *(r.remaining_s for r in newest[p:])]
+            pred = _with_pauses(now, [freed], others, ahead, output_tokens, siblings, ttft_deadline, deadline)
             if pred.doomed:
                 continue
             if best is None or (p, pred.total_s) < best[0]:
@@ -256,16 +253,25 @@ def _pauses_across_chains(now: float, chains: Sequence[ChainLoad], by_chain: dic
         freed = [ChainLoad(capacity=chains[k].capacity, job_s=slowest.job_s, step_s=slowest.step_s,
                            active=max(0, chains[k].capacity - (promised[k] if k < len(promised) else 0) - n))
                  for k, n in taken.items()]
-        kw = dict(siblings=siblings, ttft_deadline=ttft_deadline, deadline=deadline)
-        pred = predict(now, freed, ahead, output_tokens, **kw)
-        if not pred.doomed and remaining is not None:
-            others = [t for k, n in taken.items() for t in [*(remaining[k] if k < len(remaining) else ()),
-                                                             *(r.remaining_s for r in newest[k][n:])]]
-            pred = max(pred, predict_from_running(now, freed, others, ahead, output_tokens, **kw),
-                       key=lambda x: (x.doomed, x.total_s))
+        others = None if remaining is None else [t for k, n in taken.items() for t in [
+            *(remaining[k] if k < len(remaining) else ()), *(r.remaining_s for r in newest[k][n:])]]
+        pred = _with_pauses(now, freed, others, ahead, output_tokens, siblings, ttft_deadline, deadline)
         if not pred.doomed:
             return picked, pred
     return None
+
+
+def _with_pauses(now: float, freed: Sequence[ChainLoad], others: Sequence[float] | None, ahead: int,
+                 output_tokens: int, siblings: int, ttft_deadline: float, deadline: float) -> Prediction:
+    """A new job's prediction on chains with the paused jobs' slots freed: at the queue's rate and, with ``others``
+    (the seconds until the jobs left running there free their slots: given for requests of several choices), the
+    later of that and :func:`predict_from_running`'s."""
+    kw = dict(siblings=siblings, ttft_deadline=ttft_deadline, deadline=deadline)
+    pred = predict(now, freed, ahead, output_tokens, **kw)
+    if pred.doomed or others is None:
+        return pred
+    return max(pred, predict_from_running(now, freed, others, ahead, output_tokens, **kw),
+               key=lambda x: (x.doomed, x.total_s))
 
 
 def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: Sequence[float], ahead: int,

@@ -311,12 +311,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _peer_id(text: str) -> str:
-    """A libp2p peer id in base58 (as servers and orchestrators print it)."""
-    from petals_chain.swarm.dht import is_peer_id
+    """A libp2p peer id in base58 (as servers and orchestrators print it; hivemind imported only when one is given)."""
+    from petals_chain.swarm.dht import peer_id_arg
 
-    if not is_peer_id(text):  # hivemind's PeerID.from_base58 alone took any base58 text ('notapeerid')
-        raise argparse.ArgumentTypeError(f"not a peer id: {text!r} (the base58 id an orchestrator prints at start)")
-    return text
+    return peer_id_arg(text)
 
 
 async def serve(cfgs: list, ready_file: str | None = None, placement: dict | None = None) -> None:

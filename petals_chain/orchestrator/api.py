@@ -769,10 +769,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             def chunk(i, text, finish, choices, first=False, gen=None):
                 if first:
                     return None
-                logprobs = None
-                if counter is not None and choices:
-                    logprobs = lp.completion(choices, [c.token for c in choices], counter=counter)
                 ids = [c.token for c in choices or ()]
+                logprobs = lp.completion(choices, ids, counter=counter) if counter is not None and choices else None
                 sent[0] += len(ids)
                 if gen is not None:  # the turn's last event: what the non-streamed reply says of the turn, and the
                     ids = list(gen.token_ids[sent[0]:])  # tokens no event carried (a stop token is never shown)

@@ -130,7 +130,7 @@ async def _target_soon(orch: Any, request: Request, arrived: float) -> Optional[
     if url is not None or orch.groups is None or orch.dispatch.chains or orch.groups.epoch > 0:
         return url
     deadline_s = first_deadline_s(await request.body(), _key_deadlines(request))
-    give_up = arrived + min(TARGET_WAIT_S, TARGET_WAIT_S if deadline_s is None else deadline_s)
+    give_up = arrived + (TARGET_WAIT_S if deadline_s is None else min(TARGET_WAIT_S, deadline_s))
     while time.monotonic() < give_up and not await request.is_disconnected():
         await asyncio.sleep(min(0.25, max(give_up - time.monotonic(), 0.0)))
         if orch.dispatch.chains:

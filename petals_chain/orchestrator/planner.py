@@ -555,8 +555,7 @@ class Planner:
             span = self.assignment.get(v.peer_id)
             r = v.record
             if span is not None and r.state == "online" and (r.start_block, r.num_blocks) == tuple(span):
-                short = getattr(r, "max_length", 0)
-                if 0 < short < self.max_length:
+                if short := self._short_slots(r):
                     if self._short.get(v.peer_id) != short:
                         self._short[v.peer_id] = short
                         logger.warning("server %s sizes its KV for %d tokens, below this swarm's max_length %d "
@@ -614,12 +613,17 @@ class Planner:
         self._recompute_chains(reason)
 
     # ---- load deadlines ------------------------------------------------------------------------
+    def _short_slots(self, r: Any) -> int:
+        """The max_length a server's slots are sized for when below this swarm's (its ``--max-length``: it refuses a
+        longer job's open, so it serves no chain), else 0."""
+        n = getattr(r, "max_length", 0)
+        return n if 0 < n < self.max_length else 0
+
     def _serves(self, v: ServerView, span: tuple[int, int]) -> bool:
         """Online with ``span``, its slots sized for this swarm's jobs (a server with a smaller ``--max-length`` is
         left out of the chains: an older one, which reports no failed load, is caught by the deadline)."""
         r = v.record
-        short = 0 < getattr(r, "max_length", 0) < self.max_length
-        return r.state == "online" and (r.start_block, r.num_blocks) == tuple(span) and not short
+        return r.state == "online" and (r.start_block, r.num_blocks) == tuple(span) and not self._short_slots(r)
 
     def _start_load_clocks(self, old: dict[str, tuple[int, int]], new: dict[str, tuple[int, int]]) -> None:
         """Start the load deadline of each server that ``new`` gives a span it had not been assigned in ``old`` and does

@@ -341,7 +341,7 @@ class Server:
         if self.load_failure is not None and (span is None or tuple(span) != self.load_failure[0]):
             # it failed a span this assignment does not give: announced on, it read as failing still to a planner
             # that never gave it that span (a restarted orchestrator, another group's), which then never planned it
-            self._failed_load, self._failed_loads, self.load_failure = None, 0, None
+            self._forget_load_failure()
             self._record_changed()
         if span is not None and max_length < asg.max_length:
             # slots this short serve none of the swarm's chains (the planner leaves such a server out of them): loaded,
@@ -356,7 +356,7 @@ class Server:
             logger.info("same span and max_length: keeping the loaded blocks (no reload)" if span is not None
                         else "still no span assigned")
             if self.runner is not None:  # it serves this span: no failure of it stands
-                self._failed_load, self._failed_loads, self.load_failure = None, 0, None
+                self._forget_load_failure()
             self._record_changed()
             return
         if span is not None:
@@ -398,12 +398,17 @@ class Server:
             logger.exception("loading the assigned blocks failed")
             self._load_failed(content, span, f"loading failed: {type(e).__name__}: {e}")
             return
-        self._failed_load, self._failed_loads, self.load_failure = None, 0, None
+        self._forget_load_failure()
         self.service.runner, self.span = runner, (start, num)
         self.reloads += 1
         logger.info(f"loaded blocks [{start}, {start + num}) in {time.perf_counter() - t0:.1f} s; "
                     f"{runner.slots_total} slots")
         self.set_state("online")
+
+    def _forget_load_failure(self) -> None:
+        """No failed load stands any more (a load worked, or the failure concerned another span or model): no backoff,
+        nothing announced."""
+        self._failed_load, self._failed_loads, self.load_failure = None, 0, None
 
     def _load_failed(self, content: tuple, span: Optional[tuple[int, int]] = None, why: str = "") -> None:
         """The assignment ``content`` was not loaded: follow it again when it is published again (else the server
@@ -595,7 +600,7 @@ class Server:
             return False
         self.active = hosted
         self.epoch, self.assignment_timestamp, self._applied_content, self.span = -1, 0.0, (), None
-        self._failed_load, self._failed_loads, self.load_failure = None, 0, None  # they concerned the other model
+        self._forget_load_failure()  # they concerned the other model
         self.service.hidden_size = hosted.hidden_size
         self.service.model_fingerprint = hosted.fingerprint
         self.switches += 1

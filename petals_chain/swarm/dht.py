@@ -17,6 +17,7 @@ pydantic.v1 schema exactly (:class:`~petals_chain.swarm.records.SwarmSchemaV1`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import contextlib
@@ -112,6 +113,13 @@ def is_peer_id(text: str) -> bool:
         return False
     size = _PEER_ID_HASHES.get(mh.code, 0)
     return bool(mh.digest) and (size is None or len(mh.digest) == size)
+
+
+def peer_id_arg(text: str) -> str:
+    """``argparse`` type of a peer id flag (``--group-with``, the dashboard's ``--trust-orchestrator``)."""
+    if not is_peer_id(text):
+        raise argparse.ArgumentTypeError(f"not a peer id: {text!r} (the base58 id an orchestrator prints at start)")
+    return text
 
 
 def peer_ids_from_maddrs(maddrs: Iterable[str]) -> list[str]:
