@@ -638,3 +638,75 @@ def test_the_choices_of_one_request_are_one_request():
         assert row["requests"] == 1 and row["started"] == 2 and row["service"] == 100.0
 
     asyncio.run(main())
+
+
+async def _fill(dm, jobs):
+    """``acquire`` each job in turn (each decided at once: started, queued or refused); the queued ones' tasks and
+    the refusals."""
+    from petals_chain.orchestrator.dispatch import QueueFull
+
+    tasks, refused = [], []
+    for job in jobs:
+        task = asyncio.ensure_future(dm.acquire(job))
+        await asyncio.sleep(0)
+        if task.done() and isinstance(task.exception(), QueueFull):
+            refused.append(task.exception())
+        else:
+            tasks.append(task)
+    return tasks, refused
+
+
+@pytest.mark.parametrize("policy", ["vtc", "dlpm", "d2lpm"])
+def test_heavy_clients_cannot_fill_a_fair_queue_against_a_light_one(policy):
+    """Three clients sending without pause filled ``--max-queue`` and a light client's one request got a 429: a
+    client-fair queue keeps places for clients with nothing waiting (its heavy clients get ``client_queue_share``
+    refusals first), and the bound holds."""
+    from prometheus_client import CollectorRegistry
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, QueueShareFull
+    from petals_chain.orchestrator.fairness import ClientShares
+
+    async def main():
+        shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1000.0)), registry=CollectorRegistry())
+        dm = DispatchManager(policy="jffc", shares=shares, max_queue=12)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        heavy = [DispatchJob(f"h{c}.{i}", client=f"heavy{c}", input_tokens=10) for i in range(10) for c in range(3)]
+        tasks, refused = await _fill(dm, heavy)
+        assert refused and all(isinstance(e, QueueShareFull) and e.code == "client_queue_share" for e in refused)
+        assert "this client already has" in str(refused[0]) and dm.queue_length < 12
+        light, light_refused = await _fill(dm, [DispatchJob("l", client="light", input_tokens=10)])
+        assert not light_refused and dm.queue_length <= 12
+        for task in tasks + light:
+            task.cancel()
+        await asyncio.gather(*tasks, *light, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_one_client_alone_keeps_most_of_a_fair_queue_and_fifo_keeps_all():
+    """The share rule leaves a lone sender 80 % of the bound (the last places stay for others); ``--fairness fcfs``
+    (the paper's FIFO) is not client-fair and keeps the plain bound; no chain yet (jobs waiting for a first plan)
+    counts the same."""
+    from prometheus_client import CollectorRegistry
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, QueueFull, QueueShareFull
+    from petals_chain.orchestrator.fairness import ClientShares
+
+    async def queued_alone(policy, chains=True):
+        shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1000.0)), registry=CollectorRegistry())
+        dm = DispatchManager(policy="jffc", shares=shares, max_queue=100)
+        if chains:
+            dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        tasks, refused = await _fill(dm, [DispatchJob(f"j{i}", client="solo") for i in range(120)])
+        kinds = {type(e) for e in refused}
+        queued = dm.queue_length
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return queued, kinds
+
+    assert asyncio.run(queued_alone("dlpm")) == (80, {QueueShareFull})  # admitted while q < 4 (100 - q - 1)
+    assert asyncio.run(queued_alone("dlpm", chains=False)) == (80, {QueueShareFull})
+    assert asyncio.run(queued_alone("fcfs")) == (100, {QueueFull})

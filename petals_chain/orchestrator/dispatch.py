@@ -161,9 +161,33 @@ class LiveMatch(Mapping):
 class QueueFull(Exception):
     """A new job found no free chain and the central queue at its bound: refused (HTTP 429 ``queue_full``)."""
 
-    def __init__(self, max_queue: int):
-        super().__init__(f"the swarm is at capacity and its queue is full ({max_queue} waiting); retry later")
+    code = "queue_full"
+
+    def __init__(self, max_queue: int, message: str = ""):
+        super().__init__(message or f"the swarm is at capacity and its queue is full ({max_queue} waiting); "
+                                    "retry later")
         self.max_queue = max_queue
+
+
+class QueueShareFull(QueueFull):
+    """A client-fair queue (``--fairness`` other than ``fcfs``) refused a new job: its client already holds its share
+    of what is left of the queue (HTTP 429 ``client_queue_share``), which stays free for other clients."""
+
+    code = "client_queue_share"
+
+    def __init__(self, max_queue: int, mine: int, queued: int):
+        super().__init__(max_queue, f"this client already has {mine} requests waiting of the {queued} in the "
+                                    f"queue (bound {max_queue}); the rest of the queue is kept for other clients; "
+                                    "retry later")
+        self.mine, self.queued = mine, queued
+
+
+# A client-fair queue admits a client's new waiting job only while the client has fewer than QUEUE_SHARE_ALPHA x (the
+# places that stay free after it) waiting (Choudhury & Hahne's dynamic threshold for shared buffers): k clients that
+# never stop sending hold about k·a/(1 + k·a) of the queue and never its last place, so a client with nothing waiting
+# always finds room (one sender alone: 80 % of --max-queue), where a plain bound let a few heavy clients fill it and
+# refuse everyone else
+QUEUE_SHARE_ALPHA = 4.0
 
 
 class DeadlineUnreachable(Exception):
@@ -493,6 +517,8 @@ class DispatchManager:
             if bounded and self.max_queue is not None and len(self._pending) >= self.max_queue:
                 raise QueueFull(self.max_queue)
             self._pending.append(job)
+            if bounded and self.max_queue is not None and self.shares is not None and self.shares.central:
+                self._check_share(job)
             return
         if self._start_preferred(job):
             return
@@ -505,6 +531,25 @@ class DispatchManager:
             # Undone in the same step (no await in between): the over-long queue is never observable.
             self.dispatcher.remove_job(job)
             raise QueueFull(self.max_queue)
+        elif bounded and self.max_queue is not None and self.shares is not None and self.shares.central:
+            self._check_share(job)
+
+    def _check_share(self, job: DispatchJob) -> None:
+        """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client already holds its
+        share of the free places (:data:`QUEUE_SHARE_ALPHA`); undone in the same step, like the bound."""
+        queued = self.queue_length - 1  # before this job
+        mine = sum(1 for j in self._queued_jobs() if j.client == job.client and j is not job)
+        if mine and mine >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - 1):
+            if self.dispatcher is None:
+                self._pending.remove(job)
+            else:
+                self.dispatcher.remove_job(job)
+            raise QueueShareFull(self.max_queue, mine, queued)
+
+    def _queued_jobs(self) -> list[DispatchJob]:
+        """Jobs counted by ``queue_length`` (the dispatcher's queue and jobs waiting for a first plan)."""
+        q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
+        return [*(list(q) if q is not None else []), *self._pending]
 
     def _arrive_requeued(self, job: DispatchJob) -> None:
         """Start ``job`` if the dispatcher has a free slot for it now, else put it in the re-queue lane."""
@@ -614,7 +659,7 @@ class DispatchManager:
                 for lease in paused:  # refused after all: the jobs it would have paused run on
                     lease.preempt = False
                     self.flex_preemptions -= 1
-            note_admission(False, "queue_full" if isinstance(e, QueueFull) else "deadline_unreachable", str(e))
+            note_admission(False, e.code if isinstance(e, QueueFull) else "deadline_unreachable", str(e))
             raise
         if job not in self._pending:  # with no chain at all it is not admitted yet: a stream held back stays so, and
             note_admission(True)  # becomes the 503 it ends in if no chain comes (not a 200 with an error event)
@@ -879,8 +924,7 @@ class DispatchManager:
 
     def waiting_jobs(self) -> list[DispatchJob]:
         """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane)."""
-        q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
-        return [*(list(q) if q is not None else []), *self._pending, *self._lane]
+        return [*self._queued_jobs(), *self._lane]
 
     def snapshot(self) -> list[dict]:
         return [

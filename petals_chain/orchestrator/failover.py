@@ -173,7 +173,7 @@ class ChainHolder:
             except QueueFull as e:  # only a job that never held a chain is refused
                 if dl is not None and dl.active:
                     orch.deadlines.settle(dl, "refused")  # refused, not missed: it never ran
-                raise RequestError(str(e), status=429, code="queue_full") from None
+                raise RequestError(str(e), status=429, code=e.code) from None
             except DeadlineUnreachable as e:
                 orch.deadlines.settle(dl, "refused")
                 raise RequestError(str(e), status=429, code="deadline_unreachable") from None
