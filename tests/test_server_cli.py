@@ -76,6 +76,8 @@ def rsa_peer_id(tmp_path: Path) -> tuple[str, Path]:
     (["--drain-timeout-s", "-1"], "--drain-timeout-s must be a finite number >= 0"),
     (["--max-length", "0"], "--max-length must be an integer >= 1, got 0"),
     (["--dht-prefix", "bad prefix!"], "invalid DHT prefix"),
+    (["--public-name", "volunteer\nINFO forged line"], "--public-name must be at most 128 printable characters"),
+    (["--public-name", "x" * 129], "--public-name must be at most 128 printable characters"),  # was cut silently
     (["--memory-gb", "100000"], "of RAM available"),  # allocated whole at start: it took the host's RAM
     pytest.param(["--device", "cuda"], "no CUDA device is available",
                  marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")),

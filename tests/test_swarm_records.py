@@ -77,6 +77,9 @@ def test_record_models_validate():
     assert SwarmDHT._read(reader, ServerRecord, value, "QmX", "server record") is not None
     for ts in (time.time() - 7 * 3600, time.time() + 7 * 3600):
         assert SwarmDHT._read(reader, ServerRecord, {**value, "timestamp": ts}, "QmX", "server record") is None
+    # nor its free text a log line or a terminal escape (its public_name was logged as sent)
+    odd = ServerRecord.from_value({**value, "public_name": "a\nINFO orchestrator: fake\x1b[2J", "load_error": "b\r\x85c"})
+    assert odd.public_name == "a INFO orchestrator: fake [2J" and odd.load_error == "b  c"
     # a hostile peer's inf or NaN never reaches the planner (tau_p = inf stopped every plan)
     good = _record("QmX").to_value()
     for field in ("tau_p", "emulate_rtt_ms", "timestamp"):

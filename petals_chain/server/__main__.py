@@ -9,7 +9,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from petals_chain.swarm.logs import log_level
+from petals_chain.swarm.logs import log_level, one_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quant", default="none", choices=["none", "int8", "nf4"], help="weight quantization (CUDA only)")
-    p.add_argument("--public-name", default="", help="name shown on the dashboard")
+    p.add_argument("--public-name", default="",
+                   help="name shown on the dashboard (one line of printable characters, at most 128)")
     p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
                    help="where to listen (default: all interfaces, a random TCP port)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
@@ -132,6 +133,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         memory_bytes = int(args.memory_gb * (1 << 30))
     if memory_bytes is not None and memory_bytes <= 0:
         print("error: --memory-bytes must be positive", file=sys.stderr)
+        return 2
+    from petals_chain.swarm.records import PUBLIC_NAME_MAX
+
+    if len(args.public_name) > PUBLIC_NAME_MAX or one_line(args.public_name) != args.public_name:
+        print(f"error: --public-name must be at most {PUBLIC_NAME_MAX} printable characters on one line, got "
+              f"{args.public_name!r}", file=sys.stderr)
         return 2
     if args.emulate_faulty_rate is not None and not 0 <= args.emulate_faulty_rate <= 1:  # NaN included
         print(f"error: --emulate-faulty-rate must be in [0, 1], got {args.emulate_faulty_rate}", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from petals_chain.swarm.dht import SwarmDHT
 from petals_chain.swarm.emulation import Emulation
-from petals_chain.swarm.records import LOAD_ERROR_MAX, ServerRecord
+from petals_chain.swarm.records import LOAD_ERROR_MAX, PUBLIC_NAME_MAX, ServerRecord
 
 logger = logging.getLogger("petals_chain.server")
 
@@ -52,7 +52,7 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         quant=cfg.quant, start_block=int(start), num_blocks=int(num),
         slots_total=int(runner.slots_total) if runner is not None else 0,
         slots_free=int(runner.slots_free) if runner is not None else 0,
-        public_name=cfg.public_name[:128], max_length=int(src.max_length), s_m_bytes=int(src.memory.s_m),
+        public_name=cfg.public_name[:PUBLIC_NAME_MAX], max_length=int(src.max_length), s_m_bytes=int(src.memory.s_m),
         s_c_bytes=int(src.memory.s_c(src.max_length)), **src.emulation.record_fields(), epoch=int(src.epoch),
         model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), kv_cache=cfg.kv_cache,
         page_size=int(runner.page_size) if runner is not None else 0,

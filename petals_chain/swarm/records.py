@@ -20,6 +20,8 @@ import pydantic
 import pydantic.v1 as pv1
 from hivemind.dht.schema import BytesWithPublicKey
 
+from petals_chain.swarm.logs import one_line
+
 RECORD_VERSION = "petals-chain/0.1"
 STATES = ("joining", "online", "draining", "offline")
 _PEER_ID_MAX = 128
@@ -28,6 +30,7 @@ MAX_UNKNOWN_FIELDS = 16
 _UNKNOWN_FIELD_NAME_MAX = 64
 _UNKNOWN_VALUES_MAX = 4096  # a newer writer's fields together, in characters of their repr, nested at most 4 deep
 _SHORT_MAX = 64  # names like a version, device, dtype or quantization
+PUBLIC_NAME_MAX = 128  # ServerRecord.public_name
 LOAD_ERROR_MAX = 300  # ServerRecord.load_error: one line for the operator and the dashboard
 
 
@@ -94,7 +97,7 @@ class ServerRecord(_Record):
     num_blocks: int = pydantic.Field(default=0, ge=0)  # m_j; 0 while nothing is loaded
     slots_total: int = pydantic.Field(default=0, ge=0)
     slots_free: int = pydantic.Field(default=0, ge=0)
-    public_name: str = pydantic.Field(default="", max_length=128)
+    public_name: str = pydantic.Field(default="", max_length=PUBLIC_NAME_MAX)
     max_length: int = pydantic.Field(default=0, ge=0)  # the max_length the slots are sized for
     s_m_bytes: int = pydantic.Field(default=0, ge=0)
     s_c_bytes: int = pydantic.Field(default=0, ge=0)
@@ -134,6 +137,11 @@ class ServerRecord(_Record):
     failed_span: list[Annotated[int, pydantic.Field(ge=0)]] = pydantic.Field(default_factory=list, max_length=2)
     load_error: str = pydantic.Field(default="", max_length=LOAD_ERROR_MAX)
     timestamp: float = pydantic.Field(default_factory=time.time)
+
+    @pydantic.field_validator("public_name", "load_error")
+    @classmethod
+    def _printable(cls, text: str) -> str:
+        return one_line(text)
 
     @pydantic.model_validator(mode="after")
     def _check_slots(self) -> "ServerRecord":
