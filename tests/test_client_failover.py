@@ -427,3 +427,26 @@ def test_a_session_turn_asks_for_logprobs_and_returns_its_own():
     assert s.last.logprobs == {"tokens": ["a", "b", "c"], "token_logprobs": [-1.0, -2.0, -3.0],
                                "top_logprobs": [None, None, None], "text_offset": [0, 1, 2]}
     assert "".join(s.stream("x")) == "abc" and s.last.logprobs is None and "logprobs" not in bodies[-1]
+
+
+def test_a_request_that_times_out_waiting_for_its_answer_is_not_run_twice():
+    """With several orchestrators and a short ``timeout`` a slow generation (queued on a busy swarm) was sent to the
+    next orchestrator on its read timeout, and again, running it on each: it is now a 504 ``timeout`` naming the
+    one it waits on; reads (GET) still go to the next, and an orchestrator that cannot be reached too."""
+    calls = []
+
+    def slow(req):
+        calls.append(("slow", req.method))
+        raise httpx.ReadTimeout("timed out")
+
+    def good(req):
+        calls.append(("good", req.method))
+        return _completion("hello") if req.method == "POST" else httpx.Response(200, json={"data": [{"id": MODEL}]})
+
+    c = _client([slow, good])
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    assert e.value.status == 504 and e.value.code == "timeout" and "http://orch0" in e.value.message
+    assert calls == [("slow", "POST")] and c.url == "http://orch0"
+    calls.clear()
+    assert c.swarm() == {"data": [{"id": MODEL}]} and calls == [("slow", "GET"), ("good", "GET")]

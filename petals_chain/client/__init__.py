@@ -156,7 +156,8 @@ def _unavailable(failures: list[str]) -> ClientError:
 class Client:
     """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``), or of the first of several that
     serve the same model (``url`` a list): a one-shot request that one of them cannot take (unreachable, cut off
-    mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered; when
+    mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered (one that
+    got no answer within ``timeout`` is not: it may still run there; :class:`ClientError` 504 ``timeout``); when
     none can, it goes round them again for up to ``retry_s`` seconds (the time a survivor takes to adopt a lost
     orchestrator's group). A stream cut off mid-way is resumed there when its output is reproducible (greedy, or
     seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with
@@ -209,6 +210,13 @@ class Client:
             try:
                 r = self._https[i].request(method, path, **kwargs)
             except httpx.TransportError as e:
+                if isinstance(e, httpx.ReadTimeout) and method != "GET":
+                    # it reached the orchestrator, which is still at it (a long or queued generation): sent again
+                    # elsewhere it would run twice, and on a busy swarm every timeout would add load
+                    raise ClientError(504, f"{self.urls[i]} sent no answer within the client's timeout "
+                                      f"({self._https[i].timeout.read} s); the request may still be running there, so "
+                                      "it was not sent to another orchestrator; give a longer timeout= for long "
+                                      "generations", "timeout") from e
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
                 last = None
                 if not resend and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
