@@ -848,7 +848,8 @@ def groups_of(assignment: Assignment, servers: Sequence[Volunteer]) -> dict[str,
 
 def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[ServedModel], *,
                             horizon_s: float = 600.0, alpha: float = ALPHA, evaluate: Evaluate | None = None,
-                            fixed: Assignment | None = None, rule: str = "most_unserved") -> dict[str, str]:
+                            fixed: Assignment | None = None, rule: str = "most_unserved",
+                            allowed: Mapping[str, Collection[str]] | None = None) -> dict[str, str]:
     """Which model each server serves, by the unserved index (§4.1, Eq. 6, Alg. 1).
 
     Repeat until no server can be added: estimate ``UI_s = #SLO misses + α · L_N^s`` of every model on the partial
@@ -871,7 +872,8 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
     Petals mapping: a *group* is one volunteer server and holds exactly one model (the seed's TP group partition
     becomes GBP-CR's spans inside the model, done by :func:`model_chains`), so only unassigned servers (rate 0)
     are candidates; ties between them go to the fastest, then the largest, then the first listed. ``fixed``:
-    servers whose model is already decided (kept as they are)."""
+    servers whose model is already decided (kept as they are). ``allowed``: the models a server listed there may take
+    (those it offers and can load); one listed with none is left unplaced."""
     names = [s.name for s in servers]
     if len(set(names)) != len(names):
         raise ValueError("duplicate server names")
@@ -881,6 +883,10 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
     if rule not in PLACEMENT_RULES:
         raise ValueError(f"rule must be one of {PLACEMENT_RULES}, got {rule!r}")
     evaluate = evaluate or analytic_evaluate(models, horizon_s, alpha)
+
+    def fits(s: Volunteer, m: ServedModel) -> bool:
+        return m.can_hold(s) and (allowed is None or s.name not in allowed or m.name in allowed[s.name])
+
     plan: dict[str, str] = {k: v for k, v in (fixed or {}).items() if k in set(names) and v in set(mnames)}
     free = sorted((s for s in servers if s.name not in plan), key=lambda s: (-s.speed, -s.memory, names.index(s.name)))
     while free:
@@ -891,17 +897,17 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
         # more; else a model whose misses outnumber another's requests (bursts no capacity absorbs) takes all
         unplaced = [m for m in order if (est[m.name].requests > 0 or m.rate > 0)
                     and not model_chains(groups.get(m.name, ()), m)]
-        pair = next(((s, m) for s in free for m in unplaced if m.can_hold(s)), None)
+        pair = next(((s, m) for s in free for m in unplaced if fits(s, m)), None)
         if pair is None and rule == "largest_gain":
             gains = []
             for i, m in enumerate(order):
-                s = next((s for s in free if m.can_hold(s)), None)
+                s = next((s for s in free if fits(s, m)), None)
                 if s is not None:
                     after = evaluate(groups_of({**plan, s.name: m.name}, servers))[m.name].ui
                     gains.append((est[m.name].ui - after, -i, s, m))
             pair = max(gains, key=lambda g: g[:2])[2:] if gains else None
         if pair is None:
-            pair = next(((s, m) for s in free for m in order if m.can_hold(s)), None)
+            pair = next(((s, m) for s in free for m in order if fits(s, m)), None)
         if pair is None:
             break
         plan[pair[0].name] = pair[1].name

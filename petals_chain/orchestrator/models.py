@@ -216,6 +216,12 @@ class ModelRouter:
             return await _json(send, status, json.loads(body))
         state = json.loads(body)
         state.update(models_json(self.orchs, name, self.placer))
+        # a server the placer moved off a model it cannot load: the row of the model it serves says which and why
+        failures = getattr(self.placer, "load_failures", None) or {}
+        for row in state.get("servers", []):
+            if by := failures.get(row.get("peer_id")):
+                row["failed_models"] = {m: {"failed_span": f["failed_span"], "load_error": f["load_error"]}
+                                        for m, f in by.items()}
         await _json(send, 200, state)
 
     async def _by_body(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -16,11 +16,17 @@ simulator (``algorithms/multimodel.py``):
   (:func:`~petals_chain.algorithms.multimodel.moves_that_pay`) are made; a re-plan for a drift is followed by one
   more ``window_s`` later, when the rates it is made from no longer mix the traffic from before the drift;
 * a server that leaves keeps its placement for ``forget_s``: restarted with the same identity it serves the model
-  it held (no needless reload of another).
+  it held (no needless reload of another);
+* a server whose record says it cannot load the span its model's planner assigned it (``failed_span``,
+  ``load_error``, announced at or after the epoch that gave the span: ``Planner.reported_load_failure``) is moved
+  at once to another model it offers and not placed on that model again while the failure stands: until it leaves
+  (a restart loads afresh), or, while still placed on the model (every other one failed too), its record stops
+  saying so (it loaded the blocks, or was given others). Its move made the server forget the failure (it concerned
+  the model it left), so the placer keeps it: a re-placement gave the model back, and the load failed again.
 
 Policies (``--model-placement``): ``ui`` (all of the above), ``static`` (re-placed once, for the first traffic
 seen, then never moved: a fixed plan, the "no adaptive replacement" ablation), ``even`` (round-robin, never moved:
-"no placement").
+"no placement"). Under each, a server that cannot load its model's span is moved off it (above).
 
 The unserved index (``--placement-index``): ``analytic`` (an M/M/C estimate from each model's arrival rate: fast,
 blind to bursts and lengths) or ``simulated`` (the seed's: each model's recent requests, the completed ones with
@@ -122,6 +128,9 @@ class ModelPlacer:
         self.drift = MixDriftDetector(window_s=window_s, threshold=drift_threshold, min_arrivals=min_arrivals)
         self.placement: dict[str, str] = {}  # flexible server peer id -> model name
         self.gone: dict[str, float] = {}  # placed servers not seen since (clock time)
+        # servers that cannot load a model's span, as its planner last read their record: {peer: {model: {failed_span,
+        # load_error, t}}}; never placed on those models while kept (module docstring for when they are forgotten)
+        self.load_failures: dict[str, dict[str, dict[str, Any]]] = {}
         self.epoch = 0
         self.planned_at = clock()
         self._stranded_at = -math.inf  # the last re-placement for a model with traffic and no server
@@ -141,6 +150,15 @@ class ModelPlacer:
     def offered(self, record: Any) -> list[str]:
         """The models (our names) a server record offers, in its order."""
         return [self.by_prefix[p] for p in dict.fromkeys(record.models) if p in self.by_prefix]
+
+    def allowed(self, peer: str, record: Any) -> list[str]:
+        """The models a server offers less those it cannot load (``load_failures``), in its order."""
+        failed = self.load_failures.get(peer, {})
+        return [n for n in self.offered(record) if n not in failed]
+
+    def _failing(self, peer: str) -> bool:
+        """Placed on a model it cannot load (it failed every other one it offers too): serves none."""
+        return self.placement.get(peer) in self.load_failures.get(peer, {})
 
     def _placed_on(self, name: str) -> Callable[[str, Any], bool]:
         prefix = self.orchs[name].prefix
@@ -243,8 +261,8 @@ class ModelPlacer:
     def _stranded(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float) -> list[str]:
         """Models that had arrivals in the last ``window_s`` and no live server (none placed on them, none offering
         only them), that a flexible server offers."""
-        offered = {n for rec in flexible.values() for n in self.offered(rec)}
-        served = {self.placement.get(p) for p in flexible}
+        offered = {n for p, rec in flexible.items() for n in self.allowed(p, rec)}
+        served = {self.placement.get(p) for p in flexible if not self._failing(p)}
         for peer, by_model in records.items():
             if peer not in flexible:
                 served.update(by_model)  # a server offering one of our models only: it serves that one
@@ -277,26 +295,82 @@ class ModelPlacer:
             if held is not None:
                 known[peer] = held
                 self._set(peer, held, "holds its blocks")
-        rest = [p for p in new if p not in known]
-        if not rest:
-            return
-        offered = {p: set(self.offered(next(iter(records[p].values())))) for p in rest}
-        if self.policy == "even":
-            counts = {m.name: sum(1 for x in {**fixed, **known}.values() if x == m.name) for m in models}
-            for peer in rest:
-                choice = min(sorted(offered[peer]), key=lambda n: (counts[n], list(self.orchs).index(n)))
-                counts[choice] += 1
-                self._set(peer, choice, "round-robin")
-            return
-        for peer in rest:  # one at a time, each given the ones placed before it
-            allowed = [m for m in models if m.name in offered[peer]]
-            plan = place_by_unserved_index([v for v in volunteers if v.name in {**fixed, **known} or v.name == peer],
-                                           allowed, horizon_s=self.interval.interval, fixed={**fixed, **known})
-            choice = plan.get(peer) or sorted(offered[peer])[0]
+        for peer in (p for p in new if p not in known):  # one at a time, each given the ones placed before it
+            rec = next(iter(records[peer].values()))
+            choice = self._choose(peer, self.allowed(peer, rec) or self.offered(rec), volunteers, models,
+                                  {**fixed, **known})
             known[peer] = choice
-            self._set(peer, choice, "joined: unserved index")
+            self._set(peer, choice, "round-robin" if self.policy == "even" else "joined: unserved index")
 
-    def _set(self, peer: str, name: str, why: str) -> None:
+    def _choose(self, peer: str, allowed: list[str], volunteers: list[Volunteer], models: list[ServedModel],
+                placed: dict[str, str]) -> str:
+        """The model of ``allowed`` for ``peer`` given the servers ``placed``: round-robin (``even``), else by the
+        analytic unserved index and Alg. 1's rule."""
+        if self.policy == "even":
+            counts = {n: sum(1 for x in placed.values() if x == n) for n in allowed}
+            return min(sorted(allowed), key=lambda n: (counts[n], list(self.orchs).index(n)))
+        live = {v.name for v in volunteers}
+        placed = {p: m for p, m in placed.items() if p in live and p != peer}
+        plan = place_by_unserved_index([v for v in volunteers if v.name in placed or v.name == peer], models,
+                                       horizon_s=self.interval.interval, fixed=placed, allowed={peer: allowed})
+        return plan.get(peer) or sorted(allowed)[0]
+
+    # ---- failed loads -----------------------------------------------------------------------------------
+    def _note_load_failures(self, flexible: dict[str, Any]) -> None:
+        """Keep what the planner of each flexible server's model says of its failed load there (its record, at or
+        after the epoch that gave it the span), and forget it when the server leaves (a restart loads afresh) or,
+        still placed on the model, its record stops saying so."""
+        for peer in [p for p in self.load_failures if p not in flexible]:
+            logger.info("placement: server %s left: the models it could not load (%s) may be placed on it again",
+                        peer[:12], ", ".join(self.load_failures.pop(peer)))
+        for peer, rec in flexible.items():
+            name = self.placement.get(peer)
+            if name is None:
+                continue
+            planner = self.orchs[name].planner
+            report = getattr(planner, "reported_load_failure", None)
+            failure = report(peer) if report is not None else None
+            failed = self.load_failures.get(peer, {})
+            said = failed.get(name)
+            if failure is not None:
+                if said is None or (said["failed_span"], said["load_error"]) != (failure["failed_span"],
+                                                                                 failure["load_error"]):
+                    self.load_failures.setdefault(peer, {})[name] = {**failure, "t": time.time()}
+            elif said is not None and peer in planner.servers:
+                del failed[name]
+                if not failed:
+                    del self.load_failures[peer]
+                logger.info("placement: server %s (%s) no longer reports a failed load of model %s (it loaded its "
+                            "blocks, or was given others): it may be placed on it again", rec.public_name,
+                            peer[:12], name)
+
+    def _move_off_failed(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float) -> None:
+        """Move each server placed on a model it cannot load to another model it offers, at once (not at the next
+        re-placement: it serves nothing where it is); one that failed every model it offers stays (it retries)."""
+        failing = [p for p in sorted(flexible) if self._failing(p)]
+        if not failing:
+            return
+        volunteers, models, fixed = self.snapshot(records, now)
+        for peer in failing:
+            rec, name = flexible[peer], self.placement[peer]
+            failure = self.load_failures[peer][name]
+            span = failure["failed_span"]
+            what = (f"cannot load model {name}'s blocks "
+                    f"{f'[{span[0]}, {span[0] + span[1]})' if len(span) == 2 else ''}: "
+                    f"{failure['load_error'] or '(no reason given)'}")
+            allowed = self.allowed(peer, rec)
+            if not allowed:
+                if not failure.get("kept"):
+                    failure["kept"] = True
+                    logger.warning("placement: server %s (%s) %s; it cannot load any other model it offers either: "
+                                   "kept on %s (it retries)", rec.public_name, peer[:12], what, name)
+                continue
+            placed = {**fixed, **{p: m for p, m in self.placement.items() if p in flexible and not self._failing(p)}}
+            choice = self._choose(peer, allowed, volunteers, models, placed)
+            self._set(peer, choice, what, level=logging.WARNING,
+                      detail=f"; not placed on {name} again until it restarts")
+
+    def _set(self, peer: str, name: str, why: str, level: int = logging.INFO, detail: str = "") -> None:
         before = self.placement.get(peer)
         if before == name:
             return
@@ -305,8 +379,8 @@ class ModelPlacer:
         if before is not None:
             self.moves += 1
         self.log.append({"t": time.time(), "server": peer, "from": before, "to": name, "why": why})
-        logger.info("placement: server %s -> model %s (%s%s)", peer[:12], name, why,
-                    f"; was {before}" if before else "")
+        logger.log(level, "placement: server %s -> model %s (%s%s%s)", peer[:12], name, why,
+                   f"; was {before}" if before else "", detail)
 
     def real_metrics(self, since_wall: float) -> PlanMetrics | None:
         """SLO attainment (response < 5 x the request's own service time) and normalized latency (response over its
@@ -396,7 +470,7 @@ class ModelPlacer:
         ev = history.evaluate(models) if history is not None else analytic_evaluate(models, horizon)
         span = history.span_s if history is not None else horizon
         target = place_by_unserved_index(volunteers, models, horizon_s=horizon, fixed=fixed, evaluate=ev,
-                                         rule=self.rule)
+                                         rule=self.rule, allowed=offered)
         target = {p: m for p, m in target.items() if p in fixed or m in offered.get(p, ())}
         aimed = {**current, **target}
         moves = moves_that_pay(current, aimed, self._never_stranding(
@@ -448,8 +522,9 @@ class ModelPlacer:
         if real is not None and self.estimate is not None:
             self.interval.update(real, self.estimate)
         volunteers, models, fixed = self.snapshot(records, now)
-        current = {**fixed, **{p: self.placement[p] for p in flexible if p in self.placement}}
-        offered = {p: set(self.offered(rec)) for p, rec in flexible.items()}
+        # a server placed on a model it cannot load serves none (it failed every model it offers: it stays put)
+        current = {**fixed, **{p: self.placement[p] for p in flexible if p in self.placement and not self._failing(p)}}
+        offered = {p: set(self.allowed(p, rec)) for p, rec in flexible.items()}
         history, index = None, "analytic"
         if self.index == "simulated":
             history, fallback = self.history(volunteers, models, current, now)
@@ -496,6 +571,8 @@ class ModelPlacer:
         new = sorted(p for p in flexible if p not in self.placement)
         if new:
             self._place_new(new, records, now)
+        self._note_load_failures(flexible)
+        self._move_off_failed(records, flexible, now)
         # static: one re-placement, for the first traffic seen (the fixed plan), none after
         if flexible and (self.policy == "ui" or (self.policy == "static" and self.estimate is None)):
             due = now - self.planned_at >= self.interval.interval
@@ -530,11 +607,13 @@ class ModelPlacer:
         await run_every(stop, self.refresh_s, self.round, logger, "model placement")
 
     def json(self) -> dict:
-        """For ``/api/v1/swarm``: the policy, interval, placement and recent moves."""
+        """For ``/api/v1/swarm``: the policy, interval, placement, recent moves and the models servers cannot load."""
         settle = self.trigger.settle_at if self.policy == "ui" else None  # only ui re-plans after its first plan
         return {"policy": self.policy, "index": self.index, "rule": self.rule, "epoch": self.epoch,
                 "interval_s": round(self.interval.interval, 3),
                 "settle_in_s": None if settle is None else round(max(0.0, settle - self.clock()), 1),
                 "moves": self.moves, "placement": dict(self.placement),
                 "servers_per_model": {n: sum(1 for m in self.placement.values() if m == n) for n in self.orchs},
-                "recent": list(self.log)[-10:], "replans": list(self.replans)[-10:]}
+                "recent": list(self.log)[-10:], "replans": list(self.replans)[-10:],
+                "load_failures": {p: {m: {k: f[k] for k in ("failed_span", "load_error", "t")} for m, f in by.items()}
+                                  for p, by in self.load_failures.items()}}

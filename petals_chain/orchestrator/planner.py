@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -90,11 +89,6 @@ class ServerView:
     @property
     def banned(self) -> bool:
         return self.failed_at is not None
-
-
-def _one_line(text: str) -> str:
-    """A server's free text as one line of printable characters (it is logged: a hostile one forged log lines)."""
-    return re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", str(text))
 
 
 class RateEstimator:
@@ -741,7 +735,7 @@ class Planner:
         # later one): a failure announced before (to an orchestrator before a restart of this one) is stale
         v.failed_assigned = (v.load_reported and len(span) == 2 and span == tuple(self.assignment.get(v.peer_id, ()))
                              and getattr(r, "epoch", -1) >= v.span_epoch)
-        failure = (span, _one_line(getattr(r, "load_error", ""))) if v.failed_assigned else None
+        failure = (span, getattr(r, "load_error", "")) if v.failed_assigned else None
         said = self.load_failures.get(v.peer_id)
         if failure == said:
             return
@@ -935,11 +929,20 @@ class Planner:
     async def _run(self, stop: asyncio.Event) -> None:
         await run_every(stop, self.refresh_s, self._round, logger, "planner refresh")
 
+    def reported_load_failure(self, peer_id: str) -> dict | None:
+        """``{"failed_span", "load_error"}`` while ``peer_id``'s record says it cannot load the span this planner
+        assigns it (``failed_assigned``: announced at or after the epoch that gave the span), else None (the model
+        placer moves such a server to another model it offers)."""
+        v = self.servers.get(peer_id)
+        if v is None or not v.failed_assigned:
+            return None
+        return {"failed_span": list(v.record.failed_span), "load_error": v.record.load_error}
+
     def _load_failure_json(self, v: ServerView, now: float) -> dict:
         """``failed_span`` and ``load_error`` as its record says them, else as the load deadline does."""
         r = v.record
         if v.failed_assigned:
-            return {"failed_span": list(r.failed_span), "load_error": _one_line(r.load_error)}
+            return {"failed_span": list(r.failed_span), "load_error": r.load_error}
         if v.load_overdue and v.peer_id in self.assignment:
             return {"failed_span": list(self.assignment[v.peer_id]), "load_error": self._overdue_error(v, now)}
         return {"failed_span": None, "load_error": ""}  # none, or of a span it is no longer given
