@@ -191,6 +191,8 @@ def main() -> int:
              if first["goodput_per_s"] else float("inf")),
             ("SLO attainment", lambda s: s["attainment"]),
             ("met", lambda s: s.get("met", 0)), ("missed", lambda s: s.get("missed", 0)),
+            # admitted and missed, of the admitted (met or missed): what the admission prediction got wrong
+            ("missed / admitted", lambda s: s.get("missed", 0) / max(1, s.get("met", 0) + s.get("missed", 0))),
             ("refused at arrival", lambda s: s.get("refused", 0)), ("dropped in queue", lambda s: s.get("dropped", 0)),
             ("refusal round trip p50 (ms)", lambda s: s["refusal_ms_p50"]),
             ("refusal round trip p99 (ms)", lambda s: s["refusal_ms_p99"]),

@@ -3,8 +3,8 @@
 Real processes: an orchestrator with API keys (one per client) and ``--servers`` servers on loopback, each link
 delayed by ``--rtt-ms`` (emulated, per message), with ``--kv-cache slots`` so every chain runs a fixed number of
 jobs. Clients send completion requests open-loop (Poisson arrivals, ``--max-tokens`` greedy tokens each, a
-prompt of ``--prompt-tokens`` random ids): ``--light`` light clients at rate ``r`` each and one heavy client at
-``--heavy-factor`` x ``r``.
+prompt of ``--prompt-tokens`` random ids): ``--light`` light clients at rate ``r`` each and ``--heavy`` heavy clients
+(one by default) at ``--heavy-factor`` x ``r`` each.
 
 First a probe of light requests measures the swarm's service time; ``r`` is then set so that the total offered
 load is ``--overload`` x the chains' capacity (the heavy client is backlogged, each light client asks for less
@@ -14,7 +14,9 @@ a fresh swarm. Printed per policy: light clients' mean latency and its ratio to 
 median wait for a chain, the heavy client's latency, total throughput (completed requests/s and service units/s)
 against the first policy (Jain's index over backlogged clients is the simulator's: here only the heavy client is
 backlogged), and the number of distinct greedy outputs (one prompt: must be 1; exit code 1 otherwise). With
-``--plot``: per-request latency over time, one panel per policy.
+``--max-queue N`` (the orchestrator's) a request may be refused (429): refusals are counted per kind of client and
+the latencies are of the requests served (several heavy clients and a short queue show whether they can fill it
+against the light ones). With ``--plot``: per-request latency over time, one panel per policy.
 
     python scripts/bench_fairness.py [--model PATH|smollm2-135m] [--duration-s 45] [--rtt-ms 20] [--plot F.png]
 """
@@ -70,6 +72,8 @@ async def replay(url: str, model: str, plan: list[tuple[float, str, str]], promp
             r = await c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
                              json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                    "ignore_eos": True})
+            if r.status_code == 429:  # a full queue (--max-queue): the refusal is part of the result
+                return {"client": name, "sent": sent, "refused": r.json()["error"]["code"]}
             r.raise_for_status()
             body = r.json()
             extra = body["petals_chain"][0]
@@ -87,6 +91,8 @@ def run_policy(args, policy: str, plan: list[tuple[float, str, str]], keys_file:
     servers = [LocalServer(f"s{i}", memory_for(args.model, args.max_length, L, args.slots), extra_args=extra)
                for i in range(args.servers)]
     orch_args = ["--api-keys", str(keys_file), "--fairness", policy]
+    if args.max_queue is not None:
+        orch_args += ["--max-queue", str(args.max_queue)]
     if args.quantum is not None:
         orch_args += ["--fairness-quantum", str(args.quantum)]
     with tempfile.TemporaryDirectory() as logs, \
@@ -103,7 +109,8 @@ def run_policy(args, policy: str, plan: list[tuple[float, str, str]], keys_file:
 
 
 def summarize(run: dict, lights: list[str]) -> dict:
-    res = run["results"]
+    refused = [r for r in run["results"] if "refused" in r]
+    res = [r for r in run["results"] if "refused" not in r]
     by = {}
     for r in res:
         by.setdefault(r["client"], []).append(r)
@@ -115,9 +122,13 @@ def summarize(run: dict, lights: list[str]) -> dict:
            "light_wait_mean_s": statistics.mean(light_wait) if light else None,
            "light_wait_p50_s": statistics.median(light_wait) if light else None,
            "light_p90_s": float(np.percentile(light_lat, 90)) if light else None,
-           "requests_per_s": len(res) / run["wall_s"], "wall_s": run["wall_s"], "capacity": run["capacity"]}
-    if "heavy" in by:
-        out["heavy_mean_s"] = statistics.mean(r["latency"] for r in by["heavy"])
+           "requests_per_s": len(res) / run["wall_s"], "wall_s": run["wall_s"], "capacity": run["capacity"],
+           "light_refused": sum(r["client"] in lights for r in refused),
+           "heavy_refused": sum(r["client"] not in lights for r in refused),
+           "refused_codes": sorted({r["refused"] for r in refused})}
+    heavy = [r["latency"] for c, rs in by.items() if c not in lights for r in rs]
+    if heavy:
+        out["heavy_mean_s"] = statistics.mean(heavy)
     fair = run["fairness"]
     out["service_units"] = {c: v["service"] for c, v in fair["clients"].items()}
     # the orchestrator's own figure at the run's end: Jain's index among clients backlogged through the last minute
@@ -136,7 +147,9 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--rtt-ms", type=float, default=20.0)
     p.add_argument("--light", type=int, default=3, help="light clients")
-    p.add_argument("--heavy-factor", type=float, default=4.0)
+    p.add_argument("--heavy", type=int, default=1, help="heavy clients")
+    p.add_argument("--heavy-factor", type=float, default=4.0, help="a heavy client's rate / a light client's")
+    p.add_argument("--max-queue", type=int, default=None, help="the orchestrator's --max-queue (default: its own)")
     p.add_argument("--overload", type=float, default=1.3, help="offered load / capacity with the heavy client")
     p.add_argument("--duration-s", type=float, default=45.0, help="arrival window per policy")
     p.add_argument("--policies", default="fcfs,dlpm", help="comma-separated --fairness values")
@@ -152,7 +165,8 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     prompt = model_and_prompt(args, work, rng)
     lights = [f"light{i}" for i in range(args.light)]
-    keys = {name: f"{name}-key-{i:04d}-0123456789" for i, name in enumerate(["heavy", *lights])}
+    heavies = ["heavy"] if args.heavy == 1 else [f"heavy{i}" for i in range(args.heavy)]
+    keys = {name: f"{name}-key-{i:04d}-0123456789" for i, name in enumerate([*heavies, *lights])}
     keys_file = work / "api-keys"
     keys_file.write_text("".join(f"{n} {k}\n" for n, k in keys.items()))
 
@@ -161,19 +175,19 @@ def main() -> int:
     alone_plan = sorted((t, c, keys[c]) for c in lights for t in arrivals(probe_rate, args.duration_s / 2, rng))
     print(f"light clients alone ({len(alone_plan)} requests) ...", flush=True)
     alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
-    service = statistics.mean(r["service"] for r in alone["results"])
+    service = statistics.mean(r["service"] for r in alone["results"] if "service" in r)
     cap_rate = alone["capacity"] / service  # requests/s the chains complete when full
-    rate = args.overload * cap_rate / (args.light + args.heavy_factor)
+    rate = args.overload * cap_rate / (args.light + len(heavies) * args.heavy_factor)
     print(f"capacity {alone['capacity']} jobs, service {service:.2f} s -> {cap_rate:.2f} req/s; light rate "
-          f"{rate:.3f}/s each, heavy {args.heavy_factor * rate:.3f}/s (offered {args.overload:g}x capacity)",
-          flush=True)
+          f"{rate:.3f}/s each, {len(heavies)} heavy {args.heavy_factor * rate:.3f}/s each (offered "
+          f"{args.overload:g}x capacity)", flush=True)
     plan = sorted([(t, c, keys[c]) for c in lights for t in arrivals(rate, args.duration_s, rng)]
-                  + [(t, "heavy", keys["heavy"]) for t in arrivals(args.heavy_factor * rate, args.duration_s, rng)])
-    # the light clients alone: exactly the mixed runs' light requests (same times), without the heavy client
-    alone_plan = [x for x in plan if x[1] != "heavy"]
+                  + [(t, h, keys[h]) for h in heavies for t in arrivals(args.heavy_factor * rate, args.duration_s, rng)])
+    # the light clients alone: exactly the mixed runs' light requests (same times), without the heavy clients
+    alone_plan = [x for x in plan if x[1] in lights]
     print(f"light clients alone, the mixed runs' light requests ({len(alone_plan)}) ...", flush=True)
     alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
-    alone_mean = statistics.mean(r["latency"] for r in alone["results"])
+    alone_mean = statistics.mean(r["latency"] for r in alone["results"] if "latency" in r)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     runs, summ = {}, {}
     for pol in policies:
@@ -192,6 +206,8 @@ def main() -> int:
             ("throughput (req/s)", lambda s: s["requests_per_s"]),
             ("throughput / " + policies[0], lambda s: s["requests_per_s"] / base["requests_per_s"]),
             ("service units/s / " + policies[0], lambda s: s["service_units_per_s"] / base["service_units_per_s"]),
+            ("light requests refused (429)", lambda s: s["light_refused"]),
+            ("heavy requests refused (429)", lambda s: s["heavy_refused"]),
             ("distinct greedy outputs", lambda s: s["distinct_outputs"]))
     for name, f in rows:
         print(f"{name:34s}" + "".join(f"{f(summ[pol]):12.3f}" for pol in policies))
@@ -199,7 +215,10 @@ def main() -> int:
         f"{'-' if summ[pol]['jain_index'] is None else format(summ[pol]['jain_index'], '.3f'):>12s}"
         for pol in policies))
     print(f"{'  over clients':34s}" + "".join(f"{','.join(summ[pol]['jain_clients']) or '-':>12s}" for pol in policies))
-    texts = {r["text"] for run in [alone, *runs.values()] for r in run["results"]}
+    for pol in policies:
+        if summ[pol]["refused_codes"]:
+            print(f"--fairness {pol}: refusals {', '.join(summ[pol]['refused_codes'])}")
+    texts = {r["text"] for run in [alone, *runs.values()] for r in run["results"] if "text" in r}
     if len(texts) != 1:  # same prompt, greedy: every reply must be the same text
         print(f"ERROR: {len(texts)} distinct greedy outputs for one prompt", flush=True)
     if args.json:
@@ -214,11 +233,11 @@ def main() -> int:
 
         fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 3.6), sharey=True, squeeze=False)
         for ax, pol in zip(axes[0], policies):
-            for c, color in [("heavy", "tab:red"), *[(x, "tab:blue") for x in lights]]:
-                pts = [(r["sent"], r["latency"]) for r in runs[pol]["results"] if r["client"] == c]
+            for c, color in [*[(h, "tab:red") for h in heavies], *[(x, "tab:blue") for x in lights]]:
+                pts = [(r["sent"], r["latency"]) for r in runs[pol]["results"] if r["client"] == c and "latency" in r]
                 if pts:
-                    ax.scatter(*zip(*pts), s=8, color=color, label=("heavy" if c == "heavy" else "light")
-                               if c in ("heavy", lights[0]) else None)
+                    ax.scatter(*zip(*pts), s=8, color=color, label=("light" if c in lights else "heavy")
+                               if c in (heavies[0], lights[0]) else None)
             ax.axhline(alone_mean, color="gray", ls="--", lw=1, label="light alone (mean)")
             ax.set_title(f"--fairness {pol}")
             ax.set_xlabel("request sent (s)")

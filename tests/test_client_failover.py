@@ -429,24 +429,36 @@ def test_a_session_turn_asks_for_logprobs_and_returns_its_own():
     assert "".join(s.stream("x")) == "abc" and s.last.logprobs is None and "logprobs" not in bodies[-1]
 
 
-def test_a_request_that_times_out_waiting_for_its_answer_is_not_run_twice():
-    """With several orchestrators and a short ``timeout`` a slow generation (queued on a busy swarm) was sent to the
-    next orchestrator on its read timeout, and again, running it on each: it is now a 504 ``timeout`` naming the
-    one it waits on; reads (GET) still go to the next, and an orchestrator that cannot be reached too."""
+def test_a_generation_longer_than_the_timeout_is_a_timeout_and_a_hung_orchestrator_is_passed():
+    """With several orchestrators and a short ``timeout`` a generation longer than it (queued on a busy swarm) was
+    sent to the next orchestrator on its read timeout, and again, waiting as long at each: an orchestrator that is up
+    (its ``/healthz`` answers) makes it a 504 ``timeout``; one that answers nothing at all (hung) is passed for the
+    next, as one that cannot be reached; reads (GET) go to the next."""
     calls = []
 
     def slow(req):
-        calls.append(("slow", req.method))
+        calls.append(("slow", req.method, req.url.path))
+        if req.url.path == "/healthz":
+            return httpx.Response(200, json={"ok": True})
+        raise httpx.ReadTimeout("timed out")
+
+    def hung(req):
+        calls.append(("hung", req.method, req.url.path))
         raise httpx.ReadTimeout("timed out")
 
     def good(req):
-        calls.append(("good", req.method))
+        calls.append(("good", req.method, req.url.path))
         return _completion("hello") if req.method == "POST" else httpx.Response(200, json={"data": [{"id": MODEL}]})
 
     c = _client([slow, good])
     with pytest.raises(ClientError) as e:
         c.complete("x")
-    assert e.value.status == 504 and e.value.code == "timeout" and "http://orch0" in e.value.message
-    assert calls == [("slow", "POST")] and c.url == "http://orch0"
+    assert e.value.status == 504 and e.value.code == "timeout" and "http://orch0 is up" in e.value.message
+    assert calls == [("slow", "POST", "/v1/completions"), ("slow", "GET", "/healthz")] and c.url == "http://orch0"
     calls.clear()
-    assert c.swarm() == {"data": [{"id": MODEL}]} and calls == [("slow", "GET"), ("good", "GET")]
+    assert c.swarm() == {"data": [{"id": MODEL}]} and [x[0] for x in calls] == ["slow", "good"]
+    calls.clear()
+    c = _client([hung, good])
+    assert c.complete("x").text == "hello" and c.url == "http://orch1"
+    assert calls == [("hung", "POST", "/v1/completions"), ("hung", "GET", "/healthz"),
+                     ("good", "POST", "/v1/completions")]

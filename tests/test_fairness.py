@@ -668,7 +668,8 @@ def test_heavy_clients_cannot_fill_a_fair_queue_against_a_light_one(policy):
     from petals_chain.orchestrator.fairness import ClientShares
 
     async def main():
-        shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1000.0)), registry=CollectorRegistry())
+        shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1000.0)), registry=CollectorRegistry(),
+                              keyed=True)
         dm = DispatchManager(policy="jffc", shares=shares, max_queue=12)
         dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
         heavy = [DispatchJob(f"h{c}.{i}", client=f"heavy{c}", input_tokens=10) for i in range(10) for c in range(3)]
@@ -686,16 +687,17 @@ def test_heavy_clients_cannot_fill_a_fair_queue_against_a_light_one(policy):
 
 def test_one_client_alone_keeps_most_of_a_fair_queue_and_fifo_keeps_all():
     """The share rule leaves a lone sender 80 % of the bound (the last places stay for others); ``--fairness fcfs``
-    (the paper's FIFO) is not client-fair and keeps the plain bound; no chain yet (jobs waiting for a first plan)
-    counts the same."""
+    (the paper's FIFO) and ``lpm`` are not client-fair, and without API keys every request is one client: they keep
+    the plain bound; no chain yet (jobs waiting for a first plan) counts the same."""
     from prometheus_client import CollectorRegistry
 
     from petals_chain.model import Chain
     from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, QueueFull, QueueShareFull
     from petals_chain.orchestrator.fairness import ClientShares
 
-    async def queued_alone(policy, chains=True):
-        shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1000.0)), registry=CollectorRegistry())
+    async def queued_alone(policy, chains=True, keyed=True):
+        shares = ClientShares(FairPolicy(policy, FairnessConfig(quantum=1000.0)), registry=CollectorRegistry(),
+                              keyed=keyed)
         dm = DispatchManager(policy="jffc", shares=shares, max_queue=100)
         if chains:
             dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
@@ -710,3 +712,108 @@ def test_one_client_alone_keeps_most_of_a_fair_queue_and_fifo_keeps_all():
     assert asyncio.run(queued_alone("dlpm")) == (80, {QueueShareFull})  # admitted while q < 4 (100 - q - 1)
     assert asyncio.run(queued_alone("dlpm", chains=False)) == (80, {QueueShareFull})
     assert asyncio.run(queued_alone("fcfs")) == (100, {QueueFull})
+    assert asyncio.run(queued_alone("lpm")) == (100, {QueueFull})  # prefix locality, not client shares
+    assert asyncio.run(queued_alone("dlpm", keyed=False)) == (100, {QueueFull})  # no keys: "anonymous" alone
+
+
+def test_the_choices_of_one_request_are_given_their_places_when_it_is_admitted():
+    """A request's later choices come after its first's prefill and are never refused: one heavy client's ``n`` = 4
+    requests took the queue past its bound and refused a light client (429) that had nothing waiting. The first choice
+    now needs places for those of its choices the free slots cannot start."""
+    from prometheus_client import CollectorRegistry
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, QueueFull, QueueShareFull
+    from petals_chain.orchestrator.fairness import ClientShares
+
+    async def main():
+        shares = ClientShares(FairPolicy("dlpm", FairnessConfig(quantum=1000.0)), registry=CollectorRegistry(),
+                              keyed=True)
+        dm = DispatchManager(policy="jffc", shares=shares, max_queue=6)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+
+        def choices(name, client, n):
+            return [DispatchJob(f"{name}{i}", client=client, siblings=n - 1 if i == 0 else 0, checked=i > 0)
+                    for i in range(n)]
+
+        first = await dm.acquire(choices("a", "heavy", 4)[0])  # starts on the free slot
+        later, refused = await _fill(dm, choices("a", "heavy", 4)[1:])  # after its prefill: queued, never refused
+        assert first and not refused and dm.queue_length == 3
+        tasks, refused = await _fill(dm, choices("b", "heavy", 4)[:1])  # 4 more places: 7 > 6
+        assert [type(e) for e in refused] == [QueueFull] and "this request's 4 choices" in str(refused[0])
+        tasks, refused = await _fill(dm, choices("c", "heavy", 2)[:1])  # 2 places fit the bound, not the share
+        assert [type(e) for e in refused] == [QueueShareFull] and "need 2 places" in str(refused[0])
+        light, refused = await _fill(dm, [DispatchJob("l", client="light")])
+        assert not refused and dm.queue_length == 4 <= dm.max_queue
+        for task in later + light:
+            task.cancel()
+        await asyncio.gather(*later, *light, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_the_early_check_lets_a_client_with_nothing_waiting_here_reach_the_dispatcher(tmp_path):
+    """Requests not yet decided count in the early check (``inflight``), so it may say "full" while the queue has
+    room: a client with nothing waiting in this model's queue goes on to the exact decision, whatever it runs here or
+    on another model of the process (the bypass first looked at its requests in flight across every model)."""
+    import json
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
+    from petals_chain.orchestrator.fairness import ClientShares
+    from petals_chain.orchestrator.limits import AdmissionLimits, ClientLedger, KeyRing, LimitsConfig
+
+    secret = "light-secret-01234567890"
+    keys = tmp_path / "keys"
+    keys.write_text(f"light {secret}\nheavy heavy-secret-0123456789\n")
+
+    def orch(dispatch):
+        return SimpleNamespace(dispatch=dispatch, sessions={}, groups=None,
+                               stats=SimpleNamespace(registry=None, tokens_last_minute=lambda c: 0,
+                                                     usage_window=lambda c: []))
+
+    async def post(lim):
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"authorization", f"Bearer {secret}".encode()), (b"content-length", b"2")]}
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(m):
+            sent.append(m)
+
+        await lim(scope, receive, send)
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        status = next(m for m in sent if m["type"] == "http.response.start")["status"]
+        return status, json.loads(body).get("error", {}).get("code") if body else None
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def main(keyed):
+        shares = ClientShares(FairPolicy("dlpm", FairnessConfig(quantum=1000.0)), registry=CollectorRegistry(),
+                              keyed=keyed)
+        dm = DispatchManager(policy="jffc", shares=shares, max_queue=4)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),))])
+        running = await dm.acquire(DispatchJob("h0", client="heavy"))
+        waiting = asyncio.ensure_future(dm.acquire(DispatchJob("h1", client="heavy")))
+        await asyncio.sleep(0)
+        a, b = orch(dm), orch(SimpleNamespace(queue_length=0, chains=[]))
+        ledger = ClientLedger([a, b])
+        lim = AdmissionLimits(app, a, LimitsConfig(max_queue=4, keys=KeyRing.from_file(str(keys))), ledger)
+        lim._metric = None
+        lim.inflight = 5  # 1 running + 1 queued + 3 heavy requests still reading their bodies: >= 1 + max_queue
+        ledger.by_client["light"] = 1  # the light client runs a request on the other model
+        got = await post(lim)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        dm.release(running)
+        return got
+
+    assert asyncio.run(main(keyed=True)) == (200, None)
+    assert asyncio.run(main(keyed=False)) == (429, "queue_full")  # one client: nothing kept, the early check holds

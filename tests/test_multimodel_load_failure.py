@@ -253,3 +253,39 @@ def test_the_unserved_index_places_a_server_only_on_the_models_it_may_take():
     assert free["x"] == "b"  # the busy model first
     plan = place_by_unserved_index(servers, models, allowed={"x": ["a"], "z": []})
     assert plan["x"] == "a" and "z" not in plan and plan["y"] == "b", plan
+
+
+def test_a_server_kept_on_a_model_it_cannot_load_does_not_count_as_serving_it_for_a_new_one():
+    """S failed both models it offers and is kept on alpha (serving nothing); alpha's only working server leaves;
+    T, offering both, joins: it was placed on beta as if S served alpha (found by review)."""
+    def fail(sw, peer, name):
+        p = sw.orchs[name].planner
+        st, nm = p.assignment[peer]
+        sw.announce(peer, BOTH, name, failed_span=[st, nm], load_error="out of memory", epoch=p.epoch)
+
+    sw = Swarm()
+    sw.announce("F", ["alpha"], "alpha")
+    sw.step()
+    sw.load("F", ["alpha"], "alpha")
+    sw.announce("S", BOTH, "alpha")
+    sw.step()
+    assert sw.placed("S") == "beta"
+    sw.announce("S", BOTH, "beta")
+    sw.step()
+    fail(sw, "S", "beta")
+    sw.step()
+    assert sw.placed("S") == "alpha"
+    sw.announce("S", BOTH, "alpha")
+    sw.step(2)
+    fail(sw, "S", "alpha")
+    sw.step(2)
+    assert sw.placed("S") == "alpha" and sw.placer._failing("S")
+    sw.announce("G", ["beta"], "beta")
+    sw.step()
+    sw.load("G", ["beta"], "beta")
+    sw.step()
+    sw.leave("F")
+    sw.step()
+    sw.announce("T", BOTH, "alpha")
+    sw.step()
+    assert sw.placed("T") == "alpha", sw.placer.placement

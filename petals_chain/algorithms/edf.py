@@ -102,6 +102,69 @@ class ChainLoad:
     step_s: float
 
 
+class StepTimes:
+    """Seconds per step of each chain as observed, by how many jobs were stepping on it: with continuous batching a
+    step of ``c`` jobs takes longer than a step of one, so a full chain runs slower than the planner's ``T_k`` (a
+    job alone) says, and a prediction from ``T_k`` alone admitted jobs that then missed (issue 18).
+
+    One EWMA (weight ``alpha`` per new step) per (chain, jobs stepping); :meth:`step_s` reads it once it has
+    ``min_samples`` steps, else it extrapolates from the occupancies that have (see there), else it falls back on
+    the planned step. And one per chain of the seconds a job holds its slot besides its steps (opening the chain
+    before the first, closing it after the last: :meth:`overhead_s`), which slows the rate slots free at as much.
+    ``chain``: any hashable name that stays the chain's across re-plans."""
+
+    def __init__(self, alpha: float = 0.05, min_samples: int = 5):
+        if not 0 < alpha <= 1 or min_samples < 1:
+            raise ValueError("alpha must be in (0, 1] and min_samples >= 1")
+        self.alpha, self.min_samples = float(alpha), int(min_samples)
+        self._by_chain: dict[Any, dict[int, list[float]]] = {}  # chain -> jobs -> [ewma seconds, steps seen]
+        self._overhead: dict[Any, list[float]] = {}  # chain -> [ewma seconds, jobs seen]
+
+    def _update(self, e: list[float], x: float) -> None:
+        # the first values get a larger weight (a plain mean up to 1/alpha of them): no bias towards the first one
+        e[0] += max(self.alpha, 1.0 / (e[1] + 1.0)) * (x - e[0])
+        e[1] += 1.0
+
+    def observe(self, chain: Any, jobs: int, step_s: float) -> None:
+        """A step of ``jobs`` jobs on ``chain`` took ``step_s`` s (ignored unless both are positive and finite)."""
+        if jobs < 1 or not 0 < step_s < math.inf:
+            return
+        self._update(self._by_chain.setdefault(chain, {}).setdefault(int(jobs), [float(step_s), 0.0]), float(step_s))
+
+    def observe_overhead(self, chain: Any, seconds: float) -> None:
+        """A job held a slot of ``chain`` ``seconds`` longer than its steps took (ignored unless finite, >= 0)."""
+        if 0 <= seconds < math.inf:
+            self._update(self._overhead.setdefault(chain, [float(seconds), 0.0]), float(seconds))
+
+    def overhead_s(self, chain: Any) -> float:
+        """Seconds a job of ``chain`` holds its slot besides its steps: 0 until seen ``min_samples`` times."""
+        e = self._overhead.get(chain)
+        return e[0] if e is not None and e[1] >= self.min_samples else 0.0
+
+    def step_s(self, chain: Any, jobs: int, planned: float) -> float:
+        """Seconds per step of ``chain`` with ``jobs`` stepping: the EWMA at ``jobs`` when seen often enough; else a
+        line through the occupancies that were (least squares, never decreasing: more jobs never make a step
+        faster), within the steps seen with more jobs and never below those seen with fewer; one occupancy seen
+        alone is a floor on ``planned`` above it and a ceiling below it; none: ``planned``."""
+        seen = sorted((n, e[0]) for n, e in self._by_chain.get(chain, {}).items() if e[1] >= self.min_samples)
+        jobs = max(1, int(jobs))
+        for n, s in seen:
+            if n == jobs:
+                return s
+        if not seen:
+            return planned
+        if len(seen) == 1:
+            (n, s), = seen
+            return max(s, planned) if jobs > n else min(s, planned)
+        mn = sum(n for n, _ in seen) / len(seen)
+        ms = sum(s for _, s in seen) / len(seen)
+        slope = max(0.0, sum((n - mn) * (s - ms) for n, s in seen) / sum((n - mn) ** 2 for n, _ in seen))
+        line = ms + slope * (jobs - mn)
+        line = min([line, *(s for n, s in seen if n > jobs)])
+        line = max([line, *(s for n, s in seen if n < jobs)])  # last: never faster than with fewer jobs
+        return line if line > 0 else planned
+
+
 @dataclass(frozen=True)
 class Prediction:
     """When a job would start, get its first token and its last (seconds from ``now``), and whether it is doomed

@@ -50,6 +50,8 @@ from petals_chain.algorithms.jffc import _chain_rate_capacity
 
 FAIRNESS_POLICIES = ("fcfs", "lpm", "vtc", "dlpm", "d2lpm", "d-vtc", "rr-lpm")
 DISTRIBUTED_POLICIES = ("d2lpm", "d-vtc", "rr-lpm")
+# the policies that share service among clients (lpm and rr-lpm order by prefix locality alone)
+CLIENT_FAIR_POLICIES = ("vtc", "dlpm", "d2lpm", "d-vtc")
 
 Worker = Hashable
 

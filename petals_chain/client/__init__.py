@@ -142,6 +142,7 @@ _TRY_ANOTHER = {502, 503, 504}
 # (s, doubling): a lost orchestrator's group is taken over within --group-ttl-s plus a round (about 10 s by default)
 DEFAULT_RETRY_S = 30.0
 RETRY_PAUSE_S = (0.5, 4.0)
+HEALTH_PROBE_S = 5.0  # after a generation's read timeout, how long GET /healthz may take for the orchestrator to be up
 # No cap on pooled connections: httpcore 1.0.9's pool closes an idle connection it has just handed to a waiting
 # thread when it holds more than the keep-alive cap (or needs room under the connection cap), cutting that
 # thread's request ("ReadError: [Errno 9] Bad file descriptor", or a hang until the read timeout): encode/httpcore
@@ -155,9 +156,10 @@ def _unavailable(failures: list[str]) -> ClientError:
 
 class Client:
     """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``), or of the first of several that
-    serve the same model (``url`` a list): a one-shot request that one of them cannot take (unreachable, cut off
-    mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered (one that
-    got no answer within ``timeout`` is not: it may still run there; :class:`ClientError` 504 ``timeout``); when
+    serve the same model (``url`` a list): a one-shot request that one of them cannot take (unreachable, hung, cut
+    off mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered (one
+    that got no answer within ``timeout`` from an orchestrator that is up, a generation longer than ``timeout``, is
+    :class:`ClientError` 504 ``timeout``: it would take as long anywhere); when
     none can, it goes round them again for up to ``retry_s`` seconds (the time a survivor takes to adopt a lost
     orchestrator's group). A stream cut off mid-way is resumed there when its output is reproducible (greedy, or
     seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with
@@ -210,13 +212,13 @@ class Client:
             try:
                 r = self._https[i].request(method, path, **kwargs)
             except httpx.TransportError as e:
-                if isinstance(e, httpx.ReadTimeout) and method != "GET":
-                    # it reached the orchestrator, which is still at it (a long or queued generation): sent again
-                    # elsewhere it would run twice, and on a busy swarm every timeout would add load
-                    raise ClientError(504, f"{self.urls[i]} sent no answer within the client's timeout "
-                                      f"({self._https[i].timeout.read} s); the request may still be running there, so "
-                                      "it was not sent to another orchestrator; give a longer timeout= for long "
-                                      "generations", "timeout") from e
+                if isinstance(e, httpx.ReadTimeout) and method != "GET" and self._answers(i):
+                    # the orchestrator is up and the generation just takes longer (queued on a busy swarm): sent to
+                    # the next one it would wait as long there, and again at each; it was cancelled here as the
+                    # connection closed. One that does not answer at all is another matter: the next is tried
+                    raise ClientError(504, f"{self.urls[i]} is up but sent no answer within the client's timeout "
+                                      f"({self._https[i].timeout.read} s) and cancelled the request; give a longer "
+                                      "timeout= for long or queued generations", "timeout") from e
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
                 last = None
                 if not resend and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
@@ -233,6 +235,14 @@ class Client:
             self._current = last[0]
             return last[1]
         raise _unavailable(failures)
+
+    def _answers(self, i: int) -> bool:
+        """Orchestrator ``i`` answers ``GET /healthz`` (any status) within a few seconds: it is up, not hung."""
+        try:
+            self._https[i].get("/healthz", timeout=min(HEALTH_PROBE_S, self._https[i].timeout.read or HEALTH_PROBE_S))
+        except httpx.TransportError:
+            return False
+        return True
 
     # ---- info ----
     @property

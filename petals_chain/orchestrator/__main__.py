@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completions one request may ask for (prompts x n); more get 400")
     p.add_argument("--max-queue", type=_positive_int, default=1024,
                    help="generation requests admitted beyond the chains' capacity; more get 429 + Retry-After (with "
-                        "--fairness other than fcfs, one client may hold 4x the places left free after it)")
+                        "--api-keys and a client-fair --fairness, one client may hold 4x the places left free after "
+                        "it)")
     p.add_argument("--client-max-inflight", type=_positive_int, default=256,
                    help="running + queued requests per client (API key, else IP); more get 429")
     p.add_argument("--client-max-sessions", type=_positive_int, default=64,

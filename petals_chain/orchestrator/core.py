@@ -66,7 +66,7 @@ def make_shares(cfg: "OrchestratorConfig", registry: Any) -> ClientShares:
                             worker_quantum=cfg.fairness_worker_quantum)
     except ValueError as e:
         raise ValueError(f"--fairness-*: {e}") from None
-    return ClientShares(FairPolicy(name, fc), registry=registry)
+    return ClientShares(FairPolicy(name, fc), registry=registry, keyed=bool(getattr(cfg, "api_keys", None)))
 
 
 @dataclass
@@ -553,7 +553,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "queue_length": self.dispatch.queue_length, "running": self.dispatch.running,
             # maxima and counts since start (exact, unlike samples of queue_length): queue_max <= max_queue
             "queue_max": self.dispatch.queue_max, "max_queue": self.dispatch.max_queue,
-            "queue_refused": self.dispatch.refused, "requeued": self.dispatch.requeued,
+            "queue_refused": self.dispatch.refused,
+            "queue_share_refused": getattr(self.dispatch, "share_refused", 0), "requeued": self.dispatch.requeued,
             "sessions": len(self.sessions), "updated_at": time.time(), "servers": servers, "chains": chains,
             "history": list(self.stats.history)[-200:],
             "plans": list(p.plan_log)[-10:] if p is not None else [],

@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from petals_chain.algorithms.edf import (ChainLoad, EDFQueue, Preemptible, Prediction, flex_victim, predict,
-                                        predict_from_running)
+from petals_chain.algorithms.edf import (ChainLoad, EDFQueue, Preemptible, Prediction, StepTimes, flex_victim,
+                                        predict, predict_from_running)
 from petals_chain.algorithms.prefix_locality import PrefixDirectory
 from petals_chain.model import Chain
 from petals_chain.orchestrator.fairness import ClientShares
@@ -170,15 +170,20 @@ class QueueFull(Exception):
 
 
 class QueueShareFull(QueueFull):
-    """A client-fair queue (``--fairness`` other than ``fcfs``) refused a new job: its client already holds its share
-    of what is left of the queue (HTTP 429 ``client_queue_share``), which stays free for other clients."""
+    """A client-fair queue (:attr:`ClientShares.keeps_places`) refused a new request: its client would hold more than
+    its share of what is left of the queue (HTTP 429 ``client_queue_share``), which stays free for other clients."""
 
     code = "client_queue_share"
 
-    def __init__(self, max_queue: int, mine: int, queued: int):
-        super().__init__(max_queue, f"this client already has {mine} requests waiting of the {queued} in the "
-                                    f"queue (bound {max_queue}); the rest of the queue is kept for other clients; "
-                                    "retry later")
+    def __init__(self, max_queue: int, mine: int, queued: int, need: int = 1, choices: int = 1):
+        if choices > 1:
+            what = (f"this request's {choices} choices need {need} places in the queue, where this client has {mine} "
+                    f"of the {queued} waiting (bound {max_queue}); the last places are kept for other clients; "
+                    "retry later, or ask for fewer choices")
+        else:
+            what = (f"this client already has {mine} requests waiting of the {queued} in the queue (bound "
+                    f"{max_queue}); the rest of the queue is kept for other clients; retry later")
+        super().__init__(max_queue, what)
         self.mine, self.queued = mine, queued
 
 
@@ -386,8 +391,15 @@ class DispatchManager:
         self._peak: dict[tuple[int, int], int] = {}
         self.queue_max = 0
         self.refused = 0
+        self.share_refused = 0  # new requests refused by the share rule (QueueShareFull), not by the bound
         self.deadline_refused = 0
         self.flex_preemptions = 0  # running jobs paused so that a deadline job could take their slot
+        self.step_times = StepTimes()  # each chain's time per token by jobs stepping, for the deadline predictions
+        self._lease_steps: dict[Lease, list[float]] = {}  # running job -> [its first step's start, last step's end]
+        # --schedule flex: running jobs marked to pause -> the deadline job each frees its slot for; and jobs whose
+        # promised slot another job took (a paused job's slot goes to the queue's head) and are still waiting
+        self._promised: dict[Lease, DispatchJob] = {}
+        self._owed: list[DispatchJob] = []
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -513,11 +525,13 @@ class DispatchManager:
     # ---- jobs --------------------------------------------------------------------------------
     def _arrive(self, job: DispatchJob, bounded: bool = False) -> None:
         """Start ``job`` or queue it; with ``bounded``, raise :class:`QueueFull` instead of exceeding the bound."""
+        if bounded and self.max_queue is not None and job.siblings:
+            self._check_room(job)
         if self.dispatcher is None:
             if bounded and self.max_queue is not None and len(self._pending) >= self.max_queue:
                 raise QueueFull(self.max_queue)
             self._pending.append(job)
-            if bounded and self.max_queue is not None and self.shares is not None and self.shares.central:
+            if bounded and self.keeps_places:
                 self._check_share(job)
             return
         if self._start_preferred(job):
@@ -531,14 +545,44 @@ class DispatchManager:
             # Undone in the same step (no await in between): the over-long queue is never observable.
             self.dispatcher.remove_job(job)
             raise QueueFull(self.max_queue)
-        elif bounded and self.max_queue is not None and self.shares is not None and self.shares.central:
+        elif bounded and self.keeps_places:
             self._check_share(job)
+
+    @property
+    def keeps_places(self) -> bool:
+        """The queue keeps its last places for clients with nothing waiting (:data:`QUEUE_SHARE_ALPHA`): a bounded
+        queue under a client-fair discipline with clients told apart (:attr:`ClientShares.keeps_places`)."""
+        return self.max_queue is not None and self.shares is not None and self.shares.keeps_places
+
+    def waiting_of(self, client: str) -> int:
+        """``client``'s jobs counted by ``queue_length``."""
+        return sum(1 for j in self._queued_jobs() if j.client == client)
+
+    def _free_slots(self) -> int:
+        return sum(max(0, int(ch.capacity) - self.active(k)) for k, ch in enumerate(self.chains)) \
+            if self.dispatcher is not None else 0
+
+    def _check_room(self, job: DispatchJob) -> None:
+        """The first choice of an ``n`` > 1 request: refuse it now if its choices would not all fit (the later ones
+        come after its prefill and are never refused, so places for them are counted here): those the free slots
+        cannot start take places in the queue, within the bound and, where the queue keeps places, the share."""
+        need = 1 + job.siblings - self._free_slots()
+        if need <= 1:  # the first choice alone is checked as any job
+            return
+        queued = self.queue_length
+        if queued + need > self.max_queue:
+            raise QueueFull(self.max_queue, f"the swarm is at capacity and its queue ({queued} waiting, bound "
+                                            f"{self.max_queue}) has no room for this request's {1 + job.siblings} "
+                                            "choices; retry later, or ask for fewer choices")
+        mine = self.waiting_of(job.client)
+        if self.keeps_places and mine + need - 1 >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - need):
+            raise QueueShareFull(self.max_queue, mine, queued, need, 1 + job.siblings)
 
     def _check_share(self, job: DispatchJob) -> None:
         """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client already holds its
         share of the free places (:data:`QUEUE_SHARE_ALPHA`); undone in the same step, like the bound."""
         queued = self.queue_length - 1  # before this job
-        mine = sum(1 for j in self._queued_jobs() if j.client == job.client and j is not job)
+        mine = self.waiting_of(job.client) - 1
         if mine and mine >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - 1):
             if self.dispatcher is None:
                 self._pending.remove(job)
@@ -608,6 +652,8 @@ class DispatchManager:
             fut.set_result(lease)
         else:  # nobody waits any more: give the slot back at once
             self.release(lease)
+        if self._promised:
+            self._settle_promises()
 
     async def acquire(self, job: DispatchJob) -> Lease:
         """Wait until ``job`` is started on a chain; FIFO with every other waiting job.
@@ -654,8 +700,11 @@ class DispatchManager:
                 self._arrive(job, bounded=not job.checked)  # a later choice was admitted with the first
         except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
-            if isinstance(e, QueueFull):
+            if isinstance(e, QueueShareFull):
+                self.share_refused += 1
+            elif isinstance(e, QueueFull):
                 self.refused += 1
+            if isinstance(e, QueueFull):
                 for lease in paused:  # refused after all: the jobs it would have paused run on
                     lease.preempt = False
                     self.flex_preemptions -= 1
@@ -691,6 +740,11 @@ class DispatchManager:
             return
         lease.released = True
         self._running.pop(lease.job, None)
+        self._job_overhead(lease)
+        beneficiary = self._promised.pop(lease, None)
+        if beneficiary is not None and beneficiary in self._waiters:
+            # the slot goes to the queue's head, which may be another job: this one is owed the next promise freed
+            self._owed.append(beneficiary)
         if lease.generation != self.generation or self.dispatcher is None:
             return
         self._count(lease.index, -1)
@@ -781,8 +835,12 @@ class DispatchManager:
 
     def charge(self, lease: Lease, step_s: float, tokens: int = 1) -> None:
         """The job of ``lease`` ran one step of ``tokens`` positions for ``step_s`` s (0: a step that tells nothing
-        of an iteration's time): its budget shrinks (and doubles, a level down, when used up); if a waiting job
-        now goes before it, it gives its chain back at its next step."""
+        of an iteration's time): the chain's observed step time for the deadline predictions (:meth:`_observe_step`);
+        ``db``, ``mlfq``: its budget shrinks (and doubles, a level down, when used up); if a waiting job now goes
+        before it, it gives its chain back at its next step."""
+        self._observe_step(lease, step_s, tokens)
+        if self._promised:
+            self._settle_promises()  # a beneficiary that left the queue meanwhile: before the victim's next step
         if self.priorities is None or lease.job.sched is None:
             return
         if self.iterations is not None:
@@ -830,6 +888,57 @@ class DispatchManager:
             logger.info("%s: job %s (priority %.4g) pauses job %s (priority %.4g) on chain %d", self.schedule,
                         best.job_id, best_key, worst.job.job_id, worst_key, worst.index)
 
+    def _chain_load(self, k: int, ch: Chain, spj: float, idle: int) -> ChainLoad:
+        """Chain ``k`` as the predictions see it, ``idle`` of its slots held by sessions between turns. Its steps are
+        those observed (:meth:`_observe_step`) where seen, else the planner's (``T_k`` / ``spj``: a job alone): the
+        new job's at the occupancy it would find (one more job, every slot busy at most); the rate slots free at
+        while jobs queue (``job_s``) at a full chain's, plus the time a job holds its slot besides its steps
+        (:meth:`_job_overhead`). By the planner's alone, neither a full chain's slower steps (each batching ``c_k``
+        jobs) nor that time counted, and jobs admitted at overload missed (issue 18)."""
+        capacity = max(0, int(ch.capacity) - idle)
+        active = max(0, self.active(k) - idle)
+        planned = ch.service_time / spj
+        if capacity == 0:
+            return ChainLoad(capacity=0, active=active, job_s=ch.service_time, step_s=planned)
+        cid = self.chain_ids[k]
+        step = self.step_times.step_s(cid, min(capacity, active + 1), planned)
+        full = self.step_times.step_s(cid, capacity, planned)
+        return ChainLoad(capacity=capacity, active=active, step_s=step,
+                         job_s=max(step, full) * spj + self.step_times.overhead_s(cid))
+
+    def _observe_step(self, lease: Lease, step_s: float, tokens: int) -> None:
+        """Learn the chain's time per token at the jobs stepping on it now (:class:`~petals_chain.algorithms.edf.
+        StepTimes`): for a decode step (one token) the time since the job's previous step ended, so the head's
+        sampling between two steps counts too (a job's tokens come that far apart), or ``step_s`` when it has none
+        (its first step on this lease, or its turn's first: ``started`` moves then)."""
+        now = time.monotonic()
+        span = self._lease_steps.get(lease)
+        prev = None if span is None else span[1]
+        if span is None or span[0] < lease.started:  # its first step, or its turn's first (a held session)
+            self._lease_steps[lease] = [now - max(0.0, step_s), now]
+        else:
+            span[1] = now
+        if tokens != 1 or step_s <= 0 or lease.generation != self.generation or lease.released:
+            return
+        k = lease.index
+        if not 0 <= k < len(self.chains):
+            return
+        idle = sum(1 for other in self._running.values()
+                   if other.job.idle and other.index == k and other.generation == self.generation)
+        period = step_s if prev is None or prev < lease.started else max(step_s, now - prev)
+        self.step_times.observe(self.chain_ids[k], self.active(k) - idle, period)
+
+    def _job_overhead(self, lease: Lease) -> None:
+        """``lease`` is released: learn how long its job held the slot besides its steps (opening the chain before
+        the first, closing it after the last), which slows the rate a chain's slots free at as much as its steps
+        do. Not for a job that never stepped, nor a session's (held between turns, not stepping)."""
+        span = self._lease_steps.pop(lease, None)
+        if (span is None or span[0] < lease.started or lease.job.idle or lease.generation != self.generation
+                or not 0 <= lease.index < len(self.chain_ids)):
+            return
+        held = time.monotonic() - lease.started
+        self.step_times.observe_overhead(self.chain_ids[lease.index], held - (span[1] - span[0]))
+
     def _loads(self, job: DispatchJob) -> tuple[list[ChainLoad], int]:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before
         ``job``: the re-queue lane and, in the queue, every job (``fcfs``) or those with an earlier or equal deadline
@@ -840,9 +949,7 @@ class DispatchManager:
         for lease in self._running.values():
             if lease.job.idle and lease.generation == self.generation:
                 idle[lease.index] = idle.get(lease.index, 0) + 1
-        chains = [ChainLoad(capacity=max(0, int(ch.capacity) - idle.get(k, 0)),
-                            active=max(0, self.active(k) - idle.get(k, 0)), job_s=ch.service_time,
-                            step_s=ch.service_time / spj) for k, ch in enumerate(self.chains)]
+        chains = [self._chain_load(k, ch, spj, idle.get(k, 0)) for k, ch in enumerate(self.chains)]
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
         ahead = sum(1 for j in self._lane if not j.yields or j.order_key <= job.order_key) + len(self._pending)
@@ -917,10 +1024,32 @@ class DispatchManager:
         victims = [v.ref for v in found[0][:1]]
         for victim in victims:
             victim.preempt = True
+            self._promised[victim] = job
             self.flex_preemptions += 1
             logger.info("flex: job %s pauses job %s on chain %d (predicted last token in %.2f s)", job.job_id,
                         victim.job.job_id, victim.index, found[1].total_s)
         return victims
+
+    def _settle_promises(self) -> None:
+        """``--schedule flex``: one job marked to pause per deadline job still waiting for the slot it frees. A job
+        that no longer waits (it started on a slot freed otherwise, or left the queue) hands its promise to a job
+        whose promised slot another took (:attr:`_owed`), else the promise is taken back: the marked job runs on
+        and its pause is not counted. (Left marked, it paused for nobody, and the marked slot counted as free for
+        the next deadline job.)"""
+        self._owed = [j for j in self._owed if j in self._waiters]
+        for victim, job in list(self._promised.items()):
+            if victim.released or not victim.preempt:  # taken back already (the deadline job refused after all)
+                del self._promised[victim]
+            elif job in self._waiters:
+                continue
+            elif self._owed:
+                self._promised[victim] = self._owed.pop(0)
+            else:
+                del self._promised[victim]
+                victim.preempt = False
+                self.flex_preemptions -= 1
+                logger.info("flex: job %s no longer waits for the slot of job %s on chain %d: that one runs on",
+                            job.job_id, victim.job.job_id, victim.index)
 
     def waiting_jobs(self) -> list[DispatchJob]:
         """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane)."""

@@ -425,7 +425,8 @@ class ChainHolder:
                 continue
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
-            if self.priority is not None and self.lease is not None:
+            if self.lease is not None and hasattr(self.orch.dispatch, "charge"):  # routed dispatch: no central queue
+                # every schedule's deadline predictions learn the chain's steps from it (DispatchManager.charge)
                 # a step's time tells an iteration's (mlfq) only for a plain decode or prefill: not a speculative
                 # verify nor prompt scoring (every position wanted), nor a step that failed over
                 plain = not all_positions and self.failovers == failovers

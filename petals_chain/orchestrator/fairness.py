@@ -14,7 +14,7 @@ from typing import Any, Hashable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from petals_chain.algorithms.fairness import FairPolicy, FairRequest, ServiceMeter
+from petals_chain.algorithms.fairness import CLIENT_FAIR_POLICIES, FairPolicy, FairRequest, ServiceMeter
 
 FAIRNESS_WINDOW_S = 60.0  # window of the per-client service rates and Jain's index
 FAIRNESS_SAMPLE_S = 1.0  # period of the samples of which clients are backlogged (Jain's index)
@@ -23,8 +23,10 @@ FAIRNESS_SAMPLE_S = 1.0  # period of the samples of which clients are backlogged
 class ClientShares:
     """The fairness policy and per-client accounting of one orchestrator."""
 
-    def __init__(self, policy: FairPolicy, registry: Any = None, window_s: float = FAIRNESS_WINDOW_S):
+    def __init__(self, policy: FairPolicy, registry: Any = None, window_s: float = FAIRNESS_WINDOW_S,
+                 keyed: bool = False):
         self.policy = policy
+        self.keyed = keyed  # clients are told apart by API keys (else every request is one client, anonymous)
         self.meter = ServiceMeter(window_s)
         # client -> [jobs started, total wait s, max wait s, jobs that left the queue unstarted]
         self.waits: dict[str, list[float]] = {}
@@ -42,6 +44,12 @@ class ClientShares:
     def central(self) -> bool:
         """The discipline replaces JFFC's FIFO (every policy but ``fcfs``, which keeps the paper's queue)."""
         return self.policy.name != "fcfs"
+
+    @property
+    def keeps_places(self) -> bool:
+        """A bounded queue keeps its last places for clients with nothing waiting (``dispatch.QUEUE_SHARE_ALPHA``):
+        under a client-fair policy, with clients told apart."""
+        return self.keyed and self.policy.name in CLIENT_FAIR_POLICIES
 
     def describe(self, job: Any) -> FairRequest:
         """The policy's view of a dispatch job (``client``, ``input_tokens``, ``matched``, ``expected_output``; a

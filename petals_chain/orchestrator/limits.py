@@ -302,10 +302,11 @@ class AdmissionLimits:
         # Cheap early refusal (before the body is read); the exact bound is the dispatcher's (QueueFull).
         queue = int(getattr(self.orch.dispatch, "queue_length", 0))
         full = self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue
-        # a client-fair queue keeps places for a client with nothing in flight (dispatch.QueueShareFull): the count
-        # here includes other clients' undecided requests, so its own first request goes on to the exact decision
-        fair = bool(getattr(getattr(self.orch.dispatch, "shares", None), "central", False))
-        if fair and mine == 0 and queue < self.limits.max_queue:
+        # a queue that keeps places for clients with nothing waiting (dispatch.QueueShareFull): the count here includes
+        # other clients' undecided requests, so such a client's request goes on to the dispatcher's exact decision
+        dispatch = self.orch.dispatch
+        if (full and queue < self.limits.max_queue and getattr(dispatch, "keeps_places", False)
+                and dispatch.waiting_of(client) == 0):
             full = False
         if full and not forwardable(self.orch, Headers(scope=scope)):  # another orchestrator's group may take it
             return await self._reject(send, 429, "queue_full",

@@ -289,7 +289,8 @@ class ModelPlacer:
         ``index`` is (a join waits for no simulation; the next re-placement uses the configured index)."""
         volunteers, models, fixed = self.snapshot(records, now)
         live = {v.name for v in volunteers}
-        known = {p: m for p, m in self.placement.items() if p in live}
+        # a server kept on a model it cannot load (it failed every one it offers) serves none: not counted
+        known = {p: m for p, m in self.placement.items() if p in live and not self._failing(p)}
         for peer in new:
             held = self._holding(peer, records)
             if held is not None:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
 
 def one_line(text: object) -> str:
-    """A peer's free text as one line of printable characters (it is logged and shown: a hostile one forged log
-    lines)."""
-    return _CONTROL.sub(" ", str(text))
+    """A peer's free text as one line of printable characters, each other one a space (it is logged and shown: a
+    hostile one forged log lines; line and paragraph separators, bidi overrides and zero-width characters included)."""
+    return "".join(c if c.isprintable() else " " for c in str(text))
 
 
 def log_level(parser: argparse.ArgumentParser, name: str) -> int:
