@@ -460,5 +460,12 @@ def test_a_generation_longer_than_the_timeout_is_a_timeout_and_a_hung_orchestrat
     calls.clear()
     c = _client([hung, good])
     assert c.complete("x").text == "hello" and c.url == "http://orch1"
+    calls.clear()
+    # a proxy in front of a dead orchestrator answers /healthz with a 502: not up either
+    c = _client([lambda r: httpx.Response(502) if r.url.path == "/healthz" else hung(r), good])
+    assert c.complete("x").text == "hello" and c.url == "http://orch1"
+    calls.clear()
+    c = _client([hung, good])
+    assert c.complete("x").text == "hello" and c.url == "http://orch1"
     assert calls == [("hung", "POST", "/v1/completions"), ("hung", "GET", "/healthz"),
                      ("good", "POST", "/v1/completions")]

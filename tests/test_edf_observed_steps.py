@@ -175,3 +175,33 @@ def test_the_time_a_job_holds_its_slot_besides_its_steps_slows_the_queue():
         dm.release(lease)
 
     asyncio.run(main())
+
+
+def test_a_gap_between_two_steps_is_not_learnt_as_a_step_nor_a_fallback_as_faster():
+    """A session turn cut outside its steps kept its chain; the retry's first step came the whole gap after the last
+    one, and the chain's step at one job was learnt as that gap (one 0.6 s gap: 0.011 -> 0.097 s, every 1 s deadline
+    then refused; found by review). A period is now taken at most at 4x the step known. And a fitted line that falls
+    to 0 or below at an occupancy no longer returns the plan unclamped (faster with more jobs)."""
+    from petals_chain.algorithms.edf import StepTimes
+    from petals_chain.orchestrator.dispatch import GAP_FACTOR
+
+    async def main():
+        dm = DispatchManager(schedule="edf", steps_per_job=lambda: 17.0)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=0.34, capacity=1, spans=((0, 4),))])
+        lease = await dm.acquire(DispatchJob("s", expected_output=16))
+        for _ in range(12):
+            await asyncio.sleep(0.01)
+            dm.charge(lease, 0.01, 1)
+        before = dm.step_times.step_s(lease.chain_id, 1, 0.02)
+        await asyncio.sleep(0.6)
+        dm.charge(lease, 0.01, 1)
+        after = dm.step_times.step_s(lease.chain_id, 1, 0.02)
+        dm.release(lease)
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert after <= before + (GAP_FACTOR - 1) * before * 0.5 + 1e-9, (before, after)  # one sample, EWMA weight <= 1/2
+    st = StepTimes(min_samples=1)
+    st.observe("c", 2, 0.05)
+    st.observe("c", 3, 0.20)
+    assert st.step_s("c", 1, 0.5) <= st.step_s("c", 2, 0.5) <= st.step_s("c", 3, 0.5)

@@ -100,3 +100,52 @@ def test_a_pause_is_taken_back_when_its_deadline_job_leaves_the_queue():
             dm.release(lease)
 
     asyncio.run(main())
+
+
+def _one_slot(name: str) -> Chain:
+    return Chain(servers=(name,), blocks=(4,), service_time=1.7, capacity=1, spans=((0, 4),))
+
+
+def test_a_promise_is_taken_back_when_its_job_is_cancelled_before_the_victims_next_step():
+    """The victim runs alone on its chain; its own step's charge came before the deadline job arrived, and the deadline
+    job's client went during the victim's sampling: nothing settled the promise before the victim's next step, which
+    paused it for nobody (found by review)."""
+    async def main():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 17.0)
+        dm.set_chains([_one_slot("a")])
+        victim = await dm.acquire(DispatchJob("v", expected_output=200))
+        dm.charge(victim, 0.1, 1)
+        urgent = asyncio.ensure_future(dm.acquire(_urgent("d")))
+        await asyncio.sleep(0)
+        assert victim.preempt and dm.flex_preemptions == 1
+        urgent.cancel()
+        await asyncio.gather(urgent, return_exceptions=True)
+        assert not victim.preempt and dm.flex_preemptions == 0
+
+    asyncio.run(main())
+
+
+def test_a_promise_on_a_chain_a_re_plan_dropped_is_taken_back():
+    """The victim's chain left the plan: its pause would free a slot no dispatcher of the new plan sees (found by
+    review): it runs on, its pause not counted, and the deadline job waits as one owed a slot."""
+    async def main():
+        dm = DispatchManager(schedule="flex", steps_per_job=lambda: 17.0)
+        a, b = _one_slot("a"), _one_slot("b")
+        dm.set_chains([a, b])
+        victim = await dm.acquire(DispatchJob("v", expected_output=200))
+        w = await dm.acquire(DispatchJob("w", deadline=RequestDeadline.from_ms("x", 60_000, None),
+                                         output_tokens=16, expected_output=16))
+        assert (victim.index, w.index) == (0, 1)
+        urgent = asyncio.ensure_future(dm.acquire(_urgent("d")))
+        await asyncio.sleep(0)
+        assert victim.preempt
+        dm.set_chains([b])
+        assert victim.generation != dm.generation
+        assert not victim.preempt and dm.flex_preemptions == 0 and dm._owed == [urgent_job(dm, "d")]
+        urgent.cancel()
+        await asyncio.gather(urgent, return_exceptions=True)
+
+    def urgent_job(dm, name):
+        return next(j for j in dm._waiters if j.job_id == name)
+
+    asyncio.run(main())

@@ -160,9 +160,10 @@ class StepTimes:
         ms = sum(s for _, s in seen) / len(seen)
         slope = max(0.0, sum((n - mn) * (s - ms) for n, s in seen) / sum((n - mn) ** 2 for n, _ in seen))
         line = ms + slope * (jobs - mn)
+        if line <= 0:
+            line = planned
         line = min([line, *(s for n, s in seen if n > jobs)])
-        line = max([line, *(s for n, s in seen if n < jobs)])  # last: never faster than with fewer jobs
-        return line if line > 0 else planned
+        return max([line, *(s for n, s in seen if n < jobs)])  # last: never faster than with fewer jobs
 
 
 @dataclass(frozen=True)

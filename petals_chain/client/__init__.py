@@ -217,8 +217,8 @@ class Client:
                     # the next one it would wait as long there, and again at each; it was cancelled here as the
                     # connection closed. One that does not answer at all is another matter: the next is tried
                     raise ClientError(504, f"{self.urls[i]} is up but sent no answer within the client's timeout "
-                                      f"({self._https[i].timeout.read} s) and cancelled the request; give a longer "
-                                      "timeout= for long or queued generations", "timeout") from e
+                                      f"({self._https[i].timeout.read} s); give a longer timeout= for long or queued "
+                                      "generations", "timeout") from e
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
                 last = None
                 if not resend and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
@@ -237,12 +237,14 @@ class Client:
         raise _unavailable(failures)
 
     def _answers(self, i: int) -> bool:
-        """Orchestrator ``i`` answers ``GET /healthz`` (any status) within a few seconds: it is up, not hung."""
+        """Orchestrator ``i`` answers ``GET /healthz`` within a few seconds: it is up, not hung (its own 503, "no chain
+        yet", counts as up; a proxy's 502 or 504 for it does not)."""
         try:
-            self._https[i].get("/healthz", timeout=min(HEALTH_PROBE_S, self._https[i].timeout.read or HEALTH_PROBE_S))
+            wait = min(HEALTH_PROBE_S, self._https[i].timeout.read or HEALTH_PROBE_S)
+            r = self._https[i].get("/healthz", timeout=wait)
         except httpx.TransportError:
             return False
-        return True
+        return r.status_code < 500 or r.status_code == 503
 
     # ---- info ----
     @property

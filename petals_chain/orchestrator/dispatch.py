@@ -7,10 +7,14 @@ planner publishes a new one without losing a queued or running job.
 The queue bound (``--max-queue``) is enforced here, where jobs are queued: a new job that cannot start
 at once enters the queue only if the queue stays within the bound, else ``acquire`` raises
 :class:`QueueFull` (HTTP 429). The check and the enqueue happen in one synchronous step of the event loop,
-so ``queue_length <= max_queue`` holds at every instant. Jobs that already held a chain (failover, a
-session's later turn, a job retrying after a refused open) are never refused: they wait in a separate
+so ``queue_length <= max_queue`` holds at every instant for new jobs. Jobs that already held a chain (failover,
+a session's later turn, a job retrying after a refused open) are never refused: they wait in a separate
 re-queue lane (``requeued``), served before the queue and not counted in ``queue_length``; the lane holds
-only jobs admitted earlier, so it does not grow with the offered load.
+only jobs admitted earlier, so it does not grow with the offered load. The later choices of a request of
+several (``n`` > 1) come after its first's prefill and are never refused either: they queue. Its first choice
+is admitted only if the places the free slots cannot start fit then (:meth:`_check_room`), but those places
+are not held meanwhile and each prompt of a multi-prompt request is checked alone, so such requests can take
+the queue past its bound for a while (``queue_max`` shows it).
 """
 
 from __future__ import annotations
@@ -193,6 +197,9 @@ class QueueShareFull(QueueFull):
 # always finds room (one sender alone: 80 % of --max-queue), where a plain bound let a few heavy clients fill it and
 # refuse everyone else
 QUEUE_SHARE_ALPHA = 4.0
+
+# a decode step's observed period is taken at most at this many times the step already known (see _observe_step)
+GAP_FACTOR = 4.0
 
 
 class DeadlineUnreachable(Exception):
@@ -492,6 +499,8 @@ class DispatchManager:
             for job in queued:
                 # No bound check: each re-arriving job queues at most once, so the queue cannot grow here.
                 self._arrive(job)
+        if self._promised:  # a job marked to pause on a chain this plan dropped frees no slot of it
+            self._settle_promises()
         self._note_queue()
         logger.info("dispatch generation %d: %d chains, %d running, %d queued, %d re-queued", self.generation,
                     len(chains), len(self._running), self.queue_length, len(self._lane))
@@ -732,6 +741,8 @@ class DispatchManager:
                 self.release(lease)
             elif self.dispatcher is not None:
                 self.dispatcher.remove_job(job)
+            if self._promised:  # a job marked to pause for this one runs on (its next step may come first)
+                self._settle_promises()
             raise
 
     def release(self, lease: Lease) -> None:
@@ -926,7 +937,12 @@ class DispatchManager:
         idle = sum(1 for other in self._running.values()
                    if other.job.idle and other.index == k and other.generation == self.generation)
         period = step_s if prev is None or prev < lease.started else max(step_s, now - prev)
-        self.step_times.observe(self.chain_ids[k], self.active(k) - idle, period)
+        jobs, cid = self.active(k) - idle, self.chain_ids[k]
+        # a gap between two steps that is no step (a session turn cut outside its steps, then retried: the time
+        # between turns) is taken at GAP_FACTOR x the step known at most: a chain that really slowed is still learnt
+        # within a few steps, a gap of minutes no longer refuses every deadline job on the chain
+        known = self.step_times.step_s(cid, jobs, self.chains[k].service_time / max(1.0, float(self.steps_per_job())))
+        self.step_times.observe(cid, jobs, min(period, GAP_FACTOR * known))
 
     def _job_overhead(self, lease: Lease) -> None:
         """``lease`` is released: learn how long its job held the slot besides its steps (opening the chain before
@@ -937,7 +953,10 @@ class DispatchManager:
                 or not 0 <= lease.index < len(self.chain_ids)):
             return
         held = time.monotonic() - lease.started
-        self.step_times.observe_overhead(self.chain_ids[lease.index], held - (span[1] - span[0]))
+        steps = span[1] - span[0]
+        # at most as long as its steps (or 2 s): a session reaped after a turn cut outside its steps held the slot
+        # idle for minutes, which is no cost of opening or closing a chain
+        self.step_times.observe_overhead(self.chain_ids[lease.index], min(held - steps, max(2 * steps, 2.0)))
 
     def _loads(self, job: DispatchJob) -> tuple[list[ChainLoad], int]:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before
@@ -1040,6 +1059,12 @@ class DispatchManager:
         for victim, job in list(self._promised.items()):
             if victim.released or not victim.preempt:  # taken back already (the deadline job refused after all)
                 del self._promised[victim]
+            elif victim.generation != self.generation:  # its chain was re-planned away: its pause frees nothing here
+                del self._promised[victim]
+                victim.preempt = False
+                self.flex_preemptions -= 1
+                if job in self._waiters:
+                    self._owed.append(job)
             elif job in self._waiters:
                 continue
             elif self._owed:

@@ -154,6 +154,11 @@ class SessionMixin:
                 holder.completed = True
                 await holder.release_chain()
             except BaseException:
+                lease = holder.lease
+                if holder.cs is not None and lease is not None and not lease.released:
+                    # the chain stays held until the next turn, as between two turns: its time until then is no step
+                    # of the chain's and no slot a pause could free (the next turn starts the lease's clock again)
+                    lease.job.idle = True
                 self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=len(generated),
                                   prompt_tokens=prompt_tokens, ok=False, served=holder.admitted)
                 deadline = DEADLINE.get()
