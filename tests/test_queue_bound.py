@@ -161,3 +161,53 @@ def test_requeued_jobs_go_first_and_are_never_refused():
         assert dm.running == dm.queue_length == dm.requeued == 0 and dm.queue_max == 1 and dm.refused == 2
 
     asyncio.run(main())
+
+
+def test_later_choices_that_find_the_queue_at_its_bound_wait_in_the_lane():
+    """A request's later choices (``n`` > 1, after its first's prefill) are never refused: when others took the places
+    counted at its first's admission, or another prompt of the request took the free slots, they queued past
+    ``--max-queue`` (found by review). They wait in the re-queue lane instead, and start before the queue."""
+    import asyncio
+
+    from petals_chain.model import Chain
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
+
+    async def main():
+        dm = DispatchManager(max_queue=4)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=0.34, capacity=1, spans=((0, 4),))])
+        busy = await dm.acquire(DispatchJob("busy"))
+        first = asyncio.ensure_future(dm.acquire(DispatchJob("h.0", client="heavy", siblings=3)))
+        await asyncio.sleep(0)
+        others = [asyncio.ensure_future(dm.acquire(DispatchJob(f"l{i}", client="light"))) for i in range(3)]
+        await asyncio.sleep(0)
+        assert dm.queue_length == 4 and not any(t.done() for t in others)
+        dm.release(busy)
+        await asyncio.sleep(0)
+        lease = first.result()
+        later = [asyncio.ensure_future(dm.acquire(DispatchJob(f"h.{i}", client="heavy", checked=True)))
+                 for i in (1, 2, 3)]
+        await asyncio.sleep(0)
+        assert dm.queue_length == 4 and dm.queue_max <= 4 and dm.requeued == 2  # one queued, two in the lane
+        dm.release(lease)
+        await asyncio.sleep(0)
+        assert later[1].done() and not any(t.done() for t in others)  # the lane goes first
+        for t in later + others:
+            t.cancel()
+        await asyncio.gather(*later, *others, return_exceptions=True)
+
+    asyncio.run(main())
+
+    async def two_prompts():  # prompt = [p1, p2], n = 4 on four free slots, --max-queue 2
+        dm = DispatchManager(max_queue=2)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=0.34, capacity=4, spans=((0, 4),))])
+        for p in ("p1", "p2"):
+            await dm.acquire(DispatchJob(f"{p}.0", client="k", siblings=3))
+        later = [asyncio.ensure_future(dm.acquire(DispatchJob(f"{p}.{i}", client="k", checked=True)))
+                 for p in ("p1", "p2") for i in (1, 2, 3)]
+        await asyncio.sleep(0)
+        assert dm.queue_max <= dm.max_queue and dm.queue_length + dm.requeued == 4
+        for t in later:
+            t.cancel()
+        await asyncio.gather(*later, return_exceptions=True)
+
+    asyncio.run(two_prompts())
