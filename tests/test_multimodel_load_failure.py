@@ -263,15 +263,7 @@ def test_a_server_kept_on_a_model_it_cannot_load_does_not_count_as_serving_it_fo
         st, nm = p.assignment[peer]
         sw.announce(peer, BOTH, name, failed_span=[st, nm], load_error="out of memory", epoch=p.epoch)
 
-    sw = Swarm()
-    sw.announce("F", ["alpha"], "alpha")
-    sw.step()
-    sw.load("F", ["alpha"], "alpha")
-    sw.announce("S", BOTH, "alpha")
-    sw.step()
-    assert sw.placed("S") == "beta"
-    sw.announce("S", BOTH, "beta")
-    sw.step()
+    sw = s_on_beta_with_a_span()
     fail(sw, "S", "beta")
     sw.step()
     assert sw.placed("S") == "alpha"
