@@ -7,14 +7,14 @@ planner publishes a new one without losing a queued or running job.
 The queue bound (``--max-queue``) is enforced here, where jobs are queued: a new job that cannot start
 at once enters the queue only if the queue stays within the bound, else ``acquire`` raises
 :class:`QueueFull` (HTTP 429). The check and the enqueue happen in one synchronous step of the event loop,
-so ``queue_length <= max_queue`` holds at every instant. Jobs that already held a chain (failover, a
-session's later turn, a job retrying after a refused open) are never refused: they wait in a separate
+so ``queue_length <= max_queue`` holds at every instant for new jobs. Jobs that already held a chain (failover,
+a session's later turn, a job retrying after a refused open) are never refused: they wait in a separate
 re-queue lane (``requeued``), served before the queue and not counted in ``queue_length``; the lane holds
 only jobs admitted earlier, so it does not grow with the offered load. The later choices of a request of
-several (``n`` > 1) come after its first's prefill and are never refused either: its first choice is admitted
-only if the places the free slots cannot start fit then (:meth:`_check_room`), and a later choice that finds
-the queue at its bound all the same (others took the places meanwhile, or another prompt of the request did)
-waits in the lane.
+several (``n`` > 1) come after its first's prefill and are never refused either: they queue. Its first choice
+is admitted only if the places the free slots cannot start fit then (:meth:`_check_room`), but those places
+are not held meanwhile and each prompt of a multi-prompt request is checked alone, so such requests can take
+the queue past its bound for a while (``queue_max`` shows it).
 """
 
 from __future__ import annotations
@@ -539,8 +539,6 @@ class DispatchManager:
         if self.dispatcher is None:
             if bounded and self.max_queue is not None and len(self._pending) >= self.max_queue:
                 raise QueueFull(self.max_queue)
-            if self._beyond_bound(job, len(self._pending) + 1):
-                return
             self._pending.append(job)
             if bounded and self.keeps_places:
                 self._check_share(job)
@@ -558,18 +556,6 @@ class DispatchManager:
             raise QueueFull(self.max_queue)
         elif bounded and self.keeps_places:
             self._check_share(job)
-        elif self._beyond_bound(job, self.queue_length):
-            self.dispatcher.remove_job(job)
-
-    def _beyond_bound(self, job: DispatchJob, queued: int) -> bool:
-        """A later choice of an admitted request (never refused) that would take the queue past its bound waits in the
-        re-queue lane instead, as a job admitted earlier: True if it was put there."""
-        if not job.checked or self.max_queue is None or queued <= self.max_queue:
-            return False
-        self._lane.append(job)
-        if self.priorities is not None:
-            self._lane.sort(key=self._priority)
-        return True
 
     @property
     def keeps_places(self) -> bool:
