@@ -952,11 +952,9 @@ class DispatchManager:
         if (span is None or span[0] < lease.started or lease.job.idle or lease.generation != self.generation
                 or not 0 <= lease.index < len(self.chain_ids)):
             return
+        # (a session's turn cut between two steps gives its chain back at once, or holds it marked idle: sessions.py)
         held = time.monotonic() - lease.started
-        steps = span[1] - span[0]
-        # at most as long as its steps (or 2 s): a session reaped after a turn cut outside its steps held the slot
-        # idle for minutes, which is no cost of opening or closing a chain
-        self.step_times.observe_overhead(self.chain_ids[lease.index], min(held - steps, max(2 * steps, 2.0)))
+        self.step_times.observe_overhead(self.chain_ids[lease.index], held - (span[1] - span[0]))
 
     def _loads(self, job: DispatchJob) -> tuple[list[ChainLoad], int]:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before

@@ -154,11 +154,15 @@ class SessionMixin:
                 holder.completed = True
                 await holder.release_chain()
             except BaseException:
-                lease = holder.lease
-                if holder.cs is not None and lease is not None and not lease.released:
-                    # the chain stays held until the next turn, as between two turns: its time until then is no step
-                    # of the chain's and no slot a pause could free (the next turn starts the lease's clock again)
-                    lease.job.idle = True
+                # Between two turns whatever ended this one (the client gone while sampling, a failure): the chain
+                # goes back to the pool as after a completed turn (a slot held for the reaper's 300 s otherwise; a
+                # job marked to pause for a deadline job paused for it), or stays held marked idle (no steps, no
+                # slot a pause could free: the step times learnt the gap until the next turn). Shielded: a second
+                # cancellation does not stop it half way; still under the session's lock, before its next turn
+                try:
+                    await asyncio.shield(holder.release_chain())
+                except BaseException as e:  # noqa: BLE001 - the turn's own error is what the caller gets
+                    logger.debug("session %s: giving its chain back after a failed turn: %r", s.id, e)
                 self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=len(generated),
                                   prompt_tokens=prompt_tokens, ok=False, served=holder.admitted)
                 deadline = DEADLINE.get()
