@@ -154,11 +154,12 @@ class SessionMixin:
                 holder.completed = True
                 await holder.release_chain()
             except BaseException:
-                # Between two turns whatever ended this one (the client gone while sampling, a failure): the chain
-                # goes back to the pool as after a completed turn (a slot held for the reaper's 300 s otherwise; a
-                # job marked to pause for a deadline job paused for it), or stays held marked idle (no steps, no
-                # slot a pause could free: the step times learnt the gap until the next turn). Shielded: a second
-                # cancellation does not stop it half way; still under the session's lock, before its next turn
+                # Between two turns, whatever ended this one (the client gone while sampling, a failure): the chain
+                # goes back to the pool as after a completed turn (else its slot stayed held until the reaper, 300 s,
+                # and one marked to pause kept the slot it promised a deadline job), or stays held marked idle (no
+                # steps, no slot a pause could free; else the deadline predictions learnt the gap until the next
+                # turn as a step). Shielded: a second cancellation does not stop it half way; under the session's
+                # lock, so before its next turn
                 try:
                     await asyncio.shield(holder.release_chain())
                 except BaseException as e:  # noqa: BLE001 - the turn's own error is what the caller gets

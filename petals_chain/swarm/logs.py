@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
+
 def one_line(text: object) -> str:
     """A peer's free text as one line of printable characters, each other one a space (it is logged and shown: a
-    hostile one forged log lines; line and paragraph separators, bidi overrides and zero-width characters included)."""
+    hostile one forged log lines; line and paragraph separators, bidi overrides and zero-width characters too)."""
     return "".join(c if c.isprintable() else " " for c in str(text))
 
 
