@@ -80,14 +80,18 @@ def test_every_model_by_name_or_prefix_and_unknown_ones_404_as_on_the_orchestrat
 @pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))
 def test_page_shows_the_model_asked_and_links_the_others(dashboards):
     _, urls, _ = dashboards
+    from playwright.sync_api import expect
+
     with chromium_page() as (page, errors):
         page.goto(f"{urls['found']}/?model=beta&refresh=1")
         page.wait_for_selector("#models-nav .model-link.current", timeout=20_000)
         assert page.locator("#models-nav .model-link.current").get_attribute("data-model") == "beta"
-        page.wait_for_function("document.getElementById('model-name').textContent === 'beta'", timeout=20_000)
+        # a locator's wait, not a string predicate: polling one is an eval, which the page's CSP refuses
+        expect(page.locator("#model-name")).to_have_text("beta", timeout=20_000)
         page.wait_for_selector("#servers-table tbody tr[data-peer-id] .server-name:text-is('b0')", timeout=20_000)
         page.locator("#models-nav a.model-link[data-model='alpha']").click()  # the user's way to the other model
-        page.wait_for_function("document.getElementById('model-name').textContent === 'alpha'", timeout=20_000)
+        # a locator's wait, not a string predicate: polling one is an eval, which the page's CSP refuses
+        expect(page.locator("#model-name")).to_have_text("alpha", timeout=20_000)
         assert page.locator("#models-nav .model-link.current").get_attribute("data-model") == "alpha"
         page.wait_for_selector("#servers-table tbody tr[data-peer-id] .server-name:text-is('a0')", timeout=20_000)
         assert page.locator("#servers-table tbody tr[data-peer-id] .server-name:text-is('b0')").count() == 0

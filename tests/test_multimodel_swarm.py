@@ -94,10 +94,13 @@ def test_unknown_models_sessions_and_views(two_models):
 @pytest.mark.skipif(browser_skip_reason() is not None, reason=str(browser_skip_reason()))
 def test_dashboard_links_the_models(two_models):
     sw, _ = two_models
+    from playwright.sync_api import expect
+
     with chromium_page() as (page, errors):
         page.goto(f"{sw.url}/?model=beta")
         page.wait_for_selector("#models-nav .model-link.current", timeout=20_000)
         assert page.locator("#models-nav .model-link.current").get_attribute("data-model") == "beta"
         assert page.locator("#models-nav a.model-link").get_attribute("data-model") == "alpha"
-        page.wait_for_function("document.getElementById('model-name').textContent === 'beta'", timeout=20_000)
+        # a locator's wait, not a string predicate: polling one is an eval, which the page's CSP refuses
+        expect(page.locator("#model-name")).to_have_text("beta", timeout=20_000)
         assert errors == []
