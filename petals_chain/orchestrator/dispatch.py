@@ -584,15 +584,22 @@ class DispatchManager:
                                             f"{self.max_queue}) has no room for this request's {1 + job.siblings} "
                                             "choices; retry later, or ask for fewer choices")
         mine = self.waiting_of(job.client)
-        if self.keeps_places and mine + need - 1 >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - need):
+        if self.keeps_places and self._over_share(mine, queued, need):
             raise QueueShareFull(self.max_queue, mine, queued, need, 1 + job.siblings)
+
+    def _over_share(self, mine: int, queued: int, need: int = 1) -> bool:
+        """The share rule (:data:`QUEUE_SHARE_ALPHA`): a client with ``mine`` jobs waiting of ``queued`` asks for
+        ``need`` more places; refused if, at its last one, it would hold at least ALPHA x the places left free after
+        it. A client with nothing waiting asking for one place is never refused by it."""
+        held = mine + need - 1
+        return held > 0 and held >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - need)
 
     def _check_share(self, job: DispatchJob) -> None:
         """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client already holds its
         share of the free places (:data:`QUEUE_SHARE_ALPHA`); undone in the same step, like the bound."""
         queued = self.queue_length - 1  # before this job
         mine = self.waiting_of(job.client) - 1
-        if mine and mine >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - 1):
+        if self._over_share(mine, queued):
             if self.dispatcher is None:
                 self._pending.remove(job)
             else:
@@ -934,15 +941,26 @@ class DispatchManager:
         k = lease.index
         if not 0 <= k < len(self.chains):
             return
-        idle = sum(1 for other in self._running.values()
-                   if other.job.idle and other.index == k and other.generation == self.generation)
         period = step_s if prev is None or prev < lease.started else max(step_s, now - prev)
-        jobs, cid = self.active(k) - idle, self.chain_ids[k]
+        jobs, cid = self.active(k) - self._idle_by_chain().get(k, 0), self.chain_ids[k]
         # a gap between two steps that is no step (a session turn cut outside its steps, then retried: the time
         # between turns) is taken at GAP_FACTOR x the step known at most: a chain that really slowed is still learnt
         # within a few steps, a gap of minutes no longer refuses every deadline job on the chain
-        known = self.step_times.step_s(cid, jobs, self.chains[k].service_time / max(1.0, float(self.steps_per_job())))
+        known = self.step_times.step_s(cid, jobs, self.chains[k].service_time / self._steps_per_job())
         self.step_times.observe(cid, jobs, min(period, GAP_FACTOR * known))
+
+    def _steps_per_job(self) -> float:
+        """The planner's steps per job (at least 1): a chain's planned step is ``T_k`` over it."""
+        return max(1.0, float(self.steps_per_job()))
+
+    def _idle_by_chain(self) -> dict[int, int]:
+        """Chain index -> sessions of the current plan holding a slot there between turns (not stepping: a slot
+        freed at no known time)."""
+        idle: dict[int, int] = {}
+        for lease in self._running.values():
+            if lease.job.idle and lease.generation == self.generation:
+                idle[lease.index] = idle.get(lease.index, 0) + 1
+        return idle
 
     def _job_overhead(self, lease: Lease) -> None:
         """``lease`` is released: learn how long its job held the slot besides its steps (opening the chain before
@@ -960,12 +978,8 @@ class DispatchManager:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before
         ``job``: the re-queue lane and, in the queue, every job (``fcfs``) or those with an earlier or equal deadline
         (``edf``, ``flex``)."""
-        spj = max(1.0, float(self.steps_per_job()))
-        # a session holding its chain between turns frees its slot at no known time: the slot is not there
-        idle: dict[int, int] = {}
-        for lease in self._running.values():
-            if lease.job.idle and lease.generation == self.generation:
-                idle[lease.index] = idle.get(lease.index, 0) + 1
+        spj = self._steps_per_job()
+        idle = self._idle_by_chain()
         chains = [self._chain_load(k, ch, spj, idle.get(k, 0)) for k, ch in enumerate(self.chains)]
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
