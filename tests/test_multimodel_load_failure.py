@@ -65,6 +65,7 @@ def test_a_server_that_cannot_load_a_models_span_is_moved_to_a_model_it_can_load
         row = next(x for x in state["servers"] if x["peer_id"] == peer)
         assert row["num_blocks"] == 4 and row["load_error"] == "" and row["failed_span"] is None, row
         assert row["failed_models"]["beta"]["failed_span"] == [0, 2], row  # what it cannot serve, on its row
+        assert row["failed_models"]["beta"]["reason"] == "reported", row  # by its record, not its load deadline
         assert sw.client().complete(PROMPT, max_tokens=6).token_ids == hf_greedy_from(alpha, PROMPT, 6)
         placement = sw.swarm()["model_placement"]
         assert [m["to"] for m in placement["recent"] if m["server"] == peer] == ["beta", "alpha"], placement["recent"]

@@ -220,7 +220,8 @@ class ModelRouter:
         failures = getattr(self.placer, "load_failures", None) or {}
         for row in state.get("servers", []):
             if by := failures.get(row.get("peer_id")):
-                row["failed_models"] = {m: {"failed_span": f["failed_span"], "load_error": f["load_error"]}
+                row["failed_models"] = {m: {"failed_span": f["failed_span"], "load_error": f["load_error"],
+                                            "reason": f.get("reason", "reported")}
                                         for m, f in by.items()}
         await _json(send, 200, state)
 

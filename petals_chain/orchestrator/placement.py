@@ -18,10 +18,12 @@ simulator (``algorithms/multimodel.py``):
 * a server that leaves keeps its placement for ``forget_s``: restarted with the same identity it serves the model
   it held (no needless reload of another);
 * a server whose record says it cannot load the span its model's planner assigned it (``failed_span``,
-  ``load_error``, announced at or after the epoch that gave the span: ``Planner.reported_load_failure``) is moved
-  at once to another model it offers and not placed on that model again while the failure stands: until it leaves
-  (a restart loads afresh), or, while still placed on the model (every other one failed too), its record stops
-  saying so (it loaded the blocks, or was given others). Its move made the server forget the failure (it concerned
+  ``load_error``, announced at or after the epoch that gave the span: ``Planner.reported_load_failure``), or that
+  is not online with it by the planner's ``--load-deadline-s`` (``reason`` "overdue"), is moved at once to another
+  model it offers and not placed on that model again while the failure stands: until it leaves or restarts (a
+  restart loads afresh; told by a new ``started_at`` in its records, however soon it came back), or, while still
+  placed on the model (every other one failed too), the planner stops saying so (it loaded the blocks, or was
+  given others). Its move made the server forget the failure (it concerned
   the model it left), so the placer keeps it: a re-placement gave the model back, and the load failed again.
 
 Policies (``--model-placement``): ``ui`` (all of the above), ``static`` (re-placed once, for the first traffic
@@ -77,6 +79,11 @@ STRANDED_UI_PER_S = 1e6
 MIN_LN_GAIN = 0.5
 
 
+def _started_at(record: Any) -> float:
+    """When the process that announced ``record`` started (0: unknown, an older server's record, or none)."""
+    return float(getattr(record, "started_at", 0.0) or 0.0)
+
+
 @dataclass
 class History:
     """What the simulated index replays: each model's recent requests (arrivals from the window's start, s),
@@ -128,9 +135,13 @@ class ModelPlacer:
         self.drift = MixDriftDetector(window_s=window_s, threshold=drift_threshold, min_arrivals=min_arrivals)
         self.placement: dict[str, str] = {}  # flexible server peer id -> model name
         self.gone: dict[str, float] = {}  # placed servers not seen since (clock time)
-        # servers that cannot load a model's span, as its planner last read their record: {peer: {model: {failed_span,
-        # load_error, t}}}; never placed on those models while kept (module docstring for when they are forgotten)
+        # servers that cannot load a model's span, as its planner last read their record or its load deadline says:
+        # {peer: {model: {failed_span, load_error, reason, t}}}; never placed on those models while kept (module
+        # docstring for when they are forgotten)
         self.load_failures: dict[str, dict[str, dict[str, Any]]] = {}
+        # each live flexible server's process start as its records announce it (the latest; 0: an older server):
+        # another one is a restart, which forgets its load failures (it may come back before its record expires)
+        self.started_at: dict[str, float] = {}
         self.epoch = 0
         self.planned_at = clock()
         self._stranded_at = -math.inf  # the last re-placement for a model with traffic and no server
@@ -317,17 +328,22 @@ class ModelPlacer:
         return plan.get(peer) or sorted(allowed)[0]
 
     # ---- failed loads -----------------------------------------------------------------------------------
-    def _note_load_failures(self, flexible: dict[str, Any]) -> None:
+    def _note_load_failures(self, flexible: dict[str, Any], records: dict[str, dict[str, Any]]) -> None:
         """Keep what the planner of each flexible server's model says of its failed load there (its record, at or
-        after the epoch that gave it the span), and forget it when the server leaves (a restart loads afresh) or,
-        still placed on the model, its record stops saying so."""
+        after the epoch that gave it the span; or the load deadline, past), and forget it when the server leaves or
+        restarts (it loads afresh; a restart is told by a new ``started_at`` in its records, and what a record of
+        the run before says is not taken) or, still placed on the model, the planner stops saying so."""
         for peer in [p for p in self.load_failures if p not in flexible]:
             logger.info("placement: server %s left: the models it could not load (%s) may be placed on it again",
                         peer[:12], ", ".join(self.load_failures.pop(peer)))
+        for peer in [p for p in self.started_at if p not in flexible]:
+            del self.started_at[peer]
         for peer, rec in flexible.items():
+            by_model = records.get(peer, {})
+            started = self._note_start(peer, rec, by_model)
             name = self.placement.get(peer)
-            if name is None:
-                continue
+            if name is None or _started_at(by_model.get(name)) < started:
+                continue  # its record under that model is still its last run's
             planner = self.orchs[name].planner
             report = getattr(planner, "reported_load_failure", None)
             failure = report(peer) if report is not None else None
@@ -336,7 +352,7 @@ class ModelPlacer:
             if failure is not None:
                 if said is None or (said["failed_span"], said["load_error"]) != (failure["failed_span"],
                                                                                  failure["load_error"]):
-                    self.load_failures.setdefault(peer, {})[name] = {**failure, "t": time.time()}
+                    self.load_failures.setdefault(peer, {})[name] = {"reason": "reported", **failure, "t": time.time()}
             elif said is not None and peer in planner.servers:
                 del failed[name]
                 if not failed:
@@ -344,6 +360,18 @@ class ModelPlacer:
                 logger.info("placement: server %s (%s) no longer reports a failed load of model %s (it loaded its "
                             "blocks, or was given others): it may be placed on it again", rec.public_name,
                             peer[:12], name)
+
+    def _note_start(self, peer: str, rec: Any, by_model: dict[str, Any]) -> float:
+        """The latest process start ``peer``'s records announce; another one than seen before is a restart (an older
+        version's, 0, too): its load failures are forgotten."""
+        started = max((_started_at(r) for r in by_model.values()), default=_started_at(rec))
+        before = self.started_at.get(peer)
+        if before is None or started != before:
+            self.started_at[peer] = started
+            if before is not None and peer in self.load_failures:
+                logger.info("placement: server %s (%s) restarted: the models it could not load (%s) may be placed on "
+                            "it again", rec.public_name, peer[:12], ", ".join(self.load_failures.pop(peer)))
+        return self.started_at[peer]
 
     def _move_off_failed(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float) -> None:
         """Move each server placed on a model it cannot load to another model it offers, at once (not at the next
@@ -356,7 +384,9 @@ class ModelPlacer:
             rec, name = flexible[peer], self.placement[peer]
             failure = self.load_failures[peer][name]
             span = failure["failed_span"]
-            what = (f"cannot load model {name}'s blocks "
+            # overdue: the planner's load deadline passed (a load that hangs, an older server that reports nothing)
+            verb = "is overdue loading" if failure.get("reason") == "overdue" else "cannot load"
+            what = (f"{verb} model {name}'s blocks "
                     f"{f'[{span[0]}, {span[0] + span[1]})' if len(span) == 2 else ''}: "
                     f"{failure['load_error'] or '(no reason given)'}")
             allowed = self.allowed(peer, rec)
@@ -572,7 +602,7 @@ class ModelPlacer:
         new = sorted(p for p in flexible if p not in self.placement)
         if new:
             self._place_new(new, records, now)
-        self._note_load_failures(flexible)
+        self._note_load_failures(flexible, records)
         self._move_off_failed(records, flexible, now)
         # static: one re-placement, for the first traffic seen (the fixed plan), none after
         if flexible and (self.policy == "ui" or (self.policy == "static" and self.estimate is None)):
@@ -608,7 +638,8 @@ class ModelPlacer:
         await run_every(stop, self.refresh_s, self.round, logger, "model placement")
 
     def json(self) -> dict:
-        """For ``/api/v1/swarm``: the policy, interval, placement, recent moves and the models servers cannot load."""
+        """For ``/api/v1/swarm``: the policy, interval, placement, recent moves and the models servers cannot load
+        (``reason``: "reported" by the server's record, or "overdue" past the planner's load deadline)."""
         settle = self.trigger.settle_at if self.policy == "ui" else None  # only ui re-plans after its first plan
         return {"policy": self.policy, "index": self.index, "rule": self.rule, "epoch": self.epoch,
                 "interval_s": round(self.interval.interval, 3),
@@ -616,5 +647,5 @@ class ModelPlacer:
                 "moves": self.moves, "placement": dict(self.placement),
                 "servers_per_model": {n: sum(1 for m in self.placement.values() if m == n) for n in self.orchs},
                 "recent": list(self.log)[-10:], "replans": list(self.replans)[-10:],
-                "load_failures": {p: {m: {k: f[k] for k in ("failed_span", "load_error", "t")} for m, f in by.items()}
-                                  for p, by in self.load_failures.items()}}
+                "load_failures": {p: {m: {k: f[k] for k in ("failed_span", "load_error", "reason", "t")}
+                                      for m, f in by.items()} for p, by in self.load_failures.items()}}

@@ -133,6 +133,21 @@ class Plan:
         return self.lower
 
 
+@dataclass(frozen=True)
+class CappedServerSpec(ServerSpec):
+    """A server whose volunteer caps its KV cache (``--cache-tokens-per-block``): in ``m`` blocks it holds at most
+    ``m * cache_tokens_per_block // max_length`` slots, whatever its memory (``server/memory.py`` ``slots_for``)."""
+
+    cache_tokens_per_block: int = 0
+    max_length: int = 1
+
+    def residual_slots(self, model: ModelSpec, num_blocks: int) -> int:
+        slots = super().residual_slots(model, num_blocks)
+        if self.cache_tokens_per_block <= 0:
+            return slots
+        return min(slots, num_blocks * self.cache_tokens_per_block // max(1, self.max_length))
+
+
 def _total_rate(chains: Sequence[Chain]) -> float:
     """``sum_k c_k mu_k`` (jobs/s): the service rate of ``chains`` when all are busy."""
     return sum(ch.capacity / ch.service_time for ch in chains if ch.service_time > 0)
@@ -370,8 +385,17 @@ class Planner:
         return self.model_spec
 
     def specs(self, views: Sequence[ServerView]) -> list[ServerSpec]:
-        return [ServerSpec(name=v.peer_id, memory=float(v.record.memory_bytes), tau_c=self.tau_c(v), tau_p=self.tau_p(v),
-                           block_limit=int(v.record.max_blocks)) for v in views]
+        """Each server as the algorithms see it; one that announces ``--cache-tokens-per-block`` with its cap on
+        slots (:class:`CappedServerSpec`: else a span it has not loaded yet, such as one of the model the placer just
+        moved it to, was planned with the slots its memory holds, not the fewer it would load)."""
+        out: list[ServerSpec] = []
+        for v in views:
+            fields = dict(name=v.peer_id, memory=float(v.record.memory_bytes), tau_c=self.tau_c(v), tau_p=self.tau_p(v),
+                          block_limit=int(v.record.max_blocks))
+            per_block = int(getattr(v.record, "cache_tokens_per_block", 0) or 0)
+            out.append(CappedServerSpec(**fields, cache_tokens_per_block=per_block, max_length=self.max_length)
+                       if per_block > 0 else ServerSpec(**fields))
+        return out
 
     # ---- planning ------------------------------------------------------------------------------
     def _bounds(self, chains: list[Chain]) -> tuple[float, float]:
@@ -930,13 +954,20 @@ class Planner:
         await run_every(stop, self.refresh_s, self._round, logger, "planner refresh")
 
     def reported_load_failure(self, peer_id: str) -> dict | None:
-        """``{"failed_span", "load_error"}`` while ``peer_id``'s record says it cannot load the span this planner
-        assigns it (``failed_assigned``: announced at or after the epoch that gave the span), else None (the model
-        placer moves such a server to another model it offers)."""
+        """``{"failed_span", "load_error", "reason"}`` while ``peer_id`` cannot load the span this planner assigns
+        it, by its record's word (``reason`` "reported": ``failed_assigned``, announced at or after the epoch that
+        gave the span) or by the load deadline ("overdue": ``load_overdue``), else None (the model placer moves such
+        a server to another model it offers). The text does not change while the failure stands."""
         v = self.servers.get(peer_id)
-        if v is None or not v.failed_assigned:
+        if v is None or v.record.state == "offline":
             return None
-        return {"failed_span": list(v.record.failed_span), "load_error": v.record.load_error}
+        if v.failed_assigned:
+            return {"failed_span": list(v.record.failed_span), "load_error": v.record.load_error, "reason": "reported"}
+        if v.load_overdue and peer_id in self.assignment:
+            return {"failed_span": list(self.assignment[peer_id]), "reason": "overdue",
+                    "load_error": f"not online with them within --load-deadline-s {self.load_deadline_s:g} of its "
+                                  f"assignment"}
+        return None
 
     def _load_failure_json(self, v: ServerView, now: float) -> dict:
         """``failed_span`` and ``load_error`` as its record says them, else as the load deadline does."""

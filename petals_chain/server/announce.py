@@ -19,6 +19,9 @@ from petals_chain.swarm.emulation import Emulation
 from petals_chain.swarm.records import LOAD_ERROR_MAX, PUBLIC_NAME_MAX, ServerRecord
 
 logger = logging.getLogger("petals_chain.server")
+# this process's start (ServerRecord.started_at) where a record source has no ``started_at`` of its own: it changes
+# at every restart and at nothing else
+PROCESS_STARTED_AT = time.time()
 
 
 class RecordSource(Protocol):
@@ -63,7 +66,9 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         prefix_reused_tokens=int(runner.prefix_reused_tokens) if runner is not None else 0,
         maddrs=list(src.maddrs)[:8], reachability=src.reachability, open_heartbeats=True,
         failed_span=[int(x) for x in failure[0]] if failure else [],
-        load_error=failure[1][:LOAD_ERROR_MAX] if failure else "", timestamp=time.time(),
+        load_error=failure[1][:LOAD_ERROR_MAX] if failure else "",
+        cache_tokens_per_block=int(getattr(cfg, "cache_tokens_per_block", 0) or 0),
+        started_at=float(getattr(src, "started_at", PROCESS_STARTED_AT)), timestamp=time.time(),
     )
 
 

@@ -108,6 +108,9 @@ class Server:
         from petals_chain.swarm.checkpoint import QUANT_MODES
 
         self.cfg = cfg
+        # this server's start, in every record it announces (ServerRecord.started_at): each Server of a process that
+        # runs several (tests, one host) restarts on its own
+        self.started_at = time.time()
         cfg.validate()
         if cfg.quant not in QUANT_MODES:
             raise ValueError(f"--quant must be one of {QUANT_MODES}, got {cfg.quant!r}")
@@ -264,6 +267,7 @@ class Server:
     def _offering(self, rec: ServerRecord) -> ServerRecord:
         """``rec`` with the models this server offers and the one it serves."""
         rec.models, rec.serving = [h.prefix for h in self.hosted], self.prefix
+        rec.started_at = self.started_at
         return rec
 
     def record(self) -> ServerRecord:

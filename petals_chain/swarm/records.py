@@ -136,6 +136,12 @@ class ServerRecord(_Record):
     # plan around it until it loads a span or restarts (an older server announces neither and is planned as before)
     failed_span: list[Annotated[int, pydantic.Field(ge=0)]] = pydantic.Field(default_factory=list, max_length=2)
     load_error: str = pydantic.Field(default="", max_length=LOAD_ERROR_MAX)
+    # the volunteer's --cache-tokens-per-block (0: none): its slots in m blocks are at most m x this // max_length
+    # whatever its memory, so a planner can size a span it has not loaded yet (an older server: planned by memory)
+    cache_tokens_per_block: int = pydantic.Field(default=0, ge=0)
+    # wall time its process started (0: an older server, which does not say): a new value is a restart, which forgets
+    # what the orchestrator learnt of its last run (the models it could not load), however soon it came back
+    started_at: float = pydantic.Field(default=0.0, ge=0)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
     @pydantic.field_validator("public_name", "load_error")
@@ -313,6 +319,8 @@ class _ServerValueV1(_ValueV1):
     open_heartbeats: pv1.StrictBool
     failed_span: pv1.conlist(pv1.conint(strict=True, ge=0), max_items=2)
     load_error: pv1.constr(strict=True, max_length=LOAD_ERROR_MAX)
+    cache_tokens_per_block: pv1.conint(strict=True, ge=0)
+    started_at: pv1.confloat(strict=True, ge=0)
     timestamp: pv1.StrictFloat
 
 
