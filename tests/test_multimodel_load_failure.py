@@ -73,7 +73,7 @@ def test_a_server_that_cannot_load_a_models_span_is_moved_to_a_model_it_can_load
 
 # ---- the same rules on the real planners and placer, driven round by round (fast) ------------------------------------
 
-SHORT_CACHE = "2 blocks leave 0 cache slots of 64 tokens: --cache-tokens-per-block 16 holds 0 jobs"
+SHORT_CACHE = "2 blocks leave 0 cache slots of 64 tokens: --cache-tokens-per-block 16 holds 0 cache slots"
 
 
 class FakeDHT:

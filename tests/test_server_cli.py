@@ -127,6 +127,14 @@ def test_defaults_trust_and_memory(tiny_model_dir):
     server.memory.memory_bytes, server.memory.s_m = 10_000_000, 164_352
     s_c = server.memory.s_c(64)
     assert server.memory.slots_for(2, 64) == (10_000_000 - 2 * 164_352) // s_c
+    # paged (default): one slot's pages open a session over 2 blocks; slots mode takes a slot in each block, so 2
+    # blocks with one slot would open none
+    server.memory.cache_tokens_per_block = 32
+    assert server.memory.slots_for(2, 64) == 1 and server.memory.holds(2, 64)
+    server.memory.kv_cache = "slots"
+    assert not server.memory.holds(2, 64)
+    server.memory.cache_tokens_per_block = 64
+    assert server.memory.slots_for(2, 64) == 2 and server.memory.holds(2, 64)
 
 
 def test_valid_edge_values_still_start(tiny_model_dir, started):

@@ -215,6 +215,7 @@ def test_an_assignment_it_cannot_serve_says_which_flag(caplog):
     s.memory.holds = lambda n, length: False
     s.memory.cache_tokens_per_block, s.memory.memory_bytes, s.memory.s_m = 16, 10**6, 1000
     s.memory.s_c = lambda length: 100
+    s.memory.slots_for_one_job = lambda n: 1  # paged: one slot's pages open a session over the span
     with caplog.at_level(logging.INFO):
         asyncio.run(main(s, _Assignment(1, (0, 4), 1.0)))
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

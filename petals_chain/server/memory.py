@@ -77,6 +77,13 @@ class MemoryBudget:
             slots = min(slots, num_blocks * self.cache_tokens_per_block // max_length)
         return slots
 
+    def slots_for_one_job(self, num_blocks: int) -> int:
+        """The fewest slots with which ``num_blocks`` blocks open a session: ``slots`` mode reserves a whole slot in
+        each block; ``paged`` mode one slot's pages, shared among the blocks (a session of ``max_length /
+        num_blocks`` tokens; the orchestrator plans paged chains by tokens)."""
+        return max(1, num_blocks) if self.kv_cache == "slots" else 1
+
     def holds(self, num_blocks: int, max_length: int) -> bool:
-        """Whether ``num_blocks`` blocks fit with at least one KV slot."""
-        return self.s_m * num_blocks <= self.memory_bytes and self.slots_for(num_blocks, max_length) >= 1
+        """Whether ``num_blocks`` blocks fit with the KV slots of at least one session (:meth:`slots_for_one_job`)."""
+        return (self.s_m * num_blocks <= self.memory_bytes
+                and self.slots_for(num_blocks, max_length) >= self.slots_for_one_job(num_blocks))

@@ -383,8 +383,10 @@ class Server:
         if not self.memory.holds(num, max_length):
             capped = (self.memory.cache_tokens_per_block > 0
                       and self.memory.slots_for(num, max_length, cap=False) > slots)
-            why = (f"--cache-tokens-per-block {self.memory.cache_tokens_per_block} holds {slots} jobs of "
-                   f"{max_length} tokens in {num} blocks (raise it to at least {-(-max_length // num)})" if capped
+            # the cap's tokens per block that give the slots one session needs (slots mode: a slot in every block)
+            least = -(-self.memory.slots_for_one_job(num) * max_length // num)
+            why = (f"--cache-tokens-per-block {self.memory.cache_tokens_per_block} holds {slots} cache slots of "
+                   f"{max_length} tokens in {num} blocks (raise it to at least {least})" if capped
                    else f"M_j={self.memory.memory_bytes} bytes (s_m={self.memory.s_m}, "
                         f"s_c={self.memory.s_c(max_length)})")
             self._load_failed(content, span, f"{num} blocks leave {slots} cache slots of {max_length} tokens: {why}")
