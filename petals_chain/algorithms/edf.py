@@ -8,9 +8,9 @@ so a job's wait is the wait for a slot, not for an exclusive batch. Two pure pie
   FIFO among equals), with JFFC's queue contract (push, pop, peek, remove, ``in``, ``len``, iteration);
 * :func:`predict` — when a new job would get its first and its last token: the wait for a slot with ``ahead``
   jobs served before it is ``max(0, ahead + 1 - free) / mu`` (``mu = sum_k c_k / T_k`` jobs per second, the
-  central queue's total service rate of Thm 3.7), then a prefill step and one step per output token on the
-  fastest chain with a free slot (or the fastest chain when none is free). A job that misses its deadline by this
-  prediction is refused at once (:class:`Prediction`.``doomed``).
+  central queue's total service rate of Thm 3.7), then the chain's opening, a prefill step and one step per output
+  token on the fastest chain with a free slot (or the fastest chain when none is free). A job that misses its
+  deadline by this prediction is refused at once (:class:`Prediction`.``doomed``).
 
 Times are seconds on the caller's monotonic clock; a deadline of ``math.inf`` means none.
 """
@@ -21,8 +21,8 @@ import bisect
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 
 class EDFQueue:
@@ -93,13 +93,18 @@ class EDFQueue:
 @dataclass(frozen=True)
 class ChainLoad:
     """A chain as the prediction sees it: ``capacity`` slots (``c_k``), ``active`` jobs on them, ``job_s`` seconds
-    per job of the planner's mean length (``T_k``) and ``step_s`` seconds per step of one job (``T_k`` over the
-    planner's steps per job)."""
+    per job of the planner's mean length (``T_k``), ``step_s`` seconds per step of one job (``T_k`` over the
+    planner's steps per job) and ``open_s`` seconds from a job's slot to its first step (opening the chain)."""
 
     capacity: int
     active: int
     job_s: float
     step_s: float
+    open_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.open_s < math.inf:
+            raise ValueError(f"open_s must be finite and >= 0, got {self.open_s!r}")
 
 
 class StepTimes:
@@ -110,8 +115,9 @@ class StepTimes:
     One EWMA (weight ``alpha`` per new step) per (chain, jobs stepping); :meth:`step_s` reads it once it has
     ``min_samples`` steps, else it extrapolates from the occupancies that have (see there), else it falls back on
     the planned step. And one per chain of the seconds a job holds its slot besides its steps (opening the chain
-    before the first, closing it after the last: :meth:`overhead_s`), which slows the rate slots free at as much.
-    ``chain``: any hashable name that stays the chain's across re-plans."""
+    before the first, closing it after the last: :meth:`overhead_s`), which slows the rate slots free at as much;
+    and of the seconds from a job's slot to its first step (:meth:`open_s`), which delay its own first token.
+    ``chain``: any hashable name that stays the chain's across re-plans; :meth:`retain` forgets the others."""
 
     def __init__(self, alpha: float = 0.05, min_samples: int = 5):
         if not 0 < alpha <= 1 or min_samples < 1:
@@ -119,6 +125,18 @@ class StepTimes:
         self.alpha, self.min_samples = float(alpha), int(min_samples)
         self._by_chain: dict[Any, dict[int, list[float]]] = {}  # chain -> jobs -> [ewma seconds, steps seen]
         self._overhead: dict[Any, list[float]] = {}  # chain -> [ewma seconds, jobs seen]
+        self._open: dict[Any, list[float]] = {}  # chain -> [ewma seconds, opens seen]
+
+    def retain(self, chains: Iterable[Any]) -> None:
+        """Forget every chain not in ``chains`` (those a re-plan removed: what was learnt grew with every plan)."""
+        keep = set(chains)
+        for table in (self._by_chain, self._overhead, self._open):
+            for chain in [c for c in table if c not in keep]:
+                del table[chain]
+
+    def chains(self) -> set[Any]:
+        """The chains something was learnt of."""
+        return {*self._by_chain, *self._overhead, *self._open}
 
     def _update(self, e: list[float], x: float) -> None:
         # the first values get a larger weight (a plain mean up to 1/alpha of them): no bias towards the first one
@@ -138,14 +156,27 @@ class StepTimes:
 
     def overhead_s(self, chain: Any) -> float:
         """Seconds a job of ``chain`` holds its slot besides its steps: 0 until seen ``min_samples`` times."""
-        e = self._overhead.get(chain)
+        return self._learnt(self._overhead, chain)
+
+    def observe_open(self, chain: Any, seconds: float) -> None:
+        """A job got a slot of ``chain`` ``seconds`` before its first step began (ignored unless finite, >= 0)."""
+        if 0 <= seconds < math.inf:
+            self._update(self._open.setdefault(chain, [float(seconds), 0.0]), float(seconds))
+
+    def open_s(self, chain: Any) -> float:
+        """Seconds from a job's slot on ``chain`` to its first step: 0 until seen ``min_samples`` times."""
+        return self._learnt(self._open, chain)
+
+    def _learnt(self, table: dict[Any, list[float]], chain: Any) -> float:
+        e = table.get(chain)
         return e[0] if e is not None and e[1] >= self.min_samples else 0.0
 
     def step_s(self, chain: Any, jobs: int, planned: float) -> float:
         """Seconds per step of ``chain`` with ``jobs`` stepping: the EWMA at ``jobs`` when seen often enough; else a
         line through the occupancies that were (least squares, never decreasing: more jobs never make a step
         faster), within the steps seen with more jobs and never below those seen with fewer; one occupancy seen
-        alone is a floor on ``planned`` above it and a ceiling below it; none: ``planned``."""
+        alone: the plan scaled by the ratio seen there (the plan is one step for every occupancy, so the step seen);
+        none: ``planned``."""
         seen = sorted((n, e[0]) for n, e in self._by_chain.get(chain, {}).items() if e[1] >= self.min_samples)
         jobs = max(1, int(jobs))
         for n, s in seen:
@@ -154,8 +185,9 @@ class StepTimes:
         if not seen:
             return planned
         if len(seen) == 1:
-            (n, s), = seen
-            return max(s, planned) if jobs > n else min(s, planned)
+            # bounded by the plan instead (a floor above it, a ceiling below), a chain seen four times faster than
+            # planned stayed at the plan at every other occupancy and refused deadlines it would meet
+            return seen[0][1]
         mn = sum(n for n, _ in seen) / len(seen)
         ms = sum(s for _, s in seen) / len(seen)
         slope = max(0.0, sum((n - mn) * (s - ms) for n, s in seen) / sum((n - mn) ** 2 for n, _ in seen))
@@ -195,7 +227,13 @@ def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: 
     wait = max(0, ahead + 1 - free) / mu
     last = max(0, ahead + 1 + siblings - free) / mu
     open_chains = [c for c in usable if c.active < c.capacity] if wait == 0 else usable
-    return _verdict(now, wait, min(c.step_s for c in open_chains), output_tokens, ttft_deadline, deadline, last)
+    c = _fastest(open_chains, output_tokens)
+    return _verdict(now, wait, c.step_s, output_tokens, ttft_deadline, deadline, last, c.open_s)
+
+
+def _fastest(chains: Sequence[ChainLoad], output_tokens: int) -> ChainLoad:
+    """The chain that would serve a job of ``output_tokens`` soonest from its slot: its open and its steps."""
+    return min(chains, key=lambda c: c.open_s + c.step_s * (1 + int(output_tokens)))
 
 
 def _usable(chains: Sequence[ChainLoad]) -> list[ChainLoad]:
@@ -214,11 +252,12 @@ def _no_chain(chains: Sequence[ChainLoad], ttft_deadline: float, deadline: float
 
 
 def _verdict(now: float, wait: float, step: float, output_tokens: int, ttft_deadline: float,
-             deadline: float, last_wait: float | None = None) -> Prediction:
-    """A job that waits ``wait`` for a slot, then runs a prefill and one step per output token of ``step`` each;
-    ``last_wait``: the wait of the request's last choice (``n`` > 1), which its deadline is for."""
-    ttft = wait + step
-    total = (wait if last_wait is None else max(wait, last_wait)) + step * (1 + int(output_tokens))
+             deadline: float, last_wait: float | None = None, open_s: float = 0.0) -> Prediction:
+    """A job that waits ``wait`` for a slot, opens its chain in ``open_s``, then runs a prefill and one step per
+    output token of ``step`` each; ``last_wait``: the wait of the request's last choice (``n`` > 1), which its
+    deadline is for."""
+    ttft = wait + open_s + step
+    total = (wait if last_wait is None else max(wait, last_wait)) + open_s + step * (1 + int(output_tokens))
     if now + ttft > ttft_deadline:
         return Prediction(wait, ttft, total, True, f"predicted time to first token {ttft * 1000:.0f} ms exceeds "
                                                    f"ttft_deadline_ms {(ttft_deadline - now) * 1000:.0f}")
@@ -274,8 +313,7 @@ def flex_victim(now: float, chains: Sequence[ChainLoad], running: Sequence[Preem
         held = promised[k] if k < len(promised) else 0
         newest = sorted(jobs, key=lambda r: r.started, reverse=True)
         for p in range(1, min(len(newest), 1 + siblings) + 1):
-            freed = ChainLoad(capacity=c.capacity, active=max(0, c.capacity - held - p), job_s=c.job_s,
-                              step_s=c.step_s)
+            freed = replace(c, active=max(0, c.capacity - held - p))
             others = None if remaining is None else [*(remaining[k] if k < len(remaining) else ()),
                                                      *(r.remaining_s for r in newest[p:])]
             pred = _with_pauses(now, [freed], others, ahead, output_tokens, siblings, ttft_deadline, deadline)
@@ -314,7 +352,8 @@ def _pauses_across_chains(now: float, chains: Sequence[ChainLoad], by_chain: dic
         # every chain at the slowest one's pace: the prediction runs each choice at the fastest chain's step, and
         # the last choice may well land on the slowest
         slowest = max((chains[k] for k in taken), key=lambda c: c.step_s)
-        freed = [ChainLoad(capacity=chains[k].capacity, job_s=slowest.job_s, step_s=slowest.step_s,
+        opening = max(chains[k].open_s for k in taken)
+        freed = [ChainLoad(capacity=chains[k].capacity, job_s=slowest.job_s, step_s=slowest.step_s, open_s=opening,
                            active=max(0, chains[k].capacity - (promised[k] if k < len(promised) else 0) - n))
                  for k, n in taken.items()]
         others = None if remaining is None else [t for k, n in taken.items() for t in [
@@ -345,12 +384,13 @@ def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: S
     own remaining work is done (``remaining_s``, from the most tokens each may still generate), not at the queue's
     mean rate, so a few long jobs without deadlines show as the obstacle they are. The ``ahead`` jobs take the
     first slots freed (free slots first); then the new job and each of its ``siblings`` in turn take the next one,
-    a choice's slot freed again for a later choice when it is done; each runs at the fastest chain's step."""
+    a choice's slot freed again for a later choice when it is done; each opens and steps as on the fastest chain."""
     usable = _usable(chains)
     if not usable:
         return _no_chain(chains, ttft_deadline, deadline)
     free = sum(max(0, c.capacity - c.active) for c in usable)
-    step = min(c.step_s for c in usable)
+    fastest = _fastest(usable, output_tokens)
+    step, opening = fastest.step_s, fastest.open_s
     # the jobs ahead take the first slots (when they give them back is not known); each of the request's choices
     # takes the next one, and gives it back for a later choice when it is done
     slots = ([0.0] * free + sorted(max(0.0, r) for r in remaining_s))[ahead:]
@@ -361,5 +401,5 @@ def predict_from_running(now: float, chains: Sequence[ChainLoad], remaining_s: S
             break
         start = heapq.heappop(slots)
         starts.append(start)
-        heapq.heappush(slots, start + step * (1 + int(output_tokens)))
-    return _verdict(now, starts[0], step, output_tokens, ttft_deadline, deadline, starts[-1])
+        heapq.heappush(slots, start + opening + step * (1 + int(output_tokens)))
+    return _verdict(now, starts[0], step, output_tokens, ttft_deadline, deadline, starts[-1], opening)

@@ -194,6 +194,13 @@ class _Local:
     def snapshot(self) -> dict[str, float]:
         return {}
 
+    def mark(self, client: str) -> Any:
+        """What an arrival of ``client`` may change here (:meth:`restore` puts it back)."""
+        return None
+
+    def restore(self, client: str, mark: Any) -> None:
+        pass
+
 
 class _FCFS(_Local):
     def pick(self, waiting, worker):
@@ -231,6 +238,20 @@ class _VTC(_Local):
 
     def snapshot(self):
         return dict(self.counter)
+
+    def mark(self, client):
+        return self.counter.get(client)
+
+    def restore(self, client, mark):
+        _put(self.counter, client, mark)
+
+
+def _put(d: dict, key: Hashable, value: Any) -> None:
+    """``d[key] = value``, or no ``key`` at all for None (it was not there)."""
+    if value is None:
+        d.pop(key, None)
+    else:
+        d[key] = value
 
 
 def _rounds_to_credit(q: float, q_u: float) -> int:
@@ -284,6 +305,12 @@ class _DLPM(_Local):
     def snapshot(self):
         return dict(self.deficit)
 
+    def mark(self, client):
+        return self.deficit.get(client)
+
+    def restore(self, client, mark):
+        _put(self.deficit, client, mark)
+
 
 class FairPolicy:
     """State of one fairness policy, kept across re-plans (one per orchestrator and model).
@@ -331,6 +358,27 @@ class FairPolicy:
                 del self._local[w]
         for key in [k for k in self.worker_credit if k[1] not in keep]:
             del self.worker_credit[key]
+
+    def mark(self, client: str) -> tuple:
+        """Everything an arrival of ``client`` may change (:meth:`arrived`, :meth:`choose_worker`, :meth:`bound`):
+        :meth:`restore` puts it back, for an arrival refused in the same step (as if it never came)."""
+        credit = {k: v for k, v in self.worker_credit.items() if k[0] == client}
+        local = {w: loc.mark(client) for w, loc in self._local.items()}
+        return client, self.service.get(client), self._rr, self._rr_client.get(client), credit, local
+
+    def restore(self, mark: tuple) -> None:
+        """Undo what happened since :meth:`mark` was taken (nothing else may have happened in between)."""
+        client, service, rr, rr_client, credit, local = mark
+        _put(self.service, client, service)
+        self._rr = rr
+        _put(self._rr_client, client, rr_client)
+        for key in [k for k in self.worker_credit if k[0] == client]:
+            del self.worker_credit[key]
+        self.worker_credit.update(credit)
+        for w in [w for w in self._local if w not in local]:  # a worker's discipline it brought into being
+            del self._local[w]
+        for w, m in local.items():
+            self._local[w].restore(client, m)
 
     # ---- events -------------------------------------------------------------------------------------
     def arrived(self, req: FairRequest, waiting: Sequence[FairRequest], again: bool = False) -> None:
@@ -484,7 +532,8 @@ class FairDispatcher:
     ``describe(job) -> FairRequest`` tells the policy who sent a job and what it holds cached where (the request's
     ``item`` must be the job); ``workers``: stable worker ids of ``chains`` (default: their indices). Central
     policies start a job on the free chain holding its longest prefix (then the fastest); distributed ones bind
-    it with :meth:`FairPolicy.choose_worker` (see the module).
+    it with :meth:`FairPolicy.choose_worker` (see the module). A caller that refuses the job it just queued (its
+    queue is full) takes it back with :meth:`refuse`, which leaves the policy as if it never arrived.
     """
 
     def __init__(self, chains: Sequence[Any], policy: FairPolicy, describe: Callable[[Any], FairRequest],
@@ -510,6 +559,7 @@ class FairDispatcher:
                              key=lambda k: (-self.rates[k], k))
         self.last_started = False
         self.started: FairRequest | None = None  # the request of the last job started (for the caller's charges)
+        self._undo: tuple[FairRequest, tuple] | None = None  # the last arrival and the policy's state before it
 
     # ---- contract ---------------------------------------------------------------------------------
     @property
@@ -538,6 +588,7 @@ class FairDispatcher:
         req.seq = next(self._seq)
         req.worker = None
         waiting = list(self._waiting.values())
+        self._undo = (req, self.policy.mark(req.client))
         self.policy.arrived(req, waiting + [req])
         free = [k for k in self._order if self.occupancy[k] < self.capacities[k]]
         if self.policy.distributed:
@@ -561,6 +612,7 @@ class FairDispatcher:
         slot takes the job the policy picks (arriving one by one, the first would take a free chain whatever the
         policy says). ``fresh``: those of them the policy never saw (they came while no chain existed): they
         arrive as new, the others as waiting all along. Returns the ``(job, chain index)`` pairs started."""
+        self._undo = None
         for job in jobs:
             req = self.describe(job)
             req.seq = next(self._seq)
@@ -587,6 +639,7 @@ class FairDispatcher:
         """A job left chain ``k``: start the job the policy picks for it and return it, or None if none waits."""
         if not (0 <= k < len(self.chains)) or self.occupancy[k] <= 0:
             raise ValueError(f"no job is running on chain {k!r}")
+        self._undo = None  # a pick may refill deficits: an arrival before it can no longer be undone
         self.occupancy[k] -= 1
         if self.occupancy[k] >= self.capacities[k]:  # capacity shrank meanwhile: nothing starts here
             return None
@@ -608,8 +661,25 @@ class FairDispatcher:
         req = self._by_item.get(id(job))
         if req is None:
             return False
+        self._undo = None
         self._forget(req)
         self.policy.unbind(req)
+        return True
+
+    def refuse(self, job: Any) -> bool:
+        """Take ``job`` out of the queue as if it had never arrived (the caller refuses it: queue full): unlike
+        :meth:`remove_job`, the policy's state goes back to what it was before (VTC's counter lift, DLPM's deficit
+        entry, d-vtc's and rr-lpm's round robin, D2LPM's credit refill). Only for the last job to :meth:`arrive`,
+        still waiting, with nothing in between; False if it is not waiting."""
+        req = self._by_item.get(id(job))
+        if req is None:
+            return False
+        if self._undo is None or self._undo[0] is not req:
+            raise ValueError("refuse() undoes the last arrival only, before anything else happens")
+        self._forget(req)
+        self.policy.restore(self._undo[1])
+        req.worker = None
+        self._undo = None
         return True
 
     def drain(self) -> list[Any]:

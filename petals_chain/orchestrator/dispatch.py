@@ -10,11 +10,14 @@ at once enters the queue only if the queue stays within the bound, else ``acquir
 so ``queue_length <= max_queue`` holds at every instant for new jobs. Jobs that already held a chain (failover,
 a session's later turn, a job retrying after a refused open) are never refused: they wait in a separate
 re-queue lane (``requeued``), served before the queue and not counted in ``queue_length``; the lane holds
-only jobs admitted earlier, so it does not grow with the offered load. The later choices of a request of
-several (``n`` > 1) come after its first's prefill and are never refused either: they queue. Its first choice
-is admitted only if the places the free slots cannot start fit then (:meth:`_check_room`), but those places
-are not held meanwhile and each prompt of a multi-prompt request is checked alone, so such requests can take
-the queue past its bound for a while (``queue_max`` shows it).
+only jobs admitted earlier, so it does not grow with the offered load. The later jobs of a request of several
+(the later choices of ``n`` > 1, which come after the first's prefill, and the other prompts of a multi-prompt
+request) are never refused either: they queue in the discipline's order. The request's first job to arrive is
+admitted only if a place for each of its later jobs fits too (:meth:`_check_room`), and those places stay held
+(:class:`RequestPlaces`, ``held``): new jobs see them as taken until each later job arrives and takes its own, or
+the request ends without it. So ``queue_length + held <= max_queue`` holds for new jobs, and the later jobs keep
+the bound. (A request's jobs are known by the :class:`PlaceTicket` its generation gives each of them; jobs
+without one, e.g. driven directly, are checked for their ``siblings`` but hold no places.)
 """
 
 from __future__ import annotations
@@ -228,6 +231,7 @@ class Admission:
         # ends (RequestError 429 if they do not fit); set by the API middleware when the client has such a limit
         self.reserve: Callable[[int], None] | None = None
         self.reserved = 0  # tokens held by reserve()
+        self.places = RequestPlaces()  # the request's jobs (all its prompts'), for the places the queue holds them
 
     def decide(self, admitted: bool, code: str = "", message: str = "") -> None:
         if self.state is None:
@@ -238,6 +242,50 @@ class Admission:
 
 # Context of the current request (copied into the tasks it spawns); None outside the API.
 ADMISSION: contextvars.ContextVar[Admission | None] = contextvars.ContextVar("petals_chain_admission", default=None)
+
+
+class RequestPlaces:
+    """The jobs one request submits to the dispatcher (each choice of each of its prompts, :meth:`expect`).
+
+    Its first job to arrive is admitted only if a place in the queue fits for every job still to come, and from
+    then on those places are held (:attr:`DispatchManager.held`): new jobs see them as taken until each job arrives
+    (and takes a place or a slot) or will not come (:meth:`PlaceTicket.drop`)."""
+
+    def __init__(self) -> None:
+        self.tickets: list[PlaceTicket] = []
+        self.admitted = False  # its first job was admitted: the places of the others are held
+        self.client = "anonymous"
+
+    def expect(self, jobs: int) -> list["PlaceTicket"]:
+        """``jobs`` more jobs of the request will arrive: one ticket each (to put in :data:`PLACE` of its task)."""
+        if int(jobs) < 0:
+            raise ValueError(f"jobs must be >= 0, got {jobs!r}")
+        tickets = [PlaceTicket(self) for _ in range(int(jobs))]
+        self.tickets.extend(tickets)
+        return tickets
+
+    @property
+    def pending(self) -> int:
+        """Jobs expected that have neither arrived nor been dropped."""
+        return sum(1 for t in self.tickets if t.state == "expected")
+
+
+@dataclass(eq=False)
+class PlaceTicket:
+    """One job of a :class:`RequestPlaces`: ``expected``, then ``arrived`` (its job reached the dispatcher) or
+    ``dropped`` (it never will: the request ended or failed first)."""
+
+    places: RequestPlaces
+    state: str = "expected"
+
+    def drop(self) -> None:
+        """The job will not arrive (any more): its place, if held, is given back."""
+        if self.state == "expected":
+            self.state = "dropped"
+
+
+# The ticket of the job the current task submits (set by generation for each choice's task); None: none known.
+PLACE: contextvars.ContextVar[PlaceTicket | None] = contextvars.ContextVar("petals_chain_place", default=None)
 
 
 def note_admission(admitted: bool, code: str = "", message: str = "") -> None:
@@ -407,12 +455,24 @@ class DispatchManager:
         # promised slot another job took (a paused job's slot goes to the queue's head) and are still waiting
         self._promised: dict[Lease, DispatchJob] = {}
         self._owed: list[DispatchJob] = []
+        self._holds: list[RequestPlaces] = []  # admitted requests with jobs still to come (their places held)
 
     # ---- state -------------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
         q = self.dispatcher.queue_length if self.dispatcher is not None else 0
         return int(q) + len(self._pending)
+
+    @property
+    def held(self) -> int:
+        """Places in the queue held for the jobs still to come of admitted requests (see the module)."""
+        if self._holds:
+            self._holds = [p for p in self._holds if p.pending]
+        return sum(p.pending for p in self._holds)
+
+    def held_of(self, client: str) -> int:
+        """The places of :attr:`held` that ``client``'s requests hold."""
+        return sum(p.pending for p in self._holds if p.client == client)
 
     @property
     def requeued(self) -> int:
@@ -501,6 +561,8 @@ class DispatchManager:
                 self._arrive(job)
         if self._promised:  # a job marked to pause on a chain this plan dropped frees no slot of it
             self._settle_promises()
+        if self.priorities is not None:
+            self._unmark_dropped(old_running)
         self._note_queue()
         logger.info("dispatch generation %d: %d chains, %d running, %d queued, %d re-queued", self.generation,
                     len(chains), len(self._running), self.queue_length, len(self._lane))
@@ -509,6 +571,19 @@ class DispatchManager:
         """Count an already running ``job`` against chain ``k`` of the new dispatcher (arrive() would pick a
         chain by its own rule; the job already runs on chain k)."""
         return bool(self.dispatcher.adopt(k, job))
+
+    def _unmark_dropped(self, leases: Sequence[Lease]) -> None:
+        """``--schedule db|mlfq``: a running job marked to pause for priority on a chain the new plan dropped runs on
+        (its pause would free no slot of the plan: the waiting job it was for re-arrived here), and is not counted;
+        the jobs of the new plan are weighed again instead."""
+        unmarked = 0
+        for lease in leases:
+            if lease.preempt and lease.generation != self.generation and not lease.released:
+                lease.preempt = False
+                self.priority_preemptions -= 1
+                unmarked += 1
+        if unmarked:
+            self._preempt_for_priority()
 
     def _drain_queue(self) -> tuple[list[DispatchJob], set[DispatchJob]]:
         """Every waiting job, by arrival, and those of them no policy saw yet (they arrived while no chain existed)."""
@@ -532,16 +607,18 @@ class DispatchManager:
         return queued, fresh
 
     # ---- jobs --------------------------------------------------------------------------------
-    def _arrive(self, job: DispatchJob, bounded: bool = False) -> None:
-        """Start ``job`` or queue it; with ``bounded``, raise :class:`QueueFull` instead of exceeding the bound."""
-        if bounded and self.max_queue is not None and job.siblings:
-            self._check_room(job)
+    def _arrive(self, job: DispatchJob, bounded: bool = False, later: int = 0) -> None:
+        """Start ``job`` or queue it; with ``bounded``, raise :class:`QueueFull` instead of exceeding the bound, which
+        must leave a place for each of the ``later`` jobs of its request still to come (held once it is admitted)."""
+        bounded = bounded and self.max_queue is not None
+        if bounded and later:
+            self._check_room(job, later)
         if self.dispatcher is None:
-            if bounded and self.max_queue is not None and len(self._pending) >= self.max_queue:
+            if bounded and len(self._pending) + self.held + later >= self.max_queue:
                 raise QueueFull(self.max_queue)
             self._pending.append(job)
             if bounded and self.keeps_places:
-                self._check_share(job)
+                self._check_share(job, later)
             return
         if self._start_preferred(job):
             return
@@ -550,12 +627,34 @@ class DispatchManager:
             if chain_key(self.chains[k]) in job.prefer:
                 self.preferred_starts += 1
             self._start(job, k)
-        elif bounded and self.max_queue is not None and self.queue_length > self.max_queue:
+        elif bounded and self.queue_length + self.held + later > self.max_queue:
             # Undone in the same step (no await in between): the over-long queue is never observable.
-            self.dispatcher.remove_job(job)
+            self._withdraw(job)
             raise QueueFull(self.max_queue)
         elif bounded and self.keeps_places:
-            self._check_share(job)
+            self._check_share(job, later)
+
+    def _hold(self, ticket: PlaceTicket, job: DispatchJob) -> None:
+        """``job``, its request's first, was admitted: the places of the request's jobs still to come are held."""
+        places = ticket.places
+        ticket.state = "arrived"
+        places.admitted, places.client = True, job.client
+        if places.pending and places not in self._holds:
+            self._holds.append(places)
+
+    def _withdraw(self, job: DispatchJob) -> None:
+        """Take ``job``, queued in this same step, out again as if it had never arrived (it is refused): a dispatcher
+        whose policy keeps state per arrival (a fair one: VTC's counters, d-vtc's round robin) undoes it."""
+        if self.dispatcher is None:
+            self._pending.remove(job)
+            return
+        refuse = getattr(self.dispatcher, "refuse", None)
+        try:
+            if refuse is not None and refuse(job):
+                return
+        except ValueError:  # something came between its arrival and now: the policy keeps that arrival's trace
+            logger.warning("dispatch: a refused job's arrival could not be undone in the fairness policy")
+        self.dispatcher.remove_job(job)
 
     @property
     def keeps_places(self) -> bool:
@@ -571,21 +670,24 @@ class DispatchManager:
         return sum(max(0, int(ch.capacity) - self.active(k)) for k, ch in enumerate(self.chains)) \
             if self.dispatcher is not None else 0
 
-    def _check_room(self, job: DispatchJob) -> None:
-        """The first choice of an ``n`` > 1 request: refuse it now if its choices would not all fit (the later ones
-        come after its prefill and are never refused, so places for them are counted here): those the free slots
-        cannot start take places in the queue, within the bound and, where the queue keeps places, the share."""
-        need = 1 + job.siblings - self._free_slots()
-        if need <= 1:  # the first choice alone is checked as any job
-            return
-        queued = self.queue_length
+    def _check_room(self, job: DispatchJob, later: int) -> None:
+        """The first job of a request of several (``n`` > 1, several prompts): refuse it now unless a place in the
+        queue fits for each of its ``later`` jobs (they come after its prefill and are never refused), and one for
+        itself if no slot is free, within the bound and, where the queue keeps places, the share. Places held for
+        other requests count as taken."""
+        need = later + (0 if self._free_slots() > 0 else 1)
+        queued = self.queue_length + self.held
+        if later > self.max_queue:  # never fits, however idle the swarm: say so rather than "retry later"
+            raise QueueFull(self.max_queue, f"this request's {1 + later} choices need a place in the queue for each "
+                                            f"after the first ({later}), more than its bound (--max-queue "
+                                            f"{self.max_queue}): ask for at most {self.max_queue + 1} choices")
         if queued + need > self.max_queue:
-            raise QueueFull(self.max_queue, f"the swarm is at capacity and its queue ({queued} waiting, bound "
-                                            f"{self.max_queue}) has no room for this request's {1 + job.siblings} "
+            raise QueueFull(self.max_queue, f"the swarm is at capacity and its queue ({queued} waiting or held, bound "
+                                            f"{self.max_queue}) has no room for this request's {1 + later} "
                                             "choices; retry later, or ask for fewer choices")
-        mine = self.waiting_of(job.client)
+        mine = self.waiting_of(job.client) + self.held_of(job.client)
         if self.keeps_places and self._over_share(mine, queued, need):
-            raise QueueShareFull(self.max_queue, mine, queued, need, 1 + job.siblings)
+            raise QueueShareFull(self.max_queue, mine, queued, need, 1 + later)
 
     def _over_share(self, mine: int, queued: int, need: int = 1) -> bool:
         """The share rule (:data:`QUEUE_SHARE_ALPHA`): a client with ``mine`` jobs waiting of ``queued`` asks for
@@ -594,17 +696,15 @@ class DispatchManager:
         held = mine + need - 1
         return held > 0 and held >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - need)
 
-    def _check_share(self, job: DispatchJob) -> None:
-        """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client already holds its
-        share of the free places (:data:`QUEUE_SHARE_ALPHA`); undone in the same step, like the bound."""
-        queued = self.queue_length - 1  # before this job
-        mine = self.waiting_of(job.client) - 1
-        if self._over_share(mine, queued):
-            if self.dispatcher is None:
-                self._pending.remove(job)
-            else:
-                self.dispatcher.remove_job(job)
-            raise QueueShareFull(self.max_queue, mine, queued)
+    def _check_share(self, job: DispatchJob, later: int = 0) -> None:
+        """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client, with the places of
+        the ``later`` jobs of its request, would hold more than its share of the free places
+        (:data:`QUEUE_SHARE_ALPHA`); undone in the same step, like the bound."""
+        queued = self.queue_length - 1 + self.held  # before this job
+        mine = self.waiting_of(job.client) - 1 + self.held_of(job.client)
+        if self._over_share(mine, queued, 1 + later):
+            self._withdraw(job)
+            raise QueueShareFull(self.max_queue, mine, queued, 1 + later, 1 + later)
 
     def _queued_jobs(self) -> list[DispatchJob]:
         """Jobs counted by ``queue_length`` (the dispatcher's queue and jobs waiting for a first plan)."""
@@ -682,6 +782,9 @@ class DispatchManager:
         job.arrival = time.monotonic()
         if job.sched is not None:  # the starvation rule's wait counts from its arrival or its last pause
             job.sched.waiting_since = job.arrival
+        ticket = None if job.requeue else PLACE.get()  # the job's place in its request (None: not known)
+        if ticket is not None and ticket.state == "dropped":
+            ticket = None
         paused: list[Lease] = []
         try:
             dl = job.deadline
@@ -712,8 +815,17 @@ class DispatchManager:
                     raise DeadlineUnreachable(pred)
             if job.requeue:
                 self._arrive_requeued(job)
+            elif job.checked or (ticket is not None and ticket.places.admitted):
+                # a later job of an admitted request: takes the place held for it (in the same step, so the bound
+                # holds) and queues in the discipline's order, never refused
+                if ticket is not None and ticket.state == "expected":
+                    ticket.state = "arrived"
+                self._arrive(job)
             else:
-                self._arrive(job, bounded=not job.checked)  # a later choice was admitted with the first
+                later = ticket.places.pending - 1 if ticket is not None and ticket.state == "expected" else 0
+                self._arrive(job, bounded=True, later=max(later, job.siblings))
+                if ticket is not None:
+                    self._hold(ticket, job)
         except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
             if isinstance(e, QueueShareFull):
@@ -911,8 +1023,9 @@ class DispatchManager:
         those observed (:meth:`_observe_step`) where seen, else the planner's (``T_k`` / ``spj``: a job alone): the
         new job's at the occupancy it would find (one more job, every slot busy at most); the rate slots free at
         while jobs queue (``job_s``) at a full chain's, plus the time a job holds its slot besides its steps
-        (:meth:`_job_overhead`). By the planner's alone, neither a full chain's slower steps (each batching ``c_k``
-        jobs) nor that time counted, and jobs admitted at overload missed (issue 18)."""
+        (:meth:`_job_overhead`); and the new job's own wait for its chain to open (:meth:`_observe_step`). By the
+        planner's alone, neither a full chain's slower steps (each batching ``c_k`` jobs) nor that time counted, and
+        jobs admitted at overload missed (issue 18)."""
         capacity = max(0, int(ch.capacity) - idle)
         active = max(0, self.active(k) - idle)
         planned = ch.service_time / spj
@@ -921,28 +1034,55 @@ class DispatchManager:
         cid = self.chain_ids[k]
         step = self.step_times.step_s(cid, min(capacity, active + 1), planned)
         full = self.step_times.step_s(cid, capacity, planned)
-        return ChainLoad(capacity=capacity, active=active, step_s=step,
+        return ChainLoad(capacity=capacity, active=active, step_s=step, open_s=self.step_times.open_s(cid),
                          job_s=max(step, full) * spj + self.step_times.overhead_s(cid))
+
+    # a chain's leases that stepped (see _stepped_on), and the plan StepTimes was last pruned to (_retain_live)
+    _stepped: dict[int, set[Lease]] | None = None
+    _retained_generation = -1
+
+    def _retain_live(self) -> None:
+        """After a re-plan, forget what was learnt of chains no longer planned (it grew with every plan)."""
+        if self._retained_generation != self.generation:
+            self._retained_generation = self.generation
+            self.step_times.retain(self.chain_ids)
+
+    def _stepped_on(self, chain_id: int) -> set[Lease]:
+        """Running leases of chain ``chain_id`` that stepped on it (in any plan): added at each step, removed at their
+        release, so a step counts the chain's idle sessions among its own jobs, not among every running job."""
+        if self._stepped is None:
+            self._stepped = {}
+        return self._stepped.setdefault(chain_id, set())
 
     def _observe_step(self, lease: Lease, step_s: float, tokens: int) -> None:
         """Learn the chain's time per token at the jobs stepping on it now (:class:`~petals_chain.algorithms.edf.
         StepTimes`): for a decode step (one token) the time since the job's previous step ended, so the head's
         sampling between two steps counts too (a job's tokens come that far apart), or ``step_s`` when it has none
-        (its first step on this lease, or its turn's first: ``started`` moves then)."""
+        (its first step on this lease, or its turn's first: ``started`` moves then). A lease's first step also
+        tells how long its chain took to open since it got its slot (:meth:`~petals_chain.algorithms.edf.StepTimes.
+        open_s`)."""
+        self._retain_live()
+        if lease.released:  # nothing releases it again: what is kept of it here would stay for good
+            return
         now = time.monotonic()
+        current = lease.generation == self.generation and 0 <= lease.index < len(self.chains)
         span = self._lease_steps.get(lease)
         prev = None if span is None else span[1]
         if span is None or span[0] < lease.started:  # its first step, or its turn's first (a held session)
-            self._lease_steps[lease] = [now - max(0.0, step_s), now]
+            began = now - max(0.0, step_s)
+            self._lease_steps[lease] = [began, now]
+            if span is None and current:  # (a held session's later turn opens nothing)
+                self.step_times.observe_open(lease.chain_id, max(0.0, began - lease.started))
         else:
             span[1] = now
-        if tokens != 1 or step_s <= 0 or lease.generation != self.generation or lease.released:
+        self._stepped_on(lease.chain_id).add(lease)
+        if tokens != 1 or step_s <= 0 or not current:
             return
         k = lease.index
-        if not 0 <= k < len(self.chains):
-            return
         period = step_s if prev is None or prev < lease.started else max(step_s, now - prev)
-        jobs, cid = self.active(k) - self._idle_by_chain().get(k, 0), self.chain_ids[k]
+        idle = sum(1 for other in self._stepped_on(lease.chain_id)
+                   if other.job.idle and other.generation == self.generation and other.index == k)
+        jobs, cid = self.active(k) - idle, self.chain_ids[k]
         # a gap between two steps that is no step (a session turn cut outside its steps, then retried: the time
         # between turns) is taken at GAP_FACTOR x the step known at most: a chain that really slowed is still learnt
         # within a few steps, a gap of minutes no longer refuses every deadline job on the chain
@@ -966,6 +1106,11 @@ class DispatchManager:
         """``lease`` is released: learn how long its job held the slot besides its steps (opening the chain before
         the first, closing it after the last), which slows the rate a chain's slots free at as much as its steps
         do. Not for a job that never stepped, nor a session's (held between turns, not stepping)."""
+        stepped = self._stepped.get(lease.chain_id) if self._stepped else None
+        if stepped is not None:
+            stepped.discard(lease)
+            if not stepped:
+                del self._stepped[lease.chain_id]
         span = self._lease_steps.pop(lease, None)
         if (span is None or span[0] < lease.started or lease.job.idle or lease.generation != self.generation
                 or not 0 <= lease.index < len(self.chain_ids)):

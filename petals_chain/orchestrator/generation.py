@@ -17,6 +17,7 @@ import torch
 
 from petals_chain.algorithms.speculative import DraftLength, ngram_draft
 from petals_chain.orchestrator.deadlines import DEADLINE
+from petals_chain.orchestrator.dispatch import ADMISSION, PLACE, RequestPlaces
 from petals_chain.orchestrator.drafting import DraftState
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.failover import ChainHolder
@@ -188,6 +189,11 @@ class GenerationMixin:
         holders = [ChainHolder(self, f"r-{uuid.uuid4().hex[:12]}", job_length, relay=p.relay,
                                shape=(len(prompt_ids), p.max_tokens)) for p in params]
         holders[0].siblings = len(holders) - 1
+        # one ticket per choice in the request's places (shared by its prompts, which the API submits apart): the
+        # dispatcher admits the request's first job only with a place for each job still to come, and holds them.
+        # Taken before any await, so a multi-prompt request's prompts all have theirs before its first job arrives
+        adm = ADMISSION.get()
+        tickets = (adm.places if adm is not None else RequestPlaces()).expect(len(holders))
         for h in holders[1:]:
             h.fork_source = (holders[0], len(prompt_ids))
             h.checked = True
@@ -203,6 +209,7 @@ class GenerationMixin:
             generated: list[int] = []
             ok = False
             scored_lp = None
+            PLACE.set(tickets[i])  # this task's own context: its job's place
             try:
                 if i == 0:
                     try:
@@ -228,6 +235,7 @@ class GenerationMixin:
                                                                             emits[i], generated)
                 ok = holder.completed = True
             finally:
+                tickets[i].drop()  # done without a job of its own (nothing to generate) or failed before one
                 self._background(holder.close())
                 service = self._finish_job(holder, t0, len(generated), len(prompt_ids) if i == 0 else 0, ok)
             results[i] = Generation(token_ids=generated, text=text, finish_reason=finish, prompt_tokens=len(prompt_ids),
@@ -248,6 +256,8 @@ class GenerationMixin:
         finally:
             if not prefill.done():
                 prefill.cancel()
+            for ticket in tickets:  # a choice that never queued (failed, cancelled) gives its place back
+                ticket.drop()
         for g in results[1:]:
             g.prompt_logprobs = results[0].prompt_logprobs
         return results  # type: ignore[return-value]
