@@ -48,11 +48,11 @@ def test_the_places_of_later_choices_are_held_against_new_arrivals():
         dm.set_chains(_one_slot())
         tickets = RequestPlaces().expect(3)
         first = await _submit(dm, DispatchJob("r0", siblings=2), tickets[0])
-        assert first.done() and dm.held == 2  # started; a place held for each later choice
+        assert first.done() and dm.places_held == 2  # started; a place held for each later choice
         others = [await _submit(dm, DispatchJob(f"x{i}")) for i in range(2)]
         assert all(_refused(t) for t in others) and dm.queue_length == 0
         later = [await _submit(dm, DispatchJob(f"r{i}", checked=True), tickets[i]) for i in (1, 2)]
-        assert not any(t.done() for t in later) and dm.queue_length == 2 and dm.held == 0
+        assert not any(t.done() for t in later) and dm.queue_length == 2 and dm.places_held == 0
         assert dm.queue_max <= dm.max_queue
         dm.release(first.result())
         await asyncio.sleep(0)
@@ -73,14 +73,14 @@ def test_a_request_that_ends_early_gives_its_held_places_back():
         dm.set_chains(_one_slot())
         tickets = RequestPlaces().expect(3)
         first = await _submit(dm, DispatchJob("r0", siblings=2), tickets[0])
-        assert dm.held == 2
+        assert dm.places_held == 2
         tickets[2].drop()
-        assert dm.held == 1
+        assert dm.places_held == 1
         assert not _refused(await _submit(dm, DispatchJob("x0")))  # queued in the place given back
         assert _refused(await _submit(dm, DispatchJob("x1")))  # the last place is still held
         tickets[1].drop()
         x2 = await _submit(dm, DispatchJob("x2"))
-        assert not _refused(x2) and dm.queue_length == 2 and dm.held == 0
+        assert not _refused(x2) and dm.queue_length == 2 and dm.places_held == 0
         for t in [first, x2]:
             t.cancel()
         await asyncio.gather(first, x2, return_exceptions=True)
@@ -98,7 +98,7 @@ def test_a_request_whose_later_jobs_outnumber_the_bound_is_told_so_on_an_idle_sw
         dm.set_chains(_one_slot())
         first = await _submit(dm, DispatchJob("r0", siblings=2), RequestPlaces().expect(3)[0])
         assert _refused(first) and "ask for at most 2 choices" in str(first.exception()), first.exception()
-        assert dm.held == 0 and dm.queue_length == 0 and dm.active(0) == 0
+        assert dm.places_held == 0 and dm.queue_length == 0 and dm.active(0) == 0
 
     asyncio.run(main())
 
@@ -121,7 +121,7 @@ def test_the_prompts_of_one_request_are_admitted_together_and_keep_the_disciplin
         assert _refused(refused) and "6 choices" in str(refused.exception())  # 1 waiting + 6 > 5
         p0 = await _submit(dm, DispatchJob("p0", siblings=1), tickets[0])
         p1 = await _submit(dm, DispatchJob("p1", siblings=1), tickets[2])  # the other prompt: admitted with it
-        assert not p1.done() and dm.queue_length == 3 and dm.held == 2  # 5: the bound
+        assert not p1.done() and dm.queue_length == 3 and dm.places_held == 2  # 5: the bound
         assert _refused(await _submit(dm, DispatchJob("x")))
         dm.release(running.result())
         await asyncio.sleep(0)
@@ -131,7 +131,7 @@ def test_the_prompts_of_one_request_are_admitted_together_and_keep_the_disciplin
         await asyncio.gather(urgent, p0, p1, return_exceptions=True)
         for t in tickets:
             t.drop()
-        assert dm.held == 0
+        assert dm.places_held == 0
 
     asyncio.run(main())
 
@@ -196,13 +196,17 @@ def test_a_request_of_several_jobs_keeps_the_bound_through_the_api(model_path, m
                         for i in range(2)]
                 await asyncio.wait(news, timeout=30)  # refused at once (queued ones would wait for the gate)
                 decided = sum(t.done() for t in news)
+                swarm = (await c.get("/api/v1/swarm")).json()  # the held places, as an operator sees them
+                held = swarm["queue_places_held"]  # (a later prompt's first job may be queued already)
+                assert held > 0 and held + swarm["queue_length"] == prompts * n - 1, swarm
+                assert f"petals_chain_queue_places_held {float(held)}" in (await c.get("/metrics")).text
                 gate.set()
                 r = await request
                 statuses = [(await t).status_code for t in news]
                 assert r.status_code == 200 and len(r.json()["choices"]) == prompts * n, r.text
                 assert dm.queue_max <= max_queue, (dm.queue_max, statuses)
                 assert decided == 2 and statuses == [429, 429], statuses
-                assert dm.held == 0 and dm.queue_length == 0
+                assert dm.places_held == 0 and dm.queue_length == 0
         finally:
             orch.batcher.close()
 

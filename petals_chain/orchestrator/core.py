@@ -555,6 +555,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
             "queue_max": self.dispatch.queue_max, "max_queue": self.dispatch.max_queue,
             "queue_refused": self.dispatch.refused,
             "queue_share_refused": getattr(self.dispatch, "share_refused", 0), "requeued": self.dispatch.requeued,
+            # places held for the later jobs of admitted requests (n > 1, several prompts): queue_length + these
+            # stay within max_queue for new requests
+            "queue_places_held": getattr(self.dispatch, "places_held", 0),
             "sessions": len(self.sessions), "updated_at": time.time(), "servers": servers, "chains": chains,
             "history": list(self.stats.history)[-200:],
             "plans": list(p.plan_log)[-10:] if p is not None else [],
@@ -604,6 +607,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         s.m_queue_bound.set(self.dispatch.max_queue if self.dispatch.max_queue is not None else float("inf"))
         s.m_queue_refused.set(self.dispatch.refused)
         s.m_requeued.set(self.dispatch.requeued)
+        s.m_places_held.set(getattr(self.dispatch, "places_held", 0))
         s.m_chain_max_active.clear()  # only the current chains: a chain gone from the plan drops its series
         for k in range(len(self.dispatch.chains)):
             s.m_chain_max_active.labels(str(self.dispatch.chain_ids[k])).set(self.dispatch.peak_active(k))

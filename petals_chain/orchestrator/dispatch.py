@@ -14,7 +14,7 @@ only jobs admitted earlier, so it does not grow with the offered load. The later
 (the later choices of ``n`` > 1, which come after the first's prefill, and the other prompts of a multi-prompt
 request) are never refused either: they queue in the discipline's order. The request's first job to arrive is
 admitted only if a place for each of its later jobs fits too (:meth:`_check_room`), and those places stay held
-(:class:`RequestPlaces`, ``held``): new jobs see them as taken until each later job arrives and takes its own, or
+(:class:`RequestPlaces`, ``places_held``): new jobs see them as taken until each later job arrives and takes its own, or
 the request ends without it. So ``queue_length + held <= max_queue`` holds for new jobs, and the later jobs keep
 the bound. (A request's jobs are known by the :class:`PlaceTicket` its generation gives each of them; jobs
 without one, e.g. driven directly, are checked for their ``siblings`` but hold no places.)
@@ -248,7 +248,7 @@ class RequestPlaces:
     """The jobs one request submits to the dispatcher (each choice of each of its prompts, :meth:`expect`).
 
     Its first job to arrive is admitted only if a place in the queue fits for every job still to come, and from
-    then on those places are held (:attr:`DispatchManager.held`): new jobs see them as taken until each job arrives
+    then on those places are held (:attr:`DispatchManager.places_held`): new jobs see them as taken until each job arrives
     (and takes a place or a slot) or will not come (:meth:`PlaceTicket.drop`)."""
 
     def __init__(self) -> None:
@@ -435,7 +435,9 @@ class DispatchManager:
         self._index_by_key: dict[tuple, int] = {}  # chain_key -> index in the current chains
         self.preferred_starts = 0  # jobs started on a chain they preferred (its cached prefix)
         self._ids = itertools.count()
-        self._id_by_key: dict[tuple, int] = {}
+        self._id_by_key: dict[tuple, int] = {}  # chain_key -> id of the chains planned now (ids are never reused)
+        self._stepped: dict[int, set[Lease]] = {}  # chain id -> its running leases (_stepped_on)
+        self._retained_generation = -1  # the plan StepTimes was last pruned to (_retain_live)
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
         self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO); part of the queue
         self._lane: list[DispatchJob] = []  # re-queued jobs (FIFO), served before the queue
@@ -464,14 +466,14 @@ class DispatchManager:
         return int(q) + len(self._pending)
 
     @property
-    def held(self) -> int:
+    def places_held(self) -> int:
         """Places in the queue held for the jobs still to come of admitted requests (see the module)."""
         if self._holds:
             self._holds = [p for p in self._holds if p.pending]
         return sum(p.pending for p in self._holds)
 
-    def held_of(self, client: str) -> int:
-        """The places of :attr:`held` that ``client``'s requests hold."""
+    def places_held_of(self, client: str) -> int:
+        """The places of :attr:`places_held` that ``client``'s requests hold."""
         return sum(p.pending for p in self._holds if p.client == client)
 
     @property
@@ -520,11 +522,12 @@ class DispatchManager:
         self.generation += 1
         self.chains = chains
         self.chain_ids = []
+        ids = {}  # only the chains planned now: a long run's re-plans do not grow it
         for ch in chains:
             key = chain_key(ch)
-            if key not in self._id_by_key:
-                self._id_by_key[key] = next(self._ids)
-            self.chain_ids.append(self._id_by_key[key])
+            ids[key] = self._id_by_key[key] if key in self._id_by_key else next(self._ids)
+            self.chain_ids.append(ids[key])
+        self._id_by_key = ids
         self.dispatcher = self.factory(chains) if chains else None
         self._active = {}
         index_by_key = self._index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
@@ -614,7 +617,7 @@ class DispatchManager:
         if bounded and later:
             self._check_room(job, later)
         if self.dispatcher is None:
-            if bounded and len(self._pending) + self.held + later >= self.max_queue:
+            if bounded and len(self._pending) + self.places_held + later >= self.max_queue:
                 raise QueueFull(self.max_queue)
             self._pending.append(job)
             if bounded and self.keeps_places:
@@ -627,7 +630,7 @@ class DispatchManager:
             if chain_key(self.chains[k]) in job.prefer:
                 self.preferred_starts += 1
             self._start(job, k)
-        elif bounded and self.queue_length + self.held + later > self.max_queue:
+        elif bounded and self.queue_length + self.places_held + later > self.max_queue:
             # Undone in the same step (no await in between): the over-long queue is never observable.
             self._withdraw(job)
             raise QueueFull(self.max_queue)
@@ -676,7 +679,7 @@ class DispatchManager:
         itself if no slot is free, within the bound and, where the queue keeps places, the share. Places held for
         other requests count as taken."""
         need = later + (0 if self._free_slots() > 0 else 1)
-        queued = self.queue_length + self.held
+        queued = self.queue_length + self.places_held
         if later > self.max_queue:  # never fits, however idle the swarm: say so rather than "retry later"
             raise QueueFull(self.max_queue, f"this request's {1 + later} choices need a place in the queue for each "
                                             f"after the first ({later}), more than its bound (--max-queue "
@@ -685,7 +688,7 @@ class DispatchManager:
             raise QueueFull(self.max_queue, f"the swarm is at capacity and its queue ({queued} waiting or held, bound "
                                             f"{self.max_queue}) has no room for this request's {1 + later} "
                                             "choices; retry later, or ask for fewer choices")
-        mine = self.waiting_of(job.client) + self.held_of(job.client)
+        mine = self.waiting_of(job.client) + self.places_held_of(job.client)
         if self.keeps_places and self._over_share(mine, queued, need):
             raise QueueShareFull(self.max_queue, mine, queued, need, 1 + later)
 
@@ -700,8 +703,8 @@ class DispatchManager:
         """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client, with the places of
         the ``later`` jobs of its request, would hold more than its share of the free places
         (:data:`QUEUE_SHARE_ALPHA`); undone in the same step, like the bound."""
-        queued = self.queue_length - 1 + self.held  # before this job
-        mine = self.waiting_of(job.client) - 1 + self.held_of(job.client)
+        queued = self.queue_length - 1 + self.places_held  # before this job
+        mine = self.waiting_of(job.client) - 1 + self.places_held_of(job.client)
         if self._over_share(mine, queued, 1 + later):
             self._withdraw(job)
             raise QueueShareFull(self.max_queue, mine, queued, 1 + later, 1 + later)
@@ -753,6 +756,7 @@ class DispatchManager:
     def _start(self, job: DispatchJob, k: int, queued: bool = False) -> None:
         lease = Lease(job=job, chain=self.chains[k], index=k, generation=self.generation, chain_id=self.chain_ids[k])
         self._running[job] = lease
+        self._stepped_on(lease.chain_id).add(lease)  # (a session marked idle before its first step counts as idle)
         self._count(k, +1)
         fut = self._waiters.pop(job, None)
         job.wait_s += time.monotonic() - job.arrival
@@ -1037,10 +1041,6 @@ class DispatchManager:
         return ChainLoad(capacity=capacity, active=active, step_s=step, open_s=self.step_times.open_s(cid),
                          job_s=max(step, full) * spj + self.step_times.overhead_s(cid))
 
-    # a chain's leases that stepped (see _stepped_on), and the plan StepTimes was last pruned to (_retain_live)
-    _stepped: dict[int, set[Lease]] | None = None
-    _retained_generation = -1
-
     def _retain_live(self) -> None:
         """After a re-plan, forget what was learnt of chains no longer planned (it grew with every plan)."""
         if self._retained_generation != self.generation:
@@ -1048,10 +1048,8 @@ class DispatchManager:
             self.step_times.retain(self.chain_ids)
 
     def _stepped_on(self, chain_id: int) -> set[Lease]:
-        """Running leases of chain ``chain_id`` that stepped on it (in any plan): added at each step, removed at their
-        release, so a step counts the chain's idle sessions among its own jobs, not among every running job."""
-        if self._stepped is None:
-            self._stepped = {}
+        """Running leases of chain ``chain_id`` (in any plan): added at their start, removed at their release, so a
+        step counts the chain's idle sessions among its own jobs, not among every running job."""
         return self._stepped.setdefault(chain_id, set())
 
     def _observe_step(self, lease: Lease, step_s: float, tokens: int) -> None:
@@ -1106,7 +1104,7 @@ class DispatchManager:
         """``lease`` is released: learn how long its job held the slot besides its steps (opening the chain before
         the first, closing it after the last), which slows the rate a chain's slots free at as much as its steps
         do. Not for a job that never stepped, nor a session's (held between turns, not stepping)."""
-        stepped = self._stepped.get(lease.chain_id) if self._stepped else None
+        stepped = self._stepped.get(lease.chain_id)
         if stepped is not None:
             stepped.discard(lease)
             if not stepped:

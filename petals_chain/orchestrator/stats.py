@@ -87,6 +87,8 @@ class Stats:
                                      "was full (429 queue_full)", registry=r)
         self.m_requeued = Gauge("petals_chain_requeued_jobs", "Admitted jobs waiting to get a chain again (failover, "
                                 "a session's later turn); outside the bounded queue", registry=r)
+        self.m_places_held = Gauge("petals_chain_queue_places_held", "Queue places held for the later jobs of admitted "
+                                   "requests (n > 1, several prompts); with the queue, within the bound", registry=r)
         self.m_chain_max_active = Gauge("petals_chain_chain_max_active", "Most jobs run at once on a current chain "
                                         "since start", ["chain"], registry=r)
         self.m_running = Gauge("petals_chain_running_jobs", "Jobs holding a chain", registry=r)
