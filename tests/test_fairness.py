@@ -740,7 +740,7 @@ def test_the_choices_of_one_request_are_given_their_places_when_it_is_admitted()
         later, refused = await _fill(dm, choices("a", "heavy", 4)[1:])  # after its prefill: queued, never refused
         assert first and not refused and dm.queue_length == 3
         tasks, refused = await _fill(dm, choices("b", "heavy", 4)[:1])  # 4 more places: 7 > 6
-        assert [type(e) for e in refused] == [QueueFull] and "this request's 4 choices" in str(refused[0])
+        assert [type(e) for e in refused] == [QueueFull] and "this request's 4 completions" in str(refused[0])
         tasks, refused = await _fill(dm, choices("c", "heavy", 2)[:1])  # 2 places fit the bound, not the share
         assert [type(e) for e in refused] == [QueueShareFull] and "need 2 places" in str(refused[0])
         light, refused = await _fill(dm, [DispatchJob("l", client="light")])

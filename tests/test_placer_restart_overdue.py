@@ -127,7 +127,7 @@ def test_an_older_server_without_a_start_time_keeps_its_failures_until_it_leaves
 def test_a_server_overdue_loading_its_models_span_is_moved_like_a_failed_load(caplog):
     """S, placed on beta and assigned [0, 2), stays joining without a word (a load that hangs, an older server): past
     beta's load deadline the placer moves it to alpha, says why in its JSON (``reason`` "overdue") and its log, and
-    keeps it off beta; within the deadline nothing moves."""
+    keeps it off beta for as long again; within the deadline nothing moves."""
     sw = RestartableSwarm(deadline_s=DEADLINE)
     s_on_beta(sw)
     sw.now += DEADLINE - 1
@@ -145,13 +145,20 @@ def test_a_server_overdue_loading_its_models_span_is_moved_like_a_failed_load(ca
         "why"], move
     assert any(r.levelno == logging.WARNING and "overdue loading model beta's blocks [0, 2)" in r.getMessage()
                for r in caplog.records), caplog.text
-    sw.announce("S", BOTH, "alpha")  # it follows; beta's traffic comes and a re-placement is due: not given back
+    sw.announce("S", BOTH, "alpha")  # it follows, and loads alpha's span
     sw.step()
-    beta_traffic(sw)
-    sw.step(2)
+    sw.load("S", BOTH, "alpha")
+    sw.now += DEADLINE - 5
+    sw.step()
     assert sw.placed("S") == "alpha" and sw.placer.json()["load_failures"]["S"]["beta"]["reason"] == "overdue"
-    # one that reports its failure says so as before
     assert sw.orchs["beta"].planner.reported_load_failure("S") is None  # not beta's any more
+    # as long again as the deadline it missed: a load that was only slow gets another try (kept off beta for good,
+    # beta, whose only server it is, stayed unserved with traffic waiting until S restarted: review)
+    with caplog.at_level(logging.INFO, logger="petals_chain.orchestrator.placement"):
+        beta_traffic(sw)
+        sw.step(2)
+    assert "S" not in sw.placer.load_failures and sw.placed("S") == "beta", sw.placer.json()
+    assert any("was overdue loading model beta" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_the_planner_plans_a_capped_server_moved_to_another_model_by_its_cap():

@@ -88,16 +88,29 @@ def test_a_request_that_ends_early_gives_its_held_places_back():
     asyncio.run(main())
 
 
-def test_a_request_whose_later_jobs_outnumber_the_bound_is_told_so_on_an_idle_swarm():
-    """n = 3 with max_queue 1 never fits (two places needed, one exists): refused at once, the message says what
-    would fit rather than "the swarm is at capacity" on a free swarm."""
+def test_free_slots_start_what_the_queue_cannot_hold_and_a_request_that_never_fits_is_told_so():
+    """max_queue 1: n = 3 on an idle chain of 4 slots is admitted (its later choices find free slots; it holds the
+    one place the queue has, so a new request must not take it meanwhile), where holding a place for every later
+    choice refused it on an idle swarm (review); n = 3 on a chain of one slot never fits (one slot and one place
+    for three completions): refused at once, and the message says so rather than "retry later"."""
     from petals_chain.orchestrator.dispatch import RequestPlaces
 
     async def main():
         dm = DispatchManager(max_queue=1)
+        dm.set_chains([Chain(servers=("a",), blocks=(4,), service_time=1.0, capacity=4, spans=((0, 4),))])
+        tickets = RequestPlaces().expect(3)
+        first = await _submit(dm, DispatchJob("r0", siblings=2), tickets[0])
+        assert first.done() and not first.exception() and dm.places_held == 1
+        later = [await _submit(dm, DispatchJob(f"r{i}", checked=True), tickets[i]) for i in (1, 2)]
+        assert all(t.done() and not t.exception() for t in later) and dm.places_held == 0 and dm.active(0) == 3
+        for t in [first, *later]:
+            dm.release(t.result())
+
+        dm = DispatchManager(max_queue=1)
         dm.set_chains(_one_slot())
         first = await _submit(dm, DispatchJob("r0", siblings=2), RequestPlaces().expect(3)[0])
-        assert _refused(first) and "ask for at most 2 choices" in str(first.exception()), first.exception()
+        assert _refused(first) and "ask for fewer" in str(first.exception()), first.exception()
+        assert "more than the chains' 1 slots and the queue's bound" in str(first.exception())
         assert dm.places_held == 0 and dm.queue_length == 0 and dm.active(0) == 0
 
     asyncio.run(main())
@@ -118,7 +131,7 @@ def test_the_prompts_of_one_request_are_admitted_together_and_keep_the_disciplin
         places = RequestPlaces()
         tickets = places.expect(2) + places.expect(2)  # two prompts, n = 2
         refused = await _submit(dm, DispatchJob("too-big", siblings=1), RequestPlaces().expect(6)[0])
-        assert _refused(refused) and "6 choices" in str(refused.exception())  # 1 waiting + 6 > 5
+        assert _refused(refused) and "6 completions" in str(refused.exception())  # 1 waiting + 6 > 5
         p0 = await _submit(dm, DispatchJob("p0", siblings=1), tickets[0])
         p1 = await _submit(dm, DispatchJob("p1", siblings=1), tickets[2])  # the other prompt: admitted with it
         assert not p1.done() and dm.queue_length == 3 and dm.places_held == 2  # 5: the bound
@@ -209,5 +222,33 @@ def test_a_request_of_several_jobs_keeps_the_bound_through_the_api(model_path, m
                 assert dm.places_held == 0 and dm.queue_length == 0
         finally:
             orch.batcher.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_queued_as_chains_come_waits_on_in_its_place(monkeypatch):
+    """A new request arrives while no chain exists (it waits --no-chain-wait-s, not the queue time); chains come and
+    it is queued; at the end of that wait it was taken out and queued again as a new job: behind a request that came
+    after it (and, its request's places held, past --max-queue: review). Now it waits on in its place."""
+    from test_fairness import _holder
+
+    async def main():
+        dm = DispatchManager(max_queue=2)
+        busy = asyncio.ensure_future(dm.acquire(DispatchJob("busy")))
+        await asyncio.sleep(0)
+        r = asyncio.ensure_future(_holder(dm, None, monkeypatch, no_chain_wait_s=0.1).feed([1, 2, 3]))
+        await asyncio.sleep(0.02)
+        dm.set_chains(_one_slot())  # busy takes the slot, r is queued
+        await asyncio.sleep(0.02)
+        z = asyncio.ensure_future(dm.acquire(DispatchJob("z")))  # a later request, queued behind r
+        await asyncio.sleep(0.2)  # past r's no-chain wait
+        assert dm.queue_length == 2 and dm.queue_max <= 2 and not r.done()
+        dm.release(busy.result())
+        await asyncio.sleep(0.02)
+        assert not z.done() and dm.running == 1  # the slot went to r (its chain's open hangs), not to z
+        for t in (r, z):
+            t.cancel()
+        await asyncio.gather(r, z, return_exceptions=True)
+        assert dm.running == 0 and dm.queue_length == 0
 
     asyncio.run(main())

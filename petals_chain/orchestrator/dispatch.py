@@ -54,6 +54,9 @@ def chain_key(chain: Chain) -> tuple:
 # seconds since the manager started: exact to ~0.1 us for 30 years)
 STARVED_KEY = -1e9
 STARVE_CHECK_S = 0.02
+# chain ids (with the step times learnt and the peaks) kept of the chains planned now and before; past this many,
+# only those planned now
+KEPT_CHAIN_IDS = 256
 
 
 @dataclass(eq=False)
@@ -184,9 +187,9 @@ class QueueShareFull(QueueFull):
 
     def __init__(self, max_queue: int, mine: int, queued: int, need: int = 1, choices: int = 1):
         if choices > 1:
-            what = (f"this request's {choices} choices need {need} places in the queue, where this client has {mine} "
-                    f"of the {queued} waiting (bound {max_queue}); the last places are kept for other clients; "
-                    "retry later, or ask for fewer choices")
+            what = (f"this request's {choices} completions (prompts x n) need {need} places in the queue, where this "
+                    f"client has {mine} of the {queued} waiting or held (bound {max_queue}); the last places are kept "
+                    "for other clients; retry later, or ask for fewer")
         else:
             what = (f"this client already has {mine} requests waiting of the {queued} in the queue (bound "
                     f"{max_queue}); the rest of the queue is kept for other clients; retry later")
@@ -247,14 +250,16 @@ ADMISSION: contextvars.ContextVar[Admission | None] = contextvars.ContextVar("pe
 class RequestPlaces:
     """The jobs one request submits to the dispatcher (each choice of each of its prompts, :meth:`expect`).
 
-    Its first job to arrive is admitted only if a place in the queue fits for every job still to come, and from
-    then on those places are held (:attr:`DispatchManager.places_held`): new jobs see them as taken until each job arrives
-    (and takes a place or a slot) or will not come (:meth:`PlaceTicket.drop`)."""
+    Its first job to arrive is admitted only if the queue has a place for each of its jobs the free slots cannot
+    start, and from then on it holds a place for each job still to come, as many as the queue had
+    (:attr:`DispatchManager.places_held`): new jobs see them as taken until each job arrives (and takes a place or
+    a slot) or will not come (:meth:`PlaceTicket.drop`)."""
 
     def __init__(self) -> None:
         self.tickets: list[PlaceTicket] = []
         self.admitted = False  # its first job was admitted: the places of the others are held
         self.client = "anonymous"
+        self.cap = 0  # the most places it holds (those the queue had at its admission)
 
     def expect(self, jobs: int) -> list["PlaceTicket"]:
         """``jobs`` more jobs of the request will arrive: one ticket each (to put in :data:`PLACE` of its task)."""
@@ -268,6 +273,11 @@ class RequestPlaces:
     def pending(self) -> int:
         """Jobs expected that have neither arrived nor been dropped."""
         return sum(1 for t in self.tickets if t.state == "expected")
+
+    @property
+    def holding(self) -> int:
+        """Places it holds now: one per job still to come, at most :attr:`cap`."""
+        return min(self.pending, self.cap)
 
 
 @dataclass(eq=False)
@@ -435,7 +445,9 @@ class DispatchManager:
         self._index_by_key: dict[tuple, int] = {}  # chain_key -> index in the current chains
         self.preferred_starts = 0  # jobs started on a chain they preferred (its cached prefix)
         self._ids = itertools.count()
-        self._id_by_key: dict[tuple, int] = {}  # chain_key -> id of the chains planned now (ids are never reused)
+        # chain_key -> id, kept across re-plans (a chain missing from one plan comes back with its id, what was learnt
+        # of it and its peak); the chains of older plans are forgotten past KEPT_CHAIN_IDS (ids are never reused)
+        self._id_by_key: dict[tuple, int] = {}
         self._stepped: dict[int, set[Lease]] = {}  # chain id -> its running leases (_stepped_on)
         self._retained_generation = -1  # the plan StepTimes was last pruned to (_retain_live)
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
@@ -469,12 +481,12 @@ class DispatchManager:
     def places_held(self) -> int:
         """Places in the queue held for the jobs still to come of admitted requests (see the module)."""
         if self._holds:
-            self._holds = [p for p in self._holds if p.pending]
-        return sum(p.pending for p in self._holds)
+            self._holds = [p for p in self._holds if p.holding]
+        return sum(p.holding for p in self._holds)
 
     def places_held_of(self, client: str) -> int:
         """The places of :attr:`places_held` that ``client``'s requests hold."""
-        return sum(p.pending for p in self._holds if p.client == client)
+        return sum(p.holding for p in self._holds if p.client == client)
 
     @property
     def requeued(self) -> int:
@@ -522,12 +534,16 @@ class DispatchManager:
         self.generation += 1
         self.chains = chains
         self.chain_ids = []
-        ids = {}  # only the chains planned now: a long run's re-plans do not grow it
         for ch in chains:
             key = chain_key(ch)
-            ids[key] = self._id_by_key[key] if key in self._id_by_key else next(self._ids)
-            self.chain_ids.append(ids[key])
-        self._id_by_key = ids
+            if key not in self._id_by_key:
+                self._id_by_key[key] = next(self._ids)
+            self.chain_ids.append(self._id_by_key[key])
+        if len(self._id_by_key) > KEPT_CHAIN_IDS:  # a long run's re-plans: keep the chains planned now
+            current = {chain_key(ch) for ch in chains}
+            self._id_by_key = {k: i for k, i in self._id_by_key.items() if k in current}
+            kept = set(self._id_by_key.values())
+            self._peak = {k: n for k, n in self._peak.items() if k[0] in kept}
         self.dispatcher = self.factory(chains) if chains else None
         self._active = {}
         index_by_key = self._index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
@@ -610,38 +626,42 @@ class DispatchManager:
         return queued, fresh
 
     # ---- jobs --------------------------------------------------------------------------------
-    def _arrive(self, job: DispatchJob, bounded: bool = False, later: int = 0) -> None:
+    def _arrive(self, job: DispatchJob, bounded: bool = False, later: int = 0) -> int:
         """Start ``job`` or queue it; with ``bounded``, raise :class:`QueueFull` instead of exceeding the bound, which
-        must leave a place for each of the ``later`` jobs of its request still to come (held once it is admitted)."""
+        must leave room for the ``later`` jobs of its request still to come (:meth:`_check_room`). Returns the places
+        its request may hold for them (all ``later`` unbounded)."""
         bounded = bounded and self.max_queue is not None
+        cap = later
         if bounded and later:
-            self._check_room(job, later)
+            cap = self._check_room(job, later)
         if self.dispatcher is None:
-            if bounded and len(self._pending) + self.places_held + later >= self.max_queue:
+            if bounded and len(self._pending) + self.places_held + cap >= self.max_queue:
                 raise QueueFull(self.max_queue)
             self._pending.append(job)
             if bounded and self.keeps_places:
-                self._check_share(job, later)
-            return
+                self._check_share(job, cap)
+            return cap
         if self._start_preferred(job):
-            return
+            return cap
         k = self.dispatcher.arrive(job)
         if k is not None and self._is_started(k, job):
             if chain_key(self.chains[k]) in job.prefer:
                 self.preferred_starts += 1
             self._start(job, k)
-        elif bounded and self.queue_length + self.places_held + later > self.max_queue:
+        elif bounded and self.queue_length + self.places_held + cap > self.max_queue:
             # Undone in the same step (no await in between): the over-long queue is never observable.
             self._withdraw(job)
             raise QueueFull(self.max_queue)
         elif bounded and self.keeps_places:
-            self._check_share(job, later)
+            self._check_share(job, cap)
+        return cap
 
-    def _hold(self, ticket: PlaceTicket, job: DispatchJob) -> None:
-        """``job``, its request's first, was admitted: the places of the request's jobs still to come are held."""
+    def _hold(self, ticket: PlaceTicket, job: DispatchJob, cap: int) -> None:
+        """``job``, its request's first, was admitted: up to ``cap`` places of the request's jobs still to come are
+        held."""
         places = ticket.places
         ticket.state = "arrived"
-        places.admitted, places.client = True, job.client
+        places.admitted, places.client, places.cap = True, job.client, int(cap)
         if places.pending and places not in self._holds:
             self._holds.append(places)
 
@@ -673,24 +693,29 @@ class DispatchManager:
         return sum(max(0, int(ch.capacity) - self.active(k)) for k, ch in enumerate(self.chains)) \
             if self.dispatcher is not None else 0
 
-    def _check_room(self, job: DispatchJob, later: int) -> None:
-        """The first job of a request of several (``n`` > 1, several prompts): refuse it now unless a place in the
-        queue fits for each of its ``later`` jobs (they come after its prefill and are never refused), and one for
-        itself if no slot is free, within the bound and, where the queue keeps places, the share. Places held for
-        other requests count as taken."""
-        need = later + (0 if self._free_slots() > 0 else 1)
+    def _check_room(self, job: DispatchJob, later: int) -> int:
+        """The first job of a request of several (``n`` > 1, several prompts): refuse it now unless the queue has a
+        place for each of its jobs the free slots cannot start (the ``later`` ones come after its prefill and are
+        never refused), within the bound and, where the queue keeps places, the share; places held for other
+        requests count as taken. Returns the places the request may hold for its later jobs: all of them where the
+        queue has room (then the bound holds whoever takes the free slots meanwhile), else those it has."""
+        free = self._free_slots()
+        need = max(0, 1 + later - free)
         queued = self.queue_length + self.places_held
-        if later > self.max_queue:  # never fits, however idle the swarm: say so rather than "retry later"
-            raise QueueFull(self.max_queue, f"this request's {1 + later} choices need a place in the queue for each "
-                                            f"after the first ({later}), more than its bound (--max-queue "
-                                            f"{self.max_queue}): ask for at most {self.max_queue + 1} choices")
-        if queued + need > self.max_queue:
-            raise QueueFull(self.max_queue, f"the swarm is at capacity and its queue ({queued} waiting or held, bound "
-                                            f"{self.max_queue}) has no room for this request's {1 + later} "
-                                            "choices; retry later, or ask for fewer choices")
+        if need > self.max_queue - queued:
+            slots = sum(max(0, int(ch.capacity)) for ch in self.chains) if self.dispatcher is not None else 0
+            if 1 + later - slots > self.max_queue:  # never fits, however idle the swarm: not "retry later"
+                raise QueueFull(self.max_queue, f"this request's {1 + later} completions (prompts x n) are more than "
+                                                f"the chains' {slots} slots and the queue's bound (--max-queue "
+                                                f"{self.max_queue}) together: ask for fewer")
+            raise QueueFull(self.max_queue, f"the swarm is busy: its queue ({queued} waiting or held, bound "
+                                            f"{self.max_queue}) has no room for the {need} of this request's "
+                                            f"{1 + later} completions (prompts x n) that the {free} free slots cannot "
+                                            "start; retry later, or ask for fewer")
         mine = self.waiting_of(job.client) + self.places_held_of(job.client)
         if self.keeps_places and self._over_share(mine, queued, need):
             raise QueueShareFull(self.max_queue, mine, queued, need, 1 + later)
+        return min(later, self.max_queue - queued - (0 if free > 0 else 1))
 
     def _over_share(self, mine: int, queued: int, need: int = 1) -> bool:
         """The share rule (:data:`QUEUE_SHARE_ALPHA`): a client with ``mine`` jobs waiting of ``queued`` asks for
@@ -827,9 +852,9 @@ class DispatchManager:
                 self._arrive(job)
             else:
                 later = ticket.places.pending - 1 if ticket is not None and ticket.state == "expected" else 0
-                self._arrive(job, bounded=True, later=max(later, job.siblings))
+                cap = self._arrive(job, bounded=True, later=max(later, job.siblings))
                 if ticket is not None:
-                    self._hold(ticket, job)
+                    self._hold(ticket, job, cap)
         except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
             if isinstance(e, QueueShareFull):
@@ -1042,10 +1067,11 @@ class DispatchManager:
                          job_s=max(step, full) * spj + self.step_times.overhead_s(cid))
 
     def _retain_live(self) -> None:
-        """After a re-plan, forget what was learnt of chains no longer planned (it grew with every plan)."""
+        """After a re-plan, forget what was learnt of chains whose ids are forgotten (:data:`KEPT_CHAIN_IDS`; it grew
+        with every plan)."""
         if self._retained_generation != self.generation:
             self._retained_generation = self.generation
-            self.step_times.retain(self.chain_ids)
+            self.step_times.retain(self._id_by_key.values())
 
     def _stepped_on(self, chain_id: int) -> set[Lease]:
         """Running leases of chain ``chain_id`` (in any plan): added at their start, removed at their release, so a

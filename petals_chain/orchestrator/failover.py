@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -150,8 +150,15 @@ class ChainHolder:
             chainless = not self.admitted and not getattr(orch.dispatch, "chains", True)
             if chainless:  # nothing serves the model now: a new request learns it soon, not after the queue time
                 wait_s = min(wait_s, max(0.001, float(getattr(orch.cfg, "no_chain_wait_s", wait_s))))
+            def keep_waiting() -> float:
+                # chains came while a new request waited for the first: it waits on in its place (queued again it
+                # went to the back, and its request's held places could be taken meanwhile)
+                if chainless and getattr(orch.dispatch, "chains", None):
+                    return min(deadline, drop_at) - time.monotonic()
+                return 0.0
+
             try:
-                lease = await asyncio.wait_for(orch.dispatch.acquire(job), timeout=wait_s)
+                lease = await self._acquire(job, wait_s, keep_waiting)
             except asyncio.CancelledError:
                 self._gave_up(job, began)  # its client went away while it waited
                 raise
@@ -161,12 +168,10 @@ class ChainHolder:
                     orch.deadlines.settle(dl, "dropped")
                     raise RequestError("the deadline passed while the request waited for a chain", status=504,
                                        code="deadline_exceeded") from None
-                if chainless and getattr(orch.dispatch, "chains", None) and time.monotonic() < deadline:
-                    continue  # chains came meanwhile: queue again for the rest of the queue time
                 self._gave_up(job, began)
                 if dl is not None and dl.active and not self.admitted:
                     orch.deadlines.settle(dl, "refused")  # it never ran: not a miss of the model's chains
-                if chainless:
+                if chainless and not getattr(orch.dispatch, "chains", True):
                     raise Unavailable(f"no server serves this model now (no chain for {wait_s:.0f} s); "
                                       f"try again later") from None
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
@@ -266,6 +271,39 @@ class ChainHolder:
                 failed_opens += 1
                 await asyncio.sleep(min(2.0, 0.1 * failed_opens))
                 self.wait_s += time.monotonic() - t0
+
+    async def _acquire(self, job: DispatchJob, wait_s: float, keep_waiting: Callable[[], float]) -> Lease:
+        """``dispatch.acquire(job)`` within ``wait_s`` (``asyncio.TimeoutError`` after it); at that time it waits
+        ``keep_waiting()`` seconds more if that is > 0, in its place. A lease given as it stops waiting is used, or
+        given back if its request was cancelled."""
+        orch = self.orch
+        acq = asyncio.ensure_future(orch.dispatch.acquire(job))
+        try:
+            try:
+                return await asyncio.wait_for(asyncio.shield(acq), timeout=wait_s)
+            except asyncio.TimeoutError:
+                more = 0.0 if acq.done() else keep_waiting()
+                if more <= 0:
+                    if acq.done():
+                        return acq.result()
+                    raise
+            try:
+                return await asyncio.wait_for(asyncio.shield(acq), timeout=more)
+            except asyncio.TimeoutError:
+                if acq.done():
+                    return acq.result()
+                raise
+        except BaseException:
+            if not acq.done():
+                acq.cancel()  # its own handler takes the job out of the queue
+                await asyncio.gather(acq, return_exceptions=True)
+            elif not acq.cancelled() and acq.exception() is None:  # its chain came as the request went away
+                lease = acq.result()
+                shares = getattr(orch, "shares", None)
+                if shares is not None:
+                    shares.refund(job, chain_key(lease.chain), gone=True)
+                orch.dispatch.release(lease)
+            raise
 
     def _gave_up(self, job: DispatchJob, began: float) -> None:
         """The request stops waiting for a chain unstarted (a timeout, a dropped deadline, its client gone): its

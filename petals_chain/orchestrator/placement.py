@@ -328,11 +328,13 @@ class ModelPlacer:
         return plan.get(peer) or sorted(allowed)[0]
 
     # ---- failed loads -----------------------------------------------------------------------------------
-    def _note_load_failures(self, flexible: dict[str, Any], records: dict[str, dict[str, Any]]) -> None:
+    def _note_load_failures(self, flexible: dict[str, Any], records: dict[str, dict[str, Any]], now: float) -> None:
         """Keep what the planner of each flexible server's model says of its failed load there (its record, at or
         after the epoch that gave it the span; or the load deadline, past), and forget it when the server leaves or
         restarts (it loads afresh; a restart is told by a new ``started_at`` in its records, and what a record of
-        the run before says is not taken) or, still placed on the model, the planner stops saying so."""
+        the run before says is not taken) or, still placed on the model, the planner stops saying so. An overdue load
+        (no error said) is forgotten after as long again as the deadline it missed (:meth:`_expire_overdue`)."""
+        self._expire_overdue(now)
         for peer in [p for p in self.load_failures if p not in flexible]:
             logger.info("placement: server %s left: the models it could not load (%s) may be placed on it again",
                         peer[:12], ", ".join(self.load_failures.pop(peer)))
@@ -352,7 +354,8 @@ class ModelPlacer:
             if failure is not None:
                 if said is None or (said["failed_span"], said["load_error"]) != (failure["failed_span"],
                                                                                  failure["load_error"]):
-                    self.load_failures.setdefault(peer, {})[name] = {"reason": "reported", **failure, "t": time.time()}
+                    self.load_failures.setdefault(peer, {})[name] = {"reason": "reported", **failure, "t": time.time(),
+                                                                     "since": now}
             elif said is not None and peer in planner.servers:
                 del failed[name]
                 if not failed:
@@ -360,6 +363,22 @@ class ModelPlacer:
                 logger.info("placement: server %s (%s) no longer reports a failed load of model %s (it loaded its "
                             "blocks, or was given others): it may be placed on it again", rec.public_name,
                             peer[:12], name)
+
+    def _expire_overdue(self, now: float) -> None:
+        """Forget each overdue load (``reason`` "overdue") of a model the server was moved off once the model's load
+        deadline has passed again since: a load that was only slow (a large download) gets another try, where one
+        kept for good left a model whose only server it was unserved until the server restarted (review)."""
+        for peer in list(self.load_failures):
+            by = self.load_failures[peer]
+            for name in [m for m, f in by.items() if f.get("reason") == "overdue" and self.placement.get(peer) != m]:
+                planner = self.orchs[name].planner if name in self.orchs else None
+                ttl = float(getattr(planner, "load_deadline_s", 0.0) or 0.0)
+                if now - by[name].get("since", now) >= ttl:
+                    del by[name]
+                    logger.info("placement: server %s was overdue loading model %s %.0f s ago: it may be placed on it "
+                                "again (a slow load gets another try)", peer[:12], name, ttl)
+            if not by:
+                del self.load_failures[peer]
 
     def _note_start(self, peer: str, rec: Any, by_model: dict[str, Any]) -> float:
         """The latest process start ``peer``'s records announce; another one than seen before is a restart (an older
@@ -602,7 +621,7 @@ class ModelPlacer:
         new = sorted(p for p in flexible if p not in self.placement)
         if new:
             self._place_new(new, records, now)
-        self._note_load_failures(flexible, records)
+        self._note_load_failures(flexible, records, now)
         self._move_off_failed(records, flexible, now)
         # static: one re-placement, for the first traffic seen (the fixed plan), none after
         if flexible and (self.policy == "ui" or (self.policy == "static" and self.estimate is None)):
