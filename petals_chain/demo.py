@@ -11,6 +11,7 @@ and tokens/s. ``--tiny`` runs the old random-weight demo instead (a burst of sam
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import tempfile
@@ -154,9 +155,11 @@ def run_real(args) -> int:
     work, tmp = _work_dir(args.work_dir)
     try:
         num_blocks, s_m, s_c = model_memory(args.model, args.max_length)
-    except ModelNotFetched as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (ModelNotFetched, OSError, ValueError) as e:  # not fetched, no such model: say so, no traceback
+        print(f"error: --model {args.model}: {e}", file=sys.stderr)
+        if tmp is not None:
+            tmp.cleanup()
+        return 2
     print(f"[1/5] Model {args.model}: {num_blocks} blocks, s_m = {s_m / 2**20:.1f} MB per block, "
           f"s_c = {s_c / 2**20:.2f} MB per KV slot at max_length {args.max_length}")
     servers = [LocalServer(name, int(min(blocks, num_blocks - 1) * (s_m + slots * s_c)), emulate_rtt_ms=rtt)
@@ -294,6 +297,25 @@ def run_tiny(args) -> int:
     return code
 
 
+# The shortest --max-length the questions fit in: the real demo's two-turn chat session (the template's system
+# prompt, two questions, two answers of up to 48 tokens) takes about 200 tokens; a tiny burst's prompt up to 64
+MIN_MAX_LENGTH = 256
+TINY_PROMPT_TOKENS = 64
+
+
+def _arrival_rate(text: str) -> str:
+    """``--arrival-rate``: ``auto`` or a positive finite number of requests per second (kept as text)."""
+    if text == "auto":
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of requests per second or 'auto', got {text!r}") from None
+    if not 0 < rate < math.inf:
+        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m petals_chain.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -306,20 +328,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16, help="--tiny: requests in the burst")
     p.add_argument("--max-tokens", type=int, default=24, help="--tiny: tokens per request")
     p.add_argument("--max-length", type=int, default=None, help="tokens per job (default: 1024, --tiny: 256)")
-    p.add_argument("--arrival-rate", default=None,
+    p.add_argument("--arrival-rate", default=None, type=_arrival_rate,
                    help="arrival rate the planner assumes (req/s; default 0.5, --tiny 8) or 'auto' (--tiny)")
     p.add_argument("--keep-running", action="store_true", help="keep the swarm up at the end (Ctrl+C to stop)")
     p.add_argument("--work-dir", default=None, help="where to put logs (and the tiny model); default: a temp dir")
     args = p.parse_args(argv)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the swarm as Ctrl+C does (it outlived a killed demo)
         signal.signal(sig, _interrupt)
+    if args.work_dir is not None:  # an unusable one failed with a traceback, after the swarm was set up
+        try:
+            Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--work-dir {args.work_dir}: {e.strerror or e}")
     if args.tiny:
-        args.max_length = args.max_length or 256
-        args.arrival_rate = args.arrival_rate or "8"
         if args.layers < 2 or args.requests < 1 or args.max_tokens < 1:
             p.error("--layers must be >= 2, --requests and --max-tokens >= 1")
+        floor = args.max_tokens + TINY_PROMPT_TOKENS
+        args.max_length = 256 if args.max_length is None else args.max_length  # 0 ran at the default, unsaid
+        if args.max_length < floor:
+            p.error(f"--max-length must be >= {floor} (a prompt of up to {TINY_PROMPT_TOKENS} tokens plus "
+                    f"--max-tokens {args.max_tokens}), got {args.max_length}")
+        args.arrival_rate = args.arrival_rate or "8"
         return run_tiny(args)
-    args.max_length = args.max_length or 1024
+    args.max_length = 1024 if args.max_length is None else args.max_length
+    if args.max_length < MIN_MAX_LENGTH:
+        p.error(f"--max-length must be >= {MIN_MAX_LENGTH} (the demo's chat session needs about 200 tokens), "
+                f"got {args.max_length}")
     args.arrival_rate = args.arrival_rate or "0.5"
     if args.arrival_rate == "auto":
         p.error("--arrival-rate auto is for --tiny; give a number")

@@ -150,6 +150,20 @@ HEALTH_PROBE_S = 5.0  # after a generation's read timeout, how long GET /healthz
 _POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
 
+def _check_url(url: str) -> None:
+    """ValueError for what is not an orchestrator's root URL: without ``http://`` every request failed as "no
+    orchestrator could serve" (after ``retry_s`` of rounds with several URLs); with OpenAI's ``/v1`` base each
+    path doubled it, a bare 404."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"invalid orchestrator URL {url!r}: {e}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"an orchestrator URL is http(s)://HOST:PORT, got {url!r}")
+    if parsed.path.rstrip("/").endswith("/v1"):
+        raise ValueError(f"give the orchestrator's URL without /v1 (the client adds the API paths), got {url!r}")
+
+
 def _unavailable(failures: list[str]) -> ClientError:
     return ClientError(503, "no orchestrator could serve the request: " + "; ".join(failures), "unavailable")
 
@@ -158,8 +172,8 @@ class Client:
     """Client of the orchestrator at ``url`` (e.g. ``http://127.0.0.1:8000``), or of the first of several that
     serve the same model (``url`` a list): a one-shot request that one of them cannot take (unreachable, hung, cut
     off mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered (one
-    that got no answer within ``timeout`` from an orchestrator that is up, a generation longer than ``timeout``, is
-    :class:`ClientError` 504 ``timeout``: it would take as long anywhere); when
+    that got no answer within ``timeout`` from an orchestrator that is up, a generation longer than ``timeout`` or
+    a stream with no event within it, is :class:`ClientError` 504 ``timeout``: it would take as long anywhere); when
     none can, it goes round them again for up to ``retry_s`` seconds (the time a survivor takes to adopt a lost
     orchestrator's group). A stream cut off mid-way is resumed there when its output is reproducible (greedy, or
     seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with
@@ -170,6 +184,8 @@ class Client:
         urls = [url] if isinstance(url, str) else list(url)
         if not urls or not all(isinstance(u, str) and u for u in urls):
             raise ValueError("url must be an orchestrator URL or a non-empty list of them")
+        for u in urls:
+            _check_url(u)
         if not retry_s >= 0:
             raise ValueError(f"retry_s must be >= 0, got {retry_s!r}")
         self.retry_s = float(retry_s)
@@ -212,13 +228,8 @@ class Client:
             try:
                 r = self._https[i].request(method, path, **kwargs)
             except httpx.TransportError as e:
-                if isinstance(e, httpx.ReadTimeout) and method != "GET" and self._answers(i):
-                    # the orchestrator is up and the generation just takes longer (queued on a busy swarm): sent to
-                    # the next one it would wait as long there, and again at each; it was cancelled here as the
-                    # connection closed. One that does not answer at all is another matter: the next is tried
-                    raise ClientError(504, f"{self.urls[i]} is up but sent no answer within the client's timeout "
-                                      f"({self._https[i].timeout.read} s); give a longer timeout= for long or queued "
-                                      "generations", "timeout") from e
+                if isinstance(e, httpx.ReadTimeout) and method != "GET":
+                    self._raise_if_up(i, e)
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
                 last = None
                 if not resend and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
@@ -235,6 +246,16 @@ class Client:
             self._current = last[0]
             return last[1]
         raise _unavailable(failures)
+
+    def _raise_if_up(self, i: int, e: httpx.ReadTimeout) -> None:
+        """After a generation's read timeout at orchestrator ``i``: ClientError 504 ``timeout`` if it is up."""
+        if self._answers(i):
+            # the generation just takes longer (queued on a busy swarm): sent to the next orchestrator it would wait
+            # as long there, and again at each; it was cancelled here as the connection closed. One that does not
+            # answer at all is another matter: the caller tries the next
+            raise ClientError(504, f"{self.urls[i]} is up but sent no answer within the client's timeout "
+                              f"({self._https[i].timeout.read} s); give a longer timeout= for long or queued "
+                              "generations", "timeout") from e
 
     def _answers(self, i: int) -> bool:
         """Orchestrator ``i`` answers ``GET /healthz`` within a few seconds: it is up, not hung (its own 503, "no chain
@@ -333,6 +354,8 @@ class Client:
                         continue
                     return
             except httpx.TransportError as e:
+                if isinstance(e, httpx.ReadTimeout):  # no event within the timeout: as for a one-shot request
+                    self._raise_if_up(i, e)
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
                 last_error = None
                 if sent and not reproducible:
@@ -458,8 +481,8 @@ class ClientSession:
                **extra: Any) -> Iterator[str]:
         """Yield the turn's text pieces as they are generated; once the stream ends, ``last`` holds its text, token
         ids, finish_reason, usage and logprobs (the chunks' joined, as :meth:`complete` returns them)."""
-        body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
-                          streams=True, logprobs=logprobs)
+        body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop,
+                          extra, streams=True, logprobs=logprobs)
         body["stream"] = True
         pieces: list[str] = []
         ids: list[int] = []

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -108,17 +109,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prefix = resolve_prefix(args)
     except (ValueError, OSError) as e:  # a path that is no model: a usage error, not a traceback
         parser.error(str(e))
-
-    import uvicorn
-
-    from petals_chain.dashboard.app import create_app
-    from petals_chain.dashboard.source import DhtSwarmSource
-    from petals_chain.swarm.dht import SwarmDHT, peer_ids_from_maddrs
+    from petals_chain.swarm.dht import peer_ids_from_maddrs
 
     trusted = args.trust_orchestrator or peer_ids_from_maddrs(args.initial_peers)
     if not trusted and prefix is None:
         parser.error("give --dht-prefix or --model: there is no trusted orchestrator (no peer id in --initial-peers, "
                      "no --trust-orchestrator) whose swarm directory entry could name the swarm")
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (give another --port or --host)")
+    try:
+        return _run(args, prefix, trusted, sock)
+    finally:
+        sock.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before the DHT is joined: a port in use was found only by uvicorn, after the DHT
+    and the "dashboard: URL" line, as its own log line and exit status 3."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a listener still refuses it
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], sock: socket.socket) -> int:
+    import uvicorn
+
+    from petals_chain.dashboard.app import create_app
+    from petals_chain.dashboard.source import DhtSwarmSource
+    from petals_chain.swarm.dht import SwarmDHT
+
     if not trusted:
         logger.warning("no trusted orchestrator peer id (none in --initial-peers, no --trust-orchestrator): "
                        "only server records will be shown, no chains or queue")
@@ -141,25 +168,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         app = create_app(source.view, source.health, model_view=source.view)
         print(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})", flush=True)
         print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
-        _serve(uvicorn, app, args.host, args.port)
+        _serve(uvicorn, app, sock)
     finally:
         source.stop()
         sd.shutdown()
     return 0
 
 
-def _serve(uvicorn: Any, app: Any, host: str, port: int) -> None:
+def _serve(uvicorn: Any, app: Any, sock: socket.socket) -> None:
     """Serve until SIGINT or SIGTERM, then return (so the caller stops its DHT): uvicorn's own handlers re-raise
     the signal once it has shut down, and SIGTERM's default action then ended the process before the cleanup,
     leaving the DHT process and p2pd running."""
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.install_signal_handlers = lambda: None
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-        await server.serve()
+        await server.serve(sockets=[sock])
 
     asyncio.run(run())
 
