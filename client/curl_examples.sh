@@ -30,5 +30,5 @@ curl -sf "$URL/healthz"
 echo
 
 echo "--- a bad request gets a 4xx in OpenAI's error format"
-curl -s -o /dev/stderr -w "HTTP %{http_code}\n" "$URL/v1/completions" -H 'Content-Type: application/json' \
+curl -s -w "\nHTTP %{http_code}\n" "$URL/v1/completions" -H 'Content-Type: application/json' \
   -d "{\"model\": \"$MODEL\", \"prompt\": \"hi\", \"temperature\": 9}"

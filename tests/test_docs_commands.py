@@ -87,3 +87,15 @@ def test_dashboard_on_a_port_in_use_says_so_before_joining_the_dht():
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
     assert "dashboard: http" not in r.stdout  # it did not announce a page it could not serve
+
+
+def test_orchestrator_on_an_http_port_in_use_names_the_port_and_the_flag(tiny_model_dir):
+    """It exited with only "error: [Errno 98] Address already in use", naming neither the port nor --port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "petals_chain.orchestrator", "--model", str(tiny_model_dir),
+                            "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use (give another --port or --host)" in r.stderr

@@ -115,28 +115,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not trusted and prefix is None:
         parser.error("give --dht-prefix or --model: there is no trusted orchestrator (no peer id in --initial-peers, "
                      "no --trust-orchestrator) whose swarm directory entry could name the swarm")
+    from petals_chain.swarm.webpage import listen_http
+
     try:
-        sock = _listen(args.host, args.port)
+        sock = listen_http(args.host, args.port)
     except OSError as e:
-        parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (give another --port or --host)")
+        parser.error(e.strerror or str(e))
     try:
         return _run(args, prefix, trusted, sock)
     finally:
         sock.close()
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound before the DHT is joined: a port in use was found only by uvicorn, after the DHT
-    and the "dashboard: URL" line, as its own log line and exit status 3."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a listener still refuses it
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], sock: socket.socket) -> int:

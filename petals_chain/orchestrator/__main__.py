@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 
 from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
@@ -303,15 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 def _peer_id(text: str) -> str:
     """A libp2p peer id in base58 (as servers and orchestrators print it; hivemind imported only when one is given)."""
     from petals_chain.swarm.dht import peer_id_arg
@@ -329,11 +319,12 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
     from petals_chain.swarm.aio import quiet_peer_disconnects
     from petals_chain.orchestrator.models import ModelRouter
     from petals_chain.swarm.reachability import is_loopback
+    from petals_chain.swarm.webpage import listen_http
 
     cfg = cfgs[0]
     orchs = [Orchestrator(c) for c in cfgs]
     orch = orchs[0]
-    sock = _bind(cfg.host, cfg.port)
+    sock = listen_http(cfg.host, cfg.port)
     port = sock.getsockname()[1]
     scheme = "https" if cfg.ssl_certfile else "http"
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else (cfg.public_ip or "127.0.0.1")

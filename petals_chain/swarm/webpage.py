@@ -4,6 +4,7 @@
   It polls the *relative* URL ``api/v1/swarm`` (contracts E), so the same page works under the
   orchestrator at ``/`` and under the standalone dashboard.
 * :func:`mount_dashboard` — adds ``GET /`` (the page) to an existing FastAPI app.
+* :func:`listen_http` — the HTTP socket either role serves on, bound before anything else starts.
 
 It lives in ``swarm/`` because two roles serve it; neither role imports the other.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import socket
 from importlib import resources
 
 from fastapi import FastAPI
@@ -87,3 +89,20 @@ def mount_dashboard(app: FastAPI, path: str = "/") -> None:
     if path == "/":
         app.add_api_route("/index.html", dashboard_page, methods=["GET"], include_in_schema=False,
                           response_class=HTMLResponse)
+
+
+def listen_http(host: str, port: int) -> socket.socket:
+    """A listening, non-blocking TCP socket on ``host``:``port`` (an IPv6 literal: AF_INET6), for uvicorn's
+    ``serve(sockets=...)``. Bound before the role joins the DHT or loads anything, so a port in use is said at
+    once: OSError naming the address and the flags to change (uvicorn found it later, as its own log line)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT port; a listener still refuses
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e} (give another --port or --host)"
+                      ) from None
+    return sock
