@@ -90,9 +90,8 @@ def orchestrators() -> Iterator:
         o.close()
 
 
-@pytest.mark.parametrize("mode", ["slow", "stalls"])
-def test_a_stream_with_no_event_within_the_timeout_at_an_orchestrator_that_is_up_is_a_timeout(orchestrators, mode):
-    up, other = orchestrators(mode, "good")
+def test_a_stream_with_no_event_within_the_timeout_at_an_orchestrator_that_is_up_is_a_timeout(orchestrators):
+    up, other = orchestrators("slow", "good")
     client = Client([up.url, other.url], timeout=TIMEOUT_S, model="m", retry_s=0)
     got: list[str] = []
     with pytest.raises(ClientError) as e:
@@ -100,7 +99,17 @@ def test_a_stream_with_no_event_within_the_timeout_at_an_orchestrator_that_is_up
             got.append(piece)
     assert e.value.status == 504 and e.value.code == "timeout" and f"{up.url} is up" in e.value.message
     assert other.posts == [], "the stream was sent again to the next orchestrator"
-    assert got == ([] if mode == "slow" else ["hel"]) and client.url == up.url
+    assert got == [] and client.url == up.url
+    client.close()
+
+
+def test_a_reproducible_stream_that_stalls_mid_way_is_resumed_at_the_next(orchestrators):
+    """Text already came: a stall is a stream cut off (resumed elsewhere when its output is reproducible, as
+    before), not a generation that takes longer (a 504 there said the orchestrator "sent no answer": review)."""
+    up, other = orchestrators("stalls", "good")
+    client = Client([up.url, other.url], timeout=TIMEOUT_S, model="m", retry_s=0)
+    assert "".join(client.stream("x", max_tokens=4)) == "hello"
+    assert other.posts == ["/v1/completions"] and client.url == other.url
     client.close()
 
 

@@ -1,7 +1,8 @@
 """The queue bound (``--max-queue``) with requests of several jobs: the later choices of ``n`` > 1 (they come after the
 first choice's prefill and are never refused) and the other prompts of a multi-prompt request. Their places are
 counted when the request's first job is admitted and held until each later job arrives, so new arrivals cannot
-take them meanwhile and ``queue_length`` never passes the bound."""
+take them meanwhile and ``queue_length`` does not pass the bound (one admitted on free slots with fewer places than
+later jobs can pass it if others take those slots first: see the dispatch module)."""
 
 from __future__ import annotations
 
@@ -250,5 +251,32 @@ def test_a_request_queued_as_chains_come_waits_on_in_its_place(monkeypatch):
             t.cancel()
         await asyncio.gather(r, z, return_exceptions=True)
         assert dm.running == 0 and dm.queue_length == 0
+
+    asyncio.run(main())
+
+
+def test_the_places_a_request_holds_are_within_its_clients_share():
+    """A client-fair queue (vtc, keyed, max_queue 4, 4 free slots): client A's n = 5 started on a free slot and held
+    every place the queue had, so client B, with nothing waiting, was refused its fourth request (review). Now A
+    holds no more than its share and B's requests all get in."""
+    from prometheus_client import CollectorRegistry
+
+    from petals_chain.algorithms.fairness import FairnessConfig, FairPolicy
+    from petals_chain.orchestrator.dispatch import RequestPlaces
+    from petals_chain.orchestrator.fairness import ClientShares
+
+    async def main():
+        shares = ClientShares(FairPolicy("vtc", FairnessConfig(quantum=50.0)), registry=CollectorRegistry(), keyed=True)
+        dm = DispatchManager(policy="jffc", shares=shares, max_queue=4)
+        dm.set_chains([Chain(servers=(s,), blocks=(4,), service_time=1.0, capacity=1, spans=((0, 4),)) for s in "abcd"])
+        tickets = RequestPlaces().expect(5)
+        a0 = await _submit(dm, DispatchJob("a0", client="A", siblings=4), tickets[0])
+        assert a0.done() and not a0.exception() and 0 < dm.places_held_of("A") < 4
+        bs = [await _submit(dm, DispatchJob(f"b{i}", client="B")) for i in range(4)]
+        assert not any(_refused(t) for t in bs), [t.exception() for t in bs if t.done()]
+        tasks = [a0, *bs]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())

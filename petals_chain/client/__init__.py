@@ -173,7 +173,7 @@ class Client:
     serve the same model (``url`` a list): a one-shot request that one of them cannot take (unreachable, hung, cut
     off mid-request, 502/503/504) is sent again to the next, and the client stays with the one that answered (one
     that got no answer within ``timeout`` from an orchestrator that is up, a generation longer than ``timeout`` or
-    a stream with no event within it, is :class:`ClientError` 504 ``timeout``: it would take as long anywhere); when
+    a stream with no text within it, is :class:`ClientError` 504 ``timeout``: it would take as long anywhere); when
     none can, it goes round them again for up to ``retry_s`` seconds (the time a survivor takes to adopt a lost
     orchestrator's group). A stream cut off mid-way is resumed there when its output is reproducible (greedy, or
     seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with
@@ -354,8 +354,8 @@ class Client:
                         continue
                     return
             except httpx.TransportError as e:
-                if isinstance(e, httpx.ReadTimeout):  # no event within the timeout: as for a one-shot request
-                    self._raise_if_up(i, e)
+                if isinstance(e, httpx.ReadTimeout) and not sent:  # no event within the timeout: as for a one-shot
+                    self._raise_if_up(i, e)  # request (after text came, a stall is a stream cut off: below)
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
                 last_error = None
                 if sent and not reproducible:

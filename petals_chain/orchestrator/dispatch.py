@@ -13,11 +13,15 @@ re-queue lane (``requeued``), served before the queue and not counted in ``queue
 only jobs admitted earlier, so it does not grow with the offered load. The later jobs of a request of several
 (the later choices of ``n`` > 1, which come after the first's prefill, and the other prompts of a multi-prompt
 request) are never refused either: they queue in the discipline's order. The request's first job to arrive is
-admitted only if a place for each of its later jobs fits too (:meth:`_check_room`), and those places stay held
-(:class:`RequestPlaces`, ``places_held``): new jobs see them as taken until each later job arrives and takes its own, or
-the request ends without it. So ``queue_length + held <= max_queue`` holds for new jobs, and the later jobs keep
-the bound. (A request's jobs are known by the :class:`PlaceTicket` its generation gives each of them; jobs
-without one, e.g. driven directly, are checked for their ``siblings`` but hold no places.)
+admitted only if the queue has a place for each of its jobs the free slots cannot start (:meth:`_check_room`), and
+from then on it holds a place for each job still to come, as many as the queue has (and, where the queue keeps
+places, as its client's share allows) (:class:`RequestPlaces`, ``places_held``): new jobs see them as taken until
+each later job arrives and takes its own, or the request ends without it. So ``queue_length + places_held <=
+max_queue`` holds for new jobs, and the later jobs keep the bound whenever their request holds a place for each;
+one admitted on free slots with fewer places held can still take the queue past it for a while, if new jobs take
+those slots before its later jobs come (``queue_max`` shows it). (A request's jobs are known by the
+:class:`PlaceTicket` its generation gives each of them; jobs without one, e.g. driven directly, are checked for
+their ``siblings`` but hold no places.)
 """
 
 from __future__ import annotations
@@ -174,8 +178,8 @@ class QueueFull(Exception):
     code = "queue_full"
 
     def __init__(self, max_queue: int, message: str = ""):
-        super().__init__(message or f"the swarm is at capacity and its queue is full ({max_queue} waiting); "
-                                    "retry later")
+        super().__init__(message or f"the swarm is at capacity and its queue is full ({max_queue} places waiting "
+                                    "or held for admitted requests); retry later")
         self.max_queue = max_queue
 
 
@@ -703,8 +707,9 @@ class DispatchManager:
         need = max(0, 1 + later - free)
         queued = self.queue_length + self.places_held
         if need > self.max_queue - queued:
-            slots = sum(max(0, int(ch.capacity)) for ch in self.chains) if self.dispatcher is not None else 0
-            if 1 + later - slots > self.max_queue:  # never fits, however idle the swarm: not "retry later"
+            slots = sum(max(0, int(ch.capacity)) for ch in self.chains)
+            # never fits, however idle the swarm: not "retry later" (with no chain yet, nothing is known of slots)
+            if self.dispatcher is not None and 1 + later - slots > self.max_queue:
                 raise QueueFull(self.max_queue, f"this request's {1 + later} completions (prompts x n) are more than "
                                                 f"the chains' {slots} slots and the queue's bound (--max-queue "
                                                 f"{self.max_queue}) together: ask for fewer")
@@ -715,7 +720,11 @@ class DispatchManager:
         mine = self.waiting_of(job.client) + self.places_held_of(job.client)
         if self.keeps_places and self._over_share(mine, queued, need):
             raise QueueShareFull(self.max_queue, mine, queued, need, 1 + later)
-        return min(later, self.max_queue - queued - (0 if free > 0 else 1))
+        cap = min(later, self.max_queue - queued - (0 if free > 0 else 1))
+        if self.keeps_places:  # the places it holds are its client's too: no more than its share (need fits)
+            while cap > need and self._over_share(mine, queued, cap):
+                cap -= 1
+        return cap
 
     def _over_share(self, mine: int, queued: int, need: int = 1) -> bool:
         """The share rule (:data:`QUEUE_SHARE_ALPHA`): a client with ``mine`` jobs waiting of ``queued`` asks for
