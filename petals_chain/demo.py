@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the swarm as Ctrl+C does (it outlived a killed demo)
         signal.signal(sig, _interrupt)
+    # a demo started in the background by a shell script inherits SIGINT ignored: `kill -INT` did nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.work_dir is not None:  # an unusable one failed with a traceback, after the swarm was set up
         try:
             Path(args.work_dir).mkdir(parents=True, exist_ok=True)

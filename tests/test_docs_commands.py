@@ -99,3 +99,19 @@ def test_orchestrator_on_an_http_port_in_use_names_the_port_and_the_flag(tiny_mo
                             "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use (give another --port or --host)" in r.stderr
+
+
+def test_the_demo_stops_on_sigint_when_started_with_it_ignored(monkeypatch):
+    """A shell script's background job inherits SIGINT ignored: `kill -INT` did nothing (SIGTERM did)."""
+    import signal
+
+    seen = []
+    monkeypatch.setattr(demo, "run_tiny", lambda args: seen.append(signal.getsignal(signal.SIGINT)) or 0)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert demo.main(["--tiny"]) == 0
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert seen == [signal.default_int_handler]

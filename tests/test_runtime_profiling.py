@@ -81,3 +81,15 @@ def test_tau_p_errors(model, tmp_path):
         measure_tau_p(r, l_in=4, l_out=2, cache_path=tmp_path / "t.json")
     (tmp_path / "bad.json").write_text("{not json")
     assert measure_tau_p(model, l_in=4, l_out=2, repeats=1, cache_path=tmp_path / "bad.json") > 0
+
+
+def test_tau_p_is_cached_beside_the_models_and_derived_data(monkeypatch, tmp_path):
+    """One per-user cache folder: tau_p.json went to ~/.cache/petals_chain, the models to ~/.cache/petals-chain."""
+    from petals_chain.server.profiling import default_cache_path
+    from petals_chain.swarm.registry import cache_dir
+
+    monkeypatch.delenv("PETALS_CHAIN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_cache_path() == cache_dir() / "tau_p.json" == tmp_path / ".cache" / "petals-chain" / "tau_p.json"
+    monkeypatch.setenv("PETALS_CHAIN_CACHE_DIR", str(tmp_path / "c"))
+    assert default_cache_path() == tmp_path / "c" / "tau_p.json"

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip profiling and announce this tau_p (seconds per block per job, before emulation)")
     p.add_argument("--profile-l-in", type=int, default=128, help="prefill tokens of the tau_p reference workload")
     p.add_argument("--profile-l-out", type=int, default=16, help="output tokens of the tau_p reference workload")
-    p.add_argument("--profile-cache", default=None, help="tau_p cache file (default ~/.cache/petals_chain/tau_p.json)")
+    p.add_argument("--profile-cache", default=None, help="tau_p cache file (default ~/.cache/petals-chain/tau_p.json)")
     p.add_argument("--refresh-s", type=float, default=30.0, help="server record refresh period (expires after 3x)")
     p.add_argument("--assignment-poll-s", type=float, default=3.0, help="how often to read the assignment")
     p.add_argument("--idle-timeout-s", type=float, default=120.0, help="close a session silent for this long")

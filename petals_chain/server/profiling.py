@@ -3,7 +3,7 @@
 The reference job is a prefill of ``l_in`` tokens followed by ``l_out - 1`` single-token decode steps
 through ONE block (the first decode's input is the prefill's last output, so ``l_out`` tokens are produced).
 Results are cached on disk per (model, device, dtype, quant, l_in, l_out, compute_scale) in
-``~/.cache/petals_chain/tau_p.json`` (``$PETALS_CHAIN_CACHE_DIR`` overrides the directory).
+``~/.cache/petals-chain/tau_p.json`` (``$PETALS_CHAIN_CACHE_DIR`` overrides the directory).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from petals_chain.server.emulated import EmulatedRunner
 from petals_chain.server.runner import BlockRunner
+from petals_chain.swarm.registry import cache_dir
 
 DEFAULT_L_IN = 128
 DEFAULT_L_OUT = 16
@@ -31,8 +32,9 @@ _file_lock = threading.Lock()
 
 
 def default_cache_path() -> Path:
-    root = os.environ.get("PETALS_CHAIN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "petals_chain")
-    return Path(root) / "tau_p.json"
+    """``tau_p.json`` in the per-user cache the models and derived data share (``swarm.registry.cache_dir``; it was
+    a second folder, ``~/.cache/petals_chain``: a server there measures again once)."""
+    return cache_dir() / "tau_p.json"
 
 
 def device_name(device: str | torch.device) -> str:
