@@ -11,7 +11,6 @@ and tokens/s. ``--tiny`` runs the old random-weight demo instead (a burst of sam
 from __future__ import annotations
 
 import argparse
-import math
 import signal
 import sys
 import tempfile
@@ -304,15 +303,10 @@ TINY_PROMPT_TOKENS = 64
 
 
 def _arrival_rate(text: str) -> str:
-    """``--arrival-rate``: ``auto`` or a positive finite number of requests per second (kept as text)."""
-    if text == "auto":
-        return text
-    try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of requests per second or 'auto', got {text!r}") from None
-    if not 0 < rate < math.inf:
-        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
+    """``--arrival-rate`` as the orchestrator takes it, kept as text (the demo passes it on)."""
+    from petals_chain.orchestrator.__main__ import arrival_rate_arg
+
+    arrival_rate_arg(text)
     return text
 
 

@@ -23,7 +23,8 @@ from petals_chain.swarm.logs import log_level
 logger = logging.getLogger("petals_chain.orchestrator")
 
 
-def _arrival_rate(text: str) -> float | None:
+def arrival_rate_arg(text: str) -> float | None:
+    """``--arrival-rate``: ``auto`` (None) or a positive finite number of requests per second."""
     if text == "auto":
         return None
     try:
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="where the embeddings, LM head and sampling run: cpu, cuda, cuda:N")
-    p.add_argument("--arrival-rate", type=_arrival_rate, default=None, metavar="auto|X",
+    p.add_argument("--arrival-rate", type=arrival_rate_arg, default=None, metavar="auto|X",
                    help="request arrival rate for planning (req/s); auto: estimated online")
     p.add_argument("--rho-bar", type=float, default=0.7, help="target load factor of GBP-CR (0, 1]")
     p.add_argument("--max-length", type=_max_length, default=1024,
