@@ -177,13 +177,12 @@ def test_tight_pool_reuses_with_a_lean_reservation(model):
     torch.testing.assert_close(out, _fresh(_runner(model), prompt)[:, 32:], rtol=0, atol=1e-4)
     r.release("b", prefix_hashes(prompt))
 
-    # another hop matched less: the first step starts at 20, inside the match, and needs a page of its own there
+    # another hop matched less: the first step starts at 20, inside the match, and needs a page of its own there;
+    # the matched page it gives up (pinned by it alone) makes room (tests/test_hunt_server_runner.py: a refusal)
     assert r.allocate("c", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt)) == 32
     assert r.cache_stats()["pages_free"] == 0  # hold, c's 8 own pages and the 8 pinned shared ones
-    with pytest.raises(NoCapacityError):
-        r.forward("c", _embed(r, prompt[20:]), 20)
+    out = r.forward("c", _embed(r, prompt[20:]), 20)
     r.release("hold")
-    out = r.forward("c", _embed(r, prompt[20:]), 20)  # nothing changed by the refusal: now it fits
     assert r.sessions()["c"]["shared_pages"] == 1 * 4
     r.release("c")
     torch.testing.assert_close(out, _fresh(r, prompt)[:, 20:], rtol=0, atol=1e-4)
@@ -196,7 +195,7 @@ def test_tight_pool_reuses_with_a_lean_reservation(model):
     r.allocate("hold2", 0, 4, max_tokens=32)
     with pytest.raises(NoCapacityError):
         r.allocate("e", 0, 4, max_tokens=64, prefix_hashes=prefix_hashes(prompt))
-    assert r.cache_stats()["pages_evictable"] == 8
+    assert r.cache_stats()["pages_evictable"] == 4  # c recomputed the second page of the match: it was evicted
 
 
 @pytest.mark.parametrize("lean", [False, True])

@@ -90,8 +90,10 @@ def test_refusals_carry_the_code_a_client_acts_on(model):
         svc = _service(model, num_slots=8)
         await _cache_prompt(svc)
         svc.open_session("hold", 0, 4, 64, "peer")
-        # lean: own pages only after the match; a first step before it needs pages the pool does not have
-        svc.open_session("b", 0, 4, 64, "peer", prefix_hashes=prefix_hashes(PROMPT))
+        # lean: own pages only after the match; a first step before it needs pages the pool does not have (giving up
+        # the matched pages frees none: b2 pins them too)
+        svc.open_session("b", 0, 4, 48, "peer", prefix_hashes=prefix_hashes(PROMPT))
+        svc.open_session("b2", 0, 4, 48, "peer", prefix_hashes=prefix_hashes(PROMPT))
         with pytest.raises(RefusedError) as info:
             await svc.forward("b", _embed(svc, PROMPT), 0)
         assert info.value.code == "no_capacity"

@@ -206,6 +206,10 @@ class PagePool:
                 del self._pins[p]
                 self._evictable[p] = None
 
+    def sole_pins(self, pages: Iterable[int]) -> int:
+        """How many of ``pages`` one :meth:`unpin` each would make evictable (no other session pins them)."""
+        return sum(self._pins.get(p) == 1 for p in pages)
+
     def cache(self, layer: int, prefix_hash: bytes, page: int) -> bool:
         """Keep ``page`` (held by a closing session, its K/V valid) as the cached page of ``(layer, prefix_hash)``.
         False if that prefix is cached already: the caller releases ``page`` as usual."""

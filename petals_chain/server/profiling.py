@@ -8,8 +8,10 @@ Results are cached on disk per (model, device, dtype, quant, l_in, l_out, comput
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -29,6 +31,7 @@ from petals_chain.swarm.registry import cache_dir
 DEFAULT_L_IN = 128
 DEFAULT_L_OUT = 16
 _file_lock = threading.Lock()
+logger = logging.getLogger(__name__)
 
 
 def default_cache_path() -> Path:
@@ -69,14 +72,24 @@ def _load_cache(path: Path) -> dict[str, Any]:
 
 
 def _store(path: Path, key: str, value: dict[str, Any]) -> None:
+    """Add ``key`` to the cache file; a cache that cannot be written is said and skipped (the measurement stands: a
+    read-only ~/.cache made the server exit with a traceback after profiling)."""
+    tmp = None
     with _file_lock:
-        data = _load_cache(path)
-        data[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tau_p.", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+        try:
+            data = _load_cache(path)
+            data[key] = value
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tau_p.", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=2, sort_keys=True)
+            os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+        except OSError as e:
+            logger.warning(f"cannot cache tau_p in {path} ({e}): it is measured again at the next start "
+                           "(--profile-cache FILE or --tau-p S avoid that)")
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
 
 def _one_job(runner: BlockRunner, session_id: str, x: torch.Tensor, l_out: int) -> float:

@@ -350,20 +350,30 @@ class BlockRunner:
         cached pages before ``position``'s page plus its own pages from there (the part of that page before
         ``position`` copied); the other matched pages are unpinned and the own pages under shared ones returned."""
         pool, ps = self.pool, self.page_size
-        keep = position // ps
+        keep, part = divmod(position, ps)
         missing = {layer: [j for j in range(keep, len(own)) if own[j] == NO_PAGE] for layer, own in s.pages_of.items()}
-        if any(missing.values()):  # opened lean and starts before its matched prefix: take those pages now
-            pool.reserve(sum(len(js) for js in missing.values()))  # NoCapacityError: nothing changed
+        need = sum(len(js) for js in missing.values())  # opened lean and starts before its match: pages to take
+        after = {layer: shared[keep:] for layer, shared in s.pending.items()}  # matched pages it computes itself
+        # The matched pages it gives up count: a session opened lean on a full pool fits on them (it was refused a
+        # first step at 0 though nothing but its own pins held the memory).
+        if need > pool.pages_available + pool.sole_pins(p for pages in after.values() for p in pages):
+            raise NoCapacityError(f"no capacity: {need} cache page(s) needed, {pool.pages_available} of "
+                                  f"{pool.num_pages} available")  # nothing changed
+        # the part of `position`'s matched page the session keeps, read before that page is unpinned (and may be
+        # evicted to become one of the pages taken below)
+        head = {layer: tuple(t[0].clone() for t in pool.read([shared[keep]], part))
+                for layer, shared in s.pending.items() if part and keep < len(shared)}
+        pool.unpin(page for _, _, page in _deepest_first(after))
+        if need:
+            pool.reserve(need)
         for layer, shared in s.pending.items():
             own = list(s.pages_of[layer])
             for j, page in zip(missing[layer], pool.take(len(missing[layer]))):
                 own[j] = page
-            if position % ps and keep < len(shared):
-                pool.copy([shared[keep]], [own[keep]], position % ps)
+            if layer in head:
+                pool.write([own[keep]], 0, *head[layer])
             pool.release([p for p in own[:keep] if p != NO_PAGE])
             s.pages_of[layer] = PageTable(list(shared[:keep]) + list(own[keep:]))
-        after = {layer: shared[keep:] for layer, shared in s.pending.items()}  # matched pages it computes itself
-        pool.unpin(page for _, _, page in _deepest_first(after))
         s.pending, s.shared_pages = None, keep
         self.prefix_reused_tokens += position
 

@@ -139,6 +139,11 @@ class Server:
             if cfg.max_length is not None and isinstance(max_pos, int) and cfg.max_length > max_pos:
                 raise ValueError(f"--max-length {cfg.max_length} exceeds max_position_embeddings {max_pos} of "
                                  f"model {hosted.spec!r}")
+            profiled = cfg.profile_l_in + cfg.profile_l_out
+            if cfg.tau_p is None and isinstance(max_pos, int) and profiled > max_pos:
+                # else the server joined, announced itself and exited with a traceback when it profiled
+                raise ValueError(f"--profile-l-in {cfg.profile_l_in} + --profile-l-out {cfg.profile_l_out} exceeds "
+                                 f"max_position_embeddings {max_pos} of model {hosted.spec!r} (or give --tau-p)")
         if cfg.memory_bytes is not None:
             self.hosted = self._models_the_budget_holds(memory_flag)
         self.active = self.hosted[0]
