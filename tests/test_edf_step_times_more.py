@@ -251,3 +251,14 @@ def test_the_idle_sessions_of_a_chain_are_not_counted_as_stepping():
         assert not dm._stepped and not dm._lease_steps
 
     asyncio.run(main())
+
+
+def test_a_refusal_says_the_time_left_of_the_deadline_not_a_value_the_client_did_not_send():
+    """deadline_ms 1 was refused with "exceeds deadline_ms 0" (or -1): the time left, printed as if sent."""
+    from petals_chain.algorithms.edf import ChainLoad, predict
+
+    chains = [ChainLoad(capacity=1, active=0, job_s=1.0, step_s=0.05)]
+    late = predict(100.0, chains, 0, 10, deadline=100.0002)
+    assert late.doomed and "exceeds the time left (none) of deadline_ms" in late.reason, late.reason
+    first = predict(100.0, chains, 0, 10, ttft_deadline=100.02)
+    assert first.doomed and "exceeds the 20 ms left of ttft_deadline_ms" in first.reason, first.reason

@@ -260,12 +260,17 @@ def _verdict(now: float, wait: float, step: float, output_tokens: int, ttft_dead
     total = (wait if last_wait is None else max(wait, last_wait)) + open_s + step * (1 + int(output_tokens))
     if now + ttft > ttft_deadline:
         return Prediction(wait, ttft, total, True, f"predicted time to first token {ttft * 1000:.0f} ms exceeds "
-                                                   f"ttft_deadline_ms {(ttft_deadline - now) * 1000:.0f}")
+                                                   f"{_left(ttft_deadline - now)} of ttft_deadline_ms")
     if now + total > deadline:
         return Prediction(wait, ttft, total, True, f"predicted time to the last of {output_tokens} tokens "
-                                                   f"{total * 1000:.0f} ms exceeds deadline_ms "
-                                                   f"{(deadline - now) * 1000:.0f}")
+                                                   f"{total * 1000:.0f} ms exceeds {_left(deadline - now)} of "
+                                                   f"deadline_ms")
     return Prediction(wait, ttft, total, False)
+
+
+def _left(seconds: float) -> str:
+    # the time left now, not the value the client sent (deadline_ms 1 read "exceeds deadline_ms 0", or -1)
+    return f"the {seconds * 1000:.0f} ms left" if seconds >= 0.0005 else "the time left (none)"
 
 
 @dataclass(frozen=True)

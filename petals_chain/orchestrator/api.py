@@ -39,12 +39,14 @@ MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_PROMPT_CHARS = 1_000_000
 MAX_LOGIT_BIAS = 300
+MAX_TOKEN_ID_DIGITS = 19  # int64
 INLINE_TOKENIZE_CHARS = 2000  # longer texts are tokenized / templated off the event loop
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
 
 class _Base(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    # Python's JSON reads NaN and Infinity: refused as not finite (a NaN temperature was "should be <= 2")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -91,7 +93,7 @@ class SamplingFields(_Base):
     logit_bias: Optional[dict[str, float]] = None
     seed: Optional[int] = pydantic.Field(default=None, ge=-2**63, le=2**63 - 1)  # OpenAI's int64
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = pydantic.Field(default=None, max_length=64)
+    stop_token_ids: Optional[list[pydantic.NonNegativeInt]] = pydantic.Field(default=None, max_length=64)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -133,8 +135,9 @@ class SamplingFields(_Base):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for key, bias in v.items():
-            if not (key.isascii() and key.isdigit()):  # str.isdigit() takes "²" and "١", which int() misreads
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            # str.isdigit() takes "²" and "١", which int() misreads; int() refuses more than 4300 digits (a 500)
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:40]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return v
@@ -350,6 +353,15 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":  # its loc is ("body", character): no parameter to name
+            where = first.get("loc", ("body", "?"))[-1]
+            reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+            return _error(400, f"the request body is not valid JSON: {reason} (at character {where})",
+                          code="invalid_json")
+        if first.get("loc") == ("body",) and isinstance(first.get("input"), bytes):
+            # a body sent without Content-Type: application/json (curl -d sends a form's type) reaches us unparsed
+            return _error(400, "the request body must be a JSON object sent with 'Content-Type: application/json'",
+                          code="invalid_json")
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         extra = [e for e in errs if e.get("type") == "extra_forbidden"]
         if extra:
@@ -403,6 +415,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if adm is not None and adm.reserve is not None:
             adm.reserve(need, field)
 
+    def most_output(prompt_tokens: int, params: SamplingParams, explicit: bool, max_length: int | None = None) -> int:
+        """The most tokens a validated prompt may generate: an implicit limit (chat's is --max-tokens-limit) ends
+        where the context does, as the generation will end it."""
+        room = (max_length or cfg.max_length) - prompt_tokens
+        return params.max_tokens if explicit else max(0, min(params.max_tokens, room))
+
     def set_deadline(req: SamplingFields) -> None:
         """The request's deadlines (its fields, else its API key's defaults) for the dispatcher and the report."""
         client = CLIENT.get()
@@ -413,9 +431,20 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                                      best_effort=req.best_effort, arrival=adm.arrived if adm is not None else None)
         DEADLINE.set(dl if dl.active else None)
 
-    async def tokenize(text: str, **kw) -> list[int]:
+    def check_text(text: str, param: str) -> None:
+        """Refuse text that is not Unicode text (JSON's ``\\ud800`` escapes decode to lone surrogates, which the
+        tokenizer rejects with a TypeError, and which no UTF-8 reply could carry back)."""
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"{param} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                                   f"{e.start}", param=param) from None
+
+    async def tokenize(text: str, param: str = "prompt", **kw) -> list[int]:
         if len(text) > MAX_PROMPT_CHARS:
-            raise RequestError("the prompt is too long", param="prompt", status=413)
+            raise RequestError("the prompt is too long", param=param, status=413)
+        check_text(text, param)
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return orch.encode(text, **kw)
         return await asyncio.to_thread(orch.encode, text, **kw)
@@ -423,6 +452,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     async def template(messages: list[dict]) -> list[int]:
         if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
             raise RequestError("the messages are too long", param="messages", status=413)
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                if isinstance(value, str):
+                    check_text(value, f"messages.{i}.{key}")
         return await asyncio.to_thread(orch.encode_chat, messages)
 
     # ---- info ----------------------------------------------------------------------------------
@@ -595,7 +628,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         for ids in prompts:  # validate every prompt before any work starts
             orch.validate_prompt(ids, params.max_tokens, explicit)
-        reserve_tokens(sum(len(ids) + params.max_tokens * req.n for ids in prompts))
+        reserve_tokens(sum(len(ids) + most_output(len(ids), params, explicit) * req.n for ids in prompts))
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -664,7 +697,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         top = (req.top_logprobs or 0) if req.logprobs else None
         params, explicit = sampling(req, None, top)
         orch.validate_prompt(ids, params.max_tokens, explicit, field=req.limit_field)
-        reserve_tokens(len(ids) + params.max_tokens * req.n, req.limit_field)
+        reserve_tokens(len(ids) + most_output(len(ids), params, explicit) * req.n, req.limit_field)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -747,7 +780,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         orch.check_ids(target)
         orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)
-        reserve_tokens(max(0, len(target) - len(s.history)) + params.max_tokens)
+        reserve_tokens(max(0, len(target) - len(s.history)) + most_output(len(target), params, explicit, s.max_length))
 
         def gen_fn(emit=None):
             return orch.session_generate(s, target, params, explicit_max_tokens=explicit, emit=emit,

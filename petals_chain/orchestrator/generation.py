@@ -128,6 +128,8 @@ class GenerationMixin:
                 seq.append(choice.token)
                 pending = [choice]
         tail = matcher.flush()
+        if matcher.stopped:  # a stop string the last, incomplete character had held back
+            finish = "stop"
         if emit is not None and (tail or unsent):
             await emit(tail, unsent)
         self.stats.relay_steps += holder.steps

@@ -831,14 +831,7 @@ class StopMatcher:
         if not self._advance():
             return ""
         text = self.text
-        # the earliest match in the text, whatever the order of the stop list (the first stop listed that matched
-        # left an earlier one in the text when one token held both, e.g. ".\n")
-        found = [p for p in (text.find(s, max(0, self.emitted - len(s) + 1)) for s in self.stop) if p != -1]
-        if found:
-            self.stopped = True
-            self.text = text[:min(found)]
-            out = self.text[self.emitted:]
-            self.emitted = len(self.text)
+        if (out := self._cut_at_stop()) is not None:
             return out
         hold = 0
         for s in self.stop:
@@ -853,6 +846,20 @@ class StopMatcher:
         self.emitted = safe
         return out
 
+    def _cut_at_stop(self) -> str | None:
+        """If :attr:`text` holds a stop string: cut it there, set ``stopped`` and return the text not yet emitted;
+        else None. The earliest match wins, whatever the order of the stop list (the first stop listed that matched
+        left an earlier one in the text when one token held both, e.g. ".\n")."""
+        text = self.text
+        found = [p for p in (text.find(s, max(0, self.emitted - len(s) + 1)) for s in self.stop) if p != -1]
+        if not found:
+            return None
+        self.stopped = True
+        self.text = text[:min(found)]
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
+
     def feed_offsets(self, ids: Sequence[int]) -> list[int]:
         """Feed ``ids`` (no stop strings); where each starts in :attr:`text`, the whole characters decoded before it
         (a token inside an incomplete character starts where that character does): logprobs' ``text_offset``."""
@@ -863,10 +870,14 @@ class StopMatcher:
         return out
 
     def flush(self) -> str:
-        """Emit whatever is held back (generation ended without hitting a stop string)."""
+        """Emit whatever is held back (generation ended without hitting a stop string). The text the last tokens
+        held back as an incomplete character is searched too: a stop string it completes ends the text there (and
+        sets ``stopped``)."""
         if self.stopped:
             return ""
         self._advance(final=True)
+        if (out := self._cut_at_stop()) is not None:
+            return out
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out
