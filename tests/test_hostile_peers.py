@@ -102,7 +102,11 @@ async def attack(p2p, peer: str, report: dict, timeout_s: float) -> None:
               runtime_pb2.ExpertRequest(metadata=b"\x00" * 100_000),  # oversized metadata
               runtime_pb2.ExpertRequest(metadata=_pack({"op": "step", "position": 0}), tensors=[wrong_dtype]),
               huge]
-    replies = [await raw_first(m) for m in firsts]
+    replies = [await raw_first(m) for m in firsts[:-1]]
+    try:  # the 32 MiB message is refused unread (swarm.aio.bound_stream_messages): the stream just ends
+        replies.append(await raw_first(huge))
+    except (BrokenPipeError, ConnectionError, StopAsyncIteration):
+        replies.append({"ok": False, "code": "invalid"})
     report["raw_replies"] = [(r.get("ok"), r.get("code")) for r in replies]
     # 3. Idle streams (never send a first message): an untrusted peer is refused before it sends anything.
     idle = []

@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -81,6 +82,7 @@ def _model_name(model: str) -> str:
 def discover_prefix(sd, trusted: Sequence[str], timeout_s: float, poll_s: float = 1.0) -> str:
     """The DHT prefix of the swarm a trusted orchestrator announces (the newest entry); LookupError if none."""
     deadline = time.monotonic() + timeout_s
+    print(f"looking for the swarm a trusted orchestrator announces (up to {timeout_s:g} s)", flush=True)
     while True:
         entries = sd.fetch_directory(trusted)
         if entries:
@@ -121,10 +123,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sock = listen_http(args.host, args.port)
     except OSError as e:
         parser.error(e.strerror or str(e))
+    # SIGTERM before serving (joining the DHT, finding the swarm) unwinds as Ctrl-C does: it ended the process at
+    # once, its DHT process and p2pd left running
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         return _run(args, prefix, trusted, sock)
+    except KeyboardInterrupt:  # stopped before serving: as a stop while serving, no traceback
+        return 0
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         sock.close()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], sock: socket.socket) -> int:
@@ -143,22 +157,24 @@ def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], so
     except Exception as e:  # noqa: BLE001 - bad multiaddrs or unreachable peers: say so and exit
         print(f"error: could not join the DHT via {args.initial_peers}: {e}", file=sys.stderr)
         return 2
-    if prefix is None:
-        try:
-            prefix = discover_prefix(sd, trusted, args.discover_timeout)
-        except LookupError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sd.shutdown()
-            return 2
-    source = DhtSwarmSource(sd, prefix, trusted, interval_s=args.poll_interval, initial_peers=args.initial_peers)
     try:
-        source.start()
-        app = create_app(source.view, source.health, model_view=source.view)
-        print(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})", flush=True)
-        print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
-        _serve(uvicorn, app, sock)
+        if prefix is None:
+            try:
+                prefix = discover_prefix(sd, trusted, args.discover_timeout)
+            except LookupError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        source = DhtSwarmSource(sd, prefix, trusted, interval_s=args.poll_interval, initial_peers=args.initial_peers)
+        try:
+            source.start()
+            app = create_app(source.view, source.health, model_view=source.view)
+            print(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})",
+                  flush=True)
+            print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
+            _serve(uvicorn, app, sock)
+        finally:
+            source.stop()
     finally:
-        source.stop()
         sd.shutdown()
     return 0
 

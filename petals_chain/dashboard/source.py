@@ -151,8 +151,10 @@ def merge_view(
     if not view.get("model"):
         view["model"] = prefix
     if not view.get("max_length"):
-        lengths = [int(_record_dict(r).get("max_length") or 0) for r in records.values()]
-        view["max_length"] = max(lengths, default=0)
+        # the one most servers announce (the orchestrator sizes them alike): the largest was any one server's word
+        lengths = [n for n in (_record_dict(r).get("max_length") for r in records.values())
+                   if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+        view["max_length"] = max(set(lengths), key=lambda n: (lengths.count(n), -n), default=0)
     if not view.get("initial_peers"):
         view["initial_peers"] = list(initial_peers)
     view["source"] = "dht"

@@ -15,6 +15,44 @@ LINGER_S = 10.0
 # What a write to a stream whose peer has gone ends in.
 _PEER_GONE = (ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError)
 
+# The largest message read from a P2P stream (bytes). Ours are at most a 1 MiB tensor chunk and 128 KiB of metadata
+# (rpc.CHUNK_BYTES, rpc.MAX_METADATA_BYTES); the DHT's RPCs do not come this way (unary, bounded by p2pd).
+MAX_STREAM_MESSAGE_BYTES = 4 << 20
+
+
+class OversizedMessage(asyncio.IncompleteReadError):
+    """A peer announced a stream message larger than :data:`MAX_STREAM_MESSAGE_BYTES`: the stream ends there, as
+    for a peer gone (hivemind's handlers and :class:`~petals_chain.swarm.rpc.PeerStream` take it so)."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(b"", size)
+        self.size, self.limit = size, limit
+
+    def __str__(self) -> str:
+        return f"the peer announced a message of {self.size} bytes (at most {self.limit} are read)"
+
+
+def bound_stream_messages(limit: int = MAX_STREAM_MESSAGE_BYTES) -> None:
+    """Make hivemind's P2P refuse stream messages over ``limit`` bytes before reading them (idempotent).
+
+    hivemind reads a message's announced length, up to 2^64, into memory before anything parses it: one stream of
+    any peer (a server's ``rpc_push`` and ``rpc_session`` answer everyone; an orchestrator reads every server's
+    replies) made the reader hold 500 MB in 2 s."""
+    from hivemind.p2p import P2P
+
+    if getattr(P2P.receive_raw_data, "limit", None) == limit:
+        return
+
+    async def receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+        header = await reader.readexactly(P2P.HEADER_LEN)
+        size = int.from_bytes(header, P2P.BYTEORDER)
+        if size > limit:
+            raise OversizedMessage(size, limit)
+        return await reader.readexactly(size)
+
+    receive_raw_data.limit = limit
+    P2P.receive_raw_data = staticmethod(receive_raw_data)
+
 
 def _coro_name(future: Any) -> str:
     get_coro = getattr(future, "get_coro", None)

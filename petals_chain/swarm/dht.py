@@ -246,18 +246,28 @@ def _kill_orphans(daemons: Sequence[psutil.Process], timeout_s: float = 5.0) -> 
 
 
 def _await_ready(dht: DHT, timeout_s: float) -> None:
-    """Wait for ``dht`` to report ready; if it does not within ``timeout_s``, kill it and its p2pd and raise."""
+    """Wait for ``dht`` to report ready; if it does not within ``timeout_s``, or the wait is interrupted (Ctrl-C
+    while joining), kill it and its p2pd and raise. (Interrupted, the p2pd outlived its role: multiprocessing's exit
+    handler terminates the DHT process, which does not stop its daemon.)"""
     try:
         dht.wait_until_ready(timeout_s)
         return
     except concurrent.futures.TimeoutError:
         pass
+    except BaseException:
+        _kill_dht(dht)
+        raise
+    _kill_dht(dht)
+    raise RuntimeError(f"the DHT process (pid {dht.pid}) did not become ready within {timeout_s:g} s and was "
+                       f"killed; see the log above for what it was doing (p2pd start, bootstrap)")
+
+
+def _kill_dht(dht: DHT) -> None:
+    """Kill the DHT process and the p2pd it started."""
     daemons = _daemons_of(dht)
     dht.kill()
     dht.join(5)
     _kill_orphans(daemons)
-    raise RuntimeError(f"the DHT process (pid {dht.pid}) did not become ready within {timeout_s:g} s and was "
-                       f"killed; see the log above for what it was doing (p2pd start, bootstrap)")
 
 
 class _SwarmSchemaValidator(SchemaValidator):

@@ -75,10 +75,11 @@ def check_route(route: Any) -> list[dict]:
 
 class PushBox:
     """The pushed inputs waiting for one server session (at most :data:`MAX_PENDING_PUSHES`), and the step that
-    waits for one."""
+    waits for one. ``max_tokens``: the session's token limit, the most a push for it may carry (None: no limit)."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, max_tokens: int | None = None):
         self.token = check_token(token)
+        self.max_tokens = max_tokens
         self._items: dict[int, tuple[int, torch.Tensor, list[dict]]] = {}  # step_id -> (position, hidden, route)
         self._waiter: tuple[int, asyncio.Future] | None = None
         self.closed = False

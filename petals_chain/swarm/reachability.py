@@ -29,9 +29,10 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.multiaddr import Multiaddr
 
-from petals_chain.swarm.aio import LINGER_S, hold_after_reply
+from petals_chain.swarm.aio import LINGER_S, bound_stream_messages, hold_after_reply
 
 logger = logging.getLogger(__name__)
+bound_stream_messages()  # the dial-back service answers any peer: its requests are read bounded
 
 MAX_DIAL_MADDRS = 8  # addresses one dial-back may try
 MAX_MADDR_CHARS = 300

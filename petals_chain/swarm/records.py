@@ -144,10 +144,17 @@ class ServerRecord(_Record):
     started_at: float = pydantic.Field(default=0.0, ge=0)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
-    @pydantic.field_validator("public_name", "load_error")
+    # every free text a peer writes is shown (dashboards) or logged: a bidi override in its device reversed the rest
+    # of its row on the page
+    @pydantic.field_validator("public_name", "load_error", "version", "device", "dtype", "quant", "serving")
     @classmethod
     def _printable(cls, text: str) -> str:
         return one_line(text)
+
+    @pydantic.field_validator("models")
+    @classmethod
+    def _printable_models(cls, names: list[str]) -> list[str]:
+        return [one_line(name) for name in names]
 
     @pydantic.model_validator(mode="after")
     def _check_slots(self) -> "ServerRecord":

@@ -60,12 +60,13 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from petals_chain.swarm.aio import LINGER_S, hold_after_reply
+from petals_chain.swarm.aio import LINGER_S, OversizedMessage, bound_stream_messages, hold_after_reply
 from petals_chain.swarm.prefix import HASH_BYTES, PREFIX_BLOCK_TOKENS, split_hashes
 from petals_chain.swarm.push import PushBox, RouteError, check_route, check_token, tensor_digest
 
 
 hivemind.compression.base.USE_LEGACY_BFLOAT16 = False  # bf16 travels as bf16, not as fp32
+bound_stream_messages()  # a peer's message is refused unread past 4 MiB, both ways (see the function)
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +391,7 @@ class PetalsChainBlocks(ServicerBase):
                     extra = self.backend.open_session(sid, start, end, max_length, peer, **fork, **prefix)
                 session_id = sid
                 if push_token is not None:
-                    self._boxes[sid] = PushBox(push_token)
+                    self._boxes[sid] = PushBox(push_token, max_tokens=max_length)
             except RefusedError as e:
                 yield _error(e.code, str(e))
                 await _linger(stream, pending, self.linger_s)
@@ -422,7 +423,12 @@ class PetalsChainBlocks(ServicerBase):
                     if op == "extend":
                         if msg.tensors:
                             raise RefusedError("invalid", "extend carries no tensors")
-                        extra = self.backend.extend_session(session_id, _int_field(meta, "max_length"))
+                        asked = _int_field(meta, "max_length")
+                        extra = self.backend.extend_session(session_id, asked)
+                        box = self._boxes.get(session_id)
+                        if box is not None:  # pushes may be as long as the session now is
+                            granted = extra.get("max_length", asked) if isinstance(extra, dict) else asked
+                            box.max_tokens = granted if isinstance(granted, int) else asked
                         last_valid = loop.time()
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **extra}))
                         continue
@@ -552,7 +558,7 @@ class PetalsChainBlocks(ServicerBase):
                 position = _int_field(meta, "position")
                 step_id = _int_field(meta, "step_id")
                 route = _route_field(meta)
-                hidden = await self._receive_tensor(first, next_message)
+                hidden = await self._receive_tensor(first, next_message, max_tokens=box.max_tokens)
                 box.put(step_id, position, hidden, route)
             except RefusedError as e:
                 yield _error(e.code, str(e))
@@ -579,8 +585,10 @@ class PetalsChainBlocks(ServicerBase):
         _withdraw_open(self.backend, opening, reading, sid)
         return None, None
 
-    async def _receive_tensor(self, first: runtime_pb2.ExpertRequest, next_message) -> torch.Tensor:
-        """Validate the declared tensor, collect its chunks, deserialize; raises RefusedError.
+    async def _receive_tensor(self, first: runtime_pb2.ExpertRequest, next_message,
+                              max_tokens: Optional[int] = None) -> torch.Tensor:
+        """Validate the declared tensor (at most ``max_tokens`` tokens, when given), collect its chunks, deserialize;
+        raises RefusedError.
 
         If the first chunk is rejected, the continuation chunks it announced are read and dropped, so that the
         stream stays in step with the client (one reply per step)."""
@@ -591,7 +599,7 @@ class PetalsChainBlocks(ServicerBase):
         if num_chunks > MAX_CHUNKS:
             raise RefusedError("invalid", f"{num_chunks} chunks announced, at most {MAX_CHUNKS} allowed")
         try:
-            nbytes = self._check_head(head, num_chunks)
+            nbytes = self._check_head(head, num_chunks, max_tokens)
         except _InconsistentChunks:
             raise  # the announced chunk count is not credible: do not wait for chunks
         except RefusedError:
@@ -622,8 +630,9 @@ class PetalsChainBlocks(ServicerBase):
             raise RefusedError("invalid", "hidden states contain NaN or inf")
         return tensor
 
-    def _check_head(self, head: runtime_pb2.Tensor, num_chunks: int) -> int:
-        """Bytes the declared tensor must have; RefusedError if dtype, shape or chunking is unacceptable."""
+    def _check_head(self, head: runtime_pb2.Tensor, num_chunks: int, max_tokens: Optional[int] = None) -> int:
+        """Bytes the declared tensor must have; RefusedError if dtype, shape (more than ``max_tokens`` tokens) or
+        chunking is unacceptable."""
         if head.dtype not in ALLOWED_DTYPES:
             raise RefusedError("invalid", f"dtype {head.dtype!r} not allowed (use one of {sorted(ALLOWED_DTYPES)})")
         if head.compression != runtime_pb2.CompressionType.NONE:
@@ -632,6 +641,9 @@ class PetalsChainBlocks(ServicerBase):
         hidden_size = self.backend.hidden_size
         if len(shape) != 3 or shape[0] != 1 or shape[2] != hidden_size or shape[1] < 1:
             raise RefusedError("invalid", f"hidden states must have shape [1, n >= 1, {hidden_size}], got {shape}")
+        if max_tokens is not None and shape[1] > max_tokens:
+            # a push is kept until its step comes (several may wait): not more than the session can take
+            raise RefusedError("invalid", f"{shape[1]} tokens pushed for a session of at most {max_tokens}")
         nbytes = math.prod(shape) * _DTYPE_BYTES[head.dtype]
         if nbytes > MAX_TENSOR_BYTES:
             raise RefusedError("invalid", f"tensor of {nbytes} bytes exceeds the {MAX_TENSOR_BYTES}-byte limit")
@@ -684,6 +696,9 @@ class PeerStream:
             raise StopAsyncIteration
         try:
             reply, err = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, self._reader)
+        except OversizedMessage as e:
+            self.close()
+            raise ConnectionError(f"{self._what}: {e}") from None
         except (asyncio.IncompleteReadError, ConnectionError):
             self.close()
             raise StopAsyncIteration from None
