@@ -170,7 +170,8 @@ def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], so
             app = create_app(source.view, source.health, model_view=source.view)
             print(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})",
                   flush=True)
-            print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
+            host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 literal is bracketed in a URL
+            print(f"dashboard: http://{host}:{args.port}/", flush=True)
             _serve(uvicorn, app, sock)
         finally:
             source.stop()
