@@ -170,3 +170,19 @@ def test_the_decode_loop_reports_stop_for_a_stop_string_found_at_the_end():
     tokens, text, finish, _ = asyncio.run(GenerationMixin._decode_loop(orch, holder, [3], None, params, emit))
     assert (tokens, text, finish) == ([0, 1], "Q", "stop")
     assert "".join(emitted) == "Q"
+
+
+def test_a_lone_surrogate_in_a_chat_sessions_new_message_is_named_by_its_own_index(model_path):
+    """After a turn, the session's earlier messages came first in the list checked: the request's messages[0] was
+    reported as messages.2.content (review)."""
+    async def fn(orch, app, c):
+        s = (await c.post("/api/v1/sessions", json={})).json()["session_id"]
+        sess = orch.get_session(s)
+        sess.messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]  # one turn
+        sess.history = orch.encode_chat(sess.messages)
+        body = b'{"messages": [{"role": "user", "content": "ok \\ud800"}]}'
+        r = await c.post(f"/api/v1/sessions/{s}/generate", content=body, headers={"content-type": "application/json"})
+        return r.status_code, r.json()["error"]
+
+    status, err = run_with_api(model_path, fn)
+    assert status == 400 and err["param"] == "messages.0.content", err

@@ -18,6 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER_ID = "QmSdW9w9D3eLPdjKNJzqqbubRT9naoyGEvq6rcbP6DsT4v"  # well-formed; nobody listens at the address below
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """demo.main installs its SIGTERM / SIGHUP / SIGINT handlers in this process: left in place, a later test's SIGTERM
+    to itself (test_launch.py) raised the demo's KeyboardInterrupt and stopped the whole run (CI)."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
 def _no_swarm(args) -> int:
     pytest.fail(f"the swarm was started with max_length={args.max_length!r}, arrival_rate={args.arrival_rate!r}")
 
@@ -107,11 +119,6 @@ def test_the_demo_stops_on_sigint_when_started_with_it_ignored(monkeypatch):
 
     seen = []
     monkeypatch.setattr(demo, "run_tiny", lambda args: seen.append(signal.getsignal(signal.SIGINT)) or 0)
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        assert demo.main(["--tiny"]) == 0
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # put back by _signal_handlers_restored
+    assert demo.main(["--tiny"]) == 0
     assert seen == [signal.default_int_handler]

@@ -109,3 +109,30 @@ def test_a_dashboard_stopped_while_it_looks_for_its_swarm_stops_its_dht(orchestr
     assert (rc, left) == (0, []), err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert line.startswith("looking for the swarm"), line
+
+
+def test_after_serving_the_dashboard_keeps_its_stop_handler_for_the_cleanup():
+    """asyncio's loop, closing, set SIGTERM to its default: a second SIGTERM while the dashboard stopped its DHT
+    killed it before the DHT was shut down (review)."""
+    import os
+    import signal
+    import socket
+    import threading
+
+    import uvicorn
+
+    from petals_chain.dashboard import __main__ as dash
+
+    async def app(scope, receive, send):
+        raise RuntimeError
+
+    before = signal.signal(signal.SIGTERM, dash._interrupt)  # as main() installs it before _run
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+            dash._serve(uvicorn, app, sock)
+        assert signal.getsignal(signal.SIGTERM) is dash._interrupt
+    finally:
+        signal.signal(signal.SIGTERM, before)

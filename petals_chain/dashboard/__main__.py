@@ -193,7 +193,13 @@ def _serve(uvicorn: Any, app: Any, sock: socket.socket) -> None:
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
         await server.serve(sockets=[sock])
 
-    asyncio.run(run())
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(run())
+    finally:  # the loop's close set SIGTERM to its default: a second one killed the cleanup, leaving the DHT running
+        for sig, handler in before.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

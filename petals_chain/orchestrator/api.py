@@ -449,10 +449,13 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return orch.encode(text, **kw)
         return await asyncio.to_thread(orch.encode, text, **kw)
 
-    async def template(messages: list[dict]) -> list[int]:
+    async def template(messages: list[dict], own: int | None = None) -> list[int]:
+        """The chat template's token ids of ``messages``, of which the request sent the last ``own`` (all: None; a
+        session's earlier ones were checked when they came), numbered from 0 in an error's ``param``."""
         if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
             raise RequestError("the messages are too long", param="messages", status=413)
-        for i, m in enumerate(messages):
+        sent = messages if own is None else messages[len(messages) - own:]
+        for i, m in enumerate(sent):
             for key, value in m.items():
                 if isinstance(value, str):
                     check_text(value, f"messages.{i}.{key}")
@@ -768,7 +771,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if req.messages is not None:
             messages = [m.as_dict() for m in req.messages]
             turns, conversation = s.turns, orch.session_messages(s, messages)  # the session the target is built on
-            target = await template(conversation)
+            target = await template(conversation, own=len(messages))
             params, explicit = sampling(req, None, req.logprobs)
         else:
             if req.prompt is not None:
