@@ -248,7 +248,7 @@ def test_the_idle_sessions_of_a_chain_are_not_counted_as_stepping():
         assert dm.step_times.step_s(cid, 2, 0.02) == pytest.approx(0.04)
         for lease in (session, one, two):
             dm.release(lease)
-        assert not dm._stepped and not dm._lease_steps
+        assert not dm._running_by_chain and not dm._lease_steps
 
     asyncio.run(main())
 

@@ -415,12 +415,6 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if adm is not None and adm.reserve is not None:
             adm.reserve(need, field)
 
-    def most_output(prompt_tokens: int, params: SamplingParams, explicit: bool, max_length: int | None = None) -> int:
-        """The most tokens a validated prompt may generate: an implicit limit (chat's is --max-tokens-limit) ends
-        where the context does, as the generation will end it."""
-        room = (max_length or cfg.max_length) - prompt_tokens
-        return params.max_tokens if explicit else max(0, min(params.max_tokens, room))
-
     def set_deadline(req: SamplingFields) -> None:
         """The request's deadlines (its fields, else its API key's defaults) for the dispatcher and the report."""
         client = CLIENT.get()
@@ -629,9 +623,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         else:
             texts = [orch.decode(ids) for ids in prompts]
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
-        for ids in prompts:  # validate every prompt before any work starts
-            orch.validate_prompt(ids, params.max_tokens, explicit)
-        reserve_tokens(sum(len(ids) + most_output(len(ids), params, explicit) * req.n for ids in prompts))
+        # every prompt validated before any work starts; its tokens held: the prompt and the most it may generate (an
+        # implicit limit, chat's --max-tokens-limit, only as far as its context goes)
+        outputs = [orch.validate_prompt(ids, params.max_tokens, explicit) for ids in prompts]
+        reserve_tokens(sum(len(ids) + most * req.n for ids, most in zip(prompts, outputs)))
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -699,8 +694,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             req.max_tokens = req.max_completion_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params, explicit = sampling(req, None, top)
-        orch.validate_prompt(ids, params.max_tokens, explicit, field=req.limit_field)
-        reserve_tokens(len(ids) + most_output(len(ids), params, explicit) * req.n, req.limit_field)
+        most = orch.validate_prompt(ids, params.max_tokens, explicit, field=req.limit_field)
+        reserve_tokens(len(ids) + most * req.n, req.limit_field)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -782,8 +777,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             turns, target = s.turns, orch.session_target(s, new_ids)  # built on the session as it is now
             params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         orch.check_ids(target)
-        orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)
-        reserve_tokens(max(0, len(target) - len(s.history)) + most_output(len(target), params, explicit, s.max_length))
+        most = orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)
+        reserve_tokens(max(0, len(target) - len(s.history)) + most)
 
         def gen_fn(emit=None):
             return orch.session_generate(s, target, params, explicit_max_tokens=explicit, emit=emit,

@@ -487,14 +487,15 @@ class Orchestrator(GenerationMixin, SessionMixin):
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
 
     def validate_prompt(self, ids: list[int], max_tokens: int, explicit: bool, *, max_length: int | None = None,
-                        field: str = "max_tokens") -> None:
-        """Refuse (RequestError) an empty prompt, unknown token ids, or one that leaves no room to generate.
-        ``field``: the body field the limit came in (``max_completion_tokens`` for a chat request that sent it)."""
+                        field: str = "max_tokens") -> int:
+        """Refuse (RequestError) an empty prompt, unknown token ids, or one that leaves no room to generate; else the
+        most tokens it may generate (an implicit limit ends where the context does). ``field``: the body field the
+        limit came in (``max_completion_tokens`` for a chat request that sent it)."""
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         self.check_ids(ids)
-        self._max_tokens(max_tokens, len(ids), max_length or self.cfg.max_length, explicit,
-                         session=max_length is not None, field=field)
+        return self._max_tokens(max_tokens, len(ids), max_length or self.cfg.max_length, explicit,
+                                session=max_length is not None, field=field)
 
     @staticmethod
     def _max_tokens(max_tokens: int, used: int, max_length: int, explicit: bool, session: bool = False,

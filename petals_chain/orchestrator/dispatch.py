@@ -452,8 +452,7 @@ class DispatchManager:
         # chain_key -> id, kept across re-plans (a chain missing from one plan comes back with its id, what was learnt
         # of it and its peak); the chains of older plans are forgotten past KEPT_CHAIN_IDS (ids are never reused)
         self._id_by_key: dict[tuple, int] = {}
-        self._stepped: dict[int, set[Lease]] = {}  # chain id -> its running leases (_stepped_on)
-        self._retained_generation = -1  # the plan StepTimes was last pruned to (_retain_live)
+        self._running_by_chain: dict[int, set[Lease]] = {}  # chain id -> its running leases (in any plan)
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
         self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO); part of the queue
         self._lane: list[DispatchJob] = []  # re-queued jobs (FIFO), served before the queue
@@ -548,6 +547,7 @@ class DispatchManager:
             self._id_by_key = {k: i for k, i in self._id_by_key.items() if k in current}
             kept = set(self._id_by_key.values())
             self._peak = {k: n for k, n in self._peak.items() if k[0] in kept}
+            self.step_times.retain(kept)  # what was learnt of the chains forgotten
         self.dispatcher = self.factory(chains) if chains else None
         self._active = {}
         index_by_key = self._index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
@@ -790,7 +790,8 @@ class DispatchManager:
     def _start(self, job: DispatchJob, k: int, queued: bool = False) -> None:
         lease = Lease(job=job, chain=self.chains[k], index=k, generation=self.generation, chain_id=self.chain_ids[k])
         self._running[job] = lease
-        self._stepped_on(lease.chain_id).add(lease)  # (a session marked idle before its first step counts as idle)
+        # (a step counts the idle sessions among its own chain's leases, not among every running job)
+        self._running_by_chain.setdefault(lease.chain_id, set()).add(lease)
         self._count(k, +1)
         fut = self._waiters.pop(job, None)
         job.wait_s += time.monotonic() - job.arrival
@@ -908,6 +909,11 @@ class DispatchManager:
             return
         lease.released = True
         self._running.pop(lease.job, None)
+        on_chain = self._running_by_chain.get(lease.chain_id)
+        if on_chain is not None:
+            on_chain.discard(lease)
+            if not on_chain:
+                del self._running_by_chain[lease.chain_id]
         self._job_overhead(lease)
         beneficiary = self._promised.pop(lease, None)
         if beneficiary is not None and beneficiary in self._waiters:
@@ -1075,18 +1081,6 @@ class DispatchManager:
         return ChainLoad(capacity=capacity, active=active, step_s=step, open_s=self.step_times.open_s(cid),
                          job_s=max(step, full) * spj + self.step_times.overhead_s(cid))
 
-    def _retain_live(self) -> None:
-        """After a re-plan, forget what was learnt of chains whose ids are forgotten (:data:`KEPT_CHAIN_IDS`; it grew
-        with every plan)."""
-        if self._retained_generation != self.generation:
-            self._retained_generation = self.generation
-            self.step_times.retain(self._id_by_key.values())
-
-    def _stepped_on(self, chain_id: int) -> set[Lease]:
-        """Running leases of chain ``chain_id`` (in any plan): added at their start, removed at their release, so a
-        step counts the chain's idle sessions among its own jobs, not among every running job."""
-        return self._stepped.setdefault(chain_id, set())
-
     def _observe_step(self, lease: Lease, step_s: float, tokens: int) -> None:
         """Learn the chain's time per token at the jobs stepping on it now (:class:`~petals_chain.algorithms.edf.
         StepTimes`): for a decode step (one token) the time since the job's previous step ended, so the head's
@@ -1094,7 +1088,6 @@ class DispatchManager:
         (its first step on this lease, or its turn's first: ``started`` moves then). A lease's first step also
         tells how long its chain took to open since it got its slot (:meth:`~petals_chain.algorithms.edf.StepTimes.
         open_s`)."""
-        self._retain_live()
         if lease.released:  # nothing releases it again: what is kept of it here would stay for good
             return
         now = time.monotonic()
@@ -1108,12 +1101,11 @@ class DispatchManager:
                 self.step_times.observe_open(lease.chain_id, max(0.0, began - lease.started))
         else:
             span[1] = now
-        self._stepped_on(lease.chain_id).add(lease)
         if tokens != 1 or step_s <= 0 or not current:
             return
         k = lease.index
         period = step_s if prev is None or prev < lease.started else max(step_s, now - prev)
-        idle = sum(1 for other in self._stepped_on(lease.chain_id)
+        idle = sum(1 for other in self._running_by_chain.get(lease.chain_id, ())
                    if other.job.idle and other.generation == self.generation and other.index == k)
         jobs, cid = self.active(k) - idle, self.chain_ids[k]
         # a gap between two steps that is no step (a session turn cut outside its steps, then retried: the time
@@ -1139,11 +1131,6 @@ class DispatchManager:
         """``lease`` is released: learn how long its job held the slot besides its steps (opening the chain before
         the first, closing it after the last), which slows the rate a chain's slots free at as much as its steps
         do. Not for a job that never stepped, nor a session's (held between turns, not stepping)."""
-        stepped = self._stepped.get(lease.chain_id)
-        if stepped is not None:
-            stepped.discard(lease)
-            if not stepped:
-                del self._stepped[lease.chain_id]
         span = self._lease_steps.pop(lease, None)
         if (span is None or span[0] < lease.started or lease.job.idle or lease.generation != self.generation
                 or not 0 <= lease.index < len(self.chain_ids)):

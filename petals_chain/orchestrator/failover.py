@@ -279,20 +279,16 @@ class ChainHolder:
         orch = self.orch
         acq = asyncio.ensure_future(orch.dispatch.acquire(job))
         try:
-            try:
-                return await asyncio.wait_for(asyncio.shield(acq), timeout=wait_s)
-            except asyncio.TimeoutError:
-                more = 0.0 if acq.done() else keep_waiting()
-                if more <= 0:
+            timeout, extended = wait_s, False
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(acq), timeout=timeout)
+                except asyncio.TimeoutError:
                     if acq.done():
                         return acq.result()
-                    raise
-            try:
-                return await asyncio.wait_for(asyncio.shield(acq), timeout=more)
-            except asyncio.TimeoutError:
-                if acq.done():
-                    return acq.result()
-                raise
+                    if extended or (timeout := keep_waiting()) <= 0:
+                        raise
+                    extended = True
         except BaseException:
             if not acq.done():
                 acq.cancel()  # its own handler takes the job out of the queue

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
 from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
+from petals_chain.swarm.memory import capped_slots
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.reachability import is_circuit, public_dial_error
 
@@ -136,16 +137,15 @@ class Plan:
 @dataclass(frozen=True)
 class CappedServerSpec(ServerSpec):
     """A server whose volunteer caps its KV cache (``--cache-tokens-per-block``): in ``m`` blocks it holds at most
-    ``m * cache_tokens_per_block // max_length`` slots, whatever its memory (``server/memory.py`` ``slots_for``)."""
+    ``m * cache_tokens_per_block // max_length`` slots, whatever its memory (``swarm.memory.capped_slots``, as the
+    server loads)."""
 
     cache_tokens_per_block: int = 0
     max_length: int = 1
 
     def residual_slots(self, model: ModelSpec, num_blocks: int) -> int:
-        slots = super().residual_slots(model, num_blocks)
-        if self.cache_tokens_per_block <= 0:
-            return slots
-        return min(slots, num_blocks * self.cache_tokens_per_block // max(1, self.max_length))
+        return capped_slots(super().residual_slots(model, num_blocks), num_blocks, self.cache_tokens_per_block,
+                            self.max_length)
 
 
 def _total_rate(chains: Sequence[Chain]) -> float:
@@ -961,22 +961,31 @@ class Planner:
         v = self.servers.get(peer_id)
         if v is None or v.record.state == "offline":
             return None
+        found = self._failed_load(v)
+        if found is None:
+            return None
+        reason, span = found
+        error = (v.record.load_error if reason == "reported" else
+                 f"not online with them within --load-deadline-s {self.load_deadline_s:g} of its assignment")
+        return {"failed_span": span, "load_error": error, "reason": reason}
+
+    def _failed_load(self, v: ServerView) -> tuple[str, list[int]] | None:
+        """``("reported", span)`` if ``v``'s record says it cannot load the span this planner gives it, ``("overdue",
+        span)`` if it is not online with its assigned span past the load deadline, else None."""
         if v.failed_assigned:
-            return {"failed_span": list(v.record.failed_span), "load_error": v.record.load_error, "reason": "reported"}
-        if v.load_overdue and peer_id in self.assignment:
-            return {"failed_span": list(self.assignment[peer_id]), "reason": "overdue",
-                    "load_error": f"not online with them within --load-deadline-s {self.load_deadline_s:g} of its "
-                                  f"assignment"}
+            return "reported", list(v.record.failed_span)
+        if v.load_overdue and v.peer_id in self.assignment:
+            return "overdue", list(self.assignment[v.peer_id])
         return None
 
     def _load_failure_json(self, v: ServerView, now: float) -> dict:
         """``failed_span`` and ``load_error`` as its record says them, else as the load deadline does."""
-        r = v.record
-        if v.failed_assigned:
-            return {"failed_span": list(r.failed_span), "load_error": r.load_error}
-        if v.load_overdue and v.peer_id in self.assignment:
-            return {"failed_span": list(self.assignment[v.peer_id]), "load_error": self._overdue_error(v, now)}
-        return {"failed_span": None, "load_error": ""}  # none, or of a span it is no longer given
+        found = self._failed_load(v)
+        if found is None:
+            return {"failed_span": None, "load_error": ""}  # none, or of a span it is no longer given
+        reason, span = found
+        return {"failed_span": span, "load_error": v.record.load_error if reason == "reported" else
+                self._overdue_error(v, now)}
 
     def server_json(self, active_by_peer: dict[str, int] | None = None) -> list[dict]:
         out = []

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from petals_chain.server.kv_cache import DEFAULT_PAGE_SIZE, check_kv_cache, slot_tokens
-from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, check_device, slots_for_budget
+from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, capped_slots, check_device, slots_for_budget
 
 CPU_MEMORY_FRACTION = 0.5  # default M_j on CPU: half of the RAM available at start
 CUDA_HEADROOM_FRACTION = 0.05  # default M_j on CUDA: free memory minus max(1 GiB, 5 %) for activations
@@ -73,9 +73,7 @@ class MemoryBudget:
     def slots_for(self, num_blocks: int, max_length: int, cap: bool = True) -> int:
         """Eq. 3: ``floor((M_j - s_m m_j) / s_c)``, capped by ``--cache-tokens-per-block`` when set (and ``cap``)."""
         slots = slots_for_budget(self.memory_bytes, num_blocks, self.s_m, self.s_c(max_length))
-        if cap and self.cache_tokens_per_block > 0:  # PETALS' fixed attention cache, in slots of max_length tokens
-            slots = min(slots, num_blocks * self.cache_tokens_per_block // max_length)
-        return slots
+        return capped_slots(slots, num_blocks, self.cache_tokens_per_block, max_length) if cap else slots
 
     def slots_for_one_job(self, num_blocks: int) -> int:
         """The fewest slots with which ``num_blocks`` blocks open a session: ``slots`` mode reserves a whole slot in

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from petals_chain.server.announce import PROCESS_STARTED_AT
 from petals_chain.swarm.emulation import Emulation
 
 
@@ -93,6 +94,7 @@ class StandbyView:
     epoch: int = -1
     span: Optional[tuple[int, int]] = None
     runner: Any = None
+    started_at: float = PROCESS_STARTED_AT  # the server's (ServerRecord.started_at), which every record announces
 
     @property
     def tau_p(self) -> float:

@@ -272,7 +272,6 @@ class Server:
     def _offering(self, rec: ServerRecord) -> ServerRecord:
         """``rec`` with the models this server offers and the one it serves."""
         rec.models, rec.serving = [h.prefix for h in self.hosted], self.prefix
-        rec.started_at = self.started_at
         return rec
 
     def record(self) -> ServerRecord:
@@ -285,7 +284,8 @@ class Server:
             if h is self.active:
                 continue
             out.append((h.prefix, self._offering(build_record(
-                StandbyView(h, self.max_length, self.emulation, self.cfg, self.maddrs, self.reachability),
+                StandbyView(h, self.max_length, self.emulation, self.cfg, self.maddrs, self.reachability,
+                            started_at=self.started_at),
                 self.sd.peer_id))))
         return out
 

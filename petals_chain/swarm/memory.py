@@ -89,3 +89,12 @@ def slots_for_budget(memory_bytes: float, num_blocks: int, s_m: float, s_c: floa
     if s_c <= 0:
         raise ValueError("s_c must be positive")
     return max(0, int((memory_bytes - s_m * num_blocks) // s_c))
+
+
+def capped_slots(slots: int, num_blocks: int, cache_tokens_per_block: int, max_length: int) -> int:
+    """``slots`` under a volunteer's ``--cache-tokens-per-block`` (PETALS' fixed attention cache, 0: none): at most
+    ``num_blocks x cache_tokens_per_block // max_length`` slots of ``max_length`` tokens, whatever its memory. The
+    server loads with it and the planner plans with it."""
+    if cache_tokens_per_block <= 0:
+        return slots
+    return min(slots, num_blocks * cache_tokens_per_block // max(1, max_length))

@@ -138,7 +138,7 @@ class SessionBackend(Protocol):
 
     def extend_session(self, session_id: str, max_length: int) -> dict:
         """Raise the session's token limit to ``max_length`` or raise RefusedError (``no_capacity``: unchanged);
-        returns extra fields for the reply."""
+        returns extra fields for the reply, ``max_length`` (the limit now) among them."""
 
     def close_session(self, session_id: str, **prefix: Any) -> None:
         """Free the session (``prefix_hashes``, when given: keep its full pages among them cached)."""
@@ -423,12 +423,10 @@ class PetalsChainBlocks(ServicerBase):
                     if op == "extend":
                         if msg.tensors:
                             raise RefusedError("invalid", "extend carries no tensors")
-                        asked = _int_field(meta, "max_length")
-                        extra = self.backend.extend_session(session_id, asked)
+                        extra = self.backend.extend_session(session_id, _int_field(meta, "max_length"))
                         box = self._boxes.get(session_id)
                         if box is not None:  # pushes may be as long as the session now is
-                            granted = extra.get("max_length", asked) if isinstance(extra, dict) else asked
-                            box.max_tokens = granted if isinstance(granted, int) else asked
+                            box.max_tokens = extra["max_length"]
                         last_valid = loop.time()
                         yield runtime_pb2.ExpertResponse(metadata=_pack({"ok": True, **extra}))
                         continue
