@@ -11,8 +11,12 @@ temperature below 1e-5 is greedy (vLLM's epsilon) and ``repetition_penalty`` is 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
+import types
+import typing
 import uuid
 from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 
@@ -55,10 +59,30 @@ class _Base(pydantic.BaseModel):
         null", and its client sends null for a parameter given as None); a required field stays required."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items()
+            data = {k: v for k, v in data.items()
                     if not (v is None and k in fields and not fields[k].is_required()
                             and fields[k].default is not None)}
+            for k, v in data.items():
+                _check_json_kind(k, v, fields[k].annotation if k in fields else None)
         return data
+
+
+def _only(annotation: Any, kinds: tuple) -> bool:
+    """Whether ``annotation`` (``Optional`` aside) admits only ``kinds``."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    args = [a for a in args if a is not type(None)]
+    return bool(args) and all(a in kinds for a in args)
+
+
+def _check_json_kind(name: str, value: Any, annotation: Any) -> None:
+    """JSON's booleans and numbers are not each other (OpenAI refuses both): lax parsing read completions'
+    ``logprobs: true`` as 1 alternative, ``n: true`` as 1 and ``echo: "yes"`` or chat's ``logprobs: 1`` as true."""
+    if value is None or annotation is None:
+        return
+    if isinstance(value, bool) and _only(annotation, (int, float)):
+        raise FieldError(name, f"{name} must be a number, not {json.dumps(value)}")
+    if not isinstance(value, bool) and _only(annotation, (bool,)):
+        raise FieldError(name, f"{name} must be true or false, not {json.dumps(value)[:40]}")
 
 
 class FieldError(ValueError):
@@ -193,6 +217,13 @@ class ContentPart(_Base):
     type: Literal["text"]
     text: str
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "text":  # an image: said so, not "unknown field image_url"
+            raise ValueError(f"only text content parts are supported, not {json.dumps(data.get('type'))[:40]}")
+        return data
+
 
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "developer"]
@@ -280,15 +311,16 @@ class SessionGenerateRequest(SamplingFields):
     add_special_tokens: Optional[bool] = None
     # the generated tokens' logprobs with this many top alternatives, in /v1/completions' format for every kind
     # of turn (messages too: the reply is this API's own, not OpenAI's chat shape, so one format serves all)
-    logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
+    logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)  # a count: chat's ``true`` is refused
 
-    @pydantic.field_validator("logprobs", mode="before")
-    @classmethod
-    def _logprobs_is_a_count(cls, v):
-        if isinstance(v, bool):  # lax parsing read chat's ``logprobs: true`` as 1 alternative, false as 0
-            raise ValueError("logprobs is the number of top alternatives per token (0 to 20, as /v1/completions "
-                             "takes it), not a boolean")
-        return v
+
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict|function-\w+)\[.*\])$")
+
+
+def _path(loc: Any) -> list[str]:
+    """A validation error's location as the body names it: pydantic's ``body`` and the tags of the union member
+    tried left out (``messages.0.content.list[ContentPart].0`` is the body's ``messages.0.content.0``)."""
+    return [str(x) for x in loc if x != "body" and not (isinstance(x, str) and _UNION_MEMBER.match(x))]
 
 
 def _error(status: int, message: str, *, type_: str | None = None, param: str | None = None,
@@ -362,15 +394,15 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             # a body sent without Content-Type: application/json (curl -d sends a form's type) reaches us unparsed
             return _error(400, "the request body must be a JSON object sent with 'Content-Type: application/json'",
                           code="invalid_json")
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        loc = _path(first.get("loc", []))
         extra = [e for e in errs if e.get("type") == "extra_forbidden"]
         if extra:
-            names = [".".join(str(x) for x in e.get("loc", []) if x != "body") for e in extra]
+            names = [".".join(_path(e.get("loc", []))) for e in extra]
             return _error(400, f"unsupported parameter(s): {', '.join(names)}", param=names[0],
                           code="unsupported_parameter")
 
         def message(e: dict) -> str:
-            where = ".".join(str(x) for x in e.get("loc", []) if x != "body") or "body"
+            where = ".".join(_path(e.get("loc", []))) or "body"
             return f"{where}: {str(e.get('msg', '')).removeprefix('Value error, ')}"
 
         field = getattr((first.get("ctx") or {}).get("error"), "param", None)  # a FieldError's (model validators)
@@ -608,6 +640,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return forwarded
         check_model(req.model)
         many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+        if req.stream and many and len(req.prompt) != 1:  # before tokenizing them
+            raise RequestError("streaming supports one prompt per request", param="prompt")
         if (len(req.prompt) if many else 1) * req.n > cfg.max_n:  # before tokenizing them all on the event loop
             raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n; the orchestrator's "
                                "--max-choices)", param="prompt" if many and req.n == 1 else "n")
@@ -631,8 +665,6 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            if len(prompts) != 1:
-                raise RequestError("streaming supports one prompt per request", param="prompt")
             ids = prompts[0]
             echo_text = texts[0] if req.echo else None
             counters: dict[int, StopMatcher] = {}  # each choice's position: text_offset runs on across its chunks

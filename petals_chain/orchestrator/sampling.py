@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from petals_chain.orchestrator.tokentext import context_tail
+from petals_chain.orchestrator.tokentext import MAX_CHARACTER_BYTES, context_tail
 
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing float32 logits by a smaller one
@@ -783,6 +785,42 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> l
     return out
 
 
+MAX_PENDING_TOKENS = 2 * MAX_CHARACTER_BYTES  # a whole character spans fewer tokens: a longer wait is stray bytes
+
+
+def _failure_links(s: str) -> list[int]:
+    """KMP's: ``links[k]`` is the longest proper prefix of ``s[:k]`` that ``s[:k]`` also ends with."""
+    links = [0] * (len(s) + 1)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = links[k]
+        if s[i] == s[k]:
+            k += 1
+        links[i + 1] = k
+    return links
+
+
+_SILENT: "weakref.WeakKeyDictionary[Any, frozenset[int]]" = weakref.WeakKeyDictionary()
+
+
+def silent_tokens(tokenizer) -> frozenset[int]:
+    """Special tokens that decoding drops wherever they are (skip_special_tokens): they add no text, so the
+    incremental decoder leaves them out of its window (a run of them, e.g. end-of-text after end-of-text with
+    ``ignore_eos``, was decoded again at every token)."""
+    try:
+        return _SILENT[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = frozenset(int(t) for t in getattr(tokenizer, "all_special_ids", None) or ()
+                    if tokenizer.decode([int(t)], skip_special_tokens=True) == "")
+    try:
+        _SILENT[tokenizer] = ids
+    except TypeError:  # not weakly referenceable: computed per matcher
+        pass
+    return ids
+
+
 class StopMatcher:
     """Incremental detokenization with stop strings.
 
@@ -793,6 +831,12 @@ class StopMatcher:
     def __init__(self, tokenizer, stop: list[str], prompt_ids: list[int] | None = None):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        # per stop: KMP failure links and the longest prefix of it the text ends with (the hold-back, updated per
+        # new character: testing every prefix of 16 stops of 256 characters cost 0.3 ms a token)
+        self._fail = [_failure_links(s) for s in self.stop]
+        self._ends_with = [0] * len(self.stop)
+        self._scanned = 0  # characters of ``text`` those counts have seen
+        self._silent = silent_tokens(tokenizer)
         self.ids: list[int] = []
         self.emitted = 0  # characters of the decoded text already returned
         self.stopped = False
@@ -818,14 +862,30 @@ class StopMatcher:
         now = self._decode(self.ids[self.prefix:])
         # A trailing replacement char means an incomplete multi-byte sequence: wait for more tokens.
         if not final and (now.endswith("\ufffd") or len(now) <= len(before)):
+            if now.endswith("\ufffd") and len(self.ids) - self.read > MAX_PENDING_TOKENS:
+                return self._advance_within(before, now)
             return False
         self.text += now[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
         return True
 
+    def _advance_within(self, before: str, now: str) -> bool:
+        """Bytes that are no character (a run of stray UTF-8 bytes) never end in a whole one: take the text up to a
+        token at least 4 bytes back, where whatever character is cut is already resolved in ``now`` (its
+        replacement char, or the character itself, which then is not cut). Without this every token of the run
+        decoded the whole run again (quadratic) and a stream showed nothing until its end."""
+        end = len(self.ids) - MAX_CHARACTER_BYTES
+        for k in range(end, max(self.read, end - MAX_CHARACTER_BYTES), -1):
+            part = self._decode(self.ids[self.prefix:k])
+            if len(part) > len(before) and now.startswith(part):
+                self.text += part[len(before):]
+                self.prefix, self.read = self.read, k
+                return True
+        return False
+
     def feed(self, token_id: int) -> str:
         """Add one generated token; return newly emittable text (may be empty). Sets ``stopped``."""
-        if self.stopped:
+        if self.stopped or token_id in self._silent:
             return ""
         self.ids.append(token_id)
         if not self._advance():
@@ -833,18 +893,25 @@ class StopMatcher:
         text = self.text
         if (out := self._cut_at_stop()) is not None:
             return out
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        safe = len(text) - hold
+        safe = len(text) - self._hold()
         if safe <= self.emitted:
             return ""
         out = text[self.emitted:safe]
         self.emitted = safe
         return out
+
+    def _hold(self) -> int:
+        """The longest end of ``text`` that is a proper prefix of a stop string (it may yet become one)."""
+        for ch in self.text[self._scanned:]:
+            for i, s in enumerate(self.stop):
+                k, fail = self._ends_with[i], self._fail[i]
+                while k and s[k] != ch:
+                    k = fail[k]
+                if s[k] == ch:
+                    k += 1
+                self._ends_with[i] = fail[k] if k == len(s) else k  # a whole stop is cut before this is asked
+        self._scanned = len(self.text)
+        return max(self._ends_with, default=0)
 
     def _cut_at_stop(self) -> str | None:
         """If :attr:`text` holds a stop string: cut it there, set ``stopped`` and return the text not yet emitted;
