@@ -559,6 +559,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
             # places held for the later jobs of admitted requests (n > 1, several prompts): queue_length + these
             # stay within max_queue for new requests
             "queue_places_held": getattr(self.dispatch, "places_held", 0),
+            # and the free slots held for those of them the queue had no place for (new jobs queue instead)
+            "queue_slots_held": getattr(self.dispatch, "slots_held", 0),
             "sessions": len(self.sessions), "updated_at": time.time(), "servers": servers, "chains": chains,
             "history": list(self.stats.history)[-200:],
             "plans": list(p.plan_log)[-10:] if p is not None else [],
@@ -609,6 +611,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         s.m_queue_refused.set(self.dispatch.refused)
         s.m_requeued.set(self.dispatch.requeued)
         s.m_places_held.set(getattr(self.dispatch, "places_held", 0))
+        s.m_slots_held.set(getattr(self.dispatch, "slots_held", 0))
         s.m_chain_max_active.clear()  # only the current chains: a chain gone from the plan drops its series
         for k in range(len(self.dispatch.chains)):
             s.m_chain_max_active.labels(str(self.dispatch.chain_ids[k])).set(self.dispatch.peak_active(k))

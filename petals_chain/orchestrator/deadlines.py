@@ -68,9 +68,12 @@ class RequestDeadline:
     @property
     def drop_at(self) -> float:
         """When a job still waiting for a chain has missed for sure (``inf`` for best effort or none): the first of
-        its deadlines to pass (a job without its first token has missed both by then)."""
+        its deadlines to pass (a job without its first token has missed both by then). Once the request has its
+        first token (another prompt's job of a multi-prompt request gave it), only ``deadline`` is left to miss."""
         if self.best_effort:
             return math.inf
+        if self.first_token_at is not None:
+            return self.deadline
         return min(self.ttft_deadline, self.deadline)
 
     def first_token(self, now: float | None = None) -> None:

@@ -16,12 +16,15 @@ request) are never refused either: they queue in the discipline's order. The req
 admitted only if the queue has a place for each of its jobs the free slots cannot start (:meth:`_check_room`), and
 from then on it holds a place for each job still to come, as many as the queue has (and, where the queue keeps
 places, as its client's share allows) (:class:`RequestPlaces`, ``places_held``): new jobs see them as taken until
-each later job arrives and takes its own, or the request ends without it. So ``queue_length + places_held <=
-max_queue`` holds for new jobs, and the later jobs keep the bound whenever their request holds a place for each;
-one admitted on free slots with fewer places held can still take the queue past it for a while, if new jobs take
-those slots before its later jobs come (``queue_max`` shows it). (A request's jobs are known by the
-:class:`PlaceTicket` its generation gives each of them; jobs without one, e.g. driven directly, are checked for
-their ``siblings`` but hold no places.)
+each later job arrives and takes its own, or the request ends without it. A request admitted on free slots with
+fewer places than later jobs holds one of those free slots for each of the others (``slots_held``): new jobs see the
+slot as busy and queue (within the bound) or are refused, and the later job starts on it when it comes (taken by new
+jobs, its later jobs had queued past the bound). So ``queue_length + places_held <= max_queue`` holds for new jobs
+and the later jobs keep it; only a re-plan that drops a held slot's chain with no room elsewhere lets a later job
+queue past it. A request is admitted or refused as a whole: once its first job is refused (the bound, the share or
+its deadline, predicted for the last of all its jobs) its other jobs are refused with it, touching nothing; once
+admitted, its other jobs are never refused. (A request's jobs are known by the :class:`PlaceTicket` its generation
+gives each of them; jobs without one, e.g. driven directly, are checked for their ``siblings`` but hold no places.)
 """
 
 from __future__ import annotations
@@ -256,14 +259,20 @@ class RequestPlaces:
 
     Its first job to arrive is admitted only if the queue has a place for each of its jobs the free slots cannot
     start, and from then on it holds a place for each job still to come, as many as the queue had
-    (:attr:`DispatchManager.places_held`): new jobs see them as taken until each job arrives (and takes a place or
-    a slot) or will not come (:meth:`PlaceTicket.drop`)."""
+    (:attr:`DispatchManager.places_held`), and a free slot for each of the others (:attr:`DispatchManager.
+    slots_held`): new jobs see them as taken until each job arrives (and takes a slot or a place) or will not come
+    (:meth:`PlaceTicket.drop`). Once its first job is refused, so are the others (:attr:`refusal`)."""
 
     def __init__(self) -> None:
         self.tickets: list[PlaceTicket] = []
         self.admitted = False  # its first job was admitted: the places of the others are held
         self.client = "anonymous"
         self.cap = 0  # the most places it holds (those the queue had at its admission)
+        # chain keys of the free slots held for the jobs still to come beyond ``cap`` (one each), and the manager
+        # that gives them back when those jobs will not come (:meth:`DispatchManager._give_back_slots`)
+        self.slots: list[tuple] = []
+        self.on_drop: Callable[["RequestPlaces"], None] | None = None
+        self.refusal: Exception | None = None  # its first job's refusal: its other jobs are refused with it
 
     def expect(self, jobs: int) -> list["PlaceTicket"]:
         """``jobs`` more jobs of the request will arrive: one ticket each (to put in :data:`PLACE` of its task)."""
@@ -283,6 +292,11 @@ class RequestPlaces:
         """Places it holds now: one per job still to come, at most :attr:`cap`."""
         return min(self.pending, self.cap)
 
+    @property
+    def slots_needed(self) -> int:
+        """Free slots it holds for its jobs still to come that have no place (beyond :attr:`cap`)."""
+        return max(0, self.pending - self.cap)
+
 
 @dataclass(eq=False)
 class PlaceTicket:
@@ -293,9 +307,11 @@ class PlaceTicket:
     state: str = "expected"
 
     def drop(self) -> None:
-        """The job will not arrive (any more): its place, if held, is given back."""
+        """The job will not arrive (any more): its place or slot, if held, is given back."""
         if self.state == "expected":
             self.state = "dropped"
+            if self.places.slots and self.places.on_drop is not None:
+                self.places.on_drop(self.places)
 
 
 # The ticket of the job the current task submits (set by generation for each choice's task); None: none known.
@@ -388,7 +404,8 @@ class DispatchManager:
     steps per job (``T_k`` covers that many steps).
 
     Since start: ``queue_max`` (longest queue), ``refused`` (jobs refused by the bound), ``deadline_refused``
-    (jobs refused as doomed) and :meth:`peak_active` (most jobs run at once on a chain).
+    (jobs refused as doomed; a request's other jobs refused with its first count in neither) and
+    :meth:`peak_active` (most jobs run at once on a chain).
     """
 
     def __init__(self, factory: DispatcherFactory | None = None, policy: str = "jffc", max_queue: int | None = None,
@@ -473,6 +490,8 @@ class DispatchManager:
         self._promised: dict[Lease, DispatchJob] = {}
         self._owed: list[DispatchJob] = []
         self._holds: list[RequestPlaces] = []  # admitted requests with jobs still to come (their places held)
+        self._slot_holds: list[RequestPlaces] = []  # those of them holding free slots too
+        self._reserved: dict[int, int] = {}  # chain index -> its free slots held for them (current generation)
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -486,6 +505,12 @@ class DispatchManager:
         if self._holds:
             self._holds = [p for p in self._holds if p.holding]
         return sum(p.holding for p in self._holds)
+
+    @property
+    def slots_held(self) -> int:
+        """Free slots held for the later jobs of admitted requests that the queue had no place for (see the
+        module): counted busy by the dispatcher until each such job starts there, or will not come."""
+        return sum(self._reserved.values())
 
     def places_held_of(self, client: str) -> int:
         """The places of :attr:`places_held` that ``client``'s requests hold."""
@@ -555,9 +580,23 @@ class DispatchManager:
             k = index_by_key.get(chain_key(lease.chain))
             if k is not None and self._adopt(k, lease.job):
                 lease.index, lease.generation, lease.chain = k, self.generation, chains[k]
+                if lease.chain_id != self.chain_ids[k]:  # its chain's id was pruned while the plan left it out
+                    on_chain = self._running_by_chain.get(lease.chain_id, set())
+                    on_chain.discard(lease)
+                    if not on_chain:
+                        self._running_by_chain.pop(lease.chain_id, None)
+                    lease.chain_id = self.chain_ids[k]
+                    self._running_by_chain.setdefault(lease.chain_id, set()).add(lease)
                 self._count(k, +1)
             # else: the job keeps its (old) chain until it finishes; its server slots are still held, and
             # servers refuse rather than over-commit, so a job started meanwhile retries (see engine).
+        self._reserved = {}
+        for places in list(self._slot_holds):  # held slots stay held (their chain first) before waiting jobs come
+            keys, places.slots = places.slots, []
+            self._slot_holds.remove(places)
+            if chains and places.slots_needed:
+                self._reserve(places, min(len(keys), places.slots_needed),
+                              [index_by_key[key] for key in keys if key in index_by_key])
         lane, self._lane = self._lane, []
         if self.schedule in ("edf", "flex") or self.priorities is not None:
             # Every waiting job in the order a freed slot would take them (release(): the lane first, but a job
@@ -668,6 +707,46 @@ class DispatchManager:
         places.admitted, places.client, places.cap = True, job.client, int(cap)
         if places.pending and places not in self._holds:
             self._holds.append(places)
+        if places.slots_needed and self.dispatcher is not None:
+            # the free slots (_check_room counted them) start the jobs the queue has no place for: held for them,
+            # the first job's chain first (a later choice forks its prompt's KV there)
+            lease = self._running.get(job)
+            self._reserve(places, places.slots_needed, () if lease is None else (lease.index,))
+
+    def _reserve(self, places: RequestPlaces, n: int, first: Sequence[int] = ()) -> None:
+        """Hold up to ``n`` free slots for ``places``' jobs to come (chains ``first``, then the fastest); the
+        dispatcher counts each busy (as a job carried over a re-plan) until :meth:`_take_slot` or
+        :meth:`_give_back_slots`."""
+        order = [*first, *sorted(range(len(self.chains)), key=lambda i: (self.chains[i].service_time, i))]
+        for k in order:
+            while n > 0 and int(self.chains[k].capacity) - self.active(k) - self._reserved.get(k, 0) > 0 \
+                    and self.dispatcher.adopt(k, places):
+                self._reserved[k] = self._reserved.get(k, 0) + 1
+                places.slots.append(chain_key(self.chains[k]))
+                n -= 1
+        if places.slots:
+            places.on_drop = self._give_back_slots
+            if places not in self._slot_holds:
+                self._slot_holds.append(places)
+
+    def _take_slot(self, places: RequestPlaces) -> int | None:
+        """The index of a slot ``places`` holds, now its job's (None: it holds none)."""
+        while places.slots:
+            k = self._index_by_key.get(places.slots.pop())
+            if k is not None and self._reserved.get(k, 0) > 0:
+                self._reserved[k] -= 1
+                return k
+        return None
+
+    def _give_back_slots(self, places: RequestPlaces) -> None:
+        """``places`` holds more slots than jobs to come without a place (one will not come): each slot too many
+        takes the next waiting job, as a job's end does."""
+        while len(places.slots) > places.slots_needed:
+            k = self._take_slot(places)
+            if k is not None and self.dispatcher is not None:
+                self._slot_freed(k)
+        if not places.slots and places in self._slot_holds:
+            self._slot_holds.remove(places)
 
     def _withdraw(self, job: DispatchJob) -> None:
         """Take ``job``, queued in this same step, out again as if it had never arrived (it is refused): a dispatcher
@@ -694,8 +773,8 @@ class DispatchManager:
         return sum(1 for j in self._queued_jobs() if j.client == client)
 
     def _free_slots(self) -> int:
-        return sum(max(0, int(ch.capacity) - self.active(k)) for k, ch in enumerate(self.chains)) \
-            if self.dispatcher is not None else 0
+        return sum(max(0, int(ch.capacity) - self.active(k) - self._reserved.get(k, 0))
+                   for k, ch in enumerate(self.chains)) if self.dispatcher is not None else 0
 
     def _check_room(self, job: DispatchJob, later: int) -> int:
         """The first job of a request of several (``n`` > 1, several prompts): refuse it now unless the queue has a
@@ -824,18 +903,28 @@ class DispatchManager:
         ticket = None if job.requeue else PLACE.get()  # the job's place in its request (None: not known)
         if ticket is not None and ticket.state == "dropped":
             ticket = None
+        if ticket is not None and ticket.places.refusal is not None:
+            # its request was refused (its first job): so is this job, at once, as nothing (counted with the first)
+            self._waiters.pop(job, None)
+            raise ticket.places.refusal
+        # a later job of an admitted request (a later choice, another prompt): admitted with it, never refused
+        joined = job.checked or (ticket is not None and ticket.places.admitted)
+        later = ticket.places.pending - 1 if not joined and ticket is not None and ticket.state == "expected" else 0
+        if later > job.siblings:  # a multi-prompt request's first job: its deadline is its last job's
+            job.siblings = later
         paused: list[Lease] = []
         try:
             dl = job.deadline
-            fresh = not job.requeue and not job.checked and dl is not None and dl.active
+            fresh = not job.requeue and not joined and dl is not None and dl.active
             if fresh and dl.best_effort:
                 # served late rather than refused, so not first in the queue either: behind the jobs that can still
                 # meet their deadlines (else ttft_deadline_ms=1 with best_effort would jump every queue). Decided
                 # once: a multi-prompt request's jobs share it, and a queued job's key must not change under it
                 if not dl.late_decided:
                     dl.late, dl.late_decided = self.predict(job).doomed, True
-            elif (job.checked and not job.requeue and self.schedule == "flex" and dl is not None and dl.active
-                  and not dl.best_effort and math.isfinite(dl.deadline)):
+            elif (joined and not job.requeue and self.schedule == "flex" and dl is not None and dl.active
+                  and not dl.best_effort and math.isfinite(dl.deadline)
+                  and not (ticket is not None and ticket.state == "expected" and ticket.places.slots)):
                 # a later choice, admitted with the first when enough jobs were there to pause for them all: it
                 # pauses its own now that it needs the slot (paused with the first, the slot went to the paused
                 # job's own resumption before this choice came). Only for the last token (the request's first
@@ -854,19 +943,27 @@ class DispatchManager:
                     raise DeadlineUnreachable(pred)
             if job.requeue:
                 self._arrive_requeued(job)
-            elif job.checked or (ticket is not None and ticket.places.admitted):
-                # a later job of an admitted request: takes the place held for it (in the same step, so the bound
-                # holds) and queues in the discipline's order, never refused
+            elif joined:
+                # a later job of an admitted request: starts on the slot held for it, or takes the place held for it
+                # (in the same step, so the bound holds) and queues in the discipline's order, never refused
+                k = None
                 if ticket is not None and ticket.state == "expected":
                     ticket.state = "arrived"
-                self._arrive(job)
+                    k = self._take_slot(ticket.places)
+                    if not ticket.places.slots and ticket.places in self._slot_holds:
+                        self._slot_holds.remove(ticket.places)
+                if k is not None:
+                    self._start(job, k)
+                else:
+                    self._arrive(job)
             else:
-                later = ticket.places.pending - 1 if ticket is not None and ticket.state == "expected" else 0
-                cap = self._arrive(job, bounded=True, later=max(later, job.siblings))
+                cap = self._arrive(job, bounded=True, later=job.siblings)
                 if ticket is not None:
                     self._hold(ticket, job, cap)
         except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
+            if ticket is not None and not ticket.places.admitted:
+                ticket.places.refusal = e
             if isinstance(e, QueueShareFull):
                 self.share_refused += 1
             elif isinstance(e, QueueFull):
@@ -922,16 +1019,20 @@ class DispatchManager:
         if lease.generation != self.generation or self.dispatcher is None:
             return
         self._count(lease.index, -1)
+        self._slot_freed(lease.index)
+
+    def _slot_freed(self, k: int) -> None:
+        """A slot of chain ``k`` (current plan) is free: the next waiting job takes it."""
         # A re-queued job takes the slot over (the dispatcher's count on this chain stays as it is): the first one
         # the queue's head does not go before (a job paused for it waits, not the re-queued jobs behind it)
         lane = next((j for j in self._lane if not self._deadline_before(j)), None)
         if lane is not None:
             self._lane.remove(lane)
-            self._start(lane, lease.index, queued=True)
+            self._start(lane, k, queued=True)
             return
-        nxt = self.dispatcher.complete(lease.index)
+        nxt = self.dispatcher.complete(k)
         if nxt is not None:
-            self._start(nxt, lease.index, queued=True)
+            self._start(nxt, k, queued=True)
 
     def _deadline_before(self, job: DispatchJob) -> bool:
         """``job`` (re-queued) was paused for deadlines (``flex``) or for priority (``db``, ``mlfq``) and the queue's
@@ -1071,7 +1172,7 @@ class DispatchManager:
         planner's alone, neither a full chain's slower steps (each batching ``c_k`` jobs) nor that time counted, and
         jobs admitted at overload missed (issue 18)."""
         capacity = max(0, int(ch.capacity) - idle)
-        active = max(0, self.active(k) - idle)
+        active = max(0, self.active(k) + self._reserved.get(k, 0) - idle)  # a held slot is its job's
         planned = ch.service_time / spj
         if capacity == 0:
             return ChainLoad(capacity=0, active=active, job_s=ch.service_time, step_s=planned)

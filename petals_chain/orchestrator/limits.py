@@ -468,7 +468,7 @@ class _HeldResponse:
             await self.limits._send_error(self.send, status, {"error": failed}, retry=status in (429, 503))
         elif start.get("status") == 200 and self.adm.state == "refused":
             self.replaced, self.held = True, []
-            if self.adm.code and self.adm.code != "queue_full":  # e.g. deadline_unreachable: not a full queue
+            if self.adm.code and self.adm.message:  # the dispatcher's own words (e.g. "ask for fewer": never fits)
                 await self.limits._reject(self.send, 429, self.adm.code, self.adm.message)
             else:
                 await self.limits._reject(self.send, 429, "queue_full",

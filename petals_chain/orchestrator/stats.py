@@ -89,6 +89,8 @@ class Stats:
                                 "a session's later turn); outside the bounded queue", registry=r)
         self.m_places_held = Gauge("petals_chain_queue_places_held", "Queue places held for the later jobs of admitted "
                                    "requests (n > 1, several prompts); with the queue, within the bound", registry=r)
+        self.m_slots_held = Gauge("petals_chain_queue_slots_held", "Free chain slots held for the later jobs of "
+                                  "admitted requests that the queue had no place for", registry=r)
         self.m_chain_max_active = Gauge("petals_chain_chain_max_active", "Most jobs run at once on a current chain "
                                         "since start", ["chain"], registry=r)
         self.m_running = Gauge("petals_chain_running_jobs", "Jobs holding a chain", registry=r)
