@@ -164,6 +164,22 @@ def _check_url(url: str) -> None:
         raise ValueError(f"give the orchestrator's URL without /v1 (the client adds the API paths), got {url!r}")
 
 
+def _check_timeout(timeout: Any) -> None:
+    """ValueError for a ``timeout`` that is not None, an ``httpx.Timeout`` or a positive finite number of seconds: 0
+    failed every request as "no orchestrator could serve" (a connect that never had time), a negative one, NaN or
+    infinity only at the first request, deep in the socket layer."""
+    if timeout is None or isinstance(timeout, httpx.Timeout):
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a positive finite number of seconds (None: no timeout), got {timeout!r}")
+
+
+def _resume_mismatch(url: str, what: str) -> ClientError:
+    """A cut stream's rerun at ``url`` did not repeat what the caller already has (another chain's numerics)."""
+    return ClientError(502, f"the stream was cut off and its rerun at {url} gave another text: {what}",
+                       "resume_mismatch")
+
+
 def _unavailable(failures: list[str]) -> ClientError:
     return ClientError(503, "no orchestrator could serve the request: " + "; ".join(failures), "unavailable")
 
@@ -179,7 +195,7 @@ class Client:
     seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with
     the orchestrator that opened them, and opening one is sent again only if it never reached the first."""
 
-    def __init__(self, url: str | Sequence[str], *, timeout: float = 600.0, model: Optional[str] = None,
+    def __init__(self, url: str | Sequence[str], *, timeout: Optional[float] = 600.0, model: Optional[str] = None,
                  api_key: Optional[str] = None, retry_s: float = DEFAULT_RETRY_S):
         urls = [url] if isinstance(url, str) else list(url)
         if not urls or not all(isinstance(u, str) and u for u in urls):
@@ -188,6 +204,7 @@ class Client:
             _check_url(u)
         if not retry_s >= 0:
             raise ValueError(f"retry_s must be >= 0, got {retry_s!r}")
+        _check_timeout(timeout)
         self.retry_s = float(retry_s)
         self.urls = [u.rstrip("/") for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -341,11 +358,17 @@ class Client:
                             for ch in obj.get("choices", []):
                                 text = ch.get("text") or ""
                                 if skip:  # already yielded before the first orchestrator was lost
-                                    cut = min(skip, len(text))
+                                    cut, at = min(skip, len(text)), len(sent) - skip
+                                    if text[:cut] != sent[at:at + cut]:  # else the caller got two runs spliced
+                                        raise _resume_mismatch(self.urls[i], f"{text[:cut]!r} where the stream had "
+                                                               f"{sent[at:at + cut]!r}")
                                     text, skip = text[cut:], skip - cut
                                 if text:
                                     sent += text
                                     yield text
+                        if skip:
+                            raise _resume_mismatch(self.urls[i], f"it ended {skip} characters short of the text "
+                                                   "already yielded")
                     except ClientError as e:  # an error event: "no chain here" is another orchestrator's to try
                         if e.status != 503 or (sent and not reproducible):
                             raise

@@ -339,12 +339,14 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
         await asyncio.to_thread(o.load_model)
     started: list[Orchestrator] = []
     placer, placer_task = None, None
+    loop = asyncio.get_running_loop()
+    stop_starting = _StopWhileStarting(asyncio.current_task())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGTERM's default ended us at once, the DHT node left running
+        loop.add_signal_handler(sig, stop_starting)
     try:  # a failure before serving stops what started (the DHT process and p2pd would outlive us)
-        await orch.start()
-        started.append(orch)
+        await _start(orch, started)
         for o in orchs[1:]:  # the other models use the first one's DHT node
-            await o.start(shared=orch)
-            started.append(o)
+            await _start(o, started, shared=orch)
         if len(orchs) == 1:
             app = create_app(orch)
         else:
@@ -362,16 +364,17 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
                               placer=placer)
             for o in orchs:
                 print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
-    except BaseException:
+    except BaseException as e:
         if placer_task is not None:
             placer_task.cancel()
         for o in reversed(started):
             await o.stop()
+        if isinstance(e, asyncio.CancelledError) and stop_starting.requested:
+            return  # stopped as a stop while serving is: exit 0, no traceback
         raise
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3,
                                            ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile))
     server.install_signal_handlers = lambda: None  # we handle signals ourselves (below)
-    loop = asyncio.get_running_loop()
     quiet_peer_disconnects(loop)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
@@ -399,6 +402,34 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
             await asyncio.gather(placer_task, return_exceptions=True)
         for o in reversed(orchs):  # the first one, which runs the DHT node, last
             await o.stop()
+
+
+class _StopWhileStarting:
+    """The signal handler while the orchestrators start: cancels the starting task (once)."""
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task, self.requested = task, False
+
+    def __call__(self) -> None:
+        if not self.requested:
+            self.requested = True
+            logger.info("stopping once the DHT node has started")
+            self.task.cancel()
+
+
+async def _start(o, started: list, shared=None) -> None:
+    """``o.start(shared=shared)``, then append ``o`` to ``started``, also when the caller is cancelled meanwhile
+    (a stop while starting): the DHT node joins in a thread that a cancellation does not stop, and the node it
+    gives back would be lost, running, its p2pd with it. The start then finishes before the cancellation goes on."""
+    task = asyncio.ensure_future(o.start(shared=shared))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is None:
+            started.append(o)
+        raise
+    started.append(o)
 
 
 def main(argv: list[str] | None = None) -> int:

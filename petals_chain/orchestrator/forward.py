@@ -31,7 +31,7 @@ from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.resume import (Cut, DeadlineGone, StreamRecord, finish, first_deadline_s, relay_events,
-                                             with_time_gone)
+                                             sse_events, stream_ending, ticking, with_time_gone)
 
 logger = logging.getLogger(__name__)
 
@@ -211,11 +211,8 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
 
     async def relay():
         if record is None:
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:  # the other orchestrator cut off too (no background task runs after an error)
-                await close()
+            async for out in _relay_raw(orch, url, upstream, close):
+                yield out
             return
         try:  # whole events only: a cut never leaves half of one with the client
             async for out in relay_events(record, upstream.aiter_raw(), lambda: _live(orch, url)):
@@ -243,6 +240,29 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
 
     return StreamingResponse(relay(), status_code=upstream.status_code, headers=reply_headers,
                              background=BackgroundTask(close))
+
+
+async def _relay_raw(orch: Any, url: str, upstream: httpx.Response, close: Callable[[], Any]):
+    """A reply relayed as it comes (a session's stream, a one-shot reply), closed at its end. A sender that stops
+    refreshing its group record while its reply is silent is lost (its host gone with the connection open: the relay
+    waited for good). An event stream is relayed in whole events, and one cut off ends with an error event; any other
+    reply cut off aborts the response."""
+    events = (upstream.headers.get("content-type", "").startswith("text/event-stream")
+              and "content-encoding" not in upstream.headers)
+    try:
+        async for chunk in ticking(sse_events(upstream.aiter_raw()) if events else upstream.aiter_raw()):
+            if chunk is None:
+                if not _live(orch, url):
+                    raise Cut("it no longer refreshes its group record")
+                continue
+            yield chunk
+    except (httpx.HTTPError, Cut) as e:
+        if not events:
+            raise
+        logger.warning("the stream forwarded to %s was cut off (%s: %s)", url, type(e).__name__, e)
+        yield stream_ending(503, "stream_cut", f"the orchestrator serving this stream ({url}) was lost: {e}")
+    finally:  # the other orchestrator cut off too (no background task runs after an error)
+        await close()
 
 
 def _live(orch: Any, url: str) -> bool:

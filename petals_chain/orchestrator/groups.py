@@ -157,6 +157,11 @@ class GroupCoordinator:
             if rec.groups and rec.epoch > self.epoch:  # a leader's split (a new leader continues above it)
                 self.epoch, self.split = rec.epoch, rec.group_of()
                 self._split_key = None  # the split cached is not this one: a leader again, solve afresh
+        # another split at the epoch followed or above (two leaders while the orchestrators could not hear each
+        # other, each took the servers at the same epoch): a leader publishes above it, else those following it never
+        # moved and two planners assigned one server for good
+        rival = any(o != self.me and rec.groups and rec.epoch >= self.epoch and rec.group_of() != self.split
+                    for o, rec in entries.items())
         live = self.live()
         leader = live[0]
         if leader != self.leader:
@@ -172,7 +177,7 @@ class GroupCoordinator:
         # its DHT node still joining, it took itself for the only one and split every server to itself)
         if leader == self.me and self._view_since is not None and now - self._started_at >= self.ttl_s:
             split = await self.compute_split(live)
-            if split != self.split or self.epoch == 0 or self.epoch < seen_epoch:
+            if split != self.split or self.epoch == 0 or self.epoch < seen_epoch or rival:
                 self.epoch = max(self.epoch, seen_epoch) + 1
                 self.split = split
                 sizes = {o: sum(1 for x in split.values() if x == o) for o in live}

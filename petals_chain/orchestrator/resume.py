@@ -263,9 +263,9 @@ def _shortened(body: dict, arrived: float, first_token_sent: bool = False) -> di
             # default again, counted afresh: the time to the last token (or the longest deadline) stands in for it
             out[field] = out.get("deadline_ms") or MAX_DEADLINE_MS
             continue
-        if isinstance(ms, bool) or not isinstance(ms, (int, float)):
+        if (value := _ms(ms)) is None:
             continue  # the API's validation answers it (float() made "5000" and true deadlines again)
-        left = float(ms) - gone_ms
+        left = value - gone_ms
         if left <= 0:
             if out.get("best_effort") is not True:
                 raise DeadlineGone(field)
@@ -301,12 +301,22 @@ def first_deadline_s(body: bytes, defaults: Optional[dict] = None) -> Optional[f
     if not isinstance(obj, dict) or obj.get("best_effort") is True:
         return None
     obj = _with_defaults(obj, defaults)
-    ms = [v for v in (obj.get("deadline_ms"), obj.get("ttft_deadline_ms"))
-          if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
+    ms = [v for v in map(_ms, (obj.get("deadline_ms"), obj.get("ttft_deadline_ms"))) if v is not None and v == v]
     return min(ms) / 1000.0 if ms else None
 
 
-def _ending(status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
+def _ms(value: Any) -> Optional[float]:
+    """A deadline field's number as a float; None for what is not a number, or an integer too large for one (a
+    400-digit one raised OverflowError: a 500 for what the API's validation answers with a 400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def stream_ending(status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
     """The error event and ``[DONE]`` that end a stream which could not be finished."""
     return (sse.error_event(status, message, code=code, type_=type_) + sse.DONE).encode()
 
@@ -345,7 +355,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
         yield _DONE
         return
     if not record.reproducible:
-        yield _ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost, and the "
+        yield stream_ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost, and the "
                       "stream cannot be finished elsewhere: it samples without a seed")
         return
     give_up = time.monotonic() + RESUME_S
@@ -357,7 +367,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
             try:
                 body = record.rerun_body()
             except DeadlineGone as e:
-                yield _ending(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
+                yield stream_ending(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
                               f"elsewhere (its orchestrator {lost} was lost)")
                 return
             record.restart()
@@ -368,9 +378,9 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                             reply = await r.aread()
                             code, type_ = _reply_error(reply)
                             if r.status_code not in (429, 502, 503, 504) or code == "deadline_unreachable":
-                                yield _ending(r.status_code, code or "resume_refused", "the stream was cut off and "
-                                              f"its rerun at {url} was refused: {reply[:300].decode(errors='replace')}",
-                                              type_)
+                                yield stream_ending(r.status_code, code or "resume_refused", "the stream was cut off "
+                                                    f"and its rerun at {url} was refused: "
+                                                    f"{reply[:300].decode(errors='replace')}", type_)
                                 return
                             why, local_refused = f"{url}: HTTP {r.status_code} {code}", here
                         else:
@@ -399,7 +409,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                                 why = f"{url}: its stream ended early"
             except _Mismatch as e:
                 logger.error("a cut forwarded stream could not be finished: %s", e)
-                yield _ending(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
+                yield stream_ending(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
                               f"than the one already sent ({e})")
                 return
             except (httpx.HTTPError, Cut) as e:
@@ -408,7 +418,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                 yield _DONE
                 return
         if time.monotonic() >= give_up:
-            yield _ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
+            yield stream_ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
                           f"no other could finish it within {RESUME_S:.0f} s ({why})")
             return
         if time.monotonic() - quiet_since >= KEEPALIVE_S:
