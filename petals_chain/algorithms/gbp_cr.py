@@ -130,6 +130,17 @@ def block_caps(servers: Sequence[ServerSpec], model: ModelSpec) -> np.ndarray | 
     return np.fromiter((s.block_cap(model) for s in servers), dtype=np.int64, count=len(servers))
 
 
+def block_caps_at(servers: Sequence[ServerSpec], model: ModelSpec, c: int) -> np.ndarray | None:
+    """:func:`block_caps` at required capacity ``c``: a server whose own ``max_blocks`` is not Eq. 8's (one that holds
+    fewer jobs than its memory would, such as a volunteer's capped cache) is capped by its ``max_blocks(model, c)``,
+    so one that cannot hold ``c`` jobs at any span gets none, as the paper's servers too small for ``c`` (Eq. 8)."""
+    own = [type(s).max_blocks is not ServerSpec.max_blocks for s in servers]
+    if not any(own):
+        return block_caps(servers, model)
+    return np.fromiter((s.max_blocks(model, c) if o else s.block_cap(model) for s, o in zip(servers, own)),
+                       dtype=np.int64, count=len(servers))
+
+
 def gbp_cr(servers: Sequence[ServerSpec], model: ModelSpec, c: int, arrival_rate: float,
            rho_bar: float = 0.7, *, use_all_servers: bool = False) -> Placement:
     """Block placement by GBP-CR (Alg. 1) for required capacity ``c``.
@@ -138,7 +149,8 @@ def gbp_cr(servers: Sequence[ServerSpec], model: ModelSpec, c: int, arrival_rate
     each takes the next ``m_j(c)`` blocks, the last server of a chain starting at
     ``min(a, L - m_j(c))`` (0-based) so it is never truncated. The walk stops once the complete
     chains reach ``nu >= arrival_rate / (rho_bar c)`` (Eq. 10b); servers not visited, and servers
-    that cannot hold one block (``m_j(c) = 0``), get no blocks.
+    that cannot hold one block (``m_j(c) = 0``), get no blocks; nor does a server whose own ``max_blocks`` says it
+    cannot hold ``c`` jobs (:func:`block_caps_at`).
 
     ``use_all_servers`` (our extension, not in the paper) keeps walking past that point, so every
     server that can hold a block gets one: the extra chains only add capacity behind the faster
@@ -149,7 +161,7 @@ def gbp_cr(servers: Sequence[ServerSpec], model: ModelSpec, c: int, arrival_rate
     if int(c) != c or c < 1:
         raise ValueError(f"c must be a positive integer, got {c!r}")
     memory, tau_c, tau_p = _server_arrays(servers)
-    seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c), block_caps(servers, model))
+    seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c), block_caps_at(servers, model, int(c)))
     _, visited = seq.cut(math.inf if use_all_servers else arrival_rate / (rho_bar * c))
     idx, a, m = seq.placement_arrays(visited)
     return Placement({servers[i].name: (int(aj), int(mj)) for i, aj, mj in zip(idx.tolist(), a.tolist(), m.tolist())},
@@ -162,7 +174,7 @@ def gbp_cr_chain_count(servers: Sequence[ServerSpec], model: ModelSpec, c: int, 
     _check_inputs(servers, model)
     _check_rate(arrival_rate, rho_bar)
     memory, tau_c, tau_p = _server_arrays(servers)
-    seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c), block_caps(servers, model))
+    seq = _ChainSequence.build(memory, tau_c, tau_p, model, int(c), block_caps_at(servers, model, int(c)))
     target = arrival_rate / (rho_bar * c)
     k, _ = seq.cut(target)
     return k if k > 0 and seq.nu[k - 1] >= target else None

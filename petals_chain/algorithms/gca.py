@@ -19,6 +19,10 @@ import numpy as np
 
 from petals_chain.model import Chain, ModelSpec, ServerSpec
 
+# residual slots counted at most: more jobs than any server holds, far below int64's limit (a server record announcing
+# 10**30 slots overflowed it: every planner refresh raised, and the plan stopped following the swarm)
+SLOTS_MAX = 2 ** 40
+
 
 @dataclass
 class _Group:
@@ -153,11 +157,12 @@ def gca(servers: Sequence[ServerSpec], model: ModelSpec, placement: Mapping[str,
             raise ValueError(f"span of {name!r} ({start}, {count}) is outside 0..{L - 1}")
         a[i], m[i] = start, count
         if residual_slots is not None and name in residual_slots:
-            slots[i] = int(residual_slots[name])
-            if slots[i] < 0:
-                raise ValueError(f"residual slots of {name!r} must be >= 0, got {slots[i]}")
+            given = int(residual_slots[name])
+            if given < 0:
+                raise ValueError(f"residual slots of {name!r} must be >= 0, got {given}")
+            slots[i] = min(given, SLOTS_MAX)
         else:
-            slots[i] = by_name[name].residual_slots(model, count)
+            slots[i] = min(by_name[name].residual_slots(model, count), SLOTS_MAX)
     tau_c = np.array([by_name[n].tau_c for n in names], dtype=float)
     tau_p = np.array([by_name[n].tau_p for n in names], dtype=float)
     chains = []

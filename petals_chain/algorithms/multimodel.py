@@ -782,6 +782,10 @@ def erlang_c(servers: int, load: float) -> float:
     for k in range(1, servers):
         term *= load / k
         total += term
+        if k > load and 2 * load < servers and term < total * 1e-18:
+            # the terms left, a^c/c! with them, are below 1e-18 of the sum (c/(c - a) < 2): no wait. O(a), not O(c):
+            # a server record announcing 10**30 bytes of memory made c ~10**12 and froze the orchestrator's loop
+            return 0.0
     last = term * load / servers
     top = last * servers / (servers - load)
     return top / (total + top)

@@ -24,7 +24,10 @@ simulator (``algorithms/multimodel.py``):
   restart loads afresh; told by a new ``started_at`` in its records, however soon it came back), or, while still
   placed on the model (every other one failed too), the planner stops saying so (it loaded the blocks, or was
   given others). Its move made the server forget the failure (it concerned
-  the model it left), so the placer keeps it: a re-placement gave the model back, and the load failed again.
+  the model it left), so the placer keeps it: a re-placement gave the model back, and the load failed again. An
+  overdue load stands as long as the deadline it missed, and each one of the same model doubles that wait and the
+  next try's deadline there (``Planner.load_deadline_scale``): a load slower than the deadline ends on a later try
+  (it was restarted at every try, every two deadlines, for good).
 
 Policies (``--model-placement``): ``ui`` (all of the above), ``static`` (re-placed once, for the first traffic
 seen, then never moved: a fixed plan, the "no adaptive replacement" ablation), ``even`` (round-robin, never moved:
@@ -60,6 +63,7 @@ from petals_chain.algorithms.multimodel import (ALPHA, BETA, PLACEMENT_RULES, SC
                                                 MixDriftDetector, PlanMetrics, ReplanTrigger, ServedModel, Volunteer,
                                                 analytic_evaluate, groups_of, model_chains, moves_that_pay,
                                                 place_by_unserved_index, ui_rate)
+from petals_chain.orchestrator.planner import MEMORY_MAX
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.records import PlacementRecord
 
@@ -77,6 +81,8 @@ STRANDED_UI_PER_S = 1e6
 # with no miss predicted either way the index prices a reload at nothing (servers moved back and forth for 1e-6).
 # A server of a model without traffic moves for any gain (its users lose nothing).
 MIN_LN_GAIN = 0.5
+# an overdue load doubles the wait before the next try and that try's deadline up to 2**this (1024 x the deadline)
+OVERDUE_DOUBLINGS = 10
 
 
 def _started_at(record: Any) -> float:
@@ -142,6 +148,11 @@ class ModelPlacer:
         # each live flexible server's process start as its records announce it (the latest; 0: an older server):
         # another one is a restart, which forgets its load failures (it may come back before its record expires)
         self.started_at: dict[str, float] = {}
+        # {peer: {model: k}}: its loads of that model were overdue k times (since it started or joined): the k-th
+        # keeps it off the model for 2**(k-1) deadlines and its next try there gets 2**k (OVERDUE_DOUBLINGS at most),
+        # where each try had the one deadline: a load slower than it was moved off and back every two deadlines,
+        # restarted at every try, and never ended (the model unserved, the server serving nothing half the time)
+        self.overdue_strikes: dict[str, dict[str, int]] = {}
         self.epoch = 0
         self.planned_at = clock()
         self._stranded_at = -math.inf  # the last re-placement for a model with traffic and no server
@@ -258,8 +269,8 @@ class ModelPlacer:
             else:
                 speeds = [advertised_ref[n] / t for n, t in advertised.get(peer, {}).items()]
             rec = next(iter(by_model.values()))
-            volunteers.append(Volunteer(peer, float(rec.memory_bytes), statistics.median(speeds) if speeds else 1.0,
-                                        comm.get(peer, 0.0)))
+            volunteers.append(Volunteer(peer, float(min(rec.memory_bytes, MEMORY_MAX)),
+                                        statistics.median(speeds) if speeds else 1.0, comm.get(peer, 0.0)))
             offered = self.offered(rec)
             if len(offered) < 2:
                 if len(by_model) == 1:
@@ -340,6 +351,8 @@ class ModelPlacer:
                         peer[:12], ", ".join(self.load_failures.pop(peer)))
         for peer in [p for p in self.started_at if p not in flexible]:
             del self.started_at[peer]
+        for peer in [p for p in self.overdue_strikes if p not in flexible]:
+            self._forget_overdue(peer)
         for peer, rec in flexible.items():
             by_model = records.get(peer, {})
             started = self._note_start(peer, rec, by_model)
@@ -354,8 +367,10 @@ class ModelPlacer:
             if failure is not None:
                 if said is None or (said["failed_span"], said["load_error"]) != (failure["failed_span"],
                                                                                  failure["load_error"]):
-                    self.load_failures.setdefault(peer, {})[name] = {"reason": "reported", **failure, "t": time.time(),
-                                                                     "since": now}
+                    entry = {"reason": "reported", **failure, "t": time.time(), "since": now}
+                    if entry["reason"] == "overdue":
+                        entry["wait_s"] = self._overdue_again(peer, name)
+                    self.load_failures.setdefault(peer, {})[name] = entry
             elif said is not None and peer in planner.servers:
                 del failed[name]
                 if not failed:
@@ -364,19 +379,37 @@ class ModelPlacer:
                             "blocks, or was given others): it may be placed on it again", rec.public_name,
                             peer[:12], name)
 
+    def _overdue_again(self, peer: str, name: str) -> float:
+        """Count an overdue load of model ``name`` by ``peer``; the k-th: its next try there gets ``2**k`` times the
+        model's load deadline (``Planner.load_deadline_scale``), and the wait before it, returned, is ``2**(k-1)``
+        deadlines (the one it missed)."""
+        k = self.overdue_strikes.setdefault(peer, {}).get(name, 0) + 1
+        self.overdue_strikes[peer][name] = k
+        planner = self.orchs[name].planner
+        scales = getattr(planner, "load_deadline_scale", None)
+        if scales is not None:
+            scales[peer] = 2.0 ** min(k, OVERDUE_DOUBLINGS)
+        return float(getattr(planner, "load_deadline_s", 0.0) or 0.0) * 2.0 ** min(k - 1, OVERDUE_DOUBLINGS)
+
+    def _forget_overdue(self, peer: str) -> None:
+        """Forget ``peer``'s overdue loads and longer deadlines (it left or restarted: it loads afresh)."""
+        for name in self.overdue_strikes.pop(peer, {}):
+            getattr(self.orchs[name].planner, "load_deadline_scale", {}).pop(peer, None)
+
     def _expire_overdue(self, now: float) -> None:
-        """Forget each overdue load (``reason`` "overdue") of a model the server was moved off once the model's load
-        deadline has passed again since: a load that was only slow (a large download) gets another try, where one
-        kept for good left a model whose only server it was unserved until the server restarted (review)."""
+        """Forget each overdue load (``reason`` "overdue") of a model the server was moved off once as long as the
+        deadline it missed has passed since (``wait_s``, which doubles at each overdue load of that model): a load
+        that was only slow (a large download) gets another try, with twice the deadline, where one kept for good
+        left a model whose only server it was unserved until the server restarted (review)."""
         for peer in list(self.load_failures):
             by = self.load_failures[peer]
             for name in [m for m, f in by.items() if f.get("reason") == "overdue" and self.placement.get(peer) != m]:
-                planner = self.orchs[name].planner if name in self.orchs else None
-                ttl = float(getattr(planner, "load_deadline_s", 0.0) or 0.0)
-                if now - by[name].get("since", now) >= ttl:
+                wait = float(by[name].get("wait_s", 0.0))
+                if now - by[name].get("since", now) >= wait:
                     del by[name]
                     logger.info("placement: server %s was overdue loading model %s %.0f s ago: it may be placed on it "
-                                "again (a slow load gets another try)", peer[:12], name, ttl)
+                                "again (a slow load gets another try, with %g x --load-deadline-s)", peer[:12], name,
+                                wait, 2.0 ** min(self.overdue_strikes.get(peer, {}).get(name, 0), OVERDUE_DOUBLINGS))
             if not by:
                 del self.load_failures[peer]
 
@@ -387,6 +420,8 @@ class ModelPlacer:
         before = self.started_at.get(peer)
         if before is None or started != before:
             self.started_at[peer] = started
+            if before is not None:
+                self._forget_overdue(peer)
             if before is not None and peer in self.load_failures:
                 logger.info("placement: server %s (%s) restarted: the models it could not load (%s) may be placed on "
                             "it again", rec.public_name, peer[:12], ", ".join(self.load_failures.pop(peer)))
@@ -417,8 +452,10 @@ class ModelPlacer:
                 continue
             placed = {**fixed, **{p: m for p, m in self.placement.items() if p in flexible and not self._failing(p)}}
             choice = self._choose(peer, allowed, volunteers, models, placed)
-            self._set(peer, choice, what, level=logging.WARNING,
-                      detail=f"; not placed on {name} again until it restarts")
+            scale = 2.0 ** min(self.overdue_strikes.get(peer, {}).get(name, 0), OVERDUE_DOUBLINGS)
+            again = (f"for {failure.get('wait_s', 0.0):.0f} s, then with {scale:g} x its load deadline"
+                     if failure.get("reason") == "overdue" else "until it restarts")
+            self._set(peer, choice, what, level=logging.WARNING, detail=f"; not placed on {name} again {again}")
 
     def _set(self, peer: str, name: str, why: str, level: int = logging.INFO, detail: str = "") -> None:
         before = self.placement.get(peer)
@@ -667,4 +704,5 @@ class ModelPlacer:
                 "servers_per_model": {n: sum(1 for m in self.placement.values() if m == n) for n in self.orchs},
                 "recent": list(self.log)[-10:], "replans": list(self.replans)[-10:],
                 "load_failures": {p: {m: {k: f[k] for k in ("failed_span", "load_error", "reason", "t")}
-                                      for m, f in by.items()} for p, by in self.load_failures.items()}}
+                                      for m, f in by.items()} for p, by in self.load_failures.items()},
+                "overdue_loads": {p: dict(by) for p, by in self.overdue_strikes.items()}}

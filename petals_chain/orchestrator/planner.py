@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 EWMA = 0.2
 TAU_P_MIN_OBS = 8  # decode steps observed on a server before its measured tau_p replaces the advertised one
 TAU_P_SUSPECT_RATIO = 2.0  # measured tau_p above this multiple of the advertised one: flagged
+# a server's memory planned at most (1 PiB): a record may announce any integer, and the slots 10**30 bytes make
+# overflowed int64 in GBP-CR's c tuning (negative slots: chains of capacity 0)
+MEMORY_MAX = 2 ** 50
+# a server's epoch above this is not continued from: honest epochs count re-plans; a record may announce up to
+# 2**64 - 1, and the next epoch could not be published (msgpack: integer out of range), nor could any after it
+EPOCH_MAX = 2 ** 53
 
 
 @dataclass
@@ -62,6 +68,7 @@ class ServerView:
     # and whether it was still not online with that span at the deadline (planned around like a failed load)
     awaiting_since: float | None = None
     load_overdue: bool = False
+    deadline_scale: float = 1.0  # its deadline: load_deadline_s x this (load_deadline_scale as its clock started)
     # its record reports a failed load of the very span this planner assigns it (set at each refresh): a report of a
     # span it is no longer given (another orchestrator's, one before a restart of this one) must not keep it out
     failed_assigned: bool = False
@@ -147,6 +154,22 @@ class CappedServerSpec(ServerSpec):
         return capped_slots(super().residual_slots(model, num_blocks), num_blocks, self.cache_tokens_per_block,
                             self.max_length)
 
+    def most_jobs(self) -> int:
+        """The most jobs its cap holds over a span of any length (each takes ``max_length`` tokens in every block).
+        0, not one: it is planned by its memory as before (paged, it serves shorter jobs; else its failed load says
+        what it holds, which an operator needs to read)."""
+        return self.cache_tokens_per_block // max(1, self.max_length)
+
+    def max_blocks(self, model: ModelSpec, capacity: int) -> int:
+        """Eq. 8's ``m_j(c)``, or 0 where its cap holds fewer than ``c`` jobs, but some (GBP-CR gives it no blocks, as
+        a server too small for ``c``): it was given a span as if its memory's slots held ``c``."""
+        return 0 if 0 < self.most_jobs() < capacity else super().max_blocks(model, capacity)
+
+
+def _started_at(record: Any) -> float:
+    """When the process that announced ``record`` started (0: unknown, an older server's record)."""
+    return float(getattr(record, "started_at", 0.0) or 0.0)
+
 
 def _total_rate(chains: Sequence[Chain]) -> float:
     """``sum_k c_k mu_k`` (jobs/s): the service rate of ``chains`` when all are busy."""
@@ -202,6 +225,9 @@ class Planner:
         # a server assigned a span it does not serve, and not online with it this long after, is planned around
         # (check_load_deadlines); 0: never
         self.load_deadline_s = load_deadline_s
+        # {peer: k}: its next load deadline is k x load_deadline_s (the model placer doubles it for each load of this
+        # model a server was overdue on: a load slower than the deadline was restarted at every try, for good)
+        self.load_deadline_scale: dict[str, float] = {}
         self._speed_changed: list[str] = []  # servers newly found slower than they claim: re-plan soon
         # Servers announcing another model (sources.ModelSource.fingerprint): never planned, shown as refused.
         self.model_fingerprint = model_fingerprint
@@ -390,8 +416,8 @@ class Planner:
         moved it to, was planned with the slots its memory holds, not the fewer it would load)."""
         out: list[ServerSpec] = []
         for v in views:
-            fields = dict(name=v.peer_id, memory=float(v.record.memory_bytes), tau_c=self.tau_c(v), tau_p=self.tau_p(v),
-                          block_limit=int(v.record.max_blocks))
+            fields = dict(name=v.peer_id, memory=float(min(v.record.memory_bytes, MEMORY_MAX)), tau_c=self.tau_c(v),
+                          tau_p=self.tau_p(v), block_limit=int(v.record.max_blocks))
             per_block = int(getattr(v.record, "cache_tokens_per_block", 0) or 0)
             out.append(CappedServerSpec(**fields, cache_tokens_per_block=per_block, max_length=self.max_length)
                        if per_block > 0 else ServerSpec(**fields))
@@ -429,8 +455,6 @@ class Planner:
 
     def full_plan(self, views: Sequence[ServerView]) -> Plan | None:
         """c* by the Theorem 3.7 lower bound over GBP-CR + GCA on ``views`` (or the configured placement)."""
-        from petals_chain.algorithms import tune_capacity
-
         model = self._model_spec()
         if model is None or not views:
             return None
@@ -438,8 +462,7 @@ class Planner:
         lam = max(self.arrival_rate, 1e-6)
         try:
             if self.placement_policy == "gbp-cr":
-                c, placement, chains = tune_capacity(specs, model, lam, rho_bar=self.rho_bar, method="lower",
-                                                     use_all_servers=self.use_all_servers)
+                c, placement, chains = self._tune(specs, model, lam)
             else:
                 c, placement, chains = self._baseline_placement(specs, model)
         except ValueError as e:
@@ -447,6 +470,45 @@ class Planner:
             return None
         lower, upper = self._bounds(chains)
         return Plan(c=c, placement=placement, chains=chains, lower=lower, upper=upper)
+
+    def _tune(self, specs: list[ServerSpec], model: ModelSpec, lam: float) -> tuple[int, Placement, list[Chain]]:
+        """c*, GBP-CR and GCA by ``tune_capacity``. With servers whose cache cap holds fewer jobs than their memory
+        would (:class:`CappedServerSpec`), tuned over each range of ``c`` in which the same servers hold ``c`` jobs
+        (the others left out, as GBP-CR leaves a server too small for ``c``), each range's plan counted by the slots
+        the caps allow (GCA on ``specs``); the lowest predicted response wins. When no range has a chain by the caps,
+        the first range's plan as ``tune_capacity`` counts it (the servers load their spans and a failed load says
+        what they cannot hold, as before: else no span was ever assigned). ValueError: no range has a plan."""
+        from petals_chain.algorithms import gca, tune_capacity
+        from petals_chain.algorithms.tuning import max_capacity
+
+        kw = dict(rho_bar=self.rho_bar, method="lower", use_all_servers=self.use_all_servers)
+        # a cap of c_max jobs or more never binds (no c above it is tried): one range per cap below it
+        c_max = max_capacity(specs, model)
+        caps = sorted({k for s in specs if isinstance(s, CappedServerSpec) and 0 < (k := s.most_jobs()) < c_max})
+        if not caps:
+            return tune_capacity(specs, model, lam, **kw)
+        best: tuple | None = None
+        counted: tuple | None = None  # the first range's plan, with its chains as tune_capacity counts them
+        lo = 1
+        for hi in caps + [None]:
+            eligible = [s for s in specs if not isinstance(s, CappedServerSpec) or not 0 < s.most_jobs() < lo]
+            try:
+                c, placement, tuned = tune_capacity(eligible, model, lam, c_range=(lo, hi or 2 ** 62), **kw)
+            except ValueError:
+                c = None
+            if c is not None:
+                counted = counted or (c, placement, tuned)
+                chains = gca(specs, model, placement)
+                key = (self._bounds(chains)[0], -_total_rate(chains), c)
+                if best is None or key < best[0]:
+                    best = (key, (c, placement, chains))
+            if hi is not None:
+                lo = hi + 1
+        if best is None or not best[1][2]:
+            if counted is None:
+                raise ValueError("no server can hold one block with one cache slot under its cap")
+            return counted
+        return best[1]
 
     def _baseline_placement(self, specs: list[ServerSpec], model: ModelSpec):
         from petals_chain.algorithms import gca
@@ -654,10 +716,24 @@ class Planner:
             if v is None or old.get(p) == span:
                 continue
             v.awaiting_since, v.load_overdue = (None if self._serves(v, span) else now), False
+            v.deadline_scale = self.load_deadline_scale.get(p, 1.0)
             v.span_epoch = self.epoch + 1  # the epoch published with it
         for p in old.keys() - new.keys():
             if (v := self.servers.get(p)) is not None:
                 v.awaiting_since, v.load_overdue = None, False
+
+    def _restart_load_clock(self, v: ServerView) -> None:
+        """``v`` restarted (a later ``started_at``): the span it is assigned, unless its new process serves it already,
+        is loaded afresh, so its load deadline starts now (a restart of a server that served its span started none: one
+        whose new load hung held its blocks, with no chain through them, for good)."""
+        span = self.assignment.get(v.peer_id)
+        if span is None:
+            return
+        v.awaiting_since = None if self._serves(v, span) else self.clock()
+        v.load_overdue, v.deadline_scale = False, self.load_deadline_scale.get(v.peer_id, 1.0)
+        logger.info("server %s (%s) restarted: %s", v.record.public_name, v.peer_id[:12],
+                    "it serves its blocks" if v.awaiting_since is None else
+                    f"its load deadline for blocks [{span[0]}, {span[0] + span[1]}) starts again")
 
     def check_load_deadlines(self) -> None:
         """Plan around each server not online with its assigned span ``load_deadline_s`` after the assignment that
@@ -681,17 +757,25 @@ class Planner:
                 v.awaiting_since, v.load_overdue = None, False
             elif r.state == "offline" or (r.state == "draining" and not v.load_overdue):
                 v.awaiting_since, v.load_overdue = now, False
-            elif not v.load_overdue and 0 < self.load_deadline_s <= now - v.awaiting_since:
+            elif not v.load_overdue and 0 < self.deadline_s(v) <= now - v.awaiting_since:
                 v.load_overdue = True
                 logger.warning("server %s (%s) is not online with its assigned blocks [%d, %d) %.0f s after its "
-                               "assignment (--load-deadline-s %g; it is %s): planning around it until it serves them",
-                               r.public_name, v.peer_id[:12], span[0], span[0] + span[1], now - v.awaiting_since,
-                               self.load_deadline_s, r.state)
+                               "assignment (%s; it is %s): planning around it until it serves them", r.public_name,
+                               v.peer_id[:12], span[0], span[0] + span[1], now - v.awaiting_since,
+                               self._deadline_text(v), r.state)
+
+    def deadline_s(self, v: ServerView) -> float:
+        """``v``'s load deadline: ``load_deadline_s`` times its scale when its clock started (0: none)."""
+        return self.load_deadline_s * v.deadline_scale
+
+    def _deadline_text(self, v: ServerView) -> str:
+        scaled = f" x {v.deadline_scale:g} after earlier overdue loads" if v.deadline_scale != 1.0 else ""
+        return f"--load-deadline-s {self.load_deadline_s:g}{scaled}"
 
     def _overdue_error(self, v: ServerView, now: float, flag: bool = True) -> str:
         """Why an overdue server is planned around (its ``load_error``, unless its record says one)."""
         why = f"not online {now - (v.awaiting_since or now):.0f} s after its assignment"
-        return f"{why} (--load-deadline-s {self.load_deadline_s:g})" if flag else why
+        return f"{why} ({self._deadline_text(v)})" if flag else why
 
     # ---- loop ----------------------------------------------------------------------------------
     async def _ping(self, v: ServerView) -> None:
@@ -819,7 +903,10 @@ class Planner:
                         self.last_change = time.monotonic()
                     if v.record.tau_p <= 0 < rec.tau_p:
                         self.last_change = time.monotonic()  # its speed is known now: a join for the planner
+                    restarted = _started_at(rec) > _started_at(v.record)
                     v.record = rec
+                    if restarted:
+                        self._restart_load_clock(v)
                 self._note_load_failure(v)
                 v.last_seen = now
             for peer_id in list(self.servers):
@@ -859,7 +946,7 @@ class Planner:
                 if plan is not None and plan.chains:
                     self.last_full_replan = time.monotonic()
                     # a restarted orchestrator continues above the epochs the servers followed
-                    self.epoch = max([self.epoch] + [v.record.epoch for v in views])
+                    self.epoch = max([self.epoch] + [v.record.epoch for v in views if v.record.epoch < EPOCH_MAX])
                     await self._adopt(plan, reason)
             return
         # Chains follow the servers that are online now.
@@ -966,7 +1053,7 @@ class Planner:
             return None
         reason, span = found
         error = (v.record.load_error if reason == "reported" else
-                 f"not online with them within --load-deadline-s {self.load_deadline_s:g} of its assignment")
+                 f"not online with them within {self._deadline_text(v)} of its assignment")
         return {"failed_span": span, "load_error": error, "reason": reason}
 
     def _failed_load(self, v: ServerView) -> tuple[str, list[int]] | None:
