@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from petals_chain.dashboard.source import ModelsNotKnownYet
 from petals_chain.swarm.jsonsafe import json_safe  # in swarm/: the orchestrator publishes with it too
 from petals_chain.swarm.webpage import mount_dashboard, page_headers, page_html, page_response
 
@@ -18,8 +19,13 @@ __all__ = ["create_app", "json_safe", "mount_dashboard", "page_headers", "page_h
 
 
 def _model_not_found(e: LookupError) -> JSONResponse:
-    """The orchestrator's answer to a ``?model=`` it does not serve (orchestrator/models.py ``ModelRouter``)."""
+    """The orchestrator's answer to a ``?model=`` it does not serve (orchestrator/models.py ``ModelRouter``); a 503
+    while the models served are not known yet (:class:`~petals_chain.dashboard.source.ModelsNotKnownYet`)."""
     message = str(e.args[0]) if e.args else "no such model"
+    if isinstance(e, ModelsNotKnownYet):
+        return JSONResponse({"error": {"message": message, "type": "server_error", "param": "model",
+                                       "code": "models_not_known_yet"}}, status_code=503,
+                            headers={"Retry-After": "2", "Cache-Control": "no-store"})
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": "model",
                                    "code": "model_not_found"}}, status_code=404)
 
@@ -59,6 +65,8 @@ def create_app(
             if model:
                 try:
                     model_view(model)
+                except ModelsNotKnownYet:
+                    pass  # the page polls until the models are known
                 except LookupError as e:
                     return _model_not_found(e)
             return page_response()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +106,15 @@ def merge_view(
     summary: Optional[Mapping[str, Any]],
     now: Optional[float] = None,
     initial_peers: Sequence[str] = (),
+    num_blocks: Optional[int] = None,
 ) -> dict:
     """The contracts-E JSON from verified server records and the trusted summary (or None).
 
     Every summary field is kept (so extensions pass through); ``servers`` is rebuilt from the records, with
     ``tau_c`` taken from the summary (only the orchestrator measures it). Summary servers without a live
     record are kept with ``state = "offline"`` so the page shows them as gone. Extra fields: ``source``
-    (``"dht"``), ``orchestrator_summary`` (bool), ``summary_updated_at``.
+    (``"dht"``), ``orchestrator_summary`` (bool), ``summary_updated_at``. Without a summary, ``num_blocks`` (the
+    model's, from an earlier summary) or else :func:`blocks_from_records` sizes the page's coverage chart.
     """
     now = time.time() if now is None else float(now)
     summary = dict(summary) if isinstance(summary, Mapping) else None
@@ -163,11 +165,39 @@ def merge_view(
     view["updated_at"] = now
     if summary is None:
         view["ready"] = False
+        view["num_blocks"] = num_blocks or blocks_from_records(records.values())
     return view
+
+
+#: how many times further than every other server's span one server's may reach and still size the coverage chart
+BLOCKS_SLACK = 16
+
+
+def blocks_from_records(records: Iterable[Any]) -> Optional[int]:
+    """The model's block count as the server records suggest, without an orchestrator's word (None: no spans). The
+    largest end of a span, unless one record alone claims it and it lies over ``BLOCKS_SLACK`` times further than
+    every other record's: then that one is not believed (a record claiming blocks [0, 4096) drew a coverage chart of
+    4096 columns, 4066 of them "uncovered", beside a 30-block swarm)."""
+    ends = []
+    for record in records:
+        r = _record_dict(record)
+        start, num = r.get("start_block"), r.get("num_blocks")
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (start, num)) and start >= 0 and num > 0:
+            ends.append(start + num)
+    if not ends:
+        return None
+    ends.sort()
+    if len(ends) >= 2 and ends[-1] > ends[-2] and ends[-1] > BLOCKS_SLACK * ends[-2]:
+        return ends[-2]
+    return ends[-1]
 
 
 class UnknownModel(LookupError):
     """``?model=`` names no model of the swarm; ``args[0]`` is the message (it names the models served)."""
+
+
+class ModelsNotKnownYet(UnknownModel):
+    """``?model=`` names another model than the default before any trusted summary said which the swarm serves."""
 
 
 def listed_models(summary: Optional[Mapping[str, Any]], prefix: str) -> list[dict]:
@@ -222,6 +252,8 @@ class DhtSwarmSource:
         self._view: dict = merge_view(prefix, {}, None, initial_peers=self.initial_peers)
         self._models: list[dict] = []  # listed_models() of the last trusted summary that listed several
         self._views: dict[str, dict] = {}  # by model name, with several models
+        self._num_blocks: dict[str, int] = {}  # by DHT prefix, from the last trusted summary that said it
+        self._summary_seen = False  # a trusted summary was read once (only then is the list of models known)
         self._last_ok: Optional[float] = None
         self._last_error: Optional[str] = None
         self._stop = threading.Event()
@@ -237,6 +269,7 @@ class DhtSwarmSource:
             except Exception as e:  # noqa: BLE001 - the records may still be readable through other peers
                 logger.debug(f"dashboard: re-bootstrap to the initial peers failed: {e!r}")
         view, summary = self._read(self.prefix)
+        self._summary_seen = self._summary_seen or summary is not None
         models = listed_models(summary, self.prefix)
         if summary is None:  # an orchestrator restarting: its other models stay listed until its summary is back
             models = self._models
@@ -267,13 +300,22 @@ class DhtSwarmSource:
         """The merged view of the swarm at ``prefix`` and the trusted summary it was merged from (or None)."""
         records = self.sd.fetch_servers(prefix)
         summary = self.sd.fetch_summary(prefix, trusted=self.trusted) if self.trusted else None
-        return merge_view(prefix, records, summary, initial_peers=self.initial_peers), summary
+        blocks = summary.get("num_blocks") if summary is not None else None
+        if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 0:
+            self._num_blocks[prefix] = blocks  # the model's length stays known while its orchestrator restarts
+        view = merge_view(prefix, records, summary, initial_peers=self.initial_peers,
+                          num_blocks=self._num_blocks.get(prefix))
+        return view, summary
 
     def view(self, model: Optional[str] = None) -> dict:
         """The view of ``model`` (its name or DHT prefix; None or empty: the default one); with one model ``model``
         is ignored, as by an orchestrator serving one. :class:`UnknownModel` if the swarm serves several and no
         such one."""
         with self._lock:
+            if model and not self._summary_seen and self.trusted and model not in (self.prefix, self._view["model"]):
+                # the swarm may serve several models: showing the default one under another's name misled
+                raise ModelsNotKnownYet(f"the models of this swarm are not known yet (no summary from a trusted "
+                                        f"orchestrator read so far): try ?model={model} again shortly")
             if not model or not self._models:
                 return self._view
             # names first: one model's name may be another's prefix (the router's aliases rank them so too)

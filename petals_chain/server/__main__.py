@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the server handles signals (imports, reading the model): no traceback
+        print("interrupted before joining the swarm", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
@@ -150,9 +158,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from petals_chain.swarm.reachability import listen_and_announce
+    from petals_chain.swarm.reachability import listen_and_announce, to_multiaddr
 
     try:
+        for maddr in args.initial_peers:  # else the DHT's daemon refused it after the server had started
+            try:
+                to_multiaddr(maddr)
+            except ValueError as e:
+                raise ValueError(f"--initial-peers {maddr!r}: {e}") from None
         host_maddrs, announce_maddrs = listen_and_announce(args.host_maddrs, args.announce_maddrs, args.public_ip,
                                                            args.p2p_port)
     except ValueError as e:

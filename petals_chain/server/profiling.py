@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -69,6 +70,13 @@ def _load_cache(path: Path) -> dict[str, Any]:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def _usable(tau_p: Any) -> bool:
+    """Whether a cached ``tau_p`` is a measurement: a finite number > 0. JSON reads ``Infinity`` and ``true``; an
+    infinite one was taken, and every record the server published after it was refused (it left the swarm)."""
+    return (isinstance(tau_p, (int, float)) and not isinstance(tau_p, bool) and math.isfinite(tau_p)
+            and tau_p > 0)
 
 
 def _store(path: Path, key: str, value: dict[str, Any]) -> None:
@@ -140,7 +148,7 @@ def measure_tau_p(
     key = cache_key(runner, l_in, l_out)
     if use_cache:
         hit = _load_cache(path).get(key)
-        if isinstance(hit, dict) and isinstance(hit.get("tau_p"), (int, float)) and hit["tau_p"] > 0:
+        if isinstance(hit, dict) and _usable(hit.get("tau_p")):
             return float(hit["tau_p"])
 
     sid = f"__tau_p_{uuid.uuid4().hex}"

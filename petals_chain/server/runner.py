@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -74,6 +74,17 @@ def _deepest_first(tables: Mapping[int, Sequence[int]]) -> Iterator[tuple[int, i
         for layer, table in tables.items():
             if j < len(table):
                 yield j, layer, table[j]
+
+
+def sliding_window(config: Any) -> Optional[int]:
+    """The attention window of a model config whose layers use one (None: full attention): no session may be longer,
+    as the cache keeps the whole prefix and attends to all of it."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(window, int) and not isinstance(window, bool) and (layer_types is None
+                                                                     or "sliding_attention" in layer_types):
+        return window
+    return None
 
 
 class BlockRunner:
@@ -589,10 +600,8 @@ class BlockRunner:
 
     def _check_sliding_window(self, max_length: int) -> None:
         # The cache keeps the full prefix; a sliding-window layer would need to mask beyond the window.
-        window = getattr(self.config, "sliding_window", None)
-        layer_types = getattr(self.config, "layer_types", None)
-        uses_window = window is not None and (layer_types is None or "sliding_attention" in layer_types)
-        if uses_window and max_length > window:
+        window = sliding_window(self.config)
+        if window is not None and max_length > window:
             raise ValueError(f"max_length {max_length} exceeds the model's sliding_window {window}; "
                              f"sliding-window attention beyond the window is not supported")
 

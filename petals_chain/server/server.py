@@ -25,7 +25,7 @@ import os
 import re
 import signal
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -35,6 +35,7 @@ from petals_chain.server.config import DEFAULT_MAX_LENGTH, ServerConfig
 from petals_chain.server.decode_graph import check_decode_graph
 from petals_chain.server.memory import CPU_MEMORY_FRACTION, default_memory_bytes
 from petals_chain.server.models import HostedModel, StandbyView, load_hosted
+from petals_chain.server.runner import sliding_window
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm import reachability
 from petals_chain.swarm.aio import quiet_peer_disconnects
@@ -99,6 +100,43 @@ def _gib_at_least(n: int) -> str:
     return f"{math.ceil(x / q) * q:.3g}"
 
 
+def assignment_news(epoch: int, held: Optional[tuple[int, int]], held_length: int,
+                    span: Optional[tuple[int, int]], max_length: int) -> str:
+    """What a new assignment means for the volunteer, in blocks ``[first, end)``: which it is to serve, or that it is
+    moved (and what a move costs) or left out. Spans are ``(start_block, num_blocks)``; ``held`` the loaded one.
+    ("assignment epoch 7: span (10, 5)" read as blocks 10 to 5, and said nothing of the blocks it left.)"""
+    def blocks(s: tuple[int, int]) -> str:
+        return f"blocks [{s[0]}, {s[0] + s[1]}) ({s[1]} of them)"
+
+    plan = f"the orchestrator's plan (epoch {epoch})"
+    if span is None:
+        return (f"{plan} gives this server no blocks: unloading {blocks(held)} (the planner needs them elsewhere or "
+                f"not at all)" if held is not None else f"{plan} gives this server no blocks yet")
+    if held is None:
+        return f"{plan} assigns this server {blocks(span)}, sessions of up to {max_length} tokens"
+    if tuple(held) == tuple(span) and held_length == max_length:
+        return f"{plan} keeps this server on {blocks(span)}"
+    change = (f"moves this server from {blocks(held)} to {blocks(span)}" if tuple(held) != tuple(span)
+              else f"keeps this server on {blocks(span)}")
+    if held_length != max_length:
+        change += f" with sessions of up to {max_length} tokens instead of {held_length}"
+    return f"{plan} {change} (it re-planned the swarm): draining open sessions, then reloading"
+
+
+def _longest_session(config: Any) -> Optional[tuple[int, str]]:
+    """The most tokens a session of a model may hold, and what sets it (its positions, or a sliding window the
+    runner refuses to exceed: a Mistral with a 4096-token window passed the position check and failed at load or
+    when profiling); None if the config says neither."""
+    limits = []
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and not isinstance(max_pos, bool):
+        limits.append((max_pos, "max_position_embeddings"))
+    window = sliding_window(config)
+    if window is not None:
+        limits.append((window, "sliding_window"))
+    return min(limits) if limits else None
+
+
 class Server:
     """One volunteer server process: ``asyncio.run(Server(cfg).run())``."""
 
@@ -135,15 +173,17 @@ class Server:
                                   quant=cfg.quant, cache_tokens_per_block=cfg.cache_tokens_per_block,
                                   kv_cache=cfg.kv_cache, page_size=cfg.page_size)
         for hosted in self.hosted:
-            max_pos = getattr(hosted.config, "max_position_embeddings", None)
-            if cfg.max_length is not None and isinstance(max_pos, int) and cfg.max_length > max_pos:
-                raise ValueError(f"--max-length {cfg.max_length} exceeds max_position_embeddings {max_pos} of "
-                                 f"model {hosted.spec!r}")
+            limit = _longest_session(hosted.config)
+            if limit is None:
+                continue
+            if cfg.max_length is not None and cfg.max_length > limit[0]:
+                raise ValueError(f"--max-length {cfg.max_length} exceeds {limit[1]} {limit[0]} of model "
+                                 f"{hosted.spec!r}")
             profiled = cfg.profile_l_in + cfg.profile_l_out
-            if cfg.tau_p is None and isinstance(max_pos, int) and profiled > max_pos:
+            if cfg.tau_p is None and profiled > limit[0]:
                 # else the server joined, announced itself and exited with a traceback when it profiled
                 raise ValueError(f"--profile-l-in {cfg.profile_l_in} + --profile-l-out {cfg.profile_l_out} exceeds "
-                                 f"max_position_embeddings {max_pos} of model {hosted.spec!r} (or give --tau-p)")
+                                 f"{limit[1]} {limit[0]} of model {hosted.spec!r} (or give --tau-p)")
         if cfg.memory_bytes is not None:
             self.hosted = self._models_the_budget_holds(memory_flag)
         self.active = self.hosted[0]
@@ -343,7 +383,7 @@ class Server:
         failed = self._failed_load
         if failed is not None and failed[0] == content and time.monotonic() < failed[1]:
             return  # its load failed a moment ago: tried again after a backoff, not at every poll
-        logger.info(f"assignment epoch {asg.epoch}: span {span}, max_length {max_length}")
+        logger.info(assignment_news(asg.epoch, self.span, self.max_length, span, max_length))
         self.epoch = asg.epoch
         self.assignment_timestamp = asg.timestamp
         self._applied_content = content

@@ -113,6 +113,10 @@ class SessionService:
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
         finally:
+            if self.sessions.get(session_id) is not sess:
+                # closed during the step: its pages went back only now (the close's change notice came before, and
+                # the record showed them held until the next refresh)
+                self._on_change()
             if len(self.admission):  # a first step on a cached prefix returns the pages it no longer needs
                 self.admission.notify()
         sess.steps += 1

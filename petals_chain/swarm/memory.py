@@ -78,9 +78,17 @@ def cache_slot_bytes(config: Any, dtype: str | torch.dtype | None = None, max_le
 def check_device(device: str) -> torch.device:
     """``torch.device(device)``; ValueError, in one line, for a CUDA device on a machine without CUDA (the roles
     check it before anything starts, not with a traceback once they have joined)."""
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        dev = None  # torch's message lists twenty device types, and not the flag
+    if dev is None or dev.type not in ("cpu", "cuda"):  # meta, xpu, ...: a server joined, announcing one
+        raise ValueError(f"--device {device!r}: give cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is available (use --device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 

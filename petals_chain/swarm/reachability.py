@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import re
 import time
+from collections import OrderedDict
 from typing import Any, AsyncIterator, Iterable, Optional, Sequence
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
@@ -37,6 +38,8 @@ bound_stream_messages()  # the dial-back service answers any peer: its requests 
 MAX_DIAL_MADDRS = 8  # addresses one dial-back may try
 MAX_MADDR_CHARS = 300
 DIAL_TIMEOUT_S = 5.0
+MAX_PENDING_DIAL_BACKS = 16  # dial-backs running or queued at once; more are answered "busy"
+MAX_DIAL_BACK_PEERS = 4096  # callers whose last dial-back time is kept (for the per-peer rate limit)
 DIAL_BACK_INTERVAL_S = 1.0  # a peer's dial-backs are served at most this often
 _P2P_CODE, _CIRCUIT_CODE = 421, 290
 
@@ -60,6 +63,10 @@ def to_multiaddr(maddr: str) -> Multiaddr:
     if not text.startswith("/") or len(text) > MAX_MADDR_CHARS:
         raise ValueError(f"not a multiaddr: {text[:80]!r}")
     parts = text.split("/")[1:]
+    if parts and not parts[-1]:
+        parts.pop()  # one trailing slash, as written by hand
+    if not parts or "" in parts:  # "/" parsed as an empty address, and a server announced it
+        raise ValueError(f"not a multiaddr: {text[:80]!r}")
     out, plain = bytearray(), []
 
     def flush() -> None:
@@ -84,9 +91,11 @@ def to_multiaddr(maddr: str) -> Multiaddr:
         else:
             plain.append(part)
             i += 1
-    flush()
     try:
-        return Multiaddr(bytes(out))
+        flush()
+        addr = Multiaddr(bytes(out))
+        str(addr)  # a /p2p/ part that is no multihash parses, and fails only when written out
+        return addr
     except Exception as e:  # noqa: BLE001 - the library raises several types for garbage
         raise ValueError(f"not a multiaddr: {text[:80]!r} ({e})") from None
 
@@ -138,8 +147,13 @@ def listen_and_announce(host_maddrs: Sequence[str], announce_maddrs: Sequence[st
         announce = announce + [f"/{proto}/{ip}/tcp/{port}"]
     elif p2p_port:
         host = [f"/ip4/0.0.0.0/tcp/{int(p2p_port)}"]
+    for flag, maddrs in (("--announce-maddrs", announce), ("--host-maddrs", host)):
+        for m in maddrs:
+            try:
+                to_multiaddr(m)
+            except ValueError as e:  # else p2pd refused it after the server had started, or bind() raised
+                raise ValueError(f"{flag} {m!r}: {e}") from None
     for m in announce:
-        to_multiaddr(m)
         if m.rstrip("/").endswith("/tcp/0") or "/tcp/0/" in m:
             raise ValueError(f"--announce-maddrs {m}: give the real port (peers cannot dial port 0)")
     for m in host:
@@ -276,10 +290,13 @@ def _short(e: BaseException) -> str:
 class PetalsChainFrontdoor(ServicerBase):
     """The orchestrator's RPC for servers: ``rpc_dial_back`` (``await frontdoor.add_p2p_handlers(p2p)``)."""
 
-    def __init__(self, prober: Prober, *, interval_s: float = DIAL_BACK_INTERVAL_S):
+    def __init__(self, prober: Prober, *, interval_s: float = DIAL_BACK_INTERVAL_S,
+                 max_pending: int = MAX_PENDING_DIAL_BACKS):
         self.prober = prober
         self.interval_s = interval_s
-        self._last: dict[str, float] = {}
+        self.max_pending = max_pending
+        self._last: OrderedDict[str, float] = OrderedDict()  # peer id -> its last dial-back, oldest first
+        self._pending = 0  # dials running or queued for the prober's slots
 
     async def rpc_dial_back(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -290,9 +307,16 @@ class PetalsChainFrontdoor(ServicerBase):
             yield _reply({"ok": False, "code": "busy", "error": f"one dial-back per {self.interval_s} s"})
             await hold_after_reply(LINGER_S)  # the reply must not be lost to a stream closed under it
             return
+        if self._pending >= self.max_pending:
+            # each new peer id (free to make) queued a dial of up to 3 timeouts behind the prober's few slots: a
+            # hundred of them made every honest server's check time out, and held a stream each meanwhile
+            yield _reply({"ok": False, "code": "busy", "error": f"{self._pending} dial-backs pending, try again later"})
+            await hold_after_reply(LINGER_S)
+            return
         self._last[peer_id] = now
-        if len(self._last) > 4096:  # forget old callers
-            self._last = {p: t for p, t in self._last.items() if now - t < 60}
+        self._last.move_to_end(peer_id)
+        while len(self._last) > MAX_DIAL_BACK_PEERS:  # forget the oldest callers (new ids grew it without bound)
+            self._last.popitem(last=False)
         try:
             meta = MSGPackSerializer.loads(request.metadata[:1 << 16]) if request.metadata else {}
             maddrs = clean_maddrs(meta.get("maddrs") if isinstance(meta, dict) else None)
@@ -302,11 +326,16 @@ class PetalsChainFrontdoor(ServicerBase):
             return
         # The caller leaving (its stream closed: a server killed or timed out) cancels this handler; a dial cancelled
         # while its daemon starts would leave that daemon running, owned by nobody, so the dial runs to its end.
+        self._pending += 1
         dialing = asyncio.ensure_future(self.prober.dial(peer_id, maddrs))
-        dialing.add_done_callback(_retrieved)
+        dialing.add_done_callback(self._dial_done)
         reachable, maddr, error = await asyncio.shield(dialing)
         yield _reply({"ok": True, "reachable": reachable, "maddr": maddr, "error": public_dial_error(error)})
         await hold_after_reply(LINGER_S)
+
+    def _dial_done(self, task: asyncio.Future) -> None:
+        self._pending -= 1
+        _retrieved(task)
 
 
 def _retrieved(task: asyncio.Future) -> None:
