@@ -192,7 +192,8 @@ class Client:
     a stream with no text within it, is :class:`ClientError` 504 ``timeout``: it would take as long anywhere); when
     none can, it goes round them again for up to ``retry_s`` seconds (the time a survivor takes to adopt a lost
     orchestrator's group). A stream cut off mid-way is resumed there when its output is reproducible (greedy, or
-    seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream. Sessions stay with
+    seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream (a rerun that does not
+    repeat it, e.g. another chain's numerics, is :class:`ClientError` 502 ``resume_mismatch``). Sessions stay with
     the orchestrator that opened them, and opening one is sent again only if it never reached the first."""
 
     def __init__(self, url: str | Sequence[str], *, timeout: Optional[float] = 600.0, model: Optional[str] = None,

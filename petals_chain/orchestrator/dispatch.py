@@ -20,10 +20,11 @@ each later job arrives and takes its own, or the request ends without it. A requ
 fewer places than later jobs holds one of those free slots for each of the others (``slots_held``): new jobs see the
 slot as busy and queue (within the bound) or are refused, and the later job starts on it when it comes (taken by new
 jobs, its later jobs had queued past the bound). So ``queue_length + places_held <= max_queue`` holds for new jobs
-and the later jobs keep it; only a re-plan that drops a held slot's chain with no room elsewhere lets a later job
-queue past it. A request is admitted or refused as a whole: once its first job is refused (the bound, the share or
-its deadline, predicted for the last of all its jobs) its other jobs are refused with it, touching nothing; once
-admitted, its other jobs are never refused. (A request's jobs are known by the :class:`PlaceTicket` its generation
+and the later jobs keep it; only a re-plan that drops a held slot's chain with no room elsewhere, or a job of the
+request back after a failover that finds no other free slot (it takes a held one: the later jobs wait for it), lets
+a later job queue past it. A request is admitted or refused as a whole: once its first job is refused (the bound, the
+share or its deadline, predicted for the last of all its jobs) its other jobs are refused with it, touching nothing;
+once admitted, its other jobs are never refused. (A request's jobs are known by the :class:`PlaceTicket` its generation
 gives each of them; jobs without one, e.g. driven directly, are checked for their ``siblings`` but hold no places.)
 """
 
@@ -729,20 +730,25 @@ class DispatchManager:
             if places not in self._slot_holds:
                 self._slot_holds.append(places)
 
-    def _take_slot(self, places: RequestPlaces) -> int | None:
-        """The index of a slot ``places`` holds, now its job's (None: it holds none)."""
-        while places.slots:
-            k = self._index_by_key.get(places.slots.pop())
+    def _take_slot(self, places: RequestPlaces, last: bool = False) -> int | None:
+        """The index of a slot ``places`` holds, now its job's (None: it holds none): the first held (the first job's
+        chain, where a later choice forks its prompt's KV), or with ``last`` the last (the slowest, to give back)."""
+        k = None
+        while places.slots and k is None:
+            k = self._index_by_key.get(places.slots.pop() if last else places.slots.pop(0))
             if k is not None and self._reserved.get(k, 0) > 0:
                 self._reserved[k] -= 1
-                return k
-        return None
+            else:
+                k = None
+        if not places.slots and places in self._slot_holds:
+            self._slot_holds.remove(places)
+        return k
 
     def _give_back_slots(self, places: RequestPlaces) -> None:
         """``places`` holds more slots than jobs to come without a place (one will not come): each slot too many
         takes the next waiting job, as a job's end does."""
         while len(places.slots) > places.slots_needed:
-            k = self._take_slot(places)
+            k = self._take_slot(places, last=True)
             if k is not None and self.dispatcher is not None:
                 self._slot_freed(k)
         if not places.slots and places in self._slot_holds:
@@ -827,8 +833,9 @@ class DispatchManager:
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         return [*(list(q) if q is not None else []), *self._pending]
 
-    def _arrive_requeued(self, job: DispatchJob) -> None:
-        """Start ``job`` if the dispatcher has a free slot for it now, else put it in the re-queue lane."""
+    def _arrive_requeued(self, job: DispatchJob, ticket: PlaceTicket | None = None) -> None:
+        """Start ``job`` if the dispatcher has a free slot for it now, or one its request holds (``ticket``: its
+        place in the request), else put it in the re-queue lane."""
         if self.dispatcher is not None:
             if self._start_preferred(job):
                 return
@@ -843,6 +850,13 @@ class DispatchManager:
                 if self.dispatcher.adopt(k, job):
                     self._start(job, k)
                     return
+            # a job of a request holding free slots for its jobs still to come (its first, failed over: its chain
+            # left the plan) takes one: those jobs wait for this one's prefill, so the slot idled, held for them,
+            # while it waited in the lane until the queue's timeout (the later job without a slot queues instead)
+            k = self._take_slot(ticket.places) if ticket is not None and ticket.places.slots else None
+            if k is not None:
+                self._start(job, k)
+                return
         self._lane.append(job)
         if self.priorities is not None:  # db, mlfq: the lane too is served best priority first (stable)
             self._lane.sort(key=self._priority)
@@ -942,7 +956,7 @@ class DispatchManager:
                     self.deadline_refused += 1
                     raise DeadlineUnreachable(pred)
             if job.requeue:
-                self._arrive_requeued(job)
+                self._arrive_requeued(job, PLACE.get())
             elif joined:
                 # a later job of an admitted request: starts on the slot held for it, or takes the place held for it
                 # (in the same step, so the bound holds) and queues in the discipline's order, never refused
@@ -950,8 +964,6 @@ class DispatchManager:
                 if ticket is not None and ticket.state == "expected":
                     ticket.state = "arrived"
                     k = self._take_slot(ticket.places)
-                    if not ticket.places.slots and ticket.places in self._slot_holds:
-                        self._slot_holds.remove(ticket.places)
                 if k is not None:
                     self._start(job, k)
                 else:

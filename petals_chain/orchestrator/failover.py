@@ -142,8 +142,14 @@ class ChainHolder:
             self._as_this_request(job, need)
             dl = DEADLINE.get()
             t0 = time.monotonic()
-            drop_at = dl.drop_at if dl is not None and dl.active and not (self.admitted or self.checked) \
-                else float("inf")
+            droppable = dl is not None and dl.active and not (self.admitted or self.checked)
+
+            def dropped_at() -> float:
+                # read again when the wait ends: once another prompt's job of the request gave its first token, only
+                # deadline_ms is left to miss (RequestDeadline.drop_at)
+                return dl.drop_at if droppable else float("inf")
+
+            drop_at = dropped_at()
             wait_s = max(0.1, deadline - time.monotonic())
             if drop_at < deadline:
                 wait_s = max(0.001, drop_at - time.monotonic())
@@ -154,7 +160,9 @@ class ChainHolder:
                 # chains came while a new request waited for the first: it waits on in its place (queued again it
                 # went to the back, and its request's held places could be taken meanwhile)
                 if chainless and getattr(orch.dispatch, "chains", None):
-                    return min(deadline, drop_at) - time.monotonic()
+                    return min(deadline, dropped_at()) - time.monotonic()
+                if dropped_at() > drop_at:  # the request's first token came meanwhile
+                    return min(deadline, dropped_at()) - time.monotonic()
                 return 0.0
 
             try:
@@ -163,7 +171,7 @@ class ChainHolder:
                 self._gave_up(job, began)  # its client went away while it waited
                 raise
             except asyncio.TimeoutError:
-                if time.monotonic() >= drop_at:  # still waiting for a chain when its deadline passed: dropped
+                if time.monotonic() >= dropped_at():  # still waiting for a chain when its deadline passed: dropped
                     self._gave_up(job, began)
                     orch.deadlines.settle(dl, "dropped")
                     raise RequestError("the deadline passed while the request waited for a chain", status=504,
