@@ -4,7 +4,9 @@ All methods search ``c in [1, c_max]``, ``c_max = floor((max_j M_j - s_m)/s_c)``
 smallest ``c`` attaining the minimum. The search is exact (same result as running GBP-CR + GCA and
 the objective for every ``c``) but shares work: the GBP-CR walk depends on ``c`` only through the
 vector ``m(c)`` (Eq. 8), and GCA and the bounds depend only on the resulting placement (residual
-slots, Eq. 3, do not involve ``c``), so each distinct walk and each distinct placement is computed once.
+slots, Eq. 3, do not involve ``c``), so each distinct walk and each distinct placement is computed once. A server
+whose own ``max_blocks`` or ``residual_slots`` is not Eq. 8's or Eq. 3's (a volunteer's capped cache) is walked and
+counted by it, as ``gbp_cr()`` and ``gca()`` do.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from petals_chain.algorithms.bounds import response_time_bounds
 from petals_chain.algorithms.gbp_cr import (_ChainSequence, _check_inputs, _check_rate, _server_arrays,
                                             block_caps, blocks_per_server)
-from petals_chain.algorithms.gca import _RoutingDAG, gca_indices
+from petals_chain.algorithms.gca import SLOTS_MAX, _RoutingDAG, gca_indices
 from petals_chain.model import WHOLE_TOLERANCE, Chain, ModelSpec, Placement, ServerSpec, units_that_fit
 
 METHODS = ("lower", "upper", "surrogate")
@@ -84,16 +86,27 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
         raise ValueError("no server can hold one block with one cache slot (c_max < 1)")
     memory, tau_c, tau_p = _server_arrays(servers)
     cap = block_caps(servers, model)
+    # servers whose own max_blocks is not Eq. 8's (a capped cache: none at a c it cannot hold) are walked by it at
+    # each c, as gbp_cr() walks them (block_caps_at); non-increasing in c as Eq. 8, which the segments rely on
+    own_blocks = [i for i, s in enumerate(servers) if type(s).max_blocks is not ServerSpec.max_blocks]
     L = model.num_blocks
+    # servers whose own residual_slots is not Eq. 3's (a volunteer's capped cache): counted by it, as gca() counts
+    # them, else c was tuned with slots their caps do not hold (a chain of capacity 15 where the cap holds 2)
+    own_slots = np.fromiter((type(s).residual_slots is not ServerSpec.residual_slots for s in servers), dtype=bool,
+                            count=len(servers))
 
     walks: dict[bytes, _ChainSequence] = {}
     keys: dict[tuple, _ChainSequence] = {}
 
     def key_at(c: int) -> tuple:
-        wkey = blocks_per_server(memory, model, c, cap).tobytes()
+        cap_c = cap
+        if own_blocks:
+            cap_c = np.full(len(servers), L, dtype=np.int64) if cap is None else cap.copy()
+            cap_c[own_blocks] = [servers[i].max_blocks(model, c) for i in own_blocks]
+        wkey = blocks_per_server(memory, model, c, cap_c).tobytes()
         seq = walks.get(wkey)
         if seq is None:
-            seq = walks[wkey] = _ChainSequence.build(memory, tau_c, tau_p, model, c, cap)
+            seq = walks[wkey] = _ChainSequence.build(memory, tau_c, tau_p, model, c, cap_c)
         target = arrival_rate / (rho_bar * c)
         K, visited = seq.cut(target)
         if walk_all:
@@ -138,7 +151,9 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
         order = np.argsort(idx, kind="stable")  # input order, as gca() breaks ties
         idx, a, m = idx[order], a[order], m[order]
         residual = (memory[idx] - model.block_size * m) / model.cache_size
-        slots = np.maximum(0, np.floor(residual + WHOLE_TOLERANCE)).astype(np.int64)  # as units_that_fit
+        slots = np.clip(np.floor(residual + WHOLE_TOLERANCE), 0, SLOTS_MAX).astype(np.int64)  # as units_that_fit
+        for pos in np.nonzero(own_slots[idx])[0].tolist():
+            slots[pos] = min(servers[int(idx[pos])].residual_slots(model, int(m[pos])), SLOTS_MAX)
         return idx, a, m, slots
 
     def evaluate(pkey):

@@ -63,7 +63,7 @@ from petals_chain.algorithms.multimodel import (ALPHA, BETA, PLACEMENT_RULES, SC
                                                 MixDriftDetector, PlanMetrics, ReplanTrigger, ServedModel, Volunteer,
                                                 analytic_evaluate, groups_of, model_chains, moves_that_pay,
                                                 place_by_unserved_index, ui_rate)
-from petals_chain.orchestrator.planner import MEMORY_MAX
+from petals_chain.orchestrator.planner import MEMORY_MAX, STARTS_KEPT
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.records import PlacementRecord
 
@@ -145,9 +145,12 @@ class ModelPlacer:
         # {peer: {model: {failed_span, load_error, reason, t}}}; never placed on those models while kept (module
         # docstring for when they are forgotten)
         self.load_failures: dict[str, dict[str, dict[str, Any]]] = {}
-        # each live flexible server's process start as its records announce it (the latest; 0: an older server):
-        # another one is a restart, which forgets its load failures (it may come back before its record expires)
+        # each live flexible server's current process start as its records announce it (the latest; 0: an older
+        # server): one not among starts_seen is a restart, which forgets its load failures (it may come back before its
+        # record expires); one among them (the last STARTS_KEPT) is an older record read late (each such read forgot
+        # its failed loads: placed back on a model it had failed, the moment traffic asked)
         self.started_at: dict[str, float] = {}
+        self.starts_seen: dict[str, tuple[float, ...]] = {}
         # {peer: {model: k}}: its loads of that model were overdue k times (since it started or joined): the k-th
         # keeps it off the model for 2**(k-1) deadlines and its next try there gets 2**k (OVERDUE_DOUBLINGS at most),
         # where each try had the one deadline: a load slower than it was moved off and back every two deadlines,
@@ -351,6 +354,7 @@ class ModelPlacer:
                         peer[:12], ", ".join(self.load_failures.pop(peer)))
         for peer in [p for p in self.started_at if p not in flexible]:
             del self.started_at[peer]
+            self.starts_seen.pop(peer, None)
         for peer in [p for p in self.overdue_strikes if p not in flexible]:
             self._forget_overdue(peer)
         for peer, rec in flexible.items():
@@ -414,15 +418,17 @@ class ModelPlacer:
                 del self.load_failures[peer]
 
     def _note_start(self, peer: str, rec: Any, by_model: dict[str, Any]) -> float:
-        """The latest process start ``peer``'s records announce; another one than seen before is a restart (an older
-        version's, 0, too): its load failures are forgotten."""
+        """The process start of ``peer``'s current run: the latest its records announce; one not seen before is a
+        restart (an earlier one too: a clock set back; an older version's, 0, too), whose load failures and overdue
+        loads are forgotten. One seen before (the last ``STARTS_KEPT``) is an older record read late: no restart."""
         started = max((_started_at(r) for r in by_model.values()), default=_started_at(rec))
-        before = self.started_at.get(peer)
-        if before is None or started != before:
+        seen = self.starts_seen.get(peer)
+        if seen is None or started not in seen:
+            self.starts_seen[peer] = ((seen or ()) + (started,))[-STARTS_KEPT:]
             self.started_at[peer] = started
-            if before is not None:
+            if seen is not None:
                 self._forget_overdue(peer)
-            if before is not None and peer in self.load_failures:
+            if seen is not None and peer in self.load_failures:
                 logger.info("placement: server %s (%s) restarted: the models it could not load (%s) may be placed on "
                             "it again", rec.public_name, peer[:12], ", ".join(self.load_failures.pop(peer)))
         return self.started_at[peer]

@@ -38,6 +38,7 @@ MEMORY_MAX = 2 ** 50
 # a server's epoch above this is not continued from: honest epochs count re-plans; a record may announce up to
 # 2**64 - 1, and the next epoch could not be published (msgpack: integer out of range), nor could any after it
 EPOCH_MAX = 2 ** 53
+STARTS_KEPT = 8  # process starts remembered per server (an older record read late is told from a restart)
 
 
 @dataclass
@@ -69,6 +70,8 @@ class ServerView:
     awaiting_since: float | None = None
     load_overdue: bool = False
     deadline_scale: float = 1.0  # its deadline: load_deadline_s x this (load_deadline_scale as its clock started)
+    # the process starts its records announced (started_at, 0 left out; Planner._note_start): another one is a restart
+    starts: tuple[float, ...] = ()
     # its record reports a failed load of the very span this planner assigns it (set at each refresh): a report of a
     # span it is no longer given (another orchestrator's, one before a restart of this one) must not keep it out
     failed_assigned: bool = False
@@ -472,43 +475,24 @@ class Planner:
         return Plan(c=c, placement=placement, chains=chains, lower=lower, upper=upper)
 
     def _tune(self, specs: list[ServerSpec], model: ModelSpec, lam: float) -> tuple[int, Placement, list[Chain]]:
-        """c*, GBP-CR and GCA by ``tune_capacity``. With servers whose cache cap holds fewer jobs than their memory
-        would (:class:`CappedServerSpec`), tuned over each range of ``c`` in which the same servers hold ``c`` jobs
-        (the others left out, as GBP-CR leaves a server too small for ``c``), each range's plan counted by the slots
-        the caps allow (GCA on ``specs``); the lowest predicted response wins. When no range has a chain by the caps,
-        the first range's plan as ``tune_capacity`` counts it (the servers load their spans and a failed load says
-        what they cannot hold, as before: else no span was ever assigned). ValueError: no range has a plan."""
-        from petals_chain.algorithms import gca, tune_capacity
-        from petals_chain.algorithms.tuning import max_capacity
+        """c*, GBP-CR and GCA by ``tune_capacity``, which walks and counts each server by its own ``max_blocks`` and
+        ``residual_slots`` (:class:`CappedServerSpec`: none at a ``c`` its cap cannot hold, the slots its cap holds).
+        A cap below one job, and all caps where they allow no chain, are planned by the servers' memory, as before
+        (they load their spans and a failed load says what they cannot hold: else no span was ever assigned).
+        ValueError: no plan either way."""
+        from petals_chain.algorithms import tune_capacity
+
+        def by_memory(s: ServerSpec) -> ServerSpec:
+            return ServerSpec(name=s.name, memory=s.memory, tau_c=s.tau_c, tau_p=s.tau_p, block_limit=s.block_limit)
 
         kw = dict(rho_bar=self.rho_bar, method="lower", use_all_servers=self.use_all_servers)
-        # a cap of c_max jobs or more never binds (no c above it is tried): one range per cap below it
-        c_max = max_capacity(specs, model)
-        caps = sorted({k for s in specs if isinstance(s, CappedServerSpec) and 0 < (k := s.most_jobs()) < c_max})
-        if not caps:
+        if not any(isinstance(s, CappedServerSpec) for s in specs):
             return tune_capacity(specs, model, lam, **kw)
-        best: tuple | None = None
-        counted: tuple | None = None  # the first range's plan, with its chains as tune_capacity counts them
-        lo = 1
-        for hi in caps + [None]:
-            eligible = [s for s in specs if not isinstance(s, CappedServerSpec) or not 0 < s.most_jobs() < lo]
-            try:
-                c, placement, tuned = tune_capacity(eligible, model, lam, c_range=(lo, hi or 2 ** 62), **kw)
-            except ValueError:
-                c = None
-            if c is not None:
-                counted = counted or (c, placement, tuned)
-                chains = gca(specs, model, placement)
-                key = (self._bounds(chains)[0], -_total_rate(chains), c)
-                if best is None or key < best[0]:
-                    best = (key, (c, placement, chains))
-            if hi is not None:
-                lo = hi + 1
-        if best is None or not best[1][2]:
-            if counted is None:
-                raise ValueError("no server can hold one block with one cache slot under its cap")
-            return counted
-        return best[1]
+        try:
+            return tune_capacity([by_memory(s) if isinstance(s, CappedServerSpec) and s.most_jobs() == 0 else s
+                                  for s in specs], model, lam, **kw)
+        except ValueError:
+            return tune_capacity([by_memory(s) for s in specs], model, lam, **kw)
 
     def _baseline_placement(self, specs: list[ServerSpec], model: ModelSpec):
         from petals_chain.algorithms import gca
@@ -722,15 +706,28 @@ class Planner:
             if (v := self.servers.get(p)) is not None:
                 v.awaiting_since, v.load_overdue = None, False
 
+    @staticmethod
+    def _note_start(v: ServerView, rec: Any) -> bool:
+        """Whether ``rec`` announces a process start that ``v``'s records had not (a restart, also to an earlier time:
+        a clock set back), and note it; one of the last ``STARTS_KEPT`` is an older record read late, and 0 (an older
+        server's) is unknown: neither is a restart."""
+        started = _started_at(rec)
+        if started <= 0 or started in v.starts:
+            return False
+        v.starts = (v.starts + (started,))[-STARTS_KEPT:]
+        return True
+
     def _restart_load_clock(self, v: ServerView) -> None:
-        """``v`` restarted (a later ``started_at``): the span it is assigned, unless its new process serves it already,
-        is loaded afresh, so its load deadline starts now (a restart of a server that served its span started none: one
-        whose new load hung held its blocks, with no chain through them, for good)."""
+        """``v`` restarted (a ``started_at`` not seen before): the span it is assigned, unless its new process serves it
+        already, is loaded afresh, so its load deadline starts now, the one deadline (a restart of a server that served
+        its span started none: one whose new load hung held its blocks, with no chain through them, for good)."""
+        # a new process loads afresh, with the one deadline (the placer forgets its overdue loads too)
+        self.load_deadline_scale.pop(v.peer_id, None)
         span = self.assignment.get(v.peer_id)
         if span is None:
             return
         v.awaiting_since = None if self._serves(v, span) else self.clock()
-        v.load_overdue, v.deadline_scale = False, self.load_deadline_scale.get(v.peer_id, 1.0)
+        v.load_overdue, v.deadline_scale = False, 1.0
         logger.info("server %s (%s) restarted: %s", v.record.public_name, v.peer_id[:12],
                     "it serves its blocks" if v.awaiting_since is None else
                     f"its load deadline for blocks [{span[0]}, {span[0] + span[1]}) starts again")
@@ -890,6 +887,7 @@ class Planner:
                 v = self.servers.get(peer_id)
                 if v is None:
                     v = self.servers[peer_id] = ServerView(peer_id=peer_id, record=rec)
+                    self._note_start(v, rec)
                     if peer_id in self.distrusted:  # banned for good before its record expired
                         v.distrusted, v.failed_at, v.banned_until = True, time.time(), math.inf
                     if rec.state != "offline":
@@ -903,7 +901,7 @@ class Planner:
                         self.last_change = time.monotonic()
                     if v.record.tau_p <= 0 < rec.tau_p:
                         self.last_change = time.monotonic()  # its speed is known now: a join for the planner
-                    restarted = _started_at(rec) > _started_at(v.record)
+                    restarted = self._note_start(v, rec)
                     v.record = rec
                     if restarted:
                         self._restart_load_clock(v)
