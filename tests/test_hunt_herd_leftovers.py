@@ -202,3 +202,27 @@ def test_rival_splits_at_one_epoch_after_a_partition_are_settled_by_the_leader()
         assert len({tuple(sorted(c.split.items())) for c in cs.values()}) == 1
 
     asyncio.run(main())
+
+
+def test_a_split_at_the_largest_epoch_is_not_continued_from():
+    """A leader continues above the highest split epoch it reads: an entry at the largest epoch a record carries
+    (``EPOCH_MAX``) made its next split one no record could carry, so it could publish none again. Such an entry is
+    not followed or continued from."""
+    import asyncio
+
+    from test_failover_units import record
+    from test_herd_groups import _group_world
+
+    from petals_chain.swarm.records import EPOCH_MAX, GroupRecord
+
+    seen = {"s0": record("s0")}
+    entries: dict = {"B": GroupRecord(orchestrator_peer_id="B", epoch=EPOCH_MAX, groups={"B": ["s0"]})}
+    now = [0.0]
+    coordinator, rounds = _group_world(seen, entries, now)
+
+    async def main():
+        a = coordinator("A", "B")
+        await rounds(10, a)
+        assert 0 < a.epoch < EPOCH_MAX and entries["A"].epoch == a.epoch and a.members() == {"s0"}
+
+    asyncio.run(main())

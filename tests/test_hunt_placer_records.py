@@ -49,14 +49,30 @@ def test_erlang_c_stops_once_the_terms_left_are_negligible():
     assert erlang_c(10, 3.0) == pytest.approx(0.0011572953262096433, rel=1e-12)
 
 
-def test_a_record_announcing_the_largest_epoch_does_not_stop_the_assignments():
-    """A restarted orchestrator continues above the epochs its servers follow; one record saying 2**64 - 1 (the most
-    the DHT's msgpack carries) made the next epoch 2**64, which no assignment could be published with, for good."""
+def test_a_record_announcing_the_largest_epoch_is_refused():
+    """A restarted orchestrator continues above the epochs its servers follow (and a HERD leader above the splits'):
+    one record saying 2**64 - 1 (the most the DHT's msgpack carries) made the next epoch 2**64, which no assignment
+    or split could be published with, for good. Records now carry epochs up to ``EPOCH_MAX`` (2**53): larger ones
+    are refused by the records and by the DHT's schema; a record at the largest is not continued from."""
+    import pydantic
     from hivemind.utils.serializer import MSGPackSerializer
 
+    from petals_chain.swarm.records import (EPOCH_MAX, AssignmentRecord, GroupRecord, PlacementRecord,
+                                            _AssignmentValueV1, _GroupValueV1)
+
+    with pytest.raises(pydantic.ValidationError):
+        record("C", epoch=2 ** 64 - 1)
+    for cls, kw in ((AssignmentRecord, dict(max_length=8)), (GroupRecord, {}), (PlacementRecord, {})):
+        with pytest.raises(pydantic.ValidationError):
+            cls(orchestrator_peer_id="o", epoch=EPOCH_MAX + 1, **kw)
+        assert cls(orchestrator_peer_id="o", epoch=EPOCH_MAX, **kw).epoch == EPOCH_MAX
+    for schema, value in ((_AssignmentValueV1, AssignmentRecord(orchestrator_peer_id="o", epoch=0, max_length=8)),
+                          (_GroupValueV1, GroupRecord(orchestrator_peer_id="o"))):
+        with pytest.raises(Exception):
+            schema.parse_obj({**value.to_value(), "epoch": 2 ** 64 - 1})
     published = []
-    sw = Swarm({"A": record("A"), "B": record("B"), "C": record("C", epoch=2 ** 64 - 1)})
+    sw = Swarm({"A": record("A"), "B": record("B"), "C": record("C", epoch=EPOCH_MAX)})
     sw.pl.dht.publish_assignment = lambda prefix, rec, expiration: published.append(
         MSGPackSerializer.dumps(rec.to_value()))
     sw.refresh()
-    assert published and sw.pl.assignment, sw.pl.assignment
+    assert published and sw.pl.assignment and sw.pl.epoch < EPOCH_MAX

@@ -142,9 +142,11 @@ class GroupCoordinator:
 
     # ---- loop ----------------------------------------------------------------------------------
     async def step(self) -> None:
-        from petals_chain.swarm.records import GroupRecord
+        from petals_chain.swarm.records import EPOCH_MAX, GroupRecord
 
-        entries = await self.dht.afetch_groups(self.prefix, self.peers | {self.me})
+        # an entry at the largest epoch a record carries cannot be continued above (the next could not be published)
+        entries = {o: rec for o, rec in (await self.dht.afetch_groups(self.prefix, self.peers | {self.me})).items()
+                   if rec.epoch < EPOCH_MAX}
         now = self.clock()
         # the highest split epoch anyone published (followers publish the one they follow; our own entry may be
         # from before a restart): a leader continues above it, else followers ignore its splits until it passes it

@@ -26,6 +26,7 @@ from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
 from petals_chain.swarm.memory import capped_slots
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.reachability import is_circuit, public_dial_error
+from petals_chain.swarm.records import EPOCH_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,6 @@ TAU_P_SUSPECT_RATIO = 2.0  # measured tau_p above this multiple of the advertise
 # a server's memory planned at most (1 PiB): a record may announce any integer, and the slots 10**30 bytes make
 # overflowed int64 in GBP-CR's c tuning (negative slots: chains of capacity 0)
 MEMORY_MAX = 2 ** 50
-# a server's epoch above this is not continued from: honest epochs count re-plans; a record may announce up to
-# 2**64 - 1, and the next epoch could not be published (msgpack: integer out of range), nor could any after it
-EPOCH_MAX = 2 ** 53
 STARTS_KEPT = 8  # process starts remembered per server (an older record read late is told from a restart)
 
 

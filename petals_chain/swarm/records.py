@@ -32,6 +32,9 @@ _UNKNOWN_VALUES_MAX = 4096  # a newer writer's fields together, in characters of
 _SHORT_MAX = 64  # names like a version, device, dtype or quantization
 PUBLIC_NAME_MAX = 128  # ServerRecord.public_name
 LOAD_ERROR_MAX = 300  # ServerRecord.load_error: one line for the operator and the dashboard
+# the largest epoch a record may carry: honest epochs count re-plans; one of 2**64 - 1 left a leader continuing above it
+# with an epoch msgpack cannot encode, so no assignment or split could be published again
+EPOCH_MAX = 2 ** 53
 
 
 def check_unknown_values(values: list) -> None:
@@ -107,7 +110,8 @@ class ServerRecord(_Record):
     emulate_reply_fault: Literal["none", "nan", "shape", "noise", "push"] = "none"
     emulate_reply_fault_rate: float = pydantic.Field(default=0.0, ge=0, le=1)
     emulate_tau_p_lie: float = pydantic.Field(default=1.0, gt=0)
-    epoch: int = pydantic.Field(default=-1, ge=-1)  # assignment epoch the server follows (-1: none yet)
+    # assignment epoch the server follows (-1: none yet)
+    epoch: int = pydantic.Field(default=-1, ge=-1, le=EPOCH_MAX)
     model_fingerprint: str = pydantic.Field(default="", max_length=64)  # sources.ModelSource.fingerprint
     max_blocks: int = pydantic.Field(default=0, ge=0)  # the volunteer's cap on blocks (0: no cap)
     # the KV cache (server/kv_cache.py): paged (tokens per page) or slots (a page is a max_length slot); tokens
@@ -170,7 +174,7 @@ class ServerRecord(_Record):
 class AssignmentRecord(_Record):
     """The orchestrator's block assignment: ``assignments[peer_id] = [start_block, num_blocks]`` (0-based)."""
 
-    epoch: int = pydantic.Field(ge=0)
+    epoch: int = pydantic.Field(ge=0, le=EPOCH_MAX)
     max_length: int = pydantic.Field(ge=1)
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     assignments: Dict[str, list[int]] = pydantic.Field(default_factory=dict)
@@ -202,7 +206,7 @@ class PlacementRecord(_Record):
     serves, so a server finds it under any of its own prefixes."""
 
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
-    epoch: int = pydantic.Field(default=0, ge=0)
+    epoch: int = pydantic.Field(default=0, ge=0, le=EPOCH_MAX)
     placement: Dict[str, str] = pydantic.Field(default_factory=dict)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
@@ -236,7 +240,7 @@ class GroupRecord(_Record):
     orchestrator_peer_id: str = pydantic.Field(min_length=1, max_length=_PEER_ID_MAX)
     http_url: str = pydantic.Field(default="", max_length=512)
     arrival_rate: float = pydantic.Field(default=0.0, ge=0)
-    epoch: int = pydantic.Field(default=0, ge=0)  # of the split, counted on by each new leader
+    epoch: int = pydantic.Field(default=0, ge=0, le=EPOCH_MAX)  # of the split, counted on by each new leader
     groups: Dict[str, list[str]] = pydantic.Field(default_factory=dict)
     timestamp: float = pydantic.Field(default_factory=time.time)
 
@@ -309,7 +313,7 @@ class _ServerValueV1(_ValueV1):
     emulate_reply_fault: pv1.constr(strict=True, regex=r"^(none|nan|shape|noise|push)$")
     emulate_reply_fault_rate: pv1.confloat(strict=True, ge=0, le=1)
     emulate_tau_p_lie: pv1.confloat(strict=True, gt=0)
-    epoch: pv1.conint(strict=True, ge=-1)
+    epoch: pv1.conint(strict=True, ge=-1, le=EPOCH_MAX)
     model_fingerprint: pv1.constr(strict=True, max_length=64)
     max_blocks: pv1.conint(strict=True, ge=0)
     kv_cache: pv1.constr(strict=True, regex=r"^(paged|slots)$")
@@ -332,7 +336,7 @@ class _ServerValueV1(_ValueV1):
 
 
 class _AssignmentValueV1(_ValueV1):
-    epoch: pv1.conint(strict=True, ge=0)
+    epoch: pv1.conint(strict=True, ge=0, le=EPOCH_MAX)
     max_length: pv1.conint(strict=True, ge=1)
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     assignments: Dict[pv1.StrictStr, pv1.conlist(pv1.StrictInt, min_items=2, max_items=2)]
@@ -358,7 +362,7 @@ class _GroupValueV1(_ValueV1):
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     http_url: pv1.constr(strict=True, max_length=512)
     arrival_rate: pv1.confloat(strict=True, ge=0)
-    epoch: pv1.conint(strict=True, ge=0)
+    epoch: pv1.conint(strict=True, ge=0, le=EPOCH_MAX)
     groups: Dict[pv1.constr(strict=True, max_length=_PEER_ID_MAX),
                  pv1.conlist(pv1.constr(strict=True, max_length=_PEER_ID_MAX), max_items=4096)]
     timestamp: pv1.StrictFloat
@@ -366,7 +370,7 @@ class _GroupValueV1(_ValueV1):
 
 class _PlacementValueV1(_ValueV1):
     orchestrator_peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
-    epoch: pv1.conint(strict=True, ge=0)
+    epoch: pv1.conint(strict=True, ge=0, le=EPOCH_MAX)
     placement: Dict[pv1.constr(strict=True, max_length=_PEER_ID_MAX), pv1.constr(strict=True, max_length=128)]
     timestamp: pv1.StrictFloat
 
