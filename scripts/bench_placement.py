@@ -128,7 +128,7 @@ def summarize(run: dict, phase: int, exec_s: dict, phase_s: float, expected: dic
             "slo": sum(slo) / len(slo) if slo else float("nan")}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="ui:fcfs,static:fcfs,ui:db",
                    help="POLICY:SCHEDULE[:K] (K: --schedule-classes), one swarm each")
@@ -153,7 +153,16 @@ def main() -> int:
                    help="model alpha: a tiny random 4-layer Llama, or a real one (a registry name such as "
                         "smollm2-135m, fetched by scripts/setup.sh, or a path)")
     p.add_argument("--beta", default="tiny", metavar="tiny|NAME|PATH", help="model beta: a tiny Qwen2, or as --alpha")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    # checked before building models and starting swarms: a zero rate or burst was a ZeroDivisionError in arrivals
+    for name in ("servers", "slots", "max_tokens", "long_tokens", "burst"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("phase_s", "hi", "lo", "interval_s", "window_s"):
+        if not 0 < getattr(args, name) < float("inf"):
+            p.error(f"--{name.replace('_', '-')} must be positive and finite")
+    if not 0 <= args.decode_ms < float("inf") or not 0 <= args.long_frac <= 1:
+        p.error("--decode-ms must be finite and >= 0, --long-frac in [0, 1]")
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from petals_chain.swarm.tiny_model import build_tiny_model

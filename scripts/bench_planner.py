@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -68,7 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jffc-chains", type=int, default=10_000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    rows = [time_planner(J, lam, args.rho_bar, args.method) for lam in args.arrival_rate for J in args.servers]
+    if any(J < 1 for J in args.servers) or args.jffc_chains < 1:
+        ap.error("every --servers and --jffc-chains must be >= 1")
+    if not all(0 <= lam < math.inf for lam in args.arrival_rate) or not 0 < args.rho_bar <= 1:
+        ap.error("every --arrival-rate must be finite and >= 0, --rho-bar in (0, 1]")
+    try:
+        rows = [time_planner(J, lam, args.rho_bar, args.method) for lam in args.arrival_rate for J in args.servers]
+    except ValueError as e:  # the planner's: too few servers to hold the model, say
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     jffc = time_jffc(args.jffc_chains)
     if args.json:
         print(json.dumps({"planner": rows, "jffc": jffc}))

@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--servers", type=int, nargs="*", default=[100, 1000, 10000])
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if a.jobs < 1 or any(J < 1 for J in a.servers):  # a traceback from numpy or the swarm builder before
+        p.error("--jobs and every --servers must be >= 1")
     out = {"simulator": [], "planner": []}
     for kind in ("jffc", "jsq"):
         out["simulator"].append(bench_chains(a.jobs, kind))
@@ -63,7 +65,11 @@ def main(argv=None) -> int:
         out["simulator"].append(bench_routed(max(a.jobs // 20, 100), pol))
     for J in a.servers:
         t0 = time.perf_counter()
-        out["planner"].append(ex.planner_scale(J))
+        try:
+            out["planner"].append(ex.planner_scale(J))
+        except ValueError as e:  # too few servers to hold the model, say
+            print(f"error: planner J={J}: {e}", file=sys.stderr)
+            return 2
         print(f"planner J={J}: {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if a.json:
         print(json.dumps(out))

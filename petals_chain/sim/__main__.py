@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -228,8 +229,10 @@ def show(cmd: str, res: dict) -> None:
                     [[p, d.get("mean_response_s"), d.get("mean_response_ci_s"), d.get("p95_response_s"), d.get("mean_wait_s"),
                       d.get("mean_service_s"), d.get("runs")] for p, d in res.items()])
     elif cmd == "trace":
-        print(f"trace: {res['source']}, {res['requests']} requests, {res['rate_per_s']:.2f} req/s, service scale {res['service_scale']}, "
-              f"inter-arrival std / exponential's = {res['interarrival_std_ratio']:.2f}, c* (lower bound) = {res['c_lower_bound']}")
+        # _fmt: the std ratio of fewer than three requests is NaN, null in the JSON (its :.2f crashed the table)
+        print(f"trace: {res['source']}, {res['requests']} requests, {_fmt(res['rate_per_s'], 2)} req/s, service scale "
+              f"{res['service_scale']}, inter-arrival std / exponential's = {_fmt(res['interarrival_std_ratio'], 2)}, "
+              f"c* (lower bound) = {res['c_lower_bound']}")
         print_table("Trace replay (ours | paper Table 1)", ["policy", "mean resp", "paper", "P95", "paper", "mean wait", "paper", "mean svc"],
                     [[p, d.get("mean_response_s"), res["paper"].get(p, {}).get("mean_response_s"), d.get("p95_response_s"),
                       res["paper"].get(p, {}).get("p95_response_s"), d.get("mean_wait_s"), res["paper"].get(p, {}).get("mean_wait_s"),
@@ -327,6 +330,8 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
                        c_values=tuple(range(1, 31)) if q else tuple(range(1, 61)))
     if cmd == "fig8":
         out = a.out
+        if out:  # this run's cells only: appending mixed an earlier run's (another seed's, say) into the file
+            (Path(out) / "fig8_cells.jsonl").unlink(missing_ok=True)
 
         def on_cell(cell):  # keep partial results of long runs
             if out:
@@ -348,6 +353,8 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
         from petals_chain.sim import fairness as fair
 
         names = list(fair.EXPERIMENTS) if a.experiment == "all" else [a.experiment]
+        if any(n not in fair.EXPERIMENTS for n in names):
+            raise ValueError(f"fairness: --experiment must be one of {', '.join(fair.EXPERIMENTS)} or all")
         return {n: fair.EXPERIMENTS[n](quick=q, seed=a.seed) for n in names}
     if cmd == "deadlines":
         from petals_chain.sim import deadlines as dl
@@ -387,8 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eta", type=float, default=DEFAULT_ETA, help="fraction of fast servers")
     p.add_argument("--arrival-rate", type=float, default=DEFAULT_LAMBDA, help="lambda for overall (req/s)")
     p.add_argument("--planner-rate", type=float, default=None, help="lambda for planner-scale (default 0.01*J)")
-    p.add_argument("--trace", type=str, default=None, help="Azure trace CSV (default ../shared/data/..., else synthetic)")
-    p.add_argument("--rtt-file", type=str, default=None, help="RIPE Atlas CSV (default ../shared/data/..., else synthetic)")
+    p.add_argument("--trace", type=str, default=None,
+                   help="Azure trace CSV (default ../shared/data/... or $PETALS_CHAIN_DATA_DIR/..., else synthetic)")
+    p.add_argument("--rtt-file", type=str, default=None,
+                   help="RIPE Atlas CSV (default ../shared/data/... or $PETALS_CHAIN_DATA_DIR/..., else synthetic)")
     p.add_argument("--requests", type=int, default=1000, help="trace: replay the first N requests (0 = all)")
     p.add_argument("--service-scale", type=float, default=1.0,
                    help="trace: multiply every modelled service time (e.g. to match a measured mean service time)")
@@ -406,6 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if v is not None and v < (0 if name == "requests" else 1):
             print(f"error: --{name} must be positive", file=sys.stderr)
             return 2
+    if a.seed < 0:  # numpy's seeding said only "expected non-negative integer"
+        print("error: --seed must be >= 0", file=sys.stderr)
+        return 2
     if not 0 <= a.eta <= 1:
         print("error: --eta must be in [0, 1]", file=sys.stderr)
         return 2
@@ -433,6 +445,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         simdata.set_default_anchors(anchors)
     out = Path(a.out) if a.out else None
+    if out:  # before the runs: an --out that is a file or not writable failed with a traceback after them
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"error: --out {a.out}: {e}", file=sys.stderr)
+            return 2
+        if not os.access(out, os.W_OK | os.X_OK):
+            print(f"error: --out {a.out}: not writable", file=sys.stderr)
+            return 2
     cmds = list(FIGS) + ["overall", "trace"] if a.command == "reproduce" else [a.command]
     results = {}
     for cmd in cmds:
@@ -448,10 +469,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             res_meta = {}
         results[cmd] = res
         if out:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"{cmd}.json").write_text(json.dumps({**res_meta, "result": res}, indent=1))
-            if cmd in PLOTS:
-                PLOTS[cmd](res, out)
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"{cmd}.json").write_text(json.dumps({**res_meta, "result": res}, indent=1))
+                if cmd in PLOTS:
+                    PLOTS[cmd](res, out)
+            except OSError as e:  # removed or filled while the runs went on
+                print(f"error writing {cmd}'s results to {a.out}: {e}", file=sys.stderr)
+                return 2
         if not a.json:
             show(cmd, res)
             print(f"[{cmd}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)

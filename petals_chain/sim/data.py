@@ -1,7 +1,8 @@
 """Workload and network data: the Azure LLM inference trace and RIPE Atlas RTTs, with synthetic fallbacks.
 
 Both data sets live outside the project (``../shared/data/`` relative to the project root for
-developers and CI). Every loader takes an explicit path; when the file is missing, a documented
+developers and CI; the environment variable ``PETALS_CHAIN_DATA_DIR`` names another directory, searched alone).
+Every loader takes an explicit path; when the file is missing, a documented
 synthetic substitute with matching statistics is generated instead (``source`` says which one was used).
 
 Azure trace (code service, 2023-11-16): ``TIMESTAMP`` (``YYYY-MM-DD HH:MM:SS.fffffff``, seven
@@ -26,10 +27,11 @@ from __future__ import annotations
 import csv
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -57,17 +59,19 @@ class DataError(ValueError):
 
 
 def _candidate_dirs() -> list[Path]:
-    """``../shared/data`` relative to the cwd and to the project root (the package's parent)."""
-    project_root = Path(__file__).resolve().parents[2]
-    out = [Path.cwd() / ".." / "shared" / "data", project_root / ".." / "shared" / "data"]
+    """``$PETALS_CHAIN_DATA_DIR`` alone when set, else ``../shared/data`` relative to the cwd and to the project
+    root (the package's parent)."""
     env = os.environ.get("PETALS_CHAIN_DATA_DIR")
     if env:
-        out.insert(0, Path(env))
-    return out
+        # alone: pointed at a directory without a file (an empty one, to see the synthetic fallbacks), the shared
+        # file was read anyway
+        return [Path(env)]
+    project_root = Path(__file__).resolve().parents[2]
+    return [Path.cwd() / ".." / "shared" / "data", project_root / ".." / "shared" / "data"]
 
 
 def default_data_path(filename: str) -> Path | None:
-    """The first existing ``../shared/data/<filename>`` (cwd first, then project root), or None."""
+    """The first existing ``<filename>`` in :func:`_candidate_dirs`, or None."""
     for d in _candidate_dirs():
         p = (d / filename).resolve()
         if p.is_file():
@@ -148,13 +152,22 @@ def parse_timestamp(text: str) -> float:
     return parse_timestamp_ns(text) / 1e9
 
 
+@contextmanager
+def _csv_errors(path: Path) -> Iterator[None]:
+    """Report a file that is not UTF-8 text or not CSV (an over-long field, say) as a :class:`DataError`."""
+    try:
+        yield
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{path}: not a CSV text file: {e}") from None
+
+
 def load_trace(path: str | os.PathLike[str]) -> Trace:
     """Parse an Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)."""
     path = Path(path)
     times: list[int] = []
     ctx: list[int] = []
     gen: list[int] = []
-    with path.open(newline="") as f:
+    with _csv_errors(path), path.open(newline="") as f:
         reader = csv.DictReader(f)
         need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
         if reader.fieldnames is None or not need <= set(reader.fieldnames):
@@ -267,7 +280,7 @@ def load_anchors(path: str | os.PathLike[str]) -> Anchors:
     path = Path(path)
     samples: dict[str, list[float]] = {}
     coords: dict[str, tuple[float, float]] = {}
-    with path.open(newline="") as f:
+    with _csv_errors(path), path.open(newline="") as f:
         reader = csv.DictReader(f)
         lat_cols = [c for c in (reader.fieldnames or []) if c.startswith("latency_m")]
         if not lat_cols or "anchor_id" not in (reader.fieldnames or []):
@@ -285,12 +298,16 @@ def load_anchors(path: str | os.PathLike[str]) -> Anchors:
                 if v > 0 and math.isfinite(v):
                     vals.append(v)
             try:
-                coords.setdefault(aid, (float(row["latitude"]), float(row["longitude"])))
+                lat, lon = float(row["latitude"]), float(row["longitude"])
             except (KeyError, TypeError, ValueError):
-                pass
+                continue
+            # NaN or off-globe coordinates made every RTT NaN and failed planning far from the file
+            if -90.0 <= lat <= 90.0 and -180.0 <= lon <= 180.0:
+                coords.setdefault(aid, (lat, lon))
     ids = [a for a, v in samples.items() if v and a in coords]
     if len(ids) < 2:
-        raise DataError(f"{path}: fewer than two anchors with positive latencies and coordinates")
+        raise DataError(f"{path}: fewer than two anchors with positive latencies and coordinates on the globe "
+                        "(latitude in [-90, 90], longitude in [-180, 180])")
     return Anchors(
         ids=ids,
         median_ms=np.array([float(np.median(samples[a])) for a in ids]),

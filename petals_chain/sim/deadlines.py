@@ -243,6 +243,8 @@ def trace_arrivals(rate: float, duration_s: float, path: str | None, seed: int =
     """The Azure trace's arrival times (``path`` or ``../shared/data``; synthetic fallback), rescaled to ``rate``."""
     found = path or simdata.default_data_path(simdata.TRACE_FILENAME)
     tr = simdata.get_trace(found, seed=seed) if found else simdata.synthetic_trace(seed=seed)
+    if not math.isfinite(tr.rate):  # rescaled to no time at all, the run failed on "duration must be positive"
+        raise ValueError(f"{tr.source}: its {len(tr)} request(s) arrive at one instant: no arrival pattern to rescale")
     a = np.asarray(tr.arrivals, dtype=float) * tr.time_scale(rate, duration_s)
     return a[a < duration_s], tr.source
 

@@ -474,6 +474,9 @@ def trace_replay(*, trace_path: str | None = None, requests: int = 1000, seed: i
     trace = simdata.get_trace(trace_path, seed=seed)
     if requests:
         trace = trace.head(requests)
+    if not math.isfinite(trace.rate):  # the planner then failed on "arrival_rate ... got inf"
+        raise ValueError(f"{trace.source}: the {len(trace)} request(s) replayed arrive at one instant, so there is no "
+                         "arrival rate to plan for: replay at least two requests at different times")
     anchors = simdata.get_anchors()
     acc = {p: [] for p in policies}
     cs, cs_all = [], []
