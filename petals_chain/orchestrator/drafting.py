@@ -9,19 +9,24 @@ sampled request's distribution exact.
 
 Each generation keeps a :class:`DraftState` (the draft model's KV cache and the tokens it holds): a draft call
 rolls the cache back to what it shares with the sequence now (rejected drafts are dropped) and feeds only the
-rest. The model runs in its own worker thread, off the event loop, one call at a time.
+rest. The model runs in its own worker thread, off the event loop, one call at a time. Drafts are only guesses:
+a draft model that fails (an error, out of memory) stops drafting for that generation, which goes on without
+drafts (the output is the same), instead of failing the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from typing import Any
 
 import torch
 
 from petals_chain.orchestrator.failover import common_prefix
 from petals_chain.swarm.checkpoint import cache_kwarg
+
+logger = logging.getLogger(__name__)
 
 
 class DraftState:
@@ -30,6 +35,7 @@ class DraftState:
     def __init__(self) -> None:
         self.cache: Any = None
         self.ids: list[int] = []
+        self.failed = False  # the draft model failed for this generation: no more drafts
 
 
 class DraftModel:
@@ -41,6 +47,7 @@ class DraftModel:
         self.layers = int(model.config.num_hidden_layers)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._cache_arg = cache_kwarg(model)
+        self.failures = 0  # generations whose drafting failed (they went on without drafts)
 
     @classmethod
     def load(cls, source: Any, name: str, num_layers: int | None = None, dtype: Any = None,
@@ -51,10 +58,18 @@ class DraftModel:
         return cls(model, name)
 
     async def draft(self, state: DraftState, context: list[int], k: int) -> list[int]:
-        """Up to ``k`` greedy draft tokens after ``context`` (the whole sequence so far)."""
-        if k <= 0 or not context:
+        """Up to ``k`` greedy draft tokens after ``context`` (the whole sequence so far); [] from the first failure of
+        the draft model on (logged, counted in :attr:`failures`)."""
+        if k <= 0 or not context or state.failed:
             return []
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._draft, state, list(context), k)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._draft, state, list(context), k)
+        except Exception as e:  # noqa: BLE001 - a draft is a guess: its model failing must not fail the request
+            state.failed, state.cache, state.ids = True, None, []  # a cache a failed call left half-updated
+            self.failures += 1
+            logger.warning("draft model %s failed (%s: %s); this generation goes on without drafts", self.name,
+                           type(e).__name__, e)
+            return []
 
     def _draft(self, state: DraftState, context: list[int], k: int) -> list[int]:
         from transformers import DynamicCache
@@ -62,6 +77,11 @@ class DraftModel:
         with torch.inference_mode():
             if state.cache is None:
                 state.cache, state.ids = DynamicCache(config=self.model.config), []
+                # a sliding-window layer past its window keeps only the window: rolling rejected drafts back (crop)
+                # then needs the states it dropped (transformers raises otherwise)
+                record = getattr(state.cache, "activate_past_recording", None)
+                if record is not None:
+                    record()
             keep = min(common_prefix(state.ids, context), len(context) - 1)  # the last token is always fed
             held = state.cache.get_seq_length()
             if held > keep:

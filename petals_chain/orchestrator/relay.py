@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from petals_chain.swarm.push import tensor_digest
-from petals_chain.swarm.rpc import InvalidReply, NoCapacityError, RemoteSession
+from petals_chain.swarm.rpc import InvalidReply, NoCapacityError, RemoteError, RemoteSession
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,8 @@ class ChainSession:
         All hops get their step at once: hop 0 with the input and the route, the others await the previous hop's
         push. A hop that fails is given to ``await recover(i, failure, its_input)``, which returns its output
         (another server took the hop over) or raises (the chain is lost: the other hops' steps are abandoned and
-        their streams closed). Where a hop's output did not reach the next hop, the orchestrator pushes it."""
+        their streams closed). Where a hop's output did not reach the next hop, the orchestrator pushes it; a hop
+        that waited its push timeout for a push said to be sent makes the session relay from then on."""
         step_id = next(self._step_ids)
         tasks = [asyncio.ensure_future(self._push_step(i, hidden, position, step_id)) for i in range(len(self.hops))]
         outs: list[torch.Tensor] = []
@@ -277,6 +278,14 @@ class ChainSession:
                     out = await task
                     pushed = self._sessions[i].pushed is not False
                 except HopFailure as e:
+                    if i > 0 and isinstance(e.cause, RemoteError) and "no push for step" in str(e.cause):
+                        # the hop waited its whole push timeout for an input that never came, though the hop before
+                        # said it pushed (lost, or a hostile hop lying): a hop that keeps not pushing would make every
+                        # step wait as long
+                        logger.warning("session %s: hop %d (%s) got no push from %s; relaying through the "
+                                       "orchestrator from now on", self.session_id, i, self.hops[i][0][:12],
+                                       self.hops[i - 1][0][:12])
+                        self.push = False
                     out = await recover(i, e, x_in)  # a new session: it awaits no push
                     pushed = False
                 else:
@@ -290,7 +299,8 @@ class ChainSession:
                     nxt = self._route(i + 1)
                     try:
                         await self.client.push(nxt[0], position, step_id, nxt[1:], out, timeout_s=self.step_timeout_s)
-                    except (ConnectionError, RuntimeError) as e:
+                    except Exception as e:  # noqa: BLE001 - refused, unreachable, or its handler's error (a hostile
+                        # or broken hop answers P2PHandlerError, neither of the two: it failed the request)
                         unreachable = HopFailure(self.hops[i + 1][0], e, hop=i + 1)
             return outs
         finally:
