@@ -104,3 +104,49 @@ def test_probes_fit_the_swarm_max_length():
         asyncio.run(auditor._probe("up1", 0, 2))
     assert opened and max(opened) <= 32, opened
     assert auditor.counts["skipped_auditor_failed"] == 0 and auditor.counts["audits"] == 20, auditor.counts
+
+
+def test_a_replacement_hops_answer_is_sampled_for_audit_in_relay_mode():
+    """Relay mode: a hop that failed over to another server went on to the next hop without its replacement's answer
+    being sampled (push mode audits recovered hops), so a liar lying only on failover replays was never caught.
+    Two hops, the second dies and moves to b2, audit rate 1: both answers are audited."""
+    import asyncio
+    import types
+
+    import torch
+
+    from petals_chain.orchestrator.failover import ChainHolder
+    from petals_chain.orchestrator.relay import ChainSession
+
+    class Sess:
+        def __init__(self, peer, fail=False):
+            self.peer, self.fail, self.session_id, self.last_compute_s = peer, fail, "s", None
+
+        async def step(self, x, position, **kw):
+            if self.fail:
+                raise ConnectionError("dead")
+            return x + 1.0
+
+        async def close(self, **kw):
+            pass
+
+    class Client:
+        async def open_session(self, peer, **kw):
+            return Sess(peer)
+
+    scheduled = []
+    auditor = types.SimpleNamespace(sample=lambda: True, distrusted=lambda p: False,
+                                    schedule=lambda hop, x, pos, out, toks, inputs: scheduled.append(hop[0]))
+    stats = types.SimpleNamespace(add_relay_step=lambda n: None, add_failover=lambda: None,
+                                  add_replay=lambda *a, **k: None)
+    h = ChainHolder.__new__(ChainHolder)
+    h.orch = types.SimpleNamespace(auditor=auditor, stats=stats, server_failed=lambda e: None,
+                                   replacement_servers=lambda s, e: ["b2"], batcher=None)
+    h.job_id, h.failovers = "job", 0
+    h.inputs = types.SimpleNamespace(truncate=lambda n: None, append=lambda *a: None, get=lambda b, n: None)
+    cs = ChainSession(Client(), [("a1", 0, 2), ("b1", 2, 4)], "job.1", 64)
+    cs._sessions = [Sess("a1"), Sess("b1", fail=True)]
+    h.cs = cs
+    out = asyncio.run(h._forward(torch.zeros(1, 1, 4), 0, [3], [5]))
+    assert [hop[0] for hop in cs.hops] == ["a1", "b2"] and scheduled == ["a1", "b2"]
+    assert torch.equal(out, torch.full((1, 1, 4), 2.0))

@@ -578,9 +578,8 @@ class ChainHolder:
                 inputs.append(cs.hops[i][1], x, position)
             try:
                 x_in, x = x, await cs.step(i, x, position)
-            except HopFailure as e:
-                x = await self._move_hop(i, e, x, position, budget, tokens)
-                continue
+            except HopFailure as e:  # its replacement's answer is sampled too (as push mode's recovered hops are)
+                x_in, x = x, await self._move_hop(i, e, x, position, budget, tokens)
             if auditor is not None and auditor.sample():
                 auditor.schedule(cs.hops[i], x_in, position, x, tokens, inputs)
         return x
