@@ -33,6 +33,7 @@ from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
 from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice
+from petals_chain.orchestrator.sessions import TURN_GRACE_S
 from petals_chain.orchestrator.sse import DONE, error_event, error_object, sse
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
@@ -307,11 +308,13 @@ class SessionOpenRequest(_Base):
 class SessionGenerateRequest(SamplingFields):
     prompt: Optional[str] = None
     input_ids: Optional[list[int]] = None
-    messages: Optional[list[ChatMessage]] = None
+    # a turn adds at least one message (none: the template had no conversation to render, a 500)
+    messages: Optional[list[ChatMessage]] = pydantic.Field(default=None, min_length=1)
     add_special_tokens: Optional[bool] = None
     # the generated tokens' logprobs with this many top alternatives, in /v1/completions' format for every kind
     # of turn (messages too: the reply is this API's own, not OpenAI's chat shape, so one format serves all)
     logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)  # a count: chat's ``true`` is refused
+    model: Optional[str] = None  # the session's own model (any of its names), as OpenAI clients send on every call
 
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict|function-\w+)\[.*\])$")
@@ -790,9 +793,15 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         s = orch.get_session(session_id)
         if req.n != 1:
             raise RequestError("sessions generate one sequence at a time (n=1)", param="n")
+        if req.model is not None and req.model not in (orch.model_id, orch.prefix, cfg.model):
+            raise RequestError(f"this session is of the model {orch.model_id!r}, not {req.model!r}: open a session of "
+                               "that model for it", param="model", code="session_model")
         if sum(x is not None for x in (req.prompt, req.input_ids, req.messages)) != 1:
             raise RequestError("give exactly one of prompt (text), input_ids or messages", param="prompt")
-        if s.lock.locked():
+        # a turn whose client just left (a stream broken off, then the next turn sent at once) is given up once that is
+        # noticed: this one runs then; one that ends with a turn done is another client's, raced (409)
+        turns = s.turns
+        if not await s.wait_turn_end(TURN_GRACE_S) or s.turns != turns:
             raise RequestError("this session is already generating", status=409, code="session_busy")
         messages = None
         if req.messages is not None:
@@ -801,12 +810,15 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             target = await template(conversation, own=len(messages))
             params, explicit = sampling(req, None, req.logprobs)
         else:
+            # the session the BOS choice was made on: a turn ending while a long prompt is tokenized is a 409 (its
+            # target would start a BOS in mid-conversation, or lack the one a first turn needs)
+            turns = s.turns
             if req.prompt is not None:
                 special = req.add_special_tokens if req.add_special_tokens is not None else not s.history
                 new_ids = await tokenize(req.prompt, add_special_tokens=special)
             else:
                 new_ids = list(req.input_ids)
-            turns, target = s.turns, orch.session_target(s, new_ids)  # built on the session as it is now
+            target = orch.session_target(s, new_ids)
             params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         orch.check_ids(target)
         most = orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)

@@ -27,6 +27,10 @@ from petals_chain.orchestrator.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# How long a turn that finds another running waits for it to end before its 409: a client that left a streamed turn
+# (its next turn sent at once) is noticed and its turn given up within this, and then the next one runs.
+TURN_GRACE_S = 5.0
+
 
 class UserSession:
     """A multi-turn session: one job that keeps its chain and KV between calls.
@@ -45,6 +49,19 @@ class UserSession:
         self.created = time.time()
         self.turns = 0
         self.last_chain: list[str] = []  # the chain of the last turn (released between turns, see below)
+        self.turn: asyncio.Task | None = None  # the task running a turn now (a close cancels it)
+        self.closed = False
+
+    async def wait_turn_end(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the turn running (if any) to end; True if none runs now."""
+        if not self.lock.locked():
+            return True
+        try:
+            await asyncio.wait_for(self.lock.acquire(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        self.lock.release()
+        return True
 
     def snapshot(self) -> tuple[list[int], list[dict] | None, int]:
         """The session's state between turns, for :meth:`forget_turn`."""
@@ -84,9 +101,13 @@ class SessionMixin:
         return s
 
     async def close_session(self, session_id: str) -> None:
+        """Close a session: a turn running ends at once (its caller gets 404 ``session_not_found``)."""
         s = self.sessions.pop(session_id, None)
         if s is None:
             raise RequestError(f"no open session {session_id!r}", status=404, code="session_not_found")
+        s.closed = True
+        if s.turn is not None:  # else it ran on to its end (the close waiting), computing for a closed session
+            s.turn.cancel()
         async with s.lock:
             await s.holder.close()
 
@@ -137,7 +158,10 @@ class SessionMixin:
                 holder.next_turn()
             pending = holder.sync(target)
             prompt_tokens = len(pending)
+            # this turn's relay passes and mean batch (else each turn added every earlier turn's passes again)
+            holder.steps = holder.batch_steps = 0
             generated: list[int] = []
+            s.turn = asyncio.current_task()
             try:
                 if pending:
                     hidden = await holder.feed(pending)
@@ -153,7 +177,7 @@ class SessionMixin:
                 chain = s.last_chain = holder.chain_names
                 holder.completed = True
                 await holder.release_chain()
-            except BaseException:
+            except BaseException as e:
                 # Between two turns, whatever ended this one (the client gone while sampling, a failure): the chain
                 # goes back to the pool as after a completed turn (else its slot stayed held until the reaper, 300 s,
                 # and one marked to pause kept the slot it promised a deadline job), or stays held marked idle (no
@@ -162,15 +186,19 @@ class SessionMixin:
                 # lock, so before its next turn
                 try:
                     await asyncio.shield(holder.release_chain())
-                except BaseException as e:  # noqa: BLE001 - the turn's own error is what the caller gets
-                    logger.debug("session %s: giving its chain back after a failed turn: %r", s.id, e)
+                except BaseException as release_error:  # noqa: BLE001 - the turn's own error is what the caller gets
+                    logger.debug("session %s: giving its chain back after a failed turn: %r", s.id, release_error)
                 self.stats.record(wait_s=holder.wait_s - wait0, service_s=0.0, tokens=len(generated),
                                   prompt_tokens=prompt_tokens, ok=False, served=holder.admitted)
                 deadline = DEADLINE.get()
                 if deadline is not None:  # failed or cancelled after admission: not met (a refusal is settled already)
                     self.deadlines.settle(deadline, "missed")
+                if isinstance(e, asyncio.CancelledError) and s.closed and s.turn.uncancel() == 0:  # by the close alone
+                    raise RequestError("the session was closed during this turn", status=404,
+                                       code="session_not_found") from None
                 raise
             finally:
+                s.turn = None
                 s.last_used = time.monotonic()
             if messages is not None:
                 s.messages = self.session_messages(s, messages) + [{"role": "assistant", "content": text}]
