@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import sys
@@ -38,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from petals_chain.swarm.local import LocalServer, LocalSwarm, free_port, memory_for  # noqa: E402
+from petals_chain.swarm.local import LocalServer, LocalSwarm, free_port, memory_for, signal_role  # noqa: E402
 
 MOVE_LIMIT_S = 30.0  # the bound on how long a lost orchestrator's group takes to move
 
@@ -244,12 +243,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             freeze = args.freeze and k % 2 == 1
             pid = orchs.swarms[victim].orchestrator.popen.pid
             # frozen: its host is gone but its connections stay open (no reset reaches the survivor's relays)
-            os.killpg(pid, signal.SIGSTOP if freeze else signal.SIGKILL)
+            signal_role(pid, signal.SIGSTOP if freeze else signal.SIGKILL)
             orchs.swarms[survivor].wait_until(lambda s: bool(s["chains"]), 120, "the survivor to serve the group")
             took = time.monotonic() - killed
             if freeze:
                 time.sleep(args.settle_s)  # the survivor's streams relayed from the frozen one are finished meanwhile
-                os.killpg(pid, signal.SIGKILL)
+                signal_role(pid, signal.SIGKILL)
             orchs.swarms[victim].orchestrator.popen.wait(10)
             # restarted as an operator would: given the swarm's addresses (the survivor's), else its DHT node waits
             # for the others to call it before it sees anything (it was the first one, started with none)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import time
-import os
 import signal
 
 import httpx
 import pytest
 
 from petals_chain.client import Client, ClientError
+from petals_chain.swarm.local import signal_role
 
 MODEL = "m"
 
@@ -289,7 +289,7 @@ def test_a_killed_orchestrator_mid_stream_is_replaced_by_the_other(tiny_model_fa
         stream = client.stream(prompt, max_tokens=120, ignore_eos=True)
         pieces = [next(stream)]  # served by a
         assert client.url == a.url
-        os.killpg(a.orchestrator.popen.pid, signal.SIGKILL)  # a's orchestrator dies mid-generation
+        signal_role(a.orchestrator.popen.pid, signal.SIGKILL)  # a's orchestrator dies mid-generation
         pieces.extend(stream)
         assert "".join(pieces) == want.text
         assert client.url == b.url

@@ -3,7 +3,6 @@ orchestrators sharing four servers, one of them killed: the other takes its grou
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 from petals_chain.algorithms.herd import (GroupServer, assign_server_groups, brute_force_server_groups,
                                           group_burst_tolerance, solve_server_groups, split_score)
+from petals_chain.swarm.local import signal_role
 
 
 def _servers(n: int, blocks: int = 4, throughput: float = 10.0) -> list[GroupServer]:
@@ -337,7 +337,7 @@ def test_two_orchestrators_split_the_swarm_and_one_takes_over_when_the_other_die
         for t in threads:
             t.start()
         time.sleep(2)
-        os.killpg(a.orchestrator.popen.pid, signal.SIGKILL)
+        signal_role(a.orchestrator.popen.pid, signal.SIGKILL)
         killed = time.monotonic()
         b.wait_until(lambda s: len(chained(b)) == 4, scaled(60), "the survivor serving all four servers")
         took = time.monotonic() - killed
@@ -420,7 +420,7 @@ def test_an_orchestrator_without_servers_forwards_to_the_one_with_them(tiny_mode
         stream = iter(oai.completions.create(model=name, prompt=prompt, max_tokens=80, temperature=0, stream=True,
                                              extra_body={"ignore_eos": True}))
         pieces = [next(stream).choices[0].text]
-        os.killpg(full.orchestrator.popen.pid, signal.SIGKILL)
+        signal_role(full.orchestrator.popen.pid, signal.SIGKILL)
         chunks = list(stream)
         pieces.extend(c.choices[0].text for c in chunks if c.choices)
         assert "".join(pieces) == long.text and chunks[-1].choices[0].finish_reason == "length"

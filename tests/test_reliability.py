@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import signal
 import threading
 import time
@@ -19,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from petals_chain.swarm.local import LocalServer, LocalSwarm, free_port, memory_for
+from petals_chain.swarm.local import LocalServer, LocalSwarm, free_port, memory_for, signal_role
 
 pytestmark = pytest.mark.slow
 
@@ -213,7 +212,7 @@ def test_orchestrator_restart_same_identity(swarm, prompts_ref, monkeypatch):
     t = threading.Thread(target=in_flight)
     t.start()
     assert got["ready"].wait(60)
-    os.killpg(swarm.orchestrator.popen.pid, signal.SIGKILL)
+    signal_role(swarm.orchestrator.popen.pid, signal.SIGKILL)
     swarm.orchestrator.popen.wait(10)
     t.join(60)
     # Cut off mid-stream, the client sees a connection-level error. On a loaded host the client thread may read far

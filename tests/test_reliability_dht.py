@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 
@@ -92,11 +91,11 @@ class _OrchestratorDHT:
         return False
 
     def kill(self) -> None:
-        import os
         import signal
 
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        from petals_chain.swarm.local import signal_role
+
+        signal_role(self.proc.pid, signal.SIGKILL)  # its DHT process and p2pd too, at once (a group of their own)
         self.proc.wait(10)
 
 

@@ -741,7 +741,7 @@ class Server:
         """Publish the ``offline`` record, retried: it is the last one, and without it the orchestrator learns of
         the leave only when pings fail (the server is then shown ``failed``, not gone gracefully)."""
         for attempt in range(attempts):
-            if self.sd is not None and not self.sd.alive:  # stopped with us (a signal to the process group)
+            if self.sd is not None and not self.sd.alive:  # killed (systemd's control-group stop) or crashed
                 logger.warning("the DHT process is gone: the orchestrator will notice the leave by itself")
                 return False  # each store would wait its whole timeout (three made the exit take ~90 s)
             # bounded: a leave must not wait a whole refresh period per attempt on a DHT that is going away

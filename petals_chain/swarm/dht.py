@@ -24,6 +24,8 @@ import contextlib
 import functools
 import hashlib
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import signal
@@ -204,16 +206,55 @@ async def _rejoin_peers(dht: DHT, node: Any, peer_ids: tuple[str, ...], timeout_
 
 
 class _DHTProcess(DHT):
-    """hivemind's DHT process, forked with default signal handling.
+    """hivemind's DHT process, forked with default signal handling, in a process group of its own (with its p2pd).
 
-    The roles fork it after asyncio's ``add_signal_handler(SIGTERM, ...)``, so the child inherited a no-op Python
-    handler for SIGTERM and the parent loop's wakeup fd: ``DHT.shutdown``'s "terminating it the hard way" did
-    nothing and every slow shutdown waited out ``SwarmDHT.shutdown``'s join (10 s) with the process still alive."""
+    * The roles fork it after asyncio's ``add_signal_handler(SIGTERM, ...)``, so the child inherited a no-op Python
+      handler for SIGTERM and the parent loop's wakeup fd: ``DHT.shutdown``'s "terminating it the hard way" did
+      nothing and every slow shutdown waited out ``SwarmDHT.shutdown``'s join (10 s) with the process still alive.
+    * A signal to the role's process group (a terminal's Ctrl-C, ``kill -TERM -PGID``) reached the DHT process and
+      p2pd too (p2pd handles SIGINT, so ignoring it is not inherited): SIGTERM killed the DHT node under a server
+      that was about to announce ``offline``, and SIGINT left the orchestrator's DHT unable to stop. In a group of
+      its own only the role gets them, and the role stops its DHT node itself.
+    * Out of the role's group, a killpg of the role no longer ends it: it stops itself and p2pd when the role
+      is gone (:func:`_exit_with_parent`), and kills p2pd whenever it exits."""
 
     def run(self) -> None:
+        with contextlib.suppress(OSError):  # before p2pd is started: it joins this group
+            os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        super().run()
+        # a background group writing to the terminal under ``stty tostop`` is stopped (SIGTTOU): log lines must not
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        threading.Thread(target=_exit_with_parent, args=(self._parent_pid,), name="exit-with-parent",
+                         daemon=True).start()
+        try:
+            super().run()
+        finally:  # a p2pd outlives its DHT process until its next log line (a crash, a pipe from a dead role)
+            _kill_orphans(_children())
+
+
+def _children() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Runs in the DHT process (a thread): once the role that started it is gone (SIGKILLed, or killed with its
+    process group, which no longer holds us), kill p2pd and exit. multiprocessing's parent sentinel is readable
+    as soon as the role exits (or drops this process unstopped); ``getppid`` (re-parented when the parent dies)
+    tells it where the sentinel is missing or held open by another process."""
+    parent = multiprocessing.parent_process()
+    sentinel = parent.sentinel if parent is not None and parent.pid == parent_pid else None
+    while os.getppid() == parent_pid:
+        if sentinel is None:
+            time.sleep(0.5)
+        elif multiprocessing.connection.wait([sentinel], timeout=0.5):
+            break
+    _kill_orphans(_children())  # first: p2pd holds the node's port and would answer a moment longer
+    logger.warning(f"the process that started this DHT node (pid {parent_pid}) is gone: stopped the node and p2pd")
+    os._exit(1)
 
 
 DHT_READY_TIMEOUT_S = 120.0  # joining over a slow network takes seconds; a start that takes minutes has hung

@@ -192,13 +192,22 @@ def launch(module: str, args: Sequence[str], *, log_path: Union[str, Path], env:
 
 
 def _stop_all() -> None:
-    """At exit, roles still running are killed with their process groups (a role must not outlive the swarm that
-    started it, and multiprocessing would otherwise wait for it)."""
+    """At exit, roles still running are killed with their process groups and descendants (a role must not outlive
+    the swarm that started it, and multiprocessing would otherwise wait for it). Its DHT process and p2pd run in a
+    group of their own (see ``swarm.dht._DHTProcess``): they would stop by themselves once the role is gone, but
+    not before this process exits."""
+    import psutil
+
     for proc in list(_live):
         if proc.poll() is None:
-            for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL)):
+            try:
+                descendants = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                descendants = []
+            for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL),
+                         *(child.kill for child in descendants)):  # psutil: a pid reused meanwhile is left alone
                 try:
                     kill()
-                except (ProcessLookupError, PermissionError):
+                except (ProcessLookupError, PermissionError, psutil.Error):
                     pass
             proc._proc.join(5)

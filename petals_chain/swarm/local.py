@@ -1,11 +1,13 @@
 """LocalSwarm: an orchestrator and heterogeneous servers as real processes on loopback.
 
-Used by the demo, the end-to-end tests and the benchmarks. Every node runs in its own process group, so
-stopping (or SIGKILLing, to emulate a crashed machine) a node also ends its DHT process and its ``p2pd``.
+Used by the demo, the end-to-end tests and the benchmarks. Every node runs in a session of its own; its DHT process
+and ``p2pd`` run in a process group of their own in it (a signal to the node's group, as Ctrl-C sends, reaches the node
+alone: it stops them itself). Stopping or SIGKILLing a node (a crashed machine) kills its group and every descendant.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,6 +70,20 @@ def _descendants(pid: int) -> list[Any]:
         return psutil.Process(pid).children(recursive=True)
     except Exception:  # noqa: BLE001 - best effort; killpg covers the usual case
         return []
+
+
+def signal_role(pid: int, sig: int) -> None:
+    """Signal a role started in a session of its own, as losing its host would: its process group, and every
+    descendant (its DHT process and p2pd run in a group of their own, ``swarm.dht._DHTProcess``: a killpg of the
+    role alone leaves them to stop by themselves, a few ms later, and a SIGSTOP of it alone leaves them answering)."""
+    import psutil
+
+    descendants = _descendants(pid)  # before the role goes: afterwards they are no longer its children
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+    for child in descendants:
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+            child.send_signal(sig)
 
 
 @dataclass
@@ -275,7 +291,7 @@ class LocalSwarm:
         import psutil
 
         self._signal(proc, signal.SIGKILL, group=True)
-        for child in descendants:  # a p2pd that left the group (new session) would survive killpg
+        for child in descendants:  # the DHT process and p2pd are in a group of their own
             try:
                 child.kill()
             except (psutil.Error, ProcessLookupError, PermissionError):
@@ -295,10 +311,10 @@ class LocalSwarm:
     def stop(self, server_timeout: float = 5.0) -> None:
         """Stop the servers, then the orchestrator; no process (p2pd included) survives.
 
-        Servers go first, all at once, each signalled alone (not its process group, whose DHT process and p2pd
-        would die under it): each drains and publishes its ``offline`` record while the orchestrator's DHT node
-        still takes it. A server still draining after ``server_timeout`` s (a session the orchestrator holds) is
-        killed after the orchestrator has stopped and closed its sessions.
+        Servers go first, all at once, each signalled alone (``kill PID``, as an operator does): each drains and
+        publishes its ``offline`` record while the orchestrator's DHT node still takes it. A server still draining
+        after ``server_timeout`` s (a session the orchestrator holds) is killed after the orchestrator has stopped
+        and closed its sessions.
         """
         procs = list(self.servers.values())
         descendants = {p.name: _descendants(p.popen.pid) for p in procs}
@@ -312,7 +328,8 @@ class LocalSwarm:
             self._reap(p, descendants[p.name])
 
     def leftover_processes(self, wait_s: float = 5.0) -> list[int]:
-        """Live (non-zombie) processes left from this swarm's process groups; should be empty after stop()."""
+        """Live (non-zombie) processes left from this swarm's sessions (each node's process group, and its DHT
+        process's and p2pd's group in it); should be empty after stop()."""
         import psutil
 
         groups = {p.popen.pid for p in [*self.servers.values(), *([self.orchestrator] if self.orchestrator else [])]}
@@ -323,7 +340,7 @@ class LocalSwarm:
                 try:
                     if proc.info["status"] == psutil.STATUS_ZOMBIE:
                         continue
-                    if os.getpgid(proc.info["pid"]) in groups:
+                    if os.getsid(proc.info["pid"]) in groups or os.getpgid(proc.info["pid"]) in groups:
                         left.append(proc.info["pid"])
                 except (ProcessLookupError, psutil.Error, OSError):
                     continue
