@@ -272,7 +272,8 @@ class ServerProcess:
         with_suppress(lambda: self.proc.wait(timeout=10))
 
     def _reap_group(self) -> None:
-        # Anything left in the process group (a p2pd whose parent died) is ours to kill.
+        # Anything left in the server's process group is ours to kill (its DHT process and p2pd run in a group of
+        # their own and stop with it: swarm.dht._DHTProcess).
         with_suppress(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
 
 

@@ -132,6 +132,8 @@ class SessionMixin:
         chat conversation templated at once), then generate. Only the tokens the chain does not hold yet are
         fed; on failure or cancellation the session stays as it was before the turn. ``based_on``: the session's
         turns when ``target`` was built; another turn since is a 409 (its target would undo that turn)."""
+        if s.closed:  # first: a close holds the lock while it closes the chain (a 409 would invite a retry)
+            raise RequestError("the session was closed", status=404, code="session_not_found")
         if s.lock.locked():
             raise RequestError("this session is already generating", status=409, code="session_busy")
         async with s.lock:
