@@ -3,33 +3,14 @@
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx
 import pytest
 
-from petals_chain.orchestrator import Orchestrator, OrchestratorConfig
-from petals_chain.orchestrator.api import create_app
+from test_api import run_with_api
 
 
 @pytest.fixture(scope="module")
 def model_path(tiny_model_factory):
     return tiny_model_factory("llama", num_layers=4)
-
-
-def run_with_api(model_path, fn, **cfg_kwargs):
-    async def main():
-        orch = Orchestrator(OrchestratorConfig(model=str(model_path), max_length=64, port=0, **cfg_kwargs))
-        orch.load_model()
-        await orch.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(orch)),
-                                         base_url="http://orch") as c:
-                return await fn(orch, c)
-        finally:
-            await orch.stop()
-
-    return asyncio.run(main())
 
 
 def test_booleans_and_numbers_are_not_each_other(model_path):
