@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
+from test_client_failover import _client as _mock_client
+from test_client_failover import _sse, _Stream
 
 from petals_chain.client import Client, ClientError
 
 
-def _events(pieces: list[str], cut: bool = False):
-    for p in pieces:
-        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': p, 'finish_reason': None}]})}\n\n".encode()
-    if cut:
-        raise httpx.ReadError("connection lost")
-    yield b"data: [DONE]\n\n"
-
-
-class _Stream(httpx.SyncByteStream):
-    def __init__(self, gen):
-        self.gen = gen
-
-    def __iter__(self):
-        yield from self.gen
-
-
 def _client(first: list[str], rerun: list[str]) -> Client:
-    c = Client(["http://orch0", "http://orch1"], model="m", retry_s=0)
-    for i, (pieces, cut) in enumerate(((first, True), (rerun, False))):
-        c._https[i] = httpx.Client(base_url=f"http://orch{i}", transport=httpx.MockTransport(
-            lambda req, pieces=pieces, cut=cut: httpx.Response(200, stream=_Stream(_events(pieces, cut)))))
-    return c
+    return _mock_client([lambda req, pieces=pieces, cut=cut: httpx.Response(200, stream=_Stream(_sse(pieces, cut)))
+                         for pieces, cut in ((first, True), (rerun, False))])
 
 
 @pytest.mark.parametrize("rerun, what", [(["Goodbye", " cruel", " world"], "'Goodbye' where the stream had 'Hello w'"),

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from test_queue_bound_siblings import _submit
 
 from petals_chain.algorithms.fairness import FairnessConfig, FairPolicy
 from petals_chain.model import Chain
@@ -24,18 +25,6 @@ from petals_chain.orchestrator.fairness import ClientShares
 def _chains(*capacities: int) -> list[Chain]:
     return [Chain(servers=(f"s{k}",), blocks=(4,), service_time=1.0 + k, capacity=c, spans=((0, 4),))
             for k, c in enumerate(capacities)]
-
-
-async def _submit(dm: DispatchManager, job: DispatchJob, ticket=None) -> asyncio.Task:
-    """``dm.acquire(job)`` in a task of its own with ``ticket`` as its place, once the dispatcher has decided."""
-    async def run():
-        if ticket is not None:
-            PLACE.set(ticket)
-        return await dm.acquire(job)
-
-    task = asyncio.ensure_future(run())
-    await asyncio.sleep(0)
-    return task
 
 
 def _refused(task: asyncio.Task, kind: type = QueueFull) -> bool:

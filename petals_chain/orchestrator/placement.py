@@ -63,7 +63,7 @@ from petals_chain.algorithms.multimodel import (ALPHA, BETA, PLACEMENT_RULES, SC
                                                 MixDriftDetector, PlanMetrics, ReplanTrigger, ServedModel, Volunteer,
                                                 analytic_evaluate, groups_of, model_chains, moves_that_pay,
                                                 place_by_unserved_index, ui_rate)
-from petals_chain.orchestrator.planner import MEMORY_MAX, STARTS_KEPT
+from petals_chain.orchestrator.planner import MEMORY_MAX, note_start, started_at_of
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.records import PlacementRecord
 
@@ -83,11 +83,6 @@ STRANDED_UI_PER_S = 1e6
 MIN_LN_GAIN = 0.5
 # an overdue load doubles the wait before the next try and that try's deadline up to 2**this (1024 x the deadline)
 OVERDUE_DOUBLINGS = 10
-
-
-def _started_at(record: Any) -> float:
-    """When the process that announced ``record`` started (0: unknown, an older server's record, or none)."""
-    return float(getattr(record, "started_at", 0.0) or 0.0)
 
 
 @dataclass
@@ -361,7 +356,7 @@ class ModelPlacer:
             by_model = records.get(peer, {})
             started = self._note_start(peer, rec, by_model)
             name = self.placement.get(peer)
-            if name is None or _started_at(by_model.get(name)) < started:
+            if name is None or started_at_of(by_model.get(name)) < started:
                 continue  # its record under that model is still its last run's
             planner = self.orchs[name].planner
             report = getattr(planner, "reported_load_failure", None)
@@ -421,10 +416,11 @@ class ModelPlacer:
         """The process start of ``peer``'s current run: the latest its records announce; one not seen before is a
         restart (an earlier one too: a clock set back; an older version's, 0, too), whose load failures and overdue
         loads are forgotten. One seen before (the last ``STARTS_KEPT``) is an older record read late: no restart."""
-        started = max((_started_at(r) for r in by_model.values()), default=_started_at(rec))
+        started = max((started_at_of(r) for r in by_model.values()), default=started_at_of(rec))
         seen = self.starts_seen.get(peer)
-        if seen is None or started not in seen:
-            self.starts_seen[peer] = ((seen or ()) + (started,))[-STARTS_KEPT:]
+        starts = note_start(seen or (), started)
+        if starts is not None:
+            self.starts_seen[peer] = starts
             self.started_at[peer] = started
             if seen is not None:
                 self._forget_overdue(peer)

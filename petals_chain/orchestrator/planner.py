@@ -167,9 +167,15 @@ class CappedServerSpec(ServerSpec):
         return 0 if 0 < self.most_jobs() < capacity else super().max_blocks(model, capacity)
 
 
-def _started_at(record: Any) -> float:
-    """When the process that announced ``record`` started (0: unknown, an older server's record)."""
+def started_at_of(record: Any) -> float:
+    """When the process that announced ``record`` started (0: unknown, an older server's record, or none)."""
     return float(getattr(record, "started_at", 0.0) or 0.0)
+
+
+def note_start(seen: tuple[float, ...], started: float) -> tuple[float, ...] | None:
+    """``seen`` (a server's last ``STARTS_KEPT`` process starts) with ``started`` added, if it is not among them: a
+    restart (also to an earlier time: a clock set back); None if it is (an older record read late)."""
+    return None if started in seen else (seen + (started,))[-STARTS_KEPT:]
 
 
 def _total_rate(chains: Sequence[Chain]) -> float:
@@ -709,10 +715,11 @@ class Planner:
         """Whether ``rec`` announces a process start that ``v``'s records had not (a restart, also to an earlier time:
         a clock set back), and note it; one of the last ``STARTS_KEPT`` is an older record read late, and 0 (an older
         server's) is unknown: neither is a restart."""
-        started = _started_at(rec)
-        if started <= 0 or started in v.starts:
+        started = started_at_of(rec)
+        starts = note_start(v.starts, started) if started > 0 else None
+        if starts is None:
             return False
-        v.starts = (v.starts + (started,))[-STARTS_KEPT:]
+        v.starts = starts
         return True
 
     def _restart_load_clock(self, v: ServerView) -> None:

@@ -230,14 +230,7 @@ class _DHTProcess(DHT):
         try:
             super().run()
         finally:  # a p2pd outlives its DHT process until its next log line (a crash, a pipe from a dead role)
-            _kill_orphans(_children())
-
-
-def _children() -> list[psutil.Process]:
-    try:
-        return psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
+            _kill_orphans(_descendants(os.getpid()))
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -252,7 +245,7 @@ def _exit_with_parent(parent_pid: int) -> None:
             time.sleep(0.5)
         elif multiprocessing.connection.wait([sentinel], timeout=0.5):
             break
-    _kill_orphans(_children())  # first: p2pd holds the node's port and would answer a moment longer
+    _kill_orphans(_descendants(os.getpid()))  # first: p2pd holds the node's port and would answer a moment longer
     logger.warning(f"the process that started this DHT node (pid {parent_pid}) is gone: stopped the node and p2pd")
     os._exit(1)
 
@@ -260,12 +253,17 @@ def _exit_with_parent(parent_pid: int) -> None:
 DHT_READY_TIMEOUT_S = 120.0  # joining over a slow network takes seconds; a start that takes minutes has hung
 
 
-def _daemons_of(dht: DHT) -> list[psutil.Process]:
-    """The processes the DHT process started (its p2pd)."""
+def _descendants(pid: int) -> list[psutil.Process]:
+    """The processes ``pid`` started, and theirs (a DHT process's p2pd)."""
     try:
-        return psutil.Process(dht.pid).children(recursive=True)
+        return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
+
+
+def _daemons_of(dht: DHT) -> list[psutil.Process]:
+    """The processes the DHT process started (its p2pd)."""
+    return _descendants(dht.pid)
 
 
 def _kill_orphans(daemons: Sequence[psutil.Process], timeout_s: float = 5.0) -> None:

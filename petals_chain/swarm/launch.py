@@ -191,6 +191,17 @@ def launch(module: str, args: Sequence[str], *, log_path: Union[str, Path], env:
         log.close()  # the child holds its own copy
 
 
+def descendants(pid: int) -> list[Any]:
+    """All descendants of ``pid`` as psutil processes (empty if psutil is missing or the process is gone): killed
+    later through them, a pid that a new process took meanwhile is left alone (psutil checks its start time)."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - best effort; killpg covers the usual case
+        return []
+
+
 def _stop_all() -> None:
     """At exit, roles still running are killed with their process groups and descendants (a role must not outlive
     the swarm that started it, and multiprocessing would otherwise wait for it). Its DHT process and p2pd run in a
@@ -200,12 +211,8 @@ def _stop_all() -> None:
 
     for proc in list(_live):
         if proc.poll() is None:
-            try:
-                descendants = psutil.Process(proc.pid).children(recursive=True)
-            except psutil.Error:
-                descendants = []
             for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL),
-                         *(child.kill for child in descendants)):  # psutil: a pid reused meanwhile is left alone
+                         *(child.kill for child in descendants(proc.pid))):  # a pid reused meanwhile is left alone
                 try:
                     kill()
                 except (ProcessLookupError, PermissionError, psutil.Error):

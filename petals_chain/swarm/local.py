@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import httpx
 
-from petals_chain.swarm.launch import Launched, launch
+from petals_chain.swarm.launch import Launched, descendants as _descendants, launch
 
 
 @dataclass
@@ -59,17 +59,6 @@ def memory_for(model_path: str | os.PathLike, max_length: int, blocks: int, slot
     """Memory budget (bytes) for ``blocks`` blocks with ``slots_per_block`` concurrent jobs each."""
     _, s_m, s_c = model_memory(model_path, max_length)
     return int(blocks * (s_m + s_c * slots_per_block))
-
-
-def _descendants(pid: int) -> list[Any]:
-    """All descendants of ``pid`` as psutil processes (empty if psutil is missing or the process is gone): killed
-    later through them, a pid that a new process took meanwhile is left alone (psutil checks its start time)."""
-    try:
-        import psutil
-
-        return psutil.Process(pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - best effort; killpg covers the usual case
-        return []
 
 
 def signal_role(pid: int, sig: int) -> None:
