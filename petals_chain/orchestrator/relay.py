@@ -268,6 +268,7 @@ class ChainSession:
         tasks = [asyncio.ensure_future(self._push_step(i, hidden, position, step_id)) for i in range(len(self.hops))]
         outs: list[torch.Tensor] = []
         unreachable: HopFailure | None = None  # the next hop, which our own push could not reach either
+        failed_over: dict[int, str] = {}  # hop -> the server whose session failed in this step (it may have pushed)
         try:
             for i, task in enumerate(tasks):
                 x_in = hidden if i == 0 else outs[-1]
@@ -278,7 +279,7 @@ class ChainSession:
                     out = await task
                     pushed = self._sessions[i].pushed is not False
                 except HopFailure as e:
-                    if i > 0 and isinstance(e.cause, RemoteError) and "no push for step" in str(e.cause):
+                    if i > 0 and isinstance(e.cause, RemoteError) and e.cause.no_push:
                         # the hop waited its whole push timeout for an input that never came, though the hop before
                         # said it pushed (lost, or a hostile hop lying): a hop that keeps not pushing would make every
                         # step wait as long
@@ -287,10 +288,12 @@ class ChainSession:
                                        self.hops[i - 1][0][:12])
                         self.push = False
                     out = await recover(i, e, x_in)  # a new session: it awaits no push
+                    failed_over[i] = e.peer_id
                     pushed = False
                 else:
                     if i > 0 and self._sessions[i].input_digest != tensor_digest(x_in):
-                        return outs + await self._relay_rest(i, x_in, position, tasks[i + 1:], recover)
+                        return outs + await self._relay_rest(i, x_in, position, tasks[i + 1:], recover,
+                                                             failed_over.get(i - 1))
                 unreachable = None
                 outs.append(out)
                 if i + 1 < len(self.hops) and not pushed:
@@ -310,15 +313,25 @@ class ChainSession:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _relay_rest(self, i: int, x: torch.Tensor, position: int, later: list[asyncio.Future],
-                          recover: Callable) -> list[torch.Tensor]:
+                          recover: Callable, failed_peer: str | None = None) -> list[torch.Tensor]:
         """Hop ``i`` computed on a push that is not the previous hop's reply (or did not say what it took): one of
         the two is dishonest or broken, and which cannot be told here. Its output and every later hop's are
         discarded; hops ``i..`` run again on the reply, relayed through us (each step overwrites the positions the
-        pushed one wrote), and the chain relays from now on. Nobody is struck: the audits judge the relayed steps."""
-        self.push_mismatches += 1
+        pushed one wrote), and the chain relays from now on. Nobody is struck: the audits judge the relayed steps.
+
+        ``failed_peer``: hop ``i - 1`` failed over in this step from that server, which may have pushed before it
+        failed; the reply is its replacement's. Handled the same, but said so and not counted a push mismatch."""
         self.push = False
-        logger.warning("session %s: hop %d (%s) computed on a push that is not %s's reply; relaying through the "
-                       "orchestrator from now on", self.session_id, i, self.hops[i][0][:12], self.hops[i - 1][0][:12])
+        if failed_peer is not None:
+            logger.warning("session %s: hop %d (%s) computed on a push of %s, whose step then failed (hop %d moved to "
+                           "%s); hops %d.. run again on the replacement's output, relayed through the orchestrator "
+                           "from now on", self.session_id, i, self.hops[i][0][:12], failed_peer[:12], i - 1,
+                           self.hops[i - 1][0][:12], i)
+        else:
+            self.push_mismatches += 1
+            logger.warning("session %s: hop %d (%s) computed on a push that is not %s's reply; relaying through the "
+                           "orchestrator from now on", self.session_id, i, self.hops[i][0][:12],
+                           self.hops[i - 1][0][:12])
         if later:  # their steps consume pushes already made: let them end, so their streams stay usable
             await asyncio.wait(later, timeout=self.step_timeout_s)
         outs = []

@@ -37,7 +37,8 @@ any reason: close, client disconnect, or no *valid* message (open, step, extend,
 (an error reply does not reset that timer, so garbage cannot hold slots). A peer the server does not trust
 gets ``untrusted`` (after its first message, or ``UNTRUSTED_READ_S`` of silence) and the stream ends.
 Error replies are ``{"ok": false, "code", "error"}`` with code ``no_capacity`` | ``untrusted`` | ``invalid``
-| ``unavailable`` | ``idle_timeout`` | ``internal``.
+| ``unavailable`` | ``idle_timeout`` | ``internal`` | ``no_push`` (a ``pushed`` step whose input no push brought
+within the server's push timeout; servers before that code said ``unavailable``, "no push for step ...").
 
 The client checks every step reply against what it sent (one tensor of the same shape and dtype, finite,
 in no more chunks than its size allows): anything else raises :class:`InvalidReply` and ends the stream.
@@ -88,12 +89,21 @@ HEARTBEATS_MISSED = 3
 LOG_WAIT_S = 1.0  # a queued open that waited this long (or did not end served) is logged by the server
 
 
+NO_PUSH = "no_push"  # the error code of a pushed step that got no push (see the module docstring)
+
+
 class RemoteError(RuntimeError):
     """The server refused a request or rejected a message; ``code`` says why (see module docstring)."""
 
     def __init__(self, message: str, code: str = "invalid"):
         super().__init__(message)
         self.code = code
+
+    @property
+    def no_push(self) -> bool:
+        """A ``pushed`` step refused for want of its push: code ``no_push``, or an older server's ``unavailable``
+        whose text says it (before the code existed)."""
+        return self.code == NO_PUSH or (self.code == "unavailable" and str(self).startswith("no push for step"))
 
 
 class NoCapacityError(RemoteError):
@@ -495,7 +505,9 @@ class PetalsChainBlocks(ServicerBase):
         try:
             pushed_position, hidden, route = await box.take(step_id, self.push_timeout_s)
         except asyncio.TimeoutError:
-            raise RefusedError("unavailable", f"no push for step {step_id} within {self.push_timeout_s} s") from None
+            # its own code: the orchestrator stops pushing to this chain (relay.py); the text stays what servers
+            # before the code said (code "unavailable"), which older orchestrators match
+            raise RefusedError(NO_PUSH, f"no push for step {step_id} within {self.push_timeout_s} s") from None
         if pushed_position != position or hidden.shape[1] != tokens:
             raise RefusedError("invalid", f"the push of step {step_id} is for positions {pushed_position}.."
                                           f"+{hidden.shape[1]}, the step awaits {position}..+{tokens}")
