@@ -77,13 +77,50 @@ def _only(annotation: Any, kinds: tuple) -> bool:
 
 def _check_json_kind(name: str, value: Any, annotation: Any) -> None:
     """JSON's booleans and numbers are not each other (OpenAI refuses both): lax parsing read completions'
-    ``logprobs: true`` as 1 alternative, ``n: true`` as 1 and ``echo: "yes"`` or chat's ``logprobs: 1`` as true."""
+    ``logprobs: true`` as 1 alternative, ``n: true`` as 1 and ``echo: "yes"`` or chat's ``logprobs: 1`` as true;
+    inside lists and objects too (``stop_token_ids: [true]`` was token 1, ``prompt: [[true]]`` a prompt of it)."""
     if value is None or annotation is None:
         return
     if isinstance(value, bool) and _only(annotation, (int, float)):
         raise FieldError(name, f"{name} must be a number, not {json.dumps(value)}")
     if not isinstance(value, bool) and _only(annotation, (bool,)):
         raise FieldError(name, f"{name} must be true or false, not {json.dumps(value)[:40]}")
+    inner = _bool_for_number(value, annotation)
+    if inner:
+        path = ".".join([name, *map(str, inner[:-1])])
+        raise FieldError(path, f"{path} must be a number, not {json.dumps(inner[-1])}")
+
+
+def _members(annotation: Any) -> list:
+    """The types ``annotation`` admits (a union's members, ``None`` left out), ``Annotated`` constraints dropped."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a
+            for a in args if a is not type(None)]
+
+
+def _bool_for_number(value: Any, annotation: Any) -> list | None:
+    """Where in ``value`` (a list or dict) a JSON boolean stands for a number ``annotation`` takes there (pydantic's
+    lax mode reads it as 0 or 1): that item's path, then the boolean; None if nowhere."""
+    for container, origin, key_of in ((list, list, enumerate), (dict, dict, lambda d: d.items())):
+        if not isinstance(value, container):
+            continue
+        items = [typing.get_args(m)[-1] for m in _members(annotation)
+                 if typing.get_origin(m) is origin and typing.get_args(m)]
+        if not items:
+            return None
+        item = items[0] if len(items) == 1 else Union[tuple(items)]
+        kinds = _members(item)
+        present = set(map(type, value if container is list else value.values()))  # at C speed: a prompt's ids
+        numbers = any(k in (int, float) for k in kinds) and not any(k in (bool, Any) for k in kinds)
+        if not (bool in present and numbers or list in present or dict in present):
+            return None
+        for key, v in key_of(value):
+            if isinstance(v, bool):
+                if numbers:
+                    return [key, v]
+            elif isinstance(v, (list, dict)) and (inner := _bool_for_number(v, item)) is not None:
+                return [key, *inner]
+    return None
 
 
 class FieldError(ValueError):
@@ -237,6 +274,16 @@ class ChatMessage(_Base):
     audio: Optional[Any] = None
     annotations: Optional[list[Any]] = None
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _no_tool_results(cls, data: Any) -> Any:
+        # a tool's result was "unsupported parameter(s): messages.1.tool_call_id" (its role refused only once that
+        # was dropped): said for what it is
+        if isinstance(data, dict) and data.get("role") in ("tool", "function"):
+            raise FieldError("role", f"a message of role {json.dumps(data['role'])} (a tool's result) is not "
+                                     "supported by this server: it offers no tools")
+        return data
+
     @pydantic.model_validator(mode="after")
     def _no_tool_use(self):
         for name in ("refusal", "tool_calls", "function_call", "audio", "annotations"):
@@ -326,6 +373,16 @@ def _path(loc: Any) -> list[str]:
     return [str(x) for x in loc if x != "body" and not (isinstance(x, str) and _UNION_MEMBER.match(x))]
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in words, for an error."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return json.dumps(value)
+    kinds = {str: "a string", list: "an array", dict: "an object", int: "a number", float: "a number"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def _error(status: int, message: str, *, type_: str | None = None, param: str | None = None,
            code: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=error_object(status, message, type_=type_, param=param, code=code))
@@ -397,6 +454,11 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             # a body sent without Content-Type: application/json (curl -d sends a form's type) reaches us unparsed
             return _error(400, "the request body must be a JSON object sent with 'Content-Type: application/json'",
                           code="invalid_json")
+        if first.get("loc") == ("body",) and first.get("type") in ("missing", "model_attributes_type"):
+            # the body itself, not a parameter in it: was "body: Field required" or "body: Input should be a valid
+            # dictionary or object ..."
+            got = "nothing" if first.get("type") == "missing" else _json_kind(first.get("input"))
+            return _error(400, f"the request body must be a JSON object, not {got}", code="invalid_json")
         loc = _path(first.get("loc", []))
         extra = [e for e in errs if e.get("type") == "extra_forbidden"]
         if extra:
@@ -405,8 +467,11 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                           code="unsupported_parameter")
 
         def message(e: dict) -> str:
-            where = ".".join(_path(e.get("loc", []))) or "body"
-            return f"{where}: {str(e.get('msg', '')).removeprefix('Value error, ')}"
+            text = str(e.get("msg", "")).removeprefix("Value error, ")
+            where = ".".join(_path(e.get("loc", [])))
+            if not where:  # a model validator's: its FieldError's text names the parameter (was "body: ...")
+                return text
+            return f"{where}: {text}"
 
         field = getattr((first.get("ctx") or {}).get("error"), "param", None)  # a FieldError's (model validators)
         param = ".".join(loc + ([field] if field else [])) or None
@@ -861,7 +926,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             async def run(emits):
                 return [await gen_fn(emits[0])]
 
-            return stream_response(run, 1, chunk, False, len(target), forget_unseen_turn)
+            # the usage chunk OpenAI sends on request (a last one with no choices), as /v1 streams do: the turn's whole
+            # context as its prompt, what the chain held already as cached (the turn's last event says the same)
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return stream_response(run, 1, chunk, include, len(target), forget_unseen_turn)
         try:
             g = await unless_disconnected(request, gen_fn())
             if await request.is_disconnected():  # gone while the turn ran, unnoticed (checked once a second)
