@@ -28,6 +28,7 @@ import asyncio
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -311,7 +312,10 @@ class BatchScheduler:
 
     def __init__(self, runner: BatchHost, *, lock: threading.Lock, sessions: Mapping[str, SessionState],
                  max_batch_tokens: int, prefill_chunk_tokens: int, gather_s: float, idle_exit_s: float = 1.0):
-        self.runner = runner
+        # weak: the runner owns its scheduler, and a cycle kept a dropped runner's blocks and KV pool allocated until
+        # the cycle collector ran (a reload loaded the new span beside the old one). Every batch comes from a caller
+        # holding the runner, so it is alive whenever it is used.
+        self.runner = weakref.proxy(runner)
         self._sessions = sessions  # the runner's open sessions (read under ``lock``)
         self.max_batch_tokens, self.prefill_chunk_tokens = max_batch_tokens, prefill_chunk_tokens
         self.gather_s, self.idle_exit_s = gather_s, idle_exit_s

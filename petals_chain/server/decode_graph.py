@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,7 +84,9 @@ class StaticDecode:
     def __init__(self, runner: Any, mode: str):
         if mode not in ("cuda", "eager"):
             raise ValueError(f"StaticDecode mode must be cuda or eager, got {mode!r}")
-        self.runner, self.mode = runner, mode
+        # weak: the runner owns this (a cycle kept a dropped runner's memory until the cycle collector ran, see
+        # BatchScheduler); steps come through the runner, so it is alive whenever this is used
+        self.runner, self.mode = weakref.proxy(runner), mode
         dev, ps = runner.device, runner.page_size
         self.pages = runner.pages_per_slot  # P: pages of a max_length session per block
         self.length = self.pages * ps  # L: positions every step attends over (masked beyond the step's)

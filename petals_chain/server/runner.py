@@ -535,6 +535,12 @@ class BlockRunner:
         n = self._validate_hidden(hidden)
         if isinstance(position, bool) or not isinstance(position, int):
             raise ValueError(f"position must be an int, got {position!r}")
+        x = hidden.to(device=self.device, dtype=self.dtype)
+        if x.dtype != hidden.dtype and not bool(torch.isfinite(x).all()):
+            # finite as sent, not in our dtype (float32/bfloat16 past float16's range): computed, it wrote NaN K/V
+            # that every later step of the session read, and replied NaN (the server was blamed for the input)
+            raise ValueError(f"hidden states overflow this server's dtype {str(self.dtype).replace('torch.', '')} "
+                             f"(sent as {str(hidden.dtype).replace('torch.', '')})")
         with self._lock:
             s = self._get(session_id)
             if s.busy:
@@ -552,11 +558,6 @@ class BlockRunner:
                 self._start_at(s, position)
             s.busy, s.writing_from = True, position
             pages_of, start, end = dict(s.pages_of), s.start_block, s.end_block  # tables are immutable
-        try:
-            x = hidden.to(device=self.device, dtype=self.dtype)
-        except BaseException:
-            self._finish(s, position, n, False)
-            raise
         return s, x, n, pages_of, start, end
 
     def _finish(self, s: SessionState, position: int, n: int, ok: bool) -> None:

@@ -491,6 +491,7 @@ class Server:
         await self.drain(self.cfg.drain_timeout_s)
         runner.close()
         self.service.runner, self.span = None, None
+        del runner  # its blocks and KV pool are freed here (unless a step still runs), so the cache gets them back
         if torch.device(self.cfg.device).type == "cuda":
             torch.cuda.empty_cache()
 
