@@ -27,7 +27,8 @@ simulator (``algorithms/multimodel.py``):
   the model it left), so the placer keeps it: a re-placement gave the model back, and the load failed again. An
   overdue load stands as long as the deadline it missed, and each one of the same model doubles that wait and the
   next try's deadline there (``Planner.load_deadline_scale``): a load slower than the deadline ends on a later try
-  (it was restarted at every try, every two deadlines, for good).
+  (it was restarted at every try, every two deadlines, for good), and a load that ends in time leaves the doublings
+  it needed only (a server slow once kept the longer deadline until it restarted).
 
 Policies (``--model-placement``): ``ui`` (all of the above), ``static`` (re-placed once, for the first traffic
 seen, then never moved: a fixed plan, the "no adaptive replacement" ablation), ``even`` (round-robin, never moved:
@@ -140,12 +141,14 @@ class ModelPlacer:
         # {peer: {model: {failed_span, load_error, reason, t}}}; never placed on those models while kept (module
         # docstring for when they are forgotten)
         self.load_failures: dict[str, dict[str, dict[str, Any]]] = {}
-        # each live flexible server's current process start as its records announce it (the latest; 0: an older
-        # server): one not among starts_seen is a restart, which forgets its load failures (it may come back before its
-        # record expires); one among them (the last STARTS_KEPT) is an older record read late (each such read forgot
-        # its failed loads: placed back on a model it had failed, the moment traffic asked)
+        # each live flexible server's current process start as its records announce it (0: an older server;
+        # _note_start): a record's start changed to one not among starts_seen is a restart, which forgets its load
+        # failures (it may come back before its record expires); one among them (the last STARTS_KEPT) is an older
+        # record read late (each such read forgot its failed loads: placed back on a model it had failed, the moment
+        # traffic asked)
         self.started_at: dict[str, float] = {}
         self.starts_seen: dict[str, tuple[float, ...]] = {}
+        self.record_starts: dict[str, dict[str, float]] = {}  # {peer: {model: the start its record there announced}}
         # {peer: {model: k}}: its loads of that model were overdue k times (since it started or joined): the k-th
         # keeps it off the model for 2**(k-1) deadlines and its next try there gets 2**k (OVERDUE_DOUBLINGS at most),
         # where each try had the one deadline: a load slower than it was moved off and back every two deadlines,
@@ -350,15 +353,17 @@ class ModelPlacer:
         for peer in [p for p in self.started_at if p not in flexible]:
             del self.started_at[peer]
             self.starts_seen.pop(peer, None)
+            self.record_starts.pop(peer, None)
         for peer in [p for p in self.overdue_strikes if p not in flexible]:
             self._forget_overdue(peer)
         for peer, rec in flexible.items():
             by_model = records.get(peer, {})
             started = self._note_start(peer, rec, by_model)
             name = self.placement.get(peer)
-            if name is None or started_at_of(by_model.get(name)) < started:
-                continue  # its record under that model is still its last run's
+            if name is None or started_at_of(by_model.get(name)) != started:
+                continue  # its record under that model is another run's (the last, or one read late)
             planner = self.orchs[name].planner
+            self._shorten_overdue(peer, name, planner)
             report = getattr(planner, "reported_load_failure", None)
             failure = report(peer) if report is not None else None
             failed = self.load_failures.get(peer, {})
@@ -390,6 +395,34 @@ class ModelPlacer:
             scales[peer] = 2.0 ** min(k, OVERDUE_DOUBLINGS)
         return float(getattr(planner, "load_deadline_s", 0.0) or 0.0) * 2.0 ** min(k - 1, OVERDUE_DOUBLINGS)
 
+    def _shorten_overdue(self, peer: str, name: str, planner: Any) -> None:
+        """After a load of model ``name`` that ended in time, ``peer``'s count of overdue loads there falls to the
+        fewest doublings of the load deadline that load needed (0: forgotten): one slow load kept the longer deadline,
+        and a hang there was noticed that much later, until the server restarted. Never raised here."""
+        k = self.overdue_strikes.get(peer, {}).get(name, 0)
+        view = planner.servers.get(peer) if k else None
+        took = getattr(view, "load_s", None)
+        deadline = float(getattr(planner, "load_deadline_s", 0.0) or 0.0)
+        if took is None or deadline <= 0:
+            return
+        doublings = min(k, OVERDUE_DOUBLINGS)  # the deadline its last try had (a late load needs more: kept)
+        needed = 0
+        while needed < doublings and deadline * 2.0 ** needed < took:
+            needed += 1
+        if needed >= doublings:
+            return
+        scales = getattr(planner, "load_deadline_scale", {})
+        if needed:
+            self.overdue_strikes[peer][name] = needed
+            scales[peer] = 2.0 ** needed
+        else:
+            del self.overdue_strikes[peer][name]
+            if not self.overdue_strikes[peer]:
+                del self.overdue_strikes[peer]
+            scales.pop(peer, None)
+        logger.info("placement: server %s loaded model %s's blocks in %.0f s: its next load there gets %g x "
+                    "--load-deadline-s (was %g x)", peer[:12], name, took, 2.0 ** needed, 2.0 ** doublings)
+
     def _forget_overdue(self, peer: str) -> None:
         """Forget ``peer``'s overdue loads and longer deadlines (it left or restarted: it loads afresh)."""
         for name in self.overdue_strikes.pop(peer, {}):
@@ -413,21 +446,35 @@ class ModelPlacer:
                 del self.load_failures[peer]
 
     def _note_start(self, peer: str, rec: Any, by_model: dict[str, Any]) -> float:
-        """The process start of ``peer``'s current run: the latest its records announce; one not seen before is a
-        restart (an earlier one too: a clock set back; an older version's, 0, too), whose load failures and overdue
-        loads are forgotten. One seen before (the last ``STARTS_KEPT``) is an older record read late: no restart."""
-        started = max((started_at_of(r) for r in by_model.values()), default=started_at_of(rec))
+        """The process start of ``peer``'s current run, and whether it restarted (its load failures and overdue loads
+        are forgotten): a model's record whose start changed to one not seen before (the last ``STARTS_KEPT``) tells a
+        restart, as that model's planner reads it, whether the new start is later or earlier (a clock set back: the
+        latest start of all records stayed the run before's while one of its records lived, and the new run's records,
+        its failed loads, were passed over until that one expired); a start seen before is an older record read late,
+        and so is an earlier one first read under a model without a record before (no restart). At first sight, and
+        when no record carries the current start any more, the latest of the records' (an older version's, 0, too)."""
+        carried = {name: started_at_of(r) for name, r in by_model.items()} or {"": started_at_of(rec)}
+        before = self.record_starts.get(peer, {})
+        self.record_starts[peer] = carried
         seen = self.starts_seen.get(peer)
-        starts = note_start(seen or (), started)
-        if starts is not None:
-            self.starts_seen[peer] = starts
-            self.started_at[peer] = started
-            if seen is not None:
-                self._forget_overdue(peer)
-            if seen is not None and peer in self.load_failures:
+        current = self.started_at.get(peer)
+        # (a later one first read under a model, its record there missed by a read before, too)
+        changed = [s for name, s in carried.items() if s not in (seen or ()) and (
+            s != before[name] if name in before else current is not None and s > current)]
+        if seen is None or changed:
+            started = max(changed or carried.values())
+        elif current not in carried.values() and max(carried.values()) not in seen:
+            started = max(carried.values())
+        else:
+            return self.started_at[peer]
+        self.starts_seen[peer] = note_start(seen or (), started) or (seen or ())
+        self.started_at[peer] = started
+        if seen is not None:
+            self._forget_overdue(peer)
+            if peer in self.load_failures:
                 logger.info("placement: server %s (%s) restarted: the models it could not load (%s) may be placed on "
                             "it again", rec.public_name, peer[:12], ", ".join(self.load_failures.pop(peer)))
-        return self.started_at[peer]
+        return started
 
     def _move_off_failed(self, records: dict[str, dict[str, Any]], flexible: dict[str, Any], now: float) -> None:
         """Move each server placed on a model it cannot load to another model it offers, at once (not at the next

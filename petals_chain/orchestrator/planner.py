@@ -68,6 +68,9 @@ class ServerView:
     awaiting_since: float | None = None
     load_overdue: bool = False
     deadline_scale: float = 1.0  # its deadline: load_deadline_s x this (load_deadline_scale as its clock started)
+    # seconds its last awaited load took, from the assignment to online with the span (None: none ended since its clock
+    # last started); the model placer shortens a doubled deadline by it (a server slow once kept it for good)
+    load_s: float | None = None
     # the process starts its records announced (started_at, 0 left out; Planner._note_start): another one is a restart
     starts: tuple[float, ...] = ()
     # its record reports a failed load of the very span this planner assigns it (set at each refresh): a report of a
@@ -703,7 +706,7 @@ class Planner:
             v = self.servers.get(p)
             if v is None or old.get(p) == span:
                 continue
-            v.awaiting_since, v.load_overdue = (None if self._serves(v, span) else now), False
+            v.awaiting_since, v.load_overdue, v.load_s = (None if self._serves(v, span) else now), False, None
             v.deadline_scale = self.load_deadline_scale.get(p, 1.0)
             v.span_epoch = self.epoch + 1  # the epoch published with it
         for p in old.keys() - new.keys():
@@ -732,7 +735,7 @@ class Planner:
         if span is None:
             return
         v.awaiting_since = None if self._serves(v, span) else self.clock()
-        v.load_overdue, v.deadline_scale = False, 1.0
+        v.load_overdue, v.deadline_scale, v.load_s = False, 1.0, None
         logger.info("server %s (%s) restarted: %s", v.record.public_name, v.peer_id[:12],
                     "it serves its blocks" if v.awaiting_since is None else
                     f"its load deadline for blocks [{span[0]}, {span[0] + span[1]}) starts again")
@@ -756,7 +759,7 @@ class Planner:
                     logger.info("server %s (%s) is online with its blocks [%d, %d) %.0f s after its assignment: "
                                 "planning it again", r.public_name, v.peer_id[:12], span[0], span[0] + span[1],
                                 now - v.awaiting_since)
-                v.awaiting_since, v.load_overdue = None, False
+                v.awaiting_since, v.load_overdue, v.load_s = None, False, now - v.awaiting_since
             elif r.state == "offline" or (r.state == "draining" and not v.load_overdue):
                 v.awaiting_since, v.load_overdue = now, False
             elif not v.load_overdue and 0 < self.deadline_s(v) <= now - v.awaiting_since:
@@ -893,6 +896,11 @@ class Planner:
                 if v is None:
                     v = self.servers[peer_id] = ServerView(peer_id=peer_id, record=rec)
                     self._note_start(v, rec)
+                    span = self.assignment.get(peer_id)
+                    if span is not None and not self._serves(v, span):
+                        # assigned and back before a re-plan dropped it (one read missed its record mid-load): its
+                        # load clock runs again (a fresh view had none: a load that hung held its blocks for good)
+                        v.awaiting_since, v.deadline_scale = self.clock(), self.load_deadline_scale.get(peer_id, 1.0)
                     if peer_id in self.distrusted:  # banned for good before its record expired
                         v.distrusted, v.failed_at, v.banned_until = True, time.time(), math.inf
                     if rec.state != "offline":

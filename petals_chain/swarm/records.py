@@ -35,6 +35,11 @@ LOAD_ERROR_MAX = 300  # ServerRecord.load_error: one line for the operator and t
 # the largest epoch a record may carry: honest epochs count re-plans; one of 2**64 - 1 left a leader continuing above it
 # with an epoch msgpack cannot encode, so no assignment or split could be published again
 EPOCH_MAX = 2 ** 53
+# a tau_p (s/block/job) is read within these bounds (0, still profiling, stays 0): one of 5e-324 made the placer's
+# speed estimate (a reference over it) infinite, so every placement round raised; one of 1e308 overflowed GBP-CR's
+# times. No block computes in under a nanosecond, and a server slower than this is as good as none.
+TAU_P_MIN = 1e-9
+TAU_P_MAX = 1e6
 
 
 def check_unknown_values(values: list) -> None:
@@ -159,6 +164,13 @@ class ServerRecord(_Record):
     @classmethod
     def _printable_models(cls, names: list[str]) -> list[str]:
         return [one_line(name) for name in names]
+
+    @pydantic.field_validator("tau_p")
+    @classmethod
+    def _plausible_tau_p(cls, tau_p: float) -> float:
+        # clamped, not refused: a server announcing its own tau_p (--emulate-tau-p-lie divides it) must not fail to
+        # build its record, and a peer's claim is only a claim (the planner plans by what it measures)
+        return tau_p if tau_p == 0 else min(max(tau_p, TAU_P_MIN), TAU_P_MAX)
 
     @pydantic.model_validator(mode="after")
     def _check_slots(self) -> "ServerRecord":
