@@ -19,13 +19,15 @@ places, as its client's share allows) (:class:`RequestPlaces`, ``places_held``):
 each later job arrives and takes its own, or the request ends without it. A request admitted on free slots with
 fewer places than later jobs holds one of those free slots for each of the others (``slots_held``): new jobs see the
 slot as busy and queue (within the bound) or are refused, and the later job starts on it when it comes (taken by new
-jobs, its later jobs had queued past the bound). So ``queue_length + places_held <= max_queue`` holds for new jobs
-and the later jobs keep it; only a re-plan that drops a held slot's chain with no room elsewhere, or a job of the
-request back after a failover that finds no other free slot (it takes a held one: the later jobs wait for it), lets
-a later job queue past it. A request is admitted or refused as a whole: once its first job is refused (the bound, the
-share or its deadline, predicted for the last of all its jobs) its other jobs are refused with it, touching nothing;
-once admitted, its other jobs are never refused. (A request's jobs are known by the :class:`PlaceTicket` its generation
-gives each of them; jobs without one, e.g. driven directly, are checked for their ``siblings`` but hold no places.)
+jobs, its later jobs had queued past the bound). A later job whose held slot is gone (a re-plan dropped its chain
+with no room elsewhere, or a job of the request back after a failover found no other free slot and took it) waits in
+the re-queue lane, as an admitted job, not in the queue. So ``queue_length + places_held <= max_queue`` holds at
+every instant, through re-plans and failovers too. A request that can never be admitted (more jobs than the slots and
+the queue, or its client's share of it, hold at once) is refused with :class:`QueueNeverFits`. A request is admitted
+or refused as a whole: once its first job is refused (the bound, the share or its deadline, predicted for the last
+of all its jobs) its other jobs are refused with it, touching nothing; once admitted, its other jobs are never refused.
+(A request's jobs are known by the :class:`PlaceTicket` its generation gives each of them; jobs without one, e.g.
+driven directly, are checked for their ``siblings`` but hold no places.)
 """
 
 from __future__ import annotations
@@ -205,6 +207,14 @@ class QueueShareFull(QueueFull):
         self.mine, self.queued = mine, queued
 
 
+class QueueNeverFits(QueueFull):
+    """A request of more jobs than the chains' slots and the queue (or, where the queue keeps places, its client's share
+    of it) can ever hold at once: refused however idle the swarm (HTTP 429 ``exceeds_capacity``, without
+    ``Retry-After``: the same request can never be admitted; it must ask for fewer completions)."""
+
+    code = "exceeds_capacity"
+
+
 # A client-fair queue admits a client's new waiting job only while the client has fewer than QUEUE_SHARE_ALPHA x (the
 # places that stay free after it) waiting (Choudhury & Hahne's dynamic threshold for shared buffers): k clients that
 # never stop sending hold about k·a/(1 + k·a) of the queue and never its last place, so a client with nothing waiting
@@ -236,6 +246,8 @@ class Admission:
         self.state: str | None = None  # None, "admitted" or "refused"
         self.code = ""  # a refusal's error code (queue_full, deadline_unreachable)
         self.message = ""  # and what the client is told
+        # the refusal holds whatever the swarm does (the request never fits as it is): no Retry-After invites it back
+        self.never_fits = False
         self.event = asyncio.Event()
         self.arrived = time.monotonic()  # the request came in (before its body was read): deadlines count from here
         # reserve(tokens): the most tokens the request may use, held against its client's tokens_per_minute until it
@@ -244,10 +256,10 @@ class Admission:
         self.reserved = 0  # tokens held by reserve()
         self.places = RequestPlaces()  # the request's jobs (all its prompts'), for the places the queue holds them
 
-    def decide(self, admitted: bool, code: str = "", message: str = "") -> None:
+    def decide(self, admitted: bool, code: str = "", message: str = "", never_fits: bool = False) -> None:
         if self.state is None:
             self.state = "admitted" if admitted else "refused"
-            self.code, self.message = code, message
+            self.code, self.message, self.never_fits = code, message, never_fits
             self.event.set()
 
 
@@ -319,12 +331,13 @@ class PlaceTicket:
 PLACE: contextvars.ContextVar[PlaceTicket | None] = contextvars.ContextVar("petals_chain_place", default=None)
 
 
-def note_admission(admitted: bool, code: str = "", message: str = "") -> None:
+def note_admission(admitted: bool, code: str = "", message: str = "", never_fits: bool = False) -> None:
     """Record the dispatcher's decision on the current request's job (no-op outside a request); a refusal names
-    its error ``code`` and ``message`` (a streamed response that was held back answers with them)."""
+    its error ``code`` and ``message`` (a streamed response that was held back answers with them), and whether the
+    request can never be admitted (``never_fits``)."""
     adm = ADMISSION.get()
     if adm is not None:
-        adm.decide(admitted, code, message)
+        adm.decide(admitted, code, message, never_fits)
 
 
 @dataclass(eq=False)
@@ -692,7 +705,13 @@ class DispatchManager:
             if chain_key(self.chains[k]) in job.prefer:
                 self.preferred_starts += 1
             self._start(job, k)
-        elif bounded and self.queue_length + self.places_held + cap > self.max_queue:
+            return cap
+        if bounded and cap:
+            # queued although _check_room counted a free slot for it (a per-chain baseline, SED, queues at a full fast
+            # chain beside one): that slot starts a later job instead, so the later jobs hold one place fewer (before,
+            # the full cap on top of this job refused a request that fit, the queue empty)
+            cap = max(0, min(cap, self.max_queue - self.queue_length - self.places_held))
+        if bounded and self.queue_length + self.places_held + cap > self.max_queue:
             # Undone in the same step (no await in between): the over-long queue is never observable.
             self._withdraw(job)
             raise QueueFull(self.max_queue)
@@ -795,15 +814,23 @@ class DispatchManager:
             slots = sum(max(0, int(ch.capacity)) for ch in self.chains)
             # never fits, however idle the swarm: not "retry later" (with no chain yet, nothing is known of slots)
             if self.dispatcher is not None and 1 + later - slots > self.max_queue:
-                raise QueueFull(self.max_queue, f"this request's {1 + later} completions (prompts x n) are more than "
-                                                f"the chains' {slots} slots and the queue's bound (--max-queue "
-                                                f"{self.max_queue}) together: ask for fewer")
+                raise QueueNeverFits(self.max_queue, f"this request's {1 + later} completions (prompts x n) are more "
+                                                     f"than the chains' {slots} slots and the queue's bound "
+                                                     f"(--max-queue {self.max_queue}) together: ask for fewer")
             raise QueueFull(self.max_queue, f"the swarm is busy: its queue ({queued} waiting or held, bound "
                                             f"{self.max_queue}) has no room for the {need} of this request's "
                                             f"{1 + later} completions (prompts x n) that the {free} free slots cannot "
                                             "start; retry later, or ask for fewer")
         mine = self.waiting_of(job.client) + self.places_held_of(job.client)
         if self.keeps_places and self._over_share(mine, queued, need):
+            if self.dispatcher is not None:
+                idle = max(0, 1 + later - sum(max(0, int(ch.capacity)) for ch in self.chains))
+                if self._over_share(0, 0, idle):  # more than any client's share even of an idle swarm's queue
+                    raise QueueNeverFits(self.max_queue, f"this request's {1 + later} completions (prompts x n) "
+                                                         f"need {idle} places in the queue beyond the chains' free "
+                                                         "slots, more than one client may hold of it (--max-queue "
+                                                         f"{self.max_queue}, the rest kept for other clients) even "
+                                                         "when the swarm is idle: ask for fewer")
             raise QueueShareFull(self.max_queue, mine, queued, need, 1 + later)
         cap = min(later, self.max_queue - queued - (0 if free > 0 else 1))
         if self.keeps_places:  # the places it holds are its client's too: no more than its share (need fits)
@@ -960,12 +987,18 @@ class DispatchManager:
             elif joined:
                 # a later job of an admitted request: starts on the slot held for it, or takes the place held for it
                 # (in the same step, so the bound holds) and queues in the discipline's order, never refused
-                k = None
+                k, slotted = None, False
                 if ticket is not None and ticket.state == "expected":
+                    slotted = ticket.places.pending > ticket.places.cap  # admitted on a held slot, not a place
                     ticket.state = "arrived"
                     k = self._take_slot(ticket.places)
                 if k is not None:
                     self._start(job, k)
+                elif slotted:
+                    # its held slot is gone (a re-plan dropped its chain with no room elsewhere, or a failed-over job
+                    # of its request took it): admitted with no place in the queue, it waits in the re-queue lane
+                    # (the next slot that frees) rather than queue past the bound
+                    self._arrive_requeued(job)
                 else:
                     self._arrive(job)
             else:
@@ -984,7 +1017,8 @@ class DispatchManager:
                 for lease in paused:  # refused after all: the jobs it would have paused run on
                     lease.preempt = False
                     self.flex_preemptions -= 1
-            note_admission(False, e.code if isinstance(e, QueueFull) else "deadline_unreachable", str(e))
+            note_admission(False, e.code if isinstance(e, QueueFull) else "deadline_unreachable", str(e),
+                           never_fits=isinstance(e, QueueNeverFits))
             raise
         if job not in self._pending:  # with no chain at all it is not admitted yet: a stream held back stays so, and
             note_admission(True)  # becomes the 503 it ends in if no chain comes (not a 200 with an error event)

@@ -2,7 +2,8 @@
 
 A pure ASGI middleware, so a streamed response counts as in flight until its last byte is sent (or the
 client disconnects). Rejections are 429 (or 413 for bodies) in OpenAI's error format, with a
-``Retry-After`` header estimated from the measured service time and the queue ahead.
+``Retry-After`` header estimated from the measured service time and the queue ahead (none for a request that can
+never be admitted as it is: retried, it would be refused again).
 
 The queue bound itself is exact in the dispatch manager (:mod:`dispatch`), which refuses a job when its
 queue is full; the check here is only a cheap early refusal. A generation response is held back until the
@@ -344,6 +345,7 @@ class AdmissionLimits:
         if held + need > per_minute:
             self._count("tokens_per_minute")
             if need > per_minute:
+                adm.never_fits = True  # no Retry-After: it exceeds the budget itself, retried it fails again
                 raise RequestError(f"this request may use {need} tokens (prompt + {field} x n), more than this "
                                    f"client's {per_minute} tokens per minute: lower {field}", status=429,
                                    param=field, code="tokens_per_minute")
@@ -425,7 +427,9 @@ class _HeldResponse:
     if the job is refused, a 429 with the refusal's code (``queue_full`` or ``deadline_unreachable``) and
     ``Retry-After`` goes out instead and the held stream is dropped. A stream that ends in an error event before
     the dispatcher decided (no chain served the model) goes out as that error's HTTP status, as OpenAI answers.
-    Any 429 the app sends gets a ``Retry-After`` if it has none."""
+    Any 429 the app sends gets a ``Retry-After`` if it has none, unless the request can never be admitted as it is
+    (:attr:`~petals_chain.orchestrator.dispatch.Admission.never_fits`: more completions than the swarm can ever hold,
+    more tokens than its client's budget per minute): retried, it would be refused again."""
 
     def __init__(self, limits: AdmissionLimits, send: Send, adm: Admission):
         self.limits, self.send, self.adm = limits, send, adm
@@ -469,7 +473,8 @@ class _HeldResponse:
         elif start.get("status") == 200 and self.adm.state == "refused":
             self.replaced, self.held = True, []
             if self.adm.code and self.adm.message:  # the dispatcher's own words (e.g. "ask for fewer": never fits)
-                await self.limits._reject(self.send, 429, self.adm.code, self.adm.message)
+                await self.limits._reject(self.send, 429, self.adm.code, self.adm.message,
+                                          retry=not self.adm.never_fits)
             else:
                 await self.limits._reject(self.send, 429, "queue_full",
                                           "the swarm is at capacity and its queue is full "
@@ -482,7 +487,8 @@ class _HeldResponse:
     async def _send(self, message: dict) -> None:
         if message["type"] == "http.response.start" and message.get("status") == 429:
             headers = list(message.get("headers", []))
-            if not any(k.lower() == b"retry-after" for k, _ in headers):
+            # a request that can never be admitted as it is (Admission.never_fits) is not told to come back
+            if not self.adm.never_fits and not any(k.lower() == b"retry-after" for k, _ in headers):
                 headers.append((b"retry-after", str(self.limits.retry_after_s()).encode()))
                 message = {**message, "headers": headers}
             if self.adm.state == "refused":  # the dispatcher's refusal, answered by the app (non-streamed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -30,6 +31,10 @@ class Stats:
         self.prompt_tokens = 0
         self.prefix_hits = 0  # chains opened on a prompt prefix their servers held in their prefix caches
         self.prefix_cached_tokens = 0  # prompt tokens those chains did not compute
+        # tokens of the sequences chains were opened for (add_chain_open): what the prefix caches were asked for, the
+        # hit rate's denominator (each open counts, as each hit does: n > 1 choices on other chains, failovers,
+        # resumed jobs, session turns reopening on their history)
+        self.prefix_lookup_tokens = 0
         self.tokens = 0
         self.relay_steps = 0
         # Speculative decoding: verification passes, draft tokens sent with them, drafts the model kept.
@@ -50,14 +55,26 @@ class Stats:
         self.recent_replays: deque[dict] = deque(maxlen=50)
         self.registry = CollectorRegistry()
         r = self.registry
-        self.m_requests = Counter("petals_chain_requests", "Requests by outcome", ["outcome"], registry=r)
+        # jobs, not requests (the name stays for the dashboards that read it): one per completion, so a request of
+        # n = 3 or of 3 prompts counts 3 (each its own job, its own outcome), and one per session turn
+        self.m_requests = Counter("petals_chain_requests", "Jobs by outcome: one per completion (a request with n = 3 "
+                                  "or 3 prompts counts 3) and per session turn; completed | failed | unserved (ended "
+                                  "before it held a chain: refused, dropped while queued, its client gone)",
+                                  ["outcome"], registry=r)
         self.m_response = Histogram("petals_chain_response_seconds", "Response time (wait + service)", buckets=_BUCKETS, registry=r)
         self.m_wait = Histogram("petals_chain_wait_seconds", "Time waiting for a chain", buckets=_BUCKETS, registry=r)
         self.m_service = Histogram("petals_chain_service_seconds", "Time on a chain", buckets=_BUCKETS, registry=r)
         self.m_tokens = Counter("petals_chain_generated_tokens", "Generated tokens", registry=r)
         self.m_prompt_tokens = Counter("petals_chain_prompt_tokens", "Prompt tokens", registry=r)
-        self.m_prompt_cached = Counter("petals_chain_prompt_cached_tokens", "Prompt tokens whose KV came from the "
-                                       "servers' prefix caches (not computed)", registry=r)
+        self.m_prompt_cached = Counter("petals_chain_prompt_cached_tokens", "Tokens whose KV came from the servers' "
+                                       "prefix caches when a chain opened (not computed): of a prompt, a session "
+                                       "turn's history, a failover's replay", registry=r)
+        self.m_prefix_lookup = Counter("petals_chain_prefix_lookup_tokens", "Tokens of the sequences chains opened "
+                                       "for (not forked from a sibling): what the prefix caches were asked for; "
+                                       "petals_chain_prompt_cached_tokens of them were hits", registry=r)
+        self.m_draft_failures = Gauge("petals_chain_speculative_draft_failures", "Generations whose draft model "
+                                      "(--speculative draft:MODEL) failed or timed out, since start: they went on "
+                                      "without drafts", registry=r)
         self.m_deadlines = Counter("petals_chain_deadline_requests", "Requests with a deadline by client and outcome "
                                    "(met, missed, refused as doomed at arrival, dropped in the queue)",
                                    ["client", "outcome"], registry=r)
@@ -84,7 +101,8 @@ class Stats:
         self.m_queue_max = Gauge("petals_chain_queue_length_max", "Longest central queue since start", registry=r)
         self.m_queue_bound = Gauge("petals_chain_queue_bound", "Central queue bound (--max-queue)", registry=r)
         self.m_queue_refused = Gauge("petals_chain_queue_refused", "Jobs refused since start because the central queue "
-                                     "was full (429 queue_full)", registry=r)
+                                     "was full (429 queue_full) or could never hold the request (429 "
+                                     "exceeds_capacity)", registry=r)
         self.m_requeued = Gauge("petals_chain_requeued_jobs", "Admitted jobs waiting to get a chain again (failover, "
                                 "a session's later turn); outside the bounded queue", registry=r)
         self.m_places_held = Gauge("petals_chain_queue_places_held", "Queue places held for the later jobs of admitted "
@@ -138,8 +156,9 @@ class Stats:
     def _client_usage(self) -> None:
         """Per-client (API key name) counters: labels are bounded by the configured keys plus ``anonymous``."""
         r = self.registry
-        self.m_client_requests = Counter("petals_chain_client_requests", "Requests by client (API key name) and "
-                                         "outcome", ["client", "outcome"], registry=r)
+        self.m_client_requests = Counter("petals_chain_client_requests", "Jobs by client (API key name) and outcome, "
+                                         "as petals_chain_requests: one per completion and per session turn",
+                                         ["client", "outcome"], registry=r)
         self.m_client_tokens = Counter("petals_chain_client_tokens", "Prompt + generated tokens by client (API key "
                                        "name)", ["client"], registry=r)
         self._window: dict[str, deque[tuple[float, int]]] = {}  # client -> (time, tokens) of the last minute
@@ -187,10 +206,33 @@ class Stats:
         self.prefix_cached_tokens += tokens
         self.m_prompt_cached.inc(tokens)
 
+    def add_chain_open(self, tokens: int, cached: int = 0) -> None:
+        """A chain opened (not forked from a sibling's KV) for a sequence of ``tokens`` positions, ``cached`` of them
+        held in its servers' prefix caches. The hit rate counts both per open: against the prompt tokens counted once
+        per request, the hits of every open (each choice of ``n`` on its own chain, a failover's or a session turn's
+        reopen on the whole history) took it past 1."""
+        tokens = max(0, int(tokens))
+        self.prefix_lookup_tokens += tokens
+        self.m_prefix_lookup.inc(tokens)
+        if cached > 0:
+            self.add_prefix_hit(min(int(cached), tokens))
+
     def prefix_json(self) -> dict:
+        if self.prefix_lookup_tokens:
+            rate = self.prefix_cached_tokens / self.prefix_lookup_tokens
+        else:  # hits reported without their opens (add_prefix_hit alone): against the prompt tokens
+            rate = self.prefix_cached_tokens / self.prompt_tokens if self.prompt_tokens else None
         return {"prompt_tokens": self.prompt_tokens, "prefix_hits": self.prefix_hits,
-                "prompt_cached_tokens": self.prefix_cached_tokens,
-                "prompt_cache_hit_rate": self.prefix_cached_tokens / self.prompt_tokens if self.prompt_tokens else None}
+                "prompt_cached_tokens": self.prefix_cached_tokens, "prefix_lookup_tokens": self.prefix_lookup_tokens,
+                "prompt_cache_hit_rate": rate}
+
+    def watch_drafter(self, drafter: Any) -> None:
+        """Export ``drafter``'s :attr:`~petals_chain.orchestrator.drafting.DraftModel.failures` (read at each scrape)
+        as ``petals_chain_speculative_draft_failures``; None: 0."""
+        if drafter is None:
+            self.m_draft_failures.set(0)
+        else:
+            self.m_draft_failures.set_function(lambda: float(getattr(drafter, "failures", 0)))
 
     def add_speculation(self, drafted: int, accepted: int) -> None:
         """One verification pass sent ``drafted`` draft tokens through the chain; ``accepted`` were kept."""
