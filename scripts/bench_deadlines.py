@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -117,6 +118,28 @@ def outcome(r: dict) -> str:
     return r["deadline"]["outcome"]
 
 
+MODES = ("fcfs", "edf", "flex")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 with a message on a value the run cannot use, before any work (``--overload 0`` divided by zero, and
+    ``--modes`` with a typo failed to start its orchestrator, both after the probe's swarm)."""
+    for name in ("servers", "slots", "max_length", "max_tokens", "prompt_tokens", "background_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("background", "seed"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be >= 0")
+    for name in ("overload", "slo", "duration_s"):
+        if not 0 < getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} must be positive and finite")
+    if not 0 <= args.rtt_ms < math.inf:
+        p.error("--rtt-ms must be finite and >= 0")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        p.error(f"--modes must name one or more of {', '.join(MODES)}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
@@ -138,6 +161,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the raw results here")
     args = p.parse_args()
+    check_args(p, args)
 
     work = Path(tempfile.mkdtemp(prefix="bench_deadlines_"))
     rng = np.random.default_rng(args.seed)
@@ -155,6 +179,9 @@ def main() -> int:
     rate = args.overload * cap_rate
     deadline_ms = args.slo * service * 1000.0
     plan = arrivals(rate, args.duration_s, rng)
+    if not plan:  # (the ratios below divided by zero)
+        print(f"error: no request arrives in --duration-s {args.duration_s:g} at {rate:.3g} req/s", file=sys.stderr)
+        return 2
     print(f"capacity {capacity} jobs, service alone {service:.3f} s -> {cap_rate:.2f} req/s; offered {rate:.2f} req/s "
           f"({args.overload:g}x), deadline {deadline_ms:.0f} ms ({args.slo:g}x service), {len(plan)} requests",
           flush=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -137,6 +138,37 @@ def summarize(run: dict, lights: list[str]) -> dict:
     return out
 
 
+def _div(a: float | None, b: float | None) -> float | None:
+    """``a / b``, None when either is missing or ``b`` is 0 (a row of the table with nothing to show)."""
+    return None if a is None or not b else a / b
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 with a message on a value the run cannot use, before any work: a rate of 0 divided by zero after the
+    swarm's first probe (or hung: NaN), a negative one failed in numpy, no light client in ``statistics.mean``."""
+    for name in ("servers", "slots", "max_length", "max_tokens", "prompt_tokens", "light"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("heavy", "seed"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be >= 0")
+    if args.max_queue is not None and args.max_queue < 0:
+        p.error("--max-queue must be >= 0")
+    for name in ("heavy_factor", "overload", "duration_s"):
+        if not 0 < getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} must be positive and finite")
+    if not 0 <= args.rtt_ms < math.inf:
+        p.error("--rtt-ms must be finite and >= 0")
+    if args.quantum is not None and not 0 < args.quantum < math.inf:
+        p.error("--quantum must be positive and finite")
+    from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
+
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    if not policies or any(x not in ("auto", *FAIRNESS_POLICIES) for x in policies):
+        # a typo failed to start its orchestrator, after the swarm's probe runs
+        p.error(f"--policies must name one or more of auto, {', '.join(FAIRNESS_POLICIES)}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
@@ -160,6 +192,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the raw results here")
     p.add_argument("--plot", default=None, help="PNG of per-request latency over time per policy")
     args = p.parse_args()
+    check_args(p, args)
 
     work = Path(tempfile.mkdtemp(prefix="bench_fairness_"))
     rng = np.random.default_rng(args.seed)
@@ -173,6 +206,8 @@ def main() -> int:
     # 1. light clients alone: their latency without the heavy client, and the service time that sets the rate
     probe_rate = 0.5
     alone_plan = sorted((t, c, keys[c]) for c in lights for t in arrivals(probe_rate, args.duration_s / 2, rng))
+    # at least one request to time (a short --duration-s drew none: statistics.mean of nothing, after the swarm ran)
+    alone_plan = alone_plan or [(0.0, lights[0], keys[lights[0]])]
     print(f"light clients alone ({len(alone_plan)} requests) ...", flush=True)
     alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
     service = statistics.mean(r["service"] for r in alone["results"] if "service" in r)
@@ -185,6 +220,10 @@ def main() -> int:
                   + [(t, h, keys[h]) for h in heavies for t in arrivals(args.heavy_factor * rate, args.duration_s, rng)])
     # the light clients alone: exactly the mixed runs' light requests (same times), without the heavy clients
     alone_plan = [x for x in plan if x[1] in lights]
+    if not alone_plan:
+        print(f"error: no light client's request arrives in --duration-s {args.duration_s:g} at {rate:.3g} req/s "
+              "each: make it longer", file=sys.stderr)
+        return 2
     print(f"light clients alone, the mixed runs' light requests ({len(alone_plan)}) ...", flush=True)
     alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
     alone_mean = statistics.mean(r["latency"] for r in alone["results"] if "latency" in r)
@@ -198,19 +237,20 @@ def main() -> int:
     print(f"\nlight clients alone: mean latency {alone_mean:.2f} s ({len(alone_plan)} requests)")
     print(f"{'':34s}" + "".join(f"{pol:>12s}" for pol in policies))
     rows = (("light mean latency (s)", lambda s: s["light_mean_s"]),
-            ("light mean / alone", lambda s: s["light_mean_s"] / alone_mean),
+            ("light mean / alone", lambda s: _div(s["light_mean_s"], alone_mean)),
             ("light P90 latency (s)", lambda s: s["light_p90_s"]),
             ("light wait mean / median (s)", lambda s: s["light_wait_mean_s"]),
             ("", lambda s: s["light_wait_p50_s"]),
             ("heavy mean latency (s)", lambda s: s.get("heavy_mean_s")),
             ("throughput (req/s)", lambda s: s["requests_per_s"]),
-            ("throughput / " + policies[0], lambda s: s["requests_per_s"] / base["requests_per_s"]),
-            ("service units/s / " + policies[0], lambda s: s["service_units_per_s"] / base["service_units_per_s"]),
+            ("throughput / " + policies[0], lambda s: _div(s["requests_per_s"], base["requests_per_s"])),
+            ("service units/s / " + policies[0], lambda s: _div(s["service_units_per_s"], base["service_units_per_s"])),
             ("light requests refused (429)", lambda s: s["light_refused"]),
             ("heavy requests refused (429)", lambda s: s["heavy_refused"]),
             ("distinct greedy outputs", lambda s: s["distinct_outputs"]))
-    for name, f in rows:
-        print(f"{name:34s}" + "".join(f"{f(summ[pol]):12.3f}" for pol in policies))
+    for name, f in rows:  # "-" where there is nothing to show (no heavy client, every light request refused)
+        print(f"{name:34s}" + "".join(f"{'-' if f(summ[pol]) is None else format(f(summ[pol]), '.3f'):>12s}"
+                                      for pol in policies))
     print(f"{'Jain (backlogged clients), API':34s}" + "".join(
         f"{'-' if summ[pol]['jain_index'] is None else format(summ[pol]['jain_index'], '.3f'):>12s}"
         for pol in policies))

@@ -3,7 +3,8 @@
 
 Random heterogeneous swarms with the paper's parameters (BLOOM-176B: L=70, s_m=1.32 GB, s_c=0.11 GB;
 a fraction eta of fast servers with 40 GB / 109 ms per block, the rest 20 GB / 175 ms;
-tau_c = RTT + 18 ms with RTT uniform in [5, 100] ms as a stand-in for RIPE Atlas).
+tau_c = RTT + 18 ms with RTT uniform in [5, 100] ms as a stand-in for RIPE Atlas). ``rate/s`` (JSON
+``service_rate``): the chains' total rate ``sum c_k / T_k``; a lambda at or above it is marked unstable (``stable``).
 
     python scripts/bench_planner.py [--servers 100 1000 10000] [--arrival-rate 0.2] [--json]
 """
@@ -37,8 +38,11 @@ def time_planner(J: int, arrival_rate: float, rho_bar: float, method: str, seed:
     t0, p0 = time.perf_counter(), time.process_time()
     c, placement, chains = tune_capacity(servers, BLOOM, arrival_rate, rho_bar, method)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - p0
+    # at or above the chains' total rate tune_capacity returns the plan that serves the most: not a plan for the rate
+    service_rate = float(sum(ch.capacity / ch.service_time for ch in chains))
     return {"servers": J, "seconds": elapsed, "cpu_seconds": cpu, "c": c, "chains": len(chains),
-            "placed": len(placement), "arrival_rate": arrival_rate}
+            "placed": len(placement), "arrival_rate": arrival_rate, "service_rate": service_rate,
+            "stable": arrival_rate < service_rate}
 
 
 def time_jffc(K: int = 10_000, ops: int = 200_000, seed: int = 0) -> dict:
@@ -82,10 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"planner": rows, "jffc": jffc}))
         return 0
-    print(f"{'J':>7} {'lambda':>8} {'wall s':>9} {'cpu s':>9} {'c*':>5} {'chains':>7} {'placed':>7}")
+    print(f"{'J':>7} {'lambda':>8} {'wall s':>9} {'cpu s':>9} {'c*':>5} {'chains':>7} {'placed':>7} {'rate/s':>9}")
     for r in rows:
         print(f"{r['servers']:>7} {r['arrival_rate']:>8g} {r['seconds']:>9.3f} {r['cpu_seconds']:>9.3f} {r['c']:>5} "
-              f"{r['chains']:>7} {r['placed']:>7}")
+              f"{r['chains']:>7} {r['placed']:>7} {r['service_rate']:>9.3f}" + ("" if r["stable"] else "  UNSTABLE"))
+    if not all(r["stable"] for r in rows):
+        print("UNSTABLE: lambda is not below the chains' total rate (rate/s) at any c: the queue grows without bound; "
+              "the plan shown is the one that serves the most")
     print(f"JFFC at {jffc['chains']} chains: {jffc['us_per_decision']:.2f} us (CPU) per arrive/complete "
           f"({jffc['operations']} operations, final queue {jffc['queue_length']})")
     return 0

@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=1000)
     ap.add_argument("--previous", action="store_true", help="give each solve a random previous split")
     args = ap.parse_args()
+    if args.instances < 1:  # (a negative count checked nothing and exited 0, as if every instance had passed)
+        ap.error("--instances must be >= 1")
     bad = 0
     for seed in args.seeds:
         r = search(seed, args.instances, args.previous)

@@ -34,38 +34,84 @@ def _first_slot_rates(mu: np.ndarray, c: np.ndarray, N: int) -> np.ndarray:
 
 _EXACT_C = 1 << 16  # up to this many slots every term is summed
 _NEGLIGIBLE = 80.0  # log-weight drop below the maximum that ends the sum (e^-80 ~ 1.8e-35)
+_WINDOW_MAX = 1 << 22  # most terms summed around the mode for a huge C (a few 32 MiB arrays)
 
 
 def _mean_occupancy(mu: np.ndarray, c: np.ndarray, arrival_rate: float, nu: float) -> float:
     """Mean of the birth-death chain of Eq. 30-32: death rate ``nu_n`` = sum of the first ``n`` slot
     rates (chains filled in the given order) for n <= C, ``nu`` beyond C (geometric tail).
 
-    Log-weights ``log w_n = sum_{i<=n} log(lambda/nu_i)`` are shifted by their maximum. For huge ``C``
-    the sum stops once the death rate exceeds ``lambda`` and the weights have dropped ``e^-80`` below
-    the maximum: from there on they shrink geometrically, so the rest is negligible.
+    Log-weights ``log w_n = sum_{i<=n} log(lambda/nu_i)`` are shifted by their maximum. Up to ``_EXACT_C``
+    slots every term is summed; beyond, only a window around the mode (see :func:`_window_occupancy`).
     """
     C = int(c.sum())
+    if C > _EXACT_C:
+        return _window_occupancy(mu, c, arrival_rate, nu)
     rho = arrival_rate / nu
-    log_lam = math.log(arrival_rate)
-    N = C if C <= _EXACT_C else _EXACT_C
-    while True:
-        death = np.cumsum(_first_slot_rates(mu, c, N))
-        logw = np.concatenate(([0.0], np.cumsum(log_lam - np.log(death))))
-        shift = logw.max()
-        if N == C:
-            break
-        if death[-1] > arrival_rate and logw[-1] < shift - _NEGLIGIBLE:
-            break  # truncated: terms n > N are below e^-80 of the largest and decay geometrically
-        N = min(C, 4 * N)
-    w = np.exp(logw - shift)
-    n = np.arange(N + 1, dtype=float)
-    if N == C:
-        tail = w[C] / (1.0 - rho)  # sum_{n>=C} w_C rho^(n-C)
-        norm = w[:C].sum() + tail
-        mean = (n[:C] * w[:C]).sum() + w[C] * (rho / (1.0 - rho) ** 2 + C / (1.0 - rho))
-    else:
-        norm = w.sum()
-        mean = (n * w).sum()
+    death = np.cumsum(_first_slot_rates(mu, c, C))
+    logw = np.concatenate(([0.0], np.cumsum(math.log(arrival_rate) - np.log(death))))
+    w = np.exp(logw - logw.max())
+    n = np.arange(C + 1, dtype=float)
+    tail = w[C] / (1.0 - rho)  # sum_{n>=C} w_C rho^(n-C)
+    norm = w[:C].sum() + tail
+    mean = (n[:C] * w[:C]).sum() + w[C] * (rho / (1.0 - rho) ** 2 + C / (1.0 - rho))
+    return float(mean / norm)
+
+
+def _window_occupancy(mu: np.ndarray, c: np.ndarray, lam: float, nu: float) -> float:
+    """:func:`_mean_occupancy` for a huge ``C``: the terms summed from the mode outwards until what is left on
+    each side is below ``e^-80`` of the mode's (the weights are log-concave, so both sides shrink at least
+    geometrically), and the geometric tail exactly if the window reaches ``C``. Summing from ``n = 0`` allocated
+    gigabytes for 1e9 slots at a high load (the mode near ``C``); the window is about
+    ``sqrt(160 lambda / mu)`` terms, and more than ``_WINDOW_MAX`` of them is refused with a ValueError."""
+    ends = np.cumsum(c)
+    starts = ends - c
+    rates = np.cumsum(mu * c)
+    base = rates - mu * c  # death rate of the slots before each chain's
+
+    def death(n: np.ndarray) -> np.ndarray:  # nu_n for 1 <= n <= C, in closed form (piecewise linear in n)
+        k = np.searchsorted(ends, n, side="left")
+        return base[k] + (n - starts[k]) * mu[k]
+
+    log_lam, C = math.log(lam), int(ends[-1])
+    # the mode: the last n with nu_n < lambda (weights grow up to it, shrink after it)
+    k = min(int(np.searchsorted(rates, lam, side="left")), len(c) - 1)
+    peak = int(starts[k]) + min(max(math.ceil((lam - float(base[k])) / float(mu[k])) - 1, 0), int(c[k]))
+    parts: dict[int, list[np.ndarray]] = {1: [], -1: []}  # log(lambda / nu_n) of the n summed right and left
+    lo = hi = peak
+    for side in (1, -1):
+        drop, step = 0.0, 4096  # drop: log w at the window's edge relative to the mode's
+        while (hi < C) if side == 1 else (lo > 0):
+            m = min(step, C - hi) if side == 1 else min(step, lo)
+            n = np.arange(hi + 1, hi + m + 1, dtype=np.int64) if side == 1 else \
+                np.arange(lo - m + 1, lo + 1, dtype=np.int64)
+            s = log_lam - np.log(death(n))
+            parts[side].append(s)
+            if side == 1:
+                hi += m
+                drop += float(s.sum())
+                r = lam / float(death(np.array([hi]))[0]) if hi < C else 0.0  # the next terms' ratio, at most
+            else:
+                lo -= m
+                drop -= float(s.sum())
+                r = float(death(np.array([lo]))[0]) / lam if lo > 0 else 0.0
+            if hi - lo > _WINDOW_MAX:
+                raise ValueError(f"Theorem 3.7 bounds: more than {_WINDOW_MAX} states of the birth-death chain "
+                                 f"carry weight at arrival rate {lam:g} ({C} slots, total rate {nu:g}); too many "
+                                 "to sum")
+            # left over beyond the edge: at most w_edge r / (1 - r)
+            if r < 1.0 and (r == 0.0 or drop + math.log(r) - math.log1p(-r) < -_NEGLIGIBLE):
+                break
+            step *= 2
+    steps = np.concatenate(parts[-1][::-1] + parts[1])  # log(lambda / nu_n) for n = lo+1 .. hi (left: outwards)
+    logw = np.concatenate(([0.0], np.cumsum(steps)))
+    w = np.exp(logw - logw.max())
+    n = np.arange(lo, hi + 1, dtype=float)
+    if hi < C:
+        return float((n * w).sum() / w.sum())
+    rho = lam / nu
+    norm = w[:-1].sum() + w[-1] / (1.0 - rho)
+    mean = (n[:-1] * w[:-1]).sum() + w[-1] * (rho / (1.0 - rho) ** 2 + C / (1.0 - rho))
     return float(mean / norm)
 
 

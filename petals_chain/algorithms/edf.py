@@ -9,8 +9,16 @@ so a job's wait is the wait for a slot, not for an exclusive batch. Two pure pie
 * :func:`predict` — when a new job would get its first and its last token: the wait for a slot with ``ahead``
   jobs served before it is ``max(0, ahead + 1 - free) / mu`` (``mu = sum_k c_k / T_k`` jobs per second, the
   central queue's total service rate of Thm 3.7), then the chain's opening, a prefill step and one step per output
-  token on the fastest chain with a free slot (or the fastest chain when none is free). A job that misses its
-  deadline by this prediction is refused at once (:class:`Prediction`.``doomed``).
+  token on the chain with a free slot (any chain when none is free) that is fastest for that deadline. A job that
+  misses its deadline by this prediction is refused at once (:class:`Prediction`.``doomed``).
+
+  It approximates, and is off where: the jobs ahead and running free slots at the mean rate ``mu`` (as if of the
+  planner's mean length, whatever they are: a few long ones free them later; and full chains step slower than
+  ``T_k`` says unless :class:`StepTimes` has seen them, so it is optimistic under overload); the job runs on the
+  chain best for each deadline (the dispatcher picks by ``T_k``, and jobs that arrive later with an earlier
+  deadline may go first: optimistic); it generates all of ``output_tokens`` (its ``max_tokens``: pessimistic when
+  it stops earlier). On an idle system it is never later than the system for one choice or for ``n`` (the later
+  choices on the slots the first ones free), so it refuses nothing the system would serve in time.
 
 Times are seconds on the caller's monotonic clock; a deadline of ``math.inf`` means none.
 """
@@ -228,7 +236,16 @@ def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: 
     last = max(0, ahead + 1 + siblings - free) / mu
     open_chains = [c for c in usable if c.active < c.capacity] if wait == 0 else usable
     c = _fastest(open_chains, output_tokens)
-    return _verdict(now, wait, c.step_s, output_tokens, ttft_deadline, deadline, last, c.open_s)
+    if siblings and free > ahead:
+        # the request's own choices free slots too: started ``free - ahead`` at once, the later ones follow on those
+        # slots, each after one choice's run (by the mean rate alone, n = 6 on one slot waited 5 mean jobs for
+        # 1-token choices and was refused a deadline an idle chain meets in a fraction of that)
+        waves = siblings // (free - ahead)
+        last = min(last, waves * (c.open_s + c.step_s * (1 + int(output_tokens))))
+    # the first token on the chain that gives it soonest: a deadline on it alone was refused by the time of the
+    # chain best for the last token (one that opens slower), though the other chain had a free slot and met it
+    first = min(x.open_s + x.step_s for x in open_chains)
+    return _verdict(now, wait, c.step_s, output_tokens, ttft_deadline, deadline, last, c.open_s, first)
 
 
 def _fastest(chains: Sequence[ChainLoad], output_tokens: int) -> ChainLoad:
@@ -252,11 +269,13 @@ def _no_chain(chains: Sequence[ChainLoad], ttft_deadline: float, deadline: float
 
 
 def _verdict(now: float, wait: float, step: float, output_tokens: int, ttft_deadline: float,
-             deadline: float, last_wait: float | None = None, open_s: float = 0.0) -> Prediction:
+             deadline: float, last_wait: float | None = None, open_s: float = 0.0,
+             first_s: float | None = None) -> Prediction:
     """A job that waits ``wait`` for a slot, opens its chain in ``open_s``, then runs a prefill and one step per
     output token of ``step`` each; ``last_wait``: the wait of the request's last choice (``n`` > 1), which its
-    deadline is for."""
-    ttft = wait + open_s + step
+    deadline is for; ``first_s``: seconds from its slot to its first token when not ``open_s + step`` (on another
+    chain)."""
+    ttft = wait + (open_s + step if first_s is None else first_s)
     total = (wait if last_wait is None else max(wait, last_wait)) + open_s + step * (1 + int(output_tokens))
     if now + ttft > ttft_deadline:
         return Prediction(wait, ttft, total, True, f"predicted time to first token {ttft * 1000:.0f} ms exceeds "

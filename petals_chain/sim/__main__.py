@@ -23,6 +23,19 @@ from petals_chain.sim.scenarios import DEFAULT_ETA, DEFAULT_J, DEFAULT_LAMBDA, D
 from petals_chain.swarm.jsonsafe import json_safe
 
 FIGS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8")
+REPRODUCE = (*FIGS, "overall", "trace")
+# The sub-commands that read each option (reproduce: any of its own). Given to another, it was accepted and ignored:
+# a --trace to fig5 or multimodel ran on the default data, a --jobs to fig3 changed nothing, and nothing said so.
+USED_BY = {
+    "runs": REPRODUCE, "jobs": ("fig5", "fig6", "fig7", "fig8", "overall"),
+    "quick": (*REPRODUCE, "fairness", "deadlines", "multimodel"),
+    "servers": ("overall", "planner-scale"), "eta": ("overall",), "arrival_rate": ("overall",),
+    "planner_rate": ("planner-scale",), "experiment": ("fairness", "deadlines", "multimodel"),
+    "trace": ("trace", "fairness", "deadlines"), "rtt_file": (*REPRODUCE, "planner-scale"),
+    "requests": ("trace",), "service_scale": ("trace",), "petals_cache_tokens": ("fig8", "overall", "trace"),
+    "bprr_r": ("fig8", "overall"),
+}
+TRACE_EXPERIMENT = {"fairness": "heavy", "deadlines": "load"}  # the one experiment of these that reads --trace
 
 
 def _fmt(v: Any, nd: int = 3) -> str:
@@ -255,8 +268,13 @@ def show(cmd: str, res: dict) -> None:
                 print_table(title, hdr, rows)
             print(f"seed 001: {r['seed_claim']}")
     elif cmd == "planner-scale":
-        print_table("Planner scale (tune_capacity: c* by lower bound + GBP-CR + GCA)", ["J", "seconds", "c", "chains", "λ"],
-                    [[res["servers"], res["seconds"], res["c"], res["chains"], res["arrival_rate"]]])
+        print_table("Planner scale (tune_capacity: c* by lower bound + GBP-CR + GCA)",
+                    ["J", "seconds", "c", "chains", "λ", "chains' rate"],
+                    [[res[k] for k in ("servers", "seconds", "c", "chains", "arrival_rate", "service_rate")]])
+        if not res["stable"]:
+            print(f"unstable: λ = {res['arrival_rate']:g} req/s is not below what the swarm's chains serve "
+                  f"({res['service_rate']:.3f} req/s) at any c: the queue grows without bound; the plan shown is "
+                  "the one that serves the most")
 
 
 def show_fairness(name: str, r: dict) -> None:
@@ -355,7 +373,8 @@ def run_command(cmd: str, a: argparse.Namespace) -> dict:
         names = list(fair.EXPERIMENTS) if a.experiment == "all" else [a.experiment]
         if any(n not in fair.EXPERIMENTS for n in names):
             raise ValueError(f"fairness: --experiment must be one of {', '.join(fair.EXPERIMENTS)} or all")
-        return {n: fair.EXPERIMENTS[n](quick=q, seed=a.seed) for n in names}
+        return {n: fair.EXPERIMENTS[n](quick=q, seed=a.seed, **({"trace": a.trace} if n == "heavy" else {}))
+                for n in names}
     if cmd == "deadlines":
         from petals_chain.sim import deadlines as dl
 
@@ -395,7 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arrival-rate", type=float, default=DEFAULT_LAMBDA, help="lambda for overall (req/s)")
     p.add_argument("--planner-rate", type=float, default=None, help="lambda for planner-scale (default 0.01*J)")
     p.add_argument("--trace", type=str, default=None,
-                   help="Azure trace CSV (default ../shared/data/... or $PETALS_CHAIN_DATA_DIR/..., else synthetic)")
+                   help="Azure trace CSV for trace, deadlines --experiment load and fairness --experiment heavy "
+                        "(default ../shared/data/... or $PETALS_CHAIN_DATA_DIR/..., else synthetic); an option a "
+                        "sub-command does not read is refused")
     p.add_argument("--rtt-file", type=str, default=None,
                    help="RIPE Atlas CSV (default ../shared/data/... or $PETALS_CHAIN_DATA_DIR/..., else synthetic)")
     p.add_argument("--requests", type=int, default=1000, help="trace: replay the first N requests (0 = all)")
@@ -408,8 +429,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _given(argv: Sequence[str] | None) -> set[str]:
+    """The options on the command line (by ``dest``), defaults aside."""
+    probe = build_parser()
+    for x in probe._actions:  # (not set_defaults: its parser-level defaults land in the namespace)
+        if x.option_strings:
+            x.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv))) - {"command"}
+
+
+def unused_option(command: str, experiment: str, given: set[str]) -> str | None:
+    """An error for the first option in ``given`` that ``command`` (``--experiment experiment``) would ignore."""
+    cmds = set(REPRODUCE) if command == "reproduce" else {command}
+    for dest in sorted(given):
+        users = USED_BY.get(dest)
+        flag = "--" + dest.replace("_", "-")
+        if users is not None and not cmds & set(users):
+            return f"{flag} is not used by {command} (only by {', '.join(users)})"
+        if dest == "trace" and command in TRACE_EXPERIMENT and experiment not in ("all", TRACE_EXPERIMENT[command]):
+            return f"--trace is read only by {command} --experiment {TRACE_EXPERIMENT[command]} (or all)"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    unused = unused_option(a.command, a.experiment, _given(argv))
+    if unused:
+        print(f"error: {unused}", file=sys.stderr)
+        return 2
     for name in ("runs", "jobs", "servers", "requests"):
         v = getattr(a, name)
         if v is not None and v < (0 if name == "requests" else 1):
@@ -454,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not os.access(out, os.W_OK | os.X_OK):
             print(f"error: --out {a.out}: not writable", file=sys.stderr)
             return 2
-    cmds = list(FIGS) + ["overall", "trace"] if a.command == "reproduce" else [a.command]
+    cmds = list(REPRODUCE) if a.command == "reproduce" else [a.command]
     results = {}
     for cmd in cmds:
         t0 = time.perf_counter()

@@ -514,7 +514,8 @@ def planner_scale(num_servers: int, *, seed: int = 0, arrival_rate: float | None
     """Wall time of the full planning step (tune_capacity: c* search + GBP-CR + GCA) on a random swarm.
 
     The arrival rate defaults to ``0.01 * J`` req/s (the paper's 0.2 at J=20), so the load per server
-    stays as in §4.1 while the swarm grows.
+    stays as in §4.1 while the swarm grows. ``service_rate``: the chains' total ``sum c_k / T_k`` (req/s);
+    ``stable``: whether the arrival rate is below it (if not, the plan is the one that serves the most).
     """
     from petals_chain.algorithms import tune_capacity
 
@@ -525,6 +526,10 @@ def planner_scale(num_servers: int, *, seed: int = 0, arrival_rate: float | None
     t0, p0 = time.perf_counter(), time.process_time()
     c, placement, chains = tune_capacity(servers, scen_model, lam, DEFAULT_RHO_BAR, method=method)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - p0
+    # above the chains' total rate no c is stable and tune_capacity returns the plan that serves the most: say so
+    # (the c and chains of a rate the swarm cannot serve read as a plan for it)
+    service_rate = float(sum(ch.capacity / ch.service_time for ch in chains))
     # cpu_seconds: this process's CPU time, a fairer number than wall time on a shared machine
     return {"servers": num_servers, "seconds": seconds, "c": int(c), "chains": len(chains), "arrival_rate": lam,
-            "placed_servers": len(placement), "cpu_seconds": cpu}
+            "placed_servers": len(placement), "cpu_seconds": cpu, "service_rate": service_rate,
+            "stable": lam < service_rate}

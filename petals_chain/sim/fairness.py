@@ -634,6 +634,11 @@ def heavy(*, quick: bool = False, seed: int = 0, cost: StepCost = StepCost(), ca
         mean_in, mean_out, cap = sizes(reqs)
         rate = overload * cap
         reqs, _ = trace_workload(weights, rate, duration, path=trace, seed=seed)
+    for c in weights:  # a short trace (a few rows, or one instant) left a client nothing: a ZeroDivisionError below
+        if not any(r.client == c and r.arrival >= warm for r in reqs):
+            raise ValueError(f"{source}: {len(reqs)} requests over the {duration:g} s run, none of client {c} after "
+                             f"the {warm:g} s warm-up: too few rows for the heavy experiment (read once, not "
+                             "round and round)")
     lights = [c for c in weights if c != "heavy"]
     kw = dict(capacity=capacity, cost=cost, cfg=cfg, horizon=duration)
     alone: dict[str, dict[str, float]] = {}
