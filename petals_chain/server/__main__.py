@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
+import signal
 import sys
-from typing import Optional, Sequence
+import threading
+from typing import Any, Optional, Sequence
 
 from petals_chain.swarm.logs import log_level, one_line
 
@@ -197,11 +200,47 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return 2
     from petals_chain.server.server import JoinError
 
+    lost = threading.Event()
     try:
-        return asyncio.run(server.run())
+        code = asyncio.run(_serve(server, lost))
     except JoinError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if lost.is_set():
+        print("error: the server's DHT process died (killed, or out of memory), so it could no longer announce "
+              "itself or follow assignments: stopped; start it again", file=sys.stderr)
+        return 1
+    return code
+
+
+async def _serve(server: Any, lost: Optional[threading.Event] = None) -> int:
+    """``server.run()``, with SIGHUP (its terminal closed, an ssh session ended) stopping it as SIGTERM does: by
+    default it ended the server at once, without the ``offline`` record. Under ``nohup`` (SIGHUP ignored) it is
+    still ignored.
+
+    ``lost``: set when the DHT process dies under the running server, which then stops (it kept running, unseen,
+    every DHT call failing). Not when it was stopping already: systemd's control-group stop kills both at once."""
+    loop = asyncio.get_running_loop()
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        loop.add_signal_handler(signal.SIGHUP, server._on_signal)
+    if lost is None:
+        return await server.run()
+    from petals_chain.swarm.dht import on_dht_lost
+
+    def dht_lost() -> None:
+        if not server._stop.is_set():
+            lost.set()
+            server._on_signal()
+
+    def from_watch_thread(sd: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the server has stopped
+            loop.call_soon_threadsafe(dht_lost)
+
+    on_dht_lost(from_watch_thread)
+    try:
+        return await server.run()
+    finally:
+        on_dht_lost(None)
 
 
 if __name__ == "__main__":

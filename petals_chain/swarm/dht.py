@@ -32,7 +32,7 @@ import signal
 import tempfile
 import threading
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import multihash
 import psutil
@@ -252,6 +252,32 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 DHT_READY_TIMEOUT_S = 120.0  # joining over a slow network takes seconds; a start that takes minutes has hung
 
+_on_lost: Optional[Callable[["SwarmDHT"], None]] = None
+
+
+def on_dht_lost(callback: Optional[Callable[["SwarmDHT"], None]]) -> None:
+    """Call ``callback(sd)`` (from a thread of its own) when the DHT process of a :class:`SwarmDHT` of this process
+    exits before its :meth:`SwarmDHT.shutdown` (``kill -9``, the OOM killer, a crash); None: only log it.
+
+    For the roles' entry points: without its DHT process a role can neither publish nor read a record, and kept
+    running as a member nobody sees (each DHT call failing with "Broken pipe" or timing out) instead of exiting for
+    its supervisor to restart it."""
+    global _on_lost
+    _on_lost = callback
+
+
+def _watch_dht_process(sd: "SwarmDHT") -> None:
+    """Runs in the role (a thread): wait until ``sd``'s DHT process exits; unless shutting down, it is lost."""
+    multiprocessing.connection.wait([sd.dht.sentinel])  # not joined here: shutdown() reaps it
+    if sd._closing:
+        return
+    sd.lost = True
+    logger.error(f"the DHT process (pid {sd.dht.pid}) exited unexpectedly: this node can no longer publish or read "
+                 "swarm records")
+    callback = _on_lost
+    if callback is not None:
+        callback(sd)
+
 
 def _descendants(pid: int) -> list[psutil.Process]:
     """The processes ``pid`` started, and theirs (a DHT process's p2pd)."""
@@ -344,6 +370,10 @@ class SwarmDHT:
         self._prefixes = set(prefixes)
         self._reported_invalid: set[tuple[str, str]] = set()  # (owner peer id, what): warned once each
         self._daemons = _daemons_of(dht)  # p2pd, killed at shutdown if the DHT process died without stopping it
+        self._closing = False
+        self.lost = False  # the DHT process exited before shutdown() (see on_dht_lost)
+        self._watch = threading.Thread(target=_watch_dht_process, args=(self,), name="dht-process-watch", daemon=True)
+        self._watch.start()
 
     @classmethod
     def create(
@@ -661,6 +691,7 @@ class SwarmDHT:
     def shutdown(self) -> None:
         """Stop the DHT process (and its p2pd, also when the DHT process was killed: hivemind's "hard way" after a
         slow shutdown, or a signal)."""
+        self._closing = True
         if self.dht.is_alive():
             self.dht.shutdown()
         self.dht.join(timeout=10)
