@@ -37,6 +37,10 @@ TAU_P_SUSPECT_RATIO = 2.0  # measured tau_p above this multiple of the advertise
 # overflowed int64 in GBP-CR's c tuning (negative slots: chains of capacity 0)
 MEMORY_MAX = 2 ** 50
 STARTS_KEPT = 8  # process starts remembered per server (an older record read late is told from a restart)
+# A server record's lifetime at the servers' default --refresh-s 30 (server/announce.py: it expires 3 x refresh_s after
+# its last publish): a read of the records that names none of the live servers (a DHT get that timed out or reached no
+# node returns nothing) is taken for their silent departure only once that lasts this long (Planner.refresh)
+SERVER_RECORD_TTL_S = 90.0
 
 
 @dataclass
@@ -203,7 +207,7 @@ class Planner:
                  bprr_r: int | None = None, model_fingerprint: str = "", ban_base_s: float = 5.0,
                  ban_max_s: float = 300.0, ban_reset_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
                  job_tokens: int | None = None, prober: Any = None, reach_recheck_s: float = 15.0,
-                 load_deadline_s: float = 600.0):
+                 load_deadline_s: float = 600.0, records_lost_s: float = SERVER_RECORD_TTL_S):
         self.dht = dht
         self.prefix = prefix
         self.prober = prober  # swarm.reachability.Prober; None: servers are not checked (tests of the planner alone)
@@ -267,6 +271,12 @@ class Planner:
         self.group: set[str] | None = None
         self.seen: dict[str, Any] = {}  # every server record of the last refresh, in this group or not
         self.refreshes = 0  # refreshes done (0: nothing of the swarm read yet)
+        # failed reads of the server records in a row (one that raised, or named none of the live servers: see
+        # _failed_read), and since when (planner clock) the reads have named none of them; taken for real after
+        # records_lost_s
+        self.records_lost_s = records_lost_s
+        self.failed_reads = 0
+        self._lost_since: float | None = None
         # Several models (orchestrator/placement.py): ``placed(peer_id, record)`` says whether a server is placed on
         # this model; None: a server is ours unless it serves another of the models it offers.
         self.placed: Callable[[str, Any], bool] | None = None
@@ -865,10 +875,52 @@ class Planner:
                         "it restarted, or they are not its assignment any more")
             self.last_change = time.monotonic()
 
+    def _failed_read(self, records: dict[str, Any] | None, error: str = "") -> bool:
+        """Whether this read of the server records (None: it raised ``error``) is a failed one, to be skipped with
+        every view, ban, assignment and ``seen`` kept: one that raised, or one that names none of this planner's live
+        servers (not even ``offline``) while that has lasted less than ``records_lost_s``. Such a read is what a
+        DHT get that timed out or reached no node returns in a network blip of this host; taken as every server
+        leaving, it published an empty assignment and every server unloaded its blocks. Servers that all die
+        silently are seen gone ``records_lost_s`` later than their records expire: nobody was left to serve anyway."""
+        live = [p for p, v in self.servers.items() if v.record.state != "offline"]
+        if records is not None and (not live or any(p in records for p in live)):
+            if self.failed_reads:
+                logger.info("server records read again after %d failed read(s)", self.failed_reads)
+            self.failed_reads, self._lost_since = 0, None
+            return False
+        now = self.clock()
+        if records is not None:
+            if self._lost_since is None:
+                self._lost_since = now
+            if now - self._lost_since >= self.records_lost_s:  # 0: at once (the planner before)
+                logger.warning("the server records have named none of the %d live servers for %.0f s (a record lives "
+                               "%.0f s unless refreshed): taking them as gone", len(live), now - self._lost_since,
+                               self.records_lost_s)
+                self.failed_reads, self._lost_since = 0, None
+                return False
+        self.failed_reads += 1
+        # once per streak: a blip of minutes read every refresh_s must not fill the log
+        log = logger.warning if self.failed_reads == 1 else logger.debug
+        if records is None:
+            log("reading the server records failed (%s): keeping the %d live servers and the assignment, reading "
+                "again", error, len(live))
+        else:
+            log("a read of the server records names none of the %d live servers (%d record(s)): taken for a failed "
+                "read (the DHT unreachable?), keeping them and the assignment unless it lasts %.0f s", len(live),
+                len(records), self.records_lost_s)
+        return True
+
     async def refresh(self) -> None:
-        """Fetch records, ping, and react to joins, leaves and state changes."""
+        """Fetch records, ping, and react to joins, leaves and state changes (a failed read changes nothing:
+        :meth:`_failed_read`)."""
         async with self._lock:
-            records = await self.dht.afetch_servers(self.prefix)
+            try:
+                records = await self.dht.afetch_servers(self.prefix)
+            except Exception as e:  # noqa: BLE001 - a DHT error is a failed read (_failed_read), not a planner error
+                self._failed_read(None, f"{type(e).__name__}: {e}")
+                return
+            if self._failed_read(records):
+                return
             refused = {}
             for peer_id, rec in list(records.items()):
                 if self.model_fingerprint and rec.model_fingerprint != self.model_fingerprint:
