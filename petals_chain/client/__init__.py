@@ -118,7 +118,27 @@ def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, s
     return body
 
 
+def _not_an_orchestrator(resp: httpx.Response) -> ClientError:
+    """ClientError 502 ``bad_reply`` for a reply that is not what an orchestrator sends (a web page, a proxy's page):
+    a URL that is not an orchestrator's raised a bare JSONDecodeError, and a stream from it yielded nothing."""
+    kind = resp.headers.get("content-type") or "no content type"
+    return ClientError(502, f"{resp.request.url} answered HTTP {resp.status_code} with {kind}, not what an "
+                       "orchestrator sends: is it the orchestrator's URL?", "bad_reply")
+
+
+def _json(resp: httpx.Response) -> Any:
+    """The reply's JSON body (ClientError 502 ``bad_reply`` for anything else)."""
+    try:
+        return resp.json()
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        raise _not_an_orchestrator(resp) from None
+
+
 def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
+    kind = resp.headers.get("content-type")
+    if kind is not None and not kind.startswith("text/event-stream"):  # orchestrators name theirs
+        resp.read()
+        raise _not_an_orchestrator(resp)
     for line in resp.iter_lines():
         if not line.startswith("data:"):
             continue
@@ -291,19 +311,19 @@ class Client:
         if self._model is None:
             r = self._request("GET", "/v1/models")
             _raise_for(r)
-            self._model = r.json()["data"][0]["id"]
+            self._model = _json(r)["data"][0]["id"]
         return self._model
 
     def swarm(self) -> dict:
         """The orchestrator's ``GET /api/v1/swarm`` (servers, chains, queue, plan)."""
         r = self._request("GET", "/api/v1/swarm")
         _raise_for(r)
-        return r.json()
+        return _json(r)
 
     def healthz(self) -> dict:
         r = self._request("GET", "/healthz")
         _raise_for(r)
-        return r.json()
+        return _json(r)
 
     # ---- one-shot generation ----
     def complete(self, prompt: str | list[int], *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
@@ -316,7 +336,7 @@ class Client:
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._request("POST", "/v1/completions", json=body)
         _raise_for(r)
-        data = r.json()
+        data = _json(r)
         ch = data["choices"][0]
         info = (data.get("petals_chain") or [{}])[0]
         return Completion(text=ch["text"], token_ids=info.get("token_ids", []), finish_reason=ch["finish_reason"],
@@ -400,7 +420,7 @@ class Client:
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._request("POST", "/v1/chat/completions", json=body)
         _raise_for(r)
-        data = r.json()
+        data = _json(r)
         ch = data["choices"][0]
         info = (data.get("petals_chain") or [{}])[0]
         return Completion(text=ch["message"]["content"], token_ids=info.get("token_ids", []),
@@ -443,7 +463,7 @@ class ClientSession:
         r = client._request("POST", "/api/v1/sessions", json=body, resend=False)
         _raise_for(r)
         self._http = client._http  # the session lives on this orchestrator
-        data = r.json()
+        data = _json(r)
         self.id: str = data["session_id"]
         self.max_length: int = data["max_length"]
         self.closed = False
@@ -469,7 +489,7 @@ class ClientSession:
         with _transport_errors(self._http):
             r = self._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
         _raise_for(r)
-        d = r.json()
+        d = _json(r)
         self.last = Completion(text=d["text"], token_ids=d["token_ids"], finish_reason=d["finish_reason"],
                                usage=d["usage"], wait_s=d["wait_s"], service_s=d["service_s"], chain=d["chain"],
                                failovers=d["failovers"], logprobs=d.get("logprobs"))
@@ -536,7 +556,7 @@ class ClientSession:
         with _transport_errors(self._http):
             r = self._http.get(f"/api/v1/sessions/{self.id}")
         _raise_for(r)
-        return r.json()
+        return _json(r)
 
     def close(self) -> None:
         if self.closed:
@@ -630,7 +650,7 @@ class AutoDistributedModelForCausalLM:
             body["stop_token_ids"] = [int(x) for x in stops]
         r = self.client._request("POST", "/v1/completions", json=body)
         _raise_for(r)
-        data = r.json()
+        data = _json(r)
         new = [info["token_ids"] for info in data["petals_chain"]]
         pad = pad_token_id if pad_token_id is not None else self.pad_token_id
         width = max(len(t) for t in new)

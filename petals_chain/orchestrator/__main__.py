@@ -11,13 +11,8 @@ import os
 import re
 import signal
 import sys
+import urllib.parse
 
-from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
-from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES as DISPATCHES
-from petals_chain.orchestrator.dispatch import SCHEDULES
-from petals_chain.algorithms.multimodel import PLACEMENT_RULES
-from petals_chain.orchestrator.placement import PLACEMENT_INDEXES, PLACEMENT_POLICIES
-from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
 from petals_chain.swarm.logs import log_level
 
 logger = logging.getLogger("petals_chain.orchestrator")
@@ -98,6 +93,14 @@ def _max_length(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # imported here, not at the top: they take seconds (torch), and a Ctrl-C meanwhile is then main()'s to answer
+    from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
+    from petals_chain.algorithms.multimodel import PLACEMENT_RULES
+    from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES as DISPATCHES
+    from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
+    from petals_chain.orchestrator.dispatch import SCHEDULES
+    from petals_chain.orchestrator.placement import PLACEMENT_INDEXES, PLACEMENT_POLICIES
+
     p = argparse.ArgumentParser(prog="python -m petals_chain.orchestrator", description=__doc__)
     p.add_argument("--model", required=True, action="append", metavar="[NAME=]SOURCE",
                    help="a short name (smollm2-135m; fetched by scripts/setup.sh), a .gguf file, an HF-format "
@@ -161,9 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--api-keys and a client-fair --fairness, one client may hold 4x the places left free after "
                         "it)")
     p.add_argument("--client-max-inflight", type=_positive_int, default=256,
-                   help="running + queued requests per client (API key, else IP); more get 429")
+                   help="running + queued requests per client (API key; without --api-keys every request is one "
+                        "anonymous client); more get 429")
     p.add_argument("--client-max-sessions", type=_positive_int, default=64,
-                   help="open multi-turn sessions per client (API key, else IP)")
+                   help="open multi-turn sessions per client (API key; without --api-keys every request is one "
+                        "anonymous client)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024, help="request body limit (413)")
     p.add_argument("--max-sessions", type=_positive_int, default=1024,
                    help="open multi-turn sessions in total, all clients together; more get 429")
@@ -334,16 +339,16 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
         o.cfg.port = port
         o.http_url = cfg.public_url or f"{scheme}://{host}:{port}"
         o.local_url = f"{scheme}://{f'[{local}]' if ':' in local else local}:{port}"
-    for o in orchs:
-        print(f"Loading {o.cfg.model} (embeddings, final norm, LM head)...", flush=True)
-        await asyncio.to_thread(o.load_model)
     started: list[Orchestrator] = []
     placer, placer_task = None, None
     loop = asyncio.get_running_loop()
     stop_starting = _StopWhileStarting(asyncio.current_task())
     for sig in (signal.SIGINT, signal.SIGTERM):  # SIGTERM's default ended us at once, the DHT node left running
-        loop.add_signal_handler(sig, stop_starting)
+        loop.add_signal_handler(sig, stop_starting, sig)
     try:  # a failure before serving stops what started (the DHT process and p2pd would outlive us)
+        for o in orchs:
+            print(f"Loading {o.cfg.model} (embeddings, final norm, LM head)...", flush=True)
+            await asyncio.to_thread(o.load_model)
         await _start(orch, started)
         for o in orchs[1:]:  # the other models use the first one's DHT node
             await _start(o, started, shared=orch)
@@ -405,16 +410,40 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
 
 
 class _StopWhileStarting:
-    """The signal handler while the orchestrators start: cancels the starting task (once)."""
+    """The signal handler while the orchestrators start: the first signal cancels the starting task, which stops
+    once the step under way ends (a model load or a DHT join runs on in its thread); a second one stops at once."""
 
     def __init__(self, task: asyncio.Task) -> None:
         self.task, self.requested = task, False
 
-    def __call__(self) -> None:
-        if not self.requested:
-            self.requested = True
-            logger.info("stopping once the DHT node has started")
-            self.task.cancel()
+    def __call__(self, signum: int = signal.SIGINT) -> None:
+        if self.requested:
+            _stop_now(signum)  # does not return
+            return
+        self.requested = True
+        logger.info("stopping once the model has loaded or the DHT node has started (a second %s stops at once)",
+                    "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+        self.task.cancel()
+
+
+def _stop_now(signum: int) -> None:
+    """Exit now with ``128 + signum`` (130 for Ctrl-C), without waiting for the thread that loads the model or joins
+    the DHT (neither can be interrupted), once this process's children are killed: the DHT process and its p2pd run
+    in a process group of their own (swarm/dht.py) and would stop only a moment later (their watchdog)."""
+    print(f"stopped at once ({signal.Signals(signum).name} again while starting)", file=sys.stderr, flush=True)
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+    except Exception:  # noqa: BLE001 - best effort: the DHT process's watchdog stops it and p2pd anyway
+        children = []
+    for child in children:  # psutil checks each one's start time: a pid reused meanwhile is left alone
+        try:
+            child.kill()
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+    sys.stdout.flush()
+    os._exit(128 + signum)
 
 
 async def _start(o, started: list, shared=None) -> None:
@@ -433,6 +462,14 @@ async def _start(o, started: list, shared=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before serve() handles signals (imports, checks): no traceback
+        print("interrupted while starting", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not (0 < args.rho_bar <= 1):
@@ -455,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no such file: {path}")
     if args.public_url and not re.match(r"^https?://[^/\s]+(/\S*)?$", args.public_url):
         parser.error(f"--public-url must be an http:// or https:// URL, got {args.public_url!r}")
+    if args.public_url:
+        try:  # other orchestrators forward requests there (--group-with): each forward failed
+            urllib.parse.urlsplit(args.public_url).port
+        except ValueError as e:
+            parser.error(f"--public-url {args.public_url!r}: {e}")
     level = log_level(parser, args.log_level)
     if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
         parser.error(f"--ready-file {args.ready_file}: no such directory")  # found only once all had started
@@ -473,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            args.p2p_port)
     except ValueError as e:
         parser.error(str(e))
-    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+    from petals_chain.orchestrator.core import JoinError, Orchestrator, OrchestratorConfig
     from petals_chain.orchestrator.models import parse_models
 
     try:
@@ -545,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             reload_s=args.model_reload_s, index=args.placement_index, rule=args.placement_rule)))
     except KeyboardInterrupt:
         pass
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, JoinError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -86,6 +86,8 @@ class KeyRing:
             text = Path(path).read_text()
         except OSError as e:
             raise KeyFileError(f"cannot read the API key file {path}: {e}") from None
+        except UnicodeDecodeError as e:  # a binary file, or another encoding: a traceback before
+            raise KeyFileError(f"the API key file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         keys, digests = [], set()
         for lineno, raw in enumerate(text.splitlines(), 1):
             line = raw.split("#", 1)[0].strip()

@@ -38,12 +38,17 @@ from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.reachability import Prober
 from petals_chain.swarm.rpc import RemoteError
 
-__all__ = ["Emit", "Generation", "Orchestrator", "OrchestratorConfig", "RequestError", "Unavailable", "UserSession"]
+__all__ = ["Emit", "Generation", "JoinError", "Orchestrator", "OrchestratorConfig", "RequestError", "Unavailable",
+           "UserSession"]
 
 logger = logging.getLogger(__name__)
 
 PLACEMENTS = PLACEMENT_POLICIES
 DISPATCHES = DISPATCH_POLICIES
+
+
+class JoinError(RuntimeError):
+    """The DHT node could not start or join the swarm (unreachable initial peers, a bad identity file, ...)."""
 
 
 def fairness_policy_name(cfg: "OrchestratorConfig") -> str:
@@ -326,9 +331,14 @@ class Orchestrator(GenerationMixin, SessionMixin):
             if self.cfg.relay_service:
                 # go-libp2p serves as a relay only while it believes it is publicly reachable; servers dial us
                 dht_kwargs["force_reachability"] = "public"
-            self.dht = await asyncio.to_thread(
-                SwarmDHT.create, initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
-                identity_path=self.cfg.identity_path, prefix=self.prefix, **dht_kwargs)
+            try:
+                self.dht = await asyncio.to_thread(
+                    SwarmDHT.create, initial_peers=self.cfg.initial_peers, host_maddrs=self.cfg.host_maddrs,
+                    identity_path=self.cfg.identity_path, prefix=self.prefix, **dht_kwargs)
+            except Exception as e:  # hivemind's P2PDaemonError, protobuf's DecodeError, ...: a traceback before
+                peers = f"via {list(self.cfg.initial_peers)}" if self.cfg.initial_peers else "(a new swarm)"
+                key = f" with --identity-path {self.cfg.identity_path}" if self.cfg.identity_path else ""
+                raise JoinError(f"the DHT node could not start {peers}{key}: {type(e).__name__}: {e}") from e
         self._p2p = await self.dht.replicate_p2p()
         if self._owns_dht:
             self.frontdoor = PetalsChainFrontdoor(self.prober)

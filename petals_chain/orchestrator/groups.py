@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.herd import GroupServer, assign_server_groups, solve_server_groups, split_score
-from petals_chain.orchestrator.forward import SessionOwners
+from petals_chain.orchestrator.forward import SessionOwners, warm_up
 from petals_chain.swarm.periodic import run_every
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class GroupCoordinator:
         self._published: tuple | None = None
         self._view_since: float | None = None  # when the planner first read the servers' records (this clock)
         self._started_at: float | None = None  # this coordinator's first step (this clock)
+        warm_up()  # requests are forwarded only with groups: the first one no longer pays for httpx's setup
 
     # ---- state ---------------------------------------------------------------------------------
     def live(self) -> list[str]:
