@@ -11,6 +11,7 @@ temperature below 1e-5 is greedy (vLLM's epsilon) and ``repetition_penalty`` is 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -84,11 +85,19 @@ def _check_json_kind(name: str, value: Any, annotation: Any) -> None:
     if isinstance(value, bool) and _only(annotation, (int, float)):
         raise FieldError(name, f"{name} must be a number, not {json.dumps(value)}")
     if not isinstance(value, bool) and _only(annotation, (bool,)):
-        raise FieldError(name, f"{name} must be true or false, not {json.dumps(value)[:40]}")
+        raise FieldError(name, f"{name} must be true or false, not {_shown(value)}")
     inner = _bool_for_number(value, annotation)
     if inner:
         path = ".".join([name, *map(str, inner[:-1])])
         raise FieldError(path, f"{path} must be a number, not {json.dumps(inner[-1])}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error quotes it: a scalar's JSON (40 characters at most), an array's or object's kind (their
+    JSON can nest past the recursion limit: ``json.dumps`` raised RecursionError, a 500)."""
+    if isinstance(value, (list, dict)):
+        return _json_kind(value)
+    return json.dumps(value[:40] if isinstance(value, str) else value)[:40]
 
 
 def _members(annotation: Any) -> list:
@@ -98,20 +107,34 @@ def _members(annotation: Any) -> list:
             for a in args if a is not type(None)]
 
 
+@functools.lru_cache(maxsize=256)
+def _item_plan(annotation: Any, origin: type) -> tuple[Any, bool] | None:
+    """What the items of an ``origin`` (list or dict) that ``annotation`` admits may be: ``(item annotation,
+    whether they take numbers and not booleans)``, None if it admits no such container. Cached: a prompt of 100k
+    one-token lists asked it per list, which took longer than pydantic's whole validation of the body."""
+    items = [typing.get_args(m)[-1] for m in _members(annotation)
+             if typing.get_origin(m) is origin and typing.get_args(m)]
+    if not items:
+        return None
+    item = items[0] if len(items) == 1 else Union[tuple(items)]
+    kinds = _members(item)
+    return item, any(k in (int, float) for k in kinds) and not any(k in (bool, Any) for k in kinds)
+
+
 def _bool_for_number(value: Any, annotation: Any) -> list | None:
     """Where in ``value`` (a list or dict) a JSON boolean stands for a number ``annotation`` takes there (pydantic's
     lax mode reads it as 0 or 1): that item's path, then the boolean; None if nowhere."""
     for container, origin, key_of in ((list, list, enumerate), (dict, dict, lambda d: d.items())):
         if not isinstance(value, container):
             continue
-        items = [typing.get_args(m)[-1] for m in _members(annotation)
-                 if typing.get_origin(m) is origin and typing.get_args(m)]
-        if not items:
+        try:
+            plan = _item_plan(annotation, origin)
+        except TypeError:  # an unhashable annotation: not cached
+            plan = _item_plan.__wrapped__(annotation, origin)
+        if plan is None:
             return None
-        item = items[0] if len(items) == 1 else Union[tuple(items)]
-        kinds = _members(item)
+        item, numbers = plan
         present = set(map(type, value if container is list else value.values()))  # at C speed: a prompt's ids
-        numbers = any(k in (int, float) for k in kinds) and not any(k in (bool, Any) for k in kinds)
         if not (bool in present and numbers or list in present or dict in present):
             return None
         for key, v in key_of(value):
@@ -259,7 +282,7 @@ class ContentPart(_Base):
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("type") != "text":  # an image: said so, not "unknown field image_url"
-            raise ValueError(f"only text content parts are supported, not {json.dumps(data.get('type'))[:40]}")
+            raise ValueError(f"only text content parts are supported, not {_shown(data.get('type'))}")
         return data
 
 
@@ -282,6 +305,11 @@ class ChatMessage(_Base):
         if isinstance(data, dict) and data.get("role") in ("tool", "function"):
             raise FieldError("role", f"a message of role {json.dumps(data['role'])} (a tool's result) is not "
                                      "supported by this server: it offers no tools")
+        if isinstance(data, dict):
+            # the assistant's tool call an OpenAI client sends back comes with content null: refused for its call,
+            # not as "content: Input should be a valid string" (the after-validator runs only once content passed)
+            for name in ("tool_calls", "function_call"):
+                _unsupported(data.get(name), name, (None, [], ""), f"a message's {name}")
         return data
 
     @pydantic.model_validator(mode="after")

@@ -11,9 +11,11 @@ Each generation keeps a :class:`DraftState` (the draft model's KV cache and the 
 rolls the cache back to what it shares with the sequence now (rejected drafts are dropped) and feeds only the
 rest. The model runs in its own worker thread, off the event loop, one call at a time. Drafts are only guesses:
 a draft model that fails (an error, out of memory) stops drafting for that generation, which goes on without
-drafts (the output is the same), instead of failing the request. So does a call that takes longer than
-:attr:`DraftModel.timeout_s` (a hung or far too slow draft model): a thread cannot be stopped, so until that call
-ends in the worker every generation's draft is [] at once rather than queued behind it.
+drafts (the output is the same), instead of failing the request. So does a call whose model finishes no forward
+within :attr:`DraftModel.timeout_s` (a hung draft model; a long feed runs in pieces of ``DRAFT_CHUNK_TOKENS``, so a
+slow model's long prompt is not taken for it): a thread cannot be stopped, so until that call ends in the worker
+every generation's draft is [] at once rather than queued behind it. A call still queued after ``timeout_s`` (the
+worker busy with other generations' calls) is dropped: that step goes without a draft, the generation drafts on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from typing import Any
 
 import torch
@@ -30,9 +33,12 @@ from petals_chain.swarm.checkpoint import cache_kwarg
 
 logger = logging.getLogger(__name__)
 
-# Seconds a draft call may take, its wait behind other generations' calls included: far above a small draft model's
-# k tokens (and a first call's prompt) on a CPU, far below a stall anyone would wait out
+# Seconds a running draft call may go without finishing a forward (of one token, or of a prompt's piece), and a
+# queued one may wait for the worker: far above a small draft model's forward on a CPU, far below a stall anyone
+# would wait out. Not a bound on the whole call: a first call feeds the whole prompt (SmolLM2-135M took 31 s for
+# 2k tokens on a loaded 2-core CPU)
 DRAFT_TIMEOUT_S = 10.0
+DRAFT_CHUNK_TOKENS = 128  # a longer feed (a prompt) runs as forwards of this many tokens
 
 
 class DraftState:
@@ -56,6 +62,7 @@ class DraftModel:
         self._cache_arg = cache_kwarg(model)
         self.failures = 0  # generations whose drafting failed or timed out (they went on without drafts)
         self._stuck: concurrent.futures.Future | None = None  # a call that timed out, still running in the worker
+        self._progress = 0.0  # time.monotonic() when the worker last started a call or finished a forward
 
     @classmethod
     def load(cls, source: Any, name: str, num_layers: int | None = None, dtype: Any = None,
@@ -67,28 +74,45 @@ class DraftModel:
 
     async def draft(self, state: DraftState, context: list[int], k: int) -> list[int]:
         """Up to ``k`` greedy draft tokens after ``context`` (the whole sequence so far); [] from the first failure of
-        the draft model on, or its first call past :attr:`timeout_s` (logged, counted in :attr:`failures`), and []
-        while such a call still runs in the worker."""
+        the draft model on, or its first call that finished no forward within :attr:`timeout_s` (logged, counted in
+        :attr:`failures`); [] while such a call still runs in the worker, and for a call the worker did not start
+        within :attr:`timeout_s`."""
         if k <= 0 or not context or state.failed:
             return []
         if self._stuck is not None:
             if not self._stuck.done():
                 return []  # the worker is still busy with a call that timed out: queueing would wait for it
             self._stuck = None
+        submitted = time.monotonic()
         call = self._pool.submit(self._draft, state, list(context), k)
+        waiting = asyncio.wrap_future(call)
         try:
-            async with asyncio.timeout(self.timeout_s):  # not wait_for: it can swallow our cancellation
-                return await asyncio.wrap_future(call)
-        except TimeoutError:
-            if call.cancel():  # still queued behind another generation's call (which its own timeout marks)
-                return []
-            if not call.done():
-                self._stuck = call
-            self._give_up(state, f"no draft within {self.timeout_s} s")
-            return []
+            while not call.done():
+                now = time.monotonic()
+                if not call.running():  # queued behind other generations' calls
+                    if now - submitted >= self.timeout_s:
+                        if call.cancel():
+                            return []  # no draft this step (the worker is busy): not this generation's fault
+                        continue  # it has just started
+                    left = submitted + self.timeout_s - now
+                else:
+                    left = max(submitted, self._progress) + self.timeout_s - now
+                    if left <= 0:
+                        break  # no forward finished for timeout_s: hung (a slow model finishes its pieces)
+                # not asyncio.timeout around the call: a long prompt's legit first call would pass any fixed bound
+                await asyncio.wait([waiting], timeout=left)
+            else:
+                return call.result()
+        except asyncio.CancelledError:
+            waiting.cancel()  # the generation is gone: a queued call never runs (a running one ends in the worker)
+            raise
         except Exception as e:  # noqa: BLE001 - a draft is a guess: its model failing must not fail the request
             self._give_up(state, f"{type(e).__name__}: {e}")
             return []
+        waiting.cancel()  # its result, whenever it comes, is not awaited
+        self._stuck = call
+        self._give_up(state, f"no forward finished within {self.timeout_s} s")
+        return []
 
     def _give_up(self, state: DraftState, why: str) -> None:
         """No more drafts for the generation of ``state``."""
@@ -99,6 +123,7 @@ class DraftModel:
     def _draft(self, state: DraftState, context: list[int], k: int) -> list[int]:
         from transformers import DynamicCache
 
+        self._progress = time.monotonic()  # this call's start: its first piece is timed from here, not its queueing
         with torch.inference_mode():
             if state.cache is None:
                 state.cache, state.ids = DynamicCache(config=self.model.config), []
@@ -116,9 +141,12 @@ class DraftModel:
             out: list[int] = []
             device = self.model.device
             for _ in range(k):
-                logits = self.model(input_ids=torch.tensor([feed], device=device), use_cache=True,
-                                    **{self._cache_arg: state.cache}).logits[0, -1]
-                state.ids += feed
+                for i in range(0, len(feed), DRAFT_CHUNK_TOKENS):  # a long prompt in pieces: each one is progress
+                    piece = feed[i:i + DRAFT_CHUNK_TOKENS]
+                    logits = self.model(input_ids=torch.tensor([piece], device=device), use_cache=True,
+                                        **{self._cache_arg: state.cache}).logits[0, -1]
+                    state.ids += piece
+                    self._progress = time.monotonic()
                 tok = int(torch.argmax(logits))
                 out.append(tok)
                 feed = [tok]
