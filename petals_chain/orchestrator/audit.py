@@ -7,7 +7,9 @@ outputs per token (relative L2 error, :func:`relative_error`) against a toleranc
 disagreement is broken by a third server; the minority gets a strike (:mod:`petals_chain.algorithms.audit`),
 and a server whose decayed strikes reach the threshold is banned for good: it is not planned again, jobs on a
 chain through it drop the chain and replay their tokens on honest servers, and prefix caches are re-keyed
-(``salt``) because KV that servers downstream of it computed from its replies must never be reused. Audits never
+(``salt``) because KV that servers downstream of it computed from its replies must never be reused. A cached page
+is named by its tokens only, not by the servers upstream of it, so jobs whose chains reused cached or forked KV
+named before the ban replay too (``ChainHolder._untrusted``), even on chains without the banned server. Audits never
 delay the job: they run beside it, and a step that cannot be audited (no second server, a busy one, inputs no
 longer kept) is counted and skipped.
 
@@ -86,7 +88,7 @@ class Auditor:
         self.tolerance = tolerance
         self.book = StrikeBook(threshold, half_life_s)
         self.rng = random.Random(seed)
-        self.epoch = 0  # prefix-cache key epoch: bumped by every ban
+        self.epoch = 0  # prefix-cache key epoch: bumped by every ban (KV reused under an older one is replayed)
         self._tasks: set[asyncio.Task] = set()
         self.counts = {"sampled": 0, "probes": 0, "audits": 0, "agreed": 0, "disagreed": 0, "inconclusive": 0,
                        "strikes": 0, "bans": 0, "skipped_no_auditor": 0, "skipped_busy": 0, "skipped_no_history": 0,

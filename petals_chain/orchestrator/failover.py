@@ -85,6 +85,12 @@ class ChainHolder:
         self.relay = relay  # "orchestrator" | "push" for the chains this job opens; None: --relay
         self.cached_tokens = 0  # tokens the last chain opened held in its servers' prefix caches (not computed)
         self.reused_tokens = 0  # leading tokens of the last feed's sequence whose KV was not computed by it
+        # Provenance of KV the current chain holds but did not compute (a prefix-cache hit, a fork): a cached page
+        # is named by its tokens and the salt only, not by the servers upstream of it, so it may come from a job
+        # through a server banned since. kv_epoch: the auditor's epoch when the reused pages were named (None:
+        # nothing reused); kv_peers: the servers a forked sibling's KV came from, beyond this chain's own.
+        self.kv_epoch: int | None = None
+        self.kv_peers: frozenset[str] = frozenset()
         # Fair sharing (fairness.py): the API key name of the request that made this job, the leading tokens of its
         # sequence its client was charged for, and the chain charged last
         self.client = CLIENT.get()
@@ -130,6 +136,7 @@ class ChainHolder:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
             # named per attempt: a ban while the job waited changes the salt (no prefix cached before it matches)
             named = prefix_hashes(prompt[:-1], auditor.salt if auditor is not None else b"") if prompt else b""
+            named_epoch = auditor.epoch if auditor is not None else 0
             paid = self.paid
             job = DispatchJob(job_id=self.job_id, requeue=self.admitted,
                               prefer=orch.prefix_directory.preferred(named) if named else (), client=self.client,
@@ -205,8 +212,15 @@ class ChainHolder:
             orch.chain_sessions.add(cs)  # from its open on: a server declared failed aborts a long open too
             opened = False
             fork = self._fork_candidate(lease)
+            # read before the open's awaits: the sibling may drop its chain (and forget its provenance) meanwhile
+            source = self.fork_source[0] if fork is not None else None
+            fork_trust = (source.kv_peers | fork[0].peers_used, source.kv_epoch) if source is not None else None
+            retry_s = 0.0
             for attempt in range(60):
                 try:
+                    if retry_s:  # in the try: a cancellation while the job waits to retry gives the lease back
+                        await asyncio.sleep(retry_s)
+                        retry_s = 0.0
                     if fork is not None:
                         try:
                             await cs.open(fork_from=fork[0], fork_length=fork[1])
@@ -239,7 +253,7 @@ class ChainHolder:
                     elif e.no_capacity:
                         break  # its queue time is up: refused below
                     if e.no_capacity and attempt < 59:
-                        await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
+                        retry_s = min(0.5, 0.02 * (attempt + 1))
                         continue
                     self.failovers += 1
                     orch.stats.add_failover()
@@ -265,11 +279,15 @@ class ChainHolder:
                 self.paid = max(self.paid, need - self.drafted)
                 if fork is None:
                     self.kv_valid = self.cached_tokens = cs.cached_tokens
+                    self.kv_epoch, self.kv_peers = (named_epoch if cs.cached_tokens else None), frozenset()
                     self.inputs.clear()
                     if cs.cached_tokens:
                         orch.stats.add_prefix_hit(cs.cached_tokens)
                 else:
                     self.inputs.copy_prefix(self.fork_source[0].inputs, fork[1])
+                    # the sibling's KV: whoever computed it (a hop it replaced during our open too), and its reuse
+                    self.kv_peers = frozenset(fork_trust[0] | fork[0].peers_used)
+                    self.kv_epoch = fork_trust[1]
             else:
                 orch.chain_sessions.discard(cs)
                 if shares is not None:
@@ -317,12 +335,15 @@ class ChainHolder:
             shares.abandoned(job, time.monotonic() - began)
 
     def _fork_candidate(self, lease: Lease) -> tuple[ChainSession, int] | None:
-        """The sibling's session to copy the prefix KV from, if it runs on exactly the hops of ``lease``."""
+        """The sibling's session to copy the prefix KV from, if it runs on exactly the hops of ``lease`` and its KV
+        is trusted (a sibling that has not yet stepped since a ban still holds KV it is about to replay)."""
         if self.fork_source is None or self.kv_valid:
             return None
         sibling, n = self.fork_source
         cs = sibling.cs
         if cs is None or sibling.kv_valid < n or cs.hops != lease.hops or self.kv_ids[:n] != sibling.kv_ids[:n]:
+            return None
+        if sibling._untrusted():
             return None
         return cs, n
 
@@ -338,13 +359,26 @@ class ChainHolder:
         self.kv_valid = min(self.kv_valid, keep)
         return list(target[keep:])
 
+    def _untrusted(self) -> bool:
+        """Whether the current chain's KV may come from a banned server's replies: one of the servers that fed it
+        (its hops, replaced ones, a forked sibling's) is banned, or it reused KV named before a ban (cached pages
+        carry no record of the servers upstream of them: a later hop's pages made behind a liar match a job whose
+        earlier hop is honest)."""
+        auditor = getattr(self.orch, "auditor", None)
+        if auditor is None or self.cs is None:
+            return False
+        if auditor.tainted(self.cs.peers_used) or auditor.tainted(self.kv_peers):
+            return True
+        return self.kv_epoch is not None and self.kv_epoch != auditor.epoch
+
     async def _drop(self) -> None:
         cs, lease = self.cs, self.lease
         held = self.kv_ids[:self.kv_valid]  # every hop holds their KV: servers may keep it as cached prefixes
         auditor = getattr(self.orch, "auditor", None)
-        if cs is not None and auditor is not None and auditor.tainted(cs.peers_used):
-            held = []  # computed from a banned server's replies: never offered to a later job
+        if self._untrusted():
+            held = []  # maybe computed from a banned server's replies: never offered to a later job
         self.cs, self.lease, self.kv_valid = None, None, 0
+        self.kv_epoch, self.kv_peers = None, frozenset()
         self.inputs.clear()
         named = prefix_hashes(held, auditor.salt if auditor is not None else b"") if held else b""
         if lease is not None and named:
@@ -431,11 +465,11 @@ class ChainHolder:
                                          need=len(full))
             finally:
                 self.drafted = 0
-            auditor = getattr(self.orch, "auditor", None)
-            if auditor is not None and auditor.tainted(self.cs.peers_used):
-                # A server of this chain was caught returning wrong results: what its hops downstream hold was
-                # computed from them. Replay every token on a chain without it (not charged as a failover).
-                logger.warning("job %s: its chain runs through a banned server; replaying %d tokens elsewhere",
+            if self._untrusted():
+                # A server of this chain (or one whose replies its reused KV came from) was caught returning wrong
+                # results: what the hops downstream of it hold was computed from them. Replay every token on a
+                # chain that computes them itself (not charged as a failover).
+                logger.warning("job %s: its KV may come from a banned server; replaying %d tokens elsewhere",
                                self.job_id, len(full))
                 self.kv_valid = 0
                 await self._drop()
