@@ -198,3 +198,22 @@ def test_a_job_cancelled_while_it_waits_to_open_again_on_a_full_chain_gives_its_
         await holder.close()
 
     run(monkeypatch, body)
+
+
+def test_every_open_counts_its_lookup_so_the_prompt_cache_hit_rate_stays_within_one(monkeypatch):
+    """Two opens of one prompt (two choices, or a failover's reopen) each reuse 32 of its 50 tokens: the hit rate is
+    64 of the 100 tokens looked up (it counted the hits of every open against the prompt's tokens counted once per
+    request, and passed 1)."""
+    prompt = list(range(100, 150))
+
+    async def body():
+        orch = make_orch()
+        FakeChainSession.cache.update(split_hashes(prefix_hashes(prompt[:32])))
+        holders = [ChainHolder(orch, "c", 64) for _ in range(2)]
+        for h in holders:
+            await h.feed(prompt)
+        assert orch.stats.prefix_json()["prompt_cache_hit_rate"] == 64 / 100
+        for h in holders:
+            await h.close()
+
+    run(monkeypatch, body)

@@ -281,8 +281,9 @@ class ChainHolder:
                     self.kv_valid = self.cached_tokens = cs.cached_tokens
                     self.kv_epoch, self.kv_peers = (named_epoch if cs.cached_tokens else None), frozenset()
                     self.inputs.clear()
-                    if cs.cached_tokens:
-                        orch.stats.add_prefix_hit(cs.cached_tokens)
+                    # every open's lookup, not only its hits: the hit rate stays within 1 (each choice of n, a failover's
+                    # reopen and a session turn look the prompt up again, and were counted against it once)
+                    orch.stats.add_chain_open(len(prompt) if prompt else 0, cs.cached_tokens)
                 else:
                     self.inputs.copy_prefix(self.fork_source[0].inputs, fork[1])
                     # the sibling's KV: whoever computed it (a hop it replaced during our open too), and its reuse
