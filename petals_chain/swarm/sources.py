@@ -11,8 +11,9 @@ HF hub name. :func:`resolve_source` turns it into a :class:`ModelSource`:
   ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` tensor for tensor.
 
 Every source has a :attr:`~ModelSource.fingerprint`: a hash of the architecture, the tensor index (names,
-types, shapes) and a sample of every tensor's bytes. It is part of every server record and of the default
-DHT prefix, so two different models never share a swarm by accident.
+types, shapes) and every byte of every tensor (hashed once per file, then cached). It is part of every server
+record, so two different models, or two files differing in one weight, never share a swarm by accident. It names
+the stored weights: the same model as GGUF and as safetensors are two models (other bytes, other types).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import copy
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import struct
@@ -33,12 +35,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+logger = logging.getLogger(__name__)
+
 # Families whose blocks are proven token-exact against transformers by tests (tests/test_e2e_families.py,
 # tests/test_real_model.py). Others (Gemma2's soft-capping, Granite's multipliers, Cohere, ...) would be served
 # silently wrong by the generic block runner, so they are refused at start.
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 
-_FINGERPRINT_SAMPLE = 4096  # bytes hashed from each end of every tensor
 _CONFIG_VOLATILE = {"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "name_or_path",
                     "_name_or_path", "_attn_implementation", "_commit_hash", "auto_map", "output_attentions",
                     "output_hidden_states", "return_dict"}
@@ -69,6 +72,49 @@ def check_family(config: Any) -> None:
             f"(families proven token-exact against transformers by its tests)")
 
 
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# Sizes a decoder layer is built from: each a positive integer where the config has it (None: derived).
+_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
+                "num_key_value_heads", "head_dim", "max_position_embeddings")
+_REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    return " ".join(str(e).split())[:limit]
+
+
+def _shape_text(shape: Any) -> str:
+    return "missing" if shape is None else f"[{', '.join(map(str, shape))}]"
+
+
+def _spans(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"`` (a few runs at most)."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:6])
+    return (text + ", ...") if len(runs) > 6 else (text or "none")
+
+
+def _check_sizes(sizes: dict[str, Any], path: Path, required: tuple[str, ...] = _REQUIRED_SIZES) -> None:
+    """ValueError unless every size of :data:`_SIZE_FIELDS` in ``sizes`` (a config's, or a config.json's before
+    transformers' validators divide by them) is a positive integer, the ``required`` ones given, and the attention
+    heads are a multiple of the key/value heads."""
+    for name in _SIZE_FIELDS:
+        value = sizes.get(name)
+        if value is None and name not in required:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{path}: invalid model config: {name} must be a positive integer, got {value!r}")
+    heads, kv = sizes.get("num_attention_heads"), sizes.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ValueError(f"{path}: invalid model config: num_attention_heads ({heads}) is not a multiple of "
+                         f"num_key_value_heads ({kv})")
+
+
 def _config_digest(config: Any) -> dict:
     d = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_VOLATILE and not k.startswith("_")}
     return json.loads(json.dumps(d, sort_keys=True, default=str))
@@ -88,11 +134,73 @@ class ModelSource(ABC):
 
     @functools.cached_property
     def config(self) -> Any:
-        """The transformers config (a private copy per source; callers deep-copy before changing it)."""
-        return self._load_config()
+        """The transformers config (a private copy per source; callers deep-copy before changing it).
+
+        ValueError, naming the source, for a config transformers refuses, sizes that are not positive integers, or
+        (for a supported family) a config the weights do not match: their blocks, or one tensor's shape. Else a
+        server announced a model of 10^9 blocks, or failed with a traceback once assigned a block.
+        """
+        try:
+            config = self._load_config()
+        except (OSError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - transformers' validators raise TypeError, ZeroDivisionError, ...
+            raise ValueError(f"{self.path}: invalid model config ({type(e).__name__}: {_one_line(e)})") from None
+        if getattr(config, "model_type", None) in SUPPORTED_FAMILIES:  # others are refused by check_family
+            _check_sizes({name: getattr(config, name, None) for name in _SIZE_FIELDS}, self.path)
+            self._check_tensors(config)
+        return config
 
     @abstractmethod
     def _load_config(self) -> Any: ...
+
+    @abstractmethod
+    def _tensor_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every tensor, from the file headers (no tensor data read)."""
+
+    def _check_tensors(self, config: Any) -> None:
+        """ValueError unless the weights hold blocks ``0..L-1`` of the config's ``L``, each with the tensors and
+        shapes of the config's decoder layer, and embeddings of ``vocab_size x hidden_size``."""
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        shapes = self._tensor_shapes(config)
+        n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+        blocks: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
+        for name, shape in shapes.items():
+            m = _LAYER_RE.match(name)
+            if m:
+                blocks[int(m.group(1))][name[m.end():]] = tuple(shape)
+        held = sorted(blocks)
+        if len(held) != n_layers or held[-1] != n_layers - 1:  # (not list(range(n)): n may be 10^9)
+            raise ValueError(f"{self.path}: the config says num_hidden_layers={n_layers}, the weights hold "
+                             f"{len(held)} blocks ({_spans(held)})")
+        one = copy.deepcopy(config)  # block 0 of a one-block skeleton: what load_block expects of every block
+        one.num_hidden_layers = 1
+        if getattr(one, "layer_types", None) is not None:
+            one.layer_types = one.layer_types[:1]
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(one)
+        prefix = "model.layers.0."
+        tensors = [*skeleton.named_parameters(), *skeleton.named_buffers()]
+        expected = {n[len(prefix):]: tuple(t.shape) for n, t in tensors
+                    if n.startswith(prefix) and not n.endswith("inv_freq")}
+        for i in range(n_layers):
+            if blocks[i] != expected:
+                bad = sorted(n for n in expected.keys() | blocks[i].keys() if expected.get(n) != blocks[i].get(n))
+                first = bad[0]
+                raise ValueError(f"{self.path}: block {i} does not match the config: tensor {first!r} is "
+                                 f"{_shape_text(blocks[i].get(first))} in the weights, the config makes it "
+                                 f"{_shape_text(expected.get(first))}" + (f" (and {len(bad) - 1} more)" if bad[1:]
+                                                                          else ""))
+        vocab = int(config.vocab_size)
+        for name, want in (("model.embed_tokens.weight", (vocab, hidden)), ("model.norm.weight", (hidden,)),
+                           ("lm_head.weight", (vocab, hidden))):
+            if name == "lm_head.weight" and name not in shapes:
+                continue  # tied to the embeddings
+            if tuple(shapes.get(name, ())) != want:
+                raise ValueError(f"{self.path}: tensor {name!r} is {_shape_text(shapes.get(name))} in the weights, "
+                                 f"the config (vocab_size {vocab}, hidden_size {hidden}) makes it {_shape_text(want)}")
 
     @abstractmethod
     def tensor_names(self) -> list[str]:
@@ -114,7 +222,7 @@ class ModelSource(ABC):
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """16 hex digits identifying this model (architecture + tensor index + sampled weight bytes)."""
+        """16 hex digits identifying this model (architecture + tensor index + all weight bytes)."""
         h = hashlib.sha256()
         h.update(json.dumps(_config_digest(self.config), sort_keys=True).encode())
         for part in self._fingerprint_parts():
@@ -136,6 +244,12 @@ class HFSource(ModelSource):
     def _load_config(self) -> Any:
         from transformers import AutoConfig
 
+        try:
+            raw = json.loads((self.path / "config.json").read_text())
+        except (OSError, ValueError):
+            raw = None  # transformers says what is wrong with it
+        if isinstance(raw, dict) and raw.get("model_type") in SUPPORTED_FAMILIES:
+            _check_sizes(raw, self.path, required=())
         return AutoConfig.from_pretrained(str(self.path))
 
     @functools.cached_property
@@ -152,7 +266,7 @@ class HFSource(ModelSource):
             return wmap
         single = self.path / "model.safetensors"
         if single.is_file():
-            with safe_open(str(single), "pt") as f:
+            with _open_safetensors(single) as f:
                 return {k: single.name for k in f.keys()}
         raise FileNotFoundError(f"no safetensors weights in {self.path} (expected model.safetensors or an index)")
 
@@ -169,7 +283,7 @@ class HFSource(ModelSource):
             by_file[wmap[n]].append(n)
         out: dict[str, torch.Tensor] = {}
         for fname, keys in by_file.items():
-            with safe_open(str(self.path / fname), "pt", device="cpu") as f:
+            with _open_safetensors(self.path / fname) as f:
                 for k in keys:
                     out[k] = f.get_tensor(k)
         return out
@@ -196,29 +310,108 @@ class HFSource(ModelSource):
             ids |= {int(e) for e in (g if isinstance(g, (list, tuple)) else [g]) if e is not None}
         return ids
 
+    def _tensor_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name, fname in self.weight_map.items():
+            by_file[fname].append(name)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for fname, names in sorted(by_file.items()):
+            with _open_safetensors(self.path / fname) as f:
+                held = set(f.keys())
+                absent = [n for n in names if n not in held]
+                if absent:
+                    raise ValueError(f"{self.path / fname}: model.safetensors.index.json places {absent[:3]} in this "
+                                     f"file, which does not hold {'them' if absent[1:] else 'it'}")
+                for n in names:
+                    shapes[n] = tuple(f.get_slice(n).get_shape())
+        return shapes
+
     def _fingerprint_parts(self) -> list[bytes]:
-        parts = []
+        # name -> [dtype, shape, SHA-256 of its bytes] over all files: every byte of every tensor counts
+        tensors: dict[str, list] = {}
         for fname in sorted(set(self.weight_map.values())):
-            with open(self.path / fname, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-                base = 8 + n
-                header.pop("__metadata__", None)
-                parts.append(json.dumps({k: [v["dtype"], v["shape"]] for k, v in header.items()},
-                                        sort_keys=True).encode())
-                for key in sorted(header):
-                    start, end = header[key]["data_offsets"]
-                    parts.append(_sample(f, base + start, base + end))
-        return parts
+            tensors.update(_cached_file_digest(self.path / fname, "safetensors", _safetensors_digests))
+        return [json.dumps(sorted(tensors.items())).encode()]
 
 
-def _sample(f, start: int, end: int) -> bytes:
-    """The first and last ``_FINGERPRINT_SAMPLE`` bytes of ``[start, end)`` of the open file ``f``."""
+def _ggml_type_name(type_id: int) -> str:
+    """``"Q5_0 (6)"``: a ggml type id with its name where the ``gguf`` package knows it."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return f"{GGMLQuantizationType(type_id).name} ({type_id})"
+    except ValueError:
+        return f"{type_id} (unknown)"
+
+
+def _supported_ggml_types() -> list[str]:
+    """Names of the ggml types a GGUF's tensors may use: what transformers' header reader takes."""
+    from transformers.integrations.gguf.dequant import GGML_BLOCK
+
+    return [_ggml_type_name(t).split(" ")[0] for t in sorted({0, 1, 30, *GGML_BLOCK})]  # F32, F16, BF16, blocks
+
+
+def _open_safetensors(path: Path) -> Any:
+    """``safe_open(path)`` (it checks the header and that the data covers the file); ValueError naming the file for a
+    corrupt or truncated one (safetensors raises its own error type, which the command lines showed as a traceback)."""
+    try:
+        return safe_open(str(path), "pt", device="cpu")
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - SafetensorError, ...
+        raise ValueError(f"{path}: corrupt or truncated safetensors file ({_one_line(e, 200)})") from None
+
+
+def _safetensors_digests(path: Path) -> dict[str, list]:
+    """Tensor name -> ``[dtype, shape, SHA-256 of its bytes]`` of one safetensors file."""
+    with _open_safetensors(path):  # the header parses and the data covers the file: the offsets below are sound
+        pass
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        base = 8 + n
+        return {k: [v["dtype"], v["shape"], _range_digest(f, *(base + x for x in v["data_offsets"]))]
+                for k, v in sorted(header.items())}
+
+
+def _range_digest(f, start: int, end: int, chunk: int = 1 << 22) -> str:
+    """SHA-256 (hex) of bytes ``[start, end)`` of the open file ``f``; ValueError if the file ends first."""
+    h = hashlib.sha256()
     f.seek(start)
-    head = f.read(min(_FINGERPRINT_SAMPLE, end - start))
-    tail_start = max(start, end - _FINGERPRINT_SAMPLE)
-    f.seek(tail_start)
-    return head + f.read(end - tail_start)
+    left = end - start
+    while left > 0:
+        block = f.read(min(chunk, left))
+        if not block:
+            raise ValueError(f"{f.name}: truncated while hashing its weights (the file changed?)")
+        h.update(block)
+        left -= len(block)
+    return h.hexdigest()
+
+
+def _cached_file_digest(path: Path, kind: str, compute: Any) -> Any:
+    """``compute(path)``, cached in the user cache by the file's path, size and time (hashing every weight byte of a
+    large model takes seconds to minutes: once per file, not at every start)."""
+    from petals_chain.swarm.registry import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha256(f"{kind}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    saved = cache_dir() / "fingerprints" / f"{key}.json"
+    try:
+        return json.loads(saved.read_text())
+    except (OSError, ValueError):
+        pass
+    if st.st_size > 1 << 30:
+        logger.info("hashing the weights of %s (%.1f GB; once, then cached)", path, st.st_size / 1e9)
+    value = compute(path)
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = saved.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, saved)
+    except OSError:  # a read-only cache only costs time
+        pass
+    return value
 
 
 class GGUFSource(ModelSource):
@@ -284,6 +477,11 @@ class GGUFSource(ModelSource):
         except OSError:
             raise
         except Exception as e:  # noqa: BLE001 - struct.error, UnicodeDecodeError, ... of a malformed header
+            unsupported = re.search(r"tensors of ggml type (\d+), which is not supported", str(e))
+            if unsupported:  # a sound file of a quantization the loader cannot read: say which, not "corrupt"
+                raise ValueError(f"{self.path}: its tensors use the GGUF quantization type "
+                                 f"{_ggml_type_name(int(unsupported.group(1)))}, which petals-chain cannot load "
+                                 f"(supported: {', '.join(_supported_ggml_types())})") from None
             raise ValueError(f"{self.path}: corrupt or truncated GGUF file ({type(e).__name__}: {str(e)[:200]})"
                              ) from None
         size = self.path.stat().st_size
@@ -323,14 +521,23 @@ class GGUFSource(ModelSource):
     @functools.cached_property
     def _names(self) -> dict[str, str]:
         """GGUF tensor name -> HF name, as transformers maps them (on a model skeleton on the meta device)."""
+        return self._map_names(self.config)
+
+    def _tensor_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
+        names = self._map_names(config)
+        self.__dict__["_names"] = names  # the cached property's value: mapped once
+        return {h: tuple(self._table[g][0]) for g, h in names.items()}
+
+    def _map_names(self, config: Any) -> dict[str, str]:
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
         # transformers' mapper walks every submodule's state dict (seconds for 30 layers): map a one-layer
-        # skeleton and repeat its block-0 names for every block (the allow-listed families name blocks alike).
-        n_layers = int(self.config.num_hidden_layers)
-        one = copy.deepcopy(self.config)
+        # skeleton and repeat its block-0 names for every block the file holds (the allow-listed families name
+        # blocks alike; the config's count is checked against them by _check_tensors, and may be absurd).
+        held = sorted({int(m.group(1)) for m in map(re.compile(r"^blk\.(\d+)\.").match, self._table) if m})
+        one = copy.deepcopy(config)
         one.num_hidden_layers = 1
         if getattr(one, "layer_types", None) is not None:
             one.layer_types = one.layer_types[:1]
@@ -338,9 +545,9 @@ class GGUFSource(ModelSource):
             skeleton = AutoModelForCausalLM.from_config(one)
         processor = TENSOR_PROCESSORS.get(self._architecture, TensorProcessor)(config=self._config_dict())
         gguf_to_hf: dict[str, str] = {}
-        for g, h in get_gguf_hf_weights_map(skeleton, processor, num_layers=n_layers).items():
+        for g, h in get_gguf_hf_weights_map(skeleton, processor, num_layers=1).items():
             if g.startswith("blk.0.") and h.startswith("model.layers.0."):
-                for i in range(n_layers):
+                for i in held:
                     gguf_to_hf[f"blk.{i}.{g[6:]}"] = f"model.layers.{i}.{h[15:]}"
             else:
                 gguf_to_hf[g] = h
@@ -417,16 +624,18 @@ class GGUFSource(ModelSource):
 
     def _fingerprint_parts(self) -> list[bytes]:
         meta = self._meta()
-        if "fingerprint_parts" not in meta:
-            h = hashlib.sha256()
+        if "weights_digest" not in meta:  # every byte of every tensor (a sample of each once let a changed file pass)
+            self.check_file()
+            if self.path.stat().st_size > 1 << 30:
+                logger.info("hashing the weights of %s (once, then cached)", self.path)
             index = []
             with open(self.path, "rb") as f:
                 for name, (shape, ggml_type, start, nbytes) in sorted(self._table.items()):
-                    index.append([name, int(ggml_type), [int(x) for x in shape]])
-                    h.update(_sample(f, start, start + nbytes))
-            h.update(json.dumps([self._architecture, index]).encode())
-            self._save_meta(fingerprint_parts=h.hexdigest())
-        return [self._meta()["fingerprint_parts"].encode()]
+                    index.append([name, int(ggml_type), [int(x) for x in shape],
+                                  _range_digest(f, start, start + nbytes)])
+            digest = hashlib.sha256(json.dumps([self._architecture, index]).encode()).hexdigest()
+            self._save_meta(weights_digest=digest)
+        return [self._meta()["weights_digest"].encode()]
 
 
 _SOURCES: dict[tuple[str, str], ModelSource] = {}
