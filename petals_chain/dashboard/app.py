@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from petals_chain.dashboard.source import ModelsNotKnownYet
+from petals_chain.dashboard.source import ModelsNotKnownYet, SwarmNotReadYet
 from petals_chain.swarm.jsonsafe import json_safe  # in swarm/: the orchestrator publishes with it too
 from petals_chain.swarm.webpage import mount_dashboard, page_headers, page_html, page_response
 
@@ -30,6 +30,14 @@ def _model_not_found(e: LookupError) -> JSONResponse:
                                    "code": "model_not_found"}}, status_code=404)
 
 
+def _not_read_yet(e: SwarmNotReadYet) -> JSONResponse:
+    """A 503 while the swarm has not been read (the page shows the message and polls on)."""
+    message = str(e.args[0]) if e.args else "the swarm has not been read yet"
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
+                                   "code": "swarm_not_read_yet"}}, status_code=503,
+                        headers={"Retry-After": "2", "Cache-Control": "no-store"})
+
+
 def create_app(
     get_view: Callable[[], dict],
     health: Optional[Callable[[], tuple[bool, dict]]] = None,
@@ -40,7 +48,8 @@ def create_app(
 
     ``health()`` returns ``(ok, details)``; ``/healthz`` answers 200 if ok else 503. ``model_view(name)``, if
     given, answers ``?model=NAME`` on the page and the API (several models; LookupError: a 404 ``model_not_found``
-    with its message); without it ``?model=`` is ignored.
+    with its message); without it ``?model=`` is ignored. Either raising
+    :class:`~petals_chain.dashboard.source.SwarmNotReadYet` is a 503 with Retry-After on the API.
     """
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -50,6 +59,8 @@ def create_app(
             view = model_view(model) if model and model_view is not None else get_view()
         except LookupError as e:
             return _model_not_found(e)
+        except SwarmNotReadYet as e:
+            return _not_read_yet(e)
         return JSONResponse(json_safe(view), headers={"Cache-Control": "no-store"})
 
     @app.get("/healthz")
@@ -65,7 +76,7 @@ def create_app(
             if model:
                 try:
                     model_view(model)
-                except ModelsNotKnownYet:
+                except (ModelsNotKnownYet, SwarmNotReadYet):
                     pass  # the page polls until the models are known
                 except LookupError as e:
                     return _model_not_found(e)

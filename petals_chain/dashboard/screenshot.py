@@ -51,7 +51,9 @@ def capture(url: str, out: Path, phone_out: Optional[Path] = None, during: Optio
                 if path is None:
                     continue
                 page = browser.new_context(viewport=viewport).new_page()
-                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                # a 503 is a standalone dashboard that has not read the swarm yet (the page waits for it), no error
+                page.on("console", lambda m: errors.append(m.text)
+                        if m.type == "error" and "status of 503" not in m.text else None)
                 page.on("pageerror", lambda e: errors.append(str(e)))
                 page.goto(url.rstrip("/") + "/?refresh=1")
                 page.wait_for_selector("#servers-table tbody tr", timeout=30_000)

@@ -200,6 +200,11 @@ class ModelsNotKnownYet(UnknownModel):
     """``?model=`` names another model than the default before any trusted summary said which the swarm serves."""
 
 
+class SwarmNotReadYet(RuntimeError):
+    """No DHT read has succeeded yet: there is no view to show (an empty one looked like a swarm with no servers);
+    ``args[0]`` says so, with the last read's error."""
+
+
 def listed_models(summary: Optional[Mapping[str, Any]], prefix: str) -> list[dict]:
     """The models a trusted summary lists (``[{name, dht_prefix, ...}]``, at most :data:`MAX_MODELS`, names and
     prefixes distinct), or ``[]`` when it lists fewer than two or not the one at ``prefix`` it was read under (one
@@ -310,7 +315,23 @@ class DhtSwarmSource:
     def view(self, model: Optional[str] = None) -> dict:
         """The view of ``model`` (its name or DHT prefix; None or empty: the default one); with one model ``model``
         is ignored, as by an orchestrator serving one. :class:`UnknownModel` if the swarm serves several and no
-        such one."""
+        such one; :class:`SwarmNotReadYet` before the first successful DHT read. While the reads fail for longer
+        than :meth:`health` allows, a copy of the last view marked ``stale_s`` (its age) and ``stale_error``."""
+        with self._lock:
+            last_ok, err = self._last_ok, self._last_error
+        if last_ok is None:
+            raise SwarmNotReadYet("the dashboard has not read the swarm from the DHT yet"
+                                  + (f" (last attempt: {err})" if err else "") + "; retrying")
+        view = self._view_of(model)
+        age = time.time() - last_ok
+        if age > self._stale_after_s():  # the last data, not shown as current
+            view = dict(view, stale_s=round(age, 1), stale_error=err)
+        return view
+
+    def _stale_after_s(self) -> float:
+        return 3 * self.interval_s + 10
+
+    def _view_of(self, model: Optional[str]) -> dict:
         with self._lock:
             if model and not self._summary_seen and self.trusted and model not in (self.prefix, self._view["model"]):
                 # the swarm may serve several models: showing the default one under another's name misled
@@ -331,17 +352,17 @@ class DhtSwarmSource:
             return [m["name"] for m in self._models]
 
     def health(self) -> tuple[bool, dict]:
-        """OK while the last successful DHT read is recent (3 poll periods + 10 s)."""
+        """OK while the last successful DHT read is recent (3 poll periods + 10 s; older, the view is stale)."""
         with self._lock:
             last_ok, err = self._last_ok, self._last_error
         age = None if last_ok is None else time.time() - last_ok
-        ok = age is not None and age <= 3 * self.interval_s + 10
+        ok = age is not None and age <= self._stale_after_s()
         return ok, {
             "dht_prefix": self.prefix,
             "last_dht_read_age_s": age,
             "last_error": err,
             "trusted_orchestrators": self.trusted,
-            "orchestrator_summary": bool(self.view().get("orchestrator_summary")),
+            "orchestrator_summary": bool(self._view_of(None).get("orchestrator_summary")),
             "models": self.models(),
         }
 

@@ -179,8 +179,11 @@
     var killer = ctrl ? setTimeout(function () { ctrl.abort(); }, timeoutMs) : null;
     state.inFlight = fetch(API_URL, { cache: "no-store", headers: { Accept: "application/json" }, signal: ctrl ? ctrl.signal : undefined })
       .then(function (resp) {
-        if (!resp.ok) throw new Error("HTTP " + resp.status);
-        return resp.json();
+        if (resp.ok) return resp.json();
+        // the API's own word on why (a standalone dashboard that has not read the swarm yet), if it gave one
+        return resp.json().then(function (body) { return str(obj(obj(body).error).message); },
+          function () { return ""; })
+          .then(function (why) { throw new Error("HTTP " + resp.status + (why ? ": " + why.slice(0, 300) : "")); });
       })
       .then(function (data) {
         state.lastOkAt = Date.now();
@@ -189,7 +192,8 @@
       })
       .catch(function (err) {
         showError("Cannot reach the swarm API (" + (err && err.name === "AbortError" ? "timed out" : str(err && err.message)) +
-          "); retrying every " + Math.max(state.periodS, 1) + " s. Showing the last data received.");
+          "); retrying every " + Math.max(state.periodS, 1) + " s." +
+          (state.last ? " Showing the last data received." : ""));
       })
       .then(function () {
         if (killer) clearTimeout(killer);
@@ -201,7 +205,8 @@
 
   function showError(msg) {
     var banner = $("conn-error");
-    if (msg) { banner.textContent = msg; banner.hidden = false; }
+    // the same text is not set again: the banner is an alert, and a screen reader re-reads every change
+    if (msg) { if (banner.textContent !== msg) banner.textContent = msg; banner.hidden = false; }
     else { banner.textContent = ""; banner.hidden = true; }
   }
 
@@ -238,10 +243,13 @@
     var shown = str(data.model_name);
     var links = models.map(function (m) {
       var name = str(m.name);
-      var label = name + " \u00b7 " + (int(m.servers) || 0) + " servers \u00b7 " + (int(m.chains) || 0) + " chains \u00b7 " +
-        (int(m.queue_length) || 0) + " queued";
-      if (name === shown) return el("span", { class: "model-link current", "data-model": name, "aria-current": "page", text: label });
-      return el("a", { class: "model-link", "data-model": name, href: "?model=" + encodeURIComponent(name), text: label });
+      // the name isolated: a right-to-left override in it reversed the counts after it
+      var label = [el("bdi", { text: name }), " \u00b7 " + (int(m.servers) || 0) + " servers \u00b7 " +
+        (int(m.chains) || 0) + " chains \u00b7 " + (int(m.queue_length) || 0) + " queued"];
+      if (name === shown) {
+        return el("span", { class: "model-link current", "data-model": name, "aria-current": "page" }, label);
+      }
+      return el("a", { class: "model-link", "data-model": name, href: "?model=" + encodeURIComponent(name) }, label);
     });
     // servers offering several models: which one each serves is the placement's (seed 001)
     var pl = obj(data.model_placement);
@@ -269,10 +277,17 @@
   function renderHeader(data) {
     $("model-name").textContent = str(data.model) || "(model unknown)";
     $("prefix").textContent = data.dht_prefix ? "\u00b7 DHT prefix " + str(data.dht_prefix) : "";
+    // a standalone dashboard whose DHT reads fail serves its last view marked with its age: old data, not current
+    var staleS = num(data.stale_s), stale = $("stale-warning");
+    stale.hidden = staleS === null;
+    var why = data.stale_error ? " (" + str(data.stale_error).slice(0, 300) + ")" : "";
+    var staleText = staleS === null ? "" : "This data is " + fmtAgo(0, staleS).replace(" ago", "") + " old: the " +
+      "dashboard cannot read the swarm from the DHT" + why + ". It updates when a read succeeds.";
+    if (stale.textContent !== staleText) stale.textContent = staleText;
     var badge = $("ready-badge");
     var ready = data.ready === true;
-    badge.textContent = ready ? "ready" : "not ready";
-    badge.className = "badge " + (ready ? "badge-ok" : "badge-warn");
+    badge.textContent = staleS !== null ? "stale" : (ready ? "ready" : "not ready");
+    badge.className = "badge " + (ready && staleS === null ? "badge-ok" : "badge-warn");
     badge.setAttribute("data-ready", ready ? "true" : "false");
     var updated = num(data.updated_at);
     $("updated").textContent = updated === null ? "" : "updated " + fmtClock(updated);
