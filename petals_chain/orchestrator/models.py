@@ -38,6 +38,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 _BY_BODY = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/api/v1/sessions")}
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)")
 MAX_BODY = 64 * 2**20  # read to route; each model's own limit (--max-body-bytes) applies after
+MAX_NAME_SHOWN = 200  # characters of an unknown model's name an error repeats
 
 
 def parse_models(values: list[str]) -> list[tuple[str | None, str]]:
@@ -110,6 +111,14 @@ def models_json(orchs: Mapping[str, Any], name: str, placer: Any = None) -> dict
     return out
 
 
+def share_replay_cache(orchs: Mapping[str, Any]) -> None:
+    """Give every model the first one's replay cache: ``--replay-cache-mb`` bounds the hop inputs kept by all the
+    process's jobs (help: "all jobs together"), not each model's (N models kept up to N times the budget)."""
+    caches = [o for o in orchs.values() if getattr(o, "replay_cache", None) is not None]
+    for o in caches[1:]:
+        o.replay_cache = caches[0].replay_cache  # before any request: no job holds the model's own cache yet
+
+
 class ModelsCollector:
     """Every model's Prometheus registry as one collector: families merged by name, each sample labelled with its
     model's name (``orchs[name].stats.registry``; each orchestrator's gauges are refreshed first)."""
@@ -134,7 +143,8 @@ class ModelsCollector:
 
 class ModelRouter:
     """The ASGI app over several models' apps (``apps[name]``, the first is the default); ``orchs[name]`` are their
-    orchestrators (for sessions and the list of models)."""
+    orchestrators (for sessions and the list of models), which from now on share one replay cache
+    (:func:`share_replay_cache`)."""
 
     def __init__(self, apps: Mapping[str, App], orchs: Mapping[str, Any], placer: Any = None):
         if not apps or set(apps) != set(orchs):
@@ -149,12 +159,16 @@ class ModelRouter:
                 if alias:
                     self.aliases.setdefault(str(alias), name)
         self.aliases.update({name: name for name in self.apps})
+        share_replay_cache(self.orchs)
 
     def models(self) -> list[str]:
         return list(self.apps)
 
     async def _not_found(self, send: Send, name: Any) -> None:
-        await _json(send, 404, {"error": {"message": f"the model {name!r} does not exist; this swarm serves "
+        shown = repr(name)
+        if len(shown) > MAX_NAME_SHOWN:  # a body of megabytes in ``model`` came back whole (JSON-escaped: larger)
+            shown = f"{shown[:MAX_NAME_SHOWN]}... ({len(str(name))} characters)"
+        await _json(send, 404, {"error": {"message": f"the model {shown} does not exist; this swarm serves "
                                                      f"{', '.join(repr(n) for n in self.apps)}",
                                           "type": "invalid_request_error", "param": "model",
                                           "code": "model_not_found"}})
@@ -255,7 +269,9 @@ class ModelRouter:
         except ValueError:
             obj = None  # the default model's app answers 400 with its own message
         asked = obj.get("model") if isinstance(obj, dict) else None
-        name = self.default if asked is None else self.aliases.get(str(asked))
+        if asked is not None and not isinstance(asked, str):
+            asked = None  # not a name (a number, a list): the default model's API answers 400 for its type, not 404
+        name = self.default if asked is None else self.aliases.get(asked)
         if name is None:
             return await self._not_found(send, asked)
         replayed = False
