@@ -165,7 +165,7 @@ def test_api_without_servers(model_path):
         orch.cfg.queue_timeout_s, orch.cfg.no_chain_wait_s = 600.0, 0.3
         r = await asyncio.wait_for(c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}),
                                    10.0)
-        assert r.status_code == 503 and "no server serves this model" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "no server serves the model" in r.json()["error"]["message"]
         # streamed, the same: a 503, not a 200 whose stream holds a role chunk and an error event (the openai package
         # raised a plain APIError it does not retry; nothing had gone out before the error)
         for path, body in (("/v1/completions", {"prompt": "hi"}),

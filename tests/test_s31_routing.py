@@ -66,3 +66,17 @@ def test_a_model_that_is_not_a_name_is_a_400_and_an_unknown_huge_one_is_not_echo
             assert (await c.get("/v1/models/" + "x" * 5000)).json()["error"]["message"].count("x") < 2 * MAX_NAME_SHOWN
 
     asyncio.run(main())
+
+
+def test_one_models_404_does_not_echo_a_huge_name_whole(two_models):
+    """One model's own check (no router in front) cut nothing either."""
+    _, orchs = two_models
+
+    async def main():
+        app = create_app(orchs[0])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
+            r = await c.post("/v1/completions", json={"model": "é" * 300_000, "prompt": "hi"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            assert len(r.content) < 2400 and "(300000 characters)" in r.json()["error"]["message"]
+
+    asyncio.run(main())

@@ -519,7 +519,9 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
     def check_model(name: str) -> None:
         if name not in (orch.model_id, orch.prefix, cfg.model):
-            raise RequestError(f"the model {name!r} does not exist; this swarm serves {orch.model_id!r}", status=404,
+            # cut as the router cuts it (models.MAX_NAME_SHOWN): a name of megabytes came back whole, JSON-escaped
+            shown = repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} characters)"
+            raise RequestError(f"the model {shown} does not exist; this swarm serves {orch.model_id!r}", status=404,
                                param="model", code="model_not_found")
 
     def sampling(req: SamplingFields, default_max_tokens: int | None, logprobs: int | None = None

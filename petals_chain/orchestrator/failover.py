@@ -187,8 +187,8 @@ class ChainHolder:
                 if dl is not None and dl.active and not self.admitted:
                     orch.deadlines.settle(dl, "refused")  # it never ran: not a miss of the model's chains
                 if chainless and not getattr(orch.dispatch, "chains", True):
-                    raise Unavailable(f"no server serves this model now (no chain for {wait_s:.0f} s); "
-                                      f"try again later") from None
+                    raise Unavailable(f"no server serves the model {orch.model_id!r} now (no chain for {wait_s:.0f} s);"
+                                      f" try again later") from None
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s") from None
             except QueueFull as e:  # only a job that never held a chain is refused
                 if dl is not None and dl.active:
