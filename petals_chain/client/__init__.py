@@ -28,7 +28,7 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import httpx
 
@@ -76,12 +76,15 @@ def _raise_for(resp: httpx.Response) -> None:
 
 
 @contextlib.contextmanager
-def _transport_errors(http: httpx.Client) -> Iterator[None]:
+def _transport_errors(http: httpx.Client,
+                      on_read_timeout: Optional[Callable[[httpx.ReadTimeout], None]] = None) -> Iterator[None]:
     """An orchestrator that cannot be reached (or that cut the connection) is a ClientError 503, as for one-shot
-    requests, not an httpx exception."""
+    requests, not an httpx exception. ``on_read_timeout(e)`` first, for a read timeout: it may raise another."""
     try:
         yield
     except httpx.TransportError as e:
+        if on_read_timeout is not None and isinstance(e, httpx.ReadTimeout):
+            on_read_timeout(e)
         raise _unavailable([f"{http.base_url}: {type(e).__name__}: {e}"]) from e
 
 
@@ -463,6 +466,7 @@ class ClientSession:
         r = client._request("POST", "/api/v1/sessions", json=body, resend=False)
         _raise_for(r)
         self._http = client._http  # the session lives on this orchestrator
+        self._index = client._current  # (its place in client.urls: for the 504 of _timed_out)
         data = _json(r)
         self.id: str = data["session_id"]
         self.max_length: int = data["max_length"]
@@ -485,8 +489,13 @@ class ClientSession:
             body["prompt"] = prompt
         return body
 
+    def _timed_out(self, e: httpx.ReadTimeout) -> None:
+        """A turn's read timeout: ClientError 504 ``timeout`` if the orchestrator is up, as for one-shot requests
+        (it was 503 ``unavailable``: the turn just takes longer than the client's timeout)."""
+        self.client._raise_if_up(self._index, e)
+
     def _post(self, body: dict) -> Completion:
-        with _transport_errors(self._http):
+        with _transport_errors(self._http, self._timed_out):
             r = self._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
         _raise_for(r)
         d = _json(r)
@@ -532,8 +541,13 @@ class ClientSession:
         ids: list[int] = []
         joined: Optional[dict[str, list]] = None if logprobs is None else {}  # this turn's chunks only
         finish, used = None, {}
-        with _transport_errors(self._http), self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate",
-                                                              json=body) as r:
+
+        def timed_out(e: httpx.ReadTimeout) -> None:
+            if not pieces:  # no text within the timeout: as for a one-shot request (after text, a stall is a cut)
+                self._timed_out(e)
+
+        with _transport_errors(self._http, timed_out), \
+                self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate", json=body) as r:
             if r.status_code >= 400:
                 r.read()
                 _raise_for(r)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -123,18 +124,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sock = listen_http(args.host, args.port)
     except OSError as e:
         parser.error(e.strerror or str(e))
-    # SIGTERM before serving (joining the DHT, finding the swarm) unwinds as Ctrl-C does: it ended the process at
-    # once, its DHT process and p2pd left running
+    # SIGTERM (and SIGHUP, unless ignored: nohup) before serving (joining the DHT, finding the swarm) unwinds as
+    # Ctrl-C does: it ended the process at once, its DHT process and p2pd left running
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    unwound = [sig for sig in _stop_signals() if sig != signal.SIGINT]  # (SIGINT is a KeyboardInterrupt already)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in unwound} if main_thread else {}
     try:
         return _run(args, prefix, trusted, sock)
     except KeyboardInterrupt:  # stopped before serving: as a stop while serving, no traceback
         return 0
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
         sock.close()
+
+
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session: its default ended the process at once, the DHT
+    process and p2pd left running), unless SIGHUP is ignored (``nohup``)."""
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hangup)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -172,34 +182,62 @@ def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], so
                   flush=True)
             host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 literal is bracketed in a URL
             print(f"dashboard: http://{host}:{args.port}/", flush=True)
-            _serve(uvicorn, app, sock)
+            lost = _serve(uvicorn, app, sock, sd)
         finally:
             source.stop()
     finally:
         sd.shutdown()
+    if lost:
+        print("error: the dashboard's DHT process died (killed, or out of memory), so it could no longer read the "
+              "swarm's records: stopped; start it again", file=sys.stderr)
+        return 1
     return 0
 
 
-def _serve(uvicorn: Any, app: Any, sock: socket.socket) -> None:
-    """Serve until SIGINT or SIGTERM, then return (so the caller stops its DHT): uvicorn's own handlers re-raise
-    the signal once it has shut down, and SIGTERM's default action then ended the process before the cleanup,
-    leaving the DHT process and p2pd running."""
+def _serve(uvicorn: Any, app: Any, sock: socket.socket, sd: Any = None) -> bool:
+    """Serve until SIGINT, SIGTERM or SIGHUP (unless ignored: ``nohup``), then return (so the caller stops its DHT):
+    uvicorn's own handlers re-raise the signal once it has shut down, and SIGTERM's default action then ended the
+    process before the cleanup, leaving the DHT process and p2pd running.
+
+    ``sd``: the dashboard's SwarmDHT; it also stops once that node's DHT process has died (the page went stale for
+    ever, and its supervisor never restarted it). Returns whether it did."""
+    from petals_chain.swarm.dht import on_dht_lost
+
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.install_signal_handlers = lambda: None
+    lost = threading.Event()
+    stop_signals = _stop_signals()
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stop_signals:
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+
+        def dht_lost() -> None:
+            if not server.should_exit:  # not when stopping already (a systemd stop kills both at once)
+                lost.set()
+                server.should_exit = True
+
+        def from_watch_thread(_: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: stopped already
+                loop.call_soon_threadsafe(dht_lost)
+
+        if sd is not None:
+            on_dht_lost(from_watch_thread)
+            if sd.lost:  # died before (joining, finding the swarm)
+                dht_lost()
         await server.serve(sockets=[sock])
 
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in stop_signals}
     try:
         asyncio.run(run())
     finally:  # the loop's close set SIGTERM to its default: a second one killed the cleanup, leaving the DHT running
+        if sd is not None:
+            on_dht_lost(None)
         for sig, handler in before.items():
             if handler is not None:
                 signal.signal(sig, handler)
+    return lost.is_set()
 
 
 if __name__ == "__main__":

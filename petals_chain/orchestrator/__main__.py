@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -11,7 +12,9 @@ import os
 import re
 import signal
 import sys
+import threading
 import urllib.parse
+from typing import Any
 
 from petals_chain.swarm.logs import log_level
 
@@ -99,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES as DISPATCHES
     from petals_chain.orchestrator.dispatch import PLACEMENT_POLICIES as PLACEMENTS
     from petals_chain.orchestrator.dispatch import SCHEDULES
+    from petals_chain.orchestrator.drafting import DRAFT_TIMEOUT_S
     from petals_chain.orchestrator.placement import PLACEMENT_INDEXES, PLACEMENT_POLICIES
+    from petals_chain.orchestrator.planner import SERVER_RECORD_TTL_S
 
     p = argparse.ArgumentParser(prog="python -m petals_chain.orchestrator", description=__doc__)
     p.add_argument("--model", required=True, action="append", metavar="[NAME=]SOURCE",
@@ -187,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the default (--speculative draft:MODEL does both)")
     p.add_argument("--draft-layers", type=_positive_int, default=None, metavar="N",
                    help="run only the draft model's first N decoder layers (self-speculative with draft:self)")
+    p.add_argument("--draft-timeout-s", type=_positive_float, default=None, metavar="S",
+                   help="a draft model call that finishes no forward (of a token, or of a piece of the prompt) for "
+                        "S seconds, or waits that long for the draft model, gives up: that generation goes on "
+                        f"without drafts (a hung draft model). Default: {DRAFT_TIMEOUT_S:g}")
     p.add_argument("--relay", default="orchestrator", choices=["orchestrator", "push"],
                    help="how a step crosses a chain: orchestrator (every hop's output comes back here and goes on to "
                         "the next hop; the paper's mode) or push (each server pushes its output straight to the next "
@@ -269,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "that hangs, a wedged device, an older server that does not report a failed load) is planned "
                         "around until it serves them (its clock starts again after a drain of its old blocks). "
                         "0: never")
+    p.add_argument("--records-lost-s", type=_nonnegative_float, default=SERVER_RECORD_TTL_S, metavar="S",
+                   help="a read of the servers' records that names none of the live servers (an empty DHT read in "
+                        "a network blip) keeps the servers and the plan until this has lasted S seconds: then they "
+                        "are taken for gone (a server's own offline record counts at once). At least the servers' "
+                        "record lifetime, 3 x their --refresh-s (for servers with a larger --refresh-s than 30). "
+                        f"0: at once. Default: {SERVER_RECORD_TTL_S:g}")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="API keys, one a line: NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N] "
                         "[deadline_ms=X] [ttft_deadline_ms=X]; "
@@ -315,9 +330,54 @@ def _peer_id(text: str) -> str:
     return peer_id_arg(text)
 
 
-async def serve(cfgs: list, ready_file: str | None = None, placement: dict | None = None) -> None:
+async def serve(cfgs: list, ready_file: str | None = None, placement: dict | None = None,
+                lost: threading.Event | None = None) -> None:
     """Serve the models of ``cfgs`` (one config each; several: models.py, with ``placement`` the
-    :class:`~petals_chain.orchestrator.placement.ModelPlacer` keywords)."""
+    :class:`~petals_chain.orchestrator.placement.ModelPlacer` keywords) until SIGINT, SIGTERM or SIGHUP (unless
+    ignored: ``nohup``), or until the DHT process dies: then it stops alike and sets ``lost``."""
+    from petals_chain.swarm.dht import on_dht_lost
+
+    watch = _DhtWatch(asyncio.get_running_loop(), lost if lost is not None else threading.Event())
+    on_dht_lost(watch.from_watch_thread)
+    try:
+        await _serve(cfgs, ready_file, placement, watch)
+    finally:
+        on_dht_lost(None)
+
+
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop the orchestrator: SIGHUP too (its terminal closed, its ssh session ended: by default it
+    ended the process at once, the DHT process and p2pd left running), unless ignored (``nohup``)."""
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hangup)
+
+
+class _DhtWatch:
+    """Stops the orchestrator when its DHT process dies under it (``kill -9``, the OOM killer): it ran on blind,
+    reading no server records and publishing no plan, and its supervisor never restarted it. Not once a stop was
+    asked for (a systemd stop may kill the DHT process at the same time)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, lost: threading.Event) -> None:
+        self.loop, self.lost = loop, lost
+        self.starting: _StopWhileStarting | None = None  # while the orchestrators start
+        self.server: Any = None  # uvicorn's, once serving
+
+    def from_watch_thread(self, sd: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: stopped already
+            self.loop.call_soon_threadsafe(self.stop)
+
+    def stop(self) -> None:
+        if self.lost.is_set() or (self.starting is not None and self.starting.requested) \
+                or (self.server is not None and self.server.should_exit):
+            return
+        self.lost.set()
+        if self.server is not None:
+            self.server.should_exit = True
+        elif self.starting is not None:
+            self.starting.task.cancel()  # stops once the step under way ends, as a stop while starting does
+
+
+async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, watch: _DhtWatch) -> None:
     import uvicorn
 
     from petals_chain.orchestrator.api import create_app
@@ -343,7 +403,9 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
     placer, placer_task = None, None
     loop = asyncio.get_running_loop()
     stop_starting = _StopWhileStarting(asyncio.current_task())
-    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGTERM's default ended us at once, the DHT node left running
+    watch.starting = stop_starting
+    stop_signals = _stop_signals()
+    for sig in stop_signals:  # SIGTERM's default ended us at once, the DHT node left running
         loop.add_signal_handler(sig, stop_starting, sig)
     try:  # a failure before serving stops what started (the DHT process and p2pd would outlive us)
         for o in orchs:
@@ -374,15 +436,16 @@ async def serve(cfgs: list, ready_file: str | None = None, placement: dict | Non
             placer_task.cancel()
         for o in reversed(started):
             await o.stop()
-        if isinstance(e, asyncio.CancelledError) and stop_starting.requested:
-            return  # stopped as a stop while serving is: exit 0, no traceback
+        if isinstance(e, asyncio.CancelledError) and (stop_starting.requested or watch.lost.is_set()):
+            return  # stopped as a stop while serving is: no traceback (exit 0; 1 for a lost DHT process)
         raise
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3,
                                            ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile))
     server.install_signal_handlers = lambda: None  # we handle signals ourselves (below)
     quiet_peer_disconnects(loop)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stop_signals:
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    watch.server = server
     peers = orch.initial_peers
     print("Orchestrator peer id:", orch.dht.peer_id, flush=True)
     print("Initial peers (give these to servers as --initial-peers):", flush=True)
@@ -428,8 +491,9 @@ class _StopWhileStarting:
 
 def _stop_now(signum: int) -> None:
     """Exit now with ``128 + signum`` (130 for Ctrl-C), without waiting for the thread that loads the model or joins
-    the DHT (neither can be interrupted), once this process's children are killed: the DHT process and its p2pd run
-    in a process group of their own (swarm/dht.py) and would stop only a moment later (their watchdog)."""
+    the DHT (neither can be interrupted), once this process's children are killed (the DHT process and its p2pd run
+    in a process group of their own, swarm/dht.py, and would stop only a moment later: their watchdog) and a starting
+    DHT node's temporary identity file (a private key) is deleted."""
     print(f"stopped at once ({signal.Signals(signum).name} again while starting)", file=sys.stderr, flush=True)
     try:
         import psutil
@@ -442,6 +506,9 @@ def _stop_now(signum: int) -> None:
             child.kill()
         except Exception:  # noqa: BLE001 - gone already
             pass
+    dht = sys.modules.get("petals_chain.swarm.dht")  # not imported yet (slow): no node is starting
+    if dht is not None:  # a node's start deletes its temporary identity file (a private key) only once it is over
+        dht.remove_temp_identities()
     sys.stdout.flush()
     os._exit(128 + signum)
 
@@ -502,6 +569,8 @@ def _main(argv: list[str] | None) -> int:
         parser.error(f"--ready-file {args.ready_file}: no such directory")  # found only once all had started
     if args.draft_layers is not None and not (args.speculative[1] or args.draft_model):
         parser.error("--draft-layers needs a draft model (--speculative draft:MODEL or --draft-model MODEL)")
+    if args.draft_timeout_s is not None and not (args.speculative[1] or args.draft_model):
+        parser.error("--draft-timeout-s needs a draft model (--speculative draft:MODEL or --draft-model MODEL)")
     from petals_chain.swarm.reachability import listen_and_announce, to_multiaddr
 
     for flag, values in (("--host-maddrs", args.host_maddrs), ("--initial-peers", args.initial_peers)):
@@ -542,6 +611,7 @@ def _main(argv: list[str] | None) -> int:
         replan_interval_s=args.replan_interval_s, move_margin=args.move_margin, replay_cache_mb=args.replay_cache_mb,
         hold_sessions=args.hold_sessions, job_tokens=args.job_tokens, output_reserve_tokens=args.output_reserve_tokens,
         ban_base_s=args.ban_base_s, ban_max_s=args.ban_max_s, load_deadline_s=args.load_deadline_s,
+        records_lost_s=args.records_lost_s,
         fairness=args.fairness, schedule=args.schedule,
         schedule_classes=args.schedule_classes,
         fairness_quantum=args.fairness_quantum, fairness_worker_quantum=args.fairness_worker_quantum,
@@ -550,6 +620,8 @@ def _main(argv: list[str] | None) -> int:
         audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s, speculative=args.speculative[0],
         draft_model=args.speculative[1] or args.draft_model, draft_layers=args.draft_layers, speculative_k=args.speculative_k,
         relay=args.relay)
+    if args.draft_timeout_s is not None:
+        cfg.draft_timeout_s = args.draft_timeout_s
     cfgs = [cfg] + [dataclasses.replace(cfg, model=source, model_id=name) for name, source in models[1:]]
     for c in cfgs:
         # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
@@ -581,14 +653,23 @@ def _main(argv: list[str] | None) -> int:
               f"directory name (the servers derive the same), so the same model twice, or two models named alike: "
               f"rename one", file=sys.stderr)
         return 2
+    lost = threading.Event()
     try:
         asyncio.run(serve(cfgs, args.ready_file, placement=dict(
             policy=args.model_placement, interval_s=args.replace_interval_s, window_s=args.placement_window_s,
-            reload_s=args.model_reload_s, index=args.placement_index, rule=args.placement_rule)))
+            reload_s=args.model_reload_s, index=args.placement_index, rule=args.placement_rule), lost=lost))
     except KeyboardInterrupt:
         pass
-    except (ValueError, OSError, JoinError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not lost.is_set():  # else a failure of a start under way when the DHT process died: said below
+            if isinstance(e, (ValueError, OSError, JoinError)):
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            raise
+        logger.debug("while stopping for the lost DHT process", exc_info=True)
+    if lost.is_set():
+        print("error: the orchestrator's DHT process died (killed, or out of memory), so it could no longer read "
+              "the servers' records or publish its plan: stopped; start it again", file=sys.stderr)
         return 1
     return 0
 

@@ -24,11 +24,12 @@ from petals_chain.algorithms.fairness import FAIRNESS_POLICIES, FairnessConfig, 
 from petals_chain.model import Chain, ModelSpec
 from petals_chain.orchestrator.deadlines import DeadlineBook
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES, ChainPrefixes
+from petals_chain.orchestrator.drafting import DRAFT_TIMEOUT_S
 from petals_chain.orchestrator.audit import Auditor
 from petals_chain.orchestrator.errors import RequestError, Unavailable
 from petals_chain.orchestrator.fairness import FAIRNESS_SAMPLE_S, ClientShares
 from petals_chain.orchestrator.generation import Emit, Generation, GenerationMixin
-from petals_chain.orchestrator.planner import Planner
+from petals_chain.orchestrator.planner import SERVER_RECORD_TTL_S, Planner
 from petals_chain.orchestrator.relay import ChainSession, HeadBatcher, HopFailure
 from petals_chain.orchestrator.replay import ReplayCache
 from petals_chain.orchestrator.sessions import SessionMixin, UserSession
@@ -135,6 +136,10 @@ class OrchestratorConfig:
     # reads from a disk at 250 MB/s in less, a volunteer's span in a fraction of that; a missed deadline costs only a
     # re-plan (the server keeps its span and rejoins once loaded), a hung load without one cost the chains for good
     load_deadline_s: float = 600.0
+    # --records-lost-s: how long a read of the servers' records naming none of the live ones (an empty DHT get in a
+    # network blip) is taken for a failed read, the views and plan kept (planner.py; 0: at once). A record's lifetime
+    # by default: longer for swarms whose servers refresh their records less often (a larger --refresh-s)
+    records_lost_s: float = SERVER_RECORD_TTL_S
     output_reserve_tokens: int = 256  # --output-reserve-tokens: a chain is opened for the prompt + this (failover.py)
     job_tokens: int | None = None  # --job-tokens: L^ of paged chain capacities (None: learnt; token_budget.py)
     api_keys: str | None = None  # --api-keys FILE (auth.py; limits.py)
@@ -164,6 +169,7 @@ class OrchestratorConfig:
     speculative: str = "none"
     draft_model: str | None = None
     draft_layers: int | None = None
+    draft_timeout_s: float = DRAFT_TIMEOUT_S  # --draft-timeout-s: a draft call silent this long gives up (drafting.py)
     # --relay: orchestrator (each hop's output comes back to us and goes on to the next hop: the paper's mode) or
     # push (each server pushes its output straight to the next one; see petals_chain.swarm.push)
     relay: str = "orchestrator"
@@ -199,6 +205,10 @@ class Orchestrator(GenerationMixin, SessionMixin):
                              f"{cfg.ban_max_s}")
         if not (0 <= cfg.load_deadline_s < math.inf):
             raise ValueError(f"--load-deadline-s must be a finite number >= 0 (0: none), got {cfg.load_deadline_s}")
+        if not (0 <= cfg.records_lost_s < math.inf):
+            raise ValueError(f"--records-lost-s must be a finite number >= 0 (0: at once), got {cfg.records_lost_s}")
+        if not (0 < cfg.draft_timeout_s < math.inf):
+            raise ValueError(f"--draft-timeout-s must be a positive finite number, got {cfg.draft_timeout_s}")
         from petals_chain.swarm.memory import check_device
         from petals_chain.swarm.sources import check_family, resolve_source
 
@@ -270,6 +280,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             raise ValueError(f"--max-length {self.cfg.max_length} exceeds the model's max_position_embeddings {max_pos}")
         if self.cfg.draft_model:
             self.drafter = self._load_drafter()
+            self.stats.watch_drafter(self.drafter)  # petals_chain_speculative_draft_failures, read at each scrape
 
     def _load_drafter(self):
         from petals_chain.orchestrator.drafting import DraftModel
@@ -286,6 +297,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             raise ValueError(f"draft model {name!r} does not share the served model's tokenizer")
         dtype = None if self.cfg.dtype == "auto" else self.cfg.dtype
         drafter = DraftModel.load(draft_src, name, num_layers=self.cfg.draft_layers, dtype=dtype, device=self.cfg.device)
+        drafter.timeout_s = self.cfg.draft_timeout_s
         logger.info("draft model %s: %d decoder layers", name, drafter.layers)
         return drafter
 
@@ -356,7 +368,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint, ban_base_s=self.cfg.ban_base_s,
             prober=self.prober,
             ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s, job_tokens=self.cfg.job_tokens,
-            load_deadline_s=self.cfg.load_deadline_s)
+            load_deadline_s=self.cfg.load_deadline_s, records_lost_s=self.cfg.records_lost_s)
         self.client.heartbeats = self._open_heartbeats
         if hasattr(self.dispatch, "attach"):  # routed dispatch (PETALS, BPRR) reads live server views
             self.dispatch.attach(self.planner)

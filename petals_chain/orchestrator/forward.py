@@ -15,10 +15,8 @@ forwarded there (:attr:`SessionOwners`).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
-import ssl
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -32,8 +30,8 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
-from petals_chain.orchestrator.resume import (Cut, DeadlineGone, StreamRecord, finish, first_deadline_s, relay_events,
-                                             sse_events, stream_ending, ticking, with_time_gone)
+from petals_chain.orchestrator.resume import (Cut, DeadlineGone, StreamRecord, client_tls, finish, first_deadline_s,
+                                             relay_events, sse_events, stream_ending, ticking, with_time_gone)
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +44,6 @@ _REPLY_HEADERS_DROPPED = {"connection", "keep-alive", "transfer-encoding", "cont
                           "upgrade", "trailer", "te", "proxy-authenticate", "proxy-authorization"}
 MAX_SESSION_OWNERS = 10_000
 TARGET_WAIT_S = 10.0  # a request to a group without a chain waits this long for one, here or elsewhere, to be known
-
-
-@functools.cache
-def client_tls() -> ssl.SSLContext:
-    """The TLS settings of the connections to other orchestrators, made once (httpx's defaults: certifi's CAs, or
-    ``SSL_CERT_FILE``): a client made with its own read and parsed the CA bundle, ~20 ms of CPU on the event loop,
-    for each request forwarded."""
-    return httpx.create_ssl_context()
 
 
 def warm_up() -> None:

@@ -252,6 +252,20 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 DHT_READY_TIMEOUT_S = 120.0  # joining over a slow network takes seconds; a start that takes minutes has hung
 
+# The temporary identity files of the nodes this process is starting (each deleted once its p2pd has read it, or the
+# start failed): what remove_temp_identities() deletes for a process that exits at once, mid-start
+_temp_identities: set[str] = set()
+
+
+def remove_temp_identities() -> None:
+    """Delete the temporary identity files of the DHT nodes being started, for an exit that does not wait for their
+    start (``os._exit``): the private key stayed behind in ``/tmp/petals-chain-identity-*``."""
+    for path in list(_temp_identities):  # a copy: a start in another thread may end meanwhile
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        _temp_identities.discard(path)
+
+
 _on_lost: Optional[Callable[["SwarmDHT"], None]] = None
 
 
@@ -396,21 +410,22 @@ class SwarmDHT:
         temp_identity = None
         if identity_path is None:
             fd, temp_identity = tempfile.mkstemp(prefix="petals-chain-identity-")
+            _temp_identities.add(temp_identity)
             os.close(fd)
             os.unlink(temp_identity)
             identity_path = temp_identity
-        # every role's --identity-path: a quoted or --flag=~/x path comes with its ~ (the key went to ./~/, a new peer
-        # id when started from another directory)
-        identity_path = os.path.expanduser(identity_path)
-        if not os.path.isfile(identity_path):
-            P2P.generate_identity(identity_path)
-            # A key generated this instant cannot be in use elsewhere: skip hivemind's network check.
-            dht_kwargs.setdefault("check_if_identity_free", False)
-        private_key = load_identity(identity_path)
-        prefixes = [check_prefix(prefix)] if prefix is not None else []
-        validators = ([RSASignatureValidator(private_key), _DirectorySchemaValidator()]
-                      + [_SwarmSchemaValidator(p) for p in prefixes])
-        try:
+        try:  # (from here on a temporary identity file is deleted whatever happens)
+            # every role's --identity-path: a quoted or --flag=~/x path comes with its ~ (the key went to ./~/, a new
+            # peer id when started from another directory)
+            identity_path = os.path.expanduser(identity_path)
+            if not os.path.isfile(identity_path):
+                P2P.generate_identity(identity_path)
+                # A key generated this instant cannot be in use elsewhere: skip hivemind's network check.
+                dht_kwargs.setdefault("check_if_identity_free", False)
+            private_key = load_identity(identity_path)
+            prefixes = [check_prefix(prefix)] if prefix is not None else []
+            validators = ([RSASignatureValidator(private_key), _DirectorySchemaValidator()]
+                          + [_SwarmSchemaValidator(p) for p in prefixes])
             dht = _DHTProcess(
                 initial_peers=list(initial_peers or []),
                 start=True,
@@ -423,11 +438,14 @@ class SwarmDHT:
             )
             _await_ready(dht, ready_timeout_s)
         except BaseException:
-            if temp_identity is not None and os.path.exists(temp_identity):
-                os.unlink(temp_identity)
+            if temp_identity is not None:
+                if os.path.exists(temp_identity):
+                    os.unlink(temp_identity)
+                _temp_identities.discard(temp_identity)
             raise
         if temp_identity is not None:  # p2pd has read it; the key lives on in memory only
             os.unlink(temp_identity)
+            _temp_identities.discard(temp_identity)
             temp_identity = None
         # hivemind sends commands without a lock; commands from several threads (asyncio.to_thread) interleave
         # their bytes when larger than one pipe write and the DHT process dies on the garbled stream.
