@@ -36,9 +36,9 @@ def _said(caplog, text: str) -> list[str]:
 
 
 def test_one_empty_read_keeps_the_views_and_the_assignment(caplog):
-    """Records gone for a few reads (and one read naming only a newcomer): no new epoch, nothing published, the
-    chains and the views (``seen`` too: the model placer and the groups read it) kept; one warning for the streak;
-    back, nothing changes."""
+    """Records gone for a few reads: no new epoch, nothing published, the chains and the views (``seen`` too: the
+    model placer and the groups read it) kept; one warning for the streak; back, nothing changes. (A read naming only
+    a newcomer: test_s31_review2_planner.)"""
     sw = _online_swarm()
     pub = Counting(sw)
     epoch, seen = sw.pl.epoch, dict(sw.pl.seen)
@@ -49,16 +49,13 @@ def test_one_empty_read_keeps_the_views_and_the_assignment(caplog):
             sw.refresh(1.0)
             assert sw.pl.epoch == epoch and sw.pl.assignment == {"A": (0, 2), "B": (2, 2), "C": (0, 2)}
             assert set(sw.pl.servers) == set("ABC") and sw.pl.seen == seen and sw.chains() == [("A", "B")]
-        sw.records["E"] = record("E")  # a partial read: a newcomer only, none of the live servers
-        sw.refresh(1.0)
-        assert sw.pl.epoch == epoch and set(sw.pl.servers) == set("ABC") and sw.pl.failed_reads == 4
-        assert len(_said(caplog, "names none of the 3 live servers")) == 1, caplog.text
+        assert sw.pl.failed_reads == 3 and len(_said(caplog, "names none of the 3 live servers")) == 1, caplog.text
         sw.records.clear()
         sw.records.update(saved)
         sw.refresh(1.0)
         sw.refresh(1.0)
     assert sw.pl.epoch == epoch and pub.published == [] and sw.chains() == [("A", "B")] and sw.pl.failed_reads == 0
-    assert _said(caplog, "read again after 4 failed read(s)")
+    assert _said(caplog, "read again after 3 failed read(s)")
     assert not _said(caplog, "server left")
 
 

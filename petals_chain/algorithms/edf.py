@@ -219,12 +219,13 @@ class Prediction:
 
 
 def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: int, *, siblings: int = 0,
-            ttft_deadline: float = math.inf, deadline: float = math.inf) -> Prediction:
+            ttft_deadline: float = math.inf, deadline: float = math.inf, start: int | None = None) -> Prediction:
     """Predicted start, first and last token of a new job with ``ahead`` jobs served before it (see the module);
     ``output_tokens``: the most it may generate (its ``max_tokens``). ``siblings``: the request's other choices
     (``n`` > 1), served after it: its first token is this job's, its last the last choice's. ``ttft_deadline`` /
-    ``deadline``: absolute times on the caller's clock (``inf``: none). No chain at all: doomed when it has a
-    deadline."""
+    ``deadline``: absolute times on the caller's clock (``inf``: none). ``start``: the index in ``chains`` of the
+    chain the dispatcher starts the job on if it has a free slot now (its first token is timed there; None: not
+    known). No chain at all: doomed when it has a deadline."""
     if ahead < 0 or output_tokens < 0 or siblings < 0:
         raise ValueError("ahead, output_tokens and siblings must be >= 0")
     usable = _usable(chains)
@@ -242,9 +243,15 @@ def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: 
         # 1-token choices and was refused a deadline an idle chain meets in a fraction of that)
         waves = siblings // (free - ahead)
         last = min(last, waves * (c.open_s + c.step_s * (1 + int(output_tokens))))
-    # the first token on the chain that gives it soonest: a deadline on it alone was refused by the time of the
-    # chain best for the last token (one that opens slower), though the other chain had a free slot and met it
-    first = min(x.open_s + x.step_s for x in open_chains)
+    # the first token: with a slot free, on the chain the dispatcher starts it on (``start``), else on the chain that
+    # gives it soonest (a deadline on it alone was refused by the time of the chain best for the last token, one that
+    # opens slower, though another had a free slot; but the soonest is not the dispatcher's pick: JFFC started a job
+    # admitted by it on its fastest free chain, slow to open, and its first token came past ttft_deadline_ms)
+    pick = chains[start] if start is not None and wait == 0 and 0 <= start < len(chains) else None
+    if pick is not None and any(pick is x for x in open_chains):
+        first = pick.open_s + pick.step_s
+    else:
+        first = min(x.open_s + x.step_s for x in open_chains)
     return _verdict(now, wait, c.step_s, output_tokens, ttft_deadline, deadline, last, c.open_s, first)
 
 

@@ -1316,7 +1316,22 @@ class DispatchManager:
         predict`, with the jobs :meth:`_loads` counts before it)."""
         chains, ahead = self._loads(job)
         return predict(time.monotonic() if now is None else now, chains, ahead, job.output_tokens,
-                       siblings=job.siblings, **self._deadlines(job, first_token))
+                       siblings=job.siblings, start=self._start_chain(job, chains), **self._deadlines(job, first_token))
+
+    def _start_chain(self, job: DispatchJob, chains: list[ChainLoad]) -> int | None:
+        """The chain ``job`` would start on now if it has a free slot (:meth:`_start_preferred`'s, else JFFC's fastest
+        free chain: its first token comes there, however soon another would give it); None if none or not known (a
+        fairness policy or a per-chain baseline picks by its own rule)."""
+        free = [k for k, load in enumerate(chains) if load.active < load.capacity]
+        if not free or self.dispatcher is None or (self.shares is not None and self.shares.central):
+            return None
+        for key in job.prefer:
+            k = self._index_by_key.get(key)
+            if k in free:
+                return k
+        if self.policy != "jffc":
+            return None
+        return min(free, key=lambda k: (self.chains[k].service_time, k))
 
     def _remaining(self, lease: Lease, chains: list[ChainLoad], now: float) -> float | None:
         """Seconds until a running job frees its slot if left to run (at most its ``expected_output`` tokens);

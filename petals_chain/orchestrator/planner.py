@@ -876,8 +876,9 @@ class Planner:
             self.last_change = time.monotonic()
 
     def _failed_read(self, records: dict[str, Any] | None, error: str = "") -> bool:
-        """Whether this read of the server records (None: it raised ``error``) is a failed one, to be skipped with
-        every view, ban, assignment and ``seen`` kept: one that raised, or one that names none of this planner's live
+        """Whether this read of the server records (None: it raised ``error``) is a failed one, whose missing records
+        are kept as the last read saw them (:meth:`refresh`: views, bans, assignment and ``seen`` kept; pings still
+        ban the dead): one that raised, or one that names none of this planner's live
         servers (not even ``offline``) while that has lasted less than ``records_lost_s``. Such a read is what a
         DHT get that timed out or reached no node returns in a network blip of this host; taken as every server
         leaving, it published an empty assignment and every server unloaded its blocks. Servers that all die
@@ -911,17 +912,21 @@ class Planner:
         return True
 
     async def refresh(self) -> None:
-        """Fetch records, ping, and react to joins, leaves and state changes (a failed read changes nothing:
-        :meth:`_failed_read`)."""
+        """Fetch records, ping, and react to joins, leaves and state changes (a failed read, :meth:`_failed_read`,
+        loses no server: what it misses is read as the last read saw it)."""
         async with self._lock:
             try:
-                records = await self.dht.afetch_servers(self.prefix)
+                read: dict[str, Any] | None = await self.dht.afetch_servers(self.prefix)
+                failed = self._failed_read(read)
             except Exception as e:  # noqa: BLE001 - a DHT error is a failed read (_failed_read), not a planner error
-                self._failed_read(None, f"{type(e).__name__}: {e}")
-                return
-            if self._failed_read(records):
-                return
-            refused = {}
+                read, failed = None, self._failed_read(None, f"{type(e).__name__}: {e}")
+            read = read or {}
+            # A failed read keeps every record the last one saw, under what it names itself: the live servers are
+            # still pinged (killed -9 all at once with the DHT nodes that held their records, they stayed in the
+            # chains until records_lost_s) and servers it names are taken in (a swarm back with new identities after
+            # its old records expired was ignored until then)
+            records = {**self.seen, **read} if failed else read
+            refused = dict(self.refused) if failed else {}
             for peer_id, rec in list(records.items()):
                 if self.model_fingerprint and rec.model_fingerprint != self.model_fingerprint:
                     if peer_id not in self.refused:
@@ -931,7 +936,8 @@ class Planner:
                     refused[peer_id] = records.pop(peer_id)
             self.refused = refused
             self.seen = dict(records)
-            self.refreshes += 1
+            if not failed:
+                self.refreshes += 1
             if self.group is not None:  # another orchestrator's servers are not ours to plan: as if absent
                 records = {p: r for p, r in records.items() if p in self.group}
             if self.placed is not None:  # a server placed on another model is not ours either
@@ -971,7 +977,8 @@ class Planner:
                     if restarted:
                         self._restart_load_clock(v)
                 self._note_load_failure(v)
-                v.last_seen = now
+                if peer_id in read:  # (not one kept from the last read)
+                    v.last_seen = now
             for peer_id in list(self.servers):
                 if peer_id not in records:
                     self.load_failures.pop(peer_id, None)
@@ -983,7 +990,8 @@ class Planner:
             await asyncio.gather(*(self._ping(v) for v in live))
             for v in live:
                 self._unban(v)
-            self.check_load_deadlines()
+            if not failed:  # (a load is not timed by records this read did not see)
+                self.check_load_deadlines()
             for v in joined:
                 logger.info("server joined: %s (%s) memory=%d tau_p=%.4g state=%s", v.record.public_name,
                             v.peer_id[:12], v.record.memory_bytes, v.record.tau_p, v.record.state)

@@ -104,7 +104,8 @@ class Stats:
                                      "was full (429 queue_full) or could never hold the request (429 "
                                      "exceeds_capacity)", registry=r)
         self.m_requeued = Gauge("petals_chain_requeued_jobs", "Admitted jobs waiting to get a chain again (failover, "
-                                "a session's later turn); outside the bounded queue", registry=r)
+                                "a session's later turn) or for the slot held for them that a re-plan or failover "
+                                "took (a later choice of n > 1); outside the bounded queue", registry=r)
         self.m_places_held = Gauge("petals_chain_queue_places_held", "Queue places held for the later jobs of admitted "
                                    "requests (n > 1, several prompts); with the queue, within the bound", registry=r)
         self.m_slots_held = Gauge("petals_chain_queue_slots_held", "Free chain slots held for the later jobs of "
