@@ -10,10 +10,12 @@ serves a model by starting a server with that model. :class:`ModelRouter` is the
 * ``/api/v1/sessions/{id}...``: to the model whose orchestrator holds the session;
 * ``GET /v1/models``: every model; ``/v1/models/{id}``: that one; ``GET /healthz``: every model's, 200 only if all are;
 * ``GET /metrics``: every model's series in one exposition, each sample labelled ``model="NAME"`` (what a Prometheus
-  scrape of the orchestrator expects); ``?model=NAME`` gives that model's alone, unlabelled, as with one model;
+  scrape of the orchestrator expects; the replay cache the models share: once, under the first model, its help
+  saying so); ``?model=NAME`` gives that model's alone, unlabelled, as with one model;
 * everything else (``/api/v1/swarm``, the dashboard): the model named by ``?model=NAME``, else the first;
   ``/api/v1/swarm`` lists the models served (``models``) so the dashboard can offer the others; each model's signed
-  summary lists them too (:func:`models_json`), for the standalone dashboard.
+  summary lists them too (:func:`models_json`), for the standalone dashboard. Its ``relay.replay_cache`` names the
+  models whose jobs its figures count (``shared_by``: all of them).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ _BY_BODY = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POS
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)")
 MAX_BODY = 64 * 2**20  # read to route; each model's own limit (--max-body-bytes) applies after
 MAX_NAME_SHOWN = 200  # characters of an unknown model's name an error repeats
+# Gauges of the replay cache every model shares (share_replay_cache): the process's figures, not one model's
+SHARED_REPLAY_FAMILIES = frozenset({"petals_chain_replay_cache_bytes", "petals_chain_replay_cache_budget_bytes",
+                                    "petals_chain_replay_cache_evictions"})
 
 
 def parse_models(values: list[str]) -> list[tuple[str | None, str]]:
@@ -121,20 +126,36 @@ def share_replay_cache(orchs: Mapping[str, Any]) -> None:
 
 class ModelsCollector:
     """Every model's Prometheus registry as one collector: families merged by name, each sample labelled with its
-    model's name (``orchs[name].stats.registry``; each orchestrator's gauges are refreshed first)."""
+    model's name (``orchs[name].stats.registry``; each orchestrator's gauges are refreshed first). A replay cache
+    several models share gives its :data:`SHARED_REPLAY_FAMILIES` once, under the first of them, and says so in the
+    family's help."""
 
     def __init__(self, orchs: Mapping[str, Any]):
         self.orchs = orchs
 
     def collect(self):
         families: dict[str, Metric] = {}
+        shown: set[int] = set()  # replay caches whose figures were given already
         for name, o in self.orchs.items():
             o.update_gauges()
+            cache = getattr(o, "replay_cache", None)
+            users = [n for n, p in self.orchs.items() if getattr(p, "replay_cache", None) is cache]
+            shared = cache is not None and len(users) > 1
             for fam in o.stats.registry.collect():
+                if shared and fam.name in SHARED_REPLAY_FAMILIES:
+                    # the process's one cache (share_replay_cache): each model showed the total as its own, and a
+                    # sum over the models counted it once per model
+                    if id(cache) in shown:
+                        continue
+                    doc = f"{fam.documentation} (one cache for the models {', '.join(users)}: given under {name})"
+                else:
+                    doc = fam.documentation
                 out = families.get(fam.name)
                 if out is None:
-                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                    out = families[fam.name] = Metric(fam.name, doc, fam.type, fam.unit)
                 out.samples.extend(s._replace(labels={"model": name, **s.labels}) for s in fam.samples)
+            if shared:
+                shown.add(id(cache))
         return iter(families.values())
 
     def exposition(self) -> bytes:
@@ -230,6 +251,10 @@ class ModelRouter:
             return await _json(send, status, json.loads(body))
         state = json.loads(body)
         state.update(models_json(self.orchs, name, self.placer))
+        replay = (state.get("relay") if isinstance(state.get("relay"), dict) else {}).get("replay_cache")
+        cache = getattr(self.orchs[name], "replay_cache", None)
+        if isinstance(replay, dict) and cache is not None:  # the figures count every model's jobs: say whose
+            replay["shared_by"] = [n for n, o in self.orchs.items() if getattr(o, "replay_cache", None) is cache]
         # a server the placer moved off a model it cannot load: the row of the model it serves says which and why
         failures = getattr(self.placer, "load_failures", None) or {}
         for row in state.get("servers", []):
