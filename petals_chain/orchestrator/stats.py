@@ -145,7 +145,7 @@ class Stats:
         self.m_replay_token_blocks = Counter("petals_chain_failover_replayed_token_blocks", "Tokens x blocks "
                                              "recomputed by failover replays", ["kind"], registry=r)
         self.m_replay_bytes = Gauge("petals_chain_replay_cache_bytes", "Hop inputs kept for failover replays "
-                                    "(all jobs)", registry=r)
+                                    "(all jobs of every model the process serves: one cache)", registry=r)
         self.m_replay_budget = Gauge("petals_chain_replay_cache_budget_bytes", "Budget of the hop inputs kept "
                                      "(--replay-cache-mb)", registry=r)
         self.m_replay_evictions = Gauge("petals_chain_replay_cache_evictions", "Jobs whose hop inputs were dropped "
