@@ -16,7 +16,7 @@ from conftest import REPO_ROOT
 @pytest.fixture
 def _signal_handlers_restored():
     """serve's event loop, closing, resets the handlers it installed: put back this process's own."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     yield
     for sig, handler in before.items():
         signal.signal(sig, handler)
@@ -250,10 +250,11 @@ def test_a_bad_url_in_another_orchestrators_group_record_is_served_here():
 
     import petals_chain.orchestrator.forward as fw
 
+    # epoch 1: a split is known (a request waits for a target only before that), and that URL is never one
     orch = NS(dispatch=NS(chains=[], max_queue=None, queue_length=0),
-              groups=NS(me="me", forwarded=0, session_owners=fw.SessionOwners(), json=lambda: {"orchestrators": [
-                  {"peer_id": "other", "http_url": "http://host:port", "live": True, "servers": 3,
-                   "arrival_rate": 0.0}]}))
+              groups=NS(me="me", epoch=1, forwarded=0, session_owners=fw.SessionOwners(),
+                        json=lambda: {"orchestrators": [{"peer_id": "other", "http_url": "http://host:port",
+                                                         "live": True, "servers": 3, "arrival_rate": 0.0}]}))
 
     async def receive():
         return {"type": "http.request", "body": b'{"prompt": "hi"}', "more_body": False}

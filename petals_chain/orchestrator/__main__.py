@@ -561,9 +561,11 @@ def _main(argv: list[str] | None) -> int:
         parser.error(f"--public-url must be an http:// or https:// URL, got {args.public_url!r}")
     if args.public_url:
         try:  # other orchestrators forward requests there (--group-with): each forward failed
-            urllib.parse.urlsplit(args.public_url).port
+            public_port = urllib.parse.urlsplit(args.public_url).port
         except ValueError as e:
             parser.error(f"--public-url {args.public_url!r}: {e}")
+        if public_port == 0:  # (no one connects to port 0: the others never forward there, forward.py)
+            parser.error(f"--public-url {args.public_url!r}: port 0 is no port to connect to")
     level = log_level(parser, args.log_level)
     if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
         parser.error(f"--ready-file {args.ready_file}: no such directory")  # found only once all had started

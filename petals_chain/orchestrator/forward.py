@@ -15,6 +15,7 @@ forwarded there (:attr:`SessionOwners`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -31,7 +32,8 @@ from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.resume import (Cut, DeadlineGone, StreamRecord, client_tls, finish, first_deadline_s,
-                                             relay_events, sse_events, stream_ending, ticking, with_time_gone)
+                                             is_event_stream, relay_events, sse_events, stream_ending, ticking,
+                                             with_time_gone)
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +123,31 @@ def _best_peer(orch: Any, avoid: str = "") -> Optional[str]:
     """The live orchestrator (not this one, nor ``avoid``) whose group has the most servers per request arriving."""
     groups = orch.groups
     peers = [o for o in groups.json()["orchestrators"] if o["peer_id"] != groups.me and o["live"]
-             and o["servers"] > 0 and o["http_url"] and o["http_url"] != avoid]
+             and o["servers"] > 0 and o["http_url"] and o["http_url"] != avoid and _usable_url(o["http_url"])]
     if not peers:
         return None
     best = max(peers, key=lambda o: (o["servers"] / (o["arrival_rate"] + 0.1), o["peer_id"]))
     return best["http_url"]
+
+
+@functools.lru_cache(maxsize=1024)
+def _usable_url(url: str) -> bool:
+    """Whether another orchestrator's ``http_url`` (its group record's) can be sent a request: an http(s) URL with a
+    host and a port in range. One that cannot (``http://host:port``, port 99999: from an orchestrator started before
+    ``--public-url`` was checked) is never a target: each forward there failed (served here after a warning per
+    request, or a 500 for a port out of range), its rerun of a cut stream ended the stream without an error event,
+    and it stood in for live orchestrators that could serve. Warned once per URL."""
+    try:
+        parsed = httpx.URL(url)
+        usable = parsed.scheme in ("http", "https") and bool(parsed.host) and (parsed.port is None
+                                                                              or 0 < parsed.port < 65536)
+        why = "not an http(s) URL with a host and a port in 1-65535"
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        usable, why = False, str(e)
+    if not usable:
+        logger.warning("another orchestrator's group record names the URL %r (%s): no request is forwarded there",
+                       url[:200], why)
+    return usable
 
 
 async def _target_soon(orch: Any, request: Request, arrived: float) -> Optional[str]:
@@ -255,8 +277,7 @@ async def _relay_raw(orch: Any, url: str, upstream: httpx.Response, close: Calla
     refreshing its group record while its reply is silent is lost (its host gone with the connection open: the relay
     waited for good). An event stream is relayed in whole events, and one cut off ends with an error event; any other
     reply cut off aborts the response."""
-    events = (upstream.headers.get("content-type", "").startswith("text/event-stream")
-              and "content-encoding" not in upstream.headers)
+    events = is_event_stream(upstream.headers) and "content-encoding" not in upstream.headers
     try:
         async for chunk in ticking(sse_events(upstream.aiter_raw()) if events else upstream.aiter_raw()):
             if chunk is None:

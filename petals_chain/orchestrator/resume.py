@@ -51,6 +51,12 @@ def client_tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+def is_event_stream(headers: Any) -> bool:
+    """Whether a reply's Content-Type is ``text/event-stream``: a media type is case-insensitive and may carry
+    parameters (a proxy in front of the other orchestrator may send ``Text/Event-Stream; charset=UTF-8``)."""
+    return headers.get("content-type", "").split(";", 1)[0].strip().lower() == "text/event-stream"
+
+
 def resume_headers() -> dict[str, str]:
     """The header marking a rerun on this process (never sent to another orchestrator)."""
     return {RESUME_HEADER: _RESUME_SECRET}
@@ -156,7 +162,7 @@ class StreamRecord:
         ``defaults``: the deadlines that apply where the body names none (the client's API key's), so a rerun
         keeps counting them from the first arrival instead of starting them again."""
         if (method != "POST" or path.rstrip("/") not in RESUMABLE_PATHS or status != 200
-                or "content-encoding" in headers or not headers.get("content-type", "").startswith("text/event-stream")):
+                or "content-encoding" in headers or not is_event_stream(headers)):
             return None
         try:
             req = json.loads(body)

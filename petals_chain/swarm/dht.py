@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import functools
@@ -267,6 +268,13 @@ def remove_temp_identities() -> None:
 
 
 _on_lost: Optional[Callable[["SwarmDHT"], None]] = None
+_exiting = False  # this interpreter is exiting: multiprocessing's exit handler ends the DHT processes left running
+
+
+@atexit.register  # registered after multiprocessing's own (imported above), so it runs before it
+def _note_exit() -> None:
+    global _exiting
+    _exiting = True
 
 
 def on_dht_lost(callback: Optional[Callable[["SwarmDHT"], None]]) -> None:
@@ -283,7 +291,7 @@ def on_dht_lost(callback: Optional[Callable[["SwarmDHT"], None]]) -> None:
 def _watch_dht_process(sd: "SwarmDHT") -> None:
     """Runs in the role (a thread): wait until ``sd``'s DHT process exits; unless shutting down, it is lost."""
     multiprocessing.connection.wait([sd.dht.sentinel])  # not joined here: shutdown() reaps it
-    if sd._closing:
+    if sd._closing or _exiting:  # (a process leaving without shutdown(): not a lost node, no error logged)
         return
     sd.lost = True
     logger.error(f"the DHT process (pid {sd.dht.pid}) exited unexpectedly: this node can no longer publish or read "
