@@ -15,7 +15,7 @@ import pytest
 @pytest.fixture
 def _signal_handlers_restored():
     """serve's event loop, closing, resets the handlers it installed: put back this process's own."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     yield
     for sig, handler in before.items():
         signal.signal(sig, handler)

@@ -520,3 +520,15 @@ def test_the_orchestrator_gives_its_planner_and_draft_model_the_configured_times
         assert planned["records_lost_s"] == 270.0
     finally:
         orch.drafter.close()
+
+
+def test_the_orchestrator_hashes_its_weights_while_loading_not_on_the_event_loop(tiny_model_factory):
+    """The full-byte fingerprint was first computed in ``start()``, on the event loop (with several models, one
+    model's hash stalled the others' planners and the starting-phase signal handler): ``load_model`` (run in a
+    thread) computes it now."""
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+
+    orch = Orchestrator(OrchestratorConfig(model=str(tiny_model_factory("llama", num_layers=2)), max_length=64, port=0))
+    vars(orch.source).pop("fingerprint", None)  # sources are shared by path: another test may have computed it
+    orch.load_model()
+    assert "fingerprint" in vars(orch.source)  # functools.cached_property: computed

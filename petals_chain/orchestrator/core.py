@@ -264,6 +264,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         from petals_chain.swarm.sources import check_family
 
         src = self.source
+        src.fingerprint  # noqa: B018 - every weight byte hashed here, in a thread (start() reads it on the loop)
         self.model_path = src.path
         self.config = src.config
         check_family(self.config)
