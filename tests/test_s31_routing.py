@@ -13,7 +13,8 @@ import torch
 
 from petals_chain.orchestrator.api import create_app
 from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
-from petals_chain.orchestrator.models import MAX_NAME_SHOWN, ModelRouter
+from petals_chain.orchestrator.errors import MAX_NAME_SHOWN
+from petals_chain.orchestrator.models import ModelRouter
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline, key_defaults
 from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
+from petals_chain.orchestrator.errors import shown_model_name
 from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
 from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
@@ -519,10 +520,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
     def check_model(name: str) -> None:
         if name not in (orch.model_id, orch.prefix, cfg.model):
-            # cut as the router cuts it (models.MAX_NAME_SHOWN): a name of megabytes came back whole, JSON-escaped
-            shown = repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} characters)"
-            raise RequestError(f"the model {shown} does not exist; this swarm serves {orch.model_id!r}", status=404,
-                               param="model", code="model_not_found")
+            raise RequestError(f"the model {shown_model_name(name)} does not exist; this swarm serves "
+                               f"{orch.model_id!r}", status=404, param="model", code="model_not_found")
 
     def sampling(req: SamplingFields, default_max_tokens: int | None, logprobs: int | None = None
                  ) -> tuple[SamplingParams, bool]:

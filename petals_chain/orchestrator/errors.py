@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+MAX_NAME_SHOWN = 200  # characters of an unknown model's name an error repeats
+
+
+def shown_model_name(name: Any) -> str:
+    """``name`` quoted for an error, cut at :data:`MAX_NAME_SHOWN` characters (a body of megabytes in ``model`` came
+    back whole, JSON-escaped: larger)."""
+    shown = repr(name)
+    if len(shown) > MAX_NAME_SHOWN:
+        shown = f"{shown[:MAX_NAME_SHOWN]}... ({len(str(name))} characters)"
+    return shown
+
 
 class RequestError(ValueError):
     """A request the orchestrator refuses (maps to HTTP 4xx)."""

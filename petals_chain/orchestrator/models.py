@@ -28,6 +28,7 @@ from urllib.parse import parse_qs
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from petals_chain.orchestrator.errors import shown_model_name
 from petals_chain.orchestrator.limits import client_of
 from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.sources import MODEL_NAME_RE, split_model_arg
@@ -40,7 +41,6 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 _BY_BODY = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/api/v1/sessions")}
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)")
 MAX_BODY = 64 * 2**20  # read to route; each model's own limit (--max-body-bytes) applies after
-MAX_NAME_SHOWN = 200  # characters of an unknown model's name an error repeats
 # Gauges of the replay cache every model shares (share_replay_cache): the process's figures, not one model's
 SHARED_REPLAY_FAMILIES = frozenset({"petals_chain_replay_cache_bytes", "petals_chain_replay_cache_budget_bytes",
                                     "petals_chain_replay_cache_evictions"})
@@ -186,9 +186,7 @@ class ModelRouter:
         return list(self.apps)
 
     async def _not_found(self, send: Send, name: Any) -> None:
-        shown = repr(name)
-        if len(shown) > MAX_NAME_SHOWN:  # a body of megabytes in ``model`` came back whole (JSON-escaped: larger)
-            shown = f"{shown[:MAX_NAME_SHOWN]}... ({len(str(name))} characters)"
+        shown = shown_model_name(name)
         await _json(send, 404, {"error": {"message": f"the model {shown} does not exist; this swarm serves "
                                                      f"{', '.join(repr(n) for n in self.apps)}",
                                           "type": "invalid_request_error", "param": "model",
