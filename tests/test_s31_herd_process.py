@@ -11,15 +11,9 @@ import textwrap
 import pytest
 
 from conftest import REPO_ROOT
+from test_hunt_herd_leftovers import _signal_handlers_restored  # noqa: F401 - a fixture
 
 
-@pytest.fixture
-def _signal_handlers_restored():
-    """serve's event loop, closing, resets the handlers it installed: put back this process's own."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    yield
-    for sig, handler in before.items():
-        signal.signal(sig, handler)
 
 
 # A process serving with an orchestrator whose DHT join never ends; it starts a child in a session of its own as the
@@ -132,8 +126,8 @@ def test_ctrl_c_while_the_cli_imports_is_exit_130_without_a_traceback(monkeypatc
     assert capsys.readouterr().err.strip() == "interrupted while starting"
 
 
-def test_a_dht_node_that_cannot_join_is_an_error_message_not_a_traceback(tiny_model_dir, monkeypatch, capsys,
-                                                                         _signal_handlers_restored):
+@pytest.mark.usefixtures("_signal_handlers_restored")
+def test_a_dht_node_that_cannot_join_is_an_error_message_not_a_traceback(tiny_model_dir, monkeypatch, capsys):
     """Unreachable ``--initial-peers`` (hivemind's P2PDaemonError "failed to connect to bootstrap peers") or a
     corrupt ``--identity-path`` file (protobuf's DecodeError) ended the orchestrator with a traceback. Now: exit 1,
     one line naming the peers and the identity file."""

@@ -13,6 +13,8 @@ import asyncio
 import logging
 import signal
 
+from test_s31_proc import _FakeServer
+
 from petals_chain.server import __main__ as server_main
 from petals_chain.swarm.tiny_model import build_tiny_model
 
@@ -34,28 +36,11 @@ def test_every_offered_models_weights_are_hashed_before_the_event_loop(tmp_path,
     assert seen == [("served", True), ("offered", True)]
 
 
-class _FakeServer:
-    """What ``_serve`` needs of a Server: ``run()`` (which sends itself SIGHUP) and ``_on_signal()``."""
-
-    def __init__(self) -> None:
-        self.signals = 0
-
-    def _on_signal(self) -> None:
-        self.signals += 1
-        self._stop.set()
-
-    async def run(self) -> int:
-        self._stop = asyncio.Event()
-        signal.raise_signal(signal.SIGHUP)
-        await asyncio.wait_for(self._stop.wait(), 60)
-        return 0
-
-
 def test_sighup_says_in_the_log_that_it_stops_the_server_and_that_nothing_is_reloaded(caplog):
     before = signal.getsignal(signal.SIGHUP)
     try:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
-        fake = _FakeServer()
+        fake = _FakeServer(wait_s=60.0)
         with caplog.at_level(logging.WARNING, logger="petals_chain.server"):
             assert asyncio.run(server_main._serve(fake)) == 0
         assert fake.signals == 1
