@@ -29,6 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import name_list, positive_float, positive_int, probability, probability_list  # noqa: E402
+
+PHASES = ("fp", "detect", "cost")
+
 
 def swarm(args, audit_rate: float, faulty: float | None, logs: str):
     from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for, model_memory
@@ -127,7 +132,7 @@ def detection(args) -> list[dict]:
 
 def cost(args) -> dict:
     res = {}
-    for rate in [float(x) for x in args.cost_rates.split(",")]:
+    for rate in args.cost_rates:
         with tempfile.TemporaryDirectory() as logs, swarm(args, rate, None, logs) as sw:
             sw.wait_ready(timeout=600)
             sw.client().complete([1, 2, 3], max_tokens=2)  # warm-up
@@ -147,19 +152,19 @@ def cost(args) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
-    p.add_argument("--servers", type=int, default=3)
-    p.add_argument("--slots", type=int, default=6)
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--audits", type=int, default=10_000, help="audited steps for the false-positive count")
-    p.add_argument("--max-s", type=float, default=1800.0, help="time limit of each phase")
-    p.add_argument("--faulty-rate", type=float, default=0.1)
-    p.add_argument("--detect-rate", type=float, default=0.1, help="--audit-rate of the detection trials")
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--cost-rates", default="0,0.02,0.1")
-    p.add_argument("--cost-s", type=float, default=60.0)
-    p.add_argument("--phases", default="fp,detect,cost")
+    p.add_argument("--servers", type=positive_int, default=3)
+    p.add_argument("--slots", type=positive_int, default=6)
+    p.add_argument("--max-length", type=positive_int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=24)
+    p.add_argument("--clients", type=positive_int, default=4)
+    p.add_argument("--audits", type=positive_int, default=10_000, help="audited steps for the false-positive count")
+    p.add_argument("--max-s", type=positive_float, default=1800.0, help="time limit of each phase")
+    p.add_argument("--faulty-rate", type=probability, default=0.1)
+    p.add_argument("--detect-rate", type=probability, default=0.1, help="--audit-rate of the detection trials")
+    p.add_argument("--trials", type=positive_int, default=3)
+    p.add_argument("--cost-rates", type=probability_list, default="0,0.02,0.1")
+    p.add_argument("--cost-s", type=positive_float, default=60.0)
+    p.add_argument("--phases", type=name_list(PHASES), default="fp,detect,cost")
     p.add_argument("--server-dtype", default=None, help="servers' --dtype (e.g. bfloat16: the 16-bit tolerance)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -168,7 +173,7 @@ def main() -> int:
 
         args.model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench_audit_")) / "tiny", family="llama",
                                           num_layers=4))
-    phases = args.phases.split(",")
+    phases = args.phases
     out: dict = {"args": vars(args)}
     if "fp" in phases:
         print("1. honest servers, every step audited ...", flush=True)

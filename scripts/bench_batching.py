@@ -30,11 +30,15 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from petals_chain.server.runner import BlockRunner
 from petals_chain.swarm.tiny_model import build_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_float, nonnegative_int, positive_int  # noqa: E402
 
 
 def _open_prefilled(runner: BlockRunner, sessions: int, prefix: int, seed: int, tag: str):
@@ -226,25 +230,23 @@ def chunk_choice(hidden_size: int = 64, num_layers: int = 8, heads: int = 4, ses
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--sessions", type=positive_int, default=16)
     ap.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2"])
-    ap.add_argument("--hidden-size", type=int, default=64)
-    ap.add_argument("--num-layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--prefix", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch-wait-ms", type=float, default=2.0)
-    ap.add_argument("--max-batch-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--hidden-size", type=positive_int, default=64)
+    ap.add_argument("--num-layers", type=positive_int, default=8)
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--prefix", type=positive_int, default=32)
+    ap.add_argument("--steps", type=positive_int, default=40)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--batch-wait-ms", type=nonnegative_float, default=2.0)
+    ap.add_argument("--max-batch-tokens", type=positive_int, default=256)
+    ap.add_argument("--threads", type=nonnegative_int, default=1,
                     help="torch intra-op threads, both modes (0: torch's default); 1 as in bench_server.py: on the "
                          "shared 2-core machine intra-op threads only add contention to these small ops")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--attention", action="store_true", help="time gathered vs per-row decode attention instead")
     ap.add_argument("--chunks", action="store_true", help="time prefill chunk sizes (alone and with decode rows)")
     args = ap.parse_args(argv)
-    if args.sessions < 1 or args.steps < 1 or args.rounds < 1:
-        ap.error("--sessions, --steps and --rounds must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.chunks:

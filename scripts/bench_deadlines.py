@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import name_list, nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
 from bench_fairness import arrivals, model_and_prompt  # noqa: E402 - shared with the fairness benchmark
 
 
@@ -121,47 +121,29 @@ def outcome(r: dict) -> str:
 MODES = ("fcfs", "edf", "flex")
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit 2 with a message on a value the run cannot use, before any work (``--overload 0`` divided by zero, and
-    ``--modes`` with a typo failed to start its orchestrator, both after the probe's swarm)."""
-    for name in ("servers", "slots", "max_length", "max_tokens", "prompt_tokens", "background_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("background", "seed"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name} must be >= 0")
-    for name in ("overload", "slo", "duration_s"):
-        if not 0 < getattr(args, name) < math.inf:
-            p.error(f"--{name.replace('_', '-')} must be positive and finite")
-    if not 0 <= args.rtt_ms < math.inf:
-        p.error("--rtt-ms must be finite and >= 0")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        p.error(f"--modes must name one or more of {', '.join(MODES)}")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
-    p.add_argument("--servers", type=int, default=1)
-    p.add_argument("--slots", type=int, default=3, help="jobs a server runs at once (cache slots per block)")
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--rtt-ms", type=float, default=20.0)
-    p.add_argument("--overload", type=float, default=2.0, help="offered load / capacity")
-    p.add_argument("--slo", type=float, default=4.0, help="deadline = SLO x the service time alone")
-    p.add_argument("--duration-s", type=float, default=40.0, help="arrival window per mode")
-    p.add_argument("--modes", default="fcfs,edf", help="comma-separated: fcfs, edf, flex")
-    p.add_argument("--background", type=int, default=0, metavar="N", help="clients of long requests without a "
-                                                                          "deadline, in a closed loop")
-    p.add_argument("--background-tokens", type=int, default=96)
+    # checked as parsed, before any work: ``--overload 0`` divided by zero, and ``--modes`` with a typo failed to
+    # start its orchestrator, both after the probe's swarm
+    p.add_argument("--servers", type=positive_int, default=1)
+    p.add_argument("--slots", type=positive_int, default=3, help="jobs a server runs at once (cache slots per block)")
+    p.add_argument("--max-length", type=positive_int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=24)
+    p.add_argument("--prompt-tokens", type=positive_int, default=16)
+    p.add_argument("--rtt-ms", type=nonnegative_float, default=20.0)
+    p.add_argument("--overload", type=positive_float, default=2.0, help="offered load / capacity")
+    p.add_argument("--slo", type=positive_float, default=4.0, help="deadline = SLO x the service time alone")
+    p.add_argument("--duration-s", type=positive_float, default=40.0, help="arrival window per mode")
+    p.add_argument("--modes", type=name_list(MODES), default="fcfs,edf", help="comma-separated: fcfs, edf, flex")
+    p.add_argument("--background", type=nonnegative_int, default=0, metavar="N",
+                   help="clients of long requests without a deadline, in a closed loop")
+    p.add_argument("--background-tokens", type=positive_int, default=96)
     p.add_argument("--kv-cache", choices=["slots", "paged"], default="slots",
                    help="the servers' KV cache (paged keeps a paused request's KV as a cached prefix)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--json", default=None, help="write the raw results here")
     args = p.parse_args()
-    check_args(p, args)
 
     work = Path(tempfile.mkdtemp(prefix="bench_deadlines_"))
     rng = np.random.default_rng(args.seed)
@@ -186,7 +168,7 @@ def main() -> int:
           f"({args.overload:g}x), deadline {deadline_ms:.0f} ms ({args.slo:g}x service), {len(plan)} requests",
           flush=True)
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes
     runs, summ = {}, {}
     for mode in modes:
         body = {**base, "deadline_ms": deadline_ms, **({"best_effort": True} if mode == "fcfs" else {})}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import name_list, nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
+
+from petals_chain.algorithms.fairness import FAIRNESS_POLICIES  # noqa: E402 - pure, imported at once
 
 
 def model_and_prompt(args, work: Path, rng: np.random.Generator) -> list[int]:
@@ -143,56 +147,35 @@ def _div(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit 2 with a message on a value the run cannot use, before any work: a rate of 0 divided by zero after the
-    swarm's first probe (or hung: NaN), a negative one failed in numpy, no light client in ``statistics.mean``."""
-    for name in ("servers", "slots", "max_length", "max_tokens", "prompt_tokens", "light"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("heavy", "seed"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name} must be >= 0")
-    if args.max_queue is not None and args.max_queue < 0:
-        p.error("--max-queue must be >= 0")
-    for name in ("heavy_factor", "overload", "duration_s"):
-        if not 0 < getattr(args, name) < math.inf:
-            p.error(f"--{name.replace('_', '-')} must be positive and finite")
-    if not 0 <= args.rtt_ms < math.inf:
-        p.error("--rtt-ms must be finite and >= 0")
-    if args.quantum is not None and not 0 < args.quantum < math.inf:
-        p.error("--quantum must be positive and finite")
-    from petals_chain.algorithms.fairness import FAIRNESS_POLICIES
-
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    if not policies or any(x not in ("auto", *FAIRNESS_POLICIES) for x in policies):
-        # a typo failed to start its orchestrator, after the swarm's probe runs
-        p.error(f"--policies must name one or more of auto, {', '.join(FAIRNESS_POLICIES)}")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
-    p.add_argument("--servers", type=int, default=1)
-    p.add_argument("--slots", type=int, default=3, help="jobs a server runs at once (cache slots per block)")
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--rtt-ms", type=float, default=20.0)
-    p.add_argument("--light", type=int, default=3, help="light clients")
-    p.add_argument("--heavy", type=int, default=1, help="heavy clients")
-    p.add_argument("--heavy-factor", type=float, default=4.0, help="a heavy client's rate / a light client's")
-    p.add_argument("--max-queue", type=int, default=None, help="the orchestrator's --max-queue (default: its own)")
-    p.add_argument("--overload", type=float, default=1.3, help="offered load / capacity with the heavy client")
-    p.add_argument("--duration-s", type=float, default=45.0, help="arrival window per policy")
-    p.add_argument("--policies", default="fcfs,dlpm", help="comma-separated --fairness values")
+    # checked as parsed, before any work: a rate of 0 divided by zero after the swarm's first probe (or hung: NaN),
+    # a negative one failed in numpy, no light client in ``statistics.mean``, a policy's typo failed to start its
+    # orchestrator after the probe runs
+    p.add_argument("--servers", type=positive_int, default=1)
+    p.add_argument("--slots", type=positive_int, default=3, help="jobs a server runs at once (cache slots per block)")
+    p.add_argument("--max-length", type=positive_int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=24)
+    p.add_argument("--prompt-tokens", type=positive_int, default=16)
+    p.add_argument("--rtt-ms", type=nonnegative_float, default=20.0)
+    p.add_argument("--light", type=positive_int, default=3, help="light clients")
+    p.add_argument("--heavy", type=nonnegative_int, default=1, help="heavy clients")
+    p.add_argument("--heavy-factor", type=positive_float, default=4.0, help="a heavy client's rate / a light client's")
+    p.add_argument("--max-queue", type=nonnegative_int, default=None,
+                   help="the orchestrator's --max-queue (default: its own)")
+    p.add_argument("--overload", type=positive_float, default=1.3,
+                   help="offered load / capacity with the heavy client")
+    p.add_argument("--duration-s", type=positive_float, default=45.0, help="arrival window per policy")
+    p.add_argument("--policies", type=name_list(("auto", *FAIRNESS_POLICIES)), default="fcfs,dlpm",
+                   help="comma-separated --fairness values")
     p.add_argument("--kv-cache", default="slots", choices=["slots", "paged"],
                    help="servers' KV cache (slots: a chain's capacity stays --slots jobs)")
-    p.add_argument("--quantum", type=float, default=None, help="--fairness-quantum (default: auto)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantum", type=positive_float, default=None, help="--fairness-quantum (default: auto)")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--json", default=None, help="write the raw results here")
     p.add_argument("--plot", default=None, help="PNG of per-request latency over time per policy")
     args = p.parse_args()
-    check_args(p, args)
 
     work = Path(tempfile.mkdtemp(prefix="bench_fairness_"))
     rng = np.random.default_rng(args.seed)
@@ -227,7 +210,7 @@ def main() -> int:
     print(f"light clients alone, the mixed runs' light requests ({len(alone_plan)}) ...", flush=True)
     alone = run_policy(args, "fcfs", alone_plan, keys_file, prompt)
     alone_mean = statistics.mean(r["latency"] for r in alone["results"] if "latency" in r)
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    policies = args.policies
     runs, summ = {}, {}
     for pol in policies:
         print(f"--fairness {pol}: {len(plan)} requests over {args.duration_s:g} s ...", flush=True)

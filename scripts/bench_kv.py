@@ -42,6 +42,9 @@ from petals_chain.server.runner import BlockRunner
 from petals_chain.sim.data import get_conversation_lengths
 from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_int, positive_int  # noqa: E402
+
 
 def admission(runner: BlockRunner, lengths: np.ndarray) -> int:
     """Sessions opened in order until the first refusal (all of the runner's blocks each); closes them again."""
@@ -106,16 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--trace", default=None, help="Azure conversation trace CSV (default: ../shared/data)")
-    ap.add_argument("--max-length", type=int, default=4096)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--slots", type=int, default=32, help="KV memory of this many max_length slots per block")
-    ap.add_argument("--windows", type=int, default=50)
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--churn", type=int, default=400,
+    ap.add_argument("--max-length", type=positive_int, default=4096)
+    ap.add_argument("--page-size", type=positive_int, default=16)
+    ap.add_argument("--slots", type=positive_int, default=32, help="KV memory of this many max_length slots per block")
+    ap.add_argument("--windows", type=positive_int, default=50)
+    ap.add_argument("--sessions", type=positive_int, default=16)
+    ap.add_argument("--blocks", type=positive_int, default=4)
+    ap.add_argument("--steps", type=positive_int, default=20)
+    ap.add_argument("--churn", type=nonnegative_int, default=400,
                     help="open/close events on the paged runner before the decode test (fragments its pool; 0: none)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

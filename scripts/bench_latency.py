@@ -26,6 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_float, nonnegative_int, positive_int  # noqa: E402
+
 # (relay, speculative): the paper's relay first (the ratios' base), then server-to-server push, then each with drafts
 MODES = [("orchestrator", "none"), ("push", "none"), ("orchestrator", "ngram"), ("push", "ngram")]
 TASKS = [
@@ -62,17 +65,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tiny", action="store_true", help="a tiny random-weight Llama (fast; no real text)")
-    ap.add_argument("--rtt-ms", type=float, default=50.0)
-    ap.add_argument("--hops", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--rtt-ms", type=nonnegative_float, default=50.0)
+    ap.add_argument("--hops", type=positive_int, default=3)
+    ap.add_argument("--max-tokens", type=positive_int, default=96)
+    ap.add_argument("--rounds", type=positive_int, default=2)
+    ap.add_argument("--max-length", type=positive_int, default=1024)
     ap.add_argument("--device", default="cpu", help="where the servers' blocks and the orchestrator's head run")
     ap.add_argument("--dtype", default="float32", help="the servers' and the head's dtype")
     ap.add_argument("--decode-graph", default="off", choices=["off", "cuda", "eager"],
                     help="the servers' --decode-graph (cuda: one-token steps replayed as CUDA graphs)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with --seed")
-    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0: greedy; else sampled with --seed")
+    ap.add_argument("--seed", type=nonnegative_int, default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     placement = ["--device", args.device, "--dtype", args.dtype]

@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import positive_int  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("_netns_swarm", ROOT / "scripts" / "netns_swarm.py")
 nl = importlib.util.module_from_spec(_spec)
@@ -39,9 +42,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tiny", action="store_true", help="a tiny random-weight Llama (fast; no real text)")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-length", type=int, default=256)
+    ap.add_argument("--max-tokens", type=positive_int, default=32)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--max-length", type=positive_int, default=256)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     for check in (nl.available, nl.nat_available):

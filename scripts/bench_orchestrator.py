@@ -23,6 +23,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import name_list  # noqa: E402
+
 
 def bench_dispatch(num_chains: int = 10_000, ops: int = 100_000) -> dict:
     from petals_chain.algorithms import JFFCDispatcher
@@ -163,10 +166,11 @@ def bench_concurrency(work: Path, levels: list[int], max_tokens: int) -> list[di
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer requests and levels")
-    p.add_argument("--only", default="overhead,dispatch,concurrency")
+    p.add_argument("--only", type=name_list(("overhead", "dispatch", "concurrency")),
+                   default="overhead,dispatch,concurrency")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
-    only = set(args.only.split(","))
+    only = set(args.only)
     results: dict = {"machine": {"cpus": __import__("os").cpu_count()}}
     with tempfile.TemporaryDirectory(prefix="bench-orch-") as tmp:
         work = Path(tmp)

@@ -26,8 +26,12 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_float, nonnegative_int, positive_int  # noqa: E402
 
 
 def workload(n: int, max_length: int, vocab: int, trace: str | None, seed: int) -> list[tuple[list[int], int]]:
@@ -97,12 +101,14 @@ def run(args, reqs, mode: str, job_tokens: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--slots", type=int, default=4, help="cache slots of max_length tokens per block per server")
-    p.add_argument("--rtt-ms", type=float, default=100.0, help="emulated round trip per message to each server")
+    p.add_argument("--requests", type=positive_int, default=32)
+    p.add_argument("--max-length", type=positive_int, default=512)
+    p.add_argument("--slots", type=positive_int, default=4,
+                   help="cache slots of max_length tokens per block per server")
+    p.add_argument("--rtt-ms", type=nonnegative_float, default=100.0,
+                   help="emulated round trip per message to each server")
     p.add_argument("--trace", default=None, help="Azure conversation trace CSV (default: ../shared/data)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     args = p.parse_args()
 
     from petals_chain.swarm.sources import resolve_source

@@ -38,6 +38,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fairness import arrivals  # noqa: E402 - shared with the fairness benchmark
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_float, nonnegative_int, positive_float, positive_int, probability  # noqa: E402
+
 PROMPT = [5, 6, 7, 8, 9]
 
 
@@ -132,38 +135,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="ui:fcfs,static:fcfs,ui:db",
                    help="POLICY:SCHEDULE[:K] (K: --schedule-classes), one swarm each")
-    p.add_argument("--servers", type=int, default=4)
-    p.add_argument("--slots", type=int, default=2, help="KV slots per block of each server (chain concurrency)")
+    # numbers checked as parsed, before models are built: a zero rate or burst was a ZeroDivisionError in arrivals
+    p.add_argument("--servers", type=positive_int, default=4)
+    p.add_argument("--slots", type=positive_int, default=2,
+                   help="KV slots per block of each server (chain concurrency)")
     p.add_argument("--kv-cache", choices=["slots", "paged"], default="slots",
                    help="the servers' KV cache: slots (a pause recomputes the paused job's KV) or paged (kept as a "
                         "cached prefix)")
-    p.add_argument("--phase-s", type=float, default=60.0)
-    p.add_argument("--hi", type=float, default=4.0, help="req/s on the busy model")
-    p.add_argument("--lo", type=float, default=0.3, help="req/s on the quiet model")
-    p.add_argument("--decode-ms", type=float, default=25.0)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--long-tokens", type=int, default=40)
-    p.add_argument("--long-frac", type=float, default=0.15)
-    p.add_argument("--interval-s", type=float, default=60.0, help="--replace-interval-s")
-    p.add_argument("--window-s", type=float, default=15.0, help="--placement-window-s")
-    p.add_argument("--burst", type=int, default=1, metavar="N",
+    p.add_argument("--phase-s", type=positive_float, default=60.0)
+    p.add_argument("--hi", type=positive_float, default=4.0, help="req/s on the busy model")
+    p.add_argument("--lo", type=positive_float, default=0.3, help="req/s on the quiet model")
+    p.add_argument("--decode-ms", type=nonnegative_float, default=25.0)
+    p.add_argument("--max-tokens", type=positive_int, default=8)
+    p.add_argument("--long-tokens", type=positive_int, default=40)
+    p.add_argument("--long-frac", type=probability, default=0.15)
+    p.add_argument("--interval-s", type=positive_float, default=60.0, help="--replace-interval-s")
+    p.add_argument("--window-s", type=positive_float, default=15.0, help="--placement-window-s")
+    p.add_argument("--burst", type=positive_int, default=1, metavar="N",
                    help="the busy model's requests in bursts of N (same mean rate; 1: Poisson)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--alpha", default="tiny", metavar="tiny|NAME|PATH",
                    help="model alpha: a tiny random 4-layer Llama, or a real one (a registry name such as "
                         "smollm2-135m, fetched by scripts/setup.sh, or a path)")
     p.add_argument("--beta", default="tiny", metavar="tiny|NAME|PATH", help="model beta: a tiny Qwen2, or as --alpha")
     args = p.parse_args(argv)
-    # checked before building models and starting swarms: a zero rate or burst was a ZeroDivisionError in arrivals
-    for name in ("servers", "slots", "max_tokens", "long_tokens", "burst"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("phase_s", "hi", "lo", "interval_s", "window_s"):
-        if not 0 < getattr(args, name) < float("inf"):
-            p.error(f"--{name.replace('_', '-')} must be positive and finite")
-    if not 0 <= args.decode_ms < float("inf") or not 0 <= args.long_frac <= 1:
-        p.error("--decode-ms must be finite and >= 0, --long-frac in [0, 1]")
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from petals_chain.swarm.tiny_model import build_tiny_model
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
+from pathlib import Path
 
 from petals_chain.algorithms import JFFCDispatcher, ModelSpec, ServerSpec, tune_capacity
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_float, positive_int  # noqa: E402
 
 BLOOM = ModelSpec(num_blocks=70, block_size=1.32, cache_size=0.11)
 
@@ -66,17 +69,15 @@ def time_jffc(K: int = 10_000, ops: int = 200_000, seed: int = 0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", type=int, nargs="+", default=[100, 1000, 10000])
-    ap.add_argument("--arrival-rate", type=float, nargs="+", default=[0.2])
+    ap.add_argument("--servers", type=positive_int, nargs="+", default=[100, 1000, 10000])
+    ap.add_argument("--arrival-rate", type=nonnegative_float, nargs="+", default=[0.2])
     ap.add_argument("--rho-bar", type=float, default=0.7)
     ap.add_argument("--method", choices=["lower", "upper", "surrogate"], default="lower")
-    ap.add_argument("--jffc-chains", type=int, default=10_000)
+    ap.add_argument("--jffc-chains", type=positive_int, default=10_000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if any(J < 1 for J in args.servers) or args.jffc_chains < 1:
-        ap.error("every --servers and --jffc-chains must be >= 1")
-    if not all(0 <= lam < math.inf for lam in args.arrival_rate) or not 0 < args.rho_bar <= 1:
-        ap.error("every --arrival-rate must be finite and >= 0, --rho-bar in (0, 1]")
+    if not 0 < args.rho_bar <= 1:  # (the other numbers are checked as parsed)
+        ap.error("--rho-bar must be in (0, 1]")
     try:
         rows = [time_planner(J, lam, args.rho_bar, args.method) for lam in args.arrival_rate for J in args.servers]
     except ValueError as e:  # the planner's: too few servers to hold the model, say

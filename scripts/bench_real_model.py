@@ -19,6 +19,10 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import positive_int  # noqa: E402
 
 PROMPTS = ["Explain how a bicycle works.", "Write a short story about a lighthouse keeper.",
            "What are the main causes of rain?", "Describe the city of Paris.", "How do computers store numbers?",
@@ -28,9 +32,9 @@ PROMPTS = ["Explain how a bicycle works.", "Write a short story about a lighthou
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tokens", type=int, default=64, help="generated tokens per request (ignore_eos)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--tokens", type=positive_int, default=64, help="generated tokens per request (ignore_eos)")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--max-length", type=positive_int, default=512)
     args = p.parse_args()
 
     import torch

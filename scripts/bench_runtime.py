@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -23,16 +25,19 @@ from petals_chain.server.runner import BlockRunner
 from petals_chain.swarm.checkpoint import cache_kwarg
 from petals_chain.swarm.tiny_model import build_tiny_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import positive_int  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2"])
-    ap.add_argument("--hidden-size", type=int, default=64)
-    ap.add_argument("--num-layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--prefix", type=int, nargs="+", default=[16, 256, 1024])
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hidden-size", type=positive_int, default=64)
+    ap.add_argument("--num-layers", type=positive_int, default=8)
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--prefix", type=positive_int, nargs="+", default=[16, 256, 1024])
+    ap.add_argument("--steps", type=positive_int, default=32)
+    ap.add_argument("--threads", type=positive_int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -26,6 +26,9 @@ from petals_chain.orchestrator.sampling import (
     sample_batch,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_int, positive_int  # noqa: E402
+
 CONTEXT = 200  # prompt tokens per sequence (what the repetition penalty scans)
 
 # Parameter mix, repeated every 8 rows (batch 1 is row 0).
@@ -119,15 +122,15 @@ def profile(vocab: int, batch: int, seed: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--repeats", type=int, default=7, help="alternating measurement pairs per cell (median)")
-    ap.add_argument("--steps", type=int, default=4, help="sampling steps per measurement")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--repeats", type=positive_int, default=7, help="alternating measurement pairs per cell (median)")
+    ap.add_argument("--steps", type=positive_int, default=4, help="sampling steps per measurement")
     ap.add_argument("--quick", action="store_true", help="3 repeats of 2 steps")
-    ap.add_argument("--vocab", type=int, nargs="*", default=[49152, 128256])
-    ap.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--vocab", type=positive_int, nargs="+", default=[49152, 128256])
+    ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--per-kind", action="store_true", help="also batch 1 for every entry of the mix")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of sample_batch at the largest cell")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

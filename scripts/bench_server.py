@@ -31,6 +31,9 @@ from typing import AsyncIterator
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_int, positive_int  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -240,14 +243,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--echo-server", nargs="*", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help="HF-format model directory (default: a tiny Llama)")
-    ap.add_argument("--hidden-size", type=int, default=256)
-    ap.add_argument("--num-layers", type=int, default=4)
-    ap.add_argument("--hop-blocks", type=int, default=None, help="blocks on the server (default: all)")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--prefill", type=int, default=16)
-    ap.add_argument("--memory-mb", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, here and in the server")
+    ap.add_argument("--hidden-size", type=positive_int, default=256)
+    ap.add_argument("--num-layers", type=positive_int, default=4)
+    ap.add_argument("--hop-blocks", type=positive_int, default=None, help="blocks on the server (default: all)")
+    ap.add_argument("--steps", type=positive_int, default=200)
+    ap.add_argument("--warmup", type=nonnegative_int, default=20)
+    ap.add_argument("--prefill", type=positive_int, default=16)
+    ap.add_argument("--memory-mb", type=positive_int, default=512)
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads, here and in the server")
     args = ap.parse_args()
     if args.echo_server is not None:
         run_echo_server(args.echo_server)

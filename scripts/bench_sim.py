@@ -15,12 +15,16 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from petals_chain.sim import experiments as ex
 from petals_chain.sim.engine import Workload, simulate_chains, simulate_routed
 from petals_chain.sim.scenarios import bloom_scenario, covers_all_blocks, make_dispatcher, plan_bprr, plan_petals
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import positive_int  # noqa: E402
 
 
 def bench_chains(jobs: int, kind: str) -> dict:
@@ -52,12 +56,11 @@ def bench_routed(jobs: int, policy: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", type=int, default=200_000, help="jobs for the chain simulator (routed: jobs/20)")
-    p.add_argument("--servers", type=int, nargs="*", default=[100, 1000, 10000])
+    # checked as parsed: a traceback from numpy or the swarm builder before
+    p.add_argument("--jobs", type=positive_int, default=200_000, help="jobs for the chain simulator (routed: jobs/20)")
+    p.add_argument("--servers", type=positive_int, nargs="*", default=[100, 1000, 10000])
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if a.jobs < 1 or any(J < 1 for J in a.servers):  # a traceback from numpy or the swarm builder before
-        p.error("--jobs and every --servers must be >= 1")
     out = {"simulator": [], "planner": []}
     for kind in ("jffc", "jsq"):
         out["simulator"].append(bench_chains(a.jobs, kind))

@@ -16,6 +16,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import positive_int  # noqa: E402
 
 CHILD = r"""
 import json, os, sys
@@ -48,9 +52,9 @@ def measure(model: str, k: int, max_length: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--blocks", type=int, nargs="+", default=[10, 30])
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=2, help="runs per size (the smallest peak counts)")
+    p.add_argument("--blocks", type=positive_int, nargs="+", default=[10, 30])
+    p.add_argument("--max-length", type=positive_int, default=1024)
+    p.add_argument("--repeats", type=positive_int, default=2, help="runs per size (the smallest peak counts)")
     args = p.parse_args()
     rows = {}
     for k in args.blocks:

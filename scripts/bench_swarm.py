@@ -45,6 +45,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_int, positive_float, positive_int  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -337,20 +340,22 @@ def plot_cdf(result: dict, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI-sized: 40 requests, time compressed 4x")
-    p.add_argument("--requests", type=int, default=None, help="first N trace requests (default 1000; quick 40)")
-    p.add_argument("--time-scale", type=float, default=None, help="compress time by this factor (default 1; quick 4)")
+    p.add_argument("--requests", type=positive_int, default=None,
+                   help="first N trace requests (default 1000; quick 40)")
+    p.add_argument("--time-scale", type=positive_float, default=None,
+                   help="compress time by this factor (default 1; quick 4)")
     p.add_argument("--policies", nargs="+", default=list(TABLE1), choices=list(POLICIES),
                    help="default: the paper's four; 'proposed-all' adds ours (leftover servers get blocks)")
-    p.add_argument("--out-token-scale", type=int, default=OUT_TOKEN_SCALE,
+    p.add_argument("--out-token-scale", type=positive_int, default=OUT_TOKEN_SCALE,
                    help="trace output tokens per real decode step (emulated decode time and link delay scale with "
                         "it; 1 = one real step per trace token)")
-    p.add_argument("--fast", type=int, default=3, help="servers like MIG 3g.40gb")
-    p.add_argument("--slow", type=int, default=6, help="servers like MIG 2g.20gb")
+    p.add_argument("--fast", type=nonnegative_int, default=3, help="servers like MIG 3g.40gb")
+    p.add_argument("--slow", type=nonnegative_int, default=6, help="servers like MIG 2g.20gb")
     p.add_argument("--trace", default=None, help="Azure code trace CSV (default ../shared/data/..., else synthetic)")
     p.add_argument("--rtt-file", default=None, help="RIPE Atlas CSV (default ../shared/data/..., else synthetic)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--request-timeout", type=float, default=None,
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--ready-timeout", type=positive_float, default=300.0)
+    p.add_argument("--request-timeout", type=positive_float, default=None,
                    help="seconds a request may take before it counts as failed (default 1800; quick 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
     p.add_argument("--out", default=None, help="also write the JSON (with per-request response times) here")
@@ -377,10 +382,8 @@ def main(argv=None) -> int:
     args.time_scale = args.time_scale or (4.0 if args.quick else 1.0)
     args.progress = not args.no_progress
     args.request_timeout = args.request_timeout or (300.0 if args.quick else 1800.0)
-    if args.out_token_scale < 1:
-        p.error("--out-token-scale must be >= 1")
-    if args.requests < 1 or not (args.time_scale > 0) or args.fast < 0 or args.slow < 0 or args.fast + args.slow < 1:
-        p.error("need --requests >= 1, --time-scale > 0 and at least one server")
+    if args.fast + args.slow < 1:  # (each alone is checked as parsed)
+        p.error("need at least one server (--fast + --slow >= 1)")
 
     import signal
 

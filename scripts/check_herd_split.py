@@ -21,6 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from petals_chain.algorithms.herd import (GroupServer, brute_force_server_groups,  # noqa: E402
                                           solve_server_groups, split_score)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import positive_int  # noqa: E402
+
 
 def search(seed: int, instances: int, with_previous: bool) -> dict:
     rng = random.Random(seed)
@@ -50,11 +53,10 @@ def search(seed: int, instances: int, with_previous: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
-    ap.add_argument("--instances", type=int, default=1000)
+    # (a negative count checked nothing and exited 0, as if every instance had passed)
+    ap.add_argument("--instances", type=positive_int, default=1000)
     ap.add_argument("--previous", action="store_true", help="give each solve a random previous split")
     args = ap.parse_args()
-    if args.instances < 1:  # (a negative count checked nothing and exited 0, as if every instance had passed)
-        ap.error("--instances must be >= 1")
     bad = 0
     for seed in args.seeds:
         r = search(seed, args.instances, args.previous)

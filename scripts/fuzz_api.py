@@ -21,6 +21,9 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_int, positive_int  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -219,9 +222,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="orchestrator URL (else --swarm)")
     p.add_argument("--swarm", action="store_true", help="start a small LocalSwarm (tiny model) and attack it")
-    p.add_argument("--examples", type=int, default=25, help="schemathesis examples per operation and mode")
-    p.add_argument("--seed", type=int, default=0, help="hypothesis seed of the schema fuzzing")
-    p.add_argument("--streams", type=int, default=200)
+    p.add_argument("--examples", type=positive_int, default=25, help="schemathesis examples per operation and mode")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="hypothesis seed of the schema fuzzing")
+    p.add_argument("--streams", type=nonnegative_int, default=200)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True))

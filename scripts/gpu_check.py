@@ -35,6 +35,9 @@ import torch
 
 from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import positive_int  # noqa: E402
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -265,7 +268,8 @@ def head_and_sampling(device: torch.device, batches: list[int], steps: int, hidd
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--layers", type=int, default=8, help="blocks of the 7B-shaped model for the exactness check")
+    ap.add_argument("--layers", type=positive_int, default=8,
+                    help="blocks of the 7B-shaped model for the exactness check")
     ap.add_argument("--quick", action="store_true", help="small shapes (to try the script on a CPU)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--only-head", action="store_true", help="only the head and sampling section")

@@ -31,6 +31,9 @@ from petals_chain.swarm.local import LocalServer, LocalSwarm, memory_for
 from petals_chain.swarm.sources import resolve_source
 from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE, build_tiny_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import positive_int  # noqa: E402
+
 
 def reference(path: str, prompts: list[list[int]], n: int, device: str, dtype: torch.dtype) -> list[list[int]]:
     """Greedy ``n`` tokens per prompt with transformers on the GPU, end-of-sequence fed like any token."""
@@ -54,10 +57,10 @@ def reference(path: str, prompts: list[list[int]], n: int, device: str, dtype: t
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--servers", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--layers", type=positive_int, default=32)
+    ap.add_argument("--servers", type=positive_int, default=3)
+    ap.add_argument("--new-tokens", type=positive_int, default=32)
+    ap.add_argument("--max-length", type=positive_int, default=512)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default=None, help="a real model instead of the random 7B-shaped one")

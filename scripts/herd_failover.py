@@ -39,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from petals_chain.swarm.local import LocalServer, LocalSwarm, free_port, memory_for, signal_role  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import nonnegative_int, positive_float, positive_int  # noqa: E402
+
 MOVE_LIMIT_S = 30.0  # the bound on how long a lost orchestrator's group takes to move
 
 
@@ -152,13 +155,13 @@ def new_stats() -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="orchestrator kills (alternating)")
-    p.add_argument("--settle-s", type=float, default=8.0, help="load before each kill and after each restart")
-    p.add_argument("--streams", type=int, default=2, help="single-URL streaming clients per orchestrator")
-    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--rounds", type=positive_int, default=3, help="orchestrator kills (alternating)")
+    p.add_argument("--settle-s", type=positive_float, default=8.0, help="load before each kill and after each restart")
+    p.add_argument("--streams", type=positive_int, default=2, help="single-URL streaming clients per orchestrator")
+    p.add_argument("--max-tokens", type=positive_int, default=40)
     p.add_argument("--freeze", action="store_true", help="every second round SIGSTOPs the orchestrator instead "
                    "(a host gone with its connections open), killing it only after the group moved")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

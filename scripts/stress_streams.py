@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import uuid
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +35,9 @@ from petals_chain.swarm.aio import LINGER_S  # noqa: E402
 from petals_chain.swarm.rpc import (  # noqa: E402
     PetalsChainBlocks, RefusedError, RemoteError, ServerClient, _drain, _pack,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
+from _args import name_list, positive_float, positive_int  # noqa: E402
 
 
 class RefusingBackend:
@@ -123,15 +127,18 @@ async def run_mode(mode: str, opens: int, concurrency: int, timeout_s: float) ->
     return {"mode": mode, "opens": opens, **counts, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+MODES = ("before", "client", "after", "ping-before", "ping-after")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--opens", type=int, default=50_000, help="refused opens (or pings) per mode")
-    ap.add_argument("--concurrency", type=int, default=20, help="opens in flight at once")
-    ap.add_argument("--timeout-s", type=float, default=3.0, help="how long an open waits for its reply")
-    ap.add_argument("--modes", default="before,client,after,ping-before,ping-after")
+    ap.add_argument("--opens", type=positive_int, default=50_000, help="refused opens (or pings) per mode")
+    ap.add_argument("--concurrency", type=positive_int, default=20, help="opens in flight at once")
+    ap.add_argument("--timeout-s", type=positive_float, default=3.0, help="how long an open waits for its reply")
+    ap.add_argument("--modes", type=name_list(MODES), default=",".join(MODES))
     args = ap.parse_args()
     print(f"{'mode':11} {'opens':>8} {'replied':>8} {'ended':>6} {'silent':>6} {'wall_s':>7}  (ended/silent: no reply)")
-    for mode in args.modes.split(","):
+    for mode in args.modes:
         r = asyncio.run(run_mode(mode, args.opens, args.concurrency, args.timeout_s))
         print(f"{r['mode']:11} {r['opens']:8d} {r['replied']:8d} {r['ended']:6d} {r['silent']:6d} {r['wall_s']:7.1f}",
               flush=True)

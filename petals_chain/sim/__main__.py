@@ -238,9 +238,11 @@ def show(cmd: str, res: dict) -> None:
                       c["reduction_vs_petals_pct"], c["reduction_vs_bprr_pct"]] for c in res["cells"]])
         print(f"reduction range: {res['reduction_range_pct']} % (paper: {res['paper_reduction_range_pct']} %)")
     elif cmd == "overall":
-        print_table("Overall comparison", ["policy", "mean resp", "±95%", "P95 resp", "mean wait", "mean service", "runs"],
+        print_table("Overall comparison", ["policy", "mean resp", "±95%", "P95 resp", "mean wait", "mean service",
+                                           "runs", "rate/s (routed: bound)"],
                     [[p, d.get("mean_response_s"), d.get("mean_response_ci_s"), d.get("p95_response_s"), d.get("mean_wait_s"),
-                      d.get("mean_service_s"), d.get("runs")] for p, d in res.items()])
+                      d.get("mean_service_s"), d.get("runs"), _service_rate(d)] for p, d in res.items()])
+        show_overall_stability(res)
     elif cmd == "trace":
         # _fmt: the std ratio of fewer than three requests is NaN, null in the JSON (its :.2f crashed the table)
         print(f"trace: {res['source']}, {res['requests']} requests, {_fmt(res['rate_per_s'], 2)} req/s, service scale "
@@ -275,6 +277,38 @@ def show(cmd: str, res: dict) -> None:
             print(f"unstable: λ = {res['arrival_rate']:g} req/s is not below what the swarm's chains serve "
                   f"({res['service_rate']:.3f} req/s) at any c: the queue grows without bound; the plan shown is "
                   "the one that serves the most")
+
+
+def _service_rate(d: dict) -> str | None:
+    """A policy's capacity (chains) or ``<= bound`` (routed) for the overall table, req/s."""
+    if d.get("service_rate") is not None:
+        return f"{d['service_rate']:.3f}"
+    if d.get("service_rate_bound") is not None:
+        return f"<= {d['service_rate_bound']:.3f}"
+    return None
+
+
+def show_overall_stability(res: dict) -> None:
+    """Say which policies cannot keep up with the arrival rate: their queues grow without bound, so the means shown
+    are those of the first --jobs jobs (they grow with --jobs), not of a steady state (they read as one)."""
+    unknown = []
+    for p, d in res.items():
+        n, runs = d.get("unstable_runs"), d.get("runs")
+        if not runs or n is None:
+            continue
+        routed = d.get("service_rate_bound") is not None
+        rate = d["service_rate_bound"] if routed else d["service_rate"]
+        if n:
+            what = ("not below an upper bound on what its per-request routes serve" if routed
+                    else "not below its chains' total service rate")
+            print(f"unstable: {p}: the arrival rate is {what} ({'<= ' if routed else ''}{rate:.3f} req/s, mean over "
+                  f"runs) in {n} of {runs} run(s): its queue grows without bound; the means shown are those of the "
+                  "first --jobs jobs and grow with --jobs")
+        elif routed:
+            unknown.append(p)
+    if unknown:
+        print(f"{', '.join(unknown)}: per-request routes have no simple capacity; the arrival rate is below the upper "
+              "bound shown, so whether the queue stays bounded is not known")
 
 
 def show_fairness(name: str, r: dict) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from petals_chain.sim.engine import Workload, mean_ci, simulate_chains
 from petals_chain.sim.scenarios import (BLOOM_176B, DEFAULT_C, DEFAULT_ETA, DEFAULT_J, DEFAULT_LAMBDA, DEFAULT_RHO_BAR, DISPATCHERS,
                                         POLICIES, Scenario, bloom_scenario, covers_all_blocks, llama_trace_scenario,
                                         make_dispatcher, plan_policy, random_heterogeneous_swarm)
+
+ROUTED_POLICIES = ("petals", "bprr")  # per-request routes: no chains, so no simple capacity
 
 PAPER = {
     "fig8_reduction_range_pct": [8, 83],
@@ -396,14 +398,44 @@ def fig7(*, runs: int = 20, seed: int = 0, jobs: int = 5000, lambdas: Sequence[f
 # ------------------------------------------------------------------------------ overall / Fig. 8
 
 
+def chains_service_rate(chains: Sequence[Chain]) -> float:
+    """Jobs/s the chains serve when full: ``sum c_k / T_k`` (mean job size 1). At or above it the queue grows
+    without bound (the proposed method's and JFFC-only's capacity)."""
+    return float(sum(ch.capacity / ch.service_time for ch in chains))
+
+
+def routed_service_rate_bound(scen: Scenario, placement: Mapping[str, tuple[int, int]],
+                              slots: Mapping[str, int]) -> float:
+    """An upper bound on the jobs/s per-request routing (PETALS, BPRR) can serve on ``placement``: at most
+    ``min(sum_j slots_j / L, min_b sum_{j hosts b} slots_j)`` jobs are in service at once (a job holds one slot per
+    block it is served, L in all, one of them at a server holding block b), each for at least the fastest route's
+    service time ``T_min`` (mean job size 1), so throughput <= jobs / ``T_min`` (Little's law). Routes have no
+    simple capacity: below the bound, stability is not known (hold-and-wait serves less)."""
+    from petals_chain.algorithms.baselines import route_service_time, ws_rr_route
+
+    L = scen.model.num_blocks
+    per_block = np.zeros(L)
+    for name, (a, m) in placement.items():
+        per_block[a:a + m] += slots[name]
+    jobs = min(sum(slots.values()) / L, float(per_block.min()))
+    # WS-RR with every slot free and no waits is the route of the least service time (tau_c + tau_p m per hop)
+    fastest = ws_rr_route(scen.servers, scen.model, placement, {n: L for n in placement}, {})
+    return jobs / route_service_time(scen.by_name, fastest)
+
+
 def overall(*, num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arrival_rate: float = DEFAULT_LAMBDA, runs: int = 20,
             seed: int = 0, jobs: int = 5000, policies: Sequence[str] = POLICIES, c: int = DEFAULT_C,
             petals_cache_tokens: int = 4096, bprr_r: int = 7, progress: bool = True) -> dict:
-    """Mean/P95 response, wait and service per policy, averaged over ``runs`` (per-run means, then mean)."""
+    """Mean/P95 response, wait and service per policy, averaged over ``runs`` (per-run means, then mean).
+
+    Per policy also ``service_rate`` (chains: ``sum c_k / T_k``, mean over runs) or ``service_rate_bound`` (routed
+    policies: :func:`routed_service_rate_bound`), and ``unstable_runs``: runs whose arrival rate is not below it. The
+    means of an unstable run are those of its first ``jobs`` jobs only: they grow without bound with ``jobs``."""
     anchors = simdata.get_anchors()
     acc: dict[str, dict[str, list]] = {p: {"mean_response_s": [], "p95_response_s": [], "mean_wait_s": [], "mean_service_s": []}
                                        for p in policies}
     infeasible = {p: 0 for p in policies}
+    rates: dict[str, list[float]] = {p: [] for p in policies}
     notes = {}
     for r in _progress(range(runs), total=runs, desc=f"overall J={num_servers} eta={eta}", enabled=progress):
         rng = run_rng(seed, r)
@@ -415,6 +447,8 @@ def overall(*, num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arrival_r
                 infeasible[p] += 1
                 notes[p] = plan.note
                 continue
+            rates[p].append(chains_service_rate(plan.chains) if plan.chains is not None
+                            else routed_service_rate_bound(scen, plan.placement, plan.slots))
             s = plan.simulate(wl, scen, run_rng(seed, r, 3), warmup=jobs // 10).summary()
             for k in acc[p]:
                 acc[p][k].append(s[k])
@@ -428,6 +462,10 @@ def overall(*, num_servers: int = DEFAULT_J, eta: float = DEFAULT_ETA, arrival_r
                 d["mean_response_ci_s"] = None if not math.isfinite(h) else h
         d["runs"] = len(acc[p]["mean_response_s"])
         d["infeasible_runs"] = infeasible[p]
+        if rates[p]:
+            routed = p in ROUTED_POLICIES
+            d["service_rate_bound" if routed else "service_rate"] = float(np.mean(rates[p]))
+            d["unstable_runs"] = sum(arrival_rate >= x for x in rates[p])
         if p in notes:
             d["note"] = notes[p]
         out[p] = d

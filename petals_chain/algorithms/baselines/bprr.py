@@ -9,6 +9,10 @@ lexicographically smallest; then the smallest start. A placed server adds
 
 WS-RR: per request, the shortest route where a hop costs ``tau_c_j + tau_p_j m_ij`` plus the server's
 expected wait when it has fewer than ``m_ij`` free slots.
+
+No prefix locality: the prior work routes each request on service times, free slots and waits alone (it has no
+cache of prompt prefixes shared across requests), so this baseline takes no preferred chain or server
+(``DispatchJob.prefer`` is not used by ``orchestrator/routed.py``; the simulator's jobs carry no prefix at all).
 """
 
 from __future__ import annotations

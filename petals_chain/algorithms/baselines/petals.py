@@ -12,6 +12,11 @@ Routing: each request takes the min-latency route: per hop ``RTT/2 + overhead`` 
 overhead``, since ``tau_c`` = RTT + overhead in the paper's setting), ``tau_p`` per block, plus
 ``cache_penalty`` seconds on a server with fewer free slots than the blocks it would process;
 servers are switched only at the end of a span.
+
+No prefix locality: PETALS has no cache of prompt prefixes shared across requests (a session's attention cache
+lives only as long as its inference session), so a route depends on the swarm's latencies and free slots alone.
+The orchestrator's preference for a chain that holds a job's cached prefix (``DispatchJob.prefer``) is not used by
+this baseline (``orchestrator/routed.py``), and the simulator's jobs carry no prefix at all.
 """
 
 from __future__ import annotations
