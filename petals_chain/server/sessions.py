@@ -195,6 +195,10 @@ class SessionService:
             raise RefusedError("invalid", f"max_length {max_length} exceeds this server's {runner.max_length}")
         if session_id in self.sessions:
             raise RefusedError("invalid", f"session {session_id!r} is already open")
+        if session_id in self._released:
+            # the stream that opened it may still be open: its steps and close would act on a new session of that id,
+            # another peer's (which read and wrote its K/V, and was closed by it)
+            raise RefusedError("invalid", f"session {session_id!r} was released by a drain: open under a new id")
         return runner
 
     def _allocate(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,

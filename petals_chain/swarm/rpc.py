@@ -23,7 +23,8 @@ Session stream, client -> server:
      cached tokens (no wait; not with ``wait_s``).
   2. ``{"op": "step", "position"}`` + the first chunk of hidden ``[1, n, hidden]`` (further chunks follow
      as messages with only ``tensors``) -> ``{"ok": true, "position"}`` + output chunks, or an error reply
-     (the session survives an error reply; nothing changed).
+     (the session survives an error reply; nothing changed). A step past the session's ``max_length`` is refused
+     from its first message (its chunks are read and dropped, not kept).
   3. ``{"op": "keepalive"}`` -> ``{"ok": true, "keepalive": true}``: nothing but a reset of the idle timer, for
      a session the client holds between turns.
   4. ``{"op": "extend", "max_length"}`` -> ``{"ok": true, "max_length"}``: the session may hold up to
@@ -400,6 +401,7 @@ class PetalsChainBlocks(ServicerBase):
                 else:
                     extra = self.backend.open_session(sid, start, end, max_length, peer, **fork, **prefix)
                 session_id = sid
+                limit = max_length  # the session's token limit: a step's declared tokens are checked against it
                 if push_token is not None:
                     self._boxes[sid] = PushBox(push_token, max_tokens=max_length)
             except RefusedError as e:
@@ -434,6 +436,9 @@ class PetalsChainBlocks(ServicerBase):
                         if msg.tensors:
                             raise RefusedError("invalid", "extend carries no tensors")
                         extra = self.backend.extend_session(session_id, _int_field(meta, "max_length"))
+                        granted = extra.get("max_length")
+                        if isinstance(granted, int) and not isinstance(granted, bool) and granted > limit:
+                            limit = granted
                         box = self._boxes.get(session_id)
                         if box is not None:  # pushes may be as long as the session now is
                             box.max_tokens = extra["max_length"]
@@ -449,7 +454,7 @@ class PetalsChainBlocks(ServicerBase):
                         position, hidden, route = await self._take_push(msg, meta, session_id, position)
                         taken = {"input_digest": tensor_digest(hidden)}  # what we computed on (see tensor_digest)
                     else:
-                        hidden = await self._receive_tensor(msg, next_message)
+                        hidden = await self._receive_tensor(msg, next_message, max_tokens=limit, position=position)
                     t_compute = time.perf_counter()
                     out = await self.backend.forward(session_id, hidden, position)
                     compute_s = time.perf_counter() - t_compute
@@ -595,10 +600,10 @@ class PetalsChainBlocks(ServicerBase):
         _withdraw_open(self.backend, opening, reading, sid)
         return None, None
 
-    async def _receive_tensor(self, first: runtime_pb2.ExpertRequest, next_message,
-                              max_tokens: Optional[int] = None) -> torch.Tensor:
-        """Validate the declared tensor (at most ``max_tokens`` tokens, when given), collect its chunks, deserialize;
-        raises RefusedError.
+    async def _receive_tensor(self, first: runtime_pb2.ExpertRequest, next_message, max_tokens: Optional[int] = None,
+                              position: Optional[int] = None) -> torch.Tensor:
+        """Validate the declared tensor (at most ``max_tokens`` tokens, when given; a step's at ``position``: up to
+        position ``max_tokens``), collect its chunks, deserialize; raises RefusedError.
 
         If the first chunk is rejected, the continuation chunks it announced are read and dropped, so that the
         stream stays in step with the client (one reply per step)."""
@@ -609,7 +614,7 @@ class PetalsChainBlocks(ServicerBase):
         if num_chunks > MAX_CHUNKS:
             raise RefusedError("invalid", f"{num_chunks} chunks announced, at most {MAX_CHUNKS} allowed")
         try:
-            nbytes = self._check_head(head, num_chunks, max_tokens)
+            nbytes = self._check_head(head, num_chunks, max_tokens, position)
         except _InconsistentChunks:
             raise  # the announced chunk count is not credible: do not wait for chunks
         except RefusedError:
@@ -640,9 +645,10 @@ class PetalsChainBlocks(ServicerBase):
             raise RefusedError("invalid", "hidden states contain NaN or inf")
         return tensor
 
-    def _check_head(self, head: runtime_pb2.Tensor, num_chunks: int, max_tokens: Optional[int] = None) -> int:
-        """Bytes the declared tensor must have; RefusedError if dtype, shape (more than ``max_tokens`` tokens) or
-        chunking is unacceptable."""
+    def _check_head(self, head: runtime_pb2.Tensor, num_chunks: int, max_tokens: Optional[int] = None,
+                    position: Optional[int] = None) -> int:
+        """Bytes the declared tensor must have; RefusedError if dtype, shape (more than ``max_tokens`` tokens, or
+        past position ``max_tokens`` for a step at ``position``) or chunking is unacceptable."""
         if head.dtype not in ALLOWED_DTYPES:
             raise RefusedError("invalid", f"dtype {head.dtype!r} not allowed (use one of {sorted(ALLOWED_DTYPES)})")
         if head.compression != runtime_pb2.CompressionType.NONE:
@@ -651,6 +657,11 @@ class PetalsChainBlocks(ServicerBase):
         hidden_size = self.backend.hidden_size
         if len(shape) != 3 or shape[0] != 1 or shape[2] != hidden_size or shape[1] < 1:
             raise RefusedError("invalid", f"hidden states must have shape [1, n >= 1, {hidden_size}], got {shape}")
+        if max_tokens is not None and position is not None and position + shape[1] > max_tokens:
+            # refused before its chunks are buffered (they are read and dropped): a step of a session of 16 tokens was
+            # read whole, up to MAX_TENSOR_BYTES (and copied twice), before the session refused it
+            raise RefusedError("invalid", f"positions {position}..{position + shape[1] - 1} exceed the session's "
+                                          f"max_length {max_tokens}")
         if max_tokens is not None and shape[1] > max_tokens:
             # a push is kept until its step comes (several may wait): not more than the session can take
             raise RefusedError("invalid", f"{shape[1]} tokens pushed for a session of at most {max_tokens}")
