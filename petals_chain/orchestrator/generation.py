@@ -145,7 +145,7 @@ class GenerationMixin:
         """Record a finished job (or turn) and return its service time."""
         service = max(0.0, time.monotonic() - t0 - holder.wait_s)
         self.stats.record(wait_s=holder.wait_s, service_s=service, tokens=generated, prompt_tokens=prompt_tokens,
-                          ok=ok, batch=holder.mean_batch, served=holder.admitted)
+                          ok=ok, batch=holder.mean_batch, served=holder.admitted, whole_request=False)
         if ok and self.planner is not None:
             self.planner.observe_job(holder.steps)
         return service
@@ -172,12 +172,17 @@ class GenerationMixin:
         params = [SamplingParams(**{**p.__dict__, "stop": list(p.stop), "max_tokens": self._max_tokens(
             p.max_tokens, len(prompt_ids), self.cfg.max_length, explicit_max_tokens)}) for p in params]
         emits = list(emits or [None] * len(params))
+        # the request this is (a part of): the places its prompts share, counted once when its last part ends
+        adm = ADMISSION.get()
+        places = adm.places if adm is not None else RequestPlaces()
         if prompt_logprobs is None and all(p.max_tokens == 0 for p in params):  # nothing to compute: no chain taken
             deadline = DEADLINE.get()
             if deadline is not None:
                 deadline.first_token()
                 if settle:
                     self.deadlines.settle(deadline)
+            self.stats.begin_request_part(places)
+            self.stats.end_request_part(places, None)
             return [Generation(token_ids=[], text="", finish_reason="length", prompt_tokens=len(prompt_ids), wait_s=0.0,
                                service_s=0.0, chain=[], failovers=0, logprobs=[] if p.logprobs is not None else None)
                     for p in params]
@@ -194,8 +199,7 @@ class GenerationMixin:
         # one ticket per choice in the request's places (shared by its prompts, which the API submits apart): the
         # dispatcher admits the request's first job only with a place for each job still to come, and holds them.
         # Taken before any await, so a multi-prompt request's prompts all have theirs before its first job arrives
-        adm = ADMISSION.get()
-        tickets = (adm.places if adm is not None else RequestPlaces()).expect(len(holders))
+        tickets = places.expect(len(holders))
         for h in holders[1:]:
             h.fork_source = (holders[0], len(prompt_ids))
             h.checked = True
@@ -245,12 +249,16 @@ class GenerationMixin:
                                     failovers=holder.failovers, logprobs=choices if p.logprobs is not None else None,
                                     prompt_logprobs=scored_lp, forked=holder.forked, cached_tokens=cached)
 
+        # before the first await: a request's prompts have all begun before any of them ends
+        self.stats.begin_request_part(places)
+        error: BaseException | None = None
         try:
             await gather_or_cancel(*(one(i) for i in range(len(params))))
             deadline = DEADLINE.get()
             if deadline is not None and settle:  # every choice is done: the request's last token has come
                 self.deadlines.settle(deadline)
-        except BaseException:
+        except BaseException as e:
+            error = e
             deadline = DEADLINE.get()
             if deadline is not None:  # failed or cancelled after admission: not met (a refusal is settled already)
                 self.deadlines.settle(deadline, "missed")
@@ -260,6 +268,7 @@ class GenerationMixin:
                 prefill.cancel()
             for ticket in tickets:  # a choice that never queued (failed, cancelled) gives its place back
                 ticket.drop()
+            self.stats.end_request_part(places, error)
         for g in results[1:]:
             g.prompt_logprobs = results[0].prompt_logprobs
         return results  # type: ignore[return-value]

@@ -2,15 +2,49 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
+import weakref
 from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from petals_chain.orchestrator.auth import CLIENT
+from petals_chain.orchestrator.errors import RequestError
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+# How an API request ended (petals_chain_api_requests): its answer came | an error ended it | the dispatcher refused
+# it (429: queue full, more than the swarm holds, a doomed deadline) | its deadline passed while it waited for a
+# chain (504) | its client went away first
+REQUEST_OUTCOMES = ("completed", "failed", "refused", "dropped", "cancelled")
+
+
+def request_outcome(error: BaseException | None) -> str:
+    """The outcome (:data:`REQUEST_OUTCOMES`) of a request that ``error`` ended (None: it completed)."""
+    if error is None:
+        return "completed"
+    if isinstance(error, asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(error, RequestError) and error.code == "deadline_exceeded":
+        return "dropped"
+    if isinstance(error, RequestError) and error.status == 429:
+        return "refused"
+    return "failed"
+
+
+class _RequestParts:
+    """The parts (one per prompt) of one API request under way, and the outcome they decide so far."""
+
+    __slots__ = ("parts", "ended", "outcome", "counted")
+
+    def __init__(self) -> None:
+        self.parts = 0
+        self.ended = 0
+        self.outcome = "completed"
+        self.counted = False
 
 
 class Stats:
@@ -164,6 +198,17 @@ class Stats:
                                        "name)", ["client"], registry=r)
         self._window: dict[str, deque[tuple[float, int]]] = {}  # client -> (time, tokens) of the last minute
         self._totals: dict[str, dict[str, int]] = {}
+        # requests, not jobs (issue 18): one per API request whatever its n and prompts, one per session turn
+        self.m_api_requests = Counter("petals_chain_api_requests", "API requests by client (API key name) and how "
+                                      "they ended, one per request whatever its n or number of prompts, and one per "
+                                      "session turn: completed | failed | refused (429 from the dispatcher: queue "
+                                      "full, more than the swarm holds, a doomed deadline) | dropped (its deadline "
+                                      "passed while it waited for a chain) | cancelled (its client went away); "
+                                      "refusals by admission limits are in petals_chain_rejected_requests",
+                                      ["client", "outcome"], registry=r)
+        self._request_totals: dict[str, dict[str, int]] = {}
+        # request key (what its parts share: the admission's RequestPlaces) -> its parts; gone with the request
+        self._requests: weakref.WeakKeyDictionary[object, _RequestParts] = weakref.WeakKeyDictionary()
 
     def _charge(self, client: str, tokens: int, outcome: str) -> None:
         self.m_client_requests.labels(client, outcome).inc()
@@ -198,8 +243,49 @@ class Stats:
         self._trim(w)
         return list(w)
 
-    def client_totals(self, client: str) -> dict[str, int]:
-        return dict(self._totals.get(client, {"completed": 0, "failed": 0, "unserved": 0, "tokens": 0}))
+    def client_totals(self, client: str) -> dict:
+        """``client``'s jobs by outcome and tokens, and its requests by outcome (``request_outcomes``)."""
+        return {**self._totals.get(client, {"completed": 0, "failed": 0, "unserved": 0, "tokens": 0}),
+                "request_outcomes": self.request_totals(client)}
+
+    def request_totals(self, client: str) -> dict[str, int]:
+        """``client``'s ended API requests by outcome (:data:`REQUEST_OUTCOMES`)."""
+        return dict(self._request_totals.get(client, dict.fromkeys(REQUEST_OUTCOMES, 0)))
+
+    def end_request(self, outcome: str, client: str | None = None) -> None:
+        """One API request (or session turn) of ``client`` (None: the current request's) ended with ``outcome``."""
+        if outcome not in REQUEST_OUTCOMES:
+            raise ValueError(f"unknown request outcome {outcome!r}")
+        client = CLIENT.get() if client is None else client
+        self.m_api_requests.labels(client, outcome).inc()
+        totals = self._request_totals.setdefault(client, dict.fromkeys(REQUEST_OUTCOMES, 0))
+        totals[outcome] += 1
+
+    def begin_request_part(self, key: object) -> None:
+        """A part of the request ``key`` began (one prompt's choices: ``generate_n``). The parts of a request of
+        several prompts all begin before any of them can end (the API starts them together; each begins before its
+        first await), so the request ends once, when its last part ends (:meth:`end_request_part`)."""
+        parts = self._requests.get(key)
+        if parts is None:
+            parts = self._requests[key] = _RequestParts()
+        parts.parts += 1
+
+    def end_request_part(self, key: object, error: BaseException | None) -> None:
+        """A part of the request ``key`` ended (``error``: what ended it; None: it completed); at its last part the
+        request is counted: the first failure's outcome (a refused prompt, not the others it cancelled), else
+        ``cancelled`` if a part's client went away, else ``completed``."""
+        parts = self._requests.get(key)
+        if parts is None or parts.counted:  # a part begun after the request was counted (none computes): the same one
+            return
+        parts.ended += 1
+        outcome = request_outcome(error)
+        if outcome not in ("completed", "cancelled") and parts.outcome in ("completed", "cancelled"):
+            parts.outcome = outcome
+        elif outcome == "cancelled" and parts.outcome == "completed":
+            parts.outcome = outcome
+        if parts.ended >= parts.parts:
+            parts.counted = True
+            self.end_request(parts.outcome)
 
     def add_prefix_hit(self, tokens: int) -> None:
         """A chain opened holding ``tokens`` of the job's prompt in its servers' prefix caches."""
@@ -307,11 +393,17 @@ class Stats:
                 "recent_replays": list(self.recent_replays)[-20:]}
 
     def record(self, *, wait_s: float, service_s: float, tokens: int, prompt_tokens: int, ok: bool,
-               batch: float | None = None, served: bool = True) -> None:
+               batch: float | None = None, served: bool = True, whole_request: bool = True) -> None:
         """One finished job: ``tokens`` generated after ``prompt_tokens``, ``batch`` jobs on its chain per step on
         average (the history the model placer replays, ``--placement-index simulated``). ``served`` False: it
         ended before it held a chain (refused, dropped while queued, its client gone): counted ``unserved``, and
-        its prompt neither counted nor charged to its client's tokens per minute (nothing was computed)."""
+        its prompt neither counted nor charged to its client's tokens per minute (nothing was computed).
+        ``whole_request``: the job is a whole request (a session turn), also counted as one ended request, by the
+        exception being handled when a failed job is recorded (what ended it); False: one job of a request that its
+        caller counts once (:meth:`end_request_part`)."""
+        if whole_request:  # sessions.py records a failed turn in its except clause: sys.exc_info() is what ended it
+            error = None if ok else sys.exc_info()[1]
+            self.end_request("failed" if not ok and error is None else request_outcome(error))
         if not ok and not served:
             self.unserved += 1
             self.m_requests.labels("unserved").inc()
