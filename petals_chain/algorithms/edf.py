@@ -9,13 +9,15 @@ so a job's wait is the wait for a slot, not for an exclusive batch. Two pure pie
 * :func:`predict` — when a new job would get its first and its last token: the wait for a slot with ``ahead``
   jobs served before it is ``max(0, ahead + 1 - free) / mu`` (``mu = sum_k c_k / T_k`` jobs per second, the
   central queue's total service rate of Thm 3.7), then the chain's opening, a prefill step and one step per output
-  token on the chain with a free slot (any chain when none is free) that is fastest for that deadline. A job that
+  token on the chain with a free slot (any chain when none is free) that is fastest for that deadline; with a slot
+  free, its first token on the chain the dispatcher starts it on (``start``: for a job with a TTFT deadline, the
+  fastest free chain where it meets its deadlines when JFFC's own misses them, :func:`meets_on`). A job that
   misses its deadline by this prediction is refused at once (:class:`Prediction`.``doomed``).
 
   It approximates, and is off where: the jobs ahead and running free slots at the mean rate ``mu`` (as if of the
   planner's mean length, whatever they are: a few long ones free them later; and full chains step slower than
-  ``T_k`` says unless :class:`StepTimes` has seen them, so it is optimistic under overload); the job runs on the
-  chain best for each deadline (the dispatcher picks by ``T_k``, and jobs that arrive later with an earlier
+  ``T_k`` says unless :class:`StepTimes` has seen them, so it is optimistic under overload); the job's last token
+  comes on the chain best for it (the dispatcher picks by ``T_k``, and jobs that arrive later with an earlier
   deadline may go first: optimistic); it generates all of ``output_tokens`` (its ``max_tokens``: pessimistic when
   it stops earlier). On an idle system it is never later than the system for one choice or for ``n`` (the later
   choices on the slots the first ones free), so it refuses nothing the system would serve in time.
@@ -253,6 +255,16 @@ def predict(now: float, chains: Sequence[ChainLoad], ahead: int, output_tokens: 
     else:
         first = min(x.open_s + x.step_s for x in open_chains)
     return _verdict(now, wait, c.step_s, output_tokens, ttft_deadline, deadline, last, c.open_s, first)
+
+
+def meets_on(now: float, chain: ChainLoad, output_tokens: int, *, ttft_deadline: float = math.inf,
+             deadline: float = math.inf) -> bool:
+    """Whether a job started now on a free slot of ``chain`` meets its deadlines by :func:`predict`'s times there: its
+    first token after the chain's opening and a prefill step, its last ``output_tokens`` steps later (its own: a
+    request's later choices are :func:`predict`'s). False for a chain the prediction does not use."""
+    if not _usable([chain]):
+        return False
+    return not _verdict(now, 0.0, chain.step_s, output_tokens, ttft_deadline, deadline, open_s=chain.open_s).doomed
 
 
 def _fastest(chains: Sequence[ChainLoad], output_tokens: int) -> ChainLoad:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from petals_chain.model import Chain
 
@@ -106,13 +106,30 @@ class JFFCDispatcher:
     def queue_length(self) -> int:
         return len(self.queue)
 
-    def arrive(self, job: Any) -> int | None:
-        """Start ``job`` on the fastest free chain and return its index, or queue it and return None."""
-        if self._free:
-            k = self._free[0][1]
+    def peek(self, fits: Callable[[int], bool] | None = None) -> int | None:
+        """The chain :meth:`arrive` would start a job on now (read-only), or None if it would queue it: the fastest
+        free chain, ties to the lower index. ``fits``: when the fastest free chain ``k`` has ``fits(k)`` false, the
+        fastest free chain that has it true instead (a job with a deadline that one misses and another meets); the
+        fastest if none has. Without ``fits`` this is Alg. 3's rule exactly."""
+        if not self._free:
+            return None
+        k = self._free[0][1]
+        if fits is None or fits(k):
+            return k
+        return next((j for _, j in sorted(self._free) if j != k and fits(j)), k)
+
+    def arrive(self, job: Any, fits: Callable[[int], bool] | None = None) -> int | None:
+        """Start ``job`` on the chain :meth:`peek` names (``fits``: see there) and return its index, or queue it and
+        return None."""
+        k = self.peek(fits)
+        if k is not None:
             self.occupancy[k] += 1
             if self.occupancy[k] >= self.capacities[k]:
-                heapq.heappop(self._free)
+                if self._free[0][1] == k:
+                    heapq.heappop(self._free)
+                else:  # another chain than the fastest free one (fits): O(K), only for such jobs
+                    self._free = [e for e in self._free if e[1] != k]
+                    heapq.heapify(self._free)
             self.last_started = True
             return k
         self.queue.push(job)

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.edf import (ChainLoad, EDFQueue, Preemptible, Prediction, StepTimes, flex_victim,
-                                        predict, predict_from_running)
+                                        meets_on, predict, predict_from_running)
+from petals_chain.algorithms.jffc import JFFCDispatcher
 from petals_chain.algorithms.prefix_locality import PrefixDirectory
 from petals_chain.model import Chain
 from petals_chain.orchestrator.fairness import ClientShares
@@ -228,12 +229,26 @@ GAP_FACTOR = 4.0
 
 class DeadlineUnreachable(Exception):
     """A new job's deadline cannot be met by the dispatcher's prediction: refused at once (HTTP 429
-    ``deadline_unreachable``)."""
+    ``deadline_unreachable``, with ``Retry-After``: the swarm may have room for it later)."""
+
+    code = "deadline_unreachable"
+
+    def __init__(self, prediction: Prediction, message: str = ""):
+        super().__init__(message or f"the deadline cannot be met: {prediction.reason}; retry with a later deadline, "
+                                    "fewer max_tokens or best_effort")
+        self.prediction = prediction
+
+
+class DeadlineInfeasible(DeadlineUnreachable):
+    """A new job's deadline is missed by the prediction even with every chain idle (no queue, no running job): refused
+    however idle the swarm (HTTP 429 ``deadline_infeasible``, without ``Retry-After``: the same request is refused
+    again; it must ask for a later deadline, fewer ``max_tokens`` or ``best_effort``)."""
+
+    code = "deadline_infeasible"
 
     def __init__(self, prediction: Prediction):
-        super().__init__(f"the deadline cannot be met: {prediction.reason}; retry with a later deadline, fewer "
-                         f"max_tokens or best_effort")
-        self.prediction = prediction
+        super().__init__(prediction, f"the deadline cannot be met even by an idle swarm: {prediction.reason}; ask for "
+                                     "a later deadline, fewer max_tokens or best_effort")
 
 
 class Admission:
@@ -683,10 +698,11 @@ class DispatchManager:
         return queued, fresh
 
     # ---- jobs --------------------------------------------------------------------------------
-    def _arrive(self, job: DispatchJob, bounded: bool = False, later: int = 0) -> int:
+    def _arrive(self, job: DispatchJob, bounded: bool = False, later: int = 0, now: float | None = None) -> int:
         """Start ``job`` or queue it; with ``bounded``, raise :class:`QueueFull` instead of exceeding the bound, which
         must leave room for the ``later`` jobs of its request still to come (:meth:`_check_room`). Returns the places
-        its request may hold for them (all ``later`` unbounded)."""
+        its request may hold for them (all ``later`` unbounded). ``now``: the time its deadlines are judged at (the
+        prediction's, :meth:`_fits`)."""
         bounded = bounded and self.max_queue is not None
         cap = later
         if bounded and later:
@@ -698,9 +714,10 @@ class DispatchManager:
             if bounded and self.keeps_places:
                 self._check_share(job, cap)
             return cap
-        if self._start_preferred(job):
+        fits = self._fits(job, now)
+        if self._start_preferred(job, fits):
             return cap
-        k = self.dispatcher.arrive(job)
+        k = self.dispatcher.arrive(job) if fits is None else self.dispatcher.arrive(job, fits)
         if k is not None and self._is_started(k, job):
             if chain_key(self.chains[k]) in job.prefer:
                 self.preferred_starts += 1
@@ -888,19 +905,34 @@ class DispatchManager:
         if self.priorities is not None:  # db, mlfq: the lane too is served best priority first (stable)
             self._lane.sort(key=self._priority)
 
-    def _start_preferred(self, job: DispatchJob) -> bool:
-        """Start ``job`` on the first chain it prefers that has room now (JFFC: a chain has room only while the
-        queue is empty, so no queued job is passed over). False if none has, or if the dispatcher weighs prefixes
+    def _start_preferred(self, job: DispatchJob, fits: Callable[[int], bool] | None = None) -> bool:
+        """Start ``job`` on the chain it prefers that :meth:`_preferred_pick` names (JFFC: a chain has room only while
+        the queue is empty, so no queued job is passed over). False if none, or if the dispatcher weighs prefixes
         itself (a fairness policy)."""
         if self.shares is not None and self.shares.central:
             return False
-        for key in job.prefer:
-            k = self._index_by_key.get(key)
-            if k is not None and self.dispatcher.adopt(k, job):
-                self.preferred_starts += 1
-                self._start(job, k)
-                return True
-        return False
+        k = self._preferred_pick(job, fits)
+        if k is None or not self.dispatcher.adopt(k, job):
+            return False
+        self.preferred_starts += 1
+        self._start(job, k)
+        return True
+
+    def _preferred_pick(self, job: DispatchJob, fits: Callable[[int], bool] | None = None) -> int | None:
+        """The chain ``job`` prefers (its cached prefix) that it starts on now: the first with room; with ``fits``
+        (:meth:`_fits`) the first with room where it meets its deadlines, else none if the dispatcher has a free
+        chain where it does (``arrive(job, fits)`` starts it there), else the first with room. None: the
+        dispatcher's own choice."""
+        room = [k for k in (self._index_by_key.get(key) for key in job.prefer)
+                if k is not None and self.active(k) + self._reserved.get(k, 0) < int(self.chains[k].capacity)]
+        if fits is not None:
+            k = next((k for k in room if fits(k)), None)
+            if k is not None:
+                return k
+            k = self.dispatcher.peek(fits)
+            if k is not None and fits(k):
+                return None
+        return room[0] if room else None
 
     def _is_started(self, k: int, job: DispatchJob) -> bool:
         # JFFC returns None when it queues; per-chain-FIFO baselines return k also when the job waits there.
@@ -938,7 +970,8 @@ class DispatchManager:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._waiters[job] = fut
-        job.arrival = time.monotonic()
+        # one clock reading for the prediction and the start: the chain admission times is the chain it starts on
+        now = job.arrival = time.monotonic()
         if job.sched is not None:  # the starvation rule's wait counts from its arrival or its last pause
             job.sched.waiting_since = job.arrival
         ticket = None if job.requeue else PLACE.get()  # the job's place in its request (None: not known)
@@ -962,7 +995,7 @@ class DispatchManager:
                 # meet their deadlines (else ttft_deadline_ms=1 with best_effort would jump every queue). Decided
                 # once: a multi-prompt request's jobs share it, and a queued job's key must not change under it
                 if not dl.late_decided:
-                    dl.late, dl.late_decided = self.predict(job).doomed, True
+                    dl.late, dl.late_decided = self.predict(job, now).doomed, True
             elif (joined and not job.requeue and self.schedule == "flex" and dl is not None and dl.active
                   and not dl.best_effort and math.isfinite(dl.deadline)
                   and not (ticket is not None and ticket.state == "expected" and ticket.places.slots)):
@@ -973,7 +1006,7 @@ class DispatchManager:
                 if self.predict(job, first_token=False).doomed or self._misses_waiting(job, first_token=False):
                     paused = self._pause_for(job, first_token=False) or []
             elif fresh:
-                pred = self.predict(job)
+                pred = self.predict(job, now)
                 # flex: a job that would miss (by the queue's rate, or waiting for the running jobs' own remaining
                 # work) takes the slot of a job without a deadline if that saves it; else edf's rule
                 found = (self._pause_for(job) if self.schedule == "flex" and (pred.doomed or
@@ -981,7 +1014,8 @@ class DispatchManager:
                 paused = found or []
                 if pred.doomed and not found:
                     self.deadline_refused += 1
-                    raise DeadlineUnreachable(pred)
+                    idle = self._predict_idle(job, now)
+                    raise DeadlineInfeasible(idle) if idle.doomed else DeadlineUnreachable(pred)
             if job.requeue:
                 self._arrive_requeued(job, PLACE.get())
             elif joined:
@@ -1002,7 +1036,7 @@ class DispatchManager:
                 else:
                     self._arrive(job)
             else:
-                cap = self._arrive(job, bounded=True, later=job.siblings)
+                cap = self._arrive(job, bounded=True, later=job.siblings, now=now)
                 if ticket is not None:
                     self._hold(ticket, job, cap)
         except (QueueFull, DeadlineUnreachable) as e:
@@ -1017,8 +1051,7 @@ class DispatchManager:
                 for lease in paused:  # refused after all: the jobs it would have paused run on
                     lease.preempt = False
                     self.flex_preemptions -= 1
-            note_admission(False, e.code if isinstance(e, QueueFull) else "deadline_unreachable", str(e),
-                           never_fits=isinstance(e, QueueNeverFits))
+            note_admission(False, e.code, str(e), never_fits=isinstance(e, (QueueNeverFits, DeadlineInfeasible)))
             raise
         if job not in self._pending:  # with no chain at all it is not admitted yet: a stream held back stays so, and
             note_admission(True)  # becomes the 503 it ends in if no chain comes (not a 200 with an error event)
@@ -1209,16 +1242,16 @@ class DispatchManager:
             logger.info("%s: job %s (priority %.4g) pauses job %s (priority %.4g) on chain %d", self.schedule,
                         best.job_id, best_key, worst.job.job_id, worst_key, worst.index)
 
-    def _chain_load(self, k: int, ch: Chain, spj: float, idle: int) -> ChainLoad:
+    def _chain_load(self, k: int, ch: Chain, spj: float, idle: int, empty: bool = False) -> ChainLoad:
         """Chain ``k`` as the predictions see it, ``idle`` of its slots held by sessions between turns. Its steps are
         those observed (:meth:`_observe_step`) where seen, else the planner's (``T_k`` / ``spj``: a job alone): the
         new job's at the occupancy it would find (one more job, every slot busy at most); the rate slots free at
         while jobs queue (``job_s``) at a full chain's, plus the time a job holds its slot besides its steps
         (:meth:`_job_overhead`); and the new job's own wait for its chain to open (:meth:`_observe_step`). By the
         planner's alone, neither a full chain's slower steps (each batching ``c_k`` jobs) nor that time counted, and
-        jobs admitted at overload missed (issue 18)."""
+        jobs admitted at overload missed (issue 18). ``empty``: as if no job ran on it (``idle`` 0)."""
         capacity = max(0, int(ch.capacity) - idle)
-        active = max(0, self.active(k) + self._reserved.get(k, 0) - idle)  # a held slot is its job's
+        active = 0 if empty else max(0, self.active(k) + self._reserved.get(k, 0) - idle)  # a held slot is its job's
         planned = ch.service_time / spj
         if capacity == 0:
             return ChainLoad(capacity=0, active=active, job_s=ch.service_time, step_s=planned)
@@ -1290,9 +1323,7 @@ class DispatchManager:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before
         ``job``: the re-queue lane and, in the queue, every job (``fcfs``) or those with an earlier or equal deadline
         (``edf``, ``flex``)."""
-        spj = self._steps_per_job()
-        idle = self._idle_by_chain()
-        chains = [self._chain_load(k, ch, spj, idle.get(k, 0)) for k, ch in enumerate(self.chains)]
+        chains = self._chain_loads()
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
         ahead = sum(1 for j in self._lane if not j.yields or j.order_key <= job.order_key) + len(self._pending)
@@ -1301,6 +1332,12 @@ class DispatchManager:
         else:
             ahead += self.queue_length - len(self._pending)
         return chains, ahead
+
+    def _chain_loads(self, empty: bool = False) -> list[ChainLoad]:
+        """The current chains as the predictions see them (:meth:`_chain_load`); ``empty``: every one idle."""
+        spj = self._steps_per_job()
+        idle = {} if empty else self._idle_by_chain()
+        return [self._chain_load(k, ch, spj, idle.get(k, 0), empty) for k, ch in enumerate(self.chains)]
 
     @staticmethod
     def _deadlines(job: DispatchJob, first_token: bool = True) -> dict[str, float]:
@@ -1315,23 +1352,46 @@ class DispatchManager:
         """When ``job`` would get its first and last token if it arrived now (:func:`~petals_chain.algorithms.edf.
         predict`, with the jobs :meth:`_loads` counts before it)."""
         chains, ahead = self._loads(job)
-        return predict(time.monotonic() if now is None else now, chains, ahead, job.output_tokens,
-                       siblings=job.siblings, start=self._start_chain(job, chains), **self._deadlines(job, first_token))
+        now = time.monotonic() if now is None else now
+        start = self._start_chain(job, chains, now if first_token else None)
+        return predict(now, chains, ahead, job.output_tokens, siblings=job.siblings, start=start,
+                       **self._deadlines(job, first_token))
 
-    def _start_chain(self, job: DispatchJob, chains: list[ChainLoad]) -> int | None:
-        """The chain ``job`` would start on now if it has a free slot (:meth:`_start_preferred`'s, else JFFC's fastest
-        free chain: its first token comes there, however soon another would give it); None if none or not known (a
-        fairness policy or a per-chain baseline picks by its own rule)."""
-        free = [k for k, load in enumerate(chains) if load.active < load.capacity]
-        if not free or self.dispatcher is None or (self.shares is not None and self.shares.central):
+    def _predict_idle(self, job: DispatchJob, now: float) -> Prediction:
+        """:meth:`predict` with every chain idle (no queue, no running job, no session holding a slot): doomed, the
+        deadline is missed however idle the swarm. Its first token on the chain that gives it soonest (where JFFC
+        starts a job with a TTFT deadline that meets it there, :meth:`_fits`), so it is not later than the system."""
+        return predict(now, self._chain_loads(empty=True), 0, job.output_tokens, siblings=job.siblings,
+                       **self._deadlines(job))
+
+    def _start_chain(self, job: DispatchJob, chains: list[ChainLoad], now: float | None) -> int | None:
+        """The chain ``job`` would start on now if it has a free slot, as :meth:`_arrive` starts it (a chain it prefers,
+        :meth:`_preferred_pick`, else JFFC's: :meth:`JFFCDispatcher.peek` with :meth:`_fits`): its first token comes
+        there, however soon another would give it. None if none or not known (a fairness policy or a per-chain
+        baseline picks by its own rule). ``now``: None for a job whose first token is not its own (a later choice)."""
+        if self.dispatcher is None or (self.shares is not None and self.shares.central):
             return None
-        for key in job.prefer:
-            k = self._index_by_key.get(key)
-            if k in free:
-                return k
-        if self.policy != "jffc":
+        fits = None if now is None else self._fits(job, now, chains)
+        k = self._preferred_pick(job, fits)
+        if k is not None:
+            return k
+        return self.dispatcher.peek(fits) if isinstance(self.dispatcher, JFFCDispatcher) else None
+
+    def _fits(self, job: DispatchJob, now: float | None = None,
+              chains: list[ChainLoad] | None = None) -> Callable[[int], bool] | None:
+        """For a job with a TTFT deadline still to meet, dispatched by JFFC: whether starting it now on chain ``k``
+        meets its deadlines by the prediction (:func:`~petals_chain.algorithms.edf.meets_on`), which JFFC's choice
+        and the prediction's take (a TTFT deadline that JFFC's fastest free chain misses by its opening was refused
+        while another free chain met it). None for every other job: JFFC's own choice (Alg. 3)."""
+        dl = job.deadline
+        if (dl is None or not math.isfinite(dl.ttft_deadline) or dl.first_token_at is not None or job.requeue
+                or job.checked or not isinstance(self.dispatcher, JFFCDispatcher)
+                or (self.shares is not None and self.shares.central)):
             return None
-        return min(free, key=lambda k: (self.chains[k].service_time, k))
+        loads = self._chain_loads() if chains is None else chains
+        t = time.monotonic() if now is None else now
+        return lambda k: 0 <= k < len(loads) and meets_on(t, loads[k], job.output_tokens,
+                                                           ttft_deadline=dl.ttft_deadline, deadline=dl.deadline)
 
     def _remaining(self, lease: Lease, chains: list[ChainLoad], now: float) -> float | None:
         """Seconds until a running job frees its slot if left to run (at most its ``expected_output`` tokens);

@@ -3,7 +3,8 @@
 A pure ASGI middleware, so a streamed response counts as in flight until its last byte is sent (or the
 client disconnects). Rejections are 429 (or 413 for bodies) in OpenAI's error format, with a
 ``Retry-After`` header estimated from the measured service time and the queue ahead (none for a request that can
-never be admitted as it is: retried, it would be refused again).
+never be admitted as it is, ``exceeds_capacity``, ``tokens_per_minute`` over the budget itself, or
+``deadline_infeasible``, a deadline missed even by an idle swarm: retried, it would be refused again).
 
 The queue bound itself is exact in the dispatch manager (:mod:`dispatch`), which refuses a job when its
 queue is full; the check here is only a cheap early refusal. A generation response is held back until the
@@ -424,12 +425,13 @@ def _stream_error(messages: list[dict]) -> dict | None:
 class _HeldResponse:
     """``send`` of a generation request that holds a 200 response back until the dispatcher admitted (started
     or queued) or refused the request's job. A streamed response starts before its job reaches the dispatcher;
-    if the job is refused, a 429 with the refusal's code (``queue_full`` or ``deadline_unreachable``) and
+    if the job is refused, a 429 with the refusal's code (``queue_full``, ``deadline_unreachable``, ...) and
     ``Retry-After`` goes out instead and the held stream is dropped. A stream that ends in an error event before
     the dispatcher decided (no chain served the model) goes out as that error's HTTP status, as OpenAI answers.
     Any 429 the app sends gets a ``Retry-After`` if it has none, unless the request can never be admitted as it is
     (:attr:`~petals_chain.orchestrator.dispatch.Admission.never_fits`: more completions than the swarm can ever hold,
-    more tokens than its client's budget per minute): retried, it would be refused again."""
+    more tokens than its client's budget per minute, a deadline an idle swarm misses): retried, it would be refused
+    again."""
 
     def __init__(self, limits: AdmissionLimits, send: Send, adm: Admission):
         self.limits, self.send, self.adm = limits, send, adm
