@@ -109,7 +109,7 @@ def start_swarm(args, schedule: str, logs: str):
 
 
 def outcome(r: dict) -> str:
-    if r["status"] == 429 and r["code"] == "deadline_unreachable":
+    if r["status"] == 429 and r["code"] in ("deadline_unreachable", "deadline_infeasible"):
         return "refused"
     if r["status"] == 504 and r["code"] == "deadline_exceeded":
         return "dropped"

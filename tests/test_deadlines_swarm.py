@@ -67,8 +67,10 @@ def test_edf_serves_the_deadline_first_refuses_the_doomed_and_reports(swarm, sca
         t0 = time.monotonic()
         r = post(swarm, BULK, max_tokens=8, ttft_deadline_ms=5)
         refused_s = time.monotonic() - t0
-        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_unreachable", r.text
-        assert "ttft_deadline_ms" in r.json()["error"]["message"]
+        # 5 ms is less than one step even on an idle swarm: refused for good, with no Retry-After
+        code = r.json()["error"]["code"]
+        assert r.status_code == 429 and code in ("deadline_unreachable", "deadline_infeasible"), r.text
+        assert "ttft_deadline_ms" in r.json()["error"]["message"] and "retry-after" not in r.headers
         # decided at arrival, not after waiting in the queue: the burst is still queued when the refusal is back
         # (bench_deadlines.py measures the round trip on a quiet machine: 16 ms at most)
         assert swarm.swarm()["queue_length"] >= 1 and refused_s < scaled(1.0), refused_s
@@ -77,8 +79,8 @@ def test_edf_serves_the_deadline_first_refuses_the_doomed_and_reports(swarm, sca
                           timeout=60, json={"model": state["model"], "prompt": "hi", "max_tokens": 8, "stream": True,
                                             "ttft_deadline_ms": 5}) as r:
             r.read()
-        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_unreachable", r.text
-        assert "ttft_deadline_ms" in r.json()["error"]["message"] and "retry-after" in r.headers
+        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_infeasible", r.text
+        assert "ttft_deadline_ms" in r.json()["error"]["message"] and "retry-after" not in r.headers
         # the slo key's default deadline puts it ahead of the queued burst
         queued = swarm.swarm()["queue_length"]
         assert queued >= 3, queued
