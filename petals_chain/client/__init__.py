@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import httpx
 
+from petals_chain.swarm.media import is_event_stream
+
 __all__ = ["Client", "ClientSession", "ClientError", "Completion", "AutoDistributedModelForCausalLM", "AutoTokenizer"]
 
 
@@ -137,15 +139,9 @@ def _json(resp: httpx.Response) -> Any:
         raise _not_an_orchestrator(resp) from None
 
 
-def _is_event_stream(kind: str) -> bool:
-    """Whether a Content-Type is ``text/event-stream``: a media type is case-insensitive and may carry parameters
-    (a proxy in front of the orchestrator may send ``Text/Event-Stream; charset=UTF-8``)."""
-    return kind.split(";", 1)[0].strip().lower() == "text/event-stream"
-
-
 def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
-    kind = resp.headers.get("content-type")
-    if kind is not None and not _is_event_stream(kind):  # orchestrators name theirs (a body without one is read)
+    # orchestrators name theirs (a body without one is read)
+    if "content-type" in resp.headers and not is_event_stream(resp.headers):
         resp.read()
         raise _not_an_orchestrator(resp)
     for line in resp.iter_lines():

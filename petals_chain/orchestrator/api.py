@@ -5,7 +5,10 @@ other than text, audio, ...), gets a 400 that names it, never silent acceptance.
 bodies take ``repetition_penalty``, ``min_p``, ``top_k``, ``stop_token_ids`` and ``ignore_eos`` (vLLM's
 extras), deadlines (``deadline_ms``, ``ttft_deadline_ms``, ``best_effort``) and ``speculative`` (``none`` or
 ``ngram``). Logprobs are of the raw model distribution (before penalties and temperature), as in vLLM; a
-temperature below 1e-5 is greedy (vLLM's epsilon) and ``repetition_penalty`` is at least 0.001.
+temperature below 1e-5 is greedy (vLLM's epsilon) and ``repetition_penalty`` is at least 0.001. Completions'
+``logprobs`` takes 0 to 20 alternatives, as chat's ``top_logprobs`` (OpenAI's legacy endpoint stops at 5; vLLM
+takes 20 too). A number sent as a string (``"n": "2"``) is a 400 as in OpenAI; an integral float (``2.0``) is read
+as the integer.
 """
 
 from __future__ import annotations
@@ -78,19 +81,21 @@ def _only(annotation: Any, kinds: tuple) -> bool:
 
 
 def _check_json_kind(name: str, value: Any, annotation: Any) -> None:
-    """JSON's booleans and numbers are not each other (OpenAI refuses both): lax parsing read completions'
-    ``logprobs: true`` as 1 alternative, ``n: true`` as 1 and ``echo: "yes"`` or chat's ``logprobs: 1`` as true;
-    inside lists and objects too (``stop_token_ids: [true]`` was token 1, ``prompt: [[true]]`` a prompt of it)."""
+    """JSON's booleans, strings and numbers are not each other (OpenAI refuses them: "expected an integer, but got
+    a string instead"): lax parsing read completions' ``logprobs: true`` as 1 alternative, ``n: true`` or ``n: "2"``
+    as a number and ``echo: "yes"`` or chat's ``logprobs: 1`` as true; inside lists and objects too
+    (``stop_token_ids: [true]`` was token 1, ``logit_bias: {"5": "1"}`` a bias of 1, ``prompt: ["1", 2]`` tokens).
+    An integral float (``n: 2.0``) stays a number, as in pydantic (and vLLM)."""
     if value is None or annotation is None:
         return
-    if isinstance(value, bool) and _only(annotation, (int, float)):
-        raise FieldError(name, f"{name} must be a number, not {json.dumps(value)}")
+    if isinstance(value, (bool, str)) and _only(annotation, (int, float)):
+        raise FieldError(name, f"{name} must be a number, not {_shown(value)}")
     if not isinstance(value, bool) and _only(annotation, (bool,)):
         raise FieldError(name, f"{name} must be true or false, not {_shown(value)}")
     inner = _bool_for_number(value, annotation)
     if inner:
         path = ".".join([name, *map(str, inner[:-1])])
-        raise FieldError(path, f"{path} must be a number, not {json.dumps(inner[-1])}")
+        raise FieldError(path, f"{path} must be a number, not {_shown(inner[-1])}")
 
 
 def _shown(value: Any) -> str:
@@ -109,22 +114,31 @@ def _members(annotation: Any) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def _item_plan(annotation: Any, origin: type) -> tuple[Any, bool] | None:
-    """What the items of an ``origin`` (list or dict) that ``annotation`` admits may be: ``(item annotation,
-    whether they take numbers and not booleans)``, None if it admits no such container. Cached: a prompt of 100k
-    one-token lists asked it per list, which took longer than pydantic's whole validation of the body."""
+def _item_plan(annotation: Any, origin: type) -> tuple[Any, bool, bool, bool] | None:
+    """What the items of an ``origin`` (list or dict) that ``annotation`` admits may be: ``(item annotation, whether
+    a boolean there stands for a number, whether a string does, whether a string beside numbers does)``, None if it
+    admits no such container. A string beside numbers: no one container type takes both (``prompt: ["1", 2]`` is
+    no ``list[str]``, and lax parsing read it as ``list[int]``). Cached: a prompt of 100k one-token lists asked it
+    per list, which took longer than pydantic's whole validation of the body."""
     items = [typing.get_args(m)[-1] for m in _members(annotation)
              if typing.get_origin(m) is origin and typing.get_args(m)]
     if not items:
         return None
     item = items[0] if len(items) == 1 else Union[tuple(items)]
     kinds = _members(item)
-    return item, any(k in (int, float) for k in kinds) and not any(k in (bool, Any) for k in kinds)
+    if Any in kinds:
+        return item, False, False, False
+    each = [set(_members(i)) for i in items]
+    numbers = [bool(k & {int, float}) for k in each]
+    text = [str in k for k in each]
+    return (item, any(numbers) and bool not in kinds, any(numbers) and not any(text),
+            any(numbers) and not any(n and t for n, t in zip(numbers, text)))
 
 
 def _bool_for_number(value: Any, annotation: Any) -> list | None:
-    """Where in ``value`` (a list or dict) a JSON boolean stands for a number ``annotation`` takes there (pydantic's
-    lax mode reads it as 0 or 1): that item's path, then the boolean; None if nowhere."""
+    """Where in ``value`` (a list or dict) a JSON boolean or string stands for a number ``annotation`` takes there
+    (pydantic's lax mode reads them as 0 or 1, or parses the string): that item's path, then the value; None if
+    nowhere."""
     for container, origin, key_of in ((list, list, enumerate), (dict, dict, lambda d: d.items())):
         if not isinstance(value, container):
             continue
@@ -134,13 +148,17 @@ def _bool_for_number(value: Any, annotation: Any) -> list | None:
             plan = _item_plan.__wrapped__(annotation, origin)
         if plan is None:
             return None
-        item, numbers = plan
+        item, bools, strings, mixed = plan
         present = set(map(type, value if container is list else value.values()))  # at C speed: a prompt's ids
-        if not (bool in present and numbers or list in present or dict in present):
+        text = str in present and (strings or mixed and bool(present & {int, float}))
+        if not (bool in present and bools or text or list in present or dict in present):
             return None
         for key, v in key_of(value):
             if isinstance(v, bool):
-                if numbers:
+                if bools:
+                    return [key, v]
+            elif isinstance(v, str):
+                if text:
                     return [key, v]
             elif isinstance(v, (list, dict)) and (inner := _bool_for_number(v, item)) is not None:
                 return [key, *inner]
@@ -509,6 +527,13 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        cause = exc.__cause__
+        if exc.status_code == 400 and isinstance(cause, (RecursionError, ValueError)):
+            # FastAPI's "There was an error parsing the body" (code null) for what the JSON parser raised beside a
+            # syntax error: a body nested ~1000 deep (RecursionError), or bytes that are not UTF-8
+            why = ("it nests arrays or objects too deeply" if isinstance(cause, RecursionError)
+                   else "it is not UTF-8 text" if isinstance(cause, UnicodeDecodeError) else str(cause)[:200])
+            return _error(400, f"the request body is not valid JSON: {why}", code="invalid_json")
         return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)

@@ -26,6 +26,7 @@ import httpx
 from petals_chain.orchestrator import sse
 from petals_chain.orchestrator.deadlines import MAX_DEADLINE_MS
 from petals_chain.orchestrator.sampling import GREEDY_BELOW_TEMPERATURE
+from petals_chain.swarm.media import is_event_stream
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,6 @@ def client_tls() -> ssl.SSLContext:
     defaults: certifi's CAs, or ``SSL_CERT_FILE``): a client made with its own read and parsed the CA bundle, ~20 ms
     of CPU on the event loop, for each request forwarded and each rerun of a cut stream."""
     return httpx.create_ssl_context()
-
-
-def is_event_stream(headers: Any) -> bool:
-    """Whether a reply's Content-Type is ``text/event-stream``: a media type is case-insensitive and may carry
-    parameters (a proxy in front of the other orchestrator may send ``Text/Event-Stream; charset=UTF-8``)."""
-    return headers.get("content-type", "").split(";", 1)[0].strip().lower() == "text/event-stream"
 
 
 def resume_headers() -> dict[str, str]:
@@ -395,7 +390,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                         if r.status_code != 200:
                             reply = await r.aread()
                             code, type_ = _reply_error(reply)
-                            if r.status_code not in (429, 502, 503, 504) or code == "deadline_unreachable":
+                            if r.status_code not in (429, 502, 503, 504) or code in ("deadline_unreachable",
+                                                                                       "deadline_infeasible"):
                                 yield stream_ending(r.status_code, code or "resume_refused", "the stream was cut off "
                                                     f"and its rerun at {url} was refused: "
                                                     f"{reply[:300].decode(errors='replace')}", type_)
