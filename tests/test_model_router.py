@@ -265,3 +265,20 @@ def test_the_first_request_without_a_key_is_refused_unread(tiny_model_factory, t
              "server": ("127.0.0.1", 0), "client": ("127.0.0.1", 0), "root_path": ""}
     asyncio.run(router(scope, receive, send))
     assert sent[0]["status"] == 401 and reads == []
+
+
+def test_a_body_nested_past_the_parser_reaches_the_default_models_app():
+    """json.loads raises RecursionError (not ValueError) for a body ~1000 deep: the router answered 500; now the
+    default model's app gets the body and answers it (a real API app: 400 invalid_json)."""
+    seen: list = []
+    router = ModelRouter({"chat": stand_in("chat", seen), "code": stand_in("code", seen)},
+                         {"chat": orch("chat", "Tiny-Chat"), "code": orch("code", "Tiny-Code")})
+    body = b'{"model": "code", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://x",
+                                     headers={"Authorization": "Bearer k", "Content-Type": "application/json"}) as c:
+            r = await c.post("/v1/completions", content=body)
+            assert r.status_code == 200 and r.json() == {"served_by": "chat"} and seen[-1][3] == body
+
+    asyncio.run(main())

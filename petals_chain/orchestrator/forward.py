@@ -32,8 +32,8 @@ from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.resume import (Cut, DeadlineGone, StreamRecord, client_tls, finish, first_deadline_s,
-                                             is_event_stream, relay_events, sse_events, stream_ending, ticking,
-                                             with_time_gone)
+                                             relay_events, sse_events, stream_ending, ticking, with_time_gone)
+from petals_chain.swarm.media import is_event_stream
 
 logger = logging.getLogger(__name__)
 
