@@ -37,7 +37,8 @@ from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
 from petals_chain.orchestrator.errors import shown_model_name
 from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
-from petals_chain.orchestrator.sampling import MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice
+from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice,
+                                                offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
 from petals_chain.orchestrator.sse import DONE, error_event, error_object, sse
 from petals_chain.swarm.aio import gather_or_cancel
@@ -458,13 +459,18 @@ class _Logprobs:
         return out
 
     def completion(self, choices: list[Optional[TokenChoice]], token_ids: list[int], offset0: int = 0,
-                   context: list[int] | tuple = (), counter: StopMatcher | None = None) -> dict:
+                   context: list[int] | tuple = (), counter: StopMatcher | None = None,
+                   text: str | None = None) -> dict:
         """``token_ids`` (those ``choices`` score: a stop token has none) decoded after ``context``, starting at
-        character ``offset0`` of the returned text; ``counter`` carries a stream's position over its chunks."""
+        character ``offset0`` of the returned text; ``counter`` carries a stream's position over its chunks.
+        ``text``: a prompt's tokens, echoed as ``text`` (as sent: its chat markup's special tokens take room)."""
         tt = self.orch.token_text
         token_ids = list(token_ids[:len(choices)])
-        counter = counter if counter is not None else StopMatcher(self.orch.tokenizer, [], list(context))
-        offsets = [offset0 + o for o in counter.feed_offsets(token_ids)]
+        if text is not None:
+            offsets = [offset0 + o for o in offsets_in_text(self.orch.tokenizer, token_ids, text)]
+        else:
+            counter = counter if counter is not None else StopMatcher(self.orch.tokenizer, [], list(context))
+            offsets = [offset0 + o for o in counter.feed_offsets(token_ids)]
         tokens = [tt.text_of(tok) for tok in token_ids]
         token_lps = [None if c is None else c.logprob for c in choices]
         tops = [None if c is None or c.top_logprobs is None else {tt.text_of(t): lp for t, lp in c.top_logprobs}
@@ -798,7 +804,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                         return None
                     text = echo_text
                     if choices is not None:  # the prompt's own logprobs (echo with logprobs)
-                        logprobs = lp.completion(choices, ids)
+                        logprobs = lp.completion(choices, ids, text=echo_text)
                 elif req.logprobs is not None and choices:
                     counter = counters.setdefault(i, StopMatcher(orch.tokenizer, [], ids))
                     logprobs = lp.completion(choices, [c.token for c in choices], offset0=len(echo_text or ""),
@@ -825,7 +831,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 if req.logprobs is not None:
                     gen_lp = lp.completion(g.logprobs or [], g.token_ids, offset0=len(prefix), context=ids)
                     if req.echo:
-                        prompt_lp = lp.completion(g.prompt_logprobs or [None] * len(ids), ids)
+                        prompt_lp = lp.completion(g.prompt_logprobs or [None] * len(ids), ids, text=prompt_text)
                         gen_lp = {k: prompt_lp[k] + gen_lp[k] for k in gen_lp}
                     logprobs = gen_lp
                 choices.append({"text": prefix + text, "index": len(choices), "logprobs": logprobs,

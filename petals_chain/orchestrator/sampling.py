@@ -812,8 +812,11 @@ def silent_tokens(tokenizer) -> frozenset[int]:
         return _SILENT[tokenizer]
     except (KeyError, TypeError):
         pass
-    ids = frozenset(int(t) for t in getattr(tokenizer, "all_special_ids", None) or ()
-                    if tokenizer.decode([int(t)], skip_special_tokens=True) == "")
+    # added tokens marked special are skipped too, though not all are in all_special_ids (SmolLM2's <file_sep>, ...)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    candidates = {*(getattr(tokenizer, "all_special_ids", None) or ()),
+                  *(t for t, tok in added.items() if getattr(tok, "special", False))}
+    ids = frozenset(int(t) for t in candidates if tokenizer.decode([int(t)], skip_special_tokens=True) == "")
     try:
         _SILENT[tokenizer] = ids
     except TypeError:  # not weakly referenceable: computed per matcher
@@ -948,3 +951,20 @@ class StopMatcher:
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out
+
+
+def offsets_in_text(tokenizer, ids: Sequence[int], text: str) -> list[int]:
+    """Where each of ``ids`` starts in ``text``, the text they were tokenized from (a prompt echoed as sent):
+    logprobs' ``text_offset``. Decoding skips special tokens, but a prompt written with its chat markup
+    (``<|im_start|>user…``) has their text in it: a special token takes its room where ``text`` has its text
+    (an added BOS, which ``text`` lacks, takes none). Offsets stay within ``text``."""
+    silent = silent_tokens(tokenizer)
+    out, shift = [], 0
+    for tok, at in zip(ids, StopMatcher(tokenizer, []).feed_offsets(ids)):
+        at = min(at + shift, len(text))
+        out.append(at)
+        if tok in silent:
+            piece = tokenizer.convert_ids_to_tokens(int(tok))
+            if isinstance(piece, str) and piece and text.startswith(piece, at):
+                shift += len(piece)
+    return out
