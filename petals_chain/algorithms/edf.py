@@ -136,11 +136,12 @@ class StepTimes:
         self._by_chain: dict[Any, dict[int, list[float]]] = {}  # chain -> jobs -> [ewma seconds, steps seen]
         self._overhead: dict[Any, list[float]] = {}  # chain -> [ewma seconds, jobs seen]
         self._open: dict[Any, list[float]] = {}  # chain -> [ewma seconds, opens seen]
+        self._open_best: dict[Any, float] = {}  # chain -> the fastest opening seen
 
     def retain(self, chains: Iterable[Any]) -> None:
         """Forget every chain not in ``chains`` (those a re-plan removed: what was learnt grew with every plan)."""
         keep = set(chains)
-        for table in (self._by_chain, self._overhead, self._open):
+        for table in (self._by_chain, self._overhead, self._open, self._open_best):
             for chain in [c for c in table if c not in keep]:
                 del table[chain]
 
@@ -172,10 +173,17 @@ class StepTimes:
         """A job got a slot of ``chain`` ``seconds`` before its first step began (ignored unless finite, >= 0)."""
         if 0 <= seconds < math.inf:
             self._update(self._open.setdefault(chain, [float(seconds), 0.0]), float(seconds))
+            self._open_best[chain] = min(float(seconds), self._open_best.get(chain, math.inf))
 
     def open_s(self, chain: Any) -> float:
         """Seconds from a job's slot on ``chain`` to its first step: 0 until seen ``min_samples`` times."""
         return self._learnt(self._open, chain)
+
+    def open_best_s(self, chain: Any) -> float:
+        """The fastest opening of ``chain`` seen (0 until :meth:`open_s` has ``min_samples``): an idle chain's. The
+        mean counts opens that waited for its servers' slots (held by other jobs, another plan's), seconds under
+        load, which an idle swarm does not wait (``deadline_infeasible`` was given for them)."""
+        return min(self._open_best.get(chain, 0.0), self.open_s(chain))
 
     def _learnt(self, table: dict[Any, list[float]], chain: Any) -> float:
         e = table.get(chain)
