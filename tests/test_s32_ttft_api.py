@@ -35,8 +35,7 @@ def test_a_deadline_no_idle_swarm_meets_gets_no_retry_after(tiny_model_factory, 
                     r = await c.post("/v1/completions", json={**body, "stream": stream, "ttft_deadline_ms": 1})
                     assert r.status_code == 429 and "idle swarm" in r.json()["error"]["message"], (stream, r.text)
                     assert "retry-after" not in r.headers, (stream, r.headers)
-                    if stream:  # the middleware answers with the dispatcher's code (non-streamed: failover.py's)
-                        assert r.json()["error"]["code"] == "deadline_infeasible", r.text
+                    assert r.json()["error"]["code"] == "deadline_infeasible", (stream, r.text)
                 running = asyncio.ensure_future(c.post("/v1/completions", json=body))
                 while orch.dispatch.running < 1:
                     await asyncio.sleep(0.01)

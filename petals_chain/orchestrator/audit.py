@@ -27,7 +27,6 @@ import logging
 import random
 import struct
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from petals_chain.algorithms.audit import StrikeBook, verdict
-from petals_chain.orchestrator.relay import check_hop_output
+from petals_chain.orchestrator.relay import check_hop_output, hop_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -242,9 +241,7 @@ class Auditor:
         return x
 
     def _job_like_session_id(self) -> str:
-        from petals_chain.orchestrator.failover import ChainHolder  # (failover imports this module)
-
-        return f"r-{uuid.uuid4().hex[:12]}.{next(ChainHolder._counter)}"  # as a job's chain sessions are named
+        return hop_session_id()  # as a job's hop sessions are named: a server cannot tell an audit from a job
 
     def _job_like_length(self, tokens: int) -> int:
         reserve = self.rng.choice((16, 32, 64, 128, 256))  # what a job opens for: its tokens and an output reserve

@@ -10,7 +10,6 @@ prefix on a chain the dispatcher gives it. Greedy output is the same either way.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from typing import Any, Callable
@@ -21,7 +20,7 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE
 from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob, Lease, QueueFull, chain_key, note_admission
 from petals_chain.orchestrator.errors import RequestError, Unavailable
-from petals_chain.orchestrator.relay import ChainSession, HopFailure
+from petals_chain.orchestrator.relay import SESSION_NUMBERS, ChainSession, HopFailure
 from petals_chain.swarm.prefix import prefix_hashes
 from petals_chain.swarm.rpc import RemoteError
 
@@ -47,7 +46,7 @@ def is_refusal(e: HopFailure) -> bool:
 class ChainHolder:
     """A job's chain and server sessions; feeds tokens, fails over hop by hop, or replays on another chain."""
 
-    _counter = itertools.count()
+    _counter = SESSION_NUMBERS  # one sequence with the hops' server sessions (and the audits', audit.py)
 
     def __init__(self, orch: Any, job_id: str, max_length: int, relay: str | None = None,
                  shape: tuple[int, int] | None = None):
@@ -196,7 +195,7 @@ class ChainHolder:
                 raise RequestError(str(e), status=429, code=e.code) from None
             except DeadlineUnreachable as e:
                 orch.deadlines.settle(dl, "refused")
-                raise RequestError(str(e), status=429, code="deadline_unreachable") from None
+                raise RequestError(str(e), status=429, code=e.code) from None
             self.admitted, self.yields = True, False
             if auditor is not None and auditor.tainted(lease.hops):  # a plan from before a ban: wait for the next
                 if shares is not None:

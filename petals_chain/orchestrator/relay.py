@@ -35,6 +35,19 @@ class HopFailure(Exception):
 # (peer_id, n_tokens, n_blocks, seconds of the whole hop, seconds the server reports computing or None)
 HopObserver = Callable[[str, int, int, float, "float | None"], None]
 
+# Numbers the server sessions jobs open (and the chain sessions' labels); the auditor's throwaway sessions draw from
+# it too (``ChainHolder._counter`` is this counter), so their numbers interleave with the jobs' as one sequence.
+SESSION_NUMBERS = itertools.count()
+
+
+def hop_session_id() -> str:
+    """A new id for one server session of a job (a hop, a fork, a replacement): ``r-<12 random hex>.<n>``.
+
+    Every one is fresh: a server learns no id another server's session uses (a peer it authorizes could open a
+    predictable replacement id there first, and the failover's open was refused), and no id tells it which chain,
+    request or user session a session belongs to, or whether it is a replacement or an audit (same form)."""
+    return f"r-{secrets.token_hex(6)}.{next(SESSION_NUMBERS)}"
+
 
 def check_hop_output(out: Any, sent: torch.Tensor) -> None:
     """Raise InvalidReply unless ``out`` is what a hop must return for ``sent``: same shape and dtype, finite.
@@ -60,7 +73,7 @@ class ChainSession:
         self.client = client
         self.hops = list(hops)
         self.peers_used = {h[0] for h in self.hops}  # every server that fed this session's KV, replaced ones too
-        self.session_id = session_id
+        self.session_id = session_id  # the chain session's label in our logs; each hop's server session has its own
         self.max_length = max_length
         self.observe = observe
         self.step_timeout_s = step_timeout_s
@@ -72,7 +85,6 @@ class ChainSession:
         self._current: asyncio.Future | None = None
         self._current_peer: str | None = None
         self._aborted: set[str] = set()
-        self._replacements = itertools.count(1)
         self.cached_tokens = 0  # leading tokens of the prompt named at open that every hop's prefix cache held
         self.prefix_cache = False  # every hop's server keeps closed sessions' pages as cached prefixes
         self.push = push and len(self.hops) > 1  # --relay push: servers forward each step to the next hop
@@ -113,10 +125,13 @@ class ChainSession:
         may start there."""
         if fork_from is not None and (fork_from.hops != self.hops or not fork_from._sessions):
             raise ValueError("fork_from must be an open session on the same hops")
+        # each hop forks its own server's session (read now: the source may close while we await)
+        sources = [s.session_id for s in fork_from._sessions] if fork_from is not None else []
         if fork_from is not None:
             named = b""
 
-        async def one(peer, start, end):
+        async def one(j, peer, start, end):
+            sid = hop_session_id()
             wait_s = self.wait_for(peer)
             extra = {"wait_s": wait_s} if wait_s > 0 else {}
             if self.push:
@@ -124,7 +139,7 @@ class ChainSession:
             if named:
                 extra["prefix_hashes"] = named
             if fork_from is not None:
-                extra = {"fork_from": fork_from.session_id, "fork_length": int(fork_length),
+                extra = {"fork_from": sources[j], "fork_length": int(fork_length),
                          **({"push_token": extra["push_token"]} if self.push else {})}
             if peer in self._aborted:
                 raise ConnectionError("the server was declared failed")
@@ -134,8 +149,8 @@ class ChainSession:
                 # asyncio.timeout, not wait_for: wait_for's inner task, cancelled by abort() while its open failed,
                 # ended with an exception nobody read (Python 3.11; see rpc._await_next).
                 async with asyncio.timeout(self.step_timeout_s + wait_s):
-                    return await self.client.open_session(peer, session_id=self.session_id, start_block=start,
-                                                          end_block=end, max_length=self.max_length, **extra)
+                    return await self.client.open_session(peer, session_id=sid, start_block=start, end_block=end,
+                                                          max_length=self.max_length, **extra)
 
             task = self._opening[peer] = asyncio.ensure_future(opening())
             try:
@@ -154,9 +169,9 @@ class ChainSession:
             # Waiting opens go one by one in route order: every route visits servers in increasing order of
             # their span's end, so holding earlier hops while waiting for later ones cannot deadlock.
             results = []
-            for h in self.hops:
+            for j, h in enumerate(self.hops):
                 try:
-                    results.append(await one(*h))
+                    results.append(await one(j, *h))
                 except BaseException as e:  # noqa: BLE001 - reported below like gather's exceptions
                     if isinstance(e, asyncio.CancelledError):
                         await asyncio.gather(*(s.close() for s in results), return_exceptions=True)
@@ -164,7 +179,7 @@ class ChainSession:
                     results.append(e)
                     break
         else:
-            tasks = [asyncio.ensure_future(one(*h)) for h in self.hops]
+            tasks = [asyncio.ensure_future(one(j, *h)) for j, h in enumerate(self.hops)]
             try:
                 results = await asyncio.gather(*tasks, return_exceptions=True)
             except asyncio.CancelledError:
@@ -186,6 +201,9 @@ class ChainSession:
             await asyncio.gather(*(s.close() for s in opened), return_exceptions=True)
             raise failure
         self._sessions = list(results)
+        if logger.isEnabledFor(logging.DEBUG):  # each hop's id, to find it in the servers' logs
+            logger.debug("session %s: hops opened as %s", self.session_id,
+                         [getattr(s, "session_id", None) for s in self._sessions])
         self.cached_tokens = min(getattr(s, "cached_tokens", 0) for s in self._sessions) if named else 0
         self.prefix_cache = all(getattr(s, "prefix_cache", False) for s in self._sessions)
 
@@ -350,7 +368,7 @@ class ChainSession:
         ``position..``), and return the hop's output for ``hidden``. The old session is closed. HopFailure(hop=i)
         if ``peer`` refuses, fails or answers garbage; the hop is then unchanged."""
         _, start, end = self.hops[i]
-        sid = f"{self.session_id}.r{next(self._replacements)}"
+        sid = hop_session_id()  # not derived from any id a server saw: a peer could open it there first
         extra = {"push_token": secrets.token_hex(16)} if self.push else {}
         try:
             async with asyncio.timeout(self.step_timeout_s):  # not wait_for: it can swallow our cancellation
@@ -374,6 +392,7 @@ class ChainSession:
         self.peers_used.add(peer)
         self._aborted.discard(peer)  # declared failed once, banned, back: this session on it is new
         await asyncio.gather(old.close(), return_exceptions=True)
+        logger.debug("session %s: hop %d moved to %s as %s", self.session_id, i, peer[:12], sid)
         return out[:, position:]
 
     async def extend(self, max_length: int) -> None:
