@@ -81,6 +81,7 @@ class _Proc:
     popen: Launched  # a subprocess.Popen or a ForkedProcess (launch.py)
     log_path: Path
     spec: Any = None
+    stopped: bool = False  # stopped on purpose (kill_server): its exit is no failure
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -198,6 +199,7 @@ class LocalSwarm:
         Any other signal goes to the server's own process, as an operator's ``kill PID`` or Ctrl-C: SIGTERM makes
         it drain and announce its leave (its DHT process and p2pd are stopped by the server itself)."""
         proc = self.servers[name]
+        proc.stopped = True
         if sig != signal.SIGKILL:
             self._signal(proc, sig, group=False)
             return
@@ -212,7 +214,9 @@ class LocalSwarm:
         return r.json()
 
     def wait_until(self, predicate: Callable[[dict], bool], timeout: float = 120.0, what: str = "condition") -> dict:
-        """Poll ``/api/v1/swarm`` until ``predicate(state)``; fail fast if a process died."""
+        """Poll ``/api/v1/swarm`` until ``predicate(state)``; fail fast if the orchestrator died, or if every server
+        (but those :meth:`kill_server` stopped) did: servers that all exit at start made scripts wait their whole
+        timeout (10-15 minutes) for a swarm that would never form."""
         deadline = time.monotonic() + timeout
         last: dict = {}
         while True:
@@ -224,6 +228,11 @@ class LocalSwarm:
                     return last
             except httpx.HTTPError:
                 pass
+            started = {n: p for n, p in self.servers.items() if not p.stopped}
+            if started and not any(p.alive() for p in started.values()):
+                logs = "\n".join(f"--- {n} (exit status {p.popen.poll()})\n{self.log_tail(n)}"
+                                 for n, p in started.items())
+                raise RuntimeError(f"every server exited while waiting for {what}:\n{logs}")
             if time.monotonic() > deadline:
                 dead = [n for n, p in self.servers.items() if not p.alive() and p.spec is not None]
                 logs = "\n".join(f"--- {n}\n{self.log_tail(n)}" for n in dead)

@@ -68,5 +68,6 @@ class NetnsSwarm(LocalSwarm):
         Other signals go to the server's own process, as in LocalSwarm."""
         if sig != signal.SIGKILL:
             return super().kill_server(name, sig)
+        self.servers[name].stopped = True  # on purpose: waits do not fail fast on its exit
         self.lab.kill_host(self.hosts[f"server-{name}"])
         self.servers[name].popen.wait(timeout=10)

@@ -10,6 +10,9 @@
   var API_URL = "api/v1/swarm" + (MODEL ? "?model=" + encodeURIComponent(MODEL) : "");
   var SVGNS = "http://www.w3.org/2000/svg";
   var GONE_KEEP_MS = 10 * 60 * 1000; // how long a departed server stays listed as "gone"
+  // ... and at most this many, the latest to leave: peers whose ids change at every poll grew the list (and the
+  // table) without bound within those 10 minutes
+  var GONE_KEEP_MAX = 50;
   var QUEUE_SAMPLES = 120;
 
   var state = {
@@ -17,7 +20,8 @@
     timer: null,
     inFlight: null,
     present: new Map(), // peer_id -> server object from the latest response
-    gone: new Map(), // peer_id -> {server, since (ms)}
+    gone: new Map(), // peer_id -> {server, since (ms)}, the oldest departure first
+    goneDropped: [], // [since (ms), count] of the departures left out for GONE_KEEP_MAX, one per poll, oldest first
     queueSamples: [], // [{t (ms), q, running}]
     last: null,
     lastOkAt: null,
@@ -271,7 +275,20 @@
     });
     seen.forEach(function (s, id) { state.gone.delete(id); });
     state.gone.forEach(function (g, id) { if (nowMs - g.since > GONE_KEEP_MS) state.gone.delete(id); });
+    var ids = state.gone.keys(); // a Map keeps insertion order: the oldest departure first
+    while (state.gone.size > GONE_KEEP_MAX) {
+      var id = ids.next().value, since = state.gone.get(id).since;
+      var last = state.goneDropped[state.goneDropped.length - 1];
+      state.gone.delete(id);
+      if (last && last[0] === since) last[1] += 1; else state.goneDropped.push([since, 1]);
+    }
+    while (state.goneDropped.length && nowMs - state.goneDropped[0][0] > GONE_KEEP_MS) state.goneDropped.shift();
     state.present = seen;
+  }
+
+  // Departures within GONE_KEEP_MS that the list leaves out (GONE_KEEP_MAX).
+  function goneNotListed() {
+    return state.goneDropped.reduce(function (n, d) { return n + d[1]; }, 0);
   }
 
   function renderHeader(data) {
@@ -690,7 +707,9 @@
     state.gone.forEach(function (g) { rows.push(serverRow(g.server, nowS, g.since / 1000)); });
     var online = servers.filter(function (s) { return s.state === "online"; }).length;
     var goneCount = state.gone.size + servers.filter(function (s) { return !isLive(s); }).length;
-    $("servers-summary").textContent = servers.length + " known \u00b7 " + online + " online" + (goneCount ? " \u00b7 " + goneCount + " gone" : "");
+    var notListed = goneNotListed();
+    $("servers-summary").textContent = servers.length + " known \u00b7 " + online + " online" + (goneCount ? " \u00b7 " + goneCount + " gone" : "") +
+      (notListed ? " (the " + GONE_KEEP_MAX + " latest departures listed; " + notListed + " more not)" : "");
     if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 9, class: "muted", text: "No servers have announced themselves yet." }))];
     var tbody = $("servers-table").tBodies[0];
     tbody.replaceChildren.apply(tbody, rows);
