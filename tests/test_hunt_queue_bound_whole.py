@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -22,9 +23,11 @@ from petals_chain.orchestrator.dispatch import (ADMISSION, PLACE, Admission, Dea
 from petals_chain.orchestrator.fairness import ClientShares
 
 
-def _chains(*capacities: int) -> list[Chain]:
-    return [Chain(servers=(f"s{k}",), blocks=(4,), service_time=1.0 + k, capacity=c, spans=((0, 4),))
-            for k, c in enumerate(capacities)]
+def _chains(*capacities: int, names: str = "") -> list[Chain]:
+    """One-server chains of these slots: servers s0, s1... (or s + each letter of ``names``: the chains a re-plan
+    keeps are those of the same names)."""
+    return [Chain(servers=(f"s{names[k]}" if names else f"s{k}",), blocks=(4,), service_time=1.0 + k, capacity=c,
+                  spans=((0, 4),)) for k, c in enumerate(capacities)]
 
 
 def _refused(task: asyncio.Task, kind: type = QueueFull) -> bool:
@@ -229,34 +232,77 @@ async def _turns(n: int) -> None:
         await asyncio.sleep(0)
 
 
-@pytest.mark.parametrize("replan", [False, True])
-@pytest.mark.parametrize("kind", ["jffc", "vtc", "edf"])
-def test_requests_of_several_jobs_keep_the_bound_in_a_storm(kind, replan):
-    """200 requests of 1 to 4 jobs (later jobs after a "prefill", some dropped, some requests cancelled), max_queue 3,
-    interleaved by the seed alone. Without re-plans, at every loop iteration: the queue and the places held within the
-    bound (before: 4 of 3 in each discipline), the dispatcher's busy slots its jobs plus the held slots, and no job
-    queued beside a free slot. With re-plans too: at the end nothing waits, runs or is held."""
-    rng = random.Random(2)
-    max_queue = 3
+@dataclass(frozen=True)
+class _Storm:
+    """A storm of ``requests`` requests of ``jobs`` jobs each (one drawn per request), arriving over ``arrive_turns``
+    loop iterations; later jobs come after a "prefill", ``drop_p`` of them never (dropped), one request in ten is
+    cancelled. A planner picks one of ``plans`` every ``replan_turns`` iterations at most (none with one plan); a
+    started job fails over (gives its lease back and comes back admitted) as often as drawn from ``failovers``."""
+
+    seed: int
+    max_queue: int
+    requests: int
+    arrive_turns: int
+    jobs: tuple[int, ...]
+    drop_p: float
+    plans: tuple[tuple[Chain, ...], ...]
+    replan_turns: int = 0
+    failovers: tuple[int, ...] = ()
+
+
+def _whole(replan: bool) -> _Storm:
+    """max_queue 3, 200 requests of 1 to 4 jobs: it went 4 of 3 in each discipline before requests were admitted or
+    refused as a whole; with ``replan``, re-plans that change the chains' slots."""
+    plans = [_chains(2, 1), _chains(1, 2), _chains(2, 2), _chains(2)] if replan else [_chains(2, 1)]
+    return _Storm(seed=2, max_queue=3, requests=200, arrive_turns=300, jobs=(1, 1, 2, 3, 4), drop_p=0.2,
+                  plans=tuple(map(tuple, plans)), replan_turns=15 if replan else 0)
+
+
+def _replans_and_failovers(seed: int) -> _Storm:
+    """max_queue 2, 250 requests of 1 to 5 jobs, re-plans that drop and bring back chains (held slots among them) and
+    failovers (taking a held slot of its request if it finds no other): the seeds went past the bound before, when a
+    dropped held slot or a failed-over job taking one let a later job queue past it."""
+    plans = [_chains(3, 2, names="ab"), _chains(2, names="b"), _chains(1, 3, names="ca"), _chains(3, names="c")]
+    return _Storm(seed=seed, max_queue=2, requests=250, arrive_turns=400, jobs=(1, 2, 4, 5), drop_p=0.15,
+                  plans=tuple(map(tuple, plans)), replan_turns=20, failovers=(0, 0, 1, 2))
+
+
+@pytest.mark.parametrize("kind,storm", [
+    *(pytest.param(kind, _whole(replan), id=f"{kind}-{'replans' if replan else 'one-plan'}")
+      for replan in (False, True) for kind in ("jffc", "vtc", "edf")),
+    # seeds whose storm went past the bound before (each discipline interleaves differently)
+    *(pytest.param(kind, _replans_and_failovers(seed), id=f"{kind}-replans-failovers-{seed}")
+      for kind, seed in (("jffc", 6), ("vtc", 11), ("edf", 6), ("sed", 14))),
+])
+def test_requests_of_several_jobs_keep_the_bound_in_a_storm(kind: str, storm: _Storm):
+    """A storm of requests of several jobs (:class:`_Storm`), interleaved by the seed alone. At every loop iteration
+    the queue plus the places held stay within max_queue; with one plan, also the dispatcher's busy slots are its
+    jobs plus the held slots, no job queues beside a free slot and none waits in the re-queue lane (uncounted: a later
+    job sent there had no place held). At the end nothing waits, runs or is held."""
+    rng = random.Random(storm.seed)
+    max_queue = storm.max_queue
 
     async def main():
         shares = ClientShares(FairPolicy("vtc", FairnessConfig(quantum=50.0)), registry=CollectorRegistry(),
                               keyed=True) if kind == "vtc" else None
-        dm = DispatchManager(max_queue=max_queue, shares=shares, schedule="edf" if kind == "edf" else "fcfs")
-        plans = [_chains(2, 1), _chains(1, 2), _chains(2, 2), _chains(2)] if replan else [_chains(2, 1)]
+        dm = DispatchManager(max_queue=max_queue, shares=shares, schedule="edf" if kind == "edf" else "fcfs",
+                             policy="sed" if kind == "sed" else "jffc")
+        plans = [list(plan) for plan in storm.plans]
         dm.set_chains(plans[0])
         bad: list[str] = []
         stop = asyncio.Event()
 
         def check() -> None:
-            if replan:
-                return
             if dm.queue_length + dm.places_held > max_queue or dm.queue_max > max_queue:
                 bad.append(f"queue {dm.queue_length} held {dm.places_held} max {dm.queue_max}")
+            if storm.replan_turns:  # a re-plan leaves jobs running on chains it dropped, and slots busy with them
+                return
+            if dm.requeued and not storm.failovers:  # only a failed-over job, or one a re-plan took the chain of
+                bad.append(f"{dm.requeued} jobs in the re-queue lane, out of the bound's count")
             occupancy = dm.dispatcher.occupancy
-            held = getattr(dm, "slots_held", 0)
-            if sum(occupancy) != sum(dm.active(k) for k in range(len(dm.chains))) + held:
-                bad.append(f"the dispatcher counts {sum(occupancy)} slots busy, {dm.running} running + {held} held")
+            if sum(occupancy) != sum(dm.active(k) for k in range(len(dm.chains))) + dm.slots_held:
+                bad.append(f"the dispatcher counts {sum(occupancy)} slots busy, {dm.running} running + "
+                           f"{dm.slots_held} held")
             if dm.queue_length and any(occupancy[k] < ch.capacity for k, ch in enumerate(dm.chains)):
                 bad.append("a job queued beside a free slot")
 
@@ -267,7 +313,7 @@ def test_requests_of_several_jobs_keep_the_bound_in_a_storm(kind, replan):
 
         async def planner() -> None:
             while not stop.is_set():
-                await _turns(rng.randrange(15))
+                await _turns(rng.randrange(storm.replan_turns))
                 dm.set_chains(rng.choice(plans))
 
         async def one(name: str, ticket, checked: bool) -> None:
@@ -279,21 +325,25 @@ def test_requests_of_several_jobs_keep_the_bound_in_a_storm(kind, replan):
             finally:
                 ticket.drop()  # as generation does when the job ends or never came
             try:
+                for _ in range(rng.choice(storm.failovers) if storm.failovers else 0):  # back admitted: the lane
+                    await _turns(rng.randrange(4))
+                    dm.release(lease)
+                    lease = await dm.acquire(DispatchJob(name, client="A", requeue=True))
                 await _turns(rng.randrange(6))
             finally:
                 dm.release(lease)
 
         async def request(i: int) -> None:
-            await _turns(rng.randrange(300))
+            await _turns(rng.randrange(storm.arrive_turns))
             adm = Admission()
             ADMISSION.set(adm)
-            tickets = adm.places.expect(rng.choice([1, 1, 2, 3, 4]))
+            tickets = adm.places.expect(rng.choice(storm.jobs))
             tasks = [asyncio.ensure_future(one(f"{i}", tickets[0], False))]
             await asyncio.sleep(0)
             if adm.state != "refused":
                 await _turns(rng.randrange(5))  # its prefill
                 for j, t in enumerate(tickets[1:]):
-                    if rng.random() < 0.2:
+                    if rng.random() < storm.drop_p:
                         t.drop()
                     else:
                         tasks.append(asyncio.ensure_future(one(f"{i}.{j}", t, True)))
@@ -305,12 +355,14 @@ def test_requests_of_several_jobs_keep_the_bound_in_a_storm(kind, replan):
             for t in tickets:
                 t.drop()
 
-        tasks = [asyncio.ensure_future(watchdog())] + ([asyncio.ensure_future(planner())] if replan else [])
-        await asyncio.gather(*(request(i) for i in range(200)))
+        tasks = [asyncio.ensure_future(watchdog())]
+        if storm.replan_turns:
+            tasks.append(asyncio.ensure_future(planner()))
+        await asyncio.gather(*(request(i) for i in range(storm.requests)))
         stop.set()
         await asyncio.gather(*tasks)
         assert not bad, (len(bad), bad[:3])
-        assert (dm.queue_length, dm.places_held, getattr(dm, "slots_held", 0), dm.running) == (0, 0, 0, 0)
+        assert (dm.queue_length, dm.requeued, dm.places_held, dm.slots_held, dm.running) == (0, 0, 0, 0, 0)
 
     asyncio.run(main())
 

@@ -5,16 +5,13 @@ later job it was held for queue past the bound; and a first job SED queues besid
 from __future__ import annotations
 
 import asyncio
-import random
 
-import pytest
 from prometheus_client import CollectorRegistry
 from test_queue_bound_siblings import _submit
 
 from petals_chain.algorithms.fairness import FairnessConfig, FairPolicy
 from petals_chain.model import Chain
-from petals_chain.orchestrator.dispatch import (ADMISSION, PLACE, Admission, DispatchJob, DispatchManager, QueueFull,
-                                                RequestPlaces)
+from petals_chain.orchestrator.dispatch import PLACE, DispatchJob, DispatchManager, QueueFull, RequestPlaces
 from petals_chain.orchestrator.fairness import ClientShares
 
 
@@ -106,89 +103,8 @@ def test_a_failed_over_first_job_on_its_held_slot_keeps_the_bound():
     asyncio.run(main())
 
 
-async def _turns(n: int) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
-
-
-# seeds whose storm went past the bound before (each discipline interleaves differently)
-@pytest.mark.parametrize("kind,seed", [("jffc", 6), ("vtc", 11), ("edf", 6), ("sed", 14)])
-def test_requests_of_several_jobs_keep_the_bound_through_replans_and_failovers(kind, seed):
-    """250 requests of 1 to 5 jobs, re-plans that drop and bring back chains (held slots among them) and failovers
-    (a running job gives its chain back and comes back admitted, taking a held slot of its request if it finds no
-    other), interleaved by the seed alone: at every loop iteration the queue plus the places held stay within
-    max_queue; at the end nothing waits, runs or is held."""
-    rng = random.Random(seed)
-    max_queue = 2
-
-    async def main():
-        shares = ClientShares(FairPolicy("vtc", FairnessConfig(quantum=50.0)), registry=CollectorRegistry(),
-                              keyed=True) if kind == "vtc" else None
-        dm = DispatchManager(max_queue=max_queue, shares=shares, schedule="edf" if kind == "edf" else "fcfs",
-                             policy="sed" if kind == "sed" else "jffc")
-        plans = [_chains(3, 2), _chains(2, names="b"), _chains(1, 3, names="ca"), _chains(3, names="c")]
-        dm.set_chains(plans[0])
-        bad: list[str] = []
-        stop = asyncio.Event()
-
-        async def watchdog() -> None:
-            while not stop.is_set():
-                if dm.queue_length + dm.places_held > max_queue or dm.queue_max > max_queue:
-                    bad.append(f"queue {dm.queue_length} held {dm.places_held} max {dm.queue_max}")
-                await asyncio.sleep(0)
-
-        async def planner() -> None:
-            while not stop.is_set():
-                await _turns(rng.randrange(20))
-                dm.set_chains(rng.choice(plans))
-
-        async def one(name: str, ticket, checked: bool) -> None:
-            PLACE.set(ticket)
-            try:
-                lease = await dm.acquire(DispatchJob(name, client=rng.choice("AB"), checked=checked))
-            except QueueFull:
-                return
-            finally:
-                ticket.drop()
-            try:
-                for _ in range(rng.choice([0, 0, 1, 2])):  # failovers: back admitted (the lane, never refused)
-                    await _turns(rng.randrange(4))
-                    dm.release(lease)
-                    lease = await dm.acquire(DispatchJob(name, client="A", requeue=True))
-                await _turns(rng.randrange(6))
-            finally:
-                dm.release(lease)
-
-        async def request(i: int) -> None:
-            await _turns(rng.randrange(400))
-            adm = Admission()
-            ADMISSION.set(adm)
-            tickets = adm.places.expect(rng.choice([1, 2, 4, 5]))
-            tasks = [asyncio.ensure_future(one(f"{i}", tickets[0], False))]
-            await asyncio.sleep(0)
-            if adm.state != "refused":
-                await _turns(rng.randrange(5))
-                for j, t in enumerate(tickets[1:]):
-                    if rng.random() < 0.15:
-                        t.drop()
-                    else:
-                        tasks.append(asyncio.ensure_future(one(f"{i}.{j}", t, True)))
-                if rng.random() < 0.1:
-                    await _turns(rng.randrange(3))
-                    for t in tasks:
-                        t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for t in tickets:
-                t.drop()
-
-        tasks = [asyncio.ensure_future(watchdog()), asyncio.ensure_future(planner())]
-        await asyncio.gather(*(request(i) for i in range(250)))
-        stop.set()
-        await asyncio.gather(*tasks)
-        assert not bad, (len(bad), bad[:3])
-        assert (dm.queue_length, dm.requeued, dm.places_held, dm.slots_held, dm.running) == (0, 0, 0, 0, 0)
-
-    asyncio.run(main())
+# The storm of requests of several jobs through re-plans and failovers (its seeds for jffc, vtc, edf and sed) is
+# test_hunt_queue_bound_whole.py's storm, one harness for both.
 
 
 def test_sed_queuing_a_first_job_beside_a_free_slot_admits_a_request_that_fits():

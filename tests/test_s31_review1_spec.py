@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import torch
+from test_s31_spec import HeldForward, held_draft_forward
 
 from petals_chain.orchestrator.drafting import DraftModel, DraftState
 
@@ -51,19 +51,10 @@ def test_a_cancelled_generation_drops_its_queued_draft_and_the_drafter_goes_on(t
     """A client that disconnects cancels its generation's draft call: queued, it never runs; running, it ends in the
     worker and nobody is given up; the next draft works."""
     drafter = DraftModel.load(tiny_model_factory("llama", num_layers=2), "cancel")
-    forward = drafter.model.forward
-    release, entered = threading.Event(), threading.Event()
-    calls: list[int] = []
 
-    def held(*args, **kwargs):
-        calls.append(int(kwargs["input_ids"].shape[1]))
-        entered.set()
-        release.wait(30)
-        return forward(*args, **kwargs)
-
-    async def run() -> None:
+    async def run(held: HeldForward) -> None:
         first = asyncio.ensure_future(drafter.draft(DraftState(), [5, 6, 7], 2))  # runs, held in its forward
-        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        await asyncio.get_running_loop().run_in_executor(None, held.entered.wait, 30)
         queued = asyncio.ensure_future(drafter.draft(DraftState(), [9, 9, 9, 9], 2))  # behind it
         await asyncio.sleep(0)
         queued.cancel()
@@ -73,20 +64,18 @@ def test_a_cancelled_generation_drops_its_queued_draft_and_the_drafter_goes_on(t
                 await task
             except asyncio.CancelledError:
                 pass
-        release.set()
-        drafter.model.forward = forward
+        held.release.set()
+        drafter.model.forward = held.forward
         state = DraftState()
         for _ in range(100):  # the running call ends in the worker; the queued one never starts
             if await asyncio.wait_for(drafter.draft(state, [5, 6, 7, 8], 2), 30):
                 break
             await asyncio.sleep(0.05)
         assert len(await drafter.draft(state, [5, 6, 7, 8, 9], 2)) == 2
-        assert calls == [3] and drafter.failures == 0 and not state.failed, (calls, drafter.failures)
+        assert held.calls == [3] and drafter.failures == 0 and not state.failed, (held.calls, drafter.failures)
 
-    drafter.model.forward = held
     try:
-        asyncio.run(run())
+        with held_draft_forward(drafter, wait_s=30) as held:
+            asyncio.run(run(held))
     finally:
-        release.set()
-        drafter.model.forward = forward
         drafter.close()

@@ -3,9 +3,47 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from petals_chain.orchestrator.drafting import DraftModel, DraftState
+
+
+@dataclass
+class HeldForward:
+    """A draft model's ``forward`` held in the draft worker (a stuck device, a deadlock) until ``release`` is set:
+    ``entered`` is set once a call is held, ``calls`` has the tokens each held call fed."""
+
+    forward: Callable
+    release: threading.Event = field(default_factory=threading.Event)
+    entered: threading.Event = field(default_factory=threading.Event)
+    calls: list[int] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def held_draft_forward(drafter: DraftModel, *, first_only: bool = False,
+                       wait_s: float = 60.0) -> Iterator[HeldForward]:
+    """Hold every call of ``drafter.model.forward`` (``first_only``: the first call; the model's own runs the next ones)
+    until the yielded :class:`HeldForward`'s ``release`` is set, ``wait_s`` at most. On leaving, held calls are
+    released and the model's own ``forward`` is back (a test that fails must not leave the worker hung)."""
+    held = HeldForward(drafter.model.forward)
+
+    def hold(*args, **kwargs):
+        if first_only:
+            drafter.model.forward = held.forward
+        held.calls.append(int(kwargs["input_ids"].shape[1]))
+        held.entered.set()
+        held.release.wait(wait_s)
+        return held.forward(*args, **kwargs)
+
+    drafter.model.forward = hold
+    try:
+        yield held
+    finally:
+        held.release.set()
+        drafter.model.forward = held.forward
 
 
 def test_a_hung_draft_model_gives_up_and_the_others_do_not_queue_behind_it(tiny_model_factory):
@@ -15,23 +53,15 @@ def test_a_hung_draft_model_gives_up_and_the_others_do_not_queue_behind_it(tiny_
     works again once it ends."""
     drafter = DraftModel.load(tiny_model_factory("llama", num_layers=2), "hangs")
     drafter.timeout_s = 0.5
-    forward = drafter.model.forward
-    release = threading.Event()
 
-    def hung(*args, **kwargs):
-        drafter.model.forward = forward  # only the first call hangs
-        release.wait(60)
-        return forward(*args, **kwargs)
-
-    async def run() -> None:
-        drafter.model.forward = hung
+    async def run(held: HeldForward) -> None:
         state = DraftState()
         assert await asyncio.wait_for(drafter.draft(state, [5, 6, 7], 3), 20) == []
         assert state.failed and drafter.failures == 1
         other = DraftState()
         assert await asyncio.wait_for(drafter.draft(other, [5, 6, 7], 3), 5) == []  # not queued behind it
         assert not other.failed and drafter.failures == 1  # not its fault: it drafts again later
-        release.set()
+        held.release.set()
         for _ in range(200):  # the hung call ends in the worker
             if await drafter.draft(other, [5, 6, 7], 3):
                 break
@@ -39,10 +69,9 @@ def test_a_hung_draft_model_gives_up_and_the_others_do_not_queue_behind_it(tiny_
         assert len(await drafter.draft(other, [5, 6, 7, 8], 3)) == 3 and drafter.failures == 1
 
     try:
-        asyncio.run(run())
+        with held_draft_forward(drafter, first_only=True) as held:  # only the first call hangs
+            asyncio.run(run(held))
     finally:
-        release.set()
-        drafter.model.forward = forward
         drafter.close()
 
 
