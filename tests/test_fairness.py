@@ -241,7 +241,7 @@ def test_prompt_correction_and_output_charges():
     assert policy.service["a"] == 50
     policy.output("a", 0, 3)
     assert policy.service["a"] == 56  # w_q = 2 per output token
-    assert policy.local(None).deficit["a"] == -56
+    assert policy.local(None).deficit["a"] == 100 - 56  # refilled once as it started (its deficit was 0)
 
 
 def test_remove_and_bad_input():
@@ -294,12 +294,12 @@ def test_dispatch_manager_keeps_fair_counters_across_re_plans_and_charges_once()
         light_row = shares.json(dm.waiting_jobs())["clients"]["light"]
         assert light_row["waiting"] == 1 and light_row["started"] == 0 and light_row["backlogged"]
         local = shares.policy.local(None)
-        assert local.deficit == {"heavy": -20.0, "light": 0.0}
+        assert local.deficit == {"heavy": 5.0 - 20.0, "light": 0.0}  # refilled once as h0 started
         dm.set_chains([a, b])  # a re-plan adds a chain: the queue re-arrives, the counters stay
         await asyncio.sleep(0)
         assert shares.policy.local(None) is local and dm.running == 2
         # one refill round (Q^u = 5): heavy keeps its debt, light gets credit and is admitted
-        assert local.deficit == {"heavy": -15.0, "light": 5.0 - 20.0}
+        assert local.deficit == {"heavy": -10.0, "light": 5.0 - 20.0}
         # heavy is in debt (20 units), light is not: light takes the new chain ahead of heavy's older jobs
         assert light.done() and light.result().chain == b
         shares.output("heavy", chain_key(a), 3)
@@ -372,7 +372,7 @@ def test_jobs_that_came_while_no_chain_existed_arrive_as_new_after_the_outage():
     pol = FairPolicy("vtc", FairnessConfig())
     local = pol.local(None)
     local.counter.update({"old": 10.0, "busy": 1000.0})
-    local._last_min = 1000.0
+    local._last = "busy"  # the last client admitted: a client back from idle is lifted to its counter
     d = FairDispatcher([(1.0, 1)], pol, describe)
     d.adopt(0, "running")
     jobs = [Job("busy", 10), Job("old", 10)]
