@@ -69,6 +69,8 @@ class ServerConfig:
 
         if self.tau_p is not None:
             number("--tau-p", self.tau_p, positive=True)
+        if self.memory_bytes is not None:  # NaN failed in int() later, inf with an OverflowError, "8GB" in int()
+            number("memory_bytes (--memory-bytes)", self.memory_bytes, positive=True)
         for flag, value in (("--refresh-s", self.refresh_s), ("--assignment-poll-s", self.assignment_poll_s),
                             ("--idle-timeout-s", self.idle_timeout_s), ("--max-wait-s", self.max_wait_s)):
             number(flag, value, positive=True)

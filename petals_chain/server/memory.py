@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -14,17 +15,89 @@ from petals_chain.swarm.memory import block_bytes, cache_slot_bytes, capped_slot
 CPU_MEMORY_FRACTION = 0.5  # default M_j on CPU: half of the RAM available at start
 CUDA_HEADROOM_FRACTION = 0.05  # default M_j on CUDA: free memory minus max(1 GiB, 5 %) for activations
 CUDA_HEADROOM_MIN_BYTES = 1 << 30
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # where the cgroup hierarchies are mounted
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
+_CGROUP_NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as 0x7ffffffffffff000 (v2 writes "max")
+
+
+def _cgroup_int(path: Path) -> Optional[int]:
+    """The number in a one-value cgroup file; None if unreadable or not a number ("max": no limit)."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_stat(path: Path, key: str) -> int:
+    """``key``'s value in a ``memory.stat`` file (0 if absent)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except (OSError, UnicodeDecodeError):
+        pass
+    return 0
+
+
+def cgroup_memory_available() -> Optional[int]:
+    """Bytes the memory cgroups of this process (its own and their ancestors', v1 or v2) still let it take: the least
+    of ``limit - (usage - inactive page cache)`` over those with a limit; None where none limits memory.
+
+    psutil reads /proc/meminfo, which a container shows for the whole host: in a 4 GiB container on a 128 GiB host the
+    default budget was half the host's available RAM (up to 64 GiB), and the KV cache, allocated whole at start, got
+    the server killed by the container's OOM killer."""
+    try:
+        lines = PROC_SELF_CGROUP.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    least: Optional[int] = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if not controllers and (CGROUP_ROOT / "cgroup.controllers").is_file():  # v2 (not the hybrid layout's)
+            root, files = CGROUP_ROOT, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1
+            root, files = CGROUP_ROOT / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                   "total_inactive_file")
+        else:
+            continue
+        here = root / rel.strip().lstrip("/")
+        if ".." in here.parts or not here.is_dir():  # a container sees its own cgroup as the mount's root
+            here = root
+        while True:
+            limit = _cgroup_int(here / files[0])
+            if limit is not None and limit < _CGROUP_NO_LIMIT:
+                # page cache the kernel drops on demand (the model file just read) is not in use
+                used = (_cgroup_int(here / files[1]) or 0) - _cgroup_stat(here / "memory.stat", files[2])
+                left = max(0, limit - max(0, used))
+                least = left if least is None else min(least, left)
+            if here == root:
+                break
+            here = here.parent
+    return least
+
+
+def ram_available() -> int:
+    """RAM this process may still take: what the host has available, or less where a cgroup limits memory."""
+    import psutil
+
+    free = int(psutil.virtual_memory().available)
+    limited = cgroup_memory_available()
+    return free if limited is None else min(free, limited)
 
 
 def default_memory_bytes(device: str) -> int:
-    """``M_j`` when the volunteer gives no limit: see CPU_MEMORY_FRACTION / CUDA_HEADROOM_* above."""
+    """``M_j`` when the volunteer gives no limit: see CPU_MEMORY_FRACTION / CUDA_HEADROOM_* above (on CPU, of
+    :func:`ram_available`: a container's limit counts)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _total = torch.cuda.mem_get_info(dev)
         return max(0, int(free - max(CUDA_HEADROOM_MIN_BYTES, CUDA_HEADROOM_FRACTION * free)))
-    import psutil
-
-    return int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
+    return int(ram_available() * CPU_MEMORY_FRACTION)
 
 
 def check_device_budget(device: str, memory_bytes: int | None) -> None:
@@ -36,9 +109,7 @@ def check_device_budget(device: str, memory_bytes: int | None) -> None:
     if dev.type == "cuda":
         free, _total = torch.cuda.mem_get_info(dev)
     else:
-        import psutil
-
-        free = psutil.virtual_memory().available
+        free = ram_available()  # a container's limit included
     if memory_bytes > free:
         raise ValueError(f"the memory budget ({memory_bytes / 2**30:.1f} GiB) exceeds the {free / 2**30:.1f} GiB "
                          f"{'free on ' + device if dev.type == 'cuda' else 'of RAM available'}: give a smaller "
