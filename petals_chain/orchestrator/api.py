@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import re
+import sys
 import time
 import types
 import typing
@@ -537,6 +538,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if exc.status_code == 400 and isinstance(cause, (RecursionError, ValueError)):
             # FastAPI's "There was an error parsing the body" (code null) for what the JSON parser raised beside a
             # syntax error: a body nested ~1000 deep (RecursionError), or bytes that are not UTF-8
+            if "integer string conversion" in str(cause):
+                # valid JSON, but int() reads at most sys.get_int_max_str_digits() digits (its message tells the
+                # server's code how to raise that: not for the client)
+                return _error(400, "the request body has a number of more than "
+                              f"{sys.get_int_max_str_digits()} digits, more than this server reads",
+                              code="invalid_json")
             why = ("it nests arrays or objects too deeply" if isinstance(cause, RecursionError)
                    else "it is not UTF-8 text" if isinstance(cause, UnicodeDecodeError) else str(cause)[:200])
             return _error(400, f"the request body is not valid JSON: {why}", code="invalid_json")
@@ -784,6 +791,11 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             texts = list(req.prompt)
         else:
             texts = [orch.decode(ids) for ids in prompts]
+        # the text a prompt's tokens were tokenized from (their offsets count its chat markup); None: a token-id
+        # prompt, echoed as its decoding (a special token there takes no room, though plain tokens after it may
+        # spell its text)
+        typed = isinstance(req.prompt, str) or (many and isinstance(req.prompt[0], str))
+        sent: list[str | None] = list(texts) if typed else [None] * len(texts)
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         # every prompt validated before any work starts; its tokens held: the prompt and the most it may generate (an
         # implicit limit, chat's --max-tokens-limit, only as far as its context goes)
@@ -804,7 +816,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                         return None
                     text = echo_text
                     if choices is not None:  # the prompt's own logprobs (echo with logprobs)
-                        logprobs = lp.completion(choices, ids, text=echo_text)
+                        logprobs = lp.completion(choices, ids, text=sent[0])
                 elif req.logprobs is not None and choices:
                     counter = counters.setdefault(i, StopMatcher(orch.tokenizer, [], ids))
                     logprobs = lp.completion(choices, [c.token for c in choices], offset0=len(echo_text or ""),
@@ -824,14 +836,14 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if deadline is not None and len(prompts) > 1:  # met only if the last prompt's last token was in time
             orch.deadlines.settle(deadline)
         choices, gens = [], []
-        for ids, prompt_text, group in zip(prompts, texts, results):
+        for ids, prompt_text, sent_text, group in zip(prompts, texts, sent, results):
             for g in group:
                 text, logprobs = g.text, None
                 prefix = prompt_text if req.echo else ""
                 if req.logprobs is not None:
                     gen_lp = lp.completion(g.logprobs or [], g.token_ids, offset0=len(prefix), context=ids)
                     if req.echo:
-                        prompt_lp = lp.completion(g.prompt_logprobs or [None] * len(ids), ids, text=prompt_text)
+                        prompt_lp = lp.completion(g.prompt_logprobs or [None] * len(ids), ids, text=sent_text)
                         gen_lp = {k: prompt_lp[k] + gen_lp[k] for k in gen_lp}
                     logprobs = gen_lp
                 choices.append({"text": prefix + text, "index": len(choices), "logprobs": logprobs,

@@ -953,17 +953,42 @@ class StopMatcher:
         return out
 
 
-def offsets_in_text(tokenizer, ids: Sequence[int], text: str) -> list[int]:
-    """Where each of ``ids`` starts in ``text``, the text they were tokenized from (a prompt echoed as sent):
-    logprobs' ``text_offset``. Decoding skips special tokens, but a prompt written with its chat markup
-    (``<|im_start|>user…``) has their text in it: a special token takes its room where ``text`` has its text
-    (an added BOS, which ``text`` lacks, takes none). Offsets stay within ``text``."""
+_OPENING: "weakref.WeakKeyDictionary[Any, tuple[int, ...]]" = weakref.WeakKeyDictionary()
+
+
+def added_opening(tokenizer) -> tuple[int, ...]:
+    """The tokens ``tokenizer`` puts before a text's own (``add_special_tokens``: a BOS), found once by tokenizing
+    a word with and without them; () when it adds none there, or the two do not line up."""
+    try:
+        return _OPENING[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    with_added = list(tokenizer("a")["input_ids"])
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    cut = next((k for k in range(len(with_added) - len(plain) + 1) if with_added[k:k + len(plain)] == plain), 0)
+    opening = tuple(int(t) for t in with_added[:cut])
+    try:
+        _OPENING[tokenizer] = opening
+    except TypeError:  # not weakly referenceable: found per call
+        pass
+    return opening
+
+
+def offsets_in_text(tokenizer, ids: Sequence[int], text: str, *, special_added: bool = True) -> list[int]:
+    """Where each of ``ids`` starts in ``text``, the text they were tokenized from (a prompt echoed as sent;
+    ``special_added``: with the tokenizer's own special tokens, as the API tokenizes a prompt): logprobs'
+    ``text_offset``. Decoding skips special tokens, but a prompt written with its chat markup
+    (``<|im_start|>user…``) has their text in it: a special token takes its room where ``text`` has its text. The
+    tokens the tokenizer adds before the text (a BOS, which ``text`` lacks) take none, though ``text`` starts with
+    their text (``<s>hi`` is ``<s> <s> h i``: the second ``<s>`` is the text's). Offsets stay within ``text``."""
     silent = silent_tokens(tokenizer)
+    opening = added_opening(tokenizer) if special_added else ()
+    skip = len(opening) if tuple(ids[:len(opening)]) == opening else 0
     out, shift = [], 0
-    for tok, at in zip(ids, StopMatcher(tokenizer, []).feed_offsets(ids)):
+    for k, (tok, at) in enumerate(zip(ids, StopMatcher(tokenizer, []).feed_offsets(ids))):
         at = min(at + shift, len(text))
         out.append(at)
-        if tok in silent:
+        if tok in silent and k >= skip:
             piece = tokenizer.convert_ids_to_tokens(int(tok))
             if isinstance(piece, str) and piece and text.startswith(piece, at):
                 shift += len(piece)
