@@ -13,6 +13,7 @@ import copy
 import functools
 import inspect
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,32 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+
+
+# Tensors transformers skips when loading (``PreTrainedModel._adjust_missing_and_unexpected_keys``): checkpoints
+# written before the rotary module moved to the model level hold each layer's ``self_attn.rotary_emb.inv_freq``
+# (e.g. ahxt/LiteLlama-460M-1T); it is recomputed from the config, so such a checkpoint loads as if it had none.
+_IGNORED_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def ignored_tensor(name: str) -> bool:
+    """Whether transformers ignores the checkpoint tensor ``name`` when it loads a model (and so do we)."""
+    return _IGNORED_TENSOR.search(name) is not None
+
+
+def ties_lm_head(config: Any, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the LM head is the embedding matrix, decided as transformers' ``from_pretrained`` does: the config
+    ties them, or the checkpoint has no ``lm_head.weight``; but a checkpoint holding both with different values
+    (a model fine-tuned untied, its config still saying ``tie_word_embeddings``) keeps both, untied. ``tensors``
+    holds ``model.embed_tokens.weight`` and, where the checkpoint has it, ``lm_head.weight``, both cast alike.
+
+    (With ``tie_word_embeddings`` false and no ``lm_head.weight``, transformers leaves the head random; the
+    embeddings are the one meaningful reading.)"""
+    head = tensors.get("lm_head.weight")
+    if head is None:
+        return True
+    embed = tensors["model.embed_tokens.weight"]
+    return bool(getattr(config, "tie_word_embeddings", False)) and torch.equal(head, embed)
 
 
 def resolve_model_path(name_or_path: "str | os.PathLike | ModelSource", *, revision: str | None = None,
@@ -165,7 +192,7 @@ def load_block(
     with init_empty_weights():
         layer = decoder_layer_class(config)(config, index)
     prefix = f"model.layers.{index}."
-    names = [k for k in src.tensor_names() if k.startswith(prefix)]
+    names = [k for k in src.tensor_names() if k.startswith(prefix) and not ignored_tensor(k)]
     if not names:
         raise KeyError(f"no tensors with prefix {prefix!r} in {src.path}")
     tensors = src.read_tensors(names)
@@ -175,7 +202,8 @@ def load_block(
         n for n, _ in layer.named_buffers() if not n.endswith("inv_freq")}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
-        raise KeyError(f"block {index} of {src.path}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+        raise KeyError(f"block {index} of {src.path}: missing tensors {sorted(missing)}, "
+                       f"unexpected {sorted(unexpected)}")
     layer.load_state_dict(state, strict=False, assign=True)
     meta_left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
     if meta_left:
@@ -248,7 +276,7 @@ def build_rotary(config: Any, device: str | torch.device = "cpu") -> nn.Module:
 
 def load_head(path: "str | os.PathLike | ModelSource", dtype: str | torch.dtype | None = None,
               device: str | torch.device = "cpu", *, config: Any = None) -> ModelHead:
-    """Load ``model.embed_tokens``, ``model.norm`` and ``lm_head`` (tied to the embeddings if the config says so)."""
+    """Load ``model.embed_tokens``, ``model.norm`` and ``lm_head`` (the embeddings where :func:`ties_lm_head`)."""
     from accelerate import init_empty_weights
 
     src = resolve_source(path)
@@ -263,12 +291,9 @@ def load_head(path: "str | os.PathLike | ModelSource", dtype: str | torch.dtype 
         skeleton = _causal_lm_class(config)(skeleton_cfg)
     embed, norm, lm_head = skeleton.model.embed_tokens, skeleton.model.norm, skeleton.lm_head
 
-    all_names = src.tensor_names()
-    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in all_names
-    names = [k for k in all_names if k.startswith(("model.embed_tokens.", "model.norm."))]
-    if not tied:
-        names += [k for k in all_names if k.startswith("lm_head.")]
+    names = [k for k in src.tensor_names() if k.startswith(("model.embed_tokens.", "model.norm.", "lm_head."))]
     tensors = {k: v.to(torch_dtype) for k, v in src.read_tensors(names).items()}
+    tied = ties_lm_head(config, tensors)
     embed.load_state_dict({k[len("model.embed_tokens."):]: v for k, v in tensors.items()
                            if k.startswith("model.embed_tokens.")}, assign=True)
     norm.load_state_dict({k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")},
@@ -305,11 +330,14 @@ def load_causal_lm(path: "str | os.PathLike | ModelSource", num_layers: int | No
     torch_dtype = parse_dtype(dtype, config)
     with init_empty_weights():
         model = _causal_lm_class(config)(config)
-    all_names = src.tensor_names()
-    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in all_names
-    keep = ("model.embed_tokens.", "model.norm.", *(f"model.layers.{i}." for i in range(n)),
-            *(() if tied else ("lm_head.",)))
-    state = {k: v.to(torch_dtype) for k, v in src.read_tensors([k for k in all_names if k.startswith(keep)]).items()}
+    keep = ("model.embed_tokens.", "model.norm.", *(f"model.layers.{i}." for i in range(n)), "lm_head.")
+    state = {k: v.to(torch_dtype) for k, v in src.read_tensors([k for k in src.tensor_names() if k.startswith(keep)
+                                                                 and not ignored_tensor(k)]).items()}
+    tied = ties_lm_head(config, state)
+    if tied:
+        state.pop("lm_head.weight", None)
+    else:
+        config.tie_word_embeddings = False  # (the model's private copy) a later tie_weights() must not tie them
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
