@@ -327,6 +327,20 @@ class _PairCredit(dict):
     """D2LPM's ``q_{i,w}`` keyed ``(client, worker)``, each client's workers indexed: an arrival's :meth:`FairPolicy.
     mark` reads its own client's credits (a scan of every pair took 9 ms an arrival with 10,000 keys on 20 chains)."""
 
+    # dict's own constructor, |= and copy.copy() fill the items without __setitem__ (copy.copy() shared the index
+    # itself): each goes through update() here, or a client's credits went missing from of() and a refused
+    # arrival's restore() dropped them
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__()
+        self.update(*args, **kw)
+
+    def __ior__(self, other: Any) -> _PairCredit:
+        self.update(other)
+        return self
+
+    def __copy__(self) -> _PairCredit:
+        return type(self)(self)
+
     def _index(self) -> dict[str, set]:
         return self.__dict__.setdefault("workers_of", {})  # unpickling sets items before the instance's state
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,7 +27,12 @@ def _cgroup_int(path: Path) -> Optional[int]:
         text = path.read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if _is_number(text) else None
+
+
+def _is_number(text: str) -> bool:
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses (a ValueError at the server's start)
+    return text.isascii() and text.isdigit()
 
 
 def _cgroup_stat(path: Path, key: str) -> int:
@@ -34,7 +40,7 @@ def _cgroup_stat(path: Path, key: str) -> int:
     try:
         for line in path.read_text().splitlines():
             name, _, value = line.partition(" ")
-            if name == key and value.strip().isdigit():
+            if name == key and _is_number(value.strip()):
                 return int(value)
     except (OSError, UnicodeDecodeError):
         pass
@@ -58,7 +64,9 @@ def cgroup_memory_available() -> Optional[int]:
         if len(parts) != 3:
             continue
         _, controllers, rel = parts
-        if not controllers and (CGROUP_ROOT / "cgroup.controllers").is_file():  # v2 (not the hybrid layout's)
+        # os.path's probes say False on any OSError; Path.is_dir() raised a PermissionError (a cgroup directory this
+        # user may not search) or "File name too long" at the server's start
+        if not controllers and os.path.isfile(CGROUP_ROOT / "cgroup.controllers"):  # v2 (not the hybrid layout's)
             root, files = CGROUP_ROOT, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):  # v1
             root, files = CGROUP_ROOT / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
@@ -66,7 +74,7 @@ def cgroup_memory_available() -> Optional[int]:
         else:
             continue
         here = root / rel.strip().lstrip("/")
-        if ".." in here.parts or not here.is_dir():  # a container sees its own cgroup as the mount's root
+        if ".." in here.parts or not os.path.isdir(here):  # a container sees its own cgroup as the mount's root
             here = root
         while True:
             limit = _cgroup_int(here / files[0])
