@@ -303,12 +303,15 @@ class Orchestrator(GenerationMixin, SessionMixin):
         return drafter
 
     def model_spec(self) -> ModelSpec:
-        """``L``, ``s_m``, ``s_c`` (bytes) from the model config at the swarm's max_length."""
-        from petals_chain.swarm.memory import block_bytes, cache_slot_bytes
+        """``L``, ``s_m``, ``s_c`` (bytes) from the model config at the swarm's max_length, rounded up to the KV pages
+        of a default server (paged, 16 tokens), as the servers size theirs. A server whose record announces its own
+        sizes (its dtype, quantization, KV pages) is planned with those (``Planner.own_sizes``)."""
+        from petals_chain.swarm.memory import DEFAULT_PAGE_SIZE, block_bytes, cache_slot_bytes, slot_tokens
 
         dtype = None if self.cfg.dtype == "auto" else self.cfg.dtype
+        tokens = slot_tokens("paged", self.cfg.max_length, DEFAULT_PAGE_SIZE)
         return ModelSpec(num_blocks=int(self.config.num_hidden_layers), block_size=block_bytes(self.config, dtype),
-                         cache_size=cache_slot_bytes(self.config, dtype, self.cfg.max_length))
+                         cache_size=cache_slot_bytes(self.config, dtype, tokens))
 
     def measure_serialization(self, repeats: int = 50) -> float:
         """Seconds of (de)serialization per relay step and hop: a one-token hidden state is serialized and

@@ -18,12 +18,12 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
-from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec
-from petals_chain.swarm.memory import capped_slots
+from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec, units_that_fit
+from petals_chain.swarm.memory import DEFAULT_PAGE_SIZE, capped_slots, slot_tokens
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.reachability import is_circuit, public_dial_error
 from petals_chain.swarm.records import EPOCH_MAX
@@ -36,6 +36,9 @@ TAU_P_SUSPECT_RATIO = 2.0  # measured tau_p above this multiple of the advertise
 # a server's memory planned at most (1 PiB): a record may announce any integer, and the slots 10**30 bytes make
 # overflowed int64 in GBP-CR's c tuning (negative slots: chains of capacity 0)
 MEMORY_MAX = 2 ** 50
+# a record's s_m or s_c further than this factor from the orchestrator's is not believed (a dtype takes 1 to 8 bytes,
+# nf4 about a seventh of fp32's block): such a server is planned with the orchestrator's sizes, as an older one
+SIZE_RATIO_MAX = 64.0
 STARTS_KEPT = 8  # process starts remembered per server (an older record read late is told from a restart)
 # A server record's lifetime at the servers' default --refresh-s 30 (server/announce.py: it expires 3 x refresh_s after
 # its last publish): a read of the records that names none of the live servers (a DHT get that timed out or reached no
@@ -174,6 +177,46 @@ class CappedServerSpec(ServerSpec):
         return 0 if 0 < self.most_jobs() < capacity else super().max_blocks(model, capacity)
 
 
+@dataclass(frozen=True)
+class SizedServerSpec(CappedServerSpec):
+    """A server whose record announces its own ``s_m`` and ``s_c`` (``block_size``, ``cache_size``: its dtype,
+    quantization and KV pages), not the orchestrator's: it holds Eq. 8's ``m_j(c)`` blocks and Eq. 3's slots in its
+    own sizes and its own budget ``own_memory`` (``M_j``), as it loads. Planned with the orchestrator's, a bf16 server
+    under an fp32 orchestrator was given half the blocks it holds, and an fp32 one under a bf16 orchestrator twice
+    as many: it refused them and stayed idle.
+
+    ``memory`` is ``M_j`` in the orchestrator's units, scaled up so that Eq. 8 and 3 in those never count fewer blocks,
+    slots or jobs than its own sizes (GBP-CR and the ``c`` tuning walk a server by the least of Eq. 8 and its
+    ``max_blocks``, and tune ``c`` up to the most jobs any ``memory`` holds); exact when both sizes scale alike, as a
+    dtype does."""
+
+    own_memory: float = 0.0
+    block_size: float = 1.0
+    cache_size: float = 1.0
+
+    @classmethod
+    def of(cls, *, memory: float, block_size: float, cache_size: float, model: ModelSpec,
+           **fields: Any) -> "SizedServerSpec":
+        """The spec of a server with budget ``memory`` (``M_j``) and its own sizes, planned beside ``model``."""
+        scale = max(model.block_size / block_size, model.cache_size / cache_size) * (1 + 1e-9)  # (float rounding)
+        return cls(memory=memory * scale, own_memory=memory, block_size=block_size, cache_size=cache_size, **fields)
+
+    def residual_slots(self, model: ModelSpec, num_blocks: int) -> int:
+        slots = max(0, units_that_fit(self.own_memory - self.block_size * num_blocks, self.cache_size))
+        return capped_slots(slots, num_blocks, self.cache_tokens_per_block, self.max_length)
+
+    def max_blocks(self, model: ModelSpec, capacity: int) -> int:
+        if 0 < self.most_jobs() < capacity:
+            return 0
+        return min(units_that_fit(self.own_memory, self.block_size + self.cache_size * capacity), self.block_cap(model))
+
+    def per_block_memory(self, model: ModelSpec, cache_fraction: float) -> float:
+        """``M_j`` in ``model``'s units for a rule that divides it by ``s_m + s_c x`` (PETALS' placement, ``x`` its
+        fixed cache over ``max_length``): as many blocks as its own sizes give."""
+        return self.own_memory * (model.block_size + model.cache_size * cache_fraction) / (
+            self.block_size + self.cache_size * cache_fraction)
+
+
 def started_at_of(record: Any) -> float:
     """When the process that announced ``record`` started (0: unknown, an older server's record, or none)."""
     return float(getattr(record, "started_at", 0.0) or 0.0)
@@ -216,6 +259,7 @@ class Planner:
         self.client = client
         self.max_length = max_length
         self._short: dict[str, int] = {}  # servers left out of chains for a smaller max_length (warned once)
+        self._odd_sizes: set[str] = set()  # servers whose announced s_m / s_c are not believed (warned once)
         self.on_chains = on_chains
         self.fixed_rate = arrival_rate
         self.rates = RateEstimator()
@@ -435,13 +479,46 @@ class Planner:
         slots (:class:`CappedServerSpec`: else a span it has not loaded yet, such as one of the model the placer just
         moved it to, was planned with the slots its memory holds, not the fewer it would load)."""
         out: list[ServerSpec] = []
+        model = self._model_spec()
         for v in views:
             fields = dict(name=v.peer_id, memory=float(min(v.record.memory_bytes, MEMORY_MAX)), tau_c=self.tau_c(v),
                           tau_p=self.tau_p(v), block_limit=int(v.record.max_blocks))
             per_block = int(getattr(v.record, "cache_tokens_per_block", 0) or 0)
-            out.append(CappedServerSpec(**fields, cache_tokens_per_block=per_block, max_length=self.max_length)
-                       if per_block > 0 else ServerSpec(**fields))
+            sizes = self.own_sizes(v.record, model) if model is not None else None
+            if sizes is not None:
+                out.append(SizedServerSpec.of(**fields, block_size=sizes[0], cache_size=sizes[1], model=model,
+                                              cache_tokens_per_block=per_block, max_length=self.max_length))
+            else:
+                out.append(CappedServerSpec(**fields, cache_tokens_per_block=per_block, max_length=self.max_length)
+                           if per_block > 0 else ServerSpec(**fields))
         return out
+
+    def own_sizes(self, record: Any, model: ModelSpec) -> tuple[float, float] | None:
+        """``(s_m, s_c)`` in bytes that ``record`` announces (its dtype, quantization and KV pages), ``s_c`` for a
+        session of this swarm's ``max_length`` (a record before its first assignment is sized for the server's
+        default); None to plan it with ``model``'s: an older record without them, sizes equal to ``model``'s, or ones
+        more than ``SIZE_RATIO_MAX`` times off (logged once per server)."""
+        s_m, s_c = int(getattr(record, "s_m_bytes", 0) or 0), int(getattr(record, "s_c_bytes", 0) or 0)
+        length = int(getattr(record, "max_length", 0) or 0)
+        if s_m <= 0 or s_c <= 0 or length <= 0:
+            return None
+        kv_cache = getattr(record, "kv_cache", "paged")
+        # a record shows its page size once loaded; the server's --page-size default before
+        page = int(getattr(record, "page_size", 0) or 0) or DEFAULT_PAGE_SIZE
+        if length != self.max_length:  # K and V grow with the tokens held
+            s_c = s_c * slot_tokens(kv_cache, self.max_length, page) / slot_tokens(kv_cache, length, page)
+        if s_m == model.block_size and s_c == model.cache_size:
+            return None
+        if not all(1 / SIZE_RATIO_MAX <= own / orch <= SIZE_RATIO_MAX
+                   for own, orch in ((s_m, model.block_size), (s_c, model.cache_size))):
+            peer = getattr(record, "peer_id", "")
+            if peer not in self._odd_sizes:
+                self._odd_sizes.add(peer)
+                logger.warning("server %s (%s) announces s_m=%d s_c=%d bytes, this orchestrator's are %d and %d: "
+                               "planned with this orchestrator's", getattr(record, "public_name", ""), peer[:12],
+                               s_m, s_c, model.block_size, model.cache_size)
+            return None
+        return float(s_m), float(s_c)
 
     # ---- planning ------------------------------------------------------------------------------
     def _bounds(self, chains: list[Chain]) -> tuple[float, float]:
@@ -496,14 +573,16 @@ class Planner:
         ``residual_slots`` (:class:`CappedServerSpec`: none at a ``c`` its cap cannot hold, the slots its cap holds).
         A cap below one job, and all caps where they allow no chain, are planned by the servers' memory, as before
         (they load their spans and a failed load says what they cannot hold: else no span was ever assigned).
-        ValueError: no plan either way."""
+        ValueError: no plan either way. A server with its own sizes (:class:`SizedServerSpec`) keeps them."""
         from petals_chain.algorithms import tune_capacity
 
         def by_memory(s: ServerSpec) -> ServerSpec:
+            if isinstance(s, SizedServerSpec):
+                return replace(s, cache_tokens_per_block=0)
             return ServerSpec(name=s.name, memory=s.memory, tau_c=s.tau_c, tau_p=s.tau_p, block_limit=s.block_limit)
 
         kw = dict(rho_bar=self.rho_bar, method="lower", use_all_servers=self.use_all_servers)
-        if not any(isinstance(s, CappedServerSpec) for s in specs):
+        if not any(isinstance(s, CappedServerSpec) and s.cache_tokens_per_block > 0 for s in specs):
             return tune_capacity(specs, model, lam, **kw)
         try:
             return tune_capacity([by_memory(s) if isinstance(s, CappedServerSpec) and s.most_jobs() == 0 else s
@@ -523,8 +602,13 @@ class Planner:
 
             from petals_chain.algorithms.baselines import petals_placement
 
+            # PETALS divides M_j by s_m + s_c x: a server's own sizes enter through its memory in the model's units
+            x = self.petals_cache_tokens / self.max_length
+            petals_specs = [ServerSpec(name=s.name, memory=s.per_block_memory(model, x), tau_c=s.tau_c, tau_p=s.tau_p,
+                                       block_limit=s.block_limit) if isinstance(s, SizedServerSpec) else s
+                            for s in specs]
             # Fixed join order (seeded), so a periodic re-plan reproduces the same placement (no reloads).
-            placement = petals_placement(sorted(specs, key=lambda s: s.name), model, rng=random.Random(0),
+            placement = petals_placement(sorted(petals_specs, key=lambda s: s.name), model, rng=random.Random(0),
                                          cache_tokens=self.petals_cache_tokens, max_length=self.max_length)
         elif self.placement_policy == "bprr":
             from petals_chain.algorithms import tune_capacity

@@ -19,6 +19,7 @@ from petals_chain.swarm.checkpoint import QUANT_MODES, decoder_layer_class, pars
 # bitsandbytes defaults: nf4 uses blocks of 64 weights with one fp32 absmax each (no double quantisation);
 # int8 (LLM.int8) keeps one fp32 scale per output row.
 NF4_BLOCKSIZE = 64
+DEFAULT_PAGE_SIZE = 16  # tokens per KV page of a paged server (its --page-size default, server/kv_cache.py)
 
 
 def head_dim(config: Any) -> int:
@@ -66,6 +67,17 @@ def block_bytes(config: Any, dtype: str | torch.dtype | None = None, quant: str 
         else:
             total += (numel + 1) // 2 + 4 * math.ceil(numel / NF4_BLOCKSIZE)
     return total
+
+
+def slot_tokens(kv_cache: str, max_length: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
+    """Tokens of K and V one session of ``max_length`` tokens takes in each block: ``max_length`` rounded up to whole
+    pages of ``page_size`` tokens (at most ``max_length``) in ``paged`` mode, ``max_length`` in ``slots`` mode (a page
+    is a slot). ``s_c`` is :func:`cache_slot_bytes` at this length, for the servers and the orchestrator alike (one
+    at ``max_length`` counted up to ``page_size / max_length`` slots too many)."""
+    if int(max_length) != max_length or max_length < 1 or int(page_size) != page_size or page_size < 1:
+        raise ValueError(f"max_length and page_size must be positive integers, got {max_length!r}, {page_size!r}")
+    ps = int(max_length) if kv_cache == "slots" else min(int(page_size), int(max_length))
+    return -(-int(max_length) // ps) * ps
 
 
 def cache_slot_bytes(config: Any, dtype: str | torch.dtype | None = None, max_length: int = 2048) -> int:
