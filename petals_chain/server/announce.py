@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
+from petals_chain.server.kv_cache import page_size_for
 from petals_chain.swarm.dht import SwarmDHT
 from petals_chain.swarm.emulation import Emulation
 from petals_chain.swarm.records import LOAD_ERROR_MAX, PUBLIC_NAME_MAX, ServerRecord
@@ -58,7 +59,8 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         public_name=cfg.public_name[:PUBLIC_NAME_MAX], max_length=int(src.max_length), s_m_bytes=int(src.memory.s_m),
         s_c_bytes=int(src.memory.s_c(src.max_length)), **src.emulation.record_fields(), epoch=int(src.epoch),
         model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), kv_cache=cfg.kv_cache,
-        page_size=int(runner.page_size) if runner is not None else 0,
+        page_size=(int(runner.page_size) if runner is not None  # before a load: the page its KV will have
+                   else page_size_for(cfg.kv_cache, int(src.max_length), int(cfg.page_size))),
         cache_tokens_total=int(runner.cache_tokens_total) if runner is not None else 0,
         cache_tokens_free=int(runner.cache_tokens_free) if runner is not None else 0,
         prefix_cache=bool(runner is not None and runner.prefix_cache),

@@ -34,8 +34,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from transformers.cache_utils import Cache
 
+from petals_chain.swarm.memory import DEFAULT_PAGE_SIZE, slot_tokens  # one rounding for servers and orchestrator
+
 KV_CACHE_MODES = ("paged", "slots")
-DEFAULT_PAGE_SIZE = 16  # tokens per page (vLLM's default block size)
 
 
 class NoCapacityError(RuntimeError):
@@ -343,12 +344,6 @@ def page_size_for(mode: str, max_length: int, page_size: int) -> int:
     """Tokens per page: ``max_length`` in ``slots`` mode (a page is a slot), else ``page_size`` (at most
     ``max_length``)."""
     return max_length if mode == "slots" else min(page_size, max_length)
-
-
-def slot_tokens(mode: str, max_length: int, page_size: int) -> int:
-    """Tokens of memory one ``max_length`` session takes per block: ``max_length`` rounded up to whole pages."""
-    ps = page_size_for(mode, max_length, page_size)
-    return pages_for(max_length, ps) * ps
 
 
 __all__ = ["KV_CACHE_MODES", "DEFAULT_PAGE_SIZE", "NoCapacityError", "PagePool", "PageTable", "PageTables", "PagedCache", "pages_for",
