@@ -13,6 +13,9 @@
   // ... and at most this many, the latest to leave: peers whose ids change at every poll grew the list (and the
   // table) without bound within those 10 minutes
   var GONE_KEEP_MAX = 50;
+  // The departures left out are remembered by peer id only, so that one that comes back is no longer counted (per-poll
+  // counts kept counting servers online again); at most this many, the latest: beyond, the count is a lower bound
+  var GONE_COUNT_MAX = 10000;
   var QUEUE_SAMPLES = 120;
 
   var state = {
@@ -21,7 +24,8 @@
     inFlight: null,
     present: new Map(), // peer_id -> server object from the latest response
     gone: new Map(), // peer_id -> {server, since (ms)}, the oldest departure first
-    goneDropped: [], // [since (ms), count] of the departures left out for GONE_KEEP_MAX, one per poll, oldest first
+    goneDropped: new Map(), // peer_id -> since (ms) of the departures left out for GONE_KEEP_MAX, the oldest first
+    goneForgottenUntil: 0, // ms: until then, departures beyond GONE_COUNT_MAX were forgotten (the count is a floor)
     queueSamples: [], // [{t (ms), q, running}]
     last: null,
     lastOkAt: null,
@@ -273,22 +277,28 @@
     state.present.forEach(function (s, id) {
       if (!seen.has(id) && !state.gone.has(id)) state.gone.set(id, { server: s, since: nowMs });
     });
-    seen.forEach(function (s, id) { state.gone.delete(id); });
+    seen.forEach(function (s, id) { state.gone.delete(id); state.goneDropped.delete(id); });
     state.gone.forEach(function (g, id) { if (nowMs - g.since > GONE_KEEP_MS) state.gone.delete(id); });
     var ids = state.gone.keys(); // a Map keeps insertion order: the oldest departure first
     while (state.gone.size > GONE_KEEP_MAX) {
-      var id = ids.next().value, since = state.gone.get(id).since;
-      var last = state.goneDropped[state.goneDropped.length - 1];
+      var id = ids.next().value;
+      state.goneDropped.set(id, state.gone.get(id).since);
       state.gone.delete(id);
-      if (last && last[0] === since) last[1] += 1; else state.goneDropped.push([since, 1]);
     }
-    while (state.goneDropped.length && nowMs - state.goneDropped[0][0] > GONE_KEEP_MS) state.goneDropped.shift();
+    var dropped = state.goneDropped.keys();
+    while (state.goneDropped.size > GONE_COUNT_MAX) {
+      var oldest = dropped.next().value;
+      state.goneForgottenUntil = Math.max(state.goneForgottenUntil, state.goneDropped.get(oldest) + GONE_KEEP_MS);
+      state.goneDropped.delete(oldest);
+    }
+    state.goneDropped.forEach(function (since, id) { if (nowMs - since > GONE_KEEP_MS) state.goneDropped.delete(id); });
     state.present = seen;
   }
 
-  // Departures within GONE_KEEP_MS that the list leaves out (GONE_KEEP_MAX).
+  // Servers that left within GONE_KEEP_MS, are still gone and are not listed (GONE_KEEP_MAX): all left before the
+  // listed ones.
   function goneNotListed() {
-    return state.goneDropped.reduce(function (n, d) { return n + d[1]; }, 0);
+    return state.goneDropped.size;
   }
 
   function renderHeader(data) {
@@ -706,10 +716,11 @@
     var rows = sorted.map(function (s) { return serverRow(s, nowS, null); });
     state.gone.forEach(function (g) { rows.push(serverRow(g.server, nowS, g.since / 1000)); });
     var online = servers.filter(function (s) { return s.state === "online"; }).length;
-    var goneCount = state.gone.size + servers.filter(function (s) { return !isLive(s); }).length;
-    var notListed = goneNotListed();
+    var notListed = goneNotListed(), floor = nowMs < state.goneForgottenUntil ? "+" : ""; // some forgotten
+    var goneCount = state.gone.size + state.goneDropped.size +
+      servers.filter(function (s) { return !isLive(s); }).length;
     $("servers-summary").textContent = servers.length + " known \u00b7 " + online + " online" + (goneCount ? " \u00b7 " + goneCount + " gone" : "") +
-      (notListed ? " (the " + GONE_KEEP_MAX + " latest departures listed; " + notListed + " more not)" : "");
+      (notListed ? " (" + notListed + floor + " that left earlier not listed)" : "");
     if (!rows.length) rows = [el("tr", {}, el("td", { colspan: 9, class: "muted", text: "No servers have announced themselves yet." }))];
     var tbody = $("servers-table").tBodies[0];
     tbody.replaceChildren.apply(tbody, rows);
