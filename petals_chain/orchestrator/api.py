@@ -41,7 +41,7 @@ from petals_chain.orchestrator.forward import forward_session_call, maybe_forwar
 from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice,
                                                 offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
-from petals_chain.orchestrator.sse import DONE, error_event, error_object, sse
+from petals_chain.orchestrator.sse import DONE, NO_RETRY_HEADER, error_event, error_object, sse
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
 
@@ -183,6 +183,15 @@ def _unsupported(value: Any, name: str, allowed: tuple = (None,), what: str | No
 
 class StreamOptions(_Base):
     include_usage: bool = False
+    # OpenAI pads its events with an ``obfuscation`` field unless this is false (the openai package types it for
+    # both endpoints); ours carry none: false is what this server does, true is refused
+    include_obfuscation: Optional[bool] = None
+
+    @pydantic.model_validator(mode="after")
+    def _no_obfuscation(self):
+        _unsupported(self.include_obfuscation, "include_obfuscation", (None, False),
+                     "stream obfuscation (include_obfuscation: true)")
+        return self
 
 
 class SamplingFields(_Base):
@@ -357,6 +366,8 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: Optional[int] = pydantic.Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
+    # the end-user id OpenAI's chat API now takes instead of ``user``: informational, as ``user``
+    safety_identifier: Optional[str] = pydantic.Field(default=None, max_length=256)
     # OpenAI fields we do not implement: accepted only at their "off" values, else a 400 naming them.
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
@@ -432,6 +443,17 @@ def _json_kind(value: Any) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
+def _futile_retry(exc: RequestError) -> bool:
+    """Whether sending ``exc``'s request again could only fail again: a 429 it gets however idle the swarm
+    (:attr:`~petals_chain.orchestrator.dispatch.Admission.never_fits`: more completions than the swarm holds, more
+    tokens than its key's budget per minute, a deadline an idle swarm misses), or a 504 for its own deadline, which
+    has passed (a retry would answer later than the client asked: three times its deadline by default)."""
+    if exc.code == "deadline_exceeded":
+        return True
+    adm = ADMISSION.get()
+    return exc.status == 429 and adm is not None and adm.never_fits
+
+
 def _error(status: int, message: str, *, type_: str | None = None, param: str | None = None,
            code: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=error_object(status, message, type_=type_, param=param, code=code))
@@ -489,7 +511,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        return _error(exc.status, str(exc), param=exc.param, code=exc.code)
+        response = _error(exc.status, str(exc), param=exc.param, code=exc.code)
+        if _futile_retry(exc):
+            response.headers[NO_RETRY_HEADER] = "false"
+        return response
 
     @app.exception_handler(Unavailable)
     async def _unavailable(request: Request, exc: Unavailable):

@@ -36,7 +36,7 @@ from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.forward import forwardable, opened_session_id
 from petals_chain.orchestrator.resume import is_resume
-from petals_chain.orchestrator.sse import error_object
+from petals_chain.orchestrator.sse import NO_RETRY_HEADER, error_object
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -220,16 +220,21 @@ class AdmissionLimits:
         if self._metric is not None:
             self._metric.labels(reason).inc()
 
-    async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool | int = True) -> None:
+    async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool | int = True,
+                      no_retry: bool = False) -> None:
         self._count(reason)
-        await self._send_error(send, status, error_object(status, message, code=reason), retry)
+        await self._send_error(send, status, error_object(status, message, code=reason), retry, no_retry)
 
-    async def _send_error(self, send: Send, status: int, error: dict, retry: bool | int) -> None:
-        """``error`` (``{"error": {...}}``) as the whole response; ``retry``: a ``Retry-After`` (True: ours)."""
+    async def _send_error(self, send: Send, status: int, error: dict, retry: bool | int,
+                          no_retry: bool = False) -> None:
+        """``error`` (``{"error": {...}}``) as the whole response; ``retry``: a ``Retry-After`` (True: ours);
+        ``no_retry``: ``x-should-retry: false``, for a refusal sending the request again cannot cure."""
         body = json.dumps(error).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="petals-chain"'))
+        if no_retry:  # OpenAI's clients retry every 429 and 5xx unless told not to
+            headers.append((NO_RETRY_HEADER.encode(), b"false"))
         if retry:
             seconds = self.retry_after_s() if retry is True else int(retry)
             headers.append((b"retry-after", str(seconds).encode()))
@@ -471,12 +476,13 @@ class _HeldResponse:
         if failed is not None:  # ended in error before the dispatcher saw it (no chain at all): nothing went out yet
             self.replaced, self.held = True, []
             status = failed.pop("status", 503)
-            await self.limits._send_error(self.send, status, {"error": failed}, retry=status in (429, 503))
+            await self.limits._send_error(self.send, status, {"error": failed}, retry=status in (429, 503),
+                                          no_retry=failed.get("code") == "deadline_exceeded")
         elif start.get("status") == 200 and self.adm.state == "refused":
             self.replaced, self.held = True, []
             if self.adm.code and self.adm.message:  # the dispatcher's own words (e.g. "ask for fewer": never fits)
                 await self.limits._reject(self.send, 429, self.adm.code, self.adm.message,
-                                          retry=not self.adm.never_fits)
+                                          retry=not self.adm.never_fits, no_retry=self.adm.never_fits)
             else:
                 await self.limits._reject(self.send, 429, "queue_full",
                                           "the swarm is at capacity and its queue is full "

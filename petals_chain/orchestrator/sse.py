@@ -10,6 +10,11 @@ _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate
                 503: "service_unavailable"}  # other 4xx: invalid_request_error; other 5xx: server_error
 
 
+# OpenAI's clients retry every 429 and 5xx (twice, by default) unless this header says "false", as OpenAI's servers
+# send it for an error a retry cannot cure (the API and the limits middleware both answer such errors)
+NO_RETRY_HEADER = "x-should-retry"
+
+
 def error_object(status: int, message: str, *, type_: Optional[str] = None, param: Optional[str] = None,
                  code: Optional[str] = None) -> dict:
     """``{"error": {...}}`` as OpenAI answers it; ``type_`` defaults to the status's kind."""
