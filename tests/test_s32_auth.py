@@ -86,3 +86,23 @@ def test_a_key_file_other_users_can_read_is_warned_about(tmp_path, monkeypatch, 
         with caplog.at_level(logging.WARNING, logger=auth.__name__):
             KeyRing.from_file(path)
     assert caplog.text == ""
+
+
+def test_a_key_file_given_as_a_pipe_serves_every_reader(monkeypatch):
+    """``--api-keys <(...)`` (or ``/dev/stdin`` from a pipe): the CLI's check read the pipe ("API keys: 1 from
+    /dev/fd/63"), then the model's API read it again, found it empty and the orchestrator exited 1 ("no keys")."""
+    monkeypatch.setattr(auth, "_read_once", {}, raising=False)  # rings kept per pipe: fresh here
+    r, w = os.pipe()
+    try:
+        os.write(w, f"alice {KEY} max_sessions=2\n".encode())
+        os.close(w)
+        w = -1
+        path = f"/dev/fd/{r}"
+        first = KeyRing.from_file(path)  # the CLI's check
+        again = KeyRing.from_file(path)  # each model's API (limits.LimitsConfig.from_config)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    for ring in (first, again):
+        assert _client(ring, (b"x-api-key", KEY.encode())) == "alice" and ring.get("alice").max_sessions == 2

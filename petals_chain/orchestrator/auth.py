@@ -40,6 +40,9 @@ _COMMENT = re.compile(r"(?:^|\s)#")  # a '#' inside a field is part of it (it cu
 
 logger = logging.getLogger(__name__)
 _warned: set[tuple[str, int]] = set()  # (path, mode) warned about: the file is read once per model's API
+# rings read from a pipe or a device, by its (st_dev, st_ino): the CLI's check and each model's API read the file, and
+# a pipe (--api-keys <(...), /dev/stdin) reads empty after the first ("no keys": the orchestrator exited at start)
+_read_once: dict[tuple[int, int], "KeyRing"] = {}
 
 # The client of the request being served (set by the API middleware; copied into the tasks a request spawns).
 CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("petals_chain_client", default=ANONYMOUS)
@@ -92,7 +95,11 @@ class KeyRing:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "KeyRing":
-        """Parse an API key file; raises :class:`KeyFileError` naming the first bad line."""
+        """Parse an API key file; raises :class:`KeyFileError` naming the first bad line. A pipe or a device is read
+        once: later calls for it get the ring read then."""
+        once = _unseekable(path)
+        if once in _read_once:
+            return _read_once[once]
         try:  # utf-8-sig: a byte order mark (Notepad's) made the first name invalid
             text = Path(path).read_text(encoding="utf-8-sig")
         except OSError as e:
@@ -144,9 +151,21 @@ class KeyRing:
         if not keys:
             raise KeyFileError(f"{path}: no keys (an empty key file would lock every client out)")
         try:
-            return cls(keys)
+            ring = cls(keys)
         except KeyFileError as e:
             raise KeyFileError(f"{path}: {e}") from None
+        if once is not None:
+            _read_once[once] = ring
+        return ring
+
+
+def _unseekable(path: str | Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``path`` when it is not a regular file (a pipe or a device: read once), else None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # the read says why
+    return None if stat.S_ISREG(st.st_mode) else (st.st_dev, st.st_ino)
 
 
 def _warn_if_shared(path: str | Path) -> None:
