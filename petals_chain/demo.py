@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Real model: name, blocks of s_m the budget M_j holds, KV slots per hosted block, emulated RTT (ms).
@@ -74,8 +75,9 @@ def print_plan(state: dict) -> None:
         print(f"  #{ch['id']:<3} capacity {ch['capacity']:>2}  service {_fmt_s(ch['service_time']):>9}  {route}")
 
 
-def run_burst(client, n: int, max_tokens: int) -> list[dict]:
-    """Send ``n`` requests at once; return per-request results in submission order."""
+def run_burst(client, n: int, max_tokens: int, tick: Callable[[], None] | None = None) -> list[dict]:
+    """Send ``n`` requests at once; return per-request results in submission order. ``tick()``: called every
+    :data:`TICK_S` while they run."""
     results: list[dict] = [{} for _ in range(n)]
 
     def one(i: int) -> None:
@@ -91,8 +93,41 @@ def run_burst(client, n: int, max_tokens: int) -> list[dict]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        while t.is_alive():
+            t.join(TICK_S)
+            if tick is not None:
+                tick()
     return results
+
+
+TICK_S = 0.2
+
+
+class _ChainPeaks:
+    """Each chain's most jobs at once, as the orchestrator counts them (``max_active`` in ``/api/v1/swarm``: since
+    start, per chain id and capacity), read at each :meth:`tick`. GCA composes the chains anew as the servers'
+    measurements come in (in the tiny demo, during the burst), and ``/api/v1/swarm`` shows only the chains of now:
+    read once after the burst, it showed chains that had run nothing (``#0 0/10``) in place of those that ran it, so
+    a chain over its capacity went unseen. A chain replaced between two ticks loses at most its last ``TICK_S``."""
+
+    def __init__(self, swarm):
+        self.swarm = swarm
+        self.peaks: dict[tuple, tuple[int, int]] = {}  # (id, capacity) -> (most at once, capacity)
+
+    def tick(self) -> None:
+        try:
+            chains = self.swarm.swarm()["chains"]
+        except Exception:  # noqa: BLE001 - a missed reading: the next one has the same counts (they only grow)
+            return
+        for ch in chains:
+            key = (ch["id"], ch["capacity"])
+            self.peaks[key] = (max(self.peaks.get(key, (0, 0))[0], int(ch.get("max_active") or 0)), ch["capacity"])
+
+    def over(self) -> bool:
+        return any(most > cap for most, cap in self.peaks.values())
+
+    def text(self) -> str:
+        return ", ".join(f"#{key[0]} {most}/{cap}" for key, (most, cap) in self.peaks.items())
 
 
 class _Printer:
@@ -306,7 +341,9 @@ def run_tiny(args) -> int:
         client = swarm.client()
         print(f"\n[4/5] Sending a burst of {args.requests} requests at once ({args.max_tokens} tokens each, sampled)")
         t0 = time.monotonic()
-        results = run_burst(client, args.requests, args.max_tokens)
+        peaks = _ChainPeaks(swarm)
+        peaks.tick()
+        results = run_burst(client, args.requests, args.max_tokens, peaks.tick)
         elapsed = time.monotonic() - t0
         name_of = {s["peer_id"]: s["public_name"] for s in swarm.swarm()["servers"]}
         print(f"\n  {'#':>3} {'wait':>9} {'service':>9} {'tokens':>6}  chain / text")
@@ -325,13 +362,16 @@ def run_tiny(args) -> int:
               f"mean service {_fmt_s(m['mean_service_s'])}, mean response {_fmt_s(m['mean_response_s'])}")
         busy = sum(1 for r in ok if r["wait_s"] > 0.1)
         print(f"  {busy} requests waited over 100 ms in the central queue for a free chain (JFFC)")
-        # said only as the orchestrator measured it (each chain's most jobs at once); it was printed unchecked
-        peaks = ", ".join(f"#{ch['id']} {ch.get('max_active', 0)}/{ch['capacity']}" for ch in final["chains"])
-        if any(ch.get("max_active", 0) > ch["capacity"] for ch in final["chains"]):
-            print(f"  ERROR: a chain ran more jobs at once than its GCA capacity (most at once/capacity: {peaks})")
+        # said only as the orchestrator measured it (each chain's most jobs at once, every chain the burst had)
+        peaks.tick()
+        if len({key[0] for key in peaks.peaks}) < len(peaks.peaks) or len(peaks.peaks) > len(final["chains"]):
+            print("  (GCA composed the chains anew during the burst: each chain is shown at each capacity it had)")
+        if peaks.over():
+            print(f"  ERROR: a chain ran more jobs at once than its GCA capacity (most at once/capacity: "
+                  f"{peaks.text()})")
             code = 1
         else:
-            print(f"  no chain ran more jobs at once than its GCA capacity (most at once/capacity: {peaks})")
+            print(f"  no chain ran more jobs at once than its GCA capacity (most at once/capacity: {peaks.text()})")
         print(f"\n[5/5] Dashboard: {swarm.url}/   API: {swarm.url}/v1   swarm JSON: {swarm.url}/api/v1/swarm")
         _keep_running(args, swarm)
     except KeyboardInterrupt:

@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                     where += f"  (damaged: SHA-256 differs; fetch it again: python -m petals_chain.fetch {name})"
             except ModelNotFetched:
                 where = "not fetched"
+            except OSError as e:  # another user's file or dir in a shared models dir: the check was a traceback
+                where = f"{models_dir() / entry.filename}  (cannot be read: {e.strerror or e})"
             print(f"  {name:<16} {where}\n  {'':<16} {entry.description}")
         return 0
     unknown = [n for n in args.names if n not in REGISTRY]

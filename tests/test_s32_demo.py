@@ -269,3 +269,45 @@ def test_fetch_list_tells_a_damaged_file_from_a_fetched_one(monkeypatch, tmp_pat
     out = capsys.readouterr().out
     assert f"{tmp_path / entry.filename}  (damaged: SHA-256 differs; fetch it again: python -m petals_chain.fetch " \
            f"smollm2-135m)" in out, out
+
+
+@pytest.mark.parametrize("peak, code", [(2, 0), (3, 1)])
+def test_tiny_summary_reads_the_chains_that_ran_the_burst(monkeypatch, tmp_path, capsys, peak, code):
+    """GCA composed the chains anew during the burst (the servers' measurements came in: capacity 2 became 10), and
+    /api/v1/swarm read once afterwards showed only the new chains, none of which had run anything: "no chain ran
+    more jobs at once than its GCA capacity (#0 0/10, #1 0/9)", and a chain of the burst over its capacity went
+    unseen. A live ``--tiny`` run printed exactly that."""
+    ran = [{"id": 0, "capacity": 2, "max_active": peak, "service_time": 0.1, "names": ["a"], "spans": [[0, 8]]}]
+    after = [{"id": 0, "capacity": 10, "max_active": 0, "service_time": 0.1, "names": ["a"], "spans": [[0, 8]]},
+             {"id": 1, "capacity": 9, "max_active": 0, "service_time": 0.2, "names": ["b", "c"],
+              "spans": [[0, 4], [4, 8]]}]
+
+    class Recomposed(FakeSwarm):
+        def client(self):
+            def complete(*a, **k):
+                self.chains = after  # the burst's first request: the orchestrator's chains change under it
+                return SimpleNamespace(wait_s=0.0, service_s=0.1, token_ids=[1, 2], chain=["a"], text="hi")
+            return SimpleNamespace(complete=complete)
+
+    _fake_tiny(monkeypatch, ran)
+    monkeypatch.setattr(local, "LocalSwarm", lambda *a, **k: Recomposed(*a, chains=ran, **k))
+    assert demo.main(["--tiny", "--requests", "3", "--max-tokens", "2", "--work-dir", str(tmp_path)]) == code
+    out = capsys.readouterr().out
+    assert f"#0 {peak}/2, #0 0/10, #1 0/9" in out, out
+    assert "GCA composed the chains anew during the burst" in out
+    assert ("ERROR: a chain ran more jobs at once" in out) == (peak > 2), out
+
+
+def test_fetch_list_of_a_file_it_cannot_read_is_a_line_not_a_traceback(monkeypatch, tmp_path, capsys):
+    """A shared models dir with another user's model (mode 0600): ``--list`` read it for the SHA-256 check and ended
+    in a PermissionError traceback (as a non-root user; root reads it, so the read's error is put in here)."""
+    entry = registry.REGISTRY["smollm2-135m"]
+    (tmp_path / entry.filename).write_bytes(b"GGUF")
+    monkeypatch.setenv("PETALS_CHAIN_MODELS_DIR", str(tmp_path))
+
+    def unreadable(path, chunk=1 << 20):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(registry, "sha256_of", unreadable)
+    assert fetch.main(["--list"]) == 0
+    assert f"{tmp_path / entry.filename}  (cannot be read: Permission denied)" in capsys.readouterr().out

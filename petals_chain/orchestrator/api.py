@@ -446,10 +446,11 @@ def _json_kind(value: Any) -> str:
 def _futile_retry(exc: RequestError) -> bool:
     """Whether sending ``exc``'s request again could only fail again: a 429 it gets however idle the swarm
     (:attr:`~petals_chain.orchestrator.dispatch.Admission.never_fits`: more completions than the swarm holds, more
-    tokens than its key's budget per minute, a deadline an idle swarm misses), or a 504 for its own deadline, which
-    has passed (a retry would answer later than the client asked: three times its deadline by default)."""
-    if exc.code == "deadline_exceeded":
-        return True
+    tokens than its key's budget per minute, a deadline an idle swarm misses). Not a 504 ``deadline_exceeded``: its
+    deadline passed while it waited (behind a burst, or for a chain), the swarm's load now, as for ``queue_full``; sent
+    again it has its deadline anew and is served once the burst is gone, or refused at once as
+    ``deadline_unreachable`` while it lasts. Its retries are the client's choice (OpenAI's clients retry a timeout
+    with the same timeout; ``max_retries=0`` fails fast)."""
     adm = ADMISSION.get()
     return exc.status == 429 and adm is not None and adm.never_fits
 

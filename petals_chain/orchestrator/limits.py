@@ -476,8 +476,10 @@ class _HeldResponse:
         if failed is not None:  # ended in error before the dispatcher saw it (no chain at all): nothing went out yet
             self.replaced, self.held = True, []
             status = failed.pop("status", 503)
+            # a 504 deadline_exceeded (no chain came before its deadline) is the swarm's state now: retried, it may
+            # be served (api._futile_retry)
             await self.limits._send_error(self.send, status, {"error": failed}, retry=status in (429, 503),
-                                          no_retry=failed.get("code") == "deadline_exceeded")
+                                          no_retry=status == 429 and self.adm.never_fits)
         elif start.get("status") == 200 and self.adm.state == "refused":
             self.replaced, self.held = True, []
             if self.adm.code and self.adm.message:  # the dispatcher's own words (e.g. "ask for fewer": never fits)
@@ -495,8 +497,12 @@ class _HeldResponse:
     async def _send(self, message: dict) -> None:
         if message["type"] == "http.response.start" and message.get("status") == 429:
             headers = list(message.get("headers", []))
-            # a request that can never be admitted as it is (Admission.never_fits) is not told to come back
-            if not self.adm.never_fits and not any(k.lower() == b"retry-after" for k, _ in headers):
+            # a request that can never be admitted as it is (Admission.never_fits) is not told to come back, nor is
+            # one another orchestrator refused so (a forward's reply, its x-should-retry: false passed through: a
+            # Retry-After added here invited back what that orchestrator said never fits)
+            futile = self.adm.never_fits or any(k.lower() == NO_RETRY_HEADER.encode() and v.strip().lower() == b"false"
+                                                for k, v in headers)
+            if not futile and not any(k.lower() == b"retry-after" for k, _ in headers):
                 headers.append((b"retry-after", str(self.limits.retry_after_s()).encode()))
                 message = {**message, "headers": headers}
             if self.adm.state == "refused":  # the dispatcher's refusal, answered by the app (non-streamed)

@@ -26,6 +26,7 @@ import httpx
 from petals_chain.orchestrator import sse
 from petals_chain.orchestrator.deadlines import MAX_DEADLINE_MS
 from petals_chain.orchestrator.sampling import GREEDY_BELOW_TEMPERATURE
+from petals_chain.orchestrator.sse import NO_RETRY_HEADER
 from petals_chain.swarm.media import is_event_stream
 
 logger = logging.getLogger(__name__)
@@ -390,8 +391,9 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                         if r.status_code != 200:
                             reply = await r.aread()
                             code, type_ = _reply_error(reply)
-                            if r.status_code not in (429, 502, 503, 504) or code in ("deadline_unreachable",
-                                                                                       "deadline_infeasible"):
+                            if (r.status_code not in (429, 502, 503, 504)
+                                    or code in ("deadline_unreachable", "deadline_infeasible")
+                                    or r.headers.get(NO_RETRY_HEADER, "").lower() == "false"):  # it never fits
                                 yield stream_ending(r.status_code, code or "resume_refused", "the stream was cut off "
                                                     f"and its rerun at {url} was refused: "
                                                     f"{reply[:300].decode(errors='replace')}", type_)
