@@ -191,7 +191,7 @@ def test_the_record_announces_the_cap_and_the_process_start_for_every_model_it_o
     from petals_chain.swarm.emulation import Emulation
     from petals_chain.swarm.records import _ServerValueV1
 
-    cfg = SimpleNamespace(device="cpu", quant="none", public_name="S", max_blocks=0, kv_cache="slots",
+    cfg = SimpleNamespace(device="cpu", quant="none", public_name="S", max_blocks=0, kv_cache="slots", page_size=16,
                           cache_tokens_per_block=16)
     hosted = SimpleNamespace(tau_p=0.1, dtype_name="float32", fingerprint="",
                              memory=SimpleNamespace(memory_bytes=1000, s_m=100, s_c=lambda n: 10))
