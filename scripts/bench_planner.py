@@ -6,7 +6,7 @@ a fraction eta of fast servers with 40 GB / 109 ms per block, the rest 20 GB / 1
 tau_c = RTT + 18 ms with RTT uniform in [5, 100] ms as a stand-in for RIPE Atlas). ``rate/s`` (JSON
 ``service_rate``): the chains' total rate ``sum c_k / T_k``; a lambda at or above it is marked unstable (``stable``).
 
-    python scripts/bench_planner.py [--servers 100 1000 10000] [--arrival-rate 0.2] [--json]
+    python scripts/bench_planner.py [--servers 100 1000 10000] [--arrival-rate 0.2] [--spare-servers use] [--json]
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ def random_swarm(J: int, eta: float = 0.2, seed: int = 0) -> list[ServerSpec]:
     return servers
 
 
-def time_planner(J: int, arrival_rate: float, rho_bar: float, method: str, seed: int = 0) -> dict:
+def time_planner(J: int, arrival_rate: float, rho_bar: float, method: str, seed: int = 0,
+                 use_all_servers: bool = False) -> dict:
     servers = random_swarm(J, seed=seed)
     t0, p0 = time.perf_counter(), time.process_time()
-    c, placement, chains = tune_capacity(servers, BLOOM, arrival_rate, rho_bar, method)
+    c, placement, chains = tune_capacity(servers, BLOOM, arrival_rate, rho_bar, method, use_all_servers=use_all_servers)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - p0
     # at or above the chains' total rate tune_capacity returns the plan that serves the most: not a plan for the rate
     service_rate = float(sum(ch.capacity / ch.service_time for ch in chains))
@@ -74,12 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rho-bar", type=float, default=0.7)
     ap.add_argument("--method", choices=["lower", "upper", "surrogate"], default="lower")
     ap.add_argument("--jffc-chains", type=positive_int, default=10_000)
+    ap.add_argument("--spare-servers", choices=["idle", "use"], default="idle",
+                    help="use: GBP-CR places every server (the orchestrator's default, --spare-servers use)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not 0 < args.rho_bar <= 1:  # (the other numbers are checked as parsed)
         ap.error("--rho-bar must be in (0, 1]")
     try:
-        rows = [time_planner(J, lam, args.rho_bar, args.method) for lam in args.arrival_rate for J in args.servers]
+        rows = [time_planner(J, lam, args.rho_bar, args.method, use_all_servers=args.spare_servers == "use")
+                for lam in args.arrival_rate for J in args.servers]
     except ValueError as e:  # the planner's: too few servers to hold the model, say
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -124,6 +124,16 @@ def response_time_bounds(chains: Iterable[tuple[float, int]], arrival_rate: floa
     Returns ``(inf, inf)`` when ``rho >= 1`` or there is no chain; for ``arrival_rate == 0`` the
     limits ``1/mu_fastest`` and ``1/mu_slowest``.
     """
+    return _bounds(chains, arrival_rate, upper=True)
+
+
+def response_time_lower_bound(chains: Iterable[tuple[float, int]], arrival_rate: float) -> float:
+    """``response_time_bounds(chains, arrival_rate)[0]`` (the same number) without the upper bound's work."""
+    return _bounds(chains, arrival_rate, upper=False)[0]
+
+
+def _bounds(chains: Iterable[tuple[float, int]], arrival_rate: float, upper: bool) -> tuple[float, float]:
+    """:func:`response_time_bounds`; with ``upper`` False the upper bound is left as nan (not computed)."""
     lam = float(arrival_rate)
     if not (lam >= 0) or not math.isfinite(lam):
         raise ValueError(f"arrival_rate must be finite and >= 0, got {arrival_rate!r}")
@@ -138,8 +148,10 @@ def response_time_bounds(chains: Iterable[tuple[float, int]], arrival_rate: floa
     if lam >= nu:
         return math.inf, math.inf
     lower = _mean_occupancy(mu, c, lam, nu) / lam  # fastest chains first: nu_bar_n, Eq. 28
-    upper = _mean_occupancy(mu[::-1], c[::-1], lam, nu) / lam  # slowest first: nu_underbar_n, Eq. 29
-    return lower, upper
+    if not upper:
+        return lower, math.nan
+    upper_bound = _mean_occupancy(mu[::-1], c[::-1], lam, nu) / lam  # slowest first: nu_underbar_n, Eq. 29
+    return lower, upper_bound
 
 
 def _k2_check(mu1: float, c1: int, mu2: float, c2: int, lam: float) -> tuple[float, float, int, int, float]:

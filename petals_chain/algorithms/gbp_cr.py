@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -102,17 +103,16 @@ class _ChainSequence:
         """(server indices, a_j, m_j) for the first ``visited`` servers of the walk."""
         idx = self.order[:visited]
         m = self.m[:visited]
-        a = np.empty(visited, dtype=np.int64)
-        chain_start = 0
-        bounds = [e for e in self.ends if e <= visited]
-        if not bounds or bounds[-1] < visited:
-            bounds = bounds + [visited]
-        for end in bounds:
-            seg = m[chain_start:end]
-            starts = np.concatenate(([0], np.cumsum(seg)[:-1]))
-            # Alg. 1 line 4: the last server of a chain shifts left instead of being truncated
-            a[chain_start:end] = np.minimum(starts, self.L - seg)
-            chain_start = end
+        if visited == 0:
+            return idx, np.empty(0, dtype=np.int64), m
+        ends = self.ends[:bisect.bisect_right(self.ends, visited)]
+        if not ends or ends[-1] < visited:
+            ends = ends + [visited]
+        # each server's first block is the blocks placed before it in its chain (vectorized over all chains)
+        before = np.cumsum(m) - m
+        chain_start = np.repeat(np.array([0] + ends[:-1], dtype=np.int64), np.diff([0] + ends))
+        # Alg. 1 line 4: the last server of a chain shifts left instead of being truncated
+        a = np.minimum(before - before[chain_start], self.L - m)
         return idx, a, m
 
 

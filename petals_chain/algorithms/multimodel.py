@@ -832,10 +832,18 @@ Evaluate = Callable[[Mapping[str, Sequence[Volunteer]]], Mapping[str, ModelEstim
 def analytic_evaluate(models: Sequence[ServedModel], horizon_s: float, alpha: float = ALPHA) -> Evaluate:
     """``evaluate(servers per model) -> {model: ModelEstimate}`` by :func:`estimate_model` on GBP-CR/GCA chains."""
     by_name = {m.name: m for m in models}
+    # a pure function of (model, its servers): the placement's search asks again for every group but the one it
+    # just changed (each a GBP-CR + GCA; with hundreds of servers the re-plan took seconds on the event loop)
+    memo: dict[tuple, ModelEstimate] = {}
+
+    def estimate(name: str, m: ServedModel, group: Sequence[Volunteer]) -> ModelEstimate:
+        key = (name, tuple(group))
+        if key not in memo:
+            memo[key] = estimate_model(m, model_chains(group, m), horizon_s, alpha=alpha)
+        return memo[key]
 
     def evaluate(groups: Mapping[str, Sequence[Volunteer]]) -> dict[str, ModelEstimate]:
-        return {name: estimate_model(m, model_chains(groups.get(name, ()), m), horizon_s, alpha=alpha)
-                for name, m in by_name.items()}
+        return {name: estimate(name, m, groups.get(name, ())) for name, m in by_name.items()}
 
     return evaluate
 
@@ -892,7 +900,16 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
         return m.can_hold(s) and (allowed is None or s.name not in allowed or m.name in allowed[s.name])
 
     plan: dict[str, str] = {k: v for k, v in (fixed or {}).items() if k in set(names) and v in set(mnames)}
-    free = sorted((s for s in servers if s.name not in plan), key=lambda s: (-s.speed, -s.memory, names.index(s.name)))
+    position = {name: i for i, name in enumerate(names)}
+    free = sorted((s for s in servers if s.name not in plan), key=lambda s: (-s.speed, -s.memory, position[s.name]))
+    chained: dict[tuple, bool] = {}  # (model, its servers) -> has a complete chain: asked again each round
+
+    def has_chain(m: ServedModel, group: Sequence[Volunteer]) -> bool:
+        key = (m.name, tuple(group))
+        if key not in chained:
+            chained[key] = bool(model_chains(group, m))
+        return chained[key]
+
     while free:
         groups = groups_of(plan, servers)
         est = evaluate(groups)
@@ -900,7 +917,7 @@ def place_by_unserved_index(servers: Sequence[Volunteer], models: Sequence[Serve
         # §3: a service with traffic first gets the minimum it needs, one complete chain, before any service gets
         # more; else a model whose misses outnumber another's requests (bursts no capacity absorbs) takes all
         unplaced = [m for m in order if (est[m.name].requests > 0 or m.rate > 0)
-                    and not model_chains(groups.get(m.name, ()), m)]
+                    and not has_chain(m, groups.get(m.name, ()))]
         pair = next(((s, m) for s in free for m in unplaced if fits(s, m)), None)
         if pair is None and rule == "largest_gain":
             gains = []

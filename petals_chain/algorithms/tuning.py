@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from petals_chain.algorithms.bounds import response_time_bounds
+from petals_chain.algorithms.bounds import response_time_bounds, response_time_lower_bound
 from petals_chain.algorithms.gbp_cr import (_ChainSequence, _check_inputs, _check_rate, _server_arrays,
                                             block_caps, blocks_per_server)
 from petals_chain.algorithms.gca import SLOTS_MAX, _RoutingDAG, gca_indices
@@ -145,25 +145,57 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
             c = diff
 
     entries: dict[tuple, tuple] = {}  # placement key -> (idx, a, m, chains, lower, upper, total rate)
+    # Walks of different m(c) often place the same servers the same way (they differ only in servers not visited):
+    # GCA, the bounds and the relaxation below depend on the placement alone, so each distinct one is computed once
+    # (with hundreds of servers thousands of keys hold a few hundred placements).
+    contents: dict[tuple, bytes] = {}  # placement key -> the placement's content key
+    placed: dict[bytes, tuple] = {}  # content key -> (idx, a, m, slots)
+    evaluated: dict[bytes, tuple] = {}  # content key -> entry
+    relaxed: dict[bytes, float] = {}  # content key -> relaxation (below)
 
-    def arrays(pkey):
-        idx, a, m = keys[pkey].placement_arrays(pkey[1])
-        order = np.argsort(idx, kind="stable")  # input order, as gca() breaks ties
-        idx, a, m = idx[order], a[order], m[order]
-        residual = (memory[idx] - model.block_size * m) / model.cache_size
-        slots = np.clip(np.floor(residual + WHOLE_TOLERANCE), 0, SLOTS_MAX).astype(np.int64)  # as units_that_fit
-        for pos in np.nonzero(own_slots[idx])[0].tolist():
-            slots[pos] = min(servers[int(idx[pos])].residual_slots(model, int(m[pos])), SLOTS_MAX)
-        return idx, a, m, slots
+    def content(pkey) -> bytes:
+        if pkey not in contents:
+            idx, a, m = keys[pkey].placement_arrays(pkey[1])
+            order = np.argsort(idx, kind="stable")  # input order, as gca() breaks ties
+            idx, a, m = idx[order], a[order], m[order]
+            ckey = contents[pkey] = idx.tobytes() + a.tobytes() + m.tobytes()
+            if ckey not in placed:
+                residual = (memory[idx] - model.block_size * m) / model.cache_size
+                # as units_that_fit
+                slots = np.clip(np.floor(residual + WHOLE_TOLERANCE), 0, SLOTS_MAX).astype(np.int64)
+                for pos in np.nonzero(own_slots[idx])[0].tolist():
+                    slots[pos] = min(servers[int(idx[pos])].residual_slots(model, int(m[pos])), SLOTS_MAX)
+                placed[ckey] = (idx, a, m, slots)
+        return contents[pkey]
 
     def evaluate(pkey):
         if pkey not in entries:
-            idx, a, m, slots = arrays(pkey)
-            chains = gca_indices(a, m, slots, tau_c[idx], tau_p[idx], L)
-            pairs = [(1.0 / T, cap) for _, cap, T in chains]
-            lower, upper = response_time_bounds(pairs, arrival_rate) if pairs else (math.inf, math.inf)
-            entries[pkey] = (idx, a, m, chains, lower, upper, sum(mu * cap for mu, cap in pairs))
+            ckey = content(pkey)
+            if ckey not in evaluated:
+                idx, a, m, slots = placed[ckey]
+                chains = gca_indices(a, m, slots, tau_c[idx], tau_p[idx], L)
+                pairs = [(1.0 / T, cap) for _, cap, T in chains]
+                lower, upper = response_time_bounds(pairs, arrival_rate) if pairs else (math.inf, math.inf)
+                evaluated[ckey] = (idx, a, m, chains, lower, upper, sum(mu * cap for mu, cap in pairs))
+            entries[pkey] = evaluated[ckey]
         return entries[pkey]
+
+    def relaxation(pkey) -> float:
+        ckey = content(pkey)
+        if ckey not in relaxed:
+            idx, a, m, slots = placed[ckey]
+            found = _RoutingDAG(a, m, slots, tau_c[idx], tau_p[idx], L).shortest_path()
+            if found is None:
+                relaxed[ckey] = math.inf
+            else:
+                # Every job holds one slot per block, and its first hop (entered at block 0) holds
+                # end_j slots, so sum_k c_k <= C_ub; with all chains as fast as the fastest one the
+                # death rates only grow, so M/M/C_ub at rate 1/T_1 lower-bounds both bounds.
+                head = a == 0
+                c_ub = int(min(slots.sum() // L, (slots[head] // (a[head] + m[head])).sum()))
+                relaxed[ckey] = response_time_lower_bound([(1.0 / found[0], c_ub)], arrival_rate) if c_ub > 0 \
+                    else math.inf
+        return relaxed[ckey]
 
     table: dict[int, float | None] = {}
     best = None  # (objective, c, key)
@@ -178,21 +210,7 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
         # skips only placements that cannot win.
         first = {}
         for pkey in dict.fromkeys(k for k, _, _ in per_c.values()):
-            if prune:
-                idx, a, m, slots = arrays(pkey)
-                found = _RoutingDAG(a, m, slots, tau_c[idx], tau_p[idx], L).shortest_path()
-                if found is None:
-                    first[pkey] = math.inf
-                    continue
-                # Every job holds one slot per block, and its first hop (entered at block 0) holds
-                # end_j slots, so sum_k c_k <= C_ub; with all chains as fast as the fastest one the
-                # death rates only grow, so M/M/C_ub at rate 1/T_1 lower-bounds both bounds.
-                head = a == 0
-                c_ub = int(min(slots.sum() // L, (slots[head] // (a[head] + m[head])).sum()))
-                first[pkey] = response_time_bounds([(1.0 / found[0], c_ub)], arrival_rate)[0] if c_ub > 0 \
-                    else math.inf
-            else:
-                first[pkey] = 0.0
+            first[pkey] = relaxation(pkey) if prune else 0.0
         by_key: dict[tuple, list[int]] = {}
         for c, (pkey, _, _) in per_c.items():
             by_key.setdefault(pkey, []).append(c)

@@ -38,8 +38,9 @@ The unserved index (``--placement-index``): ``analytic`` (an M/M/C estimate from
 blind to bursts and lengths) or ``simulated`` (the seed's: each model's recent requests, the completed ones with
 their lengths and the waiting ones, replayed on the chains a plan would give it by the chain simulator of
 :mod:`~petals_chain.algorithms.chainsim`, whose step cost is fitted per model from the completed requests'
-service times and batch sizes; run in a worker thread; falls back to ``analytic`` for a round where a model with
-traffic has no fitted cost yet or fewer than ``min_replay`` requests can be replayed). ``--placement-rule``:
+service times and batch sizes; falls back to ``analytic`` for a round where a model with traffic has no fitted
+cost yet or fewer than ``min_replay`` requests can be replayed); a re-placement's search runs in a worker thread
+with either index. ``--placement-rule``:
 Alg. 1's ``most_unserved`` (the default with ``analytic``) or ``largest_gain`` (the default with ``simulated``;
 docs/results.md, issue 17, for why each pairs with its index). With either index no move leaves a model that has
 traffic without a complete chain (:data:`STRANDED_UI_PER_S`).
@@ -594,7 +595,7 @@ class ModelPlacer:
         return History(history, costs, ref_times, {m.name: max(1, int(m.c)) for m in models}, schedule, span,
                        rate_floor), ""
 
-    # ---- a re-placement: inputs on the loop, the search in a worker thread with the simulated index -------------
+    # ---- a re-placement: inputs on the loop, the search in a worker thread --------------------------------------
     def _decide(self, volunteers: list[Volunteer], models: list[ServedModel], fixed: dict[str, str],
                 current: dict[str, str], offered: dict[str, set[str]], history: History | None,
                 served: set[str] = frozenset()) -> dict[str, Any]:
@@ -668,7 +669,9 @@ class ModelPlacer:
         served = {name for name, o in self.orchs.items() if o.stats.history}  # users asked it (recently kept)
         args = (volunteers, models, fixed, current, offered, history, served)
         t0 = time.perf_counter()
-        d = await asyncio.to_thread(self._decide, *args) if history is not None else self._decide(*args)
+        # off the event loop with either index: the analytic search is a GBP-CR + GCA per model and candidate
+        # server, seconds with hundreds of servers, during which no request or stream moved
+        d = await asyncio.to_thread(self._decide, *args)
         moves = d["moves"]
         for mv in moves:
             if mv.server in flexible:
