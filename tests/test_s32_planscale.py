@@ -250,3 +250,58 @@ def test_an_analytic_re_placement_searches_off_the_event_loop():
 
     asyncio.run(main())
     assert waited == [True] and len(placer.replans) == 1
+
+
+def test_the_planners_searches_run_off_the_event_loop(monkeypatch):
+    """A full re-plan takes seconds with hundreds of servers (4 s at 300 in the default mode): it ran on the event
+    loop, so every request and stream stalled meanwhile. The initial plan and a re-plan's searches (incremental,
+    joint, full) now run in a thread while the loop goes on."""
+    import types
+
+    from petals_chain.orchestrator.planner import Planner, ServerView
+    from petals_chain.swarm.records import ServerRecord
+
+    def record(name: str, tau_p: float, **kw) -> ServerRecord:
+        return ServerRecord(**{"peer_id": name, "public_name": name, "state": "joining", "memory_bytes": 300,
+                               "tau_p": tau_p, "max_length": 64, "kv_cache": "slots", **kw})
+
+    dht = types.SimpleNamespace(peer_id="orch", publish_assignment=lambda prefix, rec, exp: None)
+    model = ModelSpec(num_blocks=4, block_size=100.0, cache_size=10.0)
+    pl = Planner(dht=dht, prefix="x", client=None, max_length=64, on_chains=lambda chains: None, arrival_rate=0.5,
+                 model_spec_fallback=lambda: model, use_all_servers=True, replan_interval_s=0.0)
+    for name, tau_p in (("A", 0.1), ("B", 0.2)):
+        pl.servers[name] = ServerView(peer_id=name, record=record(name, tau_p))
+    pl.last_change = -1e9  # settled
+    ran_meanwhile: list[str] = []
+    ticks = {"n": 0}
+
+    def slow(name, fn):
+        def wrapped(*args, **kwargs):
+            before = ticks["n"]
+            time.sleep(0.3)  # a long search: the loop ticks meanwhile only if it runs elsewhere
+            if ticks["n"] > before:
+                ran_meanwhile.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(pl, "full_plan", slow("full", pl.full_plan))
+    monkeypatch.setattr(pl, "_search_joins", slow("joins", pl._search_joins))
+
+    async def ticker(stop: asyncio.Event):
+        while not stop.is_set():
+            ticks["n"] += 1
+            await asyncio.sleep(0.01)
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.create_task(ticker(stop))
+        await asyncio.sleep(0)
+        await pl._decide([], [])  # the initial plan
+        assert pl.plan is not None
+        pl.servers["C"] = ServerView(peer_id="C", record=record("C", 0.4))  # a join, and a re-plan due
+        await pl._decide([], [])
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    assert ran_meanwhile == ["full", "joins", "full"], ran_meanwhile

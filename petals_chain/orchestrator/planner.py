@@ -1091,7 +1091,8 @@ class Planner:
         settled = time.monotonic() - self.last_change >= self.settle_s
         if self.plan is None:
             if views and settled:
-                plan, reason = self.full_plan(views), "initial plan"
+                # planning takes seconds with hundreds of servers: off the event loop (requests and streams go on)
+                plan, reason = await asyncio.to_thread(self.full_plan, views), "initial plan"
                 served = self.served_plan(views, plan.c if plan is not None else None)
                 # After an orchestrator restart the servers still hold their blocks: keep those spans unless a
                 # new placement predicts a clearly better response (the same rule as any re-placement).
@@ -1150,6 +1151,27 @@ class Planner:
                                                   num_blocks=self.model_spec.num_blocks), self.plan.c)
             if kept.chains and kept.lower < best.lower * (1 - 1e-9):
                 best, reason = kept, f"{len(holding)} server(s) joined holding spans: kept"
+        # the searches take seconds with hundreds of servers: off the event loop (one refresh runs at a time, and
+        # they only read the views and the planner's estimates)
+        best, reason = await asyncio.to_thread(self._search_joins, views, base, best, reason, unassigned)
+        full = await asyncio.to_thread(self.full_plan, views)
+        if full is not None and full.chains and full.lower < (1 - self.move_margin) * best.lower:
+            best, reason = full, f"re-placement improves predicted response {best.lower:.4g}s -> {full.lower:.4g}s"
+        if best is base and set(alive_placement) == set(self.assignment) - set(held):
+            return
+        reason = reason or "servers left"
+        if failed := [self.servers[p] for p in assigned_gone if p in held and self.servers[p].load_failed]:
+            now = self.clock()
+            why = {v.peer_id: "cannot load its blocks" if v.failed_assigned else self._overdue_error(v, now, flag=False)
+                   for v in failed}
+            reason += "; planned around " + ", ".join(f"{v.record.public_name or v.peer_id[:12]} ({why[v.peer_id]})"
+                                                       for v in failed)
+        await self._adopt(best, reason)
+
+    def _search_joins(self, views: list[ServerView], base: Plan, best: Plan, reason: str,
+                      unassigned: list[ServerView]) -> tuple[Plan, str]:
+        """The best of ``best`` and the plans that place the ``unassigned`` servers, one at a time (incremental) or
+        together (joint), with the reason for it."""
         for v in unassigned:
             inc = self.incremental(views, Placement(dict(best.placement.items()), num_blocks=self.model_spec.num_blocks),
                                    v, self.plan.c)
@@ -1166,19 +1188,7 @@ class Planner:
             together = self.joint(views, base.placement, unassigned, self.plan.c)
             if together is not None and together.lower < best.lower * (1 - 1e-9):
                 best, reason = together, f"join of {len(unassigned)} servers (chains of their own)"
-        full = self.full_plan(views)
-        if full is not None and full.chains and full.lower < (1 - self.move_margin) * best.lower:
-            best, reason = full, f"re-placement improves predicted response {best.lower:.4g}s -> {full.lower:.4g}s"
-        if best is base and set(alive_placement) == set(self.assignment) - set(held):
-            return
-        reason = reason or "servers left"
-        if failed := [self.servers[p] for p in assigned_gone if p in held and self.servers[p].load_failed]:
-            now = self.clock()
-            why = {v.peer_id: "cannot load its blocks" if v.failed_assigned else self._overdue_error(v, now, flag=False)
-                   for v in failed}
-            reason += "; planned around " + ", ".join(f"{v.record.public_name or v.peer_id[:12]} ({why[v.peer_id]})"
-                                                       for v in failed)
-        await self._adopt(best, reason)
+        return best, reason
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
