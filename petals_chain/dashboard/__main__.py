@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -118,6 +119,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not trusted and prefix is None:
         parser.error("give --dht-prefix or --model: there is no trusted orchestrator (no peer id in --initial-peers, "
                      "no --trust-orchestrator) whose swarm directory entry could name the swarm")
+    if args.identity_path is not None:  # else "could not join the DHT via [peers]": the peers were blamed
+        from petals_chain.swarm.dht import check_identity_path
+
+        try:
+            check_identity_path(os.path.expanduser(args.identity_path))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     from petals_chain.swarm.webpage import listen_http
 
     try:

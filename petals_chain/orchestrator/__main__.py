@@ -655,6 +655,14 @@ def _main(argv: list[str] | None) -> int:
               f"directory name (the servers derive the same), so the same model twice, or two models named alike: "
               f"rename one", file=sys.stderr)
         return 2
+    if args.identity_path is not None:  # last: it may make the key's directory, which a bad flag above would not
+        from petals_chain.swarm.dht import check_identity_path
+
+        try:  # else a corrupt key was found once the model had loaded, by the DHT node's start (exit 1)
+            check_identity_path(os.path.expanduser(args.identity_path))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     lost = threading.Event()
     try:
         asyncio.run(serve(cfgs, args.ready_file, placement=dict(

@@ -424,14 +424,16 @@ class BlockRunner:
         """Close ``session_id`` and return its pages (after its running step, if any). False if unknown.
 
         ``prefix_hashes`` name the tokens the session holds (:func:`~petals_chain.swarm.prefix.prefix_hashes`): its
-        full pages among them stay in the prefix cache instead of being freed."""
+        full pages among them stay in the prefix cache instead of being freed. A malformed blob is a ValueError
+        that leaves the session as it was."""
+        # first: raised once the session was closing, it was never dropped (its pages held until the runner closed)
+        hashes = tuple(page_hashes(prefix_hashes, self.page_size)) if self.prefix_cache else ()
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None or s.closing:
                 return False
             s.closing = True
-            if self.prefix_cache:
-                s.close_hashes = tuple(page_hashes(prefix_hashes, self.page_size))
+            s.close_hashes = hashes
             if not s.busy or self.scheduler.cancel(s):
                 self._drop(s)  # idle, or its step was still queued (its caller gets a KeyError)
             return True

@@ -39,7 +39,7 @@ from petals_chain.server.runner import sliding_window
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm import reachability
 from petals_chain.swarm.aio import quiet_peer_disconnects
-from petals_chain.swarm.dht import SwarmDHT, is_peer_id, load_identity, peer_ids_from_maddrs
+from petals_chain.swarm.dht import SwarmDHT, check_identity_path, is_peer_id, peer_ids_from_maddrs
 from petals_chain.swarm.memory import block_bytes, slots_for_budget
 from petals_chain.swarm.records import AssignmentRecord, ServerRecord
 from petals_chain.swarm.rpc import PetalsChainBlocks
@@ -59,38 +59,6 @@ UNASSIGNED_REPEAT_S = 600.0  # ... and again this often
 OFFLINE_STORE_S = 5.0  # one attempt to store the offline record at a leave
 ORPHAN_SWITCH_S = 30.0  # a server of several models with no orchestrator for the one it serves moves on after this
 MIN_SWARM_MAX_LENGTH = 2  # the shortest max_length an orchestrator takes (its --max-length check)
-
-
-def check_identity_path(path: str) -> None:
-    """ValueError naming ``--identity-path`` unless ``path`` is an RSA identity key file the DHT can read, or a missing
-    file it can create there (missing directories are made here: hivemind writes a new key but makes no directory).
-    An existing file is only read, never replaced: it may be the key a volunteer's peer id comes from."""
-    flag = f"--identity-path {path}"
-    if not path:
-        raise ValueError("--identity-path is empty: give the path of the key file (created if missing)")
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} is a directory: give the path of the key file in it (created if missing)")
-    if os.path.exists(path):
-        if not os.path.isfile(path):  # a FIFO or a device: reading or writing a key there blocks or garbles it
-            raise ValueError(f"{flag} is not a regular file: give the path of the key file (created if missing)")
-        try:
-            load_identity(path)
-        except OSError as e:
-            raise ValueError(f"{flag} cannot be read ({e.strerror or e}): make it readable, or give another path "
-                             "(a missing file is created)") from None
-        except Exception as e:  # noqa: BLE001 - protobuf, DER or key-type errors: all mean "not our key file"
-            raise ValueError(f"{flag} is not a libp2p RSA identity key ({type(e).__name__}: {e}): give another path "
-                             "(a missing file is created) or move this file away; it was left as it is") from None
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)  # 0o700: it will hold a private key
-    except OSError as e:
-        raise ValueError(f"{flag}: its directory {folder} cannot be created ({e.strerror or e}): give a path in a "
-                         "directory this user can write") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag}: the key cannot be created, {folder} is not writable by this user: give a path in "
-                         "a directory this user can write")
 
 
 def _gib_at_least(n: int) -> str:

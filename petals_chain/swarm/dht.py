@@ -33,6 +33,7 @@ import signal
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import multihash
@@ -46,6 +47,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.mpfuture import MPFuture
 
 from petals_chain.swarm.keys import (DIRECTORY_KEY, assignment_key, check_prefix, groups_key, placement_key,
                                      servers_key, summary_key)
@@ -145,6 +147,41 @@ def load_identity(identity_path: str) -> RSAPrivateKey:
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": proto.data})  # loads the DER key (public hivemind pickling path)
     return key
+
+
+def check_identity_path(path: str) -> None:
+    """ValueError naming ``--identity-path`` unless ``path`` is an RSA identity key file the DHT can read, or a missing
+    file it can create there (missing directories are made here: hivemind writes a new key but makes no directory).
+    An existing file is only read, never replaced: it may be the key a volunteer's peer id comes from.
+
+    Every role's command line calls it before it loads or starts anything (a corrupt key was found when the DHT node
+    started: after the orchestrator had loaded its model)."""
+    flag = f"--identity-path {path}"
+    if not path:
+        raise ValueError("--identity-path is empty: give the path of the key file (created if missing)")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} is a directory: give the path of the key file in it (created if missing)")
+    if os.path.exists(path):
+        if not os.path.isfile(path):  # a FIFO or a device: reading or writing a key there blocks or garbles it
+            raise ValueError(f"{flag} is not a regular file: give the path of the key file (created if missing)")
+        try:
+            load_identity(path)
+        except OSError as e:
+            raise ValueError(f"{flag} cannot be read ({e.strerror or e}): make it readable, or give another path "
+                             "(a missing file is created)") from None
+        except Exception as e:  # noqa: BLE001 - protobuf, DER or key-type errors: all mean "not our key file"
+            raise ValueError(f"{flag} is not a libp2p RSA identity key ({type(e).__name__}: {e}): give another path "
+                             "(a missing file is created) or move this file away; it was left as it is") from None
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # 0o700: it will hold a private key
+    except OSError as e:
+        raise ValueError(f"{flag}: its directory {folder} cannot be created ({e.strerror or e}): give a path in a "
+                         "directory this user can write") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: the key cannot be created, {folder} is not writable by this user: give a path in "
+                         "a directory this user can write")
 
 
 class _LockedConnection:
@@ -279,7 +316,8 @@ def _note_exit() -> None:
 
 def on_dht_lost(callback: Optional[Callable[["SwarmDHT"], None]]) -> None:
     """Call ``callback(sd)`` (from a thread of its own) when the DHT process of a :class:`SwarmDHT` of this process
-    exits before its :meth:`SwarmDHT.shutdown` (``kill -9``, the OOM killer, a crash); None: only log it.
+    exits before its :meth:`SwarmDHT.shutdown` (``kill -9``, the OOM killer, a crash; ended by SIGTERM, SIGINT or
+    SIGHUP: only once :data:`STOP_SIGNAL_GRACE_S` passed without a shutdown); None: only log it.
 
     For the roles' entry points: without its DHT process a role can neither publish nor read a record, and kept
     running as a member nobody sees (each DHT call failing with "Broken pipe" or timing out) instead of exiting for
@@ -288,14 +326,54 @@ def on_dht_lost(callback: Optional[Callable[["SwarmDHT"], None]]) -> None:
     _on_lost = callback
 
 
+# A DHT process ended by one of these was most likely stopped with its whole service (systemd's default
+# KillMode=control-group signals every process of the unit at once): its role got the same signal, which its loop may
+# handle only after the DHT process's death was seen. Such a death is reported only if the role has not stopped it
+# (shutdown()) within STOP_SIGNAL_GRACE_S; a kill -9, the OOM killer or a crash is reported at once.
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+STOP_SIGNAL_GRACE_S = 5.0
+
+
+def _killed_by(process: multiprocessing.Process) -> Optional[int]:
+    """The signal that ended the child ``process`` (None: it exited, or its status is unknown), read without reaping
+    it where it was not reaped yet: :meth:`SwarmDHT.shutdown` joins it."""
+    try:
+        info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # reaped meanwhile (``is_alive()`` polls it): multiprocessing kept its status
+        code = process.exitcode
+        return -code if code is not None and code < 0 else None
+    except (OSError, AttributeError):  # no waitid on this platform
+        return None
+    if info is None or info.si_code not in (os.CLD_KILLED, os.CLD_DUMPED):
+        return None
+    return info.si_status
+
+
+def _fail(future: Any, error: BaseException) -> None:
+    """Fail a pending MPFuture of this process (one answered meanwhile keeps its answer)."""
+    if MPFuture._active_futures is not None:  # a reply still in the pipe is then dropped, not set on it too
+        MPFuture._active_futures.pop(future._uid, None)
+    with contextlib.suppress(Exception):  # InvalidStateError: answered meanwhile
+        if not future.done():
+            future.set_exception(error)
+
+
 def _watch_dht_process(sd: "SwarmDHT") -> None:
     """Runs in the role (a thread): wait until ``sd``'s DHT process exits; unless shutting down, it is lost."""
     multiprocessing.connection.wait([sd.dht.sentinel])  # not joined here: shutdown() reaps it
+    fail_pending = getattr(sd, "_fail_pending", None)  # (the tests' stand-ins for a node have none)
+    if fail_pending is not None:
+        fail_pending()  # first: a stop of the role may wait on them
     if sd._closing or _exiting:  # (a process leaving without shutdown(): not a lost node, no error logged)
         return
+    signum = _killed_by(sd.dht)
+    if signum in _STOP_SIGNALS:
+        sd._shut.wait(STOP_SIGNAL_GRACE_S)  # the role's own stop, if one was asked for
+        if sd._closing or _exiting:
+            return
     sd.lost = True
-    logger.error(f"the DHT process (pid {sd.dht.pid}) exited unexpectedly: this node can no longer publish or read "
-                 "swarm records")
+    how = f"was killed by {signal.Signals(signum).name}" if signum in set(signal.Signals) else "exited unexpectedly"
+    logger.error(f"the DHT process (pid {sd.dht.pid}) {how}: this node can no longer publish or read swarm records")
     callback = _on_lost
     if callback is not None:
         callback(sd)
@@ -393,6 +471,10 @@ class SwarmDHT:
         self._reported_invalid: set[tuple[str, str]] = set()  # (owner peer id, what): warned once each
         self._daemons = _daemons_of(dht)  # p2pd, killed at shutdown if the DHT process died without stopping it
         self._closing = False
+        self._shut = threading.Event()  # set with _closing: ends the watch's grace for a stop signal (below)
+        self._pending: "weakref.WeakSet[Any]" = weakref.WeakSet()  # replies awaited from the DHT process
+        self._pending_lock = threading.Lock()
+        self._exited = False  # the DHT process is gone: no reply will come
         self.lost = False  # the DHT process exited before shutdown() (see on_dht_lost)
         self._watch = threading.Thread(target=_watch_dht_process, args=(self,), name="dht-process-watch", daemon=True)
         self._watch.start()
@@ -469,13 +551,40 @@ class SwarmDHT:
     async def replicate_p2p(self) -> P2P:
         return await self.dht.replicate_p2p()
 
+    def _tracked(self, future: Any) -> Any:
+        """``future``, a reply of the DHT process, failed by :meth:`_fail_pending` if that process exits before it
+        replies: hivemind awaited it for ever (a role's stop hung in its assignment poll, its DHT process gone)."""
+        with self._pending_lock:
+            if not self._exited:
+                self._pending.add(future)
+                return future
+        _fail(future, self._exit_error())
+        return future
+
+    def _exit_error(self) -> RuntimeError:
+        return RuntimeError(f"the DHT process (pid {self.dht.pid}) exited: it no longer answers")
+
+    def _fail_pending(self) -> None:
+        """The DHT process has exited: fail the replies still awaited from it (and any asked for from now on)."""
+        with self._pending_lock:
+            self._exited = True
+            pending = list(self._pending)
+            self._pending.clear()
+        for future in pending:
+            _fail(future, self._exit_error())
+
+    def _get(self, key: str, return_future: bool = False):
+        """``dht.get(key, latest=True)``: the value, or its future; failing once the DHT process has exited."""
+        future = self._tracked(self.dht.get(key, latest=True, return_future=True))
+        return future if return_future else future.result()
+
     def _rejoin_future(self, peer_ids: Sequence[str], timeout_s: float):
         """Start :func:`_rejoin_peers` in the DHT process; None when there is nobody (else) to ping."""
         peer_ids = tuple(p for p in peer_ids if p and p != self.peer_id)
         if not peer_ids:
             return None
-        return self.dht.run_coroutine(functools.partial(_rejoin_peers, peer_ids=peer_ids, timeout_s=timeout_s),
-                                      return_future=True)
+        return self._tracked(self.dht.run_coroutine(
+            functools.partial(_rejoin_peers, peer_ids=peer_ids, timeout_s=timeout_s), return_future=True))
 
     async def arejoin(self, peer_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
         """Ping those of ``peer_ids`` (base58, e.g. the initial peers) that are not in our routing table.
@@ -500,9 +609,9 @@ class SwarmDHT:
     def _store(self, key: str, value: dict, expiration_s: float, return_future: bool):
         if not (expiration_s > 0):
             raise ValueError(f"expiration_s must be positive, got {expiration_s}")
-        return self.dht.store(
-            key, value, get_dht_time() + expiration_s, subkey=self.owner_key, return_future=return_future
-        )
+        future = self._tracked(self.dht.store(key, value, get_dht_time() + expiration_s, subkey=self.owner_key,
+                                              return_future=True))
+        return future if return_future else future.result()
 
     def _read(self, model: Any, value: Any, owner_peer: str, what: str) -> Any:
         """``model.from_value(value)``, or None with a warning (once per writer and kind) naming the writer's
@@ -564,11 +673,11 @@ class SwarmDHT:
     def fetch_servers(self, prefix: str) -> dict[str, ServerRecord]:
         """Valid, owner-bound server records: peer_id -> ServerRecord."""
         self._ensure_prefix(prefix)
-        return self._parse_servers(self.dht.get(servers_key(prefix), latest=True))
+        return self._parse_servers(self._get(servers_key(prefix)))
 
     async def afetch_servers(self, prefix: str) -> dict[str, ServerRecord]:
         self._ensure_prefix(prefix)
-        return self._parse_servers(await self.dht.get(servers_key(prefix), latest=True, return_future=True))
+        return self._parse_servers(await self._get(servers_key(prefix), return_future=True))
 
     async def apublish_server(self, prefix: str, record: ServerRecord, expiration_s: float) -> bool:
         return await self.publish_server(prefix, record, expiration_s, return_future=True)
@@ -614,12 +723,12 @@ class SwarmDHT:
         """The assignment to follow, signed by a trusted orchestrator: the newest that gives ``peer_id`` a span
         (several orchestrators each assign their own group), else the newest-epoch one; None if none."""
         self._ensure_prefix(prefix)
-        return self._parse_assignment(self.dht.get(assignment_key(prefix), latest=True), trusted, peer_id)
+        return self._parse_assignment(self._get(assignment_key(prefix)), trusted, peer_id)
 
     async def afetch_assignment(self, prefix: str, trusted: Sequence[str], peer_id: Optional[str] = None
                                 ) -> Optional[AssignmentRecord]:
         self._ensure_prefix(prefix)
-        result = await self.dht.get(assignment_key(prefix), latest=True, return_future=True)
+        result = await self._get(assignment_key(prefix), return_future=True)
         return self._parse_assignment(result, trusted, peer_id)
 
     # ---- groups (several orchestrators) ----
@@ -634,7 +743,7 @@ class SwarmDHT:
     async def afetch_groups(self, prefix: str, trusted: Iterable[str]) -> dict[str, GroupRecord]:
         """``{orchestrator peer id: its entry}`` for the trusted orchestrators with a live entry."""
         self._ensure_prefix(prefix)
-        result = await self.dht.get(groups_key(prefix), latest=True, return_future=True)
+        result = await self._get(groups_key(prefix), return_future=True)
         return dict(self._trusted_records(result, trusted, GroupRecord, "group entry"))
 
     # ---- model placement (several models) ----
@@ -654,7 +763,7 @@ class SwarmDHT:
         best: Optional[PlacementRecord] = None
         for prefix in prefixes:
             self._ensure_prefix(prefix)
-            result = await self.dht.get(placement_key(prefix), latest=True, return_future=True)
+            result = await self._get(placement_key(prefix), return_future=True)
             for _, record in self._trusted_records(result, trusted, PlacementRecord, "placement"):
                 if peer_id in record.placement and (best is None or record.timestamp > best.timestamp):
                     best = record
@@ -682,11 +791,11 @@ class SwarmDHT:
     def fetch_summary(self, prefix: str, trusted: Sequence[str]) -> Optional[dict]:
         """The newest summary signed by a trusted orchestrator, or None."""
         self._ensure_prefix(prefix)
-        return self._parse_summary(self.dht.get(summary_key(prefix), latest=True), trusted)
+        return self._parse_summary(self._get(summary_key(prefix)), trusted)
 
     async def afetch_summary(self, prefix: str, trusted: Sequence[str]) -> Optional[dict]:
         self._ensure_prefix(prefix)
-        return self._parse_summary(await self.dht.get(summary_key(prefix), latest=True, return_future=True), trusted)
+        return self._parse_summary(await self._get(summary_key(prefix), return_future=True), trusted)
 
     # ---- swarm directory ----
 
@@ -700,7 +809,7 @@ class SwarmDHT:
     def fetch_directory(self, trusted: Sequence[str]) -> list[DirectoryRecord]:
         """Directory entries signed by trusted orchestrators (newest first); forged or unsigned ones are dropped."""
         out = []
-        result = self.dht.get(DIRECTORY_KEY, latest=True)
+        result = self._get(DIRECTORY_KEY)
         for _, record in self._trusted_records(result, trusted, DirectoryRecord, "directory entry"):
             try:
                 check_prefix(record.dht_prefix)
@@ -718,6 +827,7 @@ class SwarmDHT:
         """Stop the DHT process (and its p2pd, also when the DHT process was killed: hivemind's "hard way" after a
         slow shutdown, or a signal)."""
         self._closing = True
+        self._shut.set()
         if self.dht.is_alive():
             self.dht.shutdown()
         self.dht.join(timeout=10)

@@ -389,13 +389,20 @@ def _range_digest(f, start: int, end: int, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _file_stamp(st: os.stat_result) -> str:
+    """What tells a file's versions apart for the caches keyed by it: size, mtime, inode and ctime. The mtime alone
+    can be set back (``os.utime``, ``touch -r``, a copy keeping times) over a byte changed in place, which then kept
+    the old fingerprint; the ctime cannot be set by a user, and a file replaced by another has a new inode."""
+    return f"{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
+
+
 def _cached_file_digest(path: Path, kind: str, compute: Any) -> Any:
-    """``compute(path)``, cached in the user cache by the file's path, size and time (hashing every weight byte of a
-    large model takes seconds to minutes: once per file, not at every start)."""
+    """``compute(path)``, cached in the user cache by the file's path and :func:`_file_stamp` (hashing every weight
+    byte of a large model takes seconds to minutes: once per file, not at every start)."""
     from petals_chain.swarm.registry import cache_dir
 
     st = path.stat()
-    key = hashlib.sha256(f"{kind}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{kind}|{path.resolve()}|{_file_stamp(st)}".encode()).hexdigest()[:24]
     saved = cache_dir() / "fingerprints" / f"{key}.json"
     try:
         return json.loads(saved.read_text())
@@ -417,7 +424,7 @@ def _cached_file_digest(path: Path, kind: str, compute: Any) -> Any:
 class GGUFSource(ModelSource):
     """A GGUF file (llama.cpp format), dequantized to float32 tensor by tensor as they are read (thread-safe).
 
-    The config and fingerprint are cached in the user cache (keyed by path, size and mtime), and the tokenizer
+    The config and fingerprint are cached in the user cache (keyed by path and :func:`_file_stamp`), and the tokenizer
     converted from the GGUF vocabulary is saved there once, so later starts skip the metadata parse.
     """
 
@@ -425,9 +432,8 @@ class GGUFSource(ModelSource):
 
     def __init__(self, path: Path, name: str):
         super().__init__(path, name)
-        st = path.stat()
-        self._file_stamp = f"{st.st_size}:{st.st_mtime_ns}"  # the file's size and time: it changed if they did
-        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+        self._file_stamp = _file_stamp(path.stat())  # it changed if this did
+        key = hashlib.sha256(f"{path.resolve()}|{self._file_stamp}".encode()).hexdigest()[:24]
         from petals_chain.swarm.registry import cache_dir
 
         self._meta_path = cache_dir() / "gguf" / f"{key}.json"
@@ -600,7 +606,7 @@ class GGUFSource(ModelSource):
         from petals_chain.swarm.registry import cache_dir
 
         # the fingerprint names the weights, not the tokenizer: a file with the same weights and another vocabulary
-        # or chat template must not get this one's (the file's size and time tell such a file apart)
+        # or chat template must not get this one's (the file's stamp tells such a file apart)
         file_id = hashlib.sha256(self._file_stamp.encode()).hexdigest()[:12]
         saved = cache_dir() / "tokenizers" / f"{self.fingerprint}-{file_id}"
         if (saved / "tokenizer.json").is_file():
