@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache) or mlfq "
                         "(skip-join multi-level feedback queue, the same way). With edf/flex a request whose deadline "
                         "the queue and the chains' speed say it cannot meet is refused at once (429 "
-                        "deadline_unreachable) unless it asks for best_effort")
+                        "deadline_unreachable, with Retry-After; deadline_infeasible, without, when even an idle swarm "
+                        "would miss it) unless it asks for best_effort")
     p.add_argument("--schedule-classes", type=_positive_int, default=4, metavar="K",
                    help="with --schedule db|mlfq: a model's requests form K services by length (K-means of (prompt "
                         "tokens, max_tokens), learnt online from the requests seen; seed 001's services), each with "
