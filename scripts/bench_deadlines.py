@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import name_list, nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
-from bench_fairness import arrivals, model_and_prompt  # noqa: E402 - shared with the fairness benchmark
+from _args import name_list, nonnegative_int, positive_float, positive_int  # noqa: E402
+from bench_fairness import add_testbed_args, arrivals, model_and_prompt  # noqa: E402 - shared with bench_fairness
 
 
 async def replay(url: str, model: str, plan: list[float], body: dict) -> list[dict]:
@@ -126,12 +126,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
     # checked as parsed, before any work: ``--overload 0`` divided by zero, and ``--modes`` with a typo failed to
     # start its orchestrator, both after the probe's swarm
-    p.add_argument("--servers", type=positive_int, default=1)
-    p.add_argument("--slots", type=positive_int, default=3, help="jobs a server runs at once (cache slots per block)")
-    p.add_argument("--max-length", type=positive_int, default=128)
-    p.add_argument("--max-tokens", type=positive_int, default=24)
-    p.add_argument("--prompt-tokens", type=positive_int, default=16)
-    p.add_argument("--rtt-ms", type=nonnegative_float, default=20.0)
+    add_testbed_args(p)
     p.add_argument("--overload", type=positive_float, default=2.0, help="offered load / capacity")
     p.add_argument("--slo", type=positive_float, default=4.0, help="deadline = SLO x the service time alone")
     p.add_argument("--duration-s", type=positive_float, default=40.0, help="arrival window per mode")

@@ -147,18 +147,23 @@ def _div(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
-    # checked as parsed, before any work: a rate of 0 divided by zero after the swarm's first probe (or hung: NaN),
-    # a negative one failed in numpy, no light client in ``statistics.mean``, a policy's typo failed to start its
-    # orchestrator after the probe runs
+def add_testbed_args(p: argparse.ArgumentParser) -> None:
+    """The swarm's shape, shared with bench_deadlines: servers, their slots, lengths and the emulated RTT."""
     p.add_argument("--servers", type=positive_int, default=1)
     p.add_argument("--slots", type=positive_int, default=3, help="jobs a server runs at once (cache slots per block)")
     p.add_argument("--max-length", type=positive_int, default=128)
     p.add_argument("--max-tokens", type=positive_int, default=24)
     p.add_argument("--prompt-tokens", type=positive_int, default=16)
     p.add_argument("--rtt-ms", type=nonnegative_float, default=20.0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model path or short name (default: a tiny random-weight Llama)")
+    # checked as parsed, before any work: a rate of 0 divided by zero after the swarm's first probe (or hung: NaN),
+    # a negative one failed in numpy, no light client in ``statistics.mean``, a policy's typo failed to start its
+    # orchestrator after the probe runs
+    add_testbed_args(p)
     p.add_argument("--light", type=positive_int, default=3, help="light clients")
     p.add_argument("--heavy", type=nonnegative_int, default=1, help="heavy clients")
     p.add_argument("--heavy-factor", type=positive_float, default=4.0, help="a heavy client's rate / a light client's")
