@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -111,7 +112,7 @@ class ServerView:
 
 
 class RateEstimator:
-    """Arrival rate (req/s) over a sliding window, shrunk toward a prior while few arrivals are seen."""
+    """Arrival rate (req/s) over a sliding window, shrunk toward a prior while few arrivals are seen. Thread-safe."""
 
     def __init__(self, prior: float = 0.5, prior_weight_s: float = 30.0, window_s: float = 300.0):
         self.prior = prior
@@ -119,21 +120,28 @@ class RateEstimator:
         self.window_s = window_s
         self.t0 = time.monotonic()
         self.arrivals: deque[float] = deque()
+        # the planner's searches run in a thread (rate() for each bound) while requests arrive on the event loop: two
+        # trims of the same expired arrival raised IndexError from popleft() (that refresh's re-plan was lost)
+        self._lock = threading.Lock()
 
     def arrive(self, t: float | None = None) -> None:
         t = time.monotonic() if t is None else t
-        self.arrivals.append(t)
-        self._trim(t)  # here too: with a fixed --arrival-rate nobody asks rate(), and the deque grew per request
+        with self._lock:
+            self.arrivals.append(t)
+            self._trim(t)  # here too: with a fixed --arrival-rate nobody asks rate(), and the deque grew per request
 
     def _trim(self, now: float) -> None:
+        """Drop the arrivals older than the window (the caller holds the lock)."""
         while self.arrivals and self.arrivals[0] < now - self.window_s:
             self.arrivals.popleft()
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
-        self._trim(now)
+        with self._lock:
+            self._trim(now)
+            count = len(self.arrivals)
         span = min(self.window_s, now - self.t0)
-        return (len(self.arrivals) + self.prior * self.prior_weight_s) / (span + self.prior_weight_s)
+        return (count + self.prior * self.prior_weight_s) / (span + self.prior_weight_s)
 
 
 @dataclass
