@@ -144,6 +144,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print("error: --memory-gb must be a positive number", file=sys.stderr)
             return 2
         memory_bytes = int(args.memory_gb * (1 << 30))
+        if memory_bytes <= 0:  # under one byte: name the flag given, not --memory-bytes
+            print(f"error: --memory-gb {args.memory_gb} is under one byte; give at least {1 / (1 << 30):.3g}",
+                  file=sys.stderr)
+            return 2
     if memory_bytes is not None and memory_bytes <= 0:
         print("error: --memory-bytes must be positive", file=sys.stderr)
         return 2

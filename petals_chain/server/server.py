@@ -198,13 +198,16 @@ class Server:
         self.service.model_fingerprint = self.model_fingerprint
         self.backend = emulated.session_backend(self.service, self.emulation)  # what the RPC handler serves
 
-    def _models_the_budget_holds(self, flag: str) -> list[HostedModel]:
+    def _models_the_budget_holds(self, flag: Optional[str], budget: Optional[int] = None) -> list[HostedModel]:
         """The offered models of which the memory budget holds one block and one KV slot, at ``--max-length`` or,
         without it, at the shortest a swarm may use (the swarm's own is learnt from its first assignment, and a budget
         sized for it must not be refused). A model it cannot hold is never given blocks: said, and not offered (the
-        server would serve it first, idle, if it came first); none held: ValueError naming ``flag``."""
-        cfg, budget = self.cfg, int(self.cfg.memory_bytes)
-        shown = f"{flag} {budget / 2**30:.4g} ({budget} bytes)" if flag == "--memory-gb" else f"{flag} {budget}"
+        server would serve it first, idle, if it came first); none held: ValueError naming ``flag`` (None: the
+        default budget ``budget``, measured at start; else ``budget`` is ``cfg.memory_bytes``)."""
+        cfg, budget = self.cfg, int(self.cfg.memory_bytes if budget is None else budget)
+        shown = (f"the default memory budget, {budget / 2**30:.4g} GiB ({budget} bytes) of {self.cfg.device},"
+                 if flag is None else
+                 f"{flag} {budget / 2**30:.4g} ({budget} bytes)" if flag == "--memory-gb" else f"{flag} {budget}")
         length = cfg.max_length or MIN_SWARM_MAX_LENGTH
         advised = cfg.max_length or DEFAULT_MAX_LENGTH  # the least that would do is said for a slot this long
 
@@ -466,16 +469,22 @@ class Server:
     # ------------------------------------------------------------------ main
     def measure_tau_p(self, hosted: Optional[HostedModel] = None) -> float:
         """Unscaled tau_p (s/block/job) of ``hosted`` (default: the model served): --tau-p, else the runtime
-        profiler's cached footnote-11 measurement."""
+        profiler's cached footnote-11 measurement plus the emulated delays of its reference job (``--emulate-step-ms``
+        and co.; a given --tau-p is taken as it is: benchmarks give one that includes them)."""
         if self.cfg.tau_p is not None:
             return float(self.cfg.tau_p)
         from petals_chain.server import profiling
 
         h = hosted or self.active
         # Measured on the real device (no emulation); the record shows it scaled (announce.build_record).
-        return profiling.measure_tau_p(h.source.path, self.cfg.profile_l_in, self.cfg.profile_l_out,
-                                       dtype=h.torch_dtype, device=self.cfg.device, quant=self.cfg.quant,
-                                       cache_path=self.cfg.profile_cache, progress=self.cfg.progress)
+        measured = profiling.measure_tau_p(h.source.path, self.cfg.profile_l_in, self.cfg.profile_l_out,
+                                           dtype=h.torch_dtype, device=self.cfg.device, quant=self.cfg.quant,
+                                           cache_path=self.cfg.profile_cache, progress=self.cfg.progress)
+        # Each emulated step waits its delay after the (scaled) compute, so a job through one block takes that much
+        # longer: with --emulate-decode-ms 50 it announced 0.05 s, where one job took >= 0.75 s. The record scales
+        # the result by compute_scale, which the delays are not: divided by it here.
+        delay = self.emulation.reference_job_delay_s(self.cfg.profile_l_in, self.cfg.profile_l_out)
+        return measured + delay / self.emulation.compute_scale
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -497,6 +506,8 @@ class Server:
                 h.memory.measure(self.cfg.memory_bytes, self.cfg.device)
                 logger.info(f"{h.prefix}: M_j = {h.memory.memory_bytes} bytes, s_m = {h.memory.s_m}, "
                             f"s_c = {h.memory.s_c(self.max_length)} (max_length {self.max_length})")
+            if self.cfg.memory_bytes is None and not self._default_budget_holds():
+                return 2
             self.announcer = Announcer(self.sd, lambda: [(self.prefix, self.record()), *self.standby_records()],
                                        refresh_s=self.cfg.refresh_s, rejoin_s=self.cfg.assignment_poll_s,
                                        initial_peer_ids=self._initial_peer_ids)
@@ -511,6 +522,22 @@ class Server:
         finally:
             await self._shutdown(handler)
         return 0
+
+    def _default_budget_holds(self) -> bool:
+        """Without ``--memory-gb``, once the default budget is measured (it touches the device, after the DHT
+        forks): the models it holds, as an explicit budget is checked before joining; none: the error said, False
+        (else the server joined and only warned later, vaguely, that it got no blocks)."""
+        try:
+            held = self._models_the_budget_holds(None, self.active.memory.memory_bytes)
+        except ValueError as e:
+            logger.error(str(e))
+            return False
+        self.hosted = held
+        if self.active not in held:  # nothing loaded nor announced yet: serve the first model it holds
+            self.active = held[0]
+            self.service.hidden_size = self.active.hidden_size
+            self.service.model_fingerprint = self.active.fingerprint
+        return True
 
     async def _create_dht(self, relayed: bool) -> None:
         """Start our DHT node; ``relayed``: reachable only through a relay (libp2p circuit relay v2, the initial

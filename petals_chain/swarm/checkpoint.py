@@ -13,7 +13,6 @@ import copy
 import functools
 import inspect
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petals_chain.swarm.sources import HFSource, ModelSource, resolve_source
+from petals_chain.swarm.sources import HFSource, ModelSource, ignored_tensor, resolve_source
 
 QUANT_MODES = ("none", "int8", "nf4")
 _DTYPES = {
@@ -39,14 +38,6 @@ _DTYPES = {
 # Tensors transformers skips when loading (``PreTrainedModel._adjust_missing_and_unexpected_keys``): checkpoints
 # written before the rotary module moved to the model level hold each layer's ``self_attn.rotary_emb.inv_freq``
 # (e.g. ahxt/LiteLlama-460M-1T); it is recomputed from the config, so such a checkpoint loads as if it had none.
-_IGNORED_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-
-def ignored_tensor(name: str) -> bool:
-    """Whether transformers ignores the checkpoint tensor ``name`` when it loads a model (and so do we)."""
-    return _IGNORED_TENSOR.search(name) is not None
-
-
 def ties_lm_head(config: Any, tensors: dict[str, torch.Tensor]) -> bool:
     """Whether the LM head is the embedding matrix, decided as transformers' ``from_pretrained`` does: the config
     ties them, or the checkpoint has no ``lm_head.weight``; but a checkpoint holding both with different values

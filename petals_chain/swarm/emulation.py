@@ -89,6 +89,11 @@ class Emulation:
         ms += (self.prefill_ms_per_token if num_tokens > 1 else self.decode_ms) * num_tokens
         return ms * num_blocks / 1000.0
 
+    def reference_job_delay_s(self, l_in: int, l_out: int) -> float:
+        """Footnote-11 time one block adds to the tau_p reference job, as the profiler runs it: a prefill of ``l_in``
+        tokens, then ``l_out - 1`` one-token steps."""
+        return self.step_delay_s(True, 1, l_in) + max(0, l_out - 1) * self.step_delay_s(False, 1, 1)
+
     def scaled_tau_p(self, tau_p: float) -> float:
         """tau_p of the emulated device: the measured value times ``compute_scale``."""
         return tau_p * self.compute_scale

@@ -47,6 +47,22 @@ _CONFIG_VOLATILE = {"transformers_version", "architectures", "dtype", "torch_dty
                     "output_hidden_states", "return_dict"}
 
 
+# safetensors header dtype -> torch dtype, of the floating types transformers' "auto" may pick (not float8/4);
+# None: float64, which transformers would take but we do not serve (such weights keep loading as float32)
+_SAFETENSORS_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": None}
+
+
+# Checkpoints written before the rotary module moved to the model level hold each layer's
+# ``self_attn.rotary_emb.inv_freq`` (e.g. ahxt/LiteLlama-460M-1T); transformers recomputes it from the config.
+# (Here, not only in checkpoint.py, which imports this module: swarm allows no import cycle.)
+_IGNORED_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def ignored_tensor(name: str) -> bool:
+    """Whether transformers ignores the checkpoint tensor ``name`` when it loads a model (and so do we)."""
+    return _IGNORED_TENSOR.search(name) is not None
+
+
 class UnsupportedModelError(ValueError):
     """A model family the block runner is not proven exact for."""
 
@@ -164,7 +180,8 @@ class ModelSource(ABC):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
-        shapes = self._tensor_shapes(config)
+        # legacy per-layer rotary ``inv_freq`` buffers: transformers ignores them on load, and so does load_block
+        shapes = {n: s for n, s in self._tensor_shapes(config).items() if not ignored_tensor(n)}
         n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
         blocks: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
         for name, shape in shapes.items():
@@ -250,7 +267,32 @@ class HFSource(ModelSource):
             raw = None  # transformers says what is wrong with it
         if isinstance(raw, dict) and raw.get("model_type") in SUPPORTED_FAMILIES:
             _check_sizes(raw, self.path, required=())
-        return AutoConfig.from_pretrained(str(self.path))
+        config = AutoConfig.from_pretrained(str(self.path))
+        if getattr(config, "dtype", None) is None:
+            # "auto" then means the weights' dtype (as transformers' from_pretrained decides it), not float32
+            config.dtype = self._weights_dtype()
+        return config
+
+    def _weights_dtype(self) -> torch.dtype | None:
+        """The dtype transformers' ``from_pretrained(dtype="auto")`` takes for a config naming none: the index's
+        ``metadata.dtype``, else the first floating tensor's of the first weight file (by name); None if unknown
+        (no or bad weights: _check_tensors says what is wrong with them)."""
+        try:
+            index = self.path / "model.safetensors.index.json"
+            if index.is_file():
+                named = (json.loads(index.read_text()).get("metadata") or {}).get("dtype")
+                if isinstance(named, str):
+                    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(named)
+            files = sorted(set(self.weight_map.values()))
+            if not files:
+                return None
+            with _open_safetensors(self.path / files[0]) as f:
+                for k in f.keys():
+                    if (kind := f.get_slice(k).get_dtype()) in _SAFETENSORS_FLOAT_DTYPES:
+                        return _SAFETENSORS_FLOAT_DTYPES[kind]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return None
 
     @functools.cached_property
     def weight_map(self) -> dict[str, str]:
