@@ -30,6 +30,7 @@ import multiprocessing.connection
 import os
 import re
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -147,6 +148,40 @@ def load_identity(identity_path: str) -> RSAPrivateKey:
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": proto.data})  # loads the DER key (public hivemind pickling path)
     return key
+
+
+def _write_identity(fd: int) -> None:
+    """Write a new RSA identity into ``fd`` (an empty file only this user may read), serialized as hivemind's
+    ``P2P.generate_identity`` does, then make it read-only as hivemind leaves it (0400); closes ``fd``."""
+    try:
+        proto = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
+        data = memoryview(proto.SerializeToString())
+        while data:
+            data = data[os.write(fd, data):]
+        os.fchmod(fd, 0o400)
+    finally:
+        os.close(fd)
+
+
+def generate_identity(path: str) -> bool:
+    """Create the identity file ``path`` with a new RSA key; False if a file is there already (left as it is).
+
+    Unlike hivemind's ``P2P.generate_identity``, the file is never readable by others, even for a moment (it opened
+    it with the umask's permissions, then chmodded it 0400: under ``umask 0`` anyone could read the key meanwhile),
+    and never written through a link planted at ``path``."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return False
+    except FileNotFoundError:
+        raise FileNotFoundError(f"The directory `{os.path.dirname(path)}` for saving the identity does not exist")
+    try:
+        _write_identity(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # not a truncated key that every later start fails to read
+        raise
+    return True
 
 
 def check_identity_path(path: str) -> None:
@@ -295,6 +330,38 @@ DHT_READY_TIMEOUT_S = 120.0  # joining over a slow network takes seconds; a star
 _temp_identities: set[str] = set()
 
 
+# ``{tempdir}/petals-chain-identity-{pid}-{random}``: the pid of the process whose DHT node it is (remove_stale_...)
+_TEMP_IDENTITY_PREFIX = "petals-chain-identity-"
+_TEMP_IDENTITY_RE = re.compile(re.escape(_TEMP_IDENTITY_PREFIX) + r"([0-9]+)-[^/]+$")
+
+
+def remove_stale_temp_identities(folder: Optional[str] = None) -> list[str]:
+    """Delete the temporary identity files (private keys) left in ``folder`` (the temporary directory) by this user's
+    processes that no longer run: a process killed by SIGKILL while its DHT node started runs no handler. Only
+    regular files of our naming (with a pid) owned by this user, never those of a live process; the paths deleted."""
+    folder = folder or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TEMP_IDENTITY_RE.match(name)
+        if m is None:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            st = os.lstat(path)  # (a link is not followed: not ours)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or int(m.group(1)) == os.getpid()
+                    or psutil.pid_exists(int(m.group(1)))):
+                continue
+            os.unlink(path)
+        except (OSError, ValueError, OverflowError):
+            continue  # gone meanwhile, or not ours to delete
+        removed.append(path)
+    return removed
+
+
 def remove_temp_identities() -> None:
     """Delete the temporary identity files of the DHT nodes being started, for an exit that does not wait for their
     start (``os._exit``): the private key stayed behind in ``/tmp/petals-chain-identity-*``."""
@@ -342,8 +409,14 @@ def _killed_by(process: multiprocessing.Process) -> Optional[int]:
     except ChildProcessError:  # reaped meanwhile (``is_alive()`` polls it): multiprocessing kept its status
         code = process.exitcode
         return -code if code is not None and code < 0 else None
-    except (OSError, AttributeError):  # no waitid on this platform
-        return None
+    except (OSError, AttributeError):
+        if hasattr(os, "waitid"):  # not a child of ours: nothing to read
+            return None
+        # no waitid on this platform (macOS): reaped here (multiprocessing keeps the status for shutdown()'s join);
+        # join, not exitcode: its sentinel closes just before it can be waited for
+        process.join(timeout=5.0)
+        code = process.exitcode
+        return -code if code is not None and code < 0 else None
     if info is None or info.si_code not in (os.CLD_KILLED, os.CLD_DUMPED):
         return None
     return info.si_status
@@ -498,19 +571,24 @@ class SwarmDHT:
         instead of waiting forever on a process that hung while starting.
         """
         temp_identity = None
+        for path in remove_stale_temp_identities():
+            logger.info(f"removed {path}: the temporary identity of a process that no longer runs")
         if identity_path is None:
-            fd, temp_identity = tempfile.mkstemp(prefix="petals-chain-identity-")
+            # the key goes into the file mkstemp made (0600, ours): deleted, then re-created by name, the file could
+            # be planted meanwhile by another user (a predictable name in a shared directory)
+            fd, temp_identity = tempfile.mkstemp(prefix=f"{_TEMP_IDENTITY_PREFIX}{os.getpid()}-")
             _temp_identities.add(temp_identity)
-            os.close(fd)
-            os.unlink(temp_identity)
             identity_path = temp_identity
         try:  # (from here on a temporary identity file is deleted whatever happens)
-            # every role's --identity-path: a quoted or --flag=~/x path comes with its ~ (the key went to ./~/, a new
-            # peer id when started from another directory)
-            identity_path = os.path.expanduser(identity_path)
-            if not os.path.isfile(identity_path):
-                P2P.generate_identity(identity_path)
-                # A key generated this instant cannot be in use elsewhere: skip hivemind's network check.
+            if temp_identity is not None:
+                _write_identity(fd)
+                fresh = True
+            else:
+                # every role's --identity-path: a quoted or --flag=~/x path comes with its ~ (the key went to ./~/, a
+                # new peer id when started from another directory)
+                identity_path = os.path.expanduser(identity_path)
+                fresh = not os.path.isfile(identity_path) and generate_identity(identity_path)
+            if fresh:  # a key generated this instant cannot be in use elsewhere: skip hivemind's network check
                 dht_kwargs.setdefault("check_if_identity_free", False)
             private_key = load_identity(identity_path)
             prefixes = [check_prefix(prefix)] if prefix is not None else []
