@@ -76,11 +76,9 @@ def test_blocks_and_head_equal_transformers_load(tmp_path, case):
         _assert_loads_as_transformers(path, torch.float32)
 
 
-def test_legacy_per_layer_inv_freq_tensors_are_ignored_like_transformers(tmp_path):
-    """Checkpoints written before transformers moved the rotary module to the model level hold a
-    ``model.layers.N.self_attn.rotary_emb.inv_freq`` per layer (e.g. ahxt/LiteLlama-460M-1T, unsloth#270).
-    transformers ignores them; ``load_block`` refused every block ("unexpected ['self_attn.rotary_emb.inv_freq']")
-    and ``load_causal_lm`` (the draft model) the whole model."""
+def legacy_inv_freq_model(tmp_path):
+    """A tiny 2-layer Llama (2 shards) whose layers also hold a legacy ``self_attn.rotary_emb.inv_freq`` tensor each
+    (wrong values: they must not be used either)."""
     path = build_tiny_model(tmp_path / "m", "llama", num_layers=2, hidden_size=32, num_shards=2)
     index_file = path / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
@@ -88,10 +86,20 @@ def test_legacy_per_layer_inv_freq_tensors_are_ignored_like_transformers(tmp_pat
         name = f"model.layers.{i}.self_attn.rotary_emb.inv_freq"
         fname = index["weight_map"][f"model.layers.{i}.self_attn.q_proj.weight"]
         tensors = load_file(path / fname)
-        tensors[name] = torch.full((4,), 123.0)  # not the real frequencies: must not be used either
+        tensors[name] = torch.full((4,), 123.0)
         save_file(tensors, path / fname, metadata={"format": "pt"})
         index["weight_map"][name] = fname
     index_file.write_text(json.dumps(index))
+    return path
+
+
+def test_legacy_per_layer_inv_freq_tensors_are_ignored_like_transformers(tmp_path):
+    """Checkpoints written before transformers moved the rotary module to the model level hold a
+    ``model.layers.N.self_attn.rotary_emb.inv_freq`` per layer (e.g. ahxt/LiteLlama-460M-1T, unsloth#270).
+    transformers ignores them; ``load_block`` refused every block ("unexpected ['self_attn.rotary_emb.inv_freq']")
+    and ``load_causal_lm`` (the draft model) the whole model."""
+    path = legacy_inv_freq_model(tmp_path)
+    name = "model.layers.1.self_attn.rotary_emb.inv_freq"
     assert ignored_tensor(name) and not ignored_tensor("model.layers.0.self_attn.q_proj.weight")
 
     ref = AutoModelForCausalLM.from_pretrained(str(path)).eval()

@@ -27,19 +27,9 @@ def test_auto_dtype_of_a_config_without_one_is_the_weights_dtype(tmp_path):
 
 
 def test_legacy_inv_freq_checkpoint_passes_the_source_check(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from test_s32_checkpoint import legacy_inv_freq_model
 
-    path = build_tiny_model(tmp_path / "m", "llama", num_layers=2, hidden_size=32, num_shards=2)
-    index_file = path / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text())
-    for i in range(2):
-        name = f"model.layers.{i}.self_attn.rotary_emb.inv_freq"
-        fname = index["weight_map"][f"model.layers.{i}.self_attn.q_proj.weight"]
-        tensors = load_file(path / fname)
-        tensors[name] = torch.full((4,), 123.0)
-        save_file(tensors, path / fname, metadata={"format": "pt"})
-        index["weight_map"][name] = fname
-    index_file.write_text(json.dumps(index))
+    path = legacy_inv_freq_model(tmp_path)
     src = resolve_source(path)
     assert src.config.num_hidden_layers == 2
     ref = AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
