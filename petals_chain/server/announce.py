@@ -14,9 +14,9 @@ import logging
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from petals_chain.server.kv_cache import page_size_for
 from petals_chain.swarm.dht import SwarmDHT
 from petals_chain.swarm.emulation import Emulation
+from petals_chain.swarm.memory import page_size_for
 from petals_chain.swarm.records import LOAD_ERROR_MAX, PUBLIC_NAME_MAX, ServerRecord
 
 logger = logging.getLogger("petals_chain.server")

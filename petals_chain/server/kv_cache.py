@@ -34,7 +34,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from petals_chain.swarm.memory import DEFAULT_PAGE_SIZE, slot_tokens  # one rounding for servers and orchestrator
+# one page size and rounding for servers and orchestrator
+from petals_chain.swarm.memory import DEFAULT_PAGE_SIZE, page_size_for, slot_tokens
 
 KV_CACHE_MODES = ("paged", "slots")
 
@@ -338,12 +339,6 @@ def check_kv_cache(mode: str, page_size: int) -> None:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_MODES)}, got {mode!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-
-
-def page_size_for(mode: str, max_length: int, page_size: int) -> int:
-    """Tokens per page: ``max_length`` in ``slots`` mode (a page is a slot), else ``page_size`` (at most
-    ``max_length``)."""
-    return max_length if mode == "slots" else min(page_size, max_length)
 
 
 __all__ = ["KV_CACHE_MODES", "DEFAULT_PAGE_SIZE", "NoCapacityError", "PagePool", "PageTable", "PageTables", "PagedCache", "pages_for",

@@ -69,6 +69,12 @@ def block_bytes(config: Any, dtype: str | torch.dtype | None = None, quant: str 
     return total
 
 
+def page_size_for(mode: str, max_length: int, page_size: int) -> int:
+    """Tokens per page: ``max_length`` in ``slots`` mode (a page is a slot), else ``page_size`` (at most
+    ``max_length``)."""
+    return max_length if mode == "slots" else min(page_size, max_length)
+
+
 def slot_tokens(kv_cache: str, max_length: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
     """Tokens of K and V one session of ``max_length`` tokens takes in each block: ``max_length`` rounded up to whole
     pages of ``page_size`` tokens (at most ``max_length``) in ``paged`` mode, ``max_length`` in ``slots`` mode (a page
@@ -76,7 +82,7 @@ def slot_tokens(kv_cache: str, max_length: int, page_size: int = DEFAULT_PAGE_SI
     at ``max_length`` counted up to ``page_size / max_length`` slots too many)."""
     if int(max_length) != max_length or max_length < 1 or int(page_size) != page_size or page_size < 1:
         raise ValueError(f"max_length and page_size must be positive integers, got {max_length!r}, {page_size!r}")
-    ps = int(max_length) if kv_cache == "slots" else min(int(page_size), int(max_length))
+    ps = page_size_for(kv_cache, int(max_length), int(page_size))
     return -(-int(max_length) // ps) * ps
 
 
