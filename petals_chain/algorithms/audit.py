@@ -11,7 +11,7 @@ bad replies. Pure logic: the caller runs the servers and measures the difference
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Container, Hashable
 from dataclasses import dataclass
 
 
@@ -78,6 +78,18 @@ class StrikeBook:
         """Drop ``server``'s record and ban (an operator's pardon)."""
         self._scores.pop(server, None)
         self.banned.discard(server)
+
+    def __len__(self) -> int:
+        return len(self._scores)
+
+    def prune(self, keep: Container[Hashable], now: float, below: float = 0.01) -> list[Hashable]:
+        """Forget each server not in ``keep`` (those known now), not banned, whose decayed score is under ``below``
+        strikes (audits of a long run met every peer id its volunteers ever had); returns those forgotten."""
+        gone = [k for k, s in self._scores.items()
+                if k not in keep and k not in self.banned and self._decayed(s, now) < below]
+        for k in gone:
+            del self._scores[k]
+        return gone
 
     def snapshot(self, server: Hashable, now: float) -> dict:
         s = self._scores.get(server, _Score())

@@ -23,6 +23,7 @@ step's, against a second holder of the span and, on a disagreement, a third.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import struct
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = {"float32": 1e-2, "float64": 1e-2, "float16": 6e-2, "bfloat16": 6e-2}
 _TORCH_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                 torch.bfloat16: "bfloat16"}
+PRUNE_SLACK = 64  # strike records of servers gone kept before the book is pruned (see Auditor._prune)
 MAX_INFLIGHT = 4  # audits running at once: a burst of samples never piles up work on the auditors
 # An audit re-computes the hop's whole history on the auditor: steps later in a sequence than this are skipped
 # (counted), so auditing costs at most a prefill of this many tokens per sampled step
@@ -313,6 +315,7 @@ class Auditor:
         self.errors.append(err)
         self.m_error.observe(min(err, 1e9))
         self.counts["audits"] += 1
+        self._prune()
         self.book.audited(peer)
         self.book.audited(candidates[0])
         if err <= tol:
@@ -362,6 +365,16 @@ class Auditor:
             return None
         finally:
             await asyncio.gather(sess.close(), return_exceptions=True)
+
+    def _prune(self) -> None:
+        """Forget the strike records of servers gone whose strikes have decayed away (and their strike series): one
+        per audited peer id since start, and volunteers come back under new ids."""
+        planner = getattr(self.orch, "planner", None)
+        if planner is None or len(self.book) <= 2 * len(planner.servers) + PRUNE_SLACK:
+            return
+        for server in self.book.prune(planner.servers, time.monotonic()):
+            with contextlib.suppress(KeyError):  # (never struck: no series)
+                self.m_strikes.remove(server)
 
     def _strike(self, server: str, err: float, start: int, end: int) -> None:
         self.counts["strikes"] += 1

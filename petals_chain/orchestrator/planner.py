@@ -1028,6 +1028,9 @@ class Planner:
                     refused[peer_id] = records.pop(peer_id)
             self.refused = refused
             self.seen = dict(records)
+            # warned-once notes go with the record (volunteers come back under new ids: one entry each for ever)
+            self._odd_sizes &= self.seen.keys()
+            self._short = {p: n for p, n in self._short.items() if p in self.seen}
             if not failed:
                 self.refreshes += 1
             if self.group is not None:  # another orchestrator's servers are not ours to plan: as if absent

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from petals_chain.model import Chain, ServerSpec
-from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager, Lease, note_admission
+from petals_chain.orchestrator.dispatch import KEPT_CHAIN_IDS, DispatchJob, DispatchManager, Lease, note_admission
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,9 @@ class RoutedDispatch:
         self.chains = list(chains)
         self.chain_ids = list(range(len(self.chains)))
         self.generation += 1
+        if len(self._peak) > KEPT_CHAIN_IDS:  # a long run's re-plans (servers back under new ids): keep the current
+            current = {(tuple(ch.servers), int(ch.capacity)) for ch in self.chains}
+            self._peak = {k: n for k, n in self._peak.items() if k in current}
 
     def waiting_jobs(self) -> list[DispatchJob]:
         """Nothing waits centrally: routed jobs wait at their servers."""
