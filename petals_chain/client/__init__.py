@@ -25,26 +25,34 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=8)[0]))
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import json
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import httpx
 
 from petals_chain.swarm.media import is_event_stream
 
+T = TypeVar("T")
+
 __all__ = ["Client", "ClientSession", "ClientError", "Completion", "AutoDistributedModelForCausalLM", "AutoTokenizer"]
 
 
 class ClientError(RuntimeError):
-    """The orchestrator refused a request (4xx) or could not serve it (5xx)."""
+    """The orchestrator refused a request (4xx) or could not serve it (5xx). ``retry_after``: the seconds its reply's
+    ``Retry-After`` asked to wait before sending it again (None without one, or when it said ``x-should-retry:
+    false``); the client waited so itself where that fit in ``retry_s``."""
 
-    def __init__(self, status: int, message: str, code: Optional[str] = None):
+    def __init__(self, status: int, message: str, code: Optional[str] = None, retry_after: Optional[float] = None):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
         self.code = code
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -70,11 +78,70 @@ class Completion:
 def _raise_for(resp: httpx.Response) -> None:
     if resp.status_code < 400:
         return
+    wait = None if _told_not_to_retry(resp) else _retry_after(resp)
     try:
         err = resp.json().get("error", {})
-        raise ClientError(resp.status_code, err.get("message", resp.text), err.get("code"))
+        raise ClientError(resp.status_code, err.get("message", resp.text), err.get("code"), wait)
     except (ValueError, AttributeError):
-        raise ClientError(resp.status_code, resp.text) from None
+        raise ClientError(resp.status_code, resp.text, None, wait) from None
+
+
+def _retry_after(resp: httpx.Response) -> Optional[float]:
+    """The reply's ``Retry-After`` in seconds (delay seconds or an HTTP date), None without a valid one."""
+    value = resp.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = (when - datetime.now(timezone.utc)).total_seconds()
+    return max(0.0, seconds) if not math.isnan(seconds) else None
+
+
+def _told_not_to_retry(resp: httpx.Response) -> bool:
+    """``x-should-retry: false``: sending the request again cannot cure this error (OpenAI's convention)."""
+    return resp.headers.get("x-should-retry", "").strip().lower() == "false"
+
+
+def _wait_to_resend(resp: httpx.Response, deadline: float, only_orchestrator: bool) -> Optional[float]:
+    """Seconds to wait before sending ``resp``'s request again to the same orchestrator, or None to take the reply:
+    a 429 (or, from the client's only orchestrator, a 503) whose ``Retry-After`` ends before ``deadline`` (a
+    ``time.monotonic()``), unless it says ``x-should-retry: false``. A 503 from one of several goes to the next."""
+    if resp.status_code != 429 and not (resp.status_code == 503 and only_orchestrator):
+        return None
+    wait = None if _told_not_to_retry(resp) else _retry_after(resp)
+    return wait if wait is not None and time.monotonic() + wait <= deadline else None
+
+
+def _send(http: httpx.Client, deadline: float, only_orchestrator: bool, method: str, path: str,
+          **kwargs: Any) -> httpx.Response:
+    """``http.request(method, path)``, sent again after each ``Retry-After`` that :func:`_wait_to_resend` takes."""
+    while True:
+        r = http.request(method, path, **kwargs)
+        wait = _wait_to_resend(r, deadline, only_orchestrator)
+        if wait is None:
+            return r
+        r.close()
+        time.sleep(wait)
+
+
+@contextlib.contextmanager
+def _open_stream(http: httpx.Client, deadline: float, only_orchestrator: bool, path: str,
+                 body: dict) -> Iterator[httpx.Response]:
+    """``http.stream("POST", path)``, opened again after each ``Retry-After`` that :func:`_wait_to_resend` takes."""
+    while True:
+        with http.stream("POST", path, json=body) as r:
+            wait = _wait_to_resend(r, deadline, only_orchestrator)
+            if wait is None:
+                yield r
+                return
+        time.sleep(wait)
 
 
 @contextlib.contextmanager
@@ -139,6 +206,38 @@ def _json(resp: httpx.Response) -> Any:
         raise _not_an_orchestrator(resp) from None
 
 
+def _read_reply(resp: httpx.Response, read: Callable[[Any], T]) -> T:
+    """``read`` of the reply's JSON body; one without what ``read`` takes (another server's JSON) is ClientError 502
+    ``bad_reply``, as a reply that is not JSON is: it was a bare KeyError ('choices'), IndexError or TypeError."""
+    data = _json(resp)
+    try:
+        return read(data)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _not_an_orchestrator(resp) from None
+
+
+def _one_shot(data: dict, chat: bool) -> Completion:
+    """The first choice of a ``/v1/completions`` (``chat``: ``/v1/chat/completions``) reply, with its details."""
+    ch = data["choices"][0]
+    info = (data.get("petals_chain") or [{}])[0]
+    return Completion(text=ch["message"]["content"] if chat else ch["text"], token_ids=info.get("token_ids", []),
+                      finish_reason=ch["finish_reason"], usage=data["usage"], wait_s=info.get("wait_s", 0.0),
+                      service_s=info.get("service_s", 0.0), chain=info.get("chain", []),
+                      failovers=info.get("failovers", 0), logprobs=ch.get("logprobs"))
+
+
+def _event(resp: httpx.Response, data: str) -> dict:
+    """One event's JSON object; anything else is ClientError 502 ``bad_reply`` (it was a bare JSONDecodeError)."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise ClientError(502, f"{resp.request.url} sent a stream event that is not an orchestrator's: "
+                          f"{data[:200]!r}", "bad_reply")
+    return obj
+
+
 def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
     # orchestrators name theirs (a body without one is read)
     if "content-type" in resp.headers and not is_event_stream(resp.headers):
@@ -150,9 +249,9 @@ def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        obj = json.loads(data)
+        obj = _event(resp, data)
         if "error" in obj:
-            err = obj["error"]
+            err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             status = err.get("status")  # the HTTP status the error would have had (older orchestrators: none)
             if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status < 600:
                 status = 503 if err.get("type") in ("server_error", "service_unavailable") else 400
@@ -168,6 +267,11 @@ _TRY_ANOTHER = {502, 503, 504}
 DEFAULT_RETRY_S = 30.0
 RETRY_PAUSE_S = (0.5, 4.0)
 HEALTH_PROBE_S = 5.0  # after a generation's read timeout, how long GET /healthz may take for the orchestrator to be up
+# At most this long to connect (s), whatever ``timeout`` (the wait for a generation) is: an orchestrator whose host
+# does not answer a TCP handshake within it is not reachable now (a SYN retried 3 times has had 7 s), and the
+# next one takes over. With ``timeout`` alone, a host gone dark (powered off, cut off: its SYNs unanswered) held
+# each request for the whole ``timeout`` (600 s by default; the kernel's own limit, about 130 s) before failover.
+CONNECT_TIMEOUT_S = 10.0
 # No cap on pooled connections: httpcore 1.0.9's pool closes an idle connection it has just handed to a waiting
 # thread when it holds more than the keep-alive cap (or needs room under the connection cap), cutting that
 # thread's request ("ReadError: [Errno 9] Bad file descriptor", or a hang until the read timeout): encode/httpcore
@@ -187,6 +291,14 @@ def _check_url(url: str) -> None:
         raise ValueError(f"an orchestrator URL is http(s)://HOST:PORT, got {url!r}")
     if parsed.path.rstrip("/").endswith("/v1"):
         raise ValueError(f"give the orchestrator's URL without /v1 (the client adds the API paths), got {url!r}")
+
+
+def _timeouts(timeout: Optional[float] | httpx.Timeout) -> httpx.Timeout:
+    """The httpx timeouts of the client's ``timeout``: seconds (or None, no limit) to send a request and read each
+    piece of its reply, at most :data:`CONNECT_TIMEOUT_S` to connect; an ``httpx.Timeout`` as it is."""
+    if isinstance(timeout, httpx.Timeout):
+        return timeout
+    return httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S if timeout is None else min(timeout, CONNECT_TIMEOUT_S))
 
 
 def _check_timeout(timeout: Any) -> None:
@@ -219,7 +331,12 @@ class Client:
     orchestrator's group). A stream cut off mid-way is resumed there when its output is reproducible (greedy, or
     seeded): the text already yielded is skipped, so the caller sees one uninterrupted stream (a rerun that does not
     repeat it, e.g. another chain's numerics, is :class:`ClientError` 502 ``resume_mismatch``). Sessions stay with
-    the orchestrator that opened them, and opening one is sent again only if it never reached the first."""
+    the orchestrator that opened them, and opening one is sent again only if it never reached the first.
+
+    ``timeout`` is the wait for a reply; connecting takes at most :data:`CONNECT_TIMEOUT_S`. A 429 (or a 503 from
+    the only orchestrator) with ``Retry-After`` is sent there again after that wait when it ends within ``retry_s``
+    of the call (sessions' calls too), else raised at once with its ``retry_after`` (``retry_s=0``: at once); a
+    reply that says ``x-should-retry: false`` is the answer, sent again nowhere."""
 
     def __init__(self, url: str | Sequence[str], *, timeout: Optional[float] = 600.0, model: Optional[str] = None,
                  api_key: Optional[str] = None, retry_s: float = DEFAULT_RETRY_S):
@@ -234,7 +351,7 @@ class Client:
         self.retry_s = float(retry_s)
         self.urls = [u.rstrip("/") for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._https = [httpx.Client(base_url=u, timeout=timeout, headers=headers, limits=_POOL_LIMITS)
+        self._https = [httpx.Client(base_url=u, timeout=_timeouts(timeout), headers=headers, limits=_POOL_LIMITS)
                        for u in self.urls]
         self._current = 0
         self._model = model
@@ -267,9 +384,10 @@ class Client:
         ``resend=False`` (a request that creates something): tried elsewhere only if it was never sent."""
         failures: list[str] = []
         last: Optional[tuple[int, httpx.Response]] = None
+        deadline = time.monotonic() + self.retry_s
         for i in self._tries():
             try:
-                r = self._https[i].request(method, path, **kwargs)
+                r = _send(self._https[i], deadline, len(self._https) == 1, method, path, **kwargs)
             except httpx.TransportError as e:
                 if isinstance(e, httpx.ReadTimeout) and method != "GET":
                     self._raise_if_up(i, e)
@@ -279,7 +397,7 @@ class Client:
                     break  # it may have been done there: done twice would leave one behind
                 continue
             # a 502/504 (a proxy) may come after the request was done there; a 503 is the orchestrator's "not here"
-            if r.status_code in _TRY_ANOTHER and (resend or r.status_code == 503):
+            if r.status_code in _TRY_ANOTHER and (resend or r.status_code == 503) and not _told_not_to_retry(r):
                 failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
                 last = (i, r)
                 continue
@@ -316,7 +434,7 @@ class Client:
         if self._model is None:
             r = self._request("GET", "/v1/models")
             _raise_for(r)
-            self._model = _json(r)["data"][0]["id"]
+            self._model = _read_reply(r, lambda d: d["data"][0]["id"])
         return self._model
 
     def swarm(self) -> dict:
@@ -341,12 +459,7 @@ class Client:
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._request("POST", "/v1/completions", json=body)
         _raise_for(r)
-        data = _json(r)
-        ch = data["choices"][0]
-        info = (data.get("petals_chain") or [{}])[0]
-        return Completion(text=ch["text"], token_ids=info.get("token_ids", []), finish_reason=ch["finish_reason"],
-                          usage=data["usage"], wait_s=info.get("wait_s", 0.0), service_s=info.get("service_s", 0.0),
-                          chain=info.get("chain", []), failovers=info.get("failovers", 0), logprobs=ch.get("logprobs"))
+        return _read_reply(r, lambda data: _one_shot(data, chat=False))
 
     def generate(self, prompt: str | list[int], **kwargs: Any) -> str:
         """The generated text (see :meth:`complete` for the arguments)."""
@@ -364,16 +477,17 @@ class Client:
         sent = ""  # text yielded so far (a resumed stream skips it)
         failures: list[str] = []
         last_error: Optional[ClientError] = None
+        deadline = time.monotonic() + self.retry_s
         for i in self._tries():
             skip = len(sent)
             try:
-                with self._https[i].stream("POST", "/v1/completions", json=body) as r:
+                with _open_stream(self._https[i], deadline, len(self._https) == 1, "/v1/completions", body) as r:
                     if r.status_code >= 400:
                         r.read()
                         try:
                             _raise_for(r)
                         except ClientError as e:
-                            if r.status_code not in _TRY_ANOTHER:
+                            if r.status_code not in _TRY_ANOTHER or _told_not_to_retry(r):
                                 raise
                             failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
                             last_error = e
@@ -425,13 +539,7 @@ class Client:
                 **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
         r = self._request("POST", "/v1/chat/completions", json=body)
         _raise_for(r)
-        data = _json(r)
-        ch = data["choices"][0]
-        info = (data.get("petals_chain") or [{}])[0]
-        return Completion(text=ch["message"]["content"], token_ids=info.get("token_ids", []),
-                          finish_reason=ch["finish_reason"], usage=data["usage"], wait_s=info.get("wait_s", 0.0),
-                          service_s=info.get("service_s", 0.0), chain=info.get("chain", []),
-                          failovers=info.get("failovers", 0), logprobs=ch.get("logprobs"))
+        return _read_reply(r, lambda data: _one_shot(data, chat=True))
 
     def chat(self, messages: list[dict], *, max_tokens: Optional[int] = None, temperature: float = 0.0,
              **kwargs: Any) -> str:
@@ -447,6 +555,12 @@ class Client:
     def close(self) -> None:
         for h in self._https:
             h.close()
+
+    def __del__(self) -> None:
+        # a Client dropped unclosed (AutoDistributedModelForCausalLM's has no other owner) left its pooled sockets
+        # to the garbage collector: "ResourceWarning: unclosed <socket.socket ...>" each
+        with contextlib.suppress(Exception):
+            self.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -469,9 +583,9 @@ class ClientSession:
         _raise_for(r)
         self._http = client._http  # the session lives on this orchestrator
         self._index = client._current  # (its place in client.urls: for the 504 of _timed_out)
-        data = _json(r)
-        self.id: str = data["session_id"]
-        self.max_length: int = data["max_length"]
+        self.id: str
+        self.max_length: int
+        self.id, self.max_length = _read_reply(r, lambda d: (d["session_id"], d["max_length"]))
         self.closed = False
         self.last: Optional[Completion] = None
 
@@ -496,14 +610,19 @@ class ClientSession:
         (it was 503 ``unavailable``: the turn just takes longer than the client's timeout)."""
         self.client._raise_if_up(self._index, e)
 
+    def _deadline(self) -> float:
+        """Until when a turn refused with ``Retry-After`` is sent again (the client's ``retry_s`` from now)."""
+        return time.monotonic() + self.client.retry_s
+
     def _post(self, body: dict) -> Completion:
+        # a refused turn (429, 503) left the session as it was: sent again, it is the same turn
         with _transport_errors(self._http, self._timed_out):
-            r = self._http.post(f"/api/v1/sessions/{self.id}/generate", json=body)
+            r = _send(self._http, self._deadline(), True, "POST", f"/api/v1/sessions/{self.id}/generate", json=body)
         _raise_for(r)
-        d = _json(r)
-        self.last = Completion(text=d["text"], token_ids=d["token_ids"], finish_reason=d["finish_reason"],
-                               usage=d["usage"], wait_s=d["wait_s"], service_s=d["service_s"], chain=d["chain"],
-                               failovers=d["failovers"], logprobs=d.get("logprobs"))
+        self.last = _read_reply(r, lambda d: Completion(
+            text=d["text"], token_ids=d["token_ids"], finish_reason=d["finish_reason"], usage=d["usage"],
+            wait_s=d["wait_s"], service_s=d["service_s"], chain=d["chain"], failovers=d["failovers"],
+            logprobs=d.get("logprobs")))
         return self.last
 
     def chat(self, content: str | list[dict], *, role: str = "user", max_tokens: Optional[int] = None,
@@ -549,7 +668,7 @@ class ClientSession:
                 self._timed_out(e)
 
         with _transport_errors(self._http, timed_out), \
-                self._http.stream("POST", f"/api/v1/sessions/{self.id}/generate", json=body) as r:
+                _open_stream(self._http, self._deadline(), True, f"/api/v1/sessions/{self.id}/generate", body) as r:
             if r.status_code >= 400:
                 r.read()
                 _raise_for(r)
@@ -666,8 +785,7 @@ class AutoDistributedModelForCausalLM:
             body["stop_token_ids"] = [int(x) for x in stops]
         r = self.client._request("POST", "/v1/completions", json=body)
         _raise_for(r)
-        data = _json(r)
-        new = [info["token_ids"] for info in data["petals_chain"]]
+        new = _read_reply(r, lambda data: [info["token_ids"] for info in data["petals_chain"]])
         pad = pad_token_id if pad_token_id is not None else self.pad_token_id
         width = max(len(t) for t in new)
         if pad is None and any(len(t) != width for t in new):

@@ -1,0 +1,335 @@
+"""The Python client as a demanding user drives it (session 33 hunt):
+
+* a 429 with ``Retry-After`` (``queue_full`` under a burst) was raised at once: 21 of 30 threads sharing a Client
+  against an orchestrator with ``--max-queue 1`` failed, though the orchestrator asked them back after 1 s; now
+  sent again after that wait when it ends within ``retry_s`` (a 503 from the only orchestrator too), else raised
+  with its ``retry_after``; ``x-should-retry: false`` is the answer, sent again nowhere (a 503 saying so went on to
+  the next orchestrator);
+* connecting had the whole ``timeout`` (600 s by default): an orchestrator whose host does not answer its SYNs held
+  the first request that long before the next orchestrator was asked;
+* a Client dropped without ``close()`` (``AutoDistributedModelForCausalLM``'s always is) left its sockets to the
+  garbage collector (``ResourceWarning: unclosed <socket.socket ...>``);
+* a JSON reply or stream event of another shape was a bare ``KeyError``, ``JSONDecodeError`` or ``AttributeError``.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import gc
+import json
+import socket
+import threading
+import time
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+import petals_chain.client as client_module
+from petals_chain.client import Client, ClientError
+
+MODEL = "m"
+
+
+def _completion(text: str = "served") -> httpx.Response:
+    return httpx.Response(200, json={"choices": [{"text": text, "finish_reason": "length"}], "usage": {},
+                                     "petals_chain": [{"token_ids": [1]}]})
+
+
+def _sse(text: str = "served") -> httpx.Response:
+    body = ("data: " + json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": None}]}) + "\n\n"
+            "data: [DONE]\n\n")
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+
+
+def _refusal(status: int, headers: dict, code: str = "queue_full") -> httpx.Response:
+    return httpx.Response(status, headers=headers, json={"error": {"message": "retry later", "code": code}})
+
+
+def _mocked(handlers: list[Callable[[httpx.Request], httpx.Response]], retry_s: float) -> Client:
+    c = Client([f"http://orch{i}" for i in range(len(handlers))], model=MODEL, retry_s=retry_s)
+    for i, h in enumerate(handlers):
+        c._https[i].close()
+        c._https[i] = httpx.Client(base_url=f"http://orch{i}", transport=httpx.MockTransport(h))
+    return c
+
+
+class _RefusedFirst:
+    """An orchestrator that refuses the first ``refusals`` requests with ``status`` and ``headers``, then serves
+    each with ``serve(request)``; it records when each request came."""
+
+    def __init__(self, status: int, headers: dict, serve: Callable[[httpx.Request], httpx.Response],
+                 refusals: int = 1) -> None:
+        self.status, self.headers, self.serve, self.refusals = status, headers, serve, refusals
+        self.times: list[float] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.times.append(time.monotonic())
+        if len(self.times) <= self.refusals:
+            return _refusal(self.status, self.headers)
+        return self.serve(request)
+
+
+SESSION_OPENED = httpx.Response(200, json={"session_id": "s1", "max_length": 64})
+TURN = {"text": "turn", "token_ids": [1], "finish_reason": "length", "usage": {}, "wait_s": 0.0, "service_s": 0.0,
+        "chain": [], "failovers": 0}
+
+
+def _session_turns(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/api/v1/sessions":
+        return SESSION_OPENED
+    if json.loads(request.content).get("stream"):
+        event = {k: TURN[k] for k in ("text", "token_ids", "finish_reason")}
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+    return httpx.Response(200, json=TURN)
+
+
+@pytest.mark.parametrize("call", ["complete", "stream", "session_turn", "session_stream"])
+def test_a_429_with_retry_after_is_sent_again_after_that_wait(call):
+    """Before: ClientError 429 at once (21 of 30 threads against ``--max-queue 1``); now the call is served."""
+    served = {"complete": _completion, "stream": _sse}.get(call, _session_turns)
+    if call.startswith("session"):
+        # the session opens at once; its turn is refused once
+        orch = _RefusedFirst(429, {"Retry-After": "0.3"}, served, refusals=0)
+        c = _mocked([orch], retry_s=5)
+        s = c.session()
+        orch.refusals = len(orch.times) + 1
+        got = s.complete("x").text if call == "session_turn" else "".join(s.stream("x"))
+        assert got == "turn"
+    else:
+        orch = _RefusedFirst(429, {"Retry-After": "0.3"}, lambda r: served())
+        c = _mocked([orch], retry_s=5)
+        got = c.complete("x").text if call == "complete" else "".join(c.stream("x"))
+        assert got == "served"
+    assert orch.times[-1] - orch.times[-2] >= 0.25, "sent again before its Retry-After"
+    c.close()
+
+
+def test_a_retry_after_as_an_http_date_is_read():
+    when = email.utils.formatdate(time.time() + 1, usegmt=True)  # whole seconds: 0 to 1 s from now
+    orch = _RefusedFirst(429, {"Retry-After": when}, lambda r: _completion())
+    c = _mocked([orch], retry_s=5)
+    assert c.complete("x").text == "served" and len(orch.times) == 2
+    c.close()
+
+
+@pytest.mark.parametrize("headers, retry_after", [
+    ({"Retry-After": "60"}, 60.0),                              # longer than retry_s: the caller's to wait
+    ({"Retry-After": "1", "x-should-retry": "false"}, None),    # it never fits: no point waiting
+    ({}, None),                                                 # no Retry-After: no wait to honour
+], ids=["past_retry_s", "should_not_retry", "no_retry_after"])
+def test_a_429_the_client_does_not_wait_for_is_raised_at_once_with_its_retry_after(headers, retry_after):
+    orch = _RefusedFirst(429, headers, lambda r: _completion(), refusals=10)
+    c = _mocked([orch], retry_s=5)
+    t0 = time.monotonic()
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    assert (e.value.status, e.value.code, e.value.retry_after) == (429, "queue_full", retry_after)
+    assert len(orch.times) == 1 and time.monotonic() - t0 < 5
+    with pytest.raises(ClientError) as e:  # a stream: the same
+        list(c.stream("x"))
+    assert (e.value.status, e.value.retry_after) == (429, retry_after) and len(orch.times) == 2
+    c.close()
+
+
+def test_retry_s_zero_takes_a_429_at_once():
+    orch = _RefusedFirst(429, {"Retry-After": "1"}, lambda r: _completion())
+    c = _mocked([orch], retry_s=0)
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    assert e.value.status == 429 and e.value.retry_after == 1.0 and len(orch.times) == 1
+    c.close()
+
+
+def test_a_503_from_the_only_orchestrator_with_retry_after_is_sent_again_there():
+    """Before: 503 at once (one orchestrator: no rounds), though it said when a chain could be there."""
+    orch = _RefusedFirst(503, {"Retry-After": "0.3"}, lambda r: _completion())
+    c = _mocked([orch], retry_s=5)
+    assert c.complete("x").text == "served" and len(orch.times) == 2
+    c.close()
+
+
+def test_a_5xx_that_says_x_should_retry_false_is_not_sent_to_the_next_orchestrator():
+    """Before: sent on to the next orchestrator (served there); now the first one's answer, as it said."""
+    nexts: list[str] = []
+
+    def other(request: httpx.Request) -> httpx.Response:
+        nexts.append(request.url.path)
+        return _completion() if request.url.path == "/v1/completions" else _sse()
+
+    first = _RefusedFirst(503, {"x-should-retry": "false"}, lambda r: _completion(), refusals=10)
+    c = _mocked([first, other], retry_s=0)
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    assert e.value.status == 503 and nexts == []
+    c._current = 0
+    with pytest.raises(ClientError) as e:
+        list(c.stream("x"))
+    assert e.value.status == 503 and nexts == []
+    c.close()
+
+
+# ---- connecting ----
+
+def test_connecting_has_its_own_short_timeout():
+    assert client_module.CONNECT_TIMEOUT_S <= 10
+    for timeout, read in ((600.0, 600.0), (None, None)):
+        c = Client("http://127.0.0.1:9", timeout=timeout)
+        t = c._https[0].timeout
+        assert (t.connect, t.read) == (client_module.CONNECT_TIMEOUT_S, read)
+        c.close()
+    c = Client("http://127.0.0.1:9", timeout=2)
+    assert (c._https[0].timeout.connect, c._https[0].timeout.read) == (2, 2)
+    c.close()
+    mine = httpx.Timeout(5.0, connect=30.0)  # the caller's own httpx.Timeout is kept as given
+    c = Client("http://127.0.0.1:9", timeout=mine)
+    assert c._https[0].timeout == mine
+    c.close()
+
+
+class _Good:
+    """A stand-in orchestrator on loopback that streams "hello"."""
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: the client pools the connection, as with uvicorn
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._send(200, "application/json", b'{"ok": true}')
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                event = json.dumps({"choices": [{"index": 0, "text": "hello", "finish_reason": None}]})
+                self._send(200, "text/event-stream", f"data: {event}\n\ndata: [DONE]\n\n".encode())
+
+            def _send(self, status: int, ctype: str, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+@pytest.fixture
+def good() -> Iterator[_Good]:
+    g = _Good()
+    yield g
+    g.close()
+
+
+@pytest.fixture
+def unanswered_url() -> Iterator[str]:
+    """The URL of a host that does not answer a TCP handshake: a listener whose accept queue is full (Linux drops
+    the SYNs of further connections, as a host gone dark does)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fill = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        fill.append(s)
+    probe = socket.socket()
+    probe.settimeout(0.5)
+    try:
+        probe.connect(("127.0.0.1", port))
+        blackholed = False
+    except (socket.timeout, OSError):
+        blackholed = True
+    finally:
+        probe.close()
+    try:
+        if not blackholed:
+            pytest.skip("this kernel completes handshakes past a full accept queue")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for s in fill:
+            s.close()
+        listener.close()
+
+
+def test_an_orchestrator_whose_host_does_not_answer_is_passed_after_the_connect_timeout(monkeypatch, good,
+                                                                                        unanswered_url):
+    """Before: the stream waited the whole ``timeout`` (60 s here; 600 s by default) at the first orchestrator."""
+    monkeypatch.setattr(client_module, "CONNECT_TIMEOUT_S", 1.0, raising=False)
+    c = Client([unanswered_url, good.url], timeout=60, model=MODEL, retry_s=0)
+    t0 = time.monotonic()
+    assert "".join(c.stream("x")) == "hello"
+    assert c.url == good.url and time.monotonic() - t0 < 30
+    c.close()
+
+
+def test_a_client_dropped_unclosed_closes_its_sockets(good):
+    """Before: ``ResourceWarning: unclosed <socket.socket ...>`` when it was collected (an
+    ``AutoDistributedModelForCausalLM``'s Client has no other owner to close it)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        c = Client(good.url, model=MODEL)
+        assert c.healthz() == {"ok": True}  # a reply read to its end: its keep-alive connection stays pooled
+        del c
+        gc.collect()
+    leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert leaks == []
+
+
+# ---- replies of another shape ----
+
+@pytest.mark.parametrize("call", ["complete", "chat_completion", "session", "session_turn", "model"])
+def test_a_json_reply_of_another_shape_is_a_bad_reply_not_a_key_error(call):
+    def reply(request: httpx.Request) -> httpx.Response:
+        if call == "session_turn" and request.url.path == "/api/v1/sessions":
+            return SESSION_OPENED
+        return httpx.Response(200, json={"status": "ok"})
+
+    c = _mocked([reply], retry_s=0)
+    if call == "model":
+        c._model = None
+    with pytest.raises(ClientError) as e:
+        if call == "complete":
+            c.complete("x")
+        elif call == "chat_completion":
+            c.chat_completion([{"role": "user", "content": "x"}])
+        elif call == "session":
+            c.session()
+        elif call == "session_turn":
+            c.session().complete("x")
+        else:
+            c.model
+    assert (e.value.status, e.value.code) == (502, "bad_reply") and "http://orch0" in e.value.message
+    c.close()
+
+
+@pytest.mark.parametrize("data, status, message", [
+    ("{not json", 502, "not an orchestrator's"),
+    ('["a list"]', 502, "not an orchestrator's"),
+    ('{"error": "the proxy gave up"}', 400, "the proxy gave up"),
+], ids=["not_json", "not_an_object", "error_string"])
+def test_a_stream_event_of_another_shape_is_a_client_error(data, status, message):
+    def reply(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=f"data: {data}\n\ndata: [DONE]\n\n".encode())
+
+    c = _mocked([reply], retry_s=0)
+    with pytest.raises(ClientError) as e:
+        list(c.stream("x"))
+    assert e.value.status == status and message in e.value.message, e.value
+    c.close()
