@@ -320,12 +320,19 @@ def simulate_routed(route_fn: RouteFn, slots: Mapping[str, int], workload: Workl
     return _finish(arr, start, end, warmup, events, t0, extra={"max_used": max_used, "slots": total})
 
 
-def mean_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
-    """Mean and half-width of a normal-approximation confidence interval."""
+def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Mean and half-width of the Student-t confidence interval at ``level`` over the finite ``values`` (one per
+    independent run). The normal quantile 1.96 made a "95 %" interval of 3 runs (``--quick``) 2.2x too narrow, of
+    20 runs 7 % too narrow."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
     if len(v) == 0:
         return math.nan, math.nan
     if len(v) == 1:
         return float(v[0]), math.inf
-    return float(v.mean()), float(z * v.std(ddof=1) / math.sqrt(len(v)))
+    from scipy.special import stdtrit  # the t quantile; scipy.stats would add ~1 s to every import of this module
+
+    q = float(stdtrit(len(v) - 1, 0.5 + level / 2))
+    return float(v.mean()), float(q * v.std(ddof=1) / math.sqrt(len(v)))
