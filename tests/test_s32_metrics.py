@@ -180,7 +180,7 @@ def test_requests_are_counted_once_per_api_request_by_client_and_outcome(api):
                          ("bob", "refused"): 1}, deadlines
     clients = {x["name"]: x for x in swarm["clients"]}
     assert clients["alice"]["request_outcomes"] == {"completed": 3, "failed": 0, "refused": 2, "dropped": 1,
-                                                    "cancelled": 0}
+                                                    "cancelled": 0, "invalid": 0}
     assert clients["bob"]["request_outcomes"]["cancelled"] == 1
 
 
@@ -201,7 +201,7 @@ def test_a_request_ends_once_with_its_first_failure():
         s.end_request_part(key, RuntimeError("a part begun after the request was counted"))
         assert s.request_totals("anonymous")[outcome] == 1, (errors, s.request_totals("anonymous"))
     assert sum(s.request_totals("anonymous").values()) == len(cases)
-    assert request_outcome(RequestError("bad", status=400)) == "failed"
+    assert request_outcome(RequestError("bad", status=400)) == "invalid"
     with pytest.raises(ValueError):
         s.end_request("lost")
 
@@ -233,5 +233,5 @@ def test_a_session_turn_is_one_request_ended_by_the_error_being_handled():
     s.record(wait_s=0.0, service_s=0.0, tokens=0, prompt_tokens=3, ok=False)  # no exception known: failed
     s.record(wait_s=0.0, service_s=0.1, tokens=2, prompt_tokens=3, ok=True, whole_request=False)  # a job of a request
     assert s.request_totals("anonymous") == {"completed": 1, "failed": 1, "refused": 1, "dropped": 0,
-                                             "cancelled": 1}
+                                             "cancelled": 1, "invalid": 0}
     assert s.completed == 2 and s.unserved == 2 and s.failed == 1

@@ -36,12 +36,16 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline, key_defaults
 from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
-from petals_chain.orchestrator.errors import shown_model_name
-from petals_chain.orchestrator.forward import forward_session_call, maybe_forward, unless_disconnected
+from petals_chain.orchestrator.errors import default_code, shown_model_name, unavailable_retry_after_s
+from petals_chain.orchestrator.forward import (SERVED_BY_HEADER, forward_session_call, maybe_forward,
+                                               unless_disconnected)
+from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, RequestIds, RequestTrace,
+                                                  install_log_ids, scope_request_id)
 from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice,
                                                 offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
-from petals_chain.orchestrator.sse import DONE, NO_RETRY_HEADER, error_event, error_object, sse
+from petals_chain.orchestrator.sse import DONE, KEEPALIVE, NO_RETRY_HEADER, error_event, error_object, sse
+from petals_chain.orchestrator.stats import status_outcome
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
 
@@ -54,6 +58,12 @@ MAX_LOGIT_BIAS = 300
 MAX_TOKEN_ID_DIGITS = 19  # int64
 INLINE_TOKENIZE_CHARS = 2000  # longer texts are tokenized / templated off the event loop
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
+# A stream silent this long (queued, its prompt being scored) gets an SSE comment: proxies cut a stream with nothing
+# on the wire for their read timeout (nginx's proxy_read_timeout: 60 s), and every SSE parser skips comments.
+# The orchestrator's ``sse_keepalive_s`` overrides it (None or 0: none sent).
+SSE_KEEPALIVE_S = 15.0
+_GENERATE_PATH = re.compile(r"^/(v1/completions|v1/chat/completions|api/v1/sessions/[^/]+/generate)/?$")
+_API_PATH = re.compile(r"^/(v1/|api/v1/sessions)")
 
 
 class _Base(pydantic.BaseModel):
@@ -269,7 +279,8 @@ class SamplingFields(_Base):
         explicit = self.max_tokens is not None
         max_tokens = self.max_tokens if explicit else (default_max_tokens or limit_tokens)
         if explicit and max_tokens > limit_tokens:
-            raise RequestError(f"{self.limit_field} must be at most {limit_tokens}", param=self.limit_field)
+            raise RequestError(f"{self.limit_field} must be at most {limit_tokens}", param=self.limit_field,
+                               code="integer_above_max_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         greedy = self.top_p == 0.0  # nucleus of probability 0: the most likely token alone
         params = SamplingParams(
@@ -283,7 +294,7 @@ class SamplingFields(_Base):
         try:
             params.validate()
         except ValueError as e:
-            raise RequestError(str(e)) from None
+            raise RequestError(str(e), code="invalid_value") from None
         return params, explicit
 
 
@@ -443,6 +454,9 @@ def _json_kind(value: Any) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
+INTERNAL_ERROR_MESSAGE = "internal error ({}); the request was not completed, please report it"
+
+
 def _futile_retry(exc: RequestError) -> bool:
     """Whether sending ``exc``'s request again could only fail again: a 429 it gets however idle the swarm
     (:attr:`~petals_chain.orchestrator.dispatch.Admission.never_fits`: more completions than the swarm holds, more
@@ -519,7 +533,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
     @app.exception_handler(Unavailable)
     async def _unavailable(request: Request, exc: Unavailable):
-        return _error(503, str(exc), code="swarm_unavailable")
+        # as a 429 does: when to come back (OpenAI's clients wait that long before their retries; others had nothing)
+        response = _error(503, str(exc), code="swarm_unavailable")
+        response.headers["Retry-After"] = str(unavailable_retry_after_s(cfg))
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -573,14 +590,20 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             why = ("it nests arrays or objects too deeply" if isinstance(cause, RecursionError)
                    else "it is not UTF-8 text" if isinstance(cause, UnicodeDecodeError) else str(cause)[:200])
             return _error(400, f"the request body is not valid JSON: {why}", code="invalid_json")
-        return _error(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, str(exc.detail), code=default_code(exc.status_code))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         # a bug: the client still gets OpenAI's error shape (SDKs parse it); the traceback goes to the log (the
-        # server-error middleware re-raises it after this response)
-        return _error(500, f"internal error ({type(exc).__name__}); the request was not completed, please report it",
-                      code="internal_error")
+        # server-error middleware re-raises it after this response). It answers outside the request-id middleware:
+        # the id is put on here
+        rid = scope_request_id(request.scope)
+        response = _error(500, INTERNAL_ERROR_MESSAGE.format(type(exc).__name__), code="internal_error")
+        if rid is not None:
+            response.headers[REQUEST_ID_HEADER] = rid
+            logger.error("%s %s: internal error (%s) [request %s]", request.method, request.url.path,
+                         type(exc).__name__, rid)
+        return response
 
     def check_model(name: str) -> None:
         if name not in (orch.model_id, orch.prefix, cfg.model):
@@ -590,14 +613,16 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     def sampling(req: SamplingFields, default_max_tokens: int | None, logprobs: int | None = None
                  ) -> tuple[SamplingParams, bool]:
         if req.n > cfg.max_n:
-            raise RequestError(f"n must be at most {cfg.max_n} (the orchestrator's --max-choices)", param="n")
+            raise RequestError(f"n must be at most {cfg.max_n} (the orchestrator's --max-choices)", param="n",
+                               code="too_many_choices")
         params, explicit = req.sampling(cfg.max_tokens_limit, default_max_tokens, logprobs)
         orch.check_speculative(params)  # here, not only in the generation: a stream would answer 200 + an error
         vocab = orch.vocab_size
         for field, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=field)
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=field,
+                                   code="invalid_token_id")
         set_deadline(req)
         return params, explicit
 
@@ -626,11 +651,11 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:
                 raise RequestError(f"{param} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
-                                   f"{e.start}", param=param) from None
+                                   f"{e.start}", param=param, code="invalid_unicode") from None
 
     async def tokenize(text: str, param: str = "prompt", **kw) -> list[int]:
         if len(text) > MAX_PROMPT_CHARS:
-            raise RequestError("the prompt is too long", param=param, status=413)
+            raise RequestError("the prompt is too long", param=param, status=413, code="prompt_too_long")
         check_text(text, param)
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return orch.encode(text, **kw)
@@ -640,7 +665,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         """The chat template's token ids of ``messages``, of which the request sent the last ``own`` (all: None; a
         session's earlier ones were checked when they came), numbered from 0 in an error's ``param``."""
         if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
-            raise RequestError("the messages are too long", param="messages", status=413)
+            raise RequestError("the messages are too long", param="messages", status=413, code="prompt_too_long")
         sent = messages if own is None else messages[len(messages) - own:]
         for i, m in enumerate(sent):
             for key, value in m.items():
@@ -726,19 +751,31 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 logger.exception("generation failed")
                 await queue.put(("error", -1, e))
 
+        keepalive = float(getattr(cfg, "sse_keepalive_s", SSE_KEEPALIVE_S) or 0.0)
+
         async def events() -> AsyncIterator[str]:
             task = asyncio.create_task(run())
             delivered = False
             done = 0
             completion = 0
             cached = 0
+            last = time.monotonic()  # when the stream last had something to send
             try:
                 for i in range(0 if opens_scored else n):
                     first = chunk(i, None, None, None, first=True)
                     if first is not None:
                         yield sse(first)
                 while done < n:
-                    kind, i, val = await queue.get()
+                    if not queue.empty() or keepalive <= 0:
+                        kind, i, val = await queue.get()
+                    else:  # waiting (queued, the prompt scored, a slow step): a comment if silent for keepalive s
+                        try:
+                            kind, i, val = await asyncio.wait_for(queue.get(), last + keepalive - time.monotonic())
+                        except asyncio.TimeoutError:
+                            yield KEEPALIVE
+                            last = time.monotonic()
+                            continue
+                    last = time.monotonic()
                     if kind == "open":
                         for j in range(n):
                             yield sse(chunk(j, None, None, val, first=True))
@@ -750,11 +787,16 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                         if i == 0:
                             cached = val.cached_tokens  # the prompt is computed once, by the first choice
                         yield sse(chunk(i, "", val.finish_reason, None, gen=val))
-                    else:
-                        status = getattr(val, "status", 503 if isinstance(val, Unavailable) else 500)
-                        code = getattr(val, "code", None) or ("swarm_unavailable" if isinstance(val, Unavailable)
-                                                              else None)
-                        yield error_event(status, str(val), param=getattr(val, "param", None), code=code)
+                    else:  # as the non-streamed response would say it (status, code; a bug's message)
+                        if isinstance(val, (RequestError, Unavailable)):
+                            status = getattr(val, "status", 503)
+                            code = getattr(val, "code", None) or default_code(status)
+                            message = str(val)
+                            logger.info("a stream ended in error: %d %s: %s", status, code, message)
+                        else:
+                            status, code, message = 500, "internal_error", INTERNAL_ERROR_MESSAGE.format(
+                                type(val).__name__)
+                        yield error_event(status, message, param=getattr(val, "param", None), code=code)
                         break
                 if include_usage and done == n:
                     u = chunk(0, "", None, None)
@@ -782,12 +824,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return [list(prompt)]
         if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
             if sum(len(p) for p in prompt) > MAX_PROMPT_CHARS:
-                raise RequestError("the prompts are too long", param="prompt", status=413)
+                raise RequestError("the prompts are too long", param="prompt", status=413, code="prompt_too_long")
             return [await tokenize(p) for p in prompt]
         if isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
             return [list(x) for x in prompt]
         raise RequestError("prompt must be a non-empty string, list of strings, token ids or lists of token ids",
-                           param="prompt")
+                           param="prompt", code="invalid_value")
 
     def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
         """``n`` copies; seeded requests give choice ``i`` seed ``seed + i`` (choices differ, runs repeat)."""
@@ -802,10 +844,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         check_model(req.model)
         many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
         if req.stream and many and len(req.prompt) != 1:  # before tokenizing them
-            raise RequestError("streaming supports one prompt per request", param="prompt")
+            raise RequestError("streaming supports one prompt per request", param="prompt",
+                               code="unsupported_value")
         if (len(req.prompt) if many else 1) * req.n > cfg.max_n:  # before tokenizing them all on the event loop
             raise RequestError(f"at most {cfg.max_n} completions per request (prompts x n; the orchestrator's "
-                               "--max-choices)", param="prompt" if many and req.n == 1 else "n")
+                               "--max-choices)", param="prompt" if many and req.n == 1 else "n",
+                               code="too_many_choices")
         prompts = await prompt_ids_of(req.prompt)  # as many as counted above
         # echo gives back each prompt as sent (its text; decoding its tokens dropped special tokens such as
         # "<|user|>" and changed the text a client strips the echo by): token-id prompts are decoded
@@ -955,12 +999,13 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return forwarded
         s = orch.get_session(session_id)
         if req.n != 1:
-            raise RequestError("sessions generate one sequence at a time (n=1)", param="n")
+            raise RequestError("sessions generate one sequence at a time (n=1)", param="n", code="unsupported_value")
         if req.model is not None and req.model not in (orch.model_id, orch.prefix, cfg.model):
             raise RequestError(f"this session is of the model {orch.model_id!r}, not {req.model!r}: open a session of "
                                "that model for it", param="model", code="session_model")
         if sum(x is not None for x in (req.prompt, req.input_ids, req.messages)) != 1:
-            raise RequestError("give exactly one of prompt (text), input_ids or messages", param="prompt")
+            raise RequestError("give exactly one of prompt (text), input_ids or messages", param="prompt",
+                               code="invalid_value")
         # a turn whose client just left (a stream broken off, then the next turn sent at once) is given up once that is
         # noticed: this one runs then; one that ends with a turn done is another client's, raced (409)
         turns = s.turns
@@ -1060,9 +1105,38 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     "GET /api/v1/swarm  GET /v1/models  POST /v1/completions  POST /v1/chat/completions  GET /metrics\n")
 
     # Bounded queue, per-client limits and body size (429/413 with Retry-After): limits.py.
-    from petals_chain.orchestrator.limits import install_limits
+    from petals_chain.orchestrator.limits import client_of, install_limits
 
     install_limits(app, orch, ledger=ledger)
+
+    def request_ended(scope: dict, status: Optional[int], headers: list, trace: RequestTrace,
+                      error: Optional[BaseException]) -> None:
+        """Count a generation request nothing counted (refused before its generation began: invalid, too long,
+        over a limit; its client gone first) once, and log an API request answered with an error."""
+        path = scope.get("path", "")
+        if not _API_PATH.match(path):
+            return
+        code = trace.code
+        if status is not None and status >= 400:
+            logger.log(logging.WARNING if status >= 500 else logging.INFO, "%s %s: %d %s", scope.get("method"),
+                       path, status, code or default_code(status))
+        if trace.counted or not _GENERATE_PATH.match(path) or status == 401:
+            return  # counted where it ran; not a generation; no client (petals_chain_rejected_requests has it)
+        if any(k.lower() == SERVED_BY_HEADER.encode() for k, _ in headers):
+            return  # forwarded: counted by the orchestrator that served it
+        limits = getattr(app.state, "limits", None)
+        client = client_of(scope, limits.limits.keys if limits is not None else None)
+        if client is None:
+            return
+        if status is None:
+            outcome = "cancelled" if error is None or isinstance(error, asyncio.CancelledError) else "failed"
+        else:
+            outcome = status_outcome(status, code)
+        trace.counted = True
+        orch.stats.end_request(outcome, client)
+
+    install_log_ids()
+    app.add_middleware(RequestIds, on_end=request_ended)  # outermost: the limits' own answers get an id too
     # built now, not at the first request: the limits (app.state.limits) exist from the start, so a router in
     # front (models.py) refuses a request without a valid key unread from the first one on
     app.middleware_stack = app.build_middleware_stack()

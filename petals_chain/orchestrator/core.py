@@ -108,6 +108,7 @@ class OrchestratorConfig:
     queue_timeout_s: float = 600.0
     # a new request while no chain serves the model (no server ready, all gone) waits this long for one, then 503
     no_chain_wait_s: float = 30.0
+    sse_keepalive_s: float = 15.0  # --sse-keepalive-s: an SSE comment after this long without an event (0: none)
     # an open a server queues for pages, on a server that sends no heartbeats while it waits (older versions), waits
     # there at most this long before it is sent again: a reply lost on the way (seen once in a run with many
     # re-placements: an open silent for 594 s) costs this, not the job's budget. Heartbeating servers keep the open
@@ -510,7 +511,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         vocab = self.vocab_size
         bad = [i for i in ids if not (0 <= int(i) < vocab)]
         if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt",
+                               code="invalid_token_id")
 
     def validate_prompt(self, ids: list[int], max_tokens: int, explicit: bool, *, max_length: int | None = None,
                         field: str = "max_tokens") -> int:
@@ -518,7 +520,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         most tokens it may generate (an implicit limit ends where the context does). ``field``: the body field the
         limit came in (``max_completion_tokens`` for a chat request that sent it)."""
         if not ids:
-            raise RequestError("the prompt is empty", param="prompt")
+            raise RequestError("the prompt is empty", param="prompt", code="empty_prompt")
         self.check_ids(ids)
         return self._max_tokens(max_tokens, len(ids), max_length or self.cfg.max_length, explicit,
                                 session=max_length is not None, field=field)

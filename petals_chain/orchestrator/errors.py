@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 MAX_NAME_SHOWN = 200  # characters of an unknown model's name an error repeats
+
+# The code of an error that names none, by its status: every error object a client gets has a code to act on (a 413
+# "prompt is too long" had code null). OpenAI's names where it has one.
+_DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
+                  405: "method_not_allowed", 409: "conflict", 413: "request_too_large", 415: "unsupported_media_type",
+                  422: "invalid_request", 429: "rate_limit_exceeded", 499: "client_disconnected",
+                  500: "internal_error", 502: "bad_gateway", 503: "swarm_unavailable", 504: "deadline_exceeded"}
+MAX_RETRY_AFTER_S = 60  # OpenAI's clients ignore a Retry-After above 60 s (and back off on their own instead)
+
+
+def default_code(status: int) -> str:
+    """The error code of a response of ``status`` whose error names none."""
+    return _DEFAULT_CODES.get(status) or ("invalid_request" if 400 <= status < 500 else "server_error")
+
+
+def unavailable_retry_after_s(cfg: Any) -> int:
+    """``Retry-After`` of a 503 (no chain, the swarm could not serve it): the soonest a chain can appear, a planner
+    round (``refresh_s``) after a server's change settles (``settle_s``; 3 s by default), at least 1 and at most
+    :data:`MAX_RETRY_AFTER_S`. Not longer: a 503 comes only after the request waited (``--no-chain-wait-s``, the
+    queue time, its failovers), and the request sent again waits in the queue for a chain itself, served the moment
+    one is planned, so a client that waits longer only loses time; without the header OpenAI's clients retried after
+    their own backoff (0.5-8 s) and other clients not at all."""
+    seconds = float(getattr(cfg, "refresh_s", 1.0) or 0.0) + float(getattr(cfg, "settle_s", 2.0) or 0.0)
+    return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds))))
 
 
 def shown_model_name(name: Any) -> str:
@@ -17,13 +42,13 @@ def shown_model_name(name: Any) -> str:
 
 
 class RequestError(ValueError):
-    """A request the orchestrator refuses (maps to HTTP 4xx)."""
+    """A request the orchestrator refuses (maps to HTTP 4xx); ``code`` None: :func:`default_code` of its status."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.param = param
-        self.code = code
+        self.code = code if code is not None else default_code(status)
 
 
 class Unavailable(RuntimeError):

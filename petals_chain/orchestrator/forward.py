@@ -1,7 +1,8 @@
 """Forwarding between the orchestrators of one swarm (``--group-with``): a request this orchestrator's group cannot
 take now (no chain, or the queue at ``--max-queue``) goes to another orchestrator's group instead of failing.
 
-A forwarded request carries :data:`FORWARDED_HEADER` and is never forwarded again (no loops); its reply, streamed
+A forwarded request carries :data:`FORWARDED_HEADER` and its request id (``x-request-id``: the other
+orchestrator's log lines and reply name the same one), and is never forwarded again (no loops); its reply, streamed
 or not, is passed back as the other orchestrator sent it (status, body and headers), with :data:`SERVED_BY_HEADER`
 naming it. If the other orchestrator cannot be reached, or stops refreshing its group record while the request
 waits, this one handles the request itself (and answers 503 or 429 as it would have). A streamed completion the other
@@ -31,6 +32,7 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
+from petals_chain.orchestrator.request_id import HEADER as REQUEST_ID_HEADER, current_request_id
 from petals_chain.orchestrator.resume import (Cut, DeadlineGone, StreamRecord, client_tls, finish, first_deadline_s,
                                              relay_events, sse_events, stream_ending, ticking, with_time_gone)
 from petals_chain.swarm.media import is_event_stream
@@ -198,6 +200,8 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
             return None  # served (and dropped at its deadline) here
     headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
     headers[FORWARDED_HEADER] = orch.groups.me
+    if (rid := current_request_id()) is not None:  # the same id there: one grep finds the request on both
+        headers[REQUEST_ID_HEADER] = rid
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), verify=client_tls())
     try:
         upstream = await _reply_head(orch, request, client, client.build_request(

@@ -86,10 +86,12 @@ class SessionMixin:
 
     def open_session(self, max_length: int | None = None) -> UserSession:
         if sum(len(o.sessions) for o in self.siblings) >= self.cfg.max_sessions:  # every model's, in total
-            raise RequestError(f"too many open sessions ({self.cfg.max_sessions})", status=429)
+            raise RequestError(f"too many open sessions ({self.cfg.max_sessions})", status=429,
+                               code="too_many_sessions")
         ml = self.cfg.max_length if max_length is None else int(max_length)
         if not (2 <= ml <= self.cfg.max_length):
-            raise RequestError(f"max_length must be in [2, {self.cfg.max_length}], got {ml}", param="max_length")
+            raise RequestError(f"max_length must be in [2, {self.cfg.max_length}], got {ml}", param="max_length",
+                               code="invalid_value")
         s = UserSession(self, ml)
         self.sessions[s.id] = s
         return s

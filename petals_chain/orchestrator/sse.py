@@ -6,6 +6,9 @@ import json
 from typing import Any, Optional
 
 DONE = "data: [DONE]\n\n"
+# A comment line: no event for any SSE parser (the spec's "ignore the line"; the openai package's decoder too), but
+# bytes on the wire, so that a proxy does not take a stream waiting in the queue for a dead one
+KEEPALIVE = ": keepalive\n\n"
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
                 503: "service_unavailable"}  # other 4xx: invalid_request_error; other 5xx: server_error
 

@@ -13,13 +13,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.errors import RequestError
+from petals_chain.orchestrator.request_id import REQUEST
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-# How an API request ended (petals_chain_api_requests): its answer came | an error ended it | the dispatcher refused
-# it (429: queue full, more than the swarm holds, a doomed deadline) | its deadline passed while it waited for a
-# chain (504) | its client went away first
-REQUEST_OUTCOMES = ("completed", "failed", "refused", "dropped", "cancelled")
+# How an API request ended (petals_chain_api_requests): its answer came | the swarm could not serve it (503) or an
+# error ended it | it was refused for load or limits (429: the dispatcher's queue full, more than the swarm holds, a
+# doomed deadline; the admission limits' client in-flight cap, tokens per minute, early queue-full) | its deadline
+# passed while it waited for a chain (504) | its client went away first | the request itself was refused (4xx other
+# than 429: invalid fields, unknown model, prompt too long, body too large, session busy): the client's to fix, kept
+# apart so that neither a refusal-rate nor an error-rate alert fires on a client's bad requests
+REQUEST_OUTCOMES = ("completed", "failed", "refused", "dropped", "cancelled", "invalid")
 
 
 def request_outcome(error: BaseException | None) -> str:
@@ -28,10 +32,23 @@ def request_outcome(error: BaseException | None) -> str:
         return "completed"
     if isinstance(error, asyncio.CancelledError):
         return "cancelled"
-    if isinstance(error, RequestError) and error.code == "deadline_exceeded":
+    if isinstance(error, RequestError):
+        return status_outcome(error.status, error.code)
+    return "failed"
+
+
+def status_outcome(status: int, code: str | None = None) -> str:
+    """The outcome (:data:`REQUEST_OUTCOMES`) of a request answered with HTTP ``status`` (and error ``code``)."""
+    if status < 400:
+        return "completed"
+    if status == 504 or code == "deadline_exceeded":
         return "dropped"
-    if isinstance(error, RequestError) and error.status == 429:
+    if status == 429:
         return "refused"
+    if status == 499 or code == "client_disconnected":
+        return "cancelled"
+    if status < 500:
+        return "invalid"
     return "failed"
 
 
@@ -201,10 +218,12 @@ class Stats:
         # requests, not jobs (issue 18): one per API request whatever its n and prompts, one per session turn
         self.m_api_requests = Counter("petals_chain_api_requests", "API requests by client (API key name) and how "
                                       "they ended, one per request whatever its n or number of prompts, and one per "
-                                      "session turn: completed | failed | refused (429 from the dispatcher: queue "
-                                      "full, more than the swarm holds, a doomed deadline) | dropped (its deadline "
-                                      "passed while it waited for a chain) | cancelled (its client went away); "
-                                      "refusals by admission limits are in petals_chain_rejected_requests",
+                                      "session turn: completed | failed (503, an error ended it) | refused (429: "
+                                      "the dispatcher's queue full, more than the swarm holds, a doomed deadline; an "
+                                      "admission limit) | dropped (its deadline passed while it waited for a chain) | "
+                                      "cancelled (its client went away) | invalid (refused for the request itself: "
+                                      "4xx other than 429). Requests without a valid API key (401) are in "
+                                      "petals_chain_rejected_requests alone (no client to count them for)",
                                       ["client", "outcome"], registry=r)
         self._request_totals: dict[str, dict[str, int]] = {}
         # request key (what its parts share: the admission's RequestPlaces) -> its parts; gone with the request
@@ -257,6 +276,9 @@ class Stats:
         if outcome not in REQUEST_OUTCOMES:
             raise ValueError(f"unknown request outcome {outcome!r}")
         client = CLIENT.get() if client is None else client
+        trace = REQUEST.get()
+        if trace is not None:  # the API counts a request nothing counted when it ends (api.py): not this one
+            trace.counted = True
         self.m_api_requests.labels(client, outcome).inc()
         totals = self._request_totals.setdefault(client, dict.fromkeys(REQUEST_OUTCOMES, 0))
         totals[outcome] += 1
