@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from petals_chain.server.admission import StrangerShares
 from petals_chain.server.runner import BlockRunner
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm.prefix import prefix_hashes
@@ -136,6 +137,7 @@ def test_only_a_trusted_peers_close_puts_pages_in_the_prefix_cache(model):
     async def main():
         svc = _service(model, num_slots=8)
         svc.allow_any_client = True
+        svc.stranger_shares = StrangerShares(per_stranger=1.0, strangers=1.0)  # mallory's 16 of 32 pages
         svc.open_session("m", 0, 4, 64, "mallory")
         await svc.forward("m", torch.randn(1, len(PROMPT), svc.hidden_size) * 50, 0)
         svc.close_session("m", prefix_hashes(PROMPT))

@@ -12,6 +12,7 @@ import sys
 import threading
 from typing import Any, Optional, Sequence
 
+from petals_chain.server.admission import DEFAULT_MAX_KV_SHARE_PER_STRANGER, DEFAULT_MAX_KV_SHARE_STRANGERS
 from petals_chain.swarm.logs import log_level, one_line
 
 logger = logging.getLogger("petals_chain.server")
@@ -63,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the peer ids in --initial-peers)")
     p.add_argument("--allow-any-client", action="store_true",
                    help="serve sessions from any peer (open swarms); assignments still need a trusted orchestrator")
+    p.add_argument("--max-kv-share-per-stranger", type=_share, default=DEFAULT_MAX_KV_SHARE_PER_STRANGER,
+                   metavar="F",
+                   help="with --allow-any-client: the part of the KV cache one peer that is not a trusted "
+                        "orchestrator may hold, its queued opens included (0 < F <= 1; refused past it with "
+                        "stranger_quota)")
+    p.add_argument("--max-kv-share-strangers", type=_share, default=DEFAULT_MAX_KV_SHARE_STRANGERS, metavar="F",
+                   help="with --allow-any-client: the part of the KV cache (and of --max-waiters) all untrusted peers "
+                        "together may hold, the rest kept for the trusted orchestrators; peer ids cost a stranger "
+                        "nothing, so this is what bounds many of them (0 < F <= 1)")
     p.add_argument("--emulate-rtt-ms", type=float, default=0.0,
                    help="emulated extra round-trip time per request/reply (half each way; testbeds only)")
     p.add_argument("--emulate-compute-scale", type=float, default=1.0,
@@ -118,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _share(text: str) -> float:
+    """argparse type of a fraction in (0, 1] (a bad value exits 2 with the flag named)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:  # NaN included
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    return value
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -188,7 +209,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             identity_path=args.identity_path, client_mode=args.client_mode,
             emulate_rtt_ms=args.emulate_rtt_ms, emulate_compute_scale=args.emulate_compute_scale,
             max_length=args.max_length, trust_orchestrator=args.trust_orchestrator,
-            allow_any_client=args.allow_any_client, tau_p=args.tau_p, profile_l_in=args.profile_l_in,
+            allow_any_client=args.allow_any_client, max_kv_share_per_stranger=args.max_kv_share_per_stranger,
+            max_kv_share_strangers=args.max_kv_share_strangers, tau_p=args.tau_p, profile_l_in=args.profile_l_in,
             profile_l_out=args.profile_l_out, profile_cache=args.profile_cache, refresh_s=args.refresh_s,
             assignment_poll_s=args.assignment_poll_s, idle_timeout_s=args.idle_timeout_s,
             drain_timeout_s=args.drain_timeout_s, progress=False if args.no_progress else None,

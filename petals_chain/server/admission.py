@@ -4,16 +4,66 @@ PETALS-style per-request routing sends a request to its servers at arrival and l
 enough cache frees up (no central queue). A waiting open is served in arrival order: when slots free up,
 the oldest waiter is tried first and nobody behind it is served while it still does not fit (no
 overtaking, so a request needing many slots cannot starve). The number of waiters and each wait are
-bounded; a waiter that gives up (timeout, client disconnect) leaves the queue at once.
+bounded; a waiter that gives up (timeout, client disconnect) leaves the queue at once. *Guests* (peers the server
+does not trust, ``--allow-any-client``) wait behind every trusted waiter and are overtaken by trusted opens.
+
+:class:`StrangerShares` bounds what guests hold: one peer id at most ``--max-kv-share-per-stranger`` of the KV pool,
+all of them together at most ``--max-kv-share-strangers`` (a stranger makes new peer ids cheaply; the rest is the
+trusted orchestrators' reserve). A refusal by these caps has its own code, :data:`STRANGER_QUOTA`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+STRANGER_QUOTA = "stranger_quota"  # refusal code: an untrusted peer's open or extend is over its share of the pool
+DEFAULT_MAX_KV_SHARE_PER_STRANGER = 0.25
+DEFAULT_MAX_KV_SHARE_STRANGERS = 0.5
+
+
+def check_share(flag: str, value: object) -> float:
+    """``value`` as a fraction in (0, 1], or a ValueError naming ``flag``."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1  # NaN fails too
+    if not ok:
+        raise ValueError(f"{flag} must be a fraction in (0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class StrangerShares:
+    """The parts of the KV pool peers the server does not trust may hold (see the module docstring)."""
+
+    per_stranger: float = DEFAULT_MAX_KV_SHARE_PER_STRANGER
+    strangers: float = DEFAULT_MAX_KV_SHARE_STRANGERS
+
+    def __post_init__(self) -> None:
+        check_share("--max-kv-share-per-stranger", self.per_stranger)
+        check_share("--max-kv-share-strangers", self.strangers)
+
+    def refusal(self, need: int, peer_holds: int, strangers_hold: int, pool_pages: int, *,
+                reserve: bool = True) -> Optional[str]:
+        """Why a stranger holding ``peer_holds`` pages may not take ``need`` more while all strangers hold
+        ``strangers_hold`` of ``pool_pages``; None if it may. ``reserve``: keep the trusted peers' part (there are
+        some); without it only the per-peer cap applies."""
+        per = math.floor(self.per_stranger * pool_pages)
+        if need > per:
+            return (f"{need} cache pages asked for; a peer this server does not trust may hold at most {per} of its "
+                    f"{pool_pages} (--max-kv-share-per-stranger {self.per_stranger:g})")
+        if peer_holds + need > per:
+            return (f"this peer holds (or waits for) {peer_holds} cache pages and asks for {need} more; a peer this "
+                    f"server does not trust may hold at most {per} of its {pool_pages} "
+                    f"(--max-kv-share-per-stranger {self.per_stranger:g}): close a session first")
+        together = math.floor(self.strangers * pool_pages)
+        if reserve and strangers_hold + need > together:
+            return (f"peers this server does not trust hold (or wait for) {strangers_hold} cache pages, {need} more "
+                    f"asked for; together they may hold at most {together} of its {pool_pages}, the rest is kept for "
+                    f"its trusted orchestrators (--max-kv-share-strangers {self.strangers:g})")
+        return None
 
 
 class WaitRefused(Exception):
@@ -28,11 +78,12 @@ class WaitRefused(Exception):
 class _Waiter:
     try_alloc: Callable[[], Any]
     future: asyncio.Future
+    guest: bool = False  # an untrusted peer's open: served after every trusted waiter
     since: float = field(default_factory=time.monotonic)
 
 
 class SlotWaitQueue:
-    """FIFO of opens waiting for slots; ``notify()`` after every release.
+    """FIFO of opens waiting for slots (trusted ones ahead of guests); ``notify()`` after every release.
 
     ``try_alloc()`` must either allocate and return a result, raise ``no_capacity`` (the exception type given
     to the constructor: not enough slots yet, keep waiting) or raise anything else (the open fails with it).
@@ -52,14 +103,25 @@ class SlotWaitQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
+    @property
+    def guests(self) -> int:
+        """Guests' opens waiting."""
+        return sum(w.guest for w in self._queue)
+
+    def ahead_of(self, guest: bool) -> int:
+        """Waiters a new open would queue behind: all of them for a guest, the trusted ones for a trusted peer."""
+        return len(self._queue) if guest else len(self._queue) - self.guests
+
     async def acquire(self, try_alloc: Callable[[], Any], wait_s: float,
-                      release: Optional[Callable[[Any], None]] = None) -> Any:
+                      release: Optional[Callable[[Any], None]] = None, *, guest: bool = False) -> Any:
         """Allocate now if nobody waits ahead and it fits, else wait up to ``min(wait_s, max_wait_s)`` seconds.
 
         ``release(result)`` undoes an allocation that was made for a waiter that was cancelled at that moment.
-        Raises ``no_capacity`` (``wait_s <= 0`` and it does not fit), :class:`WaitRefused` or ``try_alloc``'s error.
+        ``guest``: an untrusted peer's open, queued behind every trusted one (a stranger's open waiting at the head
+        held up every trusted open behind it). Raises ``no_capacity`` (``wait_s <= 0`` and it does not fit),
+        :class:`WaitRefused` or ``try_alloc``'s error.
         """
-        if not self._queue:
+        if not self.ahead_of(guest):
             try:
                 return try_alloc()
             except self.no_capacity:
@@ -70,8 +132,11 @@ class SlotWaitQueue:
         if len(self._queue) >= self.max_waiters:
             raise WaitRefused("queue_full", f"{len(self._queue)} opens already wait for slots (limit {self.max_waiters})")
         limit = min(float(wait_s), self.max_wait_s)
-        waiter = _Waiter(try_alloc, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
+        waiter = _Waiter(try_alloc, asyncio.get_running_loop().create_future(), guest=guest)
+        if guest:
+            self._queue.append(waiter)
+        else:  # behind the trusted waiters, ahead of the guests
+            self._queue.insert(self.ahead_of(False), waiter)
         try:
             done, _ = await asyncio.wait({waiter.future}, timeout=limit)
         except asyncio.CancelledError:

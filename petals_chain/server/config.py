@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from petals_chain.server.admission import (DEFAULT_MAX_KV_SHARE_PER_STRANGER, DEFAULT_MAX_KV_SHARE_STRANGERS,
+                                           StrangerShares, check_share)
 from petals_chain.swarm.emulation import Emulation
 
 DEFAULT_MAX_LENGTH = 2048  # slots are sized for this many tokens until an assignment says otherwise
@@ -32,6 +34,9 @@ class ServerConfig:
     max_blocks: int = 0  # the volunteer's cap on hosted blocks (0: as many as the memory budget allows)
     trust_orchestrator: Sequence[str] = ()  # empty: the peer ids named in initial_peers
     allow_any_client: bool = False
+    # with allow_any_client: parts of the KV pool one untrusted peer, and all of them together, may hold
+    max_kv_share_per_stranger: float = DEFAULT_MAX_KV_SHARE_PER_STRANGER
+    max_kv_share_strangers: float = DEFAULT_MAX_KV_SHARE_STRANGERS
     tau_p: Optional[float] = None  # None: measure (cached); else use this value (s/block/job, unscaled)
     profile_l_in: int = 128
     profile_l_out: int = 16
@@ -82,6 +87,12 @@ class ServerConfig:
                             ("--page-size", self.page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+        self.stranger_shares()
+
+    def stranger_shares(self) -> StrangerShares:
+        """What untrusted peers may hold of the KV pool (validated: ValueError naming the flag)."""
+        return StrangerShares(check_share("--max-kv-share-per-stranger", self.max_kv_share_per_stranger),
+                              check_share("--max-kv-share-strangers", self.max_kv_share_strangers))
 
     def emulation(self) -> Emulation:
         """The emulation knobs (validated: ValueError naming the bad one)."""

@@ -194,7 +194,8 @@ class Server:
         self.service = SessionService(hidden_size=self.hidden_size, trusted=self.trusted,
                                       allow_any_client=cfg.allow_any_client, state=lambda: self.state,
                                       on_change=self._record_changed, describe=self.describe,
-                                      max_waiters=cfg.max_waiters, max_wait_s=cfg.max_wait_s)
+                                      max_waiters=cfg.max_waiters, max_wait_s=cfg.max_wait_s,
+                                      stranger_shares=cfg.stranger_shares())
         self.service.model_fingerprint = self.model_fingerprint
         self.backend = emulated.session_backend(self.service, self.emulation)  # what the RPC handler serves
 

@@ -6,6 +6,11 @@ A session is one job's use of a span of this server's blocks: open reserves the 
 session's pages, close frees them. Sessions are opened only on the runner being served
 (:attr:`SessionService.runner`) and only while the server is ``online``; the lifecycle
 (:mod:`~petals_chain.server.server`) swaps runners and drains through :meth:`SessionService.drain`.
+
+With ``--allow-any-client`` peers the server does not trust ("strangers") open sessions too, within
+:class:`~petals_chain.server.admission.StrangerShares` of the pool (counting the pages their open sessions reserve
+and their queued opens wait for); past it they are refused with code ``stranger_quota``. Their queued opens wait
+behind the trusted ones, which are not refused because a stranger's open waits.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from petals_chain.server.admission import SlotWaitQueue, WaitRefused
+from petals_chain.server.admission import STRANGER_QUOTA, SlotWaitQueue, StrangerShares, WaitRefused
 from petals_chain.server.kv_cache import NoCapacityError
 from petals_chain.swarm.rpc import RefusedError
 
@@ -40,7 +46,7 @@ class OpenSession:
 
 
 class SessionService:
-    """Sessions of trusted peers on the runner being served (see the module docstring).
+    """Sessions on the runner being served (see the module docstring).
 
     ``state()`` is the server's state (sessions open only while ``online``); ``on_change()`` is called
     whenever the free slots change (the record shows them); ``describe()`` gives the server's part of
@@ -49,7 +55,8 @@ class SessionService:
 
     def __init__(self, *, hidden_size: int, trusted: Iterable[str], allow_any_client: bool,
                  state: Callable[[], str], on_change: Callable[[], None], describe: Callable[[], dict],
-                 max_waiters: int = 256, max_wait_s: float = 600.0):
+                 max_waiters: int = 256, max_wait_s: float = 600.0,
+                 stranger_shares: StrangerShares = StrangerShares()):
         self.hidden_size = hidden_size
         self.trusted = trusted
         self.allow_any_client = allow_any_client
@@ -57,6 +64,8 @@ class SessionService:
         self.model_fingerprint = ""  # of the model served (an open naming another is refused)
         self.sessions: dict[str, OpenSession] = {}
         self.admission = SlotWaitQueue(NoCapacityError, max_waiters=max_waiters, max_wait_s=max_wait_s)
+        self.stranger_shares = stranger_shares
+        self._waiting: dict[str, tuple[str, int]] = {}  # strangers' queued opens: session id -> (peer, pages)
         self._state, self._on_change, self._describe = state, on_change, describe
         self._closed = asyncio.Event()  # a session closed (or the drain was told to stop waiting)
         self._released: OrderedDict[str, None] = OrderedDict()  # by a drain's timeout, oldest first (bounded)
@@ -68,9 +77,13 @@ class SessionService:
     def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
                      fork_from: Optional[str] = None, fork_length: int = 0,
                      prefix_hashes: Sequence[bytes] = ()) -> dict:
-        self._check_open(session_id, max_length)
-        if len(self.admission):  # opens waiting for slots are served first (FIFO)
-            raise RefusedError("no_capacity", f"no capacity: {len(self.admission)} opens wait for slots")
+        runner = self._check_open(session_id, max_length)
+        guest = not self._trusted(peer_id)
+        if guest:
+            self._check_share(runner, peer_id, start_block, end_block, max_length, session_id)
+        ahead = self.admission.ahead_of(guest)
+        if ahead:  # opens waiting for slots are served first (FIFO; a trusted peer's before a stranger's)
+            raise RefusedError("no_capacity", f"no capacity: {ahead} opens wait for slots")
         try:
             return self._allocate(session_id, start_block, end_block, max_length, peer_id, fork_from, fork_length,
                                   prefix_hashes)
@@ -88,15 +101,30 @@ class SessionService:
         if need > runner.pool.num_pages:
             raise RefusedError("no_capacity", f"no capacity: {need} cache pages needed, the server has "
                                               f"{runner.pool.num_pages} in all")
+        guest = not self._trusted(peer_id)
+        if guest:
+            self._check_share(runner, peer_id, start_block, end_block, max_length, session_id)
+            if wait_s > 0:
+                if session_id in self._waiting:  # else its pages counted once for any number of waits
+                    raise RefusedError("invalid", f"an open of session {session_id!r} waits already")
+                limit = math.floor(self.stranger_shares.strangers * self.admission.max_waiters)
+                if self.trusted and self.admission.guests >= limit:  # the wait queue's part kept for trusted opens
+                    raise RefusedError(STRANGER_QUOTA, f"{self.admission.guests} opens of peers this server does "
+                                                       f"not trust wait for slots already (at most {limit}: "
+                                                       f"--max-kv-share-strangers of --max-waiters)")
+                self._waiting[session_id] = (peer_id, need)  # its pages count against its share while it waits
         try:
             return await self.admission.acquire(
                 lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id,
                                        prefix_hashes=prefix_hashes), wait_s,
-                release=lambda _result: self.close_session(session_id))
+                release=lambda _result: self.close_session(session_id), guest=guest)
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
         except WaitRefused as e:
             raise RefusedError("no_capacity", f"no capacity: {e}") from None
+        finally:
+            if guest and wait_s > 0:
+                self._waiting.pop(session_id, None)
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         sess = self._open(session_id)
@@ -126,6 +154,11 @@ class SessionService:
         """Raise an open session's token limit (a paged KV cache takes the pages now); ``no_capacity`` leaves it as
         it was. Running sessions go before opens waiting in the FIFO: refusing would preempt work already done."""
         sess = self._open(session_id)
+        if not self._trusted(sess.peer) and sess.runner is self.runner:
+            span = sess.span[1] - sess.span[0]
+            more = sess.runner.pages_needed(span, max_length) - sess.runner.pages_needed(span, sess.max_length)
+            if more > 0:
+                self._check_share(sess.runner, sess.peer, *sess.span, max_length, session_id, more=more)
         try:
             sess.runner.extend(session_id, max_length)
         except NoCapacityError as e:
@@ -176,6 +209,45 @@ class SessionService:
         self._closed.set()
 
     # ------------------------------------------------------------------ internals
+    def _trusted(self, peer_id: str) -> bool:
+        return peer_id in self.trusted
+
+    def stranger_pages(self, peer_id: str, exclude: str = "") -> tuple[int, int]:
+        """Pages of the served runner's pool that ``peer_id`` and all strangers together hold or wait for, not
+        counting session ``exclude``. A stranger matches no cached prefix, so a session holds exactly what its
+        span and limit reserve."""
+        runner = self.runner
+        if runner is None:
+            return 0, 0
+        peer = together = 0
+        for sid, sess in self.sessions.items():
+            if sess.runner is runner and sid != exclude and not self._trusted(sess.peer):
+                pages = runner.pages_needed(sess.span[1] - sess.span[0], sess.max_length)
+                together += pages
+                peer += pages if sess.peer == peer_id else 0
+        for sid, (waiter, pages) in self._waiting.items():
+            if sid != exclude:
+                together += pages
+                peer += pages if waiter == peer_id else 0
+        return peer, together
+
+    def _check_share(self, runner: Any, peer_id: str, start_block: int, end_block: int, max_length: int,
+                     session_id: str, more: Optional[int] = None) -> None:
+        """Refuse (``stranger_quota``) a stranger's session of ``max_length`` tokens over the span, or ``more``
+        pages for its open session ``session_id``, past its share of the pool (see the module docstring)."""
+        if not (isinstance(start_block, int) and isinstance(end_block, int)
+                and runner.start_block <= start_block < end_block <= runner.end_block and max_length >= 1):
+            return  # a bad request: refused as invalid where it is allocated
+        if more is None:
+            need = runner.pages_needed(end_block - start_block, max_length)
+            peer, together = self.stranger_pages(peer_id, exclude=session_id)
+        else:  # an extend: the session's own pages count as held
+            need = more
+            peer, together = self.stranger_pages(peer_id)
+        why = self.stranger_shares.refusal(need, peer, together, runner.pool.num_pages, reserve=bool(self.trusted))
+        if why is not None:
+            raise RefusedError(STRANGER_QUOTA, f"stranger quota: {why}")
+
     def _open(self, session_id: str) -> OpenSession:
         """The open session ``session_id``; a session a drain released is ``unavailable`` (the server went away
         under it: its client fails over, as for a server gone), any other unknown id ``invalid``."""
@@ -209,6 +281,8 @@ class SessionService:
         new session starts with (``n > 1`` samples of one prompt share its prefill). ``prefix_hashes``: the
         prompt's names; the reply's ``cached_tokens`` is how much of it the prefix cache holds."""
         runner = self._check_open(session_id, max_length)
+        if not self._trusted(peer_id):  # again when a queued open gets its turn: the peer may hold more now
+            self._check_share(runner, peer_id, start_block, end_block, max_length, session_id)
         cached = 0
         try:
             if fork_from is None:
@@ -225,6 +299,7 @@ class SessionService:
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
         self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block))
+        self._waiting.pop(session_id, None)  # served: its pages count as held now, not twice until its waiter wakes
         self._on_change()
         return {"slots_free": runner.slots_free, "cache_tokens_free": runner.cache_tokens_free,
                 "start_block": start_block, "end_block": end_block, "cached_tokens": cached,

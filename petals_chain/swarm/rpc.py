@@ -39,7 +39,8 @@ any reason: close, client disconnect, or no *valid* message (open, step, extend,
 gets ``untrusted`` (after its first message, or ``UNTRUSTED_READ_S`` of silence) and the stream ends.
 Error replies are ``{"ok": false, "code", "error"}`` with code ``no_capacity`` | ``untrusted`` | ``invalid``
 | ``unavailable`` | ``idle_timeout`` | ``internal`` | ``no_push`` (a ``pushed`` step whose input no push brought
-within the server's push timeout; servers before that code said ``unavailable``, "no push for step ...").
+within the server's push timeout; servers before that code said ``unavailable``, "no push for step ...")
+| ``stranger_quota`` (an untrusted peer over its share of the server's KV cache, see server/admission.py).
 
 The client checks every step reply against what it sent (one tensor of the same shape and dtype, finite,
 in no more chunks than its size allows): anything else raises :class:`InvalidReply` and ends the stream.
