@@ -88,21 +88,25 @@ def test_a_key_file_other_users_can_read_is_warned_about(tmp_path, monkeypatch, 
     assert caplog.text == ""
 
 
-def test_a_key_file_given_as_a_pipe_serves_every_reader(monkeypatch):
+def test_a_key_file_given_as_a_pipe_serves_every_reader():
     """``--api-keys <(...)`` (or ``/dev/stdin`` from a pipe): the CLI's check read the pipe ("API keys: 1 from
-    /dev/fd/63"), then the model's API read it again, found it empty and the orchestrator exited 1 ("no keys")."""
-    monkeypatch.setattr(auth, "_read_once", {}, raising=False)  # rings kept per pipe: fresh here
+    /dev/fd/63"), then the model's API read it again, found it empty and the orchestrator exited 1 ("no keys"). The
+    command line now reads it once (auth.KeyFile, not watched) and hands that to every model's API."""
+    from types import SimpleNamespace
+
+    from petals_chain.orchestrator.limits import LimitsConfig
+
     r, w = os.pipe()
     try:
         os.write(w, f"alice {KEY} max_sessions=2\n".encode())
         os.close(w)
         w = -1
         path = f"/dev/fd/{r}"
-        first = KeyRing.from_file(path)  # the CLI's check
-        again = KeyRing.from_file(path)  # each model's API (limits.LimitsConfig.from_config)
+        keys = auth.KeyFile(path)  # the command line's read
+        apis = [LimitsConfig.from_config(SimpleNamespace(api_keys=path, api_key_ring=keys)) for _ in range(2)]
     finally:
         os.close(r)
         if w >= 0:
             os.close(w)
-    for ring in (first, again):
-        assert _client(ring, (b"x-api-key", KEY.encode())) == "alice" and ring.get("alice").max_sessions == 2
+    assert not keys.watching and all(api.keys is keys for api in apis)
+    assert _client(keys, (b"x-api-key", KEY.encode())) == "alice" and keys.get("alice").max_sessions == 2

@@ -289,7 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="API keys, one a line: NAME KEY [max_concurrent=N] [tokens_per_minute=N] [max_sessions=N] "
                         "[deadline_ms=X] [ttft_deadline_ms=X]; "
                         "requests need 'Authorization: Bearer KEY' (401 otherwise), limits and sessions are per key. "
-                        "Without it the API is open (one anonymous client)")
+                        "Without it the API is open (one anonymous client). The file is watched: an edit (or a "
+                        "replace by rename) applies without a restart (--api-keys-reload-s); a removed key gets 401 "
+                        "from its next request on and its sessions close once their turn ends; an edit that does not "
+                        "parse keeps the keys loaded before (logged)")
+    p.add_argument("--api-keys-reload-s", type=_nonnegative_float, default=None, metavar="S",
+                   help="check the --api-keys file for changes this often (a regular file; a pipe is read once). "
+                        "0: never. Default: 2")
     p.add_argument("--model-placement", default="ui", choices=list(PLACEMENT_POLICIES),
                    help="with several models, which model a server offering several serves (seed 001): ui (placed "
                         "by the unserved index when it joins, re-placed every replacement interval, when the "
@@ -462,10 +468,14 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
             json.dump({"http_url": orch.http_url, "initial_peers": peers, "peer_id": orch.dht.peer_id,
                        "pid": os.getpid()}, f)
         os.replace(tmp, ready_file)
+    keys = getattr(cfg, "api_key_ring", None)  # polled by requests too; this reloads (and logs) an idle one's edit
+    key_watch = asyncio.create_task(keys.watch(), name="api-keys") if keys is not None else None
     try:
         await server.serve(sockets=[sock])
     finally:
         print("Shutting down...", flush=True)
+        if key_watch is not None:
+            key_watch.cancel()
         if placer_task is not None:
             placer_task.cancel()
             await asyncio.gather(placer_task, return_exceptions=True)
@@ -574,6 +584,8 @@ def _main(argv: list[str] | None) -> int:
         parser.error("--draft-layers needs a draft model (--speculative draft:MODEL or --draft-model MODEL)")
     if args.draft_timeout_s is not None and not (args.speculative[1] or args.draft_model):
         parser.error("--draft-timeout-s needs a draft model (--speculative draft:MODEL or --draft-model MODEL)")
+    if args.api_keys_reload_s is not None and not args.api_keys:
+        parser.error("--api-keys-reload-s needs --api-keys")
     from petals_chain.swarm.reachability import listen_and_announce, to_multiaddr
 
     for flag, values in (("--host-maddrs", args.host_maddrs), ("--initial-peers", args.initial_peers)):
@@ -621,7 +633,8 @@ def _main(argv: list[str] | None) -> int:
         fairness_w_e=args.fairness_w_e, fairness_w_q=args.fairness_w_q, api_keys=args.api_keys,
         audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance, audit_strikes=args.audit_strikes,
         audit_half_life_s=args.audit_half_life_s, audit_probe_s=args.audit_probe_s, speculative=args.speculative[0],
-        draft_model=args.speculative[1] or args.draft_model, draft_layers=args.draft_layers, speculative_k=args.speculative_k,
+        draft_model=args.speculative[1] or args.draft_model, draft_layers=args.draft_layers,
+        speculative_k=args.speculative_k,
         relay=args.relay)
     if args.draft_timeout_s is not None:
         cfg.draft_timeout_s = args.draft_timeout_s
@@ -636,13 +649,18 @@ def _main(argv: list[str] | None) -> int:
         c.max_sessions, c.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
         c.max_n = args.max_choices
     if args.api_keys:
-        from petals_chain.orchestrator.auth import KeyFileError, KeyRing
+        from petals_chain.orchestrator.auth import DEFAULT_RELOAD_S, KeyFile, KeyFileError
 
-        try:
-            print(f"API keys: {len(KeyRing.from_file(args.api_keys))} from {args.api_keys}", flush=True)
+        reload_s = DEFAULT_RELOAD_S if args.api_keys_reload_s is None else args.api_keys_reload_s
+        try:  # read once, here: a pipe (--api-keys <(...)) reads empty the second time
+            keys = KeyFile(args.api_keys, reload_s=reload_s)
         except KeyFileError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        watched = f" (reloaded when it changes: checked every {reload_s:g} s)" if keys.watching else ""
+        print(f"API keys: {len(keys)} from {args.api_keys}{watched}", flush=True)
+        for c in cfgs:  # every model's API and limits (limits.LimitsConfig.from_config) use this one
+            c.api_key_ring = keys
     elif args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("the HTTP API listens on %s without --api-keys: anyone who can reach it can use the swarm",
                        args.host)

@@ -7,7 +7,13 @@ key it is part of the key)::
 
 ``deadline_ms`` / ``ttft_deadline_ms`` are the key's default deadlines (a request's own fields override them). A key
 is printable ASCII without spaces (what an HTTP header carries), at least :data:`MIN_KEY_CHARS` long. A file other
-users of the host may read or write is loaded with a warning (``chmod 600``).
+users of the host may read or write, or its group may write, is loaded with a warning (``chmod 600``).
+
+The orchestrator reads the file once at start and then watches it (:class:`KeyFile`): an edit (also an editor's
+replace-by-rename) is loaded within ``--api-keys-reload-s`` seconds, without a restart. A new key works at once, a
+removed one is refused (401) from its next request on (what already runs or waits finishes), changed limits apply
+to the next request. An edit that does not parse, or a file gone, keeps the keys loaded before and is logged once.
+A pipe or a device (``--api-keys <(...)``) is read once.
 
 Clients send ``Authorization: Bearer KEY`` (or ``X-API-Key: KEY``). The client identity everywhere (limits,
 session ownership, metrics, fairness) is the key's *name*; the key itself is kept only as a SHA-256 digest and
@@ -16,6 +22,7 @@ never shown. Without ``--api-keys`` every request is the one client ``anonymous`
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import hmac
@@ -23,9 +30,10 @@ import logging
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from petals_chain.orchestrator.deadlines import MAX_DEADLINE_MS
 
@@ -38,11 +46,9 @@ MIN_KEY_CHARS = 16
 _KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII: a header's bytes are read as latin-1, a file's as UTF-8
 _COMMENT = re.compile(r"(?:^|\s)#")  # a '#' inside a field is part of it (it cut a key short, silently)
 
+DEFAULT_RELOAD_S = 2.0  # --api-keys-reload-s
 logger = logging.getLogger(__name__)
-_warned: set[tuple[str, int]] = set()  # (path, mode) warned about: the file is read once per model's API
-# rings read from a pipe or a device, by its (st_dev, st_ino): the CLI's check and each model's API read the file, and
-# a pipe (--api-keys <(...), /dev/stdin) reads empty after the first ("no keys": the orchestrator exited at start)
-_read_once: dict[tuple[int, int], "KeyRing"] = {}
+_warned: set[tuple[str, int]] = set()  # (path, mode) warned about: the file is read again at each change
 
 # The client of the request being served (set by the API middleware; copied into the tasks a request spawns).
 CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("petals_chain_client", default=ANONYMOUS)
@@ -95,18 +101,13 @@ class KeyRing:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "KeyRing":
-        """Parse an API key file; raises :class:`KeyFileError` naming the first bad line. A pipe or a device is read
-        once: later calls for it get the ring read then."""
-        once = _unseekable(path)
-        if once in _read_once:
-            return _read_once[once]
-        try:  # utf-8-sig: a byte order mark (Notepad's) made the first name invalid
-            text = Path(path).read_text(encoding="utf-8-sig")
-        except OSError as e:
-            raise KeyFileError(f"cannot read the API key file {path}: {e}") from None
-        except UnicodeDecodeError as e:  # a binary file, or another encoding: a traceback before
-            raise KeyFileError(f"the API key file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        _warn_if_shared(path)
+        """Parse an API key file; raises :class:`KeyFileError` naming the first bad line. Each call reads the file
+        (a pipe reads empty the second time: :class:`KeyFile` reads it once and is shared)."""
+        return cls.parse(_read_key_text(path), path)
+
+    @classmethod
+    def parse(cls, text: str, path: str | Path) -> "KeyRing":
+        """Parse the text of an API key file read from ``path`` (named in the errors)."""
         keys, digests, lines_of = [], set(), {}
         for lineno, raw in enumerate(text.splitlines(), 1):
             line = _COMMENT.split(raw, 1)[0].strip()
@@ -151,27 +152,182 @@ class KeyRing:
         if not keys:
             raise KeyFileError(f"{path}: no keys (an empty key file would lock every client out)")
         try:
-            ring = cls(keys)
+            return cls(keys)
         except KeyFileError as e:
             raise KeyFileError(f"{path}: {e}") from None
-        if once is not None:
-            _read_once[once] = ring
-        return ring
 
 
-def _unseekable(path: str | Path) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of ``path`` when it is not a regular file (a pipe or a device: read once), else None."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None  # the read says why
-    return None if stat.S_ISREG(st.st_mode) else (st.st_dev, st.st_ino)
+def _read_key_text(path: str | Path) -> str:
+    """The text of the key file at ``path`` (:class:`KeyFileError` if unreadable), warning if it is shared."""
+    try:  # utf-8-sig: a byte order mark (Notepad's) made the first name invalid
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except OSError as e:
+        raise KeyFileError(f"cannot read the API key file {path}: {e}") from None
+    except UnicodeDecodeError as e:  # a binary file, or another encoding: a traceback before
+        raise KeyFileError(f"the API key file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    _warn_if_shared(path)
+    return text
+
+
+# a listener of a reload: (added, removed, changed) key names
+ReloadListener = Callable[[set[str], set[str], set[str]], None]
+
+
+class KeyFile:
+    """The keys of an ``--api-keys`` file, reloaded when the file changes: the :class:`KeyRing` interface over the
+    ring loaded last, which one orchestrator process shares among every model's API.
+
+    Every ``reload_s`` seconds (0: never) at most, a look-up (or :meth:`watch`) stats the file; a new
+    ``(st_mtime_ns, st_size, st_ino, st_dev)`` (a rename over it is a new inode) has it read again, and a new text
+    parsed. A text that fails to parse, or a file gone, keeps the old ring and is logged once per version of the
+    file, not per poll. A pipe or a device is read once and never watched. The constructor raises
+    :class:`KeyFileError` for a bad file (the orchestrator exits 2 before the model loads)."""
+
+    def __init__(self, path: str | Path, reload_s: float = DEFAULT_RELOAD_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if not (0 <= reload_s < float("inf")):
+            raise ValueError(f"reload_s must be a finite number of seconds >= 0, got {reload_s!r}")
+        self.path, self.reload_s, self._clock = str(path), float(reload_s), clock
+        try:
+            st: Optional[os.stat_result] = os.stat(self.path)
+        except OSError:
+            st = None  # the read below says why
+        # stat before the read: a change between the two is seen by the next poll (read again), never lost
+        self._seen: tuple = _signature(st) if st is not None else ()
+        text = _read_key_text(self.path)
+        self._ring = KeyRing.parse(text, self.path)
+        self._text = _text_digest(text)  # of the version read last (loaded or refused): a touch reloads nothing
+        self._racy = st is not None and _racy(st)
+        self.watching = reload_s > 0 and st is not None and stat.S_ISREG(st.st_mode)
+        self._due = clock() + self.reload_s
+        self.reloads = 0  # edits loaded
+        self.failures = 0  # edits refused (kept the old keys), and times the file was found gone or unreadable
+        self.listeners: list[ReloadListener] = []
+
+    # ---- the KeyRing interface (each access polls the file when a poll is due) ----------------------
+    @property
+    def ring(self) -> KeyRing:
+        """The keys loaded last (after a poll, if one was due)."""
+        self.poll_if_due()
+        return self._ring
+
+    @property
+    def keys(self) -> list[ApiKey]:
+        return self.ring.keys
+
+    def __len__(self) -> int:
+        return len(self.ring)
+
+    def lookup(self, key: str) -> Optional[ApiKey]:
+        return self.ring.lookup(key)
+
+    def get(self, name: str) -> Optional[ApiKey]:
+        return self.ring.get(name)
+
+    # ---- reloading -----------------------------------------------------------------------------------
+    def poll_if_due(self) -> bool:
+        """:meth:`poll` if ``reload_s`` has passed since the last one; True if the keys changed."""
+        if not self.watching:
+            return False
+        now = self._clock()
+        if now < self._due:
+            return False
+        self._due = now + self.reload_s
+        return self.poll()
+
+    def poll(self) -> bool:
+        """Load the file again if it changed since it was read last; True if the keys changed. Never raises: a
+        failure is logged (once per version of the file) and the keys loaded before stay."""
+        if not self.watching:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError as e:  # gone (an editor's delete-and-write, caught between the two) or no longer ours
+            gone = ("gone", e.errno)
+            if self._seen != gone:
+                self._seen, self._text = gone, b""
+                self._failed(f"the API key file {self.path} cannot be read ({e.strerror or e})")
+            return False
+        sig = _signature(st)
+        if sig == self._seen and not self._racy:
+            return False
+        if not stat.S_ISREG(st.st_mode):  # replaced by a FIFO (its read would block the event loop) or a directory
+            if self._seen != sig:
+                self._seen, self._text = sig, b""
+                self._failed(f"the API key file {self.path} is no longer a regular file")
+            return False
+        # a change within the file system's timestamp granularity after a read leaves the stat as it was: a file
+        # modified just before it was read is read again at the next poll, until it is older than that
+        self._seen, self._racy = sig, _racy(st)
+        try:
+            text = _read_key_text(self.path)
+        except KeyFileError as e:  # said once: a read again while the file is recent fails alike
+            if self._text != (marker := _text_digest(f"\0{e}")):
+                self._text = marker
+                self._failed(str(e))
+            return False
+        digest = _text_digest(text)
+        if digest == self._text:
+            return False
+        self._text = digest
+        try:
+            ring = KeyRing.parse(text, self.path)
+        except KeyFileError as e:
+            self._failed(str(e))
+            return False
+        old, self._ring = self._ring, ring
+        self.reloads += 1
+        before, after = {k.name: k for k in old.keys}, {k.name: k for k in ring.keys}
+        added, removed = set(after) - set(before), set(before) - set(after)
+        changed = {n for n in set(before) & set(after) if before[n] != after[n]}  # its key or its limits
+        names = [f"+{n}" for n in sorted(added)] + [f"-{n}" for n in sorted(removed)] + \
+            [f"~{n}" for n in sorted(changed)]
+        logger.info("API keys reloaded from %s: %d keys (%s)", self.path, len(ring),
+                    ", ".join(names) if names else "no key changed")
+        for listener in list(self.listeners):
+            try:
+                listener(added, removed, changed)
+            except Exception:  # noqa: BLE001 - a listener's bug must not undo the reload nor fail the request
+                logger.exception("a listener of the API key reload failed")
+        return bool(names)
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        logger.error("%s: keeping the %d API keys loaded before (the file is read again when it changes)", why,
+                     len(self._ring))
+
+    async def watch(self) -> None:
+        """Poll the file every ``reload_s`` seconds until cancelled, so that an idle orchestrator reloads (and
+        logs) an edit too; look-ups poll it when due as well."""
+        if not self.watching:
+            return
+        while True:
+            await asyncio.sleep(max(0.0, self._due - self._clock()) + 0.01)
+            try:
+                self.poll_if_due()
+            except Exception:  # noqa: BLE001 - a bug here must not end the watch (look-ups still poll)
+                logger.exception("polling the API key file %s failed", self.path)
+
+
+def _signature(st: os.stat_result) -> tuple:
+    return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+
+
+def _racy(st: os.stat_result) -> bool:
+    """Whether ``st``'s file was modified so recently that a write after the read may have left its stat as is
+    (file systems stamp times from a coarse clock)."""
+    return time.time_ns() - st.st_mtime_ns < 2_000_000_000
+
+
+def _text_digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8")).digest()
 
 
 def _warn_if_shared(path: str | Path) -> None:
     """Warn (once per file and mode) when users other than its owner may read the key file (its keys are theirs
-    to use) or write it (a key of their own added); as ssh does for a private key, though not refused: a file made
-    under the usual umask 022 is world-readable and refusing it would stop orchestrators that started before."""
+    to use) or write it (a key of their own added), members of its group included; as ssh does for a private key,
+    though not refused: a file made under the usual umask 022 is world-readable and refusing it would stop
+    orchestrators that started before."""
     try:
         st = os.stat(path)
     except OSError:
@@ -179,11 +335,13 @@ def _warn_if_shared(path: str | Path) -> None:
     if not stat.S_ISREG(st.st_mode):
         return  # a pipe (<(...)) or a device: no permissions of its own to fix
     mode = stat.S_IMODE(st.st_mode)
-    loose = [what for bit, what in ((stat.S_IROTH, "read"), (stat.S_IWOTH, "write")) if mode & bit]
-    if loose and (str(path), mode) not in _warned:
+    others = [what for bit, what in ((stat.S_IROTH, "read"), (stat.S_IWOTH, "write")) if mode & bit]
+    who = [f"other users of this host {' and '.join(others)} it"] if others else []
+    if mode & stat.S_IWGRP:  # a group member can add a key of their own (read by the group alone is as ssh allows)
+        who.append("members of its group write it")
+    if who and (str(path), mode) not in _warned:
         _warned.add((str(path), mode))
-        logger.warning("the API key file %s (mode %04o) lets other users of this host %s it: chmod 600 %s", path,
-                       mode, " and ".join(loose), path)
+        logger.warning("the API key file %s (mode %04o) lets %s: chmod 600 %s", path, mode, " and ".join(who), path)
 
 
 def bearer_key(headers: dict[str, str]) -> Optional[str]:

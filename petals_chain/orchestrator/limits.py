@@ -16,12 +16,19 @@ request is the one client ``anonymous``. With keys, the API (``/v1/*``, ``/api/v
 a missing or unknown key, each key has its own limits, and a session answers only to the key that opened it
 (another key gets 404, as for a session that does not exist). The swarm state, metrics, health and dashboard
 stay public (they show key names, never keys).
+
+The key file is reloaded when it changes (:class:`~petals_chain.orchestrator.auth.KeyFile`): a key's limits are read
+at each request, so an edit applies to the next one. The multi-turn sessions of a key removed from the file are
+closed once their turn under way (if any) ends: the client can no longer reach them (401), and they held their
+chain or KV until the idle reaper. A key whose name stays (a new key for it, new limits) keeps its sessions.
+Reloads are counted in ``petals_chain_api_key_reloads_total{outcome}`` and ``/api/v1/limits``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 import time
@@ -31,7 +38,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, KeyRing, bearer_key
+from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, DEFAULT_RELOAD_S, KeyFile, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.forward import forwardable, opened_session_id
@@ -47,6 +54,8 @@ _OPEN_SESSION = re.compile(r"^/api/v1/sessions/?$")
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)(/generate)?/?$")
 _AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions)")
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class LimitsConfig:
@@ -58,14 +67,19 @@ class LimitsConfig:
     client_max_inflight: int = 256
     client_max_sessions: int = 64
     max_body_bytes: int = 8 * 1024 * 1024
-    keys: Optional[KeyRing] = None  # --api-keys; None: no authentication, one anonymous client
+    keys: Optional[KeyRing | KeyFile] = None  # --api-keys; None: no authentication, one anonymous client
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LimitsConfig":
+        """The limits of ``cfg``: its ``api_key_ring`` (the :class:`KeyFile` the command line read once and shares
+        among every model's API), else its ``api_keys`` file read here and watched every ``api_keys_reload_s``."""
         d = cls()
         numbers = {k: int(getattr(cfg, k, None) or getattr(d, k)) for k in d.__dict__ if k != "keys"}
+        keys = getattr(cfg, "api_key_ring", None)
         path = getattr(cfg, "api_keys", None)
-        return cls(**numbers, keys=KeyRing.from_file(path) if path else None)
+        if keys is None and path:
+            keys = KeyFile(path, reload_s=float(getattr(cfg, "api_keys_reload_s", DEFAULT_RELOAD_S)))
+        return cls(**numbers, keys=keys)
 
     def inflight_limit(self, client: str) -> int:
         key = self.keys.get(client) if self.keys is not None else None
@@ -93,7 +107,7 @@ class _BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"the request body is larger than {limit} bytes")
 
 
-def client_of(scope: Scope, keys: Optional[KeyRing]) -> Optional[str]:
+def client_of(scope: Scope, keys: Optional[KeyRing | KeyFile]) -> Optional[str]:
     """The request's client: its key's name; ``anonymous`` without keys; None for a missing or unknown key."""
     if keys is None:
         return ANONYMOUS
@@ -168,6 +182,45 @@ class AdmissionLimits:
                                    ["reason"], registry=orch.stats.registry)
         except Exception:  # noqa: BLE001 - metrics are optional (e.g. a registry that already has it)
             self._metric = None
+        self._closing: set[asyncio.Task] = set()  # closes of the sessions of removed keys
+        if isinstance(self.limits.keys, KeyFile):
+            self.limits.keys.listeners.append(self._keys_reloaded)
+            try:
+                orch.stats.registry.register(_KeyFileMetrics(self.limits.keys))
+            except Exception:  # noqa: BLE001 - optional, as above (another app over the same orchestrator has it)
+                pass
+
+    def _keys_reloaded(self, added: set[str], removed: set[str], changed: set[str]) -> None:
+        """A reload of the key file: close the sessions of the removed keys (on this app's model), each once its
+        turn under way, if any, ends."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # polled outside the event loop: the sessions are left to the idle reaper
+            return
+        live = getattr(self.orch, "sessions", {})
+        for name in sorted(removed):
+            sids = sorted(sid for sid in self.sessions_of.get(name, ()) if sid in live)
+            if sids:
+                task = asyncio.ensure_future(self._close_sessions_of(name, sids))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+
+    async def _close_sessions_of(self, name: str, sids: list[str]) -> None:
+        for sid in sids:
+            s = self.orch.sessions.get(sid)
+            if s is None:
+                continue
+            while not await s.wait_turn_end(5.0):  # its turn (running, or waiting for a chain) finishes first
+                pass
+            if self.limits.keys is None or self.limits.keys.get(name) is not None:
+                return  # the name came back meanwhile (with a new key): its sessions are its own again
+            if sid not in self.orch.sessions:
+                continue
+            try:
+                await self.orch.close_session(sid)
+            except RequestError:  # closed meanwhile (by its client, or the reaper)
+                continue
+            logger.info("closed session %s of %s: its API key was removed", sid, name)
 
     # ---- state ---------------------------------------------------------------------------------
     def capacity(self) -> int:
@@ -196,8 +249,11 @@ class AdmissionLimits:
 
     def snapshot(self) -> dict:
         numbers = {k: v for k, v in self.limits.__dict__.items() if k != "keys"}
+        keys = self.limits.keys
+        reloads = {"api_keys_reloads": keys.reloads, "api_keys_reload_failures": keys.failures} \
+            if isinstance(keys, KeyFile) else {}
         return {"inflight": self.inflight, "clients": len(self.by_client), "rejected": dict(self.rejected),
-                "api_keys": len(self.limits.keys) if self.limits.keys is not None else 0, **numbers}
+                "api_keys": len(keys) if keys is not None else 0, **reloads, **numbers}
 
     def clients_json(self) -> list[dict]:
         """Usage per client (key name; never the key): requests in flight, open sessions, tokens in the last
@@ -210,7 +266,8 @@ class AdmissionLimits:
         stats = self.orch.stats
         return [{"name": n, "inflight": self.by_client.get(n, 0), "sessions": self.open_sessions(n),
                  "tokens_last_minute": self.ledger.tokens_last_minute(n), **stats.client_totals(n),
-                 "limits": {"max_concurrent": self.limits.inflight_limit(n), "max_sessions": self.limits.session_limit(n),
+                 "limits": {"max_concurrent": self.limits.inflight_limit(n),
+                            "max_sessions": self.limits.session_limit(n),
                             "tokens_per_minute": self.limits.tokens_per_minute(n)}}
                 for n in sorted(names)]
 
@@ -410,6 +467,31 @@ class AdmissionLimits:
             await send(message)
 
         return wrapped
+
+
+class _KeyFileMetrics:
+    """Prometheus collector of a :class:`KeyFile`: the keys loaded and the reloads of the file by outcome."""
+
+    def __init__(self, keys: KeyFile):
+        self.keys = keys
+
+    def describe(self) -> list:  # the names, so that a second registration is refused as a duplicate
+        return self._families(0, 0, 0)
+
+    def collect(self) -> list:
+        return self._families(len(self.keys), self.keys.reloads, self.keys.failures)
+
+    @staticmethod
+    def _families(n: int, reloads: int, failures: int) -> list:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        loaded = GaugeMetricFamily("petals_chain_api_keys", "API keys loaded from the --api-keys file", value=n)
+        counts = CounterMetricFamily("petals_chain_api_key_reloads", "Edits of the --api-keys file: loaded, or "
+                                     "failed (the keys loaded before kept; also a file gone or unreadable)",
+                                     labels=["outcome"])
+        counts.add_metric(["loaded"], reloads)
+        counts.add_metric(["failed"], failures)
+        return [loaded, counts]
 
 
 def _stream_error(messages: list[dict]) -> dict | None:
