@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--dispatch petals|bprr: how long a routed request may wait at its servers for slots")
     p.add_argument("--queue-timeout-s", type=_positive_float, default=600.0,
                    help="longest wait of a request for a chain (then 503)")
+    p.add_argument("--sse-keepalive-s", type=_nonnegative_float, default=15.0, metavar="S",
+                   help="send an SSE keepalive comment on a stream silent this long (waiting in the queue: proxies "
+                        "such as nginx cut a stream silent for 60 s); 0: never")
     p.add_argument("--no-chain-wait-s", type=_nonnegative_float, default=30.0,
                    help="a new request while no chain serves its model (no server ready) waits this long, then 503")
     p.add_argument("--max-choices", type=_positive_int, default=8,
@@ -434,8 +437,12 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
             for o in orchs:
                 o.siblings = orchs  # --max-sessions counts the sessions of every model
                 o.placer = placer  # its decisions go into every model's summary (the standalone dashboard shows them)
-            app = ModelRouter({o.model_id: create_app(o, ledger) for o in orchs}, {o.model_id: o for o in orchs},
-                              placer=placer)
+            from petals_chain.orchestrator.request_id import RequestIds
+
+            # the router's own answers (an unknown model's 404, a 413) carry an x-request-id too; each model's app
+            # keeps the router's id and adds no second header
+            app = RequestIds(ModelRouter({o.model_id: create_app(o, ledger) for o in orchs},
+                                         {o.model_id: o for o in orchs}, placer=placer))
             for o in orchs:
                 print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
     except BaseException as e:
@@ -645,6 +652,7 @@ def _main(argv: list[str] | None) -> int:
         # Admission limits (limits.py), read with defaults by the API middleware (each model's API its own).
         c.max_queue, c.client_max_inflight = args.max_queue, args.client_max_inflight
         c.queue_timeout_s, c.no_chain_wait_s = args.queue_timeout_s, args.no_chain_wait_s
+        c.sse_keepalive_s = args.sse_keepalive_s
         c.client_max_sessions, c.max_body_bytes = args.client_max_sessions, args.max_body_bytes
         c.max_sessions, c.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
         c.max_n = args.max_choices

@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, DEFAULT_RELOAD_S, KeyFile, KeyRing, bearer_key
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
-from petals_chain.orchestrator.errors import RequestError
+from petals_chain.orchestrator.errors import RequestError, unavailable_retry_after_s
 from petals_chain.orchestrator.forward import forwardable, opened_session_id
 from petals_chain.orchestrator.resume import is_resume
 from petals_chain.orchestrator.sse import NO_RETRY_HEADER, error_object
@@ -560,7 +560,9 @@ class _HeldResponse:
             status = failed.pop("status", 503)
             # a 504 deadline_exceeded (no chain came before its deadline) is the swarm's state now: retried, it may
             # be served (api._futile_retry)
-            await self.limits._send_error(self.send, status, {"error": failed}, retry=status in (429, 503),
+            retry = unavailable_retry_after_s(getattr(self.limits.orch, "cfg", None)) if status == 503 \
+                else status == 429
+            await self.limits._send_error(self.send, status, {"error": failed}, retry=retry,
                                           no_retry=status == 429 and self.adm.never_fits)
         elif start.get("status") == 200 and self.adm.state == "refused":
             self.replaced, self.held = True, []
