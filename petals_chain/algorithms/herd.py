@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +53,8 @@ class Stream:
 class HerdProblem:
     """``num_gpus`` GPUs of ``gpu_memory`` each; groups of at most ``g_bar`` GPUs (None: no limit);
     ``affinity_sets``: a partition of the models (None: one set, the seed's evaluation ``K̄ = ∞``);
-    ``groups``: candidate groups (None: ``⌈N/Ḡ⌉``)."""
+    ``groups``: candidate groups (None: ``⌈N/Ḡ⌉``). Bad input (no GPU, a model's memory missing, NaN or negative,
+    stream names twice, affinity sets that are no partition) is a ``ValueError`` here."""
 
     streams: Sequence[Stream]
     model_memory: Mapping[str, float]
@@ -61,6 +63,26 @@ class HerdProblem:
     g_bar: int | None = None
     affinity_sets: Sequence[Sequence[str]] | None = None
     groups: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_count("num_gpus", self.num_gpus, 1)
+        for name in ("g_bar", "groups"):
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name), 1)
+        if not (isinstance(self.gpu_memory, numbers.Real) and self.gpu_memory > 0):  # inf: no limit; NaN fails
+            raise ValueError(f"gpu_memory must be a positive number, got {self.gpu_memory!r}")
+        names = [s.name for s in self.streams]
+        if len(set(names)) < len(names):  # the solution maps names to groups: a twin was lost from it
+            raise ValueError(f"stream names must be unique: {sorted({n for n in names if names.count(n) > 1})}")
+        for m in self.models():
+            mem = self.model_memory.get(m)
+            if not (isinstance(mem, numbers.Real) and math.isfinite(mem) and mem >= 0):
+                raise ValueError(f"model_memory of {m!r} must be a finite number >= 0, got {mem!r}")
+        if self.affinity_sets:
+            for m in self.models():
+                n = sum(m in c for c in self.affinity_sets)
+                if n != 1:  # a partition: none made the model unplaceable, two made (e) ambiguous
+                    raise ValueError(f"affinity_sets must be a partition of the models: {m!r} is in {n} sets")
 
     def g(self) -> int:
         return self.num_gpus if self.g_bar is None else min(self.g_bar, self.num_gpus)
@@ -86,6 +108,10 @@ class HerdSolution:
     bt: dict[str, float] = field(default_factory=dict)
     status: str = "optimal"
 
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _constraint_matrix(rows: list, nv: int):
@@ -127,7 +153,9 @@ def check_solution(problem: HerdProblem, sol: HerdSolution) -> list[str]:
 
 def solve_herd(problem: HerdProblem, *, merge: bool = True, time_limit_s: float | None = None,
                mip_rel_gap: float = 1e-7) -> HerdSolution | None:
-    """The HERD ILP (module docstring) by HiGHS; None if infeasible (a model larger than a GPU, say).
+    """The HERD ILP (module docstring) by HiGHS; None if infeasible (a model larger than a GPU, say). The memory
+    constraint (c) is kept exactly, not to the solver's tolerance: a group's model set over a GPU's memory is cut
+    off and the ILP solved again.
 
     ``merge`` (default) solves it over model-streams (:func:`merge_model_streams`, the seed's scaling step) and puts
     every stream in its model's group. This loses nothing: given any solution, moving a stream into the group that
@@ -147,6 +175,8 @@ def solve_herd(problem: HerdProblem, *, merge: bool = True, time_limit_s: float 
             return HerdSolution(min(bt.values()), group, sol.sizes, sol.models, bt, sol.status)
     streams = list(problem.streams)
     S, J, G, N = len(streams), problem.num_groups(), problem.g(), problem.num_gpus
+    if S == 0:  # nothing to plan (the ILP's t would be unbounded: no solution, read as infeasible)
+        return HerdSolution(0.0, {}, [0] * J, [[] for _ in range(J)], {})
     models = problem.models()
     K = len(models)
     kidx = {m: k for k, m in enumerate(models)}
@@ -177,12 +207,14 @@ def solve_herd(problem: HerdProblem, *, merge: bool = True, time_limit_s: float 
             rows.append(({Z(k, j): 1.0, **{Y(c, j): -1.0 for c in range(C) if m in sets[c]}}, -np.inf, 0.0))
         if j + 1 < J:
             rows.append(({osz + j: -1.0, osz + j + 1: 1.0}, -np.inf, 0.0))  # symmetry: sizes non-increasing
-    A, lo, hi = _constraint_matrix(rows, nv)
     lb = np.zeros(nv)
     ub = np.ones(nv)
     ub[ow:ow + S * J] = G
     ub[osz:osz + J] = G
     ub[ot] = np.inf
+    for k, m in enumerate(models):  # a model larger than a GPU is in no group (exact, not to the solver's tolerance)
+        if problem.model_memory[m] > problem.gpu_memory:
+            ub[oz + k * J:oz + (k + 1) * J] = 0.0
     integrality = np.ones(nv)
     integrality[ow:ow + S * J] = 0
     integrality[ot] = 0
@@ -191,14 +223,28 @@ def solve_herd(problem: HerdProblem, *, merge: bool = True, time_limit_s: float 
     opts = {"mip_rel_gap": mip_rel_gap}
     if time_limit_s is not None:
         opts["time_limit"] = time_limit_s
-    res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality, bounds=Bounds(lb, ub),
-               options=opts)
-    if res.x is None:
-        return None
-    x = res.x
-    group = {s.name: int(np.argmax([x[X(i, j)] for j in range(J)])) for i, s in enumerate(streams)}
+    cut: set[tuple[str, ...]] = set()
+    while True:
+        A, lo, hi = _constraint_matrix(rows, nv)
+        res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+                   bounds=Bounds(lb, ub), options=opts)
+        if res.x is None:
+            return None
+        x = res.x
+        group = {s.name: int(np.argmax([x[X(i, j)] for j in range(J)])) for i, s in enumerate(streams)}
+        gm = [sorted({s.model for s in streams if group[s.name] == j}) for j in range(J)]
+        # (c) holds only to HiGHS's feasibility tolerance (~1e-6): models a hair over a GPU's memory shared one.
+        # Such a set is cut off in every group (a superset is over too: memory >= 0) and the ILP solved again.
+        over = {tuple(ms) for ms in gm if sum(problem.model_memory[m] for m in ms) > problem.gpu_memory + 1e-9}
+        if not over:
+            break
+        if over & cut:
+            raise RuntimeError(f"HiGHS broke a cut on the model sets {sorted(over & cut)} of the HERD ILP")
+        cut |= over
+        for ms in over:
+            for j in range(J):
+                rows.append(({Z(kidx[m], j): 1.0 for m in ms}, -np.inf, len(ms) - 1.0))
     sizes = _fill(problem, group, [int(round(x[osz + j])) for j in range(J)])
-    gm = [sorted({s.model for s in streams if group[s.name] == j}) for j in range(J)]
     bt = burst_tolerance(problem, group, sizes)
     return HerdSolution(min(bt.values()) if bt else 0.0, group, sizes, gm, bt,
                         "optimal" if res.status == 0 else f"status {res.status}: {res.message}")
@@ -279,6 +325,13 @@ def solve_chain_allocation(need: Mapping[str, float], servers_per_chain: Mapping
     model in each group (each model in one group, ``>= 1`` chain there), at most ``g_bar`` chains per group and
     ``num_servers`` servers in all, maximizing ``min_m c_m / need[m]``. None if not every model gets a chain."""
     models = sorted(need)
+    for m in models:
+        if not (isinstance(need[m], numbers.Real) and math.isfinite(need[m]) and need[m] > 0):
+            raise ValueError(f"need of {m!r} must be a positive number, got {need[m]!r}")
+        _check_count(f"servers_per_chain of {m!r}", servers_per_chain.get(m), 1)
+    _check_count("num_servers", num_servers, 0)
+    if g_bar is not None:
+        _check_count("g_bar", g_bar, 1)
     K = len(models)
     if K == 0:
         return ChainAllocation(0.0, {}, [])

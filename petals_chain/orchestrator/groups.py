@@ -10,8 +10,8 @@ a leader adopts any newer split it reads before it computes its own, so its epoc
 entry carries the split its orchestrator follows: a restarted leader continues from it). Every orchestrator plans only
 the servers of its group (``Planner.group``) and publishes its assignment for them; a server follows the assignment
 that gives it a span (``SwarmDHT.fetch_assignment``). When an orchestrator stops announcing, it is dropped after
-``ttl_s`` of silence, and the leader (a new one if the leader died) hands its servers to the others: they keep
-serving.
+``ttl_s`` of silence (no new entry of it read, by this orchestrator's clock), and the leader (a new one if the leader
+died) hands its servers to the others: they keep serving.
 
 Until a split that names this orchestrator exists, it plans nothing (two planners must never assign one server).
 """
@@ -56,7 +56,8 @@ class GroupCoordinator:
         self._split_key: tuple | None = None
         self.split_method = ""  # how the newest split of this leader was found: ilp | greedy
         self.clock = clock
-        self.last_seen: dict[str, float] = {}  # orchestrator -> when its entry was last read (this clock)
+        self.last_seen: dict[str, float] = {}  # orchestrator -> when a new entry of it was last read (this clock)
+        self._stamps: dict[str, float] = {}  # orchestrator -> the newest timestamp read in its entries (its clock)
         self.urls: dict[str, str] = {}
         self.rates: dict[str, float] = {}
         self.leader: str | None = None
@@ -155,7 +156,12 @@ class GroupCoordinator:
         for o, rec in entries.items():
             if o == self.me:
                 continue
-            self.last_seen[o] = now
+            # alive while it writes newer entries (it republishes every ttl_s / 3), timed by this clock: an entry the
+            # DHT still holds is no sign of life (it lasts until the expiration its writer set by the writer's clock:
+            # a dead orchestrator whose clock ran ahead kept its group, unplanned, for as long as it ran ahead).
+            # Newer, not different: two replicas of its last entries read in turn must not look like a heartbeat.
+            if rec.timestamp > self._stamps.get(o, -math.inf):
+                self._stamps[o], self.last_seen[o] = rec.timestamp, now
             self.urls[o], self.rates[o] = rec.http_url, rec.arrival_rate
             if rec.groups and rec.epoch > self.epoch:  # a leader's split (a new leader continues above it)
                 self.epoch, self.split = rec.epoch, rec.group_of()

@@ -1,0 +1,206 @@
+"""Session 33 hunt in HERD: the ILP (``algorithms/herd.py``) against brute force on edge inputs, its speed claim, its
+input checks; and the group coordinator's liveness of other orchestrators (``orchestrator/groups.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from petals_chain.algorithms.herd import (HerdProblem, Stream, brute_force_herd, check_solution, solve_chain_allocation,
+                                          solve_herd)
+
+
+# ---- the ILP against brute force -----------------------------------------------------------------------------------
+@st.composite
+def herd_problems(draw):
+    """Small instances with the edges: one stream, more groups than GPUs, model sets that fill a GPU exactly (ties)
+    or miss by a hair, models larger than a GPU, one or two affinity sets, no group limit."""
+    models = [f"m{k}" for k in range(draw(st.integers(1, 3)))]
+    streams = [Stream(f"s{i}", draw(st.sampled_from(models)), draw(st.sampled_from([0.5, 1.0, 2.0, 3.0]) | st.floats(
+        0.05, 4.0))) for i in range(draw(st.integers(1, 4)))]
+    used = sorted({s.model for s in streams})
+    gpu = draw(st.sampled_from([8.0, 16.0]))
+    memory = {m: draw(st.sampled_from([4.0, 8.0, 8.0000001, 8.0000005, 16.0, 16.000001, 0.0]) | st.floats(0.0, 12.0))
+              for m in used}
+    num_gpus = draw(st.integers(1, 6))
+    g_bar = draw(st.sampled_from([None, 1, 2, 3, 10]))
+    groups = draw(st.sampled_from([None, 1, 2, num_gpus + 2]))
+    affinity = [used[:1], used[1:]] if len(used) > 1 and draw(st.booleans()) else None
+    return HerdProblem(streams, memory, gpu, num_gpus, g_bar, affinity, groups)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=herd_problems(), merge=st.booleans())
+def test_the_ilp_equals_brute_force_and_keeps_every_constraint(problem, merge):
+    """Same optimum as brute force (both infeasible, or the same min burst tolerance), and a solution that passes
+    :func:`check_solution`. HiGHS's feasibility tolerance let models 1e-7 GB over a GPU's memory share a group (one
+    8.0000001 GB model on an 8 GB GPU: a solution its own check rejects, where brute force finds none)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ilp = solve_herd(problem, merge=merge)
+    bf = brute_force_herd(problem)
+    assert (ilp is None) == (bf is None), (ilp, bf)
+    if ilp is not None:
+        assert check_solution(problem, ilp) == []
+        assert ilp.objective == pytest.approx(bf.objective, rel=1e-6)
+
+
+def test_models_a_hair_over_a_gpus_memory_never_share_it_and_an_exact_fit_does():
+    over = [Stream("a", "a", 1.0), Stream("b", "b", 1.0)]
+    # 8.0000001 + 8 GB on a 16 GB GPU: two groups of one GPU (min bt 1), not one group of two (bt 2, over memory)
+    problem = HerdProblem(over, {"a": 8.0000001, "b": 8.0}, 16.0, 2, 2, groups=2)
+    sol = solve_herd(problem)
+    assert sol is not None and check_solution(problem, sol) == []
+    assert sol.group["a"] != sol.group["b"] and sol.objective == pytest.approx(1.0)
+    # with one candidate group they cannot be placed at all
+    assert solve_herd(HerdProblem(over, {"a": 8.0000001, "b": 8.0}, 16.0, 2, 2)) is None
+    # one model a hair larger than the GPU: no solution at all
+    assert solve_herd(HerdProblem(over[:1], {"a": 8.0000005}, 8.0, 1, 1)) is None
+    # a tie: exactly 16 GB fits, one group of both
+    sol = solve_herd(HerdProblem(over, {"a": 8.0, "b": 8.0}, 16.0, 2, 2, groups=2))
+    assert sol.group["a"] == sol.group["b"] and sol.objective == pytest.approx(2.0)
+
+
+def test_no_streams_is_an_empty_plan_not_infeasible():
+    """No stream: the ILP's ``t`` was unbounded, HiGHS gave no point and ``solve_herd`` said infeasible (None)
+    where brute force plans nothing (objective 0)."""
+    problem = HerdProblem([], {}, 16.0, 4, 2)
+    sol = solve_herd(problem)
+    assert sol is not None and sol.group == {} and sol.objective == 0.0 and check_solution(problem, sol) == []
+    assert sol.objective == brute_force_herd(problem).objective
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_gpus": 0}, "num_gpus"),  # was ZeroDivisionError
+    ({"g_bar": 0}, "g_bar"),  # was ZeroDivisionError
+    ({"num_gpus": -1}, "num_gpus"),  # was None (infeasible)
+    ({"num_gpus": 2.5}, "num_gpus"),  # was TypeError from numpy
+    ({"groups": -1}, "groups"),  # was ValueError("'shape' elements cannot be negative")
+    ({"groups": 0}, "groups"),
+    ({"model_memory": {"a": math.nan, "b": 1.0}}, "memory"),  # was solved as if model a took no memory
+    ({"model_memory": {"a": -5.0, "b": 1.0}}, "memory"),  # was solved as if a freed 5 GB for b
+    ({"model_memory": {"a": math.inf, "b": 1.0}}, "memory"),
+    ({"model_memory": {"a": 1.0}}, "memory"),  # was KeyError: 'b'
+    ({"gpu_memory": math.nan}, "gpu_memory"),  # was None (infeasible)
+    ({"gpu_memory": -1.0}, "gpu_memory"),
+    ({"affinity_sets": [["a"]]}, "affinity"),  # b in no set: was None (infeasible)
+    ({"affinity_sets": [["a", "b"], ["a"]]}, "affinity"),  # not a partition
+    ({"streams": [Stream("s", "a", 1.0), Stream("s", "b", 2.0)]}, "name"),  # was one stream silently lost
+])
+def test_bad_problems_are_a_clear_error(kwargs, match):
+    args = {"streams": [Stream("s1", "a", 1.0), Stream("s2", "b", 2.0)], "model_memory": {"a": 1.0, "b": 1.0},
+            "gpu_memory": 16.0, "num_gpus": 4, "g_bar": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        solve_herd(HerdProblem(**args))
+
+
+def test_no_limit_on_gpu_memory_is_allowed():
+    sol = solve_herd(HerdProblem([Stream("s", "a", 1.0)], {"a": 100.0}, math.inf, 2, None))
+    assert sol is not None and sol.objective == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("need, per_chain, servers, g_bar, match", [
+    ({"a": 0.0}, {"a": 1}, 4, None, "need"),  # was ZeroDivisionError
+    ({"a": math.nan}, {"a": 1}, 4, None, "need"),  # was an allocation with objective nan
+    ({"a": -1.0}, {"a": 1}, 4, None, "need"),  # was None (no chain)
+    ({"a": 1.0}, {"a": 0}, 4, None, "servers_per_chain"),  # chains of no server: unlimited chains
+    ({"a": 1.0}, {}, 4, None, "servers_per_chain"),  # was KeyError
+    ({"a": 1.0}, {"a": 1}, -1, None, "num_servers"),
+    ({"a": 1.0}, {"a": 1}, 4, 0, "g_bar"),  # was four groups of which three empty
+])
+def test_bad_chain_allocations_are_a_clear_error(need, per_chain, servers, g_bar, match):
+    with pytest.raises(ValueError, match=match):
+        solve_chain_allocation(need, per_chain, servers, g_bar)
+
+
+def test_the_speed_claim_100_streams_on_50_gpus_in_under_a_second():
+    """docs/results.md's HERD claim (100 streams x 50 GPUs, 20 models, Ḡ = 12, two affinity sets, solved in < 1 s),
+    measured in CPU time (the solver is single-threaded; other load on the machine does not count)."""
+    from petals_chain.sim.deadlines import random_herd_instance
+
+    for rep in range(2):
+        p = random_herd_instance(np.random.default_rng([0, 100 + rep]), streams=100, gpus=50, models=20, g_bar=12,
+                                 affinity_sets=2, mem_range=(0.5, 3.0))
+        t0 = time.process_time()
+        sol = solve_herd(p)
+        spent = time.process_time() - t0
+        assert sol is not None and sol.status == "optimal" and check_solution(p, sol) == []
+        assert spent < 1.0, spent
+
+
+# ---- the group coordinator: who is alive ---------------------------------------------------------------------------
+def test_an_orchestrator_whose_entry_lingers_in_the_dht_is_dropped_after_ttl():
+    """A dead orchestrator's group entry stays readable until the expiration its writer set by its own clock: one
+    whose clock ran ahead (hivemind only warns) stays in the DHT for that long after it died. Counted alive on
+    every read, it kept its group (planned by nobody, forwards sent to it) all that time, and even without a skew
+    its group moved only up to 2 x ttl_s after it stopped. It is dropped ttl_s after its entry stopped changing."""
+    from test_failover_units import record
+    from test_herd_groups import _group_world
+
+    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
+    entries: dict = {}
+    now = [0.0]
+    coordinator, rounds = _group_world(seen, entries, now)  # ttl_s = 6, rounds a second apart
+
+    async def main():
+        a, b = coordinator("A", "B"), coordinator("B", "A")
+        await rounds(10, a, b)
+        assert len(a.members()) == len(b.members()) == 2
+        # A dies; its last entry is still in the DHT (it expires, by A's clock, long after)
+        await rounds(10, b)
+        assert b.live() == ["B"] and b.members() == set(seen)
+        assert not [o for o in b.json()["orchestrators"] if o["peer_id"] == "A" and o["live"]]
+
+    asyncio.run(main())
+
+
+def test_an_orchestrator_that_keeps_publishing_stays_alive():
+    from test_failover_units import record
+    from test_herd_groups import _group_world
+
+    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
+    entries: dict = {}
+    now = [0.0]
+    coordinator, rounds = _group_world(seen, entries, now)
+
+    async def main():
+        a, b = coordinator("A", "B"), coordinator("B", "A")
+        await rounds(30, a, b)  # five times ttl_s: each republishes every ttl_s / 3
+        assert a.live() == b.live() == ["A", "B"] and len(a.members()) == len(b.members()) == 2
+
+    asyncio.run(main())
+
+
+def test_two_replicas_of_a_dead_orchestrators_last_entries_read_in_turn_are_no_heartbeat():
+    from test_failover_units import record
+    from test_herd_groups import _group_world
+
+    from petals_chain.swarm.records import GroupRecord
+
+    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
+    entries: dict = {}
+    now = [0.0]
+    coordinator, rounds = _group_world(seen, entries, now)
+
+    async def main():
+        a, b = coordinator("A", "B"), coordinator("B", "A")
+        await rounds(10, a, b)
+        last = entries["A"]
+        older = GroupRecord(**{**last.model_dump(), "timestamp": last.timestamp - 2.0})
+        flip = [0]
+
+        async def replicas(prefix, peers):  # A died: the DHT answers from one replica, then from the other
+            flip[0] += 1
+            return {**entries, "A": (last, older)[flip[0] % 2]}
+        b.dht.afetch_groups = replicas
+        await rounds(10, b)
+        assert b.live() == ["B"] and b.members() == set(seen)
+
+    asyncio.run(main())
