@@ -44,7 +44,8 @@ class Generation:
 
 
 # emit(text, token choices since the previous emit): streaming callbacks get the text that is safe to show and
-# the tokens (with logprobs when asked) it came from; text may be empty while a stop string is still possible.
+# the tokens (with logprobs when asked) whose text starts in what has been shown (a token held back with its text
+# comes with it; one past a stop string never comes); text may be empty while a stop string is still possible.
 Emit = Callable[[str, list[TokenChoice]], Awaitable[None]]
 
 
@@ -63,13 +64,27 @@ class GenerationMixin:
         With speculative decoding (``params.speculative`` or ``--speculative``: ``ngram``) each relay step feeds
         the token just sampled together with up to k prompt-lookup drafts; the head keeps the drafts the model's
         own choices confirm (``verify_drafts``) and the chain's KV is rolled back past the rest (the next step
-        overwrites those positions)."""
+        overwrites those positions).
+
+        ``choices`` are the tokens the text shows (a stop token has none): a stop string cuts the text, and the tokens
+        whose text starts at or past the cut are left out of them (their text is not in the answer; OpenAI still
+        bills them: they stay in ``tokens``). A token the cut goes through stays: the text it starts is in the answer,
+        and its logprob is what chose that text. A stream sends each token with the text it starts, so that the
+        tokens it sent are ``choices``."""
         seq = SequenceSampler(params, context)
         matcher = StopMatcher(self.tokenizer, params.stop, context)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
         generated = [] if generated is None else generated
         choices: list[TokenChoice] = []
-        unsent: list[TokenChoice] = []
+        starts: list[int] = []  # where each of ``choices`` starts in the text (a partial character's: where it does)
+        unsent: list[tuple[int, TokenChoice]] = []  # (start, choice) of the tokens no emit carried yet
+
+        def ready(upto: int) -> list[TokenChoice]:
+            """Take the unsent tokens that start before character ``upto``."""
+            nonlocal unsent
+            k = next((i for i, (at, _) in enumerate(unsent) if at >= upto), len(unsent))
+            out, unsent = [c for _, c in unsent[:k]], unsent[k:]
+            return out
         finish = "length"
         limit = min(params.max_tokens, holder.max_length - len(context))
         deadline = DEADLINE.get()
@@ -95,11 +110,11 @@ class GenerationMixin:
                     finish, done = "stop", True
                     break
                 choices.append(choice)
-                unsent.append(choice)
+                starts.append(len(matcher.text))
+                unsent.append((starts[-1], choice))
                 delta = matcher.feed(tok)
                 if delta and emit is not None:
-                    await emit(delta, unsent)
-                    unsent = []
+                    await emit(delta, ready(matcher.emitted))
                 if matcher.stopped:
                     finish, done = "stop", True
                     break
@@ -128,10 +143,15 @@ class GenerationMixin:
                 seq.append(choice.token)
                 pending = [choice]
         tail = matcher.flush()
-        if matcher.stopped:  # a stop string the last, incomplete character had held back
+        if matcher.stopped:  # a stop string (or one the last, incomplete character had held back) cut the text
             finish = "stop"
-        if emit is not None and (tail or unsent):
-            await emit(tail, unsent)
+            cut = len(matcher.text)
+            choices = [c for c, at in zip(choices, starts) if at < cut]
+            last = ready(cut)
+        else:
+            last = ready(len(matcher.text) + 1)  # all: a token that adds no text (an ignored EOS) starts at the end
+        if emit is not None and (tail or last):
+            await emit(tail, last)
         self.stats.relay_steps += holder.steps
         return generated, matcher.text, finish, choices
 

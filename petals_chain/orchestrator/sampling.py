@@ -33,7 +33,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from petals_chain.orchestrator.tokentext import MAX_CHARACTER_BYTES, context_tail
+from petals_chain.orchestrator.tokentext import MAX_CHARACTER_BYTES, context_tail, incomplete_end
 
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing float32 logits by a smaller one
@@ -829,6 +829,10 @@ class StopMatcher:
 
     ``feed`` returns the text that is safe to emit now: text that could still become the start of a
     stop string is held back until it cannot, so a stream never shows part of a stop string.
+
+    A context (``prompt_ids``) that ends inside a character leaves that character to the generated text: the tokens
+    that complete it show it whole (the prompt's part of it had decoded to U+FFFD, which took its place, so the
+    character was lost), and ``whole_text(prompt) + text`` is the decoding of prompt and generated tokens together.
     """
 
     def __init__(self, tokenizer, stop: list[str], prompt_ids: list[int] | None = None):
@@ -849,19 +853,25 @@ class StopMatcher:
         # [prefix, read) give the decoder its context (leading spaces, merged bytes).
         self.prefix = 0
         self.read = 0
+        self._head = ""  # what the token that starts the context's incomplete last character has before it (" ")
         if prompt_ids:
             # The last prompt tokens as the decoder's context: a SentencePiece tokenizer ("▁" word starts: Llama-2,
             # Mistral) drops the leading space of a sequence's first word, so the first generated word decoded
             # alone lost its space ('TRAN…' for ' TRAN…'); prompt + text now equals decoding the whole sequence.
             self.ids = context_tail(tokenizer, prompt_ids)
             self.read = len(self.ids)
+            if self._decode(self.ids).endswith("\ufffd") and (cut := incomplete_end(tokenizer, self.ids)):
+                # the tokens of the character the context ends inside of are read with the generated ones
+                self.read, self._head = cut
+                if not self._decode(self.ids).startswith(self._decode(self.ids[:self.read]) + self._head):
+                    self._head = ""  # (a decoder whose text of that token is not its bytes: the token's text too)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _advance(self, final: bool = False) -> bool:
         """Append the newly decodable text to ``text``; False while the last bytes are incomplete."""
-        before = self._decode(self.ids[self.prefix:self.read])
+        before = self._decode(self.ids[self.prefix:self.read]) + self._head
         now = self._decode(self.ids[self.prefix:])
         # A trailing replacement char means an incomplete multi-byte sequence: wait for more tokens.
         if not final and (now.endswith("\ufffd") or len(now) <= len(before)):
@@ -870,6 +880,7 @@ class StopMatcher:
             return False
         self.text += now[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
+        self._head = ""
         return True
 
     def _advance_within(self, before: str, now: str) -> bool:
@@ -883,6 +894,7 @@ class StopMatcher:
             if len(part) > len(before) and now.startswith(part):
                 self.text += part[len(before):]
                 self.prefix, self.read = self.read, k
+                self._head = ""
                 return True
         return False
 

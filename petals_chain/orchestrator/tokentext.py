@@ -6,17 +6,25 @@ several tokens, each of which decodes alone to U+FFFD, and a SentencePiece token
 sequence's first word. So a token's ``bytes`` come from its vocabulary piece (byte-level: GPT-2's byte-to-character
 map undone; SentencePiece: ``▁`` is a space, ``<0xNN>`` one byte), its text is those bytes when they are whole
 UTF-8 and OpenAI's ``bytes:\\xNN`` form when they are not.
+
+A token-id prompt may end inside a character (its last id the first bytes of ``漢``): that character belongs to the
+text that completes it, the generated text (:func:`incomplete_end`, :func:`whole_text`), so that an echoed prompt and
+its completion together are the decoding of all their tokens.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Sequence
+import weakref
+from typing import Any, Sequence
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 SENTENCEPIECE_SPACE = "\u2581"  # "▁": SentencePiece's word start
 CONTEXT_TOKENS = 4  # prompt tokens an incremental decoder starts from (leading spaces, merged bytes)
 MAX_CHARACTER_BYTES = 4  # UTF-8
+# second bytes of the lead bytes that allow fewer than 0x80..0xBF (Unicode's table 3-7): the others would spell an
+# overlong form (0xE0 0x80), a surrogate (0xED 0xA0) or a code point past U+10FFFF (0xF4 0x90)
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -35,10 +43,15 @@ def _byte_level_decoder() -> dict[str, int]:
 def context_tail(tokenizer, ids: Sequence[int], n: int = CONTEXT_TOKENS) -> list[int]:
     """The last ``n`` or more of ``ids`` as a decoder's context, starting on a whole character: a byte-fallback
     decoder turns a whole run of byte pieces to U+FFFDs when the run starts inside a character, and would keep
-    doing so for every byte piece that follows."""
+    doing so for every byte piece that follows. The character ``ids`` may end inside of is not looked at: it turns
+    its whole run of byte pieces to U+FFFDs, whole characters before it too."""
     ids = [int(t) for t in ids]
+    end = len(ids)
+    if tokenizer.decode(ids[-n:], skip_special_tokens=True).endswith("\ufffd"):
+        cut = incomplete_end(tokenizer, ids)
+        end = cut[0] if cut is not None else end
     for k in range(min(n, len(ids)), min(n + MAX_CHARACTER_BYTES, len(ids)) + 1):
-        if not tokenizer.decode(ids[-k:], skip_special_tokens=True).startswith("\ufffd"):
+        if len(ids) - k <= end and not tokenizer.decode(ids[-k:end], skip_special_tokens=True).startswith("\ufffd"):
             return ids[-k:]
     return ids[-min(n, len(ids)):] if ids else []
 
@@ -88,3 +101,78 @@ class TokenText:
                 t = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
             self._text[token] = t
         return t
+
+
+_TOKEN_TEXTS: "weakref.WeakKeyDictionary[Any, TokenText]" = weakref.WeakKeyDictionary()
+
+
+def token_text(tokenizer) -> TokenText:
+    """The :class:`TokenText` of ``tokenizer``, made once per tokenizer (a new one when it cannot be cached)."""
+    try:
+        return _TOKEN_TEXTS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    tt = TokenText(tokenizer)
+    try:
+        _TOKEN_TEXTS[tokenizer] = tt
+    except TypeError:  # not weakly referenceable
+        pass
+    return tt
+
+
+def _needs(lead: int) -> int:
+    """The length of the UTF-8 sequence ``lead`` starts; 0 for a byte no multi-byte character starts with."""
+    if 0xC2 <= lead <= 0xDF:
+        return 2
+    if 0xE0 <= lead <= 0xEF:
+        return 3
+    if 0xF0 <= lead <= 0xF4:
+        return 4
+    return 0
+
+
+def incomplete_end(tokenizer, ids: Sequence[int]) -> tuple[int, str] | None:
+    """Where ``ids`` end inside a character: ``(j, head)``, ``ids[j]`` the token that holds its first byte and
+    ``head`` the text of that token's bytes before it (``" "`` for SmolLM2's ``Ġæ``, the space and the first byte of
+    ``漢``). None when ``ids`` end on a whole character, or on bytes no character can become (stray bytes, which stay
+    U+FFFD wherever they are)."""
+    tt = token_text(tokenizer)
+    tail, first = b"", len(ids)
+    while first > 0 and len(tail) < MAX_CHARACTER_BYTES - 1:  # an incomplete character has at most 3 bytes
+        tok = int(ids[first - 1])
+        if tok in tt.special:  # decoding drops it or spells it out: no character spans it
+            break
+        tail = tt.bytes_of(tok) + tail
+        first -= 1
+    # the last character's first byte: the last byte that is not a continuation byte (10xxxxxx)
+    at = next((p for p in range(len(tail) - 1, max(-1, len(tail) - MAX_CHARACTER_BYTES), -1)
+               if tail[p] & 0xC0 != 0x80), None)
+    if at is None or not len(tail) - at < _needs(tail[at]):
+        return None
+    lo, hi = _SECOND_BYTE.get(tail[at], (0x80, 0xBF))
+    if len(tail) - at > 1 and not lo <= tail[at + 1] <= hi:  # a start no character has
+        return None
+    pos = 0
+    for j in range(first, len(ids)):
+        piece = tt.bytes_of(int(ids[j]))
+        if pos + len(piece) > at:
+            return j, piece[:at - pos].decode("utf-8", "replace")
+        pos += len(piece)
+    return None  # (unreachable: byte ``at`` lies in one of the tokens)
+
+
+def whole_text(tokenizer, ids: Sequence[int]) -> str:
+    """``ids`` decoded without the character they end inside of (:func:`incomplete_end`), which belongs to the text
+    that completes it: a token-id prompt's echo when a completion follows it, so that the echo and the completion
+    together are the decoding of all their tokens (the echo showed ``�`` and the completion lost the character)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=True)
+    cut = incomplete_end(tokenizer, ids) if text.endswith("\ufffd") else None
+    if cut is None:
+        return text
+    j, head = cut
+    before = tokenizer.decode(list(ids[:j]), skip_special_tokens=True)
+    if text.startswith(before + head):
+        return before + head
+    # a byte-fallback decoder turns the whole run of byte pieces the incomplete character ends to U+FFFDs ("漢" and
+    # 字's first byte: four of them): the tokens before the character, if they decode to whole characters
+    return before if not before.endswith("\ufffd") else text
