@@ -22,6 +22,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -179,7 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
+    work = Path(tempfile.mkdtemp(prefix="soak-growth-"))
+    try:  # the tiny model's files go with the run (each run left its own directory under /tmp)
+        return _soak(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
+
+def _soak(args: argparse.Namespace, work: Path) -> int:
+    """The soak of :func:`main` with the tiny model under ``work``; the roles are stopped whatever happens."""
     from petals_chain.orchestrator import Orchestrator, OrchestratorConfig
     from petals_chain.orchestrator.api import create_app
     from petals_chain.server.config import ServerConfig
@@ -190,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    work = Path(tempfile.mkdtemp(prefix="soak-growth-"))
     model = str(build_tiny_model(work / "model", num_layers=2, num_shards=1))
     max_length = 64
     cfg = OrchestratorConfig(model=model, port=0, max_length=max_length, settle_s=0.5, arrival_rate=1.0,
@@ -211,15 +219,15 @@ def main(argv: list[str] | None = None) -> int:
                                  memory_bytes=memory_for(model, max_length, 2, 8), public_name="soak", tau_p=0.002,
                                  max_length=max_length, refresh_s=2.0, assignment_poll_s=0.3, progress=False))
     serving = asyncio.run_coroutine_threadsafe(server.run(), sl.loop)
-    deadline = time.monotonic() + 180
-    while not (orch.ready and orch.dispatch.chains):
-        if serving.done() or time.monotonic() > deadline:
-            print("error: the swarm did not become ready", file=sys.stderr)
-            return 1
-        time.sleep(0.3)
-    handlers = [o for o in gc.get_objects() if isinstance(o, PetalsChainBlocks)]
     out: dict[str, Any] = {"requests": args.requests, "warmup": args.warmup}
     try:
+        deadline = time.monotonic() + 180
+        while not (orch.ready and orch.dispatch.chains):
+            if serving.done() or time.monotonic() > deadline:
+                print("error: the swarm did not become ready", file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        handlers = [o for o in gc.get_objects() if isinstance(o, PetalsChainBlocks)]
         t0 = time.monotonic()
         out["warmup_kinds"] = ol.call(_drive(port, orch.model_id, 0, args.warmup, args.concurrency, args.tokens))
         _settle(ol, orch, 30 + 2 * args.session_idle_s)

@@ -4,9 +4,14 @@ new peer ids (a public swarm's volunteers restart without --identity-path: each 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from petals_chain.model import Chain, ModelSpec, ServerSpec
 from petals_chain.orchestrator.dispatch import KEPT_CHAIN_IDS, DispatchJob
@@ -118,3 +123,32 @@ def test_planner_forgets_warnings_of_servers_gone(caplog):
     records["p199"] = _record("p199", s_m_bytes=100_000, s_c_bytes=100_000)
     asyncio.run(pl.refresh())
     assert sum("announces s_m=" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_soak_growth_removes_its_model_directory(tmp_path, monkeypatch):
+    """scripts/soak_growth.py built its tiny model in a fresh temp directory and never removed it: each run (or a
+    failed start) left a ``soak-growth-*`` directory under /tmp. Now it goes with the run, whatever ends it."""
+    import petals_chain.swarm.tiny_model as tiny
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts its folders first
+    spec = importlib.util.spec_from_file_location(
+        "s33_soak_growth", Path(__file__).resolve().parents[1] / "scripts" / "soak_growth.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    work = tmp_path / "soak-growth-x"
+
+    def mkdtemp(prefix=""):
+        work.mkdir()
+        return str(work)
+
+    def build(path, **kw):  # the model is written, then building the swarm fails
+        Path(path).mkdir(parents=True)
+        (Path(path) / "model.safetensors").write_bytes(b"0" * 1024)
+        raise RuntimeError("no room for the swarm")
+
+    monkeypatch.setattr(soak.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(tiny, "build_tiny_model", build)
+    monkeypatch.setattr(soak.logging, "basicConfig", lambda **kw: None)  # the test's logging stays as it is
+    with pytest.raises(RuntimeError, match="no room"):
+        soak.main(["--requests", "10"])
+    assert not work.exists()

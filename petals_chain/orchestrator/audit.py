@@ -88,6 +88,7 @@ class Auditor:
         self.rate = float(rate)
         self.tolerance = tolerance
         self.book = StrikeBook(threshold, half_life_s)
+        self._prune_at = 0  # the book's size past which the next prune runs (see _prune)
         self.rng = random.Random(seed)
         self.epoch = 0  # prefix-cache key epoch: bumped by every ban (KV reused under an older one is replayed)
         self._tasks: set[asyncio.Task] = set()
@@ -255,7 +256,8 @@ class Auditor:
         best = None
         for v in planner.online_views() if planner is not None else []:
             r = v.record
-            if v.peer_id == exclude or self.distrusted(v.peer_id) or not r.start_block <= pos < r.start_block + r.num_blocks:
+            if (v.peer_id == exclude or self.distrusted(v.peer_id)
+                    or not r.start_block <= pos < r.start_block + r.num_blocks):
                 continue
             reach = min(limit, r.start_block + r.num_blocks)
             if r.slots_free >= 1 and (best is None or reach > best[1]):
@@ -368,13 +370,16 @@ class Auditor:
 
     def _prune(self) -> None:
         """Forget the strike records of servers gone whose strikes have decayed away (and their strike series): one
-        per audited peer id since start, and volunteers come back under new ids."""
+        per audited peer id since start, and volunteers come back under new ids. A prune scans the whole book, so
+        the next one waits until the book has doubled past what this one kept (banned liars, recent strikes):
+        amortized O(1) per audit (with 5,000 banned ids every audit scanned all 5,000 records, ~1 ms each)."""
         planner = getattr(self.orch, "planner", None)
-        if planner is None or len(self.book) <= 2 * len(planner.servers) + PRUNE_SLACK:
+        if planner is None or len(self.book) <= max(2 * len(planner.servers) + PRUNE_SLACK, self._prune_at):
             return
         for server in self.book.prune(planner.servers, time.monotonic()):
             with contextlib.suppress(KeyError):  # (never struck: no series)
                 self.m_strikes.remove(server)
+        self._prune_at = 2 * len(self.book)
 
     def _strike(self, server: str, err: float, start: int, end: int) -> None:
         self.counts["strikes"] += 1
