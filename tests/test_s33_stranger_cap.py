@@ -291,3 +291,54 @@ def test_the_server_serves_with_the_configured_shares(tiny_model_dir):
     assert server.service.stranger_shares == admission.StrangerShares(per_stranger=0.1, strangers=0.5)
     with pytest.raises(ValueError, match="--max-kv-share-per-stranger"):
         Server(ServerConfig(model=str(tiny_model_dir), tau_p=0.01, max_kv_share_per_stranger=float("nan")))
+
+
+# ---------------------------------------------------------------------------------------------------- review fixes
+@pytest.mark.parametrize("max_waiters", [0, 1])
+def test_the_wait_queues_part_bounds_only_opens_that_must_wait(model, max_waiters):
+    """Before: with ``--max-waiters`` 0 or 1 the strangers' part of the queue is 0, and every stranger's open asking
+    to wait was refused ``stranger_quota`` on an empty server (a routed orchestrator always asks to wait)."""
+    async def main():
+        svc = _service(model, max_waiters=max_waiters)
+        reply = await svc.open_session_wait("m0", 0, 2, 16, "mallory", wait_s=30.0)  # fits: opens at once
+        assert "m0" in svc.sessions and reply["slots_free"] == 7
+        for i in range(15):
+            svc.open_session(f"o{i}", 0, 2, 16, "orch")  # the pool is full
+        with pytest.raises(RefusedError) as info:  # must wait now: past the strangers' part (0 places)
+            await svc.open_session_wait("e0", 0, 2, 16, "eve", wait_s=30.0)
+        code = "no_capacity" if max_waiters == 0 else QUOTA  # no queue at all: full, as for anyone
+        assert info.value.code == code and len(svc.admission) == 0 and not svc._waiting
+        if max_waiters:
+            assert "wait for slots already (at most 0)" in str(info.value)
+            trusted = asyncio.ensure_future(svc.open_session_wait("o15", 0, 2, 16, "orch", wait_s=30.0))
+            await asyncio.sleep(0.05)
+            assert len(svc.admission) == 1  # the trusted open still queues
+            svc.close_session("o0")
+            await asyncio.wait_for(trusted, 5.0)
+
+    asyncio.run(main())
+
+
+def test_a_queued_strangers_turn_on_a_full_pool_does_not_scan_every_session(model, monkeypatch):
+    """Every step and close tries the queue's head; a stranger's there summed every open session's pages first,
+    also when the pool had no room for it: each step O(sessions), a decode round O(sessions^2) (2,000 sessions:
+    1.4 s of event loop per round)."""
+    async def main():
+        svc = _service(model, stranger_shares=admission.StrangerShares(1.0, 1.0))
+        for i in range(16):
+            svc.open_session(f"o{i}", 0, 2, 16, "orch" if i % 2 else f"p{i}")  # full; 8 strangers' sessions
+        scans = []
+        scan = svc.stranger_pages
+        monkeypatch.setattr(svc, "stranger_pages", lambda *a, **kw: scans.append(a) or scan(*a, **kw))
+        waiter = asyncio.ensure_future(svc.open_session_wait("m", 0, 2, 16, "mallory", wait_s=30.0))
+        await asyncio.sleep(0.05)
+        assert len(svc.admission) == 1 and not waiter.done()
+        scans.clear()
+        for _ in range(3):
+            await svc.forward("o1", torch.randn(1, 1, svc.hidden_size), svc.runner.session_length("o1"))
+        assert len(svc.admission) == 1 and scans == []  # tried at each step, found too big before any scan
+        svc.close_session("o3")
+        await asyncio.wait_for(waiter, 5.0)  # room now: its share checked, and served
+        assert "m" in svc.sessions and scans
+
+    asyncio.run(main())

@@ -67,7 +67,8 @@ class StrangerShares:
 
 
 class WaitRefused(Exception):
-    """The open cannot wait: the queue is full or its wait ran out (``reason``: ``queue_full`` | ``timeout``)."""
+    """The open cannot wait: the queue (or its guests' part) is full or its wait ran out (``reason``: ``queue_full``
+    | ``guests_full`` | ``timeout``)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -113,13 +114,15 @@ class SlotWaitQueue:
         return len(self._queue) if guest else len(self._queue) - self.guests
 
     async def acquire(self, try_alloc: Callable[[], Any], wait_s: float,
-                      release: Optional[Callable[[Any], None]] = None, *, guest: bool = False) -> Any:
+                      release: Optional[Callable[[Any], None]] = None, *, guest: bool = False,
+                      max_guests: Optional[int] = None) -> Any:
         """Allocate now if nobody waits ahead and it fits, else wait up to ``min(wait_s, max_wait_s)`` seconds.
 
         ``release(result)`` undoes an allocation that was made for a waiter that was cancelled at that moment.
         ``guest``: an untrusted peer's open, queued behind every trusted one (a stranger's open waiting at the head
-        held up every trusted open behind it). Raises ``no_capacity`` (``wait_s <= 0`` and it does not fit),
-        :class:`WaitRefused` or ``try_alloc``'s error.
+        held up every trusted open behind it). ``max_guests``: guests' opens that may wait at once (None: any number
+        up to ``max_waiters``); it bounds only opens that must wait. Raises ``no_capacity`` (``wait_s <= 0`` and it
+        does not fit), :class:`WaitRefused` (``guests_full`` past ``max_guests``) or ``try_alloc``'s error.
         """
         if not self.ahead_of(guest):
             try:
@@ -130,7 +133,11 @@ class SlotWaitQueue:
         elif wait_s <= 0:
             return try_alloc()  # an open that does not wait keeps today's behaviour (it may still fit)
         if len(self._queue) >= self.max_waiters:
-            raise WaitRefused("queue_full", f"{len(self._queue)} opens already wait for slots (limit {self.max_waiters})")
+            raise WaitRefused("queue_full", f"{len(self._queue)} opens already wait for slots "
+                                            f"(limit {self.max_waiters})")
+        if guest and max_guests is not None and self.guests >= max_guests:
+            raise WaitRefused("guests_full", f"{self.guests} opens of peers this server does not trust wait for slots "
+                                             f"already (at most {max_guests})")
         limit = min(float(wait_s), self.max_wait_s)
         waiter = _Waiter(try_alloc, asyncio.get_running_loop().create_future(), guest=guest)
         if guest:

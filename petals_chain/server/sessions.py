@@ -102,25 +102,27 @@ class SessionService:
             raise RefusedError("no_capacity", f"no capacity: {need} cache pages needed, the server has "
                                               f"{runner.pool.num_pages} in all")
         guest = not self._trusted(peer_id)
+        max_guests = None  # the wait queue's part strangers may fill (the rest kept for trusted opens)
         if guest:
             self._check_share(runner, peer_id, start_block, end_block, max_length, session_id)
             if wait_s > 0:
                 if session_id in self._waiting:  # else its pages counted once for any number of waits
                     raise RefusedError("invalid", f"an open of session {session_id!r} waits already")
-                limit = math.floor(self.stranger_shares.strangers * self.admission.max_waiters)
-                if self.trusted and self.admission.guests >= limit:  # the wait queue's part kept for trusted opens
-                    raise RefusedError(STRANGER_QUOTA, f"{self.admission.guests} opens of peers this server does "
-                                                       f"not trust wait for slots already (at most {limit}: "
-                                                       f"--max-kv-share-strangers of --max-waiters)")
+                if self.trusted:  # checked where the open would queue: one that fits now opens at once
+                    max_guests = math.floor(self.stranger_shares.strangers * self.admission.max_waiters)
                 self._waiting[session_id] = (peer_id, need)  # its pages count against its share while it waits
         try:
             return await self.admission.acquire(
                 lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id,
                                        prefix_hashes=prefix_hashes), wait_s,
-                release=lambda _result: self.close_session(session_id), guest=guest)
+                release=lambda _result: self.close_session(session_id), guest=guest, max_guests=max_guests)
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
         except WaitRefused as e:
+            if e.reason == "guests_full":
+                raise RefusedError(STRANGER_QUOTA, f"stranger quota: {e} (--max-kv-share-strangers "
+                                                   f"{self.stranger_shares.strangers:g} of --max-waiters "
+                                                   f"{self.admission.max_waiters})") from None
             raise RefusedError("no_capacity", f"no capacity: {e}") from None
         finally:
             if guest and wait_s > 0:
@@ -232,14 +234,20 @@ class SessionService:
         return peer, together
 
     def _check_share(self, runner: Any, peer_id: str, start_block: int, end_block: int, max_length: int,
-                     session_id: str, more: Optional[int] = None) -> None:
+                     session_id: str, more: Optional[int] = None, fits_first: bool = False) -> None:
         """Refuse (``stranger_quota``) a stranger's session of ``max_length`` tokens over the span, or ``more``
-        pages for its open session ``session_id``, past its share of the pool (see the module docstring)."""
+        pages for its open session ``session_id``, past its share of the pool (see the module docstring).
+        ``fits_first``: raise NoCapacityError first if the pool lacks the pages (a stranger reserves them all)."""
         if not (isinstance(start_block, int) and isinstance(end_block, int)
                 and runner.start_block <= start_block < end_block <= runner.end_block and max_length >= 1):
             return  # a bad request: refused as invalid where it is allocated
         if more is None:
             need = runner.pages_needed(end_block - start_block, max_length)
+            if fits_first and need > (available := runner.pool.pages_available):
+                # A queued open is tried at every step and close while the pool is full: the scan of all sessions
+                # below made each such try O(sessions), a decode round O(sessions^2) on the event loop.
+                raise NoCapacityError(f"no capacity: {need} cache page(s) needed, {available} of "
+                                      f"{runner.pool.num_pages} available")
             peer, together = self.stranger_pages(peer_id, exclude=session_id)
         else:  # an extend: the session's own pages count as held
             need = more
@@ -282,7 +290,8 @@ class SessionService:
         prompt's names; the reply's ``cached_tokens`` is how much of it the prefix cache holds."""
         runner = self._check_open(session_id, max_length)
         if not self._trusted(peer_id):  # again when a queued open gets its turn: the peer may hold more now
-            self._check_share(runner, peer_id, start_block, end_block, max_length, session_id)
+            self._check_share(runner, peer_id, start_block, end_block, max_length, session_id,
+                              fits_first=fork_from is None)
         cached = 0
         try:
             if fork_from is None:

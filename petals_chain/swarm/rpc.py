@@ -109,10 +109,11 @@ class RemoteError(RuntimeError):
 
 
 class NoCapacityError(RemoteError):
-    """The server has fewer free cache slots than the session needs."""
+    """The server has fewer free cache slots than the session needs (code ``no_capacity``), or than it lets this
+    peer hold (``stranger_quota``: an untrusted peer over its share; full for it until its own sessions close)."""
 
-    def __init__(self, message: str):
-        super().__init__(message, "no_capacity")
+    def __init__(self, message: str, code: str = "no_capacity"):
+        super().__init__(message, code)
 
 
 class InvalidReply(ConnectionError):
@@ -874,8 +875,8 @@ async def _await_next(responses: AsyncIterator, timeout: Optional[float], what: 
 def _raise_if_error(meta: dict) -> None:
     if not meta.get("ok", False):
         code, message = str(meta.get("code", "invalid")), str(meta.get("error", "unknown error"))
-        if code == "no_capacity":
-            raise NoCapacityError(message)
+        if code in ("no_capacity", "stranger_quota"):  # full (for this peer): wait, preempt; not a failed server
+            raise NoCapacityError(message, code)
         raise RemoteError(message, code)
 
 
