@@ -297,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "from its next request on and its sessions close once their turn ends; an edit that does not "
                         "parse keeps the keys loaded before (logged)")
     p.add_argument("--api-keys-reload-s", type=_nonnegative_float, default=None, metavar="S",
-                   help="check the --api-keys file for changes this often (a regular file; a pipe is read once). "
-                        "0: never. Default: 2")
+                   help="check the --api-keys file for changes this often (a regular file: a pipe is read once, and "
+                        "this flag with one is a usage error). 0: never. Default: 2")
     p.add_argument("--model-placement", default="ui", choices=list(PLACEMENT_POLICIES),
                    help="with several models, which model a server offering several serves (seed 001): ui (placed "
                         "by the unserved index when it joins, re-placed every replacement interval, when the "
@@ -665,6 +665,9 @@ def _main(argv: list[str] | None) -> int:
         except KeyFileError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if args.api_keys_reload_s and not keys.watching:  # asked for, and silently never done
+            parser.error(f"--api-keys-reload-s needs a regular --api-keys file: {args.api_keys} is a pipe or a "
+                         "device, read once (leave --api-keys-reload-s out, or give a file)")
         watched = f" (reloaded when it changes: checked every {reload_s:g} s)" if keys.watching else ""
         print(f"API keys: {len(keys)} from {args.api_keys}{watched}", flush=True)
         for c in cfgs:  # every model's API and limits (limits.LimitsConfig.from_config) use this one

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,8 @@ _KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII: a header's bytes ar
 _COMMENT = re.compile(r"(?:^|\s)#")  # a '#' inside a field is part of it (it cut a key short, silently)
 
 DEFAULT_RELOAD_S = 2.0  # --api-keys-reload-s
+# ~150,000 keys; each look-up compares every key, so a ring that large is already slow
+MAX_KEY_FILE_BYTES = 16 * 2**20
 logger = logging.getLogger(__name__)
 _warned: set[tuple[str, int]] = set()  # (path, mode) warned about: the file is read again at each change
 
@@ -158,11 +161,17 @@ class KeyRing:
 
 
 def _read_key_text(path: str | Path) -> str:
-    """The text of the key file at ``path`` (:class:`KeyFileError` if unreadable), warning if it is shared."""
-    try:  # utf-8-sig: a byte order mark (Notepad's) made the first name invalid
-        text = Path(path).read_text(encoding="utf-8-sig")
+    """The text of the key file at ``path`` (:class:`KeyFileError` if unreadable, or larger than
+    :data:`MAX_KEY_FILE_BYTES`), warning if it is shared."""
+    try:
+        with open(path, "rb") as f:  # at most the limit read: a file replaced by a log of gigabytes was read whole
+            data = f.read(MAX_KEY_FILE_BYTES + 1)
     except OSError as e:
         raise KeyFileError(f"cannot read the API key file {path}: {e}") from None
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise KeyFileError(f"the API key file {path} is larger than {MAX_KEY_FILE_BYTES // 2**20} MiB: not a key file")
+    try:  # utf-8-sig: a byte order mark (Notepad's) made the first name invalid
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:  # a binary file, or another encoding: a traceback before
         raise KeyFileError(f"the API key file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     _warn_if_shared(path)
@@ -179,8 +188,11 @@ class KeyFile:
 
     Every ``reload_s`` seconds (0: never) at most, a look-up (or :meth:`watch`) stats the file; a new
     ``(st_mtime_ns, st_size, st_ino, st_dev)`` (a rename over it is a new inode) has it read again, and a new text
-    parsed. A text that fails to parse, or a file gone, keeps the old ring and is logged once per version of the
-    file, not per poll. A pipe or a device is read once and never watched. The constructor raises
+    parsed. The path is followed (``stat``, not ``lstat``): a Kubernetes Secret's ``..data`` symlink swapped to a new
+    version is a change. On an event loop the stat, read and parse run in a thread of their own and the look-up
+    answers from the ring loaded last: a file system that hangs (NFS), or a large file, stalled every request, the
+    health checks too. A text that fails to parse, or a file gone, keeps the old ring and is logged once per version
+    of the file, not per poll. A pipe or a device is read once and never watched. The constructor raises
     :class:`KeyFileError` for a bad file (the orchestrator exits 2 before the model loads)."""
 
     def __init__(self, path: str | Path, reload_s: float = DEFAULT_RELOAD_S,
@@ -200,6 +212,8 @@ class KeyFile:
         self._racy = st is not None and _racy(st)
         self.watching = reload_s > 0 and st is not None and stat.S_ISREG(st.st_mode)
         self._due = clock() + self.reload_s
+        self._reading = threading.Lock()  # one read of the file at a time (a thread's, or a caller's)
+        self._pending: Optional[asyncio.Future] = None  # the poll running in a thread, on its event loop
         self.reloads = 0  # edits loaded
         self.failures = 0  # edits refused (kept the old keys), and times the file was found gone or unreadable
         self.listeners: list[ReloadListener] = []
@@ -207,7 +221,7 @@ class KeyFile:
     # ---- the KeyRing interface (each access polls the file when a poll is due) ----------------------
     @property
     def ring(self) -> KeyRing:
-        """The keys loaded last (after a poll, if one was due)."""
+        """The keys loaded last (after a poll, if one was due and no event loop runs here)."""
         self.poll_if_due()
         return self._ring
 
@@ -226,20 +240,75 @@ class KeyFile:
 
     # ---- reloading -----------------------------------------------------------------------------------
     def poll_if_due(self) -> bool:
-        """:meth:`poll` if ``reload_s`` has passed since the last one; True if the keys changed."""
+        """A poll if ``reload_s`` has passed since the last one: on a running event loop started in a thread
+        (False: its keys are loaded when it ends), else :meth:`poll` here; True if the keys changed."""
         if not self.watching:
             return False
         now = self._clock()
         if now < self._due:
             return False
         self._due = now + self.reload_s
-        return self.poll()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self.poll()
+        self._poll_in_thread()
+        return False
 
     def poll(self) -> bool:
-        """Load the file again if it changed since it was read last; True if the keys changed. Never raises: a
-        failure is logged (once per version of the file) and the keys loaded before stay."""
+        """Load the file again, here, if it changed since it was read last; True if the keys changed. Never raises:
+        a failure is logged (once per version of the file) and the keys loaded before stay. It blocks while the
+        file is read: on an event loop use :meth:`poll_async`."""
+        ring = self._load()
+        return self._apply(ring) if ring is not None else False
+
+    async def poll_async(self) -> bool:
+        """:meth:`poll` with the file read in a thread (or the poll already running joined); True if the keys
+        changed."""
         if not self.watching:
             return False
+        return await asyncio.shield(self._poll_in_thread())
+
+    def _poll_in_thread(self) -> asyncio.Future:
+        """The future of a poll whose read runs in a daemon thread (not the loop's executor: a read that never
+        returns would hold up the loop's shutdown); the keys read are loaded on the loop. One at a time."""
+        loop = asyncio.get_running_loop()
+        pending = self._pending
+        if pending is not None and not pending.done() and pending.get_loop() is loop:
+            return pending  # a hung read keeps its thread, and no second one piles up behind it
+        done = self._pending = loop.create_future()
+
+        def read() -> None:
+            try:
+                ring, error = self._load(), None
+            except BaseException as e:  # noqa: BLE001 - _load raises nothing it expects; a bug is logged on the loop
+                ring, error = None, e
+            try:
+                loop.call_soon_threadsafe(self._loaded, done, ring, error)
+            except RuntimeError:  # the loop closed meanwhile: the next poll reads and loads the file again
+                with self._reading:
+                    self._seen, self._text = (), b""
+
+        threading.Thread(target=read, name="api-keys-poll", daemon=True).start()
+        return done
+
+    def _loaded(self, done: asyncio.Future, ring: Optional[KeyRing], error: Optional[BaseException]) -> None:
+        changed = False
+        if error is not None:
+            logger.error("polling the API key file %s failed", self.path, exc_info=error)
+        elif ring is not None:
+            changed = self._apply(ring)
+        if not done.done():
+            done.set_result(changed)
+
+    def _load(self) -> Optional[KeyRing]:
+        """The ring of the file if it changed and parses, else None (a failure logged once per version)."""
+        if not self.watching:
+            return None
+        with self._reading:
+            return self._load_locked()
+
+    def _load_locked(self) -> Optional[KeyRing]:
         try:
             st = os.stat(self.path)
         except OSError as e:  # gone (an editor's delete-and-write, caught between the two) or no longer ours
@@ -247,15 +316,15 @@ class KeyFile:
             if self._seen != gone:
                 self._seen, self._text = gone, b""
                 self._failed(f"the API key file {self.path} cannot be read ({e.strerror or e})")
-            return False
+            return None
         sig = _signature(st)
         if sig == self._seen and not self._racy:
-            return False
-        if not stat.S_ISREG(st.st_mode):  # replaced by a FIFO (its read would block the event loop) or a directory
+            return None
+        if not stat.S_ISREG(st.st_mode):  # replaced by a FIFO (its read would block) or a directory
             if self._seen != sig:
                 self._seen, self._text = sig, b""
                 self._failed(f"the API key file {self.path} is no longer a regular file")
-            return False
+            return None
         # a change within the file system's timestamp granularity after a read leaves the stat as it was: a file
         # modified just before it was read is read again at the next poll, until it is older than that
         self._seen, self._racy = sig, _racy(st)
@@ -265,16 +334,19 @@ class KeyFile:
             if self._text != (marker := _text_digest(f"\0{e}")):
                 self._text = marker
                 self._failed(str(e))
-            return False
+            return None
         digest = _text_digest(text)
         if digest == self._text:
-            return False
+            return None
         self._text = digest
         try:
-            ring = KeyRing.parse(text, self.path)
+            return KeyRing.parse(text, self.path)
         except KeyFileError as e:
             self._failed(str(e))
-            return False
+            return None
+
+    def _apply(self, ring: KeyRing) -> bool:
+        """Make ``ring`` the keys, log the change by name and tell the listeners; True if a key changed."""
         old, self._ring = self._ring, ring
         self.reloads += 1
         before, after = {k.name: k for k in old.keys}, {k.name: k for k in ring.keys}
@@ -303,8 +375,11 @@ class KeyFile:
             return
         while True:
             await asyncio.sleep(max(0.0, self._due - self._clock()) + 0.01)
+            if self._clock() < self._due:
+                continue
+            self._due = self._clock() + self.reload_s
             try:
-                self.poll_if_due()
+                await self.poll_async()
             except Exception:  # noqa: BLE001 - a bug here must not end the watch (look-ups still poll)
                 logger.exception("polling the API key file %s failed", self.path)
 

@@ -27,6 +27,7 @@ Reloads are counted in ``petals_chain_api_key_reloads_total{outcome}`` and ``/ap
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import math
@@ -38,7 +39,8 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT, DEFAULT_RELOAD_S, KeyFile, KeyRing, bearer_key
+from petals_chain.orchestrator.auth import (ANONYMOUS, CLIENT, DEFAULT_RELOAD_S, ApiKey, KeyFile, KeyRing,
+                                            bearer_key)
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError, unavailable_retry_after_s
 from petals_chain.orchestrator.forward import forwardable, opened_session_id
@@ -55,6 +57,10 @@ _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)(/generate)?/?$")
 _AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions)")
 
 logger = logging.getLogger(__name__)
+# the key a request was admitted with (set by the middleware; copied into the tasks it spawns): a reload of the
+# file while it runs changes the next request's limits, not this one's
+REQUEST_KEY: contextvars.ContextVar[Optional[ApiKey]] = contextvars.ContextVar("petals_chain_request_key",
+                                                                             default=None)
 
 
 @dataclass
@@ -81,21 +87,29 @@ class LimitsConfig:
             keys = KeyFile(path, reload_s=float(getattr(cfg, "api_keys_reload_s", DEFAULT_RELOAD_S)))
         return cls(**numbers, keys=keys)
 
+    def _key(self, client: str) -> Optional[ApiKey]:
+        """``client``'s key: the one its request was admitted with (a reload of the file meanwhile changes the next
+        request's limits and deadlines, not this one's), else the key of that name loaded last."""
+        if self.keys is None:
+            return None
+        pinned = REQUEST_KEY.get()
+        return pinned if pinned is not None and pinned.name == client else self.keys.get(client)
+
     def inflight_limit(self, client: str) -> int:
-        key = self.keys.get(client) if self.keys is not None else None
+        key = self._key(client)
         return key.max_concurrent if key is not None and key.max_concurrent else self.client_max_inflight
 
     def session_limit(self, client: str) -> int:
-        key = self.keys.get(client) if self.keys is not None else None
+        key = self._key(client)
         return key.max_sessions if key is not None and key.max_sessions else self.client_max_sessions
 
     def deadline_defaults(self, client: str) -> tuple[Optional[int], Optional[int]]:
         """The key's default ``(deadline_ms, ttft_deadline_ms)`` (None: none)."""
-        key = self.keys.get(client) if self.keys is not None else None
+        key = self._key(client)
         return (key.deadline_ms, key.ttft_deadline_ms) if key is not None else (None, None)
 
     def tokens_per_minute(self, client: str) -> Optional[int]:
-        key = self.keys.get(client) if self.keys is not None else None
+        key = self._key(client)
         return key.tokens_per_minute if key is not None else None
 
 
@@ -111,10 +125,15 @@ def client_of(scope: Scope, keys: Optional[KeyRing | KeyFile]) -> Optional[str]:
     """The request's client: its key's name; ``anonymous`` without keys; None for a missing or unknown key."""
     if keys is None:
         return ANONYMOUS
+    found = key_of(scope, keys)
+    return found.name if found is not None else None
+
+
+def key_of(scope: Scope, keys: KeyRing | KeyFile) -> Optional[ApiKey]:
+    """The configured key the request presents, or None."""
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     key = bearer_key(headers)
-    found = keys.lookup(key) if key else None
-    return found.name if found is not None else None
+    return keys.lookup(key) if key else None
 
 
 def _take(counts: dict[str, int], client: str, n: int) -> None:
@@ -308,15 +327,19 @@ class AdmissionLimits:
             return await send({"type": "http.response.body", "body": body})
         if scope.get("type") != "http" or not _AUTHENTICATED.match(path):
             return await self.app(scope, receive, send)
-        client = client_of(scope, self.limits.keys)
+        key = key_of(scope, self.limits.keys) if self.limits.keys is not None else None
+        client = key.name if key is not None else ANONYMOUS if self.limits.keys is None else None
         if client is None:
             return await self._reject(send, 401, "invalid_api_key", "a valid API key is required: send "
                                       "'Authorization: Bearer KEY' (keys are configured with --api-keys)",
                                       retry=False)
         token = CLIENT.set(client)  # copied into every task the request spawns (stats, sessions)
+        scope["petals_chain.client"] = client  # who it was admitted as (a key reload may remove or rename it meanwhile)
+        pinned = REQUEST_KEY.set(key)  # its limits and deadlines: the key's as it was admitted, reloads aside
         try:
             await self._serve(client, scope, receive, send)
         finally:
+            REQUEST_KEY.reset(pinned)
             CLIENT.reset(token)
 
     async def _serve(self, client: str, scope: Scope, receive: Receive, send: Send) -> None:
