@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
-import hmac
 import logging
 import os
 import re
@@ -79,7 +78,7 @@ def _digest(key: str) -> bytes:
 
 
 class KeyRing:
-    """The configured keys; :meth:`lookup` compares digests in constant time."""
+    """The configured keys, found by their SHA-256 digests (a key itself is never kept)."""
 
     def __init__(self, keys: list[ApiKey]):
         names = [k.name for k in keys]
@@ -87,17 +86,15 @@ class KeyRing:
             raise KeyFileError("duplicate key names")
         self.keys = list(keys)
         self._by_name = {k.name: k for k in keys}
+        self._by_digest = {k.digest: k for k in keys}
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def lookup(self, key: str) -> Optional[ApiKey]:
-        d = _digest(key)
-        found = None
-        for k in self.keys:  # every entry is compared: the time does not tell which one matched
-            if hmac.compare_digest(k.digest, d):
-                found = k
-        return found
+        # By the key's SHA-256 digest: what a look-up's time could tell (which digests share a hash bucket) says
+        # nothing about any key, and comparing every entry in turn cost 58 ms a request with 200,000 keys.
+        return self._by_digest.get(_digest(key))
 
     def get(self, name: str) -> Optional[ApiKey]:
         return self._by_name.get(name)
