@@ -336,3 +336,89 @@ def test_a_forwarded_request_carries_its_request_id(monkeypatch):
 
     asyncio.run(main())
     assert seen == ["req_" + "ab" * 16]
+
+
+async def _asgi(app, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict]:
+    """One request straight through ``app`` (no HTTP client: it would refuse some of these headers):
+    (status, response headers)."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"host", b"x"), *headers], "client": ("127.0.0.1", 1),
+             "server": ("x", 80)}
+    start: dict = {}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+
+    await app(scope, receive, send)
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}
+
+
+def test_a_client_cannot_forge_log_lines_nor_fill_the_log_without_a_key(api, monkeypatch, caplog):
+    """The error line of an API request (and a bug's) showed its decoded path: ``/v1/x%0A<a forged line>%1B[2J``
+    wrote a second, forged log line and an ANSI escape to the operator's log, with or without a valid key; and every
+    request without a valid key (401) wrote a line, so anyone could fill the log at will. Now the path is shown
+    percent-encoded (as uvicorn's access log writes it) and a 401 writes none (``petals_chain_rejected_requests``
+    counts it)."""
+    orch, app = api
+    forged = "2026-11-30 05:00:00,000 CRITICAL petals_chain.orchestrator.core: forged"
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    async def main():
+        async with _client(app) as c:
+            with caplog.at_level(logging.INFO, logger="petals_chain"):
+                lost = await c.get(f"/v1/x%0A{forged}%1B[2J")
+                refused = [(await c.post("/v1/completions", json={}, headers={
+                    "Authorization": "Bearer wrong-key-0123456789"})).status_code for _ in range(20)]
+                monkeypatch.setattr(orch, "get_session", boom)
+                bug = await c.post(f"/api/v1/sessions/s%0A{forged}%1B[2J/generate", json={"input_ids": [1]})
+        return lost, refused, bug
+
+    lost, refused, bug = asyncio.run(main())
+    assert lost.status_code == 404 and refused == [401] * 20 and bug.status_code == 500
+    lines = [r.getMessage() for r in caplog.records if r.name == "petals_chain.orchestrator.api"]
+    assert len(lines) == 2, lines  # the 404's and the bug's; none for the 401s
+    for line in lines:
+        assert "\n" not in line and "\x1b" not in line, repr(line)
+    assert lines[0].startswith("GET /v1/x%0A2026-11-30%2005%3A00%3A00") and "%1B%5B2J: 404 not_found" in lines[0]
+    assert lines[1].startswith("POST /api/v1/sessions/s%0A2026-11-30") and "internal error (RuntimeError)" in lines[1]
+
+
+def test_a_request_id_is_kept_only_when_all_of_it_is_safe(api):
+    """``X-Request-Id: trace-1\\n`` was kept (the pattern's ``$`` matches before a trailing newline), to be sent in
+    the response's header and written into log lines; an error code of any text (a forwarded reply's) was logged as
+    it came. Now such an id is replaced by a new one, and only a plain code is logged."""
+    from petals_chain.orchestrator.request_id import _error_code, request_id_of
+
+    orch, app = api
+    status, headers = asyncio.run(_asgi(app, "GET", "/v1/models", [
+        (b"authorization", f"Bearer {KEYS['bob']}".encode()), (b"x-request-id", b"trace-1\n")]))
+    assert status == 200 and GENERATED.match(headers["x-request-id"]), headers
+    assert request_id_of([(b"x-request-id", b"trace-1")]) == "trace-1"
+    assert _error_code(b'{"error": {"code": "session_busy"}}') == "session_busy"
+    assert _error_code(b'{"error": {"code": "busy\\n2026 CRITICAL forged"}}') is None
+
+
+def test_a_rebuilt_log_record_is_not_broken_by_the_request_ids():
+    """``logging.makeLogRecord`` (a record rebuilt from a dict: socket and queue log receivers) calls the record
+    factory with no logger name; during a request the factory raised AttributeError on it."""
+    from petals_chain.orchestrator.request_id import REQUEST, RequestTrace, install_log_ids
+
+    install_log_ids()  # as create_app does (once per process)
+    token = REQUEST.set(RequestTrace("req_" + "cd" * 16))
+    try:
+        rebuilt = logging.makeLogRecord({"name": "petals_chain.orchestrator.api", "msg": "from %s", "args": ("a",)})
+        tagged = logging.getLogger("petals_chain.orchestrator.api").makeRecord(
+            "petals_chain.orchestrator.api", logging.INFO, __file__, 1, "seen %d", (1,), None)
+        other = logging.getLogger("hivemind.p2p").makeRecord("hivemind.p2p", logging.INFO, __file__, 1, "x", (), None)
+    finally:
+        REQUEST.reset(token)
+    assert rebuilt.getMessage() == "from a"
+    assert tagged.getMessage() == "seen 1 [request req_" + "cd" * 16 + "]"
+    assert other.getMessage() == "x"

@@ -40,7 +40,7 @@ from petals_chain.orchestrator.errors import default_code, shown_model_name, una
 from petals_chain.orchestrator.forward import (SERVED_BY_HEADER, forward_session_call, maybe_forward,
                                                unless_disconnected)
 from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, RequestIds, RequestTrace,
-                                                  install_log_ids, scope_request_id)
+                                                  install_log_ids, scope_request_id, shown_path)
 from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice,
                                                 offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
@@ -601,8 +601,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         response = _error(500, INTERNAL_ERROR_MESSAGE.format(type(exc).__name__), code="internal_error")
         if rid is not None:
             response.headers[REQUEST_ID_HEADER] = rid
-            logger.error("%s %s: internal error (%s) [request %s]", request.method, request.url.path,
-                         type(exc).__name__, rid)
+            logger.error("%s %s: internal error (%s) [request %s]", request.method,
+                         shown_path(request.scope.get("path", "")), type(exc).__name__, rid)
         return response
 
     def check_model(name: str) -> None:
@@ -1117,9 +1117,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if not _API_PATH.match(path):
             return
         code = trace.code
-        if status is not None and status >= 400:
+        # not a 401: anyone without a key could write lines at will (petals_chain_rejected_requests counts them)
+        if status is not None and status >= 400 and status != 401:
             logger.log(logging.WARNING if status >= 500 else logging.INFO, "%s %s: %d %s", scope.get("method"),
-                       path, status, code or default_code(status))
+                       shown_path(path), status, code or default_code(status))
         if trace.counted or not _GENERATE_PATH.match(path) or status == 401:
             return  # counted where it ran; not a generation; no client (petals_chain_rejected_requests has it)
         if any(k.lower() == SERVED_BY_HEADER.encode() for k, _ in headers):

@@ -15,10 +15,14 @@ import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
+from urllib.parse import quote
 
 HEADER = "x-request-id"
 MAX_ID_CHARS = 128
-_VALID = re.compile(r"^[A-Za-z0-9._:-]{1,%d}$" % MAX_ID_CHARS)
+# matched whole (fullmatch): '$' also matches before a trailing newline, which let "abc\n" through
+_VALID = re.compile(r"[A-Za-z0-9._:-]{1,%d}" % MAX_ID_CHARS)
+_CODE = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # an error code worth logging (another orchestrator's reply sends it)
+MAX_PATH_SHOWN = 200  # characters of a request's path a log line repeats
 _SCOPE_KEY = "petals_chain.request"  # the request's RequestTrace in its ASGI scope (nested apps reuse it)
 _LOGGERS = "petals_chain"  # records of these loggers (and below) get the id
 _MAX_ERROR_BODY = 64 * 1024  # an error response's body read for its code (OpenAI's error objects are small)
@@ -60,7 +64,7 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
                 given = v.decode("ascii")
             except UnicodeDecodeError:
                 break
-            return given if _VALID.match(given) else new_request_id()
+            return given if _VALID.fullmatch(given) else new_request_id()
     return new_request_id()
 
 
@@ -126,7 +130,15 @@ def _error_code(body: bytes) -> Optional[str]:
         code = json.loads(body).get("error", {}).get("code")
     except (ValueError, AttributeError, RecursionError):
         return None
-    return code if isinstance(code, str) else None
+    return code if isinstance(code, str) and _CODE.fullmatch(code) else None
+
+
+def shown_path(path: Any) -> str:
+    """A request's ``path`` for a log line, percent-encoded as uvicorn's access log writes it: the ASGI path is
+    decoded, so a client's ``%0A`` or ``%1B`` would otherwise start a forged log line or drive the operator's
+    terminal; cut at :data:`MAX_PATH_SHOWN` characters."""
+    shown = quote(str(path), safe="/", errors="backslashreplace")
+    return shown if len(shown) <= MAX_PATH_SHOWN else shown[:MAX_PATH_SHOWN] + "..."
 
 
 def scope_request_id(scope: Scope) -> Optional[str]:
@@ -150,7 +162,8 @@ def install_log_ids() -> None:
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = previous(*args, **kwargs)
         trace = REQUEST.get()
-        if trace is not None and (record.name == _LOGGERS or record.name.startswith(_LOGGERS + ".")):
+        name = record.name  # None in a record logging.makeLogRecord rebuilds (its fields are set after this)
+        if trace is not None and isinstance(name, str) and (name == _LOGGERS or name.startswith(_LOGGERS + ".")):
             record.request_id = trace.id
             # the id has no '%' (_VALID), so the message's own %-arguments still format as before
             record.msg = f"{record.msg} [request {trace.id}]"
