@@ -307,3 +307,61 @@ def test_through_the_api_an_added_key_works_and_a_removed_one_gets_401(tiny_mode
     assert removed == 401
     assert opened == [200, 429] and sessions == 0  # bob's max_sessions=1, from the edit
     assert limits["api_keys"] == 2 and limits["api_keys_reloads"] == 1
+
+
+
+def test_a_request_whose_key_is_removed_while_it_runs_is_counted_under_its_client(tiny_model_dir, tmp_path):
+    """``petals_chain_api_requests`` counts a request under the client it was admitted as. One refused before its
+    generation (here a body that is not JSON, sent slowly) whose key was removed meanwhile went uncounted: the end
+    of the request looked its key up again. One that waited for a chain (a 503) was and is counted."""
+    from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+
+    path = _write(tmp_path / "keys", f"alice {A}\nbob {B}\n")
+
+    async def main():
+        cfg = OrchestratorConfig(model=str(tiny_model_dir), max_length=64, port=0, api_keys=str(path))
+        cfg.api_keys_reload_s, cfg.no_chain_wait_s = 0.1, 1.5
+        orch = Orchestrator(cfg)
+        orch.load_model()
+        await orch.start()
+        try:
+            app = create_app(orch)
+            removed = asyncio.Event()
+            sent: list = []
+
+            async def receive():
+                await removed.wait()  # the body comes after the key was removed
+                return {"type": "http.request", "body": b"{not json", "more_body": False}
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                     "root_path": "", "headers": [(b"authorization", f"Bearer {A}".encode()),
+                                                  (b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 1), "server": ("orch", 80)}
+            slow = asyncio.ensure_future(app(scope, receive, send))
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://orch", timeout=30) as c:
+                waiting = asyncio.ensure_future(c.post("/v1/completions", json={"model": orch.model_id, "prompt": "hi",
+                                                                                   "max_tokens": 2},
+                                                       headers={"authorization": f"Bearer {A}"}))
+                await asyncio.sleep(0.3)
+                _replace(path, f"bob {B}\n")
+                deadline = time.monotonic() + 10
+                while (await c.get("/v1/models", headers={"authorization": f"Bearer {A}"})).status_code != 401:
+                    assert time.monotonic() < deadline, "the removal was not loaded within 10 s"
+                    await asyncio.sleep(0.05)
+                removed.set()
+                await slow
+                r = await waiting
+            status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+            return status, r.status_code, orch.stats.request_totals("alice")
+        finally:
+            await orch.stop()
+
+    slow, waited, totals = asyncio.run(main())
+    assert slow == 400 and waited == 503, (slow, waited)
+    assert totals["invalid"] == 1 and totals["failed"] == 1, totals

@@ -261,6 +261,8 @@ def api_answers(tiny_model_dir):
 
             return {"stop": await both("/v1/completions", {"prompt": "x", "n": 2, "stop": [".", "aab"], "logprobs": 1}),
                     "han": await both("/v1/completions", {"prompt": _ids(tk, "Chinese: ") + han[:1], "logprobs": 0}),
+                    "han_echo": await both("/v1/completions", {"prompt": _ids(tk, "Chinese: ") + han[:1], "echo": True,
+                                                               "logprobs": 0}),
                     "chat": await both("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                                  "stop": ["."], "logprobs": True})}
 
@@ -307,3 +309,15 @@ def test_api_token_id_prompt_ending_inside_a_character(api_answers):
     assert whole["choices"][0]["text"] == "漢字 means" and lp["text_offset"][:5] == [0, 0, 1, 1, 1]
     assert _streamed(events, 0) == {"text": "漢字 means", **{k: lp[k] for k in
                                                            ("tokens", "text_offset", "token_logprobs")}}
+
+
+def test_api_echo_of_a_token_id_prompt_ending_inside_a_character(api_answers):
+    """Echoed, that prompt is its whole characters, and the echo and the completion are the decoding of both (the
+    echo ended in U+FFFD, and with the completion's 漢 showed the character twice)."""
+    whole, events = api_answers["han_echo"]
+    lp = whole["choices"][0]["logprobs"]
+    assert whole["choices"][0]["text"] == "Chinese: 漢字 means"
+    # "C h ines e : Ġ" and 漢's first byte, then its other two and 字's three: each character's bytes where it starts
+    assert lp["text_offset"][:12] == [0, 1, 2, 6, 7, 8, 9, 9, 9, 10, 10, 10]
+    assert _streamed(events, 0) == {"text": "Chinese: 漢字 means", **{k: lp[k] for k in
+                                                                    ("tokens", "text_offset", "token_logprobs")}}

@@ -45,6 +45,7 @@ from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, Sampling
                                                 offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
 from petals_chain.orchestrator.sse import DONE, KEEPALIVE, NO_RETRY_HEADER, error_event, error_object, sse
+from petals_chain.orchestrator.tokentext import whole_text
 from petals_chain.orchestrator.stats import status_outcome
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
@@ -677,7 +678,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     @app.get("/healthz")
     async def healthz():
         body = {"ok": True, "ready": orch.ready, "chains": len(orch.dispatch.chains),
-                "queue_length": orch.dispatch.queue_length, "uptime_s": time.time() - orch.started_at}
+                "queue_length": orch.dispatch.queue_length, "uptime_s": orch.uptime_s}
         return JSONResponse(body, status_code=200)
 
     @app.get("/api/v1/swarm")
@@ -860,7 +861,9 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         elif many and isinstance(req.prompt[0], str):
             texts = list(req.prompt)
         else:
-            texts = [orch.decode(ids) for ids in prompts]
+            # a prompt that ends inside a character leaves it to the completion, which shows it whole (else the echo
+            # showed U+FFFD and the character twice): the echo and the completion are the decoding of both
+            texts = [orch.decode(ids) if req.max_tokens == 0 else whole_text(orch.tokenizer, ids) for ids in prompts]
         # the text a prompt's tokens were tokenized from (their offsets count its chat markup); None: a token-id
         # prompt, echoed as its decoding (a special token there takes no room, though plain tokens after it may
         # spell its text)
@@ -962,8 +965,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     "logprobs": chat_lp(g.logprobs or []), "finish_reason": g.finish_reason}
                    for i, g in enumerate(gens)]
         return {"id": cid, "object": "chat.completion", "created": created, "model": orch.model_id,
-                "choices": choices, "usage": usage(len(ids), sum(len(g.token_ids) for g in gens), gens[0].cached_tokens),
-                **extras(gens)}
+                "choices": choices,
+                "usage": usage(len(ids), sum(len(g.token_ids) for g in gens), gens[0].cached_tokens), **extras(gens)}
 
     # ---- multi-turn sessions -------------------------------------------------------------------
     @app.post("/api/v1/sessions")
@@ -1102,7 +1105,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         @app.get("/", response_class=PlainTextResponse)
         async def index():
             return (f"petals-chain orchestrator for {orch.model_id}\n"
-                    "GET /api/v1/swarm  GET /v1/models  POST /v1/completions  POST /v1/chat/completions  GET /metrics\n")
+                    "GET /api/v1/swarm  GET /v1/models  POST /v1/completions  POST /v1/chat/completions  "
+                    "GET /metrics\n")
 
     # Bounded queue, per-client limits and body size (429/413 with Retry-After): limits.py.
     from petals_chain.orchestrator.limits import client_of, install_limits
@@ -1126,7 +1130,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if any(k.lower() == SERVED_BY_HEADER.encode() for k, _ in headers):
             return  # forwarded: counted by the orchestrator that served it
         limits = getattr(app.state, "limits", None)
-        client = client_of(scope, limits.limits.keys if limits is not None else None)
+        # as admitted: a key reload meanwhile may have removed or renamed it (it went uncounted, or under the new name)
+        client = scope.get("petals_chain.client") or client_of(scope, None if limits is None else limits.limits.keys)
         if client is None:
             return
         if status is None:
