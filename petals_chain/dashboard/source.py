@@ -259,7 +259,7 @@ class DhtSwarmSource:
         self._views: dict[str, dict] = {}  # by model name, with several models
         self._num_blocks: dict[str, int] = {}  # by DHT prefix, from the last trusted summary that said it
         self._summary_seen = False  # a trusted summary was read once (only then is the list of models known)
-        self._last_ok: Optional[float] = None
+        self._last_ok: Optional[float] = None  # time.monotonic() of the last successful read
         self._last_error: Optional[str] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -297,7 +297,7 @@ class DhtSwarmSource:
                                                         for m in models) or "one model")
         with self._lock:
             self._view, self._models, self._views = view, models, views
-            self._last_ok = time.time()
+            self._last_ok = time.monotonic()  # an age, not a date: a clock step must not make it stale or fresh
             self._last_error = None
         return view
 
@@ -323,7 +323,7 @@ class DhtSwarmSource:
             raise SwarmNotReadYet("the dashboard has not read the swarm from the DHT yet"
                                   + (f" (last attempt: {err})" if err else "") + "; retrying")
         view = self._view_of(model)
-        age = time.time() - last_ok
+        age = time.monotonic() - last_ok
         if age > self._stale_after_s():  # the last data, not shown as current
             view = dict(view, stale_s=round(age, 1), stale_error=err)
         return view
@@ -355,7 +355,7 @@ class DhtSwarmSource:
         """OK while the last successful DHT read is recent (3 poll periods + 10 s; older, the view is stale)."""
         with self._lock:
             last_ok, err = self._last_ok, self._last_error
-        age = None if last_ok is None else time.time() - last_ok
+        age = None if last_ok is None else time.monotonic() - last_ok
         ok = age is not None and age <= self._stale_after_s()
         return ok, {
             "dht_prefix": self.prefix,

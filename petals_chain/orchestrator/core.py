@@ -233,7 +233,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.sessions: dict[str, UserSession] = {}
         self.replay_cache = ReplayCache(int(cfg.replay_cache_mb * 2**20))
         self.prefix_directory = ChainPrefixes()  # what each chain's servers were given to cache
-        self.started_at = time.time()
+        self.started_at = time.time()  # a date (the OpenAI model's ``created``)
+        self.started_mono = time.monotonic()  # for ``uptime_s``: a clock stepped back made it negative
         self.http_url = f"http://{cfg.host}:{cfg.port}"
         self.local_url = self.http_url  # this API as this process reaches it (forward.py reruns cut streams here)
         self.dht = None
@@ -484,6 +485,11 @@ class Orchestrator(GenerationMixin, SessionMixin):
     @property
     def ready(self) -> bool:
         return bool(self.dispatch.chains)
+
+    @property
+    def uptime_s(self) -> float:
+        """Seconds since this orchestrator was made (monotonic: clock steps do not change it)."""
+        return time.monotonic() - self.started_mono
 
     # ---- tokens --------------------------------------------------------------------------------
     @property

@@ -41,7 +41,7 @@ from petals_chain.swarm import reachability
 from petals_chain.swarm.aio import quiet_peer_disconnects
 from petals_chain.swarm.dht import SwarmDHT, check_identity_path, is_peer_id, peer_ids_from_maddrs
 from petals_chain.swarm.memory import block_bytes, slots_for_budget
-from petals_chain.swarm.records import AssignmentRecord, ServerRecord
+from petals_chain.swarm.records import AssignmentRecord, PlacementRecord, ServerRecord
 from petals_chain.swarm.rpc import PetalsChainBlocks
 
 __all__ = ["Server", "ServerConfig", "JoinError", "DEFAULT_MAX_LENGTH", "CPU_MEMORY_FRACTION",
@@ -105,8 +105,17 @@ def _longest_session(config: Any) -> Optional[tuple[int, str]]:
     return min(limits) if limits else None
 
 
+def _placement_origin(rec: PlacementRecord) -> tuple[str, int]:
+    """(orchestrator peer id, epoch) of a placement record (a record-like without them: none)."""
+    return str(getattr(rec, "orchestrator_peer_id", "")), int(getattr(rec, "epoch", -1))
+
+
 class Server:
     """One volunteer server process: ``asyncio.run(Server(cfg).run())``."""
+
+    # (orchestrator peer id, epoch) of the placement record followed last: its epochs order its records when its
+    # clock stepped back (their timestamps then read as older than the one followed, and were ignored for as long)
+    placement_from: tuple[str, int] = ("", -1)
 
     def __init__(self, cfg: ServerConfig, *, memory_flag: str = "--memory-bytes"):
         """ValueError naming the option when a value cannot work (checked here, before anything starts).
@@ -623,23 +632,34 @@ class Server:
         """Serve the model a trusted orchestrator placed this server on (several models: drain and unload the
         blocks of the one served, then follow the other's assignment)."""
         rec = await self.sd.afetch_placement([h.prefix for h in self.hosted], sorted(self.trusted), self.sd.peer_id)
-        if rec is None or rec.timestamp <= self.placement_timestamp:
+        if rec is None or not self.is_new_placement(rec):
             return
         target = rec.placement[self.sd.peer_id]
         hosted = next((h for h in self.hosted if h.prefix == target), None)
         if hosted is None:
-            self.placement_timestamp = rec.timestamp
+            self._followed_placement(rec)
             if target not in self._misplaced:
                 self._misplaced.add(target)
                 logger.error(f"placed on model {target!r}, which this server does not offer "
                              f"({', '.join(h.prefix for h in self.hosted)}): staying on {self.prefix}")
             return
         if hosted is self.active:
-            self.placement_timestamp = rec.timestamp
+            self._followed_placement(rec)
             return
         logger.info(f"placed on model {hosted.prefix} (serving {self.prefix}): draining and unloading its blocks")
         if await self._switch_to(hosted):
-            self.placement_timestamp = rec.timestamp
+            self._followed_placement(rec)
+
+    def is_new_placement(self, rec: PlacementRecord) -> bool:
+        """Published after the placement followed last: a later timestamp, or a higher epoch of the same orchestrator
+        (whose timestamps went back with its clock: an NTP step back of 10 min ignored its moves for 10 min)."""
+        if rec.timestamp > self.placement_timestamp:
+            return True
+        (orchestrator, epoch), (followed, followed_epoch) = _placement_origin(rec), self.placement_from
+        return orchestrator == followed and epoch > followed_epoch
+
+    def _followed_placement(self, rec: PlacementRecord) -> None:
+        self.placement_timestamp, self.placement_from = rec.timestamp, _placement_origin(rec)
 
     async def _switch_to(self, hosted: HostedModel) -> bool:
         """Drain and unload the blocks of the model served, then serve ``hosted`` (False: stopped meanwhile)."""

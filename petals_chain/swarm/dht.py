@@ -25,6 +25,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -86,6 +87,55 @@ _OWNER_RE = re.compile(rb"^\[owner:(.+)\]$", re.DOTALL)
 # sets no bound on an entry's expiration and copies entries to nodes as they join, so a record stored once with a
 # far expiration (a hostile or a long-gone peer's) would be read as live for ever. Ours expire within minutes.
 MAX_RECORD_TTL_S = 6 * 3600.0
+# a writer's record timestamp this far ahead of the reader's clock is reported (once per writer): hivemind refuses a
+# join more than 3 s off its first peer, but a clock stepped after the join goes unnoticed
+CLOCK_AHEAD_WARN_S = 5.0
+
+
+class RecordLifetimes:
+    """Times each record's life on the reader's monotonic clock as well as by its DHT expiration.
+
+    A record's expiration is set by its writer's wall clock: a writer whose clock runs ``d`` seconds ahead publishes
+    records that outlive it by ``d`` (a dead server stayed listed, or a stale state of a live one hid its newer
+    records, which DHT nodes refuse while an entry with a later expiration is held). The writer's TTL,
+    ``expiration - timestamp``, is skew-free (both on its clock), and the reader first reads a record after it was
+    published, so a record also ends that TTL after this reader first read it: never sooner than with right clocks,
+    at most one TTL late whatever the writer's clock says."""
+
+    PRUNE_AT = 4096
+
+    def __init__(self) -> None:
+        self._first_read: dict[tuple[str, float, float], float] = {}  # (writer, timestamp, expiration) -> monotonic
+        self._prune_at = self.PRUNE_AT
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()  # (the DHT is read from several threads)
+
+    def live(self, owner_peer: str, timestamp: Any, expiration: float, *, wall: Optional[float] = None,
+             mono: Optional[float] = None) -> bool:
+        """Whether the record ``owner_peer`` stamped ``timestamp`` (its wall clock), expiring at ``expiration`` (the
+        same clock), is still live here. A record without a usable timestamp is judged by its expiration alone."""
+        if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool) or not math.isfinite(timestamp):
+            return True
+        ttl = float(expiration) - float(timestamp)
+        if not ttl > 0:  # (its expiration is before its stamp: no writer of ours does that)
+            return False
+        wall = time.time() if wall is None else wall
+        mono = time.monotonic() if mono is None else mono
+        ahead = float(timestamp) - wall
+        if ahead > CLOCK_AHEAD_WARN_S and owner_peer not in self._warned:
+            if len(self._warned) >= 4096:  # bounded: writers can be made up by the thousand
+                self._warned.clear()
+            self._warned.add(owner_peer)
+            logger.warning(f"the clock of peer {owner_peer} runs at least {ahead:.0f} s ahead of this host's (its "
+                           f"record is stamped {ahead:.0f} s in the future): its records are timed here from when "
+                           "they are read; hivemind's DHT needs clocks within 3 s: fix the clock that is wrong")
+        key = (owner_peer, float(timestamp), float(expiration))
+        with self._lock:
+            first = self._first_read.setdefault(key, mono)
+            if len(self._first_read) > self._prune_at:
+                self._first_read = {k: t for k, t in self._first_read.items() if mono - t <= k[2] - k[1]}
+                self._prune_at = max(self.PRUNE_AT, 2 * len(self._first_read))
+        return mono - first <= ttl
 
 
 def peer_id_of_owner(owner: bytes) -> Optional[str]:
@@ -542,6 +592,7 @@ class SwarmDHT:
             raise RuntimeError(f"libp2p peer id {self.peer_id} is not derived from the RSA owner key ({derived})")
         self._prefixes = set(prefixes)
         self._reported_invalid: set[tuple[str, str]] = set()  # (owner peer id, what): warned once each
+        self._lifetimes = RecordLifetimes()  # records outlive a writer whose clock is ahead by no more than their TTL
         self._daemons = _daemons_of(dht)  # p2pd, killed at shutdown if the DHT process died without stopping it
         self._closing = False
         self._shut = threading.Event()  # set with _closing: ends the watch's grace for a stop signal (below)
@@ -723,6 +774,9 @@ class SwarmDHT:
         for subkey, item in result.value.items():
             owner_peer = peer_id_of_owner(subkey)
             if owner_peer is None or item.expiration_time > latest:
+                continue
+            stamp = item.value.get("timestamp") if isinstance(item.value, dict) else None
+            if not self._lifetimes.live(owner_peer, stamp, item.expiration_time):
                 continue
             out.append((owner_peer, item.value))
         return out
