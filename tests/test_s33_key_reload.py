@@ -315,6 +315,7 @@ def test_a_request_whose_key_is_removed_while_it_runs_is_counted_under_its_clien
     generation (here a body that is not JSON, sent slowly) whose key was removed meanwhile went uncounted: the end
     of the request looked its key up again. One that waited for a chain (a 503) was and is counted."""
     from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.auth import CLIENT
     from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
 
     path = _write(tmp_path / "keys", f"alice {A}\nbob {B}\n")
@@ -325,6 +326,14 @@ def test_a_request_whose_key_is_removed_while_it_runs_is_counted_under_its_clien
         orch = Orchestrator(cfg)
         orch.load_model()
         await orch.start()
+        ended: list[tuple[str, str]] = []  # alice's state is dropped after her last request: seen as counted
+        end_request = orch.stats.end_request
+
+        def counted(outcome: str, client: str | None = None) -> None:
+            ended.append((outcome, CLIENT.get() if client is None else client))
+            end_request(outcome, client)
+
+        orch.stats.end_request = counted
         try:
             app = create_app(orch)
             removed = asyncio.Event()
@@ -358,10 +367,12 @@ def test_a_request_whose_key_is_removed_while_it_runs_is_counted_under_its_clien
                 await slow
                 r = await waiting
             status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-            return status, r.status_code, orch.stats.request_totals("alice")
+            alice = sorted(e for e in ended if e[1] == "alice")
+            return status, r.status_code, alice, orch.stats.request_totals("alice")
         finally:
             await orch.stop()
 
-    slow, waited, totals = asyncio.run(main())
+    slow, waited, counted, totals = asyncio.run(main())
     assert slow == 400 and waited == 503, (slow, waited)
-    assert totals["invalid"] == 1 and totals["failed"] == 1, totals
+    assert counted == [("failed", "alice"), ("invalid", "alice")], counted
+    assert not any(totals.values()), totals  # then dropped with its name (test_s33_client_state.py)

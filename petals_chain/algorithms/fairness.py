@@ -205,6 +205,9 @@ class _Local:
     def restore(self, client: str, mark: Any) -> None:
         pass
 
+    def forget(self, client: str) -> None:
+        """Drop ``client``'s state here (it has nothing waiting or running: :meth:`FairPolicy.forget`)."""
+
 
 class _FCFS(_Local):
     def pick(self, waiting, worker):
@@ -223,6 +226,7 @@ class _VTC(_Local):
         self.counter: dict[str, float] = {}
         # the client of the last request admitted (picked from the queue or started on a free chain)
         self._last: str | None = None
+        self._last_counter = 0.0  # that client's final counter once it was forgotten (the lift's floor stays)
 
     def arrived(self, req, waiting, again=False):
         queued = {r.client for r in waiting if r is not req}
@@ -231,7 +235,7 @@ class _VTC(_Local):
         # With nobody queued, VTC lifts to the *current* counter of the client that left the queue last: a counter
         # read when it was picked missed all it was served since, requests started on free chains included, and a
         # client idle meanwhile banked that (idle through 50 of another's requests, it then took 6 turns in a row)
-        last = self.counter.get(self._last, 0.0) if self._last is not None else 0.0
+        last = self.counter.get(self._last, 0.0) if self._last is not None else self._last_counter
         floor = min((self.counter.get(c, 0.0) for c in queued), default=last)
         self.counter[req.client] = max(self.counter.get(req.client, 0.0), floor)
 
@@ -255,6 +259,15 @@ class _VTC(_Local):
 
     def restore(self, client, mark):
         _put(self.counter, client, mark)
+
+    def forget(self, client):
+        # Counters are relative: the others' order is theirs alone. The last admitted client's counter is the floor
+        # an arrival with nobody queued is lifted to; dropped with it, that floor fell to 0 and the next arrival
+        # banked all the service given since its own counter
+        if self._last == client:
+            self._last_counter = self.counter.get(client, 0.0)
+            self._last = None
+        self.counter.pop(client, None)
 
 
 def _put(d: dict, key: Hashable, value: Any) -> None:
@@ -321,6 +334,11 @@ class _DLPM(_Local):
 
     def restore(self, client, mark):
         _put(self.deficit, client, mark)
+
+    def forget(self, client):
+        # A refill's rounds are counted over the queued clients only, and each deficit moves on its own: dropping an
+        # idle client's entry changes no other's (it loses its debt or credit: the name is gone)
+        self.deficit.pop(client, None)
 
 
 class _PairCredit(dict):
@@ -432,6 +450,20 @@ class FairPolicy:
                 del self._local[w]
         for key in [k for k in self.worker_credit if k[1] not in keep]:
             del self.worker_credit[key]
+
+    def forget(self, client: str) -> None:
+        """Drop all that is kept of ``client`` (its name is gone: a removed or renamed API key), which must have
+        nothing waiting or running: its service and requests counted, VTC's counters, DLPM's deficits, D2LPM's
+        worker credits and d-vtc's round robin. Each client's counters move on their own (refills, lifts and picks
+        read the queued clients'), so the others' order is as if it had stayed idle; it comes back, if ever, as a
+        new client. The state kept is thus bounded by the clients that still exist."""
+        self.service.pop(client, None)
+        self.admitted_requests.pop(client, None)
+        self._rr_client.pop(client, None)
+        for key in list(self.worker_credit.of(client)):
+            del self.worker_credit[key]
+        for loc in self._local.values():
+            loc.forget(client)
 
     def mark(self, client: str) -> tuple:
         """Everything an arrival of ``client`` may change (:meth:`arrived`, :meth:`choose_worker`, :meth:`bound`):
@@ -852,6 +884,16 @@ class ServiceMeter:
             del self._waited[c]
         while self._samples and self._samples[0][0] < cutoff:
             self._samples.popleft()
+
+    def forget(self, client: str) -> None:
+        """Drop ``client`` from the window (its name is gone): its service, its waits and its place in the samples,
+        so that the rates, the backlogged clients and Jain's index are those of the clients that remain."""
+        if any(c == client for _, c, _ in self._events):
+            self._events = deque(e for e in self._events if e[1] != client)
+        self._sums.pop(client, None)
+        self._waited.pop(client, None)
+        if any(client in clients for _, clients in self._samples):
+            self._samples = deque((t, clients - {client}) for t, clients in self._samples)
 
     def served(self, now: float, client: str, units: float) -> None:
         if units:

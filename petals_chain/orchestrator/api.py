@@ -1109,12 +1109,19 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     "GET /metrics\n")
 
     # Bounded queue, per-client limits and body size (429/413 with Retry-After): limits.py.
-    from petals_chain.orchestrator.limits import client_of, install_limits
+    from petals_chain.orchestrator.limits import client_of, install_limits, release_client
 
-    install_limits(app, orch, ledger=ledger)
+    install_limits(app, orch, ledger=ledger, end_hook=True)
 
     def request_ended(scope: dict, status: Optional[int], headers: list, trace: RequestTrace,
                       error: Optional[BaseException]) -> None:
+        try:
+            count_ended(scope, status, headers, trace, error)
+        finally:  # its client's state is kept until its count is in (a removed name's goes with its last request)
+            release_client(scope)
+
+    def count_ended(scope: dict, status: Optional[int], headers: list, trace: RequestTrace,
+                    error: Optional[BaseException]) -> None:
         """Count a generation request nothing counted (refused before its generation began: invalid, too long,
         over a limit; its client gone first) once, and log an API request answered with an error."""
         path = scope.get("path", "")

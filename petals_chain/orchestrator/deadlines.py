@@ -113,6 +113,7 @@ class DeadlineBook:
     def __init__(self, window_s: float = 60.0, counter=None):
         self.window_s = float(window_s)
         self._clients: dict[str, _ClientCounts] = defaultdict(_ClientCounts)
+        self._former = dict.fromkeys(OUTCOMES, 0)  # outcomes of forgotten clients (kept in the totals)
         self._counter = counter
 
     def settle(self, dl: RequestDeadline, outcome: str | None = None, now: float | None = None) -> None:
@@ -135,6 +136,13 @@ class DeadlineBook:
         if self._counter is not None:
             self._counter.labels(dl.client, outcome).inc()
 
+    def forget(self, client: str) -> None:
+        """Drop ``client``'s counts (its name left the key file); the totals keep them."""
+        gone = self._clients.pop(client, None)
+        if gone is not None:
+            for k, v in gone.outcomes.items():
+                self._former[k] += v
+
     def goodput(self, now: float | None = None, client: str | None = None) -> float:
         """On-time completions per second over the last ``window_s`` (one client, or all)."""
         now = time.monotonic() if now is None else now
@@ -150,7 +158,7 @@ class DeadlineBook:
         """Per client: outcome counts, SLO attainment (met over decided) and goodput; and the totals."""
         now = time.monotonic() if now is None else now
         clients = {}
-        totals = dict.fromkeys(OUTCOMES, 0)
+        totals = dict(self._former)
         for name in sorted(self._clients):
             counts = dict(self._clients[name].outcomes)
             for k, v in counts.items():

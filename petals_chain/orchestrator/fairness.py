@@ -15,6 +15,8 @@ from typing import Any, Hashable
 from prometheus_client import Counter, Gauge, Histogram
 
 from petals_chain.algorithms.fairness import CLIENT_FAIR_POLICIES, FairPolicy, FairRequest, ServiceMeter
+from petals_chain.orchestrator.auth import ANONYMOUS
+from petals_chain.orchestrator.stats import remove_client_series
 
 FAIRNESS_WINDOW_S = 60.0  # window of the per-client service rates and Jain's index
 FAIRNESS_SAMPLE_S = 1.0  # period of the samples of which clients are backlogged (Jain's index)
@@ -129,6 +131,18 @@ class ClientShares:
         if count and units > 0:
             self.m_service.labels(client).inc(units)
         self.meter.served(now, client, units)
+
+    def forget(self, client: str) -> None:
+        """Drop ``client``'s state (its name left the key file; nothing of it waits or runs): the policy's counters
+        (:meth:`FairPolicy.forget`: the others' order stays as it was), its service and waits in the window and its
+        Prometheus series. ``anonymous`` is never forgotten."""
+        if client == ANONYMOUS:
+            return
+        self.policy.forget(client)
+        self.meter.forget(client)
+        self.waits.pop(client, None)
+        for metric in (self.m_service, self.m_wait):
+            remove_client_series(metric, client)
 
     def update_gauge(self, waiting_jobs: Any = ()) -> float | None:
         """Mark the clients of ``waiting_jobs`` backlogged and set the Jain gauge; returns Jain's index."""

@@ -57,6 +57,7 @@ _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)(/generate)?/?$")
 _AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions)")
 
 logger = logging.getLogger(__name__)
+_HELD = "petals_chain.held"  # scope key: (ledger, client) of a request holding its client's state (release_client)
 # the key a request was admitted with (set by the middleware; copied into the tasks it spawns): a reload of the
 # file while it runs changes the next request's limits, not this one's
 REQUEST_KEY: contextvars.ContextVar[Optional[ApiKey]] = contextvars.ContextVar("petals_chain_request_key",
@@ -156,12 +157,42 @@ class ClientLedger:
         self.sessions_of: dict[str, set[str]] = {}
         self.opening: dict[str, int] = {}  # session opens of each client under way (counted against max_sessions)
         self.reserved: dict[str, int] = {}  # tokens requests under way may still use, per client (tokens_per_minute)
+        self.active: dict[str, int] = {}  # API requests under way per client, on every path
+        self.retired: set[str] = set()  # names a reload removed, forgotten once nothing of them runs (sweep)
 
     def live_sessions(self) -> set[str]:
         return {sid for o in self.orchs for sid in getattr(o, "sessions", {})}
 
     def tokens_last_minute(self, client: str) -> int:
         return sum(o.stats.tokens_last_minute(client) for o in self.orchs)
+
+    def retire(self, removed: set[str], added: set[str]) -> None:
+        """A reload of the key file removed the names ``removed`` and added ``added``: a removed name's per-client
+        state (statistics, fair sharing, Prometheus series) is dropped once nothing of it runs (:meth:`sweep`);
+        one added back before that keeps it. Without this, each removed or rotated name stayed for ever."""
+        self.retired -= added
+        self.retired |= removed - {ANONYMOUS}
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Forget each retired name with no request under way, no session open and no job waiting, in every
+        model's orchestrator."""
+        for name in sorted(self.retired):
+            if self._busy(name):
+                continue
+            self.retired.discard(name)
+            self.sessions_of.pop(name, None)
+            for o in self.orchs:
+                for part, forget in (("stats", "forget_client"), ("shares", "forget"), ("deadlines", "forget")):
+                    getattr(getattr(o, part, None), forget, lambda name: None)(name)
+
+    def _busy(self, name: str) -> bool:
+        """Whether ``name`` has a request under way, a session open or a job waiting for a chain."""
+        if self.active.get(name) or self.opening.get(name) or self.sessions_of.get(name, set()) & self.live_sessions():
+            return True
+        dispatches = (getattr(o, "dispatch", None) for o in self.orchs)
+        return any(getattr(j, "client", None) == name for d in dispatches if hasattr(d, "waiting_jobs")
+                   for j in d.waiting_jobs())
 
     def seconds_until_below(self, client: str, limit: int) -> int:
         """Seconds until ``client``'s last-minute usage over every model drops below ``limit`` (Retry-After)."""
@@ -181,8 +212,10 @@ class AdmissionLimits:
     ``ledger``, shared by every model's app of one orchestrator process)."""
 
     def __init__(self, app: Any, orch: Any, limits: Optional[LimitsConfig] = None,
-                 ledger: Optional[ClientLedger] = None):
+                 ledger: Optional[ClientLedger] = None, end_hook: bool = False):
         self.app = app
+        # the app's end-of-request hook calls release_client once it counted the request (api.py); else done here
+        self.end_hook = end_hook
         self.orch = orch
         self.limits = limits or LimitsConfig.from_config(getattr(orch, "cfg", None))
         self.inflight = 0
@@ -211,7 +244,9 @@ class AdmissionLimits:
 
     def _keys_reloaded(self, added: set[str], removed: set[str], changed: set[str]) -> None:
         """A reload of the key file: close the sessions of the removed keys (on this app's model), each once its
-        turn under way, if any, ends."""
+        turn under way, if any, ends; their names' state goes once nothing of them runs (:meth:`ClientLedger.
+        retire`)."""
+        self.ledger.retire(removed, added)
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # polled outside the event loop: the sessions are left to the idle reaper
@@ -240,6 +275,7 @@ class AdmissionLimits:
             except RequestError:  # closed meanwhile (by its client, or the reaper)
                 continue
             logger.info("closed session %s of %s: its API key was removed", sid, name)
+        self.ledger.sweep()
 
     # ---- state ---------------------------------------------------------------------------------
     def capacity(self) -> int:
@@ -336,11 +372,15 @@ class AdmissionLimits:
         token = CLIENT.set(client)  # copied into every task the request spawns (stats, sessions)
         scope["petals_chain.client"] = client  # who it was admitted as (a key reload may remove or rename it meanwhile)
         pinned = REQUEST_KEY.set(key)  # its limits and deadlines: the key's as it was admitted, reloads aside
+        self.ledger.active[client] = self.ledger.active.get(client, 0) + 1
+        scope[_HELD] = (self.ledger, client)
         try:
             await self._serve(client, scope, receive, send)
         finally:
             REQUEST_KEY.reset(pinned)
             CLIENT.reset(token)
+            if not self.end_hook:
+                release_client(scope)
 
     async def _serve(self, client: str, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -620,14 +660,26 @@ class _HeldResponse:
         await self.send(message)
 
 
+def release_client(scope: Scope) -> None:
+    """The request of ``scope`` is over and counted: its hold on its client's state ends (once). A name removed from
+    the key file is forgotten after its last request's count, not before it (counted after, it came back)."""
+    held = scope.pop(_HELD, None)
+    if held is not None:
+        ledger, client = held
+        _take(ledger.active, client, 1)
+        if ledger.retired:
+            ledger.sweep()
+
+
 def install_limits(app: Any, orch: Any, limits: Optional[LimitsConfig] = None,
-                   ledger: Optional[ClientLedger] = None) -> None:
-    """Wrap ``app`` (FastAPI/Starlette) with :class:`AdmissionLimits`; the instance is ``app.state.limits``."""
+                   ledger: Optional[ClientLedger] = None, end_hook: bool = False) -> None:
+    """Wrap ``app`` (FastAPI/Starlette) with :class:`AdmissionLimits`; the instance is ``app.state.limits``.
+    ``end_hook``: the app's end-of-request hook calls :func:`release_client` after counting the request."""
     holder: dict[str, AdmissionLimits] = {}
 
     class _Bound(AdmissionLimits):
         def __init__(self, inner: Any):
-            super().__init__(inner, orch, limits, ledger)
+            super().__init__(inner, orch, limits, ledger, end_hook)
             holder["limits"] = self
             app.state.limits = self
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from petals_chain.orchestrator.auth import CLIENT
+from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.request_id import REQUEST
 
@@ -50,6 +50,21 @@ def status_outcome(status: int, code: str | None = None) -> str:
     if status < 500:
         return "invalid"
     return "failed"
+
+
+def remove_client_series(metric: Any, client: str) -> int:
+    """Remove every series of the labelled ``metric`` whose ``client`` label is ``client``; returns how many.
+    (``remove_by_labels`` came with prometheus_client 0.22: before it, the series are found by a collect.)"""
+    # a sample's labels are the metric's in order, then a histogram bucket's "le"
+    found = {tuple(v for k, v in s.labels.items() if k != "le") for family in metric.collect()
+             for s in family.samples if s.labels.get("client") == client}
+    remove = getattr(metric, "remove_by_labels", None)
+    if remove is not None:
+        remove({"client": client})
+    else:
+        for values in found:
+            metric.remove(*values)
+    return len(found)
 
 
 class _RequestParts:
@@ -228,6 +243,19 @@ class Stats:
         self._request_totals: dict[str, dict[str, int]] = {}
         # request key (what its parts share: the admission's RequestPlaces) -> its parts; gone with the request
         self._requests: weakref.WeakKeyDictionary[object, _RequestParts] = weakref.WeakKeyDictionary()
+
+    def forget_client(self, client: str) -> None:
+        """Drop everything counted for ``client`` (its name left the key file and its last request ended): its job
+        and request totals, its last minute of tokens and its series of the per-client metrics. The totals over
+        every client (``petals_chain_requests``, ``/api/v1/swarm``) keep what it did. ``anonymous`` is never
+        forgotten (the client of every request when no keys are configured)."""
+        if client == ANONYMOUS:
+            return
+        self._totals.pop(client, None)
+        self._request_totals.pop(client, None)
+        self._window.pop(client, None)
+        for metric in (self.m_client_requests, self.m_client_tokens, self.m_api_requests, self.m_deadlines):
+            remove_client_series(metric, client)
 
     def _charge(self, client: str, tokens: int, outcome: str) -> None:
         self.m_client_requests.labels(client, outcome).inc()
