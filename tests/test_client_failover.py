@@ -66,8 +66,9 @@ def test_one_shot_goes_to_the_next_orchestrator_and_stays_there():
     assert c.url == "http://orch2"
     calls.clear()
     assert c.complete("x").text == "hello" and calls == ["good"]  # it stays with the one that answered
-    # a refusal (4xx) is the answer, not a reason to try elsewhere
-    c = _client([lambda r: httpx.Response(429, json={"error": {"message": "slow down", "code": "queue_full"}}), good])
+    # a refusal (4xx) is the answer, not a reason to try elsewhere (a full queue's 429 is: test_s33_client.py)
+    c = _client([lambda r: httpx.Response(429, json={"error": {"message": "slow down", "code": "tokens_per_minute"}}),
+                 good])
     with pytest.raises(ClientError) as e:
         c.complete("x")
     assert e.value.status == 429 and c.url == "http://orch0"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
@@ -14,12 +15,16 @@ import pytest
 from petals_chain.client import Client, ClientError
 
 TIMEOUT_S = 2.0  # long enough for the "good" orchestrator on a loaded machine
+KEEPALIVE_S = 0.3  # the "keepalive" orchestrator's comments: far more often than TIMEOUT_S
+LATE_S = 12.0  # when it sends its text at last: far past TIMEOUT_S
 
 
 class _Orchestrator:
     """An HTTP server on loopback that plays an orchestrator: ``mode`` ``"slow"`` holds streams before their first
     event, ``"stalls"`` after one event, both answering ``/healthz``; ``"hung"`` answers nothing at all;
-    ``"good"`` streams "hello" at once. Held requests are let go when the test ends."""
+    ``"good"`` streams "hello" at once; ``"keepalive"`` sends only ``: keepalive`` comments (as a stream waiting in
+    an orchestrator's queue gets them), every :data:`KEEPALIVE_S`, then "late" after :data:`LATE_S`, and opens
+    sessions. Held requests are let go when the test ends."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -40,6 +45,11 @@ class _Orchestrator:
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 orch.posts.append(self.path)
+                if self.path == "/api/v1/sessions":
+                    return self._send(200, "application/json",
+                                      [json.dumps({"session_id": "s1", "max_length": 64}).encode()])
+                if orch.mode == "keepalive":
+                    return self._keepalives()
                 if orch.mode in ("hung", "slow"):
                     orch.release.wait()
                     return
@@ -52,6 +62,20 @@ class _Orchestrator:
                     orch.release.wait()
                     return
                 self.wfile.write(_event("lo") + b"data: [DONE]\n\n")
+
+            def _keepalives(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                until = time.monotonic() + LATE_S
+                try:
+                    while time.monotonic() < until and not orch.release.wait(KEEPALIVE_S):
+                        self.wfile.write(b": keepalive\n\n")
+                        self.wfile.flush()
+                    late = {"choices": [{"index": 0, "text": "late", "finish_reason": "length"}], "text": "late"}
+                    self.wfile.write(f"data: {json.dumps(late)}\n\ndata: [DONE]\n\n".encode())
+                except OSError:  # the client gave up (as it should, at its timeout)
+                    pass
 
             def _send(self, status: int, ctype: str, body: list[bytes]) -> None:
                 data = b"".join(body)
@@ -118,4 +142,19 @@ def test_a_stream_at_a_hung_orchestrator_goes_to_the_next(orchestrators):
     client = Client([hung.url, good.url], timeout=TIMEOUT_S, model="m", retry_s=0)
     assert "".join(client.stream("x", max_tokens=4)) == "hello"
     assert hung.posts == ["/v1/completions"] and good.posts == ["/v1/completions"] and client.url == good.url
+    client.close()
+
+
+@pytest.mark.parametrize("call", ["stream", "session_stream"])
+def test_keepalive_comments_do_not_hold_a_stream_past_its_timeout(orchestrators, call):
+    """Before: each ``: keepalive`` comment (sent every 15 s while a stream waits in an orchestrator's queue) reset
+    httpx's read timeout, so a stream with ``timeout=2`` waited the whole 12 s for its text here (a queued one, as
+    long as it queued); now no event within ``timeout`` is the documented ClientError 504 ``timeout``."""
+    (up,) = orchestrators("keepalive")
+    client = Client(up.url, timeout=TIMEOUT_S, model="m", retry_s=0)
+    t0 = time.monotonic()
+    with pytest.raises(ClientError) as e:
+        list(client.stream("x") if call == "stream" else client.session().stream("x"))
+    assert e.value.status == 504 and e.value.code == "timeout" and f"{up.url} is up" in e.value.message
+    assert time.monotonic() - t0 < LATE_S - 2, "it waited for the late text"
     client.close()

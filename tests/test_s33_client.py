@@ -17,18 +17,21 @@ from __future__ import annotations
 import email.utils
 import gc
 import json
+import math
 import socket
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import httpx
 import pytest
 
 import petals_chain.client as client_module
-from petals_chain.client import Client, ClientError
+from petals_chain.client import AutoDistributedModelForCausalLM, Client, ClientError
 
 MODEL = "m"
 
@@ -61,14 +64,14 @@ class _RefusedFirst:
     each with ``serve(request)``; it records when each request came."""
 
     def __init__(self, status: int, headers: dict, serve: Callable[[httpx.Request], httpx.Response],
-                 refusals: int = 1) -> None:
-        self.status, self.headers, self.serve, self.refusals = status, headers, serve, refusals
+                 refusals: int = 1, code: str = "queue_full") -> None:
+        self.status, self.headers, self.serve, self.refusals, self.code = status, headers, serve, refusals, code
         self.times: list[float] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.times.append(time.monotonic())
         if len(self.times) <= self.refusals:
-            return _refusal(self.status, self.headers)
+            return _refusal(self.status, self.headers, self.code)
         return self.serve(request)
 
 
@@ -333,3 +336,271 @@ def test_a_stream_event_of_another_shape_is_a_client_error(data, status, message
         list(c.stream("x"))
     assert e.value.status == status and message in e.value.message, e.value
     c.close()
+
+
+# ---- review of the retries (Retry-After waits), and follow-ups ----
+
+def test_a_retry_after_of_zero_is_not_a_request_storm():
+    """Before: ``Retry-After: 0`` (a proxy's, or a date just past) sent the request again at once, over and over:
+    4,021 requests in 2 s (``retry_s``), 60,000 in the default 30 s; now at least 0.5 s apart, doubling."""
+    for call in ("complete", "stream"):
+        orch = _RefusedFirst(429, {"Retry-After": "0"}, lambda r: _completion(), refusals=10**9)
+        c = _mocked([orch], retry_s=2)
+        with pytest.raises(ClientError) as e:
+            c.complete("x") if call == "complete" else list(c.stream("x"))
+        assert e.value.status == 429 and 2 <= len(orch.times) <= 4, (call, len(orch.times))
+        c.close()
+
+
+def _reply_once_bound(c: Client, monkeypatch) -> None:
+    """Another thread's request fails over to orchestrator 1 right after the session's open was answered (the moment
+    between the answer and the session taking its orchestrator), simulated at ``_raise_for``, which comes next."""
+    original = client_module._raise_for
+
+    def raise_for(resp: httpx.Response) -> None:
+        if resp.request.url.path == "/api/v1/sessions":
+            c._current = 1
+        original(resp)
+
+    monkeypatch.setattr(client_module, "_raise_for", raise_for)
+
+
+def test_a_session_stays_with_the_orchestrator_that_opened_it_when_another_thread_fails_over(monkeypatch):
+    """Before: it took ``client._current`` after the open, the other thread's orchestrator by then: every turn was
+    404 ``session_not_found`` there."""
+    turns: dict[str, list[str]] = {"orch0": [], "orch1": []}
+
+    def orch(name: str) -> Callable[[httpx.Request], httpx.Response]:
+        def handle(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/api/v1/sessions":
+                return SESSION_OPENED
+            turns[name].append(request.url.path)
+            if name == "orch1":
+                return httpx.Response(404, json={"error": {"message": "no open session", "code": "session_not_found"}})
+            return _session_turns(request)
+        return handle
+
+    c = _mocked([orch("orch0"), orch("orch1")], retry_s=0)
+    _reply_once_bound(c, monkeypatch)
+    s = c.session()
+    assert s.complete("x").text == "turn"
+    assert turns == {"orch0": ["/api/v1/sessions/s1/generate"], "orch1": []}
+    c.close()
+
+
+def _queue_refusal(code: str = "queue_full", retry_after: Optional[str] = "1") -> httpx.Response:
+    headers = {} if retry_after is None else {"Retry-After": retry_after}
+    return _refusal(429, headers, code)
+
+
+class _Counting:
+    """An orchestrator answering each request with ``reply(request)``, counting them."""
+
+    def __init__(self, reply: Callable[[httpx.Request], httpx.Response]) -> None:
+        self.reply, self.calls = reply, 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        return self.reply(request)
+
+
+@pytest.mark.parametrize("call", ["complete", "stream", "session"])
+def test_a_full_queue_sends_the_request_to_the_next_orchestrator_before_waiting(call):
+    """Before: a 429 ``queue_full`` with ``Retry-After: 1`` at the first orchestrator was waited out there, again and
+    again (``retry_s``), then raised, while the next one had room; now the next one serves it at once."""
+    full = _Counting(lambda r: _queue_refusal())
+    room = _Counting(lambda r: SESSION_OPENED if call == "session" else _sse() if call == "stream" else _completion())
+    c = _mocked([full, room], retry_s=3)
+    if call == "complete":
+        assert c.complete("x").text == "served"
+    elif call == "stream":
+        assert "".join(c.stream("x")) == "served"
+    else:
+        session = c.session()  # held: dropped, it is closed with a DELETE (another call) from a thread of its own
+        assert session.id == "s1"
+    assert (full.calls, room.calls) == (1, 1) and c.url == "http://orch1"  # not waited out at the full one first
+    c.close()
+
+
+def test_an_api_key_limit_is_waited_out_where_it_was_met_not_moved_past():
+    """A 429 about the key's own budget (tokens_per_minute, client_inflight_limit) is the key's at every orchestrator:
+    waited out per Retry-After there, the next one not asked (as before)."""
+    limited = _RefusedFirst(429, {"Retry-After": "0.3"}, lambda r: _completion(), code="tokens_per_minute")
+    other = _Counting(lambda r: _completion("other"))
+    c = _mocked([limited, other], retry_s=5)
+    assert c.complete("x").text == "served" and len(limited.times) == 2 and other.calls == 0
+    c.close()
+
+
+def test_when_every_queue_is_full_the_soonest_retry_after_is_waited_then_its_orchestrator_serves():
+    slow = _Counting(lambda r: _queue_refusal(retry_after="30"))
+    soon = _RefusedFirst(429, {"Retry-After": "0.5"}, lambda r: _completion("soon"))
+    c = _mocked([slow, soon], retry_s=10)
+    t0 = time.monotonic()
+    assert c.complete("x").text == "soon"
+    assert slow.calls == 1 and len(soon.times) == 2 and soon.times[1] - soon.times[0] >= 0.45
+    assert time.monotonic() - t0 < 8
+    c.close()
+    # none says when to come back: each is asked once, and the refusal raised at once with its code
+    refusing = [_Counting(lambda r: _queue_refusal(retry_after=None)) for _ in range(2)]
+    c = _mocked(refusing, retry_s=10)
+    t0 = time.monotonic()
+    with pytest.raises(ClientError) as e:
+        list(c.stream("x"))
+    assert (e.value.status, e.value.code) == (429, "queue_full") and [o.calls for o in refusing] == [1, 1]
+    assert time.monotonic() - t0 < 5
+    c.close()
+
+
+def test_stream_checks_its_arguments_at_the_call():
+    """Before: ``stream("x", n=2)`` returned a generator and raised only at the first ``next()``."""
+    c = _mocked([lambda r: SESSION_OPENED], retry_s=0)
+    with pytest.raises(ValueError, match="n=2"):
+        c.stream("x", n=2)
+    with pytest.raises(ValueError, match="temperature"):
+        c.stream("x", temperature=float("nan"))
+    s = c.session()
+    with pytest.raises(ValueError, match="not both"):
+        s.stream("x", input_ids=[1])
+    c.close()
+
+
+@pytest.mark.parametrize("call, error, name", [
+    (lambda c: c.generate(b"hi"), TypeError, "prompt"),
+    (lambda c: c.generate(["a", 1]), TypeError, "prompt"),
+    (lambda c: c.generate("x", temperature=float("nan")), ValueError, "temperature"),
+    (lambda c: c.generate("x", top_p=float("inf")), ValueError, "top_p"),
+    (lambda c: c.generate("x", top_k="5"), TypeError, "top_k"),
+    (lambda c: c.generate("x", max_tokens=2.5), TypeError, "max_tokens"),
+    (lambda c: c.generate("x", stop=[1]), TypeError, "stop"),
+    (lambda c: c.generate("x", min_p=float("nan")), ValueError, "min_p"),
+    (lambda c: c.generate("x", logit_bias={"1": b"x"}), TypeError, "logit_bias"),
+    (lambda c: c.chat("hello"), TypeError, "messages"),
+    (lambda c: c.session().complete(b"x"), TypeError, "prompt"),
+    (lambda c: c.session().complete(input_ids=[1.5]), TypeError, "input_ids"),
+    (lambda c: c.session().chat("x", repetition_penalty=float("nan")), ValueError, "repetition_penalty"),
+    (lambda c: AutoDistributedModelForCausalLM(c, MODEL).generate([[1, 2]], do_sample=True, temperature=math.nan),
+     ValueError, "temperature"),
+], ids=["bytes", "mixed_list", "nan_temperature", "inf_top_p", "str_top_k", "float_max_tokens", "int_stop",
+        "nan_extra", "bytes_extra", "text_messages", "session_bytes", "session_float_ids", "session_nan",
+        "hf_nan"])
+def test_an_argument_that_cannot_be_sent_is_named_before_any_request(call, error, name):
+    """Before: bytes and NaN failed in httpx's JSON encoder ("Object of type bytes is not JSON serializable", "Out of
+    range float values are not JSON compliant"), naming no argument; a text messages or a float max_tokens went out
+    (the orchestrator's 422, or a bad_reply)."""
+    sent: list[str] = []
+
+    def orch(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/sessions":
+            return SESSION_OPENED
+        if request.method != "DELETE":  # a dropped session's close (from a thread of its own) may come any time
+            sent.append(request.url.path)
+        return _completion()
+
+    c = _mocked([orch], retry_s=0)
+    with pytest.raises(error) as e:
+        call(c)
+    assert name in str(e.value) and sent == []
+    c.close()
+
+
+def test_a_proxy_error_page_is_a_short_message():
+    """Before: a proxy's 502 page (5 kB of HTML) was the whole ``ClientError.message``."""
+    page = ("<html><head><title>502 Bad Gateway</title><style>body { color: red }</style></head><body><h1>502 Bad "
+            "Gateway</h1>" + "<p>upstream &amp; friends</p>" * 200 + "</body></html>")
+    c = _mocked([lambda r: httpx.Response(502, headers={"content-type": "text/html"}, text=page)], retry_s=0)
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    message = e.value.message
+    assert e.value.status == 502 and len(message) <= 200
+    assert message.startswith("502 Bad Gateway 502 Bad Gateway upstream & friends") and "<" not in message
+    assert "color" not in message
+    c.close()
+
+
+class _SessionOrchestrator:
+    """A stand-in orchestrator on loopback that opens sessions and records their DELETEs."""
+
+    def __init__(self) -> None:
+        self.deleted: list[str] = []
+        orch = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._send({"session_id": f"s{len(orch.deleted)}", "max_length": 64, "model": MODEL})
+
+            def do_DELETE(self) -> None:
+                orch.deleted.append(self.path)
+                self._send({"closed": True})
+
+            def _send(self, obj: dict) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def wait_deleted(self, n: int, within_s: float = 15.0) -> list[str]:
+        deadline = time.monotonic() + within_s
+        while len(self.deleted) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return list(self.deleted)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+@pytest.fixture
+def sessions_orch() -> Iterator[_SessionOrchestrator]:
+    o = _SessionOrchestrator()
+    yield o
+    o.close()
+
+
+def test_a_session_dropped_unclosed_is_closed(sessions_orch, monkeypatch):
+    """Before: nothing was sent; the session held its key's ``max_sessions`` place until the orchestrator's reaper
+    (5 min idle)."""
+    unraisable: list = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    c = Client(sessions_orch.url, model=MODEL, api_key="k1")
+    s = c.session()
+    del s
+    gc.collect()
+    assert sessions_orch.wait_deleted(1) == ["/api/v1/sessions/s0"]
+    s = Client(sessions_orch.url, model=MODEL).session()  # its Client dropped with it (closed first, or after)
+    del s
+    gc.collect()
+    assert sessions_orch.wait_deleted(2) == ["/api/v1/sessions/s0", "/api/v1/sessions/s1"]
+    with c.session():  # closed: nothing more
+        pass
+    assert sessions_orch.wait_deleted(3) == ["/api/v1/sessions/s0", "/api/v1/sessions/s1", "/api/v1/sessions/s2"]
+    gc.collect()
+    half = client_module.ClientSession.__new__(client_module.ClientSession)  # its __init__ raised (a 429)
+    del half
+    gc.collect()
+    time.sleep(0.3)
+    assert len(sessions_orch.deleted) == 3 and unraisable == []
+    c.close()
+
+
+def test_sessions_left_open_at_interpreter_exit_end_it_quietly(sessions_orch):
+    script = ("import sys; from petals_chain.client import Client\n"
+              f"c = Client({sessions_orch.url!r}, model='m'); s = c.session(); keep = [c.session(), c]\n"
+              "sys.stdout.write('opened')\n")
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "opened", "")

@@ -26,8 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import html
 import json
 import math
+import queue
+import re
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -75,15 +80,38 @@ class Completion:
         return len(self.token_ids) / self.service_s if self.service_s > 0 else 0.0
 
 
+MAX_MESSAGE_CHARS = 200  # of a reply that is not an orchestrator's error object (a proxy's HTML page), in a message
+_TAG = re.compile(r"<(script|style)\b.*?</\1\s*>|<[^>]*>", re.IGNORECASE | re.DOTALL)
+
+
+def _shown_text(text: str) -> str:
+    """``text`` as an error message shows it: tags stripped, whitespace collapsed, at most :data:`MAX_MESSAGE_CHARS`
+    (a proxy's 502 page was the whole message, kilobytes of HTML)."""
+    plain = " ".join(html.unescape(_TAG.sub(" ", text)).split())
+    return plain if len(plain) <= MAX_MESSAGE_CHARS else plain[:MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def _error_of(resp: httpx.Response) -> tuple[str, Optional[str]]:
+    """The message and code of an error reply: its ``{"error": {...}}`` object's, else its text as
+    :func:`_shown_text` shows it (no code)."""
+    try:
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return _shown_text(resp.text), None
+    if isinstance(err, str) and err:
+        return _shown_text(err), None
+    if not isinstance(err, dict):
+        return _shown_text(resp.text), None
+    message, code = err.get("message"), err.get("code")
+    return (message if isinstance(message, str) else _shown_text(resp.text)), (code if isinstance(code, str) else None)
+
+
 def _raise_for(resp: httpx.Response) -> None:
     if resp.status_code < 400:
         return
     wait = None if _told_not_to_retry(resp) else _retry_after(resp)
-    try:
-        err = resp.json().get("error", {})
-        raise ClientError(resp.status_code, err.get("message", resp.text), err.get("code"), wait)
-    except (ValueError, AttributeError):
-        raise ClientError(resp.status_code, resp.text, None, wait) from None
+    message, code = _error_of(resp)
+    raise ClientError(resp.status_code, message, code, wait)
 
 
 def _retry_after(resp: httpx.Response) -> Optional[float]:
@@ -109,22 +137,53 @@ def _told_not_to_retry(resp: httpx.Response) -> bool:
     return resp.headers.get("x-should-retry", "").strip().lower() == "false"
 
 
-def _wait_to_resend(resp: httpx.Response, deadline: float, only_orchestrator: bool) -> Optional[float]:
+# 429 codes about the answering orchestrator's own queue (its group's chains): another orchestrator's group may have
+# room, so with several the next one is asked before waiting. The API key's limits (tokens_per_minute,
+# client_inflight_limit, client_session_limit) are not among them: each orchestrator holds the key to its own limits,
+# and a client that moved on to the next one at each refusal got the key's budget once per orchestrator
+_QUEUE_REFUSALS = frozenset({"queue_full", "client_queue_share", "deadline_unreachable", "too_many_sessions"})
+
+
+def _queue_refusal(resp: httpx.Response) -> bool:
+    """A 429 about the orchestrator's own queue (:data:`_QUEUE_REFUSALS`) that does not say ``x-should-retry: false``
+    (the body must have been read)."""
+    return resp.status_code == 429 and not _told_not_to_retry(resp) and _error_of(resp)[1] in _QUEUE_REFUSALS
+
+
+def _wait_to_resend(resp: httpx.Response, deadline: float, only_orchestrator: bool,
+                    floor: float = 0.0) -> Optional[float]:
     """Seconds to wait before sending ``resp``'s request again to the same orchestrator, or None to take the reply:
-    a 429 (or, from the client's only orchestrator, a 503) whose ``Retry-After`` ends before ``deadline`` (a
-    ``time.monotonic()``), unless it says ``x-should-retry: false``. A 503 from one of several goes to the next."""
-    if resp.status_code != 429 and not (resp.status_code == 503 and only_orchestrator):
+    a 429 (or, from the client's only orchestrator, a 503) whose ``Retry-After`` (at least ``floor``) ends before
+    ``deadline`` (a ``time.monotonic()``), unless it says ``x-should-retry: false``. A 503 from one of several goes
+    to the next, as does a 429 about that one's queue (:func:`_queue_refusal`)."""
+    if resp.status_code == 429:
+        if not only_orchestrator and _queue_refusal(resp):
+            return None
+    elif not (resp.status_code == 503 and only_orchestrator):
         return None
     wait = None if _told_not_to_retry(resp) else _retry_after(resp)
-    return wait if wait is not None and time.monotonic() + wait <= deadline else None
+    if wait is None:
+        return None
+    wait = max(wait, floor)
+    return wait if time.monotonic() + wait <= deadline else None
+
+
+def _resend_floors() -> Iterator[float]:
+    """The least wait before each resend of one request (s): ``Retry-After: 0`` (a proxy's, or a date just past) sent
+    it again at once, over and over: 4,000 requests in 2 s, until ``retry_s`` ran out."""
+    pause = RETRY_PAUSE_S[0]
+    while True:
+        yield pause
+        pause = min(2 * pause, RETRY_PAUSE_S[1])
 
 
 def _send(http: httpx.Client, deadline: float, only_orchestrator: bool, method: str, path: str,
           **kwargs: Any) -> httpx.Response:
     """``http.request(method, path)``, sent again after each ``Retry-After`` that :func:`_wait_to_resend` takes."""
+    floors = _resend_floors()
     while True:
         r = http.request(method, path, **kwargs)
-        wait = _wait_to_resend(r, deadline, only_orchestrator)
+        wait = _wait_to_resend(r, deadline, only_orchestrator, next(floors))
         if wait is None:
             return r
         r.close()
@@ -134,14 +193,53 @@ def _send(http: httpx.Client, deadline: float, only_orchestrator: bool, method: 
 @contextlib.contextmanager
 def _open_stream(http: httpx.Client, deadline: float, only_orchestrator: bool, path: str,
                  body: dict) -> Iterator[httpx.Response]:
-    """``http.stream("POST", path)``, opened again after each ``Retry-After`` that :func:`_wait_to_resend` takes."""
+    """``http.stream("POST", path)``, opened again after each ``Retry-After`` that :func:`_wait_to_resend` takes.
+    An error reply's body is read (it is small, and its code says whether to wait)."""
+    floors = _resend_floors()
     while True:
         with http.stream("POST", path, json=body) as r:
-            wait = _wait_to_resend(r, deadline, only_orchestrator)
+            if r.status_code >= 400:
+                r.read()
+            wait = _wait_to_resend(r, deadline, only_orchestrator, next(floors))
             if wait is None:
                 yield r
                 return
         time.sleep(wait)
+
+
+class _Refusals:
+    """One call's 429s about orchestrators' own queues (:func:`_queue_refusal`): when each orchestrator asked to be
+    sent the request again (never, without ``Retry-After``), and its reply (or the error raised of it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.until: dict[int, float] = {}
+        self.replies: dict[int, Any] = {}
+
+    def add(self, i: int, resp: httpx.Response, reply: Any) -> None:
+        wait = _retry_after(resp)
+        self.until[i] = math.inf if wait is None else time.monotonic() + max(wait, RETRY_PAUSE_S[0])
+        self.replies[i] = reply
+
+    def forget(self, i: int) -> None:
+        """Orchestrator ``i`` answered otherwise since: its refusal is no longer the news."""
+        self.until.pop(i, None)
+        self.replies.pop(i, None)
+
+    def waiting(self, i: int) -> bool:
+        """Orchestrator ``i`` asked to be sent the request later than now."""
+        return self.until.get(i, 0.0) > time.monotonic()
+
+    def not_before(self) -> float:
+        """The soonest time (``time.monotonic()``) an orchestrator is due again: 0 while one was not refused."""
+        return min(self.until.get(i, 0.0) for i in range(self.n))
+
+    def soonest(self) -> Optional[tuple[int, Any]]:
+        """The orchestrator whose refusal ends first, and its reply; None without refusals."""
+        if not self.until:
+            return None
+        i = min(self.until, key=self.until.__getitem__)
+        return i, self.replies[i]
 
 
 @contextlib.contextmanager
@@ -178,14 +276,73 @@ def _no_stream_switch(extra: dict, streams: bool) -> None:
                         "stream() always streams: use complete() or chat_completion() for one reply")
 
 
+def _check_number(name: str, value: Any, *, integer: bool = False, optional: bool = False) -> None:
+    """TypeError for a ``value`` of ``name`` that is not a number (an int with ``integer``; None with ``optional``),
+    ValueError for NaN or infinity: they failed deep in httpx's JSON encoder ("Out of range float values are not
+    JSON compliant"), naming no argument; a text or a float where an int goes was the orchestrator's 422."""
+    if value is None and optional:
+        return
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise TypeError(f"{name} must be {'an integer' if integer else 'a number'}"
+                        f"{' or None' if optional else ''}, got {type(value).__name__} {value!r:.80}")
+    if not integer and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_prompt(prompt: Any) -> None:
+    """TypeError for a ``prompt`` that is not text or token ids (or a list of one of them, as OpenAI takes it)."""
+    one = prompt[0] if isinstance(prompt, (list, tuple)) and len(prompt) == 1 else None
+    if isinstance(prompt, str) or _is_ids(prompt) or isinstance(one, str) or _is_ids(one):
+        return
+    if isinstance(prompt, (list, tuple)) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        return  # a batch: _one_completion names it
+    raise TypeError(f"prompt must be text (str) or token ids (a list of int), got {type(prompt).__name__} "
+                    f"{prompt!r:.80}" + (": decode bytes first" if isinstance(prompt, (bytes, bytearray)) else ""))
+
+
+def _check_messages(messages: Any) -> None:
+    """TypeError for ``messages`` that are not a list of message dicts (a bare text was sent as is: a 422)."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, got "
+                        f"{type(messages).__name__} {messages!r:.80}")
+    _check_extra({"messages": list(messages)})
+
+
+def _check_extra(extra: dict) -> None:
+    """ValueError or TypeError, naming the argument, for an extra body field JSON cannot carry (NaN, bytes)."""
+    for name, value in extra.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError(f"{name} must be finite (JSON has no NaN or infinity), got {value!r:.80}") from None
+        except TypeError:
+            raise TypeError(f"{name} must be what JSON carries (numbers, text, lists, dicts), got "
+                            f"{type(value).__name__} {value!r:.80}") from None
+
+
 def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:
+    """The sampling fields of a request body; TypeError or ValueError naming the argument that cannot be sent."""
+    # None: JSON null, the orchestrator's default (as OpenAI's clients send it)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("repetition_penalty", repetition_penalty)):
+        _check_number(name, value, optional=True)
+    for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("seed", seed)):
+        _check_number(name, value, integer=True, optional=True)
+    if not (stop is None or isinstance(stop, str)
+            or isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop)):
+        raise TypeError(f"stop must be text or a list of texts, got {type(stop).__name__} {stop!r:.80}")
+    _check_extra(extra)
     body = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     if max_tokens is not None:  # None: the orchestrator's default (chat: the rest of the context)
         body["max_tokens"] = max_tokens
     if seed is not None:
         body["seed"] = seed
     if stop:
-        body["stop"] = stop
+        body["stop"] = list(stop) if isinstance(stop, tuple) else stop
     body.update(extra)
     return body
 
@@ -239,13 +396,23 @@ def _event(resp: httpx.Response, data: str) -> dict:
 
 
 def _iter_sse(resp: httpx.Response) -> Iterator[dict]:
+    """The JSON events of a stream, up to ``[DONE]``. No event within the request's read timeout is an
+    ``httpx.ReadTimeout``, whatever else came: an orchestrator's ``: keepalive`` comments (every 15 s while a stream
+    waits in its queue) reset httpx's own timer, so a stream queued for an hour waited the hour, the client's
+    ``timeout`` never met. It is noticed at the first line past the timeout (within a keepalive's interval)."""
     # orchestrators name theirs (a body without one is read)
     if "content-type" in resp.headers and not is_event_stream(resp.headers):
         resp.read()
         raise _not_an_orchestrator(resp)
+    limit = (resp.request.extensions.get("timeout") or {}).get("read")
+    last = time.monotonic()
     for line in resp.iter_lines():
         if not line.startswith("data:"):
+            if limit is not None and time.monotonic() - last > limit:
+                raise httpx.ReadTimeout(f"no event within the read timeout ({limit} s), only comments or blank "
+                                        "lines", request=resp.request)
             continue
+        last = time.monotonic()
         data = line[5:].strip()
         if data == "[DONE]":
             return
@@ -333,10 +500,18 @@ class Client:
     repeat it, e.g. another chain's numerics, is :class:`ClientError` 502 ``resume_mismatch``). Sessions stay with
     the orchestrator that opened them, and opening one is sent again only if it never reached the first.
 
-    ``timeout`` is the wait for a reply; connecting takes at most :data:`CONNECT_TIMEOUT_S`. A 429 (or a 503 from
-    the only orchestrator) with ``Retry-After`` is sent there again after that wait when it ends within ``retry_s``
-    of the call (sessions' calls too), else raised at once with its ``retry_after`` (``retry_s=0``: at once); a
-    reply that says ``x-should-retry: false`` is the answer, sent again nowhere."""
+    ``timeout`` is the wait for a reply (for a stream, for its next event: an orchestrator's keepalive comments do
+    not count; noticed within one keepalive's interval); connecting takes at most :data:`CONNECT_TIMEOUT_S`. A 429
+    (or a 503 from the only orchestrator) with ``Retry-After`` is sent there again after that wait (at least 0.5 s,
+    doubling to 4 s) when it ends within ``retry_s`` of the call (sessions' calls too), else raised at once with its
+    ``retry_after`` (``retry_s=0``: at once). With several orchestrators, a 429 about one's own queue
+    (``queue_full``, ``client_queue_share``, ``deadline_unreachable``, ``too_many_sessions``) goes to the next one
+    first, and the wait is for the soonest ``Retry-After`` once each refused; an API key's limits
+    (``tokens_per_minute``, ...) are waited out where they were met. A reply that says ``x-should-retry: false`` is
+    the answer, sent again nowhere. Arguments that cannot be sent (bytes, NaN) are a TypeError or ValueError naming
+    them, before any request; an error reply that is not an orchestrator's (a proxy's page) is cut to
+    :data:`MAX_MESSAGE_CHARS` of its text. A :class:`ClientSession` dropped unclosed is closed from a background
+    thread (at interpreter exit it is left to the orchestrator's reaper)."""
 
     def __init__(self, url: str | Sequence[str], *, timeout: Optional[float] = 600.0, model: Optional[str] = None,
                  api_key: Optional[str] = None, retry_s: float = DEFAULT_RETRY_S):
@@ -365,47 +540,67 @@ class Client:
     def _http(self) -> httpx.Client:
         return self._https[self._current]
 
-    def _tries(self) -> Iterator[int]:
+    def _tries(self, not_before: Optional[Callable[[], float]] = None) -> Iterator[int]:
         """The orchestrators to try in turn: the current one, then the others; with several, more rounds after a
         pause until ``retry_s`` has passed (the survivor takes a lost orchestrator's group over in that time,
-        and one that forwarded to the lost one answers again once it serves the request itself)."""
+        and one that forwarded to the lost one answers again once it serves the request itself). ``not_before()``:
+        the soonest time (``time.monotonic()``) any orchestrator is due again, the least pause before a round."""
         n, base = len(self._https), self._current  # fixed: a stream moves _current mid-round
         t0, pause = time.monotonic(), RETRY_PAUSE_S[0]
         while True:
             for i in range(n):
                 yield (base + i) % n
-            if n == 1 or time.monotonic() - t0 + pause > self.retry_s:
+            wait = pause if not_before is None else max(pause, not_before() - time.monotonic())
+            if n == 1 or time.monotonic() - t0 + wait > self.retry_s:
                 return
-            time.sleep(pause)
+            time.sleep(wait)
             pause = min(2 * pause, RETRY_PAUSE_S[1])
 
     def _request(self, method: str, path: str, *, resend: bool = True, **kwargs: Any) -> httpx.Response:
         """``method path`` on the current orchestrator, else on the next ones (see the class docstring).
         ``resend=False`` (a request that creates something): tried elsewhere only if it was never sent."""
+        return self._request_at(method, path, resend=resend, **kwargs)[1]
+
+    def _request_at(self, method: str, path: str, *, resend: bool = True,
+                    **kwargs: Any) -> tuple[int, httpx.Response]:
+        """:meth:`_request` and the index of the orchestrator that answered (``_current`` read after it may be
+        another thread's by then)."""
         failures: list[str] = []
         last: Optional[tuple[int, httpx.Response]] = None
         deadline = time.monotonic() + self.retry_s
-        for i in self._tries():
+        only = len(self._https) == 1
+        refusals = _Refusals(len(self._https))
+        for i in self._tries(refusals.not_before):
+            if refusals.waiting(i):
+                continue
             try:
-                r = _send(self._https[i], deadline, len(self._https) == 1, method, path, **kwargs)
+                r = _send(self._https[i], deadline, only, method, path, **kwargs)
             except httpx.TransportError as e:
                 if isinstance(e, httpx.ReadTimeout) and method != "GET":
                     self._raise_if_up(i, e)
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
                 last = None
+                refusals.forget(i)
                 if not resend and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
                     break  # it may have been done there: done twice would leave one behind
                 continue
+            if not only and _queue_refusal(r):  # its queue is full: another's group may have room (nothing was done)
+                failures.append(f"{self.urls[i]}: HTTP 429")
+                refusals.add(i, r, r)
+                continue
+            refusals.forget(i)
             # a 502/504 (a proxy) may come after the request was done there; a 503 is the orchestrator's "not here"
             if r.status_code in _TRY_ANOTHER and (resend or r.status_code == 503) and not _told_not_to_retry(r):
                 failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
                 last = (i, r)
                 continue
             self._current = i
-            return r
+            return i, r
+        if (refused := refusals.soonest()) is not None:  # each one's queue was full: when to come back
+            last = refused
         if last is not None:  # the last answer was "cannot serve": its own error says why
             self._current = last[0]
-            return last[1]
+            return last
         raise _unavailable(failures)
 
     def _raise_if_up(self, i: int, e: httpx.ReadTimeout) -> None:
@@ -453,10 +648,11 @@ class Client:
                  top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
                  stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
         """Generate one completion (greedy unless ``temperature > 0``) and return it with its serving details."""
+        _check_prompt(prompt)
         _one_completion(prompt, extra)
         _no_stream_switch(extra, False)
-        body = {"model": self.model, "prompt": prompt,
-                **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
+        sampling = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        body = {"model": self.model, "prompt": prompt, **sampling}
         r = self._request("POST", "/v1/completions", json=body)
         _raise_for(r)
         return _read_reply(r, lambda data: _one_shot(data, chat=False))
@@ -468,30 +664,44 @@ class Client:
     def stream(self, prompt: str | list[int], *, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
                stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
-        """Yield text pieces as tokens are generated (server-sent events)."""
+        """Yield text pieces as tokens are generated (server-sent events). Its arguments are checked at the call
+        (it was at the first ``next()``); the request goes out at the first ``next()``."""
+        _check_prompt(prompt)
         _one_completion(prompt, extra)
         _no_stream_switch(extra, True)
-        body = {"model": self.model, "prompt": prompt, "stream": True,
-                **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
-        reproducible = temperature == 0 or seed is not None
+        sampling = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        return self._stream(prompt, sampling, reproducible=temperature == 0 or seed is not None)
+
+    def _stream(self, prompt: str | list[int], sampling: dict, reproducible: bool) -> Iterator[str]:
+        """:meth:`stream`'s pieces, its arguments checked."""
+        body = {"model": self.model, "prompt": prompt, "stream": True, **sampling}
         sent = ""  # text yielded so far (a resumed stream skips it)
         failures: list[str] = []
         last_error: Optional[ClientError] = None
         deadline = time.monotonic() + self.retry_s
-        for i in self._tries():
+        only = len(self._https) == 1
+        refusals = _Refusals(len(self._https))
+        for i in self._tries(refusals.not_before):
+            if refusals.waiting(i):
+                continue
             skip = len(sent)
             try:
-                with _open_stream(self._https[i], deadline, len(self._https) == 1, "/v1/completions", body) as r:
+                with _open_stream(self._https[i], deadline, only, "/v1/completions", body) as r:
                     if r.status_code >= 400:
-                        r.read()
                         try:
                             _raise_for(r)
                         except ClientError as e:
+                            if not only and _queue_refusal(r):  # its queue is full: another's group may have room
+                                failures.append(f"{self.urls[i]}: HTTP 429")
+                                refusals.add(i, r, e)
+                                continue
                             if r.status_code not in _TRY_ANOTHER or _told_not_to_retry(r):
                                 raise
+                            refusals.forget(i)
                             failures.append(f"{self.urls[i]}: HTTP {r.status_code}")
                             last_error = e
                             continue
+                    refusals.forget(i)
                     self._current = i
                     try:
                         for obj in _iter_sse(r):
@@ -521,9 +731,12 @@ class Client:
                     self._raise_if_up(i, e)  # request (after text came, a stall is a stream cut off: below)
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
                 last_error = None
+                refusals.forget(i)
                 if sent and not reproducible:
                     raise ClientError(503, "the stream was cut off and cannot be resumed elsewhere: it samples "
                                       f"without a seed ({failures[-1]})", "unavailable") from e
+        if (refused := refusals.soonest()) is not None:  # each one's queue was full: when to come back
+            raise refused[1]
         if last_error is not None:
             raise last_error
         raise _unavailable(failures)
@@ -533,10 +746,11 @@ class Client:
                         stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
         """One chat completion with its serving details (the orchestrator applies the model's chat template).
         ``max_tokens=None`` lets the answer run to its end of turn or the end of the context."""
+        _check_messages(messages)
         _one_completion(None, extra)
         _no_stream_switch(extra, False)
-        body = {"model": self.model, "messages": messages,
-                **_sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)}
+        sampling = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        body = {"model": self.model, "messages": messages, **sampling}
         r = self._request("POST", "/v1/chat/completions", json=body)
         _raise_for(r)
         return _read_reply(r, lambda data: _one_shot(data, chat=True))
@@ -569,6 +783,41 @@ class Client:
         self.close()
 
 
+class _Closer:
+    """One daemon thread that sends the DELETEs of sessions dropped unclosed (:meth:`ClientSession.__del__` only
+    queues them: ``SimpleQueue.put`` is safe in a finalizer, a request is not)."""
+
+    TIMEOUT_S = 5.0  # a dropped session's DELETE: best effort, the reaper's otherwise
+    _queue: "queue.SimpleQueue[tuple[httpx.Client, str]]" = queue.SimpleQueue()
+    _thread: Optional[threading.Thread] = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def start(cls) -> None:
+        with cls._lock:
+            if cls._thread is None or not cls._thread.is_alive():
+                cls._thread = threading.Thread(target=cls._run, name="petals-chain-session-closer", daemon=True)
+                cls._thread.start()
+
+    @classmethod
+    def put(cls, http: httpx.Client, path: str) -> None:
+        cls._queue.put((http, path))
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            http, path = cls._queue.get()
+            try:
+                try:
+                    http.delete(path, timeout=cls.TIMEOUT_S)
+                except RuntimeError:  # its Client was dropped (closed) with it: a connection of its own, same key
+                    with httpx.Client(base_url=http.base_url, headers=http.headers, timeout=cls.TIMEOUT_S) as once:
+                        once.delete(path)
+            except Exception:  # noqa: BLE001 - best effort: the reaper closes it in the end
+                pass
+            del http  # not held while waiting for the next one
+
+
 class ClientSession:
     """A session opened on the orchestrator; every call continues the same token sequence. ``logprobs=k`` (0 to 20)
     asks a turn for its generated tokens' logprobs with k top alternatives, in ``/v1/completions``' format (chat
@@ -579,24 +828,31 @@ class ClientSession:
         body: dict[str, Any] = {} if max_length is None else {"max_length": max_length}
         if client._model is not None:  # on an orchestrator of several models, the one asked for (not the first)
             body["model"] = client._model
-        r = client._request("POST", "/api/v1/sessions", json=body, resend=False)
+        # the orchestrator that answered: client._current may be another thread's failover by the time it is read
+        # (the session then went to an orchestrator that never held it: 404 session_not_found at every turn)
+        self._index, r = client._request_at("POST", "/api/v1/sessions", json=body, resend=False)
         _raise_for(r)
-        self._http = client._http  # the session lives on this orchestrator
-        self._index = client._current  # (its place in client.urls: for the 504 of _timed_out)
+        self._http = client._https[self._index]  # the session lives on this orchestrator
         self.id: str
         self.max_length: int
         self.id, self.max_length = _read_reply(r, lambda d: (d["session_id"], d["max_length"]))
         self.closed = False
         self.last: Optional[Completion] = None
+        _Closer.start()  # ready for __del__, which must not start a thread (it may run inside the threading lock)
 
     def _body(self, prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
               streams: bool = False, logprobs: Optional[int] = None):
         if prompt is not None and input_ids is not None:  # the prompt was dropped without a word
             raise ValueError("give prompt or input_ids, not both")
+        if prompt is not None and not isinstance(prompt, str):
+            raise TypeError(f"a session's prompt is text (token ids go in input_ids=), got {type(prompt).__name__} "
+                            f"{prompt!r:.80}")
+        if input_ids is not None and not _is_ids(input_ids):
+            raise TypeError(f"input_ids must be a list of int, got {type(input_ids).__name__} {input_ids!r:.80}")
         _one_completion(prompt, extra)
         _no_stream_switch(extra, streams)
-        self.last = None  # never the previous turn's result (and logprobs) for this one
         body = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        self.last = None  # never the previous turn's result (and logprobs) for this one
         if logprobs is not None:
             body["logprobs"] = logprobs
         if input_ids is not None:
@@ -631,6 +887,8 @@ class ClientSession:
              **extra: Any) -> Completion:
         """One chat turn: ``content`` (a ``role`` message) or a list of messages is added to the conversation and
         the assistant answers. The session's tokens always equal the whole conversation templated at once."""
+        if not isinstance(content, str):
+            _check_messages(content)
         messages = [{"role": role, "content": content}] if isinstance(content, str) else list(content)
         body = self._body(None, None, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
                           logprobs=logprobs)
@@ -658,6 +916,10 @@ class ClientSession:
         body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop,
                           extra, streams=True, logprobs=logprobs)
         body["stream"] = True
+        return self._stream(body, logprobs)
+
+    def _stream(self, body: dict, logprobs: Optional[int]) -> Iterator[str]:
+        """:meth:`stream`'s pieces, its arguments checked (at the call: it was at the first ``next()``)."""
         pieces: list[str] = []
         ids: list[int] = []
         joined: Optional[dict[str, list]] = None if logprobs is None else {}  # this turn's chunks only
@@ -701,6 +963,17 @@ class ClientSession:
         if r.status_code != 404:
             _raise_for(r)
         self.closed = True
+
+    def __del__(self) -> None:
+        # A session dropped unclosed held its place in its key's max_sessions (and the orchestrator's) until the
+        # orchestrator's reaper, 5 min idle. Closed from a thread of its own: a DELETE here could block whatever
+        # thread the garbage collector runs in (or deadlock it, inside the connection pool's lock); at interpreter
+        # exit nothing is sent
+        try:
+            if not getattr(self, "closed", True) and not sys.is_finalizing():
+                _Closer.put(self._http, f"/api/v1/sessions/{self.id}")
+        except Exception:  # noqa: BLE001 - best effort: the reaper closes it in the end
+            pass
 
     def __enter__(self) -> "ClientSession":
         return self
@@ -771,6 +1044,10 @@ class AutoDistributedModelForCausalLM:
         mask = None if attention_mask is None else torch.as_tensor(attention_mask).bool()
         prompts = [row[m].tolist() if mask is not None else row.tolist() for row, m in
                    zip(ids, mask if mask is not None else [None] * len(ids))]
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("repetition_penalty", repetition_penalty),
+                            ("min_p", min_p)):
+            if not math.isfinite(float(value)):  # it failed in httpx's JSON encoder, naming no argument
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         body: dict[str, Any] = {"model": self.client.model, "prompt": prompts, "max_tokens": int(max_new_tokens),
                                 "repetition_penalty": float(repetition_penalty)}
         if do_sample:
