@@ -82,7 +82,24 @@ OUT_TOKEN_SCALE = 4  # default --out-token-scale: trace output tokens per real d
 REAL_MAX_LENGTH = 512  # tiny model's slot length: 2048 / 8 prompt tokens + up to 256 outputs
 PETALS_CACHE_SLOTS = 2  # PETALS' 4096 tokens per block = 2 slots of 2048
 OVERHEAD_MS = 18.0
+PLAN_QUIET_S = 10.0  # the plan (its epoch, chains and the servers' states) unchanged this long: the swarm has formed
 
+
+def wait_plan_settled(swarm: Any, timeout: float, quiet_s: float = PLAN_QUIET_S) -> dict:
+    """The swarm's state once its plan has not changed for ``quiet_s``. ``wait_ready`` passes as soon as one chain
+    covers the model and the assigned servers are online: replays started on 3 or 4 of the 9 chains the plan soon
+    had, while servers still joined, so the first requests measured a smaller swarm than the policy builds."""
+    seen: dict = {"key": None, "since": 0.0}
+
+    def settled(state: dict) -> bool:
+        key = (state.get("epoch"), len(state.get("chains", [])),
+               tuple(sorted((s.get("public_name"), s.get("state")) for s in state.get("servers", []))))
+        now = time.monotonic()
+        if key != seen["key"]:
+            seen["key"], seen["since"] = key, now
+        return bool(state.get("ready")) and now - seen["since"] >= quiet_s
+
+    return swarm.wait_until(settled, timeout, "the plan to settle")
 
 def build_model(workdir: Path) -> tuple[Path, int, int]:
     """32-layer tiny Llama whose s_m / s_c (fp32, 512-token slots) is LLaMA-2-7B's 12.06."""
@@ -116,8 +133,8 @@ def load_requests(n: int, trace_path: str | None, seed: int):
 
 
 def server_specs(model_path: Path, s_c: int, rtts_ms: np.ndarray, *, time_scale: float, l_in_mean: float,
-                 l_out_mean: float, petals: bool, n_fast: int, n_slow: int, batching: bool = True, kv_cache: str = "slots",
-                 out_token_scale: int = 1):
+                 l_out_mean: float, petals: bool, n_fast: int, n_slow: int, batching: bool = True,
+                 kv_cache: str = "slots", out_token_scale: int = 1):
     from petals_chain.swarm.local import LocalServer
 
     specs, described = [], []
@@ -238,7 +255,8 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
                        orchestrator_args=orch_args, log_dir=log_dir, settle_s=2.0)
     try:
         swarm.start(timeout=300)
-        state = swarm.wait_ready(timeout=args.ready_timeout)
+        swarm.wait_ready(timeout=args.ready_timeout)
+        state = wait_plan_settled(swarm, timeout=args.ready_timeout)
         ready_s = time.monotonic() - t_start
         if args.progress:
             print(f"[{policy}] ready in {ready_s:.0f} s: c={state.get('c')} chains={len(state.get('chains', []))}",
@@ -405,12 +423,14 @@ def main(argv=None) -> int:
                                     out_token_scale=args.out_token_scale)
         setting = {
             "requests": int(args.requests), "trace": trace.source, "trace_rate_per_s": float(trace.rate),
-            "time_scale": args.time_scale, "out_token_scale": args.out_token_scale, "capped_requests": capped, "max_out": MAX_OUT,
+            "time_scale": args.time_scale, "out_token_scale": args.out_token_scale, "capped_requests": capped,
+            "max_out": MAX_OUT,
             "paper_max_length": PAPER_MAX_LENGTH, "token_scale": TOKEN_SCALE, "real_max_length": REAL_MAX_LENGTH,
             "mean_l_in": float(np.mean(l_in)), "mean_l_out": float(np.mean(l_out)),
             "s_m_bytes": s_m, "s_c_bytes": s_c, "s_m_over_s_c": s_m / s_c, "llama2_7b_s_m_over_s_c": S_M_OVER_S_C,
-            "petals_cache_slots_per_block": PETALS_CACHE_SLOTS, "server_batching": not args.no_batching, "kv_cache": args.kv_cache, "rtt_source": anchors.source
-            if hasattr(anchors, "source") else str(args.rtt_file or "default"),
+            "petals_cache_slots_per_block": PETALS_CACHE_SLOTS, "server_batching": not args.no_batching,
+            "kv_cache": args.kv_cache,
+            "rtt_source": anchors.source if hasattr(anchors, "source") else str(args.rtt_file or "default"),
             "servers": described, "times_in": "seconds of the uncompressed trace (measured x time_scale)",
         }
         for policy in args.policies:
@@ -441,8 +461,8 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot_cdf(result, args.plot)
-    printable = {k: ({kk: vv for kk, vv in v.items() if kk not in ("response_times_s", "requests")} if isinstance(v, dict) and k in
-                     POLICIES else v) for k, v in result.items()}
+    printable = {k: ({kk: vv for kk, vv in v.items() if kk not in ("response_times_s", "requests")}
+                     if isinstance(v, dict) and k in POLICIES else v) for k, v in result.items()}
     if args.json:
         print(json.dumps(printable))
     else:
