@@ -45,10 +45,15 @@ def test_the_dashboard_age_of_its_last_read_ignores_clock_steps(monkeypatch):
 
 # ---------------------------------------------------------------- DHT records of a writer whose clock is ahead
 
+def _booked(book) -> int:
+    """Entries in the book's tables (whatever they are called)."""
+    return sum(len(v) for v in vars(book).values() if isinstance(v, dict))
+
+
 def test_a_record_lives_its_writers_ttl_after_it_is_first_read(caplog):
     """Unit: the writer's TTL (expiration - timestamp, both its clock) from the first read, never less than with
     right clocks; a writer stamping records in the future is named once, with its skew."""
-    from petals_chain.swarm.dht import RecordLifetimes
+    from petals_chain.swarm.dht import MAX_RECORD_TTL_S, RecordLifetimes
 
     book = RecordLifetimes()
     wall, mono = 1_000_000.0, 50.0
@@ -66,10 +71,12 @@ def test_a_record_lives_its_writers_ttl_after_it_is_first_read(caplog):
     assert len(said) == 1 and "at least 600 s ahead" in said[0]
     assert book.live("QmC", None, wall + 10, wall=wall, mono=mono)  # no timestamp: its expiration alone
     assert not book.live("QmC", wall + 10, wall + 5, wall=wall, mono=mono)  # expires before it was stamped
-    # bounded: records whose TTL is over are dropped from the book (one publish every 2 s, each living 1 s)
+    # bounded: writers whose last record ended long ago are dropped from the book (a new writer every 2 s, each
+    # record living 1 s; kept MAX_RECORD_TTL_S past its end, so that a stale copy of it is not read as new)
+    step = 2 * MAX_RECORD_TTL_S / book.PRUNE_AT
     for i in range(3 * book.PRUNE_AT):
-        book.live(f"Qm{i}", wall + 2 * i, wall + 2 * i + 1, wall=wall + 2 * i, mono=mono + 2 * i)
-    assert len(book._first_read) <= book.PRUNE_AT + 1
+        book.live(f"Qm{i}", wall + step * i, wall + step * i + 1, wall=wall + step * i, mono=mono + step * i)
+    assert _booked(book) <= book.PRUNE_AT + 1
 
 
 def test_a_dead_server_whose_clock_ran_ahead_leaves_with_its_ttl(monkeypatch):
@@ -99,13 +106,11 @@ def test_a_dead_server_whose_clock_ran_ahead_leaves_with_its_ttl(monkeypatch):
 
 # ---------------------------------------------------------------- a server following placements
 
-def test_a_placement_published_after_the_orchestrators_clock_stepped_back_is_followed():
-    """The server followed a placement record only if its timestamp was later than the last one's: after the
-    orchestrator's clock stepped back 10 min its moves were ignored for 10 min. Its epochs order them now."""
+def _placement_server(records: list):
+    """A Server with two models (model-a served), whose placement fetch returns ``records[-1]``."""
     from petals_chain.server.server import Server
 
     a, b = (types.SimpleNamespace(prefix=p, hidden_size=64, fingerprint=p) for p in ("model-a", "model-b"))
-    records = []
 
     async def fetch(prefixes, trusted, peer_id):
         return records[-1]
@@ -113,35 +118,63 @@ def test_a_placement_published_after_the_orchestrators_clock_stepped_back_is_fol
     async def unload():
         pass
 
-    def placement(epoch: int, ts: float, model: str, orch: str = "QmOrch"):
-        return types.SimpleNamespace(orchestrator_peer_id=orch, epoch=epoch, timestamp=ts, placement={"me": model})
+    s = object.__new__(Server)
+    s.hosted, s.active, s.trusted, s._misplaced, s.placement_timestamp, s.switches = [a, b], a, {"QmOrch"}, set(), \
+        0.0, 0
+    s.state, s.span, s.announcer, s._stop = "online", None, None, asyncio.Event()
+    s.epoch, s.assignment_timestamp, s._applied_content = -1, 0.0, ()
+    s._failed_load, s._failed_loads, s.load_failure = None, 0, None
+    s.service = types.SimpleNamespace(hidden_size=64, model_fingerprint="model-a")
+    s.sd = types.SimpleNamespace(peer_id="me", afetch_placement=fetch)
+    s._unload = unload
+    return s, a, b
+
+
+def _placement(epoch: int, ts: float, model: str, orch: str = "QmOrch"):
+    return types.SimpleNamespace(orchestrator_peer_id=orch, epoch=epoch, timestamp=ts, placement={"me": model})
+
+
+def test_a_restarted_orchestrators_old_placement_does_not_move_the_server_back():
+    """An orchestrator counts its placement epochs from 0 at each start (its peer id stays, with --identity-path).
+    Following a higher epoch of the same orchestrator whatever its timestamp, a server placed by the new run went
+    back to what the last run had said (its record still read under a model the new run does not serve, or from a
+    node that missed a store): a drain and a reload of the wrong model, then another back."""
+    records: list = []
+    s, a, b = _placement_server(records)
 
     async def main():
-        s = object.__new__(Server)
-        s.hosted, s.active, s.trusted, s._misplaced, s.placement_timestamp, s.switches = [a, b], a, {"QmOrch"}, set(), \
-            0.0, 0
-        s.state, s.span, s.announcer, s._stop = "online", None, None, asyncio.Event()
-        s.epoch, s.assignment_timestamp, s._applied_content = -1, 0.0, ()
-        s._failed_load, s._failed_loads, s.load_failure = None, 0, None
-        s.service = types.SimpleNamespace(hidden_size=64, model_fingerprint="model-a")
-        s.sd = types.SimpleNamespace(peer_id="me", afetch_placement=fetch)
-        s._unload = unload
-        records.append(placement(3, 1000.0, "model-b"))
+        records.append(_placement(7, 1000.0, "model-b"))  # the last run, at its epoch 7
         await s.follow_placement()
         assert s.active is b
-        records.append(placement(4, 400.0, "model-a"))  # its clock went back 10 min; a new move
-        await s.follow_placement()
-        assert s.active is a, "a placement stamped before the last one was ignored"
-        records.append(placement(4, 300.0, "model-b"))  # not newer: the same epoch, stamped earlier
+        records.append(_placement(0, 1100.0, "model-a"))  # restarted: epoch 0, later
         await s.follow_placement()
         assert s.active is a
-        records.append(placement(9, 200.0, "model-b", orch="QmOther"))  # another orchestrator's older record
+        records.append(_placement(7, 1000.0, "model-b"))  # the last run's record read again
         await s.follow_placement()
-        assert s.active is a
-        return s
+        assert s.active is a, "the dead run's placement moved the server back"
+        records.append(_placement(1, 1200.0, "model-b"))  # the new run's next move
+        await s.follow_placement()
+        assert s.active is b
+        records.append(_placement(9, 900.0, "model-a", orch="QmOther"))  # another orchestrator's older record
+        await s.follow_placement()
+        assert s.active is b
 
-    s = asyncio.run(main())
-    assert s.active is a and s.switches == 2
+    asyncio.run(main())
+    assert s.switches == 3
+
+
+def test_dht_nodes_refuse_a_stepped_back_writers_record_while_they_hold_its_later_one():
+    """Why a server needs no epoch rule for an orchestrator whose clock stepped back: its records carry the same TTL,
+    so the one stamped earlier also expires earlier, and a DHT node keeps the later expiration of a subkey (this is
+    hivemind's storage, which the server's rule relied on)."""
+    from hivemind.dht.storage import DHTLocalStorage
+    from hivemind.dht.routing import DHTID
+
+    store, key, ttl = DHTLocalStorage(), DHTID.generate("clk.placement"), 60.0
+    now = time.time()
+    assert store.store_subkey(key, b"QmOrch", b"epoch 3", now + ttl)  # stamped now
+    assert not store.store_subkey(key, b"QmOrch", b"epoch 4", now - 600 + 5 + ttl)  # clock 10 min back, 5 s on
+    assert store.get(key).value.get(b"QmOrch").value == b"epoch 3"
 
 
 # ---------------------------------------------------------------- the orchestrator's uptime
@@ -157,6 +190,159 @@ def test_the_orchestrators_uptime_is_not_moved_by_a_clock_step(monkeypatch, tiny
     assert 0 <= orch.uptime_s < 60
     monkeypatch.setattr(time, "time", lambda: real() + 600.0)
     assert 0 <= orch.uptime_s < 60
+
+
+# ---------------------------------------------------------------- the book of record lifetimes
+
+def test_the_book_of_record_lifetimes_holds_a_few_records_per_key_and_writer():
+    """The book held one entry per record read ((writer, timestamp, expiration)) until its TTL ended: a peer stamping
+    its records 0.0 (a valid float; the reader refuses them only after booking them) and republishing added one entry
+    at every read, none ever pruned (12,288 reads: over 12,000 entries). Now a few per DHT key and writer."""
+    from petals_chain.swarm.dht import RecordLifetimes
+
+    book, wall, mono = RecordLifetimes(), 1_000_000.0, 50.0
+    for i in range(3 * book.PRUNE_AT):
+        book.live("QmEvil", 0.0, wall + i + 60, wall=wall + i, mono=mono + i)
+        book.live("QmServer", wall + i, wall + i + 15, wall=wall + i, mono=mono + i)
+    assert _booked(book) == 2
+    assert len(book) <= 2 * book.PER_WRITER
+    # the same writer under another key (a placement stored under each model's prefix) is booked apart
+    assert book.live("QmServer", wall, wall + 15, where="other.placement", wall=wall, mono=mono)
+    assert _booked(book) == 3
+
+
+def test_a_copy_read_again_keeps_its_first_read():
+    """A node that missed the writer's last store answers with its previous record: read again, it is not taken for
+    a new one (which would live one more TTL)."""
+    from petals_chain.swarm.dht import RecordLifetimes
+
+    book, wall, mono = RecordLifetimes(), 1_000_000.0, 50.0
+    assert book.live("QmS", wall + 600, wall + 615, wall=wall, mono=mono)  # ahead 600 s
+    assert book.live("QmS", wall + 605, wall + 620, wall=wall + 5, mono=mono + 5)  # its next publish
+    assert book.live("QmS", wall + 600, wall + 615, wall=wall + 14, mono=mono + 14)  # the older copy
+    assert not book.live("QmS", wall + 600, wall + 615, wall=wall + 21, mono=mono + 21)
+    assert book.live("QmS", wall + 605, wall + 620, wall=wall + 19, mono=mono + 19)  # (first read at 5)
+    assert not book.live("QmS", wall + 605, wall + 620, wall=wall + 21, mono=mono + 21)
+
+
+def test_a_live_writer_republishing_every_third_of_its_ttl_never_drops_out():
+    """Servers republish every ttl/3 (each a new record); the reader sees the newest, at times the one before, and
+    after the writer's clock stepped back 12 s, records stamped before those it read already: each is live its TTL
+    from when it was first read."""
+    from petals_chain.swarm.dht import RecordLifetimes
+
+    book, wall, mono, ttl = RecordLifetimes(), 1_000_000.0, 50.0, 15.0
+    for t in range(0, 600):
+        newest = wall + ttl / 3 * (t // 5) + 600 - (12 if t >= 300 else 0)  # 600 s ahead, then 588; every 5 s
+        stamp = newest - ttl / 3 if t % 7 == 3 and t >= 5 else newest  # now and then a node answers the one before
+        assert book.live("QmS", stamp, stamp + ttl, wall=wall + t, mono=mono + t), t
+
+
+# ---------------------------------------------------------------- the dashboard: "last seen" on its own clock
+
+class _RecordsDht(_FakeDht):
+    def __init__(self):
+        self.records: dict = {}
+        self.summary = None
+
+    def fetch_servers(self, prefix: str) -> dict:
+        return dict(self.records)
+
+    def fetch_summary(self, prefix: str, trusted) -> None:
+        return self.summary
+
+
+def _record(peer: str, ts: float) -> ServerRecord:
+    return ServerRecord(peer_id=peer, state="online", memory_bytes=2**30, tau_p=0.01, start_block=0, num_blocks=4,
+                        slots_total=8, slots_free=5, public_name=peer, max_length=256, timestamp=ts)
+
+
+def test_the_dashboard_says_when_it_read_a_servers_record_not_what_its_clock_said(monkeypatch):
+    """``last_seen`` was the record's timestamp (its server's clock): a live server whose clock ran 10 min behind read
+    "10 min ago" on every poll. Now it is when this dashboard first read that record (its clock, as updated_at)."""
+    from petals_chain.dashboard.source import DhtSwarmSource
+
+    dht = _RecordsDht()
+    source = DhtSwarmSource(dht, "pa", trusted=[])
+    clock = [1_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    dht.records = {"QmBehind": _record("QmBehind", clock[0] - 600), "QmRight": _record("QmRight", clock[0])}
+    source.refresh()
+    view = source.view()
+    seen = {s["peer_id"]: s["last_seen"] for s in view["servers"]}
+    assert seen == {"QmBehind": clock[0], "QmRight": clock[0]} and view["updated_at"] == clock[0]
+    clock[0] += 4  # read again: QmRight published meanwhile, QmBehind did not
+    dht.records["QmRight"] = _record("QmRight", clock[0])
+    source.refresh()
+    view = source.view()
+    seen = {s["peer_id"]: s["last_seen"] for s in view["servers"]}
+    assert seen == {"QmBehind": clock[0] - 4, "QmRight": clock[0]} and view["updated_at"] == clock[0]
+    del dht.records["QmBehind"]
+    source.refresh()
+    assert "QmBehind" not in source._seen["pa"]  # (forgotten with its record)
+
+
+def test_a_server_only_the_summary_lists_keeps_its_age_on_the_dashboards_clock(monkeypatch):
+    """A server whose record expired is listed from the summary with the orchestrator's last_seen (its clock): read
+    against the dashboard's updated_at, it was off by the skew of the two hosts. Moved by the summary's updated_at."""
+    from petals_chain.dashboard.source import DhtSwarmSource
+
+    dht = _RecordsDht()
+    dht.summary = {"updated_at": 5000.0, "servers": [{"peer_id": "QmGone", "last_seen": 4970.0},
+                                                     {"peer_id": "QmOld"}]}
+    monkeypatch.setattr(time, "time", lambda: 9000.0)  # the dashboard's clock, 4000 s ahead of the orchestrator's
+    source = DhtSwarmSource(dht, "pa", trusted=["QmOrch"])
+    source.refresh()
+    by = {s["peer_id"]: s for s in source.view()["servers"]}
+    assert by["QmGone"]["last_seen"] == 8970.0 and by["QmGone"]["state"] == "offline"
+    assert by["QmOld"]["last_seen"] is None
+
+
+def test_the_page_measures_last_seen_from_the_views_updated_at():
+    """The page showed browser-now minus last_seen: with a viewer's (or the view's writer's) clock 1 h off, every live
+    server read "1.0 h ago". Now measured from the view's updated_at (both on the writer's clock)."""
+    from dashboard_helpers import browser_skip_reason, chromium_page, sample_swarm, serve_app
+    from fastapi import FastAPI
+
+    from petals_chain.dashboard import mount_dashboard
+
+    if browser_skip_reason() is not None:
+        pytest.skip(browser_skip_reason())
+    view = sample_swarm(now=time.time() - 3600)  # its writer's clock 1 h behind this browser's
+    view["servers"][0]["last_seen"] = view["updated_at"] - 30
+    app = FastAPI()
+    app.get("/api/v1/swarm")(lambda: view)
+    mount_dashboard(app)
+    with serve_app(app) as url, chromium_page() as (page, errors):
+        page.goto(f"{url}/?refresh=0")
+        cell = '#servers-table tr[data-peer-id="{}"] td[data-label="last seen"]'
+        page.wait_for_selector(cell.format(view["servers"][0]["peer_id"]), timeout=60_000)
+        assert page.locator(cell.format(view["servers"][0]["peer_id"])).inner_text() == "30 s ago"
+        assert page.locator(cell.format(view["servers"][1]["peer_id"])).inner_text() == "2 s ago"
+        assert not errors
+
+
+# ---------------------------------------------------------------- the screenshot tool's waits
+
+def test_the_screenshot_tools_wait_for_a_busy_swarm_ignores_clock_steps(monkeypatch):
+    """``_wait_busy`` timed its 30 s on the wall clock: an NTP step forward ended it before its first poll (the
+    screenshot then showed an idle swarm); a step back stretched it."""
+    import httpx
+
+    from petals_chain.dashboard import screenshot
+
+    polls = []
+
+    def get(url, timeout):
+        polls.append(url)
+        return types.SimpleNamespace(json=lambda: {"chains": [{"active": int(len(polls) >= 3)}], "queue_length": 0})
+
+    wall = iter(range(0, 10**9, 3600))  # every reading of the wall clock an hour on
+    monkeypatch.setattr(httpx, "get", get)
+    monkeypatch.setattr(screenshot.time, "time", lambda: float(next(wall)))
+    monkeypatch.setattr(screenshot.time, "sleep", lambda s: None)
+    screenshot._wait_busy("http://127.0.0.1:1", timeout_s=30)
+    assert len(polls) == 3
 
 
 if __name__ == "__main__":  # pragma: no cover

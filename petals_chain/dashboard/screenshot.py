@@ -77,8 +77,8 @@ def _wait_busy(url: str, timeout_s: float) -> None:
     """Wait until the swarm reports jobs running or queued (the burst has reached the dispatcher)."""
     import httpx
 
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
+    deadline = time.monotonic() + timeout_s  # a wait, not a date: an NTP step must not end it or stretch it
+    while time.monotonic() < deadline:
         try:
             view = httpx.get(f"{url.rstrip('/')}/api/v1/swarm", timeout=10).json()
             running = sum(int(ch.get("active") or 0) for ch in view.get("chains", []))
@@ -118,12 +118,12 @@ def run_demo_and_capture(out: Path, phone_out: Optional[Path], burst: int = 24, 
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
             url = None
-            deadline = time.time() + timeout_s
+            deadline = time.monotonic() + timeout_s
             while url is None:
                 match = re.search(r"Dashboard: (http://\S+?)/\s", log_path.read_text(errors="replace"))
                 if match:
                     url = match.group(1)
-                elif proc.poll() is not None or time.time() > deadline:
+                elif proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the demo did not come up:\n{log_path.read_text(errors='replace')[-3000:]}")
                 else:
                     time.sleep(1)

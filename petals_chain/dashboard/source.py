@@ -13,6 +13,7 @@ dashboard started on lists every model with its DHT prefix (``models``); each is
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -81,12 +82,13 @@ def _record_dict(record: Any) -> dict:
     raise TypeError(f"server record must be a ServerRecord or a mapping, got {type(record).__name__}")
 
 
-def server_entry(record: Any, tau_c: Optional[float] = None) -> dict:
-    """A contracts-E server entry from a :class:`ServerRecord` (``last_seen`` = the record's timestamp)."""
+def server_entry(record: Any, tau_c: Optional[float] = None, last_seen: Optional[float] = None) -> dict:
+    """A contracts-E server entry from a :class:`ServerRecord` (``last_seen``: when the reader first read this record,
+    on its clock; without one, the record's timestamp, on its writer's)."""
     r = _record_dict(record)
     entry = {k: r.get(k, v) for k, v in SERVER_DEFAULTS.items() if k not in ("tau_c", "last_seen")}
     entry["tau_c"] = tau_c
-    entry["last_seen"] = r.get("timestamp")
+    entry["last_seen"] = r.get("timestamp") if last_seen is None else last_seen
     for extra in ("quant", "max_length", "epoch", "version", "reachability", "maddrs", "emulate_reply_fault",
                   "emulate_reply_fault_rate", "models", "serving", "failed_span", "load_error"):  # what it signs
         if extra in r:
@@ -107,6 +109,7 @@ def merge_view(
     now: Optional[float] = None,
     initial_peers: Sequence[str] = (),
     num_blocks: Optional[int] = None,
+    seen_at: Optional[Mapping[str, float]] = None,
 ) -> dict:
     """The contracts-E JSON from verified server records and the trusted summary (or None).
 
@@ -115,6 +118,12 @@ def merge_view(
     record are kept with ``state = "offline"`` so the page shows them as gone. Extra fields: ``source``
     (``"dht"``), ``orchestrator_summary`` (bool), ``summary_updated_at``. Without a summary, ``num_blocks`` (the
     model's, from an earlier summary) or else :func:`blocks_from_records` sizes the page's coverage chart.
+
+    ``seen_at``: ``{peer id: when its record was first read}`` on the clock of ``now`` (``updated_at``, which the page
+    measures "last seen" from): a server's own timestamp is on its clock, and one 10 min behind read "10 min ago"
+    while it published every few seconds. Its servers' ``last_seen`` is ``now`` where it has none; without it, their
+    records' timestamps. A server only the summary lists keeps the orchestrator's ``last_seen``, moved to this
+    clock by the summary's ``updated_at``.
     """
     now = time.time() if now is None else float(now)
     summary = dict(summary) if isinstance(summary, Mapping) else None
@@ -131,7 +140,8 @@ def merge_view(
     for peer_id, record in sorted(records.items()):
         seen_by_orch = summary_servers.get(peer_id, {})
         tau_c = seen_by_orch.get("tau_c")
-        entry = server_entry(record, tau_c if isinstance(tau_c, (int, float)) else None)
+        seen = None if seen_at is None else seen_at.get(peer_id, now)
+        entry = server_entry(record, tau_c if isinstance(tau_c, (int, float)) else None, seen)
         if seen_by_orch.get("state") in ("failed", "refused") and entry["state"] != "offline":
             # the record still says online (or joining), but the orchestrator cannot reach it, or refused it for
             # serving another model
@@ -146,6 +156,8 @@ def merge_view(
         gone = {k: s.get(k, v) for k, v in SERVER_DEFAULTS.items()}
         gone["state"] = "offline"  # its signed record expired: the summary's liveness is out of date
         gone["record_expired"] = True
+        if seen_at is not None:  # its age as the orchestrator said it (both its clock), from this one's now
+            gone["last_seen"] = _moved_to(gone["last_seen"], summary.get("updated_at"), now)
         servers.append(gone)
 
     view["servers"] = servers
@@ -167,6 +179,21 @@ def merge_view(
         view["ready"] = False
         view["num_blocks"] = num_blocks or blocks_from_records(records.values())
     return view
+
+
+def _stamp_of(record: Any) -> Any:
+    return record.get("timestamp") if isinstance(record, Mapping) else getattr(record, "timestamp", None)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _moved_to(t: Any, their_now: Any, now: float) -> Any:
+    """The time ``t`` of a clock whose now was ``their_now``, on the clock whose now is ``now`` (None: unknown)."""
+    if not (_is_number(t) and _is_number(their_now)):
+        return None
+    return now - max(0.0, float(their_now) - float(t))
 
 
 #: how many times further than every other server's span one server's may reach and still size the coverage chart
@@ -261,6 +288,8 @@ class DhtSwarmSource:
         self._summary_seen = False  # a trusted summary was read once (only then is the list of models known)
         self._last_ok: Optional[float] = None  # time.monotonic() of the last successful read
         self._last_error: Optional[str] = None
+        # {prefix: {peer id: (its record's timestamp, when this dashboard first read that record, time.time())}}
+        self._seen: dict[str, dict[str, tuple[float, float]]] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -304,12 +333,19 @@ class DhtSwarmSource:
     def _read(self, prefix: str) -> tuple[dict, Optional[dict]]:
         """The merged view of the swarm at ``prefix`` and the trusted summary it was merged from (or None)."""
         records = self.sd.fetch_servers(prefix)
+        now = time.time()
+        seen = self._seen.get(prefix, {})
+        # a server's "last seen" is when this dashboard first read its newest record: its own timestamp is on its
+        # clock (kept only for the peers read now: the book stays as large as the swarm)
+        self._seen[prefix] = seen = {
+            peer: seen[peer] if peer in seen and seen[peer][0] == stamp else (stamp, now)
+            for peer, stamp in ((peer, _stamp_of(r)) for peer, r in records.items())}
         summary = self.sd.fetch_summary(prefix, trusted=self.trusted) if self.trusted else None
         blocks = summary.get("num_blocks") if summary is not None else None
         if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 0:
             self._num_blocks[prefix] = blocks  # the model's length stays known while its orchestrator restarts
-        view = merge_view(prefix, records, summary, initial_peers=self.initial_peers,
-                          num_blocks=self._num_blocks.get(prefix))
+        view = merge_view(prefix, records, summary, now=now, initial_peers=self.initial_peers,
+                          num_blocks=self._num_blocks.get(prefix), seen_at={p: t for p, (_, t) in seen.items()})
         return view, summary
 
     def view(self, model: Optional[str] = None) -> dict:

@@ -105,17 +105,8 @@ def _longest_session(config: Any) -> Optional[tuple[int, str]]:
     return min(limits) if limits else None
 
 
-def _placement_origin(rec: PlacementRecord) -> tuple[str, int]:
-    """(orchestrator peer id, epoch) of a placement record (a record-like without them: none)."""
-    return str(getattr(rec, "orchestrator_peer_id", "")), int(getattr(rec, "epoch", -1))
-
-
 class Server:
     """One volunteer server process: ``asyncio.run(Server(cfg).run())``."""
-
-    # (orchestrator peer id, epoch) of the placement record followed last: its epochs order its records when its
-    # clock stepped back (their timestamps then read as older than the one followed, and were ignored for as long)
-    placement_from: tuple[str, int] = ("", -1)
 
     def __init__(self, cfg: ServerConfig, *, memory_flag: str = "--memory-bytes"):
         """ValueError naming the option when a value cannot work (checked here, before anything starts).
@@ -651,15 +642,15 @@ class Server:
             self._followed_placement(rec)
 
     def is_new_placement(self, rec: PlacementRecord) -> bool:
-        """Published after the placement followed last: a later timestamp, or a higher epoch of the same orchestrator
-        (whose timestamps went back with its clock: an NTP step back of 10 min ignored its moves for 10 min)."""
-        if rec.timestamp > self.placement_timestamp:
-            return True
-        (orchestrator, epoch), (followed, followed_epoch) = _placement_origin(rec), self.placement_from
-        return orchestrator == followed and epoch > followed_epoch
+        """Published after the placement followed last: a later timestamp. Not a higher epoch: an orchestrator
+        counts its epochs from 0 at each start, so its last run's record (still read under a model it no longer
+        serves) outranked the new run's and moved the server back. Nor is one needed when its clock steps back: DHT
+        nodes refuse its records while they hold one with a later expiration (the TTL is the same), so the first
+        record of it that reaches a server is stamped after the one followed."""
+        return rec.timestamp > self.placement_timestamp
 
     def _followed_placement(self, rec: PlacementRecord) -> None:
-        self.placement_timestamp, self.placement_from = rec.timestamp, _placement_origin(rec)
+        self.placement_timestamp = rec.timestamp
 
     async def _switch_to(self, hosted: HostedModel) -> bool:
         """Drain and unload the blocks of the model served, then serve ``hosted`` (False: stopped meanwhile)."""

@@ -100,28 +100,43 @@ class RecordLifetimes:
     records, which DHT nodes refuse while an entry with a later expiration is held). The writer's TTL,
     ``expiration - timestamp``, is skew-free (both on its clock), and the reader first reads a record after it was
     published, so a record also ends that TTL after this reader first read it: never sooner than with right clocks,
-    at most one TTL late whatever the writer's clock says."""
+    at most one TTL late whatever the writer's clock says.
+
+    Booked by DHT key and writer (the DHT holds one record per key and subkey; nodes that missed a store answer
+    with an earlier one): its last :attr:`PER_WRITER` records, each with when it was first read, so a copy read
+    again is not taken for a new record, and a republished record always is. Each is kept at most
+    :data:`MAX_RECORD_TTL_S` past its TTL's end (a record stamped far in the past has a TTL of years); the book is
+    pruned of ended entries as it doubles."""
 
     PRUNE_AT = 4096
+    PER_WRITER = 4
 
     def __init__(self) -> None:
-        self._first_read: dict[tuple[str, float, float], float] = {}  # (writer, timestamp, expiration) -> monotonic
+        # (DHT key, writer) -> {(expiration, timestamp): monotonic time of its first read}
+        self._book: dict[tuple[str, str], dict[tuple[float, float], float]] = {}
         self._prune_at = self.PRUNE_AT
         self._warned: set[str] = set()
         self._lock = threading.Lock()  # (the DHT is read from several threads)
 
-    def live(self, owner_peer: str, timestamp: Any, expiration: float, *, wall: Optional[float] = None,
-             mono: Optional[float] = None) -> bool:
+    def __len__(self) -> int:
+        """The records booked."""
+        with self._lock:
+            return sum(len(records) for records in self._book.values())
+
+    def live(self, owner_peer: str, timestamp: Any, expiration: float, *, where: str = "",
+             wall: Optional[float] = None, mono: Optional[float] = None) -> bool:
         """Whether the record ``owner_peer`` stamped ``timestamp`` (its wall clock), expiring at ``expiration`` (the
-        same clock), is still live here. A record without a usable timestamp is judged by its expiration alone."""
+        same clock), read under the DHT key ``where``, is still live here. A record without a usable timestamp is
+        judged by its expiration alone."""
         if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool) or not math.isfinite(timestamp):
             return True
-        ttl = float(expiration) - float(timestamp)
+        stamp, expiration = float(timestamp), float(expiration)
+        ttl = expiration - stamp
         if not ttl > 0:  # (its expiration is before its stamp: no writer of ours does that)
             return False
         wall = time.time() if wall is None else wall
         mono = time.monotonic() if mono is None else mono
-        ahead = float(timestamp) - wall
+        ahead = stamp - wall
         if ahead > CLOCK_AHEAD_WARN_S and owner_peer not in self._warned:
             if len(self._warned) >= 4096:  # bounded: writers can be made up by the thousand
                 self._warned.clear()
@@ -129,13 +144,26 @@ class RecordLifetimes:
             logger.warning(f"the clock of peer {owner_peer} runs at least {ahead:.0f} s ahead of this host's (its "
                            f"record is stamped {ahead:.0f} s in the future): its records are timed here from when "
                            "they are read; hivemind's DHT needs clocks within 3 s: fix the clock that is wrong")
-        key = (owner_peer, float(timestamp), float(expiration))
         with self._lock:
-            first = self._first_read.setdefault(key, mono)
-            if len(self._first_read) > self._prune_at:
-                self._first_read = {k: t for k, t in self._first_read.items() if mono - t <= k[2] - k[1]}
-                self._prune_at = max(self.PRUNE_AT, 2 * len(self._first_read))
+            records = self._book.setdefault((where, owner_peer), {})
+            first = records.get((expiration, stamp))
+            if first is None:
+                if len(records) >= self.PER_WRITER:  # (a writer republishing: its oldest record read goes)
+                    del records[min(records, key=records.__getitem__)]
+                first = records[(expiration, stamp)] = mono
+            if len(self._book) > self._prune_at:
+                self._prune(mono)
         return mono - first <= ttl
+
+    def _prune(self, mono: float) -> None:
+        book: dict[tuple[str, str], dict[tuple[float, float], float]] = {}
+        for where, records in self._book.items():
+            kept = {(exp, stamp): t for (exp, stamp), t in records.items()
+                    if mono - t <= min(exp - stamp, MAX_RECORD_TTL_S) + MAX_RECORD_TTL_S}
+            if kept:
+                book[where] = kept
+        self._book = book
+        self._prune_at = max(self.PRUNE_AT, 2 * len(book))
 
 
 def peer_id_of_owner(owner: bytes) -> Optional[str]:
@@ -765,8 +793,9 @@ class SwarmDHT:
                 f"{' '.join(str(e).split())[:300]}")
             return None
 
-    def _owned_entries(self, result) -> list[tuple[str, Any]]:
-        """(peer id derived from the owner key, raw value) for each subkey entry of a DHT get result."""
+    def _owned_entries(self, result, key: str) -> list[tuple[str, Any]]:
+        """(peer id derived from the owner key, raw value) for each live subkey entry of the DHT get result of
+        ``key``."""
         if result is None or not isinstance(result.value, dict):
             return []
         out = []
@@ -776,7 +805,7 @@ class SwarmDHT:
             if owner_peer is None or item.expiration_time > latest:
                 continue
             stamp = item.value.get("timestamp") if isinstance(item.value, dict) else None
-            if not self._lifetimes.live(owner_peer, stamp, item.expiration_time):
+            if not self._lifetimes.live(owner_peer, stamp, item.expiration_time, where=key):
                 continue
             out.append((owner_peer, item.value))
         return out
@@ -790,9 +819,9 @@ class SwarmDHT:
             raise ValueError(f"record.peer_id {record.peer_id} is not this node's peer id {self.peer_id}")
         return self._store(servers_key(prefix), record.to_value(), expiration_s, return_future)
 
-    def _parse_servers(self, result) -> dict[str, ServerRecord]:
+    def _parse_servers(self, result, key: str) -> dict[str, ServerRecord]:
         servers: dict[str, ServerRecord] = {}
-        for owner_peer, value in self._owned_entries(result):
+        for owner_peer, value in self._owned_entries(result, key):
             record = self._read(ServerRecord, value, owner_peer, "server record")
             if record is None:
                 continue
@@ -805,11 +834,13 @@ class SwarmDHT:
     def fetch_servers(self, prefix: str) -> dict[str, ServerRecord]:
         """Valid, owner-bound server records: peer_id -> ServerRecord."""
         self._ensure_prefix(prefix)
-        return self._parse_servers(self._get(servers_key(prefix)))
+        key = servers_key(prefix)
+        return self._parse_servers(self._get(key), key)
 
     async def afetch_servers(self, prefix: str) -> dict[str, ServerRecord]:
         self._ensure_prefix(prefix)
-        return self._parse_servers(await self._get(servers_key(prefix), return_future=True))
+        key = servers_key(prefix)
+        return self._parse_servers(await self._get(key, return_future=True), key)
 
     async def apublish_server(self, prefix: str, record: ServerRecord, expiration_s: float) -> bool:
         return await self.publish_server(prefix, record, expiration_s, return_future=True)
@@ -823,12 +854,14 @@ class SwarmDHT:
             raise ValueError("record.orchestrator_peer_id must be this node's peer id")
         return self._store(assignment_key(prefix), record.to_value(), expiration_s, return_future)
 
-    def _trusted_records(self, result, trusted: Iterable[str], model: Any, what: str) -> list[tuple[str, Any]]:
-        """``(owner peer id, record)`` for each entry of a DHT get result written by a ``trusted`` orchestrator, valid
-        as ``model`` and naming its writer as ``orchestrator_peer_id`` (forged and malformed entries are dropped)."""
+    def _trusted_records(self, result, key: str, trusted: Iterable[str], model: Any, what: str
+                         ) -> list[tuple[str, Any]]:
+        """``(owner peer id, record)`` for each entry of the DHT get result of ``key`` written by a ``trusted``
+        orchestrator, valid as ``model`` and naming its writer as ``orchestrator_peer_id`` (forged and malformed
+        entries are dropped)."""
         trusted = set(trusted)
         out = []
-        for owner_peer, value in self._owned_entries(result):
+        for owner_peer, value in self._owned_entries(result, key):
             if owner_peer not in trusted:
                 continue
             record = self._read(model, value, owner_peer, what)
@@ -838,11 +871,11 @@ class SwarmDHT:
                 out.append((owner_peer, record))
         return out
 
-    def _parse_assignment(self, result, trusted: Iterable[str], peer_id: Optional[str] = None
+    def _parse_assignment(self, result, key: str, trusted: Iterable[str], peer_id: Optional[str] = None
                           ) -> Optional[AssignmentRecord]:
         best: Optional[AssignmentRecord] = None
         mine: Optional[AssignmentRecord] = None  # the newest that gives ``peer_id`` a span
-        for _, record in self._trusted_records(result, trusted, AssignmentRecord, "assignment"):
+        for _, record in self._trusted_records(result, key, trusted, AssignmentRecord, "assignment"):
             if best is None or (record.epoch, record.timestamp) > (best.epoch, best.timestamp):
                 best = record
             if peer_id is not None and peer_id in record.assignments and (mine is None
@@ -855,13 +888,14 @@ class SwarmDHT:
         """The assignment to follow, signed by a trusted orchestrator: the newest that gives ``peer_id`` a span
         (several orchestrators each assign their own group), else the newest-epoch one; None if none."""
         self._ensure_prefix(prefix)
-        return self._parse_assignment(self._get(assignment_key(prefix)), trusted, peer_id)
+        key = assignment_key(prefix)
+        return self._parse_assignment(self._get(key), key, trusted, peer_id)
 
     async def afetch_assignment(self, prefix: str, trusted: Sequence[str], peer_id: Optional[str] = None
                                 ) -> Optional[AssignmentRecord]:
         self._ensure_prefix(prefix)
-        result = await self._get(assignment_key(prefix), return_future=True)
-        return self._parse_assignment(result, trusted, peer_id)
+        key = assignment_key(prefix)
+        return self._parse_assignment(await self._get(key, return_future=True), key, trusted, peer_id)
 
     # ---- groups (several orchestrators) ----
 
@@ -875,8 +909,9 @@ class SwarmDHT:
     async def afetch_groups(self, prefix: str, trusted: Iterable[str]) -> dict[str, GroupRecord]:
         """``{orchestrator peer id: its entry}`` for the trusted orchestrators with a live entry."""
         self._ensure_prefix(prefix)
-        result = await self._get(groups_key(prefix), return_future=True)
-        return dict(self._trusted_records(result, trusted, GroupRecord, "group entry"))
+        key = groups_key(prefix)
+        return dict(self._trusted_records(await self._get(key, return_future=True), key, trusted, GroupRecord,
+                                          "group entry"))
 
     # ---- model placement (several models) ----
 
@@ -895,8 +930,9 @@ class SwarmDHT:
         best: Optional[PlacementRecord] = None
         for prefix in prefixes:
             self._ensure_prefix(prefix)
-            result = await self._get(placement_key(prefix), return_future=True)
-            for _, record in self._trusted_records(result, trusted, PlacementRecord, "placement"):
+            key = placement_key(prefix)
+            result = await self._get(key, return_future=True)
+            for _, record in self._trusted_records(result, key, trusted, PlacementRecord, "placement"):
                 if peer_id in record.placement and (best is None or record.timestamp > best.timestamp):
                     best = record
         return best
@@ -909,9 +945,9 @@ class SwarmDHT:
         record = SummaryRecord.wrap(self.peer_id, summary)
         return self._store(summary_key(prefix), record.to_value(), expiration_s, return_future)
 
-    def _parse_summary(self, result, trusted: Iterable[str]) -> Optional[dict]:
+    def _parse_summary(self, result, key: str, trusted: Iterable[str]) -> Optional[dict]:
         best: Optional[SummaryRecord] = None
-        for _, record in self._trusted_records(result, trusted, SummaryRecord, "summary"):
+        for _, record in self._trusted_records(result, key, trusted, SummaryRecord, "summary"):
             try:
                 record.summary()
             except Exception:  # noqa: BLE001 - JSON text that does not parse: not a summary
@@ -923,11 +959,13 @@ class SwarmDHT:
     def fetch_summary(self, prefix: str, trusted: Sequence[str]) -> Optional[dict]:
         """The newest summary signed by a trusted orchestrator, or None."""
         self._ensure_prefix(prefix)
-        return self._parse_summary(self._get(summary_key(prefix)), trusted)
+        key = summary_key(prefix)
+        return self._parse_summary(self._get(key), key, trusted)
 
     async def afetch_summary(self, prefix: str, trusted: Sequence[str]) -> Optional[dict]:
         self._ensure_prefix(prefix)
-        return self._parse_summary(await self._get(summary_key(prefix), return_future=True), trusted)
+        key = summary_key(prefix)
+        return self._parse_summary(await self._get(key, return_future=True), key, trusted)
 
     # ---- swarm directory ----
 
@@ -942,7 +980,7 @@ class SwarmDHT:
         """Directory entries signed by trusted orchestrators (newest first); forged or unsigned ones are dropped."""
         out = []
         result = self._get(DIRECTORY_KEY)
-        for _, record in self._trusted_records(result, trusted, DirectoryRecord, "directory entry"):
+        for _, record in self._trusted_records(result, DIRECTORY_KEY, trusted, DirectoryRecord, "directory entry"):
             try:
                 check_prefix(record.dht_prefix)
             except ValueError:  # a malformed entry is simply not listed

@@ -629,7 +629,8 @@
     return el("span", { class: "badge " + cls, text: st });
   }
 
-  function serverRow(s, nowS, goneSince) {
+  // seenNowS: "now" on the clock of the servers' last_seen (the view's updated_at); goneSince and nowS: this browser's
+  function serverRow(s, nowS, goneSince, seenNowS) {
     var gone = goneSince !== null || !isLive(s);
     var a = int(s.start_block), m = int(s.num_blocks);
     var span = a !== null && m !== null && m > 0 ? a + "\u2013" + (a + m - 1) + " (" + m + ")" : "none";
@@ -690,7 +691,7 @@
       stepLine = el("div", { class: "muted step-times", title: "observed per decode step (moving average): the server's compute over its blocks + the rest of the hop's round trip",
         text: "step " + fmtSeconds(stepCompute) + (stepNetwork !== null ? " + " + fmtSeconds(stepNetwork) + " net" : "") });
     }
-    var lastSeen = goneSince !== null ? "left " + fmtAgo(goneSince, nowS) : fmtAgo(s.last_seen, nowS);
+    var lastSeen = goneSince !== null ? "left " + fmtAgo(goneSince, nowS) : fmtAgo(s.last_seen, seenNowS);
     var hw = [str(s.device), str(s.dtype)].filter(Boolean).join(" \u00b7 ");
     return el("tr", { "data-peer-id": str(s.peer_id), "data-state": gone ? "gone" : str(s.state), class: gone ? "gone" : null },
       el("td", { "data-label": "name" },
@@ -710,11 +711,15 @@
 
   function renderServers(data, servers, nowMs) {
     var nowS = nowMs / 1000;
+    // last_seen is on the clock of whoever wrote the view (the orchestrator, the standalone dashboard): measured from
+    // its updated_at (plus the age of a stale view), not from this browser's clock, which may be minutes off
+    var updated = num(data.updated_at), staleS = num(data.stale_s);
+    var seenNowS = updated !== null && updated > 0 ? updated + (staleS !== null ? staleS : 0) : nowS;
     var sorted = servers.slice().sort(function (a, b) {
       return ((int(a.start_block) || 0) - (int(b.start_block) || 0)) || serverName(a).localeCompare(serverName(b));
     });
-    var rows = sorted.map(function (s) { return serverRow(s, nowS, null); });
-    state.gone.forEach(function (g) { rows.push(serverRow(g.server, nowS, g.since / 1000)); });
+    var rows = sorted.map(function (s) { return serverRow(s, nowS, null, seenNowS); });
+    state.gone.forEach(function (g) { rows.push(serverRow(g.server, nowS, g.since / 1000, seenNowS)); });
     var online = servers.filter(function (s) { return s.state === "online"; }).length;
     var notListed = goneNotListed(), floor = nowMs < state.goneForgottenUntil ? "+" : ""; // some forgotten
     var goneCount = state.gone.size + state.goneDropped.size +
