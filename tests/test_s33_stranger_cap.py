@@ -109,10 +109,14 @@ def test_a_fork_and_an_extend_count_against_the_share(model):
 
 
 def test_a_session_bigger_than_the_cap_is_refused_with_the_cap(model):
-    svc = _service(model, stranger_shares=admission.StrangerShares(per_stranger=0.2))  # 6 of 32 pages
-    err = _refused(svc.open_session, "m", 0, 2, 64, "mallory")  # 8 pages
-    assert err.code == QUOTA and "8 cache pages asked for" in str(err) and "at most 6 of its 32" in str(err)
-    svc.open_session("m", 0, 2, 48, "mallory")  # 6 pages
+    shares = admission.StrangerShares(per_stranger=0.2)
+    err = shares.refusal(8, 0, 0, 32)  # no floor given: 6 of 32 pages
+    assert "8 cache pages asked for" in err and "at most 6 of its 32" in err
+    assert shares.refusal(8, 0, 0, 32, session_pages=8) is None  # a cap is at least one whole-span session
+    svc = _service(model, stranger_shares=shares)
+    svc.open_session("m", 0, 2, 64, "mallory")  # 8 pages: one session of the server's span at its max length
+    err = _refused(svc.open_session, "m2", 0, 2, 16, "mallory")
+    assert err.code == QUOTA and "at most 8 of its 32" in str(err)
     svc.open_session("o", 0, 2, 64, "orch")
 
 
@@ -182,9 +186,12 @@ def test_a_strangers_queued_opens_served_together_are_counted_once(model):
         waits = [asyncio.ensure_future(svc.open_session_wait(f"m{i}", 0, 2, 32, "mallory", wait_s=30.0))
                  for i in range(2)]  # 4 + 4 pages: its whole share
         await asyncio.sleep(0.05)
-        with pytest.raises(RefusedError) as info:  # one id waits once
-            await svc.open_session_wait("m0", 0, 2, 16, "mallory", wait_s=30.0)
-        assert info.value.code == "invalid"
+        # one id waits once: sent again, it takes its wait's place (its pages not counted twice: no quota)
+        waits.append(asyncio.ensure_future(svc.open_session_wait("m0", 0, 2, 32, "mallory", wait_s=30.0)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RefusedError) as info:
+            await waits.pop(0)
+        assert info.value.code == "invalid" and "replaced" in str(info.value) and len(svc.admission) == 2
         for i in range(4):
             svc.close_session(f"o{i}")  # 8 pages free: both fit
         await asyncio.wait_for(asyncio.gather(*waits), 5.0)

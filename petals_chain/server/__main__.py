@@ -67,12 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kv-share-per-stranger", type=_share, default=DEFAULT_MAX_KV_SHARE_PER_STRANGER,
                    metavar="F",
                    help="with --allow-any-client: the part of the KV cache one peer that is not a trusted "
-                        "orchestrator may hold, its queued opens included (0 < F <= 1; refused past it with "
-                        "stranger_quota)")
+                        "orchestrator may hold, its queued opens included (at least one session over the whole "
+                        "span at the server's max length), and the part of --max-waiters its queued opens may fill "
+                        "(at least 1); 0 < F <= 1, refused past it with stranger_quota")
     p.add_argument("--max-kv-share-strangers", type=_share, default=DEFAULT_MAX_KV_SHARE_STRANGERS, metavar="F",
                    help="with --allow-any-client: the part of the KV cache (and of --max-waiters) all untrusted peers "
-                        "together may hold, the rest kept for the trusted orchestrators; peer ids cost a stranger "
-                        "nothing, so this is what bounds many of them (0 < F <= 1)")
+                        "together may hold (at least one session of the whole span), the rest kept for the trusted "
+                        "orchestrators; peer ids cost a stranger nothing, so this is what bounds many of them "
+                        "(0 < F <= 1)")
     p.add_argument("--emulate-rtt-ms", type=float, default=0.0,
                    help="emulated extra round-trip time per request/reply (half each way; testbeds only)")
     p.add_argument("--emulate-compute-scale", type=float, default=1.0,

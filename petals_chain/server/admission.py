@@ -9,7 +9,13 @@ does not trust, ``--allow-any-client``) wait behind every trusted waiter and are
 
 :class:`StrangerShares` bounds what guests hold: one peer id at most ``--max-kv-share-per-stranger`` of the KV pool,
 all of them together at most ``--max-kv-share-strangers`` (a stranger makes new peer ids cheaply; the rest is the
-trusted orchestrators' reserve). A refusal by these caps has its own code, :data:`STRANGER_QUOTA`.
+trusted orchestrators' reserve). Each cap is at least one session over the server's whole span at its max length
+(a small server whose shares round down below one session still serves one stranger at a time). A refusal by these
+caps has its own code, :data:`STRANGER_QUOTA`.
+
+An open that waits may name a key (its peer and session id): a second wait under the same key takes the first's place
+in the queue, and the first is refused (``replaced``): a client that re-sends its open (its first stream broke) keeps
+its turn and holds one place, not two.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 STRANGER_QUOTA = "stranger_quota"  # refusal code: an untrusted peer's open or extend is over its share of the pool
 DEFAULT_MAX_KV_SHARE_PER_STRANGER = 0.25
@@ -45,30 +51,47 @@ class StrangerShares:
         check_share("--max-kv-share-per-stranger", self.per_stranger)
         check_share("--max-kv-share-strangers", self.strangers)
 
+    def caps(self, pool_pages: int, session_pages: int = 0) -> tuple[int, int]:
+        """Pages of a pool of ``pool_pages`` one stranger, and all strangers together, may hold: the shares rounded
+        down, but each at least ``session_pages`` (one session over the server's whole span at its max length;
+        at most the pool). Without that floor a server holding fewer than 1 / share such sessions (3 slots on 2
+        blocks: "at most 0 of its 3") refused every stranger's session even when idle."""
+        one = min(max(0, int(session_pages)), pool_pages)
+        return (max(math.floor(self.per_stranger * pool_pages), one),
+                max(math.floor(self.strangers * pool_pages), one))
+
     def refusal(self, need: int, peer_holds: int, strangers_hold: int, pool_pages: int, *,
-                reserve: bool = True) -> Optional[str]:
+                reserve: bool = True, session_pages: int = 0) -> Optional[str]:
         """Why a stranger holding ``peer_holds`` pages may not take ``need`` more while all strangers hold
         ``strangers_hold`` of ``pool_pages``; None if it may. ``reserve``: keep the trusted peers' part (there are
-        some); without it only the per-peer cap applies."""
-        per = math.floor(self.per_stranger * pool_pages)
+        some); without it only the per-peer cap applies. ``session_pages``: the floor of both caps (:meth:`caps`)."""
+        per, together = self.caps(pool_pages, session_pages)
+        floor = ", at least one session of its whole span" if session_pages and per > math.floor(
+            self.per_stranger * pool_pages) else ""
         if need > per:
             return (f"{need} cache pages asked for; a peer this server does not trust may hold at most {per} of its "
-                    f"{pool_pages} (--max-kv-share-per-stranger {self.per_stranger:g})")
+                    f"{pool_pages} (--max-kv-share-per-stranger {self.per_stranger:g}{floor})")
         if peer_holds + need > per:
             return (f"this peer holds (or waits for) {peer_holds} cache pages and asks for {need} more; a peer this "
                     f"server does not trust may hold at most {per} of its {pool_pages} "
-                    f"(--max-kv-share-per-stranger {self.per_stranger:g}): close a session first")
-        together = math.floor(self.strangers * pool_pages)
+                    f"(--max-kv-share-per-stranger {self.per_stranger:g}{floor}): close a session first")
+        floor = ", at least one session of its whole span" if session_pages and together > math.floor(
+            self.strangers * pool_pages) else ""
         if reserve and strangers_hold + need > together:
             return (f"peers this server does not trust hold (or wait for) {strangers_hold} cache pages, {need} more "
                     f"asked for; together they may hold at most {together} of its {pool_pages}, the rest is kept for "
-                    f"its trusted orchestrators (--max-kv-share-strangers {self.strangers:g})")
+                    f"its trusted orchestrators (--max-kv-share-strangers {self.strangers:g}{floor})")
         return None
+
+    def waits_per_stranger(self, max_waiters: int) -> int:
+        """Queued opens one stranger may have: ``--max-kv-share-per-stranger`` of ``max_waiters``, at least 1 (the
+        page cap alone let one peer id fill the strangers' part of the queue with one-page opens)."""
+        return max(1, math.floor(self.per_stranger * max_waiters))
 
 
 class WaitRefused(Exception):
-    """The open cannot wait: the queue (or its guests' part) is full or its wait ran out (``reason``: ``queue_full``
-    | ``guests_full`` | ``timeout``)."""
+    """The open cannot wait: the queue (or its guests' part) is full, its wait ran out or a later open under its key
+    took its place (``reason``: ``queue_full`` | ``guests_full`` | ``timeout`` | ``replaced``)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -80,6 +103,7 @@ class _Waiter:
     try_alloc: Callable[[], Any]
     future: asyncio.Future
     guest: bool = False  # an untrusted peer's open: served after every trusted waiter
+    key: Optional[Hashable] = None  # a later wait under the same key replaces this one
     since: float = field(default_factory=time.monotonic)
 
 
@@ -115,14 +139,16 @@ class SlotWaitQueue:
 
     async def acquire(self, try_alloc: Callable[[], Any], wait_s: float,
                       release: Optional[Callable[[Any], None]] = None, *, guest: bool = False,
-                      max_guests: Optional[int] = None) -> Any:
+                      max_guests: Optional[int] = None, key: Optional[Hashable] = None) -> Any:
         """Allocate now if nobody waits ahead and it fits, else wait up to ``min(wait_s, max_wait_s)`` seconds.
 
         ``release(result)`` undoes an allocation that was made for a waiter that was cancelled at that moment.
         ``guest``: an untrusted peer's open, queued behind every trusted one (a stranger's open waiting at the head
         held up every trusted open behind it). ``max_guests``: guests' opens that may wait at once (None: any number
-        up to ``max_waiters``); it bounds only opens that must wait. Raises ``no_capacity`` (``wait_s <= 0`` and it
-        does not fit), :class:`WaitRefused` (``guests_full`` past ``max_guests``) or ``try_alloc``'s error.
+        up to ``max_waiters``); it bounds only opens that must wait. ``key``: a queued waiter under the same key is
+        refused (``replaced``) and this open takes its place (the queue does not grow). Raises ``no_capacity``
+        (``wait_s <= 0`` and it does not fit), :class:`WaitRefused` (``guests_full`` past ``max_guests``) or
+        ``try_alloc``'s error.
         """
         if not self.ahead_of(guest):
             try:
@@ -132,15 +158,23 @@ class SlotWaitQueue:
                     raise
         elif wait_s <= 0:
             return try_alloc()  # an open that does not wait keeps today's behaviour (it may still fit)
-        if len(self._queue) >= self.max_waiters:
+        old = None if key is None else next((w for w in self._queue  # a peer trusted since (or no more) queues anew
+                                             if w.key == key and w.guest == guest and not w.future.done()), None)
+        if old is None and len(self._queue) >= self.max_waiters:
             raise WaitRefused("queue_full", f"{len(self._queue)} opens already wait for slots "
                                             f"(limit {self.max_waiters})")
-        if guest and max_guests is not None and self.guests >= max_guests:
+        if old is None and guest and max_guests is not None and self.guests >= max_guests:
             raise WaitRefused("guests_full", f"{self.guests} opens of peers this server does not trust wait for slots "
                                              f"already (at most {max_guests})")
         limit = min(float(wait_s), self.max_wait_s)
-        waiter = _Waiter(try_alloc, asyncio.get_running_loop().create_future(), guest=guest)
-        if guest:
+        waiter = _Waiter(try_alloc, asyncio.get_running_loop().create_future(), guest=guest, key=key)
+        if old is not None:  # its turn, and its place among the trusted waiters or the guests
+            waiter.since = old.since
+            self._queue[self._queue.index(old)] = waiter
+            old.future.set_exception(WaitRefused("replaced", "a later open under the same session id and peer took "
+                                                             "this one's place in the queue"))
+            self.notify()  # at the head, the new open may fit where the old one did not
+        elif guest:
             self._queue.append(waiter)
         else:  # behind the trusted waiters, ahead of the guests
             self._queue.insert(self.ahead_of(False), waiter)
@@ -154,7 +188,8 @@ class SlotWaitQueue:
             self._forget(waiter, release)
             self.timeouts += 1
             raise WaitRefused("timeout", f"no slots freed up within {limit:.3g} s")
-        self.served += 1
+        if waiter.future.exception() is None:
+            self.served += 1
         return waiter.future.result()
 
     def _forget(self, waiter: _Waiter, release: Optional[Callable[[Any], None]]) -> None:

@@ -9,8 +9,14 @@ session's pages, close frees them. Sessions are opened only on the runner being 
 
 With ``--allow-any-client`` peers the server does not trust ("strangers") open sessions too, within
 :class:`~petals_chain.server.admission.StrangerShares` of the pool (counting the pages their open sessions reserve
-and their queued opens wait for); past it they are refused with code ``stranger_quota``. Their queued opens wait
-behind the trusted ones, which are not refused because a stranger's open waits.
+and their queued opens wait for, each cap at least one session of the whole span at the server's max length); past
+it they are refused with code ``stranger_quota``, as is a stranger's open past its part of the wait queue. Their
+queued opens wait behind the trusted ones, which are not refused because a stranger's open waits.
+:meth:`SessionService.stranger_slots_free` is the room a stranger would find (the record shows it).
+
+A peer that sends an open again while its earlier open under the same session id still waits (its first stream
+broke; the server has not noticed yet) replaces that wait: the new open keeps its turn, the old one is refused
+``invalid``.
 """
 
 from __future__ import annotations
@@ -65,7 +71,9 @@ class SessionService:
         self.sessions: dict[str, OpenSession] = {}
         self.admission = SlotWaitQueue(NoCapacityError, max_waiters=max_waiters, max_wait_s=max_wait_s)
         self.stranger_shares = stranger_shares
-        self._waiting: dict[str, tuple[str, int]] = {}  # strangers' queued opens: session id -> (peer, pages)
+        # strangers' queued opens: session id -> (peer, pages); a new tuple per open, so that a replaced open's exit
+        # leaves the entry of the open that replaced it
+        self._waiting: dict[str, tuple[str, int]] = {}
         self._state, self._on_change, self._describe = state, on_change, describe
         self._closed = asyncio.Event()  # a session closed (or the drain was told to stop waiting)
         self._released: OrderedDict[str, None] = OrderedDict()  # by a drain's timeout, oldest first (bounded)
@@ -103,19 +111,24 @@ class SessionService:
                                               f"{runner.pool.num_pages} in all")
         guest = not self._trusted(peer_id)
         max_guests = None  # the wait queue's part strangers may fill (the rest kept for trusted opens)
+        entry = None
         if guest:
             self._check_share(runner, peer_id, start_block, end_block, max_length, session_id)
             if wait_s > 0:
-                if session_id in self._waiting:  # else its pages counted once for any number of waits
-                    raise RefusedError("invalid", f"an open of session {session_id!r} waits already")
+                earlier = self._waiting.get(session_id)
+                if earlier is not None and earlier[0] != peer_id:  # its pages are counted under the id once
+                    raise RefusedError("invalid", f"another peer's open of session {session_id!r} waits already")
+                if earlier is None:  # a re-sent open takes its earlier wait's place: no new place in the queue
+                    self._check_waits(peer_id)
                 if self.trusted:  # checked where the open would queue: one that fits now opens at once
                     max_guests = math.floor(self.stranger_shares.strangers * self.admission.max_waiters)
-                self._waiting[session_id] = (peer_id, need)  # its pages count against its share while it waits
+                entry = self._waiting[session_id] = (peer_id, need)  # its pages count against its share while it waits
         try:
             return await self.admission.acquire(
                 lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id,
                                        prefix_hashes=prefix_hashes), wait_s,
-                release=lambda _result: self.close_session(session_id), guest=guest, max_guests=max_guests)
+                release=lambda _result: self.close_session(session_id), guest=guest, max_guests=max_guests,
+                key=(peer_id, session_id) if wait_s > 0 else None)
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
         except WaitRefused as e:
@@ -123,10 +136,12 @@ class SessionService:
                 raise RefusedError(STRANGER_QUOTA, f"stranger quota: {e} (--max-kv-share-strangers "
                                                    f"{self.stranger_shares.strangers:g} of --max-waiters "
                                                    f"{self.admission.max_waiters})") from None
+            if e.reason == "replaced":  # this stream's client sent the open again (elsewhere): this one is void
+                raise RefusedError("invalid", f"open of session {session_id!r} replaced: {e}") from None
             raise RefusedError("no_capacity", f"no capacity: {e}") from None
         finally:
-            if guest and wait_s > 0:
-                self._waiting.pop(session_id, None)
+            if entry is not None and self._waiting.get(session_id) is entry:  # not the entry of an open replacing it
+                del self._waiting[session_id]
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         sess = self._open(session_id)
@@ -156,6 +171,11 @@ class SessionService:
         """Raise an open session's token limit (a paged KV cache takes the pages now); ``no_capacity`` leaves it as
         it was. Running sessions go before opens waiting in the FIFO: refusing would preempt work already done."""
         sess = self._open(session_id)
+        top = sess.runner.max_length
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 1 <= max_length <= top:
+            # before the share: a length no server would grant is a bad request, not a quota to wait out
+            raise RefusedError("invalid", f"max_length must be an int in [1, {top}] (this server's max_length), "
+                                          f"got {max_length!r}")
         if not self._trusted(sess.peer) and sess.runner is self.runner:
             span = sess.span[1] - sess.span[0]
             more = sess.runner.pages_needed(span, max_length) - sess.runner.pages_needed(span, sess.max_length)
@@ -233,6 +253,32 @@ class SessionService:
                 peer += pages if waiter == peer_id else 0
         return peer, together
 
+    def stranger_slots_free(self) -> int:
+        """Slots (sessions of ``max_length`` tokens per block, as ``slots_free`` counts them) a peer this server does
+        not trust, holding nothing here yet, could open now: 0 without ``--allow-any-client``; within the free slots,
+        the per-stranger cap and what the strangers together have left of theirs (whenever someone is trusted)."""
+        runner = self.runner
+        if runner is None or not self.allow_any_client:
+            return 0
+        per, together = self.stranger_shares.caps(runner.pool.num_pages, self._session_pages(runner))
+        room = per if not self.trusted else min(per, together - self.stranger_pages("")[1])
+        return max(0, min(runner.slots_free, room // runner.pages_per_slot))
+
+    @staticmethod
+    def _session_pages(runner: Any) -> int:
+        """Pages of one session over the runner's whole span at its max length (the floor of the shares)."""
+        return runner.pages_needed(runner.num_blocks, runner.max_length)
+
+    def _check_waits(self, peer_id: str) -> None:
+        """Refuse (``stranger_quota``) a stranger's new wait past its part of the wait queue."""
+        waits = sum(1 for peer, _ in self._waiting.values() if peer == peer_id)
+        cap = self.stranger_shares.waits_per_stranger(self.admission.max_waiters)
+        if waits >= cap:
+            raise RefusedError(STRANGER_QUOTA, f"stranger quota: this peer has {waits} opens waiting for slots "
+                                               f"already; a peer this server does not trust may have at most {cap} "
+                                               f"(--max-kv-share-per-stranger {self.stranger_shares.per_stranger:g} "
+                                               f"of --max-waiters {self.admission.max_waiters})")
+
     def _check_share(self, runner: Any, peer_id: str, start_block: int, end_block: int, max_length: int,
                      session_id: str, more: Optional[int] = None, fits_first: bool = False) -> None:
         """Refuse (``stranger_quota``) a stranger's session of ``max_length`` tokens over the span, or ``more``
@@ -252,7 +298,8 @@ class SessionService:
         else:  # an extend: the session's own pages count as held
             need = more
             peer, together = self.stranger_pages(peer_id)
-        why = self.stranger_shares.refusal(need, peer, together, runner.pool.num_pages, reserve=bool(self.trusted))
+        why = self.stranger_shares.refusal(need, peer, together, runner.pool.num_pages, reserve=bool(self.trusted),
+                                           session_pages=self._session_pages(runner))
         if why is not None:
             raise RefusedError(STRANGER_QUOTA, f"stranger quota: {why}")
 
@@ -308,7 +355,9 @@ class SessionService:
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
         self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block))
-        self._waiting.pop(session_id, None)  # served: its pages count as held now, not twice until its waiter wakes
+        waiting = self._waiting.get(session_id)
+        if waiting is not None and waiting[0] == peer_id:  # (another peer's wait under this id fails at its turn)
+            del self._waiting[session_id]  # served: its pages count as held now, not twice until its waiter wakes
         self._on_change()
         return {"slots_free": runner.slots_free, "cache_tokens_free": runner.cache_tokens_free,
                 "start_block": start_block, "end_block": end_block, "cached_tokens": cached,
