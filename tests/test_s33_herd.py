@@ -204,3 +204,87 @@ def test_two_replicas_of_a_dead_orchestrators_last_entries_read_in_turn_are_no_h
         assert b.live() == ["B"] and b.members() == set(seen)
 
     asyncio.run(main())
+
+
+# ---- review of the commit above (helper h27) -----------------------------------------------------------------------
+def _count_milp(monkeypatch, on_call=None) -> list[dict]:
+    """Every HiGHS solve of ``solve_herd``: its options (after ``on_call``, if given, ran)."""
+    from petals_chain.algorithms import herd
+
+    calls: list[dict] = []
+    real = herd.milp
+
+    def milp(*args, **kwargs):
+        calls.append(dict(kwargs["options"]))
+        res = real(*args, **kwargs)
+        if on_call is not None:
+            on_call()
+        return res
+    monkeypatch.setattr(herd, "milp", milp)
+    return calls
+
+
+def test_models_all_a_hair_over_a_quarter_of_a_gpu_take_one_cut_not_one_resolve_per_set(monkeypatch):
+    """8 models of 4.00000001 GB, 2 groups of 16 GB: any four are 4e-8 GB over (within HiGHS's tolerance), so the
+    ILP put four in each group. Each such set was cut alone: 36 resolves to find there is no plan (20 models of
+    16/5 GB + 1e-8: 73 resolves in 2 minutes, unfinished). "At most three of these per group" is one cut."""
+    calls = _count_milp(monkeypatch)
+    models = [f"m{k}" for k in range(8)]
+    problem = HerdProblem([Stream(m, m, 1.0 + k / 10) for k, m in enumerate(models)], {m: 4.00000001 for m in models},
+                          16.0, 4, 2, groups=2)
+    assert solve_herd(problem) is None and brute_force_herd(problem) is None
+    assert len(calls) <= 3, len(calls)
+    # with a third group there is a plan (3 + 3 + 2), the same as brute force's
+    calls.clear()
+    problem = HerdProblem(problem.streams, problem.model_memory, 16.0, 6, 2, groups=3)
+    sol = solve_herd(problem)
+    assert sol is not None and check_solution(problem, sol) == [] and max(len(ms) for ms in sol.models) <= 3
+    assert sol.objective == pytest.approx(brute_force_herd(problem).objective) and len(calls) <= 3, len(calls)
+
+
+def test_time_limit_s_bounds_the_whole_solve_not_each_resolve(monkeypatch):
+    """Each resolve got the whole ``time_limit_s``: with 1 s, the 20-model instance above took 54 s and more."""
+    from types import SimpleNamespace
+
+    from petals_chain.algorithms import herd
+
+    clock = [100.0]
+    monkeypatch.setattr(herd, "time", SimpleNamespace(monotonic=lambda: clock[0]), raising=False)
+    calls = _count_milp(monkeypatch, on_call=lambda: clock.__setitem__(0, clock[0] + 1.0))  # each solve: 1 s
+    # 8.0000001 + 8 GB on 16 GB: HiGHS puts both in one group, the cut separates them (two solves)
+    problem = HerdProblem([Stream("a", "a", 1.0), Stream("b", "b", 1.0)], {"a": 8.0000001, "b": 8.0}, 16.0, 2, 2,
+                          groups=2)
+    sol = solve_herd(problem, time_limit_s=1.5)
+    assert len(calls) == 2 and sol is not None and sol.group["a"] != sol.group["b"]
+    assert [c["time_limit"] for c in calls] == [pytest.approx(1.5), pytest.approx(0.5)]
+
+
+def test_an_orchestrator_whose_clock_steps_back_stays_alive_and_alone_leads():
+    """A's wall clock ran an hour ahead (hivemind only warns), then NTP stepped it back; A kept running. B counted
+    only entries newer than the newest it had read: A was dead to B for that hour (25 of 30 rounds here), B led
+    too, the two leaders re-published splits every round (48 epochs in 30 s) and both planned A's servers."""
+    from test_failover_units import record
+    from test_herd_groups import _group_world
+
+    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
+    entries: dict = {}
+    now = [0.0]
+    coordinator, rounds = _group_world(seen, entries, now)
+
+    async def main():
+        a, b = coordinator("A", "B"), coordinator("B", "A")
+        skew = [3600.0]
+        publish = a.dht.apublish_group
+
+        async def skewed(prefix, rec, ttl):
+            return await publish(prefix, rec.model_copy(update={"timestamp": rec.timestamp + skew[0]}), ttl)
+        a.dht.apublish_group = skewed
+        await rounds(12, a, b)
+        assert b.live() == ["A", "B"] and len(a.members()) == len(b.members()) == 2
+        epoch, skew[0] = a.epoch, 0.0
+        for _ in range(30):
+            await rounds(1, a, b)
+            assert b.live() == ["A", "B"] and b.leader == "A"
+        assert a.epoch == b.epoch == epoch and not a.members() & b.members()
+
+    asyncio.run(main())

@@ -30,6 +30,8 @@ from petals_chain.swarm.periodic import run_every
 
 logger = logging.getLogger(__name__)
 
+_STAMPS_KEPT = 16  # distinct entry timestamps remembered per orchestrator (a stale replica holds one of its last)
+
 
 class GroupCoordinator:
     """This orchestrator's part in the groups: announce, elect, split (as leader), follow the split.
@@ -57,7 +59,8 @@ class GroupCoordinator:
         self.split_method = ""  # how the newest split of this leader was found: ilp | greedy
         self.clock = clock
         self.last_seen: dict[str, float] = {}  # orchestrator -> when a new entry of it was last read (this clock)
-        self._stamps: dict[str, float] = {}  # orchestrator -> the newest timestamp read in its entries (its clock)
+        # orchestrator -> the last distinct timestamps read in its entries (its clock), oldest first
+        self._stamps: dict[str, dict[float, None]] = {}
         self.urls: dict[str, str] = {}
         self.rates: dict[str, float] = {}
         self.leader: str | None = None
@@ -156,12 +159,18 @@ class GroupCoordinator:
         for o, rec in entries.items():
             if o == self.me:
                 continue
-            # alive while it writes newer entries (it republishes every ttl_s / 3), timed by this clock: an entry the
+            # alive while it writes new entries (it republishes every ttl_s / 3), timed by this clock: an entry the
             # DHT still holds is no sign of life (it lasts until the expiration its writer set by the writer's clock:
             # a dead orchestrator whose clock ran ahead kept its group, unplanned, for as long as it ran ahead).
-            # Newer, not different: two replicas of its last entries read in turn must not look like a heartbeat.
-            if rec.timestamp > self._stamps.get(o, -math.inf):
-                self._stamps[o], self.last_seen[o] = rec.timestamp, now
+            # New = a timestamp not among the last ones read: replicas of its last entries read in turn are no
+            # heartbeat, and a writer whose clock stepped back (NTP) stays alive ("newer than the newest" made it
+            # dead for as long as its clock had run ahead: two leaders, the split re-published every round).
+            stamps = self._stamps.setdefault(o, {})
+            if rec.timestamp not in stamps:
+                self.last_seen[o] = now
+                stamps[rec.timestamp] = None
+                if len(stamps) > _STAMPS_KEPT:  # only a live writer adds stamps: a dead one's stay
+                    del stamps[next(iter(stamps))]
             self.urls[o], self.rates[o] = rec.http_url, rec.arrival_rate
             if rec.groups and rec.epoch > self.epoch:  # a leader's split (a new leader continues above it)
                 self.epoch, self.split = rec.epoch, rec.group_of()
