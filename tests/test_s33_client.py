@@ -18,6 +18,8 @@ import email.utils
 import gc
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -523,6 +525,7 @@ class _SessionOrchestrator:
 
     def __init__(self) -> None:
         self.deleted: list[str] = []
+        self.opened = 0
         orch = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -533,7 +536,8 @@ class _SessionOrchestrator:
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self._send({"session_id": f"s{len(orch.deleted)}", "max_length": 64, "model": MODEL})
+                orch.opened += 1  # one request at a time in these tests
+                self._send({"session_id": f"s{orch.opened - 1}", "max_length": 64, "model": MODEL})
 
             def do_DELETE(self) -> None:
                 orch.deleted.append(self.path)
@@ -604,3 +608,141 @@ def test_sessions_left_open_at_interpreter_exit_end_it_quietly(sessions_orch):
               "sys.stdout.write('opened')\n")
     done = subprocess.run([sys.executable, "-X", "dev", "-c", script], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, "opened", "")
+
+
+# ---- review of 2be28f9 (background closer, eager argument checks, error pages) ----
+
+def _wait_for(path: str, orch: _SessionOrchestrator, within_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while path not in orch.deleted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path in orch.deleted
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_forked_worker_never_closes_the_session_it_inherited(sessions_orch):
+    """Before: a worker forked from a process holding a session (gunicorn's prefork, multiprocessing) that replaced it
+    with one of its own closed the parent's from its background closer: the parent's next turn was 404
+    ``session_not_found``. Now only the process that opened a session closes it when it is dropped."""
+    client = Client(sessions_orch.url, model=MODEL)
+    inherited = client.session()  # s0, the parent's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork of a process with threads
+        pid = os.fork()
+    if pid == 0:  # the worker: its own session in place of the inherited one, then dropped too
+        try:
+            own = Client(sessions_orch.url, model=MODEL).session()  # s1
+            inherited = own  # noqa: F841 - the inherited session dropped here, in the worker
+            del own
+            inherited = None
+            time.sleep(15)  # the parent ends it once the worker's closer sent its DELETEs
+        finally:
+            os._exit(0)
+    try:
+        # the worker's closer sends its queue in order: once its own session's DELETE came, the inherited one's
+        # would have come before it
+        assert _wait_for("/api/v1/sessions/s1", sessions_orch)
+        assert sessions_orch.deleted == ["/api/v1/sessions/s1"]
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    del inherited  # dropped in the parent, which opened it: closed
+    assert _wait_for("/api/v1/sessions/s0", sessions_orch)
+    client.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_forked_child_opens_sessions_though_the_closer_lock_was_held_at_the_fork(sessions_orch):
+    """Before: a fork while another thread was inside the closer's start (its lock held) left the lock held for good
+    in the child: the child's first ``session()`` hung. Now the child starts with closer state of its own."""
+    lock, held, forked = client_module._Closer._lock, threading.Event(), threading.Event()
+
+    def opening() -> None:  # another thread inside the closer's start at the moment of the fork
+        with lock:
+            held.set()
+            forked.wait(15)
+
+    other = threading.Thread(target=opening)
+    other.start()
+    held.wait(15)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork of a process with threads
+        pid = os.fork()
+    if pid == 0:
+        try:
+            s = Client(sessions_orch.url, model=MODEL).session()  # s0
+            del s  # closed by the child's own closer
+            time.sleep(15)
+        finally:
+            os._exit(0)
+    forked.set()
+    other.join()
+    try:
+        assert _wait_for("/api/v1/sessions/s0", sessions_orch)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def _capture() -> tuple[list[dict], Callable[[httpx.Request], httpx.Response]]:
+    bodies: list[dict] = []
+
+    def orch(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/sessions":
+            return SESSION_OPENED
+        if request.method == "DELETE":
+            return httpx.Response(200, json={"closed": True})
+        bodies.append(json.loads(request.content))
+        if request.url.path.startswith("/api/v1/sessions/"):
+            return _session_turns(request)
+        return _sse() if bodies[-1].get("stream") else _completion()
+
+    return bodies, orch
+
+
+def test_numbers_from_numpy_and_nulls_are_sent_as_json_numbers_and_nulls():
+    """Before: ``temperature=np.float32(0.7)`` was "temperature must be a number or None, got float32", an int64
+    ``max_tokens``/``seed``/``logprobs`` "must be an integer", numpy token ids "prompt must be ... token ids", a numpy
+    ``min_p`` "must be what JSON carries (numbers, ...)", ``n=None`` (OpenAI's null, one choice) "got n=None", and a
+    session's ``input_ids=range(3)`` (sent as a list before 2be28f9) "must be a list of int"."""
+    np = pytest.importorskip("numpy")
+    bodies, orch = _capture()
+    c = _mocked([orch], retry_s=0)
+    c.complete("x", temperature=np.float32(0.5), top_p=np.float64(0.75), max_tokens=np.int64(4), top_k=np.int32(3),
+               seed=np.uint64(7), n=None, min_p=np.float32(0.25), logprobs=np.int64(2),
+               logit_bias={np.int64(5): np.float32(-1.0)})
+    assert bodies[-1] == {"model": MODEL, "prompt": "x", "temperature": 0.5, "top_p": 0.75, "top_k": 3,
+                          "repetition_penalty": 1.0, "max_tokens": 4, "seed": 7, "n": None, "min_p": 0.25,
+                          "logprobs": 2, "logit_bias": {"5": -1.0}}
+    assert "".join(c.stream(list(np.array([1, 2, 3])), max_tokens=np.int16(2))) == "served"
+    assert bodies[-1]["prompt"] == [1, 2, 3] and bodies[-1]["max_tokens"] == 2
+    c.complete([np.arange(2).tolist()])  # one list of ids in a list: one prompt, as before
+    assert bodies[-1]["prompt"] == [[0, 1]]
+    with c.session() as s:
+        s.complete(input_ids=range(3), logprobs=np.int64(1))
+        s.complete(input_ids=list(np.array([4, 5])), temperature=np.float32(0.0))
+        s.chat("hi", max_tokens=np.int64(1))
+    assert [b.get("input_ids") for b in bodies[-3:]] == [[0, 1, 2], [4, 5], None]
+    assert bodies[-3]["logprobs"] == 1 and bodies[-2]["temperature"] == 0.0 and bodies[-1]["max_tokens"] == 1
+    for bad, error in ((dict(temperature=np.float32("nan")), ValueError), (dict(top_k=np.float64(2.0)), TypeError),
+                       (dict(max_tokens=np.bool_(True)), TypeError), (dict(n=2), ValueError)):
+        with pytest.raises(error, match=next(iter(bad))):
+            c.complete("x", **bad)
+    with pytest.raises(TypeError, match="prompt"):
+        c.complete([np.float32(1.0)])
+    c.close()
+
+
+def test_an_error_page_full_of_angle_brackets_is_shortened_in_linear_time():
+    """Before: each ``<`` that no ``>`` (or ``<script`` that no ``</script>``) closed made the tag pattern scan the rest
+    of the text: a 480 kB text/plain 502 ("a < b ...") took about 20 s of CPU to become its 200-character message."""
+    body = "a < b " * 80_000
+    c = _mocked([lambda r: httpx.Response(502, headers={"content-type": "text/plain"}, text=body)], retry_s=0)
+    t0 = time.monotonic()
+    with pytest.raises(ClientError) as e:
+        c.complete("x")
+    assert time.monotonic() - t0 < 5.0  # linear: milliseconds
+    assert e.value.message.startswith("a < b a < b") and len(e.value.message) <= 200
+    assert client_module._shown_text("<p>up</p><script>if (a<b) x='</p>'</script><STYLE>p{}</style> &amp; on "
+                                     "<script>never closed") == "up & on"
+    c.close()

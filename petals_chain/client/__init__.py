@@ -29,6 +29,8 @@ import email.utils
 import html
 import json
 import math
+import numbers
+import os
 import queue
 import re
 import sys
@@ -81,13 +83,29 @@ class Completion:
 
 
 MAX_MESSAGE_CHARS = 200  # of a reply that is not an orchestrator's error object (a proxy's HTML page), in a message
-_TAG = re.compile(r"<(script|style)\b.*?</\1\s*>|<[^>]*>", re.IGNORECASE | re.DOTALL)
+# Linear in the text: a lazy ``<script ...</script>`` or a ``<[^>]*>`` that must reach the end scanned the rest of the
+# text from each unclosed ``<`` (300 kB of "a < b " took 10 s to become a 200-character message)
+_BLOCK_OPEN = re.compile(r"<(script|style)\b", re.IGNORECASE)
+_BLOCK_CLOSE = {name: re.compile(rf"</{name}\s*>", re.IGNORECASE) for name in ("script", "style")}
+_TAG = re.compile(r"<[^<>]*>")
+
+
+def _strip_tags(text: str) -> str:
+    """``text`` without its tags and its ``<script>`` and ``<style>`` blocks (an unclosed one runs to the end, as a
+    browser reads it)."""
+    kept, pos = [], 0
+    while (block := _BLOCK_OPEN.search(text, pos)) is not None:
+        kept.append(text[pos:block.start()])
+        end = _BLOCK_CLOSE[block.group(1).lower()].search(text, block.end())
+        pos = len(text) if end is None else end.end()
+    kept.append(text[pos:])
+    return _TAG.sub(" ", " ".join(kept))
 
 
 def _shown_text(text: str) -> str:
     """``text`` as an error message shows it: tags stripped, whitespace collapsed, at most :data:`MAX_MESSAGE_CHARS`
     (a proxy's 502 page was the whole message, kilobytes of HTML)."""
-    plain = " ".join(html.unescape(_TAG.sub(" ", text)).split())
+    plain = " ".join(html.unescape(_strip_tags(text)).split())
     return plain if len(plain) <= MAX_MESSAGE_CHARS else plain[:MAX_MESSAGE_CHARS - 3] + "..."
 
 
@@ -258,8 +276,8 @@ def _transport_errors(http: httpx.Client,
 def _one_completion(prompt: Any, extra: dict) -> None:
     """A call that returns one completion (or one stream) is asked for one: ``n`` > 1 or a batch of prompts gave the
     first choice (or, streamed, every choice's pieces interleaved). ValueError otherwise."""
-    n = extra.get("n", 1)
-    if n != 1:
+    n = extra.get("n")
+    if n is not None and n != 1:  # None: JSON null, the default (one), as OpenAI takes it
         raise ValueError(f"this call returns one completion, got n={n!r}: call it once per completion (with "
                          "different seeds to sample), or use the OpenAI API for several choices")
     batch = isinstance(prompt, (list, tuple)) and not all(isinstance(t, int) for t in prompt)
@@ -276,31 +294,59 @@ def _no_stream_switch(extra: dict, streams: bool) -> None:
                         "stream() always streams: use complete() or chat_completion() for one reply")
 
 
-def _check_number(name: str, value: Any, *, integer: bool = False, optional: bool = False) -> None:
-    """TypeError for a ``value`` of ``name`` that is not a number (an int with ``integer``; None with ``optional``),
-    ValueError for NaN or infinity: they failed deep in httpx's JSON encoder ("Out of range float values are not
-    JSON compliant"), naming no argument; a text or a float where an int goes was the orchestrator's 422."""
+def _plain(value: Any) -> Any:
+    """``value`` with numbers of other types (numpy's ``float32``, ``int64``, ...) as Python ints and floats, in
+    lists and dicts too: JSON (httpx's encoder) carries only Python's."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _number(name: str, value: Any, *, integer: bool = False, optional: bool = False) -> Any:
+    """``value`` of ``name`` as a Python int or float (numpy's ``float32(0.7)`` or ``int64(16)`` too: they were
+    refused as "not a number"). TypeError for what is not a number (an integer with ``integer``; None with
+    ``optional``), ValueError for NaN or infinity: they failed deep in httpx's JSON encoder ("Out of range float values
+    are not JSON compliant"), naming no argument; a text or a float where an int goes was the orchestrator's 422."""
     if value is None and optional:
-        return
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
         raise TypeError(f"{name} must be {'an integer' if integer else 'a number'}"
                         f"{' or None' if optional else ''}, got {type(value).__name__} {value!r:.80}")
+    value = _plain(value)
     if not integer and not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+def _token_ids(value: Any) -> Optional[list[int]]:
+    """``value`` as a list of Python ints when it is a list, tuple or range of integers (numpy's too), else None."""
+    if isinstance(value, range):
+        return list(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                for t in value):
+        return [int(t) for t in value]
+    return None
 
 
-def _check_prompt(prompt: Any) -> None:
-    """TypeError for a ``prompt`` that is not text or token ids (or a list of one of them, as OpenAI takes it)."""
-    one = prompt[0] if isinstance(prompt, (list, tuple)) and len(prompt) == 1 else None
-    if isinstance(prompt, str) or _is_ids(prompt) or isinstance(one, str) or _is_ids(one):
-        return
-    if isinstance(prompt, (list, tuple)) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        return  # a batch: _one_completion names it
+def _check_prompt(prompt: Any) -> Any:
+    """``prompt`` as it is sent (token ids as Python ints); TypeError for one that is not text or token ids (or a list
+    of one of them, as OpenAI takes it)."""
+    if isinstance(prompt, str):
+        return prompt
+    if (ids := _token_ids(prompt)) is not None:
+        return ids
+    if isinstance(prompt, (list, tuple)) and prompt:
+        each = [p if isinstance(p, str) else _token_ids(p) for p in prompt]
+        if all(p is not None for p in each):
+            return each  # one text (or list of ids) in a list, or a batch: _one_completion names it
     raise TypeError(f"prompt must be text (str) or token ids (a list of int), got {type(prompt).__name__} "
                     f"{prompt!r:.80}" + (": decode bytes first" if isinstance(prompt, (bytes, bytearray)) else ""))
 
@@ -313,29 +359,33 @@ def _check_messages(messages: Any) -> None:
     _check_extra({"messages": list(messages)})
 
 
-def _check_extra(extra: dict) -> None:
-    """ValueError or TypeError, naming the argument, for an extra body field JSON cannot carry (NaN, bytes)."""
+def _check_extra(extra: dict) -> dict:
+    """The extra body fields as sent (numbers as Python's, :func:`_plain`); ValueError or TypeError, naming the
+    argument, for one JSON cannot carry (NaN, bytes)."""
+    plain = {}
     for name, value in extra.items():
+        plain[name] = _plain(value)
         try:
-            json.dumps(value, allow_nan=False)
+            json.dumps(plain[name], allow_nan=False)
         except ValueError:
             raise ValueError(f"{name} must be finite (JSON has no NaN or infinity), got {value!r:.80}") from None
         except TypeError:
             raise TypeError(f"{name} must be what JSON carries (numbers, text, lists, dicts), got "
                             f"{type(value).__name__} {value!r:.80}") from None
+    return plain
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:
     """The sampling fields of a request body; TypeError or ValueError naming the argument that cannot be sent."""
     # None: JSON null, the orchestrator's default (as OpenAI's clients send it)
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("repetition_penalty", repetition_penalty)):
-        _check_number(name, value, optional=True)
-    for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("seed", seed)):
-        _check_number(name, value, integer=True, optional=True)
+    temperature, top_p, repetition_penalty = (_number(name, value, optional=True) for name, value in (
+        ("temperature", temperature), ("top_p", top_p), ("repetition_penalty", repetition_penalty)))
+    max_tokens, top_k, seed = (_number(name, value, integer=True, optional=True) for name, value in (
+        ("max_tokens", max_tokens), ("top_k", top_k), ("seed", seed)))
     if not (stop is None or isinstance(stop, str)
             or isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop)):
         raise TypeError(f"stop must be text or a list of texts, got {type(stop).__name__} {stop!r:.80}")
-    _check_extra(extra)
+    extra = _check_extra(extra)
     body = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     if max_tokens is not None:  # None: the orchestrator's default (chat: the rest of the context)
         body["max_tokens"] = max_tokens
@@ -509,9 +559,10 @@ class Client:
     first, and the wait is for the soonest ``Retry-After`` once each refused; an API key's limits
     (``tokens_per_minute``, ...) are waited out where they were met. A reply that says ``x-should-retry: false`` is
     the answer, sent again nowhere. Arguments that cannot be sent (bytes, NaN) are a TypeError or ValueError naming
-    them, before any request; an error reply that is not an orchestrator's (a proxy's page) is cut to
-    :data:`MAX_MESSAGE_CHARS` of its text. A :class:`ClientSession` dropped unclosed is closed from a background
-    thread (at interpreter exit it is left to the orchestrator's reaper)."""
+    them, before any request (numpy's numbers go as Python's); an error reply that is not an orchestrator's (a proxy's
+    page) is cut to :data:`MAX_MESSAGE_CHARS` of its text. A :class:`ClientSession` dropped unclosed is closed from a
+    background thread by the process that opened it (at interpreter exit, or dropped in a forked child, it is left to
+    its owner or the orchestrator's reaper)."""
 
     def __init__(self, url: str | Sequence[str], *, timeout: Optional[float] = 600.0, model: Optional[str] = None,
                  api_key: Optional[str] = None, retry_s: float = DEFAULT_RETRY_S):
@@ -648,7 +699,7 @@ class Client:
                  top_k: int = 0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
                  stop: Optional[list[str] | str] = None, **extra: Any) -> Completion:
         """Generate one completion (greedy unless ``temperature > 0``) and return it with its serving details."""
-        _check_prompt(prompt)
+        prompt = _check_prompt(prompt)
         _one_completion(prompt, extra)
         _no_stream_switch(extra, False)
         sampling = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
@@ -666,7 +717,7 @@ class Client:
                stop: Optional[list[str] | str] = None, **extra: Any) -> Iterator[str]:
         """Yield text pieces as tokens are generated (server-sent events). Its arguments are checked at the call
         (it was at the first ``next()``); the request goes out at the first ``next()``."""
-        _check_prompt(prompt)
+        prompt = _check_prompt(prompt)
         _one_completion(prompt, extra)
         _no_stream_switch(extra, True)
         sampling = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
@@ -784,13 +835,19 @@ class Client:
 
 
 class _Closer:
-    """One daemon thread that sends the DELETEs of sessions dropped unclosed (:meth:`ClientSession.__del__` only
-    queues them: ``SimpleQueue.put`` is safe in a finalizer, a request is not)."""
+    """One daemon thread per process that sends the DELETEs of sessions dropped unclosed
+    (:meth:`ClientSession.__del__` only queues them: ``SimpleQueue.put`` is safe in a finalizer, a request is not)."""
 
     TIMEOUT_S = 5.0  # a dropped session's DELETE: best effort, the reaper's otherwise
     _queue: "queue.SimpleQueue[tuple[httpx.Client, str]]" = queue.SimpleQueue()
     _thread: Optional[threading.Thread] = None
     _lock = threading.Lock()
+
+    @classmethod
+    def _after_fork(cls) -> None:
+        """In a forked child: none of the parent's thread, lock (another thread may have held it at the fork) or
+        queued DELETEs (the parent sends those itself); the child's first session starts its own thread."""
+        cls._queue, cls._thread, cls._lock = queue.SimpleQueue(), None, threading.Lock()
 
     @classmethod
     def start(cls) -> None:
@@ -818,6 +875,10 @@ class _Closer:
             del http  # not held while waiting for the next one
 
 
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_Closer._after_fork)
+
+
 class ClientSession:
     """A session opened on the orchestrator; every call continues the same token sequence. ``logprobs=k`` (0 to 20)
     asks a turn for its generated tokens' logprobs with k top alternatives, in ``/v1/completions``' format (chat
@@ -838,6 +899,7 @@ class ClientSession:
         self.id, self.max_length = _read_reply(r, lambda d: (d["session_id"], d["max_length"]))
         self.closed = False
         self.last: Optional[Completion] = None
+        self._pid = os.getpid()  # a forked child's copy is the parent's session: never closed when the child drops it
         _Closer.start()  # ready for __del__, which must not start a thread (it may run inside the threading lock)
 
     def _body(self, prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
@@ -847,16 +909,18 @@ class ClientSession:
         if prompt is not None and not isinstance(prompt, str):
             raise TypeError(f"a session's prompt is text (token ids go in input_ids=), got {type(prompt).__name__} "
                             f"{prompt!r:.80}")
-        if input_ids is not None and not _is_ids(input_ids):
+        ids = None if input_ids is None else _token_ids(input_ids)
+        if input_ids is not None and ids is None:
             raise TypeError(f"input_ids must be a list of int, got {type(input_ids).__name__} {input_ids!r:.80}")
         _one_completion(prompt, extra)
         _no_stream_switch(extra, streams)
         body = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
+        logprobs = _number("logprobs", logprobs, integer=True, optional=True)
         self.last = None  # never the previous turn's result (and logprobs) for this one
         if logprobs is not None:
             body["logprobs"] = logprobs
-        if input_ids is not None:
-            body["input_ids"] = list(input_ids)
+        if ids is not None:
+            body["input_ids"] = ids
         elif prompt is not None:
             body["prompt"] = prompt
         return body
@@ -968,9 +1032,11 @@ class ClientSession:
         # A session dropped unclosed held its place in its key's max_sessions (and the orchestrator's) until the
         # orchestrator's reaper, 5 min idle. Closed from a thread of its own: a DELETE here could block whatever
         # thread the garbage collector runs in (or deadlock it, inside the connection pool's lock); at interpreter
-        # exit nothing is sent
+        # exit nothing is sent, nor from a forked child (a worker that replaced its inherited session closed the
+        # parent's, which was still in use: 404 session_not_found at its next turn)
         try:
-            if not getattr(self, "closed", True) and not sys.is_finalizing():
+            if (not getattr(self, "closed", True) and getattr(self, "_pid", None) == os.getpid()
+                    and not sys.is_finalizing()):
                 _Closer.put(self._http, f"/api/v1/sessions/{self.id}")
         except Exception:  # noqa: BLE001 - best effort: the reaper closes it in the end
             pass
