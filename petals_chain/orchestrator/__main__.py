@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -19,6 +20,11 @@ from typing import Any
 from petals_chain.swarm.logs import log_level
 
 logger = logging.getLogger("petals_chain.orchestrator")
+
+# Running requests' grace at a stop: with the stop after it (servers' sessions closed, the DHT node stopped, the
+# process gone: ~0.5-1 s measured on a busy 2-core host) within docker stop's 10 s (Kubernetes gives 30 s), after which
+# the process is killed: no stream gets its last event, no server session is closed.
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
 
 
 def arrival_rate_arg(text: str) -> float | None:
@@ -163,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sse-keepalive-s", type=_nonnegative_float, default=15.0, metavar="S",
                    help="send an SSE keepalive comment on a stream silent this long (waiting in the queue: proxies "
                         "such as nginx cut a stream silent for 60 s); 0: never")
+    p.add_argument("--shutdown-grace-s", type=_nonnegative_float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="S",
+                   help="on SIGTERM or Ctrl-C: new requests get 503 (and /healthz too) and queued ones at once, "
+                        "running ones get this long to finish, then are cut (a stream with a last error event); the "
+                        "stop after it takes ~1-3 s more, within docker's 10 s by default (a second signal ends the "
+                        "grace at once; one more exits at once)")
     p.add_argument("--no-chain-wait-s", type=_nonnegative_float, default=30.0,
                    help="a new request while no chain serves its model (no server ready) waits this long, then 503")
     p.add_argument("--max-choices", type=_positive_int, default=8,
@@ -341,16 +352,17 @@ def _peer_id(text: str) -> str:
 
 
 async def serve(cfgs: list, ready_file: str | None = None, placement: dict | None = None,
-                lost: threading.Event | None = None) -> None:
+                lost: threading.Event | None = None, grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
     """Serve the models of ``cfgs`` (one config each; several: models.py, with ``placement`` the
     :class:`~petals_chain.orchestrator.placement.ModelPlacer` keywords) until SIGINT, SIGTERM or SIGHUP (unless
-    ignored: ``nohup``), or until the DHT process dies: then it stops alike and sets ``lost``."""
+    ignored: ``nohup``), or until the DHT process dies: then it stops alike (no grace) and sets ``lost``. A stop
+    while serving gives running requests ``grace_s`` (:class:`_GracefulStop`)."""
     from petals_chain.swarm.dht import on_dht_lost
 
     watch = _DhtWatch(asyncio.get_running_loop(), lost if lost is not None else threading.Event())
     on_dht_lost(watch.from_watch_thread)
     try:
-        await _serve(cfgs, ready_file, placement, watch)
+        await _serve(cfgs, ready_file, placement, watch, grace_s)
     finally:
         on_dht_lost(None)
 
@@ -370,7 +382,7 @@ class _DhtWatch:
     def __init__(self, loop: asyncio.AbstractEventLoop, lost: threading.Event) -> None:
         self.loop, self.lost = loop, lost
         self.starting: _StopWhileStarting | None = None  # while the orchestrators start
-        self.server: Any = None  # uvicorn's, once serving
+        self.stopping: _GracefulStop | None = None  # once serving
 
     def from_watch_thread(self, sd: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: stopped already
@@ -378,16 +390,17 @@ class _DhtWatch:
 
     def stop(self) -> None:
         if self.lost.is_set() or (self.starting is not None and self.starting.requested) \
-                or (self.server is not None and self.server.should_exit):
+                or (self.stopping is not None and self.stopping.begun):
             return
         self.lost.set()
-        if self.server is not None:
-            self.server.should_exit = True
+        if self.stopping is not None:
+            self.stopping.begin(grace_s=0.0)  # nothing can be served without the DHT node: cut now
         elif self.starting is not None:
             self.starting.task.cancel()  # stops once the step under way ends, as a stop while starting does
 
 
-async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, watch: _DhtWatch) -> None:
+async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, watch: _DhtWatch,
+                 grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
     import uvicorn
 
     from petals_chain.orchestrator.api import create_app
@@ -426,6 +439,7 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
             await _start(o, started, shared=orch)
         if len(orchs) == 1:
             app = create_app(orch)
+            apps = [app]
         else:
             from petals_chain.orchestrator.placement import ModelPlacer
 
@@ -441,7 +455,8 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
 
             # the router's own answers (an unknown model's 404, a 413) carry an x-request-id too; each model's app
             # keeps the router's id and adds no second header
-            app = RequestIds(ModelRouter({o.model_id: create_app(o, ledger) for o in orchs},
+            apps = [create_app(o, ledger) for o in orchs]
+            app = RequestIds(ModelRouter({o.model_id: a for o, a in zip(orchs, apps)},
                                          {o.model_id: o for o in orchs}, placer=placer))
             for o in orchs:
                 print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
@@ -453,13 +468,18 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
         if isinstance(e, asyncio.CancelledError) and (stop_starting.requested or watch.lost.is_set()):
             return  # stopped as a stop while serving is: no traceback (exit 0; 1 for a lost DHT process)
         raise
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=3,
+    # uvicorn's own grace only for what the drain does not track (a dashboard page): by then every API request has
+    # finished or was cut (_GracefulStop)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
                                            ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile))
-    server.install_signal_handlers = lambda: None  # we handle signals ourselves (below)
+    # we handle signals ourselves (below): uvicorn >= 0.29 also put its own handler over ours while serving (its
+    # first signal stopped the server at once, past any grace) and raised each signal again once it had stopped
+    server.install_signal_handlers = lambda: None  # (uvicorn < 0.29)
+    server.capture_signals = contextlib.nullcontext
     quiet_peer_disconnects(loop)
+    stopping = watch.stopping = _GracefulStop(server, orchs, apps, grace_s)
     for sig in stop_signals:
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    watch.server = server
+        loop.add_signal_handler(sig, stopping, sig)
     peers = orch.initial_peers
     print("Orchestrator peer id:", orch.dht.peer_id, flush=True)
     print("Initial peers (give these to servers as --initial-peers):", flush=True)
@@ -480,6 +500,7 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
     try:
         await server.serve(sockets=[sock])
     finally:
+        stopping.after_serving()
         print("Shutting down...", flush=True)
         if key_watch is not None:
             key_watch.cancel()
@@ -507,12 +528,86 @@ class _StopWhileStarting:
         self.task.cancel()
 
 
-def _stop_now(signum: int) -> None:
+class _GracefulStop:
+    """The signal handler while serving. The first stop signal drains: new API requests get 503 ``shutting_down``
+    (``/healthz`` too: load balancers stop sending), queued ones are answered so at once, and running ones get
+    ``grace_s`` to finish; those still running then are cut (a stream with a last error event a client resumes
+    elsewhere: api.ShutdownGate), and the server stops (the orchestrators' stop closes the servers' sessions and the
+    DHT node). Before, uvicorn closed the socket at once (new requests: connection refused), gave running ones 3 s and
+    cancelled them (a stream: a TCP reset in mid-event; a queued request: a plain-text 500), and ignored a second
+    signal. A second signal ends the grace now; one while the stop after it runs exits at once (:func:`_stop_now`)."""
+
+    def __init__(self, server: Any, orchs: list, apps: list, grace_s: float) -> None:
+        self.server, self.grace_s = server, grace_s
+        # (an embedder's own app or orchestrator without them has nothing to drain: it stops as before)
+        self.gates = [g for a in apps if (g := getattr(getattr(a, "state", None), "gate", None)) is not None]
+        self.drains = [d for o in orchs if (d := getattr(o, "begin_drain", None)) is not None]
+        self.begun = False
+        self.task: asyncio.Task | None = None
+        self._now = asyncio.Event()  # the grace ends now
+
+    def __call__(self, signum: int = signal.SIGTERM) -> None:
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if not self.begun:
+            logger.warning("%s: stopping: new requests get 503, queued ones too; running ones get up to %g s to "
+                           "finish (%s again stops now)", name, self.grace_s, name)
+            self.begin(self.grace_s)
+        elif not self._now.is_set() and not self.server.should_exit:
+            logger.warning("%s again: cutting the %d running request(s) now", name, self.running)
+            self._now.set()
+        else:
+            _stop_now(signum, "while stopping")  # does not return
+
+    @property
+    def running(self) -> int:
+        return sum(g.running for g in self.gates)
+
+    def begin(self, grace_s: float) -> None:
+        """Start the drain (once); ``grace_s`` 0: cut what runs now."""
+        if self.begun:
+            return
+        self.begun = True
+        if grace_s <= 0:
+            self._now.set()
+        try:  # here, not in the task: no request is queued or let in after the signal
+            refused = sum(drain() for drain in self.drains)
+        finally:
+            self.task = asyncio.get_running_loop().create_task(self._run(grace_s), name="graceful-stop")
+        if refused:
+            logger.info("answered %d queued request(s) with 503 shutting_down", refused)
+
+    async def _run(self, grace_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        idle = asyncio.ensure_future(asyncio.gather(*(g.wait_idle() for g in self.gates)))
+        now = asyncio.ensure_future(self._now.wait())
+        try:
+            await asyncio.wait([idle, now], timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+            if not idle.done():
+                cut = sum(g.cut() for g in self.gates)
+                logger.warning("cut %d request(s) still running after %.1f s (a stream ends with an error event, "
+                               "503 shutting_down: its client can send it again elsewhere)", cut, loop.time() - t0)
+                # their last bytes go out (a client that reads nothing any more does not hold the stop)
+                await asyncio.wait([idle], timeout=2.0)
+            logger.info("running requests done after %.1f s; stopping", loop.time() - t0)
+        finally:
+            self.server.should_exit = True
+            for f in (idle, now):
+                f.cancel()
+            await asyncio.gather(idle, now, return_exceptions=True)
+
+    def after_serving(self) -> None:
+        """The server stopped (the drain's end, or its own failure): a drain still under way goes no further."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+def _stop_now(signum: int, when: str = "while starting") -> None:
     """Exit now with ``128 + signum`` (130 for Ctrl-C), without waiting for the thread that loads the model or joins
-    the DHT (neither can be interrupted), once this process's children are killed (the DHT process and its p2pd run
-    in a process group of their own, swarm/dht.py, and would stop only a moment later: their watchdog) and a starting
-    DHT node's temporary identity file (a private key) is deleted."""
-    print(f"stopped at once ({signal.Signals(signum).name} again while starting)", file=sys.stderr, flush=True)
+    the DHT (neither can be interrupted) or for the stop under way, once this process's children are killed (the
+    DHT process and its p2pd run in a process group of their own, swarm/dht.py, and would stop only a moment later:
+    their watchdog) and a starting DHT node's temporary identity file (a private key) is deleted."""
+    print(f"stopped at once ({signal.Signals(signum).name} again {when})", file=sys.stderr, flush=True)
     try:
         import psutil
 
@@ -697,7 +792,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         asyncio.run(serve(cfgs, args.ready_file, placement=dict(
             policy=args.model_placement, interval_s=args.replace_interval_s, window_s=args.placement_window_s,
-            reload_s=args.model_reload_s, index=args.placement_index, rule=args.placement_rule), lost=lost))
+            reload_s=args.model_reload_s, index=args.placement_index, rule=args.placement_rule), lost=lost,
+            grace_s=args.shutdown_grace_s))
     except KeyboardInterrupt:
         pass
     except Exception as e:
@@ -714,5 +810,20 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Leave with ``code`` as the interpreter would (other threads joined, atexit handlers run, output flushed),
+    without its last step, the collection of every module's objects: 2-3 s for torch's and transformers' on a busy
+    2-core host after a stop that took 0.2 s, which docker's 10 s stop timeout counts (as a forked role leaves,
+    swarm/launch.py)."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # closed or gone (a pipe whose reader left): nothing more to say
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline, key_defaults
 from petals_chain.orchestrator.dispatch import ADMISSION
-from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, Unavailable
+from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, ShuttingDown, Unavailable
 from petals_chain.orchestrator.errors import default_code, shown_model_name, unavailable_retry_after_s
 from petals_chain.orchestrator.forward import (SERVED_BY_HEADER, forward_session_call, maybe_forward,
                                                unless_disconnected)
@@ -49,6 +49,7 @@ from petals_chain.orchestrator.tokentext import whole_text
 from petals_chain.orchestrator.stats import status_outcome
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
+from petals_chain.swarm.media import is_event_stream
 
 logger = logging.getLogger(__name__)
 
@@ -517,6 +518,129 @@ class _Logprobs:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+class _Call:
+    """One API request under way behind a :class:`ShutdownGate`: what of its response went out."""
+
+    def __init__(self, send: Callable[[dict], Any]):
+        self.outer = send
+        self.task: asyncio.Task | None = None
+        self.started = self.complete = self.events = False
+        self.cut = False
+
+    async def send(self, message: dict) -> None:
+        await self.outer(message)  # its flags after: a cancellation there (a slow reader's) wrote nothing
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.events = is_event_stream({k.decode("latin-1").lower(): v.decode("latin-1")
+                                           for k, v in message.get("headers", [])})
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+
+
+class ShutdownGate:
+    """What the API does while the orchestrator stops with requests in flight (``__main__``: SIGTERM, SIGINT).
+
+    Once :meth:`Orchestrator.begin_drain` ran, a new ``POST`` to the API (a generation, a session's turn or open) is
+    answered 503 ``shutting_down`` with ``Retry-After`` and ``Connection: close`` (it was a refused connection or a
+    reset one, which OpenAI's clients report as a network error), and ``GET /healthz`` answers 503. Requests under
+    way run on; :meth:`cut` ends those still running once the grace is over: a stream with a last error event (503
+    ``shutting_down``: a client resumes it elsewhere) and ``[DONE]`` (it was a TCP reset in mid-stream), a request
+    not yet answered with the 503 (it was uvicorn's plain-text 500 "Internal Server Error" and a traceback in the
+    log per request)."""
+
+    def __init__(self, orch: Any):
+        self.orch = orch
+        self.calls: set[_Call] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def middleware(self, app: Any) -> Callable:
+        """The ASGI middleware over ``app`` (for ``add_middleware``)."""
+        async def gate(scope: dict, receive: Callable, send: Callable) -> None:
+            if scope.get("type") != "http" or not _API_PATH.match(scope.get("path", "")):
+                return await app(scope, receive, send)
+            if self.orch.draining and scope.get("method") == "POST":
+                return await self._refuse(send)
+            await self._serve(app, scope, receive, send)
+        return gate
+
+    @property
+    def running(self) -> int:
+        """API requests under way."""
+        return len(self.calls)
+
+    async def wait_idle(self) -> None:
+        """Until no API request is under way."""
+        while self.calls:
+            self._idle.clear()
+            await self._idle.wait()
+
+    def cut(self) -> int:
+        """End every API request still under way (see the class); returns how many. :meth:`wait_idle` returns once
+        their last bytes went out."""
+        calls = [c for c in self.calls if not c.complete and c.task is not None and not c.task.done()]
+        for call in calls:
+            call.cut = True
+            call.task.cancel()
+        return len(calls)
+
+    async def _serve(self, app: Any, scope: dict, receive: Callable, send: Callable) -> None:
+        call = _Call(send)
+        # its own task: cut() cancels the request alone; this one then writes the end its client can act on
+        call.task = task = asyncio.ensure_future(app(scope, receive, call.send))
+        self.calls.add(call)
+        self._idle.clear()
+        try:
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:  # uvicorn's own cancellation (its shutdown timeout): the request's too
+                task.cancel()
+                await asyncio.wait([task])
+                raise
+            if task.cancelled() and call.cut:
+                await self._end(call)
+                return
+            error = task.exception() if not task.cancelled() else asyncio.CancelledError()
+        finally:
+            self.calls.discard(call)
+            if not self.calls:
+                self._idle.set()
+        if error is not None:  # on to the outer middleware and uvicorn, as the app raised it
+            # nothing here keeps it (and what its traceback holds) alive once its catcher drops it: a stream's
+            # generator is closed then (a session's turn its client never saw is undone by that close)
+            call.task = task = None
+            try:
+                raise error
+            finally:
+                error = None
+
+    async def _end(self, call: _Call) -> None:
+        if call.complete:
+            return
+        try:
+            if not call.started:
+                await self._refuse(call.outer, cut=True)
+            else:
+                # a stream (an SSE relay's too) gets the event a client acts on; another response just ends
+                tail = (error_event(503, _CUT_MESSAGE, code=ShuttingDown.code) + DONE).encode() if call.events else b""
+                await call.outer({"type": "http.response.body", "body": tail, "more_body": False})
+        except (OSError, RuntimeError) as e:  # the client went away meanwhile: nobody to tell
+            logger.debug("could not end a request cut by the shutdown: %r", e)
+
+    async def _refuse(self, send: Callable, cut: bool = False) -> None:
+        body = json.dumps(error_object(503, _CUT_MESSAGE if cut else ShuttingDown().args[0],
+                                       code=ShuttingDown.code)).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", str(unavailable_retry_after_s(self.orch.cfg)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+_CUT_MESSAGE = ("the orchestrator is shutting down and its grace for running requests is over: the request was cut "
+                "off; send it again (to another orchestrator, or here once it is back)")
+
+
 def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     """The FastAPI app over ``orch`` (the caller runs ``orch.start()``/``stop()`` in the server's loop); ``ledger``:
     the per-client counts shared with the other models' apps behind one router (``limits.ClientLedger``)."""
@@ -535,7 +659,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     @app.exception_handler(Unavailable)
     async def _unavailable(request: Request, exc: Unavailable):
         # as a 429 does: when to come back (OpenAI's clients wait that long before their retries; others had nothing)
-        response = _error(503, str(exc), code="swarm_unavailable")
+        response = _error(503, str(exc), code=getattr(exc, "code", None) or "swarm_unavailable")
         response.headers["Retry-After"] = str(unavailable_retry_after_s(cfg))
         return response
 
@@ -677,8 +801,14 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     # ---- info ----------------------------------------------------------------------------------
     @app.get("/healthz")
     async def healthz():
-        body = {"ok": True, "ready": orch.ready, "chains": len(orch.dispatch.chains),
-                "queue_length": orch.dispatch.queue_length, "uptime_s": orch.uptime_s}
+        # stopping: a 503, so that a load balancer's health check takes this orchestrator out at once (it answered
+        # 200 until its socket closed, new requests sent here meanwhile)
+        body = {"ok": not orch.draining, "ready": orch.ready, "chains": len(orch.dispatch.chains),
+                "queue_length": orch.dispatch.queue_length, "requests_running": app.state.gate.running,
+                "uptime_s": orch.uptime_s}
+        if orch.draining:
+            body["shutting_down"] = True
+            return JSONResponse(body, status_code=503, headers={"Connection": "close"})
         return JSONResponse(body, status_code=200)
 
     @app.get("/api/v1/swarm")
@@ -1149,6 +1279,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         orch.stats.end_request(outcome, client)
 
     install_log_ids()
+    gate = app.state.gate = ShutdownGate(orch)
+    app.add_middleware(gate.middleware)  # outside the limits: a request refused while stopping takes no place there
     app.add_middleware(RequestIds, on_end=request_ended)  # outermost: the limits' own answers get an id too
     # built now, not at the first request: the limits (app.state.limits) exist from the start, so a router in
     # front (models.py) refuses a request without a valid key unread from the first one on

@@ -32,6 +32,7 @@ from petals_chain.orchestrator.generation import Emit, Generation, GenerationMix
 from petals_chain.orchestrator.planner import SERVER_RECORD_TTL_S, Planner
 from petals_chain.orchestrator.relay import ChainSession, HeadBatcher, HopFailure
 from petals_chain.orchestrator.replay import ReplayCache
+from petals_chain.orchestrator.resume import SHUTTING_DOWN
 from petals_chain.orchestrator.sessions import SessionMixin, UserSession
 from petals_chain.orchestrator.stats import Stats
 from petals_chain.orchestrator.tokentext import TokenText
@@ -39,8 +40,8 @@ from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.reachability import Prober
 from petals_chain.swarm.rpc import RemoteError
 
-__all__ = ["Emit", "Generation", "JoinError", "Orchestrator", "OrchestratorConfig", "RequestError", "Unavailable",
-           "UserSession"]
+__all__ = ["Emit", "Generation", "JoinError", "Orchestrator", "OrchestratorConfig", "RequestError", "ShuttingDown",
+           "Unavailable", "UserSession"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,17 @@ DISPATCHES = DISPATCH_POLICIES
 
 class JoinError(RuntimeError):
     """The DHT node could not start or join the swarm (unreachable initial peers, a bad identity file, ...)."""
+
+
+class ShuttingDown(Unavailable):
+    """The orchestrator is stopping (SIGTERM): the request is not served here; HTTP 503 ``shutting_down`` (another
+    orchestrator, or this one once it is back, serves it)."""
+
+    code = SHUTTING_DOWN
+
+    def __init__(self, message: str = "the orchestrator is shutting down: the request was not served; send it again "
+                                      "(to another orchestrator, or here once it is back)"):
+        super().__init__(message)
 
 
 def fairness_policy_name(cfg: "OrchestratorConfig") -> str:
@@ -258,6 +270,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.placer: Any = None  # placement.ModelPlacer of those models (several), for the summary
         self.chain_sessions: "weakref.WeakSet[ChainSession]" = weakref.WeakSet()
         self._bg_tasks: set[asyncio.Task] = set()
+        self.draining = False  # stopping: new requests are refused (begin_drain)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -428,6 +441,15 @@ class Orchestrator(GenerationMixin, SessionMixin):
         if self.dht is not None and self._owns_dht:
             await asyncio.to_thread(self.dht.shutdown)
             self.dht = None
+
+    def begin_drain(self) -> int:
+        """Stop taking work, as a stop with requests in flight begins (``__main__``): from now on the API refuses
+        new requests (503 ``shutting_down``, api.ShutdownGate) and every request waiting in the queue for a chain is
+        answered :class:`ShuttingDown` now (it was left to hang until the process was gone). Requests already served
+        (and their failovers) go on. Returns how many queued requests were answered."""
+        self.draining = True
+        refuse = getattr(self.dispatch, "refuse_waiting", None)  # (routed baselines queue per server: cut later)
+        return refuse(ShuttingDown) if refuse is not None else 0
 
     def _background(self, coro) -> None:
         task = asyncio.ensure_future(coro)

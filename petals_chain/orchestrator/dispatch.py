@@ -521,6 +521,8 @@ class DispatchManager:
         self._holds: list[RequestPlaces] = []  # admitted requests with jobs still to come (their places held)
         self._slot_holds: list[RequestPlaces] = []  # those of them holding free slots too
         self._reserved: dict[int, int] = {}  # chain index -> its free slots held for them (current generation)
+        # stopping (refuse_waiting): what a new job is refused with, instead of queueing behind work that will be cut
+        self.refusal: Callable[[], BaseException] | None = None
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -967,6 +969,8 @@ class DispatchManager:
 
         Raises :class:`QueueFull` at once if ``job`` is new (not ``requeue``), cannot start now and the queue
         is at ``max_queue``."""
+        if self.refusal is not None and not job.requeue:
+            raise self.refusal()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._waiters[job] = fut
@@ -1062,7 +1066,7 @@ class DispatchManager:
             lease = await fut
             note_admission(True)  # a job that waited in _pending (no-op if decided)
             return lease
-        except asyncio.CancelledError:
+        except BaseException:  # its request went away, or was refused while it waited (refuse_waiting)
             self._waiters.pop(job, None)
             if job in self._lane:
                 self._lane.remove(job)
@@ -1078,6 +1082,19 @@ class DispatchManager:
             if self._promised:  # a job marked to pause for this one runs on (its next step may come first)
                 self._settle_promises()
             raise
+
+    def refuse_waiting(self, refusal: Callable[[], BaseException]) -> int:
+        """Answer every new job waiting for a chain with ``refusal()`` raised from its :meth:`acquire`, now, and each
+        new job that comes later at once (the orchestrator stops: a queued request hung until the process was
+        gone). Re-queued jobs (their request was served already: a failover, a pause) wait on. Returns how many
+        waiting jobs were refused."""
+        self.refusal = refusal
+        refused = 0
+        for job, fut in list(self._waiters.items()):
+            if not job.requeue and not fut.done():
+                fut.set_exception(refusal())
+                refused += 1
+        return refused
 
     def release(self, lease: Lease) -> None:
         """The job of ``lease`` is done with its chain: start the next queued job there."""

@@ -176,6 +176,11 @@ class ChainHolder:
             except asyncio.CancelledError:
                 self._gave_up(job, began)  # its client went away while it waited
                 raise
+            except Unavailable:  # refused before or while it waited: the orchestrator stops (dispatch.refuse_waiting)
+                self._gave_up(job, began)
+                if dl is not None and dl.active and not self.admitted:
+                    orch.deadlines.settle(dl, "refused")  # it never ran: not a miss of the model's chains
+                raise
             except asyncio.TimeoutError:
                 if time.monotonic() >= dropped_at():  # still waiting for a chain when its deadline passed: dropped
                     self._gave_up(job, began)

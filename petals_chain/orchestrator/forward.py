@@ -33,8 +33,9 @@ from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.request_id import HEADER as REQUEST_ID_HEADER, current_request_id
-from petals_chain.orchestrator.resume import (Cut, DeadlineGone, StreamRecord, client_tls, finish, first_deadline_s,
-                                             relay_events, sse_events, stream_ending, ticking, with_time_gone)
+from petals_chain.orchestrator.resume import (SHUTTING_DOWN, Cut, DeadlineGone, StreamRecord, client_tls, finish,
+                                             first_deadline_s, relay_events, sse_events, stream_ending, ticking,
+                                             with_time_gone)
 from petals_chain.swarm.media import is_event_stream
 
 logger = logging.getLogger(__name__)
@@ -213,6 +214,22 @@ async def maybe_forward(orch: Any, request: Request, url: Optional[str] = None) 
     except BaseException:
         await client.aclose()
         raise
+    if upstream.status_code == 503:  # an error object (never a stream): read whole
+        try:
+            reply = await upstream.aread()
+        finally:
+            await upstream.aclose()
+            await client.aclose()
+        try:
+            code = (json.loads(reply).get("error") or {}).get("code")
+        except (ValueError, AttributeError):
+            code = None
+        if code == SHUTTING_DOWN:  # it stops (api.ShutdownGate): served here, as if it could not be reached
+            logger.info("%s is stopping: serving %s here", url, request.url.path)
+            return None
+        kept = {k: v for k, v in upstream.headers.items()
+                if k.lower() not in _REPLY_HEADERS_DROPPED and k.lower() != "content-encoding"}
+        return Response(reply, status_code=503, headers={**kept, SERVED_BY_HEADER: url})
     orch.groups.forwarded += 1
     # the other orchestrator decides admission: pass its reply through as it comes (the API holds a streamed reply
     # until our dispatcher decides, which for a forwarded request it never does: the whole stream was held)

@@ -64,7 +64,13 @@ def is_resume(headers: Any) -> bool:
 
 
 class Cut(Exception):
-    """The orchestrator sending a stream stopped refreshing its group record while the stream was silent."""
+    """The orchestrator sending a stream stopped refreshing its group record while the stream was silent, or ended
+    it because it stops (an error event :data:`SHUTTING_DOWN`)."""
+
+
+# The error code of a request an orchestrator does not serve or finish because it stops (core.ShuttingDown): a
+# stream it ends so is cut as a lost orchestrator's is (it was a TCP reset), finished elsewhere
+SHUTTING_DOWN = "shutting_down"
 
 
 class _Mismatch(Exception):
@@ -353,6 +359,8 @@ async def relay_events(record: StreamRecord, chunks: AsyncIterator[bytes],
             if not alive():
                 raise Cut("it no longer refreshes its group record")
             continue
+        if (err := _error_of(event)) is not None and err.get("code") == SHUTTING_DOWN:
+            raise Cut(f"it stops: {err.get('message', '')}"[:300])
         if (out := record.take(event)) is not None:
             yield out
 
