@@ -885,15 +885,20 @@ class ServiceMeter:
         while self._samples and self._samples[0][0] < cutoff:
             self._samples.popleft()
 
-    def forget(self, client: str) -> None:
-        """Drop ``client`` from the window (its name is gone): its service, its waits and its place in the samples,
-        so that the rates, the backlogged clients and Jain's index are those of the clients that remain."""
-        if any(c == client for _, c, _ in self._events):
-            self._events = deque(e for e in self._events if e[1] != client)
-        self._sums.pop(client, None)
-        self._waited.pop(client, None)
-        if any(client in clients for _, clients in self._samples):
-            self._samples = deque((t, clients - {client}) for t, clients in self._samples)
+    def forget(self, *clients: str) -> None:
+        """Drop ``clients`` from the window (their names are gone): their service, their waits and their places in the
+        samples, so that the rates, the backlogged clients and Jain's index are those of the clients that remain.
+        One pass over the window for them all (a reload that removed 1,000 names: one pass, not 1,000)."""
+        gone = set(clients)
+        if not gone:
+            return
+        if any(e[1] in gone for e in self._events):
+            self._events = deque(e for e in self._events if e[1] not in gone)
+        for client in gone:
+            self._sums.pop(client, None)
+            self._waited.pop(client, None)
+        if any(not gone.isdisjoint(c) for _, c in self._samples):
+            self._samples = deque((t, c - gone) for t, c in self._samples)
 
     def served(self, now: float, client: str, units: float) -> None:
         if units:

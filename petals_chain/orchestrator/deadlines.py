@@ -105,6 +105,12 @@ class _ClientCounts:
     met_times: deque = field(default_factory=deque)  # monotonic times of recent on-time completions
 
 
+def _trim(times: deque, cutoff: float) -> None:
+    """Drop the times before ``cutoff`` (oldest first)."""
+    while times and times[0] < cutoff:
+        times.popleft()
+
+
 class DeadlineBook:
     """Outcomes of requests with deadlines, per client, and goodput over the last ``window_s`` seconds.
 
@@ -114,6 +120,7 @@ class DeadlineBook:
         self.window_s = float(window_s)
         self._clients: dict[str, _ClientCounts] = defaultdict(_ClientCounts)
         self._former = dict.fromkeys(OUTCOMES, 0)  # outcomes of forgotten clients (kept in the totals)
+        self._former_met: list[deque] = []  # their on-time completions of the window (in the goodput of all)
         self._counter = counter
 
     def settle(self, dl: RequestDeadline, outcome: str | None = None, now: float | None = None) -> None:
@@ -137,21 +144,29 @@ class DeadlineBook:
             self._counter.labels(dl.client, outcome).inc()
 
     def forget(self, client: str) -> None:
-        """Drop ``client``'s counts (its name left the key file); the totals keep them."""
+        """Drop ``client``'s counts (its name left the key file); the totals keep them, and the goodput of all keeps
+        its on-time completions of the last ``window_s`` (dropped with it, the swarm's goodput fell at once)."""
         gone = self._clients.pop(client, None)
         if gone is not None:
             for k, v in gone.outcomes.items():
                 self._former[k] += v
+            if gone.met_times:
+                self._former_met.append(gone.met_times)
 
     def goodput(self, now: float | None = None, client: str | None = None) -> float:
         """On-time completions per second over the last ``window_s`` (one client, or all)."""
         now = time.monotonic() if now is None else now
+        cutoff = now - self.window_s
         total = 0
         for name, c in self._clients.items():
-            while c.met_times and c.met_times[0] < now - self.window_s:
-                c.met_times.popleft()
+            _trim(c.met_times, cutoff)
             if client is None or name == client:
                 total += len(c.met_times)
+        for times in self._former_met:
+            _trim(times, cutoff)
+        self._former_met = [times for times in self._former_met if times]
+        if client is None:
+            total += sum(len(times) for times in self._former_met)
         return total / self.window_s
 
     def json(self, now: float | None = None) -> dict:

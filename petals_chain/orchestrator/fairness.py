@@ -132,17 +132,17 @@ class ClientShares:
             self.m_service.labels(client).inc(units)
         self.meter.served(now, client, units)
 
-    def forget(self, client: str) -> None:
-        """Drop ``client``'s state (its name left the key file; nothing of it waits or runs): the policy's counters
-        (:meth:`FairPolicy.forget`: the others' order stays as it was), its service and waits in the window and its
-        Prometheus series. ``anonymous`` is never forgotten."""
-        if client == ANONYMOUS:
-            return
-        self.policy.forget(client)
-        self.meter.forget(client)
-        self.waits.pop(client, None)
-        for metric in (self.m_service, self.m_wait):
-            remove_client_series(metric, client)
+    def forget(self, *clients: str) -> None:
+        """Drop ``clients``' state (their names left the key file; nothing of them waits or runs): the policy's
+        counters (:meth:`FairPolicy.forget`: the others' order stays as it was), their service and waits in the window
+        (one pass for them all) and their Prometheus series. ``anonymous`` is never forgotten."""
+        gone = [c for c in dict.fromkeys(clients) if c != ANONYMOUS]
+        for client in gone:
+            self.policy.forget(client)
+            self.waits.pop(client, None)
+            for metric in (self.m_service, self.m_wait):
+                remove_client_series(metric, client)
+        self.meter.forget(*gone)
 
     def update_gauge(self, waiting_jobs: Any = ()) -> float | None:
         """Mark the clients of ``waiting_jobs`` backlogged and set the Jain gauge; returns Jain's index."""

@@ -176,23 +176,35 @@ class ClientLedger:
 
     def sweep(self) -> None:
         """Forget each retired name with no request under way, no session open and no job waiting, in every
-        model's orchestrator."""
-        for name in sorted(self.retired):
-            if self._busy(name):
-                continue
-            self.retired.discard(name)
+        model's orchestrator. The live sessions and the waiting jobs are read once for all the names (read for each,
+        a reload that removed 1,000 names read a queue of 1,000 jobs 1,000 times), and a model's fair-sharing
+        window is passed over once for all the names it forgets."""
+        if not self.retired:
+            return
+        live = self.live_sessions()
+        waiting = {getattr(j, "client", None) for o in self.orchs
+                   for j in getattr(getattr(o, "dispatch", None), "waiting_jobs", list)()}
+        idle = sorted(n for n in self.retired if not self._busy(n, live, waiting))
+        if not idle:
+            return
+        self.retired.difference_update(idle)
+        for name in idle:
             self.sessions_of.pop(name, None)
-            for o in self.orchs:
-                for part, forget in (("stats", "forget_client"), ("shares", "forget"), ("deadlines", "forget")):
-                    getattr(getattr(o, part, None), forget, lambda name: None)(name)
+        for o in self.orchs:
+            for part, forget in (("stats", "forget_client"), ("deadlines", "forget")):
+                forget_one = getattr(getattr(o, part, None), forget, None)
+                if forget_one is not None:
+                    for name in idle:
+                        forget_one(name)
+            forget_all = getattr(getattr(o, "shares", None), "forget", None)
+            if forget_all is not None:
+                forget_all(*idle)
 
-    def _busy(self, name: str) -> bool:
-        """Whether ``name`` has a request under way, a session open or a job waiting for a chain."""
-        if self.active.get(name) or self.opening.get(name) or self.sessions_of.get(name, set()) & self.live_sessions():
-            return True
-        dispatches = (getattr(o, "dispatch", None) for o in self.orchs)
-        return any(getattr(j, "client", None) == name for d in dispatches if hasattr(d, "waiting_jobs")
-                   for j in d.waiting_jobs())
+    def _busy(self, name: str, live: set[str], waiting: set[Any]) -> bool:
+        """Whether ``name`` has a request under way, a session among ``live`` or a job among ``waiting``'s
+        clients."""
+        return bool(self.active.get(name) or self.opening.get(name) or name in waiting
+                    or not self.sessions_of.get(name, set()).isdisjoint(live))
 
     def seconds_until_below(self, client: str, limit: int) -> int:
         """Seconds until ``client``'s last-minute usage over every model drops below ``limit`` (Retry-After)."""

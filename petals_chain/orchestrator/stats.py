@@ -7,11 +7,12 @@ import sys
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from petals_chain.orchestrator.auth import ANONYMOUS, CLIENT
+from petals_chain.orchestrator.deadlines import OUTCOMES as DEADLINE_OUTCOMES
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.request_id import REQUEST
 
@@ -24,6 +25,7 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 # than 429: invalid fields, unknown model, prompt too long, body too large, session busy): the client's to fix, kept
 # apart so that neither a refusal-rate nor an error-rate alert fires on a client's bad requests
 REQUEST_OUTCOMES = ("completed", "failed", "refused", "dropped", "cancelled", "invalid")
+JOB_OUTCOMES = ("completed", "failed", "unserved")  # a job's (petals_chain_client_requests)
 
 
 def request_outcome(error: BaseException | None) -> str:
@@ -52,19 +54,14 @@ def status_outcome(status: int, code: str | None = None) -> str:
     return "failed"
 
 
-def remove_client_series(metric: Any, client: str) -> int:
-    """Remove every series of the labelled ``metric`` whose ``client`` label is ``client``; returns how many.
-    (``remove_by_labels`` came with prometheus_client 0.22: before it, the series are found by a collect.)"""
-    # a sample's labels are the metric's in order, then a histogram bucket's "le"
-    found = {tuple(v for k, v in s.labels.items() if k != "le") for family in metric.collect()
-             for s in family.samples if s.labels.get("client") == client}
-    remove = getattr(metric, "remove_by_labels", None)
-    if remove is not None:
-        remove({"client": client})
-    else:
-        for values in found:
-            metric.remove(*values)
-    return len(found)
+def remove_client_series(metric: Any, client: str, outcomes: Sequence[str] = ()) -> None:
+    """Remove ``client``'s series of ``metric``: the one labelled ``(client,)``, or with ``outcomes`` the one labelled
+    ``(client, outcome)`` for each (a series never made is no matter). Each by its labels, so the cost does not grow
+    with the other clients' series: finding them by a collect of the whole metric, or by prometheus_client's
+    ``remove_by_labels`` (a scan of every series), made a reload that removed 1,000 of 2,000 names block the event
+    loop for minutes."""
+    for values in [(client, o) for o in outcomes] or [(client,)]:
+        metric.remove(*values)
 
 
 class _RequestParts:
@@ -254,8 +251,10 @@ class Stats:
         self._totals.pop(client, None)
         self._request_totals.pop(client, None)
         self._window.pop(client, None)
-        for metric in (self.m_client_requests, self.m_client_tokens, self.m_api_requests, self.m_deadlines):
-            remove_client_series(metric, client)
+        remove_client_series(self.m_client_requests, client, JOB_OUTCOMES)
+        remove_client_series(self.m_client_tokens, client)
+        remove_client_series(self.m_api_requests, client, REQUEST_OUTCOMES)
+        remove_client_series(self.m_deadlines, client, DEADLINE_OUTCOMES)
 
     def _charge(self, client: str, tokens: int, outcome: str) -> None:
         self.m_client_requests.labels(client, outcome).inc()
