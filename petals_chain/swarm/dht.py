@@ -166,6 +166,85 @@ class RecordLifetimes:
         self._prune_at = max(self.PRUNE_AT, 2 * len(book))
 
 
+# a store expires strictly later than the last one this process stored under its key: hivemind's DHT nodes keep an
+# entry unless the new one expires later (``<``, equal is refused); 1 ms is far above a float's resolution at 1.7e9
+EXPIRATION_STEP_S = 1e-3
+# a step back of the writer's clock smaller than this is not reported (NTP's corrections; two stores racing)
+CLOCK_BACK_WARN_S = 1.0
+
+
+class StoredExpirations:
+    """The expirations this process stores, kept increasing per DHT key (our subkey is the same under every key).
+
+    hivemind's DHT nodes keep, per key and subkey, the entry that expires later and refuse a store that expires
+    earlier; expirations are set by the writer's wall clock. A writer whose clock ran ``d`` seconds ahead and was
+    then stepped back (NTP) had every store refused until its clock passed the expiration it had stored, and readers
+    end a record its TTL after they first read it (:class:`RecordLifetimes`): a live server left the swarm for about
+    ``d`` minus one TTL. Its stores now expire just after the last one until its clock catches up, so nodes accept
+    them.
+
+    The cost, for such a writer only: its records' TTL (expiration - timestamp) is up to ``d`` longer, so if it stops
+    meanwhile readers list it up to ``d`` longer, as they did before its clock was corrected (never beyond
+    :data:`MAX_RECORD_TTL_S`: readers skip records that expire further ahead). The step back is logged once.
+
+    A new process of the same peer (restarted once its clock was set right) knows nothing of what the last one
+    stored: a store refused because a node holds an entry of ours that expires later is made again just after it
+    (:meth:`after`, from :meth:`SwarmDHT._store`)."""
+
+    PRUNE_AT = 64
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}  # DHT key -> the expiration stored last (on this host's DHT clock)
+        self._prune_at = self.PRUNE_AT
+        self._warned_until = -math.inf  # a step back is reported once, not again until the clock passes this
+        self._lock = threading.Lock()  # (stores come from several threads)
+
+    def next(self, key: str, ttl: float, *, now: Optional[float] = None) -> float:
+        """The expiration of a store under ``key`` that should live ``ttl`` seconds from ``now`` (this host's DHT
+        time): ``now + ttl``, or just after the last one stored under ``key`` if that is later."""
+        with self._lock:  # the clock is read under the lock: two stores racing get their expirations in order
+            now = get_dht_time() if now is None else now
+            expiration = now + ttl
+            last = self._last.get(key)
+            if last is not None and expiration <= last:
+                self._behind(last, expiration, now)
+                expiration = last + EXPIRATION_STEP_S
+            self._last[key] = expiration
+            if len(self._last) > self._prune_at:  # (an expiration already past constrains nothing)
+                self._last = {k: e for k, e in self._last.items() if e >= now}
+                self._prune_at = max(self.PRUNE_AT, 2 * len(self._last))
+        return expiration
+
+    def after(self, key: str, held: float, refused: float) -> Optional[float]:
+        """The expiration of a store under ``key`` again, now that the one expiring at ``refused`` was refused and a
+        DHT node holds our entry expiring at ``held`` (stored before this process started, by a clock that was
+        ahead): just after ``held``, and after it every later store; None if ``held`` is not the reason."""
+        if not held >= refused:
+            return None
+        with self._lock:
+            now = get_dht_time()
+            self._behind(held, refused, now, restarted=True)
+            expiration = max(held, self._last.get(key, -math.inf)) + EXPIRATION_STEP_S
+            self._last[key] = expiration
+        return expiration
+
+    def _behind(self, held: float, expiration: float, now: float, *, restarted: bool = False) -> None:
+        """Report (once until the clock passes ``held``) a store that would expire ``held - expiration`` seconds
+        before the entry of ours a DHT node holds (``restarted``: one stored before this process started)."""
+        behind = held - expiration
+        if behind <= CLOCK_BACK_WARN_S:
+            return
+        if now >= self._warned_until:
+            why = (f"DHT nodes hold a record of this peer, stored before this process started, that expires "
+                   f"{behind:.0f} s after this one would (this host's clock was ahead then, or the TTL longer)"
+                   if restarted else
+                   f"this host's clock went back at least {behind:.0f} s (stepped by NTP?) and DHT nodes refuse a "
+                   "record that expires before the one they hold")
+            logger.warning(f"{why}: ours are stored to expire just after it until the clock catches up (in at most "
+                           f"{held - now:.0f} s); if this node stops meanwhile, peers may list it until then")
+        self._warned_until = max(self._warned_until, held)
+
+
 def peer_id_of_owner(owner: bytes) -> Optional[str]:
     """The libp2p peer id (base58) derived from an ``[owner:ssh-rsa ...]`` subkey, or None if malformed."""
     if not isinstance(owner, bytes):
@@ -621,6 +700,8 @@ class SwarmDHT:
         self._prefixes = set(prefixes)
         self._reported_invalid: set[tuple[str, str]] = set()  # (owner peer id, what): warned once each
         self._lifetimes = RecordLifetimes()  # records outlive a writer whose clock is ahead by no more than their TTL
+        self._expirations = StoredExpirations()  # ours never expire before those we stored (a clock stepped back)
+        self._in_flight: set[Any] = set()  # the DHT process's replies a store waits for (see _store)
         self._daemons = _daemons_of(dht)  # p2pd, killed at shutdown if the DHT process died without stopping it
         self._closing = False
         self._shut = threading.Event()  # set with _closing: ends the watch's grace for a stop signal (below)
@@ -764,11 +845,64 @@ class SwarmDHT:
             self._prefixes.add(prefix)
 
     def _store(self, key: str, value: dict, expiration_s: float, return_future: bool):
+        """Store ``value`` under ``key`` and our subkey for ``expiration_s``: True if stored (or a future of it).
+
+        Never expiring before an entry of ours the DHT holds (:class:`StoredExpirations`): a store that nodes refuse
+        is made again just after the entry of ours they hold, if that is why (one stored by this identity before this
+        process started, with a clock that was ahead: a server restarted once its clock was set right)."""
         if not (expiration_s > 0):
             raise ValueError(f"expiration_s must be positive, got {expiration_s}")
-        future = self._tracked(self.dht.store(key, value, get_dht_time() + expiration_s, subkey=self.owner_key,
-                                              return_future=True))
-        return future if return_future else future.result()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        expiration = self._expirations.next(key, expiration_s)
+
+        def then(reply: Any, on_result: Callable[[Any], None]) -> None:
+            """Wait for the DHT process's ``reply`` (held here until it comes: an MPFuture nobody references is
+            dropped, its reply with it), then ``on_result(its result)``; errors and cancellation go to ``done``."""
+            self._in_flight.add(reply)
+
+            def relay(future: Any) -> None:
+                self._in_flight.discard(future)
+                if done.done():  # (cancelled by its caller)
+                    return
+                try:
+                    if future.cancelled():
+                        done.cancel()
+                    else:
+                        on_result(future.result())
+                except BaseException as e:  # noqa: BLE001 - relayed to whoever waits on ``done``
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        done.set_exception(e)
+
+            reply.add_done_callback(relay)
+
+        def elsewhere(ask: Callable[[], None]) -> None:
+            """``ask()`` the DHT process from a thread of its own: the callbacks run in the thread that reads every
+            reply of the DHT process, which must not wait on a pipe."""
+            def run() -> None:
+                try:
+                    ask()
+                except BaseException as e:  # noqa: BLE001 - relayed to whoever waits on ``done``
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        done.set_exception(e)
+            threading.Thread(target=run, name="dht-store-again", daemon=True).start()
+
+        def stored(ok: Any) -> None:
+            if ok:
+                done.set_result(ok)
+            else:  # refused, or no node answered: our entry held there says whether its expiration is why
+                elsewhere(lambda: then(self._get(key, return_future=True), held))
+
+        def held(result: Any) -> None:
+            item = result.value.get(self.owner_key) if result is not None and isinstance(result.value, dict) else None
+            later = self._expirations.after(key, item.expiration_time, expiration) if item is not None else None
+            if later is None:
+                done.set_result(False)
+            else:
+                elsewhere(lambda: then(self._tracked(self.dht.store(key, value, later, subkey=self.owner_key,
+                                                                    return_future=True)), done.set_result))
+
+        then(self._tracked(self.dht.store(key, value, expiration, subkey=self.owner_key, return_future=True)), stored)
+        return done if return_future else done.result()
 
     def _read(self, model: Any, value: Any, owner_peer: str, what: str) -> Any:
         """``model.from_value(value)``, or None with a warning (once per writer and kind) naming the writer's
@@ -843,7 +977,7 @@ class SwarmDHT:
         return self._parse_servers(await self._get(key, return_future=True), key)
 
     async def apublish_server(self, prefix: str, record: ServerRecord, expiration_s: float) -> bool:
-        return await self.publish_server(prefix, record, expiration_s, return_future=True)
+        return await asyncio.wrap_future(self.publish_server(prefix, record, expiration_s, return_future=True))
 
     # ---- assignment ----
 
@@ -904,7 +1038,7 @@ class SwarmDHT:
         self._ensure_prefix(prefix)
         if record.orchestrator_peer_id != self.peer_id:
             raise ValueError("record.orchestrator_peer_id must be this node's peer id")
-        return await self._store(groups_key(prefix), record.to_value(), expiration_s, True)
+        return await asyncio.wrap_future(self._store(groups_key(prefix), record.to_value(), expiration_s, True))
 
     async def afetch_groups(self, prefix: str, trusted: Iterable[str]) -> dict[str, GroupRecord]:
         """``{orchestrator peer id: its entry}`` for the trusted orchestrators with a live entry."""
@@ -920,7 +1054,7 @@ class SwarmDHT:
         self._ensure_prefix(prefix)
         if record.orchestrator_peer_id != self.peer_id:
             raise ValueError("record.orchestrator_peer_id must be this node's peer id")
-        return await self._store(placement_key(prefix), record.to_value(), expiration_s, True)
+        return await asyncio.wrap_future(self._store(placement_key(prefix), record.to_value(), expiration_s, True))
 
     async def afetch_placement(self, prefixes: Iterable[str], trusted: Iterable[str], peer_id: str
                                ) -> Optional[PlacementRecord]:
