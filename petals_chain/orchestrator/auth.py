@@ -10,10 +10,12 @@ is printable ASCII without spaces (what an HTTP header carries), at least :data:
 users of the host may read or write, or its group may write, is loaded with a warning (``chmod 600``).
 
 The orchestrator reads the file once at start and then watches it (:class:`KeyFile`): an edit (also an editor's
-replace-by-rename) is loaded within ``--api-keys-reload-s`` seconds, without a restart. A new key works at once, a
-removed one is refused (401) from its next request on (what already runs or waits finishes), changed limits apply
-to the next request. An edit that does not parse, or a file gone, keeps the keys loaded before and is logged once.
-A pipe or a device (``--api-keys <(...)``) is read once.
+replace-by-rename) is loaded within ``--api-keys-reload-s`` seconds (plus :data:`SETTLE_S` after its last write),
+without a restart. A new key works at once, a removed one is refused (401) from its next request on (what already
+runs or waits finishes), changed limits apply to the next request. An edit that does not parse, or a file gone, keeps
+the keys loaded before and is logged once. A file rewritten in place (``cat new > keys``) is read only once it has
+not changed for :data:`SETTLE_S`: read half-written, the names after the cut were removed for a poll. A pipe or a
+device (``--api-keys <(...)``) is read once.
 
 Clients send ``Authorization: Bearer KEY`` (or ``X-API-Key: KEY``). The client identity everywhere (limits,
 session ownership, metrics, fairness) is the key's *name*; the key itself is kept only as a SHA-256 digest and
@@ -47,6 +49,9 @@ _KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII: a header's bytes ar
 _COMMENT = re.compile(r"(?:^|\s)#")  # a '#' inside a field is part of it (it cut a key short, silently)
 
 DEFAULT_RELOAD_S = 2.0  # --api-keys-reload-s
+# A changed file is read once it has been left alone this long: a rewrite in place (truncate, then write) is done
+# in milliseconds, and a poll between its writes read a file whose later names had been removed.
+SETTLE_S = 1.0
 # ~150,000 keys; each look-up compares every key, so a ring that large is already slow
 MAX_KEY_FILE_BYTES = 16 * 2**20
 logger = logging.getLogger(__name__)
@@ -190,13 +195,25 @@ class KeyFile:
     answers from the ring loaded last: a file system that hangs (NFS), or a large file, stalled every request, the
     health checks too. A text that fails to parse, or a file gone, keeps the old ring and is logged once per version
     of the file, not per poll. A pipe or a device is read once and never watched. The constructor raises
-    :class:`KeyFileError` for a bad file (the orchestrator exits 2 before the model loads)."""
+    :class:`KeyFileError` for a bad file (the orchestrator exits 2 before the model loads).
+
+    A change is loaded only once it is stable, as a file rewritten in place can be caught between two writes (cut at
+    a line boundary it parses, and every name after the cut was removed for a poll: 401s, sessions closed, the
+    client's state forgotten). Stable: unmodified for ``settle_s`` (by its modification time; if that is more
+    recent, or ahead of this host's clock, the poll waits until it would be, at most ``settle_s``, and finds the
+    stat unchanged), and the stat the same before and after the read. A file still changing is read again at the
+    next poll: an edit is loaded within two polls. The wait runs in the poll's thread (:meth:`poll` called directly
+    blocks for it). ``clock`` (due times) and ``sleep`` (the wait) are replaceable for tests."""
 
     def __init__(self, path: str | Path, reload_s: float = DEFAULT_RELOAD_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, settle_s: float = SETTLE_S,
+                 sleep: Callable[[float], None] = time.sleep):
         if not (0 <= reload_s < float("inf")):
             raise ValueError(f"reload_s must be a finite number of seconds >= 0, got {reload_s!r}")
+        if not (0 <= settle_s < float("inf")):
+            raise ValueError(f"settle_s must be a finite number of seconds >= 0, got {settle_s!r}")
         self.path, self.reload_s, self._clock = str(path), float(reload_s), clock
+        self.settle_s, self._sleep = float(settle_s), sleep
         try:
             st: Optional[os.stat_result] = os.stat(self.path)
         except OSError:
@@ -322,15 +339,31 @@ class KeyFile:
                 self._seen, self._text = sig, b""
                 self._failed(f"the API key file {self.path} is no longer a regular file")
             return None
+        if sig != self._seen and (wait := self._unsettled_for(st)) > 0:
+            self._sleep(wait)  # a rewrite in place may be between two writes: wait for it to end
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                return None  # gone meanwhile: the next poll says so
+            if _signature(st) != sig:
+                return None  # still being written: read at the next poll (the stat is not marked seen)
         # a change within the file system's timestamp granularity after a read leaves the stat as it was: a file
         # modified just before it was read is read again at the next poll, until it is older than that
         self._seen, self._racy = sig, _racy(st)
         try:
-            text = _read_key_text(self.path)
-        except KeyFileError as e:  # said once: a read again while the file is recent fails alike
-            if self._text != (marker := _text_digest(f"\0{e}")):
+            text, error = _read_key_text(self.path), None
+        except KeyFileError as e:
+            text, error = "", e
+        try:
+            changed_meanwhile = _signature(os.stat(self.path)) != sig
+        except OSError:
+            changed_meanwhile = True
+        if changed_meanwhile:  # written while read (a torn text, or a torn UTF-8 character): the next poll reads it
+            return None
+        if error is not None:  # said once: a read again while the file is recent fails alike
+            if self._text != (marker := _text_digest(f"\0{error}")):
                 self._text = marker
-                self._failed(str(e))
+                self._failed(str(error))
             return None
         digest = _text_digest(text)
         if digest == self._text:
@@ -341,6 +374,12 @@ class KeyFile:
         except KeyFileError as e:
             self._failed(str(e))
             return None
+
+    def _unsettled_for(self, st: os.stat_result) -> float:
+        """Seconds until the file of ``st`` has gone ``settle_s`` unmodified (by its modification time; at most
+        ``settle_s``, so a time ahead of this host's clock costs one wait, not the skew)."""
+        age_s = (time.time_ns() - st.st_mtime_ns) / 1e9
+        return min(self.settle_s, max(0.0, self.settle_s - age_s))
 
     def _apply(self, ring: KeyRing) -> bool:
         """Make ``ring`` the keys, log the change by name and tell the listeners; True if a key changed."""

@@ -153,25 +153,36 @@ class DeadlineBook:
             if gone.met_times:
                 self._former_met.append(gone.met_times)
 
-    def goodput(self, now: float | None = None, client: str | None = None) -> float:
-        """On-time completions per second over the last ``window_s`` (one client, or all)."""
-        now = time.monotonic() if now is None else now
+    def _in_window(self, now: float) -> tuple[dict[str, int], int]:
+        """On-time completions over the last ``window_s`` per client, and those of forgotten clients: one pass that
+        trims every list it reads (what keeps them bounded)."""
         cutoff = now - self.window_s
-        total = 0
+        per_client = {}
         for name, c in self._clients.items():
             _trim(c.met_times, cutoff)
-            if client is None or name == client:
-                total += len(c.met_times)
+            per_client[name] = len(c.met_times)
         for times in self._former_met:
             _trim(times, cutoff)
         self._former_met = [times for times in self._former_met if times]
-        if client is None:
-            total += sum(len(times) for times in self._former_met)
-        return total / self.window_s
+        return per_client, sum(len(times) for times in self._former_met)
+
+    def goodput(self, now: float | None = None, client: str | None = None) -> float:
+        """On-time completions per second over the last ``window_s`` (one client, or all)."""
+        now = time.monotonic() if now is None else now
+        if client is not None:  # its own list only (not a defaultdict look-up: an unknown name is not added)
+            c = self._clients.get(client)
+            if c is None:
+                return 0.0
+            _trim(c.met_times, now - self.window_s)
+            return len(c.met_times) / self.window_s
+        per_client, former = self._in_window(now)
+        return (sum(per_client.values()) + former) / self.window_s
 
     def json(self, now: float | None = None) -> dict:
-        """Per client: outcome counts, SLO attainment (met over decided) and goodput; and the totals."""
+        """Per client: outcome counts, SLO attainment (met over decided) and goodput; and the totals. One pass over
+        the clients (a goodput per client, each scanning every client, took 0.2 s with 2,000 clients)."""
         now = time.monotonic() if now is None else now
+        per_client, former = self._in_window(now)
         clients = {}
         totals = dict(self._former)
         for name in sorted(self._clients):
@@ -180,7 +191,8 @@ class DeadlineBook:
                 totals[k] += v
             decided = sum(counts.values())
             clients[name] = {**counts, "attainment": counts["met"] / decided if decided else None,
-                             "goodput_per_s": self.goodput(now, name)}
+                             "goodput_per_s": per_client[name] / self.window_s}
         decided = sum(totals.values())
         return {"window_s": self.window_s, "clients": clients, **totals,
-                "attainment": totals["met"] / decided if decided else None, "goodput_per_s": self.goodput(now)}
+                "attainment": totals["met"] / decided if decided else None,
+                "goodput_per_s": (sum(per_client.values()) + former) / self.window_s}
