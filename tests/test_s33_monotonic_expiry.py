@@ -138,3 +138,116 @@ def test_a_server_restarted_once_its_clock_was_set_right_is_listed_at_once(monke
             restarted.shutdown()
     finally:
         orch.shutdown()
+
+
+# ---------------------------------------------------------------- stores of one key in flight at once
+
+class _Node:
+    """One DHT node, as the writer's SwarmDHT sees it: hivemind's own storage (it keeps, per key and subkey, the entry
+    that expires later), with each store applied when the test delivers it, so stores arrive in any order."""
+
+    def __init__(self) -> None:
+        from hivemind.dht.storage import DHTLocalStorage
+
+        self.storage, self.sent = DHTLocalStorage(), []
+
+    def store(self, key, value, expiration, subkey, return_future):
+        import concurrent.futures
+
+        self.sent.append((key, value, expiration, subkey, concurrent.futures.Future()))
+        return self.sent[-1][-1]
+
+    def deliver(self, i: int) -> None:
+        from hivemind.dht.routing import DHTID
+
+        key, value, expiration, subkey, reply = self.sent[i]
+        reply.set_result(self.storage.store(DHTID.generate(source=key), value, expiration, subkey=subkey))
+
+    def get(self, key, latest, return_future):
+        import concurrent.futures
+
+        from hivemind.dht.routing import DHTID
+        from hivemind.utils import ValueWithExpiration
+
+        reply, held = concurrent.futures.Future(), self.storage.get(DHTID.generate(source=key))
+        reply.set_result(None if held is None else ValueWithExpiration(
+            {sk: ValueWithExpiration(v, e) for sk, (v, e) in held.value.items()}, held.expiration_time))
+        return reply
+
+    def held(self, key: str, subkey: bytes):
+        return self.get(key, True, True).result().value[subkey]
+
+    def wait_sent(self, n: int) -> None:
+        deadline = time.monotonic() + 30.0
+        while len(self.sent) < n:
+            assert time.monotonic() < deadline, f"{len(self.sent)} stores sent, waited for {n}"
+            time.sleep(0.005)
+
+
+def _writer(node: _Node):
+    """A SwarmDHT on ``node`` (only what its stores use: no DHT process)."""
+    import threading
+    import weakref
+
+    from petals_chain.swarm.dht import StoredExpirations, SwarmDHT
+
+    sd = object.__new__(SwarmDHT)
+    sd.dht, sd.owner_key = node, b"[owner:writer]"
+    sd._expirations, sd._in_flight = StoredExpirations(), set()
+    sd._pending, sd._pending_lock, sd._exited = weakref.WeakSet(), threading.Lock(), False
+    return sd
+
+
+def test_an_older_store_that_reaches_the_node_last_does_not_overwrite_the_newer_one():
+    """Two stores of one key in flight at once (a server's "online" heartbeat, then its "offline" on leaving): the
+    node got the newer first and refused the older, as hivemind should. The refused store was then read back, our
+    newer entry taken for one left by an earlier process, and the older value stored just after it: the node held
+    "online" for a server that had left (publish of the older state returned True). Now the older store is not made
+    again (False) and the node keeps the newer state."""
+    node = _Node()
+    sd = _writer(node)
+    older = sd._store("m.servers", {"state": "online"}, 30.0, True)
+    newer = sd._store("m.servers", {"state": "offline"}, 30.0, True)
+    node.deliver(1)
+    node.deliver(0)
+    assert newer.result(timeout=30) is True
+    deadline = time.monotonic() + 30.0
+    while not older.done() and time.monotonic() < deadline:
+        if len(node.sent) > 2:  # (the old code stored the older value again: delivered, it was accepted)
+            node.deliver(2)
+            break
+        time.sleep(0.005)
+    returned = older.result(timeout=30)
+    assert node.held("m.servers", sd.owner_key).value == {"state": "offline"}
+    assert returned is False and len(node.sent) == 2  # no store of the older value after the newer
+
+
+def test_of_two_stores_refused_by_an_earlier_processs_entry_only_the_newer_is_stored_again():
+    """A restarted server (its node holds its previous process's entry, expiring 10 min later) publishes twice in a
+    row; both are refused. Each was stored again just after the entry held, the older last when its read came back
+    last: the node kept the older state. Now only the newer is stored again, and the node holds it."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils import get_dht_time
+
+    node = _Node()
+    sd = _writer(node)
+    held = get_dht_time() + 600.0
+    assert node.storage.store(DHTID.generate(source="m.servers"), {"state": "before restart"}, held,
+                              subkey=sd.owner_key)
+    older = sd._store("m.servers", {"state": "joining"}, 30.0, True)
+    newer = sd._store("m.servers", {"state": "online"}, 30.0, True)
+    node.deliver(1)  # refused: the newer is read back and stored again just after the entry held
+    node.wait_sent(3)
+    node.deliver(0)  # refused too
+    deadline = time.monotonic() + 30.0
+    while not older.done() and time.monotonic() < deadline:
+        if len(node.sent) > 3:  # (the old code stored the older value again, after the newer one)
+            break
+        time.sleep(0.005)
+    for i in range(2, len(node.sent)):
+        node.deliver(i)
+    assert newer.result(timeout=30) is True
+    returned = older.result(timeout=30)
+    stored = node.held("m.servers", sd.owner_key)
+    assert stored.value == {"state": "online"} and stored.expiration_time > held
+    assert returned is False

@@ -188,8 +188,8 @@ class StoredExpirations:
     :data:`MAX_RECORD_TTL_S`: readers skip records that expire further ahead). The step back is logged once.
 
     A new process of the same peer (restarted once its clock was set right) knows nothing of what the last one
-    stored: a store refused because a node holds an entry of ours that expires later is made again just after it
-    (:meth:`after`, from :meth:`SwarmDHT._store`)."""
+    stored: a store refused because a node holds an entry of ours that expires later is made again just after it,
+    unless a later store of ours under that key was made meanwhile (:meth:`after`, from :meth:`SwarmDHT._store`)."""
 
     PRUNE_AT = 64
 
@@ -218,10 +218,14 @@ class StoredExpirations:
     def after(self, key: str, held: float, refused: float) -> Optional[float]:
         """The expiration of a store under ``key`` again, now that the one expiring at ``refused`` was refused and a
         DHT node holds our entry expiring at ``held`` (stored before this process started, by a clock that was
-        ahead): just after ``held``, and after it every later store; None if ``held`` is not the reason."""
+        ahead): just after ``held``, and after it every later store; None if ``held`` is not the reason, or if a
+        later store of ours under ``key`` was made meanwhile (its value is the newer: the entry held may be that
+        very store, which reached the node first, and the refused, older value must not be stored after it)."""
         if not held >= refused:
             return None
         with self._lock:
+            if self._last.get(key) != refused:
+                return None
             now = get_dht_time()
             self._behind(held, refused, now, restarted=True)
             expiration = max(held, self._last.get(key, -math.inf)) + EXPIRATION_STEP_S
