@@ -408,3 +408,86 @@ def test_a_request_forwarded_to_a_stopping_orchestrator_is_served_here(monkeypat
     code["value"] = "swarm_unavailable"
     other = asyncio.run(forward())
     assert other is not None and other.status_code == 503 and other.headers["retry-after"] == "3"
+
+
+@pytest.mark.parametrize("kw", [{"n": 2}, {"prompt": [[1, 2, 3], [4, 5, 6]]}], ids=["n2", "two_prompts"])
+def test_a_running_request_of_several_jobs_finishes_within_the_grace(swarm, kw):
+    """One slot, a request of two jobs running its first (n = 2, or two prompts): the drain refused its second job
+    (waiting for the slot, or coming once the first's prefill was done) as if it were a new request, and the request
+    being served was answered 503 ``shutting_down`` "not served" at once (its first choice's work thrown away). Now
+    its jobs run on within the grace, as a request of one job does."""
+    async def main():
+        orch, app, gate, stepping = swarm(capacity=1)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://o", timeout=60) as c:
+            req = asyncio.ensure_future(c.post("/v1/completions", json=_body(orch, **kw)))
+            await asyncio.wait_for(stepping.wait(), 30)
+            await asyncio.sleep(0.1)  # a second prompt's job reaches the queue
+            assert orch.dispatch.running == 1
+            assert orch.begin_drain() == 0
+            _shutting_down(await c.post("/v1/completions", json=_body(orch)))  # a new request still is refused
+            assert not req.done()
+            gate.set()
+            r = await asyncio.wait_for(req, 30)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] == 6, r.text
+            assert orch.dispatch.running == 0 and orch.dispatch.queue_length == 0
+
+    asyncio.run(main())
+
+
+def test_a_queued_request_of_several_jobs_is_refused_whole_at_once(swarm):
+    """Two prompts queued behind a running request: the drain answers that request 503 at once (its first job
+    refused; its second, waiting in a place held for it, goes with it), not once the grace is over."""
+    async def main():
+        orch, app, gate, stepping = swarm(capacity=1)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://o", timeout=60) as c:
+            running = asyncio.ensure_future(c.post("/v1/completions", json=_body(orch)))
+            await asyncio.wait_for(stepping.wait(), 30)
+            queued = asyncio.ensure_future(c.post("/v1/completions", json=_body(orch, prompt=[[1, 2], [3, 4]])))
+            await _until(lambda: orch.dispatch.queue_length == 2, "two queued jobs")
+            assert orch.begin_drain() == 1
+            _shutting_down(await asyncio.wait_for(queued, 10))
+            assert orch.dispatch.queue_length == 0 and not running.done()
+            gate.set()
+            assert (await asyncio.wait_for(running, 30)).status_code == 200
+
+    asyncio.run(main())
+
+
+def test_the_dispatcher_keeps_the_later_jobs_of_an_admitted_request_once_stopping():
+    """A later choice (``checked``) waiting when the drain begins, or arriving after it, is not refused: its request
+    is being served; a new request's job is."""
+    from petals_chain.orchestrator.core import ShuttingDown
+    from petals_chain.orchestrator.dispatch import DispatchJob, DispatchManager
+
+    async def main():
+        dm = DispatchManager()
+        dm.set_chains([_chain(1)])
+        lease = await dm.acquire(DispatchJob("r0"))
+        waiting = asyncio.ensure_future(dm.acquire(DispatchJob("r1", checked=True)))
+        new = asyncio.ensure_future(dm.acquire(DispatchJob("x")))
+        await _until(lambda: dm.queue_length == 2, "two queued jobs")
+        assert dm.refuse_waiting(ShuttingDown) == 1
+        with pytest.raises(ShuttingDown):
+            await asyncio.wait_for(new, 5)
+        late = asyncio.ensure_future(dm.acquire(DispatchJob("r2", checked=True)))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and not late.done() and dm.queue_length == 2
+        dm.release(lease)
+        second = await asyncio.wait_for(waiting, 5)
+        dm.release(second)
+        dm.release(await asyncio.wait_for(late, 5))
+        assert dm.running == 0 and dm.queue_length == 0
+
+    asyncio.run(main())
+
+
+def test_requests_turned_away_by_a_stop_are_counted_refused_not_failed():
+    """A deploy's SIGTERM turns requests away with 503 ``shutting_down``: they never ran and go elsewhere, so they
+    count as ``refused`` (they were ``failed``, firing error-rate alerts at every deploy)."""
+    from petals_chain.orchestrator.core import ShuttingDown
+    from petals_chain.orchestrator.stats import request_outcome, status_outcome
+
+    assert status_outcome(503, "shutting_down") == "refused"
+    assert status_outcome(503, "swarm_unavailable") == "failed"
+    assert request_outcome(ShuttingDown("stopping")) == "refused"

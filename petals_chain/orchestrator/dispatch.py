@@ -523,6 +523,7 @@ class DispatchManager:
         self._reserved: dict[int, int] = {}  # chain index -> its free slots held for them (current generation)
         # stopping (refuse_waiting): what a new job is refused with, instead of queueing behind work that will be cut
         self.refusal: Callable[[], BaseException] | None = None
+        self._new_waiters: set[DispatchJob] = set()  # waiting jobs of requests not admitted before: refusable
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -969,8 +970,6 @@ class DispatchManager:
 
         Raises :class:`QueueFull` at once if ``job`` is new (not ``requeue``), cannot start now and the queue
         is at ``max_queue``."""
-        if self.refusal is not None and not job.requeue:
-            raise self.refusal()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._waiters[job] = fut
@@ -987,6 +986,9 @@ class DispatchManager:
             raise ticket.places.refusal
         # a later job of an admitted request (a later choice, another prompt): admitted with it, never refused
         joined = job.checked or (ticket is not None and ticket.places.admitted)
+        if self.refusal is not None and not job.requeue and not joined:  # stopping: only a new request is refused
+            self._waiters.pop(job, None)
+            raise self.refusal()
         later = ticket.places.pending - 1 if not joined and ticket is not None and ticket.state == "expected" else 0
         if later > job.siblings:  # a multi-prompt request's first job: its deadline is its last job's
             job.siblings = later
@@ -1062,6 +1064,8 @@ class DispatchManager:
         self._note_queue()
         if self.priorities is not None and job not in self._running:
             self._preempt_for_priority()
+        if not job.requeue and not joined:
+            self._new_waiters.add(job)
         try:
             lease = await fut
             note_admission(True)  # a job that waited in _pending (no-op if decided)
@@ -1082,16 +1086,19 @@ class DispatchManager:
             if self._promised:  # a job marked to pause for this one runs on (its next step may come first)
                 self._settle_promises()
             raise
+        finally:
+            self._new_waiters.discard(job)
 
     def refuse_waiting(self, refusal: Callable[[], BaseException]) -> int:
         """Answer every new job waiting for a chain with ``refusal()`` raised from its :meth:`acquire`, now, and each
         new job that comes later at once (the orchestrator stops: a queued request hung until the process was
-        gone). Re-queued jobs (their request was served already: a failover, a pause) wait on. Returns how many
-        waiting jobs were refused."""
+        gone). The jobs of requests being served wait on and run within the grace: re-queued ones (a failover, a
+        pause) and later jobs of an admitted request (choices of n > 1, other prompts: refusing one failed the whole
+        request, its answered part too). Returns how many waiting jobs were refused."""
         self.refusal = refusal
         refused = 0
         for job, fut in list(self._waiters.items()):
-            if not job.requeue and not fut.done():
+            if job in self._new_waiters and not fut.done():
                 fut.set_exception(refusal())
                 refused += 1
         return refused

@@ -36,6 +36,8 @@ def request_outcome(error: BaseException | None) -> str:
         return "cancelled"
     if isinstance(error, RequestError):
         return status_outcome(error.status, error.code)
+    if getattr(error, "code", None) == "shutting_down":  # core.ShuttingDown: never ran, to be sent elsewhere
+        return "refused"
     return "failed"
 
 
@@ -45,7 +47,7 @@ def status_outcome(status: int, code: str | None = None) -> str:
         return "completed"
     if status == 504 or code == "deadline_exceeded":
         return "dropped"
-    if status == 429:
+    if status == 429 or code == "shutting_down":  # turned away by a stopping orchestrator: not an error of the swarm
         return "refused"
     if status == 499 or code == "client_disconnected":
         return "cancelled"
