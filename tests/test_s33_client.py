@@ -746,3 +746,18 @@ def test_an_error_page_full_of_angle_brackets_is_shortened_in_linear_time():
     assert client_module._shown_text("<p>up</p><script>if (a<b) x='</p>'</script><STYLE>p{}</style> &amp; on "
                                      "<script>never closed") == "up & on"
     c.close()
+
+
+def test_an_orchestrator_whose_healthz_says_it_stops_is_not_up():
+    """A stopping orchestrator's ``/healthz`` answers 503 ``shutting_down``: a generation that timed out there is
+    tried at the next orchestrator, not raised as 504 "is up" (its own 503 "no chain yet" still counts as up)."""
+    from tests.test_client_failover import _client
+
+    def stopping(r):
+        return httpx.Response(503, json={"ok": False, "ready": True, "shutting_down": True})
+
+    def no_chain(r):
+        return httpx.Response(503, json={"ok": True, "ready": False})
+
+    c = _client([stopping, no_chain])
+    assert not c._answers(0) and c._answers(1)

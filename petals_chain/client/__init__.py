@@ -666,13 +666,18 @@ class Client:
 
     def _answers(self, i: int) -> bool:
         """Orchestrator ``i`` answers ``GET /healthz`` within a few seconds: it is up, not hung (its own 503, "no chain
-        yet", counts as up; a proxy's 502 or 504 for it does not)."""
+        yet", counts as up; a proxy's 502 or 504 for it does not, nor one that is stopping: ``shutting_down``)."""
         try:
             wait = min(HEALTH_PROBE_S, self._https[i].timeout.read or HEALTH_PROBE_S)
             r = self._https[i].get("/healthz", timeout=wait)
         except httpx.TransportError:
             return False
-        return r.status_code < 500 or r.status_code == 503
+        if r.status_code == 503:
+            try:
+                return not r.json().get("shutting_down")
+            except (ValueError, AttributeError):
+                return True
+        return r.status_code < 500
 
     # ---- info ----
     @property
