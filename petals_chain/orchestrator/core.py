@@ -416,6 +416,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
     async def stop(self) -> None:
         self._stop.set()
         await self.auditor.stop()
+        self._leave_groups()  # a stop without a drain (an embedder's) leaves too
         if self._bg_tasks:  # closes of finished jobs' server sessions: a courtesy (a server frees the slots of a
             # stream that ends), so a server that went away first does not hold the shutdown for long
             _, pending = await asyncio.wait(list(self._bg_tasks), timeout=3)
@@ -448,8 +449,15 @@ class Orchestrator(GenerationMixin, SessionMixin):
         answered :class:`ShuttingDown` now (it was left to hang until the process was gone). Requests already served
         (and their failovers) go on. Returns how many queued requests were answered."""
         self.draining = True
+        self._leave_groups()
         refuse = getattr(self.dispatch, "refuse_waiting", None)  # (routed baselines queue per server: cut later)
         return refuse(ShuttingDown) if refuse is not None else 0
+
+    def _leave_groups(self) -> None:
+        """Leave the HERD groups (once): the other orchestrators take this group over now, not ttl_s after the exit."""
+        leave = getattr(self.groups, "leave", None)
+        if leave is not None and not getattr(self.groups, "leaving", False):
+            self._background(leave())
 
     def _background(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -13,6 +13,14 @@ that gives it a span (``SwarmDHT.fetch_assignment``). When an orchestrator stops
 ``ttl_s`` of silence (no new entry of it read, by this orchestrator's clock), and the leader (a new one if the leader
 died) hands its servers to the others: they keep serving.
 
+An orchestrator that stops on purpose (SIGTERM's drain) does not wait for that: :meth:`GroupCoordinator.leave`
+replaces its entry with a *leave* (epoch ``EPOCH_MAX``, no split, no URL), and from then on only follows the splits
+it reads, publishing nothing and leading nothing. A peer that reads a leave drops its writer at once: it forwards
+nothing more to it, and its leader (a new one if the leaver led) splits the servers over the others in that round;
+the leaver's planner lets its servers go when it reads that split (before it, they stay planned: none idles). Every
+version since epochs were bounded ignores an entry at ``EPOCH_MAX`` as a whole, so an older peer just hears no more
+heartbeats of the leaver and drops it ``ttl_s`` later, as for a crash.
+
 Until a split that names this orchestrator exists, it plans nothing (two planners must never assign one server).
 """
 
@@ -31,6 +39,14 @@ from petals_chain.swarm.periodic import run_every
 logger = logging.getLogger(__name__)
 
 _STAMPS_KEPT = 16  # distinct entry timestamps remembered per orchestrator (a stale replica holds one of its last)
+
+
+def _is_leave(rec: Any) -> bool:
+    """Whether a group entry is a leave (:meth:`GroupCoordinator.leave`): at ``EPOCH_MAX`` (which every version
+    ignores as a whole) with no split (a leader's entry names every live orchestrator)."""
+    from petals_chain.swarm.records import EPOCH_MAX
+
+    return rec.epoch >= EPOCH_MAX and not rec.groups
 
 
 class GroupCoordinator:
@@ -73,6 +89,8 @@ class GroupCoordinator:
         self._published: tuple | None = None
         self._view_since: float | None = None  # when the planner first read the servers' records (this clock)
         self._started_at: float | None = None  # this coordinator's first step (this clock)
+        self.leaving = False  # leave() ran: nothing more is published, only splits are followed
+        self._publishing = asyncio.Lock()  # a round's entry is never stored after the leave (it would undo it)
         warm_up()  # requests are forwarded only with groups: the first one no longer pays for httpx's setup
 
     # ---- state ---------------------------------------------------------------------------------
@@ -92,7 +110,7 @@ class GroupCoordinator:
         for o in self.split.values():
             sizes[o] = sizes.get(o, 0) + 1
         return {"me": self.me, "leader": self.leader, "epoch": self.epoch, "forwarded": self.forwarded,
-                "resumed": self.resumed,
+                "resumed": self.resumed, "leaving": self.leaving,
                 "split_method": self.split_method,
                 "orchestrators": [{"peer_id": o, "http_url": self.urls.get(o, self.http_url() if o == self.me else ""),
                                    "arrival_rate": self.rates.get(o, 0.0), "servers": sizes.get(o, 0),
@@ -149,10 +167,13 @@ class GroupCoordinator:
     async def step(self) -> None:
         from petals_chain.swarm.records import EPOCH_MAX, GroupRecord
 
-        # an entry at the largest epoch a record carries cannot be continued above (the next could not be published)
-        entries = {o: rec for o, rec in (await self.dht.afetch_groups(self.prefix, self.peers | {self.me})).items()
-                   if rec.epoch < EPOCH_MAX}
+        read = await self.dht.afetch_groups(self.prefix, self.peers | {self.me})
         now = self.clock()
+        for o, rec in read.items():
+            if o != self.me and _is_leave(rec):
+                self._read_leave(o, rec)
+        # an entry at the largest epoch a record carries cannot be continued above (the next could not be published)
+        entries = {o: rec for o, rec in read.items() if rec.epoch < EPOCH_MAX}
         # the highest split epoch anyone published (followers publish the one they follow; our own entry may be
         # from before a restart): a leader continues above it, else followers ignore its splits until it passes it
         seen_epoch = max((rec.epoch for rec in entries.values()), default=0)
@@ -180,6 +201,9 @@ class GroupCoordinator:
         # moved and two planners assigned one server for good
         rival = any(o != self.me and rec.groups and rec.epoch >= self.epoch and rec.group_of() != self.split
                     for o, rec in entries.items())
+        if self.leaving:  # it follows the split that hands its servers over, and leads or announces nothing more
+            self.planner.group = self.members()
+            return
         live = self.live()
         leader = live[0]
         if leader != self.leader:
@@ -213,9 +237,54 @@ class GroupCoordinator:
         if key != self._published or now - self._published_at >= self.ttl_s / 3:
             rec = GroupRecord(orchestrator_peer_id=self.me, http_url=self.http_url(),
                               arrival_rate=float(self.planner.arrival_rate), epoch=self.epoch, groups=groups)
-            if await self.dht.apublish_group(self.prefix, rec, self.ttl_s):
-                self._published, self._published_at = key, now
+            async with self._publishing:
+                if self.leaving:  # leave() ran while this round read or split
+                    return
+                if await self.dht.apublish_group(self.prefix, rec, self.ttl_s):
+                    self._published, self._published_at = key, now
         self.planner.group = self.members()
+
+    def _read_leave(self, o: str, rec: Any) -> None:
+        """``o`` left (its entry is a leave): not live from now on, unless a later entry of it is read (it came
+        back). A leave already read (a replica that still holds it) changes nothing: a restarted ``o`` whose new
+        entries alternate with it stays live."""
+        stamps = self._stamps.setdefault(o, {})
+        if rec.timestamp in stamps:
+            return
+        stamps[rec.timestamp] = None
+        if len(stamps) > _STAMPS_KEPT:
+            del stamps[next(iter(stamps))]
+        if self.last_seen.pop(o, None) is not None:
+            logger.info("orchestrator %s left the groups (stopping): its servers go to the others now", o[:12])
+
+    async def leave(self) -> bool:
+        """Leave the groups now (a planned stop; idempotent): this orchestrator's entry becomes a leave, so that
+        the others stop forwarding to it and split its servers over themselves at once instead of ``ttl_s`` after
+        its last entry. Its planner keeps its servers until it reads that split (an older leader, which ignores the
+        leave, takes them ``ttl_s`` later: they keep serving meanwhile). Whether the leave was stored; on a DHT
+        error, the others drop this orchestrator after ``ttl_s``, as for a crash."""
+        from petals_chain.swarm.records import EPOCH_MAX, GroupRecord
+
+        if self.leaving:
+            return False
+        self.leaving = True
+        # the same expiration as a round's entry: the DHT keeps a subkey's value of latest expiration, so a shorter
+        # one would be refused in favour of the last heartbeat
+        rec = GroupRecord(orchestrator_peer_id=self.me, http_url="", arrival_rate=0.0, epoch=EPOCH_MAX, groups={})
+        async with self._publishing:
+            try:
+                stored = bool(await self.dht.apublish_group(self.prefix, rec, self.ttl_s))
+            except Exception as e:  # noqa: BLE001 - the stop goes on: the others time this orchestrator out
+                logger.warning("leaving the orchestrator groups failed (%s: %s): the others drop this one after "
+                               "%g s", type(e).__name__, e, self.ttl_s)
+                return False
+        if stored:
+            logger.info("left the orchestrator groups: the others take this group's %d server(s) over",
+                        len(self.members()))
+        else:
+            logger.warning("the DHT did not store this orchestrator's leave: the others drop it after %g s",
+                           self.ttl_s)
+        return stored
 
     async def run(self, stop: asyncio.Event) -> None:
         await run_every(stop, self.refresh_s, self.step, logger, "orchestrator group round")
