@@ -192,7 +192,7 @@ def test_the_load_deadline_reaches_the_planner_config(tiny_model_dir, monkeypatc
 
     got = []
 
-    async def serve(cfgs, ready_file=None, placement=None, lost=None):
+    async def serve(cfgs, ready_file=None, placement=None, lost=None, grace_s=None):
         got.append([c.load_deadline_s for c in cfgs])
 
     monkeypatch.setattr(cli, "serve", serve)
