@@ -6,14 +6,21 @@ forbids type conversions) accepts what :meth:`to_value` writes.
 
 Peers of different versions share a swarm, so the wire format is tolerant where it can be: a reader ignores fields
 it does not know (a newer writer's, at most ``MAX_UNKNOWN_FIELDS`` of them) and fills the fields an older writer
-did not have from their defaults; the fields every version wrote (and every type) stay strict. In code, records
-are still built strictly (a misspelt field is an error); :meth:`from_value` is the tolerant reader.
+did not have from their defaults; the fields every version wrote (and every type) stay strict. A value of a field
+with a fixed set of values (a server's ``state``, ``kv_cache``, ``reachability``) that this version does not know is
+read as the field's fallback (``OPEN_ENUMS``: an unknown state is planned as ``offline``), and what the writer said
+is kept in :attr:`ServerRecord.unread` for dashboards; the DHT validator takes any short name there. A server
+announces the wire protocols it speaks (``protocol_min``..``protocol``; a record without them is an older server's:
+protocol 1), and :meth:`ServerRecord.protocol_problem` says why this version cannot drive one. In code, records are
+still built strictly (a misspelt field or an unknown value is an error); :meth:`from_value` is the tolerant reader.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
+import typing
 from typing import Annotated, Any, Dict, Literal, Optional
 
 import pydantic
@@ -24,6 +31,17 @@ from petals_chain.swarm.logs import one_line
 
 RECORD_VERSION = "petals-chain/0.1"
 STATES = ("joining", "online", "draining", "offline")
+# The wire protocol of the RPC (swarm/rpc.py) and the records: bumped only by a change a peer of the previous one
+# cannot follow (additions with a fallback, the usual kind, keep it). This version speaks PROTOCOL and drives servers
+# down to MIN_PROTOCOL; a record that does not say (every server before the field) speaks protocol 1 only.
+PROTOCOL = 1
+MIN_PROTOCOL = 1
+OLDEST_PROTOCOL = 1
+_PROTOCOL_MAX = 1 << 16
+# Fields with a fixed set of values a newer writer may extend: one this version does not know is read as the
+# fallback here (what it can do is unknown: a state is planned as offline, neither offered jobs nor given blocks).
+OPEN_ENUMS = {"state": "offline", "kv_cache": "paged", "reachability": "unknown", "emulate_reply_fault": "none"}
+_ENUM_NAME_RE = r"^[a-z][a-z0-9_.-]{0,31}$"  # what the DHT validator accepts in them: a short name
 _PEER_ID_MAX = 128
 # A newer writer's fields this version does not know: accepted (and ignored) up to this many, names this long.
 MAX_UNKNOWN_FIELDS = 16
@@ -70,6 +88,7 @@ class _Record(pydantic.BaseModel):
     # inf and NaN are refused: a peer's record with tau_p = inf (or a timestamp of inf, fresh forever) reached the
     # planner, whose every plan then failed on it
     model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
+    _unread: dict[str, str] = pydantic.PrivateAttr(default_factory=dict)
 
     @classmethod
     def from_value(cls, value: Any) -> "_Record":
@@ -83,11 +102,26 @@ class _Record(pydantic.BaseModel):
                 raise ValueError(f"{len(unknown)} unknown fields (at most {MAX_UNKNOWN_FIELDS})")
             check_unknown_values([value[k] for k in unknown])
             value = {k: v for k, v in value.items() if k in cls.model_fields}
+            value, unread = cls._read_open_values(value)
+            record = cls.model_validate(value)
+            record._unread = unread
+            return record
         return cls.model_validate(value)
+
+    @classmethod
+    def _read_open_values(cls, value: dict) -> tuple[dict, dict[str, str]]:
+        """``value`` with what an older or newer writer says differently than this version: none here."""
+        return value, {}
 
     def to_value(self) -> dict:
         """The msgpack-able DHT value (all fields, exact numeric types)."""
         return self.model_dump()
+
+    @property
+    def unread(self) -> dict[str, str]:
+        """The values a newer writer announced that this version does not know, read as their fallbacks
+        (:data:`OPEN_ENUMS`): ``{field: value as announced}`` (one printable line, at most 32 characters)."""
+        return dict(self._unread)
 
 
 class ServerRecord(_Record):
@@ -151,7 +185,37 @@ class ServerRecord(_Record):
     # wall time its process started (0: an older server, which does not say): a new value is a restart, which forgets
     # what the orchestrator learnt of its last run (the models it could not load), however soon it came back
     started_at: float = pydantic.Field(default=0.0, ge=0)
+    # the wire protocols it speaks: the newest, and the oldest client protocol it still serves (absent: 1 and 1)
+    protocol: int = pydantic.Field(default=PROTOCOL, ge=1, le=_PROTOCOL_MAX)
+    protocol_min: int = pydantic.Field(default=OLDEST_PROTOCOL, ge=1, le=_PROTOCOL_MAX)
     timestamp: float = pydantic.Field(default_factory=time.time)
+
+    @classmethod
+    def _read_open_values(cls, value: dict) -> tuple[dict, dict[str, str]]:
+        """An older server's record says no protocol (it speaks the oldest); a newer one's enum value this version
+        does not know is read as the field's fallback, and kept as said in ``unread``."""
+        value = {"protocol": OLDEST_PROTOCOL, "protocol_min": OLDEST_PROTOCOL, **value}
+        unread = {}
+        for name, fallback in OPEN_ENUMS.items():
+            said = value.get(name)
+            if isinstance(said, str) and said not in typing.get_args(cls.model_fields[name].annotation):
+                if not re.fullmatch(_ENUM_NAME_RE, said):
+                    raise ValueError(f"{name} {one_line(said)[:40]!r} is not a short name")
+                unread[name] = said
+                value[name] = fallback
+        return value, unread
+
+    def protocol_problem(self) -> str:
+        """Why this version cannot drive the server by its announced protocols ("" when it can)."""
+        said = f"{self.protocol_min}..{self.protocol}" if self.protocol_min < self.protocol else f"{self.protocol}"
+        ours = f"{MIN_PROTOCOL}..{PROTOCOL}" if MIN_PROTOCOL < PROTOCOL else f"{PROTOCOL}"
+        if self.protocol_min > PROTOCOL:
+            return (f"it speaks wire protocol {said} ({self.version}), this petals-chain {ours}: a newer server, "
+                    "upgrade the orchestrator")
+        if self.protocol < MIN_PROTOCOL:
+            return (f"it speaks wire protocol {said} ({self.version}), this petals-chain {ours}: an older server, "
+                    "upgrade it")
+        return ""
 
     # every free text a peer writes is shown (dashboards) or logged: a bidi override in its device reversed the rest
     # of its row on the page
@@ -177,9 +241,12 @@ class ServerRecord(_Record):
         if self.slots_free > self.slots_total:
             raise ValueError(f"slots_free {self.slots_free} > slots_total {self.slots_total}")
         if self.cache_tokens_free > self.cache_tokens_total:
-            raise ValueError(f"cache_tokens_free {self.cache_tokens_free} > cache_tokens_total {self.cache_tokens_total}")
+            raise ValueError(f"cache_tokens_free {self.cache_tokens_free} > cache_tokens_total "
+                             f"{self.cache_tokens_total}")
         if len(self.failed_span) not in (0, 2):
             raise ValueError(f"failed_span must be [] or [start_block, num_blocks], got {self.failed_span}")
+        if self.protocol_min > self.protocol:
+            raise ValueError(f"protocol_min {self.protocol_min} > protocol {self.protocol}")
         return self
 
 
@@ -306,7 +373,7 @@ class _ValueV1(pv1.BaseModel):
 class _ServerValueV1(_ValueV1):
     peer_id: pv1.constr(strict=True, min_length=1, max_length=_PEER_ID_MAX)
     version: pv1.constr(strict=True, max_length=_SHORT_MAX)
-    state: pv1.constr(strict=True, regex=r"^(joining|online|draining|offline)$")
+    state: pv1.constr(strict=True, regex=_ENUM_NAME_RE)  # the OPEN_ENUMS: a newer writer may add values
     memory_bytes: pv1.conint(strict=True, ge=0)
     tau_p: pv1.confloat(strict=True, ge=0)
     device: pv1.constr(strict=True, max_length=_SHORT_MAX)
@@ -322,13 +389,13 @@ class _ServerValueV1(_ValueV1):
     s_c_bytes: pv1.conint(strict=True, ge=0)
     emulate_rtt_ms: pv1.confloat(strict=True, ge=0)
     emulate_compute_scale: pv1.confloat(strict=True, gt=0)
-    emulate_reply_fault: pv1.constr(strict=True, regex=r"^(none|nan|shape|noise|push)$")
+    emulate_reply_fault: pv1.constr(strict=True, regex=_ENUM_NAME_RE)
     emulate_reply_fault_rate: pv1.confloat(strict=True, ge=0, le=1)
     emulate_tau_p_lie: pv1.confloat(strict=True, gt=0)
     epoch: pv1.conint(strict=True, ge=-1, le=EPOCH_MAX)
     model_fingerprint: pv1.constr(strict=True, max_length=64)
     max_blocks: pv1.conint(strict=True, ge=0)
-    kv_cache: pv1.constr(strict=True, regex=r"^(paged|slots)$")
+    kv_cache: pv1.constr(strict=True, regex=_ENUM_NAME_RE)
     page_size: pv1.conint(strict=True, ge=0)
     cache_tokens_total: pv1.conint(strict=True, ge=0)
     cache_tokens_free: pv1.conint(strict=True, ge=0)
@@ -336,7 +403,7 @@ class _ServerValueV1(_ValueV1):
     prefix_offered_tokens: pv1.conint(strict=True, ge=0)
     prefix_reused_tokens: pv1.conint(strict=True, ge=0)
     maddrs: pv1.conlist(pv1.constr(strict=True, max_length=300), max_items=8)
-    reachability: pv1.constr(strict=True, regex=r"^(unknown|direct|relayed|unreachable)$")
+    reachability: pv1.constr(strict=True, regex=_ENUM_NAME_RE)
     models: pv1.conlist(pv1.constr(strict=True, max_length=128), max_items=8)
     serving: pv1.constr(strict=True, max_length=128)
     open_heartbeats: pv1.StrictBool
@@ -344,6 +411,8 @@ class _ServerValueV1(_ValueV1):
     load_error: pv1.constr(strict=True, max_length=LOAD_ERROR_MAX)
     cache_tokens_per_block: pv1.conint(strict=True, ge=0)
     started_at: pv1.confloat(strict=True, ge=0)
+    protocol: pv1.conint(strict=True, ge=1, le=_PROTOCOL_MAX)
+    protocol_min: pv1.conint(strict=True, ge=1, le=_PROTOCOL_MAX)
     timestamp: pv1.StrictFloat
 
 
@@ -420,4 +489,5 @@ class SwarmSchemaV1(pv1.BaseModel):
 
 
 __all__ = ["ServerRecord", "AssignmentRecord", "SummaryRecord", "DirectoryRecord", "GroupRecord", "PlacementRecord",
-           "SwarmSchemaV1", "DirectorySchemaV1", "RECORD_VERSION", "STATES", "MAX_UNKNOWN_FIELDS"]
+           "SwarmSchemaV1", "DirectorySchemaV1", "RECORD_VERSION", "STATES", "MAX_UNKNOWN_FIELDS", "PROTOCOL",
+           "MIN_PROTOCOL", "OLDEST_PROTOCOL", "OPEN_ENUMS"]

@@ -41,6 +41,10 @@ Error replies are ``{"ok": false, "code", "error"}`` with code ``no_capacity`` |
 | ``unavailable`` | ``idle_timeout`` | ``internal`` | ``no_push`` (a ``pushed`` step whose input no push brought
 within the server's push timeout; servers before that code said ``unavailable``, "no push for step ...")
 | ``stranger_quota`` (an untrusted peer over its share of the server's KV cache, see server/admission.py).
+A code that refines one older clients know travels as that one, the refinement in ``"reason"`` (``REFINED_CODES``:
+``stranger_quota`` as ``no_capacity``, which every client waits on; clients read ``reason`` back), so an older
+client acts on what it knows. Either side ignores fields it does not know (a newer peer's), and a field an older
+peer does not send takes its documented default.
 
 The client checks every step reply against what it sent (one tensor of the same shape and dtype, finite,
 in no more chunks than its size allows): anything else raises :class:`InvalidReply` and ends the stream.
@@ -92,6 +96,10 @@ LOG_WAIT_S = 1.0  # a queued open that waited this long (or did not end served) 
 
 
 NO_PUSH = "no_push"  # the error code of a pushed step that got no push (see the module docstring)
+# Codes sent as a code older clients know, with the code itself in "reason". stranger_quota: orchestrators before it
+# read an unknown code as a failed server (a failover counted, the job given up with 503 after the failover budget)
+# where no_capacity makes them wait or preempt. (no_push needs none: older orchestrators match its text.)
+REFINED_CODES = {"stranger_quota": "no_capacity"}
 
 
 class RemoteError(RuntimeError):
@@ -176,7 +184,9 @@ def _unpack(raw: bytes) -> dict:
 
 
 def _error(code: str, message: str) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=_pack({"ok": False, "code": code, "error": str(message)[:2000]}))
+    base = REFINED_CODES.get(code)
+    reason = {"code": base, "reason": code} if base is not None else {"code": code}
+    return runtime_pb2.ExpertResponse(metadata=_pack({"ok": False, **reason, "error": str(message)[:2000]}))
 
 
 def _int_field(meta: dict, name: str, lo: int = 0, hi: int = 1 << 40) -> int:
@@ -674,7 +684,8 @@ class PetalsChainBlocks(ServicerBase):
             raise _InconsistentChunks("invalid", f"{num_chunks} chunks for {nbytes} bytes (chunks must be >= "
                                           f"{MIN_CHUNK_BYTES} bytes)")
         if num_chunks > 1 and len(head.buffer) >= nbytes:
-            raise _InconsistentChunks("invalid", "the first chunk already holds the whole tensor but more are announced")
+            raise _InconsistentChunks("invalid",
+                                      "the first chunk already holds the whole tensor but more are announced")
         return nbytes
 
 
@@ -875,6 +886,9 @@ async def _await_next(responses: AsyncIterator, timeout: Optional[float], what: 
 def _raise_if_error(meta: dict) -> None:
     if not meta.get("ok", False):
         code, message = str(meta.get("code", "invalid")), str(meta.get("error", "unknown error"))
+        reason = meta.get("reason")
+        if isinstance(reason, str) and REFINED_CODES.get(reason) == code:  # sent as the code it refines
+            code = reason
         if code in ("no_capacity", "stranger_quota"):  # full (for this peer): wait, preempt; not a failed server
             raise NoCapacityError(message, code)
         raise RemoteError(message, code)
