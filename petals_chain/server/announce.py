@@ -45,17 +45,22 @@ class RecordSource(Protocol):
 
 def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
     """The record of ``src`` as it is now (slots from the runner being served, emulation shown as such; the span it
-    could not load and why, from ``src.load_failure`` where it has one: a model offered but not served has none)."""
+    could not load and why, from ``src.load_failure`` where it has one: a model offered but not served has none; the
+    slots a stranger may open, from ``src.service``, the SessionService, where it has one)."""
     runner = src.runner
     start, num = src.span if (src.span and runner is not None) else (0, 0)
     cfg = src.cfg
     failure = getattr(src, "load_failure", None)
+    service = getattr(src, "service", None)
+    free = int(runner.slots_free) if runner is not None else 0
+    # read after slots_free, and pages a step returned meanwhile may have raised it: at most the slots_free announced
+    stranger_free = min(free, int(service.stranger_slots_free())) if runner is not None and service is not None else 0
     return ServerRecord(
         peer_id=peer_id, state=src.state, memory_bytes=int(src.memory.memory_bytes),
         tau_p=float(src.emulation.announced_tau_p(src.tau_p)), device=cfg.device, dtype=src.dtype_name,
         quant=cfg.quant, start_block=int(start), num_blocks=int(num),
         slots_total=int(runner.slots_total) if runner is not None else 0,
-        slots_free=int(runner.slots_free) if runner is not None else 0,
+        slots_free=free, stranger_slots_free=stranger_free,
         public_name=cfg.public_name[:PUBLIC_NAME_MAX], max_length=int(src.max_length), s_m_bytes=int(src.memory.s_m),
         s_c_bytes=int(src.memory.s_c(src.max_length)), **src.emulation.record_fields(), epoch=int(src.epoch),
         model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), kv_cache=cfg.kv_cache,

@@ -185,6 +185,10 @@ class ServerRecord(_Record):
     # wall time its process started (0: an older server, which does not say): a new value is a restart, which forgets
     # what the orchestrator learnt of its last run (the models it could not load), however soon it came back
     started_at: float = pydantic.Field(default=0.0, ge=0)
+    # with --allow-any-client: of slots_free, the slots a peer the server does not trust (holding none there yet) may
+    # open now, the strangers' shares and the trusted orchestrators' reserve applied (0: it serves no stranger; -1: an
+    # older server, which does not say): see slots_free_for
+    stranger_slots_free: int = pydantic.Field(default=-1, ge=-1)
     # the wire protocols it speaks: the newest, and the oldest client protocol it still serves (absent: 1 and 1)
     protocol: int = pydantic.Field(default=PROTOCOL, ge=1, le=_PROTOCOL_MAX)
     protocol_min: int = pydantic.Field(default=OLDEST_PROTOCOL, ge=1, le=_PROTOCOL_MAX)
@@ -247,7 +251,15 @@ class ServerRecord(_Record):
             raise ValueError(f"failed_span must be [] or [start_block, num_blocks], got {self.failed_span}")
         if self.protocol_min > self.protocol:
             raise ValueError(f"protocol_min {self.protocol_min} > protocol {self.protocol}")
+        if self.stranger_slots_free > self.slots_free:
+            raise ValueError(f"stranger_slots_free {self.stranger_slots_free} > slots_free {self.slots_free}")
         return self
+
+    def slots_free_for(self, trusted: bool) -> int:
+        """The free slots a peer can plan on: ``slots_free`` if the server trusts it, else ``stranger_slots_free``
+        (the trusted orchestrators' reserve and the strangers' shares are not its to take; an older server's record
+        does not say, and ``slots_free`` it is)."""
+        return self.slots_free if trusted or self.stranger_slots_free < 0 else self.stranger_slots_free
 
 
 class AssignmentRecord(_Record):
@@ -411,6 +423,7 @@ class _ServerValueV1(_ValueV1):
     load_error: pv1.constr(strict=True, max_length=LOAD_ERROR_MAX)
     cache_tokens_per_block: pv1.conint(strict=True, ge=0)
     started_at: pv1.confloat(strict=True, ge=0)
+    stranger_slots_free: pv1.conint(strict=True, ge=-1)
     protocol: pv1.conint(strict=True, ge=1, le=_PROTOCOL_MAX)
     protocol_min: pv1.conint(strict=True, ge=1, le=_PROTOCOL_MAX)
     timestamp: pv1.StrictFloat
