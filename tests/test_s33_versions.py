@@ -226,3 +226,21 @@ def test_an_older_servers_replies_without_optional_fields_take_their_defaults(mo
         assert step.pushed is False and step.push_error == "the server did not push" and step.position == 4
 
     asyncio.run(main())
+
+
+def test_the_planner_refuses_a_server_it_cannot_drive_and_says_why():
+    """A server whose oldest wire protocol is newer than this version's is never planned: it is listed as refused
+    with the reason (it was planned, and every open to it would fail)."""
+    import asyncio
+
+    from petals_chain.swarm import records as rec_mod
+    from test_failover_units import planner, record
+
+    newer = rec_mod.PROTOCOL + 1
+    records = {"a": record("a"), "b": record("b", protocol=newer, protocol_min=newer)}
+    pl = planner(records)
+    asyncio.run(pl.refresh())
+    assert "b" in pl.refused and "b" not in pl.servers and "a" in pl.servers
+    shown = {s["peer_id"]: s for s in pl.server_json()}
+    assert shown["b"]["state"] == "refused" and "protocol" in shown["b"]["refused_reason"], shown["b"]
+    assert shown["a"]["refused_reason"] == "" and not shown["b"]["model_mismatch"]

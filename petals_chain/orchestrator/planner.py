@@ -1020,7 +1020,12 @@ class Planner:
             records = {**self.seen, **read} if failed else read
             refused = dict(self.refused) if failed else {}
             for peer_id, rec in list(records.items()):
-                if self.model_fingerprint and rec.model_fingerprint != self.model_fingerprint:
+                problem = rec.protocol_problem()
+                if problem:  # a server whose wire protocols this version does not speak: never planned, shown why
+                    if peer_id not in self.refused:
+                        logger.warning("server %s (%s): %s: refused", rec.public_name, peer_id[:12], problem)
+                    refused[peer_id] = records.pop(peer_id)
+                elif self.model_fingerprint and rec.model_fingerprint != self.model_fingerprint:
                     if peer_id not in self.refused:
                         logger.warning("server %s (%s) serves model %s, not this swarm's %s: refused",
                                        rec.public_name, peer_id[:12], rec.model_fingerprint or "(unknown)",
@@ -1277,7 +1282,7 @@ class Planner:
                 "banned_for_s": None if v.distrusted else max(0.0, v.banned_until - now) if v.banned else 0.0,
                 "reachability": v.reachability, "reachability_error": public_dial_error(v.reach_error),
                 "maddrs": list(r.maddrs),
-                "models": list(r.models), "serving": r.serving,
+                "models": list(r.models), "serving": r.serving, "unread": r.unread, "refused_reason": "",
                 **self._load_failure_json(v, now),
             })
         for peer_id, r in sorted(self.refused.items()):
@@ -1288,7 +1293,10 @@ class Planner:
                 "tau_p": r.tau_p, "tau_c": None, "rtt_s": None,
                 "memory_bytes": r.memory_bytes, "device": r.device, "dtype": r.dtype,
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
-                "last_seen": None, "assigned": None, "max_blocks": r.max_blocks, "model_mismatch": True,
+                "last_seen": None, "assigned": None, "max_blocks": r.max_blocks,
+                "model_mismatch": not r.protocol_problem(), "unread": r.unread,
+                "refused_reason": r.protocol_problem() or f"it serves model {r.model_fingerprint or '(unknown)'}, not "
+                                                          f"this swarm's {self.model_fingerprint}",
                 "tau_p_advertised": r.tau_p, "tau_p_measured": None, "tau_p_suspect": False, "strikes": 0,
                 "banned": False, "banned_for_s": 0.0, "reachability": "unknown", "reachability_error": "",
                 "maddrs": list(r.maddrs), "models": list(r.models), "serving": r.serving,
