@@ -212,12 +212,19 @@ class ModelRouter:
                 return await self._not_found(send, path[len("/v1/models/"):])
             return await self.apps[name](scope, receive, send)
         if method == "GET" and path == "/healthz":
-            out, ok = {}, True
+            out, ok, stopping = {}, True, False
             for name, app in self.apps.items():
                 status, body = await _call(app, "GET", "/healthz", headers=list(scope.get("headers", [])))
-                out[name] = json.loads(body) if status == 200 else {"ok": False, "status": status}
+                try:
+                    seen = json.loads(body)
+                except ValueError:
+                    seen = None
+                out[name] = seen if status == 200 or isinstance(seen, dict) else {"ok": False, "status": status}
                 ok = ok and status == 200
-            return await _json(send, 200 if ok else 503, {"ok": ok, "models": out})
+                stopping = stopping or (isinstance(seen, dict) and bool(seen.get("shutting_down")))
+            # a draining orchestrator says so at the top, as a one-model one does: clients and balancers skip it
+            return await _json(send, 200 if ok else 503, {"ok": ok, "models": out,
+                                                          **({"shutting_down": True} if stopping else {})})
         m = _SESSION.match(path)
         if m:
             # held here, or opened through a forward on another orchestrator (its model's app forwards the calls)

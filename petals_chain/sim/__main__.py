@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int, default=None, help="J (overall: default 20; planner-scale: default 1000)")
     p.add_argument("--eta", type=float, default=DEFAULT_ETA, help="fraction of fast servers")
     p.add_argument("--arrival-rate", type=float, default=DEFAULT_LAMBDA, help="lambda for overall (req/s)")
-    p.add_argument("--planner-rate", type=float, default=None, help="lambda for planner-scale (default 0.01*J)")
+    p.add_argument("--planner-rate", type=float, default=None, help="arrival rate lambda (requests/s) for planner-scale (default 0.01*J)")
     p.add_argument("--trace", type=str, default=None,
                    help="Azure trace CSV for trace, deadlines --experiment load and fairness --experiment heavy "
                         "(default ../shared/data/... or $PETALS_CHAIN_DATA_DIR/..., else synthetic); an option a "
