@@ -295,22 +295,16 @@ def test_every_generation_request_is_counted_once_however_early_it_was_refused(a
         ("bob", "completed"): 1, ("bob", "invalid"): 6, ("bob", "refused"): 1, ("alice", "refused"): 1}
 
 
-def test_a_forwarded_request_carries_its_request_id(monkeypatch):
-    """The request another orchestrator's group serves (HERD) is sent there with the same ``x-request-id``, so its
-    log lines there name the id the client got."""
+def forwarder(monkeypatch, handler):
+    """``forward()``: ``maybe_forward`` of a completion request by an orchestrator whose group's other orchestrator
+    (``http://other:8000``, live, 3 servers) answers with ``handler`` (an httpx mock handler)."""
     from types import SimpleNamespace as NS
 
     from starlette.requests import Request
 
     import petals_chain.orchestrator.forward as fw
-    from petals_chain.orchestrator.request_id import REQUEST, RequestTrace
 
-    url, seen = "http://other:8000", []
     real_client = httpx.AsyncClient
-
-    def handler(req: httpx.Request) -> httpx.Response:
-        seen.append(req.headers.get("x-request-id"))
-        return httpx.Response(200, json={"choices": [{"text": "done"}]}, headers={"x-request-id": "theirs"})
 
     class Client(real_client):
         def __init__(self, **kw):
@@ -318,18 +312,38 @@ def test_a_forwarded_request_carries_its_request_id(monkeypatch):
 
     orch = NS(cfg=NS(queue_timeout_s=0.5), dispatch=NS(chains=[], max_queue=None, queue_length=0),
               groups=NS(me="me", forwarded=0, session_owners=fw.SessionOwners(), json=lambda: {"orchestrators": [
-                  {"peer_id": "other", "http_url": url, "live": True, "servers": 3, "arrival_rate": 0.0}]}))
+                  {"peer_id": "other", "http_url": "http://other:8000", "live": True, "servers": 3,
+                   "arrival_rate": 0.0}]}))
 
     async def receive():
         return {"type": "http.request", "body": b'{"prompt":"x"}', "more_body": False}
 
-    async def main():
-        monkeypatch.setattr(fw.httpx, "AsyncClient", Client)
+    async def forward():
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
                  "headers": [(b"content-type", b"application/json")], "asgi": {"version": "3.0"}}
+        return await fw.maybe_forward(orch, Request(scope, receive))
+
+    monkeypatch.setattr(fw.httpx, "AsyncClient", Client)
+    return forward
+
+
+def test_a_forwarded_request_carries_its_request_id(monkeypatch):
+    """The request another orchestrator's group serves (HERD) is sent there with the same ``x-request-id``, so its
+    log lines there name the id the client got."""
+    from petals_chain.orchestrator.request_id import REQUEST, RequestTrace
+
+    seen = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req.headers.get("x-request-id"))
+        return httpx.Response(200, json={"choices": [{"text": "done"}]}, headers={"x-request-id": "theirs"})
+
+    forward = forwarder(monkeypatch, handler)
+
+    async def main():
         token = REQUEST.set(RequestTrace("req_" + "ab" * 16))
         try:
-            r = await fw.maybe_forward(orch, Request(scope, receive))
+            r = await forward()
         finally:
             REQUEST.reset(token)
         assert r is not None and r.status_code == 200

@@ -373,37 +373,16 @@ def test_a_request_forwarded_to_a_stopping_orchestrator_is_served_here(monkeypat
     """A peer that forwards to an orchestrator which stops gets its 503 ``shutting_down``: the request is served here,
     as when the other cannot be reached (it was passed back to the client); another 503 is passed back as it was."""
     import httpx
-    from types import SimpleNamespace as NS
 
-    from starlette.requests import Request
+    from tests.test_s33_api_envelope import forwarder
 
-    import petals_chain.orchestrator.forward as fw
-
-    url = "http://other:8000"
     code = {"value": "shutting_down"}
-    real_client = httpx.AsyncClient
 
     def handler(req: httpx.Request) -> httpx.Response:
         return httpx.Response(503, json={"error": {"message": "stopping", "code": code["value"]}},
                               headers={"retry-after": "3"})
 
-    class Client(real_client):
-        def __init__(self, **kw):
-            super().__init__(transport=httpx.MockTransport(handler), **kw)
-
-    orch = NS(cfg=NS(queue_timeout_s=0.5), dispatch=NS(chains=[], max_queue=None, queue_length=0),
-              groups=NS(me="me", forwarded=0, session_owners=fw.SessionOwners(), json=lambda: {"orchestrators": [
-                  {"peer_id": "other", "http_url": url, "live": True, "servers": 3, "arrival_rate": 0.0}]}))
-
-    async def receive():
-        return {"type": "http.request", "body": b'{"prompt":"x"}', "more_body": False}
-
-    async def forward():
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-                 "headers": [(b"content-type", b"application/json")], "asgi": {"version": "3.0"}}
-        return await fw.maybe_forward(orch, Request(scope, receive))
-
-    monkeypatch.setattr(fw.httpx, "AsyncClient", Client)
+    forward = forwarder(monkeypatch, handler)
     assert asyncio.run(forward()) is None  # served here
     code["value"] = "swarm_unavailable"
     other = asyncio.run(forward())
