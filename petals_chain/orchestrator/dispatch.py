@@ -1348,14 +1348,17 @@ class DispatchManager:
 
     def _loads(self, job: DispatchJob) -> tuple[list[ChainLoad], int]:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before
-        ``job``: the re-queue lane and, in the queue, every job (``fcfs``) or those with an earlier or equal deadline
-        (``edf``, ``flex``)."""
+        ``job``: the re-queue lane and, in the queue, every job (``fcfs``), those with an earlier or equal deadline
+        (``edf``, ``flex``) or those a client-fair ``--fairness`` serves first (:meth:`ClientShares.ahead`)."""
         chains = self._chain_loads()
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
         ahead = sum(1 for j in self._lane if not j.yields or j.order_key <= job.order_key) + len(self._pending)
         if self.schedule in ("edf", "flex") and isinstance(q, EDFQueue):
             ahead += q.ahead_of(job.order_key)
+        elif q is not None and self.shares is not None and self.shares.central:
+            # the fairness policy's order, not FIFO's: a light client's job goes before a heavy client's backlog
+            ahead += self.shares.ahead(job, [j for j in q if j is not job])
         else:
             ahead += self.queue_length - len(self._pending)
         return chains, ahead
@@ -1439,7 +1442,8 @@ class DispatchManager:
 
     def _misses_waiting(self, job: DispatchJob, *, first_token: bool = True) -> bool:
         """True if ``job`` misses a deadline waiting for a slot that the running jobs free when their remaining work
-        (at most their ``expected_output`` tokens) is done (:func:`~petals_chain.algorithms.edf.predict_from_running`)."""
+        (at most their ``expected_output`` tokens) is done
+        (:func:`~petals_chain.algorithms.edf.predict_from_running`)."""
         chains, ahead = self._loads(job)
         now = time.monotonic()
         remaining = [r for r in (self._remaining(lease, chains, now) for lease in self._running.values())

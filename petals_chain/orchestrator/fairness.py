@@ -9,8 +9,9 @@ and keeps per-client service, waiting time and Jain's index for ``/api/v1/swarm`
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -62,6 +63,54 @@ class ClientShares:
                           expected_output=job.expected_output, again=again)
         job.fair = req
         return req
+
+    def _cost(self, job: Any) -> float:
+        """Service units ``job`` is expected to be charged: its input (VTC: all of it; DLPM: what no chain holds
+        cached) and its expected output."""
+        cached = 0 if self.policy.name == "vtc" else max((int(v) for v in (job.matched or {}).values()), default=0)
+        extend = max(0, int(job.input_tokens) - cached)
+        return self.policy.cfg.cost(extend, max(0, int(job.expected_output)))
+
+    def ahead(self, job: Any, queued: Sequence[Any]) -> int:
+        """How many of ``queued`` (the central queue's jobs, oldest first) the policy is expected to start before
+        ``job``, a new arrival of ``job.client``: what the deadline prediction counts ahead of it. Counting them all
+        (FIFO) refused a light client's deadline request behind a heavy client's backlog (429 deadline_unreachable,
+        again at each retry) that the policy serves next. The central client-fair policies serve each other client
+        until its counted service passes what ``job``'s client must be given first: its own queued jobs, plus
+        (``vtc``) how far its counter, lifted as on arrival, is ahead of the other's, or (``dlpm``) the other's
+        credit and the refill rounds ``job``'s client needs for credit. The others (fcfs, locality-first and the
+        per-chain policies): all of them."""
+        queued = list(queued)
+        name = self.policy.name
+        if name not in ("vtc", "dlpm") or not queued:
+            return len(queued)
+        own = [j for j in queued if j.client == job.client]
+        owed = sum(self._cost(j) for j in own)  # served to job's client before job (its clients' jobs: oldest first)
+        local = self.policy.local(None)
+        state = local.snapshot()
+        others: dict[str, list[Any]] = {}
+        for j in queued:
+            if j.client != job.client:
+                others.setdefault(j.client, []).append(j)
+        if name == "vtc":
+            mine = state.get(job.client, 0.0)
+            if not own:  # lifted to the least counter among the queued clients as it becomes backlogged
+                mine = max(mine, min((state.get(c, 0.0) for c in others), default=mine))
+            budget = {c: mine + owed - state.get(c, 0.0) for c in others}
+        else:
+            q_u = self.policy.quantum.value
+            left = state.get(job.client, 0.0) - owed  # its credit once its own queued jobs are served
+            rounds = 0 if left > 0 else math.floor(-left / q_u) + 1  # refills of q_u that take it above 0
+            budget = {c: state.get(c, 0.0) + rounds * q_u for c in others}
+        count = len(own)
+        for c, jobs in others.items():
+            spent = 0.0
+            for j in jobs:  # a client is served while its service so far does not pass the budget (ties: served)
+                if spent > budget[c]:
+                    break
+                count += 1
+                spent += self._cost(j)
+        return count
 
     def started(self, job: Any, worker: Hashable, queued: bool) -> None:
         """``job`` started on ``worker`` after waiting ``job.wait_s`` (``queued``: it waited in the queue)."""
