@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
-from _args import nonnegative_int, positive_float, positive_int  # noqa: E402
+from _args import nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -256,7 +256,7 @@ def run_policy(policy: str, model_path: Path, s_c: int, rtts: np.ndarray, trace,
     try:
         swarm.start(timeout=300)
         swarm.wait_ready(timeout=args.ready_timeout)
-        state = wait_plan_settled(swarm, timeout=args.ready_timeout)
+        state = wait_plan_settled(swarm, timeout=args.ready_timeout, quiet_s=args.plan_quiet_s)
         ready_s = time.monotonic() - t_start
         if args.progress:
             print(f"[{policy}] ready in {ready_s:.0f} s: c={state.get('c')} chains={len(state.get('chains', []))}",
@@ -373,6 +373,8 @@ def main(argv=None) -> int:
     p.add_argument("--rtt-file", default=None, help="RIPE Atlas CSV (default ../shared/data/..., else synthetic)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--ready-timeout", type=positive_float, default=300.0)
+    p.add_argument("--plan-quiet-s", type=nonnegative_float, default=PLAN_QUIET_S,
+                   help="start the replay once the plan has not changed for this long (default %(default)s s)")
     p.add_argument("--request-timeout", type=positive_float, default=None,
                    help="seconds a request may take before it counts as failed (default 1800; quick 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")

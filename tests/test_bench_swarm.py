@@ -24,7 +24,9 @@ def test_bench_swarm_quick_accounts_for_every_request(tmp_path):
     # placement have their own tests: test_routed.py, test_baselines.py).
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_swarm.py"), "--quick", "--requests", str(n),
                              "--fast", "1", "--slow", "1", "--policies", "petals", "proposed", "--json",
-                             "--no-progress", "--out", str(out)],
+                             "--no-progress", "--out", str(out),
+                             # 2 servers and no periodic re-plan: the first ready plan is the last one
+                             "--plan-quiet-s", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         stdout, stderr = proc.communicate(timeout=840)
