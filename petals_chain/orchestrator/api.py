@@ -317,9 +317,25 @@ class CompletionRequest(SamplingFields):
         return self
 
 
+class PromptCacheBreakpoint(_Base):
+    """OpenAI's explicit end of a cached prompt prefix (openai 3.x types it on text parts): a hint about OpenAI's
+    cache; the servers' prefix caches find shared prefixes on their own, so it changes nothing here."""
+
+    mode: Literal["explicit"]
+    ttl: Optional[Literal["30m", "12h"]] = None
+
+
+class PromptCacheOptions(_Base):
+    """Chat's ``prompt_cache_options`` (openai 3.x): how OpenAI's prompt cache keeps prefixes; a hint, as above."""
+
+    mode: Optional[Literal["implicit", "explicit"]] = None
+    ttl: Optional[Literal["30m"]] = None
+
+
 class ContentPart(_Base):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: Optional[PromptCacheBreakpoint] = None
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -339,6 +355,9 @@ class ChatMessage(_Base):
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
     annotations: Optional[list[Any]] = None
+    # what the openai package's .parse() and .stream() return (ParsedChatCompletionMessage) carries besides: a
+    # conversation resent with such a message was "unsupported parameter(s): messages.1.parsed"
+    parsed: Optional[Any] = None
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -357,7 +376,7 @@ class ChatMessage(_Base):
 
     @pydantic.model_validator(mode="after")
     def _no_tool_use(self):
-        for name in ("refusal", "tool_calls", "function_call", "audio", "annotations"):
+        for name in ("refusal", "tool_calls", "function_call", "audio", "annotations", "parsed"):
             _unsupported(getattr(self, name), name, (None, [], ""), f"a message's {name}")
         return self
 
@@ -381,6 +400,14 @@ class ChatRequest(SamplingFields):
     top_logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
     # the end-user id OpenAI's chat API now takes instead of ``user``: informational, as ``user``
     safety_identifier: Optional[str] = pydantic.Field(default=None, max_length=256)
+    # OpenAI's prompt cache (the openai package types these, and the key as what replaces ``user``): hints only here,
+    # where the servers' prefix caches reuse a shared prefix on their own; the output is the same with or without them
+    prompt_cache_key: Optional[str] = pydantic.Field(default=None, max_length=1024)
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
+    prompt_cache_options: Optional[PromptCacheOptions] = None
+    # "medium" is OpenAI's default (what every reply here is); the others would change the output: refused
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    moderation: Optional[Any] = None
     # OpenAI fields we do not implement: accepted only at their "off" values, else a 400 naming them.
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
@@ -400,8 +427,11 @@ class ChatRequest(SamplingFields):
     @pydantic.model_validator(mode="after")
     def _unsupported_fields(self):
         for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
-                     "metadata"):
+                     "metadata", "moderation"):
             _unsupported(getattr(self, name), name)
+        if self.verbosity not in (None, "medium"):
+            raise FieldError("verbosity", f"verbosity {self.verbosity!r} is not supported by this server (only "
+                                          "'medium', OpenAI's default)")
         _unsupported(self.tools, "tools", (None, []))  # no tools offered: what a plain chat is
         _unsupported(self.tool_choice, "tool_choice", (None, "none"))
         _unsupported(self.parallel_tool_calls, "parallel_tool_calls", (None, False))
@@ -457,6 +487,7 @@ def _json_kind(value: Any) -> str:
 
 
 INTERNAL_ERROR_MESSAGE = "internal error ({}); the request was not completed, please report it"
+OPENAI_ENDPOINTS = "GET /v1/models, GET /v1/models/{model}, POST /v1/completions and POST /v1/chat/completions only"
 
 
 def _futile_retry(exc: RequestError) -> bool:
@@ -715,6 +746,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             why = ("it nests arrays or objects too deeply" if isinstance(cause, RecursionError)
                    else "it is not UTF-8 text" if isinstance(cause, UnicodeDecodeError) else str(cause)[:200])
             return _error(400, f"the request body is not valid JSON: {why}", code="invalid_json")
+        path = request.scope.get("path", "")
+        if exc.status_code == 404 and path.startswith("/v1/") and exc.detail == "Not Found":
+            # no route: an OpenAI endpoint this server does not have (the openai package's responses.create,
+            # embeddings.create, ...) was a bare "Not Found", read as a wrong base_url or model
+            return _error(404, f"Invalid URL ({request.method} {shown_path(path)}): this server offers OpenAI's "
+                          f"{OPENAI_ENDPOINTS}", code=default_code(404))
         return _error(exc.status_code, str(exc.detail), code=default_code(exc.status_code))
 
     @app.exception_handler(Exception)
