@@ -94,6 +94,35 @@ def _auto_or_positive_float(text: str) -> float | None:
     return None if text == "auto" else _positive_float(text)
 
 
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was given (:func:`ignored_flags` names those the others make moot;
+    a default compared by value cannot tell a flag given its default value from one left out)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+# the policies with DLPM's quantum Q^u (d2lpm runs DLPM on each chain) and D2LPM's per-chain Q^w
+QUANTUM_POLICIES, WORKER_QUANTUM_POLICIES = ("dlpm", "d2lpm"), ("d2lpm",)
+
+
+def ignored_flags(args: argparse.Namespace, fairness: str) -> list[str]:
+    """The flags given that nothing reads with the other options (``fairness``: ``--fairness`` resolved, auto
+    included), each with why: accepted (scripts pass them for every policy), but an operator is told at start."""
+    given = getattr(args, "given", frozenset())
+    out = []
+    if "fairness_quantum" in given and fairness not in QUANTUM_POLICIES:
+        out.append(f"--fairness-quantum: --fairness {fairness} has no quantum (only "
+                   f"{' and '.join(QUANTUM_POLICIES)} have)")
+    if "fairness_worker_quantum" in given and fairness not in WORKER_QUANTUM_POLICIES:
+        out.append(f"--fairness-worker-quantum: only --fairness d2lpm has a per-chain quantum, not {fairness}")
+    if "schedule_classes" in given and args.schedule not in ("db", "mlfq"):
+        out.append(f"--schedule-classes: only --schedule db and mlfq form services by length, not {args.schedule}")
+    return out
+
+
 def _max_length(text: str) -> int:
     v = _positive_int(text)
     if v < 2:
@@ -253,16 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "the queue and the chains' speed say it cannot meet is refused at once (429 "
                         "deadline_unreachable, with Retry-After; deadline_infeasible, without, when even an idle swarm "
                         "would miss it) unless it asks for best_effort")
-    p.add_argument("--schedule-classes", type=_positive_int, default=4, metavar="K",
+    p.add_argument("--schedule-classes", type=_positive_int, action=_Given, default=4, metavar="K",
                    help="with --schedule db|mlfq: a model's requests form K services by length (K-means of (prompt "
                         "tokens, max_tokens), learnt online from the requests seen; seed 001's services), each with "
                         "its own learnt mean execution time, so short kinds of request go before long ones. 1: one "
                         "service per model")
-    p.add_argument("--fairness-quantum", type=_auto_or_positive_float, default=None, metavar="auto|X",
+    p.add_argument("--fairness-quantum", type=_auto_or_positive_float, action=_Given, default=None, metavar="auto|X",
                    help="DLPM's quantum Q^u in service units (a client's credit per round); auto: the median "
                         "request's cost over the last 256 requests, times 1 (no prompt found a cached prefix) to 4 "
                         "(all input cached)")
-    p.add_argument("--fairness-worker-quantum", type=_positive_float, default=20000.0, metavar="X",
+    p.add_argument("--fairness-worker-quantum", type=_positive_float, action=_Given, default=20000.0, metavar="X",
                    help="D2LPM's per-chain quantum Q^w in service units")
     p.add_argument("--fairness-w-e", type=float, default=1.0, metavar="X",
                    help="service units per input token a chain computes (cached prefix tokens are free)")
@@ -701,7 +730,7 @@ def _main(argv: list[str] | None) -> int:
                                                            args.p2p_port)
     except ValueError as e:
         parser.error(str(e))
-    from petals_chain.orchestrator.core import JoinError, Orchestrator, OrchestratorConfig
+    from petals_chain.orchestrator.core import JoinError, Orchestrator, OrchestratorConfig, fairness_policy_name
     from petals_chain.orchestrator.models import parse_models
 
     try:
@@ -775,6 +804,8 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for flag in ignored_flags(args, fairness_policy_name(cfg)):
+        logger.warning("ignored %s", flag)
     if len(set(prefixes)) != len(prefixes):
         print(f"error: two models would share a DHT prefix ({', '.join(prefixes)}): a model's prefix is its file or "
               f"directory name (the servers derive the same), so the same model twice, or two models named alike: "

@@ -452,7 +452,8 @@ class DispatchManager:
                 raise ValueError(f"fairness policy {shares.policy.name!r} needs the central queue of JFFC, not "
                                  f"dispatch {policy!r}")
             if schedule != "fcfs":
-                raise ValueError(f"--schedule {schedule} orders the central queue by deadline, --fairness "
+                order = "priority" if schedule in PRIORITY_SCHEDULES else "deadline"
+                raise ValueError(f"--schedule {schedule} orders the central queue by {order}, --fairness "
                                  f"{shares.policy.name} by client shares: choose one (--fairness fcfs with --schedule "
                                  f"{schedule})")
             factory = fair_factory(shares)
@@ -1357,8 +1358,10 @@ class DispatchManager:
         if self.schedule in ("edf", "flex") and isinstance(q, EDFQueue):
             ahead += q.ahead_of(job.order_key)
         elif q is not None and self.shares is not None and self.shares.central:
-            # the fairness policy's order, not FIFO's: a light client's job goes before a heavy client's backlog
-            ahead += self.shares.ahead(job, [j for j in q if j is not job])
+            # the fairness policy's order, not FIFO's: a light client's job goes before a heavy client's backlog.
+            # Running jobs' output still to come is not passed: it is charged as it is generated, while slots free,
+            # so counting it all before this job's turn made a client's own long generation refuse its next request
+            ahead += self.shares.ahead(job, (j for j in q if j is not job))
         else:
             ahead += self.queue_length - len(self._pending)
         return chains, ahead

@@ -9,18 +9,26 @@ and keeps per-client service, waiting time and Jain's index for ``/api/v1/swarm`
 
 from __future__ import annotations
 
-import math
+import heapq
 import time
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Iterable, Iterator
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from petals_chain.algorithms.fairness import CLIENT_FAIR_POLICIES, FairPolicy, FairRequest, ServiceMeter
+from petals_chain.algorithms.fairness import (CLIENT_FAIR_POLICIES, FairPolicy, FairRequest, ServiceMeter,
+                                              _rounds_to_credit)
 from petals_chain.orchestrator.auth import ANONYMOUS
 from petals_chain.orchestrator.stats import remove_client_series
 
 FAIRNESS_WINDOW_S = 60.0  # window of the per-client service rates and Jain's index
 FAIRNESS_SAMPLE_S = 1.0  # period of the samples of which clients are backlogged (Jain's index)
+
+
+def _popped(items: list) -> Iterator:
+    """``items`` in ascending order, each popped from a heap as the reader goes (O(n) to start, not a sort)."""
+    heapq.heapify(items)
+    while items:
+        yield heapq.heappop(items)
 
 
 class ClientShares:
@@ -64,52 +72,76 @@ class ClientShares:
         job.fair = req
         return req
 
-    def _cost(self, job: Any) -> float:
-        """Service units ``job`` is expected to be charged: its input (VTC: all of it; DLPM: what no chain holds
-        cached) and its expected output."""
-        cached = 0 if self.policy.name == "vtc" else max((int(v) for v in (job.matched or {}).values()), default=0)
-        extend = max(0, int(job.input_tokens) - cached)
-        return self.policy.cfg.cost(extend, max(0, int(job.expected_output)))
-
-    def ahead(self, job: Any, queued: Sequence[Any]) -> int:
+    def ahead(self, job: Any, queued: Iterable[Any], running: Iterable[tuple[Any, float]] = ()) -> int:
         """How many of ``queued`` (the central queue's jobs, oldest first) the policy is expected to start before
-        ``job``, a new arrival of ``job.client``: what the deadline prediction counts ahead of it. Counting them all
-        (FIFO) refused a light client's deadline request behind a heavy client's backlog (429 deadline_unreachable,
-        again at each retry) that the policy serves next. The central client-fair policies serve each other client
-        until its counted service passes what ``job``'s client must be given first: its own queued jobs, plus
-        (``vtc``) how far its counter, lifted as on arrival, is ahead of the other's, or (``dlpm``) the other's
-        credit and the refill rounds ``job``'s client needs for credit. The others (fcfs, locality-first and the
-        per-chain policies): all of them."""
-        queued = list(queued)
+        ``job``, a new arrival of ``job.client``, as slots free: what the deadline prediction counts ahead of it.
+        ``running``: the running jobs with the output tokens each may still generate, all charged to their clients
+        before ``job``'s turn (an upper bound: they are charged as generated, while slots free; the dispatcher
+        passes none).
+
+        Counting them all (FIFO) refused a light client's deadline request behind a heavy client's backlog (429
+        deadline_unreachable, again at each retry) that the policy serves next. The central client-fair policies
+        serve another client while its counted service stays below what ``job``'s client is charged first (its own
+        queued jobs and pending output): ``vtc``, while its counter is below that client's, lifted as on arrival
+        (equal: the lesser name, VTC's tie); ``dlpm``, while it has credit, its own plus the refills ``job``'s
+        client needs to get credit, taking its longest cached prefixes first (LPM). Each job is expected to cost
+        its ``expected_output`` and, for dlpm, its input less the longest prefix a chain holds. ``job``'s own
+        prefix is not counted (it may go before others' jobs with credit: an estimate that errs long). The
+        others (fcfs, locality-first and the per-chain policies): all of them. One pass over the queue."""
         name = self.policy.name
-        if name not in ("vtc", "dlpm") or not queued:
-            return len(queued)
-        own = [j for j in queued if j.client == job.client]
-        owed = sum(self._cost(j) for j in own)  # served to job's client before job (its clients' jobs: oldest first)
-        local = self.policy.local(None)
-        state = local.snapshot()
-        others: dict[str, list[Any]] = {}
-        for j in queued:
-            if j.client != job.client:
+        if name not in ("vtc", "dlpm"):
+            return sum(1 for _ in queued)
+        dlpm = name == "dlpm"
+        w_e, w_q = self.policy.cfg.w_e, self.policy.cfg.w_q
+
+        def cost(j: Any) -> tuple[int, float]:
+            """(tokens cached, units charged) of a queued job."""
+            n, out, cached = j.input_tokens, j.expected_output, 0
+            if dlpm and j.matched:
+                cached = max(j.matched.values())
+                cached = n if cached > n else cached if cached > 0 else 0
+            return cached, w_e * (n - cached if n > cached else 0) + w_q * (out if out > 0 else 0)
+
+        mine_client = job.client
+        own, owed = 0, 0.0
+        others: dict[str, list] = {}  # client -> its jobs, oldest first
+        for j in queued:  # one pass; the others' costs are read only as far as their budgets go
+            if j.client == mine_client:  # served before job: same client, older
+                own += 1
+                owed += cost(j)[1]
+            else:
                 others.setdefault(j.client, []).append(j)
-        if name == "vtc":
+        if not others:
+            return own
+        pending: dict[str, float] = {}  # units the running jobs will still be charged, per client
+        for j, tokens in running:
+            if tokens > 0:
+                pending[j.client] = pending.get(j.client, 0.0) + w_q * float(tokens)
+        state = self.policy.local(None).snapshot()
+        if not dlpm:
             mine = state.get(job.client, 0.0)
             if not own:  # lifted to the least counter among the queued clients as it becomes backlogged
-                mine = max(mine, min((state.get(c, 0.0) for c in others), default=mine))
-            budget = {c: mine + owed - state.get(c, 0.0) for c in others}
+                mine = max(mine, min(state.get(c, 0.0) for c in others))
+            mine += owed + pending.get(job.client, 0.0)
+            budget = {c: mine - state.get(c, 0.0) - pending.get(c, 0.0) for c in others}
         else:
             q_u = self.policy.quantum.value
-            left = state.get(job.client, 0.0) - owed  # its credit once its own queued jobs are served
-            rounds = 0 if left > 0 else math.floor(-left / q_u) + 1  # refills of q_u that take it above 0
-            budget = {c: state.get(c, 0.0) + rounds * q_u for c in others}
-        count = len(own)
+            left = state.get(job.client, 0.0) - owed - pending.get(job.client, 0.0)  # its credit after its own
+            rounds = 0 if left > 0 else _rounds_to_credit(left, q_u)  # refills (of everyone in debt) it waits for
+            budget = {c: state.get(c, 0.0) + rounds * q_u - pending.get(c, 0.0) for c in others}
+        count = own
         for c, jobs in others.items():
-            spent = 0.0
-            for j in jobs:  # a client is served while its service so far does not pass the budget (ties: served)
-                if spent > budget[c]:
+            costs: Iterable[tuple[int, float]] = map(cost, jobs)
+            if dlpm and any(j.matched for j in jobs):
+                # LPM: the longest cached prefix first, then the oldest (popped only as far as the budget goes)
+                costs = ((-k, u) for k, _, u in _popped([(-k, i, u) for i, (k, u) in enumerate(costs)]))
+            tie = not dlpm and c < job.client  # VTC picks the lesser (counter, name)
+            spent, limit = 0.0, budget[c]
+            for _, units in costs:
+                if spent > limit or (spent == limit and not tie):
                     break
                 count += 1
-                spent += self._cost(j)
+                spent += units
         return count
 
     def started(self, job: Any, worker: Hashable, queued: bool) -> None:
