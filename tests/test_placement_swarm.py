@@ -43,6 +43,14 @@ class Traffic:
                 self.results.append((r.status_code, r.json()["petals_chain"][0]["token_ids"]
                                      if r.status_code == 200 else r.text))
 
+    def wait_for(self, n: int, timeout: float) -> None:
+        """Until ``n`` replies have come in all (``TimeoutError`` after ``timeout`` s)."""
+        until = time.monotonic() + timeout
+        while len(self.results) < n:
+            if time.monotonic() > until:
+                raise TimeoutError(f"{len(self.results)} {self.model} replies of {n} after {timeout:.0f} s")
+            time.sleep(0.1)
+
     def __enter__(self) -> "Traffic":
         for t in self._threads:
             t.start()
@@ -87,7 +95,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
         with Traffic(sw, "alpha", 3) as on_alpha:
             sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["alpha"] >= 2, scaled(90),
                           "two servers on alpha")
-            time.sleep(3)
+            on_alpha.wait_for(6, scaled(90))  # each client served twice (was: 3 s of traffic, ~9 replies)
         with Traffic(sw, "beta", 6) as on_beta:
             state = sw.wait_until(lambda s: s["model_placement"]["servers_per_model"]["beta"] >= 2, scaled(120),
                                   "the shift to move a server to beta")
@@ -98,7 +106,7 @@ def test_traffic_shift_moves_a_server_and_nothing_is_lost(tiny_model_factory, tm
             sw.wait_until(lambda s: any(srv["peer_id"] == peer and srv["state"] == "online"
                                         for srv in sw.swarm("beta", timeout=30)["servers"]), scaled(120),
                           "the moved server online on beta")
-            time.sleep(3)
+            on_beta.wait_for(len(on_beta.results) + 12, scaled(90))  # two more replies per client with it online
         for traffic in (on_alpha, on_beta):
             assert traffic.results, f"no {traffic.model} request completed"
             bad = [r for r in traffic.results if r[0] != 200 or r[1] != expected[traffic.model]]

@@ -31,10 +31,10 @@ def swarm(tiny_model_factory, tmp_path_factory):
         yield sw
 
 
-def post(sw, prompt: str, **body) -> httpx.Response:
+def post(sw, prompt: str, model: str | None = None, **body) -> httpx.Response:
     return httpx.post(f"{sw.url}/v1/completions", timeout=300,
-                      json={"model": sw.swarm()["model"], "prompt": prompt, "ignore_eos": True, "temperature": 0,
-                            **body})
+                      json={"model": model or sw.swarm()["model"], "prompt": prompt, "ignore_eos": True,
+                            "temperature": 0, **body})
 
 
 def test_short_requests_pause_a_long_one_past_its_budget_and_it_stays_exact(swarm, scaled):
@@ -64,10 +64,18 @@ def test_short_requests_pause_a_long_one_past_its_budget_and_it_stays_exact(swar
 
 
 def teach_two_kinds(sw) -> list[httpx.Response]:
-    """110 requests of one prompt, two kinds by max_tokens alone (1 and 8): 64 arrivals fit the length classes,
-    then each kind completes >= 16 times."""
+    """Requests of one prompt, two kinds by max_tokens alone (1 and 8): 63 arrivals of both kinds (mostly the cheap
+    short one: K-means finds the two points however many of each) and the 64th fit the length classes; then each
+    kind completes 18 times (a class's L̂_s is learnt from its 16th completion on)."""
+    model = sw.swarm()["model"]
+
+    def one(max_tokens: int) -> httpx.Response:
+        return post(sw, "the same prompt", model=model, max_tokens=max_tokens)
+
+    with ThreadPoolExecutor(4) as pool:  # all 63 arrive before the fit (the map returns when they are done)
+        before = list(pool.map(one, [8 if i % 16 == 0 else 1 for i in range(63)]))
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda i: post(sw, "the same prompt", max_tokens=8 if i % 2 else 1), range(110)))
+        return before + list(pool.map(one, [8 if i % 2 else 1 for i in range(36)]))
 
 
 @pytest.fixture(scope="module")

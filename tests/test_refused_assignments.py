@@ -34,8 +34,10 @@ def test_a_server_that_cannot_load_its_span_is_planned_around_and_joins_once_fix
     servers = [LocalServer("A", memory, tau_p=0.1),
                LocalServer("B", memory, tau_p=0.2, extra_args=["--identity-path", key, "--cache-tokens-per-block", "16"]),
                LocalServer("C", memory, tau_p=0.4)]
-    # no periodic re-plan during the test: what re-plans is the failure itself
-    sw = LocalSwarm(model, servers, max_length=64, arrival_rate=0.5, settle_s=scaled(6), log_dir=tmp_path / "logs",
+    # no periodic re-plan during the test: what re-plans is the failure itself. The first plan waits until no server
+    # joined for settle_s (all three start at once: their joins spread over a second or two), and so does each
+    # plan after B's restart
+    sw = LocalSwarm(model, servers, max_length=64, arrival_rate=0.5, settle_s=scaled(3), log_dir=tmp_path / "logs",
                     orchestrator_args=["--replan-interval-s", "3600", "--audit-rate", "0"])
     with sw:
         state = sw.wait_until(lambda s: sum(1 for x in s["servers"] if x["assigned"]) == 3, scaled(90),
