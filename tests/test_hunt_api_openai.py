@@ -45,10 +45,11 @@ def test_booleans_and_numbers_are_not_each_other(model_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and encoded == []
         # an image part (a multimodal client) is refused as one, named by the body's own path
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
-        for messages in (image, [{"role": "assistant", "content": None}]):
+        for messages, param in ((image, "messages.0.content.0"), ([{"role": "assistant", "content": None}],
+                                                                   "messages.0.content")):
             r = await c.post("/v1/chat/completions", json={"model": orch.model_id, "messages": messages})
             err = r.json()["error"]
-            assert r.status_code == 400 and err["param"] == "messages.0.content", r.text
+            assert r.status_code == 400 and err["param"] == param, r.text
             assert "list[" not in err["message"] and ".str" not in err["message"], r.text
         r = await c.post("/v1/chat/completions", json={"model": orch.model_id, "messages": image})
         assert 'only text content parts are supported, not "image_url"' in r.json()["error"]["message"], r.text

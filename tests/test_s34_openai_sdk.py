@@ -1,13 +1,15 @@
 """Today's ``openai`` package (3.x) against the API, as its users call it: the chat parameters it types (prompt
 caching, verbosity, moderation), the assistant messages its ``.parse()``/``.stream()`` helpers hand back for the next
-turn, and its calls of endpoints this server does not have. The orchestrator runs in this process over fake chains
-(test_s33_api_envelope's ``api``, here ``envelope``): no server process, no DHT."""
+turn, its calls of endpoints this server does not have (or with a base_url lacking /v1), and the errors it retries
+or shows. The orchestrator runs in this process over fake chains (test_s33_api_envelope's ``api``, here
+``envelope``): no server process, no DHT."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 
+import pydantic
 import pytest
 import test_s33_api_envelope as _envelope
 from test_s33_api_envelope import KEYS, _chain
@@ -17,15 +19,17 @@ httpx2 = pytest.importorskip("httpx2")  # the transport of the openai package in
 envelope = _envelope.api  # the fixture: (orchestrator, app) over fake chains, keys alice and bob
 
 
-def _with_sdk(envelope, fn):
-    """``fn(orch, client)`` with an ``AsyncOpenAI`` (no retries) over the app, one chain up."""
+def _with_sdk(envelope, fn, max_retries: int = 0, base_url: str = "http://orch/v1"):
+    """``fn(orch, client)`` with an ``AsyncOpenAI`` (no retries unless asked) over the app, one chain up."""
     orch, app = envelope
 
     async def main():
         orch.dispatch.set_chains([_chain(2)])
-        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://orch", timeout=60)
-        async with openai.AsyncOpenAI(base_url="http://orch/v1", api_key=KEYS["bob"], http_client=http,
-                                      max_retries=0) as client:
+        # a bug's exception reaches the transport after its 500 went out (Starlette re-raises it): the reply is kept
+        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app, raise_app_exceptions=False),
+                                  base_url="http://orch", timeout=60)
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=KEYS["bob"], http_client=http,
+                                      max_retries=max_retries) as client:
             return await fn(orch, client)
 
     return asyncio.run(main())
@@ -128,3 +132,83 @@ def test_an_openai_endpoint_this_server_lacks_says_which_it_has(envelope):
     assert out["responses"][1].startswith("Invalid URL (POST /v1/responses)")
     assert out["embeddings"][1].startswith("Invalid URL (POST /v1/embeddings)")
     assert "POST /v1/chat/completions" in out["responses"][1]
+
+
+def test_values_openai_packages_type_for_no_effect_here_are_taken():
+    """``prompt_cache_retention: "in-memory"`` (what the openai packages typed until they followed the API's
+    ``in_memory``) and ``reasoning_effort: "none"`` (no reasoning: what every reply here is) were 400s, for a cache
+    hint and an "off" value; an effort that asks for reasoning is still refused, naming it."""
+    from petals_chain.orchestrator.api import ChatRequest
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for field, value in (("prompt_cache_retention", "in-memory"), ("prompt_cache_retention", "in_memory"),
+                         ("reasoning_effort", "none")):
+        assert getattr(ChatRequest.model_validate({**base, field: value}), field) == value
+    with pytest.raises(pydantic.ValidationError, match="reasoning_effort is not supported"):
+        ChatRequest.model_validate({**base, "reasoning_effort": "low"})
+
+
+def test_an_image_part_is_refused_for_itself_alone(envelope):
+    """An image part (an openai package user's vision message) was refused as "messages.0.content: Input should be
+    a valid string; messages.0.content.0: only text content parts are supported, not "image_url"": the first clause
+    pydantic's try of the union's other member. Now the part alone, named in ``param`` too; content that is neither a
+    string nor an array says it should be one of them, without the union's tags."""
+    async def fn(orch, client):
+        image = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                              {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+        return (await _refusal(client.chat.completions.create(model=orch.model_id, messages=image)),
+                await _refusal(client.chat.completions.create(model=orch.model_id,
+                                                              messages=[{"role": "user", "content": None}])))
+
+    image, null = _with_sdk(envelope, fn)
+    assert image[:2] == ("messages.0.content.1", "invalid_value"), image
+    assert image[2].endswith(' - invalid request: messages.0.content.1: only text content parts are supported, '
+                             'not "image_url"'), image  # nothing else: the SDK puts "Error code: 400" ahead
+    assert null[0] == "messages.0.content" and "valid string" not in null[2], null
+    assert null[2].endswith("messages.0.content: Input should be a string or an array of content parts"), null
+
+
+def test_a_bug_is_not_sent_again_by_the_openai_package(envelope, monkeypatch):
+    """A bug's 500 came without ``x-should-retry: false``, so the openai package sent the request 3 times (its
+    default ``max_retries=2``, 0.5-8 s apart) for the same error. Now it is answered once; a host's OSError (out of
+    file descriptors, a connection), which may pass, is left to the client's retries."""
+    calls = []
+
+    def broken(exc):
+        def encode_chat(messages):
+            calls.append(type(exc).__name__)
+            raise exc
+        return encode_chat
+
+    async def fn(orch, client):
+        out = {}
+        for exc, retries in ((KeyError("bug"), 2), (OSError(24, "Too many open files"), 0)):
+            monkeypatch.setattr(orch, "encode_chat", broken(exc))
+            with pytest.raises(openai.InternalServerError) as e:
+                await client.with_options(max_retries=retries).chat.completions.create(
+                    model=orch.model_id, messages=[{"role": "user", "content": "hi"}])
+            out[type(exc).__name__] = e.value.response.headers.get("x-should-retry"), e.value.code
+        return out
+
+    out = _with_sdk(envelope, fn)
+    assert calls == ["KeyError", "OSError"], calls  # the bug's request sent once, not 3 times
+    assert out == {"KeyError": ("false", "internal_error"), "OSError": (None, "internal_error")}, out
+
+
+def test_a_base_url_without_v1_is_told_so(envelope):
+    """``AsyncOpenAI(base_url="http://host:8000")`` (no ``/v1``: the commonest setup mistake) got a bare "Not
+    Found" for every call; now the 404 says the API is under /v1."""
+    async def fn(orch, client):
+        out = []
+        for call in (client.chat.completions.create(model=orch.model_id, messages=[{"role": "user", "content": "hi"}]),
+                     client.completions.create(model=orch.model_id, prompt="hi"), client.models.list()):
+            with pytest.raises(openai.NotFoundError) as e:
+                await call
+            out.append(e.value.body["message"])
+        return out
+
+    chat, completions, models = _with_sdk(envelope, fn, base_url="http://orch")
+    assert chat.startswith("Invalid URL (POST /chat/completions): this server's OpenAI API is under /v1 "
+                           "(POST /v1/chat/completions)"), chat
+    assert completions.startswith("Invalid URL (POST /completions)") and "(POST /v1/completions)" in completions
+    assert models.startswith("Invalid URL (GET /models)") and "(GET /v1/models)" in models, models

@@ -345,9 +345,23 @@ class ContentPart(_Base):
         return data
 
 
+def _content_kind(value: Any) -> str | None:
+    """Which member of a message's ``content`` union ``value`` is for: pydantic tried both and reported both, so an
+    image part was "content: Input should be a valid string; content.0: only text content parts ..."."""
+    return "str" if isinstance(value, str) else "list[ContentPart]" if isinstance(value, list) else None
+
+
+# tags named as pydantic names union members, so that _path leaves them out of an error's location
+MessageContent = typing.Annotated[
+    Union[typing.Annotated[str, pydantic.Tag("str")],
+          typing.Annotated[list[ContentPart], pydantic.Tag("list[ContentPart]")]],
+    pydantic.Discriminator(_content_kind, custom_error_type="content_type",
+                           custom_error_message="Input should be a string or an array of content parts")]
+
+
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[ContentPart]]
+    content: MessageContent
     name: Optional[str] = pydantic.Field(default=None, max_length=256)
     # what an OpenAI client's returned assistant message carries: taken back only empty (a conversation resent)
     refusal: Optional[str] = None
@@ -403,7 +417,8 @@ class ChatRequest(SamplingFields):
     # OpenAI's prompt cache (the openai package types these, and the key as what replaces ``user``): hints only here,
     # where the servers' prefix caches reuse a shared prefix on their own; the output is the same with or without them
     prompt_cache_key: Optional[str] = pydantic.Field(default=None, max_length=1024)
-    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
+    # "in-memory": what the openai packages typed before they followed the API ("in_memory"; openai-python#2912)
+    prompt_cache_retention: Optional[Literal["in_memory", "in-memory", "24h"]] = None
     prompt_cache_options: Optional[PromptCacheOptions] = None
     # "medium" is OpenAI's default (what every reply here is); the others would change the output: refused
     verbosity: Optional[Literal["low", "medium", "high"]] = None
@@ -426,9 +441,11 @@ class ChatRequest(SamplingFields):
 
     @pydantic.model_validator(mode="after")
     def _unsupported_fields(self):
-        for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
-                     "metadata", "moderation"):
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "metadata",
+                     "moderation"):
             _unsupported(getattr(self, name), name)
+        # "none": no reasoning, what every reply here is (the openai package types it beside minimal ... max)
+        _unsupported(self.reasoning_effort, "reasoning_effort", (None, "none"))
         if self.verbosity not in (None, "medium"):
             raise FieldError("verbosity", f"verbosity {self.verbosity!r} is not supported by this server (only "
                                           "'medium', OpenAI's default)")
@@ -488,6 +505,7 @@ def _json_kind(value: Any) -> str:
 
 INTERNAL_ERROR_MESSAGE = "internal error ({}); the request was not completed, please report it"
 OPENAI_ENDPOINTS = "GET /v1/models, GET /v1/models/{model}, POST /v1/completions and POST /v1/chat/completions only"
+_OPENAI_TAILS = ("/chat/completions", "/completions", "/models")  # what a client puts after its base_url
 
 
 def _futile_retry(exc: RequestError) -> bool:
@@ -747,11 +765,17 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                    else "it is not UTF-8 text" if isinstance(cause, UnicodeDecodeError) else str(cause)[:200])
             return _error(400, f"the request body is not valid JSON: {why}", code="invalid_json")
         path = request.scope.get("path", "")
-        if exc.status_code == 404 and path.startswith("/v1/") and exc.detail == "Not Found":
+        if exc.status_code == 404 and exc.detail == "Not Found":
             # no route: an OpenAI endpoint this server does not have (the openai package's responses.create,
             # embeddings.create, ...) was a bare "Not Found", read as a wrong base_url or model
-            return _error(404, f"Invalid URL ({request.method} {shown_path(path)}): this server offers OpenAI's "
-                          f"{OPENAI_ENDPOINTS}", code=default_code(404))
+            asked = f"Invalid URL ({request.method} {shown_path(path)})"
+            if path.startswith("/v1/"):
+                return _error(404, f"{asked}: this server offers OpenAI's {OPENAI_ENDPOINTS}", code=default_code(404))
+            tail = next((t for t in _OPENAI_TAILS if path.rstrip("/").endswith(t)), None)
+            if tail is not None:
+                # an OpenAI client whose base_url lacks /v1 (http://host:8000): its bare "Not Found" did not say so
+                return _error(404, f"{asked}: this server's OpenAI API is under /v1 ({request.method} /v1{tail}): "
+                              "an OpenAI client's base_url ends in /v1", code=default_code(404))
         return _error(exc.status_code, str(exc.detail), code=default_code(exc.status_code))
 
     @app.exception_handler(Exception)
@@ -761,6 +785,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         # the id is put on here
         rid = scope_request_id(request.scope)
         response = _error(500, INTERNAL_ERROR_MESSAGE.format(type(exc).__name__), code="internal_error")
+        if not isinstance(exc, (OSError, MemoryError)):
+            # OpenAI's clients send a 500 again twice (0.5-8 s apart) unless told not to: a bug fails the same way
+            # each time, tripling its work and its tracebacks and delaying the error. What fails for a while and
+            # then passes answers 503 with Retry-After (no chain, lost servers); of what is left, only the host's
+            # state (a connection, a timeout, no file descriptors or memory) may pass on a retry: left to the client
+            response.headers[NO_RETRY_HEADER] = "false"
         if rid is not None:
             response.headers[REQUEST_ID_HEADER] = rid
             logger.error("%s %s: internal error (%s) [request %s]", request.method,

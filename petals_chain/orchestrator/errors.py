@@ -13,7 +13,9 @@ _DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "permissi
                   405: "method_not_allowed", 409: "conflict", 413: "request_too_large", 415: "unsupported_media_type",
                   422: "invalid_request", 429: "rate_limit_exceeded", 499: "client_disconnected",
                   500: "internal_error", 502: "bad_gateway", 503: "swarm_unavailable", 504: "deadline_exceeded"}
-MAX_RETRY_AFTER_S = 60  # OpenAI's clients ignore a Retry-After above 60 s (and back off on their own instead)
+# The openai package (3.x) waits out a Retry-After of up to 120 s and does not retry at all above it; its
+# earlier releases ignored one above 60 s (and backed off 0.5-8 s on their own): at most 60, each waits it out
+MAX_RETRY_AFTER_S = 60
 
 
 def default_code(status: int) -> str:
@@ -26,8 +28,9 @@ def unavailable_retry_after_s(cfg: Any) -> int:
     round (``refresh_s``) after a server's change settles (``settle_s``; 3 s by default), at least 1 and at most
     :data:`MAX_RETRY_AFTER_S`. Not longer: a 503 comes only after the request waited (``--no-chain-wait-s``, the
     queue time, its failovers), and the request sent again waits in the queue for a chain itself, served the moment
-    one is planned, so a client that waits longer only loses time; without the header OpenAI's clients retried after
-    their own backoff (0.5-8 s) and other clients not at all."""
+    one is planned, so a client that waits longer only loses time (and above 120 s today's openai package gives up
+    instead of retrying); without the header OpenAI's clients retried after their own backoff (0.5-8 s) and other
+    clients not at all."""
     seconds = float(getattr(cfg, "refresh_s", 1.0) or 0.0) + float(getattr(cfg, "settle_s", 2.0) or 0.0)
     return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds))))
 
