@@ -22,7 +22,7 @@ from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob,
 from petals_chain.orchestrator.errors import RequestError, Unavailable
 from petals_chain.orchestrator.relay import SESSION_NUMBERS, ChainSession, HopFailure
 from petals_chain.swarm.prefix import prefix_hashes
-from petals_chain.swarm.rpc import RemoteError
+from petals_chain.swarm.rpc import NoCapacityError, RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def is_refusal(e: HopFailure) -> bool:
     """The server answered with an error (it lives), as opposed to a dead, silent or garbage-answering server."""
     return isinstance(e.cause, RemoteError) and not isinstance(e.cause, ConnectionError)
+
+
+def step_refused_full(e: HopFailure) -> bool:
+    """A hop's server refused a step ``no_capacity``: a session opened *lean* on its cached prefix (own pages only
+    after the match, the pool being full) whose first step starts before that match (another hop matched less)
+    needs pages the server has not got now. The server is fine and its pages free up as other jobs end."""
+    return isinstance(e.cause, NoCapacityError)
 
 
 class ChainHolder:
@@ -65,6 +72,9 @@ class ChainHolder:
         self.batch_steps = 0  # jobs on the chain summed over this job's steps (its mean batch, for StepCost.fit)
         self.failovers = 0
         self.preemptions = 0  # times the job gave its chain back because a hop had no pages to grow it
+        # a hop refused the first step of the last chain for want of pages (step_refused_full): the next open
+        # names no cached prefix, so that every server reserves the whole length at open (or queues the open)
+        self.open_full = False
         self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
         # --schedule db|mlfq: level, budget and priority of the job (kept across pauses and failovers); ``shape``
         # (prompt tokens, max_tokens) puts a one-shot job in its length class
@@ -237,8 +247,9 @@ class ChainHolder:
                         self.forked = True
                         self.orch.stats.forks += 1
                     else:
-                        await cs.open(named=named)
+                        await cs.open(named=b"" if self.open_full else named)
                     opened = True
+                    self.open_full = False
                     break
                 except HopFailure as e:
                     if e.no_capacity and time.monotonic() < deadline:
@@ -502,7 +513,10 @@ class ChainHolder:
                 self.orch._background(self._drop())
                 raise
             except HopFailure as e:
-                await self._chain_failed(e, budget, len(ids))
+                if step_refused_full(e):
+                    await self._refused_full(e)
+                else:
+                    await self._chain_failed(e, budget, len(ids))
                 continue
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
@@ -564,6 +578,16 @@ class ChainHolder:
                     len(self.kv_ids), e)
         self.kv_valid = min(self.kv_valid, len(self.kv_ids))
         await self._drop()
+
+    async def _refused_full(self, e: HopFailure) -> None:
+        """A hop refused the chain's first step for want of pages (:func:`step_refused_full`): not a failed server.
+        It was handled as one: a failover that tried to move the hop (those opens were refused too), a full replay
+        on another chain, and after ``--max-failovers`` of them in a row (a burst of requests sharing a system
+        prompt on a full server) the request failed 503 though the chain could serve it a moment later. Now the job
+        gives the chain back as a preemption does and opens the next one naming no cached prefix: each server
+        reserves the whole length at open, or queues the open until pages free up (never refused at a step)."""
+        self.open_full = True
+        await self._preempt(e)
 
     async def _pause(self) -> None:
         """A deadline job (``--schedule flex``) or a job of higher priority (``db``, ``mlfq``) needs this job's slot:
@@ -629,6 +653,8 @@ class ChainHolder:
         lost the session) and replay the hop's inputs there; re-raise ``failure`` if that is not possible."""
         orch, cs = self.orch, self.cs
         peer, start, end = cs.hops[i]
+        if step_refused_full(failure):
+            raise failure  # the server lives and is full for now: the job re-opens its chain (feed)
         orch.server_failed(failure)  # a dead or lying server is banned before candidates are chosen
         if budget[0] <= 0:
             raise failure
