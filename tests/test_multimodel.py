@@ -428,7 +428,7 @@ def test_select_respects_fits():
         s.arrive(j, 0.0)
     room = {"n": 2}
 
-    def fits(j):
+    def fits(j, ahead):
         if j.key == 0:
             return False
         room["n"] -= 1

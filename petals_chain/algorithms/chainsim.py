@@ -8,10 +8,13 @@ placement); a model's servers form chains by GBP-CR + GCA (:func:`~petals_chain.
 A chain is a sharing group: continuous batching of at most ``max_batch`` requests (and its GCA capacity ``c_k``),
 steps back to back, each step ``a + b * extend tokens + d * batch`` seconds (:class:`StepCost`, scaled by the
 chain's ``T_k`` over the reference chain's). Before every step the chain's scheduler (``db|fcfs|mlfq``) picks the
-batch, so preemption is at step granularity. A request that leaves the batch keeps its KV in the chain's pages
-(``kv_tokens`` per chain, :class:`ChainWorker`), so resuming costs nothing; a waiting request is admitted only
-while its KV fits (the seed's ``EnoughResource``). A request's first token comes out of its prefill step; one
-token per step after that.
+batch, so preemption is at step granularity. KV as the servers' paged cache holds it (``kv_tokens`` per chain,
+:class:`ChainWorker`): a request joins a batch only when its whole reservation (prompt + declared output, rounded
+up to pages) fits beside those of the requests before it in the scheduler's order (the seed's ``EnoughResource``;
+a worse running request gives its pages back as it gives its batch place), so a chain never over-commits; one that
+leaves the batch keeps its KV as cached pages, so resuming costs nothing unless a reservation evicted them. A
+request whose reservation exceeds ``kv_tokens`` is refused at arrival. A request's first token comes out of its
+prefill step; one token per step after that.
 
 Dispatch (seed §3): a new request goes to the chain of its model with the fewest requests per batch place
 (ties: the faster chain). Re-placement (SeaLLM's switch-over, §5): a server that changes model leaves after its
@@ -36,6 +39,10 @@ from scipy.optimize import nnls
 
 from petals_chain.algorithms import multimodel as mm
 from petals_chain.algorithms.multimodel import Job, ServedModel, ServiceMonitor, Volunteer
+
+# Tokens per KV page: the servers' --page-size default (swarm/memory.DEFAULT_PAGE_SIZE, which this pure layer may
+# not import; tests/test_s33_chainsim_kv.py checks that they agree).
+PAGE_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,7 @@ class MMRequest:
     output: int
     exec_s: float = math.nan  # alone on the reference chain
     service: str = ""
+    max_tokens: int | None = None  # declared output limit, what its KV reservation counts (None: exactly ``output``)
     first_token: float = math.nan
     finished: float = math.nan
     admitted: float = math.nan  # the start of its first step
@@ -141,9 +149,18 @@ class MMRequest:
     preemptions: int = 0
     recomputes: int = 0
     migrations: int = 0
+    refused: bool = False  # its reservation exceeds a chain's KV: no chain of the simulation can ever hold it
 
     def __post_init__(self) -> None:
         self.service = self.service or self.model
+        if self.max_tokens is not None and self.max_tokens < self.output:
+            raise ValueError(f"request {self.rid}: max_tokens {self.max_tokens} < its output {self.output}")
+
+    def reservation(self, page_size: int = PAGE_SIZE) -> int:
+        """KV tokens a server reserves for this request at open and holds until it leaves: prompt + declared output
+        (``max_tokens``, else ``output``) rounded up to whole pages (``server/runner.pages_needed`` per block)."""
+        n = self.input + (self.output if self.max_tokens is None else self.max_tokens)
+        return -(-n // page_size) * page_size
 
     @property
     def latency(self) -> float:
@@ -156,45 +173,94 @@ def exec_alone(inp: int, out: int, cost: StepCost) -> float:
 
 
 class ChainWorker:
-    """One chain: its scheduler, the batch of the step in flight and the KV its resident requests hold.
+    """One chain: its scheduler, the batch of the step in flight and the KV pages (``kv_tokens`` in all).
 
-    A request is *resident* from its prefill until it finishes: running or paused, its KV (prompt + generated
-    tokens) stays in the chain's pages, ``kv_tokens`` in all. A waiting request joins a batch only when its KV fits
-    (fresh: its prompt; one whose KV was lost: prompt + generated, recomputed). When decoding outgrows the pages,
-    the paused requests with the lowest priority lose their KV (recomputed when they resume)."""
+    As a server's paged cache (``server/runner.py``, ``kv_cache.py``): a request in the batch holds its whole
+    :meth:`MMRequest.reservation`, taken when it joins (:meth:`choose`: only if it fits beside the reservations of
+    the requests that go before it) and kept until it leaves, so decoding never outgrows the pages. A request that
+    leaves the batch unfinished (paused) keeps its KV (prompt + generated tokens) as cached pages, which count as
+    free: a reservation that needs them evicts the KV of the request paused longest ago (recomputed when it resumes;
+    the servers' pool evicts least recently used pages first, ``server/kv_cache.py``).
+    Hence ``kv_used`` (reserved + cached) never exceeds ``kv_tokens``."""
 
     def __init__(self, key: Any, model: str, servers: tuple[str, ...], cost: StepCost, scale: float, capacity: int,
-                 sched: mm.Scheduler, kv_tokens: int):
+                 sched: mm.Scheduler, kv_tokens: int, page_size: int = PAGE_SIZE):
         self.key, self.model, self.servers = key, model, servers
         self.cost, self.scale, self.capacity, self.sched = cost, scale, capacity, sched
-        self.resident: dict[int, int] = {}  # rid -> KV tokens held
-        self.kv_tokens = kv_tokens
-        self.kv_used = 0
+        self.kv_tokens, self.page_size = kv_tokens, page_size
+        self.reserved: dict[int, int] = {}  # rid -> tokens reserved by a request in the batch
+        self.cached: dict[int, tuple[Job, int]] = {}  # rid -> (job, tokens of KV) of a paused request
+        self.kv_reserved = 0
+        self.kv_cached = 0
         self.batch: list[Job] = []
         self.stepping = False
         self.draining = False
         self.alive = True
         self.steps = 0
 
-    def fits(self, job: Job) -> bool:
-        r: MMRequest = job.key
-        if r.rid in self.resident:
-            return True
-        need = r.input + r.done
-        if self.kv_used + need > self.kv_tokens and self.resident:
-            return False
-        self.resident[r.rid] = need
-        self.kv_used += need
-        return True
+    @property
+    def kv_used(self) -> int:
+        """Tokens of pages in use: reserved by running requests plus cached by paused ones."""
+        return self.kv_reserved + self.kv_cached
 
-    def grow(self, r: MMRequest) -> None:
-        self.resident[r.rid] += 1
-        self.kv_used += 1
+    def choose(self, now: float, one_of: Callable[[Job], Any] | None = None) -> list[Job]:
+        """The next step's batch: the scheduler's choice (``select``, the seed's ``EnoughResource`` as ``fits``) with
+        each request's reservation. A waiting request joins only if its pages fit beside those of the requests
+        ahead of it in the batch; under pause rule ``seed`` a better one may so take a worse running one's pages, as
+        it takes its batch place, and a running request that no longer fits beside better ones is paused, as are
+        those the scheduler pauses for a batch place (:meth:`pause`). Paused KV the reservations need is evicted,
+        least recently used first (the request paused longest ago), as the servers' page pool evicts."""
+        sched = self.sched
+        was_running = {id(j) for j in sched.jobs.values() if j.running}
+
+        def fits(job: Job, ahead: Sequence[Job]) -> bool:
+            r: MMRequest = job.key
+            need = r.reservation(self.page_size)
+            if sum(self.reserved[k.key.rid] for k in ahead) + need > self.kv_tokens:
+                return False
+            self._uncache(r.rid)  # its own cached KV is now part of its reservation
+            self.reserved[r.rid] = need
+            self.kv_reserved += need
+            return True
+
+        batch = sched.select(self.capacity, now, fits, one_of=one_of)
+        # Every request that joined fits beside all ahead of it, so only running ones after the last that joined can
+        # be over (rule "seed"): the worst of them give their pages back (pausing as select pauses one for a place).
+        total = sum(self.reserved[j.key.rid] for j in batch)
+        while total > self.kv_tokens and batch and id(batch[-1]) in was_running:
+            j = batch.pop()
+            total -= self.reserved[j.key.rid]
+            j.running, j.waiting_since = False, now
+            sched.preempted.append(j)
+        for j in sched.preempted:
+            self.pause(j.key)
+        if self.kv_used > self.kv_tokens:  # cached pages count as free: the reservations take them
+            for j, _ in list(self.cached.values()):  # least recently used first: paused longest ago
+                self._uncache(j.key.rid)
+                j.key.kv_lost = True
+                if self.kv_used <= self.kv_tokens:
+                    break
+        return batch
+
+    def pause(self, r: MMRequest) -> None:
+        """``r`` left the batch unfinished: its reservation ends and its KV stays as cached pages."""
+        self.free(r)
+        if r.started and not r.kv_lost:
+            kv = r.input + r.done
+            self.cached[r.rid] = (r.job, kv)
+            self.kv_cached += kv
 
     def free(self, r: MMRequest) -> None:
-        n = self.resident.pop(r.rid, None)
+        """``r`` finished or left the chain: its reservation and its cached KV are released."""
+        n = self.reserved.pop(r.rid, None)
         if n is not None:
-            self.kv_used -= n
+            self.kv_reserved -= n
+        self._uncache(r.rid)
+
+    def _uncache(self, rid: int) -> None:
+        c = self.cached.pop(rid, None)
+        if c is not None:
+            self.kv_cached -= c[1]
 
 
 @dataclass
@@ -208,6 +274,7 @@ class Outcome:
     plans: list[dict] = field(default_factory=list)
     intervals: list[dict] = field(default_factory=list)
     unfinished: int = 0  # requests never finished (no chain ran them): metrics over the finished ones omit them
+    refused: int = 0  # of those, requests whose KV reservation exceeds ``kv_tokens`` (refused at arrival)
 
 
 def _llm(job: Job) -> str:
@@ -223,7 +290,9 @@ class MultiModelSim:
     ``group_of``: request model -> the served model whose chains run it (the seed's setting, where one sharing
     group time-shares several LLMs: a ``shared`` model serving both; its services stay apart, and a step runs the
     requests of one LLM only, that of the discipline's first job). ``ref_times``: see
-    :meth:`ref_service_time`."""
+    :meth:`ref_service_time`. ``kv_tokens``: each chain's KV pages, in tokens of pages of ``page_size``
+    (:class:`ChainWorker`). ``pauses``: when a chain's scheduler pauses a running request
+    (:data:`~petals_chain.algorithms.multimodel.PAUSE_RULES`; default the orchestrator's)."""
 
     def __init__(self, models: Sequence[ServedModel], servers: Sequence[Volunteer], plan: Mapping[str, str], *,
                  schedule: str = "db", cost: StepCost = MM_COST, max_batch: int = 16, kv_tokens: int = 131072,
@@ -231,15 +300,20 @@ class MultiModelSim:
                  sched_kw: Mapping[str, Any] | None = None, reload_s: float = 20.0,
                  replan: Callable[["MultiModelSim", float], tuple[dict | None, float | None]] | None = None,
                  replan_first: float | None = None, group_of: Mapping[str, str] | None = None,
-                 ref_times: Mapping[str, float] | None = None):
+                 ref_times: Mapping[str, float] | None = None, page_size: int = PAGE_SIZE, pauses: str = "runtime"):
         if schedule not in mm.SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}")
+        for name, v in (("kv_tokens", kv_tokens), ("page_size", page_size)):
+            if isinstance(v, bool) or int(v) != v or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.models = {m.name: m for m in models}
         self.servers = {s.name: s for s in servers}
         self.schedule, self.cost, self.max_batch = schedule, cost, int(max_batch)
-        self.kv_tokens = int(kv_tokens)
+        self.kv_tokens, self.page_size = int(kv_tokens), int(page_size)
         self.monitor = ServiceMonitor(monitor_priors)
-        self.sched_kw = dict(sched_kw or {})
+        self.pauses = pauses
+        self.sched_kw = {"pauses": pauses, **(sched_kw or {})}
+        mm.make_scheduler(schedule, **self.sched_kw)  # bad scheduler arguments fail here, not at the first chain
         self.reload_s = float(reload_s)
         self.replan_fn, self.replan_first = replan, replan_first
         self.group_of = dict(group_of or {})
@@ -283,7 +357,7 @@ class MultiModelSim:
                 c = StepCost(self.cost.a * scale, self.cost.b * scale, self.cost.d * scale)
                 self.workers[key] = ChainWorker(key, model, ch.servers, c, scale, min(self.max_batch, ch.capacity),
                                                 mm.make_scheduler(self.schedule, self.monitor, **self.sched_kw),
-                                                self.kv_tokens)
+                                                self.kv_tokens, self.page_size)
         for key, w in list(self.workers.items()):
             if w.model == model and key not in keep and w.alive:
                 self._drain(w)
@@ -330,7 +404,7 @@ class MultiModelSim:
             return
         prev = set(map(id, w.batch))
         # several LLMs time-sharing a chain (group_of): a step runs one of them (one model's weights at a time)
-        batch = w.sched.select(w.capacity, self.now, w.fits, one_of=_llm if self.group_of else None)
+        batch = w.choose(self.now, one_of=_llm if self.group_of else None)
         for j in w.sched.preempted:
             j.key.preemptions += 1
         extend = 0
@@ -374,17 +448,7 @@ class MultiModelSim:
                 self.finished += 1
                 w.sched.complete(j, self.now)
                 w.free(r)
-            else:
-                w.grow(r)
         w.batch = [j for j in batch if j.key.done < j.key.output]
-        if w.kv_used > w.kv_tokens:  # decoding outgrew the pages: drop the least urgent paused KV
-            running = set(map(id, w.batch))
-            paused = [j for j in w.sched.jobs.values() if id(j) not in running and j.key.rid in w.resident]
-            for j in sorted(paused, key=lambda j: (-j.priority if not math.isnan(j.priority) else 0.0, -j.arrival)):
-                if w.kv_used <= w.kv_tokens:
-                    break
-                w.free(j.key)
-                j.key.kv_lost = True
         self._start_step(w)
 
     # --------------------------------------------------------------------------------------- re-planning
@@ -419,12 +483,16 @@ class MultiModelSim:
             self._push(r.arrival, 0, r)
         if self.replan_fn is not None and self.replan_first is not None:
             self._push(self.replan_first, 3, None)
-        pending = len(requests)
-        while self.heap and pending:
+        pending, refused = len(requests), 0
+        while self.heap and pending > refused:
             self.now, _, kind, x = heapq.heappop(self.heap)
             if kind == 0:
                 self.arrived.append(x)
-                self._dispatch(x)
+                if x.reservation(self.page_size) > self.kv_tokens:  # a server refuses what its pages cannot hold
+                    x.refused = True
+                    refused += 1
+                else:
+                    self._dispatch(x)
             elif kind == 1:
                 self._end_step(*x)
                 pending = len(requests) - self.finished
@@ -437,7 +505,7 @@ class MultiModelSim:
                 if nxt is not None:
                     self._push(nxt, 3, None)
         return Outcome(list(requests), self.schedule, self.steps, time.perf_counter() - t0, self.plans,
-                       unfinished=pending)
+                       unfinished=pending, refused=refused)
 
 
 def summarize(reqs: Sequence[MMRequest], *, scale: float = mm.SLO_SCALE, since: float = 0.0,
@@ -474,7 +542,7 @@ def summarize(reqs: Sequence[MMRequest], *, scale: float = mm.SLO_SCALE, since: 
 
 def fresh(reqs: Sequence[MMRequest]) -> list[MMRequest]:
     """Unsimulated copies (every policy sees the same workload)."""
-    return [MMRequest(r.rid, r.model, r.arrival, r.input, r.output, r.exec_s, r.service) for r in reqs]
+    return [MMRequest(r.rid, r.model, r.arrival, r.input, r.output, r.exec_s, r.service, r.max_tokens) for r in reqs]
 
 
 def sched_kwargs(schedule: str, cost: StepCost, reqs: Sequence[MMRequest], max_batch: int) -> dict[str, Any]:
@@ -516,7 +584,8 @@ def _check_placement(placement: str) -> None:
 def simulated_evaluate(history: Sequence[MMRequest], models: Sequence[ServedModel], *, schedule: str = "db",
                        cost: StepCost | Mapping[str, StepCost] = MM_COST, max_batch: int | Mapping[str, int] = 16,
                        kv_tokens: int = 131072, alpha: float = mm.ALPHA, scale: float = mm.SLO_SCALE,
-                       horizon_s: float | None = None, ref_times: Mapping[str, float] | None = None) -> mm.Evaluate:
+                       horizon_s: float | None = None, ref_times: Mapping[str, float] | None = None,
+                       page_size: int = PAGE_SIZE, pauses: str = "runtime") -> mm.Evaluate:
     """The seed's unserved index (§4.1, Eq. 6) by simulation: ``evaluate(servers per model)`` replays each model's
     requests of ``history`` on its servers alone (this simulator, ``schedule``) and counts the SLO misses and
     ``L_N^s``. Unlike the M/M/C estimate it sees the traffic's bursts and lengths, so a model whose requests come in
@@ -545,7 +614,8 @@ def simulated_evaluate(history: Sequence[MMRequest], models: Sequence[ServedMode
                 est = mm.ModelEstimate(0.0, 0.0, 0.0, 0.0)
             else:
                 o = simulate(rs, [m], group, {s.name: name for s in group}, schedule, cost=_of(cost, name),
-                             max_batch=_of(max_batch, name), kv_tokens=kv_tokens, ref_times=ref_times)
+                             max_batch=_of(max_batch, name), kv_tokens=kv_tokens, ref_times=ref_times,
+                             page_size=page_size, pauses=pauses)
                 sm = summarize(o.requests, scale=scale)
                 misses = n * (1.0 - sm["slo_attainment"])
                 est = mm.ModelEstimate(n, misses, sm["norm_latency"], misses + alpha * sm["norm_latency"])

@@ -29,6 +29,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,12 @@ MIN_SWAP_GAIN = 1.0  # ... and more than this (the unserved index: one request's
 STARVE_FACTOR = 2.0  # [gap] starvation threshold theta_s = 2 L̂_s
 # with one service about, a paused job that waited JOB_STARVE_FACTOR x theta_s goes first (a backstop, not a second order)
 JOB_STARVE_FACTOR = 4.0
-PAUSE_FACTOR = 2.0  # run time only: DB pauses a running job for one of at most half its O_r (one budget doubling)
+PAUSE_FACTOR = 2.0  # DB pauses a running job for one of at most half its O_r (one budget doubling; PAUSE_RULES)
+# When select pauses a running job: "runtime" as the orchestrator does (Scheduler.pause_victim: a running job keeps
+# its place unless a waiting one goes before it by the discipline's margin, worth_pausing; a starved job takes the
+# next free place and pauses nobody; a job started because it starved is not paused again), "seed" on any priority
+# inversion (seed 001 Alg. 2, where preemption is free)
+PAUSE_RULES = ("runtime", "seed")
 UNPLACED_LN = 1e4  # L_N^s counted for a service with no complete chain (all its requests are unserved)
 
 
@@ -245,6 +251,8 @@ class Job:
     steps: int = 0
     waiting_since: float = math.nan
     running: bool = False
+    starved: bool = False  # put first by the starvation rule, until it starts
+    protected: bool = False  # started because it starved: not paused for priority again (pause rule "runtime")
 
 
 class Scheduler:
@@ -257,12 +265,15 @@ class Scheduler:
         sched.complete(job, now)               # a job finished (its ``used`` feeds the service monitor)
 
     ``remove(job)`` takes a job away without completing it (migration to another group; re-``arrive`` it there:
-    its level and budget are kept)."""
+    its level and budget are kept). ``pauses``: when :meth:`select` pauses a running job (:data:`PAUSE_RULES`)."""
 
     name = "?"
 
-    def __init__(self, monitor: ServiceMonitor | None = None):
+    def __init__(self, monitor: ServiceMonitor | None = None, *, pauses: str = "seed"):
+        if pauses not in PAUSE_RULES:
+            raise ValueError(f"unknown pause rule {pauses!r}; choose from {', '.join(PAUSE_RULES)}")
         self.monitor = monitor if monitor is not None else ServiceMonitor()
+        self.pauses = pauses
         self.jobs: dict[int, Job] = {}
         self.preempted: list[Job] = []
 
@@ -290,19 +301,29 @@ class Scheduler:
         """The job whose kind a one-kind step runs (``select``'s ``one_of``): the first in this discipline's order."""
         return ordered[0]
 
-    def select(self, capacity: int, now: float, fits: Callable[[Job], bool] | None = None,
+    def select(self, capacity: int, now: float, fits: Callable[[Job, Sequence[Job]], bool] | None = None,
                one_of: Callable[[Job], Hashable] | None = None) -> list[Job]:
-        """The jobs that run the next step, at most ``capacity``, best first; ``preempted``: those that ran the
-        last step and do not run this one. ``fits(job)`` is asked, in priority order, about each job that did not
-        run the last step: whether the group has room for it (KV pages; it may reserve them); a job that does not
-        fit is skipped (the seed's ``EnoughResource``). ``one_of(job)``: a step runs jobs of one kind only (the LLM,
-        where a group time-shares several: one model's weights per iteration): the kind of :meth:`_lead`'s job, else
-        (none of its jobs fits) the next kind by its first job in the order, so the group never idles while a kind
-        could run (a kind whose jobs all fail ``fits`` reserved nothing)."""
+        """The jobs that run the next step, at most ``capacity``; ``preempted``: those that ran the last step and do
+        not run this one. ``fits(job, ahead)`` is asked about each job that did not run the last step, in priority
+        order: whether the group has room for it beside the jobs ``ahead`` of it in the batch (KV pages; it may
+        reserve them); a job that does not fit is skipped (the seed's ``EnoughResource``). ``one_of(job)``: a step
+        runs jobs of one kind only (the LLM, where a group time-shares several: one model's weights per iteration):
+        the kind of :meth:`_lead`'s job, else (none of its jobs fits) the next kind by its first job in the order,
+        so the group never idles while a kind could run (a kind whose jobs all fail ``fits`` reserved nothing).
+
+        Which running jobs stay follows :attr:`pauses`: ``seed``, the first ``capacity`` jobs of the order (a
+        running job leaves on any inversion); ``runtime``, running jobs keep their places, free places go to the
+        waiting jobs in order, then each waiting job in order takes the place of the running job that goes last
+        while :meth:`pause_victim` allows (not for a starved job, nor from a protected one)."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
-        ordered = len(self.jobs) > capacity or fits is not None or one_of is not None
+        # the runtime rule reads which jobs starve (a starved job that starts is protected) even with room for all
+        ordered = len(self.jobs) > capacity or fits is not None or one_of is not None or self.pauses == "runtime"
         jobs = self._order(now) if ordered else list(self.jobs.values())
+        if self.pauses == "runtime":
+            # as the orchestrator's queue: a job the starvation rule put first stays first until it starts
+            first = sorted((j for j in jobs if j.starved and not j.running), key=lambda j: j.waiting_since)
+            jobs = first + [j for j in jobs if not (j.starved and not j.running)]
         groups = [jobs]
         if one_of is not None and jobs:
             lead = one_of(self._lead(jobs))
@@ -310,14 +331,7 @@ class Scheduler:
             groups = [[j for j in jobs if one_of(j) == k] for k in kinds]
         batch: list[Job] = []
         for group in groups:
-            if fits is None:
-                batch = group[:capacity]
-            else:
-                for j in group:
-                    if len(batch) >= capacity:
-                        break
-                    if j.running or fits(j):
-                        batch.append(j)
+            batch = self._fill(group, capacity, fits) if self.pauses == "seed" else self._keep(group, capacity, fits)
             if batch:
                 break
         chosen = set(map(id, batch))
@@ -326,8 +340,59 @@ class Scheduler:
             j.running = False
             j.waiting_since = now
         for j in batch:
+            if not j.running and j.starved:
+                j.starved, j.protected = False, self.pauses == "runtime"
             j.running = True
         return batch
+
+    @staticmethod
+    def _fill(group: list[Job], capacity: int, fits: Callable[[Job, Sequence[Job]], bool] | None) -> list[Job]:
+        """The first ``capacity`` jobs of ``group`` that run or fit (pause rule ``seed``)."""
+        if fits is None:
+            return group[:capacity]
+        batch: list[Job] = []
+        for j in group:
+            if len(batch) >= capacity:
+                break
+            if j.running or fits(j, batch):
+                batch.append(j)
+        return batch
+
+    def _keep(self, group: list[Job], capacity: int, fits: Callable[[Job, Sequence[Job]], bool] | None) -> list[Job]:
+        """Pause rule ``runtime``: ``group``'s running jobs stay, free places go to its waiting jobs in order, then
+        waiting jobs take running ones' places as :meth:`pause_victim` allows."""
+        batch = [j for j in group if j.running][:capacity]
+        waiting = [j for j in group if not j.running]
+        left: list[Job] = []
+        for j in waiting:
+            if len(batch) < capacity and (fits is None or fits(j, batch)):
+                batch.append(j)
+            else:
+                left.append(j)
+        for j in left:
+            if j.starved:
+                break  # a starved job takes the next place that frees (as the orchestrator: it pauses nobody)
+            victim = self.pause_victim([k for k in batch if k.running and not k.protected], self.key(j),
+                                       lambda k: (self.key(k), k.arrival))
+            if victim is None:
+                break  # the next waiting job goes after this one: no running job is worth pausing for it either
+            rest = [k for k in batch if k is not victim]
+            if fits is not None and not fits(j, rest):
+                break
+            batch = [*rest, j]
+        return batch
+
+    def pause_victim(self, running: Iterable[Any], waiting_key: float,
+                     rank: Callable[[Any], tuple[float, ...]]) -> Any | None:
+        """The running job to pause for a waiting job of :meth:`key` ``waiting_key``, or None: the one that goes
+        last by ``rank`` (its key first, then a tie-break: the newest goes last), if the waiting one goes before it
+        by this discipline's margin (:meth:`worth_pausing`). The orchestrator's rule (``--schedule db|mlfq``) and
+        the simulator's under pause rule ``runtime``."""
+        worst = max(running, key=rank, default=None)
+        if worst is None:
+            return None
+        k = rank(worst)[0]
+        return worst if k > waiting_key and self.worth_pausing(k, waiting_key) else None
 
     def charge(self, batch: Iterable[Job], step_s: float, now: float) -> None:
         """Each job of ``batch`` used ``step_s`` seconds of execution in the step that ended at ``now``."""
@@ -386,6 +451,10 @@ class FCFSScheduler(Scheduler):
     def _lead(self, ordered: list[Job]) -> Job:
         return min(ordered, key=lambda j: j.arrival)  # the oldest job's kind runs (its place, not a running job's)
 
+    def worth_pausing(self, running: float, waiting: float) -> bool:
+        """Never: a running job keeps its place (the orchestrator's fcfs pauses nobody either)."""
+        return False
+
 
 class DBScheduler(Scheduler):
     """Doubling-budget scheduling (§4.2, Eq. 7, Alg. 2).
@@ -410,8 +479,9 @@ class DBScheduler(Scheduler):
 
     name = "db"
 
-    def __init__(self, monitor: ServiceMonitor | None = None, *, starve_factor: float | None = STARVE_FACTOR):
-        super().__init__(monitor)
+    def __init__(self, monitor: ServiceMonitor | None = None, *, starve_factor: float | None = STARVE_FACTOR,
+                 pauses: str = "seed"):
+        super().__init__(monitor, pauses=pauses)
         self.starve_factor = starve_factor
 
     def _init(self, job: Job, now: float) -> None:
@@ -477,6 +547,8 @@ class DBScheduler(Scheduler):
 
     def _order(self, now: float) -> list[Job]:
         first = self.starved(now)
+        for j in first:
+            j.starved = True
         ids = set(map(id, first))
         rest = sorted((j for j in self.jobs.values() if id(j) not in ids),
                       key=lambda j: (j.priority, not j.running, j.arrival))
@@ -526,8 +598,8 @@ class MLFQScheduler(Scheduler):
     name = "mlfq"
 
     def __init__(self, monitor: ServiceMonitor | None = None, *, q1: float = 0.03, levels: int = 16,
-                 starve_s: float | None = None, starve_factor: float | None = None):
-        super().__init__(monitor)
+                 starve_s: float | None = None, starve_factor: float | None = None, pauses: str = "seed"):
+        super().__init__(monitor, pauses=pauses)
         if not (q1 > 0) or levels < 1:
             raise ValueError("q1 must be > 0 and levels >= 1")
         self.q1, self.levels, self.starve_s = float(q1), int(levels), starve_s
@@ -589,16 +661,17 @@ class MLFQScheduler(Scheduler):
     def _order(self, now: float) -> list[Job]:
         for _, j in self.starved_among([j for j in self.jobs.values() if not j.running], (), now):
             self.promote(j)
+            j.starved = True
         return sorted(self.jobs.values(), key=lambda j: (j.level, j.arrival))
 
 
 def make_scheduler(name: str, monitor: ServiceMonitor | None = None, **kw) -> Scheduler:
-    """``db|fcfs|mlfq`` (``--schedule``); ``kw`` go to the scheduler (``starve_factor``; ``q1``, ``levels``,
-    ``starve_s``, ``starve_factor``)."""
+    """``db|fcfs|mlfq`` (``--schedule``); ``kw`` go to the scheduler (``pauses``; ``starve_factor``; ``q1``,
+    ``levels``, ``starve_s``, ``starve_factor``)."""
     if name == "db":
         return DBScheduler(monitor, **kw)
     if name == "fcfs":
-        return FCFSScheduler(monitor)
+        return FCFSScheduler(monitor, **({"pauses": kw["pauses"]} if "pauses" in kw else {}))
     if name == "mlfq":
         return MLFQScheduler(monitor, **kw)
     raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")

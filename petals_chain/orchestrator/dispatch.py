@@ -1259,9 +1259,12 @@ class DispatchManager:
             # A starved job takes the next slot that frees, pausing nobody: at overload every service starves and
             # its pauses were most of DB's (70 of 112 with SmolLM2 at 3 req/s on three servers, DB 1.63x FCFS)
             return
-        worst = max(candidates, key=lambda lease: (self._priority(lease.job), -lease.started))
-        best_key, worst_key = self._priority(best), self._priority(worst.job)
-        if worst_key > best_key and self.priorities.worth_pausing(worst_key, best_key):
+        best_key = self._priority(best)
+        # the simulator's rule too (chainsim, pause rule "runtime"): the one that goes last, newest first
+        worst = self.priorities.pause_victim(candidates, best_key,
+                                             lambda lease: (self._priority(lease.job), -lease.started))
+        if worst is not None:
+            worst_key = self._priority(worst.job)
             worst.preempt = True
             self.priority_preemptions += 1
             logger.info("%s: job %s (priority %.4g) pauses job %s (priority %.4g) on chain %d", self.schedule,

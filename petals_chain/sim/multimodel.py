@@ -216,7 +216,8 @@ def plan_counts(plan: Mapping[str, str]) -> dict[str, int]:
 def _rebased(reqs: Sequence[MMRequest]) -> list[MMRequest]:
     """Fresh copies of ``reqs`` (arrival order) with arrival times counted from the first one."""
     t0 = reqs[0].arrival if reqs else 0.0
-    return [MMRequest(r.rid, r.model, r.arrival - t0, r.input, r.output, r.exec_s, r.service) for r in reqs]
+    return [MMRequest(r.rid, r.model, r.arrival - t0, r.input, r.output, r.exec_s, r.service, r.max_tokens)
+            for r in reqs]
 
 
 def _censored_metrics(reqs: Sequence[MMRequest], end: float) -> PlanMetrics:
@@ -280,7 +281,8 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
             if recent:
                 span = max(now - since, 1.0)
                 ev = simulated_evaluate(_rebased(recent), cur, schedule=sim.schedule, cost=sim.cost,
-                                        max_batch=sim.max_batch, kv_tokens=sim.kv_tokens, horizon_s=span)
+                                        max_batch=sim.max_batch, kv_tokens=sim.kv_tokens, horizon_s=span,
+                                        page_size=sim.page_size, pauses=sim.pauses)
         target = mm.place_by_unserved_index(servers, cur, horizon_s=horizon_s, evaluate=ev, rule=rule)
         current = {**sim.plan, **sim.loading}
         moves = mm.moves_that_pay(current, target, mm.ui_rate(servers, cur, horizon_s=span, evaluate=ev),
@@ -290,7 +292,7 @@ def adaptive_policy(models: Sequence[ServedModel], servers: Sequence[Volunteer],
         est = None
         if estimate and hist:
             o = simulate(_rebased(hist), models, servers, new, sim.schedule, cost=sim.cost, max_batch=sim.max_batch,
-                         kv_tokens=sim.kv_tokens)
+                         kv_tokens=sim.kv_tokens, page_size=sim.page_size, pauses=sim.pauses)
             # as M_real is taken: requests unfinished at the window's end count what they had waited by then (run to
             # completion from an empty system instead, M_est sat apart from M_real and every update shrank I_t)
             est = _censored_metrics(o.requests, now - hist[0].arrival)
@@ -363,7 +365,7 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
             work: Mapping[str, float] | None = None, trace: Mapping[str, str | None] | None = None,
             shared: bool = False, classes: int = 1, class_features: str = "io",
             arrivals: str = "trace", bound: bool = False, placement: str = "analytic",
-            rule: str = "most_unserved") -> dict[str, Any]:
+            rule: str = "most_unserved", pauses: str = "runtime") -> dict[str, Any]:
     """``names`` models at load ``rho`` on ``servers`` servers placed by the unserved index: every schedule on
     the same requests. ``shared``: the seed's setting instead, every chain serving every model (a sharing group
     time-sharing the LLMs; impossible in petals-chain, where a server holds one model). ``classes`` > 1: each
@@ -387,7 +389,7 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
     centroids = assign_length_classes(reqs, classes, features=class_features) if classes > 1 else None
     vols = make_servers(servers)
     models = make_models(names, rates, st, max_batch)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"pauses": pauses}
     if shared:
         models = [replace(models[0], name="shared")]
         plan = {v.name: "shared" for v in vols}
@@ -397,8 +399,8 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
         hist, _ = _workload(names, rates, duration, seed=seed, cost=cost, trace=trace, before=True)
         if classes > 1:
             assign_length_classes(hist, classes, features=class_features)
-        plan = mm.place_by_unserved_index(vols, models, rule=rule,
-                                          evaluate=simulated_evaluate(hist, models, cost=cost, max_batch=max_batch))
+        plan = mm.place_by_unserved_index(vols, models, rule=rule, evaluate=simulated_evaluate(
+            hist, models, cost=cost, max_batch=max_batch, pauses=pauses))
     else:
         plan = mm.place_by_unserved_index(vols, models, rule=rule)
     counts = plan_counts(plan)
@@ -431,10 +433,11 @@ def compare(names: Sequence[str], *, rho: float = 0.8, servers: int = 8, duratio
 
 def poisson_shared(*, seed: int = 0, rho: float = 0.8, duration: float = 600.0, long_share: float = 0.3,
                    cost: StepCost = MM_COST, max_batch: int = 4,
-                   schedules: Sequence[str] = mm.SCHEDULES) -> dict[str, Any]:
+                   schedules: Sequence[str] = mm.SCHEDULES, pauses: str = "seed") -> dict[str, Any]:
     """The seed's mechanism in isolation (its Fig. 2 / §1.8 "worth reproducing"): one chain time-shares a long
     service (``chat``: 100-199 output tokens, ``long_share`` of the requests) and a short one (``code``: 2-7),
-    200-token prompts, Poisson arrivals at ``rho`` of the chain's capacity for the lengths drawn."""
+    200-token prompts, Poisson arrivals at ``rho`` of the chain's capacity for the lengths drawn. ``pauses``: the
+    seed's (a running request pauses on any priority inversion) by default, or the orchestrator's."""
     rng, arrivals = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 3])
     # lengths first, then the rate their capacity gives (a nominal rate put the drawn requests at rho 0.79-0.96)
     lengths: list[tuple[bool, int]] = []
@@ -461,7 +464,7 @@ def poisson_shared(*, seed: int = 0, rho: float = 0.8, duration: float = 600.0, 
     rows = {}
     for sch in schedules:
         o = simulate(reqs, models, make_servers(1), {"s00": "shared"}, sch, cost=cost, max_batch=max_batch,
-                     group_of={"chat": "shared", "code": "shared"})
+                     group_of={"chat": "shared", "code": "shared"}, pauses=pauses)
         rows[sch] = {**summarize(o.requests), "unfinished": o.unfinished}
     return {"requests": len(reqs), "rho": rate / cap, "stats": st, "schedules": rows,
             "db_vs_fcfs": rows["db"]["norm_latency"] / rows["fcfs"]["norm_latency"] if {"db", "fcfs"} <= set(rows) else None}
@@ -477,7 +480,8 @@ def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[s
     ``classes`` services by length (the seed's §6.1 services); beside it the same requests with one service per
     model, with classes of input length only, the seed's setting (every chain time-shares both models), and the
     servers placed by the seed's simulated unserved index on the preceding history (Alg. 1's rule, and ours: the
-    server to the model whose index it lowers most)."""
+    server to the model whose index it lowers most), and under the seed's pause rule (a running request pauses for
+    any better one; every other row pauses as the orchestrator does, ``PAUSE_RULES``)."""
     servers = kw.pop("servers", 6 if quick else 8)
     duration = kw.pop("duration", 300.0 if quick else 900.0)
     common = dict(rho=rho, servers=servers, duration=duration, seed=seed, trace=trace, **kw)
@@ -496,7 +500,12 @@ def db(*, quick: bool = False, seed: int = 0, rho: float = 0.8, trace: Mapping[s
     r["poisson_arrivals"] = variant(classes=classes, arrivals="poisson")
     r["simulated_placement"] = variant(classes=classes, placement="simulated")
     r["simulated_gain_placement"] = variant(classes=classes, placement="simulated", rule="largest_gain")
+    r["seed_pauses"] = variant(classes=classes, pauses="seed")
     r["poisson_shared"] = poisson_shared(seed=seed)
+    rt = poisson_shared(seed=seed, schedules=("db",), pauses="runtime")["schedules"]["db"]
+    r["poisson_shared"]["db_runtime_pauses"] = rt
+    r["poisson_shared"]["db_runtime_vs_fcfs"] = rt["norm_latency"] / r["poisson_shared"]["schedules"]["fcfs"][
+        "norm_latency"]
     d, f = r["schedules"].get("db"), r["schedules"].get("fcfs")
     r["db_vs_fcfs"] = d["norm_latency"] / f["norm_latency"] if d and f else None
     r["accept"] = None if r["db_vs_fcfs"] is None else {
@@ -524,7 +533,7 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
               servers: int | None = None, duration: float | None = None, cost: StepCost = MM_COST,
               max_batch: int = 16, reload_s: float = 20.0, initial_s: float = 120.0,
               trace: Mapping[str, str | None] | None = None, classes: int = 1, placement: str = "analytic",
-              rule: str = "most_unserved") -> dict[str, Any]:
+              rule: str = "most_unserved", pauses: str = "runtime") -> dict[str, Any]:
     """Chat's share of the work goes ``hi`` -> ``1 - hi`` (code's the reverse) at total load ``rho``. Variants:
     ``full`` (DB, unserved-index placement, adaptive replacement), ``fixed`` / ``-A`` (placement never re-planned),
     ``-F`` / ``-M`` (FCFS / MLFQ instead of DB, adaptive), ``-P`` (no placement: servers split evenly, fixed),
@@ -552,7 +561,7 @@ def shift_run(variants: Sequence[str], *, quick: bool = False, seed: int = 0, rh
         adaptive = v in ("full", "-F", "-M", "-I")
         plan = even if v == "-P" else ui_plan
         log: list = []
-        kw: dict[str, Any] = {"reload_s": reload_s}
+        kw: dict[str, Any] = {"reload_s": reload_s, "pauses": pauses}
         if adaptive:
             kw["replan"] = adaptive_policy(models0, vols, initial_s=initial_s, reload_s=reload_s, log=log,
                                            placement=placement, rule=rule, adapt=v != "-I", estimate=v != "-I")
@@ -654,7 +663,10 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                            (f"servers placed by the unserved index simulated on the trace's preceding {r['duration_s']:g} s "
                             f"(the seed's), {k} length classes per model", r["simulated_placement"]),
                            (f"the same simulated index, each server to the model whose index it lowers most, {k} length "
-                            f"classes per model", r["simulated_gain_placement"])):
+                            f"classes per model", r["simulated_gain_placement"]),
+                           (f"the seed's pause rule (a running request pauses for any better one; the orchestrator's "
+                            f"and the rows above: by {mm.PAUSE_FACTOR:g}x), {k} length classes per model",
+                            r["seed_pauses"])):
             f = res["schedules"]["fcfs"]["norm_latency"]
             rows = [_row(s, m, f) + [m["norm_latency_by_model"]] for s, m in res["schedules"].items()]
             rows += [_row(f"  {s}: {mdl}", pm) + [None] for s, m in res["schedules"].items()
@@ -666,11 +678,14 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
         ps = r["poisson_shared"]
         f = ps["schedules"]["fcfs"]["norm_latency"]
         out.append((f"(a') seed mechanism: one chain time-shares long chat (100-199 tokens) and short code (2-7), "
-                    f"Poisson, rho {ps['rho']:.2f}, {ps['requests']} requests", ["schedule"] + _COLS,
-                    [_row(s, m, f) for s, m in ps["schedules"].items()]))
+                    f"Poisson, rho {ps['rho']:.2f}, {ps['requests']} requests, the seed's pause rule",
+                    ["schedule"] + _COLS, [_row(s, m, f) for s, m in ps["schedules"].items()]
+                    + [_row("db, the orchestrator's pause rule", ps["db_runtime_pauses"], f)]))
         out.append(("acceptance (issue 17)", ["check", "ours", "target", "met"],
                     [["DB L_N / FCFS L_N (seed mechanism, Poisson)", ps["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
                       ps["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
+                     ["  the same with the orchestrator's pause rule", ps["db_runtime_vs_fcfs"],
+                      r["thresholds"]["db_vs_fcfs"], ps["db_runtime_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB L_N / FCFS L_N (Azure traces, length classes)", r["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
                       r["accept"]["db_vs_fcfs"]],
                      ["DB L_N / FCFS L_N (one service per model)", r["one_service_per_model"]["db_vs_fcfs"],
@@ -678,6 +693,8 @@ def tables(name: str, r: Mapping[str, Any]) -> list[tuple[str, list[str], list[l
                       r["one_service_per_model"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB L_N / FCFS L_N (seed setting)", r["seed_setting"]["db_vs_fcfs"], r["thresholds"]["db_vs_fcfs"],
                       r["seed_setting"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
+                     ["DB L_N / FCFS L_N (Azure traces, the seed's pause rule)", r["seed_pauses"]["db_vs_fcfs"],
+                      r["thresholds"]["db_vs_fcfs"], r["seed_pauses"]["db_vs_fcfs"] <= r["thresholds"]["db_vs_fcfs"]],
                      ["DB SLO attainment", r["schedules"]["db"]["slo_attainment"], r["thresholds"]["db_slo"],
                       r["accept"]["db_slo"]],
                      ["  upper bound for any order on this plan", r["slo_upper_bound"]["plan"], None, None],
