@@ -93,22 +93,35 @@ def sample_swarm(now: Optional[float] = None, hostile_name: str = "<img src=x on
 
 
 @contextlib.contextmanager
-def serve_app(app: Any) -> Iterator[str]:
-    """Run ``app`` with uvicorn in a thread on a free loopback port; yields the base URL."""
+def serve_app(app: Any, grace_s: float = 1.0, stop_s: float = 10.0) -> Iterator[str]:
+    """Run ``app`` with uvicorn in a thread on a free loopback port; yields the base URL.
+
+    On exit, request handlers still running after ``grace_s`` (one a client gave up on, a stand-in told to hang)
+    are cancelled, as uvicorn's ``timeout_graceful_shutdown`` does: without it uvicorn waited for them for ever,
+    this helper's join gave up after 10 s and left the server thread running. A server thread still alive
+    ``stop_s`` later (a handler that ignores cancellation or blocks the event loop) is a leak: RuntimeError,
+    unless the body already failed (its own error is the one to see)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=grace_s)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"serve_app:{port}", daemon=True)
     thread.start()
     deadline = time.time() + 20
     while not server.started:
         if time.time() > deadline or not thread.is_alive():
+            server.should_exit = True
             raise RuntimeError("test HTTP server did not start")
         time.sleep(0.05)
+    body_ok = False
     try:
         yield f"http://127.0.0.1:{port}"
+        body_ok = True
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=grace_s + stop_s)
+        if thread.is_alive() and body_ok:
+            raise RuntimeError(f"the test HTTP server on port {port} did not stop {grace_s + stop_s:g} s after "
+                               "its exit was asked: a request handler ignores cancellation or blocks its event loop")
 
 
 class MutableView:

@@ -25,8 +25,22 @@ from petals_chain.swarm.rpc import ServerClient
 PREFIX = "records"
 MAX_LENGTH = 64
 REFRESH_S = 1.0
-# A record lives max(3 x refresh, 10 s) after its last publish: each slowed phase outlasts that on its own.
-SLOW_S = 12.0
+# A record lives max(3 x refresh, 10 s) after its last publish (server/announce.py). The slowed server's floor is
+# RECORD_TTL_S instead (patched in its process, see SlowServer): each slowed phase outlasts the record's life on its
+# own, in 5 s rather than the 12 s that the 10 s floor asked (three phases: 21 s less).
+RECORD_TTL_S = 3 * REFRESH_S
+SLOW_S = RECORD_TTL_S + 2.0
+# Runs tests/slow_server.py with the record's lifetime floor lowered; fails loudly if the property it lowers is gone
+# (a renamed one would leave the 10 s floor, and phases shorter than the record's life would prove nothing).
+_TTL_PATCH = """
+import runpy, sys
+from petals_chain.server.announce import Announcer
+assert isinstance(Announcer.__dict__.get("expiration_s"), property), "Announcer.expiration_s is not a property"
+ttl = float(sys.argv.pop(1))
+Announcer.expiration_s = property(lambda self: max(3 * self.refresh_s, ttl))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def server_args(model, orch: SwarmDHT, *extra: str) -> list[str]:
@@ -48,8 +62,9 @@ class SlowServer(ServerProcess):
         self.log_path = log_path
         self._log = open(log_path, "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1", PETALS_CHAIN_CACHE_DIR=str(log_path.parent / "cache"))
-        self.proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "slow_server.py"), str(profile_s),
-                                      str(load_s), *args], cwd=str(REPO_ROOT), stdout=self._log,
+        self.proc = subprocess.Popen([sys.executable, "-c", _TTL_PATCH, str(RECORD_TTL_S),
+                                      str(REPO_ROOT / "tests" / "slow_server.py"), str(profile_s), str(load_s), *args],
+                                     cwd=str(REPO_ROOT), stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.peer_id = None
 
