@@ -44,9 +44,10 @@ def is_refusal(e: HopFailure) -> bool:
 
 
 def step_refused_full(e: HopFailure) -> bool:
-    """A hop's server refused a step ``no_capacity``: a session opened *lean* on its cached prefix (own pages only
-    after the match, the pool being full) whose first step starts before that match (another hop matched less)
-    needs pages the server has not got now. The server is fine and its pages free up as other jobs end."""
+    """A hop's server refused a step ``no_capacity``. An honest server does so only for a session opened *lean* on
+    its cached prefix (own pages only after the match, the pool being full) whose first step starts before that
+    match (another hop matched less): it needs pages the server has not got now, and they free up as other jobs
+    end. Any other step it refuses so (:meth:`ChainHolder._waits_for_pages`) is a failed step."""
     return isinstance(e.cause, NoCapacityError)
 
 
@@ -75,6 +76,9 @@ class ChainHolder:
         # a hop refused the first step of the last chain for want of pages (step_refused_full): the next open
         # names no cached prefix, so that every server reserves the whole length at open (or queues the open)
         self.open_full = False
+        # the current chain was opened naming a cached prefix (not forked, not open_full) and has not stepped yet:
+        # only its first step may be refused for want of pages by a server that works as it should
+        self.lean_first = False
         self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
         # --schedule db|mlfq: level, budget and priority of the job (kept across pauses and failovers); ``shape``
         # (prompt tokens, max_tokens) puts a one-shot job in its length class
@@ -249,6 +253,7 @@ class ChainHolder:
                     else:
                         await cs.open(named=b"" if self.open_full else named)
                     opened = True
+                    self.lean_first = fork is None and bool(named) and not self.open_full
                     self.open_full = False
                     break
                 except HopFailure as e:
@@ -393,7 +398,7 @@ class ChainHolder:
         auditor = getattr(self.orch, "auditor", None)
         if self._untrusted():
             held = []  # maybe computed from a banned server's replies: never offered to a later job
-        self.cs, self.lease, self.kv_valid = None, None, 0
+        self.cs, self.lease, self.kv_valid, self.lean_first = None, None, 0, False
         self.kv_epoch, self.kv_peers = None, frozenset()
         self.inputs.clear()
         named = prefix_hashes(held, auditor.salt if auditor is not None else b"") if held else b""
@@ -469,6 +474,9 @@ class ChainHolder:
         if len(self.kv_ids) + len(new_ids) > self.max_length:
             raise RequestError(f"sequence would exceed max_length={self.max_length}", code="context_length_exceeded")
         budget = [self.orch.cfg.max_failovers]  # hop and chain failovers of this call, together
+        # a refusal in an earlier call that ended before its full re-open (cancelled, timed out) concerned a chain of
+        # that time: this call's opens may reuse cached prefixes again (a session's next turn recomputed its history)
+        self.open_full = False
         while True:
             if self.lease is not None and self.lease.preempt:
                 await self._pause()
@@ -513,11 +521,12 @@ class ChainHolder:
                 self.orch._background(self._drop())
                 raise
             except HopFailure as e:
-                if step_refused_full(e):
+                if self._waits_for_pages(e):
                     await self._refused_full(e)
                 else:
                     await self._chain_failed(e, budget, len(ids))
                 continue
+            self.lean_first = False
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
             if self.lease is not None and hasattr(self.orch.dispatch, "charge"):  # routed dispatch: no central queue
@@ -589,6 +598,13 @@ class ChainHolder:
         self.open_full = True
         await self._preempt(e)
 
+    def _waits_for_pages(self, e: HopFailure) -> bool:
+        """``e`` is a step refusal to wait out (:meth:`_refused_full`), not a failed step: the refusal of the first
+        step of a chain opened on a cached prefix. A server refusing any other step (a buggy or hostile one, which
+        refuses every step: each re-open was refused again) goes the failover way, within ``--max-failovers``: as
+        a wait it cost no budget, and the request re-opened its chain for ever, thousands of times a second."""
+        return step_refused_full(e) and self.lean_first
+
     async def _pause(self) -> None:
         """A deadline job (``--schedule flex``) or a job of higher priority (``db``, ``mlfq``) needs this job's slot:
         give the chain back between two steps, as :meth:`_preempt` does (the servers keep the KV as cached
@@ -653,7 +669,7 @@ class ChainHolder:
         lost the session) and replay the hop's inputs there; re-raise ``failure`` if that is not possible."""
         orch, cs = self.orch, self.cs
         peer, start, end = cs.hops[i]
-        if step_refused_full(failure):
+        if self._waits_for_pages(failure):
             raise failure  # the server lives and is full for now: the job re-opens its chain (feed)
         orch.server_failed(failure)  # a dead or lying server is banned before candidates are chosen
         if budget[0] <= 0:

@@ -91,7 +91,7 @@ class Stats:
         self.open_waits = 0  # chain opens a server refused for KV memory, retried as a wait in its FIFO
         self.open_rewaits = 0  # such waits that ran out at the server (open_wait_max_s) and were sent again
         self.extensions = 0  # jobs' chains asked to hold more tokens than opened for (granted)
-        self.preemptions = 0  # jobs that gave their chain back for lack of pages to grow, resumed later
+        self.preemptions = 0  # jobs that gave their chain back for lack of pages (to grow, or a lean first step)
         self.pauses = 0  # jobs that gave their chain to one with a deadline (flex) or of higher priority (db, mlfq)
         self.prompt_tokens = 0
         self.prefix_hits = 0  # chains opened on a prompt prefix their servers held in their prefix caches
@@ -181,7 +181,8 @@ class Stats:
         self.m_chains = Gauge("petals_chain_chains", "Chains in the current plan", registry=r)
         self.m_capacity = Gauge("petals_chain_capacity", "Sum of chain capacities", registry=r)
         self.m_preemptions = Counter("petals_chain_preemptions", "Jobs that outgrew their reservation on a hop "
-                                     "without free pages: chain given back, resumed later (cached KV reused)",
+                                     "without free pages, or whose first step on a cached prefix a full hop "
+                                     "refused: chain given back, resumed later (cached KV reused)",
                                      registry=r)
         self.m_pauses = Counter("petals_chain_flex_pauses", "Jobs paused between two steps so that a job with a deadline "
                                 "(--schedule flex) or of higher priority (--schedule db|mlfq) could take their slot, "
