@@ -612,6 +612,8 @@ def test_mlfq_dispatch_sends_a_job_waiting_past_twice_the_mean_back_to_the_top_q
         dm.release(running)
         await asyncio.sleep(0)
         assert resumed.done() and not newer.done()
+        # promoted, it went first and, started, is not paused for priority again (as DB's promoted jobs)
+        assert resumed.result().job.protected
         dm.release(resumed.result())
         await asyncio.sleep(0)
         assert newer.done()

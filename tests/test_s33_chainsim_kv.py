@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from petals_chain.algorithms import chainsim as cs
+from petals_chain.algorithms import multimodel as mm
 from petals_chain.algorithms.chainsim import MMRequest, MultiModelSim, exec_alone, simulate
 from petals_chain.algorithms.multimodel import ServedModel, Volunteer
 from petals_chain.sim import multimodel as ms
@@ -165,3 +166,33 @@ def test_bad_kv_settings_and_declarations_are_refused_clearly():
         _req(0, "m", 0.0, 10, 10, max_tokens=5)
     r = _req(3, "m", 1.0, 10, 10, max_tokens=30)
     assert cs.fresh([r])[0].max_tokens == 30 and ms._rebased([r])[0].max_tokens == 30
+
+
+def test_choosing_a_batch_sums_the_reservations_ahead_once_not_per_waiting_request():
+    """A chain whose pages are full and whose queue is long: select asks ``fits`` about every waiting request while a
+    batch place is free. Before, each ask summed the reservations of the requests ahead of it again (200 waiting
+    beside 4 running: 800 lookups a step, the db simulation 1.9x slower than before the KV reservations); now the
+    sum grows with the batch."""
+
+    class Counting(dict):
+        reads = 0
+
+        def __getitem__(self, k):
+            Counting.reads += 1
+            return super().__getitem__(k)
+
+    for pauses in ("runtime", "seed"):
+        sched = mm.make_scheduler("db", mm.ServiceMonitor({"m": (1.0, 0.0)}), pauses=pauses, starve_factor=None)
+        w = cs.ChainWorker("k", "m", ("v",), COST, 1.0, 8, sched, kv_tokens=4 * 64)
+        w.reserved = Counting()
+        reqs = [_req(i, "m", 0.0, 40, 20) for i in range(204)]  # 64 tokens reserved each: 4 fill the pages
+        for r in reqs:
+            r.job = cs.Job(r, "m", r.arrival)
+            sched.arrive(r.job, 0.0)
+        first = w.choose(0.0)
+        assert [j.key.rid for j in first] == [0, 1, 2, 3] and w.kv_reserved == 256
+        w.batch = first
+        Counting.reads = 0
+        assert w.choose(0.1) == first and w.kv_used == 256
+        assert Counting.reads < 40, (pauses, Counting.reads)
+

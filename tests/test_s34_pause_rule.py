@@ -23,6 +23,19 @@ def _running(s: mm.Scheduler, job: Job, now: float = 0.0) -> None:
     assert s.select(1, now) == [job]
 
 
+def _two_running_one_waiting(pauses: str, b_priority: float) -> tuple[DBScheduler, Job, Job, Job]:
+    """Service a's jobs a1, a2 (O 50) hold both places of a DB group; b's job b1 (O ``b_priority``) waits from 0."""
+    s = _db(pauses)
+    a1, a2, b1 = Job("a1", "a", 0.0), Job("a2", "a", 0.0), Job("b1", "b", 0.0)
+    for j in (a1, a2):
+        s.arrive(j, 0.0)
+    s.select(2, 0.0)
+    s.arrive(b1, 0.0)
+    a1.priority = a2.priority = 50.0
+    b1.priority = b_priority
+    return s, a1, a2, b1
+
+
 @pytest.mark.parametrize("ratio,paused", [(1.9, False), (2.0, True), (10.0, True)])
 def test_db_pauses_a_running_job_only_for_one_worth_pausing_for(ratio, paused):
     """O_r of the running job = ratio x the new one's: the seed's rule pauses it at any ratio > 1, the runtime's only
@@ -74,14 +87,7 @@ def test_a_starved_job_pauses_nobody_and_once_started_is_not_paused_for_priority
     """Service b's job waits past θ_b = 2 L̂_b while a's jobs (O 50) hold both places: under the runtime rule it waits
     for a free place (the seed's rule puts it in at once), takes it, and a new job of O 0.01 then pauses the other
     running job, never it."""
-    s = _db("runtime")
-    a1, a2, b1 = Job("a1", "a", 0.0), Job("a2", "a", 0.0), Job("b1", "b", 0.0)
-    for j in (a1, a2):
-        s.arrive(j, 0.0)
-    s.select(2, 0.0)
-    s.arrive(b1, 0.0)
-    a1.priority = a2.priority = 50.0
-    b1.priority = 1.0
+    s, a1, a2, b1 = _two_running_one_waiting("runtime", 1.0)
     assert set(map(id, s.select(2, 5.0))) == {id(a1), id(a2)} and b1.starved
     s.complete(a1, 6.0)
     assert set(map(id, s.select(2, 6.0))) == {id(a2), id(b1)} and b1.protected and not a2.protected
@@ -89,13 +95,7 @@ def test_a_starved_job_pauses_nobody_and_once_started_is_not_paused_for_priority
     s.arrive(new, 6.5)
     new.priority, b1.priority = 0.01, 40.0  # b1 demoted below the new job: still not paused
     assert set(map(id, s.select(2, 6.5))) == {id(b1), id(new)} and s.preempted == [a2]
-    seed = _db("seed")
-    a1, a2, b1 = Job("a1", "a", 0.0), Job("a2", "a", 0.0), Job("b1", "b", 0.0)
-    for j in (a1, a2):
-        seed.arrive(j, 0.0)
-    seed.select(2, 0.0)
-    seed.arrive(b1, 0.0)
-    a1.priority = a2.priority = 50.0
+    seed, a1, a2, b1 = _two_running_one_waiting("seed", 1.0)
     assert b1 in seed.select(2, 5.0) and len(seed.preempted) == 1
 
 
@@ -161,9 +161,10 @@ def test_the_simulators_db_pauses_only_by_the_margin_and_never_a_starved_start()
 
 
 def test_a_promoted_mlfq_job_stays_starved_until_it_starts_and_pauses_nobody():
-    """MLFQ's starvation rule moves a job waiting past starve_s to the top queue; as at the orchestrator, it then waits
+    """MLFQ's starvation rule moves a job waiting past starve_s to the top queue; as DB's promoted jobs, it then waits
     for a free place and pauses nobody, at the next steps too (before: from the next step on it paused the running
-    job, which starved in turn: 35k pauses and 22k recomputes for 4.9k requests on the db quick run)."""
+    job, which starved in turn: 35k pauses and 22k recomputes for 4.9k requests on the db quick run), as the
+    orchestrator's mlfq now does too (DispatchManager._promote_starved)."""
     m = MLFQScheduler(pauses="runtime", q1=1.0, starve_s=1.0)
     run, w = Job("run", "a", 0.0), Job("w", "a", 0.5, prefill_s=2.5)
     _running(m, run)
@@ -179,3 +180,20 @@ def test_a_promoted_mlfq_job_stays_starved_until_it_starts_and_pauses_nobody():
     m.arrive(new, 2.1)
     w.level = 5  # however far it falls, a job started because it starved is not paused for priority
     assert m.select(1, 2.1) == [w]
+
+
+def test_db_promotes_one_starved_job_per_service_at_a_time_as_the_orchestrator():
+    """DispatchManager._promote_starved promotes one job per service while it waits. b1 starves behind two running
+    jobs (O 50); a better job of b (b2, O 1) that arrives then is not promoted with it: once b1 has a place, b2 goes
+    by its O_r and pauses a2 (50 >= 2 x 1). Before, b2 was marked starved after 0.1 s of waiting: it paused nobody,
+    waited for a free place, and once started was never paused for priority (protected)."""
+    s, a1, a2, b1 = _two_running_one_waiting("runtime", 5.0)
+    assert set(map(id, s.select(2, 3.0))) == {id(a1), id(a2)} and b1.starved  # waited 3 s > θ_b = 2 s
+    b2 = Job("b2", "b", 3.5)
+    s.arrive(b2, 3.5)
+    b2.priority = 1.0
+    assert set(map(id, s.select(2, 3.6))) == {id(a1), id(a2)}  # b1 is b's promoted job: it goes first, b2 waits
+    assert not b2.starved
+    s.complete(a1, 4.0)
+    assert set(map(id, s.select(2, 4.0))) == {id(b1), id(b2)} and s.preempted == [a2]
+    assert b1.protected and not b2.protected and not b1.starved

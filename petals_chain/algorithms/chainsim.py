@@ -211,12 +211,22 @@ class ChainWorker:
         those the scheduler pauses for a batch place (:meth:`pause`). Paused KV the reservations need is evicted,
         least recently used first (the request paused longest ago), as the servers' page pool evicts."""
         sched = self.sched
-        was_running = {id(j) for j in sched.jobs.values() if j.running}
+        was_running = {id(j) for j in self.batch if j.running}  # the last step's unfinished jobs (not every job's)
+
+        # The pages reserved by ``ahead``, kept as it grows: select asks about every waiting request in order while a
+        # batch place is free and passes its batch, which only grows between calls (a new list where a job leaves
+        # it); summed afresh per call, a queue of requests that do not fit made each step O(queue x batch).
+        memo: list = [None, 0, 0]  # [the list summed (held, so its id is not reused), its length then, the sum]
 
         def fits(job: Job, ahead: Sequence[Job]) -> bool:
             r: MMRequest = job.key
             need = r.reservation(self.page_size)
-            if sum(self.reserved[k.key.rid] for k in ahead) + need > self.kv_tokens:
+            if memo[0] is not ahead or memo[1] > len(ahead):
+                memo[:] = [ahead, 0, 0]
+            if memo[1] < len(ahead):
+                memo[2] += sum(self.reserved[k.key.rid] for k in ahead[memo[1]:])
+                memo[1] = len(ahead)
+            if memo[2] + need > self.kv_tokens:
                 return False
             self._uncache(r.rid)  # its own cached KV is now part of its reservation
             self.reserved[r.rid] = need
