@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from petals_chain.algorithms.speculative import DraftLength, ngram_draft
-from petals_chain.orchestrator.sampling import SamplingParams, SequenceSampler, _filtered_probs, sample_batch, verify_drafts
+from petals_chain.orchestrator.sampling import (SamplingParams, SequenceSampler, _filtered_probs, sample_batch,
+                                              verify_drafts)
 
 
 def test_ngram_draft_takes_what_followed_the_latest_longest_match():
@@ -80,7 +81,8 @@ def test_greedy_verification_is_plain_greedy():
 ])
 def test_seeded_sampling_gives_the_same_tokens_with_or_without_drafts(params):
     """A seeded sampled sequence emits the tokens plain decoding emits from the same logits, whatever the drafts
-    (right, wrong, or mixed): each emitted token consumes the one uniform plain sampling would."""
+    (right, wrong, or mixed): each emitted token consumes the one draw vector (its exponential race) plain sampling
+    would."""
     vocab, rows = 12, 7
     logits = _logits(rows, vocab, seed=11)
     for seed in range(60):

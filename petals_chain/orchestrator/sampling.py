@@ -8,7 +8,7 @@ Two implementations of the same semantics live here:
   the reference the batched path is tested against, and what older callers use.
 
 Order of operations (vLLM's): logit_bias -> repetition penalty -> presence/frequency penalties -> [greedy: argmax]
--> temperature -> top-k -> top-p -> min-p -> sample.
+-> temperature -> top-k -> top-p -> min-p -> sample (the batched path: an exponential race, see ``sample_batch``).
 """
 
 from __future__ import annotations
@@ -516,15 +516,34 @@ def _filter_sorted(cv: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p
     return wk, valid
 
 
-def _inverse_cdf(weights: torch.Tensor, us: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    """Positions drawn by inverse CDF: one uniform per row against the row's cumulative weights (float32,
-    accumulated in double). A token is chosen iff ``cum[j-1] <= u * total < cum[j]``, so zero-weight tokens never
-    are; weights below float32 resolution of the running sum (~6e-8 of the total) are effectively rounded."""
-    cum = weights.cumsum_(1) if inplace else weights.cumsum(1)
-    total = cum[:, -1]
-    target = (us * total.double()).float()
-    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)
+def _race_uniforms(seqs: Sequence[SequenceSampler], rows: list[int], vocab: int) -> torch.Tensor:
+    """The exponential race's draws of ``rows`` [len(rows), vocab]: per row, one vector of vocab uniforms u from its
+    sequence's generator, in token id order (E_i = -log(u_i) ~ Exp(1), see ``_log_e_``)."""
+    u = _workspace("noise", len(rows), vocab)
+    for j, i in enumerate(rows):
+        torch.rand(vocab, generator=seqs[i].generator, out=u[j])
+    return u
+
+
+def _log_e_(u: torch.Tensor) -> torch.Tensor:
+    """log E = log(-log u) of uniforms ``u`` [rows, n] (CPU float32, contiguous), in place. Row by row in numpy: a
+    row's values then never depend on the batch's layout (vectorized and scalar log may differ in the last bit),
+    and no op is split across threads (torch parallelizes a log of a few thousand floats: on a loaded machine each
+    of a batch's per-row logs waited ~10 ms for a second thread). u = 0 (a 2**-24 chance per token) gives inf:
+    that token sits out the race (a bias below float32's resolution, as an inverse CDF's rounding)."""
+    with np.errstate(divide="ignore"):
+        for row in u.numpy():
+            np.log(row, out=row)
+            np.negative(row, out=row)
+            np.log(row, out=row)
+    return u
+
+
+def _race(scores: torch.Tensor, log_e: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions that win the exponential race (Gumbel-max): per row the first maximum of ``scores - log_e``, i.e.
+    of p_i / E_i, which is position i with probability p_i = softmax(scores)_i. Filtered tokens (-inf) never win.
+    Only two near-equal front-runners can swap on a float-noise change of ``scores``, not every CDF boundary."""
+    return _argmax(torch.sub(scores, log_e, out=out))
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -550,9 +569,10 @@ def _filters(s: SequenceSampler, vocab: int) -> bool:
 
 
 @torch.inference_mode()
-def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], us: dict[int, float] | None,
+def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool,
          want_probs: bool) -> tuple[list[int], torch.Tensor | None]:
-    """The whole vectorized step. ``us``: row -> uniform draw (None: no draws, only ``want_probs``).
+    """The whole vectorized step. ``draw``: each sampled row draws its race (``_race_uniforms``) and gets a token; else
+    nothing is drawn (only ``want_probs``).
 
     Rows are laid out by kind (greedy, unfiltered, then filtered by first candidate width, top-p-without-top-k
     first) in one working copy, so every kind is a contiguous slice: no per-kind copies of [rows, vocab].
@@ -623,6 +643,8 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], us: dict[int, fl
         if dst is not None:
             work.view(-1).index_copy_(0, dst, vals)
 
+    noise = _race_uniforms(seqs, order[len(greedy):], vocab) if draw and len(greedy) < bsz else None
+
     # 3. Greedy rows: the first maximal index.
     at = 0
     if greedy:
@@ -633,22 +655,21 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], us: dict[int, fl
             probs[greedy, am] = 1.0
         at = len(greedy)
 
-    # 4. Unfiltered sampled rows: the full softmax, one cumsum in vocabulary order.
+    # 4. Unfiltered sampled rows: the race over the whole vocabulary (no softmax needed).
     if plain:
         wp = work[at:at + len(plain)]
         at += len(plain)
-        e = torch.sub(wp, wp.amax(dim=1, keepdim=True), out=wp if owned else None).exp_()
         if probs is not None:
-            probs[plain] = e / e.sum(dim=1, keepdim=True)
-        if us is not None:
-            pos = _inverse_cdf(e, torch.tensor([us[i] for i in plain], dtype=torch.float64), inplace=True)
-            for i, t in zip(plain, pos.tolist()):
+            probs[plain] = torch.softmax(wp, dim=1)
+        if noise is not None:
+            for i, t in zip(plain, _race(wp, _log_e_(noise[:len(plain)]), out=wp if owned else None).tolist()):
                 tokens[i] = t
 
     # 5. Filtered rows: candidates by topk; rows the first width cannot decide exactly are sized and retried.
     for kk0 in sorted(groups):
         rows = groups[kk0]
         wg = work[at:at + len(rows)]
+        ng = noise[at - len(greedy):at - len(greedy) + len(rows)] if noise is not None else None
         at += len(rows)
         ks = torch.tensor([_k_eff(seqs[i].params.top_k, vocab) for i in rows], dtype=torch.long)
         tp = torch.tensor([seqs[i].params.top_p for i in rows], dtype=torch.float64)
@@ -672,8 +693,11 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], us: dict[int, fl
                     dist = torch.zeros(len(rws), vocab)
                     dist.scatter_(1, cok, wok / wok.sum(dim=1, keepdim=True))
                     probs[rws] = dist
-                if us is not None:
-                    pos = _inverse_cdf(wok, torch.tensor([us[i] for i in rws], dtype=torch.float64))
+                if ng is not None:  # the race over the kept candidates, each with its own token's draw
+                    cvk = cv if len(ok) == len(idx) else cv[ok]
+                    scores = torch.where(wok > 0, cvk, _NEG_INF)
+                    log_e = _log_e_(torch.take(ng, idx[ok].unsqueeze(1) * vocab + cok))  # kept candidates'
+                    pos = _race(scores, log_e, out=scores)
                     for i, t in zip(rws, cok.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()):
                         tokens[i] = t
             if len(ok) < len(idx):
@@ -693,24 +717,22 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], us: dict[int, fl
 def sample_batch(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> list[TokenChoice]:
     """Sample one token for every row of ``logits`` [B, vocab] (row i belongs to ``seqs[i]``) in one vectorized pass.
 
-    Rows may mix greedy and sampled, filtered and unfiltered parameters. Every sampled row draws exactly one
-    uniform from its own generator and picks by inverse CDF over its filtered distribution, so a seeded sequence
-    yields the same tokens whatever shares its batch and at whatever position. Greedy rows draw nothing and take
-    the first maximal index. Filtering is exact (the kept set and its normalized probabilities equal
-    transformers' warpers, see ``_filter_sorted`` for tie rules) and sorts a full vocabulary row only when the
-    kept set covers most of it (topk candidates otherwise).
+    Rows may mix greedy and sampled, filtered and unfiltered parameters. Every sampled row draws one vector of
+    vocab uniforms from its own generator, E_i = -log(u_i) ~ Exp(1) per token id, and takes the token that wins the
+    exponential race over its filtered distribution p: argmax p_i / E_i (Gumbel-max; token i wins with probability
+    p_i). So a seeded sequence yields the same tokens whatever shares its batch and at whatever position, and the
+    float noise of a batched LM head (~1e-5 in a logit) changes a draw only when two front-runners are that close
+    (an inverse CDF over the vocabulary moved ~49k boundaries: 0.1-0.4 % of seeded draws changed with the batch
+    size). Greedy rows draw nothing and take the first maximal index. Filtering is exact (the kept set and its
+    normalized probabilities equal transformers' warpers, see ``_filter_sorted`` for tie rules) and sorts a full
+    vocabulary row only when the kept set covers most of it (topk candidates otherwise).
 
     Logprobs (rows with ``params.logprobs is not None``) are of the RAW model distribution, log_softmax of the
     unprocessed logits (vLLM v1's default "raw logprobs"): before bias, penalties, temperature and filtering.
     The penalty state is not advanced: call ``seqs[i].append(choice.token)`` for each emitted token. Logits on
     another device are sampled on the CPU.
     """
-    _check(logits, seqs)
-    us = {}
-    for i, s in enumerate(seqs):
-        if not s.greedy:
-            us[i] = float(torch.rand((), dtype=torch.float64, generator=s.generator))
-    tokens, _ = _run(logits, seqs, us, want_probs=False)
+    tokens, _ = _run(logits, seqs, True, want_probs=False)
     lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not lp_rows:
         return [TokenChoice(t) for t in tokens]
@@ -735,14 +757,15 @@ def verify_drafts(logits: torch.Tensor, seq: SequenceSampler, draft: Sequence[in
     ``draft[:j]``). Returns the tokens to emit: the accepted drafts, then one more (the model's own token where a
     draft was rejected, else the bonus token from the last row). Advances ``seq`` by every returned token.
 
-    Each row is sampled exactly as plain decoding samples it (``sample_batch``: greedy's choice, or one uniform
-    from the sequence's generator by inverse CDF over the processed distribution) and a draft is kept iff it is
-    the token drawn. For a draft that is one token with certainty (prompt lookup's, a greedy draft model's) this
-    is the speculative-sampling rule coupled to plain sampling's draws: a draft is kept with probability p(draft)
-    (Leviathan et al. 2023's min(1, p/q) with q = 1) and a rejected position emits a draw from p without the
-    draft, so each token has p's distribution; and since every emitted token consumes exactly the one uniform
-    plain decoding would, a seeded request gives the same tokens with or without speculation (up to the float
-    differences between a verification pass's logits and a single step's)."""
+    Each row is sampled exactly as plain decoding samples it (``sample_batch``: greedy's choice, or the exponential
+    race of one vector of draws from the sequence's generator over the processed distribution) and a draft is kept
+    iff it is the race's winner. For a draft that is one token with certainty (prompt lookup's, a greedy draft
+    model's) this is the speculative-sampling rule coupled to plain sampling's draws: a draft is kept with
+    probability p(draft) (Leviathan et al. 2023's min(1, p/q) with q = 1) and a rejected position emits the
+    winner among the other tokens, a draw from p without the draft, so each token has p's distribution; and since
+    every emitted token consumes exactly the one draw vector plain decoding would, a seeded request gives the same
+    tokens with or without speculation (up to the float differences between a verification pass's logits and a
+    single step's, which change a draw only where two front-runners are within them)."""
     if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
         raise ValueError(f"need logits [{len(draft) + 1}, vocab] for {len(draft)} draft tokens, got "
                          f"{tuple(logits.shape)}")
@@ -758,7 +781,7 @@ def verify_drafts(logits: torch.Tensor, seq: SequenceSampler, draft: Sequence[in
 
 def _filtered_probs(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
     """Per-row distribution ``sample_batch`` draws from [B, vocab] (greedy rows: one-hot); for tests. No draws."""
-    return _run(logits, seqs, None, want_probs=True)[1]
+    return _run(logits, seqs, False, want_probs=True)[1]
 
 
 def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenChoice | None]:
