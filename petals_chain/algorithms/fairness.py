@@ -66,7 +66,7 @@ class FairnessConfig:
     """Weights and quanta of the fair policies, all in service units (``w_e`` per extend token, ``w_q`` per output
     token: 1 and 2 as in the seed). ``quantum`` is DLPM's ``Q^u`` (None: adaptive, 1 to ``quantum_factor`` times
     the median full cost of the last ``quantum_window`` admitted requests as more of their input is found cached,
-    :class:`AdaptiveQuantum`);
+    :class:`AdaptiveQuantum`; ``quantum_prior`` bounds it before any request was admitted);
     ``worker_quantum`` is D2LPM's ``Q^w``."""
 
     w_e: float = 1.0
@@ -139,8 +139,9 @@ class AdaptiveQuantum:
     quantum at least one cache miss long keeps one miss from putting its client rounds in debt. Where nothing is
     reused (``h`` = 0) a longer round only makes other clients wait, so it shrinks to one median request (deficit
     round robin). Measured: a light client's wait behind a heavy one falls from 3.4 to 1.7 s in the simulator's
-    `heavy` experiment, with throughput and Jain's index unchanged on the prefix workloads. Before any request it is
-    ``prior``."""
+    `heavy` experiment, with throughput and Jain's index unchanged on the prefix workloads. Before any request is
+    admitted a refill sizes it by the same rule from the requests waiting (:meth:`for_queue`), at most ``prior``;
+    with none waiting it reads ``prior``."""
 
     def __init__(self, cfg: FairnessConfig):
         self.cfg = cfg
@@ -161,6 +162,20 @@ class AdaptiveQuantum:
         """``h``: the cached fraction of the window's input tokens (0 without input)."""
         total = sum(n for _, n in self._reuse)
         return sum(c for c, _ in self._reuse) / total if total else 0.0
+
+    def for_queue(self, waiting: Sequence[FairRequest], worker: Worker) -> float:
+        """The quantum of a refill while ``waiting`` wait for ``worker``: :attr:`value`, or, before any request was
+        admitted, the same rule over ``waiting`` (their full costs, the share of their input cached on ``worker``),
+        at most ``prior``. The prior alone, 2048 units where a request cost 60, let the first client after each
+        start run 36 requests before another client's first one was taken."""
+        if self.cfg.quantum is not None or self._costs or not waiting:
+            return self.value
+        cost, inputs = self.cfg.cost, sum(max(0, int(r.input_tokens)) for r in waiting)
+        reuse = sum(r.match(worker) for r in waiting) / inputs if inputs else 0.0
+        factor = 1.0 + (self.cfg.quantum_factor - 1.0) * max(0.0, reuse)
+        median = statistics.median(cost(r.input_tokens, r.expected_output) for r in waiting)
+        self._value = min(float(self.cfg.quantum_prior), max(1.0, factor * median))  # reported as value until sampled
+        return self._value
 
     @property
     def value(self) -> float:
@@ -291,26 +306,30 @@ def _rounds_to_credit(q: float, q_u: float) -> int:
 class _DLPM(_Local):
     """Alg. 1: deficits ``q_i`` (start 0, ``-U < q_i <= Q^u``), refilled together when no queued client has credit."""
 
-    def __init__(self, quantum: Callable[[], float]):
+    def __init__(self, quantum: Callable[[], float],
+                 quantum_for: Callable[[Sequence[FairRequest], Worker], float] | None = None):
+        """``quantum()``: ``Q^u``; ``quantum_for(waiting, worker)``: ``Q^u`` for a refill among ``waiting`` on
+        ``worker`` (:meth:`AdaptiveQuantum.for_queue`; default: ``quantum()``)."""
         self.quantum = quantum
+        self.quantum_for = quantum_for
         self.deficit: dict[str, float] = {}
         self.refills = 0
 
     def arrived(self, req, waiting, again=False):
         self.deficit.setdefault(req.client, 0.0)
 
-    def _check_refill(self, clients: set[str]) -> None:
+    def _check_refill(self, clients: set[str], quantum: Callable[[], float] | None = None) -> None:
         # Refill rounds until some queued client has credit; a client deep in debt may need several rounds,
         # during which every other client with q <= 0 is refilled too (as repeated CheckRefill calls would).
         # Computed in one pass: the rounds one by one took (debt / quantum) x clients steps, seconds on the event
         # loop for a client a long generation left deep in debt.
-        q_u = self.quantum()
-        if not q_u > 0:
-            raise ValueError(f"the quantum must be > 0, got {q_u!r}")
         for c in clients:
             self.deficit.setdefault(c, 0.0)
         if any(self.deficit[c] > 0 for c in clients):
             return
+        q_u = (quantum or self.quantum)()
+        if not q_u > 0:
+            raise ValueError(f"the quantum must be > 0, got {q_u!r}")
         rounds = min(_rounds_to_credit(self.deficit[c], q_u) for c in clients)
         for c, q in self.deficit.items():
             if q <= 0:  # refilled each round until it has credit
@@ -320,7 +339,8 @@ class _DLPM(_Local):
     def pick(self, waiting, worker):
         if not waiting:
             return None
-        self._check_refill({r.client for r in waiting})
+        sized = self.quantum_for
+        self._check_refill({r.client for r in waiting}, None if sized is None else lambda: sized(waiting, worker))
         return _longest_match((r for r in waiting if self.deficit.get(r.client, 0.0) > 0), worker)
 
     def charge(self, client, units):
@@ -433,7 +453,7 @@ class FairPolicy:
             return _LPM()
         if kind == "vtc":
             return _VTC()
-        return _DLPM(lambda: self.quantum.value)
+        return _DLPM(lambda: self.quantum.value, self.quantum.for_queue)
 
     def local(self, worker: Worker | None) -> _Local:
         key = worker if self.distributed else None
