@@ -72,3 +72,47 @@ def test_a_draw_is_the_race_of_one_vector_of_its_own_generators_uniforms(params)
             assert out[pos].token == want, (seed, step)
         assert torch.equal(me.generator.get_state(), ref.get_state())  # one vector per token, nothing more
         assert torch.equal(mates[0].generator.get_state(), greedy_state)
+
+
+@pytest.mark.parametrize("params", [dict(), dict(top_k=2), dict(top_p=0.9)])
+def test_tied_front_runners_split_evenly_at_a_low_temperature(params):
+    """Two tokens tied at the top with logit_bias 100 (a forced choice) at a temperature just above greedy's: their
+    scores are ~1e7, where a float32 step is 1, so the race's ``score - log E`` rounded to ties that the lower id
+    won: 62 % instead of 50 %. The race runs on scores minus the row's maximum."""
+    vocab, n = 256, 4000
+    x = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3))
+    x[0, 10] = x[0, 200] = 20.0
+    seqs = [SequenceSampler(SamplingParams(temperature=1.2e-5, seed=s, logit_bias={10: 100.0, 200: 100.0},
+                                           **params)) for s in range(n)]
+    p = S._filtered_probs(x, seqs[:1])[0]
+    assert p[10] == p[200] == 0.5
+    toks = [c.token for c in sample_batch(x.expand(n, vocab), seqs)]
+    assert toks.count(10) + toks.count(200) == n
+    assert abs(toks.count(10) / n - 0.5) < 0.03, toks.count(10) / n  # 3.8 sigma
+
+
+def _state_with_a_zero_uniform_at(token: int) -> torch.Tensor:
+    """A generator state whose next vector of uniforms has u == 0 at ``token`` (torch.rand draws k * 2**-24)."""
+    gen = torch.Generator().manual_seed(3)
+    start = gen.get_state()
+    z = int((torch.rand(1 << 22, generator=gen) == 0).nonzero()[0])
+    gen.set_state(start)
+    torch.rand(z - token, generator=gen)
+    return gen.get_state()
+
+
+@pytest.mark.parametrize("case", ["only token allowed", "dominant", "dominant, top_k"])
+def test_a_uniform_of_zero_does_not_hand_the_draw_to_a_banned_or_unlikely_token(case):
+    """u = 0 gave E = inf: that token sat out the race. The only finite token of a row lost to token 0 (logit
+    -inf), and a token with p ~ 1 - 1e-21 lost to one with p ~ 2e-22. It now counts as u = 2**-25."""
+    vocab, t = 64, 11
+    state = _state_with_a_zero_uniform_at(t)
+    probe = torch.Generator()
+    probe.set_state(state)
+    assert torch.rand(vocab, generator=probe)[t] == 0
+    x = torch.full((1, vocab), float("-inf")) if case == "only token allowed" else torch.zeros(1, vocab)
+    x[0, t] = 0.0 if case == "only token allowed" else 50.0
+    s = SequenceSampler(SamplingParams(seed=3, top_k=2 if "top_k" in case else 0))
+    s.generator.set_state(state)
+    assert sample_batch(x, [s])[0].token == t
+    assert torch.equal(s.generator.get_state(), probe.get_state())  # one vector, as any draw

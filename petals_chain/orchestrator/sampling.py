@@ -525,18 +525,33 @@ def _race_uniforms(seqs: Sequence[SequenceSampler], rows: list[int], vocab: int)
     return u
 
 
+# torch.rand's float32 uniforms are multiples of 2**-24 in [0, 1): u = 0 stands for the cell [0, 2**-24) and is
+# taken at its middle. As 0 it gave E = inf: the token sat out the race, and a row whose allowed tokens all drew 0
+# (one allowed token: a 2**-24 chance per step) went to position 0, a filtered (-inf) token.
+_U_ZERO = 2.0 ** -25
+
+
 def _log_e_(u: torch.Tensor) -> torch.Tensor:
     """log E = log(-log u) of uniforms ``u`` [rows, n] (CPU float32, contiguous), in place. Row by row in numpy: a
     row's values then never depend on the batch's layout (vectorized and scalar log may differ in the last bit),
     and no op is split across threads (torch parallelizes a log of a few thousand floats: on a loaded machine each
-    of a batch's per-row logs waited ~10 ms for a second thread). u = 0 (a 2**-24 chance per token) gives inf:
-    that token sits out the race (a bias below float32's resolution, as an inverse CDF's rounding)."""
-    with np.errstate(divide="ignore"):
-        for row in u.numpy():
-            np.log(row, out=row)
-            np.negative(row, out=row)
-            np.log(row, out=row)
+    of a batch's per-row logs waited ~10 ms for a second thread). u = 0 is taken as ``_U_ZERO`` (E ~ 17.3), so every
+    log E is finite."""
+    for row in u.numpy():
+        if row.min() == 0.0:  # a 2**-24 chance per token; the check costs ~1/5 of one log
+            row[row == 0.0] = _U_ZERO
+        np.log(row, out=row)
+        np.negative(row, out=row)
+        np.log(row, out=row)
     return u
+
+
+def _centered(scores: torch.Tensor, top: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores - top`` (``top`` [rows, 1] each row's maximum; a non-finite one is left alone) for the race: the
+    front-runners then sit near 0, where float32 resolves log E's differences. Raw scores of a low temperature or a
+    big logit_bias (100 / 1.2e-5 ~ 1e7: a float32 step of 1) rounded ``scores - log_e`` to ties, which the first
+    index won: two tied tokens split 62/38 instead of 50/50 at T = 1.2e-5 with logit_bias 100."""
+    return torch.sub(scores, torch.where(torch.isfinite(top), top, torch.zeros_like(top)), out=out)
 
 
 def _race(scores: torch.Tensor, log_e: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -662,7 +677,8 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool,
         if probs is not None:
             probs[plain] = torch.softmax(wp, dim=1)
         if noise is not None:
-            for i, t in zip(plain, _race(wp, _log_e_(noise[:len(plain)]), out=wp if owned else None).tolist()):
+            scores = _centered(wp, wp.amax(dim=1, keepdim=True), out=wp if owned else None)
+            for i, t in zip(plain, _race(scores, _log_e_(noise[:len(plain)]), out=scores).tolist()):
                 tokens[i] = t
 
     # 5. Filtered rows: candidates by topk; rows the first width cannot decide exactly are sized and retried.
@@ -695,7 +711,7 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool,
                     probs[rws] = dist
                 if ng is not None:  # the race over the kept candidates, each with its own token's draw
                     cvk = cv if len(ok) == len(idx) else cv[ok]
-                    scores = torch.where(wok > 0, cvk, _NEG_INF)
+                    scores = torch.where(wok > 0, _centered(cvk, cvk[:, :1]), _NEG_INF)  # sorted: [:, 0] the max
                     log_e = _log_e_(torch.take(ng, idx[ok].unsqueeze(1) * vocab + cok))  # kept candidates'
                     pos = _race(scores, log_e, out=scores)
                     for i, t in zip(rws, cok.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()):
