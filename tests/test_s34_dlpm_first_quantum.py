@@ -55,7 +55,9 @@ def test_the_first_quantum_follows_the_waiting_requests_rule_and_the_prior_bound
     assert q.value == pytest.approx(120.0)  # reported as used
     huge = [FairRequest(item=0, client="a", input_tokens=9000, expected_output=500)]
     assert q.for_queue(huge, 0) == cfg.quantum_prior  # at most the prior
-    assert q.for_queue([], 0) == cfg.quantum_prior
+    assert q.for_queue([], 0) == cfg.quantum_prior == q.value  # none waiting: the last sized one
+    sized = FairPolicy("dlpm", cfg).quantum
+    assert sized.for_queue(reqs[:1], 1) == pytest.approx(110.0) == sized.for_queue([], 0) == sized.value
     # once a request was admitted the window's median rules, whatever waits
     pol = FairPolicy("dlpm", cfg)
     pol.admit(FairRequest(item=0, client="a", input_tokens=30, expected_output=10), 0)

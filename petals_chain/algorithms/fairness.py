@@ -141,7 +141,7 @@ class AdaptiveQuantum:
     round robin). Measured: a light client's wait behind a heavy one falls from 3.4 to 1.7 s in the simulator's
     `heavy` experiment, with throughput and Jain's index unchanged on the prefix workloads. Before any request is
     admitted a refill sizes it by the same rule from the requests waiting (:meth:`for_queue`), at most ``prior``;
-    with none waiting it reads ``prior``."""
+    until then it reads ``prior``, after that the quantum so sized."""
 
     def __init__(self, cfg: FairnessConfig):
         self.cfg = cfg
