@@ -214,6 +214,18 @@ def _group_world(seen: dict, entries: dict, now: list, **kwargs):
 
     return coordinator, rounds
 
+def _servers_world(n: int = 4, entries: dict | None = None, **kwargs):
+    """``n`` servers' records ``s0``.. (each a whole copy of the model), the DHT groups key ``entries`` (default
+    empty), the clock ``now`` at 0 and :func:`_group_world` over them: ``(seen, entries, now, coordinator,
+    rounds)``."""
+    from test_failover_units import record
+
+    seen = {f"s{i}": record(f"s{i}") for i in range(n)}
+    entries = {} if entries is None else entries
+    now = [0.0]
+    return (seen, entries, now, *_group_world(seen, entries, now, **kwargs))
+
+
 
 def test_a_server_the_leader_banned_stays_in_the_split_and_banned():
     """Banned servers stay in the split: left out, a banned server was in no group, the leader's planner dropped
@@ -256,11 +268,7 @@ def test_a_leader_that_restarts_continues_above_the_epoch_its_followers_hold():
     from test_failover_units import record
 
 
-    seen = {f"s{i}": record(f"s{i}") for i in range(4)}  # a whole copy of the model per server
-    entries: dict = {}
-    now = [0.0]
-
-    coordinator, rounds = _group_world(seen, entries, now)
+    seen, entries, now, coordinator, rounds = _servers_world()
 
     async def main():
         leader, follower = coordinator("A", "B"), coordinator("B", "A")
@@ -446,12 +454,8 @@ def test_a_restarted_leader_splits_nothing_away_before_it_sees_the_servers():
     server missing from its view only after ``ttl_s``."""
     import asyncio
 
-    from test_failover_units import record
 
-    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
-    entries: dict = {}
-    now = [0.0]
-    coordinator, rounds = _group_world(seen, entries, now)
+    seen, entries, now, coordinator, rounds = _servers_world()
 
     async def main():
         leader, follower = coordinator("A", "B"), coordinator("B", "A")
@@ -483,12 +487,8 @@ def test_a_restarted_leader_continues_from_the_split_its_follower_follows():
     what ran on it)."""
     import asyncio
 
-    from test_failover_units import record
 
-    seen = {"s0": record("s0")}
-    entries: dict = {}
-    now = [0.0]
-    coordinator, rounds = _group_world(seen, entries, now)
+    seen, entries, now, coordinator, rounds = _servers_world(1)
 
     async def main():
         leader, follower = coordinator("A", "B"), coordinator("B", "A")
@@ -515,14 +515,9 @@ def test_a_leader_back_from_a_silence_rebalances_the_split():
     group stayed empty for good. It solves afresh and the split is even again."""
     import asyncio
 
-    from test_failover_units import record
 
 
-    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
-    entries: dict = {}
-    now = [0.0]
-
-    coordinator, rounds = _group_world(seen, entries, now, ttl_s=3.0)
+    seen, entries, now, coordinator, rounds = _servers_world(ttl_s=3.0)
 
     async def main():
         a, b = coordinator("A", "B"), coordinator("B", "A")

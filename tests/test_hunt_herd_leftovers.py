@@ -174,13 +174,9 @@ def test_rival_splits_at_one_epoch_after_a_partition_are_settled_by_the_leader()
     own epoch-2 split for good, and B and C both planned the server. The leader now publishes above a rival split."""
     import asyncio
 
-    from test_failover_units import record
-    from test_herd_groups import _group_world
+    from test_herd_groups import _servers_world
 
-    seen = {"s0": record("s0")}
-    entries: dict = {}
-    now = [0.0]
-    coordinator, rounds = _group_world(seen, entries, now)
+    seen, entries, now, coordinator, rounds = _servers_world(1)
 
     async def main():
         cs = {o: coordinator(o, "A" if o != "A" else "B") for o in "ABC"}
@@ -210,15 +206,12 @@ def test_a_split_at_the_largest_epoch_is_not_continued_from():
     not followed or continued from."""
     import asyncio
 
-    from test_failover_units import record
-    from test_herd_groups import _group_world
+    from test_herd_groups import _servers_world
 
     from petals_chain.swarm.records import EPOCH_MAX, GroupRecord
 
-    seen = {"s0": record("s0")}
-    entries: dict = {"B": GroupRecord(orchestrator_peer_id="B", epoch=EPOCH_MAX, groups={"B": ["s0"]})}
-    now = [0.0]
-    coordinator, rounds = _group_world(seen, entries, now)
+    dead = GroupRecord(orchestrator_peer_id="B", epoch=EPOCH_MAX, groups={"B": ["s0"]})
+    seen, entries, now, coordinator, rounds = _servers_world(1, entries={"B": dead})
 
     async def main():
         a = coordinator("A", "B")

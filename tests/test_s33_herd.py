@@ -141,13 +141,9 @@ def test_an_orchestrator_whose_entry_lingers_in_the_dht_is_dropped_after_ttl():
     whose clock ran ahead (hivemind only warns) stays in the DHT for that long after it died. Counted alive on
     every read, it kept its group (planned by nobody, forwards sent to it) all that time, and even without a skew
     its group moved only up to 2 x ttl_s after it stopped. It is dropped ttl_s after its entry stopped changing."""
-    from test_failover_units import record
-    from test_herd_groups import _group_world
+    from test_herd_groups import _servers_world
 
-    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
-    entries: dict = {}
-    now = [0.0]
-    coordinator, rounds = _group_world(seen, entries, now)  # ttl_s = 6, rounds a second apart
+    seen, entries, now, coordinator, rounds = _servers_world()  # ttl_s = 6, rounds a second apart
 
     async def main():
         a, b = coordinator("A", "B"), coordinator("B", "A")
@@ -162,13 +158,9 @@ def test_an_orchestrator_whose_entry_lingers_in_the_dht_is_dropped_after_ttl():
 
 
 def test_an_orchestrator_that_keeps_publishing_stays_alive():
-    from test_failover_units import record
-    from test_herd_groups import _group_world
+    from test_herd_groups import _servers_world
 
-    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
-    entries: dict = {}
-    now = [0.0]
-    coordinator, rounds = _group_world(seen, entries, now)
+    seen, entries, now, coordinator, rounds = _servers_world()
 
     async def main():
         a, b = coordinator("A", "B"), coordinator("B", "A")
@@ -179,15 +171,11 @@ def test_an_orchestrator_that_keeps_publishing_stays_alive():
 
 
 def test_two_replicas_of_a_dead_orchestrators_last_entries_read_in_turn_are_no_heartbeat():
-    from test_failover_units import record
-    from test_herd_groups import _group_world
+    from test_herd_groups import _servers_world
 
     from petals_chain.swarm.records import GroupRecord
 
-    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
-    entries: dict = {}
-    now = [0.0]
-    coordinator, rounds = _group_world(seen, entries, now)
+    seen, entries, now, coordinator, rounds = _servers_world()
 
     async def main():
         a, b = coordinator("A", "B"), coordinator("B", "A")
@@ -263,13 +251,9 @@ def test_an_orchestrator_whose_clock_steps_back_stays_alive_and_alone_leads():
     """A's wall clock ran an hour ahead (hivemind only warns), then NTP stepped it back; A kept running. B counted
     only entries newer than the newest it had read: A was dead to B for that hour (25 of 30 rounds here), B led
     too, the two leaders re-published splits every round (48 epochs in 30 s) and both planned A's servers."""
-    from test_failover_units import record
-    from test_herd_groups import _group_world
+    from test_herd_groups import _servers_world
 
-    seen = {f"s{i}": record(f"s{i}") for i in range(4)}
-    entries: dict = {}
-    now = [0.0]
-    coordinator, rounds = _group_world(seen, entries, now)
+    seen, entries, now, coordinator, rounds = _servers_world()
 
     async def main():
         a, b = coordinator("A", "B"), coordinator("B", "A")
