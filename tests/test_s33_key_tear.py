@@ -8,6 +8,7 @@ import os
 import time
 
 import pytest
+from test_s33_key_reload_review import _write
 
 from petals_chain.orchestrator import auth, deadlines
 from petals_chain.orchestrator.deadlines import DeadlineBook, RequestDeadline
@@ -23,14 +24,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def _write(path, text: str, mtime_ns: int | None = None):
-    path.write_text(text)
-    os.chmod(path, 0o600)
-    if mtime_ns is not None:
-        os.utime(path, ns=(mtime_ns, mtime_ns))
-    return path
 
 
 def _names(keys: auth.KeyFile) -> set[str]:
