@@ -688,7 +688,7 @@ def make_scheduler(name: str, monitor: ServiceMonitor | None = None, **kw) -> Sc
     if name == "db":
         return DBScheduler(monitor, **kw)
     if name == "fcfs":
-        return FCFSScheduler(monitor, **({"pauses": kw["pauses"]} if "pauses" in kw else {}))
+        return FCFSScheduler(monitor, pauses=kw.get("pauses", "seed"))  # db's and mlfq's other kw mean nothing to fcfs
     if name == "mlfq":
         return MLFQScheduler(monitor, **kw)
     raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
