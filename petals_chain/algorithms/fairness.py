@@ -158,6 +158,11 @@ class AdaptiveQuantum:
             self._dirty = True
 
     @property
+    def observed(self) -> bool:
+        """Some admitted request sized it (its window is not empty)."""
+        return bool(self._costs)
+
+    @property
     def reuse(self) -> float:
         """``h``: the cached fraction of the window's input tokens (0 without input)."""
         total = sum(n for _, n in self._reuse)
@@ -170,12 +175,19 @@ class AdaptiveQuantum:
         start run 36 requests before another client's first one was taken."""
         if self.cfg.quantum is not None or self._costs or not waiting:
             return self.value
+        self._value = self.sized(waiting, worker)  # reported as value until sampled
+        return self._value
+
+    def sized(self, waiting: Sequence[FairRequest], worker: Worker) -> float:
+        """The quantum :meth:`for_queue` would use for ``waiting`` on ``worker``, nothing changed (a prediction
+        reads it)."""
+        if self.cfg.quantum is not None or self._costs or not waiting:
+            return self.value
         cost, inputs = self.cfg.cost, sum(max(0, int(r.input_tokens)) for r in waiting)
         reuse = sum(r.match(worker) for r in waiting) / inputs if inputs else 0.0
         factor = 1.0 + (self.cfg.quantum_factor - 1.0) * max(0.0, reuse)
         median = statistics.median(cost(r.input_tokens, r.expected_output) for r in waiting)
-        self._value = min(float(self.cfg.quantum_prior), max(1.0, factor * median))  # reported as value until sampled
-        return self._value
+        return min(float(self.cfg.quantum_prior), max(1.0, factor * median))
 
     @property
     def value(self) -> float:
@@ -518,27 +530,39 @@ class FairPolicy:
     def choose_worker(self, req: FairRequest, candidates: Sequence[Worker], load: Callable[[Worker], float]) -> Worker:
         """Bind ``req`` to one of ``candidates`` (distributed policies; in the caller's preference order, e.g.
         fastest first). ``load(w)``: requests bound to ``w`` and not finished, per unit of its capacity."""
+        return self._select_worker(req, candidates, load, commit=True)
+
+    def peek_worker(self, req: FairRequest, candidates: Sequence[Worker], load: Callable[[Worker], float]) -> Worker:
+        """The worker :meth:`choose_worker` would bind ``req`` to now, nothing changed (a prediction reads it)."""
+        return self._select_worker(req, candidates, load, commit=False)
+
+    def _select_worker(self, req: FairRequest, candidates: Sequence[Worker], load: Callable[[Worker], float],
+                       commit: bool) -> Worker:
         if not candidates:
             raise ValueError("no worker to choose from")
         if self.name == "rr-lpm":
             w = candidates[self._rr % len(candidates)]
-            self._rr += 1
+            if commit:
+                self._rr += 1
             return w
         if self.name == "d-vtc":
             i = self._rr_client.get(req.client, 0)
-            self._rr_client[req.client] = i + 1
+            if commit:
+                self._rr_client[req.client] = i + 1
             return candidates[i % len(candidates)]
         # D2LPM SelectWorker over the candidates.
-        credit = self.worker_credit
-        with_credit = [w for w in candidates if credit.get((req.client, w), 0.0) > 0]
+        credit = {w: self.worker_credit.get((req.client, w), 0.0) for w in candidates}
+        with_credit = [w for w in candidates if credit[w] > 0]
         if not with_credit:
             # refill rounds of Q^w on every candidate until one has credit, counted in one pass (one round a loop
             # took debt / Q^w turns: an hour of the event loop for an 8k-token prompt at w_e 1e6, Q^w 1)
             q_w = self.cfg.worker_quantum
-            rounds = min(_rounds_to_credit(credit.get((req.client, w), 0.0), q_w) for w in candidates)
+            rounds = min(_rounds_to_credit(q, q_w) for q in credit.values())
             for w in candidates:
-                credit[(req.client, w)] = credit.get((req.client, w), 0.0) + rounds * q_w
-            with_credit = [w for w in candidates if credit[(req.client, w)] > 0]
+                credit[w] += rounds * q_w
+                if commit:
+                    self.worker_credit[(req.client, w)] = credit[w]
+            with_credit = [w for w in candidates if credit[w] > 0]
         best = max((req.match(w) for w in candidates), default=0)
         holding = [w for w in with_credit if best > 0 and req.match(w) == best]
         pool = holding or with_credit
@@ -643,6 +667,12 @@ class FairPolicy:
             key = (client, worker)
             self.worker_credit[key] = self.worker_credit.get(key, 0.0) - units
 
+    def counters(self, worker: Worker | None) -> dict[str, float]:
+        """The local discipline's counters on ``worker`` (VTC's, DLPM's deficits; None: the central one), a copy;
+        empty for a worker it has none on yet (none is made)."""
+        loc = self._local.get(worker if self.distributed else None)
+        return loc.snapshot() if loc is not None else {}
+
     def snapshot(self) -> dict[str, Any]:
         """Counters for APIs and tests: service per client, local counters (per worker when distributed)."""
         local = {("*" if w is None else str(w)): loc.snapshot() for w, loc in self._local.items()}
@@ -707,6 +737,16 @@ class FairDispatcher:
 
     def request_of(self, job: Any) -> FairRequest | None:
         return self._by_item.get(id(job))
+
+    def peek_binding(self, req: FairRequest) -> tuple[int, list[FairRequest]] | None:
+        """Distributed policies: the chain a new request ``req`` would be bound to if it arrived now, with every chain
+        full (:meth:`arrive`'s choice: :meth:`FairPolicy.peek_worker` over all chains), and the requests waiting
+        bound there, oldest first; nothing changes. None if a chain has a free slot (it starts at once) or none
+        takes jobs."""
+        if not self.policy.distributed or not self._order or self.free_chains():
+            return None
+        w = self.policy.peek_worker(req, [self.workers[k] for k in self._order], self._load)
+        return self._index[w], [r for r in self._waiting.values() if r.worker == w]
 
     def arrive(self, job: Any) -> int | None:
         req = self.describe(job)

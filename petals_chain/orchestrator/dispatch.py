@@ -1367,7 +1367,10 @@ class DispatchManager:
             # the fairness policy's order, not FIFO's: a light client's job goes before a heavy client's backlog.
             # Running jobs' output still to come is not passed: it is charged as it is generated, while slots free,
             # so counting it all before this job's turn made a client's own long generation refuse its next request
-            ahead += self.shares.ahead(job, (j for j in q if j is not job))
+            # per-chain policies (d2lpm, d-vtc): the jobs bound to the chain it would be bound to, in its order
+            bound = self.shares.ahead_bound(job, self.dispatcher, [c.capacity / c.job_s if c.capacity > 0 and
+                                                                    c.job_s > 0 else 0.0 for c in chains])
+            ahead += self.shares.ahead(job, (j for j in q if j is not job)) if bound is None else bound
         else:
             ahead += self.queue_length - len(self._pending)
         return chains, ahead

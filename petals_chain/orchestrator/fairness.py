@@ -10,8 +10,9 @@ and keeps per-client service, waiting time and Jain's index for ``/api/v1/swarm`
 from __future__ import annotations
 
 import heapq
+import math
 import time
-from typing import Any, Hashable, Iterable, Iterator
+from typing import Any, Hashable, Iterable, Iterator, Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -86,50 +87,86 @@ class ClientShares:
         (equal: the lesser name, VTC's tie); ``dlpm``, while it has credit, its own plus the refills ``job``'s
         client needs to get credit, taking its longest cached prefixes first (LPM). Each job is expected to cost
         its ``expected_output`` and, for dlpm, its input less the longest prefix a chain holds. ``job``'s own
-        prefix is not counted (it may go before others' jobs with credit: an estimate that errs long). The
-        others (fcfs, locality-first and the per-chain policies): all of them. One pass over the queue."""
-        name = self.policy.name
-        if name not in ("vtc", "dlpm"):
+        prefix is not counted (it may go before others' jobs with credit: an estimate that errs long). DLPM's
+        quantum before any request was admitted is sized as its first refill sizes it (:meth:`AdaptiveQuantum.
+        sized`, over the queue and ``job``), not read as the prior. The others (fcfs, locality-first and the
+        per-chain policies, :meth:`ahead_bound`): all of them. One pass over the queue."""
+        if self.policy.name not in ("vtc", "dlpm"):
             return sum(1 for _ in queued)
-        dlpm = name == "dlpm"
+        return self._before(job, queued, running, None)
+
+    def ahead_bound(self, job: Any, dispatcher: Any, rates: Sequence[float]) -> int | None:
+        """:meth:`ahead` for the per-chain client-fair policies (``d2lpm``, ``d-vtc``) of ``dispatcher`` (a
+        :class:`~petals_chain.algorithms.fairness.FairDispatcher`): the jobs started before ``job`` counted as the
+        prediction counts them (served at the rate of every chain). ``rates``: each chain's rate of freeing slots
+        (jobs per second), in the dispatcher's order. None for other policies (the caller counts the queue).
+
+        A new job is bound to the chain :meth:`FairPolicy.peek_worker` names (JFFC's capacity rule, then the
+        policy's choice), which serves the jobs bound to it by its own discipline (:meth:`ahead`'s rule on that
+        chain's counters, prefixes and jobs) and takes no other job while one is bound to it; the other chains
+        serve their own and may take ``job`` sooner (work conservation). So ``job`` waits at most for those jobs'
+        turns on its chain alone, and at most for the whole queue at the rate of all chains (without later
+        arrivals, as the prediction counts): the least of the two, in jobs at the rate of all chains. Exact on
+        one chain; an upper bound on several. 0 when a chain has a free slot (the job starts at once)."""
+        if self.policy.name not in ("d2lpm", "d-vtc") or not hasattr(dispatcher, "peek_binding"):
+            return None
+        req = FairRequest(item=job, client=job.client, input_tokens=job.input_tokens, matched=job.matched,
+                          expected_output=job.expected_output)
+        total = dispatcher.queue_length
+        found = dispatcher.peek_binding(req)
+        if found is None:
+            return 0 if dispatcher.free_chains() else total
+        k, waiting = found
+        mu, mu_k = sum(r for r in rates if r > 0), rates[k] if k < len(rates) else 0.0
+        if not mu_k > 0:
+            return total
+        on_chain = self._before(job, (r.item for r in waiting), (), dispatcher.workers[k])
+        # its chain's turns, in jobs of all chains; the tolerance keeps an exact multiple from rounding up
+        return min(total, math.ceil((on_chain + 1) * mu / mu_k - 1e-9) - 1)
+
+    def _before(self, job: Any, queued: Iterable[Any], running: Iterable[tuple[Any, float]],
+                worker: Hashable | None) -> int:
+        """:meth:`ahead`'s count by the discipline of ``worker`` (None: the central one) over ``queued``."""
+        dlpm = self.policy.name in ("dlpm", "d2lpm")
         w_e, w_q = self.policy.cfg.w_e, self.policy.cfg.w_q
+        central = worker is None
 
         def cost(j: Any) -> tuple[int, float]:
             """(tokens cached, units charged) of a queued job."""
             n, out, cached = j.input_tokens, j.expected_output, 0
             if dlpm and j.matched:
-                cached = max(j.matched.values())
+                cached = max(j.matched.values()) if central else j.matched.get(worker, 0)
                 cached = n if cached > n else cached if cached > 0 else 0
             return cached, w_e * (n - cached if n > cached else 0) + w_q * (out if out > 0 else 0)
 
         mine_client = job.client
-        own, owed = 0, 0.0
+        own, owed = [job], 0.0  # job and its client's queued jobs
         others: dict[str, list] = {}  # client -> its jobs, oldest first
         for j in queued:  # one pass; the others' costs are read only as far as their budgets go
             if j.client == mine_client:  # served before job: same client, older
-                own += 1
+                own.append(j)
                 owed += cost(j)[1]
             else:
                 others.setdefault(j.client, []).append(j)
         if not others:
-            return own
+            return len(own) - 1
         pending: dict[str, float] = {}  # units the running jobs will still be charged, per client
         for j, tokens in running:
             if tokens > 0:
                 pending[j.client] = pending.get(j.client, 0.0) + w_q * float(tokens)
-        state = self.policy.local(None).snapshot()
+        state = self.policy.counters(worker)
         if not dlpm:
             mine = state.get(job.client, 0.0)
-            if not own:  # lifted to the least counter among the queued clients as it becomes backlogged
+            if len(own) == 1:  # lifted to the least counter among the queued clients as it becomes backlogged
                 mine = max(mine, min(state.get(c, 0.0) for c in others))
             mine += owed + pending.get(job.client, 0.0)
             budget = {c: mine - state.get(c, 0.0) - pending.get(c, 0.0) for c in others}
         else:
-            q_u = self.policy.quantum.value
+            q_u = self._quantum([*own, *(j for js in others.values() for j in js)], worker)
             left = state.get(job.client, 0.0) - owed - pending.get(job.client, 0.0)  # its credit after its own
             rounds = 0 if left > 0 else _rounds_to_credit(left, q_u)  # refills (of everyone in debt) it waits for
             budget = {c: state.get(c, 0.0) + rounds * q_u - pending.get(c, 0.0) for c in others}
-        count = own
+        count = len(own) - 1
         for c, jobs in others.items():
             costs: Iterable[tuple[int, float]] = map(cost, jobs)
             if dlpm and any(j.matched for j in jobs):
@@ -143,6 +180,20 @@ class ClientShares:
                 count += 1
                 spent += units
         return count
+
+    def _quantum(self, jobs: list[Any], worker: Hashable | None) -> float:
+        """DLPM's ``Q^u`` at the refill a new job waits for (``jobs``: it and the queued jobs it waits with): once a
+        request was admitted, the window's; before, the first refill's rule over them (:meth:`AdaptiveQuantum.
+        sized`; read as the prior, 2048 units where a request cost 52, it counted 20 jobs of another client before
+        a new one that the policy starts second). The central queue's refill is sized on the chain that frees, not
+        known here: the largest of the chains' (the one with most of their input cached)."""
+        quantum = self.policy.quantum
+        if self.policy.cfg.quantum is not None or quantum.observed:
+            return quantum.value
+        reqs = [FairRequest(item=j, client=j.client, input_tokens=j.input_tokens, matched=j.matched or {},
+                            expected_output=j.expected_output) for j in jobs]
+        workers = {worker} if worker is not None else {w for r in reqs for w in r.matched} or {None}
+        return max(quantum.sized(reqs, w) for w in workers)
 
     def started(self, job: Any, worker: Hashable, queued: bool) -> None:
         """``job`` started on ``worker`` after waiting ``job.wait_s`` (``queued``: it waited in the queue)."""
