@@ -39,6 +39,7 @@ from petals_chain.orchestrator.core import Generation, Orchestrator, RequestErro
 from petals_chain.orchestrator.errors import default_code, shown_model_name, unavailable_retry_after_s
 from petals_chain.orchestrator.forward import (SERVED_BY_HEADER, forward_session_call, maybe_forward,
                                                unless_disconnected)
+from petals_chain.orchestrator import responses as _responses
 from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, RequestIds, RequestTrace,
                                                   install_log_ids, scope_request_id, shown_path)
 from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice,
@@ -64,7 +65,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat
 # on the wire for their read timeout (nginx's proxy_read_timeout: 60 s), and every SSE parser skips comments.
 # The orchestrator's ``sse_keepalive_s`` overrides it (None or 0: none sent).
 SSE_KEEPALIVE_S = 15.0
-_GENERATE_PATH = re.compile(r"^/(v1/completions|v1/chat/completions|api/v1/sessions/[^/]+/generate)/?$")
+_GENERATE_PATH = re.compile(r"^/(v1/completions|v1/chat/completions|v1/responses|api/v1/sessions/[^/]+/generate)/?$")
 _API_PATH = re.compile(r"^/(v1/|api/v1/sessions)")
 
 
@@ -467,6 +468,255 @@ class ChatRequest(SamplingFields):
         return self
 
 
+class InputPart(_Base):
+    """A text part of a Responses input message: ``input_text``, or the ``output_text`` of a response sent back (with
+    the ``annotations`` and ``logprobs`` it came with: what the output said of itself, not part of the text)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    prompt_cache_breakpoint: Optional[PromptCacheBreakpoint] = None
+    annotations: Optional[list[Any]] = None
+    logprobs: Optional[list[Any]] = None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in ("input_text", "output_text"):
+            raise ValueError("only text parts (input_text, output_text) are supported by this server, not "
+                             f"{_shown(data.get('type'))}")
+        return data
+
+
+def _input_content_kind(value: Any) -> str | None:
+    return "str" if isinstance(value, str) else "list[InputPart]" if isinstance(value, list) else None
+
+
+InputContent = typing.Annotated[
+    Union[typing.Annotated[str, pydantic.Tag("str")],
+          typing.Annotated[list[InputPart], pydantic.Tag("list[InputPart]")]],
+    pydantic.Discriminator(_input_content_kind, custom_error_type="content_type",
+                           custom_error_message="Input should be a string or an array of content parts")]
+# why each kind of input item a client may send is not taken (the Responses API's other item types)
+_ITEM_REFUSALS = {"function_call": "this server offers no tools", "function_call_output": "this server offers no tools",
+                  "item_reference": "this server stores no items", "reasoning": "this server does no reasoning"}
+
+
+class InputMessage(_Base):
+    """A message of a Responses ``input`` list: the SDK's easy input message, or a response's output message sent
+    back in the next turn (with its ``id``, ``status`` and ``phase``, which change nothing)."""
+
+    type: Optional[Literal["message"]] = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: InputContent
+    id: Optional[str] = pydantic.Field(default=None, max_length=256)
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+    phase: Optional[Literal["commentary", "final_answer"]] = None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _messages_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in (None, "message"):
+            why = _ITEM_REFUSALS.get(kind, "only messages are supported")
+            raise FieldError("type", f"input items of type {_shown(kind)} are not supported: {why}")
+        return data
+
+    def as_dict(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+def _input_kind(value: Any) -> str | None:
+    return "str" if isinstance(value, str) else "list[InputMessage]" if isinstance(value, list) else None
+
+
+ResponsesInput = typing.Annotated[
+    Union[typing.Annotated[str, pydantic.Tag("str")],
+          typing.Annotated[list[InputMessage], pydantic.Tag("list[InputMessage]"), pydantic.Field(min_length=1)]],
+    pydantic.Discriminator(_input_kind, custom_error_type="input_type",
+                           custom_error_message="Input should be a string or an array of input items")]
+
+
+class ResponsesTextFormat(_Base):
+    type: Literal["text"]
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        # a json_schema format was "unsupported parameter(s): text.format.name": said for what it is
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise FieldError("type", f"text.format of type {_shown(data.get('type'))} is not supported by this "
+                                     "server (only 'text')")
+        return data
+
+
+class ResponsesText(_Base):
+    format: Optional[ResponsesTextFormat] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+    @pydantic.model_validator(mode="after")
+    def _medium_only(self):
+        if self.verbosity not in (None, "medium"):
+            raise FieldError("verbosity", f"verbosity {self.verbosity!r} is not supported by this server (only "
+                                          "'medium', OpenAI's default)")
+        return self
+
+
+class ResponsesReasoning(_Base):
+    """``reasoning``: taken at "no reasoning" alone (what every reply here is)."""
+
+    effort: Optional[str] = None
+    summary: Optional[str] = None
+    generate_summary: Optional[str] = None
+    context: Optional[Literal["auto", "current_turn", "all_turns"]] = None  # which reasoning to keep: none here
+    mode: Optional[Literal["standard"]] = None
+
+    @pydantic.model_validator(mode="after")
+    def _none_only(self):
+        _unsupported(self.effort, "effort", (None, "none"), f"reasoning effort {self.effort!r} (only 'none')")
+        for name in ("summary", "generate_summary"):
+            _unsupported(getattr(self, name), name, (None,), f"a reasoning {name}")
+        return self
+
+
+class ResponsesPromptCacheOptions(_Base):
+    """``prompt_cache_options``: hints about OpenAI's cache, as chat's (a comparison names a stored response)."""
+
+    mode: Optional[Literal["implicit", "explicit"]] = None
+    ttl: Optional[Literal["30m", "12h"]] = None
+    prewarm: Optional[bool] = None
+    comparison_response_id: Optional[str] = None
+
+    @pydantic.model_validator(mode="after")
+    def _nothing_stored(self):
+        _unsupported(self.comparison_response_id, "comparison_response_id", (None,),
+                     "comparison_response_id (this server stores no responses)")
+        return self
+
+
+class ResponsesStreamOptions(_Base):
+    include_obfuscation: Optional[bool] = None
+
+    @pydantic.model_validator(mode="after")
+    def _no_obfuscation(self):
+        _unsupported(self.include_obfuscation, "include_obfuscation", (None, False),
+                     "stream obfuscation (include_obfuscation: true)")
+        return self
+
+
+MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512
+MAX_INCLUDE = 16
+
+
+class ResponsesRequest(SamplingFields):
+    """``POST /v1/responses``: a chat turn in the Responses API's words (``input``, ``instructions``,
+    ``max_output_tokens``), with chat's sampling and our extra fields. What this server cannot do (tools, stored
+    responses and conversations, background runs, non-text input, structured output, reasoning) is refused, naming
+    the field; what changes nothing here (cache hints, ``parallel_tool_calls`` without tools) is taken."""
+
+    model: str
+    input: ResponsesInput
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = pydantic.Field(default=None, ge=1)
+    metadata: Optional[dict[str, str]] = None
+    safety_identifier: Optional[str] = pydantic.Field(default=None, max_length=256)
+    prompt_cache_key: Optional[str] = pydantic.Field(default=None, max_length=1024)
+    prompt_cache_retention: Optional[Literal["in_memory", "in-memory", "24h"]] = None
+    prompt_cache_options: Optional[ResponsesPromptCacheOptions] = None
+    store: Optional[bool] = None
+    text: Optional[ResponsesText] = None
+    reasoning: Optional[ResponsesReasoning] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    parallel_tool_calls: Optional[bool] = None
+    tool_choice: Optional[Any] = None
+    tools: Optional[list[Any]] = None
+    max_tool_calls: Optional[int] = pydantic.Field(default=None, ge=1)
+    top_logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
+    include: Optional[list[str]] = pydantic.Field(default=None, max_length=MAX_INCLUDE)
+    service_tier: Optional[str] = None
+    stream_options: Optional[ResponsesStreamOptions] = None  # type: ignore[assignment]  # the Responses API's own
+    background: Optional[bool] = None
+    # what needs stored state, or inputs and tools this server lacks: refused unless null
+    previous_response_id: Optional[Any] = None
+    conversation: Optional[Any] = None
+    prompt: Optional[Any] = None
+    context_management: Optional[Any] = None
+    background_options: Optional[Any] = None
+    image: Optional[Any] = None
+    access_programs: Optional[Any] = None
+    moderation: Optional[Any] = None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _chat_names(cls, data: Any) -> Any:
+        # chat's names for what the Responses API calls otherwise: told so (they were valid SamplingFields)
+        if isinstance(data, dict):
+            if data.get("max_tokens") is not None:
+                raise FieldError("max_tokens", "the Responses API's output limit is max_output_tokens")
+            if data.get("n") not in (None, 1):
+                raise FieldError("n", "several choices (n) are not part of the Responses API: use "
+                                      "/v1/chat/completions")
+        return data
+
+    @pydantic.model_validator(mode="after")
+    def _unsupported_fields(self):
+        stored = "this server stores no responses or conversations"
+        for name, why in (("previous_response_id", stored), ("conversation", stored),
+                          ("prompt", "this server stores no prompts"), ("context_management", None),
+                          ("background_options", None), ("image", None), ("access_programs", None),
+                          ("moderation", None)):
+            _unsupported(getattr(self, name), name, (None,), f"{name} ({why})" if why else None)
+        _unsupported(self.background, "background", (None, False), "background responses (background: true)")
+        _unsupported(self.store, "store", (None, False), "store: true (this server stores no responses; send "
+                                                        "store: false or leave it out)")
+        _unsupported(self.tools, "tools", (None, []), "tools")
+        _unsupported(self.tool_choice, "tool_choice", (None, "none", "auto"),
+                     "tool_choice other than 'none' or 'auto' (this server offers no tools)")
+        _unsupported(self.truncation, "truncation", (None, "disabled"), "truncation 'auto'")
+        _unsupported(self.service_tier, "service_tier", (None, "auto", "default"))
+        for i, item in enumerate(self.include or []):
+            if item != _responses.LOGPROBS_INCLUDE:
+                raise FieldError(f"include.{i}", f"include {_shown(item)} is not supported by this server (only "
+                                                 f"'{_responses.LOGPROBS_INCLUDE}')")
+        if self.metadata is not None:
+            if len(self.metadata) > MAX_METADATA:
+                raise FieldError("metadata", f"at most {MAX_METADATA} metadata pairs")
+            long = next((k for k, v in self.metadata.items() if len(k) > 64 or len(v) > 512), None)
+            if long is not None:
+                raise FieldError("metadata", f"metadata keys are at most 64 characters and values at most 512 "
+                                             f"({_shown(long)})")
+        return self
+
+    @property
+    def limit_field(self) -> str:
+        return "max_output_tokens"
+
+    @property
+    def top(self) -> Optional[int]:
+        """The logprobs asked for: how many alternatives per token (None: none asked for)."""
+        if _responses.LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
+
+    def messages(self) -> list[dict]:
+        """The conversation the chat template renders: ``instructions`` as its system message first."""
+        sent = [{"role": "user", "content": self.input}] if isinstance(self.input, str) \
+            else [m.as_dict() for m in self.input]
+        return ([{"role": "system", "content": self.instructions}] if self.instructions is not None else []) + sent
+
+    def echo(self) -> dict:
+        """What a response repeats of its request."""
+        return {"instructions": self.instructions, "metadata": self.metadata or {},
+                "max_output_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_logprobs": self.top_logprobs, "parallel_tool_calls": bool(self.parallel_tool_calls),
+                "tool_choice": self.tool_choice or "none", "tools": [], "max_tool_calls": self.max_tool_calls,
+                "text": {"format": {"type": "text"}, "verbosity": "medium"}, "truncation": "disabled",
+                "reasoning": {"effort": self.reasoning.effort if self.reasoning else None, "summary": None},
+                "user": self.user, "safety_identifier": self.safety_identifier,
+                "prompt_cache_key": self.prompt_cache_key, "service_tier": "default", "store": False,
+                "background": False, "previous_response_id": None}
+
+
 class SessionOpenRequest(_Base):
     max_length: Optional[int] = pydantic.Field(default=None, ge=2)
     model: Optional[str] = None  # several models behind one orchestrator: which one (models.py routes by it)
@@ -504,8 +754,9 @@ def _json_kind(value: Any) -> str:
 
 
 INTERNAL_ERROR_MESSAGE = "internal error ({}); the request was not completed, please report it"
-OPENAI_ENDPOINTS = "GET /v1/models, GET /v1/models/{model}, POST /v1/completions and POST /v1/chat/completions only"
-_OPENAI_TAILS = ("/chat/completions", "/completions", "/models")  # what a client puts after its base_url
+OPENAI_ENDPOINTS = ("GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions and "
+                    "POST /v1/responses only")
+_OPENAI_TAILS = ("/chat/completions", "/completions", "/models", "/responses")  # what a client puts after its base_url
 
 
 def _futile_retry(exc: RequestError) -> bool:
@@ -920,10 +1171,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         return out
 
     def stream_response(gen_fn, n: int, chunk: Any, include_usage: bool, prompt_tokens: int,
-                        undelivered: Callable[[], None] | None = None, opens_scored: bool = False) -> StreamingResponse:
+                        undelivered: Callable[[], None] | None = None, opens_scored: bool = False,
+                        failed: Callable[..., str] = error_event, end: str = DONE) -> StreamingResponse:
         """SSE over ``gen_fn(emits) -> list[Generation]`` (``emits[i](text, choices)`` per choice); ``chunk(index,
         text, finish_reason, choices)`` builds each event's object (``first=True``: the opening event, or None;
-        ``gen``: the choice's Generation, for its last event).
+        ``gen``: the choice's Generation, for its last event), or their SSE text (the Responses API's events).
+        ``failed(status, message, param=, code=)``: the SSE text that ends a stream in error; ``end``: the last.
         ``opens_scored``: the opening events wait for the prompt's logprobs, ``gen_fn(emits, scored)`` awaiting
         ``scored(prompt_logprobs)`` (they are ``chunk``'s ``choices`` then).
         ``undelivered()`` runs after the generation ends if the client did not take the stream to its ``[DONE]``."""
@@ -951,6 +1204,9 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
         keepalive = float(getattr(cfg, "sse_keepalive_s", SSE_KEEPALIVE_S) or 0.0)
 
+        def framed(obj: Any) -> str:
+            return "" if obj is None else obj if isinstance(obj, str) else sse(obj)
+
         async def events() -> AsyncIterator[str]:
             task = asyncio.create_task(run())
             delivered = False
@@ -960,9 +1216,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             last = time.monotonic()  # when the stream last had something to send
             try:
                 for i in range(0 if opens_scored else n):
-                    first = chunk(i, None, None, None, first=True)
-                    if first is not None:
-                        yield sse(first)
+                    if first := framed(chunk(i, None, None, None, first=True)):
+                        yield first
                 while done < n:
                     if not queue.empty() or keepalive <= 0:
                         kind, i, val = await queue.get()
@@ -976,15 +1231,16 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     last = time.monotonic()
                     if kind == "open":
                         for j in range(n):
-                            yield sse(chunk(j, None, None, val, first=True))
+                            yield framed(chunk(j, None, None, val, first=True))
                     elif kind == "delta":
-                        yield sse(chunk(i, val[0], None, val[1]))
+                        if delta := framed(chunk(i, val[0], None, val[1])):
+                            yield delta
                     elif kind == "done":
                         done += 1
                         completion += len(val.token_ids)
                         if i == 0:
                             cached = val.cached_tokens  # the prompt is computed once, by the first choice
-                        yield sse(chunk(i, "", val.finish_reason, None, gen=val))
+                        yield framed(chunk(i, "", val.finish_reason, None, gen=val))
                     else:  # as the non-streamed response would say it (status, code; a bug's message)
                         if isinstance(val, (RequestError, Unavailable)):
                             status = getattr(val, "status", 503)
@@ -994,7 +1250,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                         else:
                             status, code, message = 500, "internal_error", INTERNAL_ERROR_MESSAGE.format(
                                 type(val).__name__)
-                        yield error_event(status, message, param=getattr(val, "param", None), code=code)
+                        yield failed(status, message, param=getattr(val, "param", None), code=code)
                         break
                 if include_usage and done == n:
                     u = chunk(0, "", None, None)
@@ -1004,7 +1260,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     if dl is not None:
                         u["deadline"] = dl.report()
                     yield sse(u)
-                yield DONE
+                if end:
+                    yield end
                 delivered = True  # resumed after the last event: it was sent
             finally:
                 task.cancel()
@@ -1165,6 +1422,60 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 "choices": choices,
                 "usage": usage(len(ids), sum(len(g.token_ids) for g in gens), gens[0].cached_tokens), **extras(gens)}
 
+    # ---- /v1/responses -------------------------------------------------------------------------
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, request: Request):
+        """OpenAI's Responses API over chat's generation (template, sampling, limits, deadlines): responses.py."""
+        if (forwarded := await maybe_forward(orch, request)) is not None:
+            return forwarded
+        check_model(req.model)
+        messages = req.messages()
+        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+            raise RequestError("the input is too long", param="input", status=413, code="prompt_too_long")
+        if req.instructions is not None:
+            check_text(req.instructions, "instructions")
+        for i, m in enumerate(messages[len(messages) - (1 if isinstance(req.input, str) else len(req.input)):]):
+            check_text(m["content"], "input" if isinstance(req.input, str) else f"input.{i}.content")
+        ids = await template(messages)
+        req.max_tokens = req.max_output_tokens
+        top = req.top
+        params, explicit = sampling(req, None, top)
+        most = orch.validate_prompt(ids, params.max_tokens, explicit, field=req.limit_field)
+        reserve_tokens(len(ids) + most, req.limit_field)
+        shape = _responses.ResponseBuilder(orch.model_id, req.echo())
+
+        def logprobs_of(choices: Optional[list[TokenChoice]]) -> Optional[list[dict]]:
+            return lp.chat_entries(choices, top) if top is not None and choices else None
+
+        def ours(gen: Generation) -> dict:
+            """This server's fields of a response: the generation's (as chat's ``petals_chain``), the deadline's."""
+            return extras([gen])
+
+        if req.stream:
+            def chunk(i, text, finish, choices, first=False, gen=None):
+                if first:
+                    return shape.opening()
+                if gen is None:
+                    return shape.delta(text or "", logprobs_of(choices))
+                return shape.closing(gen.finish_reason, _responses.usage(len(ids), len(gen.token_ids),
+                                                                         gen.cached_tokens), ours(gen))
+
+            return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, 1), explicit, emits), 1,
+                                   chunk, False, len(ids), failed=shape.failed, end="")
+        gen = (await unless_disconnected(request, orch.generate_n(ids, per_choice(params, 1), explicit)))[0]
+        return shape.finished(gen.text, gen.finish_reason,
+                              _responses.usage(len(ids), len(gen.token_ids), gen.cached_tokens),
+                              logprobs_of(gen.logprobs), ours(gen))
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.get("/v1/responses/{response_id}/input_items")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_response(response_id: str, request: Request):
+        # the openai package's retrieve / delete / cancel / input_items.list: nothing is kept to act on
+        raise RequestError(f"no response {shown_model_name(response_id)}: this server stores no responses (each is "
+                           "answered with store: false and forgotten), so none can be retrieved, listed, cancelled "
+                           "or deleted", status=404, param="response_id", code="response_not_found")
+
     # ---- multi-turn sessions -------------------------------------------------------------------
     @app.post("/api/v1/sessions")
     async def open_session(request: Request, req: Optional[SessionOpenRequest] = None):
@@ -1303,7 +1614,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         async def index():
             return (f"petals-chain orchestrator for {orch.model_id}\n"
                     "GET /api/v1/swarm  GET /v1/models  POST /v1/completions  POST /v1/chat/completions  "
-                    "GET /metrics\n")
+                    "POST /v1/responses  GET /metrics\n")
 
     # Bounded queue, per-client limits and body size (429/413 with Retry-After): limits.py.
     from petals_chain.orchestrator.limits import client_of, install_limits, release_client

@@ -51,7 +51,7 @@ Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
-_GENERATE = re.compile(r"^/(v1/completions|v1/chat/completions|api/v1/sessions/[^/]+/generate)/?$")
+_GENERATE = re.compile(r"^/(v1/completions|v1/chat/completions|v1/responses|api/v1/sessions/[^/]+/generate)/?$")
 _OPEN_SESSION = re.compile(r"^/api/v1/sessions/?$")
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)(/generate)?/?$")
 _AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions)")

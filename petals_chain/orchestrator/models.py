@@ -38,7 +38,8 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-_BY_BODY = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/api/v1/sessions")}
+_BY_BODY = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+            ("POST", "/api/v1/sessions")}
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)")
 MAX_BODY = 64 * 2**20  # read to route; each model's own limit (--max-body-bytes) applies after
 # Gauges of the replay cache every model shares (share_replay_cache): the process's figures, not one model's

@@ -25,9 +25,10 @@ def error_object(status: int, message: str, *, type_: Optional[str] = None, para
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def sse(obj: Any) -> str:
-    """One server-sent event carrying ``obj`` as compact JSON."""
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def sse(obj: Any, event: Optional[str] = None) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON; ``event``: its name (the Responses API names each)."""
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 def error_event(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
