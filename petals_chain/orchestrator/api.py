@@ -43,7 +43,7 @@ from petals_chain.orchestrator import responses as _responses
 from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, RequestIds, RequestTrace,
                                                   install_log_ids, scope_request_id, shown_path)
 from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice,
-                                                offsets_in_text)
+                                                choice_seed, offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
 from petals_chain.orchestrator.sse import DONE, KEEPALIVE, NO_RETRY_HEADER, error_event, error_object, sse
 from petals_chain.orchestrator.tokentext import whole_text
@@ -1287,9 +1287,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                            param="prompt", code="invalid_value")
 
     def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
-        """``n`` copies; seeded requests give choice ``i`` seed ``seed + i`` (choices differ, runs repeat)."""
-        return [SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i,
-                                  "stop": list(params.stop)}) for i in range(n)]
+        """``n`` copies; a seeded request gives choice ``i`` the seed ``choice_seed(seed, i)``: choice 0 its own,
+        the others a mix of (seed, i), so choices differ, runs repeat, and no choice is another seed's choice 0."""
+        return [SamplingParams(**{**params.__dict__, "seed": choice_seed(params.seed, i), "stop": list(params.stop)})
+                for i in range(n)]
 
     # ---- /v1/completions -----------------------------------------------------------------------
     @app.post("/v1/completions")

@@ -527,7 +527,11 @@ class HeadBatcher:
                 if self.on_batch is not None:
                     self.on_batch(len(batch))
                 for (_, _, fut), result in zip(batch, out):
-                    if not fut.done():
+                    if fut.done():
+                        continue
+                    if isinstance(result, BaseException):  # that row's own failure (no token to sample)
+                        fut.set_exception(result)
+                    else:
                         fut.set_result(result)
             except BaseException as e:  # deliver the error to every waiter rather than hang them
                 for _, _, fut in batch:
@@ -536,14 +540,16 @@ class HeadBatcher:
                 if isinstance(e, asyncio.CancelledError):
                     raise
 
-    def _compute(self, hidden: torch.Tensor, seqs: list) -> list[tuple[Any, torch.Tensor]]:
-        from petals_chain.orchestrator.sampling import sample_batch
+    def _compute(self, hidden: torch.Tensor, seqs: list) -> list[tuple[Any, torch.Tensor] | BaseException]:
+        """Per row: (TokenChoice, its token's embedding), or the row's SamplingError (it fails that request alone)."""
+        from petals_chain.orchestrator.sampling import sample_rows
 
         with torch.inference_mode():
             logits = self.head.logits(hidden)[:, -1, :]
-            choices = sample_batch(logits, seqs)
-            emb = self.head.embed(torch.tensor([[c.token] for c in choices], dtype=torch.long)).cpu()
-        return [(c, emb[i:i + 1]) for i, c in enumerate(choices)]
+            choices = sample_rows(logits, seqs)
+            ids = [[0 if isinstance(c, BaseException) else c.token] for c in choices]  # (a failed row's is unused)
+            emb = self.head.embed(torch.tensor(ids, dtype=torch.long)).cpu()
+        return [c if isinstance(c, BaseException) else (c, emb[i:i + 1]) for i, c in enumerate(choices)]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -33,6 +33,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.tokentext import MAX_CHARACTER_BYTES, context_tail, incomplete_end
 
 
@@ -115,6 +116,40 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded ``seed`` (``n`` > 1): ``seed`` itself for choice 0 (a seeded
+    request's first choice is what the same request with n = 1 gives), else a 64-bit mix of (seed, index): numpy's
+    ``SeedSequence(seed, spawn_key=(index,))``, the standard way to derive independent child streams. ``seed + index``
+    made choice i of seed s the very stream of choice 0 of seed s + i: neighbouring seeds shared outputs."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"a choice index is an integer >= 0, got {index!r}")
+    if seed is None or index == 0:
+        return seed
+    state = np.random.SeedSequence(int(seed) % 2**64, spawn_key=(index,)).generate_state(1, np.uint64)
+    return int(state[0])
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    """A sequence's own generator: seeded by ``seed`` (any int, taken mod 2**64: OpenAI's int64 seeds and
+    :func:`choice_seed`'s), or from the OS's entropy when None."""
+    gen = torch.Generator()
+    if seed is not None:
+        gen.manual_seed(int(seed) % 2**64)
+    else:
+        gen.seed()
+    return gen
+
+
+class SamplingError(RequestError):
+    """No token can be sampled for one sequence: its logits hold NaN or +inf (a broken model output, or a value that
+    overflowed), or exclude every token (all -inf). It fails that sequence's request alone, with this message (HTTP
+    500, code ``invalid_logits``); :func:`sample_rows` samples the batch's other rows as usual. ``row``: its row."""
+
+    def __init__(self, message: str, row: int | None = None):
+        super().__init__(message, status=500, code="invalid_logits")
+        self.row = row
+
+
 @dataclass(frozen=True, slots=True)
 class TokenChoice:
     """One sampled (or scored) token. ``logprob``/``top_logprobs`` are of the raw model distribution, or None when
@@ -160,11 +195,7 @@ class PerRequestSampler:
     def __init__(self, params: SamplingParams, prompt_len: int | None = None):
         self.params = params
         self.prompt_len = prompt_len
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(int(params.seed) % 2**64)  # int64 seeds, and seed + i for n choices
-        else:
-            self.generator.seed()
+        self.generator = _generator(params.seed)
         self.processors: LogitsProcessorList | None = None
 
     def _build(self, prompt_len: int) -> LogitsProcessorList:
@@ -227,11 +258,7 @@ class SequenceSampler:
     def __init__(self, params: SamplingParams, prompt_ids: Iterable[int] = ()):
         params.validate()
         self.params = params
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(int(params.seed) % 2**64)  # int64 seeds, and seed + i for n choices
-        else:
-            self.generator.seed()
+        self.generator = _generator(params.seed)
         self.greedy = params.greedy
         self.temperature = 1.0 if self.greedy else float(params.temperature)
         self.counts: dict[int, int] = {}  # generated token -> occurrences
@@ -583,11 +610,27 @@ def _filters(s: SequenceSampler, vocab: int) -> bool:
     return not s.greedy and (_k_eff(p.top_k, vocab) > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
+def _row_error(raw: torch.Tensor, processed: torch.Tensor, row: int) -> SamplingError:
+    """Why row ``row`` has no token to sample, from its model logits ``raw`` and ``processed`` ones [vocab]."""
+    vocab = raw.numel()
+    for where, x in (("the model's logits", raw), ("its logits after temperature, penalties and logit_bias",
+                                                    processed)):
+        for what, mask in (("NaN", torch.isnan(x)), ("+inf", torch.isposinf(x))):
+            if bool(mask.any()):
+                ids = mask.nonzero().squeeze(1)
+                return SamplingError(f"no next token can be sampled: {where} are {what} at {len(ids)} of {vocab} "
+                                     f"tokens (token {int(ids[0])} first); the generation was stopped", row)
+    return SamplingError("no next token can be sampled: every token's logit is -inf (the model's logits, or after "
+                         "temperature, penalties and logit_bias); the generation was stopped", row)
+
+
 @torch.inference_mode()
-def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool,
-         want_probs: bool) -> tuple[list[int], torch.Tensor | None]:
+def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool, want_probs: bool,
+         fail_fast: bool = True) -> tuple[list[int], torch.Tensor | None, dict[int, SamplingError]]:
     """The whole vectorized step. ``draw``: each sampled row draws its race (``_race_uniforms``) and gets a token; else
-    nothing is drawn (only ``want_probs``).
+    nothing is drawn (only ``want_probs``). Returns (tokens, probs, errors): ``errors`` maps the rows that have no
+    token to sample to their :class:`SamplingError` (their tokens and probs are meaningless); ``fail_fast`` raises
+    the first instead.
 
     Rows are laid out by kind (greedy, unfiltered, then filtered by first candidate width, top-p-without-top-k
     first) in one working copy, so every kind is a contiguous slice: no per-kind copies of [rows, vocab].
@@ -597,8 +640,9 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool,
     raw = logits.detach().to("cpu", torch.float32).contiguous()
     tokens = [0] * bsz
     probs = torch.zeros(bsz, vocab) if want_probs else None
+    errors: dict[int, SamplingError] = {}
     if bsz == 0:
-        return tokens, probs
+        return tokens, probs, errors
 
     filt = [_filters(s, vocab) for s in seqs]
     greedy = [i for i, s in enumerate(seqs) if s.greedy]
@@ -658,6 +702,21 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool,
         if dst is not None:
             work.view(-1).index_copy_(0, dst, vals)
 
+    # Rows with no token to sample (NaN or +inf, or all -inf): an error each; with ``fail_fast`` the first is raised
+    # before any generator advances, else the row is zeroed so the batch goes on, and its token is dropped.
+    top = torch.from_numpy(work.numpy().max(axis=1))  # NaN propagates; numpy's is ~3x torch's amax on a CPU row
+    bad_slots = (~torch.isfinite(top)).nonzero().squeeze(1).tolist()
+    if bad_slots:
+        for j in bad_slots:
+            errors[order[j]] = _row_error(raw[order[j]], work[j], order[j])
+        if fail_fast:
+            raise errors[order[bad_slots[0]]]
+        if not owned:  # ``work`` is ``raw``, which may be the caller's own tensor
+            work, owned = _workspace("work", bsz, vocab), True
+            work.copy_(raw)
+        work[bad_slots] = 0.0
+        top[bad_slots] = 0.0
+
     noise = _race_uniforms(seqs, order[len(greedy):], vocab) if draw and len(greedy) < bsz else None
 
     # 3. Greedy rows: the first maximal index.
@@ -677,7 +736,7 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool,
         if probs is not None:
             probs[plain] = torch.softmax(wp, dim=1)
         if noise is not None:
-            scores = _centered(wp, wp.amax(dim=1, keepdim=True), out=wp if owned else None)
+            scores = _centered(wp, top[at - len(plain):at].unsqueeze(1), out=wp if owned else None)
             for i, t in zip(plain, _race(scores, _log_e_(noise[:len(plain)]), out=scores).tolist()):
                 tokens[i] = t
 
@@ -727,7 +786,7 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool,
                     pending += [(wd, idx[torch.tensor(b)], 1) for wd, b in sorted(nxt.items())]
                 else:  # the bound fell short (rounding, or ties at the boundary): the full sort decides
                     pending.append((vocab, idx[bad], 2))
-    return tokens, probs
+    return tokens, probs, errors
 
 
 def sample_batch(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> list[TokenChoice]:
@@ -747,12 +806,27 @@ def sample_batch(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> list[
     unprocessed logits (vLLM v1's default "raw logprobs"): before bias, penalties, temperature and filtering.
     The penalty state is not advanced: call ``seqs[i].append(choice.token)`` for each emitted token. Logits on
     another device are sampled on the CPU.
+
+    A row with no token to sample (NaN or +inf logits, or all -inf) raises its :class:`SamplingError` before any
+    generator advances; :func:`sample_rows` fails such rows alone.
     """
-    tokens, _ = _run(logits, seqs, True, want_probs=False)
-    lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    return _sample(logits, seqs, fail_fast=True)  # type: ignore[return-value]  # (raised: no errors in the list)
+
+
+def sample_rows(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> list[TokenChoice | SamplingError]:
+    """:func:`sample_batch` for a batch of independent requests: a row with no token to sample (NaN or +inf
+    logits, or all -inf) gets its :class:`SamplingError` in its place, for the caller to fail that row's request
+    with, and every other row is sampled exactly as :func:`sample_batch` samples it (same draws, same tokens)."""
+    return _sample(logits, seqs, fail_fast=False)
+
+
+def _sample(logits: torch.Tensor, seqs: Sequence[SequenceSampler], fail_fast: bool
+            ) -> list[TokenChoice | SamplingError]:
+    tokens, _, errors = _run(logits, seqs, True, want_probs=False, fail_fast=fail_fast)
+    out: list[TokenChoice | SamplingError] = [errors.get(i) or TokenChoice(t) for i, t in enumerate(tokens)]
+    lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and i not in errors]
     if not lp_rows:
-        return [TokenChoice(t) for t in tokens]
-    out = [TokenChoice(t) for t in tokens]
+        return out
     with torch.inference_mode():
         lsm = torch.log_softmax(_rows(logits.detach().to("cpu", torch.float32), lp_rows), dim=1)
         chosen = lsm.gather(1, torch.tensor([[tokens[i]] for i in lp_rows])).squeeze(1).tolist()
@@ -797,7 +871,7 @@ def verify_drafts(logits: torch.Tensor, seq: SequenceSampler, draft: Sequence[in
 
 def _filtered_probs(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
     """Per-row distribution ``sample_batch`` draws from [B, vocab] (greedy rows: one-hot); for tests. No draws."""
-    return _run(logits, seqs, False, want_probs=True)[1]
+    return _run(logits, seqs, False, want_probs=True)[1]  # (a row with no token to sample raises)
 
 
 def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenChoice | None]:
