@@ -79,6 +79,9 @@ class ChainHolder:
         # the current chain was opened naming a cached prefix (not forked, not open_full) and has not stepped yet:
         # only its first step may be refused for want of pages by a server that works as it should
         self.lean_first = False
+        # (prompt tokens, cached tokens) of the current chain's open, counted as a prefix lookup once its first step
+        # is served (:meth:`_count_lookup`): a chain given up before that served no hit and is no lookup of its own
+        self._lookup: tuple[int, int] | None = None
         self.yields = False  # its next acquire queues after the deadline jobs (it was paused for one)
         # --schedule db|mlfq: level, budget and priority of the job (kept across pauses and failovers); ``shape``
         # (prompt tokens, max_tokens) puts a one-shot job in its length class
@@ -223,6 +226,8 @@ class ChainHolder:
                 await asyncio.sleep(0.2)
                 continue
             self._worker = chain_key(lease.chain)
+            # no prefix named to a chain with a hop that has no prefix cache: it starts at 0 whatever the others hold
+            named_here = self._named_for(lease, named)
             declared = self.declared_length(need)
             cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", declared,
                               observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0),
@@ -251,9 +256,9 @@ class ChainHolder:
                         self.forked = True
                         self.orch.stats.forks += 1
                     else:
-                        await cs.open(named=b"" if self.open_full else named)
+                        await cs.open(named=b"" if self.open_full else named_here)
                     opened = True
-                    self.lean_first = fork is None and bool(named) and not self.open_full
+                    self.lean_first = fork is None and bool(named_here) and not self.open_full
                     self.open_full = False
                     break
                 except HopFailure as e:
@@ -301,9 +306,9 @@ class ChainHolder:
                     self.kv_valid = self.cached_tokens = cs.cached_tokens
                     self.kv_epoch, self.kv_peers = (named_epoch if cs.cached_tokens else None), frozenset()
                     self.inputs.clear()
-                    # every open's lookup, not only its hits: the hit rate stays within 1 (each choice of n, a failover's
-                    # reopen and a session turn look the prompt up again, and were counted against it once)
-                    orch.stats.add_chain_open(len(prompt) if prompt else 0, cs.cached_tokens)
+                    # every open's lookup, not only its hits: the hit rate stays within 1 (each choice of n, a
+                    # failover's reopen and a session turn look the prompt up again); counted at the first step
+                    self._lookup = (len(prompt) if prompt else 0, cs.cached_tokens)
                 else:
                     self.inputs.copy_prefix(self.fork_source[0].inputs, fork[1])
                     # the sibling's KV: whoever computed it (a hop it replaced during our open too), and its reuse
@@ -398,7 +403,7 @@ class ChainHolder:
         auditor = getattr(self.orch, "auditor", None)
         if self._untrusted():
             held = []  # maybe computed from a banned server's replies: never offered to a later job
-        self.cs, self.lease, self.kv_valid, self.lean_first = None, None, 0, False
+        self.cs, self.lease, self.kv_valid, self.lean_first, self._lookup = None, None, 0, False, None
         self.kv_epoch, self.kv_peers = None, frozenset()
         self.inputs.clear()
         named = prefix_hashes(held, auditor.salt if auditor is not None else b"") if held else b""
@@ -527,6 +532,7 @@ class ChainHolder:
                     await self._chain_failed(e, budget, len(ids))
                 continue
             self.lean_first = False
+            self._count_lookup()
             self.kv_ids.extend(new_ids)
             self.kv_valid = len(self.kv_ids)
             if self.lease is not None and hasattr(self.orch.dispatch, "charge"):  # routed dispatch: no central queue
@@ -542,6 +548,29 @@ class ChainHolder:
             self.steps += 1
             self.batch_steps += self._chain_jobs()
             return out[0, len(ids) - len(new_ids):] if all_positions else out[0, -1]
+
+    def _named_for(self, lease: Lease, named: bytes) -> bytes:
+        """``named`` (the prompt's prefix hashes) for the open of ``lease``'s chain, or nothing when a hop's server
+        announces no prefix cache (its record's ``prefix_cache``; a server the planner has no record of counts as
+        having one). That hop holds nothing, so the chain starts at 0 and the other hops' matches are of no use;
+        named, a server whose pool was full opened lean on its match and refused the first step for want of pages
+        (a preemption and a second open, every time). Unnamed, it reserves the whole length or queues the open."""
+        planner = getattr(self.orch, "planner", None)
+        servers = getattr(planner, "servers", None) or {}
+        for peer, _, _ in lease.hops:
+            view = servers.get(peer)
+            if view is not None and not getattr(view.record, "prefix_cache", True):
+                return b""
+        return named
+
+    def _count_lookup(self) -> None:
+        """The current chain served its first step: count its open's prefix lookup and hits now. A chain given up
+        before (a lean first step refused for want of pages, a failed first step) served none of its hits, and the
+        open after it is the same request's lookup: counted at its open, a lean refusal's full re-open added the
+        prompt again with 0 hits and a refused open's hits were counted though recomputed."""
+        if self._lookup is not None:
+            self.orch.stats.add_chain_open(*self._lookup)
+            self._lookup = None
 
     def _chain_jobs(self) -> int:
         """Jobs running on this job's chain now (itself included)."""
