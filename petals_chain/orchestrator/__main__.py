@@ -54,6 +54,15 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _cors_origins(text: str) -> list[str]:
+    from petals_chain.orchestrator.api import cors_origins
+
+    try:
+        return cors_origins(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _nonnegative_float(text: str) -> float:
     v = _number(text)
     if not 0 <= v < float("inf"):
@@ -198,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sse-keepalive-s", type=_nonnegative_float, default=15.0, metavar="S",
                    help="send an SSE keepalive comment on a stream silent this long (waiting in the queue: proxies "
                         "such as nginx cut a stream silent for 60 s); 0: never")
+    p.add_argument("--cors-origins", type=_cors_origins, default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="let web pages from these origins (scheme://host[:port], as a browser sends them; * for any) "
+                        "call the API from a browser: preflights answered without a key, replies readable by the "
+                        "page; cookies never (keys go in Authorization). Off by default (no page of another origin "
+                        "can read a reply)")
     p.add_argument("--shutdown-grace-s", type=_nonnegative_float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="S",
                    help="on SIGTERM or Ctrl-C: new requests get 503 (and /healthz too) and queued ones at once, "
                         "running ones get this long to finish, then are cut (a stream with a last error event); the "
@@ -497,6 +511,10 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
         if isinstance(e, asyncio.CancelledError) and (stop_starting.requested or watch.lost.is_set()):
             return  # stopped as a stop while serving is: no traceback (exit 0; 1 for a lost DHT process)
         raise
+    if getattr(cfg, "cors_origins", None):
+        from petals_chain.orchestrator.api import with_cors
+
+        app = with_cors(app, cfg.cors_origins)  # outermost: over the router and every model's keys and limits
     # uvicorn's own grace only for what the drain does not track (a dashboard page): by then every API request has
     # finished or was cut (_GracefulStop)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
@@ -777,6 +795,7 @@ def _main(argv: list[str] | None) -> int:
         c.max_queue, c.client_max_inflight = args.max_queue, args.client_max_inflight
         c.queue_timeout_s, c.no_chain_wait_s = args.queue_timeout_s, args.no_chain_wait_s
         c.sse_keepalive_s = args.sse_keepalive_s
+        c.cors_origins = args.cors_origins  # the HTTP app's, read by _serve (one app for every model)
         c.client_max_sessions, c.max_body_bytes = args.client_max_sessions, args.max_body_bytes
         c.max_sessions, c.session_idle_timeout_s = args.max_sessions, args.session_idle_timeout_s
         c.max_n = args.max_choices

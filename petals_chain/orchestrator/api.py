@@ -517,7 +517,9 @@ class InputMessage(_Base):
     def _messages_only(cls, data: Any) -> Any:
         kind = data.get("type") if isinstance(data, dict) else None
         if kind not in (None, "message"):
-            why = _ITEM_REFUSALS.get(kind, "only messages are supported")
+            # a kind that is not a string (a list, an object) was a TypeError (unhashable) there: a 500
+            why = _ITEM_REFUSALS.get(kind, "only messages are supported") if isinstance(kind, str) else \
+                "only messages are supported"
             raise FieldError("type", f"input items of type {_shown(kind)} are not supported: {why}")
         return data
 
@@ -818,6 +820,9 @@ class _Logprobs:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+CALL_SCOPE_KEY = "petals_chain.call"  # the scope's :class:`_Call` (a route sets the end of its stream if cut)
+
+
 class _Call:
     """One API request under way behind a :class:`ShutdownGate`: what of its response went out."""
 
@@ -826,6 +831,9 @@ class _Call:
         self.task: asyncio.Task | None = None
         self.started = self.complete = self.events = False
         self.cut = False
+        # the last events of a stream cut by the shutdown, when not chat's error event and [DONE] (the Responses
+        # API's: response.failed and error, numbered on from the events sent); set by the route serving it
+        self.tail: Optional[Callable[[int, str, str], str]] = None
 
     async def send(self, message: dict) -> None:
         await self.outer(message)  # its flags after: a cancellation there (a slow reader's) wrote nothing
@@ -885,7 +893,7 @@ class ShutdownGate:
         return len(calls)
 
     async def _serve(self, app: Any, scope: dict, receive: Callable, send: Callable) -> None:
-        call = _Call(send)
+        call = scope[CALL_SCOPE_KEY] = _Call(send)
         # its own task: cut() cancels the request alone; this one then writes the end its client can act on
         call.task = task = asyncio.ensure_future(app(scope, receive, call.send))
         self.calls.add(call)
@@ -922,7 +930,9 @@ class ShutdownGate:
                 await self._refuse(call.outer, cut=True)
             else:
                 # a stream (an SSE relay's too) gets the event a client acts on; another response just ends
-                tail = (error_event(503, _CUT_MESSAGE, code=ShuttingDown.code) + DONE).encode() if call.events else b""
+                tail = b"" if not call.events else (
+                    call.tail(503, _CUT_MESSAGE, ShuttingDown.code) if call.tail is not None
+                    else error_event(503, _CUT_MESSAGE, code=ShuttingDown.code) + DONE).encode()
                 await call.outer({"type": "http.response.body", "body": tail, "more_body": False})
         except (OSError, RuntimeError) as e:  # the client went away meanwhile: nobody to tell
             logger.debug("could not end a request cut by the shutdown: %r", e)
@@ -935,6 +945,41 @@ class ShutdownGate:
                                 (b"retry-after", str(unavailable_retry_after_s(self.orch.cfg)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+CORS_METHODS = ("GET", "POST", "DELETE", "OPTIONS")
+CORS_HEADERS = ("authorization", "content-type", REQUEST_ID_HEADER, "x-api-key")
+CORS_EXPOSED = (REQUEST_ID_HEADER, "retry-after", NO_RETRY_HEADER)  # what a page's script may read of a reply
+_ORIGIN = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?$")
+
+
+def cors_origins(text: str) -> list[str]:
+    """``--cors-origins``: a comma-separated list of origins (``scheme://host[:port]``, as a browser sends its
+    ``Origin`` header) or ``*`` (any page); raises ValueError naming one that a browser would never send (a path, no
+    scheme), which would otherwise never match and fail silently."""
+    origins = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        origin = item[:-1] if item.endswith("/") and item.count("/") == 3 else item  # "https://a.example/" too
+        if origin != "*" and not _ORIGIN.match(origin):
+            raise ValueError(f"{item!r} is not an origin: scheme://host[:port] (http or https, no path), or *")
+        origins.append(origin.lower())
+    if not origins:
+        raise ValueError("no origin given (scheme://host[:port], comma-separated, or *)")
+    return origins
+
+
+def with_cors(app: Any, origins: list[str]) -> Any:
+    """``app`` behind Starlette's CORSMiddleware for ``origins``: outermost, so a browser's preflight (``OPTIONS``,
+    no key) is answered before the API keys and limits see it, and every reply (an error's too) carries the allow
+    header a page needs to read it. Credentials (cookies) are never allowed: keys travel in ``Authorization``, which
+    a page sends itself, so ``*`` lets any page use a key it holds and none use a browser's ambient ones."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(app, allow_origins=origins, allow_methods=list(CORS_METHODS),
+                          allow_headers=list(CORS_HEADERS), expose_headers=list(CORS_EXPOSED),
+                          allow_credentials=False, max_age=600)
 
 
 _CUT_MESSAGE = ("the orchestrator is shutting down and its grace for running requests is over: the request was cut "
@@ -1461,6 +1506,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 return shape.closing(gen.finish_reason, _responses.usage(len(ids), len(gen.token_ids),
                                                                          gen.cached_tokens), ours(gen))
 
+            if (call := request.scope.get(CALL_SCOPE_KEY)) is not None:  # cut by the shutdown: as any failure
+                call.tail = lambda status, message, code: shape.failed(status, message, code=code)
             return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, 1), explicit, emits), 1,
                                    chunk, False, len(ids), failed=shape.failed, end="")
         gen = (await unless_disconnected(request, orch.generate_n(ids, per_choice(params, 1), explicit)))[0]

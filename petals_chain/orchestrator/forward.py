@@ -33,9 +33,9 @@ from petals_chain.orchestrator.deadlines import key_defaults
 from petals_chain.orchestrator.dispatch import note_admission
 from petals_chain.orchestrator.errors import RequestError
 from petals_chain.orchestrator.request_id import HEADER as REQUEST_ID_HEADER, current_request_id
-from petals_chain.orchestrator.resume import (SHUTTING_DOWN, Cut, DeadlineGone, StreamRecord, client_tls, finish,
-                                             first_deadline_s, relay_events, sse_events, stream_ending, ticking,
-                                             with_time_gone)
+from petals_chain.orchestrator.resume import (SHUTTING_DOWN, Cut, DeadlineGone, ResponsesRecord, StreamRecord,
+                                             client_tls, finish, first_deadline_s, relay_events, sse_events,
+                                             stream_ending, ticking, with_time_gone)
 from petals_chain.swarm.media import is_event_stream
 
 logger = logging.getLogger(__name__)
@@ -310,7 +310,11 @@ async def _relay_raw(orch: Any, url: str, upstream: httpx.Response, close: Calla
         if not events:
             raise
         logger.warning("the stream forwarded to %s was cut off (%s: %s)", url, type(e).__name__, e)
-        yield stream_ending(503, "stream_cut", f"the orchestrator serving this stream ({url}) was lost: {e}")
+        message = f"the orchestrator serving this stream ({url}) was lost: {e}"
+        # a Responses stream ends as the SDK reads one: response.failed and an error event, not chat's [DONE]
+        yield (ResponsesRecord({}, 0.0).ending(503, "stream_cut", message)
+               if upstream.request.url.path.rstrip("/").endswith("/v1/responses")
+               else stream_ending(503, "stream_cut", message))
     finally:  # the other orchestrator cut off too (no background task runs after an error)
         await close()
 

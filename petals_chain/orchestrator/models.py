@@ -5,8 +5,9 @@ Orchestrator` per model, sharing one DHT node, and one HTTP API that routes each
 has its own DHT prefix (from its source, as its servers derive it), planner, chains, queue and dispatch, so a volunteer
 serves a model by starting a server with that model. :class:`ModelRouter` is the ASGI app in front:
 
-* ``POST /v1/completions``, ``/v1/chat/completions`` and ``/api/v1/sessions``: by the body's ``model`` (a session
-  without one opens on the first model); an unknown model is a 404 ``model_not_found`` naming the ones served;
+* ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and ``/api/v1/sessions``: by the body's
+  ``model`` (a session without one opens on the first model); an unknown model is a 404 ``model_not_found``
+  naming the ones served;
 * ``/api/v1/sessions/{id}...``: to the model whose orchestrator holds the session;
 * ``GET /v1/models``: every model; ``/v1/models/{id}``: that one; ``GET /healthz``: every model's, 200 only if all are;
 * ``GET /metrics``: every model's series in one exposition, each sample labelled ``model="NAME"`` (what a Prometheus

@@ -39,7 +39,8 @@ KEEPALIVE_S = 10.0  # an SSE comment to the client after this long without a byt
 # secret only this process knows, lets it past the per-client cap once more (limits.py); forged, it is ignored.
 RESUME_HEADER = "x-petals-chain-resume"
 _RESUME_SECRET = secrets.token_urlsafe(24)
-RESUMABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
+RESUMABLE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_RESPONSES_PATH = "/v1/responses"  # its stream is the Responses API's named events: ResponsesRecord
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _DONE = sse.DONE.encode()
 _KEEPALIVE = b": waiting to finish this stream\n\n"
@@ -170,7 +171,8 @@ class StreamRecord:
             req = json.loads(body)
             if not isinstance(req, dict) or req.get("stream") is not True:
                 return None
-            return cls(_with_defaults(req, defaults), arrived)
+            kind = ResponsesRecord if path.rstrip("/") == _RESPONSES_PATH else cls
+            return kind(_with_defaults(req, defaults), arrived)
         except (ValueError, TypeError):
             return None
 
@@ -182,6 +184,10 @@ class StreamRecord:
     def restart(self) -> None:
         """A rerun begins: its events are matched against what was delivered from the start."""
         self.at, self.lp_at, self.rerun = {}, {}, True
+
+    def ending(self, status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
+        """The events that end this stream when it cannot be finished."""
+        return stream_ending(status, code, message, type_)
 
     def take(self, event: bytes) -> Optional[bytes]:
         """The event to pass on (of a rerun: without what the client has), or None; raises :class:`_Mismatch`."""
@@ -257,6 +263,139 @@ class StreamRecord:
         generated token was delivered); raises :class:`DeadlineGone` when one has passed (unless best effort)."""
         first_token_sent = any(k > (1 if self.echo else 0) for k in self.text_events.values())
         return json.dumps(_shortened(self.body, self.arrived, first_token_sent)).encode()
+
+
+class ResponsesRecord(StreamRecord):
+    """What a relayed Responses API stream (``POST /v1/responses``) gave its client. Its events are named and
+    numbered (``sequence_number`` from 0) and name the response and its message (``id``, ``item_id``): a rerun's go
+    on under the first run's ids and numbers, its opening events (created, in progress, the message and its part
+    added) and the text the client has left out. No ``[DONE]``: ``response.completed`` / ``response.incomplete``
+    end it. A ``response.failed`` is held until its ``error`` event (a shutdown's cut or a lost chain there is
+    rerun, not shown)."""
+
+    _OPENING = ("response.created", "response.in_progress", "response.output_item.added",
+                "response.content_part.added")
+    _ENDS = ("response.completed", "response.incomplete")
+
+    def __init__(self, body: dict, arrived: float) -> None:
+        super().__init__({**body, "n": 1, "stream_options": None}, arrived)
+        self.body = body
+        self.seq = 0  # the next sequence_number the client gets
+        self.response_id: Optional[str] = None
+        self.created_at: Any = None
+        self.item_id: Optional[str] = None
+        self.sent: set[str] = set()  # the opening events delivered
+        self.held: Optional[dict] = None  # a response.failed until its error event
+        self.lp_entries: list = []  # the logprob entries delivered (a failed response made here carries them)
+
+    @property
+    def complete(self) -> bool:
+        return False  # its last event ends it (finished): nothing but it is ever missing
+
+    def restart(self) -> None:
+        super().restart()
+        self.held = None
+
+    def take(self, event: bytes) -> Optional[bytes]:
+        payload = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+        try:
+            obj = json.loads(payload)
+            kind = obj["type"]
+            if not isinstance(kind, str) or not isinstance(obj.get("sequence_number", 0), int):
+                raise ValueError("not an event of the Responses API")
+        except (ValueError, TypeError, KeyError, RecursionError):  # not ours to understand
+            return None if self.rerun else event
+        if kind == "response.failed":
+            self.held = obj
+            return None
+        if kind == "error":
+            self.finished = True
+            held, self.held = self.held, None
+            return b"".join(self._out(o) for o in (held, obj) if o is not None)
+        if kind in self._OPENING:
+            if kind in self.sent:
+                return None
+            self.sent.add(kind)
+            self._learn(obj)
+        elif kind == "response.output_text.delta":
+            text, lps = obj.get("delta") or "", obj.get("logprobs") or []
+            if not isinstance(text, str) or not isinstance(lps, list):
+                raise _Mismatch(f"a delta event the relay does not understand: {payload[:200]!r}")
+            at, have = self.at.get(0, 0), self.text.get(0, "")
+            seen = min(len(text), max(0, len(have) - at))
+            if text[:seen] != have[at:at + seen]:
+                raise _Mismatch(f"the rerun gave {text[:seen]!r} where the client had {have[at:at + seen]!r}")
+            lp_at, lp_have = self.lp_at.get(0, 0), len(self.lp_entries)
+            old_lp = min(len(lps), max(0, lp_have - lp_at))
+            self.at[0], self.lp_at[0] = at + len(text), lp_at + len(lps)
+            if not text[seen:] and len(lps) == old_lp:
+                return None
+            self.text[0] = have + text[seen:]
+            self.lp_entries += lps[old_lp:]
+            if text[seen:]:
+                self.text_events[0] = self.text_events.get(0, 0) + 1
+            obj = {**obj, "delta": text[seen:], "logprobs": lps[old_lp:]}
+        elif self.rerun and self.at.get(0, 0) < len(self.text.get(0, "")):
+            raise _Mismatch(f"the rerun ended after {self.at.get(0, 0)} characters; the client had "
+                            f"{len(self.text.get(0, ''))}")
+        if kind in self._ENDS:
+            self.finished = True
+        return self._out(obj) if self.rerun else self._seen(obj, event)
+
+    def _learn(self, obj: dict) -> None:
+        """The first run's ids, from its opening events."""
+        response, item = obj.get("response"), obj.get("item")
+        if isinstance(response, dict) and self.response_id is None:
+            self.response_id, self.created_at = response.get("id"), response.get("created_at")
+        if isinstance(item, dict) and self.item_id is None:
+            self.item_id = item.get("id")
+        if self.item_id is None and isinstance(obj.get("item_id"), str):
+            self.item_id = obj["item_id"]
+
+    def _seen(self, obj: dict, event: bytes) -> bytes:
+        """A first run's event, passed on as sent."""
+        self.seq = max(self.seq, int(obj.get("sequence_number", self.seq)) + 1)
+        return event
+
+    def _out(self, obj: dict) -> bytes:
+        """``obj`` under the first run's ids, numbered next."""
+        obj = {**obj, "sequence_number": self.seq}
+        self.seq += 1
+        if self.rerun:
+            if self.item_id is not None:
+                if "item_id" in obj:
+                    obj["item_id"] = self.item_id
+                if isinstance(obj.get("item"), dict):
+                    obj["item"] = {**obj["item"], "id": self.item_id}
+            if isinstance(obj.get("response"), dict) and self.response_id is not None:
+                response = {**obj["response"], "id": self.response_id, "created_at": self.created_at}
+                if self.item_id is not None and isinstance(response.get("output"), list):
+                    response["output"] = [{**o, "id": self.item_id} if isinstance(o, dict) else o
+                                          for o in response["output"]]
+                obj["response"] = response
+        return sse.sse(obj, event=obj["type"]).encode()
+
+    def ending(self, status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
+        """``response.failed`` (with the text the client has) and an ``error`` event, numbered on: the Responses
+        API's end of a failed stream, not chat's error object and ``[DONE]``."""
+        self.finished = True
+        text = self.text.get(0, "")
+        output = [] if not text or self.item_id is None else [{
+            "id": self.item_id, "type": "message", "role": "assistant", "status": "incomplete",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": self.lp_entries}]}]
+        if self.response_id is None:  # cut before its first event: named here
+            self.response_id, self.created_at = f"resp_{secrets.token_hex(16)}", int(time.time())
+        failed = {"id": self.response_id, "object": "response", "created_at": self.created_at, "status": "failed",
+                  "error": {"code": "rate_limit_exceeded" if status == 429 else "server_error", "message": message},
+                  "incomplete_details": None, "model": self.body.get("model"), "output": output,
+                  "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "metadata": {},
+                  "instructions": self.body.get("instructions"), "temperature": self.body.get("temperature"),
+                  "top_p": self.body.get("top_p")}
+        err = sse.error_object(status, message, code=code, type_=type_)["error"]
+        self.rerun = True  # numbered on, as a rerun's events
+        return (self._out({"type": "response.failed", "response": failed})
+                + self._out({"type": "error", "code": code, "message": message, "param": None,
+                             "error": {**err, "status": status}}))
 
 
 class DeadlineGone(Exception):
@@ -375,7 +514,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
         yield _DONE
         return
     if not record.reproducible:
-        yield stream_ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost, and the "
+        yield record.ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost, and the "
                       "stream cannot be finished elsewhere: it samples without a seed")
         return
     give_up = time.monotonic() + RESUME_S
@@ -387,7 +526,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
             try:
                 body = record.rerun_body()
             except DeadlineGone as e:
-                yield stream_ending(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
+                yield record.ending(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
                               f"elsewhere (its orchestrator {lost} was lost)")
                 return
             record.restart()
@@ -402,7 +541,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                             if (r.status_code not in (429, 502, 503, 504)
                                     or code in ("deadline_unreachable", "deadline_infeasible")
                                     or r.headers.get(NO_RETRY_HEADER, "").lower() == "false"):  # it never fits
-                                yield stream_ending(r.status_code, code or "resume_refused", "the stream was cut off "
+                                yield record.ending(r.status_code, code or "resume_refused", "the stream was cut off "
                                                     f"and its rerun at {url} was refused: "
                                                     f"{reply[:300].decode(errors='replace')}", type_)
                                 return
@@ -433,7 +572,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                                 why = f"{url}: its stream ended early"
             except _Mismatch as e:
                 logger.error("a cut forwarded stream could not be finished: %s", e)
-                yield stream_ending(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
+                yield record.ending(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
                               f"than the one already sent ({e})")
                 return
             except (httpx.HTTPError, Cut) as e:
@@ -442,7 +581,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                 yield _DONE
                 return
         if time.monotonic() >= give_up:
-            yield stream_ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
+            yield record.ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
                           f"no other could finish it within {RESUME_S:.0f} s ({why})")
             return
         if time.monotonic() - quiet_since >= KEEPALIVE_S:
