@@ -610,18 +610,22 @@ def _filters(s: SequenceSampler, vocab: int) -> bool:
     return not s.greedy and (_k_eff(p.top_k, vocab) > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
-def _row_error(raw: torch.Tensor, processed: torch.Tensor, row: int) -> SamplingError:
-    """Why row ``row`` has no token to sample, from its model logits ``raw`` and ``processed`` ones [vocab]."""
+def _row_error(raw: torch.Tensor, processed: torch.Tensor | None, row: int,
+               lead: str = "no next token can be sampled", end: str = "the generation was stopped") -> SamplingError:
+    """Why row ``row`` has no token to sample (or, with its own ``lead``, cannot be scored), from its model logits
+    ``raw`` and ``processed`` ones [vocab] (None: only the model's are used)."""
     vocab = raw.numel()
-    for where, x in (("the model's logits", raw), ("its logits after temperature, penalties and logit_bias",
-                                                    processed)):
+    rows = [("the model's logits", raw)]
+    if processed is not None:
+        rows.append(("its logits after temperature, penalties and logit_bias", processed))
+    for where, x in rows:
         for what, mask in (("NaN", torch.isnan(x)), ("+inf", torch.isposinf(x))):
             if bool(mask.any()):
                 ids = mask.nonzero().squeeze(1)
-                return SamplingError(f"no next token can be sampled: {where} are {what} at {len(ids)} of {vocab} "
-                                     f"tokens (token {int(ids[0])} first); the generation was stopped", row)
-    return SamplingError("no next token can be sampled: every token's logit is -inf (the model's logits, or after "
-                         "temperature, penalties and logit_bias); the generation was stopped", row)
+                return SamplingError(f"{lead}: {where} are {what} at {len(ids)} of {vocab} tokens (token "
+                                     f"{int(ids[0])} first); {end}", row)
+    after = "" if processed is None else ", or after temperature, penalties and logit_bias"
+    return SamplingError(f"{lead}: every token's logit is -inf (the model's logits{after}); {end}", row)
 
 
 @torch.inference_mode()
@@ -876,7 +880,11 @@ def _filtered_probs(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> to
 
 def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenChoice | None]:
     """Raw logprobs of a prompt (``echo`` + logprobs): row i of ``logits`` [n, vocab] scores ``token_ids[i + 1]``;
-    the first token has no context to be scored by, so it gets None. Needs n >= len(token_ids) - 1."""
+    the first token has no context to be scored by, so it gets None. Needs n >= len(token_ids) - 1.
+
+    A scored row of NaN or +inf logits, or all -inf, has no distribution: its :class:`SamplingError` (500
+    ``invalid_logits``) is raised, as sampling from it does (its logprobs were NaN, which a JSON body cannot hold:
+    a 500 "internal error", or a stream of invalid JSON)."""
     n = len(token_ids)
     if n == 0:
         return []
@@ -889,6 +897,12 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> l
         lsm = torch.log_softmax(logits.detach()[: n - 1].to("cpu", torch.float32), dim=1)
         nxt = torch.tensor(list(token_ids[1:]), dtype=torch.long)
         chosen = lsm.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+        # log_softmax makes such a row NaN throughout (its max or sum is NaN), and no other row NaN anywhere
+        bad = next((j for j, v in enumerate(chosen) if math.isnan(v)), None)
+        if bad is not None:
+            row = logits.detach()[bad].to("cpu", torch.float32)
+            raise _row_error(row, None, bad, lead=f"the prompt cannot be scored (echo with logprobs) at its token "
+                             f"{bad + 1} (counted from 0)", end="the request was stopped")
         if k > 0:
             tv, ti = torch.topk(lsm, min(k, lsm.shape[1]), dim=1)
             tv, ti = tv.tolist(), ti.tolist()
