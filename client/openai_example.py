@@ -34,3 +34,15 @@ for chunk in client.chat.completions.create(model=model, messages=[{"role": "use
     if chunk.choices:
         print(chunk.choices[0].delta.content or "", end="", flush=True)
 print()
+
+# the Responses API (the package's newest): same generation as chat; nothing is stored on the server
+response = client.responses.create(model=model, instructions="You are brief.", input="Name a colour.",
+                                   max_output_tokens=12, temperature=0)
+print("response:", repr(response.output_text), response.status)
+
+print("response stream:", end=" ")
+with client.responses.stream(model=model, input="Count to three.", max_output_tokens=12) as stream:
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            print(event.delta, end="", flush=True)
+print()

@@ -450,7 +450,8 @@ def test_client_kit_examples(swarm):
     root = Path(__file__).resolve().parents[1]
     for cmd, expect in [([sys.executable, "client/python_session.py", swarm.url], ["completion:", "session:", "turns",
                                                                                     "chat session:"]),
-                        ([sys.executable, "client/openai_example.py", swarm.url], ["model:", "chat stream:"]),
+                        ([sys.executable, "client/openai_example.py", swarm.url], ["model:", "chat stream:", "response:",
+                                                                                    "response stream:"]),
                         ([sys.executable, "client/transformers_style.py", swarm.url, str(swarm.model_path)],
                          ["greedy:", "sampled:"]),
                         (["bash", "client/curl_examples.sh", swarm.url], ["session_id", "ready: True", "HTTP 400"])]:
