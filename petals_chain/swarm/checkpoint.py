@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petals_chain.swarm.sources import HFSource, ModelSource, ignored_tensor, resolve_source
+from petals_chain.swarm.sources import META_INIT_LOCK, HFSource, ModelSource, ignored_tensor, resolve_source
 
 QUANT_MODES = ("none", "int8", "nf4")
 _DTYPES = {
@@ -180,27 +180,28 @@ def load_block(
     _check_quant(quant, device)
     torch_dtype = parse_dtype(dtype, config)
 
-    with init_empty_weights():
-        layer = decoder_layer_class(config)(config, index)
     prefix = f"model.layers.{index}."
     names = [k for k in src.tensor_names() if k.startswith(prefix) and not ignored_tensor(k)]
     if not names:
         raise KeyError(f"no tensors with prefix {prefix!r} in {src.path}")
-    tensors = src.read_tensors(names)
+    tensors = src.read_tensors(names)  # (the slow part, outside the lock)
     state = {k[len(prefix):]: v.to(torch_dtype) for k, v in tensors.items()}
     del tensors
-    expected = set(dict(layer.named_parameters()).keys()) | {
-        n for n, _ in layer.named_buffers() if not n.endswith("inv_freq")}
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise KeyError(f"block {index} of {src.path}: missing tensors {sorted(missing)}, "
-                       f"unexpected {sorted(unexpected)}")
-    layer.load_state_dict(state, strict=False, assign=True)
-    meta_left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
-    if meta_left:
-        raise RuntimeError(f"block {index}: tensors left uninitialised: {meta_left}")
-    if quant != "none":
-        _quantize_linears(layer, quant, torch_dtype)
+    with META_INIT_LOCK:  # built on the meta device and assigned with no other thread's init_empty_weights open
+        with init_empty_weights():
+            layer = decoder_layer_class(config)(config, index)
+        expected = set(dict(layer.named_parameters()).keys()) | {
+            n for n, _ in layer.named_buffers() if not n.endswith("inv_freq")}
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise KeyError(f"block {index} of {src.path}: missing tensors {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
+        layer.load_state_dict(state, strict=False, assign=True)
+        meta_left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+        if meta_left:
+            raise RuntimeError(f"block {index}: tensors left uninitialised: {meta_left}")
+        if quant != "none":  # builds new Linear modules: not while another thread's init_empty_weights is open
+            _quantize_linears(layer, quant, torch_dtype)
     layer = layer.to(device)
     layer.eval().requires_grad_(False)
     return layer
@@ -278,24 +279,24 @@ def load_head(path: "str | os.PathLike | ModelSource", dtype: str | torch.dtype 
     skeleton_cfg.num_hidden_layers = 0
     if getattr(skeleton_cfg, "layer_types", None) is not None:
         skeleton_cfg.layer_types = []
-    with init_empty_weights():
-        skeleton = _causal_lm_class(config)(skeleton_cfg)
-    embed, norm, lm_head = skeleton.model.embed_tokens, skeleton.model.norm, skeleton.lm_head
-
     names = [k for k in src.tensor_names() if k.startswith(("model.embed_tokens.", "model.norm.", "lm_head."))]
     tensors = {k: v.to(torch_dtype) for k, v in src.read_tensors(names).items()}
     tied = ties_lm_head(config, tensors)
-    embed.load_state_dict({k[len("model.embed_tokens."):]: v for k, v in tensors.items()
-                           if k.startswith("model.embed_tokens.")}, assign=True)
-    norm.load_state_dict({k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")},
-                         assign=True)
-    if tied:
-        lm_head.weight = embed.weight
-        if lm_head.bias is not None:
-            raise ValueError("tied embeddings with an lm_head bias are not supported")
-    else:
-        lm_head.load_state_dict({k[len("lm_head."):]: v for k, v in tensors.items() if k.startswith("lm_head.")},
-                                assign=True)
+    with META_INIT_LOCK:  # as in load_block
+        with init_empty_weights():
+            skeleton = _causal_lm_class(config)(skeleton_cfg)
+        embed, norm, lm_head = skeleton.model.embed_tokens, skeleton.model.norm, skeleton.lm_head
+        embed.load_state_dict({k[len("model.embed_tokens."):]: v for k, v in tensors.items()
+                               if k.startswith("model.embed_tokens.")}, assign=True)
+        norm.load_state_dict({k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")},
+                             assign=True)
+        if tied:
+            lm_head.weight = embed.weight
+            if lm_head.bias is not None:
+                raise ValueError("tied embeddings with an lm_head bias are not supported")
+        else:
+            lm_head.load_state_dict({k[len("lm_head."):]: v for k, v in tensors.items()
+                                     if k.startswith("lm_head.")}, assign=True)
     head = ModelHead(config, embed, norm, lm_head, build_rotary(config, device))
     head = head.to(device)
     head.eval().requires_grad_(False)
@@ -319,17 +320,18 @@ def load_causal_lm(path: "str | os.PathLike | ModelSource", num_layers: int | No
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = list(config.layer_types)[:n]
     torch_dtype = parse_dtype(dtype, config)
-    with init_empty_weights():
-        model = _causal_lm_class(config)(config)
     keep = ("model.embed_tokens.", "model.norm.", *(f"model.layers.{i}." for i in range(n)), "lm_head.")
     state = {k: v.to(torch_dtype) for k, v in src.read_tensors([k for k in src.tensor_names() if k.startswith(keep)
                                                                  and not ignored_tensor(k)]).items()}
-    tied = ties_lm_head(config, state)
-    if tied:
-        state.pop("lm_head.weight", None)
-    else:
-        config.tie_word_embeddings = False  # (the model's private copy) a later tie_weights() must not tie them
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    with META_INIT_LOCK:  # as in load_block
+        with init_empty_weights():
+            model = _causal_lm_class(config)(config)
+        tied = ties_lm_head(config, state)
+        if tied:
+            state.pop("lm_head.weight", None)
+        else:
+            config.tie_word_embeddings = False  # (the model's private copy) a later tie_weights() must not tie them
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
         raise KeyError(f"{src.path}: missing tensors {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")

@@ -36,6 +36,11 @@ import torch
 from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
+# Held while modules are built on the meta device (accelerate's init_empty_weights) and while weights are assigned to
+# them: init_empty_weights patches nn.Module.register_parameter for every thread, so a load_state_dict(assign=True) of
+# another thread inside one put that thread's weights on the meta device (two servers of one process loading at once
+# failed with "tensors left uninitialised", again at each retry).
+META_INIT_LOCK = threading.RLock()
 
 # Families whose blocks are proven token-exact against transformers by tests (tests/test_e2e_families.py,
 # tests/test_real_model.py). Others (Gemma2's soft-capping, Granite's multipliers, Cohere, ...) would be served
@@ -196,7 +201,7 @@ class ModelSource(ABC):
         one.num_hidden_layers = 1
         if getattr(one, "layer_types", None) is not None:
             one.layer_types = one.layer_types[:1]
-        with init_empty_weights():
+        with META_INIT_LOCK, init_empty_weights():
             skeleton = AutoModelForCausalLM.from_config(one)
         prefix = "model.layers.0."
         tensors = [*skeleton.named_parameters(), *skeleton.named_buffers()]
@@ -589,7 +594,7 @@ class GGUFSource(ModelSource):
         one.num_hidden_layers = 1
         if getattr(one, "layer_types", None) is not None:
             one.layer_types = one.layer_types[:1]
-        with init_empty_weights():
+        with META_INIT_LOCK, init_empty_weights():
             skeleton = AutoModelForCausalLM.from_config(one)
         processor = TENSOR_PROCESSORS.get(self._architecture, TensorProcessor)(config=self._config_dict())
         gguf_to_hf: dict[str, str] = {}

@@ -1,0 +1,313 @@
+"""Soak in rounds: drive an orchestrator with API keys, a small ``--max-queue`` and two servers with every kind of
+request a user sends, and after each round (once traffic has stopped and settled) measure what could leak.
+
+Measured per round: the orchestrator's containers by attribute path (as ``scripts/soak_growth.py``), the process's
+open fds, threads and RSS, the asyncio tasks on each role's loop, the ``/metrics`` series, and on each server the
+sessions open and the KV pages held (reserved, cached). The kinds: plain, streamed, streams cut after the first
+event, ``n`` = 2, chat with stop strings, requests given up while queued, 429s of a full queue, deadline refusals,
+bad input, a wrong key (401), sessions closed, abandoned and cut mid-turn, the Responses API cut mid-stream; each
+request under one of several API key names. Two servers run in this process, each holding the whole model (or one
+block each: ``--blocks-per-server 1``, one chain of two hops, e.g. for ``--relay push``).
+
+Something that keeps growing round after round (with traffic stopped) is a leak; a bounded cache levels off.
+
+    PETALS_CHAIN_LAUNCH=exec python scripts/soak.py --rounds 3 --requests 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import gc
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared helpers
+from _args import nonnegative_float, positive_int  # noqa: E402
+from soak_growth import LoopThread, container_sizes  # noqa: E402
+
+NAMES = ("alice", "bob", "carol")
+BURST = 10  # requests a burst sends at once (past --max-queue)
+KINDS = ("plain", "stream", "stream_cut", "n2", "chat_stop", "give_up", "burst", "deadline", "bad", "wrong_key",
+         "session", "session_abandoned", "session_cut", "responses_cut")
+
+
+def _key(name: str) -> str:
+    return f"soak-key-{name}-0123456789"
+
+
+async def _one(c: Any, i: int, model: str, tokens: int) -> str:
+    """Request ``i`` of the mix; returns its kind and status."""
+    import httpx
+
+    kind = KINDS[i % len(KINDS)]
+    name = NAMES[(i // len(KINDS)) % len(NAMES)]
+    h = {"Authorization": f"Bearer {_key(name)}"}
+    prompt = f"soak request {i} " + "x " * (i % 5)
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens}
+    status: Any = "-"
+    if kind == "plain":
+        status = (await c.post("/v1/completions", json=body, headers=h)).status_code
+    elif kind in ("stream", "stream_cut"):
+        async with c.stream("POST", "/v1/completions", headers=h,
+                            json={**body, "max_tokens": 12, "stream": True, "ignore_eos": True}) as r:
+            status = r.status_code
+            async for _ in r.aiter_lines():
+                if kind == "stream_cut":
+                    break
+    elif kind == "n2":
+        status = (await c.post("/v1/completions", json={**body, "n": 2, "temperature": 0.8}, headers=h)).status_code
+    elif kind == "chat_stop":
+        status = (await c.post("/v1/chat/completions", headers=h, json={
+            "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "stop": ["a"]})).status_code
+    elif kind == "give_up":  # the client's timeout runs out while its request waits or runs
+        try:
+            status = (await c.post("/v1/completions", json={**body, "max_tokens": 32, "ignore_eos": True},
+                                   headers=h, timeout=0.05)).status_code
+        except httpx.TimeoutException:
+            status = "gave_up"
+    elif kind == "burst":  # a burst past --max-queue: some 429
+        rs = await asyncio.gather(*(c.post("/v1/completions", json={**body, "max_tokens": 16, "ignore_eos": True},
+                                           headers=h) for _ in range(BURST)))
+        status = ",".join(sorted({str(r.status_code) for r in rs}))
+    elif kind == "deadline":
+        status = (await c.post("/v1/completions", json={**body, "max_tokens": 32, "deadline_ms": 1.0},
+                               headers=h)).status_code
+    elif kind == "bad":
+        status = (await c.post("/v1/completions", json={**body, "max_tokens": -1}, headers=h)).status_code
+    elif kind == "wrong_key":
+        status = (await c.post("/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer wrong-key-{i:012d}"})).status_code
+    elif kind == "responses_cut":  # the Responses API, streamed, the client leaving after the first event
+        async with c.stream("POST", "/v1/responses", headers=h, json={
+                "model": model, "input": prompt, "max_output_tokens": 12, "stream": True}) as r:
+            status = r.status_code
+            async for _ in r.aiter_lines():
+                break
+    else:
+        r = await c.post("/api/v1/sessions", json={"max_length": 48}, headers=h)
+        status = r.status_code
+        sid = r.json().get("session_id") if r.status_code == 200 else None
+        if sid and kind == "session_cut":  # a turn's stream left after its first event, then the session closed
+            async with c.stream("POST", f"/api/v1/sessions/{sid}/generate", headers=h,
+                                json={"prompt": prompt, "max_tokens": 12, "stream": True}) as r2:
+                status = r2.status_code
+                async for _ in r2.aiter_lines():
+                    break
+            await c.delete(f"/api/v1/sessions/{sid}", headers=h)
+        elif sid:
+            status = (await c.post(f"/api/v1/sessions/{sid}/generate", json={"prompt": prompt, "max_tokens": tokens},
+                                   headers=h)).status_code
+            if kind == "session":
+                await c.delete(f"/api/v1/sessions/{sid}", headers=h)
+    return f"{kind}:{status}"
+
+
+async def _drive(port: int, model: str, first: int, count: int, concurrency: int, tokens: int) -> dict[str, int]:
+    import httpx
+
+    seen: collections.Counter = collections.Counter()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run(i: int) -> None:
+        async with sem:
+            try:
+                seen[await _one(c, i, model, tokens)] += 1
+            except Exception as e:  # noqa: BLE001 - counted: the soak measures growth, not answers
+                seen[f"error:{type(e).__name__}"] += 1
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+        await asyncio.gather(*(run(i) for i in range(first, first + count)))
+    return dict(sorted(seen.items()))
+
+
+def _proc_stats() -> dict[str, Any]:
+    """This process's fds, threads, RSS and Python objects, and each child's (the DHT processes, p2pd)."""
+    import psutil
+
+    me = psutil.Process()
+    children = {}
+    for p in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            children[f"{p.pid}:{p.name()}"] = [p.num_fds(), p.num_threads(), p.memory_info().rss >> 20]
+    return {"fds": me.num_fds(), "threads": me.num_threads(), "rss_mb": me.memory_info().rss >> 20,
+            "gc_objects": len(gc.get_objects()), "children_fds_threads_rss": children}
+
+
+def _types() -> collections.Counter:
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+def _server_stats(server: Any) -> dict[str, int]:
+    service = server.service
+    runner = getattr(service, "runner", None)
+    pool = getattr(runner, "pool", None)
+    out = {"sessions": len(getattr(service, "sessions", {}) or {})}
+    if pool is not None:
+        out.update(pages_free=pool.pages_free, pages_reserved=pool.reserved, pages_cached=pool.pages_cached,
+                   pages_total=pool.num_pages)
+    return out
+
+
+def _settle(loop: LoopThread, orch: Any, quiet_s: float, timeout: float = 60.0) -> None:
+    """Wait until nothing runs or waits and the reapers have run (traffic stopped), then collect garbage."""
+    async def idle() -> bool:
+        return orch.dispatch.running == 0 and orch.dispatch.queue_length == 0
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not loop.call(idle()):
+        time.sleep(0.2)
+    time.sleep(quiet_s)
+    gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=positive_int, default=3, help="measured rounds after the warm-up round")
+    ap.add_argument("--requests", type=positive_int, default=600, help="requests per round")
+    ap.add_argument("--concurrency", type=positive_int, default=10)
+    ap.add_argument("--tokens", type=positive_int, default=4, help="max_tokens of most requests")
+    ap.add_argument("--max-queue", type=positive_int, default=6)
+    ap.add_argument("--relay", choices=("orchestrator", "push"), default="orchestrator")
+    ap.add_argument("--blocks-per-server", type=int, choices=(1, 2), default=2,
+                    help="2: each server holds the whole (2-block) model; 1: one chain of two hops (for --relay push)")
+    ap.add_argument("--session-idle-s", type=nonnegative_float, default=2.0)
+    ap.add_argument("--tracemalloc", action="store_true",
+                    help="compare tracemalloc snapshots after the first measured round and the last (slower)")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    work = Path(tempfile.mkdtemp(prefix="soak-"))
+    try:
+        return _soak(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _soak(args: argparse.Namespace, work: Path) -> int:
+    import httpx
+    import uvicorn
+
+    from petals_chain.orchestrator import Orchestrator, OrchestratorConfig
+    from petals_chain.orchestrator.api import create_app
+    from petals_chain.server.config import ServerConfig
+    from petals_chain.server.server import Server
+    from petals_chain.swarm.local import memory_for
+    from petals_chain.swarm.rpc import PetalsChainBlocks
+    from petals_chain.swarm.tiny_model import build_tiny_model
+
+    model = str(build_tiny_model(work / "model", num_layers=2, num_shards=1))
+    keys = work / "keys"
+    keys.write_text("".join(f"{n} {_key(n)} max_sessions=4\n" for n in NAMES))
+    keys.chmod(0o600)
+    max_length = 64
+    cfg = OrchestratorConfig(model=model, port=0, max_length=max_length, settle_s=0.5, arrival_rate=1.0,
+                             session_idle_timeout_s=args.session_idle_s, max_queue=args.max_queue,
+                             api_keys=str(keys), relay=args.relay)
+    orch = Orchestrator(cfg)
+    orch.load_model()
+    ol = LoopThread("orchestrator")
+    ol.call(orch.start())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    web = uvicorn.Server(uvicorn.Config(create_app(orch), log_level="error", lifespan="off"))
+    ol.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(web.serve(sockets=[sock])))
+    servers, loops, runs = [], [], []
+    for k in range(2):
+        sl = LoopThread(f"server{k}")
+        server = Server(ServerConfig(
+            model=model, initial_peers=orch.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+            memory_bytes=memory_for(model, max_length, args.blocks_per_server, 6), public_name=f"soak{k}", tau_p=0.002,
+            max_length=max_length, refresh_s=2.0, assignment_poll_s=0.3, progress=False))
+        servers.append(server)
+        loops.append(sl)
+        runs.append(asyncio.run_coroutine_threadsafe(server.run(), sl.loop))
+    out: dict[str, Any] = {"rounds": []}
+    snap0 = snap1 = None
+    try:
+        deadline = time.monotonic() + 180
+        while not (orch.ready and len(orch.dispatch.chains) >= args.blocks_per_server):
+            if any(r.done() for r in runs) or time.monotonic() > deadline:
+                print("error: the swarm did not become ready", file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        handlers = [o for o in gc.get_objects() if isinstance(o, PetalsChainBlocks)]
+        quiet = 2 * args.session_idle_s + 4
+        prev_types: collections.Counter = collections.Counter()
+        for rnd in range(args.rounds + 1):
+            t = time.monotonic()
+            seen = ol.call(_drive(port, orch.model_id, rnd * args.requests, args.requests, args.concurrency,
+                                  args.tokens))
+            run_s = time.monotonic() - t
+            _settle(ol, orch, quiet)
+            sizes = container_sizes(orch, "orch")
+            for k, s in enumerate(servers):
+                sizes.update(container_sizes(s, f"server{k}"))
+            for k, h in enumerate(handlers):
+                sizes.update(container_sizes(h, f"handler{k}"))
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+            row = {"round": rnd, "run_s": round(run_s, 1), "seen": seen, **_proc_stats(),
+                   "orch_tasks": len(ol.call(_tasks())),
+                   "server_tasks": [len(sl.call(_tasks())) for sl in loops],
+                   "metrics_series": sum(1 for line in metrics.splitlines() if line and not line.startswith("#")),
+                   "servers": [_server_stats(s) for s in servers], "sizes": sizes}
+            if args.tracemalloc and rnd == 1:
+                tracemalloc.start(8)
+                snap0 = tracemalloc.take_snapshot()
+            elif snap0 is not None and rnd == args.rounds:
+                snap1 = tracemalloc.take_snapshot()
+                tracemalloc.stop()
+            types = _types()
+            if prev_types:
+                row["types_grew"] = dict((types - prev_types).most_common(12))
+            prev_types = types
+            out["rounds"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "sizes"}), flush=True)
+    finally:
+        for s, r in zip(servers, runs):
+            with contextlib.suppress(Exception):
+                s._on_signal()
+                r.result(60)
+        web.should_exit = True
+        with contextlib.suppress(Exception):
+            ol.call(orch.stop(), timeout=60)
+        ol.stop()
+        for sl in loops:
+            sl.stop()
+    if snap1 is not None:  # the largest growth by where it was allocated
+        stats = snap1.compare_to(snap0, "traceback")
+        out["tracemalloc_top"] = [{"kib": round(st.size_diff / 1024, 1), "blocks": st.count_diff,
+                                   "where": [str(fr) for fr in st.traceback[-8:]]} for st in stats[:12]]
+        print(json.dumps(out["tracemalloc_top"], indent=1))
+    rounds = out["rounds"]
+    if len(rounds) >= 3:  # growth between the first measured round and the last, and whether it kept rising
+        first, last, mid = rounds[1]["sizes"], rounds[-1]["sizes"], rounds[-2]["sizes"]
+        out["grew"] = {k: [first.get(k, 0), mid.get(k, 0), n] for k, n in last.items()
+                       if n > first.get(k, 0) and n > mid.get(k, 0)}
+        print(json.dumps(out["grew"], indent=1))
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+async def _tasks() -> set:
+    return {t for t in asyncio.all_tasks() if not t.done()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
