@@ -77,7 +77,7 @@ def test_a_page_of_a_listed_origin_calls_the_api_and_others_do_not(tiny_model_fa
     assert pre_local.headers["access-control-allow-origin"] == "http://localhost:3000"
     assert {"GET", "POST", "DELETE", "OPTIONS"} <= set(pre.headers["access-control-allow-methods"].split(", "))
     allowed = {h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
-    assert {"authorization", "content-type", "x-request-id", "x-api-key"} <= allowed
+    assert {"authorization", "content-type", "x-request-id"} <= allowed
     assert "access-control-allow-credentials" not in pre.headers
     assert post.status_code == 404 and post.json()["error"]["code"] == "model_not_found"  # the API answered
     assert post.headers["access-control-allow-origin"] == PAGE and post.headers["x-request-id"]
@@ -94,6 +94,38 @@ def test_an_origin_a_browser_never_sends_is_refused_naming_it():
     from petals_chain.orchestrator.api import cors_origins
 
     assert cors_origins("https://a.example/, http://[::1]:8080,*") == ["https://a.example", "http://[::1]:8080", "*"]
+    # a browser leaves its scheme's default port out of Origin: given with it, the origin never matched
+    assert cors_origins("https://A.example:443,http://b.example:80,https://c.example:4433") == [
+        "https://a.example", "http://b.example", "https://c.example:4433"]
     for bad in ("https://a.example/app", "a.example", "", "ftp://a.example"):
         with pytest.raises(ValueError, match="origin"):
             cors_origins(bad)
+
+
+def test_a_preflight_with_the_headers_of_openais_javascript_package_is_answered():
+    """The openai package for JavaScript (``dangerouslyAllowBrowser``) sends its own headers (``x-stainless-os``,
+    ``-lang``, ``-retry-count``, ...): their preflight was a 400 "Disallowed CORS headers" (a fixed list of allowed
+    headers), so a page using that package could not call the API at all; now each is allowed, still without
+    credentials. In this process (the middleware over a bare app)."""
+    import asyncio
+
+    from petals_chain.orchestrator.api import cors_origins, with_cors
+
+    async def app(scope, receive, send):  # the API behind: never reached by a preflight
+        raise AssertionError(f"the preflight reached the app: {scope['method']} {scope['path']}")
+
+    asked = ("authorization, content-type, x-stainless-lang, x-stainless-package-version, x-stainless-os, "
+             "x-stainless-arch, x-stainless-runtime, x-stainless-runtime-version, x-stainless-retry-count, "
+             "x-stainless-timeout, openai-organization, openai-project")
+
+    async def main():
+        transport = httpx.ASGITransport(app=with_cors(app, cors_origins(PAGE)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://orch") as c:
+            return await c.options("/v1/responses", headers={
+                "Origin": PAGE, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked})
+
+    pre = asyncio.run(main())
+    assert pre.status_code == 200, pre.text
+    allowed = {h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
+    assert {h.strip() for h in asked.split(",")} <= allowed
+    assert pre.headers["access-control-allow-origin"] == PAGE and "access-control-allow-credentials" not in pre.headers

@@ -13,7 +13,8 @@ import petals_chain.orchestrator.forward as fw
 
 class _Cut(httpx.AsyncByteStream):
     async def __aiter__(self):
-        yield b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
+        yield (b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'
+               b'"response":{"id":"resp_up","object":"response","status":"in_progress","output":[]}}\n\n')
         raise httpx.ReadError("connection reset")
 
 
@@ -40,6 +41,9 @@ def test_a_cut_responses_stream_ends_with_response_failed_and_an_error_event():
     assert names == [b"event: response.failed", b"event: error"], events
     failed = json.loads(events[0].split(b"data: ", 1)[1])
     assert failed["response"]["status"] == "failed" and "was lost" in failed["response"]["error"]["message"]
+    # numbered on from the events relayed, under the relayed response's id
+    assert failed["sequence_number"] == 1 and failed["response"]["id"] == "resp_up", failed
+    assert json.loads(events[1].split(b"data: ", 1)[1])["sequence_number"] == 2
     assert b"[DONE]" not in b"".join(chunks)
 
 

@@ -40,6 +40,7 @@ from petals_chain.orchestrator.errors import default_code, shown_model_name, una
 from petals_chain.orchestrator.forward import (SERVED_BY_HEADER, forward_session_call, maybe_forward,
                                                unless_disconnected)
 from petals_chain.orchestrator import responses as _responses
+from petals_chain.orchestrator.resume import ResponsesRecord
 from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, RequestIds, RequestTrace,
                                                   install_log_ids, scope_request_id, shown_path)
 from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice,
@@ -823,6 +824,34 @@ class _Logprobs:
 CALL_SCOPE_KEY = "petals_chain.call"  # the scope's :class:`_Call` (a route sets the end of its stream if cut)
 
 
+class ResponsesTail:
+    """The end of a Responses API stream cut by the shutdown: ``response.failed`` and ``error``, numbered on from the
+    last event the client was sent, under the stream's ids, with the text it was sent. It follows the bytes that went
+    out (an event built but not written, a slow reader's when the cut came, is not the client's), so it serves a
+    stream relayed from another orchestrator as well as one generated here (``shape``: its builder, whose response
+    object the end then carries)."""
+
+    def __init__(self, body: dict, shape: Optional[_responses.ResponseBuilder] = None):
+        self.record = ResponsesRecord(body, 0.0)
+        self.shape = shape
+        self._rest = b""  # a part of an event not yet followed by its end
+
+    def delivered(self, body: bytes) -> None:
+        """Bytes written to the client."""
+        *events, self._rest = (self._rest + body).split(b"\n\n")
+        for event in events:
+            self.record.take(event + b"\n\n")
+
+    def ending(self, status: int, message: str, code: str) -> str:
+        """The events that end the stream."""
+        rec, shape = self.record, self.shape
+        if shape is None:
+            return rec.ending(status, code, message).decode()
+        text = rec.text.get(0, "")
+        shape.seq, shape.text, shape.logprobs = rec.seq, [text] if text else [], list(rec.lp_entries)
+        return shape.failed(status, message, code=code)
+
+
 class _Call:
     """One API request under way behind a :class:`ShutdownGate`: what of its response went out."""
 
@@ -833,7 +862,7 @@ class _Call:
         self.cut = False
         # the last events of a stream cut by the shutdown, when not chat's error event and [DONE] (the Responses
         # API's: response.failed and error, numbered on from the events sent); set by the route serving it
-        self.tail: Optional[Callable[[int, str, str], str]] = None
+        self.tail: Optional[ResponsesTail] = None
 
     async def send(self, message: dict) -> None:
         await self.outer(message)  # its flags after: a cancellation there (a slow reader's) wrote nothing
@@ -841,8 +870,11 @@ class _Call:
             self.started = True
             self.events = is_event_stream({k.decode("latin-1").lower(): v.decode("latin-1")
                                            for k, v in message.get("headers", [])})
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.complete = True
+        elif message["type"] == "http.response.body":
+            if self.tail is not None and self.events and message.get("body"):
+                self.tail.delivered(message["body"])
+            if not message.get("more_body", False):
+                self.complete = True
 
 
 class ShutdownGate:
@@ -931,7 +963,7 @@ class ShutdownGate:
             else:
                 # a stream (an SSE relay's too) gets the event a client acts on; another response just ends
                 tail = b"" if not call.events else (
-                    call.tail(503, _CUT_MESSAGE, ShuttingDown.code) if call.tail is not None
+                    call.tail.ending(503, _CUT_MESSAGE, ShuttingDown.code) if call.tail is not None
                     else error_event(503, _CUT_MESSAGE, code=ShuttingDown.code) + DONE).encode()
                 await call.outer({"type": "http.response.body", "body": tail, "more_body": False})
         except (OSError, RuntimeError) as e:  # the client went away meanwhile: nobody to tell
@@ -948,7 +980,6 @@ class ShutdownGate:
 
 
 CORS_METHODS = ("GET", "POST", "DELETE", "OPTIONS")
-CORS_HEADERS = ("authorization", "content-type", REQUEST_ID_HEADER, "x-api-key")
 CORS_EXPOSED = (REQUEST_ID_HEADER, "retry-after", NO_RETRY_HEADER)  # what a page's script may read of a reply
 _ORIGIN = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?$")
 
@@ -964,7 +995,11 @@ def cors_origins(text: str) -> list[str]:
         origin = item[:-1] if item.endswith("/") and item.count("/") == 3 else item  # "https://a.example/" too
         if origin != "*" and not _ORIGIN.match(origin):
             raise ValueError(f"{item!r} is not an origin: scheme://host[:port] (http or https, no path), or *")
-        origins.append(origin.lower())
+        origin = origin.lower()
+        for scheme, port in (("http://", ":80"), ("https://", ":443")):
+            if origin.startswith(scheme) and origin.endswith(port):  # a browser leaves its scheme's port out
+                origin = origin[:-len(port)]
+        origins.append(origin)
     if not origins:
         raise ValueError("no origin given (scheme://host[:port], comma-separated, or *)")
     return origins
@@ -977,8 +1012,10 @@ def with_cors(app: Any, origins: list[str]) -> Any:
     a page sends itself, so ``*`` lets any page use a key it holds and none use a browser's ambient ones."""
     from starlette.middleware.cors import CORSMiddleware
 
+    # any request header: the openai package for JavaScript sends its own (x-stainless-os, -lang, -retry-count, ...);
+    # a fixed list failed its preflight (400 "Disallowed CORS headers"). Without credentials a header grants nothing
     return CORSMiddleware(app, allow_origins=origins, allow_methods=list(CORS_METHODS),
-                          allow_headers=list(CORS_HEADERS), expose_headers=list(CORS_EXPOSED),
+                          allow_headers=["*"], expose_headers=list(CORS_EXPOSED),
                           allow_credentials=False, max_age=600)
 
 
@@ -1472,6 +1509,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, request: Request):
         """OpenAI's Responses API over chat's generation (template, sampling, limits, deadlines): responses.py."""
+        call = request.scope.get(CALL_SCOPE_KEY) if req.stream else None
+        if call is not None:  # cut by the shutdown (a stream relayed from another orchestrator too): as any failure
+            call.tail = ResponsesTail({"model": req.model, "instructions": req.instructions,
+                                       "temperature": req.temperature, "top_p": req.top_p})
         if (forwarded := await maybe_forward(orch, request)) is not None:
             return forwarded
         check_model(req.model)
@@ -1506,8 +1547,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 return shape.closing(gen.finish_reason, _responses.usage(len(ids), len(gen.token_ids),
                                                                          gen.cached_tokens), ours(gen))
 
-            if (call := request.scope.get(CALL_SCOPE_KEY)) is not None:  # cut by the shutdown: as any failure
-                call.tail = lambda status, message, code: shape.failed(status, message, code=code)
+            if call is not None and call.tail is not None:  # its end carries this stream's response object
+                call.tail.shape = shape
             return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, 1), explicit, emits), 1,
                                    chunk, False, len(ids), failed=shape.failed, end="")
         gen = (await unless_disconnected(request, orch.generate_n(ids, per_choice(params, 1), explicit)))[0]

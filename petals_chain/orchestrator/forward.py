@@ -299,21 +299,25 @@ async def _relay_raw(orch: Any, url: str, upstream: httpx.Response, close: Calla
     waited for good). An event stream is relayed in whole events, and one cut off ends with an error event; any other
     reply cut off aborts the response."""
     events = is_event_stream(upstream.headers) and "content-encoding" not in upstream.headers
+    # a Responses stream relayed as bytes (none today: each gets a record) ends as the SDK reads one:
+    # response.failed and an error event, numbered on from the events relayed, under their ids
+    responses = (ResponsesRecord({}, 0.0) if events and upstream.request.url.path.rstrip("/").endswith("/v1/responses")
+                 else None)
     try:
         async for chunk in ticking(sse_events(upstream.aiter_raw()) if events else upstream.aiter_raw()):
             if chunk is None:
                 if not _live(orch, url):
                     raise Cut("it no longer refreshes its group record")
                 continue
+            if responses is not None:
+                responses.take(chunk)  # followed only: the event goes on as it came
             yield chunk
     except (httpx.HTTPError, Cut) as e:
         if not events:
             raise
         logger.warning("the stream forwarded to %s was cut off (%s: %s)", url, type(e).__name__, e)
         message = f"the orchestrator serving this stream ({url}) was lost: {e}"
-        # a Responses stream ends as the SDK reads one: response.failed and an error event, not chat's [DONE]
-        yield (ResponsesRecord({}, 0.0).ending(503, "stream_cut", message)
-               if upstream.request.url.path.rstrip("/").endswith("/v1/responses")
+        yield (responses.ending(503, "stream_cut", message) if responses is not None
                else stream_ending(503, "stream_cut", message))
     finally:  # the other orchestrator cut off too (no background task runs after an error)
         await close()

@@ -284,7 +284,7 @@ class ResponsesRecord(StreamRecord):
         self.response_id: Optional[str] = None
         self.created_at: Any = None
         self.item_id: Optional[str] = None
-        self.sent: set[str] = set()  # the opening events delivered
+        self.sent: set[str] = set()  # the kinds of event delivered, but deltas (each comes once in a response)
         self.held: Optional[dict] = None  # a response.failed until its error event
         self.lp_entries: list = []  # the logprob entries delivered (a failed response made here carries them)
 
@@ -312,19 +312,18 @@ class ResponsesRecord(StreamRecord):
             self.finished = True
             held, self.held = self.held, None
             return b"".join(self._out(o) for o in (held, obj) if o is not None)
-        if kind in self._OPENING:
-            if kind in self.sent:
-                return None
-            self.sent.add(kind)
-            self._learn(obj)
-        elif kind == "response.output_text.delta":
+        if kind == "response.output_text.delta":
             text, lps = obj.get("delta") or "", obj.get("logprobs") or []
             if not isinstance(text, str) or not isinstance(lps, list):
+                if not self.rerun:  # not ours to understand
+                    return event
                 raise _Mismatch(f"a delta event the relay does not understand: {payload[:200]!r}")
             at, have = self.at.get(0, 0), self.text.get(0, "")
             seen = min(len(text), max(0, len(have) - at))
             if text[:seen] != have[at:at + seen]:
                 raise _Mismatch(f"the rerun gave {text[:seen]!r} where the client had {have[at:at + seen]!r}")
+            if self.rerun and text[seen:] and "response.output_text.done" in self.sent:
+                raise _Mismatch(f"the rerun gave more text ({text[seen:]!r}) than the client had when it ended")
             lp_at, lp_have = self.lp_at.get(0, 0), len(self.lp_entries)
             old_lp = min(len(lps), max(0, lp_have - lp_at))
             self.at[0], self.lp_at[0] = at + len(text), lp_at + len(lps)
@@ -335,9 +334,17 @@ class ResponsesRecord(StreamRecord):
             if text[seen:]:
                 self.text_events[0] = self.text_events.get(0, 0) + 1
             obj = {**obj, "delta": text[seen:], "logprobs": lps[old_lp:]}
-        elif self.rerun and self.at.get(0, 0) < len(self.text.get(0, "")):
-            raise _Mismatch(f"the rerun ended after {self.at.get(0, 0)} characters; the client had "
-                            f"{len(self.text.get(0, ''))}")
+        else:
+            if self.rerun and kind not in self._OPENING and self.at.get(0, 0) < len(self.text.get(0, "")):
+                raise _Mismatch(f"the rerun ended after {self.at.get(0, 0)} characters; the client had "
+                                f"{len(self.text.get(0, ''))}")
+            # each of these comes once in a response (opening and closing ones alike): a rerun's repeat of one the
+            # client has is dropped (cut after output_text.done, the rerun sent it, the part's and item's again)
+            if kind in self.sent and self.rerun:
+                return None
+            self.sent.add(kind)
+            if kind in self._OPENING:
+                self._learn(obj)
         if kind in self._ENDS:
             self.finished = True
         return self._out(obj) if self.rerun else self._seen(obj, event)
