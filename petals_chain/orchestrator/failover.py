@@ -407,7 +407,9 @@ class ChainHolder:
         self.kv_epoch, self.kv_peers = None, frozenset()
         self.inputs.clear()
         named = prefix_hashes(held, auditor.salt if auditor is not None else b"") if held else b""
-        if lease is not None and named:
+        # the directory names chains a later job with this prompt starts on to reuse it: not one with a hop that
+        # keeps no prefix (that job computed everything there, and passed over the chain the dispatcher would pick)
+        if lease is not None and named and cs is not None and cs.prefix_cache:
             self.orch.prefix_directory.add(lease.chain, named)
         if cs is None:
             if lease is not None:
