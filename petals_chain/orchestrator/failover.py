@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from petals_chain.model import Chain
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE
 from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob, Lease, QueueFull, chain_key, note_admission
@@ -409,8 +410,9 @@ class ChainHolder:
         named = prefix_hashes(held, auditor.salt if auditor is not None else b"") if held else b""
         # the directory names chains a later job with this prompt starts on to reuse it: not one with a hop that
         # keeps no prefix (that job computed everything there, and passed over the chain the dispatcher would pick)
-        if lease is not None and named and cs is not None and cs.prefix_cache:
-            self.orch.prefix_directory.add(lease.chain, named)
+        holder = self._holding_chain(cs, lease) if named and cs is not None and cs.prefix_cache else None
+        if holder is not None:
+            self.orch.prefix_directory.add(holder, named)
         if cs is None:
             if lease is not None:
                 self.orch.dispatch.release(lease)
@@ -430,6 +432,18 @@ class ChainHolder:
 
         closing.add_done_callback(closed)
         await asyncio.shield(closing)
+
+    def _holding_chain(self, cs: ChainSession, lease: Lease | None) -> Chain | None:
+        """The planned chain whose servers hold the pages of ``cs`` (the hops it ended on): the lease's when no hop
+        moved; after a hop moved to another server, the planned chain of exactly those hops if there is one, else
+        None: the lease's chain names the failed server, which holds none of them, and a chain reuses a prefix only
+        where every hop holds it (a later job steered there computed the whole prompt)."""
+        if lease is None:
+            return None
+        if cs.hops == lease.hops:
+            return lease.chain
+        key = (tuple(peer for peer, _, _ in cs.hops), tuple((start, end) for _, start, end in cs.hops))
+        return next((ch for ch in getattr(self.orch.dispatch, "chains", None) or () if chain_key(ch) == key), None)
 
     def _as_this_request(self, job: DispatchJob, need: int) -> None:
         """``job`` as the request under way: the tokens it may still generate after ``need``, and its deadline and
@@ -726,6 +740,8 @@ class ChainHolder:
                 logger.info("job %s: %s cannot take blocks [%d, %d) over: %s", self.job_id, cand[:12], start, end, e)
                 orch.server_failed(e)
                 continue
+            if self.lease is not None:  # a pause for priority frees its slot cheaply only where every hop keeps KV
+                self.lease.keeps_kv = cs.prefix_cache
             budget[0] -= 1
             self.failovers += 1
             orch.stats.add_failover()

@@ -365,8 +365,9 @@ class ChainSession:
                       position: int) -> torch.Tensor:
         """Move hop ``i`` to ``peer`` (a server holding its span): open a session there, replay ``history`` (what
         the hop received for positions ``0..position-1``) together with ``hidden`` (this step's input at
-        ``position..``), and return the hop's output for ``hidden``. The old session is closed. HopFailure(hop=i)
-        if ``peer`` refuses, fails or answers garbage; the hop is then unchanged."""
+        ``position..``), and return the hop's output for ``hidden``. The old session is closed, and
+        :attr:`prefix_cache` says again whether every hop keeps prefixes. HopFailure(hop=i) if ``peer`` refuses,
+        fails or answers garbage; the hop is then unchanged."""
         _, start, end = self.hops[i]
         sid = hop_session_id()  # not derived from any id a server saw: a peer could open it there first
         extra = {"push_token": secrets.token_hex(16)} if self.push else {}
@@ -391,6 +392,9 @@ class ChainSession:
         self.hops[i] = (peer, start, end)
         self.peers_used.add(peer)
         self._aborted.discard(peer)  # declared failed once, banned, back: this session on it is new
+        # the new server may keep no prefixes (or the old one kept none): a session's chain is then held between
+        # turns (released, its next turn recomputed the whole history) and not entered in the prefix directory
+        self.prefix_cache = all(getattr(s, "prefix_cache", False) for s in self._sessions)
         await asyncio.gather(old.close(), return_exceptions=True)
         logger.debug("session %s: hop %d moved to %s as %s", self.session_id, i, peer[:12], sid)
         return out[:, position:]

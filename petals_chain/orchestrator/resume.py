@@ -15,6 +15,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import re
 import secrets
 import ssl
@@ -258,11 +259,25 @@ class StreamRecord:
             self.ended.add(i)
         return True
 
+    @property
+    def first_token_sent(self) -> bool:
+        """A generated token reached the client (an echoed prompt is none): the TTFT deadline is spent."""
+        return any(k > (1 if self.echo else 0) for k in self.text_events.values())
+
     def rerun_body(self) -> bytes:
         """The request to run again: its deadlines shortened by the time already gone (the TTFT one spent once a
         generated token was delivered); raises :class:`DeadlineGone` when one has passed (unless best effort)."""
-        first_token_sent = any(k > (1 if self.echo else 0) for k in self.text_events.values())
-        return json.dumps(_shortened(self.body, self.arrived, first_token_sent)).encode()
+        return json.dumps(_shortened(self.body, self.arrived, self.first_token_sent)).encode()
+
+    def deadline(self) -> Optional[tuple[float, str]]:
+        """``(monotonic time, field)`` of the nearest deadline that still applies to the stream (the TTFT one only
+        until a generated token went out); None when none does or the request is best effort."""
+        if self.body.get("best_effort") is True:
+            return None
+        fields = ("deadline_ms",) if self.first_token_sent else ("deadline_ms", "ttft_deadline_ms")
+        due = [(self.arrived + ms / 1000.0, f) for f in fields
+               if (ms := _ms(self.body.get(f))) is not None and ms == ms]  # (NaN: the API's validation answers it)
+        return min(due) if due else None
 
 
 class ResponsesRecord(StreamRecord):
@@ -516,7 +531,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                  lost: str) -> AsyncIterator[bytes]:
     """The rest of a stream cut off by ``lost``. ``where(local_refused)`` names where to rerun it now, ``(url,
     on_this_process)`` (after this process refused it, somewhere else if there is somewhere); ``alive(url)``: whether
-    another orchestrator still refreshes its group record. Tries for up to :data:`RESUME_S`."""
+    another orchestrator still refreshes its group record. Tries for up to :data:`RESUME_S` (503 ``stream_cut``),
+    and never past the request's deadline (504 ``deadline_exceeded``, unless best effort)."""
     if record.complete:  # cut between its last event and [DONE]
         yield _DONE
         return
@@ -587,6 +603,14 @@ async def finish(record: StreamRecord, path: str, headers: dict,
             if record.complete:
                 yield _DONE
                 return
+        # ... and never past the request's deadline, as a request waiting for a chain here is dropped at it; read
+        # each time: a rerun that delivered the first token spent the TTFT one
+        due = record.deadline()
+        due_at = due[0] if due is not None else math.inf
+        if time.monotonic() >= due_at:
+            yield record.ending(504, "deadline_exceeded", f"the stream's {due[1]} passed while no orchestrator could "
+                                f"finish it (its orchestrator {lost} was lost; {why})")
+            return
         if time.monotonic() >= give_up:
             yield record.ending(503, "stream_cut", f"the orchestrator serving this stream ({lost}) was lost and "
                           f"no other could finish it within {RESUME_S:.0f} s ({why})")
@@ -594,7 +618,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
         if time.monotonic() - quiet_since >= KEEPALIVE_S:
             quiet_since = time.monotonic()
             yield _KEEPALIVE
-        await asyncio.sleep(RESUME_PAUSE_S)
+        await asyncio.sleep(min(RESUME_PAUSE_S, max(0.0, due_at - time.monotonic())))
 
 
 def _reply_error(reply: bytes) -> tuple[str, Optional[str]]:
