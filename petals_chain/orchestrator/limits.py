@@ -238,6 +238,7 @@ class AdmissionLimits:
         self.opening = self.ledger.opening
         self.reserved = self.ledger.reserved
         self.rejected: dict[str, int] = {}
+        self.api: Any = None  # the FastAPI app whose routes' body models _body_valid checks (install_limits)
         self._metric = None
         try:
             from prometheus_client import Counter
@@ -448,9 +449,21 @@ class AdmissionLimits:
                 and dispatch.waiting_of(client) == 0):
             full = False
         if full and not forwardable(self.orch, Headers(scope=scope)):  # another orchestrator's group may take it
-            return await self._reject(send, 429, "queue_full",
-                                      f"the swarm is at capacity and its queue is full ({self.limits.max_queue} "
-                                      "waiting); retry later")
+            # A body the app refuses (400) gets that answer: a 429 for it was retried by clients, and could never
+            # succeed. Read and checked here only while the queue is full; let in, it is refused by the app's
+            # validation before any work (and the dispatcher's exact bound stands in any case).
+            try:
+                body = await self._read_body(receive)
+            except _BodyTooLarge:
+                return await self._reject(send, 413, "body_too_large",
+                                          f"the request body is larger than {limit} bytes", retry=False)
+            if body is None:
+                return None  # the client went away
+            if self._body_valid(scope, body):
+                return await self._reject(send, 429, "queue_full",
+                                          f"the swarm is at capacity and its queue is full ({self.limits.max_queue} "
+                                          "waiting); retry later")
+            receive = _replay(body, receive)
         self.inflight += 1
         self.by_client[client] = mine + 1
         adm = Admission()
@@ -470,6 +483,50 @@ class AdmissionLimits:
             _take(self.reserved, client, adm.reserved)
             self.inflight -= 1
             _take(self.by_client, client, 1)
+
+    @staticmethod
+    async def _read_body(receive: Receive) -> bytes | None:
+        """The whole request body (None: the client disconnected first)."""
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _body_valid(self, scope: Scope, body: bytes) -> bool:
+        """Whether ``body`` passes the body validation of the API route ``scope`` reaches (JSON, the route's model):
+        False only when the app would refuse it (400) before any work; True when it cannot tell (no such route)."""
+        field = self._body_field(scope)
+        if field is None:
+            return True
+        kind = Headers(scope=scope).get("content-type", "")
+        if kind and not re.match(r"^application/([\w.+-]+\+)?json\s*(;|$)", kind.strip().lower()):
+            return False  # the app reads such a body as bytes: never the JSON object a route takes
+        try:
+            value = json.loads(body) if body else None
+        except (ValueError, RecursionError):
+            return False
+        try:
+            _, errors = field.validate(value, {}, loc=("body",))
+        except Exception:  # noqa: BLE001 - a validator that raises is the app's to answer (and to log)
+            return False
+        return not errors
+
+    def _body_field(self, scope: Scope) -> Any:
+        """The body field (FastAPI's) of the route of ``api`` that ``scope`` reaches; None: none."""
+        api = self.api
+        if api is None:
+            return None
+        from fastapi.routing import APIRoute
+        from starlette.routing import Match
+
+        for route in api.router.routes:
+            if isinstance(route, APIRoute) and route.matches(scope)[0] == Match.FULL:
+                return route.body_field
+        return None
 
     def _tokens_held(self, client: str) -> int:
         """Tokens ``client`` used in the last minute plus what its requests under way may still use."""
@@ -672,6 +729,20 @@ class _HeldResponse:
         await self.send(message)
 
 
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` whose first message is ``body`` (read already), whole; then ``receive``'s own (a disconnect)."""
+    sent = False
+
+    async def wrapped() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return wrapped
+
+
 def release_client(scope: Scope) -> None:
     """The request of ``scope`` is over and counted: its hold on its client's state ends (once). A name removed from
     the key file is forgotten after its last request's count, not before it (counted after, it came back)."""
@@ -692,6 +763,7 @@ def install_limits(app: Any, orch: Any, limits: Optional[LimitsConfig] = None,
     class _Bound(AdmissionLimits):
         def __init__(self, inner: Any):
             super().__init__(inner, orch, limits, ledger, end_hook)
+            self.api = app  # its routes' body models: an invalid body is answered 400 before a full queue's 429
             holder["limits"] = self
             app.state.limits = self
 

@@ -215,7 +215,7 @@ class ModelPlacer:
         span = max(1.0, min(self.window_s, now - rates.t0))
         dispatch = getattr(o, "dispatch", None)
         in_flight = int(getattr(dispatch, "stepping", 0) or 0) + int(getattr(dispatch, "queue_length", 0) or 0)
-        return max(sum(1 for t in rates.arrivals if t >= now - span), in_flight) / span
+        return max(rates.count_since(now - span, now), in_flight) / span
 
     def _note_arrivals(self, now: float) -> None:
         """Feed the mix drift detector with the arrivals since the last round."""

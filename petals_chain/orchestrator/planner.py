@@ -45,6 +45,13 @@ STARTS_KEPT = 8  # process starts remembered per server (an older record read la
 # its last publish): a read of the records that names none of the live servers (a DHT get that timed out or reached no
 # node returns nothing) is taken for their silent departure only once that lasts this long (Planner.refresh)
 SERVER_RECORD_TTL_S = 90.0
+# The chains' service times scale with the steps per job: they are recomputed once the estimate leaves this factor of
+# the value they were computed with (a band, not fixed buckets: a mean hovering at a bucket edge recomputed them at
+# every refresh, each a new dispatch generation)
+STEPS_PER_JOB_BAND = 1.25
+# chains recomputed to the same hops, spans and capacities, their service times within this fraction of the installed
+# ones, are not installed again (a new dispatch generation drains and re-arrives every queued job for nothing)
+CHAIN_TIME_TOLERANCE = 0.05
 
 
 @dataclass
@@ -111,35 +118,88 @@ class ServerView:
         return self.failed_at is not None
 
 
+# RateEstimator: arrivals are counted in this many buckets over the window (a bounded count whatever the rate: every
+# arrival time of the last 300 s took ~12 MB at 1,000 req/s); the latest ARRIVALS_KEPT arrival times are kept as well
+# (the model placer feeds its mix-drift detector with them each round)
+RATE_BUCKETS = 300
+ARRIVALS_KEPT = 4096
+
+
 class RateEstimator:
-    """Arrival rate (req/s) over a sliding window, shrunk toward a prior while few arrivals are seen. Thread-safe."""
+    """Arrival rate (req/s) over a sliding window, shrunk toward a prior while few arrivals are seen. Thread-safe.
+
+    Arrivals are counted in ``RATE_BUCKETS`` buckets of ``window_s / RATE_BUCKETS``; the oldest bucket counts by the
+    fraction of it still inside the window (exact for arrivals spread evenly within a bucket: within 1 % of the exact
+    count on a Poisson trace). ``arrivals`` holds the latest ``ARRIVALS_KEPT`` arrival times of the window."""
 
     def __init__(self, prior: float = 0.5, prior_weight_s: float = 30.0, window_s: float = 300.0):
         self.prior = prior
         self.prior_weight_s = prior_weight_s
         self.window_s = window_s
+        self.bucket_s = window_s / RATE_BUCKETS
         self.t0 = time.monotonic()
-        self.arrivals: deque[float] = deque()
+        self.arrivals: deque[float] = deque(maxlen=ARRIVALS_KEPT)
+        self.buckets: deque[list] = deque()  # [bucket index (start / bucket_s), arrivals in it], oldest first
         # the planner's searches run in a thread (rate() for each bound) while requests arrive on the event loop: two
         # trims of the same expired arrival raised IndexError from popleft() (that refresh's re-plan was lost)
         self._lock = threading.Lock()
 
     def arrive(self, t: float | None = None) -> None:
         t = time.monotonic() if t is None else t
+        k = math.floor(t / self.bucket_s)
         with self._lock:
             self.arrivals.append(t)
-            self._trim(t)  # here too: with a fixed --arrival-rate nobody asks rate(), and the deque grew per request
+            for b in reversed(self.buckets):  # the newest, unless an arrival time comes late
+                if b[0] <= k:
+                    if b[0] == k:
+                        b[1] += 1
+                    else:
+                        self._insert(k)
+                    break
+            else:
+                self.buckets.appendleft([k, 1])
+            self._trim(t)  # here too: with a fixed --arrival-rate nobody asks rate(), and the log grew per request
+
+    def _insert(self, k: int) -> None:
+        """A new bucket ``k`` in order (the caller holds the lock; almost always at the end)."""
+        if self.buckets[-1][0] < k:
+            self.buckets.append([k, 1])
+            return
+        i = next(i for i, b in enumerate(self.buckets) if b[0] > k)
+        self.buckets.insert(i, [k, 1])
 
     def _trim(self, now: float) -> None:
-        """Drop the arrivals older than the window (the caller holds the lock)."""
-        while self.arrivals and self.arrivals[0] < now - self.window_s:
+        """Drop the arrivals and the buckets wholly older than the window (the caller holds the lock)."""
+        cutoff = now - self.window_s
+        while self.arrivals and self.arrivals[0] < cutoff:
             self.arrivals.popleft()
+        while self.buckets and (self.buckets[0][0] + 1) * self.bucket_s <= cutoff:
+            self.buckets.popleft()
+
+    def count_since(self, start: float, now: float | None = None) -> float:
+        """Arrivals from ``start`` (at most ``window_s`` ago) to ``now``; a bucket that ``start`` cuts counts by the
+        fraction of it after ``start``."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._trim(now)
+            return self._count(max(start, now - self.window_s))
+
+    def _count(self, start: float) -> float:
+        total = 0.0
+        for k, n in reversed(self.buckets):
+            lo = k * self.bucket_s
+            if lo >= start:
+                total += n
+                continue
+            total += n * max(0.0, (lo + self.bucket_s - start) / self.bucket_s)
+            break
+        return total
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._trim(now)
-            count = len(self.arrivals)
+            count = self._count(now - self.window_s)
         span = min(self.window_s, now - self.t0)
         return (count + self.prior * self.prior_weight_s) / (span + self.prior_weight_s)
 
@@ -236,6 +296,15 @@ def note_start(seen: tuple[float, ...], started: float) -> tuple[float, ...] | N
     return None if started in seen else (seen + (started,))[-STARTS_KEPT:]
 
 
+def same_chains(a: Sequence[Chain], b: Sequence[Chain], tolerance: float = CHAIN_TIME_TOLERANCE) -> bool:
+    """Whether chain sets ``a`` and ``b`` are the same for dispatch: in order, the same hops, spans and capacities, and
+    service times within ``tolerance`` (relative) of each other."""
+    return len(a) == len(b) and all(
+        (x.servers, x.spans, x.blocks, x.capacity) == (y.servers, y.spans, y.blocks, y.capacity)
+        and abs(x.service_time - y.service_time) <= tolerance * max(abs(x.service_time), abs(y.service_time))
+        for x, y in zip(a, b))
+
+
 def _total_rate(chains: Sequence[Chain]) -> float:
     """``sum_k c_k mu_k`` (jobs/s): the service rate of ``chains`` when all are busy."""
     return sum(ch.capacity / ch.service_time for ch in chains if ch.service_time > 0)
@@ -313,6 +382,8 @@ class Planner:
         self.last_publish = 0.0
         self.plan_log: deque[dict] = deque(maxlen=100)
         self._gca_key: tuple | None = None
+        self._steps_ref: float | None = None  # steps per job the chains were last computed with (_chains_key)
+        self._installed: list[Chain] | None = None  # the chains last given to on_chains
         self._considered: set[str] = set()
         self._planned_around: set[str] = set()  # banned servers already planned around (see held_spans)
         # servers whose record says they cannot load their span: (failed_span, load_error) as last said
@@ -552,11 +623,14 @@ class Planner:
         return max(int(r.slots_total), jobs_in_budget(r.cache_tokens_total, job))
 
     def _chains_key(self, views: Sequence[ServerView]) -> tuple:
-        """What GCA on the online servers depends on besides the placement: ``L^``, the steps per job (by steps of
-        25 %: ``tau_c`` and the chains' service times scale with it) and the servers' capacities."""
-        spj = round(math.log(max(1.0, self.steps_per_job)) / math.log(1.25))
-        return (self.job_tokens.value, spj) + tuple(sorted((v.peer_id, v.record.slots_total,
-                                                            v.record.cache_tokens_total) for v in views))
+        """What GCA on the online servers depends on besides the placement: ``L^``, the steps per job (``tau_c`` and
+        the chains' service times scale with it: the value they were computed with, until the estimate leaves
+        ``STEPS_PER_JOB_BAND`` of it) and the servers' capacities."""
+        spj = max(1.0, self.steps_per_job)
+        if self._steps_ref is None or abs(math.log(spj / self._steps_ref)) >= math.log(STEPS_PER_JOB_BAND):
+            self._steps_ref = spj
+        return (self.job_tokens.value, self._steps_ref) + tuple(sorted((v.peer_id, v.record.slots_total,
+                                                                        v.record.cache_tokens_total) for v in views))
 
     def full_plan(self, views: Sequence[ServerView]) -> Plan | None:
         """c* by the Theorem 3.7 lower bound over GBP-CR + GCA on ``views`` (or the configured placement)."""
@@ -747,6 +821,10 @@ class Planner:
         plan = self.evaluate(views, self.plan.placement, self.plan.c)
         self.current = plan
         self._gca_key = key
+        if self._installed is not None and same_chains(self._installed, plan.chains):
+            logger.debug("chains unchanged (%s): not installed again", reason)
+            return
+        self._installed = list(plan.chains)
         self.on_chains(plan.chains)
         self._log_plan("chains", plan, reason)
 
@@ -1171,7 +1249,10 @@ class Planner:
         # they only read the views and the planner's estimates)
         best, reason = await asyncio.to_thread(self._search_joins, views, base, best, reason, unassigned)
         full = await asyncio.to_thread(self.full_plan, views)
-        if full is not None and full.chains and full.lower < (1 - self.move_margin) * best.lower:
+        # a full plan that moves no server is no re-placement: its prediction counts slots by the servers' memory,
+        # the plan in force's by the slots they announce (it "improved" on the same spans every interval)
+        moves = full is not None and dict(full.placement.items()) != dict(best.placement.items())
+        if moves and full.chains and full.lower < (1 - self.move_margin) * best.lower:
             best, reason = full, f"re-placement improves predicted response {best.lower:.4g}s -> {full.lower:.4g}s"
         if best is base and set(alive_placement) == set(self.assignment) - set(held):
             return

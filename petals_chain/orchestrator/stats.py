@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import time
 import weakref
@@ -228,7 +229,8 @@ class Stats:
                                          ["client", "outcome"], registry=r)
         self.m_client_tokens = Counter("petals_chain_client_tokens", "Prompt + generated tokens by client (API key "
                                        "name)", ["client"], registry=r)
-        self._window: dict[str, deque[tuple[float, int]]] = {}  # client -> (time, tokens) of the last minute
+        # client -> (time, tokens) of the last minute, the tokens of each second of the monotonic clock together
+        self._window: dict[str, deque[tuple[float, int]]] = {}
         self._totals: dict[str, dict[str, int]] = {}
         # requests, not jobs (issue 18): one per API request whatever its n and prompts, one per session turn
         self.m_api_requests = Counter("petals_chain_api_requests", "API requests by client (API key name) and how "
@@ -267,7 +269,13 @@ class Stats:
         totals["tokens"] += tokens
         if tokens:
             w = self._window.setdefault(client, deque())
-            w.append((time.monotonic(), tokens))
+            now = time.monotonic()
+            if w and math.floor(w[-1][0]) == math.floor(now):
+                # one entry per second (at most 61 whatever the rate), timed by its latest tokens: they leave the
+                # minute up to a second late, never early (the per-minute limit never counts less)
+                w[-1] = (now, w[-1][1] + tokens)
+            else:
+                w.append((now, tokens))
             self._trim(w)  # here too: read only with a per-minute limit or a state request, it grew per request
 
     @staticmethod
