@@ -1236,6 +1236,17 @@ class DispatchManager:
         if self.priorities is not None and sched is not None:
             self.priorities.monitor.observe(sched.service, sched.used)
 
+    def kv_kept(self, lease: Lease, keeps: bool) -> None:
+        """Whether every hop of ``lease``'s chain now keeps a paused job's KV (a hop moved to another server). A
+        pause for priority marked while it kept it, and that would now recompute its whole history, is taken back
+        (not counted) and the running jobs are weighed again."""
+        lease.keeps_kv = bool(keeps)
+        if (not keeps and lease.preempt and self.priorities is not None and not lease.released
+                and lease not in self._promised):
+            lease.preempt = False
+            self.priority_preemptions -= 1
+            self._preempt_for_priority()
+
     def _preempt_for_priority(self) -> None:
         """While jobs wait and no chain has room, mark the running job that goes last to give its chain back when
         the best waiting job goes before it by the discipline's margin (``worth_pausing``; one per waiting job)."""

@@ -741,7 +741,11 @@ class ChainHolder:
                 orch.server_failed(e)
                 continue
             if self.lease is not None:  # a pause for priority frees its slot cheaply only where every hop keeps KV
-                self.lease.keeps_kv = cs.prefix_cache
+                kept = getattr(orch.dispatch, "kv_kept", None)  # routed dispatch: no pauses
+                if kept is not None:
+                    kept(self.lease, cs.prefix_cache)
+                else:
+                    self.lease.keeps_kv = cs.prefix_cache
             budget[0] -= 1
             self.failovers += 1
             orch.stats.add_failover()
