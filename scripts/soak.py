@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare tracemalloc snapshots after the first measured round and the last (slower)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
+    if args.tracemalloc and args.rounds < 2:  # (its snapshots are taken after measured round 1 and the last)
+        ap.error("--tracemalloc compares two measured rounds: it needs --rounds 2 or more")
     logging.basicConfig(level=logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     try:
@@ -300,6 +302,8 @@ def _soak(args: argparse.Namespace, work: Path) -> int:
         out["grew"] = {k: [first.get(k, 0), mid.get(k, 0), n] for k, n in last.items()
                        if n > first.get(k, 0) and n > mid.get(k, 0)}
         print(json.dumps(out["grew"], indent=1))
+    else:
+        print("(no growth verdict: it compares measured rounds, --rounds 2 or more)", file=sys.stderr)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

@@ -19,9 +19,10 @@ def tiny(tmp_path_factory):
 
 def test_a_block_loads_whole_while_another_thread_builds_on_the_meta_device(tiny, monkeypatch):
     """Thread A stops inside its layer's construction (on the meta device) until thread B's load of another block
-    has finished or 3 s have passed; B's block must hold real weights either way (before: B's were put on meta)."""
+    has finished: B neither waits for A (loads of one process run in parallel) nor gets meta weights (before the
+    lock: B's were put on meta; with it, B waited for A)."""
     real_class = checkpoint.decoder_layer_class
-    inside, b_done = threading.Event(), threading.Event()
+    inside, b_done, a_left = threading.Event(), threading.Event(), threading.Event()
 
     def slow_class(config):
         cls = real_class(config)
@@ -29,7 +30,8 @@ def test_a_block_loads_whole_while_another_thread_builds_on_the_meta_device(tiny
         def build(*a, **k):
             if threading.current_thread().name == "loader-a":
                 inside.set()
-                b_done.wait(3.0)  # with the lock B waits for A: A goes on after 3 s
+                b_done.wait(30)  # (a B that waited for A is released after 30 s, and fails below)
+                a_left.set()
             return cls(*a, **k)
 
         return build
@@ -40,6 +42,7 @@ def test_a_block_loads_whole_while_another_thread_builds_on_the_meta_device(tiny
     def load(name: str, index: int) -> None:
         try:
             out[name] = checkpoint.load_block(tiny, index)
+            out[f"{name}_before_a_went_on"] = not a_left.is_set()
         except Exception as e:  # noqa: BLE001 - asserted below
             out[name] = e
 
@@ -55,3 +58,4 @@ def test_a_block_loads_whole_while_another_thread_builds_on_the_meta_device(tiny
         layer = out[name]
         assert not isinstance(layer, Exception), f"{name}: {layer!r}"
         assert not any(p.is_meta for p in layer.parameters()), name
+    assert out["b_before_a_went_on"], "B's load waited for A's"

@@ -1,9 +1,9 @@
 """Per-block loading of causal LMs (Llama / Mistral / Qwen2 layout) from any model source (safetensors, GGUF).
 
 A server hosting blocks ``[a, a+m)`` never materialises the whole model: :func:`load_block` builds one
-decoder layer on the meta device (``accelerate.init_empty_weights``) and reads only that layer's tensors
-from its source (:mod:`petals_chain.swarm.sources`: the shards that hold them, or the GGUF tensors it
-dequantizes). :func:`load_head` does the same for the embeddings, final norm and LM
+decoder layer on the meta device (:func:`~petals_chain.swarm.sources.empty_weights`, this thread only) and
+reads only that layer's tensors from its source (:mod:`petals_chain.swarm.sources`: the shards that hold them,
+or the GGUF tensors it dequantizes). :func:`load_head` does the same for the embeddings, final norm and LM
 head (what the orchestrator needs), together with the rotary module.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petals_chain.swarm.sources import META_INIT_LOCK, HFSource, ModelSource, ignored_tensor, resolve_source
+from petals_chain.swarm.sources import HFSource, ModelSource, empty_weights, ignored_tensor, resolve_source
 
 QUANT_MODES = ("none", "int8", "nf4")
 _DTYPES = {
@@ -169,8 +169,6 @@ def load_block(
     ``"none"``, or ``"int8"``/``"nf4"`` (bitsandbytes, CUDA only). The layer is in eval mode without grads.
     ``wmap`` is accepted for backward compatibility and ignored (the source caches its index).
     """
-    from accelerate import init_empty_weights
-
     src = resolve_source(path)
     config = _prepare_config(config if config is not None else src.config, attn_implementation)
     n_layers = int(config.num_hidden_layers)
@@ -184,24 +182,23 @@ def load_block(
     names = [k for k in src.tensor_names() if k.startswith(prefix) and not ignored_tensor(k)]
     if not names:
         raise KeyError(f"no tensors with prefix {prefix!r} in {src.path}")
-    tensors = src.read_tensors(names)  # (the slow part, outside the lock)
+    tensors = src.read_tensors(names)
     state = {k[len(prefix):]: v.to(torch_dtype) for k, v in tensors.items()}
     del tensors
-    with META_INIT_LOCK:  # built on the meta device and assigned with no other thread's init_empty_weights open
-        with init_empty_weights():
-            layer = decoder_layer_class(config)(config, index)
-        expected = set(dict(layer.named_parameters()).keys()) | {
-            n for n, _ in layer.named_buffers() if not n.endswith("inv_freq")}
-        missing, unexpected = expected - set(state), set(state) - expected
-        if missing or unexpected:
-            raise KeyError(f"block {index} of {src.path}: missing tensors {sorted(missing)}, "
-                           f"unexpected {sorted(unexpected)}")
-        layer.load_state_dict(state, strict=False, assign=True)
-        meta_left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
-        if meta_left:
-            raise RuntimeError(f"block {index}: tensors left uninitialised: {meta_left}")
-        if quant != "none":  # builds new Linear modules: not while another thread's init_empty_weights is open
-            _quantize_linears(layer, quant, torch_dtype)
+    with empty_weights():  # (this thread only: another's loads and modules stay real)
+        layer = decoder_layer_class(config)(config, index)
+    expected = set(dict(layer.named_parameters()).keys()) | {
+        n for n, _ in layer.named_buffers() if not n.endswith("inv_freq")}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise KeyError(f"block {index} of {src.path}: missing tensors {sorted(missing)}, "
+                       f"unexpected {sorted(unexpected)}")
+    layer.load_state_dict(state, strict=False, assign=True)
+    meta_left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+    if meta_left:
+        raise RuntimeError(f"block {index}: tensors left uninitialised: {meta_left}")
+    if quant != "none":
+        _quantize_linears(layer, quant, torch_dtype)
     layer = layer.to(device)
     layer.eval().requires_grad_(False)
     return layer
@@ -269,8 +266,6 @@ def build_rotary(config: Any, device: str | torch.device = "cpu") -> nn.Module:
 def load_head(path: "str | os.PathLike | ModelSource", dtype: str | torch.dtype | None = None,
               device: str | torch.device = "cpu", *, config: Any = None) -> ModelHead:
     """Load ``model.embed_tokens``, ``model.norm`` and ``lm_head`` (the embeddings where :func:`ties_lm_head`)."""
-    from accelerate import init_empty_weights
-
     src = resolve_source(path)
     config = _prepare_config(config if config is not None else src.config, None)
     torch_dtype = parse_dtype(dtype, config)
@@ -282,21 +277,20 @@ def load_head(path: "str | os.PathLike | ModelSource", dtype: str | torch.dtype 
     names = [k for k in src.tensor_names() if k.startswith(("model.embed_tokens.", "model.norm.", "lm_head."))]
     tensors = {k: v.to(torch_dtype) for k, v in src.read_tensors(names).items()}
     tied = ties_lm_head(config, tensors)
-    with META_INIT_LOCK:  # as in load_block
-        with init_empty_weights():
-            skeleton = _causal_lm_class(config)(skeleton_cfg)
-        embed, norm, lm_head = skeleton.model.embed_tokens, skeleton.model.norm, skeleton.lm_head
-        embed.load_state_dict({k[len("model.embed_tokens."):]: v for k, v in tensors.items()
-                               if k.startswith("model.embed_tokens.")}, assign=True)
-        norm.load_state_dict({k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")},
-                             assign=True)
-        if tied:
-            lm_head.weight = embed.weight
-            if lm_head.bias is not None:
-                raise ValueError("tied embeddings with an lm_head bias are not supported")
-        else:
-            lm_head.load_state_dict({k[len("lm_head."):]: v for k, v in tensors.items()
-                                     if k.startswith("lm_head.")}, assign=True)
+    with empty_weights():
+        skeleton = _causal_lm_class(config)(skeleton_cfg)
+    embed, norm, lm_head = skeleton.model.embed_tokens, skeleton.model.norm, skeleton.lm_head
+    embed.load_state_dict({k[len("model.embed_tokens."):]: v for k, v in tensors.items()
+                           if k.startswith("model.embed_tokens.")}, assign=True)
+    norm.load_state_dict({k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")},
+                         assign=True)
+    if tied:
+        lm_head.weight = embed.weight
+        if lm_head.bias is not None:
+            raise ValueError("tied embeddings with an lm_head bias are not supported")
+    else:
+        lm_head.load_state_dict({k[len("lm_head."):]: v for k, v in tensors.items()
+                                 if k.startswith("lm_head.")}, assign=True)
     head = ModelHead(config, embed, norm, lm_head, build_rotary(config, device))
     head = head.to(device)
     head.eval().requires_grad_(False)
@@ -308,8 +302,6 @@ def load_causal_lm(path: "str | os.PathLike | ModelSource", num_layers: int | No
     """The whole causal LM at ``path`` (any source) as one transformers model, or only its first ``num_layers``
     decoder layers with the embeddings, final norm and LM head (a self-speculative draft model: same tokenizer,
     cheaper, close to the full model's choices). Eval mode, no grads."""
-    from accelerate import init_empty_weights
-
     src = resolve_source(path)
     config = _prepare_config(src.config, None)
     total = int(config.num_hidden_layers)
@@ -323,15 +315,14 @@ def load_causal_lm(path: "str | os.PathLike | ModelSource", num_layers: int | No
     keep = ("model.embed_tokens.", "model.norm.", *(f"model.layers.{i}." for i in range(n)), "lm_head.")
     state = {k: v.to(torch_dtype) for k, v in src.read_tensors([k for k in src.tensor_names() if k.startswith(keep)
                                                                  and not ignored_tensor(k)]).items()}
-    with META_INIT_LOCK:  # as in load_block
-        with init_empty_weights():
-            model = _causal_lm_class(config)(config)
-        tied = ties_lm_head(config, state)
-        if tied:
-            state.pop("lm_head.weight", None)
-        else:
-            config.tie_word_embeddings = False  # (the model's private copy) a later tie_weights() must not tie them
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    with empty_weights():
+        model = _causal_lm_class(config)(config)
+    tied = ties_lm_head(config, state)
+    if tied:
+        state.pop("lm_head.weight", None)
+    else:
+        config.tie_word_embeddings = False  # (the model's private copy) a later tie_weights() must not tie them
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
         raise KeyError(f"{src.path}: missing tensors {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")

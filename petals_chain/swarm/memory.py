@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from petals_chain.swarm.checkpoint import QUANT_MODES, decoder_layer_class, parse_dtype
+from petals_chain.swarm.sources import empty_weights
 
 # bitsandbytes defaults: nf4 uses blocks of 64 weights with one fp32 absmax each (no double quantisation);
 # int8 (LLM.int8) keeps one fp32 scale per output row.
@@ -39,10 +40,8 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def _layer_param_shapes(config: Any) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(name, shape, is_linear_weight) for every parameter of one decoder layer, built on meta."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
+    """(name, shape, is_linear_weight) for every parameter of one decoder layer, built on meta (this thread only)."""
+    with empty_weights():
         layer = decoder_layer_class(config)(config, 0)
     linear_weights = {id(m.weight) for m in layer.modules() if isinstance(m, nn.Linear)}
     return [(n, tuple(p.shape), id(p) in linear_weights) for n, p in layer.named_parameters()]

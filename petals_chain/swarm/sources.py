@@ -18,6 +18,7 @@ the stored weights: the same model as GGUF and as safetensors are two models (ot
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -29,6 +30,7 @@ import struct
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -36,11 +38,39 @@ import torch
 from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
-# Held while modules are built on the meta device (accelerate's init_empty_weights) and while weights are assigned to
-# them: init_empty_weights patches nn.Module.register_parameter for every thread, so a load_state_dict(assign=True) of
-# another thread inside one put that thread's weights on the meta device (two servers of one process loading at once
-# failed with "tensors left uninitialised", again at each retry).
-META_INIT_LOCK = threading.RLock()
+_EMPTY_INIT = threading.local()  # .depth: how many empty_weights() blocks the current thread is inside
+_EMPTY_INIT_HOOK: list = []  # the torch hook's handle, once installed
+_EMPTY_INIT_HOOK_LOCK = threading.Lock()
+
+
+def _param_to_meta(module: torch.nn.Module, name: str, param: "torch.nn.Parameter | None") -> Any:
+    """Module-parameter registration hook: in a thread inside :func:`empty_weights`, the parameter moved to meta."""
+    if param is None or param.is_meta or not getattr(_EMPTY_INIT, "depth", 0):
+        return None
+    new = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)  # (e.g. transformers' _is_hf_initialized)
+    return new
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Modules built in this block get their parameters on the meta device (no memory), their buffers real: as
+    accelerate's ``init_empty_weights``, but for the calling thread only. accelerate's swaps
+    ``nn.Module.register_parameter`` for every thread, so a weight assigned or a module built in another thread of
+    the process meanwhile landed on meta (two servers of one process: "tensors left uninitialised"), and two
+    overlapping blocks left the swap installed for good when the first one opened closed first (every module built
+    afterwards in the process on meta). A parameter-registration hook (installed once) that looks at a
+    thread-local depth touches no other thread, so loads need no lock and run in parallel."""
+    if not _EMPTY_INIT_HOOK:
+        with _EMPTY_INIT_HOOK_LOCK:
+            if not _EMPTY_INIT_HOOK:
+                _EMPTY_INIT_HOOK.append(
+                    torch.nn.modules.module.register_module_parameter_registration_hook(_param_to_meta))
+    _EMPTY_INIT.depth = getattr(_EMPTY_INIT, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _EMPTY_INIT.depth -= 1
 
 # Families whose blocks are proven token-exact against transformers by tests (tests/test_e2e_families.py,
 # tests/test_real_model.py). Others (Gemma2's soft-capping, Granite's multipliers, Cohere, ...) would be served
@@ -182,7 +212,6 @@ class ModelSource(ABC):
     def _check_tensors(self, config: Any) -> None:
         """ValueError unless the weights hold blocks ``0..L-1`` of the config's ``L``, each with the tensors and
         shapes of the config's decoder layer, and embeddings of ``vocab_size x hidden_size``."""
-        from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
         # legacy per-layer rotary ``inv_freq`` buffers: transformers ignores them on load, and so does load_block
@@ -201,7 +230,7 @@ class ModelSource(ABC):
         one.num_hidden_layers = 1
         if getattr(one, "layer_types", None) is not None:
             one.layer_types = one.layer_types[:1]
-        with META_INIT_LOCK, init_empty_weights():
+        with empty_weights():
             skeleton = AutoModelForCausalLM.from_config(one)
         prefix = "model.layers.0."
         tensors = [*skeleton.named_parameters(), *skeleton.named_buffers()]
@@ -582,7 +611,6 @@ class GGUFSource(ModelSource):
         return {h: tuple(self._table[g][0]) for g, h in names.items()}
 
     def _map_names(self, config: Any) -> dict[str, str]:
-        from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -594,7 +622,7 @@ class GGUFSource(ModelSource):
         one.num_hidden_layers = 1
         if getattr(one, "layer_types", None) is not None:
             one.layer_types = one.layer_types[:1]
-        with META_INIT_LOCK, init_empty_weights():
+        with empty_weights():
             skeleton = AutoModelForCausalLM.from_config(one)
         processor = TENSOR_PROCESSORS.get(self._architecture, TensorProcessor)(config=self._config_dict())
         gguf_to_hf: dict[str, str] = {}
