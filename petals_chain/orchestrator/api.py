@@ -36,7 +36,8 @@ from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline, key_defaults
 from petals_chain.orchestrator.dispatch import ADMISSION
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, ShuttingDown, Unavailable
-from petals_chain.orchestrator.errors import default_code, shown_model_name, unavailable_retry_after_s
+from petals_chain.orchestrator.errors import (context_length_error, default_code, shown_model_name,
+                                              unavailable_retry_after_s)
 from petals_chain.orchestrator.forward import (SERVED_BY_HEADER, forward_session_call, maybe_forward,
                                                unless_disconnected)
 from petals_chain.orchestrator import responses as _responses
@@ -1158,6 +1159,24 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if adm is not None and adm.reserve is not None:
             adm.reserve(need, field)
 
+    def fit_context(ids: list[int], params: SamplingParams, explicit: bool, *, field: str = "prompt",
+                    limit_field: str = "max_tokens", session: Any = None) -> int:
+        """``orch.validate_prompt`` of a request's tokens (a session turn's: what the session would hold with it,
+        against its max_length): the most it may generate. A context-length refusal names the body field the tokens
+        came in (``field``: chat's ``messages``, the Responses API's ``input``, which said ``prompt``) and what does
+        not fit (a prompt of exactly the context read "has 2048 tokens, but the maximum is 2048"; a session turn
+        that adds 4 tokens read as a prompt of the session's whole length)."""
+        max_length = session.max_length if session is not None else None
+        try:
+            return orch.validate_prompt(ids, params.max_tokens, explicit, max_length=max_length, field=limit_field)
+        except RequestError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            overflow = e.param == limit_field  # the output limit, not the input alone, does not fit
+            raise context_length_error(len(ids), max_length or cfg.max_length, field=field,
+                                       max_tokens=params.max_tokens if overflow else None, limit_field=limit_field,
+                                       held=len(session.history) if session is not None else None) from None
+
     def set_deadline(req: SamplingFields) -> None:
         """The request's deadlines (its fields, else its API key's defaults) for the dispatcher and the report."""
         client = CLIENT.get()
@@ -1409,7 +1428,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         # every prompt validated before any work starts; its tokens held: the prompt and the most it may generate (an
         # implicit limit, chat's --max-tokens-limit, only as far as its context goes)
-        outputs = [orch.validate_prompt(ids, params.max_tokens, explicit) for ids in prompts]
+        outputs = [fit_context(ids, params, explicit) for ids in prompts]
         reserve_tokens(sum(len(ids) + most * req.n for ids, most in zip(prompts, outputs)))
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -1476,7 +1495,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             req.max_tokens = req.max_completion_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params, explicit = sampling(req, None, top)
-        most = orch.validate_prompt(ids, params.max_tokens, explicit, field=req.limit_field)
+        most = fit_context(ids, params, explicit, field="messages", limit_field=req.limit_field)
         reserve_tokens(len(ids) + most * req.n, req.limit_field)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -1527,7 +1546,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         req.max_tokens = req.max_output_tokens
         top = req.top
         params, explicit = sampling(req, None, top)
-        most = orch.validate_prompt(ids, params.max_tokens, explicit, field=req.limit_field)
+        most = fit_context(ids, params, explicit, field="input", limit_field=req.limit_field)
         reserve_tokens(len(ids) + most, req.limit_field)
         shape = _responses.ResponseBuilder(orch.model_id, req.echo())
 
@@ -1629,7 +1648,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             target = orch.session_target(s, new_ids)
             params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         orch.check_ids(target)
-        most = orch.validate_prompt(target, params.max_tokens, explicit, max_length=s.max_length)
+        field = "messages" if req.messages is not None else "prompt" if req.prompt is not None else "input_ids"
+        most = fit_context(target, params, explicit, field=field, limit_field=req.limit_field, session=s)
         reserve_tokens(max(0, len(target) - len(s.history)) + most)
 
         def gen_fn(emit=None):

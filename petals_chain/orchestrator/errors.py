@@ -54,5 +54,37 @@ class RequestError(ValueError):
         self.code = code if code is not None else default_code(status)
 
 
+# What a request's tokens are, by the body field that sent them, for a context-length error: the tokens counted are
+# the templated conversation's (chat, the Responses API), not the characters sent
+_INPUT_LABELS = {"prompt": "the prompt", "messages": "the messages (as the chat template puts them)",
+                 "input": "the input (with any instructions, as the chat template puts them)",
+                 "input_ids": "input_ids"}
+
+
+def context_length_error(tokens: int, max_length: int, *, field: str = "prompt", max_tokens: int | None = None,
+                         limit_field: str = "max_tokens", held: int | None = None) -> RequestError:
+    """The 400 ``context_length_exceeded`` of ``tokens`` input tokens that leave no room in ``max_length`` (an
+    output limit of 0 aside), or, with ``max_tokens``, of an explicit output limit that does not fit after them.
+    ``field``: the body field the tokens came in (``param``: chat's ``messages``, the Responses API's ``input``, a
+    session turn's own field; OpenAI names them so); ``held``: a session's tokens before this turn (the limit is
+    then the session's ``max_length``, and the tokens are what it would hold with the turn)."""
+    label = _INPUT_LABELS.get(field, field)
+    if held is None:
+        limit = f"this model's maximum context length is {max_length} tokens"
+        count = f"there are {tokens} tokens in {label}"
+        shorten = f"reduce {label.split(' (')[0]}"
+    else:
+        limit = f"this session's max_length is {max_length} tokens"
+        count = f"with this turn's {field} it would hold {tokens} ({held} before it)"
+        shorten = (f"shorten this turn's {field}, or open a new session" if held < max_length else
+                   "the session is full: open a new one")
+    if max_tokens is not None:
+        return RequestError(f"{limit}; {count}, and {limit_field} is {max_tokens}: at most {max_length - tokens} "
+                            f"fit (reduce {limit_field}, or {shorten.removeprefix('reduce ')})", param=limit_field,
+                            code="context_length_exceeded")
+    left = "no room is left for a completion" if tokens == max_length else f"{tokens - max_length} too many"
+    return RequestError(f"{limit}, but {count}: {left} ({shorten})", param=field, code="context_length_exceeded")
+
+
 class Unavailable(RuntimeError):
     """The swarm could not serve the request (no chain in time, too many failures): HTTP 503."""
