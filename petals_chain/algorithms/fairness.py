@@ -917,33 +917,49 @@ class ServiceMeter:
     and compares those backlogged in at least ``BACKLOGGED_SHARE`` of the window's contention (its samples from the
     first to the last in which anyone waited): clients that would take any more service they were given, which a
     fair order serves equally. A client that waited now and then got what it asked for and is left out (taking
-    every client that waited once called a fairly served light client unfair: 0.52)."""
+    every client that waited once called a fairly served light client unfair: 0.52).
+
+    Service is summed per client in buckets of about ``window_s / BUCKETS`` (one entry per client and bucket, not
+    one per event: memory and time grew with the request rate); the bucket the window's start cuts counts by the
+    fraction of it inside the window (exact for service spread evenly within a bucket)."""
 
     BACKLOGGED_SHARE = 0.9
     MIN_SAMPLES = 5
+    BUCKETS = 120
 
     def __init__(self, window_s: float = 60.0):
         if not window_s > 0:
             raise ValueError(f"window_s must be positive, got {window_s!r}")
         self.window_s = float(window_s)
-        self._events: deque[tuple[float, str, float]] = deque()
-        self._sums: dict[str, float] = {}
+        # a power of two near window_s / BUCKETS: bucket edges are exact in binary floating point, so an event at
+        # the window's start is in or out by its time alone (not by the rounding of a division)
+        self.bucket_s = 2.0 ** round(math.log2(self.window_s / self.BUCKETS))
+        # [bucket, client, units] entries, in the order their first units came (oldest bucket first, the clock
+        # being steady); _open finds a live entry by (bucket, client)
+        self._events: deque[list] = deque()
+        self._open: dict[tuple[int, str], list] = {}
+        self._sums: dict[str, float] = {}  # per client, over the entries kept (whole buckets)
         self._waited: dict[str, float] = {}  # client -> last time it had a request waiting
         self._samples: deque[tuple[float, frozenset]] = deque()  # (time, clients with a request waiting)
 
     def _trim(self, now: float) -> None:
         cutoff = now - self.window_s
-        while self._events and self._events[0][0] < cutoff:
-            _, c, units = self._events.popleft()
+        self._trim_service(cutoff)
+        for c in [c for c, t in self._waited.items() if t < cutoff]:
+            del self._waited[c]
+        while self._samples and self._samples[0][0] < cutoff:
+            self._samples.popleft()
+
+    def _trim_service(self, cutoff: float) -> None:
+        """Drop the entries of buckets wholly before ``cutoff`` (the oldest first)."""
+        while self._events and (self._events[0][0] + 1) * self.bucket_s <= cutoff:
+            k, c, units = self._events.popleft()
+            del self._open[(k, c)]
             left = self._sums.get(c, 0.0) - units  # corrections can be negative: sums need not stay positive
             if abs(left) <= 1e-9:
                 self._sums.pop(c, None)
             else:
                 self._sums[c] = left
-        for c in [c for c, t in self._waited.items() if t < cutoff]:
-            del self._waited[c]
-        while self._samples and self._samples[0][0] < cutoff:
-            self._samples.popleft()
 
     def forget(self, *clients: str) -> None:
         """Drop ``clients`` from the window (their names are gone): their service, their waits and their places in the
@@ -954,6 +970,7 @@ class ServiceMeter:
             return
         if any(e[1] in gone for e in self._events):
             self._events = deque(e for e in self._events if e[1] not in gone)
+            self._open = {key: e for key, e in self._open.items() if key[1] not in gone}
         for client in gone:
             self._sums.pop(client, None)
             self._waited.pop(client, None)
@@ -962,8 +979,14 @@ class ServiceMeter:
 
     def served(self, now: float, client: str, units: float) -> None:
         if units:
-            self._events.append((now, client, float(units)))
+            key = (math.floor(now / self.bucket_s), client)
+            entry = self._open.get(key)
+            if entry is None:
+                entry = self._open[key] = [key[0], client, 0.0]
+                self._events.append(entry)
+            entry[2] += float(units)
             self._sums[client] = self._sums.get(client, 0.0) + float(units)
+            self._trim_service(now - self.window_s)  # bounded whoever reads it (samples stop with the queue)
 
     def waited(self, now: float, client: str) -> None:
         """``client`` had a request waiting at ``now`` (listed as backlogged; Jain's index reads :meth:`sample`)."""
@@ -980,7 +1003,14 @@ class ServiceMeter:
     def rates(self, now: float) -> dict[str, float]:
         """Service units per second over the window, per client served in it."""
         self._trim(now)
-        return {c: max(0.0, v) / self.window_s for c, v in self._sums.items()}
+        sums = dict(self._sums)
+        cutoff = now - self.window_s
+        for k, c, units in self._events:  # the oldest buckets first: those the window's start cuts
+            lo = k * self.bucket_s
+            if lo >= cutoff:
+                break
+            sums[c] = sums.get(c, 0.0) - units * (cutoff - lo) / self.bucket_s  # the part before the window
+        return {c: max(0.0, v) / self.window_s for c, v in sums.items()}
 
     def backlogged(self, now: float) -> list[str]:
         """Clients that had a request waiting at some time in the window."""

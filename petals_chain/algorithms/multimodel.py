@@ -1090,37 +1090,67 @@ class AdaptiveInterval:
 class MixDriftDetector:
     """Traffic-mix drift (ours, beside Eq. 8): the share of arrivals per model over the last ``window_s`` seconds
     against the shares the plan was made for; drift when their total variation distance exceeds ``threshold``
-    (and at least ``min_arrivals`` arrived in the window), so a shift re-plans before the interval ends."""
+    (and at least ``min_arrivals`` arrived in the window), so a shift re-plans before the interval ends.
+
+    Arrivals are counted per model in buckets of about ``window_s / BUCKETS`` (one entry per model and bucket, not
+    one per arrival: memory and time grew with the request rate); the bucket the window's start cuts counts by the
+    fraction of it inside the window (exact for arrivals spread evenly within a bucket)."""
+
+    BUCKETS = 120
 
     def __init__(self, window_s: float = 60.0, threshold: float = 0.2, min_arrivals: int = 30):
+        if not window_s > 0:
+            raise ValueError(f"window_s must be positive, got {window_s!r}")
         self.window_s, self.threshold, self.min_arrivals = float(window_s), float(threshold), int(min_arrivals)
-        self._events: deque[tuple[float, str]] = deque()
+        # a power of two near window_s / BUCKETS: bucket edges are exact in binary floating point, so an arrival at
+        # the window's start is in or out by its time alone (not by the rounding of a division)
+        self.bucket_s = 2.0 ** round(math.log2(self.window_s / self.BUCKETS))
+        # [bucket, model, arrivals] entries in the order their first arrival came; _open finds one by (bucket,
+        # model) (the placement feeds each model's arrivals in turn, so a bucket may come again after a later one)
+        self._events: deque[list] = deque()
+        self._open: dict[tuple[int, str], list] = {}
         self.planned: dict[str, float] = {}
 
     def arrive(self, model: str, now: float) -> None:
-        self._events.append((now, model))
+        key = (math.floor(now / self.bucket_s), model)
+        entry = self._open.get(key)
+        if entry is None:
+            entry = self._open[key] = [key[0], model, 0]
+            self._events.append(entry)
+        entry[2] += 1
         self._trim(now)  # a placement that never asks for the mix (even, static) must not keep every arrival
 
     def _trim(self, now: float) -> None:
-        while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
+        cutoff = now - self.window_s
+        while self._events and (self._events[0][0] + 1) * self.bucket_s <= cutoff:  # wholly before the window
+            k, m, _ = self._events.popleft()
+            del self._open[(k, m)]
+
+    def _counts(self, now: float) -> dict[str, float]:
+        """Arrivals per model in the window (a bucket the window's start cuts, by the fraction inside it)."""
+        self._trim(now)
+        cutoff = now - self.window_s
+        out: dict[str, float] = {}
+        for k, m, n in self._events:  # every entry: one fed late may sit behind newer ones
+            lo = k * self.bucket_s
+            inside = 1.0 if lo >= cutoff else max(0.0, (lo + self.bucket_s - cutoff) / self.bucket_s)
+            if inside > 0:
+                out[m] = out.get(m, 0.0) + n * inside
+        return out
+
+    def count(self, now: float) -> float:
+        """Arrivals in the window (all models)."""
+        return sum(self._counts(now).values())
 
     def mix(self, now: float) -> dict[str, float]:
         """Share of arrivals per model in the window."""
-        self._trim(now)
-        n = len(self._events)
-        out: dict[str, float] = {}
-        for _, m in self._events:
-            out[m] = out.get(m, 0.0) + 1.0 / n
-        return out
+        counts = self._counts(now)
+        total = sum(counts.values())
+        return {m: n / total for m, n in counts.items()} if total > 0 else {}
 
     def rates(self, now: float) -> dict[str, float]:
         """Arrivals per second per model in the window."""
-        self._trim(now)
-        out: dict[str, float] = {}
-        for _, m in self._events:
-            out[m] = out.get(m, 0.0) + 1.0 / self.window_s
-        return out
+        return {m: n / self.window_s for m, n in self._counts(now).items()}
 
     def set_plan(self, mix: Mapping[str, float]) -> None:
         self.planned = dict(mix)
@@ -1131,8 +1161,7 @@ class MixDriftDetector:
         return 0.5 * sum(abs(cur.get(k, 0.0) - self.planned.get(k, 0.0)) for k in keys)
 
     def drifted(self, now: float) -> bool:
-        self._trim(now)
-        return len(self._events) >= self.min_arrivals and bool(self.planned) and self.distance(now) > self.threshold
+        return bool(self.planned) and self.count(now) >= self.min_arrivals and self.distance(now) > self.threshold
 
 
 class ReplanTrigger:

@@ -5,7 +5,8 @@ token), counted from its arrival, or take its API key's defaults. The API puts a
 :data:`DEADLINE` for the request; the dispatcher reads it to order the central queue (``--schedule edf``), to
 refuse a job its prediction says is doomed (HTTP 429 at once: ``deadline_unreachable`` with ``Retry-After``, or
 ``deadline_infeasible`` without when even an idle swarm would miss it, so retrying cannot help) and to drop a
-queued job whose deadline passed before it got a chain (HTTP 504 ``deadline_exceeded``); ``best_effort: true`` turns
+job whose deadline passed while it waited for a chain, queued or after losing its chain (HTTP 504
+``deadline_exceeded``; outcome ``dropped``, or ``missed`` for a job that had run); ``best_effort: true`` turns
 refusal and dropping off (the job is served, late if need be). The response reports the outcome; :class:`DeadlineBook`
 counts outcomes per client and the goodput (requests that met every deadline they had, per second).
 """

@@ -89,7 +89,8 @@ class ChainHolder:
         self.priority = orch.dispatch.new_priority_job(job_id, str(getattr(orch, "model_id", "")), shape) \
             if hasattr(orch.dispatch, "new_priority_job") else None
         self.closed = False
-        self.admitted = False  # held a chain once: later acquires re-queue with priority, never refused
+        # held a chain once: later acquires re-queue with priority, never refused (dropped at the deadline as any)
+        self.admitted = False
         # n > 1 (generation.py): the first choice's job counts the others in its deadline prediction; the others
         # are admitted with it (``checked``: never refused or dropped for the request's deadline)
         self.siblings = 0
@@ -162,11 +163,14 @@ class ChainHolder:
                               yields=self.yields, sched=self.priority, siblings=self.siblings,
                               checked=self.checked)
             # A job back after a failover, a preemption or a pause keeps its deadline (its order in the queue, and
-            # flex never pauses it for another): only a new job is dropped when its deadline passes while it waits.
+            # flex never pauses it for another), and is dropped as a new job is when it passes while the job waits
+            # (it waited --queue-timeout-s and ended 503 though its deadline had passed long before). A later choice
+            # of n admitted with the first is not, until it has held a chain (admitted with it: never refused nor
+            # dropped before it starts).
             self._as_this_request(job, need)
             dl = DEADLINE.get()
             t0 = time.monotonic()
-            droppable = dl is not None and dl.active and not (self.admitted or self.checked)
+            droppable = dl is not None and dl.active and (self.admitted or not self.checked)
 
             def dropped_at() -> float:
                 # read again when the wait ends: once another prompt's job of the request gave its first token, only
@@ -202,6 +206,11 @@ class ChainHolder:
             except asyncio.TimeoutError:
                 if time.monotonic() >= dropped_at():  # still waiting for a chain when its deadline passed: dropped
                     self._gave_up(job, began)
+                    if self.admitted:  # it ran, and lost its chain (or was paused): a miss, not a drop unserved
+                        orch.deadlines.settle(dl, "missed")
+                        raise RequestError("the deadline passed while the request waited for another chain to go "
+                                           "on (its chain was lost or given back)", status=504,
+                                           code="deadline_exceeded") from None
                     orch.deadlines.settle(dl, "dropped")
                     raise RequestError("the deadline passed while the request waited for a chain", status=504,
                                        code="deadline_exceeded") from None
