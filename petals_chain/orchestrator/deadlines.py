@@ -7,7 +7,12 @@ refuse a job its prediction says is doomed (HTTP 429 at once: ``deadline_unreach
 ``deadline_infeasible`` without when even an idle swarm would miss it, so retrying cannot help) and to drop a
 job whose deadline passed while it waited for a chain, queued or after losing its chain (HTTP 504
 ``deadline_exceeded``; outcome ``dropped``, or ``missed`` for a job that had run); ``best_effort: true`` turns
-refusal and dropping off (the job is served, late if need be). The response reports the outcome; :class:`DeadlineBook`
+refusal and dropping off (the job is served, late if need be). The deadline is checked only while a job waits for a
+chain: a job holding its chain when the deadline passes is not cut, it finishes late (outcome ``missed``), and so
+does one that loses its chain then while another is free at once; a request past its deadline is given no new
+chain (as a cut forwarded stream is not rerun past it, ``resume.py``). The 504 of a job dropped after some tokens
+is an error as OpenAI's: a non-streamed answer's tokens are not returned (a stream had sent them), and with ``n`` > 1
+the other choices end with it. The response reports the outcome; :class:`DeadlineBook`
 counts outcomes per client and the goodput (requests that met every deadline they had, per second).
 """
 
