@@ -50,7 +50,8 @@ def test_context_errors_name_the_field_sent_and_what_does_not_fit(model_path):
             return r.json()["error"]
 
         # chat: the messages, at exactly the context and one over; then an output limit one past what fits
-        for content, why in ((full, "no room is left for a completion"), (over, "1 too many")):
+        for content, why in ((full, "no room is left for a completion"),
+                             (over, "2 too many, at most 63 leave room for a completion")):
             for stream in (False, True):
                 e = await err("/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
                                                        "stream": stream})
@@ -76,6 +77,9 @@ def test_context_errors_name_the_field_sent_and_what_does_not_fit(model_path):
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == MAX_LENGTH, r.text
         e = await err("/v1/completions", {"prompt": ids + [5], "max_tokens": 0, "echo": True})
         assert e["param"] == "prompt" and "1 too many" in e["message"], e
+        # several prompts: the one that does not fit is named by its place (review of 0497ed7: "the prompt")
+        e = await err("/v1/completions", {"prompt": [[5] * 3, ids + [5, 5], [5]]})
+        assert e["param"] == "prompt" and "there are 66 tokens in the prompt at index 1: 3 too many" in e["message"], e
         e = await err("/v1/completions", {"prompt": ids[:-1], "max_tokens": 2})
         assert e["param"] == "max_tokens" and "max_tokens is 2: at most 1 fit" in e["message"], e
     run_with_api(model_path, fn)
@@ -90,7 +94,7 @@ def test_a_session_turn_past_its_max_length_says_what_the_session_holds(model_pa
         s.history = [5] * 28
         gen = f"/api/v1/sessions/{sid}/generate"
         cases = [({"input_ids": [5] * 4}, "input_ids", "it would hold 32 (28 before it): no room is left"),
-                 ({"input_ids": [5] * 5, "max_tokens": 1}, "input_ids", "it would hold 33 (28 before it): 1 too many"),
+                 ({"input_ids": [5] * 5, "max_tokens": 1}, "input_ids", "it would hold 33 (28 before it): 2 too many"),
                  ({"prompt": " a a a a a a"}, "prompt", "too many"),
                  ({"input_ids": [5] * 2, "max_tokens": 3}, "max_tokens",
                   "with this turn's input_ids it would hold 30 (28 before it), and max_tokens is 3: at most 2 fit")]
@@ -104,7 +108,8 @@ def test_a_session_turn_past_its_max_length_says_what_the_session_holds(model_pa
         assert info["tokens"] == 28 and info["turns"] == 0 and not info["busy"], info
         s.history = [5] * 32  # full: only a new session helps
         e = (await c.post(gen, json={"input_ids": [5]})).json()["error"]
-        assert "it would hold 33 (32 before it): 1 too many (the session is full: open a new one)" in e["message"], e
+        assert ("it would hold 33 (32 before it): 2 too many, at most 31 leave room for a completion "
+                "(the session is full: open a new one)") in e["message"], e
         # a chat session: its templated conversation, named as messages
         chat = (await c.post("/api/v1/sessions", json={"max_length": 24})).json()["session_id"]
         r = await c.post(f"/api/v1/sessions/{chat}/generate",

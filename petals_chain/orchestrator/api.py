@@ -1160,12 +1160,13 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             adm.reserve(need, field)
 
     def fit_context(ids: list[int], params: SamplingParams, explicit: bool, *, field: str = "prompt",
-                    limit_field: str = "max_tokens", session: Any = None) -> int:
+                    limit_field: str = "max_tokens", session: Any = None, index: int | None = None) -> int:
         """``orch.validate_prompt`` of a request's tokens (a session turn's: what the session would hold with it,
         against its max_length): the most it may generate. A context-length refusal names the body field the tokens
-        came in (``field``: chat's ``messages``, the Responses API's ``input``, which said ``prompt``) and what does
-        not fit (a prompt of exactly the context read "has 2048 tokens, but the maximum is 2048"; a session turn
-        that adds 4 tokens read as a prompt of the session's whole length)."""
+        came in (``field``: chat's ``messages``, the Responses API's ``input``, which said ``prompt``; ``index``: the
+        prompt's place in a request of several) and what does not fit (a prompt of exactly the context read "has
+        2048 tokens, but the maximum is 2048"; a session turn that adds 4 tokens read as a prompt of the session's
+        whole length)."""
         max_length = session.max_length if session is not None else None
         try:
             return orch.validate_prompt(ids, params.max_tokens, explicit, max_length=max_length, field=limit_field)
@@ -1175,7 +1176,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             overflow = e.param == limit_field  # the output limit, not the input alone, does not fit
             raise context_length_error(len(ids), max_length or cfg.max_length, field=field,
                                        max_tokens=params.max_tokens if overflow else None, limit_field=limit_field,
-                                       held=len(session.history) if session is not None else None) from None
+                                       held=len(session.history) if session is not None else None,
+                                       scoring=explicit and params.max_tokens == 0, index=index) from None
 
     def set_deadline(req: SamplingFields) -> None:
         """The request's deadlines (its fields, else its API key's defaults) for the dispatcher and the report."""
@@ -1428,7 +1430,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         # every prompt validated before any work starts; its tokens held: the prompt and the most it may generate (an
         # implicit limit, chat's --max-tokens-limit, only as far as its context goes)
-        outputs = [fit_context(ids, params, explicit) for ids in prompts]
+        outputs = [fit_context(ids, params, explicit, index=i if len(prompts) > 1 else None)
+                   for i, ids in enumerate(prompts)]
         reserve_tokens(sum(len(ids) + most * req.n for ids, most in zip(prompts, outputs)))
         echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         cid = f"cmpl-{uuid.uuid4().hex}"

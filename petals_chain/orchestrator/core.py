@@ -26,7 +26,7 @@ from petals_chain.orchestrator.deadlines import DeadlineBook
 from petals_chain.orchestrator.dispatch import DISPATCH_POLICIES, PLACEMENT_POLICIES, ChainPrefixes
 from petals_chain.orchestrator.drafting import DRAFT_TIMEOUT_S
 from petals_chain.orchestrator.audit import Auditor
-from petals_chain.orchestrator.errors import RequestError, Unavailable
+from petals_chain.orchestrator.errors import RequestError, Unavailable, context_length_error
 from petals_chain.orchestrator.fairness import FAIRNESS_SAMPLE_S, ClientShares
 from petals_chain.orchestrator.generation import Emit, Generation, GenerationMixin
 from petals_chain.orchestrator.planner import SERVER_RECORD_TTL_S, Planner
@@ -568,16 +568,13 @@ class Orchestrator(GenerationMixin, SessionMixin):
         explicit one that does not fit is refused (OpenAI's behaviour). ``session``: ``max_length`` is a session's
         (the error names it, not the model's context); ``field``: the body field the error names."""
         room = max_length - used
-        limit = (f"this session's max_length is {max_length} tokens" if session else
-                 f"this model's maximum context length is {max_length} tokens")
-        if room < 0 or (room == 0 and not (explicit and max_tokens == 0)):  # max_tokens 0: a prompt scored, echoed
-            raise RequestError(f"the prompt has {used} tokens, but {limit}", param="prompt",
-                               code="context_length_exceeded")
+        scoring = explicit and max_tokens == 0  # a prompt scored, echoed: it may fill the whole context
+        if room < 0 or (room == 0 and not scoring):
+            raise context_length_error(used, max_length, session=session, scoring=scoring)
         if not explicit:
             return min(max_tokens, room)
         if max_tokens > room:
-            raise RequestError(f"{limit}; the prompt has {used} and {field} is {max_tokens}: reduce the prompt or "
-                               f"{field}", param=field, code="context_length_exceeded")
+            raise context_length_error(used, max_length, max_tokens=max_tokens, limit_field=field, session=session)
         return max_tokens
 
     # ---- state ---------------------------------------------------------------------------------

@@ -62,27 +62,36 @@ _INPUT_LABELS = {"prompt": "the prompt", "messages": "the messages (as the chat 
 
 
 def context_length_error(tokens: int, max_length: int, *, field: str = "prompt", max_tokens: int | None = None,
-                         limit_field: str = "max_tokens", held: int | None = None) -> RequestError:
-    """The 400 ``context_length_exceeded`` of ``tokens`` input tokens that leave no room in ``max_length`` (an
-    output limit of 0 aside), or, with ``max_tokens``, of an explicit output limit that does not fit after them.
-    ``field``: the body field the tokens came in (``param``: chat's ``messages``, the Responses API's ``input``, a
-    session turn's own field; OpenAI names them so); ``held``: a session's tokens before this turn (the limit is
-    then the session's ``max_length``, and the tokens are what it would hold with the turn)."""
-    label = _INPUT_LABELS.get(field, field)
-    if held is None:
+                         limit_field: str = "max_tokens", held: int | None = None, session: bool = False,
+                         scoring: bool = False, index: int | None = None) -> RequestError:
+    """The 400 ``context_length_exceeded`` of ``tokens`` input tokens that leave no room in ``max_length``, or, with
+    ``max_tokens``, of an explicit output limit that does not fit after them. ``field``: the body field the tokens
+    came in (``param``: chat's ``messages``, the Responses API's ``input``, a session turn's own field; OpenAI names
+    them so); ``index``: the prompt's place in a request of several. ``session`` (implied by ``held``, a session's
+    tokens before this turn): the limit is the session's ``max_length`` and the tokens what it would hold with the
+    turn. ``scoring``: nothing is generated (an explicit output limit of 0), so the whole context may be input;
+    else one token must be left, and the excess said counts it (a prompt told "2 too many" that lost 2 was refused
+    again)."""
+    label = _INPUT_LABELS.get(field, field) + (f" at index {index}" if index is not None else "")
+    fit = max_length if scoring else max_length - 1  # the most input tokens that leave room for what is asked
+    if held is None and not session:
         limit = f"this model's maximum context length is {max_length} tokens"
         count = f"there are {tokens} tokens in {label}"
         shorten = f"reduce {label.split(' (')[0]}"
     else:
         limit = f"this session's max_length is {max_length} tokens"
-        count = f"with this turn's {field} it would hold {tokens} ({held} before it)"
-        shorten = (f"shorten this turn's {field}, or open a new session" if held < max_length else
+        count = f"with this turn's {field} it would hold {tokens}" + (f" ({held} before it)" if held is not None
+                                                                       else "")
+        shorten = (f"shorten this turn's {field}, or open a new session" if held is None or held <= fit else
                    "the session is full: open a new one")
     if max_tokens is not None:
         return RequestError(f"{limit}; {count}, and {limit_field} is {max_tokens}: at most {max_length - tokens} "
                             f"fit (reduce {limit_field}, or {shorten.removeprefix('reduce ')})", param=limit_field,
                             code="context_length_exceeded")
-    left = "no room is left for a completion" if tokens == max_length else f"{tokens - max_length} too many"
+    if tokens == max_length and not scoring:
+        left = "no room is left for a completion"
+    else:
+        left = f"{tokens - fit} too many" + ("" if scoring else f", at most {fit} leave room for a completion")
     return RequestError(f"{limit}, but {count}: {left} ({shorten})", param=field, code="context_length_exceeded")
 
 
