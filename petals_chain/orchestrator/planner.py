@@ -662,6 +662,25 @@ class Planner:
         return (self.job_tokens.value, self._steps_ref) + tuple(sorted((v.peer_id, v.record.slots_total,
                                                                         v.record.cache_tokens_total) for v in views))
 
+    def _servers_change(self, old: Sequence[tuple], new: Sequence[tuple]) -> str:
+        """What changed between two ``_chains_key`` server parts (``(peer_id, slots_total, cache_tokens_total)``
+        each): the servers online that came and went, and the slots or KV cache tokens of those that stayed."""
+        def name(p: str) -> str:
+            v = self.servers.get(p)
+            return (v.record.public_name if v is not None else "") or p[:12]
+
+        was, now = {k[0]: k[1:] for k in old}, {k[0]: k[1:] for k in new}
+        moved = [f"+{name(p)}" for p in sorted(now.keys() - was.keys())] + [
+            f"-{name(p)}" for p in sorted(was.keys() - now.keys())]
+        parts = ["servers online " + ", ".join(moved)] if moved else []
+        for p in sorted(now.keys() & was.keys()):
+            (s0, t0), (s1, t1) = was[p], now[p]
+            if s0 != s1:
+                parts.append(f"slots of {name(p)} {s0} -> {s1}")
+            if t0 != t1:
+                parts.append(f"KV cache tokens of {name(p)} {t0} -> {t1}")
+        return "; ".join(parts) or "servers online changed"
+
     def full_plan(self, views: Sequence[ServerView]) -> Plan | None:
         """c* by the Theorem 3.7 lower bound over GBP-CR + GCA on ``views`` (or the configured placement)."""
         model = self._model_spec()
@@ -735,15 +754,18 @@ class Planner:
             raise ValueError(f"placement policy {self.placement_policy!r} is not available")
         return None, placement, gca(specs, model, placement)
 
-    def evaluate(self, views: Sequence[ServerView], placement: Placement, c: int | None = None) -> Plan:
-        """GCA on ``placement`` restricted to ``views`` (with their live slot counts when loaded)."""
+    def evaluate(self, views: Sequence[ServerView], placement: Placement, c: int | None = None, *,
+                 announced: bool = True) -> Plan:
+        """GCA on ``placement`` restricted to ``views``: a server loaded with its span there counted by the slots it
+        announces (``announced``), else (and every server with ``announced`` False) by the slots its memory holds,
+        as GBP-CR counts them."""
         from petals_chain.algorithms import gca
 
         model = self._model_spec()
         names = {v.peer_id for v in views}
         sub = Placement({k: placement[k] for k in placement if k in names}, num_blocks=model.num_blocks)
         residual = {}
-        for v in views:
+        for v in views if announced else ():
             r = v.record
             if v.peer_id in sub and r.num_blocks > 0 and (r.start_block, r.num_blocks) == sub[v.peer_id]:
                 residual[v.peer_id] = self.residual_jobs(r)
@@ -751,6 +773,18 @@ class Planner:
         chains = gca(specs, model, sub, residual_slots=residual) if specs else []
         lower, upper = self._bounds(chains)
         return Plan(c=c, placement=sub, chains=chains, lower=lower, upper=upper)
+
+    def moves_better(self, views: Sequence[ServerView], current: Plan, new: Plan) -> tuple[bool, float, float]:
+        """Whether ``new`` (a full plan that moves servers) predicts a response more than ``move_margin`` better than
+        ``current``, with both predicted on one basis, the slots the servers' memory holds (``evaluate`` with
+        ``announced`` False, as GBP-CR predicts): ``current``'s own prediction counts the slots its servers announce,
+        fewer than their memory's with a paged cache or ``--max-length`` (a move that changed nothing but the basis
+        looked better, and servers reloaded for it). Also the two predictions, current's and new's."""
+        if not new.chains:
+            return False, math.inf, math.inf
+        ours = self.evaluate(views, current.placement, current.c, announced=False).lower
+        theirs = self.evaluate(views, new.placement, new.c, announced=False).lower
+        return theirs < (1 - self.move_margin) * ours, ours, theirs
 
     def incremental(self, views: Sequence[ServerView], base: Placement, newcomer: ServerView, c: int | None) -> Plan | None:
         """Best span for ``newcomer`` alone (others keep their blocks): no server reloads."""
@@ -1224,7 +1258,7 @@ class Planner:
                 # After an orchestrator restart the servers still hold their blocks: keep those spans unless a
                 # new placement predicts a clearly better response (the same rule as any re-placement).
                 if served is not None and served.chains and (
-                        plan is None or not plan.chains or not plan.lower < (1 - self.move_margin) * served.lower):
+                        plan is None or not plan.chains or not self.moves_better(views, served, plan)[0]):
                     plan, reason = served, "kept the spans the servers already serve"
                 if plan is not None and plan.chains:
                     self.last_full_replan = time.monotonic()
@@ -1235,8 +1269,10 @@ class Planner:
         # Chains follow the servers that are online now.
         key = self._chains_key(self.online_views())
         if key != self._gca_key:
-            if self._gca_key is None or key[2:] != self._gca_key[2:]:
+            if self._gca_key is None:
                 why = "servers online changed"
+            elif key[2:] != self._gca_key[2:]:
+                why = self._servers_change(self._gca_key[2:], key[2:])
             elif key[0] != self._gca_key[0]:
                 why = f"expected tokens per job L^ = {key[0]}"
             else:
@@ -1282,18 +1318,32 @@ class Planner:
         # they only read the views and the planner's estimates)
         best, reason = await asyncio.to_thread(self._search_joins, views, base, best, reason, unassigned)
         full = await asyncio.to_thread(self.full_plan, views)
-        # a full plan that moves no server is no re-placement: its prediction counts slots by the servers' memory,
-        # the plan in force's by the slots they announce (it "improved" on the same spans every interval)
+        # a full plan that moves no server is no re-placement (it "improved" on the same spans every interval: its
+        # prediction counted slots by the servers' memory, the plan in force's by the slots they announce), nor is
+        # one better only by that basis (moves_better); a new c on the same spans is taken, nothing moved
         moves = full is not None and dict(full.placement.items()) != dict(best.placement.items())
-        if moves and full.chains and full.lower < (1 - self.move_margin) * best.lower:
-            best, reason = full, f"re-placement improves predicted response {best.lower:.4g}s -> {full.lower:.4g}s"
+        retuned = ""
+        if moves:
+            better, ours, theirs = await asyncio.to_thread(self.moves_better, views, best, full)
+            if better:
+                best, reason = full, (f"re-placement improves predicted response {ours:.4g}s -> {theirs:.4g}s "
+                                      "(slots by memory, both)")
+        elif full is not None and full.chains and full.c != best.c:
+            # the spans stay, c follows lambda: new servers' spans (incremental, joint), HERD's split and the model
+            # placer read it from the plan in force
+            retuned = f"cache reservation c {best.c} -> {full.c} at lambda={self.arrival_rate:.3g}, spans kept"
         if best is base and set(alive_placement) == set(self.assignment) - set(held):
+            if retuned:
+                self.plan = replace(self.plan, c=full.c)
+                self._log_plan("c", self.plan, retuned)
             # nothing to re-place: the chains still follow the speeds measured since they were made (a server that
             # delivers faster than it advertised, or slower short of tau_p_suspect, changes no key: its chains kept
             # the advertised times for good); installed only when they moved (same_chains)
             self._recompute_chains("placement kept; chains follow the measured speeds")
             return
         reason = reason or "servers left"
+        if retuned:
+            best, reason = replace(best, c=full.c), f"{reason}; {retuned}"
         if failed := [self.servers[p] for p in assigned_gone if p in held and self.servers[p].load_failed]:
             now = self.clock()
             why = {v.peer_id: "cannot load its blocks" if v.failed_assigned else self._overdue_error(v, now, flag=False)
