@@ -383,13 +383,22 @@ class BatchScheduler:
     def _inline(self, x: torch.Tensor, position: int, pages_of: PageTables, start: int, end: int) -> torch.Tensor:
         res = self._compute([BatchItem(x, position, pages_of, start, end)])[0]
         if isinstance(res, BaseException):
-            raise res
+            try:
+                raise res
+            finally:
+                del res  # held here, the exception and its traceback (every caller's frame, the runner's) are a cycle
         return res
 
     @staticmethod
     def _result(req: _Request) -> torch.Tensor:
-        if req.error is not None:
-            raise req.error
+        # taken off the request: the callers' frames hold the request, and the error's traceback holds their frames
+        # (the runner's too); left on it, that cycle kept a dropped runner's blocks and KV pool until a collection
+        error, req.error = req.error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # the same cycle through this frame
         return req.outputs[0] if len(req.outputs) == 1 else torch.cat(req.outputs, dim=1)
 
     def cancel(self, session: SessionState) -> bool:
@@ -485,6 +494,9 @@ class BatchScheduler:
                         continue
                 self._queue.remove(r)
                 r.complete()
+        # the rows' errors are their requests' now: held here, each one's traceback (which reaches this frame through
+        # its callers') made a cycle that kept the runner's frames, and the runner, until the cycle collector ran
+        results = res = None
 
     def _compute(self, items: list[BatchItem]) -> list[torch.Tensor | BaseException]:
         """Run ``items`` on the device as one batch; a row's error is its result."""

@@ -43,9 +43,12 @@ class EmulatedRunner(BlockRunner):
 
     def _on_device(self, fn: Callable[[], T]) -> T:
         t0 = time.perf_counter()
-        out = super()._on_device(fn)
-        time.sleep((self.compute_scale - 1.0) * (time.perf_counter() - t0))
-        return out
+        try:
+            out = super()._on_device(fn)
+            time.sleep((self.compute_scale - 1.0) * (time.perf_counter() - t0))
+            return out
+        finally:
+            out = None  # a row's error in it reaches this frame through its traceback: a cycle (BlockRunner._on_device)
 
     async def forward_async(self, session_id: str, hidden: torch.Tensor, position: int,
                             *, inline_max_tokens: int = 8) -> torch.Tensor:

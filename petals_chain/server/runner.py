@@ -527,6 +527,10 @@ class BlockRunner:
                     # as a started batch's do (BatchScheduler.submit_async)
                     await outlast(fut)
                     raise
+                finally:
+                    # a failed step's exception is in the future, and its traceback holds this frame: kept here, that
+                    # cycle kept the runner (blocks, KV pool) allocated after a reassignment dropped it
+                    del fut
             ok = True
             return out.to(device=hidden.device, dtype=hidden.dtype)
         finally:
@@ -585,10 +589,15 @@ class BlockRunner:
             return self._on_device(fn)
 
     def _on_device(self, fn: Callable[[], T]) -> T:
-        out = fn()
-        if self.device.type == "cuda":  # kernels run asynchronously: the device is busy until they finish
-            torch.cuda.synchronize(self.device)
-        return out
+        try:
+            out = fn()
+            if self.device.type == "cuda":  # kernels run asynchronously: the device is busy until they finish
+                torch.cuda.synchronize(self.device)
+            return out
+        finally:
+            # a batch's result may be a row's error, whose traceback reaches this frame (its callers'): kept here,
+            # that cycle kept the runner (blocks, KV pool) allocated after a reassignment dropped it
+            out = None
 
     def _validate_hidden(self, hidden: Any) -> int:
         if not isinstance(hidden, torch.Tensor):
