@@ -348,18 +348,21 @@ class ContentPart(_Base):
         return data
 
 
-def _content_kind(value: Any) -> str | None:
-    """Which member of a message's ``content`` union ``value`` is for: pydantic tried both and reported both, so an
-    image part was "content: Input should be a valid string; content.0: only text content parts ..."."""
-    return "str" if isinstance(value, str) else "list[ContentPart]" if isinstance(value, list) else None
+def text_or_parts(part: type, tag: str) -> Any:
+    """A message's ``content``: a string or a list of ``part``. The member is picked by the value's type, where
+    pydantic tried both and reported both (an image part was "content: Input should be a valid string; content.0:
+    only text content parts ..."); ``tag`` is named as pydantic names the list member, so that _path leaves it out of
+    an error's location."""
+    def kind(value: Any) -> str | None:
+        return "str" if isinstance(value, str) else tag if isinstance(value, list) else None
+
+    return typing.Annotated[
+        Union[typing.Annotated[str, pydantic.Tag("str")], typing.Annotated[list[part], pydantic.Tag(tag)]],
+        pydantic.Discriminator(kind, custom_error_type="content_type",
+                               custom_error_message="Input should be a string or an array of content parts")]
 
 
-# tags named as pydantic names union members, so that _path leaves them out of an error's location
-MessageContent = typing.Annotated[
-    Union[typing.Annotated[str, pydantic.Tag("str")],
-          typing.Annotated[list[ContentPart], pydantic.Tag("list[ContentPart]")]],
-    pydantic.Discriminator(_content_kind, custom_error_type="content_type",
-                           custom_error_message="Input should be a string or an array of content parts")]
+MessageContent = text_or_parts(ContentPart, "list[ContentPart]")
 
 
 class ChatMessage(_Base):
@@ -489,15 +492,7 @@ class InputPart(_Base):
         return data
 
 
-def _input_content_kind(value: Any) -> str | None:
-    return "str" if isinstance(value, str) else "list[InputPart]" if isinstance(value, list) else None
-
-
-InputContent = typing.Annotated[
-    Union[typing.Annotated[str, pydantic.Tag("str")],
-          typing.Annotated[list[InputPart], pydantic.Tag("list[InputPart]")]],
-    pydantic.Discriminator(_input_content_kind, custom_error_type="content_type",
-                           custom_error_message="Input should be a string or an array of content parts")]
+InputContent = text_or_parts(InputPart, "list[InputPart]")
 # why each kind of input item a client may send is not taken (the Responses API's other item types)
 _ITEM_REFUSALS = {"function_call": "this server offers no tools", "function_call_output": "this server offers no tools",
                   "item_reference": "this server stores no items", "reasoning": "this server does no reasoning"}
