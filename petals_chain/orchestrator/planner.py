@@ -754,18 +754,15 @@ class Planner:
             raise ValueError(f"placement policy {self.placement_policy!r} is not available")
         return None, placement, gca(specs, model, placement)
 
-    def evaluate(self, views: Sequence[ServerView], placement: Placement, c: int | None = None, *,
-                 announced: bool = True) -> Plan:
-        """GCA on ``placement`` restricted to ``views``: a server loaded with its span there counted by the slots it
-        announces (``announced``), else (and every server with ``announced`` False) by the slots its memory holds,
-        as GBP-CR counts them."""
+    def evaluate(self, views: Sequence[ServerView], placement: Placement, c: int | None = None) -> Plan:
+        """GCA on ``placement`` restricted to ``views`` (with their live slot counts when loaded)."""
         from petals_chain.algorithms import gca
 
         model = self._model_spec()
         names = {v.peer_id for v in views}
         sub = Placement({k: placement[k] for k in placement if k in names}, num_blocks=model.num_blocks)
         residual = {}
-        for v in views if announced else ():
+        for v in views:
             r = v.record
             if v.peer_id in sub and r.num_blocks > 0 and (r.start_block, r.num_blocks) == sub[v.peer_id]:
                 residual[v.peer_id] = self.residual_jobs(r)
@@ -774,16 +771,48 @@ class Planner:
         lower, upper = self._bounds(chains)
         return Plan(c=c, placement=sub, chains=chains, lower=lower, upper=upper)
 
+    def held_jobs(self, views: Sequence[ServerView], placement: Placement) -> dict[str, int]:
+        """``M~_j`` of each server of ``placement`` as it would hold them there: the jobs it announces on the span it
+        serves, else its memory's slots (Eq. 3) scaled by what it announces over what its memory gives on the span it
+        serves (a paged cache holds ``max_length / L^`` times more, a server short of its memory fewer), or unscaled
+        when it serves no span. One basis for the plan in force and a plan that moves servers."""
+        model = self._model_spec()
+        specs = {s.name: s for s in self.specs([v for v in views if v.peer_id in placement])}
+        out = {}
+        for v in views:
+            span, spec, r = placement.get(v.peer_id), specs.get(v.peer_id), v.record
+            if span is None or spec is None:
+                continue
+            loaded = 0 < r.num_blocks and r.start_block + r.num_blocks <= model.num_blocks
+            if loaded and (r.start_block, r.num_blocks) == tuple(span):
+                out[v.peer_id] = self.residual_jobs(r)
+                continue
+            slots = spec.residual_slots(model, span[1])
+            # (a server still loading announces no slots yet: no ratio to scale by)
+            mem_there = spec.residual_slots(model, r.num_blocks) if loaded and r.state == "online" else 0
+            held = self.residual_jobs(r) if mem_there > 0 else 0
+            out[v.peer_id] = slots * held // mem_there if held > 0 else slots
+        return out
+
     def moves_better(self, views: Sequence[ServerView], current: Plan, new: Plan) -> tuple[bool, float, float]:
         """Whether ``new`` (a full plan that moves servers) predicts a response more than ``move_margin`` better than
-        ``current``, with both predicted on one basis, the slots the servers' memory holds (``evaluate`` with
-        ``announced`` False, as GBP-CR predicts): ``current``'s own prediction counts the slots its servers announce,
-        fewer than their memory's with a paged cache or ``--max-length`` (a move that changed nothing but the basis
-        looked better, and servers reloaded for it). Also the two predictions, current's and new's."""
+        ``current``, both predicted on one basis, the jobs each server would hold (:meth:`held_jobs`). ``new``'s own
+        prediction counts the slots the servers' memory gives at ``max_length``: against the slots they announce,
+        fewer, it moved equal servers for nothing; on memory both, a paged swarm (jobs of ``L^`` tokens, ``max_length
+        / L^`` times more than memory's slots) reloaded for a plan that holds fewer jobs. Also the two predictions,
+        current's and new's."""
+        from petals_chain.algorithms import gca
+
         if not new.chains:
             return False, math.inf, math.inf
-        ours = self.evaluate(views, current.placement, current.c, announced=False).lower
-        theirs = self.evaluate(views, new.placement, new.c, announced=False).lower
+        model, names = self._model_spec(), {v.peer_id for v in views}
+
+        def predicted(plan: Plan) -> float:
+            sub = Placement({k: s for k, s in plan.placement.items() if k in names}, num_blocks=model.num_blocks)
+            specs = self.specs([v for v in views if v.peer_id in sub])
+            return self._bounds(gca(specs, model, sub, residual_slots=self.held_jobs(views, sub)) if specs else [])[0]
+
+        ours, theirs = predicted(current), predicted(new)
         return theirs < (1 - self.move_margin) * ours, ours, theirs
 
     def incremental(self, views: Sequence[ServerView], base: Placement, newcomer: ServerView, c: int | None) -> Plan | None:
@@ -1327,7 +1356,7 @@ class Planner:
             better, ours, theirs = await asyncio.to_thread(self.moves_better, views, best, full)
             if better:
                 best, reason = full, (f"re-placement improves predicted response {ours:.4g}s -> {theirs:.4g}s "
-                                      "(slots by memory, both)")
+                                      "(jobs each server holds, both)")
         elif full is not None and full.chains and full.c != best.c:
             # the spans stay, c follows lambda: new servers' spans (incremental, joint), HERD's split and the model
             # placer read it from the plan in force
