@@ -1,15 +1,20 @@
 """Soak in rounds: drive an orchestrator with API keys, a small ``--max-queue`` and two servers with every kind of
 request a user sends, and after each round (once traffic has stopped and settled) measure what could leak.
 
-Measured per round: the orchestrator's containers by attribute path (as ``scripts/soak_growth.py``), the process's
-open fds, threads and RSS, the asyncio tasks on each role's loop, the ``/metrics`` series, and on each server the
-sessions open and the KV pages held (reserved, cached). The kinds: plain, streamed, streams cut after the first
-event, ``n`` = 2, chat with stop strings, requests given up while queued, 429s of a full queue, deadline refusals,
-bad input, a wrong key (401), sessions closed, abandoned and cut mid-turn, the Responses API cut mid-stream; each
-request under one of several API key names. Two servers run in this process, each holding the whole model (or one
+Measured per round: every dict, list, set and deque reachable from the orchestrator, the servers and their RPC
+handlers, by attribute path (``orch.dispatch._waiters``), the process's open fds, threads and RSS, the asyncio tasks
+on each role's loop, the ``/metrics`` series, and on each server the sessions open and the KV pages held (reserved,
+cached). The kinds: plain, streamed, streams cut after the first event, ``n`` = 2, chat with stop strings, requests
+given up while queued, 429s of a full queue, deadline refusals, bad input, a wrong key (401), sessions closed,
+abandoned and cut mid-turn, the Responses API cut mid-stream; each request under one of several API key names. The
+roles run in this process, each on its event loop in a thread; the two servers each hold the whole model (or one
 block each: ``--blocks-per-server 1``, one chain of two hops, e.g. for ``--relay push``).
 
-Something that keeps growing round after round (with traffic stopped) is a leak; a bounded cache levels off.
+The verdict: a container that grew by more than ``--tolerance`` entries per 1,000 requests from the first measured
+round to the last (from the warm-up with ``--rounds 1``), and still grew in the last round, is a leak: the run
+exits 1 and names it. Containers bounded by a time window (arrival rates 300 s, per-client usage and the fairness
+meter 60 s) grow in a run shorter than their window, those bounded by a size (maxlen, a capacity) until they fill:
+more rounds tell them apart (a bounded one levels off). ``--tracemalloc`` adds the largest growth by allocation site.
 
     PETALS_CHAIN_LAUNCH=exec python scripts/soak.py --rounds 3 --requests 600
 """
@@ -28,20 +33,135 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
+import types
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared helpers
 from _args import nonnegative_float, positive_int  # noqa: E402
-from soak_growth import LoopThread, container_sizes  # noqa: E402
 
 NAMES = ("alice", "bob", "carol")
 BURST = 10  # requests a burst sends at once (past --max-queue)
 KINDS = ("plain", "stream", "stream_cut", "n2", "chat_stop", "give_up", "burst", "deadline", "bad", "wrong_key",
          "session", "session_abandoned", "session_cut", "responses_cut")
+
+
+_SKIP_MODULES = ("asyncio", "logging", "threading", "prometheus_client", "hivemind", "concurrent", "multiaddr",
+                 "torch", "transformers", "tokenizers", "httpx", "uvicorn", "starlette", "fastapi", "pydantic",
+                 "safetensors", "numpy", "weakref", "_weakrefset")
+_CONTAINERS = (dict, list, set, frozenset, collections.deque)
+_ATOMS = (str, bytes, int, float, bool, type(None), type, types.FunctionType, types.MethodType, types.ModuleType)
+
+
+def container_sizes(root: Any, name: str, depth: int = 5) -> dict[str, int]:
+    """``{attribute path: len}`` of every dict, list, set and deque reachable from ``root`` through attributes (and
+    through the first few values of containers, paths ending ``[]``), ``depth`` levels deep; each object once."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, path: str, left: int) -> None:
+        if left < 0 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, _CONTAINERS):
+            out[path] = max(out.get(path, 0), len(obj))
+            values = obj.values() if isinstance(obj, dict) else () if isinstance(obj, (set, frozenset)) else obj
+            for v in list(values)[:3]:
+                walk(v, f"{path}[]", left - 1)
+            return
+        if isinstance(obj, _ATOMS) or type(obj).__module__.split(".")[0] in _SKIP_MODULES:
+            return
+        attrs = getattr(obj, "__dict__", None)
+        if attrs is None:
+            return
+        for k, v in list(attrs.items()):
+            walk(v, f"{path}.{k}", left - 1)
+
+    walk(root, name, depth)
+    return out
+
+
+def growth(rounds: list[dict[str, int]], requests: int, tolerance: float) -> dict[str, dict[str, float]]:
+    """The containers of ``rounds`` (sizes after each round, the warm-up first, ``requests`` per measured round) that
+    grew by more than ``tolerance`` entries per 1,000 requests from the first measured round to the last (from the
+    warm-up with one measured round) and still grew in the last round: what a bounded cache, levelled off, does not."""
+    if len(rounds) < 2:
+        raise ValueError("growth compares the sizes after the warm-up and after at least one measured round")
+    first_at = 1 if len(rounds) >= 3 else 0
+    first, before_last, last = rounds[first_at], rounds[-2], rounds[-1]
+    per_k = 1000.0 / (requests * (len(rounds) - 1 - first_at))
+    grew = {}
+    for path, n in sorted(last.items()):
+        rate = (n - first.get(path, 0)) * per_k
+        if rate > tolerance and n > before_last.get(path, 0):
+            grew[path] = {"first": first.get(path, 0), "before_last": before_last.get(path, 0), "last": n,
+                          "per_1000": round(rate, 1)}
+    return grew
+
+
+class LoopThread:
+    """An event loop running in a daemon thread; ``call(coro)`` runs a coroutine there and returns its result."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.loop.add_signal_handler = lambda *a, **k: None  # the roles' signal handlers belong to a main thread
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Any, timeout: float = 600.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        """Cancel what still runs on the loop, stop it and close it (its selector's and self-pipe's fds)."""
+        if self.thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.call(_cancel_all(), timeout=10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+        if not self.thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()
+
+
+async def _cancel_all() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+
+
+def _listen() -> socket.socket:
+    """The API's listening socket on a free loopback port."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _best_effort(what: str, stop: Any, *args: Any) -> None:
+    """Run one step of the shutdown; a failure is said and the other steps still run (and the run's own error,
+    if any, is the one raised)."""
+    try:
+        stop(*args)
+    except Exception as e:  # noqa: BLE001 - reported, the cleanup goes on
+        print(f"warning: stopping {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _stop_server(sl: LoopThread, server: Any, run: Any) -> None:
+    sl.loop.call_soon_threadsafe(server._on_signal)  # (its stop event belongs to its loop)
+    run.result(60)
+
+
+def _stop_web(web: Any, serving: Any) -> None:
+    web.should_exit = True
+    serving.result(30)  # uvicorn closes its connections and the listening server
 
 
 def _key(name: str) -> str:
@@ -177,29 +297,38 @@ def _settle(loop: LoopThread, orch: Any, quiet_s: float, timeout: float = 60.0) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=positive_int, default=3, help="measured rounds after the warm-up round")
-    ap.add_argument("--requests", type=positive_int, default=600, help="requests per round")
+    ap.add_argument("--requests", type=positive_int, default=600, help="requests per measured round")
+    ap.add_argument("--warmup", type=positive_int, default=None,
+                    help="requests of the warm-up round (default: --requests)")
     ap.add_argument("--concurrency", type=positive_int, default=10)
     ap.add_argument("--tokens", type=positive_int, default=4, help="max_tokens of most requests")
     ap.add_argument("--max-queue", type=positive_int, default=6)
     ap.add_argument("--relay", choices=("orchestrator", "push"), default="orchestrator")
     ap.add_argument("--blocks-per-server", type=int, choices=(1, 2), default=2,
                     help="2: each server holds the whole (2-block) model; 1: one chain of two hops (for --relay push)")
-    ap.add_argument("--session-idle-s", type=nonnegative_float, default=2.0)
+    ap.add_argument("--session-idle-s", type=nonnegative_float, default=2.0,
+                    help="--session-idle-timeout-s (the reaper closes abandoned sessions after it)")
+    ap.add_argument("--tolerance", type=nonnegative_float, default=5.0,
+                    help="growth per 1,000 requests above which a container that still grows is a leak")
     ap.add_argument("--tracemalloc", action="store_true",
                     help="compare tracemalloc snapshots after the first measured round and the last (slower)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.tracemalloc and args.rounds < 2:  # (its snapshots are taken after measured round 1 and the last)
         ap.error("--tracemalloc compares two measured rounds: it needs --rounds 2 or more")
+    if args.warmup is None:
+        args.warmup = args.requests
     logging.basicConfig(level=logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="soak-"))
-    try:
+    try:  # the tiny model's files and the key file go with the run, whatever ends it
         return _soak(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _soak(args: argparse.Namespace, work: Path) -> int:
+    """The soak of :func:`main` with the tiny model under ``work``. What was started is stopped whatever ends the
+    run (a start that fails midway, a swarm that never becomes ready, an interrupt), in the reverse order."""
     import httpx
     import uvicorn
 
@@ -219,29 +348,36 @@ def _soak(args: argparse.Namespace, work: Path) -> int:
     cfg = OrchestratorConfig(model=model, port=0, max_length=max_length, settle_s=0.5, arrival_rate=1.0,
                              session_idle_timeout_s=args.session_idle_s, max_queue=args.max_queue,
                              api_keys=str(keys), relay=args.relay)
-    orch = Orchestrator(cfg)
-    orch.load_model()
-    ol = LoopThread("orchestrator")
-    ol.call(orch.start())
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    web = uvicorn.Server(uvicorn.Config(create_app(orch), log_level="error", lifespan="off"))
-    ol.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(web.serve(sockets=[sock])))
-    servers, loops, runs = [], [], []
-    for k in range(2):
-        sl = LoopThread(f"server{k}")
-        server = Server(ServerConfig(
-            model=model, initial_peers=orch.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-            memory_bytes=memory_for(model, max_length, args.blocks_per_server, 6), public_name=f"soak{k}", tau_p=0.002,
-            max_length=max_length, refresh_s=2.0, assignment_poll_s=0.3, progress=False))
-        servers.append(server)
-        loops.append(sl)
-        runs.append(asyncio.run_coroutine_threadsafe(server.run(), sl.loop))
-    out: dict[str, Any] = {"rounds": []}
+    out: dict[str, Any] = {"requests": args.requests, "warmup": args.warmup, "rounds": []}
     snap0 = snap1 = None
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: tracemalloc.is_tracing() and tracemalloc.stop())  # (an interrupted run left it on)
+        orch = Orchestrator(cfg)
+        orch.load_model()
+        ol = LoopThread("orchestrator")
+        stack.callback(_best_effort, "the orchestrator's loop", ol.stop)
+        # before start(): a start that fails midway (its DHT node up, say) is stopped too
+        stack.callback(_best_effort, "the orchestrator", lambda: ol.call(orch.stop(), timeout=60))
+        ol.call(orch.start())
+        sock = _listen()
+        stack.callback(sock.close)
+        port = sock.getsockname()[1]
+        web = uvicorn.Server(uvicorn.Config(create_app(orch), log_level="error", lifespan="off"))
+        serving = asyncio.run_coroutine_threadsafe(web.serve(sockets=[sock]), ol.loop)
+        stack.callback(_best_effort, "the API", _stop_web, web, serving)
+        servers, loops, runs = [], [], []
+        for k in range(2):
+            sl = LoopThread(f"server{k}")
+            stack.callback(_best_effort, f"server {k}'s loop", sl.stop)
+            server = Server(ServerConfig(
+                model=model, initial_peers=orch.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                memory_bytes=memory_for(model, max_length, args.blocks_per_server, 6), public_name=f"soak{k}",
+                tau_p=0.002, max_length=max_length, refresh_s=2.0, assignment_poll_s=0.3, progress=False))
+            run = asyncio.run_coroutine_threadsafe(server.run(), sl.loop)
+            stack.callback(_best_effort, f"server {k}", _stop_server, sl, server, run)
+            servers.append(server)
+            loops.append(sl)
+            runs.append(run)
         deadline = time.monotonic() + 180
         while not (orch.ready and len(orch.dispatch.chains) >= args.blocks_per_server):
             if any(r.done() for r in runs) or time.monotonic() > deadline:
@@ -251,10 +387,12 @@ def _soak(args: argparse.Namespace, work: Path) -> int:
         handlers = [o for o in gc.get_objects() if isinstance(o, PetalsChainBlocks)]
         quiet = 2 * args.session_idle_s + 4
         prev_types: collections.Counter = collections.Counter()
+        t0 = time.monotonic()
         for rnd in range(args.rounds + 1):
             t = time.monotonic()
-            seen = ol.call(_drive(port, orch.model_id, rnd * args.requests, args.requests, args.concurrency,
-                                  args.tokens))
+            first = 0 if rnd == 0 else args.warmup + (rnd - 1) * args.requests
+            seen = ol.call(_drive(port, orch.model_id, first, args.warmup if rnd == 0 else args.requests,
+                                  args.concurrency, args.tokens))
             run_s = time.monotonic() - t
             _settle(ol, orch, quiet)
             sizes = container_sizes(orch, "orch")
@@ -274,39 +412,27 @@ def _soak(args: argparse.Namespace, work: Path) -> int:
             elif snap0 is not None and rnd == args.rounds:
                 snap1 = tracemalloc.take_snapshot()
                 tracemalloc.stop()
-            types = _types()
+            kinds = _types()
             if prev_types:
-                row["types_grew"] = dict((types - prev_types).most_common(12))
-            prev_types = types
+                row["types_grew"] = dict((kinds - prev_types).most_common(12))
+            prev_types = kinds
             out["rounds"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "sizes"}), flush=True)
-    finally:
-        for s, r in zip(servers, runs):
-            with contextlib.suppress(Exception):
-                s._on_signal()
-                r.result(60)
-        web.should_exit = True
-        with contextlib.suppress(Exception):
-            ol.call(orch.stop(), timeout=60)
-        ol.stop()
-        for sl in loops:
-            sl.stop()
+        out["total_s"] = round(time.monotonic() - t0, 1)
     if snap1 is not None:  # the largest growth by where it was allocated
         stats = snap1.compare_to(snap0, "traceback")
         out["tracemalloc_top"] = [{"kib": round(st.size_diff / 1024, 1), "blocks": st.count_diff,
                                    "where": [str(fr) for fr in st.traceback[-8:]]} for st in stats[:12]]
         print(json.dumps(out["tracemalloc_top"], indent=1))
-    rounds = out["rounds"]
-    if len(rounds) >= 3:  # growth between the first measured round and the last, and whether it kept rising
-        first, last, mid = rounds[1]["sizes"], rounds[-1]["sizes"], rounds[-2]["sizes"]
-        out["grew"] = {k: [first.get(k, 0), mid.get(k, 0), n] for k, n in last.items()
-                       if n > first.get(k, 0) and n > mid.get(k, 0)}
-        print(json.dumps(out["grew"], indent=1))
-    else:
-        print("(no growth verdict: it compares measured rounds, --rounds 2 or more)", file=sys.stderr)
+    sizes_by_round = [r["sizes"] for r in out["rounds"]]
+    out["grew"] = growth(sizes_by_round, args.requests, args.tolerance)
+    out["containers"] = len(sizes_by_round[-1])
+    print(json.dumps(out["grew"], indent=1))
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
-    return 0
+    print(f"{len(out['grew'])} container(s) grew by more than {args.tolerance:g} per 1,000 requests and still grew "
+          f"in the last round (of {out['containers']} measured)")
+    return 1 if out["grew"] else 0
 
 
 async def _tasks() -> set:

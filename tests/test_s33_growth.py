@@ -125,17 +125,18 @@ def test_planner_forgets_warnings_of_servers_gone(caplog):
     assert sum("announces s_m=" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_soak_growth_removes_its_model_directory(tmp_path, monkeypatch):
-    """scripts/soak_growth.py built its tiny model in a fresh temp directory and never removed it: each run (or a
-    failed start) left a ``soak-growth-*`` directory under /tmp. Now it goes with the run, whatever ends it."""
+def test_soak_removes_its_model_directory(tmp_path, monkeypatch):
+    """The growth soak (session 33's script, scripts/soak.py since session 35) built its tiny model in a fresh temp
+    directory and never removed it: each run (or a failed start) left a directory under /tmp. Now it goes with the
+    run, whatever ends it (tests/test_s35_soak_one.py: and a failed start stops what it started)."""
     import petals_chain.swarm.tiny_model as tiny
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts its folders first
     spec = importlib.util.spec_from_file_location(
-        "s33_soak_growth", Path(__file__).resolve().parents[1] / "scripts" / "soak_growth.py")
+        "s33_soak", Path(__file__).resolve().parents[1] / "scripts" / "soak.py")
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
-    work = tmp_path / "soak-growth-x"
+    work = tmp_path / "soak-x"
 
     def mkdtemp(prefix=""):
         work.mkdir()
@@ -150,5 +151,5 @@ def test_soak_growth_removes_its_model_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny, "build_tiny_model", build)
     monkeypatch.setattr(soak.logging, "basicConfig", lambda **kw: None)  # the test's logging stays as it is
     with pytest.raises(RuntimeError, match="no room"):
-        soak.main(["--requests", "10"])
+        soak.main(["--rounds", "1", "--requests", "10"])
     assert not work.exists()
