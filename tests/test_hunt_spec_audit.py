@@ -142,7 +142,7 @@ def test_a_replacement_hops_answer_is_sampled_for_audit_in_relay_mode():
     h = ChainHolder.__new__(ChainHolder)
     h.orch = types.SimpleNamespace(auditor=auditor, stats=stats, server_failed=lambda e: None,
                                    replacement_servers=lambda s, e: ["b2"], batcher=None)
-    h.job_id, h.failovers = "job", 0
+    h.job_id, h.failovers, h.lease = "job", 0, None
     h.inputs = types.SimpleNamespace(truncate=lambda n: None, append=lambda *a: None, get=lambda b, n: None)
     cs = ChainSession(Client(), [("a1", 0, 2), ("b1", 2, 4)], "job.1", 64)
     cs._sessions = [Sess("a1"), Sess("b1", fail=True)]
