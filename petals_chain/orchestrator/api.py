@@ -196,10 +196,10 @@ def _unsupported(value: Any, name: str, allowed: tuple = (None,), what: str | No
         raise FieldError(name, f"{what or name} is not supported by this server")
 
 
-class StreamOptions(_Base):
-    include_usage: bool = False
+class ResponsesStreamOptions(_Base):
+    """``stream_options`` of ``/v1/responses`` (and, with ``include_usage``, of the other endpoints)."""
     # OpenAI pads its events with an ``obfuscation`` field unless this is false (the openai package types it for
-    # both endpoints); ours carry none: false is what this server does, true is refused
+    # every endpoint); ours carry none: false is what this server does, true is refused
     include_obfuscation: Optional[bool] = None
 
     @pydantic.model_validator(mode="after")
@@ -207,6 +207,10 @@ class StreamOptions(_Base):
         _unsupported(self.include_obfuscation, "include_obfuscation", (None, False),
                      "stream obfuscation (include_obfuscation: true)")
         return self
+
+
+class StreamOptions(ResponsesStreamOptions):
+    include_usage: bool = False
 
 
 class SamplingFields(_Base):
@@ -590,16 +594,6 @@ class ResponsesPromptCacheOptions(_Base):
     def _nothing_stored(self):
         _unsupported(self.comparison_response_id, "comparison_response_id", (None,),
                      "comparison_response_id (this server stores no responses)")
-        return self
-
-
-class ResponsesStreamOptions(_Base):
-    include_obfuscation: Optional[bool] = None
-
-    @pydantic.model_validator(mode="after")
-    def _no_obfuscation(self):
-        _unsupported(self.include_obfuscation, "include_obfuscation", (None, False),
-                     "stream obfuscation (include_obfuscation: true)")
         return self
 
 
