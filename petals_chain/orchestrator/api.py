@@ -40,6 +40,7 @@ from petals_chain.orchestrator.errors import (context_length_error, default_code
                                               unavailable_retry_after_s)
 from petals_chain.orchestrator.forward import (SERVED_BY_HEADER, forward_session_call, maybe_forward,
                                                unless_disconnected)
+from petals_chain.orchestrator.limits import GENERATE_PATH
 from petals_chain.orchestrator import responses as _responses
 from petals_chain.orchestrator.resume import ResponsesRecord
 from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, RequestIds, RequestTrace,
@@ -67,7 +68,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat
 # on the wire for their read timeout (nginx's proxy_read_timeout: 60 s), and every SSE parser skips comments.
 # The orchestrator's ``sse_keepalive_s`` overrides it (None or 0: none sent).
 SSE_KEEPALIVE_S = 15.0
-_GENERATE_PATH = re.compile(r"^/(v1/completions|v1/chat/completions|v1/responses|api/v1/sessions/[^/]+/generate)/?$")
 _API_PATH = re.compile(r"^/(v1/|api/v1/sessions)")
 
 
@@ -1741,7 +1741,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if status is not None and status >= 400 and status != 401:
             logger.log(logging.WARNING if status >= 500 else logging.INFO, "%s %s: %d %s", scope.get("method"),
                        shown_path(path), status, code or default_code(status))
-        if trace.counted or not _GENERATE_PATH.match(path) or status == 401:
+        if trace.counted or not GENERATE_PATH.match(path) or status == 401:
             return  # counted where it ran; not a generation; no client (petals_chain_rejected_requests has it)
         if any(k.lower() == SERVED_BY_HEADER.encode() for k, _ in headers):
             return  # forwarded: counted by the orchestrator that served it

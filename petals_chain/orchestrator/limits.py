@@ -51,7 +51,8 @@ Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
-_GENERATE = re.compile(r"^/(v1/completions|v1/chat/completions|v1/responses|api/v1/sessions/[^/]+/generate)/?$")
+# the generation endpoints (their requests are a client's in-flight work); api.py counts them by the same pattern
+GENERATE_PATH = re.compile(r"^/(v1/completions|v1/chat/completions|v1/responses|api/v1/sessions/[^/]+/generate)/?$")
 _OPEN_SESSION = re.compile(r"^/api/v1/sessions/?$")
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)(/generate)?/?$")
 _AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions)")
@@ -427,7 +428,7 @@ class AdmissionLimits:
                 return await self._guard(self._record_session(client, send), scope, receive, send)
             finally:
                 _take(self.opening, client, 1)
-        if not _GENERATE.match(path):
+        if not GENERATE_PATH.match(path):
             return await self._guard(send, scope, receive, send)
         mine = self.by_client.get(client, 0)
         cap = self.limits.inflight_limit(client)
