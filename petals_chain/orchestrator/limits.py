@@ -464,7 +464,7 @@ class AdmissionLimits:
                 return await self._reject(send, 429, "queue_full",
                                           f"the swarm is at capacity and its queue is full ({self.limits.max_queue} "
                                           "waiting); retry later")
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
         self.inflight += 1
         self.by_client[client] = mine + 1
         adm = Admission()
@@ -730,7 +730,7 @@ class _HeldResponse:
         await self.send(message)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """``receive`` whose first message is ``body`` (read already), whole; then ``receive``'s own (a disconnect)."""
     sent = False
 

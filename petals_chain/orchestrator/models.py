@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from petals_chain.orchestrator.errors import shown_model_name
-from petals_chain.orchestrator.limits import client_of
+from petals_chain.orchestrator.limits import client_of, replay_body
 from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.sources import MODEL_NAME_RE, split_model_arg
 
@@ -306,13 +306,4 @@ class ModelRouter:
         name = self.default if asked is None else self.aliases.get(asked)
         if name is None:
             return await self._not_found(send, asked)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # the client's disconnect, as the app expects to see it
-
-        await self.apps[name](scope, replay, send)
+        await self.apps[name](scope, replay_body(body, receive), send)  # then the client's disconnect, as apps expect
