@@ -26,6 +26,7 @@ import httpx
 
 from petals_chain.orchestrator import sse
 from petals_chain.orchestrator.deadlines import MAX_DEADLINE_MS
+from petals_chain.orchestrator.responses import ResponseBuilder, failure_code
 from petals_chain.orchestrator.sampling import GREEDY_BELOW_TEMPERATURE
 from petals_chain.orchestrator.sse import NO_RETRY_HEADER
 from petals_chain.swarm.media import is_event_stream
@@ -404,11 +405,11 @@ class ResponsesRecord(StreamRecord):
         text = self.text.get(0, "")
         output = [] if not text or self.item_id is None else [{
             "id": self.item_id, "type": "message", "role": "assistant", "status": "incomplete",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": self.lp_entries}]}]
+            "content": [ResponseBuilder.part(text, self.lp_entries)]}]
         if self.response_id is None:  # cut before its first event: named here
             self.response_id, self.created_at = f"resp_{secrets.token_hex(16)}", int(time.time())
         failed = {"id": self.response_id, "object": "response", "created_at": self.created_at, "status": "failed",
-                  "error": {"code": "rate_limit_exceeded" if status == 429 else "server_error", "message": message},
+                  "error": {"code": failure_code(status), "message": message},
                   "incomplete_details": None, "model": self.body.get("model"), "output": output,
                   "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "metadata": {},
                   "instructions": self.body.get("instructions"), "temperature": self.body.get("temperature"),
