@@ -9,7 +9,7 @@ worker holds a prefix of ``n`` blocks exactly when it holds key ``n - 1`` and, b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 DEFAULT_DIRECTORY_ENTRIES = 1 << 16  # (worker, block key) pairs remembered, least recently added dropped first
 
@@ -67,11 +67,24 @@ class PrefixDirectory:
 
     def forget(self, worker: Hashable) -> None:
         """Drop every entry of ``worker`` (e.g. a chain that no longer exists)."""
+        self._drop([e for e in self._entries if e[0] == worker])
+
+    def retain(self, workers: Iterable[Hashable]) -> int:
+        """Drop the entries of every worker not in ``workers`` (the chains planned now: a re-planned chain's entries
+        otherwise stayed until the LRU cap pushed them out, taking memory and lookups), in one pass. Returns how many
+        entries were dropped."""
+        keep = set(workers)
+        gone = [e for e in self._entries if e[0] not in keep]
+        if gone:
+            self._drop(gone)
+        return len(gone)
+
+    def _drop(self, entries: list[tuple[Hashable, Hashable]]) -> None:
         self.version += 1
-        for entry in [e for e in self._entries if e[0] == worker]:
+        for entry in entries:
             del self._entries[entry]
             holders = self._workers_of[entry[1]]
-            del holders[worker]
+            del holders[entry[0]]
             if not holders:
                 del self._workers_of[entry[1]]
 

@@ -476,6 +476,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
 
     def _on_chains(self, chains: list[Chain]) -> None:
         self.dispatch.set_chains(chains)
+        self.prefix_directory.retain(chains)  # the chains re-planned away hold nothing a job is steered to
 
     def observe_hop(self, peer_id: str, n_tokens: int, n_blocks: int, seconds: float | None,
                     compute_s: float | None = None) -> None:

@@ -139,6 +139,11 @@ class ChainPrefixes:
         prefix_hashes`) to cache."""
         self.directory.add(chain_key(chain), split_hashes(named))
 
+    def retain(self, chains: Sequence[Chain]) -> int:
+        """Forget what the chains not in ``chains`` (the plan now) were given (:meth:`PrefixDirectory.retain`): a
+        re-planned chain's entries left only by the LRU cap. Returns the entries dropped."""
+        return self.directory.retain(chain_key(ch) for ch in chains)
+
     def preferred(self, named: bytes) -> tuple:
         """Chain keys holding part of the prompt ``named`` (its prefix hashes), longest first."""
         return tuple(self.directory.preferred(split_hashes(named)))
@@ -553,6 +558,10 @@ class DispatchManager:
     def requeued(self) -> int:
         """Jobs in the re-queue lane (admitted earlier; not part of ``queue_length``)."""
         return len(self._lane)
+
+    def planned(self, chain: Chain) -> bool:
+        """Whether ``chain`` is one of the chains planned now."""
+        return chain_key(chain) in self._index_by_key
 
     def active(self, index: int) -> int:
         """Jobs running on chain ``index`` of the current generation."""
@@ -1378,7 +1387,8 @@ class DispatchManager:
             # the fairness policy's order, not FIFO's: a light client's job goes before a heavy client's backlog.
             # Running jobs' output still to come is not passed: it is charged as it is generated, while slots free,
             # so counting it all before this job's turn made a client's own long generation refuse its next request
-            # per-chain policies (d2lpm, d-vtc): the jobs bound to the chain it would be bound to, in its order
+            # per-chain policies (d2lpm, d-vtc, rr-lpm): the jobs bound to the chain it would be bound to, in its
+            # order; lpm: the jobs matching each chain's prefix at least as much as it (ClientShares.ahead_bound)
             bound = self.shares.ahead_bound(job, self.dispatcher, [c.capacity / c.job_s if c.capacity > 0 and
                                                                     c.job_s > 0 else 0.0 for c in chains])
             ahead += self.shares.ahead(job, (j for j in q if j is not job)) if bound is None else bound

@@ -91,6 +91,8 @@ class ChainHolder:
         self.closed = False
         # held a chain once: later acquires re-queue with priority, never refused (dropped at the deadline as any)
         self.admitted = False
+        # opened a chain once (ran): its deadline passing while it waits for another is a miss, not a drop
+        self.ran = False
         # n > 1 (generation.py): the first choice's job counts the others in its deadline prediction; the others
         # are admitted with it (``checked``: never refused or dropped for the request's deadline)
         self.siblings = 0
@@ -206,7 +208,9 @@ class ChainHolder:
             except asyncio.TimeoutError:
                 if time.monotonic() >= dropped_at():  # still waiting for a chain when its deadline passed: dropped
                     self._gave_up(job, began)
-                    if self.admitted:  # it ran, and lost its chain (or was paused): a miss, not a drop unserved
+                    # it ran, and lost its chain (or was paused): a miss, not a drop unserved. One whose every open
+                    # failed never started: dropped (deadlines.py)
+                    if self.ran:
                         orch.deadlines.settle(dl, "missed")
                         raise RequestError("the deadline passed while the request waited for another chain to go "
                                            "on (its chain was lost or given back)", status=504,
@@ -301,6 +305,7 @@ class ChainHolder:
                     orch.dispatch.release(lease)
                     raise
             if opened:
+                self.ran = True
                 self.wait_s += time.monotonic() - t0
                 self.lease, self.cs = lease, cs
                 lease.keeps_kv = cs.prefix_cache
@@ -365,9 +370,10 @@ class ChainHolder:
 
     def _gave_up(self, job: DispatchJob, began: float) -> None:
         """The request stops waiting for a chain unstarted (a timeout, a dropped deadline, its client gone): its
-        client's wait counts (fair sharing's figures; a starved client showed no wait at all)."""
+        client's wait counts (fair sharing's figures; a starved client showed no wait at all). A job re-queued after
+        it started (its chain failed or was given back) was counted as started: it is not one more that gave up."""
         shares = getattr(self.orch, "shares", None)
-        if shares is not None:
+        if shares is not None and not job.requeue:
             shares.abandoned(job, time.monotonic() - began)
 
     def _fork_candidate(self, lease: Lease) -> tuple[ChainSession, int] | None:
@@ -450,7 +456,10 @@ class ChainHolder:
         if lease is None:
             return None
         if cs.hops == lease.hops:
-            return lease.chain
+            # a chain re-planned away while the job ran is not entered: the directory forgets such chains at each
+            # plan (ChainPrefixes.retain), and one entered after that stayed until the LRU cap pushed it out
+            planned = getattr(self.orch.dispatch, "planned", None)
+            return lease.chain if planned is None or planned(lease.chain) else None
         key = (tuple(peer for peer, _, _ in cs.hops), tuple((start, end) for _, start, end in cs.hops))
         return next((ch for ch in getattr(self.orch.dispatch, "chains", None) or () if chain_key(ch) == key), None)
 
@@ -489,7 +498,7 @@ class ChainHolder:
         await self._drop()
         # the next turn is a new request: queued, predicted, refused and dropped as one (the re-queue lane is for
         # a job that lost its chain within a request)
-        self.admitted = False
+        self.admitted = self.ran = False
         return True
 
     async def feed(self, new_ids: list[int], hidden: torch.Tensor | None = None, *,

@@ -32,6 +32,18 @@ def _popped(items: list) -> Iterator:
         yield heapq.heappop(items)
 
 
+def _match(job: Any, worker: Hashable) -> int:
+    """Tokens of ``job``'s input that ``worker`` holds cached (:meth:`FairRequest.match` of a dispatch job)."""
+    matched = job.matched
+    return min(int(matched.get(worker, 0)), int(job.input_tokens)) if matched else 0
+
+
+def _turns(on_chain: int, mu: float, mu_k: float) -> int:
+    """Jobs of all chains (rate ``mu``) started before a job that waits for ``on_chain`` jobs of one chain (rate
+    ``mu_k``); the tolerance keeps an exact multiple from rounding up."""
+    return math.ceil((on_chain + 1) * mu / mu_k - 1e-9) - 1
+
+
 class ClientShares:
     """The fairness policy and per-client accounting of one orchestrator."""
 
@@ -89,26 +101,31 @@ class ClientShares:
         its ``expected_output`` and, for dlpm, its input less the longest prefix a chain holds. ``job``'s own
         prefix is not counted (it may go before others' jobs with credit: an estimate that errs long). DLPM's
         quantum before any request was admitted is sized as its first refill sizes it (:meth:`AdaptiveQuantum.
-        sized`, over the queue and ``job``), not read as the prior. The others (fcfs, locality-first and the
-        per-chain policies, :meth:`ahead_bound`): all of them. One pass over the queue."""
+        sized`, over the queue and ``job``), not read as the prior. The others (fcfs; lpm and the per-chain
+        policies without their dispatcher, :meth:`ahead_bound`): all of them. One pass over the queue."""
         if self.policy.name not in ("vtc", "dlpm"):
             return sum(1 for _ in queued)
         return self._before(job, queued, running, None)
 
     def ahead_bound(self, job: Any, dispatcher: Any, rates: Sequence[float]) -> int | None:
-        """:meth:`ahead` for the per-chain client-fair policies (``d2lpm``, ``d-vtc``) of ``dispatcher`` (a
-        :class:`~petals_chain.algorithms.fairness.FairDispatcher`): the jobs started before ``job`` counted as the
-        prediction counts them (served at the rate of every chain). ``rates``: each chain's rate of freeing slots
-        (jobs per second), in the dispatcher's order. None for other policies (the caller counts the queue).
+        """:meth:`ahead` for the per-chain policies (``d2lpm``, ``d-vtc``, ``rr-lpm``) and the central ``lpm``
+        (:meth:`_lpm_bound`) of ``dispatcher`` (a :class:`~petals_chain.algorithms.fairness.FairDispatcher`): the
+        jobs started before ``job`` counted as the prediction counts them (served at the rate of every chain).
+        ``rates``: each chain's rate of freeing slots (jobs per second), in the dispatcher's order. None for other
+        policies (the caller counts the queue). Counting the whole queue for lpm and rr-lpm refused a request that
+        matched a chain's cached prefix (429 deadline_unreachable) for a backlog those orders start after it.
 
         A new job is bound to the chain :meth:`FairPolicy.peek_worker` names (JFFC's capacity rule, then the
         policy's choice), which serves the jobs bound to it by its own discipline (:meth:`ahead`'s rule on that
-        chain's counters, prefixes and jobs) and takes no other job while one is bound to it; the other chains
-        serve their own and may take ``job`` sooner (work conservation). So ``job`` waits at most for those jobs'
-        turns on its chain alone, and at most for the whole queue at the rate of all chains (without later
-        arrivals, as the prediction counts): the least of the two, in jobs at the rate of all chains. Exact on
-        one chain; an upper bound on several. 0 when a chain has a free slot (the job starts at once)."""
-        if self.policy.name not in ("d2lpm", "d-vtc") or not hasattr(dispatcher, "peek_binding"):
+        chain's counters, prefixes and jobs; rr-lpm's: the longest prefix it holds, then the oldest) and takes no
+        other job while one is bound to it; the other chains serve their own and may take ``job`` sooner (work
+        conservation). So ``job`` waits at most for those jobs' turns on its chain alone, and at most for the whole
+        queue at the rate of all chains (without later arrivals, as the prediction counts): the least of the two, in
+        jobs at the rate of all chains. Exact on one chain; an upper bound on several. 0 when a chain has a free
+        slot (the job starts at once)."""
+        if self.policy.name == "lpm" and hasattr(dispatcher, "workers"):
+            return self._lpm_bound(job, dispatcher, rates)
+        if self.policy.name not in ("d2lpm", "d-vtc", "rr-lpm") or not hasattr(dispatcher, "peek_binding"):
             return None
         req = FairRequest(item=job, client=job.client, input_tokens=job.input_tokens, matched=job.matched,
                           expected_output=job.expected_output)
@@ -120,9 +137,34 @@ class ClientShares:
         mu, mu_k = sum(r for r in rates if r > 0), rates[k] if k < len(rates) else 0.0
         if not mu_k > 0:
             return total
-        on_chain = self._before(job, (r.item for r in waiting), (), dispatcher.workers[k])
-        # its chain's turns, in jobs of all chains; the tolerance keeps an exact multiple from rounding up
-        return min(total, math.ceil((on_chain + 1) * mu / mu_k - 1e-9) - 1)
+        w = dispatcher.workers[k]
+        if self.policy.name == "rr-lpm":  # its chain's LPM: a longer or equal match (older) goes first
+            mine = _match(job, w)
+            on_chain = sum(1 for r in waiting if r.item is not job and _match(r.item, w) >= mine)
+        else:
+            on_chain = self._before(job, (r.item for r in waiting), (), w)
+        return min(total, _turns(on_chain, mu, mu_k))
+
+    @staticmethod
+    def _lpm_bound(job: Any, dispatcher: Any, rates: Sequence[float]) -> int:
+        """:meth:`ahead_bound` for the central ``lpm``: a freed chain takes the waiting job with the longest prefix
+        it holds, the oldest first, so on chain ``w`` only the jobs matching at least as much as ``job`` there go
+        before it. Those of them on some chain (no other starts before it), and on each chain alone those jobs'
+        turns in jobs of all chains: the least. Exact on one chain; an upper bound on several. 0 when a chain has
+        a free slot."""
+        if dispatcher.free_chains():
+            return 0
+        queued = [j for j in dispatcher.queue if j is not job]
+        workers = [w for k, w in enumerate(dispatcher.workers)
+                   if dispatcher.capacities[k] > 0]
+        mine = {w: _match(job, w) for w in workers}
+        best = sum(1 for j in queued if any(_match(j, w) >= mine[w] for w in workers))
+        mu = sum(r for r in rates if r > 0)
+        for k, w in enumerate(dispatcher.workers):
+            if k < len(rates) and rates[k] > 0 and dispatcher.capacities[k] > 0:
+                on_chain = sum(1 for j in queued if _match(j, w) >= mine[w])
+                best = min(best, _turns(on_chain, mu, rates[k]))
+        return best
 
     def _before(self, job: Any, queued: Iterable[Any], running: Iterable[tuple[Any, float]],
                 worker: Hashable | None) -> int:

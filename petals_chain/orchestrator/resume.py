@@ -554,14 +554,27 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                               f"elsewhere (its orchestrator {lost} was lost)")
                 return
             record.restart()
+            # the wait for the rerun's head (connecting, then its answer) ends at the deadline: a target that accepts
+            # TCP but answers slowly held the stream past it (read=None: until it answered)
+            due = record.deadline()
+            left = None if due is None else max(0.001, due[0] - time.monotonic())
             try:
                 # this process itself is reached at its local URL, which its certificate need not name
                 tls = False if here else client_tls()
-                async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), verify=tls) as client:
-                    async with client.stream("POST", url.rstrip("/") + path, content=body, headers=sent) as r:
+                async with httpx.AsyncClient(timeout=httpx.Timeout(10.0 if left is None else min(10.0, left),
+                                                                   read=None), verify=tls) as client:
+                    r = await asyncio.wait_for(client.send(client.build_request(
+                        "POST", url.rstrip("/") + path, content=body, headers=sent), stream=True), left)
+                    try:  # answered: a stream holding its chain is not cut at the deadline
                         if r.status_code != 200:
                             reply = await r.aread()
                             code, type_ = _reply_error(reply)
+                            if code == "deadline_infeasible" and due is not None:
+                                # the time left is too short for any chain: the request is late, not refused
+                                yield record.ending(504, "deadline_exceeded", f"the stream's {due[1]} left too little "
+                                                    f"time to finish it after its orchestrator {lost} was lost "
+                                                    f"(its rerun at {url} was refused as infeasible)")
+                                return
                             if (r.status_code not in (429, 502, 503, 504)
                                     or code in ("deadline_unreachable", "deadline_infeasible")
                                     or r.headers.get(NO_RETRY_HEADER, "").lower() == "false"):  # it never fits
@@ -594,6 +607,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                                     return
                             else:
                                 why = f"{url}: its stream ended early"
+                    finally:
+                        await r.aclose()
             except _Mismatch as e:
                 logger.error("a cut forwarded stream could not be finished: %s", e)
                 yield record.ending(502, "resume_mismatch", "the stream was cut off and its rerun gave another text "
@@ -601,6 +616,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                 return
             except (httpx.HTTPError, Cut) as e:
                 why = f"{url}: {type(e).__name__}: {e}"
+            except asyncio.TimeoutError:  # no head by the deadline (wait_for above): ended by the check below
+                why = f"{url}: no answer before the deadline"
             if record.complete:
                 yield _DONE
                 return
