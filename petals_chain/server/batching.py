@@ -25,6 +25,7 @@ transformers passes through the layer to the attention) and otherwise the layer'
 from __future__ import annotations
 
 import asyncio
+import copy
 import sys
 import threading
 import time
@@ -274,6 +275,21 @@ class _Cancelled(KeyError):
     pass
 
 
+def _own_error(e: BaseException) -> BaseException:
+    """A copy of ``e`` for one caller of a failed batch (same type, arguments and attributes; its own traceback and
+    context once raised), caused by ``e``."""
+    try:
+        own = copy.copy(e)  # what pickling does: the class called with ``e.args``, then ``e.__dict__``
+    except Exception:  # noqa: BLE001 - a class whose __init__ does not take its args back: not called
+        try:
+            own = type(e).__new__(type(e), *e.args)
+            own.__dict__.update(getattr(e, "__dict__", {}))
+        except Exception:  # noqa: BLE001
+            own = RuntimeError(f"{type(e).__name__}: {e}")
+    own.__cause__ = e
+    return own
+
+
 @dataclass(eq=False)
 class _Request:
     session: SessionState
@@ -432,6 +448,8 @@ class BatchScheduler:
                         break
                     self._cv.wait(left)
                 batch = self._take()
+                if not batch:  # the queue was emptied meanwhile (a cancel): no batch, none counted
+                    continue
             try:
                 self._execute(batch)
             except BaseException as e:  # never leave a caller waiting
@@ -439,7 +457,9 @@ class BatchScheduler:
                     for r, _, _ in batch:
                         if r in self._queue:
                             self._queue.remove(r)
-                        r.error = e
+                        # each its own: one object re-raised by every caller chained their tracebacks into each
+                        # other, and a handler that changed it changed the others'
+                        r.error = _own_error(e)
                         r.complete()
 
     def _batch_ready(self) -> bool:

@@ -181,6 +181,7 @@ class BlockRunner:
                              head_dim(self.config), self.dtype, self.device)
         # Finished sessions' full pages stay cached for sessions with the same prompt prefix (kv_cache module).
         self.prefix_cache = bool(prefix_cache) and kv_cache == "paged" and supports_prefix_cache(self.page_size)
+        # counted at a session's first served step (an open whose first step is refused or fails counts nothing):
         self.prefix_offered_tokens = 0  # prompt tokens sessions named by prefix hashes at open
         self.prefix_reused_tokens = 0  # of those, tokens whose K/V came from the cache (not computed)
 
@@ -326,9 +327,9 @@ class BlockRunner:
         s = SessionState(session_id, start_block, end_block, pages_of,
                          limit=limit if self.kv_cache == "paged" else self.max_length)
         s.pending, s.length = pending, matched * self.page_size
-        if self.prefix_cache:
-            self.prefix_offered_tokens += min(len(page_hashes(prefix_hashes, PREFIX_BLOCK_TOKENS)) *
-                                              PREFIX_BLOCK_TOKENS, limit - 1)
+        if self.prefix_cache:  # counted at its first served step (_finish)
+            s.offered_tokens = min(len(page_hashes(prefix_hashes, PREFIX_BLOCK_TOKENS)) * PREFIX_BLOCK_TOKENS,
+                                   limit - 1)
         self._sessions[session_id] = s
         return s.length
 
@@ -386,7 +387,7 @@ class BlockRunner:
             pool.release([p for p in own[:keep] if p != NO_PAGE])
             s.pages_of[layer] = PageTable(list(shared[:keep]) + list(own[keep:]))
         s.pending, s.shared_pages = None, keep
-        self.prefix_reused_tokens += position
+        s.reused_tokens = position  # counted once a step is served (_finish)
 
     def fork(self, source_id: str, session_id: str, length: int, max_tokens: int | None = None) -> None:
         """Open ``session_id`` over ``source_id``'s span with a copy of its first ``length`` cached tokens, holding
@@ -572,6 +573,11 @@ class BlockRunner:
             s.last_used = time.monotonic()
             # A failed step may have overwritten cache entries from `position` on.
             s.length = position + n if ok else min(s.length, position)
+            if ok and s.offered_tokens:  # its first served step: the open's prefix lookup counts now
+                self.prefix_offered_tokens += s.offered_tokens
+                # a step served after a failed one may start earlier than the first: the tokens before it were reused
+                self.prefix_reused_tokens += min(s.reused_tokens, position)
+                s.offered_tokens = s.reused_tokens = 0
             if s.closing and not s.dropped:
                 self._drop(s)
 

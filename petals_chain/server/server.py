@@ -462,8 +462,15 @@ class Server:
             return
         await self.drain(self.cfg.drain_timeout_s)
         runner.close()
+        del runner
+        self._drop_runner()
+
+    def _drop_runner(self) -> None:
+        """Drop the server's reference to its runner (closed): its blocks and KV pool are freed here (unless a step
+        still runs), so the device's allocator gets them back."""
+        if self.runner is None:
+            return
         self.service.runner, self.span = None, None
-        del runner  # its blocks and KV pool are freed here (unless a step still runs), so the cache gets them back
         if torch.device(self.cfg.device).type == "cuda":
             torch.cuda.empty_cache()
 
@@ -761,6 +768,9 @@ class Server:
         return False
 
     def _on_signal(self) -> None:
+        """Stop (a second call: stop without waiting for open sessions). Runs on the server's event loop: ``run()``
+        installs it with ``loop.add_signal_handler``, whose callbacks the loop runs as its own; another thread calls
+        it through ``loop.call_soon_threadsafe`` (server/__main__.py's DHT watch, scripts/soak.py)."""
         if self._stop.is_set():
             logger.warning("second signal: not waiting for open sessions")
             self._force_stop = True
@@ -775,10 +785,15 @@ class Server:
                 self.runner.close()
         except Exception:  # noqa: BLE001
             logger.exception("draining failed")
-        if self.announcer is not None:
-            await self.announcer.stop()
-            self.set_state("offline")
-            await self.announce_offline()
+        try:
+            if self.announcer is not None:
+                await self.announcer.stop()
+                self.set_state("offline")
+                await self.announce_offline()  # (its record still names the span: it is as before)
+        finally:
+            # a program that stops a server in-process and goes on (tests, a notebook, scripts/soak.py) held the
+            # blocks and KV pool until it exited
+            self._drop_runner()
         if handler is not None and self.p2p is not None:
             with contextlib.suppress(Exception):
                 await handler.remove_p2p_handlers(self.p2p)

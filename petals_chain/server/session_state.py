@@ -32,3 +32,7 @@ class SessionState:
     shared_pages: int = 0
     pending: Optional[dict[int, list[int]]] = None
     close_hashes: tuple[bytes, ...] = ()  # page names given at close: its full pages are cached, not freed
+    # prefix-cache counters of the open (tokens named by its prefix hashes; of them, reused from the cache), added
+    # to the runner's once a step is served: an open whose first step is refused or fails reused nothing
+    offered_tokens: int = 0
+    reused_tokens: int = 0
