@@ -1017,6 +1017,9 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     """The FastAPI app over ``orch`` (the caller runs ``orch.start()``/``stop()`` in the server's loop); ``ledger``:
     the per-client counts shared with the other models' apps behind one router (``limits.ClientLedger``)."""
     app = FastAPI(title="petals-chain orchestrator", version="0.1.0")
+    from petals_chain.orchestrator.limits import ReadBodyRoute
+
+    app.router.route_class = ReadBodyRoute  # an endpoint takes the body an outer layer read (and its JSON parse)
     app.state.orch = orch
     cfg = orch.cfg
     lp = _Logprobs(orch)

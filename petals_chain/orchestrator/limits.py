@@ -5,6 +5,9 @@ client disconnects). Rejections are 429 (or 413 for bodies) in OpenAI's error fo
 ``Retry-After`` header estimated from the measured service time and the queue ahead (none for a request that can
 never be admitted as it is, ``exceeds_capacity``, ``tokens_per_minute`` over the budget itself, or
 ``deadline_infeasible``, a deadline missed even by an idle swarm: retried, it would be refused again).
+A request that is a 400 (an invalid body, a prompt longer than the context) gets that 400 whatever the limits say:
+an early 429 is answered only once the app found the request otherwise valid (:class:`_Refusal`). A body is read
+once, by the outermost layer that needs it, and handed on with its JSON parse (:data:`READ_BODY`).
 
 The queue bound itself is exact in the dispatch manager (:mod:`dispatch`), which refuses a job when its
 queue is full; the check here is only a cheap early refusal. A generation response is held back until the
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import email.message
 import json
 import logging
 import math
@@ -36,14 +40,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
+from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 
 from petals_chain.orchestrator.auth import (ANONYMOUS, CLIENT, DEFAULT_RELOAD_S, ApiKey, KeyFile, KeyRing,
                                             bearer_key)
 from petals_chain.orchestrator.dispatch import ADMISSION, Admission
 from petals_chain.orchestrator.errors import RequestError, unavailable_retry_after_s
-from petals_chain.orchestrator.forward import forwardable, opened_session_id
+from petals_chain.orchestrator.forward import FORWARDED_HEADER, forwardable, opened_session_id
 from petals_chain.orchestrator.resume import is_resume
 from petals_chain.orchestrator.sse import NO_RETRY_HEADER, error_object
 
@@ -56,6 +63,10 @@ GENERATE_PATH = re.compile(r"^/(v1/completions|v1/chat/completions|v1/responses|
 _OPEN_SESSION = re.compile(r"^/api/v1/sessions/?$")
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)(/generate)?/?$")
 _AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions)")
+_SESSION_GENERATE = re.compile(r"^/api/v1/sessions/[^/]+/generate/?$")
+# scope key: the request's body (a ReadBody), read by the outermost layer that needed it, for the layers inside it and
+# the endpoint (ReadBodyRoute): one read, one JSON parse, one verdict
+READ_BODY = "petals_chain.body"
 
 logger = logging.getLogger(__name__)
 _HELD = "petals_chain.held"  # scope key: (ledger, client) of a request holding its client's state (release_client)
@@ -115,12 +126,108 @@ class LimitsConfig:
         return key.tokens_per_minute if key is not None else None
 
 
-class _BodyTooLarge(StarletteHTTPException):
+class BodyTooLarge(StarletteHTTPException):
     """A chunked body past the limit, raised while the app reads it: an HTTP exception so that FastAPI's body
     parsing passes it on as a 413 (any other exception there becomes its 400 "error parsing the body")."""
 
     def __init__(self, limit: int):
         super().__init__(413, f"the request body is larger than {limit} bytes")
+
+
+class ReadBody:
+    """A request body read whole by the outermost layer that needed it (``scope[READ_BODY]``) and its JSON value,
+    parsed at most once for every layer and the endpoint: they all see the same bytes and the same verdict."""
+
+    __slots__ = ("data", "_parsed", "_value", "_error")
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self._parsed = False
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+
+    def json(self) -> Any:
+        """``json.loads`` of the body (parsed on the first call); what it raised (ValueError, RecursionError), raised
+        again at each call."""
+        if not self._parsed:
+            self._parsed = True
+            try:
+                self._value = json.loads(self.data)
+            except (ValueError, RecursionError) as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+async def read_whole(receive: Receive, limit: int) -> Optional[bytes]:
+    """The whole request body from ``receive``; None: the client disconnected first. ``BodyTooLarge`` once it
+    passes ``limit`` bytes (the rest is not read)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class _ReadBodyRequest(Request):
+    """A request whose body an outer layer read (:class:`ReadBody`): its bytes and its JSON value are that read's."""
+
+    def __init__(self, scope: Scope, receive: Receive, read: ReadBody):
+        super().__init__(scope, receive)
+        self._body = read.data  # Request.body() and stream() give these bytes
+        self._read = read
+
+    async def json(self) -> Any:
+        return self._read.json()
+
+
+class ReadBodyRoute(APIRoute):
+    """FastAPI's route (``app.router.route_class``) whose endpoint takes the body an outer layer read
+    (``scope[READ_BODY]``: the model router's, the limits' own) and its JSON parse as they are: parsed again, a
+    1 MiB body cost its parse twice on each request, and two parses could disagree (a body nested deep enough
+    passed one and failed the other)."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def read_once(request: Request) -> Response:
+            read = request.scope.get(READ_BODY)
+            return await handler(request if read is None else _ReadBodyRequest(request.scope, request.receive, read))
+
+        return read_once
+
+
+class _Refusal:
+    """An early 429 (``client_inflight_limit``, ``tokens_per_minute``, ``queue_full``) decided when a request came
+    in, answered once the app found the request otherwise valid: at its token reservation (``Admission.reserve``),
+    after its body, model and context-length checks. A request that is a 400 gets that 400 whatever the limits say
+    (a 429 for it was retried for ever); the request is not counted as in flight meanwhile. ``retry``: the
+    ``Retry-After`` (True: the queue's estimate; a callable: seconds, asked when answered)."""
+
+    def __init__(self, limits: "AdmissionLimits", code: str, message: str,
+                 retry: bool | Callable[[], int] = True):
+        self.limits, self.code, self.message, self.retry = limits, code, message, retry
+        self.fired = False
+
+    def fire(self, need: int = 0, field: str = "max_tokens") -> None:
+        """``Admission.reserve``: the request is valid, so it is refused (the app's 429 is replaced by :meth:`answer`
+        in :class:`_HeldResponse`)."""
+        self.fired = True
+        raise RequestError(self.message, status=429, code=self.code)
+
+    async def answer(self, send: Send) -> None:
+        """The refusal as the whole response, as the limits answered it before the body was read."""
+        retry = self.retry() if callable(self.retry) else self.retry
+        await self.limits._reject(send, 429, self.code, self.message, retry=retry)
 
 
 def client_of(scope: Scope, keys: Optional[KeyRing | KeyFile]) -> Optional[str]:
@@ -415,6 +522,10 @@ class AdmissionLimits:
                 except ValueError:
                     return await self._reject(send, 400, "bad_content_length", "invalid Content-Length",
                                               retry=False)
+        read: Optional[ReadBody] = scope.get(READ_BODY)
+        if read is not None and len(read.data) > limit:  # read by a layer outside (the model router) up to its cap
+            return await self._reject(send, 413, "body_too_large", f"the request body is larger than {limit} bytes",
+                                      retry=False)
         receive = self._bounded(receive, limit)
         if _OPEN_SESSION.match(path):
             cap = self.limits.session_limit(client)
@@ -430,17 +541,58 @@ class AdmissionLimits:
                 _take(self.opening, client, 1)
         if not GENERATE_PATH.match(path):
             return await self._guard(send, scope, receive, send)
+        per_minute = self.limits.tokens_per_minute(client)
+        refusal = self._early_refusal(client, scope, per_minute)
+        if refusal is not None and not self._defers(scope):
+            # the app may forward the request (or hold a session's turn) before its own checks end: the body is
+            # checked here (read once, handed on), and only a body the app refuses (400) goes on
+            if read is None:
+                try:
+                    data = await read_whole(receive, limit)
+                except BodyTooLarge:
+                    return await self._reject(send, 413, "body_too_large",
+                                              f"the request body is larger than {limit} bytes", retry=False)
+                if data is None:
+                    return None  # the client went away
+                read = scope[READ_BODY] = ReadBody(data)
+                receive = replay_body(data, receive)
+            if self._body_valid(scope, read):
+                return await refusal.answer(send)
+        adm = Admission()
+        if refusal is not None:
+            adm.reserve = refusal.fire  # answered once the app found the request valid; never counted in flight
+        else:
+            self.inflight += 1
+            self.by_client[client] = self.by_client.get(client, 0) + 1
+            if per_minute is not None:
+                adm.reserve = lambda need, field="max_tokens": self._reserve(client, adm, int(need), per_minute,
+                                                                             field)
+        token = ADMISSION.set(adm)  # copied into the tasks the app spawns for this request
+        held = _HeldResponse(self, send, adm, refusal)
+        watcher = asyncio.ensure_future(held.watch())
+        try:
+            await self._guard(held, scope, receive, send)
+            await held.finish()
+        finally:
+            watcher.cancel()
+            ADMISSION.reset(token)
+            if refusal is None:
+                # the reservation's real use is charged by now (a little counted twice meanwhile: never less)
+                _take(self.reserved, client, adm.reserved)
+                self.inflight -= 1
+                _take(self.by_client, client, 1)
+
+    def _early_refusal(self, client: str, scope: Scope, per_minute: Optional[int]) -> Optional[_Refusal]:
+        """The 429 the client's limits or a full queue give this generation request now, if any: a cheap check
+        before its body is read (the exact queue bound is the dispatcher's, QueueFull)."""
         mine = self.by_client.get(client, 0)
         cap = self.limits.inflight_limit(client)
         if mine >= cap and not is_resume(Headers(scope=scope)):  # a resume's request is already counted here
-            return await self._reject(send, 429, "client_inflight_limit",
-                                      f"this client already has {mine} requests running or queued (limit {cap})")
-        per_minute = self.limits.tokens_per_minute(client)
+            return _Refusal(self, "client_inflight_limit",
+                            f"this client already has {mine} requests running or queued (limit {cap})")
         if per_minute is not None and self._tokens_held(client) >= per_minute:
-            return await self._reject(send, 429, "tokens_per_minute",
-                                      f"this client used its {per_minute} tokens per minute; retry later",
-                                      retry=self.ledger.seconds_until_below(client, per_minute))
-        # Cheap early refusal (before the body is read); the exact bound is the dispatcher's (QueueFull).
+            return _Refusal(self, "tokens_per_minute", f"this client used its {per_minute} tokens per minute; "
+                            "retry later", retry=lambda: self.ledger.seconds_until_below(client, per_minute))
         queue = int(getattr(self.orch.dispatch, "queue_length", 0))
         full = self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue
         # a queue that keeps places for clients with nothing waiting (dispatch.QueueShareFull): the count here includes
@@ -450,83 +602,58 @@ class AdmissionLimits:
                 and dispatch.waiting_of(client) == 0):
             full = False
         if full and not forwardable(self.orch, Headers(scope=scope)):  # another orchestrator's group may take it
-            # A body the app refuses (400) gets that answer: a 429 for it was retried by clients, and could never
-            # succeed. Read and checked here only while the queue is full; let in, it is refused by the app's
-            # validation before any work (and the dispatcher's exact bound stands in any case).
-            try:
-                body = await self._read_body(receive)
-            except _BodyTooLarge:
-                return await self._reject(send, 413, "body_too_large",
-                                          f"the request body is larger than {limit} bytes", retry=False)
-            if body is None:
-                return None  # the client went away
-            if self._body_valid(scope, body):
-                return await self._reject(send, 429, "queue_full",
-                                          f"the swarm is at capacity and its queue is full ({self.limits.max_queue} "
-                                          "waiting); retry later")
-            receive = replay_body(body, receive)
-        self.inflight += 1
-        self.by_client[client] = mine + 1
-        adm = Admission()
-        if per_minute is not None:
-            adm.reserve = lambda need, field="max_tokens": self._reserve(client, adm, int(need), per_minute,
-                                                                         field)
-        token = ADMISSION.set(adm)  # copied into the tasks the app spawns for this request
-        held = _HeldResponse(self, send, adm)
-        watcher = asyncio.ensure_future(held.watch())
-        try:
-            await self._guard(held, scope, receive, send)
-            await held.finish()
-        finally:
-            watcher.cancel()
-            ADMISSION.reset(token)
-            # the reservation's real use is charged by now (a little counted twice meanwhile: never less)
-            _take(self.reserved, client, adm.reserved)
-            self.inflight -= 1
-            _take(self.by_client, client, 1)
+            return _Refusal(self, "queue_full", f"the swarm is at capacity and its queue is full "
+                            f"({self.limits.max_queue} waiting); retry later")
+        return None
 
-    @staticmethod
-    async def _read_body(receive: Receive) -> bytes | None:
-        """The whole request body (None: the client disconnected first)."""
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message.get("type") == "http.disconnect":
-                return None
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+    def _defers(self, scope: Scope) -> bool:
+        """Whether an early refusal of this request may wait for the app's checks (:class:`_Refusal`): the app does
+        nothing before them but forward the request to another orchestrator (only with groups, and not one
+        forwarded here already), or wait for a session's turn under way (a session's generate)."""
+        if _SESSION_GENERATE.match(scope.get("path", "")):
+            return False
+        return getattr(self.orch, "groups", None) is None or FORWARDED_HEADER in Headers(scope=scope)
 
-    def _body_valid(self, scope: Scope, body: bytes) -> bool:
-        """Whether ``body`` passes the body validation of the API route ``scope`` reaches (JSON, the route's model):
-        False only when the app would refuse it (400) before any work; True when it cannot tell (no such route)."""
-        field = self._body_field(scope)
+    def _body_valid(self, scope: Scope, read: ReadBody) -> bool:
+        """Whether the body passes the body validation of the API route ``scope`` reaches, as FastAPI runs it (JSON by
+        its Content-Type rule, the route's model), with the JSON parse the endpoint uses: False only when the app
+        would refuse it (400) before any work; True when it cannot tell (no such route)."""
+        route = self._route(scope)
+        field = getattr(route, "body_field", None)
         if field is None:
             return True
-        kind = Headers(scope=scope).get("content-type", "")
-        if kind and not re.match(r"^application/([\w.+-]+\+)?json\s*(;|$)", kind.strip().lower()):
-            return False  # the app reads such a body as bytes: never the JSON object a route takes
-        try:
-            value = json.loads(body) if body else None
-        except (ValueError, RecursionError):
-            return False
+        value: Any = None
+        if read.data:
+            kind = Headers(scope=scope).get("content-type")
+            if not kind:
+                is_json = not getattr(route, "strict_content_type", True)
+            else:
+                message = email.message.Message()
+                message["content-type"] = kind
+                sub = message.get_content_subtype()
+                is_json = message.get_content_maintype() == "application" and (sub == "json" or sub.endswith("+json"))
+            if not is_json:
+                return False  # the app takes such a body as bytes: never the JSON object a route takes
+            try:
+                value = read.json()
+            except (ValueError, RecursionError):
+                return False
         try:
             _, errors = field.validate(value, {}, loc=("body",))
         except Exception:  # noqa: BLE001 - a validator that raises is the app's to answer (and to log)
             return False
         return not errors
 
-    def _body_field(self, scope: Scope) -> Any:
-        """The body field (FastAPI's) of the route of ``api`` that ``scope`` reaches; None: none."""
+    def _route(self, scope: Scope) -> Optional[APIRoute]:
+        """The route (FastAPI's) of ``api`` that ``scope`` reaches; None: none."""
         api = self.api
         if api is None:
             return None
-        from fastapi.routing import APIRoute
         from starlette.routing import Match
 
         for route in api.router.routes:
             if isinstance(route, APIRoute) and route.matches(scope)[0] == Match.FULL:
-                return route.body_field
+                return route
         return None
 
     def _tokens_held(self, client: str) -> int:
@@ -562,7 +689,7 @@ class AdmissionLimits:
 
         try:
             await self.app(scope, receive, tracking_send)
-        except _BodyTooLarge:
+        except BodyTooLarge:
             if not started:
                 await self._reject(send, 413, "body_too_large",
                                    f"the request body is larger than {self.limits.max_body_bytes} bytes", retry=False)
@@ -578,7 +705,7 @@ class AdmissionLimits:
             if message.get("type") == "http.request":
                 total += len(message.get("body", b""))
                 if total > limit:
-                    raise _BodyTooLarge(limit)
+                    raise BodyTooLarge(limit)
             return message
 
         return wrapped
@@ -651,10 +778,11 @@ class _HeldResponse:
     Any 429 the app sends gets a ``Retry-After`` if it has none, unless the request can never be admitted as it is
     (:attr:`~petals_chain.orchestrator.dispatch.Admission.never_fits`: more completions than the swarm can ever hold,
     more tokens than its client's budget per minute, a deadline an idle swarm misses): retried, it would be refused
-    again."""
+    again. ``refusal``: an early refusal that waits for the app's checks (:class:`_Refusal`); once it fired, the app's
+    answer to it is replaced by the limits' own."""
 
-    def __init__(self, limits: AdmissionLimits, send: Send, adm: Admission):
-        self.limits, self.send, self.adm = limits, send, adm
+    def __init__(self, limits: AdmissionLimits, send: Send, adm: Admission, refusal: Optional[_Refusal] = None):
+        self.limits, self.send, self.adm, self.refusal = limits, send, adm, refusal
         self.held: list[dict] = []
         self.passing = False  # decided: messages go straight through
         self.replaced = False  # a 429 went out instead: the app's messages are dropped
@@ -664,6 +792,9 @@ class _HeldResponse:
         async with self.lock:
             if self.replaced:
                 return  # the client has its 429; the app winds down (the server reports the disconnect)
+            if self.refusal is not None and self.refusal.fired and not self.passing:
+                self.replaced, self.held = True, []
+                return await self.refusal.answer(self.send)
             if self.passing:
                 return await self._send(message)
             self.held.append(message)

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from petals_chain.orchestrator.errors import shown_model_name
-from petals_chain.orchestrator.limits import client_of, replay_body
+from petals_chain.orchestrator.limits import READ_BODY, BodyTooLarge, ReadBody, client_of, read_whole, replay_body
 from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.sources import MODEL_NAME_RE, split_model_arg
 
@@ -283,21 +283,17 @@ class ModelRouter:
         for k, v in scope.get("headers", []):
             if k.lower() == b"content-length" and (not v.isdigit() or int(v) > cap):
                 return await self.apps[self.default](scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > cap:
-                return await _json(send, 413, {"error": {"message": f"the request body is larger than {cap} bytes",
-                                                         "type": "invalid_request_error", "code": "body_too_large"}})
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
         try:
-            obj = json.loads(body) if body.strip() else {}
+            body = await read_whole(receive, cap)
+        except BodyTooLarge:  # the rest is not read
+            return await _json(send, 413, {"error": {"message": f"the request body is larger than {cap} bytes",
+                                                     "type": "invalid_request_error", "code": "body_too_large"}})
+        if body is None:
+            return  # the client went away
+        # read once: the model's limits and its endpoint take these bytes and this parse (limits.ReadBodyRoute)
+        read = scope[READ_BODY] = ReadBody(body)
+        try:
+            obj = read.json() if body.strip() else {}
         except (ValueError, RecursionError):  # too deep for the parser: the default model's app answers 400 too
             obj = None  # the default model's app answers 400 with its own message
         asked = obj.get("model") if isinstance(obj, dict) else None
