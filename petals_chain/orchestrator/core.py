@@ -384,7 +384,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
             refresh_s=self.cfg.refresh_s, replan_interval_s=self.cfg.replan_interval_s,
             model_spec_fallback=self.model_spec, on_failure=self._abort_sessions_on,
             serialization_s=self.measure_serialization(), petals_cache_tokens=self.cfg.petals_cache_tokens,
-            bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint, ban_base_s=self.cfg.ban_base_s,
+            bprr_r=self.cfg.bprr_r, model_fingerprint=self.source.fingerprint,
+            model_legacy_fingerprint=self.source.legacy_fingerprint, ban_base_s=self.cfg.ban_base_s,
             prober=self.prober,
             ban_max_s=self.cfg.ban_max_s, ban_reset_s=self.cfg.ban_reset_s, job_tokens=self.cfg.job_tokens,
             load_deadline_s=self.cfg.load_deadline_s, records_lost_s=self.cfg.records_lost_s)

@@ -28,6 +28,7 @@ from petals_chain.swarm.memory import DEFAULT_PAGE_SIZE, capped_slots, slot_toke
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.reachability import is_circuit, public_dial_error
 from petals_chain.swarm.records import EPOCH_MAX
+from petals_chain.swarm.sources import fingerprint_problem
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +355,8 @@ class Planner:
                  serialization_s: float = 2e-4, assignment_expiration_s: float = 60.0,
                  model_spec_fallback: Callable[[], ModelSpec | None] | None = None,
                  on_failure: Callable[[str], None] | None = None, petals_cache_tokens: int = 4096,
-                 bprr_r: int | None = None, model_fingerprint: str = "", ban_base_s: float = 5.0,
+                 bprr_r: int | None = None, model_fingerprint: str = "", model_legacy_fingerprint: str = "",
+                 ban_base_s: float = 5.0,
                  ban_max_s: float = 300.0, ban_reset_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
                  job_tokens: int | None = None, prober: Any = None, reach_recheck_s: float = 15.0,
                  load_deadline_s: float = 600.0, records_lost_s: float = SERVER_RECORD_TTL_S):
@@ -396,6 +398,7 @@ class Planner:
         self._speed_changed: list[str] = []  # servers newly found slower than they claim: re-plan soon
         # Servers announcing another model (sources.ModelSource.fingerprint): never planned, shown as refused.
         self.model_fingerprint = model_fingerprint
+        self.model_legacy_fingerprint = model_legacy_fingerprint  # as versions before 14a2ac8 computed it
         self.refused: dict[str, Any] = {}
         self.steps_per_job = 1.0 + prior_tokens_per_job
         # L^ of paged servers' chain capacities (algorithms/token_budget.py): learnt from the jobs' declared
@@ -1201,9 +1204,9 @@ class Planner:
                     refused[peer_id] = records.pop(peer_id)
                 elif self.model_fingerprint and rec.model_fingerprint != self.model_fingerprint:
                     if peer_id not in self.refused:
-                        logger.warning("server %s (%s) serves model %s, not this swarm's %s: refused",
-                                       rec.public_name, peer_id[:12], rec.model_fingerprint or "(unknown)",
-                                       self.model_fingerprint)
+                        logger.warning("server %s (%s): %s: refused", rec.public_name, peer_id[:12],
+                                       fingerprint_problem(rec.model_fingerprint, self.model_fingerprint,
+                                                           self.model_legacy_fingerprint))
                     refused[peer_id] = records.pop(peer_id)
             self.refused = refused
             self.seen = dict(records)
@@ -1492,8 +1495,8 @@ class Planner:
                 "emulate_rtt_ms": r.emulate_rtt_ms, "emulate_compute_scale": r.emulate_compute_scale,
                 "last_seen": None, "assigned": None, "max_blocks": r.max_blocks,
                 "model_mismatch": not r.protocol_problem(), "unread": r.unread,
-                "refused_reason": r.protocol_problem() or f"it serves model {r.model_fingerprint or '(unknown)'}, not "
-                                                          f"this swarm's {self.model_fingerprint}",
+                "refused_reason": r.protocol_problem() or fingerprint_problem(
+                    r.model_fingerprint, self.model_fingerprint, self.model_legacy_fingerprint),
                 "tau_p_advertised": r.tau_p, "tau_p_measured": None, "tau_p_suspect": False, "strikes": 0,
                 "banned": False, "banned_for_s": 0.0, "reachability": "unknown", "reachability_error": "",
                 "maddrs": list(r.maddrs), "models": list(r.models), "serving": r.serving,

@@ -43,6 +43,7 @@ from petals_chain.swarm.dht import SwarmDHT, check_identity_path, is_peer_id, pe
 from petals_chain.swarm.memory import block_bytes, slots_for_budget
 from petals_chain.swarm.records import AssignmentRecord, PlacementRecord, ServerRecord
 from petals_chain.swarm.rpc import PetalsChainBlocks
+from petals_chain.swarm.sources import fingerprint_problem
 
 __all__ = ["Server", "ServerConfig", "JoinError", "DEFAULT_MAX_LENGTH", "CPU_MEMORY_FRACTION",
            "default_memory_bytes"]
@@ -342,8 +343,10 @@ class Server:
         if asg.model_fingerprint and asg.model_fingerprint != self.model_fingerprint:
             if asg.timestamp > self.assignment_timestamp:  # said once per assignment, not once per poll
                 self.assignment_timestamp = asg.timestamp
-                logger.error(f"the orchestrator serves model {asg.model_fingerprint}, this server holds "
-                             f"{self.model_fingerprint} ({self.source.path}): not following its assignment")
+                problem = fingerprint_problem(asg.model_fingerprint, self.model_fingerprint,
+                                              self.active.source.legacy_fingerprint)
+                logger.error(f"not following the assignment of orchestrator {asg.orchestrator_peer_id[:12]} "
+                             f"({self.source.path}): {problem}")
             return
         span = asg.span_of(self.sd.peer_id)
         max_length = self.cfg.max_length or asg.max_length

@@ -280,6 +280,20 @@ class ModelSource(ABC):
             h.update(part)
         return h.hexdigest()[:16]
 
+    @abstractmethod
+    def _legacy_fingerprint_parts(self) -> list[bytes]: ...
+
+    @functools.cached_property
+    def legacy_fingerprint(self) -> str:
+        """The fingerprint petals-chain gave this model before it hashed every weight byte (before commit 14a2ac8:
+        architecture + tensor index + the first and last 4 KiB of each tensor). A peer of such a version announces
+        it for this very model: it is then told to upgrade, not that it serves another model."""
+        h = hashlib.sha256()
+        h.update(json.dumps(_config_digest(self.config), sort_keys=True).encode())
+        for part in self._legacy_fingerprint_parts():
+            h.update(part)
+        return h.hexdigest()[:16]
+
     def eos_token_ids(self) -> set[int]:
         """End-of-sequence ids from the config (and generation config when the source has one)."""
         eos = getattr(self.config, "eos_token_id", None)
@@ -408,6 +422,42 @@ class HFSource(ModelSource):
         for fname in sorted(set(self.weight_map.values())):
             tensors.update(_cached_file_digest(self.path / fname, "safetensors", _safetensors_digests))
         return [json.dumps(sorted(tensors.items())).encode()]
+
+    def _legacy_fingerprint_parts(self) -> list[bytes]:
+        self.fingerprint  # noqa: B018 - checks the files (header, data covering it) before they are read here
+        parts = []
+        for fname in sorted(set(self.weight_map.values())):
+            with open(self.path / fname, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+                header.pop("__metadata__", None)
+                parts.append(json.dumps({k: [v["dtype"], v["shape"]] for k, v in header.items()},
+                                        sort_keys=True).encode())
+                base = 8 + n
+                parts.extend(_legacy_sample(f, base + header[k]["data_offsets"][0], base + header[k]["data_offsets"][1])
+                             for k in sorted(header))
+        return parts
+
+
+def _legacy_sample(f, start: int, end: int, size: int = 4096) -> bytes:
+    """The first and last ``size`` bytes of ``[start, end)`` of the open file ``f``: what the fingerprint of
+    versions before 14a2ac8 hashed of each tensor."""
+    f.seek(start)
+    head = f.read(min(size, end - start))
+    tail_start = max(start, end - size)
+    f.seek(tail_start)
+    return head + f.read(end - tail_start)
+
+
+def fingerprint_problem(theirs: str, ours: str, ours_legacy: str = "") -> str:
+    """Why a peer announcing model fingerprint ``theirs`` is not one for this model (fingerprint ``ours``, or
+    ``ours_legacy`` as versions before 14a2ac8 computed it): "" when it is ``ours``."""
+    if theirs == ours:
+        return ""
+    if theirs and theirs == ours_legacy:
+        return (f"it runs an older petals-chain, which fingerprints this same model as {theirs} (sampled weights; "
+                f"this version hashes every weight byte: {ours}): upgrade it")
+    return f"it serves model {theirs or '(unknown)'}, not this swarm's {ours}"
 
 
 def _ggml_type_name(type_id: int) -> str:
@@ -717,6 +767,17 @@ class GGUFSource(ModelSource):
             digest = hashlib.sha256(json.dumps([self._architecture, index]).encode()).hexdigest()
             self._save_meta(weights_digest=digest)
         return [self._meta()["weights_digest"].encode()]
+
+    def _legacy_fingerprint_parts(self) -> list[bytes]:
+        self.fingerprint  # noqa: B018 - checks the file (its tensors inside it) before it is read here
+        h = hashlib.sha256()
+        index = []
+        with open(self.path, "rb") as f:
+            for name, (shape, ggml_type, start, nbytes) in sorted(self._table.items()):
+                index.append([name, int(ggml_type), [int(x) for x in shape]])
+                h.update(_legacy_sample(f, start, start + nbytes))
+        h.update(json.dumps([self._architecture, index]).encode())
+        return [h.hexdigest().encode()]
 
 
 _SOURCES: dict[tuple[str, str], ModelSource] = {}
