@@ -41,8 +41,9 @@ def _named(tokens: int) -> bytes:
 
 def test_a_replan_prunes_the_directory_of_the_chains_it_removed():
     """The orchestrator's re-plan hook: chain A re-planned away; its 2 entries are gone, B's stay (before: A's stayed,
-    the directory still named A for the prompt)."""
-    prefixes = ChainPrefixes()
+    the directory still named A for the prompt). ``keep_s=0``: no grace for a chain that may come back
+    (test_s36_review_deadlines_fixes)."""
+    prefixes = ChainPrefixes(keep_s=0.0)
     dm = DispatchManager(policy="jffc")
     orch = types.SimpleNamespace(dispatch=dm, prefix_directory=prefixes)
     Orchestrator._on_chains(orch, [A, B])

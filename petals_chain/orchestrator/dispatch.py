@@ -126,13 +126,23 @@ class DispatchJob:
         return dl is None or not dl.active or dl.best_effort
 
 
+# a chain a re-plan left out keeps its prefix entries this long (ChainPrefixes.retain): above --ban-max-s's default
+REPLANNED_KEEP_S = 600.0
+
+
 class ChainPrefixes:
     """Which prompt prefixes each chain's servers were given to cache (at every job's close), so that a job starts
     on the chain holding the longest prefix of its prompt when that chain has room (a hint: servers evict on
     their own, and a chain that lost its prefix only costs the recompute)."""
 
-    def __init__(self, directory: PrefixDirectory | None = None):
+    def __init__(self, directory: PrefixDirectory | None = None, keep_s: float = REPLANNED_KEEP_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.directory = directory if directory is not None else PrefixDirectory()
+        if not keep_s >= 0:
+            raise ValueError(f"keep_s must be >= 0, got {keep_s!r}")
+        self.keep_s, self._clock = float(keep_s), clock
+        self._planned: set[tuple] | None = None  # chain keys of the plan now (None: no plan seen yet)
+        self._left: dict[tuple, float] = {}  # chain key -> when a plan left it out (kept for keep_s)
 
     def add(self, chain: Chain, named: bytes) -> None:
         """``chain``'s servers were given the KV of the tokens ``named`` (:func:`~petals_chain.swarm.prefix.
@@ -141,8 +151,17 @@ class ChainPrefixes:
 
     def retain(self, chains: Sequence[Chain]) -> int:
         """Forget what the chains not in ``chains`` (the plan now) were given (:meth:`PrefixDirectory.retain`): a
-        re-planned chain's entries left only by the LRU cap. Returns the entries dropped."""
-        return self.directory.retain(chain_key(ch) for ch in chains)
+        re-planned chain's entries left only by the LRU cap. A chain left out for less than ``keep_s`` is kept: a
+        failed server is banned from the plan for seconds (--ban-base-s) and keeps its cache meanwhile, and the
+        chains through it come back as they were (forgotten at once, every prompt they held was computed again).
+        Returns the entries dropped."""
+        now = self._clock()
+        planned = {chain_key(ch) for ch in chains}
+        for key in (self._planned or set()) - planned:
+            self._left.setdefault(key, now)
+        self._left = {key: t for key, t in self._left.items() if key not in planned and now - t < self.keep_s}
+        self._planned = planned
+        return self.directory.retain(planned | self._left.keys())
 
     def preferred(self, named: bytes) -> tuple:
         """Chain keys holding part of the prompt ``named`` (its prefix hashes), longest first."""
@@ -182,6 +201,14 @@ class LiveMatch(Mapping):
 
     def __len__(self) -> int:
         return len(self._current())
+
+    # read straight from the current dict: Mapping's own get raises and catches a KeyError per chain that holds
+    # nothing, and its items look every key up again (the LPM orders read these per queued job and chain)
+    def get(self, key, default=None):
+        return self._current().get(key, default)
+
+    def items(self):
+        return self._current().items()
 
 
 class QueueFull(Exception):

@@ -141,6 +141,8 @@ class ChainHolder:
         deadline = began + orch.cfg.queue_timeout_s
         shares = getattr(orch, "shares", None)
         failed_opens = 0
+        if not self.admitted:  # a new request (a session's turn after one that lost its chain): it has not run yet
+            self.ran = False
         # the last token is always computed (its output is what the job samples from): named once, for dispatch and
         # for every open
         auditor = getattr(orch, "auditor", None)

