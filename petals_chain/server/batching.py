@@ -276,16 +276,22 @@ class _Cancelled(KeyError):
 
 
 def _own_error(e: BaseException) -> BaseException:
-    """A copy of ``e`` for one caller of a failed batch (same type, arguments and attributes; its own traceback and
-    context once raised), caused by ``e``."""
+    """A copy of ``e`` for one caller of a failed batch (same type, arguments and attributes; its own notes, and its
+    own traceback and context once raised), caused by ``e``."""
     try:
         own = copy.copy(e)  # what pickling does: the class called with ``e.args``, then ``e.__dict__``
+        # an __init__ that builds its message from its arguments (``def __init__(self, device, why="unknown")``)
+        # built another one from ``e.args`` ("cuda:0: lost: unknown"): the caller saw a message nobody raised
+        own.args = e.args
     except Exception:  # noqa: BLE001 - a class whose __init__ does not take its args back: not called
         try:
             own = type(e).__new__(type(e), *e.args)
             own.__dict__.update(getattr(e, "__dict__", {}))
         except Exception:  # noqa: BLE001
             own = RuntimeError(f"{type(e).__name__}: {e}")
+    notes = getattr(own, "__notes__", None)
+    if isinstance(notes, list):  # shared by the shallow copy: a note one caller's handler added showed in the others'
+        own.__notes__ = list(notes)
     own.__cause__ = e
     return own
 

@@ -475,7 +475,13 @@ class Server:
             return
         self.service.runner, self.span = None, None
         if torch.device(self.cfg.device).type == "cuda":
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001 - only a help to the allocator
+                # a sticky CUDA error (an illegal memory access, a device-side assert) fails every later CUDA call:
+                # raised here, a stop skipped the rest of its cleanup (handlers, p2pd, the DHT process) and crashed
+                logger.warning(f"could not return the freed GPU memory to the device: {type(e).__name__}: "
+                               f"{' '.join(str(e).split())}")
 
     # ------------------------------------------------------------------ main
     def measure_tau_p(self, hosted: Optional[HostedModel] = None) -> float:
