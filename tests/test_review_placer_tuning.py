@@ -27,7 +27,7 @@ def test_caps_that_never_bind_leave_the_plan_tune_capacity_makes():
              spec("S4", 250.0, 0.046, 0.033, jobs=16), spec("S5", 150.0, 0.022, 0.012)]
     plain = [ServerSpec(name=s.name, memory=s.memory, tau_c=s.tau_c, tau_p=s.tau_p) for s in specs]
     pl = planner(0.5, use_all_servers=True)
-    want = tune_capacity(plain, MODEL, 0.5, rho_bar=pl.rho_bar, method="lower", use_all_servers=True)
+    want = tune_capacity(plain, MODEL, 0.5, rho_bar=pl.rho_bar, method="lower", use_all_servers=True, ties="largest")
     got = pl._tune(specs, MODEL, 0.5)
     # the code before: c 7 and four servers placed for c 1 and all six (the same lower bound, its ranges' tie-break)
     assert (got[0], dict(got[1].items())) == (want[0], dict(want[1].items()))

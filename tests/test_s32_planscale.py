@@ -304,4 +304,4 @@ def test_the_planners_searches_run_off_the_event_loop(monkeypatch):
         await task
 
     asyncio.run(main())
-    assert ran_meanwhile == ["full", "joins", "full"], ran_meanwhile
+    assert ran_meanwhile == ["full", "full", "joins"], ran_meanwhile  # a re-plan sizes joins at the full plan's c

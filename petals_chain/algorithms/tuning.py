@@ -1,7 +1,8 @@
 """Tuning the required capacity ``c`` of GBP-CR (§3.1.3 Eq. 13-14 and §3.2.3).
 
 All methods search ``c in [1, c_max]``, ``c_max = floor((max_j M_j - s_m)/s_c)``, and return the
-smallest ``c`` attaining the minimum. The search is exact (same result as running GBP-CR + GCA and
+smallest ``c`` attaining the minimum (the bound methods: or, on request, the ``c`` in force or the largest one, see
+``tune_capacity``'s ``prefer`` and ``ties``). The search is exact (same result as running GBP-CR + GCA and
 the objective for every ``c``) but shares work: the GBP-CR walk depends on ``c`` only through the
 vector ``m(c)`` (Eq. 8), and GCA and the bounds depend only on the resulting placement (residual
 slots, Eq. 3, do not involve ``c``), so each distinct walk and each distinct placement is computed once. A server
@@ -11,6 +12,7 @@ counted by it, as ``gbp_cr()`` and ``gca()`` do.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Sequence
 
@@ -23,6 +25,11 @@ from petals_chain.algorithms.gca import SLOTS_MAX, _RoutingDAG, gca_indices
 from petals_chain.model import WHOLE_TOLERANCE, Chain, ModelSpec, Placement, ServerSpec, units_that_fit
 
 METHODS = ("lower", "upper", "surrogate")
+TIES = ("smallest", "largest")
+# Objectives within this relative distance of the minimum are ties: placements that form the same chains give bounds
+# that differ in the last bits (their service times summed in another order), and the smallest c "attaining" the
+# minimum flapped with them between re-plans (c 7 -> 1 -> 7 as lambda moved, the same bound to 1e-12)
+TIE_TOLERANCE = 1e-9
 
 
 def max_capacity(servers: Sequence[ServerSpec], model: ModelSpec) -> int:
@@ -35,15 +42,29 @@ def max_capacity(servers: Sequence[ServerSpec], model: ModelSpec) -> int:
 def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, rho_bar: float = 0.7,
                   method: str = "lower", *, c_range: tuple[int, int] | None = None,
                   return_table: bool = False, prune: bool = True, segments: bool | None = None,
-                  use_all_servers: bool = False):
+                  use_all_servers: bool = False, prefer: int | None = None, ties: str = "smallest"):
     """Pick ``c`` for GBP-CR, then place (GBP-CR) and compose chains (GCA); see ``_tune``.
+
+    Ties (bound methods: objectives within ``TIE_TOLERANCE`` of the minimum, which Theorem 3.7 cannot tell apart):
+    ``prefer`` (the ``c`` in force) is returned when it ties, with its placement, so that ``c`` does not flap between
+    equal values across re-plans; else ``ties="smallest"`` (the paper's argmin, the default) or ``"largest"``: the
+    smallest tied ``c``'s placement (the paper's), with the largest ``c`` that gives that same placement. Over such
+    a range every placed server holds the same blocks (Eq. 8), so the placement, its chains and both bounds are the
+    same; the largest ``c`` is the reservation the placement honours (each of its servers holds that many jobs), and
+    it sizes a newcomer's span (``m_j(c)``) to hold as many jobs as the servers already placed, where the smallest
+    (often 1) gave it all the blocks its memory holds beside one job: a chain through it carried one job at a time.
+    (A larger ``c`` of another placement is no better: fewer blocks per server can complete fewer chains.)
 
     ``use_all_servers`` (our extension; bound methods only) also tunes GBP-CR walking over every
     server (``gbp_cr(use_all_servers=True)``) and returns that plan unless its objective is worse than
     the paper's plan: GCA is greedy, so extra servers can (rarely) reshuffle the chains for the worse,
     and the upper bound charges slow chains pessimistically. The table is the chosen variant's.
     """
-    kw = dict(c_range=c_range, prune=prune, segments=segments)
+    if ties not in TIES:
+        raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
+    if prefer is not None and (int(prefer) != prefer or prefer < 1):
+        raise ValueError(f"prefer must be a positive integer or None, got {prefer!r}")
+    kw = dict(c_range=c_range, prune=prune, segments=segments, prefer=prefer, ties=ties)
     if not use_all_servers or method == "surrogate":
         out = _tune(servers, model, arrival_rate, rho_bar, method, return_table=True, walk_all=False, **kw)
         return out if return_table else out[:3]
@@ -57,7 +78,7 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
 def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, rho_bar: float = 0.7,
           method: str = "lower", *, c_range: tuple[int, int] | None = None,
           return_table: bool = False, prune: bool = True, segments: bool | None = None,
-          walk_all: bool = False):
+          walk_all: bool = False, prefer: int | None = None, ties: str = "smallest"):
     """Pick ``c`` for GBP-CR (``walk_all``: the extended walk), then place and compose chains (GCA).
 
     * ``"lower"`` / ``"upper"``: minimize the Theorem 3.7 lower / upper bound on the mean response
@@ -75,6 +96,8 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
     the first ``c`` of each interval of identical placements is visited (exact, see below), and the
     table has only those ``c``.
     ``walk_all`` places every server that can hold a block (``gbp_cr(use_all_servers=True)``).
+    ``prefer`` and ``ties`` break ties of the bound methods (``tune_capacity``); the table then also has the ``c``
+    returned.
     """
     _check_inputs(servers, model)
     _check_rate(arrival_rate, rho_bar)
@@ -227,6 +250,9 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
             table[c] = obj if entry is not None or first[pkey] < math.inf else math.inf
             if obj is not None and math.isfinite(obj) and (best is None or obj < best[0]):
                 best = (obj, c, pkey)
+        if best is not None and (prefer is not None or ties == "largest"):
+            best = _break_tie(best, per_c, entries, 4 if method == "lower" else 5, hi_c, prefer, ties, content)
+            table[best[1]] = best[0]
     if best is None:
         # nothing stable: all placements were evaluated (pruning never triggers without a finite best)
         for pkey in dict.fromkeys(k for k, _, _ in per_c.values()):
@@ -249,3 +275,30 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
     if return_table:
         return c_best, placement, chains, table
     return c_best, placement, chains
+
+
+def _break_tie(best: tuple, per_c: dict[int, tuple], entries: dict[tuple, tuple], field: int, hi_c: int,
+               prefer: int | None, ties: str, content) -> tuple:
+    """``(objective, c, placement key)`` among the ``c`` whose objective (entry ``field``) is within
+    ``TIE_TOLERANCE`` of ``best``'s: ``prefer`` if it is one of them; else, for ``ties="largest"``, the smallest one's
+    placement at the largest ``c`` that gives the same placement (``content``: a placement key's content); else
+    ``best``. A ``c`` of ``per_c`` stands for every ``c`` up to the next one (with ``segments`` only each interval's
+    first is visited: the placement, and so the bound, is the same up to the next)."""
+    starts = sorted(per_c)
+
+    def objective(c: int) -> float | None:
+        entry = entries.get(per_c[c][0])
+        return None if entry is None else entry[field]
+
+    limit = best[0] * (1 + TIE_TOLERANCE)
+    tied = [c for c in starts if (obj := objective(c)) is not None and obj <= limit]
+    if prefer is not None and starts[0] <= prefer <= hi_c:
+        start = starts[bisect.bisect_right(starts, prefer) - 1]
+        if start in tied:
+            return objective(start), int(prefer), per_c[start][0]
+    if ties != "largest" or not tied:
+        return best
+    first = per_c[tied[0]][0]
+    last = max(c for c in tied if content(per_c[c][0]) == content(first))
+    i = bisect.bisect_right(starts, last)
+    return objective(tied[0]), (starts[i] - 1 if i < len(starts) else hi_c), first

@@ -707,7 +707,9 @@ class Planner:
         ``residual_slots`` (:class:`CappedServerSpec`: none at a ``c`` its cap cannot hold, the slots its cap holds).
         A cap below one job, and all caps where they allow no chain, are planned by the servers' memory, as before
         (they load their spans and a failed load says what they cannot hold: else no span was ever assigned).
-        ValueError: no plan either way. A server with its own sizes (:class:`SizedServerSpec`) keeps them."""
+        ValueError: no plan either way. A server with its own sizes (:class:`SizedServerSpec`) keeps them. Of ``c``
+        that tie, the one in force, else the paper's placement at the largest ``c`` giving it (``tune_capacity``'s
+        ``prefer`` and ``ties``)."""
         from petals_chain.algorithms import tune_capacity
 
         def by_memory(s: ServerSpec) -> ServerSpec:
@@ -715,7 +717,11 @@ class Planner:
                 return replace(s, cache_tokens_per_block=0)
             return ServerSpec(name=s.name, memory=s.memory, tau_c=s.tau_c, tau_p=s.tau_p, block_limit=s.block_limit)
 
-        kw = dict(rho_bar=self.rho_bar, method="lower", use_all_servers=self.use_all_servers)
+        # c's ties (the same bound: Theorem 3.7 cannot tell them apart): the c in force when it is one of them (no flap
+        # between equal values across re-plans), else the largest giving the paper's placement (the reservation that
+        # placement honours: tuning.py)
+        kw = dict(rho_bar=self.rho_bar, method="lower", use_all_servers=self.use_all_servers, ties="largest",
+                  prefer=self.plan.c if self.plan is not None and self.plan.c else None)
         if not any(isinstance(s, CappedServerSpec) and s.cache_tokens_per_block > 0 for s in specs):
             return tune_capacity(specs, model, lam, **kw)
         try:
@@ -757,18 +763,21 @@ class Planner:
             raise ValueError(f"placement policy {self.placement_policy!r} is not available")
         return None, placement, gca(specs, model, placement)
 
-    def evaluate(self, views: Sequence[ServerView], placement: Placement, c: int | None = None) -> Plan:
-        """GCA on ``placement`` restricted to ``views`` (with their live slot counts when loaded)."""
+    def evaluate(self, views: Sequence[ServerView], placement: Placement, c: int | None = None,
+                 residual: dict[str, int] | None = None) -> Plan:
+        """GCA on ``placement`` restricted to ``views`` (with their live slot counts when loaded), or with the jobs
+        ``residual`` gives (:meth:`held_jobs`: the basis on which plans that place servers differently compare)."""
         from petals_chain.algorithms import gca
 
         model = self._model_spec()
         names = {v.peer_id for v in views}
         sub = Placement({k: placement[k] for k in placement if k in names}, num_blocks=model.num_blocks)
-        residual = {}
-        for v in views:
-            r = v.record
-            if v.peer_id in sub and r.num_blocks > 0 and (r.start_block, r.num_blocks) == sub[v.peer_id]:
-                residual[v.peer_id] = self.residual_jobs(r)
+        if residual is None:
+            residual = {}
+            for v in views:
+                r = v.record
+                if v.peer_id in sub and r.num_blocks > 0 and (r.start_block, r.num_blocks) == sub[v.peer_id]:
+                    residual[v.peer_id] = self.residual_jobs(r)
         specs = self.specs([v for v in views if v.peer_id in sub])
         chains = gca(specs, model, sub, residual_slots=residual) if specs else []
         lower, upper = self._bounds(chains)
@@ -781,21 +790,20 @@ class Planner:
         when it serves no span. One basis for the plan in force and a plan that moves servers."""
         model = self._model_spec()
         specs = {s.name: s for s in self.specs([v for v in views if v.peer_id in placement])}
-        out = {}
-        for v in views:
-            span, spec, r = placement.get(v.peer_id), specs.get(v.peer_id), v.record
-            if span is None or spec is None:
-                continue
-            loaded = 0 < r.num_blocks and r.start_block + r.num_blocks <= model.num_blocks
-            if loaded and (r.start_block, r.num_blocks) == tuple(span):
-                out[v.peer_id] = self.residual_jobs(r)
-                continue
-            slots = spec.residual_slots(model, span[1])
-            # (a server still loading announces no slots yet: no ratio to scale by)
-            mem_there = spec.residual_slots(model, r.num_blocks) if loaded and r.state == "online" else 0
-            held = self.residual_jobs(r) if mem_there > 0 else 0
-            out[v.peer_id] = slots * held // mem_there if held > 0 else slots
-        return out
+        return {v.peer_id: self._held_at(v, specs[v.peer_id], tuple(placement[v.peer_id]), model)
+                for v in views if v.peer_id in placement and v.peer_id in specs}
+
+    def _held_at(self, v: ServerView, spec: ServerSpec, span: tuple[int, int], model: ModelSpec) -> int:
+        """:meth:`held_jobs` of one server ``v`` (``spec`` its :meth:`specs`) on ``span``."""
+        r = v.record
+        loaded = 0 < r.num_blocks and r.start_block + r.num_blocks <= model.num_blocks
+        if loaded and (r.start_block, r.num_blocks) == tuple(span):
+            return self.residual_jobs(r)
+        slots = spec.residual_slots(model, span[1])
+        # (a server still loading announces no slots yet: no ratio to scale by)
+        mem_there = spec.residual_slots(model, r.num_blocks) if loaded and r.state == "online" else 0
+        held = self.residual_jobs(r) if mem_there > 0 else 0
+        return slots * held // mem_there if held > 0 else slots
 
     def moves_better(self, views: Sequence[ServerView], current: Plan, new: Plan) -> tuple[bool, float, float]:
         """Whether ``new`` (a full plan that moves servers) predicts a response more than ``move_margin`` better than
@@ -819,24 +827,31 @@ class Planner:
         return theirs < (1 - self.move_margin) * ours, ours, theirs
 
     def incremental(self, views: Sequence[ServerView], base: Placement, newcomer: ServerView, c: int | None) -> Plan | None:
-        """Best span for ``newcomer`` alone (others keep their blocks): no server reloads."""
+        """Best span for ``newcomer`` alone (others keep their blocks): no server reloads. Its span is sized for ``c``
+        (Eq. 8), and every span, the one it may hold already included, is predicted by the jobs it would hold there
+        (:meth:`held_jobs`): by its memory's slots elsewhere against the jobs it announces where it is, a newcomer
+        that announces fewer (slots, ``--max-length``) reloaded for nothing, one that announces more (a paged cache)
+        kept a span where another was clearly better."""
         model = self._model_spec()
         spec = self.specs([newcomer])[0]
         m = spec.max_blocks(model, c or 1)
         r = newcomer.record
+        others = self.held_jobs(views, base)  # (theirs do not depend on the newcomer's span)
+
+        def predict(span: tuple[int, int]) -> Plan:
+            spans = {**dict(base.items()), newcomer.peer_id: span}
+            held = {**others, newcomer.peer_id: self._held_at(newcomer, spec, span, model)}
+            return self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c, residual=held)
+
         current: Plan | None = None
         if r.num_blocks > 0 and r.max_length == self.max_length and r.start_block + r.num_blocks <= model.num_blocks:
-            spans = dict(base.items())
-            spans[newcomer.peer_id] = (r.start_block, r.num_blocks)
-            current = self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c)
+            current = predict((r.start_block, r.num_blocks))
         best: Plan | None = None
         for mm in sorted({m, min(model.num_blocks, max(1, m))}):
             if mm < 1:
                 continue
             for start in range(0, model.num_blocks - mm + 1):
-                spans = dict(base.items())
-                spans[newcomer.peer_id] = (start, mm)
-                plan = self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c)
+                plan = predict((start, mm))
                 if best is None or plan.lower < best.lower - 1e-12:
                     best = plan
         # A server that already holds blocks (e.g. back after an orchestrator restart) keeps them unless another
@@ -864,9 +879,8 @@ class Planner:
             return None
         if not placed or min(placed.coverage(model.num_blocks)) < 1:
             return None
-        spans = dict(base.items())
-        spans.update(placed.items())
-        return self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c)
+        spans = Placement({**dict(base.items()), **dict(placed.items())}, num_blocks=model.num_blocks)
+        return self.evaluate(views, spans, c, residual=self.held_jobs(views, spans))
 
     def served_plan(self, views: Sequence[ServerView], c: int | None) -> Plan | None:
         """The placement the servers in ``views`` already serve (loaded spans sized for our max_length), if it
@@ -1333,40 +1347,46 @@ class Planner:
         self._considered.update(v.peer_id for v in unassigned)
         self._planned_around = set(held)
         self.last_full_replan = time.monotonic()
-        base = self.evaluate(views, self.plan.placement, self.plan.c)  # everyone usable serves its span
+        # Plans that place servers differently are predicted on one basis, the jobs each would hold (held_jobs)
+        placed = self.plan.placement
+        base = self.evaluate(views, placed, self.plan.c, residual=self.held_jobs(views, placed))
         best, reason = base, ""
         alive_placement = base.placement
+        # the searches take seconds with hundreds of servers: off the event loop (one refresh runs at a time, and
+        # they only read the views and the planner's estimates)
+        full = await asyncio.to_thread(self.full_plan, views)
+        # c follows lambda (Theorem 3.7's c*) whether or not the full plan's moves are taken: the spans in force keep
+        # it, and newcomers' spans are sized for it (at the c before, a retune with a join gave the newcomer a span
+        # that holds fewer jobs than the c in force after it)
+        c = full.c if full is not None and full.chains and full.c is not None else self.plan.c
         # Servers that join holding a span (handed over by another orchestrator's group, or restarted) keep it
         # when that predicts better: no reload.
         holding = {v.peer_id: (v.record.start_block, v.record.num_blocks) for v in unassigned
                    if v.record.num_blocks > 0 and v.record.max_length == self.max_length
                    and v.record.start_block + v.record.num_blocks <= self.model_spec.num_blocks}
         if holding:
-            kept = self.evaluate(views, Placement({**dict(base.placement.items()), **holding},
-                                                  num_blocks=self.model_spec.num_blocks), self.plan.c)
+            spans = Placement({**dict(base.placement.items()), **holding}, num_blocks=self.model_spec.num_blocks)
+            kept = self.evaluate(views, spans, c, residual=self.held_jobs(views, spans))
             if kept.chains and kept.lower < best.lower * (1 - 1e-9):
                 best, reason = kept, f"{len(holding)} server(s) joined holding spans: kept"
-        # the searches take seconds with hundreds of servers: off the event loop (one refresh runs at a time, and
-        # they only read the views and the planner's estimates)
-        best, reason = await asyncio.to_thread(self._search_joins, views, base, best, reason, unassigned)
-        full = await asyncio.to_thread(self.full_plan, views)
+        best, reason = await asyncio.to_thread(self._search_joins, views, base, best, reason, unassigned, c)
         # a full plan that moves no server is no re-placement (it "improved" on the same spans every interval: its
         # prediction counted slots by the servers' memory, the plan in force's by the slots they announce), nor is
-        # one better only by that basis (moves_better); a new c on the same spans is taken, nothing moved
+        # one better only by that basis (moves_better); its c is taken on the spans kept, nothing moved
         moves = full is not None and dict(full.placement.items()) != dict(best.placement.items())
-        retuned = ""
         if moves:
             better, ours, theirs = await asyncio.to_thread(self.moves_better, views, best, full)
             if better:
                 best, reason = full, (f"re-placement improves predicted response {ours:.4g}s -> {theirs:.4g}s "
                                       "(jobs each server holds, both)")
-        elif full is not None and full.chains and full.c != best.c:
+        retuned = ""
+        if best is not full and c != self.plan.c:
             # the spans stay, c follows lambda: new servers' spans (incremental, joint), HERD's split and the model
             # placer read it from the plan in force
-            retuned = f"cache reservation c {best.c} -> {full.c} at lambda={self.arrival_rate:.3g}, spans kept"
+            retuned = f"cache reservation c {self.plan.c} -> {c} at lambda={self.arrival_rate:.3g}, spans kept"
         if best is base and set(alive_placement) == set(self.assignment) - set(held):
             if retuned:
-                self.plan = replace(self.plan, c=full.c)
+                self.plan = replace(self.plan, c=c)
                 self._log_plan("c", self.plan, retuned)
             # nothing to re-place: the chains still follow the speeds measured since they were made (a server that
             # delivers faster than it advertised, or slower short of tau_p_suspect, changes no key: its chains kept
@@ -1375,7 +1395,7 @@ class Planner:
             return
         reason = reason or "servers left"
         if retuned:
-            best, reason = replace(best, c=full.c), f"{reason}; {retuned}"
+            best, reason = replace(best, c=c), f"{reason}; {retuned}"
         if failed := [self.servers[p] for p in assigned_gone if p in held and self.servers[p].load_failed]:
             now = self.clock()
             why = {v.peer_id: "cannot load its blocks" if v.failed_assigned else self._overdue_error(v, now, flag=False)
@@ -1385,12 +1405,12 @@ class Planner:
         await self._adopt(best, reason)
 
     def _search_joins(self, views: list[ServerView], base: Plan, best: Plan, reason: str,
-                      unassigned: list[ServerView]) -> tuple[Plan, str]:
+                      unassigned: list[ServerView], c: int | None) -> tuple[Plan, str]:
         """The best of ``best`` and the plans that place the ``unassigned`` servers, one at a time (incremental) or
-        together (joint), with the reason for it."""
+        together (joint), sized for cache reservation ``c``, with the reason for it."""
         for v in unassigned:
             inc = self.incremental(views, Placement(dict(best.placement.items()), num_blocks=self.model_spec.num_blocks),
-                                   v, self.plan.c)
+                                   v, c)
             if inc is None:
                 continue
             better = inc.lower < best.lower * (1 - 1e-9)
@@ -1401,7 +1421,7 @@ class Planner:
             if better or adds:
                 best, reason = inc, f"join of {v.record.public_name or v.peer_id[:12]} (incremental)"
         if self.placement_policy == "gbp-cr":
-            together = self.joint(views, base.placement, unassigned, self.plan.c)
+            together = self.joint(views, base.placement, unassigned, c)
             if together is not None and together.lower < best.lower * (1 - 1e-9):
                 best, reason = together, f"join of {len(unassigned)} servers (chains of their own)"
         return best, reason
