@@ -230,7 +230,7 @@ def test_openai_package_logprobs_seed_stream_n(swarm, expected, tokenizer):
 
 @pytest.mark.parametrize("extra", [
     {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"tool_choice": "auto"},
-    {"response_format": {"type": "json_object"}}, {"audio": {"voice": "alloy", "format": "wav"}},
+    {"response_format": {"type": "yaml"}}, {"audio": {"voice": "alloy", "format": "wav"}},
     {"modalities": ["text", "audio"]}, {"functions": [{"name": "f"}]}, {"store": True},
     {"reasoning_effort": "high"}, {"prediction": {"type": "content", "content": "x"}},
     {"no_such_field": 1}, {"service_tier": "flex"},

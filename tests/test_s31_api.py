@@ -117,8 +117,8 @@ def test_errors_about_the_body_itself_say_so_and_others_name_their_parameter(mod
         cases = [("/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}, "top_logprobs"),
                  ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
                  ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-                 ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_object"}},
-                  "response_format"),
+                 ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "yaml"}},
+                  "response_format.type"),
                  ("/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "max_completion_tokens": 3},
                   "max_completion_tokens")]
         for path, body, param in cases:

@@ -188,7 +188,7 @@ def test_what_this_server_cannot_do_is_refused_naming_the_field(envelope):
         "background": {"background": True},
         "store": {"store": True},
         "include.1": {"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]},
-        "text.format.type": {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+        "text.format.type": {"text": {"format": {"type": "yaml"}}},
         "reasoning.effort": {"reasoning": {"effort": "low"}},
         "tool_choice": {"tool_choice": "required"},
         "truncation": {"truncation": "auto"},
@@ -227,7 +227,7 @@ def test_what_this_server_cannot_do_is_refused_naming_the_field(envelope):
     assert "tools is not supported" in out["tools"][2]
     assert "stores no responses" in out["previous_response_id"][2] and "store: false" in out["store"][2]
     assert 'not "input_image"' in out["input.0.content.1"][2] and "offers no tools" in out["input.1.type"][2]
-    assert "'json_schema'" not in out["text.format.type"][2] and '"json_schema"' in out["text.format.type"][2]
+    assert "'yaml'" not in out["text.format.type"][2] and '"yaml"' in out["text.format.type"][2]
     assert "max_output_tokens" in out["max_tokens"][2]
     assert hinted.output_text == plain.output_text and hinted.usage.output_tokens == 3
     assert hinted.parallel_tool_calls is True and hinted.tool_choice == "none"

@@ -41,7 +41,7 @@ def test_masked_tokens_and_an_unscored_last_row_still_score():
     logits[0, :100] = -_INF
     logits[2, :] = _NAN
     out = S.prompt_logprobs(logits, [1, 50, 200], 3)
-    assert out[0] is None and out[1].logprob == -_INF and len(out[1].top_logprobs) == 3
+    assert out[0] is None and out[1].logprob == S.MIN_LOGPROB and len(out[1].top_logprobs) == 3
     assert out[2].token == 200 and torch.isfinite(torch.tensor(out[2].logprob))
 
 

@@ -1,7 +1,9 @@
 """HTTP API of the orchestrator: OpenAI-compatible ``/v1``, sessions, swarm state, metrics, dashboard.
 
-Requests are strict: an unknown field, or an OpenAI field we do not implement (``tools``, a ``response_format``
-other than text, audio, ...), gets a 400 that names it, never silent acceptance. Beside OpenAI's fields the
+Requests are strict: an unknown field, or an OpenAI field we do not implement (``tools``, audio, ...), gets a 400
+that names it, never silent acceptance. Structured outputs (structured.py): chat's and completions'
+``response_format`` (``json_object``, ``json_schema``), the Responses API's ``text.format``, and vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``). Beside OpenAI's fields the
 bodies take ``repetition_penalty``, ``min_p``, ``top_k``, ``stop_token_ids`` and ``ignore_eos`` (vLLM's
 extras), deadlines (``deadline_ms``, ``ttft_deadline_ms``, ``best_effort``) and ``speculative`` (``none`` or
 ``ngram``). Logprobs are of the raw model distribution (before penalties and temperature), as in vLLM; a
@@ -40,14 +42,15 @@ from petals_chain.orchestrator.errors import (context_length_error, default_code
                                               unavailable_retry_after_s)
 from petals_chain.orchestrator.forward import (SERVED_BY_HEADER, forward_session_call, maybe_forward,
                                                unless_disconnected)
-from petals_chain.orchestrator.limits import GENERATE_PATH
+from petals_chain.orchestrator.limits import GENERATE_PATH, ReadBodyRoute
 from petals_chain.orchestrator import responses as _responses
 from petals_chain.orchestrator.resume import ResponsesRecord
 from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, RequestIds, RequestTrace,
                                                   install_log_ids, scope_request_id, shown_path)
-from petals_chain.orchestrator.sampling import (MIN_REPETITION_PENALTY, SamplingParams, StopMatcher, TokenChoice,
-                                                choice_seed, offsets_in_text)
+from petals_chain.orchestrator.sampling import (IGNORE_EOS_WITH_GRAMMAR, MIN_REPETITION_PENALTY, SamplingParams,
+                                                StopMatcher, TokenChoice, choice_seed, offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
+from petals_chain.orchestrator.structured import StructuredSpec, compile_spec, request_counter
 from petals_chain.orchestrator.sse import DONE, KEEPALIVE, NO_RETRY_HEADER, error_event, error_object, sse
 from petals_chain.orchestrator.tokentext import whole_text
 from petals_chain.orchestrator.stats import status_outcome
@@ -242,12 +245,41 @@ class SamplingFields(_Base):
     speculative: Optional[Literal["none", "ngram", "draft"]] = None
     # How steps cross the chain for this request (relay.py); None: the orchestrator's --relay.
     relay: Optional[Literal["orchestrator", "push"]] = None
+    # Structured outputs (structured.py): OpenAI's response_format (json_object, json_schema), vLLM's
+    # structured_outputs (json, regex, choice, grammar); at most one of them
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    _spec: Optional[StructuredSpec] = pydantic.PrivateAttr(default=None)
 
     @pydantic.model_validator(mode="after")
     def _stream_options_with_stream(self):
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")  # as OpenAI
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _structured_output(self):
+        specs = []
+        try:
+            if self.response_format is not None:
+                specs.append(StructuredSpec.from_response_format(self.response_format))
+            specs.append(StructuredSpec.from_structured_outputs(self.structured_outputs))
+        except RequestError as e:
+            raise FieldError(e.param or "response_format", str(e)) from None
+        self._set_spec(specs)
+        return self
+
+    def _set_spec(self, specs: list) -> None:
+        given = [s for s in specs if s is not None]
+        if len(given) > 1:
+            raise FieldError(given[1].param.split(".")[0], "give one structured output: "
+                             f"{given[0].param.split('.')[0]} and {given[1].param.split('.')[0]} both constrain it")
+        self._spec = given[0] if given else None
+
+    @property
+    def structured_spec(self) -> Optional[StructuredSpec]:
+        """The structured output this request asks for (None: plain text)."""
+        return self._spec
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -412,10 +444,6 @@ class ChatMessage(_Base):
         return out
 
 
-class ResponseFormat(_Base):
-    type: str
-
-
 class ChatRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
@@ -439,7 +467,6 @@ class ChatRequest(SamplingFields):
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[ResponseFormat] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None
     prediction: Optional[Any] = None
@@ -464,9 +491,6 @@ class ChatRequest(SamplingFields):
         _unsupported(self.parallel_tool_calls, "parallel_tool_calls", (None, False))
         _unsupported(self.store, "store", (None, False))
         _unsupported(self.service_tier, "service_tier", (None, "auto", "default"))
-        if self.response_format is not None and self.response_format.type != "text":
-            raise FieldError("response_format",
-                             f"response_format {self.response_format.type!r} is not supported (only 'text')")
         if self.modalities is not None and list(self.modalities) != ["text"]:
             raise FieldError("modalities", "modalities other than ['text'] are not supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -540,21 +564,9 @@ ResponsesInput = typing.Annotated[
                            custom_error_message="Input should be a string or an array of input items")]
 
 
-class ResponsesTextFormat(_Base):
-    type: Literal["text"]
-
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        # a json_schema format was "unsupported parameter(s): text.format.name": said for what it is
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise FieldError("type", f"text.format of type {_shown(data.get('type'))} is not supported by this "
-                                     "server (only 'text')")
-        return data
-
-
 class ResponsesText(_Base):
-    format: Optional[ResponsesTextFormat] = None
+    # text, json_object or json_schema (what responses.parse sends): read by StructuredSpec.from_text_format
+    format: Optional[dict[str, Any]] = None
     verbosity: Optional[Literal["low", "medium", "high"]] = None
 
     @pydantic.model_validator(mode="after")
@@ -604,7 +616,7 @@ MAX_INCLUDE = 16
 class ResponsesRequest(SamplingFields):
     """``POST /v1/responses``: a chat turn in the Responses API's words (``input``, ``instructions``,
     ``max_output_tokens``), with chat's sampling and our extra fields. What this server cannot do (tools, stored
-    responses and conversations, background runs, non-text input, structured output, reasoning) is refused, naming
+    responses and conversations, background runs, non-text input, reasoning) is refused, naming
     the field; what changes nothing here (cache hints, ``parallel_tool_calls`` without tools) is taken."""
 
     model: str
@@ -649,7 +661,20 @@ class ResponsesRequest(SamplingFields):
             if data.get("n") not in (None, 1):
                 raise FieldError("n", "several choices (n) are not part of the Responses API: use "
                                       "/v1/chat/completions")
+            if data.get("response_format") is not None:
+                raise FieldError("response_format", "the Responses API's structured output is text.format")
         return data
+
+    @pydantic.model_validator(mode="after")
+    def _text_format(self):
+        specs = [self._spec]
+        if self.text is not None and self.text.format is not None:
+            try:
+                specs.append(StructuredSpec.from_text_format(self.text.format))
+            except RequestError as e:
+                raise FieldError(e.param or "text.format", str(e)) from None
+        self._set_spec(specs)
+        return self
 
     @pydantic.model_validator(mode="after")
     def _unsupported_fields(self):
@@ -703,7 +728,8 @@ class ResponsesRequest(SamplingFields):
                 "max_output_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_logprobs": self.top_logprobs, "parallel_tool_calls": bool(self.parallel_tool_calls),
                 "tool_choice": self.tool_choice or "none", "tools": [], "max_tool_calls": self.max_tool_calls,
-                "text": {"format": {"type": "text"}, "verbosity": "medium"}, "truncation": "disabled",
+                "text": {"format": self.structured_spec.text_format() if self.structured_spec else {"type": "text"},
+                         "verbosity": "medium"}, "truncation": "disabled",
                 "reasoning": {"effort": self.reasoning.effort if self.reasoning else None, "summary": None},
                 "user": self.user, "safety_identifier": self.safety_identifier,
                 "prompt_cache_key": self.prompt_cache_key, "service_tier": "default", "store": False,
@@ -1017,8 +1043,6 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     """The FastAPI app over ``orch`` (the caller runs ``orch.start()``/``stop()`` in the server's loop); ``ledger``:
     the per-client counts shared with the other models' apps behind one router (``limits.ClientLedger``)."""
     app = FastAPI(title="petals-chain orchestrator", version="0.1.0")
-    from petals_chain.orchestrator.limits import ReadBodyRoute
-
     app.router.route_class = ReadBodyRoute  # an endpoint takes the body an outer layer read (and its JSON parse)
     app.state.orch = orch
     cfg = orch.cfg
@@ -1143,6 +1167,25 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                                    code="invalid_token_id")
         set_deadline(req)
         return params, explicit
+
+    structured_requests = request_counter(orch.stats.registry)
+
+    async def constrain(req: SamplingFields, params: SamplingParams) -> None:
+        """Compile the request's structured output, if any, into ``params.structured`` (off the event loop: a large
+        schema takes up to a second, a model's first one ~0.6 s more for its tokenizer); a bad one is a 400 naming
+        its field, counted in ``petals_chain_structured_requests``."""
+        spec = req.structured_spec
+        if spec is None:
+            return
+        if params.ignore_eos:
+            raise RequestError(IGNORE_EOS_WITH_GRAMMAR, param="ignore_eos", code="invalid_value")
+        try:
+            params.structured = await asyncio.to_thread(compile_spec, spec, orch.tokenizer, orch.vocab_size,
+                                                        orch._eos)
+        except RequestError:
+            structured_requests.labels(spec.kind, "invalid").inc()
+            raise
+        structured_requests.labels(spec.kind, "ok").inc()
 
     def reserve_tokens(need: int, field: str = "max_tokens") -> None:
         """Hold the most tokens the request may use against its client's ``tokens_per_minute`` (429 if they do not
@@ -1420,6 +1463,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         typed = isinstance(req.prompt, str) or (many and isinstance(req.prompt[0], str))
         sent: list[str | None] = list(texts) if typed else [None] * len(texts)
         params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
+        await constrain(req, params)
         # every prompt validated before any work starts; its tokens held: the prompt and the most it may generate (an
         # implicit limit, chat's --max-tokens-limit, only as far as its context goes)
         outputs = [fit_context(ids, params, explicit, index=i if len(prompts) > 1 else None)
@@ -1490,6 +1534,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             req.max_tokens = req.max_completion_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params, explicit = sampling(req, None, top)
+        await constrain(req, params)
         most = fit_context(ids, params, explicit, field="messages", limit_field=req.limit_field)
         reserve_tokens(len(ids) + most * req.n, req.limit_field)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -1541,6 +1586,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         req.max_tokens = req.max_output_tokens
         top = req.top
         params, explicit = sampling(req, None, top)
+        await constrain(req, params)
         most = fit_context(ids, params, explicit, field="input", limit_field=req.limit_field)
         reserve_tokens(len(ids) + most, req.limit_field)
         shape = _responses.ResponseBuilder(orch.model_id, req.echo())
@@ -1643,6 +1689,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             target = orch.session_target(s, new_ids)
             params, explicit = sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         orch.check_ids(target)
+        await constrain(req, params)
         field = "messages" if req.messages is not None else "prompt" if req.prompt is not None else "input_ids"
         most = fit_context(target, params, explicit, field=field, limit_field=req.limit_field, session=s)
         reserve_tokens(max(0, len(target) - len(s.history)) + most)

@@ -64,7 +64,8 @@ class GenerationMixin:
         With speculative decoding (``params.speculative`` or ``--speculative``: ``ngram``) each relay step feeds
         the token just sampled together with up to k prompt-lookup drafts; the head keeps the drafts the model's
         own choices confirm (``verify_drafts``) and the chain's KV is rolled back past the rest (the next step
-        overwrites those positions).
+        overwrites those positions). With a structured output (``params.structured``) every step samples from the
+        tokens its grammar allows, and drafts are cut where the grammar stops taking them.
 
         ``choices`` are the tokens the text shows (a stop token has none): a stop string cuts the text, and the tokens
         whose text starts at or past the cut are left out of them (their text is not in the answer; OpenAI still
@@ -130,6 +131,8 @@ class GenerationMixin:
                 draft = await self.drafter.draft(draft_state, context + generated, k)
             else:
                 draft = ngram_draft(context + generated, k) if k > 0 else []
+            if draft and seq.grammar is not None:  # what the grammar forbids would be rejected: not sent at all
+                draft = draft[:seq.grammar.valid_prefix(draft)]
             if draft:
                 outs = await holder.feed([tok] + draft, all_positions=True, drafted=len(draft))
                 pending, emb = await self.batcher.verify(outs, seq, draft)

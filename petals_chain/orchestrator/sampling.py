@@ -40,6 +40,12 @@ from petals_chain.orchestrator.tokentext import MAX_CHARACTER_BYTES, context_tai
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing float32 logits by a smaller one
 # overflows to inf and the softmax to NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# Where a structured output is complete only an end token is allowed: ignoring it would leave no token to sample
+IGNORE_EOS_WITH_GRAMMAR = ("ignore_eos cannot be used with a structured output: the output ends when it is complete "
+                           "(its end token is then the only one allowed)")
+# A logprob of -inf (a token the model rules out, or a logit gap beyond float32) is shown as this, as vLLM does:
+# JSON has no infinity, and a body with one was invalid JSON
+MIN_LOGPROB = -9999.0
 # The smallest repetition penalty: a logit of 100 divided by it stays far inside float32 (1e-40 became 0, then inf).
 MIN_REPETITION_PENALTY = 1e-3
 
@@ -69,6 +75,9 @@ class SamplingParams:
     logprobs: int | None = None
     speculative: str | None = None  # "none", "ngram" or "draft"; None: the orchestrator's --speculative
     relay: str | None = None  # "orchestrator" or "push"; None: the orchestrator's --relay
+    # a compiled structured output (structured.Grammar): the tokens it forbids are masked before anything else, each
+    # sequence has its own state of it. None: unconstrained.
+    structured: Any = None
 
     @property
     def greedy(self) -> bool:
@@ -114,6 +123,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError(IGNORE_EOS_WITH_GRAMMAR)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -276,6 +287,8 @@ class SequenceSampler:
         self._max_id = -1
         self._max_bias_id = max((int(t) for t in params.logit_bias), default=-1)
         self._has_bias = bool(params.logit_bias)
+        # the structured output's state: masks this sequence's logits, consumes every token it emits
+        self.grammar = params.structured.state(params.stop_token_ids) if params.structured is not None else None
         for t, b in params.logit_bias.items():
             s = self._slot_of(int(t))  # before indexing: the slot may reallocate the arrays
             self._bias[s] = b
@@ -315,8 +328,10 @@ class SequenceSampler:
         return s
 
     def append(self, token_id: int) -> None:
-        """Record a generated token (updates the penalty state in O(1))."""
+        """Record a generated token (updates the penalty state in O(1); a structured output's state consumes it)."""
         t = int(token_id)
+        if self.grammar is not None:
+            self.grammar.consume(t)
         self.num_generated += 1
         c = self.counts.get(t, 0) + 1
         self.counts[t] = c
@@ -642,6 +657,13 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool, want
     _check(logits, seqs)
     bsz, vocab = logits.shape
     raw = logits.detach().to("cpu", torch.float32).contiguous()
+    constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if constrained:
+        # a structured output's forbidden tokens are -inf before bias, penalties and filters see the row (a copy: the
+        # caller's logits stay the raw distribution its logprobs are of); the batch's other rows are untouched
+        raw = _workspace("masked", bsz, vocab).copy_(raw)  # reused: a fresh copy each step costs page faults
+        for i in constrained:
+            seqs[i].grammar.mask_(raw[i])
     tokens = [0] * bsz
     probs = torch.zeros(bsz, vocab) if want_probs else None
     errors: dict[int, SamplingError] = {}
@@ -806,8 +828,13 @@ def sample_batch(logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> list[
     normalized probabilities equal transformers' warpers, see ``_filter_sorted`` for tie rules) and sorts a full
     vocabulary row only when the kept set covers most of it (topk candidates otherwise).
 
+    A row whose sequence has a structured output (``seq.grammar``) is first masked to the tokens its grammar allows
+    (forbidden ones -inf), before bias, penalties, temperature and filtering; the other rows are sampled bit for bit
+    as without it.
+
     Logprobs (rows with ``params.logprobs is not None``) are of the RAW model distribution, log_softmax of the
-    unprocessed logits (vLLM v1's default "raw logprobs"): before bias, penalties, temperature and filtering.
+    unprocessed logits (vLLM v1's default "raw logprobs"): before the grammar's mask, bias, penalties, temperature
+    and filtering; -inf is shown as :data:`MIN_LOGPROB`.
     The penalty state is not advanced: call ``seqs[i].append(choice.token)`` for each emitted token. Logits on
     another device are sampled on the CPU.
 
@@ -833,16 +860,23 @@ def _sample(logits: torch.Tensor, seqs: Sequence[SequenceSampler], fail_fast: bo
         return out
     with torch.inference_mode():
         lsm = torch.log_softmax(_rows(logits.detach().to("cpu", torch.float32), lp_rows), dim=1)
-        chosen = lsm.gather(1, torch.tensor([[tokens[i]] for i in lp_rows])).squeeze(1).tolist()
+        chosen = _shown_logprobs(lsm.gather(1, torch.tensor([[tokens[i]] for i in lp_rows])).squeeze(1))
         kmax = max(seqs[i].params.logprobs for i in lp_rows)
         if kmax:
             tv, ti = torch.topk(lsm, min(kmax, lsm.shape[1]), dim=1)
-            tv, ti = tv.tolist(), ti.tolist()
+            tv, ti = _shown_logprobs(tv), ti.tolist()
         for j, i in enumerate(lp_rows):
             k = seqs[i].params.logprobs
             top = list(zip(ti[j][:k], tv[j][:k])) if k else []
             out[i] = TokenChoice(tokens[i], chosen[j], top)
     return out
+
+
+def _shown_logprobs(values: torch.Tensor) -> list:
+    """``values`` as a (nested) list of floats with -inf as :data:`MIN_LOGPROB` (vLLM's): a token the raw model
+    rules out (with a structured output it may still be the one sampled), or one of fewer finite alternatives than
+    ``top_logprobs`` asked for, broke the JSON body."""
+    return values.clamp(min=MIN_LOGPROB).tolist()
 
 
 def verify_drafts(logits: torch.Tensor, seq: SequenceSampler, draft: Sequence[int]) -> list[TokenChoice]:
@@ -859,7 +893,11 @@ def verify_drafts(logits: torch.Tensor, seq: SequenceSampler, draft: Sequence[in
     winner among the other tokens, a draw from p without the draft, so each token has p's distribution; and since
     every emitted token consumes exactly the one draw vector plain decoding would, a seeded request gives the same
     tokens with or without speculation (up to the float differences between a verification pass's logits and a
-    single step's, which change a draw only where two front-runners are within them)."""
+    single step's, which change a draw only where two front-runners are within them).
+
+    With a structured output, row j is masked by the grammar's state after the tokens emitted before it (each is
+    consumed as it is appended), so a draft token the grammar forbids can never be the winner: it is rejected, and
+    the grammar never consumes a draft verification did not keep (nothing to roll back)."""
     if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
         raise ValueError(f"need logits [{len(draft) + 1}, vocab] for {len(draft)} draft tokens, got "
                          f"{tuple(logits.shape)}")
@@ -896,7 +934,7 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> l
     with torch.inference_mode():
         lsm = torch.log_softmax(logits.detach()[: n - 1].to("cpu", torch.float32), dim=1)
         nxt = torch.tensor(list(token_ids[1:]), dtype=torch.long)
-        chosen = lsm.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+        chosen = _shown_logprobs(lsm.gather(1, nxt.unsqueeze(1)).squeeze(1))  # NaN stays NaN: checked below
         # log_softmax makes such a row NaN throughout (its max or sum is NaN), and no other row NaN anywhere
         bad = next((j for j, v in enumerate(chosen) if math.isnan(v)), None)
         if bad is not None:
@@ -905,7 +943,7 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> l
                              f"{bad + 1} (counted from 0)", end="the request was stopped")
         if k > 0:
             tv, ti = torch.topk(lsm, min(k, lsm.shape[1]), dim=1)
-            tv, ti = tv.tolist(), ti.tolist()
+            tv, ti = _shown_logprobs(tv), ti.tolist()
     for j in range(n - 1):
         top = list(zip(ti[j], tv[j])) if k > 0 else []
         out.append(TokenChoice(int(token_ids[j + 1]), chosen[j], top))
