@@ -26,9 +26,10 @@ from petals_chain.model import WHOLE_TOLERANCE, Chain, ModelSpec, Placement, Ser
 
 METHODS = ("lower", "upper", "surrogate")
 TIES = ("smallest", "largest")
-# Objectives within this relative distance of the minimum are ties: placements that form the same chains give bounds
-# that differ in the last bits (their service times summed in another order), and the smallest c "attaining" the
-# minimum flapped with them between re-plans (c 7 -> 1 -> 7 as lambda moved, the same bound to 1e-12)
+# Objectives within this relative distance of the minimum are ties: at light load the bound is the fastest chain's
+# service time plus a waiting term below 1e-9 of it, so placements of different capacity differ only in the last
+# bits, and the smallest c "attaining" the minimum flapped with them between re-plans (c 7 -> 1 -> 7 as lambda moved,
+# the same bound to 1e-12). Which tie serves more is then told by the chains' total rate (_break_tie), not the bound.
 TIE_TOLERANCE = 1e-9
 
 
@@ -47,13 +48,16 @@ def tune_capacity(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate:
 
     Ties (bound methods: objectives within ``TIE_TOLERANCE`` of the minimum, which Theorem 3.7 cannot tell apart):
     ``prefer`` (the ``c`` in force) is returned when it ties, with its placement, so that ``c`` does not flap between
-    equal values across re-plans; else ``ties="smallest"`` (the paper's argmin, the default) or ``"largest"``: the
-    smallest tied ``c``'s placement (the paper's), with the largest ``c`` that gives that same placement. Over such
-    a range every placed server holds the same blocks (Eq. 8), so the placement, its chains and both bounds are the
-    same; the largest ``c`` is the reservation the placement honours (each of its servers holds that many jobs), and
-    it sizes a newcomer's span (``m_j(c)``) to hold as many jobs as the servers already placed, where the smallest
-    (often 1) gave it all the blocks its memory holds beside one job: a chain through it carried one job at a time.
-    (A larger ``c`` of another placement is no better: fewer blocks per server can complete fewer chains.)
+    equal values across re-plans; else ``ties="smallest"`` (the paper's argmin, the default) or ``"largest"``: of the
+    tied placements the one whose chains serve the most (``sum c_k mu_k``; equal rates: the smallest ``c``'s), with
+    the largest ``c`` that gives that same placement. Ties are placements the bound cannot rank (at light load all
+    whose fastest chain is the same): the most capacity is the one that waits least when lambda grows, where the
+    smallest tied ``c`` was the one of least capacity (the demo's swarm: 3 chains of capacity 6 in all, not 2 of 7).
+    Over such a ``c`` range every placed server holds the same blocks (Eq. 8), so the placement, its chains and both
+    bounds are the same; the largest ``c`` is the reservation the placement honours (each of its servers holds that
+    many jobs), and it sizes a newcomer's span (``m_j(c)``) to hold as many jobs as the servers already placed, where
+    the smallest (often 1) gave it all the blocks its memory holds beside one job: a chain through it carried one job
+    at a time.
 
     ``use_all_servers`` (our extension; bound methods only) also tunes GBP-CR walking over every
     server (``gbp_cr(use_all_servers=True)``) and returns that plan unless its objective is worse than
@@ -280,10 +284,11 @@ def _tune(servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, 
 def _break_tie(best: tuple, per_c: dict[int, tuple], entries: dict[tuple, tuple], field: int, hi_c: int,
                prefer: int | None, ties: str, content) -> tuple:
     """``(objective, c, placement key)`` among the ``c`` whose objective (entry ``field``) is within
-    ``TIE_TOLERANCE`` of ``best``'s: ``prefer`` if it is one of them; else, for ``ties="largest"``, the smallest one's
-    placement at the largest ``c`` that gives the same placement (``content``: a placement key's content); else
-    ``best``. A ``c`` of ``per_c`` stands for every ``c`` up to the next one (with ``segments`` only each interval's
-    first is visited: the placement, and so the bound, is the same up to the next)."""
+    ``TIE_TOLERANCE`` of ``best``'s: ``prefer`` if it is one of them; else, for ``ties="largest"``, the placement of
+    the one whose chains' total rate (entry 6) is the largest (the smallest such ``c``'s) at the largest ``c`` that
+    gives the same placement (``content``: a placement key's content); else ``best``. A ``c`` of ``per_c`` stands for
+    every ``c`` up to the next one (with ``segments`` only each interval's first is visited: the placement, and so the
+    bound, is the same up to the next)."""
     starts = sorted(per_c)
 
     def objective(c: int) -> float | None:
@@ -298,7 +303,9 @@ def _break_tie(best: tuple, per_c: dict[int, tuple], entries: dict[tuple, tuple]
             return objective(start), int(prefer), per_c[start][0]
     if ties != "largest" or not tied:
         return best
-    first = per_c[tied[0]][0]
+    top = max(entries[per_c[c][0]][6] for c in tied)
+    pick = next(c for c in tied if entries[per_c[c][0]][6] >= top * (1 - TIE_TOLERANCE))
+    first = per_c[pick][0]
     last = max(c for c in tied if content(per_c[c][0]) == content(first))
     i = bisect.bisect_right(starts, last)
-    return objective(tied[0]), (starts[i] - 1 if i < len(starts) else hi_c), first
+    return objective(pick), (starts[i] - 1 if i < len(starts) else hi_c), first
