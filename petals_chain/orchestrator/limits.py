@@ -6,8 +6,9 @@ client disconnects). Rejections are 429 (or 413 for bodies) in OpenAI's error fo
 never be admitted as it is, ``exceeds_capacity``, ``tokens_per_minute`` over the budget itself, or
 ``deadline_infeasible``, a deadline missed even by an idle swarm: retried, it would be refused again).
 A request that is a 400 (an invalid body, a prompt longer than the context) gets that 400 whatever the limits say:
-an early 429 is answered only once the app found the request otherwise valid (:class:`_Refusal`). A body is read
-once, by the outermost layer that needs it, and handed on with its JSON parse (:data:`READ_BODY`).
+an early 429 is answered only once the app found the request otherwise valid (:class:`_Refusal`), for as many of
+a client's requests at once as it may have in flight (past that, once its body passes the route's model). A body is
+read once, by the outermost layer that needs it, and handed on with its JSON parse (:data:`READ_BODY`).
 
 The queue bound itself is exact in the dispatch manager (:mod:`dispatch`), which refuses a job when its
 queue is full; the check here is only a cheap early refusal. A generation response is held back until the
@@ -210,7 +211,8 @@ class _Refusal:
     """An early 429 (``client_inflight_limit``, ``tokens_per_minute``, ``queue_full``) decided when a request came
     in, answered once the app found the request otherwise valid: at its token reservation (``Admission.reserve``),
     after its body, model and context-length checks. A request that is a 400 gets that 400 whatever the limits say
-    (a 429 for it was retried for ever); the request is not counted as in flight meanwhile. ``retry``: the
+    (a 429 for it was retried for ever); the request is not counted as in flight meanwhile, but as one its client's app
+    checks (at most its in-flight cap of them at once: :meth:`AdmissionLimits._may_defer`). ``retry``: the
     ``Retry-After`` (True: the queue's estimate; a callable: seconds, asked when answered)."""
 
     def __init__(self, limits: "AdmissionLimits", code: str, message: str,
@@ -265,6 +267,8 @@ class ClientLedger:
         self.sessions_of: dict[str, set[str]] = {}
         self.opening: dict[str, int] = {}  # session opens of each client under way (counted against max_sessions)
         self.reserved: dict[str, int] = {}  # tokens requests under way may still use, per client (tokens_per_minute)
+        # refused generation requests the app checks before their 429 (_Refusal), per client: bounded (_may_defer)
+        self.checking: dict[str, int] = {}
         self.active: dict[str, int] = {}  # API requests under way per client, on every path
         self.retired: set[str] = set()  # names a reload removed, forgotten once nothing of them runs (sweep)
 
@@ -345,6 +349,7 @@ class AdmissionLimits:
         self.sessions_of = self.ledger.sessions_of
         self.opening = self.ledger.opening
         self.reserved = self.ledger.reserved
+        self.checking = self.ledger.checking
         self.rejected: dict[str, int] = {}
         self.api: Any = None  # the FastAPI app whose routes' body models _body_valid checks (install_limits)
         self._metric = None
@@ -543,9 +548,10 @@ class AdmissionLimits:
             return await self._guard(send, scope, receive, send)
         per_minute = self.limits.tokens_per_minute(client)
         refusal = self._early_refusal(client, scope, per_minute)
-        if refusal is not None and not self._defers(scope):
-            # the app may forward the request (or hold a session's turn) before its own checks end: the body is
-            # checked here (read once, handed on), and only a body the app refuses (400) goes on
+        if refusal is not None and (not self._defers(scope) or not self._may_defer(client)):
+            # the app may forward the request (or hold a session's turn) before its own checks end, or the client has
+            # as many refused requests in them as it may have in flight: the body is checked here (read once, handed
+            # on), and only a body the app refuses (400) goes on
             if read is None:
                 try:
                     data = await read_whole(receive, limit)
@@ -561,6 +567,7 @@ class AdmissionLimits:
         adm = Admission()
         if refusal is not None:
             adm.reserve = refusal.fire  # answered once the app found the request valid; never counted in flight
+            self.checking[client] = self.checking.get(client, 0) + 1
         else:
             self.inflight += 1
             self.by_client[client] = self.by_client.get(client, 0) + 1
@@ -576,7 +583,9 @@ class AdmissionLimits:
         finally:
             watcher.cancel()
             ADMISSION.reset(token)
-            if refusal is None:
+            if refusal is not None:
+                _take(self.checking, client, 1)
+            else:
                 # the reservation's real use is charged by now (a little counted twice meanwhile: never less)
                 _take(self.reserved, client, adm.reserved)
                 self.inflight -= 1
@@ -613,6 +622,15 @@ class AdmissionLimits:
         if _SESSION_GENERATE.match(scope.get("path", "")):
             return False
         return getattr(self.orch, "groups", None) is None or FORWARDED_HEADER in Headers(scope=scope)
+
+    def _may_defer(self, client: str) -> bool:
+        """Whether another refused request of ``client`` may wait for the app's checks (:class:`_Refusal`): it is not
+        counted in flight meanwhile, and the checks tokenize its prompt (up to a million characters) or template its
+        messages (and compile a structured output's grammar). Unbounded, a client past its cap (or every client at a
+        full queue) had any number of requests doing that work at once, where one within its limits has at most its
+        cap; bounded so, a client has at most as many refused requests in the app as it may have in flight (at least
+        one)."""
+        return self.checking.get(client, 0) < max(1, self.limits.inflight_limit(client))
 
     def _body_valid(self, scope: Scope, read: ReadBody) -> bool:
         """Whether the body passes the body validation of the API route ``scope`` reaches, as FastAPI runs it (JSON by
@@ -792,7 +810,10 @@ class _HeldResponse:
         async with self.lock:
             if self.replaced:
                 return  # the client has its 429; the app winds down (the server reports the disconnect)
-            if self.refusal is not None and self.refusal.fired and not self.passing:
+            # a refused request the app served (2xx, 3xx) without reserving its tokens (an endpoint that skips
+            # reserve_tokens) was found valid all the same: it gets its 429, never the app's answer
+            if self.refusal is not None and not self.passing and (
+                    self.refusal.fired or int(message.get("status", 400)) < 400):
                 self.replaced, self.held = True, []
                 return await self.refusal.answer(self.send)
             if self.passing:
