@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import sys
 import threading
 import time
@@ -48,6 +49,7 @@ from petals_chain.swarm.checkpoint import cache_kwarg
 __all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "BatchItem", "BatchHost"]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 ATTN_NAME = "petals_chain_paged"
 # The keyword argument that carries a batch's :class:`_Segment` from the decoder layer to the attention (transformers
@@ -296,6 +298,12 @@ def _own_error(e: BaseException) -> BaseException:
     return own
 
 
+def _resolve(fut: asyncio.Future) -> None:
+    """Wake an asyncio waiter (on its loop): a future cancelled or resolved meanwhile is left as it is."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 @dataclass(eq=False)
 class _Request:
     session: SessionState
@@ -316,7 +324,11 @@ class _Request:
     def complete(self) -> None:
         self.event.set()
         if self.on_done is not None:
-            self.on_done()
+            try:
+                self.on_done()
+            except Exception:  # noqa: BLE001 - one caller's broken wake-up must not end the worker (and the others)
+                logger.exception(f"waking the caller of session {self.session.session_id!r} failed; its result is "
+                                 f"dropped")
 
     @property
     def remaining(self) -> int:
@@ -368,7 +380,11 @@ class BatchScheduler:
         fut = loop.create_future()
 
         def wake() -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:  # "Event loop is closed": nobody awaits this step any more (its result is dropped)
+                logger.debug(f"the event loop of session {session.session_id!r}'s caller closed while its step "
+                             f"ran: result dropped")
 
         req = self._enqueue(session, x, position, pages_of, start, end, inline_max_tokens=inline_max_tokens,
                             on_done=wake)
@@ -396,7 +412,9 @@ class BatchScheduler:
             self._seq += 1
             req = _Request(session, x, position, pages_of, start, end, self._seq, on_done=on_done)
             self._queue.append(req)
-            if self._worker is None:
+            # not alive: a worker that died without clearing ``_worker`` (it fails its steps first, see
+            # :meth:`_loop`) would otherwise leave this step, and every later one, waiting for ever
+            if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._loop, name="petals-chain-batcher", daemon=True)
                 self._worker.start()
             self._cv.notify_all()
@@ -440,6 +458,28 @@ class BatchScheduler:
 
     # -------------------------------------------------------------- worker side
     def _loop(self) -> None:
+        """The worker thread: serves batches until idle. Should it fail (a bug), every step it leaves queued fails
+        with the error, and the next step starts a new worker: a dead worker left its steps, and every later one,
+        waiting for ever."""
+        me = threading.current_thread()
+        try:
+            self._serve()
+        except BaseException as e:
+            logger.exception("the batch worker failed: its queued steps fail; the next step starts a new worker")
+            with self._cv:
+                failed = RuntimeError(f"the server's batch worker failed: {type(e).__name__}: {e}")
+                failed.__cause__ = e
+                while self._queue:
+                    r = self._queue.popleft()
+                    r.error = _own_error(failed)
+                    r.complete()
+                failed = None  # its traceback holds this frame (see _execute)
+        finally:
+            with self._cv:
+                if self._worker is me:
+                    self._worker = None
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 if not self._queue:
@@ -461,8 +501,9 @@ class BatchScheduler:
             except BaseException as e:  # never leave a caller waiting
                 with self._cv:
                     for r, _, _ in batch:
-                        if r in self._queue:
-                            self._queue.remove(r)
+                        if r not in self._queue:  # completed before the failure: its caller has its result
+                            continue
+                        self._queue.remove(r)
                         # each its own: one object re-raised by every caller chained their tracebacks into each
                         # other, and a handler that changed it changed the others'
                         r.error = _own_error(e)

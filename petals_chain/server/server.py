@@ -165,9 +165,6 @@ class Server:
         self._misplaced: set[str] = set()  # placements naming a model we do not offer (said once each)
         self._initial_peer_ids = peer_ids_from_maddrs(cfg.initial_peers)
         self.trusted: set[str] = set(cfg.trust_orchestrator) or set(self._initial_peer_ids)
-        if not self.trusted and not cfg.allow_any_client:
-            logger.warning("no trusted orchestrator (no --trust-orchestrator, no /p2p/ id in --initial-peers): "
-                           "this server will never receive an assignment")
 
         self.state = "joining"
         self.epoch = -1
@@ -504,6 +501,11 @@ class Server:
         return measured + delay / self.emulation.compute_scale
 
     async def run(self) -> int:
+        # said here, not at construction: only a server that joins waits for assignments (one embedded in a test or a
+        # tool has them applied directly, and the warning misled there)
+        if not self.trusted and not self.cfg.allow_any_client:
+            logger.warning("no trusted orchestrator (no --trust-orchestrator, no /p2p/ id in --initial-peers): "
+                           "this server will never receive an assignment")
         loop = asyncio.get_running_loop()
         quiet_peer_disconnects(loop)
         for sig in (signal.SIGINT, signal.SIGTERM):
