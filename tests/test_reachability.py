@@ -9,8 +9,9 @@ import pytest
 
 from conftest import hf_greedy_from
 from petals_chain.swarm.local import LocalServer, LocalSwarm, free_port, memory_for
-from petals_chain.swarm.reachability import (PetalsChainFrontdoor, Prober, ask_dial_back, circuit_maddrs,
-                                             clean_maddrs, is_loopback, listen_and_announce, to_multiaddr)
+from petals_chain.swarm.reachability import (PetalsChainFrontdoor, Prober, all_interfaces, ask_dial_back,
+                                             circuit_maddrs, clean_maddrs, is_loopback, listen_and_announce,
+                                             to_multiaddr)
 
 PEER = "QmdvonHqWpd9t3zAe5MGHBmG7YsRLnmWQ3mTg5zDG7Yz3F"
 PEER_ED = "12D3KooWNFdy6AHFdKGUt2ZtmVQq3KUwsx9JQ5muWVvZKo5jBWaC"
@@ -44,7 +45,7 @@ def test_public_ip_and_announce_options():
     assert host == ["/ip4/0.0.0.0/tcp/31337"] and announce == ["/ip4/203.0.113.7/tcp/31337"]
     host, announce = listen_and_announce([], [], "203.0.113.7", 0)  # a free port, the same in both
     assert host[0].split("/")[-1] == announce[0].split("/")[-1] != "0"
-    assert listen_and_announce(["/ip4/0.0.0.0/tcp/0"], [], None, 4000) == (["/ip4/0.0.0.0/tcp/4000"], [])
+    assert listen_and_announce(["/ip4/0.0.0.0/tcp/0"], [], None, 4000) == (all_interfaces(4000), [])  # + IPv6
     assert listen_and_announce(["/ip4/1.2.3.4/tcp/0"], [], None, 0) == (["/ip4/1.2.3.4/tcp/0"], [])
     for args in ((["/ip4/0.0.0.0/tcp/0"], [], "not-an-ip", 0), (["/ip4/0.0.0.0/tcp/0"], ["/ip4/1.2.3.4/tcp/0"], None, 0),
                  (["/ip4/0.0.0.0/tcp/0"], [], None, 70000), (["/ip4/0.0.0.0/tcp/0"], ["garbage"], None, 0)):
@@ -66,7 +67,7 @@ def test_a_port_something_listens_on_is_refused():
             listen_and_announce([], [], None, port)
         with pytest.raises(ValueError, match="in use"):
             listen_and_announce([], [], "203.0.113.7", port)
-    assert listen_and_announce([], [], None, port) == ([f"/ip4/0.0.0.0/tcp/{port}"], [])  # closed: free again
+    assert listen_and_announce([], [], None, port) == (all_interfaces(port), [])  # closed: free again
 
 
 def test_server_and_orchestrator_cli_refuse_bad_addresses(tmp_path):

@@ -503,7 +503,8 @@ def _check_url(url: str) -> None:
     try:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as e:
-        raise ValueError(f"invalid orchestrator URL {url!r}: {e}") from None
+        v6 = " (an IPv6 address is written in brackets: http://[::1]:8000)" if url.count(":") > 2 else ""
+        raise ValueError(f"invalid orchestrator URL {url!r}: {e}{v6}") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise ValueError(f"an orchestrator URL is http(s)://HOST:PORT, got {url!r}")
     if parsed.path.rstrip("/").endswith("/v1"):

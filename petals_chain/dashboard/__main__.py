@@ -35,6 +35,8 @@ def _peer_id(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from petals_chain.swarm.webpage import host_arg
+
     p = argparse.ArgumentParser(prog="python -m petals_chain.dashboard", description=__doc__.split("\n\n")[0])
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
                    help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/.../tcp/.../p2p/Qm...")
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name or path the swarm serves (used to derive the prefix)")
     p.add_argument("--trust-orchestrator", nargs="+", default=None, metavar="PEER_ID", type=_peer_id,
                    help="peer ids whose signed summary is believed (default: the peer ids in --initial-peers)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to serve the public)")
+    p.add_argument("--host", default="127.0.0.1", type=host_arg,
+                   help="HTTP bind address (0.0.0.0 to serve the public; :: for IPv6 and IPv4)")
     p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
     p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between DHT reads (default 2)")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
@@ -174,7 +177,11 @@ def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], so
         sd = SwarmDHT.create(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                              identity_path=args.identity_path, client_mode=True, prefix=prefix)
     except Exception as e:  # noqa: BLE001 - bad multiaddrs or unreachable peers: say so and exit
-        print(f"error: could not join the DHT via {args.initial_peers}: {e}", file=sys.stderr)
+        from petals_chain.swarm.reachability import join_hint
+
+        hint = join_hint(args.initial_peers)  # an IPv6-only host given the orchestrator's /ip4/ address
+        print(f"error: could not join the DHT via {args.initial_peers}: {e}" + (f"\n{hint}" if hint else ""),
+              file=sys.stderr)
         return 2
     try:
         if prefix is None:
@@ -189,8 +196,9 @@ def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], so
             app = create_app(source.view, source.health, model_view=source.view)
             print(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})",
                   flush=True)
-            host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 literal is bracketed in a URL
-            print(f"dashboard: http://{host}:{args.port}/", flush=True)
+            from petals_chain.swarm.webpage import url_host
+
+            print(f"dashboard: http://{url_host(args.host)}:{args.port}/", flush=True)
             lost = _serve(uvicorn, app, sock, sd)
         finally:
             source.stop()

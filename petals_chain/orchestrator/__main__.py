@@ -149,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     from petals_chain.orchestrator.drafting import DRAFT_TIMEOUT_S
     from petals_chain.orchestrator.placement import PLACEMENT_INDEXES, PLACEMENT_POLICIES
     from petals_chain.orchestrator.planner import SERVER_RECORD_TTL_S
+    from petals_chain.swarm.webpage import host_arg
 
     p = argparse.ArgumentParser(prog="python -m petals_chain.orchestrator", description=__doc__)
     p.add_argument("--model", required=True, action="append", metavar="[NAME=]SOURCE",
@@ -181,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "goes to the others. Servers must trust every one (--trust-orchestrator)")
     p.add_argument("--group-ttl-s", type=_positive_float, default=6.0, metavar="S",
                    help="with --group-with: an orchestrator silent this long is taken for gone")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument("--host", default="127.0.0.1", type=host_arg,
+                   help="HTTP bind address (0.0.0.0: every IPv4 interface; ::, every interface, IPv6 and IPv4)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="where the embeddings, LM head and sampling run: cpu, cuda, cuda:N")
@@ -442,6 +444,18 @@ class _DhtWatch:
             self.starting.task.cancel()  # stops once the step under way ends, as a stop while starting does
 
 
+def _http_urls(cfg: Any, scheme: str, port: int) -> tuple[str, str]:
+    """``(http_url, local_url)``: where others reach the API (``--public-url``, else ``--host``, or ``--public-ip``
+    for a wildcard host) and where this process does. An IPv6 address is bracketed: ``http://::1:8000`` was printed,
+    written to the ready file, announced to the other orchestrators (which forwarded nothing there) and linked on
+    the dashboard."""
+    from petals_chain.swarm.webpage import url_host
+
+    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else (cfg.public_ip or "127.0.0.1")
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(cfg.host, cfg.host)
+    return (cfg.public_url or f"{scheme}://{url_host(host)}:{port}", f"{scheme}://{url_host(local)}:{port}")
+
+
 async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, watch: _DhtWatch,
                  grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
     import uvicorn
@@ -459,12 +473,10 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
     sock = listen_http(cfg.host, cfg.port)
     port = sock.getsockname()[1]
     scheme = "https" if cfg.ssl_certfile else "http"
-    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else (cfg.public_ip or "127.0.0.1")
-    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(cfg.host, cfg.host)
+    http_url, local_url = _http_urls(cfg, scheme, port)
     for o in orchs:
         o.cfg.port = port
-        o.http_url = cfg.public_url or f"{scheme}://{host}:{port}"
-        o.local_url = f"{scheme}://{f'[{local}]' if ':' in local else local}:{port}"
+        o.http_url, o.local_url = http_url, local_url
     started: list[Orchestrator] = []
     placer, placer_task = None, None
     loop = asyncio.get_running_loop()
@@ -534,7 +546,7 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
         print("   ", m, "   (this host only)" if is_loopback(m) else "", flush=True)
     if peers and all(is_loopback(m) for m in peers):
         print("Listening on loopback only: servers on other hosts cannot join. Use --public-ip IP (or --host-maddrs "
-              "/ip4/0.0.0.0/tcp/PORT and --announce-maddrs) for a swarm across hosts.", flush=True)
+              "/ip4/0.0.0.0/tcp/PORT /ip6/::/tcp/PORT and --announce-maddrs) for a swarm across hosts.", flush=True)
     print(f"HTTP API: {orch.http_url}/v1  dashboard: {orch.http_url}/  swarm: {orch.http_url}/api/v1/swarm", flush=True)
     if ready_file:
         tmp = ready_file + ".tmp"
@@ -818,6 +830,10 @@ def _main(argv: list[str] | None) -> int:
     elif args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("the HTTP API listens on %s without --api-keys: anyone who can reach it can use the swarm",
                        args.host)
+    if args.host == "0.0.0.0" and args.public_ip and ":" in args.public_ip and not args.public_url:
+        logger.warning("--public-ip %s is IPv6, but --host 0.0.0.0 serves the HTTP API on IPv4 only: the URL "
+                       "announced (http://[%s]:PORT) does not answer; use --host :: (IPv6 and IPv4)",
+                       args.public_ip, args.public_ip)
     try:
         prefixes = [Orchestrator(c).prefix for c in cfgs]  # validate the configuration before anything starts
     except (ValueError, RuntimeError, OSError) as e:
@@ -849,7 +865,10 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:
         if not lost.is_set():  # else a failure of a start under way when the DHT process died: said below
             if isinstance(e, (ValueError, OSError, JoinError)):
-                print(f"error: {e}", file=sys.stderr)
+                from petals_chain.swarm.reachability import join_hint
+
+                hint = join_hint(args.initial_peers) if isinstance(e, JoinError) else ""
+                print(f"error: {e}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
                 return 1
             raise
         logger.debug("while stopping for the lost DHT process", exc_info=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import json
 import logging
 import re
@@ -1012,6 +1013,13 @@ def cors_origins(text: str) -> list[str]:
         if origin != "*" and not _ORIGIN.match(origin):
             raise ValueError(f"{item!r} is not an origin: scheme://host[:port] (http or https, no path), or *")
         origin = origin.lower()
+        if "[" in origin:  # a browser writes an IPv6 host compressed ([::1]): another spelling never matched
+            head, _, rest = origin.partition("[")
+            ip, _, tail = rest.partition("]")
+            try:
+                origin = f"{head}[{ipaddress.IPv6Address(ip).compressed}]{tail}"
+            except ValueError:
+                raise ValueError(f"{item!r}: {ip!r} is not an IPv6 address") from None
         for scheme, port in (("http://", ":80"), ("https://", ":443")):
             if origin.startswith(scheme) and origin.endswith(port):  # a browser leaves its scheme's port out
                 origin = origin[:-len(port)]

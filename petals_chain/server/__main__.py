@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="none", choices=["none", "int8", "nf4"], help="weight quantization (CUDA only)")
     p.add_argument("--public-name", default="",
                    help="name shown on the dashboard (one line of printable characters, at most 128)")
-    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
-                   help="where to listen (default: all interfaces, a random TCP port)")
+    p.add_argument("--host-maddrs", nargs="*", default=None, metavar="MADDR",
+                   help="where to listen (default: all interfaces, IPv4 and IPv6 where this host has it, a random "
+                        "TCP port: /ip4/0.0.0.0/tcp/0 /ip6/::/tcp/0)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                    help="the addresses other peers should dial (behind a port forward, e.g. /ip4/1.2.3.4/tcp/31337); "
                         "default: the addresses the daemon listens on")
@@ -236,7 +237,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         code = asyncio.run(_serve(server, lost))
     except JoinError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from petals_chain.swarm.reachability import join_hint
+
+        hint = join_hint(args.initial_peers)  # an IPv6-only host given the orchestrator's /ip4/ address
+        print(f"error: {e}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
         return 1
     if lost.is_set():
         print("error: the server's DHT process died (killed, or out of memory), so it could no longer announce "

@@ -127,13 +127,36 @@ def circuit_maddrs(relay_maddrs: Iterable[str]) -> list[str]:
     return [f"{m.rstrip('/')}/p2p-circuit" for m in relay_maddrs if "/p2p/" in m and not is_circuit(m)]
 
 
-def listen_and_announce(host_maddrs: Sequence[str], announce_maddrs: Sequence[str], public_ip: Optional[str],
-                        p2p_port: int) -> tuple[list[str], list[str]]:
+def has_ipv6() -> bool:
+    """Whether this host can listen on IPv6 (a kernel with IPv6 off, or ``ipv6.disable=1``, cannot)."""
+    import socket
+
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::", 0))
+        return True
+    except OSError:
+        return False
+
+
+def all_interfaces(port: int = 0) -> list[str]:
+    """Listen multiaddrs for every interface at TCP ``port``: IPv4 and, where this host has it, IPv6. (IPv4 alone
+    left a volunteer on an IPv6-only host announcing nothing but 127.0.0.1: the dial-back failed, and the server
+    served through the orchestrator's relay though its IPv6 address was open.) p2pd listens on ``/ip6/::`` for IPv6
+    only, so both may take the same port."""
+    return [f"/ip4/0.0.0.0/tcp/{int(port)}"] + ([f"/ip6/::/tcp/{int(port)}"] if has_ipv6() else [])
+
+
+def listen_and_announce(host_maddrs: Optional[Sequence[str]], announce_maddrs: Sequence[str],
+                        public_ip: Optional[str], p2p_port: int) -> tuple[list[str], list[str]]:
     """``(host_maddrs, announce_maddrs)`` from the command line: ``--public-ip`` (with ``--p2p-port``, or a free
-    port picked now) listens on every interface at that port and announces ``public_ip`` there.
+    port picked now) listens on every interface at that port and announces ``public_ip`` there; ``--p2p-port``
+    alone, or ``host_maddrs`` None, listens on every interface of both IP versions (:func:`all_interfaces`).
 
     Raises ValueError for a bad IP or port, or a port 0 in an announced address (peers cannot dial port 0)."""
-    host, announce = list(host_maddrs), list(announce_maddrs)
+    host, announce = (all_interfaces() if host_maddrs is None else list(host_maddrs)), list(announce_maddrs)
     if not 0 <= int(p2p_port) < 65536:
         raise ValueError(f"--p2p-port must be in 0..65535, got {p2p_port}")
     if public_ip:
@@ -146,7 +169,7 @@ def listen_and_announce(host_maddrs: Sequence[str], announce_maddrs: Sequence[st
         host = [f"/{proto}/{'0.0.0.0' if ip.version == 4 else '::'}/tcp/{port}"]
         announce = announce + [f"/{proto}/{ip}/tcp/{port}"]
     elif p2p_port:
-        host = [f"/ip4/0.0.0.0/tcp/{int(p2p_port)}"]
+        host = all_interfaces(int(p2p_port))
     for flag, maddrs in (("--announce-maddrs", announce), ("--host-maddrs", host)):
         for m in maddrs:
             try:
@@ -183,6 +206,41 @@ def _check_port_free(maddr: str) -> None:
             if e.errno == errno.EADDRINUSE:
                 raise ValueError(f"TCP port {m.group(3)} is in use on this host (another server or orchestrator "
                                  f"listens there?): give another --p2p-port or --host-maddrs") from None
+
+
+def unroutable(maddrs: Iterable[str]) -> list[str]:
+    """The IP addresses in ``maddrs`` this host has no route to (an IPv4 address on an IPv6-only host, or the other
+    way round): asked of the kernel by a UDP ``connect``, which sends nothing. DNS names are left out."""
+    import errno
+    import socket
+
+    out: list[str] = []
+    for maddr in maddrs:
+        m = _LISTEN.match(str(maddr))
+        if m is None or m.group(2) in out:
+            continue
+        family = socket.AF_INET if m.group(1) == "ip4" else socket.AF_INET6
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((m.group(2), int(m.group(3)) or 9))
+        except OSError as e:  # EAFNOSUPPORT: this IP version is off altogether
+            if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EAFNOSUPPORT):
+                out.append(m.group(2))
+    return out
+
+
+def join_hint(initial_peers: Sequence[str]) -> str:
+    """A sentence to add to a failed join when this host has no route to any of ``initial_peers`` (else "")."""
+    ips = [str(m) for m in initial_peers if _LISTEN.match(str(m))]
+    blocked = unroutable(ips)
+    if not ips or len(blocked) < len({_LISTEN.match(m).group(2) for m in ips}):
+        return ""
+    versions = {m.split("/")[1] for m in ips}
+    if len(versions) > 1:
+        return f"this host has no route to {', '.join(blocked)}: is it on a network?"
+    mine, other = ("IPv4", "/ip6/") if versions == {"ip4"} else ("IPv6", "/ip4/")
+    return (f"this host has no route to {', '.join(blocked)} (no {mine} network here?): give --initial-peers the "
+            f"peer's {other} address (the orchestrator prints every address it listens on)")
 
 
 def _free_port(version: int) -> int:

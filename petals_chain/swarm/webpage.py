@@ -11,6 +11,7 @@ It lives in ``swarm/`` because two roles serve it; neither role imports the othe
 
 from __future__ import annotations
 
+import argparse
 import base64
 import functools
 import hashlib
@@ -89,6 +90,22 @@ def mount_dashboard(app: FastAPI, path: str = "/") -> None:
     if path == "/":
         app.add_api_route("/index.html", dashboard_page, methods=["GET"], include_in_schema=False,
                           response_class=HTMLResponse)
+
+
+def host_arg(text: str) -> str:
+    """``--host``: an address or name to bind; an IPv6 literal may be written as in a URL (``[::1]``), which the
+    socket took for a host name ("Name or service not known")."""
+    host = text.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise argparse.ArgumentTypeError(f"not a host to listen on: {text!r}")
+    return host
+
+
+def url_host(host: str) -> str:
+    """``host`` as written in a URL: an IPv6 literal in brackets (``http://::1:8000`` is no URL)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def listen_http(host: str, port: int) -> socket.socket:
