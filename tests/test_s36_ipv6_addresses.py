@@ -100,3 +100,15 @@ def test_no_route_to_the_initial_peers_ip_version_is_said(monkeypatch):
     assert "no route to 192.0.2.9" in hint and "/ip6/" in hint
     assert join_hint([v4, v6]) == ""  # one of them is reachable: the failure is something else
     assert join_hint(["/dns4/example.org/tcp/1"]) == "" and join_hint([]) == ""
+
+
+def test_a_cors_origin_with_an_ipv6_host_matches_the_browsers_spelling():
+    """A browser sends ``Origin: http://[::1]:3000`` (compressed, lower case): ``--cors-origins`` written another way
+    (``[0:0:0:0:0:0:0:1]``, upper-case hex) never matched before; a bracket that holds no IPv6 address is refused."""
+    from petals_chain.orchestrator.api import cors_origins
+
+    assert cors_origins("http://[0:0:0:0:0:0:0:1]:3000,https://[FD00:36::0001]") == [
+        "http://[::1]:3000", "https://[fd00:36::1]"]
+    assert cors_origins("http://[::1]:80") == ["http://[::1]"]  # the scheme's port dropped, as for names
+    with pytest.raises(ValueError, match="not an IPv6 address"):
+        cors_origins("http://[1:2:3]:3000")
