@@ -396,6 +396,74 @@ def _peer_id(text: str) -> str:
     return peer_id_arg(text)
 
 
+def max_http_connections(open_files: int) -> int:
+    """HTTP connections let in at an open-files limit of ``open_files``: a running request holds its connection and
+    a P2P stream to each hop of its chain, and as many more may be being refused: a quarter of what is left after
+    the reserve (at least 16). Past it, a new connection gets 503 (:func:`capped_http_protocol`) instead of the
+    descriptors running out: then every P2P call failed (EMFILE) and the orchestrator banned each server in turn,
+    stalling the requests it had let in."""
+    from petals_chain.swarm.launch import RESERVED_OPEN_FILES
+
+    return max(16, (open_files - RESERVED_OPEN_FILES) // 4)
+
+
+# How long a refused connection may take to send its request before it is closed (its descriptor freed)
+REFUSED_CONNECTION_S = 1.0
+
+
+def refusal(open_connections: int, limit: int) -> bytes:
+    """The whole HTTP response a connection past the cap gets: 503 ``too_many_connections``, ``Retry-After``."""
+    body = json.dumps({"error": {
+        "message": f"the orchestrator has {open_connections} open connections, the most its open-files limit "
+                   f"(ulimit -n) allows for {limit}: try again shortly",
+        "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+
+def capped_http_protocol(limit: int) -> type:
+    """uvicorn's HTTP protocol, with a connection accepted while ``limit`` others are open answered 503 at once
+    (:func:`refusal`) and closed once its request arrives (read, so the close sends no reset that loses the answer),
+    or after :data:`REFUSED_CONNECTION_S`; past ``limit`` such answers under way, closed at once (a burst of
+    thousands would take every descriptor meanwhile). None holds a descriptor for long or runs any of the app."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    refusing: set = set()  # the refused connections not closed yet
+
+    class CappedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        refused: Any = None  # the transport of a refused connection
+
+        def connection_made(self, transport: Any) -> None:
+            if len(self.connections) < limit:
+                return super().connection_made(transport)
+            self.refused = transport
+            if len(refusing) >= limit:
+                transport.abort()
+                return
+            refusing.add(self)
+            transport.write(refusal(len(self.connections), limit))
+            asyncio.get_running_loop().call_later(REFUSED_CONNECTION_S, transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if self.refused is None:
+                return super().data_received(data)
+            if b"\r\n\r\n" in data or b"\n\n" in data:  # the request's head has arrived: nothing more to wait for
+                self.refused.close()
+
+        def eof_received(self) -> Any:
+            if self.refused is None:
+                return super().eof_received()
+            self.refused.close()
+            return None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.refused is None:
+                super().connection_lost(exc)
+            refusing.discard(self)
+
+    return CappedHTTPProtocol
+
+
 async def serve(cfgs: list, ready_file: str | None = None, placement: dict | None = None,
                 lost: threading.Event | None = None, grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
     """Serve the models of ``cfgs`` (one config each; several: models.py, with ``placement`` the
@@ -529,13 +597,22 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
         app = with_cors(app, cfg.cors_origins)  # outermost: over the router and every model's keys and limits
     # uvicorn's own grace only for what the drain does not track (a dashboard page): by then every API request has
     # finished or was cut (_GracefulStop)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
+    import resource
+
+    from petals_chain.swarm.launch import MAX_RAISED_OPEN_FILES, quiet_descriptor_exhaustion
+
+    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    open_files = MAX_RAISED_OPEN_FILES if open_files == resource.RLIM_INFINITY else open_files
+    http = capped_http_protocol(max_http_connections(open_files))  # P2P streams keep descriptors to run on
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http, lifespan="off",
+                                           timeout_graceful_shutdown=1,
                                            ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile))
     # we handle signals ourselves (below): uvicorn >= 0.29 also put its own handler over ours while serving (its
     # first signal stopped the server at once, past any grace) and raised each signal again once it had stopped
     server.install_signal_handlers = lambda: None  # (uvicorn < 0.29)
     server.capture_signals = contextlib.nullcontext
     quiet_peer_disconnects(loop)
+    quiet_descriptor_exhaustion(loop, open_files)
     stopping = watch.stopping = _GracefulStop(server, orchs, apps, grace_s)
     for sig in stop_signals:
         loop.add_signal_handler(sig, stopping, sig)
@@ -711,6 +788,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from petals_chain.swarm.launch import raise_open_files_limit
+
+    try:  # else the descriptors ran out under load: every P2P call failed and every server was banned
+        raise_open_files_limit("orchestrator")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not (0 < args.rho_bar <= 1):
         parser.error(f"--rho-bar must be in (0, 1], got {args.rho_bar}")
     if not (0 <= args.move_margin < 1):

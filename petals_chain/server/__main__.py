@@ -158,6 +158,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
                         stream=sys.stderr)
+    from petals_chain.swarm.launch import raise_open_files_limit
+
+    try:  # else the descriptors ran out under load (each session and P2P stream takes one): sessions refused
+        raise_open_files_limit("server")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from petals_chain.server.server import Server, ServerConfig
     from petals_chain.swarm.sources import split_model_arg
 
@@ -272,6 +279,12 @@ async def _serve(server: Any, lost: Optional[threading.Event] = None) -> int:
     ``lost``: set when the DHT process dies under the running server, which then stops (it kept running, unseen,
     every DHT call failing). Not when it was stopping already: systemd's control-group stop kills both at once."""
     loop = asyncio.get_running_loop()
+    import resource
+
+    from petals_chain.swarm.launch import MAX_RAISED_OPEN_FILES, quiet_descriptor_exhaustion
+
+    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # p2pd's streams reach hivemind's listener here
+    quiet_descriptor_exhaustion(loop, MAX_RAISED_OPEN_FILES if open_files == resource.RLIM_INFINITY else open_files)
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         loop.add_signal_handler(signal.SIGHUP, _on_sighup, server)
     if lost is None:

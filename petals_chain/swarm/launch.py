@@ -16,7 +16,9 @@ this only changes how a local swarm starts its processes.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import logging
 import multiprocessing
 import os
 import signal
@@ -27,6 +29,18 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
 from petals_chain.swarm.process_locks import install_robust_hivemind_locks
+
+logger = logging.getLogger(__name__)
+
+# Open files a role needs to start and serve a little (measured: an idle orchestrator holds ~21, a server ~30; each
+# HTTP connection, P2P stream and session takes one more): below, a role is refused at start, naming ``ulimit -n``.
+MIN_OPEN_FILES = 128
+# Open files kept for what is not an HTTP connection (log files, pipes, the DHT's and torch's descriptors)
+RESERVED_OPEN_FILES = 64
+# Raised to at most this: select()-based code cannot take descriptors past 1024, others need no more
+MAX_RAISED_OPEN_FILES = 1 << 16
+# How often "out of descriptors" is logged while it lasts (seconds)
+EXHAUSTED_LOG_S = 60.0
 
 # Imported once by the fork server; each name is optional (a missing one is skipped by multiprocessing).
 PRELOAD = (
@@ -189,6 +203,66 @@ def launch(module: str, args: Sequence[str], *, log_path: Union[str, Path], env:
                                 start_new_session=True)
     finally:
         log.close()  # the child holds its own copy
+
+
+def raise_open_files_limit(role: str, needed: int = MIN_OPEN_FILES) -> int:
+    """Raise this process's soft open-files limit (RLIMIT_NOFILE) to its hard limit (at most
+    :data:`MAX_RAISED_OPEN_FILES`) and return it. Distributions and containers start processes at a soft 1024
+    (sometimes 256) under a far higher hard limit: each HTTP connection and P2P stream takes a descriptor, and a role
+    out of them failed its P2P calls and banned every server. ``ValueError`` (naming ``ulimit -n`` and ``needed``)
+    when even the hard limit is under ``needed``: the role is refused at start rather than failing once loaded."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = MAX_RAISED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_RAISED_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:  # a sandbox that refuses it: the soft limit stays, checked below
+            logger.debug("could not raise the open-files limit from %d to %d: %s", soft, target, e)
+    limit = MAX_RAISED_OPEN_FILES if soft == resource.RLIM_INFINITY else int(soft)
+    if limit < needed:
+        advised = max(needed, 4096)
+        raise ValueError(f"the open-files limit is {limit} (ulimit -n; hard limit {_shown_limit(hard)}): the {role} "
+                         f"needs at least {needed}. Raise it: ulimit -n {advised} before starting it (docker: "
+                         f"--ulimit nofile={advised}; systemd: LimitNOFILE={advised})")
+    return limit
+
+
+def _shown_limit(value: int) -> str:
+    import resource
+
+    return "unlimited" if value == resource.RLIM_INFINITY else str(value)
+
+
+def quiet_descriptor_exhaustion(loop: asyncio.AbstractEventLoop, limit: int,
+                                period_s: float = EXHAUSTED_LOG_S) -> None:
+    """Log asyncio's "socket.accept() out of system resource" (out of descriptors or memory) once per ``period_s``
+    with how often it happened, instead of once per try with a traceback: Python's accept loop logs it for each of
+    the listener's backlog (2048 under uvicorn) every second it lasts (43,000 log lines in 8 s of an orchestrator
+    at its limit). asyncio itself retries the accept a second later: the role recovers when descriptors free up.
+    Anything else reaches the previous handler."""
+    previous = loop.get_exception_handler()
+    state = {"last": -float("inf"), "count": 0}
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") == "socket.accept() out of system resource":
+            state["count"] += 1
+            now = loop.time()
+            if now - state["last"] >= period_s:
+                logger.warning("out of open files or memory (%s): %d failed accept(s) since the last warning; new "
+                               "connections wait in the listen backlog, accepted once descriptors free up. The "
+                               "open-files limit is %d: raise it (ulimit -n) if this recurs",
+                               context.get("exception"), state["count"], limit)
+                state["last"], state["count"] = now, 0
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 def descendants(pid: int) -> list[Any]:
