@@ -9,6 +9,11 @@ for piece in client.stream("Once upon a time", max_tokens=32, temperature=0.8, s
 with client.session(max_length=512) as s:                              # keeps its KV between turns
     s.chat("I live in Rome.")                                          # chat turns: the template is applied
     print(s.chat("Where do I live?").text)                             # by the orchestrator, token-exact
+
+class City(pydantic.BaseModel):                                        # structured outputs: the output is
+    name: str                                                          # JSON of the model's schema
+c = client.chat_completion([{"role": "user", "content": "Paris?"}], response_format=City)
+print(c.parsed)                                                        # City(name='Paris')
 ```
 
 PETALS-style code ports by changing one import (token ids in, token ids out, as ``transformers``):
@@ -75,11 +80,25 @@ class Completion:
     chain: list[str] = field(default_factory=list)
     failovers: int = 0
     logprobs: Optional[Any] = None  # the choice's "logprobs" object when asked for
+    output_type: Optional[type] = field(default=None, repr=False)  # the pydantic model given as response_format
 
     @property
     def tokens_per_s(self) -> float:
         """Generated tokens per second of service (time on the chain, queueing excluded)."""
         return len(self.token_ids) / self.service_s if self.service_s > 0 else 0.0
+
+    @property
+    def parsed(self) -> Any:
+        """The text as an instance of the pydantic model given as ``response_format`` (None without one), as the
+        openai package's ``.parsed``. ValueError when the output did not end on its own (``finish_reason``
+        "length": its JSON is cut); pydantic's ValidationError when it does not validate (a ``stop`` string cut it,
+        or a constraint the grammar does not enforce). ``text`` keeps the output either way."""
+        if self.output_type is None:
+            return None
+        if self.finish_reason != "stop":
+            raise ValueError(f"the structured output did not end on its own (finish_reason {self.finish_reason!r}): "
+                             "its JSON is cut; ask for more max_tokens (the output is in .text)")
+        return self.output_type.model_validate_json(self.text)
 
 
 MAX_MESSAGE_CHARS = 200  # of a reply that is not an orchestrator's error object (a proxy's HTML page), in a message
@@ -375,6 +394,35 @@ def _check_extra(extra: dict) -> dict:
     return plain
 
 
+def _typed_format(extra: dict) -> Optional[type]:
+    """A pydantic model given as ``response_format`` (the openai package's ``parse(response_format=Model)``): replaced
+    in ``extra`` by the ``json_schema`` format of its JSON schema, objects closed to other properties (as OpenAI's
+    strict schemas: a small model given room added properties until ``max_tokens``), and returned for
+    :attr:`Completion.parsed`. None for anything else (sent as it is)."""
+    model = extra.get("response_format")
+    if not isinstance(model, type):
+        return None
+    import pydantic  # only when a model class is given: the client imports without it
+
+    if not issubclass(model, pydantic.BaseModel):
+        raise TypeError(f"response_format must be a pydantic model class or a dict, got the class {model.__name__}")
+    extra["response_format"] = {"type": "json_schema", "json_schema": {
+        "name": model.__name__[:64], "schema": _closed(model.model_json_schema()), "strict": True}}
+    return model
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object schema that says nothing of them."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra) -> dict:
     """The sampling fields of a request body; TypeError or ValueError naming the argument that cannot be sent."""
     # None: JSON null, the orchestrator's default (as OpenAI's clients send it)
@@ -423,14 +471,14 @@ def _read_reply(resp: httpx.Response, read: Callable[[Any], T]) -> T:
         raise _not_an_orchestrator(resp) from None
 
 
-def _one_shot(data: dict, chat: bool) -> Completion:
+def _one_shot(data: dict, chat: bool, output_type: Optional[type] = None) -> Completion:
     """The first choice of a ``/v1/completions`` (``chat``: ``/v1/chat/completions``) reply, with its details."""
     ch = data["choices"][0]
     info = (data.get("petals_chain") or [{}])[0]
     return Completion(text=ch["message"]["content"] if chat else ch["text"], token_ids=info.get("token_ids", []),
                       finish_reason=ch["finish_reason"], usage=data["usage"], wait_s=info.get("wait_s", 0.0),
                       service_s=info.get("service_s", 0.0), chain=info.get("chain", []),
-                      failovers=info.get("failovers", 0), logprobs=ch.get("logprobs"))
+                      failovers=info.get("failovers", 0), logprobs=ch.get("logprobs"), output_type=output_type)
 
 
 def _event(resp: httpx.Response, data: str) -> dict:
@@ -708,11 +756,12 @@ class Client:
         prompt = _check_prompt(prompt)
         _one_completion(prompt, extra)
         _no_stream_switch(extra, False)
+        output_type = _typed_format(extra)
         sampling = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
         body = {"model": self.model, "prompt": prompt, **sampling}
         r = self._request("POST", "/v1/completions", json=body)
         _raise_for(r)
-        return _read_reply(r, lambda data: _one_shot(data, chat=False))
+        return _read_reply(r, lambda data: _one_shot(data, chat=False, output_type=output_type))
 
     def generate(self, prompt: str | list[int], **kwargs: Any) -> str:
         """The generated text (see :meth:`complete` for the arguments)."""
@@ -726,6 +775,7 @@ class Client:
         prompt = _check_prompt(prompt)
         _one_completion(prompt, extra)
         _no_stream_switch(extra, True)
+        _typed_format(extra)
         sampling = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
         return self._stream(prompt, sampling, reproducible=temperature == 0 or seed is not None)
 
@@ -806,11 +856,12 @@ class Client:
         _check_messages(messages)
         _one_completion(None, extra)
         _no_stream_switch(extra, False)
+        output_type = _typed_format(extra)
         sampling = _sampling(max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra)
         body = {"model": self.model, "messages": messages, **sampling}
         r = self._request("POST", "/v1/chat/completions", json=body)
         _raise_for(r)
-        return _read_reply(r, lambda data: _one_shot(data, chat=True))
+        return _read_reply(r, lambda data: _one_shot(data, chat=True, output_type=output_type))
 
     def chat(self, messages: list[dict], *, max_tokens: Optional[int] = None, temperature: float = 0.0,
              **kwargs: Any) -> str:
@@ -940,7 +991,7 @@ class ClientSession:
         """Until when a turn refused with ``Retry-After`` is sent again (the client's ``retry_s`` from now)."""
         return time.monotonic() + self.client.retry_s
 
-    def _post(self, body: dict) -> Completion:
+    def _post(self, body: dict, output_type: Optional[type] = None) -> Completion:
         # a refused turn (429, 503) left the session as it was: sent again, it is the same turn
         with _transport_errors(self._http, self._timed_out):
             r = _send(self._http, self._deadline(), True, "POST", f"/api/v1/sessions/{self.id}/generate", json=body)
@@ -948,7 +999,7 @@ class ClientSession:
         self.last = _read_reply(r, lambda d: Completion(
             text=d["text"], token_ids=d["token_ids"], finish_reason=d["finish_reason"], usage=d["usage"],
             wait_s=d["wait_s"], service_s=d["service_s"], chain=d["chain"], failovers=d["failovers"],
-            logprobs=d.get("logprobs")))
+            logprobs=d.get("logprobs"), output_type=output_type))
         return self.last
 
     def chat(self, content: str | list[dict], *, role: str = "user", max_tokens: Optional[int] = None,
@@ -960,18 +1011,20 @@ class ClientSession:
         if not isinstance(content, str):
             _check_messages(content)
         messages = [{"role": role, "content": content}] if isinstance(content, str) else list(content)
+        output_type = _typed_format(extra)
         body = self._body(None, None, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, extra,
                           logprobs=logprobs)
         body["messages"] = messages
-        return self._post(body)
+        return self._post(body, output_type)
 
     def complete(self, prompt: Optional[str] = None, *, input_ids: Optional[list[int]] = None, max_tokens: int = 16,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
                  seed: Optional[int] = None, stop: Optional[list[str] | str] = None, logprobs: Optional[int] = None,
                  **extra: Any) -> Completion:
         """Append ``prompt`` (text) or ``input_ids`` to the session and generate."""
+        output_type = _typed_format(extra)
         return self._post(self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty,
-                                     seed, stop, extra, logprobs=logprobs))
+                                     seed, stop, extra, logprobs=logprobs), output_type)
 
     def generate(self, prompt: Optional[str] = None, **kwargs: Any) -> str:
         """The generated text (see :meth:`complete`; ``last`` holds the whole turn, its logprobs too)."""
@@ -983,12 +1036,13 @@ class ClientSession:
                **extra: Any) -> Iterator[str]:
         """Yield the turn's text pieces as they are generated; once the stream ends, ``last`` holds its text, token
         ids, finish_reason, usage and logprobs (the chunks' joined, as :meth:`complete` returns them)."""
+        output_type = _typed_format(extra)
         body = self._body(prompt, input_ids, max_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop,
                           extra, streams=True, logprobs=logprobs)
         body["stream"] = True
-        return self._stream(body, logprobs)
+        return self._stream(body, logprobs, output_type)
 
-    def _stream(self, body: dict, logprobs: Optional[int]) -> Iterator[str]:
+    def _stream(self, body: dict, logprobs: Optional[int], output_type: Optional[type] = None) -> Iterator[str]:
         """:meth:`stream`'s pieces, its arguments checked (at the call: it was at the first ``next()``)."""
         pieces: list[str] = []
         ids: list[int] = []
@@ -1017,7 +1071,7 @@ class ClientSession:
         if joined is not None and not joined:  # nothing generated that has logprobs (e.g. a stop token at once)
             joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.last = Completion(text="".join(pieces), token_ids=ids, finish_reason=finish or "", usage=used,
-                               logprobs=joined)
+                               logprobs=joined, output_type=output_type)
 
     def info(self) -> dict:
         with _transport_errors(self._http):
