@@ -121,8 +121,8 @@ def test_drafts_under_a_grammar_equal_plain_decoding(tok, grammar, kw):
 
 
 def test_a_replayed_state_masks_as_the_one_that_sampled(tok, grammar):
-    """A stream resumed elsewhere rebuilds the grammar's state from the tokens already sent: the mask after the
-    replay equals the mask of the state that produced them, and sampling goes on from there."""
+    """A grammar state fed the tokens another state sampled masks as that state does, and sampling goes on from there
+    (a resumed stream reruns its whole request instead: test_s36_structured_resume.py)."""
     seq = SequenceSampler(_params(grammar, temperature=0.0))
     out = _generate(tok, seq, _steps(len(tok), 5, seed=2))
     replayed = grammar.state()

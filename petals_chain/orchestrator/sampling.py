@@ -161,6 +161,28 @@ class SamplingError(RequestError):
         self.row = row
 
 
+class StructuredOutputError(SamplingError):
+    """A structured output's grammar cannot go on mid-output: llguidance hit one of its per-token limits (an
+    ambiguous grammar whose parse grows with every token) while computing the next mask or taking the token just
+    sampled. HTTP 400 ``invalid_structured_output`` naming the body field: its output so far is not a whole match,
+    and ending it "stop" (only EOS was left allowed) returned truncated JSON as a success."""
+
+    def __init__(self, message: str, row: int | None = None, param: str | None = None):
+        super().__init__(message, row)
+        self.status, self.code, self.param = 400, "invalid_structured_output", param
+
+
+def _grammar_failure(seq: "SequenceSampler", detail: str, row: int | None = None) -> StructuredOutputError:
+    """The error of ``seq``'s grammar failing after the tokens it has taken (``detail``: llguidance's reason)."""
+    spec = getattr(seq.grammar.grammar, "spec", None)
+    param = getattr(spec, "param", None)
+    where = f"{param}: " if param else ""
+    return StructuredOutputError(
+        f"{where}the structured output cannot go on after {seq.num_generated} generated tokens: {detail[:300]}; its "
+        "grammar needs more work per token than this server allows (an ambiguous grammar?); the generation was "
+        "stopped", row, param)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenChoice:
     """One sampled (or scored) token. ``logprob``/``top_logprobs`` are of the raw model distribution, or None when
@@ -195,15 +217,40 @@ class _PresenceFrequencyPenalty(LogitsProcessor):
         return scores
 
 
+class _GrammarMask(LogitsProcessor):
+    """A structured output's mask (first: before bias and penalties, as the batched path): the grammar's state
+    takes the generated tokens (``input_ids`` past ``prompt_len``) it has not seen, then forbidden tokens are -inf."""
+
+    def __init__(self, structured: Any, stop_token_ids: Iterable[int], prompt_len: int):
+        self.state = structured.state(stop_token_ids)
+        self.prompt_len = prompt_len
+        self.seen = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        new = input_ids[0, self.prompt_len + self.seen:].tolist()
+        for t in new:
+            self.state.consume(t)  # ValueError: a token this grammar forbids, or a limit hit parsing it
+            self.seen += 1
+        scores = scores.to("cpu", torch.float32, copy=True).contiguous()
+        self.state.mask_(scores[0])
+        if self.state.matcher.is_error():
+            raise ValueError(f"the structured output cannot go on after {self.seen} generated tokens: "
+                             f"{self.state.matcher.get_error().splitlines()[0]}")
+        return scores
+
+
 class PerRequestSampler:
     """Per-request sampler on transformers' processors, with the request's own RNG (so a seed reproduces output
     regardless of concurrent requests, and a failover replay does not resample).
 
-    ``prompt_len`` is where generated tokens start in ``context_ids`` (for presence/frequency penalties); None takes
-    the length of the context at the first ``next_token`` call, i.e. everything before the first sampled token.
+    ``prompt_len`` is where generated tokens start in ``context_ids`` (for presence/frequency penalties, and a
+    structured output's state: ``params.structured`` masks first, as in the batched path); None takes the length of
+    the context at the first ``next_token`` call, i.e. everything before the first sampled token.
     """
 
     def __init__(self, params: SamplingParams, prompt_len: int | None = None):
+        if params.structured is not None and params.ignore_eos:
+            raise ValueError(IGNORE_EOS_WITH_GRAMMAR)
         self.params = params
         self.prompt_len = prompt_len
         self.generator = _generator(params.seed)
@@ -212,6 +259,8 @@ class PerRequestSampler:
     def _build(self, prompt_len: int) -> LogitsProcessorList:
         p = self.params
         procs = LogitsProcessorList()
+        if p.structured is not None:
+            procs.append(_GrammarMask(p.structured, p.stop_token_ids, prompt_len))
         if p.logit_bias:
             procs.append(SequenceBiasLogitsProcessor({(int(t),): float(b) for t, b in p.logit_bias.items()}))
         if p.repetition_penalty != 1.0:
@@ -331,7 +380,10 @@ class SequenceSampler:
         """Record a generated token (updates the penalty state in O(1); a structured output's state consumes it)."""
         t = int(token_id)
         if self.grammar is not None:
-            self.grammar.consume(t)
+            try:
+                self.grammar.consume(t)
+            except ValueError as e:  # a per-token limit hit while parsing it (the mask allowed it)
+                raise _grammar_failure(self, str(e)) from None
         self.num_generated += 1
         c = self.counts.get(t, 0) + 1
         self.counts[t] = c
@@ -626,10 +678,14 @@ def _filters(s: SequenceSampler, vocab: int) -> bool:
 
 
 def _row_error(raw: torch.Tensor, processed: torch.Tensor | None, row: int,
-               lead: str = "no next token can be sampled", end: str = "the generation was stopped") -> SamplingError:
+               lead: str = "no next token can be sampled", end: str = "the generation was stopped",
+               masked: bool = False) -> SamplingError:
     """Why row ``row`` has no token to sample (or, with its own ``lead``, cannot be scored), from its model logits
-    ``raw`` and ``processed`` ones [vocab] (None: only the model's are used)."""
+    ``raw`` and ``processed`` ones [vocab] (None: only the model's are used). ``masked``: ``raw`` is a structured
+    output's masked row (its -inf are the tokens the grammar forbids as well)."""
     vocab = raw.numel()
+    if masked:
+        lead = "no token the structured output allows can be sampled next"
     rows = [("the model's logits", raw)]
     if processed is not None:
         rows.append(("its logits after temperature, penalties and logit_bias", processed))
@@ -662,11 +718,18 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool, want
         # a structured output's forbidden tokens are -inf before bias, penalties and filters see the row (a copy: the
         # caller's logits stay the raw distribution its logprobs are of); the batch's other rows are untouched
         raw = _workspace("masked", bsz, vocab).copy_(raw)  # reused: a fresh copy each step costs page faults
-        for i in constrained:
-            seqs[i].grammar.mask_(raw[i])
     tokens = [0] * bsz
     probs = torch.zeros(bsz, vocab) if want_probs else None
     errors: dict[int, SamplingError] = {}
+    for i in constrained:
+        state = seqs[i].grammar
+        state.mask_(raw[i])
+        if state.matcher.is_error():  # a limit hit computing the mask: only EOS is left, the output is cut short
+            reason = (state.matcher.get_error().splitlines() or [""])[0].replace("<non-verbose/>", "").strip()
+            errors[i] = _grammar_failure(seqs[i], reason or "no detail", i)
+            if fail_fast:  # (before any generator advances)
+                raise errors[i]
+            raw[i] = 0.0  # finite: sampled with the batch, its token dropped
     if bsz == 0:
         return tokens, probs, errors
 
@@ -734,7 +797,7 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool, want
     bad_slots = (~torch.isfinite(top)).nonzero().squeeze(1).tolist()
     if bad_slots:
         for j in bad_slots:
-            errors[order[j]] = _row_error(raw[order[j]], work[j], order[j])
+            errors[order[j]] = _row_error(raw[order[j]], work[j], order[j], masked=seqs[order[j]].grammar is not None)
         if fail_fast:
             raise errors[order[bad_slots[0]]]
         if not owned:  # ``work`` is ``raw``, which may be the caller's own tensor
