@@ -50,6 +50,7 @@ __all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "Batc
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+_MAX_FAILURE_KINDS = 64  # kinds of worker failure counted (beyond: counting starts over)
 
 ATTN_NAME = "petals_chain_paged"
 # The keyword argument that carries a batch's :class:`_Segment` from the decoder layer to the attention (transformers
@@ -298,6 +299,23 @@ def _own_error(e: BaseException) -> BaseException:
     return own
 
 
+def _describe(e: BaseException) -> str:
+    """``"Type: message"`` of ``e``; its type alone when its ``__str__`` fails (a bug's error must not hide it)."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001
+        return f"{type(e).__name__} (its message could not be read)"
+
+
+def _failure_key(e: BaseException) -> tuple[str, str]:
+    """The kind of a worker's failure: its type and the line that raised it."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    return type(e).__qualname__, where
+
+
 def _resolve(fut: asyncio.Future) -> None:
     """Wake an asyncio waiter (on its loop): a future cancelled or resolved meanwhile is left as it is."""
     if not fut.done():
@@ -357,6 +375,7 @@ class BatchScheduler:
         self._queue: deque[_Request] = deque()
         self._seq = 0
         self._worker: threading.Thread | None = None
+        self._failures: dict[tuple[str, str], int] = {}  # worker deaths by _failure_key, for the log's volume
         self.batches = 0  # statistics: batches run and rows in them
         self.rows = 0
 
@@ -465,15 +484,33 @@ class BatchScheduler:
         try:
             self._serve()
         except BaseException as e:
-            logger.exception("the batch worker failed: its queued steps fail; the next step starts a new worker")
+            what = _describe(e)
             with self._cv:
-                failed = RuntimeError(f"the server's batch worker failed: {type(e).__name__}: {e}")
+                # one hold of the lock with giving up ``_worker``: a step queued in between saw this worker alive (so
+                # started none), was not failed, and waited for ever once this thread ended
+                if self._worker is me:
+                    self._worker = None
+                failed = RuntimeError(f"the server's batch worker failed: {what}")
                 failed.__cause__ = e
                 while self._queue:
                     r = self._queue.popleft()
                     r.error = _own_error(failed)
                     r.complete()
                 failed = None  # its traceback holds this frame (see _execute)
+                # counted under the lock (a worker started meanwhile may fail too), by type and place: a message
+                # that names a session or a size differs every time
+                key = _failure_key(e)
+                if key not in self._failures and len(self._failures) >= _MAX_FAILURE_KINDS:
+                    self._failures.clear()
+                repeats = self._failures[key] = self._failures.get(key, 0) + 1
+            # a bug that fails every step: its traceback once, then a line at each power of two (not one per step)
+            if repeats == 1:
+                logger.error("the batch worker failed: its queued steps fail; the next step starts a new worker",
+                             exc_info=e)
+            elif repeats & (repeats - 1) == 0:
+                logger.error(f"the batch worker failed again ({repeats} times so far): {what}")
+            else:
+                logger.debug(f"the batch worker failed again ({repeats} times so far): {what}")
         finally:
             with self._cv:
                 if self._worker is me:
