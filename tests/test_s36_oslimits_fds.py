@@ -98,7 +98,11 @@ def test_connections_past_the_cap_get_503_and_hold_no_descriptor():
     cap = max_http_connections(256)
     assert 2 * cap + 2 * cap + launch.RESERVED_OPEN_FILES <= 256
 
+    release = asyncio.Event()
+
     async def app(scope, receive, send):
+        if scope["path"] == "/hold":
+            await release.wait()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
@@ -115,10 +119,14 @@ def test_connections_past_the_cap_get_503_and_hold_no_descriptor():
         try:
             while not server.started:
                 await asyncio.sleep(0.01)
-            for _ in range(2):  # two keep-alive connections that stay open: the cap
-                s = await asyncio.to_thread(_request, port)
+            for _ in range(2):  # two requests running: the cap (an idle keep-alive connection would make room)
+                s = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 10)
                 held.append(s)
-                assert (await asyncio.to_thread(_read_response, s)).startswith(b"HTTP/1.1 200")
+                await asyncio.to_thread(s.sendall, b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+            for _ in range(1000):  # both reach the app
+                if len(server.server_state.tasks) == 2:
+                    break
+                await asyncio.sleep(0.01)
             s = await asyncio.to_thread(_request, port)
             reply = await asyncio.to_thread(_read_response, s)
             assert await asyncio.to_thread(s.recv, 1) == b""  # closed by the orchestrator
@@ -128,7 +136,9 @@ def test_connections_past_the_cap_get_503_and_hold_no_descriptor():
             error = json.loads(body)["error"]
             assert error["code"] == "too_many_connections" and "ulimit -n" in error["message"]
             assert len(server.server_state.connections) == 2
+            release.set()
             for s in held:
+                assert (await asyncio.to_thread(_read_response, s)).startswith(b"HTTP/1.1 200")
                 s.close()
             held.clear()
             for _ in range(500):  # the closes reach the server
@@ -141,6 +151,7 @@ def test_connections_past_the_cap_get_503_and_hold_no_descriptor():
         finally:
             for s in held:
                 s.close()
+            release.set()
             server.should_exit = True
             await asyncio.wait_for(task, 10)
 

@@ -18,6 +18,7 @@ import urllib.parse
 from typing import Any
 
 from petals_chain.swarm.logs import log_level
+from petals_chain.swarm.version import build_version
 
 logger = logging.getLogger("petals_chain.orchestrator")
 
@@ -152,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     from petals_chain.swarm.webpage import host_arg
 
     p = argparse.ArgumentParser(prog="python -m petals_chain.orchestrator", description=__doc__)
+    p.add_argument("--version", action="version", version=build_version(),
+                   help="print the build this orchestrator runs (as /healthz says it) and exit")
     p.add_argument("--model", required=True, action="append", metavar="[NAME=]SOURCE",
                    help="a short name (smollm2-135m; fetched by scripts/setup.sh), a .gguf file, an HF-format "
                         "directory or a hub name. Repeat as NAME=SOURCE to serve several models: each has its own "
@@ -409,6 +412,8 @@ def max_http_connections(open_files: int) -> int:
 
 # How long a refused connection may take to send its request before it is closed (its descriptor freed)
 REFUSED_CONNECTION_S = 1.0
+# At the cap, a connection that has sent no request this long after it opened may be closed to let a new one in
+SILENT_CONNECTION_S = 10.0
 
 
 def refusal(open_connections: int, limit: int) -> bytes:
@@ -425,16 +430,46 @@ def capped_http_protocol(limit: int) -> type:
     """uvicorn's HTTP protocol, with a connection accepted while ``limit`` others are open answered 503 at once
     (:func:`refusal`) and closed once its request arrives (read, so the close sends no reset that loses the answer),
     or after :data:`REFUSED_CONNECTION_S`; past ``limit`` such answers under way, closed at once (a burst of
-    thousands would take every descriptor meanwhile). None holds a descriptor for long or runs any of the app."""
+    thousands would take every descriptor meanwhile). None holds a descriptor for long or runs any of the app.
+    At the cap, an open connection that runs no request makes room instead: the one idle longest between keep-alive
+    requests (its client opens another when it needs one, as after uvicorn's keep-alive timeout), else one that has
+    sent no request :data:`SILENT_CONNECTION_S` after it opened (one client's idle pool, or sockets that never
+    send, locked every other client out: 503 until they closed, if ever)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     refusing: set = set()  # the refused connections not closed yet
+    # admitted connections that may run no request, oldest first (checked when one is taken: they may have since)
+    between: dict = {}  # -> None: between keep-alive requests
+    silent: dict = {}  # -> loop time it opened: no request yet
+
+    def make_room(connections: set, now: float) -> bool:
+        """Close one admitted connection that runs no request; whether one was closed."""
+        while between:
+            conn = next(iter(between))
+            del between[conn]
+            if (conn.timeout_keep_alive_task is not None and not conn.transport.is_closing()
+                    and (conn.cycle is None or conn.cycle.response_complete)):
+                conn.timeout_keep_alive_handler()  # uvicorn's own close of an idle keep-alive connection
+                connections.discard(conn)  # its descriptor is freed as the loop runs on
+                return True
+        while silent:
+            conn, opened = next(iter(silent.items()))
+            if conn.cycle is None and now - opened < SILENT_CONNECTION_S:
+                return False  # the others opened later
+            del silent[conn]
+            if conn.cycle is None and not conn.transport.is_closing():
+                conn.transport.close()
+                connections.discard(conn)
+                return True
+        return False
 
     class CappedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         refused: Any = None  # the transport of a refused connection
 
         def connection_made(self, transport: Any) -> None:
-            if len(self.connections) < limit:
+            now = asyncio.get_running_loop().time()
+            if len(self.connections) < limit or make_room(self.connections, now):
+                silent[self] = now
                 return super().connection_made(transport)
             self.refused = transport
             if len(refusing) >= limit:
@@ -450,6 +485,12 @@ def capped_http_protocol(limit: int) -> type:
             if b"\r\n\r\n" in data or b"\n\n" in data:  # the request's head has arrived: nothing more to wait for
                 self.refused.close()
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.timeout_keep_alive_task is not None:  # kept open for the client's next request
+                between.pop(self, None)
+                between[self] = None
+
         def eof_received(self) -> Any:
             if self.refused is None:
                 return super().eof_received()
@@ -460,6 +501,8 @@ def capped_http_protocol(limit: int) -> type:
             if self.refused is None:
                 super().connection_lost(exc)
             refusing.discard(self)
+            between.pop(self, None)
+            silent.pop(self, None)
 
     return CappedHTTPProtocol
 

@@ -37,6 +37,7 @@ from petals_chain.orchestrator.sessions import SessionMixin, UserSession
 from petals_chain.orchestrator.stats import Stats
 from petals_chain.orchestrator.tokentext import TokenText
 from petals_chain.swarm.jsonsafe import json_safe
+from petals_chain.swarm.launch import out_of_descriptors
 from petals_chain.swarm.reachability import Prober
 from petals_chain.swarm.rpc import RemoteError
 
@@ -490,6 +491,8 @@ class Orchestrator(GenerationMixin, SessionMixin):
         server, and one whose reply was invalid: shape, dtype, NaN, chunking)."""
         if isinstance(e.cause, RemoteError) and not isinstance(e.cause, ConnectionError):
             return  # the server answered: it lives (e.g. lost the session on re-assignment or to its idle timeout)
+        if out_of_descriptors(e.cause):
+            return  # this process is out of open files (ulimit -n): the server is not to blame (the planner warns)
         if self.planner is not None:
             self.planner.report_failure(e.peer_id, reason=f"{type(e.cause).__name__}: {e.cause}")
 

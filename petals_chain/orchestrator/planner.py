@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from petals_chain.algorithms.token_budget import JobTokenEstimate, jobs_in_budget
 from petals_chain.model import Chain, ModelSpec, Placement, ServerSpec, units_that_fit
+from petals_chain.swarm.launch import EXHAUSTED_LOG_S, out_of_descriptors
 from petals_chain.swarm.memory import DEFAULT_PAGE_SIZE, capped_slots, slot_tokens
 from petals_chain.swarm.periodic import run_every
 from petals_chain.swarm.reachability import is_circuit, public_dial_error
@@ -1076,10 +1077,23 @@ class Planner:
         return f"{why} ({self._deadline_text(v)})" if flag else why
 
     # ---- loop ----------------------------------------------------------------------------------
+    _descriptors_warned_at = -math.inf  # when :meth:`_warn_out_of_descriptors` last warned (time.monotonic())
+
+    def _warn_out_of_descriptors(self, e: BaseException) -> None:
+        """Once a minute: pings fail for want of open files here (every server banned for it, before)."""
+        now = time.monotonic()
+        if now - self._descriptors_warned_at >= EXHAUSTED_LOG_S:
+            self._descriptors_warned_at = now
+            logger.warning("pings to servers fail for want of open files in this orchestrator (%s): no server is "
+                           "blamed for it; raise the open-files limit (ulimit -n) if this recurs", e)
+
     async def _ping(self, v: ServerView) -> None:
         try:
             rtt = await asyncio.wait_for(self.client.ping(v.peer_id), timeout=5.0)
         except Exception as e:  # noqa: BLE001 - an unreachable server is a fact to record, not to crash on
+            if out_of_descriptors(e):  # this process is out of open files: nothing is known of the server
+                self._warn_out_of_descriptors(e)
+                return
             v.ping_failures += 1
             if v.ping_failures >= 2 and v.failed_at is None:
                 logger.info("server %s does not answer pings (%s)", v.peer_id[:12], e)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import errno
 import logging
 import multiprocessing
 import os
@@ -234,6 +235,20 @@ def _shown_limit(value: int) -> str:
     import resource
 
     return "unlimited" if value == resource.RLIM_INFINITY else str(value)
+
+
+def out_of_descriptors(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from, e.g. the OSError under hivemind's or our RPC's
+    ConnectionError) is this process running out of open files (EMFILE, or the system's: ENFILE): a local failure
+    that says nothing of the peer it was talking to."""
+    seen: set = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def quiet_descriptor_exhaustion(loop: asyncio.AbstractEventLoop, limit: int,
