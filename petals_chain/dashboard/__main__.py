@@ -23,6 +23,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from petals_chain.swarm.logs import log_level
+from petals_chain.swarm.version import build_version
 
 logger = logging.getLogger("petals_chain.dashboard")
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     from petals_chain.swarm.webpage import host_arg
 
     p = argparse.ArgumentParser(prog="python -m petals_chain.dashboard", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=build_version(), help="print its build and exit")
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
                    help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/.../tcp/.../p2p/Qm...")
     p.add_argument("--dht-prefix", default=None,

@@ -89,8 +89,9 @@ def server_entry(record: Any, tau_c: Optional[float] = None, last_seen: Optional
     entry = {k: r.get(k, v) for k, v in SERVER_DEFAULTS.items() if k not in ("tau_c", "last_seen")}
     entry["tau_c"] = tau_c
     entry["last_seen"] = r.get("timestamp") if last_seen is None else last_seen
-    for extra in ("quant", "max_length", "epoch", "version", "reachability", "maddrs", "emulate_reply_fault",
-                  "emulate_reply_fault_rate", "models", "serving", "failed_span", "load_error"):  # what it signs
+    for extra in ("quant", "max_length", "epoch", "version", "protocol", "protocol_min", "reachability", "maddrs",
+                  "emulate_reply_fault", "emulate_reply_fault_rate", "models", "serving", "failed_span",
+                  "load_error"):  # what it signs
         if extra in r:
             entry[extra] = r[extra]
     return entry
@@ -156,6 +157,7 @@ def merge_view(
         gone = {k: s.get(k, v) for k, v in SERVER_DEFAULTS.items()}
         gone["state"] = "offline"  # its signed record expired: the summary's liveness is out of date
         gone["record_expired"] = True
+        gone.update({k: s[k] for k in ("version", "protocol", "protocol_min") if k in s})  # the build it ran
         if seen_at is not None:  # its age as the orchestrator said it (both its clock), from this one's now
             gone["last_seen"] = _moved_to(gone["last_seen"], summary.get("updated_at"), now)
         servers.append(gone)

@@ -58,6 +58,7 @@ from petals_chain.orchestrator.stats import status_outcome
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.media import is_event_stream
+from petals_chain.swarm.version import build_version
 
 logger = logging.getLogger(__name__)
 
@@ -1269,7 +1270,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         # 200 until its socket closed, new requests sent here meanwhile)
         body = {"ok": not orch.draining, "ready": orch.ready, "chains": len(orch.dispatch.chains),
                 "queue_length": orch.dispatch.queue_length, "requests_running": app.state.gate.running,
-                "uptime_s": orch.uptime_s}
+                "uptime_s": orch.uptime_s, "version": build_version()}
         if orch.draining:
             body["shutting_down"] = True
             return JSONResponse(body, status_code=503, headers={"Connection": "close"})
@@ -1280,6 +1281,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         state = orch.swarm_json()
         limits = getattr(request.app.state, "limits", None)
         state["clients"] = limits.clients_json() if limits is not None else []
+        state["version"] = build_version()  # the orchestrator's build (its servers' are in their rows)
         return JSONResponse(json_safe(state))
 
     @app.get("/metrics")

@@ -40,6 +40,7 @@ from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.launch import out_of_descriptors
 from petals_chain.swarm.reachability import Prober
 from petals_chain.swarm.rpc import RemoteError
+from petals_chain.swarm.version import build_version
 
 __all__ = ["Emit", "Generation", "JoinError", "Orchestrator", "OrchestratorConfig", "RequestError", "ShuttingDown",
            "Unavailable", "UserSession"]
@@ -603,6 +604,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
             predicted = {"lower": current.lower, "upper": current.upper if math.isfinite(current.upper) else None}
         return {
             "model": self.model_id, "dht_prefix": self.prefix, "max_length": self.cfg.max_length,
+            "version": build_version(),  # this orchestrator's build: the signed summary tells the standalone dashboard
             # the model's blocks (the page's coverage bar; else it would take the largest span any record claims)
             "num_blocks": int(self.source.config.num_hidden_layers),
             "ready": self.ready, "initial_peers": self.initial_peers, "http_url": self.http_url,

@@ -33,6 +33,7 @@ from petals_chain.orchestrator.errors import shown_model_name
 from petals_chain.orchestrator.limits import READ_BODY, BodyTooLarge, ReadBody, client_of, read_whole, replay_body
 from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.sources import MODEL_NAME_RE, split_model_arg
+from petals_chain.swarm.version import build_version
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -225,7 +226,7 @@ class ModelRouter:
                 ok = ok and status == 200
                 stopping = stopping or (isinstance(seen, dict) and bool(seen.get("shutting_down")))
             # a draining orchestrator says so at the top, as a one-model one does: clients and balancers skip it
-            return await _json(send, 200 if ok else 503, {"ok": ok, "models": out,
+            return await _json(send, 200 if ok else 503, {"ok": ok, "models": out, "version": build_version(),
                                                           **({"shutting_down": True} if stopping else {})})
         m = _SESSION.match(path)
         if m:

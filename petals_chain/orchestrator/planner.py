@@ -1517,6 +1517,7 @@ class Planner:
                 "reachability": v.reachability, "reachability_error": public_dial_error(v.reach_error),
                 "maddrs": list(r.maddrs),
                 "models": list(r.models), "serving": r.serving, "unread": r.unread, "refused_reason": "",
+                "version": r.version, "protocol": r.protocol, "protocol_min": r.protocol_min,  # the build it runs
                 **self._load_failure_json(v, now),
             })
         for peer_id, r in sorted(self.refused.items()):
@@ -1535,5 +1536,6 @@ class Planner:
                 "banned": False, "banned_for_s": 0.0, "reachability": "unknown", "reachability_error": "",
                 "maddrs": list(r.maddrs), "models": list(r.models), "serving": r.serving,
                 "failed_span": None, "load_error": "",
+                "version": r.version, "protocol": r.protocol, "protocol_min": r.protocol_min,
             })
         return out

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from petals_chain.server.admission import DEFAULT_MAX_KV_SHARE_PER_STRANGER, DEFAULT_MAX_KV_SHARE_STRANGERS
 from petals_chain.swarm.logs import log_level, one_line
+from petals_chain.swarm.version import build_version
 
 logger = logging.getLogger("petals_chain.server")
 
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m petals_chain.server",
         description="Join a petals-chain swarm: announce memory and speed, load the blocks the orchestrator "
                     "assigns, serve inference sessions.")
+    p.add_argument("--version", action="version", version=build_version(),
+                   help="print the build this server runs (as its record announces it) and exit")
     p.add_argument("--model", required=True, action="append", metavar="MODEL",
                    help="the orchestrator's model: a short name (smollm2-135m), a .gguf file, an HF-format directory "
                         "or a hub name (NAME=SOURCE as given to the orchestrator works too). Repeat to offer several "

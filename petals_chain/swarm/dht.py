@@ -920,7 +920,7 @@ class SwarmDHT:
             return record
         except Exception as e:  # noqa: BLE001 - anything a peer wrote must not break the reader
             version = value.get("version") if isinstance(value, dict) else None
-            version = version[:40] if isinstance(version, str) else None  # a peer's string, in our log
+            version = version[:64] if isinstance(version, str) else None  # a peer's string (a build), in our log
             key = (owner_peer, what)
             log = logger.debug if key in self._reported_invalid else logger.warning
             if len(self._reported_invalid) >= 4096:  # bounded: writers can be made up by the thousand

@@ -28,8 +28,10 @@ import pydantic.v1 as pv1
 from hivemind.dht.schema import BytesWithPublicKey
 
 from petals_chain.swarm.logs import one_line
+from petals_chain.swarm.version import build_version
 
-RECORD_VERSION = "petals-chain/0.1"
+# the build this peer runs (swarm/version.py: package version + git commit), so an operator can tell old peers apart
+RECORD_VERSION = build_version()
 STATES = ("joining", "online", "draining", "offline")
 # The wire protocol of the RPC (swarm/rpc.py) and the records: bumped only by a change a peer of the previous one
 # cannot follow (additions with a fallback, the usual kind, keep it). This version speaks PROTOCOL and drives servers

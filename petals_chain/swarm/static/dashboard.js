@@ -29,6 +29,7 @@
     queueSamples: [], // [{t (ms), q, running}]
     last: null,
     lastOkAt: null,
+    version: "", // the orchestrator's build (data.version)
   };
 
   // ---------- small helpers ----------
@@ -137,6 +138,19 @@
   function shortId(id) {
     var s = str(id);
     return s.length > 14 ? s.slice(0, 6) + "\u2026" + s.slice(-6) : s;
+  }
+
+  // the build a server runs (its record's version: petals-chain/<package>[+g<commit>[.dirty]]) and its wire
+  // protocols; marked when it is not the orchestrator's build, so volunteers on old code stand out
+  function versionLine(s, ours) {
+    var v = str(s.version);
+    if (!v) return null;
+    var p = int(s.protocol), pmin = int(s.protocol_min);
+    var proto = p === null ? "" : "wire protocol " + (pmin !== null && pmin < p ? pmin + ".." + p : p);
+    var differs = !!ours && v !== ours;
+    var title = v + (proto ? "\n" + proto : "") + (differs ? "\nthe orchestrator runs " + ours : "");
+    return el("div", { class: "version" + (differs ? " version-differs" : ""), title: title,
+      text: v.indexOf("petals-chain/") === 0 ? v.slice("petals-chain/".length) : v });
   }
 
   function serverName(s) {
@@ -319,11 +333,13 @@
     var updated = num(data.updated_at);
     $("updated").textContent = updated === null ? "" : "updated " + fmtClock(updated);
     var src = str(data.source);
-    $("footer-source").textContent = src === "dht"
+    state.version = str(data.version);  // the orchestrator's build: servers on another are marked
+    var orchVersion = state.version ? "orchestrator " + state.version + " \u00b7 " : "";
+    $("footer-source").textContent = orchVersion + (src === "dht"
       ? (data.orchestrator_summary === false
         ? "standalone dashboard: signed server records from the DHT; no signed summary from a trusted orchestrator, so chains and queue are unknown"
         : "standalone dashboard: signed server records and the trusted orchestrator's signed summary from the DHT")
-      : (src ? "source: " + src : "served by the orchestrator");
+      : (src ? "source: " + src : "served by the orchestrator"));
   }
 
   function renderCards(data, running) {
@@ -695,7 +711,8 @@
     var hw = [str(s.device), str(s.dtype)].filter(Boolean).join(" \u00b7 ");
     return el("tr", { "data-peer-id": str(s.peer_id), "data-state": gone ? "gone" : str(s.state), class: gone ? "gone" : null },
       el("td", { "data-label": "name" },
-        el("div", {}, el("div", { class: "server-name", text: serverName(s) }), el("div", { class: "peer-id", title: str(s.peer_id), text: shortId(s.peer_id) }))),
+        el("div", {}, el("div", { class: "server-name", text: serverName(s) }), el("div", { class: "peer-id", title: str(s.peer_id), text: shortId(s.peer_id) }),
+          versionLine(s, state.version))),
       el("td", { "data-label": "state" }, stateBadge(s, goneSince !== null), trustLine, reachLine, loadLine, offersLine),
       el("td", { "data-label": "blocks", class: "num" }, el("span", { text: span })),
       el("td", { "data-label": "memory", class: "num" }, el("span", { title: hw, text: fmtBytes(s.memory_bytes) + (hw ? " \u00b7 " + hw : "") })),
