@@ -57,14 +57,14 @@ def test_c_follows_lambda_when_a_moving_full_plan_is_not_adopted():
     pub = Counting(sw)
     epoch, c = sw.pl.epoch, sw.pl.plan.c
     real = sw.pl.full_plan
-    sw.pl.full_plan = lambda views: replace(real(views), c=c + 3)
+    sw.pl.full_plan = lambda views: replace(real(views), c=c - 3)
     assert dict(sw.pl.full_plan(sw.pl.usable_views()).placement.items()) == {"X": (0, 2), "Y": (2, 2)}
     sw.pl.last_full_replan = -1e9  # the re-plan interval is due
     sw.refresh(1.0)
     assert sw.pl.assignment == {"X": (2, 2), "Y": (0, 2)} and sw.pl.epoch == epoch and pub.published == []
-    assert sw.pl.plan.c == c + 3, [e["reason"] for e in sw.pl.plan_log]
+    assert sw.pl.plan.c == c - 3, [e["reason"] for e in sw.pl.plan_log]
     entry = sw.pl.plan_log[-1]
-    assert entry["kind"] == "c" and f"c {c} -> {c + 3}" in entry["reason"], entry
+    assert entry["kind"] == "c" and f"c {c} -> {c - 3}" in entry["reason"], entry
 
 
 def test_the_c_in_force_is_kept_when_it_ties_and_else_the_largest_of_its_placement():

@@ -806,6 +806,31 @@ class Planner:
         held = self.residual_jobs(r) if mem_there > 0 else 0
         return slots * held // mem_there if held > 0 else slots
 
+    def jobs_reserved(self, views: Sequence[ServerView], placement: Placement) -> int | None:
+        """The largest cache reservation ``c`` that ``placement``'s servers among ``views`` honour: the fewest jobs of
+        ``max_length`` tokens any of them holds over its whole span by its memory (Eq. 3's slots over its blocks, as
+        GBP-CR sizes a span for ``c``: ``m_j <= m_j(c)``, Eq. 8). None when none of them is in ``views``."""
+        model = self._model_spec()
+        placed = [v for v in views if v.peer_id in placement]
+        if model is None or not placed:
+            return None
+        return min(spec.residual_slots(model, int(placement[spec.name][1])) // max(1, int(placement[spec.name][1]))
+                   for spec in self.specs(placed))
+
+    def c_on_spans(self, views: Sequence[ServerView], placement: Placement, c: int | None,
+                   in_force: int | None) -> int | None:
+        """The cache reservation to take for ``c`` (Theorem 3.7's ``c*`` of a full plan not adopted) on spans placed
+        for another: ``c`` where every placed server holds ``c`` jobs (:meth:`jobs_reserved`), else the most they
+        hold, never below ``min(c, in_force)`` (a lower ``c`` is held wherever the one in force was; a server that
+        holds fewer than that, say a newcomer too small for it, does not drag ``c`` down). ``c`` taken whatever the
+        spans held reported a reservation a kept server could not make (``c`` 5 on a span holding 3 jobs) and sized
+        newcomers' spans for it."""
+        if c is None:
+            return c
+        held = self.jobs_reserved(views, placement)
+        floor = 1 if in_force is None else min(c, in_force)
+        return c if held is None else max(floor, min(c, held))
+
     def moves_better(self, views: Sequence[ServerView], current: Plan, new: Plan) -> tuple[bool, float, float]:
         """Whether ``new`` (a full plan that moves servers) predicts a response more than ``move_margin`` better than
         ``current``, both predicted on one basis, the jobs each server would hold (:meth:`held_jobs`). ``new``'s own
@@ -1319,6 +1344,8 @@ class Planner:
                 # new placement predicts a clearly better response (the same rule as any re-placement).
                 if served is not None and served.chains and (
                         plan is None or not plan.chains or not self.moves_better(views, served, plan)[0]):
+                    # the full plan's c, as far as the spans served hold it (they were placed for another c)
+                    served.c = self.c_on_spans(views, served.placement, served.c, None)
                     plan, reason = served, "kept the spans the servers already serve"
                 if plan is not None and plan.chains:
                     self.last_full_replan = time.monotonic()
@@ -1394,6 +1421,13 @@ class Planner:
                 best, reason = full, (f"re-placement improves predicted response {ours:.4g}s -> {theirs:.4g}s "
                                       "(jobs each server holds, both)")
         retuned = ""
+        if best is not full:  # c on spans placed for another: as far as every placed server holds it
+            held_c = self.c_on_spans(views, best.placement, c, self.plan.c)
+            if held_c != c:
+                c_star, c = c, held_c
+                if c != self.plan.c:
+                    logger.info("c* = %s at lambda=%.3g: a server of the spans kept holds fewer jobs; c %s taken",
+                                c_star, self.arrival_rate, c)
         if best is not full and c != self.plan.c:
             # the spans stay, c follows lambda: new servers' spans (incremental, joint), HERD's split and the model
             # placer read it from the plan in force
