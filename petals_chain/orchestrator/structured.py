@@ -255,6 +255,7 @@ class Grammar:
         # an unsatisfiable schema (minLength above maxLength, a $ref to itself) compiles, and its first mask allows
         # nothing but EOS: an empty answer that says "stop". Refused here instead
         probe = GrammarState(self, self._matcher.deep_copy())
+        probe._failed = True  # its error is this request's 400, not an output stopped early: no warning logged
         probe.allowed()
         if probe.matcher.is_error():
             raise _error(f"{spec.param} cannot be used: no output can match it "
