@@ -255,7 +255,7 @@ class Grammar:
         # an unsatisfiable schema (minLength above maxLength, a $ref to itself) compiles, and its first mask allows
         # nothing but EOS: an empty answer that says "stop". Refused here instead
         probe = GrammarState(self, self._matcher.deep_copy())
-        probe._failed = True  # its error is this request's 400, not an output stopped early: no warning logged
+        probe._failed = True  # its error is this request's 400, not an output failed mid-way: no warning logged
         probe.allowed()
         if probe.matcher.is_error():
             raise _error(f"{spec.param} cannot be used: no output can match it "
@@ -293,9 +293,10 @@ class GrammarState:
     def allowed(self) -> np.ndarray:
         """A bool array over the tokenizer's vocabulary: which tokens may come next."""
         self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-        if self.matcher.is_error() and not self._failed:  # a resource limit hit mid-output: only EOS is allowed
+        if self.matcher.is_error() and not self._failed:  # a resource limit hit mid-output: the sampler fails the row
             self._failed = True
-            logger.warning("a structured output stopped early: %s", _shown_error(self.matcher.get_error()))
+            logger.warning("a structured output failed mid-output (its request gets a 400): %s",
+                           _shown_error(self.matcher.get_error()))
         allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little").view(bool)
         if self._ends and allowed[list(self._eos)].any():
             allowed[list(self._ends)] = True
