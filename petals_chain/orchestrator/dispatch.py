@@ -402,6 +402,9 @@ class Lease:
     # costs a round trip there, and a recompute of the job's whole history anywhere else
     keeps_kv: bool = False
     started: float = field(default_factory=time.monotonic)
+    # counted against chain ``index``, which shares servers with its own ``chain`` that a re-plan dropped
+    # (DispatchManager._carry): its steps teach nothing of chain ``index``
+    carried: bool = False
 
     @property
     def hops(self) -> list[tuple[str, int, int]]:
@@ -532,6 +535,9 @@ class DispatchManager:
         # of it and its peak); the chains of older plans are forgotten past KEPT_CHAIN_IDS (ids are never reused)
         self._id_by_key: dict[tuple, int] = {}
         self._running_by_chain: dict[int, set[Lease]] = {}  # chain id -> its running leases (in any plan)
+        # leases of chains a re-plan dropped that no chain sharing their servers had room for (in order): each takes
+        # the next slot freed on such a chain (_slot_freed)
+        self._carried: dict[Lease, None] = {}
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
         self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO); part of the queue
         self._lane: list[DispatchJob] = []  # re-queued jobs (FIFO), served before the queue
@@ -645,10 +651,11 @@ class DispatchManager:
         self.dispatcher = self.factory(chains) if chains else None
         self._active = {}
         index_by_key = self._index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
+        self._carried = {}
         for lease in old_running:
             k = index_by_key.get(chain_key(lease.chain))
             if k is not None and self._adopt(k, lease.job):
-                lease.index, lease.generation, lease.chain = k, self.generation, chains[k]
+                lease.index, lease.generation, lease.chain, lease.carried = k, self.generation, chains[k], False
                 if lease.chain_id != self.chain_ids[k]:  # its chain's id was pruned while the plan left it out
                     on_chain = self._running_by_chain.get(lease.chain_id, set())
                     on_chain.discard(lease)
@@ -657,8 +664,10 @@ class DispatchManager:
                     lease.chain_id = self.chain_ids[k]
                     self._running_by_chain.setdefault(lease.chain_id, set()).add(lease)
                 self._count(k, +1)
-            # else: the job keeps its (old) chain until it finishes; its server slots are still held, and
-            # servers refuse rather than over-commit, so a job started meanwhile retries (see engine).
+            elif not self._carry(lease, [j for j in self._by_overlap(lease.chain) if j != k]):
+                # every chain it shares servers with is full (the plan lowered their capacities): it takes the first
+                # slot that frees on one of them (_slot_freed) before any waiting job does
+                self._carried[lease] = None
         self._reserved = {}
         for places in list(self._slot_holds):  # held slots stay held (their chain first) before waiting jobs come
             keys, places.slots = places.slots, []
@@ -695,13 +704,42 @@ class DispatchManager:
         if self.priorities is not None:
             self._unmark_dropped(old_running)
         self._note_queue()
-        logger.info("dispatch generation %d: %d chains, %d running, %d queued, %d re-queued", self.generation,
-                    len(chains), len(self._running), self.queue_length, len(self._lane))
+        carried = sum(1 for lease in self._running.values() if lease.carried and lease.generation == self.generation)
+        logger.info("dispatch generation %d: %d chains, %d running (%d of them on chains re-planned away, %d not yet "
+                    "counted), %d queued, %d re-queued", self.generation, len(chains), len(self._running),
+                    carried + len(self._carried), len(self._carried), self.queue_length, len(self._lane))
 
     def _adopt(self, k: int, job: DispatchJob) -> bool:
         """Count an already running ``job`` against chain ``k`` of the new dispatcher (arrive() would pick a
         chain by its own rule; the job already runs on chain k)."""
         return bool(self.dispatcher.adopt(k, job))
+
+    def _by_overlap(self, chain: Chain) -> list[int]:
+        """Indices of the current chains that share blocks of a server with ``chain``, most shared first (ties: GCA
+        order)."""
+        held: dict[str, list[tuple[int, int]]] = {}
+        for server, (a, b) in zip(chain.servers, chain.spans):
+            held.setdefault(server, []).append((int(a), int(b)))
+        shared = []
+        for k, ch in enumerate(self.chains):
+            n = sum(max(0, min(b, d) - max(a, c)) for server, (c, d) in zip(ch.servers, ch.spans)
+                    for a, b in held.get(server, ()))
+            if n > 0:
+                shared.append((-n, k))
+        return [k for _, k in sorted(shared)]
+
+    def _carry(self, lease: Lease, candidates: Sequence[int]) -> bool:
+        """Count ``lease``, running on a chain the plan no longer has, against the first of ``candidates`` (current
+        chain indices) with room; True if one had. GCA sized the new chains on every slot of their servers, so a job
+        still holding some of them there takes one of the chain's ``c_k`` places: uncounted, JFFC started ``c_k``
+        more jobs on the same servers (a chain re-split by a block ran two jobs at capacity 1). The lease keeps its
+        own chain and id (its hops, its step times); only its count moves (``carried``)."""
+        for k in candidates:
+            if self._adopt(k, lease.job):
+                lease.index, lease.generation, lease.carried = k, self.generation, True
+                self._count(k, +1)
+                return True
+        return False
 
     def _unmark_dropped(self, leases: Sequence[Lease]) -> None:
         """``--schedule db|mlfq``: a running job marked to pause for priority on a chain the new plan dropped runs on
@@ -1152,6 +1190,7 @@ class DispatchManager:
             if not on_chain:
                 del self._running_by_chain[lease.chain_id]
         self._job_overhead(lease)
+        self._carried.pop(lease, None)
         beneficiary = self._promised.pop(lease, None)
         if beneficiary is not None and beneficiary in self._waiters:
             # the slot goes to the queue's head, which may be another job: this one is owed the next promise freed
@@ -1163,6 +1202,8 @@ class DispatchManager:
 
     def _slot_freed(self, k: int) -> None:
         """A slot of chain ``k`` (current plan) is free: the next waiting job takes it."""
+        if self._carried and self._carry_into(k):
+            return
         # A re-queued job takes the slot over (the dispatcher's count on this chain stays as it is): the first one
         # the queue's head does not go before (a job paused for it waits, not the re-queued jobs behind it)
         lane = next((j for j in self._lane if not self._deadline_before(j)), None)
@@ -1173,6 +1214,17 @@ class DispatchManager:
         nxt = self.dispatcher.complete(k)
         if nxt is not None:
             self._start(nxt, k, queued=True)
+
+    def _carry_into(self, k: int) -> bool:
+        """The freed slot of chain ``k`` goes to the first job still running on a dropped chain that shares servers
+        with ``k`` (the dispatcher's count of ``k`` stays as it is); True if one took it."""
+        for lease in self._carried:
+            if k in self._by_overlap(lease.chain):
+                del self._carried[lease]
+                lease.index, lease.generation, lease.carried = k, self.generation, True
+                self._count(k, +1)
+                return True
+        return False
 
     def _deadline_before(self, job: DispatchJob) -> bool:
         """``job`` (re-queued) was paused for deadlines (``flex``) or for priority (``db``, ``mlfq``) and the queue's
@@ -1352,7 +1404,7 @@ class DispatchManager:
         if lease.released:  # nothing releases it again: what is kept of it here would stay for good
             return
         now = time.monotonic()
-        current = lease.generation == self.generation and 0 <= lease.index < len(self.chains)
+        current = lease.generation == self.generation and 0 <= lease.index < len(self.chains) and not lease.carried
         span = self._lease_steps.get(lease)
         prev = None if span is None else span[1]
         if span is None or span[0] < lease.started:  # its first step, or its turn's first (a held session)
@@ -1394,7 +1446,7 @@ class DispatchManager:
         do. Not for a job that never stepped, nor a session's (held between turns, not stepping)."""
         span = self._lease_steps.pop(lease, None)
         if (span is None or span[0] < lease.started or lease.job.idle or lease.generation != self.generation
-                or not 0 <= lease.index < len(self.chain_ids)):
+                or lease.carried or not 0 <= lease.index < len(self.chain_ids)):
             return
         # (a session's turn cut between two steps gives its chain back at once, or holds it marked idle: sessions.py)
         held = time.monotonic() - lease.started
