@@ -51,9 +51,11 @@ from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, R
 from petals_chain.orchestrator.sampling import (IGNORE_EOS_WITH_GRAMMAR, MIN_REPETITION_PENALTY, SamplingParams,
                                                 StopMatcher, TokenChoice, choice_seed, offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
-from petals_chain.orchestrator.structured import StructuredSpec, compile_spec, request_counter
+from petals_chain.orchestrator.structured import StructuredSpec, compile_spec_async, request_counter
 from petals_chain.orchestrator.sse import DONE, KEEPALIVE, NO_RETRY_HEADER, error_event, error_object, sse
 from petals_chain.orchestrator.tokentext import whole_text
+from petals_chain.orchestrator import tools as _tools
+from petals_chain.orchestrator.tools import ToolSet, parse_tools
 from petals_chain.orchestrator.stats import status_outcome
 from petals_chain.swarm.aio import gather_or_cancel
 from petals_chain.swarm.jsonsafe import json_safe
@@ -1189,8 +1191,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if params.ignore_eos:
             raise RequestError(IGNORE_EOS_WITH_GRAMMAR, param="ignore_eos", code="invalid_value")
         try:
-            params.structured = await asyncio.to_thread(compile_spec, spec, orch.tokenizer, orch.vocab_size,
-                                                        orch._eos)
+            params.structured = await compile_spec_async(spec, orch.tokenizer, orch.vocab_size, orch._eos)
         except RequestError:
             structured_requests.labels(spec.kind, "invalid").inc()
             raise

@@ -162,10 +162,11 @@ class SamplingError(RequestError):
 
 
 class StructuredOutputError(SamplingError):
-    """A structured output's grammar cannot go on mid-output: llguidance hit one of its per-token limits (an
-    ambiguous grammar whose parse grows with every token) while computing the next mask or taking the token just
-    sampled. HTTP 400 ``invalid_structured_output`` naming the body field: its output so far is not a whole match,
-    and ending it "stop" (only EOS was left allowed) returned truncated JSON as a success."""
+    """A structured output's grammar cannot go on mid-output: llguidance hit one of its per-token limits, or the
+    sequence spent its grammar CPU budget (structured.py; an ambiguous grammar whose parse grows with every token),
+    while computing the next mask or taking the token just sampled. HTTP 400 ``invalid_structured_output`` naming
+    the body field: its output so far is not a whole match, and ending it "stop" (only EOS was left allowed)
+    returned truncated JSON as a success."""
 
     def __init__(self, message: str, row: int | None = None, param: str | None = None):
         super().__init__(message, row)
@@ -233,9 +234,9 @@ class _GrammarMask(LogitsProcessor):
             self.seen += 1
         scores = scores.to("cpu", torch.float32, copy=True).contiguous()
         self.state.mask_(scores[0])
-        if self.state.matcher.is_error():
+        if self.state.error is not None:
             raise ValueError(f"the structured output cannot go on after {self.seen} generated tokens: "
-                             f"{self.state.matcher.get_error().splitlines()[0]}")
+                             f"{self.state.error}")
         return scores
 
 
@@ -724,9 +725,9 @@ def _run(logits: torch.Tensor, seqs: Sequence[SequenceSampler], draw: bool, want
     for i in constrained:
         state = seqs[i].grammar
         state.mask_(raw[i])
-        if state.matcher.is_error():  # a limit hit computing the mask: only EOS is left, the output is cut short
-            reason = (state.matcher.get_error().splitlines() or [""])[0].replace("<non-verbose/>", "").strip()
-            errors[i] = _grammar_failure(seqs[i], reason or "no detail", i)
+        reason = state.error  # a limit hit computing the mask, or the grammar's CPU budget spent: cut short
+        if reason is not None:
+            errors[i] = _grammar_failure(seqs[i], reason, i)
             if fail_fast:  # (before any generator advances)
                 raise errors[i]
             raw[i] = 0.0  # finite: sampled with the batch, its token dropped

@@ -15,9 +15,12 @@ A bad or too large schema or grammar is a 400 (``invalid_request_error``) naming
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -42,6 +45,22 @@ LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer
 # JSON output as OpenAI's: no whitespace between tokens of the JSON itself (a small model that may add whitespace
 # anywhere can pad its output with newlines until max_tokens)
 JSON_OPTIONS = {"whitespace_flexible": False}
+# llguidance takes a JSON schema's top-level "x-guidance" object as its compile options, over JSON_OPTIONS (it reads
+# no nested one): removed from a client's schema, whose output format is this server's to set
+GUIDANCE_OPTIONS_KEY = "x-guidance"
+# The grammar CPU one sequence may spend (computing masks, taking tokens, checking drafts), in seconds of its threads'
+# CPU time: GRAMMAR_CPU_BASE_S plus GRAMMAR_CPU_PER_TOKEN_S for each token taken so far. Measured on SmolLM2's 49k
+# tokens: a pydantic model (nested objects, lists, enums, optionals), a 50-property anyOf object, a 50-variant anyOf,
+# a 300-value enum, a repeated regex and JSON mode cost 0.010-0.03 ms a token (mask + take + a 5-token draft's
+# check), at most 1.8 ms for one token (a regex's first mask): 70x under the allowance a token. An ambiguous grammar
+# (``a: a a | "x"``) costs more with every token (5 ms at token 200, 170 ms at 700): past the budget (~1.1 s of CPU,
+# near token 280) its request gets a 400, where llguidance's own limits let it stall the head's thread (shared by
+# every generation) for minutes.
+GRAMMAR_CPU_BASE_S = 0.5
+GRAMMAR_CPU_PER_TOKEN_S = 0.002
+# At most this many schemas or grammars compile at once (each up to ~1 s of CPU), in their own threads: a burst of
+# clients compiling neither takes every core nor holds up the default executor's work (tokenizing prompts)
+MAX_CONCURRENT_COMPILES = 2
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar")
 
@@ -194,10 +213,12 @@ class StructuredSpec:
         if self.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+            schema = json.loads(self.source)
+            schema.pop(GUIDANCE_OPTIONS_KEY, None)  # the client's would override JSON_OPTIONS (whitespace anywhere)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
-        if self.kind == "grammar":
+        if self.kind in ("grammar", "tools"):  # tools: tools.py's grammar of a reply's tool calls (Lark)
             return llguidance.LLMatcher.grammar_from_lark(self.source)
         # one of the strings exactly: a Lark alternation of JSON-quoted literals (Lark takes JSON string escapes)
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.source))
@@ -277,9 +298,17 @@ def _shown_error(message: str) -> str:
     return (" ".join(lines) or "invalid grammar")[:300]
 
 
+# The clock of the grammar CPU budget: the calling thread's CPU time (a loaded machine's waits are not charged)
+_cpu_clock = time.thread_time
+
+
 class GrammarState:
     """One sequence's place in its grammar. ``ends``: the sequence's other stop token ids (``stop_token_ids``),
-    allowed wherever the grammar allows an end of sequence: they end the output as EOS does."""
+    allowed wherever the grammar allows an end of sequence: they end the output as EOS does.
+
+    Every mask, token taken and draft checked is charged to the sequence's grammar CPU budget
+    (:data:`GRAMMAR_CPU_BASE_S` + :data:`GRAMMAR_CPU_PER_TOKEN_S` a token); past it :attr:`error` says so, the masks
+    allow nothing, :meth:`consume` raises and no draft is taken: the sampler fails that row alone (a 400)."""
 
     def __init__(self, grammar: Grammar, matcher: llguidance.LLMatcher, ends: Iterable[int] = ()):
         self.grammar = grammar
@@ -289,10 +318,39 @@ class GrammarState:
         self._mask = np.empty((grammar.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
         self.consumed = 0
         self._failed = False
+        self.cpu_s = 0.0  # grammar CPU spent so far (seconds)
+        self._over: str | None = None  # why the budget is spent, once it is
+
+    @property
+    def error(self) -> str | None:
+        """Why this output cannot go on (llguidance's limit hit, or the grammar CPU budget spent); None while it can."""
+        if self._over is not None:
+            return self._over
+        if self.matcher.is_error():
+            return (self.matcher.get_error().splitlines() or [""])[0].replace("<non-verbose/>", "").strip() or \
+                "no detail"
+        return None
+
+    def _charge(self, since: float) -> None:
+        """Add the CPU spent since ``since`` (a :func:`_cpu_clock` reading); past the budget, :attr:`error` says so."""
+        self.cpu_s += max(0.0, _cpu_clock() - since)
+        allowance = GRAMMAR_CPU_BASE_S + GRAMMAR_CPU_PER_TOKEN_S * (self.consumed + 1)
+        if self._over is None and self.cpu_s > allowance:
+            self._over = (f"its grammar took {self.cpu_s:.2f} s of CPU for {self.consumed} tokens, over this "
+                          f"server's budget ({GRAMMAR_CPU_BASE_S:g} s + {GRAMMAR_CPU_PER_TOKEN_S * 1e3:g} ms a "
+                          "token)")
+            if not self._failed:
+                self._failed = True
+                logger.warning("a structured output failed mid-output (its request gets a 400): %s", self._over)
 
     def allowed(self) -> np.ndarray:
-        """A bool array over the tokenizer's vocabulary: which tokens may come next."""
+        """A bool array over the tokenizer's vocabulary: which tokens may come next (none once :attr:`error` is
+        the spent budget: no more CPU goes to this grammar)."""
+        if self._over is not None:
+            return np.zeros(self._mask.size * 32, dtype=bool)
+        start = _cpu_clock()
         self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        self._charge(start)
         if self.matcher.is_error() and not self._failed:  # a resource limit hit mid-output: the sampler fails the row
             self._failed = True
             logger.warning("a structured output failed mid-output (its request gets a 400): %s",
@@ -317,10 +375,18 @@ class GrammarState:
         token = int(token)
         if token in self._ends:
             return
-        if not self.matcher.consume_token(token):
+        if self._over is not None:
+            raise ValueError(self._over)
+        start = _cpu_clock()
+        taken = self.matcher.consume_token(token)
+        if taken:
+            self.consumed += 1
+        self._charge(start)
+        if not taken:
             raise ValueError(f"token {token} is not allowed by the grammar here: "
                              f"{_shown_error(self.matcher.get_error())}")
-        self.consumed += 1
+        if self._over is not None:
+            raise ValueError(self._over)
 
     def replay(self, tokens: Sequence[int]) -> None:
         """Consume ``tokens`` (a stream resumed, a test): the state they lead to."""
@@ -328,8 +394,14 @@ class GrammarState:
             self.consume(t)
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` (a draft) the grammar takes from here, without consuming them."""
-        return int(self.matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
+        """How many of ``tokens`` (a draft) the grammar takes from here, without consuming them (none once the
+        budget is spent: the next mask fails the row)."""
+        if not tokens or self._over is not None:
+            return 0
+        start = _cpu_clock()
+        n = int(self.matcher.validate_tokens([int(t) for t in tokens]))
+        self._charge(start)
+        return n
 
     @property
     def complete(self) -> bool:
@@ -348,6 +420,22 @@ def compile_spec(spec: StructuredSpec, tokenizer: Any, vocab: int, eos: Iterable
         raise
     except ValueError as e:  # llguidance raises for malformed input it reads itself (its JSON)
         raise _error(f"{spec.param} cannot be used: {_shown_error(str(e))}", spec.param) from None
+
+
+_COMPILE_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_COMPILE_POOL_LOCK = threading.Lock()
+
+
+async def compile_spec_async(spec: StructuredSpec, tokenizer: Any, vocab: int, eos: Iterable[int]) -> Grammar:
+    """:func:`compile_spec` off the event loop, in a pool of :data:`MAX_CONCURRENT_COMPILES` threads of its own (a
+    burst of compiles waits there, not in the default executor, where prompts are tokenized)."""
+    global _COMPILE_POOL
+    with _COMPILE_POOL_LOCK:
+        if _COMPILE_POOL is None:
+            _COMPILE_POOL = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_COMPILES,
+                                                                  thread_name_prefix="grammar-compile")
+        pool = _COMPILE_POOL
+    return await asyncio.get_running_loop().run_in_executor(pool, compile_spec, spec, tokenizer, vocab, list(eos))
 
 
 # ---- metrics ------------------------------------------------------------------------------------------------------
