@@ -566,12 +566,12 @@ def test_a_refused_field_is_named_in_the_error(model_path):
         cases = [("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
                  ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
                  ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
-                 ("/v1/chat/completions", {"messages": msgs, "tools": [{"type": "function"}]}, "tools"),
+                 ("/v1/chat/completions", {"messages": msgs, "tools": [{"type": "function"}]}, "tools.0.function"),
                  ("/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}, "top_logprobs"),
                  ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "yaml"}},
                   "response_format.type"),
                  ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "a", "tool_calls": [{}]}]},
-                  "messages.0.tool_calls")]
+                  "messages.0.tool_calls.0.id")]
         # an output limit past the context, or too long for the prompt, is named as the request sent it (the chat
         # API's newer max_completion_tokens included)
         most = orch.cfg.max_length

@@ -269,8 +269,32 @@ def test_chat_completions_parse_returns_a_validated_object(swarm):
     assert out["greedy"][0].message.parsed.name.strip() != ""
 
 
+def test_tool_choice_required_returns_a_call_whose_arguments_validate(swarm):
+    """Tool calling on the real model (orchestrator/tools.py): ``tool_choice: "required"`` through the openai
+    package returns a ``get_weather`` call whose arguments validate against the tool's schema, finish "tool_calls"
+    (before: a 400, "tools is not supported"). The tools are described in SmolLM2's system message (its template
+    takes none); the grammar makes the call."""
+    import jsonschema
+    from openai import OpenAI
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast",
+                                               "parameters": schema, "strict": True}}]
+    api = OpenAI(base_url=f"{swarm.url}/v1", api_key="none", max_retries=0, timeout=120)
+    r = api.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                    tools=tools, tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                    max_completion_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 @pytest.mark.parametrize("extra", [
-    {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"tool_choice": "auto"},
+    {"tools": [{"type": "custom", "custom": {"name": "f"}}]}, {"tool_choice": "auto"},
     {"response_format": {"type": "yaml"}}, {"audio": {"voice": "alloy", "format": "wav"}},
     {"modalities": ["text", "audio"]}, {"functions": [{"name": "f"}]}, {"store": True},
     {"reasoning_effort": "high"}, {"prediction": {"type": "content", "content": "x"}},

@@ -56,7 +56,9 @@ def test_the_boolean_check_of_nested_lists_reads_the_annotation_once_per_level(m
 def test_an_assistant_tool_call_sent_back_is_refused_for_its_call(model_path):
     """An OpenAI client resends the assistant's tool call as ``{"role": "assistant", "content": null, "tool_calls":
     [...]}``: refused as "messages.1.content: Input should be a valid string; ... a valid list" (the tool_calls check
-    runs only once content passed). Now refused for the tool call, naming it; with content, as before."""
+    runs only once content passed). Now refused for the tool call, naming it; with content, as before. Chat
+    completions take tool calls now (tool calling, test_s36_tools_api.py): there only the legacy function_call is
+    refused."""
     call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
 
     async def fn(orch, c):
@@ -65,8 +67,9 @@ def test_an_assistant_tool_call_sent_back_is_refused_for_its_call(model_path):
                                    ("function_call", call[0]["function"], {"content": None}),
                                    ("tool_calls", call, {"content": "ok"})):
             msgs = [{"role": "user", "content": "x"}, {"role": "assistant", name: value, **extra}]
-            for path, body in (("/v1/chat/completions", {"model": orch.model_id}),
-                               (f"/api/v1/sessions/{sid}/generate", {})):
+            paths = [(f"/api/v1/sessions/{sid}/generate", {})]
+            paths += [("/v1/chat/completions", {"model": orch.model_id})] if name == "function_call" else []
+            for path, body in paths:
                 r = await c.post(path, json={**body, "messages": msgs})
                 err = r.json()["error"]
                 assert r.status_code == 400 and err["param"] == f"messages.1.{name}", (msgs, r.text)

@@ -1,6 +1,6 @@
 """HTTP API of the orchestrator: OpenAI-compatible ``/v1``, sessions, swarm state, metrics, dashboard.
 
-Requests are strict: an unknown field, or an OpenAI field we do not implement (``tools``, audio, ...), gets a 400
+Requests are strict: an unknown field, or an OpenAI field we do not implement (audio, ``functions``, ...), gets a 400
 that names it, never silent acceptance. Structured outputs (structured.py): chat's and completions'
 ``response_format`` (``json_object``, ``json_schema``), the Responses API's ``text.format``, and vLLM's
 ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``). Beside OpenAI's fields the
@@ -448,9 +448,79 @@ class ChatMessage(_Base):
         return out
 
 
+class FunctionCall(_Base):
+    """A call's function in an assistant message sent back: its name and its arguments (JSON text). The openai
+    package's ``.parse()`` adds ``parsed_arguments``: what it read them as, nothing more."""
+
+    name: str = pydantic.Field(min_length=1, max_length=64)
+    arguments: str
+    parsed_arguments: Optional[Any] = None
+
+
+class ToolCall(_Base):
+    """One of an assistant message's ``tool_calls`` (what a reply gave, sent back with the conversation)."""
+
+    id: str = pydantic.Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolChatMessage(ChatMessage):
+    """A chat message of ``/v1/chat/completions``, where tools are offered (tools.py): also an assistant's
+    ``tool_calls`` (``content`` null or text) and a tool's result (``role: "tool"`` with ``tool_call_id``)."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Optional[MessageContent] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = pydantic.Field(default=None, max_length=256)
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _no_tool_results(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") == "function":  # the legacy functions API's result
+            raise FieldError("role", 'a message of role "function" (the legacy functions API) is not supported: '
+                                     'send tools, and results as role "tool"')
+        if isinstance(data, dict):
+            _unsupported(data.get("function_call"), "function_call", (None, ""), "a message's function_call")
+        return data
+
+    @pydantic.model_validator(mode="after")
+    def _no_tool_use(self):
+        for name in ("refusal", "function_call", "audio", "annotations", "parsed"):
+            _unsupported(getattr(self, name), name, (None, [], ""), f"a message's {name}")
+        if self.tool_calls and self.role != "assistant":
+            raise FieldError("tool_calls", "only an assistant message has tool_calls")
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise FieldError("tool_call_id", 'a message of role "tool" needs the tool_call_id it answers')
+        elif self.tool_call_id is not None:
+            raise FieldError("tool_call_id", 'only a message of role "tool" has a tool_call_id')
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise FieldError("content", "content is required (null only in an assistant message with tool_calls)")
+        return self
+
+    def as_dict(self) -> dict:
+        text = None if self.content is None else self.content if isinstance(self.content, str) \
+            else "".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    @property
+    def uses_tools(self) -> bool:
+        """A call or a result: the conversation needs tools.py's rendering."""
+        return bool(self.tool_calls) or self.role == "tool"
+
+
 class ChatRequest(SamplingFields):
     model: str
-    messages: list[ChatMessage] = pydantic.Field(min_length=1)
+    messages: list[ToolChatMessage] = pydantic.Field(min_length=1)
     max_completion_tokens: Optional[int] = pydantic.Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
@@ -465,12 +535,14 @@ class ChatRequest(SamplingFields):
     # "medium" is OpenAI's default (what every reply here is); the others would change the output: refused
     verbosity: Optional[Literal["low", "medium", "high"]] = None
     moderation: Optional[Any] = None
-    # OpenAI fields we do not implement: accepted only at their "off" values, else a 400 naming them.
+    # tool calling (tools.py), decoded under a grammar as structured outputs are
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    _tools: Optional[ToolSet] = pydantic.PrivateAttr(default=None)
+    # OpenAI fields we do not implement: accepted only at their "off" values, else a 400 naming them.
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
-    parallel_tool_calls: Optional[bool] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None
     prediction: Optional[Any] = None
@@ -490,9 +562,6 @@ class ChatRequest(SamplingFields):
         if self.verbosity not in (None, "medium"):
             raise FieldError("verbosity", f"verbosity {self.verbosity!r} is not supported by this server (only "
                                           "'medium', OpenAI's default)")
-        _unsupported(self.tools, "tools", (None, []))  # no tools offered: what a plain chat is
-        _unsupported(self.tool_choice, "tool_choice", (None, "none"))
-        _unsupported(self.parallel_tool_calls, "parallel_tool_calls", (None, False))
         _unsupported(self.store, "store", (None, False))
         _unsupported(self.service_tier, "service_tier", (None, "auto", "default"))
         if self.modalities is not None and list(self.modalities) != ["text"]:
@@ -503,6 +572,26 @@ class ChatRequest(SamplingFields):
                 and self.max_tokens != self.max_completion_tokens:
             raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; give one")
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _structured_output(self):
+        # the tools' grammar is a structured output: one of them at most (tools.py)
+        specs = []
+        try:
+            if self.response_format is not None:
+                specs.append(StructuredSpec.from_response_format(self.response_format))
+            specs.append(StructuredSpec.from_structured_outputs(self.structured_outputs))
+            self._tools = parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+            specs.append(self._tools.spec() if self._tools is not None else None)
+        except RequestError as e:
+            raise FieldError(e.param or "response_format", str(e)) from None
+        self._set_spec(specs)
+        return self
+
+    @property
+    def tool_set(self) -> Optional[ToolSet]:
+        """The request's tools and tool_choice (None: no tools)."""
+        return self._tools
 
 
 class InputPart(_Base):
@@ -1264,6 +1353,19 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     check_text(value, f"messages.{i}.{key}")
         return await asyncio.to_thread(orch.encode_chat, messages)
 
+    async def tool_template(messages: list[dict], toolset: Optional[ToolSet]) -> list[int]:
+        """The token ids of a chat with tools, or with tool calls and results in it (tools.py renders them)."""
+        if sum(len(m.get("content") or "") + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
+               for m in messages) > MAX_PROMPT_CHARS:
+            raise RequestError("the messages are too long", param="messages", status=413, code="prompt_too_long")
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                if isinstance(value, str):
+                    check_text(value, f"messages.{i}.{key}")
+            for j, c in enumerate(m.get("tool_calls", [])):
+                check_text(c["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
+        return await asyncio.to_thread(_tools.encode_conversation, orch, messages, toolset)
+
     # ---- info ----------------------------------------------------------------------------------
     @app.get("/healthz")
     async def healthz():
@@ -1540,7 +1642,12 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if (forwarded := await maybe_forward(orch, request)) is not None:
             return forwarded
         check_model(req.model)
-        ids = await template([m.as_dict() for m in req.messages])
+        toolset = req.tool_set
+        layout = toolset.layout if toolset is not None else None  # None: the reply is text, as without tools
+        if toolset is not None or any(m.uses_tools for m in req.messages):
+            ids = await tool_template([m.as_dict() for m in req.messages], toolset)
+        else:
+            ids = await template([m.as_dict() for m in req.messages])
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -1555,22 +1662,62 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return {"content": lp.chat_entries(choices, top)} if top is not None else None
 
         if req.stream:
-            def chunk(i, text, finish, choices, first=False, gen=None):
+            scanners: dict[int, _tools.CallScanner] = {}  # each choice's reading of its reply (tool calls)
+
+            def plain_chunk(i, text, finish, choices, first=False, gen=None):
                 if first:
                     delta = {"role": "assistant", "content": ""}
                 else:
                     delta = {} if finish else {"content": text or ""}
+                return event(i, delta, finish, choices)
+
+            def event(i, delta, finish, choices):
                 return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": orch.model_id,
                         "choices": [{"index": i, "delta": delta, "finish_reason": finish,
                                      "logprobs": chat_lp(choices) if choices else None}]}
 
+            def tool_chunk(i, text, finish, choices, first=False, gen=None):
+                """OpenAI's tool-call stream: content null at first; a call's index, id and name in one delta,
+                then its arguments in pieces; ``finish_reason`` "tool_calls" (a text reply of ``auto``: content
+                deltas). Several deltas from one piece of text go as several events."""
+                if first:
+                    return event(i, {"role": "assistant", "content": None}, None, None)
+                scanner = scanners.setdefault(i, _tools.CallScanner(layout))
+                deltas = [tool_delta(scanner, e) for e in scanner.feed(text or "")]
+                if gen is not None:
+                    deltas += [tool_delta(scanner, e) for e in scanner.finish()]
+                    end = _tools.finish_reason(scanner, finish)
+                    return "".join(sse(event(i, d, None, None)) for d in deltas) + sse(event(i, {}, end, None))
+                if not deltas:  # text held back (a call marker may be starting); its logprobs are sent now
+                    return event(i, {}, finish, choices)
+                return "".join(sse(event(i, d, finish, choices if k == 0 else None)) for k, d in enumerate(deltas))
+
+            def tool_delta(scanner: _tools.CallScanner, e: tuple) -> dict:
+                if e[0] == "content":
+                    return {"content": e[1]}
+                call = scanner.calls[e[1]]
+                if e[0] == "call":
+                    return {"tool_calls": [{"index": e[1], "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]}
+                return {"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]}
+
             include = bool(req.stream_options and req.stream_options.include_usage)
             return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, req.n), explicit, emits),
-                                   req.n, chunk, include, len(ids))
+                                   req.n, plain_chunk if layout is None else tool_chunk, include, len(ids))
         gens = await unless_disconnected(request, orch.generate_n(ids, per_choice(params, req.n), explicit))
-        choices = [{"index": i, "message": {"role": "assistant", "content": g.text},
-                    "logprobs": chat_lp(g.logprobs or []), "finish_reason": g.finish_reason}
-                   for i, g in enumerate(gens)]
+
+        def reply(g: Generation) -> tuple[dict, str]:
+            """The choice's message and finish_reason: its calls, if it made any (tools.py)."""
+            if layout is None:
+                return {"role": "assistant", "content": g.text}, g.finish_reason
+            read = _tools.read_reply(layout, g.text)
+            if not read.is_calls:
+                return {"role": "assistant", "content": read.content}, g.finish_reason
+            return ({"role": "assistant", "content": None, "tool_calls": _tools.openai_calls(read.calls)},
+                    _tools.finish_reason(read, g.finish_reason))
+
+        choices = [{"index": i, "message": message, "logprobs": chat_lp(g.logprobs or []), "finish_reason": finish}
+                   for i, g in enumerate(gens) for message, finish in [reply(g)]]
         return {"id": cid, "object": "chat.completion", "created": created, "model": orch.model_id,
                 "choices": choices,
                 "usage": usage(len(ids), sum(len(g.token_ids) for g in gens), gens[0].cached_tokens), **extras(gens)}
