@@ -159,8 +159,9 @@ def test_assignments_of_another_model_or_too_many_blocks_are_not_followed(tiny_m
     rec = record_after_polls()
     assert (rec.state, rec.epoch, rec.num_blocks) == ("joining", -1, 0)
     assert rec.model_fingerprint == fingerprint and rec.max_blocks == 2
-    assert f"the orchestrator serves model {other}" in proc.log()
-    assert proc.log().count(f"the orchestrator serves model {other}") == 1  # said once, not once per poll
+    said = f"it serves model {other}, not this server's {fingerprint}"
+    assert said in proc.log()
+    assert proc.log().count(said) == 1  # said once, not once per poll
 
     publish(orch, 2, {peer: (0, 3)}, fingerprint=fingerprint)  # our model, one block over --max-blocks
     rec = record_after_polls()

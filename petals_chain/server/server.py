@@ -341,7 +341,7 @@ class Server:
             if asg.timestamp > self.assignment_timestamp:  # said once per assignment, not once per poll
                 self.assignment_timestamp = asg.timestamp
                 problem = fingerprint_problem(asg.model_fingerprint, self.model_fingerprint,
-                                              self.active.source.legacy_fingerprint)
+                                              self.active.source.legacy_fingerprint, ours_is="this server's")
                 logger.error(f"not following the assignment of orchestrator {asg.orchestrator_peer_id[:12]} "
                              f"({self.source.path}): {problem}")
             return

@@ -449,15 +449,16 @@ def _legacy_sample(f, start: int, end: int, size: int = 4096) -> bytes:
     return head + f.read(end - tail_start)
 
 
-def fingerprint_problem(theirs: str, ours: str, ours_legacy: str = "") -> str:
+def fingerprint_problem(theirs: str, ours: str, ours_legacy: str = "", ours_is: str = "this swarm's") -> str:
     """Why a peer announcing model fingerprint ``theirs`` is not one for this model (fingerprint ``ours``, or
-    ``ours_legacy`` as versions before 14a2ac8 computed it): "" when it is ``ours``."""
+    ``ours_legacy`` as versions before 14a2ac8 computed it): "" when it is ``ours``. ``ours_is`` names whose
+    ``ours`` is (a server says "this server's")."""
     if theirs == ours:
         return ""
     if theirs and theirs == ours_legacy:
         return (f"it runs an older petals-chain, which fingerprints this same model as {theirs} (sampled weights; "
                 f"this version hashes every weight byte: {ours}): upgrade it")
-    return f"it serves model {theirs or '(unknown)'}, not this swarm's {ours}"
+    return f"it serves model {theirs or '(unknown)'}, not {ours_is} {ours}"
 
 
 def _ggml_type_name(type_id: int) -> str:
