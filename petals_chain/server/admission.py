@@ -16,13 +16,22 @@ caps has its own code, :data:`STRANGER_QUOTA`.
 An open that waits may name a key (its peer and session id): a second wait under the same key takes the first's place
 in the queue, and the first is refused (``replaced``): a client that re-sends its open (its first stream broke) keeps
 its turn and holds one place, not two.
+
+:class:`Descriptors` bounds what the server's open-files limit (``ulimit -n``) can hold: each open session, and each
+open waiting for slots, holds the descriptor of its P2P stream (measured: one each in the server process, and one
+more for a push relay's stream to the next hop). Past the limit hivemind could not even accept a stream: every open
+hung unanswered until its client gave up (150 opens at ``ulimit -n 128``: none served in 120 s, and the server's
+record publishing failed). An open is refused ``no_capacity`` while fewer than :data:`DESCRIPTOR_RESERVE` descriptors
+are left, and the record announces no more slots than the free descriptors hold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
@@ -30,6 +39,19 @@ from typing import Any, Callable, Hashable, Optional
 STRANGER_QUOTA = "stranger_quota"  # refusal code: an untrusted peer's open or extend is over its share of the pool
 DEFAULT_MAX_KV_SHARE_PER_STRANGER = 0.25
 DEFAULT_MAX_KV_SHARE_STRANGERS = 0.5
+# Open files kept for the server's own work, not a session's stream: the record's trip to the DHT process (torch
+# shared memory, failing with EMFILE at the limit), logging, a refusal's stream, a push's stream to the next hop
+DESCRIPTOR_RESERVE = 32
+# Open files one session may hold: its stream from the orchestrator and, under a push relay, a step's stream from the
+# previous hop and to the next (at ulimit -n 128 two push servers held 127 each with 2 counted: pushes and the record
+# failed with EMFILE, and a server was declared failed)
+DESCRIPTORS_PER_SESSION = 3
+# Open files an idle server holds (measured ~20): the part of the limit no session can have, in the announced capacity
+DESCRIPTORS_IDLE = 32
+# How often a refusal for want of descriptors is logged while it lasts (seconds)
+DESCRIPTOR_LOG_S = 60.0
+
+logger = logging.getLogger("petals_chain.server")
 
 
 def check_share(flag: str, value: object) -> float:
@@ -87,6 +109,75 @@ class StrangerShares:
         """Queued opens one stranger may have: ``--max-kv-share-per-stranger`` of ``max_waiters``, at least 1 (the
         page cap alone let one peer id fill the strangers' part of the queue with one-page opens)."""
         return max(1, math.floor(self.per_stranger * max_waiters))
+
+
+def _open_files() -> Optional[int]:
+    """Descriptors this process has open (None where the platform does not say)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir held
+    except OSError:
+        return None
+
+
+def _open_files_limit() -> Optional[int]:
+    """The soft open-files limit (None: unlimited or unknown)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX platform
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+class Descriptors:
+    """This process's open descriptors against its open-files limit, for admission and the announced slots (see the
+    module docstring). ``in_use`` and ``limit`` are read at each call (tests give fakes)."""
+
+    def __init__(self, *, reserve: int = DESCRIPTOR_RESERVE, per_session: int = DESCRIPTORS_PER_SESSION,
+                 idle: int = DESCRIPTORS_IDLE, in_use: Callable[[], Optional[int]] = _open_files,
+                 limit: Callable[[], Optional[int]] = _open_files_limit, log_period_s: float = DESCRIPTOR_LOG_S):
+        if reserve < 0 or per_session < 1 or idle < 0:
+            raise ValueError("reserve and idle must be >= 0, per_session >= 1")
+        self.reserve, self.per_session, self.idle = int(reserve), int(per_session), int(idle)
+        self._in_use, self._limit = in_use, limit
+        self.log_period_s = float(log_period_s)
+        self.refused = 0  # opens refused for want of descriptors
+        self._logged_at, self._logged_refused = -math.inf, 0
+
+    def free(self) -> Optional[int]:
+        """Descriptors left to sessions now (the reserve kept back; may be negative); None: no limit known."""
+        limit, in_use = self._limit(), self._in_use()
+        return None if limit is None or in_use is None else limit - self.reserve - in_use
+
+    def sessions_free(self) -> Optional[int]:
+        """More sessions the free descriptors hold (:data:`DESCRIPTORS_PER_SESSION` each); None: any number."""
+        free = self.free()
+        return None if free is None else max(0, free // self.per_session)
+
+    def sessions_total(self) -> Optional[int]:
+        """Sessions the limit holds at once, past an idle server's descriptors and the reserve; None: any number."""
+        limit = self._limit()
+        return None if limit is None else max(0, (limit - self.idle - self.reserve) // self.per_session)
+
+    def refusal(self, sessions: int = 0) -> Optional[str]:
+        """Why an open (or a wait for slots, which holds its stream) is refused now, with ``sessions`` open or waiting
+        already; None if it may proceed. Refused when the descriptors left are within the reserve, or when one more
+        session is past :meth:`sessions_total` (its later streams, a push relay's, are taken after its open). Logged
+        once per ``log_period_s`` while it lasts (a storm refused hundreds of opens a second)."""
+        free, total = self.free(), self.sessions_total()
+        if (free is None or free > 0) and (total is None or sessions < total):
+            return None
+        limit, in_use = self._limit(), self._in_use()
+        why = (f"this server is out of open files ({in_use} of its limit of {limit} in use, {self.reserve} kept for "
+               f"its own work; {sessions} sessions open or waiting, each may hold {self.per_session}): raise "
+               f"ulimit -n where it starts")
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self.log_period_s:
+            logger.warning("opens refused for want of descriptors: %d since the last warning; %s",
+                           self.refused - self._logged_refused, why)
+            self._logged_at, self._logged_refused = now, self.refused
+        return why
 
 
 class WaitRefused(Exception):

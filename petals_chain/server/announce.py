@@ -53,21 +53,27 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
     failure = getattr(src, "load_failure", None)
     service = getattr(src, "service", None)
     free = int(runner.slots_free) if runner is not None else 0
+    total = int(runner.slots_total) if runner is not None else 0
+    tokens_total = int(runner.cache_tokens_total) if runner is not None else 0
+    tokens_free = int(runner.cache_tokens_free) if runner is not None else 0
+    descriptors = getattr(service, "descriptors", None)
+    if descriptors is not None and runner is not None:  # no more slots than the open-files limit holds sessions
+        total, tokens_total = _capped(total, tokens_total, descriptors.sessions_total())
+        free, tokens_free = _capped(free, tokens_free, descriptors.sessions_free())
+        free, tokens_free = min(free, total), min(tokens_free, tokens_total)
     # read after slots_free, and pages a step returned meanwhile may have raised it: at most the slots_free announced
     stranger_free = min(free, int(service.stranger_slots_free())) if runner is not None and service is not None else 0
     return ServerRecord(
         peer_id=peer_id, state=src.state, memory_bytes=int(src.memory.memory_bytes),
         tau_p=float(src.emulation.announced_tau_p(src.tau_p)), device=cfg.device, dtype=src.dtype_name,
         quant=cfg.quant, start_block=int(start), num_blocks=int(num),
-        slots_total=int(runner.slots_total) if runner is not None else 0,
-        slots_free=free, stranger_slots_free=stranger_free,
+        slots_total=total, slots_free=free, stranger_slots_free=stranger_free,
         public_name=cfg.public_name[:PUBLIC_NAME_MAX], max_length=int(src.max_length), s_m_bytes=int(src.memory.s_m),
         s_c_bytes=int(src.memory.s_c(src.max_length)), **src.emulation.record_fields(), epoch=int(src.epoch),
         model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), kv_cache=cfg.kv_cache,
         page_size=(int(runner.page_size) if runner is not None  # before a load: the page its KV will have
                    else page_size_for(cfg.kv_cache, int(src.max_length), int(cfg.page_size))),
-        cache_tokens_total=int(runner.cache_tokens_total) if runner is not None else 0,
-        cache_tokens_free=int(runner.cache_tokens_free) if runner is not None else 0,
+        cache_tokens_total=tokens_total, cache_tokens_free=tokens_free,
         prefix_cache=bool(runner is not None and runner.prefix_cache),
         prefix_offered_tokens=int(runner.prefix_offered_tokens) if runner is not None else 0,
         prefix_reused_tokens=int(runner.prefix_reused_tokens) if runner is not None else 0,
@@ -77,6 +83,15 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         cache_tokens_per_block=int(getattr(cfg, "cache_tokens_per_block", 0) or 0),
         started_at=float(getattr(src, "started_at", PROCESS_STARTED_AT)), timestamp=time.time(),
     )
+
+
+def _capped(slots: int, tokens: int, sessions: Optional[int]) -> tuple[int, int]:
+    """``slots`` and their ``tokens`` cut to ``sessions`` slots (the tokens in proportion; None: not cut). A server
+    at ``ulimit -n 128`` announced 800 slots it could hold no 100 sessions of: the orchestrator placed 150 jobs on it,
+    and none was answered."""
+    if sessions is None or sessions >= slots:
+        return slots, tokens
+    return sessions, (tokens * sessions) // slots if slots else 0
 
 
 class Announcer:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from petals_chain.server.admission import STRANGER_QUOTA, SlotWaitQueue, StrangerShares, WaitRefused
+from petals_chain.server.admission import STRANGER_QUOTA, Descriptors, SlotWaitQueue, StrangerShares, WaitRefused
 from petals_chain.server.kv_cache import NoCapacityError
 from petals_chain.swarm.rpc import RefusedError
 
@@ -62,8 +62,10 @@ class SessionService:
     def __init__(self, *, hidden_size: int, trusted: Iterable[str], allow_any_client: bool,
                  state: Callable[[], str], on_change: Callable[[], None], describe: Callable[[], dict],
                  max_waiters: int = 256, max_wait_s: float = 600.0,
-                 stranger_shares: StrangerShares = StrangerShares()):
+                 stranger_shares: StrangerShares = StrangerShares(), descriptors: Optional[Descriptors] = None):
         self.hidden_size = hidden_size
+        # opens refused ``no_capacity`` near the open-files limit (past it none could even be answered)
+        self.descriptors = descriptors if descriptors is not None else Descriptors()
         self.trusted = trusted
         self.allow_any_client = allow_any_client
         self.runner = None  # set by the lifecycle while a span is loaded
@@ -86,6 +88,7 @@ class SessionService:
                      fork_from: Optional[str] = None, fork_length: int = 0,
                      prefix_hashes: Sequence[bytes] = ()) -> dict:
         runner = self._check_open(session_id, max_length)
+        self._check_descriptors()
         guest = not self._trusted(peer_id)
         if guest:
             self._check_share(runner, peer_id, start_block, end_block, max_length, session_id)
@@ -102,6 +105,7 @@ class SessionService:
                                 peer_id: str, wait_s: float, prefix_hashes: Sequence[bytes] = ()) -> dict:
         """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
         runner = self._check_open(session_id, max_length)
+        self._check_descriptors()  # a wait holds its stream's descriptor too
         if not runner.start_block <= start_block < end_block <= runner.end_block:
             raise RefusedError("invalid", f"span [{start_block}, {end_block}) is not a non-empty part of this "
                                           f"server's blocks [{runner.start_block}, {runner.end_block})")
@@ -312,6 +316,13 @@ class SessionService:
                 raise RefusedError("unavailable", f"session {session_id!r} was released: the server drained")
             raise RefusedError("invalid", f"unknown session {session_id!r}")
         return sess
+
+    def _check_descriptors(self) -> None:
+        """Refuse an open ``no_capacity`` (its client places the work elsewhere or retries; no ban) while the
+        open-files limit is nearly reached: past it no stream could be accepted, and every open hung unanswered."""
+        why = self.descriptors.refusal(len(self.sessions) + len(self.admission))
+        if why is not None:
+            raise RefusedError("no_capacity", f"no capacity: {why}")
 
     def _check_open(self, session_id: str, max_length: int):
         runner = self.runner
