@@ -23,7 +23,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from petals_chain.swarm.logs import log_level
-from petals_chain.swarm.version import build_version
+from petals_chain.swarm.version import build_version, version_asked
 
 logger = logging.getLogger("petals_chain.dashboard")
 
@@ -105,6 +105,9 @@ def discover_prefix(sd, trusted: Sequence[str], timeout_s: float, poll_s: float 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if version_asked(argv):  # before build_parser's imports (the web page's)
+        print(build_version())
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -18,7 +18,7 @@ import urllib.parse
 from typing import Any
 
 from petals_chain.swarm.logs import log_level
-from petals_chain.swarm.version import build_version
+from petals_chain.swarm.version import build_version, version_asked
 
 logger = logging.getLogger("petals_chain.orchestrator")
 
@@ -829,6 +829,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    if version_asked(argv):  # before build_parser's imports (torch, the planner): 11 s to print a line
+        print(build_version())
+        return 0
+    from petals_chain.swarm.launch import check_shared_memory
+
+    try:  # before build_parser: its imports reach hivemind's, which makes locks there
+        check_shared_memory("orchestrator")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     from petals_chain.swarm.launch import raise_open_files_limit

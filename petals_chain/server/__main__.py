@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from petals_chain.server.admission import DEFAULT_MAX_KV_SHARE_PER_STRANGER, DEFAULT_MAX_KV_SHARE_STRANGERS
 from petals_chain.swarm.logs import log_level, one_line
-from petals_chain.swarm.version import build_version
+from petals_chain.swarm.version import build_version, version_asked
 
 logger = logging.getLogger("petals_chain.server")
 
@@ -157,14 +157,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
+    if version_asked(argv):  # before build_parser's imports
+        print(build_version())
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",
                         stream=sys.stderr)
-    from petals_chain.swarm.launch import raise_open_files_limit
+    from petals_chain.swarm.launch import check_shared_memory, raise_open_files_limit
 
     try:  # else the descriptors ran out under load (each session and P2P stream takes one): sessions refused
         raise_open_files_limit("server")
+        check_shared_memory("server")  # before hivemind's import makes its locks there
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

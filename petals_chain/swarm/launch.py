@@ -231,6 +231,21 @@ def raise_open_files_limit(role: str, needed: int = MIN_OPEN_FILES) -> int:
     return limit
 
 
+def check_shared_memory(role: str) -> None:
+    """ValueError naming ``/dev/shm`` when this process cannot create a semaphore there. multiprocessing's locks
+    (hivemind makes some at import, its DHT process more) and torch's shared tensors live in ``/dev/shm``: when it is
+    full (or not writable), a role died at import with a 47-line traceback ending in "OSError: [Errno 28] No space
+    left on device", naming neither ``/dev/shm`` nor a remedy."""
+    import multiprocessing
+
+    try:
+        multiprocessing.get_context().Lock()  # released at once: its name was unlinked when it was made
+    except OSError as e:
+        raise ValueError(f"the {role} cannot create a semaphore in /dev/shm ({e.strerror or e}): multiprocessing, "
+                         f"hivemind and torch keep their locks and shared tensors there. Free some space in it "
+                         f"(df -h /dev/shm) or give it more (docker: --shm-size=64m)") from None
+
+
 def _shown_limit(value: int) -> str:
     import resource
 

@@ -5,7 +5,8 @@ code. The package version comes from the installed metadata; when the package ru
 editable install, how volunteers run it), the commit checked out is appended, read from ``.git`` without running
 git (HEAD, its ref, packed-refs; worktrees and ``.git`` files included), and ``.dirty`` when a tracked file differs
 from the index (a stat per file, a hash only of those whose stat changed). Changes staged but not committed are not
-seen (that needs the object store). A wheel or sdist install has no checkout beside it: the package version only.
+seen (that needs the object store). A wheel or sdist install has no checkout beside it: the package version only;
+nor does a copy inside another project's repository (``pip install --target``): its index does not track this file.
 Computed once per process (:func:`build_version`); never raises.
 """
 
@@ -16,9 +17,11 @@ import hashlib
 import importlib.metadata
 import os
 import re
+import stat
 import struct
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 NAME = "petals-chain"
 DIST = "petals_chain"
@@ -42,6 +45,27 @@ def package_version() -> str:
 def source_root() -> Path:
     """The directory holding the ``petals_chain`` package: a git checkout's root when it runs from one."""
     return Path(__file__).resolve().parent.parent.parent
+
+
+def is_own_checkout(root: Path) -> bool:
+    """Whether the checkout at ``root`` tracks this very file: False for another project's repository the package
+    was merely copied into (``pip install --target``, a vendored copy not committed), whose commit is not the build
+    of this code. Taken as True when its index cannot be read (no index yet, a split index)."""
+    entries = _load_index(root)
+    if entries is None:
+        return True
+    try:
+        own = Path(__file__).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return False  # this file is not in that checkout at all
+    return any(entry.path == own for entry in entries)
+
+
+def version_asked(argv: Optional[Sequence[str]]) -> bool:
+    """Whether a command line asks for ``--version`` (before a ``--``): a role answers it before importing its
+    heavy modules (torch, the planner: seconds), as its full parser would."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return "--version" in args[:args.index("--")] if "--" in args else "--version" in args
 
 
 def _read(path: Path) -> Optional[str]:
@@ -107,66 +131,146 @@ def _blob_hash(data: bytes, algo: str) -> bytes:
     return h.digest()
 
 
-def worktree_dirty(root: Path) -> Optional[bool]:
-    """Whether a tracked file at ``root`` differs from git's index (modified, deleted or in a merge conflict); None
-    when it cannot tell cheaply (no checkout, an index format other than 2 or 3, an unreadable index, too much to
-    hash). A file whose size and mtime match its index entry is taken as unchanged, as ``git status`` does, unless
-    it changed in the index's second (racy); others are hashed, CRLF line ends also read as LF (autocrlf)."""
-    dirs = git_dirs(root)
-    if dirs is None:
-        return None
-    index = dirs[0] / "index"
-    try:
-        data = index.read_bytes()
-        index_mtime = index.stat().st_mtime_ns
-    except OSError:
-        return None
+class _Entry(NamedTuple):
+    path: str
+    mode: int
+    size: int
+    mtime_ns: int
+    sha: bytes
+    flags: int
+    extended: int
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """Git's offset varint (index v4's prefix length): ``(value, position after it)``."""
+    c = data[pos]
+    pos += 1
+    value = c & 0x7F
+    while c & 0x80:
+        c = data[pos]
+        pos += 1
+        value = ((value + 1) << 7) | (c & 0x7F)
+    return value, pos
+
+
+def _index_entries(data: bytes, sha_len: int) -> Optional[list[_Entry]]:
+    """The entries of a git index (versions 2, 3 and 4), or None for one this cannot read whole: a split index
+    (its entries live partly in a shared index file), too many entries, a path leaving the checkout, or corrupt.
+    Raises ``struct.error``/``ValueError``/``IndexError`` on a truncated one."""
     if len(data) < 12 or data[:4] != b"DIRC":
         return None
     version, count = struct.unpack(">II", data[4:12])
-    if version not in (2, 3) or count > _MAX_INDEX_ENTRIES:
+    if version not in (2, 3, 4) or count > _MAX_INDEX_ENTRIES:
+        return None
+    entries: list[_Entry] = []
+    pos, previous = 12, b""
+    for _ in range(count):
+        fields = struct.unpack(">10I", data[pos:pos + 40])
+        sha = data[pos + 40:pos + 40 + sha_len]
+        (flags,) = struct.unpack(">H", data[pos + 40 + sha_len:pos + 42 + sha_len])
+        head = pos + 42 + sha_len
+        extended = 0
+        if version >= 3 and flags & 0x4000:
+            (extended,) = struct.unpack(">H", data[head:head + 2])
+            head += 2
+        if version == 4:  # the path is the previous one less N trailing bytes, plus this suffix; no padding
+            strip, head = _varint(data, head)
+            if strip > len(previous):
+                return None
+            end = data.index(b"\0", head)
+            raw = previous[:len(previous) - strip] + data[head:end]
+            pos = end + 1
+        else:
+            end = data.index(b"\0", head)
+            raw = data[head:end]
+            pos += (end - pos + 8) & ~7  # the NUL-padded entry, a multiple of 8 bytes
+        previous = raw
+        path = raw.decode("utf-8", "surrogateescape")
+        if not path or path.startswith("/") or ".." in path.split("/"):
+            return None  # git never writes one (a split index's replaced entry has no name)
+        entries.append(_Entry(path, fields[6], fields[9], fields[2] * 10**9 + fields[3], sha, flags, extended))
+    while pos + 8 <= len(data) - sha_len:  # the extensions, before the trailing checksum
+        signature = data[pos:pos + 4]
+        (size,) = struct.unpack(">I", data[pos + 4:pos + 8])
+        if signature == b"link":  # core.splitIndex: most entries are in sharedindex.<hash>
+            return None
+        pos += 8 + size
+    return entries
+
+
+def _differs(root: Path, entry: _Entry, index_mtime_ns: int, algo: str, budget: list[int]) -> Optional[bool]:
+    """Whether the file of one index entry differs from it (None: too much left to hash)."""
+    full = Path(root) / entry.path
+    try:
+        st = os.lstat(full)
+    except OSError:
+        return True  # deleted
+    link = entry.mode >> 12 == 0o12
+    if stat.S_ISLNK(st.st_mode) != link or not (link or stat.S_ISREG(st.st_mode)):
+        return True  # its type changed (a FIFO or a directory is never read: it would block or fail)
+    if st.st_size == entry.size and st.st_mtime_ns == entry.mtime_ns and entry.mtime_ns < index_mtime_ns:
+        return False  # as git status: same stat, written before the index was (not racy)
+    if link:  # a symlink's blob is its target
+        content = os.readlink(full).encode("utf-8", "surrogateescape")
+    else:
+        budget[0] -= st.st_size
+        if budget[0] < 0:
+            return None
+        fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:  # no symlink swapped in since the lstat, and no more than it said
+            content = f.read(st.st_size + 1)
+        if len(content) > st.st_size:
+            return True  # growing as we read it
+    if _blob_hash(content, algo) == entry.sha:
+        return False
+    return b"\r\n" not in content or _blob_hash(content.replace(b"\r\n", b"\n"), algo) != entry.sha
+
+
+def _index_path_and_algo(root: Path) -> Optional[tuple[Path, int, str]]:
+    dirs = git_dirs(root)
+    if dirs is None:
         return None
     config = _read(dirs[1] / "config") or ""
-    sha_len, algo = (32, "sha256") if re.search(r"objectformat\s*=\s*sha256", config, re.I) else (20, "sha1")
-    budget = _MAX_HASHED_BYTES
-    pos = 12
+    sha256 = re.search(r"objectformat\s*=\s*sha256", config, re.I)
+    return (dirs[0] / "index", 32, "sha256") if sha256 else (dirs[0] / "index", 20, "sha1")
+
+
+def _load_index(root: Path) -> Optional[list[_Entry]]:
+    """The entries of the git index of the checkout at ``root``, or None (no checkout or index, or unreadable)."""
+    where = _index_path_and_algo(root)
+    if where is None:
+        return None
     try:
-        for _ in range(count):
-            fields = struct.unpack(">10I", data[pos:pos + 40])
-            mtime_ns = fields[2] * 10**9 + fields[3]
-            mode, size = fields[6], fields[9]
-            sha = data[pos + 40:pos + 40 + sha_len]
-            (flags,) = struct.unpack(">H", data[pos + 40 + sha_len:pos + 42 + sha_len])
-            head = 42 + sha_len
-            extended = 0
-            if version == 3 and flags & 0x4000:
-                (extended,) = struct.unpack(">H", data[pos + head:pos + head + 2])
-                head += 2
-            end = data.index(b"\0", pos + head)
-            path = data[pos + head:end].decode("utf-8", "surrogateescape")
-            pos += (end - pos + 8) & ~7  # the NUL-padded entry, a multiple of 8 bytes
-            if flags & 0x3000:
+        return _index_entries(where[0].read_bytes(), where[1])
+    except (struct.error, ValueError, IndexError, OSError):
+        return None
+
+
+def worktree_dirty(root: Path) -> Optional[bool]:
+    """Whether a tracked file at ``root`` differs from git's index (modified, deleted, its type changed, or in a
+    merge conflict); None when it cannot tell cheaply (no checkout, a split index, an unreadable or corrupt index,
+    too much to hash). A file whose size and mtime match its index entry is taken as unchanged, as ``git status``
+    does, unless it changed in the index's second (racy); others are hashed, CRLF line ends also read as LF
+    (autocrlf). Only regular files and symlinks are read (a FIFO at a tracked path would block startup)."""
+    where = _index_path_and_algo(root)
+    if where is None:
+        return None
+    index, sha_len, algo = where
+    budget = [_MAX_HASHED_BYTES]
+    try:
+        index_mtime = index.stat().st_mtime_ns
+        entries = _index_entries(index.read_bytes(), sha_len)
+        if entries is None:
+            return None
+        for entry in entries:
+            if entry.flags & 0x3000:
                 return True  # a merge conflict's stage
-            if flags & 0x8000 or extended & 0x4000 or mode >> 12 == 0o16:
-                continue  # assume-unchanged, skip-worktree, a submodule
-            full = Path(root) / path
-            try:
-                st = os.lstat(full)
-            except OSError:
-                return True  # deleted
-            if st.st_size == size and st.st_mtime_ns == mtime_ns and mtime_ns < index_mtime:
-                continue
-            if mode >> 12 == 0o12:  # a symlink's blob is its target
-                content = os.readlink(full).encode("utf-8", "surrogateescape")
-            else:
-                budget -= st.st_size
-                if budget < 0:
-                    return None
-                content = full.read_bytes()
-            if _blob_hash(content, algo) != sha and (b"\r\n" not in content
-                                                     or _blob_hash(content.replace(b"\r\n", b"\n"), algo) != sha):
-                return True
-    except (struct.error, ValueError, OSError):
+            if entry.flags & 0x8000 or entry.extended & 0x4000 or entry.mode >> 12 in (0o16, 0o4):
+                continue  # assume-unchanged, skip-worktree (sparse checkout), a submodule, a sparse index's dir
+            differs = _differs(root, entry, index_mtime, algo, budget)
+            if differs is not False:
+                return differs
+    except (struct.error, ValueError, IndexError, OSError):
         return None
     return False
 
@@ -187,9 +291,9 @@ def build_version() -> str:
     """This process's version string (computed once): the package version, plus the commit of the checkout the
     code runs from, if any."""
     root = source_root()
-    commit = git_commit(root)
+    commit = git_commit(root) if is_own_checkout(root) else None
     return version_string(package_version(), commit, worktree_dirty(root) if commit else None)
 
 
 __all__ = ["build_version", "version_string", "git_commit", "worktree_dirty", "package_version", "source_root",
-           "VERSION_MAX", "NAME"]
+           "is_own_checkout", "version_asked", "VERSION_MAX", "NAME"]
