@@ -402,9 +402,12 @@ class Lease:
     # costs a round trip there, and a recompute of the job's whole history anywhere else
     keeps_kv: bool = False
     started: float = field(default_factory=time.monotonic)
-    # counted against chain ``index``, which shares servers with its own ``chain`` that a re-plan dropped
-    # (DispatchManager._carry): its steps teach nothing of chain ``index``
+    # counted against chain ``index`` (and ``also``), which share servers with its own ``chain`` that a re-plan
+    # dropped (DispatchManager._carry): its steps teach nothing of chain ``index``
     carried: bool = False
+    # further chains of the current plan it is counted against: those of its servers that chain ``index`` does not
+    # pass through are each counted on one of them (one place each, given back at its release)
+    also: list[int] = field(default_factory=list)
 
     @property
     def hops(self) -> list[tuple[str, int, int]]:
@@ -535,9 +538,13 @@ class DispatchManager:
         # of it and its peak); the chains of older plans are forgotten past KEPT_CHAIN_IDS (ids are never reused)
         self._id_by_key: dict[tuple, int] = {}
         self._running_by_chain: dict[int, set[Lease]] = {}  # chain id -> its running leases (in any plan)
-        # leases of chains a re-plan dropped that no chain sharing their servers had room for (in order): each takes
-        # the next slot freed on such a chain (_slot_freed)
-        self._carried: dict[Lease, None] = {}
+        # leases of chains a re-plan dropped -> (rank, their servers that no chain counts them on yet: no chain through
+        # them had room), in order: each takes the next slot freed on a chain through one of those servers
+        # (_slot_freed)
+        self._carried: dict[Lease, tuple[int, set[str]]] = {}
+        self._carry_ranks = itertools.count()
+        self._carried_on: dict[str, dict[Lease, None]] = {}  # server -> the leases of _carried still to count there
+        self._chains_on: dict[str, list[tuple[int, int, int]]] = {}  # server -> (chain index, span) of the plan
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
         self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO); part of the queue
         self._lane: list[DispatchJob] = []  # re-queued jobs (FIFO), served before the queue
@@ -651,23 +658,23 @@ class DispatchManager:
         self.dispatcher = self.factory(chains) if chains else None
         self._active = {}
         index_by_key = self._index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
-        self._carried = {}
+        self._carried, self._carried_on, self._chains_on = {}, {}, {}
+        for k, ch in enumerate(chains):
+            for server, (a, b) in zip(ch.servers, ch.spans):
+                self._chains_on.setdefault(server, []).append((k, int(a), int(b)))
+        unplaced = []
         for lease in old_running:
+            lease.also = []
             k = index_by_key.get(chain_key(lease.chain))
             if k is not None and self._adopt(k, lease.job):
-                lease.index, lease.generation, lease.chain, lease.carried = k, self.generation, chains[k], False
-                if lease.chain_id != self.chain_ids[k]:  # its chain's id was pruned while the plan left it out
-                    on_chain = self._running_by_chain.get(lease.chain_id, set())
-                    on_chain.discard(lease)
-                    if not on_chain:
-                        self._running_by_chain.pop(lease.chain_id, None)
-                    lease.chain_id = self.chain_ids[k]
-                    self._running_by_chain.setdefault(lease.chain_id, set()).add(lease)
+                self._own(lease, k)
                 self._count(k, +1)
-            elif not self._carry(lease, [j for j in self._by_overlap(lease.chain) if j != k]):
-                # every chain it shares servers with is full (the plan lowered their capacities): it takes the first
-                # slot that frees on one of them (_slot_freed) before any waiting job does
-                self._carried[lease] = None
+            else:
+                unplaced.append(lease)
+        # after every job of an unchanged chain has its place there (in _running's order, a job of a dropped chain
+        # took the place of one running on the chain itself, which was then counted as carried or not at all)
+        for lease in unplaced:
+            self._carry(lease)
         self._reserved = {}
         for places in list(self._slot_holds):  # held slots stay held (their chain first) before waiting jobs come
             keys, places.slots = places.slots, []
@@ -704,42 +711,81 @@ class DispatchManager:
         if self.priorities is not None:
             self._unmark_dropped(old_running)
         self._note_queue()
-        carried = sum(1 for lease in self._running.values() if lease.carried and lease.generation == self.generation)
-        logger.info("dispatch generation %d: %d chains, %d running (%d of them on chains re-planned away, %d not yet "
-                    "counted), %d queued, %d re-queued", self.generation, len(chains), len(self._running),
-                    carried + len(self._carried), len(self._carried), self.queue_length, len(self._lane))
+        carried = sum(1 for lease in self._running.values() if lease.carried or lease in self._carried)
+        logger.info("dispatch generation %d: %d chains, %d running (%d of them on chains re-planned away, %d still "
+                    "to be counted on a server they hold), %d queued, %d re-queued", self.generation, len(chains),
+                    len(self._running), carried, len(self._carried), self.queue_length, len(self._lane))
 
     def _adopt(self, k: int, job: DispatchJob) -> bool:
         """Count an already running ``job`` against chain ``k`` of the new dispatcher (arrive() would pick a
         chain by its own rule; the job already runs on chain k)."""
         return bool(self.dispatcher.adopt(k, job))
 
-    def _by_overlap(self, chain: Chain) -> list[int]:
-        """Indices of the current chains that share blocks of a server with ``chain``, most shared first (ties: GCA
-        order)."""
-        held: dict[str, list[tuple[int, int]]] = {}
-        for server, (a, b) in zip(chain.servers, chain.spans):
-            held.setdefault(server, []).append((int(a), int(b)))
-        shared = []
-        for k, ch in enumerate(self.chains):
-            n = sum(max(0, min(b, d) - max(a, c)) for server, (c, d) in zip(ch.servers, ch.spans)
-                    for a, b in held.get(server, ()))
-            if n > 0:
-                shared.append((-n, k))
-        return [k for _, k in sorted(shared)]
+    def _own(self, lease: Lease, k: int) -> None:
+        """``lease`` runs on chain ``k`` of the current plan itself (its hops and spans): counted there as its own."""
+        lease.index, lease.generation, lease.chain, lease.carried = k, self.generation, self.chains[k], False
+        if lease.chain_id != self.chain_ids[k]:  # its chain's id was pruned while the plan left it out
+            on_chain = self._running_by_chain.get(lease.chain_id, set())
+            on_chain.discard(lease)
+            if not on_chain:
+                self._running_by_chain.pop(lease.chain_id, None)
+            lease.chain_id = self.chain_ids[k]
+            self._running_by_chain.setdefault(lease.chain_id, set()).add(lease)
 
-    def _carry(self, lease: Lease, candidates: Sequence[int]) -> bool:
-        """Count ``lease``, running on a chain the plan no longer has, against the first of ``candidates`` (current
-        chain indices) with room; True if one had. GCA sized the new chains on every slot of their servers, so a job
-        still holding some of them there takes one of the chain's ``c_k`` places: uncounted, JFFC started ``c_k``
-        more jobs on the same servers (a chain re-split by a block ran two jobs at capacity 1). The lease keeps its
-        own chain and id (its hops, its step times); only its count moves (``carried``)."""
-        for k in candidates:
-            if self._adopt(k, lease.job):
+    def _by_overlap(self, chain: Chain) -> list[int]:
+        """Indices of the current chains that pass through a server of ``chain``, most blocks of those servers shared
+        first, then most servers shared (ties: GCA order). O(hops x chains through them)."""
+        shared: dict[int, list[int]] = {}
+        for server, (a, b) in zip(chain.servers, chain.spans):
+            for k, c, d in self._chains_on.get(server, ()):
+                n = shared.setdefault(k, [0, 0])
+                n[0] += max(0, min(int(b), d) - max(int(a), c))
+                n[1] += 1
+        return sorted(shared, key=lambda k: (-shared[k][0], -shared[k][1], k))
+
+    def _carry(self, lease: Lease) -> None:
+        """Count ``lease``, running on a chain the plan no longer has (or no longer has room on), against chains of the
+        plan through its servers: GCA sized the new chains on every slot of their servers, so a job still holding a
+        slot on each of them takes a place there. Chains with room, most shared first, until each of its servers
+        that the plan uses is passed by one it counts on; a server of a full chain waits for the next slot freed on
+        a chain through it (:meth:`_carry_into`), before any waiting job. Uncounted, JFFC started ``c_k`` more jobs
+        on the same servers (a chain re-split by a block ran two jobs at capacity 1; a chain split over two new ones
+        was counted on one, and the other started a job on the server it still held). The lease keeps its own chain
+        and id (its hops, its step times); only its count moves (``carried``). A server no chain uses any more
+        (gone, or left out of the plan) is not counted anywhere."""
+        need = {server for server in lease.chain.servers if server in self._chains_on}
+        for k in self._by_overlap(lease.chain):
+            if not need:
+                break
+            if need.isdisjoint(self.chains[k].servers) or not self._adopt(k, lease.job):
+                continue
+            self._counted_on(lease, k)
+            need.difference_update(self.chains[k].servers)
+        if need:
+            self._carried[lease] = (next(self._carry_ranks), need)
+            for server in need:
+                self._carried_on.setdefault(server, {})[lease] = None
+
+    def _counted_on(self, lease: Lease, k: int) -> None:
+        """``lease`` takes a place of chain ``k`` (the dispatcher counts it already): its first chain of this plan,
+        or one more (``also``)."""
+        if lease.generation != self.generation:
+            if chain_key(lease.chain) == chain_key(self.chains[k]):  # its own chain, whose capacity had shrunk
+                self._own(lease, k)
+            else:
                 lease.index, lease.generation, lease.carried = k, self.generation, True
-                self._count(k, +1)
-                return True
-        return False
+        else:
+            lease.also.append(k)
+        self._count(k, +1)
+
+    def _uncarry(self, lease: Lease) -> None:
+        """``lease`` waits for no slot any more (it is counted on every server it holds, or it ended)."""
+        for server in self._carried.pop(lease, (0, ()))[1]:
+            on = self._carried_on.get(server)
+            if on is not None:
+                on.pop(lease, None)
+                if not on:
+                    del self._carried_on[server]
 
     def _unmark_dropped(self, leases: Sequence[Lease]) -> None:
         """``--schedule db|mlfq``: a running job marked to pause for priority on a chain the new plan dropped runs on
@@ -1190,15 +1236,19 @@ class DispatchManager:
             if not on_chain:
                 del self._running_by_chain[lease.chain_id]
         self._job_overhead(lease)
-        self._carried.pop(lease, None)
+        if lease in self._carried:
+            self._uncarry(lease)
         beneficiary = self._promised.pop(lease, None)
         if beneficiary is not None and beneficiary in self._waiters:
             # the slot goes to the queue's head, which may be another job: this one is owed the next promise freed
             self._owed.append(beneficiary)
         if lease.generation != self.generation or self.dispatcher is None:
             return
-        self._count(lease.index, -1)
-        self._slot_freed(lease.index)
+        freed = [lease.index, *lease.also]
+        for k in freed:
+            self._count(k, -1)
+        for k in freed:
+            self._slot_freed(k)
 
     def _slot_freed(self, k: int) -> None:
         """A slot of chain ``k`` (current plan) is free: the next waiting job takes it."""
@@ -1216,15 +1266,29 @@ class DispatchManager:
             self._start(nxt, k, queued=True)
 
     def _carry_into(self, k: int) -> bool:
-        """The freed slot of chain ``k`` goes to the first job still running on a dropped chain that shares servers
-        with ``k`` (the dispatcher's count of ``k`` stays as it is); True if one took it."""
-        for lease in self._carried:
-            if k in self._by_overlap(lease.chain):
-                del self._carried[lease]
-                lease.index, lease.generation, lease.carried = k, self.generation, True
-                self._count(k, +1)
-                return True
-        return False
+        """The freed slot of chain ``k`` goes to the first job (in :attr:`_carried`'s order) still to be counted on a
+        server of ``k`` (the dispatcher's count of ``k`` stays as it is); True if one took it. O(hops of ``k``)."""
+        first = None
+        for server in self.chains[k].servers:  # each server's leases are in _carried's order: its first is its oldest
+            on = self._carried_on.get(server)
+            if on:
+                lease = next(iter(on))
+                if first is None or self._carried[lease][0] < self._carried[first][0]:
+                    first = lease
+        if first is None:
+            return False
+        self._counted_on(first, k)
+        need = self._carried[first][1]
+        for server in self.chains[k].servers:
+            if server in need:
+                need.discard(server)
+                on = self._carried_on[server]
+                del on[first]
+                if not on:
+                    del self._carried_on[server]
+        if not need:
+            del self._carried[first]
+        return True
 
     def _deadline_before(self, job: DispatchJob) -> bool:
         """``job`` (re-queued) was paused for deadlines (``flex``) or for priority (``db``, ``mlfq``) and the queue's
@@ -1437,7 +1501,8 @@ class DispatchManager:
         idle: dict[int, int] = {}
         for lease in self._running.values():
             if lease.job.idle and lease.generation == self.generation:
-                idle[lease.index] = idle.get(lease.index, 0) + 1
+                for k in (lease.index, *lease.also):  # a place it holds on each chain it is counted on
+                    idle[k] = idle.get(k, 0) + 1
         return idle
 
     def _job_overhead(self, lease: Lease) -> None:
