@@ -52,15 +52,7 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
     cfg = src.cfg
     failure = getattr(src, "load_failure", None)
     service = getattr(src, "service", None)
-    free = int(runner.slots_free) if runner is not None else 0
-    total = int(runner.slots_total) if runner is not None else 0
-    tokens_total = int(runner.cache_tokens_total) if runner is not None else 0
-    tokens_free = int(runner.cache_tokens_free) if runner is not None else 0
-    descriptors = getattr(service, "descriptors", None)
-    if descriptors is not None and runner is not None:  # no more slots than the open-files limit holds sessions
-        total, tokens_total = _capped(total, tokens_total, descriptors.sessions_total())
-        free, tokens_free = _capped(free, tokens_free, descriptors.sessions_free())
-        free, tokens_free = min(free, total), min(tokens_free, tokens_total)
+    total, free, tokens_total, tokens_free = announced_capacity(runner, service)
     # read after slots_free, and pages a step returned meanwhile may have raised it: at most the slots_free announced
     stranger_free = min(free, int(service.stranger_slots_free())) if runner is not None and service is not None else 0
     return ServerRecord(
@@ -83,6 +75,24 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         cache_tokens_per_block=int(getattr(cfg, "cache_tokens_per_block", 0) or 0),
         started_at=float(getattr(src, "started_at", PROCESS_STARTED_AT)), timestamp=time.time(),
     )
+
+
+def announced_capacity(runner: Any, service: Any) -> tuple[int, int, int, int]:
+    """``(slots_total, slots_free, cache_tokens_total, cache_tokens_free)`` as the record announces them: the
+    runner's, capped by the sessions the open-files limit holds and admission takes now (``service.descriptors``,
+    with the sessions it holds open or waiting: else the record offered slots its opens were refused); zeros
+    without a runner."""
+    if runner is None:
+        return 0, 0, 0, 0
+    free, total = int(runner.slots_free), int(runner.slots_total)
+    tokens_total, tokens_free = int(runner.cache_tokens_total), int(runner.cache_tokens_free)
+    descriptors = getattr(service, "descriptors", None)
+    if descriptors is not None:  # no more slots than the open-files limit holds sessions
+        held = getattr(service, "held", None)
+        total, tokens_total = _capped(total, tokens_total, descriptors.sessions_total())
+        free, tokens_free = _capped(free, tokens_free, descriptors.sessions_free(held() if held is not None else 0))
+        free, tokens_free = min(free, total), min(tokens_free, tokens_total)
+    return total, free, tokens_total, tokens_free
 
 
 def _capped(slots: int, tokens: int, sessions: Optional[int]) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from petals_chain.server import emulated
-from petals_chain.server.announce import Announcer, build_record
+from petals_chain.server.announce import Announcer, announced_capacity, build_record
 from petals_chain.server.config import DEFAULT_MAX_LENGTH, ServerConfig
 from petals_chain.server.decode_graph import check_decode_graph
 from petals_chain.server.memory import CPU_MEMORY_FRACTION, default_memory_bytes
@@ -302,10 +302,12 @@ class Server:
     def describe(self) -> dict:
         """This server for ``info`` replies (the session service adds its sessions and admission)."""
         runner, emu, cfg = self.runner, self.emulation, self.cfg
+        # as the record announces them (capped by the open-files limit): the runner's own pool is in kv_pages
+        slots_total, slots_free, _, _ = announced_capacity(runner, self.service)
         return {
             "peer_id": self.sd.peer_id if self.sd else "", "public_name": cfg.public_name, "state": self.state,
             "epoch": self.epoch, "span": list(self.span) if (self.span and runner) else None,
-            "slots_total": runner.slots_total if runner else 0, "slots_free": runner.slots_free if runner else 0,
+            "slots_total": slots_total, "slots_free": slots_free,
             "max_length": self.max_length, "hidden_size": self.hidden_size,
             "tau_p": emu.announced_tau_p(self.tau_p), "memory_bytes": self.memory.memory_bytes,
             "s_m_bytes": self.memory.s_m, "s_c_bytes": self.memory.s_c(self.max_length), "dtype": self.dtype_name,

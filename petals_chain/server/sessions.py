@@ -207,7 +207,8 @@ class SessionService:
             self.admission.notify()
 
     def info(self) -> dict:
-        return {**self._describe(), "sessions": len(self.sessions), "admission": self.admission.stats()}
+        return {**self._describe(), "sessions": len(self.sessions), "admission": self.admission.stats(),
+                "open_files": self.descriptors.stats(self.held())}
 
     def session(self, session_id: str) -> Optional[OpenSession]:
         return self.sessions.get(session_id)
@@ -317,10 +318,14 @@ class SessionService:
             raise RefusedError("invalid", f"unknown session {session_id!r}")
         return sess
 
+    def held(self) -> int:
+        """Sessions open or waiting for slots: each holds its stream's descriptor (see :class:`Descriptors`)."""
+        return len(self.sessions) + len(self.admission)
+
     def _check_descriptors(self) -> None:
         """Refuse an open ``no_capacity`` (its client places the work elsewhere or retries; no ban) while the
         open-files limit is nearly reached: past it no stream could be accepted, and every open hung unanswered."""
-        why = self.descriptors.refusal(len(self.sessions) + len(self.admission))
+        why = self.descriptors.refusal(self.held())
         if why is not None:
             raise RefusedError("no_capacity", f"no capacity: {why}")
 
