@@ -426,7 +426,8 @@ class ChatMessage(_Base):
         # was dropped): said for what it is
         if isinstance(data, dict) and data.get("role") in ("tool", "function"):
             raise FieldError("role", f"a message of role {json.dumps(data['role'])} (a tool's result) is not "
-                                     "supported by this server: it offers no tools")
+                                     "supported in a session's turn: it offers no tools (POST /v1/chat/completions "
+                                     "takes tools and their results)")
         if isinstance(data, dict):
             # the assistant's tool call an OpenAI client sends back comes with content null: refused for its call,
             # not as "content: Input should be a valid string" (the after-validator runs only once content passed)
@@ -844,6 +845,17 @@ class SessionGenerateRequest(SamplingFields):
     # of turn (messages too: the reply is this API's own, not OpenAI's chat shape, so one format serves all)
     logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)  # a count: chat's ``true`` is refused
     model: Optional[str] = None  # the session's own model (any of its names), as OpenAI clients send on every call
+    # tool calling is chat completions' (tools.py): said so, where "unsupported parameter(s): tools" told nothing
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+
+    @pydantic.model_validator(mode="after")
+    def _no_tools(self):
+        for name in ("tools", "tool_choice"):
+            if getattr(self, name) not in (None, [], "none"):
+                raise FieldError(name, f"{name} is not supported in a session's turn: it offers no tools (POST "
+                                       "/v1/chat/completions takes tools)")
+        return self
 
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict|function-\w+)\[.*\])$")

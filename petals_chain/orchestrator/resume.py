@@ -151,11 +151,15 @@ class StreamRecord:
         self.echo = body.get("echo") is True  # a choice's first text is its prompt, not a generated token
         self.lps: dict[int, int] = {}  # choice index -> logprob entries delivered
         self.opened: set[int] = set()  # choices with an event delivered (a chat stream's role event comes once)
+        # a chat stream's tool calls delivered: (choice, call index) -> [id, name, arguments]; the rerun's calls
+        # have ids of their own, so its openings are dropped and its fragments trimmed as text is
+        self.calls: dict[tuple[int, int], list] = {}
         self.ended: set[int] = set()  # choices whose finish_reason was delivered
         self.usage_sent = False
         self.head: dict[str, Any] = {}  # the first run's id and created time
         self.rerun = False  # events now come from a run of the request elsewhere
         self.at: dict[int, int] = {}  # this run: characters of each choice's text seen
+        self.call_at: dict[tuple[int, int], int] = {}  # this run: characters of each call's arguments seen
         self.lp_at: dict[int, int] = {}  # this run: logprob entries of each choice seen
         self.finished = False  # [DONE] or an error event delivered
         self.finished_by: Optional[str] = None  # the URL of the rerun that finished it
@@ -185,7 +189,7 @@ class StreamRecord:
 
     def restart(self) -> None:
         """A rerun begins: its events are matched against what was delivered from the start."""
-        self.at, self.lp_at, self.rerun = {}, {}, True
+        self.at, self.lp_at, self.call_at, self.rerun = {}, {}, {}, True
 
     def ending(self, status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
         """The events that end this stream when it cannot be finished."""
@@ -242,11 +246,22 @@ class StreamRecord:
         self.lp_at[i] = lp_at + n_lp
         self.lps[i] = lp_have + n_lp - old_lp
         ends = choice.get("finish_reason") is not None
+        calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+        new_calls = [c for c in calls if self._trim_call(i, c)] if isinstance(calls, list) else []
         if self.rerun:
             if ends and self.at[i] < len(self.text[i]):
                 raise _Mismatch(f"choice {i}: the rerun ended after {self.at[i]} characters; the client had "
                                 f"{len(self.text[i])}")
-            new = bool(text[seen:]) or n_lp > old_lp or (ends and i not in self.ended) or i not in self.opened
+            short = [k for (j, k), call in self.calls.items() if j == i and self.call_at.get((j, k), -1) < len(call[2])]
+            if ends and short:
+                raise _Mismatch(f"choice {i}: the rerun ended before the end of tool call {short[0]} the client had")
+            if isinstance(calls, list):
+                if new_calls:
+                    delta["tool_calls"] = new_calls
+                else:
+                    del delta["tool_calls"]
+            new = (bool(text[seen:]) or n_lp > old_lp or (ends and i not in self.ended) or i not in self.opened
+                   or bool(new_calls))
             if not new:
                 return False
             if seen:
@@ -259,6 +274,38 @@ class StreamRecord:
         if ends:
             self.ended.add(i)
         return True
+
+    def _trim_call(self, i: int, call: Any) -> bool:
+        """Cut from one of a chat delta's ``tool_calls`` entries what was already delivered (its opening: index, id
+        and name; its arguments' fragments), in place; whether any of it goes on. Raises :class:`_Mismatch` when a
+        rerun's call is not the one the client has (another function, other arguments)."""
+        if not isinstance(call, dict) or not isinstance(call.get("index"), int):
+            return True  # not ours to understand: passed on as it came
+        key = (i, call["index"])
+        fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+        args = fn.get("arguments") if isinstance(fn.get("arguments"), str) else ""
+        have = self.calls.get(key)
+        opening = call.get("id") is not None or fn.get("name") is not None
+        if have is None:
+            have = self.calls[key] = [call.get("id"), fn.get("name"), ""]
+        elif opening and self.rerun:
+            if fn.get("name") is not None and fn.get("name") != have[1]:
+                raise _Mismatch(f"choice {i}: the rerun called {fn.get('name')!r} as tool call {key[1]}; the client "
+                                f"had {have[1]!r}")
+            for k in ("id", "type"):  # the client's accumulation would append them to what it has
+                call.pop(k, None)
+            fn.pop("name", None)
+            opening = False
+        at = self.call_at.get(key, 0)
+        seen = min(len(args), max(0, len(have[2]) - at))
+        if args[:seen] != have[2][at:at + seen]:
+            raise _Mismatch(f"choice {i}: the rerun gave tool call {key[1]} the arguments {args[:seen]!r} where the "
+                            f"client had {have[2][at:at + seen]!r}")
+        self.call_at[key] = at + len(args)
+        have[2] += args[seen:]
+        if seen and "arguments" in fn:
+            fn["arguments"] = args[seen:]
+        return opening or bool(args[seen:]) or not self.rerun
 
     @property
     def first_token_sent(self) -> bool:

@@ -135,6 +135,18 @@ def _closed(schema: Any) -> Any:
     return out
 
 
+def _check_unicode(value: Any, param: str) -> None:
+    """A 400 when ``value`` has a string that is not Unicode text (JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which the tokenizer refuses with a TypeError)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _error(f"{param} is not valid Unicode: it has a lone surrogate ({e.object[e.start]!r})", param) \
+            from None
+    except (RecursionError, ValueError, TypeError):
+        pass  # not JSON: what the checks after this one refuse, naming it
+
+
 def _tool(value: Any, i: int) -> tuple[Tool, int]:
     """Tool ``i`` of ``tools`` checked (and the size of its parameters as JSON)."""
     where = f"tools.{i}"
@@ -161,6 +173,8 @@ def _tool(value: Any, i: int) -> tuple[Tool, int]:
         raise _error(f"{where}.function.description must be a string", f"{where}.function.description")
     if strict is not None and not isinstance(strict, bool):
         raise _error(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
+    for key in ("description", "parameters"):  # shown to the model as they came: lone surrogates would crash
+        _check_unicode(fn.get(key), f"{where}.function.{key}")  # the tokenizer (a 500)
     param = f"{where}.function.parameters"
     params = fn.get("parameters")
     if params is None:  # OpenAI: a function without parameters takes none
