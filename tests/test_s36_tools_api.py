@@ -277,6 +277,8 @@ def test_the_grammar_is_exactly_the_calls(tiny_model_factory):
     tagged = f"<tool_call>\n{a}\n</tool_call>\n<tool_call>\n{b}\n</tool_call>"
     assert _matches(lltok, tok, auto, "any <b>text</b>") and _matches(lltok, tok, auto, tagged)
     assert not _matches(lltok, tok, auto, "<tool_call>\nnot json")
+    # a marker after some text would be content holding an unchecked call: text holds no marker anywhere
+    assert not _matches(lltok, tok, auto, f"Sure.\n{tagged}") and not _matches(lltok, tok, auto, f" {tagged}")
     assert not _matches(lltok, tok, parse_tools(TOOLS, "auto", False), tagged)
     open_params = {"type": "object", "properties": {"a": {"type": "integer"}}}
     for strict, extra_ok in ((True, False), (False, True)):

@@ -7,7 +7,7 @@ models without a native tool parser:
 * ``tool_choice`` ``"required"`` or a named function: the reply is exactly the call(s), JSON
   ``{"name": <a tool's name>, "arguments": <that tool's parameters>}`` (with ``parallel_tool_calls``, OpenAI's
   default: a non-empty list of them);
-* ``"auto"`` (the default when tools are given): free text that does not start with ``<tool_call>``, or the call(s)
+* ``"auto"`` (the default when tools are given): free text that holds no ``<tool_call>``, or the call(s)
   in the Hermes format below: the branch the model took decides whether the reply is ``content`` or ``tool_calls``;
 * ``"none"``: no grammar; the tools are described in the prompt and no call is made.
 
@@ -108,8 +108,9 @@ class ToolSet:
         else:
             one = f"{json.dumps(CALL_OPEN)} call {json.dumps(CALL_CLOSE)}"
             more = f' ({json.dumps(chr(10))} {one})*' if self.parallel else ""
-            # text that does not begin with the call marker: a reply is either text or calls, never a broken call
-            start = f"start: TEXT | tagged\ntagged: {one}{more}\nTEXT: /(.|\\n)*/ & ~/<tool_call>(.|\\n)*/"
+            # text with no call marker anywhere: a reply is either text or calls, never a broken or unchecked call
+            # (a marker after some text, "Sure.\n<tool_call>...", would come back as content holding a call)
+            start = f"start: TEXT | tagged\ntagged: {one}{more}\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/"
         return "\n".join([start, call, *rules])
 
 
