@@ -263,15 +263,17 @@ class SamplingFields(_Base):
 
     @pydantic.model_validator(mode="after")
     def _structured_output(self):
-        specs = []
         try:
-            if self.response_format is not None:
-                specs.append(StructuredSpec.from_response_format(self.response_format))
-            specs.append(StructuredSpec.from_structured_outputs(self.structured_outputs))
+            specs = self._specs()
         except RequestError as e:
             raise FieldError(e.param or "response_format", str(e)) from None
         self._set_spec(specs)
         return self
+
+    def _specs(self) -> list:
+        """The structured outputs the body's fields ask for (None for a field that asks for none)."""
+        specs = [StructuredSpec.from_response_format(self.response_format)] if self.response_format is not None else []
+        return specs + [StructuredSpec.from_structured_outputs(self.structured_outputs)]
 
     def _set_spec(self, specs: list) -> None:
         given = [s for s in specs if s is not None]
@@ -574,20 +576,11 @@ class ChatRequest(SamplingFields):
             raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; give one")
         return self
 
-    @pydantic.model_validator(mode="after")
-    def _structured_output(self):
+    def _specs(self) -> list:
         # the tools' grammar is a structured output: one of them at most (tools.py)
-        specs = []
-        try:
-            if self.response_format is not None:
-                specs.append(StructuredSpec.from_response_format(self.response_format))
-            specs.append(StructuredSpec.from_structured_outputs(self.structured_outputs))
-            self._tools = parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
-            specs.append(self._tools.spec() if self._tools is not None else None)
-        except RequestError as e:
-            raise FieldError(e.param or "response_format", str(e)) from None
-        self._set_spec(specs)
-        return self
+        specs = super()._specs()
+        self._tools = parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return specs + [self._tools.spec() if self._tools is not None else None]
 
     @property
     def tool_set(self) -> Optional[ToolSet]:
