@@ -455,6 +455,7 @@ class FairPolicy:
         self.worker_credit: dict[tuple[str, Worker], float] = _PairCredit()  # D2LPM's q_{i,w}
         self._rr_client: dict[str, int] = {}  # d-vtc: next worker index per client
         self._rr = 0  # rr-lpm: next worker index
+        self._workers: set[Worker] | None = None  # the workers of the plan (retain); None: any worker
 
     # ---- local disciplines ------------------------------------------------------------------------
     def _new_local(self) -> _Local:
@@ -474,9 +475,17 @@ class FairPolicy:
             loc = self._local[key] = self._new_local()
         return loc
 
+    def _worked(self, worker: Worker | None) -> _Local | None:
+        """The local discipline charged for work done on ``worker``; None (distributed policies) for no worker of the
+        plan: None (a job counted on no chain now) or one :meth:`retain` dropped (a chain re-planned away). Charged
+        there, a dropped worker came back as state no chain reads, growing with every charge until the next plan."""
+        if self.distributed and (worker is None or (self._workers is not None and worker not in self._workers)):
+            return None
+        return self.local(worker)
+
     def retain(self, workers: Iterable[Worker]) -> None:
         """Keep the state of ``workers`` only (the current chains): a new chain starts at 0, a gone one is dropped."""
-        keep = set(workers)
+        keep = self._workers = set(workers)
         if self.distributed:
             for w in [w for w in self._local if w not in keep]:
                 del self._local[w]
@@ -628,8 +637,8 @@ class FairPolicy:
         if delta:
             req.charged += delta
             self.service[req.client] = self.service.get(req.client, 0.0) + delta
-            local = self.local(worker)
-            if not isinstance(local, _VTC):
+            local = self._worked(worker)
+            if local is not None and not isinstance(local, _VTC):
                 local.charge(req.client, delta)
 
     def refund(self, req: FairRequest, worker: Worker, gone: bool = False) -> None:
@@ -640,8 +649,9 @@ class FairPolicy:
         not counted either."""
         cfg = self.cfg
         self.service[req.client] = self.service.get(req.client, 0.0) - req.charged
-        local = self.local(worker)
-        local.charge(req.client, -(cfg.w_e * req.input_tokens if isinstance(local, _VTC) else req.charged))
+        local = self._worked(worker)
+        if local is not None:  # (a worker re-planned away took its charges with it)
+            local.charge(req.client, -(cfg.w_e * req.input_tokens if isinstance(local, _VTC) else req.charged))
         if self.name == "d2lpm":
             key = (req.client, req.worker if req.worker is not None else worker)
             if key in self.worker_credit:
@@ -650,19 +660,23 @@ class FairPolicy:
             self.admitted_requests[req.client] -= 1
         req.charged = 0.0
 
-    def input(self, client: str, worker: Worker, tokens: int) -> None:
+    def input(self, client: str, worker: Worker | None, tokens: int) -> None:
         """``worker`` computed ``tokens`` more input tokens for ``client`` outside an admission (a session's turn on
         the chain it holds)."""
         self._charge(client, worker, self.cfg.w_e * tokens)
 
-    def output(self, client: str, worker: Worker, tokens: int = 1) -> None:
-        """``tokens`` output tokens were generated for ``client`` on ``worker``."""
+    def output(self, client: str, worker: Worker | None, tokens: int = 1) -> None:
+        """``tokens`` output tokens were generated for ``client`` on ``worker`` (None: counted on no worker now)."""
         self._charge(client, worker, self.cfg.w_q * tokens)
 
-    def _charge(self, client: str, worker: Worker, units: float) -> None:
-        """Work done for a running request: its client's service, local counter and D2LPM worker credit."""
+    def _charge(self, client: str, worker: Worker | None, units: float) -> None:
+        """Work done for a running request: its client's service, local counter and D2LPM worker credit (for no
+        worker of the plan, :meth:`_worked`: its service alone)."""
         self.service[client] = self.service.get(client, 0.0) + units
-        self.local(worker).charge(client, units)
+        local = self._worked(worker)
+        if local is None:
+            return
+        local.charge(client, units)
         if self.name == "d2lpm":
             key = (client, worker)
             self.worker_credit[key] = self.worker_credit.get(key, 0.0) - units

@@ -545,6 +545,9 @@ class DispatchManager:
         self._carry_ranks = itertools.count()
         self._carried_on: dict[str, dict[Lease, None]] = {}  # server -> the leases of _carried still to count there
         self._chains_on: dict[str, list[tuple[int, int, int]]] = {}  # server -> (chain index, span) of the plan
+        # chain index -> the leases of other chains counted there (carried, or its ``also``): a step on the chain
+        # leaves their idle sessions out of its occupancy as it does its own (_observe_step)
+        self._guests: dict[int, set[Lease]] = {}
         self._waiters: dict[DispatchJob, asyncio.Future] = {}
         self._pending: list[DispatchJob] = []  # arrived while no chain exists (FIFO); part of the queue
         self._lane: list[DispatchJob] = []  # re-queued jobs (FIFO), served before the queue
@@ -603,6 +606,15 @@ class DispatchManager:
         """Whether ``chain`` is one of the chains planned now."""
         return chain_key(chain) in self._index_by_key
 
+    def worker_of(self, lease: Lease) -> tuple | None:
+        """The chain key (:func:`chain_key`) a fairness policy charges the work of ``lease`` to: the chain of the plan
+        now that it is counted on first (its own, or for a job whose chain a re-plan dropped the one of the plan
+        sharing most of its servers, :meth:`_carry`). None while it is counted on none (no chain through its servers
+        had room yet, or they left the plan): the chain it was given is no worker of the plan any more."""
+        if lease.generation != self.generation or not 0 <= lease.index < len(self.chains):
+            return None
+        return chain_key(self.chains[lease.index])
+
     def active(self, index: int) -> int:
         """Jobs running on chain ``index`` of the current generation."""
         return self._active.get(index, 0)
@@ -658,7 +670,7 @@ class DispatchManager:
         self.dispatcher = self.factory(chains) if chains else None
         self._active = {}
         index_by_key = self._index_by_key = {chain_key(ch): i for i, ch in enumerate(chains)}
-        self._carried, self._carried_on, self._chains_on = {}, {}, {}
+        self._carried, self._carried_on, self._chains_on, self._guests = {}, {}, {}, {}
         for k, ch in enumerate(chains):
             for server, (a, b) in zip(ch.servers, ch.spans):
                 self._chains_on.setdefault(server, []).append((k, int(a), int(b)))
@@ -776,6 +788,8 @@ class DispatchManager:
                 lease.index, lease.generation, lease.carried = k, self.generation, True
         else:
             lease.also.append(k)
+        if lease.carried or k != lease.index:
+            self._guests.setdefault(k, set()).add(lease)
         self._count(k, +1)
 
     def _uncarry(self, lease: Lease) -> None:
@@ -1247,6 +1261,11 @@ class DispatchManager:
         freed = [lease.index, *lease.also]
         for k in freed:
             self._count(k, -1)
+            guests = self._guests.get(k)
+            if guests is not None:
+                guests.discard(lease)
+        if len(freed) > 1:  # a carried job's slots, freed at once: the fastest first (JFFC's choice; a job paused by
+            freed.sort(key=lambda i: (self.chains[i].service_time, i))  # flex for the fast one got the slow one)
         for k in freed:
             self._slot_freed(k)
 
@@ -1484,6 +1503,8 @@ class DispatchManager:
         period = step_s if prev is None or prev < lease.started else max(step_s, now - prev)
         idle = sum(1 for other in self._running_by_chain.get(lease.chain_id, ())
                    if other.job.idle and other.generation == self.generation and other.index == k)
+        # and the sessions of other chains counted here (carried over a re-plan), held between turns as well
+        idle += sum(1 for other in self._guests.get(k, ()) if other.job.idle)
         jobs, cid = self.active(k) - idle, self.chain_ids[k]
         # a gap between two steps that is no step (a session turn cut outside its steps, then retried: the time
         # between turns) is taken at GAP_FACTOR x the step known at most: a chain that really slowed is still learnt
@@ -1623,8 +1644,9 @@ class DispatchManager:
         (:func:`~petals_chain.algorithms.edf.predict_from_running`)."""
         chains, ahead = self._loads(job)
         now = time.monotonic()
-        remaining = [r for r in (self._remaining(lease, chains, now) for lease in self._running.values())
-                     if r is not None]
+        # a job carried over a re-plan holds a slot on each chain it is counted on, all freed when it is done
+        remaining = [r for lease in self._running.values() if (r := self._remaining(lease, chains, now)) is not None
+                     for _ in range(1 + len(lease.also))]
         return predict_from_running(now, chains, remaining, ahead, job.output_tokens, siblings=job.siblings,
                                     **self._deadlines(job, first_token)).doomed
 
@@ -1640,15 +1662,19 @@ class DispatchManager:
         for lease in self._running.values():
             if lease.generation != self.generation:
                 continue
+            # a job carried over a re-plan is counted on each chain of ``also`` too: its pause frees a slot on each
+            held = (lease.index, *lease.also)
             if lease.preempt:
-                promised[lease.index] = promised.get(lease.index, 0) + 1
+                for k in held:
+                    promised[k] = promised.get(k, 0) + 1
                 continue
             left = self._remaining(lease, chains, now)
             if lease.job.preemptible and not lease.job.idle:
-                running.append(Preemptible(chain=lease.index, started=lease.started, ref=lease,
-                                           remaining_s=math.inf if left is None else left))
+                running.extend(Preemptible(chain=k, started=lease.started, ref=lease,
+                                           remaining_s=math.inf if left is None else left) for k in held)
             elif left is not None:
-                others[lease.index].append(left)
+                for k in held:
+                    others[k].append(left)
         if not running:
             return None
         found = flex_victim(now, chains, running, ahead, job.output_tokens, siblings=job.siblings,

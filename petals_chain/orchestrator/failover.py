@@ -112,11 +112,13 @@ class ChainHolder:
         self.kv_epoch: int | None = None
         self.kv_peers: frozenset[str] = frozenset()
         # Fair sharing (fairness.py): the API key name of the request that made this job, the leading tokens of its
-        # sequence its client was charged for, and the chain charged last
+        # sequence its client was charged for, and the chain charged last (its admission's: refunds and the
+        # prompt's correction go there) with the lease it came with (work done is charged where that is counted now)
         self.client = CLIENT.get()
         self.paid = 0
         self.drafted = 0  # the feed under way ends with this many speculative drafts (not the client's input)
         self._worker: tuple | None = None
+        self._worker_lease: tuple[Lease, tuple] | None = None
 
     @property
     def chain_names(self) -> list[str]:
@@ -242,6 +244,7 @@ class ChainHolder:
                 await asyncio.sleep(0.2)
                 continue
             self._worker = chain_key(lease.chain)
+            self._worker_lease = (lease, self._worker)
             # no prefix named to a chain with a hop that has no prefix cache: it starts at 0 whatever the others hold
             named_here = self._named_for(lease, named)
             declared = self.declared_length(need)
@@ -633,7 +636,18 @@ class ChainHolder:
         else:
             self.paid += tokens
         if shares is not None and self._worker is not None and tokens > 0:
-            (shares.output if kind == "output" else shares.input)(self.client, self._worker, tokens)
+            (shares.output if kind == "output" else shares.input)(self.client, self._charged_worker(), tokens)
+
+    def _charged_worker(self) -> tuple | None:
+        """The chain key work done now is charged to: where the job's lease is counted in the plan now
+        (:meth:`DispatchManager.worker_of`; None: on no chain, its client's service alone). A re-plan that re-split
+        its chain counts it on the new one: charged to the dropped chain's key, that chain's per-chain counters
+        (d-vtc, d2lpm) never saw its tokens and the dropped key's entry grew. ``_worker`` set from elsewhere (a
+        later choice charged where its first ran) is taken as it is."""
+        held, worker_of = self._worker_lease, getattr(self.orch.dispatch, "worker_of", None)
+        if held is None or worker_of is None or held[1] != self._worker:
+            return self._worker
+        return worker_of(held[0])
 
     async def _grow(self, need: int) -> None:
         """The job outgrew what its chain was opened for: ask every hop for ``need`` tokens plus twice the previous

@@ -259,7 +259,8 @@ class GenerationMixin:
                     hidden = await asyncio.shield(prefill)
                     holder.kv_ids = list(prompt_ids)  # fed lazily: forked on the sibling's chain or replayed
                     holder.paid = len(prompt_ids)  # the first choice's job paid the prompt
-                    holder._worker = holders[0]._worker  # its first token is charged where the prompt ran
+                    # its first token is charged where the prompt ran (where that job is counted now)
+                    holder._worker, holder._worker_lease = holders[0]._worker, holders[0]._worker_lease
                 generated, text, finish, choices = await self._decode_loop(holder, list(prompt_ids), hidden, p,
                                                                             emits[i], generated)
                 ok = holder.completed = True
