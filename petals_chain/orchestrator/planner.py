@@ -649,12 +649,17 @@ class Planner:
 
     def residual_jobs(self, record: Any) -> int:
         """``M~_j`` for GCA: a loaded server's cache slots (Eq. 3; a job takes one per block it runs there), or
-        for a paged KV cache its token budget over ``L^`` rounded up to its pages (algorithms/token_budget.py)."""
+        for a paged KV cache its token budget over ``L^`` rounded up to its pages (algorithms/token_budget.py); no
+        more than the sessions it takes at once (its record's ``max_sessions``, where it says: a paged server at
+        ``ulimit -n 128`` was planned 40 jobs of 64 tokens and admitted 10)."""
         r = record
         if r.kv_cache != "paged" or r.page_size <= 0 or r.cache_tokens_total <= 0:
-            return int(r.slots_total)
-        job = -(-self.job_tokens.value // r.page_size) * r.page_size
-        return max(int(r.slots_total), jobs_in_budget(r.cache_tokens_total, job))
+            jobs = int(r.slots_total)
+        else:
+            job = -(-self.job_tokens.value // r.page_size) * r.page_size
+            jobs = max(int(r.slots_total), jobs_in_budget(r.cache_tokens_total, job))
+        cap = getattr(r, "max_sessions", -1)  # (a record-like view without it: no cap)
+        return jobs if cap is None or cap < 0 else min(jobs, int(cap))
 
     def _chains_key(self, views: Sequence[ServerView]) -> tuple:
         """What GCA on the online servers depends on besides the placement: ``L^``, the steps per job (``tau_c`` and
@@ -664,11 +669,14 @@ class Planner:
         if self._steps_ref is None or abs(math.log(spj / self._steps_ref)) >= math.log(STEPS_PER_JOB_BAND):
             self._steps_ref = spj
         return (self.job_tokens.value, self._steps_ref) + tuple(sorted((v.peer_id, v.record.slots_total,
-                                                                        v.record.cache_tokens_total) for v in views))
+                                                                        v.record.cache_tokens_total,
+                                                                        getattr(v.record, "max_sessions", -1))
+                                                                       for v in views))
 
     def _servers_change(self, old: Sequence[tuple], new: Sequence[tuple]) -> str:
-        """What changed between two ``_chains_key`` server parts (``(peer_id, slots_total, cache_tokens_total)``
-        each): the servers online that came and went, and the slots or KV cache tokens of those that stayed."""
+        """What changed between two ``_chains_key`` server parts (``(peer_id, slots_total, cache_tokens_total[,
+        max_sessions])`` each): the servers online that came and went, and the slots, KV cache tokens or session cap
+        of those that stayed."""
         def name(p: str) -> str:
             v = self.servers.get(p)
             return (v.record.public_name if v is not None else "") or p[:12]
@@ -678,11 +686,14 @@ class Planner:
             f"-{name(p)}" for p in sorted(was.keys() - now.keys())]
         parts = ["servers online " + ", ".join(moved)] if moved else []
         for p in sorted(now.keys() & was.keys()):
-            (s0, t0), (s1, t1) = was[p], now[p]
+            (s0, t0, *c0), (s1, t1, *c1) = was[p], now[p]
             if s0 != s1:
                 parts.append(f"slots of {name(p)} {s0} -> {s1}")
             if t0 != t1:
                 parts.append(f"KV cache tokens of {name(p)} {t0} -> {t1}")
+            if c0 != c1:
+                cap = [("none" if not c or c[0] < 0 else c[0]) for c in (c0, c1)]
+                parts.append(f"session cap of {name(p)} {cap[0]} -> {cap[1]}")
         return "; ".join(parts) or "servers online changed"
 
     def full_plan(self, views: Sequence[ServerView]) -> Plan | None:
@@ -804,7 +815,9 @@ class Planner:
         # (a server still loading announces no slots yet: no ratio to scale by)
         mem_there = spec.residual_slots(model, r.num_blocks) if loaded and r.state == "online" else 0
         held = self.residual_jobs(r) if mem_there > 0 else 0
-        return slots * held // mem_there if held > 0 else slots
+        jobs = slots * held // mem_there if held > 0 else slots
+        cap = getattr(r, "max_sessions", -1)  # its sessions cap holds on any span
+        return jobs if cap is None or cap < 0 else min(jobs, int(cap))
 
     def jobs_reserved(self, views: Sequence[ServerView], placement: Placement) -> int | None:
         """The largest cache reservation ``c`` that ``placement``'s servers among ``views`` honour: the fewest jobs of

@@ -18,11 +18,14 @@ in the queue, and the first is refused (``replaced``): a client that re-sends it
 its turn and holds one place, not two.
 
 :class:`Descriptors` bounds what the server's open-files limit (``ulimit -n``) can hold: each open session, and each
-open waiting for slots, holds the descriptor of its P2P stream (measured: one each in the server process, and one
-more for a push relay's stream to the next hop). Past the limit hivemind could not even accept a stream: every open
-hung unanswered until its client gave up (150 opens at ``ulimit -n 128``: none served in 120 s, and the server's
-record publishing failed). An open is refused ``no_capacity`` while fewer than :data:`DESCRIPTOR_RESERVE` descriptors
-are left, and the record announces no more slots than the free descriptors hold.
+open waiting for slots, holds the descriptor of its P2P stream (measured with the tiny model: one per stream in the
+server process, and one in p2pd's); a session opened with a ``push_token`` (``--relay push``) holds three, its stream
+and a step's push in from the previous hop and out to the next. Past the limit hivemind could not even accept a
+stream: every open hung unanswered until its client gave up (150 opens at ``ulimit -n 128``: none served in 120 s,
+and the server's record publishing failed). An open is refused ``no_capacity`` while fewer than
+:data:`DESCRIPTOR_RESERVE` descriptors are left, or when the sessions held and it would hold more than the limit
+leaves them; the record announces no more slots than the free descriptors hold, and the sessions the limit holds
+(``max_sessions``), at three descriptors each for :data:`PUSH_SEEN_S` after a push open, else one.
 """
 
 from __future__ import annotations
@@ -42,10 +45,18 @@ DEFAULT_MAX_KV_SHARE_STRANGERS = 0.5
 # Open files kept for the server's own work, not a session's stream: the record's trip to the DHT process (torch
 # shared memory, failing with EMFILE at the limit), logging, a refusal's stream, a push's stream to the next hop
 DESCRIPTOR_RESERVE = 32
-# Open files one session may hold: its stream from the orchestrator and, under a push relay, a step's stream from the
-# previous hop and to the next (at ulimit -n 128 two push servers held 127 each with 2 counted: pushes and the record
-# failed with EMFILE, and a server was declared failed)
-DESCRIPTORS_PER_SESSION = 3
+# Open files one session holds: its stream from the orchestrator (measured: 8 sessions held 9 more under --relay
+# orchestrator). Counting 3 for each, as a push session holds, capped a server at ulimit -n 1024 at 320 sessions
+# where 960 fit.
+DESCRIPTORS_PER_SESSION = 1
+# Open files a session opened with a push_token holds: its stream and, per step, a stream from the previous hop and
+# one to the next (at ulimit -n 128 two push servers held 127 each with 2 counted: pushes and the record failed with
+# EMFILE, and a server was declared failed)
+DESCRIPTORS_PER_PUSH_SESSION = 3
+# How long after a push open the record announces sessions at DESCRIPTORS_PER_PUSH_SESSION each (seconds): the
+# server cannot tell its orchestrators' relay from anything but their opens, and over-announcing under a push relay
+# gets the planner's jobs refused
+PUSH_SEEN_S = 600.0
 # Open files an idle server holds (measured ~20): the part of the limit no session can have, in the announced capacity
 DESCRIPTORS_IDLE = 32
 # How often a refusal for want of descriptors is logged while it lasts (seconds)
@@ -134,74 +145,111 @@ def _open_files_limit() -> Optional[int]:
 class Descriptors:
     """This process's open descriptors against its open-files limit, for admission and the announced slots (see the
     module docstring). ``limit`` is read at each call; ``in_use`` (tests give fakes) is counted at most once per
-    ``max_age_s`` while the last count left over a quarter of the limit free (:meth:`in_use`)."""
+    ``max_age_s`` while the last count left over a quarter of the limit free (:meth:`in_use`).
+
+    ``sessions`` is the number of sessions open or waiting for slots, ``push`` how many of them were opened with a
+    ``push_token`` (they hold ``per_push`` descriptors each, the others ``per_session``)."""
 
     def __init__(self, *, reserve: int = DESCRIPTOR_RESERVE, per_session: int = DESCRIPTORS_PER_SESSION,
-                 idle: int = DESCRIPTORS_IDLE, in_use: Callable[[], Optional[int]] = _open_files,
+                 per_push: int = DESCRIPTORS_PER_PUSH_SESSION, idle: int = DESCRIPTORS_IDLE,
+                 in_use: Callable[[], Optional[int]] = _open_files,
                  limit: Callable[[], Optional[int]] = _open_files_limit, log_period_s: float = DESCRIPTOR_LOG_S,
-                 max_age_s: float = DESCRIPTOR_COUNT_MAX_AGE_S, clock: Callable[[], float] = time.monotonic):
-        if reserve < 0 or per_session < 1 or idle < 0 or not max_age_s >= 0:
-            raise ValueError("reserve, idle and max_age_s must be >= 0, per_session >= 1")
-        self.reserve, self.per_session, self.idle = int(reserve), int(per_session), int(idle)
+                 max_age_s: float = DESCRIPTOR_COUNT_MAX_AGE_S, push_seen_s: float = PUSH_SEEN_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if reserve < 0 or per_session < 1 or per_push < per_session or idle < 0 or not max_age_s >= 0 \
+                or not push_seen_s >= 0:
+            raise ValueError("reserve, idle, max_age_s and push_seen_s must be >= 0, per_session >= 1 and "
+                             "per_push >= per_session")
+        self.reserve, self.per_session, self.per_push, self.idle = int(reserve), int(per_session), int(per_push), \
+            int(idle)
         self._in_use, self._limit, self._clock = in_use, limit, clock
-        self.log_period_s, self.max_age_s = float(log_period_s), float(max_age_s)
+        self.log_period_s, self.max_age_s, self.push_seen_s = float(log_period_s), float(max_age_s), float(push_seen_s)
         self.refused = 0  # opens refused for want of descriptors
         self.counts = 0  # times the descriptors were counted
         self._logged_at, self._logged_refused = -math.inf, 0
-        self._counted: Optional[int] = None  # the last count, when, and with how many sessions held
-        self._counted_at, self._counted_sessions = -math.inf, 0
+        self._counted: Optional[int] = None  # the last count, when, and the descriptors the sessions held then held
+        self._counted_at, self._counted_held = -math.inf, 0
+        self._push_seen_at = -math.inf  # the last open with a push_token
 
-    def in_use(self, sessions: int = 0, limit: Optional[int] = None) -> Optional[int]:
+    def held(self, sessions: int = 0, push: int = 0) -> int:
+        """Descriptors ``sessions`` open or waiting hold, ``push`` of them opened with a ``push_token``."""
+        push = min(max(0, push), max(0, sessions))
+        return (max(0, sessions) - push) * self.per_session + push * self.per_push
+
+    def saw_push(self) -> None:
+        """An open with a ``push_token`` came: the record announces sessions at ``per_push`` each for a while."""
+        self._push_seen_at = self._clock()
+
+    @property
+    def per_announced(self) -> int:
+        """Descriptors the record counts per session: ``per_push`` within ``push_seen_s`` of a push open (its
+        orchestrator relays by push), else ``per_session``."""
+        return self.per_push if self._clock() - self._push_seen_at < self.push_seen_s else self.per_session
+
+    def in_use(self, sessions: int = 0, limit: Optional[int] = None, push: int = 0) -> Optional[int]:
         """Descriptors open now, with ``sessions`` open or waiting (None: the platform does not say). Counting them
         lists ``/proc/self/fd`` (5 ms at 10,000 descriptors, on the event loop at every open): within ``max_age_s``
         of the last count, and while it left more than a quarter of ``limit`` free, the last count is taken again,
-        plus :data:`DESCRIPTORS_PER_SESSION` for each session held since (so a storm of opens is still counted)."""
+        plus the descriptors of the sessions held since (:meth:`held`; so a storm of opens is still counted)."""
         now = self._clock()
+        held = self.held(sessions, push)
         if self._counted is not None and limit is not None and now - self._counted_at < self.max_age_s:
-            estimate = self._counted + self.per_session * max(0, sessions - self._counted_sessions)
+            estimate = self._counted + max(0, held - self._counted_held)
             if limit - self.reserve - estimate > max(limit // 4, 4 * self.reserve):
                 return estimate
         counted = self._in_use()
         self.counts += 1
-        self._counted, self._counted_at, self._counted_sessions = counted, now, sessions
+        self._counted, self._counted_at, self._counted_held = counted, now, held
         return counted
 
-    def free(self, sessions: int = 0) -> Optional[int]:
+    def free(self, sessions: int = 0, push: int = 0) -> Optional[int]:
         """Descriptors left to sessions now, with ``sessions`` open or waiting (the reserve kept back; may be
         negative); None: no limit known."""
         limit = self._limit()
-        in_use = None if limit is None else self.in_use(sessions, limit)
+        in_use = None if limit is None else self.in_use(sessions, limit, push)
         return None if limit is None or in_use is None else limit - self.reserve - in_use
 
-    def sessions_free(self, sessions: int = 0) -> Optional[int]:
-        """More sessions admission takes now, with ``sessions`` open or waiting: as many as the free descriptors hold
-        (:data:`DESCRIPTORS_PER_SESSION` each) and no more than :meth:`sessions_total` leaves; None: any number."""
-        free, total = self.free(sessions), self.sessions_total()
-        room = [n for n in (None if free is None else free // self.per_session,
-                            None if total is None else total - sessions) if n is not None]
-        return max(0, min(room)) if room else None
+    def _budget(self, limit: int) -> int:
+        """Descriptors the limit leaves to sessions, past an idle server's and the reserve."""
+        return max(0, limit - self.idle - self.reserve)
 
-    def sessions_total(self) -> Optional[int]:
-        """Sessions the limit holds at once, past an idle server's descriptors and the reserve; None: any number."""
-        limit = self._limit()
-        return None if limit is None else max(0, (limit - self.idle - self.reserve) // self.per_session)
-
-    def refusal(self, sessions: int = 0) -> Optional[str]:
-        """Why an open (or a wait for slots, which holds its stream) is refused now, with ``sessions`` open or waiting
-        already; None if it may proceed. Refused when the descriptors left are within the reserve, or when one more
-        session is past :meth:`sessions_total` (its later streams, a push relay's, are taken after its open). Logged
-        once per ``log_period_s`` while it lasts (a storm refused hundreds of opens a second)."""
+    def sessions_free(self, sessions: int = 0, push: int = 0) -> Optional[int]:
+        """More sessions admission takes now, with ``sessions`` open or waiting (``push`` of them push sessions), at
+        :attr:`per_announced` descriptors each: as many as the free descriptors hold, and as the limit leaves past
+        the sessions held; None: any number."""
         limit = self._limit()
         if limit is None:
             return None
-        in_use = self.in_use(sessions, limit)
+        per, free = self.per_announced, self.free(sessions, push)
+        room = (self._budget(limit) - self.held(sessions, push)) // per
+        return max(0, room if free is None else min(room, free // per))
+
+    def sessions_total(self) -> Optional[int]:
+        """Sessions the limit holds at once (at :attr:`per_announced` descriptors each), past an idle server's
+        descriptors and the reserve; None: any number."""
+        limit = self._limit()
+        return None if limit is None else self._budget(limit) // self.per_announced
+
+    def refusal(self, sessions: int = 0, push: int = 0, *, opening_push: bool = False) -> Optional[str]:
+        """Why an open (or a wait for slots, which holds its stream) is refused now, with ``sessions`` open or waiting
+        already (``push`` of them push sessions); ``opening_push``: it carries a ``push_token``. None if it may
+        proceed. Refused when the descriptors left are within the reserve, or when the sessions held and this one
+        would hold more than the limit leaves them (a push session's later streams are taken after its open).
+        Logged once per ``log_period_s`` while it lasts (a storm refused hundreds of opens a second)."""
+        if opening_push:
+            self.saw_push()
+        limit = self._limit()
+        if limit is None:
+            return None
+        in_use = self.in_use(sessions, limit, push)
         free = None if in_use is None else limit - self.reserve - in_use
-        total = max(0, (limit - self.idle - self.reserve) // self.per_session)
-        if (free is None or free > 0) and sessions < total:
+        held = self.held(sessions, push)
+        need = self.per_push if opening_push else self.per_session
+        if (free is None or free > 0) and held + need <= self._budget(limit):
             return None
         why = (f"this server is out of open files ({in_use} of its limit of {limit} in use, {self.reserve} kept for "
-               f"its own work; {sessions} sessions open or waiting, each may hold {self.per_session}): raise "
-               f"ulimit -n where it starts")
+               f"its own work; {sessions} sessions open or waiting, {push} of them push sessions, holding {held}: "
+               f"{self.per_session} each, {self.per_push} a push session): raise ulimit -n where it starts")
         self.refused += 1
         now = time.monotonic()
         if now - self._logged_at >= self.log_period_s:
@@ -210,13 +258,14 @@ class Descriptors:
             self._logged_at, self._logged_refused = now, self.refused
         return why
 
-    def stats(self, sessions: int = 0) -> dict:
+    def stats(self, sessions: int = 0, push: int = 0) -> dict:
         """The open-files picture for ``info``: the limit, the descriptors in use (as last counted or estimated), the
-        sessions the limit holds and those admission takes now (None: not known or not bounded)."""
+        sessions the limit holds and those admission takes now (None: not known or not bounded), and the descriptors
+        the record counts per session."""
         limit = self._limit()
-        return {"limit": limit, "in_use": None if limit is None else self.in_use(sessions, limit),
-                "sessions_total": self.sessions_total(), "sessions_free": self.sessions_free(sessions),
-                "refused": self.refused}
+        return {"limit": limit, "in_use": None if limit is None else self.in_use(sessions, limit, push),
+                "sessions_total": self.sessions_total(), "sessions_free": self.sessions_free(sessions, push),
+                "refused": self.refused, "per_session": self.per_announced}
 
 
 class WaitRefused(Exception):

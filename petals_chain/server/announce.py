@@ -53,6 +53,7 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
     failure = getattr(src, "load_failure", None)
     service = getattr(src, "service", None)
     total, free, tokens_total, tokens_free = announced_capacity(runner, service)
+    cap = announced_session_cap(service) if runner is not None else None
     # read after slots_free, and pages a step returned meanwhile may have raised it: at most the slots_free announced
     stranger_free = min(free, int(service.stranger_slots_free())) if runner is not None and service is not None else 0
     return ServerRecord(
@@ -65,7 +66,7 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         model_fingerprint=src.model_fingerprint, max_blocks=int(cfg.max_blocks), kv_cache=cfg.kv_cache,
         page_size=(int(runner.page_size) if runner is not None  # before a load: the page its KV will have
                    else page_size_for(cfg.kv_cache, int(src.max_length), int(cfg.page_size))),
-        cache_tokens_total=tokens_total, cache_tokens_free=tokens_free,
+        cache_tokens_total=tokens_total, cache_tokens_free=tokens_free, max_sessions=-1 if cap is None else cap,
         prefix_cache=bool(runner is not None and runner.prefix_cache),
         prefix_offered_tokens=int(runner.prefix_offered_tokens) if runner is not None else 0,
         prefix_reused_tokens=int(runner.prefix_reused_tokens) if runner is not None else 0,
@@ -88,11 +89,21 @@ def announced_capacity(runner: Any, service: Any) -> tuple[int, int, int, int]:
     tokens_total, tokens_free = int(runner.cache_tokens_total), int(runner.cache_tokens_free)
     descriptors = getattr(service, "descriptors", None)
     if descriptors is not None:  # no more slots than the open-files limit holds sessions
-        held = getattr(service, "held", None)
+        held, held_push = getattr(service, "held", None), getattr(service, "held_push", None)
         total, tokens_total = _capped(total, tokens_total, descriptors.sessions_total())
-        free, tokens_free = _capped(free, tokens_free, descriptors.sessions_free(held() if held is not None else 0))
+        free, tokens_free = _capped(free, tokens_free, descriptors.sessions_free(
+            held() if held is not None else 0, held_push() if held_push is not None else 0))
         free, tokens_free = min(free, total), min(tokens_free, tokens_total)
     return total, free, tokens_total, tokens_free
+
+
+def announced_session_cap(service: Any) -> Optional[int]:
+    """The sessions the server takes at once whatever their length (the record's ``max_sessions``): those its
+    open-files limit holds (``service.descriptors``); None: no cap. A paged server's cache tokens hold ``max_length /
+    L^`` times more short jobs than its slots: without the cap the planner placed 40 jobs of 64 tokens on a server
+    at ``ulimit -n 128`` that admitted 10."""
+    descriptors = getattr(service, "descriptors", None)
+    return None if descriptors is None else descriptors.sessions_total()
 
 
 def _capped(slots: int, tokens: int, sessions: Optional[int]) -> tuple[int, int]:

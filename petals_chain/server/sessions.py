@@ -49,6 +49,7 @@ class OpenSession:
     peer: str  # who opened it: forks are only allowed from the same peer
     span: tuple[int, int]  # [start_block, end_block)
     steps: int = 0  # steps computed so far
+    push: bool = False  # opened with a push_token: it holds the descriptors of a push relay's streams too
 
 
 class SessionService:
@@ -79,6 +80,8 @@ class SessionService:
         self._state, self._on_change, self._describe = state, on_change, describe
         self._closed = asyncio.Event()  # a session closed (or the drain was told to stop waiting)
         self._released: OrderedDict[str, None] = OrderedDict()  # by a drain's timeout, oldest first (bounded)
+        self._push_open = 0  # open sessions opened with a push_token (held_push)
+        self._push_waiting = 0  # opens with a push_token waiting for slots
 
     # ------------------------------------------------------------------ rpc.SessionBackend
     def authorize(self, peer_id: str) -> bool:
@@ -86,9 +89,11 @@ class SessionService:
 
     def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
                      fork_from: Optional[str] = None, fork_length: int = 0,
-                     prefix_hashes: Sequence[bytes] = ()) -> dict:
+                     prefix_hashes: Sequence[bytes] = (), push: bool = False) -> dict:
+        """Open a session now (see the module docstring); ``push``: it carries a ``push_token`` (its descriptors
+        count as a push relay's, :class:`~petals_chain.server.admission.Descriptors`)."""
         runner = self._check_open(session_id, max_length)
-        self._check_descriptors()
+        self._check_descriptors(push)
         guest = not self._trusted(peer_id)
         if guest:
             self._check_share(runner, peer_id, start_block, end_block, max_length, session_id)
@@ -97,15 +102,16 @@ class SessionService:
             raise RefusedError("no_capacity", f"no capacity: {ahead} opens wait for slots")
         try:
             return self._allocate(session_id, start_block, end_block, max_length, peer_id, fork_from, fork_length,
-                                  prefix_hashes)
+                                  prefix_hashes, push=push)
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
 
     async def open_session_wait(self, session_id: str, start_block: int, end_block: int, max_length: int,
-                                peer_id: str, wait_s: float, prefix_hashes: Sequence[bytes] = ()) -> dict:
+                                peer_id: str, wait_s: float, prefix_hashes: Sequence[bytes] = (),
+                                push: bool = False) -> dict:
         """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
         runner = self._check_open(session_id, max_length)
-        self._check_descriptors()  # a wait holds its stream's descriptor too
+        self._check_descriptors(push)  # a wait holds its stream's descriptor too
         if not runner.start_block <= start_block < end_block <= runner.end_block:
             raise RefusedError("invalid", f"span [{start_block}, {end_block}) is not a non-empty part of this "
                                           f"server's blocks [{runner.start_block}, {runner.end_block})")
@@ -127,10 +133,12 @@ class SessionService:
                 if self.trusted:  # checked where the open would queue: one that fits now opens at once
                     max_guests = math.floor(self.stranger_shares.strangers * self.admission.max_waiters)
                 entry = self._waiting[session_id] = (peer_id, need)  # its pages count against its share while it waits
+        waits = int(push)  # counted as a push session's while it waits (and as it is served: briefly twice)
+        self._push_waiting += waits
         try:
             return await self.admission.acquire(
                 lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id,
-                                       prefix_hashes=prefix_hashes), wait_s,
+                                       prefix_hashes=prefix_hashes, push=push), wait_s,
                 release=lambda _result: self.close_session(session_id), guest=guest, max_guests=max_guests,
                 key=(peer_id, session_id) if wait_s > 0 else None)
         except NoCapacityError as e:
@@ -144,6 +152,7 @@ class SessionService:
                 raise RefusedError("invalid", f"open of session {session_id!r} replaced: {e}") from None
             raise RefusedError("no_capacity", f"no capacity: {e}") from None
         finally:
+            self._push_waiting -= waits
             if entry is not None and self._waiting.get(session_id) is entry:  # not the entry of an open replacing it
                 del self._waiting[session_id]
 
@@ -198,6 +207,7 @@ class SessionService:
     def close_session(self, session_id: str, prefix_hashes: Sequence[bytes] = ()) -> None:
         sess = self.sessions.pop(session_id, None)
         if sess is not None:
+            self._push_open -= sess.push
             # The close names the tokens its pages hold; only a trusted orchestrator's word puts pages in the prefix
             # cache (with --allow-any-client anyone could close a session of garbage under a popular prompt's hashes,
             # and trusted sessions would reuse it).
@@ -208,7 +218,7 @@ class SessionService:
 
     def info(self) -> dict:
         return {**self._describe(), "sessions": len(self.sessions), "admission": self.admission.stats(),
-                "open_files": self.descriptors.stats(self.held())}
+                "open_files": self.descriptors.stats(self.held(), self.held_push())}
 
     def session(self, session_id: str) -> Optional[OpenSession]:
         return self.sessions.get(session_id)
@@ -322,10 +332,16 @@ class SessionService:
         """Sessions open or waiting for slots: each holds its stream's descriptor (see :class:`Descriptors`)."""
         return len(self.sessions) + len(self.admission)
 
-    def _check_descriptors(self) -> None:
+    def held_push(self) -> int:
+        """Of :meth:`held`, the sessions opened (or waiting to open) with a ``push_token``: they hold a push relay's
+        streams too."""
+        return self._push_open + self._push_waiting
+
+    def _check_descriptors(self, push: bool = False) -> None:
         """Refuse an open ``no_capacity`` (its client places the work elsewhere or retries; no ban) while the
-        open-files limit is nearly reached: past it no stream could be accepted, and every open hung unanswered."""
-        why = self.descriptors.refusal(self.held())
+        open-files limit is nearly reached: past it no stream could be accepted, and every open hung unanswered.
+        ``push``: the open carries a ``push_token`` (it will hold a push relay's streams too)."""
+        why = self.descriptors.refusal(self.held(), self.held_push(), opening_push=push)
         if why is not None:
             raise RefusedError("no_capacity", f"no capacity: {why}")
 
@@ -345,7 +361,8 @@ class SessionService:
         return runner
 
     def _allocate(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
-                  fork_from: Optional[str] = None, fork_length: int = 0, prefix_hashes: Sequence[bytes] = ()) -> dict:
+                  fork_from: Optional[str] = None, fork_length: int = 0, prefix_hashes: Sequence[bytes] = (), *,
+                  push: bool = False) -> dict:
         """Check and allocate; raises NoCapacityError when the slots are not free (yet).
 
         ``fork_from``: an open session of the same peer and span whose first ``fork_length`` tokens of KV the
@@ -370,7 +387,8 @@ class SessionService:
                 runner.fork(fork_from, session_id, fork_length, max_tokens=max_length)
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
-        self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block))
+        self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block), push=push)
+        self._push_open += push
         waiting = self._waiting.get(session_id)
         if waiting is not None and waiting[0] == peer_id:  # (another peer's wait under this id fails at its turn)
             del self._waiting[session_id]  # served: its pages count as held now, not twice until its waiter wakes

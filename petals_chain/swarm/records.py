@@ -161,6 +161,9 @@ class ServerRecord(_Record):
     page_size: int = pydantic.Field(default=0, ge=0)
     cache_tokens_total: int = pydantic.Field(default=0, ge=0)
     cache_tokens_free: int = pydantic.Field(default=0, ge=0)
+    # the sessions it takes at once whatever their length (its open-files limit's cap), -1: no cap, or an older server
+    # which does not say; a planner counts no more of its jobs than this, however many short ones its tokens hold
+    max_sessions: int = pydantic.Field(default=-1, ge=-1)
     # the prefix cache: on or off; prompt tokens sessions named at open, and how many of them came from the cache
     prefix_cache: bool = False
     prefix_offered_tokens: int = pydantic.Field(default=0, ge=0)
@@ -262,6 +265,10 @@ class ServerRecord(_Record):
         (the trusted orchestrators' reserve and the strangers' shares are not its to take; an older server's record
         does not say, and ``slots_free`` it is)."""
         return self.slots_free if trusted or self.stranger_slots_free < 0 else self.stranger_slots_free
+
+    def session_cap(self) -> Optional[int]:
+        """The sessions it takes at once whatever their length (``max_sessions``); None: no cap (or not said)."""
+        return None if self.max_sessions < 0 else self.max_sessions
 
 
 class AssignmentRecord(_Record):
@@ -413,6 +420,7 @@ class _ServerValueV1(_ValueV1):
     page_size: pv1.conint(strict=True, ge=0)
     cache_tokens_total: pv1.conint(strict=True, ge=0)
     cache_tokens_free: pv1.conint(strict=True, ge=0)
+    max_sessions: pv1.conint(strict=True, ge=-1)
     prefix_cache: pv1.StrictBool
     prefix_offered_tokens: pv1.conint(strict=True, ge=0)
     prefix_reused_tokens: pv1.conint(strict=True, ge=0)

@@ -152,7 +152,8 @@ class SessionBackend(Protocol):
                      fork_from: Optional[str] = None, fork_length: int = 0, **prefix: Any) -> dict:
         """Reserve slots (copying ``fork_from``'s first ``fork_length`` tokens of KV) or raise RefusedError;
         returns extra fields for the open reply. ``prefix``: ``prefix_hashes`` (a list of hashes) when the
-        client named its prompt."""
+        client named its prompt, and ``push=True`` when the open carries a ``push_token`` (the session takes
+        pushes: it holds a push relay's streams too)."""
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Run the session's blocks; raise RefusedError('invalid', ...) for bad input (state unchanged)."""
@@ -387,9 +388,12 @@ class PetalsChainBlocks(ServicerBase):
                         raise RefusedError("invalid", str(e)) from None
                     if sid in self._boxes:
                         raise RefusedError("invalid", f"session {sid!r} is already open")
+                # a push session holds a push relay's streams too: its server counts their descriptors (only
+                # then passed, so a backend that knows no push is driven as before)
+                pushed = {"push": True} if push_token is not None else {}
                 if wait_s > 0 and hasattr(self.backend, "open_session_wait"):
                     opening = asyncio.ensure_future(self.backend.open_session_wait(sid, start, end, max_length, peer,
-                                                                                   float(wait_s), **prefix))
+                                                                                   float(wait_s), **prefix, **pushed))
                     reading = asyncio.ensure_future(stream.__anext__())
                     t_wait = loop.time()
                     try:
@@ -411,7 +415,7 @@ class PetalsChainBlocks(ServicerBase):
                     if extra is None:
                         return  # the client went away (or broke protocol) while waiting
                 else:
-                    extra = self.backend.open_session(sid, start, end, max_length, peer, **fork, **prefix)
+                    extra = self.backend.open_session(sid, start, end, max_length, peer, **fork, **prefix, **pushed)
                 session_id = sid
                 limit = max_length  # the session's token limit: a step's declared tokens are checked against it
                 if push_token is not None:
