@@ -176,13 +176,13 @@ def test_a_failure_mid_stream_reaches_the_client_as_events(envelope, monkeypatch
 
 
 def test_what_this_server_cannot_do_is_refused_naming_the_field(envelope):
-    """Tools, stored responses and conversations, background runs, image and file input, includes it does not
-    have, structured output, reasoning effort, ``store: true``, chat's ``max_tokens``: each a 400 naming its field,
+    """Built-in tools, stored responses and conversations, background runs, image and file input, includes it does
+    not have, structured output, reasoning effort, ``store: true``, chat's ``max_tokens``: each a 400 naming its field,
     never silently dropped. What changes nothing here (store false, no tools, tool_choice none, cache keys, reasoning
     effort none, text format text) is taken: the same output. A stored response asked for is a 404 saying none is
     kept."""
     refusals = {
-        "tools": {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+        "tools.0.type": {"tools": [{"type": "web_search"}]},
         "previous_response_id": {"previous_response_id": "resp_1"},
         "conversation": {"conversation": "conv_1"},
         "background": {"background": True},
@@ -195,7 +195,7 @@ def test_what_this_server_cannot_do_is_refused_naming_the_field(envelope):
         "input.0.content.1": {"input": [{"role": "user", "content": [
             {"type": "input_text", "text": "what is it?"}, {"type": "input_image", "image_url": "http://x/y.png"}]}]},
         "input.0.content.0": {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-        "input.1.type": {"input": [*HI, {"type": "function_call_output", "call_id": "c", "output": "1"}]},
+        "input.1.type": {"input": [*HI, {"type": "item_reference", "id": "msg_1"}]},
         "max_tokens": {"extra_body": {"max_tokens": 3}},
         "n": {"extra_body": {"n": 2}},
     }
@@ -224,9 +224,9 @@ def test_what_this_server_cannot_do_is_refused_naming_the_field(envelope):
     out, plain, hinted, stored = _with_sdk(envelope, fn)
     assert {field: got[0] for field, got in out.items()} == {field: field for field in refusals}, out
     assert all(code in ("invalid_value", "unsupported_parameter") for _, code, _ in out.values()), out
-    assert "tools is not supported" in out["tools"][2]
+    assert '"web_search" is not supported' in out["tools.0.type"][2]
     assert "stores no responses" in out["previous_response_id"][2] and "store: false" in out["store"][2]
-    assert 'not "input_image"' in out["input.0.content.1"][2] and "offers no tools" in out["input.1.type"][2]
+    assert 'not "input_image"' in out["input.0.content.1"][2] and "stores no items" in out["input.1.type"][2]
     assert "'yaml'" not in out["text.format.type"][2] and '"yaml"' in out["text.format.type"][2]
     assert "max_output_tokens" in out["max_tokens"][2]
     assert hinted.output_text == plain.output_text and hinted.usage.output_tokens == 3

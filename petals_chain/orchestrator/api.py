@@ -609,8 +609,7 @@ class InputPart(_Base):
 
 InputContent = text_or_parts(InputPart, "list[InputPart]")
 # why each kind of input item a client may send is not taken (the Responses API's other item types)
-_ITEM_REFUSALS = {"function_call": "this server offers no tools", "function_call_output": "this server offers no tools",
-                  "item_reference": "this server stores no items", "reasoning": "this server does no reasoning"}
+_ITEM_REFUSALS = {"item_reference": "this server stores no items", "reasoning": "this server does no reasoning"}
 
 
 class InputMessage(_Base):
@@ -632,7 +631,8 @@ class InputMessage(_Base):
             # a kind that is not a string (a list, an object) was a TypeError (unhashable) there: a 500
             why = _ITEM_REFUSALS.get(kind, "only messages are supported") if isinstance(kind, str) else \
                 "only messages are supported"
-            raise FieldError("type", f"input items of type {_shown(kind)} are not supported: {why}")
+            raise FieldError("type", f"input items of type {_shown(kind)} are not supported: {why} (messages, "
+                                     "function_call and function_call_output are)")
         return data
 
     def as_dict(self) -> dict:
@@ -640,13 +640,81 @@ class InputMessage(_Base):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+def _direct_call(item: Any) -> Any:
+    """``item`` (a call or its output), if it is a plain call's: no namespace (tool search), no program caller."""
+    _unsupported(item.namespace, "namespace", (None,), "a namespace (tool search)")
+    if item.caller is not None and item.caller != {"type": "direct"}:
+        raise FieldError("caller", "only direct callers (caller {'type': 'direct'}) are supported")
+    return item
+
+
+class InputFunctionCall(_Base):
+    """A ``function_call`` item sent back: a call a response made (the client ran it), rendered as chat's assistant
+    ``tool_calls`` are. Its ``id`` and ``status`` change nothing."""
+
+    type: Literal["function_call"]
+    call_id: str = pydantic.Field(min_length=1, max_length=256)
+    name: str = pydantic.Field(min_length=1, max_length=64)
+    arguments: str
+    id: Optional[str] = pydantic.Field(default=None, max_length=256)
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+    namespace: Optional[str] = None
+    caller: Optional[dict[str, Any]] = None
+
+    @pydantic.model_validator(mode="after")
+    def _direct_only(self):
+        return _direct_call(self)
+
+    def as_call(self) -> dict:
+        """The call as chat's ``tool_calls`` entry."""
+        return {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class InputFunctionCallOutput(_Base):
+    """A ``function_call_output`` item: a call's result, rendered as chat's ``role: "tool"`` message is (its text
+    parts, if ``output`` is a list of them)."""
+
+    type: Literal["function_call_output"]
+    call_id: str = pydantic.Field(min_length=1, max_length=256)
+    output: InputContent
+    id: Optional[str] = pydantic.Field(default=None, max_length=256)
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+    name: Optional[str] = pydantic.Field(default=None, max_length=64)
+    namespace: Optional[str] = None
+    caller: Optional[dict[str, Any]] = None
+
+    @pydantic.model_validator(mode="after")
+    def _direct_only(self):
+        return _direct_call(self)
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+# the member of an input list an item is (by its type); tags as _path leaves them out of an error's location
+_ITEM_TAGS = {"function_call": "dict[InputFunctionCall]", "function_call_output": "dict[InputFunctionCallOutput]"}
+
+
+def _item_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return _ITEM_TAGS.get(kind, "dict[InputMessage]") if isinstance(kind, str) else "dict[InputMessage]"
+
+
+InputItem = typing.Annotated[
+    Union[typing.Annotated[InputMessage, pydantic.Tag("dict[InputMessage]")],
+          typing.Annotated[InputFunctionCall, pydantic.Tag("dict[InputFunctionCall]")],
+          typing.Annotated[InputFunctionCallOutput, pydantic.Tag("dict[InputFunctionCallOutput]")]],
+    pydantic.Discriminator(_item_kind)]
+
+
 def _input_kind(value: Any) -> str | None:
-    return "str" if isinstance(value, str) else "list[InputMessage]" if isinstance(value, list) else None
+    return "str" if isinstance(value, str) else "list[InputItem]" if isinstance(value, list) else None
 
 
 ResponsesInput = typing.Annotated[
     Union[typing.Annotated[str, pydantic.Tag("str")],
-          typing.Annotated[list[InputMessage], pydantic.Tag("list[InputMessage]"), pydantic.Field(min_length=1)]],
+          typing.Annotated[list[InputItem], pydantic.Tag("list[InputItem]"), pydantic.Field(min_length=1)]],
     pydantic.Discriminator(_input_kind, custom_error_type="input_type",
                            custom_error_message="Input should be a string or an array of input items")]
 
@@ -702,9 +770,11 @@ MAX_INCLUDE = 16
 
 class ResponsesRequest(SamplingFields):
     """``POST /v1/responses``: a chat turn in the Responses API's words (``input``, ``instructions``,
-    ``max_output_tokens``), with chat's sampling and our extra fields. What this server cannot do (tools, stored
-    responses and conversations, background runs, non-text input, reasoning) is refused, naming
-    the field; what changes nothing here (cache hints, ``parallel_tool_calls`` without tools) is taken."""
+    ``max_output_tokens``), with chat's sampling and our extra fields, and chat's tool calling (tools.py) in the
+    Responses API's shapes: function ``tools``, ``function_call`` and ``function_call_output`` input items. What this
+    server cannot do (built-in tools, stored responses and conversations, background runs, non-text input,
+    reasoning) is refused, naming the field; what changes nothing here (cache hints, ``parallel_tool_calls`` without
+    tools) is taken."""
 
     model: str
     input: ResponsesInput
@@ -722,7 +792,8 @@ class ResponsesRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     tool_choice: Optional[Any] = None
     tools: Optional[list[Any]] = None
-    max_tool_calls: Optional[int] = pydantic.Field(default=None, ge=1)
+    max_tool_calls: Optional[int] = pydantic.Field(default=None, ge=1)  # built-in tools' calls: none here
+    _tools: Optional[ToolSet] = pydantic.PrivateAttr(default=None)
     top_logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
     include: Optional[list[str]] = pydantic.Field(default=None, max_length=MAX_INCLUDE)
     service_tier: Optional[str] = None
@@ -752,6 +823,21 @@ class ResponsesRequest(SamplingFields):
                 raise FieldError("response_format", "the Responses API's structured output is text.format")
         return data
 
+    def _specs(self) -> list:
+        # the tools' grammar is a structured output, as chat's: text.format beside it is refused (_text_format)
+        self._tools = parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls, flat=True)
+        return super()._specs() + [self._tools.spec() if self._tools is not None else None]
+
+    @property
+    def tool_set(self) -> Optional[ToolSet]:
+        """The request's tools and tool_choice (None: no tools)."""
+        return self._tools
+
+    @property
+    def uses_tools(self) -> bool:
+        """The input holds calls or their results: the conversation needs tools.py's rendering."""
+        return not isinstance(self.input, str) and any(not isinstance(m, InputMessage) for m in self.input)
+
     @pydantic.model_validator(mode="after")
     def _text_format(self):
         specs = [self._spec]
@@ -774,9 +860,6 @@ class ResponsesRequest(SamplingFields):
         _unsupported(self.background, "background", (None, False), "background responses (background: true)")
         _unsupported(self.store, "store", (None, False), "store: true (this server stores no responses; send "
                                                         "store: false or leave it out)")
-        _unsupported(self.tools, "tools", (None, []), "tools")
-        _unsupported(self.tool_choice, "tool_choice", (None, "none", "auto"),
-                     "tool_choice other than 'none' or 'auto' (this server offers no tools)")
         _unsupported(self.truncation, "truncation", (None, "disabled"), "truncation 'auto'")
         _unsupported(self.service_tier, "service_tier", (None, "auto", "default"))
         for i, item in enumerate(self.include or []):
@@ -804,17 +887,35 @@ class ResponsesRequest(SamplingFields):
         return None
 
     def messages(self) -> list[dict]:
-        """The conversation the chat template renders: ``instructions`` as its system message first."""
-        sent = [{"role": "user", "content": self.input}] if isinstance(self.input, str) \
-            else [m.as_dict() for m in self.input]
+        """The conversation the chat template renders: ``instructions`` as its system message first; as chat's
+        messages with tools: ``function_call`` items the ``tool_calls`` of one assistant message (with the
+        assistant's message just before them, as a response gives them), a ``function_call_output`` a ``role:
+        "tool"`` message."""
+        sent: list[dict] = []
+        for m in [self.input] if isinstance(self.input, str) else self.input:
+            if isinstance(m, str):
+                sent.append({"role": "user", "content": m})
+            elif isinstance(m, InputFunctionCall):
+                if sent and sent[-1]["role"] == "assistant":
+                    sent[-1].setdefault("tool_calls", []).append(m.as_call())
+                else:
+                    sent.append({"role": "assistant", "content": None, "tool_calls": [m.as_call()]})
+            elif isinstance(m, InputFunctionCallOutput):
+                sent.append({"role": "tool", "tool_call_id": m.call_id, "content": m.text})
+            else:
+                sent.append(m.as_dict())
         return ([{"role": "system", "content": self.instructions}] if self.instructions is not None else []) + sent
 
     def echo(self) -> dict:
         """What a response repeats of its request."""
         return {"instructions": self.instructions, "metadata": self.metadata or {},
                 "max_output_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_logprobs": self.top_logprobs, "parallel_tool_calls": bool(self.parallel_tool_calls),
-                "tool_choice": self.tool_choice or "none", "tools": [], "max_tool_calls": self.max_tool_calls,
+                "top_logprobs": self.top_logprobs,
+                # with tools, OpenAI's defaults (parallel calls, auto) and the tools as sent
+                "parallel_tool_calls": self.parallel_tool_calls is not False if self.tools else
+                bool(self.parallel_tool_calls),
+                "tool_choice": self.tool_choice or ("auto" if self.tools else "none"), "tools": self.tools or [],
+                "max_tool_calls": self.max_tool_calls,
                 "text": {"format": self.structured_spec.text_format() if self.structured_spec else {"type": "text"},
                          "verbosity": "medium"}, "truncation": "disabled",
                 "reasoning": {"effort": self.reasoning.effort if self.reasoning else None, "summary": None},
@@ -963,7 +1064,9 @@ class ResponsesTail:
             return rec.ending(status, code, message).decode()
         text = rec.text.get(0, "")
         shape.seq, shape.text, shape.logprobs = rec.seq, [text] if text else [], list(rec.lp_entries)
-        return shape.failed(status, message, code=code)
+        # a reply's calls as far as they went out, not as far as they were made (none out: no output)
+        calls = rec.delivered_calls() if shape.calls is not None and not text else None
+        return shape.failed(status, message, code=code, output=calls)
 
 
 class _Call:
@@ -1739,13 +1842,29 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return forwarded
         check_model(req.model)
         messages = req.messages()
-        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+        if sum(len(m["content"] or "") + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
+               for m in messages) > MAX_PROMPT_CHARS:
             raise RequestError("the input is too long", param="input", status=413, code="prompt_too_long")
         if req.instructions is not None:
             check_text(req.instructions, "instructions")
-        for i, m in enumerate(messages[len(messages) - (1 if isinstance(req.input, str) else len(req.input)):]):
-            check_text(m["content"], "input" if isinstance(req.input, str) else f"input.{i}.content")
-        ids = await template(messages)
+        if isinstance(req.input, str):
+            check_text(req.input, "input")
+        else:
+            for i, item in enumerate(req.input):  # each item's text, named as the request has it
+                if isinstance(item, InputFunctionCall):
+                    texts = {"call_id": item.call_id, "name": item.name, "arguments": item.arguments}
+                elif isinstance(item, InputFunctionCallOutput):
+                    texts = {"call_id": item.call_id, "output": item.text}
+                else:
+                    texts = {"content": item.as_dict()["content"]}
+                for key, value in texts.items():
+                    check_text(value, f"input.{i}.{key}")
+        toolset = req.tool_set
+        layout = toolset.layout if toolset is not None else None  # None: the reply is text, as without tools
+        if toolset is not None or req.uses_tools:
+            ids = await tool_template(messages, toolset)
+        else:
+            ids = await template(messages)
         req.max_tokens = req.max_output_tokens
         top = req.top
         params, explicit = sampling(req, None, top)
@@ -1762,22 +1881,27 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return extras([gen])
 
         if req.stream:
+            # with tools the reply's text is read as it comes, into a message or function calls (responses.py)
+            out = shape if layout is None else _responses.ToolStream(shape, layout)
+
             def chunk(i, text, finish, choices, first=False, gen=None):
                 if first:
-                    return shape.opening()
+                    return out.opening()
                 if gen is None:
-                    return shape.delta(text or "", logprobs_of(choices))
-                return shape.closing(gen.finish_reason, _responses.usage(len(ids), len(gen.token_ids),
-                                                                         gen.cached_tokens), ours(gen))
+                    return (shape.delta if layout is None else out.feed)(text or "", logprobs_of(choices))
+                return out.closing(gen.finish_reason, _responses.usage(len(ids), len(gen.token_ids),
+                                                                       gen.cached_tokens), ours(gen))
 
             if call is not None and call.tail is not None:  # its end carries this stream's response object
                 call.tail.shape = shape
             return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, 1), explicit, emits), 1,
                                    chunk, False, len(ids), failed=shape.failed, end="")
         gen = (await unless_disconnected(request, orch.generate_n(ids, per_choice(params, 1), explicit)))[0]
-        return shape.finished(gen.text, gen.finish_reason,
+        read = _tools.read_reply(layout, gen.text) if layout is not None else None
+        return shape.finished(read.content if read is not None else gen.text, gen.finish_reason,
                               _responses.usage(len(ids), len(gen.token_ids), gen.cached_tokens),
-                              logprobs_of(gen.logprobs), ours(gen))
+                              logprobs_of(gen.logprobs), ours(gen),
+                              calls=read.calls if read is not None and read.is_calls else None)
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     @app.get("/v1/responses/{response_id}/input_items")

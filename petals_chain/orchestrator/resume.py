@@ -330,15 +330,19 @@ class StreamRecord:
 
 class ResponsesRecord(StreamRecord):
     """What a relayed Responses API stream (``POST /v1/responses``) gave its client. Its events are named and
-    numbered (``sequence_number`` from 0) and name the response and its message (``id``, ``item_id``): a rerun's go
-    on under the first run's ids and numbers, its opening events (created, in progress, the message and its part
-    added) and the text the client has left out. No ``[DONE]``: ``response.completed`` / ``response.incomplete``
-    end it. A ``response.failed`` is held until its ``error`` event (a shutdown's cut or a lost chain there is
-    rerun, not shown)."""
+    numbered (``sequence_number`` from 0) and name the response and its output items (``id``, ``item_id``, a
+    function call's ``call_id``, by ``output_index``): a rerun's go on under the first run's ids and numbers, its
+    opening events (created, in progress, each item and part added) and the text and call arguments the client has
+    left out. A rerun whose item at an index is another (a message for a call, another function) is a mismatch. No
+    ``[DONE]``: ``response.completed`` / ``response.incomplete`` end it. A ``response.failed`` is held until its
+    ``error`` event (a shutdown's cut or a lost chain there is rerun, not shown)."""
 
     _OPENING = ("response.created", "response.in_progress", "response.output_item.added",
                 "response.content_part.added")
     _ENDS = ("response.completed", "response.incomplete")
+    # the events that end what an item holds: the rerun must have given all of it the client has by then
+    _ITEM_ENDS = ("response.output_text.done", "response.content_part.done", "response.output_item.done",
+                  "response.function_call_arguments.done")
 
     def __init__(self, body: dict, arrived: float) -> None:
         super().__init__({**body, "n": 1, "stream_options": None}, arrived)
@@ -346,10 +350,19 @@ class ResponsesRecord(StreamRecord):
         self.seq = 0  # the next sequence_number the client gets
         self.response_id: Optional[str] = None
         self.created_at: Any = None
-        self.item_id: Optional[str] = None
-        self.sent: set[str] = set()  # the kinds of event delivered, but deltas (each comes once in a response)
+        # the client's output items by output_index: id, type, and a function call's call_id and name
+        self.items: dict[int, dict] = {}
+        self.args: dict[int, str] = {}  # output_index -> a function call's arguments delivered
+        self.args_at: dict[int, int] = {}  # this run: characters of each call's arguments seen
+        self.added: set[int] = set()  # this run: the output indexes whose item was added
+        self.sent: set[tuple[str, int]] = set()  # the (kind, output_index) of events delivered, but deltas
         self.held: Optional[dict] = None  # a response.failed until its error event
         self.lp_entries: list = []  # the logprob entries delivered (a failed response made here carries them)
+
+    @property
+    def item_id(self) -> Optional[str]:
+        """The first output item's id (a text reply's message)."""
+        return self.items.get(0, {}).get("id")
 
     @property
     def complete(self) -> bool:
@@ -357,7 +370,7 @@ class ResponsesRecord(StreamRecord):
 
     def restart(self) -> None:
         super().restart()
-        self.held = None
+        self.held, self.args_at, self.added = None, {}, set()
 
     def take(self, event: bytes) -> Optional[bytes]:
         payload = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
@@ -375,92 +388,148 @@ class ResponsesRecord(StreamRecord):
             self.finished = True
             held, self.held = self.held, None
             return b"".join(self._out(o) for o in (held, obj) if o is not None)
-        if kind == "response.output_text.delta":
-            text, lps = obj.get("delta") or "", obj.get("logprobs") or []
-            if not isinstance(text, str) or not isinstance(lps, list):
-                if not self.rerun:  # not ours to understand
-                    return event
-                raise _Mismatch(f"a delta event the relay does not understand: {payload[:200]!r}")
-            at, have = self.at.get(0, 0), self.text.get(0, "")
-            seen = min(len(text), max(0, len(have) - at))
-            if text[:seen] != have[at:at + seen]:
-                raise _Mismatch(f"the rerun gave {text[:seen]!r} where the client had {have[at:at + seen]!r}")
-            if self.rerun and text[seen:] and "response.output_text.done" in self.sent:
-                raise _Mismatch(f"the rerun gave more text ({text[seen:]!r}) than the client had when it ended")
-            lp_at, lp_have = self.lp_at.get(0, 0), len(self.lp_entries)
-            old_lp = min(len(lps), max(0, lp_have - lp_at))
-            self.at[0], self.lp_at[0] = at + len(text), lp_at + len(lps)
-            if not text[seen:] and len(lps) == old_lp:
+        index = obj.get("output_index", 0)
+        index = index if isinstance(index, int) and not isinstance(index, bool) else 0
+        if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            obj = self._delta(kind, index, obj, payload)
+            if obj is None:
                 return None
-            self.text[0] = have + text[seen:]
-            self.lp_entries += lps[old_lp:]
-            if text[seen:]:
-                self.text_events[0] = self.text_events.get(0, 0) + 1
-            obj = {**obj, "delta": text[seen:], "logprobs": lps[old_lp:]}
         else:
-            if self.rerun and kind not in self._OPENING and self.at.get(0, 0) < len(self.text.get(0, "")):
-                raise _Mismatch(f"the rerun ended after {self.at.get(0, 0)} characters; the client had "
-                                f"{len(self.text.get(0, ''))}")
+            if self.rerun and kind not in self._OPENING:
+                self._check_whole(list(self.items) if kind in self._ENDS else [index]
+                                  if kind in self._ITEM_ENDS else [])
+            if kind == "response.output_item.added":
+                self._added(index, obj)
             # each of these comes once in a response (opening and closing ones alike): a rerun's repeat of one the
             # client has is dropped (cut after output_text.done, the rerun sent it, the part's and item's again)
-            if kind in self.sent and self.rerun:
+            key = (kind, index if "output_index" in obj else -1)
+            if key in self.sent and self.rerun:
                 return None
-            self.sent.add(kind)
+            self.sent.add(key)
             if kind in self._OPENING:
-                self._learn(obj)
+                self._learn(obj, index)
         if kind in self._ENDS:
             self.finished = True
         return self._out(obj) if self.rerun else self._seen(obj, event)
 
-    def _learn(self, obj: dict) -> None:
-        """The first run's ids, from its opening events."""
+    def _delta(self, kind: str, index: int, obj: dict, payload: bytes) -> Optional[dict]:
+        """A text or arguments delta without what the client has of it (None: nothing new); raises
+        :class:`_Mismatch` when it disagrees with that."""
+        text = obj.get("delta") or ""
+        lps = (obj.get("logprobs") or []) if kind == "response.output_text.delta" else []
+        if not isinstance(text, str) or not isinstance(lps, list):
+            if not self.rerun:  # not ours to understand
+                return obj
+            raise _Mismatch(f"a delta event the relay does not understand: {payload[:200]!r}")
+        calls = kind == "response.function_call_arguments.delta"
+        seen_at, have = (self.args_at, self.args) if calls else (self.at, self.text)
+        at, had = seen_at.get(index, 0), have.get(index, "")
+        seen = min(len(text), max(0, len(had) - at))
+        if text[:seen] != had[at:at + seen]:
+            raise _Mismatch(f"the rerun gave {text[:seen]!r} where the client had {had[at:at + seen]!r}")
+        done = "response.function_call_arguments.done" if calls else "response.output_text.done"
+        if self.rerun and text[seen:] and (done, index) in self.sent:
+            raise _Mismatch(f"the rerun gave more text ({text[seen:]!r}) than the client had when it ended")
+        lp_at, lp_have = self.lp_at.get(0, 0), len(self.lp_entries)
+        old_lp = min(len(lps), max(0, lp_have - lp_at))
+        seen_at[index], self.lp_at[0] = at + len(text), lp_at + len(lps)
+        if not text[seen:] and len(lps) == old_lp:
+            return None
+        have[index] = had + text[seen:]
+        self.lp_entries += lps[old_lp:]
+        if text[seen:]:
+            self.text_events[0] = self.text_events.get(0, 0) + 1  # a generated token went out (the TTFT's)
+        return {**obj, "delta": text[seen:], **({} if calls else {"logprobs": lps[old_lp:]})}
+
+    def _check_whole(self, indexes: list[int]) -> None:
+        """A rerun at the end of these items gave all the client has of them."""
+        for i in indexes:
+            if i in self.items and i not in self.added:
+                raise _Mismatch(f"the rerun ended without output item {i}, which the client has")
+            for seen_at, have, what in ((self.at, self.text, "characters"), (self.args_at, self.args,
+                                                                              "characters of arguments")):
+                if seen_at.get(i, 0) < len(have.get(i, "")):
+                    raise _Mismatch(f"the rerun ended after {seen_at.get(i, 0)} {what}; the client had "
+                                    f"{len(have[i])}")
+
+    def _added(self, index: int, obj: dict) -> None:
+        """An item added: a rerun's must be the one the client has at its index (a message, the same function)."""
+        self.added.add(index)
+        item, have = obj.get("item"), self.items.get(index)
+        if not self.rerun or have is None or not isinstance(item, dict):
+            return
+        if item.get("type") != have.get("type") or item.get("name") != have.get("name"):
+            raise _Mismatch(f"the rerun's output item {index} is {item.get('type')} {item.get('name')!r}; the client "
+                            f"has {have.get('type')} {have.get('name')!r}")
+
+    def _learn(self, obj: dict, index: int) -> None:
+        """The first run's ids, from its opening events (an item first added by a rerun: the rerun's)."""
         response, item = obj.get("response"), obj.get("item")
         if isinstance(response, dict) and self.response_id is None:
             self.response_id, self.created_at = response.get("id"), response.get("created_at")
-        if isinstance(item, dict) and self.item_id is None:
-            self.item_id = item.get("id")
-        if self.item_id is None and isinstance(obj.get("item_id"), str):
-            self.item_id = obj["item_id"]
+        if isinstance(item, dict) and index not in self.items:
+            self.items[index] = {k: item.get(k) for k in ("id", "type", "call_id", "name")}
+        if index not in self.items and isinstance(obj.get("item_id"), str):
+            self.items[index] = {"id": obj["item_id"], "type": "message"}
 
     def _seen(self, obj: dict, event: bytes) -> bytes:
         """A first run's event, passed on as sent."""
         self.seq = max(self.seq, int(obj.get("sequence_number", self.seq)) + 1)
         return event
 
+    def _ids(self, item: Any, index: int) -> Any:
+        """A rerun's output item under the first run's ids (its id, a call's call_id)."""
+        have = self.items.get(index)
+        if not isinstance(item, dict) or have is None:
+            return item
+        out = {**item, "id": have["id"]}
+        if have.get("call_id") is not None and "call_id" in item:
+            out["call_id"] = have["call_id"]
+        return out
+
     def _out(self, obj: dict) -> bytes:
         """``obj`` under the first run's ids, numbered next."""
         obj = {**obj, "sequence_number": self.seq}
         self.seq += 1
         if self.rerun:
-            if self.item_id is not None:
+            index = obj.get("output_index", 0) if isinstance(obj.get("output_index"), int) else 0
+            if index in self.items:
                 if "item_id" in obj:
-                    obj["item_id"] = self.item_id
+                    obj["item_id"] = self.items[index]["id"]
                 if isinstance(obj.get("item"), dict):
-                    obj["item"] = {**obj["item"], "id": self.item_id}
+                    obj["item"] = self._ids(obj["item"], index)
             if isinstance(obj.get("response"), dict) and self.response_id is not None:
                 response = {**obj["response"], "id": self.response_id, "created_at": self.created_at}
-                if self.item_id is not None and isinstance(response.get("output"), list):
-                    response["output"] = [{**o, "id": self.item_id} if isinstance(o, dict) else o
-                                          for o in response["output"]]
+                if isinstance(response.get("output"), list):
+                    response["output"] = [self._ids(o, j) for j, o in enumerate(response["output"])]
                 obj["response"] = response
         return sse.sse(obj, event=obj["type"]).encode()
 
+    def delivered_calls(self) -> list[dict]:
+        """The function_call items the client has, as far as their arguments went (status incomplete)."""
+        return [{"id": item["id"], "type": "function_call", "call_id": item.get("call_id"), "name": item.get("name"),
+                 "arguments": self.args.get(i, ""), "status": "incomplete"}
+                for i, item in sorted(self.items.items()) if item.get("type") == "function_call"]
+
     def ending(self, status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
-        """``response.failed`` (with the text the client has) and an ``error`` event, numbered on: the Responses
-        API's end of a failed stream, not chat's error object and ``[DONE]``."""
+        """``response.failed`` (with the text or calls the client has) and an ``error`` event, numbered on: the
+        Responses API's end of a failed stream, not chat's error object and ``[DONE]``."""
         self.finished = True
         text = self.text.get(0, "")
         output = [] if not text or self.item_id is None else [{
             "id": self.item_id, "type": "message", "role": "assistant", "status": "incomplete",
             "content": [ResponseBuilder.part(text, self.lp_entries)]}]
+        output = self.delivered_calls() or output
         if self.response_id is None:  # cut before its first event: named here
             self.response_id, self.created_at = f"resp_{secrets.token_hex(16)}", int(time.time())
+        tools = self.body.get("tools") if isinstance(self.body.get("tools"), list) else []
         failed = {"id": self.response_id, "object": "response", "created_at": self.created_at, "status": "failed",
                   "error": {"code": failure_code(status), "message": message},
                   "incomplete_details": None, "model": self.body.get("model"), "output": output,
-                  "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "metadata": {},
-                  "instructions": self.body.get("instructions"), "temperature": self.body.get("temperature"),
-                  "top_p": self.body.get("top_p")}
+                  "parallel_tool_calls": bool(tools) and self.body.get("parallel_tool_calls") is not False,
+                  "tool_choice": self.body.get("tool_choice") or ("auto" if tools else "none"), "tools": tools,
+                  "metadata": {}, "instructions": self.body.get("instructions"),
+                  "temperature": self.body.get("temperature"), "top_p": self.body.get("top_p")}
         err = sse.error_object(status, message, code=code, type_=type_)["error"]
         self.rerun = True  # numbered on, as a rerun's events
         return (self._out({"type": "response.failed", "response": failed})

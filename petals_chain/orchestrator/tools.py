@@ -148,35 +148,43 @@ def _check_unicode(value: Any, param: str) -> None:
         pass  # not JSON: what the checks after this one refuse, naming it
 
 
-def _tool(value: Any, i: int) -> tuple[Tool, int]:
-    """Tool ``i`` of ``tools`` checked (and the size of its parameters as JSON)."""
+def _tool(value: Any, i: int, flat: bool = False) -> tuple[Tool, int]:
+    """Tool ``i`` of ``tools`` checked (and the size of its parameters as JSON). ``flat``: the Responses API's
+    shape, the function's fields beside ``type`` (``{"type": "function", "name": ...}``), where a function is
+    strict unless it says otherwise; else chat's, under ``function``."""
     where = f"tools.{i}"
     if not isinstance(value, dict):
-        raise _error(f"{where} must be an object with type 'function' and a function", where)
+        shape = "with type 'function' and a name" if flat else "with type 'function' and a function"
+        raise _error(f"{where} must be an object {shape}", where)
     if value.get("type") != "function":  # OpenAI's custom tools (free-form input), its built-in ones: not here
         shown = json.dumps(value.get("type"))[:40] if not isinstance(value.get("type"), (dict, list)) else "an object"
         raise _error(f"{where}.type: {shown} is not supported (only 'function' tools)", f"{where}.type")
-    extra = set(value) - {"type", "function"}
+    fields = ("name", "description", "parameters", "strict")
+    if flat:
+        fn, at = {k: v for k, v in value.items() if k != "type"}, where
+    else:
+        extra = set(value) - {"type", "function"}
+        if extra:
+            raise _error(f"unknown field {sorted(extra)[0]!r} in {where}", f"{where}.{sorted(extra)[0]}")
+        fn, at = value.get("function"), f"{where}.function"
+        if not isinstance(fn, dict):
+            raise _error(f"{at} must be an object with a name", at)
+    extra = set(fn) - set(fields)
     if extra:
-        raise _error(f"unknown field {sorted(extra)[0]!r} in {where}", f"{where}.{sorted(extra)[0]}")
-    fn = value.get("function")
-    if not isinstance(fn, dict):
-        raise _error(f"{where}.function must be an object with a name", f"{where}.function")
-    extra = set(fn) - {"name", "description", "parameters", "strict"}
-    if extra:
-        raise _error(f"unknown field {sorted(extra)[0]!r} in {where}.function", f"{where}.function.{sorted(extra)[0]}")
+        raise _error(f"unknown field {sorted(extra)[0]!r} in {at}", f"{at}.{sorted(extra)[0]}")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.match(name):
-        raise _error(f"{where}.function.name must be 1 to 64 letters, digits, '_', '-' or '.'",
-                     f"{where}.function.name")
+        raise _error(f"{at}.name must be 1 to 64 letters, digits, '_', '-' or '.'", f"{at}.name")
     description, strict = fn.get("description"), fn.get("strict")
     if description is not None and not isinstance(description, str):
-        raise _error(f"{where}.function.description must be a string", f"{where}.function.description")
+        raise _error(f"{at}.description must be a string", f"{at}.description")
     if strict is not None and not isinstance(strict, bool):
-        raise _error(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
+        raise _error(f"{at}.strict must be a boolean", f"{at}.strict")
+    if strict is None and flat:  # the Responses API's default (chat's is false)
+        strict = True
     for key in ("description", "parameters"):  # shown to the model as they came: lone surrogates would crash
-        _check_unicode(fn.get(key), f"{where}.function.{key}")  # the tokenizer (a 500)
-    param = f"{where}.function.parameters"
+        _check_unicode(fn.get(key), f"{at}.{key}")  # the tokenizer (a 500)
+    param = f"{at}.parameters"
     params = fn.get("parameters")
     if params is None:  # OpenAI: a function without parameters takes none
         params = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -198,17 +206,21 @@ def _tool(value: Any, i: int) -> tuple[Tool, int]:
         problem = str(e)
     if problem and not problem.startswith("WARNING"):
         raise _error(f"{param} cannot be used: {_shown_error(problem)}", param)
-    definition = {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+    # what the model is shown: chat's shape (its templates' and the tools prompt's), whichever API it came from
+    definition = {"type": "function", "function": {k: v for k, v in fn.items() if k in fields and v is not None}}
     return Tool(name, json.loads(text), definition), len(text)
 
 
-def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Optional[bool]) -> Optional[ToolSet]:
-    """A chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked: a :class:`ToolSet`, None
-    when no tools are given (``tool_choice`` must then be absent or ``none``), or a 400 naming the field."""
+def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Optional[bool], flat: bool = False
+                ) -> Optional[ToolSet]:
+    """A request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked: a :class:`ToolSet`, None when no
+    tools are given (``tool_choice`` must then be absent or ``none``), or a 400 naming the field. ``flat``: the
+    Responses API's shapes (a tool ``{"type": "function", "name": ...}``, a named choice ``{"type": "function",
+    "name": ...}``), else chat's (``function: {"name": ...}`` in both)."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none"):
             raise _error("tool_choice is only allowed when tools are given", "tool_choice")
-        if parallel_tool_calls:
+        if parallel_tool_calls and not flat:  # the Responses API's default is true: taken without tools
             raise _error("parallel_tool_calls is only allowed when tools are given", "parallel_tool_calls")
         return None
     if not isinstance(tools, list):
@@ -217,9 +229,10 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Optional[bool
         raise _error(f"at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
     parsed, total, seen = [], 0, set()
     for i, value in enumerate(tools):
-        tool, size = _tool(value, i)
+        tool, size = _tool(value, i, flat)
         if tool.name in seen:
-            raise _error(f"tools.{i}.function.name: {tool.name!r} is given twice", f"tools.{i}.function.name")
+            at = f"tools.{i}.name" if flat else f"tools.{i}.function.name"
+            raise _error(f"{at}: {tool.name!r} is given twice", at)
         seen.add(tool.name)
         parsed.append(tool)
         total += size
@@ -227,19 +240,22 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Optional[bool
         raise _error(f"the tools' parameters are too large together: {total} characters of JSON, at most "
                      f"{MAX_TOOLS_CHARS}", "tools")
     choice = "auto" if tool_choice is None else tool_choice
+    named = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
     if isinstance(choice, dict):
-        extra = set(choice) - {"type", "function"}
-        if extra or choice.get("type") != "function" or not isinstance(choice.get("function"), dict) \
-                or set(choice["function"]) != {"name"}:
-            raise _error('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                         '{"name": ...}}', "tool_choice")
-        choice = choice["function"]["name"]
-        if choice not in seen:
-            raise _error(f"tool_choice names {json.dumps(choice)[:80]}, which is not one of the tools",
-                         "tool_choice.function.name")
+        if flat:
+            ok = set(choice) == {"type", "name"} and choice.get("type") == "function"
+            name, where = choice.get("name"), "tool_choice.name"
+        else:
+            ok = set(choice) == {"type", "function"} and choice.get("type") == "function" \
+                and isinstance(choice.get("function"), dict) and set(choice["function"]) == {"name"}
+            name, where = (choice.get("function") or {}).get("name") if ok else None, "tool_choice.function.name"
+        if not ok:
+            raise _error(f'tool_choice must be "none", "auto", "required" or {named}', "tool_choice")
+        if not isinstance(name, str) or name not in seen:
+            raise _error(f"tool_choice names {json.dumps(name)[:80]}, which is not one of the tools", where)
+        choice = name
     elif choice not in _CHOICES:
-        raise _error('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                     '{"name": ...}}', "tool_choice")
+        raise _error(f'tool_choice must be "none", "auto", "required" or {named}', "tool_choice")
     return ToolSet(tuple(parsed), choice, True if parallel_tool_calls is None else parallel_tool_calls)
 
 
