@@ -238,9 +238,25 @@ def solve_herd(problem: HerdProblem, *, merge: bool = True, time_limit_s: float 
         if deadline is not None:  # the limit is for the whole solve, every resolve below included
             opts["time_limit"] = max(0.0, deadline - time.monotonic())
         A, lo, hi = _constraint_matrix(rows, nv)
-        res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
-                   bounds=Bounds(lb, ub), options=opts)
-        if res.x is None:
+        res = None
+        # HiGHS ends some near-boundary instances in "solve error" (status 4, no answer) under the settings above
+        # (two streams whose models of 8.0000005 GB cannot share a 16 GB GPU: None where a plan exists, 2.0 on two
+        # GPUs); a tighter MIP feasibility tolerance solves them. Only infeasible (2) and out of time (1) are final.
+        for retry in ({}, {"mip_feasibility_tolerance": 1e-9},
+                      {"mip_feasibility_tolerance": 1e-9, "presolve": not opts.get("presolve", True)}):
+            if deadline is not None and retry:
+                opts["time_limit"] = max(0.0, deadline - time.monotonic())
+            try:
+                with warnings.catch_warnings():  # options scipy does not know are passed to HiGHS, with a warning
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+                               bounds=Bounds(lb, ub), options={**opts, **retry})
+            except (ValueError, RuntimeError):  # HiGHS threw (its presolve did on a server-split model)
+                res = None
+                continue
+            if res.x is not None or res.status in (1, 2):
+                break
+        if res is None or res.x is None:
             return None
         x = res.x
         group = {s.name: int(np.argmax([x[X(i, j)] for j in range(J)])) for i, s in enumerate(streams)}
@@ -542,6 +558,135 @@ _MAX_COVER_SETS = 64
 # Server-split models up to this many variables (about 20 servers for 3 orchestrators) are solved again under another
 # random seed (solve_server_groups): each solve takes milliseconds there; larger ones already run into the time limit.
 _RESEED_MAX_VARS = 64
+# Splits of at most this many servers are solved exactly (_max_covered, _exact_cover_split; HiGHS only where those run
+# out of time): HiGHS called splits optimal that its cuts had cut off (4 % below the best). Whole splits of 12 servers
+# over 3 / 4 / 5 orchestrators (30 random instances each, a third of identical servers, half with a previous split;
+# 2 loaded cores): mean 15 / 28 / 97 ms, worst 74 / 105 / 551 ms (HiGHS alone: 98 / 192 / 547, worst 326 / 772 /
+# 2,484 ms). The search alone over 14 servers and 5 orchestrators took up to 3.3 s: larger splits stay with HiGHS.
+_EXACT_MAX_SERVERS = 12
+
+
+def _max_covered(blocks: Sequence[int], num_blocks: int, groups: int, deadline: float) -> int | None:
+    """The most of ``groups`` groups that can each hold ``num_blocks`` blocks with servers of ``blocks`` (one
+    group each), exactly by a search over block counts; None if ``deadline`` (``time.monotonic``) passes first."""
+    if num_blocks <= 0:
+        return groups
+    items = sorted((min(int(b), num_blocks) for b in blocks if b > 0), reverse=True)
+    rest = list(itertools.accumulate(reversed(items), initial=0))[::-1]  # rest[i]: blocks of items[i:]
+    failed: set[tuple[int, tuple[int, ...]]] = set()
+    nodes = 0
+
+    def fill(i: int, bins: tuple[int, ...]) -> bool:  # bins: blocks so far per group, ascending, capped
+        nonlocal nodes
+        nodes += 1
+        if nodes % 1024 == 0 and time.monotonic() > deadline:
+            raise TimeoutError
+        if bins[0] >= num_blocks:
+            return True
+        if sum(num_blocks - b for b in bins) > rest[i] or (i, bins) in failed:
+            return False
+        for v in sorted({b for b in bins if b < num_blocks}):  # groups at the same count are interchangeable
+            j = bins.index(v)
+            if fill(i + 1, tuple(sorted(bins[:j] + (min(num_blocks, v + items[i]),) + bins[j + 1:]))):
+                return True
+        if fill(i + 1, bins):  # this server in a group that holds a copy already
+            return True
+        failed.add((i, bins))
+        return False
+
+    try:
+        return next((k for k in range(groups, 0, -1) if fill(0, (0,) * k)), 0)
+    except TimeoutError:
+        return None
+
+
+def _exact_cover_split(throughput: Sequence[float], blocks: Sequence[int], weights: Sequence[float], num_blocks: int,
+                       above: float | None, deadline: float) -> tuple[float | None, list[int] | None, bool]:
+    """Every server into one of ``len(weights)`` groups, each holding ``num_blocks`` blocks, maximizing
+    ``r = min_j (throughput in j) / weights[j]``, by branch and bound: ``(r, group of each server, finished)``.
+
+    Only splits with ``r`` above ``above`` (relative 1e-9) are looked for: ``(None, None, True)`` says there is none.
+    Servers alike (throughput, blocks) are placed as one kind (how many per group) and groups alike at a node as
+    one; a node is cut when the blocks left cannot complete every group, or when even pouring the throughput left
+    into the lowest groups (water-filling) does not beat the best ``r`` so far. ``finished`` is False when
+    ``deadline`` passed first: then ``r`` is the best found (or None)."""
+    L, c = num_blocks, len(weights)
+    kinds: dict[tuple[float, int], list[int]] = {}
+    for i, (t, b) in enumerate(zip(throughput, blocks)):
+        kinds.setdefault((float(t), min(int(b), max(L, 0))), []).append(i)
+    order = sorted(kinds, key=lambda k: (-k[0], -k[1]))  # fastest first: good splits early, cuts sooner
+    th, bl, cnt = [k[0] for k in order], [k[1] for k in order], [len(kinds[k]) for k in order]
+    K = len(order)
+    rest_t, rest_b, rest_n = [0.0] * (K + 1), [0] * (K + 1), [0] * (K + 1)
+    for k in range(K - 1, -1, -1):
+        rest_t[k] = rest_t[k + 1] + th[k] * cnt[k]
+        rest_b[k] = rest_b[k + 1] + bl[k] * cnt[k]
+        rest_n[k] = rest_n[k + 1] + (cnt[k] if bl[k] > 0 else 0)
+    w = [float(x) for x in weights]
+    best_r, best = above, None
+    take = [[0] * c for _ in range(K)]  # servers of each kind in each group
+    nodes = 0
+    tol = 1.0 + 1e-9
+
+    def bound(T: tuple[float, ...], R: float) -> float:  # the highest min level R more throughput can reach
+        lv = sorted(range(c), key=lambda j: T[j] / w[j])
+        W = base = 0.0
+        for m, j in enumerate(lv):
+            W, base = W + w[j], base + T[j]
+            if m + 1 == c or (R + base) / W <= T[lv[m + 1]] / w[lv[m + 1]]:
+                return (R + base) / W
+        return math.inf
+
+    def place(k: int, T: tuple[float, ...], B: tuple[int, ...]) -> None:
+        nonlocal nodes, best_r, best
+        nodes += 1
+        if nodes % 1024 == 0 and time.monotonic() > deadline:
+            raise TimeoutError
+        short = [L - b for b in B if b < L]
+        if sum(short) > rest_b[k] or len(short) > rest_n[k]:
+            return
+        if k == K:
+            r = min(T[j] / w[j] for j in range(c))
+            if best_r is None or r > best_r * tol:
+                best_r, best = r, [row[:] for row in take]
+            return
+        if best_r is not None and bound(T, rest_t[k]) <= best_r * tol:
+            return
+        groups = sorted(range(c), key=lambda j: (T[j] / w[j], j))  # the lowest group gets the most first
+        keys = [(T[j], min(B[j], L), w[j]) for j in groups]
+        # a group alike an earlier one (same state and weight) takes at most as many: the rest are relabellings
+        twin = [max((q for q in range(p) if keys[q] == keys[p]), default=-1) for p in range(c)]
+        given = [0] * c
+
+        def spread(p: int, left: int, T: tuple[float, ...], B: tuple[int, ...]) -> None:
+            j = groups[p]
+            most = left if twin[p] < 0 else min(left, given[twin[p]])
+            for m in range(most, (left if p + 1 == c else 0) - 1, -1):
+                given[p] = take[k][j] = m
+                T2 = T[:j] + (T[j] + th[k] * m,) + T[j + 1:] if m else T
+                B2 = B[:j] + (B[j] + bl[k] * m,) + B[j + 1:] if m else B
+                if p + 1 == c:
+                    place(k + 1, T2, B2)
+                else:
+                    spread(p + 1, left - m, T2, B2)
+            take[k][j] = 0
+
+        spread(0, cnt[k], T, B)
+
+    finished = True
+    try:
+        place(0, (0.0,) * c, (0,) * c)
+    except TimeoutError:
+        finished = False
+    if best is None:
+        return None, None, finished
+    split = [0] * len(throughput)
+    for k, key in enumerate(order):
+        members = iter(kinds[key])
+        for j in range(c):
+            for _ in range(best[k][j]):
+                split[next(members)] = j
+    return best_r, split, finished
 
 
 def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, float], num_blocks: int,
@@ -554,7 +699,12 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
     :func:`covered_demand`; the others are free: no big-M), then, with a
     ``previous`` split, the fewest moves among the sets that keep ``t`` within ``margin`` of the best. Only when
     there are more than ``_MAX_COVER_SETS`` such sets does ``t`` use the big-M link ``t <= bt_j + M (1 - u_j)``.
-    None if the solver fails (the caller falls back to the greedy split)."""
+    Up to ``_EXACT_MAX_SERVERS`` servers, the first two steps are exact searches instead (HiGHS where they run out
+    of time, the better kept). ``time_limit_s`` bounds the whole split (every solve); None if the solver fails (the
+    caller falls back to the greedy split)."""
+    if not time_limit_s > 0:  # NaN too: HiGHS would get no time and the split would silently be the greedy one
+        raise ValueError(f"time_limit_s must be a positive number, got {time_limit_s!r}")
+    deadline = time.monotonic() + time_limit_s
     groups = sorted(demand)
     if not groups:
         return {}
@@ -571,6 +721,11 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
     X = lambda i, j: i * J + j  # noqa: E731
     U = lambda j: S * J + j  # noqa: E731
     WITH_U = None  # model key: u_j variables (and big-M rows on t), instead of a fixed set of covered groups
+
+    def budget(share: float) -> float:
+        """The deadline of a step given ``share`` of the time left."""
+        now = time.monotonic()
+        return now + max(0.0, deadline - now) * share
 
     @functools.cache
     def model(cover: frozenset[int] | None) -> tuple[list, int]:
@@ -597,8 +752,9 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
                 rows.append(({T: 1.0 / norm, **coef}, -np.inf, 0.0))
         return rows, T + 1
 
-    def solve(objective_at: Mapping[int, float], cover: frozenset[int] | None,
-              extra: Sequence = ()) -> np.ndarray | None:
+    def solve(objective_at: Mapping[int, float], cover: frozenset[int] | None, extra: Sequence = (), *,
+              stop: float) -> np.ndarray | None:
+        """The model's optimum, found by ``stop`` (``time.monotonic``; None: no answer)."""
         rows, nv = model(cover)
         objective = np.zeros(nv)
         for v, c in objective_at.items():
@@ -616,20 +772,27 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
         # Both ways can be wrong at once: its cuts cut the optimum off under some random seeds (16.0 called optimal
         # for 16.2 under 9 of 80 seed x presolve settings, under 26 of 80 in another instance), so a small model is
         # solved a third time under another seed unless a solve ran out of time (16 instances wrong both ways,
-        # found around the two Hypothesis found: 1 still wrong with the t rows divided and the third solve).
+        # found around the two Hypothesis found: 1 still wrong with the t rows divided and the third solve; small
+        # splits are solved exactly first, so this is their fallback).
         best = None
         reseed = nv <= _RESEED_MAX_VARS
-        for extra_options in ({"presolve": False}, {}, {"presolve": False, "random_seed": 1},
-                              {"presolve": False, "mip_feasibility_tolerance": 1e-7}):
+        settings = [{"presolve": False}, {}, {"presolve": False, "random_seed": 1},
+                    {"presolve": False, "mip_feasibility_tolerance": 1e-7}]
+        for n, extra_options in enumerate(settings):
             if "random_seed" in extra_options and not reseed:
                 continue
             if best is not None and "mip_feasibility_tolerance" in extra_options:
                 break  # the last setting is only for when none of the others gave an answer
+            # the call's time shared by the settings still planned: one solve that runs out of time leaves the next
+            # its share (each used to get the whole limit: a split of 20 servers took twice its time_limit_s)
+            limit = (stop - time.monotonic()) / {0: 2 + reseed, 1: 1 + reseed}.get(n, 1)
+            if limit <= 0:
+                break
             try:
                 with warnings.catch_warnings():  # options scipy does not know are passed to HiGHS, with a warning
                     warnings.simplefilter("ignore", RuntimeWarning)
                     res = milp(objective, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
-                               bounds=Bounds(lb, ub), options={"time_limit": time_limit_s,
+                               bounds=Bounds(lb, ub), options={"time_limit": limit,
                                                                "mip_rel_gap": mip_rel_gap, **extra_options})
             except (ValueError, RuntimeError):  # HiGHS's presolve threw std::length_error on one known model
                 continue
@@ -643,35 +806,62 @@ def solve_server_groups(servers: Sequence[GroupServer], demand: Mapping[str, flo
         return int(round(sum(x[U(j)] for j in range(J))))
 
     T = -1  # t, wherever the model puts it
-    x = solve({U(j): -1.0 for j in range(J)}, WITH_U)  # the most groups with a complete copy
-    if x is None:
-        return None
-    covered = count_covered(x)
+    prev = {s.peer_id: previous[s.peer_id] for s in servers if previous and previous.get(s.peer_id) in demand}
+    exact = S <= _EXACT_MAX_SERVERS
+    blocks, throughput = [s.blocks for s in servers], [s.throughput for s in servers]
+    # the most groups with a complete copy: exactly for a few servers (a count of blocks), else by the u_j model
+    covered = _max_covered(blocks, num_blocks, J, budget(1 / 3)) if exact else None
+    x = None
+    if not covered:
+        x = solve({U(j): -1.0 for j in range(J)}, WITH_U, stop=budget(1 / 3))
+        if x is None:
+            return None
+        covered = max(covered or 0, count_covered(x))
     # then the best worst t: per set of `covered` groups, or (too many sets) with u_j and the cover count fixed
     if covered == 0:
         candidates = [(0.0, WITH_U, [], x)]
     elif math.comb(J, covered) <= _MAX_COVER_SETS:
         candidates = []
-        for cover in map(frozenset, itertools.combinations(range(J), covered)):
-            y = solve({T: -1.0}, cover)
-            if y is not None:
-                candidates.append((float(y[-1]), cover, [], y))
+        covers = list(map(frozenset, itertools.combinations(range(J), covered)))
+        for n, cover in enumerate(covers):
+            stop = budget(1 / (len(covers) - n + bool(prev)))  # this set's part of the time left (the moves' too)
+            got = None  # (t, x)
+            finished = False
+            if exact:
+                js = sorted(cover)
+                served = covered_demand(need, [groups[j] for j in js])
+                # only sets that can beat the best so far (within the moves' margin) matter: the search cuts the rest
+                top = max((c[0] for c in candidates), default=None)
+                above = None if top is None else top * scale * max(1, num_blocks) * ((1 - margin) if prev else 1.0)
+                # half this set's time: HiGHS gets the rest if the search cannot finish in it
+                r, split, finished = _exact_cover_split(throughput, blocks, [served[groups[j]] for j in js],
+                                                        num_blocks, above, (time.monotonic() + stop) / 2)
+                if split is not None:
+                    y = np.zeros(S * J + 1)
+                    for i, j in enumerate(split):
+                        y[X(i, js[j])] = 1.0
+                    y[-1] = r / max(1, num_blocks) / scale
+                    got = (float(y[-1]), y)
+            if not finished:  # no exact answer in time (or none tried): HiGHS, the better kept
+                y = solve({T: -1.0}, cover, stop=stop)
+                if y is not None and (got is None or float(y[-1]) > got[0]):
+                    got = (float(y[-1]), y)
+            if got is not None:
+                candidates.append((got[0], cover, [], got[1]))
     else:
         fix = [({U(j): 1.0 for j in range(J)}, covered, covered)]
-        y = solve({T: -1.0}, WITH_U, fix)
+        y = solve({T: -1.0}, WITH_U, fix, stop=budget(1 / (1 + bool(prev))))
         candidates = [] if y is None else [(float(y[-1]), WITH_U, fix, y)]
     if not candidates:
         return None
     t_star, _, _, x = max(candidates, key=lambda c: c[0])
-    prev = {s.peer_id: previous[s.peer_id] for s in servers if previous and previous.get(s.peer_id) in demand}
     if prev:
         stay = {X(i, groups.index(prev[s.peer_id])): -1.0 for i, s in enumerate(servers) if s.peer_id in prev}
         floor = [({T: 1.0}, t_star * (1 - margin) - 1e-12, np.inf)]
         best_stay = None
-        for t_c, cover, fix, _ in candidates:
-            if t_c < t_star * (1 - margin) - 1e-12:
-                continue
-            y = solve(stay, cover, fix + floor)
+        near = [c for c in candidates if c[0] >= t_star * (1 - margin) - 1e-12]
+        for n, (t_c, cover, fix, _) in enumerate(near):
+            y = solve(stay, cover, fix + floor, stop=budget(1 / (len(near) - n)))
             if y is not None:
                 kept = sum(y[v] for v in stay)
                 if best_stay is None or kept > best_stay + 0.5:

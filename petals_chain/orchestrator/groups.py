@@ -61,6 +61,8 @@ class GroupCoordinator:
                  clock: Callable[[], float] = time.monotonic):
         if not ttl_s > 0 or not refresh_s > 0:
             raise ValueError("ttl_s and refresh_s must be positive")
+        if not ilp_time_s > 0:  # the split's whole time budget (solve_server_groups refuses it at each split)
+            raise ValueError(f"ilp_time_s must be a positive number, got {ilp_time_s!r}")
         self.dht = dht
         self.prefix = prefix
         self.me: str = dht.peer_id
@@ -135,7 +137,7 @@ class GroupCoordinator:
         return out
 
     async def compute_split(self, live: Sequence[str]) -> dict[str, str]:
-        """HERD's split of the servers over ``live`` orchestrators: the ILP (in a thread, ``ilp_time_s`` at most),
+        """HERD's split of the servers over ``live`` orchestrators: the ILP (in a thread, ``ilp_time_s`` in all),
         unless the greedy split beats it by more than the ILP's own move margin (or the solver fails). Solved
         again only when the orchestrators, the servers or a demand (by a factor of about 1.4) change."""
         spec = self.planner._model_spec()
