@@ -171,8 +171,8 @@ class ResponseBuilder:
         err = error_object(status, message, param=param, code=code)["error"]
         if output is None:
             output = [self.message("".join(self.text), "incomplete", self.logprobs)] if self.text else []
-            if self.calls is not None and self.calls.calls:  # the calls as far as they went
-                output = [self.call_item(i, c, "incomplete") for i, c in enumerate(self.calls.calls)]
+            if self.calls is not None and self.calls.calls:  # the calls as far as they went: a whole one completed,
+                output = [self.call_item(i, c) for i, c in enumerate(self.calls.calls)]  # as its item's done said
         failed = self.response("failed", output, error={"code": failure_code(status), "message": message})
         return (self.event("response.failed", response=failed)
                 + self.event("error", code=code, message=message, param=param, error={**err, "status": status}))

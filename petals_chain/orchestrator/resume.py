@@ -506,9 +506,11 @@ class ResponsesRecord(StreamRecord):
         return sse.sse(obj, event=obj["type"]).encode()
 
     def delivered_calls(self) -> list[dict]:
-        """The function_call items the client has, as far as their arguments went (status incomplete)."""
+        """The function_call items the client has, as far as their arguments went: ``completed`` where its
+        ``response.output_item.done`` went out (as that event said), else ``incomplete``."""
         return [{"id": item["id"], "type": "function_call", "call_id": item.get("call_id"), "name": item.get("name"),
-                 "arguments": self.args.get(i, ""), "status": "incomplete"}
+                 "arguments": self.args.get(i, ""),
+                 "status": "completed" if ("response.output_item.done", i) in self.sent else "incomplete"}
                 for i, item in sorted(self.items.items()) if item.get("type") == "function_call"]
 
     def ending(self, status: int, code: str, message: str, type_: Optional[str] = None) -> bytes:
