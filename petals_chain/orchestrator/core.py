@@ -41,6 +41,7 @@ from petals_chain.swarm.launch import out_of_descriptors
 from petals_chain.swarm.reachability import Prober
 from petals_chain.swarm.rpc import RemoteError
 from petals_chain.swarm.version import build_version
+from petals_chain.swarm.webpage import url_host
 
 __all__ = ["Emit", "Generation", "JoinError", "Orchestrator", "OrchestratorConfig", "RequestError", "ShuttingDown",
            "Unavailable", "UserSession"]
@@ -249,7 +250,7 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.prefix_directory = ChainPrefixes()  # what each chain's servers were given to cache
         self.started_at = time.time()  # a date (the OpenAI model's ``created``)
         self.started_mono = time.monotonic()  # for ``uptime_s``: a clock stepped back made it negative
-        self.http_url = f"http://{f'[{cfg.host}]' if ':' in cfg.host else cfg.host}:{cfg.port}"
+        self.http_url = f"http://{url_host(cfg.host)}:{cfg.port}"
         self.local_url = self.http_url  # this API as this process reaches it (forward.py reruns cut streams here)
         self.dht = None
         self._owns_dht = True  # False when another model's orchestrator in this process runs the DHT node
