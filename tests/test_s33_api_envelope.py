@@ -50,6 +50,25 @@ class FakeChainSession:
         pass
 
 
+def fake_chain_app(tiny_model_factory, monkeypatch, **cfg):
+    """(orchestrator, app) over fake chains (:class:`FakeChainSession`, no delay), its head batched, no API keys;
+    ``cfg``: the OrchestratorConfig fields besides the model and port. A generator for fixtures to ``yield from``."""
+    from petals_chain.orchestrator import failover
+    from petals_chain.orchestrator.api import create_app
+    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
+    from petals_chain.orchestrator.relay import HeadBatcher
+
+    monkeypatch.setattr(failover, "ChainSession", FakeChainSession)
+    monkeypatch.setattr(FakeChainSession, "delay", 0.0)
+    orch = Orchestrator(OrchestratorConfig(model=str(tiny_model_factory("llama", num_layers=2)), port=0, **cfg))
+    orch.load_model()
+    orch.batcher = HeadBatcher(orch.head)
+    try:
+        yield orch, create_app(orch)
+    finally:
+        orch.batcher.close()
+
+
 @pytest.fixture
 def api(tiny_model_factory, tmp_path, monkeypatch):
     """(orchestrator, app) with keys alice (tokens_per_minute=50) and bob, over fake chains; no chain yet."""

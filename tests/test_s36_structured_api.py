@@ -17,7 +17,7 @@ from typing import Literal
 import httpx
 import pydantic
 import pytest
-from test_s33_api_envelope import FakeChainSession, _chain
+from test_s33_api_envelope import _chain, fake_chain_app
 
 openai = pytest.importorskip("openai")
 httpx2 = pytest.importorskip("httpx2")  # the transport of the openai package installed here
@@ -34,21 +34,7 @@ STRICT = {**Answer.model_json_schema(), "additionalProperties": False}  # what t
 @pytest.fixture
 def api(tiny_model_factory, monkeypatch):
     """(orchestrator, app) over fake chains, one chain up; no API keys."""
-    from petals_chain.orchestrator import failover
-    from petals_chain.orchestrator.api import create_app
-    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
-    from petals_chain.orchestrator.relay import HeadBatcher
-
-    monkeypatch.setattr(failover, "ChainSession", FakeChainSession)
-    monkeypatch.setattr(FakeChainSession, "delay", 0.0)
-    orch = Orchestrator(OrchestratorConfig(model=str(tiny_model_factory("llama", num_layers=2)), max_length=128,
-                                           port=0, no_chain_wait_s=5.0))
-    orch.load_model()
-    orch.batcher = HeadBatcher(orch.head)
-    try:
-        yield orch, create_app(orch)
-    finally:
-        orch.batcher.close()
+    yield from fake_chain_app(tiny_model_factory, monkeypatch, max_length=128, no_chain_wait_s=5.0)
 
 
 def _run(api, fn):

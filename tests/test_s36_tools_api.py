@@ -15,7 +15,7 @@ import json
 import httpx
 import llguidance
 import pytest
-from test_s33_api_envelope import FakeChainSession, _chain
+from test_s33_api_envelope import _chain, fake_chain_app
 
 from petals_chain.orchestrator import structured
 from petals_chain.orchestrator.tools import CallScanner, encode_conversation, hermes, parse_tools, read_reply
@@ -36,21 +36,7 @@ MSGS = [{"role": "user", "content": "What is the weather in Rome?"}]
 @pytest.fixture
 def api(tiny_model_factory, monkeypatch):
     """(orchestrator, app) over fake chains, one chain up; no API keys."""
-    from petals_chain.orchestrator import failover
-    from petals_chain.orchestrator.api import create_app
-    from petals_chain.orchestrator.core import Orchestrator, OrchestratorConfig
-    from petals_chain.orchestrator.relay import HeadBatcher
-
-    monkeypatch.setattr(failover, "ChainSession", FakeChainSession)
-    monkeypatch.setattr(FakeChainSession, "delay", 0.0)
-    orch = Orchestrator(OrchestratorConfig(model=str(tiny_model_factory("llama", num_layers=2)), max_length=1024,
-                                           port=0, no_chain_wait_s=5.0))
-    orch.load_model()
-    orch.batcher = HeadBatcher(orch.head)
-    try:
-        yield orch, create_app(orch)
-    finally:
-        orch.batcher.close()
+    yield from fake_chain_app(tiny_model_factory, monkeypatch, max_length=1024, no_chain_wait_s=5.0)  # the tools' prompt alone is ~560 tokens
 
 
 def _run(api, fn, sdk: bool = False):
