@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from petals_chain.dashboard.source import ModelsNotKnownYet, SwarmNotReadYet
+from petals_chain.swarm.httpedge import HeadAsGet
 from petals_chain.swarm.jsonsafe import json_safe  # in swarm/: the orchestrator publishes with it too
 from petals_chain.swarm.webpage import mount_dashboard, page_headers, page_html, page_response
 
@@ -86,4 +87,5 @@ def create_app(
             app.add_api_route(path, page, methods=["GET"], include_in_schema=False, response_class=HTMLResponse)
     else:
         mount_dashboard(app)
+    app.add_middleware(HeadAsGet)  # HEAD / and /healthz (curl -I, uptime monitors) were 405
     return app

@@ -622,8 +622,13 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
             # the router's own answers (an unknown model's 404, a 413) carry an x-request-id too; each model's app
             # keeps the router's id and adds no second header
             apps = [create_app(o, ledger) for o in orchs]
-            app = RequestIds(ModelRouter({o.model_id: a for o, a in zip(orchs, apps)},
-                                         {o.model_id: o for o in orchs}, placer=placer))
+            from petals_chain.swarm.httpedge import DecodedBody, HeadAsGet
+
+            # a coded body decoded before the router reads its model; HEAD as GET for the router's own answers too
+            router = ModelRouter({o.model_id: a for o, a in zip(orchs, apps)}, {o.model_id: o for o in orchs},
+                                 placer=placer)
+            app = RequestIds(HeadAsGet(DecodedBody(router, limit=lambda: max(
+                a.state.limits.limits.max_body_bytes for a in apps))))
             for o in orchs:
                 print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
     except BaseException as e:

@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline, key_defaults
@@ -58,6 +59,7 @@ from petals_chain.orchestrator import tools as _tools
 from petals_chain.orchestrator.tools import ToolSet, parse_tools
 from petals_chain.orchestrator.stats import status_outcome
 from petals_chain.swarm.aio import gather_or_cancel
+from petals_chain.swarm.httpedge import DecodedBody, HeadAsGet
 from petals_chain.swarm.jsonsafe import json_safe
 from petals_chain.swarm.media import is_event_stream
 from petals_chain.swarm.version import build_version
@@ -1310,6 +1312,9 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         cause = exc.__cause__
+        if exc.status_code == 400 and isinstance(cause, ClientDisconnect):
+            # gone before its body came: no one reads this, but the log and the counts say cancelled, not a 400
+            return _error(499, "the client disconnected before its request body arrived", code="client_disconnected")
         if exc.status_code == 400 and isinstance(cause, (RecursionError, ValueError)):
             # FastAPI's "There was an error parsing the body" (code null) for what the JSON parser raised beside a
             # syntax error: a body nested ~1000 deep (RecursionError), or bytes that are not UTF-8
@@ -1327,6 +1332,11 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             # no route: an OpenAI endpoint this server does not have (the openai package's responses.create,
             # embeddings.create, ...) was a bare "Not Found", read as a wrong base_url or model
             asked = f"Invalid URL ({request.method} {shown_path(path)})"
+            if "//" in path:
+                # a base URL ending in "/" joined to a path starting with one: the hints below misread it ("the API is
+                # under /v1" for //v1/models)
+                return _error(404, f"{asked}: the path has an empty segment ('//'); without it: {request.method} "
+                              f"{shown_path(re.sub('/{2,}', '/', path))}", code=default_code(404))
             if path.startswith("/v1/"):
                 return _error(404, f"{asked}: this server offers OpenAI's {OPENAI_ENDPOINTS}", code=default_code(404))
             tail = next((t for t in _OPENAI_TAILS if path.rstrip("/").endswith(t)), None)
@@ -1334,7 +1344,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 # an OpenAI client whose base_url lacks /v1 (http://host:8000): its bare "Not Found" did not say so
                 return _error(404, f"{asked}: this server's OpenAI API is under /v1 ({request.method} /v1{tail}): "
                               "an OpenAI client's base_url ends in /v1", code=default_code(404))
-        return _error(exc.status_code, str(exc.detail), code=default_code(exc.status_code))
+        response = _error(exc.status_code, str(exc.detail),
+                          code=getattr(exc, "code", None) or default_code(exc.status_code))
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 requires it), a 415's Accept-Encoding
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -2097,6 +2110,9 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     install_log_ids()
     gate = app.state.gate = ShutdownGate(orch)
     app.add_middleware(gate.middleware)  # outside the limits: a request refused while stopping takes no place there
+    # a gzip or deflate body decoded as the layers inside read it, bounded by the body limit once decoded; HEAD as GET
+    app.add_middleware(DecodedBody, limit=lambda: app.state.limits.limits.max_body_bytes)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(RequestIds, on_end=request_ended)  # outermost: the limits' own answers get an id too
     # built now, not at the first request: the limits (app.state.limits) exist from the start, so a router in
     # front (models.py) refuses a request without a valid key unread from the first one on

@@ -131,6 +131,8 @@ class BodyTooLarge(StarletteHTTPException):
     """A chunked body past the limit, raised while the app reads it: an HTTP exception so that FastAPI's body
     parsing passes it on as a 413 (any other exception there becomes its 400 "error parsing the body")."""
 
+    code = "body_too_large"  # the app's handler answers with it, as the limits' own 413 (it said request_too_large)
+
     def __init__(self, limit: int):
         super().__init__(413, f"the request body is larger than {limit} bytes")
 
@@ -482,10 +484,12 @@ class AdmissionLimits:
     # ---- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope.get("type") == "http" and path == "/api/v1/limits" and scope.get("method") == "GET":
-            body = json.dumps(self.snapshot()).encode()
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})
+        if scope.get("type") == "http" and path == "/api/v1/limits":
+            get = scope.get("method") == "GET"  # (HEAD comes as GET: swarm.httpedge.HeadAsGet)
+            body = json.dumps(self.snapshot() if get else error_object(405, "Method Not Allowed",
+                                                                       code="method_not_allowed")).encode()
+            await send({"type": "http.response.start", "status": 200 if get else 405,
+                        "headers": [(b"content-type", b"application/json")] + ([] if get else [(b"allow", b"GET")])})
             return await send({"type": "http.response.body", "body": body})
         if scope.get("type") != "http" or not _AUTHENTICATED.match(path):
             return await self.app(scope, receive, send)
