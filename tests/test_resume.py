@@ -134,10 +134,11 @@ def test_deadlines_keep_counting_from_the_first_arrival(monkeypatch):
                            time.monotonic() - 2.0)
     out, seen = run_finish(late, monkeypatch, lambda req, n: pytest.fail("rerun"))
     assert parsed(out)[0]["error"]["code"] == "deadline_exceeded" and not seen
-    refused = record(deadline_ms=10_000)
+    refused = record(deadline_ms=300)
     out, seen = run_finish(refused, monkeypatch, lambda req, n: httpx.Response(
         429, json={"error": {"code": "deadline_unreachable", "message": "doomed"}}))
-    assert parsed(out)[0]["error"]["code"] == "deadline_unreachable" and len(seen) == 1  # not retried for a minute
+    # tried again while time is left, never past the deadline: then a late request's 504 (test_s37_deadlines_left.py)
+    assert parsed(out)[0]["error"]["code"] == "deadline_exceeded" and len(seen) > 1
 
 
 def test_the_keys_default_deadlines_keep_counting_too(monkeypatch):

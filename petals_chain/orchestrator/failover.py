@@ -376,10 +376,12 @@ class ChainHolder:
     def _gave_up(self, job: DispatchJob, began: float) -> None:
         """The request stops waiting for a chain unstarted (a timeout, a dropped deadline, its client gone): its
         client's wait counts (fair sharing's figures; a starved client showed no wait at all). A job re-queued after
-        it started (its chain failed or was given back) was counted as started: it is not one more that gave up."""
+        it started (its chain failed or was given back) was counted as started: it is not one more that gave up, but
+        its wait since it was re-queued counts (left out, ``petals_chain_client_wait_seconds`` lost it)."""
         shares = getattr(self.orch, "shares", None)
-        if shares is not None and not job.requeue:
-            shares.abandoned(job, time.monotonic() - began)
+        if shares is not None:
+            since = job.arrival if job.requeue else began
+            shares.abandoned(job, max(0.0, time.monotonic() - since), gave_up=not job.requeue)
 
     def _fork_candidate(self, lease: Lease) -> tuple[ChainSession, int] | None:
         """The sibling's session to copy the prefix KV from, if it runs on exactly the hops of ``lease`` and its KV

@@ -52,7 +52,7 @@ class ClientShares:
         self.policy = policy
         self.keyed = keyed  # clients are told apart by API keys (else every request is one client, anonymous)
         self.meter = ServiceMeter(window_s)
-        # client -> [jobs started, total wait s, max wait s, jobs that left the queue unstarted]
+        # client -> [jobs started, total wait s, max wait s, jobs that left the queue unstarted, waits counted]
         self.waits: dict[str, list[float]] = {}
         self.m_service = Counter("petals_chain_client_service_units", "Service per client (API key name): w_e per "
                                  "input token computed + w_q per output token (seed 002); an admission's input is "
@@ -266,16 +266,19 @@ class ClientShares:
         if queued:
             self.meter.waited(now, job.client)
 
-    def abandoned(self, job: Any, waited_s: float) -> None:
+    def abandoned(self, job: Any, waited_s: float, gave_up: bool = True) -> None:
         """``job`` left the queue without starting after ``waited_s`` (its client timed out or went away): its wait
-        counts too, else a client starved until it gives up shows no wait at all."""
-        self._waited(getattr(job, "client", "anonymous"), waited_s, started=False)
+        counts too, else a client starved until it gives up shows no wait at all. ``gave_up=False``: a job re-queued
+        after it started (counted as started then): its wait counts, not one more job that gave up."""
+        self._waited(getattr(job, "client", "anonymous"), waited_s, started=False, gave_up=gave_up)
 
-    def _waited(self, client: str, wait_s: float, started: bool) -> None:
-        w = self.waits.setdefault(client, [0, 0.0, 0.0, 0])
-        w[0 if started else 3] += 1
+    def _waited(self, client: str, wait_s: float, started: bool, gave_up: bool = True) -> None:
+        w = self.waits.setdefault(client, [0, 0.0, 0.0, 0, 0])
+        if started or gave_up:
+            w[0 if started else 3] += 1
         w[1] += wait_s
         w[2] = max(w[2], wait_s)
+        w[4] += 1
         self.m_wait.labels(client).observe(wait_s)
 
     def waiting(self, jobs: Any) -> None:
@@ -355,8 +358,7 @@ class ClientShares:
         clients = {}
         # a client whose requests all still wait (the one being starved) is listed too
         for c in sorted(set(self.policy.service) | set(self.waits) | set(queued) | backlogged):
-            started, total_wait, max_wait, gave_up = self.waits.get(c, [0, 0.0, 0.0, 0])
-            waited = started + gave_up
+            started, total_wait, max_wait, gave_up, waited = self.waits.get(c, [0, 0.0, 0.0, 0, 0])
             clients[c] = {"service": self.policy.service.get(c, 0.0), "service_rate": rates.get(c, 0.0),
                           "requests": self.policy.admitted_requests.get(c, 0), "started": int(started),
                           "gave_up": int(gave_up), "waiting": queued.get(c, 0),

@@ -215,16 +215,22 @@ class _Refusal:
     after its body, model and context-length checks. A request that is a 400 gets that 400 whatever the limits say
     (a 429 for it was retried for ever); the request is not counted as in flight meanwhile, but as one its client's app
     checks (at most its in-flight cap of them at once: :meth:`AdmissionLimits._may_defer`). ``retry``: the
-    ``Retry-After`` (True: the queue's estimate; a callable: seconds, asked when answered)."""
+    ``Retry-After`` (True: the queue's estimate; a callable: seconds, asked when answered). ``per_minute``: the
+    client's tokens-per-minute budget of a ``tokens_per_minute`` refusal (a request larger than it never fits)."""
 
     def __init__(self, limits: "AdmissionLimits", code: str, message: str,
-                 retry: bool | Callable[[], int] = True):
+                 retry: bool | Callable[[], int] = True, per_minute: Optional[int] = None):
         self.limits, self.code, self.message, self.retry = limits, code, message, retry
+        self.per_minute = per_minute
         self.fired = False
 
-    def fire(self, need: int = 0, field: str = "max_tokens") -> None:
+    def fire(self, need: int = 0, field: str = "max_tokens", adm: Optional[Admission] = None) -> None:
         """``Admission.reserve``: the request is valid, so it is refused (the app's 429 is replaced by :meth:`answer`
-        in :class:`_HeldResponse`)."""
+        in :class:`_HeldResponse`). A request of more tokens than the whole budget gets the app's answer that it never
+        fits (no ``Retry-After``), as :meth:`AdmissionLimits._reserve` gives it: told "retry later", its retry after
+        the minute heard that."""
+        if self.per_minute is not None and adm is not None:
+            self.limits._over_budget(adm, need, self.per_minute, field)
         self.fired = True
         raise RequestError(self.message, status=429, code=self.code)
 
@@ -460,6 +466,10 @@ class AdmissionLimits:
         if self._metric is not None:
             self._metric.labels(reason).inc()
 
+    def count_refusal(self, reason: str) -> None:
+        """Count a refusal answered in front of these limits (the model router's 413) as one of theirs."""
+        self._count(reason)
+
     async def _reject(self, send: Send, status: int, reason: str, message: str, retry: bool | int = True,
                       no_retry: bool = False) -> None:
         self._count(reason)
@@ -570,7 +580,8 @@ class AdmissionLimits:
                 return await refusal.answer(send)
         adm = Admission()
         if refusal is not None:
-            adm.reserve = refusal.fire  # answered once the app found the request valid; never counted in flight
+            # answered once the app found the request valid; never counted in flight
+            adm.reserve = lambda need, field="max_tokens": refusal.fire(int(need), field, adm)
             self.checking[client] = self.checking.get(client, 0) + 1
         else:
             self.inflight += 1
@@ -605,7 +616,8 @@ class AdmissionLimits:
                             f"this client already has {mine} requests running or queued (limit {cap})")
         if per_minute is not None and self._tokens_held(client) >= per_minute:
             return _Refusal(self, "tokens_per_minute", f"this client used its {per_minute} tokens per minute; "
-                            "retry later", retry=lambda: self.ledger.seconds_until_below(client, per_minute))
+                            "retry later", retry=lambda: self.ledger.seconds_until_below(client, per_minute),
+                            per_minute=per_minute)
         queue = int(getattr(self.orch.dispatch, "queue_length", 0))
         full = self.inflight >= self.capacity() + self.limits.max_queue or queue >= self.limits.max_queue
         # a queue that keeps places for clients with nothing waiting (dispatch.QueueShareFull): the count here includes
@@ -686,19 +698,27 @@ class AdmissionLimits:
         """Hold ``need`` tokens (prompt + max_tokens x n) of ``client``'s per-minute budget for a request, before it
         runs. Checking only the tokens charged when requests end let one request, or many at once, spend the budget
         several times over. ``field``: the body field the output limit came in (named in the error)."""
+        self._over_budget(adm, need, per_minute, field)
         held = self._tokens_held(client)
         if held + need > per_minute:
             self._count("tokens_per_minute")
-            if need > per_minute:
-                adm.never_fits = True  # no Retry-After: it exceeds the budget itself, retried it fails again
-                raise RequestError(f"this request may use {need} tokens (prompt + {field} x n), more than this "
-                                   f"client's {per_minute} tokens per minute: lower {field}", status=429,
-                                   param=field, code="tokens_per_minute")
             raise RequestError(f"this request may use {need} tokens and this client has {held} of its {per_minute} "
                                "tokens per minute used or held by requests under way; retry later", status=429,
                                code="tokens_per_minute")
         self.reserved[client] = self.reserved.get(client, 0) + need
         adm.reserved += need
+
+    def _over_budget(self, adm: Admission, need: int, per_minute: int, field: str) -> None:
+        """Refuse (429 ``tokens_per_minute``, counted) a request of ``need`` tokens, more than the whole budget
+        ``per_minute``: no ``Retry-After`` (``adm.never_fits``), retried it fails again. Nothing if it fits."""
+        if need > per_minute:
+            self._count("tokens_per_minute")
+            adm.never_fits = True
+            what, fix = (("its inputs", "send fewer or shorter inputs") if field == "input"  # embeddings
+                         else (f"prompt + {field} x n", f"lower {field}"))
+            raise RequestError(f"this request may use {need} tokens ({what}), more than this client's "
+                               f"{per_minute} tokens per minute: {fix}", status=429, param=field,
+                               code="tokens_per_minute")
 
     async def _guard(self, inner_send: Send, scope: Scope, receive: Receive, send: Send) -> None:
         started = False

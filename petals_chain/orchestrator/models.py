@@ -287,6 +287,10 @@ class ModelRouter:
         try:
             body = await read_whole(receive, cap)
         except BodyTooLarge:  # the rest is not read
+            # counted as the default model's refusal, as a Content-Length past the cap is (its limits answer that):
+            # the model the body names was not read
+            if (default := getattr(getattr(self.apps[self.default], "state", None), "limits", None)) is not None:
+                default.count_refusal("body_too_large")
             return await _json(send, 413, {"error": {"message": f"the request body is larger than {cap} bytes",
                                                      "type": "invalid_request_error", "code": "body_too_large"}})
         if body is None:

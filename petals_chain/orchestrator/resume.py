@@ -661,6 +661,7 @@ async def finish(record: StreamRecord, path: str, headers: dict,
         return
     give_up = time.monotonic() + RESUME_S
     why, local_refused, quiet_since = "no orchestrator with a chain", False, time.monotonic()
+    tried = False  # a rerun was sent: ``why`` says how the last one ended
     while True:
         url, here = where(local_refused)
         if url is not None:
@@ -669,9 +670,10 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                 body = record.rerun_body()
             except DeadlineGone as e:
                 yield record.ending(504, "deadline_exceeded", f"the stream's {e} passed before it could be finished "
-                              f"elsewhere (its orchestrator {lost} was lost)")
+                              f"elsewhere (its orchestrator {lost} was lost{'; ' + why if tried else ''})")
                 return
             record.restart()
+            tried = True
             # the wait for the rerun's head (connecting, then its answer) ends at the deadline: a target that accepts
             # TCP but answers slowly held the stream past it (read=None: until it answered)
             due = record.deadline()
@@ -693,9 +695,13 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                                                     f"time to finish it after its orchestrator {lost} was lost "
                                                     f"(its rerun at {url} was refused as infeasible)")
                                 return
-                            if (r.status_code not in (429, 502, 503, 504)
-                                    or code in ("deadline_unreachable", "deadline_infeasible")
-                                    or r.headers.get(NO_RETRY_HEADER, "").lower() == "false"):  # it never fits
+                            # doomed by the load now, with time left: the load may clear, or another orchestrator
+                            # take it, so it is tried again until the deadline's 504 (a job that lost its chain here
+                            # waits so); passed on, a 429 inviting a retry ended a stream the client could not resume
+                            later = code == "deadline_unreachable" and due is not None
+                            if not later and (r.status_code not in (429, 502, 503, 504)
+                                              or code in ("deadline_unreachable", "deadline_infeasible")
+                                              or r.headers.get(NO_RETRY_HEADER, "").lower() == "false"):  # never fits
                                 yield record.ending(r.status_code, code or "resume_refused", "the stream was cut off "
                                                     f"and its rerun at {url} was refused: "
                                                     f"{reply[:300].decode(errors='replace')}", type_)

@@ -51,6 +51,9 @@ __all__ = ["ATTN_NAME", "install_dispatch", "run_batch", "BatchScheduler", "Batc
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _MAX_FAILURE_KINDS = 64  # kinds of worker failure counted (beyond: counting starts over)
+# A batch that fails whole while each of its rows passes alone (the batched path is broken, the rows then run one by
+# one, slower) is logged with its traceback once, then at most once per this many seconds with a count
+BATCH_FAILURE_LOG_S = 60.0
 
 ATTN_NAME = "petals_chain_paged"
 # The keyword argument that carries a batch's :class:`_Segment` from the decoder layer to the attention (transformers
@@ -378,6 +381,8 @@ class BatchScheduler:
         self._failures: dict[tuple[str, str], int] = {}  # worker deaths by _failure_key, for the log's volume
         self.batches = 0  # statistics: batches run and rows in them
         self.rows = 0
+        self.batch_failures = 0  # batches that failed whole while each row passed alone (see _compute)
+        self._failures_logged, self._failure_logged_at = 0, -float("inf")
 
     # -------------------------------------------------------------- caller side
     def submit(self, session: SessionState, x: torch.Tensor, position: int, pages_of: PageTables, start: int,
@@ -393,8 +398,11 @@ class BatchScheduler:
         return self._result(req)
 
     async def submit_async(self, session: SessionState, x: torch.Tensor, position: int, pages_of: PageTables,
-                           start: int, end: int, *, inline_max_tokens: int = 0) -> torch.Tensor:
-        """:meth:`submit` for asyncio: awaits the batch without blocking the loop."""
+                           start: int, end: int, *, inline_max_tokens: int = 0,
+                           on_abandoned: Callable[[], None] | None = None) -> torch.Tensor:
+        """:meth:`submit` for asyncio: awaits the batch without blocking the loop. ``on_abandoned``: called once the
+        step is done if the caller's event loop closed meanwhile (by the worker thread, holding the runner's lock):
+        the caller never resumes, so what it would let go when it does (its session, busy) is let go there."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -404,6 +412,8 @@ class BatchScheduler:
             except RuntimeError:  # "Event loop is closed": nobody awaits this step any more (its result is dropped)
                 logger.debug(f"the event loop of session {session.session_id!r}'s caller closed while its step "
                              f"ran: result dropped")
+                if on_abandoned is not None:
+                    on_abandoned()
 
         req = self._enqueue(session, x, position, pages_of, start, end, inline_max_tokens=inline_max_tokens,
                             on_done=wake)
@@ -612,11 +622,34 @@ class BatchScheduler:
                 return [self._one(items[0])]
             try:
                 return list(run_batch(self.runner, items))
-            except Exception:
+            except Exception as e:
                 # isolate the failure: every row again on its own, so only the row that fails gets the error
-                return [self._one(it) for it in items]
+                out = [self._one(it) for it in items]
+                if not any(isinstance(r, BaseException) for r in out):  # no row's fault: the batched path's
+                    self._batch_failed(e, len(items))
+                return out
 
         return self.runner.run_on_device(batch)
+
+    def _batch_failed(self, e: BaseException, rows: int) -> None:
+        """A batch of ``rows`` failed with ``e`` where each row alone passed (on the device thread): counted, and
+        logged (rate-limited), else an operator never learnt that every batch now runs row by row."""
+        self.batch_failures += 1
+        now = time.monotonic()
+        if now - self._failure_logged_at < BATCH_FAILURE_LOG_S:
+            return
+        since, self._failures_logged, self._failure_logged_at = \
+            self.batch_failures - self._failures_logged, self.batch_failures, now
+        if self._failures_logged == 1:
+            logger.warning(f"a batch of {rows} rows failed where each row alone passed: the batched path is broken "
+                           f"(its rows ran one by one)", exc_info=e)
+        else:
+            logger.warning(f"{since} more batches failed where each row alone passed ({self.batch_failures} since "
+                           f"start; the last: {_describe(e)}): their rows ran one by one")
+
+    def stats(self) -> dict[str, int]:
+        """Batches run, rows in them, and batches that failed whole while each row passed alone."""
+        return {"batches": self.batches, "rows": self.rows, "batch_failures": self.batch_failures}
 
     def _one(self, it: BatchItem) -> torch.Tensor | BaseException:
         try:

@@ -458,6 +458,8 @@ class BlockRunner:
                     self._drop(s)
 
     def _drop(self, s: SessionState) -> None:
+        if s.dropped:  # a release's cancel of its queued step dropped it already (a caller whose loop closed)
+            return
         s.dropped = True
         del self._sessions[s.session_id]
         pool = self.pool
@@ -514,10 +516,15 @@ class BlockRunner:
         """
         s, x, n, pages_of, start, end = self._begin(session_id, hidden, position)
         ok = False
+        # finished once, by whichever comes first: this call's end, or the batch worker's when this caller's event
+        # loop closed mid-step (the call then never ends, and its session stayed busy, its pages held, until the
+        # coroutine was collected)
+        step = [False]
         try:
             if self.batching:
-                out = await self.scheduler.submit_async(s, x, position, pages_of, start, end,
-                                                        inline_max_tokens=inline_max_tokens)
+                out = await self.scheduler.submit_async(
+                    s, x, position, pages_of, start, end, inline_max_tokens=inline_max_tokens,
+                    on_abandoned=lambda: self._finish_locked(s, position, n, False, step))
             else:
                 fut = asyncio.get_running_loop().run_in_executor(None, self._compute_alone, x, position, pages_of,
                                                                  start, end)
@@ -535,7 +542,7 @@ class BlockRunner:
             ok = True
             return out.to(device=hidden.device, dtype=hidden.dtype)
         finally:
-            self._finish(s, position, n, ok)
+            self._finish(s, position, n, ok, step)
 
     def _begin(self, session_id: str, hidden: torch.Tensor, position: int):
         """Validate a step and mark its session busy; nothing changes on error."""
@@ -567,19 +574,29 @@ class BlockRunner:
             pages_of, start, end = dict(s.pages_of), s.start_block, s.end_block  # tables are immutable
         return s, x, n, pages_of, start, end
 
-    def _finish(self, s: SessionState, position: int, n: int, ok: bool) -> None:
+    def _finish(self, s: SessionState, position: int, n: int, ok: bool, step: list[bool] | None = None) -> None:
         with self._lock:
-            s.busy = False
-            s.last_used = time.monotonic()
-            # A failed step may have overwritten cache entries from `position` on.
-            s.length = position + n if ok else min(s.length, position)
-            if ok and s.offered_tokens:  # its first served step: the open's prefix lookup counts now
-                self.prefix_offered_tokens += s.offered_tokens
-                # a step served after a failed one may start earlier than the first: the tokens before it were reused
-                self.prefix_reused_tokens += min(s.reused_tokens, position)
-                s.offered_tokens = s.reused_tokens = 0
-            if s.closing and not s.dropped:
-                self._drop(s)
+            self._finish_locked(s, position, n, ok, step)
+
+    def _finish_locked(self, s: SessionState, position: int, n: int, ok: bool,
+                       step: list[bool] | None = None) -> None:
+        """The step's end (``_lock`` held): the session is free again. ``step``: ``[finished]``, shared by the two
+        ends a step may have (see :meth:`forward_async`): only the first one counts."""
+        if step is not None:
+            if step[0]:
+                return
+            step[0] = True
+        s.busy = False
+        s.last_used = time.monotonic()
+        # A failed step may have overwritten cache entries from `position` on.
+        s.length = position + n if ok else min(s.length, position)
+        if ok and s.offered_tokens:  # its first served step: the open's prefix lookup counts now
+            self.prefix_offered_tokens += s.offered_tokens
+            # a step served after a failed one may start earlier than the first: the tokens before it were reused
+            self.prefix_reused_tokens += min(s.reused_tokens, position)
+            s.offered_tokens = s.reused_tokens = 0
+        if s.closing and not s.dropped:
+            self._drop(s)
 
     def _compute_alone(self, x: torch.Tensor, position: int, pages_of: PageTables, start: int,
                        end: int) -> torch.Tensor:

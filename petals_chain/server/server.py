@@ -315,6 +315,8 @@ class Server:
             "emulate_prefill_ms_per_token": emu.prefill_ms_per_token, "emulate_decode_ms": emu.decode_ms,
             "reloads": self.reloads, "cache_tokens_per_block": cfg.cache_tokens_per_block, "batching": cfg.batching,
             "kv_cache": cfg.kv_cache, "kv_pages": runner.cache_stats() if runner else None,
+            # batches run, their rows, and batches that failed whole while each row passed alone (BatchScheduler)
+            "batches": sched.stats() if (sched := getattr(runner, "scheduler", None)) is not None else None,
             "decode_graph": (runner.static_decode.stats() if runner is not None and runner.static_decode is not None
                              else {"mode": cfg.decode_graph}),
             "rejoins": self.announcer.rejoins if self.announcer else 0,

@@ -82,6 +82,9 @@ class SessionService:
         self._released: OrderedDict[str, None] = OrderedDict()  # by a drain's timeout, oldest first (bounded)
         self._push_open = 0  # open sessions opened with a push_token (held_push)
         self._push_waiting = 0  # opens with a push_token waiting for slots
+        # opens waiting under a key (peer, session id) -> [push]: a new list per open, so that a replaced open's exit
+        # leaves the entry of the open that replaced it
+        self._wait_pushes: dict[tuple[str, str], list[bool]] = {}
 
     # ------------------------------------------------------------------ rpc.SessionBackend
     def authorize(self, peer_id: str) -> bool:
@@ -111,7 +114,10 @@ class SessionService:
                                 push: bool = False) -> dict:
         """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
         runner = self._check_open(session_id, max_length)
-        self._check_descriptors(push)  # a wait holds its stream's descriptor too
+        key = (peer_id, session_id) if wait_s > 0 else None
+        # a wait holds its stream's descriptor too; a re-sent open takes its earlier wait's place (see the module
+        # docstring) and holds no more than it: refused at the open-files cap, the client's retry never got back in
+        self._check_descriptors(push, replacing=self._wait_pushes.get(key) if key is not None else None)
         if not runner.start_block <= start_block < end_block <= runner.end_block:
             raise RefusedError("invalid", f"span [{start_block}, {end_block}) is not a non-empty part of this "
                                           f"server's blocks [{runner.start_block}, {runner.end_block})")
@@ -135,12 +141,15 @@ class SessionService:
                 entry = self._waiting[session_id] = (peer_id, need)  # its pages count against its share while it waits
         waits = int(push)  # counted as a push session's while it waits (and as it is served: briefly twice)
         self._push_waiting += waits
+        keyed = None if key is None else [push]
+        if keyed is not None:
+            self._wait_pushes[key] = keyed
         try:
             return await self.admission.acquire(
                 lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id,
                                        prefix_hashes=prefix_hashes, push=push), wait_s,
                 release=lambda _result: self.close_session(session_id), guest=guest, max_guests=max_guests,
-                key=(peer_id, session_id) if wait_s > 0 else None)
+                key=key)
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
         except WaitRefused as e:
@@ -155,6 +164,8 @@ class SessionService:
             self._push_waiting -= waits
             if entry is not None and self._waiting.get(session_id) is entry:  # not the entry of an open replacing it
                 del self._waiting[session_id]
+            if keyed is not None and self._wait_pushes.get(key) is keyed:
+                del self._wait_pushes[key]
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         sess = self._open(session_id)
@@ -337,11 +348,15 @@ class SessionService:
         streams too."""
         return self._push_open + self._push_waiting
 
-    def _check_descriptors(self, push: bool = False) -> None:
+    def _check_descriptors(self, push: bool = False, replacing: Optional[list[bool]] = None) -> None:
         """Refuse an open ``no_capacity`` (its client places the work elsewhere or retries; no ban) while the
         open-files limit is nearly reached: past it no stream could be accepted, and every open hung unanswered.
-        ``push``: the open carries a ``push_token`` (it will hold a push relay's streams too)."""
-        why = self.descriptors.refusal(self.held(), self.held_push(), opening_push=push)
+        ``push``: the open carries a ``push_token`` (it will hold a push relay's streams too). ``replacing``: the
+        waiting open it takes the place of (``[push]``), not counted."""
+        held, held_push = self.held(), self.held_push()
+        if replacing is not None:
+            held, held_push = held - 1, held_push - int(replacing[0])
+        why = self.descriptors.refusal(held, held_push, opening_push=push)
         if why is not None:
             raise RefusedError("no_capacity", f"no capacity: {why}")
 

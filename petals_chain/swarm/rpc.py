@@ -67,13 +67,15 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from petals_chain.swarm.aio import LINGER_S, OversizedMessage, bound_stream_messages, hold_after_reply
+from petals_chain.swarm.aio import (LINGER_S, OversizedMessage, bound_stream_messages, hold_after_reply,
+                                    quiet_stream_peers_gone)
 from petals_chain.swarm.prefix import HASH_BYTES, PREFIX_BLOCK_TOKENS, split_hashes
 from petals_chain.swarm.push import PushBox, RouteError, check_route, check_token, tensor_digest
 
 
 hivemind.compression.base.USE_LEGACY_BFLOAT16 = False  # bf16 travels as bf16, not as fp32
 bound_stream_messages()  # a peer's message is refused unread past 4 MiB, both ways (see the function)
+quiet_stream_peers_gone()  # a client leaving a stream mid-request is one DEBUG line, not a WARNING traceback
 
 logger = logging.getLogger(__name__)
 
