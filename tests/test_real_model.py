@@ -428,6 +428,26 @@ def test_session_chat_is_token_exact_and_survives_an_aborted_turn(swarm, smollm2
         assert second.failovers == 0  # the aborted turn released its chain; no server was blamed
 
 
+def test_embeddings_through_three_hops_equal_transformers(swarm, smollm2_reference, tokenizer):
+    """``/v1/embeddings`` through a 3-hop chain (tests/test_s37_embeddings*.py: the rest): the last hop's hidden state
+    at the last token, through the final norm at the orchestrator and L2-normalized (vLLM's pooling of a decoder LM),
+    is transformers' pooled the same way; the openai package's default base64 reads the same floats."""
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{swarm.url}/v1", api_key="none", max_retries=0)
+    texts = ["What is the capital of France?", "Paris is the capital of France."]
+    b64 = api.embeddings.create(model="smollm2-135m", input=texts)
+    floats = api.embeddings.create(model="smollm2-135m", input=texts, encoding_format="float")
+    assert [d.embedding for d in b64.data] == [d.embedding for d in floats.data]
+    assert b64.usage.prompt_tokens == sum(len(tokenizer(t)["input_ids"]) for t in texts)
+    for text, d in zip(texts, floats.data):
+        with torch.no_grad():
+            h = smollm2_reference.model(torch.tensor([tokenizer(text)["input_ids"]])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(h.float(), dim=-1)
+        got = torch.tensor(d.embedding)
+        assert got.shape == want.shape and float(got @ want) > 0.9999 and torch.allclose(got, want, atol=2e-3)
+
+
 def test_server_killed_mid_generation_keeps_output(swarm, smollm2_reference, tokenizer):
     """The middle hop killed while servers push to each other (--relay push; the orchestrator relay's failover is
     covered with tiny models): another server takes its blocks over, and no token changes."""

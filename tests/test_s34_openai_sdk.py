@@ -115,22 +115,23 @@ def test_a_message_the_openai_package_parsed_is_taken_back_in_the_next_turn(enve
 
 
 def test_an_openai_endpoint_this_server_lacks_says_which_it_has(envelope):
-    """``client.moderations.create`` and ``client.embeddings.create`` got a bare "Not Found", which reads as a wrong
-    base_url or model: the error now names the URL asked for and the endpoints served."""
+    """``client.moderations.create`` and ``client.images.generate`` got a bare "Not Found", which reads as a wrong
+    base_url or model: the error now names the URL asked for and the endpoints served (``/v1/embeddings`` is served
+    since session 37)."""
     async def fn(orch, client):
         out = {}
         for name, call in (("moderations", client.moderations.create(model=orch.model_id, input="hi")),
-                           ("embeddings", client.embeddings.create(model=orch.model_id, input="hi"))):
+                           ("images", client.images.generate(model=orch.model_id, prompt="hi"))):
             with pytest.raises(openai.NotFoundError) as e:
                 await call
             out[name] = (e.value.code, e.value.body["message"])
         return out
 
     out = _with_sdk(envelope, fn)
-    assert out["moderations"][0] == out["embeddings"][0] == "not_found"
+    assert out["moderations"][0] == out["images"][0] == "not_found"
     assert out["moderations"][1].startswith("Invalid URL (POST /v1/moderations)")
-    assert out["embeddings"][1].startswith("Invalid URL (POST /v1/embeddings)")
-    assert "POST /v1/chat/completions" in out["moderations"][1] and "POST /v1/responses" in out["moderations"][1]
+    assert out["images"][1].startswith("Invalid URL (POST /v1/images/generations)")
+    assert "POST /v1/chat/completions" in out["moderations"][1] and "POST /v1/embeddings" in out["moderations"][1]
 
 
 def test_values_openai_packages_type_for_no_effect_here_are_taken():

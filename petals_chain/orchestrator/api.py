@@ -39,6 +39,8 @@ from starlette.requests import ClientDisconnect
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline, key_defaults
 from petals_chain.orchestrator.dispatch import ADMISSION
+from petals_chain.orchestrator import embeddings as _embeddings
+from petals_chain.orchestrator.embeddings import MAX_EMBEDDING_INPUTS
 from petals_chain.orchestrator.core import Generation, Orchestrator, RequestError, ShuttingDown, Unavailable
 from petals_chain.orchestrator.errors import (context_length_error, default_code, shown_model_name,
                                               unavailable_retry_after_s)
@@ -77,7 +79,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat
 # on the wire for their read timeout (nginx's proxy_read_timeout: 60 s), and every SSE parser skips comments.
 # The orchestrator's ``sse_keepalive_s`` overrides it (None or 0: none sent).
 SSE_KEEPALIVE_S = 15.0
-_API_PATH = re.compile(r"^/(v1/|api/v1/sessions)")
+_API_PATH = re.compile(r"^/(v1/|api/v1/sessions|(de)?tokenize/?$)")
 
 
 class _Base(pydantic.BaseModel):
@@ -954,6 +956,100 @@ class SessionGenerateRequest(SamplingFields):
         return self
 
 
+class EmbeddingRequest(_Base):
+    """``POST /v1/embeddings`` (embeddings.py computes them): OpenAI's fields, vLLM's ``add_special_tokens``, our
+    deadline fields."""
+
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = pydantic.Field(default=None, ge=1)
+    user: Optional[str] = pydantic.Field(default=None, max_length=256)  # informational, as OpenAI's
+    add_special_tokens: bool = True  # text inputs: with the tokenizer's BOS and the like, as vLLM (and completions)
+    deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS, strict=True)
+    ttft_deadline_ms: Optional[float] = pydantic.Field(default=None, gt=0, le=MAX_DEADLINE_MS, strict=True)
+    best_effort: bool = pydantic.Field(default=False, strict=True)
+
+    @pydantic.field_validator("input", mode="before")
+    @classmethod
+    def _input_kind(cls, value: Any) -> Any:
+        # said once, not as pydantic's try of each member of the union ("Input should be a valid string; ... list")
+        kinds = {_json_kind(x) for x in value} if isinstance(value, list) else set()
+        if not isinstance(value, (str, list)) or len(kinds) > 1 or not kinds <= {"a string", "a number", "an array"}:
+            got = f"an array holding {' and '.join(sorted(kinds))}" if isinstance(value, list) else _json_kind(value)
+            raise ValueError("expected a string, a list of strings, a list of token ids or a list of lists of "
+                             f"token ids, not {got}")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _inputs(self):
+        if not self.input:
+            raise FieldError("input", "input must not be empty: give a string, a list of strings, a list of token "
+                                      "ids or a list of lists of token ids")
+        inputs = self.inputs
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise FieldError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(inputs)}")
+        many = not self.one
+        for i, one in enumerate(inputs):
+            if len(one) == 0:
+                raise FieldError("input", f"{f'input.{i}' if many else 'input'} is empty: an embedding needs at "
+                                          "least one token")
+        return self
+
+    @property
+    def one(self) -> bool:
+        """The input is one string or one list of token ids."""
+        return isinstance(self.input, str) or isinstance(self.input[0], int)
+
+    @property
+    def inputs(self) -> list:
+        """The inputs as a list (one string or one token list: a list of one)."""
+        return [self.input] if self.one else list(self.input)
+
+
+class TokenizeRequest(_Base):
+    """vLLM's ``/tokenize``: a text ``prompt``, or ``messages`` in the model's chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ToolChatMessage]] = pydantic.Field(default=None, min_length=1)
+    add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages (the template has them)
+    add_generation_prompt: bool = True  # messages only: open the assistant's turn, as chat completions do
+    continue_final_message: bool = False  # messages only: the last (assistant) message left open
+    return_token_strs: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _one_shape(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("prompt", "give either prompt (a text) or messages (a conversation)")
+        if self.prompt is not None:
+            for name in ("add_generation_prompt", "continue_final_message"):
+                if name in self.model_fields_set:
+                    raise FieldError(name, f"{name} applies to messages, not to a prompt")
+            return self
+        for i, m in enumerate(self.messages):
+            if m.uses_tools:
+                raise FieldError(f"messages.{i}", "tool calls and tool results are not supported by /tokenize")
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise FieldError("continue_final_message", "continue_final_message and add_generation_prompt "
+                                 "cannot both be true (continue the last message, or open the assistant's turn)")
+            if self.messages[-1].role != "assistant":
+                raise FieldError("continue_final_message", "continue_final_message needs an assistant message last")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.prompt is not None
+
+
+class DetokenizeRequest(_Base):
+    """vLLM's ``/detokenize``."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict|function-\w+)\[.*\])$")
 
 
@@ -974,9 +1070,10 @@ def _json_kind(value: Any) -> str:
 
 
 INTERNAL_ERROR_MESSAGE = "internal error ({}); the request was not completed, please report it"
-OPENAI_ENDPOINTS = ("GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions and "
-                    "POST /v1/responses only")
-_OPENAI_TAILS = ("/chat/completions", "/completions", "/models", "/responses")  # what a client puts after its base_url
+OPENAI_ENDPOINTS = ("GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions, "
+                    "POST /v1/responses and POST /v1/embeddings only")
+# what a client puts after its base_url
+_OPENAI_TAILS = ("/chat/completions", "/completions", "/models", "/responses", "/embeddings")
 
 
 def _futile_retry(exc: RequestError) -> bool:
@@ -2053,6 +2150,58 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             out["deadline"] = dl.report()
         return out
 
+    # ---- /v1/embeddings, /tokenize, /detokenize (embeddings.py) ---------------------------------
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, request: Request):
+        if (forwarded := await maybe_forward(orch, request)) is not None:
+            return forwarded
+        check_model(req.model)
+        _embeddings.check_dimensions(orch, req.dimensions)
+        inputs = req.inputs
+        if isinstance(inputs[0], str):
+            chars = sum(len(t) for t in inputs)
+            if chars > MAX_PROMPT_CHARS:
+                raise RequestError("the input is too long", param="input", status=413, code="prompt_too_long")
+            for i, text in enumerate(inputs):
+                check_text(text, "input" if req.one else f"input.{i}")
+            ids = (_embeddings.encode_texts(orch, inputs, req.add_special_tokens) if chars <= INLINE_TOKENIZE_CHARS
+                   else await asyncio.to_thread(_embeddings.encode_texts, orch, inputs, req.add_special_tokens))
+        else:
+            ids = [list(x) for x in inputs]
+        _embeddings.check_inputs(orch, ids)
+        reserve_tokens(sum(len(x) for x in ids), "input")
+        set_deadline(req)
+        done = await unless_disconnected(request, _embeddings.embed_inputs(orch, ids))
+        return _embeddings.response(orch.model_id, done, req.encoding_format, DEADLINE.get())
+
+    @app.post("/tokenize")
+    async def tokenize_text(req: TokenizeRequest):
+        if req.model is not None:
+            check_model(req.model)
+        if req.prompt is not None:
+            return _embeddings.tokenized(orch, await tokenize(req.prompt, add_special_tokens=req.special_tokens),
+                                         req.return_token_strs)
+        messages = [m.as_dict() for m in req.messages]
+        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+            raise RequestError("the messages are too long", param="messages", status=413, code="prompt_too_long")
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                if isinstance(value, str):
+                    check_text(value, f"messages.{i}.{key}")
+        text = await asyncio.to_thread(_embeddings.render_chat, orch, messages, req.add_generation_prompt,
+                                       req.continue_final_message)
+        return _embeddings.tokenized(orch, await tokenize(text, "messages", add_special_tokens=req.special_tokens),
+                                     req.return_token_strs)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        if req.model is not None:
+            check_model(req.model)
+        _embeddings.check_ids(orch, req.tokens, "tokens")
+        if len(req.tokens) <= INLINE_TOKENIZE_CHARS:
+            return _embeddings.detokenized(orch, req.tokens)
+        return await asyncio.to_thread(_embeddings.detokenized, orch, req.tokens)
+
     # ---- dashboard -----------------------------------------------------------------------------
     try:
         from petals_chain.swarm.webpage import mount_dashboard
@@ -2065,7 +2214,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         async def index():
             return (f"petals-chain orchestrator for {orch.model_id}\n"
                     "GET /api/v1/swarm  GET /v1/models  POST /v1/completions  POST /v1/chat/completions  "
-                    "POST /v1/responses  GET /metrics\n")
+                    "POST /v1/responses  POST /v1/embeddings  POST /tokenize  POST /detokenize  GET /metrics\n")
 
     # Bounded queue, per-client limits and body size (429/413 with Retry-After): limits.py.
     from petals_chain.orchestrator.limits import client_of, install_limits, release_client
@@ -2075,9 +2224,25 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     def request_ended(scope: dict, status: Optional[int], headers: list, trace: RequestTrace,
                       error: Optional[BaseException]) -> None:
         try:
+            count_endpoint(scope, status, trace, error)
             count_ended(scope, status, headers, trace, error)
         finally:  # its client's state is kept until its count is in (a removed name's goes with its last request)
             release_client(scope)
+
+    def count_endpoint(scope: dict, status: Optional[int], trace: RequestTrace, error: Optional[BaseException]) -> None:
+        """``petals_chain_endpoint_requests``: each API request once, by its route (a request the limits answered
+        before the router saw it, a 401 or a 429, by the route its path matches)."""
+        path = scope.get("path", "")
+        if not _API_PATH.match(path):
+            return
+        route = scope.get("route")
+        endpoint = getattr(route, "path", None) or next(
+            (r.path for r in app.router.routes if hasattr(r, "path_regex") and r.path_regex.match(path)), "other")
+        if status is None:
+            outcome = "cancelled" if error is None or isinstance(error, asyncio.CancelledError) else "failed"
+        else:
+            outcome = status_outcome(status, trace.code)
+        orch.stats.m_endpoints.labels(endpoint, outcome).inc()
 
     def count_ended(scope: dict, status: Optional[int], headers: list, trace: RequestTrace,
                     error: Optional[BaseException]) -> None:

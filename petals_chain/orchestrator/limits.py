@@ -16,10 +16,10 @@ dispatcher has decided on the request's job (:class:`~petals_chain.orchestrator.
 that a refusal of a streamed request is still an HTTP 429 and not an error event inside a 200 stream.
 
 The client is the name of the API key a request presents (``--api-keys``, :mod:`auth`); without keys every
-request is the one client ``anonymous``. With keys, the API (``/v1/*``, ``/api/v1/sessions*``) answers 401 to
-a missing or unknown key, each key has its own limits, and a session answers only to the key that opened it
-(another key gets 404, as for a session that does not exist). The swarm state, metrics, health and dashboard
-stay public (they show key names, never keys).
+request is the one client ``anonymous``. With keys, the API (``/v1/*``, ``/api/v1/sessions*``, ``/tokenize``,
+``/detokenize``) answers 401 to a missing or unknown key, each key has its own limits, and a session answers only to
+the key that opened it (another key gets 404, as for a session that does not exist). The swarm state, metrics,
+health and dashboard stay public (they show key names, never keys).
 
 The key file is reloaded when it changes (:class:`~petals_chain.orchestrator.auth.KeyFile`): a key's limits are read
 at each request, so an edit applies to the next one. The multi-turn sessions of a key removed from the file are
@@ -60,10 +60,11 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 # the generation endpoints (their requests are a client's in-flight work); api.py counts them by the same pattern
-GENERATE_PATH = re.compile(r"^/(v1/completions|v1/chat/completions|v1/responses|api/v1/sessions/[^/]+/generate)/?$")
+GENERATE_PATH = re.compile(r"^/(v1/completions|v1/chat/completions|v1/responses|v1/embeddings|"
+                           r"api/v1/sessions/[^/]+/generate)/?$")
 _OPEN_SESSION = re.compile(r"^/api/v1/sessions/?$")
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)(/generate)?/?$")
-_AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions)")
+_AUTHENTICATED = re.compile(r"^/(v1/|api/v1/sessions|(de)?tokenize/?$)")
 _SESSION_GENERATE = re.compile(r"^/api/v1/sessions/[^/]+/generate/?$")
 # scope key: the request's body (a ReadBody), read by the outermost layer that needed it, for the layers inside it and
 # the endpoint (ReadBodyRoute): one read, one JSON parse, one verdict

@@ -5,9 +5,9 @@ Orchestrator` per model, sharing one DHT node, and one HTTP API that routes each
 has its own DHT prefix (from its source, as its servers derive it), planner, chains, queue and dispatch, so a volunteer
 serves a model by starting a server with that model. :class:`ModelRouter` is the ASGI app in front:
 
-* ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and ``/api/v1/sessions``: by the body's
-  ``model`` (a session without one opens on the first model); an unknown model is a 404 ``model_not_found``
-  naming the ones served;
+* ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/embeddings``, ``/tokenize``,
+  ``/detokenize`` and ``/api/v1/sessions``: by the body's ``model`` (without one: the first model); an unknown
+  model is a 404 ``model_not_found`` naming the ones served;
 * ``/api/v1/sessions/{id}...``: to the model whose orchestrator holds the session;
 * ``GET /v1/models``: every model; ``/v1/models/{id}``: that one; ``GET /healthz``: every model's, 200 only if all are;
 * ``GET /metrics``: every model's series in one exposition, each sample labelled ``model="NAME"`` (what a Prometheus
@@ -41,7 +41,7 @@ Send = Callable[[dict], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _BY_BODY = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
-            ("POST", "/api/v1/sessions")}
+            ("POST", "/v1/embeddings"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/api/v1/sessions")}
 _SESSION = re.compile(r"^/api/v1/sessions/([^/]+)")
 MAX_BODY = 64 * 2**20  # read to route; each model's own limit (--max-body-bytes) applies after
 # Gauges of the replay cache every model shares (share_replay_cache): the process's figures, not one model's

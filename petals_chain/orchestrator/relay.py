@@ -506,6 +506,17 @@ class HeadBatcher:
             emb = self.head.embed(torch.tensor([[choices[-1].token]], dtype=torch.long)).cpu()
         return choices, emb
 
+    async def pool(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        """An embedding (``/v1/embeddings``): ``hidden_last`` [H], the last block's output at a sequence's last
+        token -> the final norm's output, L2-normalized, float32 [H] on the CPU (vLLM's default pooling of a decoder
+        LM: the last token, normalized)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._pooled, hidden_last)
+
+    def _pooled(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            normed = self.head.norm(hidden.reshape(-1).to(device=self.head.device, dtype=self.head.dtype))
+            return torch.nn.functional.normalize(normed.float(), dim=-1).cpu()
+
     def _embed(self, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return self.head.embed(torch.tensor([ids], dtype=torch.long)).cpu()

@@ -219,6 +219,10 @@ class Stats:
                                         "to stay within the budget, since start", registry=r)
         self.m_head_batch = Histogram("petals_chain_lm_head_batch_rows", "Rows per batched LM-head call",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.m_endpoints = Counter("petals_chain_endpoint_requests", "API requests by endpoint (the route: "
+                                   "/v1/embeddings, /tokenize, /api/v1/sessions/{session_id}/generate, ...; other: "
+                                   "a path no route serves) and how they ended (outcomes as petals_chain_api_requests)",
+                                   ["endpoint", "outcome"], registry=r)
         self._client_usage()
 
     def _client_usage(self) -> None:
