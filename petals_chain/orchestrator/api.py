@@ -54,7 +54,8 @@ from petals_chain.orchestrator.request_id import (HEADER as REQUEST_ID_HEADER, R
 from petals_chain.orchestrator.sampling import (IGNORE_EOS_WITH_GRAMMAR, MIN_REPETITION_PENALTY, SamplingParams,
                                                 StopMatcher, TokenChoice, choice_seed, offsets_in_text)
 from petals_chain.orchestrator.sessions import TURN_GRACE_S
-from petals_chain.orchestrator.structured import StructuredSpec, compile_spec_async, request_counter
+from petals_chain.orchestrator.structured import (StructuredSpec, check_spec_async, compile_spec_async,
+                                                  request_counter)
 from petals_chain.orchestrator.sse import DONE, KEEPALIVE, NO_RETRY_HEADER, error_event, error_object, sse
 from petals_chain.orchestrator.tokentext import whole_text
 from petals_chain.orchestrator import tools as _tools
@@ -796,7 +797,8 @@ class ResponsesRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     tool_choice: Optional[Any] = None
     tools: Optional[list[Any]] = None
-    max_tool_calls: Optional[int] = pydantic.Field(default=None, ge=1)  # built-in tools' calls: none here
+    # OpenAI's limit on calls to built-in tools (none here; function calls are not counted): taken without tools
+    max_tool_calls: Optional[int] = pydantic.Field(default=None, ge=1)
     _tools: Optional[ToolSet] = pydantic.PrivateAttr(default=None)
     top_logprobs: Optional[int] = pydantic.Field(default=None, ge=0, le=20)
     include: Optional[list[str]] = pydantic.Field(default=None, max_length=MAX_INCLUDE)
@@ -836,6 +838,33 @@ class ResponsesRequest(SamplingFields):
     def tool_set(self) -> Optional[ToolSet]:
         """The request's tools and tool_choice (None: no tools)."""
         return self._tools
+
+    @pydantic.model_validator(mode="after")
+    def _function_tools_counted_elsewhere(self):
+        if self.max_tool_calls is not None and self.tools:
+            raise FieldError("max_tool_calls", "max_tool_calls limits a response's calls to built-in tools (OpenAI's "
+                                               "web search, file search, ...), which this server has none of; "
+                                               "function calls are not counted by it, at OpenAI either. For at most "
+                                               "one function call send parallel_tool_calls: false")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _outputs_answer_calls(self):
+        # as OpenAI: an output must answer a call sent before it (it was rendered as a result of nothing), and once
+        open_calls: dict[str, int] = {}  # call_id -> calls sent so far without their output
+        for i, item in enumerate(self.input if isinstance(self.input, list) else []):
+            if isinstance(item, InputFunctionCall):
+                open_calls[item.call_id] = open_calls.get(item.call_id, 0) + 1
+            elif isinstance(item, InputFunctionCallOutput):
+                left = open_calls.get(item.call_id)
+                if left is None:
+                    raise FieldError(f"input.{i}", "No tool call found for function call output with call_id "
+                                                   f"{item.call_id}.")
+                if left == 0:
+                    raise FieldError(f"input.{i}", f"Duplicate function_call_output for call_id {item.call_id}: its "
+                                                   "function_call has an output already (one output per call)")
+                open_calls[item.call_id] = left - 1
+        return self
 
     @property
     def uses_tools(self) -> bool:
@@ -1492,12 +1521,19 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         """Compile the request's structured output, if any, into ``params.structured`` (off the event loop: a large
         schema takes up to a second, a model's first one ~0.6 s more for its tokenizer); a bad one is a 400 naming
         its field, counted in ``petals_chain_structured_requests``."""
+        toolset = getattr(req, "tool_set", None)
+        if toolset is not None:
+            params.stop_unless = toolset.stop_unless  # stop strings never cut a call (tools.py)
         spec = req.structured_spec
         if spec is None:
             return
         if params.ignore_eos:
             raise RequestError(IGNORE_EOS_WITH_GRAMMAR, param="ignore_eos", code="invalid_value")
+        adm = ADMISSION.get()
         try:
+            if adm is not None and adm.refused_early:  # a 429 once found valid: checked, never compiled
+                await check_spec_async(spec)
+                return
             params.structured = await compile_spec_async(spec, orch.tokenizer, orch.vocab_size, orch._eos)
         except RequestError:
             structured_requests.labels(spec.kind, "invalid").inc()
@@ -1571,7 +1607,17 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     check_text(value, f"messages.{i}.{key}")
         return await asyncio.to_thread(orch.encode_chat, messages)
 
-    async def tool_template(messages: list[dict], toolset: Optional[ToolSet]) -> list[int]:
+    def tools_of(req: Any) -> Optional[ToolSet]:
+        """The request's tools, called in the format of the model's chat template (tools.py): their grammar is the
+        request's structured output."""
+        toolset = req.tool_set
+        if toolset is not None:
+            toolset = req._tools = toolset.in_format(_tools.call_format(orch.tokenizer))
+            if (spec := toolset.spec()) is not None:
+                req._spec = spec
+        return toolset
+
+    async def tool_template(messages: list[dict], toolset: Optional[ToolSet], param: str = "messages") -> list[int]:
         """The token ids of a chat with tools, or with tool calls and results in it (tools.py renders them)."""
         if sum(len(m.get("content") or "") + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
                for m in messages) > MAX_PROMPT_CHARS:
@@ -1582,7 +1628,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     check_text(value, f"messages.{i}.{key}")
             for j, c in enumerate(m.get("tool_calls", [])):
                 check_text(c["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
-        return await asyncio.to_thread(_tools.encode_conversation, orch, messages, toolset)
+        return await asyncio.to_thread(_tools.encode_conversation, orch, messages, toolset, param)
 
     # ---- info ----------------------------------------------------------------------------------
     @app.get("/healthz")
@@ -1860,7 +1906,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if (forwarded := await maybe_forward(orch, request)) is not None:
             return forwarded
         check_model(req.model)
-        toolset = req.tool_set
+        toolset = tools_of(req)
         layout = toolset.layout if toolset is not None else None  # None: the reply is text, as without tools
         if toolset is not None or any(m.uses_tools for m in req.messages):
             ids = await tool_template([m.as_dict() for m in req.messages], toolset)
@@ -1894,21 +1940,27 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                         "choices": [{"index": i, "delta": delta, "finish_reason": finish,
                                      "logprobs": chat_lp(choices) if choices else None}]}
 
+            held: dict[int, list] = {}  # each choice's logprobs of text held back (a call marker may be starting)
+
             def tool_chunk(i, text, finish, choices, first=False, gen=None):
                 """OpenAI's tool-call stream: content null at first; a call's index, id and name in one delta,
                 then its arguments in pieces; ``finish_reason`` "tool_calls" (a text reply of ``auto``: content
-                deltas). Several deltas from one piece of text go as several events."""
+                deltas). Several deltas from one piece of text go as several events; text held back sends none
+                (its logprobs go with the delta that shows it, or the last event)."""
                 if first:
                     return event(i, {"role": "assistant", "content": None}, None, None)
-                scanner = scanners.setdefault(i, _tools.CallScanner(layout))
+                scanner = scanners.setdefault(i, _tools.CallScanner(layout, toolset.fmt))
                 deltas = [tool_delta(scanner, e) for e in scanner.feed(text or "")]
+                lps = held.pop(i, []) + list(choices or [])
                 if gen is not None:
                     deltas += [tool_delta(scanner, e) for e in scanner.finish()]
                     end = _tools.finish_reason(scanner, finish)
-                    return "".join(sse(event(i, d, None, None)) for d in deltas) + sse(event(i, {}, end, None))
-                if not deltas:  # text held back (a call marker may be starting); its logprobs are sent now
-                    return event(i, {}, finish, choices)
-                return "".join(sse(event(i, d, finish, choices if k == 0 else None)) for k, d in enumerate(deltas))
+                    return "".join(sse(event(i, d, None, lps if k == 0 else None)) for k, d in enumerate(deltas)) \
+                        + sse(event(i, {}, end, None if deltas else lps))
+                if not deltas:
+                    held[i] = lps
+                    return None
+                return "".join(sse(event(i, d, finish, lps if k == 0 else None)) for k, d in enumerate(deltas))
 
             def tool_delta(scanner: _tools.CallScanner, e: tuple) -> dict:
                 if e[0] == "content":
@@ -1928,7 +1980,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             """The choice's message and finish_reason: its calls, if it made any (tools.py)."""
             if layout is None:
                 return {"role": "assistant", "content": g.text}, g.finish_reason
-            read = _tools.read_reply(layout, g.text)
+            read = _tools.read_reply(layout, g.text, toolset.fmt)
             if not read.is_calls:
                 return {"role": "assistant", "content": read.content}, g.finish_reason
             return ({"role": "assistant", "content": None, "tool_calls": _tools.openai_calls(read.calls)},
@@ -1969,10 +2021,10 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     texts = {"content": item.as_dict()["content"]}
                 for key, value in texts.items():
                     check_text(value, f"input.{i}.{key}")
-        toolset = req.tool_set
+        toolset = tools_of(req)
         layout = toolset.layout if toolset is not None else None  # None: the reply is text, as without tools
         if toolset is not None or req.uses_tools:
-            ids = await tool_template(messages, toolset)
+            ids = await tool_template(messages, toolset, "input")
         else:
             ids = await template(messages)
         req.max_tokens = req.max_output_tokens
@@ -1992,7 +2044,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
         if req.stream:
             # with tools the reply's text is read as it comes, into a message or function calls (responses.py)
-            out = shape if layout is None else _responses.ToolStream(shape, layout)
+            out = shape if layout is None else _responses.ToolStream(shape, layout, toolset.fmt)
 
             def chunk(i, text, finish, choices, first=False, gen=None):
                 if first:
@@ -2007,7 +2059,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
             return stream_response(lambda emits: orch.generate_n(ids, per_choice(params, 1), explicit, emits), 1,
                                    chunk, False, len(ids), failed=shape.failed, end="")
         gen = (await unless_disconnected(request, orch.generate_n(ids, per_choice(params, 1), explicit)))[0]
-        read = _tools.read_reply(layout, gen.text) if layout is not None else None
+        read = _tools.read_reply(layout, gen.text, toolset.fmt) if layout is not None else None
         return shape.finished(read.content if read is not None else gen.text, gen.finish_reason,
                               _responses.usage(len(ids), len(gen.token_ids), gen.cached_tokens),
                               logprobs_of(gen.logprobs), ours(gen),

@@ -301,6 +301,9 @@ class Admission:
         # ends (RequestError 429 if they do not fit); set by the API middleware when the client has such a limit
         self.reserve: Callable[[int], None] | None = None
         self.reserved = 0  # tokens held by reserve()
+        # reserve() is an early refusal (limits.py's _Refusal): the request gets a 429 once found valid, so its
+        # checks do no work the refusal makes useless (a structured output is checked, not compiled)
+        self.refused_early = False
         self.places = RequestPlaces()  # the request's jobs (all its prompts'), for the places the queue holds them
 
     def decide(self, admitted: bool, code: str = "", message: str = "", never_fits: bool = False) -> None:

@@ -7,6 +7,11 @@ drafting: no second model needed, same tokenizer by construction). Drafts are gr
 is a point mass and the verification rule of :func:`~petals_chain.orchestrator.sampling.verify_drafts` keeps a
 sampled request's distribution exact.
 
+A generation under a structured output drafts under its grammar (``grammar``: a fork of its state): each draft
+token is the draft model's most likely one among those the grammar allows next, so a draft is never cut where the
+grammar would refuse it (unconstrained, the draft model's choice was mostly a token the grammar refused, and the
+draft ended there). Greedy verification keeps the output the same either way.
+
 Each generation keeps a :class:`DraftState` (the draft model's KV cache and the tokens it holds): a draft call
 rolls the cache back to what it shares with the sequence now (rejected drafts are dropped) and feeds only the
 rest. The model runs in its own worker thread, off the event loop, one call at a time. Drafts are only guesses:
@@ -50,6 +55,32 @@ class DraftState:
         self.failed = False  # the draft model failed for this generation: no more drafts
 
 
+class _Allowed:
+    """A draft's own state of its sequence's grammar (a fork): :meth:`pick` is the draft model's choice among the
+    tokens the grammar allows next, taken into that state."""
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.ended = False  # the last token picked ends the output
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The most likely allowed token, taken (-1: none, or the grammar cannot go on)."""
+        st = self.state
+        if st.error is not None:
+            return -1
+        mask = torch.from_numpy(st.allowed())
+        n = min(len(mask), logits.shape[-1])
+        if st.error is not None or not bool(mask[:n].any()):
+            return -1
+        tok = int(torch.argmax(logits[:n].float().masked_fill(~mask[:n].to(logits.device), float("-inf"))))
+        try:
+            st.consume(tok)
+        except ValueError:
+            return -1
+        self.ended = tok in st.grammar.eos
+        return tok
+
+
 class DraftModel:
     """A causal LM that drafts tokens greedily for speculative decoding (see the module docstring)."""
 
@@ -61,6 +92,7 @@ class DraftModel:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._cache_arg = cache_kwarg(model)
         self.failures = 0  # generations whose drafting failed or timed out (they went on without drafts)
+        self.constrained = True  # drafts under a structured output's grammar (False: as before; benchmarks compare)
         self._stuck: concurrent.futures.Future | None = None  # a call that timed out, still running in the worker
         self._progress = 0.0  # time.monotonic() when the worker last started a call or finished a forward
 
@@ -72,19 +104,30 @@ class DraftModel:
         model = load_causal_lm(source, num_layers=num_layers, dtype=dtype, device=device)
         return cls(model, name)
 
-    async def draft(self, state: DraftState, context: list[int], k: int) -> list[int]:
+    async def draft(self, state: DraftState, context: list[int], k: int, grammar: Any = None) -> list[int]:
         """Up to ``k`` greedy draft tokens after ``context`` (the whole sequence so far); [] from the first failure of
         the draft model on, or its first call that finished no forward within :attr:`timeout_s` (logged, counted in
         :attr:`failures`); [] while such a call still runs in the worker, and for a call the worker did not start
-        within :attr:`timeout_s`."""
+        within :attr:`timeout_s`. ``grammar``: the sequence's structured output state (structured.GrammarState): the
+        draft takes only tokens it allows (in a fork of it; the CPU is charged to it)."""
         if k <= 0 or not context or state.failed:
             return []
+        if grammar is None or not self.constrained:
+            return await self._call(state, context, k, None)
+        twin = grammar.fork()
+        try:
+            return await self._call(state, context, k, _Allowed(twin))
+        finally:
+            grammar.join(twin)
+
+    async def _call(self, state: DraftState, context: list[int], k: int, allowed: "_Allowed | None") -> list[int]:
+        """:meth:`draft` in the worker, within :attr:`timeout_s`."""
         if self._stuck is not None:
             if not self._stuck.done():
                 return []  # the worker is still busy with a call that timed out: queueing would wait for it
             self._stuck = None
         submitted = time.monotonic()
-        call = self._pool.submit(self._draft, state, list(context), k)
+        call = self._pool.submit(self._draft, state, list(context), k, allowed)
         waiting = asyncio.wrap_future(call)
         try:
             while not call.done():
@@ -120,7 +163,7 @@ class DraftModel:
         self.failures += 1
         logger.warning("draft model %s failed (%s); this generation goes on without drafts", self.name, why)
 
-    def _draft(self, state: DraftState, context: list[int], k: int) -> list[int]:
+    def _draft(self, state: DraftState, context: list[int], k: int, allowed: "_Allowed | None" = None) -> list[int]:
         from transformers import DynamicCache
 
         self._progress = time.monotonic()  # this call's start: its first piece is timed from here, not its queueing
@@ -147,8 +190,12 @@ class DraftModel:
                                         **{self._cache_arg: state.cache}).logits[0, -1]
                     state.ids += piece
                     self._progress = time.monotonic()
-                tok = int(torch.argmax(logits))
+                tok = int(torch.argmax(logits)) if allowed is None else allowed.pick(logits)
+                if tok < 0:
+                    break  # nothing the grammar allows next (its output is complete, or its budget spent)
                 out.append(tok)
+                if allowed is not None and allowed.ended:
+                    break  # an end token: nothing follows it
                 feed = [tok]
             return out  # the cache holds context + out[:-1]
 

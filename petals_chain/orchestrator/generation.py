@@ -73,7 +73,7 @@ class GenerationMixin:
         and its logprob is what chose that text. A stream sends each token with the text it starts, so that the
         tokens it sent are ``choices``."""
         seq = SequenceSampler(params, context)
-        matcher = StopMatcher(self.tokenizer, params.stop, context)
+        matcher = StopMatcher(self.tokenizer, params.stop, context, unless=params.stop_unless)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
         generated = [] if generated is None else generated
         choices: list[TokenChoice] = []
@@ -128,7 +128,7 @@ class GenerationMixin:
             # drafts never reach past the last token this request may generate (its pages hold exactly that)
             k = min(drafts.k, limit - len(generated) - 1) if drafts else 0
             if draft_state is not None:
-                draft = await self.drafter.draft(draft_state, context + generated, k)
+                draft = await self.drafter.draft(draft_state, context + generated, k, seq.grammar)
             else:
                 draft = ngram_draft(context + generated, k) if k > 0 else []
             if draft and seq.grammar is not None:  # what the grammar forbids would be rejected: not sent at all

@@ -583,6 +583,7 @@ class AdmissionLimits:
         if refusal is not None:
             # answered once the app found the request valid; never counted in flight
             adm.reserve = lambda need, field="max_tokens": refusal.fire(int(need), field, adm)
+            adm.refused_early = True
             self.checking[client] = self.checking.get(client, 0) + 1
         else:
             self.inflight += 1

@@ -24,7 +24,7 @@ import uuid
 from typing import Any, Optional
 
 from petals_chain.orchestrator.sse import error_object, sse
-from petals_chain.orchestrator.tools import Call, CallScanner
+from petals_chain.orchestrator.tools import HERMES, Call, CallFormat, CallScanner
 
 # finish_reason -> (status, incomplete_details.reason); "length": the output limit (or the context's end) was reached
 _ENDS = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens")}
@@ -179,13 +179,13 @@ class ResponseBuilder:
 
 
 class ToolStream:
-    """The events of a streamed reply decoded with tools (``layout``: its :class:`~.tools.ToolSet`'s): the
+    """The events of a streamed reply decoded with tools (``layout``, ``fmt``: its :class:`~.tools.ToolSet`'s): the
     reply's text read by a :class:`~.tools.CallScanner` into a message's deltas or calls' items (the module's
     docstring), over ``shape``'s numbering and ids."""
 
-    def __init__(self, shape: ResponseBuilder, layout: str):
+    def __init__(self, shape: ResponseBuilder, layout: str, fmt: CallFormat = HERMES):
         self.shape = shape
-        self.scanner = shape.calls = CallScanner(layout)
+        self.scanner = shape.calls = CallScanner(layout, fmt)
         self.message_open = False
         self.pending: list[dict] = []  # logprobs of text held back (a possible call marker), sent with the text
 

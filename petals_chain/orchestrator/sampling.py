@@ -78,6 +78,8 @@ class SamplingParams:
     # a compiled structured output (structured.Grammar): the tokens it forbids are masked before anything else, each
     # sequence has its own state of it. None: unconstrained.
     structured: Any = None
+    # ``stop`` does not apply to an output that starts with this text ("": to none): a reply's tool calls (tools.py)
+    stop_unless: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -1062,11 +1064,15 @@ class StopMatcher:
     A context (``prompt_ids``) that ends inside a character leaves that character to the generated text: the tokens
     that complete it show it whole (the prompt's part of it had decoded to U+FFFD, which took its place, so the
     character was lost), and ``whole_text(prompt) + text`` is the decoding of prompt and generated tokens together.
+
+    ``unless``: the stop strings do not apply to a text that starts with it (a tool call's marker; "": to any text).
+    While the text may still become it, it is held back; once it cannot, the stop strings apply from its start.
     """
 
-    def __init__(self, tokenizer, stop: list[str], prompt_ids: list[int] | None = None):
+    def __init__(self, tokenizer, stop: list[str], prompt_ids: list[int] | None = None, unless: str | None = None):
         self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = [s for s in stop if s] if unless != "" else []
+        self._unless = unless if self.stop else None  # None once decided (or nothing to decide)
         # per stop: KMP failure links and the longest prefix of it the text ends with (the hold-back, updated per
         # new character: testing every prefix of 16 stops of 256 characters cost 0.3 ms a token)
         self._fail = [_failure_links(s) for s in self.stop]
@@ -1134,6 +1140,8 @@ class StopMatcher:
         self.ids.append(token_id)
         if not self._advance():
             return ""
+        if self._unless is not None and not self._decide():
+            return ""
         text = self.text
         if (out := self._cut_at_stop()) is not None:
             return out
@@ -1143,6 +1151,16 @@ class StopMatcher:
         out = text[self.emitted:safe]
         self.emitted = safe
         return out
+
+    def _decide(self, final: bool = False) -> bool:
+        """Whether the stop strings' exemption (``unless``) is decided: the text starts with it (no stop applies
+        from here on) or cannot (they all do); ``final``: the text is whole, decided either way."""
+        if self.text.startswith(self._unless):
+            self.stop, self._fail, self._ends_with = [], [], []
+        elif not final and self._unless.startswith(self.text):
+            return False
+        self._unless = None
+        return True
 
     def _hold(self) -> int:
         """The longest end of ``text`` that is a proper prefix of a stop string (it may yet become one)."""
@@ -1187,6 +1205,8 @@ class StopMatcher:
         if self.stopped:
             return ""
         self._advance(final=True)
+        if self._unless is not None:
+            self._decide(final=True)
         if (out := self._cut_at_stop()) is not None:
             return out
         out = self.text[self.emitted:]

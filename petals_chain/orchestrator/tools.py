@@ -18,18 +18,28 @@ reads): the tool definitions are added to the system message (:data:`TOOLS_PROMP
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` and results are a user message of
 ``<tool_response>\\n...\\n</tool_response>`` blocks.
 
+A template that takes tools and writes calls its own way is asked for calls in that format (:func:`call_format`,
+:data:`FORMATS`): Llama 3.1/3.2's bare JSON ``{"name": ..., "parameters": {...}}`` (one call a reply: its template
+renders no more), Mistral's ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (``[TOOL_CALLS]`` its special
+token where the tokenizer has one; call ids rendered as the 9 characters its template demands). Any other template
+that takes tools (or none) is asked for Hermes ``<tool_call>`` blocks.
+
 :class:`CallScanner` reads the reply, streamed or whole, into content and calls (an OpenAI stream's tool-call
-deltas: the call's index, id and name first, then its arguments in pieces).
+deltas: the call's index, id and name first, then its arguments in pieces). Stop strings do not apply to calls
+(:attr:`ToolSet.stop_unless`): a forced reply ignores them, an ``auto`` one only once it took the call branch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import jinja2
 import llguidance
 
 from petals_chain.orchestrator.errors import RequestError
@@ -65,23 +75,62 @@ class Tool:
 
 
 @dataclass(frozen=True)
+class CallFormat:
+    """How a chat template writes a reply's calls (what ``auto``'s call branch is): ``name``; ``key``: the
+    arguments' key in a call's JSON; ``marker``: the text a reply of calls starts with (decoded, special tokens
+    dropped), which a text reply never holds; ``opening``: the Lark that starts the calls (Mistral's token);
+    ``parallel``: whether the template renders several calls in one assistant message."""
+
+    name: str
+    key: str = "arguments"
+    marker: str = CALL_OPEN
+    opening: str = ""
+    parallel: bool = True
+
+
+HERMES = CallFormat("hermes")
+LLAMA3_JSON = CallFormat("llama3_json", key="parameters", marker='{"name":', parallel=False)
+MISTRAL_MARKER = "[TOOL_CALLS]"
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, CallFormat("mistral", marker=MISTRAL_MARKER))}
+
+
+@dataclass(frozen=True)
 class ToolSet:
     """A request's tools and how it may call them: ``choice`` is ``none``, ``auto``, ``required`` or a tool's
-    name; ``parallel``: several calls in one reply (OpenAI's ``parallel_tool_calls``, default true)."""
+    name; ``parallel``: several calls in one reply (OpenAI's ``parallel_tool_calls``, default true); ``fmt``: the
+    model's call format (:func:`call_format`)."""
 
     tools: tuple[Tool, ...]
     choice: str
     parallel: bool = True
+    fmt: CallFormat = HERMES
+
+    def in_format(self, fmt: CallFormat) -> "ToolSet":
+        """These tools, called in ``fmt``."""
+        return dataclasses.replace(self, fmt=fmt)
+
+    @property
+    def several(self) -> bool:
+        """A reply may hold several calls (asked for, and its template renders them back)."""
+        return self.parallel and self.fmt.parallel
 
     @property
     def layout(self) -> Optional[str]:
         """How a reply writes its calls: ``json`` (one call), ``list`` (a JSON list of calls), ``tagged`` (text or
-        Hermes-tagged calls); None: no call can be made (``none``)."""
+        calls in the format's own way); None: no call can be made (``none``)."""
         if self.choice == "none":
             return None
         if self.choice == "auto":
             return "tagged"
-        return "list" if self.parallel else "json"
+        # a function named in tool_choice is called exactly once (OpenAI's "forced function", as vLLM does)
+        return "list" if self.several and self.choice == "required" else "json"
+
+    @property
+    def stop_unless(self) -> Optional[str]:
+        """Where stop strings do not apply (``SamplingParams.stop_unless``): a reply of calls, all of a forced one
+        (``""``), an ``auto`` one that starts with the format's marker; None: they apply (no calls)."""
+        layout = self.layout
+        return None if layout is None else self.fmt.marker if layout == "tagged" else ""
 
     def definitions(self) -> list[dict]:
         return [t.definition for t in self.tools]
@@ -95,10 +144,10 @@ class ToolSet:
     def lark(self) -> str:
         """The reply's grammar (llguidance's Lark, each call's arguments its tool's schema as ``%json``)."""
         named = [t for t in self.tools if self.choice in _CHOICES or t.name == self.choice]
-        rules = []
+        rules, fmt = [], self.fmt
         for i, t in enumerate(named):
             schema = {**t.parameters, "x-guidance": _JSON_OPTIONS}
-            head = json.dumps('{"name":' + json.dumps(t.name) + ',"arguments":')
+            head = json.dumps('{"name":' + json.dumps(t.name) + f',"{fmt.key}":')
             rules.append(f"call_{i}: {head} %json {json.dumps(schema)} {json.dumps('}')}")
         call = "call: " + " | ".join(f"call_{i}" for i in range(len(named)))
         if self.layout == "json":
@@ -106,11 +155,18 @@ class ToolSet:
         elif self.layout == "list":
             start = 'start: "[" call ("," call)* "]"'
         else:
-            one = f"{json.dumps(CALL_OPEN)} call {json.dumps(CALL_CLOSE)}"
-            more = f' ({json.dumps(chr(10))} {one})*' if self.parallel else ""
+            if fmt.name == "hermes":
+                one = f"{json.dumps(CALL_OPEN)} call {json.dumps(CALL_CLOSE)}"
+                tagged = one + (f' ({json.dumps(chr(10))} {one})*' if self.several else "")
+            elif fmt.name == "mistral":
+                tagged = f'{fmt.opening or json.dumps(MISTRAL_MARKER)} "[" call' + \
+                    (' ("," call)*' if self.several else "") + ' "]"'
+            else:
+                tagged = "call"
             # text with no call marker anywhere: a reply is either text or calls, never a broken or unchecked call
             # (a marker after some text, "Sure.\n<tool_call>...", would come back as content holding a call)
-            start = f"start: TEXT | tagged\ntagged: {one}{more}\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/"
+            marker = re.escape(fmt.marker.rstrip("\n")).replace("/", "\\/")
+            start = f"start: TEXT | tagged\ntagged: {tagged}\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/"
         return "\n".join([start, call, *rules])
 
 
@@ -132,6 +188,37 @@ def _closed(schema: Any) -> Any:
         else:
             out[k] = v
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+# what lets an object take keys it does not name, or lets another part of the schema name them
+_OPENS = ("additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "anyOf", "oneOf", "$ref",
+          "not", "if", "dependentSchemas")
+
+
+def _declared(schema: Any, top: bool = True) -> Any:
+    """A non-strict function's ``schema`` with each object that names its properties (and the parameters object,
+    which names the function's) taking no others, unless the schema says otherwise (its ``additionalProperties``, a
+    key it requires without naming it, a part that may name more: ``allOf``, ``$ref``, ...). JSON schema's default
+    lets a constrained model invent arguments, and small ones do (a tool without arguments got ``{"time":{"time":``
+    until ``max_tokens``); vLLM's default grammar backend (xgrammar) closes them too. Free objects stay free."""
+    if isinstance(schema, list):
+        return [_declared(s, False) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    named = schema.get("properties", {} if top and schema.get("type") == "object" else None)
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: _declared(s, False) for name, s in v.items()}
+        elif k in ("items", "prefixItems", "additionalProperties") or (k in ("anyOf", "oneOf") and named is None):
+            out[k] = _declared(v, False)  # a union's branches are whole objects unless beside named properties
+        else:
+            out[k] = v
+    required = out.get("required", [])
+    if isinstance(named, dict) and not any(k in out for k in _OPENS) and isinstance(required, list) \
+            and set(map(str, required)) <= set(named):
         out["additionalProperties"] = False
     return out
 
@@ -191,8 +278,7 @@ def _tool(value: Any, i: int, flat: bool = False) -> tuple[Tool, int]:
     if not isinstance(params, dict):
         raise _error(f"{param} must be a JSON schema (an object)", param)
     try:
-        if strict:
-            params = _closed(params)
+        params = _closed(params) if strict else _declared(params)
         text = json.dumps(params, separators=(",", ":"), allow_nan=False)
     except (RecursionError, ValueError, TypeError) as e:
         raise _error(f"{param} is not a JSON schema that can be read back: {type(e).__name__}", param) from None
@@ -207,7 +293,8 @@ def _tool(value: Any, i: int, flat: bool = False) -> tuple[Tool, int]:
     if problem and not problem.startswith("WARNING"):
         raise _error(f"{param} cannot be used: {_shown_error(problem)}", param)
     # what the model is shown: chat's shape (its templates' and the tools prompt's), whichever API it came from
-    definition = {"type": "function", "function": {k: v for k, v in fn.items() if k in fields and v is not None}}
+    # in one order (OpenAI's), not the client's: one tool is one prompt whichever API or framework sent it
+    definition = {"type": "function", "function": {k: fn[k] for k in fields if fn.get(k) is not None}}
     return Tool(name, json.loads(text), definition), len(text)
 
 
@@ -268,6 +355,35 @@ def template_takes_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def call_format(tokenizer: Any) -> CallFormat:
+    """The call format the tokenizer's chat template writes (read from the template's text, as transformers'
+    tool-use templates spell it): Hermes ``<tool_call>`` (Qwen2.5, Hermes), Mistral's ``[TOOL_CALLS]``, Llama 3.1's
+    ``"parameters"`` JSON; Hermes for a template that takes no tools (:func:`hermes` renders them) or writes calls
+    some other way."""
+    if not template_takes_tools(tokenizer):
+        return HERMES
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default") or ""
+    if "<tool_call>" in template:
+        return HERMES
+    if MISTRAL_MARKER in template:
+        ids = tokenizer.encode(MISTRAL_MARKER, add_special_tokens=False)
+        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "":  # its special token: unseen
+            return dataclasses.replace(FORMATS["mistral"], marker='[{"name":', opening=f"<[{int(ids[0])}]>")
+        return FORMATS["mistral"]
+    if '"parameters"' in template:
+        return LLAMA3_JSON
+    return HERMES
+
+
+def _mistral_id(call_id: str) -> str:
+    """A call id as Mistral's template takes it (9 letters or digits): its last 9 when they are, else a digest."""
+    tail = call_id[-9:]
+    return tail if len(tail) == 9 and tail.isascii() and tail.isalnum() else \
+        hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
 def _arguments(text: str) -> Any:
     """A call's arguments as a template wants them (an object; text that is not JSON stays text)."""
     try:
@@ -276,15 +392,19 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def for_template(messages: list[dict]) -> list[dict]:
-    """``messages`` (ours: ``tool_calls`` with JSON-text arguments) as transformers' chat templates take them."""
+def for_template(messages: list[dict], fmt: CallFormat = HERMES) -> list[dict]:
+    """``messages`` (ours: ``tool_calls`` with JSON-text arguments) as transformers' chat templates take them (for
+    Mistral's, call ids of 9 letters or digits)."""
+    ids = _mistral_id if fmt.name == "mistral" else str
     out = []
     for m in messages:
         m = dict(m)
         if m.get("tool_calls"):
-            m["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+            m["tool_calls"] = [{"id": ids(c["id"]), "type": "function", "function": {
                 "name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
                 for c in m["tool_calls"]]
+        if m.get("tool_call_id") is not None:
+            m["tool_call_id"] = ids(m["tool_call_id"])
         out.append(m)
     return out
 
@@ -325,14 +445,21 @@ def hermes(messages: list[dict], toolset: Optional[ToolSet]) -> list[dict]:
     return out
 
 
-def encode_conversation(orch: Any, messages: list[dict], toolset: Optional[ToolSet]) -> list[int]:
+def encode_conversation(orch: Any, messages: list[dict], toolset: Optional[ToolSet],
+                        param: str = "messages") -> list[int]:
     """The token ids of a conversation with tools (its calls and results): the model's chat template with
-    ``tools=`` when it takes them, else the Hermes rendering through ``orch.encode_chat``. Blocking: call it off
-    the event loop."""
+    ``tools=`` when it takes them, else the Hermes rendering through ``orch.encode_chat``. A conversation the
+    template refuses (Llama 3.1's: two calls in one message) is a 400 naming ``param``. Blocking: call it off the
+    event loop."""
     tok = orch.tokenizer
     if template_takes_tools(tok):
-        out = tok.apply_chat_template(for_template(messages), tools=toolset.definitions() if toolset else None,
-                                      add_generation_prompt=True, tokenize=True)
+        try:
+            out = tok.apply_chat_template(for_template(messages, call_format(tok)),
+                                          tools=toolset.definitions() if toolset else None,
+                                          add_generation_prompt=True, tokenize=True)
+        except jinja2.TemplateError as e:
+            raise _error(f"the model's chat template cannot render this conversation: {str(e)[:300]}", param) \
+                from None
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         return [int(x) for x in out]
@@ -361,8 +488,10 @@ class CallScanner:
     name is known) and ``("arguments", index, text)``. Character by character, once: a JSON scanner that knows
     strings and nesting, so a call's end is seen when it comes (no text held back but a possible call marker)."""
 
-    def __init__(self, layout: str):
+    def __init__(self, layout: str, fmt: CallFormat = HERMES):
         self.layout = layout
+        self.fmt = fmt
+        self._key = f',"{fmt.key}":'  # what ends a call's name, before its arguments
         self.calls: list[Call] = []
         self.content = ""
         self._mode = "undecided" if layout == "tagged" else "calls"
@@ -380,9 +509,9 @@ class CallScanner:
         events: list[tuple] = []
         if self._mode == "undecided":
             self._head += text
-            if CALL_OPEN.startswith(self._head):
+            if self.fmt.marker.startswith(self._head):
                 return events
-            if not self._head.startswith(CALL_OPEN):
+            if not self._head.startswith(self.fmt.marker):
                 self._mode, text, self._head = "content", self._head, ""
             else:
                 self._mode, text, self._head = "calls", self._head, ""
@@ -400,8 +529,8 @@ class CallScanner:
             if not self._args:
                 self._head += ch
                 self._track(ch)
-                if self._head.endswith('"arguments":') and self._depth == 1 and not self._string:
-                    self.calls.append(Call(json.loads(self._head[len('{"name":'):-len(',"arguments":')])))
+                if self._head.endswith(self._key) and self._depth == 1 and not self._string:
+                    self.calls.append(Call(json.loads(self._head[len('{"name":'):-len(self._key)])))
                     events.append(("call", len(self.calls) - 1))
                     self._args, piece_start = True, j + 1
                 continue
@@ -446,9 +575,9 @@ class CallScanner:
         return []
 
 
-def read_reply(layout: str, text: str) -> CallScanner:
+def read_reply(layout: str, text: str, fmt: CallFormat = HERMES) -> CallScanner:
     """A whole reply read: its content, or its calls."""
-    scanner = CallScanner(layout)
+    scanner = CallScanner(layout, fmt)
     scanner.feed(text)
     scanner.finish()
     return scanner
