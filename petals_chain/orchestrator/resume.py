@@ -697,7 +697,8 @@ async def finish(record: StreamRecord, path: str, headers: dict,
                                 return
                             # doomed by the load now, with time left: the load may clear, or another orchestrator
                             # take it, so it is tried again until the deadline's 504 (a job that lost its chain here
-                            # waits so); passed on, a 429 inviting a retry ended a stream the client could not resume
+                            # waits so), or RESUME_S's 503; passed on, a 429 inviting a retry ended a stream the
+                            # client could not resume
                             later = code == "deadline_unreachable" and due is not None
                             if not later and (r.status_code not in (429, 502, 503, 504)
                                               or code in ("deadline_unreachable", "deadline_infeasible")
