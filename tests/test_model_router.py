@@ -45,7 +45,7 @@ def orch(name: str, prefix: str, sessions=()):
     return SimpleNamespace(model_id=name, prefix=prefix, cfg=SimpleNamespace(model=f"/models/{prefix}"),
                            sessions={s: object() for s in sessions}, planner=None,
                            dispatch=SimpleNamespace(chains=[1], queue_length=0),
-                           stats=SimpleNamespace(completed=3, failed=0, unserved=0))
+                           stats=SimpleNamespace(completed=3, failed=0, unserved=0, cancelled=0))
 
 
 def test_router_routes_by_body_session_and_query_with_the_callers_headers():

@@ -172,9 +172,10 @@ def test_requests_are_counted_once_per_api_request_by_client_and_outcome(api):
     assert _samples(text, "petals_chain_api_requests_total") == {
         ("alice", "completed"): 3, ("alice", "refused"): 2, ("alice", "dropped"): 1,
         ("bob", "completed"): 2, ("bob", "cancelled"): 1, ("bob", "refused"): 1}
-    # jobs, as before: 4 + 2 + 2 + 1 completed, a job cut off, and 2 + 2 + 1 + 1 that never held a chain
+    # jobs, as before: 4 + 2 + 2 + 1 completed, a job its client left (cancelled, as its request: it was failed),
+    # and 2 + 2 + 1 + 1 that never held a chain
     jobs = _samples(text, "petals_chain_requests_total")
-    assert jobs == {("completed",): 10, ("failed",): 1, ("unserved",): 6}, jobs
+    assert jobs == {("completed",): 10, ("cancelled",): 1, ("unserved",): 6}, jobs
     deadlines = _samples(text, "petals_chain_deadline_requests_total")
     assert deadlines == {("alice", "met"): 1, ("alice", "refused"): 2, ("alice", "dropped"): 1,
                          ("bob", "refused"): 1}, deadlines

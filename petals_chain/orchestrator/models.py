@@ -111,6 +111,7 @@ def models_json(orchs: Mapping[str, Any], name: str, placer: Any = None) -> dict
                     "servers": len(o.planner.servers) if o.planner is not None else 0,
                     "chains": len(o.dispatch.chains), "queue_length": o.dispatch.queue_length,
                     "completed": o.stats.completed, "failed": o.stats.failed, "unserved": o.stats.unserved,
+                    "cancelled": o.stats.cancelled,
                     "arrival_rate": round(o.planner.arrival_rate, 4) if o.planner is not None else 0.0}
                    for n, o in orchs.items()],
         "model_name": name}

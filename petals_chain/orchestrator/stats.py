@@ -26,7 +26,7 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 # than 429: invalid fields, unknown model, prompt too long, body too large, session busy): the client's to fix, kept
 # apart so that neither a refusal-rate nor an error-rate alert fires on a client's bad requests
 REQUEST_OUTCOMES = ("completed", "failed", "refused", "dropped", "cancelled", "invalid")
-JOB_OUTCOMES = ("completed", "failed", "unserved")  # a job's (petals_chain_client_requests)
+JOB_OUTCOMES = ("completed", "failed", "unserved", "cancelled")  # a job's (petals_chain_client_requests)
 
 
 def request_outcome(error: BaseException | None) -> str:
@@ -87,6 +87,7 @@ class Stats:
         self.completed = 0
         self.failed = 0
         self.unserved = 0  # jobs that ended before holding a chain (refused, dropped queued, their client gone)
+        self.cancelled = 0  # jobs stopped while they held a chain (their client gone, a sibling choice failed)
         self.failovers = 0
         self.forks = 0  # n > 1 choices that started from a sibling's prefill (KV copied at the servers)
         self.open_waits = 0  # chain opens a server refused for KV memory, retried as a wait in its FIFO
@@ -125,7 +126,9 @@ class Stats:
         # n = 3 or of 3 prompts counts 3 (each its own job, its own outcome), and one per session turn
         self.m_requests = Counter("petals_chain_requests", "Jobs by outcome: one per completion (a request with n = 3 "
                                   "or 3 prompts counts 3) and per session turn; completed | failed | unserved (ended "
-                                  "before it held a chain: refused, dropped while queued, its client gone)",
+                                  "before it held a chain: refused, dropped while queued, its client gone) | "
+                                  "cancelled (stopped while it held one: its client gone, another choice of its "
+                                  "request failed, a stop cut it off)",
                                   ["outcome"], registry=r)
         self.m_response = Histogram("petals_chain_response_seconds", "Response time (wait + service)", buckets=_BUCKETS, registry=r)
         self.m_wait = Histogram("petals_chain_wait_seconds", "Time waiting for a chain", buckets=_BUCKETS, registry=r)
@@ -268,7 +271,7 @@ class Stats:
     def _charge(self, client: str, tokens: int, outcome: str) -> None:
         self.m_client_requests.labels(client, outcome).inc()
         self.m_client_tokens.labels(client).inc(tokens)
-        totals = self._totals.setdefault(client, {"completed": 0, "failed": 0, "unserved": 0, "tokens": 0})
+        totals = self._totals.setdefault(client, {**dict.fromkeys(JOB_OUTCOMES, 0), "tokens": 0})
         totals[outcome] += 1
         totals["tokens"] += tokens
         if tokens:
@@ -306,7 +309,7 @@ class Stats:
 
     def client_totals(self, client: str) -> dict:
         """``client``'s jobs by outcome and tokens, and its requests by outcome (``request_outcomes``)."""
-        return {**self._totals.get(client, {"completed": 0, "failed": 0, "unserved": 0, "tokens": 0}),
+        return {**self._totals.get(client, {**dict.fromkeys(JOB_OUTCOMES, 0), "tokens": 0}),
                 "request_outcomes": self.request_totals(client)}
 
     def request_totals(self, client: str) -> dict[str, int]:
@@ -464,9 +467,13 @@ class Stats:
         its prompt neither counted nor charged to its client's tokens per minute (nothing was computed).
         ``whole_request``: the job is a whole request (a session turn), also counted as one ended request, by the
         exception being handled when a failed job is recorded (what ended it); False: one job of a request that its
-        caller counts once (:meth:`end_request_part`)."""
-        if whole_request:  # sessions.py records a failed turn in its except clause: sys.exc_info() is what ended it
-            error = None if ok else sys.exc_info()[1]
+        caller counts once (:meth:`end_request_part`). A job that held a chain and was ended by a cancellation (the
+        exception being handled: its client left, another choice of its request failed) is ``cancelled``, not
+        ``failed``: no error of the swarm's (a request whose client left is ``cancelled`` in both counters)."""
+        # recorded while what ended the job is handled (sessions.py's except clause, generation.py's finally)
+        error = None if ok else sys.exc_info()[1]
+        cancelled = isinstance(error, asyncio.CancelledError)
+        if whole_request:
             self.end_request("failed" if not ok and error is None else request_outcome(error))
         if not ok and not served:
             self.unserved += 1
@@ -483,6 +490,9 @@ class Stats:
             self.m_wait.observe(wait_s)
             self.m_service.observe(service_s)
             self.service_s += service_s
+        elif cancelled:
+            self.cancelled += 1
+            self.m_requests.labels("cancelled").inc()
         else:
             self.failed += 1
             self.m_requests.labels("failed").inc()
@@ -490,7 +500,8 @@ class Stats:
         self.m_tokens.inc(tokens)
         self.m_prompt_tokens.inc(prompt_tokens)
         self.prompt_tokens += prompt_tokens
-        self._charge(CLIENT.get(), tokens + prompt_tokens, "completed" if ok else "failed")
+        self._charge(CLIENT.get(), tokens + prompt_tokens,
+                     "completed" if ok else "cancelled" if cancelled else "failed")
 
     def measured(self) -> dict:
         h = list(self.history)
@@ -500,4 +511,4 @@ class Stats:
 
         return {"mean_response_s": mean("response_s"), "mean_wait_s": mean("wait_s"),
                 "mean_service_s": mean("service_s"), "completed": self.completed, "failed": self.failed,
-                "unserved": self.unserved}
+                "unserved": self.unserved, "cancelled": self.cancelled}

@@ -3,9 +3,10 @@
 * :class:`HeadAsGet`: ``HEAD`` answered as ``GET`` without the body (RFC 9110 §9.3.2). FastAPI routes a GET route for
   GET alone: ``HEAD /healthz`` (``curl -I``, an uptime monitor's check) was a 405.
 * :class:`DecodedBody`: a request body sent with ``Content-Encoding: gzip`` or ``deflate`` is decoded as the app reads
-  it, bounded by the body limit once decoded (a small body that inflates to gigabytes is cut at the limit, a 413);
-  another coding is a 415 naming the ones taken, with ``Accept-Encoding`` (RFC 9110 §12.5.3). The coding was ignored:
-  a gzip body was "not valid JSON: it is not UTF-8 text".
+  it, bounded by the body limit once decoded (a small body that inflates to gigabytes is cut at the limit, a 413)
+  and to :data:`MAX_GZIP_MEMBERS` gzip members (a 400 past them); another coding is a 415 naming the ones taken, with
+  ``Accept-Encoding`` (RFC 9110 §12.5.3). The coding was ignored: a gzip body was "not valid JSON: it is not UTF-8
+  text".
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ Send = Callable[[dict], Awaitable[None]]
 CODINGS = ("gzip", "deflate")  # what DecodedBody decodes (``x-gzip`` is gzip: RFC 9110 §8.4.1.3)
 ACCEPT_ENCODING = ", ".join(CODINGS)
 DECODED_CHUNK = 64 * 1024  # the most one receive() hands on: one compressed message inflates by at most this much
+# gzip members one body may have (``cat a.gz b.gz``): each costs a decompressor and a copy of the message's rest, so
+# a body of tiny ones (21 bytes each, 400,000 in 8 MiB) held the event loop for seconds while it decoded to nothing
+MAX_GZIP_MEMBERS = 64
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
@@ -38,8 +42,8 @@ class BodyDecodeError(HTTPException):
 
 class HeadAsGet:
     """``HEAD`` runs as ``GET``, its response's body dropped (headers and status as GET's, Content-Length too). The
-    scope is changed in place and the method put back once the app is done: the layers outside (the request log) see
-    HEAD, and the layers inside share the scope's other keys with them."""
+    app runs on a copy of the scope whose method is GET: the server and the layers outside see HEAD throughout, and
+    what the layers inside set in the scope (the route, the client admitted) is copied back once the app is done."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -53,11 +57,14 @@ class HeadAsGet:
                 message = {**message, "body": b""}
             await send(message)
 
-        scope["method"] = "GET"
+        # not in place: uvicorn's httptools protocol frames the response by the method it reads there as the response
+        # goes out (set to GET, it waited for GET's body: "Response content shorter than Content-Length" per HEAD)
+        inner = {**scope, "method": "GET"}
         try:
-            await self.app(scope, receive, bodiless)
+            await self.app(inner, receive, bodiless)
         finally:
-            scope["method"] = "HEAD"
+            scope.clear()
+            scope.update(inner, method="HEAD")
 
 
 def _codings(scope: Scope) -> list[str]:
@@ -71,13 +78,14 @@ def _codings(scope: Scope) -> list[str]:
 
 class _Inflater:
     """Decodes one body coded with ``coding`` chunk by chunk, at most :data:`DECODED_CHUNK` bytes per call; a gzip
-    body of several members (``cat a.gz b.gz``) is read whole."""
+    body of several members (``cat a.gz b.gz``) is read whole, up to :data:`MAX_GZIP_MEMBERS` of them."""
 
     def __init__(self, coding: str):
         self.coding = coding
         self.d: Optional[Any] = None  # the decompressor, made at the first bytes (deflate: zlib-wrapped or raw)
         self.pending = b""  # compressed bytes not decoded yet
         self.draining = False  # the last call filled its chunk: zlib may hold more output with no input left
+        self.members = 0  # streams begun (gzip members; deflate has one)
 
     def _new(self, head: bytes) -> Any:
         if self.coding == "gzip":
@@ -93,8 +101,15 @@ class _Inflater:
         """Decoded bytes from what was fed (b"": it needs more input)."""
         while self.pending or self.draining:
             if self.d is None:
+                if self.members and self.coding != "gzip":  # its stream ended with the last message: bytes after it
+                    raise zlib.error("data after the end of the compressed stream")
                 if self.coding == "deflate" and len(self.pending) < 2:
                     return b""
+                self.members += 1
+                if self.members > MAX_GZIP_MEMBERS:
+                    raise BodyDecodeError(400, "invalid_content_encoding", f"the request body has more than "
+                                          f"{MAX_GZIP_MEMBERS} gzip members (Content-Encoding: gzip): compress it as "
+                                          "one")
                 self.d = self._new(self.pending)
             out = self.d.decompress(self.pending, DECODED_CHUNK)
             self.pending = self.d.unconsumed_tail

@@ -369,11 +369,12 @@
     $("jobs-running").textContent = "waiting \u00b7 " + running + " / " + cap + " running";
     renderSpark($("queue-spark"));
     var m = obj(data.measured);
-    var done = int(m.completed), failed = int(m.failed), unserved = int(m.unserved);
+    var done = int(m.completed), failed = int(m.failed), unserved = int(m.unserved), cancelled = int(m.cancelled);
     $("completed").textContent = done === null ? "\u2014" : String(done);
-    // unserved: ended before holding a chain (refused, dropped while queued, the client gone)
+    // unserved: ended before holding a chain (refused, dropped while queued, the client gone); cancelled: stopped
+    // while holding one (its client gone)
     $("failed").textContent = "completed \u00b7 " + (failed === null ? 0 : failed) + " failed" +
-      (unserved ? " \u00b7 " + unserved + " unserved" : "");
+      (unserved ? " \u00b7 " + unserved + " unserved" : "") + (cancelled ? " \u00b7 " + cancelled + " cancelled" : "");
   }
 
   function renderSpark(container) {
