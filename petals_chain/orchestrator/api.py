@@ -471,6 +471,7 @@ class ToolCall(_Base):
     id: str = pydantic.Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: Optional[int] = pydantic.Field(default=None, ge=0)
 
 
 class ToolChatMessage(ChatMessage):
