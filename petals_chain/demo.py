@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from petals_chain.swarm.console import check_working_directory, tolerant_stdout
+
 # Real model: name, blocks of s_m the budget M_j holds, KV slots per hosted block, emulated RTT (ms).
 # No server can hold all 30 blocks: every chain has at least two hops.
 REAL_SERVERS = [
@@ -434,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-running", action="store_true", help="keep the swarm up at the end (Ctrl+C to stop)")
     p.add_argument("--work-dir", default=None, help="where to put logs (and the tiny model); default: a temp dir")
     args = p.parse_args(argv)
+    tolerant_stdout()
+    try:  # its roles (and torch's import) die without one
+        check_working_directory("demo")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the swarm as Ctrl+C does (it outlived a killed demo)
         signal.signal(sig, _interrupt)
     # a demo started in the background by a shell script inherits SIGINT ignored: `kill -INT` did nothing

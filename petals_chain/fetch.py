@@ -10,6 +10,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from petals_chain.swarm.console import say
     from petals_chain.swarm.registry import REGISTRY, ModelNotFetched, fetch, models_dir, registry_path, sha256_of
 
     p = argparse.ArgumentParser(prog="python -m petals_chain.fetch", description=__doc__,
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.list:
-        print(f"models directory: {models_dir()}")
+        say(f"models directory: {models_dir()}")
         for name, entry in sorted(REGISTRY.items()):
             try:
                 where = str(path := registry_path(name))
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                 where = "not fetched"
             except OSError as e:  # another user's file or dir in a shared models dir: the check was a traceback
                 where = f"{models_dir() / entry.filename}  (cannot be read: {e.strerror or e})"
-            print(f"  {name:<16} {where}\n  {'':<16} {entry.description}")
+            say(f"  {name:<16} {where}\n  {'':<16} {entry.description}")
         return 0
     unknown = [n for n in args.names if n not in REGISTRY]
     if unknown:
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # was a traceback; the partial download went with fetch's temp dir
             print(f"interrupted: {name} not fetched", file=sys.stderr)
             return 130
-        print(path)
+        say(path)
     return 0
 
 

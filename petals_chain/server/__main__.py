@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip profiling and announce this tau_p (seconds per block per job, before emulation)")
     p.add_argument("--profile-l-in", type=int, default=128, help="prefill tokens of the tau_p reference workload")
     p.add_argument("--profile-l-out", type=int, default=16, help="output tokens of the tau_p reference workload")
-    p.add_argument("--profile-cache", default=None, help="tau_p cache file (default ~/.cache/petals-chain/tau_p.json)")
+    p.add_argument("--profile-cache", default=None,
+                   help="tau_p cache file (default ~/.cache/petals-chain/tau_p.json, under $XDG_CACHE_HOME where set)")
     p.add_argument("--refresh-s", type=float, default=30.0, help="server record refresh period (expires after 3x)")
     p.add_argument("--assignment-poll-s", type=float, default=3.0, help="how often to read the assignment")
     p.add_argument("--idle-timeout-s", type=float, default=120.0, help="close a session silent for this long")
@@ -160,6 +161,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if version_asked(argv):  # before build_parser's imports
         print(build_version())
         return 0
+    from petals_chain.swarm.console import check_working_directory
+
+    try:  # before the imports of torch and transformers, which die without one
+        check_working_directory("server")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=log_level(parser, args.log_level), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s",

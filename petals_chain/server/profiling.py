@@ -3,7 +3,8 @@
 The reference job is a prefill of ``l_in`` tokens followed by ``l_out - 1`` single-token decode steps
 through ONE block (the first decode's input is the prefill's last output, so ``l_out`` tokens are produced).
 Results are cached on disk per (model, device, dtype, quant, l_in, l_out, compute_scale) in
-``~/.cache/petals-chain/tau_p.json`` (``$PETALS_CHAIN_CACHE_DIR`` overrides the directory).
+``~/.cache/petals-chain/tau_p.json`` (``$XDG_CACHE_HOME`` for ``~/.cache``; ``$PETALS_CHAIN_CACHE_DIR`` overrides the
+directory).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from petals_chain.server.runner import sliding_window
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm import reachability
 from petals_chain.swarm.aio import quiet_peer_disconnects
+from petals_chain.swarm.console import say
 from petals_chain.swarm.dht import SwarmDHT, check_identity_path, is_peer_id, peer_ids_from_maddrs
 from petals_chain.swarm.memory import block_bytes, slots_for_budget
 from petals_chain.swarm.records import AssignmentRecord, PlacementRecord, ServerRecord
@@ -523,7 +524,7 @@ class Server:
             await handler.add_p2p_handlers(self.p2p, wrapper=emulated.link_for(handler, self.emulation))
             maddrs = self.sd.visible_maddrs()
             logger.info(f"peer id {self.sd.peer_id}; multiaddrs: {' '.join(maddrs)}")
-            print(f"PEER_ID {self.sd.peer_id}", flush=True)
+            say(f"PEER_ID {self.sd.peer_id}")  # never raises: its reader may be gone (`| head -1`)
 
             for h in self.hosted:
                 h.memory.measure(self.cfg.memory_bytes, self.cfg.device)

