@@ -1043,7 +1043,8 @@ class TokenizeRequest(_Base):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ToolChatMessage]] = pydantic.Field(default=None, min_length=1)
-    add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages (the template has them)
+    # default: true for a prompt; for messages, as chat completions tokenize them (embeddings.chat_special_tokens)
+    add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True  # messages only: open the assistant's turn, as chat completions do
     continue_final_message: bool = False  # messages only: the last (assistant) message left open
     return_token_strs: bool = False
@@ -1070,7 +1071,8 @@ class TokenizeRequest(_Base):
 
     @property
     def special_tokens(self) -> bool:
-        return self.add_special_tokens if self.add_special_tokens is not None else self.prompt is not None
+        """A prompt's ``add_special_tokens`` (default true)."""
+        return self.add_special_tokens if self.add_special_tokens is not None else True
 
 
 class DetokenizeRequest(_Base):
@@ -2225,7 +2227,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         reserve_tokens(sum(len(x) for x in ids), "input")
         set_deadline(req)
         done = await unless_disconnected(request, _embeddings.embed_inputs(orch, ids))
-        return _embeddings.response(orch.model_id, done, req.encoding_format, DEADLINE.get())
+        body = await asyncio.to_thread(_embeddings.response, orch.model_id, done, req.encoding_format, DEADLINE.get())
+        return Response(body, media_type="application/json")  # encoded off the event loop (embeddings.response)
 
     @app.post("/tokenize")
     async def tokenize_text(req: TokenizeRequest):
@@ -2243,7 +2246,8 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     check_text(value, f"messages.{i}.{key}")
         text = await asyncio.to_thread(_embeddings.render_chat, orch, messages, req.add_generation_prompt,
                                        req.continue_final_message)
-        return _embeddings.tokenized(orch, await tokenize(text, "messages", add_special_tokens=req.special_tokens),
+        special = _embeddings.chat_special_tokens(orch) if req.add_special_tokens is None else req.add_special_tokens
+        return _embeddings.tokenized(orch, await tokenize(text, "messages", add_special_tokens=special),
                                      req.return_token_strs)
 
     @app.post("/detokenize")

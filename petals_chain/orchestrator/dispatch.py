@@ -1003,6 +1003,18 @@ class DispatchManager:
         held = mine + need - 1
         return held > 0 and held >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - need)
 
+    def most_jobs_admissible(self) -> int | None:
+        """The most jobs one request may have at once and still be admitted on an idle swarm (:meth:`_check_room`:
+        the chains' slots, and the places of the queue's bound, or of one client's share where it keeps places);
+        None: no bound (no chain yet, or no bound at all). For a caller that chooses how many of its request's jobs
+        run at once (the inputs of an embeddings request), so that its own choice is never refused as too many."""
+        if self.max_queue is None or self.dispatcher is None:
+            return None
+        places = self.max_queue
+        if self.keeps_places:
+            places = next(k for k in range(self.max_queue + 1) if self._over_share(0, 0, k + 1))
+        return sum(max(0, int(ch.capacity)) for ch in self.chains) + places
+
     def _check_share(self, job: DispatchJob, later: int = 0) -> None:
         """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client, with the places of
         the ``later`` jobs of its request, would hold more than its share of the free places

@@ -12,14 +12,17 @@ once): the request is admitted, or refused, on its first ones, as the choices of
 inputs take their places as those end, never refused.
 
 ``/tokenize`` takes a ``prompt`` (tokenized as the completions endpoints do, ``add_special_tokens`` true by default)
-or ``messages`` (the chat template, as chat completions render it: ``add_generation_prompt`` true and
-``add_special_tokens`` false by default) and answers ``tokens``, ``count`` and ``max_model_len``; ``/detokenize``
-turns ``tokens`` back into ``prompt`` (special tokens kept, as vLLM). Neither uses the swarm.
+or ``messages`` (the chat template, as chat completions render and tokenize it: ``add_generation_prompt`` true and
+``add_special_tokens`` as they add them by default, :func:`chat_special_tokens`) and answers ``tokens``, ``count``
+and ``max_model_len``; ``/detokenize`` turns ``tokens`` back into ``prompt`` (special tokens kept, as vLLM). Neither
+uses the swarm.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -109,12 +112,16 @@ async def _embed_one(orch: Any, ids: list[int]) -> Embedded:
 
 
 async def embed_inputs(orch: Any, inputs: list[list[int]]) -> list[Embedded]:
-    """The embeddings of ``inputs`` (checked token ids), in order: a job each, at most ``--max-choices`` at a time.
+    """The embeddings of ``inputs`` (checked token ids), in order: a job each, at most ``--max-choices`` at a time
+    (fewer where the chains' slots and the queue could never hold that many: ``most_jobs_admissible``).
     The request's first jobs are admitted (or refused, 429) together; each later one takes the place of one that
     ended (a job of an admitted request: never refused). The first failure cancels the rest."""
     adm = ADMISSION.get()
     places = adm.places if adm is not None else RequestPlaces()
     window = min(len(inputs), max(1, int(orch.cfg.max_n)))
+    most = getattr(orch.dispatch, "most_jobs_admissible", lambda: None)()
+    if most is not None:  # a window the swarm's slots and queue never hold at once was refused, 429 "ask for fewer"
+        window = min(window, max(1, most))
     tickets = places.expect(window)  # before any await: the first jobs all count the request's places
     results: list[Optional[Embedded]] = [None] * len(inputs)
     order = iter(range(len(inputs)))  # shared: each worker takes the next input
@@ -154,25 +161,38 @@ def encoded(vector: torch.Tensor, encoding_format: str) -> Union[list[float], st
     return vector.tolist()
 
 
-def response(model: str, done: list[Embedded], encoding_format: str, deadline: Optional[RequestDeadline]) -> dict:
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # JSONResponse's
+
+
+def response(model: str, done: list[Embedded], encoding_format: str, deadline: Optional[RequestDeadline]) -> bytes:
     """OpenAI's embeddings response of ``model`` (the id it answers as; ``usage`` counts the inputs' tokens), with
-    each job's figures (``petals_chain``) and the deadline's report, if any."""
+    each job's figures (``petals_chain``) and the deadline's report, if any: its JSON body.
+
+    Blocking: run it in a worker thread. 2048 inputs as floats are millions of numbers; returned as a dict, FastAPI's
+    jsonable_encoder and one json.dumps held the event loop for seconds (every stream's relay with it). Each vector
+    is encoded by its own json.dumps, between which the thread hands the event loop the GIL."""
     tokens = sum(e.tokens for e in done)
-    out: dict[str, Any] = {
-        "object": "list", "model": model,
-        "data": [{"object": "embedding", "index": i, "embedding": encoded(e.vector, encoding_format)}
-                 for i, e in enumerate(done)],
+    data = ",".join(_dumps({"object": "embedding", "index": i, "embedding": encoded(e.vector, encoding_format)})
+                    for i, e in enumerate(done))
+    rest: dict[str, Any] = {
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "petals_chain": [{"wait_s": e.wait_s, "service_s": e.service_s, "chain": e.chain, "failovers": e.failovers,
                           "cached_tokens": e.cached_tokens} for e in done]}
     if deadline is not None:
-        out["deadline"] = deadline.report()
-    return out
+        rest["deadline"] = deadline.report()
+    return f'{{"object":"list","model":{_dumps(model)},"data":[{data}],{_dumps(rest)[1:]}'.encode()
+
+
+def chat_special_tokens(orch: Any) -> bool:
+    """Whether chat completions add the tokenizer's special tokens (a BOS) to the rendered conversation
+    (``orch.encode_chat``): not to a chat template's text, which holds them; to the plain rendering of a tokenizer
+    without a template, yes (``/tokenize`` of messages by default: the tokens chat completions feed the model)."""
+    return not getattr(orch.tokenizer, "chat_template", None)
 
 
 def render_chat(orch: Any, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> str:
-    """The conversation as the model's chat template writes it (blocking). Chat completions tokenize this text
-    without special tokens: the same tokens as ``/tokenize`` of the messages."""
+    """The conversation as the model's chat template writes it (blocking). Chat completions tokenize this text with
+    special tokens as :func:`chat_special_tokens` says: the same tokens as ``/tokenize`` of the messages."""
     tok = orch.tokenizer
     opening = add_generation_prompt and not continue_final_message
     if not getattr(tok, "chat_template", None):  # orch.encode_chat's plain rendering
