@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a short name (smollm2-135m; fetched by scripts/setup.sh), a .gguf file, an HF-format "
                         "directory or a hub name. Repeat as NAME=SOURCE to serve several models: each has its own "
                         "servers (those started with that model), chains and queue; requests choose by 'model'")
+    p.add_argument("--adapter", action="append", default=[], metavar="[MODEL:]NAME=PATH",
+                   help="serve a LoRA adapter (a directory in peft's format) as the model id NAME, on the servers "
+                        "that announce it (started with --adapter); read here only to validate it and learn its "
+                        "fingerprint. Repeatable (at most 8 per model); with several --model, MODEL:NAME=PATH")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
                    help="libp2p multiaddrs to listen on (the swarm's initial peers); e.g. /ip4/0.0.0.0/tcp/31337")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
@@ -980,6 +984,15 @@ def _main(argv: list[str] | None) -> int:
     if args.draft_timeout_s is not None:
         cfg.draft_timeout_s = args.draft_timeout_s
     cfgs = [cfg] + [dataclasses.replace(cfg, model=source, model_id=name) for name, source in models[1:]]
+    from petals_chain.orchestrator.adapters import split_adapter_args
+    from petals_chain.swarm.lora import AdapterError
+
+    try:  # each model's --adapter values (read and validated by its Orchestrator below)
+        by_model = split_adapter_args(args.adapter, [name or source for name, source in models])
+    except AdapterError as e:
+        parser.error(str(e))
+    for c, (name, source) in zip(cfgs, models):
+        c.adapters = by_model[name or source]
     for c in cfgs:
         # Baseline knobs (routed.py / planner): plain attributes, read with defaults by the orchestrator.
         c.petals_cache_tokens, c.bprr_r, c.route_wait_s = args.petals_cache_tokens, args.bprr_r, args.route_wait_s

@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from petals_chain.orchestrator.adapters import ADAPTER
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE, MAX_DEADLINE_MS, RequestDeadline, key_defaults
 from petals_chain.orchestrator.dispatch import ADMISSION
@@ -1498,9 +1499,21 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         return response
 
     def check_model(name: str) -> None:
-        if name not in (orch.model_id, orch.prefix, cfg.model):
+        """404 for a model this API does not serve; else the request runs with the LoRA adapter ``name`` names, if
+        it names one (:data:`ADAPTER`, read by its jobs)."""
+        adapter = orch.adapters.get(name)
+        if adapter is None and name not in (orch.model_id, orch.prefix, cfg.model):
+            also = f" and its LoRA adapters {', '.join(map(repr, orch.adapters))}" if orch.adapters else ""
             raise RequestError(f"the model {shown_model_name(name)} does not exist; this swarm serves "
-                               f"{orch.model_id!r}", status=404, param="model", code="model_not_found")
+                               f"{orch.model_id!r}{also}", status=404, param="model", code="model_not_found")
+        ADAPTER.set(adapter.fingerprint if adapter is not None else "")
+
+    def served_model() -> str:
+        """The model id a response names: the request's adapter's name, else the model's."""
+        fp = ADAPTER.get()
+        if not fp:
+            return orch.model_id
+        return next((n for n, a in orch.adapters.items() if a.fingerprint == fp), orch.model_id)
 
     def sampling(req: SamplingFields, default_max_tokens: int | None, logprobs: int | None = None
                  ) -> tuple[SamplingParams, bool]:
@@ -1663,14 +1676,19 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         return {"id": orch.model_id, "object": "model", "created": int(orch.started_at), "owned_by": "petals-chain",
                 "max_model_len": cfg.max_length}
 
+    def adapter_card(name: str) -> dict:
+        """A LoRA adapter as a model of its own, its base model its ``parent`` (vLLM's shape)."""
+        return {**model_card(), "id": name, "parent": orch.model_id,
+                "adapter_fingerprint": orch.adapters[name].fingerprint}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(adapter_card(n) for n in orch.adapters)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         check_model(model_id)
-        return model_card()
+        return adapter_card(model_id) if model_id in orch.adapters else model_card()
 
     # ---- generation helpers --------------------------------------------------------------------
     def usage(prompt: int, completion: int, cached: int = 0) -> dict:
@@ -1869,7 +1887,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                     counter = counters.setdefault(i, StopMatcher(orch.tokenizer, [], ids))
                     logprobs = lp.completion(choices, [c.token for c in choices], offset0=len(echo_text or ""),
                                              counter=counter)
-                return {"id": cid, "object": "text_completion", "created": created, "model": orch.model_id,
+                return {"id": cid, "object": "text_completion", "created": created, "model": served_model(),
                         "choices": [{"text": text or "", "index": i, "logprobs": logprobs, "finish_reason": finish}]}
 
             include = bool(req.stream_options and req.stream_options.include_usage)
@@ -1900,7 +1918,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         prompt_tokens = sum(len(ids) for ids in prompts)
         completion = sum(len(g.token_ids) for g in gens)
         cached = sum(group[0].cached_tokens for group in results)
-        return {"id": cid, "object": "text_completion", "created": created, "model": orch.model_id,
+        return {"id": cid, "object": "text_completion", "created": created, "model": served_model(),
                 "choices": choices, "usage": usage(prompt_tokens, completion, cached), **extras(gens)}
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
@@ -1939,7 +1957,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
                 return event(i, delta, finish, choices)
 
             def event(i, delta, finish, choices):
-                return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": orch.model_id,
+                return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": served_model(),
                         "choices": [{"index": i, "delta": delta, "finish_reason": finish,
                                      "logprobs": chat_lp(choices) if choices else None}]}
 
@@ -1991,7 +2009,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
 
         choices = [{"index": i, "message": message, "logprobs": chat_lp(g.logprobs or []), "finish_reason": finish}
                    for i, g in enumerate(gens) for message, finish in [reply(g)]]
-        return {"id": cid, "object": "chat.completion", "created": created, "model": orch.model_id,
+        return {"id": cid, "object": "chat.completion", "created": created, "model": served_model(),
                 "choices": choices,
                 "usage": usage(len(ids), sum(len(g.token_ids) for g in gens), gens[0].cached_tokens), **extras(gens)}
 
@@ -2036,7 +2054,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         await constrain(req, params)
         most = fit_context(ids, params, explicit, field="input", limit_field=req.limit_field)
         reserve_tokens(len(ids) + most, req.limit_field)
-        shape = _responses.ResponseBuilder(orch.model_id, req.echo())
+        shape = _responses.ResponseBuilder(served_model(), req.echo())
 
         def logprobs_of(choices: Optional[list[TokenChoice]]) -> Optional[list[dict]]:
             return lp.chat_entries(choices, top) if top is not None and choices else None
@@ -2085,7 +2103,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         if req is not None and req.model is not None:
             check_model(req.model)
         s = orch.open_session(req.max_length if req is not None else None)
-        return {"session_id": s.id, "max_length": s.max_length, "model": orch.model_id}
+        return {"session_id": s.id, "max_length": s.max_length, "model": served_model()}
 
     def session_info(s) -> dict:
         return {"session_id": s.id, "max_length": s.max_length, "tokens": len(s.history), "turns": s.turns,
@@ -2112,8 +2130,11 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         s = orch.get_session(session_id)
         if req.n != 1:
             raise RequestError("sessions generate one sequence at a time (n=1)", param="n", code="unsupported_value")
-        if req.model is not None and req.model not in (orch.model_id, orch.prefix, cfg.model):
-            raise RequestError(f"this session is of the model {orch.model_id!r}, not {req.model!r}: open a session of "
+        # a session of a LoRA adapter is named by the adapter's name (its model's names by the model's)
+        names = ([n for n, a in orch.adapters.items() if a.fingerprint == s.holder.adapter] if s.holder.adapter
+                 else [orch.model_id, orch.prefix, cfg.model])
+        if req.model is not None and req.model not in names:
+            raise RequestError(f"this session is of the model {names[0]!r}, not {req.model!r}: open a session of "
                                "that model for it", param="model", code="session_model")
         if sum(x is not None for x in (req.prompt, req.input_ids, req.messages)) != 1:
             raise RequestError("give exactly one of prompt (text), input_ids or messages", param="prompt",

@@ -190,6 +190,8 @@ class OrchestratorConfig:
     # push (each server pushes its output straight to the next one; see petals_chain.swarm.push)
     relay: str = "orchestrator"
     speculative_k: int = 4
+    # --adapter NAME=PATH: LoRA adapters served as models of their own (adapters.py), on servers that announce them
+    adapters: list[str] = field(default_factory=list)
 
 
 class Orchestrator(GenerationMixin, SessionMixin):
@@ -234,6 +236,14 @@ class Orchestrator(GenerationMixin, SessionMixin):
         check_family(self.source.config)
         self.prefix = check_prefix(cfg.dht_prefix or default_dht_prefix(self.source.name))
         self.model_id = cfg.model_id or self.source.name
+        from petals_chain.orchestrator.adapters import load_adapters
+
+        # {name: LoraAdapter}: read and validated against the model now, before anything starts
+        self.adapters = load_adapters(cfg.adapters, self.source.config,
+                                      reserved=(self.model_id, self.prefix, cfg.model))
+        if self.adapters and cfg.dispatch != "jffc":
+            raise ValueError(f"--adapter needs --dispatch jffc (dispatch {cfg.dispatch!r} routes jobs without regard "
+                             "to the adapters servers serve)")
         self.stats = Stats()
         from petals_chain.orchestrator.routed import make_dispatch
 
@@ -245,6 +255,9 @@ class Orchestrator(GenerationMixin, SessionMixin):
         self.dispatch = make_dispatch(cfg.dispatch, wait_s=cfg.route_wait_s, max_queue=cfg.max_queue,
                                       shares=self.shares, schedule=cfg.schedule, steps_per_job=self._steps_per_job,
                                       classes=cfg.schedule_classes)
+        if hasattr(self.dispatch, "serves_adapter"):
+            self.dispatch.serves_adapter = lambda chain, adapter: all(
+                self.server_serves_adapter(peer, adapter) for peer in chain.servers)
         self.sessions: dict[str, UserSession] = {}
         self.replay_cache = ReplayCache(int(cfg.replay_cache_mb * 2**20))
         self.prefix_directory = ChainPrefixes()  # what each chain's servers were given to cache
@@ -497,6 +510,11 @@ class Orchestrator(GenerationMixin, SessionMixin):
             return  # this process is out of open files (ulimit -n): the server is not to blame (the planner warns)
         if self.planner is not None:
             self.planner.report_failure(e.peer_id, reason=f"{type(e.cause).__name__}: {e.cause}")
+
+    def server_serves_adapter(self, peer_id: str, adapter: str) -> bool:
+        """Whether ``peer_id``'s latest record announces the LoRA adapter fingerprint ``adapter``."""
+        view = self.planner.servers.get(peer_id) if self.planner is not None else None
+        return view is not None and view.record is not None and adapter in view.record.adapters
 
     def replacement_servers(self, start: int, end: int) -> list[str]:
         """Servers that could take blocks ``[start, end)`` of a failed hop over (see ``Planner.replacements``)."""

@@ -110,6 +110,8 @@ class DispatchJob:
     # dropped for its deadline: the request is already answering)
     siblings: int = 0
     checked: bool = False
+    # a LoRA adapter's fingerprint (orchestrator/adapters.py): the job runs only on chains whose every server serves it
+    adapter: str = ""
 
     @property
     def order_key(self) -> float:
@@ -257,6 +259,17 @@ QUEUE_SHARE_ALPHA = 4.0
 
 # a decode step's observed period is taken at most at this many times the step already known (see _observe_step)
 GAP_FACTOR = 4.0
+
+
+class NoAdapterChain(Exception):
+    """A new job of a LoRA adapter (``DispatchJob.adapter``) finds no chain of the plan whose every server serves it
+    (HTTP 503 ``no_adapter_chain``: servers that load it may join)."""
+
+    code = "no_adapter_chain"
+
+    def __init__(self, adapter: str):
+        super().__init__(f"no chain of the swarm has every server serving this LoRA adapter ({adapter}); servers "
+                         "started with it (--adapter) may join: retry later")
 
 
 class DeadlineUnreachable(Exception):
@@ -576,12 +589,17 @@ class DispatchManager:
         # stopping (refuse_waiting): what a new job is refused with, instead of queueing behind work that will be cut
         self.refusal: Callable[[], BaseException] | None = None
         self._new_waiters: set[DispatchJob] = set()  # waiting jobs of requests not admitted before: refusable
+        # LoRA adapters: serves_adapter(chain, fingerprint) (set by the orchestrator) says whether every server of a
+        # chain serves one. A job of an adapter starts on the fastest such chain with a free slot, else waits here
+        # (FIFO) for one to free, never in the dispatcher's queue (whose head takes whichever chain's slot frees)
+        self.serves_adapter: Callable[[Chain, str], bool] | None = None
+        self._picky: list[DispatchJob] = []
 
     # ---- state -------------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
         q = self.dispatcher.queue_length if self.dispatcher is not None else 0
-        return int(q) + len(self._pending)
+        return int(q) + len(self._pending) + sum(1 for j in self._picky if not j.requeue)
 
     @property
     def places_held(self) -> int:
@@ -714,6 +732,14 @@ class DispatchManager:
         else:
             for job in lane:  # re-queued jobs first: they start or go back to the lane, in order
                 self._arrive_requeued(job)
+        picky, self._picky = self._picky, []
+        for job in picky:  # adapters' jobs, in order: on the new chains serving theirs, or waiting on
+            if job.requeue:
+                self._arrive_requeued(job)
+            elif self.dispatcher is None:
+                self._picky.append(job)
+            else:
+                self._arrive_picky(job)
         if hasattr(self.dispatcher, "arrive_all"):  # a fairness policy picks among them all (fairness.py)
             for job, k in self.dispatcher.arrive_all(queued, fresh=fresh):
                 self._start(job, k, queued=True)
@@ -848,6 +874,8 @@ class DispatchManager:
         cap = later
         if bounded and later:
             cap = self._check_room(job, later)
+        if job.adapter and self.dispatcher is not None:
+            return self._arrive_picky(job, bounded, cap)
         if self.dispatcher is None:
             if bounded and len(self._pending) + self.places_held + cap >= self.max_queue:
                 raise QueueFull(self.max_queue)
@@ -877,12 +905,63 @@ class DispatchManager:
             self._check_share(job, cap)
         return cap
 
+    def _adapter_chains(self, adapter: str) -> list[int]:
+        """The current chains whose every server serves the adapter ``adapter``, fastest first."""
+        serves = self.serves_adapter
+        return sorted((k for k, ch in enumerate(self.chains) if serves is not None and serves(ch, adapter)),
+                      key=lambda k: (self.chains[k].service_time, k))
+
+    def _start_picky(self, job: DispatchJob) -> bool:
+        """Start a job of an adapter on the fastest chain serving it with a free slot (JFFC over those chains)."""
+        for k in self._adapter_chains(job.adapter):
+            room = int(self.chains[k].capacity) - self.active(k) - self._reserved.get(k, 0)
+            if room > 0 and self.dispatcher.adopt(k, job):
+                self._start(job, k)
+                return True
+        return False
+
+    def _arrive_picky(self, job: DispatchJob, bounded: bool = False, cap: int = 0) -> int:
+        """:meth:`_arrive` for a job of an adapter: start it, or queue it apart (:attr:`_picky`) within the bound. A new
+        request's job that no chain of the plan serves is refused with :class:`NoAdapterChain`: raised on arrival
+        (``bounded``), or through its waiter when a plan comes (it arrived before any chain did, or the plan dropped
+        the chains serving it)."""
+        if not self._adapter_chains(job.adapter):
+            if bounded:
+                raise NoAdapterChain(job.adapter)
+            fut = self._waiters.get(job)
+            if job in self._new_waiters and fut is not None and not fut.done():
+                fut.set_exception(NoAdapterChain(job.adapter))
+                return cap
+        if self._start_picky(job):
+            return cap
+        if bounded and self.queue_length + self.places_held + 1 + cap > self.max_queue:
+            raise QueueFull(self.max_queue)
+        self._picky.append(job)
+        return cap
+
+    def _picky_for(self, k: int) -> DispatchJob | None:
+        """The waiting job of an adapter that chain ``k``'s freed slot goes to: the first that ``k`` serves, if it came
+        back after holding a chain or came before the dispatcher's queue head (FIFO across both)."""
+        if not self._picky:
+            return None
+        q = getattr(self.dispatcher, "queue", None)
+        try:
+            head = q.peek() if q is not None and len(q) else None
+        except Exception:  # noqa: BLE001 - a queue that cannot say its head: the adapter's job goes first
+            head = None
+        for job in self._picky:
+            if (job.requeue or job.arrival <= getattr(head, "arrival", math.inf)) and self.serves_adapter is not None \
+                    and self.serves_adapter(self.chains[k], job.adapter):
+                return job
+        return None
+
     def _hold(self, ticket: PlaceTicket, job: DispatchJob, cap: int) -> None:
         """``job``, its request's first, was admitted: up to ``cap`` places of the request's jobs still to come are
         held."""
         places = ticket.places
         ticket.state = "arrived"
         places.admitted, places.client, places.cap = True, job.client, int(cap)
+        places.adapter = job.adapter  # its later jobs' held slots: on chains serving it
         if places.pending and places not in self._holds:
             self._holds.append(places)
         if places.slots_needed and self.dispatcher is not None:
@@ -896,6 +975,9 @@ class DispatchManager:
         dispatcher counts each busy (as a job carried over a re-plan) until :meth:`_take_slot` or
         :meth:`_give_back_slots`."""
         order = [*first, *sorted(range(len(self.chains)), key=lambda i: (self.chains[i].service_time, i))]
+        adapter = getattr(places, "adapter", "")
+        if adapter:
+            order = [k for k in order if k in self._adapter_chains(adapter)]
         for k in order:
             while n > 0 and int(self.chains[k].capacity) - self.active(k) - self._reserved.get(k, 0) > 0 \
                     and self.dispatcher.adopt(k, places):
@@ -1028,11 +1110,15 @@ class DispatchManager:
     def _queued_jobs(self) -> list[DispatchJob]:
         """Jobs counted by ``queue_length`` (the dispatcher's queue and jobs waiting for a first plan)."""
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
-        return [*(list(q) if q is not None else []), *self._pending]
+        return [*(list(q) if q is not None else []), *self._pending, *(j for j in self._picky if not j.requeue)]
 
     def _arrive_requeued(self, job: DispatchJob, ticket: PlaceTicket | None = None) -> None:
         """Start ``job`` if the dispatcher has a free slot for it now, or one its request holds (``ticket``: its
         place in the request), else put it in the re-queue lane."""
+        if job.adapter:  # an adapter's: only on chains serving it, waiting apart
+            if self.dispatcher is None or not self._start_picky(job):
+                self._picky.append(job)
+            return
         if self.dispatcher is not None:
             if self._start_preferred(job):
                 return
@@ -1195,6 +1281,11 @@ class DispatchManager:
                 cap = self._arrive(job, bounded=True, later=job.siblings, now=now)
                 if ticket is not None:
                     self._hold(ticket, job, cap)
+        except NoAdapterChain as e:  # no admission noted: a held stream ends in the 503 this becomes (failover.py)
+            self._waiters.pop(job, None)
+            if ticket is not None and not ticket.places.admitted:
+                ticket.places.refusal = e
+            raise
         except (QueueFull, DeadlineUnreachable) as e:
             self._waiters.pop(job, None)
             if ticket is not None and not ticket.places.admitted:
@@ -1224,6 +1315,8 @@ class DispatchManager:
             self._waiters.pop(job, None)
             if job in self._lane:
                 self._lane.remove(job)
+            elif job in self._picky:
+                self._picky.remove(job)
             elif job in self._pending:
                 self._pending.remove(job)
             elif job in self._running:  # started in the turn its waiter went: served nothing
@@ -1294,6 +1387,11 @@ class DispatchManager:
         if lane is not None:
             self._lane.remove(lane)
             self._start(lane, k, queued=True)
+            return
+        picky = self._picky_for(k)
+        if picky is not None:  # an adapter's job, first in line among those chain k serves: it takes the slot over
+            self._picky.remove(picky)
+            self._start(picky, k, queued=True)
             return
         nxt = self.dispatcher.complete(k)
         if nxt is not None:
@@ -1735,8 +1833,8 @@ class DispatchManager:
                             job.job_id, victim.job.job_id, victim.index)
 
     def waiting_jobs(self) -> list[DispatchJob]:
-        """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane)."""
-        return [*self._queued_jobs(), *self._lane]
+        """Jobs waiting for a chain (queue, jobs waiting for a first plan, re-queue lane, adapters' jobs)."""
+        return [*self._queued_jobs(), *self._lane, *(j for j in self._picky if j.requeue)]
 
     def snapshot(self) -> list[dict]:
         return [

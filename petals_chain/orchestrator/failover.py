@@ -17,9 +17,11 @@ from typing import Any, Callable
 import torch
 
 from petals_chain.model import Chain
+from petals_chain.orchestrator.adapters import ADAPTER
 from petals_chain.orchestrator.auth import CLIENT
 from petals_chain.orchestrator.deadlines import DEADLINE
 from petals_chain.orchestrator.dispatch import DeadlineUnreachable, DispatchJob, Lease, QueueFull, chain_key, note_admission
+from petals_chain.orchestrator.dispatch import NoAdapterChain
 from petals_chain.orchestrator.errors import RequestError, Unavailable
 from petals_chain.orchestrator.relay import SESSION_NUMBERS, ChainSession, HopFailure
 from petals_chain.swarm.prefix import prefix_hashes
@@ -115,6 +117,7 @@ class ChainHolder:
         # sequence its client was charged for, and the chain charged last (its admission's: refunds and the
         # prompt's correction go there) with the lease it came with (work done is charged where that is counted now)
         self.client = CLIENT.get()
+        self.adapter = ADAPTER.get()  # the LoRA adapter's fingerprint its request named ("": the base model)
         self.paid = 0
         self.drafted = 0  # the feed under way ends with this many speculative drafts (not the client's input)
         self._worker: tuple | None = None
@@ -159,7 +162,7 @@ class ChainHolder:
             if time.monotonic() > deadline:
                 raise Unavailable(f"no chain became available within {orch.cfg.queue_timeout_s:.0f}s")
             # named per attempt: a ban while the job waited changes the salt (no prefix cached before it matches)
-            named = prefix_hashes(prompt[:-1], auditor.salt if auditor is not None else b"") if prompt else b""
+            named = prefix_hashes(prompt[:-1], self._prefix_salt(auditor)) if prompt else b""
             named_epoch = auditor.epoch if auditor is not None else 0
             paid = self.paid
             job = DispatchJob(job_id=self.job_id, requeue=self.admitted,
@@ -167,7 +170,7 @@ class ChainHolder:
                               input_tokens=max(0, need - self.drafted - paid),
                               matched=orch.prefix_directory.live_match(named, paid) if named else {},
                               yields=self.yields, sched=self.priority, siblings=self.siblings,
-                              checked=self.checked)
+                              checked=self.checked, adapter=self.adapter)
             # A job back after a failover, a preemption or a pause keeps its deadline (its order in the queue, and
             # flex never pauses it for another), and is dropped as a new job is when it passes while the job waits
             # (it waited --queue-timeout-s and ended 503 though its deadline had passed long before). A later choice
@@ -236,6 +239,10 @@ class ChainHolder:
             except DeadlineUnreachable as e:
                 orch.deadlines.settle(dl, "refused")
                 raise RequestError(str(e), status=429, code=e.code) from None
+            except NoAdapterChain as e:  # nothing serves the request's adapter now: as no chain for a model, a 503
+                if dl is not None and dl.active:
+                    orch.deadlines.settle(dl, "refused")
+                raise Unavailable(str(e)) from None
             self.admitted, self.yields = True, False
             if auditor is not None and auditor.tainted(lease.hops):  # a plan from before a ban: wait for the next
                 if shares is not None:
@@ -251,6 +258,7 @@ class ChainHolder:
             cs = ChainSession(orch.client, lease.hops, f"{self.job_id}.{next(self._counter)}", declared,
                               observe=orch.observe_hop, wait_s=getattr(lease, "wait_s", 0.0),
                               push=(self.relay or orch.cfg.relay) == "push")
+            cs.adapter = self.adapter  # every hop's session (forks and replacements too) runs with it
             orch.chain_sessions.add(cs)  # from its open on: a server declared failed aborts a long open too
             opened = False
             fork = self._fork_candidate(lease)
@@ -408,6 +416,11 @@ class ChainHolder:
         self.kv_valid = min(self.kv_valid, keep)
         return list(target[keep:])
 
+    def _prefix_salt(self, auditor: Any) -> bytes:
+        """What the prefix hashes of this job's tokens start from: the auditor's salt, and its adapter (an adapter's
+        K/V are not the base model's: its prefixes are named, and preferred, apart)."""
+        return (auditor.salt if auditor is not None else b"") + self.adapter.encode()
+
     def _untrusted(self) -> bool:
         """Whether the current chain's KV may come from a banned server's replies: one of the servers that fed it
         (its hops, replaced ones, a forked sibling's) is banned, or it reused KV named before a ban (cached pages
@@ -429,7 +442,7 @@ class ChainHolder:
         self.cs, self.lease, self.kv_valid, self.lean_first, self._lookup = None, None, 0, False, None
         self.kv_epoch, self.kv_peers = None, frozenset()
         self.inputs.clear()
-        named = prefix_hashes(held, auditor.salt if auditor is not None else b"") if held else b""
+        named = prefix_hashes(held, self._prefix_salt(auditor)) if held else b""
         # the directory names chains a later job with this prompt starts on to reuse it: not one with a hop that
         # keeps no prefix (that job computed everything there, and passed over the chain the dispatcher would pick)
         holder = self._holding_chain(cs, lease) if named and cs is not None and cs.prefix_cache else None
@@ -717,7 +730,8 @@ class ChainHolder:
         cs, inputs = self.cs, self.inputs
         inputs.truncate(position)
         x = hidden
-        auditor = getattr(self.orch, "auditor", None)
+        # an adapter's steps are not audited: the auditor re-runs hops on base-model sessions (see orchestrator README)
+        auditor = getattr(self.orch, "auditor", None) if not self.adapter else None
         if cs.push:
             async def recover(i: int, failure: HopFailure, x_in: torch.Tensor) -> torch.Tensor:
                 return await self._move_hop(i, failure, x_in, position, budget, tokens)
@@ -766,7 +780,8 @@ class ChainHolder:
             history = self.inputs.get(start, position)
             if history is None:  # evicted (over --replay-cache-mb) or never kept: replay the whole chain
                 raise failure
-        candidates = [p for p in orch.replacement_servers(start, end) if p != peer]
+        candidates = [p for p in orch.replacement_servers(start, end) if p != peer
+                      and (not self.adapter or orch.server_serves_adapter(p, self.adapter))]
         if is_refusal(failure):
             candidates.insert(0, peer)  # the server lives (e.g. its idle timeout dropped the session)
         for cand in candidates[:MAX_REPLACEMENT_TRIES]:

@@ -180,7 +180,8 @@ class ModelRouter:
         # what a request may call a model: its name, and what its own API accepts (model id, DHT prefix, source)
         self.aliases: dict[str, str] = {}
         for name, o in self.orchs.items():
-            for alias in (getattr(o, "model_id", None), getattr(o, "prefix", None), getattr(o.cfg, "model", None)):
+            for alias in (getattr(o, "model_id", None), getattr(o, "prefix", None), getattr(o.cfg, "model", None),
+                          *getattr(o, "adapters", {})):  # a LoRA adapter's name: its model's API serves it
                 if alias:
                     self.aliases.setdefault(str(alias), name)
         self.aliases.update({name: name for name in self.apps})

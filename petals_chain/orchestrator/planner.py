@@ -1564,6 +1564,7 @@ class Planner:
                 "reachability": v.reachability, "reachability_error": public_dial_error(v.reach_error),
                 "maddrs": list(r.maddrs),
                 "models": list(r.models), "serving": r.serving, "unread": r.unread, "refused_reason": "",
+                "adapters": dict(r.adapters),  # LoRA adapters it serves: {fingerprint: name}
                 "version": r.version, "protocol": r.protocol, "protocol_min": r.protocol_min,  # the build it runs
                 **self._load_failure_json(v, now),
             })

@@ -69,8 +69,9 @@ class ChainSession:
 
     def __init__(self, client: Any, hops: list[tuple[str, int, int]], session_id: str, max_length: int,
                  observe: HopObserver | None = None, step_timeout_s: float = 60.0, wait_s: float = 0.0,
-                 push: bool = False):
+                 push: bool = False, adapter: str = ""):
         self.client = client
+        self.adapter = adapter  # the LoRA adapter fingerprint every hop's server session runs with ("": the base)
         self.hops = list(hops)
         self.peers_used = {h[0] for h in self.hops}  # every server that fed this session's KV, replaced ones too
         self.session_id = session_id  # the chain session's label in our logs; each hop's server session has its own
@@ -141,6 +142,8 @@ class ChainSession:
             if fork_from is not None:
                 extra = {"fork_from": sources[j], "fork_length": int(fork_length),
                          **({"push_token": extra["push_token"]} if self.push else {})}
+            if self.adapter:
+                extra["adapter"] = self.adapter
             if peer in self._aborted:
                 raise ConnectionError("the server was declared failed")
             # An open queued at the server (wait_s) may wait minutes: abort() cancels it when the server is declared
@@ -371,6 +374,8 @@ class ChainSession:
         _, start, end = self.hops[i]
         sid = hop_session_id()  # not derived from any id a server saw: a peer could open it there first
         extra = {"push_token": secrets.token_hex(16)} if self.push else {}
+        if self.adapter:
+            extra["adapter"] = self.adapter
         try:
             async with asyncio.timeout(self.step_timeout_s):  # not wait_for: it can swallow our cancellation
                 sess = await self.client.open_session(peer, session_id=sid, start_block=start, end_block=end,

@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a hub name (NAME=SOURCE as given to the orchestrator works too). Repeat to offer several "
                         "models: the server holds one at a time, the one an orchestrator serving them places it on (the "
                         "first until then, or after 30 s without an orchestrator for it the first another serves)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a directory in peft's format: adapter_config.json and "
+                        "adapter_model.safetensors) beside the model's weights; clients pick it per request by the "
+                        "name the orchestrator gives it. Repeatable (at most 8 per model). With several --model: "
+                        "MODEL:NAME=PATH names the model (its DHT prefix); NAME=PATH goes to every model it fits")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of swarm peers, e.g. the orchestrator's /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
     p.add_argument("--dht-prefix", default=None, help="DHT key prefix (default: derived from the model name)")
@@ -247,7 +252,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                                       else args.emulate_reply_fault_rate),
             emulate_tau_p_lie=args.emulate_tau_p_lie, batching=not args.no_batching, max_blocks=args.max_blocks,
             max_waiters=args.max_waiters, max_wait_s=args.max_wait_s, kv_cache=args.kv_cache, page_size=args.page_size,
-            prefix_cache=not args.no_prefix_cache, decode_graph=args.decode_graph)
+            prefix_cache=not args.no_prefix_cache, decode_graph=args.decode_graph, adapters=tuple(args.adapter))
         server = Server(cfg, memory_flag="--memory-gb" if args.memory_gb is not None else "--memory-bytes")
         _hash_weights(server)
     except (ValueError, OSError) as e:

@@ -74,6 +74,7 @@ def build_record(src: RecordSource, peer_id: str) -> ServerRecord:
         failed_span=[int(x) for x in failure[0]] if failure else [],
         load_error=failure[1][:LOAD_ERROR_MAX] if failure else "",
         cache_tokens_per_block=int(getattr(cfg, "cache_tokens_per_block", 0) or 0),
+        adapters=dict(getattr(src, "adapter_names", None) or {}),
         started_at=float(getattr(src, "started_at", PROCESS_STARTED_AT)), timestamp=time.time(),
     )
 

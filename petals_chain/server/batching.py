@@ -8,7 +8,9 @@ Two parts:
   its position. Attention is per row over that row's own pages only: single-token (decode) rows are gathered
   into one padded ``[B, kv_heads, max_len, head_dim]`` tensor with a length mask (one SDPA call); multi-token
   rows (prefill chunks) attend over their own pages (a view in ``slots`` mode) with a causal mask. Rows may process different
-  sub-spans of the runner's blocks: at each block only the rows whose span contains it take part.
+  sub-spans of the runner's blocks: at each block only the rows whose span contains it take part. Rows of sessions
+  using LoRA adapters (:mod:`~petals_chain.server.lora`) get their adapter's deltas; the others are computed as
+  without adapters.
 * :class:`BatchScheduler` -- callers block in :meth:`BatchScheduler.submit` (or await
   :meth:`BatchScheduler.submit_async`); one worker thread gathers pending requests for at most a short window,
   and only while some open session is likely to send a step soon (it got its last result recently),
@@ -25,6 +27,7 @@ transformers passes through the layer to the attention) and otherwise the layer'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import sys
@@ -116,7 +119,8 @@ class BatchHost(Protocol):
 
     def _run_blocks(self, hidden: torch.Tensor, position: int, pages_of: PageTables, start: int,
                     end: int) -> torch.Tensor:
-        """One row alone through blocks ``[start, end)`` (no lock: called inside :meth:`run_on_device`)."""
+        """One row alone through blocks ``[start, end)`` (no lock: called inside :meth:`run_on_device`); a row of
+        an adapter is passed it as ``adapter=`` (its fingerprint), only then."""
 
 
 @dataclass
@@ -128,6 +132,7 @@ class BatchItem:
     pages_of: PageTables  # global layer index -> the row's page table
     start: int
     end: int
+    adapter: str | None = None  # the fingerprint of the LoRA adapter its session uses (None: the base model)
 
 
 class _Segment:
@@ -157,6 +162,12 @@ class _Segment:
         self.write_pages = torch.tensor([[t[i][k] if k < len(t[i]) else 0 for i, k in page_of_tok]
                                          for t in self.tables], dtype=torch.long).to(dev)  # [layers, T]
         self.write_offs = (pos % ps).to(dev)
+        # each adapter's rows, as token indices of this segment (None: every token is that adapter's)
+        self.adapter_rows: list[tuple[str, torch.Tensor | None]] = []
+        adapter_of_tok = [items[r].adapter for r, c in zip(rows, counts) for _ in range(c)]
+        for fp in sorted({a for a in adapter_of_tok if a is not None}):
+            idx = [t for t, a in enumerate(adapter_of_tok) if a == fp]
+            self.adapter_rows.append((fp, None if len(idx) == self.num_tokens else torch.tensor(idx, device=dev)))
 
         dec = [i for i, c in enumerate(counts) if c == 1]
         self.all_decode = len(dec) == len(rows)
@@ -269,8 +280,11 @@ def run_batch(runner: BatchHost, items: Sequence[BatchItem]) -> list[torch.Tenso
             seg.position_embeddings = runner.rotary(hidden, seg.position_ids)
         layer = runner.blocks[layer_idx - runner.start_block]
         h = hidden if seg.tok_idx is None else hidden.index_select(1, seg.tok_idx)
-        h = layer(h, attention_mask=None, position_ids=seg.position_ids, use_cache=True,
-                  position_embeddings=seg.position_embeddings, **{cache_kwarg(layer): seg.cache, SEGMENT_KWARG: seg})
+        lora = getattr(runner, "lora", None) if seg.adapter_rows else None
+        with lora.rows(seg.adapter_rows) if lora is not None else contextlib.nullcontext():
+            h = layer(h, attention_mask=None, position_ids=seg.position_ids, use_cache=True,
+                      position_embeddings=seg.position_embeddings,
+                      **{cache_kwarg(layer): seg.cache, SEGMENT_KWARG: seg})
         h = h[0] if isinstance(h, tuple) else h
         hidden = h if seg.tok_idx is None else hidden.index_copy(1, seg.tok_idx, h)
     return [hidden[:, tok_off[i]:tok_off[i + 1]] for i in range(len(items))]
@@ -393,7 +407,7 @@ class BatchScheduler:
         """
         req = self._enqueue(session, x, position, pages_of, start, end, inline_max_tokens=self.prefill_chunk_tokens)
         if req is None:
-            return self._inline(x, position, pages_of, start, end)
+            return self._inline(x, position, pages_of, start, end, session.adapter)
         req.event.wait()
         return self._result(req)
 
@@ -418,7 +432,7 @@ class BatchScheduler:
         req = self._enqueue(session, x, position, pages_of, start, end, inline_max_tokens=inline_max_tokens,
                             on_done=wake)
         if req is None:
-            return self._inline(x, position, pages_of, start, end)
+            return self._inline(x, position, pages_of, start, end, session.adapter)
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -449,8 +463,9 @@ class BatchScheduler:
             self._cv.notify_all()
         return req
 
-    def _inline(self, x: torch.Tensor, position: int, pages_of: PageTables, start: int, end: int) -> torch.Tensor:
-        res = self._compute([BatchItem(x, position, pages_of, start, end)])[0]
+    def _inline(self, x: torch.Tensor, position: int, pages_of: PageTables, start: int, end: int,
+                adapter: str | None = None) -> torch.Tensor:
+        res = self._compute([BatchItem(x, position, pages_of, start, end, adapter)])[0]
         if isinstance(res, BaseException):
             try:
                 raise res
@@ -594,7 +609,8 @@ class BatchScheduler:
         return taken
 
     def _execute(self, batch: list[tuple[_Request, int, int]]) -> None:
-        items = [BatchItem(r.x[:, off:off + n], r.position + off, r.pages_of, r.start, r.end) for r, off, n in batch]
+        items = [BatchItem(r.x[:, off:off + n], r.position + off, r.pages_of, r.start, r.end, r.session.adapter)
+                 for r, off, n in batch]
         results = self._compute(items)
         with self._cv:
             for (r, _, n), res in zip(batch, results):
@@ -653,7 +669,8 @@ class BatchScheduler:
 
     def _one(self, it: BatchItem) -> torch.Tensor | BaseException:
         try:
-            return self.runner._run_blocks(it.x, it.position, it.pages_of, it.start, it.end)
+            return self.runner._run_blocks(it.x, it.position, it.pages_of, it.start, it.end,
+                                           **({"adapter": it.adapter} if it.adapter is not None else {}))
         except Exception as e:  # handed to the request's caller
             return e
 

@@ -17,6 +17,7 @@ DEFAULT_MAX_LENGTH = 2048  # slots are sized for this many tokens until an assig
 class ServerConfig:
     model: str
     extra_models: Sequence[str] = ()  # more models the volunteer offers (server/models.py); one is served at a time
+    adapters: Sequence[str] = ()  # --adapter values: LoRA adapters, NAME=PATH or MODEL:NAME=PATH (server/models.py)
     initial_peers: Sequence[str] = ()
     dht_prefix: Optional[str] = None
     memory_bytes: Optional[int] = None

@@ -138,11 +138,13 @@ class MemoryBudget:
         self.kv_cache, self.page_size = kv_cache, page_size
         self.memory_bytes = 0
         self.s_m = 0
+        self.adapter_bytes = 0  # LoRA adapters' bytes per block (their layer holding most), counted in s_m
 
     def measure(self, memory_bytes: Optional[int], device: str) -> None:
-        """Fix ``M_j`` (the volunteer's limit, else :func:`default_memory_bytes`) and compute ``s_m``."""
+        """Fix ``M_j`` (the volunteer's limit, else :func:`default_memory_bytes`) and compute ``s_m`` (a block's
+        weights and its LoRA adapters' tensors, :attr:`adapter_bytes`)."""
         self.memory_bytes = int(memory_bytes if memory_bytes is not None else default_memory_bytes(device))
-        self.s_m = block_bytes(self.config, self.dtype, self.quant)
+        self.s_m = block_bytes(self.config, self.dtype, self.quant) + self.adapter_bytes
 
     def s_c(self, max_length: int) -> int:
         """Bytes of one KV slot: one block's K and V for one job of ``max_length`` tokens (paged mode: rounded up

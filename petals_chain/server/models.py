@@ -5,11 +5,15 @@ A server holds the blocks of one model at a time; which one, an orchestrator ser
 Until one places it, the server serves the first model it was given. It announces itself under every model's
 prefix (the others without blocks, ``serving`` naming the one it serves), so each model's planner knows its
 memory and speed for that model.
+
+LoRA adapters (``--adapter``, :func:`attach_adapters`) belong to the models they fit: each is read, validated and
+fingerprinted once at start (:mod:`petals_chain.swarm.lora`), and its bytes per block count in that model's ``s_m``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from petals_chain.server.announce import PROCESS_STARTED_AT
@@ -27,10 +31,16 @@ class HostedModel:
     torch_dtype: Any
     memory: Any  # server.memory.MemoryBudget
     tau_p: float = 0.0
+    adapters: list = field(default_factory=list)  # swarm.lora.LoraAdapter: LoRA adapters served with it
 
     @property
     def fingerprint(self) -> str:
         return self.source.fingerprint
+
+    @property
+    def adapter_names(self) -> dict[str, str]:
+        """``{adapter fingerprint: name}`` of its adapters (what its record announces)."""
+        return {a.fingerprint: a.name for a in self.adapters}
 
     @property
     def num_layers(self) -> int:
@@ -79,6 +89,45 @@ def load_hosted(specs: Sequence[str], *, dht_prefix: Optional[str] = None, **kwa
     return hosted
 
 
+def attach_adapters(hosted: Sequence[HostedModel], values: Sequence[str]) -> None:
+    """Read the ``--adapter`` values (``NAME=PATH``, or ``MODEL:NAME=PATH`` with ``MODEL`` a DHT prefix of
+    ``hosted``) and give each model the adapters that fit it (``NAME=PATH``: every model it fits). ValueError (one
+    line) for an adapter that cannot be served, fits no model (or not the one named), or a name, fingerprint or
+    count a model cannot take."""
+    from petals_chain.swarm.lora import MAX_ADAPTERS, AdapterError, check_adapter_fits, parse_adapter_arg, read_adapter
+
+    read: dict[str, Any] = {}  # path -> LoraAdapter (read once, whatever names it is given)
+    for value in values:
+        model, name, path = parse_adapter_arg(value)
+        targets = [h for h in hosted if model is None or model in (h.prefix, h.spec)]
+        if not targets:
+            raise AdapterError(f"--adapter {value!r}: model {model!r} is not one this server offers "
+                               f"({', '.join(h.prefix for h in hosted)})")
+        adapter = read.get(path)
+        if adapter is None:
+            adapter = read[path] = read_adapter(path, name)
+        adapter = copy.copy(adapter)
+        adapter.name = name
+        fits, why = [], None
+        for h in targets:
+            try:
+                check_adapter_fits(adapter, h.config)
+                fits.append(h)
+            except AdapterError as e:
+                why = why or e
+        if not fits:
+            raise why
+        for h in fits:
+            for other in h.adapters:
+                if other.name == name or other.fingerprint == adapter.fingerprint:
+                    raise AdapterError(f"--adapter {value!r}: model {h.prefix} has adapter {other.name} "
+                                       f"({other.fingerprint}) already: names and adapters must differ")
+            if len(h.adapters) >= MAX_ADAPTERS:
+                raise AdapterError(f"--adapter {value!r}: at most {MAX_ADAPTERS} adapters per model")
+            h.adapters.append(adapter)
+            h.memory.adapter_bytes += adapter.block_bytes(h.torch_dtype)
+
+
 @dataclass
 class StandbyView:
     """How a model this server offers but does not serve is announced: no blocks, that model's sizes and speed,
@@ -111,3 +160,7 @@ class StandbyView:
     @property
     def model_fingerprint(self) -> str:
         return self.hosted.fingerprint
+
+    @property
+    def adapter_names(self) -> dict[str, str]:
+        return self.hosted.adapter_names

@@ -13,11 +13,16 @@ calls are gathered by a :class:`~petals_chain.server.batching.BatchScheduler` an
 per block; with ``batching=False`` each call runs alone. Every compute goes through
 :meth:`BlockRunner.run_on_device` (one at a time); :class:`~petals_chain.server.emulated.EmulatedRunner`
 stretches it to emulate a slower device.
+
+With ``adapters`` (LoRA, :mod:`~petals_chain.server.lora`) a session opened with an adapter's fingerprint runs its
+steps with that adapter's deltas, batched with base sessions and other adapters' alike; its prefix-cache pages are
+named apart (:func:`~petals_chain.swarm.lora.adapter_salt`), so no K/V is shared across adapters or with the base.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import math
 import os
@@ -33,9 +38,11 @@ from petals_chain.server.batching import BatchScheduler, install_dispatch
 from petals_chain.server.decode_graph import StaticDecode, check_decode_graph
 from petals_chain.server.kv_cache import (DEFAULT_PAGE_SIZE, NO_PAGE, NoCapacityError, PagedCache, PagePool, PageTable,
                                           PageTables, check_kv_cache, page_size_for, pages_for)
+from petals_chain.server.lora import SpanAdapters
 from petals_chain.server.session_state import SessionState
 from petals_chain.swarm.aio import outlast
 from petals_chain.swarm.checkpoint import build_rotary, cache_kwarg, load_block, parse_dtype
+from petals_chain.swarm.lora import LoraAdapter, adapter_salt, check_adapter_fits
 from petals_chain.swarm.memory import head_dim, num_kv_heads
 from petals_chain.swarm.prefix import PREFIX_BLOCK_TOKENS, page_hashes, supports_prefix_cache
 from petals_chain.swarm.sources import ModelSource, resolve_source
@@ -126,6 +133,7 @@ class BlockRunner:
         page_size: int = DEFAULT_PAGE_SIZE,
         prefix_cache: bool = True,
         decode_graph: str = "off",
+        adapters: Sequence[LoraAdapter] = (),
     ):
         self.source = resolve_source(model_path)
         self.model_path = self.source.path
@@ -172,6 +180,10 @@ class BlockRunner:
             self.blocks.append(load_block(self.source, i, self.dtype, self.device, quant,
                                           config=self.config, attn_implementation=attn_implementation))
         self.rotary = build_rotary(self.config, self.device)
+        for adapter in adapters:
+            check_adapter_fits(adapter, self.config)
+        # LoRA adapters' tensors of this span and the hooks adding their deltas (None: no adapters)
+        self.lora = SpanAdapters(adapters, self.blocks, start_block, self.dtype, self.device) if adapters else None
         self.kv_cache = kv_cache
         self.num_slots = num_slots
         self.page_size = page_size_for(kv_cache, max_length, page_size)
@@ -238,6 +250,16 @@ class BlockRunner:
         return self.pool.page_bytes * self.pages_per_slot
 
     @property
+    def adapters(self) -> dict[str, str]:
+        """``{fingerprint: name}`` of the LoRA adapters sessions may open with."""
+        return dict(self.lora.names) if self.lora is not None else {}
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes of the LoRA adapters' tensors loaded for this span."""
+        return self.lora.nbytes if self.lora is not None else 0
+
+    @property
     def blocks_bytes(self) -> int:
         """Bytes of the loaded blocks' parameters and buffers (all ``num_blocks`` of them)."""
         return sum(t.numel() * t.element_size() for t in list(self.blocks.parameters()) + list(self.blocks.buffers()))
@@ -258,7 +280,7 @@ class BlockRunner:
             return self._get(session_id).length
 
     def allocate(self, session_id: str, start_block: int, end_block: int, max_tokens: int | None = None,
-                 prefix_hashes: bytes | Sequence[bytes] = ()) -> int:
+                 prefix_hashes: bytes | Sequence[bytes] = (), adapter: str | None = None) -> int:
         """Open ``session_id`` over blocks ``[start_block, end_block)`` for at most ``max_tokens`` tokens (default and
         cap: ``max_length``), reserving the pages it may need (``slots`` mode: one slot per block).
 
@@ -266,7 +288,8 @@ class BlockRunner:
         16 tokens). Returns how many leading tokens of it the prefix cache holds in every block of the span: the
         session starts with them (its cached length); its first step may start there or earlier (the caller
         takes the smallest such length over a chain's hops), and positions before the first step's are never
-        written again (a rollback below them is refused).
+        written again (a rollback below them is refused). ``adapter``: the fingerprint of the LoRA adapter its
+        steps use (None: the base model).
 
         Raises :class:`NoCapacityError` if too few pages are available, ``ValueError`` for a bad span, length or a
         session id already open. Nothing changes on error.
@@ -282,8 +305,10 @@ class BlockRunner:
         limit = self.max_length if max_tokens is None else max_tokens
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.max_length:
             raise ValueError(f"max_tokens must be an int in [1, {self.max_length}], got {max_tokens!r}")
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"this server does not serve adapter {adapter!r}")
         with self._lock:
-            return self.allocate_locked(session_id, start_block, end_block, limit, prefix_hashes)
+            return self.allocate_locked(session_id, start_block, end_block, limit, prefix_hashes, adapter)
 
     def pages_needed(self, num_blocks: int, max_tokens: int) -> int:
         """Pages a session over ``num_blocks`` blocks of at most ``max_tokens`` tokens reserves (in ``slots`` mode a
@@ -291,14 +316,15 @@ class BlockRunner:
         return num_blocks * pages_for(max_tokens, self.page_size)
 
     def allocate_locked(self, session_id: str, start_block: int, end_block: int, limit: int,
-                        prefix_hashes: bytes | Sequence[bytes] = ()) -> int:
+                        prefix_hashes: bytes | Sequence[bytes] = (), adapter: str | None = None) -> int:
         """:meth:`allocate` with ``_lock`` held and the span and limit already validated."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} is already open")
         per_block = self.pages_needed(1, limit)
         layers = range(start_block, end_block)
         pool = self.pool
-        names = page_hashes(prefix_hashes, self.page_size) if self.prefix_cache else []
+        names = ([adapter_salt(adapter, h) for h in page_hashes(prefix_hashes, self.page_size)]
+                 if self.prefix_cache else [])
         # A matched page is pinned before the reservation (which could evict it otherwise); the last token of a
         # limit is never reused (the session must compute at least one position).
         matched = min(pool.match(layers, names), (limit - 1) // self.page_size)
@@ -326,7 +352,7 @@ class BlockRunner:
         pages_of = {b: PageTable([NO_PAGE] * lean + pool.take(per_block - lean)) for b in layers}
         s = SessionState(session_id, start_block, end_block, pages_of,
                          limit=limit if self.kv_cache == "paged" else self.max_length)
-        s.pending, s.length = pending, matched * self.page_size
+        s.pending, s.length, s.adapter = pending, matched * self.page_size, adapter
         if self.prefix_cache:  # counted at its first served step (_finish)
             s.offered_tokens = min(len(page_hashes(prefix_hashes, PREFIX_BLOCK_TOKENS)) * PREFIX_BLOCK_TOKENS,
                                    limit - 1)
@@ -415,6 +441,7 @@ class BlockRunner:
                                  f"got {limit!r}")
             self.allocate_locked(session_id, src.start_block, src.end_block, limit)
             dst = self._sessions[session_id]
+            dst.adapter = src.adapter  # the KV copied was computed with it
             # before its first step, the source's own tables hold nothing valid (or NO_PAGE, opened lean)
             source = src.pending if src.pending is not None else src.pages_of
             for layer, table in dst.pages_of.items():
@@ -434,7 +461,7 @@ class BlockRunner:
             if s is None or s.closing:
                 return False
             s.closing = True
-            s.close_hashes = hashes
+            s.close_hashes = tuple(adapter_salt(s.adapter, h) for h in hashes)
             if not s.busy or self.scheduler.cancel(s):
                 self._drop(s)  # idle, or its step was still queued (its caller gets a KeyError)
             return True
@@ -501,7 +528,7 @@ class BlockRunner:
             if self.batching and not _on_event_loop():
                 out = self.scheduler.submit(s, x, position, pages_of, start, end)
             else:
-                out = self._compute_alone(x, position, pages_of, start, end)
+                out = self._compute_alone(x, position, pages_of, start, end, s.adapter)
             ok = True
             return out.to(device=hidden.device, dtype=hidden.dtype)
         finally:
@@ -527,7 +554,7 @@ class BlockRunner:
                     on_abandoned=lambda: self._finish_locked(s, position, n, False, step))
             else:
                 fut = asyncio.get_running_loop().run_in_executor(None, self._compute_alone, x, position, pages_of,
-                                                                 start, end)
+                                                                 start, end, s.adapter)
                 try:
                     out = await asyncio.shield(fut)
                 except asyncio.CancelledError:
@@ -599,9 +626,10 @@ class BlockRunner:
             self._drop(s)
 
     def _compute_alone(self, x: torch.Tensor, position: int, pages_of: PageTables, start: int,
-                       end: int) -> torch.Tensor:
+                       end: int, adapter: str | None = None) -> torch.Tensor:
         """One session's step on its own (the unbatched path)."""
-        return self.run_on_device(lambda: self._run_blocks(x, position, pages_of, start, end))
+        extra = {"adapter": adapter} if adapter is not None else {}
+        return self.run_on_device(lambda: self._run_blocks(x, position, pages_of, start, end, **extra))
 
     def run_on_device(self, fn: Callable[[], T]) -> T:
         """``fn()`` (one step or one batch) with the device to itself; returns once the device is done with it.
@@ -657,16 +685,18 @@ class BlockRunner:
 
     @torch.inference_mode()
     def _run_blocks(self, hidden: torch.Tensor, position: int, pages_of: PageTables, start: int,
-                    end: int) -> torch.Tensor:
-        """One session's step through blocks ``[start, end)``: pure compute over the given pages."""
+                    end: int, adapter: str | None = None) -> torch.Tensor:
+        """One session's step through blocks ``[start, end)``: pure compute over the given pages (with the deltas
+        of LoRA adapter ``adapter``, a fingerprint, when given)."""
         n = hidden.shape[1]
-        if n == 1 and self.static_decode is not None:
+        if n == 1 and self.static_decode is not None and adapter is None:  # its graph holds no adapter's deltas
             out = self.static_decode.run(hidden, position, pages_of, start, end)
             if out is not None:
                 return out
         position_ids = torch.arange(position, position + n, device=self.device).unsqueeze(0)
-        return self.run_layers(hidden, start, end, position_ids, self._causal_mask(position, n),
-                               PagedCache(self.pool, pages_of, position, n))
+        with self.lora.rows([(adapter, None)]) if adapter is not None else contextlib.nullcontext():
+            return self.run_layers(hidden, start, end, position_ids, self._causal_mask(position, n),
+                                   PagedCache(self.pool, pages_of, position, n))
 
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, position_ids: torch.Tensor,
                    mask: torch.Tensor | None, cache: Any) -> torch.Tensor:

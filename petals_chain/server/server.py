@@ -34,7 +34,7 @@ from petals_chain.server.announce import Announcer, announced_capacity, build_re
 from petals_chain.server.config import DEFAULT_MAX_LENGTH, ServerConfig
 from petals_chain.server.decode_graph import check_decode_graph
 from petals_chain.server.memory import CPU_MEMORY_FRACTION, default_memory_bytes
-from petals_chain.server.models import HostedModel, StandbyView, load_hosted
+from petals_chain.server.models import HostedModel, StandbyView, attach_adapters, load_hosted
 from petals_chain.server.runner import sliding_window
 from petals_chain.server.sessions import SessionService
 from petals_chain.swarm import reachability
@@ -142,6 +142,7 @@ class Server:
         self.hosted = load_hosted([cfg.model, *cfg.extra_models], dht_prefix=cfg.dht_prefix, dtype=cfg.dtype,
                                   quant=cfg.quant, cache_tokens_per_block=cfg.cache_tokens_per_block,
                                   kv_cache=cfg.kv_cache, page_size=cfg.page_size)
+        attach_adapters(self.hosted, cfg.adapters)
         for hosted in self.hosted:
             limit = _longest_session(hosted.config)
             if limit is None:
@@ -222,7 +223,8 @@ class Server:
         held: list[HostedModel] = []
         refused: list[tuple[str, str]] = []  # (model, the least budget that holds it)
         for h in self.hosted:
-            s_m = block_bytes(h.memory.config, h.memory.dtype, h.memory.quant)  # as MemoryBudget.measure takes it
+            # as MemoryBudget.measure takes it
+            s_m = block_bytes(h.memory.config, h.memory.dtype, h.memory.quant) + h.memory.adapter_bytes
             if not fits(h, s_m, length):
                 refused.append((h.spec, least(h, s_m)))
                 continue
@@ -258,6 +260,7 @@ class Server:
     model_path = property(lambda self: self.active.source.path)
     config = property(lambda self: self.active.config)
     model_fingerprint = property(lambda self: self.active.fingerprint)
+    adapter_names = property(lambda self: self.active.adapter_names)  # {fingerprint: name}, announced
     num_layers = property(lambda self: self.active.num_layers)
     hidden_size = property(lambda self: self.active.hidden_size)
     torch_dtype = property(lambda self: self.active.torch_dtype)
@@ -322,6 +325,7 @@ class Server:
                              else {"mode": cfg.decode_graph}),
             "rejoins": self.announcer.rejoins if self.announcer else 0,
             "models": [h.prefix for h in self.hosted], "serving": self.prefix, "model_switches": self.switches,
+            "adapters": self.active.adapter_names, "adapter_bytes": runner.adapter_bytes if runner else 0,
         }
 
     # ------------------------------------------------------------------ assignment
@@ -421,7 +425,8 @@ class Server:
                 self.source, start, num, num_slots=slots, max_length=max_length, dtype=self.torch_dtype,
                 device=self.cfg.device, quant=self.cfg.quant, config=self.config, progress=self.cfg.progress,
                 batching=self.cfg.batching, kv_cache=self.cfg.kv_cache, page_size=self.cfg.page_size,
-                prefix_cache=self.cfg.prefix_cache, decode_graph=self.cfg.decode_graph))
+                prefix_cache=self.cfg.prefix_cache, decode_graph=self.cfg.decode_graph,
+                **({"adapters": self.active.adapters} if self.active.adapters else {})))
         except Exception as e:  # noqa: BLE001 - out of memory, unreadable weights, ...: announced, then retried
             logger.exception("loading the assigned blocks failed")
             self._load_failed(content, span, f"loading failed: {type(e).__name__}: {e}")

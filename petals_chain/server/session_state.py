@@ -36,3 +36,4 @@ class SessionState:
     # to the runner's once a step is served: an open whose first step is refused or fails reused nothing
     offered_tokens: int = 0
     reused_tokens: int = 0
+    adapter: Optional[str] = None  # the fingerprint of the LoRA adapter its steps use (None: the base model)

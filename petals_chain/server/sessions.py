@@ -50,6 +50,7 @@ class OpenSession:
     span: tuple[int, int]  # [start_block, end_block)
     steps: int = 0  # steps computed so far
     push: bool = False  # opened with a push_token: it holds the descriptors of a push relay's streams too
+    adapter: Optional[str] = None  # the fingerprint of the LoRA adapter it runs with (None: the base model)
 
 
 class SessionService:
@@ -92,10 +93,11 @@ class SessionService:
 
     def open_session(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
                      fork_from: Optional[str] = None, fork_length: int = 0,
-                     prefix_hashes: Sequence[bytes] = (), push: bool = False) -> dict:
+                     prefix_hashes: Sequence[bytes] = (), push: bool = False, adapter: Optional[str] = None) -> dict:
         """Open a session now (see the module docstring); ``push``: it carries a ``push_token`` (its descriptors
-        count as a push relay's, :class:`~petals_chain.server.admission.Descriptors`)."""
-        runner = self._check_open(session_id, max_length)
+        count as a push relay's, :class:`~petals_chain.server.admission.Descriptors`); ``adapter``: the fingerprint
+        of the LoRA adapter its steps use (one this server does not serve is refused ``unavailable``)."""
+        runner = self._check_open(session_id, max_length, adapter)
         self._check_descriptors(push)
         guest = not self._trusted(peer_id)
         if guest:
@@ -105,15 +107,15 @@ class SessionService:
             raise RefusedError("no_capacity", f"no capacity: {ahead} opens wait for slots")
         try:
             return self._allocate(session_id, start_block, end_block, max_length, peer_id, fork_from, fork_length,
-                                  prefix_hashes, push=push)
+                                  prefix_hashes, push=push, adapter=adapter)
         except NoCapacityError as e:
             raise self._no_capacity(e, start_block, end_block) from None
 
     async def open_session_wait(self, session_id: str, start_block: int, end_block: int, max_length: int,
                                 peer_id: str, wait_s: float, prefix_hashes: Sequence[bytes] = (),
-                                push: bool = False) -> dict:
+                                push: bool = False, adapter: Optional[str] = None) -> dict:
         """Like open_session, but wait up to ``wait_s`` seconds (FIFO with other waiters) for free slots."""
-        runner = self._check_open(session_id, max_length)
+        runner = self._check_open(session_id, max_length, adapter)
         key = (peer_id, session_id) if wait_s > 0 else None
         # a wait holds its stream's descriptor too; a re-sent open takes its earlier wait's place (see the module
         # docstring) and holds no more than it: refused at the open-files cap, the client's retry never got back in
@@ -147,7 +149,7 @@ class SessionService:
         try:
             return await self.admission.acquire(
                 lambda: self._allocate(session_id, start_block, end_block, max_length, peer_id,
-                                       prefix_hashes=prefix_hashes, push=push), wait_s,
+                                       prefix_hashes=prefix_hashes, push=push, adapter=adapter), wait_s,
                 release=lambda _result: self.close_session(session_id), guest=guest, max_guests=max_guests,
                 key=key)
         except NoCapacityError as e:
@@ -360,11 +362,16 @@ class SessionService:
         if why is not None:
             raise RefusedError("no_capacity", f"no capacity: {why}")
 
-    def _check_open(self, session_id: str, max_length: int):
+    def _check_open(self, session_id: str, max_length: int, adapter: Optional[str] = None):
         runner = self.runner
         state = self._state()
         if state != "online" or runner is None:
             raise RefusedError("unavailable", f"server is {state}, not accepting sessions")
+        if adapter is not None and adapter not in runner.adapters:
+            # unavailable, as a model this server does not serve now: its record (the orchestrator's view) is stale
+            served = ", ".join(f"{name} ({fp})" for fp, name in runner.adapters.items()) or "none"
+            raise RefusedError("unavailable", f"this server does not serve LoRA adapter {adapter} (it serves "
+                                              f"{served})")
         if max_length > runner.max_length:
             raise RefusedError("invalid", f"max_length {max_length} exceeds this server's {runner.max_length}")
         if session_id in self.sessions:
@@ -377,13 +384,13 @@ class SessionService:
 
     def _allocate(self, session_id: str, start_block: int, end_block: int, max_length: int, peer_id: str,
                   fork_from: Optional[str] = None, fork_length: int = 0, prefix_hashes: Sequence[bytes] = (), *,
-                  push: bool = False) -> dict:
+                  push: bool = False, adapter: Optional[str] = None) -> dict:
         """Check and allocate; raises NoCapacityError when the slots are not free (yet).
 
         ``fork_from``: an open session of the same peer and span whose first ``fork_length`` tokens of KV the
         new session starts with (``n > 1`` samples of one prompt share its prefill). ``prefix_hashes``: the
         prompt's names; the reply's ``cached_tokens`` is how much of it the prefix cache holds."""
-        runner = self._check_open(session_id, max_length)
+        runner = self._check_open(session_id, max_length, adapter)
         if not self._trusted(peer_id):  # again when a queued open gets its turn: the peer may hold more now
             self._check_share(runner, peer_id, start_block, end_block, max_length, session_id,
                               fits_first=fork_from is None)
@@ -393,16 +400,22 @@ class SessionService:
                 # a stranger (--allow-any-client) matches no cached page: the reply's cached_tokens (and the time
                 # saved) would tell it which prompts others sent, and its steps would read their K/V
                 cached = runner.allocate(session_id, start_block, end_block, max_tokens=max_length,
-                                         prefix_hashes=prefix_hashes if peer_id in self.trusted else ())
+                                         prefix_hashes=prefix_hashes if peer_id in self.trusted else (),
+                                         **({"adapter": adapter} if adapter is not None else {}))
             else:
                 src = self.sessions.get(fork_from)
                 if src is None or src.peer != peer_id or src.span != (start_block, end_block):
                     raise ValueError(f"cannot fork {fork_from!r}: no open session of this peer over blocks "
                                      f"[{start_block}, {end_block})")
+                if src.adapter != adapter:  # its K/V were computed with another adapter (or none)
+                    raise ValueError(f"cannot fork {fork_from!r}: it runs with "
+                                     f"{'adapter ' + src.adapter if src.adapter else 'the base model'}, this open "
+                                     f"with {'adapter ' + adapter if adapter else 'the base model'}")
                 runner.fork(fork_from, session_id, fork_length, max_tokens=max_length)
         except (ValueError, KeyError) as e:
             raise RefusedError("invalid", str(e)) from None
-        self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block), push=push)
+        self.sessions[session_id] = OpenSession(runner, max_length, peer_id, (start_block, end_block), push=push,
+                                                adapter=adapter)
         self._push_open += push
         waiting = self._waiting.get(session_id)
         if waiting is not None and waiting[0] == peer_id:  # (another peer's wait under this id fails at its turn)

@@ -51,6 +51,8 @@ _UNKNOWN_FIELD_NAME_MAX = 64
 _UNKNOWN_VALUES_MAX = 4096  # a newer writer's fields together, in characters of their repr, nested at most 4 deep
 _SHORT_MAX = 64  # names like a version, device, dtype or quantization
 PUBLIC_NAME_MAX = 128  # ServerRecord.public_name
+ADAPTERS_MAX = 8  # ServerRecord.adapters: LoRA adapters a server announces for one model (swarm/lora.py)
+_ADAPTER_KEY_MAX = 64  # an adapter fingerprint, or its name
 LOAD_ERROR_MAX = 300  # ServerRecord.load_error: one line for the operator and the dashboard
 # the largest epoch a record may carry: honest epochs count re-plans; one of 2**64 - 1 left a leader continuing above it
 # with an epoch msgpack cannot encode, so no assignment or split could be published again
@@ -194,6 +196,11 @@ class ServerRecord(_Record):
     # open now, the strangers' shares and the trusted orchestrators' reserve applied (0: it serves no stranger; -1: an
     # older server, which does not say): see slots_free_for
     stranger_slots_free: int = pydantic.Field(default=-1, ge=-1)
+    # the LoRA adapters it serves with this model (swarm/lora.py): {adapter fingerprint: its name, a label}; a session
+    # opened naming another fingerprint is refused (an older server announces none)
+    adapters: Dict[Annotated[str, pydantic.StringConstraints(min_length=1, max_length=_ADAPTER_KEY_MAX)],
+                   Annotated[str, pydantic.StringConstraints(max_length=_ADAPTER_KEY_MAX)]] = pydantic.Field(
+        default_factory=dict, max_length=ADAPTERS_MAX)
     # the wire protocols it speaks: the newest, and the oldest client protocol it still serves (absent: 1 and 1)
     protocol: int = pydantic.Field(default=PROTOCOL, ge=1, le=_PROTOCOL_MAX)
     protocol_min: int = pydantic.Field(default=OLDEST_PROTOCOL, ge=1, le=_PROTOCOL_MAX)
@@ -237,6 +244,11 @@ class ServerRecord(_Record):
     @classmethod
     def _printable_models(cls, names: list[str]) -> list[str]:
         return [one_line(name) for name in names]
+
+    @pydantic.field_validator("adapters")
+    @classmethod
+    def _printable_adapters(cls, adapters: dict[str, str]) -> dict[str, str]:
+        return {one_line(fp): one_line(name) for fp, name in adapters.items()}
 
     @pydantic.field_validator("tau_p")
     @classmethod
@@ -434,9 +446,17 @@ class _ServerValueV1(_ValueV1):
     cache_tokens_per_block: pv1.conint(strict=True, ge=0)
     started_at: pv1.confloat(strict=True, ge=0)
     stranger_slots_free: pv1.conint(strict=True, ge=-1)
+    adapters: Dict[pv1.constr(strict=True, min_length=1, max_length=_ADAPTER_KEY_MAX),
+                   pv1.constr(strict=True, max_length=_ADAPTER_KEY_MAX)]
     protocol: pv1.conint(strict=True, ge=1, le=_PROTOCOL_MAX)
     protocol_min: pv1.conint(strict=True, ge=1, le=_PROTOCOL_MAX)
     timestamp: pv1.StrictFloat
+
+    @pv1.validator("adapters")
+    def _few_adapters(cls, value: dict) -> dict:
+        if len(value) > ADAPTERS_MAX:
+            raise ValueError(f"{len(value)} adapters (at most {ADAPTERS_MAX})")
+        return value
 
 
 class _AssignmentValueV1(_ValueV1):

@@ -8,12 +8,15 @@ tensors travel uncompressed (``USE_LEGACY_BFLOAT16 = False``: bf16 stays 2 bytes
 
 Session stream, client -> server:
   1. ``{"op": "open", "session_id", "start_block", "end_block", "max_length"[, "wait_s"][, "fork_from",
-     "fork_length"][, "prefix_hashes"][, "model"]}`` -> ``{"ok": true, ...}`` or an error, after which the client
-     ends the stream (the server waits up to ``LINGER_S`` for it, then ends it). ``model``: the fingerprint of
-     the model the client means; a server serving another one (it offers several and was placed on another)
-     refuses with ``unavailable``. ``prefix_hashes`` names the prompt (:mod:`~petals_chain.swarm.prefix`): the reply's
-     ``cached_tokens`` says how many of its tokens the server's prefix cache holds in every block of the span
-     (the session starts holding them; its first step may start there or earlier). With
+     "fork_length"][, "prefix_hashes"][, "model"][, "adapter"]}`` -> ``{"ok": true, ...}`` or an error, after which
+     the client ends the stream (the server waits up to ``LINGER_S`` for it, then ends it). ``model``: the
+     fingerprint of the model the client means; a server serving another one (it offers several and was placed on
+     another) refuses with ``unavailable``. ``adapter``: the adapter fingerprint (:mod:`~petals_chain.swarm.lora`)
+     of the LoRA adapter the session's steps use (absent: the base model); a server that does not serve it (its
+     record's ``adapters`` does not list it) refuses with ``unavailable``, and a fork must name its source's.
+     ``prefix_hashes`` names the prompt (:mod:`~petals_chain.swarm.prefix`): the reply's ``cached_tokens`` says
+     how many of its tokens the server's prefix cache holds in every block of the span (the session starts holding
+     them; its first step may start there or earlier). With
      ``wait_s > 0`` a server without free slots queues the open (FIFO, bounded) for up to ``wait_s`` seconds
      instead of refusing it; the client sends nothing until the reply, and ending the stream meanwhile
      withdraws it. With ``heartbeat_s`` too (to servers whose record says ``open_heartbeats``), a queued
@@ -154,8 +157,9 @@ class SessionBackend(Protocol):
                      fork_from: Optional[str] = None, fork_length: int = 0, **prefix: Any) -> dict:
         """Reserve slots (copying ``fork_from``'s first ``fork_length`` tokens of KV) or raise RefusedError;
         returns extra fields for the open reply. ``prefix``: ``prefix_hashes`` (a list of hashes) when the
-        client named its prompt, and ``push=True`` when the open carries a ``push_token`` (the session takes
-        pushes: it holds a push relay's streams too)."""
+        client named its prompt, ``push=True`` when the open carries a ``push_token`` (the session takes
+        pushes: it holds a push relay's streams too), and ``adapter`` (a LoRA adapter fingerprint) when it names
+        one."""
 
     async def forward(self, session_id: str, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Run the session's blocks; raise RefusedError('invalid', ...) for bad input (state unchanged)."""
@@ -361,6 +365,9 @@ class PetalsChainBlocks(ServicerBase):
                     raise RefusedError("invalid", "field 'model' must be a model fingerprint (a string)")
                 if model and served and model != served:
                     raise RefusedError("unavailable", f"this server serves model {served} now, not {model}")
+                adapter = meta.get("adapter")
+                if adapter is not None and (not isinstance(adapter, str) or not 0 < len(adapter) <= 64):
+                    raise RefusedError("invalid", "field 'adapter' must be an adapter fingerprint (a string)")
                 start = _int_field(meta, "start_block")
                 end = _int_field(meta, "end_block", lo=1)
                 max_length = _int_field(meta, "max_length", lo=1)
@@ -393,6 +400,8 @@ class PetalsChainBlocks(ServicerBase):
                 # a push session holds a push relay's streams too: its server counts their descriptors (only
                 # then passed, so a backend that knows no push is driven as before)
                 pushed = {"push": True} if push_token is not None else {}
+                if adapter is not None:  # (only then passed: a backend that knows no adapters is driven as before)
+                    pushed["adapter"] = adapter
                 if wait_s > 0 and hasattr(self.backend, "open_session_wait"):
                     opening = asyncio.ensure_future(self.backend.open_session_wait(sid, start, end, max_length, peer,
                                                                                    float(wait_s), **prefix, **pushed))
@@ -1121,14 +1130,16 @@ class ServerClient:
 
     async def open_session(self, peer_id: Union[str, PeerID], session_id: str, start_block: int, end_block: int,
                            max_length: int, wait_s: float = 0.0, fork_from: Optional[str] = None,
-                           fork_length: int = 0, prefix_hashes: bytes = b"", push_token: str = "") -> RemoteSession:
+                           fork_length: int = 0, prefix_hashes: bytes = b"", push_token: str = "",
+                           adapter: str = "") -> RemoteSession:
         """Reserve ``end_block - start_block`` slots on ``peer_id``; with ``wait_s > 0`` wait at the server (FIFO)
         up to ``wait_s`` seconds for them to free up (a server that heartbeats, see :attr:`heartbeats`, is given
         up on after ``HEARTBEATS_MISSED`` silent periods plus ``heartbeat_grace_s``). ``fork_from``: start with a
         copy of that session's first ``fork_length`` tokens of KV (same peer, same span). ``prefix_hashes``: the
         prompt's :func:`~petals_chain.swarm.prefix.prefix_hashes`; the session starts holding the ``cached_tokens``
         of it the server's prefix cache has (its ``position``). ``push_token``: the session takes pushes from the
-        previous hop of a route that carries it (:mod:`~petals_chain.swarm.push`).
+        previous hop of a route that carries it (:mod:`~petals_chain.swarm.push`). ``adapter``: the fingerprint of
+        the LoRA adapter the session runs with ("" for the base model).
 
         Raises NoCapacityError (server full), RemoteError (refused/invalid), ConnectionError (unreachable)."""
         sess = RemoteSession(str(peer_id), session_id, int(start_block), int(end_block), int(max_length),
@@ -1141,6 +1152,7 @@ class ServerClient:
             **({"fork_from": fork_from, "fork_length": int(fork_length)} if fork_from is not None else {}),
             **({"prefix_hashes": bytes(prefix_hashes)} if prefix_hashes else {}),
             **({"push_token": push_token} if push_token else {}),
+            **({"adapter": adapter} if adapter else {}),
             **({"model": self.model_fingerprint} if self.model_fingerprint else {})})))
         try:
             async with asyncio.timeout(self.open_timeout_s):  # not wait_for: see _await_next
