@@ -467,7 +467,8 @@ class FunctionCall(_Base):
 
 
 class ToolCall(_Base):
-    """One of an assistant message's ``tool_calls`` (what a reply gave, sent back with the conversation)."""
+    """One of an assistant message's ``tool_calls`` (what a reply gave, sent back with the conversation). The openai
+    package's ``chat.completions.stream()`` keeps the call's ``index`` in the stream: it changes nothing."""
 
     id: str = pydantic.Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
@@ -581,6 +582,18 @@ class ChatRequest(SamplingFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; give one")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _results_answer_calls(self):
+        # as OpenAI: a tool's result with no call before it was rendered as the result of nothing
+        called = False
+        for i, m in enumerate(self.messages):
+            called = called or bool(m.tool_calls)
+            if m.role == "tool" and not called:
+                raise FieldError(f"messages.{i}.role", "Invalid parameter: messages with role 'tool' must be a "
+                                                       "response to a preceding message with 'tool_calls' (no "
+                                                       f"assistant message before messages.{i} has tool_calls)")
         return self
 
     def _specs(self) -> list:

@@ -358,8 +358,9 @@ def template_takes_tools(tokenizer: Any) -> bool:
 def call_format(tokenizer: Any) -> CallFormat:
     """The call format the tokenizer's chat template writes (read from the template's text, as transformers'
     tool-use templates spell it): Hermes ``<tool_call>`` (Qwen2.5, Hermes), Mistral's ``[TOOL_CALLS]``, Llama 3.1's
-    ``"parameters"`` JSON; Hermes for a template that takes no tools (:func:`hermes` renders them) or writes calls
-    some other way."""
+    ``"parameters"`` JSON (with its results' ``ipython`` role: Command R's templates name ``"parameters"`` too, in
+    calls of their own shape); Hermes for a template that takes no tools (:func:`hermes` renders them) or writes
+    calls some other way."""
     if not template_takes_tools(tokenizer):
         return HERMES
     template = tokenizer.chat_template
@@ -372,7 +373,7 @@ def call_format(tokenizer: Any) -> CallFormat:
         if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "":  # its special token: unseen
             return dataclasses.replace(FORMATS["mistral"], marker='[{"name":', opening=f"<[{int(ids[0])}]>")
         return FORMATS["mistral"]
-    if '"parameters"' in template:
+    if '"parameters"' in template and "ipython" in template:
         return LLAMA3_JSON
     return HERMES
 
