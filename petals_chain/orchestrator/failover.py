@@ -58,6 +58,7 @@ class ChainHolder:
     """A job's chain and server sessions; feeds tokens, fails over hop by hop, or replays on another chain."""
 
     _counter = SESSION_NUMBERS  # one sequence with the hops' server sessions (and the audits', audit.py)
+    adapter = ""  # the LoRA adapter's fingerprint (set per job in __init__; a holder built without it: the base)
 
     def __init__(self, orch: Any, job_id: str, max_length: int, relay: str | None = None,
                  shape: tuple[int, int] | None = None):
