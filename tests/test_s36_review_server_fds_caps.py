@@ -116,6 +116,7 @@ def test_no_descriptor_count_still_caps_sessions_by_the_limit_alike_in_the_recor
 class _PagedRunner(_Runner):
     num_blocks, num_slots = 4, 800
     static_decode = None
+    adapter_bytes = 0
 
     def cache_stats(self) -> dict:
         return {"pages_total": 800}

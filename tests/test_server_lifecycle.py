@@ -48,7 +48,7 @@ def _server(load) -> Server:
     s.sd = types.SimpleNamespace(peer_id="me")
     memory = types.SimpleNamespace(slots_for=lambda n, length: 4, holds=lambda n, length: True)
     s.active = types.SimpleNamespace(num_layers=8, memory=memory, source=None, config=None, torch_dtype=None,
-                                     fingerprint="fp")
+                                     fingerprint="fp", adapters=(), adapter_names={})
     s._make_runner = load
     return s
 

@@ -358,9 +358,12 @@ class _Request:
 
     def complete(self) -> None:
         self.event.set()
-        if self.on_done is not None:
+        # let go at once: the wake-up closes over its caller's session and runner (``on_abandoned``), and a worker
+        # idling with its last batch in hand kept a closed runner allocated
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
             try:
-                self.on_done()
+                on_done()
             except Exception:  # noqa: BLE001 - one caller's broken wake-up must not end the worker (and the others)
                 logger.exception(f"waking the caller of session {self.session.session_id!r} failed; its result is "
                                  f"dropped")
@@ -570,6 +573,7 @@ class BatchScheduler:
                         # other, and a handler that changed it changed the others'
                         r.error = _own_error(e)
                         r.complete()
+            batch = None  # not held while this worker idles (the requests reach their runner)
 
     def _batch_ready(self) -> bool:
         """True once waiting longer cannot grow the batch: no open session is about to send a step."""
