@@ -11,10 +11,11 @@ roles run in this process, each on its event loop in a thread; the two servers e
 block each: ``--blocks-per-server 1``, one chain of two hops, e.g. for ``--relay push``).
 
 The verdict: a container that grew by more than ``--tolerance`` entries per 1,000 requests from the first measured
-round to the last (from the warm-up with ``--rounds 1``), and still grew in the last round, is a leak: the run
-exits 1 and names it. Containers bounded by a time window (arrival rates 300 s, per-client usage and the fairness
-meter 60 s) grow in a run shorter than their window, those bounded by a size (maxlen, a capacity) until they fill:
-more rounds tell them apart (a bounded one levels off). ``--tracemalloc`` adds the largest growth by allocation site.
+round to the last, and still grew in the last round, is a leak: the run exits 1 and names it (so ``--rounds`` is 2
+or more: from the warm-up, every cache filling for the first time read as a leak). Containers bounded by a time
+window (arrival rates 300 s, per-client usage and the fairness meter 60 s) grow in a run shorter than their window,
+those bounded by a size (maxlen, a capacity) until they fill: more rounds tell them apart (a bounded one levels
+off). ``--tracemalloc`` adds the largest growth by allocation site.
 
     PETALS_CHAIN_LAUNCH=exec python scripts/soak.py --rounds 3 --requests 600
 """
@@ -296,7 +297,8 @@ def _settle(loop: LoopThread, orch: Any, quiet_s: float, timeout: float = 60.0) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=positive_int, default=3, help="measured rounds after the warm-up round")
+    ap.add_argument("--rounds", type=positive_int, default=3,
+                    help="measured rounds after the warm-up round (2 or more: the verdict compares two)")
     ap.add_argument("--requests", type=positive_int, default=600, help="requests per measured round")
     ap.add_argument("--warmup", type=positive_int, default=None,
                     help="requests of the warm-up round (default: --requests)")
@@ -314,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare tracemalloc snapshots after the first measured round and the last (slower)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
-    if args.tracemalloc and args.rounds < 2:  # (its snapshots are taken after measured round 1 and the last)
-        ap.error("--tracemalloc compares two measured rounds: it needs --rounds 2 or more")
+    if args.rounds < 2:  # (and --tracemalloc's snapshots are taken after measured round 1 and the last)
+        ap.error(f"--rounds {args.rounds}: the verdict compares the first measured round with the last, so it needs "
+                 "--rounds 2 or more (growth from the warm-up is every cache filling, not a leak)")
     if args.warmup is None:
         args.warmup = args.requests
     logging.basicConfig(level=logging.ERROR)

@@ -370,16 +370,22 @@ def test_concurrent_session_opens_stay_within_the_keys_cap(model_path, tmp_path)
     assert statuses == [200, 200] + [429] * 8 and opened == 2
 
 
-def test_cli_rejects_bad_arguments(model_path):
+def test_cli_rejects_bad_arguments(model_path, capsys, scaled):
     import subprocess
     import sys
 
+    from petals_chain.orchestrator.__main__ import main
+
+    # in this process (a `python -m` start imports torch: ~6 s of CPU each), then the entry point once
     for args, msg in [(["--arrival-rate", "-1"], "arrival rate"), (["--placement", "nope"], "invalid choice"),
-                      (["--dispatch", "nope"], "invalid choice"), (["--rho-bar", "2"], "rho-bar"),
-                      (["--max-length", "0"], "positive")]:
-        r = subprocess.run([sys.executable, "-m", "petals_chain.orchestrator", "--model", str(model_path), *args],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode != 0 and msg in r.stderr, (args, r.stderr)
+                      (["--dispatch", "nope"], "invalid choice"), (["--max-length", "0"], "positive")]:
+        with pytest.raises(SystemExit) as e:
+            main(["--model", str(model_path), *args])
+        err = capsys.readouterr().err
+        assert e.value.code != 0 and msg in err, (args, err)
+    r = subprocess.run([sys.executable, "-m", "petals_chain.orchestrator", "--model", str(model_path),
+                        "--rho-bar", "2"], capture_output=True, text=True, timeout=scaled(60))
+    assert r.returncode != 0 and "rho-bar" in r.stderr, r.stderr
 
 
 def test_client_disconnect_cancels_queued_request(model_path, scaled):

@@ -5,9 +5,6 @@ runs without capture (mode ``eager``), which is what a graph records: the same p
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from conftest import hf_greedy_from
@@ -85,11 +82,12 @@ def test_modes_are_checked():
         check_decode_graph("graph", "cpu")
 
 
-def test_server_refuses_cuda_graphs_without_a_gpu(tiny_model_factory):
+def test_server_refuses_cuda_graphs_without_a_gpu(tiny_model_factory, capsys):
+    from petals_chain.server.__main__ import main  # (in this process: a `python -m` start imports torch, ~6 s)
+
     path = tiny_model_factory("llama", num_layers=4)
-    proc = subprocess.run([sys.executable, "-m", "petals_chain.server", "--model", str(path), "--device", "cpu",
-                           "--decode-graph", "cuda"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--decode-graph cuda needs --device cuda" in proc.stderr
+    assert main(["--model", str(path), "--device", "cpu", "--decode-graph", "cuda"]) == 2
+    assert "--decode-graph cuda needs --device cuda" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -151,5 +151,5 @@ def test_soak_removes_its_model_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny, "build_tiny_model", build)
     monkeypatch.setattr(soak.logging, "basicConfig", lambda **kw: None)  # the test's logging stays as it is
     with pytest.raises(RuntimeError, match="no room"):
-        soak.main(["--rounds", "1", "--requests", "10"])
+        soak.main(["--rounds", "2", "--requests", "10"])
     assert not work.exists()

@@ -119,7 +119,7 @@ def test_a_failed_orchestrator_start_is_stopped(soak, monkeypatch):
     running; now it is stopped, the thread ended, the temp directory gone, the start's error raised."""
     monkeypatch.setattr(FakeOrch, "fail_start", True)
     with pytest.raises(RuntimeError, match="DHT node"):
-        soak.mod.main(["--rounds", "1", "--requests", "10"])
+        soak.mod.main(["--rounds", "2", "--requests", "10"])
     assert FakeOrch.last.events == ["load", "start", "stop"]
     assert not soak.sockets and not FakeServer.made  # (nothing after the failed start was started)
 
@@ -129,7 +129,7 @@ def test_a_failed_server_start_stops_the_rest(soak, monkeypatch):
     and its listening socket running; now each is stopped, in the reverse order."""
     monkeypatch.setattr(FakeServer, "fail_at", 1)
     with pytest.raises(RuntimeError, match="no room"):
-        soak.mod.main(["--rounds", "1", "--requests", "10"])
+        soak.mod.main(["--rounds", "2", "--requests", "10"])
     assert FakeOrch.last.events == ["load", "start", "stop"]
     assert [s.finished for s in FakeServer.made] == [True]
     _assert_api_stopped(soak.sockets)

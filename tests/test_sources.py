@@ -28,15 +28,16 @@ def test_short_name_resolves_to_the_fetched_gguf(smollm2_path):
     assert len(src.tensor_names()) == 30 * 9 + 2  # tied embeddings: no lm_head tensor
 
 
-def test_missing_short_name_says_how_to_fetch(tmp_path, monkeypatch):
+def test_missing_short_name_says_how_to_fetch(tmp_path, monkeypatch, capsys):
+    from petals_chain.server.__main__ import main  # (in this process: a `python -m` start imports torch, ~6 s)
+
     monkeypatch.setenv("PETALS_CHAIN_MODELS_DIR", str(tmp_path / "empty"))
     with pytest.raises(FileNotFoundError, match=r"python3 -m petals_chain\.fetch smollm2-135m"):
         resolve_source("smollm2-135m")
     # the command-line tools say the same, with a clean exit code instead of a traceback
     env = {**__import__("os").environ, "PETALS_CHAIN_MODELS_DIR": str(tmp_path / "empty")}
-    proc = subprocess.run([sys.executable, "-m", "petals_chain.server", "--model", "smollm2-135m"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "petals_chain.fetch smollm2-135m" in proc.stderr
+    assert main(["--model", "smollm2-135m"]) == 2
+    assert "petals_chain.fetch smollm2-135m" in capsys.readouterr().err
     proc = subprocess.run([sys.executable, "-m", "petals_chain.fetch", "--list"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and "smollm2-135m" in proc.stdout and "not fetched" in proc.stdout
@@ -108,7 +109,7 @@ def test_fingerprints_tell_models_apart(tiny_model_factory, tmp_path):
     assert len(resolve_source("smollm2-135m").fingerprint) == 16
 
 
-def test_unsupported_family_is_refused(tiny_model_factory, tmp_path):
+def test_unsupported_family_is_refused(tiny_model_factory, tmp_path, capsys):
     path = tmp_path / "gemma"
     shutil.copytree(tiny_model_factory("llama", num_layers=4), path)
     cfg = json.loads((path / "config.json").read_text())
@@ -116,9 +117,11 @@ def test_unsupported_family_is_refused(tiny_model_factory, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="gemma2.*not supported"):
         check_family(resolve_source(path).config)
-    proc = subprocess.run([sys.executable, "-m", "petals_chain.orchestrator", "--model", str(path), "--port", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "gemma2" in proc.stderr and "Traceback" not in proc.stderr
+    from petals_chain.orchestrator.__main__ import main  # (in this process: a `python -m` start imports torch, ~6 s)
+
+    assert main(["--model", str(path), "--port", "0"]) != 0  # said, not raised (no traceback)
+    err = capsys.readouterr().err
+    assert "gemma2" in err and "Traceback" not in err
 
 
 def test_weight_files_outside_the_model_folder_are_refused(tiny_model_factory, tmp_path):

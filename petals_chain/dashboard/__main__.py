@@ -206,9 +206,12 @@ def _run(args: argparse.Namespace, prefix: Optional[str], trusted: list[str], so
             source.start()
             app = create_app(source.view, source.health, model_view=source.view)
             say(f"dashboard for DHT prefix {prefix!r} (trusting orchestrator {', '.join(trusted) or 'none'})")
-            from petals_chain.swarm.webpage import url_host
+            from petals_chain.swarm.webpage import local_host, url_host
 
-            print(f"dashboard: http://{url_host(args.host)}:{args.port}/", flush=True)
+            # a wildcard host (0.0.0.0, ::) is no address to open: the loopback one, and every address said
+            shown = local_host(args.host)
+            everywhere = f" (listening on every address: --host {args.host})" if shown != args.host else ""
+            say(f"dashboard: http://{url_host(shown)}:{args.port}/{everywhere}")
             lost = _serve(uvicorn, app, sock, sd)
         finally:
             source.stop()

@@ -565,10 +565,10 @@ def _http_urls(cfg: Any, scheme: str, port: int) -> tuple[str, str]:
     for a wildcard host) and where this process does. An IPv6 address is bracketed: ``http://::1:8000`` was printed,
     written to the ready file, announced to the other orchestrators (which forwarded nothing there) and linked on
     the dashboard."""
-    from petals_chain.swarm.webpage import url_host
+    from petals_chain.swarm.webpage import local_host, url_host
 
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else (cfg.public_ip or "127.0.0.1")
-    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(cfg.host, cfg.host)
+    local = local_host(cfg.host)
     return (cfg.public_url or f"{scheme}://{url_host(host)}:{port}", f"{scheme}://{url_host(local)}:{port}")
 
 

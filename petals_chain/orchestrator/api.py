@@ -1395,7 +1395,8 @@ _CUT_MESSAGE = ("the orchestrator is shutting down and its grace for running req
 def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
     """The FastAPI app over ``orch`` (the caller runs ``orch.start()``/``stop()`` in the server's loop); ``ledger``:
     the per-client counts shared with the other models' apps behind one router (``limits.ClientLedger``)."""
-    app = FastAPI(title="petals-chain orchestrator", version="0.1.0")
+    # /openapi.json's info.version: the build (package version, commit), not FastAPI's placeholder "0.1.0"
+    app = FastAPI(title="petals-chain orchestrator", version=build_version().partition("/")[2])
     app.router.route_class = ReadBodyRoute  # an endpoint takes the body an outer layer read (and its JSON parse)
     app.state.orch = orch
     cfg = orch.cfg

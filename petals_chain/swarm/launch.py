@@ -40,6 +40,8 @@ MIN_OPEN_FILES = 128
 RESERVED_OPEN_FILES = 64
 # Raised to at most this: select()-based code cannot take descriptors past 1024, others need no more
 MAX_RAISED_OPEN_FILES = 1 << 16
+# macOS refuses a soft limit over OPEN_MAX (10240) even under an unlimited hard one: raised to it instead
+OPEN_MAX_MACOS = 10240
 # How often "out of descriptors" is logged while it lasts (seconds)
 EXHAUSTED_LOG_S = 60.0
 
@@ -208,20 +210,24 @@ def launch(module: str, args: Sequence[str], *, log_path: Union[str, Path], env:
 
 def raise_open_files_limit(role: str, needed: int = MIN_OPEN_FILES) -> int:
     """Raise this process's soft open-files limit (RLIMIT_NOFILE) to its hard limit (at most
-    :data:`MAX_RAISED_OPEN_FILES`) and return it. Distributions and containers start processes at a soft 1024
-    (sometimes 256) under a far higher hard limit: each HTTP connection and P2P stream takes a descriptor, and a role
-    out of them failed its P2P calls and banned every server. ``ValueError`` (naming ``ulimit -n`` and ``needed``)
-    when even the hard limit is under ``needed``: the role is refused at start rather than failing once loaded."""
+    :data:`MAX_RAISED_OPEN_FILES`, else :data:`OPEN_MAX_MACOS` when that is refused, as macOS does) and return it.
+    Distributions and containers start processes at a soft 1024 (sometimes 256) under a far higher hard limit: each
+    HTTP connection and P2P stream takes a descriptor, and a role out of them failed its P2P calls and banned every
+    server. ``ValueError`` (naming ``ulimit -n`` and ``needed``) when even the hard limit is under ``needed``: the
+    role is refused at start rather than failing once loaded."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = MAX_RAISED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_RAISED_OPEN_FILES)
-    if soft != resource.RLIM_INFINITY and soft < target:
+    for tried in dict.fromkeys((target, min(target, OPEN_MAX_MACOS))):
+        if soft == resource.RLIM_INFINITY or soft >= tried:
+            break
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError) as e:  # a sandbox that refuses it: the soft limit stays, checked below
-            logger.debug("could not raise the open-files limit from %d to %d: %s", soft, target, e)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (tried, hard))
+            soft = tried
+            break
+        except (ValueError, OSError) as e:  # macOS over OPEN_MAX (tried again at it), a sandbox: checked below
+            logger.debug("could not raise the open-files limit from %d to %d: %s", soft, tried, e)
     limit = MAX_RAISED_OPEN_FILES if soft == resource.RLIM_INFINITY else int(soft)
     if limit < needed:
         advised = max(needed, 4096)

@@ -108,6 +108,12 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def local_host(host: str) -> str:
+    """Where this machine reaches what listens on ``host``: the loopback address for a wildcard (``0.0.0.0``,
+    ``::``: every address, itself none to open), else ``host``."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
 def listen_http(host: str, port: int) -> socket.socket:
     """A listening, non-blocking TCP socket on ``host``:``port`` (an IPv6 literal: AF_INET6), for uvicorn's
     ``serve(sockets=...)``. Bound before the role joins the DHT or loads anything, so a port in use is said at
