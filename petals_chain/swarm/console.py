@@ -3,6 +3,8 @@ encoding is not UTF-8, and a working directory that may be gone."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import sys
 from typing import IO, Optional
@@ -12,12 +14,37 @@ def say(*parts: object, file: Optional[IO[str]] = None) -> None:
     """``print(*parts, flush=True)`` that never raises. A reader gone (``| head -1``, ``| grep -m1 /p2p/``, a ``tee``
     ended by Ctrl-C) or a terminal closed raised BrokenPipeError / EIO out of a role: the orchestrator exited with
     "error: [Errno 32] Broken pipe" before serving, the server with a traceback at its ``PEER_ID`` line. The stream's
-    descriptor then goes to ``/dev/null``, so later lines and the interpreter's flush at exit do not fail again."""
+    descriptor then goes to ``/dev/null``, so later lines and the interpreter's flush at exit do not fail again.
+    A character the stream's encoding cannot write (a path's, under a non-UTF-8 locale) is written as an escape; any
+    other write error (a full disk under a redirected stdout) is logged once and later lines are tried again."""
     stream = file if file is not None else sys.stdout
+    line = " ".join(map(str, parts))  # one write: a part that cannot be encoded leaves none of the line behind
     try:
-        print(*parts, file=stream, flush=True)
-    except (OSError, ValueError):  # ValueError: the stream was closed
-        _to_devnull(stream)
+        try:
+            print(line, file=stream, flush=True)
+        except UnicodeEncodeError:
+            encoding = getattr(stream, "encoding", None) or "ascii"
+            print(line.encode(encoding, "backslashreplace").decode(encoding), file=stream, flush=True)
+    except OSError as e:
+        if e.errno in _READER_GONE:
+            _to_devnull(stream)
+        else:
+            _not_written(e)
+    except ValueError:  # the stream was closed
+        pass
+
+
+# errnos of a standard output nobody reads any more; a full disk (ENOSPC, EDQUOT, EFBIG) is not one of them
+_READER_GONE = frozenset({errno.EPIPE, errno.EIO, errno.ECONNRESET})
+_warned = False
+
+
+def _not_written(e: OSError) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logging.getLogger(__name__).warning(f"a line of standard output could not be written ({e.strerror or e}); "
+                                            "later lines are tried again")
 
 
 def tolerant_stdout() -> None:
