@@ -17,8 +17,8 @@ fingerprint it. Definitions used everywhere else:
 What cannot be served is refused with one line naming the field or tensor: another peft type, ``modules_to_save``,
 ``use_dora`` (DoRA), ``bias`` other than ``"none"``, ``lora_bias``, ``fan_in_fan_out``, ``alpha_pattern``,
 ``layer_replication``, trainable token indices, targets outside the transformer blocks (embeddings, ``lm_head``),
-shapes that do not match the model, non-finite weights. ``base_model_name_or_path`` is informational: the shapes
-decide whether an adapter fits a model.
+shapes that do not match the model, non-finite weights, tensors of another dtype than float32/16, bfloat16 or
+float64. ``base_model_name_or_path`` is informational: the shapes decide whether an adapter fits a model.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_ADAPTERS = 8  # per model on one server (its record lists them) and per model on an orchestrator
 FINGERPRINT_CHARS = 32
 MAX_CONFIG_BYTES = 1 << 20
+_TENSOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what LoRA matrices are stored in
 # peft's key of a block's LoRA matrix: base_model.model (the PeftModel's LoraModel) .model (the CausalLM) .model.layers
 _KEY_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.([A-Za-z0-9_.]+)\.lora_([AB])\.weight$")
 # config fields that must be empty/false/none to be served: field -> what its presence means
@@ -151,14 +152,15 @@ def _fail(name: str, what: str) -> AdapterError:
 
 
 def _target_matches(targets: Any, layer: int, module: str) -> bool:
-    """Whether peft's ``target_modules`` names ``module`` of decoder layer ``layer``: a list of names (a module
-    whose path is, or ends with, one of them), ``"all-linear"``, or a regex matched against the whole key."""
+    """Whether peft's ``target_modules`` names ``module`` of decoder layer ``layer``: a list of names (as peft
+    matches them: the module's full name ``model.layers.N.<module>`` is one of them or ends with ``.`` and one),
+    ``"all-linear"``, or a regex matched against the whole name."""
     if targets is None:
         return True  # peft fills it from the architecture; the tensors say which modules
     key = f"model.layers.{layer}.{module}"
     if isinstance(targets, str):
         return targets == "all-linear" or re.fullmatch(targets, key) is not None
-    return any(module == t or module.endswith("." + t) for t in targets)
+    return any(key == t or key.endswith("." + t) for t in targets)
 
 
 def _read_config(path: Path, name: str) -> dict:
@@ -169,6 +171,8 @@ def _read_config(path: Path, name: str) -> dict:
         raise _fail(name, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         config = json.loads(file.read_text())
+    except RecursionError:  # not a ValueError: the server's start printed a traceback
+        raise _fail(name, f"{CONFIG_FILE} nests deeper than the JSON parser goes") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _fail(name, f"{CONFIG_FILE} is not JSON: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
@@ -204,6 +208,11 @@ def _check_config(config: dict, name: str) -> tuple[int, float, bool]:
     if targets is not None and not (isinstance(targets, str) or (isinstance(targets, list)
                                                                  and all(isinstance(t, str) for t in targets))):
         raise _fail(name, f"target_modules must be a list of module names or a regex, got {targets!r}")
+    if isinstance(targets, str) and targets != "all-linear":
+        try:
+            re.compile(targets)
+        except re.error as e:  # not a ValueError: the server's start printed a traceback
+            raise _fail(name, f"target_modules {targets!r} is not a regex: {e}") from None
     layers = config.get("layers_to_transform")
     if layers is not None and not (isinstance(layers, int) or (isinstance(layers, list)
                                                                and all(isinstance(i, int) for i in layers))):
@@ -249,8 +258,8 @@ def read_adapter(path: str | Path, name: str = "") -> LoraAdapter:
                 if m is None:
                     raise _fail(name, _why_not_served(key))
                 t = f.get_tensor(key)
-                if not t.is_floating_point():
-                    raise _fail(name, f"tensor {key} is {t.dtype}, not floating point")
+                if t.dtype not in _TENSOR_DTYPES:  # (float8's isfinite raised NotImplementedError: a traceback)
+                    raise _fail(name, f"tensor {key} is {t.dtype}, not float32, float16, bfloat16 or float64")
                 if not bool(torch.isfinite(t).all()):
                     raise _fail(name, f"tensor {key} holds NaN or infinite values")
                 if t.ndim != 2:
@@ -276,6 +285,8 @@ def read_adapter(path: str | Path, name: str = "") -> LoraAdapter:
         if ra != rb:
             raise _fail(name, f"{where}: lora_A is {list(shapes[ab['A']])}, lora_B {list(shapes[ab['B']])}: their "
                               f"ranks differ")
+        if ra < 1:  # (rank_pattern lets a module's rank differ from r) its scaling would divide by zero
+            raise _fail(name, f"{where}: rank 0 (lora_A {list(shapes[ab['A']])}): a LoRA matrix has at least one row")
         if not rank_pattern and ra != r:
             raise _fail(name, f"{where}: rank {ra} (lora_A {list(shapes[ab['A']])}), the config's r is {r}")
         if not _target_matches(targets, layer, module):
