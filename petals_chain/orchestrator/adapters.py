@@ -26,8 +26,11 @@ ADAPTER: contextvars.ContextVar[str] = contextvars.ContextVar("petals_chain_adap
 
 def split_adapter_args(values: Sequence[str], models: Sequence[str]) -> dict[str, list[str]]:
     """``--adapter`` values per model name (``models``, the first the default): ``NAME=PATH`` is the only model's
-    (several models: each must say ``MODEL:NAME=PATH``). Values are returned as ``NAME=PATH``. AdapterError otherwise."""
+    (several models: each must say ``MODEL:NAME=PATH``). Values are returned as ``NAME=PATH``. AdapterError otherwise,
+    and for a NAME that is a model's or another model's adapter's (a request names one model id: the router sent it
+    to one of them, the other listed by ``/v1/models`` and never served)."""
     out: dict[str, list[str]] = {m: [] for m in models}
+    owner: dict[str, str] = {}
     for value in values:
         model, name, path = parse_adapter_arg(value)
         if model is None:
@@ -37,6 +40,11 @@ def split_adapter_args(values: Sequence[str], models: Sequence[str]) -> dict[str
             model = models[0]
         if model not in out:
             raise AdapterError(f"--adapter {value!r}: no model {model!r} is served (one of {', '.join(models)})")
+        if len(models) > 1 and (name in out or owner.get(name, model) != model):
+            what = "a model's" if name in out else f"an adapter of {owner[name]}"
+            raise AdapterError(f"--adapter {value!r}: the name {name!r} is {what}; each adapter needs a model id of "
+                               "its own")
+        owner[name] = model
         out[model].append(f"{name}={path}")
     return out
 

@@ -2262,7 +2262,7 @@ def create_app(orch: Orchestrator, ledger: Any = None) -> FastAPI:
         reserve_tokens(sum(len(x) for x in ids), "input")
         set_deadline(req)
         done = await unless_disconnected(request, _embeddings.embed_inputs(orch, ids))
-        body = await asyncio.to_thread(_embeddings.response, orch.model_id, done, req.encoding_format, DEADLINE.get())
+        body = await asyncio.to_thread(_embeddings.response, served_model(), done, req.encoding_format, DEADLINE.get())
         return Response(body, media_type="application/json")  # encoded off the event loop (embeddings.response)
 
     @app.post("/tokenize")

@@ -40,8 +40,8 @@ import math
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Sequence
 
 from petals_chain.algorithms.edf import (ChainLoad, EDFQueue, Preemptible, Prediction, StepTimes, flex_victim,
                                         meets_on, predict, predict_from_running)
@@ -870,6 +870,8 @@ class DispatchManager:
         must leave room for the ``later`` jobs of its request still to come (:meth:`_check_room`). Returns the places
         its request may hold for them (all ``later`` unbounded). ``now``: the time its deadlines are judged at (the
         prediction's, :meth:`_fits`)."""
+        if bounded and job.adapter and self.dispatcher is not None and not self._adapter_chains(job.adapter):
+            raise NoAdapterChain(job.adapter)  # a new request's, at once (not QueueNeverFits for its 0 slots)
         bounded = bounded and self.max_queue is not None
         cap = later
         if bounded and later:
@@ -936,22 +938,37 @@ class DispatchManager:
             return cap
         if bounded and self.queue_length + self.places_held + 1 + cap > self.max_queue:
             raise QueueFull(self.max_queue)
+        if bounded and self.keeps_places:  # the share rule, as _check_share (a client took every place else)
+            queued = self.queue_length + self.places_held
+            mine = self.waiting_of(job.client) + self.places_held_of(job.client)
+            if self._over_share(mine, queued, 1 + cap):
+                raise QueueShareFull(self.max_queue, mine, queued, 1 + cap, 1 + cap)
         self._picky.append(job)
         return cap
 
     def _picky_for(self, k: int) -> DispatchJob | None:
         """The waiting job of an adapter that chain ``k``'s freed slot goes to: the first that ``k`` serves, if it came
-        back after holding a chain or came before the dispatcher's queue head (FIFO across both)."""
+        back after holding a chain or goes before the dispatcher's queue head (FIFO across both, or the queue's
+        order: deadlines, priorities)."""
         if not self._picky:
             return None
         q = getattr(self.dispatcher, "queue", None)
-        try:
-            head = q.peek() if q is not None and len(q) else None
-        except Exception:  # noqa: BLE001 - a queue that cannot say its head: the adapter's job goes first
+        if q is None or not len(q):
             head = None
+        elif hasattr(q, "peek"):
+            head = q.peek()
+        else:  # a fair policy's queue (a list, by arrival): its oldest job (taken for none, adapters' jobs went first)
+            head = next(iter(q))
+        # in the queue's own order (edf, flex: deadlines; db, mlfq: priorities; else arrival), as the predictions of
+        # the queued jobs count those ahead: by arrival alone, an adapter's job without a deadline took the slot of a
+        # deadline job that came after it. A job paused for a deadline or priority goes after a head that goes first
+        # (as in the re-queue lane); one back after a failover goes first
+        key = ((self._priority if self.priorities is not None else (lambda j: j.order_key)) if isinstance(q, EDFQueue)
+               else (lambda j: 0.0))
         for job in self._picky:
-            if (job.requeue or job.arrival <= getattr(head, "arrival", math.inf)) and self.serves_adapter is not None \
-                    and self.serves_adapter(self.chains[k], job.adapter):
+            first = head is None or (job.requeue and not job.yields) or (
+                (key(job), job.arrival) <= (key(head), head.arrival))
+            if first and self._may_run_on(job, k):
                 return job
         return None
 
@@ -1037,9 +1054,16 @@ class DispatchManager:
         """``client``'s jobs counted by ``queue_length``."""
         return sum(1 for j in self._queued_jobs() if j.client == client)
 
-    def _free_slots(self) -> int:
-        return sum(max(0, int(ch.capacity) - self.active(k) - self._reserved.get(k, 0))
-                   for k, ch in enumerate(self.chains)) if self.dispatcher is not None else 0
+    def _free_slots(self, ks: Iterable[int] | None = None) -> int:
+        """Free slots of the chains ``ks`` (all of them by default)."""
+        if self.dispatcher is None:
+            return 0
+        ks = range(len(self.chains)) if ks is None else ks
+        return sum(max(0, int(self.chains[k].capacity) - self.active(k) - self._reserved.get(k, 0)) for k in ks)
+
+    def _chains_for(self, job: DispatchJob) -> list[int]:
+        """The chains ``job`` may run on: those serving its LoRA adapter, or all."""
+        return self._adapter_chains(job.adapter) if job.adapter else list(range(len(self.chains)))
 
     def _check_room(self, job: DispatchJob, later: int) -> int:
         """The first job of a request of several (``n`` > 1, several prompts): refuse it now unless the queue has a
@@ -1047,15 +1071,19 @@ class DispatchManager:
         never refused), within the bound and, where the queue keeps places, the share; places held for other
         requests count as taken. Returns the places the request may hold for its later jobs: all of them where the
         queue has room (then the bound holds whoever takes the free slots meanwhile), else those it has."""
-        free = self._free_slots()
+        # an adapter's jobs start only on the chains serving it: the other chains' free slots start none of them
+        ks = self._chains_for(job)
+        free = self._free_slots(ks)
         need = max(0, 1 + later - free)
         queued = self.queue_length + self.places_held
         if need > self.max_queue - queued:
-            slots = sum(max(0, int(ch.capacity)) for ch in self.chains)
+            slots = sum(max(0, int(self.chains[k].capacity)) for k in ks)
+            whose = (f"the chains' {slots} slots" if not job.adapter
+                     else f"the {slots} slots of the chains serving its LoRA adapter")
             # never fits, however idle the swarm: not "retry later" (with no chain yet, nothing is known of slots)
             if self.dispatcher is not None and 1 + later - slots > self.max_queue:
                 raise QueueNeverFits(self.max_queue, f"this request's {1 + later} completions (prompts x n) are more "
-                                                     f"than the chains' {slots} slots and the queue's bound "
+                                                     f"than {whose} and the queue's bound "
                                                      f"(--max-queue {self.max_queue}) together: ask for fewer")
             raise QueueFull(self.max_queue, f"the swarm is busy: its queue ({queued} waiting or held, bound "
                                             f"{self.max_queue}) has no room for the {need} of this request's "
@@ -1064,7 +1092,7 @@ class DispatchManager:
         mine = self.waiting_of(job.client) + self.places_held_of(job.client)
         if self.keeps_places and self._over_share(mine, queued, need):
             if self.dispatcher is not None:
-                idle = max(0, 1 + later - sum(max(0, int(ch.capacity)) for ch in self.chains))
+                idle = max(0, 1 + later - sum(max(0, int(self.chains[k].capacity)) for k in ks))
                 if self._over_share(0, 0, idle):  # more than any client's share even of an idle swarm's queue
                     raise QueueNeverFits(self.max_queue, f"this request's {1 + later} completions (prompts x n) "
                                                          f"need {idle} places in the queue beyond the chains' free "
@@ -1085,17 +1113,19 @@ class DispatchManager:
         held = mine + need - 1
         return held > 0 and held >= QUEUE_SHARE_ALPHA * (self.max_queue - queued - need)
 
-    def most_jobs_admissible(self) -> int | None:
+    def most_jobs_admissible(self, adapter: str = "") -> int | None:
         """The most jobs one request may have at once and still be admitted on an idle swarm (:meth:`_check_room`:
-        the chains' slots, and the places of the queue's bound, or of one client's share where it keeps places);
-        None: no bound (no chain yet, or no bound at all). For a caller that chooses how many of its request's jobs
-        run at once (the inputs of an embeddings request), so that its own choice is never refused as too many."""
+        the chains' slots, those serving the LoRA adapter ``adapter`` if one is named, and the places of the queue's
+        bound, or of one client's share where it keeps places); None: no bound (no chain yet, or no bound at all).
+        For a caller that chooses how many of its request's jobs run at once (the inputs of an embeddings request),
+        so that its own choice is never refused as too many."""
         if self.max_queue is None or self.dispatcher is None:
             return None
         places = self.max_queue
         if self.keeps_places:
             places = next(k for k in range(self.max_queue + 1) if self._over_share(0, 0, k + 1))
-        return sum(max(0, int(ch.capacity)) for ch in self.chains) + places
+        ks = self._adapter_chains(adapter) if adapter else range(len(self.chains))
+        return sum(max(0, int(self.chains[k].capacity)) for k in ks) + places
 
     def _check_share(self, job: DispatchJob, later: int = 0) -> None:
         """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client, with the places of
@@ -1116,7 +1146,14 @@ class DispatchManager:
         """Start ``job`` if the dispatcher has a free slot for it now, or one its request holds (``ticket``: its
         place in the request), else put it in the re-queue lane."""
         if job.adapter:  # an adapter's: only on chains serving it, waiting apart
-            if self.dispatcher is None or not self._start_picky(job):
+            if self.dispatcher is not None and self._start_picky(job):
+                return
+            # or on a slot its request holds (on a chain serving it, _reserve), as below: it idled while the job waited
+            k = self._take_slot(ticket.places) if self.dispatcher is not None and ticket is not None \
+                and ticket.places.slots else None
+            if k is not None:
+                self._start(job, k)
+            else:
                 self._picky.append(job)
             return
         if self.dispatcher is not None:
@@ -1556,6 +1593,10 @@ class DispatchManager:
             # A starved job takes the next slot that frees, pausing nobody: at overload every service starves and
             # its pauses were most of DB's (70 of 112 with SmolLM2 at 3 req/s on three servers, DB 1.63x FCFS)
             return
+        # a LoRA adapter's job takes only a slot of a chain serving it (paused elsewhere, a job paused for nobody)
+        candidates = [lease for lease in candidates if self._may_run_on(best, lease.index)]
+        if not candidates:
+            return
         best_key = self._priority(best)
         # the simulator's rule too (chainsim, pause rule "runtime"): the one that goes last, the newest on a tie
         # (by -started it was the lease that started first: the one with the most done)
@@ -1655,7 +1696,7 @@ class DispatchManager:
         """The chains as :func:`~petals_chain.algorithms.edf.predict` sees them, and how many jobs are served before
         ``job``: the re-queue lane and, in the queue, every job (``fcfs``), those with an earlier or equal deadline
         (``edf``, ``flex``) or those a client-fair ``--fairness`` serves first (:meth:`ClientShares.ahead`)."""
-        chains = self._chain_loads()
+        chains = self._serving_loads(job, self._chain_loads())
         q = getattr(self.dispatcher, "queue", None) if self.dispatcher is not None else None
         # jobs paused for deadlines wait in the lane behind every deadline (see _deadline_before)
         ahead = sum(1 for j in self._lane if not j.yields or j.order_key <= job.order_key) + len(self._pending)
@@ -1673,6 +1714,20 @@ class DispatchManager:
         else:
             ahead += self.queue_length - len(self._pending)
         return chains, ahead
+
+    def _serving_loads(self, job: DispatchJob, loads: list[ChainLoad]) -> list[ChainLoad]:
+        """``loads`` as ``job`` may use them: for a LoRA adapter's job, the chains not serving it without slots (it
+        never starts there; counted, its deadline was judged by a free chain it could not take, and flex paused a job
+        there for it, freeing a slot it could not use)."""
+        if not job.adapter:
+            return loads
+        serving = set(self._adapter_chains(job.adapter))
+        return [c if k in serving else replace(c, capacity=0, active=0) for k, c in enumerate(loads)]
+
+    def _may_run_on(self, job: DispatchJob, k: int) -> bool:
+        """Whether ``job`` may run on chain ``k`` (every server of it serves its LoRA adapter, if it names one)."""
+        return not job.adapter or (self.serves_adapter is not None and 0 <= k < len(self.chains)
+                                   and self.serves_adapter(self.chains[k], job.adapter))
 
     def _chain_loads(self, empty: bool = False) -> list[ChainLoad]:
         """The current chains as the predictions see them (:meth:`_chain_load`); ``empty``: every one idle."""
@@ -1703,8 +1758,8 @@ class DispatchManager:
         fast as it was seen to): doomed, the deadline is missed however idle the swarm. Its first token on the chain
         that gives it soonest (where JFFC starts a job with a TTFT deadline that meets it there, :meth:`_fits`), so it
         is not later than the system."""
-        return predict(now, self._chain_loads(empty=True), 0, job.output_tokens, siblings=job.siblings,
-                       **self._deadlines(job))
+        return predict(now, self._serving_loads(job, self._chain_loads(empty=True)), 0, job.output_tokens,
+                       siblings=job.siblings, **self._deadlines(job))
 
     def _start_chain(self, job: DispatchJob, chains: list[ChainLoad], now: float | None) -> int | None:
         """The chain ``job`` would start on now if it has a free slot, as :meth:`_arrive` starts it (a chain it prefers,
@@ -1713,6 +1768,8 @@ class DispatchManager:
         baseline picks by its own rule). ``now``: None for a job whose first token is not its own (a later choice)."""
         if self.dispatcher is None or (self.shares is not None and self.shares.central):
             return None
+        if job.adapter:  # as _start_picky starts it
+            return next((k for k in self._adapter_chains(job.adapter) if self._free_slots((k,)) > 0), None)
         fits = None if now is None else self._fits(job, now, chains)
         k = self._preferred_pick(job, fits)
         if k is not None:
@@ -1759,7 +1816,7 @@ class DispatchManager:
         now = time.monotonic()
         # a job carried over a re-plan holds a slot on each chain it is counted on, all freed when it is done
         remaining = [r for lease in self._running.values() if (r := self._remaining(lease, chains, now)) is not None
-                     for _ in range(1 + len(lease.also))]
+                     for k in (lease.index, *lease.also) if self._may_run_on(job, k)]
         return predict_from_running(now, chains, remaining, ahead, job.output_tokens, siblings=job.siblings,
                                     **self._deadlines(job, first_token)).doomed
 
@@ -1776,7 +1833,8 @@ class DispatchManager:
             if lease.generation != self.generation:
                 continue
             # a job carried over a re-plan is counted on each chain of ``also`` too: its pause frees a slot on each
-            held = (lease.index, *lease.also)
+            # (of those an adapter's job may use: _serving_loads)
+            held = tuple(k for k in (lease.index, *lease.also) if self._may_run_on(job, k))
             if lease.preempt:
                 for k in held:
                     promised[k] = promised.get(k, 0) + 1

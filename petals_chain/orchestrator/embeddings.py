@@ -9,7 +9,8 @@ vLLM's default pooling of a decoder LM (``LAST``, normalized). Nothing is genera
 are closed as soon as the prefill is done (the servers may keep its KV as a cached prefix, as for any job). A
 request's inputs run concurrently, at most ``--max-choices`` of them at a time (the jobs one request may hold at
 once): the request is admitted, or refused, on its first ones, as the choices of a completion are, and its later
-inputs take their places as those end, never refused.
+inputs take their places as those end, never refused. A request naming a LoRA adapter's model id embeds with the
+adapter: its jobs run on the chains serving it (as a generation's), and the response names the adapter as ``model``.
 
 ``/tokenize`` takes a ``prompt`` (tokenized as the completions endpoints do, ``add_special_tokens`` true by default)
 or ``messages`` (the chat template, as chat completions render and tokenize it: ``add_generation_prompt`` true and
@@ -30,6 +31,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from petals_chain.orchestrator.adapters import ADAPTER
 from petals_chain.orchestrator.deadlines import DEADLINE, RequestDeadline
 from petals_chain.orchestrator.dispatch import ADMISSION, PLACE, RequestPlaces
 from petals_chain.orchestrator.errors import RequestError
@@ -119,7 +121,8 @@ async def embed_inputs(orch: Any, inputs: list[list[int]]) -> list[Embedded]:
     adm = ADMISSION.get()
     places = adm.places if adm is not None else RequestPlaces()
     window = min(len(inputs), max(1, int(orch.cfg.max_n)))
-    most = getattr(orch.dispatch, "most_jobs_admissible", lambda: None)()
+    # an adapter's inputs run only on the chains serving it: their slots bound the window (ADAPTER: the API's)
+    most = getattr(orch.dispatch, "most_jobs_admissible", lambda adapter: None)(ADAPTER.get())
     if most is not None:  # a window the swarm's slots and queue never hold at once was refused, 429 "ask for fewer"
         window = min(window, max(1, most))
     tickets = places.expect(window)  # before any await: the first jobs all count the request's places

@@ -192,8 +192,13 @@ class ModelRouter:
 
     async def _not_found(self, send: Send, name: Any) -> None:
         shown = shown_model_name(name)
+
+        def served(n: str) -> str:  # a model and its LoRA adapters' names (model ids too, as its own 404 says)
+            adapters = getattr(self.orchs[n], "adapters", None) or {}
+            return repr(n) + (f" (and its LoRA adapters {', '.join(map(repr, adapters))})" if adapters else "")
+
         await _json(send, 404, {"error": {"message": f"the model {shown} does not exist; this swarm serves "
-                                                     f"{', '.join(repr(n) for n in self.apps)}",
+                                                     f"{', '.join(served(n) for n in self.apps)}",
                                           "type": "invalid_request_error", "param": "model",
                                           "code": "model_not_found"}})
 
