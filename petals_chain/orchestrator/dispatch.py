@@ -1593,15 +1593,23 @@ class DispatchManager:
             # A starved job takes the next slot that frees, pausing nobody: at overload every service starves and
             # its pauses were most of DB's (70 of 112 with SmolLM2 at 3 req/s on three servers, DB 1.63x FCFS)
             return
-        # a LoRA adapter's job takes only a slot of a chain serving it (paused elsewhere, a job paused for nobody)
-        candidates = [lease for lease in candidates if self._may_run_on(best, lease.index)]
-        if not candidates:
-            return
-        best_key = self._priority(best)
-        # the simulator's rule too (chainsim, pause rule "runtime"): the one that goes last, the newest on a tie
-        # (by -started it was the lease that started first: the one with the most done)
-        worst = self.priorities.pause_victim(candidates, best_key,
-                                             lambda lease: (self._priority(lease.job), lease.job.sched.arrival))
+        def rank(lease: Lease) -> tuple[float, float]:
+            # the simulator's rule too (chainsim, pause rule "runtime"): the one that goes last, the newest on a tie
+            # (by -started it was the lease that started first: the one with the most done)
+            return self._priority(lease.job), lease.job.sched.arrival
+
+        worst = None
+        # a LoRA adapter's job takes only a slot of a chain serving it (paused elsewhere, a job paused for nobody):
+        # where none of those may be paused for it, the next waiting job pauses one (the slot goes to the queue's
+        # head), down to one without an adapter; stopping at the adapter's job, base jobs waited behind the jobs
+        # far below them that it could not pause
+        for best in sorted(waiting, key=self._priority) if best.adapter else (best,):
+            usable = [lease for lease in candidates if self._may_run_on(best, lease.index)] if best.adapter \
+                else candidates
+            best_key = self._priority(best)
+            worst = self.priorities.pause_victim(usable, best_key, rank)
+            if worst is not None or not best.adapter:
+                break
         if worst is not None:
             worst_key = self._priority(worst.job)
             worst.preempt = True
@@ -1815,8 +1823,9 @@ class DispatchManager:
         chains, ahead = self._loads(job)
         now = time.monotonic()
         # a job carried over a re-plan holds a slot on each chain it is counted on, all freed when it is done
+        # (of those an adapter's job may use: _serving_loads; a job without one reads no adapter, the hot path)
         remaining = [r for lease in self._running.values() if (r := self._remaining(lease, chains, now)) is not None
-                     for k in (lease.index, *lease.also) if self._may_run_on(job, k)]
+                     for k in (lease.index, *lease.also) if not job.adapter or self._may_run_on(job, k)]
         return predict_from_running(now, chains, remaining, ahead, job.output_tokens, siblings=job.siblings,
                                     **self._deadlines(job, first_token)).doomed
 
@@ -1834,7 +1843,9 @@ class DispatchManager:
                 continue
             # a job carried over a re-plan is counted on each chain of ``also`` too: its pause frees a slot on each
             # (of those an adapter's job may use: _serving_loads)
-            held = tuple(k for k in (lease.index, *lease.also) if self._may_run_on(job, k))
+            held = (lease.index, *lease.also)
+            if job.adapter:  # a job without one reads no adapter (the hot path)
+                held = tuple(k for k in held if self._may_run_on(job, k))
             if lease.preempt:
                 for k in held:
                     promised[k] = promised.get(k, 0) + 1
