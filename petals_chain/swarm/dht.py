@@ -562,22 +562,33 @@ _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 STOP_SIGNAL_GRACE_S = 5.0
 
 
+# what _killed_by returns for a child reaped by another thread that has not recorded its status yet:
+# multiprocessing's ``Popen.poll`` sets ``returncode`` only after its ``waitpid`` returned
+_STATUS_UNKNOWN = -1
+
+
+def _signal_of(code: Optional[int]) -> Optional[int]:
+    """The signal of a multiprocessing exit code (None: exited; ``_STATUS_UNKNOWN``: not recorded yet)."""
+    if code is None:
+        return _STATUS_UNKNOWN
+    return -code if code < 0 else None
+
+
 def _killed_by(process: multiprocessing.Process) -> Optional[int]:
-    """The signal that ended the child ``process`` (None: it exited, or its status is unknown), read without reaping
-    it where it was not reaped yet: :meth:`SwarmDHT.shutdown` joins it."""
+    """The signal that ended the child ``process`` (None: it exited, or it is not our child; ``_STATUS_UNKNOWN``:
+    reaped by another thread that has not recorded how it ended yet), read without reaping it where it was not
+    reaped yet: :meth:`SwarmDHT.shutdown` joins it."""
     try:
         info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
-    except ChildProcessError:  # reaped meanwhile (``is_alive()`` polls it): multiprocessing kept its status
-        code = process.exitcode
-        return -code if code is not None and code < 0 else None
+    except ChildProcessError:  # reaped meanwhile (``is_alive()``, ``join()``): multiprocessing keeps its status
+        return _signal_of(process.exitcode)
     except (OSError, AttributeError):
         if hasattr(os, "waitid"):  # not a child of ours: nothing to read
             return None
         # no waitid on this platform (macOS): reaped here (multiprocessing keeps the status for shutdown()'s join);
         # join, not exitcode: its sentinel closes just before it can be waited for
         process.join(timeout=5.0)
-        code = process.exitcode
-        return -code if code is not None and code < 0 else None
+        return _signal_of(process.exitcode)
     if info is None or info.si_code not in (os.CLD_KILLED, os.CLD_DUMPED):
         return None
     return info.si_status
@@ -601,10 +612,13 @@ def _watch_dht_process(sd: "SwarmDHT") -> None:
     if sd._closing or _exiting:  # (a process leaving without shutdown(): not a lost node, no error logged)
         return
     signum = _killed_by(sd.dht)
-    if signum in _STOP_SIGNALS:
+    # unknown: a thread of the role reaped it, maybe while stopping on the same SIGTERM: it gets the grace too
+    if signum in _STOP_SIGNALS or signum == _STATUS_UNKNOWN:
         sd._shut.wait(STOP_SIGNAL_GRACE_S)  # the role's own stop, if one was asked for
         if sd._closing or _exiting:
             return
+        if signum == _STATUS_UNKNOWN:
+            signum = _killed_by(sd.dht)  # recorded by now
     sd.lost = True
     how = f"was killed by {signal.Signals(signum).name}" if signum in set(signal.Signals) else "exited unexpectedly"
     logger.error(f"the DHT process (pid {sd.dht.pid}) {how}: this node can no longer publish or read swarm records")
