@@ -66,8 +66,8 @@ def test_nat_volunteer_joins_through_the_relay_and_serves(lab, tiny_model_dir, t
         assert home["peer_id"] in c.chain and public["peer_id"] in c.chain
 
 
-def test_real_model_on_five_hosts_survives_a_dead_host_and_takes_a_new_one(lab, smollm2_path, smollm2_reference,
-                                                                           tmp_path, scaled):
+def test_real_model_on_five_hosts_survives_a_dead_host_and_takes_a_new_one(lab, smollm2_path, request, tmp_path,
+                                                                           scaled):
     import torch
 
     from petals_chain.swarm.netns import NetnsSwarm
@@ -87,14 +87,17 @@ def test_real_model_on_five_hosts_survives_a_dead_host_and_takes_a_new_one(lab, 
 
     long_tokens = 48  # the request whose hop is killed: long enough to be mid-generation under any load
 
-    with torch.no_grad():
-        expected = {q: smollm2_reference.generate(torch.tensor([ids(q)]), max_new_tokens=new_tokens, do_sample=False,
-                                                  pad_token_id=tokenizer.eos_token_id)[0, len(ids(q)):].tolist()
-                    for q in questions}
-    long_expected = reference_no_stop(smollm2_reference, ids(questions[1]), long_tokens)
     # every volunteer gets blocks (--spare-servers use), whatever the plan predicts for this light load
     with NetnsSwarm(lab, "smollm2-135m", servers, max_length=max_length, arrival_rate=2.0, log_dir=tmp_path,
                     orchestrator_args=["--replan-interval-s", "3600", "--spare-servers", "use"]) as swarm:
+        # the reference (loaded here if no test did yet) and its answers while the servers start and plan: before
+        # the swarm, they added their whole time (the load alone is ~17 s of CPU) to the test's
+        smollm2_reference = request.getfixturevalue("smollm2_reference")
+        with torch.no_grad():
+            expected = {q: smollm2_reference.generate(torch.tensor([ids(q)]), max_new_tokens=new_tokens,
+                                                      do_sample=False, pad_token_id=tokenizer.eos_token_id
+                                                      )[0, len(ids(q)):].tolist() for q in questions}
+        long_expected = reference_no_stop(smollm2_reference, ids(questions[1]), long_tokens)
         st = swarm.wait_until(lambda st: st["ready"] and len(st["servers"]) == 4 and all(
             s["state"] == "online" and s["assigned"] for s in st["servers"]), scaled(400), "four servers with blocks")
         hosts = {s["public_name"]: s["maddrs"] for s in st["servers"]}
