@@ -916,8 +916,7 @@ class DispatchManager:
     def _start_picky(self, job: DispatchJob) -> bool:
         """Start a job of an adapter on the fastest chain serving it with a free slot (JFFC over those chains)."""
         for k in self._adapter_chains(job.adapter):
-            room = int(self.chains[k].capacity) - self.active(k) - self._reserved.get(k, 0)
-            if room > 0 and self.dispatcher.adopt(k, job):
+            if self._room(k) > 0 and self.dispatcher.adopt(k, job):
                 self._start(job, k)
                 return True
         return False
@@ -994,10 +993,10 @@ class DispatchManager:
         order = [*first, *sorted(range(len(self.chains)), key=lambda i: (self.chains[i].service_time, i))]
         adapter = getattr(places, "adapter", "")
         if adapter:
-            order = [k for k in order if k in self._adapter_chains(adapter)]
+            serving = set(self._adapter_chains(adapter))
+            order = [k for k in order if k in serving]
         for k in order:
-            while n > 0 and int(self.chains[k].capacity) - self.active(k) - self._reserved.get(k, 0) > 0 \
-                    and self.dispatcher.adopt(k, places):
+            while n > 0 and self._room(k) > 0 and self.dispatcher.adopt(k, places):
                 self._reserved[k] = self._reserved.get(k, 0) + 1
                 places.slots.append(chain_key(self.chains[k]))
                 n -= 1
@@ -1054,16 +1053,21 @@ class DispatchManager:
         """``client``'s jobs counted by ``queue_length``."""
         return sum(1 for j in self._queued_jobs() if j.client == client)
 
-    def _free_slots(self, ks: Iterable[int] | None = None) -> int:
-        """Free slots of the chains ``ks`` (all of them by default)."""
-        if self.dispatcher is None:
-            return 0
-        ks = range(len(self.chains)) if ks is None else ks
-        return sum(max(0, int(self.chains[k].capacity) - self.active(k) - self._reserved.get(k, 0)) for k in ks)
+    def _room(self, k: int) -> int:
+        """Chain ``k``'s slots neither running a job nor reserved for a request (negative when over capacity)."""
+        return int(self.chains[k].capacity) - self.active(k) - self._reserved.get(k, 0)
 
-    def _chains_for(self, job: DispatchJob) -> list[int]:
-        """The chains ``job`` may run on: those serving its LoRA adapter, or all."""
-        return self._adapter_chains(job.adapter) if job.adapter else list(range(len(self.chains)))
+    def _free_slots(self, ks: Iterable[int]) -> int:
+        """Free slots of the chains ``ks``."""
+        return sum(max(0, self._room(k)) for k in ks) if self.dispatcher is not None else 0
+
+    def _slots(self, ks: Iterable[int]) -> int:
+        """Slots of the chains ``ks``, busy or not."""
+        return sum(max(0, int(self.chains[k].capacity)) for k in ks)
+
+    def _chains_for(self, adapter: str) -> list[int]:
+        """The chains a job of LoRA adapter ``adapter`` may run on: those serving it, or all (``""``: the base)."""
+        return self._adapter_chains(adapter) if adapter else list(range(len(self.chains)))
 
     def _check_room(self, job: DispatchJob, later: int) -> int:
         """The first job of a request of several (``n`` > 1, several prompts): refuse it now unless the queue has a
@@ -1072,12 +1076,12 @@ class DispatchManager:
         requests count as taken. Returns the places the request may hold for its later jobs: all of them where the
         queue has room (then the bound holds whoever takes the free slots meanwhile), else those it has."""
         # an adapter's jobs start only on the chains serving it: the other chains' free slots start none of them
-        ks = self._chains_for(job)
+        ks = self._chains_for(job.adapter)
         free = self._free_slots(ks)
         need = max(0, 1 + later - free)
         queued = self.queue_length + self.places_held
         if need > self.max_queue - queued:
-            slots = sum(max(0, int(self.chains[k].capacity)) for k in ks)
+            slots = self._slots(ks)
             whose = (f"the chains' {slots} slots" if not job.adapter
                      else f"the {slots} slots of the chains serving its LoRA adapter")
             # never fits, however idle the swarm: not "retry later" (with no chain yet, nothing is known of slots)
@@ -1092,7 +1096,7 @@ class DispatchManager:
         mine = self.waiting_of(job.client) + self.places_held_of(job.client)
         if self.keeps_places and self._over_share(mine, queued, need):
             if self.dispatcher is not None:
-                idle = max(0, 1 + later - sum(max(0, int(self.chains[k].capacity)) for k in ks))
+                idle = max(0, 1 + later - self._slots(ks))
                 if self._over_share(0, 0, idle):  # more than any client's share even of an idle swarm's queue
                     raise QueueNeverFits(self.max_queue, f"this request's {1 + later} completions (prompts x n) "
                                                          f"need {idle} places in the queue beyond the chains' free "
@@ -1124,8 +1128,7 @@ class DispatchManager:
         places = self.max_queue
         if self.keeps_places:
             places = next(k for k in range(self.max_queue + 1) if self._over_share(0, 0, k + 1))
-        ks = self._adapter_chains(adapter) if adapter else range(len(self.chains))
-        return sum(max(0, int(self.chains[k].capacity)) for k in ks) + places
+        return self._slots(self._chains_for(adapter)) + places
 
     def _check_share(self, job: DispatchJob, later: int = 0) -> None:
         """Refuse ``job`` (just queued, not started) with :class:`QueueShareFull` if its client, with the places of
@@ -1200,7 +1203,7 @@ class DispatchManager:
         chain where it does (``arrive(job, fits)`` starts it there), else the first with room. None: the
         dispatcher's own choice."""
         room = [k for k in (self._index_by_key.get(key) for key in job.prefer)
-                if k is not None and self.active(k) + self._reserved.get(k, 0) < int(self.chains[k].capacity)]
+                if k is not None and self._room(k) > 0]
         if fits is not None:
             k = next((k for k in room if fits(k)), None)
             if k is not None:
@@ -1777,7 +1780,7 @@ class DispatchManager:
         if self.dispatcher is None or (self.shares is not None and self.shares.central):
             return None
         if job.adapter:  # as _start_picky starts it
-            return next((k for k in self._adapter_chains(job.adapter) if self._free_slots((k,)) > 0), None)
+            return next((k for k in self._adapter_chains(job.adapter) if self._room(k) > 0), None)
         fits = None if now is None else self._fits(job, now, chains)
         k = self._preferred_pick(job, fits)
         if k is not None:
