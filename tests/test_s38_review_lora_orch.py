@@ -16,8 +16,9 @@ import pytest
 
 from petals_chain.model import Chain
 from petals_chain.orchestrator.deadlines import RequestDeadline
-from petals_chain.orchestrator.dispatch import (PLACE, DeadlineUnreachable, DispatchJob, DispatchManager,
+from petals_chain.orchestrator.dispatch import (DeadlineUnreachable, DispatchJob, DispatchManager,
                                                 NoAdapterChain, QueueNeverFits, RequestPlaces)
+from test_queue_bound_siblings import _submit as submit  # acquire in a task of its own, with a ticket as its place
 
 SERVES = {"a": {"fr"}, "b": set(), "c": {"de"}}
 
@@ -31,18 +32,6 @@ def manager(chains: list[Chain], **kw) -> DispatchManager:
     dm.serves_adapter = lambda ch, adapter: all(adapter in SERVES[s] for s in ch.servers)
     dm.set_chains(chains)
     return dm
-
-
-async def submit(dm: DispatchManager, job: DispatchJob, ticket=None) -> asyncio.Task:
-    """``dm.acquire(job)`` in a task of its own with ``ticket`` as its place, once the dispatcher has decided."""
-    async def go():
-        if ticket is not None:
-            PLACE.set(ticket)
-        return await dm.acquire(job)
-
-    task = asyncio.ensure_future(go())
-    await asyncio.sleep(0)
-    return task
 
 
 def test_n_choices_of_an_adapter_count_only_the_slots_of_its_chains():
