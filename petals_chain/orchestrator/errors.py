@@ -96,4 +96,12 @@ def context_length_error(tokens: int, max_length: int, *, field: str = "prompt",
 
 
 class Unavailable(RuntimeError):
-    """The swarm could not serve the request (no chain in time, too many failures): HTTP 503."""
+    """The swarm could not serve the request (no chain in time, too many failures): HTTP 503, with ``code`` (None:
+    ``swarm_unavailable``)."""
+
+    code: str | None = None  # a subclass's (ShuttingDown's) stands unless one is given
+
+    def __init__(self, message: str = "", code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code

@@ -243,9 +243,7 @@ class ChainHolder:
             except NoAdapterChain as e:  # nothing serves the request's adapter now: as no chain for a model, a 503
                 if dl is not None and dl.active:
                     orch.deadlines.settle(dl, "refused")
-                unavailable = Unavailable(str(e))
-                unavailable.code = e.code  # the 503's code the API answers: no_adapter_chain, as documented
-                raise unavailable from None
+                raise Unavailable(str(e), code=e.code) from None  # no_adapter_chain, as documented
             self.admitted, self.yields = True, False
             if auditor is not None and auditor.tainted(lease.hops):  # a plan from before a ban: wait for the next
                 if shares is not None:
