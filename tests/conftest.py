@@ -54,7 +54,12 @@ def measure_slowdown() -> float:
 # Every process a test starts inherits this tag (through the environment), orphans and namespaced ones included,
 # so the session can find what outlived it.
 SESSION_TAG_VAR = "PETALS_CHAIN_TEST_SESSION"
-os.environ[SESSION_TAG_VAR] = f"{os.getpid()}-{time.time_ns()}"
+# Under pytest-xdist each worker tags with the controller's tag plus its own id: a worker finds only its own
+# leftovers (the other worker's processes are still running), the controller finds every worker's.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_controller_tag = os.environ.get(SESSION_TAG_VAR) if _XDIST_WORKER else None
+os.environ[SESSION_TAG_VAR] = (f"{_controller_tag}-{_XDIST_WORKER}" if _controller_tag
+                               else f"{os.getpid()}-{time.time_ns()}")
 # How long the interpreter may take to exit once the suite has finished before it is made to (seconds).
 _EXIT_GRACE_S = float(os.environ.get("PETALS_CHAIN_TEST_EXIT_GRACE_S", "120"))
 _exit_status = 0
@@ -75,6 +80,7 @@ def tagged_leftovers() -> list:
     import psutil
 
     tag = f"{SESSION_TAG_VAR}={os.environ[SESSION_TAG_VAR]}".encode()
+    worker_tag = tag + b"-"  # (a worker's tag, when this is xdist's controller)
     out = []
     for proc in psutil.process_iter(["pid", "ppid", "cmdline", "name"]):
         cmdline = " ".join(proc.info["cmdline"] or ())
@@ -85,7 +91,8 @@ def tagged_leftovers() -> list:
             continue
         try:
             with open(f"/proc/{proc.pid}/environ", "rb") as f:
-                if tag in f.read().split(b"\0") and proc.status() != psutil.STATUS_ZOMBIE:
+                env = f.read().split(b"\0")
+                if any(e == tag or e.startswith(worker_tag) for e in env) and proc.status() != psutil.STATUS_ZOMBIE:
                     out.append(proc)
         except (OSError, psutil.Error):
             continue
@@ -132,7 +139,7 @@ def pytest_unconfigure(config):
     # Past the interpreter's own shutdown (C-level exit handlers), only another process can end a hang: this one
     # SIGKILLs us a little after the guard; .ci/run then takes the suite's status from STATUS_FILE_VAR's file.
     status_file = os.environ.get(STATUS_FILE_VAR)
-    if status_file:
+    if status_file and not _XDIST_WORKER:  # the suite's status is the controller's, written after every worker's
         Path(status_file).write_text(str(_exit_status))
         import subprocess
 
