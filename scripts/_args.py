@@ -1,7 +1,8 @@
 """argparse ``type=`` validators shared by the scripts: a bad number is refused while the arguments are parsed (exit
 2, ``error: argument --x: ...``), before any model is built or swarm started. Without them a zero, negative or NaN
 count, duration or rate ran for seconds to minutes and then crashed (``statistics.median`` of nothing, a division by
-zero) or printed nonsense.
+zero) or printed nonsense. ``output_file`` (``--json FILE``, ``--out``, ``--plot``): a directory or a file in a
+missing or unwritable directory failed with a traceback after the whole run.
 
 Import from a script as ``sys.path.insert(0, str(Path(__file__).resolve().parent)); from _args import ...`` (the
 scripts are loaded by path in the tests too, where their directory is not on ``sys.path``).
@@ -14,7 +15,7 @@ import math
 from typing import Callable, Sequence
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "probability",
-           "probability_list", "name_list"]
+           "probability_list", "name_list", "output_file"]
 
 
 def _int(text: str, lowest: int, what: str) -> int:
@@ -85,3 +86,11 @@ def name_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
     parse.__name__ = "name_list"
     return parse
+
+
+def output_file(text: str) -> str:
+    """A file the script writes (``--json FILE``, ``--out``, ``--plot``): not a directory, in an existing directory
+    this user can write (``petals_chain.swarm.paths``, the roles' own check; imported here only when one is given)."""
+    from petals_chain.swarm.paths import output_file_arg
+
+    return output_file_arg(text)

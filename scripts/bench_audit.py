@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
-from _args import name_list, positive_float, positive_int, probability, probability_list  # noqa: E402
+from _args import name_list, output_file, positive_float, positive_int, probability, probability_list  # noqa: E402
 
 PHASES = ("fp", "detect", "cost")
 
@@ -166,7 +166,7 @@ def main() -> int:
     p.add_argument("--cost-s", type=positive_float, default=60.0)
     p.add_argument("--phases", type=name_list(PHASES), default="fp,detect,cost")
     p.add_argument("--server-dtype", default=None, help="servers' --dtype (e.g. bfloat16: the 16-bit tolerance)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args()
     if args.model is None:
         from petals_chain.swarm.tiny_model import build_tiny_model

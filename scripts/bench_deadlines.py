@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import name_list, nonnegative_int, positive_float, positive_int  # noqa: E402
+from _args import name_list, nonnegative_int, output_file, positive_float, positive_int  # noqa: E402
 from bench_fairness import add_testbed_args, arrivals, model_and_prompt  # noqa: E402 - shared with bench_fairness
 
 
@@ -137,7 +137,7 @@ def main() -> int:
     p.add_argument("--kv-cache", choices=["slots", "paged"], default="slots",
                    help="the servers' KV cache (paged keeps a paused request's KV as a cached prefix)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--json", default=None, help="write the raw results here")
+    p.add_argument("--json", type=output_file, default=None, help="write the raw results here")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench_deadlines_"))

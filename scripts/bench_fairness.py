@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import name_list, nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
+from _args import name_list, nonnegative_float, nonnegative_int, output_file, positive_float, positive_int  # noqa: E402
 
 from petals_chain.algorithms.fairness import FAIRNESS_POLICIES  # noqa: E402 - pure, imported at once
 
@@ -178,8 +178,8 @@ def main() -> int:
                    help="servers' KV cache (slots: a chain's capacity stays --slots jobs)")
     p.add_argument("--quantum", type=positive_float, default=None, help="--fairness-quantum (default: auto)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--json", default=None, help="write the raw results here")
-    p.add_argument("--plot", default=None, help="PNG of per-request latency over time per policy")
+    p.add_argument("--json", type=output_file, default=None, help="write the raw results here")
+    p.add_argument("--plot", type=output_file, default=None, help="PNG of per-request latency over time per policy")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench_fairness_"))

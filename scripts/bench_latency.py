@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
-from _args import nonnegative_float, nonnegative_int, positive_int  # noqa: E402
+from _args import nonnegative_float, nonnegative_int, output_file, positive_int  # noqa: E402
 
 # (relay, speculative): the paper's relay first (the ratios' base), then server-to-server push, then each with drafts
 MODES = [("orchestrator", "none"), ("push", "none"), ("orchestrator", "ngram"), ("push", "ngram")]
@@ -76,7 +76,7 @@ def main() -> int:
                     help="the servers' --decode-graph (cuda: one-token steps replayed as CUDA graphs)")
     ap.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0: greedy; else sampled with --seed")
     ap.add_argument("--seed", type=nonnegative_int, default=7)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     args = ap.parse_args()
     placement = ["--device", args.device, "--dtype", args.dtype]
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
-from _args import positive_int  # noqa: E402
+from _args import output_file, positive_int  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("_netns_swarm", ROOT / "scripts" / "netns_swarm.py")
@@ -45,7 +45,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=positive_int, default=32)
     ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--max-length", type=positive_int, default=256)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     args = ap.parse_args()
     for check in (nl.available, nl.nat_available):
         ok, why = check()

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
-from _args import name_list  # noqa: E402
+from _args import name_list, output_file  # noqa: E402
 
 
 def bench_dispatch(num_chains: int = 10_000, ops: int = 100_000) -> dict:
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer requests and levels")
     p.add_argument("--only", type=name_list(("overhead", "dispatch", "concurrency")),
                    default="overhead,dispatch,concurrency")
-    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--json", type=output_file, default=None, help="write results here")
     args = p.parse_args(argv)
     only = set(args.only)
     results: dict = {"machine": {"cpus": __import__("os").cpu_count()}}

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
-from _args import nonnegative_float, nonnegative_int, positive_float, positive_int  # noqa: E402
+from _args import nonnegative_float, nonnegative_int, output_file, positive_float, positive_int  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -378,13 +378,14 @@ def main(argv=None) -> int:
     p.add_argument("--request-timeout", type=positive_float, default=None,
                    help="seconds a request may take before it counts as failed (default 1800; quick 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
-    p.add_argument("--out", default=None, help="also write the JSON (with per-request response times) here")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="also write the JSON (with per-request response times) here")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-batching", action="store_true",
                    help="servers run each session's step alone (issue 7's with/without-batching comparison)")
     p.add_argument("--kv-cache", choices=["slots", "paged"], default="slots",
                    help="the servers' KV cache (default slots: the paper's Eq. 3 model that Table 1 assumes)")
-    p.add_argument("--plot", default=None, help="write a CDF plot of response times (PNG) here")
+    p.add_argument("--plot", type=output_file, default=None, help="write a CDF plot of response times (PNG) here")
     p.add_argument("--plot-from", default=None, help="only plot, from a previous --out JSON")
     p.add_argument("--analyze", default=None, metavar="JSON",
                    help="only print measured vs modelled service time per policy, from a previous --out JSON")

@@ -36,7 +36,7 @@ import torch
 from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
-from _args import positive_int  # noqa: E402
+from _args import output_file, positive_int  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -271,7 +271,7 @@ def main() -> int:
     ap.add_argument("--layers", type=positive_int, default=8,
                     help="blocks of the 7B-shaped model for the exactness check")
     ap.add_argument("--quick", action="store_true", help="small shapes (to try the script on a CPU)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument("--only-head", action="store_true", help="only the head and sampling section")
     ap.add_argument("--profile", action="store_true", help="only a profile of one session's decode steps")
     ap.add_argument("--decode-graph", action="store_true", help="only the decode-graph section")

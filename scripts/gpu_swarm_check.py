@@ -32,7 +32,7 @@ from petals_chain.swarm.sources import resolve_source
 from petals_chain.swarm.tiny_model import LLAMA2_7B_SHAPE, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared argument types
-from _args import positive_int  # noqa: E402
+from _args import output_file, positive_int  # noqa: E402
 
 
 def reference(path: str, prompts: list[list[int]], n: int, device: str, dtype: torch.dtype) -> list[list[int]]:
@@ -61,7 +61,7 @@ def main() -> int:
     ap.add_argument("--servers", type=positive_int, default=3)
     ap.add_argument("--new-tokens", type=positive_int, default=32)
     ap.add_argument("--max-length", type=positive_int, default=512)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default=None, help="a real model instead of the random 7B-shaped one")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])

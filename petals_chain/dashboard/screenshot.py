@@ -139,13 +139,21 @@ def run_demo_and_capture(out: Path, phone_out: Optional[Path], burst: int = 24, 
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _png_path(text: str) -> Path:
+    """A screenshot's path, checked before the browser (and with --demo the swarm) starts: a directory or an
+    unwritable one failed only at the capture."""
+    from petals_chain.swarm.paths import output_file_arg_making_dirs
+
+    return Path(output_file_arg_making_dirs(text))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m petals_chain.dashboard.screenshot", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="a running orchestrator or standalone dashboard")
     src.add_argument("--demo", action="store_true", help="run the demo swarm and capture it under load")
-    p.add_argument("--out", type=Path, required=True, help="desktop screenshot (PNG)")
-    p.add_argument("--phone-out", type=Path, default=None, help="phone-width screenshot (PNG)")
+    p.add_argument("--out", type=_png_path, required=True, help="desktop screenshot (PNG)")
+    p.add_argument("--phone-out", type=_png_path, default=None, help="phone-width screenshot (PNG)")
     args = p.parse_args(argv)
     errors = (run_demo_and_capture(args.out, args.phone_out) if args.demo
               else capture(args.url, args.out, args.phone_out))

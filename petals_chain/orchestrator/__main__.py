@@ -921,10 +921,12 @@ def _main(argv: list[str] | None) -> int:
         if public_port == 0:  # (no one connects to port 0: the others never forward there, forward.py)
             parser.error(f"--public-url {args.public_url!r}: port 0 is no port to connect to")
     level = log_level(parser, args.log_level)
-    if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
-        parser.error(f"--ready-file {args.ready_file}: no such directory")  # found only once all had started
-    if args.ready_file and not os.access(os.path.dirname(os.path.abspath(args.ready_file)), os.W_OK | os.X_OK):
-        parser.error(f"--ready-file {args.ready_file}: its directory is not writable by this user")  # (same)
+    if args.ready_file is not None:  # else found only once all had started (a directory: os.replace's IsADirectory)
+        from petals_chain.swarm.paths import output_file_problem
+
+        problem = output_file_problem(args.ready_file, replace=True)  # written to F.tmp, then renamed over F
+        if problem:
+            parser.error(f"--ready-file {args.ready_file}: {problem}")
     if args.draft_layers is not None and not (args.speculative[1] or args.draft_model):
         parser.error("--draft-layers needs a draft model (--speculative draft:MODEL or --draft-model MODEL)")
     if args.draft_timeout_s is not None and not (args.speculative[1] or args.draft_model):

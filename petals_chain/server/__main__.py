@@ -8,6 +8,7 @@ import contextlib
 import gc
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -212,6 +213,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.emulate_faulty_rate is not None and not 0 <= args.emulate_faulty_rate <= 1:  # NaN included
         print(f"error: --emulate-faulty-rate must be in [0, 1], got {args.emulate_faulty_rate}", file=sys.stderr)
         return 2
+    # A cache that could never be written was found after the model had loaded and been profiled (a warning, and
+    # profiled again at every start); with --tau-p it is not used. An existing file is only read until a miss: a
+    # prepared read-only cache stays usable.
+    if args.profile_cache is not None and args.tau_p is None and not os.path.isfile(args.profile_cache):
+        from petals_chain.swarm.paths import output_file_problem
+
+        problem = output_file_problem(args.profile_cache, make_dirs=True, replace=True)
+        if problem:
+            print(f"error: --profile-cache {args.profile_cache}: {problem}", file=sys.stderr)
+            return 2
     from petals_chain.server.memory import check_device_budget
 
     try:
