@@ -38,12 +38,13 @@ import threading
 import time
 import tracemalloc
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the shared helpers
-from _args import nonnegative_float, positive_int  # noqa: E402
+from _args import nonnegative_float, output_file, positive_int  # noqa: E402
 
 NAMES = ("alice", "bob", "carol")
 BURST = 10  # requests a burst sends at once (past --max-queue)
@@ -65,7 +66,8 @@ def container_sizes(root: Any, name: str, depth: int = 5) -> dict[str, int]:
     seen: set[int] = set()
 
     def walk(obj: Any, path: str, left: int) -> None:
-        if left < 0 or id(obj) in seen:
+        # a dead weakref.proxy raises ReferenceError on isinstance or attribute access (its own type is safe)
+        if left < 0 or id(obj) in seen or type(obj) in weakref.ProxyTypes:
             return
         seen.add(id(obj))
         if isinstance(obj, _CONTAINERS):
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="growth per 1,000 requests above which a container that still grows is a leak")
     ap.add_argument("--tracemalloc", action="store_true",
                     help="compare tracemalloc snapshots after the first measured round and the last (slower)")
-    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--json", type=lambda t: Path(output_file(t)), default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.rounds < 2:  # (and --tracemalloc's snapshots are taken after measured round 1 and the last)
         ap.error(f"--rounds {args.rounds}: the verdict compares the first measured round with the last, so it needs "
@@ -387,7 +389,7 @@ def _soak(args: argparse.Namespace, work: Path) -> int:
                 print("error: the swarm did not become ready", file=sys.stderr)
                 return 1
             time.sleep(0.3)
-        handlers = [o for o in gc.get_objects() if isinstance(o, PetalsChainBlocks)]
+        handlers = [o for o in gc.get_objects() if type(o) not in weakref.ProxyTypes and isinstance(o, PetalsChainBlocks)]
         quiet = 2 * args.session_idle_s + 4
         prev_types: collections.Counter = collections.Counter()
         t0 = time.monotonic()

@@ -40,7 +40,8 @@ def _reference_workload() -> tuple[float, float]:
 def measure_slowdown() -> float:
     """How much slower than the quiet reference host this machine runs now (1.0 to 8.0), measured once per
     session: the share of a core the workload got (wall / cpu: other processes competing) times how much
-    slower the core is (cpu / reference). ``PETALS_CHAIN_TEST_SLOWDOWN`` overrides it."""
+    slower the core is (cpu / reference), times the number of pytest-xdist workers. ``PETALS_CHAIN_TEST_SLOWDOWN``
+    overrides it."""
     forced = os.environ.get("PETALS_CHAIN_TEST_SLOWDOWN")
     if forced:
         return min(_MAX_SLOWDOWN, max(1.0, float(forced)))
@@ -48,7 +49,10 @@ def measure_slowdown() -> float:
     wall, cpu = sorted(runs)[1]  # the median run: one lucky or unlucky time slice does not decide
     contention = wall / max(cpu, 1e-6)
     core = max(1.0, cpu / _REFERENCE_CPU_S)
-    return round(min(_MAX_SLOWDOWN, max(1.0, contention * core)), 2)
+    # Each xdist worker measures at its start, beside the others' start (one busy loop a core: no contention seen);
+    # later a test shares the machine with the other workers' swarms, and may get only 1/N of it.
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+    return round(min(_MAX_SLOWDOWN, max(1.0, contention * core) * workers), 2)
 
 
 # Every process a test starts inherits this tag (through the environment), orphans and namespaced ones included,
@@ -65,6 +69,19 @@ _EXIT_GRACE_S = float(os.environ.get("PETALS_CHAIN_TEST_EXIT_GRACE_S", "120"))
 _exit_status = 0
 
 
+# pytest-xdist (setup.cfg: -n 2 --dist loadfile) hands whole files to the two workers in collection order. These
+# take longest (seconds each, under xdist: docs/results.md); they go first so that none of them runs alone at the
+# end while the other worker idles. Every other file keeps its place, and every file its tests' order.
+LONGEST_FILES = ("test_real_model.py", "test_netns_swarm.py", "test_demo.py", "test_reliability.py",
+                 "test_herd_groups.py", "test_audit.py", "test_session_keepalive.py", "test_bench_swarm.py",
+                 "test_placement_swarm.py", "test_e2e_swarm.py", "test_docs_commands.py", "test_server_records.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
+
+
 def pytest_sessionstart(session):
     measure_slowdown()  # at the start, before the suite's own swarms add load of their own (~0.6 s)
 
@@ -72,6 +89,19 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     global _exit_status
     _exit_status = int(exitstatus)
+    workeroutput = getattr(session.config, "workeroutput", None)  # (xdist's worker)
+    if workeroutput is not None:  # a worker's summary is not shown: the controller prints what it scaled by
+        workeroutput["petals_chain_slowdown"] = measure_slowdown()
+
+
+_worker_slowdowns: dict[str, float] = {}  # xdist's controller: each worker's slowdown, sent at its end
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    slowdown = getattr(node, "workeroutput", {}).get("petals_chain_slowdown")
+    if slowdown is not None:
+        _worker_slowdowns[node.gateway.id] = slowdown
 
 
 def tagged_leftovers() -> list:
@@ -117,7 +147,11 @@ def pytest_unconfigure(config):
     import sys
     import threading
 
+    import psutil
+
+    # what is on its way out is not a leftover (xdist: a worker's fork server leaves a moment after its worker)
     leftovers = tagged_leftovers()
+    leftovers = psutil.wait_procs(leftovers, timeout=10)[1] if leftovers else leftovers
     _kill_all(leftovers)
     if leftovers:
         names = sorted({f"{p.pid}: " + (" ".join(p.info["cmdline"] or ()) or p.info["name"] or "?")[:120]
@@ -177,7 +211,9 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(f"petals-chain timing: timeouts scaled by slowdown {measure_slowdown()}")
+    scaled_by = (", ".join(f"{w} {s}" for w, s in sorted(_worker_slowdowns.items())) if _worker_slowdowns
+                 else measure_slowdown())  # (under xdist the controller's own measurement scaled nothing)
+    terminalreporter.write_line(f"petals-chain timing: timeouts scaled by slowdown {scaled_by}")
 
 
 @pytest.fixture(scope="session")

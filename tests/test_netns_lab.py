@@ -270,10 +270,14 @@ def test_sweep_stale_removes_labs_of_dead_owners(scaled):
     with _child_lab(watchdog=False) as (child, info):
         assert [s["alive"] for s in nl.list_labs() if s["id"] == info["id"]] == [True]
         assert info["id"] not in nl.sweep_stale()  # a live owner's lab stays
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
-        assert _lab_netns(info["id"])  # no watchdog: still there
-        assert [s["alive"] for s in nl.list_labs() if s["id"] == info["id"]] == [False]
-        assert info["id"] in nl.sweep_stale()
+        # Every new lab sweeps first (test_netns_swarm's, on the other xdist worker): it may remove this one as soon
+        # as its owner is dead. Its teardown waits for the lock held here; after it, whichever sweep comes first.
+        with nl._global_lock():
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
+            assert _lab_netns(info["id"])  # no watchdog: still there
+            assert [s["alive"] for s in nl.list_labs() if s["id"] == info["id"]] == [False]
+        swept = nl.sweep_stale()
+        assert info["id"] in swept or not nl._state_path(info["id"]).exists(), swept
         assert _gone(info["id"])
         assert _wait(lambda: _pid_dead(info["sleeper"]), 5)
