@@ -746,17 +746,22 @@ class GGUFSource(ModelSource):
             except (OSError, ValueError):
                 pass
         tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-        try:
-            tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
-            tok.save_pretrained(str(tmp))
-            if saved.exists():
-                import shutil
+        import shutil
+        import tempfile
 
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                os.replace(tmp, saved)
-        except OSError:
+        tmp = None
+        try:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            # a folder of its own (two threads of one process converted into the same pid-named one)
+            tmp = tempfile.mkdtemp(dir=saved.parent, prefix=f"{saved.name}.tmp")
+            tok.save_pretrained(tmp)
+            os.replace(tmp, saved)  # onto one another process saved meanwhile: ENOTEMPTY, and ours is dropped
+            tmp = None
+        except OSError:  # (a read-only cache only costs the conversion at every start)
             pass
+        finally:
+            if tmp is not None:  # it was left behind in the cache, one folder per lost race
+                shutil.rmtree(tmp, ignore_errors=True)
         return tok
 
     def _fingerprint_parts(self) -> list[bytes]:
