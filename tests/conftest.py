@@ -69,7 +69,7 @@ _EXIT_GRACE_S = float(os.environ.get("PETALS_CHAIN_TEST_EXIT_GRACE_S", "120"))
 _exit_status = 0
 
 
-# pytest-xdist (setup.cfg: -n 2 --dist loadfile) hands whole files to the two workers in collection order. These
+# pytest-xdist (`pytest -n 2`; setup.cfg: --dist loadfile) hands whole files to the workers in collection order. These
 # take longest (seconds each, under xdist: docs/results.md); they go first so that none of them runs alone at the
 # end while the other worker idles. Every other file keeps its place, and every file its tests' order.
 LONGEST_FILES = ("test_real_model.py", "test_netns_swarm.py", "test_demo.py", "test_reliability.py",

@@ -1474,18 +1474,23 @@ class Planner:
                                    v, c)
             if inc is None:
                 continue
-            better = inc.lower < best.lower * (1 - 1e-9)
-            # Using every volunteer: a span that predicts no worse and adds capacity is taken too (the
-            # bound is flat when the swarm is lightly loaded, but capacity absorbs bursts).
-            adds = (self.use_all_servers and self.placement_policy == "gbp-cr" and inc.lower <= best.lower * (1 + 1e-9)
-                    and _total_rate(inc.chains) > _total_rate(best.chains) * (1 + 1e-9))
-            if better or adds:
+            if inc.lower < best.lower * (1 - 1e-9) or self._adds_capacity(inc, best):
                 best, reason = inc, f"join of {v.record.public_name or v.peer_id[:12]} (incremental)"
         if self.placement_policy == "gbp-cr":
+            # (judged against the spans taken one at a time above, by the same rule: on a lightly loaded swarm the
+            # bound is flat, and a wave's chains of their own predicted no better than one newcomer's span)
             together = self.joint(views, base.placement, unassigned, c)
-            if together is not None and together.lower < best.lower * (1 - 1e-9):
+            if together is not None and (together.lower < best.lower * (1 - 1e-9)
+                                         or self._adds_capacity(together, best)):
                 best, reason = together, f"join of {len(unassigned)} servers (chains of their own)"
         return best, reason
+
+    def _adds_capacity(self, plan: Plan, best: Plan) -> bool:
+        """Using every volunteer (``--spare-servers use``): a plan that predicts no worse than ``best`` and serves
+        more jobs per second is better (the bound is flat when the swarm is lightly loaded; capacity absorbs
+        bursts)."""
+        return (self.use_all_servers and self.placement_policy == "gbp-cr" and plan.lower <= best.lower * (1 + 1e-9)
+                and _total_rate(plan.chains) > _total_rate(best.chains) * (1 + 1e-9))
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
