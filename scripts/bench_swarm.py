@@ -192,7 +192,9 @@ async def replay(url: str, model_id: str, arrivals: np.ndarray, l_in: np.ndarray
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(max(1, math.ceil(int(n) / TOKEN_SCALE)))] for n in l_in]
     rows: list[dict] = [None] * len(arrivals)  # type: ignore[list-item]
-    limits = httpx.Limits(max_connections=len(arrivals) + 8, max_keepalive_connections=64)
+    # (a keep-alive cap below the connections lets httpcore 1.0.9 close a connection it has just handed a request:
+    # a ReadError that is not the swarm's, encode/httpcore#1110)
+    limits = httpx.Limits(max_connections=len(arrivals) + 8, max_keepalive_connections=len(arrivals) + 8)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.monotonic() + 0.5
 

@@ -116,8 +116,11 @@ def test_overload_bounded_queue_429_and_flat_memory(swarm, prompts_ref):
     capacity = sum(ch["capacity"] for ch in swarm.swarm()["chains"])
 
     async def burst(n: int):
-        async with httpx.AsyncClient(base_url=swarm.url, timeout=180,
-                                     limits=httpx.Limits(max_connections=n + 5)) as c:
+        # keep-alive cap >= connections: httpcore 1.0.9's pool counts every connection against the keep-alive cap
+        # (20 by default) and closes an idle one it has just handed a request that has not started on it (CI:
+        # ReadError under load; encode/httpcore#1110)
+        limits = httpx.Limits(max_connections=n + 5, max_keepalive_connections=n + 5)
+        async with httpx.AsyncClient(base_url=swarm.url, timeout=180, limits=limits) as c:
             model = (await c.get("/v1/models")).json()["data"][0]["id"]
 
             async def one(i):
