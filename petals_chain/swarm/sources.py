@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import struct
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -542,14 +543,27 @@ def _cached_file_digest(path: Path, kind: str, compute: Any) -> Any:
     if st.st_size > 1 << 30:
         logger.info("hashing the weights of %s (%.1f GB; once, then cached)", path, st.st_size / 1e9)
     value = compute(path)
-    try:
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = saved.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(value))
-        os.replace(tmp, saved)
-    except OSError:  # a read-only cache only costs time
-        pass
+    _save_json(saved, value)  # (a read-only cache only costs time)
     return value
+
+
+def _save_json(path: Path, value: Any) -> None:
+    """Write ``value`` to the cache file ``path`` atomically, through a temporary file of its own (threads of one
+    process shared a pid-named one), removed if the write fails; a cache that cannot be written is skipped."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.stem}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(value))
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 class GGUFSource(ModelSource):
@@ -582,13 +596,7 @@ class GGUFSource(ModelSource):
     def _save_meta(self, **updates: Any) -> None:
         meta = {**self._meta(), **updates}
         self._meta_cache = meta
-        try:
-            self._meta_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._meta_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(meta))
-            os.replace(tmp, self._meta_path)
-        except OSError:  # a read-only cache only costs speed
-            pass
+        _save_json(self._meta_path, meta)  # (a read-only cache only costs speed)
 
     def _config_dict(self) -> dict:
         meta = self._meta()
@@ -747,7 +755,6 @@ class GGUFSource(ModelSource):
                 pass
         tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         import shutil
-        import tempfile
 
         tmp = None
         try:
