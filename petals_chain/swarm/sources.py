@@ -27,7 +27,6 @@ import logging
 import os
 import re
 import struct
-import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -553,7 +552,7 @@ def _save_json(path: Path, value: Any) -> None:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.stem}.", suffix=".tmp")
+        fd, tmp = _cache_temp(path)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(value))
         os.replace(tmp, path)
@@ -564,6 +563,23 @@ def _save_json(path: Path, value: Any) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _cache_temp(path: Path, folder: bool = False) -> tuple[int, str]:
+    """A new temporary file (open for writing: its descriptor, -1 for a folder) or folder of its own beside ``path``,
+    with the mode a plain ``open`` or ``mkdir`` gives under the umask: mkstemp's 0600 and mkdtemp's 0700 hid the
+    entries renamed from them from the other users of a shared cache (``$PETALS_CHAIN_CACHE_DIR``), whose start then
+    failed on the tokenizer's folder and hashed the weights again."""
+    for _ in range(100):
+        name = str(path.parent / f"{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            if folder:
+                os.mkdir(name, 0o777)
+                return -1, name
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 class GGUFSource(ModelSource):
@@ -748,11 +764,11 @@ class GGUFSource(ModelSource):
         # or chat template must not get this one's (the file's stamp tells such a file apart)
         file_id = hashlib.sha256(self._file_stamp.encode()).hexdigest()[:12]
         saved = cache_dir() / "tokenizers" / f"{self.fingerprint}-{file_id}"
-        if (saved / "tokenizer.json").is_file():
-            try:
+        try:  # (a folder this user cannot read, another's in a shared cache, is converted again)
+            if (saved / "tokenizer.json").is_file():
                 return AutoTokenizer.from_pretrained(str(saved))
-            except (OSError, ValueError):
-                pass
+        except (OSError, ValueError):
+            pass
         tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         import shutil
 
@@ -760,12 +776,16 @@ class GGUFSource(ModelSource):
         try:
             saved.parent.mkdir(parents=True, exist_ok=True)
             # a folder of its own (two threads of one process converted into the same pid-named one)
-            tmp = tempfile.mkdtemp(dir=saved.parent, prefix=f"{saved.name}.tmp")
+            tmp = _cache_temp(saved, folder=True)[1]
             tok.save_pretrained(tmp)
             os.replace(tmp, saved)  # onto one another process saved meanwhile: ENOTEMPTY, and ours is dropped
             tmp = None
-        except OSError:  # (a read-only cache only costs the conversion at every start)
-            pass
+        # A cache that cannot be written only costs the conversion at every start: read-only, or full (tokenizers
+        # writes tokenizer.json in Rust, and its failure to is a plain Exception: ENOSPC, EFBIG)
+        except Exception as e:  # noqa: BLE001
+            if not os.path.isdir(saved):  # (else another process saved it meanwhile: the rename lost the race)
+                logger.info("the tokenizer converted from %s is not cached in %s (%s)", self.path.name, saved.parent,
+                            _one_line(e, 200))
         finally:
             if tmp is not None:  # it was left behind in the cache, one folder per lost race
                 shutil.rmtree(tmp, ignore_errors=True)
