@@ -26,7 +26,18 @@ def output_file_problem(path: str | os.PathLike, *, make_dirs: bool = False, rep
         return "is empty: give a file's path"
     if os.path.isdir(text):
         return "is a directory: give the path of a file"
+    if os.path.basename(text) in ("", ".", ".."):  # ("out/", missing: the writer's open found it after the run)
+        return "names a directory (ends with /, . or ..): give the path of a file"
     exists = os.path.lexists(text)
+    if exists and not os.path.exists(text):  # a symbolic link to nothing yet (refused as unwritable, or not a file)
+        if replace:
+            exists = False  # the rename replaces the link itself, in the link's directory
+        else:  # the writer's open follows it and makes its target, whose directory must exist
+            target = os.path.realpath(text)
+            if os.path.lexists(target):
+                return "is a symbolic link that leads to no file (a loop of links)"
+            problem = output_file_problem(target)
+            return None if problem is None else f"is a symbolic link to {target}: {problem}"
     if exists and replace and not os.path.isfile(text):
         return "is not a regular file (a FIFO or a device), which writing it would replace: give a file's path"
     if exists and not replace:
