@@ -1479,11 +1479,24 @@ class Planner:
         if self.placement_policy == "gbp-cr":
             # (judged against the spans taken one at a time above, by the same rule: on a lightly loaded swarm the
             # bound is flat, and a wave's chains of their own predicted no better than one newcomer's span)
+            # (but not to move a newcomer off a span it holds: a reload costs minutes on a real model, and GBP-CR over
+            # the newcomers places them by their speeds alone, whatever they hold)
             together = self.joint(views, base.placement, unassigned, c)
             if together is not None and (together.lower < best.lower * (1 - 1e-9)
-                                         or self._adds_capacity(together, best)):
+                                         or (self._adds_capacity(together, best)
+                                             and not self._moves_held(together, unassigned))):
                 best, reason = together, f"join of {len(unassigned)} servers (chains of their own)"
         return best, reason
+
+    def _moves_held(self, plan: Plan, servers: Sequence[ServerView]) -> bool:
+        """Whether ``plan`` places one of ``servers`` on another span than the one it holds loaded (for this swarm's
+        ``max_length``)."""
+        for v in servers:
+            r, span = v.record, plan.placement.get(v.peer_id)
+            if (span is not None and r.num_blocks > 0 and r.max_length == self.max_length
+                    and tuple(span) != (r.start_block, r.num_blocks)):
+                return True
+        return False
 
     def _adds_capacity(self, plan: Plan, best: Plan) -> bool:
         """Using every volunteer (``--spare-servers use``): a plan that predicts no worse than ``best`` and serves
