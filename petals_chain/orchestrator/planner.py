@@ -1413,16 +1413,7 @@ class Planner:
         # it, and newcomers' spans are sized for it (at the c before, a retune with a join gave the newcomer a span
         # that holds fewer jobs than the c in force after it)
         c = full.c if full is not None and full.chains and full.c is not None else self.plan.c
-        # Servers that join holding a span (handed over by another orchestrator's group, or restarted) keep it
-        # when that predicts better: no reload.
-        holding = {v.peer_id: (v.record.start_block, v.record.num_blocks) for v in unassigned
-                   if v.record.num_blocks > 0 and v.record.max_length == self.max_length
-                   and v.record.start_block + v.record.num_blocks <= self.model_spec.num_blocks}
-        if holding:
-            spans = Placement({**dict(base.placement.items()), **holding}, num_blocks=self.model_spec.num_blocks)
-            kept = self.evaluate(views, spans, c, residual=self.held_jobs(views, spans))
-            if kept.chains and kept.lower < best.lower * (1 - 1e-9):
-                best, reason = kept, f"{len(holding)} server(s) joined holding spans: kept"
+        best, reason = self._keep_held_spans(views, base, best, reason, unassigned, c)
         best, reason = await asyncio.to_thread(self._search_joins, views, base, best, reason, unassigned, c)
         # a full plan that moves no server is no re-placement (it "improved" on the same spans every interval: its
         # prediction counted slots by the servers' memory, the plan in force's by the slots they announce), nor is
@@ -1464,6 +1455,23 @@ class Planner:
             reason += "; planned around " + ", ".join(f"{v.record.public_name or v.peer_id[:12]} ({why[v.peer_id]})"
                                                        for v in failed)
         await self._adopt(best, reason)
+
+    def _keep_held_spans(self, views: list[ServerView], base: Plan, best: Plan, reason: str,
+                         unassigned: list[ServerView], c: int | None) -> tuple[Plan, str]:
+        """The ``unassigned`` servers that joined holding a span (handed over by another orchestrator's group, or
+        restarted) keep it, no reload, when that predicts better than ``best`` or, by the same rule as newcomers
+        placed (:meth:`_adds_capacity`), no worse and serving more: at light load the prediction is flat, and a
+        wave holding a whole chain was left unplaced (each span alone completes no chain, and GBP-CR over the wave
+        would move them)."""
+        holding = {v.peer_id: (v.record.start_block, v.record.num_blocks) for v in unassigned
+                   if v.record.num_blocks > 0 and v.record.max_length == self.max_length
+                   and v.record.start_block + v.record.num_blocks <= self.model_spec.num_blocks}
+        if holding:
+            spans = Placement({**dict(base.placement.items()), **holding}, num_blocks=self.model_spec.num_blocks)
+            kept = self.evaluate(views, spans, c, residual=self.held_jobs(views, spans))
+            if kept.chains and (kept.lower < best.lower * (1 - 1e-9) or self._adds_capacity(kept, best)):
+                best, reason = kept, f"{len(holding)} server(s) joined holding spans: kept"
+        return best, reason
 
     def _search_joins(self, views: list[ServerView], base: Plan, best: Plan, reason: str,
                       unassigned: list[ServerView], c: int | None) -> tuple[Plan, str]:
