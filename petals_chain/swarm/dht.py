@@ -82,6 +82,31 @@ if not any(isinstance(f, _P2PDaemonShutdownNoise) for f in _P2PD_LOGGER.filters)
 # before any DHT process is forked: see process_locks (a DHT process killed mid-reply hung every later DHT start)
 install_robust_hivemind_locks()
 
+# sun_path holds 108 bytes on Linux, 104 on macOS, its terminating NUL included
+_SUN_PATH_BYTES = 104
+# hivemind's longest socket name after its prefix: p2pclient-{secrets.token_urlsafe(8): 11 characters}.sock
+_P2P_SOCKET_NAME_BYTES = len("p2pclient-.sock") + 11
+_HIVEMIND_SOCKET_PREFIX = "/unix/tmp/hivemind-"  # hivemind 1.1.12's own (P2P._UNIX_SOCKET_PREFIX)
+
+
+def use_temp_dir_for_p2p_sockets() -> str:
+    """Make hivemind name p2pd's unix sockets (``hivemind-p2pd-*.sock``, ``hivemind-p2pclient-*.sock``) in the
+    temporary directory (``TMPDIR``, :func:`tempfile.gettempdir`) rather than in ``/tmp``, which hivemind 1.1.12
+    hard-codes; a folder whose socket paths would not fit ``sun_path`` or a multiaddr keeps ``/tmp``. Returns the
+    prefix in use. Called at import and before each DHT node starts (a DHT process forked later inherits it)."""
+    folder = tempfile.gettempdir()
+    prefix = f"/unix{os.path.join(folder, 'hivemind-')}"
+    if (not os.path.isabs(folder) or not re.fullmatch(r"[A-Za-z0-9._+/-]+", folder)
+            or len(os.fsencode(prefix)) - len("/unix") + _P2P_SOCKET_NAME_BYTES >= _SUN_PATH_BYTES):
+        prefix = _HIVEMIND_SOCKET_PREFIX
+    P2P._UNIX_SOCKET_PREFIX = prefix
+    return prefix
+
+
+# a private TMPDIR (systemd's PrivateTmp=, a test session's) then holds them too, and they go with it: p2pd's socket
+# and its client's outlive a DHT node whose process was SIGKILLed (no handler runs), one pair per kill
+use_temp_dir_for_p2p_sockets()
+
 _OWNER_RE = re.compile(rb"^\[owner:(.+)\]$", re.DOTALL)
 # Records that claim to live longer than this, or whose timestamp is older (or further ahead), are not read: hivemind
 # sets no bound on an entry's expiration and copies entries to nodes as they join, so a record stored once with a
@@ -748,6 +773,7 @@ class SwarmDHT:
         ``ready_timeout_s``: a DHT process not ready by then is killed (with its p2pd) and RuntimeError raised,
         instead of waiting forever on a process that hung while starting.
         """
+        use_temp_dir_for_p2p_sockets()  # (tempfile.tempdir may have been set since import)
         temp_identity = None
         for path in remove_stale_temp_identities():
             logger.info(f"removed {path}: the temporary identity of a process that no longer runs")

@@ -1,0 +1,119 @@
+"""Files the roles leave in the temporary directory (session 40).
+
+* hivemind 1.1.12 names p2pd's unix sockets ``/tmp/hivemind-p2pd-*.sock`` and ``/tmp/hivemind-p2pclient-*.sock``
+  whatever ``TMPDIR`` says, while torch (``torch-shm-dir-*``) and multiprocessing (``pymp-*``) honour it: a role
+  SIGKILLed (no handler of theirs runs) left its pair in ``/tmp``, out of reach of a private ``TMPDIR`` (systemd's
+  ``PrivateTmp=``, the test session's own folder). ``swarm.dht.use_temp_dir_for_p2p_sockets`` puts them in ``TMPDIR``.
+* A role stopped gracefully (SIGTERM, Ctrl-C) must leave nothing there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from conftest import REPO_ROOT
+
+from petals_chain.swarm.local import memory_for, signal_role
+
+
+def _start(module: str, args: list[str], log: Path, env: dict) -> subprocess.Popen:
+    """``python -m module *args`` in a session of its own, as a volunteer or an operator starts it."""
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO_ROOT, start_new_session=True)
+
+
+def _wait(predicate, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.2)
+
+
+def _family(pids: list[int]) -> set[int]:
+    import psutil
+
+    out = set(pids)
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            out |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    return out
+
+
+def _left(folder: Path) -> list[str]:
+    # torch's compile cache (torchinductor_<user>): one folder per user, reused by every process, made at import
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_"))
+
+
+def test_roles_put_p2pd_sockets_in_tmpdir_and_leave_nothing_there_on_sigterm_or_ctrl_c(tiny_model_dir, tmp_path,
+                                                                                        scaled):
+    """An orchestrator and a server started with ``python -m`` and a TMPDIR of their own: their p2pd sockets are made
+    in it (they were in /tmp), and once the server is stopped by Ctrl-C (SIGINT to its process group) and the
+    orchestrator by SIGTERM, it holds nothing of theirs (nor /dev/shm a torch segment of theirs)."""
+    # short: the sockets' paths must fit sun_path (a tmp_path is too long, and swarm.dht would keep /tmp)
+    folder = Path(tempfile.mkdtemp(prefix="s40-"))
+    env = dict(os.environ, TMPDIR=str(folder), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PETALS_CHAIN_CACHE_DIR=str(tmp_path / "cache"))
+    ready, orch_log, server_log = tmp_path / "ready.json", tmp_path / "orchestrator.log", tmp_path / "server.log"
+    procs: list[subprocess.Popen] = []
+    try:
+        orch = _start("petals_chain.orchestrator", ["--model", str(tiny_model_dir), "--port", "0", "--max-length",
+                                                    "64", "--ready-file", str(ready), "--settle-s", "0.5"],
+                      orch_log, env)
+        procs.append(orch)
+        _wait(ready.exists, scaled(120), "the orchestrator", orch_log)
+        import json
+
+        peers = json.loads(ready.read_text())["initial_peers"]
+        server = _start("petals_chain.server", ["--model", str(tiny_model_dir), "--initial-peers", *peers,
+                                                "--memory-bytes", str(memory_for(tiny_model_dir, 2048, 4, 2)),
+                                                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--tau-p", "0.01",
+                                                "--no-progress"], server_log, env)
+        procs.append(server)
+        _wait(lambda: "-> online" in server_log.read_text(errors="replace"), scaled(120), "the server online",
+              server_log)
+        pids = _family([orch.pid, server.pid])
+        sockets = [n for n in os.listdir(folder) if n.startswith("hivemind-p2pd-") and n.endswith(".sock")]
+        assert len(sockets) == 2, (sockets, os.listdir(folder))  # one p2pd per role, each in TMPDIR
+
+        os.killpg(server.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        assert server.wait(timeout=scaled(60)) == 0, server_log.read_text(errors="replace")[-3000:]
+        orch.send_signal(signal.SIGTERM)
+        assert orch.wait(timeout=scaled(60)) == 0, orch_log.read_text(errors="replace")[-3000:]
+        # torch_shm_manager removes its folder 2 s after its last client has gone
+        deadline = time.monotonic() + scaled(15)
+        while _left(folder) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _left(folder) == []
+        shm = [n for n in os.listdir("/dev/shm") if n.startswith("torch_") and int(n.split("_")[1]) in pids]
+        assert shm == []
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                signal_role(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_temporary_directory_too_long_for_a_unix_socket_keeps_tmp(monkeypatch):
+    """A folder whose socket paths would not fit sun_path (104 bytes with macOS) keeps hivemind's /tmp."""
+    from petals_chain.swarm import dht
+
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", "/" + "d" * 67)  # /ddd.../hivemind-p2pclient-{11}.sock: 104 bytes
+        assert dht.use_temp_dir_for_p2p_sockets() == "/unix/tmp/hivemind-"
+        monkeypatch.setattr(tempfile, "tempdir", "/" + "d" * 66)  # 103 bytes and the NUL
+        assert dht.use_temp_dir_for_p2p_sockets() == "/unix/" + "d" * 66 + "/hivemind-"
+        monkeypatch.setattr(tempfile, "tempdir", "/tmp/with space")  # not a path a multiaddr keeps as it is
+        assert dht.use_temp_dir_for_p2p_sockets() == "/unix/tmp/hivemind-"
+    finally:
+        monkeypatch.undo()
+        dht.use_temp_dir_for_p2p_sockets()
