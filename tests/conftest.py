@@ -64,6 +64,17 @@ _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _controller_tag = os.environ.get(SESSION_TAG_VAR) if _XDIST_WORKER else None
 os.environ[SESSION_TAG_VAR] = (f"{_controller_tag}-{_XDIST_WORKER}" if _controller_tag
                                else f"{os.getpid()}-{time.time_ns()}")
+# Every process of the session (the roles the tests start inherit TMPDIR) makes its temporary files in one folder of
+# the session's, removed at its end: what a SIGKILLed role leaves (p2pd's sockets, torch_shm_manager's folder, a fork
+# server's pymp-* folder; no handler of theirs runs) no longer piles up in /tmp, run after run. The controller makes
+# it; xdist's workers inherit it. Short: p2pd's socket paths in it must fit sun_path (swarm.dht falls back to /tmp).
+SESSION_TMPDIR_PREFIX = "petals-chain-tests-"
+if not _XDIST_WORKER:
+    import tempfile
+
+    # pytest's own tmp_path folders stay where they were (kept for three runs, to read a failure's logs)
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    os.environ["TMPDIR"] = tempfile.tempdir = tempfile.mkdtemp(prefix=SESSION_TMPDIR_PREFIX)
 # How long the interpreter may take to exit once the suite has finished before it is made to (seconds).
 _EXIT_GRACE_S = float(os.environ.get("PETALS_CHAIN_TEST_EXIT_GRACE_S", "120"))
 _exit_status = 0
@@ -104,9 +115,10 @@ def pytest_testnodedown(node, error):
         _worker_slowdowns[node.gateway.id] = slowdown
 
 
-def tagged_leftovers() -> list:
+def tagged_leftovers(shm_managers: bool = False) -> list:
     """Live processes started by this session (tag in their environment) other than this one and its helpers
-    (multiprocessing's fork server and resource tracker, torch's shared-memory manager: they leave with it)."""
+    (multiprocessing's fork server and resource tracker, torch's shared-memory manager: they leave with it);
+    ``shm_managers``: the session's torch_shm_manager processes instead."""
     import psutil
 
     tag = f"{SESSION_TAG_VAR}={os.environ[SESSION_TAG_VAR]}".encode()
@@ -116,7 +128,8 @@ def tagged_leftovers() -> list:
         cmdline = " ".join(proc.info["cmdline"] or ())
         helper = proc.info["ppid"] == os.getpid() and "multiprocessing" in cmdline
         # torch's shared-memory manager serves this process too: killed, torch aborts at exit (broken pipe)
-        helper = helper or "torch_shm_manager" in (proc.info["name"] or "") + cmdline
+        shm_manager = "torch_shm_manager" in (proc.info["name"] or "") + cmdline
+        helper = (not shm_manager) if shm_managers else (helper or shm_manager)
         if proc.pid == os.getpid() or helper:  # roles forked by the fork server share its command line: not helpers
             continue
         try:
@@ -170,6 +183,8 @@ def pytest_unconfigure(config):
         os._exit(_exit_status)
 
     threading.Thread(target=guard, name="exit-guard", daemon=True).start()
+    if not _XDIST_WORKER:
+        sweep_session_tmpdir(os.environ["TMPDIR"])
     # Past the interpreter's own shutdown (C-level exit handlers), only another process can end a hang: this one
     # SIGKILLs us a little after the guard; .ci/run then takes the suite's status from STATUS_FILE_VAR's file.
     status_file = os.environ.get(STATUS_FILE_VAR)
@@ -180,6 +195,35 @@ def pytest_unconfigure(config):
         subprocess.Popen([sys.executable, "-c", _EXIT_WATCHDOG, str(os.getpid()), str(_EXIT_GRACE_S + 30)],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
+
+
+def sweep_session_tmpdir(folder: str) -> None:
+    """Remove the session's temporary folder (``folder``) once its processes are gone: now, all but this process's
+    own multiprocessing folder (its finalizer removes that at exit, and reports a folder removed under it); the
+    folder itself at exit, after that finalizer (exit priority -100). A torch_shm_manager whose last client left
+    removes its own folder within 2 s: waited for, not to remove what it is about to."""
+    import multiprocessing.process
+    import multiprocessing.util
+    import shutil
+
+    import psutil
+
+    if not os.path.basename(folder).startswith(SESSION_TMPDIR_PREFIX):  # (never anything else, whatever TMPDIR says)
+        return
+    managers = [p for p in tagged_leftovers(shm_managers=True) if p.info["ppid"] != os.getpid()]
+    psutil.wait_procs(managers, timeout=5)
+    own = multiprocessing.process.current_process()._config.get("tempdir")
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if path == own:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
+                                  exitpriority=-101)
 
 
 STATUS_FILE_VAR = "PETALS_CHAIN_TEST_STATUS_FILE"  # where the suite's exit status is written before exit

@@ -5,6 +5,7 @@
   SIGKILLed (no handler of theirs runs) left its pair in ``/tmp``, out of reach of a private ``TMPDIR`` (systemd's
   ``PrivateTmp=``, the test session's own folder). ``swarm.dht.use_temp_dir_for_p2p_sockets`` puts them in ``TMPDIR``.
 * A role stopped gracefully (SIGTERM, Ctrl-C) must leave nothing there.
+* The test session gives its processes a folder of its own as ``TMPDIR`` (conftest), removed at its end.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, SESSION_TMPDIR_PREFIX
 
 from petals_chain.swarm.local import memory_for, signal_role
 
@@ -101,6 +102,21 @@ def test_roles_put_p2pd_sockets_in_tmpdir_and_leave_nothing_there_on_sigterm_or_
                 signal_role(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_session_gives_its_processes_a_temporary_folder_of_its_own():
+    """conftest: this process's and its children's temporary directory is the session's folder (removed at the
+    session's end), and hivemind's sockets of a DHT node started here go in it."""
+    from hivemind.p2p import P2P
+
+    from petals_chain.swarm import dht
+
+    folder = tempfile.gettempdir()
+    assert os.path.basename(folder).startswith(SESSION_TMPDIR_PREFIX) and os.environ["TMPDIR"] == folder
+    child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"], env=os.environ,
+                           capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == folder
+    assert dht.use_temp_dir_for_p2p_sockets() == P2P._UNIX_SOCKET_PREFIX == f"/unix{folder}/hivemind-"
 
 
 def test_a_temporary_directory_too_long_for_a_unix_socket_keeps_tmp(monkeypatch):
