@@ -14,7 +14,8 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from petals_chain.swarm.rpc import NoCapacityError, PetalsChainBlocks, RefusedError, ServerClient, _pack, _unpack
+from petals_chain.swarm.rpc import (HEARTBEATS_MISSED, MIN_HEARTBEAT_S, NoCapacityError, PetalsChainBlocks,
+                                    RefusedError, ServerClient, _pack, _unpack)
 
 
 class WaitingBackend:
@@ -25,6 +26,7 @@ class WaitingBackend:
 
     def __init__(self):
         self.free = asyncio.Event()
+        self.waiting: list[str] = []  # opens that reached the wait
         self.opened: list[str] = []
         self.closed: list[str] = []
         self.withdrawn: list[str] = []
@@ -36,6 +38,7 @@ class WaitingBackend:
         raise RefusedError("no_capacity", "no capacity: full")
 
     async def open_session_wait(self, sid, start, end, max_length, peer, wait_s, **kwargs) -> dict:
+        self.waiting.append(sid)
         try:
             await asyncio.wait_for(self.free.wait(), wait_s)
         except asyncio.TimeoutError:
@@ -75,13 +78,18 @@ def test_a_queued_open_heartbeats_and_silence_is_given_up_on(scaled):
         client_p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         a, b = (p2p.peer_id.to_base58() for p2p in servers)
         try:
-            client = ServerClient(client_p2p, open_timeout_s=scaled(20), heartbeat_grace_s=0.3)
+            # the grace is the client's allowance for a loaded machine: scaled, as another test file's swarm may
+            # hold the cores (0.3 s unscaled: a heartbeat 1.3 s late, a stall of a loaded loop, failed step 1)
+            client = ServerClient(client_p2p, open_timeout_s=scaled(20), heartbeat_grace_s=scaled(0.3))
             client.heartbeat_s = 0.1  # the server keeps MIN_HEARTBEAT_S (0.5 s)
             client.heartbeats = lambda peer: True  # as if both records said so (b's lies: an older server)
+            silence_s = HEARTBEATS_MISSED * MIN_HEARTBEAT_S + client.heartbeat_grace_s  # what ends a silent wait
 
-            # 1. the open waits 2 s and is kept alive by heartbeats meanwhile, then served
+            # 1. the open waits longer than the silence that ends it and is kept alive by heartbeats meanwhile, then
+            # served
             opening = asyncio.ensure_future(client.open_session(a, "waits", 0, 2, 32, wait_s=30))
-            await asyncio.sleep(2.0)
+            await _until(lambda: beating.waiting == ["waits"], scaled(10), "the open never reached the server")
+            await asyncio.sleep(silence_s + 0.5)
             assert not opening.done()
             beating.free.set()
             sess = await asyncio.wait_for(opening, scaled(10))
@@ -115,7 +123,8 @@ def test_a_queued_open_heartbeats_and_silence_is_given_up_on(scaled):
 
             # 5. a client that leaves while its open waits withdraws it there (no slots held for nobody)
             opening = asyncio.ensure_future(client.open_session(a, "gone", 0, 2, 32, wait_s=30))
-            await asyncio.sleep(0.4)
+            # (cancelled before it reached the server, there was nothing to withdraw: the check failed under load)
+            await _until(lambda: "gone" in beating.waiting, scaled(10), "the open never reached the server")
             opening.cancel()
             await _until(lambda: "gone" in beating.withdrawn, scaled(5), "a left client's open kept waiting")
 
