@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from petals_chain.server.batching import BatchItem, run_batch
+from petals_chain.server.batching import RECENT_WINDOWS, BatchItem, run_batch
 from petals_chain.server.emulated import EmulatedRunner
 from petals_chain.server.runner import BlockRunner
 from petals_chain.swarm.checkpoint import load_head
@@ -455,18 +455,21 @@ def test_batched_dtype_and_eager_runner(models, dtype, attn):
 
 def test_no_gathering_wait_for_sessions_busy_elsewhere(models):
     """The window only waits for sessions likely to send a step soon, not for ones idle at other servers."""
-    r = BlockRunner(models["llama"], 0, 2, num_slots=6, max_length=16, batch_wait_ms=1000, progress=False)
+    # a 10 s window: a step that does not wait for it ends well under it however loaded the machine (a 0.5 s bound on a
+    # 1 s window left another test file's swarm 0.5 s to delay the thread), and a step that joins ends the wait at once
+    window_s = 10.0
+    r = BlockRunner(models["llama"], 0, 2, num_slots=6, max_length=16, batch_wait_ms=window_s * 1000, progress=False)
     H = r.hidden_size
     for sid in ("a", "b", "c"):
         r.allocate(sid, 0, 2)
     for sid in ("b", "c"):
-        r._sessions[sid].last_used -= 50.0  # their last steps ended long ago (> RECENT_WINDOWS windows)
+        r._sessions[sid].last_used -= RECENT_WINDOWS * window_s + 50.0  # their last steps ended long ago
     out: list = []
     t = threading.Thread(target=lambda: out.append(r.forward("a", torch.randn(1, 1, H), 0)))
     t0 = time.perf_counter()
     t.start()
-    t.join(10)
-    assert out and time.perf_counter() - t0 < 0.5  # well under the 1 s window
+    t.join(window_s)
+    assert out and time.perf_counter() - t0 < window_s / 2  # the window was not waited for
     # a session that just got a result is waited for: its step joins the same batch
     b0, rows0 = r.scheduler.batches, r.scheduler.rows
     r._sessions["b"].last_used = time.monotonic()
