@@ -109,7 +109,7 @@ def test_a_free_slot_is_predicted_at_the_occupancy_the_job_would_find():
     asyncio.run(main())
 
 
-def test_a_job_s_steps_reach_the_predictions_under_every_schedule():
+def test_a_job_s_steps_reach_the_predictions_under_every_schedule(scaled):
     """The orchestrator's generation loop reports each step (``ChainHolder.feed`` -> ``DispatchManager.charge``):
     it did so for ``--schedule db|mlfq`` alone, so ``edf`` and ``flex`` never saw a step."""
     import types
@@ -139,7 +139,7 @@ def test_a_job_s_steps_reach_the_predictions_under_every_schedule():
         for t in range(8):
             await holder.feed([10 + t], torch.zeros(1, 4))
         seen = dm.step_times.step_s(lease.chain_id, 1, planned=0.02)
-        assert 0.03 <= seen < 0.2
+        assert 0.03 <= seen < scaled(0.2)  # (a loaded machine's 30 ms sleeps last longer)
         dm.release(lease)
 
     for schedule in ("fcfs", "edf", "flex"):
