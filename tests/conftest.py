@@ -310,15 +310,6 @@ def hf_greedy_from(model_path: Path | str, prompt: list[int], n: int) -> list[in
                            pad_token_id=0)[0, len(prompt):].tolist()
 
 
-def _descendants(pid: int) -> list[int]:
-    try:
-        import psutil
-
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except Exception:  # noqa: BLE001
-        return []
-
-
 class ServerProcess:
     """A ``python -m petals_chain.server`` process (forked by :func:`~petals_chain.swarm.launch.launch`); ``stop()``
     sends SIGTERM, ``kill()`` kills the group."""
@@ -363,16 +354,21 @@ class ServerProcess:
         return self.proc.returncode
 
     def kill(self) -> None:
-        descendants = _descendants(self.proc.pid)
-        with_suppress(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
-        for pid in descendants:
-            with_suppress(lambda: os.kill(pid, signal.SIGKILL))
+        from petals_chain.swarm.launch import descendants
+        from petals_chain.swarm.local import kill_role_session
+
+        children = descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            with_suppress(lambda: os.kill(self.proc.pid, signal.SIGKILL))
+        kill_role_session(self.proc.pid, children)  # (not torch_shm_manager: it cleans up after itself)
         with_suppress(lambda: self.proc.wait(timeout=10))
 
     def _reap_group(self) -> None:
-        # Anything left in the server's process group is ours to kill (its DHT process and p2pd run in a group of
-        # their own and stop with it: swarm.dht._DHTProcess).
-        with_suppress(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
+        # Anything left in the server's session is ours to kill (its DHT process and p2pd run in a group of their
+        # own in it: swarm.dht._DHTProcess), but torch_shm_manager, which unlinks its /dev/shm segments as it exits.
+        from petals_chain.swarm.local import kill_role_session
+
+        kill_role_session(self.proc.pid)
 
 
 def with_suppress(fn) -> None:

@@ -133,3 +133,26 @@ def test_a_temporary_directory_too_long_for_a_unix_socket_keeps_tmp(monkeypatch)
     finally:
         monkeypatch.undo()
         dht.use_temp_dir_for_p2p_sockets()
+
+
+def test_a_local_swarm_stopped_lets_torch_shm_manager_clean_up(tiny_model_dir, scaled):
+    """LocalSwarm (the demo's, the scripts') SIGKILLed each role's process group once the role had stopped, and with
+    it torch_shm_manager, which was to exit 2 s later by itself: each role left a ``torch-shm-dir-*`` folder (its
+    socket in it) in TMPDIR and its ``/dev/shm/torch_*`` segments. The swarm now spares it; it cleans up."""
+    from petals_chain.swarm.local import LocalServer, LocalSwarm
+
+    folder = Path(tempfile.mkdtemp(prefix="s40-"))
+    try:
+        with LocalSwarm(tiny_model_dir, [LocalServer("a", memory_for(tiny_model_dir, 256, 4, 2), tau_p=0.01)],
+                        max_length=256, env={"TMPDIR": str(folder)}) as sw:
+            sw.wait_ready(timeout=scaled(120))
+            pids = _family([sw.orchestrator.popen.pid, *(p.popen.pid for p in sw.servers.values())])
+            assert any(n.startswith("torch-shm-dir-") for n in os.listdir(folder))  # (the roles made theirs here)
+        assert sw.leftover_processes() == []
+        deadline = time.monotonic() + scaled(15)
+        while _left(folder) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _left(folder) == []
+        assert [n for n in os.listdir("/dev/shm") if n.startswith("torch_") and int(n.split("_")[1]) in pids] == []
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -75,6 +75,35 @@ def signal_role(pid: int, sig: int) -> None:
             child.send_signal(sig)
 
 
+def _is_shm_manager(proc: Any) -> bool:
+    try:
+        return proc.name() == "torch_shm_manager"
+    except Exception:  # noqa: BLE001 - gone: nothing to spare
+        return False
+
+
+def kill_role_session(sid: int, descendants: Sequence[Any] = ()) -> None:
+    """SIGKILL every process of session ``sid`` (a role's: it is the leader) and ``descendants`` but
+    torch_shm_manager. hivemind's futures share memory through it (file_system strategy); it exits by itself 2 s
+    after its last client (the role, its DHT process) has gone, unlinking its ``/dev/shm/torch_*`` segments and
+    removing its ``TMPDIR/torch-shm-dir-*``. Killed with the role's group, it left both behind, each time a swarm
+    stopped (the demo's, a script's: one of each per role, even after a clean stop)."""
+    import psutil
+
+    for _ in range(2):  # (a process forked meanwhile by one being killed is found the second time)
+        members = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == sid:
+                    members.append(p)
+            except (OSError, psutil.Error):
+                continue
+        for p in [*members, *descendants]:
+            if not _is_shm_manager(p):
+                with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+                    p.kill()
+
+
 @dataclass
 class _Proc:
     name: str
@@ -285,15 +314,11 @@ class LocalSwarm:
                 return
 
     def _reap(self, proc: _Proc, descendants: Sequence[Any]) -> None:
-        """Kill whatever is left of ``proc``: its process group (DHT child, p2pd) and ``descendants``."""
-        import psutil
-
-        self._signal(proc, signal.SIGKILL, group=True)
-        for child in descendants:  # the DHT process and p2pd are in a group of their own
-            try:
-                child.kill()
-            except (psutil.Error, ProcessLookupError, PermissionError):
-                pass
+        """Kill whatever is left of ``proc``: its session (its group; its DHT process and p2pd, in a group of their
+        own) and ``descendants``, but for torch's shared-memory manager (:func:`kill_role_session`)."""
+        if proc.alive():
+            self._signal(proc, signal.SIGKILL, group=False)  # first: the role starts nothing more
+        kill_role_session(proc.popen.pid, descendants)
         try:
             proc.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -334,9 +359,10 @@ class LocalSwarm:
         deadline = time.monotonic() + wait_s
         while True:
             left = []
-            for proc in psutil.process_iter(["pid", "status"]):
+            for proc in psutil.process_iter(["pid", "status", "name"]):
                 try:
-                    if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                    # torch_shm_manager leaves by itself once its clients are gone (kill_role_session)
+                    if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.info["name"] == "torch_shm_manager":
                         continue
                     if os.getsid(proc.info["pid"]) in groups or os.getpgid(proc.info["pid"]) in groups:
                         left.append(proc.info["pid"])
