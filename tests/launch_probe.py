@@ -4,11 +4,13 @@
 import json
 import os
 import sys
+import tempfile
 import time
 
 if __name__ == "__main__":
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("LAUNCH_PROBE"),
-                      "leader": os.getpgid(0) == os.getpid(), "main": __name__}), flush=True)
+                      "leader": os.getpgid(0) == os.getpid(), "main": __name__, "tmpdir": tempfile.gettempdir()}),
+          flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     if sys.argv[1:2] == ["sleep"]:
         time.sleep(600)

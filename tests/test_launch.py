@@ -22,14 +22,15 @@ TESTS = str(Path(__file__).resolve().parent)
 def test_launched_module_runs_as_python_dash_m(mode, tmp_path, monkeypatch):
     monkeypatch.setenv("PETALS_CHAIN_LAUNCH", mode)
     log = tmp_path / "probe.log"
-    env = {**os.environ, "LAUNCH_PROBE": "42", "PYTHONPATH": TESTS}
+    # (a TMPDIR of its own: a forked role made its temporary files where the fork server's TMPDIR said)
+    env = {**os.environ, "LAUNCH_PROBE": "42", "PYTHONPATH": TESTS, "TMPDIR": str(tmp_path)}
     proc = launch("launch_probe", ["a", "--b", "c d"], log_path=log, env=env, cwd=tmp_path)
     assert isinstance(proc, ForkedProcess) == (mode == "fork")
     assert proc.wait(timeout=120) == 3 and proc.returncode == 3 and proc.poll() == 3
     first, second = log.read_text().splitlines()[:2]
     seen = json.loads(first)
     assert seen == {"argv": ["a", "--b", "c d"], "cwd": str(tmp_path), "probe": "42", "leader": True,
-                    "main": "__main__"}
+                    "main": "__main__", "tmpdir": str(tmp_path)}
     assert second == "to stderr"
 
 

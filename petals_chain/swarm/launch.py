@@ -97,6 +97,11 @@ def _run_role(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str
             stream.reconfigure(line_buffering=True, write_through=True)
     os.environ.clear()
     os.environ.update(env)
+    import tempfile
+
+    # the fork server's (cached at its first use) is not this role's: its temporary files went to the folder the
+    # fork server's TMPDIR named, while torch's went to this role's
+    tempfile.tempdir = None
     os.chdir(cwd)
     _own_resource_tracker()
     _own_hivemind_locks()
