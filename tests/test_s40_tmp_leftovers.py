@@ -156,3 +156,29 @@ def test_a_local_swarm_stopped_lets_torch_shm_manager_clean_up(tiny_model_dir, s
         assert [n for n in os.listdir("/dev/shm") if n.startswith("torch_") and int(n.split("_")[1]) in pids] == []
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_role_killed_with_signal_role_lets_torch_shm_manager_clean_up(tiny_model_dir, tmp_path, scaled):
+    """signal_role(pid, SIGKILL) (a lost host, in tests and scripts) killed torch_shm_manager with the role's group:
+    its folder and /dev/shm segments stayed. p2pd's sockets and multiprocessing's folder stay (no handler runs)."""
+    folder = Path(tempfile.mkdtemp(prefix="s40-"))
+    ready, log = tmp_path / "ready.json", tmp_path / "orchestrator.log"
+    env = dict(os.environ, TMPDIR=str(folder), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    orch = _start("petals_chain.orchestrator", ["--model", str(tiny_model_dir), "--port", "0", "--ready-file",
+                                                str(ready)], log, env)
+    try:
+        _wait(ready.exists, scaled(120), "the orchestrator", log)
+        pids = _family([orch.pid])
+        assert any(n.startswith("torch-shm-dir-") for n in os.listdir(folder))
+        signal_role(orch.pid, signal.SIGKILL)
+        assert orch.wait(timeout=scaled(30)) == -signal.SIGKILL
+        deadline = time.monotonic() + scaled(15)
+        while any(n.startswith("torch-shm-dir-") for n in os.listdir(folder)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [n for n in os.listdir(folder) if n.startswith("torch-shm-dir-")] == []
+        assert [n for n in os.listdir("/dev/shm") if n.startswith("torch_") and int(n.split("_")[1]) in pids] == []
+    finally:
+        if orch.poll() is None:
+            signal_role(orch.pid, signal.SIGKILL)
+            orch.wait(timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -64,10 +64,16 @@ def memory_for(model_path: str | os.PathLike, max_length: int, blocks: int, slot
 def signal_role(pid: int, sig: int) -> None:
     """Signal a role started in a session of its own, as losing its host would: its process group, and every
     descendant (its DHT process and p2pd run in a group of their own, ``swarm.dht._DHTProcess``: a killpg of the
-    role alone leaves them to stop by themselves, a few ms later, and a SIGSTOP of it alone leaves them answering)."""
+    role alone leaves them to stop by themselves, a few ms later, and a SIGSTOP of it alone leaves them answering).
+    SIGKILL spares torch_shm_manager, which serves no peer and cleans up after itself (:func:`kill_role_session`)."""
     import psutil
 
     descendants = _descendants(pid)  # before the role goes: afterwards they are no longer its children
+    if sig == signal.SIGKILL:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)  # first: the role starts nothing more
+        kill_role_session(pid, descendants)
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
     for child in descendants:
