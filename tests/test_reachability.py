@@ -97,7 +97,7 @@ def test_dial_back_service_dials_only_the_caller_and_only_where_it_says(scaled):
         prober = Prober(timeout_s=5.0)
         # the rate limit counts from a dial-back's arrival: the one asked right after a dial must come within it,
         # and a dial (a daemon started) took 0.6-0.8 s with the cores busy, past a fixed 0.5 s
-        interval_s = scaled(1.0)
+        interval_s = max(1.0, scaled(0.5))
         await PetalsChainFrontdoor(prober, interval_s=interval_s).add_p2p_handlers(orch)
         orch_id = orch.peer_id.to_base58()
         server = await P2P.create(initial_peers=[str(m) for m in await orch.get_visible_maddrs()],
