@@ -49,6 +49,13 @@ def _family(pids: list[int]) -> set[int]:
     return out
 
 
+def _segments(pids: set[int], before: set[str]) -> list[str]:
+    """torch's /dev/shm segments (``torch_{creator pid}_...``) made by one of ``pids`` since ``before`` (a pid's
+    number may have served a process before, whose segment another test left)."""
+    return sorted(n for n in set(os.listdir("/dev/shm")) - before
+                  if n.startswith("torch_") and n.split("_")[1].isdigit() and int(n.split("_")[1]) in pids)
+
+
 def _left(folder: Path) -> list[str]:
     # torch's compile cache (torchinductor_<user>): one folder per user, reused by every process, made at import
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_"))
@@ -65,6 +72,7 @@ def test_roles_put_p2pd_sockets_in_tmpdir_and_leave_nothing_there_on_sigterm_or_
                PETALS_CHAIN_CACHE_DIR=str(tmp_path / "cache"))
     ready, orch_log, server_log = tmp_path / "ready.json", tmp_path / "orchestrator.log", tmp_path / "server.log"
     procs: list[subprocess.Popen] = []
+    shm_before = set(os.listdir("/dev/shm"))
     try:
         orch = _start("petals_chain.orchestrator", ["--model", str(tiny_model_dir), "--port", "0", "--max-length",
                                                     "64", "--ready-file", str(ready), "--settle-s", "0.5"],
@@ -94,8 +102,7 @@ def test_roles_put_p2pd_sockets_in_tmpdir_and_leave_nothing_there_on_sigterm_or_
         while _left(folder) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _left(folder) == []
-        shm = [n for n in os.listdir("/dev/shm") if n.startswith("torch_") and int(n.split("_")[1]) in pids]
-        assert shm == []
+        assert _segments(pids, shm_before) == []
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -142,6 +149,7 @@ def test_a_local_swarm_stopped_lets_torch_shm_manager_clean_up(tiny_model_dir, s
     from petals_chain.swarm.local import LocalServer, LocalSwarm
 
     folder = Path(tempfile.mkdtemp(prefix="s40-"))
+    shm_before = set(os.listdir("/dev/shm"))
     try:
         with LocalSwarm(tiny_model_dir, [LocalServer("a", memory_for(tiny_model_dir, 256, 4, 2), tau_p=0.01)],
                         max_length=256, env={"TMPDIR": str(folder)}) as sw:
@@ -153,7 +161,7 @@ def test_a_local_swarm_stopped_lets_torch_shm_manager_clean_up(tiny_model_dir, s
         while _left(folder) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _left(folder) == []
-        assert [n for n in os.listdir("/dev/shm") if n.startswith("torch_") and int(n.split("_")[1]) in pids] == []
+        assert _segments(pids, shm_before) == []
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -164,6 +172,7 @@ def test_a_role_killed_with_signal_role_lets_torch_shm_manager_clean_up(tiny_mod
     folder = Path(tempfile.mkdtemp(prefix="s40-"))
     ready, log = tmp_path / "ready.json", tmp_path / "orchestrator.log"
     env = dict(os.environ, TMPDIR=str(folder), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    shm_before = set(os.listdir("/dev/shm"))
     orch = _start("petals_chain.orchestrator", ["--model", str(tiny_model_dir), "--port", "0", "--ready-file",
                                                 str(ready)], log, env)
     try:
@@ -176,7 +185,7 @@ def test_a_role_killed_with_signal_role_lets_torch_shm_manager_clean_up(tiny_mod
         while any(n.startswith("torch-shm-dir-") for n in os.listdir(folder)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [n for n in os.listdir(folder) if n.startswith("torch-shm-dir-")] == []
-        assert [n for n in os.listdir("/dev/shm") if n.startswith("torch_") and int(n.split("_")[1]) in pids] == []
+        assert _segments(pids, shm_before) == []
     finally:
         if orch.poll() is None:
             signal_role(orch.pid, signal.SIGKILL)
