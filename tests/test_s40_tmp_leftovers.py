@@ -56,6 +56,16 @@ def _segments(pids: set[int], before: set[str]) -> list[str]:
                   if n.startswith("torch_") and n.split("_")[1].isdigit() and int(n.split("_")[1]) in pids)
 
 
+def _assert_cleaned_up(folder: Path, pids: set[int], shm_before: set[str], wait_s: float) -> None:
+    """Nothing left in ``folder`` nor in /dev/shm by ``pids`` once torch_shm_manager has had ``wait_s`` to leave (it
+    removes its folder and segments 2 s after its last client has gone)."""
+    deadline = time.monotonic() + wait_s
+    while _left(folder) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _left(folder) == []
+    assert _segments(pids, shm_before) == []
+
+
 def _left(folder: Path) -> list[str]:
     # torch's compile cache (torchinductor_<user>): one folder per user, reused by every process, made at import
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_"))
@@ -97,12 +107,7 @@ def test_roles_put_p2pd_sockets_in_tmpdir_and_leave_nothing_there_on_sigterm_or_
         assert server.wait(timeout=scaled(60)) == 0, server_log.read_text(errors="replace")[-3000:]
         orch.send_signal(signal.SIGTERM)
         assert orch.wait(timeout=scaled(60)) == 0, orch_log.read_text(errors="replace")[-3000:]
-        # torch_shm_manager removes its folder 2 s after its last client has gone
-        deadline = time.monotonic() + scaled(15)
-        while _left(folder) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _left(folder) == []
-        assert _segments(pids, shm_before) == []
+        _assert_cleaned_up(folder, pids, shm_before, scaled(15))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -157,11 +162,7 @@ def test_a_local_swarm_stopped_lets_torch_shm_manager_clean_up(tiny_model_dir, s
             pids = _family([sw.orchestrator.popen.pid, *(p.popen.pid for p in sw.servers.values())])
             assert any(n.startswith("torch-shm-dir-") for n in os.listdir(folder))  # (the roles made theirs here)
         assert sw.leftover_processes() == []
-        deadline = time.monotonic() + scaled(15)
-        while _left(folder) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _left(folder) == []
-        assert _segments(pids, shm_before) == []
+        _assert_cleaned_up(folder, pids, shm_before, scaled(15))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
