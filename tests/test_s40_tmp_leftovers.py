@@ -56,13 +56,17 @@ def _segments(pids: set[int], before: set[str]) -> list[str]:
                   if n.startswith("torch_") and n.split("_")[1].isdigit() and int(n.split("_")[1]) in pids)
 
 
-def _assert_cleaned_up(folder: Path, pids: set[int], shm_before: set[str], wait_s: float) -> None:
-    """Nothing left in ``folder`` nor in /dev/shm by ``pids`` once torch_shm_manager has had ``wait_s`` to leave (it
-    removes its folder and segments 2 s after its last client has gone)."""
+def _assert_cleaned_up(folder: Path, pids: set[int], shm_before: set[str], wait_s: float, prefix: str = "") -> None:
+    """Nothing (whose name starts with ``prefix``) left in ``folder`` nor in /dev/shm by ``pids`` once
+    torch_shm_manager has had ``wait_s`` to leave (it removes its folder and segments 2 s after its last client has
+    gone)."""
+    def left() -> list[str]:
+        return [n for n in _left(folder) if n.startswith(prefix)]
+
     deadline = time.monotonic() + wait_s
-    while _left(folder) and time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _left(folder) == []
+    assert left() == []
     assert _segments(pids, shm_before) == []
 
 
@@ -182,13 +186,44 @@ def test_a_role_killed_with_signal_role_lets_torch_shm_manager_clean_up(tiny_mod
         assert any(n.startswith("torch-shm-dir-") for n in os.listdir(folder))
         signal_role(orch.pid, signal.SIGKILL)
         assert orch.wait(timeout=scaled(30)) == -signal.SIGKILL
-        deadline = time.monotonic() + scaled(15)
-        while any(n.startswith("torch-shm-dir-") for n in os.listdir(folder)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [n for n in os.listdir(folder) if n.startswith("torch-shm-dir-")] == []
-        assert _segments(pids, shm_before) == []
+        # (p2pd's sockets and multiprocessing's folder stay: no handler runs)
+        _assert_cleaned_up(folder, pids, shm_before, scaled(15), prefix="torch-shm-dir-")
     finally:
         if orch.poll() is None:
             signal_role(orch.pid, signal.SIGKILL)
             orch.wait(timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_LEFT_RUNNING = """
+import os, sys, time
+import psutil
+from petals_chain.swarm.launch import launch
+model, ready, log, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+role = launch("petals_chain.orchestrator", ["--model", model, "--port", "0", "--ready-file", ready], log_path=log)
+deadline = time.monotonic() + timeout
+while not os.path.exists(ready) and time.monotonic() < deadline:
+    time.sleep(0.2)
+print(" ".join(str(p) for p in [role.pid, *(c.pid for c in psutil.Process(role.pid).children(recursive=True))]))
+print(" ".join(n for n in os.listdir(os.environ["TMPDIR"]) if n.startswith("torch-shm-dir-")))
+"""  # (exits with the role running: launch's exit handler stops it)
+
+
+def test_a_role_left_running_at_exit_lets_torch_shm_manager_clean_up(tiny_model_dir, tmp_path, scaled):
+    """launch's exit handler (roles still running when the process that launched them exits: a script that
+    crashed) SIGKILLed each role's process group, torch_shm_manager with it: its folder and segments stayed."""
+    folder = Path(tempfile.mkdtemp(prefix="s40-"))
+    ready, log = tmp_path / "ready.json", tmp_path / "orchestrator.log"
+    env = dict(os.environ, TMPDIR=str(folder), PETALS_CHAIN_LAUNCH="fork", OMP_NUM_THREADS="1")
+    shm_before = set(os.listdir("/dev/shm"))
+    try:
+        out = subprocess.run([sys.executable, "-c", _LEFT_RUNNING, str(tiny_model_dir), str(ready), str(log),
+                              str(scaled(120))], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=scaled(180))
+        assert out.returncode == 0 and ready.exists(), out.stderr[-3000:] + log.read_text(errors="replace")[-3000:]
+        family, made = (out.stdout.splitlines() + ["", ""])[:2]
+        pids = {int(p) for p in family.split()}
+        assert made.startswith("torch-shm-dir-"), out.stdout  # (the role made its folder there, before the exit)
+        _assert_cleaned_up(folder, pids, shm_before, scaled(15), prefix="torch-shm-dir-")  # (SIGKILL: as above)
+    finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import errno
 import logging
 import multiprocessing
@@ -317,19 +318,47 @@ def descendants(pid: int) -> list[Any]:
         return []
 
 
-def _stop_all() -> None:
-    """At exit, roles still running are killed with their process groups and descendants (a role must not outlive
-    the swarm that started it, and multiprocessing would otherwise wait for it). Its DHT process and p2pd run in a
-    group of their own (see ``swarm.dht._DHTProcess``): they would stop by themselves once the role is gone, but
-    not before this process exits."""
+def _is_shm_manager(proc: Any) -> bool:
+    try:
+        return proc.name() == "torch_shm_manager"
+    except Exception:  # noqa: BLE001 - gone: nothing to spare
+        return False
+
+
+def kill_role_session(sid: int, descendants: Sequence[Any] = ()) -> None:
+    """SIGKILL every process of session ``sid`` (a role's: it is the leader) and ``descendants`` but
+    torch_shm_manager. hivemind's futures share memory through it (file_system strategy); it exits by itself 2 s
+    after its last client (the role, its DHT process) has gone, unlinking its ``/dev/shm/torch_*`` segments and
+    removing its ``TMPDIR/torch-shm-dir-*``. Killed with the role's group, it left both behind, each time a swarm
+    stopped (the demo's, a script's: one of each per role, even after a clean stop)."""
     import psutil
 
+    for _ in range(2):  # (a process forked meanwhile by one being killed is found the second time)
+        members = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == sid:
+                    members.append(p)
+            except (OSError, psutil.Error):
+                continue
+        for p in [*members, *descendants]:
+            if not _is_shm_manager(p):
+                with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+                    p.kill()
+
+
+def _stop_all() -> None:
+    """At exit, roles still running are killed with their sessions and descendants (a role must not outlive the
+    swarm that started it, and multiprocessing would otherwise wait for it), torch_shm_manager excepted
+    (:func:`kill_role_session`). Its DHT process and p2pd run in a group of their own (see
+    ``swarm.dht._DHTProcess``): they would stop by themselves once the role is gone, but not before this process
+    exits."""
     for proc in list(_live):
         if proc.poll() is None:
-            for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL),
-                         *(child.kill for child in descendants(proc.pid))):  # a pid reused meanwhile is left alone
-                try:
-                    kill()
-                except (ProcessLookupError, PermissionError, psutil.Error):
-                    pass
+            kids = descendants(proc.pid)  # before the role goes: afterwards they are no longer its children
+            try:
+                os.kill(proc.pid, signal.SIGKILL)  # first: the role starts nothing more
+            except (ProcessLookupError, PermissionError):
+                pass
+            kill_role_session(proc.pid, kids)
             proc._proc.join(5)

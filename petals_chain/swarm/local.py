@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import httpx
 
-from petals_chain.swarm.launch import Launched, descendants as _descendants, launch
+from petals_chain.swarm.launch import Launched, descendants as _descendants, kill_role_session, launch
 
 
 @dataclass
@@ -79,35 +79,6 @@ def signal_role(pid: int, sig: int) -> None:
     for child in descendants:
         with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
             child.send_signal(sig)
-
-
-def _is_shm_manager(proc: Any) -> bool:
-    try:
-        return proc.name() == "torch_shm_manager"
-    except Exception:  # noqa: BLE001 - gone: nothing to spare
-        return False
-
-
-def kill_role_session(sid: int, descendants: Sequence[Any] = ()) -> None:
-    """SIGKILL every process of session ``sid`` (a role's: it is the leader) and ``descendants`` but
-    torch_shm_manager. hivemind's futures share memory through it (file_system strategy); it exits by itself 2 s
-    after its last client (the role, its DHT process) has gone, unlinking its ``/dev/shm/torch_*`` segments and
-    removing its ``TMPDIR/torch-shm-dir-*``. Killed with the role's group, it left both behind, each time a swarm
-    stopped (the demo's, a script's: one of each per role, even after a clean stop)."""
-    import psutil
-
-    for _ in range(2):  # (a process forked meanwhile by one being killed is found the second time)
-        members = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == sid:
-                    members.append(p)
-            except (OSError, psutil.Error):
-                continue
-        for p in [*members, *descendants]:
-            if not _is_shm_manager(p):
-                with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
-                    p.kill()
 
 
 @dataclass
