@@ -354,19 +354,15 @@ class ServerProcess:
         return self.proc.returncode
 
     def kill(self) -> None:
-        from petals_chain.swarm.launch import descendants
-        from petals_chain.swarm.local import kill_role_session
+        from petals_chain.swarm.launch import kill_role_session
 
-        children = descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            with_suppress(lambda: os.kill(self.proc.pid, signal.SIGKILL))
-        kill_role_session(self.proc.pid, children)  # (not torch_shm_manager: it cleans up after itself)
+        kill_role_session(self.proc.pid)  # (not torch_shm_manager: it cleans up after itself)
         with_suppress(lambda: self.proc.wait(timeout=10))
 
     def _reap_group(self) -> None:
         # Anything left in the server's session is ours to kill (its DHT process and p2pd run in a group of their
         # own in it: swarm.dht._DHTProcess), but torch_shm_manager, which unlinks its /dev/shm segments as it exits.
-        from petals_chain.swarm.local import kill_role_session
+        from petals_chain.swarm.launch import kill_role_session
 
         kill_role_session(self.proc.pid)
 

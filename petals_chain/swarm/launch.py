@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from petals_chain.swarm.process_locks import install_robust_hivemind_locks
 
@@ -325,14 +325,17 @@ def _is_shm_manager(proc: Any) -> bool:
         return False
 
 
-def kill_role_session(sid: int, descendants: Sequence[Any] = ()) -> None:
-    """SIGKILL every process of session ``sid`` (a role's: it is the leader) and ``descendants`` but
-    torch_shm_manager. hivemind's futures share memory through it (file_system strategy); it exits by itself 2 s
-    after its last client (the role, its DHT process) has gone, unlinking its ``/dev/shm/torch_*`` segments and
-    removing its ``TMPDIR/torch-shm-dir-*``. Killed with the role's group, it left both behind, each time a swarm
-    stopped (the demo's, a script's: one of each per role, even after a clean stop)."""
+def kill_role_session(sid: int, children: Optional[Sequence[Any]] = None) -> None:
+    """SIGKILL the role ``sid`` first (it starts nothing more), then every other process of its session (it is the
+    leader) and its descendants ``children`` (default: found now, before it goes; afterwards they are no longer
+    its children), but torch_shm_manager. hivemind's futures share memory through it (file_system strategy); it exits
+    by itself 2 s after its last client (the role, its DHT process) has gone, unlinking its ``/dev/shm/torch_*``
+    segments and removing its ``TMPDIR/torch-shm-dir-*``. Killed with the role's group, it left both behind, each
+    time a swarm stopped (the demo's, a script's: one of each per role, even after a clean stop)."""
     import psutil
 
+    if children is None:
+        children = descendants(sid)
     for _ in range(2):  # (a process forked meanwhile by one being killed is found the second time)
         members = []
         for p in psutil.process_iter():
@@ -341,7 +344,8 @@ def kill_role_session(sid: int, descendants: Sequence[Any] = ()) -> None:
                     members.append(p)
             except (OSError, psutil.Error):
                 continue
-        for p in [*members, *descendants]:
+        members.sort(key=lambda p: p.pid != sid)  # the leader first
+        for p in [*members, *children]:
             if not _is_shm_manager(p):
                 with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
                     p.kill()
@@ -355,10 +359,5 @@ def _stop_all() -> None:
     exits."""
     for proc in list(_live):
         if proc.poll() is None:
-            kids = descendants(proc.pid)  # before the role goes: afterwards they are no longer its children
-            try:
-                os.kill(proc.pid, signal.SIGKILL)  # first: the role starts nothing more
-            except (ProcessLookupError, PermissionError):
-                pass
-            kill_role_session(proc.pid, kids)
+            kill_role_session(proc.pid)
             proc._proc.join(5)

@@ -70,8 +70,6 @@ def signal_role(pid: int, sig: int) -> None:
 
     descendants = _descendants(pid)  # before the role goes: afterwards they are no longer its children
     if sig == signal.SIGKILL:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)  # first: the role starts nothing more
         kill_role_session(pid, descendants)
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -293,8 +291,6 @@ class LocalSwarm:
     def _reap(self, proc: _Proc, descendants: Sequence[Any]) -> None:
         """Kill whatever is left of ``proc``: its session (its group; its DHT process and p2pd, in a group of their
         own) and ``descendants``, but for torch's shared-memory manager (:func:`kill_role_session`)."""
-        if proc.alive():
-            self._signal(proc, signal.SIGKILL, group=False)  # first: the role starts nothing more
         kill_role_session(proc.popen.pid, descendants)
         try:
             proc.popen.wait(timeout=5)
