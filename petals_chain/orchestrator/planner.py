@@ -874,7 +874,6 @@ class Planner:
         model = self._model_spec()
         spec = self.specs([newcomer])[0]
         m = spec.max_blocks(model, c or 1)
-        r = newcomer.record
         others = self.held_jobs(views, base)  # (theirs do not depend on the newcomer's span)
 
         def predict(span: tuple[int, int]) -> Plan:
@@ -882,9 +881,8 @@ class Planner:
             held = {**others, newcomer.peer_id: self._held_at(newcomer, spec, span, model)}
             return self.evaluate(views, Placement(spans, num_blocks=model.num_blocks), c, residual=held)
 
-        current: Plan | None = None
-        if r.num_blocks > 0 and r.max_length == self.max_length and r.start_block + r.num_blocks <= model.num_blocks:
-            current = predict((r.start_block, r.num_blocks))
+        loaded = self._held_span(newcomer, model.num_blocks)
+        current = predict(loaded) if loaded is not None else None
         best: Plan | None = None
         for mm in sorted({m, min(model.num_blocks, max(1, m))}):
             if mm < 1:
@@ -925,9 +923,7 @@ class Planner:
         """The placement the servers in ``views`` already serve (loaded spans sized for our max_length), if it
         covers every block; else None. Non-empty after an orchestrator restart."""
         model = self._model_spec()
-        spans = {v.peer_id: (v.record.start_block, v.record.num_blocks) for v in views
-                 if v.record.num_blocks > 0 and v.record.max_length == self.max_length
-                 and v.record.start_block + v.record.num_blocks <= model.num_blocks}
+        spans = {v.peer_id: span for v in views if (span := self._held_span(v, model.num_blocks)) is not None}
         if not spans:
             return None
         placement = Placement(spans, num_blocks=model.num_blocks)
@@ -1463,9 +1459,8 @@ class Planner:
         placed (:meth:`_adds_capacity`), no worse and serving more: at light load the prediction is flat, and a
         wave holding a whole chain was left unplaced (each span alone completes no chain, and GBP-CR over the wave
         would move them)."""
-        holding = {v.peer_id: (v.record.start_block, v.record.num_blocks) for v in unassigned
-                   if v.record.num_blocks > 0 and v.record.max_length == self.max_length
-                   and v.record.start_block + v.record.num_blocks <= self.model_spec.num_blocks}
+        num_blocks = self.model_spec.num_blocks
+        holding = {v.peer_id: span for v in unassigned if (span := self._held_span(v, num_blocks)) is not None}
         if holding:
             spans = Placement({**dict(base.placement.items()), **holding}, num_blocks=self.model_spec.num_blocks)
             kept = self.evaluate(views, spans, c, residual=self.held_jobs(views, spans))
@@ -1499,12 +1494,20 @@ class Planner:
     def _moves_held(self, plan: Plan, servers: Sequence[ServerView]) -> bool:
         """Whether ``plan`` places one of ``servers`` on another span than the one it holds loaded (for this swarm's
         ``max_length``)."""
+        num_blocks = self.model_spec.num_blocks
         for v in servers:
-            r, span = v.record, plan.placement.get(v.peer_id)
-            if (span is not None and r.num_blocks > 0 and r.max_length == self.max_length
-                    and tuple(span) != (r.start_block, r.num_blocks)):
+            span, held = plan.placement.get(v.peer_id), self._held_span(v, num_blocks)
+            if span is not None and held is not None and tuple(span) != held:
                 return True
         return False
+
+    def _held_span(self, v: ServerView, num_blocks: int) -> tuple[int, int] | None:
+        """``(start, count)`` of the blocks ``v`` serves loaded for this swarm's ``max_length`` and inside its
+        ``num_blocks``, which it can keep without a reload; None if none."""
+        r = v.record
+        if r.num_blocks > 0 and r.max_length == self.max_length and r.start_block + r.num_blocks <= num_blocks:
+            return r.start_block, r.num_blocks
+        return None
 
     def _adds_capacity(self, plan: Plan, best: Plan) -> bool:
         """Using every volunteer (``--spare-servers use``): a plan that predicts no worse than ``best`` and serves
