@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from petals_chain.algorithms import ModelSpec
-from petals_chain.orchestrator.planner import Planner, ServerView, _total_rate
+from petals_chain.orchestrator.planner import ServerView, _total_rate
 from test_orchestrator_units import _FakeRecord
+from test_s40_wave_join_held import _planner
 
 
 def _view(name: str, rtt_s: float, span: tuple[int, int] = (0, 0), tau_p: float = 0.05) -> ServerView:
@@ -21,12 +21,6 @@ def _view(name: str, rtt_s: float, span: tuple[int, int] = (0, 0), tau_p: float 
     v = ServerView(peer_id=name, record=record)
     v.rtt_s = rtt_s
     return v
-
-
-def _planner(use_all: bool) -> Planner:
-    model = ModelSpec(num_blocks=9, block_size=10.0, cache_size=1.0)
-    return Planner(dht=None, prefix="x", client=None, max_length=64, on_chains=lambda c: None, arrival_rate=1.0,
-                   model_spec_fallback=lambda: model, use_all_servers=use_all)
 
 
 @pytest.mark.parametrize("use_all", [True, False])

@@ -22,10 +22,10 @@ def _view(name: str, rtt_s: float, tau_p: float = 0.05, span: tuple[int, int] = 
     return v
 
 
-def _planner() -> Planner:
+def _planner(use_all: bool = True) -> Planner:
     model = ModelSpec(num_blocks=9, block_size=10.0, cache_size=1.0)
     return Planner(dht=None, prefix="x", client=None, max_length=64, on_chains=lambda c: None, arrival_rate=1.0,
-                   model_spec_fallback=lambda: model, use_all_servers=True)
+                   model_spec_fallback=lambda: model, use_all_servers=use_all)
 
 
 def test_a_wave_holding_spans_is_not_reloaded_for_capacity_alone():
